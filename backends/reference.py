@@ -1,0 +1,238 @@
+"""Reference backend: every op of ops.md in plain torch, on any device. The semantics of record.
+
+Inputs arrive validated by :mod:`flashrt.ops`. Math runs in fp32; large intermediates are
+chunked over query positions so that the reference stays usable on realistic shapes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from flashrt import formats
+from flashrt.formats import QTensor
+from flashrt.hookspecs import Backend, hookimpl
+from flashrt.ops import OPS as OP_NAMES
+
+CHUNK_BYTES = 256 << 20  # cap on one fp32 intermediate
+
+
+def _chunk(rows: int, bytes_per_row: int) -> int:
+    return max(1, min(rows, CHUNK_BYTES // max(1, bytes_per_row)))
+
+
+def _float(t) -> torch.Tensor:
+    return formats.dequantize(t) if isinstance(t, QTensor) else t.to(torch.float32)
+
+
+def rms_norm(x, weight, eps):
+    xf = x.to(torch.float32)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)
+    return y.to(x.dtype)
+
+
+def rope(x, freqs_cis, inverse):
+    xc = torch.view_as_complex(x.to(torch.float32).reshape(*x.shape[:-1], -1, 2))
+    f = freqs_cis.conj() if inverse else freqs_cis
+    if x.dim() == 4:  # [B, S, H, R/2]: broadcast over heads
+        f = f.unsqueeze(-2)
+    return torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
+
+
+def quantize(x, fmt):
+    return formats.quantize(x, fmt)
+
+
+def dequantize(q, dtype):
+    return formats.dequantize(q, dtype)
+
+
+def linear_fp32(x, weight) -> torch.Tensor:
+    """``x @ weight.T`` accumulated in fp32, returned in fp32 (fp8 activations for QTensor weights)."""
+    if isinstance(weight, QTensor):
+        xq = formats.dequantize(formats.quantize(x, "fp8"))
+        return F.linear(xq, formats.dequantize(weight))
+    return F.linear(x.to(torch.float32), weight.to(torch.float32))
+
+
+def linear(x, weight):
+    return linear_fp32(x, weight).to(x.dtype)
+
+
+def _gather_rows(kv, idx):
+    """kv [B, T, D] (plain or QTensor), idx [B, ...] int64 -> fp32 [B, ..., D]."""
+    if isinstance(kv, QTensor):
+        return formats.dequantize_rows(kv, idx)
+    batch = torch.arange(kv.shape[0], device=idx.device).view(-1, *([1] * (idx.dim() - 1)))
+    return kv[batch, idx].to(torch.float32)
+
+
+def sparse_attention(q, kv, indices, sink, scale):
+    B, S, H, D = q.shape
+    K = indices.shape[-1]
+    out = torch.empty_like(q)
+    step = _chunk(S, B * K * D * 4 + B * H * K * 8)
+    for s0 in range(0, S, step):
+        idx = indices[:, s0 : s0 + step]
+        valid = (idx >= 0).unsqueeze(2)  # [B, s, 1, K]
+        rows = _gather_rows(kv, idx.clamp_min(0).long())  # [B, s, K, D]
+        logits = torch.einsum("bshd,bskd->bshk", q[:, s0 : s0 + step].to(torch.float32), rows) * scale
+        logits = logits.masked_fill(~valid, float("-inf"))
+        m = logits.amax(-1)  # [B, s, H]
+        if sink is not None:
+            m = torch.maximum(m, sink)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(logits - m.unsqueeze(-1))
+        denom = p.sum(-1)
+        if sink is not None:
+            denom = denom + torch.exp(sink - m)
+        o = torch.einsum("bshk,bskd->bshd", p, rows) / denom.clamp_min(1e-38).unsqueeze(-1)
+        out[:, s0 : s0 + step] = torch.where(denom.unsqueeze(-1) > 0, o, torch.zeros_like(o)).to(q.dtype)
+    return out
+
+
+def index_scores(q, k, weights, visible):
+    B, S, Hi, _ = q.shape
+    T = k.shape[1]
+    kf = _float(k)
+    out = torch.empty(B, S, T, dtype=torch.float32, device=q.device)
+    step = _chunk(S, B * Hi * T * 4)
+    for s0 in range(0, S, step):
+        dots = torch.einsum("bshd,btd->bsht", q[:, s0 : s0 + step].to(torch.float32), kf)
+        out[:, s0 : s0 + step] = (dots.relu() * weights[:, s0 : s0 + step].unsqueeze(-1)).sum(2)
+    hidden = torch.arange(T, device=q.device) >= visible.unsqueeze(-1)
+    return out.masked_fill(hidden, float("-inf"))
+
+
+def _top_order(key: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries of the last dim, ties to the lower index."""
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def topk_positions(scores, k, candidates):
+    T = scores.shape[-1]
+    valid = torch.isfinite(scores)
+    if candidates is not None:
+        valid &= candidates
+    order = _top_order(torch.where(valid, scores, float("-inf")), min(k, T))
+    pos = torch.where(valid.gather(-1, order), order, T)
+    pos = torch.sort(pos, dim=-1).values
+    return torch.where(pos == T, -1, pos).to(torch.int32)
+
+
+def candidate_blocks(scores, visible, topk_blocks, block_size):
+    B, S, T = scores.shape
+    nb = -(-T // block_size)
+    s = torch.where(torch.isfinite(scores), scores, float("-inf"))
+    s = F.pad(s, (0, nb * block_size - T), value=float("-inf"))
+    blocks = s.view(B, S, nb, block_size).amax(-1)  # [B, S, nb]
+    last = ((visible.long() - 1).clamp_min(0) // block_size).unsqueeze(-1)
+    pinned = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, last, True) & (visible > 0).unsqueeze(-1)
+    blocks = blocks.masked_fill(pinned, float("inf"))
+    order = _top_order(blocks, min(topk_blocks, nb))
+    keep = torch.zeros_like(pinned).scatter_(-1, order, torch.isfinite(blocks.gather(-1, order)) | pinned.gather(-1, order))
+    return keep.repeat_interleave(block_size, -1)[..., :T]
+
+
+def compress_pool(kv, score):
+    return (torch.softmax(score, dim=2) * kv).sum(2)
+
+
+def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps):
+    B, S, hc, _ = x.shape
+    v = x.to(torch.float32).flatten(2)
+    m = (v @ fn.T) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).view(B, S, hc, hc)
+    comb = torch.softmax(comb, -1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_collapse(x, pre):
+    return (pre.unsqueeze(-1) * x.to(torch.float32)).sum(2).to(x.dtype)
+
+
+def hc_expand(y, residual, post, comb):
+    mixed = torch.einsum("bsjk,bsjd->bskd", comb, residual.to(torch.float32))
+    return (post.unsqueeze(-1) * y.to(torch.float32).unsqueeze(2) + mixed).to(y.dtype)
+
+
+def engram_lookup(table, ids):
+    return formats.dequantize_rows(table, ids, torch.bfloat16)
+
+
+def engram_gate(h, key, value, weight, eps):
+    hf, kf = h.to(torch.float32), key.to(torch.float32)
+    r = torch.rsqrt(hf.pow(2).mean(-1) + eps) * torch.rsqrt(kf.pow(2).mean(-1) + eps)
+    d = (hf * weight.to(torch.float32) * kf).sum(-1) * r / math.sqrt(h.shape[-1])
+    g = torch.sigmoid(torch.copysign(d.abs().clamp_min(1e-6).sqrt(), d))
+    return (hf + g.unsqueeze(-1) * value.to(torch.float32).unsqueeze(2)).to(h.dtype)
+
+
+_SCORE = {
+    "softmax": lambda z: torch.softmax(z, -1),
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda z: F.softplus(z).sqrt(),
+}
+
+
+def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
+    s = _SCORE[score_func](F.linear(x.to(torch.float32), weight.to(torch.float32)))
+    indices = _top_order(s if bias is None else s + bias, topk)
+    w = s.gather(-1, indices)
+    if norm_topk and topk > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * route_scale, indices.to(torch.int32)
+
+
+def _expert(w, e: int):
+    if isinstance(w, QTensor):
+        return QTensor(w.data[e], w.scale[e], w.fmt, w.shape[1:])
+    return w[e]
+
+
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(indices).tolist():
+        tok, slot = torch.nonzero(indices == e, as_tuple=True)
+        xe = x[tok]
+        gate = linear(xe, _expert(w1, e)).to(torch.float32)
+        up = linear(xe, _expert(w3, e)).to(torch.float32)
+        if swiglu_limit > 0:
+            gate = gate.clamp_max(swiglu_limit)
+            up = up.clamp(-swiglu_limit, swiglu_limit)
+        h = F.silu(gate) * up * weights[tok, slot].unsqueeze(-1)
+        out.index_add_(0, tok, linear(h.to(x.dtype), _expert(w2, e)).to(torch.float32))
+    return out
+
+
+def sample(logits, temperature, generator):
+    lf = logits.to(torch.float32)
+    greedy = lf.argmax(-1)
+    if not isinstance(temperature, torch.Tensor):
+        if temperature == 0:
+            return greedy
+        temperature = torch.full(lf.shape[:1], float(temperature), device=lf.device)
+    p = torch.softmax(lf / temperature.clamp_min(1e-5).unsqueeze(-1), -1)
+    noise = torch.empty_like(p).exponential_(1, generator=generator)
+    return torch.where(temperature == 0, greedy, (p / noise).argmax(-1))
+
+
+OPS = {name: globals()[name] for name in OP_NAMES}
+
+
+@hookimpl
+def flashrt_backend():
+    return Backend(
+        name="reference",
+        device_types=("cpu", "cuda", "npu", "mps", "xpu"),
+        ops=OPS,
+        priority=0,
+        description="plain torch on any device; the semantics of record",
+    )

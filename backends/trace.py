@@ -1,0 +1,277 @@
+"""Trace backend: shape-only ops on ``meta`` tensors that record each call into a :class:`Graph`.
+
+Run any graph on meta tensors inside ``with trace.record() as graph:`` and every op call is kept
+with its input and output shapes and dtypes, FLOPs, and bytes read and written; nothing is
+allocated. ``flashrt plan`` builds on this.
+
+Counting rules (the minimum work each op must do):
+
+- Bytes: every input read once and every output written once, at its stored size (a QTensor
+  counts data + scale). Gathers read only the rows they gather: ``sparse_attention`` reads
+  ``B*S*K`` KV rows (every slot assumed valid), ``engram_lookup`` ``B*S*C`` table rows,
+  ``moe_experts`` the weights of ``min(E, N*k)`` experts.
+- FLOPs: a multiply-add is 2. ``linear`` ``2*M*in*out``; ``sparse_attention`` ``4*B*S*H*K*D``;
+  ``index_scores`` ``2*B*S*T*Hi*(Di+1)``; ``moe_experts`` ``N*k*(6*D*I + 4*I)``; ``moe_route``
+  ``2*N*D*E + 3*N*E``; ``hc_coefficients`` ``2*B*S*hcD*(M+1) + 4*B*S*hc*hc*iters``;
+  ``hc_collapse`` ``2*B*S*hc*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
+  ``5*B*G*r*D``; ``engram_gate`` ``9*B*S*hc*D``; elementwise ops per element: ``rms_norm`` 4,
+  ``rope`` 3, ``quantize`` 3, ``dequantize`` and ``engram_lookup`` 1, ``sample`` 3 per logit.
+  Selection ops (``topk_positions``, ``candidate_blocks``) count 0 FLOPs.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+
+from flashrt.formats import QTensor, expected_layout, spec
+from flashrt.hookspecs import Backend, hookimpl
+from flashrt.ops import OPS as OP_NAMES
+
+_RECORDER: contextvars.ContextVar["Graph | None"] = contextvars.ContextVar("flashrt_trace", default=None)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name, or the QTensor format
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Call:
+    op: str
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    flops: int
+    bytes_read: int
+    bytes_written: int
+
+
+@dataclass
+class Totals:
+    calls: int = 0
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def add(self, call: Call) -> None:
+        self.calls += 1
+        self.flops += call.flops
+        self.bytes_read += call.bytes_read
+        self.bytes_written += call.bytes_written
+
+
+@dataclass
+class Graph:
+    """The recorded op calls, in order, with totals per op."""
+
+    calls: list[Call] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def totals(self) -> dict[str, Totals]:
+        out: dict[str, Totals] = {}
+        for call in self.calls:
+            out.setdefault(call.op, Totals()).add(call)
+        return out
+
+    def total(self) -> Totals:
+        t = Totals()
+        for call in self.calls:
+            t.add(call)
+        return t
+
+
+@contextlib.contextmanager
+def record():
+    """Record every trace-backend op call inside the block into the yielded :class:`Graph`."""
+    graph = Graph()
+    token = _RECORDER.set(graph)
+    try:
+        yield graph
+    finally:
+        _RECORDER.reset(token)
+
+
+def info(t) -> TensorInfo | None:
+    if isinstance(t, QTensor):
+        return TensorInfo(tuple(t.shape), t.fmt, t.nbytes)
+    if isinstance(t, torch.Tensor):
+        return TensorInfo(tuple(t.shape), str(t.dtype).replace("torch.", ""), t.numel() * t.element_size())
+    return None
+
+
+def _emit(op: str, args, outputs, flops: int, read: int | None = None) -> None:
+    graph = _RECORDER.get()
+    if graph is None:
+        return
+    ins = tuple(i for i in map(info, args) if i is not None)
+    outs = tuple(i for i in map(info, outputs) if i is not None)
+    read = sum(i.nbytes for i in ins) if read is None else read
+    graph.calls.append(Call(op, ins, outs, int(flops), int(read), sum(o.nbytes for o in outs)))
+
+
+def _meta(shape, dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def _nbytes(t) -> int:
+    return info(t).nbytes if t is not None else 0
+
+
+def _row_bytes(t) -> int:
+    """Stored bytes of one row (last dim) of a plain or quantized tensor."""
+    rows = 1
+    for n in t.shape[:-1]:
+        rows *= n
+    return _nbytes(t) // max(rows, 1)
+
+
+def rms_norm(x, weight, eps):
+    out = _meta(x.shape, x.dtype)
+    _emit("rms_norm", (x, weight), (out,), 4 * x.numel())
+    return out
+
+
+def rope(x, freqs_cis, inverse):
+    out = _meta(x.shape, x.dtype)
+    _emit("rope", (x, freqs_cis), (out,), 3 * x.numel())
+    return out
+
+
+def quantize(x, fmt):
+    data_shape, scale_shape = expected_layout(fmt, x.shape)
+    s = spec(fmt)
+    q = QTensor(_meta(data_shape, s.data_dtype), _meta(scale_shape, s.scale_dtype), fmt, x.shape)
+    _emit("quantize", (x,), (q,), 3 * x.numel())
+    return q
+
+
+def dequantize(q, dtype):
+    out = _meta(q.shape, dtype)
+    _emit("dequantize", (q,), (out,), out.numel())
+    return out
+
+
+def linear(x, weight):
+    out_features, in_features = weight.shape
+    out = _meta((*x.shape[:-1], out_features), x.dtype)
+    _emit("linear", (x, weight), (out,), 2 * (x.numel() // in_features) * in_features * out_features)
+    return out
+
+
+def sparse_attention(q, kv, indices, sink, scale):
+    B, S, H, D = q.shape
+    K = indices.shape[-1]
+    out = _meta(q.shape, q.dtype)
+    read = _nbytes(q) + _nbytes(indices) + _nbytes(sink) + B * S * K * _row_bytes(kv)
+    _emit("sparse_attention", (q, kv, indices, sink), (out,), 4 * B * S * H * K * D, read)
+    return out
+
+
+def index_scores(q, k, weights, visible):
+    B, S, Hi, Di = q.shape
+    T = k.shape[1]
+    out = _meta((B, S, T), torch.float32)
+    _emit("index_scores", (q, k, weights, visible), (out,), 2 * B * S * T * Hi * (Di + 1))
+    return out
+
+
+def topk_positions(scores, k, candidates):
+    B, S, T = scores.shape
+    out = _meta((B, S, min(k, T)), torch.int32)
+    _emit("topk_positions", (scores, candidates), (out,), 0)
+    return out
+
+
+def candidate_blocks(scores, visible, topk_blocks, block_size):
+    out = _meta(scores.shape, torch.bool)
+    _emit("candidate_blocks", (scores, visible), (out,), 0)
+    return out
+
+
+def compress_pool(kv, score):
+    B, G, r, D = kv.shape
+    out = _meta((B, G, D), torch.float32)
+    _emit("compress_pool", (kv, score), (out,), 5 * B * G * r * D)
+    return out
+
+
+def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps):
+    B, S, hc, D = x.shape
+    pre, post = _meta((B, S, hc), torch.float32), _meta((B, S, hc), torch.float32)
+    comb = _meta((B, S, hc, hc), torch.float32)
+    flops = 2 * B * S * hc * D * (fn.shape[0] + 1) + 4 * B * S * hc * hc * iters
+    _emit("hc_coefficients", (x, fn, scale, base), (pre, post, comb), flops)
+    return pre, post, comb
+
+
+def hc_collapse(x, pre):
+    B, S, hc, D = x.shape
+    out = _meta((B, S, D), x.dtype)
+    _emit("hc_collapse", (x, pre), (out,), 2 * B * S * hc * D)
+    return out
+
+
+def hc_expand(y, residual, post, comb):
+    B, S, hc, D = residual.shape
+    out = _meta(residual.shape, y.dtype)
+    _emit("hc_expand", (y, residual, post, comb), (out,), 2 * B * S * hc * D * (hc + 1))
+    return out
+
+
+def engram_lookup(table, ids):
+    out = _meta((*ids.shape, table.shape[-1]), torch.bfloat16)
+    read = _nbytes(ids) + ids.numel() * _row_bytes(table)
+    _emit("engram_lookup", (table, ids), (out,), out.numel(), read)
+    return out
+
+
+def engram_gate(h, key, value, weight, eps):
+    out = _meta(h.shape, h.dtype)
+    _emit("engram_gate", (h, key, value, weight), (out,), 9 * h.numel())
+    return out
+
+
+def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
+    N, D = x.shape
+    E = weight.shape[0]
+    w, idx = _meta((N, topk), torch.float32), _meta((N, topk), torch.int32)
+    _emit("moe_route", (x, weight, bias), (w, idx), 2 * N * D * E + 3 * N * E)
+    return w, idx
+
+
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
+    N, D = x.shape
+    E, I, _ = w1.shape
+    k = indices.shape[-1]
+    out = _meta((N, D), torch.float32)
+    used = min(E, N * k)
+    read = _nbytes(x) + _nbytes(weights) + _nbytes(indices) + used * sum(_nbytes(w) // E for w in (w1, w3, w2))
+    _emit("moe_experts", (x, weights, indices, w1, w3, w2), (out,), N * k * (6 * D * I + 4 * I), read)
+    return out
+
+
+def sample(logits, temperature, generator):
+    out = _meta(logits.shape[:1], torch.int64)
+    extra = (temperature,) if isinstance(temperature, torch.Tensor) else ()
+    _emit("sample", (logits, *extra), (out,), 3 * logits.numel())
+    return out
+
+
+OPS = {name: globals()[name] for name in OP_NAMES}
+
+
+@hookimpl
+def flashrt_backend():
+    return Backend(
+        name="trace",
+        device_types=("meta",),
+        ops=OPS,
+        priority=100,
+        description="shape-only on meta tensors; records FLOPs and bytes into a Graph",
+    )

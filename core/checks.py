@@ -1,0 +1,107 @@
+"""Input validation shared by every op of :mod:`flashrt.ops`.
+
+Shape specs are strings of dimension symbols (``"B S H D"``): the first occurrence of a symbol
+binds it in ``env``, later ones must match; integer literals must match exactly. Every failure is
+a ``ValueError`` naming the argument, the expected and the given shape or dtype.
+
+Index-range checks read index values, which costs a device synchronisation on accelerators; they
+run by default and can be switched off for a hot loop (e.g. inside CUDA-graph capture) with
+``flashrt.value_checks(False)``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .formats import FORMATS, QTensor, check_qtensor
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_STATE = {"values": True}
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool):
+    """Enable or disable the checks that read tensor values (index ranges) inside the block."""
+    old = _STATE["values"]
+    _STATE["values"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _STATE["values"] = old
+
+
+def _fmt_dims(spec: list[str], env: dict) -> str:
+    return "[" + ", ".join(f"{s}={env[s]}" if s in env else s for s in spec) + "]"
+
+
+def shape(name: str, t, spec: str, env: dict) -> None:
+    """Check ``t.shape`` against ``spec``, binding new symbols into ``env``."""
+    dims = spec.split()
+    got = tuple(t.shape)
+    if len(got) != len(dims):
+        raise ValueError(f"{name}: expected {len(dims)} dims {_fmt_dims(dims, env)}, got shape {got}")
+    for sym, n in zip(dims, got):
+        want = int(sym) if sym.isdigit() else env.setdefault(sym, n)
+        if want != n:
+            raise ValueError(f"{name}: expected shape {_fmt_dims(dims, env)}, got {got}")
+
+
+def tensor(name: str, t, spec: str | None, env: dict, dtypes=None, device=None) -> None:
+    """``t`` is a torch.Tensor of ``spec`` shape, one of ``dtypes``, on ``device`` when given."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if spec is not None:
+        shape(name, t, spec, env)
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of the other inputs), got {t.device}")
+
+
+def maybe_quantized(name: str, t, spec: str, env: dict, formats, device=None) -> None:
+    """``t`` is a float tensor or a QTensor in one of ``formats``, of ``spec`` logical shape."""
+    if isinstance(t, QTensor):
+        if t.fmt not in formats:
+            raise ValueError(f"{name}: expected a plain tensor or a QTensor in {list(formats)}, got fmt {t.fmt!r}")
+        check_qtensor(t, name)
+        shape(name, t, spec, env)
+        if device is not None and t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
+    else:
+        tensor(name, t, spec, env, FLOATS, device)
+
+
+def fmt(name: str, value) -> None:
+    if value not in FORMATS:
+        raise ValueError(f"{name}: expected one of {sorted(FORMATS)}, got {value!r}")
+
+
+def integer(name: str, value, low: int, high: int | None = None) -> None:
+    """``low <= value (<= high)`` and an int (bools rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: expected an int {bound}, got {value}")
+
+
+def number(name: str, value, low: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    if low is not None and not value >= low:
+        raise ValueError(f"{name}: expected a number >= {low}, got {value}")
+
+
+def choice(name: str, value, options) -> None:
+    if value not in options:
+        raise ValueError(f"{name}: expected one of {list(options)}, got {value!r}")
+
+
+def index_range(name: str, idx: torch.Tensor, low: int, high: int) -> None:
+    """Every value of ``idx`` lies in ``[low, high)`` (skipped under ``value_checks(False)``)."""
+    if not _STATE["values"] or idx.numel() == 0 or idx.device.type == "meta":
+        return
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < low or hi >= high:
+        raise ValueError(f"{name}: expected values in [{low}, {high}), got values in [{lo}, {hi}]")

@@ -1,0 +1,240 @@
+"""Plugin manager and op table.
+
+Backends are collected through pluggy (built-ins first, then the ``flashrt.backends`` entry
+points). For each (explicit choice, op, device type) the implementation is resolved once and
+cached in ``_TABLE``; the hot path in :mod:`flashrt.ops` is one dict lookup and a call.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import pluggy
+
+from . import hookspecs
+from .errors import BackendError
+from .hookspecs import Backend
+
+log = logging.getLogger("flashrt")
+
+ENTRY_POINT_GROUP = "flashrt.backends"
+BUILTIN_PLUGINS = ("flashrt.backends.reference", "flashrt.backends.trace")
+
+_CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("flashrt_backend", default=None)
+_TABLE: dict[tuple, Callable] = {}
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One line of ``flashrt.backends.available()``."""
+
+    name: str
+    device_types: tuple[str, ...]
+    available: bool
+    reason: str
+    ops: tuple[str, ...]
+    priority: int
+
+
+class _State:
+    def __init__(self):
+        self.pm: pluggy.PluginManager | None = None
+        self.backends: dict[str, Backend] = {}
+        self.availability: dict[str, tuple[bool, str]] = {}
+        self.load_errors: dict[str, str] = {}
+        self.env_choice: str | None = None
+        self.logged_fallback: set[str] = set()
+
+
+_STATE = _State()
+
+
+def _manager() -> pluggy.PluginManager:
+    if _STATE.pm is None:
+        _load()
+    return _STATE.pm
+
+
+def _load() -> None:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for modname in BUILTIN_PLUGINS:
+        pm.register(importlib.import_module(modname), name=modname)
+    try:
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    except Exception as exc:  # a broken third-party plugin must not take the runtime down
+        _STATE.load_errors["entry points"] = f"{type(exc).__name__}: {exc}"
+        log.warning("flashrt: loading plugins from %r failed: %s", ENTRY_POINT_GROUP, exc)
+    _STATE.pm = pm
+    _collect()
+
+
+def _collect() -> None:
+    _STATE.backends = {}
+    for backend in _STATE.pm.hook.flashrt_backend():
+        if backend is None:
+            continue
+        if backend.name in _STATE.backends:
+            raise BackendError(f"two plugins register a backend named {backend.name!r}")
+        _STATE.backends[backend.name] = backend
+    reset_table()
+
+
+def reset_table() -> None:
+    """Forget every resolution (after a plugin or environment change)."""
+    _TABLE.clear()
+    _STATE.availability.clear()
+    _STATE.logged_fallback.clear()
+    _STATE.env_choice = os.environ.get("FLASHRT_BACKEND") or None
+
+
+def register(plugin, name: str | None = None) -> None:
+    """Register a plugin object or module at run time (as an entry point would)."""
+    _manager().register(plugin, name=name)
+    _collect()
+
+
+def unregister(plugin) -> None:
+    _manager().unregister(plugin)
+    _collect()
+
+
+def backends() -> dict[str, Backend]:
+    """Registered backends by name."""
+    _manager()
+    return dict(_STATE.backends)
+
+
+def availability(name: str) -> tuple[bool, str]:
+    """(available, reason) of a registered backend, evaluated once."""
+    if name not in _STATE.availability:
+        backend = backends()[name]
+        try:
+            ok, reason = backend.is_available()
+        except Exception as exc:
+            ok, reason = False, f"is_available() raised {type(exc).__name__}: {exc}"
+        _STATE.availability[name] = (bool(ok), str(reason))
+    return _STATE.availability[name]
+
+
+def available() -> list[BackendStatus]:
+    """Every registered backend with its availability and, when unavailable, why."""
+    out = []
+    for name, b in sorted(backends().items(), key=lambda kv: -kv[1].priority):
+        ok, reason = availability(name)
+        out.append(BackendStatus(name, tuple(b.device_types), ok, reason, tuple(sorted(b.ops)), b.priority))
+    return out
+
+
+def _registered() -> str:
+    return ", ".join(sorted(backends())) or "none"
+
+
+def _check_choice(name: str) -> Backend:
+    registered = backends()
+    if name not in registered:
+        raise BackendError(f"backend {name!r} is not registered; registered backends: {_registered()}")
+    ok, reason = availability(name)
+    if not ok:
+        raise BackendError(f"backend {name!r} is not available: {reason}; registered backends: {_registered()}")
+    return registered[name]
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the ops inside the block on backend ``name``, or fail with ``BackendError``."""
+    _check_choice(name)
+    token = _CHOICE.set(name)
+    try:
+        yield backends()[name]
+    finally:
+        _CHOICE.reset(token)
+
+
+def current_choice() -> str | None:
+    """The explicit backend in force: ``use_backend`` first, then ``FLASHRT_BACKEND``."""
+    return _CHOICE.get() or _STATE.env_choice
+
+
+def impl(op: str, device_type: str) -> Callable:
+    """The implementation of ``op`` for ``device_type`` (resolved once, then cached)."""
+    key = (_CHOICE.get() or _STATE.env_choice, op, device_type)
+    try:
+        return _TABLE[key]
+    except KeyError:
+        _manager()
+        key = (current_choice(), op, device_type)
+        fn = _TABLE[key] = _resolve(*key)
+        return fn
+
+
+def chain(op: str, device_type: str) -> list[str]:
+    """Names of the backends that would serve ``op`` on ``device_type``, in the order tried."""
+    choice = current_choice()
+    if choice:
+        return [choice]
+    return [b.name for b in _candidates(op, device_type) if availability(b.name)[0]]
+
+
+def _candidates(op: str, device_type: str) -> list[Backend]:
+    found = [b for b in backends().values() if device_type in b.device_types and op in b.ops]
+    return sorted(found, key=lambda b: -b.priority)
+
+
+def _resolve(choice: str | None, op: str, device_type: str) -> Callable:
+    if choice:
+        b = _check_choice(choice)
+        if device_type not in b.device_types or op not in b.ops:
+            raise BackendError(
+                f"backend {choice!r} (chosen explicitly) does not serve op {op!r} on device type "
+                f"{device_type!r}: it serves {sorted(b.ops)} on {list(b.device_types)}"
+            )
+        return _runner(op, [b])
+    usable, skipped = [], []
+    for b in _candidates(op, device_type):
+        ok, reason = availability(b.name)
+        (usable if ok else skipped).append(b if ok else f"{b.name}: {reason}")
+    if not usable:
+        raise BackendError(
+            f"no backend serves op {op!r} on device type {device_type!r}; "
+            f"registered backends: {_registered()}" + (f" (unavailable: {'; '.join(skipped)})" if skipped else "")
+        )
+    if usable[0].name == "reference" and device_type not in _STATE.logged_fallback:
+        _STATE.logged_fallback.add(device_type)
+        why = "; ".join(skipped) or "no other backend serves this device type"
+        log.info("flashrt: using the reference backend on %s (first op: %s; %s)", device_type, op, why)
+    return _runner(op, usable)
+
+
+def _runner(op: str, chain_: list[Backend]) -> Callable:
+    first = chain_[0]
+    if op not in first.supports:
+        return first.ops[op]
+    steps = [(b.name, b.supports.get(op), b.ops[op]) for b in chain_]
+
+    def run(*args, **kwargs):
+        for _, pred, fn in steps:
+            if pred is None or pred(*args, **kwargs):
+                return fn(*args, **kwargs)
+        raise BackendError(
+            f"op {op!r}: no backend serves this call ({_describe(args)}); tried {[s[0] for s in steps]}"
+        )
+
+    return run
+
+
+def _describe(args) -> str:
+    parts = []
+    for a in args:
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            parts.append(f"{a.dtype} {tuple(a.shape)} on {a.device}")
+        elif hasattr(a, "fmt"):
+            parts.append(f"{a.fmt} {tuple(a.shape)} on {a.device}")
+        else:
+            parts.append(repr(a))
+    return ", ".join(parts)

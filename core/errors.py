@@ -1,0 +1,21 @@
+"""Typed exceptions of flashrt.
+
+Three tiers (design.md): ``assert`` for internal invariants, ``ValueError`` for bad user input,
+and these typed errors for a named plugin, op, profile file or checkpoint tensor.
+"""
+
+
+class FlashrtError(Exception):
+    """Base class of every flashrt-specific error."""
+
+
+class BackendError(FlashrtError):
+    """A backend was asked for that is not registered, not available, or cannot serve a call."""
+
+
+class ProfileError(FlashrtError):
+    """A hardware profile file is malformed: names the file, the key, expected and found."""
+
+
+class CheckpointError(FlashrtError):
+    """A checkpoint tensor is missing, extra, mis-shaped or mis-typed: names the tensor."""

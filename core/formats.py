@@ -1,0 +1,270 @@
+"""Quantized formats: ``QTensor`` and the codecs of ops.md.
+
+| fmt | element | data layout | block | scale dtype | scale rule (amax over the block) |
+|---|---|---|---|---|---|
+| ``fp8`` | E4M3 (max 448) | ``float8_e4m3fn [..., N]`` | 32 | ``float8_e8m0fnu`` | smallest 2**k >= max(amax, 1e-4) / 448 |
+| ``fp4_b16`` | E2M1 | ``uint8 [..., N/2]`` | 16 | ``float8_e4m3fn`` | e4m3(max(amax, 6 * 2**-9) / 6), nearest |
+| ``fp4_b32`` | E2M1 | ``uint8 [..., N/2]`` | 32 | ``float8_e8m0fnu`` | smallest 2**k >= max(amax, 6 * 2**-126) / 6 |
+| ``fp8_w`` | E4M3 | ``float8_e4m3fn [..., out, in]`` | 32x32 tile | ``float8_e8m0fnu [..., ceil(out/32), ceil(in/32)]`` | as ``fp8`` over the tile |
+| ``fp4_w`` | E2M1 | ``uint8 [..., out, in/2]`` | 32 inputs | ``float8_e8m0fnu [..., out, in/32]`` | as ``fp4_b32`` |
+
+Elements are ``x / scale`` computed in fp32 (IEEE division), clamped to the element range, rounded
+to nearest with ties to even. E2M1 codes index ``E2M1_VALUES``; the sign is bit 3 and follows the
+sign bit of the input (``-0.0`` and small negatives that round to zero give code 8, negative
+zero). Two codes per byte: element ``2i`` in the low nibble, ``2i+1`` in the high nibble.
+The ``fp4_b16`` scale is computed as an fp32 division by 6, clamped to 448 (the largest E4M3),
+then rounded to E4M3 to nearest even. NaN inputs are not representable in E2M1 and have no
+defined result.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """Static description of one quantized format (one row of the table above)."""
+
+    name: str
+    element: str  # "e4m3" or "e2m1"
+    block: int  # elements per scale along the last dim (tile edge for fp8_w)
+    scale_dtype: torch.dtype
+    amax_floor: float
+    tiled: bool = False  # fp8_w: 2-D tiles over the last two dims
+    weight: bool = False  # needs at least [out, in]
+
+    @property
+    def packed(self) -> bool:
+        return self.element == "e2m1"
+
+    @property
+    def data_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.packed else torch.float8_e4m3fn
+
+
+FORMATS: dict[str, FormatSpec] = {
+    "fp8": FormatSpec("fp8", "e4m3", 32, torch.float8_e8m0fnu, 1e-4),
+    "fp4_b16": FormatSpec("fp4_b16", "e2m1", 16, torch.float8_e4m3fn, 6 * 2.0**-9),
+    "fp4_b32": FormatSpec("fp4_b32", "e2m1", 32, torch.float8_e8m0fnu, 6 * 2.0**-126),
+    "fp8_w": FormatSpec("fp8_w", "e4m3", 32, torch.float8_e8m0fnu, 1e-4, tiled=True, weight=True),
+    "fp4_w": FormatSpec("fp4_w", "e2m1", 32, torch.float8_e8m0fnu, 6 * 2.0**-126, weight=True),
+}
+
+
+def spec(fmt: str) -> FormatSpec:
+    """The FormatSpec of ``fmt``; ``ValueError`` naming the known formats otherwise."""
+    try:
+        return FORMATS[fmt]
+    except (KeyError, TypeError):
+        raise ValueError(f"fmt: expected one of {sorted(FORMATS)}, got {fmt!r}") from None
+
+
+@dataclass
+class QTensor:
+    """A quantized tensor: ``data`` and ``scale`` in the layout of ``fmt``, logical ``shape``."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+    shape: torch.Size
+
+    def __post_init__(self):
+        self.shape = torch.Size(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by data and scale together."""
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def to(self, device) -> "QTensor":
+        return QTensor(self.data.to(device), self.scale.to(device), self.fmt, self.shape)
+
+    def __repr__(self) -> str:
+        return f"QTensor(fmt={self.fmt!r}, shape={tuple(self.shape)}, device={self.device})"
+
+
+def expected_layout(fmt: str, shape) -> tuple[torch.Size, torch.Size]:
+    """(data shape, scale shape) that ``fmt`` stores for a logical ``shape``."""
+    s = spec(fmt)
+    shape = torch.Size(shape)
+    n = shape[-1]
+    data = shape[:-1] + (n // 2,) if s.packed else shape
+    if s.tiled:
+        scale = shape[:-2] + (-(-shape[-2] // s.block), -(-n // s.block))
+    else:
+        scale = shape[:-1] + (n // s.block,)
+    return torch.Size(data), torch.Size(scale)
+
+
+def check_shape(fmt: str, shape, name: str = "x") -> None:
+    """``ValueError`` when a logical ``shape`` cannot be stored in ``fmt``."""
+    s = spec(fmt)
+    shape = tuple(shape)
+    min_rank = 2 if s.weight else 1
+    if len(shape) < min_rank:
+        raise ValueError(f"{name}: format {fmt!r} expects at least {min_rank} dims, got shape {shape}")
+    if not s.tiled and shape[-1] % s.block:
+        raise ValueError(
+            f"{name}: format {fmt!r} expects the last dim to be a multiple of {s.block}, got shape {shape}"
+        )
+
+
+def check_qtensor(q: QTensor, name: str) -> None:
+    """``ValueError`` unless ``q``'s data and scale match the layout of its format."""
+    s = spec(q.fmt)
+    check_shape(q.fmt, q.shape, name)
+    want_data, want_scale = expected_layout(q.fmt, q.shape)
+    if q.data.dtype != s.data_dtype or q.data.shape != want_data:
+        raise ValueError(
+            f"{name}.data: expected {s.data_dtype} {tuple(want_data)} for {q.fmt} {tuple(q.shape)}, "
+            f"got {q.data.dtype} {tuple(q.data.shape)}"
+        )
+    if q.scale.dtype != s.scale_dtype or q.scale.shape != want_scale:
+        raise ValueError(
+            f"{name}.scale: expected {s.scale_dtype} {tuple(want_scale)} for {q.fmt} {tuple(q.shape)}, "
+            f"got {q.scale.dtype} {tuple(q.scale.shape)}"
+        )
+    if q.scale.device != q.data.device:
+        raise ValueError(f"{name}: data on {q.data.device} but scale on {q.scale.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# scale rules
+
+
+def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
+    """Biased exponents (int32) of the smallest power of two >= ``v`` (fp32, positive, normal)."""
+    bits = v.contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    return exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def e8m0_from_exponent(biased: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scale tensor whose value is 2**(biased - 127)."""
+    return biased.clamp(0, 254).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _scale(amax: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored scale, scale as fp32) for fp32 block maxima ``amax``."""
+    elem_max = E4M3_MAX if s.element == "e4m3" else E2M1_MAX
+    v = amax.clamp_min(s.amax_floor) / elem_max
+    if s.scale_dtype == torch.float8_e4m3fn:
+        stored = v.clamp_max(E4M3_MAX).to(torch.float8_e4m3fn)
+    else:
+        stored = e8m0_from_exponent(pow2_ceil(v))
+    return stored, stored.to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# elements
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, sign in bit 3) of fp32 ``v``: clamp to +-6, nearest, ties to even."""
+    a = v.abs().clamp_max(E2M1_MAX)
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for i, mid in enumerate(_E2M1_MIDPOINTS):
+        code += (a > mid).to(torch.uint8)
+        if (i + 1) % 2 == 0:  # a tie goes to the even code, here the upper one
+            code += (a == mid).to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_values(code: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 ``code`` (uint8 in 0..15)."""
+    table = torch.tensor(E2M1_VALUES + tuple(-x for x in E2M1_VALUES), device=code.device)
+    return table[code.long()]
+
+
+def pack_fp4(code: torch.Tensor) -> torch.Tensor:
+    """[..., N] codes -> [..., N/2] bytes, element 2i in the low nibble."""
+    pairs = code.view(*code.shape[:-1], code.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_fp4(data: torch.Tensor) -> torch.Tensor:
+    """[..., N/2] bytes -> [..., N] codes."""
+    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# codec
+
+
+def _tile_view(x: torch.Tensor, edge: int) -> torch.Tensor:
+    """[..., out, in] -> zero-padded [..., out/edge, edge, in/edge, edge] (fp8_w tiles)."""
+    *lead, rows, cols = x.shape
+    pad_r, pad_c = -rows % edge, -cols % edge
+    x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    return x.view(*lead, (rows + pad_r) // edge, edge, (cols + pad_c) // edge, edge)
+
+
+def _tile_scale(x: torch.Tensor, s: FormatSpec):
+    tiles = _tile_view(x.abs(), s.block)
+    stored, scale = _scale(tiles.amax(dim=(-1, -3)), s)
+    rows, cols = x.shape[-2:]
+    full = scale.repeat_interleave(s.block, -2).repeat_interleave(s.block, -1)
+    return stored, full[..., :rows, :cols]
+
+
+def quantize(x: torch.Tensor, fmt: str) -> QTensor:
+    """Quantize ``x`` along its last dim (last two for ``fp8_w``) into ``fmt``."""
+    s = spec(fmt)
+    check_shape(fmt, x.shape)
+    xf = x.to(torch.float32)
+    if s.tiled:
+        stored, full = _tile_scale(xf, s)
+        v = xf / full
+    else:
+        blocks = xf.view(*xf.shape[:-1], xf.shape[-1] // s.block, s.block)
+        stored, scale = _scale(blocks.abs().amax(dim=-1), s)
+        v = (blocks / scale.unsqueeze(-1)).view(xf.shape)
+    if s.packed:
+        data = pack_fp4(e2m1_codes(v))
+    else:
+        data = v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return QTensor(data, stored, fmt, x.shape)
+
+
+def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values ``q`` stands for, as ``dtype`` (computed in fp32)."""
+    s = spec(q.fmt)
+    elems = e2m1_values(unpack_fp4(q.data)) if s.packed else q.data.to(torch.float32)
+    scale = q.scale.to(torch.float32)
+    if s.tiled:
+        rows, cols = q.shape[-2:]
+        full = scale.repeat_interleave(s.block, -2).repeat_interleave(s.block, -1)
+        out = elems * full[..., :rows, :cols]
+    else:
+        blocks = elems.view(*elems.shape[:-1], elems.shape[-1] // s.block, s.block)
+        out = (blocks * scale.unsqueeze(-1)).view(q.shape)
+    return out.to(dtype)
+
+
+def dequantize_rows(q: QTensor, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize only rows ``index`` of a [rows, N] (or [B, rows, N] with [B, ...] index) QTensor.
+
+    The gather happens on the stored bytes, so only the selected rows are expanded.
+    """
+    if q.data.dim() == 2:
+        data, scale = q.data[index], q.scale[index]
+    else:
+        batch = torch.arange(q.data.shape[0], device=index.device).view(-1, *([1] * (index.dim() - 1)))
+        data, scale = q.data[batch, index], q.scale[batch, index]
+    shape = tuple(index.shape) + tuple(q.shape[-1:])
+    return dequantize(QTensor(data, scale, q.fmt, shape), dtype)

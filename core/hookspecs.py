@@ -1,0 +1,66 @@
+"""The contract a backend plugin implements.
+
+A plugin is any object or module with a ``flashrt_backend`` hook implementation that returns one
+:class:`Backend`. Built-in backends (``flashrt.backends.reference``, ``.trace``) register exactly
+like third-party ones; third-party plugins are found through the entry-point group
+``flashrt.backends``::
+
+    # pyproject.toml of the plugin package
+    [project.entry-points."flashrt.backends"]
+    mybackend = "mypkg.flashrt_plugin"
+
+    # mypkg/flashrt_plugin.py
+    from flashrt.hookspecs import Backend, hookimpl
+
+    @hookimpl
+    def flashrt_backend():
+        return Backend(name="mybackend", device_types=("cuda",), priority=20,
+                       ops={"rms_norm": my_rms_norm},
+                       supports={"rms_norm": lambda x, weight, eps: x.dtype == torch.bfloat16})
+
+Each implementation receives the op's arguments exactly as ``flashrt.ops.<op>`` documents them,
+already validated (shapes, dtypes, index ranges), and must return what the op documents.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import pluggy
+
+PROJECT = "flashrt"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+def _always_available() -> tuple[bool, str]:
+    return True, ""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What one plugin provides.
+
+    name: unique backend name (``FLASHRT_BACKEND`` / ``use_backend`` select it by this name).
+    device_types: torch device types served (``"cpu"``, ``"cuda"``, ``"npu"``, ``"meta"``).
+    ops: op name -> implementation; only the ops it declares are dispatched to it.
+    priority: higher is tried first by the automatic choice (reference is 0).
+    is_available: ``() -> (ok, reason)``, evaluated once per process (and after a reset); a
+        backend that is unavailable says why (missing package, no device, ...).
+    supports: op name -> capability predicate called with the op's arguments; ``False`` means
+        this call (dtype, shape, format) is not served and dispatch tries the next backend.
+        An op with no predicate serves every call its device type allows.
+    """
+
+    name: str
+    device_types: tuple[str, ...]
+    ops: Mapping[str, Callable]
+    priority: int = 10
+    is_available: Callable[[], tuple[bool, str]] = _always_available
+    supports: Mapping[str, Callable[..., bool]] = field(default_factory=dict)
+    description: str = ""
+
+
+@hookspec
+def flashrt_backend() -> Backend:
+    """Return the :class:`Backend` this plugin provides (or ``None`` to provide none)."""

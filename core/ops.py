@@ -1,0 +1,311 @@
+"""The op contract (ops.md): every model graph is written only against these functions.
+
+Each op validates its inputs (``ValueError`` naming the argument, the expected and the given
+shape or dtype; out-of-range indices rejected) and then calls the implementation resolved once
+for (op, device type) by :mod:`flashrt.dispatch`. Notation: ``B`` batch, ``S`` query positions,
+``T`` KV entries, ``H`` heads, ``D`` head dim, ``K`` top-k. Index tensors are int32 unless said.
+Ops never mutate their inputs. Outputs live on the device of the inputs.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import checks as c
+from .dispatch import impl as _impl
+from .formats import QTensor, check_shape
+
+F32 = (torch.float32,)
+I32 = (torch.int32,)
+KV_FORMATS = ("fp8", "fp4_b16", "fp4_b32")
+WEIGHT_FORMATS = ("fp8_w", "fp4_w")
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x [..., N]`` float, ``weight [N]`` -> like ``x``.
+
+    Computed in fp32: ``x * rsqrt(mean(x**2, -1) + eps) * weight``, cast back to ``x.dtype``.
+    """
+    c.tensor("x", x, None, {}, c.FLOATS)
+    env = {"N": x.shape[-1]} if x.dim() else {}
+    c.tensor("weight", weight, "N", env, c.FLOATS, x.device)
+    c.number("eps", eps, 0.0)
+    return _impl("rms_norm", x.device.type)(x, weight, eps)
+
+
+def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotary embedding of ``x [S, R]``, ``[B, S, R]`` or ``[B, S, H, R]`` (R even) -> like ``x``.
+
+    Adjacent pairs ``(x[2i], x[2i+1])`` form one complex number multiplied by
+    ``freqs_cis [S, R/2]`` (complex64; ``[B, S, R/2]`` gives each sequence its own positions),
+    or by its conjugate when ``inverse``. Computed in fp32, cast back to ``x.dtype``.
+    """
+    c.tensor("x", x, None, {}, c.FLOATS)
+    if x.dim() not in (2, 3, 4) or x.shape[-1] % 2:
+        raise ValueError(f"x: expected [S, R], [B, S, R] or [B, S, H, R] with R even, got shape {tuple(x.shape)}")
+    seq_axis = 1 if x.dim() >= 3 else 0
+    env = {"S": x.shape[seq_axis], "R/2": x.shape[-1] // 2, "B": x.shape[0]}
+    spec = "B S R/2" if freqs_cis.dim() == 3 else "S R/2"
+    c.tensor("freqs_cis", freqs_cis, spec, env, (torch.complex64,), x.device)
+    if freqs_cis.dim() == 3 and x.dim() == 2:
+        raise ValueError(f"freqs_cis: per-sequence [B, S, R/2] needs x with a batch dim, got x shape {tuple(x.shape)}")
+    return _impl("rope", x.device.type)(x, freqs_cis, bool(inverse))
+
+
+def quantize(x: torch.Tensor, fmt: str) -> QTensor:
+    """Quantize ``x`` float along its last dim (last two for ``fp8_w``) into ``fmt``.
+
+    Formats, scale rules and packing: :mod:`flashrt.formats`.
+    """
+    c.tensor("x", x, None, {}, c.FLOATS)
+    c.fmt("fmt", fmt)
+    check_shape(fmt, x.shape, "x")
+    return _impl("quantize", x.device.type)(x, fmt)
+
+
+def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values a ``QTensor`` stands for, as ``dtype`` (computed in fp32)."""
+    if not isinstance(q, QTensor):
+        raise ValueError(f"q: expected a QTensor, got {type(q).__name__}")
+    c.maybe_quantized("q", q, " ".join(f"d{i}" for i in range(q.ndim)), {}, tuple(c.FORMATS))
+    c.choice("dtype", dtype, c.FLOATS)
+    return _impl("dequantize", q.device.type)(q, dtype)
+
+
+def linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """``x [..., in]`` float, ``weight [out, in]`` plain or ``QTensor`` ``fp8_w``/``fp4_w`` -> ``[..., out]``.
+
+    Plain weight: ``x @ weight.T`` accumulated in fp32. Quantized weight: ``x`` is first
+    quantized to ``fp8`` (per 32, UE8M0), then ``dequant(xq) @ dequant(w).T`` accumulated in fp32.
+    Output dtype ``x.dtype``.
+    """
+    c.tensor("x", x, None, {}, c.FLOATS)
+    if x.dim() == 0:
+        raise ValueError("x: expected at least 1 dim [..., in], got a scalar")
+    env = {"in": x.shape[-1]}
+    c.maybe_quantized("weight", weight, "out in", env, WEIGHT_FORMATS, x.device)
+    if isinstance(weight, QTensor) and x.shape[-1] % 32:
+        raise ValueError(f"x: a quantized weight needs in % 32 == 0 (fp8 activations), got in={x.shape[-1]}")
+    return _impl("linear", x.device.type)(x, weight)
+
+
+def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
+    """MQA over selected entries: ``q [B, S, H, D]``, ``kv [B, T, D]`` plain or ``QTensor``
+    (``fp8``/``fp4_b16``/``fp4_b32``), ``indices [B, S, K]`` int32 in ``[-1, T)`` (``-1`` empty,
+    order irrelevant), ``sink [H]`` fp32 or None, ``scale`` float -> ``[B, S, H, D]`` ``q.dtype``.
+
+    ``l_j = scale * <q, kv[idx_j]>`` over valid slots, ``m = max(max_j l_j, sink)``;
+    ``out = sum_j exp(l_j - m) kv[idx_j] / (sum_j exp(l_j - m) + exp(sink - m))``; no valid slot
+    and no sink gives zeros. Math in fp32.
+    """
+    env: dict = {}
+    c.tensor("q", q, "B S H D", env, c.FLOATS)
+    c.maybe_quantized("kv", kv, "B T D", env, KV_FORMATS, q.device)
+    c.tensor("indices", indices, "B S K", env, I32, q.device)
+    if sink is not None:
+        c.tensor("sink", sink, "H", env, F32, q.device)
+    c.number("scale", scale)
+    c.index_range("indices", indices, -1, env["T"])
+    return _impl("sparse_attention", q.device.type)(q, kv, indices, sink, float(scale))
+
+
+def index_scores(q, k, weights, visible) -> torch.Tensor:
+    """Indexer scores: ``q [B, S, Hi, Di]``, ``k [B, T, Di]`` plain or ``QTensor``, ``weights
+    [B, S, Hi]`` fp32, ``visible [B, S]`` int32 in ``[0, T]`` -> fp32 ``[B, S, T]``.
+
+    ``score[b,s,t] = sum_h relu(<q[b,s,h], k[b,t]>) * weights[b,s,h]`` for ``t < visible[b,s]``,
+    else ``-inf``. Math in fp32.
+    """
+    env: dict = {}
+    c.tensor("q", q, "B S Hi Di", env, c.FLOATS)
+    c.maybe_quantized("k", k, "B T Di", env, KV_FORMATS, q.device)
+    c.tensor("weights", weights, "B S Hi", env, F32, q.device)
+    c.tensor("visible", visible, "B S", env, I32, q.device)
+    c.index_range("visible", visible, 0, env["T"] + 1)
+    return _impl("index_scores", q.device.type)(q, k, weights, visible)
+
+
+def topk_positions(scores, k: int, candidates=None) -> torch.Tensor:
+    """``scores [B, S, T]`` fp32, ``k >= 1``, ``candidates [B, S, T]`` bool or None ->
+    int32 ``[B, S, min(k, T)]``.
+
+    The positions of the ``k`` largest finite scores of each row (only where ``candidates``, when
+    given), in ascending position order, then ``-1`` for each pick left over. Ties between equal
+    scores go to the lower position.
+    """
+    env: dict = {}
+    c.tensor("scores", scores, "B S T", env, F32)
+    c.integer("k", k, 1)
+    if candidates is not None:
+        c.tensor("candidates", candidates, "B S T", env, (torch.bool,), scores.device)
+    return _impl("topk_positions", scores.device.type)(scores, k, candidates)
+
+
+def candidate_blocks(scores, visible, topk_blocks: int, block_size: int) -> torch.Tensor:
+    """First level of the two-level top-k: ``scores [B, S, T]`` fp32, ``visible [B, S]`` int32 in
+    ``[0, T]`` -> bool ``[B, S, T]``.
+
+    Blocks of ``block_size`` consecutive positions (the last one may be partial) are scored by
+    the max of their finite scores. The block holding position ``visible - 1`` (when
+    ``visible > 0``) is pinned: it is always kept and counts as one of the ``topk_blocks``, as in
+    the published model. The remaining picks go to the best blocks whose score is finite (ties to
+    the lower block). Every position of a kept block is marked.
+    """
+    env: dict = {}
+    c.tensor("scores", scores, "B S T", env, F32)
+    c.tensor("visible", visible, "B S", env, I32, scores.device)
+    c.integer("topk_blocks", topk_blocks, 1)
+    c.integer("block_size", block_size, 1)
+    c.index_range("visible", visible, 0, env["T"] + 1)
+    return _impl("candidate_blocks", scores.device.type)(scores, visible, topk_blocks, block_size)
+
+
+def compress_pool(kv, score) -> torch.Tensor:
+    """CSA2 compression: ``kv, score [B, G, r, D]`` fp32 -> fp32 ``[B, G, D]``,
+    per channel ``sum_r softmax_r(score) * kv``."""
+    env: dict = {}
+    c.tensor("kv", kv, "B G r D", env, F32)
+    c.tensor("score", score, "B G r D", env, F32, kv.device)
+    return _impl("compress_pool", kv.device.type)(kv, score)
+
+
+def hc_coefficients(x, fn, scale, base, iters: int, eps: float, norm_eps: float):
+    """mHC mixing coefficients -> ``(pre [B, S, hc], post [B, S, hc], comb [B, S, hc, hc])`` fp32.
+
+    ``x [B, S, hc, D]`` float, ``fn [(2+hc)*hc, hc*D]`` fp32, ``scale [3]``, ``base [(2+hc)*hc]``.
+    With ``v = flatten(x)`` in fp32 and ``m = (v @ fn.T) * rsqrt(mean(v**2) + norm_eps)``:
+    ``pre = sigmoid(m[:hc] * scale[0] + base[:hc]) + eps``;
+    ``post = 2 * sigmoid(m[hc:2hc] * scale[1] + base[hc:2hc])``;
+    ``c = softmax((m[2hc:] * scale[2] + base[2hc:]).view(hc, hc), -1) + eps``,
+    ``c = c / (c.sum(-2) + eps)``, then ``iters - 1`` times row- then column-normalised
+    (``c / (c.sum(-1) + eps)``, ``c / (c.sum(-2) + eps)``); ``comb = c``.
+    """
+    env: dict = {}
+    c.tensor("x", x, "B S hc D", env, c.FLOATS)
+    hc, d = env["hc"], env["D"]
+    env.update({"M": (2 + hc) * hc, "hcD": hc * d})
+    c.tensor("fn", fn, "M hcD", env, F32, x.device)
+    c.tensor("scale", scale, "3", env, F32, x.device)
+    c.tensor("base", base, "M", env, F32, x.device)
+    c.integer("iters", iters, 1)
+    c.number("eps", eps, 0.0)
+    c.number("norm_eps", norm_eps, 0.0)
+    return _impl("hc_coefficients", x.device.type)(x, fn, scale, base, iters, eps, norm_eps)
+
+
+def hc_collapse(x, pre) -> torch.Tensor:
+    """``x [B, S, hc, D]``, ``pre [B, S, hc]`` fp32 -> ``[B, S, D]``: ``sum_k pre[k] * x[k]`` in
+    fp32, cast to ``x.dtype``."""
+    env: dict = {}
+    c.tensor("x", x, "B S hc D", env, c.FLOATS)
+    c.tensor("pre", pre, "B S hc", env, F32, x.device)
+    return _impl("hc_collapse", x.device.type)(x, pre)
+
+
+def hc_expand(y, residual, post, comb) -> torch.Tensor:
+    """``y [B, S, D]``, ``residual [B, S, hc, D]``, ``post [B, S, hc]``, ``comb [B, S, hc, hc]``
+    fp32 -> ``[B, S, hc, D]``: ``out[k] = post[k] * y + sum_j comb[j, k] * residual[j]`` in fp32,
+    cast to ``y.dtype``."""
+    env: dict = {}
+    c.tensor("y", y, "B S D", env, c.FLOATS)
+    c.tensor("residual", residual, "B S hc D", env, c.FLOATS, y.device)
+    c.tensor("post", post, "B S hc", env, F32, y.device)
+    c.tensor("comb", comb, "B S hc hc", env, F32, y.device)
+    return _impl("hc_expand", y.device.type)(y, residual, post, comb)
+
+
+def engram_lookup(table: QTensor, ids) -> torch.Tensor:
+    """``table`` ``QTensor`` ``fp8 [rows, Dh]``, ``ids [B, S, C]`` int64 in ``[0, rows)`` ->
+    bf16 ``[B, S, C, Dh]`` (the dequantized rows)."""
+    env: dict = {}
+    if not isinstance(table, QTensor):
+        raise ValueError(f"table: expected a QTensor in 'fp8', got {type(table).__name__}")
+    c.maybe_quantized("table", table, "rows Dh", env, ("fp8",))
+    c.tensor("ids", ids, "B S C", env, (torch.int64,), table.device)
+    c.index_range("ids", ids, 0, env["rows"])
+    return _impl("engram_lookup", ids.device.type)(table, ids)
+
+
+def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:
+    """``h, key [B, S, hc, D]``, ``value [B, S, D]``, ``weight [hc, D]`` -> ``[B, S, hc, D]``.
+
+    Per stream ``k``: ``r = rsqrt(mean(h_k**2) + eps) * rsqrt(mean(key_k**2) + eps)``,
+    ``d = sum(h_k * weight_k * key_k) * r / sqrt(D)``,
+    ``g = sigmoid(copysign(sqrt(max(|d|, 1e-6)), d))``, ``out_k = h_k + g * value``.
+    Computed in fp32, cast to ``h.dtype``.
+    """
+    env: dict = {}
+    c.tensor("h", h, "B S hc D", env, c.FLOATS)
+    c.tensor("key", key, "B S hc D", env, c.FLOATS, h.device)
+    c.tensor("value", value, "B S D", env, c.FLOATS, h.device)
+    c.tensor("weight", weight, "hc D", env, c.FLOATS, h.device)
+    c.number("eps", eps, 0.0)
+    return _impl("engram_gate", h.device.type)(h, key, value, weight, eps)
+
+
+def moe_route(x, weight, bias, topk: int, score_func: str, norm_topk: bool, route_scale: float):
+    """Expert choice: ``x [N, D]``, ``weight [E, D]``, ``bias [E]`` fp32 or None ->
+    ``(weights fp32 [N, topk], indices int32 [N, topk])``.
+
+    ``s = f(x @ weight.T)`` in fp32, ``f`` softmax / sigmoid / sqrtsoftplus (``sqrt(softplus)``);
+    ``indices = topk(s + bias)`` (the bias picks, it does not scale; ties to the lower expert);
+    ``weights = s[indices]``, divided by their sum (+1e-20) when ``norm_topk`` and ``topk > 1``,
+    times ``route_scale``.
+    """
+    env: dict = {}
+    c.tensor("x", x, "N D", env, c.FLOATS)
+    c.tensor("weight", weight, "E D", env, c.FLOATS, x.device)
+    if bias is not None:
+        c.tensor("bias", bias, "E", env, F32, x.device)
+    c.integer("topk", topk, 1, env["E"])
+    c.choice("score_func", score_func, SCORE_FUNCS)
+    c.number("route_scale", route_scale)
+    return _impl("moe_route", x.device.type)(x, weight, bias, topk, score_func, bool(norm_topk), float(route_scale))
+
+
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit: float) -> torch.Tensor:
+    """Routed SwiGLU experts: ``x [N, D]``, ``weights [N, k]`` fp32, ``indices [N, k]`` int32 in
+    ``[0, E)``, ``w1, w3 [E, I, D]``, ``w2 [E, D, I]`` plain or ``QTensor`` (``fp4_w``/``fp8_w``)
+    -> fp32 ``[N, D]``.
+
+    ``out = sum_e W2_e(weights_e * silu(min(W1_e x, L)) * clamp(W3_e x, -L, L))`` with
+    ``L = swiglu_limit`` (no clamp when 0). Each projection is an :func:`linear` (so quantized
+    weights see fp8-quantized inputs); the routing weight multiplies W2's input before it is
+    quantized, as the published model does.
+    """
+    env: dict = {}
+    c.tensor("x", x, "N D", env, c.FLOATS)
+    c.tensor("weights", weights, "N k", env, F32, x.device)
+    c.tensor("indices", indices, "N k", env, I32, x.device)
+    for name, w, spec in (("w1", w1, "E I D"), ("w3", w3, "E I D"), ("w2", w2, "E D I")):
+        c.maybe_quantized(name, w, spec, env, WEIGHT_FORMATS, x.device)
+    c.number("swiglu_limit", swiglu_limit, 0.0)
+    c.index_range("indices", indices, 0, env["E"])
+    return _impl("moe_experts", x.device.type)(x, weights, indices, w1, w3, w2, float(swiglu_limit))
+
+
+def sample(logits, temperature, generator=None) -> torch.Tensor:
+    """``logits [B, V]`` float, ``temperature`` float >= 0 or fp32 ``[B]`` -> int64 ``[B]``.
+
+    Greedy (argmax, ties to the lower id) where ``temperature == 0``, else Gumbel-max over
+    ``softmax(logits / temperature)``: ``argmax(p / E)`` with ``E ~ Exp(1)`` drawn from
+    ``generator``.
+    """
+    env: dict = {}
+    c.tensor("logits", logits, "B V", env, c.FLOATS)
+    if isinstance(temperature, torch.Tensor):
+        c.tensor("temperature", temperature, "B", env, F32, logits.device)
+        if c._STATE["values"] and bool((temperature < 0).any()):
+            raise ValueError("temperature: expected values >= 0, got a negative temperature")
+    else:
+        c.number("temperature", temperature, 0.0)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+    return _impl("sample", logits.device.type)(logits, temperature, generator)
+
+
+OPS = (
+    "rms_norm", "rope", "quantize", "dequantize", "linear", "sparse_attention", "index_scores",
+    "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
+    "hc_expand", "engram_lookup", "engram_gate", "moe_route", "moe_experts", "sample",
+)
