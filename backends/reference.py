@@ -33,7 +33,8 @@ def rms_norm(x, weight, eps):
 
 
 def rope(x, freqs_cis, inverse):
-    xc = torch.view_as_complex(x.to(torch.float32).reshape(*x.shape[:-1], -1, 2))
+    # contiguous: view_as_complex needs even strides, which a sliced x (e.g. q[..., -R:]) may lack
+    xc = torch.view_as_complex(x.to(torch.float32).contiguous().reshape(*x.shape[:-1], -1, 2))
     f = freqs_cis.conj() if inverse else freqs_cis
     if x.dim() == 4:  # [B, S, H, R/2]: broadcast over heads
         f = f.unsqueeze(-2)
@@ -79,7 +80,8 @@ def sparse_attention(q, kv, indices, sink, scale):
         rows = _gather_rows(kv, idx.clamp_min(0).long())  # [B, s, K, D]
         logits = torch.einsum("bshd,bskd->bshk", q[:, s0 : s0 + step].to(torch.float32), rows) * scale
         logits = logits.masked_fill(~valid, float("-inf"))
-        m = logits.amax(-1)  # [B, s, H]
+        # [B, s, H]; K == 0 (no slot at all) has no max to take: -inf, as for all-empty rows
+        m = logits.amax(-1) if K else logits.new_full(logits.shape[:-1], float("-inf"))
         if sink is not None:
             m = torch.maximum(m, sink)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

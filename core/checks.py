@@ -31,20 +31,31 @@ def value_checks(enabled: bool):
         _STATE["values"] = old
 
 
-def _fmt_dims(spec: list[str], env: dict) -> str:
-    return "[" + ", ".join(f"{s}={env[s]}" if s in env else s for s in spec) + "]"
+_SPECS: dict[str, tuple] = {}
+
+
+def _dims(spec: str) -> tuple:
+    """``"B S 3"`` -> ``("B", "S", 3)``, parsed once per spec string."""
+    dims = _SPECS.get(spec)
+    if dims is None:
+        dims = _SPECS[spec] = tuple(int(s) if s.isdigit() else s for s in spec.split())
+    return dims
+
+
+def _fmt_dims(dims, env: dict) -> str:
+    return "[" + ", ".join(f"{s}={env[s]}" if s in env else str(s) for s in dims) + "]"
 
 
 def shape(name: str, t, spec: str, env: dict) -> None:
     """Check ``t.shape`` against ``spec``, binding new symbols into ``env``."""
-    dims = spec.split()
-    got = tuple(t.shape)
+    dims = _dims(spec)
+    got = t.shape
     if len(got) != len(dims):
-        raise ValueError(f"{name}: expected {len(dims)} dims {_fmt_dims(dims, env)}, got shape {got}")
+        raise ValueError(f"{name}: expected {len(dims)} dims {_fmt_dims(dims, env)}, got shape {tuple(got)}")
     for sym, n in zip(dims, got):
-        want = int(sym) if sym.isdigit() else env.setdefault(sym, n)
+        want = sym if sym.__class__ is int else env.setdefault(sym, n)
         if want != n:
-            raise ValueError(f"{name}: expected shape {_fmt_dims(dims, env)}, got {got}")
+            raise ValueError(f"{name}: expected shape {_fmt_dims(dims, env)}, got {tuple(got)}")
 
 
 def tensor(name: str, t, spec: str | None, env: dict, dtypes=None, device=None) -> None:
@@ -102,6 +113,6 @@ def index_range(name: str, idx: torch.Tensor, low: int, high: int) -> None:
     """Every value of ``idx`` lies in ``[low, high)`` (skipped under ``value_checks(False)``)."""
     if not _STATE["values"] or idx.numel() == 0 or idx.device.type == "meta":
         return
-    lo, hi = int(idx.min()), int(idx.max())
+    lo, hi = (int(v) for v in torch.aminmax(idx))
     if lo < low or hi >= high:
         raise ValueError(f"{name}: expected values in [{low}, {high}), got values in [{lo}, {hi}]")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass
@@ -65,24 +66,53 @@ def _load() -> None:
     pm.add_hookspecs(hookspecs)
     for modname in BUILTIN_PLUGINS:
         pm.register(importlib.import_module(modname), name=modname)
-    try:
-        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-    except Exception as exc:  # a broken third-party plugin must not take the runtime down
-        _STATE.load_errors["entry points"] = f"{type(exc).__name__}: {exc}"
-        log.warning("flashrt: loading plugins from %r failed: %s", ENTRY_POINT_GROUP, exc)
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
+            continue
+        try:
+            pm.register(ep.load(), name=ep.name)
+        except Exception as exc:  # a broken third-party plugin must not take the runtime down
+            _STATE.load_errors[ep.name] = f"{ep.value}: {type(exc).__name__}: {exc}"
+            log.warning("flashrt: plugin %r (%s) failed to load: %s", ep.name, ep.value, exc)
     _STATE.pm = pm
     _collect()
 
 
 def _collect() -> None:
+    from .ops import OPS
+
     _STATE.backends = {}
-    for backend in _STATE.pm.hook.flashrt_backend():
-        if backend is None:
+    for hook in reversed(_STATE.pm.hook.flashrt_backend.get_hookimpls()):  # registration order
+        try:
+            backend = hook.function()
+            if backend is None:
+                continue
+            if not isinstance(backend, Backend):
+                raise BackendError(f"flashrt_backend() returned {type(backend).__name__}, expected a Backend")
+            unknown = sorted(set(backend.ops) - set(OPS))
+            if unknown:
+                raise BackendError(f"backend {backend.name!r} declares unknown ops {unknown}; known: {list(OPS)}")
+            if backend.name in _STATE.backends:
+                raise BackendError(f"a backend named {backend.name!r} is already registered")
+        except Exception as exc:
+            _STATE.load_errors[hook.plugin_name] = f"{type(exc).__name__}: {exc}"
+            log.warning("flashrt: plugin %r skipped: %s", hook.plugin_name, exc)
             continue
-        if backend.name in _STATE.backends:
-            raise BackendError(f"two plugins register a backend named {backend.name!r}")
         _STATE.backends[backend.name] = backend
     reset_table()
+
+
+def reload() -> None:
+    """Discover the plugins again (built-ins and entry points), e.g. after installing one."""
+    _STATE.pm = None
+    _STATE.load_errors.clear()
+    _load()
+
+
+def load_errors() -> dict[str, str]:
+    """Plugins that failed to load, with the error."""
+    _manager()
+    return dict(_STATE.load_errors)
 
 
 def reset_table() -> None:
@@ -161,16 +191,25 @@ def current_choice() -> str | None:
     return _CHOICE.get() or _STATE.env_choice
 
 
-def impl(op: str, device_type: str) -> Callable:
-    """The implementation of ``op`` for ``device_type`` (resolved once, then cached)."""
-    key = (_CHOICE.get() or _STATE.env_choice, op, device_type)
+def impl(op: str, device) -> Callable:
+    """The implementation of ``op`` for a torch ``device`` (resolved once per device type)."""
+    key = (_CHOICE.get() or _STATE.env_choice, op, device)
     try:
         return _TABLE[key]
     except KeyError:
         _manager()
-        key = (current_choice(), op, device_type)
-        fn = _TABLE[key] = _resolve(*key)
+        choice = current_choice()
+        device_type = device if isinstance(device, str) else device.type
+        fn = _resolved(choice, op, device_type)
+        _TABLE[(choice, op, device)] = fn
         return fn
+
+
+def _resolved(choice: str | None, op: str, device_type: str) -> Callable:
+    key = (choice, op, device_type)
+    if key not in _TABLE:
+        _TABLE[key] = _resolve(*key)
+    return _TABLE[key]
 
 
 def chain(op: str, device_type: str) -> list[str]:

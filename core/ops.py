@@ -30,7 +30,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     env = {"N": x.shape[-1]} if x.dim() else {}
     c.tensor("weight", weight, "N", env, c.FLOATS, x.device)
     c.number("eps", eps, 0.0)
-    return _impl("rms_norm", x.device.type)(x, weight, eps)
+    return _impl("rms_norm", x.device)(x, weight, eps)
 
 
 def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -49,7 +49,7 @@ def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> tor
     c.tensor("freqs_cis", freqs_cis, spec, env, (torch.complex64,), x.device)
     if freqs_cis.dim() == 3 and x.dim() == 2:
         raise ValueError(f"freqs_cis: per-sequence [B, S, R/2] needs x with a batch dim, got x shape {tuple(x.shape)}")
-    return _impl("rope", x.device.type)(x, freqs_cis, bool(inverse))
+    return _impl("rope", x.device)(x, freqs_cis, bool(inverse))
 
 
 def quantize(x: torch.Tensor, fmt: str) -> QTensor:
@@ -60,7 +60,7 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
     c.tensor("x", x, None, {}, c.FLOATS)
     c.fmt("fmt", fmt)
     check_shape(fmt, x.shape, "x")
-    return _impl("quantize", x.device.type)(x, fmt)
+    return _impl("quantize", x.device)(x, fmt)
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -69,7 +69,7 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise ValueError(f"q: expected a QTensor, got {type(q).__name__}")
     c.maybe_quantized("q", q, " ".join(f"d{i}" for i in range(q.ndim)), {}, tuple(c.FORMATS))
     c.choice("dtype", dtype, c.FLOATS)
-    return _impl("dequantize", q.device.type)(q, dtype)
+    return _impl("dequantize", q.device)(q, dtype)
 
 
 def linear(x: torch.Tensor, weight) -> torch.Tensor:
@@ -86,7 +86,7 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     c.maybe_quantized("weight", weight, "out in", env, WEIGHT_FORMATS, x.device)
     if isinstance(weight, QTensor) and x.shape[-1] % 32:
         raise ValueError(f"x: a quantized weight needs in % 32 == 0 (fp8 activations), got in={x.shape[-1]}")
-    return _impl("linear", x.device.type)(x, weight)
+    return _impl("linear", x.device)(x, weight)
 
 
 def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
@@ -106,7 +106,7 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
         c.tensor("sink", sink, "H", env, F32, q.device)
     c.number("scale", scale)
     c.index_range("indices", indices, -1, env["T"])
-    return _impl("sparse_attention", q.device.type)(q, kv, indices, sink, float(scale))
+    return _impl("sparse_attention", q.device)(q, kv, indices, sink, float(scale))
 
 
 def index_scores(q, k, weights, visible) -> torch.Tensor:
@@ -122,7 +122,7 @@ def index_scores(q, k, weights, visible) -> torch.Tensor:
     c.tensor("weights", weights, "B S Hi", env, F32, q.device)
     c.tensor("visible", visible, "B S", env, I32, q.device)
     c.index_range("visible", visible, 0, env["T"] + 1)
-    return _impl("index_scores", q.device.type)(q, k, weights, visible)
+    return _impl("index_scores", q.device)(q, k, weights, visible)
 
 
 def topk_positions(scores, k: int, candidates=None) -> torch.Tensor:
@@ -138,7 +138,7 @@ def topk_positions(scores, k: int, candidates=None) -> torch.Tensor:
     c.integer("k", k, 1)
     if candidates is not None:
         c.tensor("candidates", candidates, "B S T", env, (torch.bool,), scores.device)
-    return _impl("topk_positions", scores.device.type)(scores, k, candidates)
+    return _impl("topk_positions", scores.device)(scores, k, candidates)
 
 
 def candidate_blocks(scores, visible, topk_blocks: int, block_size: int) -> torch.Tensor:
@@ -157,7 +157,7 @@ def candidate_blocks(scores, visible, topk_blocks: int, block_size: int) -> torc
     c.integer("topk_blocks", topk_blocks, 1)
     c.integer("block_size", block_size, 1)
     c.index_range("visible", visible, 0, env["T"] + 1)
-    return _impl("candidate_blocks", scores.device.type)(scores, visible, topk_blocks, block_size)
+    return _impl("candidate_blocks", scores.device)(scores, visible, topk_blocks, block_size)
 
 
 def compress_pool(kv, score) -> torch.Tensor:
@@ -166,7 +166,7 @@ def compress_pool(kv, score) -> torch.Tensor:
     env: dict = {}
     c.tensor("kv", kv, "B G r D", env, F32)
     c.tensor("score", score, "B G r D", env, F32, kv.device)
-    return _impl("compress_pool", kv.device.type)(kv, score)
+    return _impl("compress_pool", kv.device)(kv, score)
 
 
 def hc_coefficients(x, fn, scale, base, iters: int, eps: float, norm_eps: float):
@@ -190,7 +190,7 @@ def hc_coefficients(x, fn, scale, base, iters: int, eps: float, norm_eps: float)
     c.integer("iters", iters, 1)
     c.number("eps", eps, 0.0)
     c.number("norm_eps", norm_eps, 0.0)
-    return _impl("hc_coefficients", x.device.type)(x, fn, scale, base, iters, eps, norm_eps)
+    return _impl("hc_coefficients", x.device)(x, fn, scale, base, iters, eps, norm_eps)
 
 
 def hc_collapse(x, pre) -> torch.Tensor:
@@ -199,7 +199,7 @@ def hc_collapse(x, pre) -> torch.Tensor:
     env: dict = {}
     c.tensor("x", x, "B S hc D", env, c.FLOATS)
     c.tensor("pre", pre, "B S hc", env, F32, x.device)
-    return _impl("hc_collapse", x.device.type)(x, pre)
+    return _impl("hc_collapse", x.device)(x, pre)
 
 
 def hc_expand(y, residual, post, comb) -> torch.Tensor:
@@ -211,7 +211,7 @@ def hc_expand(y, residual, post, comb) -> torch.Tensor:
     c.tensor("residual", residual, "B S hc D", env, c.FLOATS, y.device)
     c.tensor("post", post, "B S hc", env, F32, y.device)
     c.tensor("comb", comb, "B S hc hc", env, F32, y.device)
-    return _impl("hc_expand", y.device.type)(y, residual, post, comb)
+    return _impl("hc_expand", y.device)(y, residual, post, comb)
 
 
 def engram_lookup(table: QTensor, ids) -> torch.Tensor:
@@ -223,7 +223,7 @@ def engram_lookup(table: QTensor, ids) -> torch.Tensor:
     c.maybe_quantized("table", table, "rows Dh", env, ("fp8",))
     c.tensor("ids", ids, "B S C", env, (torch.int64,), table.device)
     c.index_range("ids", ids, 0, env["rows"])
-    return _impl("engram_lookup", ids.device.type)(table, ids)
+    return _impl("engram_lookup", ids.device)(table, ids)
 
 
 def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:
@@ -240,7 +240,7 @@ def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:
     c.tensor("value", value, "B S D", env, c.FLOATS, h.device)
     c.tensor("weight", weight, "hc D", env, c.FLOATS, h.device)
     c.number("eps", eps, 0.0)
-    return _impl("engram_gate", h.device.type)(h, key, value, weight, eps)
+    return _impl("engram_gate", h.device)(h, key, value, weight, eps)
 
 
 def moe_route(x, weight, bias, topk: int, score_func: str, norm_topk: bool, route_scale: float):
@@ -260,7 +260,7 @@ def moe_route(x, weight, bias, topk: int, score_func: str, norm_topk: bool, rout
     c.integer("topk", topk, 1, env["E"])
     c.choice("score_func", score_func, SCORE_FUNCS)
     c.number("route_scale", route_scale)
-    return _impl("moe_route", x.device.type)(x, weight, bias, topk, score_func, bool(norm_topk), float(route_scale))
+    return _impl("moe_route", x.device)(x, weight, bias, topk, score_func, bool(norm_topk), float(route_scale))
 
 
 def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit: float) -> torch.Tensor:
@@ -281,7 +281,7 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit: float) -> torch.T
         c.maybe_quantized(name, w, spec, env, WEIGHT_FORMATS, x.device)
     c.number("swiglu_limit", swiglu_limit, 0.0)
     c.index_range("indices", indices, 0, env["E"])
-    return _impl("moe_experts", x.device.type)(x, weights, indices, w1, w3, w2, float(swiglu_limit))
+    return _impl("moe_experts", x.device)(x, weights, indices, w1, w3, w2, float(swiglu_limit))
 
 
 def sample(logits, temperature, generator=None) -> torch.Tensor:
@@ -301,7 +301,7 @@ def sample(logits, temperature, generator=None) -> torch.Tensor:
         c.number("temperature", temperature, 0.0)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
-    return _impl("sample", logits.device.type)(logits, temperature, generator)
+    return _impl("sample", logits.device)(logits, temperature, generator)
 
 
 OPS = (

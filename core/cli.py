@@ -1,0 +1,123 @@
+"""The ``flashrt`` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+
+import torch
+
+from . import __version__, dispatch
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_devices() -> dict:
+    if not torch.cuda.is_available():
+        why = "torch built without CUDA" if torch.version.cuda is None else "no CUDA device visible"
+        return {"available": False, "reason": why, "devices": []}
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        devices.append({"index": i, "name": p.name, "capability": f"sm_{p.major}{p.minor}",
+                        "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count})
+    return {"available": True, "reason": "", "devices": devices}
+
+
+def _npu_devices() -> dict:
+    if _version("torch-npu") is None and _version("torch_npu") is None:
+        return {"available": False, "reason": "torch_npu not installed", "devices": []}
+    npu = getattr(torch, "npu", None)
+    if npu is None or not npu.is_available():
+        return {"available": False, "reason": "torch_npu installed but no NPU visible", "devices": []}
+    return {"available": True, "reason": "", "devices": [{"index": i, "name": npu.get_device_name(i)}
+                                                            for i in range(npu.device_count())]}
+
+
+def doctor_report() -> dict:
+    """Everything ``flashrt doctor`` prints, as a dict."""
+    from flashrt.hwconfigs import profile_files as shipped_profiles
+
+    return {
+        "flashrt": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": _version("triton"),
+            "torch_npu": _version("torch-npu") or _version("torch_npu"),
+            "cuda_runtime": torch.version.cuda,
+        },
+        "devices": {"cpu": {"available": True, "cores": os.cpu_count()}, "cuda": _cuda_devices(), "npu": _npu_devices()},
+        "backends": [s.__dict__ for s in dispatch.available()],
+        "plugin_errors": dispatch.load_errors(),
+        "explicit_backend": dispatch.current_choice(),
+        "profiles": {"shipped": sorted(shipped_profiles()), "chosen": None,
+                     "note": "automatic profile selection is not implemented yet"},
+    }
+
+
+def _print_doctor(r: dict) -> None:
+    v = r["versions"]
+    print(f"flashrt {r['flashrt']}  python {r['python']}  ({r['platform']})")
+    print("versions: " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in ("torch", "triton", "torch_npu")))
+    print("devices:")
+    print(f"  cpu   {r['devices']['cpu']['cores']} cores")
+    for kind in ("cuda", "npu"):
+        d = r["devices"][kind]
+        if not d["available"]:
+            print(f"  {kind:5} not available ({d['reason']})")
+        for dev in d["devices"]:
+            extra = ", ".join(f"{k} {val}" for k, val in dev.items() if k not in ("index", "name"))
+            print(f"  {kind}:{dev['index']} {dev['name']}" + (f" ({extra})" if extra else ""))
+    print("backends (automatic order):")
+    for b in r["backends"]:
+        state = "available" if b["available"] else f"unavailable: {b['reason']}"
+        print(f"  {b['name']:10} {state:12} devices {','.join(b['device_types'])}; {len(b['ops'])} ops")
+    for name, err in r["plugin_errors"].items():
+        print(f"  {name:10} failed to load: {err}")
+    if r["explicit_backend"]:
+        print(f"explicit backend: {r['explicit_backend']} (FLASHRT_BACKEND)")
+    p = r["profiles"]
+    print(f"profiles: shipped {', '.join(p['shipped'])}; chosen: {p['chosen'] or p['note']}")
+
+
+def cmd_doctor(args) -> int:
+    report = doctor_report()
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        _print_doctor(report)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashrt", description="DeepSeek-V4.1-Flash inference runtime")
+    parser.add_argument("--version", action="version", version=f"flashrt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor = sub.add_parser("doctor", help="devices, backends and their availability, versions")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `flashrt doctor | head`
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+import os
+
+import pytest
+import torch
+
+from flashrt import dispatch
+
+
+@pytest.fixture(autouse=True)
+def _clean_dispatch(monkeypatch):
+    """Each test starts and ends with the plugins of a plain install and no explicit backend.
+
+    The CUDA backend's own test run sets FLASHRT_BACKEND on purpose; keep it then.
+    """
+    keep = os.environ.get("FLASHRT_TEST_KEEP_BACKEND")
+    if not keep:
+        monkeypatch.delenv("FLASHRT_BACKEND", raising=False)
+    dispatch.reset_table()
+    yield
+    dispatch.reload()
+
+
+@pytest.fixture
+def rng():
+    """A fresh, logged generator: each run draws new inputs, a failure prints its seed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
