@@ -62,7 +62,18 @@ def linear(x, weight):
 
 
 def _gather_rows(kv, idx):
-    """kv [B, T, D] (plain or QTensor), idx [B, ...] int64 -> fp32 [B, ..., D]."""
+    """kv [B, T, D] (plain, QTensor or a tuple of segments), idx [B, ...] int64 -> fp32 [B, ..., D]."""
+    if isinstance(kv, tuple):
+        out, offset = None, 0
+        for seg in kv:
+            n = seg.shape[1]
+            local = idx - offset
+            mine = (local >= 0) & (local < n)
+            if n and bool(mine.any()):
+                rows = _gather_rows(seg, local.clamp(0, n - 1))
+                out = rows * mine.unsqueeze(-1) if out is None else torch.where(mine.unsqueeze(-1), rows, out)
+            offset += n
+        return out if out is not None else torch.zeros(*idx.shape, kv[0].shape[-1], device=idx.device)
     if isinstance(kv, QTensor):
         return formats.dequantize_rows(kv, idx)
     batch = torch.arange(kv.shape[0], device=idx.device).view(-1, *([1] * (idx.dim() - 1)))
@@ -72,6 +83,9 @@ def _gather_rows(kv, idx):
 def sparse_attention(q, kv, indices, sink, scale):
     B, S, H, D = q.shape
     K = indices.shape[-1]
+    T = sum(seg.shape[1] for seg in kv) if isinstance(kv, tuple) else kv.shape[1]
+    if T == 0:  # empty cache (T == 0): every slot is -1, nothing to gather
+        return torch.zeros_like(q)
     out = torch.empty_like(q)
     step = _chunk(S, B * K * D * 4 + B * H * K * 8)
     for s0 in range(0, S, step):
@@ -125,6 +139,8 @@ def topk_positions(scores, k, candidates):
 
 def candidate_blocks(scores, visible, topk_blocks, block_size):
     B, S, T = scores.shape
+    if T == 0:  # no positions, no blocks (visible is 0)
+        return torch.zeros_like(scores, dtype=torch.bool)
     nb = -(-T // block_size)
     s = torch.where(torch.isfinite(scores), scores, float("-inf"))
     s = F.pad(s, (0, nb * block_size - T), value=float("-inf"))

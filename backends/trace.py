@@ -8,7 +8,7 @@ Counting rules (the minimum work each op must do):
 
 - Bytes: every input read once and every output written once, at its stored size (a QTensor
   counts data + scale). Gathers read only the rows they gather: ``sparse_attention`` reads
-  ``B*S*K`` KV rows (every slot assumed valid), ``engram_lookup`` ``B*S*C`` table rows,
+  ``B*S*K`` KV rows (every slot assumed valid; with KV segments, ``min(K, T_i)`` rows of each), ``engram_lookup`` ``B*S*C`` table rows,
   ``moe_experts`` the weights of ``min(E, N*k)`` experts.
 - FLOPs: a multiply-add is 2. ``linear`` ``2*M*in*out``; ``sparse_attention`` ``4*B*S*H*K*D``;
   ``index_scores`` ``2*B*S*T*Hi*(Di+1)``; ``moe_experts`` ``N*k*(6*D*I + 4*I)``; ``moe_route``
@@ -168,8 +168,11 @@ def sparse_attention(q, kv, indices, sink, scale):
     B, S, H, D = q.shape
     K = indices.shape[-1]
     out = _meta(q.shape, q.dtype)
-    read = _nbytes(q) + _nbytes(indices) + _nbytes(sink) + B * S * K * _row_bytes(kv)
-    _emit("sparse_attention", (q, kv, indices, sink), (out,), 4 * B * S * H * K * D, read)
+    segments = kv if isinstance(kv, tuple) else (kv,)
+    # each query reads K rows; from a segment at most T_i of them (an upper bound when K < sum T_i)
+    rows = sum(min(K, seg.shape[1]) * _row_bytes(seg) for seg in segments) if len(segments) > 1 else K * _row_bytes(kv)
+    read = _nbytes(q) + _nbytes(indices) + _nbytes(sink) + B * S * rows
+    _emit("sparse_attention", (q, *segments, indices, sink), (out,), 4 * B * S * H * K * D, read)
     return out
 
 

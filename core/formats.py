@@ -91,6 +91,15 @@ class QTensor:
         """Bytes held by data and scale together."""
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
 
+    def narrow(self, dim: int, start: int, length: int) -> "QTensor":
+        """A view of ``length`` entries from ``start`` along a leading (not the last) dim."""
+        dim = dim % self.ndim
+        if dim == self.ndim - 1:
+            raise ValueError("QTensor.narrow: the last (blocked) dim cannot be narrowed")
+        shape = list(self.shape)
+        shape[dim] = length
+        return QTensor(self.data.narrow(dim, start, length), self.scale.narrow(dim, start, length), self.fmt, shape)
+
     def to(self, device) -> "QTensor":
         return QTensor(self.data.to(device), self.scale.to(device), self.fmt, self.shape)
 
@@ -185,9 +194,16 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(v).to(torch.uint8) << 3)
 
 
+_E2M1_TABLES: dict = {}
+
+
 def e2m1_values(code: torch.Tensor) -> torch.Tensor:
     """fp32 values of E2M1 ``code`` (uint8 in 0..15)."""
-    table = torch.tensor(E2M1_VALUES + tuple(-x for x in E2M1_VALUES), device=code.device)
+    table = _E2M1_TABLES.get(code.device)
+    if table is None:
+        table = torch.tensor(E2M1_VALUES + tuple(-x for x in E2M1_VALUES), device=code.device)
+        if code.device.type != "meta":
+            _E2M1_TABLES[code.device] = table
     return table[code.long()]
 
 

@@ -94,13 +94,28 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
     (``fp8``/``fp4_b16``/``fp4_b32``), ``indices [B, S, K]`` int32 in ``[-1, T)`` (``-1`` empty,
     order irrelevant), ``sink [H]`` fp32 or None, ``scale`` float -> ``[B, S, H, D]`` ``q.dtype``.
 
+    ``kv`` may also be a tuple of segments ``[B, T_i, D]`` (each plain or QTensor, e.g. the fp8
+    window ring, the fp8 chunk and the fp4 compressed cache) standing for their concatenation
+    along T (``T = sum T_i``); nothing is concatenated in memory.
+
     ``l_j = scale * <q, kv[idx_j]>`` over valid slots, ``m = max(max_j l_j, sink)``;
     ``out = sum_j exp(l_j - m) kv[idx_j] / (sum_j exp(l_j - m) + exp(sink - m))``; no valid slot
     and no sink gives zeros. Math in fp32.
     """
     env: dict = {}
     c.tensor("q", q, "B S H D", env, c.FLOATS)
-    c.maybe_quantized("kv", kv, "B T D", env, KV_FORMATS, q.device)
+    if isinstance(kv, (tuple, list)):
+        if not kv:
+            raise ValueError("kv: expected at least one segment, got an empty tuple")
+        total = 0
+        for i, seg in enumerate(kv):
+            seg_env = {"B": env["B"], "D": env["D"]}
+            c.maybe_quantized(f"kv[{i}]", seg, "B T D", seg_env, KV_FORMATS, q.device)
+            total += seg_env["T"]
+        env["T"] = total
+        kv = tuple(kv)
+    else:
+        c.maybe_quantized("kv", kv, "B T D", env, KV_FORMATS, q.device)
     c.tensor("indices", indices, "B S K", env, I32, q.device)
     if sink is not None:
         c.tensor("sink", sink, "H", env, F32, q.device)
@@ -279,6 +294,9 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit: float) -> torch.T
     c.tensor("indices", indices, "N k", env, I32, x.device)
     for name, w, spec in (("w1", w1, "E I D"), ("w3", w3, "E I D"), ("w2", w2, "E D I")):
         c.maybe_quantized(name, w, spec, env, WEIGHT_FORMATS, x.device)
+        if isinstance(w, QTensor) and w.shape[-1] % 32:  # its input is fp8-quantized, as in linear
+            raise ValueError(f"{name}: a quantized weight needs its input dim % 32 == 0 (fp8 activations), "
+                             f"got shape {tuple(w.shape)}")
     c.number("swiglu_limit", swiglu_limit, 0.0)
     c.index_range("indices", indices, 0, env["E"])
     return _impl("moe_experts", x.device)(x, weights, indices, w1, w3, w2, float(swiglu_limit))

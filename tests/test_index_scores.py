@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import re
-import zlib
 
 import pytest
 import torch
@@ -15,11 +14,6 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from flashrt.formats import QTensor
-
-
-def _gen(*key) -> torch.Generator:
-    """A generator seeded from the test's parameters (stable across runs, new per case)."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(("index_scores",) + key).encode()))
 
 
 def expected_scores(q, k, weights, visible) -> torch.Tensor:
@@ -75,8 +69,8 @@ SHAPES = [  # B, S, Hi, Di, T
 
 @pytest.mark.parametrize("B,S,Hi,Di,T", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_plain_k_matches_loop(B, S, Hi, Di, T, dtype):
-    g = _gen(B, S, Hi, Di, T, str(dtype))
+def test_plain_k_matches_loop(B, S, Hi, Di, T, dtype, rng):
+    g = rng
     q = torch.randn(B, S, Hi, Di, generator=g).to(dtype)
     k = torch.randn(B, T, Di, generator=g).to(dtype)
     weights = torch.randn(B, S, Hi, generator=g)  # negative weights too
@@ -87,8 +81,8 @@ def test_plain_k_matches_loop(B, S, Hi, Di, T, dtype):
 
 
 @pytest.mark.parametrize("fmt,Di", [("fp4_b32", 32), ("fp4_b32", 64), ("fp4_b32", 96), ("fp8", 64), ("fp4_b16", 16)])
-def test_quantized_k_matches_loop_over_dequantized(fmt, Di):
-    g = _gen("q", fmt, Di)
+def test_quantized_k_matches_loop_over_dequantized(fmt, Di, rng):
+    g = rng
     B, S, Hi, T = 2, 3, 4, 37
     q = torch.randn(B, S, Hi, Di, generator=g).to(torch.bfloat16)
     k = ops.quantize(torch.randn(B, T, Di, generator=g), fmt)
@@ -103,8 +97,8 @@ def test_quantized_k_matches_loop_over_dequantized(fmt, Di):
 
 
 @pytest.mark.parametrize("vis_value", ["zero", "full"])
-def test_visible_extremes(vis_value):
-    g = _gen("vis", vis_value)
+def test_visible_extremes(vis_value, rng):
+    g = rng
     B, S, Hi, Di, T = 2, 3, 2, 32, 37
     q = torch.randn(B, S, Hi, Di, generator=g)
     k = torch.randn(B, T, Di, generator=g)
@@ -116,6 +110,18 @@ def test_visible_extremes(vis_value):
     else:
         assert torch.isfinite(out).all()
         check(out, expected_scores(q, k, weights, visible), B, S, T)
+
+
+@pytest.mark.parametrize("fmt", [None, "fp4_b32"])
+def test_empty_cache(fmt):
+    q = torch.randn(2, 3, 4, 32)
+    k = torch.randn(2, 0, 32)
+    if fmt is not None:
+        k = ops.quantize(k, fmt)
+    out = ops.index_scores(q, k, torch.rand(2, 3, 4), torch.zeros(2, 3, dtype=torch.int32))
+    assert out.shape == (2, 3, 0) and out.dtype == torch.float32
+    assert_error(lambda: ops.index_scores(q, k, torch.rand(2, 3, 4), torch.ones(2, 3, dtype=torch.int32)),
+                 "visible", "[0, 1)")
 
 
 def test_relu_and_weight_sign():
@@ -132,8 +138,8 @@ def test_relu_and_weight_sign():
     assert out.tolist() == [[[1.0, -6.0, 0.0]]]
 
 
-def test_rows_and_batches_independent_and_no_mutation():
-    g = _gen("indep")
+def test_rows_and_batches_independent_and_no_mutation(rng):
+    g = rng
     B, S, Hi, Di, T = 3, 4, 3, 32, 11
     q = torch.randn(B, Hi, S, Di, generator=g).transpose(1, 2)  # non-contiguous view
     k = torch.randn(B, T, Di, generator=g)

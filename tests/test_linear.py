@@ -96,8 +96,8 @@ XSHAPES = [(5,), (3, 64), (2, 3, 64), (1, 1, 64)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("xshape,out", [((7,), 3), ((3, 13), 1), ((2, 5, 24), 17), ((4, 64), 33)])
-def test_linear_plain(dtype, wdtype, xshape, out):
-    g = torch.Generator().manual_seed(hash((xshape, out)) % 2**31)
+def test_linear_plain(dtype, wdtype, xshape, out, rng):
+    g = rng
     x = _x(xshape, dtype, g)
     w = _x((out, xshape[-1]), wdtype, g)
     y = ops.linear(x, w)
@@ -109,8 +109,8 @@ def test_linear_plain(dtype, wdtype, xshape, out):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["fp8_w", "fp4_w"])
 @pytest.mark.parametrize("xshape,out", [((32,), 5), ((3, 64), 33), ((2, 3, 96), 7), ((1, 4, 128), 64), ((9, 32), 1)])
-def test_linear_quantized(dtype, fmt, xshape, out):
-    g = torch.Generator().manual_seed(hash((xshape, out, fmt)) % 2**31)
+def test_linear_quantized(dtype, fmt, xshape, out, rng):
+    g = rng
     x = _x(xshape, dtype, g, scale=2.0)
     # spread magnitudes across blocks so that scales differ (and some blocks are tiny)
     x = x * torch.logspace(-3, 2, xshape[-1]).to(dtype)[torch.randperm(xshape[-1], generator=g)]
@@ -129,8 +129,8 @@ def test_linear_quantized(dtype, fmt, xshape, out):
         assert not np.allclose(y.reshape(-1, out).double().numpy(), x.double().numpy().reshape(-1, xshape[-1]) @ w64.T, rtol=1e-6, atol=0)
 
 
-def test_linear_quantized_zero_and_extreme_blocks():
-    g = torch.Generator().manual_seed(11)
+def test_linear_quantized_zero_and_extreme_blocks(rng):
+    g = rng
     x = torch.randn(4, 96, generator=g)
     x[0, :32] = 0  # zero block: scale floor 1e-4 / 448
     x[1, 32:64] *= 1e-6  # below the floor
@@ -143,9 +143,9 @@ def test_linear_quantized_zero_and_extreme_blocks():
         _check(y, x, dequant_w64(wq), fp8_act_quant64(x.double().numpy()))
 
 
-def test_linear_fp8_w_tile_scales_independent():
+def test_linear_fp8_w_tile_scales_independent(rng):
     # tiles of very different magnitude along out and in: every tile has its own scale
-    g = torch.Generator().manual_seed(12)
+    g = rng
     w = torch.randn(70, 64, generator=g)
     w[:32, :32] *= 100
     w[32:64, 32:] *= 1e-3
@@ -159,8 +159,8 @@ def test_linear_fp8_w_tile_scales_independent():
     _check(y, x, w64, fp8_act_quant64(x.double().numpy()))
 
 
-def test_linear_does_not_mutate():
-    g = torch.Generator().manual_seed(1)
+def test_linear_does_not_mutate(rng):
+    g = rng
     x = torch.randn(3, 64, generator=g)
     w = torch.randn(8, 64, generator=g)
     wq = ops.quantize(w, "fp4_w")
@@ -170,8 +170,8 @@ def test_linear_does_not_mutate():
     assert torch.equal(x, xc) and torch.equal(wq.data, dc) and torch.equal(wq.scale.view(torch.uint8), sc.view(torch.uint8))
 
 
-def test_linear_errors():
-    g = torch.Generator().manual_seed(2)
+def test_linear_errors(rng):
+    g = rng
     x = torch.randn(3, 64, generator=g)
     with pytest.raises(ValueError, match="weight"):
         ops.linear(x, torch.randn(5, 63))  # in mismatch

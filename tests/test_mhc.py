@@ -65,8 +65,8 @@ def _inputs(B, S, hc, D, dtype, g):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,S,hc,D", [(1, 1, 4, 16), (2, 3, 4, 7), (1, 2, 3, 5), (2, 1, 1, 9)])
 @pytest.mark.parametrize("iters", [1, 2, 20])
-def test_hc_coefficients(dtype, B, S, hc, D, iters):
-    g = torch.Generator().manual_seed(hash((B, S, hc, D, iters)) % 2**31)
+def test_hc_coefficients(dtype, B, S, hc, D, iters, rng):
+    g = rng
     x, fn, scale, base = _inputs(B, S, hc, D, dtype, g)
     eps, norm_eps = 1e-6, 1e-6
     pre, post, comb = ops.hc_coefficients(x, fn, scale, base, iters, eps, norm_eps)
@@ -78,9 +78,9 @@ def test_hc_coefficients(dtype, B, S, hc, D, iters):
     np.testing.assert_allclose(comb.double().numpy(), wc, rtol=5e-5, atol=2e-6)
 
 
-def test_hc_coefficients_large_eps_and_norm_eps():
+def test_hc_coefficients_large_eps_and_norm_eps(rng):
     # eps and norm_eps large enough to matter: catches a misplaced eps
-    g = torch.Generator().manual_seed(4)
+    g = rng
     x, fn, scale, base = _inputs(2, 2, 4, 8, torch.float32, g)
     x = x * 0.1
     pre, post, comb = ops.hc_coefficients(x, fn, scale, base, 3, 0.05, 0.5)
@@ -90,22 +90,26 @@ def test_hc_coefficients_large_eps_and_norm_eps():
     np.testing.assert_allclose(comb.double().numpy(), wc, rtol=5e-5, atol=2e-6)
 
 
-def test_hc_comb_doubly_stochastic_after_many_iters():
-    g = torch.Generator().manual_seed(5)
+def test_hc_comb_doubly_stochastic_after_many_iters(rng):
+    g = rng
     x, fn, scale, base = _inputs(3, 4, 4, 16, torch.float32, g)
-    base = base * 6  # far from uniform before the Sinkhorn iterations
-    _, _, comb1 = ops.hc_coefficients(x, fn, scale, base, 1, 1e-6, 1e-6)
-    _, _, comb = ops.hc_coefficients(x, fn, scale, base, 50, 1e-6, 1e-6)
-    assert (comb > 0).all()
-    torch.testing.assert_close(comb.sum(-2), torch.ones(3, 4, 4), atol=1e-4, rtol=0)  # column sums
-    torch.testing.assert_close(comb.sum(-1), torch.ones(3, 4, 4), atol=1e-3, rtol=0)  # row sums
+    base = base * 2  # far from uniform before the Sinkhorn iterations
+    dev = lambda c, dim: float((c.sum(dim) - 1).abs().max())
+    combs = {it: ops.hc_coefficients(x, fn, scale, base, it, 1e-6, 1e-6)[2] for it in (1, 20, 200)}
+    for c in combs.values():
+        assert (c > 0).all()
+        # every iteration ends with a column normalisation: columns sum to S / (S + eps)
+        assert dev(c, -2) < 1e-3
     # one iteration only normalizes the columns; the rows are generally not yet stochastic
-    torch.testing.assert_close(comb1.sum(-2), torch.ones(3, 4, 4), atol=1e-4, rtol=0)
-    assert (comb1.sum(-1) - 1).abs().max() > 1e-2
+    assert dev(combs[1], -1) > 1e-2
+    # Sinkhorn converges: the row error shrinks with the iterations and is small after many
+    assert dev(combs[200], -1) <= dev(combs[20], -1) + 1e-6
+    assert dev(combs[200], -1) < 1e-3
+    assert dev(combs[200], -2) < 1e-5
 
 
-def test_hc_pre_post_ranges():
-    g = torch.Generator().manual_seed(6)
+def test_hc_pre_post_ranges(rng):
+    g = rng
     x, fn, scale, base = _inputs(2, 3, 4, 8, torch.float32, g)
     pre, post, _ = ops.hc_coefficients(x, fn, scale, base, 2, 0.01, 1e-6)
     assert (pre > 0.01).all() and (pre < 1.01 + 1e-6).all()
@@ -114,8 +118,8 @@ def test_hc_pre_post_ranges():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,S,hc,D", [(1, 1, 4, 16), (2, 3, 4, 7), (2, 1, 1, 5), (1, 2, 3, 33)])
-def test_hc_collapse(dtype, B, S, hc, D):
-    g = torch.Generator().manual_seed(hash((B, S, hc, D)) % 2**31)
+def test_hc_collapse(dtype, B, S, hc, D, rng):
+    g = rng
     x = torch.randn(B, S, hc, D, generator=g).to(dtype)
     pre = torch.rand(B, S, hc, generator=g) * 2 - 0.5
     y = ops.hc_collapse(x, pre)
@@ -135,8 +139,8 @@ def test_hc_collapse(dtype, B, S, hc, D):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,S,hc,D", [(1, 1, 4, 16), (2, 3, 4, 7), (2, 1, 1, 5), (1, 2, 3, 33)])
-def test_hc_expand(dtype, B, S, hc, D):
-    g = torch.Generator().manual_seed(hash((B, S, hc, D, 1)) % 2**31)
+def test_hc_expand(dtype, B, S, hc, D, rng):
+    g = rng
     y = torch.randn(B, S, D, generator=g).to(dtype)
     res = torch.randn(B, S, hc, D, generator=g).to(dtype)
     post = torch.rand(B, S, hc, generator=g) * 2
@@ -168,9 +172,9 @@ def test_hc_expand_comb_orientation():
     assert out[0, 0, :, 0].tolist() == [2.0, 0.0, 1.0]
 
 
-def test_hc_roundtrip_identity():
+def test_hc_roundtrip_identity(rng):
     # collapse with pre = e_0 and expand with comb = I, post = 0 give back x[0] and x
-    g = torch.Generator().manual_seed(9)
+    g = rng
     x = torch.randn(2, 3, 4, 8, generator=g)
     pre = torch.zeros(2, 3, 4)
     pre[..., 0] = 1
@@ -179,8 +183,8 @@ def test_hc_roundtrip_identity():
     torch.testing.assert_close(ops.hc_expand(x[:, :, 0], x, torch.zeros(2, 3, 4), eye), x, rtol=0, atol=0)
 
 
-def test_hc_errors():
-    g = torch.Generator().manual_seed(0)
+def test_hc_errors(rng):
+    g = rng
     x, fn, scale, base = _inputs(1, 2, 4, 8, torch.float32, g)
     args = dict(iters=3, eps=1e-6, norm_eps=1e-6)
     with pytest.raises(ValueError, match="x"):

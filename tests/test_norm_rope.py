@@ -41,8 +41,8 @@ def _rms_norm64(x, w, eps):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 64), (1, 4, 33)])
 @pytest.mark.parametrize("eps", [1e-6, 0.5])
-def test_rms_norm(dtype, shape, eps):
-    g = torch.Generator().manual_seed(hash((shape, eps)) % 2**31)
+def test_rms_norm(dtype, shape, eps, rng):
+    g = rng
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
     w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
     y = ops.rms_norm(x, w, eps)
@@ -121,8 +121,8 @@ ROPE_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,per_seq", ROPE_CASES)
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rope(dtype, shape, per_seq, inverse):
-    g = torch.Generator().manual_seed(hash((shape, per_seq, inverse)) % 2**31)
+def test_rope(dtype, shape, per_seq, inverse, rng):
+    g = rng
     x = torch.randn(shape, generator=g).to(dtype)
     S = shape[1] if len(shape) >= 3 else shape[0]
     R = shape[-1]
@@ -134,8 +134,8 @@ def test_rope(dtype, shape, per_seq, inverse):
 
 
 @pytest.mark.parametrize("shape,per_seq", ROPE_CASES)
-def test_rope_inverse_undoes_forward(shape, per_seq):
-    g = torch.Generator().manual_seed(7)
+def test_rope_inverse_undoes_forward(shape, per_seq, rng):
+    g = rng
     x = torch.randn(shape, generator=g)
     S = shape[1] if len(shape) >= 3 else shape[0]
     fshape = (shape[0], S, shape[-1] // 2) if per_seq else (S, shape[-1] // 2)
@@ -148,8 +148,8 @@ def test_rope_inverse_undoes_forward(shape, per_seq):
     torch.testing.assert_close(pn(y), pn(x), rtol=1e-5, atol=1e-5)
 
 
-def test_rope_does_not_mutate_and_non_contiguous():
-    g = torch.Generator().manual_seed(3)
+def test_rope_does_not_mutate_and_non_contiguous(rng):
+    g = rng
     base = torch.randn(2, 4, 3, 11, generator=g)
     x = base[..., 1:9]  # non-contiguous view, odd row stride
     x_copy = x.clone()
@@ -162,11 +162,11 @@ def test_rope_does_not_mutate_and_non_contiguous():
     _close(ops.rope(xt, freqs), _rope64(xt, freqs, False), torch.float32, scale=3.0)
 
 
-def test_rope_with_rope_table_positions():
+def test_rope_with_rope_table_positions(rng):
     # rotating position p by table[p] then taking the dot product of q at p and k at p' depends
     # only on p - p' (the defining property of rotary embeddings)
     t = flashrt.rope_table(16, 32, 10000.0)
-    g = torch.Generator().manual_seed(5)
+    g = rng
     q = torch.randn(1, 16, generator=g).expand(32, 16).contiguous()
     k = torch.randn(1, 16, generator=g).expand(32, 16).contiguous()
     qr, kr = ops.rope(q, t), ops.rope(k, t)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import zlib
 
 import pytest
 import torch
@@ -19,11 +18,6 @@ from flashrt.formats import QTensor
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def _gen(*key) -> torch.Generator:
-    """A generator seeded from the test's parameters (stable across runs, new per case)."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(("sparse_attention",) + key).encode()))
 
 
 def expected_attention(q, kv, indices, sink, scale) -> torch.Tensor:
@@ -94,8 +88,8 @@ SHAPES = [  # B, S, H, D, T, K
 @pytest.mark.parametrize("B,S,H,D,T,K", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_sink", [False, True])
-def test_plain_kv_matches_loop(B, S, H, D, T, K, dtype, with_sink):
-    g = _gen(B, S, H, D, T, K, str(dtype), with_sink)
+def test_plain_kv_matches_loop(B, S, H, D, T, K, dtype, with_sink, rng):
+    g = rng
     q = torch.randn(B, S, H, D, generator=g).to(dtype)
     kv = torch.randn(B, T, D, generator=g).to(dtype)
     idx = random_indices(B, S, K, T, g, p_all_empty_row=0.2)
@@ -110,8 +104,8 @@ def test_plain_kv_matches_loop(B, S, H, D, T, K, dtype, with_sink):
     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
     (torch.float16, torch.float16), (torch.float64, torch.float64),
 ])
-def test_mixed_and_other_float_dtypes(q_dtype, kv_dtype):
-    g = _gen("mixed", str(q_dtype), str(kv_dtype))
+def test_mixed_and_other_float_dtypes(q_dtype, kv_dtype, rng):
+    g = rng
     B, S, H, D, T, K = 2, 3, 4, 32, 37, 9
     q = torch.randn(B, S, H, D, generator=g).to(q_dtype)
     kv = torch.randn(B, T, D, generator=g).to(kv_dtype)
@@ -122,9 +116,9 @@ def test_mixed_and_other_float_dtypes(q_dtype, kv_dtype):
 
 
 @pytest.mark.parametrize("scale", [0.0, 1.0, 8.0, -0.5])
-def test_scales_incl_large_logits(scale):
+def test_scales_incl_large_logits(scale, rng):
     """Large logits must not overflow (max subtraction); scale 0 is a plain average."""
-    g = _gen("scale", scale)
+    g = rng
     B, S, H, D, T, K = 2, 3, 3, 64, 37, 10
     q = torch.randn(B, S, H, D, generator=g) * 3
     kv = torch.randn(B, T, D, generator=g)
@@ -137,8 +131,8 @@ def test_scales_incl_large_logits(scale):
     torch.testing.assert_close(out.double(), expected_attention(q, kv, idx, sink, scale), rtol=rtol, atol=rtol)
 
 
-def test_sink_dominates_and_is_negligible():
-    g = _gen("sinkext")
+def test_sink_dominates_and_is_negligible(rng):
+    g = rng
     B, S, H, D, T, K = 1, 2, 3, 16, 9, 4
     q = torch.randn(B, S, H, D, generator=g)
     kv = torch.randn(B, T, D, generator=g)
@@ -160,8 +154,8 @@ def test_sink_dominates_and_is_negligible():
     ("fp8", 32), ("fp8", 96), ("fp4_b16", 16), ("fp4_b16", 64), ("fp4_b16", 96), ("fp4_b32", 32), ("fp4_b32", 64),
 ])
 @pytest.mark.parametrize("with_sink", [False, True])
-def test_quantized_kv_matches_loop_over_dequantized(fmt, D, with_sink):
-    g = _gen("q", fmt, D, with_sink)
+def test_quantized_kv_matches_loop_over_dequantized(fmt, D, with_sink, rng):
+    g = rng
     B, S, H, T, K = 2, 3, 5, 37, 11
     q = torch.randn(B, S, H, D, generator=g).to(torch.bfloat16)
     kv = ops.quantize(torch.randn(B, T, D, generator=g) * 2, fmt)
@@ -175,8 +169,8 @@ def test_quantized_kv_matches_loop_over_dequantized(fmt, D, with_sink):
     torch.testing.assert_close(out.double(), plain.double(), rtol=1e-2, atol=1e-2)
 
 
-def test_quantized_kv_fp32_output_is_tight():
-    g = _gen("qtight")
+def test_quantized_kv_fp32_output_is_tight(rng):
+    g = rng
     B, S, H, D, T, K = 3, 2, 2, 64, 37, 6
     q = torch.randn(B, S, H, D, generator=g)
     kv = ops.quantize(torch.randn(B, T, D, generator=g), "fp4_b16")
@@ -191,8 +185,8 @@ def test_quantized_kv_fp32_output_is_tight():
 
 
 @pytest.mark.parametrize("kv_kind", ["fp32", "fp8"])
-def test_all_empty_rows_give_zeros_with_and_without_sink(kv_kind):
-    g = _gen("empty", kv_kind)
+def test_all_empty_rows_give_zeros_with_and_without_sink(kv_kind, rng):
+    g = rng
     B, S, H, D, T, K = 2, 3, 4, 32, 7, 5
     q = torch.randn(B, S, H, D, generator=g)
     kvf = torch.randn(B, T, D, generator=g)
@@ -222,9 +216,25 @@ def test_zero_slots_give_zeros():
         assert out.shape == (2, 3, 2, 16) and (out == 0).all()
 
 
+@pytest.mark.parametrize("fmt", [None, "fp8", "fp4_b16"])
+def test_empty_cache_gives_zeros(fmt):
+    """T == 0 (e.g. a compressed cache before its first entry): every slot is -1."""
+    q = torch.randn(2, 3, 2, 32).to(torch.bfloat16)
+    kv = torch.randn(2, 0, 32)
+    if fmt is not None:
+        kv = ops.quantize(kv, fmt)
+    for K in (0, 4):
+        idx = torch.full((2, 3, K), -1, dtype=torch.int32)
+        for sink in (None, torch.randn(2)):
+            out = ops.sparse_attention(q, kv, idx, sink, 0.2)
+            assert out.shape == q.shape and out.dtype == q.dtype and (out == 0).all()
+    assert_error(lambda: ops.sparse_attention(q, kv, torch.zeros(2, 3, 1, dtype=torch.int32), None, 0.2),
+                 "indices", "[-1, 0)")
+
+
 @pytest.mark.parametrize("with_sink", [False, True])
-def test_order_irrelevant(with_sink):
-    g = _gen("order", with_sink)
+def test_order_irrelevant(with_sink, rng):
+    g = rng
     B, S, H, D, T, K = 3, 4, 3, 32, 37, 13
     q = torch.randn(B, S, H, D, generator=g)
     kv = torch.randn(B, T, D, generator=g)
@@ -242,8 +252,8 @@ def test_order_irrelevant(with_sink):
 
 
 @pytest.mark.parametrize("with_sink", [False, True])
-def test_duplicate_indices_each_count(with_sink):
-    g = _gen("dup", with_sink)
+def test_duplicate_indices_each_count(with_sink, rng):
+    g = rng
     B, S, H, D, T = 1, 1, 2, 16, 4
     q = torch.randn(B, S, H, D, generator=g)
     kv = torch.randn(B, T, D, generator=g)
@@ -266,9 +276,9 @@ def test_duplicate_indices_each_count(with_sink):
                                rtol=1e-6, atol=1e-7)
 
 
-def test_batches_are_independent():
+def test_batches_are_independent(rng):
     """Each batch reads only its own kv rows."""
-    g = _gen("batch")
+    g = rng
     B, S, H, D, T, K = 3, 2, 2, 16, 6, 4
     q = torch.randn(B, S, H, D, generator=g)
     kv = torch.randn(B, T, D, generator=g)
@@ -279,8 +289,8 @@ def test_batches_are_independent():
         torch.testing.assert_close(out[b : b + 1], one, rtol=1e-6, atol=1e-7)
 
 
-def test_noncontiguous_inputs_and_no_mutation():
-    g = _gen("noncontig")
+def test_noncontiguous_inputs_and_no_mutation(rng):
+    g = rng
     B, S, H, D, T, K = 2, 3, 4, 32, 11, 5
     q = torch.randn(B, H, S, D, generator=g).transpose(1, 2)  # [B, S, H, D] view
     kv = torch.randn(B, D, T, generator=g).transpose(1, 2)  # [B, T, D] view

@@ -8,18 +8,12 @@ from __future__ import annotations
 
 import math
 import re
-import zlib
 
 import pytest
 import torch
 
 import flashrt
 from flashrt import ops
-
-
-def _gen(*key) -> torch.Generator:
-    """A generator seeded from the test's parameters (stable across runs, new per case)."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(("topk",) + key).encode()))
 
 
 def tied_scores(B, S, T, g, p_special=0.2, levels=5) -> torch.Tensor:
@@ -82,8 +76,8 @@ TOPK_CASES = [  # B, S, T, k
 @pytest.mark.parametrize("B,S,T,k", TOPK_CASES)
 @pytest.mark.parametrize("kind", ["tied", "smooth", "sparse_finite"])
 @pytest.mark.parametrize("use_candidates", [False, True])
-def test_topk_positions_matches_loop(B, S, T, k, kind, use_candidates):
-    g = _gen("topk", B, S, T, k, kind, use_candidates)
+def test_topk_positions_matches_loop(B, S, T, k, kind, use_candidates, rng):
+    g = rng
     if kind == "tied":
         scores = tied_scores(B, S, T, g)
     elif kind == "smooth":
@@ -132,8 +126,15 @@ def test_topk_candidates_mask_and_padding():
     assert ops.topk_positions(scores, 4, cand).tolist() == [[[1, 4, -1, -1]]]
 
 
-def test_topk_no_mutation():
-    g = _gen("mut")
+def test_topk_empty_rows():
+    """T == 0 gives min(k, 0) == 0 columns; S == 0 gives no rows."""
+    assert ops.topk_positions(torch.zeros(2, 3, 0), 4).shape == (2, 3, 0)
+    out = ops.topk_positions(torch.zeros(2, 0, 5), 4, torch.zeros(2, 0, 5, dtype=torch.bool))
+    assert out.shape == (2, 0, 4) and out.dtype == torch.int32
+
+
+def test_topk_no_mutation(rng):
+    g = rng
     scores = tied_scores(2, 3, 11, g)
     cand = torch.rand(2, 3, 11, generator=g) < 0.5
     s0, c0 = scores.clone(), cand.clone()
@@ -207,8 +208,8 @@ BLOCK_CASES = [  # B, S, T, block_size, topk_blocks
 
 @pytest.mark.parametrize("B,S,T,bs,nblk", BLOCK_CASES)
 @pytest.mark.parametrize("kind", ["tied", "smooth", "sparse_finite"])
-def test_candidate_blocks_matches_loop(B, S, T, bs, nblk, kind):
-    g = _gen("blocks", B, S, T, bs, nblk, kind)
+def test_candidate_blocks_matches_loop(B, S, T, bs, nblk, kind, rng):
+    g = rng
     if kind == "tied":
         scores = tied_scores(B, S, T, g, levels=2)
     elif kind == "smooth":
@@ -267,8 +268,16 @@ def test_candidate_blocks_ties_and_non_finite():
     assert not ops.candidate_blocks(dead, _vis(0), 3, 2).any()
 
 
-def test_candidate_blocks_rows_independent_and_no_mutation():
-    g = _gen("rows")
+def test_candidate_blocks_empty():
+    """T == 0 (visible must be 0) keeps nothing; S == 0 gives no rows."""
+    out = ops.candidate_blocks(torch.zeros(2, 3, 0), torch.zeros(2, 3, dtype=torch.int32), 2, 4)
+    assert out.shape == (2, 3, 0) and out.dtype == torch.bool
+    out = ops.candidate_blocks(torch.zeros(2, 0, 9), torch.zeros(2, 0, dtype=torch.int32), 2, 4)
+    assert out.shape == (2, 0, 9) and out.dtype == torch.bool
+
+
+def test_candidate_blocks_rows_independent_and_no_mutation(rng):
+    g = rng
     B, S, T = 3, 4, 37
     scores = tied_scores(B, S, T, g, p_special=0.0, levels=3)
     visible = torch.randint(0, T + 1, (B, S), generator=g, dtype=torch.int32)
@@ -283,8 +292,9 @@ def test_candidate_blocks_rows_independent_and_no_mutation():
     nb = -(-T // 4)
     padded = torch.nn.functional.pad(out, (0, nb * 4 - T))
     per_block = padded.view(B, S, nb, 4)
-    full = per_block[..., :-1]
+    full = per_block[:, :, :-1]  # the last block (37 = 9 * 4 + 1) is partial: one real position
     assert torch.equal(full.all(-1), full.any(-1))
+    assert not per_block[:, :, -1, 1:].any()  # padding is never marked
     assert (per_block.any(-1).sum(-1) <= 3).all()
 
 

@@ -1,0 +1,104 @@
+"""CSA2 attention of one layer: window KV ring + compressed KV chosen by the DSA indexer.
+
+Layer roles (v41-model.md, 2): ``window`` (ring only), ``full`` (own compressor, index keys and
+indexer), ``reindex`` (own indexer over the source's keys, inside the candidate pool) and
+``reuse`` (the source's KV and the nearest index source's top-k). Written only against
+``flashrt.ops``; caches are read and written through :class:`flashrt.kvcache.KVState`.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashrt import ops
+
+from .compressor import Compressor
+from .context import StepContext, rope_tail
+
+
+def window_indices(positions: torch.Tensor, ring_start: torch.Tensor, window: int) -> torch.Tensor:
+    """int32 [B, S, W] indices into [ring (W slots) ‖ chunk (S)] of the W most recent positions.
+
+    Position ``p - w`` lives in the chunk when it is >= the chunk start, else in ring slot
+    ``(p - w) % W`` if the ring holds it (>= ``ring_start``); -1 before the sequence start.
+    """
+    start = positions[:, :1].unsqueeze(-1)  # [B, 1, 1]
+    pos = positions.unsqueeze(-1) - torch.arange(window, device=positions.device)  # [B, S, W]
+    in_chunk = pos >= start
+    in_ring = (pos >= ring_start.view(-1, 1, 1)) & (pos >= 0) & ~in_chunk
+    idx = torch.where(in_chunk, window + pos - start, pos % window)
+    return torch.where(in_chunk | in_ring, idx, -1).to(torch.int32)
+
+
+class Attention:
+    def __init__(self, cfg, layer: int, w: dict, prefix: str):
+        self.cfg, self.layer, self.role = cfg, layer, cfg.role(layer)
+        self.ratio = cfg.ratio(layer)
+        p = prefix + "attn."
+        self.sink = w[p + "attn_sink"]
+        self.wq_a, self.q_norm = w[p + "wq_a.weight"], w[p + "q_norm.weight"]
+        self.wq_b, self.wkv, self.kv_norm = w[p + "wq_b.weight"], w[p + "wkv.weight"], w[p + "kv_norm.weight"]
+        G = cfg.o_groups
+        wo_a = w[p + "wo_a.weight"]  # [G * o_lora, H * hd / G]
+        self.wo_a = [wo_a[g * cfg.o_lora_rank:(g + 1) * cfg.o_lora_rank] for g in range(G)]
+        self.wo_b = w[p + "wo_b.weight"]
+        self.compressor = Compressor(cfg, layer, w, p) if self.role == "full" else None
+        if self.role in ("full", "reindex"):
+            self.idx_wq_b = w[p + "indexer.wq_b.weight"]
+            self.idx_weights = w[p + "indexer.weights_proj.weight"]
+
+    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        cfg, rd = self.cfg, self.cfg.rope_head_dim
+        B, S, _ = h.shape
+        f = ctx.rope.factors(self.ratio > 0, ctx.positions)
+        eps = cfg.norm_eps
+        qr = ops.rms_norm(ops.linear(h, self.wq_a), self.q_norm, eps)
+        q = rope_tail(ops.linear(qr, self.wq_b).view(B, S, cfg.n_heads, cfg.head_dim), f, rd)
+        kv = rope_tail(ops.rms_norm(ops.linear(h, self.wkv), self.kv_norm, eps), f, rd)
+        kv = ops.quantize(kv, "fp8")
+        W = cfg.window_size
+        segments = [ctx.state.rings[self.layer], kv]
+        indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], W)
+        if self.ratio:
+            main, topk = self._compressed(h, qr, ctx)
+            segments.append(main)
+            indices = torch.cat([indices, torch.where(topk >= 0, topk + W + S, topk)], dim=-1)
+        o = ops.sparse_attention(q, tuple(segments), indices, self.sink, cfg.head_dim ** -0.5)
+        ctx.state.write_ring(self.layer, kv, ctx.positions)
+        o = rope_tail(o, f, rd, inverse=True).view(B, S, cfg.o_groups, -1)
+        o = torch.cat([ops.linear(o[:, :, g], self.wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
+        return ops.linear(o, self.wo_b)
+
+    # ----- compressed KV and its top-k ---------------------------------------------------------
+    def _compressed(self, h, qr, ctx: StepContext):
+        cfg = self.cfg
+        source = cfg.kv_source(self.layer)
+        if self.compressor is not None and self.layer not in ctx.compress_done:
+            self.compressor.forward(h, ctx)
+        visible = ((ctx.positions + 1) // self.ratio).to(torch.int32)  # [B, S]
+        T = int(visible.max())
+        cache = ctx.state.compressed[source]
+        if self.role in ("full", "reindex"):
+            topk = self._indexer(h, qr, cache.index_k.narrow(1, 0, T), visible, ctx)
+            ctx.shared[("topk", self.layer)] = topk
+        else:
+            topk = ctx.shared[("topk", cfg.index_source(self.layer))]
+        return cache.main.narrow(1, 0, T), topk
+
+    def _indexer(self, h, qr, index_k, visible, ctx: StepContext) -> torch.Tensor:
+        cfg = self.cfg
+        B, S, _ = h.shape
+        T = index_k.shape[1]
+        if T == 0:
+            return torch.empty(B, S, 0, dtype=torch.int32, device=h.device)
+        f = ctx.rope.factors(True, ctx.positions)
+        q = ops.linear(qr, self.idx_wq_b).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
+        q = rope_tail(q, f, cfg.rope_head_dim)
+        q = ops.dequantize(ops.quantize(q, "fp4_b32"), q.dtype)  # the published fake-quant
+        scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+        weights = ops.linear(h, self.idx_weights).to(torch.float32) * scale
+        scores = ops.index_scores(q, index_k, weights, visible)
+        if self.layer == cfg.candidate_source_layer:
+            ctx.shared["candidates"] = ops.candidate_blocks(
+                scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+        candidates = ctx.shared.get("candidates") if cfg.uses_candidates(self.layer) else None
+        return ops.topk_positions(scores, min(cfg.index_topk, T), candidates)

@@ -1,0 +1,57 @@
+"""The per-forward metadata every layer reads: positions, rotary factors, what sources published."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashrt import ops
+from flashrt.core import YaRN, rope_frequencies
+from flashrt.kvcache import KVState
+
+
+@dataclass(slots=True)
+class StepContext:
+    """One forward call over a chunk of ``S`` tokens per sequence.
+
+    positions: [B, S] absolute positions (row b covers ``start[b] .. start[b] + S - 1``).
+    state: the sequences' caches. shared: what source layers published this call (compressed
+    top-k per index source, the candidate pool). engram_ids: [B, S, n_engram_layers, cols].
+    compress_done: KV-source layers whose entries for this chunk were already written (CED).
+    """
+
+    positions: torch.Tensor
+    state: KVState
+    rope: "RopeCache"
+    engram_ids: torch.Tensor | None = None
+    shared: dict = field(default_factory=dict)
+    compress_done: frozenset = frozenset()
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.positions[:, 0]
+
+
+class RopeCache:
+    """Rotary factors ``exp(i * pos * f)`` for the window-only and the compressed layers.
+
+    Computed per call from the frequencies (no max-length table), bit-identical to a table row.
+    """
+
+    def __init__(self, cfg, device):
+        self.window = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta).to(device)
+        yarn = None
+        if cfg.original_seq_len > 0:
+            yarn = YaRN(cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+        self.compressed = rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, yarn).to(device)
+
+    def factors(self, compressed: bool, positions: torch.Tensor) -> torch.Tensor:
+        """complex64 ``[*positions.shape, R/2]``."""
+        freqs = self.compressed if compressed else self.window
+        angles = positions.to(torch.float32).unsqueeze(-1) * freqs
+        return torch.polar(torch.ones_like(angles), angles)
+
+
+def rope_tail(x: torch.Tensor, factors: torch.Tensor, rd: int, inverse: bool = False) -> torch.Tensor:
+    """Rotary embedding on the last ``rd`` channels of ``x`` [B, S, (H,) D]."""
+    return torch.cat([x[..., :-rd], ops.rope(x[..., -rd:], factors, inverse)], dim=-1)

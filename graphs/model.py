@@ -1,0 +1,122 @@
+"""The DeepSeek-V4.1-Flash model: embed -> hc copies -> blocks (Engram at its layers) -> head.
+
+Written only against ``flashrt.ops`` (plus embedding row gathers and reshapes), so every backend
+runs it unchanged. ``Model.forward`` keeps an internal :class:`KVState` like the published code
+(``start_pos == 0`` starts a new one); pass ``state=`` to drive several batches explicitly.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashrt import ops
+from flashrt.kvcache import KVState
+
+from .block import Block
+from .config import ModelConfig
+from .context import RopeCache, StepContext
+from .engram_hash import EngramHasher, EngramLayout, TokenMap
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, weights: dict, token_map=None):
+        self.cfg, self.weights = cfg, weights
+        self.embed, self.norm, self.head = weights["embed.weight"], weights["norm.weight"], weights["head.weight"]
+        self.device = self.embed.device
+        self.blocks = [Block(cfg, layer, weights, f"layers.{layer}.") for layer in range(cfg.n_layers)]
+        self.rope = RopeCache(cfg, self.device)
+        layout = EngramLayout.from_config(cfg)
+        self.hasher = None
+        if layout is not None:
+            self.hasher = EngramHasher(layout, token_map or TokenMap.identity(layout.compressed_vocab_size))
+        self._state: KVState | None = None
+        self.drafts = None
+        if cfg.dspark_block_size:
+            from .dspark import Drafts
+
+            self.drafts = Drafts(self, weights)
+
+    # ----- state ---------------------------------------------------------------------------------
+    def new_state(self, batch: int, capacity: int) -> KVState:
+        """Empty caches for ``batch`` sequences of up to ``capacity`` positions."""
+        return KVState(self.cfg, batch, capacity, self.device)
+
+    def _check_ids(self, input_ids) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids: expected an int64 tensor [B, S], got {got}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids: expected at least one token per sequence, got S = 0")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            raise ValueError(f"input_ids: expected ids in [0, {self.cfg.vocab_size}), got values in [{lo}, {hi}]")
+        return input_ids.to(device=self.device, dtype=torch.long)
+
+    def context(self, ids: torch.Tensor, state: KVState) -> StepContext:
+        """Positions and Engram hashes for a chunk ``ids`` [B, S] continuing ``state``."""
+        S = ids.shape[1]
+        state.ensure_capacity(int(state.positions.max()) + S)
+        positions = state.positions.unsqueeze(1) + torch.arange(S, device=self.device)
+        engram_ids = None
+        if self.hasher is not None:
+            engram_ids, state.engram_history = self.hasher.hash_ids(ids, state.engram_history)
+        return StepContext(positions, state, self.rope, engram_ids)
+
+    # ----- pieces ----------------------------------------------------------------------------------
+    def embed_tokens(self, ids: torch.Tensor):
+        x = self.embed[ids]  # [B, S, dim]
+        x = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
+        pre = torch.zeros(*ids.shape, self.cfg.hc_mult, dtype=torch.float32, device=self.device)
+        pre[..., 0] = 1.0
+        return x, pre
+
+    def run_layers(self, x, pre, ctx: StepContext, layers, skip_engram=(), capture=None):
+        for layer in layers:
+            block = self.blocks[layer]
+            if block.engram is not None and layer not in skip_engram:
+                x = block.engram.forward(x, ctx)
+            if capture is not None and layer in self.cfg.dspark_target_layer_ids:
+                capture[layer] = x.to(torch.float32).mean(dim=2).to(x.dtype)
+            x, pre = block.forward(x, pre, ctx)
+        return x, pre
+
+    def logits(self, x, pre, all_positions: bool) -> torch.Tensor:
+        if not all_positions:
+            x, pre = x[:, -1:], pre[:, -1:]
+        h = ops.rms_norm(ops.hc_collapse(x, pre), self.norm, self.cfg.norm_eps)
+        out = ops.linear(h.to(torch.float32), self.head)
+        return out if all_positions else out[:, 0]
+
+    # ----- public ----------------------------------------------------------------------------------
+    def forward(self, input_ids, start_pos: int = 0, all_positions: bool = False, state: KVState | None = None):
+        """fp32 logits ``[B, vocab]`` of the last position (``[B, S, vocab]`` with ``all_positions``).
+
+        ``start_pos == 0`` starts new sequences in the internal state; ``start_pos > 0`` continues
+        it and must equal the number of tokens already run.
+        """
+        ids = self._check_ids(input_ids)
+        state = self._state_for(ids, start_pos, state)
+        ctx = self.context(ids, state)
+        x, pre = self.embed_tokens(ids)
+        captured = {} if self.drafts is not None else None
+        x, pre = self.run_layers(x, pre, ctx, range(self.cfg.n_layers), capture=captured)
+        if captured:
+            self.drafts.seed(captured, ctx)
+        state.positions += ids.shape[1]
+        return self.logits(x, pre, all_positions)
+
+    def _state_for(self, ids, start_pos: int, state: KVState | None) -> KVState:
+        if state is not None:
+            return state
+        if start_pos == 0:
+            self._state = self.new_state(ids.shape[0], ids.shape[1])
+        elif self._state is None or self._state.batch != ids.shape[0] or bool((self._state.positions != start_pos).any()):
+            have = None if self._state is None else self._state.positions.tolist()
+            raise ValueError(f"start_pos: expected the next position of the running sequences ({have}), got {start_pos}")
+        return self._state
+
+    def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact", **kwargs):
+        """Generate from one or more prompts (``[B, S]`` tensor or list of token lists); see
+        :func:`flashrt.graphs.generate.generate`."""
+        from .generate import generate
+
+        return generate(self, prompts, max_new_tokens, temperature=temperature, prefill=prefill, **kwargs)

@@ -1,0 +1,44 @@
+"""MoE FFN: routed experts chosen by the gate (the bias picks, it does not scale) + a shared expert."""
+from __future__ import annotations
+
+import torch
+
+from flashrt import ops
+from flashrt.formats import QTensor
+
+
+def stack_experts(weights: list) -> torch.Tensor | QTensor:
+    """Per-expert [out, in] weights (plain or QTensor) -> one [E, out, in] tensor or QTensor."""
+    if isinstance(weights[0], QTensor):
+        first = weights[0]
+        return QTensor(torch.stack([w.data for w in weights]), torch.stack([w.scale for w in weights]),
+                       first.fmt, (len(weights), *first.shape))
+    return torch.stack(weights)
+
+
+class MoE:
+    def __init__(self, cfg, layer: int, w: dict, prefix: str):
+        p = prefix + "ffn."
+        self.cfg = cfg
+        n_routed, self.topk = cfg.n_experts(layer)
+        gate = w[p + "gate.weight"]
+        self.gate = gate if cfg.gate_temp == 1.0 else (gate.to(torch.float32) / cfg.gate_temp)
+        self.bias = w[p + "gate.bias"]
+        self.w1, self.w2, self.w3 = (
+            stack_experts([w[f"{p}experts.{e}.{name}.weight"] for e in range(n_routed)]) for name in ("w1", "w2", "w3"))
+        self.shared = None
+        if cfg.n_shared_experts:
+            self.shared = tuple(stack_experts([w[f"{p}shared_experts.{name}.weight"]]) for name in ("w1", "w3", "w2"))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])
+        weights, indices = ops.moe_route(x, self.gate, self.bias, self.topk, cfg.score_func,
+                                         cfg.norm_topk_prob, cfg.route_scale)
+        y = ops.moe_experts(x, weights, indices, self.w1, self.w3, self.w2, cfg.swiglu_limit)
+        if self.shared is not None:
+            ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+            first = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
+            y = y + ops.moe_experts(x, ones, first, *self.shared, cfg.swiglu_limit)
+        return y.to(h.dtype).view(shape)
