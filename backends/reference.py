@@ -6,6 +6,7 @@ chunked over query positions so that the reference stays usable on realistic sha
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +50,25 @@ def dequantize(q, dtype):
     return formats.dequantize(q, dtype)
 
 
+_WEIGHT_CACHE: dict[int, tuple] = {}  # id(data) -> (weakref(data), scale, shape, fp32 values)
+
+
+def dequantized_weight(w: QTensor) -> torch.Tensor:
+    """fp32 values of a quantized weight, kept while its storage lives (weights are immutable)."""
+    key = id(w.data)
+    hit = _WEIGHT_CACHE.get(key)
+    if hit is None or hit[0]() is not w.data or hit[1] is not w.scale or hit[2] != tuple(w.shape):
+        hit = (weakref.ref(w.data), w.scale, tuple(w.shape), formats.dequantize(w))
+        _WEIGHT_CACHE[key] = hit
+        weakref.finalize(w.data, _WEIGHT_CACHE.pop, key, None)
+    return hit[3]
+
+
 def linear_fp32(x, weight) -> torch.Tensor:
     """``x @ weight.T`` accumulated in fp32, returned in fp32 (fp8 activations for QTensor weights)."""
     if isinstance(weight, QTensor):
         xq = formats.dequantize(formats.quantize(x, "fp8"))
-        return F.linear(xq, formats.dequantize(weight))
+        return F.linear(xq, dequantized_weight(weight))
     return F.linear(x.to(torch.float32), weight.to(torch.float32))
 
 
@@ -209,10 +224,12 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     return w * route_scale, indices.to(torch.int32)
 
 
-def _expert(w, e: int):
-    if isinstance(w, QTensor):
-        return QTensor(w.data[e], w.scale[e], w.fmt, w.shape[1:])
-    return w[e]
+def _project(x, w, e: int) -> torch.Tensor:
+    """``linear(x, w[e])`` of a stacked [E, out, in] weight, in ``x.dtype``."""
+    if isinstance(w, QTensor):  # fp8 activations, as linear() does for a quantized weight
+        xq = formats.dequantize(formats.quantize(x, "fp8"))
+        return F.linear(xq, dequantized_weight(w)[e]).to(x.dtype)
+    return F.linear(x.to(torch.float32), w[e].to(torch.float32)).to(x.dtype)
 
 
 def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
@@ -220,13 +237,13 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
     for e in torch.unique(indices).tolist():
         tok, slot = torch.nonzero(indices == e, as_tuple=True)
         xe = x[tok]
-        gate = linear(xe, _expert(w1, e)).to(torch.float32)
-        up = linear(xe, _expert(w3, e)).to(torch.float32)
+        gate = _project(xe, w1, e).to(torch.float32)
+        up = _project(xe, w3, e).to(torch.float32)
         if swiglu_limit > 0:
             gate = gate.clamp_max(swiglu_limit)
             up = up.clamp(-swiglu_limit, swiglu_limit)
         h = F.silu(gate) * up * weights[tok, slot].unsqueeze(-1)
-        out.index_add_(0, tok, linear(h.to(x.dtype), _expert(w2, e)).to(torch.float32))
+        out.index_add_(0, tok, _project(h.to(x.dtype), w2, e).to(torch.float32))
     return out
 
 

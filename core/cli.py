@@ -11,6 +11,7 @@ from importlib import metadata
 import torch
 
 from . import __version__, dispatch
+from .errors import FlashrtError
 
 
 def _version(dist: str) -> str | None:
@@ -107,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="devices, backends and their availability, versions")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(func=cmd_doctor)
+    from .cli_model import add_plan, add_run
+
+    add_run(sub)
+    add_plan(sub)
     return parser
 
 
@@ -117,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `flashrt doctor | head`
         sys.stderr.close()
         return 0
+    except (ValueError, FlashrtError) as exc:  # bad input: one clear line, no traceback
+        print(f"flashrt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ class KVState:
         self.cfg, self.batch, self.capacity = cfg, batch, capacity
         self.device = torch.device(device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.host_positions = [0] * batch  # the same on the host: no device sync to read them
         layers = range(cfg.total_layers) if layers is None else layers
         hd = cfg.head_dim
         self.rings = {l: empty_qtensor("fp8", (batch, cfg.window_size, hd), self.device) for l in layers}
@@ -82,6 +83,15 @@ class KVState:
         n_hist = max(cfg.engram_max_ngram_size - 1, 0)
         self.engram_history = torch.full((batch, n_hist), -1, dtype=torch.long, device=self.device)
 
+    def advance(self, tokens: int) -> None:
+        """Every row has run ``tokens`` more positions."""
+        self.positions += tokens
+        self.host_positions = [p + tokens for p in self.host_positions]
+
+    @property
+    def is_meta(self) -> bool:
+        return self.device.type == "meta"
+
     def ensure_capacity(self, positions: int) -> None:
         """Grow the compressed caches (doubling, copying what is stored) to hold ``positions``."""
         if positions <= self.capacity:
@@ -96,6 +106,8 @@ class KVState:
     # ----- window rings ------------------------------------------------------------------------
     def write_ring(self, layer: int, kv: QTensor, positions: torch.Tensor) -> None:
         """Store the last ``window_size`` tokens of a chunk ``kv`` [B, S, D] at slot ``pos % W``."""
+        if self.is_meta:  # shape-only tracing: nothing is stored
+            return
         W = self.cfg.window_size
         keep = positions >= positions[:, -1:] - (W - 1)  # [B, S]
         b = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(positions)[keep]
@@ -105,9 +117,9 @@ class KVState:
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:
         """Write compressed entries ``main``/``index_k`` [B, n, *] at entry numbers ``entry``
         [B, n] where ``mask`` [B, n] is True."""
+        if self.is_meta:
+            return
         cache = self.compressed[layer]
-        if bool(mask.any()) and int(entry[mask].max()) >= cache.main.shape[1]:
-            raise ValueError(f"KVState: context exceeds the capacity of {self.capacity} positions")
         b = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(entry)[mask]
         write_rows(cache.main, b, entry[mask], qtensor_rows(main, mask))
         write_rows(cache.index_k, b, entry[mask], qtensor_rows(index_k, mask))
@@ -134,6 +146,7 @@ class KVState:
         out.cfg, out.capacity, out.device = first.cfg, first.capacity, first.device
         out.batch = sum(s.batch for s in states)
         out.positions = torch.cat([s.positions for s in states])
+        out.host_positions = [p for s in states for p in s.host_positions]
         cat_q = lambda qs: QTensor(torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs]),
                                    qs[0].fmt, (out.batch, *qs[0].shape[1:]))
         out.rings = {l: cat_q([s.rings[l] for s in states]) for l in first.rings}

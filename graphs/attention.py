@@ -75,7 +75,7 @@ class Attention:
         if self.compressor is not None and self.layer not in ctx.compress_done:
             self.compressor.forward(h, ctx)
         visible = ((ctx.positions + 1) // self.ratio).to(torch.int32)  # [B, S]
-        T = int(visible.max())
+        T = ctx.end // self.ratio
         cache = ctx.state.compressed[source]
         if self.role in ("full", "reindex"):
             topk = self._indexer(h, qr, cache.index_k.narrow(1, 0, T), visible, ctx)

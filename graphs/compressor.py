@@ -50,10 +50,10 @@ class Compressor:
     def _chunk(self, h, ctx: StepContext):
         """A chunk of S tokens starting at the same position in every row."""
         cache, r = ctx.state.compressed[self.layer], self.ratio
-        start = ctx.positions[:, 0]
-        p0 = int(start[0])
-        if bool((start != p0).any()):
-            raise ValueError("positions: a multi-token chunk must start at the same position in every row")
+        starts = set(ctx.state.host_positions)
+        if len(starts) != 1:
+            raise ValueError(f"input_ids: a multi-token chunk must start at the same position in every row, got {sorted(starts)}")
+        p0 = starts.pop()
         pend = p0 % r
         x = h.to(torch.float32)
         kv = torch.cat([cache.kv_state[:, :pend], ops.linear(x, self.wkv)], dim=1)

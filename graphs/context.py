@@ -21,6 +21,7 @@ class StepContext:
     """
 
     positions: torch.Tensor
+    end: int  # 1 + the largest position in the chunk (host-side, no device sync)
     state: KVState
     rope: "RopeCache"
     engram_ids: torch.Tensor | None = None

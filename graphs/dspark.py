@@ -84,7 +84,7 @@ class Drafts:
         ids[:, 0] = next_ids
         x, pre = model.embed_tokens(ids)
         positions = state.positions.unsqueeze(1) + torch.arange(K, device=model.device)
-        ctx = StepContext(positions, state, model.rope)
+        ctx = StepContext(positions, max(state.host_positions) + K, state, model.rope)
         for block in self.blocks:
             x, pre = block.forward(x, pre, ctx)
         h = ops.hc_collapse(x, pre)

@@ -47,7 +47,7 @@ def prefill_prompt(model, ids: torch.Tensor, state: KVState, schedule: str = "ex
     cfg = model.cfg
     W = cfg.window_size
     S = ids.shape[1]
-    if schedule == "exact" or S <= W or bool((state.positions != 0).any()):
+    if schedule == "exact" or S <= W or any(state.host_positions):
         return model.forward(ids, state=state)
     split = ced_split(cfg)
     ctx = model.context(ids, state)
@@ -60,14 +60,14 @@ def prefill_prompt(model, ids: torch.Tensor, state: KVState, schedule: str = "ex
     tail = slice(S - W, S)
     for layer in range(split, cfg.n_layers):
         state.ring_start[layer].fill_(S - W)
-    sub = StepContext(ctx.positions[:, tail], state, ctx.rope,
+    sub = StepContext(ctx.positions[:, tail], ctx.end, state, ctx.rope,
                       None if ctx.engram_ids is None else ctx.engram_ids[:, tail], compress_done=frozenset({split}))
     captured = {} if model.drafts is not None else None
     x, pre = model.run_layers(x[:, tail], pre[:, tail], sub, range(split, cfg.n_layers), skip_engram={split},
                               capture=captured)
     if captured:
         model.drafts.seed(captured, sub)
-    state.positions += S
+    state.advance(S)
     return model.logits(x, pre, all_positions=False)
 
 

@@ -46,6 +46,8 @@ class Model:
             raise ValueError(f"input_ids: expected an int64 tensor [B, S], got {got}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids: expected at least one token per sequence, got S = 0")
+        if input_ids.device.type == "meta":  # shape-only tracing
+            return input_ids
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"input_ids: expected ids in [0, {self.cfg.vocab_size}), got values in [{lo}, {hi}]")
@@ -54,12 +56,16 @@ class Model:
     def context(self, ids: torch.Tensor, state: KVState) -> StepContext:
         """Positions and Engram hashes for a chunk ``ids`` [B, S] continuing ``state``."""
         S = ids.shape[1]
-        state.ensure_capacity(int(state.positions.max()) + S)
+        end = max(state.host_positions) + S
+        state.ensure_capacity(end)
         positions = state.positions.unsqueeze(1) + torch.arange(S, device=self.device)
         engram_ids = None
-        if self.hasher is not None:
+        if self.hasher is not None and state.is_meta:
+            cols = (self.cfg.engram_max_ngram_size - 1) * self.cfg.engram_n_heads
+            engram_ids = torch.zeros(*ids.shape, len(self.cfg.engram_layer_ids), cols, dtype=torch.long, device="meta")
+        elif self.hasher is not None:
             engram_ids, state.engram_history = self.hasher.hash_ids(ids, state.engram_history)
-        return StepContext(positions, state, self.rope, engram_ids)
+        return StepContext(positions, end, state, self.rope, engram_ids)
 
     # ----- pieces ----------------------------------------------------------------------------------
     def embed_tokens(self, ids: torch.Tensor):
@@ -101,7 +107,7 @@ class Model:
         x, pre = self.run_layers(x, pre, ctx, range(self.cfg.n_layers), capture=captured)
         if captured:
             self.drafts.seed(captured, ctx)
-        state.positions += ids.shape[1]
+        state.advance(ids.shape[1])
         return self.logits(x, pre, all_positions)
 
     def _state_for(self, ids, start_pos: int, state: KVState | None) -> KVState:
@@ -109,8 +115,8 @@ class Model:
             return state
         if start_pos == 0:
             self._state = self.new_state(ids.shape[0], ids.shape[1])
-        elif self._state is None or self._state.batch != ids.shape[0] or bool((self._state.positions != start_pos).any()):
-            have = None if self._state is None else self._state.positions.tolist()
+        elif self._state is None or self._state.batch != ids.shape[0] or set(self._state.host_positions) != {start_pos}:
+            have = None if self._state is None else self._state.host_positions
             raise ValueError(f"start_pos: expected the next position of the running sequences ({have}), got {start_pos}")
         return self._state
 

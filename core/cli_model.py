@@ -1,0 +1,72 @@
+"""``flashrt run`` and ``flashrt plan``: argument wiring and report printing."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1024 or prefix == "P":
+            return f"{n:,.1f} {prefix}{unit}" if prefix else f"{n:,.0f} {unit}"
+        n /= 1024
+    return f"{n} {unit}"
+
+
+def add_run(sub) -> None:
+    p = sub.add_parser("run", help="generate with the tiny built-in model (or --model small|PATH) and report")
+    p.add_argument("--model", default="tiny", help="tiny | small | checkpoint directory (default tiny)")
+    p.add_argument("--prompt", default=None, help="prompt text (UTF-8 bytes as ids for built-in models)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    p.add_argument("--backend", default=None, help="force a backend (see flashrt doctor)")
+    p.add_argument("--prefill", choices=("exact", "ced"), default="exact")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: 1 for tiny, else torch's)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    from flashrt.graphs.run import DEFAULT_PROMPT, run
+
+    report = run(args.model, args.prompt or DEFAULT_PROMPT, args.max_new_tokens, args.device, args.backend,
+                 args.prefill, args.temperature, args.seed, quiet=args.json, threads=args.threads)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+        return 0
+    r = report
+    print(f"model {r['model']} on {r['device']} ({r['cpu_threads']} CPU threads), prefill {r['prefill']}")
+    print("backends: " + ", ".join(f"{k} {v}" for k, v in r["backend_per_op_family"].items()))
+    print(f"prompt ({r['prompt_tokens']} tokens): {r['prompt']!r}")
+    print(f"new ({r['new_tokens']} tokens): {r['new_text']!r}  ids {r['new_token_ids']}")
+    print(f"prefill {r['prefill_tokens_per_s']:,.1f} tok/s   decode {r['decode_tokens_per_s']:,.1f} tok/s   "
+          f"(weights loaded in {r['load_seconds']:.2f} s)")
+    print(f"KV {r['kv_bytes_per_token']:,.1f} B/token, {_human(r['kv_bytes_total'])} in total "
+          f"(window rings {_human(r['window_state_bytes'])})   peak memory {_human(r['peak_memory_bytes'])}")
+    return 0
+
+
+def add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="parameters, KV bytes, FLOPs and capacity of a model (nothing allocated)")
+    p.add_argument("--model", default="v4.1-flash", help="tiny | small | v4.1-flash | deepseek-llm-67b | config dir")
+    p.add_argument("--context", type=int, default=1 << 20, help="context length for capacity (default 1M)")
+    p.add_argument("--memory-gib", type=float, default=141.0, help="device memory in GiB (default 141, H200)")
+    p.add_argument("--memory-utilization", type=float, default=0.9)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    from flashrt.graphs.plan_report import plan_report
+
+    report = plan_report(args.model, args.context, args.memory_gib * 2**30 * args.memory_utilization)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    else:
+        for line in report["lines"]:
+            print(line)
+    return 0

@@ -1,0 +1,122 @@
+"""``flashrt run``: build or load a model, generate from a prompt, report speed and memory.
+
+The built-in models (``tiny``, ``small``) get deterministic weights, created once and saved as
+a safetensors checkpoint under the cache directory (``FLASHRT_CACHE_DIR``, else the user cache
+dir), then loaded from there. Without a tokenizer, prompts are encoded as UTF-8 bytes (ids 0-255).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from flashrt import dispatch
+from flashrt.progress import Progress
+
+from . import checkpoint
+from .config import SHIPPED, shipped_config
+from .init_weights import init_weights
+from .model import Model
+
+DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
+OP_FAMILIES = {
+    "attention": ("sparse_attention",), "indexer": ("index_scores", "topk_positions", "candidate_blocks"),
+    "linear": ("linear",), "moe": ("moe_route", "moe_experts"), "norm+rope": ("rms_norm", "rope"),
+    "mhc": ("hc_coefficients", "hc_collapse", "hc_expand"), "compress": ("compress_pool",),
+    "engram": ("engram_lookup", "engram_gate"), "quant": ("quantize", "dequantize"), "sample": ("sample",),
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FLASHRT_CACHE_DIR")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flashrt"
+
+
+def builtin_checkpoint(name: str, seed: int = 0, quiet: bool = False) -> Path:
+    """The cached checkpoint of a built-in model, created (atomically) on first use."""
+    path = cache_dir() / "models" / f"{name}-seed{seed}"
+    if not (path / "config.json").exists():
+        cfg = shipped_config(name)
+        weights = init_weights(cfg, seed=seed, progress=Progress(f"creating {name} weights", enabled=not quiet))
+        checkpoint.save(weights, cfg, path, progress=Progress(f"saving to {path}", enabled=not quiet))
+    return path
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device")
+        return dev
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = False) -> Model:
+    """``tiny`` / ``small`` (built-in) or a checkpoint directory -> Model on ``device``."""
+    if model in SHIPPED and not os.path.isdir(model):
+        if model not in ("tiny", "small"):
+            raise ValueError(f"model: {model!r} has no built-in weights; pass its checkpoint directory")
+        path = builtin_checkpoint(model, seed, quiet)
+    else:
+        path = Path(model)
+        if not (path / "config.json").exists():
+            raise ValueError(f"model: expected 'tiny', 'small' or a checkpoint directory with config.json, got {model!r}")
+    cfg, weights = checkpoint.load(path, device=device, progress=Progress(f"loading {path.name}", enabled=not quiet))
+    return Model(cfg, weights)
+
+
+def encode_prompt(text: str, vocab_size: int) -> list[int]:
+    ids = list(text.encode("utf-8"))
+    if not ids:
+        raise ValueError("prompt: expected a non-empty prompt")
+    if max(ids) >= vocab_size:
+        raise ValueError(f"prompt: byte-level ids need vocab_size >= 256, the model has {vocab_size}")
+    return ids
+
+
+def decode_tokens(ids: list[int]) -> str:
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16, device=None,
+        backend: str | None = None, prefill: str = "exact", temperature: float = 0.0, seed: int = 0,
+        quiet: bool = False, threads: int | None = None) -> dict:
+    """The whole job; returns the report as a dict (the CLI prints it)."""
+    dev = pick_device(device)
+    if dev.type == "cpu" and threads is None and model == "tiny":
+        threads = 1  # tiny ops: thread fan-out costs more than it gains (12x slower when the cores are busy)
+    if threads:
+        torch.set_num_threads(threads)
+    with dispatch.use_backend(backend) if backend else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        m = load_model(model, dev, seed, quiet)
+        load_s = time.perf_counter() - t0
+        ids = encode_prompt(prompt, m.cfg.vocab_size)
+        result = m.generate([ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed)
+        families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
+                    for fam, ops in OP_FAMILIES.items()}
+    state = result.state
+    kv_token = state.global_kv_bytes_per_token()
+    n_tokens = result.prompt_tokens + result.new_tokens
+    return {
+        "model": m.cfg.name, "device": str(dev), "cpu_threads": torch.get_num_threads(), "backend_per_op_family": families, "prefill": prefill,
+        "prompt": prompt, "prompt_tokens": result.prompt_tokens, "new_tokens": result.new_tokens,
+        "new_token_ids": result.tokens[0], "new_text": decode_tokens(result.tokens[0]),
+        "load_seconds": load_s, "prefill_tokens_per_s": result.prompt_tokens / max(result.prefill_seconds, 1e-9),
+        "decode_tokens_per_s": max(result.new_tokens - 1, 0) / max(result.decode_seconds, 1e-9),
+        "kv_bytes_per_token": kv_token, "kv_bytes_total": kv_token * n_tokens + state.window_bytes(),
+        "window_state_bytes": state.window_bytes(), "peak_memory_bytes": peak_memory_bytes(dev),
+    }
