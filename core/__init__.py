@@ -11,7 +11,16 @@ from .rope import rope_table
 
 __version__ = "0.1.0"
 
+
+def load(path, device=None, profile=None, verify: bool = False, progress=None):
+    """Load a checkpoint directory (``config.json`` + safetensors shards) -> ``Model``.
+
+    See :func:`flashrt.graphs.loader.load`."""
+    from .graphs.loader import load as _load
+
+    return _load(path, device=device, profile=profile, verify=verify, progress=progress)
+
 __all__ = [
     "BackendError", "CheckpointError", "FlashrtError", "ProfileError", "QTensor", "backends", "formats", "ops",
-    "rope_table", "use_backend", "value_checks", "__version__",
+    "load", "rope_table", "use_backend", "value_checks", "__version__",
 ]

@@ -27,6 +27,7 @@ class StepContext:
     engram_ids: torch.Tensor | None = None
     shared: dict = field(default_factory=dict)
     compress_done: frozenset = frozenset()
+    token_mask: torch.Tensor | None = None  # [B, S] bool, False: no Engram for that token
 
     @property
     def start(self) -> torch.Tensor:

@@ -55,7 +55,7 @@ def prefill_prompt(model, ids: torch.Tensor, state: KVState, schedule: str = "ex
     x, pre = model.run_layers(x, pre, ctx, range(split))
     block = model.blocks[split]
     if block.engram is not None:
-        x = block.engram.forward(x, ctx)
+        x = block.engram.forward(x, ctx, ctx.token_mask)
     block.attn.compressor.forward(block.attention_input(x, pre), ctx)  # the decoder's global KV, all tokens
     tail = slice(S - W, S)
     for layer in range(split, cfg.n_layers):

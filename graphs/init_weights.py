@@ -56,9 +56,10 @@ def init_values(spec: ParamSpec, seed: int = 0) -> torch.Tensor:
     raise ValueError(f"{spec.name}: unknown init {spec.init!r} (expected linear, small, normal, ones, zeros)")
 
 
-def init_param(spec: ParamSpec, seed: int = 0) -> torch.Tensor | QTensor:
-    """One parameter in its storage kind, on the CPU."""
-    x = init_values(spec, seed)
+def init_param(spec: ParamSpec, seed: int = 0, device="cpu") -> torch.Tensor | QTensor:
+    """One parameter in its storage kind on ``device`` (values drawn on the CPU, quantized on
+    ``device``: the codec is exact IEEE arithmetic, so the bytes do not depend on it)."""
+    x = init_values(spec, seed).to(device)
     if spec.kind in QUANTIZED:
         return quantize(x, QUANTIZED[spec.kind])
     if spec.kind not in PLAIN_DTYPES:
@@ -76,8 +77,7 @@ def init_weights(cfg: ModelConfig, seed: int = 0, device="cpu",
     device = torch.device(device)
     out: dict[str, torch.Tensor | QTensor] = {}
     for i, spec in enumerate(specs):
-        value = init_param(spec, seed)
-        out[spec.name] = value if device.type == "cpu" else value.to(device)
+        out[spec.name] = init_param(spec, seed, device)
         if progress is not None:
             progress(i + 1, len(specs))
     return out

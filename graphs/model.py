@@ -53,8 +53,11 @@ class Model:
             raise ValueError(f"input_ids: expected ids in [0, {self.cfg.vocab_size}), got values in [{lo}, {hi}]")
         return input_ids.to(device=self.device, dtype=torch.long)
 
-    def context(self, ids: torch.Tensor, state: KVState) -> StepContext:
-        """Positions and Engram hashes for a chunk ``ids`` [B, S] continuing ``state``."""
+    def context(self, ids: torch.Tensor, state: KVState, token_mask: torch.Tensor | None = None) -> StepContext:
+        """Positions and Engram hashes for a chunk ``ids`` [B, S] continuing ``state``.
+
+        ``token_mask`` [B, S] bool: False marks tokens (e.g. image tokens) that take no part in an
+        n-gram and whose Engram gate is off."""
         S = ids.shape[1]
         end = max(state.host_positions) + S
         state.ensure_capacity(end)
@@ -64,8 +67,8 @@ class Model:
             cols = (self.cfg.engram_max_ngram_size - 1) * self.cfg.engram_n_heads
             engram_ids = torch.zeros(*ids.shape, len(self.cfg.engram_layer_ids), cols, dtype=torch.long, device="meta")
         elif self.hasher is not None:
-            engram_ids, state.engram_history = self.hasher.hash_ids(ids, state.engram_history)
-        return StepContext(positions, end, state, self.rope, engram_ids)
+            engram_ids, state.engram_history = self.hasher.hash_ids(ids, state.engram_history, token_mask)
+        return StepContext(positions, end, state, self.rope, engram_ids, token_mask=token_mask)
 
     # ----- pieces ----------------------------------------------------------------------------------
     def embed_tokens(self, ids: torch.Tensor):
@@ -79,7 +82,7 @@ class Model:
         for layer in layers:
             block = self.blocks[layer]
             if block.engram is not None and layer not in skip_engram:
-                x = block.engram.forward(x, ctx)
+                x = block.engram.forward(x, ctx, ctx.token_mask)
             if capture is not None and layer in self.cfg.dspark_target_layer_ids:
                 capture[layer] = x.to(torch.float32).mean(dim=2).to(x.dtype)
             x, pre = block.forward(x, pre, ctx)
@@ -93,15 +96,20 @@ class Model:
         return out if all_positions else out[:, 0]
 
     # ----- public ----------------------------------------------------------------------------------
-    def forward(self, input_ids, start_pos: int = 0, all_positions: bool = False, state: KVState | None = None):
+    def forward(self, input_ids, start_pos: int = 0, all_positions: bool = False, state: KVState | None = None,
+                token_mask: torch.Tensor | None = None):
         """fp32 logits ``[B, vocab]`` of the last position (``[B, S, vocab]`` with ``all_positions``).
 
         ``start_pos == 0`` starts new sequences in the internal state; ``start_pos > 0`` continues
-        it and must equal the number of tokens already run.
+        it and must equal the number of tokens already run. ``token_mask`` [B, S] bool (optional):
+        False gates the Engram contribution off for those tokens (image tokens).
         """
         ids = self._check_ids(input_ids)
+        if token_mask is not None and (not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool
+                                       or token_mask.shape != ids.shape):
+            raise ValueError(f"token_mask: expected a bool tensor {tuple(ids.shape)}, got {token_mask!r:.80}")
         state = self._state_for(ids, start_pos, state)
-        ctx = self.context(ids, state)
+        ctx = self.context(ids, state, None if token_mask is None else token_mask.to(self.device))
         x, pre = self.embed_tokens(ids)
         captured = {} if self.drafts is not None else None
         x, pre = self.run_layers(x, pre, ctx, range(self.cfg.n_layers), capture=captured)

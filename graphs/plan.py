@@ -88,11 +88,15 @@ def active_params(cfg: ModelConfig, prompt: int | None = None) -> float:
     return total
 
 
-def decode_trace(cfg: ModelConfig, context: int, batch: int = 1):
-    """The recorded graph of one decode step of ``batch`` sequences at ``context`` tokens."""
+def meta_model(cfg: ModelConfig):
     from .model import Model
 
-    model = Model(cfg, meta_weights(cfg))
+    return Model(cfg, meta_weights(cfg))
+
+
+def decode_trace(model, context: int, batch: int = 1):
+    """The recorded graph of one decode step of ``batch`` sequences at ``context`` tokens
+    (``model`` built by :func:`meta_model`)."""
     state = model.new_state(batch, context + 1)
     state.host_positions = [context] * batch
     ids = torch.empty(batch, 1, dtype=torch.long, device="meta")
@@ -119,8 +123,9 @@ def make_plan(cfg: ModelConfig, contexts=(4096, 1 << 20), prompt: int = 1 << 20)
     for s in param_specs(cfg):
         wb[s.group] += stored_bytes(s)
     flops, moved = {}, {}
+    model = meta_model(cfg)
     for n in contexts:
-        total = decode_trace(cfg, n).total()
+        total = decode_trace(model, n).total()
         flops[n], moved[n] = total.flops, total.bytes_read + total.bytes_written
     return Plan(cfg, count_params(cfg), wb, kv_bytes_per_token(cfg), window_state_bytes(cfg),
                 active_params(cfg), active_params(cfg, prompt), flops, moved)

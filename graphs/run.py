@@ -20,6 +20,7 @@ from flashrt.progress import Progress
 from . import checkpoint
 from .config import SHIPPED, shipped_config
 from .init_weights import init_weights
+from .loader import load
 from .model import Model
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -68,8 +69,7 @@ def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = Fa
         path = Path(model)
         if not (path / "config.json").exists():
             raise ValueError(f"model: expected 'tiny', 'small' or a checkpoint directory with config.json, got {model!r}")
-    cfg, weights = checkpoint.load(path, device=device, progress=Progress(f"loading {path.name}", enabled=not quiet))
-    return Model(cfg, weights)
+    return load(path, device=device, progress=Progress(f"loading {path.name}", enabled=not quiet))
 
 
 def encode_prompt(text: str, vocab_size: int) -> list[int]:

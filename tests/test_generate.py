@@ -166,6 +166,7 @@ def test_ced_prefill_time_ratio(model, cfg, rng):
     (dict(max_new_tokens=2.0), "max_new_tokens"),
     (dict(max_new_tokens=True), "max_new_tokens"),
     (dict(prefill="fast"), "prefill"),
+    (dict(temperature=-1.0), "temperature"),
     (dict(prompts=[]), "prompts"),
     (dict(prompts=[[1, 2], []]), "prompts"),
     (dict(prompts=torch.tensor([1, 2, 3])), "prompts"),

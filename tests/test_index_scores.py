@@ -50,7 +50,7 @@ def check(out, want, B, S, T, rtol=1e-5, atol=1e-4):
 
 
 def assert_error(fn, name: str, *fragments: str):
-    with pytest.raises(ValueError, match=rf"^{re.escape(name)}\b[\s\S]*expected[\s\S]*got") as info:
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}(?!\w)[\s\S]*expected[\s\S]*got") as info:
         fn()
     msg = str(info.value)
     for f in fragments:

@@ -22,8 +22,9 @@ from flashrt.formats import QTensor
 
 def expected_attention(q, kv, indices, sink, scale) -> torch.Tensor:
     """float64 [B, S, H, D]: the ops.md formula, one row and one slot at a time."""
-    kvf = formats.dequantize(kv) if isinstance(kv, QTensor) else kv
-    qd, kvd = q.to(torch.float64), kvf.to(torch.float64)
+    segments = kv if isinstance(kv, tuple) else (kv,)  # a tuple stands for its concatenation along T
+    kvd = torch.cat([(formats.dequantize(x) if isinstance(x, QTensor) else x).to(torch.float64) for x in segments], 1)
+    qd = q.to(torch.float64)
     B, S, H, D = q.shape
     out = torch.zeros(B, S, H, D, dtype=torch.float64)
     for b in range(B):
@@ -65,7 +66,7 @@ def check_close(out, want, dtype):
 
 
 def assert_error(fn, name: str, *fragments: str):
-    with pytest.raises(ValueError, match=rf"^{re.escape(name)}\b[\s\S]*expected[\s\S]*got") as info:
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}(?!\w)[\s\S]*expected[\s\S]*got") as info:
         fn()
     msg = str(info.value)
     for f in fragments:
@@ -178,6 +179,58 @@ def test_quantized_kv_fp32_output_is_tight(rng):
     sink = torch.randn(H, generator=g)
     out = ops.sparse_attention(q, kv, idx, sink, 0.125)
     check_close(out, expected_attention(q, kv, idx, sink, 0.125), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# kv as a tuple of segments (window ring, chunk, compressed cache), standing for their concatenation
+
+
+@pytest.mark.parametrize("layout", [
+    (("plain", 5), ("fp8", 11), ("fp4_b16", 21)),
+    (("fp8", 0), ("plain", 3), ("fp4_b16", 0), ("fp8", 34)),  # empty segments
+    (("bf16", 37),),  # a single segment
+    (("fp4_b16", 1), ("fp4_b16", 1), ("plain", 1)),
+])
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_segmented_kv_matches_loop_over_concatenation(layout, with_sink, rng):
+    g = rng
+    B, S, H, D, K = 2, 3, 4, 32, 9
+    segs = []
+    for kind, n in layout:
+        x = torch.randn(B, n, D, generator=g)
+        segs.append(x if kind == "plain" else x.to(torch.bfloat16) if kind == "bf16" else ops.quantize(x, kind))
+    segs = tuple(segs)
+    T = sum(n for _, n in layout)
+    q = torch.randn(B, S, H, D, generator=g)
+    idx = random_indices(B, S, K, T, g, p_all_empty_row=0.2)
+    sink = torch.randn(H, generator=g) if with_sink else None
+    out = ops.sparse_attention(q, segs, idx, sink, 0.2)
+    want = expected_attention(q, segs, idx, sink, 0.2)
+    check_close(out, want, torch.float32)
+    # a list works as well as a tuple, and gives what the concatenated plain cache gives
+    assert torch.equal(ops.sparse_attention(q, list(segs), idx, sink, 0.2), out)
+    whole = torch.cat([formats.dequantize(x) if isinstance(x, QTensor) else x.float() for x in segs], 1)
+    torch.testing.assert_close(ops.sparse_attention(q, whole, idx, sink, 0.2), out, rtol=1e-6, atol=1e-6)
+
+
+def test_segmented_kv_empty_and_bad():
+    q = torch.randn(2, 3, 4, 32)
+    a, b = torch.randn(2, 5, 32), ops.quantize(torch.randn(2, 7, 32), "fp8")
+    idx = torch.randint(-1, 12, (2, 3, 5), dtype=torch.int32)
+    ops.sparse_attention(q, (a, b), idx, None, 0.1)
+    # all segments empty: zeros
+    empty = (torch.randn(2, 0, 32), ops.quantize(torch.randn(2, 0, 32), "fp4_b16"))
+    out = ops.sparse_attention(q, empty, torch.full((2, 3, 4), -1, dtype=torch.int32), torch.randn(4), 0.1)
+    assert (out == 0).all()
+    with pytest.raises(ValueError, match=r"^kv\b.*segment"):
+        ops.sparse_attention(q, (), idx, None, 0.1)
+    assert_error(lambda: ops.sparse_attention(q, (a, torch.randn(2, 7, 16)), idx, None, 0.1), "kv[1]", "D=32", "(2, 7, 16)")
+    assert_error(lambda: ops.sparse_attention(q, (a[:1], b), idx, None, 0.1), "kv[0]", "B=2", "(1, 5, 32)")
+    assert_error(lambda: ops.sparse_attention(q, (a, ops.quantize(torch.randn(2, 7, 32), "fp8_w")), idx, None, 0.1),
+                 "kv[1]", "fp8_w")
+    high = idx.clone()
+    high[0, 0, 0] = 12  # == T_0 + T_1
+    assert_error(lambda: ops.sparse_attention(q, (a, b), high, None, 0.1), "indices", "[-1, 12)", "12]")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""`flashrt run` (the README's first command) and `flashrt plan` in fresh processes."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def flashrt(*args, env=None, check=True):
+    return subprocess.run([sys.executable, "-m", "flashrt.cli", *args], capture_output=True, text=True,
+                          check=check, env={**os.environ, **(env or {})}, cwd="/")
+
+
+def test_run_creates_then_reuses_the_tiny_checkpoint(tmp_path):
+    env = {"FLASHRT_CACHE_DIR": str(tmp_path)}
+    first = json.loads(flashrt("run", "--json", "--max-new-tokens", "6", env=env).stdout)
+    ckpt = tmp_path / "models" / "tiny-seed0"
+    assert (ckpt / "config.json").exists() and (ckpt / "SHA256SUMS").exists()
+    mtime = (ckpt / "config.json").stat().st_mtime
+    second = json.loads(flashrt("run", "--json", "--max-new-tokens", "6", env=env).stdout)
+    assert (ckpt / "config.json").stat().st_mtime == mtime  # loaded, not re-created
+    assert first["new_token_ids"] == second["new_token_ids"] and len(first["new_token_ids"]) == 6
+    assert first["device"] == "cpu" and first["prompt_tokens"] == len(first["prompt"].encode())
+    assert set(first["backend_per_op_family"].values()) == {"reference"}
+    assert first["kv_bytes_per_token"] > 0 and first["peak_memory_bytes"] > 0
+    assert first["prefill_tokens_per_s"] > 0 and first["decode_tokens_per_s"] > 0
+
+
+def test_run_text_report_and_options(tmp_path):
+    out = flashrt("run", "--prompt", "hello", "--max-new-tokens", "3", "--prefill", "ced", "--temperature", "0.7",
+                  "--seed", "5", env={"FLASHRT_CACHE_DIR": str(tmp_path)}).stdout
+    for needle in ("model tiny", "backends:", "prompt (5 tokens)", "new (3 tokens)", "tok/s", "B/token", "peak memory"):
+        assert needle in out
+
+
+def test_run_bad_input_is_one_clear_line(tmp_path):
+    env = {"FLASHRT_CACHE_DIR": str(tmp_path)}
+    r = flashrt("run", "--backend", "nope", env=env, check=False)
+    assert r.returncode == 2 and "backend 'nope' is not registered" in r.stderr and "Traceback" not in r.stderr
+    r = flashrt("run", "--model", str(tmp_path / "missing"), env=env, check=False)
+    assert r.returncode == 2 and "model:" in r.stderr
+
+
+@pytest.mark.parametrize("model,kv", [("v4.1-flash", 890), ("deepseek-llm-67b", 389120)])
+def test_plan_kv_bytes_per_token(model, kv):
+    report = json.loads(flashrt("plan", "--model", model, "--json").stdout)
+    assert report["kv_bytes_per_token"] == kv
+    assert any(f"KV bytes per token: {kv:,}" in line for line in report["lines"])
+
+
+def test_plan_v41_figures():
+    report = json.loads(flashrt("plan", "--model", "v4.1-flash", "--json", "--context", "4096").stdout)
+    assert 551.5e9 < report["params"]["backbone"] < 552.5e9
+    assert report["window_state"]["rings_backbone"] == 40 * 128 * 528
+    flops = {int(k): v for k, v in report["decode_flops"].items()}
+    assert flops[1 << 20] > flops[4096] > 2 * 10e9  # at least 2 FLOPs per active weight
+    assert report["active_params_prefill_ced"] < report["active_params_decode"]
