@@ -24,7 +24,7 @@ from .hookspecs import Backend
 log = logging.getLogger("flashrt")
 
 ENTRY_POINT_GROUP = "flashrt.backends"
-BUILTIN_PLUGINS = ("flashrt.backends.reference", "flashrt.backends.trace")
+BUILTIN_PLUGINS = ("flashrt.backends.reference", "flashrt.backends.trace", "flashrt.backends.cuda")
 
 _CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("flashrt_backend", default=None)
 _TABLE: dict[tuple, Callable] = {}
@@ -157,7 +157,8 @@ def available() -> list[BackendStatus]:
     out = []
     for name, b in sorted(backends().items(), key=lambda kv: -kv[1].priority):
         ok, reason = availability(name)
-        out.append(BackendStatus(name, tuple(b.device_types), ok, reason, tuple(sorted(b.ops)), b.priority))
+        out.append(BackendStatus(name, tuple(b.device_types) + tuple(f"{d} (explicit)" for d in b.explicit_device_types),
+                                 ok, reason, tuple(sorted(b.ops)), b.priority))
     return out
 
 
@@ -228,10 +229,10 @@ def _candidates(op: str, device_type: str) -> list[Backend]:
 def _resolve(choice: str | None, op: str, device_type: str) -> Callable:
     if choice:
         b = _check_choice(choice)
-        if device_type not in b.device_types or op not in b.ops:
+        if device_type not in (*b.device_types, *b.explicit_device_types) or op not in b.ops:
             raise BackendError(
                 f"backend {choice!r} (chosen explicitly) does not serve op {op!r} on device type "
-                f"{device_type!r}: it serves {sorted(b.ops)} on {list(b.device_types)}"
+                f"{device_type!r}: it serves {sorted(b.ops)} on {list(b.device_types + b.explicit_device_types)}"
             )
         return _runner(op, [b])
     usable, skipped = [], []

@@ -50,6 +50,9 @@ class Backend:
     supports: op name -> capability predicate called with the op's arguments; ``False`` means
         this call (dtype, shape, format) is not served and dispatch tries the next backend.
         An op with no predicate serves every call its device type allows.
+    explicit_device_types: device types served only when the backend is chosen explicitly
+        (``FLASHRT_BACKEND`` / ``use_backend``), e.g. the CUDA kernels on CPU tensors under the
+        Triton interpreter.
     """
 
     name: str
@@ -59,6 +62,7 @@ class Backend:
     is_available: Callable[[], tuple[bool, str]] = _always_available
     supports: Mapping[str, Callable[..., bool]] = field(default_factory=dict)
     description: str = ""
+    explicit_device_types: tuple[str, ...] = ()
 
 
 @hookspec

@@ -1,0 +1,44 @@
+"""Shared helpers for the CUDA-kernel tests (``tests/test_cuda_*.py``).
+
+On a CUDA machine the kernels run on the GPU; elsewhere they run in the Triton interpreter on CPU
+tensors (``TRITON_INTERPRET=1``, set by conftest) with small shapes. Every check runs the same
+``flashrt.ops`` call on the ``cuda`` backend and on the ``reference`` backend and compares.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashrt
+from flashrt import dispatch
+
+GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if GPU else "cpu")
+
+
+def kernels_available() -> bool:
+    return "cuda" in dispatch.backends() and dispatch.availability("cuda")[0]
+
+
+requires_kernels = pytest.mark.skipif(not kernels_available(), reason="cuda backend unavailable (no triton)")
+
+
+def run_both(op, *args, **kwargs):
+    """(cuda result, reference result) of ``flashrt.ops.<op>`` on the same inputs."""
+    fn = getattr(flashrt.ops, op)
+    with flashrt.use_backend("cuda"):
+        got = fn(*args, **kwargs)
+    with flashrt.use_backend("reference"):
+        want = fn(*args, **kwargs)
+    return got, want
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float64 (non-finite entries must agree exactly)."""
+    g, w = got.double(), want.double()
+    finite = torch.isfinite(w)
+    assert torch.equal(torch.isfinite(g), finite), "non-finite entries differ"
+    assert torch.equal(g[~finite], w[~finite]), "non-finite values differ"
+    num = (g[finite] - w[finite]).norm()
+    den = w[finite].norm()
+    return float(num / den) if den > 0 else float(num)
