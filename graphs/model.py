@@ -128,6 +128,12 @@ class Model:
             raise ValueError(f"start_pos: expected the next position of the running sequences ({have}), got {start_pos}")
         return self._state
 
+    def save(self, path, **kwargs):
+        """Write the model as a checkpoint (config.json + safetensors shards + SHA256SUMS)."""
+        from .checkpoint import save
+
+        return save(self.weights, self.cfg, path, **kwargs)
+
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact", **kwargs):
         """Generate from one or more prompts (``[B, S]`` tensor or list of token lists); see
         :func:`flashrt.graphs.generate.generate`."""
