@@ -24,7 +24,7 @@ from .hookspecs import Backend
 log = logging.getLogger("flashrt")
 
 ENTRY_POINT_GROUP = "flashrt.backends"
-BUILTIN_PLUGINS = ("flashrt.backends.reference", "flashrt.backends.trace", "flashrt.backends.cuda")
+BUILTIN_PLUGINS = ("flashrt.backends.reference", "flashrt.backends.trace", "flashrt.backends.cuda", "flashrt.backends.ascend")
 
 _CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("flashrt_backend", default=None)
 _TABLE: dict[tuple, Callable] = {}
@@ -65,7 +65,11 @@ def _load() -> None:
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     for modname in BUILTIN_PLUGINS:
-        pm.register(importlib.import_module(modname), name=modname)
+        try:
+            pm.register(importlib.import_module(modname), name=modname)
+        except Exception as exc:  # e.g. a backend's optional dependency is broken: report, go on
+            _STATE.load_errors[modname] = f"{type(exc).__name__}: {exc}"
+            log.warning("flashrt: built-in backend %s failed to load: %s", modname, exc)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
             continue

@@ -7,6 +7,9 @@
 | ``fp4_b32`` | E2M1 | ``uint8 [..., N/2]`` | 32 | ``float8_e8m0fnu`` | smallest 2**k >= max(amax, 6 * 2**-126) / 6 |
 | ``fp8_w`` | E4M3 | ``float8_e4m3fn [..., out, in]`` | 32x32 tile | ``float8_e8m0fnu [..., ceil(out/32), ceil(in/32)]`` | as ``fp8`` over the tile |
 | ``fp4_w`` | E2M1 | ``uint8 [..., out, in/2]`` | 32 inputs | ``float8_e8m0fnu [..., out, in/32]`` | as ``fp4_b32`` |
+| ``int8`` | int8 (+-127) | ``int8 [..., N]`` | 32 | ``float8_e8m0fnu [..., N/32]`` | smallest 2**k >= max(amax, 127 * 2**-126) / 127 |
+| ``int8_t`` | int8 (+-127) | ``int8 [..., N]`` | the row (N) | ``float32 [..., 1]`` | max(amax, 2**-64) / 127 (fp32 division) |
+| ``int8_w`` | int8 (+-127) | ``int8 [..., out, in]`` | the row (in) | ``bfloat16 [..., out, 1]`` | bf16(max(amax, 2**-64) / 127), nearest even |
 
 Elements are ``x / scale`` computed in fp32 (IEEE division), clamped to the element range, rounded
 to nearest with ties to even. E2M1 codes index ``E2M1_VALUES``; the sign is bit 3 and follows the
@@ -15,6 +18,16 @@ zero). Two codes per byte: element ``2i`` in the low nibble, ``2i+1`` in the hig
 The ``fp4_b16`` scale is computed as an fp32 division by 6, clamped to 448 (the largest E4M3),
 then rounded to E4M3 to nearest even. NaN inputs are not representable in E2M1 and have no
 defined result.
+
+The int8 formats serve devices with no FP8 (Ascend 910B; ``flashrt.backends.ascend``). Elements are
+``x / scale`` in fp32, rounded to nearest with ties to even, then clamped to [-127, 127] (-128 is
+never produced; ``-0.0`` gives 0). ``int8`` is the window-KV / activation-block format: its
+power-of-two scale keeps every dequantized value exact in bf16 (7 significant bits at most), so a
+bf16 operator receives exactly the values the format stands for. ``int8_t`` is the per-token
+activation format that ``linear`` / ``moe_experts`` use in front of an ``int8_w`` weight (what
+``torch_npu.npu_dynamic_quant`` computes: scale = row amax / 127 in fp32). ``int8_w`` is the weight
+format consumed by ``torch_npu.npu_quant_matmul`` / ``npu_grouped_matmul`` (one scale per output
+channel, in bf16, the scale dtype those operators accept with a bf16 output).
 """
 from __future__ import annotations
 
@@ -39,6 +52,7 @@ class FormatSpec:
     amax_floor: float
     tiled: bool = False  # fp8_w: 2-D tiles over the last two dims
     weight: bool = False  # needs at least [out, in]
+    row: bool = False  # one scale per row of the last dim (int8_t, int8_w)
 
     @property
     def packed(self) -> bool:
@@ -46,6 +60,8 @@ class FormatSpec:
 
     @property
     def data_dtype(self) -> torch.dtype:
+        if self.element == "int8":
+            return torch.int8
         return torch.uint8 if self.packed else torch.float8_e4m3fn
 
 
@@ -55,7 +71,11 @@ FORMATS: dict[str, FormatSpec] = {
     "fp4_b32": FormatSpec("fp4_b32", "e2m1", 32, torch.float8_e8m0fnu, 6 * 2.0**-126),
     "fp8_w": FormatSpec("fp8_w", "e4m3", 32, torch.float8_e8m0fnu, 1e-4, tiled=True, weight=True),
     "fp4_w": FormatSpec("fp4_w", "e2m1", 32, torch.float8_e8m0fnu, 6 * 2.0**-126, weight=True),
+    "int8": FormatSpec("int8", "int8", 32, torch.float8_e8m0fnu, 127 * 2.0**-126),
+    "int8_t": FormatSpec("int8_t", "int8", 0, torch.float32, 2.0**-64, row=True),
+    "int8_w": FormatSpec("int8_w", "int8", 0, torch.bfloat16, 2.0**-64, weight=True, row=True),
 }
+INT8_MAX = 127.0
 
 
 def spec(fmt: str) -> FormatSpec:
@@ -115,6 +135,8 @@ def expected_layout(fmt: str, shape) -> tuple[torch.Size, torch.Size]:
     data = shape[:-1] + (n // 2,) if s.packed else shape
     if s.tiled:
         scale = shape[:-2] + (-(-shape[-2] // s.block), -(-n // s.block))
+    elif s.row:
+        scale = shape[:-1] + (1,)
     else:
         scale = shape[:-1] + (n // s.block,)
     return torch.Size(data), torch.Size(scale)
@@ -127,7 +149,7 @@ def check_shape(fmt: str, shape, name: str = "x") -> None:
     min_rank = 2 if s.weight else 1
     if len(shape) < min_rank:
         raise ValueError(f"{name}: format {fmt!r} expects at least {min_rank} dims, got shape {shape}")
-    if not s.tiled and shape[-1] % s.block:
+    if not (s.tiled or s.row) and shape[-1] % s.block:
         raise ValueError(
             f"{name}: format {fmt!r} expects the last dim to be a multiple of {s.block}, got shape {shape}"
         )
@@ -170,10 +192,12 @@ def e8m0_from_exponent(biased: torch.Tensor) -> torch.Tensor:
 
 def _scale(amax: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """(stored scale, scale as fp32) for fp32 block maxima ``amax``."""
-    elem_max = E4M3_MAX if s.element == "e4m3" else E2M1_MAX
+    elem_max = {"e4m3": E4M3_MAX, "e2m1": E2M1_MAX, "int8": INT8_MAX}[s.element]
     v = amax.clamp_min(s.amax_floor) / elem_max
     if s.scale_dtype == torch.float8_e4m3fn:
         stored = v.clamp_max(E4M3_MAX).to(torch.float8_e4m3fn)
+    elif s.scale_dtype in (torch.float32, torch.bfloat16):
+        stored = v.to(s.scale_dtype)
     else:
         stored = e8m0_from_exponent(pow2_ceil(v))
     return stored, stored.to(torch.float32)
@@ -247,11 +271,14 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
         stored, full = _tile_scale(xf, s)
         v = xf / full
     else:
-        blocks = xf.view(*xf.shape[:-1], xf.shape[-1] // s.block, s.block)
+        block = xf.shape[-1] if s.row else s.block
+        blocks = xf.view(*xf.shape[:-1], xf.shape[-1] // block, block)
         stored, scale = _scale(blocks.abs().amax(dim=-1), s)
         v = (blocks / scale.unsqueeze(-1)).view(xf.shape)
     if s.packed:
         data = pack_fp4(e2m1_codes(v))
+    elif s.element == "int8":
+        data = torch.round(v).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # round: ties to even
     else:
         data = v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return QTensor(data, stored, fmt, x.shape)
@@ -267,7 +294,8 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         full = scale.repeat_interleave(s.block, -2).repeat_interleave(s.block, -1)
         out = elems * full[..., :rows, :cols]
     else:
-        blocks = elems.view(*elems.shape[:-1], elems.shape[-1] // s.block, s.block)
+        block = elems.shape[-1] if s.row else s.block
+        blocks = elems.view(*elems.shape[:-1], elems.shape[-1] // block, block)
         out = (blocks * scale.unsqueeze(-1)).view(q.shape)
     return out.to(dtype)
 

@@ -1,12 +1,13 @@
 """Per-sequence decode state: window rings, compressor partial groups, compressed caches, index K.
 
-Stored as the published model stores them, quantized: window rings in ``fp8`` (528 B per
-512-dim slot), compressed main KV in ``fp4_b16`` (288 B per entry) and index K in ``fp4_b32``
-(68 B per 128-dim entry). The model reads and writes KV only through :class:`KVState`.
+Stored as the published model stores them, quantized: window rings in ``fp8`` (528 B per 512-dim
+slot), compressed main KV in ``fp4_b16`` (288 B per entry) and index K in ``fp4_b32`` (68 B per
+128-dim entry). The model reads and writes KV only through :class:`KVState`.
 
-Layout: one contiguous buffer per layer and batch row with ``capacity`` token positions (HKCP's
-paged and tiered caches replace this storage; the interface stays). Rows of a batch are
-independent sequences at their own positions.
+HKCP tiers: main KV lives in pages (:mod:`flashrt.kvpages`) — device pages up to ``kv_budget``
+bytes, older pages spilled to (pinned) host memory; index K stays on the device for every entry
+so the indexer scores every position; after top-k only the selected cold entries are fetched.
+Rows of a batch are independent sequences at their own positions.
 """
 from __future__ import annotations
 
@@ -14,44 +15,33 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import QTensor, expected_layout, spec
+from .formats import QTensor
+from .kvcache_util import empty_qtensor, grown, qtensor_rows, write_rows
+from .kvpages import PagedMainKV, PagePool
+
+DEFAULT_PAGE_ENTRIES = 64
 
 
-def empty_qtensor(fmt: str, shape, device) -> QTensor:
-    """A zero-filled QTensor of logical ``shape`` (scales zero too: unwritten entries read as 0)."""
-    data_shape, scale_shape = expected_layout(fmt, shape)
-    s = spec(fmt)
-    data = torch.zeros(data_shape, dtype=torch.uint8, device=device).view(s.data_dtype)
-    scale = torch.zeros(scale_shape, dtype=torch.uint8, device=device).view(s.scale_dtype)
-    return QTensor(data, scale, fmt, shape)
+def entry_bytes(dim: int, fmt: str) -> int:
+    """Stored bytes of one entry of ``dim`` channels in an fp4 format."""
+    return dim // 2 + dim // (16 if fmt == "fp4_b16" else 32)
 
 
-def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTensor) -> None:
-    """``dst[batch[i], slot[i]] = src[i]`` on the stored bytes (``src`` is [n, D])."""
-    u8 = torch.uint8  # index_put is not implemented for the float8 dtypes: write the bytes
-    dst.data.view(u8)[batch, slot] = src.data.reshape(-1, src.data.shape[-1]).view(u8)
-    dst.scale.view(u8)[batch, slot] = src.scale.reshape(-1, src.scale.shape[-1]).view(u8)
-
-
-def qtensor_rows(q: QTensor, mask: torch.Tensor) -> QTensor:
-    """The rows of a [B, S, D] QTensor where ``mask`` [B, S] is True, as [n, D]."""
-    return QTensor(q.data[mask], q.scale[mask], q.fmt, (int(mask.sum()), q.shape[-1]))
-
-
-def _grown(q: QTensor, entries: int) -> QTensor:
-    out = empty_qtensor(q.fmt, (q.shape[0], entries, q.shape[2]), q.device)
-    n = q.shape[1]
-    out.data[:, :n] = q.data
-    out.scale[:, :n] = q.scale
-    return out
+def fixed_bytes_for(cfg, batch: int, capacity: int) -> int:
+    """Device bytes of the state that does not page: window rings (fp8), index K for ``capacity``
+    positions (fp4_b32), compressor partial groups (fp32 kv + score)."""
+    rings = cfg.total_layers * cfg.window_size * (cfg.head_dim + cfg.head_dim // 32)
+    index = sum(-(-capacity // cfg.ratio(l)) * entry_bytes(cfg.index_head_dim, "fp4_b32") for l in cfg.kv_source_layers)
+    partial = sum(2 * cfg.ratio(l) * cfg.head_dim * 4 for l in cfg.kv_source_layers if cfg.ratio(l) > 1)
+    return batch * (rings + index + partial)
 
 
 @dataclass
 class CompressedCache:
-    """One KV-source layer: main KV, index K and the partial group waiting to be pooled."""
+    """One KV-source layer: paged main KV, index K and the partial group waiting to be pooled."""
 
-    main: QTensor  # fp4_b16 [B, capacity // ratio, head_dim]
-    index_k: QTensor  # fp4_b32 [B, capacity // ratio, index_head_dim]
+    main: PagedMainKV | QTensor  # QTensor [B, T, D] only on the meta device (shape tracing)
+    index_k: QTensor  # fp4_b32 [B, capacity // ratio, index_head_dim], always on the device
     kv_state: torch.Tensor | None  # fp32 [B, ratio, head_dim] (ratio > 1)
     score_state: torch.Tensor | None
 
@@ -59,48 +49,82 @@ class CompressedCache:
 class KVState:
     """Everything a batch of sequences carries between forward calls."""
 
-    def __init__(self, cfg, batch: int, capacity: int, device, layers=None):
+    def __init__(self, cfg, batch: int, capacity: int, device, kv_budget: int | None = None,
+                 page_entries: int = DEFAULT_PAGE_ENTRIES, pool: PagePool | None = None):
         self.cfg, self.batch, self.capacity = cfg, batch, capacity
         self.device = torch.device(device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.host_positions = [0] * batch  # the same on the host: no device sync to read them
-        layers = range(cfg.total_layers) if layers is None else layers
         hd = cfg.head_dim
-        self.rings = {l: empty_qtensor("fp8", (batch, cfg.window_size, hd), self.device) for l in layers}
+        self.rings = {l: empty_qtensor("fp8", (batch, cfg.window_size, hd), self.device)
+                      for l in range(cfg.total_layers)}
         # positions below ring_start[l] are not in layer l's ring (CED / bounded replay)
-        self.ring_start = {l: torch.zeros(batch, dtype=torch.long, device=self.device) for l in layers}
-        self.compressed: dict[int, CompressedCache] = {}
-        for l in cfg.kv_source_layers:
-            r = cfg.ratio(l)
-            entries = -(-capacity // r)
-            st = (batch, r, hd)
-            self.compressed[l] = CompressedCache(
-                empty_qtensor("fp4_b16", (batch, entries, hd), self.device),
-                empty_qtensor("fp4_b32", (batch, entries, cfg.index_head_dim), self.device),
-                torch.zeros(st, device=self.device) if r > 1 else None,
-                torch.full(st, float("-inf"), device=self.device) if r > 1 else None,
-            )
+        self.ring_start = {l: torch.zeros(batch, dtype=torch.long, device=self.device) for l in self.rings}
         n_hist = max(cfg.engram_max_ngram_size - 1, 0)
         self.engram_history = torch.full((batch, n_hist), -1, dtype=torch.long, device=self.device)
+        self.compressed: dict[int, CompressedCache] = {}
+        for l in cfg.kv_source_layers:
+            r, entries = cfg.ratio(l), -(-capacity // cfg.ratio(l))
+            st = (batch, r, hd)
+            self.compressed[l] = CompressedCache(
+                None, empty_qtensor("fp4_b32", (batch, entries, cfg.index_head_dim), self.device),
+                torch.zeros(st, device=self.device) if r > 1 else None,
+                torch.full(st, float("-inf"), device=self.device) if r > 1 else None)
+        self.pool = pool or (None if self.is_meta else self._pool(kv_budget, page_entries))
+        for l, c in self.compressed.items():
+            c.main = (empty_qtensor("fp4_b16", (batch, c.index_k.shape[1], hd), self.device)
+                      if self.is_meta else PagedMainKV(self.pool, batch))
 
-    def advance(self, tokens: int) -> None:
-        """Every row has run ``tokens`` more positions."""
-        self.positions += tokens
-        self.host_positions = [p + tokens for p in self.host_positions]
+    def _pool(self, kv_budget: int | None, page_entries: int) -> PagePool:
+        return KVState.pool_for(self.cfg, self.batch, self.capacity, self.device, kv_budget, page_entries)
+
+    @staticmethod
+    def pool_for(cfg, batch: int, capacity: int, device, kv_budget: int | None,
+                 page_entries: int = DEFAULT_PAGE_ENTRIES) -> PagePool | None:
+        """The main-KV page pool of a batch: unbounded without ``kv_budget``, else the device
+        pages left after the fixed state (rings, index K at ``capacity``, compressor state)."""
+        if torch.device(device).type == "meta":
+            return None
+        if kv_budget is None:
+            return PagePool(cfg.head_dim, page_entries, device, None)
+        fixed = fixed_bytes_for(cfg, batch, capacity)
+        page_bytes = page_entries * entry_bytes(cfg.head_dim, "fp4_b16")
+        pages = (kv_budget - fixed) // page_bytes
+        if pages < 2 * len(cfg.kv_source_layers):
+            raise ValueError(f"kv_budget: {kv_budget:,} bytes leave room for {max(pages, 0)} main-KV pages after "
+                             f"the fixed state ({fixed:,} bytes: rings, index K, compressor state)")
+        return PagePool(cfg.head_dim, page_entries, device, int(pages))
 
     @property
     def is_meta(self) -> bool:
         return self.device.type == "meta"
 
+    # ----- steps -------------------------------------------------------------------------------
+    def advance(self, tokens: int) -> None:
+        """Every row has run ``tokens`` more positions."""
+        self.positions += tokens
+        self.host_positions = [p + tokens for p in self.host_positions]
+
+    def begin_step(self, tokens: int) -> None:
+        """Before a chunk of ``tokens`` per row: room for its index K and main-KV pages."""
+        self.ensure_capacity(max(self.host_positions) + tokens)
+        if self.is_meta:
+            return
+        self.pool.unlock()
+        for l, c in self.compressed.items():
+            for row, pos in enumerate(self.host_positions):
+                c.main.reserve(row, (pos + tokens) // self.cfg.ratio(l))
+
     def ensure_capacity(self, positions: int) -> None:
-        """Grow the compressed caches (doubling, copying what is stored) to hold ``positions``."""
+        """Grow index K (doubling, copying what is stored) to hold ``positions`` positions."""
         if positions <= self.capacity:
             return
         capacity = max(positions, 2 * self.capacity)
         for l, c in self.compressed.items():
             entries = -(-capacity // self.cfg.ratio(l))
-            c.main = _grown(c.main, entries)
-            c.index_k = _grown(c.index_k, entries)
+            c.index_k = grown(c.index_k, entries)
+            if self.is_meta:
+                c.main = grown(c.main, entries)
         self.capacity = capacity
 
     # ----- window rings ------------------------------------------------------------------------
@@ -116,34 +140,55 @@ class KVState:
     # ----- compressed caches -------------------------------------------------------------------
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:
         """Write compressed entries ``main``/``index_k`` [B, n, *] at entry numbers ``entry``
-        [B, n] where ``mask`` [B, n] is True."""
+        [B, n] where ``mask`` [B, n] is True (their pages were reserved by :meth:`begin_step`)."""
         if self.is_meta:
             return
         cache = self.compressed[layer]
         b = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(entry)[mask]
-        write_rows(cache.main, b, entry[mask], qtensor_rows(main, mask))
         write_rows(cache.index_k, b, entry[mask], qtensor_rows(index_k, mask))
+        cache.main.write(entry, mask, main)
+
+    def index_keys(self, layer: int, entries: int) -> QTensor:
+        """Index K of source ``layer``: the first ``entries`` entries of every row."""
+        return self.compressed[layer].index_k.narrow(1, 0, entries)
+
+    def main_segments(self, layer: int, topk: torch.Tensor, entries: int) -> tuple[list, torch.Tensor]:
+        """KV segments holding the entries ``topk`` [B, S, K] picks, and indices into them."""
+        main = self.compressed[layer].main
+        if self.is_meta:
+            return [main.narrow(1, 0, entries)], topk
+        return main.resolve(topk)
 
     # ----- accounting --------------------------------------------------------------------------
     def global_kv_bytes_per_token(self) -> float:
         """Bytes the growing caches add per token (main KV + index K over all source layers)."""
-        total = 0.0
-        for l, c in self.compressed.items():
-            per_entry = c.main.nbytes / (c.main.shape[0] * c.main.shape[1])
-            per_entry += c.index_k.nbytes / (c.index_k.shape[0] * c.index_k.shape[1])
-            total += per_entry / self.cfg.ratio(l)
-        return total
+        per = entry_bytes(self.cfg.head_dim, "fp4_b16") + entry_bytes(self.cfg.index_head_dim, "fp4_b32")
+        return sum(per / self.cfg.ratio(l) for l in self.compressed)
 
     def window_bytes(self) -> int:
-        """Fixed bytes per batch of the window rings."""
+        """Fixed bytes of the window rings of the batch."""
         return sum(r.nbytes for r in self.rings.values())
+
+    def fixed_bytes(self) -> int:
+        """Device bytes that do not page: rings, index K at capacity, compressor partial groups."""
+        return fixed_bytes_for(self.cfg, self.batch, self.capacity)
+
+    def tier_stats(self) -> dict:
+        """Pages of main KV per tier (device pool size, cold pages in use, spills so far)."""
+        if self.pool is None:
+            return {}
+        cold = sum(t.cold for c in self.compressed.values() for t in c.main.tables)
+        return {"device_pages": self.pool.dev.shape[0], "page_entries": self.pool.P, "cold_pages": cold,
+                "spilled_pages": self.pool.spilled, "page_bytes": self.pool.page_bytes}
 
     @staticmethod
     def cat(states: list["KVState"]) -> "KVState":
-        """One state holding the rows of ``states`` in order (same config and capacity)."""
+        """One state holding the rows of ``states`` in order (same config, capacity and pool)."""
         first = states[0]
+        if any(s.pool is not first.pool for s in states):
+            raise ValueError("states: KVState.cat needs states drawn from one page pool")
         out = object.__new__(KVState)
-        out.cfg, out.capacity, out.device = first.cfg, first.capacity, first.device
+        out.cfg, out.capacity, out.device, out.pool = first.cfg, first.capacity, first.device, first.pool
         out.batch = sum(s.batch for s in states)
         out.positions = torch.cat([s.positions for s in states])
         out.host_positions = [p for s in states for p in s.host_positions]
@@ -154,8 +199,10 @@ class KVState:
         out.compressed = {}
         for l, c in first.compressed.items():
             parts = [s.compressed[l] for s in states]
+            main = PagedMainKV(first.pool, 0)
+            main.tables = [t for p in parts for t in p.main.tables]
             st = None if c.kv_state is None else torch.cat([p.kv_state for p in parts])
             sc = None if c.score_state is None else torch.cat([p.score_state for p in parts])
-            out.compressed[l] = CompressedCache(cat_q([p.main for p in parts]), cat_q([p.index_k for p in parts]), st, sc)
+            out.compressed[l] = CompressedCache(main, cat_q([p.index_k for p in parts]), st, sc)
         out.engram_history = torch.cat([s.engram_history for s in states])
         return out

@@ -16,8 +16,8 @@ from .formats import QTensor, check_shape
 
 F32 = (torch.float32,)
 I32 = (torch.int32,)
-KV_FORMATS = ("fp8", "fp4_b16", "fp4_b32")
-WEIGHT_FORMATS = ("fp8_w", "fp4_w")
+KV_FORMATS = ("fp8", "fp4_b16", "fp4_b32", "int8")  # int8: devices with no FP8 (formats.py)
+WEIGHT_FORMATS = ("fp8_w", "fp4_w", "int8_w")  # int8_w: int8_t activations (formats.py)
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
@@ -76,7 +76,8 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     """``x [..., in]`` float, ``weight [out, in]`` plain or ``QTensor`` ``fp8_w``/``fp4_w`` -> ``[..., out]``.
 
     Plain weight: ``x @ weight.T`` accumulated in fp32. Quantized weight: ``x`` is first
-    quantized to ``fp8`` (per 32, UE8M0), then ``dequant(xq) @ dequant(w).T`` accumulated in fp32.
+    quantized to ``fp8`` (per 32, UE8M0; ``int8_t``, one scale per token, for an ``int8_w``
+    weight), then ``dequant(xq) @ dequant(w).T`` accumulated in fp32.
     Output dtype ``x.dtype``.
     """
     c.tensor("x", x, None, {}, c.FLOATS)
@@ -96,7 +97,8 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
 
     ``kv`` may also be a tuple of segments ``[B, T_i, D]`` (each plain or QTensor, e.g. the fp8
     window ring, the fp8 chunk and the fp4 compressed cache) standing for their concatenation
-    along T (``T = sum T_i``); nothing is concatenated in memory.
+    along T (``T = sum T_i``); nothing is concatenated in memory. A segment whose batch dim is 1
+    is shared by every row (the HKCP page pool).
 
     ``l_j = scale * <q, kv[idx_j]>`` over valid slots, ``m = max(max_j l_j, sink)``;
     ``out = sum_j exp(l_j - m) kv[idx_j] / (sum_j exp(l_j - m) + exp(sink - m))``; no valid slot
@@ -109,7 +111,8 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
             raise ValueError("kv: expected at least one segment, got an empty tuple")
         total = 0
         for i, seg in enumerate(kv):
-            seg_env = {"B": env["B"], "D": env["D"]}
+            # a segment with batch 1 is shared by every row (e.g. the HKCP device page pool)
+            seg_env = {"B": 1 if seg.shape[0] == 1 else env["B"], "D": env["D"]}
             c.maybe_quantized(f"kv[{i}]", seg, "B T D", seg_env, KV_FORMATS, q.device)
             total += seg_env["T"]
         env["T"] = total

@@ -60,7 +60,7 @@ class Attention:
         indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], W)
         if self.ratio:
             main, topk = self._compressed(h, qr, ctx)
-            segments.append(main)
+            segments += main
             indices = torch.cat([indices, torch.where(topk >= 0, topk + W + S, topk)], dim=-1)
         o = ops.sparse_attention(q, tuple(segments), indices, self.sink, cfg.head_dim ** -0.5)
         ctx.state.write_ring(self.layer, kv, ctx.positions)
@@ -76,13 +76,15 @@ class Attention:
             self.compressor.forward(h, ctx)
         visible = ((ctx.positions + 1) // self.ratio).to(torch.int32)  # [B, S]
         T = ctx.end // self.ratio
-        cache = ctx.state.compressed[source]
         if self.role in ("full", "reindex"):
-            topk = self._indexer(h, qr, cache.index_k.narrow(1, 0, T), visible, ctx)
+            topk = self._indexer(h, qr, ctx.state.index_keys(source, T), visible, ctx)
             ctx.shared[("topk", self.layer)] = topk
         else:
             topk = ctx.shared[("topk", cfg.index_source(self.layer))]
-        return cache.main.narrow(1, 0, T), topk
+        key = ("main", source, cfg.index_source(self.layer))  # reuse layers share the resolved segments
+        if key not in ctx.shared:
+            ctx.shared[key] = ctx.state.main_segments(source, topk, T)
+        return ctx.shared[key]
 
     def _indexer(self, h, qr, index_k, visible, ctx: StepContext) -> torch.Tensor:
         cfg = self.cfg

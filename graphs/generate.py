@@ -40,34 +40,53 @@ def ced_split(cfg) -> int:
     return split
 
 
-def prefill_prompt(model, ids: torch.Tensor, state: KVState, schedule: str = "exact") -> torch.Tensor:
-    """Run prompt ``ids`` [B, S] (all rows starting at ``state.positions``) -> last-position logits."""
+def prefill_prompt(model, ids: torch.Tensor, state: KVState, schedule: str = "exact",
+                   chunk: int | None = None) -> torch.Tensor:
+    """Run prompt ``ids`` [B, S] (all rows starting at the same position) -> last-position logits.
+
+    ``chunk``: tokens per forward call (bounds activation memory and lets HKCP spill pages
+    between chunks); None runs the prompt in one call."""
     if schedule not in PREFILLS:
         raise ValueError(f"prefill: expected one of {list(PREFILLS)}, got {schedule!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"prefill_chunk: expected an int >= 1 or None, got {chunk!r}")
     cfg = model.cfg
-    W = cfg.window_size
-    S = ids.shape[1]
+    S, W = ids.shape[1], cfg.window_size
+    chunk = chunk or S
     if schedule == "exact" or S <= W or any(state.host_positions):
-        return model.forward(ids, state=state)
+        for c0 in range(0, S, chunk):
+            logits = model.forward(ids[:, c0:c0 + chunk], state=state)
+        return logits
+    return _ced(model, ids, state, chunk)
+
+
+def _ced(model, ids, state: KVState, chunk: int) -> torch.Tensor:
+    """Encoder layers + the decoder's KV-source compression over every token (in chunks), then
+    the decoder layers over the last ``window_size`` tokens only."""
+    cfg = model.cfg
+    S, W = ids.shape[1], cfg.window_size
     split = ced_split(cfg)
-    ctx = model.context(ids, state)
-    x, pre = model.embed_tokens(ids)
-    x, pre = model.run_layers(x, pre, ctx, range(split))
     block = model.blocks[split]
-    if block.engram is not None:
-        x = block.engram.forward(x, ctx, ctx.token_mask)
-    block.attn.compressor.forward(block.attention_input(x, pre), ctx)  # the decoder's global KV, all tokens
-    tail = slice(S - W, S)
+    tails = []  # (x, pre, positions, engram ids) of the last W tokens
+    for c0 in range(0, S, chunk):
+        part = ids[:, c0:c0 + chunk]
+        ctx = model.context(part, state)
+        x, pre = model.run_layers(*model.embed_tokens(part), ctx, range(split))
+        if block.engram is not None:
+            x = block.engram.forward(x, ctx, ctx.token_mask)
+        block.attn.compressor.forward(block.attention_input(x, pre), ctx)  # the decoder's global KV
+        state.advance(part.shape[1])
+        if c0 + part.shape[1] > S - W:
+            tails.append((x, pre, ctx.positions, ctx.engram_ids))
+    cut = lambda i: None if tails[0][i] is None else torch.cat([t[i] for t in tails], dim=1)[:, -W:]
+    x, pre, positions, engram_ids = (cut(i) for i in range(4))
     for layer in range(split, cfg.n_layers):
         state.ring_start[layer].fill_(S - W)
-    sub = StepContext(ctx.positions[:, tail], ctx.end, state, ctx.rope,
-                      None if ctx.engram_ids is None else ctx.engram_ids[:, tail], compress_done=frozenset({split}))
+    sub = StepContext(positions, S, state, model.rope, engram_ids, compress_done=frozenset({split}))
     captured = {} if model.drafts is not None else None
-    x, pre = model.run_layers(x[:, tail], pre[:, tail], sub, range(split, cfg.n_layers), skip_engram={split},
-                              capture=captured)
+    x, pre = model.run_layers(x, pre, sub, range(split, cfg.n_layers), skip_engram={split}, capture=captured)
     if captured:
         model.drafts.seed(captured, sub)
-    state.advance(S)
     return model.logits(x, pre, all_positions=False)
 
 
@@ -83,8 +102,13 @@ def _as_sequences(prompts) -> list[list[int]]:
 
 
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact",
-             generator: torch.Generator | None = None, seed: int | None = None, eos_token_id: int | None = None):
-    """Prefill every prompt, then decode ``max_new_tokens`` tokens for all of them together."""
+             generator: torch.Generator | None = None, seed: int | None = None, eos_token_id: int | None = None,
+             kv_budget: int | None = None, prefill_chunk: int | None = None):
+    """Prefill every prompt, then decode ``max_new_tokens`` tokens for all of them together.
+
+    ``kv_budget``: device bytes for the batch's whole KV state; main-KV pages beyond it live in
+    host memory (HKCP cold tier) and only the selected entries come back. ``prefill_chunk``:
+    prompt tokens per forward call."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
@@ -96,11 +120,12 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     order, states, logits = [], [], []
+    pool = KVState.pool_for(model.cfg, len(seqs), capacity, model.device, kv_budget)
     for length in sorted({len(s) for s in seqs}):
         rows = [i for i, s in enumerate(seqs) if len(s) == length]
         ids = model._check_ids(torch.tensor([seqs[i] for i in rows], dtype=torch.long))
-        state = model.new_state(len(rows), capacity)
-        logits.append(prefill_prompt(model, ids, state, prefill))
+        state = model.new_state(len(rows), capacity, pool=pool)
+        logits.append(prefill_prompt(model, ids, state, prefill, prefill_chunk))
         order += rows
         states.append(state)
     state = KVState.cat(states) if len(states) > 1 else states[0]

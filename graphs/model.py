@@ -36,9 +36,12 @@ class Model:
             self.drafts = Drafts(self, weights)
 
     # ----- state ---------------------------------------------------------------------------------
-    def new_state(self, batch: int, capacity: int) -> KVState:
-        """Empty caches for ``batch`` sequences of up to ``capacity`` positions."""
-        return KVState(self.cfg, batch, capacity, self.device)
+    def new_state(self, batch: int, capacity: int, kv_budget: int | None = None, pool=None) -> KVState:
+        """Empty caches for ``batch`` sequences of ``capacity`` positions (grown when exceeded).
+
+        ``kv_budget``: device bytes for the whole KV state; main-KV pages beyond it spill to host
+        memory (HKCP cold tier). ``pool``: share another state's page pool (to concatenate states)."""
+        return KVState(self.cfg, batch, capacity, self.device, kv_budget=kv_budget, pool=pool)
 
     def _check_ids(self, input_ids) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
@@ -60,7 +63,7 @@ class Model:
         n-gram and whose Engram gate is off."""
         S = ids.shape[1]
         end = max(state.host_positions) + S
-        state.ensure_capacity(end)
+        state.begin_step(S)
         positions = state.positions.unsqueeze(1) + torch.arange(S, device=self.device)
         engram_ids = None
         if self.hasher is not None and state.is_meta:

@@ -225,7 +225,11 @@ def test_segmented_kv_empty_and_bad():
     with pytest.raises(ValueError, match=r"^kv\b.*segment"):
         ops.sparse_attention(q, (), idx, None, 0.1)
     assert_error(lambda: ops.sparse_attention(q, (a, torch.randn(2, 7, 16)), idx, None, 0.1), "kv[1]", "D=32", "(2, 7, 16)")
-    assert_error(lambda: ops.sparse_attention(q, (a[:1], b), idx, None, 0.1), "kv[0]", "B=2", "(1, 5, 32)")
+    assert_error(lambda: ops.sparse_attention(q, (a[:1].expand(3, 5, 32), b), idx, None, 0.1), "kv[0]", "B=2",
+                 "(3, 5, 32)")
+    # a segment with batch 1 is shared by every row: the same as repeating it
+    shared = ops.sparse_attention(q, (a[:1], b), idx, None, 0.1)
+    assert torch.equal(shared, ops.sparse_attention(q, (a[:1].expand(2, 5, 32), b), idx, None, 0.1))
     assert_error(lambda: ops.sparse_attention(q, (a, ops.quantize(torch.randn(2, 7, 32), "fp8_w")), idx, None, 0.1),
                  "kv[1]", "fp8_w")
     high = idx.clone()

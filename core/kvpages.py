@@ -1,0 +1,195 @@
+"""HKCP main-KV pages: fixed-size pages of ``fp4_b16`` entries on two tiers.
+
+Every KV-source layer stores its compressed main KV in pages of ``page_entries`` entries drawn
+from one :class:`PagePool`: device pages (hot and warm) up to a byte budget, and host pages (cold,
+pinned when CUDA is present) that grow on demand. Each (layer, sequence) has a block table: logical
+page ``j`` -> (tier, physical page). When the device pool is full, the oldest device page not in use
+by the current step is copied to a host page, then freed (a copy before a free: nothing is lost).
+
+Attention never copies hot data: the device pool is one ``[1, pages * P, D]`` QTensor segment
+shared by every row, and a row's logical entry ``e`` maps to ``phys(e // P) * P + e % P``. Only the
+selected entries that live on cold pages are gathered (batched host gather, one copy to the device)
+into a small staging segment.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .formats import QTensor
+from .kvcache_util import empty_qtensor, write_rows
+
+FMT = "fp4_b16"
+
+
+class PagePool:
+    """Device and host pages of main-KV entries for every source layer of a batch."""
+
+    def __init__(self, head_dim: int, page_entries: int, device, device_pages: int | None):
+        self.D, self.P, self.device = head_dim, page_entries, torch.device(device)
+        self.limit = device_pages  # None: grow the device pool as needed, never spill
+        self.dev = empty_qtensor(FMT, (max(device_pages or 16, 1), page_entries, head_dim), self.device)
+        self.free_dev = list(range(self.dev.shape[0]))[::-1]
+        self.host = empty_qtensor(FMT, (0, page_entries, head_dim), "cpu")
+        self.free_host: list[int] = []
+        self.fifo: OrderedDict[int, tuple] = OrderedDict()  # device page -> (table, logical page)
+        self.locked: set[int] = set()  # device pages written by the current step
+        self.spilled = 0  # pages moved to the host so far
+
+    @property
+    def page_bytes(self) -> int:
+        return self.P * (self.D // 2 + self.D // 16)
+
+    # ----- allocation ----------------------------------------------------------------------------
+    def alloc(self, table: "BlockTable", logical: int) -> int:
+        if not self.free_dev:
+            if self.limit is None:
+                self._grow_device()
+            else:
+                self._spill_one()
+        page = self.free_dev.pop()
+        self.fifo[page] = (table, logical)
+        self.locked.add(page)
+        return page
+
+    def unlock(self) -> None:
+        self.locked.clear()
+
+    def _grow_device(self) -> None:
+        n = self.dev.shape[0]
+        grown = empty_qtensor(FMT, (2 * n, self.P, self.D), self.device)
+        grown.data[:n], grown.scale[:n] = self.dev.data, self.dev.scale
+        self.dev = grown
+        self.free_dev = list(range(2 * n - 1, n - 1, -1))
+
+    def _spill_one(self) -> None:
+        """Copy the oldest unlocked device page to a host page, then free it."""
+        victim = next((p for p in self.fifo if p not in self.locked), None)
+        if victim is None:
+            raise ValueError(f"kv_budget: {self.dev.shape[0]} device pages of main KV cannot hold one step's "
+                             f"new entries; raise the budget or shorten the prefill chunk")
+        table, logical = self.fifo.pop(victim)
+        host = self._host_page()
+        u8 = torch.uint8
+        self.host.data.view(u8)[host].copy_(self.dev.data.view(u8)[victim])
+        self.host.scale.view(u8)[host].copy_(self.dev.scale.view(u8)[victim])
+        table.pages[logical] = ("host", host)
+        table.dirty = True
+        self.free_dev.append(victim)
+        self.spilled += 1
+
+    def _host_page(self) -> int:
+        if not self.free_host:
+            n = self.host.shape[0]
+            grown = empty_qtensor(FMT, (max(2 * n, 16), self.P, self.D), "cpu")
+            if torch.cuda.is_available() and self.device.type == "cuda":
+                grown = QTensor(grown.data.pin_memory(), grown.scale.pin_memory(), FMT, grown.shape)
+            grown.data[:n], grown.scale[:n] = self.host.data, self.host.scale
+            self.host = grown
+            self.free_host = list(range(grown.shape[0] - 1, n - 1, -1))
+        return self.free_host.pop()
+
+    def release(self, table: "BlockTable") -> None:
+        """Return every page of ``table`` to the pool (a finished sequence)."""
+        for tier, page in table.pages:
+            if tier == "dev":
+                self.fifo.pop(page, None)
+                self.free_dev.append(page)
+            else:
+                self.free_host.append(page)
+        table.pages.clear()
+
+    def segment(self) -> QTensor:
+        """The device pool as one ``[1, pages * P, D]`` segment (a view, no copy)."""
+        n = self.dev.shape[0] * self.P
+        return QTensor(self.dev.data.view(1, n, -1), self.dev.scale.view(1, n, -1), FMT, (1, n, self.D))
+
+
+class BlockTable:
+    """Logical pages of one (layer, sequence): ``pages[j] = (tier, physical page)``."""
+
+    def __init__(self):
+        self.pages: list[tuple[str, int]] = []
+        self.dirty = True
+
+    @property
+    def cold(self) -> int:
+        return sum(1 for tier, _ in self.pages if tier == "host")
+
+
+class PagedMainKV:
+    """The main KV of one source layer for a batch: one block table per row, pages from ``pool``."""
+
+    def __init__(self, pool: PagePool, batch: int):
+        self.pool, self.tables = pool, [BlockTable() for _ in range(batch)]
+        self._dev_ids: torch.Tensor | None = None
+
+    def reserve(self, row: int, entries: int) -> None:
+        """Make room (device pages, locked for this step) for entries ``< entries`` of ``row``."""
+        table, P = self.tables[row], self.pool.P
+        while len(table.pages) * P < entries:
+            table.pages.append(("dev", self.pool.alloc(table, len(table.pages))))
+            table.dirty = True
+
+    def dev_ids(self) -> torch.Tensor:
+        """int64 [B, max_pages]: device page of each logical page, -1 when on the host or absent."""
+        if self._dev_ids is None or any(t.dirty for t in self.tables):
+            width = max(1, max(len(t.pages) for t in self.tables))
+            rows = [[p if tier == "dev" else -1 for tier, p in t.pages] + [-1] * (width - len(t.pages))
+                    for t in self.tables]
+            self._dev_ids = torch.tensor(rows, dtype=torch.long).to(self.pool.device)
+            for t in self.tables:
+                t.dirty = False
+        return self._dev_ids
+
+    def write(self, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
+        """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] where ``mask``."""
+        P = self.pool.P
+        ids = self.dev_ids()
+        page = (entry.clamp_min(0) // P).clamp_max(ids.shape[1] - 1)
+        phys = ids.gather(1, page) * P + entry % P  # reserved pages are on the device
+        zero = torch.zeros_like(phys)
+        seg = self.pool.segment()
+        write_rows(seg, zero[mask], phys[mask], QTensor(values.data[mask], values.scale[mask], FMT,
+                                                          (int(mask.sum()), values.shape[-1])))
+
+    def resolve(self, idx: torch.Tensor) -> tuple[list[QTensor], torch.Tensor]:
+        """Segments and indices into them for logical entries ``idx`` [B, S, K] (-1 empty)."""
+        B = idx.shape[0]
+        P = self.pool.P
+        flat = idx.reshape(B, -1).long()
+        valid = flat >= 0
+        ids = self.dev_ids()
+        phys = ids.gather(1, (flat.clamp_min(0) // P).clamp_max(ids.shape[1] - 1))
+        out = torch.where(valid & (phys >= 0), phys * P + flat % P, -1)
+        segments = [self.pool.segment()]
+        if any(t.cold for t in self.tables):
+            staging, out = self._stage_cold(flat, valid & (phys < 0), out, segments[0].shape[1])
+            segments.append(staging)
+        return segments, out.view(idx.shape).to(torch.int32)
+
+    def _stage_cold(self, flat, cold, out, offset):
+        """Gather the selected cold entries from host pages into one device segment."""
+        P, D = self.pool.P, self.pool.D
+        rows, cols = torch.nonzero(cold.cpu(), as_tuple=True)
+        entries = flat.cpu()[rows, cols]
+        pairs, inverse = torch.unique(rows * (1 << 40) + entries, return_inverse=True)
+        r, e = pairs // (1 << 40), pairs % (1 << 40)
+        host_page = torch.tensor([self.tables[b].pages[j][1] for b, j in zip(r.tolist(), (e // P).tolist())],
+                                 dtype=torch.long)
+        src = host_page * P + e % P
+        host = self.pool.host
+        data = host.data.view(-1, D // 2)[src]
+        scale = host.scale.view(torch.uint8).view(-1, D // 16)[src]
+        dev = self.pool.device
+        staging = QTensor(data.to(dev, non_blocking=True).view(1, -1, D // 2),
+                          scale.to(dev, non_blocking=True).view(torch.float8_e4m3fn).view(1, -1, D // 16),
+                          FMT, (1, len(pairs), D))
+        out = out.clone()
+        out[rows.to(out.device), cols.to(out.device)] = (offset + inverse).to(out.device)
+        return staging, out
+
+    def release(self) -> None:
+        for t in self.tables:
+            self.pool.release(t)

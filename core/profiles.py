@@ -1,0 +1,294 @@
+"""Hardware profiles: the YAML schema, loading, device matching and the active profile.
+
+A profile is one flat YAML file whose keys map one-to-one onto :class:`Profile`. Shipped files
+live in ``flashrt.hwconfigs``; a user directory (``FLASHRT_PROFILE_DIR``, default
+``~/.config/flashrt/profiles``) overrides a shipped file of the same name. The active profile is
+chosen once: ``--profile`` / ``FLASHRT_PROFILE`` (a name or a path) if given, else by matching the
+detected device (:class:`DeviceFacts`). Kernels read their tile parameters only through
+:func:`tiles`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Literal, Mapping, Union
+
+import yaml
+
+from .errors import ProfileError
+from .profile_match import DeviceFacts, detect_device, match_profile, match_reasons
+
+KvDtype = Literal["fp4", "fp8", "int8", "bf16"]
+ComputeDtype = Literal["fp8", "int8", "bf16", "fp16", "fp32"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One hardware profile; every field is a key of the YAML file (units in the names)."""
+
+    name: str                                   # must equal the file name without .yaml
+    backend: str                                # reference | cuda | ascend | a plugin's name
+    match_device_type: Literal["cpu", "cuda", "npu"]
+    kv_main_dtype: KvDtype                      # paged main KV storage
+    kv_window_dtype: KvDtype                    # window ring storage
+    kv_window_compute_dtype: ComputeDtype       # what attention over the window computes in
+    weight_dtype: KvDtype                       # dense weight storage
+    compute_dtype: ComputeDtype                 # activations / accumulation inputs
+    tiles: dict[str, dict[str, int]] = field(hash=False)  # kernel -> tile parameters
+    hkcp_hot_fraction: float                    # of the KV budget: window rings + recent pages
+    hkcp_warm_fraction: float                   # of the KV budget: compressed pages on the device
+    hkcp_cold_host_gib: float                   # pinned host memory for cold main-KV pages
+    hkcp_persistent_disk_gib: float             # on-disk prefix cache
+    hkcp_page_entries: int                      # KV entries per page (a power of two)
+    hkcp_prefix_ttl_hours: float                # persistent prefix cache entry lifetime
+    hkcp_window_pool_ttl_minutes: float         # idle window rings kept for reuse
+    engram_placement: Literal["device", "host", "host_pinned"]
+    engram_prefetch_depth: int                  # blocks ahead that Engram rows are copied
+    memory_utilization: float                   # fraction of device memory flashrt may use
+    device_memory_gib: float | None             # nominal memory of the class (None: system RAM)
+    description: str = ""
+    match_name: str | None = None               # regex searched in the device name (no case)
+    match_capability: tuple[str, ...] = ()      # CUDA compute capabilities, e.g. ["9.0"]
+    match_soc: str | None = None                # regex searched in the NPU SoC version
+    match_min_memory_gib: float | None = None
+    match_max_memory_gib: float | None = None
+    source: str = field(default="", compare=False)  # the file it was read from (not a YAML key)
+
+    @property
+    def cold_host_bytes(self) -> int:
+        return int(self.hkcp_cold_host_gib * 2**30)
+
+    @property
+    def persistent_disk_bytes(self) -> int:
+        return int(self.hkcp_persistent_disk_gib * 2**30)
+
+    def to_dict(self) -> dict:
+        """The YAML keys and values (what a tuner writes back)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
+        d["match_capability"] = list(self.match_capability)
+        d["tiles"] = {k: dict(v) for k, v in self.tiles.items()}
+        return d
+
+
+# ---- schema checking -------------------------------------------------------------------------
+
+_HINTS: dict | None = None
+
+
+def _hints() -> dict:
+    global _HINTS
+    if _HINTS is None:
+        _HINTS = typing.get_type_hints(Profile)
+    return _HINTS
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def _convert(value, tp, where: str, file: str):
+    """``value`` checked against the type ``tp`` (and normalised: int -> float, list -> tuple)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        for arg in args:
+            try:
+                return _convert(value, arg, where, file)
+            except ProfileError:
+                pass
+    elif origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+    elif origin is tuple and isinstance(value, (list, tuple)):
+        return tuple(_convert(v, args[0], f"{where}[{i}]", file) for i, v in enumerate(value))
+    elif origin is dict and isinstance(value, Mapping):
+        return {_convert(k, args[0], f"{where} key", file): _convert(v, args[1], f"{where}.{k}", file)
+                for k, v in value.items()}
+    elif tp is type(None) and value is None:
+        return None
+    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif tp in (int, str, bool) and type(value) is tp:
+        return value
+    found = f"{type(value).__name__} {value!r}" if value is not None else "null"
+    raise ProfileError(f"{file}: key {where}: expected {_type_name(tp)}, found {found}")
+
+
+def _check_values(p: Profile, file: str) -> None:
+    def bad(key, expected, found):
+        raise ProfileError(f"{file}: key {key}: expected {expected}, found {found!r}")
+
+    for key in ("hkcp_hot_fraction", "hkcp_warm_fraction", "memory_utilization"):
+        if not 0.0 < getattr(p, key) <= 1.0:
+            bad(key, "a fraction in (0, 1]", getattr(p, key))
+    if p.hkcp_hot_fraction + p.hkcp_warm_fraction > 1.0:
+        bad("hkcp_warm_fraction", "hot + warm fractions <= 1", p.hkcp_hot_fraction + p.hkcp_warm_fraction)
+    if p.hkcp_page_entries <= 0 or p.hkcp_page_entries & (p.hkcp_page_entries - 1):
+        bad("hkcp_page_entries", "a power of two", p.hkcp_page_entries)
+    if p.engram_prefetch_depth < 0:
+        bad("engram_prefetch_depth", "an integer >= 0", p.engram_prefetch_depth)
+    for key in ("match_name", "match_soc"):
+        try:
+            re.compile(getattr(p, key) or "")
+        except re.error as exc:
+            bad(key, f"a regular expression ({exc})", getattr(p, key))
+    for cap in p.match_capability:
+        if not re.fullmatch(r"\d+\.\d+", cap):
+            bad("match_capability", 'capabilities like "9.0"', cap)
+
+
+def profile_from_mapping(data, file: str) -> Profile:
+    """A validated :class:`Profile` from a parsed YAML mapping; ``file`` names it in errors."""
+    if not isinstance(data, Mapping):
+        raise ProfileError(f"{file}: expected a mapping of keys at the top level, found {type(data).__name__}")
+    hints = _hints()
+    fields = {f.name: f for f in dataclasses.fields(Profile) if f.name != "source"}
+    for key in data:
+        if key not in fields:
+            raise ProfileError(f"{file}: unknown key {key!r}: expected one of {', '.join(sorted(fields))}")
+    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING]
+    if missing:
+        raise ProfileError(f"{file}: missing key {missing[0]}: expected {_type_name(hints[missing[0]])}")
+    values = {k: _convert(v, hints[k], k, file) for k, v in data.items()}
+    stem = Path(file).name.removesuffix(".yaml")
+    if file.endswith(".yaml") and values["name"] != stem:
+        raise ProfileError(f"{file}: key name: expected {stem!r} (the file name), found {values['name']!r}")
+    profile = Profile(**values, source=file)
+    _check_values(profile, file)
+    return profile
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that rejects a key given twice (PyYAML keeps the last one silently)."""
+
+
+def _unique_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def load_profile_file(path) -> Profile:
+    path = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read: {exc}") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ProfileError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    return profile_from_mapping(data, path)
+
+
+# ---- where profiles come from ----------------------------------------------------------------
+
+def user_profile_dir() -> Path:
+    env = os.environ.get("FLASHRT_PROFILE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "flashrt" / "profiles"
+
+
+def available_profiles() -> dict[str, str]:
+    """Profile name -> file; a user file overrides the shipped one of the same name."""
+    root = resources.files("flashrt.hwconfigs")
+    found = {p.name.removesuffix(".yaml"): str(p) for p in root.iterdir() if p.name.endswith(".yaml")}
+    user = user_profile_dir()
+    if user.is_dir():
+        found.update({p.stem: str(p) for p in sorted(user.glob("*.yaml"))})
+    return dict(sorted(found.items()))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A profile by name (user dir, then shipped) or by path to a YAML file."""
+    available = available_profiles()
+    if name_or_path in available:
+        return load_profile_file(available[name_or_path])
+    if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
+        return load_profile_file(Path(name_or_path).expanduser())
+    raise ProfileError(f"unknown profile {name_or_path!r}: available {', '.join(available)} "
+                       f"(or a path to a .yaml file; user profiles in {user_profile_dir()})")
+
+
+def load_all() -> list[Profile]:
+    return [load_profile_file(path) for path in available_profiles().values()]
+
+
+# ---- the active profile ----------------------------------------------------------------------
+
+_ACTIVE: tuple[Profile, str] | None = None
+
+
+def select_profile(device=None, facts: DeviceFacts | None = None, override: str | None = None) -> tuple[Profile, str]:
+    """(profile, why): ``override`` or ``FLASHRT_PROFILE`` if set, else the best match for the device."""
+    override = override or os.environ.get("FLASHRT_PROFILE") or None
+    if override:
+        profile = load_profile(override)
+        why = f"explicit profile {override!r} (--profile / FLASHRT_PROFILE) from {profile.source}"
+        facts = facts or detect_device(device)
+        if match_reasons(profile, facts) is None:
+            why += f"; note: it does not match the detected device {facts.describe()}"
+        return profile, why
+    facts = facts or detect_device(device)
+    return match_profile(facts, load_all())
+
+
+def active_profile() -> Profile:
+    """The profile chosen for this process (selected once, then cached)."""
+    return active_selection()[0]
+
+
+def active_selection() -> tuple[Profile, str]:
+    global _ACTIVE
+    if _ACTIVE is None:
+        _ACTIVE = select_profile()
+    return _ACTIVE
+
+
+def use_profile(profile: Profile | str | None) -> Profile | None:
+    """Make ``profile`` (a Profile, name or path) active; None goes back to automatic selection."""
+    global _ACTIVE
+    if profile is None:
+        _ACTIVE = None
+        return None
+    if isinstance(profile, str):
+        profile = load_profile(profile)
+    _ACTIVE = (profile, f"use_profile({profile.name!r})")
+    return profile
+
+
+def tiles(kernel: str, defaults: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The active profile's tile parameters for ``kernel`` (over the kernel's ``defaults``).
+
+    A parameter the kernel does not declare in ``defaults`` is a typo in the profile: ProfileError.
+    """
+    profile = active_profile()
+    given = profile.tiles.get(kernel)
+    if given is None:
+        if defaults is None:
+            raise ProfileError(f"{profile.source}: key tiles.{kernel}: missing (profile {profile.name!r} "
+                               f"has tiles for {', '.join(sorted(profile.tiles)) or 'no kernel'})")
+        return dict(defaults)
+    if defaults is not None:
+        unknown = sorted(set(given) - set(defaults))
+        if unknown:
+            raise ProfileError(f"{profile.source}: key tiles.{kernel}.{unknown[0]}: unknown tile parameter; "
+                               f"expected one of {', '.join(sorted(defaults))}")
+    return {**(defaults or {}), **given}
