@@ -61,9 +61,20 @@ def doctor_report() -> dict:
         "backends": [s.__dict__ for s in dispatch.available()],
         "plugin_errors": dispatch.load_errors(),
         "explicit_backend": dispatch.current_choice(),
-        "profiles": {"shipped": sorted(shipped_profiles()), "chosen": None,
-                     "note": "automatic profile selection is not implemented yet"},
+        "profiles": _profile_report(sorted(shipped_profiles())),
     }
+
+
+def _profile_report(shipped: list[str]) -> dict:
+    from . import profiles
+
+    try:
+        profile, reason = profiles.select_profile()
+        chosen, error = {"name": profile.name, "source": profile.source, "reason": reason}, None
+    except FlashrtError as exc:  # a bad profile is reported, not fatal: the rest of doctor still helps
+        chosen, error = None, str(exc)
+    return {"shipped": shipped, "available": profiles.available_profiles(),
+            "user_dir": str(profiles.user_profile_dir()), "chosen": chosen, "error": error}
 
 
 def _print_doctor(r: dict) -> None:
@@ -88,7 +99,11 @@ def _print_doctor(r: dict) -> None:
     if r["explicit_backend"]:
         print(f"explicit backend: {r['explicit_backend']} (FLASHRT_BACKEND)")
     p = r["profiles"]
-    print(f"profiles: shipped {', '.join(p['shipped'])}; chosen: {p['chosen'] or p['note']}")
+    print(f"profiles: {', '.join(p['available'])} (user profiles: {p['user_dir']})")
+    if p["chosen"]:
+        print(f"profile: {p['chosen']['name']} ({p['chosen']['reason']})")
+    else:
+        print(f"profile: error: {p['error']}")
 
 
 def cmd_doctor(args) -> int:
@@ -98,12 +113,13 @@ def cmd_doctor(args) -> int:
         print()
     else:
         _print_doctor(report)
-    return 0
+    return 0 if report["profiles"]["chosen"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashrt", description="DeepSeek-V4.1-Flash inference runtime")
     parser.add_argument("--version", action="version", version=f"flashrt {__version__}")
+    parser.add_argument("--profile", default=None, help="hardware profile name or YAML path (default: auto)")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="devices, backends and their availability, versions")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -112,11 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_run(sub)
     add_plan(sub)
+    from .cli_jit import add_jit
+
+    add_jit(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.profile:  # honoured by every command and inherited by child processes
+        from . import profiles
+
+        os.environ["FLASHRT_PROFILE"] = args.profile
+        profiles.use_profile(None)
     try:
         return args.func(args)
     except BrokenPipeError:  # `flashrt doctor | head`

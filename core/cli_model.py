@@ -24,6 +24,9 @@ def add_run(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: 1 for tiny, else torch's)")
+    p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
+                   help="device bytes for the KV state; older main-KV pages spill to host memory")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS", help="prompt tokens per forward call")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_run)
 
@@ -32,7 +35,8 @@ def cmd_run(args) -> int:
     from flashrt.graphs.run import DEFAULT_PROMPT, run
 
     report = run(args.model, args.prompt or DEFAULT_PROMPT, args.max_new_tokens, args.device, args.backend,
-                 args.prefill, args.temperature, args.seed, quiet=args.json, threads=args.threads)
+                 args.prefill, args.temperature, args.seed, quiet=args.json, threads=args.threads,
+                 kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -46,6 +50,10 @@ def cmd_run(args) -> int:
           f"(weights loaded in {r['load_seconds']:.2f} s)")
     print(f"KV {r['kv_bytes_per_token']:,.1f} B/token, {_human(r['kv_bytes_total'])} in total "
           f"(window rings {_human(r['window_state_bytes'])})   peak memory {_human(r['peak_memory_bytes'])}")
+    t = r["kv_tiers"]
+    if t:
+        print(f"KV pages: {t['device_pages']} on the device ({t['page_entries']} entries each), "
+              f"{t['cold_pages']} cold in host memory" + (f" (budget {r['kv_budget']:,} B)" if r["kv_budget"] else ""))
     return 0
 
 

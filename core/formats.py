@@ -8,8 +8,8 @@
 | ``fp8_w`` | E4M3 | ``float8_e4m3fn [..., out, in]`` | 32x32 tile | ``float8_e8m0fnu [..., ceil(out/32), ceil(in/32)]`` | as ``fp8`` over the tile |
 | ``fp4_w`` | E2M1 | ``uint8 [..., out, in/2]`` | 32 inputs | ``float8_e8m0fnu [..., out, in/32]`` | as ``fp4_b32`` |
 | ``int8`` | int8 (+-127) | ``int8 [..., N]`` | 32 | ``float8_e8m0fnu [..., N/32]`` | smallest 2**k >= max(amax, 127 * 2**-126) / 127 |
-| ``int8_t`` | int8 (+-127) | ``int8 [..., N]`` | the row (N) | ``float32 [..., 1]`` | max(amax, 2**-64) / 127 (fp32 division) |
-| ``int8_w`` | int8 (+-127) | ``int8 [..., out, in]`` | the row (in) | ``bfloat16 [..., out, 1]`` | bf16(max(amax, 2**-64) / 127), nearest even |
+| ``int8_t`` | int8 (+-127) | ``int8 [..., N]`` | the row (N) | ``float32 [..., 1]`` | max(amax, 2**-126) / 127 (fp32 division) |
+| ``int8_w`` | int8 (+-127) | ``int8 [..., out, in]`` | the row (in) | ``bfloat16 [..., out, 1]`` | bf16(max(amax, 2**-126) / 127), nearest even |
 
 Elements are ``x / scale`` computed in fp32 (IEEE division), clamped to the element range, rounded
 to nearest with ties to even. E2M1 codes index ``E2M1_VALUES``; the sign is bit 3 and follows the
@@ -72,8 +72,8 @@ FORMATS: dict[str, FormatSpec] = {
     "fp8_w": FormatSpec("fp8_w", "e4m3", 32, torch.float8_e8m0fnu, 1e-4, tiled=True, weight=True),
     "fp4_w": FormatSpec("fp4_w", "e2m1", 32, torch.float8_e8m0fnu, 6 * 2.0**-126, weight=True),
     "int8": FormatSpec("int8", "int8", 32, torch.float8_e8m0fnu, 127 * 2.0**-126),
-    "int8_t": FormatSpec("int8_t", "int8", 0, torch.float32, 2.0**-64, row=True),
-    "int8_w": FormatSpec("int8_w", "int8", 0, torch.bfloat16, 2.0**-64, weight=True, row=True),
+    "int8_t": FormatSpec("int8_t", "int8", 0, torch.float32, 2.0**-126, row=True),
+    "int8_w": FormatSpec("int8_w", "int8", 0, torch.bfloat16, 2.0**-126, weight=True, row=True),
 }
 INT8_MAX = 127.0
 
@@ -149,6 +149,8 @@ def check_shape(fmt: str, shape, name: str = "x") -> None:
     min_rank = 2 if s.weight else 1
     if len(shape) < min_rank:
         raise ValueError(f"{name}: format {fmt!r} expects at least {min_rank} dims, got shape {shape}")
+    if s.row and shape[-1] == 0:
+        raise ValueError(f"{name}: format {fmt!r} expects a non-empty last dim, got shape {shape}")
     if not (s.tiled or s.row) and shape[-1] % s.block:
         raise ValueError(
             f"{name}: format {fmt!r} expects the last dim to be a multiple of {s.block}, got shape {shape}"

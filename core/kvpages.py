@@ -190,6 +190,32 @@ class PagedMainKV:
         out[rows.to(out.device), cols.to(out.device)] = (offset + inverse).to(out.device)
         return staging, out
 
+    def read_row(self, row: int, entries: int) -> QTensor:
+        """Entries ``[0, entries)`` of ``row`` as a CPU QTensor ``[entries, D]`` (from either tier)."""
+        P, D = self.pool.P, self.pool.D
+        datas, scales = [], []
+        for j in range(-(-entries // P)):
+            tier, page = self.tables[row].pages[j]
+            src = self.pool.dev if tier == "dev" else self.pool.host
+            datas.append(src.data[page].cpu())
+            scales.append(src.scale.view(torch.uint8)[page].cpu())
+        data = torch.cat(datas)[:entries] if datas else torch.zeros(0, D // 2, dtype=torch.uint8)
+        scale = torch.cat(scales)[:entries] if scales else torch.zeros(0, D // 16, dtype=torch.uint8)
+        return QTensor(data, scale.view(torch.float8_e4m3fn), FMT, (entries, D))
+
+    def write_row(self, row: int, values: QTensor) -> None:
+        """Store ``values`` [n, D] as entries ``[0, n)`` of ``row`` (pages reserved here)."""
+        n = values.shape[0]
+        self.reserve(row, n)
+        B = len(self.tables)
+        entry = torch.arange(n, device=self.pool.device).unsqueeze(0).expand(B, n)
+        mask = torch.zeros(B, n, dtype=torch.bool, device=self.pool.device)
+        mask[row] = True
+        dev = values.to(self.pool.device)
+        full = QTensor(dev.data.unsqueeze(0).expand(B, *dev.data.shape), dev.scale.unsqueeze(0).expand(B, *dev.scale.shape),
+                       FMT, (B, n, values.shape[-1]))
+        self.write(entry, mask, full)
+
     def release(self) -> None:
         for t in self.tables:
             self.pool.release(t)

@@ -9,22 +9,22 @@ detected device (:class:`DeviceFacts`). Kernels read their tile parameters only 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Literal, Mapping, Union
-
-import yaml
+from typing import Literal, Mapping
 
 from .errors import ProfileError
+from .profile_schema import convert, read_yaml, type_name
 from .profile_match import DeviceFacts, detect_device, match_profile, match_reasons
 
-KvDtype = Literal["fp4", "fp8", "int8", "bf16"]
+StorageDtype = Literal["fp4", "fp8", "int8", "bf16"]
 ComputeDtype = Literal["fp8", "int8", "bf16", "fp16", "fp32"]
 
 
@@ -35,10 +35,10 @@ class Profile:
     name: str                                   # must equal the file name without .yaml
     backend: str                                # reference | cuda | ascend | a plugin's name
     match_device_type: Literal["cpu", "cuda", "npu"]
-    kv_main_dtype: KvDtype                      # paged main KV storage
-    kv_window_dtype: KvDtype                    # window ring storage
+    kv_main_dtype: StorageDtype                 # paged main KV storage
+    kv_window_dtype: StorageDtype               # window ring storage
     kv_window_compute_dtype: ComputeDtype       # what attention over the window computes in
-    weight_dtype: KvDtype                       # dense weight storage
+    weight_dtype: StorageDtype                  # dense weight storage
     compute_dtype: ComputeDtype                 # activations / accumulation inputs
     tiles: dict[str, dict[str, int]] = field(hash=False)  # kernel -> tile parameters
     hkcp_hot_fraction: float                    # of the KV budget: window rings + recent pages
@@ -76,49 +76,9 @@ class Profile:
         return d
 
 
-# ---- schema checking -------------------------------------------------------------------------
-
-_HINTS: dict | None = None
-
-
+@functools.lru_cache(maxsize=None)
 def _hints() -> dict:
-    global _HINTS
-    if _HINTS is None:
-        _HINTS = typing.get_type_hints(Profile)
-    return _HINTS
-
-
-def _type_name(tp) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
-
-
-def _convert(value, tp, where: str, file: str):
-    """``value`` checked against the type ``tp`` (and normalised: int -> float, list -> tuple)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (Union, types.UnionType):
-        for arg in args:
-            try:
-                return _convert(value, arg, where, file)
-            except ProfileError:
-                pass
-    elif origin is Literal:
-        if isinstance(value, str) and value in args:
-            return value
-    elif origin is tuple and isinstance(value, (list, tuple)):
-        return tuple(_convert(v, args[0], f"{where}[{i}]", file) for i, v in enumerate(value))
-    elif origin is dict and isinstance(value, Mapping):
-        return {_convert(k, args[0], f"{where} key", file): _convert(v, args[1], f"{where}.{k}", file)
-                for k, v in value.items()}
-    elif tp is type(None) and value is None:
-        return None
-    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    elif tp in (int, str, bool) and type(value) is tp:
-        return value
-    found = f"{type(value).__name__} {value!r}" if value is not None else "null"
-    raise ProfileError(f"{file}: key {where}: expected {_type_name(tp)}, found {found}")
+    return typing.get_type_hints(Profile)
 
 
 def _check_values(p: Profile, file: str) -> None:
@@ -155,8 +115,8 @@ def profile_from_mapping(data, file: str) -> Profile:
             raise ProfileError(f"{file}: unknown key {key!r}: expected one of {', '.join(sorted(fields))}")
     missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING]
     if missing:
-        raise ProfileError(f"{file}: missing key {missing[0]}: expected {_type_name(hints[missing[0]])}")
-    values = {k: _convert(v, hints[k], k, file) for k, v in data.items()}
+        raise ProfileError(f"{file}: missing key {missing[0]}: expected {type_name(hints[missing[0]])}")
+    values = {k: convert(v, hints[k], k, file) for k, v in data.items()}
     stem = Path(file).name.removesuffix(".yaml")
     if file.endswith(".yaml") and values["name"] != stem:
         raise ProfileError(f"{file}: key name: expected {stem!r} (the file name), found {values['name']!r}")
@@ -165,39 +125,10 @@ def profile_from_mapping(data, file: str) -> Profile:
     return profile
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that rejects a key given twice (PyYAML keeps the last one silently)."""
-
-
-def _unique_mapping(loader, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
 def load_profile_file(path) -> Profile:
     path = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ProfileError(f"{path}: cannot read: {exc}") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ProfileError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
-    return profile_from_mapping(data, path)
+    return profile_from_mapping(read_yaml(path), path)
 
-
-# ---- where profiles come from ----------------------------------------------------------------
 
 def user_profile_dir() -> Path:
     env = os.environ.get("FLASHRT_PROFILE_DIR")
@@ -230,8 +161,6 @@ def load_profile(name_or_path: str) -> Profile:
 def load_all() -> list[Profile]:
     return [load_profile_file(path) for path in available_profiles().values()]
 
-
-# ---- the active profile ----------------------------------------------------------------------
 
 _ACTIVE: tuple[Profile, str] | None = None
 
@@ -274,21 +203,40 @@ def use_profile(profile: Profile | str | None) -> Profile | None:
     return profile
 
 
-def tiles(kernel: str, defaults: Mapping[str, int] | None = None) -> dict[str, int]:
-    """The active profile's tile parameters for ``kernel`` (over the kernel's ``defaults``).
+@contextlib.contextmanager
+def using(profile: Profile | str):
+    """``profile`` active inside the block; the previous choice comes back after it."""
+    global _ACTIVE
+    saved = _ACTIVE
+    try:
+        yield use_profile(profile)
+    finally:
+        _ACTIVE = saved
 
-    A parameter the kernel does not declare in ``defaults`` is a typo in the profile: ProfileError.
-    """
+
+def tiles(kernel: str, defaults: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The active profile's tile parameters for ``kernel`` over the kernel's ``defaults`` (its
+    ``TILES[kernel]``); cached per active profile, so a launcher may call it on every launch.
+    Treat the result as read-only. A parameter ``defaults`` lacks is a typo: ProfileError."""
     profile = active_profile()
+    hit = _TILES_CACHE.get((kernel, id(defaults)))
+    if hit is None or hit[0] is not profile or hit[1] is not defaults:
+        hit = _TILES_CACHE[kernel, id(defaults)] = (profile, defaults, _merged_tiles(profile, kernel, defaults))
+    return hit[2]
+
+
+_TILES_CACHE: dict[tuple, tuple] = {}  # (kernel, id(defaults)) -> (profile, defaults, merged)
+
+
+def _merged_tiles(profile: Profile, kernel: str, defaults: Mapping[str, int] | None) -> dict[str, int]:
     given = profile.tiles.get(kernel)
     if given is None:
         if defaults is None:
             raise ProfileError(f"{profile.source}: key tiles.{kernel}: missing (profile {profile.name!r} "
                                f"has tiles for {', '.join(sorted(profile.tiles)) or 'no kernel'})")
         return dict(defaults)
-    if defaults is not None:
-        unknown = sorted(set(given) - set(defaults))
-        if unknown:
-            raise ProfileError(f"{profile.source}: key tiles.{kernel}.{unknown[0]}: unknown tile parameter; "
-                               f"expected one of {', '.join(sorted(defaults))}")
+    unknown = sorted(set(given) - set(defaults)) if defaults is not None else []
+    if unknown:
+        raise ProfileError(f"{profile.source}: key tiles.{kernel}.{unknown[0]}: unknown tile parameter; "
+                           f"expected one of {', '.join(sorted(defaults))}")
     return {**(defaults or {}), **given}

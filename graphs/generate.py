@@ -16,6 +16,7 @@ import torch
 from flashrt import ops
 from flashrt.kvcache import KVState
 
+from . import prefix
 from .context import StepContext
 
 PREFILLS = ("exact", "ced")
@@ -103,12 +104,16 @@ def _as_sequences(prompts) -> list[list[int]]:
 
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact",
              generator: torch.Generator | None = None, seed: int | None = None, eos_token_id: int | None = None,
-             kv_budget: int | None = None, prefill_chunk: int | None = None):
+             kv_budget: int | None = None, prefill_chunk: int | None = None, kv_page_entries: int = 64,
+             prefix_cache=None):
     """Prefill every prompt, then decode ``max_new_tokens`` tokens for all of them together.
 
     ``kv_budget``: device bytes for the batch's whole KV state; main-KV pages beyond it live in
     host memory (HKCP cold tier) and only the selected entries come back. ``prefill_chunk``:
-    prompt tokens per forward call."""
+    prompt tokens per forward call. ``kv_page_entries``: compressed entries per main-KV page.
+    ``prefix_cache``: a :class:`flashrt.prefix_cache.PrefixCache`; prompts whose aligned prefix is
+    cached load its global KV and replay the last ``window_size`` tokens instead of prefilling it,
+    and every prompt's aligned prefix is stored after its prefill."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
@@ -120,12 +125,22 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     order, states, logits = [], [], []
-    pool = KVState.pool_for(model.cfg, len(seqs), capacity, model.device, kv_budget)
-    for length in sorted({len(s) for s in seqs}):
-        rows = [i for i, s in enumerate(seqs) if len(s) == length]
+    pool = KVState.pool_for(model.cfg, len(seqs), capacity, model.device, kv_budget, kv_page_entries)
+    hits = [prefix.lookup(model, prefix_cache, s) if prefix_cache is not None else (0, None) for s in seqs]
+    for length, hit in sorted({(len(s), h[0]) for s, h in zip(seqs, hits)}):
+        rows = [i for i, s in enumerate(seqs) if len(s) == length and hits[i][0] == hit]
         ids = model._check_ids(torch.tensor([seqs[i] for i in rows], dtype=torch.long))
         state = model.new_state(len(rows), capacity, pool=pool)
-        logits.append(prefill_prompt(model, ids, state, prefill, prefill_chunk))
+        if hit:
+            out = prefix.restore(model, state, [hits[i][1] for i in rows], ids, hit)
+            if length > hit:
+                out = prefill_prompt(model, ids[:, hit:], state, "exact", prefill_chunk)
+        else:
+            out = prefill_prompt(model, ids, state, prefill, prefill_chunk)
+        if prefix_cache is not None:
+            for r, i in enumerate(rows):
+                prefix.store(model, prefix_cache, state, r, seqs[i])
+        logits.append(out)
         order += rows
         states.append(state)
     state = KVState.cat(states) if len(states) > 1 else states[0]

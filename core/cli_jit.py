@@ -1,0 +1,140 @@
+"""``flashrt jit warmup | ls | clear``: ahead-of-time compilation and the compile cache on disk.
+
+Warmup calls the ``warmup(profile)`` hook of every ``flashrt.kernels_cuda`` module that defines
+one (modules are found as the CUDA backend finds them; those without the hook are skipped). A hook
+compiles its kernels at the profile's tiles (``flashrt.profiles.tiles``) for the shapes the model
+launches, e.g. ``_kernel.warmup(*example_args, grid=(1,), **tile_constexprs)``, which compiles
+through Triton's cache (ours, after ``flashrt.jit.install()``) without launching.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import sys
+import time
+
+
+def kernel_modules() -> list[tuple[str, object]]:
+    """(name, module or the exception its import raised) for each module of flashrt.kernels_cuda."""
+    import flashrt.kernels_cuda as pkg
+
+    out = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("_"):
+            continue
+        try:
+            out.append((info.name, importlib.import_module(f"{pkg.__name__}.{info.name}")))
+        except Exception as exc:  # report it; the other modules still warm up
+            out.append((info.name, exc))
+    return out
+
+
+def warmup(profile=None, modules=None, progress=None) -> dict:
+    """Run each module's ``warmup(profile)`` with ``profile`` active and Triton's cache routed
+    through ours. ``profile``: a Profile, name or path (default: the active one); ``modules``:
+    (name, module) pairs (default: :func:`kernel_modules`). Returns what was warmed, skipped, failed."""
+    from . import profiles
+    from .jit import install
+    from .progress import Progress
+
+    profile = profiles.load_profile(profile) if isinstance(profile, str) else profile or profiles.active_profile()
+    modules = kernel_modules() if modules is None else list(modules)
+    progress = progress or Progress(f"jit warmup {profile.name}")
+    report = {"profile": profile.name, "warmed": [], "skipped": [], "failed": {}, "seconds": 0.0}
+    install()
+    t0 = time.perf_counter()
+    with profiles.using(profile):
+        for done, (name, mod) in enumerate(modules, 1):
+            hook = None if isinstance(mod, BaseException) else getattr(mod, "warmup", None)
+            if isinstance(mod, BaseException):
+                report["failed"][name] = f"import: {type(mod).__name__}: {mod}"
+            elif hook is None:
+                report["skipped"].append(name)
+            else:
+                try:
+                    hook(profile)
+                    report["warmed"].append(name)
+                except Exception as exc:  # one broken module must not stop the others
+                    report["failed"][name] = f"{type(exc).__name__}: {exc}"
+            progress(done, len(modules))
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def cmd_warmup(args) -> int:
+    report = warmup(getattr(args, "profile", None))
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    else:
+        print(f"jit warmup {report['profile']}: {len(report['warmed'])} modules compiled, "
+              f"{len(report['skipped'])} without a warmup hook, {len(report['failed'])} failed "
+              f"({report['seconds']:.1f} s)")
+        for name, err in report["failed"].items():
+            print(f"  {name}: {err}")
+    return 1 if report["failed"] else 0
+
+
+def cmd_ls(args) -> int:
+    from .jit import JitCache
+
+    cache = JitCache()
+    entries, now = cache.entries(), time.time()
+    if args.json:
+        json.dump([e.__dict__ for e in entries], sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"{cache.root}: {len(entries)} entries, {_human(sum(e.size for e in entries))}")
+    if entries:
+        print(f"  {'key':12}  {'kind':7}  {'kernel':32}  {'arch':10}  {'size':>10}  age")
+    for e in entries:
+        print(f"  {e.key[:12]:12}  {e.kind:7}  {e.kernel[:32]:32}  {e.arch:10}  {_human(e.size):>10}  "
+              f"{_age(now - e.mtime)}")
+    return 0
+
+
+def cmd_clear(args) -> int:
+    from .jit import JitCache
+
+    cache = JitCache()
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ValueError(f"not clearing {cache.root} without --yes (stdin is not a terminal)")
+        if input(f"remove everything under {cache.root}? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("nothing removed")
+            return 1
+    files, size = cache.clear()
+    print(f"removed {files} files ({_human(size)}) under {cache.root}")
+    return 0
+
+
+def add_jit(sub) -> None:
+    jit = sub.add_parser("jit", help="compile kernels ahead of time; inspect or empty the compile cache")
+    jsub = jit.add_subparsers(dest="jit_command", required=True)
+    p = jsub.add_parser("warmup", help="compile every kernel a profile needs (modules with a warmup hook)")
+    p.add_argument("--profile", default=argparse.SUPPRESS, help="profile name or YAML path (default: auto)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_warmup)
+    p = jsub.add_parser("ls", help="cache entries: key, kind, kernel, architecture, size, age")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ls)
+    p = jsub.add_parser("clear", help="remove the compile cache ($FLASHRT_CACHE_DIR/jit) and nothing else")
+    p.add_argument("--yes", action="store_true", help="do not ask")
+    p.set_defaults(func=cmd_clear)

@@ -1,0 +1,79 @@
+"""Checking YAML values against dataclass field types, and reading YAML strictly.
+
+Used by :mod:`flashrt.profiles`: every error names the file, the key (dotted for nested
+mappings), what was expected and what was found.
+"""
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Literal, Mapping, Union
+
+import yaml
+
+from .errors import ProfileError
+
+
+def type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def convert(value, tp, where: str, file: str):
+    """``value`` checked against the type ``tp`` (and normalised: int -> float, list -> tuple)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        for arg in args:
+            try:
+                return convert(value, arg, where, file)
+            except ProfileError:
+                pass
+    elif origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+    elif origin is tuple and isinstance(value, (list, tuple)):
+        return tuple(convert(v, args[0], f"{where}[{i}]", file) for i, v in enumerate(value))
+    elif origin is dict and isinstance(value, Mapping):
+        return {convert(k, args[0], f"{where} key", file): convert(v, args[1], f"{where}.{k}", file)
+                for k, v in value.items()}
+    elif tp is type(None) and value is None:
+        return None
+    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif tp in (int, str, bool) and type(value) is tp:
+        return value
+    found = f"{type(value).__name__} {value!r}" if value is not None else "null"
+    raise ProfileError(f"{file}: key {where}: expected {type_name(tp)}, found {found}")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that rejects a key given twice (PyYAML keeps the last one silently)."""
+
+
+def _unique_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def read_yaml(path: str):
+    """The parsed YAML of ``path``; ProfileError naming the file (and line) if unreadable."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read: {exc}") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ProfileError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
