@@ -14,12 +14,14 @@ from flashrt.kvcache import KVState
 from .block import Block
 from .config import ModelConfig
 from .context import RopeCache, StepContext
+from .engram import EngramPrefetch, place_tables
 from .engram_hash import EngramHasher, EngramLayout, TokenMap
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, weights: dict, token_map=None):
-        self.cfg, self.weights = cfg, weights
+    def __init__(self, cfg: ModelConfig, weights: dict, token_map=None, engram_placement: str = "device"):
+        place_tables(cfg, weights, engram_placement)
+        self.cfg, self.weights, self.engram_placement = cfg, weights, engram_placement
         self.embed, self.norm, self.head = weights["embed.weight"], weights["norm.weight"], weights["head.weight"]
         self.device = self.embed.device
         self.blocks = [Block(cfg, layer, weights, f"layers.{layer}.") for layer in range(cfg.n_layers)]
@@ -29,6 +31,8 @@ class Model:
         if layout is not None:
             self.hasher = EngramHasher(layout, token_map or TokenMap.identity(layout.compressed_vocab_size))
         self._state: KVState | None = None
+        engrams = [b.engram for b in self.blocks if b.engram is not None]
+        self.prefetch = EngramPrefetch(engrams, self.device) if engrams and engram_placement != "device" else None
         self.drafts = None
         if cfg.dspark_block_size:
             from .dspark import Drafts
@@ -71,7 +75,10 @@ class Model:
             engram_ids = torch.zeros(*ids.shape, len(self.cfg.engram_layer_ids), cols, dtype=torch.long, device="meta")
         elif self.hasher is not None:
             engram_ids, state.engram_history = self.hasher.hash_ids(ids, state.engram_history, token_mask)
-        return StepContext(positions, end, state, self.rope, engram_ids, token_mask=token_mask)
+        ctx = StepContext(positions, end, state, self.rope, engram_ids, token_mask=token_mask)
+        if self.prefetch is not None and not state.is_meta:
+            self.prefetch.start(ctx)
+        return ctx
 
     # ----- pieces ----------------------------------------------------------------------------------
     def embed_tokens(self, ids: torch.Tensor):

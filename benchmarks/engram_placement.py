@@ -1,0 +1,64 @@
+"""Decode step time with the Engram tables in device memory vs pinned host memory (prefetched
+on a side stream), same model, same run.
+
+    python benchmarks/engram_placement.py --model small --out benchmarks/results/h200-engram-placement.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from flashrt.graphs.config import shipped_config
+from flashrt.graphs.init_weights import init_weights
+from flashrt.graphs.model import Model
+
+
+def step_ms(model, batch: int, context: int, steps: int) -> float:
+    ids = torch.randint(0, model.cfg.vocab_size, (batch, context), device="cuda")
+    state = model.new_state(batch, context + steps + 2)
+    model.forward(ids, state=state)
+    tok = ids[:, -1:]
+    model.forward(tok, state=state)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.forward(tok, state=state)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = shipped_config(args.model)
+    rows = []
+    for placement in ("device", "host_pinned"):
+        model = Model(cfg, init_weights(cfg, seed=0, device="cuda"), engram_placement=placement)
+        for b in args.batches:
+            ms = step_ms(model, b, args.context, args.steps)
+            rows.append({"placement": placement, "batch": b, "context": args.context, "step_ms": ms})
+            print(f"{placement:12} batch {b:3d}: {ms:8.2f} ms/step", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    for r in rows:
+        base = next(x for x in rows if x["placement"] == "device" and x["batch"] == r["batch"])
+        r["ratio_to_device"] = r["step_ms"] / base["step_ms"]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
