@@ -64,10 +64,15 @@ def dequantized_weight(w: QTensor) -> torch.Tensor:
     return hit[3]
 
 
+def activation_format(weight: QTensor) -> str:
+    """What a quantized weight's input is quantized to: per-token int8 for ``int8_w``, else fp8."""
+    return "int8_t" if weight.fmt == "int8_w" else "fp8"
+
+
 def linear_fp32(x, weight) -> torch.Tensor:
     """``x @ weight.T`` accumulated in fp32, returned in fp32 (fp8 activations for QTensor weights)."""
     if isinstance(weight, QTensor):
-        xq = formats.dequantize(formats.quantize(x, "fp8"))
+        xq = formats.dequantize(formats.quantize(x, activation_format(weight)))
         return F.linear(xq, dequantized_weight(weight))
     return F.linear(x.to(torch.float32), weight.to(torch.float32))
 
@@ -227,7 +232,7 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
 def _project(x, w, e: int) -> torch.Tensor:
     """``linear(x, w[e])`` of a stacked [E, out, in] weight, in ``x.dtype``."""
     if isinstance(w, QTensor):  # fp8 activations, as linear() does for a quantized weight
-        xq = formats.dequantize(formats.quantize(x, "fp8"))
+        xq = formats.dequantize(formats.quantize(x, activation_format(w)))
         return F.linear(xq, dequantized_weight(w)[e]).to(x.dtype)
     return F.linear(x.to(torch.float32), w[e].to(torch.float32)).to(x.dtype)
 

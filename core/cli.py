@@ -43,10 +43,18 @@ def _npu_devices() -> dict:
                                                             for i in range(npu.device_count())]}
 
 
+def _ascend_versions() -> dict:
+    """torch_npu, CANN and SoC versions (imports torch_npu only when it is installed)."""
+    from flashrt.backends.ascend import versions
+
+    return versions()
+
+
 def doctor_report() -> dict:
     """Everything ``flashrt doctor`` prints, as a dict."""
     from flashrt.hwconfigs import profile_files as shipped_profiles
 
+    ascend = _ascend_versions()
     return {
         "flashrt": __version__,
         "python": platform.python_version(),
@@ -54,7 +62,9 @@ def doctor_report() -> dict:
         "versions": {
             "torch": torch.__version__,
             "triton": _version("triton"),
-            "torch_npu": _version("torch-npu") or _version("torch_npu"),
+            "torch_npu": _version("torch-npu") or _version("torch_npu") or ascend.get("torch_npu"),
+            "cann": ascend.get("cann"),
+            "npu_soc_version": ascend.get("soc_version"),
             "cuda_runtime": torch.version.cuda,
         },
         "devices": {"cpu": {"available": True, "cores": os.cpu_count()}, "cuda": _cuda_devices(), "npu": _npu_devices()},
@@ -80,7 +90,7 @@ def _profile_report(shipped: list[str]) -> dict:
 def _print_doctor(r: dict) -> None:
     v = r["versions"]
     print(f"flashrt {r['flashrt']}  python {r['python']}  ({r['platform']})")
-    print("versions: " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in ("torch", "triton", "torch_npu")))
+    print("versions: " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in ("torch", "triton", "torch_npu", "cann")))
     print("devices:")
     print(f"  cpu   {r['devices']['cpu']['cores']} cores")
     for kind in ("cuda", "npu"):

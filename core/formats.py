@@ -9,7 +9,7 @@
 | ``fp4_w`` | E2M1 | ``uint8 [..., out, in/2]`` | 32 inputs | ``float8_e8m0fnu [..., out, in/32]`` | as ``fp4_b32`` |
 | ``int8`` | int8 (+-127) | ``int8 [..., N]`` | 32 | ``float8_e8m0fnu [..., N/32]`` | smallest 2**k >= max(amax, 127 * 2**-126) / 127 |
 | ``int8_t`` | int8 (+-127) | ``int8 [..., N]`` | the row (N) | ``float32 [..., 1]`` | max(amax, 2**-126) / 127 (fp32 division) |
-| ``int8_w`` | int8 (+-127) | ``int8 [..., out, in]`` | the row (in) | ``bfloat16 [..., out, 1]`` | bf16(max(amax, 2**-126) / 127), nearest even |
+| ``int8_w`` | int8 (+-127) | ``int8 [..., out, in]`` | the row (in) | ``bfloat16 [..., out, 1]`` | the fp32 quotient max(amax, 2**-126) / 127 rounded to bf16, nearest even |
 
 Elements are ``x / scale`` computed in fp32 (IEEE division), clamped to the element range, rounded
 to nearest with ties to even. E2M1 codes index ``E2M1_VALUES``; the sign is bit 3 and follows the

@@ -25,7 +25,7 @@ def stored_bytes(s: ParamSpec) -> int:
         return s.numel * KIND_DTYPE[s.kind].itemsize
     fmt = QUANTIZED[s.kind]
     data, scale = expected_layout(fmt, s.shape)
-    return data.numel() * spec(fmt).data_dtype.itemsize + scale.numel()
+    return data.numel() * spec(fmt).data_dtype.itemsize + scale.numel() * spec(fmt).scale_dtype.itemsize
 
 
 def meta_weights(cfg: ModelConfig) -> dict:

@@ -1,0 +1,69 @@
+"""The ops with no torch_npu operator of matching semantics: plain torch on the NPU.
+
+``compress_pool``, ``hc_coefficients``, ``hc_collapse``, ``hc_expand`` and ``engram_gate`` are
+small elementwise / reduction / tiny-GEMM graphs with no fused torch_npu operator of the same
+math (npu_rms_norm does not cover engram_gate's two-norm gate; no operator does mHC's Sinkhorn
+normalisation), so they run the reference math on the device. ``engram_lookup`` gathers table
+bytes and decodes them exactly; ``sample`` makes the argmax tie rule explicit.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashrt.backends import reference as ref
+from flashrt.formats import QTensor
+
+from ._npu import dequantize, first_argmax
+
+
+def compress_pool(kv, score):
+    """``compress_pool``: plain torch (softmax over r, weighted sum), fp32 as ops.md."""
+    return ref.compress_pool(kv, score)
+
+
+def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps):
+    """``hc_coefficients``: plain torch (one small GEMM, sigmoids, Sinkhorn iterations), fp32."""
+    return ref.hc_coefficients(x, fn, scale, base, iters, eps, norm_eps)
+
+
+def hc_collapse(x, pre):
+    """``hc_collapse``: plain torch (weighted sum over the hc streams), fp32."""
+    return ref.hc_collapse(x, pre)
+
+
+def hc_expand(y, residual, post, comb):
+    """``hc_expand``: plain torch (an einsum over the hc streams), fp32."""
+    return ref.hc_expand(y, residual, post, comb)
+
+
+def engram_gate(h, key, value, weight, eps):
+    """``engram_gate``: plain torch, fp32 as ops.md."""
+    return ref.engram_gate(h, key, value, weight, eps)
+
+
+def engram_lookup(table, ids):
+    """``engram_lookup``: plain-torch index (aclnnIndex / gather) on the stored bytes, then exact
+    decoding: the ``fp8`` rows are looked up as uint8 and turned into values through the E4M3 and
+    UE8M0 tables of ``_npu`` (no float8 arithmetic on the device), returned as bf16."""
+    flat = ids.reshape(-1)
+    rows = QTensor(table.data[flat], table.scale[flat], table.fmt, (flat.shape[0], table.shape[-1]))
+    return dequantize(rows, torch.bfloat16).view(*ids.shape, table.shape[-1])
+
+
+def sample(logits, temperature, generator):
+    """``sample``: plain torch. Greedy and Gumbel-max take the first maximum (ties to the lower id,
+    as ops.md says; the NPU's argmax documents no tie rule). The exponential noise is drawn on the
+    device with ``generator`` (an NPU generator on the NPU: its stream differs from a CPU one)."""
+    lf = logits.to(torch.float32)
+    greedy = first_argmax(lf)
+    if not isinstance(temperature, torch.Tensor):
+        if temperature == 0:
+            return greedy
+        temperature = torch.full(lf.shape[:1], float(temperature), device=lf.device)
+    p = torch.softmax(lf / temperature.clamp_min(1e-5).unsqueeze(-1), -1)
+    noise = torch.empty_like(p).exponential_(1, generator=generator)
+    return torch.where(temperature == 0, greedy, first_argmax(p / noise))
+
+
+OPS = {name: globals()[name] for name in (
+    "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "sample")}

@@ -1,0 +1,116 @@
+"""quantize, dequantize and linear on torch_npu operators (npu_dynamic_quant, npu_quant_matmul)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashrt import formats
+from flashrt.backends import reference as ref
+from flashrt.formats import QTensor
+
+from ._npu import dequantize as exact_dequantize
+from ._npu import fallback, npu
+
+HALF = (torch.float16, torch.bfloat16)
+INT8_T_MIN_SCALE = torch.tensor(formats.spec("int8_t").amax_floor / formats.INT8_MAX).item()  # fp32
+
+
+def _quant_rows_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 elements of ``x [..., N]`` for a per-row fp32 ``scale [...]``: nearest even, +-127."""
+    return torch.round(x.to(torch.float32) / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``int8_t`` of a bf16/fp16 ``x [..., N]`` (>= 2 dims) -> (int8 [..., N], fp32 scale [...]).
+
+    ``torch_npu.npu_dynamic_quant(x)`` computes scale = row amax / 127 (fp32) and
+    y = round(x / scale). ``int8_t`` floors amax at 2**-126: since fp32 division is monotonic,
+    ``max(op scale, fl(2**-126 / 127))`` is exactly the format's scale, and the rows below the floor
+    (all-zero rows, where the operator divides 0 by 0, and denormal rows) get their elements
+    recomputed in plain torch with a ``where`` (no host sync).
+    """
+    y, scale = npu().npu_dynamic_quant(x)
+    small = scale < INT8_T_MIN_SCALE
+    scale = scale.clamp_min(INT8_T_MIN_SCALE)
+    y = torch.where(small.unsqueeze(-1), _quant_rows_torch(x, scale), y)
+    return y, scale
+
+
+def quantize_plan(x, fmt) -> str | None:
+    if fmt != "int8_t":
+        return f"no torch_npu operator produces {fmt!r} (its scale rule or packing differ)"
+    if x.dtype not in HALF:
+        return "npu_dynamic_quant takes only fp16/bf16 input"
+    if x.dim() < 2:
+        return "npu_dynamic_quant needs at least 2 dims"
+    return None
+
+
+def quantize(x, fmt):
+    """``quantize`` -> ``torch_npu.npu_dynamic_quant`` for ``int8_t`` (see :func:`quant_rows`).
+
+    Layout: ``x [..., N]`` as is; the operator's scale ``[...]`` is stored as ``[..., 1]``. Every
+    other format, fp32 input or a 1-D x falls back to the plain-torch codec of
+    :mod:`flashrt.formats` (``int8``: its power-of-two scale is not what npu_dynamic_quant
+    computes; fp8/fp4: no operator).
+    """
+    why = quantize_plan(x, fmt)
+    if why:
+        fallback("quantize", why)
+        return formats.quantize(x, fmt)
+    y, scale = quant_rows(x)
+    return QTensor(y, scale.unsqueeze(-1), fmt, x.shape)
+
+
+def dequantize(q, dtype):
+    """``dequantize``: plain torch (elementwise; no operator needed). Bytes are decoded with
+    integer ops and table look-ups (``_npu.dequantize``), never with float8 arithmetic."""
+    return exact_dequantize(q, dtype)
+
+
+def linear_plan(x, weight) -> str | None:
+    if not isinstance(weight, QTensor):
+        return None if weight.dtype == x.dtype and x.dtype in HALF else "plain weight: fp32 matmul"
+    if weight.fmt != "int8_w":
+        return f"no FP8/FP4 matmul on the 910B ({weight.fmt}); the ascend910b profile stores int8_w"
+    if x.dtype not in HALF:
+        return "npu_quant_matmul returns fp16/bf16 only; an fp32 x would be rounded"
+    return None
+
+
+def quant_matmul(x2: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """``x2 [M, K]`` bf16/fp16 times ``int8_w [N, K]`` -> ``[M, N]`` in ``x2.dtype``."""
+    xq, xs = quant_rows(x2)
+    scale = w.scale.view(-1)  # [N] bf16: exact per-channel scale; fp32 for an fp16 output
+    if x2.dtype == torch.float16:
+        scale = scale.to(torch.float32)
+    return npu().npu_quant_matmul(xq, w.data.t(), scale, pertoken_scale=xs, output_dtype=x2.dtype)
+
+
+def linear(x, weight):
+    """``linear``: plain weight -> ``F.linear`` (aclnnMatmul, fp32 accumulation on the cube);
+    ``int8_w`` -> ``npu_dynamic_quant`` + ``torch_npu.npu_quant_matmul``.
+
+    int8_w: ``x [..., K]`` is viewed ``[M, K]``, quantized per token (``int8_t``), and
+    ``npu_quant_matmul(xq, w.data.t() [K, N] (a transposed view, no copy), scale=w.scale [N],
+    pertoken_scale=xs [M], output_dtype=x.dtype)`` computes ``(xq @ wq) * scale[n] * xs[m]`` from an
+    exact int32 accumulation, which is ops.md's ``dequant(xq) @ dequant(w).T`` rounded once to
+    ``x.dtype``. Falls back to plain torch for fp32 x (the operator has no fp32 output), for
+    ``fp8_w``/``fp4_w`` weights (no FP8/FP4 on the 910B: reference numerics, fp8 activations) and
+    for a plain weight whose dtype differs from x's (computed in fp32 as the reference does).
+    """
+    why = linear_plan(x, weight)
+    if why:
+        fallback("linear", why)
+        if isinstance(weight, QTensor) and weight.fmt == "int8_w":
+            xq = exact_dequantize(formats.quantize(x, "int8_t"))
+            return F.linear(xq, exact_dequantize(weight)).to(x.dtype)
+        return ref.linear(x, weight)
+    if not isinstance(weight, QTensor):
+        return F.linear(x, weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    return quant_matmul(x2, weight).reshape(*x.shape[:-1], weight.shape[0])
+
+
+OPS = {"quantize": quantize, "dequantize": dequantize, "linear": linear}
+PLANS = {"quantize": quantize_plan, "linear": linear_plan}

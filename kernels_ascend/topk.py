@@ -1,0 +1,51 @@
+"""topk_positions and candidate_blocks: torch.topk (aclnnTopk) for the threshold value only."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._npu import positions_of, select_top
+
+
+def topk_positions(scores, k, candidates):
+    """``topk_positions`` -> ``torch.topk`` (the NPU's TopK) for the k-th largest value, then exact
+    selection in plain torch.
+
+    Neither ``torch.topk`` on the NPU nor torch_npu's top-k operators document a tie rule, and
+    ops.md wants ties to the lower position and the result in ascending position order. So only
+    the k-th largest *value* is taken from the operator (a value does not depend on tie-breaking);
+    entries above it are kept, entries equal to it are kept lowest position first until ``k`` are
+    chosen (a cumulative count), and the chosen positions are scattered in ascending order with
+    ``-1`` for each pick left over. Layout: ``[B, S, T]`` as is, top-k along the last dim.
+    """
+    B, S, T = scores.shape
+    kk = min(k, T)
+    if kk == 0:
+        return torch.empty(B, S, 0, dtype=torch.int32, device=scores.device)
+    valid = torch.isfinite(scores)
+    if candidates is not None:
+        valid &= candidates
+    return positions_of(select_top(scores, valid, kk), kk)
+
+
+def candidate_blocks(scores, visible, topk_blocks, block_size):
+    """``candidate_blocks``: block maxima (``amax`` over a padded ``[B, S, nb, block_size]`` view),
+    the block of ``visible - 1`` pinned to ``+inf``, then the same exact selection as
+    :func:`topk_positions` (``torch.topk`` for the threshold value, ties to the lower block in plain
+    torch) among blocks with a finite score or pinned; kept blocks are expanded back to positions.
+    """
+    B, S, T = scores.shape
+    if T == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    nb = -(-T // block_size)
+    s = torch.where(torch.isfinite(scores), scores, float("-inf"))
+    s = F.pad(s, (0, nb * block_size - T), value=float("-inf"))
+    blocks = s.view(B, S, nb, block_size).amax(-1)  # [B, S, nb]
+    last = ((visible.long() - 1).clamp_min(0) // block_size).unsqueeze(-1)
+    pinned = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, last, True) & (visible > 0).unsqueeze(-1)
+    blocks = blocks.masked_fill(pinned, float("inf"))
+    keep = select_top(blocks, torch.isfinite(blocks) | pinned, min(topk_blocks, nb))
+    return keep.repeat_interleave(block_size, -1)[..., :T]
+
+
+OPS = {"topk_positions": topk_positions, "candidate_blocks": candidate_blocks}

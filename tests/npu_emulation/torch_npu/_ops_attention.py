@@ -1,0 +1,57 @@
+"""Emulated npu_sparse_flash_attention (documented form: MLA-absorb, BSND, D 512 + rope 64)."""
+from __future__ import annotations
+
+import torch
+
+from . import _check, _record
+
+HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _check_indices(idx, s2):
+    _check(idx.dtype == torch.int32 and idx.is_contiguous(), "sparse_indices must be contiguous int32")
+    valid = idx >= 0
+    # valid values first, invalid (-1) after: once a row is invalid it stays invalid
+    _check(bool((valid[..., 1:] <= valid[..., :-1]).all()), "sparse_indices: valid entries must come first")
+    _check(bool((idx[valid] < s2).all()) and bool((idx[~valid] == -1).all()), "sparse_indices out of range")
+
+
+def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
+                               actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
+                               key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
+                               sparse_mode=3, pre_tokens=2**63 - 1, next_tokens=2**63 - 1, attention_mode=0,
+                               return_softmax_lse=False):
+    """softmax(scale * [q, q_rope] . [k, k_rope]^T over the indexed entries) @ v -> [B, S1, N1, 512].
+
+    Rows with no valid index: NaN (see module). sparse_mode 3 masks entries past S2 - S1 + s."""
+    _record("npu_sparse_flash_attention", query=query, key=key, value=value, sparse_indices=sparse_indices,
+            scale_value=scale_value, block_table=block_table, query_rope=query_rope, key_rope=key_rope,
+            sparse_block_size=sparse_block_size, layout_query=layout_query, layout_kv=layout_kv,
+            sparse_mode=sparse_mode, attention_mode=attention_mode, return_softmax_lse=return_softmax_lse)
+    _check(layout_query == "BSND" and layout_kv == "BSND" and block_table is None, "BSND without paging here")
+    _check(attention_mode == 2 and query_rope is not None and key_rope is not None, "attention_mode 2 needs ropes")
+    _check(query.dtype in (torch.bfloat16, torch.float16), "bf16 / fp16 only")
+    _check(key.dtype == query.dtype == value.dtype == query_rope.dtype == key_rope.dtype, "one dtype")
+    B, S1, N1, D = query.shape
+    _check(D == 512 and N1 in HEADS and query.is_contiguous(), "query [B, S1, N1, 512], N1 a power of 2 <= 128")
+    _check(key.dim() == 4 and key.shape[0] == B and key.shape[2:] == (1, 512), "key [B, S2, 1, 512]")
+    _check(value.shape == key.shape and key.is_contiguous() and value.is_contiguous(), "value like key")
+    S2 = key.shape[1]
+    _check(query_rope.shape == (B, S1, N1, 64) and key_rope.shape == (B, S2, 1, 64), "rope parts of 64")
+    _check(sparse_indices.shape[:3] == (B, S1, 1) and sparse_indices.shape[3] > 0, "sparse_indices [B, S1, 1, K]")
+    _check(sparse_block_size == 1 and sparse_mode in (0, 3) and not return_softmax_lse, "token-wise, inference")
+    _check_indices(sparse_indices, S2)
+    idx = sparse_indices[:, :, 0]  # [B, S1, K]
+    valid = idx >= 0
+    if sparse_mode == 3:  # rightDownCausal
+        limit = S2 - S1 + torch.arange(S1).view(1, S1, 1)
+        valid = valid & (idx <= limit)
+    g = idx.clamp_min(0).long()
+    batch = torch.arange(B).view(B, 1, 1)
+    k_full = torch.cat((key[:, :, 0], key_rope[:, :, 0]), -1).to(torch.float32)[batch, g]  # [B, S1, K, 576]
+    q_full = torch.cat((query, query_rope), -1).to(torch.float32)  # [B, S1, N1, 576]
+    logits = torch.einsum("bshd,bskd->bshk", q_full, k_full) * scale_value
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    p = torch.softmax(logits, -1)  # all -inf: NaN
+    out = torch.einsum("bshk,bskd->bshd", p, value[:, :, 0].to(torch.float32)[batch, g])
+    return out.to(query.dtype), torch.empty(0), torch.empty(0)
