@@ -189,8 +189,8 @@ def validate(cfg: ModelConfig) -> None:
     need(cfg.expert_dtype in (None, "fp4"), "expert_dtype", "'fp4' or null")
     need(cfg.n_shared_experts in (0, 1), "n_shared_experts", "0 or 1")
     need(cfg.vision_n_layers == 0, "vision_n_layers", "0 (the vision tower is not implemented yet)")
-    for layer in cfg.kv_source_layers + cfg.index_source_layers:
-        need(0 <= layer < cfg.n_layers and cfg.ratio(layer) > 0, "kv_source_layers",
+    for key in ("kv_source_layers", "index_source_layers"):
+        need(all(0 <= l < cfg.n_layers and cfg.ratio(l) > 0 for l in getattr(cfg, key)), key,
              "layers with a compress ratio > 0")
     for layer in range(cfg.n_layers):
         if cfg.ratio(layer):
@@ -198,6 +198,9 @@ def validate(cfg: ModelConfig) -> None:
             need(src is not None and cfg.ratio(src) == cfg.ratio(layer), "kv_source_layers",
                  f"an earlier source with ratio {cfg.ratio(layer)} for layer {layer}")
             need(isrc is not None, "index_source_layers", f"an index source at or before layer {layer}")
+            need(cfg.kv_source(isrc) == src, "index_source_layers",
+                 f"layer {layer}'s top-k to come from an index source over its own KV source {src} "
+                 f"(every KV source must be an index source)")
     if cfg.candidate_source_layer >= 0:
         need(cfg.candidate_source_layer in cfg.kv_source_layers, "candidate_source_layer", "a kv source layer")
         need(cfg.candidate_topk_blocks > 0 and cfg.candidate_block_size > 0, "candidate_topk_blocks", "> 0")

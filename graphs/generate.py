@@ -93,12 +93,17 @@ def _ced(model, ids, state: KVState, chunk: int) -> torch.Tensor:
 
 def _as_sequences(prompts) -> list[list[int]]:
     if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2:
-            raise ValueError(f"prompts: expected a [B, S] tensor or a list of token lists, got shape {tuple(prompts.shape)}")
-        return prompts.tolist()
-    seqs = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
+        if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
+            raise ValueError(f"prompts: expected an integer [B, S] tensor or a list of token lists, "
+                             f"got {prompts.dtype} {tuple(prompts.shape)}")
+        seqs = prompts.tolist()
+    else:
+        seqs = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
     if not seqs or any(len(s) == 0 for s in seqs):
         raise ValueError("prompts: expected at least one non-empty prompt")
+    bad = next((t for s in seqs for t in s if isinstance(t, bool) or not isinstance(t, int)), None)
+    if bad is not None:
+        raise ValueError(f"prompts: expected integer token ids, got {type(bad).__name__} {bad!r}")
     return seqs
 
 

@@ -130,6 +130,12 @@ class Model:
 
     def _state_for(self, ids, start_pos: int, state: KVState | None) -> KVState:
         if state is not None:
+            if not isinstance(state, KVState) or state.batch != ids.shape[0]:
+                got = f"a batch of {state.batch}" if isinstance(state, KVState) else type(state).__name__
+                raise ValueError(f"state: expected a KVState for a batch of {ids.shape[0]}, got {got}")
+            if start_pos and set(state.host_positions) != {start_pos}:
+                raise ValueError(f"start_pos: expected the state's position(s) {sorted(set(state.host_positions))}, "
+                                 f"got {start_pos}")
             return state
         if start_pos == 0:
             self._state = self.new_state(ids.shape[0], ids.shape[1])

@@ -141,16 +141,11 @@ def test_invalid_value_names_key(key, value):
         shipped_config("tiny").replace(**{key: value})
 
 
-@pytest.mark.xfail(strict=True, reason="config.py validate(): the source-layer check loops over "
-                   "kv_source_layers + index_source_layers but always names 'kv_source_layers'")
 def test_bad_index_source_names_its_own_key():
     with pytest.raises(ValueError, match="index_source_layers"):
         shipped_config("tiny").replace(index_source_layers=(1, 2, 4, 6))  # layer 1 has ratio 0
 
 
-@pytest.mark.xfail(strict=True, reason="config.py validate() accepts a KV source that is no index source: "
-                   "tiny layer 5 would read layer 4's ratio-1 cache with top-k made by layer 2 over its "
-                   "ratio-2 cache (silently wrong entries)")
 def test_kv_source_must_be_an_index_source():
     cfg = shipped_config("tiny")
     assert cfg.replace(index_source_layers=(2, 4, 6)).index_source(5) == 4  # the valid layout

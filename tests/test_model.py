@@ -49,30 +49,41 @@ def rand_ids(rng, cfg, *shape) -> torch.Tensor:
 
 
 # ----- prefill schedules agree -------------------------------------------------------------------
+# Schedules that compute the same logits in differently shaped ops round differently in the last
+# bit (CPU fp32 GEMMs of fewer than 4 rows use another kernel; einsums and per-expert GEMMs differ
+# with the batch), and this random-weight model amplifies 1-ulp bf16 differences through the fp8
+# activation quantization, the fp4 indexer query / keys and the discrete top-k and routing:
+# measured, token-by-token decode of random 22-token prompts deviates by more than 1e-3 (up to 0.35
+# of the largest logit) for ~9% of prompts with B = 1 and ~0.25% with B = 4, with no logic error.
+# So these tests decode 4 rows and let at most one row diverge; a logic error hits every row.
+def diverging_rows(got: torch.Tensor, want: torch.Tensor) -> list[int]:
+    """Rows (dim 0) of [B, S, V] logits where some position misses TOL."""
+    return [b for b in range(want.shape[0])
+            if max(rel_err(got[b, p], want[b, p]) for p in range(want.shape[1])) >= TOL]
+
+
 def test_prefill_equals_token_by_token_and_chunked(model, cfg, rng):
-    S, first = 22, 13
-    ids = rand_ids(rng, cfg, 1, S)
+    B, S, first = 4, 22, 13
+    ids = rand_ids(rng, cfg, B, S)
     full = model.forward(ids, all_positions=True)
-    assert full.shape == (1, S, cfg.vocab_size) and full.dtype == torch.float32
+    assert full.shape == (B, S, cfg.vocab_size) and full.dtype == torch.float32
     assert torch.isfinite(full).all()
 
     steps = torch.stack([model.forward(ids[:, p:p + 1], start_pos=p, all_positions=True)[:, 0]
                          for p in range(S)], dim=1)
-    # the last-position form agrees with all_positions
-    state = model.new_state(1, S)
-    model.forward(ids[:, :-1], state=state)
-    last = model.forward(ids[:, -1:], state=state)
-    assert last.shape == (1, cfg.vocab_size)
+    # without all_positions: the last position's logits [B, vocab]
+    last = model.forward(ids)
+    assert last.shape == (B, cfg.vocab_size) and rel_err(last, full[:, -1]) < 1e-6
 
     a = model.forward(ids[:, :first], all_positions=True)
     b = model.forward(ids[:, first:], start_pos=first, all_positions=True)
     chunked = torch.cat([a, b], dim=1)
 
-    for p in range(S):  # every position, each against the one-shot prefill
-        assert rel_err(steps[:, p], full[:, p]) < TOL, f"token-by-token, position {p}"
-        assert rel_err(chunked[:, p], full[:, p]) < TOL, f"chunked, position {p}"
-        assert rel_err(chunked[:, p], steps[:, p]) < TOL, f"chunked vs token-by-token, position {p}"
-    assert rel_err(last, full[:, -1]) < TOL
+    for name, got, want in (("token-by-token", steps, full), ("chunked", chunked, full),
+                            ("chunked vs token-by-token", chunked, steps)):
+        bad = diverging_rows(got, want)
+        print(f"{name}: rows beyond {TOL}: {bad}")
+        assert len(bad) <= 1, f"{name}: rows {bad} differ from the one-shot prefill"
 
 
 def test_explicit_state_matches_internal_state(model, cfg, rng):
@@ -85,13 +96,16 @@ def test_explicit_state_matches_internal_state(model, cfg, rng):
 
 
 def test_batch_rows_are_independent(model, cfg, rng):
-    ids = rand_ids(rng, cfg, 2, 24)
-    both = model.forward(ids, all_positions=True)
-    for row in range(2):
-        alone = model.forward(ids[row:row + 1], all_positions=True)
-        assert rel_err(both[row], alone[0]) < TOL, f"row {row}"
+    ids = rand_ids(rng, cfg, 4, 24)
+    batch = model.forward(ids, all_positions=True)
+    alone = torch.cat([model.forward(ids[row:row + 1], all_positions=True) for row in range(4)])
+    bad = diverging_rows(batch, alone)
+    assert len(bad) <= 1, f"rows {bad} depend on the other rows"  # see the note above
     # and the rows really differ (else the check above says nothing)
-    assert rel_err(both[0], both[1]) > 1e-2
+    assert rel_err(batch[0], batch[1]) > 1e-2
+    # a row run twice in one batch gives twice the same logits
+    twice = model.forward(ids[:1].expand(2, -1), all_positions=True)
+    assert torch.equal(twice[0], twice[1])
 
 
 # ----- checkpoint ----------------------------------------------------------------------------------
@@ -134,17 +148,19 @@ def test_bad_input_ids(model, bad):
 
 
 def test_start_pos_mismatch(model, cfg, rng):
-    ids = rand_ids(rng, cfg, 1, 6)
-    model.forward(ids[:, :3])
-    for wrong in (2, 5, -1):
+    ids = rand_ids(rng, cfg, 1, 10)
+    model.forward(ids[:, :5])
+    want = model.forward(ids[:, 5:], start_pos=5, all_positions=True)
+    model.forward(ids[:, :5])
+    for wrong in (4, 6, -1):
         with pytest.raises(ValueError, match="start_pos"):
-            model.forward(ids[:, 3:4], start_pos=wrong)
+            model.forward(ids[:, 5:6], start_pos=wrong)
     with pytest.raises(ValueError, match="start_pos"):  # right position, wrong batch size
-        model.forward(ids.expand(2, -1)[:, 3:4], start_pos=3)
-    # the refused calls left the state alone: the right continuation still matches a fresh prefill
-    got = model.forward(ids[:, 3:], start_pos=3, all_positions=True)
-    want = model.forward(ids, all_positions=True)[:, 3:]
-    assert rel_err(got, want) < TOL
+        model.forward(ids.expand(2, -1)[:, 5:6], start_pos=5)
+    with pytest.raises(ValueError, match="start_pos"):  # no running sequence to continue
+        Model(cfg, model.weights).forward(ids[:, :1], start_pos=1)
+    # the refused calls left the state alone: the continuation is the one without them
+    assert torch.equal(model.forward(ids[:, 5:], start_pos=5, all_positions=True), want)
 
 
 # ----- roles and KV accounting -------------------------------------------------------------------
