@@ -259,7 +259,9 @@ class JitCache:
                          str(meta.get("arch") or parts.get("arch", "?")), st.st_size, st.st_mtime, str(path))
 
     def clear(self) -> tuple[int, int]:
-        """Remove everything under the cache root (and nothing else): (files removed, bytes freed)."""
+        """Remove everything under the cache root (and nothing else): (files removed, bytes freed).
+
+        Run it while nothing compiles: it removes the lock files too."""
         if not self.root.is_dir():
             return 0, 0
         files = [p for p in self.root.rglob("*") if p.is_file() or p.is_symlink()]

@@ -16,25 +16,45 @@ from .errors import ProfileError
 
 
 def type_name(tp) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+    """A readable name: ``int``, ``float | None``, ``dict[str, int]``, ``one of 'a', 'b'``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if origin in (dict, list, tuple):
+        inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
+        return f"{origin.__name__}[{inner}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _kind(value) -> type | None:
+    return dict if isinstance(value, Mapping) else list if isinstance(value, (list, tuple)) else None
 
 
 def convert(value, tp, where: str, file: str):
-    """``value`` checked against the type ``tp`` (and normalised: int -> float, list -> tuple)."""
+    """``value`` checked against the type ``tp`` (and normalised: int -> float, list -> tuple).
+
+    Nested values name their place: ``tiles.attention.split.min_blocks``, ``match_capability[0]``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
+        inner = None  # the error of the arm shaped like the value (a mapping, a list): the precise one
         for arg in args:
             try:
                 return convert(value, arg, where, file)
-            except ProfileError:
-                pass
+            except ProfileError as exc:
+                if inner is None and _kind(value) and _kind(value) in (typing.get_origin(arg), arg):
+                    inner = exc
+        if inner is not None:
+            raise inner
     elif origin is Literal:
         if isinstance(value, str) and value in args:
             return value
-    elif origin is tuple and isinstance(value, (list, tuple)):
-        return tuple(convert(v, args[0], f"{where}[{i}]", file) for i, v in enumerate(value))
+    elif origin in (tuple, list) and isinstance(value, (list, tuple)):
+        if origin is list or args[-1] is Ellipsis:
+            return origin(convert(v, args[0], f"{where}[{i}]", file) for i, v in enumerate(value))
+        if len(value) == len(args):
+            return tuple(convert(v, a, f"{where}[{i}]", file) for i, (v, a) in enumerate(zip(value, args)))
     elif origin is dict and isinstance(value, Mapping):
         return {convert(k, args[0], f"{where} key", file): convert(v, args[1], f"{where}.{k}", file)
                 for k, v in value.items()}

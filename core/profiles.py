@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Union
 
 from .errors import ProfileError
 from .profile_schema import convert, read_yaml, type_name
@@ -26,6 +26,11 @@ from .profile_match import DeviceFacts, detect_device, match_profile, match_reas
 
 StorageDtype = Literal["fp4", "fp8", "int8", "bf16"]
 ComputeDtype = Literal["fp8", "int8", "bf16", "fp16", "fp32"]
+TileParam = Union[bool, int, float, str, None]
+# one entry of a kernel module's TILES: parameters, [largest size the rule serves (null: any), parameters]
+# rules (the first match applies), or a single setting
+TileRules = list[tuple[Union[int, None], dict[str, TileParam]]]
+TileSpec = Union[dict[str, TileParam], TileRules, bool, int, float, str, None]
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class Profile:
     kv_window_compute_dtype: ComputeDtype       # what attention over the window computes in
     weight_dtype: StorageDtype                  # dense weight storage
     compute_dtype: ComputeDtype                 # activations / accumulation inputs
-    tiles: dict[str, dict[str, int]] = field(hash=False)  # kernel -> tile parameters
+    tiles: dict[str, dict[str, TileSpec]] = field(hash=False)  # kernel module -> its TILES overrides
     hkcp_hot_fraction: float                    # of the KV budget: window rings + recent pages
     hkcp_warm_fraction: float                   # of the KV budget: compressed pages on the device
     hkcp_cold_host_gib: float                   # pinned host memory for cold main-KV pages
@@ -214,29 +219,51 @@ def using(profile: Profile | str):
         _ACTIVE = saved
 
 
-def tiles(kernel: str, defaults: Mapping[str, int] | None = None) -> dict[str, int]:
-    """The active profile's tile parameters for ``kernel`` over the kernel's ``defaults`` (its
-    ``TILES[kernel]``); cached per active profile, so a launcher may call it on every launch.
-    Treat the result as read-only. A parameter ``defaults`` lacks is a typo: ProfileError."""
+def tiles(module: str, defaults: Mapping | None = None) -> dict:
+    """The tile parameters of kernel module ``module`` (``kernels_cuda/<module>.py``): its ``TILES``
+    (``defaults``) with the active profile's ``tiles.<module>`` merged over it. Cached per active
+    profile, so a launcher may call it on every launch; treat the result as read-only. A profile
+    entry ``defaults`` lacks, or of another shape or type, is a ProfileError naming the key."""
     profile = active_profile()
-    hit = _TILES_CACHE.get((kernel, id(defaults)))
+    hit = _TILES_CACHE.get((module, id(defaults)))
     if hit is None or hit[0] is not profile or hit[1] is not defaults:
-        hit = _TILES_CACHE[kernel, id(defaults)] = (profile, defaults, _merged_tiles(profile, kernel, defaults))
+        given = profile.tiles.get(module)
+        if given is None and defaults is None:
+            raise ProfileError(f"{profile.source}: key tiles.{module}: missing (profile {profile.name!r} "
+                               f"has tiles for {', '.join(sorted(profile.tiles)) or 'no kernel module'})")
+        merged = dict(given) if defaults is None else _merge(defaults, given or {}, f"tiles.{module}", profile)
+        hit = _TILES_CACHE[module, id(defaults)] = (profile, defaults, merged)
     return hit[2]
 
 
-_TILES_CACHE: dict[tuple, tuple] = {}  # (kernel, id(defaults)) -> (profile, defaults, merged)
+_TILES_CACHE: dict[tuple, tuple] = {}  # (module, id(defaults)) -> (profile, defaults, merged)
 
 
-def _merged_tiles(profile: Profile, kernel: str, defaults: Mapping[str, int] | None) -> dict[str, int]:
-    given = profile.tiles.get(kernel)
-    if given is None:
-        if defaults is None:
-            raise ProfileError(f"{profile.source}: key tiles.{kernel}: missing (profile {profile.name!r} "
-                               f"has tiles for {', '.join(sorted(profile.tiles)) or 'no kernel'})")
-        return dict(defaults)
-    unknown = sorted(set(given) - set(defaults)) if defaults is not None else []
-    if unknown:
-        raise ProfileError(f"{profile.source}: key tiles.{kernel}.{unknown[0]}: unknown tile parameter; "
-                           f"expected one of {', '.join(sorted(defaults))}")
-    return {**(defaults or {}), **given}
+def _merge(default, given, where: str, profile: Profile):
+    def bad(expected):
+        found = f"{type(given).__name__} {given!r}" if given is not None else "null"
+        raise ProfileError(f"{profile.source}: key {where}: expected {expected}, found {found}")
+
+    if isinstance(default, Mapping):
+        if not isinstance(given, Mapping):
+            bad("a mapping, as the kernel's TILES")
+        for key in set(given) - set(default):
+            raise ProfileError(f"{profile.source}: key {where}.{key}: unknown tile parameter; expected one of "
+                               f"{', '.join(map(str, default))} (the kernel's TILES)")
+        return {k: _merge(v, given[k], f"{where}.{k}", profile) if k in given else v for k, v in default.items()}
+    if isinstance(default, (list, tuple)):  # [limit, parameters] rules
+        if not isinstance(given, (list, tuple)) or not given:
+            bad("a non-empty list of [limit, parameters] rules, as the kernel's TILES")
+        known = {k for _, params in default for k in params}
+        for i, (limit, params) in enumerate(given):
+            if set(params) - known:
+                bad(f"rule {i} with parameters among {', '.join(sorted(known))}")
+        return tuple((limit, dict(params)) for limit, params in given)
+    if given is not None and default is not None:  # null means "decide at launch": allowed either way
+        if _scalar_kind(given) != _scalar_kind(default) or (type(default) is int and type(given) is float):
+            bad(type(default).__name__)
+    return given
+
+
+def _scalar_kind(value) -> str:
+    return "bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else type(value).__name__
