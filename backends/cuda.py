@@ -76,6 +76,10 @@ LOAD_ERRORS: dict = {}
 def flashrt_backend():
     ok, _ = supports_cuda()
     ops, supports = {}, {}
+    if ok and not interpreter():
+        from flashrt import jit
+
+        jit.install()  # compiled kernels go through flashrt's locked, checksummed cache
     if ok or _triton_version() is not None:
         ops, supports, errors = collect_kernels()
         LOAD_ERRORS.update(errors)

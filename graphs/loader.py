@@ -15,11 +15,11 @@ def load(path, device=None, profile=None, verify: bool = False, progress=None) -
 
     The Engram compressed vocabulary comes from ``engram_token_map.json`` / ``.npy`` in the
     directory when present (``map[token_id] = compressed_id``), else the identity map.
-    ``verify`` checks every file against ``SHA256SUMS`` first. ``profile`` must be None until
-    hardware profiles land (the device's defaults are used).
+    ``verify`` checks every file against ``SHA256SUMS`` first. ``profile``: a hardware profile
+    name, path or :class:`~flashrt.profiles.Profile` (default: the one selected for the device);
+    it decides the Engram table placement and the KV page size.
     """
-    if profile is not None:
-        raise ValueError(f"profile: hardware profiles are not available yet; pass None, got {profile!r}")
+    prof = resolve_profile(profile, device)
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(f"path: expected a checkpoint directory with config.json, got {str(path)!r}")
@@ -29,4 +29,17 @@ def load(path, device=None, profile=None, verify: bool = False, progress=None) -
         if (path / name).exists():
             token_map = TokenMap.from_file(str(path / name), cfg)
             break
-    return Model(cfg, weights, token_map=token_map)
+    model = Model(cfg, weights, token_map=token_map, engram_placement=prof.engram_placement)
+    model.profile = prof
+    return model
+
+
+def resolve_profile(profile, device):
+    """The Profile for ``profile`` (name, path, Profile) or the one selected for ``device``."""
+    from flashrt.profiles import Profile, load_profile, select_profile
+
+    if isinstance(profile, Profile):
+        return profile
+    if profile is not None:
+        return load_profile(profile)
+    return select_profile(device)[0]

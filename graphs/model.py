@@ -20,8 +20,11 @@ from .engram_hash import EngramHasher, EngramLayout, TokenMap
 
 class Model:
     def __init__(self, cfg: ModelConfig, weights: dict, token_map=None, engram_placement: str = "device"):
+        if weights["embed.weight"].device.type == "cpu":
+            engram_placement = "device" if engram_placement in ("host", "host_pinned") else engram_placement
         place_tables(cfg, weights, engram_placement)
         self.cfg, self.weights, self.engram_placement = cfg, weights, engram_placement
+        self.profile = None  # set by flashrt.load
         self.embed, self.norm, self.head = weights["embed.weight"], weights["norm.weight"], weights["head.weight"]
         self.device = self.embed.device
         self.blocks = [Block(cfg, layer, weights, f"layers.{layer}.") for layer in range(cfg.n_layers)]

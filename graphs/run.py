@@ -59,7 +59,7 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = False) -> Model:
+def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = False, profile=None) -> Model:
     """``tiny`` / ``small`` (built-in) or a checkpoint directory -> Model on ``device``."""
     if model in SHIPPED and not os.path.isdir(model):
         if model not in ("tiny", "small"):
@@ -69,7 +69,7 @@ def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = Fa
         path = Path(model)
         if not (path / "config.json").exists():
             raise ValueError(f"model: expected 'tiny', 'small' or a checkpoint directory with config.json, got {model!r}")
-    return load(path, device=device, progress=Progress(f"loading {path.name}", enabled=not quiet))
+    return load(path, device=device, profile=profile, progress=Progress(f"loading {path.name}", enabled=not quiet))
 
 
 def encode_prompt(text: str, vocab_size: int) -> list[int]:
