@@ -35,7 +35,7 @@ def rms_norm(x, weight, eps):
 
 def rope(x, freqs_cis, inverse):
     # contiguous: view_as_complex needs even strides, which a sliced x (e.g. q[..., -R:]) may lack
-    xc = torch.view_as_complex(x.to(torch.float32).contiguous().reshape(*x.shape[:-1], -1, 2))
+    xc = torch.view_as_complex(x.to(torch.float32).contiguous().reshape(*x.shape[:-1], x.shape[-1] // 2, 2))
     f = freqs_cis.conj() if inverse else freqs_cis
     if x.dim() == 4:  # [B, S, H, R/2]: broadcast over heads
         f = f.unsqueeze(-2)

@@ -1,0 +1,130 @@
+"""RMS norm and rotary embedding (ops.md ``rms_norm``, ``rope``).
+
+``rms_norm``: a program normalises ``BLOCK_M`` rows; a row that fits ``BLOCK_N`` is read once
+and kept in registers (``SINGLE``), a longer one is read twice (sum of squares, then scale).
+``rope``: x is seen as ``[B, S, H, R]`` with its own strides (a slice such as ``q[..., -64:]``
+is read in place); a program rotates ``BLOCK_ROWS`` rows of the flattened (b, s, h), each with
+its table row (``torch.view_as_real`` of the complex table; per-sequence tables by batch stride,
+shared ones with stride 0), so ``[B, S, R]`` inputs get full tiles too.
+All math in fp32; outputs are contiguous in ``x.dtype``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashrt.kernels_cuda.quant import _to_out
+
+TILES = {
+    "rms_norm": {"MAX_BLOCK_N": 8192, "ROW_ELEMS": 4096, "num_warps": 8},
+    "rope": {"TILE_ELEMS": 4096, "num_warps": 4},
+}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, N, x_row_stride, eps,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n_rows
+    cols = tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + rows[:, None] * x_row_stride
+    out_rows = out_ptr + rows[:, None] * N
+    if SINGLE:
+        m = rmask[:, None] & (cols < N)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(out_rows + cols[None, :], _to_out(x * r[:, None] * w[None, :], out_ptr), mask=m)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            m = rmask[:, None] & ((n0 + cols) < N)[None, :]
+            x = tl.load(x_rows + n0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += x * x
+        r = tl.math.rsqrt(tl.sum(acc, axis=1) / N + eps)
+        for n0 in range(0, N, BLOCK_N):
+            cmask = (n0 + cols) < N
+            m = rmask[:, None] & cmask[None, :]
+            x = tl.load(x_rows + n0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + n0 + cols, mask=cmask, other=0.0).to(tl.float32)
+            y = x * r[:, None] * w[None, :]
+            tl.store(out_rows + n0 + cols[None, :], _to_out(y, out_ptr), mask=m)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if rows == 0 or n == 0:
+        return out
+    t = TILES["rms_norm"]
+    block_n = min(triton.next_power_of_2(n), t["MAX_BLOCK_N"])
+    block_m = max(1, t["ROW_ELEMS"] // block_n) if block_n >= n else 1
+    block_m = min(block_m, triton.next_power_of_2(rows))
+    grid = (triton.cdiv(rows, block_m),)
+    _rms_norm_kernel[grid](x2, weight, out, rows, n, x2.stride(0), float(eps),
+                           BLOCK_M=block_m, BLOCK_N=block_n, SINGLE=block_n >= n, num_warps=t["num_warps"])
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, f_ptr, out_ptr, n_rows, S, H, R, sxb, sxs, sxh, sfb, sfs, sfp,
+                 INVERSE: tl.constexpr, PAIRS_CONTIGUOUS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # flattened (b, s, h); int32 divisions
+    h = (row % H).to(tl.int64)
+    s = ((row // H) % S).to(tl.int64)
+    b = (row // (H * S)).to(tl.int64)
+    c = tl.arange(0, BLOCK_R)
+    m = (row < n_rows)[:, None] & (c < R)[None, :]
+    fc = c if PAIRS_CONTIGUOUS else (c // 2) * sfp + c % 2  # table pairs adjacent (sfp == 2): one vector load
+    f = tl.load(f_ptr + (b * sfb + s * sfs)[:, None] + fc[None, :], mask=m, other=0.0)
+    fr, fi = tl.split(tl.reshape(f, (BLOCK_ROWS, BLOCK_R // 2, 2)))  # interleaved (re, im) pairs
+    if INVERSE:
+        fi = -fi
+    x = tl.load(x_ptr + (b * sxb + s * sxs + h * sxh)[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+    xr, xi = tl.split(tl.reshape(x, (BLOCK_ROWS, BLOCK_R // 2, 2)))
+    yr = xr * fr - xi * fi
+    yi = xr * fi + xi * fr
+    y = tl.reshape(tl.join(yr, yi), (BLOCK_ROWS, BLOCK_R))
+    tl.store(out_ptr + row.to(tl.int64)[:, None] * R + c[None, :], _to_out(y, out_ptr), mask=m)
+
+
+def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x4 = x.unsqueeze(0) if x.dim() == 2 else x  # [S, R] -> [1, S, R]
+    x4 = x4.unsqueeze(2) if x4.dim() == 3 else x4  # [B, S, R] -> [B, S, 1, R]
+    B, S, H, R = x4.shape
+    f = torch.view_as_real(freqs_cis)  # [(B,) S, R/2, 2] fp32
+    assert f.dtype == torch.float32 and f.stride(-1) == 1
+    sfb = f.stride(0) if f.dim() == 4 else 0
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = B * S * H
+    if out.numel() == 0:
+        return out
+    t = TILES["rope"]
+    block_r = triton.next_power_of_2(R)
+    block_rows = min(triton.next_power_of_2(n_rows), max(1, t["TILE_ELEMS"] // block_r))
+    _rope_kernel[(triton.cdiv(n_rows, block_rows),)](
+        x4, f, out, n_rows, S, H, R, x4.stride(0), x4.stride(1), x4.stride(2), sfb, f.stride(-3), f.stride(-2),
+        INVERSE=bool(inverse), PAIRS_CONTIGUOUS=f.stride(-2) == 2, BLOCK_ROWS=block_rows, BLOCK_R=block_r, num_warps=t["num_warps"])
+    return out
+
+
+def supports_rms_norm(x, weight, eps) -> bool:
+    return x.dtype in _DTYPES and weight.dtype in _DTYPES
+
+
+def supports_rope(x, freqs_cis, inverse=False) -> bool:
+    return x.dtype in _DTYPES
+
+
+OPS = {"rms_norm": rms_norm, "rope": rope}
+SUPPORTS = {"rms_norm": supports_rms_norm, "rope": supports_rope}
