@@ -1,0 +1,306 @@
+"""The indexer: ``index_scores`` (fused dot, ReLU, head weights, head sum, visibility mask) and
+``candidate_blocks`` (block max + the threshold select of :mod:`.topk` + expansion).
+
+``index_scores``: one program per (batch, block of ``BLOCK_S`` queries, block of ``BLOCK_T``
+keys) computes ``k_tile [BLOCK_T, Di] @ q_tile^T [Di, BLOCK_S * Hi]`` (the key tile is the A
+operand, dequantized in registers; on sm_90 wgmma takes A from registers), then ReLU, times the
+head weights, the sum over heads and the ``t < visible`` mask, and writes ``[BLOCK_T, BLOCK_S]``.
+Tiles wholly past every query's ``visible`` skip the math. QTensor keys (``fp4_b32`` in the
+model; ``fp4_b16``, ``fp8``, ``int8`` too) are read as stored: a ``[BLOCK_T, Di / block, bytes]``
+tile and its ``[BLOCK_T, Di / block]`` scale bytes; packed E2M1 low / high nibbles (elements
+``2i`` / ``2i + 1``) are decoded separately and interleaved with ``tl.join``, so one K = Di dot
+consumes the values in element order.
+
+Decoding (the indexer is memory-bound: the decode's instruction count, not the MMA, is what can
+bind in decode, where each key meets only 32 heads):
+
+- exact path (interpreter, fp32 / fp16 dots, and any tile with an extreme scale): code ``c`` as
+  the fp16 bits ``(c & 7) << 9 | sign`` (its value times 2**-14; the 0.5 code is an fp16
+  subnormal, kept by the fp16 -> fp32 conversion, where an fp32 subnormal would be flushed),
+  times ``2**14 *`` the scale, in fp32;
+- asm path (GPU, bf16 q; ``TILES asm_decode``): inline PTX turns 4 packed bytes into 4 bf16 bit
+  patterns ``(c & 7) << 6 | sign`` (the value times 2**-126), then one bf16x2 multiply per two
+  elements by ``2**(sb - 65)`` (bf16 arithmetic keeps subnormals); the dot result is scaled by
+  ``2**64``. Exact whenever the tile's scale bytes lie in [66, 192] (scales 2**-61 .. 2**65);
+  other tiles take the exact path. About 1.6x fewer instructions per key (SASS counted offline).
+
+The dot runs in bf16 on the GPU when q is bf16 and k is fp4 or bf16 (every product is then exact
+in fp32), in fp16 for fp16 q and k, else in fp32 with ``TILES fp32_precision`` (tf32x3: about
+fp32 accuracy); always fp32 in the interpreter (its bf16 dot is wrong).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flashrt.formats import QTensor
+
+from .topk import _keys, select_rows
+
+TILES = {
+    # rows: most (query, head) dot columns per program; num_warps_wide: > 64 columns or an fp32 dot;
+    # asm_decode: fp4 keys decoded by inline PTX + bf16x2 multiplies (GPU, bf16 q; see _decode_asm)
+    "index_scores": {"block_t": 128, "rows": 128, "num_warps": 4, "num_warps_wide": 8, "num_stages": 2,
+                     "fp32_precision": "tf32x3", "asm_decode": True},
+    "candidate_blocks": {"block": 2048, "num_warps": 4},
+}
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_MAX = tl.constexpr(2147483647)
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+# QTensor keys: fmt -> (kernel code, elements per scale, stored bytes per scale block, scale byte of 1.0)
+_FORMATS = {"fp4_b32": (0, 32, 16, 127), "fp4_b16": (1, 16, 8, 0x38), "fp8": (2, 32, 32, 127), "int8": (3, 32, 32, 127)}
+
+
+@triton.jit
+def _e8m0(e):
+    """fp32 2**(e - 127) of UE8M0 bytes ``e`` (int32; 0 -> 2**-127, 255 -> NaN)."""
+    bits = tl.where(e == 0, 0x00400000, tl.where(e == 255, 0x7FC00000, e << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(b):
+    """fp32 value of E4M3 bytes ``b`` (int32; 0x7F / 0xFF -> NaN)."""
+    v = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _e2m1(c, scale):
+    """fp32 value of E2M1 codes ``c`` (int32, low 4 bits) times ``scale * 2**14``.
+
+    The code's bits placed in an fp16 (``(c & 7) << 9 | sign``) are its value times 2**-14; 0.5
+    becomes an fp16 subnormal, which the fp16 -> fp32 conversion keeps (fp32 subnormals would be
+    flushed on the GPU)."""
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+
+
+def _nibble_asm(mag: int, sign: int) -> str:
+    """PTX: bf16x2 bits ``(c & 7) << 6 | (c & 8) << 12`` (the value times 2**-126) of the nibbles
+    ``c`` (low: shifts 6, 12; high: 2, 8) of 4 packed bytes ($2); two bf16x2 registers out."""
+    half = (f"shl.b32 {{o}}, {{t}}, {mag}; and.b32 {{o}}, {{o}}, 0x01C001C0; shl.b32 {{t}}, {{t}}, {sign}; "
+            "and.b32 {t}, {t}, 0x80008000; or.b32 {o}, {o}, {t};")
+    return ("{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+            + half.format(o="$0", t="t0") + " " + half.format(o="$1", t="t1") + " }")
+
+
+_ASM_LO = tl.constexpr(_nibble_asm(6, 12))
+_ASM_HI = tl.constexpr(_nibble_asm(2, 8))
+_ASM_OFFSET = tl.constexpr(64)  # the asm path computes k * 2**-64 (its scales stay normal bf16)
+
+
+@triton.jit
+def _decode_exact(byte, sb, FMT: tl.constexpr, DOT: tl.constexpr):
+    """[T, NB, bytes per block] stored bytes, [T, NB] scale bytes -> [T, NB * block] values in
+    element order (FMT: 0 fp4_b32, 1 fp4_b16, 2 fp8, 3 int8)."""
+    if FMT == 1:
+        scale = _e4m3(sb)[:, :, None]
+    else:
+        scale = _e8m0(sb)[:, :, None]
+    if FMT <= 1:  # packed E2M1: low nibble element 2i, high nibble 2i + 1
+        byte = byte.to(tl.int32)
+        vals = tl.join(_e2m1(byte, scale * 16384.0), _e2m1(byte >> 4, scale * 16384.0))
+        vals = tl.reshape(vals, [vals.shape[0], vals.shape[1] * vals.shape[2] * 2])
+    else:
+        if FMT == 2:
+            vals = _e4m3(byte.to(tl.int32)) * scale
+        else:
+            vals = byte.to(tl.int8, bitcast=True).to(tl.float32) * scale
+        vals = tl.reshape(vals, [vals.shape[0], vals.shape[1] * vals.shape[2]])
+    return vals.to(DOT)
+
+
+@triton.jit
+def _decode_asm(byte, sb):
+    """As _decode_exact times 2**-64, in bf16 (GPU only): nibbles to bf16 bits in asm, then one
+    bf16x2 multiply per two elements by 2**(sb - 1 - 64) (exact for sb in [66, 192])."""
+    scale = ((sb + (126 - _ASM_OFFSET)) << 23).to(tl.float32, bitcast=True).to(tl.bfloat16)[:, :, None]
+    lo = tl.inline_asm_elementwise(_ASM_LO, "=r,=r,r", [byte], dtype=tl.bfloat16, is_pure=True, pack=4)
+    hi = tl.inline_asm_elementwise(_ASM_HI, "=r,=r,r", [byte], dtype=tl.bfloat16, is_pure=True, pack=4)
+    vals = tl.join(lo * scale, hi * scale)
+    return tl.reshape(vals, [vals.shape[0], vals.shape[1] * 32])
+
+
+@triton.jit
+def _tile_quant(k_ptr, ks_ptr, q_rows, row_ok, offs_t, t_ok, sk_t, ss_t, sq_d, D: tl.constexpr,
+                NB: tl.constexpr, BLOCK: tl.constexpr, BYTES: tl.constexpr, FMT: tl.constexpr,
+                ONE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr):
+    """k tile [T, D] (QTensor, dequantized in registers) @ q^T [D, M] in one dot (K = NB * BLOCK):
+    ``NB`` scale blocks of ``BLOCK`` elements held in ``BYTES`` bytes; ``ONE``: a scale byte of 1.0."""
+    blk = tl.arange(0, NB)
+    live = t_ok[:, None] & (blk < D // BLOCK)[None, :]
+    offs = offs_t[:, None, None] * sk_t + (blk * BYTES)[None, :, None] + tl.arange(0, BYTES)[None, None, :]
+    byte = tl.load(k_ptr + offs, mask=live[:, :, None], other=0)  # [T, NB, BYTES]
+    sb = tl.load(ks_ptr + offs_t[:, None] * ss_t + blk[None, :], mask=live, other=ONE).to(tl.int32)
+    d = tl.arange(0, NB * BLOCK)
+    qt = tl.load(q_rows[None, :] + (d * sq_d)[:, None], mask=row_ok[None, :] & (d < D)[:, None], other=0.0)
+    if ASM:  # fp4_b32, bf16 dot
+        if (tl.min(sb) >= _ASM_OFFSET + 2) & (tl.max(sb) <= _ASM_OFFSET + 128):
+            dots = tl.dot(_decode_asm(byte, sb), qt.to(DOT)) * 1.8446744073709552e19  # 2**64
+        else:
+            dots = tl.dot(_decode_exact(byte, sb, FMT, DOT), qt.to(DOT), input_precision=PREC)
+    else:
+        dots = tl.dot(_decode_exact(byte, sb, FMT, DOT), qt.to(DOT), input_precision=PREC)
+    return dots
+
+
+@triton.jit
+def _tile_plain(acc, k_ptr, q_rows, row_ok, offs_t, t_ok, sk_t, sk_d, sq_d,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, DK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    for d0 in tl.static_range(0, BLOCK_D, DK):
+        d = d0 + tl.arange(0, DK)
+        kt = tl.load(k_ptr + offs_t[:, None] * sk_t + d[None, :] * sk_d, mask=t_ok[:, None] & (d < D)[None, :],
+                     other=0.0)
+        qt = tl.load(q_rows[None, :] + (d * sq_d)[:, None], mask=row_ok[None, :] & (d < D)[:, None], other=0.0)
+        acc = tl.dot(kt.to(DOT), qt.to(DOT), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, S, T, H,
+                         sq_b, sq_s, sq_h, sq_d, sk_b, sk_t, sk_d, ss_b, ss_t, sw_b, sw_s, sw_h, sv_b, sv_s,
+                         so_b, so_s, D: tl.constexpr, BLOCK_D: tl.constexpr, DK: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr,
+                         QBLOCK: tl.constexpr, QBYTES: tl.constexpr, ONE: tl.constexpr,
+                         DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr):
+    b = tl.program_id(2).to(tl.int64)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    vis = tl.load(vis_ptr + b * sv_b + offs_s * sv_s, mask=offs_s < S, other=0)
+    acc = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.float32)
+    if tl.program_id(0) * BLOCK_T < tl.max(vis):
+        m = tl.arange(0, BLOCK_S * BLOCK_H)  # dot column = (query, head)
+        s_of = tl.program_id(1) * BLOCK_S + m // BLOCK_H
+        h_of = m % BLOCK_H
+        row_ok = (s_of < S) & (h_of < H)
+        q_rows = q_ptr + b * sq_b + s_of * sq_s + h_of * sq_h
+        t_ok = offs_t < T
+        if FMT >= 0:
+            dots = _tile_quant(k_ptr + b * sk_b, ks_ptr + b * ss_b, q_rows, row_ok, offs_t, t_ok, sk_t, ss_t,
+                               sq_d, D, NB, QBLOCK, QBYTES, FMT, ONE, DOT, PREC, ASM)
+        else:
+            dots = _tile_plain(tl.zeros([BLOCK_T, BLOCK_S * BLOCK_H], dtype=tl.float32), k_ptr + b * sk_b, q_rows,
+                               row_ok, offs_t, t_ok, sk_t, sk_d, sq_d, D, BLOCK_D, DK, DOT, PREC)
+        w = tl.load(w_ptr + b * sw_b + s_of * sw_s + h_of * sw_h, mask=row_ok, other=0.0)
+        dots = tl.maximum(dots, 0.0) * w[None, :]
+        acc = tl.sum(tl.reshape(dots, [BLOCK_T, BLOCK_S, BLOCK_H]), axis=2)
+    res = tl.where(offs_t[:, None] < vis[None, :], acc, float("-inf"))
+    mask = (offs_t[:, None] < T) & (offs_s[None, :] < S)
+    rows = out_ptr + b * so_b + offs_s.to(tl.int64) * so_s  # S * T may pass 2**31 in prefill
+    tl.store(rows[None, :] + offs_t[:, None], res, mask=mask)
+
+
+def _dot_dtype(q, k):
+    """(dot operand dtype, fp32 input precision) for these inputs on this machine."""
+    if not _INTERPRETED and q.dtype in _HALF_DTYPES:
+        if (isinstance(k, QTensor) and q.dtype == torch.bfloat16) or getattr(k, "dtype", None) == q.dtype:
+            return (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16), "tf32"  # (ignored)
+    return tl.float32, ("ieee" if _INTERPRETED else TILES["index_scores"]["fp32_precision"])
+
+
+def index_scores(q, k, weights, visible):
+    B, S, H, D = q.shape
+    T = k.shape[1]
+    out = torch.empty(B, S, T, dtype=torch.float32, device=q.device)
+    if B * S * T == 0:
+        return out
+    tiles = TILES["index_scores"]
+    fmt, qblock, qbytes, one = -1, 1, 1, 0
+    if isinstance(k, QTensor):
+        assert k.fmt in _FORMATS and k.data.stride(-1) == 1 and k.scale.stride(-1) == 1
+        fmt, qblock, qbytes, one = _FORMATS[k.fmt]
+        kd, ks = k.data.view(torch.uint8), k.scale.view(torch.uint8)
+        sk, ss = (kd.stride(0), kd.stride(1), 1), (ks.stride(0), ks.stride(1))
+    else:
+        kd = ks = k
+        sk, ss = k.stride(), (0, 0)
+    block_h = triton.next_power_of_2(H)
+    block_s = max(1, min(triton.next_power_of_2(S), tiles["rows"] // block_h))
+    block_s = max(block_s, 16 // block_h)  # tl.dot needs N >= 16 on the GPU
+    dot, prec = _dot_dtype(q, k)
+    block_d = max(16, triton.next_power_of_2(D))
+    grid = (triton.cdiv(T, tiles["block_t"]), triton.cdiv(S, block_s), B)
+    wide = block_s * block_h > 64 or dot == tl.float32
+    asm = fmt == 0 and dot == tl.bfloat16 and tiles["asm_decode"] and not _INTERPRETED
+    _index_scores_kernel[grid](
+        q, kd, ks, weights, visible, out, S, T, H, *q.stride(), *sk, *ss, *weights.stride(), *visible.stride(),
+        out.stride(0), out.stride(1), D=D, BLOCK_D=block_d, DK=min(block_d, 32), BLOCK_T=tiles["block_t"],
+        BLOCK_S=block_s, BLOCK_H=block_h, FMT=fmt, NB=triton.next_power_of_2(max(1, D // qblock)), QBLOCK=qblock,
+        QBYTES=qbytes, ONE=one, DOT=dot, PREC=prec, ASM=asm,
+        num_warps=tiles["num_warps_wide" if wide else "num_warps"], num_stages=tiles["num_stages"])
+    return out
+
+
+def supports_index_scores(q, k, weights, visible) -> bool:
+    """Plain fp32 / bf16 / fp16 keys or fp4_b32 / fp4_b16 / fp8 / int8 keys; Di <= 512, Hi <= 128."""
+    if q.dtype == torch.float64 or q.shape[-1] > 512 or q.shape[2] > 128:
+        return False
+    if isinstance(k, QTensor):
+        return k.fmt in _FORMATS
+    return k.dtype in (torch.float32, *_HALF_DTYPES)
+
+
+# ---------------------------------------------------------------------------------------------
+# candidate_blocks
+
+
+@triton.jit
+def _block_keys_kernel(s_ptr, vis_ptr, key_ptr, T, NB, bs, s_row, k_row,
+                       BLOCKS: tl.constexpr, BJ: tl.constexpr):
+    """Key of the max finite score of each block; the block holding visible - 1 -> MAX (pinned)."""
+    r = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    best = tl.full([BLOCKS], -2147483648, tl.int32)
+    for j0 in range(0, bs, BJ):
+        j = j0 + tl.arange(0, BJ)
+        pos = blk[:, None] * bs + j[None, :]
+        ok = (j < bs)[None, :] & (pos < T)
+        x = tl.load(s_ptr + r * s_row + pos, mask=ok, other=0.0)
+        best = tl.maximum(best, tl.max(_keys(x, ok), axis=1))
+    vis = tl.load(vis_ptr + r)
+    best = tl.where((blk == (vis - 1) // bs) & (vis > 0), _MAX, best)
+    tl.store(key_ptr + r * k_row + blk, best, mask=blk < NB)
+
+
+@triton.jit
+def _expand_kernel(flag_ptr, out_ptr, T, bs, f_row, o_row, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = tl.load(flag_ptr + r * f_row + t // bs, mask=t < T, other=0)
+    tl.store(out_ptr + r * o_row + t, keep, mask=t < T)
+
+
+def candidate_blocks(scores, visible, topk_blocks, block_size):
+    B, S, T = scores.shape
+    out = torch.empty(B, S, T, dtype=torch.bool, device=scores.device)
+    if B * S * T == 0:
+        return out
+    R, NB, bs = B * S, triton.cdiv(T, block_size), block_size
+    tiles = TILES["candidate_blocks"]
+    src = scores.reshape(R, T)
+    src = src if src.stride(1) == 1 else src.contiguous()
+    vis = visible.reshape(R).contiguous()
+    keys = torch.empty(R, NB, dtype=torch.int32, device=scores.device)
+    bj = min(triton.next_power_of_2(bs), tiles["block"])
+    blocks = max(1, tiles["block"] // bj)
+    _block_keys_kernel[(R, triton.cdiv(NB, blocks))](src, vis, keys, T, NB, bs, src.stride(0), keys.stride(0),
+                                                     BLOCKS=blocks, BJ=bj, num_warps=tiles["num_warps"])
+    flags = torch.zeros(R, NB, dtype=torch.uint8, device=scores.device)
+    select_rows(keys, None, min(topk_blocks, NB), flags, mark=True)
+    flat = out.view(R, T).view(torch.uint8)
+    block = min(tiles["block"], triton.next_power_of_2(T))
+    _expand_kernel[(R, triton.cdiv(T, block))](flags, flat, T, bs, flags.stride(0), flat.stride(0),
+                                               BLOCK=block, num_warps=tiles["num_warps"])
+    return out
+
+
+def supports_candidate_blocks(scores, visible, topk_blocks, block_size) -> bool:
+    return scores.dim() == 3 and scores.shape[-1] < 2**30
+
+
+OPS = {"index_scores": index_scores, "candidate_blocks": candidate_blocks}
+SUPPORTS = {"index_scores": supports_index_scores, "candidate_blocks": supports_candidate_blocks}

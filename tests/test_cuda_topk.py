@@ -1,0 +1,176 @@
+"""CUDA kernels of topk.py (``topk_positions``) against the reference: exact equality (a selection).
+
+Tiny rows in the interpreter; the summary / list / streaming paths of the threshold select are
+forced with small ``TILES`` and checked through ``select_rows(stats=...)``. Realistic rows
+(T = 128K and 1M, k = 512) run on a CUDA device only (``pytest -m gpu``).
+"""
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_check import DEVICE, GPU, requires_kernels, run_both  # noqa: E402
+from test_topk import tied_scores  # noqa: E402
+
+import flashrt  # noqa: E402
+from flashrt import ops  # noqa: E402
+from flashrt.kernels_cuda import topk  # noqa: E402
+
+pytestmark = requires_kernels
+
+
+def _scores(kind, B, S, T, g):
+    if kind == "tied":  # integers in [-5, 5] (-0.0 too) with NaN / +-inf sprinkled
+        return tied_scores(B, S, T, g)
+    if kind == "sparse":  # mostly non-finite: rows with fewer finite scores than k
+        return tied_scores(B, S, T, g, p_special=0.8)
+    if kind == "sorted":  # ascending with runs of equal values: the worst case for chunk maxima
+        return torch.arange(T).div(3, rounding_mode="floor").float().expand(B, S, T).contiguous()
+    return torch.randn(B, S, T, generator=g)
+
+
+def _same(scores, k, cand=None):
+    got, want = run_both("topk_positions", scores.to(DEVICE), k, None if cand is None else cand.to(DEVICE))
+    assert got.dtype == torch.int32 and got.shape == want.shape
+    assert torch.equal(got.cpu(), want.cpu())
+
+
+CASES = [(1, 1, 1, 1), (1, 1, 1, 4), (2, 3, 5, 2), (3, 2, 37, 8), (2, 2, 37, 37), (1, 2, 37, 50),
+         (2, 1, 64, 16), (1, 2, 300, 20)]
+
+
+@pytest.mark.parametrize("B,S,T,k", CASES)
+@pytest.mark.parametrize("kind", ["tied", "smooth", "sparse"])
+def test_topk_matches_reference(B, S, T, k, kind, rng):
+    scores = _scores(kind, B, S, T, rng)
+    cand = torch.rand(B, S, T, generator=rng) < 0.6 if (T + k) % 2 else None
+    _same(scores, k, cand)
+
+
+def test_topk_ties_signed_zero_and_non_finite():
+    nan, inf = math.nan, math.inf
+    scores = torch.tensor([[[1.0, 3.0, 3.0, 2.0, 3.0, 3.0, nan],
+                            [0.0, -0.0, 0.0, -0.0, -1.0, 5.0, -inf],
+                            [7.0, 7.0, 7.0, 7.0, 7.0, 7.0, 7.0],
+                            [nan, inf, -inf, 1.0, nan, -5.0, inf],
+                            [3.4e38, -3.4e38, 1e-45, -1e-45, 0.0, -0.0, inf]]])
+    for k in (1, 2, 3, 5, 7, 9):
+        _same(scores, k)
+    cand = torch.tensor([[[True, False, True, True, True, True, True]] * 5])
+    _same(scores, 2, cand)
+    _same(scores, 4, torch.zeros_like(cand))  # no candidate at all: all -1
+
+
+def test_topk_empty_rows():
+    with flashrt.use_backend("cuda"):
+        assert ops.topk_positions(torch.zeros(2, 3, 0, device=DEVICE), 4).shape == (2, 3, 0)
+        out = ops.topk_positions(torch.zeros(2, 0, 5, device=DEVICE), 4)
+    assert out.shape == (2, 0, 4) and out.dtype == torch.int32
+
+
+def test_topk_strided_scores(rng):
+    scores = tied_scores(3, 4, 40, rng).transpose(0, 1)  # rows are not in memory order
+    _same(scores, 6, (torch.rand(4, 3, 40, generator=rng) < 0.7))
+    _same(tied_scores(2, 3, 80, rng)[..., ::2], 5)  # positions with a stride
+
+
+# ---------------------------------------------------------------------------------------------
+# the paths of the threshold select, forced with small tiles
+
+
+def _force(monkeypatch, **select):
+    monkeypatch.setitem(topk.TILES, "select", {**topk.TILES["select"], **select})
+    monkeypatch.setitem(topk.TILES, "chunk_max", {**topk.TILES["chunk_max"], "block": 64})
+
+
+def _select(scores, k, cand=None):
+    """(positions, list lengths) of select_rows on [R, T] scores."""
+    R, T = scores.shape
+    out = torch.empty(R, k, dtype=torch.int32, device=DEVICE)
+    stats = torch.empty(R, dtype=torch.int32, device=DEVICE)
+    cand_u8 = None if cand is None else cand.to(DEVICE).view(torch.uint8)
+    topk.select_rows(scores.to(DEVICE), cand_u8, k, out, stats=stats)
+    with flashrt.use_backend("reference"):
+        want = ops.topk_positions(scores[None], k, None if cand is None else cand[None])[0]
+    assert torch.equal(out.cpu(), want)
+    return stats.cpu()
+
+
+@pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
+@pytest.mark.parametrize("fine", [4, 64])
+def test_topk_chunk_summary_path(kind, fine, monkeypatch, rng):
+    """T / C <= 16: chunks of 32 positions summarised by their max (fine=4: scanned as 8 fine
+    chunks of 4, a two-level summary; fine=64: one level)."""
+    _force(monkeypatch, summary=16, fine=fine, small=16, list=512)
+    scores = _scores(kind, 1, 3, 300, rng)[0]
+    stats = _select(scores, 9, torch.rand(3, 300, generator=rng) < 0.8 if kind == "tied" else None)
+    assert (stats <= 512).all()
+
+
+@pytest.mark.parametrize("kind", ["tied", "smooth", "sorted"])
+def test_topk_streamed_chunks(kind, monkeypatch, rng):
+    """Lists longer than TILES list: the selected chunks are streamed (same picks)."""
+    _force(monkeypatch, summary=8, small=8, list=16, group=32)
+    scores = _scores(kind, 1, 2, 160, rng)[0]
+    stats = _select(scores, 12)
+    assert (stats > 16).any(), stats
+
+
+def test_topk_streamed_list(monkeypatch, rng):
+    """Lists longer than the register block (max(TILES small, 2k) = 8 here) but within TILES list:
+    the stored list is streamed."""
+    _force(monkeypatch, summary=16, small=4, list=512, group=32)
+    scores = torch.cat([_scores("tied", 1, 1, 200, rng)[0], _scores("sorted", 1, 1, 200, rng)[0]])
+    stats = _select(scores, 4, torch.rand(2, 200, generator=rng) < 0.9)
+    assert ((stats > 8) & (stats <= 512)).any(), stats
+
+
+def test_topk_partial_bits_lower_bound(monkeypatch, rng):
+    """Only the top bits of L exact: a lower L, longer lists, the same picks."""
+    _force(monkeypatch, summary=16, bits=9, small=64, list=512)
+    _select(torch.randn(2, 200, generator=rng) * 1e-3 + 5.0, 7)
+
+
+def test_topk_decline_and_dispatch(monkeypatch, rng):
+    assert topk.SUPPORTS["topk_positions"](torch.empty(1, 1, 2**30, device="meta"), 4) is False
+    assert topk.SUPPORTS["topk_positions"](torch.empty(1, 1, 9), 4) is True
+    calls = []
+    real = topk.select_rows
+    monkeypatch.setattr(topk, "select_rows", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    with flashrt.use_backend("cuda"):
+        ops.topk_positions(torch.randn(1, 2, 9, device=DEVICE), 4)
+    assert calls == [4]
+
+
+# ---------------------------------------------------------------------------------------------
+# realistic rows (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("rows,T", [(1, 131072), (8, 131072), (64, 131072), (2048, 8192), (4, 1 << 20)])
+@pytest.mark.parametrize("kind", ["smooth", "tied", "masked"])
+def test_topk_realistic(rows, T, kind, rng):
+    scores = torch.randn(rows, 1, T, generator=rng)
+    cand = None
+    if kind == "tied":  # few distinct values: long runs of ties at the threshold
+        scores = scores.mul(4).round()
+    if kind == "masked":  # a causal-like visible prefix and a candidate mask
+        vis = torch.randint(1, T + 1, (rows, 1, 1), generator=rng)
+        scores = scores.masked_fill(torch.arange(T) >= vis, -math.inf)
+        cand = torch.rand(rows, 1, T, generator=rng) < 0.5
+    _same(scores, 512, cand)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["sorted", "constant", "two_levels"])
+def test_topk_adversarial_rows(kind):
+    """Rows that defeat the chunk summary (long lists, the streaming path) stay exact."""
+    T = 131072
+    pos = torch.arange(T, dtype=torch.float32)
+    row = {"sorted": pos.div(64, rounding_mode="floor"), "constant": torch.zeros(T),
+           "two_levels": (pos % 17 == 0).float()}[kind]
+    _same(row.expand(3, 1, T).contiguous(), 512)
