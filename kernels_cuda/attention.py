@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from flashrt.formats import QTensor
+from flashrt import profiles
 
 TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLOCK * D * 2 (kv) + stages
     "attention": {"H_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2},  # bf16 q
@@ -30,6 +31,11 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # programs 0 = the device's SM count
     "split": {"programs": 0, "min_blocks": 4, "max_splits": 16},
 }
+
+
+def _tiles() -> dict:
+    """TILES with the active hardware profile's overrides (``tiles.attention`` in its YAML)."""
+    return profiles.tiles("attention", TILES)
 MAX_D = 512
 MAX_SEGMENTS = 3
 FMT_CODES = {"fp8": 1, "fp4_b16": 2, "fp4_b32": 3}  # 0 = plain float
@@ -283,7 +289,7 @@ def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int]:
     """(tiles, H_BLOCK, K_BLOCK, splits, blocks per split): split K until the programs fill one
     wave (one program per SM: it holds most of an SM's shared memory)."""
     B, S, H, _ = q.shape
-    t, sp = TILES["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], TILES["split"]
+    t, sp = _tiles()["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], _tiles()["split"]
     h_block = min(t["H_BLOCK"], max(16, triton.next_power_of_2(H)))
     k_block = min(t["K_BLOCK"], max(16, triton.next_power_of_2(K)))
     n_kb = triton.cdiv(K, k_block)
@@ -300,12 +306,12 @@ def _dot_mode(dtype: torch.dtype):
     (its bf16 dot / arithmetic is wrong)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return tl.float32, "ieee"
-    return (tl.bfloat16, "ieee") if dtype == torch.bfloat16 else (tl.float32, TILES["attention_fp32"]["precision"])
+    return (tl.bfloat16, "ieee") if dtype == torch.bfloat16 else (tl.float32, _tiles()["attention_fp32"]["precision"])
 
 
 def _combine(pacc, pml, sink, out, splits: int) -> None:
     B, S, H, D = out.shape
-    t = TILES["combine"]
+    t = _tiles()["combine"]
     grid = (B * S, triton.cdiv(H, t["H_BLOCK"]))
     _combine_kernel[grid](pacc, pml, sink if sink is not None else pml, out, splits, H, D, sink is not None,
                           H_BLOCK=t["H_BLOCK"], BLOCK_D=triton.next_power_of_2(D), num_warps=t["num_warps"])

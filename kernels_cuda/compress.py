@@ -9,8 +9,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from flashrt import profiles
 
 TILES = {"compress_pool": {"TILE_ELEMS": 2048, "MAX_BLOCK_R": 16, "num_warps": 4}}
+
+
+def _tiles() -> dict:
+    """TILES with the active hardware profile's overrides (``tiles.compress`` in its YAML)."""
+    return profiles.tiles("compress", TILES)
 
 
 @triton.jit
@@ -46,7 +52,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         return out
     if R == 0:
         return out.zero_()
-    t = TILES["compress_pool"]
+    t = _tiles()["compress_pool"]
     block_r = min(triton.next_power_of_2(R), t["MAX_BLOCK_R"])
     block_d = min(triton.next_power_of_2(D), max(16, t["TILE_ELEMS"] // block_r))
     grid = (B * G, triton.cdiv(D, block_d))

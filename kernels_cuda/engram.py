@@ -16,11 +16,17 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda.quant import _e4m3_value, _e8m0_value, _to_out
+from flashrt import profiles
 
 TILES = {
     "engram_lookup": {"ROWS_ELEMS": 4096, "num_warps": 4},
     "engram_gate": {"MAX_BLOCK_D": 8192, "ELEMS_PER_WARP": 512},  # num_warps = BLOCK_D / this, 4..16
 }
+
+
+def _tiles() -> dict:
+    """TILES with the active hardware profile's overrides (``tiles.engram`` in its YAML)."""
+    return profiles.tiles("engram", TILES)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -47,7 +53,7 @@ def engram_lookup(table, ids: torch.Tensor) -> torch.Tensor:
     n = ids.numel()
     if n == 0 or dh == 0:
         return out
-    t = TILES["engram_lookup"]
+    t = _tiles()["engram_lookup"]
     block_dh = triton.next_power_of_2(dh)
     block_n = min(max(1, t["ROWS_ELEMS"] // block_dh), triton.next_power_of_2(n))
     _engram_lookup_kernel[(triton.cdiv(n, block_n),)](
@@ -108,7 +114,7 @@ def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:
     out = torch.empty(B, S, hc, D, dtype=h.dtype, device=h.device)
     if out.numel() == 0:
         return out
-    t = TILES["engram_gate"]
+    t = _tiles()["engram_gate"]
     block_d = min(triton.next_power_of_2(D), t["MAX_BLOCK_D"])
     _engram_gate_kernel[(B * S * hc,)](h, key, value, weight, out, hc, D, float(eps), math.sqrt(D),
                                        BLOCK_D=block_d, SINGLE=block_d >= D,

@@ -39,6 +39,7 @@ import triton.language as tl
 from flashrt.formats import QTensor
 
 from .topk import _keys, select_rows
+from flashrt import profiles
 
 TILES = {
     # rows: most (query, head) dot columns per program; num_warps_wide: > 64 columns or an fp32 dot;
@@ -47,6 +48,11 @@ TILES = {
                      "fp32_precision": "tf32x3", "asm_decode": True},
     "candidate_blocks": {"block": 2048, "num_warps": 4},
 }
+
+
+def _tiles() -> dict:
+    """TILES with the active hardware profile's overrides (``tiles.indexer`` in its YAML)."""
+    return profiles.tiles("indexer", TILES)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _MAX = tl.constexpr(2147483647)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -199,7 +205,7 @@ def _dot_dtype(q, k):
     if not _INTERPRETED and q.dtype in _HALF_DTYPES:
         if (isinstance(k, QTensor) and q.dtype == torch.bfloat16) or getattr(k, "dtype", None) == q.dtype:
             return (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16), "tf32"  # (ignored)
-    return tl.float32, ("ieee" if _INTERPRETED else TILES["index_scores"]["fp32_precision"])
+    return tl.float32, ("ieee" if _INTERPRETED else _tiles()["index_scores"]["fp32_precision"])
 
 
 def index_scores(q, k, weights, visible):
@@ -208,7 +214,7 @@ def index_scores(q, k, weights, visible):
     out = torch.empty(B, S, T, dtype=torch.float32, device=q.device)
     if B * S * T == 0:
         return out
-    tiles = TILES["index_scores"]
+    tiles = _tiles()["index_scores"]
     fmt, qblock, qbytes, one = -1, 1, 1, 0
     if isinstance(k, QTensor):
         assert k.fmt in _FORMATS and k.data.stride(-1) == 1 and k.scale.stride(-1) == 1
@@ -280,7 +286,7 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     if B * S * T == 0:
         return out
     R, NB, bs = B * S, triton.cdiv(T, block_size), block_size
-    tiles = TILES["candidate_blocks"]
+    tiles = _tiles()["candidate_blocks"]
     src = scores.reshape(R, T)
     src = src if src.stride(1) == 1 else src.contiguous()
     vis = visible.reshape(R).contiguous()

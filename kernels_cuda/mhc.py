@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda.quant import INTERPRETED, _to_out
+from flashrt import profiles
 
 TILES = {
     # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on
@@ -25,6 +26,11 @@ TILES = {
     "hc_finish": {"BLOCK_T": 32, "num_warps": 4},
     "hc_mix": {"BLOCK_D": 1024, "num_warps": 4},
 }
+
+
+def _tiles() -> dict:
+    """TILES with the active hardware profile's overrides (``tiles.mhc`` in its YAML)."""
+    return profiles.tiles("mhc", TILES)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_HC = 8
 
@@ -150,8 +156,8 @@ def _hc_finish_kernel(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, 
 
 def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool):
     """(BLOCK_T, BLOCK_K, num_warps, number of K splits, K per split): enough programs to fill the GPU."""
-    t = TILES["hc_coefficients"]
-    sizes = t if dot_bf16 else TILES["hc_coefficients_fp32"]
+    t = _tiles()["hc_coefficients"]
+    sizes = t if dot_bf16 else _tiles()["hc_coefficients_fp32"]
     block_t = min(max(16, triton.next_power_of_2(T)), sizes["BLOCK_T_MAX"])
     if dot_bf16 and T >= t["BIG_T"]:
         block_t = 128
@@ -185,10 +191,10 @@ def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None
     consts = dict(HC=hc, HCP=hcp, PP=pp)
     _hc_coefficients_kernel[(triton.cdiv(T, block_t), n_splits)](
         x2, fn, scale, base, pre, post, comb, *ws, T, K, x2.stride(0), k_per, iters, float(eps), float(norm_eps),
-        BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16, FN_PARTS=TILES["hc_coefficients"]["FN_PARTS"],
+        BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16, FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"],
         SPLIT=n_splits > 1, num_warps=num_warps, **consts)
     if n_splits > 1:
-        f = TILES["hc_finish"]
+        f = _tiles()["hc_finish"]
         _hc_finish_kernel[(triton.cdiv(T, f["BLOCK_T"]),)](
             *ws, scale, base, pre, post, comb, T, K, n_splits, iters, float(eps), float(norm_eps),
             BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"], **consts)
@@ -211,7 +217,7 @@ def hc_collapse(x, pre):
     x, pre = x.contiguous(), pre.contiguous()
     out = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
     if out.numel():
-        t = TILES["hc_mix"]
+        t = _tiles()["hc_mix"]
         block_d = min(t["BLOCK_D"], triton.next_power_of_2(D))
         _hc_collapse_kernel[(B * S, triton.cdiv(D, block_d))](
             x, pre, out, D, HC=hc, HCP=triton.next_power_of_2(hc), BLOCK_D=block_d, num_warps=t["num_warps"])
@@ -243,7 +249,7 @@ def hc_expand(y, residual, post, comb):
     y, residual, post, comb = y.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous()
     out = torch.empty(B, S, hc, D, dtype=y.dtype, device=y.device)
     if out.numel():
-        t = TILES["hc_mix"]
+        t = _tiles()["hc_mix"]
         block_d = min(t["BLOCK_D"] // triton.next_power_of_2(hc), triton.next_power_of_2(D))
         _hc_expand_kernel[(B * S, triton.cdiv(D, block_d))](
             y, residual, post, comb, out, D, HC=hc, HCP=triton.next_power_of_2(hc), BLOCK_D=block_d,

@@ -15,11 +15,17 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda.quant import _to_out
+from flashrt import profiles
 
 TILES = {
     "rms_norm": {"MAX_BLOCK_N": 8192, "ROW_ELEMS": 4096, "num_warps": 8},
     "rope": {"TILE_ELEMS": 4096, "num_warps": 4},
 }
+
+
+def _tiles() -> dict:
+    """TILES with the active hardware profile's overrides (``tiles.norm_rope`` in its YAML)."""
+    return profiles.tiles("norm_rope", TILES)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -63,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x2.shape[0]
     if rows == 0 or n == 0:
         return out
-    t = TILES["rms_norm"]
+    t = _tiles()["rms_norm"]
     block_n = min(triton.next_power_of_2(n), t["MAX_BLOCK_N"])
     block_m = max(1, t["ROW_ELEMS"] // block_n) if block_n >= n else 1
     block_m = min(block_m, triton.next_power_of_2(rows))
@@ -109,7 +115,7 @@ def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> tor
     n_rows = B * S * H
     if out.numel() == 0:
         return out
-    t = TILES["rope"]
+    t = _tiles()["rope"]
     block_r = triton.next_power_of_2(R)
     block_rows = min(triton.next_power_of_2(n_rows), max(1, t["TILE_ELEMS"] // block_r))
     _rope_kernel[(triton.cdiv(n_rows, block_rows),)](

@@ -25,11 +25,17 @@ import triton.language as tl
 
 from flashrt import formats
 from flashrt.formats import QTensor
+from flashrt import profiles
 
 TILES = {
     "quantize": {"ELEMS": 4096, "num_warps": 4},  # BLOCK_G = ELEMS // block scale blocks a program
     "dequantize": {"ELEMS": 4096, "num_warps": 4},
 }
+
+
+def _tiles() -> dict:
+    """TILES with the active hardware profile's overrides (``tiles.quant`` in its YAML)."""
+    return profiles.tiles("quant", TILES)
 _FMT = {"fp8": 0, "fp4_b16": 1, "fp4_b32": 2}  # kernel code; block size from formats.spec
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # kernels run in Triton's CPU interpreter
@@ -178,7 +184,7 @@ def _launch_quantize(x2, fmt, data, scale, slots, data_row_stride, scale_row_str
     rows, groups_per_row = x2.shape[0], x2.shape[1] // blk
     if rows * groups_per_row == 0:
         return
-    t = TILES["quantize"]
+    t = _tiles()["quantize"]
     block_g = t["ELEMS"] // blk
     block_c = min(triton.next_power_of_2(groups_per_row), block_g)
     block_r = block_g // block_c
@@ -213,7 +219,7 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     n_groups = scale.numel()
     if n_groups:
-        t = TILES["dequantize"]
+        t = _tiles()["dequantize"]
         block_g = t["ELEMS"] // s.block
         _dequantize_kernel[(triton.cdiv(n_groups, block_g),)](data, scale, out, n_groups, FMT=_FMT[q.fmt],
                                                                BLK=s.block, BLOCK_G=block_g, num_warps=t["num_warps"])

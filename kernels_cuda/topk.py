@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from flashrt import profiles
 
 TILES = {
     "chunk_max": {"block": 2048, "num_warps": 4},
@@ -40,6 +41,11 @@ TILES = {
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
                "num_warps": 8},
 }
+
+
+def _tiles() -> dict:
+    """TILES with the active hardware profile's overrides (``tiles.topk`` in its YAML)."""
+    return profiles.tiles("topk", TILES)
 _MIN = tl.constexpr(-2147483648)
 
 
@@ -263,7 +269,7 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     R, T = src.shape
     assert src.stride(1) == 1 and (cand is None or (cand.stride(1) == 1 and cand.shape == src.shape))
     assert src.dtype in (torch.float32, torch.int32) and out.stride(1) == 1 and 1 <= k <= T
-    tiles, chunk_tiles = TILES["select"], TILES["chunk_max"]
+    tiles, chunk_tiles = _tiles()["select"], _tiles()["chunk_max"]
     coarse = _pow2(triton.cdiv(T, tiles["summary"]))  # chunk size of the summary searched for L
     C = min(coarse, tiles["fine"])  # chunk size of the scan; F fine chunks per coarse chunk
     F, NC, NF = coarse // C, triton.cdiv(T, coarse), triton.cdiv(T, C)

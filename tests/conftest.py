@@ -32,3 +32,18 @@ def rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def _module_tiles():
+    """Kernels run with their modules' TILES (tests patch them to force code paths); the shipped
+    profiles' tile sections are checked by tests/test_profiles.py."""
+    import dataclasses
+
+    from flashrt import profiles
+
+    base = profiles.active_profile()
+    profiles._TILES_CACHE.clear()
+    with profiles.using(dataclasses.replace(base, tiles={})):
+        yield
+    profiles._TILES_CACHE.clear()
