@@ -1,0 +1,203 @@
+"""``moe_experts``: routed SwiGLU experts with ``fp4_w`` / ``fp8_w`` weights, grouped by expert.
+
+The (token, slot) pairs are sorted by expert (torch in the launcher: a stable sort, per-expert
+counts, and a table of row tiles, each inside one expert; no host sync, so it can be captured in a
+CUDA graph). Then three kernels:
+
+1. ``_moe_up_kernel``: per (row tile, column tile of I), W1 and W3 over the fp8 activations of the
+   tile's tokens (rows gathered by token id), the SwiGLU epilogue in fp32 (gate and up rounded to
+   x.dtype first, clamp, silu, times the routing weight), h rounded to x.dtype and quantized to fp8
+   per 32 (the input W2 sees, as ``linear`` would quantize it), stored in pair order;
+2. ``_moe_down_kernel``: per (row tile, column tile of D), W2 over h, output rounded to x.dtype;
+3. ``_moe_combine_kernel``: each token sums its k rows in fp32 (a deterministic gather-sum).
+
+The MMA modes are those of ``linear.py`` (promote for fp8_w on sm_89+, dequant-to-bf16 otherwise).
+``moe_route`` is not served here (the reference does it: one small GEMM and a top-k).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashrt.backends.cuda import interpreter
+from flashrt.formats import QTensor
+from flashrt.kernels_cuda.linear import (FLOATS, WEIGHT_FORMATS, _e4m3_bits, _k_loop, _quant_fp8, _to_out,
+from flashrt import profiles
+                                         act_quant, fp8_operand, mma_mode, pick_tile, weight_operands)
+
+TILES = {
+    # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
+    "experts": (
+        (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),  # decode: weight-bound
+        (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+    ),
+    "combine": dict(BLOCK_D=1024, num_warps=4),
+}
+
+
+def _tiles() -> dict:
+    """TILES with the active hardware profile's overrides (``tiles.moe`` in its YAML)."""
+    return profiles.tiles("moe", TILES)
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, BLOCK_M: tl.constexpr):
+    """(expert, pair rows [BLOCK_M], row mask) of this program's row tile."""
+    t = tl.program_id(1)
+    e = tl.load(tile_e_ptr + t)
+    rows = tl.load(tile_row_ptr + t) + tl.arange(0, BLOCK_M)
+    return e, rows, rows < tl.load(row_end_ptr + t)
+
+
+@triton.jit
+def _swiglu(g, u, rw, limit, CLAMP: tl.constexpr, XDT: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """h = silu(min(g, L)) * clamp(u, -L, L) * rw in fp32 from x.dtype-rounded g, u; rounded to x.dtype."""
+    g = _to_out(g, XDT, MANUAL_BF16).to(tl.float32)
+    u = _to_out(u, XDT, MANUAL_BF16).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
+    return _to_out(h, XDT, MANUAL_BF16).to(tl.float32)
+
+
+@triton.jit
+def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3_ptr, hq_ptr, sh_ptr,
+                   tile_e_ptr, tile_row_ptr, row_end_ptr, E, I, D, limit,
+                   stride_xm, stride_sxm, stride_we, stride_wn, stride_swe, stride_swn, stride_hm, stride_shm,
+                   FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, CLAMP: tl.constexpr,
+                   XDT: tl.constexpr, MANUAL_BF16: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, BLOCK_M)
+    if e >= E:  # past the last tile
+        return
+    tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    n0 = tl.program_id(0) * BLOCK_N
+    ew, es = e.to(tl.int64) * stride_we, e.to(tl.int64) * stride_swe
+    g, u = _k_loop(xq_ptr + tok * stride_xm, sx_ptr + tok * stride_sxm, row_ok, w1_ptr + ew, sw1_ptr + es,
+                   w3_ptr + ew, sw3_ptr + es, n0, I, 0, D, stride_wn, stride_swn,
+                   FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    rw = tl.load(rw_ptr + rows, mask=row_ok, other=0.0)
+    h = _swiglu(g, u, rw, limit, CLAMP, XDT, MANUAL_BF16)
+    q, s = _quant_fp8(tl.reshape(h, (BLOCK_M, BLOCK_N // 32, 32)))
+    kg = n0 + tl.arange(0, BLOCK_N // 32) * 32
+    r64 = rows.to(tl.int64)
+    ok = row_ok[:, None] & (kg < I)[None, :]
+    ptrs = hq_ptr + r64[:, None, None] * stride_hm + kg[None, :, None] + tl.arange(0, 32)[None, None, :]
+    tl.store(ptrs, _e4m3_bits(q, hq_ptr.dtype.element_ty), mask=ok[:, :, None])
+    tl.store(sh_ptr + r64[:, None] * stride_shm + (kg // 32)[None, :], s, mask=ok)
+
+
+@triton.jit
+def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, E, D, I,
+                     stride_hm, stride_shm, stride_we, stride_wn, stride_swe, stride_swn, stride_ym,
+                     FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, MANUAL_BF16: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, BLOCK_M)
+    if e >= E:
+        return
+    r64 = rows.to(tl.int64)
+    n0 = tl.program_id(0) * BLOCK_N
+    w2, sw2 = w2_ptr + e.to(tl.int64) * stride_we, sw2_ptr + e.to(tl.int64) * stride_swe
+    acc, _ = _k_loop(hq_ptr + r64 * stride_hm, sh_ptr + r64 * stride_shm, row_ok, w2, sw2, w2, sw2,
+                     n0, D, 0, I, stride_wn, stride_swn, FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + r64[:, None] * stride_ym + offs_n[None, :], _to_out(acc, y_ptr.dtype.element_ty, MANUAL_BF16),
+             mask=row_ok[:, None] & (offs_n < D)[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, pos_ptr, out_ptr, D, TOPK, stride_ym, stride_om, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(TOPK):
+        p = tl.load(pos_ptr + t * TOPK + s).to(tl.int64)
+        acc += tl.load(y_ptr + p * stride_ym + offs, mask=offs < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_om + offs, acc, mask=offs < D)
+
+
+def route_tables(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m: int) -> dict:
+    """Pairs sorted by expert and the row-tile table (tiles never straddle two experts).
+
+    tok / rw: token and routing weight of each sorted pair; pos: sorted position of pair t*k+s;
+    tile_e / tile_row / row_end: expert, first and end row of each tile (tile_e == E: unused tile).
+    """
+    n, k = indices.shape
+    pairs = n * k
+    flat = indices.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    ends = torch.cumsum(counts, 0)
+    tiles = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles, 0)
+    t = torch.arange(min(pairs, triton.cdiv(pairs, block_m) + n_experts), device=flat.device)
+    tile_e = torch.searchsorted(tile_ends, t, right=True)
+    e = tile_e.clamp_max(n_experts - 1)
+    tile_row = ends[e] - counts[e] + (t - tile_ends[e] + tiles[e]) * block_m
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(pairs, device=flat.device)
+    return dict(tok=(order // k).to(torch.int32), rw=weights.reshape(-1)[order].contiguous(),
+                pos=pos.to(torch.int32), tile_e=tile_e.to(torch.int32), tile_row=tile_row.to(torch.int32),
+                row_end=ends[e].to(torch.int32))
+
+
+def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t):
+    (d1, s1), (d3, s3) = weight_operands(w1), weight_operands(w3)
+    assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
+    pairs, D = tab["tok"].shape[0], xq.shape[1]
+    hq = fp8_operand(torch.empty(pairs, I, dtype=torch.uint8, device=xq.device))
+    sh = torch.empty(pairs, I // 32, dtype=torch.float32, device=xq.device)
+    promote, dot = mma_mode(w1.fmt)
+    grid = (triton.cdiv(I, t["BLOCK_N"]), tab["tile_e"].shape[0])
+    _moe_up_kernel[grid](
+        xq, sx, tab["tok"], tab["rw"], d1, s1, d3, s3, hq, sh, tab["tile_e"], tab["tile_row"], tab["row_end"],
+        w1.shape[0], I, D, limit, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1),
+        hq.stride(0), sh.stride(0), FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0,
+        XDT=_TL[xdtype], MANUAL_BF16=interpreter() and xdtype == torch.bfloat16, **t)
+    return hq, sh
+
+
+def _experts_down(hq, sh, tab, w2, D, xdtype, t):
+    d2, s2 = weight_operands(w2)
+    y = torch.empty(hq.shape[0], D, dtype=xdtype, device=hq.device)
+    promote, dot = mma_mode(w2.fmt)
+    grid = (triton.cdiv(D, t["BLOCK_N"]), tab["tile_e"].shape[0])
+    _moe_down_kernel[grid](
+        hq, sh, d2, s2, y, tab["tile_e"], tab["tile_row"], tab["row_end"], w2.shape[0], D, hq.shape[1],
+        hq.stride(0), sh.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, MANUAL_BF16=interpreter() and xdtype == torch.bfloat16, **t)
+    return y
+
+
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
+    """x [N, D], weights [N, k] fp32, indices [N, k] int32, w1/w3 [E, I, D], w2 [E, D, I] QTensor -> fp32 [N, D]."""
+    assert supports_moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit)
+    n, D = x.shape
+    k = indices.shape[1]
+    E, I = w1.shape[0], w1.shape[1]
+    if n * k == 0 or D == 0 or I == 0:
+        return torch.zeros(n, D, dtype=torch.float32, device=x.device)
+    t = pick_tile(_tiles()["experts"], n * k / E)
+    tab = route_tables(indices, weights.to(torch.float32), E, t["BLOCK_M"])
+    xq, sx = act_quant(x)
+    hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t)
+    y = _experts_down(hq, sh, tab, w2, D, x.dtype, t)
+    c = _tiles()["combine"]
+    out = torch.empty(n, D, dtype=torch.float32, device=x.device)  # every row is written: k >= 1
+    _moe_combine_kernel[(n, triton.cdiv(D, c["BLOCK_D"]))](y, tab["pos"], out, D, k, y.stride(0), out.stride(0),
+                                                          BLOCK_D=c["BLOCK_D"], num_warps=c["num_warps"])
+    return out
+
+
+def supports_moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit) -> bool:
+    """All three weights quantized (fp4_w / fp8_w), w1 and w3 in one format; plain weights declined."""
+    ws = (w1, w3, w2)
+    return (all(isinstance(w, QTensor) and w.fmt in WEIGHT_FORMATS and w.ndim == 3 for w in ws)
+            and w1.fmt == w3.fmt and x.dtype in FLOATS and w1.shape[1] % 32 == 0)
+
+
+OPS = {"moe_experts": moe_experts}
+SUPPORTS = {"moe_experts": supports_moe_experts}
