@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flashrt import profiles
 from flashrt.backends.cuda import interpreter
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.linear import (FLOATS, WEIGHT_FORMATS, _e4m3_bits, _k_loop, _quant_fp8, _to_out,
-from flashrt import profiles
                                          act_quant, fp8_operand, mma_mode, pick_tile, weight_operands)
 
 TILES = {
