@@ -272,8 +272,13 @@ def _segment_args(segs, roles) -> list:
     for i, (data, scale, code, start, n) in enumerate(segs):
         base, sbase = segs[roles[i] if 0 <= roles[i] < i else i][:2]
         args += [base, sbase, data.data_ptr() - base.data_ptr(), scale.data_ptr() - sbase.data_ptr(),
-                 data.stride(0), data.stride(1), *((scale.stride(0), scale.stride(1)) if code else (0, 0)), start, n]
+                 _bstride(data), data.stride(1), *((_bstride(scale), scale.stride(1)) if code else (0, 0)), start, n]
     return args
+
+
+def _bstride(t: torch.Tensor) -> int:
+    """Batch stride; 0 for a batch-1 segment, which every row shares (the HKCP page pool)."""
+    return 0 if t.shape[0] == 1 else t.stride(0)
 
 
 def _roles(codes: list[int]) -> tuple[int, int]:

@@ -288,4 +288,4 @@ def test_moe_shared_expert_fp8_gpu(rng, mode, n):
     w = (_weight(rng, "fp8_w", 1, I, D, scale=0.05), _weight(rng, "fp8_w", 1, I, D, scale=0.05),
          _weight(rng, "fp8_w", 1, D, I, scale=0.05))
     got, want = run_both("moe_experts", x, *route, *w, 10.0)
-    assert rel_err(got, want) < 1e-3
+    assert rel_err(got, want) < 5e-3  # bf16 W1/W3 outputs and fp8 re-quantization flip near ties
