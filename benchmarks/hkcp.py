@@ -124,13 +124,20 @@ def ttft(model, n: int) -> dict:
     return {"prompt_tokens": n, "full_prefill_s": miss, "prefix_hit_s": hit, "speedup": miss / hit}
 
 
+def _save(path, res) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2)
+            f.write("\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="small")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 65536, 262144, 1048576])
     ap.add_argument("--ttft-tokens", type=int, default=32768)
     ap.add_argument("--decode-budget", type=int, default=2 << 30, help="device KV bytes in the decode sweep")
-    ap.add_argument("--fetch-budget", type=int, default=256 << 20)
+    ap.add_argument("--fetch-budget", type=int, default=4 << 30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = shipped_config(args.model)
@@ -148,12 +155,16 @@ def main() -> None:
         ms = decode_ms(model, state)
         res["decode"].append({"context": n, "step_ms": ms, "tiers": state.tier_stats()})
         print(f"decode at {n}: {ms:.2f} ms/step {state.tier_stats()}", flush=True)
+        del state
+        torch.cuda.empty_cache() if DEV == "cuda" else None
+        _save(args.out, res)
     base = res["decode"][0]["step_ms"]
     for row in res["decode"]:
         row["ratio_to_first"] = row["step_ms"] / base
     res["h2d_pinned_bytes_per_s"] = h2d_bandwidth()
     res["cold_fetch"] = cold_fetch(model, max(args.contexts), args.fetch_budget)
     print("h2d", res["h2d_pinned_bytes_per_s"] / 1e9, "GB/s; cold fetch", res["cold_fetch"], flush=True)
+    _save(args.out, res)
     res["ttft"] = ttft(model, args.ttft_tokens)
     print("ttft", res["ttft"], flush=True)
     if args.out:
