@@ -38,8 +38,9 @@ def fill_state(model, state: KVState, n: int, row: int = 0) -> None:
     state.ensure_capacity(n + 64)
     for l, c in state.compressed.items():
         entries = n // cfg.ratio(l)
-        c.main.reserve(row, entries)
-        state.pool.unlock()
+        for upto in range(0, entries + 4096, 4096):  # a step's worth at a time: older pages may spill
+            c.main.reserve(row, min(upto, entries))
+            state.pool.unlock()
         c.index_k.data.view(torch.uint8)[row, :entries].random_(0, 256)
         c.index_k.scale.view(torch.uint8)[row, :entries].fill_(120)
     pool = state.pool
@@ -71,7 +72,7 @@ def decode_ms(model, state, steps: int = 5) -> float:
 def longest_context(cfg, budget: int, cold: bool) -> int:
     """Largest N whose KV state fits ``budget`` (cold tier: only index K + rings + a page floor)."""
     per_main = sum(entry_bytes(cfg.head_dim, "fp4_b16") / cfg.ratio(l) for l in cfg.kv_source_layers)
-    lo, hi = 0, 1 << 26
+    lo, hi = 0, 1 << 31
     while lo < hi:
         mid = (lo + hi + 1) // 2
         need = fixed_bytes_for(cfg, 1, mid) + (0 if cold else per_main * mid) + 64 * 8 * 288
@@ -136,8 +137,8 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 65536, 262144, 1048576])
     ap.add_argument("--ttft-tokens", type=int, default=32768)
-    ap.add_argument("--decode-budget", type=int, default=2 << 30, help="device KV bytes in the decode sweep")
-    ap.add_argument("--fetch-budget", type=int, default=4 << 30)
+    ap.add_argument("--decode-budget", type=int, default=512 << 20, help="device KV bytes in the decode sweep")
+    ap.add_argument("--fetch-budget", type=int, default=512 << 20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = shipped_config(args.model)
