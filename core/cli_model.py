@@ -61,8 +61,11 @@ def add_plan(sub) -> None:
     p = sub.add_parser("plan", help="parameters, KV bytes, FLOPs and capacity of a model (nothing allocated)")
     p.add_argument("--model", default="v4.1-flash", help="tiny | small | v4.1-flash | deepseek-llm-67b | config dir")
     p.add_argument("--context", type=int, default=1 << 20, help="context length for capacity (default 1M)")
-    p.add_argument("--memory-gib", type=float, default=141.0, help="device memory in GiB (default 141, H200)")
-    p.add_argument("--memory-utilization", type=float, default=0.9)
+    p.add_argument("--profile", dest="plan_profile", default=None,
+                   help="hardware profile whose memory (device_memory_gib x memory_utilization) to plan for")
+    p.add_argument("--memory-gib", type=float, default=None, help="device memory in GiB (default: the profile's, "
+                   "else 141, an H200)")
+    p.add_argument("--memory-utilization", type=float, default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
@@ -70,7 +73,15 @@ def add_plan(sub) -> None:
 def cmd_plan(args) -> int:
     from flashrt.graphs.plan_report import plan_report
 
-    report = plan_report(args.model, args.context, args.memory_gib * 2**30 * args.memory_utilization)
+    gib, util = 141.0, 0.9
+    if args.plan_profile:
+        from flashrt.profiles import load_profile
+
+        prof = load_profile(args.plan_profile)
+        gib, util = prof.device_memory_gib or gib, prof.memory_utilization
+    gib = args.memory_gib if args.memory_gib is not None else gib
+    util = args.memory_utilization if args.memory_utilization is not None else util
+    report = plan_report(args.model, args.context, gib * 2**30 * util)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()

@@ -20,6 +20,7 @@ from .kvcache_util import empty_qtensor, grown, qtensor_rows, write_rows
 from .kvpages import PagedMainKV, PagePool
 
 DEFAULT_PAGE_ENTRIES = 64
+WINDOW_FORMATS = ("fp8", "int8")  # int8 (per-32, UE8M0) on devices with no FP8, e.g. Ascend 910B
 
 
 def entry_bytes(dim: int, fmt: str) -> int:
@@ -50,13 +51,15 @@ class KVState:
     """Everything a batch of sequences carries between forward calls."""
 
     def __init__(self, cfg, batch: int, capacity: int, device, kv_budget: int | None = None,
-                 page_entries: int = DEFAULT_PAGE_ENTRIES, pool: PagePool | None = None):
-        self.cfg, self.batch, self.capacity = cfg, batch, capacity
+                 page_entries: int = DEFAULT_PAGE_ENTRIES, pool: PagePool | None = None, window_fmt: str = "fp8"):
+        if window_fmt not in WINDOW_FORMATS:
+            raise ValueError(f"window_fmt: expected one of {list(WINDOW_FORMATS)}, got {window_fmt!r}")
+        self.cfg, self.batch, self.capacity, self.window_fmt = cfg, batch, capacity, window_fmt
         self.device = torch.device(device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.host_positions = [0] * batch  # the same on the host: no device sync to read them
         hd = cfg.head_dim
-        self.rings = {l: empty_qtensor("fp8", (batch, cfg.window_size, hd), self.device)
+        self.rings = {l: empty_qtensor(window_fmt, (batch, cfg.window_size, hd), self.device)
                       for l in range(cfg.total_layers)}
         # positions below ring_start[l] are not in layer l's ring (CED / bounded replay)
         self.ring_start = {l: torch.zeros(batch, dtype=torch.long, device=self.device) for l in self.rings}
@@ -189,6 +192,7 @@ class KVState:
             raise ValueError("states: KVState.cat needs states drawn from one page pool")
         out = object.__new__(KVState)
         out.cfg, out.capacity, out.device, out.pool = first.cfg, first.capacity, first.device, first.pool
+        out.window_fmt = first.window_fmt
         out.batch = sum(s.batch for s in states)
         out.positions = torch.cat([s.positions for s in states])
         out.host_positions = [p for s in states for p in s.host_positions]

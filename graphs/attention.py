@@ -54,7 +54,7 @@ class Attention:
         qr = ops.rms_norm(ops.linear(h, self.wq_a), self.q_norm, eps)
         q = rope_tail(ops.linear(qr, self.wq_b).view(B, S, cfg.n_heads, cfg.head_dim), f, rd)
         kv = rope_tail(ops.rms_norm(ops.linear(h, self.wkv), self.kv_norm, eps), f, rd)
-        kv = ops.quantize(kv, "fp8")
+        kv = ops.quantize(kv, ctx.state.window_fmt)
         W = cfg.window_size
         segments = [ctx.state.rings[self.layer], kv]
         indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], W)

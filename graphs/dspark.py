@@ -27,7 +27,7 @@ class _DraftAttention:
         a, rd = self.a, self.a.cfg.rope_head_dim
         f = ctx.rope.factors(False, ctx.positions)
         kv = rope_tail(ops.rms_norm(ops.linear(main_x, a.wkv), a.kv_norm, a.cfg.norm_eps), f, rd)
-        return ops.quantize(kv, "fp8")
+        return ops.quantize(kv, ctx.state.window_fmt)
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         a, cfg = self.a, self.a.cfg
@@ -36,7 +36,8 @@ class _DraftAttention:
         f = ctx.rope.factors(False, ctx.positions)
         qr = ops.rms_norm(ops.linear(h, a.wq_a), a.q_norm, cfg.norm_eps)
         q = rope_tail(ops.linear(qr, a.wq_b).view(B, S, cfg.n_heads, cfg.head_dim), f, rd)
-        kv = ops.quantize(rope_tail(ops.rms_norm(ops.linear(h, a.wkv), a.kv_norm, cfg.norm_eps), f, rd), "fp8")
+        kv = ops.quantize(rope_tail(ops.rms_norm(ops.linear(h, a.wkv), a.kv_norm, cfg.norm_eps), f, rd),
+                          ctx.state.window_fmt)
         main_pos = ctx.positions[:, :1] - 1  # the main token this block continues
         ring = torch.arange(W, device=h.device).expand(B, W)
         ring = torch.where(ring <= main_pos, ring, -1)  # ring slots filled so far

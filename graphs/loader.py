@@ -29,7 +29,8 @@ def load(path, device=None, profile=None, verify: bool = False, progress=None) -
         if (path / name).exists():
             token_map = TokenMap.from_file(str(path / name), cfg)
             break
-    model = Model(cfg, weights, token_map=token_map, engram_placement=prof.engram_placement)
+    window_fmt = "int8" if prof.kv_window_dtype == "int8" else "fp8"
+    model = Model(cfg, weights, token_map=token_map, engram_placement=prof.engram_placement, window_fmt=window_fmt)
     model.profile = prof
     return model
 

@@ -19,12 +19,14 @@ from .engram_hash import EngramHasher, EngramLayout, TokenMap
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, weights: dict, token_map=None, engram_placement: str = "device"):
+    def __init__(self, cfg: ModelConfig, weights: dict, token_map=None, engram_placement: str = "device",
+                 window_fmt: str = "fp8"):
         if weights["embed.weight"].device.type == "cpu":
             engram_placement = "device" if engram_placement in ("host", "host_pinned") else engram_placement
         place_tables(cfg, weights, engram_placement)
         self.cfg, self.weights, self.engram_placement = cfg, weights, engram_placement
         self.profile = None  # set by flashrt.load
+        self.window_fmt = window_fmt  # window-ring format: fp8, or int8 where the device has no FP8
         self.embed, self.norm, self.head = weights["embed.weight"], weights["norm.weight"], weights["head.weight"]
         self.device = self.embed.device
         self.blocks = [Block(cfg, layer, weights, f"layers.{layer}.") for layer in range(cfg.n_layers)]
@@ -48,7 +50,8 @@ class Model:
 
         ``kv_budget``: device bytes for the whole KV state; main-KV pages beyond it spill to host
         memory (HKCP cold tier). ``pool``: share another state's page pool (to concatenate states)."""
-        return KVState(self.cfg, batch, capacity, self.device, kv_budget=kv_budget, pool=pool)
+        return KVState(self.cfg, batch, capacity, self.device, kv_budget=kv_budget, pool=pool,
+                       window_fmt=self.window_fmt)
 
     def _check_ids(self, input_ids) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):

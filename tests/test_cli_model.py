@@ -56,3 +56,11 @@ def test_plan_v41_figures():
     flops = {int(k): v for k, v in report["decode_flops"].items()}
     assert flops[1 << 20] > flops[4096] > 2 * 10e9  # at least 2 FLOPs per active weight
     assert report["active_params_prefill_ced"] < report["active_params_decode"]
+
+
+def test_plan_uses_the_profile_memory():
+    small = json.loads(flashrt("plan", "--model", "small", "--context", "65536", "--profile", "rtx4090", "--json").stdout)
+    big = json.loads(flashrt("plan", "--model", "small", "--context", "65536", "--profile", "h200", "--json").stdout)
+    assert 0 < small["sequences_fit"]["engram_device"] < big["sequences_fit"]["engram_device"]
+    r = flashrt("plan", "--model", "small", "--profile", "nope", check=False)
+    assert r.returncode == 2 and "nope" in r.stderr
