@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-import pkgutil
 
 import torch
 
+from flashrt.dispatch import collect_module_attrs
 from flashrt.hookspecs import Backend, hookimpl
 from flashrt.kernels_ascend._npu import EMULATION_ENV, emulation, npu, torch_npu_present
 
@@ -88,20 +88,7 @@ def _no_float64(*args, **kwargs) -> bool:
 
 def collect_kernels() -> tuple[dict, dict, dict]:
     """(ops, plans, load errors) from every public module of flashrt.kernels_ascend."""
-    import flashrt.kernels_ascend as pkg
-
-    ops, plans, errors = {}, {}, {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("_"):
-            continue
-        try:
-            mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
-        except Exception as exc:  # one broken adapter file must not hide the others
-            errors[info.name] = f"{type(exc).__name__}: {exc}"
-            log.warning("flashrt: kernels_ascend.%s failed to import: %s", info.name, exc)
-            continue
-        ops.update(getattr(mod, "OPS", {}))
-        plans.update(getattr(mod, "PLANS", {}))
+    (ops, plans), errors = collect_module_attrs("flashrt.kernels_ascend", "OPS", "PLANS")
     return ops, plans, errors
 
 

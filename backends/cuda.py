@@ -12,13 +12,12 @@ run on CPU tensors, but only when the backend is chosen explicitly: that is how 
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import pkgutil
 
 import torch
 
+from flashrt.dispatch import collect_module_attrs
 from flashrt.hookspecs import Backend, hookimpl
 
 log = logging.getLogger("flashrt")
@@ -52,20 +51,7 @@ def supports_cuda() -> tuple[bool, str]:
 
 def collect_kernels() -> tuple[dict, dict, dict]:
     """(ops, supports, load errors) from every module of flashrt.kernels_cuda."""
-    import flashrt.kernels_cuda as pkg
-
-    ops, supports, errors = {}, {}, {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("_"):
-            continue
-        try:
-            mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
-        except Exception as exc:  # one broken kernel file must not hide the others
-            errors[info.name] = f"{type(exc).__name__}: {exc}"
-            log.warning("flashrt: kernels_cuda.%s failed to import: %s", info.name, exc)
-            continue
-        ops.update(getattr(mod, "OPS", {}))
-        supports.update(getattr(mod, "SUPPORTS", {}))
+    (ops, supports), errors = collect_module_attrs("flashrt.kernels_cuda", "OPS", "SUPPORTS")
     return ops, supports, errors
 
 

@@ -282,3 +282,26 @@ def _describe(args) -> str:
         else:
             parts.append(repr(a))
     return ", ".join(parts)
+
+
+def collect_module_attrs(package: str, *attrs: str) -> tuple[list[dict], dict]:
+    """Merge the dict attributes ``attrs`` (e.g. OPS, SUPPORTS) of every public module of
+    ``package`` (a backend's kernel folder); a module that fails to import is reported, not fatal.
+    Returns ([merged dict per attr], {module: error})."""
+    import pkgutil
+
+    pkg = importlib.import_module(package)
+    merged, errors = [{} for _ in attrs], {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("_"):
+            continue
+        try:
+            mod = importlib.import_module(f"{package}.{info.name}")
+        except Exception as exc:  # one broken kernel file must not hide the others
+            errors[info.name] = f"{type(exc).__name__}: {exc}"
+            log.warning("flashrt: %s.%s failed to import: %s", package, info.name, exc)
+            continue
+        for out, attr in zip(merged, attrs):
+            out.update(getattr(mod, attr, {}))
+    return merged, errors
+

@@ -6,6 +6,8 @@ tensors (``TRITON_INTERPRET=1``, set by conftest) with small shapes. Every check
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -42,3 +44,13 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     num = (g[finite] - w[finite]).norm()
     den = w[finite].norm()
     return float(num / den) if den > 0 else float(num)
+
+
+def assert_error(fn, name: str, *fragments: str):
+    """``fn()`` raises a ValueError whose message starts with the argument ``name`` and says
+    what was expected and what was given; every fragment appears in it."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}(?!\w)[\s\S]*expected[\s\S]*got") as info:
+        fn()
+    msg = str(info.value)
+    for f in fragments:
+        assert f in msg, f"{f!r} not in {msg!r}"

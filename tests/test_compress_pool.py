@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flashrt import ops
+from kernel_check import assert_error
 
 
 def expected_pool(kv, score) -> torch.Tensor:
@@ -28,13 +29,6 @@ def expected_pool(kv, score) -> torch.Tensor:
                 out[b, g, d] = sum(wi * kvl[b][g][i][d] for i, wi in enumerate(w)) / total
     return out
 
-
-def assert_error(fn, name: str, *fragments: str):
-    with pytest.raises(ValueError, match=rf"^{re.escape(name)}(?!\w)[\s\S]*expected[\s\S]*got") as info:
-        fn()
-    msg = str(info.value)
-    for f in fragments:
-        assert f in msg, f"{f!r} not in {msg!r}"
 
 
 SHAPES = [  # B, G, r, D

@@ -14,6 +14,7 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from flashrt.formats import QTensor
+from kernel_check import assert_error
 
 
 def expected_scores(q, k, weights, visible) -> torch.Tensor:
@@ -48,13 +49,6 @@ def check(out, want, B, S, T, rtol=1e-5, atol=1e-4):
     assert torch.equal(torch.isneginf(out), hidden)  # -inf exactly where t >= visible
     torch.testing.assert_close(out.double()[~hidden], want[~hidden], rtol=rtol, atol=atol)
 
-
-def assert_error(fn, name: str, *fragments: str):
-    with pytest.raises(ValueError, match=rf"^{re.escape(name)}(?!\w)[\s\S]*expected[\s\S]*got") as info:
-        fn()
-    msg = str(info.value)
-    for f in fragments:
-        assert f in msg, f"{f!r} not in {msg!r}"
 
 
 SHAPES = [  # B, S, Hi, Di, T

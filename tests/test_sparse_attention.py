@@ -15,6 +15,7 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from flashrt.formats import QTensor
+from kernel_check import assert_error
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -64,13 +65,6 @@ def check_close(out, want, dtype):
     else:  # fp32 math, fp32 / fp64 output
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-5)
 
-
-def assert_error(fn, name: str, *fragments: str):
-    with pytest.raises(ValueError, match=rf"^{re.escape(name)}(?!\w)[\s\S]*expected[\s\S]*got") as info:
-        fn()
-    msg = str(info.value)
-    for f in fragments:
-        assert f in msg, f"{f!r} not in {msg!r}"
 
 
 # ---------------------------------------------------------------------------------------------

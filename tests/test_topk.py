@@ -14,6 +14,7 @@ import torch
 
 import flashrt
 from flashrt import ops
+from kernel_check import assert_error
 
 
 def tied_scores(B, S, T, g, p_special=0.2, levels=5) -> torch.Tensor:
@@ -29,13 +30,6 @@ def tied_scores(B, S, T, g, p_special=0.2, levels=5) -> torch.Tensor:
 def smooth_scores(B, S, T, g) -> torch.Tensor:
     return torch.randn(B, S, T, generator=g)
 
-
-def assert_error(fn, name: str, *fragments: str):
-    with pytest.raises(ValueError, match=rf"^{re.escape(name)}(?!\w)[\s\S]*expected[\s\S]*got") as info:
-        fn()
-    msg = str(info.value)
-    for f in fragments:
-        assert f in msg, f"{f!r} not in {msg!r}"
 
 
 # ---------------------------------------------------------------------------------------------
