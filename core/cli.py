@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_run(sub)
     add_plan(sub)
+    from .conformance import add_parser as add_conformance
+
+    add_conformance(sub)
     from .cli_jit import add_jit
 
     add_jit(sub)

@@ -1,0 +1,120 @@
+"""``flashrt conformance``: every op on the current device and backend against the reference.
+
+Each case draws fresh random inputs of a model-like shape on the device, runs the op through the
+automatic choice (the backend that would serve it) and through the reference, and records the op,
+the backend that served it, dtype, shapes, max relative error, the tolerance and pass/fail.
+"""
+from __future__ import annotations
+
+import json
+import platform
+
+import torch
+
+from . import dispatch, ops
+from .formats import QTensor
+
+# op -> tolerance on max|got - want| / max|want| (selections compare exactly)
+TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,
+             "sample": 0.0, "moe_route": 1e-5}
+DEFAULT_TOL = 2e-2  # bf16 outputs
+
+
+def _cases(dev, g):
+    r = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=g).to(dev, dt)
+    f32 = lambda *s: r(*s, dt=torch.float32)
+    i32 = lambda lo, hi, *s: torch.randint(lo, hi, s, generator=g, dtype=torch.int32).to(dev)
+    kv = ops.quantize(f32(2, 300, 512), "fp4_b16")
+    yield "rms_norm", (r(64, 1024), f32(1024), 1e-6)
+    yield "rope", (r(2, 16, 8, 64), torch.polar(torch.ones(16, 32), torch.rand(16, 32, generator=g)).to(dev), False)
+    yield "quantize", (f32(64, 512), "fp8")
+    yield "quantize", (f32(64, 512), "fp4_b16")
+    yield "dequantize", (ops.quantize(f32(64, 512), "fp4_b32"), torch.float32)
+    yield "linear", (r(16, 512), ops.quantize(f32(256, 512), "fp8_w"))
+    yield "sparse_attention", (r(2, 4, 64, 512), (ops.quantize(f32(2, 128, 512), "fp8"), kv),
+                               i32(-1, 428, 2, 4, 640), f32(64), 512 ** -0.5)
+    yield "index_scores", (r(2, 4, 32, 128), ops.quantize(f32(2, 300, 128), "fp4_b32"), f32(2, 4, 32).abs(),
+                           i32(0, 301, 2, 4))
+    yield "topk_positions", (f32(2, 4, 300), 64)
+    yield "candidate_blocks", (f32(2, 4, 300), i32(1, 301, 2, 4), 8, 8)
+    yield "compress_pool", (f32(1, 64, 2, 512), f32(1, 64, 2, 512))
+    yield "hc_coefficients", (r(1, 8, 4, 256), f32(24, 1024) * 0.01, torch.ones(3, device=dev), f32(24) * 0.1,
+                              20, 1e-6, 1e-6)
+    yield "hc_collapse", (r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev))
+    yield "hc_expand", (r(1, 8, 256), r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev),
+                        torch.rand(1, 8, 4, 4, generator=g).to(dev))
+    yield "engram_lookup", (ops.quantize(f32(1000, 256), "fp8"), torch.randint(0, 1000, (2, 4, 24), generator=g).to(dev))
+    yield "engram_gate", (r(2, 4, 4, 256), r(2, 4, 4, 256), r(2, 4, 256), f32(4, 256), 1e-6)
+    yield "moe_route", (r(16, 256), r(32, 256), f32(32) * 0.1, 4, "sqrtsoftplus", True, 1.5)
+    w = lambda *s: ops.quantize(f32(*s) * 0.05, "fp4_w")
+    yield "moe_experts", (r(8, 256), torch.rand(8, 2, generator=g).to(dev), i32(0, 8, 8, 2), w(8, 128, 256),
+                          w(8, 128, 256), w(8, 256, 128), 10.0)
+    yield "sample", (f32(4, 1000), 0.0)
+
+
+def _rel(got, want) -> float:
+    if isinstance(got, QTensor):
+        same = torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)) and \
+            torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
+        return 0.0 if same else float("inf")
+    if not torch.is_floating_point(want):
+        return 0.0 if torch.equal(got, want) else float("inf")
+    g, w = got.double(), want.double()
+    finite = torch.isfinite(w)
+    if not torch.equal(torch.isfinite(g), finite):
+        return float("inf")
+    scale = w[finite].abs().max() if finite.any() else torch.tensor(1.0)
+    return float((g[finite] - w[finite]).abs().max() / scale.clamp_min(1e-30)) if finite.any() else 0.0
+
+
+def _describe(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, QTensor):
+            out.append(f"{a.fmt} {list(a.shape)}")
+        elif isinstance(a, torch.Tensor):
+            out.append(f"{str(a.dtype).replace('torch.', '')} {list(a.shape)}")
+        elif isinstance(a, tuple):
+            out.append(_describe(a))
+    return out
+
+
+def run(device=None, seed: int = 0) -> dict:
+    """The conformance report for ``device`` (default: cuda when present, else cpu)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for op, args in _cases(dev, g):
+        backend = (dispatch.chain(op, dev.type) or ["none"])[0]
+        got = getattr(ops, op)(*args)
+        with dispatch.use_backend("reference"):
+            want = getattr(ops, op)(*args)
+        pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
+        err = max(_rel(a, b) for a, b in pairs)
+        tol = TOLERANCE.get(op, DEFAULT_TOL)
+        rows.append({"op": op, "backend": backend, "inputs": _describe(args), "max_rel_err": err,
+                     "tolerance": tol, "pass": err <= tol})
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
+    return {"device": device_name, "device_type": dev.type, "torch": torch.__version__,
+            "passed": sum(r["pass"] for r in rows), "total": len(rows), "rows": rows}
+
+
+def cmd(args) -> int:
+    report = run(args.device, args.seed)
+    text = json.dumps(report, indent=2, default=str)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    for r in report["rows"]:
+        print(f"{'PASS' if r['pass'] else 'FAIL'} {r['op']:18} {r['backend']:10} err {r['max_rel_err']:.2e} "
+              f"(tol {r['tolerance']:.0e})")
+    print(f"{report['passed']}/{report['total']} ops conform on {report['device']}")
+    return 0 if report["passed"] == report["total"] else 1
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("conformance", help="every op on this device/backend vs the reference; JSON report")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    p.set_defaults(func=cmd)
