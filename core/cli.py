@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .conformance import add_parser as add_conformance
 
     add_conformance(sub)
+    from .tune import add_parser as add_tune
+
+    add_tune(sub)
     from .cli_jit import add_jit
 
     add_jit(sub)
