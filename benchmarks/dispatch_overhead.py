@@ -12,7 +12,6 @@ Two measurements per op, medians of several repeats of many calls:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -23,6 +22,7 @@ import flashrt
 from flashrt import dispatch, ops
 from flashrt.backends import reference
 from flashrt.hookspecs import Backend, hookimpl
+from results_io import write_json
 
 
 def _noop(*args, **kwargs):
@@ -86,10 +86,7 @@ def main() -> None:
               f"via flashrt.ops {row['via_ops_us']:8.2f} us")
     result = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
               "torch": torch.__version__, "calls": args.calls, "repeats": args.repeats, "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 
@@ -19,6 +18,7 @@ import flashrt
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
+from results_io import add_ratio, write_json
 
 
 def decode(model, batch: int, prompt: int, steps: int, backend: str) -> dict:
@@ -66,13 +66,8 @@ def main() -> None:
             rows.append(row)
             print(f"{backend:9} batch {batch:3d}: prefill {row['prefill_tokens_per_s']:10.1f} tok/s, "
                   f"decode {row['step_ms']:8.2f} ms/step = {row['decode_tokens_per_s']:8.2f} tok/s", flush=True)
-    for r in rows:
-        ref = next(x for x in rows if x["backend"] == "reference" and x["batch"] == r["batch"])
-        r["decode_speedup_vs_reference"] = r["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
-            f.write("\n")
+    add_ratio(rows, "backend", "decode_tokens_per_s", "decode_speedup_vs_reference", "batch", "reference")
+    write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ on a side stream), same model, same run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -15,6 +14,7 @@ import torch
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
+from results_io import add_ratio, write_json
 
 
 def step_ms(model, batch: int, context: int, steps: int) -> float:
@@ -56,13 +56,8 @@ def main() -> None:
             ms = statistics.median(times[p])
             rows.append({"placement": p, "batch": b, "context": args.context, "step_ms": ms})
             print(f"{p:12} batch {b:3d}: {ms:8.2f} ms/step", flush=True)
-    for r in rows:
-        base = next(x for x in rows if x["placement"] == "device" and x["batch"] == r["batch"])
-        r["ratio_to_device"] = r["step_ms"] / base["step_ms"]
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
-            f.write("\n")
+    add_ratio(rows, "placement", "step_ms", "ratio_to_device", "batch", "device")
+    write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ logits: relative L2 deviation, top-1 agreement, and KL(exact || ced).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -20,6 +19,7 @@ from flashrt.graphs.config import shipped_config
 from flashrt.graphs.generate import prefill_prompt
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
+from results_io import write_json
 
 
 def timed_prefill(model, ids, schedule, repeats, sync):
@@ -87,10 +87,7 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     result = {"model": args.model, "device": device_name, "torch": torch.__version__, "backend": "reference",
               "build_seconds": build_s, "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,20 @@
+"""Writing benchmark results: one JSON file per run, and ratios against a baseline row."""
+from __future__ import annotations
+
+import json
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """Write ``result`` to ``path`` (nothing when ``path`` is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+            f.write("\n")
+
+
+def add_ratio(rows: list[dict], key: str, value: str, name: str, match: str, base_value, invert: bool = False) -> None:
+    """``row[name] = row[value] / base[value]`` with ``base`` the row sharing ``row[match]`` whose
+    ``key`` equals ``base_value`` (``base / row`` with ``invert``)."""
+    for r in rows:
+        base = next(x for x in rows if x[key] == base_value and x[match] == r[match])
+        r[name] = base[value] / r[value] if invert else r[value] / base[value]
