@@ -124,6 +124,7 @@ class PagedMainKV:
     def __init__(self, pool: PagePool, batch: int):
         self.pool, self.tables = pool, [BlockTable() for _ in range(batch)]
         self._dev_ids: torch.Tensor | None = None
+        self._host_ids: torch.Tensor | None = None
 
     def reserve(self, row: int, entries: int) -> None:
         """Make room (device pages, locked for this step) for entries ``< entries`` of ``row``."""
@@ -132,16 +133,27 @@ class PagedMainKV:
             table.pages.append(("dev", self.pool.alloc(table, len(table.pages))))
             table.dirty = True
 
+    def _rebuild_ids(self) -> None:
+        if self._dev_ids is not None and not any(t.dirty for t in self.tables):
+            return
+        width = max(1, max(len(t.pages) for t in self.tables))
+        pad = lambda row: row + [-1] * (width - len(row))
+        dev = [pad([p if tier == "dev" else -1 for tier, p in t.pages]) for t in self.tables]
+        host = [pad([p if tier == "host" else -1 for tier, p in t.pages]) for t in self.tables]
+        self._dev_ids = torch.tensor(dev, dtype=torch.long).to(self.pool.device)
+        self._host_ids = torch.tensor(host, dtype=torch.long)
+        for t in self.tables:
+            t.dirty = False
+
     def dev_ids(self) -> torch.Tensor:
         """int64 [B, max_pages]: device page of each logical page, -1 when on the host or absent."""
-        if self._dev_ids is None or any(t.dirty for t in self.tables):
-            width = max(1, max(len(t.pages) for t in self.tables))
-            rows = [[p if tier == "dev" else -1 for tier, p in t.pages] + [-1] * (width - len(t.pages))
-                    for t in self.tables]
-            self._dev_ids = torch.tensor(rows, dtype=torch.long).to(self.pool.device)
-            for t in self.tables:
-                t.dirty = False
+        self._rebuild_ids()
         return self._dev_ids
+
+    def host_ids(self) -> torch.Tensor:
+        """int64 [B, max_pages] on the CPU: host page of each logical page, -1 elsewhere."""
+        self._rebuild_ids()
+        return self._host_ids
 
     def write(self, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
         """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] where ``mask``."""
@@ -165,24 +177,24 @@ class PagedMainKV:
         out = torch.where(valid & (phys >= 0), phys * P + flat % P, -1)
         segments = [self.pool.segment()]
         if any(t.cold for t in self.tables):
-            staging, out = self._stage_cold(flat, valid & (phys < 0), out, segments[0].shape[1])
+            staging, out = self._stage_cold(flat, out, segments[0].shape[1])
             segments.append(staging)
         return segments, out.view(idx.shape).to(torch.int32)
 
-    def _stage_cold(self, flat, cold, out, offset):
-        """Gather the selected cold entries from host pages into one device segment."""
+    def _stage_cold(self, flat, out, offset):
+        """Gather the selected cold entries from host pages into one device segment: one small
+        copy of the picks to the host, vectorised lookups there, one copy of the rows up."""
         P, D = self.pool.P, self.pool.D
-        rows, cols = torch.nonzero(cold.cpu(), as_tuple=True)
-        entries = flat.cpu()[rows, cols]
+        picks = flat.cpu()
+        host_ids = self.host_ids()
+        hp = host_ids.gather(1, (picks.clamp_min(0) // P).clamp_max(host_ids.shape[1] - 1))
+        rows, cols = torch.nonzero((picks >= 0) & (hp >= 0), as_tuple=True)
+        entries = picks[rows, cols]
         pairs, inverse = torch.unique(rows * (1 << 40) + entries, return_inverse=True)
-        r, e = pairs // (1 << 40), pairs % (1 << 40)
-        host_page = torch.tensor([self.tables[b].pages[j][1] for b, j in zip(r.tolist(), (e // P).tolist())],
-                                 dtype=torch.long)
-        src = host_page * P + e % P
-        host = self.pool.host
+        src = torch.empty(len(pairs), dtype=torch.long).scatter_(0, inverse, hp[rows, cols] * P + entries % P)
+        host, dev = self.pool.host, self.pool.device
         data = host.data.view(-1, D // 2)[src]
         scale = host.scale.view(torch.uint8).view(-1, D // 16)[src]
-        dev = self.pool.device
         staging = QTensor(data.to(dev, non_blocking=True).view(1, -1, D // 2),
                           scale.to(dev, non_blocking=True).view(torch.float8_e4m3fn).view(1, -1, D // 16),
                           FMT, (1, len(pairs), D))
