@@ -78,8 +78,27 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
+def warm_model(model: str, report: dict) -> None:
+    """Compile every kernel variant a model's prefill (both schedules) and decode steps use, by
+    running them once on the device (the cache keeps what they compile)."""
+    from flashrt.graphs.run import load_model, pick_device
+
+    t0 = time.perf_counter()
+    try:
+        m = load_model(model, pick_device(None), quiet=True)
+        prompt = list(range(3, 3 + 2 * m.cfg.window_size + 5))
+        for prefill in ("exact", "ced"):
+            m.generate([prompt, prompt[:7]], 3, prefill=prefill)
+        report["warmed"].append(f"model:{model}")
+    except Exception as exc:
+        report["failed"][f"model:{model}"] = f"{type(exc).__name__}: {exc}"
+    report["seconds"] += time.perf_counter() - t0
+
+
 def cmd_warmup(args) -> int:
     report = warmup(getattr(args, "profile", None))
+    if args.model:
+        warm_model(args.model, report)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -130,6 +149,8 @@ def add_jit(sub) -> None:
     jsub = jit.add_subparsers(dest="jit_command", required=True)
     p = jsub.add_parser("warmup", help="compile every kernel a profile needs (modules with a warmup hook)")
     p.add_argument("--profile", default=argparse.SUPPRESS, help="profile name or YAML path (default: auto)")
+    p.add_argument("--model", default=None, help="also run tiny | small | a checkpoint once, compiling every "
+                   "kernel variant its prefill and decode use")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_warmup)
     p = jsub.add_parser("ls", help="cache entries: key, kind, kernel, architecture, size, age")

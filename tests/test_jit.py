@@ -243,3 +243,14 @@ def test_warmup_cli_walks_the_kernel_modules(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["profile"] == "cpu" and rc == (1 if report["failed"] else 0)
     assert set(report["warmed"]) | set(report["skipped"]) | set(report["failed"]) == names
+
+
+def test_warmup_with_a_model_runs_it_once(tmp_path):
+    env = {**os.environ, "FLASHRT_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "flashrt.cli", "jit", "warmup", "--model", "tiny", "--json"],
+                       capture_output=True, text=True, env=env, cwd="/")
+    report = json.loads(r.stdout)
+    assert "model:tiny" in report["warmed"] and (tmp_path / "models" / "tiny-seed0" / "config.json").exists()
+    r = subprocess.run([sys.executable, "-m", "flashrt.cli", "jit", "warmup", "--model", str(tmp_path / "none"),
+                        "--json"], capture_output=True, text=True, env=env, cwd="/")
+    assert r.returncode == 1 and "model:" in json.loads(r.stdout)["failed"].__repr__()
