@@ -42,6 +42,11 @@ def _dims(spec: str) -> tuple:
     return dims
 
 
+def values_checked() -> bool:
+    """Whether checks that read tensor values (index ranges, token ids) are on."""
+    return _STATE["values"]
+
+
 def _fmt_dims(dims, env: dict) -> str:
     return "[" + ", ".join(f"{s}={env[s]}" if s in env else str(s) for s in dims) + "]"
 

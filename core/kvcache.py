@@ -136,9 +136,14 @@ class KVState:
         if self.is_meta:  # shape-only tracing: nothing is stored
             return
         W = self.cfg.window_size
-        keep = positions >= positions[:, -1:] - (W - 1)  # [B, S]
-        b = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(positions)[keep]
-        write_rows(self.rings[layer], b, positions[keep] % W, qtensor_rows(kv, keep))
+        S = positions.shape[1]
+        rows = torch.arange(self.batch, device=self.device).unsqueeze(1)
+        if S <= W:  # every token of the chunk stays in the ring: no mask, no device sync
+            write_rows(self.rings[layer], rows.expand_as(positions).reshape(-1), (positions % W).reshape(-1), kv)
+            return
+        tail = slice(S - W, S)  # rows of a chunk share its length: the last W tokens stay
+        write_rows(self.rings[layer], rows.expand(-1, W).reshape(-1), (positions[:, tail] % W).reshape(-1),
+                   QTensor(kv.data[:, tail], kv.scale[:, tail], kv.fmt, (kv.shape[0], W, kv.shape[-1])))
 
     # ----- compressed caches -------------------------------------------------------------------
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flashrt import ops
+from flashrt import checks, ops
 from flashrt.kvcache import KVState
 
 from .block import Block
@@ -59,8 +59,8 @@ class Model:
             raise ValueError(f"input_ids: expected an int64 tensor [B, S], got {got}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids: expected at least one token per sequence, got S = 0")
-        if input_ids.device.type == "meta":  # shape-only tracing
-            return input_ids
+        if input_ids.device.type == "meta" or not checks.values_checked():  # tracing / a checked-off hot loop
+            return input_ids.to(device=self.device, dtype=torch.long)
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"input_ids: expected ids in [0, {self.cfg.vocab_size}), got values in [{lo}, {hi}]")
