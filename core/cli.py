@@ -102,8 +102,10 @@ def _print_doctor(r: dict) -> None:
             print(f"  {kind}:{dev['index']} {dev['name']}" + (f" ({extra})" if extra else ""))
     print("backends (automatic order):")
     for b in r["backends"]:
-        state = "available" if b["available"] else f"unavailable: {b['reason']}"
+        state = "available" if b["available"] else "unavailable"
         print(f"  {b['name']:10} {state:12} devices {','.join(b['device_types'])}; {len(b['ops'])} ops")
+        if not b["available"]:
+            print(f"  {'':10} why: {b['reason']}")
     for name, err in r["plugin_errors"].items():
         print(f"  {name:10} failed to load: {err}")
     if r["explicit_backend"]:
