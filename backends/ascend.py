@@ -19,7 +19,6 @@ operators implement the documented torch_npu signatures and layouts with referen
 """
 from __future__ import annotations
 
-import importlib
 import logging
 
 import torch

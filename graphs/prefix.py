@@ -9,7 +9,6 @@ entries) to rebuild the window rings — the bounded-replay approximation of v41
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 
 import torch

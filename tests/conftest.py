@@ -47,3 +47,27 @@ def _module_tiles():
     with profiles.using(dataclasses.replace(base, tiles={})):
         yield
     profiles._TILES_CACHE.clear()
+
+
+@pytest.fixture(scope="session")
+def cfg():
+    """The shipped ``tiny`` config (every V4.1 layer role)."""
+    from flashrt.graphs.config import shipped_config
+
+    return shipped_config("tiny")
+
+
+@pytest.fixture(scope="session")
+def weights(cfg):
+    """Deterministic tiny weights (seed 0); treat as read-only."""
+    from flashrt.graphs.init_weights import init_weights
+
+    return init_weights(cfg, seed=0)
+
+
+@pytest.fixture(scope="session")
+def model(cfg, weights):
+    """A tiny Model on the CPU (its internal state is per forward; pass state= to keep one)."""
+    from flashrt.graphs.model import Model
+
+    return Model(cfg, weights)

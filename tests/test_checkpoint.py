@@ -10,19 +10,9 @@ from safetensors.torch import load_file, save_file
 from flashrt.errors import CheckpointError
 from flashrt.formats import QTensor, check_qtensor
 from flashrt.graphs import checkpoint as ckpt
-from flashrt.graphs.config import ModelConfig, shipped_config
+from flashrt.graphs.config import ModelConfig
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.params import QUANTIZED, param_specs
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return shipped_config("tiny")
-
-
-@pytest.fixture(scope="module")
-def weights(cfg):
-    return init_weights(cfg, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -4,36 +4,13 @@ seeded sampling, the ``ced`` prefill schedule and argument checks (CPU, referenc
 Run with ``-s`` to see the measured ced-vs-exact deviation and prefill time ratio.
 """
 import math
-import time
 
 import pytest
 import torch
 
-from flashrt.graphs.config import shipped_config
 from flashrt.graphs.generate import generate
-from flashrt.graphs.init_weights import init_weights
-from flashrt.graphs.model import Model
 
 TOL = 1e-3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is much faster (and steadier) on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return shipped_config("tiny")
-
-
-@pytest.fixture(scope="module")
-def model(cfg):
-    return Model(cfg, init_weights(cfg, seed=0))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,18 +10,9 @@ import pytest
 import torch
 
 from flashrt.graphs import prefix, session
-from flashrt.graphs.config import shipped_config
-from flashrt.graphs.init_weights import init_weights
-from flashrt.graphs.model import Model
 from flashrt.kvcache import entry_bytes, fixed_bytes_for
 from flashrt.prefix_cache import PrefixCache
 from flashrt.window_pool import WindowPool
-
-
-@pytest.fixture(scope="module")
-def model():
-    cfg = shipped_config("tiny")
-    return Model(cfg, init_weights(cfg, seed=0))
 
 
 def prompts(rng, model, batch, length):

@@ -6,7 +6,6 @@ else ``-inf``. Quantized ``k`` is compared against the loop over ``flashrt.forma
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch

@@ -10,34 +10,9 @@ import torch
 from flashrt.formats import QTensor
 from flashrt.graphs import checkpoint as ckpt
 from flashrt.graphs.config import shipped_config
-from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
 
 TOL = 1e-3  # fp32 logits of a bf16 model: max abs error relative to the largest logit
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is much faster (and steadier) on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return shipped_config("tiny")
-
-
-@pytest.fixture(scope="module")
-def weights(cfg):
-    return init_weights(cfg, seed=0)
-
-
-@pytest.fixture(scope="module")
-def model(cfg, weights):
-    return Model(cfg, weights)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -248,7 +248,6 @@ def test_moe_experts_plain_fp32(N, D, I, E, k, L, rng):
 
 def test_moe_experts_clamp_semantics():
     # one expert, identity-like weights: gate = x0, up = x1; check min (not clamp) on the gate
-    D = I = 2
     w1 = torch.tensor([[[1.0, 0.0], [0.0, 0.0]]])
     w3 = torch.tensor([[[0.0, 1.0], [0.0, 0.0]]])
     w2 = torch.tensor([[[1.0, 0.0], [0.0, 0.0]]])

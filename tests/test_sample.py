@@ -1,6 +1,5 @@
 """sample: greedy, reproducibility, and the empirical distribution against softmax(logits / T)
 computed independently in float64 (5-sigma binomial bounds per category)."""
-import math
 
 import numpy as np
 import pytest

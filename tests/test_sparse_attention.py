@@ -7,7 +7,6 @@ compared against the same loop over ``flashrt.formats.dequantize(kv)``.
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ sprinkled in (never picked: only finite scores count).
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
