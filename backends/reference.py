@@ -157,17 +157,25 @@ def topk_positions(scores, k, candidates):
     return torch.where(pos == T, -1, pos).to(torch.int32)
 
 
-def candidate_blocks(scores, visible, topk_blocks, block_size):
+def block_scores(scores, visible, block_size):
+    """(block maxima of the finite scores [B, S, nb] with the block of ``visible - 1`` at +inf,
+    that pinned mask). ``scores`` [B, S, T] with T > 0."""
     B, S, T = scores.shape
-    if T == 0:  # no positions, no blocks (visible is 0)
-        return torch.zeros_like(scores, dtype=torch.bool)
     nb = -(-T // block_size)
     s = torch.where(torch.isfinite(scores), scores, float("-inf"))
     s = F.pad(s, (0, nb * block_size - T), value=float("-inf"))
     blocks = s.view(B, S, nb, block_size).amax(-1)  # [B, S, nb]
     last = ((visible.long() - 1).clamp_min(0) // block_size).unsqueeze(-1)
     pinned = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, last, True) & (visible > 0).unsqueeze(-1)
-    blocks = blocks.masked_fill(pinned, float("inf"))
+    return blocks.masked_fill(pinned, float("inf")), pinned
+
+
+def candidate_blocks(scores, visible, topk_blocks, block_size):
+    T = scores.shape[-1]
+    if T == 0:  # no positions, no blocks (visible is 0)
+        return torch.zeros_like(scores, dtype=torch.bool)
+    blocks, pinned = block_scores(scores, visible, block_size)
+    nb = blocks.shape[-1]
     order = _top_order(blocks, min(topk_blocks, nb))
     keep = torch.zeros_like(pinned).scatter_(-1, order, torch.isfinite(blocks.gather(-1, order)) | pinned.gather(-1, order))
     return keep.repeat_interleave(block_size, -1)[..., :T]
@@ -237,31 +245,40 @@ def _project(x, w, e: int) -> torch.Tensor:
     return F.linear(x.to(torch.float32), w[e].to(torch.float32)).to(x.dtype)
 
 
+def swiglu(gate, up, weight, limit: float) -> torch.Tensor:
+    """fp32 ``silu(min(gate, L)) * clamp(up, -L, L) * weight`` (no clamp when ``L == 0``);
+    ``weight`` [n] is the routing weight, applied before W2 as the published model does."""
+    gate, up = gate.to(torch.float32), up.to(torch.float32)
+    if limit > 0:
+        gate, up = gate.clamp_max(limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up * weight.unsqueeze(-1)
+
+
 def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(indices).tolist():
         tok, slot = torch.nonzero(indices == e, as_tuple=True)
         xe = x[tok]
-        gate = _project(xe, w1, e).to(torch.float32)
-        up = _project(xe, w3, e).to(torch.float32)
-        if swiglu_limit > 0:
-            gate = gate.clamp_max(swiglu_limit)
-            up = up.clamp(-swiglu_limit, swiglu_limit)
-        h = F.silu(gate) * up * weights[tok, slot].unsqueeze(-1)
+        h = swiglu(_project(xe, w1, e), _project(xe, w3, e), weights[tok, slot], swiglu_limit)
         out.index_add_(0, tok, _project(h.to(x.dtype), w2, e).to(torch.float32))
     return out
 
 
-def sample(logits, temperature, generator):
+def gumbel_sample(logits, temperature, generator, argmax=lambda t: t.argmax(-1)):
+    """Greedy where ``temperature == 0``, else ``argmax(p / E)``, ``E ~ Exp(1)`` (Gumbel-max)."""
     lf = logits.to(torch.float32)
-    greedy = lf.argmax(-1)
+    greedy = argmax(lf)
     if not isinstance(temperature, torch.Tensor):
         if temperature == 0:
             return greedy
         temperature = torch.full(lf.shape[:1], float(temperature), device=lf.device)
     p = torch.softmax(lf / temperature.clamp_min(1e-5).unsqueeze(-1), -1)
     noise = torch.empty_like(p).exponential_(1, generator=generator)
-    return torch.where(temperature == 0, greedy, (p / noise).argmax(-1))
+    return torch.where(temperature == 0, greedy, argmax(p / noise))
+
+
+def sample(logits, temperature, generator):
+    return gumbel_sample(logits, temperature, generator)
 
 
 OPS = {name: globals()[name] for name in OP_NAMES}

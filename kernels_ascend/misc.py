@@ -54,15 +54,7 @@ def sample(logits, temperature, generator):
     """``sample``: plain torch. Greedy and Gumbel-max take the first maximum (ties to the lower id,
     as ops.md says; the NPU's argmax documents no tie rule). The exponential noise is drawn on the
     device with ``generator`` (an NPU generator on the NPU: its stream differs from a CPU one)."""
-    lf = logits.to(torch.float32)
-    greedy = first_argmax(lf)
-    if not isinstance(temperature, torch.Tensor):
-        if temperature == 0:
-            return greedy
-        temperature = torch.full(lf.shape[:1], float(temperature), device=lf.device)
-    p = torch.softmax(lf / temperature.clamp_min(1e-5).unsqueeze(-1), -1)
-    noise = torch.empty_like(p).exponential_(1, generator=generator)
-    return torch.where(temperature == 0, greedy, first_argmax(p / noise))
+    return ref.gumbel_sample(logits, temperature, generator, argmax=first_argmax)
 
 
 OPS = {name: globals()[name] for name in (

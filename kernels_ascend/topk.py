@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from flashrt.backends import reference
 
 from ._npu import positions_of, select_top
 
@@ -34,17 +34,11 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     :func:`topk_positions` (``torch.topk`` for the threshold value, ties to the lower block in plain
     torch) among blocks with a finite score or pinned; kept blocks are expanded back to positions.
     """
-    B, S, T = scores.shape
+    T = scores.shape[-1]
     if T == 0:
         return torch.zeros_like(scores, dtype=torch.bool)
-    nb = -(-T // block_size)
-    s = torch.where(torch.isfinite(scores), scores, float("-inf"))
-    s = F.pad(s, (0, nb * block_size - T), value=float("-inf"))
-    blocks = s.view(B, S, nb, block_size).amax(-1)  # [B, S, nb]
-    last = ((visible.long() - 1).clamp_min(0) // block_size).unsqueeze(-1)
-    pinned = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, last, True) & (visible > 0).unsqueeze(-1)
-    blocks = blocks.masked_fill(pinned, float("inf"))
-    keep = select_top(blocks, torch.isfinite(blocks) | pinned, min(topk_blocks, nb))
+    blocks, pinned = reference.block_scores(scores, visible, block_size)
+    keep = select_top(blocks, torch.isfinite(blocks) | pinned, min(topk_blocks, blocks.shape[-1]))
     return keep.repeat_interleave(block_size, -1)[..., :T]
 
 
