@@ -40,6 +40,7 @@ from flashrt.formats import QTensor
 
 from .topk import _keys, select_rows
 from flashrt import profiles
+from flashrt.kernels_cuda.quant import _e8m0_value
 
 TILES = {
     # rows: most (query, head) dot columns per program; num_warps_wide: > 64 columns or an fp32 dot;
@@ -58,13 +59,6 @@ _MAX = tl.constexpr(2147483647)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 # QTensor keys: fmt -> (kernel code, elements per scale, stored bytes per scale block, scale byte of 1.0)
 _FORMATS = {"fp4_b32": (0, 32, 16, 127), "fp4_b16": (1, 16, 8, 0x38), "fp8": (2, 32, 32, 127), "int8": (3, 32, 32, 127)}
-
-
-@triton.jit
-def _e8m0(e):
-    """fp32 2**(e - 127) of UE8M0 bytes ``e`` (int32; 0 -> 2**-127, 255 -> NaN)."""
-    bits = tl.where(e == 0, 0x00400000, tl.where(e == 255, 0x7FC00000, e << 23))
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -106,7 +100,7 @@ def _decode_exact(byte, sb, FMT: tl.constexpr, DOT: tl.constexpr):
     if FMT == 1:
         scale = _e4m3(sb)[:, :, None]
     else:
-        scale = _e8m0(sb)[:, :, None]
+        scale = _e8m0_value(sb)[:, :, None]
     if FMT <= 1:  # packed E2M1: low nibble element 2i, high nibble 2i + 1
         byte = byte.to(tl.int32)
         vals = tl.join(_e2m1(byte, scale * 16384.0), _e2m1(byte >> 4, scale * 16384.0))
