@@ -49,7 +49,7 @@ class Attention:
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         cfg, rd = self.cfg, self.cfg.rope_head_dim
         B, S, _ = h.shape
-        f = ctx.rope.factors(self.ratio > 0, ctx.positions)
+        f = ctx.factors(self.ratio > 0)
         eps = cfg.norm_eps
         qr = ops.rms_norm(ops.linear(h, self.wq_a), self.q_norm, eps)
         q = rope_tail(ops.linear(qr, self.wq_b).view(B, S, cfg.n_heads, cfg.head_dim), f, rd)
@@ -92,7 +92,7 @@ class Attention:
         T = index_k.shape[1]
         if T == 0:
             return torch.empty(B, S, 0, dtype=torch.int32, device=h.device)
-        f = ctx.rope.factors(True, ctx.positions)
+        f = ctx.factors(True)
         q = ops.linear(qr, self.idx_wq_b).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
         q = rope_tail(q, f, cfg.rope_head_dim)
         q = ops.dequantize(ops.quantize(q, "fp4_b32"), q.dtype)  # the published fake-quant

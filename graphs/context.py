@@ -33,6 +33,13 @@ class StepContext:
     def start(self) -> torch.Tensor:
         return self.positions[:, 0]
 
+    def factors(self, compressed: bool) -> torch.Tensor:
+        """Rotary factors of this chunk's positions, computed once per call and shared by layers."""
+        key = ("rope", compressed)
+        if key not in self.shared:
+            self.shared[key] = self.rope.factors(compressed, self.positions)
+        return self.shared[key]
+
 
 class RopeCache:
     """Rotary factors ``exp(i * pos * f)`` for the window-only and the compressed layers.

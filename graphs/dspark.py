@@ -25,7 +25,7 @@ class _DraftAttention:
 
     def main_kv(self, main_x: torch.Tensor, ctx: StepContext):
         a, rd = self.a, self.a.cfg.rope_head_dim
-        f = ctx.rope.factors(False, ctx.positions)
+        f = ctx.factors(False)
         kv = rope_tail(ops.rms_norm(ops.linear(main_x, a.wkv), a.kv_norm, a.cfg.norm_eps), f, rd)
         return ops.quantize(kv, ctx.state.window_fmt)
 
@@ -33,7 +33,7 @@ class _DraftAttention:
         a, cfg = self.a, self.a.cfg
         rd, W = cfg.rope_head_dim, cfg.window_size
         B, S, _ = h.shape
-        f = ctx.rope.factors(False, ctx.positions)
+        f = ctx.factors(False)
         qr = ops.rms_norm(ops.linear(h, a.wq_a), a.q_norm, cfg.norm_eps)
         q = rope_tail(ops.linear(qr, a.wq_b).view(B, S, cfg.n_heads, cfg.head_dim), f, rd)
         kv = ops.quantize(rope_tail(ops.rms_norm(ops.linear(h, a.wkv), a.kv_norm, cfg.norm_eps), f, rd),
