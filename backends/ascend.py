@@ -30,9 +30,6 @@ from flashrt.kernels_ascend._npu import EMULATION_ENV, emulation, npu, torch_npu
 log = logging.getLogger("flashrt")
 
 A2_A3_SOCS = range(220, 256)  # SocVersion: Ascend910B1..B4 (220-225), Ascend910_93xx (250-255)
-LOAD_ERRORS: dict = {}
-
-
 def soc_version() -> int:
     """torch_npu's SoC version code of the current device (imports torch_npu)."""
     return int(npu().npu.get_soc_version())
@@ -102,8 +99,7 @@ def plan(op: str, *args) -> str | None:
 def flashrt_backend():
     ops = {}
     if torch_npu_present() or emulation():
-        ops, _, errors = collect_kernels()
-        LOAD_ERRORS.update(errors)
+        ops, _, _ = collect_kernels()
     return Backend(
         name="ascend",
         device_types=("npu",),

@@ -55,9 +55,6 @@ def collect_kernels() -> tuple[dict, dict, dict]:
     return ops, supports, errors
 
 
-LOAD_ERRORS: dict = {}
-
-
 @hookimpl
 def flashrt_backend():
     ok, _ = supports_cuda()
@@ -67,8 +64,7 @@ def flashrt_backend():
 
         jit.install()  # compiled kernels go through flashrt's locked, checksummed cache
     if ok or _triton_version() is not None:
-        ops, supports, errors = collect_kernels()
-        LOAD_ERRORS.update(errors)
+        ops, supports, _ = collect_kernels()
     return Backend(
         name="cuda",
         device_types=("cuda",),

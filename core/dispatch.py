@@ -299,6 +299,7 @@ def collect_module_attrs(package: str, *attrs: str) -> tuple[list[dict], dict]:
             mod = importlib.import_module(f"{package}.{info.name}")
         except Exception as exc:  # one broken kernel file must not hide the others
             errors[info.name] = f"{type(exc).__name__}: {exc}"
+            _STATE.load_errors[f"{package}.{info.name}"] = errors[info.name]  # flashrt doctor lists it
             log.warning("flashrt: %s.%s failed to import: %s", package, info.name, exc)
             continue
         for out, attr in zip(merged, attrs):

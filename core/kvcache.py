@@ -177,10 +177,6 @@ class KVState:
         """Fixed bytes of the window rings of the batch."""
         return sum(r.nbytes for r in self.rings.values())
 
-    def fixed_bytes(self) -> int:
-        """Device bytes that do not page: rings, index K at capacity, compressor partial groups."""
-        return fixed_bytes_for(self.cfg, self.batch, self.capacity)
-
     def tier_stats(self) -> dict:
         """Pages of main KV per tier (device pool size, cold pages in use, spills so far)."""
         if self.pool is None:

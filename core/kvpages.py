@@ -90,16 +90,6 @@ class PagePool:
             self.free_host = list(range(grown.shape[0] - 1, n - 1, -1))
         return self.free_host.pop()
 
-    def release(self, table: "BlockTable") -> None:
-        """Return every page of ``table`` to the pool (a finished sequence)."""
-        for tier, page in table.pages:
-            if tier == "dev":
-                self.fifo.pop(page, None)
-                self.free_dev.append(page)
-            else:
-                self.free_host.append(page)
-        table.pages.clear()
-
     def segment(self) -> QTensor:
         """The device pool as one ``[1, pages * P, D]`` segment (a view, no copy)."""
         n = self.dev.shape[0] * self.P
@@ -227,7 +217,3 @@ class PagedMainKV:
         full = QTensor(dev.data.unsqueeze(0).expand(B, *dev.data.shape), dev.scale.unsqueeze(0).expand(B, *dev.scale.shape),
                        FMT, (B, n, values.shape[-1]))
         self.write(entry, mask, full)
-
-    def release(self) -> None:
-        for t in self.tables:
-            self.pool.release(t)

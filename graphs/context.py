@@ -29,10 +29,6 @@ class StepContext:
     compress_done: frozenset = frozenset()
     token_mask: torch.Tensor | None = None  # [B, S] bool, False: no Engram for that token
 
-    @property
-    def start(self) -> torch.Tensor:
-        return self.positions[:, 0]
-
     def factors(self, compressed: bool) -> torch.Tensor:
         """Rotary factors of this chunk's positions, computed once per call and shared by layers."""
         key = ("rope", compressed)

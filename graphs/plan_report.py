@@ -5,6 +5,7 @@ import os
 
 from .config import SHIPPED, ModelConfig, shipped_config
 from .dense import DENSE
+from .params import count_params
 from .plan import make_plan, sequences_that_fit
 
 
@@ -34,7 +35,7 @@ def plan_report(model: str, context: int, memory_bytes: float) -> dict:
     if not isinstance(cfg, ModelConfig):
         return _dense_report(cfg, context, memory_bytes)
     plan = make_plan(cfg.replace(dspark_block_size=0) if cfg.dspark_block_size else cfg, prompt=context)
-    plan.params = make_params(cfg)
+    plan.params = count_params(cfg)  # with the draft layers the decode trace leaves out
     kv = plan.kv_bytes_per_token
     fixed = sum(plan.window_state.values())
     fit_dev = sequences_that_fit(plan, context, memory_bytes, engram_on_device=True)
@@ -57,12 +58,6 @@ def plan_report(model: str, context: int, memory_bytes: float) -> dict:
             "active_params_prefill_ced": plan.active_prefill_ced,
             "decode_flops": {str(k): v for k, v in plan.decode_flops.items()},
             "sequences_fit": {"engram_device": fit_dev, "engram_host": fit_host}, "lines": lines}
-
-
-def make_params(cfg: ModelConfig) -> dict:
-    from .params import count_params
-
-    return count_params(cfg)
 
 
 def _dense_report(cfg, context: int, memory_bytes: float) -> dict:
