@@ -267,6 +267,7 @@ def test_moe_experts_cuda_graph(rng):
     indices = torch.rand(n, E, generator=rng).topk(k).indices.to(torch.int32).to(DEVICE)
     weights = torch.rand(n, k, generator=rng).to(DEVICE)
     eager = moe.moe_experts(x, weights, indices, *ws, 10.0)  # also compiles the kernels
+    assert rel_err(eager, _reference_by_expert(x, weights, indices, *ws, 10.0)) < 1e-3
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe.moe_experts(x, weights, indices, *ws, 10.0)
