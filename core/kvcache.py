@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import QTensor
-from .kvcache_util import empty_qtensor, grown, qtensor_rows, write_rows
+from .kvcache_util import empty_qtensor, grown, keep_rows, qtensor_rows, write_rows
 from .kvpages import PagedMainKV, PagePool
 
 DEFAULT_PAGE_ENTRIES = 64
@@ -93,9 +93,10 @@ class KVState:
         fixed = fixed_bytes_for(cfg, batch, capacity)
         page_bytes = page_entries * entry_bytes(cfg.head_dim, "fp4_b16")
         pages = (kv_budget - fixed) // page_bytes
-        if pages < 2 * len(cfg.kv_source_layers):
+        if pages < 2 * len(cfg.kv_source_layers) + 1:  # two per source layer, plus the trash page
             raise ValueError(f"kv_budget: {kv_budget:,} bytes leave room for {max(pages, 0)} main-KV pages after "
-                             f"the fixed state ({fixed:,} bytes: rings, index K, compressor state)")
+                             f"the fixed state ({fixed:,} bytes: rings, index K, compressor state); "
+                             f"expected at least {2 * len(cfg.kv_source_layers) + 1}")
         return PagePool(cfg.head_dim, page_entries, device, int(pages))
 
     @property
@@ -152,8 +153,11 @@ class KVState:
         if self.is_meta:
             return
         cache = self.compressed[layer]
-        b = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(entry)[mask]
-        write_rows(cache.index_k, b, entry[mask], qtensor_rows(index_k, mask))
+        rows = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(entry)
+        if entry.shape[1] == 1:  # decode: no host sync; a masked-off row rewrites its entry 0 unchanged
+            keep_rows(cache.index_k, rows[:, 0], torch.where(mask, entry, 0)[:, 0].clamp_min(0), index_k, mask[:, 0])
+        else:
+            write_rows(cache.index_k, rows[mask], entry[mask], qtensor_rows(index_k, mask))
         cache.main.write(entry, mask, main)
 
     def index_keys(self, layer: int, entries: int) -> QTensor:

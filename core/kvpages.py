@@ -29,13 +29,17 @@ class PagePool:
     def __init__(self, head_dim: int, page_entries: int, device, device_pages: int | None):
         self.D, self.P, self.device = head_dim, page_entries, torch.device(device)
         self.limit = device_pages  # None: grow the device pool as needed, never spill
-        self.dev = empty_qtensor(FMT, (max(device_pages or 16, 1), page_entries, head_dim), self.device)
-        self.free_dev = list(range(self.dev.shape[0]))[::-1]
+        # physical page 0 is the trash page: never handed out; masked-off writes of a captured
+        # (sync-free) step land there instead of on a live entry
+        self.dev = empty_qtensor(FMT, (max(device_pages or 16, 2), page_entries, head_dim), self.device)
+        self.free_dev = list(range(self.dev.shape[0] - 1, 0, -1))
         self.host = empty_qtensor(FMT, (0, page_entries, head_dim), "cpu")
         self.free_host: list[int] = []
         self.fifo: OrderedDict[int, tuple] = OrderedDict()  # device page -> (table, logical page)
         self.locked: set[int] = set()  # device pages written by the current step
         self.spilled = 0  # pages moved to the host so far
+
+    trash_row = 0  # first row of the trash page in :meth:`segment`
 
     @property
     def page_bytes(self) -> int:
@@ -127,10 +131,15 @@ class PagedMainKV:
         if self._dev_ids is not None and not any(t.dirty for t in self.tables):
             return
         width = max(1, max(len(t.pages) for t in self.tables))
+        if self._dev_ids is not None and width <= self._dev_ids.shape[1]:
+            width = self._dev_ids.shape[1]  # same buffer, updated in place (captured steps read it)
         pad = lambda row: row + [-1] * (width - len(row))
-        dev = [pad([p if tier == "dev" else -1 for tier, p in t.pages]) for t in self.tables]
+        dev = torch.tensor([pad([p if tier == "dev" else -1 for tier, p in t.pages]) for t in self.tables],
+                           dtype=torch.long)
         host = [pad([p if tier == "host" else -1 for tier, p in t.pages]) for t in self.tables]
-        self._dev_ids = torch.tensor(dev, dtype=torch.long).to(self.pool.device)
+        if self._dev_ids is None or self._dev_ids.shape != dev.shape:
+            self._dev_ids = torch.empty(dev.shape, dtype=torch.long, device=self.pool.device)
+        self._dev_ids.copy_(dev)
         self._host_ids = torch.tensor(host, dtype=torch.long)
         for t in self.tables:
             t.dirty = False
@@ -153,6 +162,11 @@ class PagedMainKV:
         phys = ids.gather(1, page) * P + entry % P  # reserved pages are on the device
         zero = torch.zeros_like(phys)
         seg = self.pool.segment()
+        if entry.shape[1] == 1:  # one entry per row (decode): no host sync, masked rows go to the trash page
+            keep = mask & (entry >= 0) & (phys >= 0)
+            rows = QTensor(values.data[:, 0], values.scale[:, 0], FMT, (entry.shape[0], values.shape[-1]))
+            write_rows(seg, zero.view(-1), torch.where(keep, phys, self.pool.trash_row).view(-1), rows)
+            return
         write_rows(seg, zero[mask], phys[mask], QTensor(values.data[mask], values.scale[mask], FMT,
                                                           (int(mask.sum()), values.shape[-1])))
 

@@ -75,7 +75,7 @@ class Attention:
         if self.compressor is not None and self.layer not in ctx.compress_done:
             self.compressor.forward(h, ctx)
         visible = ((ctx.positions + 1) // self.ratio).to(torch.int32)  # [B, S]
-        T = ctx.end // self.ratio
+        T = ctx.entries_for(self.ratio)
         if self.role in ("full", "reindex"):
             topk = self._indexer(h, qr, ctx.state.index_keys(source, T), visible, ctx)
             ctx.shared[("topk", self.layer)] = topk

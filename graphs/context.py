@@ -28,6 +28,12 @@ class StepContext:
     shared: dict = field(default_factory=dict)
     compress_done: frozenset = frozenset()
     token_mask: torch.Tensor | None = None  # [B, S] bool, False: no Engram for that token
+    entries: dict | None = None  # ratio -> compressed entries to read (a CUDA graph's static bucket)
+
+    def entries_for(self, ratio: int) -> int:
+        """Compressed entries a layer of this ``ratio`` reads: every complete group up to ``end``, or
+        the static bucket a captured decode step reads (the extra entries are not visible)."""
+        return self.entries[ratio] if self.entries is not None else self.end // ratio
 
     def factors(self, compressed: bool) -> torch.Tensor:
         """Rotary factors of this chunk's positions, computed once per call and shared by layers."""

@@ -18,6 +18,7 @@ from flashrt.kvcache import KVState
 
 from . import prefix
 from .context import StepContext
+from .decode_graph import DecodeGraphs
 
 PREFILLS = ("exact", "ced")
 
@@ -31,6 +32,7 @@ class GenerateResult:
     decode_seconds: float
     first_logits: torch.Tensor = field(repr=False, default=None)  # [B, vocab] after prefill
     state: KVState | None = field(repr=False, default=None)
+    decode_graphs: dict | None = None  # captured / replayed / fallback step counts with cuda_graph
 
 
 def ced_split(cfg) -> int:
@@ -110,7 +112,7 @@ def _as_sequences(prompts) -> list[list[int]]:
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact",
              generator: torch.Generator | None = None, seed: int | None = None, eos_token_id: int | None = None,
              kv_budget: int | None = None, prefill_chunk: int | None = None, kv_page_entries: int = 64,
-             prefix_cache=None):
+             prefix_cache=None, cuda_graph: bool = False):
     """Prefill every prompt, then decode ``max_new_tokens`` tokens for all of them together.
 
     ``kv_budget``: device bytes for the batch's whole KV state; main-KV pages beyond it live in
@@ -118,7 +120,8 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     prompt tokens per forward call. ``kv_page_entries``: compressed entries per main-KV page.
     ``prefix_cache``: a :class:`flashrt.prefix_cache.PrefixCache`; prompts whose aligned prefix is
     cached load its global KV and replay the last ``window_size`` tokens instead of prefilling it,
-    and every prompt's aligned prefix is stored after its prefill."""
+    and every prompt's aligned prefix is stored after its prefill. ``cuda_graph``: run the decode
+    steps from captured CUDA graphs (:mod:`flashrt.graphs.decode_graph`; CUDA devices only)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
@@ -153,6 +156,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     sync()
     t1 = time.perf_counter()
     first_logits = step_logits
+    graphs = DecodeGraphs(model, state) if cuda_graph else None
     out = [[] for _ in seqs]
     done = torch.zeros(len(seqs), dtype=torch.bool)
     for step in range(max_new_tokens):
@@ -163,9 +167,9 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
                 done[row] = eos_token_id is not None and tok == eos_token_id
         if step + 1 == max_new_tokens or bool(done.all()):
             break
-        step_logits = model.forward(tokens.unsqueeze(1), state=state)
+        step_logits = graphs.step(tokens) if graphs else model.forward(tokens.unsqueeze(1), state=state)
     sync()
     t2 = time.perf_counter()
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return GenerateResult(out, sum(map(len, seqs)), sum(map(len, out)), t1 - t0, t2 - t1,
-                          first_logits[inverse], state)
+                          first_logits[inverse], state, graphs.stats if graphs else None)

@@ -126,12 +126,18 @@ class Model:
             raise ValueError(f"token_mask: expected a bool tensor {tuple(ids.shape)}, got {token_mask!r:.80}")
         state = self._state_for(ids, start_pos, state)
         ctx = self.context(ids, state, None if token_mask is None else token_mask.to(self.device))
+        logits = self.run(ids, ctx, all_positions)
+        state.advance(ids.shape[1])
+        return logits
+
+    def run(self, ids: torch.Tensor, ctx: StepContext, all_positions: bool = False) -> torch.Tensor:
+        """Every layer over ``ids`` in context ``ctx`` (caches written, positions not advanced):
+        only device work, so a decode step can be captured in a CUDA graph (graphs/decode_graph.py)."""
         x, pre = self.embed_tokens(ids)
         captured = {} if self.drafts is not None else None
         x, pre = self.run_layers(x, pre, ctx, range(self.cfg.n_layers), capture=captured)
         if captured:
             self.drafts.seed(captured, ctx)
-        state.advance(ids.shape[1])
         return self.logits(x, pre, all_positions)
 
     def _state_for(self, ids, start_pos: int, state: KVState | None) -> KVState:

@@ -1,0 +1,132 @@
+"""Decode steps replayed from CUDA graphs: one capture per static shape, replayed every step.
+
+A decode step of a batch is launch-bound at small batch sizes (hundreds of small kernels).
+:class:`DecodeGraphs` captures :meth:`Model.run` over a one-token step once per *shape key* and
+replays it afterwards. Everything that varies between steps lives in device tensors the graph
+reads in place: the token ids and Engram hash ids (static buffers filled before each replay),
+positions, window rings, compressor state, index K, the page pool and its block tables (updated
+in place when a page is added). What would change a kernel's shape is made static:
+
+* the compressed entries a layer reads are rounded up to a bucket (at most 1/8 more than needed,
+  see :func:`bucket`); the extra entries are not visible to any query (the indexer masks them to
+  ``-inf`` and top-k never picks them), so the step computes the same function;
+* the key also holds the address and shape of every state tensor, so a cache that grew (index K
+  doubling, page pool growth, a wider block table) is captured afresh instead of read stale.
+
+Host work stays outside the graph: page reservation (``begin_step``), Engram hashing, sampling.
+A step falls back to :meth:`Model.forward` when it cannot be captured: pages on the host tier
+(their fetch is host-driven), Engram tables in host memory, a non-CUDA device (there the same
+static-buffer step runs eagerly, which is how CPU tests check it).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from flashrt import checks
+from flashrt.kvcache import KVState
+
+from .context import StepContext
+
+
+def bucket(entries: int) -> int:
+    """``entries`` rounded up to a multiple of ``max(16, 2**(bits - 4))``: <= 1/8 extra."""
+    if entries <= 0:
+        return 0
+    step = max(16, 1 << max(0, entries.bit_length() - 4))
+    return -(-entries // step) * step
+
+
+class DecodeGraphs:
+    """One-token decode steps of ``state`` (a batch of ``state.batch`` rows) through CUDA graphs.
+
+    ``capture``: record and replay graphs (default: on CUDA devices); False runs the same
+    static-buffer step eagerly. ``max_graphs``: graphs kept (least recently used dropped).
+    """
+
+    def __init__(self, model, state: KVState, capture: bool | None = None, max_graphs: int = 8):
+        if not isinstance(state, KVState) or state.is_meta:
+            raise ValueError(f"state: expected a KVState on a real device, got {type(state).__name__}")
+        self.model, self.state = model, state
+        self.capture = model.device.type == "cuda" if capture is None else bool(capture)
+        if self.capture and model.device.type != "cuda":
+            raise ValueError(f"capture: CUDA graphs need a CUDA device, the model is on {model.device}")
+        self.max_graphs = max_graphs
+        B = state.batch
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=model.device)
+        self.engram_ids = None
+        self.graphs: OrderedDict = OrderedDict()  # key -> (CUDAGraph, static logits)
+        self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.stats = {"captured": 0, "replayed": 0, "eager": 0, "fallback": 0}
+        self.ratios = sorted({model.cfg.ratio(l) for l in model.cfg.kv_source_layers})
+
+    def fallback_reason(self) -> str | None:
+        """Why the next step cannot run from static buffers (None when it can)."""
+        if self.model.prefetch is not None:
+            return "Engram tables in host memory (host-driven prefetch)"
+        if any(t.cold for c in self.state.compressed.values() for t in c.main.tables):
+            return "main-KV pages on the host tier (host-driven fetch)"
+        return None
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[B, vocab]`` after one token per row (``ids`` [B] or [B, 1] on the model's
+        device). The tensor is the graph's static output: read it before the next step."""
+        state, model = self.state, self.model
+        ids = ids.reshape(state.batch, 1)
+        end = max(state.host_positions) + 1
+        entries = {r: bucket(end // r) for r in self.ratios}
+        state.begin_step(1)
+        state.ensure_capacity(max([end] + [t * r for r, t in entries.items()]))
+        if self.fallback_reason() is not None:
+            self.stats["fallback"] += 1
+            return model.forward(ids, state=state)
+        for c in state.compressed.values():
+            c.main.dev_ids()  # block tables up to date (in place) before the graph reads them
+        self.ids.copy_(ids)
+        if model.hasher is not None:
+            hashed, state.engram_history = model.hasher.hash_ids(self.ids, state.engram_history)
+            if self.engram_ids is None or self.engram_ids.shape != hashed.shape:
+                self.engram_ids = torch.empty_like(hashed)
+                self.graphs.clear()
+            self.engram_ids.copy_(hashed)
+        with checks.value_checks(False):
+            logits = self._step(entries)
+        state.advance(1)
+        return logits
+
+    def _body(self, entries: dict) -> torch.Tensor:
+        state = self.state
+        ctx = StepContext(state.positions.unsqueeze(1), max(state.host_positions) + 1, state, self.model.rope,
+                          self.engram_ids, entries=entries)
+        return self.model.run(self.ids, ctx)
+
+    def _step(self, entries: dict) -> torch.Tensor:
+        if not self.capture:
+            self.stats["eager"] += 1
+            return self._body(entries)
+        key = (tuple(sorted(entries.items())), self._layout())
+        hit = self.graphs.get(key)
+        if hit is not None:
+            self.graphs.move_to_end(key)
+            hit[0].replay()
+            self.stats["replayed"] += 1
+            return hit[1]
+        logits = self._body(entries)  # this step, run eagerly (compiles what the capture records)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            out = self._body(entries)  # recorded, not run: the caches are written once
+        self.graphs[key] = (graph, out)
+        self.stats["captured"] += 1
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return logits
+
+    def _layout(self) -> tuple:
+        """Address and shape of every state tensor a step reads or writes."""
+        s = self.state
+        tensors = [s.positions, self.ids, self.engram_ids, s.pool.dev.data, s.pool.dev.scale]
+        for c in s.compressed.values():
+            tensors += [c.index_k.data, c.index_k.scale, c.kv_state, c.score_state, c.main.dev_ids()]
+        tensors += [t for q in s.rings.values() for t in (q.data, q.scale)] + list(s.ring_start.values())
+        return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors if t is not None)

@@ -1,0 +1,108 @@
+"""Decode steps from static buffers (graphs/decode_graph.py): the same function as Model.forward.
+
+On the CPU the static-buffer step runs eagerly; the capture itself is checked on a CUDA device
+(``-m gpu``). A step reads bucketed entry counts, block tables updated in place and masked cache
+writes without host syncs, so these tests cross bucket edges and page allocations."""
+import pytest
+import torch
+
+from flashrt.graphs.config import shipped_config
+from flashrt.graphs.decode_graph import DecodeGraphs, bucket
+from flashrt.graphs.init_weights import init_weights
+from flashrt.graphs.model import Model
+from flashrt.kvcache import KVState
+
+
+def test_bucket_bounds(rng):
+    for e in torch.randint(1, 1 << 21, (2000,), generator=rng).tolist() + list(range(0, 300)):
+        b = bucket(e)
+        assert b >= e and b - e <= max(15, e // 8), (e, b)
+        assert bucket(b) == b
+    assert bucket(0) == 0
+
+
+def _states(model, batch, capacity, page_entries):
+    pools = [KVState.pool_for(model.cfg, batch, capacity, model.device, None, page_entries) for _ in range(2)]
+    return [model.new_state(batch, capacity, pool=p) for p in pools]
+
+
+def test_static_step_equals_forward(model, rng):
+    """30 greedy steps over two rows; pages of 4 entries fill during the decode (ratio 1 and 2
+    sources), entries cross buckets: logits must be bit-identical to Model.forward."""
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=rng)
+    eager, static = _states(model, 2, 64, page_entries=4)
+    la, lb = model.forward(ids, state=eager), model.forward(ids, state=static)
+    pages = [len(t.pages) for c in static.compressed.values() for t in c.main.tables]
+    runner = DecodeGraphs(model, static)
+    for _ in range(30):
+        tok = torch.multinomial(torch.softmax(la, -1), 1, generator=rng)[:, 0]  # not only argmax paths
+        la = model.forward(tok.unsqueeze(1), state=eager)
+        lb = runner.step(tok)
+        assert torch.equal(la, lb)
+    assert runner.stats == {"captured": 0, "replayed": 0, "eager": 30, "fallback": 0}
+    assert [len(t.pages) for c in static.compressed.values() for t in c.main.tables] != pages
+    assert static.host_positions == eager.host_positions == [49, 49]
+    for l in cfg.kv_source_layers:  # the caches hold the same bytes
+        a, b = eager.compressed[l], static.compressed[l]
+        assert torch.equal(a.index_k.data.view(torch.uint8), b.index_k.data.view(torch.uint8))
+        assert torch.equal(a.main.read_row(1, 24).data, b.main.read_row(1, 24).data)
+
+
+def test_generate_with_graphs_same_tokens_ragged(model, rng):
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=rng).tolist() for n in (23, 9, 23)]
+    plain = model.generate(prompts, 12)
+    graphs = model.generate(prompts, 12, cuda_graph=True)
+    assert graphs.tokens == plain.tokens
+    assert graphs.decode_graphs["eager"] == 11 and plain.decode_graphs is None
+
+
+def test_cold_pages_fall_back_to_forward(model, rng):
+    """With most main-KV pages on the host the step cannot be static: it runs Model.forward."""
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 60), generator=rng)
+    plain = model.generate(ids, 6, kv_page_entries=4)
+    small = model.generate(ids, 6, kv_page_entries=4, kv_budget=_budget(model, 66, 4), prefill_chunk=8,
+                           cuda_graph=True)
+    assert small.decode_graphs["fallback"] == 5 and small.state.tier_stats()["cold_pages"] > 0
+    assert small.tokens == plain.tokens
+
+
+def _budget(model, capacity, page_entries):
+    from flashrt.kvcache import entry_bytes, fixed_bytes_for
+
+    page = page_entries * entry_bytes(model.cfg.head_dim, "fp4_b16")
+    return fixed_bytes_for(model.cfg, 1, capacity) + page * (2 * len(model.cfg.kv_source_layers) + 3)
+
+
+def test_trash_page_is_never_handed_out(model):
+    state = model.new_state(3, 400)
+    for c in state.compressed.values():
+        for row in range(3):
+            c.main.reserve(row, 200)
+    used = {p for c in state.compressed.values() for t in c.main.tables for _, p in t.pages}
+    assert state.pool.trash_row // state.pool.P not in used and len(used) > 16
+
+
+def test_bad_arguments_are_named(model):
+    with pytest.raises(ValueError, match="state"):
+        DecodeGraphs(model, "not a state")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="capture"):
+            DecodeGraphs(model, model.new_state(1, 8), capture=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_steps_replay_the_eager_step(rng):
+    """Captured replays compute what the same static-buffer step computes eagerly, step after step."""
+    cfg = shipped_config("tiny")
+    model = Model(cfg, init_weights(cfg, seed=3, device="cuda"))
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=rng).cuda()
+    eager, static = _states(model, 2, 200, page_entries=4)
+    la, lb = model.forward(ids, state=eager), model.forward(ids, state=static)
+    plain, graphs = DecodeGraphs(model, eager, capture=False), DecodeGraphs(model, static)
+    for _ in range(40):
+        tok = la.argmax(-1)
+        la, lb = plain.step(tok).clone(), graphs.step(tok).clone()
+        assert torch.equal(la, lb)
+    assert graphs.stats["replayed"] > 20 and graphs.stats["captured"] >= 2
