@@ -1,6 +1,7 @@
 """``flashrt run`` and ``flashrt plan``: argument wiring and report printing."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -27,6 +28,8 @@ def add_run(sub) -> None:
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
                    help="device bytes for the KV state; older main-KV pages spill to host memory")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS", help="prompt tokens per forward call")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode steps from CUDA graphs (default: on CUDA devices)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_run)
 
@@ -36,7 +39,7 @@ def cmd_run(args) -> int:
 
     report = run(args.model, args.prompt or DEFAULT_PROMPT, args.max_new_tokens, args.device, args.backend,
                  args.prefill, args.temperature, args.seed, quiet=args.json, threads=args.threads,
-                 kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk)
+                 kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk, cuda_graph=args.cuda_graph)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -54,6 +57,10 @@ def cmd_run(args) -> int:
     if t:
         print(f"KV pages: {t['device_pages']} on the device ({t['page_entries']} entries each), "
               f"{t['cold_pages']} cold in host memory" + (f" (budget {r['kv_budget']:,} B)" if r["kv_budget"] else ""))
+    g = r["decode_graphs"]
+    if g:
+        print(f"decode steps: {g['replayed']} replayed from CUDA graphs, {g['captured']} captured, "
+              f"{g['eager']} eager, {g['fallback']} unbuffered (host-tier pages)")
     return 0
 
 

@@ -112,7 +112,7 @@ def _as_sequences(prompts) -> list[list[int]]:
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact",
              generator: torch.Generator | None = None, seed: int | None = None, eos_token_id: int | None = None,
              kv_budget: int | None = None, prefill_chunk: int | None = None, kv_page_entries: int = 64,
-             prefix_cache=None, cuda_graph: bool = False):
+             prefix_cache=None, cuda_graph: bool | None = None):
     """Prefill every prompt, then decode ``max_new_tokens`` tokens for all of them together.
 
     ``kv_budget``: device bytes for the batch's whole KV state; main-KV pages beyond it live in
@@ -121,7 +121,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     ``prefix_cache``: a :class:`flashrt.prefix_cache.PrefixCache`; prompts whose aligned prefix is
     cached load its global KV and replay the last ``window_size`` tokens instead of prefilling it,
     and every prompt's aligned prefix is stored after its prefill. ``cuda_graph``: run the decode
-    steps from captured CUDA graphs (:mod:`flashrt.graphs.decode_graph`; CUDA devices only)."""
+    steps from captured CUDA graphs (:mod:`flashrt.graphs.decode_graph`); None: on CUDA devices."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
@@ -156,6 +156,8 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     sync()
     t1 = time.perf_counter()
     first_logits = step_logits
+    if cuda_graph is None:
+        cuda_graph = model.device.type == "cuda"
     graphs = DecodeGraphs(model, state) if cuda_graph else None
     out = [[] for _ in seqs]
     done = torch.zeros(len(seqs), dtype=torch.bool)

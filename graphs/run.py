@@ -94,7 +94,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16, device=None,
         backend: str | None = None, prefill: str = "exact", temperature: float = 0.0, seed: int = 0,
         quiet: bool = False, threads: int | None = None, kv_budget: int | None = None,
-        prefill_chunk: int | None = None) -> dict:
+        prefill_chunk: int | None = None, cuda_graph: bool | None = None) -> dict:
     """The whole job; returns the report as a dict (the CLI prints it)."""
     dev = pick_device(device)
     if dev.type == "cpu" and threads is None and model == "tiny":
@@ -107,7 +107,7 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         load_s = time.perf_counter() - t0
         ids = encode_prompt(prompt, m.cfg.vocab_size)
         result = m.generate([ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
-                            kv_budget=kv_budget, prefill_chunk=prefill_chunk)
+                            kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
         families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
                     for fam, ops in OP_FAMILIES.items()}
     state = result.state
@@ -121,5 +121,5 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "decode_tokens_per_s": max(result.new_tokens - 1, 0) / max(result.decode_seconds, 1e-9),
         "kv_bytes_per_token": kv_token, "kv_bytes_total": kv_token * n_tokens + state.window_bytes(),
         "window_state_bytes": state.window_bytes(), "peak_memory_bytes": peak_memory_bytes(dev),
-        "kv_budget": kv_budget, "kv_tiers": state.tier_stats(),
+        "kv_budget": kv_budget, "kv_tiers": state.tier_stats(), "decode_graphs": result.decode_graphs,
     }
