@@ -13,10 +13,12 @@ in place when a page is added). What would change a kernel's shape is made stati
 * the key also holds the address and shape of every state tensor, so a cache that grew (index K
   doubling, page pool growth, a wider block table) is captured afresh instead of read stale.
 
-Host work stays outside the graph: page reservation (``begin_step``), Engram hashing, sampling.
-A step falls back to :meth:`Model.forward` when it cannot be captured: pages on the host tier
-(their fetch is host-driven), Engram tables in host memory, a non-CUDA device (there the same
-static-buffer step runs eagerly, which is how CPU tests check it).
+Host work stays outside the graph: page reservation (``begin_step``), Engram hashing, sampling,
+and with Engram tables in host memory the gather of the step's rows into pinned buffers and
+their copy to static device buffers (issued before the replay, which reads them). A step falls
+back to :meth:`Model.forward` when main-KV pages live on the host tier (their fetch is
+host-driven). On a non-CUDA device the same static-buffer step runs eagerly (how CPU tests
+check it).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from collections import OrderedDict
 import torch
 
 from flashrt import checks
+from flashrt.formats import QTensor
 from flashrt.kvcache import KVState
 
 from .context import StepContext
@@ -56,6 +59,8 @@ class DecodeGraphs:
         B = state.batch
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=model.device)
         self.engram_ids = None
+        self.staged: dict = {}  # Engram slot -> (pinned rows, device rows) with host-memory tables
+        self.copied = None  # event after the last staged copies
         self.graphs: OrderedDict = OrderedDict()  # key -> (CUDAGraph, static logits)
         self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.stats = {"captured": 0, "replayed": 0, "eager": 0, "fallback": 0}
@@ -63,8 +68,6 @@ class DecodeGraphs:
 
     def fallback_reason(self) -> str | None:
         """Why the next step cannot run from static buffers (None when it can)."""
-        if self.model.prefetch is not None:
-            return "Engram tables in host memory (host-driven prefetch)"
         if any(t.cold for c in self.state.compressed.values() for t in c.main.tables):
             return "main-KV pages on the host tier (host-driven fetch)"
         return None
@@ -90,6 +93,8 @@ class DecodeGraphs:
                 self.engram_ids = torch.empty_like(hashed)
                 self.graphs.clear()
             self.engram_ids.copy_(hashed)
+            if model.prefetch is not None:
+                self._stage_engram()
         with checks.value_checks(False):
             logits = self._step(entries)
         state.advance(1)
@@ -99,7 +104,31 @@ class DecodeGraphs:
         state = self.state
         ctx = StepContext(state.positions.unsqueeze(1), max(state.host_positions) + 1, state, self.model.rope,
                           self.engram_ids, entries=entries)
+        for slot, (_, rows) in self.staged.items():
+            ctx.shared[("engram", slot)] = (rows, None)
         return self.model.run(self.ids, ctx)
+
+    def _stage_engram(self) -> None:
+        """Rows of host-memory Engram tables this step reads -> pinned buffers -> static device buffers."""
+        ids = self.engram_ids.cpu()  # waits for the hashing; the tokens were on the host anyway
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copies have left the pinned buffers
+        u8 = torch.uint8
+        for e in self.model.prefetch.engrams:
+            flat = ids[:, :, e.slot].reshape(-1)
+            t = e.table
+            if e.slot not in self.staged:
+                shape = (flat.numel(), t.shape[-1])
+                host = QTensor(t.data[flat].pin_memory(), t.scale[flat].pin_memory(), t.fmt, shape)
+                dev = QTensor(torch.empty_like(host.data, device=self.model.device),
+                              torch.empty_like(host.scale, device=self.model.device), t.fmt, shape)
+                self.staged[e.slot] = (host, dev)
+            host, dev = self.staged[e.slot]
+            for src, pinned, out in ((t.data, host.data, dev.data), (t.scale, host.scale, dev.scale)):
+                torch.index_select(src.view(u8), 0, flat, out=pinned.view(u8))
+                out.copy_(pinned, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
 
     def _step(self, entries: dict) -> torch.Tensor:
         if not self.capture:
@@ -126,6 +155,7 @@ class DecodeGraphs:
         """Address and shape of every state tensor a step reads or writes."""
         s = self.state
         tensors = [s.positions, self.ids, self.engram_ids, s.pool.dev.data, s.pool.dev.scale]
+        tensors += [t for _, dev in self.staged.values() for t in (dev.data, dev.scale)]
         for c in s.compressed.values():
             tensors += [c.index_k.data, c.index_k.scale, c.kv_state, c.score_state, c.main.dev_ids()]
         tensors += [t for q in s.rings.values() for t in (q.data, q.scale)] + list(s.ring_start.values())

@@ -106,3 +106,22 @@ def test_captured_steps_replay_the_eager_step(rng):
         la, lb = plain.step(tok).clone(), graphs.step(tok).clone()
         assert torch.equal(la, lb)
     assert graphs.stats["replayed"] > 20 and graphs.stats["captured"] >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_steps_with_engram_tables_in_host_memory(rng):
+    """host_pinned Engram: the step's rows are staged into static buffers before each replay; the
+    logits follow Model.forward's prefetch path."""
+    cfg = shipped_config("tiny")
+    model = Model(cfg, init_weights(cfg, seed=3, device="cuda"), engram_placement="host_pinned")
+    assert model.prefetch is not None
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=rng).cuda()
+    eager, static = _states(model, 2, 200, page_entries=64)
+    la, lb = model.forward(ids, state=eager), model.forward(ids, state=static)
+    graphs = DecodeGraphs(model, static)
+    for _ in range(12):
+        tok = la.argmax(-1)
+        la, lb = model.forward(tok.unsqueeze(1), state=eager), graphs.step(tok).clone()
+        assert float((la - lb).norm() / la.norm()) < 1e-5
+    assert graphs.stats["replayed"] >= 8 and graphs.stats["fallback"] == 0
