@@ -1,5 +1,6 @@
-"""Decode step time with the Engram tables in device memory vs pinned host memory (prefetched
-on a side stream), same model, same run.
+"""Decode step time with the Engram tables in device memory vs pinned host memory, same model,
+same run: eager steps (rows prefetched on a side stream) and CUDA-graph steps (rows staged into
+static buffers before each replay, graphs/decode_graph.py).
 
     python benchmarks/engram_placement.py --model small --out benchmarks/results/h200-engram-placement.json
 """
@@ -13,21 +14,24 @@ import torch
 
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
+from flashrt.graphs.decode_graph import DecodeGraphs
 from flashrt.graphs.model import Model
 from results_io import add_ratio, write_json
 
 
-def step_ms(model, batch: int, context: int, steps: int) -> float:
+def step_ms(model, batch: int, context: int, steps: int, graph: bool) -> float:
     ids = torch.randint(0, model.cfg.vocab_size, (batch, context), device="cuda")
-    state = model.new_state(batch, context + steps + 2)
+    state = model.new_state(batch, context + steps + 4)
     model.forward(ids, state=state)
-    tok = ids[:, -1:]
-    model.forward(tok, state=state)
+    tok = ids[:, -1]
+    step = DecodeGraphs(model, state).step if graph else (lambda t: model.forward(t.unsqueeze(1), state=state))
+    step(tok)
+    step(tok)
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model.forward(tok, state=state)
+        step(tok)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
@@ -46,17 +50,19 @@ def main() -> None:
     models = {p: Model(cfg, init_weights(cfg, seed=0, device="cuda"), engram_placement=p)
               for p in ("device", "host_pinned")}
     for b in args.batches:
-        for p in models:  # compile every kernel shape first, then alternate the placements
-            step_ms(models[p], b, args.context, 1)
-        times = {p: [] for p in models}
-        for _ in range(3):
-            for p, model in models.items():
-                times[p].append(step_ms(model, b, args.context, args.steps))
-        for p in models:
-            ms = statistics.median(times[p])
-            rows.append({"placement": p, "batch": b, "context": args.context, "step_ms": ms})
-            print(f"{p:12} batch {b:3d}: {ms:8.2f} ms/step", flush=True)
-    add_ratio(rows, "placement", "step_ms", "ratio_to_device", "batch", "device")
+        for graph in (False, True):
+            for p in models:  # compile every kernel shape first, then alternate the placements
+                step_ms(models[p], b, args.context, 1, graph)
+            times = {p: [] for p in models}
+            for _ in range(3):
+                for p, model in models.items():
+                    times[p].append(step_ms(model, b, args.context, args.steps, graph))
+            for p in models:
+                ms = statistics.median(times[p])
+                rows.append({"placement": p, "batch": b, "cuda_graph": graph, "context": args.context,
+                             "step_ms": ms, "case": f"{b}/{graph}"})
+                print(f"{p:12} batch {b:3d} graph {graph!s:5}: {ms:8.2f} ms/step", flush=True)
+    add_ratio(rows, "placement", "step_ms", "ratio_to_device", "case", "device")
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows})
 
 
