@@ -21,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt import formats, profiles
+from flashrt import formats
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_code, e2m1_to_f32, e4m3_rne, e4m3_to_f32,
                                          e8m0_to_f32, to_out)
+from flashrt.kernels_cuda.launch import PlanCache, dense, last_dense
 
 TILES = {
     "quantize": {"ELEMS": 4096, "num_warps": 4},  # BLOCK_G = ELEMS // block scale blocks a program
@@ -34,7 +35,10 @@ TILES = {
 
 def _tiles() -> dict:
     """TILES with the active hardware profile's overrides (``tiles.quant`` in its YAML)."""
-    return profiles.tiles("quant", TILES)
+    return PLANS.lookup(None)[0]
+
+
+PLANS = PlanCache("quant", TILES)  # launch plans of the active profile
 
 
 _FMT = {f: CODES[f] for f in ("fp8", "fp4_b16", "fp4_b32")}  # kernel code; block size from formats.spec
@@ -96,31 +100,46 @@ def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_groups,
     tl.store(out_ptr + g[:, None] * BLK + e[None, :], to_out(out, out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
+def rows_plan(rows: int, n: int, fmt: str, has_slots: bool, tile: tuple | None = None) -> tuple:
+    """(grid, constexprs) quantizing ``rows`` rows of ``n`` into ``fmt``; ``tile`` = (BLOCK_R, BLOCK_C,
+    num_warps) or None for TILES ``quantize`` (``ELEMS`` per program)."""
+    blk = formats.spec(fmt).block
+    groups_per_row = n // blk
+    if tile is None:
+        t = _tiles()["quantize"]
+        block_g = t["ELEMS"] // blk
+        block_c = min(triton.next_power_of_2(groups_per_row), block_g)
+        tile = (block_g // block_c, block_c, t["num_warps"])
+    block_r, block_c, warps = tile
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(groups_per_row, block_c))
+    return grid, dict(FMT=_FMT[fmt], BLK=blk, HAS_SLOTS=has_slots, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+
+
+def launch_rows(plan: tuple, x2, data, scale, slots, data_row_stride: int, scale_row_stride: int) -> None:
+    """Run a :func:`rows_plan` on ``x2 [M, N]`` (unit last stride) into uint8 ``data`` / ``scale`` rows."""
+    grid, c = plan
+    _quantize_kernel[grid](x2, data, scale, slots if slots is not None else data, x2.shape[0], x2.shape[1] // c["BLK"],
+                           x2.stride(0), data_row_stride, scale_row_stride, **c)
+
+
 def _launch_quantize(x2, fmt, data, scale, slots, data_row_stride, scale_row_stride):
     """Quantize rows of ``x2 [M, N]`` (unit last stride) into byte tensors ``data``/``scale``."""
-    assert x2.dim() == 2 and x2.stride(-1) == 1 and data.dtype == scale.dtype == torch.uint8
-    blk = formats.spec(fmt).block
-    rows, groups_per_row = x2.shape[0], x2.shape[1] // blk
-    if rows * groups_per_row == 0:
+    rows, n = x2.shape
+    if rows * n == 0:
         return
-    t = _tiles()["quantize"]
-    block_g = t["ELEMS"] // blk
-    block_c = min(triton.next_power_of_2(groups_per_row), block_g)
-    block_r = block_g // block_c
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(groups_per_row, block_c))
-    _quantize_kernel[grid](
-        x2, data, scale, slots if slots is not None else data, rows, groups_per_row,
-        x2.stride(0), data_row_stride, scale_row_stride, FMT=_FMT[fmt], BLK=blk, HAS_SLOTS=slots is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=t["num_warps"])
+    key = (rows, n, fmt, slots is not None)
+    plan = PLANS.lookup(key)[1]
+    if plan is None:
+        assert x2.dim() == 2 and x2.stride(-1) == 1 and data.dtype == scale.dtype == torch.uint8
+        plan = PLANS.store(key, rows_plan(rows, n, fmt, slots is not None))
+    launch_rows(plan, x2, data, scale, slots, data_row_stride, scale_row_stride)
 
 
 def quantize(x: torch.Tensor, fmt: str) -> QTensor:
     s = formats.spec(fmt)
     assert fmt in _FMT and x.dim() >= 1 and x.shape[-1] % s.block == 0
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = last_dense(x.reshape(-1, n))
     row_bytes = n // 2 if s.packed else n
     data = torch.empty(x2.shape[0], row_bytes, dtype=torch.uint8, device=x.device)
     scale = torch.empty(x2.shape[0], n // s.block, dtype=torch.uint8, device=x.device)
@@ -133,15 +152,18 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     s = formats.spec(q.fmt)
     assert q.fmt in _FMT
-    data = q.data.contiguous().view(torch.uint8)
-    scale = q.scale.contiguous().view(torch.uint8)
+    data, scale = dense(q.data).view(torch.uint8), dense(q.scale).view(torch.uint8)
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     n_groups = scale.numel()
     if n_groups:
-        t = _tiles()["dequantize"]
-        block_g = t["ELEMS"] // s.block
-        _dequantize_kernel[(triton.cdiv(n_groups, block_g),)](data, scale, out, n_groups, FMT=_FMT[q.fmt],
-                                                               BLK=s.block, BLOCK_G=block_g, num_warps=t["num_warps"])
+        key = ("dequantize", n_groups, q.fmt)
+        plan = PLANS.lookup(key)[1]
+        if plan is None:
+            t = _tiles()["dequantize"]
+            block_g = t["ELEMS"] // s.block
+            plan = PLANS.store(key, ((triton.cdiv(n_groups, block_g),), dict(
+                FMT=_FMT[q.fmt], BLK=s.block, BLOCK_G=block_g, num_warps=t["num_warps"])))
+        _dequantize_kernel[plan[0]](data, scale, out, n_groups, **plan[1])
     return out
 
 
@@ -174,8 +196,7 @@ def quantize_store(x: torch.Tensor, fmt: str, cache_data: torch.Tensor, cache_sc
     d = x.shape[1]
     data = _cache_rows(cache_data, "cache_data", d // 2 if s.packed else d)
     scale = _cache_rows(cache_scale, "cache_scale", d // s.block)
-    x2 = x if x.stride(-1) == 1 else x.contiguous()
-    _launch_quantize(x2, fmt, data, scale, slot_mapping.contiguous(), data.stride(0), scale.stride(0))
+    _launch_quantize(last_dense(x), fmt, data, scale, dense(slot_mapping), data.stride(0), scale.stride(0))
 
 
 def supports_quantize(x, fmt) -> bool:
