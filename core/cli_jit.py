@@ -1,10 +1,13 @@
 """``flashrt jit warmup | ls | clear``: ahead-of-time compilation and the compile cache on disk.
 
 Warmup calls the ``warmup(profile)`` hook of every ``flashrt.kernels_cuda`` module that defines
-one (modules are found as the CUDA backend finds them; those without the hook are skipped). A hook
-compiles its kernels at the profile's tiles (``flashrt.profiles.tiles``) for the shapes the model
-launches, e.g. ``_kernel.warmup(*example_args, grid=(1,), **tile_constexprs)``, which compiles
-through Triton's cache (ours, after ``flashrt.jit.install()``) without launching.
+one (modules are found as the CUDA backend finds them; op modules without the hook are reported
+as skipped, helper modules without ``OPS`` are ignored). A hook compiles its kernels at the
+profile's tiles (``flashrt.profiles.tiles``) for the shapes the model launches, e.g.
+``_kernel.warmup(*example_args, grid=(1,), **tile_constexprs)``, which compiles through Triton's
+cache (ours, after ``flashrt.jit.install()``) without launching, or by running its launcher once on
+zero-filled inputs of those shapes. It returns None when it compiled, or a sentence saying why it
+had nothing to compile (no CUDA device, a profile it does not serve): reported as skipped.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ def kernel_modules() -> list[tuple[str, object]]:
 def warmup(profile=None, modules=None, progress=None) -> dict:
     """Run each module's ``warmup(profile)`` with ``profile`` active and Triton's cache routed
     through ours. ``profile``: a Profile, name or path (default: the active one); ``modules``:
-    (name, module) pairs (default: :func:`kernel_modules`). Returns what was warmed, skipped, failed."""
+    (name, module) pairs (default: :func:`kernel_modules`). Returns what was warmed, skipped (with
+    the reasons hooks gave), failed."""
     from . import profiles
     from .jit import install
     from .progress import Progress
@@ -42,7 +46,7 @@ def warmup(profile=None, modules=None, progress=None) -> dict:
     profile = profiles.load_profile(profile) if isinstance(profile, str) else profile or profiles.active_profile()
     modules = kernel_modules() if modules is None else list(modules)
     progress = progress or Progress(f"jit warmup {profile.name}")
-    report = {"profile": profile.name, "warmed": [], "skipped": [], "failed": {}, "seconds": 0.0}
+    report = {"profile": profile.name, "warmed": [], "skipped": [], "reasons": {}, "failed": {}, "seconds": 0.0}
     install()
     t0 = time.perf_counter()
     with profiles.using(profile):
@@ -51,11 +55,14 @@ def warmup(profile=None, modules=None, progress=None) -> dict:
             if isinstance(mod, BaseException):
                 report["failed"][name] = f"import: {type(mod).__name__}: {mod}"
             elif hook is None:
-                report["skipped"].append(name)
+                if hasattr(mod, "OPS"):
+                    report["skipped"].append(name)
             else:
                 try:
-                    hook(profile)
-                    report["warmed"].append(name)
+                    why = hook(profile)
+                    report["skipped" if why else "warmed"].append(name)
+                    if why:
+                        report["reasons"][name] = str(why)
                 except Exception as exc:  # one broken module must not stop the others
                     report["failed"][name] = f"{type(exc).__name__}: {exc}"
             progress(done, len(modules))
@@ -106,6 +113,8 @@ def cmd_warmup(args) -> int:
         print(f"jit warmup {report['profile']}: {len(report['warmed'])} modules compiled, "
               f"{len(report['skipped'])} without a warmup hook, {len(report['failed'])} failed "
               f"({report['seconds']:.1f} s)")
+        for name, why in report["reasons"].items():
+            print(f"  {name} skipped: {why}")
         for name, err in report["failed"].items():
             print(f"  {name}: {err}")
     return 1 if report["failed"] else 0

@@ -10,6 +10,10 @@ its segment by comparing with the segment starts (segments in one quantized form
 dequant path); a K block only converts the formats it touches. With few queries the K blocks
 are split over programs (flash-decoding): each writes ``(acc / l, m, l)`` and ``_combine_kernel``
 merges them with the sink. Dots: bf16 MMA for bf16 q, 3 bf16 MMAs (``bf16x3``) for fp16 / fp32 q.
+
+This file holds the launcher and its planning; the Triton kernels are in :mod:`.attention_kernel`
+and the format decoders in :mod:`.codecs`. Everything that follows from the shapes, formats and
+the profile's tiles (tiles, grid, splits, constexprs) is planned once per key (:mod:`.launch`).
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ import triton
 import triton.language as tl
 
 from flashrt.formats import QTensor
-from flashrt import profiles
+from flashrt.kernels_cuda.attention_kernel import _combine_kernel, _sparse_attention_kernel
+from flashrt.kernels_cuda.codecs import CODES
+from flashrt.kernels_cuda.launch import PlanCache, dense, last_dense, no_device_reason, sm_count, zeros_stored
 
 TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLOCK * D * 2 (kv) + stages
     "attention": {"H_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2},  # bf16 q
@@ -35,219 +41,15 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
 
 def _tiles() -> dict:
     """TILES with the active hardware profile's overrides (``tiles.attention`` in its YAML)."""
-    return profiles.tiles("attention", TILES)
+    return PLANS.lookup(None)[0]
+
+
+PLANS = PlanCache("attention", TILES)  # launch plans of the active profile
 MAX_D = 512
 MAX_SEGMENTS = 3
-FMT_CODES = {"fp8": 1, "fp4_b16": 2, "fp4_b32": 3}  # 0 = plain float
+FMT_CODES = {f: CODES[f] for f in ("fp8", "fp4_b16", "fp4_b32")}  # 0 = plain float
 PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _e8m0(u):
-    """fp32 2**(u - 127) of UE8M0 bytes ``u`` (int32)."""
-    return tl.where(u == 0, 5.877471754111438e-39, (u << 23).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _expand(s, BK: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
-    """[BK, NB] block scales -> [BK, NB * BS], each repeated over its block."""
-    return tl.reshape(tl.broadcast_to(s[:, :, None], (BK, NB, BS)), (BK, NB * BS))
-
-
-@triton.jit
-def _mask(hit, col, N: tl.constexpr, BLOCK: tl.constexpr):
-    """[rows, 1] row mask, or [rows, BLOCK] with the columns >= N masked when BLOCK > N."""
-    m = hit[:, None]
-    if N != BLOCK:
-        m = m & (col < N)[None, :]
-    return m
-
-
-@triton.jit
-def _load_rows(rows, srows, hit, FMT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Stored (data, scale bytes) of the ``hit`` rows; zeros elsewhere. Plain rows: (data, data)."""
-    W: tl.constexpr = BLOCK_D // 2 if FMT >= 2 else BLOCK_D  # fp4: two elements per byte
-    BS: tl.constexpr = 16 if FMT == 2 else 32
-    c = tl.arange(0, W)
-    x = tl.load(rows[:, None] + c[None, :], mask=_mask(hit, c, D * W // BLOCK_D, W), other=0)
-    u = x
-    if FMT != 0:
-        nb = tl.arange(0, BLOCK_D // BS)
-        u = tl.load(srows[:, None] + nb[None, :], mask=_mask(hit, nb, D // BS, BLOCK_D // BS), other=0)
-    return x, u
-
-
-@triton.jit
-def _convert(x, u, FMT: tl.constexpr, BK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """fp32 [BK, BLOCK_D] values of stored rows: plain, fp8 (E4M3, UE8M0 / 32), fp4_b16 (E2M1,
-    E4M3 / 16) or fp4_b32 (E2M1, UE8M0 / 32); E2M1 element 2i is the low nibble."""
-    if FMT == 0:
-        v = x.to(tl.float32)
-    elif FMT == 1:
-        v = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        v = v * _expand(_e8m0(u.to(tl.int32)), BK, BLOCK_D // 32, 32)
-    else:
-        p = x.to(tl.int32)
-        c = tl.interleave(p & 15, p >> 4)
-        # E2M1 -> fp16 bits (sign to bit 15, exponent+mantissa to bits 11..9): value * 2**-14
-        v = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        if FMT == 2:
-            v = v * _expand(u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0, BK, BLOCK_D // 16, 16)
-        else:
-            v = v * 16384.0 * _expand(_e8m0(u.to(tl.int32)), BK, BLOCK_D // 32, 32)
-    return v
-
-
-@triton.jit
-def _locate(idx, b, base, sbase, sb, st, ssb, sst, start, length):
-    """(data offsets, scale offsets, hit mask) [BK] of the global ``idx`` that fall in a segment."""
-    local = idx - start
-    hit = (local >= 0) & (local < length)
-    r = tl.where(hit, local, 0).to(tl.int64)
-    return base + b * sb + r * st, sbase + b * ssb + r * sst, hit
-
-
-@triton.jit
-def _merge(o, so, h, o2, so2, h2):
-    """Rows of a second segment in the same format, addressed from the first one's pointers.
-    An arithmetic blend (not tl.where) keeps the offsets' divisibility, so loads stay vectorized."""
-    pick = h2.to(tl.int64)
-    return o + pick * (o2 - o), so + pick * (so2 - so), h | h2
-
-
-@triton.jit
-def _dequant(kv, rows, srows, hit, FMT: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Add the ``hit`` rows, stored in format ``FMT``, to the fp32 tile ``kv``. The loads stay
-    outside the branch (the pipeliner can prefetch them); the conversion only runs for the
-    formats a block touches."""
-    x, u = _load_rows(rows, srows, hit, FMT, D, BLOCK_D)
-    if tl.max(hit.to(tl.int32), axis=0) > 0:
-        kv += _convert(x, u, FMT, BK, BLOCK_D)
-    return kv
-
-
-@triton.jit
-def _gather_kv(idx, b, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
-               d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
-               d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
-               FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr,
-               ROLE2: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """fp32 [BK, BLOCK_D] rows ``idx`` of the concatenated segments (zeros where idx is empty).
-
-    Segment i's row r of batch b is at ``d_i + o_i + b * sb_i + r * st_i`` (scales alike).
-    ROLE1: -1 absent, 0 same quantized format as segment 0 (one dequant path), 1 own path;
-    ROLE2: -1 absent, 0 / 1 merged into segment 0 / 1, 2 own path. A merged segment is passed
-    with its target's pointers and its offset from them in ``o_i`` / ``so_i``.
-    """
-    r0, q0, h0 = _locate(idx, b, o0, so0, sb0, st0, ssb0, sst0, start0, len0)
-    r1, q1, h1 = _locate(idx, b, o1, so1, sb1, st1, ssb1, sst1, start1, len1)
-    r2, q2, h2 = _locate(idx, b, o2, so2, sb2, st2, ssb2, sst2, start2, len2)
-    if ROLE2 == 0:
-        r0, q0, h0 = _merge(r0, q0, h0, r2, q2, h2)
-    if ROLE2 == 1:
-        r1, q1, h1 = _merge(r1, q1, h1, r2, q2, h2)
-    if ROLE1 == 0:
-        r0, q0, h0 = _merge(r0, q0, h0, r1, q1, h1)
-    kv = _dequant(tl.zeros([BK, BLOCK_D], tl.float32), d0 + r0, s0 + q0, h0, FMT0, D, BK, BLOCK_D)
-    if ROLE1 == 1:
-        kv = _dequant(kv, d1 + r1, s1 + q1, h1, FMT1, D, BK, BLOCK_D)
-    if ROLE2 == 2:
-        kv = _dequant(kv, d2 + r2, s2 + q2, h2, FMT2, D, BK, BLOCK_D)
-    return kv
-
-
-@triton.jit
-def _finish(acc, m, l, sk, HAS_SINK: tl.constexpr):
-    """Normalize ``acc`` (base-2 running max ``m``, sum ``l``), the sink only in the denominator."""
-    if HAS_SINK:
-        m_f = tl.maximum(m, sk)
-        m_f = tl.where(m_f == float("-inf"), 0.0, m_f)
-        alpha = tl.exp2(m - m_f)
-        l = l * alpha + tl.exp2(sk - m_f)
-        acc = acc * alpha[:, None]
-    return tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
-
-
-@triton.jit
-def _attend(q, kv, idx, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
-    """One K block of the online softmax (base 2; empty slots masked) -> (m, l, acc)."""
-    s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
-    s = tl.where((idx >= 0)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv, input_precision=PREC)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
-
-
-@triton.jit
-def _sparse_attention_kernel(
-        q_ptr, idx_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
-        d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
-        d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
-        d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
-        S, H, K, blocks_per_split, qk_scale, D: tl.constexpr,
-        FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr, ROLE2: tl.constexpr,
-        HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
-        H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    bs, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
-    h = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
-    d = tl.arange(0, BLOCK_D)
-    mask_hd = _mask(h < H, d, D, BLOCK_D)
-    offs_q = (bs * H + h)[:, None] * D + d[None, :]
-    q = tl.load(q_ptr + offs_q, mask=mask_hd, other=0.0).to(DOT_DTYPE)
-    m_i = tl.full([H_BLOCK], float("-inf"), tl.float32)
-    l_i = tl.zeros([H_BLOCK], tl.float32)
-    acc = tl.zeros([H_BLOCK, BLOCK_D], tl.float32)
-    kb_lo = split * blocks_per_split
-    for kb in range(kb_lo, tl.minimum(kb_lo + blocks_per_split, tl.cdiv(K, K_BLOCK))):
-        offs_k = kb * K_BLOCK + tl.arange(0, K_BLOCK)
-        idx = tl.load(idx_ptr + bs * K + offs_k, mask=offs_k < K, other=-1)
-        kv = _gather_kv(idx, bs // S, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
-                        d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
-                        d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
-                        FMT0, FMT1, FMT2, ROLE1, ROLE2, D, K_BLOCK, BLOCK_D)
-        m_i, l_i, acc = _attend(q, kv.to(DOT_DTYPE), idx, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
-    if SPLIT:  # partials [splits, B*S, H, D] = acc / l and [.., 2] = (m, l); the sink joins in _combine_kernel
-        row = (split * tl.num_programs(0) + bs) * H + h
-        o = _finish(acc, m_i, l_i, 0.0, False)
-        tl.store(pacc_ptr + row[:, None] * D + d[None, :], o.to(pacc_ptr.dtype.element_ty), mask=mask_hd)
-        tl.store(pml_ptr + row * 2, m_i, mask=h < H)
-        tl.store(pml_ptr + row * 2 + 1, l_i, mask=h < H)
-    else:
-        sk = tl.load(sink_ptr + h, mask=h < H, other=0.0) * 1.4426950408889634 if HAS_SINK else 0.0
-        out = _finish(acc, m_i, l_i, sk, HAS_SINK)
-        tl.store(out_ptr + offs_q, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
-
-
-@triton.jit
-def _combine_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, NSPLIT, H, D, HAS_SINK: tl.constexpr,
-                    H_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    bs, nbs = tl.program_id(0).to(tl.int64), tl.num_programs(0)
-    h = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
-    d = tl.arange(0, BLOCK_D)
-    mask_hd = (h < H)[:, None] & (d < D)[None, :]
-    m = tl.full([H_BLOCK], float("-inf"), tl.float32)
-    for j in range(NSPLIT):
-        m = tl.maximum(m, tl.load(pml_ptr + ((j * nbs + bs) * H + h) * 2, mask=h < H, other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros([H_BLOCK], tl.float32)
-    acc = tl.zeros([H_BLOCK, BLOCK_D], tl.float32)
-    for j in range(NSPLIT):
-        row = (j * nbs + bs) * H + h
-        w = tl.exp2(tl.load(pml_ptr + row * 2, mask=h < H, other=float("-inf")) - m_use)
-        w = w * tl.load(pml_ptr + row * 2 + 1, mask=h < H, other=0.0)  # this split's l, rescaled
-        l += w
-        acc += tl.load(pacc_ptr + row[:, None] * D + d[None, :], mask=mask_hd, other=0.0).to(tl.float32) * w[:, None]
-    sk = tl.load(sink_ptr + h, mask=h < H, other=0.0) * 1.4426950408889634 if HAS_SINK else 0.0
-    out = _finish(acc, m_use, l, sk, HAS_SINK)
-    tl.store(out_ptr + (bs * H + h)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_hd)
-
-
-# ---------------------------------------------------------------------------------------------
-# launcher
 
 
 def _segments(kv) -> list[tuple]:
@@ -255,12 +57,14 @@ def _segments(kv) -> list[tuple]:
     bytes as uint8 (plain: (data, data, 0, ...))."""
     out, start = [], 0
     for seg in (kv if isinstance(kv, tuple) else (kv,)):
-        q = isinstance(seg, QTensor)
-        data, scale = (seg.data.view(torch.uint8), seg.scale.view(torch.uint8)) if q else (seg, seg)
-        data, scale = (t if t.stride(-1) == 1 else t.contiguous() for t in (data, scale))
-        if seg.shape[1]:
-            out.append((data, scale, FMT_CODES[seg.fmt] if q else 0, start, seg.shape[1]))
-        start += seg.shape[1]
+        n = seg.shape[1]
+        if n and isinstance(seg, QTensor):
+            data, scale = last_dense(seg.data.view(torch.uint8)), last_dense(seg.scale.view(torch.uint8))
+            out.append((data, scale, FMT_CODES[seg.fmt], start, n))
+        elif n:
+            seg = last_dense(seg)
+            out.append((seg, seg, 0, start, n))
+        start += n
     return out
 
 
@@ -281,7 +85,7 @@ def _bstride(t: torch.Tensor) -> int:
     return 0 if t.shape[0] == 1 else t.stride(0)
 
 
-def _roles(codes: list[int]) -> tuple[int, int]:
+def _roles(codes) -> tuple[int, int]:
     """ROLE1, ROLE2 of _gather_kv: a quantized segment joins the first earlier segment that has
     its own dequant path in the same format; -1 where the segment is absent."""
     r1 = -1 if len(codes) < 2 else (0 if codes[1] and codes[1] == codes[0] else 1)
@@ -294,12 +98,12 @@ def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int]:
     """(tiles, H_BLOCK, K_BLOCK, splits, blocks per split): split K until the programs fill one
     wave (one program per SM: it holds most of an SM's shared memory)."""
     B, S, H, _ = q.shape
-    t, sp = _tiles()["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], _tiles()["split"]
+    tiles = _tiles()
+    t, sp = tiles["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], tiles["split"]
     h_block = min(t["H_BLOCK"], max(16, triton.next_power_of_2(H)))
     k_block = min(t["K_BLOCK"], max(16, triton.next_power_of_2(K)))
     n_kb = triton.cdiv(K, k_block)
-    wave = sp["programs"] or (torch.cuda.get_device_properties(q.device).multi_processor_count
-                              if q.device.type == "cuda" else 132)
+    wave = sp["programs"] or sm_count(q.device)
     splits = max(1, min(wave // (B * S * triton.cdiv(H, h_block)), sp["max_splits"], n_kb // sp["min_blocks"]))
     per_split = triton.cdiv(n_kb, splits)
     return t, h_block, k_block, triton.cdiv(n_kb, per_split), per_split
@@ -312,6 +116,23 @@ def _dot_mode(dtype: torch.dtype):
     if os.environ.get("TRITON_INTERPRET") == "1":
         return tl.float32, "ieee"
     return (tl.bfloat16, "ieee") if dtype == torch.bfloat16 else (tl.float32, _tiles()["attention_fp32"]["precision"])
+
+
+def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
+    """What a launch takes from the shapes, formats and tiles: grid, splits, segment roles, the
+    partials' dtype and the kernel's constexprs (cached in PLANS by the launcher)."""
+    B, S, H, D = q.shape
+    t, h_block, k_block, splits, per_split = _plan(q, K)
+    dot_dtype, prec = _dot_mode(q.dtype)
+    role1, role2 = _roles(codes)
+    fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
+    return dict(grid=(B * S, triton.cdiv(H, h_block), splits), splits=splits, per_split=per_split,
+                roles=(0, role1, role2),  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
+                pdtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32,
+                constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, HAS_SINK=has_sink,
+                                SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, H_BLOCK=h_block, K_BLOCK=k_block,
+                                BLOCK_D=triton.next_power_of_2(D), num_warps=t["num_warps"],
+                                num_stages=t["num_stages"]))
 
 
 def _combine(pacc, pml, sink, out, splits: int) -> None:
@@ -328,28 +149,24 @@ def sparse_attention(q, kv, indices, sink, scale):
     segs = _segments(kv)
     if not segs or min(B * S, H, K) == 0:
         return torch.zeros_like(q)
-    assert D % 32 == 0 and D <= MAX_D and len(segs) <= MAX_SEGMENTS, (D, len(segs))
-    assert q.dtype in PLAIN_DTYPES and indices.dtype == torch.int32
-    q, indices = q.contiguous(), indices.contiguous()
-    sink = None if sink is None else sink.contiguous()
+    codes = tuple(s[2] for s in segs)
+    key = (B, S, H, D, K, q.dtype, indices.dtype, q.device, codes, sink is not None)
+    plan = PLANS.lookup(key)[1]
+    if plan is None:
+        assert D % 32 == 0 and D <= MAX_D and len(segs) <= MAX_SEGMENTS, (D, len(segs))
+        assert q.dtype in PLAIN_DTYPES and indices.dtype == torch.int32, (q.dtype, indices.dtype)
+        plan = PLANS.store(key, _launch_plan(q, K, codes, sink is not None))
+    q, indices = dense(q), dense(indices)
+    sink = None if sink is None else dense(sink)
     out = torch.empty_like(q)
-    t, h_block, k_block, splits, per_split = _plan(q, K)
+    splits = plan["splits"]
     pacc = pml = out
-    if splits > 1:  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
-        pdtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-        pacc = torch.empty(splits, B * S, H, D, dtype=pdtype, device=q.device)
+    if splits > 1:
+        pacc = torch.empty(splits, B * S, H, D, dtype=plan["pdtype"], device=q.device)
         pml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
-    dot_dtype, prec = _dot_mode(q.dtype)
-    codes = [s[2] for s in segs]
-    role1, role2 = _roles(codes)
-    codes += [0] * (MAX_SEGMENTS - len(segs))
-    grid = (B * S, triton.cdiv(H, h_block), splits)
-    _sparse_attention_kernel[grid](
-        q, indices, sink if sink is not None else q, out, pacc, pml, *_segment_args(segs, (0, role1, role2)),
-        S, H, K, per_split, float(scale) * LOG2E, D,
-        FMT0=codes[0], FMT1=codes[1], FMT2=codes[2], ROLE1=role1, ROLE2=role2, HAS_SINK=sink is not None,
-        SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, H_BLOCK=h_block, K_BLOCK=k_block,
-        BLOCK_D=triton.next_power_of_2(D), num_warps=t["num_warps"], num_stages=t["num_stages"])
+    _sparse_attention_kernel[plan["grid"]](
+        q, indices, sink if sink is not None else q, out, pacc, pml, *_segment_args(segs, plan["roles"]),
+        S, H, K, plan["per_split"], float(scale) * LOG2E, D, **plan["constexprs"])
     if splits > 1:
         _combine(pacc, pml, sink, out, splits)
     return out
@@ -369,3 +186,35 @@ def supports_sparse_attention(q, kv, indices, sink, scale) -> bool:
 
 OPS = {"sparse_attention": sparse_attention}
 SUPPORTS = {"sparse_attention": supports_sparse_attention}
+
+
+# ---------------------------------------------------------------------------------------------
+# ahead-of-time compilation (``flashrt jit warmup``)
+
+# the released config: 64 heads x 512, K = window 128 + top-k 512; (batch, queries, main KV entries)
+WARMUP_SHAPE = dict(heads=64, head_dim=512, window=128, topk=512)
+WARMUP_CASES = ((1, 1, 1024), (1, 1, 1000), (8, 1, 1000), (1, 64, 1000))  # decode (split K), prefill chunk
+_STORED = {"fp4": "fp4_b16", "fp8": "fp8", "bf16": None}  # profile KV dtype -> stored format
+
+
+def warmup(profile) -> str | None:
+    """Compile the variants the model launches under ``profile``: bf16 q over (``kv_window_dtype``
+    ring, chunk, ``kv_main_dtype`` main KV), with a sink; decode (split K) and a prefill chunk
+    (no split), main KV lengths on both sides of Triton's divisibility-by-16 specialization. Runs
+    the launcher once per case on zero-filled inputs. Returns why nothing was compiled, or None."""
+    reason = no_device_reason()
+    if reason is None and (profile.kv_main_dtype not in _STORED or profile.kv_window_dtype not in _STORED):
+        reason = f"kv dtypes {profile.kv_window_dtype} / {profile.kv_main_dtype}: not served by this kernel"
+    if reason:
+        return reason
+    window, main = _STORED[profile.kv_window_dtype], _STORED[profile.kv_main_dtype]
+    H, D, W, K = (WARMUP_SHAPE[k] for k in ("heads", "head_dim", "window", "topk"))
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    for B, S, T in WARMUP_CASES:
+        kv = (zeros_stored(window, (B, W, D), bf16, dev), zeros_stored(window, (B, S, D), bf16, dev),
+              zeros_stored(main, (B, T, D), bf16, dev))
+        idx = torch.zeros(B, S, W + K, dtype=torch.int32, device=dev)
+        sparse_attention(torch.zeros(B, S, H, D, dtype=bf16, device=dev), kv, idx,
+                         torch.zeros(H, device=dev), D ** -0.5)
+    torch.cuda.synchronize()
+    return None

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt.kernels_cuda.quant import _e4m3_value, _e8m0_value, _to_out
+from flashrt.kernels_cuda.codecs import e4m3_to_f32, e8m0_to_f32, to_out
 from flashrt import profiles
 
 TILES = {
@@ -40,8 +40,8 @@ def _engram_lookup_kernel(data_ptr, scale_ptr, ids_ptr, out_ptr, n_ids, DH, data
     m = im[:, None] & (c < DH)[None, :]
     b = tl.load(data_ptr + row[:, None] * data_row_stride + c[None, :], mask=m, other=0).to(tl.int32)
     e = tl.load(scale_ptr + row[:, None] * scale_row_stride + (c // 32)[None, :], mask=m, other=127).to(tl.int32)
-    v = _e4m3_value(b) * _e8m0_value(e)
-    tl.store(out_ptr + i[:, None] * DH + c[None, :], _to_out(v, out_ptr), mask=m)
+    v = e4m3_to_f32(b) * e8m0_to_f32(e)
+    tl.store(out_ptr + i[:, None] * DH + c[None, :], to_out(v, out_ptr.dtype.element_ty), mask=m)
 
 
 def engram_lookup(table, ids: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ def _engram_gate_kernel(h_ptr, key_ptr, value_ptr, w_ptr, out_ptr, HC, D, eps, s
         w = tl.load(w_ptr + w_row + d, mask=dm, other=0.0).to(tl.float32)
         g = _gate(tl.sum(h * h), tl.sum(key * key), tl.sum(h * w * key), D, eps, sqrt_d)
         value = tl.load(value_ptr + v_row + d, mask=dm, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row + d, _to_out(h + g * value, out_ptr), mask=dm)
+        tl.store(out_ptr + row + d, to_out(h + g * value, out_ptr.dtype.element_ty), mask=dm)
     else:
         sh = tl.zeros((BLOCK_D,), dtype=tl.float32)
         sk = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -105,7 +105,7 @@ def _engram_gate_kernel(h_ptr, key_ptr, value_ptr, w_ptr, out_ptr, HC, D, eps, s
             dm = d0 + d < D
             h = tl.load(h_ptr + row + d0 + d, mask=dm, other=0.0).to(tl.float32)
             value = tl.load(value_ptr + v_row + d0 + d, mask=dm, other=0.0).to(tl.float32)
-            tl.store(out_ptr + row + d0 + d, _to_out(h + g * value, out_ptr), mask=dm)
+            tl.store(out_ptr + row + d0 + d, to_out(h + g * value, out_ptr.dtype.element_ty), mask=dm)
 
 
 def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:

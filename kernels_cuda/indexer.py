@@ -40,7 +40,7 @@ from flashrt.formats import QTensor
 
 from .topk import _keys, select_rows
 from flashrt import profiles
-from flashrt.kernels_cuda.quant import _e8m0_value
+from flashrt.kernels_cuda.codecs import CODES, dequant_rows
 
 TILES = {
     # rows: most (query, head) dot columns per program; num_warps_wide: > 64 columns or an fp32 dot;
@@ -58,25 +58,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _MAX = tl.constexpr(2147483647)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 # QTensor keys: fmt -> (kernel code, elements per scale, stored bytes per scale block, scale byte of 1.0)
-_FORMATS = {"fp4_b32": (0, 32, 16, 127), "fp4_b16": (1, 16, 8, 0x38), "fp8": (2, 32, 32, 127), "int8": (3, 32, 32, 127)}
-
-
-@triton.jit
-def _e4m3(b):
-    """fp32 value of E4M3 bytes ``b`` (int32; 0x7F / 0xFF -> NaN)."""
-    v = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-
-
-@triton.jit
-def _e2m1(c, scale):
-    """fp32 value of E2M1 codes ``c`` (int32, low 4 bits) times ``scale * 2**14``.
-
-    The code's bits placed in an fp16 (``(c & 7) << 9 | sign``) are its value times 2**-14; 0.5
-    becomes an fp16 subnormal, which the fp16 -> fp32 conversion keeps (fp32 subnormals would be
-    flushed on the GPU)."""
-    bits = ((c & 7) << 9) | ((c & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+_FORMATS = {"fp4_b32": (CODES["fp4_b32"], 32, 16, 127), "fp4_b16": (CODES["fp4_b16"], 16, 8, 0x38),
+            "fp8": (CODES["fp8"], 32, 32, 127), "int8": (CODES["int8"], 32, 32, 127)}
 
 
 def _nibble_asm(mag: int, sign: int) -> str:
@@ -96,22 +79,11 @@ _ASM_OFFSET = tl.constexpr(64)  # the asm path computes k * 2**-64 (its scales s
 @triton.jit
 def _decode_exact(byte, sb, FMT: tl.constexpr, DOT: tl.constexpr):
     """[T, NB, bytes per block] stored bytes, [T, NB] scale bytes -> [T, NB * block] values in
-    element order (FMT: 0 fp4_b32, 1 fp4_b16, 2 fp8, 3 int8)."""
-    if FMT == 1:
-        scale = _e4m3(sb)[:, :, None]
-    else:
-        scale = _e8m0_value(sb)[:, :, None]
-    if FMT <= 1:  # packed E2M1: low nibble element 2i, high nibble 2i + 1
-        byte = byte.to(tl.int32)
-        vals = tl.join(_e2m1(byte, scale * 16384.0), _e2m1(byte >> 4, scale * 16384.0))
-        vals = tl.reshape(vals, [vals.shape[0], vals.shape[1] * vals.shape[2] * 2])
-    else:
-        if FMT == 2:
-            vals = _e4m3(byte.to(tl.int32)) * scale
-        else:
-            vals = byte.to(tl.int8, bitcast=True).to(tl.float32) * scale
-        vals = tl.reshape(vals, [vals.shape[0], vals.shape[1] * vals.shape[2]])
-    return vals.to(DOT)
+    element order (FMT: ``codecs.CODES``), by the shared row decoder."""
+    T: tl.constexpr = byte.shape[0]
+    BLOCK: tl.constexpr = 16 if FMT == 2 else 32
+    flat = tl.reshape(byte, [T, byte.shape[1] * byte.shape[2]])
+    return dequant_rows(flat, sb, FMT, T, byte.shape[1] * BLOCK).to(DOT)
 
 
 @triton.jit
@@ -179,7 +151,7 @@ def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, S, T, H,
         row_ok = (s_of < S) & (h_of < H)
         q_rows = q_ptr + b * sq_b + s_of * sq_s + h_of * sq_h
         t_ok = offs_t < T
-        if FMT >= 0:
+        if FMT > 0:
             dots = _tile_quant(k_ptr + b * sk_b, ks_ptr + b * ss_b, q_rows, row_ok, offs_t, t_ok, sk_t, ss_t,
                                sq_d, D, NB, QBLOCK, QBYTES, FMT, ONE, DOT, PREC, ASM)
         else:
@@ -209,7 +181,7 @@ def index_scores(q, k, weights, visible):
     if B * S * T == 0:
         return out
     tiles = _tiles()["index_scores"]
-    fmt, qblock, qbytes, one = -1, 1, 1, 0
+    fmt, qblock, qbytes, one = 0, 1, 1, 0
     if isinstance(k, QTensor):
         assert k.fmt in _FORMATS and k.data.stride(-1) == 1 and k.scale.stride(-1) == 1
         fmt, qblock, qbytes, one = _FORMATS[k.fmt]
@@ -225,7 +197,7 @@ def index_scores(q, k, weights, visible):
     block_d = max(16, triton.next_power_of_2(D))
     grid = (triton.cdiv(T, tiles["block_t"]), triton.cdiv(S, block_s), B)
     wide = block_s * block_h > 64 or dot == tl.float32
-    asm = fmt == 0 and dot == tl.bfloat16 and tiles["asm_decode"] and not _INTERPRETED
+    asm = fmt == CODES["fp4_b32"] and dot == tl.bfloat16 and tiles["asm_decode"] and not _INTERPRETED
     _index_scores_kernel[grid](
         q, kd, ks, weights, visible, out, S, T, H, *q.stride(), *sk, *ss, *weights.stride(), *visible.stride(),
         out.stride(0), out.stride(1), D=D, BLOCK_D=block_d, DK=min(block_d, 32), BLOCK_T=tiles["block_t"],

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt.kernels_cuda.quant import INTERPRETED, _to_out
+from flashrt.kernels_cuda.codecs import INTERPRETED, to_out
 from flashrt import profiles
 
 TILES = {
@@ -209,7 +209,7 @@ def _hc_collapse_kernel(x_ptr, pre_ptr, out_ptr, D, HC: tl.constexpr, HCP: tl.co
     m = (k < HC)[:, None] & (d < D)[None, :]
     x = tl.load(x_ptr + (tok * HC + k[:, None]) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
     w = tl.load(pre_ptr + tok * HC + k, mask=k < HC, other=0.0)
-    tl.store(out_ptr + tok * D + d, _to_out(tl.sum(w[:, None] * x, axis=0), out_ptr), mask=d < D)
+    tl.store(out_ptr + tok * D + d, to_out(tl.sum(w[:, None] * x, axis=0), out_ptr.dtype.element_ty), mask=d < D)
 
 
 def hc_collapse(x, pre):
@@ -240,7 +240,7 @@ def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.con
     y = tl.load(y_ptr + tok * D + d, mask=dm, other=0.0).to(tl.float32)
     post = tl.load(post_ptr + tok * HC + i, mask=im, other=0.0)
     out = post[:, None] * y[None, :] + mixed
-    tl.store(out_ptr + (tok * HC + i[:, None]) * D + d[None, :], _to_out(out, out_ptr),
+    tl.store(out_ptr + (tok * HC + i[:, None]) * D + d[None, :], to_out(out, out_ptr.dtype.element_ty),
              mask=im[:, None] & dm[None, :])
 
 

@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 
 from flashrt import profiles
-from flashrt.backends.cuda import interpreter
 from flashrt.formats import QTensor
-from flashrt.kernels_cuda.linear import (FLOATS, WEIGHT_FORMATS, _e4m3_bits, _k_loop, _quant_fp8, _to_out,
-                                         act_quant, fp8_operand, mma_mode, pick_tile, weight_operands)
+from flashrt.kernels_cuda.codecs import quant_fp8, to_out
+from flashrt.kernels_cuda.linear import FLOATS, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile, weight_operands
+from flashrt.kernels_cuda.linear_kernel import _k_loop
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -52,23 +52,22 @@ def _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _swiglu(g, u, rw, limit, CLAMP: tl.constexpr, XDT: tl.constexpr, MANUAL_BF16: tl.constexpr):
+def _swiglu(g, u, rw, limit, CLAMP: tl.constexpr, XDT: tl.constexpr):
     """h = silu(min(g, L)) * clamp(u, -L, L) * rw in fp32 from x.dtype-rounded g, u; rounded to x.dtype."""
-    g = _to_out(g, XDT, MANUAL_BF16).to(tl.float32)
-    u = _to_out(u, XDT, MANUAL_BF16).to(tl.float32)
+    g = to_out(g, XDT).to(tl.float32)
+    u = to_out(u, XDT).to(tl.float32)
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
-    return _to_out(h, XDT, MANUAL_BF16).to(tl.float32)
+    return to_out(h, XDT).to(tl.float32)
 
 
 @triton.jit
 def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3_ptr, hq_ptr, sh_ptr,
                    tile_e_ptr, tile_row_ptr, row_end_ptr, E, I, D, limit,
                    stride_xm, stride_sxm, stride_we, stride_wn, stride_swe, stride_swn, stride_hm, stride_shm,
-                   FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, CLAMP: tl.constexpr,
-                   XDT: tl.constexpr, MANUAL_BF16: tl.constexpr,
+                   FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, CLAMP: tl.constexpr, XDT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, BLOCK_M)
     if e >= E:  # past the last tile
@@ -80,20 +79,20 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
                    w3_ptr + ew, sw3_ptr + es, n0, I, 0, D, stride_wn, stride_swn,
                    FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
     rw = tl.load(rw_ptr + rows, mask=row_ok, other=0.0)
-    h = _swiglu(g, u, rw, limit, CLAMP, XDT, MANUAL_BF16)
-    q, s = _quant_fp8(tl.reshape(h, (BLOCK_M, BLOCK_N // 32, 32)))
+    h = _swiglu(g, u, rw, limit, CLAMP, XDT)
+    q, s = quant_fp8(tl.reshape(h, (BLOCK_M, BLOCK_N // 32, 32)))  # fp8 bytes: E4M3 and UE8M0
     kg = n0 + tl.arange(0, BLOCK_N // 32) * 32
     r64 = rows.to(tl.int64)
     ok = row_ok[:, None] & (kg < I)[None, :]
     ptrs = hq_ptr + r64[:, None, None] * stride_hm + kg[None, :, None] + tl.arange(0, 32)[None, None, :]
-    tl.store(ptrs, _e4m3_bits(q, hq_ptr.dtype.element_ty), mask=ok[:, :, None])
-    tl.store(sh_ptr + r64[:, None] * stride_shm + (kg // 32)[None, :], s, mask=ok)
+    tl.store(ptrs, q.to(tl.uint8), mask=ok[:, :, None])
+    tl.store(sh_ptr + r64[:, None] * stride_shm + (kg // 32)[None, :], s.to(tl.uint8), mask=ok)
 
 
 @triton.jit
 def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, E, D, I,
                      stride_hm, stride_shm, stride_we, stride_wn, stride_swe, stride_swn, stride_ym,
-                     FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, MANUAL_BF16: tl.constexpr,
+                     FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, BLOCK_M)
     if e >= E:
@@ -104,7 +103,7 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
     acc, _ = _k_loop(hq_ptr + r64 * stride_hm, sh_ptr + r64 * stride_shm, row_ok, w2, sw2, w2, sw2,
                      n0, D, 0, I, stride_wn, stride_swn, FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    tl.store(y_ptr + r64[:, None] * stride_ym + offs_n[None, :], _to_out(acc, y_ptr.dtype.element_ty, MANUAL_BF16),
+    tl.store(y_ptr + r64[:, None] * stride_ym + offs_n[None, :], to_out(acc, y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (offs_n < D)[None, :])
 
 
@@ -148,15 +147,15 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t):
     (d1, s1), (d3, s3) = weight_operands(w1), weight_operands(w3)
     assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
     pairs, D = tab["tok"].shape[0], xq.shape[1]
-    hq = fp8_operand(torch.empty(pairs, I, dtype=torch.uint8, device=xq.device))
-    sh = torch.empty(pairs, I // 32, dtype=torch.float32, device=xq.device)
+    hq = torch.empty(pairs, I, dtype=torch.uint8, device=xq.device)  # E4M3 bytes
+    sh = torch.empty(pairs, I // 32, dtype=torch.uint8, device=xq.device)  # UE8M0 bytes
     promote, dot = mma_mode(w1.fmt)
     grid = (triton.cdiv(I, t["BLOCK_N"]), tab["tile_e"].shape[0])
     _moe_up_kernel[grid](
         xq, sx, tab["tok"], tab["rw"], d1, s1, d3, s3, hq, sh, tab["tile_e"], tab["tile_row"], tab["row_end"],
         w1.shape[0], I, D, limit, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1),
         hq.stride(0), sh.stride(0), FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0,
-        XDT=_TL[xdtype], MANUAL_BF16=interpreter() and xdtype == torch.bfloat16, **t)
+        XDT=_TL[xdtype], **t)
     return hq, sh
 
 
@@ -168,7 +167,7 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, t):
     _moe_down_kernel[grid](
         hq, sh, d2, s2, y, tab["tile_e"], tab["tile_row"], tab["row_end"], w2.shape[0], D, hq.shape[1],
         hq.stride(0), sh.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, MANUAL_BF16=interpreter() and xdtype == torch.bfloat16, **t)
+        FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, **t)
     return y
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt.kernels_cuda.quant import _to_out
+from flashrt.kernels_cuda.codecs import to_out
 from flashrt import profiles
 
 TILES = {
@@ -42,7 +42,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, N, x_row_stride, eps,
         x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
         r = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(out_rows + cols[None, :], _to_out(x * r[:, None] * w[None, :], out_ptr), mask=m)
+        tl.store(out_rows + cols[None, :], to_out(x * r[:, None] * w[None, :], out_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for n0 in range(0, N, BLOCK_N):
@@ -56,7 +56,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, N, x_row_stride, eps,
             x = tl.load(x_rows + n0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + n0 + cols, mask=cmask, other=0.0).to(tl.float32)
             y = x * r[:, None] * w[None, :]
-            tl.store(out_rows + n0 + cols[None, :], _to_out(y, out_ptr), mask=m)
+            tl.store(out_rows + n0 + cols[None, :], to_out(y, out_ptr.dtype.element_ty), mask=m)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,7 +99,7 @@ def _rope_kernel(x_ptr, f_ptr, out_ptr, n_rows, S, H, R, sxb, sxs, sxh, sfb, sfs
     yr = xr * fr - xi * fi
     yi = xr * fi + xi * fr
     y = tl.reshape(tl.join(yr, yi), (BLOCK_ROWS, BLOCK_R))
-    tl.store(out_ptr + row.to(tl.int64)[:, None] * R + c[None, :], _to_out(y, out_ptr), mask=m)
+    tl.store(out_ptr + row.to(tl.int64)[:, None] * R + c[None, :], to_out(y, out_ptr.dtype.element_ty), mask=m)
 
 
 def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -9,15 +9,13 @@ interpreter's is not round-to-nearest-even, and sm_80 has none):
   (exponent + (mantissa != 0), as ``formats.pow2_ceil``), the division correctly rounded
   (``div_rn``); elements are ``x * 2**-k`` (exact, the same value as ``x / 2**k``);
 - the ``fp4_b16`` scale and its elements use ``div_rn``; E4M3 rounding is done on the bits
-  (:func:`_e4m3_rne`), E2M1 by comparisons with the midpoints (ties to even), sign from bit 31.
+  (``codecs.e4m3_rne``), E2M1 by comparisons with the midpoints (ties to even), sign from bit 31.
 
 ``quantize_store`` writes row ``i`` of ``x`` into cache row ``slot_mapping[i]`` of a paged cache
 (``-1`` skipped), without materialising the QTensor. Weight formats (``fp8_w``, ``fp4_w``) are
-declined: weights are quantized offline.
+declined: weights are quantized offline. The element codecs live in :mod:`.codecs`.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -25,7 +23,9 @@ import triton.language as tl
 
 from flashrt import formats
 from flashrt.formats import QTensor
-from flashrt import profiles
+from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_code, e2m1_to_f32, e4m3_rne, e4m3_to_f32,
+                                         e8m0_to_f32, to_out)
+from flashrt.kernels_cuda.launch import PlanCache, dense, last_dense
 
 TILES = {
     "quantize": {"ELEMS": 4096, "num_warps": 4},  # BLOCK_G = ELEMS // block scale blocks a program
@@ -35,91 +35,14 @@ TILES = {
 
 def _tiles() -> dict:
     """TILES with the active hardware profile's overrides (``tiles.quant`` in its YAML)."""
-    return profiles.tiles("quant", TILES)
-_FMT = {"fp8": 0, "fp4_b16": 1, "fp4_b32": 2}  # kernel code; block size from formats.spec
+    return PLANS.lookup(None)[0]
+
+
+PLANS = PlanCache("quant", TILES)  # launch plans of the active profile
+
+
+_FMT = {f: CODES[f] for f in ("fp8", "fp4_b16", "fp4_b32")}  # kernel code; block size from formats.spec
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # kernels run in Triton's CPU interpreter
-_INTERPRETED = tl.constexpr(INTERPRETED)
-
-
-@triton.jit
-def _to_out(y, out_ptr):
-    """fp32 ``y`` as ``out_ptr``'s element type, nearest even (the interpreter's bf16 cast truncates)."""
-    if _INTERPRETED and out_ptr.dtype.element_ty == tl.bfloat16:
-        bits = y.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return y.to(out_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _e4m3_rne(v):
-    """E4M3 byte (int32) of fp32 ``v`` with ``|v| <= 448``: nearest, ties to even, sign kept."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a_bits = bits & 0x7FFFFFFF
-    lsb = (a_bits >> 20) & 1
-    normal = ((a_bits + 0x7FFFF + lsb) >> 20) - (120 << 3)  # rebias 127 -> 7, 3 mantissa bits
-    q = tl.minimum(a_bits.to(tl.float32, bitcast=True), 0.015625) * 512.0  # subnormal units of 2**-9
-    n = q.to(tl.int32)
-    frac = q - n.to(tl.float32)
-    sub = n + ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
-    return tl.where(a_bits < 0x3C800000, sub, normal) | sign  # 0x3C800000 = 2**-6
-
-
-@triton.jit
-def _e4m3_value(b):
-    """fp32 value of E4M3 bytes ``b`` (int32; NaN for 0x7F / 0xFF), decoded on the bits (any arch)."""
-    exp = (b >> 3) & 0xF
-    man = b & 7
-    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2**-9
-    val = tl.where((b & 0x80) != 0, -mag, mag)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), val)
-
-
-@triton.jit
-def _e8m0_value(e):
-    """fp32 value 2**(e - 127) of UE8M0 bytes ``e`` (int32; 0 -> 2**-127, 255 -> NaN)."""
-    bits = tl.where(e == 0, 0x00400000, tl.where(e == 255, 0x7FC00000, e << 23))
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_code(v):
-    """E2M1 codes (int32, sign in bit 3) of fp32 ``v``: clamp to 6, nearest, ties to even."""
-    a = tl.minimum(tl.abs(v), 6.0)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
-    return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
-
-
-@triton.jit
-def _e2m1_value(code):
-    """fp32 value of E2M1 codes (int32 in 0..15); code 8 is -0.0."""
-    mag = (code & 7).to(tl.float32)
-    val = tl.where(mag < 4.0, mag * 0.5, tl.where(mag < 6.0, mag - 2.0, mag * 2.0 - 8.0))
-    return tl.where((code & 8) != 0, -val, val)
-
-
-@triton.jit
-def _block_scale(amax, FMT: tl.constexpr):
-    """(stored byte int32, scale fp32, 1 / scale fp32) for fp32 block maxima."""
-    if FMT == 1:  # fp4_b16: e4m3(max(amax, 6 * 2**-9) / 6), clamped to 448
-        v = tl.math.div_rn(tl.maximum(amax, 0.01171875), tl.full(amax.shape, 6.0, tl.float32))
-        byte = _e4m3_rne(tl.minimum(v, 448.0))
-        scale = _e4m3_value(byte)
-        return byte, scale, scale
-    if FMT == 0:  # fp8: 2**ceil(log2(max(amax, 1e-4) / 448))
-        v = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
-    else:  # fp4_b32: 2**ceil(log2(max(amax, 6 * 2**-126) / 6))
-        v = tl.math.div_rn(tl.maximum(amax, 7.052966104933725e-38), tl.full(amax.shape, 6.0, tl.float32))
-    bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    e = tl.minimum(tl.maximum(e, 1), 254)  # the floors keep e >= 1
-    recip_bits = tl.where(e >= 254, 0x00200000, (254 - e) << 23)  # 2**(127 - e), 2**-127 subnormal
-    return e, _e8m0_value(e), recip_bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -138,18 +61,18 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, slot_ptr, n_rows, groups_per_ro
     e = tl.arange(0, BLK)
     x = tl.load(x_ptr + row[:, None] * x_row_stride + col[:, None] * BLK + e[None, :],
                 mask=gmask[:, None], other=0.0).to(tl.float32)
-    byte, scale, recip = _block_scale(tl.max(tl.abs(x), axis=1), FMT)
+    byte, scale, recip = block_scale(tl.max(tl.abs(x), axis=1), FMT)
     tl.store(scale_ptr + dst * scale_row_stride + col, byte.to(tl.uint8), mask=gmask)
-    if FMT == 0:
+    if FMT == 1:
         v = tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)
         tl.store(data_ptr + dst[:, None] * data_row_stride + col[:, None] * BLK + e[None, :],
-                 _e4m3_rne(v).to(tl.uint8), mask=gmask[:, None])
+                 e4m3_rne(v).to(tl.uint8), mask=gmask[:, None])
     else:
-        if FMT == 1:
+        if FMT == 2:
             v = tl.math.div_rn(x, scale[:, None])
         else:
             v = x * recip[:, None]
-        lo, hi = tl.split(tl.reshape(_e2m1_code(v), (BLOCK_R * BLOCK_C, BLK // 2, 2)))
+        lo, hi = tl.split(tl.reshape(e2m1_code(v), (BLOCK_R * BLOCK_C, BLK // 2, 2)))
         h = tl.arange(0, BLK // 2)
         tl.store(data_ptr + dst[:, None] * data_row_stride + col[:, None] * (BLK // 2) + h[None, :],
                  (lo | (hi << 4)).to(tl.uint8), mask=gmask[:, None])
@@ -161,47 +84,62 @@ def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_groups,
     g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     gmask = g < n_groups
     sbyte = tl.load(scale_ptr + g, mask=gmask, other=0).to(tl.int32)
-    if FMT == 1:
-        scale = _e4m3_value(sbyte)
+    if FMT == 2:
+        scale = e4m3_to_f32(sbyte)
     else:
-        scale = _e8m0_value(sbyte)
+        scale = e8m0_to_f32(sbyte)
     e = tl.arange(0, BLK)
-    if FMT == 0:
+    if FMT == 1:
         b = tl.load(data_ptr + g[:, None] * BLK + e[None, :], mask=gmask[:, None], other=0).to(tl.int32)
-        v = _e4m3_value(b)
+        v = e4m3_to_f32(b)
     else:
         h = tl.arange(0, BLK // 2)
         b = tl.load(data_ptr + g[:, None] * (BLK // 2) + h[None, :], mask=gmask[:, None], other=0).to(tl.int32)
-        v = tl.reshape(tl.join(_e2m1_value(b & 15), _e2m1_value(b >> 4)), (BLOCK_G, BLK))
+        v = tl.reshape(tl.join(e2m1_to_f32(b & 15), e2m1_to_f32(b >> 4)), (BLOCK_G, BLK))
     out = v * scale[:, None]
-    tl.store(out_ptr + g[:, None] * BLK + e[None, :], _to_out(out, out_ptr), mask=gmask[:, None])
+    tl.store(out_ptr + g[:, None] * BLK + e[None, :], to_out(out, out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+def rows_plan(rows: int, n: int, fmt: str, has_slots: bool, tile: tuple | None = None) -> tuple:
+    """(grid, constexprs) quantizing ``rows`` rows of ``n`` into ``fmt``; ``tile`` = (BLOCK_R, BLOCK_C,
+    num_warps) or None for TILES ``quantize`` (``ELEMS`` per program)."""
+    blk = formats.spec(fmt).block
+    groups_per_row = n // blk
+    if tile is None:
+        t = _tiles()["quantize"]
+        block_g = t["ELEMS"] // blk
+        block_c = min(triton.next_power_of_2(groups_per_row), block_g)
+        tile = (block_g // block_c, block_c, t["num_warps"])
+    block_r, block_c, warps = tile
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(groups_per_row, block_c))
+    return grid, dict(FMT=_FMT[fmt], BLK=blk, HAS_SLOTS=has_slots, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+
+
+def launch_rows(plan: tuple, x2, data, scale, slots, data_row_stride: int, scale_row_stride: int) -> None:
+    """Run a :func:`rows_plan` on ``x2 [M, N]`` (unit last stride) into uint8 ``data`` / ``scale`` rows."""
+    grid, c = plan
+    _quantize_kernel[grid](x2, data, scale, slots if slots is not None else data, x2.shape[0], x2.shape[1] // c["BLK"],
+                           x2.stride(0), data_row_stride, scale_row_stride, **c)
 
 
 def _launch_quantize(x2, fmt, data, scale, slots, data_row_stride, scale_row_stride):
     """Quantize rows of ``x2 [M, N]`` (unit last stride) into byte tensors ``data``/``scale``."""
-    assert x2.dim() == 2 and x2.stride(-1) == 1 and data.dtype == scale.dtype == torch.uint8
-    blk = formats.spec(fmt).block
-    rows, groups_per_row = x2.shape[0], x2.shape[1] // blk
-    if rows * groups_per_row == 0:
+    rows, n = x2.shape
+    if rows * n == 0:
         return
-    t = _tiles()["quantize"]
-    block_g = t["ELEMS"] // blk
-    block_c = min(triton.next_power_of_2(groups_per_row), block_g)
-    block_r = block_g // block_c
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(groups_per_row, block_c))
-    _quantize_kernel[grid](
-        x2, data, scale, slots if slots is not None else data, rows, groups_per_row,
-        x2.stride(0), data_row_stride, scale_row_stride, FMT=_FMT[fmt], BLK=blk, HAS_SLOTS=slots is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=t["num_warps"])
+    key = (rows, n, fmt, slots is not None)
+    plan = PLANS.lookup(key)[1]
+    if plan is None:
+        assert x2.dim() == 2 and x2.stride(-1) == 1 and data.dtype == scale.dtype == torch.uint8
+        plan = PLANS.store(key, rows_plan(rows, n, fmt, slots is not None))
+    launch_rows(plan, x2, data, scale, slots, data_row_stride, scale_row_stride)
 
 
 def quantize(x: torch.Tensor, fmt: str) -> QTensor:
     s = formats.spec(fmt)
     assert fmt in _FMT and x.dim() >= 1 and x.shape[-1] % s.block == 0
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = last_dense(x.reshape(-1, n))
     row_bytes = n // 2 if s.packed else n
     data = torch.empty(x2.shape[0], row_bytes, dtype=torch.uint8, device=x.device)
     scale = torch.empty(x2.shape[0], n // s.block, dtype=torch.uint8, device=x.device)
@@ -214,15 +152,18 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     s = formats.spec(q.fmt)
     assert q.fmt in _FMT
-    data = q.data.contiguous().view(torch.uint8)
-    scale = q.scale.contiguous().view(torch.uint8)
+    data, scale = dense(q.data).view(torch.uint8), dense(q.scale).view(torch.uint8)
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     n_groups = scale.numel()
     if n_groups:
-        t = _tiles()["dequantize"]
-        block_g = t["ELEMS"] // s.block
-        _dequantize_kernel[(triton.cdiv(n_groups, block_g),)](data, scale, out, n_groups, FMT=_FMT[q.fmt],
-                                                               BLK=s.block, BLOCK_G=block_g, num_warps=t["num_warps"])
+        key = ("dequantize", n_groups, q.fmt)
+        plan = PLANS.lookup(key)[1]
+        if plan is None:
+            t = _tiles()["dequantize"]
+            block_g = t["ELEMS"] // s.block
+            plan = PLANS.store(key, ((triton.cdiv(n_groups, block_g),), dict(
+                FMT=_FMT[q.fmt], BLK=s.block, BLOCK_G=block_g, num_warps=t["num_warps"])))
+        _dequantize_kernel[plan[0]](data, scale, out, n_groups, **plan[1])
     return out
 
 
@@ -255,8 +196,7 @@ def quantize_store(x: torch.Tensor, fmt: str, cache_data: torch.Tensor, cache_sc
     d = x.shape[1]
     data = _cache_rows(cache_data, "cache_data", d // 2 if s.packed else d)
     scale = _cache_rows(cache_scale, "cache_scale", d // s.block)
-    x2 = x if x.stride(-1) == 1 else x.contiguous()
-    _launch_quantize(x2, fmt, data, scale, slot_mapping.contiguous(), data.stride(0), scale.stride(0))
+    _launch_quantize(last_dense(x), fmt, data, scale, dense(slot_mapping), data.stride(0), scale.stride(0))
 
 
 def supports_quantize(x, fmt) -> bool:

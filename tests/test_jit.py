@@ -222,15 +222,17 @@ def test_warmup_calls_each_hook_with_the_profile_active():
         raise RuntimeError("ptxas died")
 
     modules = [("good", types.SimpleNamespace(warmup=hook)), ("plain", types.SimpleNamespace(OPS={})),
-               ("broken", types.SimpleNamespace(warmup=broken)), ("missing", ImportError("no module"))]
+               ("broken", types.SimpleNamespace(warmup=broken)), ("missing", ImportError("no module")),
+               ("idle", types.SimpleNamespace(warmup=lambda p: "no CUDA device")), ("helper", types.SimpleNamespace())]
     calls = []
     with profiles.using("cpu"):
         report = jit.warmup("h200", modules, progress=lambda done, total: calls.append((done, total)))
         assert profiles.active_profile().name == "cpu"  # restored
     assert seen == [("h200", "h200", profiles.load_profile("h200").tiles["attention"])]
-    assert report["warmed"] == ["good"] and report["skipped"] == ["plain"]
+    assert report["warmed"] == ["good"] and report["skipped"] == ["plain", "idle"]  # "helper": no OPS, ignored
+    assert report["reasons"] == {"idle": "no CUDA device"}
     assert report["failed"] == {"broken": "RuntimeError: ptxas died", "missing": "import: ImportError: no module"}
-    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert calls == [(i, 6) for i in range(1, 7)]
     assert os.environ["TRITON_CACHE_MANAGER"] == "flashrt.jit_triton:TritonCacheManager"
 
 
@@ -238,7 +240,7 @@ def test_warmup_cli_walks_the_kernel_modules(capsys):
     from flashrt import cli
     from flashrt.cli_jit import kernel_modules
 
-    names = {name for name, _ in kernel_modules()}
+    names = {name for name, mod in kernel_modules() if isinstance(mod, Exception) or hasattr(mod, "OPS")}
     rc = cli.main(["jit", "warmup", "--profile", "cpu", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert report["profile"] == "cpu" and rc == (1 if report["failed"] else 0)

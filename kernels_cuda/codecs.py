@@ -1,0 +1,178 @@
+"""Device-side codecs of the stored formats (:mod:`flashrt.formats`), shared by every kernel file.
+
+Element decoders (stored bytes widened to int32 unless said otherwise), all exact:
+
+- :func:`e8m0_to_f32` UE8M0 scale bytes -> ``2**(u - 127)`` (0 -> 2**-127, 255 -> NaN);
+  :func:`pow2` ``2**(biased - 127)`` for an exponent already offset (UE8M0 byte + k, in [1, 254]);
+- :func:`e4m3_x256` E4M3 -> its value times 2**-8 as fp16, the 7 magnitude bits placed in fp16's
+  (any architecture, no NaN codes: the dot operand path of ``linear`` / ``moe``);
+  :func:`e4m3_to_f32` the fp32 value from the same bits, NaN for 0x7F / 0xFF (any architecture);
+  :func:`e4m3_cvt` through the hardware conversion (float8e4nv: sm_89+), NaN codes fixed up under
+  the interpreter (whose conversion returns +-480 for them; the GPU's returns NaN);
+- :func:`e2m1_x16384` E2M1 codes (sign in bit 3) -> value times 2**-14 as fp16 (the 0.5 code is an
+  fp16 subnormal, kept by the fp16 -> fp32 conversion where an fp32 subnormal could be flushed);
+  :func:`e2m1_to_f32` the fp32 value.
+
+Row decoder: :func:`dequant_rows` turns a ``[R, bytes]`` tile of stored rows and its ``[R, blocks]``
+scale bytes into fp32 ``[R, elements]`` for every KV / key format (codes :data:`CODES`).
+
+Encoders (bit-exact with :mod:`flashrt.formats`; never through Triton's float8 conversion, which
+the interpreter does not round to nearest even and sm_80 lacks): :func:`e4m3_rne`,
+:func:`e2m1_code`, :func:`block_scale`; :func:`to_out` rounds fp32 to an output dtype.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+CODES = {"fp8": 1, "fp4_b16": 2, "fp4_b32": 3, "int8": 4}  # FMT constexpr of the kernels; 0 = plain float
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # kernels run in Triton's CPU interpreter
+_INTERPRETED = tl.constexpr(INTERPRETED)
+
+
+# --------------------------------------------------------------------------------------- decoders
+
+
+@triton.jit
+def e8m0_to_f32(u):
+    """fp32 ``2**(u - 127)`` of UE8M0 bytes ``u`` (int32; 0 -> 2**-127 subnormal, 255 -> NaN)."""
+    bits = tl.where(u == 0, 0x00400000, tl.where(u == 255, 0x7FC00000, u << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2(biased):
+    """fp32 ``2**(biased - 127)`` for a biased exponent (int32) in [1, 254]: UE8M0 bytes plus offsets."""
+    return (biased << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_f16(b):
+    """E4M3 bytes (int32) -> value * 2**-8 as fp16: sign to bit 15, exponent and mantissa to bits 13..7."""
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e4m3_x256(b):
+    """E4M3 as loaded (uint8 / float8e4nv) -> value * 2**-8 as fp16 (0x7F / 0xFF read as +-480, not NaN)."""
+    return _e4m3_f16(b.to(tl.uint8, bitcast=True).to(tl.int32))
+
+
+@triton.jit
+def e4m3_to_f32(b):
+    """fp32 value of E4M3 bytes ``b`` (int32; NaN for 0x7F / 0xFF), decoded on the bits (any arch)."""
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), _e4m3_f16(b).to(tl.float32) * 256.0)
+
+
+@triton.jit
+def e4m3_cvt(x):
+    """fp32 value of E4M3 bytes ``x`` (uint8 / int32) by the hardware conversion (sm_89+; NaN for 0x7F / 0xFF)."""
+    v = x.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if _INTERPRETED:  # the interpreter converts the NaN codes to +-480
+        v = tl.where((x.to(tl.int32) & 0x7F) == 0x7F, float("nan"), v)
+    return v
+
+
+@triton.jit
+def e2m1_x16384(c):
+    """E2M1 codes (int32, low 4 bits, sign in bit 3) -> value * 2**-14 as fp16 (the code's bits in fp16's)."""
+    return (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e2m1_to_f32(c):
+    """fp32 value of E2M1 codes (int32 in 0..15; code 8 is -0.0)."""
+    return e2m1_x16384(c).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _expand(s, R: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
+    """[R, NB] block scales -> [R, NB * BS], each repeated over its block."""
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (R, NB, BS)), (R, NB * BS))
+
+
+@triton.jit
+def dequant_rows(x, u, FMT: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """fp32 [R, BLOCK_D] values of stored rows ``x`` [R, bytes] with scale bytes ``u`` [R, blocks]:
+    plain (0: ``x`` already values), fp8 (1: E4M3, UE8M0 / 32), fp4_b16 (2: E2M1, E4M3 / 16),
+    fp4_b32 (3: E2M1, UE8M0 / 32), int8 (4: UE8M0 / 32); E2M1 element 2i is the low nibble.
+    E4M3 data and E4M3 scales go through the hardware conversion (sm_89+)."""
+    if FMT == 0:
+        v = x.to(tl.float32)
+    elif FMT == 1:
+        v = e4m3_cvt(x) * _expand(e8m0_to_f32(u.to(tl.int32)), R, BLOCK_D // 32, 32)
+    elif FMT == 4:
+        v = x.to(tl.int8, bitcast=True).to(tl.float32) * _expand(e8m0_to_f32(u.to(tl.int32)), R, BLOCK_D // 32, 32)
+    else:
+        p = x.to(tl.int32)
+        v = e2m1_x16384(tl.interleave(p & 15, p >> 4)).to(tl.float32)
+        if FMT == 2:
+            v = v * _expand(e4m3_cvt(u) * 16384.0, R, BLOCK_D // 16, 16)
+        else:  # 2**14 times the element first: 2**14 times a UE8M0 scale can overflow
+            v = v * 16384.0 * _expand(e8m0_to_f32(u.to(tl.int32)), R, BLOCK_D // 32, 32)
+    return v
+
+
+# --------------------------------------------------------------------------------------- encoders
+
+
+@triton.jit
+def e4m3_rne(v):
+    """E4M3 byte (int32) of fp32 ``v`` with ``|v| <= 448``: nearest, ties to even, sign kept."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a_bits = bits & 0x7FFFFFFF
+    lsb = (a_bits >> 20) & 1
+    normal = ((a_bits + 0x7FFFF + lsb) >> 20) - (120 << 3)  # rebias 127 -> 7, 3 mantissa bits
+    q = tl.minimum(a_bits.to(tl.float32, bitcast=True), 0.015625) * 512.0  # subnormal units of 2**-9
+    n = q.to(tl.int32)
+    frac = q - n.to(tl.float32)
+    sub = n + ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
+    return tl.where(a_bits < 0x3C800000, sub, normal) | sign  # 0x3C800000 = 2**-6
+
+
+@triton.jit
+def e2m1_code(v):
+    """E2M1 codes (int32, sign in bit 3) of fp32 ``v``: clamp to 6, nearest, ties to even."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32))
+    return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def block_scale(amax, FMT: tl.constexpr):
+    """(stored byte int32, scale fp32, 1 / scale fp32) for fp32 block maxima (FMT as :data:`CODES`)."""
+    if FMT == 2:  # fp4_b16: e4m3(max(amax, 6 * 2**-9) / 6), clamped to 448
+        v = tl.math.div_rn(tl.maximum(amax, 0.01171875), tl.full(amax.shape, 6.0, tl.float32))
+        byte = e4m3_rne(tl.minimum(v, 448.0))
+        scale = e4m3_to_f32(byte)
+        return byte, scale, scale
+    if FMT == 1:  # fp8: 2**ceil(log2(max(amax, 1e-4) / 448))
+        v = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
+    else:  # fp4_b32: 2**ceil(log2(max(amax, 6 * 2**-126) / 6))
+        v = tl.math.div_rn(tl.maximum(amax, 7.052966104933725e-38), tl.full(amax.shape, 6.0, tl.float32))
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, 1), 254)  # the floors keep e >= 1
+    recip_bits = tl.where(e >= 254, 0x00200000, (254 - e) << 23)  # 2**(127 - e), 2**-127 subnormal
+    return e, e8m0_to_f32(e), recip_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quant_fp8(x):
+    """``fp8`` blocks of fp32 ``x`` [R, G, 32] -> (E4M3 bytes int32 [R, G, 32], UE8M0 bytes int32 [R, G])."""
+    byte, _, recip = block_scale(tl.max(tl.abs(x), axis=2), 1)
+    return e4m3_rne(tl.minimum(tl.maximum(x * recip[:, :, None], -448.0), 448.0)), byte
+
+
+@triton.jit
+def to_out(v, OUT: tl.constexpr):
+    """fp32 -> OUT rounding to nearest even (by hand for bf16 under the interpreter, which truncates)."""
+    if _INTERPRETED and OUT == tl.bfloat16:
+        b = v.to(tl.int32, bitcast=True)
+        v = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return v.to(OUT)

@@ -1,0 +1,83 @@
+"""Host-side helpers of the launchers: per-shape launch plans, device facts, no-copy contiguity,
+zero inputs for the ``warmup(profile)`` hooks.
+
+A launcher's per-call Python work should be what truly changes per call (pointers, a few sizes):
+everything that follows from the shapes, dtypes and the active profile's tiles (tile sizes, grid,
+splits, constexprs) is computed once into a plan and kept in a :class:`PlanCache`, keyed by what
+determines it. The cache belongs to one merged tiles dict: ``flashrt.profiles.tiles`` returns a
+new one whenever the active profile changes (or its cache is cleared), and the cache then starts
+empty, so a plan never outlives the profile it was made under.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from flashrt import formats, profiles
+from flashrt.formats import QTensor
+
+
+class PlanCache:
+    """Launch plans of one kernel module (``tiles.<module>`` of the profile, ``TILES`` as defaults)."""
+
+    def __init__(self, module: str, defaults: dict):
+        self.module, self.defaults = module, defaults
+        self._tiles: dict | None = None  # the merged tiles the plans were made with (held: no id reuse)
+        self._plans: dict = {}
+
+    def lookup(self, key) -> tuple[dict, object]:
+        """(the active tiles, the plan stored under ``key`` for them or None)."""
+        tiles = profiles.tiles(self.module, self.defaults)
+        if tiles is not self._tiles:
+            self._tiles, self._plans = tiles, {}
+        return tiles, self._plans.get(key)
+
+    def store(self, key, plan):
+        self._plans[key] = plan
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, default: int = 132) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (queried once per device); ``default`` elsewhere."""
+    if device.type != "cuda":
+        return default
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when contiguous, else a contiguous copy."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def last_dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has unit stride, else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def zeros_stored(fmt: str | None, shape, dtype: torch.dtype, device) -> torch.Tensor | QTensor:
+    """A zero-filled tensor as ``fmt`` stores it (None: plain ``dtype``): compile-only inputs for warmup hooks."""
+    if fmt is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    s = formats.spec(fmt)
+    data_shape, scale_shape = formats.expected_layout(fmt, shape)
+    return QTensor(torch.zeros(data_shape, dtype=torch.uint8, device=device).view(s.data_dtype),
+                   torch.zeros(scale_shape, dtype=torch.uint8, device=device).view(s.scale_dtype), fmt, shape)
+
+
+def no_device_reason() -> str | None:
+    """Why a warmup hook has nothing to compile here (the interpreter, no CUDA device), or None."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1: kernels are interpreted, nothing to compile"
+    if not torch.cuda.is_available():
+        return "no CUDA device: nothing to compile"
+    return None

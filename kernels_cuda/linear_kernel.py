@@ -1,0 +1,142 @@
+"""Triton kernels of the block-scaled GEMMs (launchers: :mod:`.linear`, :mod:`.moe`).
+
+``_k_loop`` accumulates ``dequant(xq) @ dequant(w).T`` over a K range for one output tile, where
+``xq`` holds fp8 activations (E4M3 bytes, UE8M0 scale bytes per 32: quant.py's ``fp8`` rows) and
+``w`` an ``fp8_w`` (32 x 32 tile scales) or ``fp4_w`` (UE8M0 per 32 inputs) weight. ``PROMOTE``:
+``tl.dot`` on the raw E4M3 operands one 32-wide K slice at a time, each slice's product scaled by
+``sx[row] * sw[col]`` into the fp32 accumulator (fp8_w on sm_89+); otherwise both operands are
+dequantized in registers (exact in bf16: E4M3 / E2M1 times a power of two) and one ``tl.dot`` per
+K block accumulates. ``_linear_kernel`` runs it per (output tile in grouped order, K split).
+E4M3 bytes may arrive as uint8 or float8e4nv (bitcast in registers either way).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashrt.kernels_cuda.codecs import e2m1_x16384, e4m3_x256, e8m0_to_f32, pow2, to_out
+
+
+@triton.jit
+def _e4m3_operand(b, DOT: tl.constexpr):
+    """Raw (unscaled) E4M3 dot operand: the loaded fp8 as it is for an fp8 dot, decoded otherwise."""
+    if DOT == tl.float8e4nv:
+        return b.to(tl.float8e4nv, bitcast=True)
+    return (e4m3_x256(b).to(tl.float32) * 256.0).to(DOT)
+
+
+@triton.jit
+def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn,
+             FP4: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT."""
+    G: tl.constexpr = BLOCK_K // 32
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kg = k0 + tl.arange(0, G) * 32
+    ok = (offs_n < N)[:, None] & (kg < k_hi)[None, :]  # [BN, G]
+    if FP4:
+        j = tl.arange(0, 16)
+        ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
+        byte = tl.load(ptrs, mask=ok[:, :, None], other=0).to(tl.int32)
+        s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + (kg // 32)[None, :], mask=ok, other=0).to(tl.int32)
+        s = pow2(s + 14)[:, :, None]  # 2**(b - 127) * 2**14
+        lo = e2m1_x16384(byte & 15).to(tl.float32) * s
+        hi = e2m1_x16384(byte >> 4).to(tl.float32) * s
+        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # element 2i low nibble, 2i + 1 high
+    else:
+        j = tl.arange(0, 32)
+        ptrs = w_ptr + offs_n[:, None, None] * stride_wn + kg[None, :, None] + j[None, None, :]
+        w = e4m3_x256(tl.load(ptrs, mask=ok[:, :, None], other=0.0)).to(tl.float32)
+        s = tl.load(sw_ptr + (offs_n // 32)[:, None] * stride_swn + (kg // 32)[None, :], mask=ok, other=0)
+        v = tl.reshape(w * pow2(s.to(tl.int32) + 8)[:, :, None], (BLOCK_N, BLOCK_K))  # 2**(b - 127) * 2**8
+    return v.to(DOT)
+
+
+@triton.jit
+def _a_block(a_rows, sa_rows, row_ok, k0, k_hi, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dequantized activations [BLOCK_M, BLOCK_K] at k0 as DOT (a_rows / sa_rows: row pointers)."""
+    G: tl.constexpr = BLOCK_K // 32
+    kg = k0 + tl.arange(0, G) * 32
+    ok = row_ok[:, None] & (kg < k_hi)[None, :]
+    a = tl.load(a_rows[:, None, None] + kg[None, :, None] + tl.arange(0, 32)[None, None, :],
+                mask=ok[:, :, None], other=0)
+    sa = e8m0_to_f32(tl.load(sa_rows[:, None] + (kg // 32)[None, :], mask=ok, other=0).to(tl.int32)) * 256.0
+    return tl.reshape(e4m3_x256(a).to(tl.float32) * sa[:, :, None], (BLOCK_M, BLOCK_K)).to(DOT)
+
+
+@triton.jit
+def _col_scale(sw_ptr, n0, N, k1, k_hi, stride_swn, BLOCK_N: tl.constexpr):
+    """fp8_w tile scale of each column n0 + [0, BLOCK_N) at K offset k1: one scalar load per 32."""
+    grp = tl.arange(0, BLOCK_N) // 32
+    out = tl.zeros([BLOCK_N], tl.float32)
+    for g in tl.static_range(BLOCK_N // 32):
+        nb = n0 // 32 + g
+        ok = (nb * 32 < N) & (k1 < k_hi)
+        byte = tl.load(sw_ptr + nb * stride_swn + k1 // 32, mask=ok, other=127).to(tl.int32)
+        out = tl.where(grp == g, e8m0_to_f32(byte), out)
+    return out
+
+
+@triton.jit
+def _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn,
+             DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc + (a @ w[:, k1:k1+32].T) * sa[:, None] * sw[None, :] with raw E4M3 dot operands."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = k1 + tl.arange(0, 32)
+    ok = (offs_n < N)[:, None] & (offs_k < k_hi)[None, :]
+    b = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=ok, other=0.0)
+    part = tl.dot(a, tl.trans(_e4m3_operand(b, DOT)))
+    sw = _col_scale(sw_ptr, n0, N, k1, k_hi, stride_swn, BLOCK_N)
+    return acc + part * (sa[:, None] * sw[None, :])
+
+
+@triton.jit
+def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
+            FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] of xq @ w.T over K in [k_lo, k_hi) (and of xq @ w3.T when DUAL)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if PROMOTE:
+            for kk in tl.static_range(BLOCK_K // 32):
+                k1 = k0 + kk * 32
+                offs_k = k1 + tl.arange(0, 32)
+                a = tl.load(a_rows[:, None] + offs_k[None, :], mask=row_ok[:, None] & (offs_k < k_hi)[None, :], other=0)
+                sa = tl.load(sa_rows + k1 // 32, mask=row_ok & (tl.full([BLOCK_M], k1, tl.int32) < k_hi), other=0)
+                sa = e8m0_to_f32(sa.to(tl.int32))
+                a = _e4m3_operand(a, DOT)
+                acc = _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, DOT, BLOCK_N)
+                if DUAL:
+                    acc3 = _promote(acc3, a, sa, w3_ptr, sw3_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, DOT, BLOCK_N)
+        else:
+            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, DOT, BLOCK_M, BLOCK_K)
+            b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, tl.trans(b), acc)
+            if DUAL:
+                b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K)
+                acc3 = tl.dot(a, tl.trans(b3), acc3)
+    return acc, acc3
+
+
+@triton.jit
+def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, M, N, K, k_split,
+                   stride_xm, stride_sxm, stride_wn, stride_swn, stride_om, stride_os,
+                   FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n  # grouped order: GROUP_M row tiles share each weight tile in L2
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    n0 = ((pid % width) // size_m) * BLOCK_N
+    k_lo = tl.program_id(1) * k_split
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r64 = rows.to(tl.int64)
+    acc, _ = _k_loop(xq_ptr + r64 * stride_xm, sx_ptr + r64 * stride_sxm, rows < M, w_ptr, sw_ptr, w_ptr, sw_ptr,
+                     n0, N, k_lo, tl.minimum(k_lo + k_split, K), stride_wn, stride_swn,
+                     FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    ptrs = out_ptr + tl.program_id(1) * stride_os + r64[:, None] * stride_om + offs_n[None, :]
+    ok = (rows < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(ptrs, to_out(acc, out_ptr.dtype.element_ty), mask=ok)
