@@ -58,12 +58,13 @@ def _merge(o, so, h, o2, so2, h2):
 
 @triton.jit
 def _dequant(kv, rows, srows, hit, FMT: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Add the ``hit`` rows, stored in format ``FMT``, to the fp32 tile ``kv``. The loads stay
-    outside the branch (the pipeliner can prefetch them); the conversion only runs for the
-    formats a block touches."""
+    """Add the ``hit`` rows, stored in format ``FMT``, to the tile ``kv`` (the dot dtype: stored
+    values times power-of-two or E4M3 scales are exact in bf16, and a row takes one segment's
+    values plus zeros, so the sum is exact too). The loads stay outside the branch (the pipeliner
+    can prefetch them); the conversion only runs for the formats a block touches."""
     x, u = _load_rows(rows, srows, hit, FMT, D, BLOCK_D)
     if tl.max(hit.to(tl.int32), axis=0) > 0:
-        kv += dequant_rows(x, u, FMT, BK, BLOCK_D)
+        kv += dequant_rows(x, u, FMT, BK, BLOCK_D).to(kv.dtype)
     return kv
 
 
@@ -72,8 +73,8 @@ def _gather_kv(idx, b, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr,
-               ROLE2: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """fp32 [BK, BLOCK_D] rows ``idx`` of the concatenated segments (zeros where idx is empty).
+               ROLE2: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr):
+    """DT [BK, BLOCK_D] rows ``idx`` of the concatenated segments (zeros where idx is empty).
 
     Segment i's row r of batch b is at ``d_i + o_i + b * sb_i + r * st_i`` (scales alike).
     ROLE1: -1 absent, 0 same quantized format as segment 0 (one dequant path), 1 own path;
@@ -89,7 +90,7 @@ def _gather_kv(idx, b, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
         r1, q1, h1 = _merge(r1, q1, h1, r2, q2, h2)
     if ROLE1 == 0:
         r0, q0, h0 = _merge(r0, q0, h0, r1, q1, h1)
-    kv = _dequant(tl.zeros([BK, BLOCK_D], tl.float32), d0 + r0, s0 + q0, h0, FMT0, D, BK, BLOCK_D)
+    kv = _dequant(tl.zeros([BK, BLOCK_D], DT), d0 + r0, s0 + q0, h0, FMT0, D, BK, BLOCK_D)
     if ROLE1 == 1:
         kv = _dequant(kv, d1 + r1, s1 + q1, h1, FMT1, D, BK, BLOCK_D)
     if ROLE2 == 2:
@@ -131,13 +132,14 @@ def _sparse_attention_kernel(
         S, H, K, blocks_per_split, qk_scale, D: tl.constexpr,
         FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr, ROLE2: tl.constexpr,
         HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
-        H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+        H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, Q_RELOAD: tl.constexpr):
     bs, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
     h = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
     d = tl.arange(0, BLOCK_D)
     mask_hd = _mask(h < H, d, D, BLOCK_D)
     offs_q = (bs * H + h)[:, None] * D + d[None, :]
-    q = tl.load(q_ptr + offs_q, mask=mask_hd, other=0.0).to(DOT_DTYPE)
+    if not Q_RELOAD:
+        q = tl.load(q_ptr + offs_q, mask=mask_hd, other=0.0).to(DOT_DTYPE)
     m_i = tl.full([H_BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([H_BLOCK], tl.float32)
     acc = tl.zeros([H_BLOCK, BLOCK_D], tl.float32)
@@ -148,8 +150,10 @@ def _sparse_attention_kernel(
         kv = _gather_kv(idx, bs // S, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
-                        FMT0, FMT1, FMT2, ROLE1, ROLE2, D, K_BLOCK, BLOCK_D)
-        m_i, l_i, acc = _attend(q, kv.to(DOT_DTYPE), idx, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
+                        FMT0, FMT1, FMT2, ROLE1, ROLE2, D, K_BLOCK, BLOCK_D, DOT_DTYPE)
+        if Q_RELOAD:
+            q = tl.load(q_ptr + offs_q, mask=mask_hd, other=0.0).to(DOT_DTYPE)
+        m_i, l_i, acc = _attend(q, kv, idx, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
     if SPLIT:  # partials [splits, B*S, H, D] = acc / l and [.., 2] = (m, l); the sink joins in _combine_kernel
         row = (split * tl.num_programs(0) + bs) * H + h
         o = _finish(acc, m_i, l_i, 0.0, False)
