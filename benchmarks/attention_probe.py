@@ -19,14 +19,12 @@ from flashrt import ops, profiles
 from flashrt.backends import reference
 
 H, D, W, TOPK, CTX = 64, 512, 128, 512, 131072
-CANDIDATES = [  # H_BLOCK < 64 was 2-30x slower on the H200 (mma.sync tiles, heavy spills): not probed
-    dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, Q_RELOAD=False),
-    dict(H_BLOCK=64, K_BLOCK=16, num_warps=8, num_stages=2, Q_RELOAD=False),
-    dict(H_BLOCK=64, K_BLOCK=16, num_warps=8, num_stages=2, Q_RELOAD=True),
-    dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, Q_RELOAD=True),
-    dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=3, Q_RELOAD=True),
-    dict(H_BLOCK=64, K_BLOCK=64, num_warps=8, num_stages=2, Q_RELOAD=True),
-    dict(H_BLOCK=64, K_BLOCK=64, num_warps=8, num_stages=1, Q_RELOAD=True),
+CANDIDATES = [  # H_BLOCK < 64 was 2-30x slower on the H200 (mma.sync tiles, heavy spills)
+    dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2),
+    dict(H_BLOCK=64, K_BLOCK=16, num_warps=8, num_stages=2),
+    dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=3),
+    dict(H_BLOCK=64, K_BLOCK=64, num_warps=8, num_stages=1),
+    dict(H_BLOCK=64, K_BLOCK=32, num_warps=4, num_stages=2),
 ]
 SHAPES = [("decode", 1, 1), ("decode", 8, 1), ("decode", 64, 1), ("prefill", 1, 2048)]
 

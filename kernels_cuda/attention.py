@@ -29,11 +29,9 @@ from flashrt.kernels_cuda.codecs import CODES
 from flashrt.kernels_cuda.launch import PlanCache, dense, last_dense, no_device_reason, sm_count, zeros_stored
 
 TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLOCK * D * 2 (kv) + stages
-    # Q_RELOAD: load q from L1/L2 in every K block instead of holding it in registers (fewer spills)
-    "attention": {"H_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2, "Q_RELOAD": False},  # bf16 q
+    "attention": {"H_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2},  # bf16 q
     # fp16 / fp32 q: fp32 dot operands at this input precision ("bf16x3": 3 bf16 MMAs, ~2**-16)
-    "attention_fp32": {"H_BLOCK": 64, "K_BLOCK": 16, "num_warps": 8, "num_stages": 1, "precision": "bf16x3",
-                       "Q_RELOAD": False},
+    "attention_fp32": {"H_BLOCK": 64, "K_BLOCK": 16, "num_warps": 8, "num_stages": 1, "precision": "bf16x3"},
     "combine": {"H_BLOCK": 16, "num_warps": 4},
     # split-K: splits = min(programs // (B*S*head blocks), max_splits, K blocks // min_blocks);
     # programs 0 = the device's SM count
@@ -134,7 +132,7 @@ def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
                 constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, HAS_SINK=has_sink,
                                 SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, H_BLOCK=h_block, K_BLOCK=k_block,
                                 BLOCK_D=triton.next_power_of_2(D), num_warps=t["num_warps"],
-                                num_stages=t["num_stages"], Q_RELOAD=bool(t["Q_RELOAD"])))
+                                num_stages=t["num_stages"]))
 
 
 def _combine(pacc, pml, sink, out, splits: int) -> None:

@@ -132,14 +132,13 @@ def _sparse_attention_kernel(
         S, H, K, blocks_per_split, qk_scale, D: tl.constexpr,
         FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr, ROLE2: tl.constexpr,
         HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
-        H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, Q_RELOAD: tl.constexpr):
+        H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     bs, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
     h = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
     d = tl.arange(0, BLOCK_D)
     mask_hd = _mask(h < H, d, D, BLOCK_D)
     offs_q = (bs * H + h)[:, None] * D + d[None, :]
-    if not Q_RELOAD:
-        q = tl.load(q_ptr + offs_q, mask=mask_hd, other=0.0).to(DOT_DTYPE)
+    q = tl.load(q_ptr + offs_q, mask=mask_hd, other=0.0).to(DOT_DTYPE)
     m_i = tl.full([H_BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([H_BLOCK], tl.float32)
     acc = tl.zeros([H_BLOCK, BLOCK_D], tl.float32)
@@ -151,8 +150,6 @@ def _sparse_attention_kernel(
                         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                         FMT0, FMT1, FMT2, ROLE1, ROLE2, D, K_BLOCK, BLOCK_D, DOT_DTYPE)
-        if Q_RELOAD:
-            q = tl.load(q_ptr + offs_q, mask=mask_hd, other=0.0).to(DOT_DTYPE)
         m_i, l_i, acc = _attend(q, kv, idx, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
     if SPLIT:  # partials [splits, B*S, H, D] = acc / l and [.., 2] = (m, l); the sink joins in _combine_kernel
         row = (split * tl.num_programs(0) + bs) * H + h

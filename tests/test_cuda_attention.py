@@ -133,16 +133,6 @@ def test_attention_split_k(q_dtype, monkeypatch, rng):
     assert splits == [3, 3]
 
 
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_attention_q_reloaded_per_block(q_dtype, monkeypatch, rng):
-    """Q_RELOAD: q read in every K block instead of held across the loop; same results."""
-    for key in ("attention", "attention_fp32"):
-        monkeypatch.setitem(attention.TILES, key, dict(attention.TILES[key], K_BLOCK=16, Q_RELOAD=True))
-    B, S, H, D, T = 2, 3, 16, 64, 40
-    q = torch.randn(B, S, H, D, generator=rng).to(q_dtype).to(DEVICE)
-    _check(q, _kv("fp8+fp4_b16", B, T, D, rng), _indices(B, S, 36, T, rng), torch.randn(H, generator=rng).to(DEVICE))
-
-
 def test_cuda_backend_runs_the_kernel(monkeypatch, rng):
     launches = []
     real = attention._sparse_attention_kernel
