@@ -19,12 +19,16 @@ from flashrt import ops, profiles
 from flashrt.backends import reference
 
 H, D, W, TOPK, CTX = 64, 512, 128, 512, 131072
-CANDIDATES = [  # H_BLOCK < 64 was 2-30x slower on the H200 (mma.sync tiles, heavy spills)
-    dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2),
-    dict(H_BLOCK=64, K_BLOCK=16, num_warps=8, num_stages=2),
-    dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=3),
-    dict(H_BLOCK=64, K_BLOCK=64, num_warps=8, num_stages=1),
-    dict(H_BLOCK=64, K_BLOCK=32, num_warps=4, num_stages=2),
+SPLIT_MORE = dict(programs=0, min_blocks=1, max_splits=32)
+CANDIDATES = [  # (attention tile, split-K tile or None); H_BLOCK < 64 was 2-30x slower (mma.sync, spills)
+    (dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, D_SPLIT=1), None),
+    (dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, D_SPLIT=2), None),
+    (dict(H_BLOCK=64, K_BLOCK=64, num_warps=8, num_stages=2, D_SPLIT=2), None),
+    (dict(H_BLOCK=64, K_BLOCK=16, num_warps=8, num_stages=2, D_SPLIT=2), None),
+    (dict(H_BLOCK=64, K_BLOCK=32, num_warps=4, num_stages=2, D_SPLIT=2), None),
+    (dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, D_SPLIT=1), SPLIT_MORE),
+    (dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, D_SPLIT=2), SPLIT_MORE),
+    (dict(H_BLOCK=64, K_BLOCK=16, num_warps=8, num_stages=2, D_SPLIT=1), SPLIT_MORE),
 ]
 SHAPES = [("decode", 1, 1), ("decode", 8, 1), ("decode", 64, 1), ("prefill", 1, 2048)]
 
@@ -100,8 +104,9 @@ def main() -> None:
     rows = []
     data = {(B, S): inputs(B, S, gen) for _, B, S in SHAPES}
     refs = {k: reference.sparse_attention(*v, D ** -0.5).float() for k, v in data.items()}
-    for tile in CANDIDATES:
-        prof = dataclasses.replace(base, tiles={**base.tiles, "attention": {"attention": tile}})
+    for tile, split in CANDIDATES:
+        section = {"attention": tile, **({"split": split} if split else {})}
+        prof = dataclasses.replace(base, tiles={**base.tiles, "attention": section})
         with profiles.using(prof), flashrt.use_backend("cuda"), flashrt.value_checks(False):
             for kind, B, S in SHAPES:
                 q, kv, idx, sink = data[(B, S)]
@@ -111,12 +116,12 @@ def main() -> None:
                     err = float((out - refs[(B, S)]).norm() / refs[(B, S)].norm())
                     ms = graph_ms(call)
                 except Exception as exc:  # an invalid tile (shared memory) is a row, not a failure
-                    rows.append({"tile": tile, "kind": kind, "B": B, "S": S, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                    rows.append({"tile": tile, "split": split, "kind": kind, "B": B, "S": S, "error": f"{type(exc).__name__}: {exc}"[:200]})
                     continue
                 fl, bound = floor_ms(B, S, ceil)
-                rows.append({"tile": tile, "kind": kind, "B": B, "S": S, "ms": ms, "rel_err": err,
+                rows.append({"tile": tile, "split": split, "kind": kind, "B": B, "S": S, "ms": ms, "rel_err": err,
                              "floor_ms": fl, "bound": bound, "roofline_fraction": fl / ms})
-                print(f"{str(tile):70} {kind:7} B={B:3d} S={S:5d} {ms * 1e3:9.1f} us  "
+                print(f"{str(tile)[1:-1]:85} {'more splits' if split else '':11} {kind:7} B={B:3d} S={S:5d} {ms * 1e3:9.1f} us  "
                       f"{100 * fl / ms:5.1f}% ({bound})  err {err:.1e}", flush=True)
     result = {"ceilings": ceil, "rows": rows, "kernels": kernel_stats()}
     print(json.dumps(result["kernels"])[:1500])

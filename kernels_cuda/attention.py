@@ -29,9 +29,11 @@ from flashrt.kernels_cuda.codecs import CODES
 from flashrt.kernels_cuda.launch import PlanCache, dense, last_dense, no_device_reason, sm_count, zeros_stored
 
 TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLOCK * D * 2 (kv) + stages
-    "attention": {"H_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2},  # bf16 q
+    # D_SPLIT 2: two programs per head block, each accumulating half of the output columns
+    "attention": {"H_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2, "D_SPLIT": 1},  # bf16 q
     # fp16 / fp32 q: fp32 dot operands at this input precision ("bf16x3": 3 bf16 MMAs, ~2**-16)
-    "attention_fp32": {"H_BLOCK": 64, "K_BLOCK": 16, "num_warps": 8, "num_stages": 1, "precision": "bf16x3"},
+    "attention_fp32": {"H_BLOCK": 64, "K_BLOCK": 16, "num_warps": 8, "num_stages": 1, "precision": "bf16x3",
+                       "D_SPLIT": 1},
     "combine": {"H_BLOCK": 16, "num_warps": 4},
     # split-K: splits = min(programs // (B*S*head blocks), max_splits, K blocks // min_blocks);
     # programs 0 = the device's SM count
@@ -94,19 +96,22 @@ def _roles(codes) -> tuple[int, int]:
     return r1, r2
 
 
-def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int]:
-    """(tiles, H_BLOCK, K_BLOCK, splits, blocks per split): split K until the programs fill one
-    wave (one program per SM: it holds most of an SM's shared memory)."""
-    B, S, H, _ = q.shape
+def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int, int]:
+    """(tiles, H_BLOCK, K_BLOCK, splits, blocks per split, D_SPLIT): split K until the programs fill
+    one wave (one program per SM: it holds most of an SM's shared memory)."""
+    B, S, H, D = q.shape
     tiles = _tiles()
     t, sp = tiles["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], tiles["split"]
     h_block = min(t["H_BLOCK"], max(16, triton.next_power_of_2(H)))
     k_block = min(t["K_BLOCK"], max(16, triton.next_power_of_2(K)))
+    assert t["D_SPLIT"] in (1, 2), f"tiles.attention D_SPLIT: expected 1 or 2, got {t['D_SPLIT']!r}"
+    d_split = t["D_SPLIT"] if triton.next_power_of_2(D) >= 64 else 1  # halves of >= 32 columns (scale blocks)
     n_kb = triton.cdiv(K, k_block)
     wave = sp["programs"] or sm_count(q.device)
-    splits = max(1, min(wave // (B * S * triton.cdiv(H, h_block)), sp["max_splits"], n_kb // sp["min_blocks"]))
+    programs = B * S * triton.cdiv(H, h_block) * d_split
+    splits = max(1, min(wave // programs, sp["max_splits"], n_kb // sp["min_blocks"]))
     per_split = triton.cdiv(n_kb, splits)
-    return t, h_block, k_block, triton.cdiv(n_kb, per_split), per_split
+    return t, h_block, k_block, triton.cdiv(n_kb, per_split), per_split, d_split
 
 
 def _dot_mode(dtype: torch.dtype):
@@ -122,16 +127,16 @@ def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
     """What a launch takes from the shapes, formats and tiles: grid, splits, segment roles, the
     partials' dtype and the kernel's constexprs (cached in PLANS by the launcher)."""
     B, S, H, D = q.shape
-    t, h_block, k_block, splits, per_split = _plan(q, K)
+    t, h_block, k_block, splits, per_split, d_split = _plan(q, K)
     dot_dtype, prec = _dot_mode(q.dtype)
     role1, role2 = _roles(codes)
     fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
-    return dict(grid=(B * S, triton.cdiv(H, h_block), splits), splits=splits, per_split=per_split,
+    return dict(grid=(B * S, triton.cdiv(H, h_block) * d_split, splits), splits=splits, per_split=per_split,
                 roles=(0, role1, role2),  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
                 pdtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32,
                 constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, HAS_SINK=has_sink,
                                 SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, H_BLOCK=h_block, K_BLOCK=k_block,
-                                BLOCK_D=triton.next_power_of_2(D), num_warps=t["num_warps"],
+                                BLOCK_D=triton.next_power_of_2(D), D_SPLIT=d_split, num_warps=t["num_warps"],
                                 num_stages=t["num_stages"]))
 
 

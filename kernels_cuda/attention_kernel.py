@@ -26,16 +26,25 @@ def _mask(hit, col, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(rows, srows, hit, FMT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Stored (data, scale bytes) of the ``hit`` rows; zeros elsewhere. Plain rows: (data, data)."""
-    W: tl.constexpr = BLOCK_D // 2 if FMT >= 2 else BLOCK_D  # fp4: two elements per byte
+def _load_rows(rows, srows, hit, c0, FMT: tl.constexpr, D: tl.constexpr, BW: tl.constexpr, FULL: tl.constexpr):
+    """Stored (data, scale bytes) of columns ``[c0, c0 + BW)`` of the ``hit`` rows; zeros elsewhere
+    (``c0`` a multiple of 32; FULL: the columns are all of ``[0, D)`` padded). Plain rows: (data, data)."""
+    PER: tl.constexpr = 2 if FMT >= 2 else 1  # fp4: two elements per byte
     BS: tl.constexpr = 16 if FMT == 2 else 32
-    c = tl.arange(0, W)
-    x = tl.load(rows[:, None] + c[None, :], mask=_mask(hit, c, D * W // BLOCK_D, W), other=0)
+    c = tl.arange(0, BW // PER)
+    if FULL:
+        x = tl.load(rows[:, None] + c[None, :], mask=_mask(hit, c, D // PER, BW // PER), other=0)
+    else:
+        x = tl.load(rows[:, None] + c0 // PER + c[None, :], mask=hit[:, None] & (c0 // PER + c < D // PER)[None, :],
+                    other=0)
     u = x
     if FMT != 0:
-        nb = tl.arange(0, BLOCK_D // BS)
-        u = tl.load(srows[:, None] + nb[None, :], mask=_mask(hit, nb, D // BS, BLOCK_D // BS), other=0)
+        nb = tl.arange(0, BW // BS)
+        if FULL:
+            u = tl.load(srows[:, None] + nb[None, :], mask=_mask(hit, nb, D // BS, BW // BS), other=0)
+        else:
+            u = tl.load(srows[:, None] + c0 // BS + nb[None, :], mask=hit[:, None] & (c0 // BS + nb < D // BS)[None, :],
+                        other=0)
     return x, u
 
 
@@ -57,24 +66,27 @@ def _merge(o, so, h, o2, so2, h2):
 
 
 @triton.jit
-def _dequant(kv, rows, srows, hit, FMT: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _dequant(kv, rows, srows, hit, c0, FMT: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
+             FULL: tl.constexpr):
     """Add the ``hit`` rows, stored in format ``FMT``, to the tile ``kv`` (the dot dtype: stored
     values times power-of-two or E4M3 scales are exact in bf16, and a row takes one segment's
     values plus zeros, so the sum is exact too). The loads stay outside the branch (the pipeliner
     can prefetch them); the conversion only runs for the formats a block touches."""
-    x, u = _load_rows(rows, srows, hit, FMT, D, BLOCK_D)
+    x, u = _load_rows(rows, srows, hit, c0, FMT, D, BW, FULL)
     if tl.max(hit.to(tl.int32), axis=0) > 0:
-        kv += dequant_rows(x, u, FMT, BK, BLOCK_D).to(kv.dtype)
+        kv += dequant_rows(x, u, FMT, BK, BW).to(kv.dtype)
     return kv
 
 
 @triton.jit
-def _gather_kv(idx, b, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
+def _gather_kv(idx, b, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr,
-               ROLE2: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr):
-    """DT [BK, BLOCK_D] rows ``idx`` of the concatenated segments (zeros where idx is empty).
+               ROLE2: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, DT: tl.constexpr,
+               FULL: tl.constexpr):
+    """DT [BK, BW] columns ``[c0, c0 + BW)`` of the rows ``idx`` of the concatenated segments
+    (zeros where idx is empty).
 
     Segment i's row r of batch b is at ``d_i + o_i + b * sb_i + r * st_i`` (scales alike).
     ROLE1: -1 absent, 0 same quantized format as segment 0 (one dequant path), 1 own path;
@@ -90,11 +102,11 @@ def _gather_kv(idx, b, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
         r1, q1, h1 = _merge(r1, q1, h1, r2, q2, h2)
     if ROLE1 == 0:
         r0, q0, h0 = _merge(r0, q0, h0, r1, q1, h1)
-    kv = _dequant(tl.zeros([BK, BLOCK_D], DT), d0 + r0, s0 + q0, h0, FMT0, D, BK, BLOCK_D)
+    kv = _dequant(tl.zeros([BK, BW], DT), d0 + r0, s0 + q0, h0, c0, FMT0, D, BK, BW, FULL)
     if ROLE1 == 1:
-        kv = _dequant(kv, d1 + r1, s1 + q1, h1, FMT1, D, BK, BLOCK_D)
+        kv = _dequant(kv, d1 + r1, s1 + q1, h1, c0, FMT1, D, BK, BW, FULL)
     if ROLE2 == 2:
-        kv = _dequant(kv, d2 + r2, s2 + q2, h2, FMT2, D, BK, BLOCK_D)
+        kv = _dequant(kv, d2 + r2, s2 + q2, h2, c0, FMT2, D, BK, BW, FULL)
     return kv
 
 
@@ -111,16 +123,32 @@ def _finish(acc, m, l, sk, HAS_SINK: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, kv, idx, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
-    """One K block of the online softmax (base 2; empty slots masked) -> (m, l, acc)."""
-    s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale
-    s = tl.where((idx >= 0)[None, :], s, float("-inf"))
+def _attend(s, kv, idx, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """One K block of the online softmax over raw scores ``s`` (base 2; empty slots masked) and
+    the values ``kv`` -> (m, l, acc)."""
+    s = tl.where((idx >= 0)[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv, input_precision=PREC)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _scores(q, kv, q_o, kv_o, lo_first, D_SPLIT: tl.constexpr, PREC: tl.constexpr):
+    """q . kv over all of D: one dot, or with the output split over two programs the two column
+    halves (this program's, the other's), always the low half first so both programs get the same
+    scores bit for bit."""
+    if D_SPLIT == 1:
+        return tl.dot(q, tl.trans(kv), input_precision=PREC)
+    if lo_first:
+        s = tl.dot(q, tl.trans(kv), input_precision=PREC)
+        s = tl.dot(q_o, tl.trans(kv_o), s, input_precision=PREC)
+    else:
+        s = tl.dot(q_o, tl.trans(kv_o), input_precision=PREC)
+        s = tl.dot(q, tl.trans(kv), s, input_precision=PREC)
+    return s
 
 
 @triton.jit
@@ -132,35 +160,52 @@ def _sparse_attention_kernel(
         S, H, K, blocks_per_split, qk_scale, D: tl.constexpr,
         FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr, ROLE2: tl.constexpr,
         HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
-        H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+        H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, D_SPLIT: tl.constexpr):
+    """D_SPLIT 2: two programs share a head block, each accumulating half of the output columns
+    (half the accumulator registers) and gathering both halves for the scores."""
+    BW: tl.constexpr = BLOCK_D // D_SPLIT
     bs, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
-    h = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
-    d = tl.arange(0, BLOCK_D)
-    mask_hd = _mask(h < H, d, D, BLOCK_D)
-    offs_q = (bs * H + h)[:, None] * D + d[None, :]
-    q = tl.load(q_ptr + offs_q, mask=mask_hd, other=0.0).to(DOT_DTYPE)
+    h = (tl.program_id(1) // D_SPLIT) * H_BLOCK + tl.arange(0, H_BLOCK)
+    c0 = (tl.program_id(1) % D_SPLIT) * BW  # this program's output columns [c0, c0 + BW)
+    c1 = BW - c0  # the other half's (D_SPLIT 2)
+    d = c0 + tl.arange(0, BW)
+    mask_hd = (h < H)[:, None] & (d < D)[None, :]
+    q_row = q_ptr + (bs * H + h)[:, None] * D
+    q = tl.load(q_row + d[None, :], mask=mask_hd, other=0.0).to(DOT_DTYPE)
+    q_o = q
+    if D_SPLIT == 2:
+        d_o = c1 + tl.arange(0, BW)
+        q_o = tl.load(q_row + d_o[None, :], mask=(h < H)[:, None] & (d_o < D)[None, :], other=0.0).to(DOT_DTYPE)
     m_i = tl.full([H_BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([H_BLOCK], tl.float32)
-    acc = tl.zeros([H_BLOCK, BLOCK_D], tl.float32)
+    acc = tl.zeros([H_BLOCK, BW], tl.float32)
     kb_lo = split * blocks_per_split
     for kb in range(kb_lo, tl.minimum(kb_lo + blocks_per_split, tl.cdiv(K, K_BLOCK))):
         offs_k = kb * K_BLOCK + tl.arange(0, K_BLOCK)
         idx = tl.load(idx_ptr + bs * K + offs_k, mask=offs_k < K, other=-1)
-        kv = _gather_kv(idx, bs // S, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
+        kv = _gather_kv(idx, bs // S, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
-                        FMT0, FMT1, FMT2, ROLE1, ROLE2, D, K_BLOCK, BLOCK_D, DOT_DTYPE)
-        m_i, l_i, acc = _attend(q, kv, idx, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
+                        FMT0, FMT1, FMT2, ROLE1, ROLE2, D, K_BLOCK, BW, DOT_DTYPE, D_SPLIT == 1)
+        kv_o = kv
+        if D_SPLIT == 2:
+            kv_o = _gather_kv(idx, bs // S, c1, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
+                              d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
+                              d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
+                              FMT0, FMT1, FMT2, ROLE1, ROLE2, D, K_BLOCK, BW, DOT_DTYPE, False)
+        s = _scores(q, kv, q_o, kv_o, c0 == 0, D_SPLIT, PREC)
+        m_i, l_i, acc = _attend(s, kv, idx, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
+    offs_o = (bs * H + h)[:, None] * D + d[None, :]
     if SPLIT:  # partials [splits, B*S, H, D] = acc / l and [.., 2] = (m, l); the sink joins in _combine_kernel
         row = (split * tl.num_programs(0) + bs) * H + h
         o = _finish(acc, m_i, l_i, 0.0, False)
         tl.store(pacc_ptr + row[:, None] * D + d[None, :], o.to(pacc_ptr.dtype.element_ty), mask=mask_hd)
-        tl.store(pml_ptr + row * 2, m_i, mask=h < H)
+        tl.store(pml_ptr + row * 2, m_i, mask=h < H)  # D_SPLIT 2: both programs store the same (m, l)
         tl.store(pml_ptr + row * 2 + 1, l_i, mask=h < H)
     else:
         sk = tl.load(sink_ptr + h, mask=h < H, other=0.0) * LOG2E if HAS_SINK else 0.0
         out = _finish(acc, m_i, l_i, sk, HAS_SINK)
-        tl.store(out_ptr + offs_q, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+        tl.store(out_ptr + offs_o, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
 
 
 @triton.jit

@@ -133,6 +133,21 @@ def test_attention_split_k(q_dtype, monkeypatch, rng):
     assert splits == [3, 3]
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D, split_k", [(64, False), (96, False), (96, True)])
+def test_attention_output_columns_split_over_two_programs(q_dtype, D, split_k, monkeypatch, rng):
+    """D_SPLIT 2, with and without split K: each program accumulates half of the columns (96:
+    the high half is partly padding); the same results as the reference."""
+    for key in ("attention", "attention_fp32"):
+        monkeypatch.setitem(attention.TILES, key, dict(attention.TILES[key], K_BLOCK=16, D_SPLIT=2))
+    monkeypatch.setitem(attention.TILES, "split", {"programs": 64 if split_k else 1, "min_blocks": 1, "max_splits": 16})
+    B, S, H, T = 2, 2, 16, 40
+    q = torch.randn(B, S, H, D, generator=rng).to(q_dtype).to(DEVICE)
+    _, _, _, splits, _, d_split = attention._plan(q, 36)
+    assert d_split == 2 and (splits > 1) == split_k
+    _check(q, _kv("fp8+fp4_b16+fp4_b32", B, T, D, rng), _indices(B, S, 36, T, rng), torch.randn(H, generator=rng).to(DEVICE))
+
+
 def test_cuda_backend_runs_the_kernel(monkeypatch, rng):
     launches = []
     real = attention._sparse_attention_kernel
