@@ -29,15 +29,17 @@ from flashrt.kernels_cuda.codecs import CODES
 from flashrt.kernels_cuda.launch import PlanCache, dense, last_dense, no_device_reason, sm_count, zeros_stored
 
 TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLOCK * D * 2 (kv) + stages
-    # D_SPLIT 2: two programs per head block, each accumulating half of the output columns
-    "attention": {"H_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2, "D_SPLIT": 1},  # bf16 q
+    # D_SPLIT 2: two programs per head block, each accumulating half of the output columns, used
+    # when the programs (with D_SPLIT) fill at most half the SMs: few queries (H200: B=1 decode 46 ->
+    # 23 us with more K splits; B=64 108 -> 126 us, prefill 3.3 -> 4.2 ms, so not there)
+    "attention": {"H_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2, "D_SPLIT": 2},  # bf16 q
     # fp16 / fp32 q: fp32 dot operands at this input precision ("bf16x3": 3 bf16 MMAs, ~2**-16)
     "attention_fp32": {"H_BLOCK": 64, "K_BLOCK": 16, "num_warps": 8, "num_stages": 1, "precision": "bf16x3",
                        "D_SPLIT": 1},
     "combine": {"H_BLOCK": 16, "num_warps": 4},
     # split-K: splits = min(programs // (B*S*head blocks), max_splits, K blocks // min_blocks);
     # programs 0 = the device's SM count
-    "split": {"programs": 0, "min_blocks": 4, "max_splits": 16},
+    "split": {"programs": 0, "min_blocks": 1, "max_splits": 32},
 }
 
 
@@ -105,10 +107,12 @@ def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int, int]:
     h_block = min(t["H_BLOCK"], max(16, triton.next_power_of_2(H)))
     k_block = min(t["K_BLOCK"], max(16, triton.next_power_of_2(K)))
     assert t["D_SPLIT"] in (1, 2), f"tiles.attention D_SPLIT: expected 1 or 2, got {t['D_SPLIT']!r}"
-    d_split = t["D_SPLIT"] if triton.next_power_of_2(D) >= 64 else 1  # halves of >= 32 columns (scale blocks)
     n_kb = triton.cdiv(K, k_block)
     wave = sp["programs"] or sm_count(q.device)
-    programs = B * S * triton.cdiv(H, h_block) * d_split
+    programs = B * S * triton.cdiv(H, h_block)
+    # halves of >= 32 columns (scale blocks), only while the split programs fill at most half a wave
+    d_split = t["D_SPLIT"] if triton.next_power_of_2(D) >= 64 and 2 * t["D_SPLIT"] * programs <= wave else 1
+    programs *= d_split
     splits = max(1, min(wave // programs, sp["max_splits"], n_kb // sp["min_blocks"]))
     per_split = triton.cdiv(n_kb, splits)
     return t, h_block, k_block, triton.cdiv(n_kb, per_split), per_split, d_split
