@@ -140,7 +140,7 @@ def test_attention_output_columns_split_over_two_programs(q_dtype, D, split_k, m
     the high half is partly padding); the same results as the reference."""
     for key in ("attention", "attention_fp32"):
         monkeypatch.setitem(attention.TILES, key, dict(attention.TILES[key], K_BLOCK=16, D_SPLIT=2))
-    monkeypatch.setitem(attention.TILES, "split", {"programs": 64 if split_k else 1, "min_blocks": 1, "max_splits": 16})
+    monkeypatch.setitem(attention.TILES, "split", {"programs": 64, "min_blocks": 1, "max_splits": 16 if split_k else 1})
     B, S, H, T = 2, 2, 16, 40
     q = torch.randn(B, S, H, D, generator=rng).to(q_dtype).to(DEVICE)
     _, _, _, splits, _, d_split = attention._plan(q, 36)
