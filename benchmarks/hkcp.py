@@ -41,8 +41,10 @@ def fill_state(model, state: KVState, n: int, row: int = 0) -> None:
         for upto in range(0, entries + 4096, 4096):  # a step's worth at a time: older pages may spill
             c.main.reserve(row, min(upto, entries))
             state.pool.unlock()
-        c.index_k.data.view(torch.uint8)[row, :entries].random_(0, 256)
-        c.index_k.scale.view(torch.uint8)[row, :entries].fill_(120)
+        c.index_k.reserve(row, entries)
+    index = state.index_pool.dev
+    index.data.view(torch.uint8).random_(0, 256)
+    index.scale.view(torch.uint8).fill_(120)
     pool = state.pool
     pool.dev.data.view(torch.uint8).random_(0, 256)
     pool.dev.scale.view(torch.uint8).fill_(40)

@@ -21,6 +21,7 @@ from .formats import QTensor
 from .kvcache_util import empty_qtensor, write_rows
 
 FMT = "fp4_b16"
+TRASH_PAGE = 0
 
 
 class PagePool:
@@ -29,8 +30,11 @@ class PagePool:
     def __init__(self, head_dim: int, page_entries: int, device, device_pages: int | None):
         self.D, self.P, self.device = head_dim, page_entries, torch.device(device)
         self.limit = device_pages  # None: grow the device pool as needed, never spill
-        self.dev = empty_qtensor(FMT, (max(device_pages or 16, 1), page_entries, head_dim), self.device)
-        self.free_dev = list(range(self.dev.shape[0]))[::-1]
+        n = max(device_pages or 16, 1) + 1  # + the trash page (TRASH_PAGE, never handed out)
+        self.dev = empty_qtensor(FMT, (n, page_entries, head_dim), self.device)
+        self.free_dev = list(range(n - 1, TRASH_PAGE, -1))
+        self.generation = 0  # bumped whenever the device pool or a block-table buffer is reallocated
+        self.index_pool = None  # the batch's IndexPool (kvindex), drawn from the same budget
         self.host = empty_qtensor(FMT, (0, page_entries, head_dim), "cpu")
         self.free_host: list[int] = []
         self.fifo: OrderedDict[int, tuple] = OrderedDict()  # device page -> (table, logical page)
@@ -40,6 +44,16 @@ class PagePool:
     @property
     def page_bytes(self) -> int:
         return self.P * (self.D // 2 + self.D // 16)
+
+    @property
+    def device_pages(self) -> int:
+        """Device pages that can hold entries (the trash page excluded)."""
+        return self.dev.shape[0] - 1
+
+    @property
+    def trash_row(self) -> int:
+        """First row of the trash page in :meth:`segment`: where masked writes go."""
+        return TRASH_PAGE * self.P
 
     # ----- allocation ----------------------------------------------------------------------------
     def alloc(self, table: "BlockTable", logical: int) -> int:
@@ -62,6 +76,7 @@ class PagePool:
         grown.data[:n], grown.scale[:n] = self.dev.data, self.dev.scale
         self.dev = grown
         self.free_dev = list(range(2 * n - 1, n - 1, -1))
+        self.generation += 1
 
     def _spill_one(self) -> None:
         """Copy the oldest unlocked device page to a host page, then free it."""
@@ -111,10 +126,13 @@ class BlockTable:
 class PagedMainKV:
     """The main KV of one source layer for a batch: one block table per row, pages from ``pool``."""
 
-    def __init__(self, pool: PagePool, batch: int):
+    def __init__(self, pool: PagePool, batch: int, entries: int = 1):
+        """``entries``: the block-table buffers start wide enough for this many entries per row."""
         self.pool, self.tables = pool, [BlockTable() for _ in range(batch)]
-        self._dev_ids: torch.Tensor | None = None
-        self._host_ids: torch.Tensor | None = None
+        width = (batch, max(1, -(-entries // pool.P)))
+        self._dev_ids = torch.full(width, -1, dtype=torch.long, device=pool.device)
+        self._host_ids = torch.full_like(self._dev_ids, -1)  # on the device
+        self._host_ids_cpu = torch.full(width, -1, dtype=torch.long)
 
     def reserve(self, row: int, entries: int) -> None:
         """Make room (device pages, locked for this step) for entries ``< entries`` of ``row``."""
@@ -124,37 +142,52 @@ class PagedMainKV:
             table.dirty = True
 
     def _rebuild_ids(self) -> None:
-        if self._dev_ids is not None and not any(t.dirty for t in self.tables):
+        """Refresh the block-table buffers from ``tables`` in place; a wider table reallocates them
+        (doubling) and bumps ``pool.generation``."""
+        if not any(t.dirty for t in self.tables) and self._dev_ids.shape[0] == len(self.tables):
             return
         width = max(1, max(len(t.pages) for t in self.tables))
-        pad = lambda row: row + [-1] * (width - len(row))
+        buf = self._dev_ids
+        if buf.shape[0] != len(self.tables) or buf.shape[1] < width:
+            cols = max(width, 2 * buf.shape[1])
+            self._dev_ids = torch.empty(len(self.tables), cols, dtype=torch.long, device=self.pool.device)
+            self._host_ids = torch.empty_like(self._dev_ids)
+            self.pool.generation += 1
+        pad = lambda row: row + [-1] * (self._dev_ids.shape[1] - len(row))
         dev = [pad([p if tier == "dev" else -1 for tier, p in t.pages]) for t in self.tables]
         host = [pad([p if tier == "host" else -1 for tier, p in t.pages]) for t in self.tables]
-        self._dev_ids = torch.tensor(dev, dtype=torch.long).to(self.pool.device)
-        self._host_ids = torch.tensor(host, dtype=torch.long)
+        self._dev_ids.copy_(torch.tensor(dev, dtype=torch.long), non_blocking=True)
+        self._host_ids.copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
+        self._host_ids_cpu = torch.tensor(host, dtype=torch.long)
         for t in self.tables:
             t.dirty = False
 
     def dev_ids(self) -> torch.Tensor:
-        """int64 [B, max_pages]: device page of each logical page, -1 when on the host or absent."""
+        """int64 [B, max_pages] on the device: device page of each logical page, -1 when on the
+        host or absent (a persistent buffer, updated in place)."""
         self._rebuild_ids()
         return self._dev_ids
 
     def host_ids(self) -> torch.Tensor:
         """int64 [B, max_pages] on the CPU: host page of each logical page, -1 elsewhere."""
         self._rebuild_ids()
+        return self._host_ids_cpu
+
+    def host_ids_device(self) -> torch.Tensor:
+        """:meth:`host_ids` as a persistent device buffer (for the sync-free cold gather)."""
+        self._rebuild_ids()
         return self._host_ids
 
     def write(self, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
-        """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] where ``mask``."""
-        P = self.pool.P
+        """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] where ``mask``; the other
+        rows go to the trash row (no host-side filtering, no device sync)."""
+        P, B, n = self.pool.P, entry.shape[0], entry.shape[1]
         ids = self.dev_ids()
         page = (entry.clamp_min(0) // P).clamp_max(ids.shape[1] - 1)
-        phys = ids.gather(1, page) * P + entry % P  # reserved pages are on the device
-        zero = torch.zeros_like(phys)
-        seg = self.pool.segment()
-        write_rows(seg, zero[mask], phys[mask], QTensor(values.data[mask], values.scale[mask], FMT,
-                                                          (int(mask.sum()), values.shape[-1])))
+        phys = ids.gather(1, page) * P + entry.clamp_min(0) % P  # reserved pages are on the device
+        phys = torch.where(mask, phys, self.pool.trash_row).reshape(-1)
+        flat = QTensor(values.data.reshape(B * n, -1), values.scale.reshape(B * n, -1), FMT, (B * n, values.shape[-1]))
+        write_rows(self.pool.segment(), torch.zeros_like(phys), phys, flat)
 
     def resolve(self, idx: torch.Tensor) -> tuple[list[QTensor], torch.Tensor]:
         """Segments and indices into them for logical entries ``idx`` [B, S, K] (-1 empty)."""
