@@ -8,8 +8,10 @@ by the current step is copied to a host page, then freed (a copy before a free: 
 
 Attention never copies hot data: the device pool is one ``[1, pages * P, D]`` QTensor segment
 shared by every row, and a row's logical entry ``e`` maps to ``phys(e // P) * P + e % P``. Only the
-selected entries that live on cold pages are gathered (batched host gather, one copy to the device)
-into a small staging segment.
+selected entries that live on cold pages are gathered into a staging segment (one row per pick):
+on CUDA by a kernel that reads them straight from pinned host memory (``kernels_cuda.kv_gather``,
+no host sync: the block tables are device buffers); with too many picks for a staging segment
+(long prefill chunks), or without the kernel, by a host gather and one copy to the device.
 """
 from __future__ import annotations
 
@@ -22,6 +24,24 @@ from .kvcache_util import empty_qtensor, write_rows
 
 FMT = "fp4_b16"
 TRASH_PAGE = 0
+
+
+STAGING_MAX_ROWS = 1 << 16  # picks per resolve that the zero-copy gather stages (about 18 MB at D=512)
+
+
+def cold_gather_kernel(pool: "PagePool", picks: int) -> bool:
+    """Whether cold picks go through the zero-copy gather kernel (``kernels_cuda.kv_gather``): a
+    CUDA device with pinned host pages that passed its self-check, or the Triton interpreter
+    (CI); and at most ``STAGING_MAX_ROWS`` picks (long prefill chunks take the copy path)."""
+    if picks > STAGING_MAX_ROWS:
+        return False
+    try:
+        from flashrt.kernels_cuda import kv_gather
+    except ImportError:  # no triton
+        return False
+    if pool.device.type == "cuda" and not pool.host.data.is_pinned():
+        return False
+    return kv_gather.zero_copy_ok(pool.device)
 
 
 class PagePool:
@@ -190,25 +210,29 @@ class PagedMainKV:
         write_rows(self.pool.segment(), torch.zeros_like(phys), phys, flat)
 
     def resolve(self, idx: torch.Tensor) -> tuple[list[QTensor], torch.Tensor]:
-        """Segments and indices into them for logical entries ``idx`` [B, S, K] (-1 empty)."""
-        B = idx.shape[0]
-        P = self.pool.P
-        flat = idx.reshape(B, -1).long()
-        valid = flat >= 0
+        """Segments and int32 indices into them for logical entries ``idx`` [B, S, K] (-1 empty)."""
+        B, P = idx.shape[0], self.pool.P
+        flat = idx.reshape(B, -1)
         ids = self.dev_ids()
-        phys = ids.gather(1, (flat.clamp_min(0) // P).clamp_max(ids.shape[1] - 1))
-        out = torch.where(valid & (phys >= 0), phys * P + flat % P, -1)
+        phys = ids.gather(1, (flat.clamp_min(0) // P).clamp_max(ids.shape[1] - 1).long())
+        out = torch.where((flat >= 0) & (phys >= 0), phys * P + flat.clamp_min(0) % P, -1).to(torch.int32)
         segments = [self.pool.segment()]
         if any(t.cold for t in self.tables):
-            staging, out = self._stage_cold(flat, out, segments[0].shape[1])
+            if cold_gather_kernel(self.pool, flat.numel()):
+                from flashrt.kernels_cuda.kv_gather import cold_gather
+
+                staging = cold_gather(self.pool.host, self.host_ids_device(), flat.contiguous(), out,
+                                      segments[0].shape[1])
+            else:
+                staging, out = self._stage_cold(flat, out, segments[0].shape[1])
             segments.append(staging)
-        return segments, out.view(idx.shape).to(torch.int32)
+        return segments, out.view(idx.shape)
 
     def _stage_cold(self, flat, out, offset):
-        """Gather the selected cold entries from host pages into one device segment: one small
-        copy of the picks to the host, vectorised lookups there, one copy of the rows up."""
+        """The copy path (too many picks for a staging segment, or no zero-copy kernel): the picks
+        to the host, lookups and a gather there, one copy of the unique rows up."""
         P, D = self.pool.P, self.pool.D
-        picks = flat.cpu()
+        picks = flat.cpu().long()
         host_ids = self.host_ids()
         hp = host_ids.gather(1, (picks.clamp_min(0) // P).clamp_max(host_ids.shape[1] - 1))
         rows, cols = torch.nonzero((picks >= 0) & (hp >= 0), as_tuple=True)
@@ -221,8 +245,7 @@ class PagedMainKV:
         staging = QTensor(data.to(dev, non_blocking=True).view(1, -1, D // 2),
                           scale.to(dev, non_blocking=True).view(torch.float8_e4m3fn).view(1, -1, D // 16),
                           FMT, (1, len(pairs), D))
-        out = out.clone()
-        out[rows.to(out.device), cols.to(out.device)] = (offset + inverse).to(out.device)
+        out[rows.to(out.device), cols.to(out.device)] = (offset + inverse).to(out.device, torch.int32)
         return staging, out
 
     def read_row(self, row: int, entries: int) -> QTensor:
