@@ -102,7 +102,7 @@ class PagePool:
         """Copy the oldest unlocked device page to a host page, then free it."""
         victim = next((p for p in self.fifo if p not in self.locked), None)
         if victim is None:
-            raise ValueError(f"kv_budget: {self.dev.shape[0]} device pages of main KV cannot hold one step's "
+            raise ValueError(f"kv_budget: {self.device_pages} device pages of main KV cannot hold one step's "
                              f"new entries; raise the budget or shorten the prefill chunk")
         table, logical = self.fifo.pop(victim)
         host = self._host_page()
@@ -120,6 +120,7 @@ class PagePool:
             grown = empty_qtensor(FMT, (max(2 * n, 16), self.P, self.D), "cpu")
             if torch.cuda.is_available() and self.device.type == "cuda":
                 grown = QTensor(grown.data.pin_memory(), grown.scale.pin_memory(), FMT, grown.shape)
+                cold_gather_kernel(self, 0)  # its one-time self-check runs here, not inside a decode step
             grown.data[:n], grown.scale[:n] = self.host.data, self.host.scale
             self.host = grown
             self.free_host = list(range(grown.shape[0] - 1, n - 1, -1))
