@@ -22,11 +22,6 @@ def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTens
     dst.scale.view(u8)[batch, slot] = src.scale.reshape(-1, src.scale.shape[-1]).view(u8)
 
 
-def qtensor_rows(q: QTensor, mask: torch.Tensor) -> QTensor:
-    """The rows of a [B, S, D] QTensor where ``mask`` [B, S] is True, as [n, D]."""
-    return QTensor(q.data[mask], q.scale[mask], q.fmt, (int(mask.sum()), q.shape[-1]))
-
-
 def grown(q: QTensor, entries: int) -> QTensor:
     out = empty_qtensor(q.fmt, (q.shape[0], entries, q.shape[2]), q.device)
     n = q.shape[1]

@@ -96,7 +96,8 @@ def test_budget_split_counts_index_pages(cfg):
     pool = KVState.pool_for(cfg, B, cap, "cpu", budget, P)
     assert pool.device_pages == 20
     need = index_pages_for(cfg, B, cap, P)
-    assert need == B * sum(-(-(-(-cap // cfg.ratio(l))) // P) for l in cfg.kv_source_layers)
+    assert [cfg.ratio(l) for l in cfg.kv_source_layers] == [2, 1]
+    assert need == B * (19 + 38)  # 150 entries -> 19 pages of 8, 300 -> 38
     assert pool.index_pool.dev.shape[0] == need + 1  # + trash
     device = pool.dev.nbytes + pool.index_pool.dev.nbytes
     rings = cfg.total_layers * cfg.window_size * (cfg.head_dim + cfg.head_dim // 32) * B
