@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from flashrt import formats
 from flashrt.formats import QTensor
 from flashrt.hookspecs import Backend, hookimpl
+from flashrt.paged import PagedKeys
 from flashrt.ops import OPS as OP_NAMES
 
 CHUNK_BYTES = 256 << 20  # cap on one fp32 intermediate
@@ -131,7 +132,7 @@ def sparse_attention(q, kv, indices, sink, scale):
 def index_scores(q, k, weights, visible):
     B, S, Hi, _ = q.shape
     T = k.shape[1]
-    kf = _float(k)
+    kf = _float(k.gather() if isinstance(k, PagedKeys) else k)  # paged keys: gather, then the same math
     out = torch.empty(B, S, T, dtype=torch.float32, device=q.device)
     step = _chunk(S, B * Hi * T * 4)
     for s0 in range(0, S, step):

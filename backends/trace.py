@@ -7,7 +7,8 @@ allocated. ``flashrt plan`` builds on this.
 Counting rules (the minimum work each op must do):
 
 - Bytes: every input read once and every output written once, at its stored size (a QTensor
-  counts data + scale). Gathers read only the rows they gather: ``sparse_attention`` reads
+  counts data + scale). Gathers read only the rows they gather (paged ``index_scores`` keys: the
+  ``B*T`` rows they map plus the block table, not the whole pool): ``sparse_attention`` reads
   ``B*S*K`` KV rows (every slot assumed valid; with KV segments, ``min(K, T_i)`` rows of each), ``engram_lookup`` ``B*S*C`` table rows,
   ``moe_experts`` the weights of ``min(E, N*k)`` experts.
 - FLOPs: a multiply-add is 2. ``linear`` ``2*M*in*out``; ``sparse_attention`` ``4*B*S*H*K*D``;
@@ -28,6 +29,7 @@ import torch
 
 from flashrt.formats import QTensor, expected_layout, spec
 from flashrt.hookspecs import Backend, hookimpl
+from flashrt.paged import PagedKeys
 from flashrt.ops import OPS as OP_NAMES
 
 _RECORDER: contextvars.ContextVar["Graph | None"] = contextvars.ContextVar("flashrt_trace", default=None)
@@ -180,6 +182,10 @@ def index_scores(q, k, weights, visible):
     B, S, Hi, Di = q.shape
     T = k.shape[1]
     out = _meta((B, S, T), torch.float32)
+    if isinstance(k, PagedKeys):  # reads the B*T rows it maps (and its block table), not the whole pool
+        read = sum(map(_nbytes, (q, weights, visible, k.block_table))) + B * T * _row_bytes(k.pool)
+        _emit("index_scores", (q, k.pool, k.block_table, weights, visible), (out,), 2 * B * S * T * Hi * (Di + 1), read)
+        return out
     _emit("index_scores", (q, k, weights, visible), (out,), 2 * B * S * T * Hi * (Di + 1))
     return out
 

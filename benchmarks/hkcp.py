@@ -1,6 +1,8 @@
-"""HKCP on one device, one run: capacity under a 24 GB budget, decode step time 4K -> 1M with the
-cold tier on, cold-fetch bandwidth vs pinned host-to-device copy, and time to first token of a
-prompt on a prefix-cache hit vs a full prefill.
+"""HKCP on one device, one run (about 3-5 minutes on an H200): capacity under a 24 GB budget,
+decode step time 4K -> 1M with the cold tier on and a device budget that holds ~10% of each
+context's main KV (most picks are cold), cold-fetch bandwidth of the zero-copy gather kernel vs the
+old copy path vs a pinned host-to-device copy, and time to first token of a 32K prompt on a
+prefix-cache hit vs a full prefill.
 
     python benchmarks/hkcp.py --out benchmarks/results/h200-hkcp.json
 
@@ -10,21 +12,23 @@ quantized bytes (decode time does not depend on the values), then real decode st
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 
 import torch
 
+from flashrt import kvpages
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
 from flashrt.kvcache import KVState, entry_bytes, fixed_bytes_for
+from flashrt.kvpages import PagedMainKV, PagePool
 from flashrt.prefix_cache import PrefixCache
-
+from results_io import write_json
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CHUNK = 512  # entries reserved per step when filling the cold-fetch layer (8 of its 16 device pages)
 
 
 def sync():
@@ -32,23 +36,24 @@ def sync():
         torch.cuda.synchronize()
 
 
-def fill_state(model, state: KVState, n: int, row: int = 0) -> None:
-    """Make ``row`` of ``state`` look like a sequence of ``n`` tokens (random cache bytes)."""
+def main_kv_bytes(cfg, n: int) -> int:
+    return sum(-(-n // cfg.ratio(l)) for l in cfg.kv_source_layers) * entry_bytes(cfg.head_dim, "fp4_b16")
+
+
+def fill_state(model, state: KVState, n: int) -> None:
+    """Make every row of ``state`` look like a sequence of ``n`` tokens (random cache bytes)."""
     cfg = model.cfg
     state.ensure_capacity(n + 64)
-    for l, c in state.compressed.items():
-        entries = n // cfg.ratio(l)
-        for upto in range(0, entries + 4096, 4096):  # a step's worth at a time: older pages may spill
-            c.main.reserve(row, min(upto, entries))
-            state.pool.unlock()
-        c.index_k.data.view(torch.uint8)[row, :entries].random_(0, 256)
-        c.index_k.scale.view(torch.uint8)[row, :entries].fill_(120)
-    pool = state.pool
-    pool.dev.data.view(torch.uint8).random_(0, 256)
-    pool.dev.scale.view(torch.uint8).fill_(40)
-    if pool.host.shape[0]:
-        pool.host.data.view(torch.uint8).random_(0, 256)
-        pool.host.scale.view(torch.uint8).fill_(40)
+    chunk = max(64, n // 32)  # every layer a chunk at a time, as a prefill would; older pages spill
+    for upto in range(chunk, n + chunk, chunk):
+        for l, c in state.compressed.items():
+            for row in range(state.batch):
+                c.main.reserve(row, min(upto, n) // cfg.ratio(l))
+                c.index_k.reserve(row, min(upto, n) // cfg.ratio(l))
+        state.pool.unlock()
+    for q in (state.index_pool.dev, state.pool.dev, state.pool.host):
+        q.data.view(torch.uint8).random_(0, 256)
+        q.scale.view(torch.uint8).fill_(120 if q is state.index_pool.dev else 40)
     for ring in state.rings.values():
         ring.data.view(torch.uint8).random_(0, 120)
         ring.scale.view(torch.uint8).fill_(120)
@@ -67,6 +72,21 @@ def decode_ms(model, state, steps: int = 5) -> float:
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def decode_row(model, n: int, device_share: float) -> dict:
+    """Decode step at context ``n`` with a device budget holding ``device_share`` of the main KV."""
+    cfg = model.cfg
+    floor = (4 * len(cfg.kv_source_layers) + 4) * 64 * entry_bytes(cfg.head_dim, "fp4_b16")  # a step's pages
+    budget = fixed_bytes_for(cfg, 1, n + 64) + max(int(device_share * main_kv_bytes(cfg, n + 64)), floor)
+    state = model.new_state(1, n + 64, kv_budget=budget)
+    fill_state(model, state, n)
+    ms = decode_ms(model, state)
+    t = state.tier_stats()
+    used = sum(len(tb.pages) for c in state.compressed.values() for tb in c.main.tables)
+    row = {"context": n, "step_ms": ms, "kv_budget": budget, "cold_share": t["cold_pages"] / max(used, 1), "tiers": t}
+    print(f"decode at {n}: {ms:.2f} ms/step, cold share {row['cold_share']:.2f} {t}", flush=True)
+    return row
 
 
 def longest_context(cfg, budget: int, cold: bool) -> int:
@@ -93,85 +113,99 @@ def h2d_bandwidth() -> float:
     return 5 * src.numel() / (time.perf_counter() - t0)
 
 
-def cold_fetch(model, n: int, budget: int) -> dict:
-    state = model.new_state(1, n + 64, kv_budget=budget)
-    fill_state(model, state, n)
-    main = state.compressed[max(model.cfg.kv_source_layers)].main
-    topk = torch.randint(0, n // 2, (1, 1, 512), device=DEV, dtype=torch.int32)
-    main.resolve(topk)
+def _timed(fn, reps: int) -> float:
+    fn()
     sync()
     t0 = time.perf_counter()
-    reps = 20
     for _ in range(reps):
-        segs, _ = main.resolve(topk)
+        fn()
     sync()
-    dt = (time.perf_counter() - t0) / reps
-    staged = segs[-1].nbytes if len(segs) > 1 else 0
-    return {"entries": 512, "staged_bytes": staged, "ms": dt * 1e3, "gb_per_s": staged / dt / 1e9}
+    return (time.perf_counter() - t0) / reps
+
+
+def cold_fetch(cfg, entries: int) -> dict:
+    """Resolving top-k picks over a layer whose pages are all but 16 on the host, through the
+    zero-copy kernel and through the copy path, for a decode's picks and for a staging-full batch."""
+    pool = PagePool(cfg.head_dim, 64, DEV, 16)
+    main = PagedMainKV(pool, 1, entries)
+    for upto in range(CHUNK, entries + CHUNK, CHUNK):
+        main.reserve(0, min(upto, entries))
+        pool.unlock()
+    pool.host.data.view(torch.uint8).random_(0, 256)
+    pool.host.scale.view(torch.uint8).fill_(40)
+    row_bytes = entry_bytes(cfg.head_dim, "fp4_b16")
+    res = {"entries_in_layer": entries, "cold_pages": main.tables[0].cold, "kernel_used":
+           kvpages.cold_gather_kernel(pool, 1)}
+    for picks in (512, kvpages.STAGING_MAX_ROWS):
+        topk = torch.randint(0, entries, (1, picks // 512, 512), device=DEV, dtype=torch.int32)
+        kernel = _timed(lambda: main.resolve(topk), 20)
+        old, kvpages.STAGING_MAX_ROWS = kvpages.STAGING_MAX_ROWS, 0
+        copy = _timed(lambda: main.resolve(topk), 5)
+        kvpages.STAGING_MAX_ROWS = old
+        row = {"bytes": picks * row_bytes, "resolve_ms": kernel * 1e3, "copy_path_ms": copy * 1e3,
+               "resolve_gb_per_s": picks * row_bytes / kernel / 1e9, "copy_path_gb_per_s": picks * row_bytes / copy / 1e9}
+        if res["kernel_used"]:  # the gather kernel alone (no index math around it)
+            from flashrt.kernels_cuda.kv_gather import cold_gather
+
+            flat, ids = topk.reshape(1, -1), main.host_ids_device()
+            index = torch.full_like(flat, -1)
+            only = _timed(lambda: cold_gather(pool.host, ids, flat, index, 0), 20)
+            row.update(kernel_ms=only * 1e3, kernel_gb_per_s=picks * row_bytes / only / 1e9)
+        res[f"picks_{picks}"] = row
+    return res
 
 
 def ttft(model, n: int) -> dict:
+    """Time to first token of an ``n``-token prompt: full prefill vs a prefix-cache hit (the cache
+    is filled, untimed, in between)."""
     ids = torch.randint(0, model.cfg.vocab_size, (1, n)).tolist()
     cache = PrefixCache(tempfile.mkdtemp())
+    model.generate([ids[0][:512]], 1, prefill_chunk=8192)  # warm-up (kernel compiles)
     sync()
     t0 = time.perf_counter()
-    model.generate(ids, 1, prefill_chunk=8192, prefix_cache=cache)
+    model.generate(ids, 1, prefill_chunk=8192)
     sync()
-    miss = time.perf_counter() - t0
+    full = time.perf_counter() - t0
+    model.generate(ids, 1, prefill_chunk=8192, prefix_cache=cache)  # stores the prefix
+    sync()
     t0 = time.perf_counter()
     model.generate(ids, 1, prefill_chunk=8192, prefix_cache=cache)
     sync()
     hit = time.perf_counter() - t0
-    return {"prompt_tokens": n, "full_prefill_s": miss, "prefix_hit_s": hit, "speedup": miss / hit}
-
-
-def _save(path, res) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
+    assert cache.hits == 1
+    return {"prompt_tokens": n, "full_prefill_s": full, "prefix_hit_s": hit, "speedup": full / hit}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="small")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 65536, 262144, 1048576])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536, 262144, 1048576])
+    ap.add_argument("--device-share", type=float, default=0.10, help="main KV on the device in the decode sweep")
     ap.add_argument("--ttft-tokens", type=int, default=32768)
-    ap.add_argument("--decode-budget", type=int, default=512 << 20, help="device KV bytes in the decode sweep")
-    ap.add_argument("--fetch-budget", type=int, default=512 << 20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = shipped_config(args.model)
     model = Model(cfg, init_weights(cfg, seed=0, device=DEV))
     budget = 24 << 30
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
-    res = {"model": args.model, "device": name, "budget_bytes": budget,
+    res = {"model": args.model, "device": name, "budget_bytes": budget, "device_share": args.device_share,
            "longest_context": {"without_cold_tier": longest_context(cfg, budget, False),
                                "with_cold_tier": longest_context(cfg, budget, True)}}
     print("longest context in 24 GB:", res["longest_context"], flush=True)
     res["decode"] = []
     for n in args.contexts:
-        state = model.new_state(1, n + 64, kv_budget=args.decode_budget)  # long contexts go cold
-        fill_state(model, state, n)
-        ms = decode_ms(model, state)
-        res["decode"].append({"context": n, "step_ms": ms, "tiers": state.tier_stats()})
-        print(f"decode at {n}: {ms:.2f} ms/step {state.tier_stats()}", flush=True)
-        del state
+        res["decode"].append(decode_row(model, n, args.device_share))
         torch.cuda.empty_cache() if DEV == "cuda" else None
-        _save(args.out, res)
-    base = res["decode"][0]["step_ms"]
+        write_json(args.out, res)
     for row in res["decode"]:
-        row["ratio_to_first"] = row["step_ms"] / base
+        row["ratio_to_first"] = row["step_ms"] / res["decode"][0]["step_ms"]
     res["h2d_pinned_bytes_per_s"] = h2d_bandwidth()
-    res["cold_fetch"] = cold_fetch(model, max(args.contexts), args.fetch_budget)
+    res["cold_fetch"] = cold_fetch(cfg, max(args.contexts) // min(cfg.ratio(l) for l in cfg.kv_source_layers))
     print("h2d", res["h2d_pinned_bytes_per_s"] / 1e9, "GB/s; cold fetch", res["cold_fetch"], flush=True)
-    _save(args.out, res)
+    write_json(args.out, res)
     res["ttft"] = ttft(model, args.ttft_tokens)
     print("ttft", res["ttft"], flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

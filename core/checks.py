@@ -121,3 +121,29 @@ def index_range(name: str, idx: torch.Tensor, low: int, high: int) -> None:
     lo, hi = (int(v) for v in torch.aminmax(idx))
     if lo < low or hi >= high:
         raise ValueError(f"{name}: expected values in [{low}, {high}), got values in [{lo}, {hi}]")
+
+
+def paged_keys(name: str, k, spec: str, env: dict, formats, device=None) -> None:
+    """``k`` is a :class:`flashrt.paged.PagedKeys` of logical ``spec`` shape ``[B, T, D]``: a pool
+    ``[1, rows, D]`` (plain or QTensor in ``formats``) with ``rows % page_size == 0``, an int32
+    block table ``[B, max_pages]`` on the same device, ``0 <= length <= max_pages * page_size``
+    and block-table entries in ``[0, rows / page_size)`` (a value check)."""
+    b_sym, t_sym, d_sym = _dims(spec)
+    integer(f"{name}.page_size", k.page_size, 1)
+    integer(f"{name}.length", k.length, 0)
+    pool_env = {d_sym: env[d_sym]} if d_sym in env else {}
+    maybe_quantized(f"{name}.pool", k.pool, f"1 rows {d_sym}", pool_env, formats, device)
+    rows = pool_env["rows"]
+    if rows % k.page_size:
+        raise ValueError(f"{name}.pool: expected rows % page_size == 0 (page_size={k.page_size}), got {rows} rows")
+    tensor(f"{name}.block_table", k.block_table, f"{b_sym} max_pages", env, (torch.int32,), k.pool.device)
+    if k.length > env["max_pages"] * k.page_size:
+        raise ValueError(f"{name}.length: expected <= max_pages * page_size = {env['max_pages'] * k.page_size}, "
+                         f"got {k.length}")
+    env.pop("max_pages")
+    env.setdefault(d_sym, pool_env[d_sym])
+    if env.setdefault(t_sym, k.length) != k.length:
+        raise ValueError(f"{name}.length: expected {t_sym}={env[t_sym]}, got {k.length}")
+    if k.length:
+        used = k.block_table[:, : -(-k.length // k.page_size)]
+        index_range(f"{name}.block_table", used, 0, rows // k.page_size)

@@ -5,8 +5,11 @@ slot), compressed main KV in ``fp4_b16`` (288 B per entry) and index K in ``fp4_
 128-dim entry). The model reads and writes KV only through :class:`KVState`.
 
 HKCP tiers: main KV lives in pages (:mod:`flashrt.kvpages`) — device pages up to ``kv_budget``
-bytes, older pages spilled to (pinned) host memory; index K stays on the device for every entry
-so the indexer scores every position; after top-k only the selected cold entries are fetched.
+bytes, older pages spilled to (pinned) host memory; index K lives in device pages
+(:mod:`flashrt.kvindex`) for every entry, never spilled, so the indexer scores every position
+(reading the pages in place); after top-k only the selected cold entries are fetched.
+Budget split: ``kv_budget`` = fixed state (rings, compressor partial groups, index-K pages for
+``capacity`` positions, one trash page per pool) + main-KV device pages (the rest).
 Rows of a batch are independent sequences at their own positions.
 """
 from __future__ import annotations
@@ -16,8 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from .formats import QTensor
-from .kvcache_util import empty_qtensor, grown, keep_rows, qtensor_rows, write_rows
+from .kvcache_util import empty_qtensor, grown, write_rows
+from .kvindex import IndexPool, PagedIndexK
 from .kvpages import PagedMainKV, PagePool
+from .paged import PagedKeys
 
 DEFAULT_PAGE_ENTRIES = 64
 WINDOW_FORMATS = ("fp8", "int8")  # int8 (per-32, UE8M0) on devices with no FP8, e.g. Ascend 910B
@@ -28,13 +33,22 @@ def entry_bytes(dim: int, fmt: str) -> int:
     return dim // 2 + dim // (16 if fmt == "fp4_b16" else 32)
 
 
-def fixed_bytes_for(cfg, batch: int, capacity: int) -> int:
-    """Device bytes of the state that does not page: window rings (fp8), index K for ``capacity``
-    positions (fp4_b32), compressor partial groups (fp32 kv + score)."""
+def index_pages_for(cfg, batch: int, capacity: int, page_entries: int = DEFAULT_PAGE_ENTRIES) -> int:
+    """Index-K pages a batch needs for ``capacity`` positions (every source layer and row)."""
+    cdiv = lambda a, b: -(-a // b)
+    return batch * sum(cdiv(cdiv(capacity, cfg.ratio(l)), page_entries) for l in cfg.kv_source_layers)
+
+
+def fixed_bytes_for(cfg, batch: int, capacity: int, page_entries: int = DEFAULT_PAGE_ENTRIES) -> int:
+    """Device bytes taken from a KV budget before main-KV pages: window rings (fp8), compressor
+    partial groups (fp32 kv + score), index-K pages (fp4_b32) for ``capacity`` positions, and the
+    trash page of each pool (index and main)."""
     rings = cfg.total_layers * cfg.window_size * (cfg.head_dim + cfg.head_dim // 32)
-    index = sum(-(-capacity // cfg.ratio(l)) * entry_bytes(cfg.index_head_dim, "fp4_b32") for l in cfg.kv_source_layers)
     partial = sum(2 * cfg.ratio(l) * cfg.head_dim * 4 for l in cfg.kv_source_layers if cfg.ratio(l) > 1)
-    return batch * (rings + index + partial)
+    index_page = page_entries * entry_bytes(cfg.index_head_dim, "fp4_b32")
+    index = (index_pages_for(cfg, batch, capacity, page_entries) + 1) * index_page
+    main_trash = page_entries * entry_bytes(cfg.head_dim, "fp4_b16")
+    return batch * (rings + partial) + index + main_trash
 
 
 @dataclass
@@ -42,7 +56,7 @@ class CompressedCache:
     """One KV-source layer: paged main KV, index K and the partial group waiting to be pooled."""
 
     main: PagedMainKV | QTensor  # QTensor [B, T, D] only on the meta device (shape tracing)
-    index_k: QTensor  # fp4_b32 [B, capacity // ratio, index_head_dim], always on the device
+    index_k: PagedIndexK | QTensor  # device pages; QTensor [B, capacity // ratio, Di] only on meta
     kv_state: torch.Tensor | None  # fp32 [B, ratio, head_dim] (ratio > 1)
     score_state: torch.Tensor | None
 
@@ -65,18 +79,21 @@ class KVState:
         self.ring_start = {l: torch.zeros(batch, dtype=torch.long, device=self.device) for l in self.rings}
         n_hist = max(cfg.engram_max_ngram_size - 1, 0)
         self.engram_history = torch.full((batch, n_hist), -1, dtype=torch.long, device=self.device)
+        self.pool = pool or (None if self.is_meta else self._pool(kv_budget, page_entries))
+        if self.pool is not None and self.pool.index_pool is None:
+            self.pool.index_pool = IndexPool(cfg.index_head_dim, self.pool.P, self.device,
+                                             index_pages_for(cfg, batch, capacity, self.pool.P))
+        self.index_pool = None if self.pool is None else self.pool.index_pool
         self.compressed: dict[int, CompressedCache] = {}
         for l in cfg.kv_source_layers:
             r, entries = cfg.ratio(l), -(-capacity // cfg.ratio(l))
             st = (batch, r, hd)
+            meta = lambda fmt, dim: empty_qtensor(fmt, (batch, entries, dim), self.device)
             self.compressed[l] = CompressedCache(
-                None, empty_qtensor("fp4_b32", (batch, entries, cfg.index_head_dim), self.device),
+                meta("fp4_b16", hd) if self.is_meta else PagedMainKV(self.pool, batch, entries),
+                meta("fp4_b32", cfg.index_head_dim) if self.is_meta else PagedIndexK(self.index_pool, batch, entries),
                 torch.zeros(st, device=self.device) if r > 1 else None,
                 torch.full(st, float("-inf"), device=self.device) if r > 1 else None)
-        self.pool = pool or (None if self.is_meta else self._pool(kv_budget, page_entries))
-        for l, c in self.compressed.items():
-            c.main = (empty_qtensor("fp4_b16", (batch, c.index_k.shape[1], hd), self.device)
-                      if self.is_meta else PagedMainKV(self.pool, batch))
 
     def _pool(self, kv_budget: int | None, page_entries: int) -> PagePool:
         return KVState.pool_for(self.cfg, self.batch, self.capacity, self.device, kv_budget, page_entries)
@@ -84,24 +101,34 @@ class KVState:
     @staticmethod
     def pool_for(cfg, batch: int, capacity: int, device, kv_budget: int | None,
                  page_entries: int = DEFAULT_PAGE_ENTRIES) -> PagePool | None:
-        """The main-KV page pool of a batch: unbounded without ``kv_budget``, else the device
-        pages left after the fixed state (rings, index K at ``capacity``, compressor state)."""
+        """The page pools of a batch: main KV (the returned :class:`PagePool`) and index K (its
+        ``index_pool``, pages for ``capacity`` positions, device only). Without ``kv_budget`` both
+        grow on demand; with it the main pool gets the device pages left after the fixed state
+        (:func:`fixed_bytes_for`) and spills older pages to host memory."""
         if torch.device(device).type == "meta":
             return None
+        index = IndexPool(cfg.index_head_dim, page_entries, device, index_pages_for(cfg, batch, capacity, page_entries))
         if kv_budget is None:
-            return PagePool(cfg.head_dim, page_entries, device, None)
-        fixed = fixed_bytes_for(cfg, batch, capacity)
-        page_bytes = page_entries * entry_bytes(cfg.head_dim, "fp4_b16")
-        pages = (kv_budget - fixed) // page_bytes
-        if pages < 2 * len(cfg.kv_source_layers) + 1:  # two per source layer, plus the trash page
-            raise ValueError(f"kv_budget: {kv_budget:,} bytes leave room for {max(pages, 0)} main-KV pages after "
-                             f"the fixed state ({fixed:,} bytes: rings, index K, compressor state); "
-                             f"expected at least {2 * len(cfg.kv_source_layers) + 1}")
-        return PagePool(cfg.head_dim, page_entries, device, int(pages))
+            pool = PagePool(cfg.head_dim, page_entries, device, None)
+        else:
+            fixed = fixed_bytes_for(cfg, batch, capacity, page_entries)
+            pages = (kv_budget - fixed) // (page_entries * entry_bytes(cfg.head_dim, "fp4_b16"))
+            if pages < 2 * len(cfg.kv_source_layers):
+                raise ValueError(f"kv_budget: {kv_budget:,} bytes leave room for {max(pages, 0)} main-KV pages after "
+                                 f"the fixed state ({fixed:,} bytes: rings, index-K pages, compressor state)")
+            pool = PagePool(cfg.head_dim, page_entries, device, int(pages))
+        pool.index_pool = index
+        return pool
 
     @property
     def is_meta(self) -> bool:
         return self.device.type == "meta"
+
+    @property
+    def generation(self) -> int:
+        """Grows whenever a pool's storage or a block-table buffer is reallocated (device
+        pointers cached from an older generation, e.g. by a CUDA graph, are stale)."""
+        return 0 if self.pool is None else self.pool.generation + self.index_pool.generation
 
     # ----- steps -------------------------------------------------------------------------------
     def advance(self, tokens: int) -> None:
@@ -118,17 +145,20 @@ class KVState:
         for l, c in self.compressed.items():
             for row, pos in enumerate(self.host_positions):
                 c.main.reserve(row, (pos + tokens) // self.cfg.ratio(l))
+                c.index_k.reserve(row, (pos + tokens) // self.cfg.ratio(l))
 
     def ensure_capacity(self, positions: int) -> None:
-        """Grow index K (doubling, copying what is stored) to hold ``positions`` positions."""
+        """Room (doubling) for ``positions`` positions: wider index block tables (index pages come
+        on demand in :meth:`begin_step`); on meta, grown contiguous caches."""
         if positions <= self.capacity:
             return
         capacity = max(positions, 2 * self.capacity)
         for l, c in self.compressed.items():
             entries = -(-capacity // self.cfg.ratio(l))
-            c.index_k = grown(c.index_k, entries)
             if self.is_meta:
-                c.main = grown(c.main, entries)
+                c.index_k, c.main = grown(c.index_k, entries), grown(c.main, entries)
+            else:
+                c.index_k.ensure_pages(-(-entries // self.index_pool.P))
         self.capacity = capacity
 
     # ----- window rings ------------------------------------------------------------------------
@@ -153,16 +183,14 @@ class KVState:
         if self.is_meta:
             return
         cache = self.compressed[layer]
-        rows = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(entry)
-        if entry.shape[1] == 1:  # decode: no host sync; a masked-off row rewrites its entry 0 unchanged
-            keep_rows(cache.index_k, rows[:, 0], torch.where(mask, entry, 0)[:, 0].clamp_min(0), index_k, mask[:, 0])
-        else:
-            write_rows(cache.index_k, rows[mask], entry[mask], qtensor_rows(index_k, mask))
+        cache.index_k.write(entry, mask, index_k)
         cache.main.write(entry, mask, main)
 
-    def index_keys(self, layer: int, entries: int) -> QTensor:
-        """Index K of source ``layer``: the first ``entries`` entries of every row."""
-        return self.compressed[layer].index_k.narrow(1, 0, entries)
+    def index_keys(self, layer: int, entries: int) -> PagedKeys | QTensor:
+        """Index K of source ``layer``: the first ``entries`` entries of every row, as a paged
+        view read in place by ``ops.index_scores`` (a QTensor on meta)."""
+        index_k = self.compressed[layer].index_k
+        return index_k.narrow(1, 0, entries) if self.is_meta else index_k.keys(entries)
 
     def main_segments(self, layer: int, topk: torch.Tensor, entries: int) -> tuple[list, torch.Tensor]:
         """KV segments holding the entries ``topk`` [B, S, K] picks, and indices into them."""
@@ -186,8 +214,9 @@ class KVState:
         if self.pool is None:
             return {}
         cold = sum(t.cold for c in self.compressed.values() for t in c.main.tables)
-        return {"device_pages": self.pool.dev.shape[0], "page_entries": self.pool.P, "cold_pages": cold,
-                "spilled_pages": self.pool.spilled, "page_bytes": self.pool.page_bytes}
+        return {"device_pages": self.pool.device_pages, "page_entries": self.pool.P, "cold_pages": cold,
+                "spilled_pages": self.pool.spilled, "page_bytes": self.pool.page_bytes,
+                "index_pages": self.index_pool.pages_in_use, "index_page_bytes": self.index_pool.page_bytes}
 
     @staticmethod
     def cat(states: list["KVState"]) -> "KVState":
@@ -197,6 +226,7 @@ class KVState:
             raise ValueError("states: KVState.cat needs states drawn from one page pool")
         out = object.__new__(KVState)
         out.cfg, out.capacity, out.device, out.pool = first.cfg, first.capacity, first.device, first.pool
+        out.index_pool = first.index_pool
         out.window_fmt = first.window_fmt
         out.batch = sum(s.batch for s in states)
         out.positions = torch.cat([s.positions for s in states])
@@ -212,6 +242,6 @@ class KVState:
             main.tables = [t for p in parts for t in p.main.tables]
             st = None if c.kv_state is None else torch.cat([p.kv_state for p in parts])
             sc = None if c.score_state is None else torch.cat([p.score_state for p in parts])
-            out.compressed[l] = CompressedCache(main, cat_q([p.index_k for p in parts]), st, sc)
+            out.compressed[l] = CompressedCache(main, PagedIndexK.cat([p.index_k for p in parts]), st, sc)
         out.engram_history = torch.cat([s.engram_history for s in states])
         return out

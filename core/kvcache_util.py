@@ -22,19 +22,6 @@ def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTens
     dst.scale.view(u8)[batch, slot] = src.scale.reshape(-1, src.scale.shape[-1]).view(u8)
 
 
-def keep_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTensor, keep: torch.Tensor) -> None:
-    """``dst[batch[i], slot[i]] = src[i, 0]`` where ``keep[i]``, else the stored row written back
-    unchanged: a masked write with no host sync (``src`` is [n, 1, D]; (batch, slot) pairs distinct)."""
-    u8 = torch.uint8
-    for d, s in ((dst.data.view(u8), src.data.view(u8)), (dst.scale.view(u8), src.scale.view(u8))):
-        d[batch, slot] = torch.where(keep.unsqueeze(-1), s[:, 0], d[batch, slot])
-
-
-def qtensor_rows(q: QTensor, mask: torch.Tensor) -> QTensor:
-    """The rows of a [B, S, D] QTensor where ``mask`` [B, S] is True, as [n, D]."""
-    return QTensor(q.data[mask], q.scale[mask], q.fmt, (int(mask.sum()), q.shape[-1]))
-
-
 def grown(q: QTensor, entries: int) -> QTensor:
     out = empty_qtensor(q.fmt, (q.shape[0], entries, q.shape[2]), q.device)
     n = q.shape[1]

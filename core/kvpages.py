@@ -8,8 +8,10 @@ by the current step is copied to a host page, then freed (a copy before a free: 
 
 Attention never copies hot data: the device pool is one ``[1, pages * P, D]`` QTensor segment
 shared by every row, and a row's logical entry ``e`` maps to ``phys(e // P) * P + e % P``. Only the
-selected entries that live on cold pages are gathered (batched host gather, one copy to the device)
-into a small staging segment.
+selected entries that live on cold pages are gathered into a staging segment (one row per pick):
+on CUDA by a kernel that reads them straight from pinned host memory (``kernels_cuda.kv_gather``,
+no host sync: the block tables are device buffers); with too many picks for a staging segment
+(long prefill chunks), or without the kernel, by a host gather and one copy to the device.
 """
 from __future__ import annotations
 
@@ -21,6 +23,25 @@ from .formats import QTensor
 from .kvcache_util import empty_qtensor, write_rows
 
 FMT = "fp4_b16"
+TRASH_PAGE = 0
+
+
+STAGING_MAX_ROWS = 1 << 16  # picks per resolve that the zero-copy gather stages (about 18 MB at D=512)
+
+
+def cold_gather_kernel(pool: "PagePool", picks: int) -> bool:
+    """Whether cold picks go through the zero-copy gather kernel (``kernels_cuda.kv_gather``): a
+    CUDA device with pinned host pages that passed its self-check, or the Triton interpreter
+    (CI); and at most ``STAGING_MAX_ROWS`` picks (long prefill chunks take the copy path)."""
+    if picks > STAGING_MAX_ROWS:
+        return False
+    try:
+        from flashrt.kernels_cuda import kv_gather
+    except ImportError:  # no triton
+        return False
+    if pool.device.type == "cuda" and not pool.host.data.is_pinned():
+        return False
+    return kv_gather.zero_copy_ok(pool.device)
 
 
 class PagePool:
@@ -29,21 +50,30 @@ class PagePool:
     def __init__(self, head_dim: int, page_entries: int, device, device_pages: int | None):
         self.D, self.P, self.device = head_dim, page_entries, torch.device(device)
         self.limit = device_pages  # None: grow the device pool as needed, never spill
-        # physical page 0 is the trash page: never handed out; masked-off writes of a captured
-        # (sync-free) step land there instead of on a live entry
-        self.dev = empty_qtensor(FMT, (max(device_pages or 16, 2), page_entries, head_dim), self.device)
-        self.free_dev = list(range(self.dev.shape[0] - 1, 0, -1))
+        n = max(device_pages or 16, 1) + 1  # + the trash page (TRASH_PAGE, never handed out)
+        self.dev = empty_qtensor(FMT, (n, page_entries, head_dim), self.device)
+        self.free_dev = list(range(n - 1, TRASH_PAGE, -1))
+        self.generation = 0  # bumped whenever the device pool or a block-table buffer is reallocated
+        self.index_pool = None  # the batch's IndexPool (kvindex), drawn from the same budget
         self.host = empty_qtensor(FMT, (0, page_entries, head_dim), "cpu")
         self.free_host: list[int] = []
         self.fifo: OrderedDict[int, tuple] = OrderedDict()  # device page -> (table, logical page)
         self.locked: set[int] = set()  # device pages written by the current step
         self.spilled = 0  # pages moved to the host so far
 
-    trash_row = 0  # first row of the trash page in :meth:`segment`
-
     @property
     def page_bytes(self) -> int:
         return self.P * (self.D // 2 + self.D // 16)
+
+    @property
+    def device_pages(self) -> int:
+        """Device pages that can hold entries (the trash page excluded)."""
+        return self.dev.shape[0] - 1
+
+    @property
+    def trash_row(self) -> int:
+        """First row of the trash page in :meth:`segment`: where masked writes go."""
+        return TRASH_PAGE * self.P
 
     # ----- allocation ----------------------------------------------------------------------------
     def alloc(self, table: "BlockTable", logical: int) -> int:
@@ -66,12 +96,13 @@ class PagePool:
         grown.data[:n], grown.scale[:n] = self.dev.data, self.dev.scale
         self.dev = grown
         self.free_dev = list(range(2 * n - 1, n - 1, -1))
+        self.generation += 1
 
     def _spill_one(self) -> None:
         """Copy the oldest unlocked device page to a host page, then free it."""
         victim = next((p for p in self.fifo if p not in self.locked), None)
         if victim is None:
-            raise ValueError(f"kv_budget: {self.dev.shape[0]} device pages of main KV cannot hold one step's "
+            raise ValueError(f"kv_budget: {self.device_pages} device pages of main KV cannot hold one step's "
                              f"new entries; raise the budget or shorten the prefill chunk")
         table, logical = self.fifo.pop(victim)
         host = self._host_page()
@@ -89,6 +120,7 @@ class PagePool:
             grown = empty_qtensor(FMT, (max(2 * n, 16), self.P, self.D), "cpu")
             if torch.cuda.is_available() and self.device.type == "cuda":
                 grown = QTensor(grown.data.pin_memory(), grown.scale.pin_memory(), FMT, grown.shape)
+                cold_gather_kernel(self, 0)  # its one-time self-check runs here, not inside a decode step
             grown.data[:n], grown.scale[:n] = self.host.data, self.host.scale
             self.host = grown
             self.free_host = list(range(grown.shape[0] - 1, n - 1, -1))
@@ -115,10 +147,13 @@ class BlockTable:
 class PagedMainKV:
     """The main KV of one source layer for a batch: one block table per row, pages from ``pool``."""
 
-    def __init__(self, pool: PagePool, batch: int):
+    def __init__(self, pool: PagePool, batch: int, entries: int = 1):
+        """``entries``: the block-table buffers start wide enough for this many entries per row."""
         self.pool, self.tables = pool, [BlockTable() for _ in range(batch)]
-        self._dev_ids: torch.Tensor | None = None
-        self._host_ids: torch.Tensor | None = None
+        width = (batch, max(1, -(-entries // pool.P)))
+        self._dev_ids = torch.full(width, -1, dtype=torch.long, device=pool.device)
+        self._host_ids = torch.full_like(self._dev_ids, -1)  # on the device
+        self._host_ids_cpu = torch.full(width, -1, dtype=torch.long)
 
     def reserve(self, row: int, entries: int) -> None:
         """Make room (device pages, locked for this step) for entries ``< entries`` of ``row``."""
@@ -128,68 +163,77 @@ class PagedMainKV:
             table.dirty = True
 
     def _rebuild_ids(self) -> None:
-        if self._dev_ids is not None and not any(t.dirty for t in self.tables):
+        """Refresh the block-table buffers from ``tables`` in place; a wider table reallocates them
+        (doubling) and bumps ``pool.generation``."""
+        if not any(t.dirty for t in self.tables) and self._dev_ids.shape[0] == len(self.tables):
             return
         width = max(1, max(len(t.pages) for t in self.tables))
-        if self._dev_ids is not None and width <= self._dev_ids.shape[1]:
-            width = self._dev_ids.shape[1]  # same buffer, updated in place (captured steps read it)
-        pad = lambda row: row + [-1] * (width - len(row))
-        dev = torch.tensor([pad([p if tier == "dev" else -1 for tier, p in t.pages]) for t in self.tables],
-                           dtype=torch.long)
+        buf = self._dev_ids
+        if buf.shape[0] != len(self.tables) or buf.shape[1] < width:
+            cols = max(width, 2 * buf.shape[1])
+            self._dev_ids = torch.empty(len(self.tables), cols, dtype=torch.long, device=self.pool.device)
+            self._host_ids = torch.empty_like(self._dev_ids)
+            self.pool.generation += 1
+        pad = lambda row: row + [-1] * (self._dev_ids.shape[1] - len(row))
+        dev = [pad([p if tier == "dev" else -1 for tier, p in t.pages]) for t in self.tables]
         host = [pad([p if tier == "host" else -1 for tier, p in t.pages]) for t in self.tables]
-        if self._dev_ids is None or self._dev_ids.shape != dev.shape:
-            self._dev_ids = torch.empty(dev.shape, dtype=torch.long, device=self.pool.device)
-        self._dev_ids.copy_(dev)
-        self._host_ids = torch.tensor(host, dtype=torch.long)
+        self._dev_ids.copy_(torch.tensor(dev, dtype=torch.long), non_blocking=True)
+        self._host_ids.copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
+        self._host_ids_cpu = torch.tensor(host, dtype=torch.long)
         for t in self.tables:
             t.dirty = False
 
     def dev_ids(self) -> torch.Tensor:
-        """int64 [B, max_pages]: device page of each logical page, -1 when on the host or absent."""
+        """int64 [B, max_pages] on the device: device page of each logical page, -1 when on the
+        host or absent (a persistent buffer, updated in place)."""
         self._rebuild_ids()
         return self._dev_ids
 
     def host_ids(self) -> torch.Tensor:
         """int64 [B, max_pages] on the CPU: host page of each logical page, -1 elsewhere."""
         self._rebuild_ids()
+        return self._host_ids_cpu
+
+    def host_ids_device(self) -> torch.Tensor:
+        """:meth:`host_ids` as a persistent device buffer (for the sync-free cold gather)."""
+        self._rebuild_ids()
         return self._host_ids
 
     def write(self, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
-        """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] where ``mask``."""
-        P = self.pool.P
+        """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] where ``mask``; the other
+        rows go to the trash row (no host-side filtering, no device sync)."""
+        P, B, n = self.pool.P, entry.shape[0], entry.shape[1]
         ids = self.dev_ids()
         page = (entry.clamp_min(0) // P).clamp_max(ids.shape[1] - 1)
-        phys = ids.gather(1, page) * P + entry % P  # reserved pages are on the device
-        zero = torch.zeros_like(phys)
-        seg = self.pool.segment()
-        if entry.shape[1] == 1:  # one entry per row (decode): no host sync, masked rows go to the trash page
-            keep = mask & (entry >= 0) & (phys >= 0)
-            rows = QTensor(values.data[:, 0], values.scale[:, 0], FMT, (entry.shape[0], values.shape[-1]))
-            write_rows(seg, zero.view(-1), torch.where(keep, phys, self.pool.trash_row).view(-1), rows)
-            return
-        write_rows(seg, zero[mask], phys[mask], QTensor(values.data[mask], values.scale[mask], FMT,
-                                                          (int(mask.sum()), values.shape[-1])))
+        phys = ids.gather(1, page) * P + entry.clamp_min(0) % P  # reserved pages are on the device
+        phys = torch.where(mask, phys, self.pool.trash_row).reshape(-1)
+        flat = QTensor(values.data.reshape(B * n, -1), values.scale.reshape(B * n, -1), FMT, (B * n, values.shape[-1]))
+        write_rows(self.pool.segment(), torch.zeros_like(phys), phys, flat)
 
     def resolve(self, idx: torch.Tensor) -> tuple[list[QTensor], torch.Tensor]:
-        """Segments and indices into them for logical entries ``idx`` [B, S, K] (-1 empty)."""
-        B = idx.shape[0]
-        P = self.pool.P
-        flat = idx.reshape(B, -1).long()
-        valid = flat >= 0
+        """Segments and int32 indices into them for logical entries ``idx`` [B, S, K] (-1 empty)."""
+        B, P = idx.shape[0], self.pool.P
+        flat = idx.reshape(B, -1)
         ids = self.dev_ids()
-        phys = ids.gather(1, (flat.clamp_min(0) // P).clamp_max(ids.shape[1] - 1))
-        out = torch.where(valid & (phys >= 0), phys * P + flat % P, -1)
+        phys = ids.gather(1, (flat.clamp_min(0) // P).clamp_max(ids.shape[1] - 1).long())
+        out = torch.where((flat >= 0) & (phys >= 0), phys * P + flat.clamp_min(0) % P, -1).to(torch.int32)
         segments = [self.pool.segment()]
         if any(t.cold for t in self.tables):
-            staging, out = self._stage_cold(flat, out, segments[0].shape[1])
+            if cold_gather_kernel(self.pool, flat.numel()):
+                from flashrt.kernels_cuda.kv_gather import cold_gather
+
+                staging = cold_gather(self.pool.host, self.host_ids_device(), flat.contiguous(), out,
+                                      segments[0].shape[1])
+            else:
+                staging, out = self._stage_cold(flat, out, segments[0].shape[1])
             segments.append(staging)
-        return segments, out.view(idx.shape).to(torch.int32)
+        return segments, out.view(idx.shape)
 
     def _stage_cold(self, flat, out, offset):
-        """Gather the selected cold entries from host pages into one device segment: one small
-        copy of the picks to the host, vectorised lookups there, one copy of the rows up."""
+        """The copy path (too many picks for a staging segment, or no zero-copy kernel): the picks
+        to the host, lookups and a gather there, one copy of the unique rows up."""
         P, D = self.pool.P, self.pool.D
-        picks = flat.cpu()
+        picks = flat.cpu().long()
         host_ids = self.host_ids()
         hp = host_ids.gather(1, (picks.clamp_min(0) // P).clamp_max(host_ids.shape[1] - 1))
         rows, cols = torch.nonzero((picks >= 0) & (hp >= 0), as_tuple=True)
@@ -202,8 +246,7 @@ class PagedMainKV:
         staging = QTensor(data.to(dev, non_blocking=True).view(1, -1, D // 2),
                           scale.to(dev, non_blocking=True).view(torch.float8_e4m3fn).view(1, -1, D // 16),
                           FMT, (1, len(pairs), D))
-        out = out.clone()
-        out[rows.to(out.device), cols.to(out.device)] = (offset + inverse).to(out.device)
+        out[rows.to(out.device), cols.to(out.device)] = (offset + inverse).to(out.device, torch.int32)
         return staging, out
 
     def read_row(self, row: int, entries: int) -> QTensor:

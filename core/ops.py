@@ -13,6 +13,7 @@ import torch
 from . import checks as c
 from .dispatch import impl as _impl
 from .formats import QTensor, check_shape
+from .paged import PagedKeys
 
 F32 = (torch.float32,)
 I32 = (torch.int32,)
@@ -128,15 +129,25 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
 
 
 def index_scores(q, k, weights, visible) -> torch.Tensor:
-    """Indexer scores: ``q [B, S, Hi, Di]``, ``k [B, T, Di]`` plain or ``QTensor``, ``weights
-    [B, S, Hi]`` fp32, ``visible [B, S]`` int32 in ``[0, T]`` -> fp32 ``[B, S, T]``.
+    """Indexer scores: ``q [B, S, Hi, Di]``, ``k [B, T, Di]`` plain or ``QTensor`` or
+    :class:`flashrt.paged.PagedKeys`, ``weights [B, S, Hi]`` fp32, ``visible [B, S]`` int32 in
+    ``[0, T]`` -> fp32 ``[B, S, T]``.
 
     ``score[b,s,t] = sum_h relu(<q[b,s,h], k[b,t]>) * weights[b,s,h]`` for ``t < visible[b,s]``,
     else ``-inf``. Math in fp32.
+
+    Paged ``k`` (HKCP index K): ``PagedKeys(pool, block_table, page_size, length)`` with ``pool``
+    ``[1, pages * page_size, Di]`` (plain or QTensor), ``block_table`` int32 ``[B, max_pages]``
+    in ``[0, pages)`` and ``T = length``; ``k[b, t]`` is pool row
+    ``block_table[b, t // page_size] * page_size + t % page_size``. Backends read the rows in
+    place (no gathered copy of the keys, except as a fallback).
     """
     env: dict = {}
     c.tensor("q", q, "B S Hi Di", env, c.FLOATS)
-    c.maybe_quantized("k", k, "B T Di", env, KV_FORMATS, q.device)
+    if isinstance(k, PagedKeys):
+        c.paged_keys("k", k, "B T Di", env, KV_FORMATS, q.device)
+    else:
+        c.maybe_quantized("k", k, "B T Di", env, KV_FORMATS, q.device)
     c.tensor("weights", weights, "B S Hi", env, F32, q.device)
     c.tensor("visible", visible, "B S", env, I32, q.device)
     c.index_range("visible", visible, 0, env["T"] + 1)

@@ -13,12 +13,13 @@ in place when a page is added). What would change a kernel's shape is made stati
 * the key also holds the address and shape of every state tensor, so a cache that grew (index K
   doubling, page pool growth, a wider block table) is captured afresh instead of read stale.
 
-Host work stays outside the graph: page reservation (``begin_step``), Engram hashing, sampling,
-and with Engram tables in host memory the gather of the step's rows into pinned buffers and
-their copy to static device buffers (issued before the replay, which reads them). A step falls
-back to :meth:`Model.forward` when main-KV pages live on the host tier (their fetch is
-host-driven). On a non-CUDA device the same static-buffer step runs eagerly (how CPU tests
-check it).
+Host work stays outside the graph: page reservation and spills (``begin_step``), block-table
+refreshes, Engram hashing, sampling, and with Engram tables in host memory the gather of the
+step's rows into pinned buffers and their copy to static device buffers (issued before the
+replay, which reads them). Cold main-KV pages are read inside the graph by the zero-copy gather
+(``kernels_cuda.kv_gather``: the kernel reads pinned host memory); where that kernel is not
+available the cold fetch is host-driven and the step falls back to :meth:`Model.forward`. On a
+non-CUDA device the same static-buffer step runs eagerly (how CPU tests check it).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 from flashrt import checks
 from flashrt.formats import QTensor
 from flashrt.kvcache import KVState
+from flashrt.kvpages import cold_gather_kernel
 
 from .context import StepContext
 
@@ -68,9 +70,15 @@ class DecodeGraphs:
 
     def fallback_reason(self) -> str | None:
         """Why the next step cannot run from static buffers (None when it can)."""
-        if any(t.cold for c in self.state.compressed.values() for t in c.main.tables):
-            return "main-KV pages on the host tier (host-driven fetch)"
+        s = self.state
+        picks = s.batch * self.model.cfg.index_topk
+        if any(self._cold()) and not cold_gather_kernel(s.pool, picks):
+            return "main-KV pages on the host tier without the zero-copy gather (host-driven fetch)"
         return None
+
+    def _cold(self) -> tuple:
+        """Per source layer: whether any of its pages live on the host (a step's resolve differs)."""
+        return tuple(any(t.cold for t in c.main.tables) for c in self.state.compressed.values())
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[B, vocab]`` after one token per row (``ids`` [B] or [B, 1] on the model's
@@ -85,7 +93,7 @@ class DecodeGraphs:
             self.stats["fallback"] += 1
             return model.forward(ids, state=state)
         for c in state.compressed.values():
-            c.main.dev_ids()  # block tables up to date (in place) before the graph reads them
+            c.main.dev_ids()  # block tables (device and host tier) refreshed in place before the graph reads them
         self.ids.copy_(ids)
         if model.hasher is not None:
             hashed, state.engram_history = model.hasher.hash_ids(self.ids, state.engram_history)
@@ -134,7 +142,7 @@ class DecodeGraphs:
         if not self.capture:
             self.stats["eager"] += 1
             return self._body(entries)
-        key = (tuple(sorted(entries.items())), self._layout())
+        key = (tuple(sorted(entries.items())), self._cold(), self._layout())
         hit = self.graphs.get(key)
         if hit is not None:
             self.graphs.move_to_end(key)
@@ -154,9 +162,11 @@ class DecodeGraphs:
     def _layout(self) -> tuple:
         """Address and shape of every state tensor a step reads or writes."""
         s = self.state
-        tensors = [s.positions, self.ids, self.engram_ids, s.pool.dev.data, s.pool.dev.scale]
+        tensors = [s.positions, self.ids, self.engram_ids]
+        for q in (s.pool.dev, s.pool.host, s.index_pool.dev):  # the host pool: pinned, read by the gather
+            tensors += [q.data, q.scale]
         tensors += [t for _, dev in self.staged.values() for t in (dev.data, dev.scale)]
         for c in s.compressed.values():
-            tensors += [c.index_k.data, c.index_k.scale, c.kv_state, c.score_state, c.main.dev_ids()]
+            tensors += [c.index_k.table, c.kv_state, c.score_state, c.main.dev_ids(), c.main.host_ids_device()]
         tensors += [t for q in s.rings.values() for t in (q.data, q.scale)] + list(s.ring_start.values())
         return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors if t is not None)

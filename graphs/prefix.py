@@ -53,8 +53,8 @@ def export_row(state, row: int, length: int) -> bytes:
         n = length // state.cfg.ratio(l)
         main = c.main.read_row(row, n)
         tensors[f"{l}.main.data"], tensors[f"{l}.main.scale"] = main.data, main.scale.view(torch.uint8)
-        tensors[f"{l}.index.data"] = c.index_k.data[row, :n].cpu().contiguous()
-        tensors[f"{l}.index.scale"] = c.index_k.scale[row, :n].view(torch.uint8).cpu().contiguous()
+        index = c.index_k.read_row(row, 0, n)
+        tensors[f"{l}.index.data"], tensors[f"{l}.index.scale"] = index.data, index.scale.view(torch.uint8)
     return st_save(tensors)
 
 
@@ -69,9 +69,9 @@ def import_row(state, row: int, payload: bytes, length: int) -> None:
         if main.data.shape[0] != n:
             raise ValueError(f"payload: layer {l} holds {main.data.shape[0]} entries, expected {n}")
         c.main.write_row(row, main)
-        u8 = torch.uint8
-        c.index_k.data.view(u8)[row, :n] = tensors[f"{l}.index.data"].to(state.device)
-        c.index_k.scale.view(u8)[row, :n] = tensors[f"{l}.index.scale"].to(state.device)
+        index = QTensor(tensors[f"{l}.index.data"], tensors[f"{l}.index.scale"].view(torch.float8_e8m0fnu),
+                        "fp4_b32", (n, cfg.index_head_dim))
+        c.index_k.write_row(row, 0, index)
 
 
 def lookup(model, cache, tokens: list[int]) -> tuple[int, bytes | None]:

@@ -28,8 +28,8 @@ def pause(model, state, row: int, tokens: list[int], cache, pool, session_id: st
         lo, hi = length // r, n // r
         main = c.main.read_row(row, hi)
         snap[f"tail.{l}.main.data"], snap[f"tail.{l}.main.scale"] = main.data[lo:], main.scale.view(u8)[lo:]
-        snap[f"tail.{l}.index.data"] = c.index_k.data[row, lo:hi]
-        snap[f"tail.{l}.index.scale"] = c.index_k.scale[row, lo:hi].view(u8)
+        index = c.index_k.read_row(row, lo, hi)
+        snap[f"tail.{l}.index.data"], snap[f"tail.{l}.index.scale"] = index.data, index.scale.view(u8)
         if c.kv_state is not None:
             snap[f"partial.{l}.kv"], snap[f"partial.{l}.score"] = c.kv_state[row], c.score_state[row]
     pool.put(session_id, snap)
@@ -65,8 +65,8 @@ def _restore_rest(cfg, state, snap: dict, length: int, n: int) -> None:
             data = torch.cat([head.data, snap[f"tail.{l}.main.data"]])
             scale = torch.cat([head.scale.view(u8), snap[f"tail.{l}.main.scale"]]).view(torch.float8_e4m3fn)
             c.main.write_row(0, QTensor(data, scale, "fp4_b16", (hi, cfg.head_dim)))
-            c.index_k.data.view(u8)[0, lo:hi] = snap[f"tail.{l}.index.data"].view(u8).to(dev)
-            c.index_k.scale.view(u8)[0, lo:hi] = snap[f"tail.{l}.index.scale"].to(dev)
+            c.index_k.write_row(0, lo, QTensor(snap[f"tail.{l}.index.data"], snap[f"tail.{l}.index.scale"].view(
+                torch.float8_e8m0fnu), "fp4_b32", (hi - lo, cfg.index_head_dim)))
         if c.kv_state is not None:
             c.kv_state[0], c.score_state[0] = snap[f"partial.{l}.kv"].to(dev), snap[f"partial.{l}.score"].to(dev)
     for l in state.rings:

@@ -5,7 +5,9 @@
 keys) computes ``k_tile [BLOCK_T, Di] @ q_tile^T [Di, BLOCK_S * Hi]`` (the key tile is the A
 operand, dequantized in registers; on sm_90 wgmma takes A from registers), then ReLU, times the
 head weights, the sum over heads and the ``t < visible`` mask, and writes ``[BLOCK_T, BLOCK_S]``.
-Tiles wholly past every query's ``visible`` skip the math. QTensor keys (``fp4_b32`` in the
+Tiles wholly past every query's ``visible`` skip the math. Paged keys (``PagedKeys``, the HKCP
+index K) are read in place: each key row's address is ``block_table[b, t // P] * P + t % P`` in
+the shared pool, computed in the kernel (no gathered copy). QTensor keys (``fp4_b32`` in the
 model; ``fp4_b16``, ``fp8``, ``int8`` too) are read as stored: a ``[BLOCK_T, Di / block, bytes]``
 tile and its ``[BLOCK_T, Di / block]`` scale bytes; packed E2M1 low / high nibbles (elements
 ``2i`` / ``2i + 1``) are decoded separately and interleaved with ``tl.join``, so one K = Di dot
@@ -37,6 +39,7 @@ import triton
 import triton.language as tl
 
 from flashrt.formats import QTensor
+from flashrt.paged import PagedKeys
 
 from .topk import _keys, select_rows
 from flashrt import profiles
@@ -133,9 +136,9 @@ def _tile_plain(acc, k_ptr, q_rows, row_ok, offs_t, t_ok, sk_t, sk_d, sq_d,
 
 
 @triton.jit
-def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, S, T, H,
+def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, bt_ptr, S, T, H,
                          sq_b, sq_s, sq_h, sq_d, sk_b, sk_t, sk_d, ss_b, ss_t, sw_b, sw_s, sw_h, sv_b, sv_s,
-                         so_b, so_s, D: tl.constexpr, BLOCK_D: tl.constexpr, DK: tl.constexpr, BLOCK_T: tl.constexpr,
+                         so_b, so_s, sbt_b, PAGE, PAGED: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DK: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr,
                          QBLOCK: tl.constexpr, QBYTES: tl.constexpr, ONE: tl.constexpr,
                          DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr):
@@ -151,12 +154,16 @@ def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, S, T, H,
         row_ok = (s_of < S) & (h_of < H)
         q_rows = q_ptr + b * sq_b + s_of * sq_s + h_of * sq_h
         t_ok = offs_t < T
+        rows_t = offs_t.to(tl.int64)  # the key rows' addresses: row t of this batch's keys ...
+        if PAGED:  # ... or pool row block_table[b, t // PAGE] * PAGE + t % PAGE (the pool is shared)
+            page = tl.load(bt_ptr + b * sbt_b + offs_t // PAGE, mask=t_ok, other=0)
+            rows_t = page.to(tl.int64) * PAGE + offs_t % PAGE
         if FMT > 0:
-            dots = _tile_quant(k_ptr + b * sk_b, ks_ptr + b * ss_b, q_rows, row_ok, offs_t, t_ok, sk_t, ss_t,
+            dots = _tile_quant(k_ptr + b * sk_b, ks_ptr + b * ss_b, q_rows, row_ok, rows_t, t_ok, sk_t, ss_t,
                                sq_d, D, NB, QBLOCK, QBYTES, FMT, ONE, DOT, PREC, ASM)
         else:
             dots = _tile_plain(tl.zeros([BLOCK_T, BLOCK_S * BLOCK_H], dtype=tl.float32), k_ptr + b * sk_b, q_rows,
-                               row_ok, offs_t, t_ok, sk_t, sk_d, sq_d, D, BLOCK_D, DK, DOT, PREC)
+                               row_ok, rows_t, t_ok, sk_t, sk_d, sq_d, D, BLOCK_D, DK, DOT, PREC)
         w = tl.load(w_ptr + b * sw_b + s_of * sw_s + h_of * sw_h, mask=row_ok, other=0.0)
         dots = tl.maximum(dots, 0.0) * w[None, :]
         acc = tl.sum(tl.reshape(dots, [BLOCK_T, BLOCK_S, BLOCK_H]), axis=2)
@@ -182,6 +189,9 @@ def index_scores(q, k, weights, visible):
         return out
     tiles = _tiles()["index_scores"]
     fmt, qblock, qbytes, one = 0, 1, 1, 0
+    paged = isinstance(k, PagedKeys)
+    table, page = (k.block_table, k.page_size) if paged else (out, 1)  # (unused when not paged)
+    k = k.pool if paged else k  # [1, rows, D]: batch stride 0 below, rows from the block table
     if isinstance(k, QTensor):
         assert k.fmt in _FORMATS and k.data.stride(-1) == 1 and k.scale.stride(-1) == 1
         fmt, qblock, qbytes, one = _FORMATS[k.fmt]
@@ -190,6 +200,9 @@ def index_scores(q, k, weights, visible):
     else:
         kd = ks = k
         sk, ss = k.stride(), (0, 0)
+    if paged:
+        assert table.dtype == torch.int32 and table.stride(1) == 1
+        sk, ss = (0, *sk[1:]), (0, ss[1])
     block_h = triton.next_power_of_2(H)
     block_s = max(1, min(triton.next_power_of_2(S), tiles["rows"] // block_h))
     block_s = max(block_s, 16 // block_h)  # tl.dot needs N >= 16 on the GPU
@@ -199,8 +212,8 @@ def index_scores(q, k, weights, visible):
     wide = block_s * block_h > 64 or dot == tl.float32
     asm = fmt == CODES["fp4_b32"] and dot == tl.bfloat16 and tiles["asm_decode"] and not _INTERPRETED
     _index_scores_kernel[grid](
-        q, kd, ks, weights, visible, out, S, T, H, *q.stride(), *sk, *ss, *weights.stride(), *visible.stride(),
-        out.stride(0), out.stride(1), D=D, BLOCK_D=block_d, DK=min(block_d, 32), BLOCK_T=tiles["block_t"],
+        q, kd, ks, weights, visible, out, table, S, T, H, *q.stride(), *sk, *ss, *weights.stride(),
+        *visible.stride(), out.stride(0), out.stride(1), table.stride(0), page, PAGED=paged, D=D, BLOCK_D=block_d, DK=min(block_d, 32), BLOCK_T=tiles["block_t"],
         BLOCK_S=block_s, BLOCK_H=block_h, FMT=fmt, NB=triton.next_power_of_2(max(1, D // qblock)), QBLOCK=qblock,
         QBYTES=qbytes, ONE=one, DOT=dot, PREC=prec, ASM=asm,
         num_warps=tiles["num_warps_wide" if wide else "num_warps"], num_stages=tiles["num_stages"])
@@ -208,9 +221,12 @@ def index_scores(q, k, weights, visible):
 
 
 def supports_index_scores(q, k, weights, visible) -> bool:
-    """Plain fp32 / bf16 / fp16 keys or fp4_b32 / fp4_b16 / fp8 / int8 keys; Di <= 512, Hi <= 128."""
+    """Plain fp32 / bf16 / fp16 keys or fp4_b32 / fp4_b16 / fp8 / int8 keys, contiguous or paged
+    (``PagedKeys``); Di <= 512, Hi <= 128."""
     if q.dtype == torch.float64 or q.shape[-1] > 512 or q.shape[2] > 128:
         return False
+    if isinstance(k, PagedKeys):
+        k = k.pool
     if isinstance(k, QTensor):
         return k.fmt in _FORMATS
     return k.dtype in (torch.float32, *_HALF_DTYPES)

@@ -150,6 +150,10 @@ def test_index_scores_plain_torch(npu_emulation, rng):
     vis = torch.randint(0, T + 1, (B, S), generator=rng, dtype=torch.int32)
     got, want = run_both("index_scores", q, k, w, vis)
     assert torch.equal(got, want) and fallbacks("index_scores")
+    from test_paged_keys import paged  # paged keys: gathered, then the same plain torch
+
+    got, _ = run_both("index_scores", q, paged(k, 8, rng), w, vis)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("score_func,bias", [("sigmoid", True), ("softmax", False), ("sigmoid", False)])

@@ -45,7 +45,8 @@ def test_static_step_equals_forward(model, rng):
     assert static.host_positions == eager.host_positions == [49, 49]
     for l in cfg.kv_source_layers:  # the caches hold the same bytes
         a, b = eager.compressed[l], static.compressed[l]
-        assert torch.equal(a.index_k.data.view(torch.uint8), b.index_k.data.view(torch.uint8))
+        ka, kb = a.index_k.read_row(1, 0, 24), b.index_k.read_row(1, 0, 24)
+        assert torch.equal(ka.data.view(torch.uint8), kb.data.view(torch.uint8))
         assert torch.equal(a.main.read_row(1, 24).data, b.main.read_row(1, 24).data)
 
 
@@ -57,13 +58,20 @@ def test_generate_with_graphs_same_tokens_ragged(model, rng):
     assert graphs.decode_graphs["eager"] == 11 and plain.decode_graphs is None
 
 
-def test_cold_pages_fall_back_to_forward(model, rng):
-    """With most main-KV pages on the host the step cannot be static: it runs Model.forward."""
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_cold_pages(model, rng, zero_copy, monkeypatch):
+    """Most main-KV pages on the host: with the zero-copy gather the step stays static (the cold
+    picks are read inside it); without it the step runs Model.forward. Same tokens either way."""
+    import flashrt.graphs.decode_graph as dg
+
+    if not zero_copy:
+        monkeypatch.setattr(dg, "cold_gather_kernel", lambda pool, picks: False)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 60), generator=rng)
     plain = model.generate(ids, 6, kv_page_entries=4)
     small = model.generate(ids, 6, kv_page_entries=4, kv_budget=_budget(model, 66, 4), prefill_chunk=8,
                            cuda_graph=True)
-    assert small.decode_graphs["fallback"] == 5 and small.state.tier_stats()["cold_pages"] > 0
+    assert small.state.tier_stats()["cold_pages"] > 0
+    assert small.decode_graphs["eager" if zero_copy else "fallback"] == 5
     assert small.tokens == plain.tokens
 
 
@@ -71,7 +79,7 @@ def _budget(model, capacity, page_entries):
     from flashrt.kvcache import entry_bytes, fixed_bytes_for
 
     page = page_entries * entry_bytes(model.cfg.head_dim, "fp4_b16")
-    return fixed_bytes_for(model.cfg, 1, capacity) + page * (2 * len(model.cfg.kv_source_layers) + 3)
+    return fixed_bytes_for(model.cfg, 1, capacity, page_entries) + page * (2 * len(model.cfg.kv_source_layers) + 2)
 
 
 def test_trash_page_is_never_handed_out(model):
@@ -80,7 +88,12 @@ def test_trash_page_is_never_handed_out(model):
         for row in range(3):
             c.main.reserve(row, 200)
     used = {p for c in state.compressed.values() for t in c.main.tables for _, p in t.pages}
+    for c in state.compressed.values():
+        for row in range(3):
+            c.index_k.reserve(row, 200)
     assert state.pool.trash_row // state.pool.P not in used and len(used) > 16
+    index_pages = {p for c in state.compressed.values() for row in c.index_k.pages for p in row}
+    assert state.index_pool.trash_row // state.index_pool.P not in index_pages
 
 
 def test_bad_arguments_are_named(model):

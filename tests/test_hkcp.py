@@ -25,7 +25,7 @@ def test_device_budget_of_ten_percent_gives_the_same_logits(model, rng):
     full = model.generate(ids, 5, prefill_chunk=16, kv_page_entries=8)
     cap = 305
     main = sum(-(-cap // cfg.ratio(l)) for l in cfg.kv_source_layers) * entry_bytes(cfg.head_dim, "fp4_b16") * 2
-    budget = fixed_bytes_for(cfg, 2, cap) + main // 10
+    budget = fixed_bytes_for(cfg, 2, cap, page_entries=8) + main // 10
     small = model.generate(ids, 5, prefill_chunk=16, kv_page_entries=8, kv_budget=budget)
     stats = small.state.tier_stats()
     assert stats["device_pages"] * stats["page_bytes"] <= main // 10

@@ -1,0 +1,146 @@
+"""HKCP index-K pages: fixed-size pages of ``fp4_b32`` index keys, device only.
+
+Every KV-source layer stores its index K in pages of ``page_entries`` entries drawn from one
+:class:`IndexPool`. Index pages never leave the device: the indexer scores every position. Each
+(layer, sequence) has a row of an int32 block table (a persistent device tensor, updated in place
+when pages are added); the indexer reads the keys in place through a
+:class:`flashrt.paged.PagedKeys` view of the pool.
+
+Page 0 of the pool is a trash page that is never handed out: masked writes are redirected to
+its first row (``trash_row``) instead of being filtered on the host, and block-table slots with no
+page point at it. Reallocating the pool (doubling) or a block table bumps ``pool.generation``, so
+code that caches device pointers (CUDA graphs) can tell they are stale.
+"""
+from __future__ import annotations
+
+import torch
+
+from .formats import QTensor
+from .kvcache_util import empty_qtensor, write_rows
+from .paged import PagedKeys
+
+FMT = "fp4_b32"
+TRASH_PAGE = 0
+
+
+class IndexPool:
+    """Device pages of index-K entries (``[pages, P, D]``) for every source layer of a batch."""
+
+    def __init__(self, dim: int, page_entries: int, device, pages: int):
+        self.D, self.P, self.device = dim, page_entries, torch.device(device)
+        n = max(pages, 1) + 1  # + the trash page
+        self.dev = empty_qtensor(FMT, (n, page_entries, dim), self.device)
+        self.free = list(range(n - 1, TRASH_PAGE, -1))
+        self.generation = 0  # bumped whenever the pool or a block table is reallocated
+
+    @property
+    def page_bytes(self) -> int:
+        return self.P * (self.D // 2 + self.D // 32)
+
+    @property
+    def trash_row(self) -> int:
+        """First pool row of the trash page: where masked writes go."""
+        return TRASH_PAGE * self.P
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.dev.shape[0] - 1 - len(self.free)
+
+    def alloc(self) -> int:
+        if not self.free:
+            self._grow()
+        return self.free.pop()
+
+    def _grow(self) -> None:
+        n = self.dev.shape[0]
+        grown = empty_qtensor(FMT, (2 * n, self.P, self.D), self.device)
+        grown.data[:n], grown.scale[:n] = self.dev.data, self.dev.scale
+        self.dev = grown
+        self.free = list(range(2 * n - 1, n - 1, -1))
+        self.generation += 1
+
+    def segment(self) -> QTensor:
+        """The pool as one ``[1, pages * P, D]`` QTensor (a view, no copy)."""
+        n = self.dev.shape[0] * self.P
+        return QTensor(self.dev.data.view(1, n, -1), self.dev.scale.view(1, n, -1), FMT, (1, n, self.D))
+
+
+class PagedIndexK:
+    """The index K of one source layer for a batch: a block-table row per sequence."""
+
+    def __init__(self, pool: IndexPool, batch: int, entries: int):
+        self.pool = pool
+        self.pages: list[list[int]] = [[] for _ in range(batch)]  # host mirror of the table
+        width = max(1, -(-entries // pool.P))
+        self.table = torch.full((batch, width), TRASH_PAGE, dtype=torch.int32, device=pool.device)
+
+    @property
+    def batch(self) -> int:
+        return len(self.pages)
+
+    def ensure_pages(self, pages: int) -> None:
+        """Room for ``pages`` pages per row: reallocate the table with doubling (a new buffer)."""
+        width = self.table.shape[1]
+        if pages <= width:
+            return
+        table = torch.full((self.batch, max(pages, 2 * width)), TRASH_PAGE, dtype=torch.int32, device=self.pool.device)
+        table[:, :width] = self.table
+        self.table = table
+        self.pool.generation += 1
+
+    def reserve(self, row: int, entries: int) -> None:
+        """Pages for entries ``< entries`` of ``row``; new ones are written into the table in place."""
+        have, need = len(self.pages[row]), -(-entries // self.pool.P)
+        if need <= have:
+            return
+        self.ensure_pages(need)
+        new = [self.pool.alloc() for _ in range(need - have)]
+        self.pages[row] += new
+        self.table[row, have:need] = torch.tensor(new, dtype=torch.int32).to(self.pool.device, non_blocking=True)
+
+    def keys(self, entries: int) -> PagedKeys:
+        """The first ``entries`` entries of every row, read in place."""
+        self.ensure_pages(-(-entries // self.pool.P))
+        return PagedKeys(self.pool.segment(), self.table, self.pool.P, entries)
+
+    def write(self, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
+        """Store ``values`` [B, n, D] at entries ``entry`` [B, n] where ``mask`` (pages reserved);
+        the other rows go to the trash row, so nothing is filtered on the host."""
+        P, B, n = self.pool.P, entry.shape[0], entry.shape[1]
+        page = (entry.clamp_min(0) // P).clamp_max(self.table.shape[1] - 1)
+        phys = self.table.gather(1, page).long() * P + entry.clamp_min(0) % P
+        phys = torch.where(mask, phys, self.pool.trash_row).reshape(-1)
+        flat = QTensor(values.data.reshape(B * n, -1), values.scale.reshape(B * n, -1), FMT, (B * n, values.shape[-1]))
+        write_rows(self.pool.segment(), torch.zeros_like(phys), phys, flat)
+
+    def _rows(self, row: int, lo: int, hi: int) -> torch.Tensor:
+        P, t = self.pool.P, torch.arange(lo, hi)
+        pages = torch.tensor(self.pages[row], dtype=torch.long)
+        return (pages[t // P] * P + t % P).to(self.pool.device)
+
+    def read_row(self, row: int, lo: int, hi: int) -> QTensor:
+        """Entries ``[lo, hi)`` of ``row`` as a CPU QTensor ``[hi - lo, D]``."""
+        seg, rows, u8 = self.pool.segment(), self._rows(row, lo, hi), torch.uint8
+        data = seg.data.view(u8)[0, rows].cpu()
+        scale = seg.scale.view(u8)[0, rows].cpu().view(seg.scale.dtype)
+        return QTensor(data.view(seg.data.dtype), scale, FMT, (hi - lo, self.pool.D))
+
+    def write_row(self, row: int, lo: int, values: QTensor) -> None:
+        """Store ``values`` [n, D] as entries ``[lo, lo + n)`` of ``row`` (pages reserved here)."""
+        hi = lo + values.shape[0]
+        self.reserve(row, hi)
+        rows = self._rows(row, lo, hi)
+        write_rows(self.pool.segment(), torch.zeros_like(rows), rows, values.to(self.pool.device))
+
+    @staticmethod
+    def cat(parts: list["PagedIndexK"]) -> "PagedIndexK":
+        """One batch holding the rows of ``parts`` (drawn from one pool) in order."""
+        out = PagedIndexK(parts[0].pool, 0, 1)
+        out.pages = [list(p) for part in parts for p in part.pages]
+        width = max(p.table.shape[1] for p in parts)
+        out.table = torch.full((len(out.pages), width), TRASH_PAGE, dtype=torch.int32, device=out.pool.device)
+        b = 0
+        for part in parts:
+            out.table[b:b + part.batch, :part.table.shape[1]] = part.table
+            b += part.batch
+        return out

@@ -1,0 +1,104 @@
+"""HKCP page pools: paged index K (device only, read in place), trash pages, generations, budget."""
+import torch
+
+from flashrt.formats import QTensor
+from flashrt.kvcache import KVState, entry_bytes, fixed_bytes_for, index_pages_for
+from flashrt.paged import PagedKeys
+
+
+def ids(rng, model, batch, length):
+    return torch.randint(0, model.cfg.vocab_size, (batch, length), generator=rng)
+
+
+def new_state(model, batch, capacity, page_entries=4):
+    pool = KVState.pool_for(model.cfg, batch, capacity, model.device, None, page_entries)
+    return model.new_state(batch, capacity, pool=pool)
+
+
+def shuffle_free_lists(state, rng):
+    for pool, attr in ((state.index_pool, "free"), (state.pool, "free_dev")):
+        free = getattr(pool, attr)
+        setattr(pool, attr, [free[i] for i in torch.randperm(len(free), generator=rng).tolist()])
+
+
+def test_pages_in_any_order_give_the_same_logits(model, rng):
+    x = ids(rng, model, 2, 45)
+    plain = new_state(model, 2, 64)
+    want = [model.forward(x[:, :40], state=plain)] + [model.forward(x[:, i:i + 1], state=plain) for i in range(40, 45)]
+    state = new_state(model, 2, 64)
+    shuffle_free_lists(state, rng)
+    got = [model.forward(x[:, :40], state=state)] + [model.forward(x[:, i:i + 1], state=state) for i in range(40, 45)]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    pages = state.compressed[4].index_k.pages[0]
+    assert pages != sorted(pages)  # the rows' pages really are out of order
+    keys = state.index_keys(4, 44)
+    assert isinstance(keys, PagedKeys) and keys.shape == (2, 44, model.cfg.index_head_dim)
+
+
+def test_index_keys_read_what_was_written(model, rng):
+    state = new_state(model, 3, 40)
+    shuffle_free_lists(state, rng)
+    model.forward(ids(rng, model, 3, 33), state=state)
+    cache = state.compressed[2].index_k
+    keys = state.index_keys(2, 16).gather()  # ratio 2: 16 entries
+    for row in range(3):
+        stored = cache.read_row(row, 0, 16)
+        assert torch.equal(keys.data[row], stored.data)
+        assert torch.equal(keys.scale[row].view(torch.uint8), stored.scale.view(torch.uint8))
+    assert keys.data.any()
+
+
+def test_masked_writes_go_to_the_trash_page_only(model, rng):
+    state = new_state(model, 2, 32)
+    for row in range(2):
+        state.compressed[4].index_k.reserve(row, 8)
+        state.compressed[4].main.reserve(row, 8)
+    before_i, before_m = state.index_pool.dev.data.clone(), state.pool.dev.data.clone()
+    Di, D = model.cfg.index_head_dim, model.cfg.head_dim
+    rand = lambda fmt, dim: QTensor(torch.randint(0, 256, (2, 8, dim // 2), generator=rng, dtype=torch.uint8),
+                                    torch.full((2, 8, dim // (32 if fmt == "fp4_b32" else 16)), 1, dtype=torch.uint8).view(
+                                        torch.float8_e8m0fnu if fmt == "fp4_b32" else torch.float8_e4m3fn), fmt, (2, 8, dim))
+    entry = torch.arange(8).repeat(2, 1)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[1, 5] = True
+    main, index = rand("fp4_b16", D), rand("fp4_b32", Di)
+    state.append_entries(4, main, index, entry, mask)
+    c = state.compressed[4]
+    for pool, before, page in ((state.index_pool, before_i, c.index_k.pages[1][1]),
+                               (state.pool, before_m, c.main.tables[1].pages[1][1])):
+        changed = (pool.dev.data != before).flatten(1).any(1).nonzero().flatten().tolist()
+        assert changed == sorted({0, page})  # the one stored entry's page, and the trash page (0)
+    got = state.compressed[4].index_k.read_row(1, 5, 6)
+    assert torch.equal(got.data[0], index.data[1, 5])
+    assert torch.equal(state.compressed[4].main.read_row(1, 8).data[5], main.data[1, 5])
+    assert state.compressed[4].index_k.read_row(0, 0, 8).data.count_nonzero() == 0  # row 0: nothing stored
+
+
+def test_block_table_updated_in_place_and_generation_on_growth(model, rng):
+    state = new_state(model, 1, 16)
+    table = state.compressed[4].index_k.table
+    gen = state.generation
+    x = ids(rng, model, 1, 16)
+    model.forward(x[:, :12], state=state)
+    assert state.compressed[4].index_k.table.data_ptr() == table.data_ptr() and state.generation == gen
+    model.forward(x[:, 12:16], state=state)
+    model.forward(x[:, :1], state=state)  # position 16: past the capacity, the table and pool grow
+    assert state.generation > gen
+    assert state.compressed[4].index_k.table.data_ptr() != table.data_ptr()
+    assert state.index_pool.trash_row == 0 and state.pool.trash_row == 0
+
+
+def test_budget_split_counts_index_pages(cfg):
+    P, cap, B = 8, 300, 2
+    main_page = P * entry_bytes(cfg.head_dim, "fp4_b16")
+    index_page = P * entry_bytes(cfg.index_head_dim, "fp4_b32")
+    budget = fixed_bytes_for(cfg, B, cap, P) + 20 * main_page + main_page - 1
+    pool = KVState.pool_for(cfg, B, cap, "cpu", budget, P)
+    assert pool.device_pages == 20
+    need = index_pages_for(cfg, B, cap, P)
+    assert [cfg.ratio(l) for l in cfg.kv_source_layers] == [2, 1]
+    assert need == B * (19 + 38)  # 150 entries -> 19 pages of 8, 300 -> 38
+    assert pool.index_pool.dev.shape[0] == need + 1  # + trash
+    device = pool.dev.nbytes + pool.index_pool.dev.nbytes
+    rings = cfg.total_layers * cfg.window_size * (cfg.head_dim + cfg.head_dim // 32) * B
+    assert device + rings <= budget and index_page * (need + 1) <= fixed_bytes_for(cfg, B, cap, P)
