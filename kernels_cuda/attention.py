@@ -20,13 +20,13 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 import triton.language as tl
 
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.attention_kernel import _combine_kernel, _sparse_attention_kernel
 from flashrt.kernels_cuda.codecs import CODES
-from flashrt.kernels_cuda.launch import PlanCache, dense, last_dense, no_device_reason, sm_count, zeros_stored
+from flashrt.kernels_cuda.launch import (PlanCache, cdiv, dense, last_dense, next_pow2, no_device_reason, sm_count,
+                                         zeros_stored)
 
 TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLOCK * D * 2 (kv) + stages
     "attention": {"H_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2},  # bf16 q
@@ -100,13 +100,13 @@ def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int]:
     B, S, H, _ = q.shape
     tiles = _tiles()
     t, sp = tiles["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], tiles["split"]
-    h_block = min(t["H_BLOCK"], max(16, triton.next_power_of_2(H)))
-    k_block = min(t["K_BLOCK"], max(16, triton.next_power_of_2(K)))
-    n_kb = triton.cdiv(K, k_block)
+    h_block = min(t["H_BLOCK"], max(16, next_pow2(H)))
+    k_block = min(t["K_BLOCK"], max(16, next_pow2(K)))
+    n_kb = cdiv(K, k_block)
     wave = sp["programs"] or sm_count(q.device)
-    splits = max(1, min(wave // (B * S * triton.cdiv(H, h_block)), sp["max_splits"], n_kb // sp["min_blocks"]))
-    per_split = triton.cdiv(n_kb, splits)
-    return t, h_block, k_block, triton.cdiv(n_kb, per_split), per_split
+    splits = max(1, min(wave // (B * S * cdiv(H, h_block)), sp["max_splits"], n_kb // sp["min_blocks"]))
+    per_split = cdiv(n_kb, splits)
+    return t, h_block, k_block, cdiv(n_kb, per_split), per_split
 
 
 def _dot_mode(dtype: torch.dtype):
@@ -126,21 +126,25 @@ def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
     dot_dtype, prec = _dot_mode(q.dtype)
     role1, role2 = _roles(codes)
     fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
-    return dict(grid=(B * S, triton.cdiv(H, h_block), splits), splits=splits, per_split=per_split,
+    return dict(grid=(B * S, cdiv(H, h_block), splits), splits=splits, per_split=per_split,
                 roles=(0, role1, role2),  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
                 pdtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32,
                 constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, HAS_SINK=has_sink,
                                 SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, H_BLOCK=h_block, K_BLOCK=k_block,
-                                BLOCK_D=triton.next_power_of_2(D), num_warps=t["num_warps"],
+                                BLOCK_D=next_pow2(D), num_warps=t["num_warps"],
                                 num_stages=t["num_stages"]))
 
 
 def _combine(pacc, pml, sink, out, splits: int) -> None:
     B, S, H, D = out.shape
-    t = _tiles()["combine"]
-    grid = (B * S, triton.cdiv(H, t["H_BLOCK"]))
-    _combine_kernel[grid](pacc, pml, sink if sink is not None else pml, out, splits, H, D, sink is not None,
-                          H_BLOCK=t["H_BLOCK"], BLOCK_D=triton.next_power_of_2(D), num_warps=t["num_warps"])
+    key = ("combine", B * S, H, D)
+    tiles, plan = PLANS.lookup(key)
+    if plan is None:
+        t = tiles["combine"]
+        plan = PLANS.store(key, ((B * S, cdiv(H, t["H_BLOCK"])), dict(
+            H_BLOCK=t["H_BLOCK"], BLOCK_D=next_pow2(D), num_warps=t["num_warps"])))
+    _combine_kernel[plan[0]](pacc, pml, sink if sink is not None else pml, out, splits, H, D, sink is not None,
+                             **plan[1])
 
 
 def sparse_attention(q, kv, indices, sink, scale):
