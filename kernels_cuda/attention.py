@@ -20,13 +20,13 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 import triton.language as tl
 
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.attention_kernel import _combine_kernel, _sparse_attention_kernel
 from flashrt.kernels_cuda.codecs import CODES
-from flashrt.kernels_cuda.launch import PlanCache, dense, last_dense, no_device_reason, sm_count, zeros_stored
+from flashrt.kernels_cuda.launch import (PlanCache, cdiv, dense, last_dense, next_pow2, no_device_reason, sm_count,
+                                         zeros_stored)
 
 TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLOCK * D * 2 (kv) + stages
     # D_SPLIT 2: two programs per head block, each accumulating half of the output columns, used
@@ -104,18 +104,18 @@ def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int, int]:
     B, S, H, D = q.shape
     tiles = _tiles()
     t, sp = tiles["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], tiles["split"]
-    h_block = min(t["H_BLOCK"], max(16, triton.next_power_of_2(H)))
-    k_block = min(t["K_BLOCK"], max(16, triton.next_power_of_2(K)))
+    h_block = min(t["H_BLOCK"], max(16, next_pow2(H)))
+    k_block = min(t["K_BLOCK"], max(16, next_pow2(K)))
     assert t["D_SPLIT"] in (1, 2), f"tiles.attention D_SPLIT: expected 1 or 2, got {t['D_SPLIT']!r}"
-    n_kb = triton.cdiv(K, k_block)
+    n_kb = cdiv(K, k_block)
     wave = sp["programs"] or sm_count(q.device)
-    programs = B * S * triton.cdiv(H, h_block)
+    programs = B * S * cdiv(H, h_block)
     # halves of >= 32 columns (scale blocks), only while the split programs fill at most half a wave
-    d_split = t["D_SPLIT"] if triton.next_power_of_2(D) >= 64 and 2 * t["D_SPLIT"] * programs <= wave else 1
+    d_split = t["D_SPLIT"] if next_pow2(D) >= 64 and 2 * t["D_SPLIT"] * programs <= wave else 1
     programs *= d_split
     splits = max(1, min(wave // programs, sp["max_splits"], n_kb // sp["min_blocks"]))
-    per_split = triton.cdiv(n_kb, splits)
-    return t, h_block, k_block, triton.cdiv(n_kb, per_split), per_split, d_split
+    per_split = cdiv(n_kb, splits)
+    return t, h_block, k_block, cdiv(n_kb, per_split), per_split, d_split
 
 
 def _dot_mode(dtype: torch.dtype):
@@ -135,21 +135,25 @@ def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
     dot_dtype, prec = _dot_mode(q.dtype)
     role1, role2 = _roles(codes)
     fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
-    return dict(grid=(B * S, triton.cdiv(H, h_block) * d_split, splits), splits=splits, per_split=per_split,
+    return dict(grid=(B * S, cdiv(H, h_block) * d_split, splits), splits=splits, per_split=per_split,
                 roles=(0, role1, role2),  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
                 pdtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32,
                 constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, HAS_SINK=has_sink,
                                 SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, H_BLOCK=h_block, K_BLOCK=k_block,
-                                BLOCK_D=triton.next_power_of_2(D), D_SPLIT=d_split, num_warps=t["num_warps"],
+                                BLOCK_D=next_pow2(D), D_SPLIT=d_split, num_warps=t["num_warps"],
                                 num_stages=t["num_stages"]))
 
 
 def _combine(pacc, pml, sink, out, splits: int) -> None:
     B, S, H, D = out.shape
-    t = _tiles()["combine"]
-    grid = (B * S, triton.cdiv(H, t["H_BLOCK"]))
-    _combine_kernel[grid](pacc, pml, sink if sink is not None else pml, out, splits, H, D, sink is not None,
-                          H_BLOCK=t["H_BLOCK"], BLOCK_D=triton.next_power_of_2(D), num_warps=t["num_warps"])
+    key = ("combine", B * S, H, D)
+    tiles, plan = PLANS.lookup(key)
+    if plan is None:
+        t = tiles["combine"]
+        plan = PLANS.store(key, ((B * S, cdiv(H, t["H_BLOCK"])), dict(
+            H_BLOCK=t["H_BLOCK"], BLOCK_D=next_pow2(D), num_warps=t["num_warps"])))
+    _combine_kernel[plan[0]](pacc, pml, sink if sink is not None else pml, out, splits, H, D, sink is not None,
+                             **plan[1])
 
 
 def sparse_attention(q, kv, indices, sink, scale):

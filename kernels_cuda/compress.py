@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from flashrt import profiles
+from flashrt.kernels_cuda.launch import cdiv, next_pow2
 
 TILES = {"compress_pool": {"TILE_ELEMS": 2048, "MAX_BLOCK_R": 16, "num_warps": 4}}
 
@@ -53,9 +54,9 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     if R == 0:
         return out.zero_()
     t = _tiles()["compress_pool"]
-    block_r = min(triton.next_power_of_2(R), t["MAX_BLOCK_R"])
-    block_d = min(triton.next_power_of_2(D), max(16, t["TILE_ELEMS"] // block_r))
-    grid = (B * G, triton.cdiv(D, block_d))
+    block_r = min(next_pow2(R), t["MAX_BLOCK_R"])
+    block_d = min(next_pow2(D), max(16, t["TILE_ELEMS"] // block_r))
+    grid = (B * G, cdiv(D, block_d))
     _compress_pool_kernel[grid](kv, score, out, R, D, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=t["num_warps"])
     return out
 

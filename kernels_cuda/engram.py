@@ -17,6 +17,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import e4m3_to_f32, e8m0_to_f32, to_out
 from flashrt import profiles
+from flashrt.kernels_cuda.launch import cdiv, next_pow2
 
 TILES = {
     "engram_lookup": {"ROWS_ELEMS": 4096, "num_warps": 4},
@@ -54,9 +55,9 @@ def engram_lookup(table, ids: torch.Tensor) -> torch.Tensor:
     if n == 0 or dh == 0:
         return out
     t = _tiles()["engram_lookup"]
-    block_dh = triton.next_power_of_2(dh)
-    block_n = min(max(1, t["ROWS_ELEMS"] // block_dh), triton.next_power_of_2(n))
-    _engram_lookup_kernel[(triton.cdiv(n, block_n),)](
+    block_dh = next_pow2(dh)
+    block_n = min(max(1, t["ROWS_ELEMS"] // block_dh), next_pow2(n))
+    _engram_lookup_kernel[(cdiv(n, block_n),)](
         data, scale, ids, out, n, dh, data.stride(0), scale.stride(0), BLOCK_N=block_n, BLOCK_DH=block_dh,
         num_warps=t["num_warps"])
     return out
@@ -115,7 +116,7 @@ def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:
     if out.numel() == 0:
         return out
     t = _tiles()["engram_gate"]
-    block_d = min(triton.next_power_of_2(D), t["MAX_BLOCK_D"])
+    block_d = min(next_pow2(D), t["MAX_BLOCK_D"])
     _engram_gate_kernel[(B * S * hc,)](h, key, value, weight, out, hc, D, float(eps), math.sqrt(D),
                                        BLOCK_D=block_d, SINGLE=block_d >= D,
                                        num_warps=max(4, min(16, block_d // t["ELEMS_PER_WARP"])))

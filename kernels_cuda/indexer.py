@@ -43,6 +43,7 @@ from flashrt.paged import PagedKeys
 
 from .topk import _keys, select_rows
 from flashrt import profiles
+from flashrt.kernels_cuda.launch import cdiv, next_pow2
 from flashrt.kernels_cuda.codecs import CODES, dequant_rows
 
 TILES = {
@@ -203,18 +204,19 @@ def index_scores(q, k, weights, visible):
     if paged:
         assert table.dtype == torch.int32 and table.stride(1) == 1
         sk, ss = (0, *sk[1:]), (0, ss[1])
-    block_h = triton.next_power_of_2(H)
-    block_s = max(1, min(triton.next_power_of_2(S), tiles["rows"] // block_h))
+    block_h = next_pow2(H)
+    block_s = max(1, min(next_pow2(S), tiles["rows"] // block_h))
     block_s = max(block_s, 16 // block_h)  # tl.dot needs N >= 16 on the GPU
     dot, prec = _dot_dtype(q, k)
-    block_d = max(16, triton.next_power_of_2(D))
-    grid = (triton.cdiv(T, tiles["block_t"]), triton.cdiv(S, block_s), B)
+    block_d = max(16, next_pow2(D))
+    grid = (cdiv(T, tiles["block_t"]), cdiv(S, block_s), B)
     wide = block_s * block_h > 64 or dot == tl.float32
     asm = fmt == CODES["fp4_b32"] and dot == tl.bfloat16 and tiles["asm_decode"] and not _INTERPRETED
     _index_scores_kernel[grid](
         q, kd, ks, weights, visible, out, table, S, T, H, *q.stride(), *sk, *ss, *weights.stride(),
-        *visible.stride(), out.stride(0), out.stride(1), table.stride(0), page, PAGED=paged, D=D, BLOCK_D=block_d, DK=min(block_d, 32), BLOCK_T=tiles["block_t"],
-        BLOCK_S=block_s, BLOCK_H=block_h, FMT=fmt, NB=triton.next_power_of_2(max(1, D // qblock)), QBLOCK=qblock,
+        *visible.stride(), out.stride(0), out.stride(1), table.stride(0), page, PAGED=paged, D=D, BLOCK_D=block_d,
+        DK=min(block_d, 32), BLOCK_T=tiles["block_t"],
+        BLOCK_S=block_s, BLOCK_H=block_h, FMT=fmt, NB=next_pow2(max(1, D // qblock)), QBLOCK=qblock,
         QBYTES=qbytes, ONE=one, DOT=dot, PREC=prec, ASM=asm,
         num_warps=tiles["num_warps_wide" if wide else "num_warps"], num_stages=tiles["num_stages"])
     return out
@@ -267,21 +269,21 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     out = torch.empty(B, S, T, dtype=torch.bool, device=scores.device)
     if B * S * T == 0:
         return out
-    R, NB, bs = B * S, triton.cdiv(T, block_size), block_size
+    R, NB, bs = B * S, cdiv(T, block_size), block_size
     tiles = _tiles()["candidate_blocks"]
     src = scores.reshape(R, T)
     src = src if src.stride(1) == 1 else src.contiguous()
     vis = visible.reshape(R).contiguous()
     keys = torch.empty(R, NB, dtype=torch.int32, device=scores.device)
-    bj = min(triton.next_power_of_2(bs), tiles["block"])
+    bj = min(next_pow2(bs), tiles["block"])
     blocks = max(1, tiles["block"] // bj)
-    _block_keys_kernel[(R, triton.cdiv(NB, blocks))](src, vis, keys, T, NB, bs, src.stride(0), keys.stride(0),
+    _block_keys_kernel[(R, cdiv(NB, blocks))](src, vis, keys, T, NB, bs, src.stride(0), keys.stride(0),
                                                      BLOCKS=blocks, BJ=bj, num_warps=tiles["num_warps"])
     flags = torch.zeros(R, NB, dtype=torch.uint8, device=scores.device)
     select_rows(keys, None, min(topk_blocks, NB), flags, mark=True)
     flat = out.view(R, T).view(torch.uint8)
-    block = min(tiles["block"], triton.next_power_of_2(T))
-    _expand_kernel[(R, triton.cdiv(T, block))](flags, flat, T, bs, flags.stride(0), flat.stride(0),
+    block = min(tiles["block"], next_pow2(T))
+    _expand_kernel[(R, cdiv(T, block))](flags, flat, T, bs, flags.stride(0), flat.stride(0),
                                                BLOCK=block, num_warps=tiles["num_warps"])
     return out
 

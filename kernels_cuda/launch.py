@@ -81,3 +81,13 @@ def no_device_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device: nothing to compile"
     return None
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` (``triton.cdiv`` is a constexpr function: microseconds per host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0), as ``triton.next_power_of_2``."""
+    return n if n <= 1 else 1 << (n - 1).bit_length()

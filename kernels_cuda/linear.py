@@ -22,13 +22,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 import triton.language as tl
 
 from flashrt.backends.cuda import interpreter
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant
-from flashrt.kernels_cuda.launch import PlanCache, last_dense, no_device_reason, zeros_stored
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, no_device_reason, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 
 WEIGHT_FORMATS = ("fp8_w", "fp4_w")
@@ -115,23 +114,23 @@ def weight_operands(w: QTensor):
 
 
 def _split_k(tiles: int, k: int, block_k: int) -> int:
-    blocks = triton.cdiv(k, block_k)
+    blocks = cdiv(k, block_k)
     forced = _tiles()["split_k"]
     if forced is not None:
         return max(1, min(int(forced), blocks))
     if tiles >= num_sms():
         return 1
-    return max(1, min(triton.cdiv(2 * num_sms(), tiles), blocks // 4))  # keep >= 4 K blocks per split
+    return max(1, min(cdiv(2 * num_sms(), tiles), blocks // 4))  # keep >= 4 K blocks per split
 
 
 def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     """Grid, K split, output dtype and constexprs of one (rows, weight shape, dtype) under the active tiles."""
     promote, dot = mma_mode(fmt)
     t = pick_tile(_tiles()["linear"], m)
-    tiles = triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
+    tiles = cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"])
     split = _split_k(tiles, k, t["BLOCK_K"])
-    k_split = triton.cdiv(triton.cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
-    split = triton.cdiv(k, k_split)
+    k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
+    split = cdiv(k, k_split)
     return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=dtype if split == 1 else torch.float32,
                 constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"], **t))
 

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import INTERPRETED, to_out
 from flashrt import profiles
+from flashrt.kernels_cuda.launch import cdiv, next_pow2
 
 TILES = {
     # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on
@@ -158,15 +159,15 @@ def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool):
     """(BLOCK_T, BLOCK_K, num_warps, number of K splits, K per split): enough programs to fill the GPU."""
     t = _tiles()["hc_coefficients"]
     sizes = t if dot_bf16 else _tiles()["hc_coefficients_fp32"]
-    block_t = min(max(16, triton.next_power_of_2(T)), sizes["BLOCK_T_MAX"])
+    block_t = min(max(16, next_pow2(T)), sizes["BLOCK_T_MAX"])
     if dot_bf16 and T >= t["BIG_T"]:
         block_t = 128
-    block_k = min(sizes["BLOCK_K"], max(16, triton.next_power_of_2(K)))
-    chunks = triton.cdiv(K, block_k)
+    block_k = min(sizes["BLOCK_K"], max(16, next_pow2(K)))
+    chunks = cdiv(K, block_k)
     if splits is None:
-        splits = max(1, min(chunks, t["PROGRAMS"] // triton.cdiv(T, block_t)))
-    per = triton.cdiv(chunks, max(1, min(splits, chunks)))
-    return block_t, block_k, 8 if block_t >= 128 else 4, triton.cdiv(chunks, per), per * block_k
+        splits = max(1, min(chunks, t["PROGRAMS"] // cdiv(T, block_t)))
+    per = cdiv(chunks, max(1, min(splits, chunks)))
+    return block_t, block_k, 8 if block_t >= 128 else 4, cdiv(chunks, per), per * block_k
 
 
 def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None = None):
@@ -182,20 +183,20 @@ def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None
     comb = torch.empty(B, S, hc, hc, dtype=torch.float32, device=dev)
     if T == 0:
         return pre, post, comb
-    hcp, pp = max(4, triton.next_power_of_2(hc)), max(16, triton.next_power_of_2(2 * hc))
+    hcp, pp = max(4, next_pow2(hc)), max(16, next_pow2(2 * hc))
     dot_bf16 = x.dtype == torch.bfloat16 and not INTERPRETED
     block_t, block_k, num_warps, n_splits, k_per = _hc_plan(T, K, splits, dot_bf16)
     ws = [pre] * 3  # unused without a split
     if n_splits > 1:
         ws = [torch.empty(n_splits, T, n, dtype=torch.float32, device=dev) for n in (pp, hcp * hcp, 1)]
     consts = dict(HC=hc, HCP=hcp, PP=pp)
-    _hc_coefficients_kernel[(triton.cdiv(T, block_t), n_splits)](
+    _hc_coefficients_kernel[(cdiv(T, block_t), n_splits)](
         x2, fn, scale, base, pre, post, comb, *ws, T, K, x2.stride(0), k_per, iters, float(eps), float(norm_eps),
         BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16, FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"],
         SPLIT=n_splits > 1, num_warps=num_warps, **consts)
     if n_splits > 1:
         f = _tiles()["hc_finish"]
-        _hc_finish_kernel[(triton.cdiv(T, f["BLOCK_T"]),)](
+        _hc_finish_kernel[(cdiv(T, f["BLOCK_T"]),)](
             *ws, scale, base, pre, post, comb, T, K, n_splits, iters, float(eps), float(norm_eps),
             BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"], **consts)
     return pre, post, comb
@@ -218,9 +219,9 @@ def hc_collapse(x, pre):
     out = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
     if out.numel():
         t = _tiles()["hc_mix"]
-        block_d = min(t["BLOCK_D"], triton.next_power_of_2(D))
-        _hc_collapse_kernel[(B * S, triton.cdiv(D, block_d))](
-            x, pre, out, D, HC=hc, HCP=triton.next_power_of_2(hc), BLOCK_D=block_d, num_warps=t["num_warps"])
+        block_d = min(t["BLOCK_D"], next_pow2(D))
+        _hc_collapse_kernel[(B * S, cdiv(D, block_d))](
+            x, pre, out, D, HC=hc, HCP=next_pow2(hc), BLOCK_D=block_d, num_warps=t["num_warps"])
     return out
 
 
@@ -250,9 +251,9 @@ def hc_expand(y, residual, post, comb):
     out = torch.empty(B, S, hc, D, dtype=y.dtype, device=y.device)
     if out.numel():
         t = _tiles()["hc_mix"]
-        block_d = min(t["BLOCK_D"] // triton.next_power_of_2(hc), triton.next_power_of_2(D))
-        _hc_expand_kernel[(B * S, triton.cdiv(D, block_d))](
-            y, residual, post, comb, out, D, HC=hc, HCP=triton.next_power_of_2(hc), BLOCK_D=block_d,
+        block_d = min(t["BLOCK_D"] // next_pow2(hc), next_pow2(D))
+        _hc_expand_kernel[(B * S, cdiv(D, block_d))](
+            y, residual, post, comb, out, D, HC=hc, HCP=next_pow2(hc), BLOCK_D=block_d,
             num_warps=t["num_warps"])
     return out
 

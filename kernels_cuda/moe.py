@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from flashrt import profiles
+from flashrt.kernels_cuda.launch import cdiv, next_pow2
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
 from flashrt.kernels_cuda.linear import FLOATS, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile, weight_operands
@@ -132,7 +133,7 @@ def route_tables(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, b
     ends = torch.cumsum(counts, 0)
     tiles = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles, 0)
-    t = torch.arange(min(pairs, triton.cdiv(pairs, block_m) + n_experts), device=flat.device)
+    t = torch.arange(min(pairs, cdiv(pairs, block_m) + n_experts), device=flat.device)
     tile_e = torch.searchsorted(tile_ends, t, right=True)
     e = tile_e.clamp_max(n_experts - 1)
     tile_row = ends[e] - counts[e] + (t - tile_ends[e] + tiles[e]) * block_m
@@ -150,7 +151,7 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t):
     hq = torch.empty(pairs, I, dtype=torch.uint8, device=xq.device)  # E4M3 bytes
     sh = torch.empty(pairs, I // 32, dtype=torch.uint8, device=xq.device)  # UE8M0 bytes
     promote, dot = mma_mode(w1.fmt)
-    grid = (triton.cdiv(I, t["BLOCK_N"]), tab["tile_e"].shape[0])
+    grid = (cdiv(I, t["BLOCK_N"]), tab["tile_e"].shape[0])
     _moe_up_kernel[grid](
         xq, sx, tab["tok"], tab["rw"], d1, s1, d3, s3, hq, sh, tab["tile_e"], tab["tile_row"], tab["row_end"],
         w1.shape[0], I, D, limit, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1),
@@ -163,7 +164,7 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, t):
     d2, s2 = weight_operands(w2)
     y = torch.empty(hq.shape[0], D, dtype=xdtype, device=hq.device)
     promote, dot = mma_mode(w2.fmt)
-    grid = (triton.cdiv(D, t["BLOCK_N"]), tab["tile_e"].shape[0])
+    grid = (cdiv(D, t["BLOCK_N"]), tab["tile_e"].shape[0])
     _moe_down_kernel[grid](
         hq, sh, d2, s2, y, tab["tile_e"], tab["tile_row"], tab["row_end"], w2.shape[0], D, hq.shape[1],
         hq.stride(0), sh.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
@@ -186,7 +187,7 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
     y = _experts_down(hq, sh, tab, w2, D, x.dtype, t)
     c = _tiles()["combine"]
     out = torch.empty(n, D, dtype=torch.float32, device=x.device)  # every row is written: k >= 1
-    _moe_combine_kernel[(n, triton.cdiv(D, c["BLOCK_D"]))](y, tab["pos"], out, D, k, y.stride(0), out.stride(0),
+    _moe_combine_kernel[(n, cdiv(D, c["BLOCK_D"]))](y, tab["pos"], out, D, k, y.stride(0), out.stride(0),
                                                           BLOCK_D=c["BLOCK_D"], num_warps=c["num_warps"])
     return out
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import to_out
 from flashrt import profiles
+from flashrt.kernels_cuda.launch import cdiv, next_pow2
 
 TILES = {
     "rms_norm": {"MAX_BLOCK_N": 8192, "ROW_ELEMS": 4096, "num_warps": 8},
@@ -70,10 +71,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows == 0 or n == 0:
         return out
     t = _tiles()["rms_norm"]
-    block_n = min(triton.next_power_of_2(n), t["MAX_BLOCK_N"])
+    block_n = min(next_pow2(n), t["MAX_BLOCK_N"])
     block_m = max(1, t["ROW_ELEMS"] // block_n) if block_n >= n else 1
-    block_m = min(block_m, triton.next_power_of_2(rows))
-    grid = (triton.cdiv(rows, block_m),)
+    block_m = min(block_m, next_pow2(rows))
+    grid = (cdiv(rows, block_m),)
     _rms_norm_kernel[grid](x2, weight, out, rows, n, x2.stride(0), float(eps),
                            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE=block_n >= n, num_warps=t["num_warps"])
     return out
@@ -116,9 +117,9 @@ def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> tor
     if out.numel() == 0:
         return out
     t = _tiles()["rope"]
-    block_r = triton.next_power_of_2(R)
-    block_rows = min(triton.next_power_of_2(n_rows), max(1, t["TILE_ELEMS"] // block_r))
-    _rope_kernel[(triton.cdiv(n_rows, block_rows),)](
+    block_r = next_pow2(R)
+    block_rows = min(next_pow2(n_rows), max(1, t["TILE_ELEMS"] // block_r))
+    _rope_kernel[(cdiv(n_rows, block_rows),)](
         x4, f, out, n_rows, S, H, R, x4.stride(0), x4.stride(1), x4.stride(2), sfb, f.stride(-3), f.stride(-2),
         INVERSE=bool(inverse), PAIRS_CONTIGUOUS=f.stride(-2) == 2, BLOCK_ROWS=block_rows, BLOCK_R=block_r, num_warps=t["num_warps"])
     return out

@@ -25,7 +25,7 @@ from flashrt import formats
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_code, e2m1_to_f32, e4m3_rne, e4m3_to_f32,
                                          e8m0_to_f32, to_out)
-from flashrt.kernels_cuda.launch import PlanCache, dense, last_dense
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2
 
 TILES = {
     "quantize": {"ELEMS": 4096, "num_warps": 4},  # BLOCK_G = ELEMS // block scale blocks a program
@@ -108,10 +108,10 @@ def rows_plan(rows: int, n: int, fmt: str, has_slots: bool, tile: tuple | None =
     if tile is None:
         t = _tiles()["quantize"]
         block_g = t["ELEMS"] // blk
-        block_c = min(triton.next_power_of_2(groups_per_row), block_g)
+        block_c = min(next_pow2(groups_per_row), block_g)
         tile = (block_g // block_c, block_c, t["num_warps"])
     block_r, block_c, warps = tile
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(groups_per_row, block_c))
+    grid = (cdiv(rows, block_r), cdiv(groups_per_row, block_c))
     return grid, dict(FMT=_FMT[fmt], BLK=blk, HAS_SLOTS=has_slots, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
@@ -161,7 +161,7 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if plan is None:
             t = _tiles()["dequantize"]
             block_g = t["ELEMS"] // s.block
-            plan = PLANS.store(key, ((triton.cdiv(n_groups, block_g),), dict(
+            plan = PLANS.store(key, ((cdiv(n_groups, block_g),), dict(
                 FMT=_FMT[q.fmt], BLK=s.block, BLOCK_G=block_g, num_warps=t["num_warps"])))
         _dequantize_kernel[plan[0]](data, scale, out, n_groups, **plan[1])
     return out

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from flashrt import profiles
+from flashrt.kernels_cuda.launch import cdiv, next_pow2
 
 TILES = {
     "chunk_max": {"block": 2048, "num_warps": 4},
@@ -253,7 +254,7 @@ def _chunk_max_kernel(src, cand, fine, coarse, T, NF, NC, s_src, s_cand, s_fine,
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, int(n)))
+    return next_pow2(max(1, int(n)))
 
 
 def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool = False, stats=None) -> None:
@@ -270,9 +271,9 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     assert src.stride(1) == 1 and (cand is None or (cand.stride(1) == 1 and cand.shape == src.shape))
     assert src.dtype in (torch.float32, torch.int32) and out.stride(1) == 1 and 1 <= k <= T
     tiles, chunk_tiles = _tiles()["select"], _tiles()["chunk_max"]
-    coarse = _pow2(triton.cdiv(T, tiles["summary"]))  # chunk size of the summary searched for L
+    coarse = _pow2(cdiv(T, tiles["summary"]))  # chunk size of the summary searched for L
     C = min(coarse, tiles["fine"])  # chunk size of the scan; F fine chunks per coarse chunk
-    F, NC, NF = coarse // C, triton.cdiv(T, coarse), triton.cdiv(T, C)
+    F, NC, NF = coarse // C, cdiv(T, coarse), cdiv(T, C)
     has_cand, src_keys = cand is not None, src.dtype == torch.int32
     cand_t = cand if has_cand else src
     summ = torch.empty(R, NC, dtype=torch.int32, device=src.device)  # coarse maxima, then their ids
@@ -280,7 +281,7 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     fids = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
     if coarse > 1:
         chunks = max(chunk_tiles["block"], coarse) // C
-        _chunk_max_kernel[(R, triton.cdiv(NF, chunks))](
+        _chunk_max_kernel[(R, cdiv(NF, chunks))](
             src, cand_t, fine, summ, T, NF, NC, src.stride(0), cand_t.stride(0), fine.stride(0), summ.stride(0),
             C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand, num_warps=chunk_tiles["num_warps"])
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
