@@ -3,8 +3,12 @@
 Warmup calls the ``warmup(profile)`` hook of every ``flashrt.kernels_cuda`` module that defines
 one (modules are found as the CUDA backend finds them; those without the hook are skipped). A hook
 compiles its kernels at the profile's tiles (``flashrt.profiles.tiles``) for the shapes the model
-launches, e.g. ``_kernel.warmup(*example_args, grid=(1,), **tile_constexprs)``, which compiles
-through Triton's cache (ours, after ``flashrt.jit.install()``) without launching.
+launches, through Triton's cache (ours, after ``flashrt.jit.install()``): e.g.
+``_kernel.warmup(*example_args, grid=(1,), **tile_constexprs)`` (compiles without launching), or
+its launchers called once on small tensors of the model's dtypes and dims on the current CUDA
+device (``flashrt.kernels_cuda._warmup``). It returns None or a dict: ``{"launches": n, ...}``
+when it compiled, ``{"skipped": why}`` when it cannot here (no CUDA device): never an error for
+that. The report lists warmed, skipped (with why, in ``notes``) and failed modules.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ def warmup(profile=None, modules=None, progress=None) -> dict:
     profile = profiles.load_profile(profile) if isinstance(profile, str) else profile or profiles.active_profile()
     modules = kernel_modules() if modules is None else list(modules)
     progress = progress or Progress(f"jit warmup {profile.name}")
-    report = {"profile": profile.name, "warmed": [], "skipped": [], "failed": {}, "seconds": 0.0}
+    report = {"profile": profile.name, "warmed": [], "skipped": [], "failed": {}, "notes": {}, "seconds": 0.0}
     install()
     t0 = time.perf_counter()
     with profiles.using(profile):
@@ -53,14 +57,28 @@ def warmup(profile=None, modules=None, progress=None) -> dict:
             elif hook is None:
                 report["skipped"].append(name)
             else:
-                try:
-                    hook(profile)
-                    report["warmed"].append(name)
-                except Exception as exc:  # one broken module must not stop the others
-                    report["failed"][name] = f"{type(exc).__name__}: {exc}"
+                _call_hook(name, hook, profile, report)
             progress(done, len(modules))
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def _call_hook(name: str, hook, profile, report: dict) -> None:
+    """Run one hook; a dict it returns with ``skipped`` (no device) marks the module skipped, with why."""
+    t0 = time.perf_counter()
+    try:
+        result = hook(profile)
+    except Exception as exc:  # one broken module must not stop the others
+        report["failed"][name] = f"{type(exc).__name__}: {exc}"
+        return
+    result = result if isinstance(result, dict) else {}
+    if result.get("skipped"):
+        report["skipped"].append(name)
+        report["notes"][name] = str(result["skipped"])
+        return
+    report["warmed"].append(name)
+    launches = f"{result['launches']} launches, " if "launches" in result else ""
+    report["notes"][name] = f"{launches}{time.perf_counter() - t0:.1f} s"
 
 
 def _human(n: float) -> str:
@@ -103,11 +121,15 @@ def cmd_warmup(args) -> int:
         json.dump(report, sys.stdout, indent=2)
         print()
     else:
-        print(f"jit warmup {report['profile']}: {len(report['warmed'])} modules compiled, "
-              f"{len(report['skipped'])} without a warmup hook, {len(report['failed'])} failed "
-              f"({report['seconds']:.1f} s)")
+        no_hook = [n for n in report["skipped"] if n not in report["notes"]]
+        print(f"jit warmup {report['profile']}: {len(report['warmed'])} compiled, {len(report['skipped'])} skipped, "
+              f"{len(report['failed'])} failed ({report['seconds']:.1f} s)")
+        if no_hook:
+            print(f"  without a warmup hook: {', '.join(no_hook)}")
+        for name, note in report["notes"].items():
+            print(f"  {name:12} {'compiled' if name in report['warmed'] else 'skipped'}: {note}")
         for name, err in report["failed"].items():
-            print(f"  {name}: {err}")
+            print(f"  {name:12} failed: {err}")
     return 1 if report["failed"] else 0
 
 
