@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import sys
 import time
@@ -114,6 +115,13 @@ def warm_model(model: str, report: dict) -> None:
 
 
 def cmd_warmup(args) -> int:
+    if args.shapes:
+        from flashrt.kernels_cuda._warmup import MODELS
+
+        unknown = sorted(set(args.shapes) - set(MODELS))
+        if unknown:
+            raise ValueError(f"--shapes: expected names from {sorted(MODELS)}, got {unknown}")
+        os.environ["FLASHRT_WARMUP_MODELS"] = ",".join(args.shapes)
     report = warmup(getattr(args, "profile", None))
     if args.model:
         warm_model(args.model, report)
@@ -173,6 +181,8 @@ def add_jit(sub) -> None:
     p.add_argument("--profile", default=argparse.SUPPRESS, help="profile name or YAML path (default: auto)")
     p.add_argument("--model", default=None, help="also run tiny | small | a checkpoint once, compiling every "
                    "kernel variant its prefill and decode use")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="MODEL",
+                   help="warm the kernels at these shipped models' dims only (default: small and v4.1-flash)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_warmup)
     p = jsub.add_parser("ls", help="cache entries: key, kind, kernel, architecture, size, age")

@@ -7,11 +7,13 @@ the compile cache. ``MODELS`` holds the kernel-relevant keys of ``graphs/configs
 never import graphs; a test checks the two agree). Token counts: a decode step (1) and a prefill
 (``PREFILL``); contexts ``CONTEXTS``: Triton specialises integer arguments on ``== 1`` and
 ``% 16 == 0``, so these cover the three classes. A module says which launches it needs with
-``warmup_cases(device, dims, dtype)``, a generator of :class:`Launch`. Without a CUDA device a
+``warmup_cases(device, dims, dtype)``, a generator of :class:`Launch`. ``FLASHRT_WARMUP_MODELS``
+(``flashrt jit warmup --shapes``) narrows the models warmed. Without a CUDA device a
 hook launches nothing and says why.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
@@ -56,10 +58,19 @@ def activation_dtype(profile) -> torch.dtype:
     return DTYPES.get(getattr(profile, "compute_dtype", "bf16"), torch.bfloat16)
 
 
+def selected_models() -> dict:
+    """``MODELS``, or those named in ``FLASHRT_WARMUP_MODELS`` (comma-separated; ``flashrt jit warmup --shapes``)."""
+    names = [n for n in os.environ.get("FLASHRT_WARMUP_MODELS", "").split(",") if n]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        raise ValueError(f"FLASHRT_WARMUP_MODELS: expected names from {sorted(MODELS)}, got {unknown}")
+    return {n: MODELS[n] for n in names} if names else MODELS
+
+
 def plan(cases: Callable[..., Iterable[Launch]], profile, device, models: dict | None = None) -> Iterator[Launch]:
     """Every launch of ``cases`` for every model's dims (lazily: tensors live one model at a time)."""
     dtype = activation_dtype(profile)
-    for dims in (MODELS if models is None else models).values():
+    for dims in (selected_models() if models is None else models).values():
         yield from cases(torch.device(device), dims, dtype)
 
 

@@ -102,3 +102,18 @@ def test_the_launches_run_under_the_interpreter_at_tiny_dims(name):
             launch.fn(*launch.args)
             n += 1
     assert n > 0 and time.perf_counter() - t0 < 120
+
+
+def test_shapes_narrow_the_models_warmed(recorded, monkeypatch, capsys):
+    from flashrt import cli
+    from flashrt.kernels_cuda import norm_rope
+
+    monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "small")
+    norm_rope.warmup(profiles.load_profile("h200"))
+    widths = {launch.args[0].shape[-1] for launch in recorded if launch.fn is norm_rope.rms_norm}
+    assert 1024 in widths and 5120 not in widths
+    assert cli.main(["jit", "warmup", "--shapes", "small", "big"]) == 2
+    assert "--shapes: expected names from ['small', 'v4.1-flash'], got ['big']" in capsys.readouterr().err
+    monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "tiny")
+    with pytest.raises(ValueError, match="FLASHRT_WARMUP_MODELS"):
+        norm_rope.warmup(profiles.load_profile("h200"))
