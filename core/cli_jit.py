@@ -182,7 +182,8 @@ def add_jit(sub) -> None:
     p.add_argument("--model", default=None, help="also run tiny | small | a checkpoint once, compiling every "
                    "kernel variant its prefill and decode use")
     p.add_argument("--shapes", nargs="+", default=None, metavar="MODEL",
-                   help="warm the kernels at these shipped models' dims only (default: small and v4.1-flash)")
+                   help="the shipped models whose dims the kernels are warmed at: tiny, small, v4.1-flash "
+                   "(default: small and v4.1-flash)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_warmup)
     p = jsub.add_parser("ls", help="cache entries: key, kind, kernel, architecture, size, age")

@@ -26,11 +26,15 @@ _COMMON = dict(head_dim=512, rope_head_dim=64, hc_mult=4, index_n_heads=32, inde
                n_shared_experts=1, compress_ratios=(0, 1, 2), expert_dtype="fp4", swiglu_limit=10.0,
                hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-20)
 MODELS = {
+    "tiny": dict(_COMMON, dim=64, moe_inter_dim=64, n_heads=4, n_routed_experts=8, n_activated_experts=2,
+                 q_lora_rank=32, head_dim=64, rope_head_dim=16, index_n_heads=2, index_head_dim=32, index_topk=4,
+                 candidate_topk_blocks=2, candidate_block_size=4, engram_n_heads=2, engram_head_dim=32),
     "small": dict(_COMMON, dim=1024, moe_inter_dim=512, n_heads=16, n_routed_experts=32, n_activated_experts=4,
                   q_lora_rank=512, candidate_topk_blocks=256),
     "v4.1-flash": dict(_COMMON, dim=5120, moe_inter_dim=2304, n_heads=64, n_routed_experts=384,
                        n_activated_experts=6, q_lora_rank=1280, candidate_topk_blocks=2048),
 }
+DEFAULT_MODELS = ("small", "v4.1-flash")  # tiny only when asked for (--shapes tiny)
 TOKENS = (1, 44)  # a decode step of one sequence; a prefill of flashrt run's default prompt (44 bytes)
 CONTEXTS = (1, 22, 48)  # compressed entries visible: == 1, neither, % 16 == 0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -59,12 +63,13 @@ def activation_dtype(profile) -> torch.dtype:
 
 
 def selected_models() -> dict:
-    """``MODELS``, or those named in ``FLASHRT_WARMUP_MODELS`` (comma-separated; ``flashrt jit warmup --shapes``)."""
+    """``DEFAULT_MODELS``' dims, or those of the models named in ``FLASHRT_WARMUP_MODELS`` (comma-separated;
+    ``flashrt jit warmup --shapes``)."""
     names = [n for n in os.environ.get("FLASHRT_WARMUP_MODELS", "").split(",") if n]
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         raise ValueError(f"FLASHRT_WARMUP_MODELS: expected names from {sorted(MODELS)}, got {unknown}")
-    return {n: MODELS[n] for n in names} if names else MODELS
+    return {n: MODELS[n] for n in names or DEFAULT_MODELS}
 
 
 def plan(cases: Callable[..., Iterable[Launch]], profile, device, models: dict | None = None) -> Iterator[Launch]:

@@ -98,7 +98,8 @@ def test_the_launches_run_under_the_interpreter_at_tiny_dims(name):
     mod = _modules()[name]
     t0, n = time.perf_counter(), 0
     with profiles.using("cpu"):
-        for launch in _warmup.plan(mod.warmup_cases, profiles.active_profile(), "cpu", {"tiny": _dims("tiny")}):
+        tiny = {"tiny": _warmup.MODELS["tiny"]}
+        for launch in _warmup.plan(mod.warmup_cases, profiles.active_profile(), "cpu", tiny):
             launch.fn(*launch.args)
             n += 1
     assert n > 0 and time.perf_counter() - t0 < 120
@@ -113,7 +114,7 @@ def test_shapes_narrow_the_models_warmed(recorded, monkeypatch, capsys):
     widths = {launch.args[0].shape[-1] for launch in recorded if launch.fn is norm_rope.rms_norm}
     assert 1024 in widths and 5120 not in widths
     assert cli.main(["jit", "warmup", "--shapes", "small", "big"]) == 2
-    assert "--shapes: expected names from ['small', 'v4.1-flash'], got ['big']" in capsys.readouterr().err
-    monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "tiny")
+    assert "--shapes: expected names from ['small', 'tiny', 'v4.1-flash'], got ['big']" in capsys.readouterr().err
+    monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "huge")
     with pytest.raises(ValueError, match="FLASHRT_WARMUP_MODELS"):
         norm_rope.warmup(profiles.load_profile("h200"))
