@@ -120,7 +120,8 @@ def main() -> None:
         r["same_tokens_as_cold"] = r["new_token_ids"] == rows[0]["new_token_ids"]
     write_json(args.out, {"model": args.model, "device": rows[0].get("device") if rows else None,
                           "command": "flashrt " + " ".join(run_args), "rows": rows, "skipped": skipped,
-                          "note": "ttft_from_load_s: start of loading to the first token's logits (flashrt run --json)"})
+                          "note": "ttft_from_load_s: from the start of loading to the first token's logits "
+                                  "(flashrt run --json)"})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@ def cmd_kernels(args) -> int:
     why = cuda_missing()
     if why:
         raise ValueError(f"kernels: {why}; the suite times the CUDA kernels and their baselines on the device")
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    stream = sys.stderr if args.json else sys.stdout  # --json: stdout holds only the report
+
+    def log(line: str) -> None:
+        print(line, file=stream, flush=True)
+
     result = run_suite(args.families, log=log)
     if args.out:
         with open(args.out, "w") as f:

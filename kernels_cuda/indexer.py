@@ -310,7 +310,8 @@ def warmup_cases(device, d: dict, dtype):
         q, w = _warmup.rand((1, n, H, D), dtype, device), torch.rand(1, n, H, device=device)
         for T in _warmup.CONTEXTS:
             vis = torch.full((1, n), T, dtype=torch.int32, device=device)
-            yield _warmup.Launch("index_scores", index_scores, (q, _warmup.qzeros("fp4_b32", (1, T, D), device), w, vis))
+            keys = _warmup.qzeros("fp4_b32", (1, T, D), device)
+            yield _warmup.Launch("index_scores", index_scores, (q, keys, w, vis))
             scores = torch.randn(1, n, T, device=device)
             yield _warmup.Launch("candidate_blocks", candidate_blocks,
                                  (scores, vis, d["candidate_topk_blocks"], d["candidate_block_size"]))

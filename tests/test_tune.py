@@ -65,7 +65,7 @@ def test_the_attention_split_space_sweeps(monkeypatch):
     _narrow(monkeypatch, "attention_split", programs=[0], min_blocks=[1, 2], max_splits=[4])
     _, (r,) = tune.tune(["attention_split"], small=True)
     current = tune._current(profiles.active_profile(), SPACES["attention_split"])
-    tried = [current, {"programs": 0, "min_blocks": 1, "max_splits": 4}, {"programs": 0, "min_blocks": 2, "max_splits": 4}]
+    tried = [current] + [{"programs": 0, "min_blocks": m, "max_splits": 4} for m in (1, 2)]
     assert r["winner"] in tried and r["candidates"] == 3 and r["rejected"] == 0 and r["failed"] == 0
 
 

@@ -98,7 +98,8 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100, graph: bool = True) -> Timing
         ms, calls = graph_ms(fn, plain)
     except Exception as exc:  # noqa: BLE001 - host syncs, uncapturable ops: fall back, say why
         torch.cuda.synchronize()
-        return Timing(plain, note=f"not captured: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+        first = str(exc).splitlines()[0][:160] if str(exc) else ""
+        return Timing(plain, note=f"not captured: {type(exc).__name__}: {first}")
     return Timing(plain, ms, calls)
 
 
