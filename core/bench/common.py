@@ -54,17 +54,19 @@ class Timing:
         return float(self) / float(other)
 
 
-def _flush():
+def _flush_buffer() -> torch.Tensor:
+    """256 MB (more than the L2) to zero between calls; made outside any capture, then reused."""
     if not _FLUSH:
-        _FLUSH.append(torch.empty(1 << 26, dtype=torch.int32, device="cuda"))  # 256 MB, > L2
-    return _FLUSH[0].zero_()
+        _FLUSH.append(torch.empty(1 << 26, dtype=torch.int32, device="cuda"))
+    return _FLUSH[0]
 
 
 def _graph(fn, calls: int, with_fn: bool) -> "torch.cuda.CUDAGraph":
+    flush = _flush_buffer()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(calls):
-            _flush()
+            flush.zero_()
             if with_fn:
                 fn()
     return g
@@ -75,6 +77,7 @@ def graph_ms(fn, plain_ms: float, warmup: int = 10, rep: int = 50) -> tuple[floa
     import triton.testing
 
     calls = max(1, min(50, math.ceil(0.5 / max(plain_ms, 1e-3))))  # about half a ms of the call per replay
+    _flush_buffer()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm the allocator's graph-safe path off the default stream
