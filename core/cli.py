@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_jit import add_jit
 
     add_jit(sub)
+    from .cli_bench import add_bench
+
+    add_bench(sub)
     return parser
 
 

@@ -1,19 +1,21 @@
 """``flashrt jit warmup | ls | clear``: ahead-of-time compilation and the compile cache on disk.
 
 Warmup calls the ``warmup(profile)`` hook of every ``flashrt.kernels_cuda`` module that defines
-one (modules are found as the CUDA backend finds them; op modules without the hook are reported
-as skipped, helper modules without ``OPS`` are ignored). A hook compiles its kernels at the
-profile's tiles (``flashrt.profiles.tiles``) for the shapes the model launches, e.g.
-``_kernel.warmup(*example_args, grid=(1,), **tile_constexprs)``, which compiles through Triton's
-cache (ours, after ``flashrt.jit.install()``) without launching, or by running its launcher once on
-zero-filled inputs of those shapes. It returns None when it compiled, or a sentence saying why it
-had nothing to compile (no CUDA device, a profile it does not serve): reported as skipped.
+one (modules are found as the CUDA backend finds them; those without the hook are skipped). A hook
+compiles its kernels at the profile's tiles (``flashrt.profiles.tiles``) for the shapes the model
+launches, through Triton's cache (ours, after ``flashrt.jit.install()``): e.g.
+``_kernel.warmup(*example_args, grid=(1,), **tile_constexprs)`` (compiles without launching), or
+its launchers called once on small tensors of the model's dtypes and dims on the current CUDA
+device (``flashrt.kernels_cuda._warmup``). It returns None or a dict: ``{"launches": n, ...}``
+when it compiled, ``{"skipped": why}`` (or just ``why``) when it cannot here (no CUDA device): never an error for
+that. The report lists warmed, skipped (with why, in ``notes``) and failed modules.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import sys
 import time
@@ -46,7 +48,7 @@ def warmup(profile=None, modules=None, progress=None) -> dict:
     profile = profiles.load_profile(profile) if isinstance(profile, str) else profile or profiles.active_profile()
     modules = kernel_modules() if modules is None else list(modules)
     progress = progress or Progress(f"jit warmup {profile.name}")
-    report = {"profile": profile.name, "warmed": [], "skipped": [], "reasons": {}, "failed": {}, "seconds": 0.0}
+    report = {"profile": profile.name, "warmed": [], "skipped": [], "failed": {}, "notes": {}, "seconds": 0.0}
     install()
     t0 = time.perf_counter()
     with profiles.using(profile):
@@ -58,16 +60,30 @@ def warmup(profile=None, modules=None, progress=None) -> dict:
                 if hasattr(mod, "OPS"):
                     report["skipped"].append(name)
             else:
-                try:
-                    why = hook(profile)
-                    report["skipped" if why else "warmed"].append(name)
-                    if why:
-                        report["reasons"][name] = str(why)
-                except Exception as exc:  # one broken module must not stop the others
-                    report["failed"][name] = f"{type(exc).__name__}: {exc}"
+                _call_hook(name, hook, profile, report)
             progress(done, len(modules))
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def _call_hook(name: str, hook, profile, report: dict) -> None:
+    """Run one hook; a dict it returns with ``skipped`` (no device) marks the module skipped, with why."""
+    t0 = time.perf_counter()
+    try:
+        result = hook(profile)
+    except Exception as exc:  # one broken module must not stop the others
+        report["failed"][name] = f"{type(exc).__name__}: {exc}"
+        return
+    if isinstance(result, str):  # a hook may return just why it had nothing to compile
+        result = {"skipped": result}
+    result = result if isinstance(result, dict) else {}
+    if result.get("skipped"):
+        report["skipped"].append(name)
+        report["notes"][name] = str(result["skipped"])
+        return
+    report["warmed"].append(name)
+    launches = f"{result['launches']} launches, " if "launches" in result else ""
+    report["notes"][name] = f"{launches}{time.perf_counter() - t0:.1f} s"
 
 
 def _human(n: float) -> str:
@@ -103,6 +119,13 @@ def warm_model(model: str, report: dict) -> None:
 
 
 def cmd_warmup(args) -> int:
+    if args.shapes:
+        from flashrt.kernels_cuda._warmup import MODELS
+
+        unknown = sorted(set(args.shapes) - set(MODELS))
+        if unknown:
+            raise ValueError(f"--shapes: expected names from {sorted(MODELS)}, got {unknown}")
+        os.environ["FLASHRT_WARMUP_MODELS"] = ",".join(args.shapes)
     report = warmup(getattr(args, "profile", None))
     if args.model:
         warm_model(args.model, report)
@@ -110,13 +133,15 @@ def cmd_warmup(args) -> int:
         json.dump(report, sys.stdout, indent=2)
         print()
     else:
-        print(f"jit warmup {report['profile']}: {len(report['warmed'])} modules compiled, "
-              f"{len(report['skipped'])} without a warmup hook, {len(report['failed'])} failed "
-              f"({report['seconds']:.1f} s)")
-        for name, why in report["reasons"].items():
-            print(f"  {name} skipped: {why}")
+        no_hook = [n for n in report["skipped"] if n not in report["notes"]]
+        print(f"jit warmup {report['profile']}: {len(report['warmed'])} compiled, {len(report['skipped'])} skipped, "
+              f"{len(report['failed'])} failed ({report['seconds']:.1f} s)")
+        if no_hook:
+            print(f"  without a warmup hook: {', '.join(no_hook)}")
+        for name, note in report["notes"].items():
+            print(f"  {name:12} {'compiled' if name in report['warmed'] else 'skipped'}: {note}")
         for name, err in report["failed"].items():
-            print(f"  {name}: {err}")
+            print(f"  {name:12} failed: {err}")
     return 1 if report["failed"] else 0
 
 
@@ -160,6 +185,9 @@ def add_jit(sub) -> None:
     p.add_argument("--profile", default=argparse.SUPPRESS, help="profile name or YAML path (default: auto)")
     p.add_argument("--model", default=None, help="also run tiny | small | a checkpoint once, compiling every "
                    "kernel variant its prefill and decode use")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="MODEL",
+                   help="the shipped models whose dims the kernels are warmed at: tiny, small, v4.1-flash "
+                   "(default: small and v4.1-flash)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_warmup)
     p = jsub.add_parser("ls", help="cache entries: key, kind, kernel, architecture, size, age")

@@ -51,6 +51,10 @@ def cmd_run(args) -> int:
     print(f"new ({r['new_tokens']} tokens): {r['new_text']!r}  ids {r['new_token_ids']}")
     print(f"prefill {r['prefill_tokens_per_s']:,.1f} tok/s   decode {r['decode_tokens_per_s']:,.1f} tok/s   "
           f"(weights loaded in {r['load_seconds']:.2f} s)")
+    start = r["ttft_from_process_start_s"]
+    print(f"first token {r['ttft_from_load_s']:.2f} s after loading began"
+          + (f", {start:.2f} s after the process started" if start is not None else "")
+          + f" (prefill {r['prefill_seconds']:.2f} s)")
     print(f"KV {r['kv_bytes_per_token']:,.1f} B/token, {_human(r['kv_bytes_total'])} in total "
           f"(window rings {_human(r['window_state_bytes'])})   peak memory {_human(r['peak_memory_bytes'])}")
     t = r["kv_tiers"]

@@ -1,15 +1,20 @@
 """``flashrt tune``: sweep kernel tile spaces on this device and write a profile with the winners.
 
-For each kernel in ``SPACES`` every combination of its candidate tile parameters runs the op on
-the ``cuda`` backend with those tiles (a copy of the active profile with them merged in), is
-checked against the reference (a candidate that is wrong never wins) and timed (median of
-``triton.testing.do_bench`` on a GPU; a wall-clock median under the Triton interpreter). The
-output YAML is the active profile with the winning tiles, each winner's time and the untuned
-time as comments.
+For each space of :data:`flashrt.tune_spaces.SPACES` (attention tiles and split-K settings, FP8
+linear and MoE expert tiles per rule, indexer, quantize, rms_norm, top-k) every combination of its
+candidate values runs the op on the ``cuda`` backend with those tiles (a copy of the active
+profile with them merged in), is checked against the reference (a wrong candidate never wins) and
+timed (median of ``triton.testing.do_bench`` on a GPU; a wall-clock median under the Triton
+interpreter). The profile's current tiles are tried first, so the winner is never a tile that was
+not measured against them. A candidate that cannot run (shared memory overflow, a compile error)
+is skipped with a note, never fatal; candidates past the space's share of ``budget`` seconds are
+skipped too. The output YAML is the active profile with the winning tiles, and each winner's time
+and the untuned time as comments.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import statistics
 import time
@@ -19,45 +24,9 @@ import yaml
 
 from . import dispatch, ops, profiles
 from .progress import Progress
+from .tune_spaces import SPACES, Space
 
-
-def _attention(dev, small):
-    B, K, T = (1, 24, 40) if small else (8, 640, 65536)
-    H, D = (16, 64) if small else (64, 512)
-    q = torch.randn(B, 1, H, D, device=dev).to(torch.bfloat16)
-    kv = ops.quantize(torch.randn(B, T, D, device=dev), "fp4_b16")
-    idx = torch.randint(0, T, (B, 1, K), device=dev, dtype=torch.int32)
-    return "sparse_attention", (q, kv, idx, torch.zeros(H, device=dev), D ** -0.5)
-
-
-def _indexer(dev, small):
-    B, S, T = (1, 2, 256) if small else (8, 1, 131072)
-    q = torch.randn(B, S, 32, 128, device=dev).to(torch.bfloat16)
-    k = ops.quantize(torch.randn(B, T, 128, device=dev), "fp4_b32")
-    return "index_scores", (q, k, torch.rand(B, S, 32, device=dev), torch.full((B, S), T, device=dev, dtype=torch.int32))
-
-
-def _quant(dev, small):
-    return "quantize", (torch.randn(64 if small else 16384, 512, device=dev).to(torch.bfloat16), "fp8")
-
-
-def _norm(dev, small):
-    n, d = (16, 1024) if small else (8192, 5120)
-    return "rms_norm", (torch.randn(n, d, device=dev).to(torch.bfloat16), torch.ones(d, device=dev), 1e-6)
-
-
-def _topk(dev, small):
-    return "topk_positions", (torch.randn(2 if small else 64, 1, 512 if small else 131072, device=dev), 64 if small else 512)
-
-
-# module -> (TILES key, candidate values per parameter, case)
-SPACES = {
-    "attention": ("attention", {"K_BLOCK": [16, 32], "num_stages": [1, 2], "num_warps": [4, 8]}, _attention),
-    "indexer": ("index_scores", {"block_t": [64, 128, 256], "num_warps": [4, 8]}, _indexer),
-    "quant": ("quantize", {"ELEMS": [2048, 4096, 8192], "num_warps": [2, 4, 8]}, _quant),
-    "norm_rope": ("rms_norm", {"ROW_ELEMS": [2048, 4096], "num_warps": [4, 8, 16]}, _norm),
-    "topk": ("select", {"num_warps": [4, 8], "summary": [2048, 4096]}, _topk),
-}
+DEFAULT_BUDGET_S = 330.0  # the whole sweep, about 5.5 minutes
 
 
 def _time_ms(fn, gpu: bool) -> float:
@@ -74,17 +43,28 @@ def _time_ms(fn, gpu: bool) -> float:
     return statistics.median(samples)
 
 
-def _with_tiles(base, module: str, key: str, values: dict):
-    tiles = {m: dict(t) for m, t in base.tiles.items()}
-    current = profiles.tiles(module, _module_tiles(module))[key]
-    tiles.setdefault(module, {})[key] = {**current, **values}
-    return dataclasses.replace(base, tiles=tiles)
-
-
 def _module_tiles(module: str) -> dict:
-    import importlib
-
     return importlib.import_module(f"flashrt.kernels_cuda.{module}").TILES
+
+
+def _current(profile, sp: Space) -> dict:
+    """The tile values ``profile`` gives the space (the rule's tile for rule lists)."""
+    with profiles.using(profile):
+        current = profiles.tiles(sp.module, _module_tiles(sp.module))[sp.key]
+    return dict(current[sp.rule][1]) if sp.rule is not None else dict(current)
+
+
+def _with_tiles(base, sp: Space, values: dict):
+    """A copy of profile ``base`` with ``values`` merged into the space's tiles."""
+    with profiles.using(base):
+        current = profiles.tiles(sp.module, _module_tiles(sp.module))[sp.key]
+    if sp.rule is not None:  # rule lists: [[limit, tile], ...] as the YAML holds them
+        new = [[limit, {**tile, **values} if i == sp.rule else dict(tile)] for i, (limit, tile) in enumerate(current)]
+    else:
+        new = {**current, **values}
+    tiles = {m: dict(t) for m, t in base.tiles.items()}
+    tiles.setdefault(sp.module, {})[sp.key] = new
+    return dataclasses.replace(base, tiles=tiles)
 
 
 def _close(got, want) -> bool:
@@ -97,29 +77,57 @@ def _close(got, want) -> bool:
     return bool(torch.equal(torch.isfinite(g), fin)) and float((g[fin] - w[fin]).norm() / w[fin].norm().clamp_min(1e-30)) < 2e-2
 
 
-def tune_kernel(module: str, base, dev, small: bool, step) -> dict:
-    key, space, case = SPACES[module]
-    op, args = case(dev, small)
-    fn = getattr(ops, op)
+def candidates(base, sp: Space) -> list[dict]:
+    """The profile's current values first, then the space's grid (without repeating them)."""
+    current = {k: v for k, v in _current(base, sp).items() if k in sp.params}
+    grid = [dict(zip(sp.params, combo)) for combo in itertools.product(*sp.params.values())]
+    return [current] + [c for c in grid if c != current] if len(current) == len(sp.params) else grid
+
+
+def _try(fn, args, want, profile, gpu: bool) -> tuple[float, str | None]:
+    """(median ms, None), or (inf, why) when the candidate is wrong or cannot run."""
+    try:
+        with profiles.using(profile), dispatch.use_backend("cuda"):
+            if not _close(fn(*args), want):
+                return float("inf"), "wrong"
+            return _time_ms(lambda: fn(*args), gpu), None
+    except Exception as exc:  # shared memory overflow, compile errors: skip the candidate, keep sweeping
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return float("inf"), f"{type(exc).__name__}: {first[:160]}"
+
+
+def tune_kernel(name: str, base, dev, small: bool, step, deadline: float = float("inf")) -> dict:
+    sp = SPACES[name]
+    op, args = sp.case(dev, small)
+    fn, gpu = getattr(ops, op), dev.type == "cuda"
     with dispatch.use_backend("reference"):
         want = fn(*args)
-    results = []
-    for combo in itertools.product(*space.values()):
-        values = dict(zip(space, combo))
-        with profiles.using(_with_tiles(base, module, key, values)), dispatch.use_backend("cuda"):
-            ok = _close(fn(*args), want)
-            ms = _time_ms(lambda: fn(*args), dev.type == "cuda") if ok else float("inf")
-        results.append((ms, values))
+    tried, notes, skipped = [], [], 0
+    for values in candidates(base, sp):
+        if time.monotonic() > deadline:
+            skipped += 1
+        else:
+            ms, why = _try(fn, args, want, _with_tiles(base, sp, values), gpu)
+            tried.append((ms, values, why))
+            if why:
+                notes.append(f"{values}: {why}")
         step()
-    with profiles.using(base), dispatch.use_backend("cuda"):
-        untuned = _time_ms(lambda: fn(*args), dev.type == "cuda")
-    best_ms, best = min(results, key=lambda r: r[0])
-    return {"module": module, "key": key, "winner": best, "ms": best_ms, "untuned_ms": untuned,
-            "candidates": len(results), "rejected": sum(r[0] == float("inf") for r in results)}
+    untuned, untuned_why = _try(fn, args, want, base, gpu)
+    ran = [(ms, values) for ms, values, why in tried if why is None]
+    best_ms, best = min(ran, key=lambda r: r[0]) if ran else (float("inf"), None)
+    if best is None:
+        notes.append("no candidate ran correctly: the profile's tiles are kept")
+    if skipped:
+        notes.append(f"{skipped} candidates not tried: the time budget was spent")
+    wrong = sum(why == "wrong" for _, _, why in tried)
+    return {"name": name, "module": sp.module, "key": sp.key, "rule": sp.rule, "winner": best, "ms": best_ms,
+            "untuned_ms": untuned, "untuned_note": untuned_why, "candidates": len(tried), "rejected": wrong,
+            "failed": len(tried) - len(ran) - wrong, "skipped": skipped, "notes": notes}
 
 
-def tune(kernels=None, small: bool | None = None, progress=None) -> tuple[object, list[dict]]:
-    """Tune ``kernels`` (default: all of SPACES); returns (tuned Profile, per-kernel results)."""
+def tune(kernels=None, small: bool | None = None, progress=None, budget: float = DEFAULT_BUDGET_S):
+    """Tune ``kernels`` (default: all of SPACES) within ``budget`` seconds; returns (tuned Profile,
+    per-space results). Each space gets an equal share of the time still left when it starts."""
     kernels = list(kernels or SPACES)
     unknown = sorted(set(kernels) - set(SPACES))
     if unknown:
@@ -130,38 +138,51 @@ def tune(kernels=None, small: bool | None = None, progress=None) -> tuple[object
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     small = dev.type != "cuda" if small is None else small
     base = profiles.active_profile()
-    total = sum(len(list(itertools.product(*SPACES[k][1].values()))) for k in kernels)
-    done = [0]
+    total = sum(len(candidates(base, SPACES[k])) for k in kernels)
+    done, end = [0], time.monotonic() + budget
 
     def step():
         done[0] += 1
         if progress:
             progress(done[0], total)
 
-    results = [tune_kernel(k, base, dev, small, step) for k in kernels]
+    results = []
+    for i, k in enumerate(kernels):
+        share = (end - time.monotonic()) / (len(kernels) - i)
+        results.append(tune_kernel(k, base, dev, small, step, time.monotonic() + share))
     tuned = base
     for r in results:
-        tuned = _with_tiles(tuned, r["module"], r["key"], r["winner"])
+        if r["winner"] is not None:
+            tuned = _with_tiles(tuned, SPACES[r["name"]], r["winner"])
     return tuned, results
+
+
+def _describe(r: dict) -> str:
+    rule = f"[rule {r['rule']}]" if r["rule"] is not None else ""
+    head = f"{r['module']}.{r['key']}{rule} ({r['name']})"
+    if r["winner"] is None:
+        return f"{head}: no winner, tiles kept ({r['candidates']} tried)"
+    return (f"{head}: {r['winner']} {r['ms'] * 1e3:.1f} us (untuned {r['untuned_ms'] * 1e3:.1f} us, "
+            f"{r['untuned_ms'] / r['ms']:.2f}x; {r['candidates']} candidates, {r['rejected']} rejected as wrong, "
+            f"{r['failed']} failed to run, {r['skipped']} not tried)")
 
 
 def write_profile(profile, results: list[dict], path: str) -> None:
     lines = [f"# tuned by `flashrt tune` on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"]
-    for r in results:
-        lines.append(f"# {r['module']}.{r['key']}: {r['winner']} {r['ms'] * 1e3:.1f} us "
-                     f"(untuned {r['untuned_ms'] * 1e3:.1f} us, {r['untuned_ms'] / r['ms']:.2f}x; "
-                     f"{r['candidates']} candidates, {r['rejected']} rejected as wrong)")
-    data = {k: v for k, v in profile.to_dict().items()}
+    lines += [f"# {_describe(r)}" for r in results]
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n" + yaml.safe_dump(data, sort_keys=False))
+        f.write("\n".join(lines) + "\n" + yaml.safe_dump(profile.to_dict(), sort_keys=False))
 
 
 def cmd(args) -> int:
-    tuned, results = tune(args.kernels, progress=Progress("tuning"))
+    if args.budget <= 0:
+        raise ValueError(f"--budget: expected seconds > 0, got {args.budget}")
+    tuned, results = tune(args.kernels, progress=Progress("tuning"), budget=args.budget)
     write_profile(tuned, results, args.out)
     for r in results:
-        print(f"{r['module']:10} {r['key']:14} {r['winner']}  {r['ms'] * 1e3:9.1f} us  "
-              f"untuned {r['untuned_ms'] * 1e3:9.1f} us  ({r['untuned_ms'] / r['ms']:.2f}x)")
+        print(_describe(r))
+        for note in r["notes"]:
+            print(f"    {note}")
     print(f"wrote {args.out}")
     return 0
 
@@ -170,4 +191,6 @@ def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="sweep kernel tiles on this device; write a profile with the winners")
     p.add_argument("--out", required=True, help="profile YAML to write")
     p.add_argument("--kernels", nargs="+", default=None, help=f"subset of {sorted(SPACES)}")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"seconds for the whole sweep (default {DEFAULT_BUDGET_S:.0f})")
     p.set_defaults(func=cmd)

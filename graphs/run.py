@@ -91,6 +91,18 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def process_seconds() -> float | None:
+    """Seconds since this process started (Linux ``/proc``, 10 ms ticks), or None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16, device=None,
         backend: str | None = None, prefill: str = "exact", temperature: float = 0.0, seed: int = 0,
         quiet: bool = False, threads: int | None = None, kv_budget: int | None = None,
@@ -106,10 +118,13 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         m = load_model(model, dev, seed, quiet)
         load_s = time.perf_counter() - t0
         ids = encode_prompt(prompt, m.cfg.vocab_size)
+        t_gen = time.perf_counter()
         result = m.generate([ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
                             kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
         families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
                     for fam, ops in OP_FAMILIES.items()}
+    ttft_load = t_gen - t0 + result.prefill_seconds  # the first token's logits, from the start of loading
+    age, now = process_seconds(), time.perf_counter()
     state = result.state
     kv_token = state.global_kv_bytes_per_token()
     n_tokens = result.prompt_tokens + result.new_tokens
@@ -117,7 +132,10 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "model": m.cfg.name, "device": str(dev), "cpu_threads": torch.get_num_threads(), "backend_per_op_family": families, "prefill": prefill,
         "prompt": prompt, "prompt_tokens": result.prompt_tokens, "new_tokens": result.new_tokens,
         "new_token_ids": result.tokens[0], "new_text": decode_tokens(result.tokens[0]),
-        "load_seconds": load_s, "prefill_tokens_per_s": result.prompt_tokens / max(result.prefill_seconds, 1e-9),
+        "load_seconds": load_s, "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
+        "ttft_from_load_s": ttft_load,
+        "ttft_from_process_start_s": None if age is None else age - (now - t0) + ttft_load,
+        "prefill_tokens_per_s": result.prompt_tokens / max(result.prefill_seconds, 1e-9),
         "decode_tokens_per_s": max(result.new_tokens - 1, 0) / max(result.decode_seconds, 1e-9),
         "kv_bytes_per_token": kv_token, "kv_bytes_total": kv_token * n_tokens + state.window_bytes(),
         "window_state_bytes": state.window_bytes(), "peak_memory_bytes": peak_memory_bytes(dev),

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from flashrt import profiles
 from flashrt.kernels_cuda.launch import cdiv, next_pow2
+from flashrt.kernels_cuda import _warmup
 
 TILES = {"compress_pool": {"TILE_ELEMS": 2048, "MAX_BLOCK_R": 16, "num_warps": 4}}
 
@@ -59,6 +60,20 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     grid = (B * G, cdiv(D, block_d))
     _compress_pool_kernel[grid](kv, score, out, R, D, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=t["num_warps"])
     return out
+
+
+def warmup_cases(device, d: dict, dtype):
+    """compress_pool over the groups of a decode step and of a prefill, at every ratio > 1."""
+    D = d["head_dim"]
+    for r in sorted(set(d["compress_ratios"]) - {0, 1}):
+        for groups in sorted({max(1, n // r) for n in _warmup.TOKENS}):
+            kv = torch.randn(1, groups, r, D, device=device)
+            yield _warmup.Launch("compress_pool", compress_pool, (kv, torch.randn_like(kv)))
+
+
+def warmup(profile) -> dict:
+    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
+    return _warmup.run(warmup_cases, profile)
 
 
 OPS = {"compress_pool": compress_pool}

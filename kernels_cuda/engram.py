@@ -18,6 +18,7 @@ import triton.language as tl
 from flashrt.kernels_cuda.codecs import e4m3_to_f32, e8m0_to_f32, to_out
 from flashrt import profiles
 from flashrt.kernels_cuda.launch import cdiv, next_pow2
+from flashrt.kernels_cuda import _warmup
 
 TILES = {
     "engram_lookup": {"ROWS_ELEMS": 4096, "num_warps": 4},
@@ -125,6 +126,24 @@ def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:
 
 def supports_engram_gate(h, key, value, weight, eps) -> bool:
     return all(t.dtype in _DTYPES for t in (h, key, value, weight))
+
+
+def warmup_cases(device, d: dict, dtype):
+    """engram_lookup of a step's n-gram ids (int64) from an fp8 table; engram_gate on the hc copies."""
+    hc, dim, cols = d["hc_mult"], d["dim"], (d["engram_max_ngram_size"] - 1) * d["engram_n_heads"]
+    table = _warmup.qzeros("fp8", (256, d["engram_head_dim"]), device)
+    weight = torch.ones(hc, dim, device=device)
+    for n in _warmup.TOKENS:
+        ids = torch.randint(0, 256, (1, n, cols), device=device)
+        yield _warmup.Launch("engram_lookup", engram_lookup, (table, ids))
+        x, key = _warmup.rand((1, n, hc, dim), dtype, device), _warmup.rand((1, n, hc, dim), dtype, device)
+        value = _warmup.rand((1, n, dim), dtype, device)
+        yield _warmup.Launch("engram_gate", engram_gate, (x, key, value, weight, d["norm_eps"]))
+
+
+def warmup(profile) -> dict:
+    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
+    return _warmup.run(warmup_cases, profile)
 
 
 OPS = {"engram_lookup": engram_lookup, "engram_gate": engram_gate}

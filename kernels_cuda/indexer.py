@@ -45,6 +45,7 @@ from .topk import _keys, select_rows
 from flashrt import profiles
 from flashrt.kernels_cuda.launch import cdiv, next_pow2
 from flashrt.kernels_cuda.codecs import CODES, dequant_rows
+from flashrt.kernels_cuda import _warmup
 
 TILES = {
     # rows: most (query, head) dot columns per program; num_warps_wide: > 64 columns or an fp32 dot;
@@ -290,6 +291,25 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
 
 def supports_candidate_blocks(scores, visible, topk_blocks, block_size) -> bool:
     return scores.dim() == 3 and scores.shape[-1] < 2**30
+
+
+def warmup_cases(device, d: dict, dtype):
+    """index_scores of a step's queries over fp4_b32 keys; candidate_blocks over its scores."""
+    H, D = d["index_n_heads"], d["index_head_dim"]
+    for n in _warmup.TOKENS:
+        q, w = _warmup.rand((1, n, H, D), dtype, device), torch.rand(1, n, H, device=device)
+        for T in _warmup.CONTEXTS:
+            vis = torch.full((1, n), T, dtype=torch.int32, device=device)
+            keys = _warmup.qzeros("fp4_b32", (1, T, D), device)
+            yield _warmup.Launch("index_scores", index_scores, (q, keys, w, vis))
+            scores = torch.randn(1, n, T, device=device)
+            yield _warmup.Launch("candidate_blocks", candidate_blocks,
+                                 (scores, vis, d["candidate_topk_blocks"], d["candidate_block_size"]))
+
+
+def warmup(profile) -> dict:
+    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
+    return _warmup.run(warmup_cases, profile)
 
 
 OPS = {"index_scores": index_scores, "candidate_blocks": candidate_blocks}

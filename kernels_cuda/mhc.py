@@ -19,6 +19,7 @@ import triton.language as tl
 from flashrt.kernels_cuda.codecs import INTERPRETED, to_out
 from flashrt import profiles
 from flashrt.kernels_cuda.launch import cdiv, next_pow2
+from flashrt.kernels_cuda import _warmup
 
 TILES = {
     # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on
@@ -268,6 +269,27 @@ def supports_hc_collapse(x, pre) -> bool:
 
 def supports_hc_expand(y, residual, post, comb) -> bool:
     return y.dtype in _DTYPES and residual.dtype in _DTYPES and residual.shape[2] <= _MAX_HC
+
+
+def warmup_cases(device, d: dict, dtype):
+    """hc_coefficients (Sinkhorn fused), hc_collapse and hc_expand on the hc copies of a step."""
+    hc, dim = d["hc_mult"], d["dim"]
+    mix = (2 + hc) * hc
+    fn = torch.randn(mix, hc * dim, device=device) * 1e-3
+    scale, base = torch.ones(3, device=device), torch.zeros(mix, device=device)
+    for n in _warmup.TOKENS:
+        x = _warmup.rand((1, n, hc, dim), dtype, device)
+        pre = torch.rand(1, n, hc, device=device)
+        yield _warmup.Launch("hc_coefficients", hc_coefficients,
+                             (x, fn, scale, base, d["hc_sinkhorn_iters"], d["hc_eps"], d["norm_eps"]))
+        yield _warmup.Launch("hc_collapse", hc_collapse, (x, pre))
+        comb = torch.rand(1, n, hc, hc, device=device)
+        yield _warmup.Launch("hc_expand", hc_expand, (_warmup.rand((1, n, dim), dtype, device), x, pre, comb))
+
+
+def warmup(profile) -> dict:
+    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
+    return _warmup.run(warmup_cases, profile)
 
 
 OPS = {"hc_coefficients": hc_coefficients, "hc_collapse": hc_collapse, "hc_expand": hc_expand}

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from flashrt import profiles
-from flashrt.kernels_cuda.launch import cdiv, next_pow2
+from flashrt.kernels_cuda.launch import cdiv
+from flashrt.kernels_cuda import _warmup
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
 from flashrt.kernels_cuda.linear import FLOATS, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile, weight_operands
@@ -197,6 +198,41 @@ def supports_moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit) -> bool:
     ws = (w1, w3, w2)
     return (all(isinstance(w, QTensor) and w.fmt in WEIGHT_FORMATS and w.ndim == 3 for w in ws)
             and w1.fmt == w3.fmt and x.dtype in FLOATS and w1.shape[1] % 32 == 0)
+
+
+def warmup_cases(device, d: dict, dtype):
+    """moe_experts with every tile rule (a token count whose mean rows per expert falls in it) and
+    the shared expert (E = 1, k = 1). 16 experts stand for the model's: the kernels see E only as
+    an integer (specialised on % 16, like 32 and 384), and the token count picks the rule."""
+    D, I, k, E = d["dim"], d["moe_inter_dim"], d["n_activated_experts"], 16
+    fmt = "fp4_w" if d["expert_dtype"] == "fp4" else "fp8_w"
+    weights = {e: (_warmup.qzeros(fmt, (e, I, D), device), _warmup.qzeros(fmt, (e, I, D), device),
+                   _warmup.qzeros(fmt, (e, D, I), device)) for e in (E, 1)}
+    for n in rule_tokens(_tiles()["experts"], E, k):
+        x, rw = _warmup.rand((n, D), dtype, device), torch.rand(n, k, device=device)
+        idx = torch.randint(0, E, (n, k), dtype=torch.int32, device=device)
+        yield _warmup.Launch("moe_experts", moe_experts, (x, rw, idx, *weights[E], d["swiglu_limit"]))
+    for n in _warmup.TOKENS:
+        x, one = _warmup.rand((n, D), dtype, device), torch.ones(n, 1, device=device)
+        first = torch.zeros(n, 1, dtype=torch.int32, device=device)
+        yield _warmup.Launch("moe_experts shared", moe_experts, (x, one, first, *weights[1], d["swiglu_limit"]))
+
+
+def rule_tokens(rules, experts: int, k: int) -> list[int]:
+    """One token count per tile rule whose mean rows per expert (n * k / experts) it serves."""
+    out, low = [], 0
+    for limit, _ in rules:
+        rows = limit if limit is not None else 2 * max(low, 16)
+        n = max(1, rows * experts // k)
+        assert n * k / experts > low, (rules, n)
+        out.append(n)
+        low = limit if limit is not None else low
+    return out
+
+
+def warmup(profile) -> dict:
+    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
+    return _warmup.run(warmup_cases, profile)
 
 
 OPS = {"moe_experts": moe_experts}

@@ -17,6 +17,7 @@ import triton.language as tl
 from flashrt.kernels_cuda.codecs import to_out
 from flashrt import profiles
 from flashrt.kernels_cuda.launch import cdiv, next_pow2
+from flashrt.kernels_cuda import _warmup
 
 TILES = {
     "rms_norm": {"MAX_BLOCK_N": 8192, "ROW_ELEMS": 4096, "num_warps": 8},
@@ -131,6 +132,33 @@ def supports_rms_norm(x, weight, eps) -> bool:
 
 def supports_rope(x, freqs_cis, inverse=False) -> bool:
     return x.dtype in _DTYPES
+
+
+def warmup_cases(device, d: dict, dtype):
+    """rms_norm at every width the model normalises (bf16 weights); rope on the q, kv, index q and
+    compressed-entry tails (slices read in place), and the inverse on the attention output."""
+    rd, hd, ihd = d["rope_head_dim"], d["head_dim"], d["index_head_dim"]
+    for n in _warmup.TOKENS:
+        entries = sorted({n, max(1, n // 2)})
+        for width, rows in ((d["dim"], [n]), (d["q_lora_rank"], [n]), (hd, entries), (ihd, entries)):
+            for m in rows:
+                x = _warmup.rand((1, m, width), dtype, device)
+                yield _warmup.Launch("rms_norm", rms_norm, (x, torch.ones(width, dtype=torch.bfloat16, device=device),
+                                                          d["norm_eps"]))
+        for m in entries:
+            f = torch.polar(torch.ones(1, m, rd // 2, device=device), torch.rand(1, m, rd // 2, device=device))
+            shapes = [(1, m, hd), (1, m, ihd)] + ([(1, m, d["n_heads"], hd), (1, m, d["index_n_heads"], ihd)]
+                                                   if m == n else [])
+            for shape in shapes:
+                yield _warmup.Launch("rope", rope, (_warmup.rand(shape, dtype, device)[..., -rd:], f, False))
+            if m == n:
+                o = _warmup.rand((1, m, d["n_heads"], hd), dtype, device)[..., -rd:]
+                yield _warmup.Launch("rope inverse", rope, (o, f, True))
+
+
+def warmup(profile) -> dict:
+    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
+    return _warmup.run(warmup_cases, profile)
 
 
 OPS = {"rms_norm": rms_norm, "rope": rope}

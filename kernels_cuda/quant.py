@@ -26,6 +26,7 @@ from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_code, e2m1_to_f32, e4m3_rne, e4m3_to_f32,
                                          e8m0_to_f32, to_out)
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2
+from flashrt.kernels_cuda import _warmup
 
 TILES = {
     "quantize": {"ELEMS": 4096, "num_warps": 4},  # BLOCK_G = ELEMS // block scale blocks a program
@@ -205,6 +206,25 @@ def supports_quantize(x, fmt) -> bool:
 
 def supports_dequantize(q, dtype=torch.float32) -> bool:
     return q.fmt in _FMT
+
+
+def warmup_cases(device, d: dict, dtype):
+    """The quantizations the model makes: window KV (fp8), the indexer's fake-quant of q (fp4_b32 and
+    back), and the compressed entries (index keys fp4_b32, main KV fp4_b16)."""
+    hd, iq = d["head_dim"], (d["index_n_heads"], d["index_head_dim"])
+    for n in _warmup.TOKENS:
+        yield _warmup.Launch("quantize fp8", quantize, (_warmup.rand((1, n, hd), dtype, device), "fp8"))
+        yield _warmup.Launch("quantize fp4_b32", quantize, (_warmup.rand((1, n, *iq), dtype, device), "fp4_b32"))
+        yield _warmup.Launch("dequantize fp4_b32", dequantize, (_warmup.qzeros("fp4_b32", (1, n, *iq), device), dtype))
+        for m in sorted({n, max(1, n // 2)}):
+            k = _warmup.rand((1, m, d["index_head_dim"]), dtype, device)
+            yield _warmup.Launch("quantize fp4_b32", quantize, (k, "fp4_b32"))
+            yield _warmup.Launch("quantize fp4_b16", quantize, (_warmup.rand((1, m, hd), dtype, device), "fp4_b16"))
+
+
+def warmup(profile) -> dict:
+    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
+    return _warmup.run(warmup_cases, profile)
 
 
 OPS = {"quantize": quantize, "dequantize": dequantize}

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from flashrt import profiles
 from flashrt.kernels_cuda.launch import cdiv, next_pow2
+from flashrt.kernels_cuda import _warmup
 
 TILES = {
     "chunk_max": {"block": 2048, "num_warps": 4},
@@ -312,6 +313,21 @@ def topk_positions(scores, k, candidates=None):
 
 def supports_topk(scores, k, candidates=None) -> bool:
     return scores.dim() == 3 and scores.shape[-1] < 2**30 and scores.dtype == torch.float32
+
+
+def warmup_cases(device, d: dict, dtype):
+    """topk_positions over a step's index scores, with and without candidate blocks."""
+    for n in _warmup.TOKENS:
+        for T in _warmup.CONTEXTS:
+            scores, k = torch.randn(1, n, T, device=device), min(d["index_topk"], T)
+            yield _warmup.Launch("topk_positions", topk_positions, (scores, k, None))
+            cand = torch.rand(1, n, T, device=device) < 0.5
+            yield _warmup.Launch("topk_positions candidates", topk_positions, (scores, k, cand))
+
+
+def warmup(profile) -> dict:
+    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
+    return _warmup.run(warmup_cases, profile)
 
 
 OPS = {"topk_positions": topk_positions}

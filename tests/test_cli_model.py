@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,19 +19,27 @@ def test_run_creates_then_reuses_the_tiny_checkpoint(tmp_path):
     ckpt = tmp_path / "models" / "tiny-seed0"
     assert (ckpt / "config.json").exists() and (ckpt / "SHA256SUMS").exists()
     mtime = (ckpt / "config.json").stat().st_mtime
+    t0 = time.perf_counter()
     second = json.loads(flashrt("run", "--json", "--max-new-tokens", "6", env=env).stdout)
+    wall = time.perf_counter() - t0
     assert (ckpt / "config.json").stat().st_mtime == mtime  # loaded, not re-created
     assert first["new_token_ids"] == second["new_token_ids"] and len(first["new_token_ids"]) == 6
     assert first["device"] == "cpu" and first["prompt_tokens"] == len(first["prompt"].encode())
     assert set(first["backend_per_op_family"].values()) == {"reference"}
     assert first["kv_bytes_per_token"] > 0 and first["peak_memory_bytes"] > 0
     assert first["prefill_tokens_per_s"] > 0 and first["decode_tokens_per_s"] > 0
+    # time to first token: loading + prefill <= from the start of loading <= from the process start < wall
+    r = second
+    assert 0 < r["prefill_seconds"] and r["load_seconds"] + r["prefill_seconds"] <= r["ttft_from_load_s"]
+    assert r["ttft_from_load_s"] < r["ttft_from_process_start_s"] < wall
+    assert r["ttft_from_process_start_s"] - r["ttft_from_load_s"] > 0.1  # python + torch imports
 
 
 def test_run_text_report_and_options(tmp_path):
     out = flashrt("run", "--prompt", "hello", "--max-new-tokens", "3", "--prefill", "ced", "--temperature", "0.7",
                   "--seed", "5", env={"FLASHRT_CACHE_DIR": str(tmp_path)}).stdout
-    for needle in ("model tiny", "backends:", "prompt (5 tokens)", "new (3 tokens)", "tok/s", "B/token", "peak memory"):
+    for needle in ("model tiny", "backends:", "prompt (5 tokens)", "new (3 tokens)", "tok/s", "B/token", "peak memory",
+                   "first token"):
         assert needle in out
 
 

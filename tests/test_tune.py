@@ -1,21 +1,29 @@
-"""`flashrt tune` sweeps tiles (here under the Triton interpreter), keeps only correct winners and
-writes a loadable profile with the measured times as comments."""
+"""`flashrt tune` sweeps tiles (here under the Triton interpreter), keeps only correct winners, skips
+candidates that cannot run, and writes a loadable profile with the measured times as comments."""
+import dataclasses
+
 import pytest
 
 from flashrt import profiles, tune
+from flashrt.kernels_cuda.linear import pick_tile
+from flashrt.tune_spaces import SPACES, Space
 from kernel_check import requires_kernels
+
+
+def _narrow(monkeypatch, name: str, **params) -> None:
+    monkeypatch.setitem(SPACES, name, dataclasses.replace(SPACES[name], params=params))
 
 
 @requires_kernels
 def test_tune_writes_a_loadable_profile_with_winners(tmp_path, monkeypatch):
-    monkeypatch.setitem(tune.SPACES, "quant", ("quantize", {"ELEMS": [2048, 4096], "num_warps": [4]}, tune._quant))
+    _narrow(monkeypatch, "quant", ELEMS=[2048, 4096], num_warps=[4])
     tuned, results = tune.tune(["quant"], small=True)
     (r,) = results
     assert r["winner"] in ({"ELEMS": 2048, "num_warps": 4}, {"ELEMS": 4096, "num_warps": 4}) and r["rejected"] == 0
     path = tmp_path / f"{tuned.name}.yaml"
     tune.write_profile(tuned, results, str(path))
     text = path.read_text()
-    assert "# quant.quantize:" in text and "untuned" in text
+    assert "# quant.quantize (quant):" in text and "untuned" in text
     loaded = profiles.load_profile_file(path)
     assert loaded.tiles["quant"]["quantize"]["ELEMS"] == r["winner"]["ELEMS"]
 
@@ -25,11 +33,70 @@ def test_a_wrong_candidate_never_wins(monkeypatch):
     real = tune._close
     monkeypatch.setattr(tune, "_close", lambda got, want: real(got, want) and profiles.tiles(
         "quant", tune._module_tiles("quant"))["quantize"]["ELEMS"] != 2048)
-    monkeypatch.setitem(tune.SPACES, "quant", ("quantize", {"ELEMS": [2048, 4096], "num_warps": [4]}, tune._quant))
+    _narrow(monkeypatch, "quant", ELEMS=[2048, 4096], num_warps=[4])
     _, (r,) = tune.tune(["quant"], small=True)
     assert r["winner"]["ELEMS"] == 4096 and r["rejected"] == 1
 
 
-def test_unknown_kernel_is_named():
+@requires_kernels
+def test_a_candidate_that_cannot_run_is_skipped_with_a_note(monkeypatch):
+    _narrow(monkeypatch, "quant", ELEMS=[24, 4096], num_warps=[4])  # 24: not a power of two -> error
+    _, (r,) = tune.tune(["quant"], small=True)
+    assert r["winner"] == {"ELEMS": 4096, "num_warps": 4} and r["failed"] == 1 and r["rejected"] == 0
+    assert any(n.startswith("{'ELEMS': 24") for n in r["notes"])
+
+
+@requires_kernels
+def test_a_rule_space_tunes_its_rule_only(tmp_path, monkeypatch):
+    _narrow(monkeypatch, "linear_decode", BLOCK_N=[32, 64], num_stages=[2])
+    with profiles.using("h200"):
+        base_rules = profiles.tiles("linear", tune._module_tiles("linear"))["linear"]
+        tuned, (r,) = tune.tune(["linear_decode"], small=True)
+    assert r["winner"]["BLOCK_N"] in (32, 64) and r["rejected"] == 0 and r["failed"] == 0
+    tune.write_profile(tuned, [r], str(tmp_path / "h200.yaml"))
+    with profiles.using(profiles.load_profile_file(tmp_path / "h200.yaml")):
+        rules = profiles.tiles("linear", tune._module_tiles("linear"))["linear"]
+    assert rules[0][1] == {**base_rules[0][1], **r["winner"]}
+    assert [list(x) for x in rules[1:]] == [list(x) for x in base_rules[1:]]
+
+
+@requires_kernels
+def test_the_attention_split_space_sweeps(monkeypatch):
+    _narrow(monkeypatch, "attention_split", programs=[0], min_blocks=[1, 2], max_splits=[4])
+    _, (r,) = tune.tune(["attention_split"], small=True)
+    current = tune._current(profiles.active_profile(), SPACES["attention_split"])
+    tried = [current] + [{"programs": 0, "min_blocks": m, "max_splits": 4} for m in (1, 2)]
+    assert r["winner"] in tried and r["candidates"] == 3 and r["rejected"] == 0 and r["failed"] == 0
+
+
+@requires_kernels
+def test_a_spent_budget_keeps_the_profile_tiles():
+    tuned, (r,) = tune.tune(["quant"], small=True, budget=1e-9)
+    assert r["winner"] is None and r["candidates"] == 0 and r["skipped"] == len(tune.candidates(tuned, SPACES["quant"]))
+    assert tuned.tiles == profiles.active_profile().tiles and "time budget" in r["notes"][-1]
+
+
+@pytest.mark.parametrize("name", [n for n, sp in SPACES.items() if sp.rule is not None])
+def test_each_rule_space_case_lands_in_its_rule(name):
+    sp: Space = SPACES[name]
+    rules = tune._module_tiles(sp.module)[sp.key]
+    for small in (False, True):
+        assert pick_tile(rules, sp.case.rows[small]) is rules[sp.rule][1], (name, small)
+
+
+def test_spaces_are_bounded_and_name_real_tile_parameters():
+    for name, sp in SPACES.items():
+        tiles = tune._module_tiles(sp.module)[sp.key]
+        known = tiles[sp.rule][1] if sp.rule is not None else tiles
+        assert set(sp.params) <= set(known), name
+        assert sp.size <= 24, name
+    assert {"attention", "attention_split", "linear_decode", "linear_large", "moe_decode", "moe_prefill"} <= set(SPACES)
+
+
+def test_unknown_kernel_and_bad_budget_are_named(capsys):
+    from flashrt import cli
+
     with pytest.raises(ValueError, match="kernels"):
         tune.tune(["nope"])
+    assert cli.main(["tune", "--out", "x.yaml", "--budget", "0"]) == 2
+    assert "--budget: expected seconds > 0, got 0.0" in capsys.readouterr().err

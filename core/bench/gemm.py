@@ -17,7 +17,7 @@
   its fp32 weight cache under ~9 GB instead of 54 GB for all 384), summed: ``reference (sum over
   expert chunks)``. ``moe_experts fp8_w shared``: the shared expert (E = 1) against the reference.
 
-    python -m benchmarks.kernels.gemm     # prints the rows as JSON (needs a CUDA device)
+    python -m flashrt.bench.gemm     # prints the rows as JSON (needs a CUDA device)
 """
 from __future__ import annotations
 
@@ -25,10 +25,7 @@ import json
 
 import torch
 
-try:
-    from . import common
-except ImportError:  # run as a plain script from this folder
-    import common
+from . import common
 
 DEVICE = "cuda"
 LINEAR_FP8 = ((1280, 5120), (2304, 5120), (5120, 8192), (32768, 1280))

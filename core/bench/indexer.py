@@ -13,7 +13,7 @@
 - ``candidate_blocks`` (2048 blocks of 8, the released pool): rows 1 / 64 at T 64K / 128K. Bytes:
   scores + visible read, the bool mask written. Baseline: the torch reference.
 
-    python -m benchmarks.kernels.indexer     # prints the rows as JSON (needs a CUDA device)
+    python -m flashrt.bench.indexer     # prints the rows as JSON (needs a CUDA device)
 """
 from __future__ import annotations
 
@@ -21,10 +21,7 @@ import json
 
 import torch
 
-try:
-    from . import common
-except ImportError:  # run as a plain script from this folder
-    import common
+from . import common
 
 TOPK = 512
 DEVICE = "cuda"

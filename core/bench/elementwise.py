@@ -7,7 +7,7 @@ memory-bound, so ``roofline_fraction`` is the fraction of copy bandwidth reached
 ``quantize_store`` is the issue's "quantize-and-store >= 70% of copy bandwidth" figure (its
 baseline: ``formats.quantize`` then the indexed copy into the cache, as ``kvcache.write_rows``).
 
-    python -m benchmarks.kernels.elementwise     # prints the rows as JSON
+    python -m flashrt.bench.elementwise     # prints the rows as JSON
 """
 from __future__ import annotations
 
@@ -17,10 +17,7 @@ import traceback
 
 import torch
 
-try:
-    from . import common
-except ImportError:  # run as a plain script from this folder
-    import common
+from . import common
 
 
 def _nb(*tensors) -> int:

@@ -12,7 +12,7 @@ prefill: B = 1, S = 4096 (context 128K).
   KV head (MQA without expanding K/V), no sink. The torch reference op on the same GPU is in
   ``reference_ms`` / ``speedup_vs_reference``.
 
-    python -m benchmarks.kernels.attention     # prints the rows as JSON (needs a CUDA device)
+    python -m flashrt.bench.attention     # prints the rows as JSON (needs a CUDA device)
 """
 from __future__ import annotations
 
@@ -20,10 +20,7 @@ import json
 
 import torch
 
-try:
-    from . import common
-except ImportError:  # run as a plain script from this folder
-    import common
+from . import common
 
 DEVICE = "cuda"
 H, D, WINDOW, TOPK = 64, 512, 128, 512

@@ -1,0 +1,128 @@
+"""Time to first token of ``flashrt run --model small`` in a cold process vs a warm one vs after
+``flashrt jit warmup``, each a fresh subprocess, same run.
+
+    python benchmarks/jit_ttft.py --out benchmarks/results/h200-jit-ttft.json
+
+Phases (each ``flashrt run --model small --json``, its own process):
+
+- ``cold``: fresh ``FLASHRT_CACHE_DIR`` and ``TRITON_CACHE_DIR``: every kernel compiles;
+- ``warm``: the same directories again: every kernel comes from the cache;
+- ``after_warmup``: fresh directories, then ``flashrt jit warmup --shapes small`` (the kernel
+  modules' hooks), then the run: what the hooks leave to compile shows as the gap to ``warm``;
+- ``after_model_warmup``: fresh directories, ``flashrt jit warmup --model small`` (runs the model
+  once), then the run.
+
+The ``small`` checkpoint is created once before any timing (``flashrt run`` would create it under
+``FLASHRT_CACHE_DIR/models``) and linked into each fresh directory, so no phase pays for it.
+TTFT is what ``flashrt run --json`` reports: from the start of loading the weights to the first
+token's logits, and from the process start; the parent's wall time of each process is kept too.
+Phases that would not fit the time budget (``--budget``) are recorded as skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from results_io import write_json
+
+PHASES = ("cold", "warm", "after_warmup", "after_model_warmup")
+
+
+def flashrt(args: list[str], dirs: Path, timeout: float) -> tuple[dict, float]:
+    """Run ``flashrt *args --json`` with the cache dirs under ``dirs``; (its JSON, wall seconds)."""
+    env = {**os.environ, "FLASHRT_CACHE_DIR": str(dirs / "flashrt"), "TRITON_CACHE_DIR": str(dirs / "triton")}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "flashrt.cli", *args, "--json"], capture_output=True, text=True,
+                       env=env, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if r.returncode not in (0, 1):  # jit warmup exits 1 when a module failed: its report says which
+        raise RuntimeError(f"flashrt {' '.join(args)} exited {r.returncode}: {r.stderr[-2000:]}")
+    return json.loads(r.stdout), wall
+
+
+def fresh_dirs(root: Path, name: str, checkpoint: Path) -> Path:
+    """Empty cache directories holding only a link to the prepared checkpoint."""
+    dirs = root / name
+    models = dirs / "flashrt" / "models"
+    models.mkdir(parents=True)
+    (models / checkpoint.name).symlink_to(checkpoint)
+    (dirs / "triton").mkdir()
+    return dirs
+
+
+def prepare_checkpoint(root: Path, model: str) -> Path:
+    """Create the built-in checkpoint once (untimed), in its own cache directory."""
+    env = {**os.environ, "FLASHRT_CACHE_DIR": str(root / "setup")}
+    code = f"from flashrt.graphs.run import builtin_checkpoint; print(builtin_checkpoint({model!r}, quiet=True))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def row(phase: str, report: dict, wall: float, warmup: dict | None = None) -> dict:
+    keys = ("ttft_from_load_s", "ttft_from_process_start_s", "load_seconds", "prefill_seconds",
+            "decode_tokens_per_s", "new_token_ids")
+    out = {"phase": phase, "device": report["device"], **{k: report[k] for k in keys}, "process_wall_s": wall}
+    if warmup is not None:
+        out["warmup"] = warmup
+    print(f"{phase:20} TTFT {report['ttft_from_load_s']:8.2f} s from load, "
+          f"{report['ttft_from_process_start_s'] or float('nan'):8.2f} s from process start; "
+          f"prefill {report['prefill_seconds']:7.2f} s; decode {report['decode_tokens_per_s']:8.1f} tok/s", flush=True)
+    return out
+
+
+def run_phase(phase: str, root: Path, checkpoint: Path, run_args: list[str], model: str, deadline: float) -> dict:
+    left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
+    dirs = root / "cold" if phase == "warm" else fresh_dirs(root, phase, checkpoint)
+    warm = None
+    if phase in ("after_warmup", "after_model_warmup"):
+        extra = ["--shapes", model] if phase == "after_warmup" else ["--model", model]
+        report, wall = flashrt(["jit", "warmup", *extra], dirs, left())
+        warm = {"command": f"flashrt jit warmup {' '.join(extra)}", "wall_s": wall, "seconds": report["seconds"],
+                "warmed": report["warmed"], "skipped": report["skipped"], "failed": report["failed"]}
+    report, wall = flashrt(run_args, dirs, left())
+    return row(phase, report, wall, warm)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="small", choices=("tiny", "small"))
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--budget", type=float, default=510.0, help="seconds for all phases (default 8.5 min)")
+    ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if "warm" in args.phases and "cold" not in args.phases:
+        ap.error("--phases: 'warm' reuses the directories of 'cold'; list 'cold' too")
+    deadline = time.monotonic() + args.budget
+    run_args = ["run", "--model", args.model, "--max-new-tokens", str(args.max_new_tokens)]
+    rows, skipped = [], {}
+    with tempfile.TemporaryDirectory(prefix="flashrt-ttft-") as tmp:
+        root = Path(tmp)
+        checkpoint = prepare_checkpoint(root, args.model)
+        for phase in args.phases:
+            if time.monotonic() > deadline - 20:
+                skipped[phase] = "time budget spent"
+                continue
+            try:
+                rows.append(run_phase(phase, root, checkpoint, run_args, args.model, deadline))
+            except (subprocess.TimeoutExpired, RuntimeError) as exc:
+                skipped[phase] = f"{type(exc).__name__}: {str(exc)[-500:]}"
+                print(f"{phase:20} skipped: {skipped[phase]}", flush=True)
+    warm = next((r for r in rows if r["phase"] == "warm"), None)
+    for r in rows:
+        r["ttft_ratio_to_warm"] = r["ttft_from_load_s"] / warm["ttft_from_load_s"] if warm else None
+        r["same_tokens_as_cold"] = r["new_token_ids"] == rows[0]["new_token_ids"]
+    write_json(args.out, {"model": args.model, "device": rows[0].get("device") if rows else None,
+                          "command": "flashrt " + " ".join(run_args), "rows": rows, "skipped": skipped,
+                          "note": "ttft_from_load_s: from the start of loading to the first token's logits "
+                                  "(flashrt run --json)"})
+
+
+if __name__ == "__main__":
+    main()

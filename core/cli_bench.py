@@ -1,0 +1,42 @@
+"""``flashrt bench kernels``: the kernel benchmark suite (:mod:`flashrt.bench`) on this device."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def cmd_kernels(args) -> int:
+    from .bench import cuda_missing, run_suite
+
+    why = cuda_missing()
+    if why:
+        raise ValueError(f"kernels: {why}; the suite times the CUDA kernels and their baselines on the device")
+    stream = sys.stderr if args.json else sys.stdout  # --json: stdout holds only the report
+
+    def log(line: str) -> None:
+        print(line, file=stream, flush=True)
+
+    result = run_suite(args.families, log=log)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+            f.write("\n")
+        log(f"wrote {args.out}")
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, default=str)
+        print()
+    return 1 if result["errors"] else 0
+
+
+def add_bench(sub) -> None:
+    from .bench import FAMILIES
+
+    bench = sub.add_parser("bench", help="benchmarks on this device")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bsub.add_parser("kernels", help="time every kernel family against its ceilings and baselines "
+                        "(plain and CUDA-graph replay)")
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES, metavar="FAMILY",
+                   help=f"subset of {', '.join(FAMILIES)} (default: all)")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here")
+    p.add_argument("--json", action="store_true", help="print the JSON report (progress goes to stderr)")
+    p.set_defaults(func=cmd_kernels)

@@ -1,0 +1,113 @@
+"""What ``flashrt tune`` sweeps: per kernel, a tile space and a case (an op call at model shapes).
+
+Each :class:`Space` names the kernel module (``tiles.<module>`` in a profile), its TILES key, the
+rule for rule lists (``[[largest rows, tile], ...]``: ``linear``, ``moe`` experts) and the candidate
+values per parameter; the other parameters keep the profile's values. A case returns (op name,
+args): decode-sized on the GPU (the V4.1-Flash dims), tiny under the Triton interpreter
+(``small``). Spaces are kept to at most 24 candidates so the whole sweep stays a few minutes on an
+H200 (``flashrt tune --budget`` bounds it in any case).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import formats, ops
+
+
+@dataclass(frozen=True)
+class Space:
+    module: str  # kernels_cuda module: tiles.<module> in the profile
+    key: str  # its TILES key
+    params: dict  # parameter -> candidate values
+    case: Callable  # (device, small) -> (op name, args)
+    rule: int | None = None  # index of the [limit, tile] rule swept, for rule lists
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for values in self.params.values():
+            n *= len(values)
+        return n
+
+
+def _attention(batch: int):
+    def case(dev, small):
+        """Decode: each query attends to a window (fp8) and top-k compressed entries (fp4_b16)."""
+        B, W, T, K = (batch, 8, 40, 24) if small else (batch, 128, 65536, 640)
+        H, D = (16, 64) if small else (64, 512)
+        q = torch.randn(B, 1, H, D, device=dev).to(torch.bfloat16)
+        window = ops.quantize(torch.randn(B, W, D, device=dev), "fp8")
+        main = ops.quantize(torch.randn(B, T, D, device=dev), "fp4_b16")
+        idx = torch.cat([torch.arange(W, device=dev).expand(B, 1, W),
+                         W + torch.randint(0, T, (B, 1, K - W), device=dev)], dim=-1).to(torch.int32)
+        return "sparse_attention", (q, (window, main), idx, torch.zeros(H, device=dev), D ** -0.5)
+    return case
+
+
+def _linear(rows: int, small_rows: int):
+    def case(dev, small):
+        """x [rows, K] bf16 @ an fp8_w weight [N, K] (block-scaled FP8 GEMM)."""
+        M, N, K = (small_rows, 64, 128) if small else (rows, 4096, 5120)
+        x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+        return "linear", (x, formats.quantize(torch.randn(N, K, device=dev) * K ** -0.5, "fp8_w"))
+    case.rows = {False: rows, True: small_rows}  # rows the tile rules see (M), by ``small``
+    return case
+
+
+def _moe(tokens: int, small_tokens: int):
+    def case(dev, small):
+        """Routed fp4_w experts: ``tokens`` tokens, top-6 of 32 experts (decode: ~12 rows per expert)."""
+        n, E, k, D, I = (small_tokens, 4, 2, 64, 64) if small else (tokens, 32, 6, 4096, 2048)
+        x = torch.randn(n, D, device=dev).to(torch.bfloat16)
+        idx = torch.rand(n, E, device=dev).argsort(dim=1)[:, :k].to(torch.int32)  # k distinct experts per token
+        w = [formats.quantize(torch.randn(E, *shape, device=dev) * shape[1] ** -0.5, "fp4_w")
+             for shape in ((I, D), (I, D), (D, I))]
+        return "moe_experts", (x, torch.rand(n, k, device=dev), idx, *w, 10.0)
+    case.rows = {False: tokens * 6 / 32, True: small_tokens * 2 / 4}  # mean rows per expert, by ``small``
+    return case
+
+
+def _indexer(dev, small):
+    B, S, T = (1, 2, 256) if small else (8, 1, 131072)
+    q = torch.randn(B, S, 32, 128, device=dev).to(torch.bfloat16)
+    k = ops.quantize(torch.randn(B, T, 128, device=dev), "fp4_b32")
+    return "index_scores", (q, k, torch.rand(B, S, 32, device=dev), torch.full((B, S), T, device=dev, dtype=torch.int32))
+
+
+def _quant(dev, small):
+    return "quantize", (torch.randn(64 if small else 16384, 512, device=dev).to(torch.bfloat16), "fp8")
+
+
+def _norm(dev, small):
+    n, d = (16, 1024) if small else (8192, 5120)
+    return "rms_norm", (torch.randn(n, d, device=dev).to(torch.bfloat16), torch.ones(d, device=dev), 1e-6)
+
+
+def _topk(dev, small):
+    return "topk_positions", (torch.randn(2 if small else 64, 1, 512 if small else 131072, device=dev), 64 if small else 512)
+
+
+# name -> Space; linear / moe rules are those of the kernels' TILES (rows per rule: 16, 64, more)
+SPACES = {
+    "attention": Space("attention", "attention", {"H_BLOCK": [32, 64], "K_BLOCK": [16, 32, 64], "num_warps": [4, 8],
+                                                  "num_stages": [1, 2]}, _attention(8)),
+    "attention_split": Space("attention", "split", {"programs": [0, 264], "min_blocks": [1, 2, 4],
+                                                    "max_splits": [8, 16]}, _attention(1)),
+    "linear_decode": Space("linear", "linear", {"BLOCK_N": [32, 64, 128], "BLOCK_K": [128, 256],
+                                                "num_warps": [4], "num_stages": [3, 4, 5]}, _linear(16, 4), rule=0),
+    "linear_small": Space("linear", "linear", {"BLOCK_M": [32, 64], "BLOCK_N": [64, 128], "BLOCK_K": [128],
+                                               "num_warps": [4, 8], "num_stages": [3, 4]}, _linear(64, 24), rule=1),
+    "linear_large": Space("linear", "linear", {"BLOCK_M": [64, 128], "BLOCK_N": [128, 256], "BLOCK_K": [64, 128],
+                                               "num_warps": [8], "num_stages": [3, 4]}, _linear(4096, 80), rule=2),
+    "moe_decode": Space("moe", "experts", {"BLOCK_N": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8],
+                                           "num_stages": [3, 4]}, _moe(64, 3), rule=0),
+    "moe_prefill": Space("moe", "experts", {"BLOCK_M": [32, 64], "BLOCK_N": [64, 128], "BLOCK_K": [64, 128],
+                                            "num_warps": [4, 8], "num_stages": [3]}, _moe(4096, 40), rule=1),
+    "indexer": Space("indexer", "index_scores", {"block_t": [64, 128, 256], "num_warps": [4, 8]}, _indexer),
+    "quant": Space("quant", "quantize", {"ELEMS": [2048, 4096, 8192], "num_warps": [2, 4, 8]}, _quant),
+    "norm_rope": Space("norm_rope", "rms_norm", {"ROW_ELEMS": [2048, 4096], "num_warps": [4, 8, 16]}, _norm),
+    "topk": Space("topk", "select", {"num_warps": [4, 8], "summary": [2048, 4096]}, _topk),
+}

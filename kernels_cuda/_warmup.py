@@ -1,0 +1,121 @@
+"""What the kernel modules' ``warmup(profile)`` hooks share (``flashrt jit warmup``).
+
+A hook compiles its kernels by calling its own launchers once, on small tensors of the dtypes and
+dims the shipped models launch them with, on the current CUDA device, with the profile's tiles
+active (the launchers read them): each launch compiles exactly the variant the model would, into
+the compile cache. ``MODELS`` holds the kernel-relevant keys of ``graphs/configs/*.json`` (kernels
+never import graphs; a test checks the two agree). Token counts: a decode step (1) and a prefill
+(``PREFILL``); contexts ``CONTEXTS``: Triton specialises integer arguments on ``== 1`` and
+``% 16 == 0``, so these cover the three classes. A module says which launches it needs with
+``warmup_cases(device, dims, dtype)``, a generator of :class:`Launch`. ``FLASHRT_WARMUP_MODELS``
+(``flashrt jit warmup --shapes``) narrows the models warmed. Without a CUDA device a
+hook launches nothing and says why.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Iterator, NamedTuple
+
+import torch
+
+from flashrt import formats
+from flashrt.formats import QTensor
+
+_COMMON = dict(head_dim=512, rope_head_dim=64, hc_mult=4, index_n_heads=32, index_head_dim=128, index_topk=512,
+               candidate_block_size=8, engram_n_heads=8, engram_head_dim=256, engram_max_ngram_size=4,
+               n_shared_experts=1, compress_ratios=(0, 1, 2), expert_dtype="fp4", swiglu_limit=10.0,
+               hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-20)
+MODELS = {
+    "tiny": dict(_COMMON, dim=64, moe_inter_dim=64, n_heads=4, n_routed_experts=8, n_activated_experts=2,
+                 q_lora_rank=32, head_dim=64, rope_head_dim=16, index_n_heads=2, index_head_dim=32, index_topk=4,
+                 candidate_topk_blocks=2, candidate_block_size=4, engram_n_heads=2, engram_head_dim=32),
+    "small": dict(_COMMON, dim=1024, moe_inter_dim=512, n_heads=16, n_routed_experts=32, n_activated_experts=4,
+                  q_lora_rank=512, candidate_topk_blocks=256),
+    "v4.1-flash": dict(_COMMON, dim=5120, moe_inter_dim=2304, n_heads=64, n_routed_experts=384,
+                       n_activated_experts=6, q_lora_rank=1280, candidate_topk_blocks=2048),
+}
+DEFAULT_MODELS = ("small", "v4.1-flash")  # tiny only when asked for (--shapes tiny)
+TOKENS = (1, 44)  # a decode step of one sequence; a prefill of flashrt run's default prompt (44 bytes)
+CONTEXTS = (1, 22, 48)  # compressed entries visible: == 1, neither, % 16 == 0
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Launch(NamedTuple):
+    """One launcher call: ``fn(*args)``; ``name`` says what it compiles (for reports and tests)."""
+    name: str
+    fn: Callable
+    args: tuple
+
+
+def cuda_missing() -> str | None:
+    """Why nothing can be compiled here, or None when a CUDA device is usable."""
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch (nothing compiled)"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"compute capability sm_{major}{minor} is below sm_80 (nothing compiled)"
+    return None
+
+
+def activation_dtype(profile) -> torch.dtype:
+    """The model's activation dtype under ``profile`` (fp8 / int8 compute keeps bf16 activations)."""
+    return DTYPES.get(getattr(profile, "compute_dtype", "bf16"), torch.bfloat16)
+
+
+def selected_models() -> dict:
+    """``DEFAULT_MODELS``' dims, or those of the models named in ``FLASHRT_WARMUP_MODELS`` (comma-separated;
+    ``flashrt jit warmup --shapes``)."""
+    names = [n for n in os.environ.get("FLASHRT_WARMUP_MODELS", "").split(",") if n]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        raise ValueError(f"FLASHRT_WARMUP_MODELS: expected names from {sorted(MODELS)}, got {unknown}")
+    return {n: MODELS[n] for n in names or DEFAULT_MODELS}
+
+
+def plan(cases: Callable[..., Iterable[Launch]], profile, device, models: dict | None = None) -> Iterator[Launch]:
+    """Every launch of ``cases`` for every model's dims (lazily: tensors live one model at a time)."""
+    dtype = activation_dtype(profile)
+    for dims in (selected_models() if models is None else models).values():
+        yield from cases(torch.device(device), dims, dtype)
+
+
+def _launch(launch: Launch) -> None:
+    launch.fn(*launch.args)
+
+
+def run(cases: Callable[..., Iterable[Launch]], profile, models: dict | None = None) -> dict:
+    """A hook's body: ``{"launches": n, "kernels": [...]}``, or ``{"skipped": why}`` without CUDA."""
+    why = cuda_missing()
+    if why:
+        return {"skipped": why}
+    device = _device()
+    names = []
+    for launch in plan(cases, profile, device, models):
+        _launch(launch)
+        names.append(launch.name)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return {"launches": len(names), "kernels": sorted(set(names))}
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def qzeros(fmt: str, shape, device) -> QTensor:
+    """A QTensor of ``fmt`` and logical ``shape`` holding zeros (no quantization, no data needed)."""
+    s = formats.spec(fmt)
+    data_shape, scale_shape = formats.expected_layout(fmt, shape)
+    return QTensor(_zero_bytes(data_shape, s.data_dtype, device), _zero_bytes(scale_shape, s.scale_dtype, device),
+                   fmt, shape)
+
+
+def _zero_bytes(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """All-zero bits (1-byte dtypes through uint8: e8m0 has no 0.0 to convert from)."""
+    if dtype.itemsize == 1:
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def rand(shape, dtype, device) -> torch.Tensor:
+    return torch.randn(shape, device=device).to(dtype)

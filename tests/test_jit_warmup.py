@@ -1,0 +1,120 @@
+"""The kernel modules' ``warmup(profile)`` hooks: found, a no-op without CUDA, and their launches valid.
+
+No GPU here: the launches are recorded instead of compiled (the ``_launch`` call monkeypatched), and
+with the tiny model's dims they are run through the Triton interpreter, so every argument list a
+hook builds is one its launcher accepts.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from flashrt import profiles
+from flashrt.cli_jit import kernel_modules, warmup
+from flashrt.graphs.config import shipped_config
+from flashrt.kernels_cuda import _warmup
+
+HOOKED = ("compress", "engram", "indexer", "mhc", "moe", "norm_rope", "quant", "topk")
+
+
+def _modules() -> dict:
+    return {name: mod for name, mod in kernel_modules() if not isinstance(mod, BaseException)}
+
+
+def _dims(name: str) -> dict:
+    cfg = shipped_config(name)
+    return {key: getattr(cfg, key) for key in _warmup.MODELS["small"]}
+
+
+def test_the_dims_are_the_shipped_configs():
+    for name, dims in _warmup.MODELS.items():
+        want = _dims(name)
+        want["compress_ratios"] = tuple(sorted(set(want["compress_ratios"])))
+        assert {**dims, "compress_ratios": tuple(sorted(set(dims["compress_ratios"])))} == want, name
+
+
+def test_hooks_exist_and_are_discovered():
+    mods = _modules()
+    for name in HOOKED:
+        assert callable(getattr(mods[name], "warmup", None)), name
+        assert callable(getattr(mods[name], "warmup_cases", None)), name
+
+
+def test_without_cuda_every_hook_says_so_and_the_report_lists_why(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mods = _modules()
+    for name in HOOKED:
+        assert "no CUDA device" in mods[name].warmup(profiles.load_profile("h200"))["skipped"]
+    report = warmup("h200", [(n, mods[n]) for n in HOOKED], progress=lambda done, total: None)
+    assert report["warmed"] == [] and report["failed"] == {} and report["skipped"] == list(HOOKED)
+    assert all("no CUDA device" in report["notes"][n] for n in HOOKED)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Hooks run as on a GPU, but on CPU tensors, recording each launch instead of compiling it."""
+    calls = []
+    monkeypatch.setattr(_warmup, "cuda_missing", lambda: None)
+    monkeypatch.setattr(_warmup, "_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(_warmup, "_launch", calls.append)
+    return calls
+
+
+def test_every_launcher_of_a_module_is_warmed_for_both_models(recorded):
+    mods = _modules()
+    for name in HOOKED:
+        recorded.clear()
+        with profiles.using("h200"):
+            result = mods[name].warmup(profiles.active_profile())
+        assert result["launches"] == len(recorded) > 0, name
+        launched = {launch.fn for launch in recorded}
+        assert set(mods[name].OPS.values()) <= launched, (name, sorted(f.__name__ for f in launched))
+        widths = {a.shape[-1] for launch in recorded for a in launch.args if isinstance(a, torch.Tensor)}
+        if name in ("norm_rope", "mhc", "engram", "moe"):  # launched at both models' model width
+            assert {1024, 5120} <= widths, (name, widths)
+        floats = {a.dtype for launch in recorded for a in launch.args
+                  if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.is_floating_point()}
+        assert torch.bfloat16 in floats or name in ("compress", "topk"), (name, floats)  # h200: bf16 compute
+
+
+def test_moe_covers_every_tile_rule_of_the_profile(recorded):
+    from flashrt.kernels_cuda import moe
+
+    with profiles.using("h200"):
+        rules = profiles.tiles("moe", moe.TILES)["experts"]
+        moe.warmup(profiles.active_profile())
+    picked = set()
+    for launch in recorded:
+        x, _, idx, w1 = launch.args[:4]
+        picked.add(id(moe.pick_tile(rules, x.shape[0] * idx.shape[1] / w1.shape[0])))
+    assert picked == {id(tile) for _, tile in rules}
+
+
+@pytest.mark.parametrize("name", HOOKED)
+def test_the_launches_run_under_the_interpreter_at_tiny_dims(name):
+    """The argument lists are valid: each launch of the hook, at the tiny model's dims, runs."""
+    mod = _modules()[name]
+    t0, n = time.perf_counter(), 0
+    with profiles.using("cpu"):
+        tiny = {"tiny": _warmup.MODELS["tiny"]}
+        for launch in _warmup.plan(mod.warmup_cases, profiles.active_profile(), "cpu", tiny):
+            launch.fn(*launch.args)
+            n += 1
+    assert n > 0 and time.perf_counter() - t0 < 120
+
+
+def test_shapes_narrow_the_models_warmed(recorded, monkeypatch, capsys):
+    from flashrt import cli
+    from flashrt.kernels_cuda import norm_rope
+
+    monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "small")
+    norm_rope.warmup(profiles.load_profile("h200"))
+    widths = {launch.args[0].shape[-1] for launch in recorded if launch.fn is norm_rope.rms_norm}
+    assert 1024 in widths and 5120 not in widths
+    assert cli.main(["jit", "warmup", "--shapes", "small", "big"]) == 2
+    assert "--shapes: expected names from ['small', 'tiny', 'v4.1-flash'], got ['big']" in capsys.readouterr().err
+    monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "huge")
+    with pytest.raises(ValueError, match="FLASHRT_WARMUP_MODELS"):
+        norm_rope.warmup(profiles.load_profile("h200"))
