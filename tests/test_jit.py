@@ -230,7 +230,7 @@ def test_warmup_calls_each_hook_with_the_profile_active():
         assert profiles.active_profile().name == "cpu"  # restored
     assert seen == [("h200", "h200", profiles.load_profile("h200").tiles["attention"])]
     assert report["warmed"] == ["good"] and report["skipped"] == ["plain", "idle"]  # "helper": no OPS, ignored
-    assert report["reasons"] == {"idle": "no CUDA device"}
+    assert report["notes"] == {"idle": "no CUDA device", "good": report["notes"]["good"]}
     assert report["failed"] == {"broken": "RuntimeError: ptxas died", "missing": "import: ImportError: no module"}
     assert calls == [(i, 6) for i in range(1, 7)]
     assert os.environ["TRITON_CACHE_MANAGER"] == "flashrt.jit_triton:TritonCacheManager"
