@@ -20,6 +20,7 @@ import torch
 
 from flashrt import kvpages
 from flashrt.graphs.config import shipped_config
+from flashrt.graphs.decode_graph import DecodeGraphs
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
 from flashrt.kvcache import KVState, entry_bytes, fixed_bytes_for
@@ -61,14 +62,17 @@ def fill_state(model, state: KVState, n: int) -> None:
     state.host_positions = [n] * state.batch
 
 
-def decode_ms(model, state, steps: int = 5) -> float:
+def decode_ms(model, state, steps: int = 5, graph: bool = False) -> float:
+    """Median decode step (eager Model.forward, or replayed from CUDA graphs after 2 capture steps)."""
     tok = torch.randint(0, model.cfg.vocab_size, (state.batch, 1), device=DEV)
-    model.forward(tok, state=state)
+    step = DecodeGraphs(model, state).step if graph else (lambda t: model.forward(t, state=state))
+    for _ in range(2 if graph else 1):
+        step(tok)
     times = []
     for _ in range(steps):
         sync()
         t0 = time.perf_counter()
-        model.forward(tok, state=state)
+        step(tok)
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
@@ -82,10 +86,11 @@ def decode_row(model, n: int, device_share: float) -> dict:
     state = model.new_state(1, n + 64, kv_budget=budget)
     fill_state(model, state, n)
     ms = decode_ms(model, state)
+    graph_ms = decode_ms(model, state, graph=DEV == "cuda")
     t = state.tier_stats()
     used = sum(len(tb.pages) for c in state.compressed.values() for tb in c.main.tables)
-    row = {"context": n, "step_ms": ms, "kv_budget": budget, "cold_share": t["cold_pages"] / max(used, 1), "tiers": t}
-    print(f"decode at {n}: {ms:.2f} ms/step, cold share {row['cold_share']:.2f} {t}", flush=True)
+    row = {"context": n, "step_ms": ms, "graph_step_ms": graph_ms, "kv_budget": budget, "cold_share": t["cold_pages"] / max(used, 1), "tiers": t}
+    print(f"decode at {n}: {ms:.2f} ms/step eager, {graph_ms:.2f} from CUDA graphs, cold share {row['cold_share']:.2f} {t}", flush=True)
     return row
 
 
@@ -199,6 +204,7 @@ def main() -> None:
         write_json(args.out, res)
     for row in res["decode"]:
         row["ratio_to_first"] = row["step_ms"] / res["decode"][0]["step_ms"]
+        row["graph_ratio_to_first"] = row["graph_step_ms"] / res["decode"][0]["graph_step_ms"]
     res["h2d_pinned_bytes_per_s"] = h2d_bandwidth()
     res["cold_fetch"] = cold_fetch(cfg, max(args.contexts) // min(cfg.ratio(l) for l in cfg.kv_source_layers))
     print("h2d", res["h2d_pinned_bytes_per_s"] / 1e9, "GB/s; cold fetch", res["cold_fetch"], flush=True)
