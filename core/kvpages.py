@@ -39,7 +39,7 @@ def cold_gather_kernel(pool: "PagePool", picks: int) -> bool:
         from flashrt.kernels_cuda import kv_gather
     except ImportError:  # no triton
         return False
-    if pool.device.type == "cuda" and not pool.host.data.is_pinned():
+    if pool.device.type == "cuda" and not pool.host_pinned:
         return False
     return kv_gather.zero_copy_ok(pool.device)
 
@@ -56,6 +56,7 @@ class PagePool:
         self.generation = 0  # bumped whenever the device pool or a block-table buffer is reallocated
         self.index_pool = None  # the batch's IndexPool (kvindex), drawn from the same budget
         self.host = empty_qtensor(FMT, (0, page_entries, head_dim), "cpu")
+        self.host_pinned = False  # known here: is_pinned() asks the driver (not inside a graph capture)
         self.free_host: list[int] = []
         self.fifo: OrderedDict[int, tuple] = OrderedDict()  # device page -> (table, logical page)
         self.locked: set[int] = set()  # device pages written by the current step
@@ -118,11 +119,13 @@ class PagePool:
         if not self.free_host:
             n = self.host.shape[0]
             grown = empty_qtensor(FMT, (max(2 * n, 16), self.P, self.D), "cpu")
-            if torch.cuda.is_available() and self.device.type == "cuda":
+            pin = torch.cuda.is_available() and self.device.type == "cuda"
+            if pin:
                 grown = QTensor(grown.data.pin_memory(), grown.scale.pin_memory(), FMT, grown.shape)
-                cold_gather_kernel(self, 0)  # its one-time self-check runs here, not inside a decode step
             grown.data[:n], grown.scale[:n] = self.host.data, self.host.scale
-            self.host = grown
+            self.host, self.host_pinned = grown, pin
+            if pin:
+                cold_gather_kernel(self, 0)  # its one-time self-check runs here, not inside a decode step
             self.free_host = list(range(grown.shape[0] - 1, n - 1, -1))
         return self.free_host.pop()
 
