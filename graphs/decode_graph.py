@@ -35,6 +35,9 @@ from flashrt.kvpages import cold_gather_kernel
 from .context import StepContext
 
 
+CAPTURE_ERROR_MODE = "global"  # torch.cuda.graph's: "relaxed" lets driver queries run during a capture
+
+
 def bucket(entries: int) -> int:
     """``entries`` rounded up to a multiple of ``max(16, 2**(bits - 4))``: <= 1/8 extra."""
     if entries <= 0:
@@ -155,7 +158,7 @@ class DecodeGraphs:
         logits = self._body(entries)  # this step, run eagerly (compiles what the capture records)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.mempool):
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=CAPTURE_ERROR_MODE):
                 out = self._body(entries)  # recorded, not run: the caches are written once
         except Exception as exc:  # an op that cannot be captured (AcceleratorError): keep this shape eager, say why
             torch.cuda.synchronize()
