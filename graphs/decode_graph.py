@@ -146,10 +146,10 @@ class DecodeGraphs:
             self.stats["eager"] += 1
             return self._body(entries)
         key = (tuple(sorted(entries.items())), self._cold(), self._layout())
-        hit = self.graphs.get(key)
-        if hit == "eager":  # this shape could not be captured: static buffers, run eagerly
-            self.stats["eager"] += 1
+        if any(key[1]):  # cold pages: the zero-copy gather runs, but its capture fails on the H200
+            self.stats["eager"] += 1  # (cause not isolated yet): static buffers, run eagerly
             return self._body(entries)
+        hit = self.graphs.get(key)
         if hit is not None:
             self.graphs.move_to_end(key)
             hit[0].replay()
@@ -157,14 +157,8 @@ class DecodeGraphs:
             return hit[1]
         logits = self._body(entries)  # this step, run eagerly (compiles what the capture records)
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=CAPTURE_ERROR_MODE):
-                out = self._body(entries)  # recorded, not run: the caches are written once
-        except Exception as exc:  # an op that cannot be captured (AcceleratorError): keep this shape eager, say why
-            torch.cuda.synchronize()
-            self.graphs[key] = "eager"
-            self.stats["capture_failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-            return logits
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=CAPTURE_ERROR_MODE):
+            out = self._body(entries)  # recorded, not run: the caches are written once
         self.graphs[key] = (graph, out)
         self.stats["captured"] += 1
         while len(self.graphs) > self.max_graphs:
