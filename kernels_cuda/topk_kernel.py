@@ -1,0 +1,211 @@
+"""Triton kernels of the threshold top-k (launcher and algorithm: :mod:`.topk`): int32 order keys
+(``_keys``), the bitwise k-th-largest search, the chunk maxima and the per-row select."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_MIN = tl.constexpr(-2147483648)
+
+
+@triton.jit
+def _keys(x, ok):
+    """fp32 -> int32 keys ordered as the floats; -0.0 -> +0.0; non-finite or not ``ok`` -> MIN."""
+    b = x.to(tl.int32, bitcast=True)
+    finite = (b & 0x7F800000) != 0x7F800000
+    b = tl.where(b == _MIN, 0, b)
+    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return tl.where(ok & finite, key, _MIN)
+
+
+@triton.jit
+def _load_keys(src, cand, pos, mask, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+    """Keys at ``pos`` of one row: int32 keys as stored, or fp32 scores (and candidates) converted."""
+    if SRC_KEYS:
+        key = tl.load(src + pos, mask=mask, other=_MIN)
+    else:
+        ok = mask
+        if HAS_CAND:
+            ok = ok & (tl.load(cand + pos, mask=mask, other=0) != 0)
+        key = _keys(tl.load(src + pos, mask=mask, other=0.0), ok)
+    return key
+
+
+@triton.jit
+def _kth_largest(keys, k, BITS: tl.constexpr):
+    """The k-th largest of ``keys`` (MIN when fewer than k exceed MIN), its top ``BITS`` bits
+    exact and the rest zero (a lower bound when BITS < 32)."""
+    ans = 0  # unsigned bit pattern of the answer, built from the top bit down
+    bit = tl.full([], _MIN, tl.int32)
+    for i in range(BITS):
+        cand = ans | bit
+        ans = tl.where(tl.sum((keys >= (cand ^ _MIN)).to(tl.int32)) >= k, cand, ans)
+        bit = (bit >> 1) & 0x7FFFFFFF
+    return ans ^ _MIN
+
+
+@triton.jit
+def _emit(key, pos, thr, need, n_out, eq_seen, out, MARK: tl.constexpr):
+    """Write the picks of one block in position order: ``key > thr`` and the ties ``key == thr``
+    while fewer than ``need`` ties were taken. Returns the running (picks, ties seen)."""
+    gt = key > thr
+    eq = (key == thr) & (key != _MIN)
+    rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0) - 1
+    sel = gt | (eq & (rank < need))
+    dst = n_out + tl.cumsum(sel.to(tl.int32), 0) - 1
+    if MARK:
+        tl.store(out + pos, sel.to(tl.uint8), mask=sel)
+    else:
+        tl.store(out + dst, pos, mask=sel)
+    return n_out + tl.sum(sel.to(tl.int32)), eq_seen + tl.sum(eq.to(tl.int32))
+
+
+@triton.jit
+def _group(src, cand, ids, g, total, T, C: tl.constexpr, GROUP: tl.constexpr,
+           SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+    """(keys, positions, live) of elements ``g .. g + GROUP`` of the chunks listed in ``ids``, in
+    order (with ``C == 1``, ``ids`` is a list of positions)."""
+    e = g + tl.arange(0, GROUP)
+    live = e < total
+    chunk = tl.load(ids + e // C, mask=live, other=0)
+    pos = chunk * C + e % C
+    live = live & (pos < T)
+    return _load_keys(src, cand, pos, live, SRC_KEYS, HAS_CAND), pos, live
+
+
+@triton.jit
+def _finish_registers(src, cand, lst, out, n_list, k, BLOCK: tl.constexpr,
+                      SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, MARK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    live = offs < n_list
+    pos = tl.load(lst + offs, mask=live, other=0)
+    key = _load_keys(src, cand, pos, live, SRC_KEYS, HAS_CAND)
+    thr = _kth_largest(key, k, 32)
+    need = k - tl.sum((key > thr).to(tl.int32))
+    n_out, _ = _emit(key, pos, thr, need, 0, 0, out, MARK)
+    return n_out
+
+
+@triton.jit
+def _finish_streaming(src, cand, ids, out, T, total, k, C: tl.constexpr, GROUP: tl.constexpr,
+                      SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, MARK: tl.constexpr):
+    """(d) re-reading, in GROUP steps, the chunks listed in ``ids`` (or with C == 1 the list)."""
+    ans = 0
+    bit = tl.full([], _MIN, tl.int32)
+    for i in range(32):
+        cand_bits = ans | bit
+        bit = (bit >> 1) & 0x7FFFFFFF
+        count = 0
+        for g in range(0, total, GROUP):
+            key, pos, live = _group(src, cand, ids, g, total, T, C, GROUP, SRC_KEYS, HAS_CAND)
+            count += tl.sum((key >= (cand_bits ^ _MIN)).to(tl.int32))
+        ans = tl.where(count >= k, cand_bits, ans)
+    thr = ans ^ _MIN
+    greater = 0
+    for g in range(0, total, GROUP):
+        key, pos, live = _group(src, cand, ids, g, total, T, C, GROUP, SRC_KEYS, HAS_CAND)
+        greater += tl.sum((key > thr).to(tl.int32))
+    n_out = 0
+    eq_seen = 0
+    for g in range(0, total, GROUP):
+        key, pos, live = _group(src, cand, ids, g, total, T, C, GROUP, SRC_KEYS, HAS_CAND)
+        n_out, eq_seen = _emit(key, pos, thr, k - greater, n_out, eq_seen, out, MARK)
+    return n_out
+
+
+@triton.jit
+def _build_list(src, cand, ids, lst, T, total, L, k, C: tl.constexpr, GROUP: tl.constexpr,
+                LIST: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+    """(c): positions with key > L, then ties key == L while fewer than k; their count."""
+    n_list = 0
+    ties = 0
+    for g in range(0, total, GROUP):
+        key, pos, live = _group(src, cand, ids, g, total, T, C, GROUP, SRC_KEYS, HAS_CAND)
+        eq = (key == L) & (key != _MIN)
+        keep = (key > L) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) - 1 < k))
+        dst = n_list + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(lst + dst, pos, mask=keep & (dst < LIST))
+        n_list += tl.sum(keep.to(tl.int32))
+        ties += tl.sum(eq.to(tl.int32))
+    return n_list
+
+
+@triton.jit
+def _chunks_above(src, cand, summ, ids, T, NC, k, C: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
+                  SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+    """(a) ``L`` and (b) the ids of the chunks whose max is ``>= L`` written to ``ids``; (L, count)."""
+    offs = tl.arange(0, SUMMARY)
+    if C == 1:  # the keys are their own summary
+        cmax = _load_keys(src, cand, offs, offs < T, SRC_KEYS, HAS_CAND)
+    else:
+        cmax = tl.load(summ + offs, mask=offs < NC, other=_MIN)
+    L = _kth_largest(cmax, k, BITS)
+    sel = cmax >= tl.maximum(L, _MIN + 1)
+    tl.debug_barrier()  # ids may alias summ: every lane has read it
+    tl.store(ids + tl.cumsum(sel.to(tl.int32), 0) - 1, offs, mask=sel)
+    tl.debug_barrier()
+    return L, tl.sum(sel.to(tl.int32))
+
+
+@triton.jit
+def _fine_chunks(fine, coarse_ids, fids, n_coarse, NF, L, F: tl.constexpr, GROUP: tl.constexpr):
+    """(b') the ids of the fine chunks (F per coarse chunk) whose max is ``>= L``; their count."""
+    n = 0
+    for g in range(0, n_coarse * F, GROUP):
+        e = g + tl.arange(0, GROUP)
+        f = tl.load(coarse_ids + e // F, mask=e < n_coarse * F, other=0) * F + e % F
+        live = (e < n_coarse * F) & (f < NF)
+        sel = live & (tl.load(fine + f, mask=live, other=_MIN) >= tl.maximum(L, _MIN + 1))
+        tl.store(fids + n + tl.cumsum(sel.to(tl.int32), 0) - 1, f, mask=sel)
+        n += tl.sum(sel.to(tl.int32))
+    tl.debug_barrier()
+    return n
+
+
+@triton.jit
+def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, width,
+                   s_src, s_cand, s_summ, s_fine, s_lst, s_out,
+                   C: tl.constexpr, F: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
+                   LIST: tl.constexpr, SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr,
+                   SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, MARK: tl.constexpr,
+                   STATS: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    src += r * s_src
+    cand += r * s_cand
+    summ += r * s_summ
+    lst += r * s_lst
+    out += r * s_out
+    L, n_sel = _chunks_above(src, cand, summ, summ, T, NC, k, C * F, SUMMARY, BITS, SRC_KEYS, HAS_CAND)
+    ids = summ  # coarse chunk ids, written over the summary
+    if F > 1:  # two-level summary: narrow the coarse chunks down to fine ones
+        ids = fids + r * s_fine
+        n_sel = _fine_chunks(fine + r * s_fine, summ, ids, n_sel, NF, L, F, GROUP)
+    total = n_sel * C
+    n_list = _build_list(src, cand, ids, lst, T, total, L, k, C, GROUP, LIST, SRC_KEYS, HAS_CAND)
+    tl.debug_barrier()
+    if STATS:  # the list length says which path (d) took
+        tl.store(stats + r, n_list)
+    if n_list <= SMALL:  # (d)
+        n_out = _finish_registers(src, cand, lst, out, n_list, k, SMALL, SRC_KEYS, HAS_CAND, MARK)
+    elif n_list <= LIST:  # the list streamed
+        n_out = _finish_streaming(src, cand, lst, out, T, n_list, k, 1, GROUP, SRC_KEYS, HAS_CAND, MARK)
+    else:  # the list overflowed: the selected chunks streamed
+        n_out = _finish_streaming(src, cand, ids, out, T, total, k, C, GROUP, SRC_KEYS, HAS_CAND, MARK)
+    if not MARK:
+        for p in range(0, width, PAD):
+            j = p + tl.arange(0, PAD)
+            tl.store(out + j, tl.full([PAD], -1, tl.int32), mask=(j >= n_out) & (j < width))
+
+
+@triton.jit
+def _chunk_max_kernel(src, cand, fine, coarse, T, NF, NC, s_src, s_cand, s_fine, s_coarse, C: tl.constexpr,
+                      F: tl.constexpr, CHUNKS: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+    """Max key of every chunk of C positions (fine), and of every F fine chunks (coarse, F > 1)."""
+    r = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1) * CHUNKS + tl.arange(0, CHUNKS)
+    pos = chunk[:, None] * C + tl.arange(0, C)[None, :]
+    cmax = tl.max(_load_keys(src + r * s_src, cand + r * s_cand, pos, pos < T, SRC_KEYS, HAS_CAND), axis=1)
+    tl.store(fine + r * s_fine + chunk, cmax, mask=chunk < NF)
+    if F > 1:
+        up = tl.program_id(1) * (CHUNKS // F) + tl.arange(0, CHUNKS // F)
+        tl.store(coarse + r * s_coarse + up, tl.max(tl.reshape(cmax, [CHUNKS // F, F]), axis=1), mask=up < NC)
