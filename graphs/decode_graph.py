@@ -16,10 +16,11 @@ in place when a page is added). What would change a kernel's shape is made stati
 Host work stays outside the graph: page reservation and spills (``begin_step``), block-table
 refreshes, Engram hashing, sampling, and with Engram tables in host memory the gather of the
 step's rows into pinned buffers and their copy to static device buffers (issued before the
-replay, which reads them). Cold main-KV pages are read inside the graph by the zero-copy gather
-(``kernels_cuda.kv_gather``: the kernel reads pinned host memory); where that kernel is not
-available the cold fetch is host-driven and the step falls back to :meth:`Model.forward`. On a
-non-CUDA device the same static-buffer step runs eagerly (how CPU tests check it).
+replay, which reads them). Cold main-KV pages are read by the zero-copy gather
+(``kernels_cuda.kv_gather``: the kernel reads pinned host memory, no host work): such steps run
+the static step eagerly unless ``CAPTURE_COLD``; where that kernel is not available the cold
+fetch is host-driven and the step falls back to :meth:`Model.forward`. On a non-CUDA device the
+same static-buffer step runs eagerly (how CPU tests check it).
 """
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ from .context import StepContext
 
 
 CAPTURE_ERROR_MODE = "global"  # torch.cuda.graph's: "relaxed" lets driver queries run during a capture
+# Capture steps that read cold pages (through the zero-copy gather). Off until checked on a GPU:
+# on the H200 such captures failed because attention then had four KV segments, which the CUDA
+# kernel declined, and the reference fallback syncs with the host; the kernel now takes a fourth
+# segment (tests/test_decode_graph.py's GPU test covers the capture).
+CAPTURE_COLD = False
 
 
 def bucket(entries: int) -> int:
@@ -146,8 +152,8 @@ class DecodeGraphs:
             self.stats["eager"] += 1
             return self._body(entries)
         key = (tuple(sorted(entries.items())), self._cold(), self._layout())
-        if any(key[1]):  # cold pages: the zero-copy gather runs, but its capture fails on the H200
-            self.stats["eager"] += 1  # (cause not isolated yet): static buffers, run eagerly
+        if any(key[1]) and not CAPTURE_COLD:  # cold pages: static buffers, run eagerly
+            self.stats["eager"] += 1
             return self._body(entries)
         hit = self.graphs.get(key)
         if hit is not None:

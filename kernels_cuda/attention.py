@@ -50,7 +50,8 @@ def _tiles() -> dict:
 
 PLANS = PlanCache("attention", TILES)  # launch plans of the active profile
 MAX_D = 512
-MAX_SEGMENTS = 3
+MAX_SEGMENTS = 4  # three with their own dequant path at most; a fourth joins one of the same format
+OFFSET_BIAS = 1 << 48  # added to every segment offset (attention_kernel.OFFSET_BIAS): always int64
 FMT_CODES = {f: CODES[f] for f in ("fp8", "fp4_b16", "fp4_b32")}  # 0 = plain float
 PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
@@ -73,14 +74,16 @@ def _segments(kv) -> list[tuple]:
 
 
 def _segment_args(segs, roles) -> list:
-    """Per segment: base pointers, offsets from them, (b, t) strides of data and scale, start,
-    length. A merged segment (roles[i] < i) is addressed from its target's pointers."""
+    """Per segment: base pointers (not for the fourth, always merged), offsets from them (biased),
+    (b, t) strides of data and scale, start, length. A merged segment (roles[i] < i) is addressed
+    from its target's pointers."""
     args = []
     segs = segs + [segs[0][:3] + (0, 0)] * (MAX_SEGMENTS - len(segs))
     for i, (data, scale, code, start, n) in enumerate(segs):
         base, sbase = segs[roles[i] if 0 <= roles[i] < i else i][:2]
-        args += [base, sbase, data.data_ptr() - base.data_ptr(), scale.data_ptr() - sbase.data_ptr(),
-                 _bstride(data), data.stride(1), *((_bstride(scale), scale.stride(1)) if code else (0, 0)), start, n]
+        args += ([base, sbase] if i < 3 else []) + [
+            OFFSET_BIAS + data.data_ptr() - base.data_ptr(), OFFSET_BIAS + scale.data_ptr() - sbase.data_ptr(),
+            _bstride(data), data.stride(1), *((_bstride(scale), scale.stride(1)) if code else (0, 0)), start, n]
     return args
 
 
@@ -89,13 +92,21 @@ def _bstride(t: torch.Tensor) -> int:
     return 0 if t.shape[0] == 1 else t.stride(0)
 
 
-def _roles(codes) -> tuple[int, int]:
-    """ROLE1, ROLE2 of _gather_kv: a quantized segment joins the first earlier segment that has
-    its own dequant path in the same format; -1 where the segment is absent."""
-    r1 = -1 if len(codes) < 2 else (0 if codes[1] and codes[1] == codes[0] else 1)
-    own = [0] + ([1] if r1 == 1 else [])
-    r2 = -1 if len(codes) < 3 else next((j for j in own if codes[2] and codes[j] == codes[2]), 2)
-    return r1, r2
+def _roles(codes) -> tuple[int, int, int] | None:
+    """ROLE1, ROLE2, ROLE3 of _gather_kv: a quantized segment joins the first earlier segment that
+    has its own dequant path in the same format, else gets its own path (at most three); -1 where
+    the segment is absent. None when a fourth segment has no such segment to join."""
+    roles, own = [], [0]
+    for i in range(1, MAX_SEGMENTS):
+        if i >= len(codes):
+            roles.append(-1)
+            continue
+        target = next((j for j in own if codes[i] and codes[j] == codes[i]), i)
+        if target == i and i == MAX_SEGMENTS - 1:
+            return None
+        roles.append(target)
+        own += [i] if target == i else []
+    return tuple(roles)
 
 
 def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int, int]:
@@ -133,12 +144,13 @@ def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
     B, S, H, D = q.shape
     t, h_block, k_block, splits, per_split, d_split = _plan(q, K)
     dot_dtype, prec = _dot_mode(q.dtype)
-    role1, role2 = _roles(codes)
+    role1, role2, role3 = _roles(codes)
     fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
     return dict(grid=(B * S, cdiv(H, h_block) * d_split, splits), splits=splits, per_split=per_split,
-                roles=(0, role1, role2),  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
+                roles=(0, role1, role2, role3),  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
                 pdtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32,
-                constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, HAS_SINK=has_sink,
+                constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3,
+                                HAS_SINK=has_sink,
                                 SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, H_BLOCK=h_block, K_BLOCK=k_block,
                                 BLOCK_D=next_pow2(D), D_SPLIT=d_split, num_warps=t["num_warps"],
                                 num_stages=t["num_stages"]))
@@ -186,15 +198,19 @@ def sparse_attention(q, kv, indices, sink, scale):
 
 
 def supports_sparse_attention(q, kv, indices, sink, scale) -> bool:
-    """bf16/fp16/fp32 q; D % 32 == 0 and D <= 512; <= 3 non-empty segments, each plain
-    bf16/fp16/fp32 or fp8 / fp4_b16 / fp4_b32."""
+    """bf16/fp16/fp32 q; D % 32 == 0 and D <= 512; <= 4 non-empty segments, each plain
+    bf16/fp16/fp32 or fp8 / fp4_b16 / fp4_b32, at most three formats' dequant paths (a fourth
+    segment shares an earlier segment's format: HKCP's ring + chunk + page pool + cold staging)."""
     D = q.shape[-1]
     if q.dtype not in PLAIN_DTYPES or D == 0 or D % 32 or D > MAX_D:
         return False
     segs = kv if isinstance(kv, tuple) else (kv,)
-    if sum(1 for s in segs if s.shape[1]) > MAX_SEGMENTS:
+    live = [s for s in segs if s.shape[1]]
+    if len(live) > MAX_SEGMENTS:
         return False
-    return all(s.fmt in FMT_CODES if isinstance(s, QTensor) else s.dtype in PLAIN_DTYPES for s in segs)
+    if not all(s.fmt in FMT_CODES if isinstance(s, QTensor) else s.dtype in PLAIN_DTYPES for s in segs):
+        return False
+    return _roles([FMT_CODES[s.fmt] if isinstance(s, QTensor) else 0 for s in live]) is not None
 
 
 OPS = {"sparse_attention": sparse_attention}

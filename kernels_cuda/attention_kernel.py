@@ -14,6 +14,9 @@ import triton.language as tl
 from flashrt.kernels_cuda.codecs import dequant_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)
+# Segment offsets arrive with this bias added: always int64 to Triton (an offset between two
+# allocations can pass 2**31 from one call to the next, which would otherwise compile a new variant)
+OFFSET_BIAS = tl.constexpr(1 << 48)
 
 
 @triton.jit
@@ -54,7 +57,7 @@ def _locate(idx, b, base, sbase, sb, st, ssb, sst, start, length):
     local = idx - start
     hit = (local >= 0) & (local < length)
     r = tl.where(hit, local, 0).to(tl.int64)
-    return base + b * sb + r * st, sbase + b * ssb + r * sst, hit
+    return base - OFFSET_BIAS + b * sb + r * st, sbase - OFFSET_BIAS + b * ssb + r * sst, hit
 
 
 @triton.jit
@@ -82,20 +85,30 @@ def _dequant(kv, rows, srows, hit, c0, FMT: tl.constexpr, D: tl.constexpr, BK: t
 def _gather_kv(idx, b, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
+               o3, so3, sb3, st3, ssb3, sst3, start3, len3,
                FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr,
-               ROLE2: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, DT: tl.constexpr,
+               ROLE2: tl.constexpr, ROLE3: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, DT: tl.constexpr,
                FULL: tl.constexpr):
     """DT [BK, BW] columns ``[c0, c0 + BW)`` of the rows ``idx`` of the concatenated segments
     (zeros where idx is empty).
 
     Segment i's row r of batch b is at ``d_i + o_i + b * sb_i + r * st_i`` (scales alike).
     ROLE1: -1 absent, 0 same quantized format as segment 0 (one dequant path), 1 own path;
-    ROLE2: -1 absent, 0 / 1 merged into segment 0 / 1, 2 own path. A merged segment is passed
+    ROLE2: -1 absent, 0 / 1 merged into segment 0 / 1, 2 own path; ROLE3: -1 absent, 0 / 1 / 2
+    merged into that segment (a fourth segment has no own path). A merged segment is passed
     with its target's pointers and its offset from them in ``o_i`` / ``so_i``.
     """
     r0, q0, h0 = _locate(idx, b, o0, so0, sb0, st0, ssb0, sst0, start0, len0)
     r1, q1, h1 = _locate(idx, b, o1, so1, sb1, st1, ssb1, sst1, start1, len1)
     r2, q2, h2 = _locate(idx, b, o2, so2, sb2, st2, ssb2, sst2, start2, len2)
+    if ROLE3 >= 0:
+        r3, q3, h3 = _locate(idx, b, o3, so3, sb3, st3, ssb3, sst3, start3, len3)
+        if ROLE3 == 0:
+            r0, q0, h0 = _merge(r0, q0, h0, r3, q3, h3)
+        if ROLE3 == 1:
+            r1, q1, h1 = _merge(r1, q1, h1, r3, q3, h3)
+        if ROLE3 == 2:
+            r2, q2, h2 = _merge(r2, q2, h2, r3, q3, h3)
     if ROLE2 == 0:
         r0, q0, h0 = _merge(r0, q0, h0, r2, q2, h2)
     if ROLE2 == 1:
@@ -157,9 +170,10 @@ def _sparse_attention_kernel(
         d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
+        o3, so3, sb3, st3, ssb3, sst3, start3, len3,
         S, H, K, blocks_per_split, qk_scale, D: tl.constexpr,
         FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr, ROLE2: tl.constexpr,
-        HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
+        ROLE3: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
         H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, D_SPLIT: tl.constexpr):
     """D_SPLIT 2: two programs share a head block, each accumulating half of the output columns
     (half the accumulator registers) and gathering both halves for the scores."""
@@ -186,13 +200,15 @@ def _sparse_attention_kernel(
         kv = _gather_kv(idx, bs // S, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
-                        FMT0, FMT1, FMT2, ROLE1, ROLE2, D, K_BLOCK, BW, DOT_DTYPE, D_SPLIT == 1)
+                        o3, so3, sb3, st3, ssb3, sst3, start3, len3,
+                        FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, D_SPLIT == 1)
         kv_o = kv
         if D_SPLIT == 2:
             kv_o = _gather_kv(idx, bs // S, c1, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                               d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                               d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
-                              FMT0, FMT1, FMT2, ROLE1, ROLE2, D, K_BLOCK, BW, DOT_DTYPE, False)
+                              o3, so3, sb3, st3, ssb3, sst3, start3, len3,
+                              FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, False)
         s = _scores(q, kv, q_o, kv_o, c0 == 0, D_SPLIT, PREC)
         m_i, l_i, acc = _attend(s, kv, idx, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
     offs_o = (bs * H + h)[:, None] * D + d[None, :]

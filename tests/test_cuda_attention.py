@@ -148,6 +148,21 @@ def test_attention_output_columns_split_over_two_programs(q_dtype, D, split_k, m
     _check(q, _kv("fp8+fp4_b16+fp4_b32", B, T, D, rng), _indices(B, S, 36, T, rng), torch.randn(H, generator=rng).to(DEVICE))
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_attention_four_segments(q_dtype, monkeypatch, rng):
+    """HKCP's cold decode: ring + chunk (fp8) + the shared page pool + cold staging (fp4_b16, batch
+    1, shared by every row); the fourth segment joins the pool's dequant path. With split K too."""
+    monkeypatch.setitem(attention.TILES, "split", {"programs": 64, "min_blocks": 1, "max_splits": 16})
+    B, S, H, D = 2, 1, 16, 64
+    q = torch.randn(B, S, H, D, generator=rng).to(q_dtype).to(DEVICE)
+    ring, chunk = _segment("fp8", B, 8, D, rng), _segment("fp8", B, S, D, rng)
+    pool, staging = _segment("fp4_b16", 1, 30, D, rng), _segment("fp4_b16", 1, 12, D, rng)
+    kv = (ring, chunk, pool, staging)
+    assert attention._roles([1, 1, 2, 2]) == (0, 2, 2)
+    for sink in (None, torch.randn(H, generator=rng).to(DEVICE)):
+        _check(q, kv, _indices(B, S, 40, 8 + S + 30 + 12, rng), sink)
+
+
 def test_cuda_backend_runs_the_kernel(monkeypatch, rng):
     launches = []
     real = attention._sparse_attention_kernel
@@ -179,7 +194,10 @@ def test_supports_declines(rng):
     assert not call(q32, kv32.double())  # fp64 kv
     assert not call(torch.randn(1, 1, 2, 48).to(DEVICE), torch.randn(1, 8, 48).to(DEVICE))  # D % 32
     assert not call(torch.randn(1, 1, 2, 1024).to(DEVICE), torch.randn(1, 8, 1024).to(DEVICE))  # D > 512
-    assert not call(q32, tuple(_segment("fp8", 1, 2, 32, rng) for _ in range(4)))  # 4 segments
+    assert call(q32, tuple(_segment("fp8", 1, 2, 32, rng) for _ in range(4)))  # 4 segments, one format
+    assert not call(q32, tuple(_segment("fp8", 1, 2, 32, rng) for _ in range(5)))  # 5 segments
+    for kinds in ("fp8+fp4_b16+fp4_b32+bf16", "bf16+fp8+fp4_b16+fp4_b32"):  # a 4th format: no 4th dequant path
+        assert not call(q32, _kv(kinds, 1, 8, 32, rng)), kinds
     with flashrt.use_backend("cuda"), pytest.raises(BackendError):
         ops.sparse_attention(q32.double(), kv32.double(), idx, None, 0.1)
 

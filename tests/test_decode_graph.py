@@ -138,3 +138,29 @@ def test_captured_steps_with_engram_tables_in_host_memory(rng):
         la, lb = model.forward(tok.unsqueeze(1), state=eager), graphs.step(tok).clone()
         assert float((la - lb).norm() / la.norm()) < 1e-5
     assert graphs.stats["replayed"] >= 8 and graphs.stats["fallback"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_steps_with_cold_pages(rng, monkeypatch):
+    """Most main-KV pages on the host: with CAPTURE_COLD the steps (zero-copy gather, four KV
+    segments in attention) are captured and replay what the eager static step computes."""
+    import flashrt.graphs.decode_graph as dg
+    from flashrt.kvcache import KVState as State
+
+    monkeypatch.setattr(dg, "CAPTURE_COLD", True)
+    cfg = shipped_config("tiny")
+    model = Model(cfg, init_weights(cfg, seed=3, device="cuda"))
+    budget = _budget(model, 200, 4)
+    states = [model.new_state(1, 200, pool=State.pool_for(cfg, 1, 200, "cuda", budget, 4)) for _ in range(2)]
+    ids = torch.randint(0, cfg.vocab_size, (1, 60), generator=rng).cuda()
+    for c0 in range(0, 60, 8):
+        la = model.forward(ids[:, c0:c0 + 8], state=states[0])
+        lb = model.forward(ids[:, c0:c0 + 8], state=states[1])
+    assert states[1].tier_stats()["cold_pages"] > 0
+    plain, graphs = DecodeGraphs(model, states[0], capture=False), DecodeGraphs(model, states[1])
+    for _ in range(12):
+        tok = la.argmax(-1)
+        la, lb = plain.step(tok).clone(), graphs.step(tok).clone()
+        assert torch.equal(la, lb)
+    assert graphs.stats["replayed"] >= 6 and graphs.stats["fallback"] == 0
