@@ -28,6 +28,8 @@ def add_run(sub) -> None:
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
                    help="device bytes for the KV state; older main-KV pages spill to host memory")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS", help="prompt tokens per forward call")
+    p.add_argument("--prefix-cache", default=None, metavar="DIR",
+                   help="persistent prefix cache directory (TTL and size cap from the profile)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on CUDA devices)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -39,7 +41,8 @@ def cmd_run(args) -> int:
 
     report = run(args.model, args.prompt or DEFAULT_PROMPT, args.max_new_tokens, args.device, args.backend,
                  args.prefill, args.temperature, args.seed, quiet=args.json, threads=args.threads,
-                 kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk, cuda_graph=args.cuda_graph)
+                 kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk, cuda_graph=args.cuda_graph,
+                 prefix_cache=args.prefix_cache)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -59,8 +62,12 @@ def cmd_run(args) -> int:
           f"(window rings {_human(r['window_state_bytes'])})   peak memory {_human(r['peak_memory_bytes'])}")
     t = r["kv_tiers"]
     if t:
-        print(f"KV pages: {t['device_pages']} on the device ({t['page_entries']} entries each), "
+        limit = f" (at most {t['device_page_limit']:,})" if t.get("device_page_limit") else ""
+        print(f"KV pages: {t['device_pages']} on the device{limit} ({t['page_entries']} entries each), "
               f"{t['cold_pages']} cold in host memory" + (f" (budget {r['kv_budget']:,} B)" if r["kv_budget"] else ""))
+    pc = r["prefix_cache"]
+    if pc:
+        print(f"prefix cache {pc['root']}: {pc['hits']} hit(s), {pc['misses']} miss(es)")
     g = r["decode_graphs"]
     if g:
         print(f"decode steps: {g['replayed']} replayed from CUDA graphs, {g['captured']} captured, "

@@ -100,11 +100,12 @@ class KVState:
 
     @staticmethod
     def pool_for(cfg, batch: int, capacity: int, device, kv_budget: int | None,
-                 page_entries: int = DEFAULT_PAGE_ENTRIES) -> PagePool | None:
+                 page_entries: int = DEFAULT_PAGE_ENTRIES, cold_bytes: int | None = None) -> PagePool | None:
         """The page pools of a batch: main KV (the returned :class:`PagePool`) and index K (its
         ``index_pool``, pages for ``capacity`` positions, device only). Without ``kv_budget`` both
-        grow on demand; with it the main pool gets the device pages left after the fixed state
-        (:func:`fixed_bytes_for`) and spills older pages to host memory."""
+        grow on demand; with it the main pool may grow (doubling) to the device pages left after the
+        fixed state (:func:`fixed_bytes_for`), then spills older pages to host memory, at most
+        ``cold_bytes`` of them (None: no limit)."""
         if torch.device(device).type == "meta":
             return None
         index = IndexPool(cfg.index_head_dim, page_entries, device, index_pages_for(cfg, batch, capacity, page_entries))
@@ -116,7 +117,9 @@ class KVState:
             if pages < 2 * len(cfg.kv_source_layers):
                 raise ValueError(f"kv_budget: {kv_budget:,} bytes leave room for {max(pages, 0)} main-KV pages after "
                                  f"the fixed state ({fixed:,} bytes: rings, index-K pages, compressor state)")
-            pool = PagePool(cfg.head_dim, page_entries, device, int(pages))
+            page = page_entries * entry_bytes(cfg.head_dim, "fp4_b16")
+            pool = PagePool(cfg.head_dim, page_entries, device, int(pages),
+                            None if cold_bytes is None else max(cold_bytes // page, 1))
         pool.index_pool = index
         return pool
 
@@ -214,7 +217,8 @@ class KVState:
         if self.pool is None:
             return {}
         cold = sum(t.cold for c in self.compressed.values() for t in c.main.tables)
-        return {"device_pages": self.pool.device_pages, "page_entries": self.pool.P, "cold_pages": cold,
+        return {"device_pages": self.pool.device_pages, "device_page_limit": self.pool.limit,
+                "page_entries": self.pool.P, "cold_pages": cold,
                 "spilled_pages": self.pool.spilled, "page_bytes": self.pool.page_bytes,
                 "index_pages": self.index_pool.pages_in_use, "index_page_bytes": self.index_pool.page_bytes}
 

@@ -47,10 +47,12 @@ def cold_gather_kernel(pool: "PagePool", picks: int) -> bool:
 class PagePool:
     """Device and host pages of main-KV entries for every source layer of a batch."""
 
-    def __init__(self, head_dim: int, page_entries: int, device, device_pages: int | None):
+    def __init__(self, head_dim: int, page_entries: int, device, device_pages: int | None,
+                 host_pages: int | None = None):
         self.D, self.P, self.device = head_dim, page_entries, torch.device(device)
-        self.limit = device_pages  # None: grow the device pool as needed, never spill
-        n = max(device_pages or 16, 1) + 1  # + the trash page (TRASH_PAGE, never handed out)
+        # device pages: grown by doubling up to ``device_pages`` (None: no limit, never spill)
+        self.limit, self.host_limit = device_pages, host_pages  # host_pages None: no cold-tier limit
+        n = min(max(device_pages or 16, 1), 16) + 1  # + the trash page (TRASH_PAGE, never handed out)
         self.dev = empty_qtensor(FMT, (n, page_entries, head_dim), self.device)
         self.free_dev = list(range(n - 1, TRASH_PAGE, -1))
         self.generation = 0  # bumped whenever the device pool or a block-table buffer is reallocated
@@ -79,7 +81,7 @@ class PagePool:
     # ----- allocation ----------------------------------------------------------------------------
     def alloc(self, table: "BlockTable", logical: int) -> int:
         if not self.free_dev:
-            if self.limit is None:
+            if self.limit is None or self.device_pages < self.limit:
                 self._grow_device()
             else:
                 self._spill_one()
@@ -93,10 +95,11 @@ class PagePool:
 
     def _grow_device(self) -> None:
         n = self.dev.shape[0]
-        grown = empty_qtensor(FMT, (2 * n, self.P, self.D), self.device)
+        m = 2 * n if self.limit is None else min(2 * n, self.limit + 1)
+        grown = empty_qtensor(FMT, (m, self.P, self.D), self.device)
         grown.data[:n], grown.scale[:n] = self.dev.data, self.dev.scale
         self.dev = grown
-        self.free_dev = list(range(2 * n - 1, n - 1, -1))
+        self.free_dev = list(range(m - 1, n - 1, -1))
         self.generation += 1
 
     def _spill_one(self) -> None:
@@ -118,7 +121,11 @@ class PagePool:
     def _host_page(self) -> int:
         if not self.free_host:
             n = self.host.shape[0]
-            grown = empty_qtensor(FMT, (max(2 * n, 16), self.P, self.D), "cpu")
+            m = max(2 * n, 16) if self.host_limit is None else min(max(2 * n, 16), self.host_limit)
+            if m <= n:
+                raise ValueError(f"kv_budget: the cold tier is full ({n} host pages = {n * self.page_bytes:,} bytes, the "
+                                 f"profile's hkcp_cold_host_gib); raise it, the device budget, or shorten the context")
+            grown = empty_qtensor(FMT, (m, self.P, self.D), "cpu")
             pin = torch.cuda.is_available() and self.device.type == "cuda"
             if pin:
                 grown = QTensor(grown.data.pin_memory(), grown.scale.pin_memory(), FMT, grown.shape)

@@ -31,6 +31,15 @@ class PrefixCache:
         self.root.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = self.corrupt = 0
 
+    @classmethod
+    def for_profile(cls, root, profile=None) -> "PrefixCache":
+        """A cache at ``root`` with the hardware profile's TTL (``hkcp_prefix_ttl_hours``) and size
+        cap (``hkcp_persistent_disk_gib``); default: the active profile."""
+        from . import profiles
+
+        p = profile or profiles.active_profile()
+        return cls(root, ttl_hours=p.hkcp_prefix_ttl_hours, max_bytes=p.persistent_disk_bytes)
+
     def path(self, key: str) -> Path:
         if len(key) < 8 or not all(c in "0123456789abcdef" for c in key):
             raise ValueError(f"key: expected a lowercase hex digest, got {key!r}")

@@ -20,6 +20,15 @@ class WindowPool:
         self.ttl_s, self.max_bytes = ttl_minutes * 60.0, int(max_bytes)
         self._items: OrderedDict[str, tuple[float, dict, int]] = OrderedDict()
 
+    @classmethod
+    def for_profile(cls, profile=None, max_bytes: int = 4 << 30) -> "WindowPool":
+        """A pool with the hardware profile's TTL (``hkcp_window_pool_ttl_minutes``); default: the
+        active profile."""
+        from . import profiles
+
+        p = profile or profiles.active_profile()
+        return cls(ttl_minutes=p.hkcp_window_pool_ttl_minutes, max_bytes=max_bytes)
+
     @staticmethod
     def _nbytes(snapshot: dict) -> int:
         return sum(t.numel() * t.element_size() for t in snapshot.values() if isinstance(t, torch.Tensor))

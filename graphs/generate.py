@@ -93,6 +93,23 @@ def _ced(model, ids, state: KVState, chunk: int) -> torch.Tensor:
     return model.logits(x, pre, all_positions=False)
 
 
+def profile_kv_sizes(model, kv_budget: int | None, page_entries: int | None) -> tuple:
+    """(device KV budget, page entries, cold-tier bytes) for a batch: what was given, else the
+    model's hardware profile (``model.profile``, set by ``flashrt.load``). On CUDA the budget is
+    the profile's hot + warm fractions of the device memory it may use (``memory_utilization`` of
+    the total) that is not allocated yet (the weights); the cold tier holds at most
+    ``hkcp_cold_host_gib``. No profile or no CUDA: no budget, 64 entries per page, no cold cap."""
+    p = getattr(model, "profile", None)
+    page_entries = page_entries or (p.hkcp_page_entries if p is not None else 64)
+    if p is None:
+        return kv_budget, page_entries, None
+    if kv_budget is None and model.device.type == "cuda":
+        usable = torch.cuda.get_device_properties(model.device).total_memory * p.memory_utilization
+        free = usable - torch.cuda.memory_allocated(model.device)
+        kv_budget = max(int(free * (p.hkcp_hot_fraction + p.hkcp_warm_fraction)), 1)
+    return kv_budget, page_entries, p.cold_host_bytes
+
+
 def _as_sequences(prompts) -> list[list[int]]:
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
@@ -111,13 +128,15 @@ def _as_sequences(prompts) -> list[list[int]]:
 
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact",
              generator: torch.Generator | None = None, seed: int | None = None, eos_token_id: int | None = None,
-             kv_budget: int | None = None, prefill_chunk: int | None = None, kv_page_entries: int = 64,
+             kv_budget: int | None = None, prefill_chunk: int | None = None, kv_page_entries: int | None = None,
              prefix_cache=None, cuda_graph: bool | None = None):
     """Prefill every prompt, then decode ``max_new_tokens`` tokens for all of them together.
 
     ``kv_budget``: device bytes for the batch's whole KV state; main-KV pages beyond it live in
-    host memory (HKCP cold tier) and only the selected entries come back. ``prefill_chunk``:
-    prompt tokens per forward call. ``kv_page_entries``: compressed entries per main-KV page.
+    host memory (HKCP cold tier) and only the selected entries come back. None: from the model's
+    hardware profile on CUDA (:func:`profile_kv_sizes`), unlimited elsewhere. ``prefill_chunk``:
+    prompt tokens per forward call. ``kv_page_entries``: compressed entries per KV page (None: the
+    profile's ``hkcp_page_entries``, else 64).
     ``prefix_cache``: a :class:`flashrt.prefix_cache.PrefixCache`; prompts whose aligned prefix is
     cached load its global KV and replay the last ``window_size`` tokens instead of prefilling it,
     and every prompt's aligned prefix is stored after its prefill. ``cuda_graph``: run the decode
@@ -133,7 +152,8 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     order, states, logits = [], [], []
-    pool = KVState.pool_for(model.cfg, len(seqs), capacity, model.device, kv_budget, kv_page_entries)
+    kv_budget, kv_page_entries, cold_bytes = profile_kv_sizes(model, kv_budget, kv_page_entries)
+    pool = KVState.pool_for(model.cfg, len(seqs), capacity, model.device, kv_budget, kv_page_entries, cold_bytes)
     hits = [prefix.lookup(model, prefix_cache, s) if prefix_cache is not None else (0, None) for s in seqs]
     for length, hit in sorted({(len(s), h[0]) for s, h in zip(seqs, hits)}):
         rows = [i for i, s in enumerate(seqs) if len(s) == length and hits[i][0] == hit]

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from flashrt import dispatch
+from flashrt.prefix_cache import PrefixCache
 from flashrt.progress import Progress
 
 from . import checkpoint
@@ -106,7 +107,7 @@ def process_seconds() -> float | None:
 def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16, device=None,
         backend: str | None = None, prefill: str = "exact", temperature: float = 0.0, seed: int = 0,
         quiet: bool = False, threads: int | None = None, kv_budget: int | None = None,
-        prefill_chunk: int | None = None, cuda_graph: bool | None = None) -> dict:
+        prefill_chunk: int | None = None, cuda_graph: bool | None = None, prefix_cache: str | None = None) -> dict:
     """The whole job; returns the report as a dict (the CLI prints it)."""
     dev = pick_device(device)
     if dev.type == "cpu" and threads is None and model == "tiny":
@@ -119,7 +120,9 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         load_s = time.perf_counter() - t0
         ids = encode_prompt(prompt, m.cfg.vocab_size)
         t_gen = time.perf_counter()
+        cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, m.profile)
         result = m.generate([ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
+                            prefix_cache=cache,
                             kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
         families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
                     for fam, ops in OP_FAMILIES.items()}
@@ -140,4 +143,5 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "kv_bytes_per_token": kv_token, "kv_bytes_total": kv_token * n_tokens + state.window_bytes(),
         "window_state_bytes": state.window_bytes(), "peak_memory_bytes": peak_memory_bytes(dev),
         "kv_budget": kv_budget, "kv_tiers": state.tier_stats(), "decode_graphs": result.decode_graphs,
+        "prefix_cache": None if cache is None else {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses},
     }

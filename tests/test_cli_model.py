@@ -43,6 +43,30 @@ def test_run_text_report_and_options(tmp_path):
         assert needle in out
 
 
+def test_run_with_a_prefix_cache_hits_on_the_second_run(tmp_path):
+    """--prefix-cache DIR: the first run stores the prompt's aligned prefix, the second loads it
+    (bounded replay) and continues with the same tokens."""
+    env = {"FLASHRT_CACHE_DIR": str(tmp_path / "c")}
+    prompt = "a long prompt about foxes and dogs " * 5  # 175 bytes: two 64-token pages to cache
+    args = ("run", "--json", "--prompt", prompt, "--max-new-tokens", "4", "--prefix-cache", str(tmp_path / "pc"))
+    first = json.loads(flashrt(*args, env=env).stdout)
+    second = json.loads(flashrt(*args, env=env).stdout)
+    assert first["prefix_cache"]["hits"] == 0 and second["prefix_cache"]["hits"] == 1
+    assert any((tmp_path / "pc").rglob("*.kv"))
+    assert len(second["new_token_ids"]) == 4
+
+
+def test_caches_take_their_ttl_and_size_from_the_profile(tmp_path):
+    from flashrt import profiles
+    from flashrt.prefix_cache import PrefixCache
+    from flashrt.window_pool import WindowPool
+
+    p = profiles.load_profile("h200")
+    cache, pool = PrefixCache.for_profile(tmp_path, p), WindowPool.for_profile(p)
+    assert cache.ttl_s == p.hkcp_prefix_ttl_hours * 3600 and cache.max_bytes == p.persistent_disk_bytes
+    assert pool.ttl_s == p.hkcp_window_pool_ttl_minutes * 60
+
+
 def test_run_bad_input_is_one_clear_line(tmp_path):
     env = {"FLASHRT_CACHE_DIR": str(tmp_path)}
     r = flashrt("run", "--backend", "nope", env=env, check=False)

@@ -154,3 +154,21 @@ def test_window_pool_ttl(monkeypatch):
     assert pool.take("s") is None
     with pytest.raises(ValueError, match="session_id"):
         pool.put("", {})
+
+
+def test_kv_sizes_come_from_the_profile(model, monkeypatch):
+    """generate() without kv_budget / kv_page_entries takes the model's profile: its page size and
+    cold-tier cap (and on CUDA its device budget); explicit arguments win."""
+    import dataclasses
+
+    from flashrt import profiles
+    from flashrt.graphs.generate import profile_kv_sizes
+
+    prof = dataclasses.replace(profiles.load_profile("cpu"), hkcp_page_entries=16, hkcp_cold_host_gib=0.5)
+    monkeypatch.setattr(model, "profile", prof, raising=False)
+    assert profile_kv_sizes(model, None, None) == (None, 16, 1 << 29)  # CPU: no device budget
+    assert profile_kv_sizes(model, 12345, 8) == (12345, 8, 1 << 29)
+    out = model.generate([[1, 2, 3, 4, 5]], 2)
+    assert out.state.tier_stats()["page_entries"] == 16
+    monkeypatch.setattr(model, "profile", None)
+    assert profile_kv_sizes(model, None, None) == (None, 64, None)

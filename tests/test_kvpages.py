@@ -1,8 +1,10 @@
 """HKCP page pools: paged index K (device only, read in place), trash pages, generations, budget."""
+import pytest
 import torch
 
 from flashrt.formats import QTensor
 from flashrt.kvcache import KVState, entry_bytes, fixed_bytes_for, index_pages_for
+from flashrt.kvpages import BlockTable
 from flashrt.paged import PagedKeys
 
 
@@ -94,7 +96,7 @@ def test_budget_split_counts_index_pages(cfg):
     index_page = P * entry_bytes(cfg.index_head_dim, "fp4_b32")
     budget = fixed_bytes_for(cfg, B, cap, P) + 20 * main_page + main_page - 1
     pool = KVState.pool_for(cfg, B, cap, "cpu", budget, P)
-    assert pool.device_pages == 20
+    assert pool.limit == 20 and pool.device_pages == 16  # allocated lazily, up to the budget
     need = index_pages_for(cfg, B, cap, P)
     assert [cfg.ratio(l) for l in cfg.kv_source_layers] == [2, 1]
     assert need == B * (19 + 38)  # 150 entries -> 19 pages of 8, 300 -> 38
@@ -102,3 +104,22 @@ def test_budget_split_counts_index_pages(cfg):
     device = pool.dev.nbytes + pool.index_pool.dev.nbytes
     rings = cfg.total_layers * cfg.window_size * (cfg.head_dim + cfg.head_dim // 32) * B
     assert device + rings <= budget and index_page * (need + 1) <= fixed_bytes_for(cfg, B, cap, P)
+
+
+def test_device_pages_grow_to_the_budget_then_spill_then_the_cold_cap(cfg):
+    """Device pages are allocated by doubling up to the budget's count, then the oldest spill to
+    host pages, at most the cold-tier bytes; past that a clear error (nothing overwritten)."""
+    P = 8
+    page = P * entry_bytes(cfg.head_dim, "fp4_b16")
+    budget = fixed_bytes_for(cfg, 1, 4000, P) + 40 * page
+    pool = KVState.pool_for(cfg, 1, 4000, "cpu", budget, P, cold_bytes=20 * page)
+    table = BlockTable()
+    pages = [pool.alloc(table, j) for j in range(40)]
+    table.pages = [("dev", p) for p in pages]
+    pool.unlock()
+    assert pool.device_pages == 40 and pool.spilled == 0 and len(set(pages)) == 40 and 0 not in pages
+    for j in range(40, 60):
+        table.pages.append(("dev", pool.alloc(table, j)))
+    assert pool.device_pages == 40 and pool.spilled == 20 and table.cold == 20
+    with pytest.raises(ValueError, match="cold tier is full"):
+        pool.alloc(table, 60)
