@@ -19,16 +19,18 @@ from flashrt import ops, profiles
 from flashrt.backends import reference
 
 H, D, W, TOPK, CTX = 64, 512, 128, 512, 131072
-SPLIT_MORE = dict(programs=0, min_blocks=1, max_splits=32)
-CANDIDATES = [  # (attention tile, split-K tile or None); H_BLOCK < 64 was 2-30x slower (mma.sync, spills)
-    (dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, D_SPLIT=1), None),
-    (dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, D_SPLIT=2), None),
-    (dict(H_BLOCK=64, K_BLOCK=64, num_warps=8, num_stages=2, D_SPLIT=2), None),
-    (dict(H_BLOCK=64, K_BLOCK=16, num_warps=8, num_stages=2, D_SPLIT=2), None),
-    (dict(H_BLOCK=64, K_BLOCK=32, num_warps=4, num_stages=2, D_SPLIT=2), None),
-    (dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, D_SPLIT=1), SPLIT_MORE),
-    (dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, D_SPLIT=2), SPLIT_MORE),
-    (dict(H_BLOCK=64, K_BLOCK=16, num_warps=8, num_stages=2, D_SPLIT=1), SPLIT_MORE),
+BASE = dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, D_SPLIT=2)  # the shipped tiles
+TWO = dict(enabled=True, min_queries=1, max_score_bytes=1 << 30, H_BLOCK=64, K_BLOCK=64, DV=128, max_splits=8,
+           num_warps=8, num_stages=2)
+CANDIDATES = [  # tiles.attention sections over the module's TILES (H_BLOCK < 64: 2-30x slower, not probed)
+    {"attention": BASE},
+    {"attention": dict(BASE, D_SPLIT=1)},
+    {"attention": BASE, "two_pass": TWO},
+    {"attention": BASE, "two_pass": dict(TWO, K_BLOCK=32)},
+    {"attention": BASE, "two_pass": dict(TWO, DV=64)},
+    {"attention": BASE, "two_pass": dict(TWO, num_warps=4)},
+    {"attention": BASE, "two_pass": dict(TWO, K_BLOCK=32, DV=64, num_warps=4)},
+    {"attention": BASE, "two_pass": dict(TWO, num_stages=3)},
 ]
 SHAPES = [("decode", 1, 1), ("decode", 8, 1), ("decode", 64, 1), ("prefill", 1, 2048)]
 
@@ -58,22 +60,18 @@ def graph_ms(fn, reps: int = 20) -> float:
     return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") / reps
 
 
-def kernel_stats() -> list[dict]:
-    """Registers / spills / shared memory of the compiled attention kernels (best effort)."""
-    import importlib
+def kernel_stats() -> dict:
+    """Registers / spills / shared memory of each compiled attention kernel (best effort)."""
+    from flashrt.kernels_cuda import attention_kernel, attention_two_pass
 
-    out = []
-    for name in ("flashrt.kernels_cuda.attention_kernel", "flashrt.kernels_cuda.attention"):
-        try:
-            fn = importlib.import_module(name)._sparse_attention_kernel
-        except (ImportError, AttributeError):
-            continue
+    out = {}
+    for fn in (attention_kernel._sparse_attention_kernel, attention_two_pass._scores_kernel,
+               attention_two_pass._pv_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             kernels = cache[0] if isinstance(cache, tuple) else cache
-            for k in kernels.values():
-                out.append({"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
-                            "shared": getattr(getattr(k, "metadata", None), "shared", None)})
-        break
+            out.setdefault(getattr(fn, "__name__", repr(fn)), []).extend(
+                {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+                 "shared": getattr(getattr(k, "metadata", None), "shared", None)} for k in kernels.values())
     return out
 
 
@@ -104,8 +102,7 @@ def main() -> None:
     rows = []
     data = {(B, S): inputs(B, S, gen) for _, B, S in SHAPES}
     refs = {k: reference.sparse_attention(*v, D ** -0.5).float() for k, v in data.items()}
-    for tile, split in CANDIDATES:
-        section = {"attention": tile, **({"split": split} if split else {})}
+    for section in CANDIDATES:
         prof = dataclasses.replace(base, tiles={**base.tiles, "attention": section})
         with profiles.using(prof), flashrt.use_backend("cuda"), flashrt.value_checks(False):
             for kind, B, S in SHAPES:
@@ -116,12 +113,13 @@ def main() -> None:
                     err = float((out - refs[(B, S)]).norm() / refs[(B, S)].norm())
                     ms = graph_ms(call)
                 except Exception as exc:  # an invalid tile (shared memory) is a row, not a failure
-                    rows.append({"tile": tile, "split": split, "kind": kind, "B": B, "S": S, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                    rows.append({"tiles": section, "kind": kind, "B": B, "S": S, "error": f"{type(exc).__name__}: {exc}"[:200]})
                     continue
                 fl, bound = floor_ms(B, S, ceil)
-                rows.append({"tile": tile, "split": split, "kind": kind, "B": B, "S": S, "ms": ms, "rel_err": err,
+                rows.append({"tiles": section, "kind": kind, "B": B, "S": S, "ms": ms, "rel_err": err,
                              "floor_ms": fl, "bound": bound, "roofline_fraction": fl / ms})
-                print(f"{str(tile)[1:-1]:85} {'more splits' if split else '':11} {kind:7} B={B:3d} S={S:5d} {ms * 1e3:9.1f} us  "
+                name = "two-pass " + str(section["two_pass"]) if "two_pass" in section else str(section["attention"])
+                print(f"{name[:120]:120} {kind:7} B={B:3d} S={S:5d} {ms * 1e3:9.1f} us  "
                       f"{100 * fl / ms:5.1f}% ({bound})  err {err:.1e}", flush=True)
     result = {"ceilings": ceil, "rows": rows, "kernels": kernel_stats()}
     print(json.dumps(result["kernels"])[:1500])
