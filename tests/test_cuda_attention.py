@@ -262,3 +262,11 @@ def test_attention_decode_realistic(B, context, rng):
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_attention_prefill_realistic(q_dtype, rng):
     _check(*_model_case(1, 512, 8192, rng, q_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("B,S", [(64, 1), (1, 512)])
+def test_attention_two_pass_realistic(B, S, monkeypatch, rng):
+    monkeypatch.setitem(attention.TILES, "two_pass", dict(attention.TILES["two_pass"], enabled=True, min_queries=1))
+    _check(*_model_case(B, S, 8192, rng))
