@@ -44,6 +44,9 @@ TILES = {
     "group_m": 8,
     "split_k": None,  # None: split K when the output tiles do not fill the SMs; or a forced count
     "fp8_mma": None,  # None: fp8 tl.dot where the device has it (sm_89+); True / False force a path
+    # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
+    # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (off until measured on a GPU)
+    "bf16_gemm_min_rows": None,
 }
 
 
@@ -135,6 +138,20 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
                 constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"], **t))
 
 
+def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    """The fp8 activations and the fp8_w weight as bf16 (E4M3 values times UE8M0 powers of two:
+    exact in bf16), one cuBLAS bf16 GEMM (fp32 accumulation, one rounding to bf16): the kernel's
+    math at large M, where the per-32 scale promotion makes the fp8 MMA loop slow."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    xq, sx = act_quant(x2)
+    bf16 = torch.bfloat16
+    pow2 = lambda s: s.view(torch.float8_e8m0fnu).to(torch.float32).to(bf16)
+    a = (xq.view(torch.float8_e4m3fn).to(bf16).view(m, k // 32, 32) * pow2(sx).unsqueeze(-1)).view(m, k)
+    sw = pow2(weight.scale.view(torch.uint8)).repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]
+    return a @ (weight.data.to(bf16) * sw).t()
+
+
 def linear(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     """x [..., in] float, weight fp8_w / fp4_w [out, in] -> [..., out] in x.dtype."""
     assert isinstance(weight, QTensor) and weight.fmt in WEIGHT_FORMATS and weight.ndim == 2, weight
@@ -143,6 +160,9 @@ def linear(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros(*x.shape[:-1], n)
+    big = _tiles()["bf16_gemm_min_rows"]
+    if big is not None and m >= big and weight.fmt == "fp8_w" and x.dtype == torch.bfloat16:
+        return _bf16_gemm(x2, weight).view(*x.shape[:-1], n)
     key = (m, n, k, x.dtype, weight.fmt)
     plan = PLANS.lookup(key)[1] or PLANS.store(key, _linear_plan(m, n, k, x.dtype, weight.fmt))
     xq, sx = act_quant(x2)

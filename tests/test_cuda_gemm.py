@@ -95,6 +95,24 @@ def test_linear_split_k_and_tile_order(rng, monkeypatch, mode, fmt):
     assert rel_err(got, want) < 1e-3
 
 
+@pytest.mark.parametrize("out_f,in_f", [(72, 256), (40, 96)])
+def test_linear_bf16_gemm_path(rng, monkeypatch, out_f, in_f):
+    """TILES bf16_gemm_min_rows: bf16 x and fp8_w from that many rows go through exact bf16
+    operands and one bf16 GEMM (ragged 32 x 32 weight tiles at 40 x 96); fewer rows, fp32 x and
+    fp4_w keep the kernel."""
+    monkeypatch.setitem(lin.TILES, "bf16_gemm_min_rows", 16)
+    calls = []
+    real = lin._bf16_gemm
+    monkeypatch.setattr(lin, "_bf16_gemm", lambda *a: calls.append(a[0].shape) or real(*a))
+    w = _weight(rng, "fp8_w", out_f, in_f)
+    for rows, dtype in ((20, torch.bfloat16), (8, torch.bfloat16), (20, torch.float32)):
+        x = _randn(rng, rows, in_f).to(dtype)
+        got, want = run_both("linear", x, w)
+        assert got.dtype == dtype and rel_err(got, want) < _tol(dtype)
+    run_both("linear", _randn(rng, 20, in_f).to(torch.bfloat16), _weight(rng, "fp4_w", out_f, in_f))
+    assert calls == [(20, in_f)]
+
+
 def test_linear_large_tile_fp16(rng):
     x = _randn(rng, 70, 64).to(torch.float16)
     w = _weight(rng, "fp8_w", 33, 64)
@@ -209,6 +227,16 @@ gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("out_f,in_f", [(1280, 5120), (2304, 5120), (4096, 1280), (5120, 8192)])
 def test_linear_fp8_gpu(rng, mode, m, out_f, in_f):
     x = _randn(rng, m, in_f).to(torch.bfloat16)
+    got, want = run_both("linear", x, _weight(rng, "fp8_w", out_f, in_f, scale=0.05))
+    assert rel_err(got, want) < 1e-3
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("out_f,in_f", [(1280, 5120), (5120, 8192)])
+def test_linear_bf16_gemm_gpu(rng, monkeypatch, out_f, in_f):
+    monkeypatch.setitem(lin.TILES, "bf16_gemm_min_rows", 1)
+    x = _randn(rng, 4096, in_f).to(torch.bfloat16)
     got, want = run_both("linear", x, _weight(rng, "fp8_w", out_f, in_f, scale=0.05))
     assert rel_err(got, want) < 1e-3
 

@@ -6,8 +6,9 @@
   Baseline (the issue's): ``torch._scaled_mm`` on e4m3 operands with per-tensor scales (M padded to
   16 rows, as cuBLASLt needs), which does no per-32 scaling; target >= 60% of its speed
   (``scaled_mm_fraction``). Each row also carries the torch reference (``reference_ms``,
-  dequantized weight cached, fp32 F.linear) and our dequant-to-bf16 path (``bf16_path_ms``, the
-  sm_80 path forced through ``TILES["fp8_mma"]``). FLOPs ``2 M out in`` at the fp8 rate; bytes
+  dequantized weight cached, fp32 F.linear), our dequant-to-bf16 path (``bf16_path_ms``, the
+  sm_80 path forced through the profile's ``tiles.linear.fp8_mma``) and, from 64 rows, exact bf16
+  operands + one cuBLAS bf16 GEMM (``bf16_gemm_ms``, ``tiles.linear.bf16_gemm_min_rows``). FLOPs ``2 M out in`` at the fp8 rate; bytes
   x (bf16) + weight as stored + output.
 - ``linear fp4_w``: 2304x5120 at M = 1, 64, 4096 against the torch reference.
 - ``moe_experts fp4_w``: 384 experts, top-6, D 5120, I 2304, swiglu_limit 10; decode N = 1, 8, 64
@@ -68,14 +69,25 @@ def _linear_case(rows, ceil, m, out_f, in_f, fmt, g):
     if fmt == "fp8_w":
         base, base_ms = "torch._scaled_mm (per-tensor)", _scaled_mm_ms(x, w)
         extra["scaled_mm_fraction"] = base_ms / ms
-        saved = lin.TILES["fp8_mma"]
-        lin.TILES["fp8_mma"] = False
-        try:
+        with _linear_tiles(fp8_mma=False):  # through the profile: TILES edits in place are not seen
             extra["bf16_path_ms"] = common.bench_ms(lambda: lin.linear(x, w))
-        finally:
-            lin.TILES["fp8_mma"] = saved
+        if m >= 64:  # exact bf16 operands + one cuBLAS bf16 GEMM (TILES bf16_gemm_min_rows)
+            with _linear_tiles(bf16_gemm_min_rows=1):
+                extra["bf16_gemm_ms"] = float(common.bench_ms(lambda: lin.linear(x, w)))
+                extra["bf16_gemm_rel_err"] = _rel(lin.linear(x, w), ref.linear(x, w))
+            extra["bf16_gemm_scaled_mm_fraction"] = float(base_ms) / extra["bf16_gemm_ms"]
     rows.append(common.row(f"linear {fmt}", f"M={m} out={out_f} in={in_f}", ms, 2.0 * m * out_f * in_f,
                            _nb(x, w, out), ceil, baseline=base, baseline_ms=base_ms, fp8_math=True, **extra))
+
+
+def _linear_tiles(**overrides):
+    """The active profile with ``tiles.linear`` overrides (a context manager)."""
+    import dataclasses
+
+    from flashrt import profiles
+
+    p = profiles.active_profile()
+    return profiles.using(dataclasses.replace(p, tiles={**p.tiles, "linear": {**p.tiles.get("linear", {}), **overrides}}))
 
 
 def _random_fp4(g, n_exp, out_f, in_f):
