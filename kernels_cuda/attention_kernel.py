@@ -29,25 +29,25 @@ def _mask(hit, col, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _load_cols(rows, hit, c0, N: tl.constexpr, W: tl.constexpr, FULL: tl.constexpr):
+    """[rows, W] items at columns ``[c0, c0 + W)`` of the ``hit`` rows (``N`` valid columns), zeros
+    elsewhere; FULL (``c0`` = 0, all columns) keeps the mask static so the loads vectorize."""
+    c = tl.arange(0, W)
+    if FULL:
+        return tl.load(rows[:, None] + c[None, :], mask=_mask(hit, c, N, W), other=0)
+    return tl.load(rows[:, None] + c0 + c[None, :], mask=hit[:, None] & (c0 + c < N)[None, :], other=0)
+
+
+@triton.jit
 def _load_rows(rows, srows, hit, c0, FMT: tl.constexpr, D: tl.constexpr, BW: tl.constexpr, FULL: tl.constexpr):
     """Stored (data, scale bytes) of columns ``[c0, c0 + BW)`` of the ``hit`` rows; zeros elsewhere
     (``c0`` a multiple of 32; FULL: the columns are all of ``[0, D)`` padded). Plain rows: (data, data)."""
     PER: tl.constexpr = 2 if FMT >= 2 else 1  # fp4: two elements per byte
     BS: tl.constexpr = 16 if FMT == 2 else 32
-    c = tl.arange(0, BW // PER)
-    if FULL:
-        x = tl.load(rows[:, None] + c[None, :], mask=_mask(hit, c, D // PER, BW // PER), other=0)
-    else:
-        x = tl.load(rows[:, None] + c0 // PER + c[None, :], mask=hit[:, None] & (c0 // PER + c < D // PER)[None, :],
-                    other=0)
+    x = _load_cols(rows, hit, c0 // PER, D // PER, BW // PER, FULL)
     u = x
     if FMT != 0:
-        nb = tl.arange(0, BW // BS)
-        if FULL:
-            u = tl.load(srows[:, None] + nb[None, :], mask=_mask(hit, nb, D // BS, BW // BS), other=0)
-        else:
-            u = tl.load(srows[:, None] + c0 // BS + nb[None, :], mask=hit[:, None] & (c0 // BS + nb < D // BS)[None, :],
-                        other=0)
+        u = _load_cols(srows, hit, c0 // BS, D // BS, BW // BS, FULL)
     return x, u
 
 
