@@ -54,3 +54,14 @@ def assert_error(fn, name: str, *fragments: str):
     msg = str(info.value)
     for f in fragments:
         assert f in msg, f"{f!r} not in {msg!r}"
+
+
+class CountingKernel:
+    """Stands in for a Triton kernel object (``kernel[grid](...)``) and records each launch's grid."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_check import DEVICE, GPU, requires_kernels, rel_err, run_both  # noqa: E402
+from kernel_check import CountingKernel, DEVICE, GPU, requires_kernels, rel_err, run_both  # noqa: E402
 
 import flashrt  # noqa: E402
 from flashrt import dispatch, formats, ops  # noqa: E402
@@ -183,14 +183,7 @@ def test_attention_two_pass(q_dtype, D, kinds, monkeypatch, rng):
 
 def test_cuda_backend_runs_the_kernel(monkeypatch, rng):
     launches = []
-    real = attention._sparse_attention_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(attention, "_sparse_attention_kernel", Counting())
+    monkeypatch.setattr(attention, "_sparse_attention_kernel", CountingKernel(attention._sparse_attention_kernel, launches))
     q = torch.randn(1, 1, 16, 32, generator=rng).to(DEVICE)
     with flashrt.use_backend("cuda"):
         assert dispatch.chain("sparse_attention", DEVICE.type) == ["cuda"]

@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_check import DEVICE, rel_err, requires_kernels, run_both  # noqa: E402
+from kernel_check import CountingKernel, DEVICE, rel_err, requires_kernels, run_both  # noqa: E402
 
 import flashrt  # noqa: E402
 from flashrt import dispatch, formats, ops  # noqa: E402
@@ -21,17 +21,6 @@ def _randn(shape, g, dtype=torch.float32, scale=1.0):
 def _check(got, want, tol):
     assert got.dtype == want.dtype and got.shape == want.shape
     assert rel_err(got, want) < tol
-
-
-class _Counting:
-    """Stands in for a Triton kernel object and counts its launches."""
-
-    def __init__(self, kernel, calls):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
 
 
 # -------------------------------------------------------------------------------- compress_pool
@@ -112,8 +101,8 @@ def test_supports_and_dispatch(rng, monkeypatch):
     h64 = torch.randn(1, 1, 2, 8, dtype=torch.float64, device=DEVICE)
     assert not engram.supports_engram_gate(h64, h64, h64[:, :, 0], h64[0, 0], 1e-6)
     calls = []
-    monkeypatch.setattr(engram, "_engram_lookup_kernel", _Counting(engram._engram_lookup_kernel, calls))
-    monkeypatch.setattr(compress, "_compress_pool_kernel", _Counting(compress._compress_pool_kernel, calls))
+    monkeypatch.setattr(engram, "_engram_lookup_kernel", CountingKernel(engram._engram_lookup_kernel, calls))
+    monkeypatch.setattr(compress, "_compress_pool_kernel", CountingKernel(compress._compress_pool_kernel, calls))
     assert dispatch.backends()["cuda"].ops["engram_gate"] is engram.engram_gate
     with flashrt.use_backend("cuda"):
         ops.engram_lookup(_table(4, 32, rng), torch.zeros(1, 1, 1, dtype=torch.int64, device=DEVICE))

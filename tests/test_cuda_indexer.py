@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_check import DEVICE, GPU, requires_kernels, rel_err, run_both  # noqa: E402
+from kernel_check import CountingKernel, DEVICE, GPU, requires_kernels, rel_err, run_both  # noqa: E402
 from test_topk import tied_scores  # noqa: E402
 
 import flashrt  # noqa: E402
@@ -123,14 +123,7 @@ def test_index_scores_declines_and_dispatch(monkeypatch, rng):
     assert not sup(torch.empty(1, 2, 2, 1024), torch.empty(1, 9, 1024), w, vis)
     assert not sup(torch.empty(1, 2, 256, 32), k, torch.empty(1, 2, 256), vis)
     calls = []
-    real = indexer._index_scores_kernel
-
-    class Count:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(indexer, "_index_scores_kernel", Count())
+    monkeypatch.setattr(indexer, "_index_scores_kernel", CountingKernel(indexer._index_scores_kernel, calls))
     _check_scores(q, k, w, vis)
     assert len(calls) == 1
 

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_check import DEVICE, rel_err, requires_kernels, run_both  # noqa: E402
+from kernel_check import CountingKernel, DEVICE, rel_err, requires_kernels, run_both  # noqa: E402
 
 import flashrt  # noqa: E402
 from flashrt import dispatch, ops  # noqa: E402
@@ -23,17 +23,6 @@ def _tol(dtype):
 
 def _randn(shape, g, dtype=torch.float32, scale=1.0):
     return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
-
-
-class _Counting:
-    """Stands in for a Triton kernel object and counts its launches."""
-
-    def __init__(self, kernel, calls):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
 
 
 def _check(got, want, dtype):
@@ -161,7 +150,7 @@ def test_supports_and_dispatch(rng, monkeypatch):
     with flashrt.use_backend("cuda"), pytest.raises(flashrt.BackendError):
         ops.rms_norm(x64, torch.ones(8, dtype=torch.float64, device=DEVICE), 1e-6)
     calls = []
-    monkeypatch.setattr(norm_rope, "_rms_norm_kernel", _Counting(norm_rope._rms_norm_kernel, calls))
+    monkeypatch.setattr(norm_rope, "_rms_norm_kernel", CountingKernel(norm_rope._rms_norm_kernel, calls))
     assert dispatch.backends()["cuda"].ops["hc_coefficients"] is mhc.hc_coefficients
     with flashrt.use_backend("cuda"):
         ops.rms_norm(torch.randn(2, 8, device=DEVICE), torch.ones(8, device=DEVICE), 1e-6)
