@@ -92,10 +92,11 @@ def _topk(dev, small):
 
 # name -> Space; linear / moe rules are those of the kernels' TILES (rows per rule: 16, 64, more)
 SPACES = {
-    "attention": Space("attention", "attention", {"H_BLOCK": [32, 64], "K_BLOCK": [16, 32, 64], "num_warps": [4, 8],
-                                                  "num_stages": [1, 2]}, _attention(8)),
+    # H_BLOCK < 64 ran 2-30x slower on the H200 (benchmarks/NOTES.md): not swept
+    "attention": Space("attention", "attention", {"H_BLOCK": [64], "K_BLOCK": [16, 32, 64], "num_warps": [4, 8],
+                                                  "num_stages": [2, 3], "D_SPLIT": [1, 2]}, _attention(8)),
     "attention_split": Space("attention", "split", {"programs": [0, 264], "min_blocks": [1, 2, 4],
-                                                    "max_splits": [8, 16]}, _attention(1)),
+                                                    "max_splits": [16, 32]}, _attention(1)),
     "linear_decode": Space("linear", "linear", {"BLOCK_N": [32, 64, 128], "BLOCK_K": [128, 256],
                                                 "num_warps": [4], "num_stages": [3, 4, 5]}, _linear(16, 4), rule=0),
     "linear_small": Space("linear", "linear", {"BLOCK_M": [32, 64], "BLOCK_N": [64, 128], "BLOCK_K": [128],
