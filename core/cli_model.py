@@ -62,8 +62,8 @@ def cmd_run(args) -> int:
           f"(window rings {_human(r['window_state_bytes'])})   peak memory {_human(r['peak_memory_bytes'])}")
     t = r["kv_tiers"]
     if t:
-        limit = f" (at most {t['device_page_limit']:,})" if t.get("device_page_limit") else ""
-        print(f"KV pages: {t['device_pages']} on the device{limit} ({t['page_entries']} entries each), "
+        limit = f" of at most {t['device_page_limit']:,}" if t.get("device_page_limit") else ""
+        print(f"KV pages: {t['device_pages']}{limit} on the device ({t['page_entries']} entries each), "
               f"{t['cold_pages']} cold in host memory" + (f" (budget {r['kv_budget']:,} B)" if r["kv_budget"] else ""))
     pc = r["prefix_cache"]
     if pc:
