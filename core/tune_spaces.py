@@ -110,5 +110,5 @@ SPACES = {
     "indexer": Space("indexer", "index_scores", {"block_t": [64, 128, 256], "num_warps": [4, 8]}, _indexer),
     "quant": Space("quant", "quantize", {"ELEMS": [2048, 4096, 8192], "num_warps": [2, 4, 8]}, _quant),
     "norm_rope": Space("norm_rope", "rms_norm", {"ROW_ELEMS": [2048, 4096], "num_warps": [4, 8, 16]}, _norm),
-    "topk": Space("topk", "select", {"num_warps": [4, 8], "summary": [2048, 4096]}, _topk),
+    "topk": Space("topk", "select", {"num_warps": [4, 8], "summary": [2048, 4096], "radix_bits": [1, 2, 4]}, _topk),
 }

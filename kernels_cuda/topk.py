@@ -40,8 +40,10 @@ TILES = {
     # (longer summary chunks are split into fine ones); small: longest list selected in registers
     # (at least 2k); list: longest list kept (streamed from L2 when longer than small; past it the
     # chunks are streamed); group: elements per step of the scanning and streaming loops
+    # radix_bits: bits of the k-th-largest searches decided per pass (1, 2 or 4; bits % radix_bits == 0):
+    # 2**radix_bits candidate thresholds counted at once, bits / radix_bits sequential reductions
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
-               "num_warps": 8},
+               "num_warps": 8, "radix_bits": 1},
 }
 
 
@@ -79,6 +81,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
         _chunk_max_kernel[(R, cdiv(NF, chunks))](
             src, cand_t, fine, summ, T, NF, NC, src.stride(0), cand_t.stride(0), fine.stride(0), summ.stride(0),
             C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand, num_warps=chunk_tiles["num_warps"])
+    radix = tiles["radix_bits"]
+    assert radix in (1, 2, 4) and tiles["bits"] % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {tiles['bits']}"
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
     small = min(max(tiles["small"], _pow2(2 * k)), LIST)  # a list of k + k ties stays in registers
     lst = torch.empty(R, LIST, dtype=torch.int32, device=src.device)
@@ -87,7 +91,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
                          k, width, src.stride(0), cand_t.stride(0), summ.stride(0), fine.stride(0), lst.stride(0),
                          out.stride(0), C=C, F=F, SUMMARY=_pow2(NC), BITS=tiles["bits"], LIST=LIST, SMALL=small,
                          GROUP=max(C * F, tiles["group"]), PAD=min(1024, _pow2(width)), SRC_KEYS=src_keys,
-                         HAS_CAND=has_cand, MARK=mark, STATS=stats is not None, num_warps=tiles["num_warps"])
+                         HAS_CAND=has_cand, MARK=mark, STATS=stats is not None, RADIX=radix,
+                         num_warps=tiles["num_warps"])
 
 
 def topk_positions(scores, k, candidates=None):

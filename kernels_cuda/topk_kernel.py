@@ -32,15 +32,25 @@ def _load_keys(src, cand, pos, mask, SRC_KEYS: tl.constexpr, HAS_CAND: tl.conste
 
 
 @triton.jit
-def _kth_largest(keys, k, BITS: tl.constexpr):
+def _kth_largest(keys, k, BITS: tl.constexpr, RADIX: tl.constexpr = 1):
     """The k-th largest of ``keys`` (MIN when fewer than k exceed MIN), its top ``BITS`` bits
-    exact and the rest zero (a lower bound when BITS < 32)."""
-    ans = 0  # unsigned bit pattern of the answer, built from the top bit down
-    bit = tl.full([], _MIN, tl.int32)
-    for i in range(BITS):
-        cand = ans | bit
-        ans = tl.where(tl.sum((keys >= (cand ^ _MIN)).to(tl.int32)) >= k, cand, ans)
-        bit = (bit >> 1) & 0x7FFFFFFF
+    exact and the rest zero (a lower bound when BITS < 32). RADIX bits per step: all
+    ``2**RADIX`` candidate digits counted in one pass (BITS / RADIX sequential reductions)."""
+    if RADIX == 1:
+        ans = 0  # unsigned bit pattern of the answer, built from the top bit down
+        bit = tl.full([], _MIN, tl.int32)
+        for i in range(BITS):
+            cand = ans | bit
+            ans = tl.where(tl.sum((keys >= (cand ^ _MIN)).to(tl.int32)) >= k, cand, ans)
+            bit = (bit >> 1) & 0x7FFFFFFF
+    else:
+        ans = tl.full([], 0, tl.int32)
+        d = tl.arange(0, 1 << RADIX)
+        for i in range(BITS // RADIX):
+            shift = 32 - (i + 1) * RADIX
+            cand = (ans | (d << shift)) ^ _MIN  # [2**RADIX] thresholds as keys; digit 0 is ans itself
+            counts = tl.sum((keys[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+            ans = ans | (tl.max(tl.where(counts >= k, d, 0), axis=0) << shift)  # counts fall with d
     return ans ^ _MIN
 
 
@@ -75,12 +85,12 @@ def _group(src, cand, ids, g, total, T, C: tl.constexpr, GROUP: tl.constexpr,
 
 @triton.jit
 def _finish_registers(src, cand, lst, out, n_list, k, BLOCK: tl.constexpr,
-                      SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, MARK: tl.constexpr):
+                      SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, MARK: tl.constexpr, RADIX: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     live = offs < n_list
     pos = tl.load(lst + offs, mask=live, other=0)
     key = _load_keys(src, cand, pos, live, SRC_KEYS, HAS_CAND)
-    thr = _kth_largest(key, k, 32)
+    thr = _kth_largest(key, k, 32, RADIX)
     need = k - tl.sum((key > thr).to(tl.int32))
     n_out, _ = _emit(key, pos, thr, need, 0, 0, out, MARK)
     return n_out
@@ -132,14 +142,14 @@ def _build_list(src, cand, ids, lst, T, total, L, k, C: tl.constexpr, GROUP: tl.
 
 @triton.jit
 def _chunks_above(src, cand, summ, ids, T, NC, k, C: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
-                  SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+                  SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, RADIX: tl.constexpr):
     """(a) ``L`` and (b) the ids of the chunks whose max is ``>= L`` written to ``ids``; (L, count)."""
     offs = tl.arange(0, SUMMARY)
     if C == 1:  # the keys are their own summary
         cmax = _load_keys(src, cand, offs, offs < T, SRC_KEYS, HAS_CAND)
     else:
         cmax = tl.load(summ + offs, mask=offs < NC, other=_MIN)
-    L = _kth_largest(cmax, k, BITS)
+    L = _kth_largest(cmax, k, BITS, RADIX)
     sel = cmax >= tl.maximum(L, _MIN + 1)
     tl.debug_barrier()  # ids may alias summ: every lane has read it
     tl.store(ids + tl.cumsum(sel.to(tl.int32), 0) - 1, offs, mask=sel)
@@ -168,14 +178,14 @@ def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, w
                    C: tl.constexpr, F: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
                    LIST: tl.constexpr, SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr,
                    SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, MARK: tl.constexpr,
-                   STATS: tl.constexpr):
+                   STATS: tl.constexpr, RADIX: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     src += r * s_src
     cand += r * s_cand
     summ += r * s_summ
     lst += r * s_lst
     out += r * s_out
-    L, n_sel = _chunks_above(src, cand, summ, summ, T, NC, k, C * F, SUMMARY, BITS, SRC_KEYS, HAS_CAND)
+    L, n_sel = _chunks_above(src, cand, summ, summ, T, NC, k, C * F, SUMMARY, BITS, SRC_KEYS, HAS_CAND, RADIX)
     ids = summ  # coarse chunk ids, written over the summary
     if F > 1:  # two-level summary: narrow the coarse chunks down to fine ones
         ids = fids + r * s_fine
@@ -186,7 +196,7 @@ def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, w
     if STATS:  # the list length says which path (d) took
         tl.store(stats + r, n_list)
     if n_list <= SMALL:  # (d)
-        n_out = _finish_registers(src, cand, lst, out, n_list, k, SMALL, SRC_KEYS, HAS_CAND, MARK)
+        n_out = _finish_registers(src, cand, lst, out, n_list, k, SMALL, SRC_KEYS, HAS_CAND, MARK, RADIX)
     elif n_list <= LIST:  # the list streamed
         n_out = _finish_streaming(src, cand, lst, out, T, n_list, k, 1, GROUP, SRC_KEYS, HAS_CAND, MARK)
     else:  # the list overflowed: the selected chunks streamed
