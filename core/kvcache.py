@@ -134,8 +134,12 @@ class KVState:
         return 0 if self.pool is None else self.pool.generation + self.index_pool.generation
 
     # ----- steps -------------------------------------------------------------------------------
-    def advance(self, tokens: int) -> None:
-        """Every row has run ``tokens`` more positions."""
+    def advance(self, tokens: int, engram_history: torch.Tensor | None = None) -> None:
+        """Every row has run ``tokens`` more positions (and its Engram history is now
+        ``engram_history``, when given). Until then a failed step leaves the state as it was for
+        a retry: everything the step wrote it writes again, to the same slots."""
+        if engram_history is not None:
+            self.engram_history = engram_history
         self.positions += tokens
         self.host_positions = [p + tokens for p in self.host_positions]
 

@@ -104,8 +104,9 @@ class DecodeGraphs:
         for c in state.compressed.values():
             c.main.dev_ids()  # block tables (device and host tier) refreshed in place before the graph reads them
         self.ids.copy_(ids)
+        history = None
         if model.hasher is not None:
-            hashed, state.engram_history = model.hasher.hash_ids(self.ids, state.engram_history)
+            hashed, history = model.hasher.hash_ids(self.ids, state.engram_history)
             if self.engram_ids is None or self.engram_ids.shape != hashed.shape:
                 self.engram_ids = torch.empty_like(hashed)
                 self.graphs.clear()
@@ -114,7 +115,7 @@ class DecodeGraphs:
                 self._stage_engram()
         with checks.value_checks(False):
             logits = self._step(entries)
-        state.advance(1)
+        state.advance(1, history)
         return logits
 
     def _body(self, entries: dict) -> torch.Tensor:

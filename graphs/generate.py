@@ -78,7 +78,7 @@ def _ced(model, ids, state: KVState, chunk: int) -> torch.Tensor:
         if block.engram is not None:
             x = block.engram.forward(x, ctx, ctx.token_mask)
         block.attn.compressor.forward(block.attention_input(x, pre), ctx)  # the decoder's global KV
-        state.advance(part.shape[1])
+        state.advance(part.shape[1], ctx.next_history)
         if c0 + part.shape[1] > S - W:
             tails.append((x, pre, ctx.positions, ctx.engram_ids))
     cut = lambda i: None if tails[0][i] is None else torch.cat([t[i] for t in tails], dim=1)[:, -W:]

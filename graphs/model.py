@@ -75,13 +75,14 @@ class Model:
         end = max(state.host_positions) + S
         state.begin_step(S)
         positions = state.positions.unsqueeze(1) + torch.arange(S, device=self.device)
-        engram_ids = None
+        engram_ids = history = None
         if self.hasher is not None and state.is_meta:
             cols = (self.cfg.engram_max_ngram_size - 1) * self.cfg.engram_n_heads
             engram_ids = torch.zeros(*ids.shape, len(self.cfg.engram_layer_ids), cols, dtype=torch.long, device="meta")
         elif self.hasher is not None:
-            engram_ids, state.engram_history = self.hasher.hash_ids(ids, state.engram_history, token_mask)
-        ctx = StepContext(positions, end, state, self.rope, engram_ids, token_mask=token_mask)
+            engram_ids, history = self.hasher.hash_ids(ids, state.engram_history, token_mask)
+        # the state changes only when the chunk has run (advance): a failed call can be retried
+        ctx = StepContext(positions, end, state, self.rope, engram_ids, token_mask=token_mask, next_history=history)
         if self.prefetch is not None and not state.is_meta:
             self.prefetch.start(ctx)
         return ctx
@@ -127,7 +128,7 @@ class Model:
         state = self._state_for(ids, start_pos, state)
         ctx = self.context(ids, state, None if token_mask is None else token_mask.to(self.device))
         logits = self.run(ids, ctx, all_positions)
-        state.advance(ids.shape[1])
+        state.advance(ids.shape[1], ctx.next_history)
         return logits
 
     def run(self, ids: torch.Tensor, ctx: StepContext, all_positions: bool = False) -> torch.Tensor:

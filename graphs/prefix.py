@@ -120,10 +120,10 @@ def restore(model, state, payloads: list[bytes], ids: torch.Tensor, length: int,
             state.engram_history = torch.cat([pad, state.engram_history], dim=1)
     ctx = model.context(tokens, state)
     ctx = StepContext(ctx.positions, ctx.end, state, ctx.rope, ctx.engram_ids,
-                      compress_done=frozenset(cfg.kv_source_layers))
+                      compress_done=frozenset(cfg.kv_source_layers), next_history=ctx.next_history)
     captured = {} if model.drafts is not None else None
     x, pre = model.run_layers(*model.embed_tokens(tokens), ctx, range(cfg.n_layers), capture=captured)
     if captured:
         model.drafts.seed(captured, ctx)
-    state.advance(length - start)
+    state.advance(length - start, ctx.next_history)
     return model.logits(x, pre, all_positions=False)

@@ -181,3 +181,29 @@ def test_empty_prompt_tensor_names_prompts(model):
 def test_float_prompts_refused(model, prompts):
     with pytest.raises(ValueError, match="prompts|input_ids"):
         model.generate(prompts, 2)
+
+
+def test_a_failed_step_can_be_retried(model, rng, monkeypatch):
+    """A forward call that fails half-way (here: layer 5 raises after layers 0-4 wrote their rings,
+    compressor state and compressed entries, and the Engram history was hashed) leaves the state
+    so that retrying the same token gives exactly the logits of a run that never failed, and the
+    steps after it too: the position and the Engram history move only when a step completes."""
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 20), generator=rng)
+    ok, failing = model.new_state(2, 64), model.new_state(2, 64)
+    tok = model.forward(ids, state=ok).argmax(-1, keepdim=True)
+    model.forward(ids, state=failing)
+    want = model.forward(tok, state=ok)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    with monkeypatch.context() as m:
+        m.setattr(model.blocks[5], "forward", boom)
+        with pytest.raises(RuntimeError, match="device lost"):
+            model.forward(tok, state=failing)
+    assert failing.host_positions == [20, 20]
+    assert torch.equal(model.forward(tok, state=failing), want)
+    for _ in range(3):
+        tok = want.argmax(-1, keepdim=True)
+        want = model.forward(tok, state=ok)
+        assert torch.equal(model.forward(tok, state=failing), want)
