@@ -31,6 +31,28 @@ def value_checks(enabled: bool):
         _STATE["values"] = old
 
 
+@contextlib.contextmanager
+def host_syncs_raise():
+    """Inside the block a CUDA operation that waits for the device (``.item()``, ``bool(t)``,
+    ``nonzero``, a device-to-host copy) raises instead of syncing: how a caller learns, in an
+    ordinary run, that the work could not be captured in a CUDA graph (a failed capture would
+    leave the allocator and the RNG mid-capture). No effect without CUDA."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+
+
+def is_host_sync_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is what :func:`host_syncs_raise` raises for a synchronizing operation."""
+    return isinstance(exc, RuntimeError) and "synchroniz" in str(exc)
+
+
 _SPECS: dict[str, tuple] = {}
 
 

@@ -40,7 +40,8 @@ CAPTURE_ERROR_MODE = "global"  # torch.cuda.graph's: "relaxed" lets driver queri
 # Capture steps that read cold pages (through the zero-copy gather). Off until checked on a GPU:
 # on the H200 such captures failed because attention then had four KV segments, which the CUDA
 # kernel declined, and the reference fallback syncs with the host; the kernel now takes a fourth
-# segment (tests/test_decode_graph.py's GPU test covers the capture).
+# segment (tests/test_decode_graph.py's GPU test covers the capture). Any step whose first run
+# syncs with the host is kept eager rather than captured (checks.host_syncs_raise).
 CAPTURE_COLD = False
 
 
@@ -157,12 +158,24 @@ class DecodeGraphs:
             self.stats["eager"] += 1
             return self._body(entries)
         hit = self.graphs.get(key)
+        if hit == "eager":  # this shape syncs with the host: static buffers, run eagerly
+            self.stats["eager"] += 1
+            return self._body(entries)
         if hit is not None:
             self.graphs.move_to_end(key)
             hit[0].replay()
             self.stats["replayed"] += 1
             return hit[1]
-        logits = self._body(entries)  # this step, run eagerly (compiles what the capture records)
+        try:  # this step, run eagerly (compiles what the capture records); a host sync would break the capture
+            with checks.host_syncs_raise():
+                logits = self._body(entries)
+        except RuntimeError as exc:
+            if not checks.is_host_sync_error(exc):
+                raise
+            self.graphs[key] = "eager"
+            self.stats["uncapturable"] = str(exc).splitlines()[0][:200]
+            self.stats["eager"] += 1
+            return self._body(entries)  # again, syncs allowed: the step's cache writes land in the same slots
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=CAPTURE_ERROR_MODE):
             out = self._body(entries)  # recorded, not run: the caches are written once

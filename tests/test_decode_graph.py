@@ -164,3 +164,30 @@ def test_captured_steps_with_cold_pages(rng, monkeypatch):
         la, lb = plain.step(tok).clone(), graphs.step(tok).clone()
         assert torch.equal(la, lb)
     assert graphs.stats["replayed"] >= 6 and graphs.stats["fallback"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_that_syncs_stays_eager(rng, monkeypatch):
+    """An op that reads a value on the host (here: a wrapped rms_norm) would break the capture: the
+    first run of the shape detects the sync, the shape is kept eager, the logits are unchanged."""
+    from flashrt import ops
+
+    cfg = shipped_config("tiny")
+    model = Model(cfg, init_weights(cfg, seed=3, device="cuda"))
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=rng).cuda()
+    eager, static = _states(model, 2, 200, page_entries=64)
+    la, lb = model.forward(ids, state=eager), model.forward(ids, state=static)
+    real = ops.rms_norm
+
+    def syncing(x, w, eps):
+        float(x.abs().max())  # a host read
+        return real(x, w, eps)
+
+    monkeypatch.setattr(ops, "rms_norm", syncing)
+    plain, graphs = DecodeGraphs(model, eager, capture=False), DecodeGraphs(model, static)
+    for _ in range(3):
+        tok = la.argmax(-1)
+        la, lb = plain.step(tok).clone(), graphs.step(tok).clone()
+        assert torch.equal(la, lb)
+    assert graphs.stats["captured"] == 0 and graphs.stats["eager"] == 3 and "synchroniz" in graphs.stats["uncapturable"]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashrt import checks
+
 _FLUSH: list = []  # the L2 flush buffer, made once
 
 
@@ -80,8 +82,8 @@ def graph_ms(fn, plain_ms: float, warmup: int = 10, rep: int = 50) -> tuple[floa
     _flush_buffer()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm the allocator's graph-safe path off the default stream
-        fn()
+    with torch.cuda.stream(side), checks.host_syncs_raise():  # warm up off the default stream; a call
+        fn()  # that syncs raises here, before a capture (a failed one leaves torch mid-capture)
     torch.cuda.current_stream().wait_stream(side)
     both, flush = _graph(fn, calls, True), _graph(fn, calls, False)
     t_both = triton.testing.do_bench(both.replay, warmup=warmup, rep=rep, return_mode="median")
