@@ -66,4 +66,6 @@ def test_graph_replay_timing_on_the_device():
     assert t.graph is not None and 0 < t.graph and t.calls >= 1 and t.note is None
     synced = bench_ms(lambda: (x * 2).sum().item())  # a host sync cannot be captured
     assert synced.graph is None and synced.note.startswith("not captured") and synced.plain > 0
+    assert bench_ms(lambda: x * 3).graph is not None  # nothing left mid-capture: captures and RNG still work
+    assert torch.randn(4, device="cuda").isfinite().all()
     assert torch.cuda.is_available() and float((x * 2).sum()) == pytest.approx(float(x.sum()) * 2, rel=1e-4)
