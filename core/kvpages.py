@@ -114,7 +114,7 @@ class PagePool:
         self.host.data.view(u8)[host].copy_(self.dev.data.view(u8)[victim])
         self.host.scale.view(u8)[host].copy_(self.dev.scale.view(u8)[victim])
         table.pages[logical] = ("host", host)
-        table.dirty = True
+        table.changed.add(logical)
         self.free_dev.append(victim)
         self.spilled += 1
 
@@ -143,11 +143,12 @@ class PagePool:
 
 
 class BlockTable:
-    """Logical pages of one (layer, sequence): ``pages[j] = (tier, physical page)``."""
+    """Logical pages of one (layer, sequence): ``pages[j] = (tier, physical page)``; ``changed``:
+    the logical pages not yet copied into the batch's block-table buffers."""
 
     def __init__(self):
         self.pages: list[tuple[str, int]] = []
-        self.dirty = True
+        self.changed: set[int] = set()
 
     @property
     def cold(self) -> int:
@@ -170,28 +171,41 @@ class PagedMainKV:
         table, P = self.tables[row], self.pool.P
         while len(table.pages) * P < entries:
             table.pages.append(("dev", self.pool.alloc(table, len(table.pages))))
-            table.dirty = True
+            table.changed.add(len(table.pages) - 1)
 
     def _rebuild_ids(self) -> None:
-        """Refresh the block-table buffers from ``tables`` in place; a wider table reallocates them
-        (doubling) and bumps ``pool.generation``."""
-        if not any(t.dirty for t in self.tables) and self._dev_ids.shape[0] == len(self.tables):
+        """Bring the block-table buffers up to date in place: only the changed entries are written
+        (a page added or spilled: a few entries per step, not the whole table); a wider table
+        reallocates them (doubling) and bumps ``pool.generation``."""
+        fresh = self._dev_ids.shape[0] != len(self.tables)
+        if not fresh and not any(t.changed for t in self.tables):
             return
         width = max(1, max(len(t.pages) for t in self.tables))
-        buf = self._dev_ids
-        if buf.shape[0] != len(self.tables) or buf.shape[1] < width:
-            cols = max(width, 2 * buf.shape[1])
-            self._dev_ids = torch.empty(len(self.tables), cols, dtype=torch.long, device=self.pool.device)
-            self._host_ids = torch.empty_like(self._dev_ids)
-            self.pool.generation += 1
-        pad = lambda row: row + [-1] * (self._dev_ids.shape[1] - len(row))
+        if fresh or self._dev_ids.shape[1] < width:
+            self._full_rebuild(max(width, 2 * self._dev_ids.shape[1]))
+        else:
+            cells = [(r, j, t.pages[j]) for r, t in enumerate(self.tables) for j in sorted(t.changed)]
+            rows = torch.tensor([c[0] for c in cells], dtype=torch.long)
+            cols = torch.tensor([c[1] for c in cells], dtype=torch.long)
+            dev = torch.tensor([p if tier == "dev" else -1 for _, _, (tier, p) in cells], dtype=torch.long)
+            host = torch.tensor([p if tier == "host" else -1 for _, _, (tier, p) in cells], dtype=torch.long)
+            self._host_ids_cpu[rows, cols] = host
+            at = (rows.to(self.pool.device), cols.to(self.pool.device))
+            self._dev_ids.index_put_(at, dev.to(self.pool.device))
+            self._host_ids.index_put_(at, host.to(self.pool.device))
+        for t in self.tables:
+            t.changed.clear()
+
+    def _full_rebuild(self, cols: int) -> None:
+        self._dev_ids = torch.empty(len(self.tables), cols, dtype=torch.long, device=self.pool.device)
+        self._host_ids = torch.empty_like(self._dev_ids)
+        self.pool.generation += 1
+        pad = lambda row: row + [-1] * (cols - len(row))
         dev = [pad([p if tier == "dev" else -1 for tier, p in t.pages]) for t in self.tables]
         host = [pad([p if tier == "host" else -1 for tier, p in t.pages]) for t in self.tables]
         self._dev_ids.copy_(torch.tensor(dev, dtype=torch.long), non_blocking=True)
         self._host_ids.copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         self._host_ids_cpu = torch.tensor(host, dtype=torch.long)
-        for t in self.tables:
-            t.dirty = False
 
     def dev_ids(self) -> torch.Tensor:
         """int64 [B, max_pages] on the device: device page of each logical page, -1 when on the

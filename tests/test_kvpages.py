@@ -123,3 +123,26 @@ def test_device_pages_grow_to_the_budget_then_spill_then_the_cold_cap(cfg):
     assert pool.device_pages == 40 and pool.spilled == 20 and table.cold == 20
     with pytest.raises(ValueError, match="cold tier is full"):
         pool.alloc(table, 60)
+
+
+def test_block_table_buffers_follow_every_change_incrementally(cfg, rng):
+    """Pages added and spilled in random order: the device / host id buffers, updated entry by entry
+    (not rebuilt) while their width suffices, always equal a rebuild from the tables."""
+    from flashrt.kvpages import PagedMainKV, PagePool
+
+    pool = PagePool(cfg.head_dim, 4, "cpu", 12)
+    main = PagedMainKV(pool, 3, entries=400)
+    for step in range(60):
+        row = int(torch.randint(0, 3, (1,), generator=rng))
+        main.reserve(row, 4 * (len(main.tables[row].pages) + int(torch.randint(1, 3, (1,), generator=rng))))
+        pool.unlock()
+        buf = main.dev_ids()
+        width = buf.shape[1]
+        want_dev = torch.full((3, width), -1, dtype=torch.long)
+        want_host = torch.full((3, width), -1, dtype=torch.long)
+        for r, t in enumerate(main.tables):
+            for j, (tier, p) in enumerate(t.pages):
+                (want_dev if tier == "dev" else want_host)[r, j] = p
+        assert torch.equal(buf, want_dev) and torch.equal(main.host_ids(), want_host)
+        assert torch.equal(main.host_ids_device(), want_host), step
+    assert pool.spilled > 10 and width == main._dev_ids.shape[1] == 100  # 400 entries / 4: never widened
