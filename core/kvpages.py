@@ -115,6 +115,7 @@ class PagePool:
         self.host.scale.view(u8)[host].copy_(self.dev.scale.view(u8)[victim])
         table.pages[logical] = ("host", host)
         table.changed.add(logical)
+        table.n_cold += 1
         self.free_dev.append(victim)
         self.spilled += 1
 
@@ -149,10 +150,12 @@ class BlockTable:
     def __init__(self):
         self.pages: list[tuple[str, int]] = []
         self.changed: set[int] = set()
+        self.n_cold = 0  # pages on the host tier (a page only ever moves there, by a spill)
 
     @property
     def cold(self) -> int:
-        return sum(1 for tier, _ in self.pages if tier == "host")
+        """Pages on the host tier (counted as they spill: asked every decode step)."""
+        return self.n_cold
 
 
 class PagedMainKV:

@@ -146,3 +146,17 @@ def test_block_table_buffers_follow_every_change_incrementally(cfg, rng):
         assert torch.equal(buf, want_dev) and torch.equal(main.host_ids(), want_host)
         assert torch.equal(main.host_ids_device(), want_host), step
     assert pool.spilled > 10 and width == main._dev_ids.shape[1] == 100  # 400 entries / 4: never widened
+
+
+def test_cold_page_count_follows_the_spills(cfg):
+    from flashrt.kvpages import PagedMainKV, PagePool
+
+    pool = PagePool(cfg.head_dim, 4, "cpu", 6)
+    main = PagedMainKV(pool, 2, entries=200)
+    for n in range(4, 120, 4):
+        for row in range(2):
+            main.reserve(row, n)
+        pool.unlock()
+        for t in main.tables:
+            assert t.cold == sum(1 for tier, _ in t.pages if tier == "host")
+    assert sum(t.cold for t in main.tables) == pool.spilled > 40
