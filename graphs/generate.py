@@ -152,8 +152,15 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     order, states, logits = [], [], []
+    given = kv_budget
     kv_budget, kv_page_entries, cold_bytes = profile_kv_sizes(model, kv_budget, kv_page_entries)
-    pool = KVState.pool_for(model.cfg, len(seqs), capacity, model.device, kv_budget, kv_page_entries, cold_bytes)
+    try:
+        pool = KVState.pool_for(model.cfg, len(seqs), capacity, model.device, kv_budget, kv_page_entries, cold_bytes)
+    except ValueError as exc:
+        if given is not None or kv_budget is None:
+            raise
+        raise ValueError(f"{exc} (the budget comes from profile {model.profile.name!r}: its hot + warm fractions of "
+                         f"the device memory left; pass kv_budget= or free device memory)") from exc
     hits = [prefix.lookup(model, prefix_cache, s) if prefix_cache is not None else (0, None) for s in seqs]
     for length, hit in sorted({(len(s), h[0]) for s, h in zip(seqs, hits)}):
         rows = [i for i, s in enumerate(seqs) if len(s) == length and hits[i][0] == hit]

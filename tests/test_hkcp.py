@@ -172,3 +172,15 @@ def test_kv_sizes_come_from_the_profile(model, monkeypatch):
     assert out.state.tier_stats()["page_entries"] == 16
     monkeypatch.setattr(model, "profile", None)
     assert profile_kv_sizes(model, None, None) == (None, 64, None)
+
+
+def test_a_profile_budget_too_small_says_where_it_came_from(model, monkeypatch):
+    import dataclasses
+
+    from flashrt import profiles
+    from flashrt.graphs import generate as gen
+
+    monkeypatch.setattr(model, "profile", dataclasses.replace(profiles.load_profile("cpu"), name="tiny-card"))
+    monkeypatch.setattr(gen, "profile_kv_sizes", lambda m, b, p: (1000, 64, None))  # as on a nearly full device
+    with pytest.raises(ValueError, match="kv_budget.*profile 'tiny-card'"):
+        model.generate([[1, 2, 3]], 2)
