@@ -242,8 +242,9 @@ _STORED = {"fp4": "fp4_b16", "fp8": "fp8", "bf16": None}  # profile KV dtype -> 
 def warmup(profile) -> str | None:
     """Compile the variants the model launches under ``profile``: bf16 q over (``kv_window_dtype``
     ring, chunk, ``kv_main_dtype`` main KV), with a sink; decode (split K) and a prefill chunk
-    (no split), main KV lengths on both sides of Triton's divisibility-by-16 specialization. Runs
-    the launcher once per case on zero-filled inputs. Returns why nothing was compiled, or None."""
+    (no split), main KV lengths on both sides of Triton's divisibility-by-16 specialization, and
+    the decode steps that read cold HKCP pages (a fourth segment: the staged picks). Runs the
+    launcher once per case on zero-filled inputs. Returns why nothing was compiled, or None."""
     reason = no_device_reason()
     if reason is None and (profile.kv_main_dtype not in _STORED or profile.kv_window_dtype not in _STORED):
         reason = f"kv dtypes {profile.kv_window_dtype} / {profile.kv_main_dtype}: not served by this kernel"
@@ -256,7 +257,10 @@ def warmup(profile) -> str | None:
         kv = (zeros_stored(window, (B, W, D), bf16, dev), zeros_stored(window, (B, S, D), bf16, dev),
               zeros_stored(main, (B, T, D), bf16, dev))
         idx = torch.zeros(B, S, W + K, dtype=torch.int32, device=dev)
-        sparse_attention(torch.zeros(B, S, H, D, dtype=bf16, device=dev), kv, idx,
-                         torch.zeros(H, device=dev), D ** -0.5)
+        q = torch.zeros(B, S, H, D, dtype=bf16, device=dev)
+        sparse_attention(q, kv, idx, torch.zeros(H, device=dev), D ** -0.5)
+        if S == 1 and main is not None:  # + the cold picks staged from host pages
+            cold = kv + (zeros_stored(main, (1, B * K, D), bf16, dev),)
+            sparse_attention(q, cold, idx, torch.zeros(H, device=dev), D ** -0.5)
     torch.cuda.synchronize()
     return None
