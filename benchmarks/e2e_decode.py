@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import time
 
 import torch
@@ -20,6 +19,7 @@ import torch
 import flashrt
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
+from decode_timing import median_step_ms, stepper
 from flashrt.graphs.decode_graph import DecodeGraphs
 from flashrt.graphs.model import Model
 from results_io import add_ratio, write_json
@@ -41,19 +41,8 @@ def decode(model, batch: int, prompt: int, steps: int, mode: str) -> dict:
         torch.cuda.synchronize()
         prefill_s = time.perf_counter() - t0
         graphs = DecodeGraphs(model, state) if mode == "cuda+graph" else None
-        step = graphs.step if graphs else (lambda t: model.forward(t.unsqueeze(1), state=state))
-        tok = logits.argmax(-1)
-        for _ in range(2):  # warm-up (and capture) steps
-            tok = step(tok).argmax(-1)
-        times = []
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            logits = step(tok)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            tok = logits.argmax(-1)
-    per_step = statistics.median(times)
+        step = graphs.step if graphs else stepper(model, state, graph=False)
+        per_step = median_step_ms(step, logits.argmax(-1), steps, greedy=True) / 1e3  # 2 warm-up (capture) steps
     return {"mode": mode, "backend": "reference" if mode == "reference" else "cuda", "cuda_graph": graphs is not None,
             "batch": batch, "prompt": prompt, "prefill_s": prefill_s,
             "prefill_tokens_per_s": batch * prompt / prefill_s, "step_ms": per_step * 1e3,

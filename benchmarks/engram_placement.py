@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
-from flashrt.graphs.decode_graph import DecodeGraphs
+from decode_timing import median_step_ms, stepper
 from flashrt.graphs.model import Model
 from results_io import add_ratio, write_json
 
@@ -23,18 +22,7 @@ def step_ms(model, batch: int, context: int, steps: int, graph: bool) -> float:
     ids = torch.randint(0, model.cfg.vocab_size, (batch, context), device="cuda")
     state = model.new_state(batch, context + steps + 4)
     model.forward(ids, state=state)
-    tok = ids[:, -1]
-    step = DecodeGraphs(model, state).step if graph else (lambda t: model.forward(t.unsqueeze(1), state=state))
-    step(tok)
-    step(tok)
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(tok)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_step_ms(stepper(model, state, graph), ids[:, -1], steps)
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ quantized bytes (decode time does not depend on the values), then real decode st
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 
@@ -20,7 +19,7 @@ import torch
 
 from flashrt import kvpages
 from flashrt.graphs.config import shipped_config
-from flashrt.graphs.decode_graph import DecodeGraphs
+from decode_timing import median_step_ms, stepper
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
 from flashrt.kvcache import KVState, entry_bytes, fixed_bytes_for
@@ -64,18 +63,8 @@ def fill_state(model, state: KVState, n: int) -> None:
 
 def decode_ms(model, state, steps: int = 5, graph: bool = False) -> float:
     """Median decode step (eager Model.forward, or replayed from CUDA graphs after 2 capture steps)."""
-    tok = torch.randint(0, model.cfg.vocab_size, (state.batch, 1), device=DEV)
-    step = DecodeGraphs(model, state).step if graph else (lambda t: model.forward(t, state=state))
-    for _ in range(2 if graph else 1):
-        step(tok)
-    times = []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        step(tok)
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    tok = torch.randint(0, model.cfg.vocab_size, (state.batch,), device=DEV)
+    return median_step_ms(stepper(model, state, graph), tok, steps, warmup=2 if graph else 1)
 
 
 def decode_row(model, n: int, device_share: float) -> dict:

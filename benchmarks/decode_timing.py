@@ -1,0 +1,35 @@
+"""The decode-step timing the benchmarks share: a step function (eager ``Model.forward`` or CUDA-graph
+replay) and the median of synchronized steps after a warm-up (which also captures the graphs)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from flashrt.graphs.decode_graph import DecodeGraphs
+
+
+def stepper(model, state, graph: bool):
+    """``step(tokens [B]) -> logits [B, vocab]``: one decode step of ``state``."""
+    if graph:
+        return DecodeGraphs(model, state).step
+    return lambda tok: model.forward(tok.reshape(-1, 1), state=state)
+
+
+def median_step_ms(step, tok: torch.Tensor, steps: int, warmup: int = 2, greedy: bool = False) -> float:
+    """Median ms of ``steps`` synchronized calls of ``step`` after ``warmup`` untimed ones; ``greedy``
+    feeds each step's argmax to the next (else ``tok`` every time)."""
+    sync = torch.cuda.synchronize if tok.device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        out = step(tok)
+        tok = out.argmax(-1) if greedy else tok
+    times = []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        out = step(tok)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        tok = out.argmax(-1) if greedy else tok
+    return statistics.median(times)
