@@ -97,13 +97,15 @@ def tensor(name: str, t, spec: str | None, env: dict, dtypes=None, device=None) 
         raise ValueError(f"{name}: expected a tensor on {device} (the device of the other inputs), got {t.device}")
 
 
-def maybe_quantized(name: str, t, spec: str, env: dict, formats, device=None) -> None:
-    """``t`` is a float tensor or a QTensor in one of ``formats``, of ``spec`` logical shape."""
+def maybe_quantized(name: str, t, spec: str | None, env: dict, formats, device=None) -> None:
+    """``t`` is a float tensor or a QTensor in one of ``formats``, of ``spec`` logical shape (any
+    shape when ``spec`` is None)."""
     if isinstance(t, QTensor):
         if t.fmt not in formats:
             raise ValueError(f"{name}: expected a plain tensor or a QTensor in {list(formats)}, got fmt {t.fmt!r}")
         check_qtensor(t, name)
-        shape(name, t, spec, env)
+        if spec is not None:
+            shape(name, t, spec, env)
         if device is not None and t.device != device:
             raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
     else:
@@ -136,11 +138,17 @@ def choice(name: str, value, options) -> None:
         raise ValueError(f"{name}: expected one of {list(options)}, got {value!r}")
 
 
+def value_range(t: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty integer tensor, read with one device sync."""
+    lo, hi = torch.stack(torch.aminmax(t)).tolist()
+    return lo, hi
+
+
 def index_range(name: str, idx: torch.Tensor, low: int, high: int) -> None:
     """Every value of ``idx`` lies in ``[low, high)`` (skipped under ``value_checks(False)``)."""
     if not _STATE["values"] or idx.numel() == 0 or idx.device.type == "meta":
         return
-    lo, hi = (int(v) for v in torch.aminmax(idx))
+    lo, hi = value_range(idx)
     if lo < low or hi >= high:
         raise ValueError(f"{name}: expected values in [{low}, {high}), got values in [{lo}, {hi}]")
 

@@ -150,9 +150,10 @@ class KVState:
             return
         self.pool.unlock()
         for l, c in self.compressed.items():
+            r = self.cfg.ratio(l)
             for row, pos in enumerate(self.host_positions):
-                c.main.reserve(row, (pos + tokens) // self.cfg.ratio(l))
-                c.index_k.reserve(row, (pos + tokens) // self.cfg.ratio(l))
+                c.main.reserve(row, (pos + tokens) // r)
+                c.index_k.reserve(row, (pos + tokens) // r)
 
     def ensure_capacity(self, positions: int) -> None:
         """Room (doubling) for ``positions`` positions: wider index block tables (index pages come

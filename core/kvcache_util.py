@@ -10,9 +10,15 @@ def empty_qtensor(fmt: str, shape, device) -> QTensor:
     """A zero-filled QTensor of logical ``shape`` (scales zero too: unwritten entries read as 0)."""
     data_shape, scale_shape = expected_layout(fmt, shape)
     s = spec(fmt)
-    data = torch.zeros(data_shape, dtype=torch.uint8, device=device).view(s.data_dtype)
-    scale = torch.zeros(scale_shape, dtype=torch.uint8, device=device).view(s.scale_dtype)
-    return QTensor(data, scale, fmt, shape)
+    return QTensor(_zero_bits(data_shape, s.data_dtype, device), _zero_bits(scale_shape, s.scale_dtype, device),
+                   fmt, shape)
+
+
+def _zero_bits(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """All-zero bits (1-byte dtypes through uint8: e8m0 has no 0.0 to convert from)."""
+    if dtype.itemsize == 1:
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTensor) -> None:
@@ -20,6 +26,20 @@ def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTens
     u8 = torch.uint8  # index_put is not implemented for the float8 dtypes: write the bytes
     dst.data.view(u8)[batch, slot] = src.data.reshape(-1, src.data.shape[-1]).view(u8)
     dst.scale.view(u8)[batch, slot] = src.scale.reshape(-1, src.scale.shape[-1]).view(u8)
+
+
+def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
+    """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] of a paged ``pool`` (a
+    ``kvpages.PagePool`` or ``kvindex.IndexPool``) whose block table ``table`` [B, max_pages] gives
+    the device page of each logical page, where ``mask``; the other rows go to ``pool.trash_row``
+    (no host-side filtering, no device sync)."""
+    P, B, n = pool.P, entry.shape[0], entry.shape[1]
+    e = entry.clamp_min(0)
+    phys = table.gather(1, (e // P).clamp_max(table.shape[1] - 1)).long() * P + e % P
+    phys = torch.where(mask, phys, pool.trash_row).reshape(-1)
+    seg = pool.segment()
+    flat = QTensor(values.data.reshape(B * n, -1), values.scale.reshape(B * n, -1), seg.fmt, (B * n, values.shape[-1]))
+    write_rows(seg, torch.zeros_like(phys), phys, flat)
 
 
 def grown(q: QTensor, entries: int) -> QTensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .formats import QTensor
-from .kvcache_util import empty_qtensor, write_rows
+from .kvcache_util import empty_qtensor, write_paged, write_rows
 from .paged import PagedKeys
 
 FMT = "fp4_b32"
@@ -106,12 +106,7 @@ class PagedIndexK:
     def write(self, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
         """Store ``values`` [B, n, D] at entries ``entry`` [B, n] where ``mask`` (pages reserved);
         the other rows go to the trash row, so nothing is filtered on the host."""
-        P, B, n = self.pool.P, entry.shape[0], entry.shape[1]
-        page = (entry.clamp_min(0) // P).clamp_max(self.table.shape[1] - 1)
-        phys = self.table.gather(1, page).long() * P + entry.clamp_min(0) % P
-        phys = torch.where(mask, phys, self.pool.trash_row).reshape(-1)
-        flat = QTensor(values.data.reshape(B * n, -1), values.scale.reshape(B * n, -1), FMT, (B * n, values.shape[-1]))
-        write_rows(self.pool.segment(), torch.zeros_like(phys), phys, flat)
+        write_paged(self.pool, self.table, entry, mask, values)
 
     def _rows(self, row: int, lo: int, hi: int) -> torch.Tensor:
         P, t = self.pool.P, torch.arange(lo, hi)

@@ -20,7 +20,7 @@ from collections import OrderedDict
 import torch
 
 from .formats import QTensor
-from .kvcache_util import empty_qtensor, write_rows
+from .kvcache_util import empty_qtensor, write_paged
 
 FMT = "fp4_b16"
 TRASH_PAGE = 0
@@ -115,7 +115,7 @@ class PagePool:
         self.host.scale.view(u8)[host].copy_(self.dev.scale.view(u8)[victim])
         table.pages[logical] = ("host", host)
         table.changed.add(logical)
-        table.n_cold += 1
+        table.cold += 1
         self.free_dev.append(victim)
         self.spilled += 1
 
@@ -150,12 +150,7 @@ class BlockTable:
     def __init__(self):
         self.pages: list[tuple[str, int]] = []
         self.changed: set[int] = set()
-        self.n_cold = 0  # pages on the host tier (a page only ever moves there, by a spill)
-
-    @property
-    def cold(self) -> int:
-        """Pages on the host tier (counted as they spill: asked every decode step)."""
-        return self.n_cold
+        self.cold = 0  # pages on the host tier, counted as they spill (a page only ever moves there)
 
 
 class PagedMainKV:
@@ -229,13 +224,7 @@ class PagedMainKV:
     def write(self, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
         """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] where ``mask``; the other
         rows go to the trash row (no host-side filtering, no device sync)."""
-        P, B, n = self.pool.P, entry.shape[0], entry.shape[1]
-        ids = self.dev_ids()
-        page = (entry.clamp_min(0) // P).clamp_max(ids.shape[1] - 1)
-        phys = ids.gather(1, page) * P + entry.clamp_min(0) % P  # reserved pages are on the device
-        phys = torch.where(mask, phys, self.pool.trash_row).reshape(-1)
-        flat = QTensor(values.data.reshape(B * n, -1), values.scale.reshape(B * n, -1), FMT, (B * n, values.shape[-1]))
-        write_rows(self.pool.segment(), torch.zeros_like(phys), phys, flat)
+        write_paged(self.pool, self.dev_ids(), entry, mask, values)  # reserved pages are on the device
 
     def resolve(self, idx: torch.Tensor) -> tuple[list[QTensor], torch.Tensor]:
         """Segments and int32 indices into them for logical entries ``idx`` [B, S, K] (-1 empty)."""

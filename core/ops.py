@@ -68,7 +68,7 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values a ``QTensor`` stands for, as ``dtype`` (computed in fp32)."""
     if not isinstance(q, QTensor):
         raise ValueError(f"q: expected a QTensor, got {type(q).__name__}")
-    c.maybe_quantized("q", q, " ".join(f"d{i}" for i in range(q.ndim)), {}, tuple(c.FORMATS))
+    c.maybe_quantized("q", q, None, {}, c.FORMATS)
     c.choice("dtype", dtype, c.FLOATS)
     return _impl("dequantize", q.device)(q, dtype)
 
@@ -113,7 +113,8 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
         total = 0
         for i, seg in enumerate(kv):
             # a segment with batch 1 is shared by every row (e.g. the HKCP device page pool)
-            seg_env = {"B": 1 if seg.shape[0] == 1 else env["B"], "D": env["D"]}
+            shared = isinstance(seg, (torch.Tensor, QTensor)) and seg.ndim == 3 and seg.shape[0] == 1
+            seg_env = {"B": 1 if shared else env["B"], "D": env["D"]}
             c.maybe_quantized(f"kv[{i}]", seg, "B T D", seg_env, KV_FORMATS, q.device)
             total += seg_env["T"]
         env["T"] = total
@@ -327,7 +328,7 @@ def sample(logits, temperature, generator=None) -> torch.Tensor:
     c.tensor("logits", logits, "B V", env, c.FLOATS)
     if isinstance(temperature, torch.Tensor):
         c.tensor("temperature", temperature, "B", env, F32, logits.device)
-        if c._STATE["values"] and bool((temperature < 0).any()):
+        if c.values_checked() and bool((temperature < 0).any()):
             raise ValueError("temperature: expected values >= 0, got a negative temperature")
     else:
         c.number("temperature", temperature, 0.0)

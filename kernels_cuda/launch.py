@@ -15,8 +15,9 @@ import os
 
 import torch
 
-from flashrt import formats, profiles
+from flashrt import profiles
 from flashrt.formats import QTensor
+from flashrt.kvcache_util import empty_qtensor
 
 
 class PlanCache:
@@ -68,10 +69,7 @@ def zeros_stored(fmt: str | None, shape, dtype: torch.dtype, device) -> torch.Te
     """A zero-filled tensor as ``fmt`` stores it (None: plain ``dtype``): compile-only inputs for warmup hooks."""
     if fmt is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    s = formats.spec(fmt)
-    data_shape, scale_shape = formats.expected_layout(fmt, shape)
-    return QTensor(torch.zeros(data_shape, dtype=torch.uint8, device=device).view(s.data_dtype),
-                   torch.zeros(scale_shape, dtype=torch.uint8, device=device).view(s.scale_dtype), fmt, shape)
+    return empty_qtensor(fmt, shape, device)
 
 
 def no_device_reason() -> str | None:

@@ -131,8 +131,9 @@ class Ceilings:
         return cls(copy, bf16, fp8)
 
 
-def _ms(t) -> float | None:
-    return None if t is None else float(t)
+def nbytes(*tensors) -> int:
+    """Bytes held by tensors (QTensors count data and scale)."""
+    return sum(t.nbytes if hasattr(t, "fmt") else t.numel() * t.element_size() for t in tensors)
 
 
 def row(kernel: str, shape: str, ms, flops: float, nbytes: float, ceil: Ceilings,

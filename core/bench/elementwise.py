@@ -18,14 +18,7 @@ import traceback
 import torch
 
 from . import common
-
-
-def _nb(*tensors) -> int:
-    """Bytes held by tensors (QTensors count data and scale)."""
-    total = 0
-    for t in tensors:
-        total += t.nbytes if hasattr(t, "fmt") else t.numel() * t.element_size()
-    return total
+from .common import nbytes as _nb
 
 
 def _case(rows, ceil, kernel, shape, fn, ref, nbytes, flops=0.0, **extra):

@@ -27,6 +27,7 @@ import json
 import torch
 
 from . import common
+from .common import nbytes as _nb
 
 DEVICE = "cuda"
 LINEAR_FP8 = ((1280, 5120), (2304, 5120), (5120, 8192), (32768, 1280))
@@ -34,10 +35,6 @@ LINEAR_FP4 = (2304, 5120)
 ROWS = (1, 8, 64, 4096)
 FEW_ROWS = (1, 64, 4096)
 D, I, E, TOPK, LIMIT = 5120, 2304, 384, 6, 10.0
-
-
-def _nb(*tensors) -> int:
-    return sum(t.nbytes if hasattr(t, "fmt") else t.numel() * t.element_size() for t in tensors)
 
 
 def _rel(got, want) -> float:

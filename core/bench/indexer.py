@@ -22,14 +22,11 @@ import json
 import torch
 
 from . import common
+from .common import nbytes as _nb
 
 TOPK = 512
 DEVICE = "cuda"
 CONTEXTS = (4096, 65536, 131072, 1 << 20)
-
-
-def _nb(*tensors) -> int:
-    return sum(t.nbytes if hasattr(t, "fmt") else t.numel() * t.element_size() for t in tensors)
 
 
 def _index_case(rows, ceil, B, S, T, g):
