@@ -19,17 +19,15 @@ operators implement the documented torch_npu signatures and layouts with referen
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from flashrt.dispatch import collect_module_attrs
 from flashrt.hookspecs import Backend, hookimpl
 from flashrt.kernels_ascend._npu import EMULATION_ENV, emulation, npu, torch_npu_present
 
-log = logging.getLogger("flashrt")
-
 A2_A3_SOCS = range(220, 256)  # SocVersion: Ascend910B1..B4 (220-225), Ascend910_93xx (250-255)
+
+
 def soc_version() -> int:
     """torch_npu's SoC version code of the current device (imports torch_npu)."""
     return int(npu().npu.get_soc_version())

@@ -12,15 +12,12 @@ run on CPU tensors, but only when the backend is chosen explicitly: that is how 
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from flashrt.dispatch import collect_module_attrs
 from flashrt.hookspecs import Backend, hookimpl
-
-log = logging.getLogger("flashrt")
 
 
 def interpreter() -> bool:

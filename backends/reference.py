@@ -255,14 +255,20 @@ def swiglu(gate, up, weight, limit: float) -> torch.Tensor:
     return F.silu(gate) * up * weight.unsqueeze(-1)
 
 
-def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
+def experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit, project=_project):
+    """``moe_experts`` as a loop over the experts used, ``project(x, w, e)`` being ``linear(x, w[e])``
+    in ``x.dtype`` (a backend passes its own, e.g. decoding weight bytes without float8 math)."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(indices).tolist():
         tok, slot = torch.nonzero(indices == e, as_tuple=True)
         xe = x[tok]
-        h = swiglu(_project(xe, w1, e), _project(xe, w3, e), weights[tok, slot], swiglu_limit)
-        out.index_add_(0, tok, _project(h.to(x.dtype), w2, e).to(torch.float32))
+        h = swiglu(project(xe, w1, e), project(xe, w3, e), weights[tok, slot], swiglu_limit)
+        out.index_add_(0, tok, project(h.to(x.dtype), w2, e).to(torch.float32))
     return out
+
+
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
+    return experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit)
 
 
 def gumbel_sample(logits, temperature, generator, argmax=lambda t: t.argmax(-1)):

@@ -33,6 +33,7 @@ class Attention:
     def __init__(self, cfg, layer: int, w: dict, prefix: str):
         self.cfg, self.layer, self.role = cfg, layer, cfg.role(layer)
         self.ratio = cfg.ratio(layer)
+        self.source, self.index_source = cfg.kv_source(layer), cfg.index_source(layer)
         p = prefix + "attn."
         self.sink = w[p + "attn_sink"]
         self.wq_a, self.q_norm = w[p + "wq_a.weight"], w[p + "q_norm.weight"]
@@ -46,15 +47,32 @@ class Attention:
             self.idx_wq_b = w[p + "indexer.wq_b.weight"]
             self.idx_weights = w[p + "indexer.weights_proj.weight"]
 
+    def query(self, h: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed query latent ``qr``, the roped heads ``q`` [B, S, H, head_dim]) of ``h``."""
+        cfg = self.cfg
+        qr = ops.rms_norm(ops.linear(h, self.wq_a), self.q_norm, cfg.norm_eps)
+        q = ops.linear(qr, self.wq_b).view(*h.shape[:2], cfg.n_heads, cfg.head_dim)
+        return qr, rope_tail(q, f, cfg.rope_head_dim)
+
+    def window_kv(self, h: torch.Tensor, f: torch.Tensor, fmt: str):
+        """The roped KV latent of ``h`` [B, S, dim], quantized to the window ring's ``fmt``."""
+        cfg = self.cfg
+        kv = ops.rms_norm(ops.linear(h, self.wkv), self.kv_norm, cfg.norm_eps)
+        return ops.quantize(rope_tail(kv, f, cfg.rope_head_dim), fmt)
+
+    def output(self, o: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, S, H, head_dim] -> [B, S, dim]: inverse rope, grouped ``wo_a``, ``wo_b``."""
+        cfg = self.cfg
+        o = rope_tail(o, f, cfg.rope_head_dim, inverse=True).view(*o.shape[:2], cfg.o_groups, -1)
+        o = torch.cat([ops.linear(o[:, :, g], self.wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
+        return ops.linear(o, self.wo_b)
+
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        cfg, rd = self.cfg, self.cfg.rope_head_dim
-        B, S, _ = h.shape
+        cfg = self.cfg
+        S = h.shape[1]
         f = ctx.factors(self.ratio > 0)
-        eps = cfg.norm_eps
-        qr = ops.rms_norm(ops.linear(h, self.wq_a), self.q_norm, eps)
-        q = rope_tail(ops.linear(qr, self.wq_b).view(B, S, cfg.n_heads, cfg.head_dim), f, rd)
-        kv = rope_tail(ops.rms_norm(ops.linear(h, self.wkv), self.kv_norm, eps), f, rd)
-        kv = ops.quantize(kv, ctx.state.window_fmt)
+        qr, q = self.query(h, f)
+        kv = self.window_kv(h, f, ctx.state.window_fmt)
         W = cfg.window_size
         segments = [ctx.state.rings[self.layer], kv]
         indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], W)
@@ -64,24 +82,20 @@ class Attention:
             indices = torch.cat([indices, torch.where(topk >= 0, topk + W + S, topk)], dim=-1)
         o = ops.sparse_attention(q, tuple(segments), indices, self.sink, cfg.head_dim ** -0.5)
         ctx.state.write_ring(self.layer, kv, ctx.positions)
-        o = rope_tail(o, f, rd, inverse=True).view(B, S, cfg.o_groups, -1)
-        o = torch.cat([ops.linear(o[:, :, g], self.wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
-        return ops.linear(o, self.wo_b)
+        return self.output(o, f)
 
     # ----- compressed KV and its top-k ---------------------------------------------------------
     def _compressed(self, h, qr, ctx: StepContext):
-        cfg = self.cfg
-        source = cfg.kv_source(self.layer)
+        source = self.source
         if self.compressor is not None and self.layer not in ctx.compress_done:
             self.compressor.forward(h, ctx)
-        visible = ((ctx.positions + 1) // self.ratio).to(torch.int32)  # [B, S]
         T = ctx.entries_for(self.ratio)
         if self.role in ("full", "reindex"):
-            topk = self._indexer(h, qr, ctx.state.index_keys(source, T), visible, ctx)
+            topk = self._indexer(h, qr, ctx.state.index_keys(source, T), ctx.visible(self.ratio), ctx)
             ctx.shared[("topk", self.layer)] = topk
         else:
-            topk = ctx.shared[("topk", cfg.index_source(self.layer))]
-        key = ("main", source, cfg.index_source(self.layer))  # reuse layers share the resolved segments
+            topk = ctx.shared[("topk", self.index_source)]
+        key = ("main", source, self.index_source)  # reuse layers share the resolved segments
         if key not in ctx.shared:
             ctx.shared[key] = ctx.state.main_segments(source, topk, T)
         return ctx.shared[key]

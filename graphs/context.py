@@ -36,6 +36,14 @@ class StepContext:
         the static bucket a captured decode step reads (the extra entries are not visible)."""
         return self.entries[ratio] if self.entries is not None else self.end // ratio
 
+    def visible(self, ratio: int) -> torch.Tensor:
+        """int32 [B, S]: compressed entries of this ``ratio`` each query sees (its complete groups),
+        computed once per call and shared by the layers of that ratio."""
+        key = ("visible", ratio)
+        if key not in self.shared:
+            self.shared[key] = ((self.positions + 1) // ratio).to(torch.int32)
+        return self.shared[key]
+
     def factors(self, compressed: bool) -> torch.Tensor:
         """Rotary factors of this chunk's positions, computed once per call and shared by layers."""
         key = ("rope", compressed)

@@ -78,11 +78,12 @@ class DecodeGraphs:
         self.stats = {"captured": 0, "replayed": 0, "eager": 0, "fallback": 0}
         self.ratios = sorted({model.cfg.ratio(l) for l in model.cfg.kv_source_layers})
 
-    def fallback_reason(self) -> str | None:
-        """Why the next step cannot run from static buffers (None when it can)."""
+    def fallback_reason(self, cold: tuple | None = None) -> str | None:
+        """Why the next step cannot run from static buffers (None when it can); ``cold``:
+        :meth:`_cold` when the caller has it already."""
         s = self.state
         picks = s.batch * self.model.cfg.index_topk
-        if any(self._cold()) and not cold_gather_kernel(s.pool, picks):
+        if any(self._cold() if cold is None else cold) and not cold_gather_kernel(s.pool, picks):
             return "main-KV pages on the host tier without the zero-copy gather (host-driven fetch)"
         return None
 
@@ -99,7 +100,8 @@ class DecodeGraphs:
         entries = {r: bucket(end // r) for r in self.ratios}
         state.begin_step(1)
         state.ensure_capacity(max([end] + [t * r for r, t in entries.items()]))
-        if self.fallback_reason() is not None:
+        cold = self._cold()
+        if self.fallback_reason(cold) is not None:
             self.stats["fallback"] += 1
             return model.forward(ids, state=state)
         for c in state.compressed.values():
@@ -115,7 +117,7 @@ class DecodeGraphs:
             if model.prefetch is not None:
                 self._stage_engram()
         with checks.value_checks(False):
-            logits = self._step(entries)
+            logits = self._step(entries, cold)
         state.advance(1, history)
         return logits
 
@@ -149,11 +151,11 @@ class DecodeGraphs:
         self.copied = torch.cuda.Event()
         self.copied.record()
 
-    def _step(self, entries: dict) -> torch.Tensor:
+    def _step(self, entries: dict, cold: tuple) -> torch.Tensor:
         if not self.capture:
             self.stats["eager"] += 1
             return self._body(entries)
-        key = (tuple(sorted(entries.items())), self._cold(), self._layout())
+        key = (tuple(sorted(entries.items())), cold, self._layout())
         if any(key[1]) and not CAPTURE_COLD:  # cold pages: static buffers, run eagerly
             self.stats["eager"] += 1
             return self._body(entries)

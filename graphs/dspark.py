@@ -14,7 +14,7 @@ import torch
 from flashrt import ops
 
 from .block import Block
-from .context import StepContext, rope_tail
+from .context import StepContext
 
 
 class _DraftAttention:
@@ -24,29 +24,22 @@ class _DraftAttention:
         self.a = attn
 
     def main_kv(self, main_x: torch.Tensor, ctx: StepContext):
-        a, rd = self.a, self.a.cfg.rope_head_dim
-        f = ctx.factors(False)
-        kv = rope_tail(ops.rms_norm(ops.linear(main_x, a.wkv), a.kv_norm, a.cfg.norm_eps), f, rd)
-        return ops.quantize(kv, ctx.state.window_fmt)
+        return self.a.window_kv(main_x, ctx.factors(False), ctx.state.window_fmt)
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         a, cfg = self.a, self.a.cfg
-        rd, W = cfg.rope_head_dim, cfg.window_size
+        W = cfg.window_size
         B, S, _ = h.shape
         f = ctx.factors(False)
-        qr = ops.rms_norm(ops.linear(h, a.wq_a), a.q_norm, cfg.norm_eps)
-        q = rope_tail(ops.linear(qr, a.wq_b).view(B, S, cfg.n_heads, cfg.head_dim), f, rd)
-        kv = ops.quantize(rope_tail(ops.rms_norm(ops.linear(h, a.wkv), a.kv_norm, cfg.norm_eps), f, rd),
-                          ctx.state.window_fmt)
+        _, q = a.query(h, f)
+        kv = a.window_kv(h, f, ctx.state.window_fmt)
         main_pos = ctx.positions[:, :1] - 1  # the main token this block continues
         ring = torch.arange(W, device=h.device).expand(B, W)
         ring = torch.where(ring <= main_pos, ring, -1)  # ring slots filled so far
         block = W + torch.arange(S, device=h.device).expand(B, S)
         idx = torch.cat([ring, block], dim=1).unsqueeze(1).expand(B, S, W + S).to(torch.int32).contiguous()
         o = ops.sparse_attention(q, (ctx.state.rings[a.layer], kv), idx, a.sink, cfg.head_dim ** -0.5)
-        o = rope_tail(o, f, rd, inverse=True).view(B, S, cfg.o_groups, -1)
-        o = torch.cat([ops.linear(o[:, :, g], a.wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
-        return ops.linear(o, a.wo_b)
+        return a.output(o, f)
 
 
 class Drafts:

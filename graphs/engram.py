@@ -36,10 +36,7 @@ class Engram:
         if staged is None and self.table.device == ids.device:
             return ops.engram_lookup(self.table, ids)
         if staged is None:  # host table, not prefetched for this call: gather now
-            flat = ids.reshape(-1).cpu()
-            t = self.table
-            staged = (QTensor(t.data[flat].to(ids.device), t.scale[flat].to(ids.device), t.fmt,
-                              (flat.numel(), t.shape[-1])), None)
+            staged = (host_rows(self.table, ids.reshape(-1).cpu(), ids.device), None)
         table, event = staged
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
@@ -73,6 +70,16 @@ def place_tables(cfg, weights: dict, placement: str) -> None:
         weights[name] = QTensor(t.data.pin_memory(), t.scale.pin_memory(), t.fmt, t.shape) if pin else t
 
 
+def host_rows(table: QTensor, flat: torch.Tensor, device, pin: bool = False) -> QTensor:
+    """Rows ``flat`` of a host-memory ``table`` as a ``[len(flat), head_dim]`` QTensor on ``device``
+    (gathered on the host; ``pin``: through pinned memory, copied asynchronously)."""
+    data, scale = table.data[flat], table.scale[flat]
+    if pin:
+        data, scale = data.pin_memory(), scale.pin_memory()
+    return QTensor(data.to(device, non_blocking=pin), scale.to(device, non_blocking=pin), table.fmt,
+                   (flat.numel(), table.shape[-1]))
+
+
 class EngramPrefetch:
     """Host-side gather + asynchronous copy of the rows each Engram layer needs this step."""
 
@@ -84,17 +91,12 @@ class EngramPrefetch:
         ids = ctx.engram_ids.cpu()  # [B, S, L, cols]: known from the tokens before any block runs
         for e in self.engrams:
             flat = ids[:, :, e.slot].reshape(-1)
-            t = e.table
-            data, scale = t.data[flat], t.scale[flat]
             if self.stream is None:
-                ctx.shared[("engram", e.slot)] = (QTensor(data.to(self.device), scale.to(self.device), t.fmt,
-                                                          (flat.numel(), t.shape[-1])), None)
+                ctx.shared[("engram", e.slot)] = (host_rows(e.table, flat, self.device), None)
                 continue
-            data, scale = data.pin_memory(), scale.pin_memory()
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                staged = QTensor(data.to(self.device, non_blocking=True), scale.to(self.device, non_blocking=True),
-                                 t.fmt, (flat.numel(), t.shape[-1]))
+                staged = host_rows(e.table, flat, self.device, pin=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
             ctx.shared[("engram", e.slot)] = (staged, event)

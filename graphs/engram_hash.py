@@ -172,7 +172,7 @@ class TokenMap:
     def __call__(self, ids: torch.Tensor, name: str = "tokens") -> torch.Tensor:
         """Compressed ids (int64, same shape); ``ValueError`` naming ``name`` for an id out of range."""
         limit = self.compressed_vocab_size if self.table is None else len(self.table)
-        lo, hi = (int(ids.min()), int(ids.max())) if ids.numel() and checks.values_checked() else (0, -1)
+        lo, hi = checks.value_range(ids) if ids.numel() and checks.values_checked() else (0, -1)
         if lo < 0 or hi >= limit:
             raise ValueError(f"{name}: token ids must lie in [0, {limit}), got [{lo}, {hi}]")
         if self.table is None:
@@ -222,7 +222,8 @@ class EngramHasher:
             history = self.start_history(tokens.shape[0], tokens.device)
         _need("history", history, torch.int64, (tokens.shape[0], self.layout.max_ngram - 1))
         cv = self.layout.compressed_vocab_size
-        if history.numel() and checks.values_checked() and (int(history.min()) < DEAD or int(history.max()) >= cv):
+        lo, hi = checks.value_range(history) if history.numel() and checks.values_checked() else (DEAD, DEAD)
+        if lo < DEAD or hi >= cv:
             raise ValueError(f"history: values must be -1 (DEAD) or compressed ids below {cv}")
         comp = self.token_map(tokens, "tokens")
         if mask is not None:

@@ -187,14 +187,14 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
         cuda_graph = model.device.type == "cuda"
     graphs = DecodeGraphs(model, state) if cuda_graph else None
     out = [[] for _ in seqs]
-    done = torch.zeros(len(seqs), dtype=torch.bool)
+    done = [False] * len(seqs)  # per row of the batch (host-side: checked every step)
     for step in range(max_new_tokens):
         tokens = ops.sample(step_logits, temperature, generator)
         for row, tok in enumerate(tokens.tolist()):
             if not done[row]:
                 out[order[row]].append(tok)
                 done[row] = eos_token_id is not None and tok == eos_token_id
-        if step + 1 == max_new_tokens or bool(done.all()):
+        if step + 1 == max_new_tokens or all(done):
             break
         step_logits = graphs.step(tokens) if graphs else model.forward(tokens.unsqueeze(1), state=state)
     sync()

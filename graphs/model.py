@@ -61,7 +61,7 @@ class Model:
             raise ValueError("input_ids: expected at least one token per sequence, got S = 0")
         if input_ids.device.type == "meta" or not checks.values_checked():  # tracing / a checked-off hot loop
             return input_ids.to(device=self.device, dtype=torch.long)
-        lo, hi = int(input_ids.min()), int(input_ids.max())
+        lo, hi = checks.value_range(input_ids)
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"input_ids: expected ids in [0, {self.cfg.vocab_size}), got values in [{lo}, {hi}]")
         return input_ids.to(device=self.device, dtype=torch.long)

@@ -4,12 +4,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashrt import formats
 from flashrt.backends import reference as ref
 from flashrt.formats import QTensor
 
-from ._npu import dequantize, fallback, npu
-from .quant import HALF, quant_rows
+from ._npu import fallback, npu
+from .quant import HALF, linear_exact, quant_rows
 
 GATING_MAX_EXPERTS = 2048  # npu_moe_gating_top_k: align32(E) * group_count <= 2048, E / group_count > 2
 GMM_MAX_GROUPS = 1024  # npu_grouped_matmul: group_list up to 1024 entries
@@ -130,20 +129,13 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
 def _project(x, w, e: int) -> torch.Tensor:
     """Plain-torch ``linear(x, w[e])`` in ``x.dtype`` (int8_t activations for int8_w, as linear)."""
     if isinstance(w, QTensor):
-        act = "int8_t" if w.fmt == "int8_w" else "fp8"
-        we = QTensor(w.data[e], w.scale[e], w.fmt, w.shape[1:])
-        return F.linear(dequantize(formats.quantize(x, act)), dequantize(we)).to(x.dtype)
+        return linear_exact(x, QTensor(w.data[e], w.scale[e], w.fmt, w.shape[1:]))
     return F.linear(x.to(torch.float32), w[e].to(torch.float32)).to(x.dtype)
 
 
 def _experts_torch(x, weights, indices, w1, w3, w2, swiglu_limit):
     """The reference loop over experts, decoding weights with byte ops (no float8 math on the NPU)."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for e in torch.unique(indices).tolist():
-        tok, slot = torch.nonzero(indices == e, as_tuple=True)
-        h = ref.swiglu(_project(x[tok], w1, e), _project(x[tok], w3, e), weights[tok, slot], swiglu_limit)
-        out.index_add_(0, tok, _project(h.to(x.dtype), w2, e).to(torch.float32))
-    return out
+    return ref.experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit, _project)
 
 
 OPS = {"moe_route": moe_route, "moe_experts": moe_experts}

@@ -87,6 +87,13 @@ def quant_matmul(x2: torch.Tensor, w: QTensor) -> torch.Tensor:
     return npu().npu_quant_matmul(xq, w.data.t(), scale, pertoken_scale=xs, output_dtype=x2.dtype)
 
 
+def linear_exact(x, weight: QTensor) -> torch.Tensor:
+    """Plain-torch ``linear`` with a quantized weight, in ``x.dtype``: ``x`` quantized as
+    ``reference.activation_format`` says, both operands decoded by the exact byte decoders."""
+    xq = exact_dequantize(formats.quantize(x, ref.activation_format(weight)))
+    return F.linear(xq, exact_dequantize(weight)).to(x.dtype)
+
+
 def linear(x, weight):
     """``linear``: plain weight -> ``F.linear`` (aclnnMatmul, fp32 accumulation on the cube);
     ``int8_w`` -> ``npu_dynamic_quant`` + ``torch_npu.npu_quant_matmul``.
@@ -103,8 +110,7 @@ def linear(x, weight):
     if why:
         fallback("linear", why)
         if isinstance(weight, QTensor) and weight.fmt == "int8_w":
-            xq = exact_dequantize(formats.quantize(x, "int8_t"))
-            return F.linear(xq, exact_dequantize(weight)).to(x.dtype)
+            return linear_exact(x, weight)
         return ref.linear(x, weight)
     if not isinstance(weight, QTensor):
         return F.linear(x, weight)
