@@ -18,8 +18,6 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
-from flashrt import formats
-from flashrt.formats import QTensor
 
 _COMMON = dict(head_dim=512, rope_head_dim=64, hc_mult=4, index_n_heads=32, index_head_dim=128, index_topk=512,
                candidate_block_size=8, engram_n_heads=8, engram_head_dim=256, engram_max_ngram_size=4,
@@ -100,21 +98,6 @@ def run(cases: Callable[..., Iterable[Launch]], profile, models: dict | None = N
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def qzeros(fmt: str, shape, device) -> QTensor:
-    """A QTensor of ``fmt`` and logical ``shape`` holding zeros (no quantization, no data needed)."""
-    s = formats.spec(fmt)
-    data_shape, scale_shape = formats.expected_layout(fmt, shape)
-    return QTensor(_zero_bytes(data_shape, s.data_dtype, device), _zero_bytes(scale_shape, s.scale_dtype, device),
-                   fmt, shape)
-
-
-def _zero_bytes(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """All-zero bits (1-byte dtypes through uint8: e8m0 has no 0.0 to convert from)."""
-    if dtype.itemsize == 1:
-        return torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def rand(shape, dtype, device) -> torch.Tensor:

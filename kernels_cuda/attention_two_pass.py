@@ -140,6 +140,6 @@ def launch(q, indices, sink, out, seg_args: list, formats: dict, scale: float, p
     f = {k: formats[k] for k in ("FMT0", "FMT1", "FMT2", "ROLE1", "ROLE2", "ROLE3", "DOT_DTYPE", "PREC")}
     tiles = dict(H_BLOCK=p["H_BLOCK"], K_BLOCK=p["K_BLOCK"], num_warps=p["num_warps"], num_stages=p["num_stages"])
     _scores_kernel[p["scores_grid"]](q, indices, scores, pml, *seg_args, q.shape[1], H, K, p["per_split"],
-                                     float(scale) * 1.4426950408889634, D, BLOCK_D=p["BLOCK_D"], **f, **tiles)
+                                     float(scale) * LOG2E.value, D, BLOCK_D=p["BLOCK_D"], **f, **tiles)
     _pv_kernel[p["pv_grid"]](scores, pml, sink if sink is not None else pml, indices, out, *seg_args,
                              q.shape[1], H, K, p["splits"], D, HAS_SINK=sink is not None, DV=p["DV"], **f, **tiles)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import e4m3_to_f32, e8m0_to_f32, to_out
 from flashrt import profiles
-from flashrt.kernels_cuda.launch import cdiv, next_pow2
+from flashrt.kernels_cuda.launch import cdiv, next_pow2, zeros_stored
 from flashrt.kernels_cuda import _warmup
 
 TILES = {
@@ -29,6 +29,8 @@ TILES = {
 def _tiles() -> dict:
     """TILES with the active hardware profile's overrides (``tiles.engram`` in its YAML)."""
     return profiles.tiles("engram", TILES)
+
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -131,7 +133,7 @@ def supports_engram_gate(h, key, value, weight, eps) -> bool:
 def warmup_cases(device, d: dict, dtype):
     """engram_lookup of a step's n-gram ids (int64) from an fp8 table; engram_gate on the hc copies."""
     hc, dim, cols = d["hc_mult"], d["dim"], (d["engram_max_ngram_size"] - 1) * d["engram_n_heads"]
-    table = _warmup.qzeros("fp8", (256, d["engram_head_dim"]), device)
+    table = zeros_stored("fp8", (256, d["engram_head_dim"]), None, device)
     weight = torch.ones(hc, dim, device=device)
     for n in _warmup.TOKENS:
         ids = torch.randint(0, 256, (1, n, cols), device=device)

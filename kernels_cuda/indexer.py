@@ -5,20 +5,17 @@ select of :mod:`.topk` + expansion). The kernels and how they decode stored keys
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton.language as tl
 
-from flashrt.formats import QTensor
-from flashrt.paged import PagedKeys
-
-from .topk import select_rows
-from .indexer_kernel import _block_keys_kernel, _expand_kernel, _index_scores_kernel
 from flashrt import profiles
-from flashrt.kernels_cuda.launch import cdiv, next_pow2
-from flashrt.kernels_cuda.codecs import CODES
+from flashrt.formats import QTensor
 from flashrt.kernels_cuda import _warmup
+from flashrt.kernels_cuda.codecs import CODES, INTERPRETED as _INTERPRETED
+from flashrt.kernels_cuda.indexer_kernel import _block_keys_kernel, _expand_kernel, _index_scores_kernel
+from flashrt.kernels_cuda.launch import cdiv, next_pow2, zeros_stored
+from flashrt.kernels_cuda.topk import select_rows
+from flashrt.paged import PagedKeys
 
 TILES = {
     # rows: most (query, head) dot columns per program; num_warps_wide: > 64 columns or an fp32 dot;
@@ -32,13 +29,12 @@ TILES = {
 def _tiles() -> dict:
     """TILES with the active hardware profile's overrides (``tiles.indexer`` in its YAML)."""
     return profiles.tiles("indexer", TILES)
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 # QTensor keys: fmt -> (kernel code, elements per scale, stored bytes per scale block, scale byte of 1.0)
 _FORMATS = {"fp4_b32": (CODES["fp4_b32"], 32, 16, 127), "fp4_b16": (CODES["fp4_b16"], 16, 8, 0x38),
             "fp8": (CODES["fp8"], 32, 32, 127), "int8": (CODES["int8"], 32, 32, 127)}
-
-
 
 
 def _dot_dtype(q, k):
@@ -140,7 +136,7 @@ def warmup_cases(device, d: dict, dtype):
         q, w = _warmup.rand((1, n, H, D), dtype, device), torch.rand(1, n, H, device=device)
         for T in _warmup.CONTEXTS:
             vis = torch.full((1, n), T, dtype=torch.int32, device=device)
-            keys = _warmup.qzeros("fp4_b32", (1, T, D), device)
+            keys = zeros_stored("fp4_b32", (1, T, D), None, device)
             yield _warmup.Launch("index_scores", index_scores, (q, keys, w, vis))
             scores = torch.randn(1, n, T, device=device)
             yield _warmup.Launch("candidate_blocks", candidate_blocks,

@@ -18,15 +18,13 @@ once per process, on a small pinned tensor, that this reads the right bytes.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from flashrt.formats import QTensor
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from flashrt.kernels_cuda.codecs import INTERPRETED as _INTERPRETED
+from flashrt.kernels_cuda.launch import cdiv, next_pow2
 BLOCK = 32  # picks per program
 _CHECKED: dict[int, bool] = {}  # device index -> zero-copy self-check passed
 
@@ -89,10 +87,10 @@ def cold_gather(host: QTensor, host_ids: torch.Tensor, picks: torch.Tensor, inde
     out = torch.zeros(total, data.shape[1], dtype=data.dtype, device=index.device)
     oscale = torch.zeros(total, scale.shape[1], dtype=scale.dtype, device=index.device)
     if total:
-        _cold_gather_kernel[(triton.cdiv(total, BLOCK),)](
+        _cold_gather_kernel[(cdiv(total, BLOCK),)](
             picks, host_ids, _arg(data), _arg(scale), out, oscale, index, total, N, host_ids.shape[1], P, offset,
-            ROW=data.shape[1], SROW=scale.shape[1], BLOCK=BLOCK, BR=triton.next_power_of_2(data.shape[1]),
-            BS=triton.next_power_of_2(scale.shape[1]), num_warps=4)
+            ROW=data.shape[1], SROW=scale.shape[1], BLOCK=BLOCK, BR=next_pow2(data.shape[1]),
+            BS=next_pow2(scale.shape[1]), num_warps=4)
     return QTensor(out.view(torch.uint8).view(1, total, D // 2),
                    oscale.view(torch.uint8).view(host.scale.dtype).view(1, total, -1), host.fmt, (1, total, D))
 

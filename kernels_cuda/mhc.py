@@ -33,6 +33,8 @@ TILES = {
 def _tiles() -> dict:
     """TILES with the active hardware profile's overrides (``tiles.mhc`` in its YAML)."""
     return profiles.tiles("mhc", TILES)
+
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_HC = 8
 

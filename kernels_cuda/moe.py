@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from flashrt import profiles
-from flashrt.kernels_cuda.launch import cdiv
+from flashrt.kernels_cuda.launch import cdiv, zeros_stored
 from flashrt.kernels_cuda import _warmup
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
@@ -41,6 +41,8 @@ TILES = {
 def _tiles() -> dict:
     """TILES with the active hardware profile's overrides (``tiles.moe`` in its YAML)."""
     return profiles.tiles("moe", TILES)
+
+
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -206,8 +208,8 @@ def warmup_cases(device, d: dict, dtype):
     an integer (specialised on % 16, like 32 and 384), and the token count picks the rule."""
     D, I, k, E = d["dim"], d["moe_inter_dim"], d["n_activated_experts"], 16
     fmt = "fp4_w" if d["expert_dtype"] == "fp4" else "fp8_w"
-    weights = {e: (_warmup.qzeros(fmt, (e, I, D), device), _warmup.qzeros(fmt, (e, I, D), device),
-                   _warmup.qzeros(fmt, (e, D, I), device)) for e in (E, 1)}
+    weights = {e: (zeros_stored(fmt, (e, I, D), None, device), zeros_stored(fmt, (e, I, D), None, device),
+                   zeros_stored(fmt, (e, D, I), None, device)) for e in (E, 1)}
     for n in rule_tokens(_tiles()["experts"], E, k):
         x, rw = _warmup.rand((n, D), dtype, device), torch.rand(n, k, device=device)
         idx = torch.randint(0, E, (n, k), dtype=torch.int32, device=device)

@@ -28,6 +28,8 @@ TILES = {
 def _tiles() -> dict:
     """TILES with the active hardware profile's overrides (``tiles.norm_rope`` in its YAML)."""
     return profiles.tiles("norm_rope", TILES)
+
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -25,7 +25,7 @@ from flashrt import formats
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_code, e2m1_to_f32, e4m3_rne, e4m3_to_f32,
                                          e8m0_to_f32, to_out)
-from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, zeros_stored
 from flashrt.kernels_cuda import _warmup
 
 TILES = {
@@ -215,7 +215,8 @@ def warmup_cases(device, d: dict, dtype):
     for n in _warmup.TOKENS:
         yield _warmup.Launch("quantize fp8", quantize, (_warmup.rand((1, n, hd), dtype, device), "fp8"))
         yield _warmup.Launch("quantize fp4_b32", quantize, (_warmup.rand((1, n, *iq), dtype, device), "fp4_b32"))
-        yield _warmup.Launch("dequantize fp4_b32", dequantize, (_warmup.qzeros("fp4_b32", (1, n, *iq), device), dtype))
+        stored = zeros_stored("fp4_b32", (1, n, *iq), None, device)
+        yield _warmup.Launch("dequantize fp4_b32", dequantize, (stored, dtype))
         for m in sorted({n, max(1, n // 2)}):
             k = _warmup.rand((1, m, d["index_head_dim"]), dtype, device)
             yield _warmup.Launch("quantize fp4_b32", quantize, (k, "fp4_b32"))

@@ -50,6 +50,8 @@ TILES = {
 def _tiles() -> dict:
     """TILES with the active hardware profile's overrides (``tiles.topk`` in its YAML)."""
     return profiles.tiles("topk", TILES)
+
+
 def _pow2(n: int) -> int:
     return next_pow2(max(1, int(n)))
 
@@ -67,7 +69,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     R, T = src.shape
     assert src.stride(1) == 1 and (cand is None or (cand.stride(1) == 1 and cand.shape == src.shape))
     assert src.dtype in (torch.float32, torch.int32) and out.stride(1) == 1 and 1 <= k <= T
-    tiles, chunk_tiles = _tiles()["select"], _tiles()["chunk_max"]
+    all_tiles = _tiles()
+    tiles, chunk_tiles = all_tiles["select"], all_tiles["chunk_max"]
     coarse = _pow2(cdiv(T, tiles["summary"]))  # chunk size of the summary searched for L
     C = min(coarse, tiles["fine"])  # chunk size of the scan; F fine chunks per coarse chunk
     F, NC, NF = coarse // C, cdiv(T, coarse), cdiv(T, C)
