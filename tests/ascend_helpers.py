@@ -6,6 +6,7 @@ the ascend backend serves CPU tensors when chosen explicitly), and undoes all of
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -13,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import flashrt
 from flashrt import dispatch
 from flashrt.kernels_ascend._npu import EMULATION_ENV, FALLBACKS
+from kernel_check import run_on_and_reference
 
 EMULATION_DIR = str(Path(__file__).parent / "npu_emulation")
 
@@ -52,14 +53,7 @@ def npu_emulation():
         dispatch.reload()
 
 
-def run_both(op, *args, **kwargs):
-    """(ascend result, reference result) of ``flashrt.ops.<op>`` on the same inputs."""
-    fn = getattr(flashrt.ops, op)
-    with flashrt.use_backend("ascend"):
-        got = fn(*args, **kwargs)
-    with flashrt.use_backend("reference"):
-        want = fn(*args, **kwargs)
-    return got, want
+run_both = functools.partial(run_on_and_reference, "ascend")  # (ascend result, reference result)
 
 
 def fallbacks(op: str) -> list[str]:

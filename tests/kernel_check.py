@@ -6,6 +6,7 @@ tensors (``TRITON_INTERPRET=1``, set by conftest) with small shapes. Every check
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -25,14 +26,17 @@ def kernels_available() -> bool:
 requires_kernels = pytest.mark.skipif(not kernels_available(), reason="cuda backend unavailable (no triton)")
 
 
-def run_both(op, *args, **kwargs):
-    """(cuda result, reference result) of ``flashrt.ops.<op>`` on the same inputs."""
+def run_on_and_reference(backend: str, op: str, *args, **kwargs):
+    """(``backend`` result, reference result) of ``flashrt.ops.<op>`` on the same inputs."""
     fn = getattr(flashrt.ops, op)
-    with flashrt.use_backend("cuda"):
+    with flashrt.use_backend(backend):
         got = fn(*args, **kwargs)
     with flashrt.use_backend("reference"):
         want = fn(*args, **kwargs)
     return got, want
+
+
+run_both = functools.partial(run_on_and_reference, "cuda")  # (cuda result, reference result)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -98,6 +98,7 @@ def test_kernel_and_copy_paths_resolve_the_same_rows(model, rng, monkeypatch):
     copy = main.resolve(topk)
     assert calls == [1] and len(kernel[0]) == len(copy[0]) == 2
     a, b = rows_of(*kernel), rows_of(*copy)
+    assert len(a) == len(b) == topk.numel()
     assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
     stored = [main.read_row(b, 120) for b in range(2)]  # both tiers, read back on the host
     stored = [dequantize(QTensor(r.data, r.scale, r.fmt, r.shape)) for r in stored]

@@ -5,7 +5,7 @@ import torch
 pytest.importorskip("triton")
 
 from _formats_ref import rand_input  # noqa: E402
-from kernel_check import DEVICE, requires_kernels, run_both  # noqa: E402
+from kernel_check import CountingKernel, DEVICE, requires_kernels, run_both  # noqa: E402
 
 import flashrt  # noqa: E402
 from flashrt import dispatch, formats, ops  # noqa: E402
@@ -177,17 +177,8 @@ def test_supports_declines_weight_formats():
 
 def test_cuda_backend_runs_the_kernels(monkeypatch):
     calls = []
-
-    class Counting:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return self.kernel[grid]
-
-    monkeypatch.setattr(quant, "_quantize_kernel", Counting(quant._quantize_kernel))
-    monkeypatch.setattr(quant, "_dequantize_kernel", Counting(quant._dequantize_kernel))
+    monkeypatch.setattr(quant, "_quantize_kernel", CountingKernel(quant._quantize_kernel, calls))
+    monkeypatch.setattr(quant, "_dequantize_kernel", CountingKernel(quant._dequantize_kernel, calls))
     assert dispatch.backends()["cuda"].ops["quantize"] is quant.quantize
     with flashrt.use_backend("cuda"):
         ops.dequantize(ops.quantize(torch.randn(2, 64, device=DEVICE), "fp4_b16"))

@@ -159,7 +159,8 @@ def _good():
 
 
 def test_good_inputs_pass():
-    ops.index_scores(*_good())
+    out = ops.index_scores(*_good())
+    assert out.shape == (2, 3, 37) and out.dtype == torch.float32
 
 
 def test_bad_q_and_k():

@@ -160,3 +160,19 @@ def test_cold_page_count_follows_the_spills(cfg):
         for t in main.tables:
             assert t.cold == sum(1 for tier, _ in t.pages if tier == "host")
     assert sum(t.cold for t in main.tables) == pool.spilled > 40
+
+
+def test_zero_qtensors_match_every_format_layout():
+    """empty_qtensor (caches, warmup inputs) gives each format's stored layout, multi-byte scales
+    (int8_t fp32, int8_w bf16) included, all bits zero."""
+    from flashrt import formats
+    from flashrt.kvcache_util import empty_qtensor
+
+    for fmt in formats.FORMATS:
+        shape = (3, 64, 128)
+        q = empty_qtensor(fmt, shape, "cpu")
+        data_shape, scale_shape = formats.expected_layout(fmt, shape)
+        s = formats.spec(fmt)
+        assert (tuple(q.data.shape), tuple(q.scale.shape)) == (tuple(data_shape), tuple(scale_shape)), fmt
+        assert (q.data.dtype, q.scale.dtype) == (s.data_dtype, s.scale_dtype), fmt
+        assert not q.data.view(torch.uint8).any() and not q.scale.contiguous().view(torch.uint8).any(), fmt

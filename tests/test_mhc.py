@@ -62,6 +62,13 @@ def _inputs(B, S, hc, D, dtype, g):
     return x, fn, scale, base
 
 
+def _assert_coeffs(got, want):
+    """(pre, post, comb) of the op against the float64 (pre, post, comb)."""
+    assert len(got) == len(want) == 3
+    for t, w, rtol in zip(got, want, (2e-5, 2e-5, 5e-5)):
+        np.testing.assert_allclose(t.double().numpy(), w, rtol=rtol, atol=2e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,S,hc,D", [(1, 1, 4, 16), (2, 3, 4, 7), (1, 2, 3, 5), (2, 1, 1, 9)])
 @pytest.mark.parametrize("iters", [1, 2, 20])
@@ -72,10 +79,7 @@ def test_hc_coefficients(dtype, B, S, hc, D, iters, rng):
     pre, post, comb = ops.hc_coefficients(x, fn, scale, base, iters, eps, norm_eps)
     for t, shape in ((pre, (B, S, hc)), (post, (B, S, hc)), (comb, (B, S, hc, hc))):
         assert t.dtype == torch.float32 and tuple(t.shape) == shape
-    wp, wq, wc = _coeffs64(x, fn, scale, base, iters, eps, norm_eps)
-    np.testing.assert_allclose(pre.double().numpy(), wp, rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(post.double().numpy(), wq, rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(comb.double().numpy(), wc, rtol=5e-5, atol=2e-6)
+    _assert_coeffs((pre, post, comb), _coeffs64(x, fn, scale, base, iters, eps, norm_eps))
 
 
 def test_hc_coefficients_large_eps_and_norm_eps(rng):
@@ -83,11 +87,7 @@ def test_hc_coefficients_large_eps_and_norm_eps(rng):
     g = rng
     x, fn, scale, base = _inputs(2, 2, 4, 8, torch.float32, g)
     x = x * 0.1
-    pre, post, comb = ops.hc_coefficients(x, fn, scale, base, 3, 0.05, 0.5)
-    wp, wq, wc = _coeffs64(x, fn, scale, base, 3, 0.05, 0.5)
-    np.testing.assert_allclose(pre.double().numpy(), wp, rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(post.double().numpy(), wq, rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(comb.double().numpy(), wc, rtol=5e-5, atol=2e-6)
+    _assert_coeffs(ops.hc_coefficients(x, fn, scale, base, 3, 0.05, 0.5), _coeffs64(x, fn, scale, base, 3, 0.05, 0.5))
 
 
 def test_hc_comb_doubly_stochastic_after_many_iters(rng):

@@ -13,43 +13,14 @@ import pytest
 import torch
 
 from flashrt import QTensor, ops
-
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+from test_linear import dequant_w64 as dequant_qw64, fp8_act_quant64
 
 # ------------------------------------------------------------------------------------- helpers
 
 
-def _pow2_at_least(v: float) -> float:
-    m, e = math.frexp(v)
-    return v if m == 0.5 else math.ldexp(1.0, e)
-
-
-def fp8_act_quant64(v: np.ndarray) -> np.ndarray:
-    """fp8 quantize-dequantize of a 1-D float64 vector (blocks of 32, UE8M0 scale, E4M3 RNE)."""
-    out = np.empty_like(v)
-    for b0 in range(0, v.size, 32):
-        blk = v[b0 : b0 + 32]
-        scale = _pow2_at_least(max(float(np.abs(blk).max()), 1e-4) / 448.0)
-        q = np.clip(blk / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        out[b0 : b0 + 32] = q * scale
-    return out
-
-
 def dequant_w64(w) -> np.ndarray:
     """float64 [..., out, in] of a plain tensor or an fp8_w / fp4_w QTensor (from the bytes)."""
-    if not isinstance(w, QTensor):
-        return w.double().numpy()
-    out_dim, in_dim = w.shape[-2:]
-    scale = np.exp2(w.scale.view(torch.uint8).numpy().astype(np.float64) - 127.0)
-    if w.fmt == "fp8_w":
-        el = w.data.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        full = np.repeat(np.repeat(scale, 32, axis=-2), 32, axis=-1)[..., :out_dim, :in_dim]
-        return el * full
-    b = w.data.numpy().astype(np.int64)
-    codes = np.empty(b.shape[:-1] + (in_dim,), dtype=np.int64)
-    codes[..., 0::2] = b & 0xF
-    codes[..., 1::2] = b >> 4
-    return np.where(codes & 8, -1.0, 1.0) * E2M1[codes & 7] * np.repeat(scale, 32, axis=-1)
+    return dequant_qw64(w) if isinstance(w, QTensor) else w.double().numpy()
 
 
 def _bf16(v):

@@ -55,6 +55,13 @@ def random_indices(B, S, K, T, g, p_empty=0.25, p_all_empty_row=0.0) -> torch.Te
     return idx.to(torch.int32)
 
 
+def plain_inputs(B, S, H, D, T, K, g, **idx_kw):
+    """fp32 randn q [B, S, H, D] and kv [B, T, D], then random_indices(B, S, K, T, g, **idx_kw)."""
+    q = torch.randn(B, S, H, D, generator=g)
+    kv = torch.randn(B, T, D, generator=g)
+    return q, kv, random_indices(B, S, K, T, g, **idx_kw)
+
+
 def check_close(out, want, dtype):
     assert out.dtype == dtype
     if dtype == torch.bfloat16:
@@ -63,7 +70,6 @@ def check_close(out, want, dtype):
         torch.testing.assert_close(out.double(), want.to(torch.float16).double(), rtol=2e-3, atol=2e-3)
     else:  # fp32 math, fp32 / fp64 output
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-5)
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,9 +120,8 @@ def test_scales_incl_large_logits(scale, rng):
     """Large logits must not overflow (max subtraction); scale 0 is a plain average."""
     g = rng
     B, S, H, D, T, K = 2, 3, 3, 64, 37, 10
-    q = torch.randn(B, S, H, D, generator=g) * 3
-    kv = torch.randn(B, T, D, generator=g)
-    idx = random_indices(B, S, K, T, g)
+    q, kv, idx = plain_inputs(B, S, H, D, T, K, g)
+    q = q * 3
     sink = torch.randn(H, generator=g)
     out = ops.sparse_attention(q, kv, idx, sink, scale)
     assert torch.isfinite(out).all()
@@ -128,9 +133,7 @@ def test_scales_incl_large_logits(scale, rng):
 def test_sink_dominates_and_is_negligible(rng):
     g = rng
     B, S, H, D, T, K = 1, 2, 3, 16, 9, 4
-    q = torch.randn(B, S, H, D, generator=g)
-    kv = torch.randn(B, T, D, generator=g)
-    idx = random_indices(B, S, K, T, g, p_empty=0.0)
+    q, kv, idx = plain_inputs(B, S, H, D, T, K, g, p_empty=0.0)
     sink = torch.tensor([200.0, -200.0, 0.0])
     out = ops.sparse_attention(q, kv, idx, sink, 0.25)
     want = expected_attention(q, kv, idx, sink, 0.25)
@@ -225,6 +228,9 @@ def test_segmented_kv_empty_and_bad():
     assert torch.equal(shared, ops.sparse_attention(q, (a[:1].expand(2, 5, 32), b), idx, None, 0.1))
     assert_error(lambda: ops.sparse_attention(q, (a, ops.quantize(torch.randn(2, 7, 32), "fp8_w")), idx, None, 0.1),
                  "kv[1]", "fp8_w")
+    for bad in ([[1.0]], torch.tensor(1.0)):  # not a tensor, a 0-dim tensor: a ValueError naming the segment
+        with pytest.raises(ValueError, match=r"^kv\[1\]"):
+            ops.sparse_attention(q, (a, bad), idx, None, 0.1)
     high = idx.clone()
     high[0, 0, 0] = 12  # == T_0 + T_1
     assert_error(lambda: ops.sparse_attention(q, (a, b), high, None, 0.1), "indices", "[-1, 12)", "12]")
@@ -286,9 +292,7 @@ def test_empty_cache_gives_zeros(fmt):
 def test_order_irrelevant(with_sink, rng):
     g = rng
     B, S, H, D, T, K = 3, 4, 3, 32, 37, 13
-    q = torch.randn(B, S, H, D, generator=g)
-    kv = torch.randn(B, T, D, generator=g)
-    idx = random_indices(B, S, K, T, g)
+    q, kv, idx = plain_inputs(B, S, H, D, T, K, g)
     sink = torch.randn(H, generator=g) if with_sink else None
     out = ops.sparse_attention(q, kv, idx, sink, 0.2)
     for _ in range(3):
@@ -330,9 +334,7 @@ def test_batches_are_independent(rng):
     """Each batch reads only its own kv rows."""
     g = rng
     B, S, H, D, T, K = 3, 2, 2, 16, 6, 4
-    q = torch.randn(B, S, H, D, generator=g)
-    kv = torch.randn(B, T, D, generator=g)
-    idx = random_indices(B, S, K, T, g, p_empty=0.0)
+    q, kv, idx = plain_inputs(B, S, H, D, T, K, g, p_empty=0.0)
     out = ops.sparse_attention(q, kv, idx, None, 0.3)
     for b in range(B):
         one = ops.sparse_attention(q[b : b + 1], kv[b : b + 1], idx[b : b + 1], None, 0.3)
@@ -366,7 +368,8 @@ def _good():
 
 
 def test_good_inputs_pass():
-    ops.sparse_attention(*_good(), 0.1)
+    out = ops.sparse_attention(*_good(), 0.1)
+    assert out.shape == (2, 3, 4, 32) and out.dtype == torch.float32
 
 
 def test_bad_q():
