@@ -22,16 +22,21 @@ H, D, W, TOPK, CTX = 64, 512, 128, 512, 131072
 BASE = dict(H_BLOCK=64, K_BLOCK=32, num_warps=8, num_stages=2, D_SPLIT=2)  # the shipped tiles
 TWO = dict(enabled=True, min_queries=1, max_score_bytes=1 << 30, H_BLOCK=64, K_BLOCK=64, DV=128, max_splits=8,
            num_warps=8, num_stages=2)
-CANDIDATES = [  # tiles.attention sections over the module's TILES (H_BLOCK < 64: 2-30x slower, not probed)
+# tiles.attention sections over the module's TILES (H_BLOCK < 64: 2-30x slower, not probed; D_SPLIT 1 and
+# the one-pass tiles around the shipped ones: results/h200-attention-probe.json of session 2). The
+# two-pass spill counts in the comments are from benchmarks/sm90_compile.py (Triton 3.6, no GPU needed).
+CANDIDATES = [
     {"attention": BASE},
-    {"attention": dict(BASE, D_SPLIT=1)},
-    {"attention": BASE, "two_pass": TWO},
-    {"attention": BASE, "two_pass": dict(TWO, K_BLOCK=32)},
-    {"attention": BASE, "two_pass": dict(TWO, DV=64)},
-    {"attention": BASE, "two_pass": dict(TWO, num_warps=4)},
+    {"attention": BASE, "two_pass": TWO},  # 255 registers, 112 B stack (scores)
+    {"attention": BASE, "two_pass": dict(TWO, K_BLOCK=32)},  # 8 warps: 128 / 128 registers, no spills
+    {"attention": BASE, "two_pass": dict(TWO, K_BLOCK=32, num_warps=4)},  # 193 / 201, no spills
     {"attention": BASE, "two_pass": dict(TWO, K_BLOCK=32, DV=64, num_warps=4)},
-    {"attention": BASE, "two_pass": dict(TWO, num_stages=3)},
+    {"attention": BASE, "two_pass": dict(TWO, K_BLOCK=16, num_warps=4)},  # 95 KB shared: 2 programs an SM
+    {"attention": BASE, "two_pass": dict(TWO, K_BLOCK=32, num_warps=4, num_stages=1)},  # 98 KB shared
 ]
+# Diagnostic (not a candidate): the shipped tiles on bf16 KV rows (the same values, no dequantization,
+# 2-4x the bytes): how much of the time the in-register dequantization takes.
+DIAGNOSTIC_BF16 = {"attention": BASE}
 SHAPES = [("decode", 1, 1), ("decode", 8, 1), ("decode", 64, 1), ("prefill", 1, 2048)]
 
 
@@ -102,24 +107,30 @@ def main() -> None:
     rows = []
     data = {(B, S): inputs(B, S, gen) for _, B, S in SHAPES}
     refs = {k: reference.sparse_attention(*v, D ** -0.5).float() for k, v in data.items()}
-    for section in CANDIDATES:
+    runs = [(c, "quantized") for c in CANDIDATES] + [(DIAGNOSTIC_BF16, "bf16")]
+    for section, kv_kind in runs:
         prof = dataclasses.replace(base, tiles={**base.tiles, "attention": section})
         with profiles.using(prof), flashrt.use_backend("cuda"), flashrt.value_checks(False):
             for kind, B, S in SHAPES:
                 q, kv, idx, sink = data[(B, S)]
+                if kv_kind == "bf16":
+                    kv = tuple(ops.dequantize(seg, torch.bfloat16) for seg in kv)
                 call = lambda: ops.sparse_attention(q, kv, idx, sink, D ** -0.5)
+                row = {"tiles": section, "kv": kv_kind, "kind": kind, "B": B, "S": S}
                 try:
                     out = call().float()
                     err = float((out - refs[(B, S)]).norm() / refs[(B, S)].norm())
                     ms = graph_ms(call)
                 except Exception as exc:  # an invalid tile (shared memory) is a row, not a failure
-                    rows.append({"tiles": section, "kind": kind, "B": B, "S": S, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                    rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                    print(f"{str(section)[:100]} {kind} B={B} S={S}: {rows[-1]['error']}", flush=True)
                     continue
                 fl, bound = floor_ms(B, S, ceil)
-                rows.append({"tiles": section, "kind": kind, "B": B, "S": S, "ms": ms, "rel_err": err,
-                             "floor_ms": fl, "bound": bound, "roofline_fraction": fl / ms})
+                rows.append({**row, "ms": ms, "rel_err": err, "floor_ms": fl, "bound": bound,
+                             "roofline_fraction": fl / ms})
                 name = "two-pass " + str(section["two_pass"]) if "two_pass" in section else str(section["attention"])
-                print(f"{name[:120]:120} {kind:7} B={B:3d} S={S:5d} {ms * 1e3:9.1f} us  "
+                name = (name + (" [bf16 KV]" if kv_kind == "bf16" else ""))[:120]
+                print(f"{name:120} {kind:7} B={B:3d} S={S:5d} {ms * 1e3:9.1f} us  "
                       f"{100 * fl / ms:5.1f}% ({bound})  err {err:.1e}", flush=True)
     result = {"ceilings": ceil, "rows": rows, "kernels": kernel_stats()}
     print(json.dumps(result["kernels"])[:1500])

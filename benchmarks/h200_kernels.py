@@ -18,7 +18,8 @@ def main() -> None:
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    write_json(args.out, run_suite(args.families, log=lambda line: print(line, flush=True)))
+    write_json(args.out, run_suite(args.families, log=lambda line: print(line, flush=True),
+                                   checkpoint=lambda report: write_json(args.out, report)))  # after each family
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+
+from .jit import atomic_write
 
 
 def cmd_kernels(args) -> int:
@@ -16,11 +19,11 @@ def cmd_kernels(args) -> int:
     def log(line: str) -> None:
         print(line, file=stream, flush=True)
 
-    result = run_suite(args.families, log=log)
+    def write(report: dict) -> None:  # after every family, atomically: a killed run keeps what it measured
+        atomic_write(Path(args.out), (json.dumps(report, indent=2, default=str) + "\n").encode())
+
+    result = run_suite(args.families, log=log, checkpoint=write if args.out else None)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-            f.write("\n")
         log(f"wrote {args.out}")
     if args.json:
         json.dump(result, sys.stdout, indent=2, default=str)

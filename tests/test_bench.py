@@ -69,3 +69,33 @@ def test_graph_replay_timing_on_the_device():
     assert bench_ms(lambda: x * 3).graph is not None  # nothing left mid-capture: captures and RNG still work
     assert torch.randn(4, device="cuda").isfinite().all()
     assert torch.cuda.is_available() and float((x * 2).sum()) == pytest.approx(float(x.sum()) * 2, rel=1e-4)
+
+
+def test_the_cli_writes_the_report_after_every_family(monkeypatch, tmp_path, capsys):
+    """A run killed in a later family keeps the families it finished (written atomically each time)."""
+    import json
+
+    from flashrt import bench
+    from flashrt.bench import common, elementwise, gemm
+
+    out = tmp_path / "report.json"
+    seen = []
+    monkeypatch.setattr(bench, "cuda_missing", lambda: None)
+    monkeypatch.setattr(common.Ceilings, "measure", staticmethod(lambda: CEIL))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def first(ceil):
+        return [{"kernel": "k1", "shape": "s", "bound": "error", "error": "x"}]
+
+    def second(ceil):  # the report on disk already holds the first family when the second starts
+        seen.append(json.loads(out.read_text()))
+        raise KeyboardInterrupt  # killed mid-run
+
+    monkeypatch.setattr(elementwise, "run", first)
+    monkeypatch.setattr(gemm, "run", second)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["bench", "kernels", "--families", "elementwise", "gemm", "--out", str(out)])
+    assert [r["kernel"] for r in seen[0]["rows"]] == ["k1"] and seen[0]["rows"][0]["family"] == "elementwise"
+    assert json.loads(out.read_text()) == seen[0]  # the kill left the last whole report
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temporary file left behind

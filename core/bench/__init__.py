@@ -30,8 +30,9 @@ def cuda_missing() -> str | None:
     return None
 
 
-def run_suite(families=FAMILIES, log=print, progress=None) -> dict:
-    """Measure the ceilings, then every family's cases; returns the report dict (JSON-ready)."""
+def run_suite(families=FAMILIES, log=print, progress=None, checkpoint=None) -> dict:
+    """Measure the ceilings, then every family's cases; returns the report dict (JSON-ready).
+    ``checkpoint(report)`` is called after each family (a run killed later keeps what it measured)."""
     import torch
 
     from .common import Ceilings
@@ -54,7 +55,7 @@ def run_suite(families=FAMILIES, log=print, progress=None) -> dict:
         except Exception as exc:  # noqa: BLE001 - recorded in the report; the other families still run
             result["errors"][fam] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
             log(f"{fam}: FAILED {exc}")
-            continue
+            rows = []
         finally:
             if progress:
                 progress(done, len(families))
@@ -62,6 +63,8 @@ def run_suite(families=FAMILIES, log=print, progress=None) -> dict:
         log(f"{fam}: {len(rows)} cases in {time.perf_counter() - t0:.1f}s")
         for r in rows:
             log(describe(r))
+        if checkpoint:
+            checkpoint(result)
         torch.cuda.empty_cache()
     return result
 

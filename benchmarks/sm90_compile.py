@@ -1,0 +1,159 @@
+"""Compile the CUDA launchers' Triton kernels for sm_90 on a machine WITHOUT a GPU and report what
+the compiler made of them: registers, spilled bytes, shared memory, and the SASS instruction mix
+(``HGMMA`` = Hopper wgmma, ``HMMA`` = the older mma path, ``LDL``/``STL`` = local-memory spills).
+Costs no device time: use it to check a kernel change for spills and wgmma before timing it.
+
+    python benchmarks/sm90_compile.py attention --B 64 --S 1 [--tiles '{"two_pass": {"enabled": true}}']
+
+How: a stand-in Triton driver reports an sm_90 target; the launcher runs on CPU tensors as it
+would on the GPU; Triton's ``jit_cache_hook`` takes each kernel's specialization instead of
+launching it, and ``triton.compile`` builds the cubin with the ptxas that Triton ships. Compile with
+the Triton version of the GPU image (3.6 on the lent H200) for numbers that match the device.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+DUMP_DIR = os.environ.get("SM90_DUMP_DIR", "/tmp/sm90")  # <kernel>.cubin / .ttgir / .ptx / .sass
+SASS_OPS = ("HGMMA", "HMMA", "LDL", "STL", "LDG", "LDGSTS", "UTMALDG", "LDS", "STS", "LDSM", "STSM", "FFMA",
+            "MUFU", "BAR", "WARPGROUP")
+
+
+class _Sm90Driver:
+    """The parts of Triton's active driver a compile asks for, answering as one sm_90 GPU."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return TARGET
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def capture(call) -> list[tuple]:
+    """(kernel, signature, constexprs, options, attrs) of each kernel ``call()`` launches; none is
+    compiled or run (``JITFunction._do_compile`` returns None, so ``run`` returns before launching)."""
+    seen = []
+
+    def record(self, key, signature, device, constexprs, options, attrs, warmup):
+        seen.append((self, signature, constexprs, options, attrs))
+        return None
+
+    real, active = JITFunction._do_compile, driver._active
+    driver.set_active(_Sm90Driver())
+    JITFunction._do_compile = record
+    try:
+        call()
+    finally:
+        JITFunction._do_compile = real
+        driver._active = active  # (reset_active would create a driver: none exists without a GPU)
+    return seen
+
+
+def compile_report(fn, signature, constexprs, options, attrs) -> dict:
+    """Compile one captured specialization for sm_90; its resources and SASS mix."""
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    meta = kernel.metadata
+    cubin = kernel.asm["cubin"]
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    path = os.path.join(DUMP_DIR, f"{fn.__name__}.cubin")
+    os.makedirs(DUMP_DIR, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(cubin)
+    for ext in ("ttgir", "ptx"):
+        with open(path[:-5] + ext, "w") as f:
+            f.write(kernel.asm[ext])
+    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path],
+                           capture_output=True, text=True).stdout
+    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", path], capture_output=True, text=True).stdout
+    with open(path[:-5] + "sass", "w") as f:
+        f.write(sass)
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return {"kernel": fn.__name__, "num_warps": meta.num_warps, "num_stages": meta.num_stages,
+            "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
+            "shared_bytes": meta.shared, "sass": {k: ops.get(k, 0) for k in SASS_OPS},
+            "constexprs": {fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()}}
+
+
+def attention_call(B: int, S: int, cold: bool):
+    """The released decode / prefill attention call (64 heads x 512, fp8 ring + fp4_b16 picks) on CPU tensors."""
+    from flashrt.formats import QTensor
+    from flashrt.kernels_cuda import attention
+
+    H, D, W, TOPK, T = 64, 512, 128, 512, 4096
+
+    def stored(fmt, shape):
+        per, bs = (1, 32) if fmt == "fp8" else (2, 16)
+        data = torch.zeros(*shape[:-1], shape[-1] // per, dtype=torch.uint8)
+        scale = torch.zeros(*shape[:-1], shape[-1] // bs, dtype=torch.uint8)
+        return QTensor(data, scale, fmt, tuple(shape))
+
+    kv = (stored("fp8", (B, W, D)), stored("fp4_b16", (1, T, D)))
+    if cold:
+        kv += (stored("fp4_b16", (1, B * TOPK, D)),)
+    q = torch.zeros(B, S, H, D, dtype=torch.bfloat16)
+    idx = torch.zeros(B, S, W + TOPK, dtype=torch.int32)
+    return lambda: attention.sparse_attention(q, kv, idx, torch.zeros(H), D ** -0.5)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("family", choices=["attention"])
+    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--S", type=int, default=1)
+    ap.add_argument("--cold", action="store_true", help="attention: with the cold-page staging segment")
+    ap.add_argument("--tiles", default="{}", help="JSON merged into tiles.<family> of the active profile")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    from flashrt import profiles
+
+    base = profiles.active_profile()
+    extra = json.loads(args.tiles)
+    section = {**base.tiles.get(args.family, {})}
+    for k, v in extra.items():
+        section[k] = {**section.get(k, {}), **v} if isinstance(v, dict) else v
+    prof = dataclasses.replace(base, tiles={**base.tiles, args.family: section})
+    with profiles.using(prof):
+        seen = capture(attention_call(args.B, args.S, args.cold))
+        reports = [compile_report(*c) for c in seen]
+    if args.json:
+        json.dump(reports, sys.stdout, indent=1)
+        return
+    for r in reports:
+        print(f"{r['kernel']}: {r['num_warps']} warps, {r['num_stages']} stages, {r['registers']} registers, "
+              f"stack {r['stack_bytes']} B, shared {r['shared_bytes']} B")
+        print("   " + "  ".join(f"{k} {v}" for k, v in r["sass"].items() if v))
+
+
+if __name__ == "__main__":
+    main()
