@@ -176,14 +176,14 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536, 262144, 1048576])
     ap.add_argument("--device-share", type=float, default=0.10, help="main KV on the device in the decode sweep")
     ap.add_argument("--ttft-tokens", type=int, default=32768)
-    ap.add_argument("--capture-cold", action="store_true",
-                    help="capture decode steps that read cold pages (graphs/decode_graph.CAPTURE_COLD)")
+    ap.add_argument("--eager-cold", action="store_true",
+                    help="run decode steps that read cold pages eagerly (graphs/decode_graph.CAPTURE_COLD off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.capture_cold:
+    if args.eager_cold:
         import flashrt.graphs.decode_graph as decode_graph
 
-        decode_graph.CAPTURE_COLD = True
+        decode_graph.CAPTURE_COLD = False
     cfg = shipped_config(args.model)
     model = Model(cfg, init_weights(cfg, seed=0, device=DEV))
     budget = 24 << 30

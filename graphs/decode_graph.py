@@ -17,8 +17,8 @@ Host work stays outside the graph: page reservation and spills (``begin_step``),
 refreshes, Engram hashing, sampling, and with Engram tables in host memory the gather of the
 step's rows into pinned buffers and their copy to static device buffers (issued before the
 replay, which reads them). Cold main-KV pages are read by the zero-copy gather
-(``kernels_cuda.kv_gather``: the kernel reads pinned host memory, no host work): such steps run
-the static step eagerly unless ``CAPTURE_COLD``; where that kernel is not available the cold
+(``kernels_cuda.kv_gather``: the kernel reads pinned host memory, no host work): such steps are
+captured too (eager with ``CAPTURE_COLD`` False); where that kernel is not available the cold
 fetch is host-driven and the step falls back to :meth:`Model.forward`. On a non-CUDA device the
 same static-buffer step runs eagerly (how CPU tests check it).
 """
@@ -37,12 +37,11 @@ from .context import StepContext
 
 
 CAPTURE_ERROR_MODE = "global"  # torch.cuda.graph's: "relaxed" lets driver queries run during a capture
-# Capture steps that read cold pages (through the zero-copy gather). Off until checked on a GPU:
-# on the H200 such captures failed because attention then had four KV segments, which the CUDA
-# kernel declined, and the reference fallback syncs with the host; the kernel now takes a fourth
-# segment (tests/test_decode_graph.py's GPU test covers the capture). Any step whose first run
-# syncs with the host is kept eager rather than captured (checks.host_syncs_raise).
-CAPTURE_COLD = False
+# Capture steps that read cold pages (through the zero-copy gather; attention then reads four KV
+# segments). Checked on the H200 (tests/test_decode_graph.py::test_captured_steps_with_cold_pages:
+# replays bit-identical to the eager static step); False runs such steps eagerly. Any step whose
+# first run syncs with the host is kept eager rather than captured (checks.host_syncs_raise).
+CAPTURE_COLD = True
 
 
 def bucket(entries: int) -> int:
