@@ -20,9 +20,13 @@ case $round in
   2)  # the kernel suite with graph-replay timing (the report is rewritten after every family)
     timeout 570 flashrt bench kernels --out "$OUT/h200-kernels.json" 2>&1 | tail -100
     ;;
-  3)  # tuning, then end to end decode (reference vs cuda eager vs CUDA graphs)
-    timeout 300 flashrt tune --out "$OUT/h200.yaml" --budget 270 2>&1 | tail -25
-    timeout 200 python e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --out "$OUT/h200-e2e.json" 2>&1 | tail -10
+  3)  # the new kernels on the GPU, a graph decode step by kernel again, tuning, end to end decode
+    (cd .. && timeout 150 python -m pytest -m gpu -n 8 -q -p no:cacheprovider tests/test_cuda_linear_plain.py \
+      tests/test_cuda_moe_route.py tests/test_cuda_moe_tables.py tests/test_model_gpu.py tests/test_decode_graph.py \
+      tests/test_cuda_gemm.py 2>&1 | tee "$OUT/gpu-tests-3.log" | grep -v -i warn | tail -12)
+    timeout 80 python decode_profile.py --model small --batch 8 --out "$OUT/h200-decode-profile.json" 2>&1 | tail -12
+    timeout 240 flashrt tune --out "$OUT/h200.yaml" --budget 200 2>&1 | tail -16
+    timeout 150 python e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --out "$OUT/h200-e2e.json" 2>&1 | tail -10
     ;;
   *) echo "round: expected 1-3, got $round" >&2; exit 2 ;;
 esac

@@ -32,7 +32,7 @@ PKG = os.path.dirname(os.path.dirname(os.path.abspath(flashrt.graphs.__file__)))
 FREE = re.compile(r"^(empty|empty_strided|empty_like|view|_unsafe_view|as_strided|_reshape_alias|unsqueeze|squeeze|"
                   r"expand|permute|t|transpose|select|slice|alias|detach|lift_fresh|unbind|split|split_with_sizes|"
                   r"chunk|narrow|view_as|diagonal|set_|record_stream|_local_scalar_dense|is_nonzero|item|"
-                  r"unfold|_to_copy_meta|new_empty|new_empty_strided)$")
+                  r"unfold|_to_copy_meta|new_empty|new_empty_strided|view_as_real|view_as_complex)$")
 
 
 def site() -> str | None:

@@ -176,13 +176,22 @@ class KVState:
             return
         W = self.cfg.window_size
         S = positions.shape[1]
-        rows = torch.arange(self.batch, device=self.device).unsqueeze(1)
-        if S <= W:  # every token of the chunk stays in the ring: no mask, no device sync
-            write_rows(self.rings[layer], rows.expand_as(positions).reshape(-1), (positions % W).reshape(-1), kv)
-            return
-        tail = slice(S - W, S)  # rows of a chunk share its length: the last W tokens stay
-        write_rows(self.rings[layer], rows.expand(-1, W).reshape(-1), (positions[:, tail] % W).reshape(-1),
-                   QTensor(kv.data[:, tail], kv.scale[:, tail], kv.fmt, (kv.shape[0], W, kv.shape[-1])))
+        if S > W:  # rows of a chunk share its length: the last W tokens stay
+            tail = slice(S - W, S)
+            positions, kv = positions[:, tail], QTensor(kv.data[:, tail], kv.scale[:, tail], kv.fmt,
+                                                        (kv.shape[0], W, kv.shape[-1]))
+        write_rows(self.rings[layer], *self._ring_slots(positions), kv)
+
+    def _ring_slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, slot) of each token of ``positions`` [B, S] (S <= W) in the rings; every layer of a
+        call writes the same slots, so they are computed once per positions tensor (no device sync)."""
+        hit = getattr(self, "_slots", None)
+        if hit is not None and hit[0] is positions:
+            return hit[1]
+        rows = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(positions).reshape(-1)
+        slots = (rows, (positions % self.cfg.window_size).reshape(-1))
+        self._slots = (positions, slots)
+        return slots
 
     # ----- compressed caches -------------------------------------------------------------------
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:

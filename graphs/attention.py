@@ -15,18 +15,31 @@ from .compressor import Compressor
 from .context import StepContext, rope_tail
 
 
-def window_indices(positions: torch.Tensor, ring_start: torch.Tensor, window: int) -> torch.Tensor:
+_BIG = 1 << 62  # a key every ring start accepts (chunk slots); -_BIG: none does (before the sequence)
+
+
+def window_parts(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`window_indices` needs that does not depend on the layer's ring start, computed once
+    per call: (slot int32 [B, S, W], key int64 [B, S, W]). Position ``p - w`` is slot
+    ``window + p - w - start`` of the chunk when it is >= the chunk start, else ring slot
+    ``(p - w) % W``; its key is ``_BIG`` in the chunk, the position itself when >= 0, else ``-_BIG``."""
+    start = positions[:, :1].unsqueeze(-1)  # [B, 1, 1]
+    pos = positions.unsqueeze(-1) - torch.arange(window, device=positions.device)  # [B, S, W]
+    in_chunk = pos >= start
+    slot = torch.where(in_chunk, window + pos - start, pos % window).to(torch.int32)
+    key = torch.where(in_chunk, _BIG, torch.where(pos >= 0, pos, -_BIG))
+    return slot, key
+
+
+def window_indices(positions: torch.Tensor, ring_start: torch.Tensor, window: int, parts=None) -> torch.Tensor:
     """int32 [B, S, W] indices into [ring (W slots) ‖ chunk (S)] of the W most recent positions.
 
     Position ``p - w`` lives in the chunk when it is >= the chunk start, else in ring slot
     ``(p - w) % W`` if the ring holds it (>= ``ring_start``); -1 before the sequence start.
+    ``parts``: :func:`window_parts` of these positions (shared by the layers of one call).
     """
-    start = positions[:, :1].unsqueeze(-1)  # [B, 1, 1]
-    pos = positions.unsqueeze(-1) - torch.arange(window, device=positions.device)  # [B, S, W]
-    in_chunk = pos >= start
-    in_ring = (pos >= ring_start.view(-1, 1, 1)) & (pos >= 0) & ~in_chunk
-    idx = torch.where(in_chunk, window + pos - start, pos % window)
-    return torch.where(in_chunk | in_ring, idx, -1).to(torch.int32)
+    slot, key = parts if parts is not None else window_parts(positions, window)
+    return slot.masked_fill(key < ring_start.view(-1, 1, 1), -1)
 
 
 class Attention:
@@ -75,11 +88,16 @@ class Attention:
         kv = self.window_kv(h, f, ctx.state.window_fmt)
         W = cfg.window_size
         segments = [ctx.state.rings[self.layer], kv]
-        indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], W)
+        if ("window", W) not in ctx.shared:
+            ctx.shared[("window", W)] = window_parts(ctx.positions, W)
+        indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], W, ctx.shared[("window", W)])
         if self.ratio:
             main, topk = self._compressed(h, qr, ctx)
             segments += main
-            indices = torch.cat([indices, torch.where(topk >= 0, topk + W + S, topk)], dim=-1)
+            key = ("topk+window", id(topk))  # reuse layers share their index source's top-k
+            if key not in ctx.shared:  # (the top-k tensor stays alive in ctx.shared: its id is not reused)
+                ctx.shared[key] = torch.where(topk >= 0, topk + W + S, topk)
+            indices = torch.cat([indices, ctx.shared[key]], dim=-1)
         o = ops.sparse_attention(q, tuple(segments), indices, self.sink, cfg.head_dim ** -0.5)
         ctx.state.write_ring(self.layer, kv, ctx.positions)
         return self.output(o, f)

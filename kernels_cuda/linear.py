@@ -1,4 +1,5 @@
-"""``linear`` with a block-scaled weight (``fp8_w`` / ``fp4_w``): fp8 activations, fp32 accumulation.
+"""``linear`` with a block-scaled weight (``fp8_w`` / ``fp4_w``): fp8 activations, fp32 accumulation
+(plain bf16 / fp16 weights: :mod:`.linear_plain`).
 
 ``x`` is quantized to fp8 per 32 (E4M3 bytes, UE8M0 scale bytes: the ``fp8`` format, by quant.py's
 kernel at this module's ``act_quant`` tiles); ``_linear_kernel`` (:mod:`.linear_kernel`) then
@@ -29,6 +30,7 @@ from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, no_device_reason, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
+from flashrt.kernels_cuda.linear_plain import plain_linear, supports_plain_linear
 
 WEIGHT_FORMATS = ("fp8_w", "fp4_w")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -152,8 +154,10 @@ def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
     return a @ (weight.data.to(bf16) * sw).t()
 
 
-def linear(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
-    """x [..., in] float, weight fp8_w / fp4_w [out, in] -> [..., out] in x.dtype."""
+def linear(x: torch.Tensor, weight: QTensor | torch.Tensor) -> torch.Tensor:
+    """x [..., in] float, weight fp8_w / fp4_w [out, in] (or plain: :mod:`.linear_plain`) -> [..., out] in x.dtype."""
+    if not isinstance(weight, QTensor):
+        return plain_linear(x, weight)
     assert isinstance(weight, QTensor) and weight.fmt in WEIGHT_FORMATS and weight.ndim == 2, weight
     n, k = weight.shape
     x2 = x.reshape(-1, k)
@@ -177,8 +181,10 @@ def linear(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
 
 
 def supports_linear(x, weight) -> bool:
-    """Quantized 2-D weights only: a plain weight is torch.matmul's job (declined)."""
-    return isinstance(weight, QTensor) and weight.fmt in WEIGHT_FORMATS and weight.ndim == 2 and x.dtype in FLOATS
+    """Quantized 2-D weights (fp8_w / fp4_w), or plain bf16 / fp16 ones (:func:`.linear_plain.supports_plain_linear`)."""
+    if not isinstance(weight, QTensor):
+        return supports_plain_linear(x, weight)
+    return weight.fmt in WEIGHT_FORMATS and weight.ndim == 2 and x.dtype in FLOATS
 
 
 OPS = {"linear": linear}

@@ -1,8 +1,8 @@
 """``moe_experts``: routed SwiGLU experts with ``fp4_w`` / ``fp8_w`` weights, grouped by expert.
 
-The (token, slot) pairs are sorted by expert (torch in the launcher: a stable sort, per-expert
-counts, and a table of row tiles, each inside one expert; no host sync, so it can be captured in a
-CUDA graph). Then three kernels:
+The (token, slot) pairs are sorted by expert with a table of row tiles, each inside one expert
+(:mod:`.moe_tables`: one program for decode-sized batches, torch past that; no host sync, so it can
+be captured in a CUDA graph). Then three kernels:
 
 1. ``_moe_up_kernel``: per (row tile, column tile of I), W1 and W3 over the fp8 activations of the
    tile's tokens (rows gathered by token id), the SwiGLU epilogue in fp32 (gate and up rounded to
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from flashrt import profiles
 from flashrt.kernels_cuda.launch import cdiv, zeros_stored
-from flashrt.kernels_cuda import _warmup
+from flashrt.kernels_cuda import _warmup, moe_tables
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
 from flashrt.kernels_cuda.linear import FLOATS, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile, weight_operands
@@ -35,6 +35,7 @@ TILES = {
         (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
     ),
     "combine": dict(BLOCK_D=1024, num_warps=4),
+    "route": moe_tables.ROUTE,  # the routing tables in one program up to max_pairs (token, slot) pairs
 }
 
 
@@ -122,31 +123,6 @@ def _moe_combine_kernel(y_ptr, pos_ptr, out_ptr, D, TOPK, stride_ym, stride_om, 
     tl.store(out_ptr + t * stride_om + offs, acc, mask=offs < D)
 
 
-def route_tables(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m: int) -> dict:
-    """Pairs sorted by expert and the row-tile table (tiles never straddle two experts).
-
-    tok / rw: token and routing weight of each sorted pair; pos: sorted position of pair t*k+s;
-    tile_e / tile_row / row_end: expert, first and end row of each tile (tile_e == E: unused tile).
-    """
-    n, k = indices.shape
-    pairs = n * k
-    flat = indices.reshape(-1).long()
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
-    ends = torch.cumsum(counts, 0)
-    tiles = (counts + block_m - 1) // block_m
-    tile_ends = torch.cumsum(tiles, 0)
-    t = torch.arange(min(pairs, cdiv(pairs, block_m) + n_experts), device=flat.device)
-    tile_e = torch.searchsorted(tile_ends, t, right=True)
-    e = tile_e.clamp_max(n_experts - 1)
-    tile_row = ends[e] - counts[e] + (t - tile_ends[e] + tiles[e]) * block_m
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(pairs, device=flat.device)
-    return dict(tok=(order // k).to(torch.int32), rw=weights.reshape(-1)[order].contiguous(),
-                pos=pos.to(torch.int32), tile_e=tile_e.to(torch.int32), tile_row=tile_row.to(torch.int32),
-                row_end=ends[e].to(torch.int32))
-
-
 def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t):
     (d1, s1), (d3, s3) = weight_operands(w1), weight_operands(w3)
     assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
@@ -184,7 +160,7 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
     if n * k == 0 or D == 0 or I == 0:
         return torch.zeros(n, D, dtype=torch.float32, device=x.device)
     t = pick_tile(_tiles()["experts"], n * k / E)
-    tab = route_tables(indices, weights.to(torch.float32), E, t["BLOCK_M"])
+    tab = moe_tables.route_tables(indices, weights, E, t["BLOCK_M"], _tiles()["route"])
     xq, sx = act_quant(x)
     hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t)
     y = _experts_down(hq, sh, tab, w2, D, x.dtype, t)

@@ -176,15 +176,6 @@ def test_moe_experts_no_tokens(rng):
     assert got.shape == want.shape == (0, 64)
 
 
-def test_route_tables(rng):
-    indices = torch.tensor([[2, 0], [2, 2], [0, 3]], dtype=torch.int32)
-    tab = moe.route_tables(indices, torch.rand(3, 2, generator=rng), 4, 2)
-    assert tab["tok"].tolist() == [0, 2, 0, 1, 1, 2]  # pairs sorted by expert, stable
-    assert tab["tile_e"].tolist()[:4] == [0, 2, 2, 3] and set(tab["tile_e"].tolist()[4:]) <= {4}
-    assert tab["tile_row"].tolist()[:4] == [0, 2, 4, 5] and tab["row_end"].tolist()[:4] == [2, 5, 5, 6]
-    assert tab["pos"].tolist() == [2, 0, 3, 4, 1, 5]
-
-
 # ------------------------------------------------------------------------------------ dispatch
 
 

@@ -39,7 +39,7 @@ def test_every_kernel_call_of_the_model_matches_the_reference(rng):
     model = Model(cfg, init_weights(cfg, seed=3, device="cuda"))
     ids = torch.randint(0, cfg.vocab_size, (2, 37), generator=rng).cuda()
     names = ("linear", "moe_experts", "sparse_attention", "index_scores", "rms_norm", "rope", "hc_coefficients",
-             "hc_expand", "hc_collapse", "engram_gate", "compress_pool")
+             "hc_expand", "hc_collapse", "engram_gate", "compress_pool", "moe_route")
     calls, originals = [], {n: getattr(ops, n) for n in names}
     for n in names:
         setattr(ops, n, (lambda n: lambda *a: calls.append((n, a)) or originals[n](*a))(n))
@@ -53,5 +53,9 @@ def test_every_kernel_call_of_the_model_matches_the_reference(rng):
         got = originals[n](*a)
         with flashrt.use_backend("reference"):
             want = originals[n](*a)
+        if n == "moe_route":  # (weights, picks): a near-tie may swap a pick; weights compared where equal
+            same = (got[1] == want[1]).all(dim=1)
+            assert same.float().mean() > 0.9 and rel_err(got[0][same], want[0][same]) < 1e-5, n
+            continue
         for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             assert rel_err(g, w) < 2e-2, n

@@ -1,0 +1,115 @@
+"""``linear`` with a plain bf16 / fp16 weight (compressor, indexer weights, output groups, the head):
+``x @ w.T`` accumulated in fp32, as the reference computes it, without its per-call fp32 copy of the
+weight (a weight read, an fp32 write and an fp32 GEMM that reads twice the bytes, every call).
+
+``_plain_linear_kernel`` reads the weight once, as stored, and runs the MMA on it:
+
+- x in the weight's dtype: one ``tl.dot`` per K block (exact products, fp32 accumulation);
+- fp32 x with a bf16 weight (the layers computed in fp32): x is split into three bf16 parts,
+  ``x = hi + mid + lo`` exactly (each part takes the next 8 significant bits; the rest of a 24-bit
+  mantissa is at most 8 bits), and the three dots with the bf16 weight give exact products summed
+  in fp32: the reference's fp32 GEMM up to summation order, at the tensor-core rate.
+
+The output is ``x.dtype``; few output tiles (decode) split K over programs and sum fp32 partials.
+Under the Triton interpreter the dot operands are fp32 (exact for these values) and fp32 -> bf16
+rounding is done by hand (:func:`.codecs.to_out`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashrt.backends.cuda import interpreter
+from flashrt.kernels_cuda.codecs import to_out
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, sm_count
+
+TILES = {
+    # (largest M the rule serves or None, tile): the first matching rule applies
+    "plain": (
+        (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),  # decode: weight-bound
+        (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+    ),
+    "split_k": None,  # None: split K when the output tiles do not fill the SMs; or a forced count
+}
+PLANS = PlanCache("linear_plain", TILES)
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_split, stride_xm, stride_wn, stride_om, stride_os,
+                         SPLIT3: tl.constexpr, DOT: tl.constexpr, WDT: tl.constexpr, OUT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = pid_k * k_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_rows + kk[None, :], mask=(offs_m < M)[:, None] & (kk < K)[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=(offs_n < N)[:, None] & (kk < K)[None, :], other=0.0)
+        wt = tl.trans(w.to(DOT))
+        if SPLIT3:  # fp32 x = hi + mid + lo exactly, each a bf16 value
+            hi = x.to(WDT).to(tl.float32)
+            r = x - hi
+            mid = r.to(WDT).to(tl.float32)
+            lo = (r - mid).to(WDT).to(tl.float32)
+            acc = tl.dot(hi.to(DOT), wt, acc, input_precision="ieee")
+            acc = tl.dot(mid.to(DOT), wt, acc, input_precision="ieee")
+            acc = tl.dot(lo.to(DOT), wt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x.to(DOT), wt, acc, input_precision="ieee")
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, to_out(acc, OUT), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch.dtype, sms: int) -> dict:
+    tiles = PLANS.lookup(None)[0]
+    t = next(tile for limit, tile in tiles["plain"] if limit is None or m <= limit)
+    out_tiles = cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"])
+    blocks = cdiv(k, t["BLOCK_K"])
+    forced = tiles["split_k"]
+    split = max(1, min(int(forced), blocks)) if forced is not None else (
+        1 if out_tiles >= sms else max(1, min(cdiv(2 * sms, out_tiles), blocks // 4)))
+    k_split = cdiv(blocks, split) * t["BLOCK_K"]
+    split = cdiv(k, k_split)
+    out_dtype = odt if split == 1 else torch.float32
+    dot = tl.float32 if interpreter() else _TL[wdt]
+    return dict(grid=(cdiv(n, t["BLOCK_N"]), cdiv(m, t["BLOCK_M"]), split), split=split, k_split=k_split,
+                out_dtype=out_dtype, constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=_TL[wdt],
+                                                     OUT=_TL[out_dtype], **t))
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., in] (fp32, or the weight's dtype), weight [out, in] bf16 / fp16 -> [..., out] in x.dtype
+    (``out_dtype``: fp32 for callers that keep the fp32 sums, e.g. the MoE gate)."""
+    n, k = weight.shape
+    out_dtype = out_dtype or x.dtype
+    x2 = last_dense(x.reshape(-1, k))
+    m = x2.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
+    key = (m, n, k, x.dtype, weight.dtype, out_dtype)
+    plan = PLANS.lookup(key)[1]
+    if plan is None:
+        sms = 1 if interpreter() else sm_count(x.device)
+        plan = PLANS.store(key, _plan(m, n, k, x.dtype, weight.dtype, out_dtype, sms))
+    w = last_dense(weight)
+    out = torch.empty(plan["split"], m, n, dtype=plan["out_dtype"], device=x.device)
+    _plain_linear_kernel[plan["grid"]](x2, w, out, m, n, k, plan["k_split"], x2.stride(0), w.stride(0), out.stride(1),
+                                       out.stride(0), **plan["constexprs"])
+    out = out[0] if plan["split"] == 1 else out.sum(0).to(out_dtype)
+    return out.view(*x.shape[:-1], n)
+
+
+def supports_plain_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A 2-D bf16 / fp16 weight with x in its dtype, or fp32 x with a bf16 weight (fp32 weights,
+    fp32 x with fp16 weights and mixed bf16 / fp16 are the reference's)."""
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.dtype not in WEIGHT_DTYPES:
+        return False
+    return x.dtype == weight.dtype or (x.dtype == torch.float32 and weight.dtype == torch.bfloat16)

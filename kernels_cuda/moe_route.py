@@ -1,0 +1,109 @@
+"""``moe_route``: the MoE gate on the CUDA backend, two launches.
+
+1. ``z = x @ gate.T`` in fp32 by :func:`.linear_plain.plain_linear` (the gate read once, as
+   stored; exact products, fp32 sums: the reference's fp32 GEMM up to summation order);
+2. ``_route_select_kernel``, one program per block of tokens over all experts: the score function
+   (softmax / sigmoid / sqrt(softplus), log1p by Kahan's correction), the bias added for the
+   choice only, the ``topk`` largest by repeated argmax (ties to the lower expert, as the
+   reference's stable descending sort), the picked scores normalised and scaled.
+
+The reference formulation is a dozen torch launches a layer (GEMM, score function, sort, gather,
+sum, divide, casts); at decode each costs ~3 us, inside a CUDA graph too.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashrt import profiles
+from flashrt.kernels_cuda.launch import cdiv, next_pow2
+from flashrt.kernels_cuda.linear_plain import plain_linear, supports_plain_linear
+
+# tokens a program: at most ELEMS / experts (padded to a power of two) and BLOCK_T: the score, key and
+# pick tensors of ELEMS fp32 values stay in registers (4096 over 4 warps: no spills for 384 experts)
+TILES = {"select": dict(BLOCK_T=16, ELEMS=4096, num_warps=4)}
+SCORES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+MAX_EXPERTS, MAX_TOPK = 1024, 16
+
+
+@triton.jit
+def _log1p(u):
+    """log(1 + u) for u >= 0 to a few ulp: Kahan's correction, u itself where 1 + u rounds to 1."""
+    w = 1.0 + u
+    return tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+
+
+@triton.jit
+def _scores(z, SCORE: tl.constexpr):
+    """fp32 scores of gate logits ``z`` [T, E] (masked experts at -inf give 0)."""
+    if SCORE == 0:
+        p = tl.exp(z - tl.max(z, axis=1)[:, None])
+        s = p / tl.sum(p, axis=1)[:, None]
+    elif SCORE == 1:
+        s = 1.0 / (1.0 + tl.exp(-z))
+    else:
+        s = tl.sqrt_rn(tl.where(z > 20.0, z, _log1p(tl.exp(z))))  # torch's softplus (threshold 20)
+    return s
+
+
+@triton.jit
+def _route_select_kernel(z_ptr, bias_ptr, w_ptr, i_ptr, N, E, stride_z, route_scale,
+                         TOPK: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                         BLOCK_T: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, EB)
+    live = (e < E)[None, :]
+    z = tl.load(z_ptr + t.to(tl.int64)[:, None] * stride_z + e[None, :], mask=(t < N)[:, None] & live,
+                other=float("-inf"))
+    s = _scores(z, SCORE)
+    key = s
+    if HAS_BIAS:
+        key = key + tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :]
+    key = tl.where(live, key, float("-inf"))
+    col = tl.arange(0, KB)[None, :]
+    picks = tl.zeros([BLOCK_T, KB], tl.int32)
+    w = tl.zeros([BLOCK_T, KB], tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.max(key, axis=1)
+        idx = tl.min(tl.where(key == best[:, None], e[None, :], EB), axis=1)  # ties: the lower expert
+        hit = e[None, :] == idx[:, None]
+        picks = tl.where(col == j, idx[:, None], picks)
+        w = tl.where(col == j, tl.sum(tl.where(hit, s, 0.0), axis=1)[:, None], w)
+        key = tl.where(hit, float("-inf"), key)
+    if NORM:
+        w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
+    out = t.to(tl.int64)[:, None] * TOPK + col
+    ok = (t < N)[:, None] & (col < TOPK)
+    tl.store(w_ptr + out, w * route_scale, mask=ok)
+    tl.store(i_ptr + out, picks, mask=ok)
+
+
+def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
+    """x [N, D], gate weight [E, D] -> (fp32 weights [N, topk], int32 indices [N, topk])."""
+    n, E = x.shape[0], weight.shape[0]
+    z = plain_linear(x, weight, out_dtype=torch.float32)
+    w = torch.empty(n, topk, dtype=torch.float32, device=x.device)
+    idx = torch.empty(n, topk, dtype=torch.int32, device=x.device)
+    if n == 0 or topk == 0:
+        return w, idx
+    t = profiles.tiles("moe_route", TILES)["select"]
+    EB = max(16, next_pow2(E))
+    bt = max(1, min(t["BLOCK_T"], t["ELEMS"] // EB))
+    _route_select_kernel[(cdiv(n, bt),)](
+        z, bias if bias is not None else z, w, idx, n, E, z.stride(0), float(route_scale), TOPK=topk,
+        SCORE=SCORES[score_func], HAS_BIAS=bias is not None, NORM=bool(norm_topk) and topk > 1,
+        BLOCK_T=bt, EB=EB, KB=max(2, next_pow2(topk)), num_warps=t["num_warps"])
+    return w, idx
+
+
+def supports_moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale) -> bool:
+    """A 2-D x and a gate the plain linear serves (bf16 x with a bf16 gate), <= 1024 experts, top-16,
+    an fp32 bias or none."""
+    return (x.dim() == 2 and supports_plain_linear(x, weight) and weight.shape[0] <= MAX_EXPERTS
+            and 0 < topk <= min(MAX_TOPK, weight.shape[0]) and score_func in SCORES
+            and (bias is None or bias.dtype == torch.float32))
+
+
+OPS = {"moe_route": moe_route}
+SUPPORTS = {"moe_route": supports_moe_route}
