@@ -4,7 +4,7 @@
 # Results land under $OUT (fetched back) and are copied into benchmarks/results/ by hand.
 # Compile caches go to ./.cache (git-ignored): calls on a still-warm machine reuse them.
 set -o pipefail
-round=${1:?usage: h200_round.sh ROUND (1-3)}
+round=${1:?usage: h200_round.sh ROUND (1-4)}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" .cache
 export TRITON_CACHE_DIR=$PWD/.cache/triton FLASHRT_CACHE_DIR=$PWD/.cache/flashrt PYTHONUNBUFFERED=1
@@ -28,5 +28,14 @@ case $round in
     timeout 240 flashrt tune --out "$OUT/h200.yaml" --budget 200 2>&1 | tail -16
     timeout 150 python e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --out "$OUT/h200-e2e.json" 2>&1 | tail -10
     ;;
-  *) echo "round: expected 1-3, got $round" >&2; exit 2 ;;
+  4)  # the glue kernels on the GPU, tuning by graph replay, conformance, a decode step by kernel, end to end
+    (cd .. && timeout 120 python -m pytest -m gpu -n 8 -q -p no:cacheprovider tests/test_cuda_linear_plain.py \
+      tests/test_cuda_moe_route.py tests/test_cuda_moe_tables.py tests/test_model_gpu.py tests/test_cuda_gemm.py \
+      tests/test_tune.py 2>&1 | tee "$OUT/gpu-tests-4.log" | grep -v -i warn | tail -8)
+    timeout 200 flashrt tune --out "$OUT/h200.yaml" --budget 160 2>&1 | tail -14
+    timeout 60 flashrt conformance --out "$OUT/h200-conformance.json" 2>&1 | tail -4
+    timeout 50 python decode_profile.py --model small --batch 8 --out "$OUT/h200-decode-profile.json" 2>&1 | tail -3
+    timeout 140 python e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --out "$OUT/h200-e2e.json" 2>&1 | tail -10
+    ;;
+  *) echo "round: expected 1-4, got $round" >&2; exit 2 ;;
 esac
