@@ -4,7 +4,7 @@
 # Results land under $OUT (fetched back) and are copied into benchmarks/results/ by hand.
 # Compile caches go to ./.cache (git-ignored): calls on a still-warm machine reuse them.
 set -o pipefail
-round=${1:?usage: h200_round.sh ROUND (1-4)}
+round=${1:?usage: h200_round.sh ROUND (1-5)}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" .cache
 export TRITON_CACHE_DIR=$PWD/.cache/triton FLASHRT_CACHE_DIR=$PWD/.cache/flashrt PYTHONUNBUFFERED=1
@@ -37,5 +37,11 @@ case $round in
     timeout 50 python decode_profile.py --model small --batch 8 --out "$OUT/h200-decode-profile.json" 2>&1 | tail -3
     timeout 140 python e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --out "$OUT/h200-e2e.json" 2>&1 | tail -10
     ;;
-  *) echo "round: expected 1-4, got $round" >&2; exit 2 ;;
+  5)  # the fp32 plain linear (FMA) on the GPU, a decode step by kernel, end to end
+    (cd .. && timeout 90 python -m pytest -m gpu -n 8 -q -p no:cacheprovider tests/test_cuda_linear_plain.py \
+      tests/test_cuda_moe_route.py tests/test_model_gpu.py 2>&1 | tee "$OUT/gpu-tests-5.log" | grep -v -i warn | tail -6)
+    timeout 90 python decode_profile.py --model small --batch 8 --out "$OUT/h200-decode-profile.json" 2>&1 | tail -3
+    timeout 150 python e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --out "$OUT/h200-e2e.json" 2>&1 | tail -10
+    ;;
+  *) echo "round: expected 1-5, got $round" >&2; exit 2 ;;
 esac

@@ -1,7 +1,6 @@
 """``linear`` with plain bf16 / fp16 weights on the CUDA backend (kernels_cuda/linear_plain.py)
 against a float64 computation and the reference backend: bf16 / fp16 x in the weight's dtype, fp32 x
-with a bf16 weight (the three-part split: fp32 accuracy), split K, odd sizes, batched x, and the
-calls it declines."""
+with a bf16 weight (fp32 accuracy), split K, odd sizes, batched x, and the calls it declines."""
 import pytest
 import torch
 
@@ -29,7 +28,7 @@ def test_plain_linear_matches_float64_and_the_reference(rng, monkeypatch, split,
     got, want = run_both("linear", x, w)
     assert got.dtype == want.dtype == xdt and got.shape == (m, n)
     exact = _exact(x, w)
-    if xdt == torch.float32:  # fp32 accuracy: the split is exact, products exact, sums in fp32
+    if xdt == torch.float32:  # fp32 accuracy: products and sums in fp32
         assert rel_err(got, exact) < 2e-6 and rel_err(got, want) < 2e-6
     else:  # one rounding of an fp32 sum to the output dtype
         tol = 4e-3 if xdt == torch.bfloat16 else 5e-4
@@ -37,8 +36,8 @@ def test_plain_linear_matches_float64_and_the_reference(rng, monkeypatch, split,
         assert (got.float() - want.float()).abs().max() <= 2 * exact.abs().max() * 2.0 ** -7
 
 
-def test_the_split_keeps_what_one_bf16_part_loses(rng):
-    """fp32 inputs with more than bf16's 8 significant bits: one bf16 dot would be ~1e-3 off."""
+def test_fp32_inputs_keep_their_bits(rng):
+    """fp32 inputs with more than bf16's 8 significant bits: a bf16 dot would be ~1e-3 off."""
     x = torch.randn(4, 256, generator=rng).to(DEVICE) * (1 + 2.0 ** -12)
     w = torch.randn(96, 256, generator=rng).to(torch.bfloat16).to(DEVICE)
     got = lp.plain_linear(x, w)
