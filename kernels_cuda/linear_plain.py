@@ -5,11 +5,13 @@ weight (a weight read, an fp32 write and an fp32 GEMM that reads twice the bytes
 ``_plain_linear_kernel`` reads the weight once, as stored, and runs the MMA on it:
 
 - x in the weight's dtype: one ``tl.dot`` per K block (exact products, fp32 accumulation);
-- fp32 x with a bf16 weight (the layers computed in fp32): the weight tile widened to fp32 in
-  registers and an fp32 "ieee" dot (FMA), the rounding of the reference's fp32 GEMM. (Splitting x
-  into three exact bf16 parts for tensor-core dots was tried: on the H200 the tensor cores' fp32
-  accumulation left 2-5e-6 relative error at K = 1024-4096 where cuBLAS's fp32 GEMM has 1-6e-7.)
-  At decode sizes the FMA work stays under the weight's read time.
+- fp32 x with a bf16 weight (the layers computed in fp32): x is split into three bf16 parts,
+  ``x = hi + mid + lo`` exactly (each part takes the next 8 significant bits; the rest of a 24-bit
+  mantissa is at most 8 bits), and the three dots with the bf16 weight give exact products summed
+  in fp32: the reference's fp32 GEMM up to summation order, at the tensor-core rate. Measured on
+  the H200 against float64: 2-5e-6 relative at K = 1024-4096 (the tensor cores' fp32 accumulation
+  truncates; cuBLAS's fp32 GEMM: 1-6e-7). An fp32 FMA dot instead reached 1.1e-6 at K = 4096 but
+  made the decode step 0.5-2.6 ms slower (`small`, batch 1-64: the head and the compressor).
 
 The output is ``x.dtype``; few output tiles (decode) split K over programs and sum fp32 partials.
 Under the Triton interpreter the dot operands are fp32 (exact for these values) and fp32 -> bf16
@@ -22,6 +24,7 @@ import triton
 import triton.language as tl
 
 from flashrt.backends.cuda import interpreter
+from flashrt.kernels_cuda import _warmup
 from flashrt.kernels_cuda.codecs import to_out
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, sm_count
 
@@ -30,11 +33,6 @@ TILES = {
     "plain": (
         (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),  # decode: weight-bound
         (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
-    ),
-    # fp32 x (FMA dot): short K blocks, the operands of an FMA dot live in registers
-    "plain_fp32": (
-        (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)),
-        (None, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)),
     ),
     "split_k": None,  # None: split K when the output tiles do not fill the SMs; or a forced count
 }
@@ -45,7 +43,7 @@ _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl
 
 @triton.jit
 def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_split, stride_xm, stride_wn, stride_om, stride_os,
-                         DOT: tl.constexpr, OUT: tl.constexpr,
+                         SPLIT3: tl.constexpr, DOT: tl.constexpr, WDT: tl.constexpr, OUT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -59,16 +57,24 @@ def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_split, stride_xm, str
         kk = k0 + rk
         x = tl.load(x_rows + kk[None, :], mask=(offs_m < M)[:, None] & (kk < K)[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=(offs_n < N)[:, None] & (kk < K)[None, :], other=0.0)
-        # fp32 x: fp32 operands, "ieee" (FMA: the fp32 GEMM's rounding); else the weight's MMA
-        acc = tl.dot(x.to(DOT), tl.trans(w.to(DOT)), acc, input_precision="ieee")
+        wt = tl.trans(w.to(DOT))
+        if SPLIT3:  # fp32 x = hi + mid + lo exactly, each a bf16 value
+            hi = x.to(WDT).to(tl.float32)
+            r = x - hi
+            mid = r.to(WDT).to(tl.float32)
+            lo = (r - mid).to(WDT).to(tl.float32)
+            acc = tl.dot(hi.to(DOT), wt, acc, input_precision="ieee")
+            acc = tl.dot(mid.to(DOT), wt, acc, input_precision="ieee")
+            acc = tl.dot(lo.to(DOT), wt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x.to(DOT), wt, acc, input_precision="ieee")
     out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out, to_out(acc, OUT), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
 def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch.dtype, sms: int) -> dict:
     tiles = PLANS.lookup(None)[0]
-    rules = tiles["plain_fp32" if xdt == torch.float32 else "plain"]
-    t = next(tile for limit, tile in rules if limit is None or m <= limit)
+    t = next(tile for limit, tile in tiles["plain"] if limit is None or m <= limit)
     out_tiles = cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"])
     blocks = cdiv(k, t["BLOCK_K"])
     forced = tiles["split_k"]
@@ -77,9 +83,10 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
     k_split = cdiv(blocks, split) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     out_dtype = odt if split == 1 else torch.float32
-    dot = tl.float32 if interpreter() or xdt == torch.float32 else _TL[wdt]
+    dot = tl.float32 if interpreter() else _TL[wdt]
     return dict(grid=(cdiv(n, t["BLOCK_N"]), cdiv(m, t["BLOCK_M"]), split), split=split, k_split=k_split,
-                out_dtype=out_dtype, constexprs=dict(DOT=dot, OUT=_TL[out_dtype], **t))
+                out_dtype=out_dtype, constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=_TL[wdt],
+                                                     OUT=_TL[out_dtype], **t))
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -110,3 +117,20 @@ def supports_plain_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.dtype not in WEIGHT_DTYPES:
         return False
     return x.dtype == weight.dtype or (x.dtype == torch.float32 and weight.dtype == torch.bfloat16)
+
+
+def warmup_cases(device, d: dict, dtype):
+    """The model's plain linears by kind: fp32 x (head, compressor) and bf16 x (output groups, indexer
+    weights, ratio-1 compressor, index keys), a decode step and a prefill, with K split (few output
+    tiles) and without (8,448 rows: more tiles than an H200 has SMs)."""
+    dim = d["dim"]
+    for n_out in (d["head_dim"], 8448):
+        w = _warmup.rand((n_out, dim), torch.bfloat16, device)
+        for n in _warmup.TOKENS:
+            for xdt in (torch.float32, torch.bfloat16):
+                yield _warmup.Launch(f"plain linear {xdt}", plain_linear, (_warmup.rand((n, dim), xdt, device), w))
+
+
+def warmup(profile) -> dict:
+    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
+    return _warmup.run(warmup_cases, profile)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from flashrt import profiles
+from flashrt.kernels_cuda import _warmup
 from flashrt.kernels_cuda.launch import cdiv, next_pow2
 from flashrt.kernels_cuda.linear_plain import plain_linear, supports_plain_linear
 
@@ -107,3 +108,18 @@ def supports_moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale
 
 OPS = {"moe_route": moe_route}
 SUPPORTS = {"moe_route": supports_moe_route}
+
+
+def warmup_cases(device, d: dict, dtype):
+    """The gate of a decode step and of a prefill: x in the activation dtype, a bf16 gate over the
+    routed experts, a bias, the shipped configs' score function (sqrtsoftplus), normalised top-k."""
+    E, k, dim = d["n_routed_experts"], d["n_activated_experts"], d["dim"]
+    gate = _warmup.rand((E, dim), torch.bfloat16, device) * dim ** -0.5
+    for n in _warmup.TOKENS:
+        yield _warmup.Launch("moe_route", moe_route, (_warmup.rand((n, dim), torch.bfloat16, device), gate,
+                                                      torch.zeros(E, device=device), k, "sqrtsoftplus", True, 1.5))
+
+
+def warmup(profile) -> dict:
+    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
+    return _warmup.run(warmup_cases, profile)
