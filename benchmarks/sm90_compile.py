@@ -4,6 +4,7 @@ the compiler made of them: registers, spilled bytes, shared memory, and the SASS
 Costs no device time: use it to check a kernel change for spills and wgmma before timing it.
 
     python benchmarks/sm90_compile.py attention --B 64 --S 1 [--tiles '{"two_pass": {"enabled": true}}']
+    python benchmarks/sm90_compile.py moe_route --B 8        # also linear_plain, moe_tables
 
 How: a stand-in Triton driver reports an sm_90 target; the launcher runs on CPU tensors as it
 would on the GPU; Triton's ``jit_cache_hook`` takes each kernel's specialization instead of
@@ -126,13 +127,43 @@ def attention_call(B: int, S: int, cold: bool):
     return lambda: attention.sparse_attention(q, kv, idx, torch.zeros(H), D ** -0.5)
 
 
+def linear_plain_call(B: int, S: int, cold: bool, fp32: bool = True):
+    """The head of ``small`` (129,280 x 1,024 bf16) on B * S rows of fp32 (or bf16) x."""
+    from flashrt.kernels_cuda import linear_plain
+
+    x = torch.zeros(B * S, 1024, dtype=torch.float32 if fp32 else torch.bfloat16)
+    w = torch.zeros(129280, 1024, dtype=torch.bfloat16)
+    return lambda: linear_plain.plain_linear(x, w)
+
+
+def moe_route_call(B: int, S: int, cold: bool):
+    """The released gate: 384 experts, top-6, sqrtsoftplus, over B * S tokens of 4,096."""
+    from flashrt.kernels_cuda import moe_route
+
+    x, w = torch.zeros(B * S, 4096, dtype=torch.bfloat16), torch.zeros(384, 4096, dtype=torch.bfloat16)
+    return lambda: moe_route.moe_route(x, w, torch.zeros(384), 6, "sqrtsoftplus", True, 2.5)
+
+
+def moe_tables_call(B: int, S: int, cold: bool):
+    """The routing tables of B * S tokens, top-6 of 384 experts."""
+    from flashrt.kernels_cuda import moe_tables
+
+    idx, w = torch.zeros(B * S, 6, dtype=torch.int32), torch.rand(B * S, 6)
+    return lambda: moe_tables.route_tables(idx, w, 384, 16)
+
+
+CALLS = {"attention": attention_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
+         "moe_tables": moe_tables_call}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("family", choices=["attention"])
+    ap.add_argument("family", choices=sorted(CALLS))
     ap.add_argument("--B", type=int, default=64)
     ap.add_argument("--S", type=int, default=1)
     ap.add_argument("--cold", action="store_true", help="attention: with the cold-page staging segment")
-    ap.add_argument("--tiles", default="{}", help="JSON merged into tiles.<family> of the active profile")
+    ap.add_argument("--tiles", default="{}", help="JSON merged into tiles.<module> of the active profile "
+                    "(the family's kernel module)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from flashrt import profiles
@@ -144,7 +175,7 @@ def main(argv=None) -> None:
         section[k] = {**section.get(k, {}), **v} if isinstance(v, dict) else v
     prof = dataclasses.replace(base, tiles={**base.tiles, args.family: section})
     with profiles.using(prof):
-        seen = capture(attention_call(args.B, args.S, args.cold))
+        seen = capture(CALLS[args.family](args.B, args.S, args.cold))
         reports = [compile_report(*c) for c in seen]
     if args.json:
         json.dump(reports, sys.stdout, indent=1)
