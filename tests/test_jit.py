@@ -240,7 +240,8 @@ def test_warmup_cli_walks_the_kernel_modules(capsys):
     from flashrt import cli
     from flashrt.cli_jit import kernel_modules
 
-    names = {name for name, mod in kernel_modules() if isinstance(mod, Exception) or hasattr(mod, "OPS")}
+    names = {name for name, mod in kernel_modules()  # op modules and helpers with a warmup hook (linear_plain)
+             if isinstance(mod, Exception) or hasattr(mod, "OPS") or hasattr(mod, "warmup")}
     rc = cli.main(["jit", "warmup", "--profile", "cpu", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert report["profile"] == "cpu" and rc == (1 if report["failed"] else 0)
