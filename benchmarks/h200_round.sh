@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device call each (<= 10 minutes): the H200 measurements that are due, in the order they are
-# needed. Run from the repository root on the device machine: `bash benchmarks/h200_round.sh N`.
+# One device call each (<= 10 minutes): rounds 1-5 are session 3's (results in benchmarks/results/),
+# round 6 is due next. Run from the repository root on the device machine: `bash benchmarks/h200_round.sh N`.
 # Results land under $OUT (fetched back) and are copied into benchmarks/results/ by hand.
 # Compile caches go to ./.cache (git-ignored): calls on a still-warm machine reuse them.
 set -o pipefail
-round=${1:?usage: h200_round.sh ROUND (1-5)}
+round=${1:?usage: h200_round.sh ROUND (1-6)}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" .cache
 export TRITON_CACHE_DIR=$PWD/.cache/triton FLASHRT_CACHE_DIR=$PWD/.cache/flashrt PYTHONUNBUFFERED=1
@@ -43,5 +43,11 @@ case $round in
     timeout 90 python decode_profile.py --model small --batch 8 --out "$OUT/h200-decode-profile.json" 2>&1 | tail -3
     timeout 150 python e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --out "$OUT/h200-e2e.json" 2>&1 | tail -10
     ;;
-  *) echo "round: expected 1-5, got $round" >&2; exit 2 ;;
+  6)  # due next (not run yet): every GPU test incl. the new warmup hooks, HKCP with cold steps captured, TTFT after warmup
+    (cd .. && timeout 200 python -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -v -i warn | tail -8)
+    timeout 200 python hkcp.py --contexts 4096 131072 1048576 --out "$OUT/h200-hkcp.json" 2>&1 | grep -v Warn | tail -6
+    timeout 170 python jit_ttft.py --phases cold warm after_warmup --budget 160 --out "$OUT/h200-jit-ttft.json" 2>&1 | tail -6
+    ;;
+  *) echo "round: expected 1-6, got $round" >&2; exit 2 ;;
 esac
