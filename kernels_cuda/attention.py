@@ -42,7 +42,8 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # programs 0 = the device's SM count
     "split": {"programs": 0, "min_blocks": 1, "max_splits": 32},
     # scores, then P @ V by column slices (attention_two_pass.py): for at least min_queries queries
-    # and a score buffer of at most max_score_bytes; off until measured on a GPU
+    # and a score buffer of at most max_score_bytes; off: no faster on the H200 (106-137 vs 107 us at
+    # B=64 decode, benchmarks/results/h200-attention-probe-two-pass.json)
     "two_pass": {"enabled": False, "min_queries": 16, "max_score_bytes": 1 << 30, "H_BLOCK": 64, "K_BLOCK": 64,
                  "DV": 128, "max_splits": 8, "num_warps": 8, "num_stages": 2},
 }

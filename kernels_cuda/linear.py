@@ -47,7 +47,8 @@ TILES = {
     "split_k": None,  # None: split K when the output tiles do not fill the SMs; or a forced count
     "fp8_mma": None,  # None: fp8 tl.dot where the device has it (sm_89+); True / False force a path
     # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
-    # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (off until measured on a GPU)
+    # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
+    # where it measured 1.1-1.6x faster on 3 of 4 shapes, benchmarks/NOTES.md)
     "bf16_gemm_min_rows": None,
 }
 
