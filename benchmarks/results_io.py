@@ -2,18 +2,16 @@
 from __future__ import annotations
 
 import json
-import os
+from pathlib import Path
+
+from flashrt.jit import atomic_write
 
 
 def write_json(path: str | None, result: dict) -> None:
-    """Write ``result`` to ``path`` (nothing when ``path`` is None) through a temporary file and a
-    rename: a run killed while writing leaves the previous file whole."""
+    """Write ``result`` to ``path`` (nothing when ``path`` is None), atomically: a run killed while
+    writing leaves the previous file whole."""
     if path:
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
+        atomic_write(Path(path), (json.dumps(result, indent=2, default=str) + "\n").encode())
 
 
 def add_ratio(rows: list[dict], key: str, value: str, name: str, match: str, base_value, invert: bool = False) -> None:

@@ -48,11 +48,6 @@ class _Sm90Driver:
     def get_current_target(self):
         return TARGET
 
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def is_active(self):
-        return True
 
 
 def capture(call) -> list[tuple]:

@@ -77,6 +77,7 @@ class KVState:
                       for l in range(cfg.total_layers)}
         # positions below ring_start[l] are not in layer l's ring (CED / bounded replay)
         self.ring_start = {l: torch.zeros(batch, dtype=torch.long, device=self.device) for l in self.rings}
+        self._slots = None  # (positions, (row, slot)) of the last ring write: see _ring_slots
         n_hist = max(cfg.engram_max_ngram_size - 1, 0)
         self.engram_history = torch.full((batch, n_hist), -1, dtype=torch.long, device=self.device)
         self.pool = pool or (None if self.is_meta else self._pool(kv_budget, page_entries))
@@ -185,7 +186,7 @@ class KVState:
     def _ring_slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, slot) of each token of ``positions`` [B, S] (S <= W) in the rings; every layer of a
         call writes the same slots, so they are computed once per positions tensor (no device sync)."""
-        hit = getattr(self, "_slots", None)
+        hit = self._slots
         if hit is not None and hit[0] is positions:
             return hit[1]
         rows = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(positions).reshape(-1)
@@ -253,6 +254,7 @@ class KVState:
                                    qs[0].fmt, (out.batch, *qs[0].shape[1:]))
         out.rings = {l: cat_q([s.rings[l] for s in states]) for l in first.rings}
         out.ring_start = {l: torch.cat([s.ring_start[l] for s in states]) for l in first.ring_start}
+        out._slots = None
         out.compressed = {}
         for l, c in first.compressed.items():
             parts = [s.compressed[l] for s in states]

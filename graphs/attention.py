@@ -94,8 +94,9 @@ class Attention:
         if self.ratio:
             main, topk = self._compressed(h, qr, ctx)
             segments += main
-            key = ("topk+window", id(topk))  # reuse layers share their index source's top-k
-            if key not in ctx.shared:  # (the top-k tensor stays alive in ctx.shared: its id is not reused)
+            own = self.role in ("full", "reindex")  # else the index source's top-k (reuse layers share it)
+            key = ("topk+window", self.layer if own else self.index_source)
+            if key not in ctx.shared:
                 ctx.shared[key] = torch.where(topk >= 0, topk + W + S, topk)
             indices = torch.cat([indices, ctx.shared[key]], dim=-1)
         o = ops.sparse_attention(q, tuple(segments), indices, self.sink, cfg.head_dim ** -0.5)

@@ -14,6 +14,7 @@ import functools
 import os
 
 import torch
+import triton.language as tl
 
 from flashrt import profiles
 from flashrt.formats import QTensor
@@ -79,6 +80,19 @@ def no_device_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device: nothing to compile"
     return None
+
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # -> Triton
+
+
+def split_k(out_tiles: int, blocks: int, forced, sms: int) -> int:
+    """K splits of a GEMM launch: ``forced`` (a count, capped at the K blocks), else none when the
+    output tiles fill the SMs, else enough for ~2 programs an SM keeping >= 4 K blocks per split."""
+    if forced is not None:
+        return max(1, min(int(forced), blocks))
+    if out_tiles >= sms:
+        return 1
+    return max(1, min(cdiv(2 * sms, out_tiles), blocks // 4))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -28,7 +28,7 @@ import triton.language as tl
 from flashrt.backends.cuda import interpreter
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant
-from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, no_device_reason, zeros_stored
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, no_device_reason, split_k, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 from flashrt.kernels_cuda.linear_plain import plain_linear, supports_plain_linear
 
@@ -119,22 +119,12 @@ def weight_operands(w: QTensor):
     return last_dense(data), last_dense(w.scale.view(torch.uint8))
 
 
-def _split_k(tiles: int, k: int, block_k: int) -> int:
-    blocks = cdiv(k, block_k)
-    forced = _tiles()["split_k"]
-    if forced is not None:
-        return max(1, min(int(forced), blocks))
-    if tiles >= num_sms():
-        return 1
-    return max(1, min(cdiv(2 * num_sms(), tiles), blocks // 4))  # keep >= 4 K blocks per split
-
-
 def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     """Grid, K split, output dtype and constexprs of one (rows, weight shape, dtype) under the active tiles."""
     promote, dot = mma_mode(fmt)
     t = pick_tile(_tiles()["linear"], m)
     tiles = cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"])
-    split = _split_k(tiles, k, t["BLOCK_K"])
+    split = split_k(tiles, cdiv(k, t["BLOCK_K"]), _tiles()["split_k"], num_sms())
     k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=dtype if split == 1 else torch.float32,
@@ -159,7 +149,7 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor) -> torch.Tensor:
     """x [..., in] float, weight fp8_w / fp4_w [out, in] (or plain: :mod:`.linear_plain`) -> [..., out] in x.dtype."""
     if not isinstance(weight, QTensor):
         return plain_linear(x, weight)
-    assert isinstance(weight, QTensor) and weight.fmt in WEIGHT_FORMATS and weight.ndim == 2, weight
+    assert weight.fmt in WEIGHT_FORMATS and weight.ndim == 2, weight
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]

@@ -9,9 +9,10 @@ weight (a weight read, an fp32 write and an fp32 GEMM that reads twice the bytes
   ``x = hi + mid + lo`` exactly (each part takes the next 8 significant bits; the rest of a 24-bit
   mantissa is at most 8 bits), and the three dots with the bf16 weight give exact products summed
   in fp32: the reference's fp32 GEMM up to summation order, at the tensor-core rate. Measured on
-  the H200 against float64: 2-5e-6 relative at K = 1024-4096 (the tensor cores' fp32 accumulation
-  truncates; cuBLAS's fp32 GEMM: 1-6e-7). An fp32 FMA dot instead reached 1.1e-6 at K = 4096 but
-  made the decode step 0.5-2.6 ms slower (`small`, batch 1-64: the head and the compressor).
+  the H200 against float64: 1.9-4.7e-6 relative at K = 1024-4096 (the tensor cores' fp32 accumulation
+  truncates; cuBLAS's fp32 GEMM: 1.3-5.7e-7). An fp32 FMA dot instead reached 1.1e-6 at K = 4096 but
+  made the decode step 0.4-2.6 ms slower (`small`, batch 1-64: the head and the compressor;
+  benchmarks/results/h200-e2e-fp32-fma.json vs h200-e2e.json).
 
 The output is ``x.dtype``; few output tiles (decode) split K over programs and sum fp32 partials.
 Under the Triton interpreter the dot operands are fp32 (exact for these values) and fp32 -> bf16
@@ -26,7 +27,7 @@ import triton.language as tl
 from flashrt.backends.cuda import interpreter
 from flashrt.kernels_cuda import _warmup
 from flashrt.kernels_cuda.codecs import to_out
-from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, sm_count
+from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count, split_k
 
 TILES = {
     # (largest M the rule serves or None, tile): the first matching rule applies
@@ -38,7 +39,6 @@ TILES = {
 }
 PLANS = PlanCache("linear_plain", TILES)
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -77,16 +77,14 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
     t = next(tile for limit, tile in tiles["plain"] if limit is None or m <= limit)
     out_tiles = cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"])
     blocks = cdiv(k, t["BLOCK_K"])
-    forced = tiles["split_k"]
-    split = max(1, min(int(forced), blocks)) if forced is not None else (
-        1 if out_tiles >= sms else max(1, min(cdiv(2 * sms, out_tiles), blocks // 4)))
+    split = split_k(out_tiles, blocks, tiles["split_k"], sms)
     k_split = cdiv(blocks, split) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     out_dtype = odt if split == 1 else torch.float32
-    dot = tl.float32 if interpreter() else _TL[wdt]
+    dot = tl.float32 if interpreter() else TL_DTYPES[wdt]
     return dict(grid=(cdiv(n, t["BLOCK_N"]), cdiv(m, t["BLOCK_M"]), split), split=split, k_split=k_split,
-                out_dtype=out_dtype, constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=_TL[wdt],
-                                                     OUT=_TL[out_dtype], **t))
+                out_dtype=out_dtype, constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=TL_DTYPES[wdt],
+                                                     OUT=TL_DTYPES[out_dtype], **t))
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from flashrt import profiles
-from flashrt.kernels_cuda.launch import cdiv, zeros_stored
+from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv, zeros_stored
 from flashrt.kernels_cuda import _warmup, moe_tables
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
@@ -42,9 +42,6 @@ TILES = {
 def _tiles() -> dict:
     """TILES with the active hardware profile's overrides (``tiles.moe`` in its YAML)."""
     return profiles.tiles("moe", TILES)
-
-
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -135,7 +132,7 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t):
         xq, sx, tab["tok"], tab["rw"], d1, s1, d3, s3, hq, sh, tab["tile_e"], tab["tile_row"], tab["row_end"],
         w1.shape[0], I, D, limit, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1),
         hq.stride(0), sh.stride(0), FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0,
-        XDT=_TL[xdtype], **t)
+        XDT=TL_DTYPES[xdtype], **t)
     return hq, sh
 
 
