@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from flashrt import formats
 from flashrt.formats import QTensor
 from flashrt.hookspecs import Backend, hookimpl
-from flashrt.paged import PagedKeys
+from flashrt.kv.paged import PagedKeys
 from flashrt.ops import OPS as OP_NAMES
 
 CHUNK_BYTES = 256 << 20  # cap on one fp32 intermediate

@@ -29,7 +29,7 @@ import torch
 
 from flashrt.formats import QTensor, expected_layout, spec
 from flashrt.hookspecs import Backend, hookimpl
-from flashrt.paged import PagedKeys
+from flashrt.kv.paged import PagedKeys
 from flashrt.ops import OPS as OP_NAMES
 
 _RECORDER: contextvars.ContextVar["Graph | None"] = contextvars.ContextVar("flashrt_trace", default=None)

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from flashrt.graphs import prefix
+from flashrt.engine import prefix
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model

@@ -2,7 +2,7 @@
 
     python benchmarks/decode_profile.py --model small --batch 8 --out /tmp/decode-profile.json
 
-Prefills a random prompt, captures the decode step (graphs/decode_graph.py), then records
+Prefills a random prompt, captures the decode step (engine/step_capture.py), then records
 ``--steps`` replays with the torch profiler (CUPTI sees the kernels inside a graph) and prints the
 kernels sorted by their total GPU time per step, with their share of the step.
 """
@@ -16,7 +16,7 @@ import torch
 
 import flashrt
 from flashrt.graphs.config import shipped_config
-from flashrt.graphs.decode_graph import DecodeGraphs
+from flashrt.engine.step_capture import StepCapture
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
 
@@ -46,7 +46,7 @@ def main() -> None:
     with flashrt.value_checks(False):
         state = model.new_state(args.batch, args.prompt + args.steps + 8)
         tok = model.forward(ids, state=state).argmax(-1)
-        graphs = DecodeGraphs(model, state)
+        graphs = StepCapture(model, state)
         for _ in range(2):  # capture
             tok = graphs.step(tok).argmax(-1)
         torch.cuda.synchronize()

@@ -7,13 +7,13 @@ import time
 
 import torch
 
-from flashrt.graphs.decode_graph import DecodeGraphs
+from flashrt.engine.step_capture import StepCapture
 
 
 def stepper(model, state, graph: bool):
     """``step(tokens [B]) -> logits [B, vocab]``: one decode step of ``state``."""
     if graph:
-        return DecodeGraphs(model, state).step
+        return StepCapture(model, state).step
     return lambda tok: model.forward(tok.reshape(-1, 1), state=state)
 
 

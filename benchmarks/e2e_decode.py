@@ -5,7 +5,7 @@ step, and the reference backend, same run.
 
 Each configuration prefills a random prompt, then times ``--steps`` decode steps (median per-step
 time, host clock around a synchronized step; tokens/s = batch / step time). All modes run the same
-weights and prompt. ``cuda+graph`` replays the step from graphs/decode_graph.py (the captures happen
+weights and prompt. ``cuda+graph`` replays the step from engine/step_capture.py (the captures happen
 in the warm-up steps; a bucket edge inside the timed steps costs one capture, the median ignores it).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import flashrt
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
 from decode_timing import median_step_ms, stepper
-from flashrt.graphs.decode_graph import DecodeGraphs
+from flashrt.engine.step_capture import StepCapture
 from flashrt.graphs.model import Model
 from results_io import add_ratio, write_json
 
@@ -40,7 +40,7 @@ def decode(model, batch: int, prompt: int, steps: int, mode: str) -> dict:
         logits = model.forward(ids, state=state)
         torch.cuda.synchronize()
         prefill_s = time.perf_counter() - t0
-        graphs = DecodeGraphs(model, state) if mode == "cuda+graph" else None
+        graphs = StepCapture(model, state) if mode == "cuda+graph" else None
         step = graphs.step if graphs else stepper(model, state, graph=False)
         per_step = median_step_ms(step, logits.argmax(-1), steps, greedy=True) / 1e3  # 2 warm-up (capture) steps
     return {"mode": mode, "backend": "reference" if mode == "reference" else "cuda", "cuda_graph": graphs is not None,

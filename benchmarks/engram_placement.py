@@ -1,6 +1,6 @@
 """Decode step time with the Engram tables in device memory vs pinned host memory, same model,
 same run: eager steps (rows prefetched on a side stream) and CUDA-graph steps (rows staged into
-static buffers before each replay, graphs/decode_graph.py).
+static buffers before each replay, engine/step_capture.py).
 
     python benchmarks/engram_placement.py --model small --out benchmarks/results/h200-engram-placement.json
 """

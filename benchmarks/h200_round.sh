@@ -22,7 +22,7 @@ case $round in
     ;;
   3)  # the new kernels on the GPU, a graph decode step by kernel again, tuning, end to end decode
     (cd .. && timeout 150 python -m pytest -m gpu -n 8 -q -p no:cacheprovider tests/test_cuda_linear_plain.py \
-      tests/test_cuda_moe_route.py tests/test_cuda_moe_tables.py tests/test_model_gpu.py tests/test_decode_graph.py \
+      tests/test_cuda_moe_route.py tests/test_cuda_moe_tables.py tests/test_model_gpu.py tests/test_step_capture.py \
       tests/test_cuda_gemm.py 2>&1 | tee "$OUT/gpu-tests-3.log" | grep -v -i warn | tail -12)
     timeout 80 python decode_profile.py --model small --batch 8 --out "$OUT/h200-decode-profile.json" 2>&1 | tail -12
     timeout 240 flashrt tune --out "$OUT/h200.yaml" --budget 200 2>&1 | tail -16

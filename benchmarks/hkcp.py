@@ -17,15 +17,16 @@ import time
 
 import torch
 
-from flashrt import kvpages
+from flashrt.kv import pages as kvpages
 from flashrt.graphs.config import shipped_config
 from decode_timing import median_step_ms, stepper
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
-from flashrt.kvcache import KVState, entry_bytes, fixed_bytes_for
-from flashrt.kvpages import PagedMainKV, PagePool
-from flashrt.prefix_cache import PrefixCache
+from flashrt.kv.state import KVState, entry_bytes, fixed_bytes_for
+from flashrt.kv.pages import PagedMainKV, PagePool
+from flashrt.kv.prefix_cache import PrefixCache
 from results_io import write_json
+from flashrt.engine import generate
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CHUNK = 512  # entries reserved per step when filling the cold-fetch layer (8 of its 16 device pages)
@@ -154,16 +155,16 @@ def ttft(model, n: int) -> dict:
     is filled, untimed, in between)."""
     ids = torch.randint(0, model.cfg.vocab_size, (1, n)).tolist()
     cache = PrefixCache(tempfile.mkdtemp())
-    model.generate(ids, 1, prefill_chunk=8192)  # warm-up: every kernel variant of this prompt compiles
+    generate(model, ids, 1, prefill_chunk=8192)  # warm-up: every kernel variant of this prompt compiles
     sync()
     t0 = time.perf_counter()
-    model.generate(ids, 1, prefill_chunk=8192)
+    generate(model, ids, 1, prefill_chunk=8192)
     sync()
     full = time.perf_counter() - t0
-    model.generate(ids, 1, prefill_chunk=8192, prefix_cache=cache)  # stores the prefix
+    generate(model, ids, 1, prefill_chunk=8192, prefix_cache=cache)  # stores the prefix
     sync()
     t0 = time.perf_counter()
-    model.generate(ids, 1, prefill_chunk=8192, prefix_cache=cache)
+    generate(model, ids, 1, prefill_chunk=8192, prefix_cache=cache)
     sync()
     hit = time.perf_counter() - t0
     assert cache.hits == 1
@@ -177,13 +178,13 @@ def main() -> None:
     ap.add_argument("--device-share", type=float, default=0.10, help="main KV on the device in the decode sweep")
     ap.add_argument("--ttft-tokens", type=int, default=32768)
     ap.add_argument("--eager-cold", action="store_true",
-                    help="run decode steps that read cold pages eagerly (graphs/decode_graph.CAPTURE_COLD off)")
+                    help="run decode steps that read cold pages eagerly (engine/step_capture.CAPTURE_COLD off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.eager_cold:
-        import flashrt.graphs.decode_graph as decode_graph
+        import flashrt.engine.step_capture as step_capture
 
-        decode_graph.CAPTURE_COLD = False
+        step_capture.CAPTURE_COLD = False
     cfg = shipped_config(args.model)
     model = Model(cfg, init_weights(cfg, seed=0, device=DEV))
     budget = 24 << 30

@@ -59,7 +59,7 @@ def fresh_dirs(root: Path, name: str, checkpoint: Path) -> Path:
 def prepare_checkpoint(root: Path, model: str) -> Path:
     """Create the built-in checkpoint once (untimed), in its own cache directory."""
     env = {**os.environ, "FLASHRT_CACHE_DIR": str(root / "setup")}
-    code = f"from flashrt.graphs.run import builtin_checkpoint; print(builtin_checkpoint({model!r}, quiet=True))"
+    code = f"from flashrt.engine.run import builtin_checkpoint; print(builtin_checkpoint({model!r}, quiet=True))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     return Path(out.stdout.strip().splitlines()[-1])
 

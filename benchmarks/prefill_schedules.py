@@ -16,7 +16,7 @@ import time
 import torch
 
 from flashrt.graphs.config import shipped_config
-from flashrt.graphs.generate import prefill_prompt
+from flashrt.graphs.prefill import prefill_prompt
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
 from results_io import write_json

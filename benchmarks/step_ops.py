@@ -4,7 +4,7 @@ is a GPU kernel launch on CUDA, ~2-5 us even inside a CUDA graph), next to the o
     TRITON_INTERPRET=1 FLASHRT_BACKEND=cuda python benchmarks/step_ops.py --model tiny --batch 8
     python benchmarks/step_ops.py --model small --device cuda     # on a GPU
 
-Runs the static-buffer decode step (graphs/decode_graph.py, eager) under a TorchDispatchMode that
+Runs the static-buffer decode step (engine/step_capture.py, eager) under a TorchDispatchMode that
 counts every aten operation but views and allocations (not those inside Triton's interpreter) by
 the innermost frame of the flashrt package. Costs no device time
 under the interpreter (``tiny``: every layer role of V4.1); counts scale with the layers.
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashrt
 from flashrt.graphs.config import shipped_config
-from flashrt.graphs.decode_graph import DecodeGraphs
+from flashrt.engine.step_capture import StepCapture
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
 
@@ -88,7 +88,7 @@ def step_ops(model: Model, batch: int, prompt: int) -> tuple[list, int]:
     with flashrt.value_checks(False):
         state = model.new_state(batch, prompt + 16)
         tok = model.forward(ids, state=state).argmax(-1)
-        graphs = DecodeGraphs(model, state, capture=False)
+        graphs = StepCapture(model, state, capture=False)
         tok = graphs.step(tok).argmax(-1)  # warm: every launcher's plan is made
         with _Count() as mode:
             graphs.step(tok)

@@ -2,7 +2,7 @@
 
 ``flashrt.ops`` is the op contract; backends plug in through ``flashrt.hookspecs``.
 """
-from . import backends, formats, ops, profiles
+from . import formats, ops, profiles
 from .checks import value_checks
 from .dispatch import use_backend
 from .errors import BackendError, CheckpointError, FlashrtError, ProfileError
@@ -13,16 +13,24 @@ from .rope import rope_table
 __version__ = "0.1.0"
 
 
-def load(path, device=None, profile=None, verify: bool = False, progress=None):
-    """Load a checkpoint directory (``config.json`` + safetensors shards) -> ``Model``.
+# The user API's entry points live in the layers above core; the package root names them lazily
+# (PEP 562) so that importing flashrt loads no model code.
+# ``backends`` (the plugin package) is named the same way: core never imports a backend.
+_FACADE = {"load": ("flashrt.graphs.loader", "load"), "generate": ("flashrt.engine.generation", "generate"),
+           "backends": ("flashrt.backends", None)}
 
-    See :func:`flashrt.graphs.loader.load`."""
-    from .graphs.loader import load as _load
 
-    return _load(path, device=device, profile=profile, verify=verify, progress=progress)
+def __getattr__(name):
+    if name in _FACADE:
+        import importlib
+
+        module, attr = _FACADE[name]
+        found = importlib.import_module(module)
+        return found if attr is None else getattr(found, attr)
+    raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
 
 __all__ = [
     "BackendError", "CheckpointError", "FlashrtError", "ProfileError", "QTensor", "active_profile", "backends",
     "formats", "ops", "profiles", "select_profile", "use_profile",
-    "load", "rope_table", "use_backend", "value_checks", "__version__",
+    "generate", "load", "rope_table", "use_backend", "value_checks", "__version__",
 ]

@@ -154,7 +154,7 @@ def index_range(name: str, idx: torch.Tensor, low: int, high: int) -> None:
 
 
 def paged_keys(name: str, k, spec: str, env: dict, formats, device=None) -> None:
-    """``k`` is a :class:`flashrt.paged.PagedKeys` of logical ``spec`` shape ``[B, T, D]``: a pool
+    """``k`` is a :class:`flashrt.kv.paged.PagedKeys` of logical ``spec`` shape ``[B, T, D]``: a pool
     ``[1, rows, D]`` (plain or QTensor in ``formats``) with ``rows % page_size == 0``, an int32
     block table ``[B, max_pages]`` on the same device, ``0 <= length <= max_pages * page_size``
     and block-table entries in ``[0, rows / page_size)`` (a value check)."""

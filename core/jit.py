@@ -289,7 +289,7 @@ def uninstall() -> None:
 
 
 def warmup(profile=None, modules=None, progress=None) -> dict:
-    """Compile every kernel ``profile`` needs ahead of time; see :func:`flashrt.cli_jit.warmup`."""
-    from .cli_jit import warmup as _warmup
+    """Compile every kernel ``profile`` needs ahead of time; see :func:`flashrt.cli.jit.warmup`."""
+    from .cli.jit import warmup as _warmup
 
     return _warmup(profile, modules, progress)

@@ -13,7 +13,7 @@ import torch
 from . import checks as c
 from .dispatch import impl as _impl
 from .formats import QTensor, check_shape
-from .paged import PagedKeys
+from .kv.paged import PagedKeys
 
 F32 = (torch.float32,)
 I32 = (torch.int32,)
@@ -131,7 +131,7 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
 
 def index_scores(q, k, weights, visible) -> torch.Tensor:
     """Indexer scores: ``q [B, S, Hi, Di]``, ``k [B, T, Di]`` plain or ``QTensor`` or
-    :class:`flashrt.paged.PagedKeys`, ``weights [B, S, Hi]`` fp32, ``visible [B, S]`` int32 in
+    :class:`flashrt.kv.paged.PagedKeys`, ``weights [B, S, Hi]`` fp32, ``visible [B, S]`` int32 in
     ``[0, T]`` -> fp32 ``[B, S, T]``.
 
     ``score[b,s,t] = sum_h relu(<q[b,s,h], k[b,t]>) * weights[b,s,h]`` for ``t < visible[b,s]``,

@@ -3,7 +3,7 @@
 Layer roles (v41-model.md, 2): ``window`` (ring only), ``full`` (own compressor, index keys and
 indexer), ``reindex`` (own indexer over the source's keys, inside the candidate pool) and
 ``reuse`` (the source's KV and the nearest index source's top-k). Written only against
-``flashrt.ops``; caches are read and written through :class:`flashrt.kvcache.KVState`.
+``flashrt.ops``; caches are read and written through :class:`flashrt.kv.state.KVState`.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 import torch
 
 from flashrt import ops
-from flashrt.core import YaRN, rope_frequencies
-from flashrt.kvcache import KVState
+from flashrt.rope import YaRN, rope_frequencies
+from flashrt.kv.state import KVState
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from flashrt import checks, ops
-from flashrt.kvcache import KVState
+from flashrt.kv.state import KVState
 
 from .block import Block
 from .config import ModelConfig
@@ -133,7 +133,7 @@ class Model:
 
     def run(self, ids: torch.Tensor, ctx: StepContext, all_positions: bool = False) -> torch.Tensor:
         """Every layer over ``ids`` in context ``ctx`` (caches written, positions not advanced):
-        only device work, so a decode step can be captured in a CUDA graph (graphs/decode_graph.py)."""
+        only device work, so a decode step can be captured in a CUDA graph (engine/step_capture.py)."""
         x, pre = self.embed_tokens(ids)
         captured = {} if self.drafts is not None else None
         x, pre = self.run_layers(x, pre, ctx, range(self.cfg.n_layers), capture=captured)
@@ -162,10 +162,3 @@ class Model:
         from .checkpoint import save
 
         return save(self.weights, self.cfg, path, **kwargs)
-
-    def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact", **kwargs):
-        """Generate from one or more prompts (``[B, S]`` tensor or list of token lists); see
-        :func:`flashrt.graphs.generate.generate`."""
-        from .generate import generate
-
-        return generate(self, prompts, max_new_tokens, temperature=temperature, prefill=prefill, **kwargs)

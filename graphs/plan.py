@@ -66,7 +66,7 @@ def active_params(cfg: ModelConfig, prompt: int | None = None) -> float:
     """Backbone parameters touched per token: routed experts count ``n_activated`` of ``n_routed``;
     Engram tables count the rows a token reads. With ``prompt`` (CED prefill of that many tokens)
     the decoder layers count only ``window_size / prompt`` of the time."""
-    from .generate import ced_split
+    from .prefill import ced_split
 
     split = ced_split(cfg) if prompt else cfg.n_layers
     frac = 1.0 if not prompt else min(1.0, cfg.window_size / prompt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from flashrt.backends import reference as ref
-from flashrt.paged import PagedKeys
+from flashrt.kv.paged import PagedKeys
 
 from ._npu import bf16_exact, fallback, float_of, gather_rows, npu
 
@@ -102,7 +102,7 @@ def index_scores(q, k, weights, visible):
     (plus int32 values), not the fp32 ``[B, S, T]`` scores ops.md returns; it also takes bf16/fp16
     weights only and exactly 64 heads of dim 128. So no operator: a quantized ``k`` (the ``fp4_b32``
     index cache) is decoded exactly, then the reference math runs on the device. Paged keys
-    (:class:`flashrt.paged.PagedKeys`) are gathered into a contiguous copy first.
+    (:class:`flashrt.kv.paged.PagedKeys`) are gathered into a contiguous copy first.
     """
     fallback("index_scores", "npu_lightning_indexer returns top-k positions, not scores")
     if isinstance(k, PagedKeys):  # paged index K: gathered into one [B, T, Di] copy first

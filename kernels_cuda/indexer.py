@@ -15,7 +15,7 @@ from flashrt.kernels_cuda.codecs import CODES, INTERPRETED as _INTERPRETED
 from flashrt.kernels_cuda.indexer_kernel import _block_keys_kernel, _expand_kernel, _index_scores_kernel
 from flashrt.kernels_cuda.launch import cdiv, next_pow2, zeros_stored
 from flashrt.kernels_cuda.topk import select_rows
-from flashrt.paged import PagedKeys
+from flashrt.kv.paged import PagedKeys
 
 TILES = {
     # rows: most (query, head) dot columns per program; num_warps_wide: > 64 columns or an fp32 dot;

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from flashrt import profiles
 from flashrt.formats import QTensor
-from flashrt.kvcache_util import empty_qtensor
+from flashrt.kv.util import empty_qtensor
 
 
 class PlanCache:

@@ -38,7 +38,7 @@ def test_emulation_detection_versions_and_doctor(npu_emulation, monkeypatch):
     assert v["torch_npu"].endswith("emulation") and v["cann"] == "8.3.RC1.emulated" and v["soc_version"] == 223
     assert ascend.soc_version() in ascend.A2_A3_SOCS
     assert dispatch.chain("rms_norm", "cpu") == ["reference"]  # CPU only when chosen explicitly
-    from flashrt import cli
+    from flashrt.cli import commands as cli
 
     # profile detection would build torch.device("npu"), a device type only the real torch_npu registers
     monkeypatch.setattr(cli, "_profile_report", lambda shipped: {})

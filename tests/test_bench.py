@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from flashrt import cli
+from flashrt.cli import commands as cli
 from flashrt.bench import FAMILIES, run_suite
 from flashrt.bench.common import Ceilings, Timing, bench_ms, row
 

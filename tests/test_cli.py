@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from flashrt import cli
+from flashrt.cli import commands as cli
 
 
 def test_doctor_json_in_a_fresh_process():

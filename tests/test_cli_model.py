@@ -58,8 +58,8 @@ def test_run_with_a_prefix_cache_hits_on_the_second_run(tmp_path):
 
 def test_caches_take_their_ttl_and_size_from_the_profile(tmp_path):
     from flashrt import profiles
-    from flashrt.prefix_cache import PrefixCache
-    from flashrt.window_pool import WindowPool
+    from flashrt.kv.prefix_cache import PrefixCache
+    from flashrt.kv.window_pool import WindowPool
 
     p = profiles.load_profile("h200")
     cache, pool = PrefixCache.for_profile(tmp_path, p), WindowPool.for_profile(p)

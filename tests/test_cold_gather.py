@@ -11,10 +11,11 @@ pytest.importorskip("triton")
 
 from kernel_check import GPU  # noqa: E402
 
-from flashrt import kvpages  # noqa: E402
+from flashrt.kv import pages as kvpages  # noqa: E402
 from flashrt.formats import QTensor, dequantize, dequantize_rows  # noqa: E402
 from flashrt.kernels_cuda import kv_gather  # noqa: E402
-from flashrt.kvcache import KVState, entry_bytes, fixed_bytes_for  # noqa: E402
+from flashrt.kv.state import KVState, entry_bytes, fixed_bytes_for  # noqa: E402
+from flashrt.engine import generate
 
 DEV = torch.device("cuda" if GPU else "cpu")
 
@@ -112,9 +113,9 @@ def test_budget_of_ten_percent_goes_through_the_kernel(model, rng, monkeypatch):
     monkeypatch.setattr(kv_gather, "cold_gather", lambda *a: calls.append(a[2].numel()) or real(*a))
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (2, 200), generator=rng).tolist()
-    full = model.generate(ids, 3, prefill_chunk=16, kv_page_entries=8)
+    full = generate(model, ids, 3, prefill_chunk=16, kv_page_entries=8)
     main = sum(-(-205 // cfg.ratio(l)) for l in cfg.kv_source_layers) * entry_bytes(cfg.head_dim, "fp4_b16") * 2
-    small = model.generate(ids, 3, prefill_chunk=16, kv_page_entries=8,
+    small = generate(model, ids, 3, prefill_chunk=16, kv_page_entries=8,
                            kv_budget=fixed_bytes_for(cfg, 2, 205, 8) + main // 10)
     assert calls and small.state.tier_stats()["cold_pages"] > 0
     assert torch.equal(full.first_logits, small.first_logits) and full.tokens == small.tokens

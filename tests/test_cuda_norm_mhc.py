@@ -10,7 +10,7 @@ from kernel_check import CountingKernel, DEVICE, rel_err, requires_kernels, run_
 
 import flashrt  # noqa: E402
 from flashrt import dispatch, ops  # noqa: E402
-from flashrt.core import rope_table  # noqa: E402
+from flashrt.rope import rope_table  # noqa: E402
 from flashrt.kernels_cuda import mhc, norm_rope  # noqa: E402
 
 pytestmark = requires_kernels

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from flashrt.graphs.generate import generate
+from flashrt.engine.generation import generate
+from flashrt.engine import generate
 
 TOL = 1e-3
 
@@ -24,7 +25,7 @@ def rand_prompt(rng, cfg, n: int) -> list[int]:
 # ----- greedy ------------------------------------------------------------------------------------
 def test_greedy_equals_manual_loop(model, cfg, rng):
     prompt, n_new = rand_prompt(rng, cfg, 20), 6
-    res = model.generate([prompt], n_new)
+    res = generate(model, [prompt], n_new)
     ids = torch.tensor([prompt])
     logits = model.forward(ids)
     assert rel_err(res.first_logits, logits) < TOL
@@ -47,7 +48,7 @@ def alone(model, prompt, n_new, **kwargs):
     differently). Differently shaped batches still round differently in the last bit, which this
     random fp8 / fp4 model now and then amplifies into another token (see test_model.py): the
     callers let at most one prompt diverge."""
-    res = model.generate([prompt] * 4, n_new, **kwargs)
+    res = generate(model, [prompt] * 4, n_new, **kwargs)
     assert all(t == res.tokens[0] for t in res.tokens)
     return res
 
@@ -55,7 +56,7 @@ def alone(model, prompt, n_new, **kwargs):
 def test_mixed_lengths_equal_each_alone(model, cfg, rng):
     prompts = [rand_prompt(rng, cfg, n) for n in (12, 20, 5, 17, 20)]
     n_new = 5
-    batch = model.generate(prompts, n_new)
+    batch = generate(model, prompts, n_new)
     assert len(batch.tokens) == len(prompts)
     bad = []
     for i, p in enumerate(prompts):
@@ -68,9 +69,9 @@ def test_mixed_lengths_equal_each_alone(model, cfg, rng):
 
 def test_eos_stops_a_row(model, cfg, rng):
     prompts = [rand_prompt(rng, cfg, 10), rand_prompt(rng, cfg, 10)]
-    free = model.generate(prompts, 6).tokens
+    free = generate(model, prompts, 6).tokens
     eos = free[0][2]
-    cut = model.generate(prompts, 6, eos_token_id=eos).tokens
+    cut = generate(model, prompts, 6, eos_token_id=eos).tokens
     for row in range(2):
         stop = free[row].index(eos) + 1 if eos in free[row] else 6
         assert cut[row] == free[row][:stop]
@@ -87,16 +88,16 @@ def log_prob(model, prompt: list[int], new: list[int]) -> float:
 def test_sampling_reproducible_and_seed_dependent(model, cfg, rng):
     prompts = [rand_prompt(rng, cfg, n) for n in (9, 14, 14)]
     n_new = 8
-    a = model.generate(prompts, n_new, temperature=1.0, seed=1234)
-    again = model.generate(prompts, n_new, temperature=1.0, generator=torch.Generator().manual_seed(1234))
+    a = generate(model, prompts, n_new, temperature=1.0, seed=1234)
+    again = generate(model, prompts, n_new, temperature=1.0, generator=torch.Generator().manual_seed(1234))
     assert a.tokens == again.tokens
-    assert a.tokens != model.generate(prompts, n_new).tokens  # not greedy
+    assert a.tokens != generate(model, prompts, n_new).tokens  # not greedy
     # Another seed draws the very same 24 tokens with probability prod_t p(a_t | prefix) (the Gumbel
     # noise of different seeds is independent): bound it by teacher forcing, then compare.
     lp = sum(log_prob(model, p, t) for p, t in zip(prompts, a.tokens))
     print(f"log P(seed-1234 tokens) = {lp:.1f}")
     assert lp < math.log(1e-12), lp
-    assert model.generate(prompts, n_new, temperature=1.0, seed=1235).tokens != a.tokens
+    assert generate(model, prompts, n_new, temperature=1.0, seed=1235).tokens != a.tokens
 
 
 # ----- ced prefill ---------------------------------------------------------------------------------
@@ -104,8 +105,8 @@ def test_sampling_reproducible_and_seed_dependent(model, cfg, rng):
 def test_ced_equals_exact_up_to_window(model, cfg, rng, n):
     assert n <= cfg.window_size
     prompt = rand_prompt(rng, cfg, n)
-    e = model.generate([prompt], 4, prefill="exact")
-    c = model.generate([prompt], 4, prefill="ced")
+    e = generate(model, [prompt], 4, prefill="exact")
+    c = generate(model, [prompt], 4, prefill="ced")
     assert torch.equal(c.first_logits, e.first_logits)
     assert c.tokens == e.tokens
 
@@ -113,8 +114,8 @@ def test_ced_equals_exact_up_to_window(model, cfg, rng, n):
 def test_ced_close_to_exact(model, cfg, rng):
     S, W = 40, cfg.window_size
     prompt = rand_prompt(rng, cfg, S)
-    e = model.generate([prompt], 4, prefill="exact")
-    c = model.generate([prompt], 4, prefill="ced")
+    e = generate(model, [prompt], 4, prefill="exact")
+    c = generate(model, [prompt], 4, prefill="ced")
     assert torch.isfinite(c.first_logits).all()
     dev = float((c.first_logits - e.first_logits).norm() / e.first_logits.norm())
     dmax = rel_err(c.first_logits, e.first_logits)
@@ -131,7 +132,7 @@ def test_ced_close_to_exact(model, cfg, rng):
 
 def test_ced_batch_equals_each_alone(model, cfg, rng):
     prompts = [rand_prompt(rng, cfg, n) for n in (30, 6, 30, 12)]
-    batch = model.generate(prompts, 3, prefill="ced")
+    batch = generate(model, prompts, 3, prefill="ced")
     bad = []
     for i, p in enumerate(prompts):
         alone_ = alone(model, p, 3, prefill="ced")
@@ -144,7 +145,7 @@ def test_ced_prefill_time_ratio(model, cfg, rng):
     prompt = rand_prompt(rng, cfg, 96)
 
     def best(prefill):
-        return min(model.generate([prompt], 1, prefill=prefill).prefill_seconds for _ in range(3))
+        return min(generate(model, [prompt], 1, prefill=prefill).prefill_seconds for _ in range(3))
 
     exact, ced = best("exact"), best("ced")
     print(f"prefill of 96 tokens: exact {exact * 1e3:.0f} ms, ced {ced * 1e3:.0f} ms, "
@@ -169,18 +170,18 @@ def test_bad_args(model, kwargs, key):
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=2)
     args.update(kwargs)
     with pytest.raises(ValueError, match=key):
-        model.generate(args.pop("prompts"), args.pop("max_new_tokens"), **args)
+        generate(model, args.pop("prompts"), args.pop("max_new_tokens"), **args)
 
 
 def test_empty_prompt_tensor_names_prompts(model):
     with pytest.raises(ValueError, match="prompts"):
-        model.generate(torch.zeros(0, 5, dtype=torch.long), 2)
+        generate(model, torch.zeros(0, 5, dtype=torch.long), 2)
 
 
 @pytest.mark.parametrize("prompts", [torch.tensor([[1.7, 2.2, 3.9]]), [[1.5, 2, 3]]])
 def test_float_prompts_refused(model, prompts):
     with pytest.raises(ValueError, match="prompts|input_ids"):
-        model.generate(prompts, 2)
+        generate(model, prompts, 2)
 
 
 def test_a_failed_step_can_be_retried(model, rng, monkeypatch):

@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from flashrt.graphs import prefix, session
-from flashrt.kvcache import entry_bytes, fixed_bytes_for
-from flashrt.prefix_cache import PrefixCache
-from flashrt.window_pool import WindowPool
+from flashrt.engine import prefix, session
+from flashrt.kv.state import entry_bytes, fixed_bytes_for
+from flashrt.kv.prefix_cache import PrefixCache
+from flashrt.kv.window_pool import WindowPool
+from flashrt.engine import generate
 
 
 def prompts(rng, model, batch, length):
@@ -22,11 +23,11 @@ def prompts(rng, model, batch, length):
 def test_device_budget_of_ten_percent_gives_the_same_logits(model, rng):
     cfg = model.cfg
     ids = prompts(rng, model, 2, 300)
-    full = model.generate(ids, 5, prefill_chunk=16, kv_page_entries=8)
+    full = generate(model, ids, 5, prefill_chunk=16, kv_page_entries=8)
     cap = 305
     main = sum(-(-cap // cfg.ratio(l)) for l in cfg.kv_source_layers) * entry_bytes(cfg.head_dim, "fp4_b16") * 2
     budget = fixed_bytes_for(cfg, 2, cap, page_entries=8) + main // 10
-    small = model.generate(ids, 5, prefill_chunk=16, kv_page_entries=8, kv_budget=budget)
+    small = generate(model, ids, 5, prefill_chunk=16, kv_page_entries=8, kv_budget=budget)
     stats = small.state.tier_stats()
     assert stats["device_pages"] * stats["page_bytes"] <= main // 10
     assert stats["cold_pages"] > 5 * stats["device_pages"]  # most of the context is in host memory
@@ -36,7 +37,7 @@ def test_device_budget_of_ten_percent_gives_the_same_logits(model, rng):
 
 def test_budget_too_small_names_kv_budget(model, rng):
     with pytest.raises(ValueError, match="kv_budget"):
-        model.generate(prompts(rng, model, 1, 40), 2, kv_budget=1000)
+        generate(model, prompts(rng, model, 1, 40), 2, kv_budget=1000)
 
 
 def test_spilled_pages_keep_their_bytes(model, rng):
@@ -74,9 +75,9 @@ def test_prefix_hit_restores_global_kv_exactly(model, rng, tmp_path):
 def test_generate_with_prefix_cache_miss_then_hit(model, rng, tmp_path):
     cache = PrefixCache(tmp_path)
     ids = prompts(rng, model, 1, 150)
-    miss = model.generate(ids, 3, prefix_cache=cache)
+    miss = generate(model, ids, 3, prefix_cache=cache)
     assert cache.hits == 0 and len(cache.entries()) == 1
-    hit = model.generate(ids, 3, prefix_cache=cache)
+    hit = generate(model, ids, 3, prefix_cache=cache)
     assert cache.hits == 1 and len(hit.tokens[0]) == 3
     assert torch.isfinite(hit.first_logits).all() and miss.first_logits.shape == hit.first_logits.shape
 
@@ -97,7 +98,7 @@ def test_corrupt_entry_is_detected_and_dropped(tmp_path):
 def test_sigkill_while_writing_leaves_nothing_served(tmp_path):
     script = textwrap.dedent(f"""
         import os, time
-        from flashrt.prefix_cache import PrefixCache
+        from flashrt.kv.prefix_cache import PrefixCache
         real = os.fsync
         def slow(fd):
             print("writing", flush=True)
@@ -162,13 +163,13 @@ def test_kv_sizes_come_from_the_profile(model, monkeypatch):
     import dataclasses
 
     from flashrt import profiles
-    from flashrt.graphs.generate import profile_kv_sizes
+    from flashrt.engine.generation import profile_kv_sizes
 
     prof = dataclasses.replace(profiles.load_profile("cpu"), hkcp_page_entries=16, hkcp_cold_host_gib=0.5)
     monkeypatch.setattr(model, "profile", prof, raising=False)
     assert profile_kv_sizes(model, None, None) == (None, 16, 1 << 29)  # CPU: no device budget
     assert profile_kv_sizes(model, 12345, 8) == (12345, 8, 1 << 29)
-    out = model.generate([[1, 2, 3, 4, 5]], 2)
+    out = generate(model, [[1, 2, 3, 4, 5]], 2)
     assert out.state.tier_stats()["page_entries"] == 16
     monkeypatch.setattr(model, "profile", None)
     assert profile_kv_sizes(model, None, None) == (None, 64, None)
@@ -178,9 +179,9 @@ def test_a_profile_budget_too_small_says_where_it_came_from(model, monkeypatch):
     import dataclasses
 
     from flashrt import profiles
-    from flashrt.graphs import generate as gen
+    from flashrt.engine import generation as gen
 
     monkeypatch.setattr(model, "profile", dataclasses.replace(profiles.load_profile("cpu"), name="tiny-card"))
     monkeypatch.setattr(gen, "profile_kv_sizes", lambda m, b, p: (1000, 64, None))  # as on a nearly full device
     with pytest.raises(ValueError, match="kv_budget.*profile 'tiny-card'"):
-        model.generate([[1, 2, 3]], 2)
+        generate(model, [[1, 2, 3]], 2)

@@ -191,7 +191,7 @@ def flashrt_cli(*args, check=True, **env) -> subprocess.CompletedProcess:
 
 
 def test_ls_and_clear_cli(tmp_path, capsys):
-    from flashrt import cli
+    from flashrt.cli import commands as cli
 
     cache = JitCache()
     cache.get_or_build(PARTS, lambda: b"a" * 3000, {"kernel": "double"})
@@ -237,8 +237,8 @@ def test_warmup_calls_each_hook_with_the_profile_active():
 
 
 def test_warmup_cli_walks_the_kernel_modules(capsys):
-    from flashrt import cli
-    from flashrt.cli_jit import kernel_modules
+    from flashrt.cli import commands as cli
+    from flashrt.cli.jit import kernel_modules
 
     names = {name for name, mod in kernel_modules()  # op modules and helpers with a warmup hook (linear_plain)
              if isinstance(mod, Exception) or hasattr(mod, "OPS") or hasattr(mod, "warmup")}

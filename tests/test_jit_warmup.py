@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashrt import profiles
-from flashrt.cli_jit import kernel_modules, warmup
+from flashrt.cli.jit import kernel_modules, warmup
 from flashrt.graphs.config import shipped_config
 from flashrt.kernels_cuda import _warmup
 
@@ -108,7 +108,7 @@ def test_the_launches_run_under_the_interpreter_at_tiny_dims(name):
 
 
 def test_shapes_narrow_the_models_warmed(recorded, monkeypatch, capsys):
-    from flashrt import cli
+    from flashrt.cli import commands as cli
     from flashrt.kernels_cuda import norm_rope
 
     monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "small")

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from flashrt.formats import QTensor
-from flashrt.kvcache import KVState, entry_bytes, fixed_bytes_for, index_pages_for
-from flashrt.kvpages import BlockTable
-from flashrt.paged import PagedKeys
+from flashrt.kv.state import KVState, entry_bytes, fixed_bytes_for, index_pages_for
+from flashrt.kv.pages import BlockTable
+from flashrt.kv.paged import PagedKeys
 
 
 def ids(rng, model, batch, length):
@@ -128,7 +128,7 @@ def test_device_pages_grow_to_the_budget_then_spill_then_the_cold_cap(cfg):
 def test_block_table_buffers_follow_every_change_incrementally(cfg, rng):
     """Pages added and spilled in random order: the device / host id buffers, updated entry by entry
     (not rebuilt) while their width suffices, always equal a rebuild from the tables."""
-    from flashrt.kvpages import PagedMainKV, PagePool
+    from flashrt.kv.pages import PagedMainKV, PagePool
 
     pool = PagePool(cfg.head_dim, 4, "cpu", 12)
     main = PagedMainKV(pool, 3, entries=400)
@@ -149,7 +149,7 @@ def test_block_table_buffers_follow_every_change_incrementally(cfg, rng):
 
 
 def test_cold_page_count_follows_the_spills(cfg):
-    from flashrt.kvpages import PagedMainKV, PagePool
+    from flashrt.kv.pages import PagedMainKV, PagePool
 
     pool = PagePool(cfg.head_dim, 4, "cpu", 6)
     main = PagedMainKV(pool, 2, entries=200)
@@ -166,7 +166,7 @@ def test_zero_qtensors_match_every_format_layout():
     """empty_qtensor (caches, warmup inputs) gives each format's stored layout, multi-byte scales
     (int8_t fp32, int8_w bf16) included, all bits zero."""
     from flashrt import formats
-    from flashrt.kvcache_util import empty_qtensor
+    from flashrt.kv.util import empty_qtensor
 
     for fmt in formats.FORMATS:
         shape = (3, 64, 128)

@@ -12,6 +12,7 @@ from kernel_check import rel_err
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
+from flashrt.engine import generate
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +30,7 @@ def test_tiny_cuda_matches_cpu(rng):
     # differences (fp8 re-quantization, top-k picks), so compare loosely and by the greedy token
     assert float((gpu - cpu).norm() / cpu.norm()) < 0.25
     assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean() > 0.85
-    res = gpu_model.generate(ids[:1, :20].cuda(), max_new_tokens=4)
+    res = generate(gpu_model, ids[:1, :20].cuda(), max_new_tokens=4)
     assert len(res.tokens[0]) == 4
 
 

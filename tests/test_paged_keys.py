@@ -1,4 +1,4 @@
-"""``ops.index_scores`` over paged keys (:class:`flashrt.paged.PagedKeys`, the HKCP index K).
+"""``ops.index_scores`` over paged keys (:class:`flashrt.kv.paged.PagedKeys`, the HKCP index K).
 
 Paged keys must give exactly what the contiguous keys they map give: on the reference backend
 (a gather, then the same math: equal bit for bit) and on the CUDA kernel (which reads the pool
@@ -12,7 +12,7 @@ import flashrt
 from flashrt import ops
 from flashrt.backends import trace
 from flashrt.formats import QTensor
-from flashrt.paged import PagedKeys
+from flashrt.kv.paged import PagedKeys
 from kernel_check import DEVICE, GPU, assert_error, kernels_available, rel_err, run_both
 
 

@@ -247,7 +247,7 @@ def test_tiles_that_do_not_fit_the_kernel_name_the_key(given, message):
 
 def test_shipped_tiles_fit_every_kernel_module():
     """Profile tiles name only kernel modules and parameters that exist (else tuning would be ignored)."""
-    from flashrt.cli_jit import kernel_modules
+    from flashrt.cli.jit import kernel_modules
 
     modules = {name: mod.TILES for name, mod in kernel_modules() if hasattr(mod, "TILES")}
     for name in SHIPPED:
@@ -258,7 +258,7 @@ def test_shipped_tiles_fit_every_kernel_module():
 
 
 def test_doctor_prints_the_chosen_profile_and_why(monkeypatch, capsys):
-    from flashrt import cli
+    from flashrt.cli import commands as cli
 
     assert cli.main(["doctor"]) == 0
     profile, why = profiles.select_profile()  # cpu here, h200 on the H200

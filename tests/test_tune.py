@@ -94,7 +94,7 @@ def test_spaces_are_bounded_and_name_real_tile_parameters():
 
 
 def test_unknown_kernel_and_bad_budget_are_named(capsys):
-    from flashrt import cli
+    from flashrt.cli import commands as cli
 
     with pytest.raises(ValueError, match="kernels"):
         tune.tune(["nope"])

@@ -69,7 +69,7 @@ def _quantize_store_case(rows, ceil, x, fmt):
 
 def _norm_rope(rows, ceil):
     from flashrt.backends import reference as ref
-    from flashrt.core import rope_table
+    from flashrt.rope import rope_table
     from flashrt.kernels_cuda import norm_rope
 
     x = torch.randn(8192, 5120, device="cuda", dtype=torch.bfloat16)

@@ -41,9 +41,9 @@ def warmup(profile=None, modules=None, progress=None) -> dict:
     through ours. ``profile``: a Profile, name or path (default: the active one); ``modules``:
     (name, module) pairs (default: :func:`kernel_modules`). Returns what was warmed, skipped (with
     the reasons hooks gave), failed."""
-    from . import profiles
-    from .jit import install
-    from .progress import Progress
+    from flashrt import profiles
+    from flashrt.jit import install
+    from flashrt.progress import Progress
 
     profile = profiles.load_profile(profile) if isinstance(profile, str) else profile or profiles.active_profile()
     modules = kernel_modules() if modules is None else list(modules)
@@ -104,14 +104,15 @@ def _age(seconds: float) -> str:
 def warm_model(model: str, report: dict) -> None:
     """Compile every kernel variant a model's prefill (both schedules) and decode steps use, by
     running them once on the device (the cache keeps what they compile)."""
-    from flashrt.graphs.run import load_model, pick_device
+    from flashrt.engine import generate
+    from flashrt.engine.run import load_model, pick_device
 
     t0 = time.perf_counter()
     try:
         m = load_model(model, pick_device(None), quiet=True)
         prompt = list(range(3, 3 + 2 * m.cfg.window_size + 5))
         for prefill in ("exact", "ced"):
-            m.generate([prompt, prompt[:7]], 3, prefill=prefill)
+            generate(m, [prompt, prompt[:7]], 3, prefill=prefill)
         report["warmed"].append(f"model:{model}")
     except Exception as exc:
         report["failed"][f"model:{model}"] = f"{type(exc).__name__}: {exc}"
@@ -146,7 +147,7 @@ def cmd_warmup(args) -> int:
 
 
 def cmd_ls(args) -> int:
-    from .jit import JitCache
+    from flashrt.jit import JitCache
 
     cache = JitCache()
     entries, now = cache.entries(), time.time()
@@ -164,7 +165,7 @@ def cmd_ls(args) -> int:
 
 
 def cmd_clear(args) -> int:
-    from .jit import JitCache
+    from flashrt.jit import JitCache
 
     cache = JitCache()
     if not args.yes:

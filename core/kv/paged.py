@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import QTensor
+from flashrt.formats import QTensor
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from importlib import metadata
 
 import torch
 
-from . import __version__, dispatch
-from .errors import FlashrtError
+from flashrt import __version__, dispatch
+from flashrt.errors import FlashrtError
 
 
 def _version(dist: str) -> str | None:
@@ -76,7 +76,7 @@ def doctor_report() -> dict:
 
 
 def _profile_report(shipped: list[str]) -> dict:
-    from . import profiles
+    from flashrt import profiles
 
     try:
         profile, reason = profiles.select_profile()
@@ -136,20 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="devices, backends and their availability, versions")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(func=cmd_doctor)
-    from .cli_model import add_plan, add_run
+    from .model import add_plan, add_run
 
     add_run(sub)
     add_plan(sub)
-    from .conformance import add_parser as add_conformance
+    from flashrt.conformance import add_parser as add_conformance
 
     add_conformance(sub)
-    from .tune import add_parser as add_tune
+    from flashrt.tune import add_parser as add_tune
 
     add_tune(sub)
-    from .cli_jit import add_jit
+    from .jit import add_jit
 
     add_jit(sub)
-    from .cli_bench import add_bench
+    from .bench import add_bench
 
     add_bench(sub)
     return parser
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.profile:  # honoured by every command and inherited by child processes
-        from . import profiles
+        from flashrt import profiles
 
         os.environ["FLASHRT_PROFILE"] = args.profile
         profiles.use_profile(None)

@@ -1,4 +1,4 @@
-"""Decode steps from static buffers (graphs/decode_graph.py): the same function as Model.forward.
+"""Decode steps from static buffers (engine/step_capture.py): the same function as Model.forward.
 
 On the CPU the static-buffer step runs eagerly; the capture itself is checked on a CUDA device
 (``-m gpu``). A step reads bucketed entry counts, block tables updated in place and masked cache
@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from flashrt.graphs.config import shipped_config
-from flashrt.graphs.decode_graph import DecodeGraphs, bucket
+from flashrt.engine.step_capture import StepCapture, bucket
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
-from flashrt.kvcache import KVState
+from flashrt.kv.state import KVState
+from flashrt.engine import generate
 
 
 def test_bucket_bounds(rng):
@@ -34,7 +35,7 @@ def test_static_step_equals_forward(model, rng):
     eager, static = _states(model, 2, 64, page_entries=4)
     la, lb = model.forward(ids, state=eager), model.forward(ids, state=static)
     pages = [len(t.pages) for c in static.compressed.values() for t in c.main.tables]
-    runner = DecodeGraphs(model, static)
+    runner = StepCapture(model, static)
     for _ in range(30):
         tok = torch.multinomial(torch.softmax(la, -1), 1, generator=rng)[:, 0]  # not only argmax paths
         la = model.forward(tok.unsqueeze(1), state=eager)
@@ -52,31 +53,31 @@ def test_static_step_equals_forward(model, rng):
 
 def test_generate_with_graphs_same_tokens_ragged(model, rng):
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=rng).tolist() for n in (23, 9, 23)]
-    plain = model.generate(prompts, 12)
-    graphs = model.generate(prompts, 12, cuda_graph=True)
+    plain = generate(model, prompts, 12)
+    graphs = generate(model, prompts, 12, cuda_graph=True)
     assert graphs.tokens == plain.tokens
-    assert graphs.decode_graphs["eager"] == 11 and plain.decode_graphs is None
+    assert graphs.step_capture["eager"] == 11 and plain.step_capture is None
 
 
 @pytest.mark.parametrize("zero_copy", [True, False])
 def test_cold_pages(model, rng, zero_copy, monkeypatch):
     """Most main-KV pages on the host: with the zero-copy gather the step stays static (the cold
     picks are read inside it); without it the step runs Model.forward. Same tokens either way."""
-    import flashrt.graphs.decode_graph as dg
+    import flashrt.engine.step_capture as dg
 
     if not zero_copy:
         monkeypatch.setattr(dg, "cold_gather_kernel", lambda pool, picks: False)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 60), generator=rng)
-    plain = model.generate(ids, 6, kv_page_entries=4)
-    small = model.generate(ids, 6, kv_page_entries=4, kv_budget=_budget(model, 66, 4), prefill_chunk=8,
+    plain = generate(model, ids, 6, kv_page_entries=4)
+    small = generate(model, ids, 6, kv_page_entries=4, kv_budget=_budget(model, 66, 4), prefill_chunk=8,
                            cuda_graph=True)
     assert small.state.tier_stats()["cold_pages"] > 0
-    assert small.decode_graphs["eager" if zero_copy else "fallback"] == 5
+    assert small.step_capture["eager" if zero_copy else "fallback"] == 5
     assert small.tokens == plain.tokens
 
 
 def _budget(model, capacity, page_entries):
-    from flashrt.kvcache import entry_bytes, fixed_bytes_for
+    from flashrt.kv.state import entry_bytes, fixed_bytes_for
 
     page = page_entries * entry_bytes(model.cfg.head_dim, "fp4_b16")
     return fixed_bytes_for(model.cfg, 1, capacity, page_entries) + page * (2 * len(model.cfg.kv_source_layers) + 2)
@@ -98,10 +99,10 @@ def test_trash_page_is_never_handed_out(model):
 
 def test_bad_arguments_are_named(model):
     with pytest.raises(ValueError, match="state"):
-        DecodeGraphs(model, "not a state")
+        StepCapture(model, "not a state")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="capture"):
-            DecodeGraphs(model, model.new_state(1, 8), capture=True)
+            StepCapture(model, model.new_state(1, 8), capture=True)
 
 
 @pytest.mark.gpu
@@ -113,7 +114,7 @@ def test_captured_steps_replay_the_eager_step(rng):
     ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=rng).cuda()
     eager, static = _states(model, 2, 200, page_entries=4)
     la, lb = model.forward(ids, state=eager), model.forward(ids, state=static)
-    plain, graphs = DecodeGraphs(model, eager, capture=False), DecodeGraphs(model, static)
+    plain, graphs = StepCapture(model, eager, capture=False), StepCapture(model, static)
     for _ in range(40):
         tok = la.argmax(-1)
         la, lb = plain.step(tok).clone(), graphs.step(tok).clone()
@@ -132,7 +133,7 @@ def test_captured_steps_with_engram_tables_in_host_memory(rng):
     ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=rng).cuda()
     eager, static = _states(model, 2, 200, page_entries=64)
     la, lb = model.forward(ids, state=eager), model.forward(ids, state=static)
-    graphs = DecodeGraphs(model, static)
+    graphs = StepCapture(model, static)
     for _ in range(12):
         tok = la.argmax(-1)
         la, lb = model.forward(tok.unsqueeze(1), state=eager), graphs.step(tok).clone()
@@ -145,8 +146,8 @@ def test_captured_steps_with_engram_tables_in_host_memory(rng):
 def test_captured_steps_with_cold_pages(rng, monkeypatch):
     """Most main-KV pages on the host: with CAPTURE_COLD the steps (zero-copy gather, four KV
     segments in attention) are captured and replay what the eager static step computes."""
-    import flashrt.graphs.decode_graph as dg
-    from flashrt.kvcache import KVState as State
+    import flashrt.engine.step_capture as dg
+    from flashrt.kv.state import KVState as State
 
     monkeypatch.setattr(dg, "CAPTURE_COLD", True)
     cfg = shipped_config("tiny")
@@ -158,7 +159,7 @@ def test_captured_steps_with_cold_pages(rng, monkeypatch):
         la = model.forward(ids[:, c0:c0 + 8], state=states[0])
         lb = model.forward(ids[:, c0:c0 + 8], state=states[1])
     assert states[1].tier_stats()["cold_pages"] > 0
-    plain, graphs = DecodeGraphs(model, states[0], capture=False), DecodeGraphs(model, states[1])
+    plain, graphs = StepCapture(model, states[0], capture=False), StepCapture(model, states[1])
     for _ in range(12):
         tok = la.argmax(-1)
         la, lb = plain.step(tok).clone(), graphs.step(tok).clone()
@@ -185,7 +186,7 @@ def test_a_step_that_syncs_stays_eager(rng, monkeypatch):
         return real(x, w, eps)
 
     monkeypatch.setattr(ops, "rms_norm", syncing)
-    plain, graphs = DecodeGraphs(model, eager, capture=False), DecodeGraphs(model, static)
+    plain, graphs = StepCapture(model, eager, capture=False), StepCapture(model, static)
     for _ in range(3):
         tok = la.argmax(-1)
         la, lb = plain.step(tok).clone(), graphs.step(tok).clone()

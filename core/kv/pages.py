@@ -19,8 +19,8 @@ from collections import OrderedDict
 
 import torch
 
-from .formats import QTensor
-from .kvcache_util import empty_qtensor, write_paged
+from flashrt.formats import QTensor
+from .util import empty_qtensor, write_paged
 
 FMT = "fp4_b16"
 TRASH_PAGE = 0

@@ -4,7 +4,7 @@ Every KV-source layer stores its index K in pages of ``page_entries`` entries dr
 :class:`IndexPool`. Index pages never leave the device: the indexer scores every position. Each
 (layer, sequence) has a row of an int32 block table (a persistent device tensor, updated in place
 when pages are added); the indexer reads the keys in place through a
-:class:`flashrt.paged.PagedKeys` view of the pool.
+:class:`flashrt.kv.paged.PagedKeys` view of the pool.
 
 Page 0 of the pool is a trash page that is never handed out: masked writes are redirected to
 its first row (``trash_row``) instead of being filtered on the host, and block-table slots with no
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .formats import QTensor
-from .kvcache_util import empty_qtensor, write_paged, write_rows
+from flashrt.formats import QTensor
+from .util import empty_qtensor, write_paged, write_rows
 from .paged import PagedKeys
 
 FMT = "fp4_b32"

@@ -35,7 +35,7 @@ class PrefixCache:
     def for_profile(cls, root, profile=None) -> "PrefixCache":
         """A cache at ``root`` with the hardware profile's TTL (``hkcp_prefix_ttl_hours``) and size
         cap (``hkcp_persistent_disk_gib``); default: the active profile."""
-        from . import profiles
+        from flashrt import profiles
 
         p = profile or profiles.active_profile()
         return cls(root, ttl_hours=p.hkcp_prefix_ttl_hours, max_bytes=p.persistent_disk_bytes)

@@ -5,11 +5,11 @@ import json
 import sys
 from pathlib import Path
 
-from .jit import atomic_write
+from flashrt.jit import atomic_write
 
 
 def cmd_kernels(args) -> int:
-    from .bench import cuda_missing, run_suite
+    from flashrt.bench import cuda_missing, run_suite
 
     why = cuda_missing()
     if why:
@@ -32,7 +32,7 @@ def cmd_kernels(args) -> int:
 
 
 def add_bench(sub) -> None:
-    from .bench import FAMILIES
+    from flashrt.bench import FAMILIES
 
     bench = sub.add_parser("bench", help="benchmarks on this device")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -1,8 +1,5 @@
-"""Generation: prefill schedules (``exact``, ``ced``) and batched decode with per-sequence state.
+"""Generation: a fixed batch of prompts prefilled (``flashrt.graphs.prefill``) and decoded to the end.
 
-``exact`` runs every layer over every prompt token. ``ced`` (v41-model.md, 7) runs the encoder
-layers over every token plus the decoder's KV source's compression, then the decoder layers only
-over the last ``window_size`` tokens (their window rings start there: SWA bounded replay).
 Prompts of different lengths are prefilled in groups of equal length and decoded together, each
 row at its own position.
 """
@@ -14,13 +11,12 @@ from dataclasses import dataclass, field
 import torch
 
 from flashrt import ops
-from flashrt.kvcache import KVState
+from flashrt.graphs.context import StepContext
+from flashrt.graphs.prefill import PREFILLS, prefill_prompt
+from flashrt.kv.state import KVState
 
 from . import prefix
-from .context import StepContext
-from .decode_graph import DecodeGraphs
-
-PREFILLS = ("exact", "ced")
+from .step_capture import StepCapture
 
 
 @dataclass
@@ -32,65 +28,7 @@ class GenerateResult:
     decode_seconds: float
     first_logits: torch.Tensor = field(repr=False, default=None)  # [B, vocab] after prefill
     state: KVState | None = field(repr=False, default=None)
-    decode_graphs: dict | None = None  # captured / replayed / fallback step counts with cuda_graph
-
-
-def ced_split(cfg) -> int:
-    """First decoder layer: the layer-20-style KV source (candidate source, else the last source)."""
-    split = cfg.candidate_source_layer if cfg.candidate_source_layer >= 0 else max(cfg.kv_source_layers, default=-1)
-    if split < 0 or any(s > split for s in cfg.kv_source_layers):
-        raise ValueError("prefill: 'ced' needs one KV source that starts the decoder and none after it")
-    return split
-
-
-def prefill_prompt(model, ids: torch.Tensor, state: KVState, schedule: str = "exact",
-                   chunk: int | None = None) -> torch.Tensor:
-    """Run prompt ``ids`` [B, S] (all rows starting at the same position) -> last-position logits.
-
-    ``chunk``: tokens per forward call (bounds activation memory and lets HKCP spill pages
-    between chunks); None runs the prompt in one call."""
-    if schedule not in PREFILLS:
-        raise ValueError(f"prefill: expected one of {list(PREFILLS)}, got {schedule!r}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"prefill_chunk: expected an int >= 1 or None, got {chunk!r}")
-    cfg = model.cfg
-    S, W = ids.shape[1], cfg.window_size
-    chunk = chunk or S
-    if schedule == "exact" or S <= W or any(state.host_positions):
-        for c0 in range(0, S, chunk):
-            logits = model.forward(ids[:, c0:c0 + chunk], state=state)
-        return logits
-    return _ced(model, ids, state, chunk)
-
-
-def _ced(model, ids, state: KVState, chunk: int) -> torch.Tensor:
-    """Encoder layers + the decoder's KV-source compression over every token (in chunks), then
-    the decoder layers over the last ``window_size`` tokens only."""
-    cfg = model.cfg
-    S, W = ids.shape[1], cfg.window_size
-    split = ced_split(cfg)
-    block = model.blocks[split]
-    tails = []  # (x, pre, positions, engram ids) of the last W tokens
-    for c0 in range(0, S, chunk):
-        part = ids[:, c0:c0 + chunk]
-        ctx = model.context(part, state)
-        x, pre = model.run_layers(*model.embed_tokens(part), ctx, range(split))
-        if block.engram is not None:
-            x = block.engram.forward(x, ctx, ctx.token_mask)
-        block.attn.compressor.forward(block.attention_input(x, pre), ctx)  # the decoder's global KV
-        state.advance(part.shape[1], ctx.next_history)
-        if c0 + part.shape[1] > S - W:
-            tails.append((x, pre, ctx.positions, ctx.engram_ids))
-    cut = lambda i: None if tails[0][i] is None else torch.cat([t[i] for t in tails], dim=1)[:, -W:]
-    x, pre, positions, engram_ids = (cut(i) for i in range(4))
-    for layer in range(split, cfg.n_layers):
-        state.ring_start[layer].fill_(S - W)
-    sub = StepContext(positions, S, state, model.rope, engram_ids, compress_done=frozenset({split}))
-    captured = {} if model.drafts is not None else None
-    x, pre = model.run_layers(x, pre, sub, range(split, cfg.n_layers), skip_engram={split}, capture=captured)
-    if captured:
-        model.drafts.seed(captured, sub)
-    return model.logits(x, pre, all_positions=False)
+    step_capture: dict | None = None  # captured / replayed / fallback step counts with cuda_graph
 
 
 def profile_kv_sizes(model, kv_budget: int | None, page_entries: int | None) -> tuple:
@@ -137,10 +75,10 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     hardware profile on CUDA (:func:`profile_kv_sizes`), unlimited elsewhere. ``prefill_chunk``:
     prompt tokens per forward call. ``kv_page_entries``: compressed entries per KV page (None: the
     profile's ``hkcp_page_entries``, else 64).
-    ``prefix_cache``: a :class:`flashrt.prefix_cache.PrefixCache`; prompts whose aligned prefix is
+    ``prefix_cache``: a :class:`flashrt.kv.prefix_cache.PrefixCache`; prompts whose aligned prefix is
     cached load its global KV and replay the last ``window_size`` tokens instead of prefilling it,
     and every prompt's aligned prefix is stored after its prefill. ``cuda_graph``: run the decode
-    steps from captured CUDA graphs (:mod:`flashrt.graphs.decode_graph`); None: on CUDA devices."""
+    steps from captured CUDA graphs (:mod:`flashrt.engine.step_capture`); None: on CUDA devices."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
@@ -185,7 +123,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     first_logits = step_logits
     if cuda_graph is None:
         cuda_graph = model.device.type == "cuda"
-    graphs = DecodeGraphs(model, state) if cuda_graph else None
+    graphs = StepCapture(model, state) if cuda_graph else None
     out = [[] for _ in seqs]
     done = [False] * len(seqs)  # per row of the batch (host-side: checked every step)
     for step in range(max_new_tokens):

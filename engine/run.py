@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 
 from flashrt import dispatch
-from flashrt.prefix_cache import PrefixCache
+from flashrt.kv.prefix_cache import PrefixCache
 from flashrt.progress import Progress
 
-from . import checkpoint
-from .config import SHIPPED, shipped_config
-from .init_weights import init_weights
-from .loader import load
-from .model import Model
+from flashrt.graphs import checkpoint
+from flashrt.graphs.config import SHIPPED, shipped_config
+from flashrt.graphs.init_weights import init_weights
+from flashrt.graphs.loader import load
+from flashrt.graphs.model import Model
+from .generation import generate
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 OP_FAMILIES = {
@@ -121,7 +122,7 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         ids = encode_prompt(prompt, m.cfg.vocab_size)
         t_gen = time.perf_counter()
         cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, m.profile)
-        result = m.generate([ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
+        result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
                             prefix_cache=cache,
                             kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
         families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
@@ -142,6 +143,6 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "decode_tokens_per_s": max(result.new_tokens - 1, 0) / max(result.decode_seconds, 1e-9),
         "kv_bytes_per_token": kv_token, "kv_bytes_total": kv_token * n_tokens + state.window_bytes(),
         "window_state_bytes": state.window_bytes(), "peak_memory_bytes": peak_memory_bytes(dev),
-        "kv_budget": kv_budget, "kv_tiers": state.tier_stats(), "decode_graphs": result.decode_graphs,
+        "kv_budget": kv_budget, "kv_tiers": state.tier_stats(), "step_capture": result.step_capture,
         "prefix_cache": None if cache is None else {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses},
     }

@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs: one capture per static shape, replayed every step.
 
 A decode step of a batch is launch-bound at small batch sizes (hundreds of small kernels).
-:class:`DecodeGraphs` captures :meth:`Model.run` over a one-token step once per *shape key* and
+:class:`StepCapture` captures :meth:`Model.run` over a one-token step once per *shape key* and
 replays it afterwards. Everything that varies between steps lives in device tensors the graph
 reads in place: the token ids and Engram hash ids (static buffers filled before each replay),
 positions, window rings, compressor state, index K, the page pool and its block tables (updated
@@ -30,15 +30,15 @@ import torch
 
 from flashrt import checks
 from flashrt.formats import QTensor
-from flashrt.kvcache import KVState
-from flashrt.kvpages import cold_gather_kernel
+from flashrt.kv.state import KVState
+from flashrt.kv.pages import cold_gather_kernel
 
-from .context import StepContext
+from flashrt.graphs.context import StepContext
 
 
 CAPTURE_ERROR_MODE = "global"  # torch.cuda.graph's: "relaxed" lets driver queries run during a capture
 # Capture steps that read cold pages (through the zero-copy gather; attention then reads four KV
-# segments). Checked on the H200 (tests/test_decode_graph.py::test_captured_steps_with_cold_pages:
+# segments). Checked on the H200 (tests/test_step_capture.py::test_captured_steps_with_cold_pages:
 # replays bit-identical to the eager static step); False runs such steps eagerly. Any step whose
 # first run syncs with the host is kept eager rather than captured (checks.host_syncs_raise).
 CAPTURE_COLD = True
@@ -52,7 +52,7 @@ def bucket(entries: int) -> int:
     return -(-entries // step) * step
 
 
-class DecodeGraphs:
+class StepCapture:
     """One-token decode steps of ``state`` (a batch of ``state.batch`` rows) through CUDA graphs.
 
     ``capture``: record and replay graphs (default: on CUDA devices); False runs the same

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import QTensor, expected_layout, spec
+from flashrt.formats import QTensor, expected_layout, spec
 
 
 def empty_qtensor(fmt: str, shape, device) -> QTensor:

@@ -24,7 +24,7 @@ class WindowPool:
     def for_profile(cls, profile=None, max_bytes: int = 4 << 30) -> "WindowPool":
         """A pool with the hardware profile's TTL (``hkcp_window_pool_ttl_minutes``); default: the
         active profile."""
-        from . import profiles
+        from flashrt import profiles
 
         p = profile or profiles.active_profile()
         return cls(ttl_minutes=p.hkcp_window_pool_ttl_minutes, max_bytes=max_bytes)

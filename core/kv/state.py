@@ -4,9 +4,9 @@ Stored as the published model stores them, quantized: window rings in ``fp8`` (5
 slot), compressed main KV in ``fp4_b16`` (288 B per entry) and index K in ``fp4_b32`` (68 B per
 128-dim entry). The model reads and writes KV only through :class:`KVState`.
 
-HKCP tiers: main KV lives in pages (:mod:`flashrt.kvpages`) — device pages up to ``kv_budget``
+HKCP tiers: main KV lives in pages (:mod:`flashrt.kv.pages`) — device pages up to ``kv_budget``
 bytes, older pages spilled to (pinned) host memory; index K lives in device pages
-(:mod:`flashrt.kvindex`) for every entry, never spilled, so the indexer scores every position
+(:mod:`flashrt.kv.index`) for every entry, never spilled, so the indexer scores every position
 (reading the pages in place); after top-k only the selected cold entries are fetched.
 Budget split: ``kv_budget`` = fixed state (rings, compressor partial groups, index-K pages for
 ``capacity`` positions, one trash page per pool) + main-KV device pages (the rest).
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import QTensor
-from .kvcache_util import empty_qtensor, grown, write_rows
-from .kvindex import IndexPool, PagedIndexK
-from .kvpages import PagedMainKV, PagePool
+from flashrt.formats import QTensor
+from .util import empty_qtensor, grown, write_rows
+from .index import IndexPool, PagedIndexK
+from .pages import PagedMainKV, PagePool
 from .paged import PagedKeys
 
 DEFAULT_PAGE_ENTRIES = 64

@@ -17,7 +17,7 @@ from safetensors.torch import save as st_save
 
 from flashrt.formats import QTensor
 
-from .context import StepContext
+from flashrt.graphs.context import StepContext
 
 ALIGN = 64
 

@@ -37,7 +37,7 @@ def add_run(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    from flashrt.graphs.run import DEFAULT_PROMPT, run
+    from flashrt.engine.run import DEFAULT_PROMPT, run
 
     report = run(args.model, args.prompt or DEFAULT_PROMPT, args.max_new_tokens, args.device, args.backend,
                  args.prefill, args.temperature, args.seed, quiet=args.json, threads=args.threads,
@@ -68,7 +68,7 @@ def cmd_run(args) -> int:
     pc = r["prefix_cache"]
     if pc:
         print(f"prefix cache {pc['root']}: {pc['hits']} hit(s), {pc['misses']} miss(es)")
-    g = r["decode_graphs"]
+    g = r["step_capture"]
     if g:
         print(f"decode steps: {g['replayed']} replayed from CUDA graphs, {g['captured']} captured, "
               f"{g['eager']} eager, {g['fallback']} unbuffered (host-tier pages)")

@@ -1,0 +1,6 @@
+"""``python -m flashrt.cli``: the same as the ``flashrt`` command."""
+import sys
+
+from .commands import main
+
+sys.exit(main())
