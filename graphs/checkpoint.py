@@ -104,6 +104,13 @@ def check_names(specs: list[ParamSpec], found: dict[str, str]) -> None:
             raise CheckpointError(f"{what} tensor {n!r}: expected {want}, found {got}{more}")
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, contiguous and owning its storage (a view of a stacked expert weight is
+    copied out: safetensors refuses tensors that share memory)."""
+    t = t.detach().cpu().contiguous()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
 def encode(weights: dict, cfg: ModelConfig, fp4_dtype: str = "auto") -> dict[str, torch.Tensor]:
     """The tensors to store for ``weights`` (validated like a load), in ``param_specs`` order, on CPU."""
     specs = param_specs(cfg)
@@ -117,11 +124,11 @@ def encode(weights: dict, cfg: ModelConfig, fp4_dtype: str = "auto") -> dict[str
             found = f"QTensor {w.fmt}" if quantized else f"tensor {_dt(w.dtype)}"
             raise CheckpointError(f"tensor {s.name!r}: expected kind {s.kind}, found {found}")
         if quantized:
-            data, scale = w.data.detach().cpu().contiguous(), w.scale.detach().cpu().contiguous()
+            data, scale = _own(w.data), _own(w.scale)
             if w.fmt == "fp4_w" and data.dtype in FP4_LOAD_DTYPES:
                 data = data.view(store4)
         else:
-            data = w.detach().cpu().contiguous()
+            data = _own(w)
         decode(s, data, scale)
         out[s.name] = data if scale is not None else data.to(PLAIN_DTYPES[s.kind])
         if scale is not None:

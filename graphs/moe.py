@@ -16,6 +16,23 @@ def stack_experts(weights: list) -> torch.Tensor | QTensor:
     return torch.stack(weights)
 
 
+def expert_view(stacked: torch.Tensor | QTensor, e: int) -> torch.Tensor | QTensor:
+    """Expert ``e`` of a stacked [E, out, in] weight, as a view (no copy)."""
+    if isinstance(stacked, QTensor):
+        return QTensor(stacked.data[e], stacked.scale[e], stacked.fmt, tuple(stacked.shape[1:]))
+    return stacked[e]
+
+
+def stack_in_place(w: dict, names: list[str]) -> torch.Tensor | QTensor:
+    """Stack the weights ``w[names]`` and rebind each name to its view of the stack, so the model
+    holds one copy of the expert weights (the per-expert tensors are freed unless the caller keeps
+    other references to them)."""
+    stacked = stack_experts([w[n] for n in names])
+    for e, n in enumerate(names):
+        w[n] = expert_view(stacked, e)
+    return stacked
+
+
 class MoE:
     def __init__(self, cfg, layer: int, w: dict, prefix: str):
         p = prefix + "ffn."
@@ -25,10 +42,10 @@ class MoE:
         self.gate = gate if cfg.gate_temp == 1.0 else (gate.to(torch.float32) / cfg.gate_temp)
         self.bias = w[p + "gate.bias"]
         self.w1, self.w2, self.w3 = (
-            stack_experts([w[f"{p}experts.{e}.{name}.weight"] for e in range(n_routed)]) for name in ("w1", "w2", "w3"))
+            stack_in_place(w, [f"{p}experts.{e}.{name}.weight" for e in range(n_routed)]) for name in ("w1", "w2", "w3"))
         self.shared, self._routes = None, {}
         if cfg.n_shared_experts:
-            self.shared = tuple(stack_experts([w[f"{p}shared_experts.{name}.weight"]]) for name in ("w1", "w3", "w2"))
+            self.shared = tuple(stack_in_place(w, [f"{p}shared_experts.{name}.weight"]) for name in ("w1", "w3", "w2"))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

@@ -358,3 +358,31 @@ def test_moe_experts_quantized_needs_in_multiple_of_32(which, rng):
     args[which] = ops.quantize(args[which], "fp8_w")  # fp8_w stores any in (tiles are padded)
     with pytest.raises(ValueError, match=which):
         ops.moe_experts(x, weights, idx, args["w1"], args["w3"], args["w2"], 0.0)
+
+
+def test_model_keeps_one_copy_of_the_expert_weights(tmp_path):
+    """The stacked expert weights the MoE layers use are the weights dict's storage (no second
+    copy), and a model built that way saves and reloads the same weights."""
+    from flashrt.formats import QTensor as Q
+    from flashrt.graphs import checkpoint
+    from flashrt.graphs.config import shipped_config
+    from flashrt.graphs.init_weights import init_weights
+    from flashrt.graphs.model import Model
+
+    cfg = shipped_config("tiny")
+    fresh = init_weights(cfg, seed=11)
+    model = Model(cfg, init_weights(cfg, seed=11))
+    moe = model.blocks[0].ffn
+    for e in range(cfg.n_routed_experts):
+        view = model.weights[f"layers.0.ffn.experts.{e}.w1.weight"]
+        data = view.data if isinstance(view, Q) else view
+        stacked = moe.w1.data if isinstance(moe.w1, Q) else moe.w1
+        assert data.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+        ref = fresh[f"layers.0.ffn.experts.{e}.w1.weight"]
+        assert torch.equal(data.view(torch.uint8), (ref.data if isinstance(ref, Q) else ref).view(torch.uint8))
+    model.save(tmp_path / "ckpt")
+    _, loaded = checkpoint.load(tmp_path / "ckpt")
+    for name, ref in fresh.items():
+        got = loaded[name]
+        a, b = (got.data, ref.data) if isinstance(ref, Q) else (got, ref)
+        assert torch.equal(a.view(torch.uint8).flatten(), b.view(torch.uint8).flatten()), name
