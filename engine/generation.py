@@ -67,7 +67,7 @@ def _as_sequences(prompts) -> list[list[int]]:
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact",
              generator: torch.Generator | None = None, seed: int | None = None, eos_token_id: int | None = None,
              kv_budget: int | None = None, prefill_chunk: int | None = None, kv_page_entries: int | None = None,
-             prefix_cache=None, cuda_graph: bool | None = None):
+             prefix_cache=None, cuda_graph: bool | None = None, progress=None):
     """Prefill every prompt, then decode ``max_new_tokens`` tokens for all of them together.
 
     ``kv_budget``: device bytes for the batch's whole KV state; main-KV pages beyond it live in
@@ -78,7 +78,9 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     ``prefix_cache``: a :class:`flashrt.kv.prefix_cache.PrefixCache`; prompts whose aligned prefix is
     cached load its global KV and replay the last ``window_size`` tokens instead of prefilling it,
     and every prompt's aligned prefix is stored after its prefill. ``cuda_graph``: run the decode
-    steps from captured CUDA graphs (:mod:`flashrt.engine.step_capture`); None: on CUDA devices."""
+    steps from captured CUDA graphs (:mod:`flashrt.engine.step_capture`); None: on CUDA devices.
+    ``progress(phase, done, total)``: called as the prompt tokens are prefilled (``"prefill"``) and
+    as new tokens are decoded (``"decode"``)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
@@ -100,6 +102,8 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
         raise ValueError(f"{exc} (the budget comes from profile {model.profile.name!r}: its hot + warm fractions of "
                          f"the device memory left; pass kv_budget= or free device memory)") from exc
     hits = [prefix.lookup(model, prefix_cache, s) if prefix_cache is not None else (0, None) for s in seqs]
+    report = progress or (lambda phase, done, total: None)
+    report("prefill", 0, sum(map(len, seqs)))
     for length, hit in sorted({(len(s), h[0]) for s, h in zip(seqs, hits)}):
         rows = [i for i, s in enumerate(seqs) if len(s) == length and hits[i][0] == hit]
         ids = model._check_ids(torch.tensor([seqs[i] for i in rows], dtype=torch.long))
@@ -115,6 +119,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
                 prefix.store(model, prefix_cache, state, r, seqs[i])
         logits.append(out)
         order += rows
+        report("prefill", sum(len(seqs[i]) for i in order), sum(map(len, seqs)))
         states.append(state)
     state = KVState.cat(states) if len(states) > 1 else states[0]
     step_logits = torch.cat(logits)
@@ -132,6 +137,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
             if not done[row]:
                 out[order[row]].append(tok)
                 done[row] = eos_token_id is not None and tok == eos_token_id
+        report("decode", max_new_tokens if all(done) else step + 1, max_new_tokens)
         if step + 1 == max_new_tokens or all(done):
             break
         step_logits = graphs.step(tokens) if graphs else model.forward(tokens.unsqueeze(1), state=state)

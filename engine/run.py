@@ -1,8 +1,11 @@
 """``flashrt run``: build or load a model, generate from a prompt, report speed and memory.
 
-The built-in models (``tiny``, ``small``) get deterministic weights, created once and saved as
-a safetensors checkpoint under the cache directory (``FLASHRT_CACHE_DIR``, else the user cache
-dir), then loaded from there. Without a tokenizer, prompts are encoded as UTF-8 bytes (ids 0-255).
+The built-in models (``tiny``, ``small``) get deterministic weights and a byte-level BPE tokenizer
+of their vocabulary size, created once and saved as a checkpoint under the cache directory
+(``FLASHRT_CACHE_DIR``, else the user cache dir), then loaded from there. Text goes through the
+checkpoint's tokenizer (``model.tokenizer``; UTF-8 bytes when it has none): a plain ``prompt`` is
+encoded with the tokenizer's BOS rule and continued for ``max_new_tokens``; a ``chat`` message
+(and ``system`` text) is rendered in the model's chat format and answered until EOS.
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ from flashrt import dispatch
 from flashrt.kv.prefix_cache import PrefixCache
 from flashrt.progress import Progress
 
-from flashrt.graphs import checkpoint
-from flashrt.graphs.config import SHIPPED, shipped_config
+from flashrt.graphs import chat_format, checkpoint
+from flashrt.graphs.builtin_tokenizer import ensure_builtin_tokenizer
+from flashrt.graphs.config import SHIPPED, ModelConfig, shipped_config
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load
 from flashrt.graphs.model import Model
@@ -43,12 +47,15 @@ def cache_dir() -> Path:
 
 
 def builtin_checkpoint(name: str, seed: int = 0, quiet: bool = False) -> Path:
-    """The cached checkpoint of a built-in model, created (atomically) on first use."""
+    """The cached checkpoint of a built-in model, created (atomically) on first use; its tokenizer
+    files are added when missing (also to a checkpoint cached before they existed)."""
     path = cache_dir() / "models" / f"{name}-seed{seed}"
     if not (path / "config.json").exists():
         cfg = shipped_config(name)
         weights = init_weights(cfg, seed=seed, progress=Progress(f"creating {name} weights", enabled=not quiet))
         checkpoint.save(weights, cfg, path, progress=Progress(f"saving to {path}", enabled=not quiet))
+    if not (path / "tokenizer.json").exists():
+        ensure_builtin_tokenizer(path, ModelConfig.from_file(str(path / "config.json")))
     return path
 
 
@@ -74,17 +81,37 @@ def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = Fa
     return load(path, device=device, profile=profile, progress=Progress(f"loading {path.name}", enabled=not quiet))
 
 
-def encode_prompt(text: str, vocab_size: int) -> list[int]:
-    ids = list(text.encode("utf-8"))
-    if not ids:
-        raise ValueError("prompt: expected a non-empty prompt")
+def chat_messages(chat: str, system: str | None = None) -> list[dict]:
+    """The conversation of ``flashrt run --chat``: an optional system turn and one user turn."""
+    for name, text in (("chat", chat), ("system", system)):
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{name}: expected a str, got {type(text).__name__}")
+    if not chat:
+        raise ValueError("chat: expected a non-empty message")
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": chat}]
+
+
+def encode_request(tok, vocab_size: int, prompt: str | None, chat: str | None, system: str | None,
+                   thinking: bool, effort) -> list[int]:
+    """Prompt ids: ``chat`` (+ ``system``) in the chat format, else ``prompt`` with the tokenizer's BOS rule."""
+    if chat is not None:
+        ids = chat_format.encode(tok, chat_messages(chat, system), thinking=thinking, effort=effort)
+    else:
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"prompt: expected a non-empty str, got {prompt!r}")
+        ids = tok.encode(prompt)
     if max(ids) >= vocab_size:
-        raise ValueError(f"prompt: byte-level ids need vocab_size >= 256, the model has {vocab_size}")
+        raise ValueError(f"prompt: token id {max(ids)} is past the model's vocab_size {vocab_size}")
     return ids
 
 
-def decode_tokens(ids: list[int]) -> str:
-    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+def phase_progress(enabled: bool):
+    """``progress(phase, done, total)`` for :func:`generate`: one :class:`Progress` line per phase."""
+    bars: dict[str, Progress] = {}
+
+    def report(phase: str, done: int, total: int) -> None:
+        bars.setdefault(phase, Progress(phase, enabled=enabled))(done, total)
+    return report
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -108,8 +135,15 @@ def process_seconds() -> float | None:
 def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16, device=None,
         backend: str | None = None, prefill: str = "exact", temperature: float = 0.0, seed: int = 0,
         quiet: bool = False, threads: int | None = None, kv_budget: int | None = None,
-        prefill_chunk: int | None = None, cuda_graph: bool | None = None, prefix_cache: str | None = None) -> dict:
-    """The whole job; returns the report as a dict (the CLI prints it)."""
+        prefill_chunk: int | None = None, cuda_graph: bool | None = None, prefix_cache: str | None = None,
+        chat: str | None = None, system: str | None = None, thinking: bool = True, effort=None) -> dict:
+    """The whole job; returns the report as a dict (the CLI prints it). ``chat`` replaces
+    ``prompt`` with a chat turn (``system``, ``thinking``, ``effort``: chat_format.render)."""
+    if chat is not None:  # bad chat input fails before the model loads
+        chat_messages(chat, system)
+        chat_format.effort_budget(effort)
+    elif system is not None:
+        raise ValueError("system: a system prompt needs --chat (a plain --prompt is continued as is)")
     dev = pick_device(device)
     if dev.type == "cpu" and threads is None and model == "tiny":
         threads = 1  # tiny ops: thread fan-out costs more than it gains (12x slower when the cores are busy)
@@ -119,12 +153,14 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         t0 = time.perf_counter()
         m = load_model(model, dev, seed, quiet)
         load_s = time.perf_counter() - t0
-        ids = encode_prompt(prompt, m.cfg.vocab_size)
+        tok = m.tokenizer
+        ids = encode_request(tok, m.cfg.vocab_size, prompt, chat, system, thinking, effort)
         t_gen = time.perf_counter()
         cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, m.profile)
         result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
-                            prefix_cache=cache,
-                            kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
+                          prefix_cache=cache, eos_token_id=tok.eos_id if chat is not None else None,
+                          kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph,
+                          progress=phase_progress(not quiet))
         families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
                     for fam, ops in OP_FAMILIES.items()}
     ttft_load = t_gen - t0 + result.prefill_seconds  # the first token's logits, from the start of loading
@@ -134,8 +170,12 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
     n_tokens = result.prompt_tokens + result.new_tokens
     return {
         "model": m.cfg.name, "device": str(dev), "cpu_threads": torch.get_num_threads(), "backend_per_op_family": families, "prefill": prefill,
-        "prompt": prompt, "prompt_tokens": result.prompt_tokens, "new_tokens": result.new_tokens,
-        "new_token_ids": result.tokens[0], "new_text": decode_tokens(result.tokens[0]),
+        "tokenizer": tok.describe(), "prompt": None if chat is not None else prompt,
+        "chat": None if chat is None else {"system": system, "user": chat, "thinking": thinking,
+                                           "effort": chat_format.effort_budget(effort) if thinking else None},
+        "prompt_tokens": result.prompt_tokens, "new_tokens": result.new_tokens,
+        "new_token_ids": result.tokens[0], "new_text": tok.decode(result.tokens[0]),
+        "message": None if chat is None else chat_format.decode_message(tok, result.tokens[0], thinking=thinking),
         "load_seconds": load_s, "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
         "ttft_from_load_s": ttft_load,
         "ttft_from_process_start_s": None if age is None else age - (now - t0) + ttft_load,

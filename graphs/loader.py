@@ -6,6 +6,7 @@ from pathlib import Path
 from . import checkpoint
 from .engram_hash import TokenMap
 from .model import Model
+from .tokenizer import attach_tokenizer
 
 TOKEN_MAP_FILES = ("engram_token_map.json", "engram_token_map.npy")
 
@@ -15,6 +16,7 @@ def load(path, device=None, profile=None, verify: bool = False, progress=None) -
 
     The Engram compressed vocabulary comes from ``engram_token_map.json`` / ``.npy`` in the
     directory when present (``map[token_id] = compressed_id``), else the identity map.
+    ``model.tokenizer``: the directory's ``tokenizer.json`` (:func:`~flashrt.graphs.tokenizer.attach_tokenizer`).
     ``verify`` checks every file against ``SHA256SUMS`` first. ``profile``: a hardware profile
     name, path or :class:`~flashrt.profiles.Profile` (default: the one selected for the device);
     it decides the Engram table placement and the KV page size.
@@ -32,6 +34,7 @@ def load(path, device=None, profile=None, verify: bool = False, progress=None) -
     window_fmt = "int8" if prof.kv_window_dtype == "int8" else "fp8"
     model = Model(cfg, weights, token_map=token_map, engram_placement=prof.engram_placement, window_fmt=window_fmt)
     model.profile = prof
+    attach_tokenizer(model, path)
     return model
 
 

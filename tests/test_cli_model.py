@@ -1,11 +1,14 @@
 """`flashrt run` (the README's first command) and `flashrt plan` in fresh processes."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+
+from flashrt.graphs.tokenizer import Tokenizer
 
 
 def flashrt(*args, env=None, check=True):
@@ -24,7 +27,9 @@ def test_run_creates_then_reuses_the_tiny_checkpoint(tmp_path):
     wall = time.perf_counter() - t0
     assert (ckpt / "config.json").stat().st_mtime == mtime  # loaded, not re-created
     assert first["new_token_ids"] == second["new_token_ids"] and len(first["new_token_ids"]) == 6
-    assert first["device"] == "cpu" and first["prompt_tokens"] == len(first["prompt"].encode())
+    tok = Tokenizer.from_dir(ckpt)  # the built-in BPE, written with the weights
+    assert first["device"] == "cpu" and first["prompt_tokens"] == len(tok.encode(first["prompt"]))
+    assert first["new_text"] == tok.decode(first["new_token_ids"]) and first["tokenizer"].startswith(str(ckpt))
     assert set(first["backend_per_op_family"].values()) == {"reference"}
     assert first["kv_bytes_per_token"] > 0 and first["peak_memory_bytes"] > 0
     assert first["prefill_tokens_per_s"] > 0 and first["decode_tokens_per_s"] > 0
@@ -38,9 +43,29 @@ def test_run_creates_then_reuses_the_tiny_checkpoint(tmp_path):
 def test_run_text_report_and_options(tmp_path):
     out = flashrt("run", "--prompt", "hello", "--max-new-tokens", "3", "--prefill", "ced", "--temperature", "0.7",
                   "--seed", "5", env={"FLASHRT_CACHE_DIR": str(tmp_path)}).stdout
-    for needle in ("model tiny", "backends:", "prompt (5 tokens)", "new (3 tokens)", "tok/s", "B/token", "peak memory",
+    for needle in ("model tiny", "backends:", "tokenizer: ", "new (3 tokens)", "tok/s", "B/token", "peak memory",
                    "first token"):
         assert needle in out
+    assert re.search(r"prompt \(\d+ tokens\): 'hello'", out)
+
+
+def test_run_chat_prints_decoded_text(tmp_path):
+    env = {"FLASHRT_CACHE_DIR": str(tmp_path)}
+    args = ("run", "--chat", "你好 😀", "--system", "Be brief.", "--max-new-tokens", "5", "--effort", "max")
+    out = flashrt(*args, env=env).stdout
+    report = json.loads(flashrt(*args, "--json", env=env).stdout)
+    tok = Tokenizer.from_dir(tmp_path / "models" / "tiny-seed0")
+    text = tok.decode(report["new_token_ids"])
+    assert report["new_text"] == text and report["prompt"] is None
+    assert report["chat"] == {"system": "Be brief.", "user": "你好 😀", "thinking": True, "effort": 100}
+    assert f"new ({report['new_tokens']} tokens): {text!r}" in out
+    assert "chat (" in out and "thinking, effort 100): system 'Be brief.', user '你好 😀'" in out
+    assert "reasoning: " in out and "answer: " in out
+    assert report["message"]["role"] == "assistant"
+    r = flashrt("run", "--chat", "hi", "--effort", "huge", env=env, check=False)
+    assert r.returncode == 2 and "effort: expected" in r.stderr and "Traceback" not in r.stderr
+    r = flashrt("run", "--system", "S", env=env, check=False)
+    assert r.returncode == 2 and "system: a system prompt needs --chat" in r.stderr
 
 
 def test_run_with_a_prefix_cache_hits_on_the_second_run(tmp_path):

@@ -17,7 +17,15 @@ def _human(n: float, unit: str = "B") -> str:
 def add_run(sub) -> None:
     p = sub.add_parser("run", help="generate with the tiny built-in model (or --model small|PATH) and report")
     p.add_argument("--model", default="tiny", help="tiny | small | checkpoint directory (default tiny)")
-    p.add_argument("--prompt", default=None, help="prompt text (UTF-8 bytes as ids for built-in models)")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--prompt", default=None, help="text to continue for --max-new-tokens tokens")
+    text.add_argument("--chat", default=None, metavar="MESSAGE",
+                      help="a user message, rendered in the model's chat format and answered until EOS")
+    p.add_argument("--system", default=None, metavar="TEXT", help="system prompt of --chat")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
+                   help="--chat in thinking mode (reasoning before the answer; default on)")
+    p.add_argument("--effort", default=None, metavar="LEVEL",
+                   help="reasoning effort of thinking mode: low | high | max (50 / 75 / 100) or 1..100 (default high)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
     p.add_argument("--backend", default=None, help="force a backend (see flashrt doctor)")
@@ -39,10 +47,11 @@ def add_run(sub) -> None:
 def cmd_run(args) -> int:
     from flashrt.engine.run import DEFAULT_PROMPT, run
 
-    report = run(args.model, args.prompt or DEFAULT_PROMPT, args.max_new_tokens, args.device, args.backend,
-                 args.prefill, args.temperature, args.seed, quiet=args.json, threads=args.threads,
-                 kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk, cuda_graph=args.cuda_graph,
-                 prefix_cache=args.prefix_cache)
+    report = run(args.model, DEFAULT_PROMPT if args.prompt is None else args.prompt, args.max_new_tokens,
+                 args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
+                 threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
+                 cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
+                 thinking=args.thinking, effort=args.effort)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -50,8 +59,8 @@ def cmd_run(args) -> int:
     r = report
     print(f"model {r['model']} on {r['device']} ({r['cpu_threads']} CPU threads), prefill {r['prefill']}")
     print("backends: " + ", ".join(f"{k} {v}" for k, v in r["backend_per_op_family"].items()))
-    print(f"prompt ({r['prompt_tokens']} tokens): {r['prompt']!r}")
-    print(f"new ({r['new_tokens']} tokens): {r['new_text']!r}  ids {r['new_token_ids']}")
+    print(f"tokenizer: {r['tokenizer']}")
+    _print_text(r)
     print(f"prefill {r['prefill_tokens_per_s']:,.1f} tok/s   decode {r['decode_tokens_per_s']:,.1f} tok/s   "
           f"(weights loaded in {r['load_seconds']:.2f} s)")
     start = r["ttft_from_process_start_s"]
@@ -73,6 +82,25 @@ def cmd_run(args) -> int:
         print(f"decode steps: {g['replayed']} replayed from CUDA graphs, {g['captured']} captured, "
               f"{g['eager']} eager, {g['fallback']} unbuffered (host-tier pages)")
     return 0
+
+
+def _print_text(r: dict) -> None:
+    """The prompt or chat turn, the generated text, and for a chat the parsed answer."""
+    c = r["chat"]
+    if c is None:
+        print(f"prompt ({r['prompt_tokens']} tokens): {r['prompt']!r}")
+    else:
+        mode = f"thinking, effort {c['effort']}" if c["thinking"] else "no thinking"
+        print(f"chat ({r['prompt_tokens']} tokens, {mode}): " + (f"system {c['system']!r}, " if c["system"] else "")
+              + f"user {c['user']!r}")
+    print(f"new ({r['new_tokens']} tokens): {r['new_text']!r}  ids {r['new_token_ids']}")
+    m = r["message"]
+    if m is not None:
+        if c["thinking"]:
+            print(f"reasoning: {m['reasoning_content']}")
+        print(f"answer: {m['content']}")
+        for call in m["tool_calls"]:
+            print(f"tool call: {call['function']['name']}({call['function']['arguments']})")
 
 
 def add_plan(sub) -> None:
