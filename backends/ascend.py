@@ -3,7 +3,7 @@
 Each adapter module ``kernels_ascend/<family>.py`` declares ``OPS`` (functions with the op's
 signature) and, where an operator has preconditions, ``PLANS`` (``plan(*args) -> None`` when the
 operator serves the call exactly, else the reason it falls back). Every op serves every valid
-call on an ``npu`` tensor: through its operator where ops.md's semantics hold exactly, through
+call on an ``npu`` tensor: through its operator where docs/ops.md's semantics hold exactly, through
 plain torch on the device otherwise (counted in ``kernels_ascend._npu.FALLBACKS``, logged once
 per reason), so ``FLASHRT_BACKEND=ascend`` never fails on a valid call. The capability predicates
 decline float64 only (the AI cores have no fp64): the automatic choice then runs the reference.

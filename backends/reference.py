@@ -1,4 +1,4 @@
-"""Reference backend: every op of ops.md in plain torch, on any device. The semantics of record.
+"""Reference backend: every op of docs/ops.md in plain torch, on any device. The semantics of record.
 
 Inputs arrive validated by :mod:`flashrt.ops`. Math runs in fp32; large intermediates are
 chunked over query positions so that the reference stays usable on realistic shapes.

@@ -1,4 +1,4 @@
-"""HKCP on one device, one run (about 3-5 minutes on an H200): capacity under a 24 GB budget,
+"""HKCP on one device, one run (a few minutes on a GPU): capacity under a 24 GB budget,
 decode step time 4K -> 1M with the cold tier on and a device budget that holds ~10% of each
 context's main KV (most picks are cold), cold-fetch bandwidth of the zero-copy gather kernel vs the
 old copy path vs a pinned host-to-device copy, and time to first token of a 32K prompt on a

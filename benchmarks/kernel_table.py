@@ -1,6 +1,6 @@
-"""The README's kernel table from a ``flashrt bench kernels`` report: for every kernel, its smallest
-and largest case (the suite's first and last shape of that kernel), time, roofline fraction with
-the binding term, and the ratio to its baseline and to the torch reference.
+"""The kernel table of docs/performance.md from a ``flashrt bench kernels`` report: for every
+kernel, its smallest and largest case (the suite's first and last shape of that kernel), time,
+roofline fraction with the binding term, and the ratio to its baseline and to the torch reference.
 
     python benchmarks/kernel_table.py benchmarks/results/h200-kernels.json
 """

@@ -1,6 +1,6 @@
 """Typed exceptions of flashrt.
 
-Three tiers (design.md): ``assert`` for internal invariants, ``ValueError`` for bad user input,
+Three tiers (docs/design.md): ``assert`` for internal invariants, ``ValueError`` for bad user input,
 and these typed errors for a named plugin, op, profile file or checkpoint tensor.
 """
 

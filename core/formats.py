@@ -1,4 +1,4 @@
-"""Quantized formats: ``QTensor`` and the codecs of ops.md.
+"""Quantized formats: ``QTensor`` and the codecs of docs/ops.md.
 
 | fmt | element | data layout | block | scale dtype | scale rule (amax over the block) |
 |---|---|---|---|---|---|

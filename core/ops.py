@@ -1,4 +1,4 @@
-"""The op contract (ops.md): every model graph is written only against these functions.
+"""The op contract (docs/ops.md): every model graph is written only against these functions.
 
 Each op validates its inputs (``ValueError`` naming the argument, the expected and the given
 shape or dtype; out-of-range indices rejected) and then calls the implementation resolved once

@@ -9,7 +9,7 @@ import torch
 
 @dataclass(frozen=True)
 class YaRN:
-    """YaRN frequency interpolation (v41-model.md: factor 16 over 65536, beta 32 / 1)."""
+    """YaRN frequency interpolation (docs/model.md: factor 16 over 65536, beta 32 / 1)."""
 
     original_seq_len: int
     factor: float

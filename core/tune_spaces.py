@@ -92,9 +92,8 @@ def _topk(dev, small):
 
 # name -> Space; linear / moe rules are those of the kernels' TILES (rows per rule: 16, 64, more)
 SPACES = {
-    # H_BLOCK < 64 ran 2-30x slower on the H200 (benchmarks/NOTES.md), K_BLOCK 64 spills (255 registers,
-    # a 1.4 KB stack: benchmarks/sm90_compile.py), the two-pass variant was no faster
-    # (benchmarks/results/h200-attention-probe-two-pass.json): not swept
+    # not swept: H_BLOCK below 64 (no wgmma, heavy spills), K_BLOCK 64 (spills or exceeds shared memory)
+    # and the two-pass variant, all slower on the H200 (docs/performance.md, sparse_attention)
     "attention": Space("attention", "attention", {"H_BLOCK": [64], "K_BLOCK": [16, 32], "num_warps": [4, 8],
                                                   "num_stages": [2, 3], "D_SPLIT": [1, 2]}, _attention(8)),
     "attention_split": Space("attention", "split", {"programs": [0, 264], "min_blocks": [1, 2, 4],

@@ -4,7 +4,7 @@ A prompt's global KV (every KV source's main KV and index K) up to an aligned le
 multiple of ``ALIGN`` tokens, so no compressor group is pending) is stored content-addressed by
 the hash of (model identity, the first ``L`` tokens). Window KV is not stored: on a hit the entries
 are loaded and the last ``window_size`` tokens before ``L`` are replayed through every layer (no new
-entries) to rebuild the window rings — the bounded-replay approximation of v41-model.md, 7.
+entries) to rebuild the window rings — the bounded-replay approximation of docs/model.md, 7.
 """
 from __future__ import annotations
 

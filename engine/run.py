@@ -146,7 +146,7 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         raise ValueError("system: a system prompt needs --chat (a plain --prompt is continued as is)")
     dev = pick_device(device)
     if dev.type == "cpu" and threads is None and model == "tiny":
-        threads = 1  # tiny ops: thread fan-out costs more than it gains (12x slower when the cores are busy)
+        threads = 1  # tiny ops: thread fan-out costs more than it gains (docs/performance.md)
     if threads:
         torch.set_num_threads(threads)
     with dispatch.use_backend(backend) if backend else contextlib.nullcontext():

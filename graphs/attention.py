@@ -1,6 +1,6 @@
 """CSA2 attention of one layer: window KV ring + compressed KV chosen by the DSA indexer.
 
-Layer roles (v41-model.md, 2): ``window`` (ring only), ``full`` (own compressor, index keys and
+Layer roles (docs/model.md, 2): ``window`` (ring only), ``full`` (own compressor, index keys and
 indexer), ``reindex`` (own indexer over the source's keys, inside the candidate pool) and
 ``reuse`` (the source's KV and the nearest index source's top-k). Written only against
 ``flashrt.ops``; caches are read and written through :class:`flashrt.kv.state.KVState`.

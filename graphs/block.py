@@ -1,4 +1,4 @@
-"""One block: mHC mixes around attention and MoE (v41-model.md, 3).
+"""One block: mHC mixes around attention and MoE (docs/model.md, 3).
 
 The attention input is collapsed with ``pre_mix`` (the previous block's FFN mix; one-hot for
 block 0); the FFN input with the ``pre`` this block computed from its own input; the block hands

@@ -1,4 +1,4 @@
-"""Checkpoint save / load: ``config.json``, safetensors shards, ``SHA256SUMS`` (v41-model.md, 8).
+"""Checkpoint save / load: ``config.json``, safetensors shards, ``SHA256SUMS`` (docs/model.md, 8).
 
 Files: ``config.json`` (``cfg.to_dict()``); ``model.safetensors`` when all fits one shard, else
 ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (HF: ``metadata.total_size``,

@@ -1,4 +1,4 @@
-"""Engram block: n-gram hash lookups gated into the residual stream (v41-model.md, 5).
+"""Engram block: n-gram hash lookups gated into the residual stream (docs/model.md, 5).
 
 ``kv = wkv(concat(engram_lookup(table, ids)))`` gives one key per hc copy and one shared value;
 ``engram_gate`` mixes the value into each copy by how well the key matches it. Positions where the

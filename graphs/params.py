@@ -1,6 +1,6 @@
 """Every parameter of a V4.1 model: checkpoint name, logical shape, storage kind, group.
 
-Names follow the reference inference code (v41-model.md, 8). Storage kinds:
+Names follow the reference inference code (docs/model.md, 8). Storage kinds:
 
 | kind | tensors in the checkpoint | in memory |
 |---|---|---|

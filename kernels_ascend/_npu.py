@@ -139,7 +139,7 @@ def bf16_exact(seg, dtype: torch.dtype) -> bool:
     return seg.dtype == dtype
 
 
-# ---- exact top-k selection (tie rule of ops.md, independent of the operator's) -----------------
+# ---- exact top-k selection (tie rule of docs/ops.md, independent of the operator's) -----------------
 
 
 def select_top(key: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:

@@ -74,11 +74,11 @@ def sparse_attention(q, kv, indices, sink, scale):
     the ``fp4_b16`` main KV and the ``int8`` window ring: this is where they are dequantized on the
     way into the operator) into a compact ``key = value [B, s*K (+1), 1, 512]`` in ``q.dtype``; the
     operator's ``sparse_indices [B, s, 1, K]`` point into it with the valid slots first (the operator
-    wants valid values before the -1 padding; ops.md's order is irrelevant). Our latent has no
+    wants valid values before the -1 padding; docs/ops.md's order is irrelevant). Our latent has no
     separate rope part, so ``query_rope``/``key_rope`` are zeros, except for the sink: an extra entry
     with key 0 (so value 0) and key_rope ``(1, 1, 1, 0, ...)`` against query_rope = ``sink[h] /
     scale`` split into three bf16 terms, whose logit is ``sink[h]`` to fp32 precision: the
-    operator's softmax then has exactly ops.md's extra ``exp(sink - m)`` in its denominator.
+    operator's softmax then has exactly docs/ops.md's extra ``exp(sink - m)`` in its denominator.
     ``sparse_mode=0`` (no causal mask: the indices say what is visible), ``scale_value = scale``.
     Rows with no valid slot and no sink are set to zero. Query positions are chunked so a gathered
     block stays under 256 MiB. Falls back to plain torch when D != 512, H is not a power of two
@@ -99,7 +99,7 @@ def index_scores(q, k, weights, visible):
     """``index_scores``: plain torch (an fp32 einsum, relu, weighted head sum, ``-inf`` mask).
 
     ``torch_npu.npu_lightning_indexer`` fuses this score with its own top-k and returns positions
-    (plus int32 values), not the fp32 ``[B, S, T]`` scores ops.md returns; it also takes bf16/fp16
+    (plus int32 values), not the fp32 ``[B, S, T]`` scores docs/ops.md returns; it also takes bf16/fp16
     weights only and exactly 64 heads of dim 128. So no operator: a quantized ``k`` (the ``fp4_b32``
     index cache) is decoded exactly, then the reference math runs on the device. Paged keys
     (:class:`flashrt.kv.paged.PagedKeys`) are gathered into a contiguous copy first.

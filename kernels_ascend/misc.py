@@ -17,7 +17,7 @@ from ._npu import dequantize, first_argmax
 
 
 def compress_pool(kv, score):
-    """``compress_pool``: plain torch (softmax over r, weighted sum), fp32 as ops.md."""
+    """``compress_pool``: plain torch (softmax over r, weighted sum), fp32 as docs/ops.md."""
     return ref.compress_pool(kv, score)
 
 
@@ -37,7 +37,7 @@ def hc_expand(y, residual, post, comb):
 
 
 def engram_gate(h, key, value, weight, eps):
-    """``engram_gate``: plain torch, fp32 as ops.md."""
+    """``engram_gate``: plain torch, fp32 as docs/ops.md."""
     return ref.engram_gate(h, key, value, weight, eps)
 
 
@@ -52,7 +52,7 @@ def engram_lookup(table, ids):
 
 def sample(logits, temperature, generator):
     """``sample``: plain torch. Greedy and Gumbel-max take the first maximum (ties to the lower id,
-    as ops.md says; the NPU's argmax documents no tie rule). The exponential noise is drawn on the
+    as docs/ops.md says; the NPU's argmax documents no tie rule). The exponential noise is drawn on the
     device with ``generator`` (an NPU generator on the NPU: its stream differs from a CPU one)."""
     return ref.gumbel_sample(logits, temperature, generator, argmax=first_argmax)
 

@@ -40,7 +40,7 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     Layout: ``logits = x @ weight.T`` in fp32 (plain torch, ``[N, E]``) is the operator's ``x``; one
     group (no group-limited routing). From its outputs only ``expertIdxOut`` and ``normOut`` (the
     fp32 scores ``s``) are used; the weights are ``s[indices]`` renormalised and scaled here, as
-    ops.md says. The operator documents no tie rule, so the result is made exact: the k picks are
+    docs/ops.md says. The operator documents no tie rule, so the result is made exact: the k picks are
     ordered by score descending, ties to the lower expert (a k x k rank), and a tie at the k-th
     place (an unpicked expert scoring like the last pick) falls back to plain torch for the call
     (one host sync). Falls back for ``sqrtsoftplus`` scoring, softmax with a bias, ``E <= 2`` or
@@ -102,7 +102,7 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
     (dtype of x) use the non-quantized grouped matmul; ``int8_w`` weights use its per-token
     quantized mode: rows quantized with ``npu_dynamic_quant`` (``int8_t``), ``scale = w.scale
     [E, out]``, ``per_token_scale`` from the quantization: ``(xq @ wq) * scale * per_token_scale``
-    from an exact int32 accumulation, i.e. ops.md's per-projection ``linear``. Between the calls,
+    from an exact int32 accumulation, i.e. docs/ops.md's per-projection ``linear``. Between the calls,
     in fp32: ``silu(min(gate, L)) * clamp(up, -L, L) * weight``, cast to ``x.dtype`` before W2 (the
     routing weight multiplies W2's input, before it is quantized), then ``index_add`` back per
     token in fp32. Falls back to plain torch for fp32 x (the operator returns fp16/bf16), for

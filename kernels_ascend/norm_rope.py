@@ -26,7 +26,7 @@ def rms_norm(x, weight, eps):
     """``rms_norm`` -> ``torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]``.
 
     The operator computes ``x * rsqrt(mean(x**2) + eps) * gamma`` in fp32 and returns ``x.dtype``
-    (its second output, the rstd, is dropped), as ops.md does. Layout: ``x [..., N]`` as is
+    (its second output, the rstd, is dropped), as docs/ops.md does. Layout: ``x [..., N]`` as is
     (a 1-D x is viewed ``[1, N]``), ``gamma = weight [N]``. Falls back to plain torch when the
     weight's dtype differs from x's (the operator wants them equal and casting would round the
     weight) or x is float64.
@@ -75,9 +75,9 @@ def rope(x, freqs_cis, inverse):
 
     Interleave mode computes ``r1 * x + r2 * rot(x)`` with ``rot(x)[2i] = -x[2i+1]``,
     ``rot(x)[2i+1] = x[2i]``; with ``r1 = (cos, cos)`` and ``r2 = (sin, sin)`` per pair (``-sin``
-    when ``inverse``) that is exactly the complex product of ops.md on adjacent pairs (the
+    when ``inverse``) that is exactly the complex product of docs/ops.md on adjacent pairs (the
     half-split mode would need a permutation; interleave needs none). Layout: x is viewed BSND
-    ``[1, B*S, H, R]`` in fp32 (so the math is fp32, as ops.md says; cast back after) and r1/r2 are
+    ``[1, B*S, H, R]`` in fp32 (so the math is fp32, as docs/ops.md says; cast back after) and r1/r2 are
     ``[1, B*S, 1, R]`` fp32 (1S1D, the one r layout interleave mode takes for BSND; a shared
     ``[S, R/2]`` table is expanded over the batch). Falls back when ``R >= 896`` or ``H >= 1000``.
     """

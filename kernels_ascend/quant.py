@@ -101,7 +101,7 @@ def linear(x, weight):
     int8_w: ``x [..., K]`` is viewed ``[M, K]``, quantized per token (``int8_t``), and
     ``npu_quant_matmul(xq, w.data.t() [K, N] (a transposed view, no copy), scale=w.scale [N],
     pertoken_scale=xs [M], output_dtype=x.dtype)`` computes ``(xq @ wq) * scale[n] * xs[m]`` from an
-    exact int32 accumulation, which is ops.md's ``dequant(xq) @ dequant(w).T`` rounded once to
+    exact int32 accumulation, which is docs/ops.md's ``dequant(xq) @ dequant(w).T`` rounded once to
     ``x.dtype``. Falls back to plain torch for fp32 x (the operator has no fp32 output), for
     ``fp8_w``/``fp4_w`` weights (no FP8/FP4 on the 910B: reference numerics, fp8 activations) and
     for a plain weight whose dtype differs from x's (computed in fp32 as the reference does).

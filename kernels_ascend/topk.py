@@ -12,7 +12,7 @@ def topk_positions(scores, k, candidates):
     selection in plain torch.
 
     Neither ``torch.topk`` on the NPU nor torch_npu's top-k operators document a tie rule, and
-    ops.md wants ties to the lower position and the result in ascending position order. So only
+    docs/ops.md wants ties to the lower position and the result in ascending position order. So only
     the k-th largest *value* is taken from the operator (a value does not depend on tie-breaking);
     entries above it are kept, entries equal to it are kept lowest position first until ``k`` are
     chosen (a cumulative count), and the chosen positions are scattered in ascending order with

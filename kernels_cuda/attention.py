@@ -31,8 +31,8 @@ from flashrt.kernels_cuda.launch import (PlanCache, cdiv, dense, last_dense, nex
 
 TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLOCK * D * 2 (kv) + stages
     # D_SPLIT 2: two programs per head block, each accumulating half of the output columns, used
-    # when the programs (with D_SPLIT) fill at most half the SMs: few queries (H200: B=1 decode 46 ->
-    # 23 us with more K splits; B=64 108 -> 126 us, prefill 3.3 -> 4.2 ms, so not there)
+    # when the programs (with D_SPLIT) fill at most half the SMs: few queries, where it is faster; with
+    # many queries it is slower (docs/performance.md, sparse_attention)
     "attention": {"H_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2, "D_SPLIT": 2},  # bf16 q
     # fp16 / fp32 q: fp32 dot operands at this input precision ("bf16x3": 3 bf16 MMAs, ~2**-16)
     "attention_fp32": {"H_BLOCK": 64, "K_BLOCK": 16, "num_warps": 8, "num_stages": 1, "precision": "bf16x3",
@@ -42,8 +42,7 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # programs 0 = the device's SM count
     "split": {"programs": 0, "min_blocks": 1, "max_splits": 32},
     # scores, then P @ V by column slices (attention_two_pass.py): for at least min_queries queries
-    # and a score buffer of at most max_score_bytes; off: no faster on the H200 (106-137 vs 107 us at
-    # B=64 decode, benchmarks/results/h200-attention-probe-two-pass.json)
+    # and a score buffer of at most max_score_bytes; off: no faster than one pass (docs/performance.md)
     "two_pass": {"enabled": False, "min_queries": 16, "max_score_bytes": 1 << 30, "H_BLOCK": 64, "K_BLOCK": 64,
                  "DV": 128, "max_splits": 8, "num_warps": 8, "num_stages": 2},
 }

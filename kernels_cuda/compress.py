@@ -1,4 +1,4 @@
-"""CSA2 compression pool (ops.md ``compress_pool``): per channel ``sum_r softmax_r(score) * kv``.
+"""CSA2 compression pool (docs/ops.md ``compress_pool``): per channel ``sum_r softmax_r(score) * kv``.
 
 A program owns one (b, g) entry and ``BLOCK_D`` channels and walks ``r`` in ``BLOCK_R`` steps
 with an online softmax (running max, denominator and weighted sum), so any ``r`` works and the

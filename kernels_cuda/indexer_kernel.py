@@ -24,7 +24,7 @@ bind in decode, where each key meets only 32 heads):
   patterns ``(c & 7) << 6 | sign`` (the value times 2**-126), then one bf16x2 multiply per two
   elements by ``2**(sb - 65)`` (bf16 arithmetic keeps subnormals); the dot result is scaled by
   ``2**64``. Exact whenever the tile's scale bytes lie in [66, 192] (scales 2**-61 .. 2**65);
-  other tiles take the exact path. About 1.6x fewer instructions per key (SASS counted offline).
+  other tiles take the exact path. Fewer instructions per key than the exact path (docs/performance.md).
 
 The dot runs in bf16 on the GPU when q is bf16 and k is fp4 or bf16 (every product is then exact
 in fp32), in fp16 for fp16 q and k, else in fp32 with ``TILES fp32_precision`` (tf32x3: about

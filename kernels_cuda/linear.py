@@ -48,7 +48,7 @@ TILES = {
     "fp8_mma": None,  # None: fp8 tl.dot where the device has it (sm_89+); True / False force a path
     # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
-    # where it measured 1.1-1.6x faster on 3 of 4 shapes, benchmarks/NOTES.md)
+    # docs/performance.md, linear fp8_w)
     "bf16_gemm_min_rows": None,
 }
 

@@ -8,11 +8,10 @@ weight (a weight read, an fp32 write and an fp32 GEMM that reads twice the bytes
 - fp32 x with a bf16 weight (the layers computed in fp32): x is split into three bf16 parts,
   ``x = hi + mid + lo`` exactly (each part takes the next 8 significant bits; the rest of a 24-bit
   mantissa is at most 8 bits), and the three dots with the bf16 weight give exact products summed
-  in fp32: the reference's fp32 GEMM up to summation order, at the tensor-core rate. Measured on
-  the H200 against float64: 1.9-4.7e-6 relative at K = 1024-4096 (the tensor cores' fp32 accumulation
-  truncates; cuBLAS's fp32 GEMM: 1.3-5.7e-7). An fp32 FMA dot instead reached 1.1e-6 at K = 4096 but
-  made the decode step 0.4-2.6 ms slower (`small`, batch 1-64: the head and the compressor;
-  benchmarks/results/h200-e2e-fp32-fma.json vs h200-e2e.json).
+  in fp32: the reference's fp32 GEMM up to summation order, at the tensor-core rate. The tensor
+  cores' fp32 accumulation truncates, so the result is a few times less accurate than cuBLAS's
+  fp32 GEMM; an fp32 FMA dot is more accurate but slower end to end (both measured in
+  docs/performance.md, plain-weight linear with fp32 inputs).
 
 The output is ``x.dtype``; few output tiles (decode) split K over programs and sum fp32 partials.
 Under the Triton interpreter the dot operands are fp32 (exact for these values) and fp32 -> bf16

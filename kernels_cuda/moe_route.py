@@ -8,7 +8,8 @@
    reference's stable descending sort), the picked scores normalised and scaled.
 
 The reference formulation is a dozen torch launches a layer (GEMM, score function, sort, gather,
-sum, divide, casts); at decode each costs ~3 us, inside a CUDA graph too.
+sum, divide, casts); at decode each launch costs more than its work, inside a CUDA graph too
+(docs/performance.md, decode end to end).
 """
 from __future__ import annotations
 

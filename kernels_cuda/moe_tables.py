@@ -10,7 +10,7 @@ Up to ``tiles.moe.route.max_pairs`` pairs (decode, short prefill chunks) one pro
 all: a stable sort of ``expert * PB + pair`` keys, per-expert counts by histogram, prefix sums, and
 each tile's expert as the number of experts whose tiles end at or before it. That is one launch
 where the torch formulation (:func:`route_tables_torch`, used past the limit) is two dozen: at
-decode every launch costs ~3 us, inside a CUDA graph too.
+decode every launch costs more than its work, inside a CUDA graph too (docs/performance.md).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RMS norm and rotary embedding (ops.md ``rms_norm``, ``rope``).
+"""RMS norm and rotary embedding (docs/ops.md ``rms_norm``, ``rope``).
 
 ``rms_norm``: a program normalises ``BLOCK_M`` rows; a row that fits ``BLOCK_N`` is read once
 and kept in registers (``SINGLE``), a longer one is read twice (sum of squares, then scale).

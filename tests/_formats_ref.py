@@ -1,4 +1,4 @@
-"""An independent codec for the quantized formats of ops.md, used by the test_formats* files.
+"""An independent codec for the quantized formats of docs/ops.md, used by the test_formats* files.
 
 Element rounding goes through ``ml_dtypes`` (float32 -> E4M3 / E2M1, nearest even); the scale
 rules are decided exactly in float64 by comparing the block amax against ``elem_max * 2**k`` or

@@ -46,7 +46,7 @@ def test_released_param_counts():
 
 
 def test_released_layer_roles():
-    """v41-model.md, 2: 0, 1 window; 2, 8, 14, 20 full; 24, 28, 32, 36 reindex; the rest reuse."""
+    """docs/model.md, 2: 0, 1 window; 2, 8, 14, 20 full; 24, 28, 32, 36 reindex; the rest reuse."""
     cfg = shipped_config("v4.1-flash")
     special = {0: "window", 1: "window", 2: "full", 8: "full", 14: "full", 20: "full",
                24: "reindex", 28: "reindex", 32: "reindex", 36: "reindex"}

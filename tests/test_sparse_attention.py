@@ -1,7 +1,7 @@
 """``flashrt.ops.sparse_attention`` against an independent float64 loop over rows and slots.
 
 The expected values are computed here, one (batch, position, head) row at a time, straight from
-the formula of ops.md; the reference backend is never called directly. Quantized ``kv`` is
+the formula of docs/ops.md; the reference backend is never called directly. Quantized ``kv`` is
 compared against the same loop over ``flashrt.formats.dequantize(kv)``.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kernel_check import assert_error
 
 
 def expected_attention(q, kv, indices, sink, scale) -> torch.Tensor:
-    """float64 [B, S, H, D]: the ops.md formula, one row and one slot at a time."""
+    """float64 [B, S, H, D]: the docs/ops.md formula, one row and one slot at a time."""
     segments = kv if isinstance(kv, tuple) else (kv,)  # a tuple stands for its concatenation along T
     kvd = torch.cat([(formats.dequantize(x) if isinstance(x, QTensor) else x).to(torch.float64) for x in segments], 1)
     qd = q.to(torch.float64)

@@ -7,7 +7,7 @@ prefill: B = 1, S = 4096 (context 128K).
 
 - FLOPs ``4 B S H K D`` (QK^T and PV); bytes: q + out + indices + the gathered KV rows at their
   stored size (528 B per fp8 row, 288 B per fp4_b16 row). ~240 FLOP per byte: the bf16 ridge.
-- Baseline (the issue's): PyTorch SDPA on the equivalent dense attention, i.e. each query's K rows
+- Baseline: PyTorch SDPA on the equivalent dense attention, i.e. each query's K rows
   already gathered into a dense bf16 tensor (gather not timed), heads as the query rows of one
   KV head (MQA without expanding K/V), no sink. The torch reference op on the same GPU is in
   ``reference_ms`` / ``speedup_vs_reference``.

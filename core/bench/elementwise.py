@@ -4,8 +4,9 @@ Each case times the Triton launcher (``flashrt.kernels_cuda.<family>``) and, as 
 the torch reference (``flashrt.backends.reference``) on the same GPU and inputs. Bytes are the
 minimum each kernel must move (inputs read once, outputs written once); every case here is
 memory-bound, so ``roofline_fraction`` is the fraction of copy bandwidth reached.
-``quantize_store`` is the issue's "quantize-and-store >= 70% of copy bandwidth" figure (its
-baseline: ``formats.quantize`` then the indexed copy into the cache, as ``kvcache.write_rows``).
+``quantize_store`` is measured against the target "quantize-and-store >= 70% of copy bandwidth"
+(docs/performance.md; its baseline: ``formats.quantize`` then the indexed copy into the cache, as
+``flashrt.kv.util.write_rows``).
 
     python -m flashrt.bench.elementwise     # prints the rows as JSON
 """
@@ -40,7 +41,7 @@ def _quant(rows, ceil):
         out = quant.dequantize(q, torch.bfloat16)
         _case(rows, ceil, f"dequantize {fmt}", "[16384, 512] -> bf16", lambda: quant.dequantize(q, torch.bfloat16),
               lambda: ref.dequantize(q, torch.bfloat16), _nb(q, out))
-        for n in (16384, 131072):  # the issue's shape, then a long prefill chunk (steady-state bandwidth)
+        for n in (16384, 131072):  # the target's shape, then a long prefill chunk (steady-state bandwidth)
             _quantize_store_case(rows, ceil, x if n == x.shape[0] else x.repeat(n // x.shape[0], 1), fmt)
 
 
@@ -56,7 +57,7 @@ def _quantize_store_case(rows, ceil, x, fmt):
     slots = torch.randperm(slots_total, device="cuda")[:n]
     flat_d, flat_s = cache_data.view(-1, cache_data.shape[-1]), cache_scale.view(-1, cache_scale.shape[-1])
 
-    def baseline():  # what kvcache.write_rows does after formats.quantize
+    def baseline():  # what flashrt.kv.util.write_rows does after formats.quantize
         q = formats.quantize(x, fmt)
         flat_d[slots] = q.data.view(torch.uint8)
         flat_s[slots] = q.scale.view(torch.uint8)

@@ -3,7 +3,7 @@
 - ``linear fp8_w``: x bf16 ``[M, in]`` (M = 1, 8, 64 decode rows; 4096 prefill) times the released
   fp8 weights ``[out, in]``: wq_a 1280x5120, shared-expert w1 2304x5120, wo_b 5120x8192, wq_b
   32768x1280. Our time includes the activation quantization kernel (the op's full cost).
-  Baseline (the issue's): ``torch._scaled_mm`` on e4m3 operands with per-tensor scales (M padded to
+  Baseline: ``torch._scaled_mm`` on e4m3 operands with per-tensor scales (M padded to
   16 rows, as cuBLASLt needs), which does no per-32 scaling; target >= 60% of its speed
   (``scaled_mm_fraction``). Each row also carries the torch reference (``reference_ms``,
   dequantized weight cached, fp32 F.linear), our dequant-to-bf16 path (``bf16_path_ms``, the

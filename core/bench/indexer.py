@@ -6,7 +6,7 @@
   Decode (S = 1) at batch 1 / 8 / 64 and contexts 4K, 64K, 128K, 1M (T = context / 2), and two
   prefill chunks (compute-bound: 8K FLOP per 4-byte score).
 - ``topk_positions`` (k = 512): rows B*S in {1, 8, 64, 2048} at T in {4K, 64K, 128K}, and
-  {1, 8, 64} rows at 1M. Bytes: the scores read once + the int32 picks. Baseline (the issue's):
+  {1, 8, 64} rows at 1M. Bytes: the scores read once + the int32 picks. Baseline:
   ``torch.topk(scores, 512)`` followed by the sort of its indices that the contract needs; the
   row also carries ``torch.topk`` alone (``topk_only_ms``, ``speedup_vs_topk_only``) and whether
   the picks equal torch's (``picks_match``: randn scores have no ties).

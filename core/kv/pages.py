@@ -56,7 +56,7 @@ class PagePool:
         self.dev = empty_qtensor(FMT, (n, page_entries, head_dim), self.device)
         self.free_dev = list(range(n - 1, TRASH_PAGE, -1))
         self.generation = 0  # bumped whenever the device pool or a block-table buffer is reallocated
-        self.index_pool = None  # the batch's IndexPool (kvindex), drawn from the same budget
+        self.index_pool = None  # the batch's IndexPool (flashrt.kv.index), drawn from the same budget
         self.host = empty_qtensor(FMT, (0, page_entries, head_dim), "cpu")
         self.host_pinned = False  # known here: is_pinned() asks the driver (not inside a graph capture)
         self.free_host: list[int] = []

@@ -30,7 +30,7 @@ def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTens
 
 def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
     """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] of a paged ``pool`` (a
-    ``kvpages.PagePool`` or ``kvindex.IndexPool``) whose block table ``table`` [B, max_pages] gives
+    ``pages.PagePool`` or ``index.IndexPool``) whose block table ``table`` [B, max_pages] gives
     the device page of each logical page, where ``mask``; the other rows go to ``pool.trash_row``
     (no host-side filtering, no device sync)."""
     P, B, n = pool.P, entry.shape[0], entry.shape[1]

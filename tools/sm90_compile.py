@@ -3,13 +3,13 @@ the compiler made of them: registers, spilled bytes, shared memory, and the SASS
 (``HGMMA`` = Hopper wgmma, ``HMMA`` = the older mma path, ``LDL``/``STL`` = local-memory spills).
 Costs no device time: use it to check a kernel change for spills and wgmma before timing it.
 
-    python benchmarks/sm90_compile.py attention --B 64 --S 1 [--tiles '{"two_pass": {"enabled": true}}']
-    python benchmarks/sm90_compile.py moe_route --B 8        # also linear_plain, moe_tables
+    python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
+    python tools/sm90_compile.py moe_route --B 8        # also linear_plain, moe_tables
 
 How: a stand-in Triton driver reports an sm_90 target; the launcher runs on CPU tensors as it
 would on the GPU; Triton's ``jit_cache_hook`` takes each kernel's specialization instead of
 launching it, and ``triton.compile`` builds the cubin with the ptxas that Triton ships. Compile with
-the Triton version of the GPU image (3.6 on the lent H200) for numbers that match the device.
+the Triton version of the GPU image for numbers that match the device.
 """
 from __future__ import annotations
 

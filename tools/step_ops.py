@@ -1,8 +1,8 @@
 """Which torch operations one decode step issues, and from which source line: the step's glue (each
-is a GPU kernel launch on CUDA, ~2-5 us even inside a CUDA graph), next to the op-contract kernels.
+is a GPU kernel launch on CUDA, inside a CUDA graph too), next to the op-contract kernels.
 
-    TRITON_INTERPRET=1 FLASHRT_BACKEND=cuda python benchmarks/step_ops.py --model tiny --batch 8
-    python benchmarks/step_ops.py --model small --device cuda     # on a GPU
+    TRITON_INTERPRET=1 FLASHRT_BACKEND=cuda python tools/step_ops.py --model tiny --batch 8
+    python tools/step_ops.py --model small --device cuda     # on a GPU
 
 Runs the static-buffer decode step (engine/step_capture.py, eager) under a TorchDispatchMode that
 counts every aten operation but views and allocations (not those inside Triton's interpreter) by
@@ -36,14 +36,14 @@ FREE = re.compile(r"^(empty|empty_strided|empty_like|view|_unsafe_view|as_stride
 
 
 def site() -> str | None:
-    """``file:line (function)`` of the innermost frame in the flashrt checkout (not benchmarks/);
+    """``file:line (function)`` of the innermost frame in the flashrt checkout (not tools/);
     None inside Triton's interpreter."""
     f = sys._getframe(2)
     while f is not None:
         path = f.f_code.co_filename
         if "/triton/" in path:
             return None
-        if path.startswith(PKG) and "/benchmarks/" not in path:
+        if path.startswith(PKG) and "/tools/" not in path:
             return f"{os.path.relpath(path, PKG)}:{f.f_lineno} ({f.f_code.co_name})"
         f = f.f_back
     return None

@@ -1,7 +1,7 @@
 """Which CUDA kernel makes a model's logits differ from the reference? One op at a time on the
 kernels, every other op on the reference, same weights and tokens.
 
-    python benchmarks/op_bisect.py --model tiny
+    python tools/op_bisect.py --model tiny
 """
 from __future__ import annotations
 

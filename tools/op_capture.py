@@ -1,7 +1,7 @@
 """Capture every kernel-served op call a model forward makes (on the reference), then replay each
 on the CUDA kernels and report the calls whose results differ, with their shapes and strides.
 
-    python benchmarks/op_capture.py --model tiny --ops linear moe_experts sparse_attention
+    python tools/op_capture.py --model tiny --ops linear moe_experts sparse_attention
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Host time per call of every CUDA launcher (``kernels_cuda``), at decode shapes of the released config.
 
-Small decode kernels take 1-10 us on the GPU, so the Python a launcher runs per call (planning,
-views, allocations, Triton's launch) decides their speed. Per case, medians of several repeats:
+Small decode kernels take a few microseconds on the GPU, so the Python a launcher runs per call
+(planning, views, allocations, Triton's launch) can decide their speed. Per case, medians of several repeats:
 
 - ``stub_us``: the launcher with every ``_*_kernel`` replaced by a no-op: our own Python only
   (plan lookup, views, allocations, argument lists);
@@ -10,17 +10,19 @@ views, allocations, Triton's launch) decides their speed. Per case, medians of s
 - ``wall_us`` (CUDA only): the same calls followed by one synchronize, per call: when it is close
   to ``host_us`` the host, not the GPU, bounds the call rate.
 
-On the H200:  python benchmarks/launch_overhead.py --out benchmarks/results/h200-launch-overhead.json
+On a GPU:  python tools/launch_overhead.py --out /tmp/launch-overhead.json
 Without a GPU it runs the stubbed columns only (TRITON_INTERPRET=1, CPU tensors).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,7 +32,7 @@ if not torch.cuda.is_available():  # CPU: the launchers' host code runs on CPU t
 import flashrt  # noqa: E402
 from flashrt import formats, ops  # noqa: E402
 from flashrt.cli.jit import kernel_modules  # noqa: E402
-from results_io import write_json  # noqa: E402
+from flashrt.jit import atomic_write  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEV = torch.device("cuda" if GPU else "cpu")
@@ -170,7 +172,9 @@ def main() -> None:
         cols = "  ".join(f"{k} {r[k]:8.1f}" for k in ("stub_us", "stub_ops_us", "host_us", "wall_us") if k in r)
         print(f"{name:28} {cols}", flush=True)
     device = torch.cuda.get_device_name() if GPU else f"cpu ({platform.processor() or platform.machine()})"
-    write_json(a.out, {"device": device, "torch": torch.__version__, "calls": a.calls, "rows": rows})
+    if a.out:  # atomically: a run killed while writing leaves the previous file whole
+        report = {"device": device, "torch": torch.__version__, "calls": a.calls, "rows": rows}
+        atomic_write(Path(a.out), (json.dumps(report, indent=2) + "\n").encode())
 
 
 if __name__ == "__main__":
