@@ -31,7 +31,7 @@ from flashrt.formats import QTensor, dequantize, expected_layout
 
 from . import partial, published
 from .config import ModelConfig
-from .finite import check_finite as _check_finite
+from .finite import check_finite as _check_finite, checks_enabled
 from .params import QUANTIZED, ParamSpec, param_specs
 from .shards import DTYPE_BYTES, INDEX, SINGLE, open_shards
 from .verify import SUMS, sha256_file, verify_checksums
@@ -217,6 +217,7 @@ def save(weights: dict, cfg: ModelConfig, path, max_shard_bytes: int = 2**30, pr
         _write_dir(tmp, cfg, tensors, files, progress)
         _move_into_place(tmp, path)
         (path / partial.MARKER).unlink(missing_ok=True)
+        partial.sweep(path.parent, path.name, CONFIG)  # old copies of killed saves, now that path is complete
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -236,10 +237,11 @@ def read_config(path) -> ModelConfig:
 
 
 def load(path, cfg: ModelConfig | None = None, device=None, verify: bool = False, progress: Progress = None,
-         check_finite: bool = True, verify_files=()) -> tuple[ModelConfig, dict[str, torch.Tensor | QTensor]]:
+         check_finite: bool | None = None, verify_files=()) -> tuple[ModelConfig, dict[str, torch.Tensor | QTensor]]:
     """Read a checkpoint: ``(cfg, weights)`` with weights as :func:`init_weights` makes them. A given
     ``cfg`` overrides ``config.json``; ``verify`` checks ``SHA256SUMS`` first (``verify_files``: more
-    names that must be listed); ``check_finite`` rejects NaN / Inf weights; ``progress(done, total)``
+    names that must be listed); ``check_finite`` rejects NaN / Inf weights (None: on unless a
+    ``finite.weight_checks(False)`` block says otherwise); ``progress(done, total)``
     counts parameters; weights move to ``device`` when given."""
     path = Path(path)
     if not path.is_dir():
@@ -247,7 +249,7 @@ def load(path, cfg: ModelConfig | None = None, device=None, verify: bool = False
     if verify:
         verify_checksums(path, verify_files)
     cfg = cfg if cfg is not None else read_config(path)
-    specs, weights = param_specs(cfg), {}
+    specs, weights, check_finite = param_specs(cfg), {}, checks_enabled(check_finite)
     with contextlib.ExitStack() as stack:
         where = open_shards(path, stack)
         headers = {k: h.get_slice(k) for k, h in where.items()}

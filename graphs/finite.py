@@ -7,12 +7,32 @@ all finite. Large tensors are reduced in slices so the temporary mask stays smal
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from flashrt.errors import CheckpointError
 from flashrt.formats import QTensor
 
 SLICE = 1 << 24  # elements per reduction step
+_STATE = {"enabled": True}
+
+
+@contextlib.contextmanager
+def weight_checks(enabled: bool):
+    """Inside the block, loads that do not say otherwise check (or skip checking) weights for NaN /
+    Inf (``flashrt run --no-check-weights``)."""
+    old = _STATE["enabled"]
+    _STATE["enabled"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _STATE["enabled"] = old
+
+
+def checks_enabled(check_finite: bool | None) -> bool:
+    """``check_finite`` when given, else the :func:`weight_checks` setting (on by default)."""
+    return _STATE["enabled"] if check_finite is None else bool(check_finite)
 
 
 def _bad_count(t: torch.Tensor) -> int:

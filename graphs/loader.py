@@ -20,15 +20,15 @@ from .model import Model
 TOKEN_MAP_FILES = ("engram_token_map.json", "engram_token_map.npy")
 
 
-def load(path, device=None, profile=None, verify: bool = False, progress=None, *, check_finite: bool = True,
+def load(path, device=None, profile=None, verify: bool = False, progress=None, *, check_finite: bool | None = None,
          threads: int | None = None, verify_files=()) -> Model:
     """Load ``config.json`` + safetensors shards (memory-mapped) from ``path`` onto ``device``.
 
     ``device``: ``cpu`` (default), ``cuda[:N]``, ``npu[:N]`` or ``meta``; one this machine lacks is
     a :class:`~flashrt.errors.DeviceError` naming the devices it has. ``verify`` checks every file
     that decides the output against ``SHA256SUMS`` first (``verify_files``: more such names, e.g.
-    chat-format files). ``check_finite`` (default on) rejects a weight holding NaN or Inf, naming
-    it; it costs one pass over the weights. ``threads``: CPU threads for torch (process-wide,
+    chat-format files). ``check_finite`` (default on; ``False`` skips it) rejects a weight holding
+    NaN or Inf, naming it; it costs one pass over the weights. ``threads``: CPU threads for torch (process-wide,
     ``torch.set_num_threads``); None leaves torch's setting (``flashrt run`` uses 1 for ``tiny``).
     The Engram compressed vocabulary comes from ``engram_token_map.json`` / ``.npy`` in the
     directory (``map[token_id] = compressed_id``), else is derived from ``tokenizer.json`` as the
