@@ -129,3 +129,29 @@ def test_model_run_on_published_dir(dirs, tmp_path):
 
     report = run(str(dirs[0]), prompt="hello", max_new_tokens=3, device="cpu", quiet=True, threads=1)
     assert report["new_tokens"] == 3 and report["model"] == "published"
+
+
+def _tokenizer_file(path):
+    """A word-level tokenizer of 320 tokens whose ids i and i + 160 differ only in case."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"tok{i}": i for i in range(160)} | {f"TOK{i}": 160 + i for i in range(160)}
+    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="tok0")).save(str(path / "tokenizer.json"))
+
+
+def test_engram_token_map_derived_from_the_tokenizer(cfg, weights, tmp_path, rng):
+    """The published folder has no token-map file: the compressed ids come from tokenizer.json
+    (tokens that normalize alike share one), as the reference derives them."""
+    from flashrt.graphs.loader import token_map_for
+
+    vcfg = with_vision(cfg).replace(engram_compressed_vocab_size=160)
+    path = write_published(weights, vcfg, tmp_path / "p")
+    with pytest.raises(CheckpointError, match="engram_compressed_vocab_size=160 is below vocab_size=320"):
+        flashrt.load(path)
+    _tokenizer_file(path)
+    table = token_map_for(path, vcfg).table
+    assert torch.equal(table[:160], table[160:]) and sorted(table[:160].tolist()) == list(range(160))
+    model = flashrt.load(path)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=rng)
+    assert torch.isfinite(model.forward(ids)).all()
+    with pytest.raises(CheckpointError, match="derives 160 compressed ids.*engram_compressed_vocab_size=150"):
+        token_map_for(path, vcfg.replace(engram_compressed_vocab_size=150))
