@@ -263,9 +263,10 @@ def load(path, cfg: ModelConfig | None = None, device=None, verify: bool = False
             scale_name = published.fp8_scale_name(s.name) if s.name in fp8_plain else s.scale_name
             scale = where[scale_name].get_tensor(scale_name) if scale_name else None
             value = decode(s, where[s.name].get_tensor(s.name), scale)
-            if check_finite:
+            value = value if device is None else value.to(device)
+            if check_finite:  # on the target device: a GPU reduces faster than the host reads
                 _check_finite(s.name, value)
-            weights[s.name] = value if device is None else value.to(device)
+            weights[s.name] = value
             if progress is not None:
                 progress(i + 1, len(specs))
     return cfg, weights

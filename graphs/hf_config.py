@@ -187,6 +187,8 @@ def read_config(data, source: str = "config") -> tuple[dict, dict, dict]:
         raise ConfigValueError(reader.unknown[0].split(".")[-1],
                                f"{source}: unknown config keys {reader.unknown} (flashrt accepts the reference "
                                f"ModelArgs keys and the published Hugging Face keys)")
+    if not reader.hf and "dtype" in reader.meta:  # a flat ModelArgs file: dtype is the weight format
+        raise _bad("dtype", "dtype", "'bf16' or 'fp8'", reader.meta["dtype"])
     if reader.hf and "dtype" not in reader.args:  # no quantization_config: unquantized weights
         reader.args["dtype"] = "bf16"
         reader.args.setdefault("expert_dtype", None)

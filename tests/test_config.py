@@ -193,6 +193,7 @@ def test_config_is_frozen_and_hashable():
     ("expert_dtype", "nvfp4", "null or one of 'fp4'"),
     ("vision_max_wh_ratio", 0, "null or an int >= 1"),
     ("candidate_source_layer", -2, "an int >= -1"),
+    ("dtype", "bfloat16", "'bf16' or 'fp8'"),  # a torch dtype name is not the flat file's weight format
 ])
 def test_bad_type_or_range_names_key_expected_and_found(key, value, expected):
     data = {**shipped_config("tiny").to_dict(), key: value}

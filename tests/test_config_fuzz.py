@@ -42,7 +42,8 @@ json_values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dicti
 
 def near(value):
     """Values close to a valid one: its string, off by a little, negated, wrapped, a float."""
-    out = [st.just(str(value)), st.just(None), st.just([value]), st.just(-1)]
+    out = [st.just(str(value)), st.just(None), st.just([value]), st.just(-1),
+           st.sampled_from(["bfloat16", "float32", "bf16", "fp8", "fp4", "softmax", "yarn", "silu"])]
     if isinstance(value, bool):
         out += [st.just(int(value)), st.just(str(value).lower())]
     elif isinstance(value, (int, float)):
