@@ -49,6 +49,21 @@ def read_sums(path: Path) -> dict[str, str]:
     return listed
 
 
+def add_to_sums(path, names) -> None:
+    """List (or re-list) ``names`` in ``path``'s ``SHA256SUMS`` with their current digests, for files
+    added to a saved checkpoint (e.g. its tokenizer); the file is replaced atomically."""
+    from flashrt.jit import atomic_write
+
+    path = Path(path)
+    listed = read_sums(path)
+    for name in names:
+        file = inside(path, name, "checkpoint file", follow_links=True)
+        if not file.is_file():
+            raise CheckpointError(f"{file}: no such file to list in {SUMS}")
+        listed[name] = sha256_file(file)
+    atomic_write(path / SUMS, "".join(f"{d}  {n}\n" for n, d in sorted(listed.items())).encode())
+
+
 def required_files(path: Path, extra=()) -> list[str]:
     """The names :func:`verify_checksums` requires in ``SHA256SUMS``: the shards, and each of
     :data:`OUTPUT_FILES` and ``extra`` present in ``path``."""

@@ -80,6 +80,19 @@ def test_every_output_file_must_be_listed_and_match(saved, tmp_path, name):
         ckpt.load(path, verify=True, verify_files=extra)
 
 
+def test_files_added_after_a_save_are_listed_by_add_to_sums(saved, tmp_path):
+    from flashrt.graphs.verify import add_to_sums
+
+    path = _copy(saved, tmp_path / "c")
+    (path / "tokenizer.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="tokenizer.json: not listed"):
+        ckpt.load(path, verify=True)
+    add_to_sums(path, ["tokenizer.json"])
+    ckpt.load(path, verify=True)
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        add_to_sums(path, ["../c/tokenizer.json"])
+
+
 def test_published_dir_verifies_when_fully_listed(cfg, weights, tmp_path):
     path = write_published(weights, with_vision(cfg), tmp_path / "p")
     names = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
