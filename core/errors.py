@@ -19,3 +19,7 @@ class ProfileError(FlashrtError):
 
 class CheckpointError(FlashrtError):
     """A checkpoint tensor is missing, extra, mis-shaped or mis-typed: names the tensor."""
+
+
+class DeviceError(FlashrtError, ValueError):
+    """A device was asked for that this machine does not have: names the devices it has."""

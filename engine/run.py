@@ -24,6 +24,7 @@ from flashrt.progress import Progress
 from flashrt.graphs import chat_format, checkpoint
 from flashrt.graphs.builtin_tokenizer import ensure_builtin_tokenizer
 from flashrt.graphs.config import SHIPPED, ModelConfig, shipped_config
+from flashrt.graphs.devices import resolve_device
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load
 from flashrt.graphs.model import Model
@@ -60,12 +61,9 @@ def builtin_checkpoint(name: str, seed: int = 0, quiet: bool = False) -> Path:
 
 
 def pick_device(device: str | None) -> torch.device:
-    if device:
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device")
-        return dev
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The device asked for (``DeviceError`` naming the ones this machine has), else cuda if present."""
+    dev = resolve_device(device) if device else None
+    return dev if dev is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = False, profile=None) -> Model:

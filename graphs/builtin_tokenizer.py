@@ -17,6 +17,7 @@ from flashrt.jit import atomic_write
 
 from .chat_format import BOS, CHAT_TOKENS, EOS, PAD
 from .tokenizer import CONFIG_FILE, TOKENIZER_FILE
+from .verify import SUMS, add_to_sums
 
 FIRST = (BOS, EOS, PAD)
 MIN_VOCAB = len(FIRST) + 256 + len(CHAT_TOKENS)
@@ -87,4 +88,6 @@ def ensure_builtin_tokenizer(path, cfg, seed: int = 0) -> bool:
     atomic_write(path / CONFIG_FILE, (json.dumps(tokenizer_config(cfg.max_seq_len), ensure_ascii=False, indent=1)
                                       + "\n").encode())
     atomic_write(path / TOKENIZER_FILE, tok.to_str().encode())
+    if (path / SUMS).exists():  # the tokenizer decides the output: verify=True checks it too
+        add_to_sums(path, [CONFIG_FILE, TOKENIZER_FILE])
     return True

@@ -6,32 +6,37 @@ Files: ``config.json`` (``cfg.to_dict()``); ``model.safetensors`` when all fits 
 kinds as ``name`` + ``.scale`` (F8_E8M0) with F8_E4M3 data, or for ``fp4_w`` the packed bytes
 ``[out, in/2]`` as F4 (``float4_e2m1fn_x2``) where safetensors supports it, else I8 (``fp4_dtype``).
 :func:`load` accepts BF16 or F32 for plain kinds and I8, U8 or F4 for FP4 bytes, which are ``uint8``
-in memory. A save writes a hidden temporary sibling directory and renames it into place, so a killed
-save never leaves a complete-looking checkpoint. Errors name the tensor or the file.
+in memory; it also reads the published directory as it is (:mod:`.published`: the Hugging Face
+root config, ``wo_a`` stored FP8 + scale, the vision tensors), checks every weight for NaN / Inf
+(:mod:`.finite`) and, with ``verify``, ``SHA256SUMS`` (:mod:`.verify`). A save writes a hidden
+temporary sibling directory and renames it into place, so a killed save never leaves a
+complete-looking checkpoint; the next save of the same target sweeps what a killed one left
+(:mod:`.partial`). Errors name the tensor or the file.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as _st_save, save_file
 
 from flashrt.errors import CheckpointError
-from flashrt.formats import QTensor, expected_layout
+from flashrt.formats import QTensor, dequantize, expected_layout
 
+from . import partial, published
 from .config import ModelConfig
+from .finite import check_finite as _check_finite, checks_enabled
 from .params import QUANTIZED, ParamSpec, param_specs
+from .shards import DTYPE_BYTES, INDEX, SINGLE, open_shards
+from .verify import SUMS, sha256_file, verify_checksums
 
-CONFIG, SINGLE, INDEX, SUMS = "config.json", "model.safetensors", "model.safetensors.index.json", "SHA256SUMS"
+CONFIG = "config.json"
 PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 F4 = getattr(torch, "float4_e2m1fn_x2", None)
 FP4_LOAD_DTYPES = (torch.int8, torch.uint8) + ((F4,) if F4 is not None else ())
@@ -68,7 +73,13 @@ def _expect(name: str, t: torch.Tensor, dtypes, shape: torch.Size) -> None:
 
 
 def decode(spec: ParamSpec, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | QTensor:
-    """Check the stored tensor(s) of ``spec`` and return the in-memory value (CheckpointError if bad)."""
+    """Check the stored tensor(s) of ``spec`` and return the in-memory value (CheckpointError if bad).
+    A plain-kind weight given with a ``scale`` is stored FP8 (``published.fp8_plain``): dequantized."""
+    if spec.kind in PLAIN_DTYPES and scale is not None:
+        want_data, want_scale = expected_layout("fp8_w", spec.shape)
+        _expect(spec.name, data, (torch.float8_e4m3fn,), want_data)
+        _expect(published.fp8_scale_name(spec.name), scale, (torch.float8_e8m0fnu,), want_scale)
+        return dequantize(QTensor(data, scale, "fp8_w", torch.Size(spec.shape)), PLAIN_DTYPES[spec.kind])
     if spec.kind in PLAIN_DTYPES:
         _expect(spec.name, data, (torch.bfloat16, torch.float32), torch.Size(spec.shape))
         return data.to(PLAIN_DTYPES[spec.kind])
@@ -80,22 +91,27 @@ def decode(spec: ParamSpec, data: torch.Tensor, scale: torch.Tensor | None) -> t
     return QTensor(data, scale, fmt, torch.Size(spec.shape))
 
 
-def _expected_names(specs: list[ParamSpec]) -> dict[str, str]:
-    """Every stored tensor name -> a description of what is expected there."""
+def expected_names(specs: list[ParamSpec], fp8_plain=()) -> dict[str, str]:
+    """Every stored tensor name -> a description of what is expected there (``fp8_plain``: plain
+    weights stored as FP8 + scale)."""
     out = {}
     for s in specs:
         if s.kind in QUANTIZED:
             data, scale = expected_layout(QUANTIZED[s.kind], s.shape)
             out[s.name] = f"{s.kind} data {list(data)}"
             out[s.scale_name] = f"float8_e8m0fnu {list(scale)}"
+        elif s.name in fp8_plain:
+            data, scale = expected_layout("fp8_w", s.shape)
+            out[s.name] = f"{s.kind} {list(s.shape)} stored as float8_e4m3fn {list(data)}"
+            out[published.fp8_scale_name(s.name)] = f"float8_e8m0fnu {list(scale)}"
         else:
             out[s.name] = f"{s.kind} {list(s.shape)}"
     return out
 
 
-def check_names(specs: list[ParamSpec], found: dict[str, str]) -> None:
+def check_names(specs: list[ParamSpec], found: dict[str, str], fp8_plain=()) -> None:
     """CheckpointError naming the first missing or unexpected tensor (``found``: name -> description)."""
-    expected = _expected_names(specs)
+    expected = expected_names(specs, fp8_plain)
     missing, extra = [n for n in expected if n not in found], sorted(set(found) - set(expected))
     for what, names in (("missing", missing), ("unexpected", extra)):
         if names:
@@ -172,7 +188,8 @@ def _write_dir(tmp: Path, cfg: ModelConfig, tensors: dict, files: dict, progress
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: fname for fname, names in files.items() for n in names}}
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    (tmp / SUMS).write_text("".join(f"{sha256_file(p)}  {p.name}\n" for p in sorted(tmp.iterdir())))
+    listed = [p for p in sorted(tmp.iterdir()) if p.name != partial.MARKER]
+    (tmp / SUMS).write_text("".join(f"{sha256_file(p)}  {p.name}\n" for p in listed))
     _fsync(tmp / SUMS)
 
 
@@ -186,7 +203,7 @@ def _move_into_place(tmp: Path, path: Path) -> None:
     if not path.exists() or not any(path.iterdir()):
         os.replace(tmp, path)  # rename(2) replaces an empty directory atomically
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+    old = partial.make_temp(path.parent, path.name, "old")
     os.replace(path, old / path.name)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
@@ -201,101 +218,69 @@ def save(weights: dict, cfg: ModelConfig, path, max_shard_bytes: int = 2**30, pr
     tensors = encode(weights, cfg, fp4_dtype)
     files = plan_shards(tensors, max_shard_bytes)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    partial.sweep(path.parent, path.name, CONFIG)
+    tmp = partial.make_temp(path.parent, path.name, "tmp")
     try:
         _write_dir(tmp, cfg, tensors, files, progress)
         _move_into_place(tmp, path)
+        (path / partial.MARKER).unlink(missing_ok=True)
+        partial.sweep(path.parent, path.name, CONFIG)  # old copies of killed saves, now that path is complete
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def verify_checksums(path) -> None:
-    """CheckpointError naming the file unless every checkpoint file matches ``SHA256SUMS``."""
+def read_config(path) -> ModelConfig:
+    """The config of checkpoint directory ``path``: ``config.json`` (flat or the published Hugging
+    Face layout), checked against ``inference/config.json`` when that exists."""
     path = Path(path)
-    if not (path / SUMS).is_file():
-        raise CheckpointError(f"{path / SUMS}: missing, cannot verify the checkpoint")
-    listed = {}
-    for line in (path / SUMS).read_text().splitlines():
-        if line.strip():
-            if len(line) < 67 or line[64:66] not in ("  ", " *"):
-                raise CheckpointError(f"{path / SUMS}: malformed line {line!r}")
-            listed[line[66:]] = line[:64].lower()
-    for p in sorted(path.iterdir()):
-        if p.name not in listed and (p.name in (CONFIG, INDEX) or p.suffix == ".safetensors"):
-            raise CheckpointError(f"{p}: not listed in {SUMS}")
-    for fname, digest in listed.items():
-        found = sha256_file(path / fname) if (path / fname).is_file() else "no such file"
-        if found != digest:
-            raise CheckpointError(f"{path / fname}: sha256 mismatch, expected {digest}, found {found}")
-
-
-def _shard_files(path: Path) -> tuple[list[str], dict | None]:
-    if (path / INDEX).is_file():
-        try:
-            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{path / INDEX}: not a safetensors index ({exc!r})") from None
-        return sorted(set(weight_map.values())), weight_map
-    if (path / SINGLE).is_file():
-        return [SINGLE], None
-    raise CheckpointError(f"{path}: no {SINGLE} or {INDEX}")
-
-
-def open_shards(path: Path, stack: contextlib.ExitStack) -> dict:
-    """Tensor name -> open (memory-mapped) ``safe_open`` handle holding it."""
-    files, weight_map = _shard_files(path)
-    where = {}
-    for fname in files:
-        try:
-            handle = stack.enter_context(safe_open(str(path / fname), framework="pt"))
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{path / fname}: missing or not a safetensors file ({exc})") from None
-        for key in handle.keys():
-            if key in where or (weight_map is not None and weight_map.get(key) != fname):
-                raise CheckpointError(f"tensor {key!r}: found in {fname}, expected in "
-                                      f"{weight_map.get(key) if weight_map else SINGLE} only")
-            where[key] = handle
-    for key in set(weight_map or ()) - set(where):
-        raise CheckpointError(f"tensor {key!r}: listed in {INDEX} under {weight_map[key]}, not found there")
-    return where
-
-
-def _read_config(path: Path) -> ModelConfig:
     try:
-        return ModelConfig.from_file(str(path / CONFIG))
-    except (OSError, ValueError, TypeError) as exc:
+        cfg = ModelConfig.from_file(str(path / CONFIG))
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path / CONFIG}: {exc}") from None
+    published.check_inference_config(path, cfg)
+    return cfg
 
 
-def load(path, cfg: ModelConfig | None = None, device=None, verify: bool = False,
-         progress: Progress = None) -> tuple[ModelConfig, dict[str, torch.Tensor | QTensor]]:
+def load(path, cfg: ModelConfig | None = None, device=None, verify: bool = False, progress: Progress = None,
+         check_finite: bool | None = None, verify_files=()) -> tuple[ModelConfig, dict[str, torch.Tensor | QTensor]]:
     """Read a checkpoint: ``(cfg, weights)`` with weights as :func:`init_weights` makes them. A given
-    ``cfg`` overrides ``config.json``; ``verify`` checks ``SHA256SUMS`` first; ``progress(done, total)``
+    ``cfg`` overrides ``config.json``; ``verify`` checks ``SHA256SUMS`` first (``verify_files``: more
+    names that must be listed); ``check_finite`` rejects NaN / Inf weights (None: on unless a
+    ``finite.weight_checks(False)`` block says otherwise); ``progress(done, total)``
     counts parameters; weights move to ``device`` when given."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if verify:
-        verify_checksums(path)
-    cfg = cfg if cfg is not None else _read_config(path)
-    specs, weights = param_specs(cfg), {}
+        verify_checksums(path, verify_files)
+    cfg = cfg if cfg is not None else read_config(path)
+    specs, weights, check_finite = param_specs(cfg), {}, checks_enabled(check_finite)
     with contextlib.ExitStack() as stack:
         where = open_shards(path, stack)
-        check_names(specs, {k: f"{h.get_slice(k).get_dtype()} {h.get_slice(k).get_shape()}" for k, h in where.items()})
+        headers = {k: h.get_slice(k) for k, h in where.items()}
+        ignored = published.vision_tensors(headers, cfg)
+        fp8_plain = published.fp8_plain(specs, {k: v.get_dtype() for k, v in headers.items()})
+        skip = set(ignored)
+        check_names(specs, {k: f"{v.get_dtype()} {v.get_shape()}" for k, v in headers.items() if k not in skip},
+                    fp8_plain)
+        published.log_ignored(ignored, sum(_slice_bytes(headers[n]) for n in ignored))
         for i, s in enumerate(specs):
-            scale = where[s.scale_name].get_tensor(s.scale_name) if s.scale_name else None
+            scale_name = published.fp8_scale_name(s.name) if s.name in fp8_plain else s.scale_name
+            scale = where[scale_name].get_tensor(scale_name) if scale_name else None
             value = decode(s, where[s.name].get_tensor(s.name), scale)
-            weights[s.name] = value if device is None else value.to(device)
+            value = value if device is None else value.to(device)
+            if check_finite:  # on the target device: a GPU reduces faster than the host reads
+                _check_finite(s.name, value)
+            weights[s.name] = value
             if progress is not None:
                 progress(i + 1, len(specs))
     return cfg, weights
+
+
+def _slice_bytes(sl) -> int:
+    n = 1
+    for d in sl.get_shape():
+        n *= d
+    return int(n * DTYPE_BYTES.get(sl.get_dtype(), 1))

@@ -1,9 +1,12 @@
 """Model configuration: one field per key of the reference inference ``config.json``.
 
-``ModelConfig.from_file`` reads a flat ``config.json`` or an HF-style file whose model keys sit
-under ``text_config``; an unknown key is rejected by name. Shipped configs (``tiny``, ``small``,
-``v4.1-flash``) live in ``graphs/configs/*.json``; ``deepseek-llm-67b`` is a dense GQA config
-(:mod:`flashrt.graphs.dense`) used only by ``flashrt plan``.
+``ModelConfig.from_file`` reads a flat ``config.json`` (the reference ``ModelArgs`` keys, as in
+the published ``inference/config.json``) or the published Hugging Face root ``config.json``
+(``text_config`` / ``vision_config`` / ``quantization_config`` with Hugging Face key names, mapped
+by :mod:`.hf_config`). Every value is type- and range-checked (:mod:`.config_schema`) and an
+unknown key is rejected by name. Shipped configs (``tiny``, ``small``, ``v4.1-flash``) live in
+``graphs/configs/*.json``; ``deepseek-llm-67b`` is a dense GQA config (:mod:`flashrt.graphs.dense`)
+used only by ``flashrt plan``.
 """
 from __future__ import annotations
 
@@ -15,10 +18,8 @@ from importlib import resources
 
 from flashrt.errors import CheckpointError
 
-TUPLE_FIELDS = ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layer_ids",
-                "engram_num_embeddings", "dspark_target_layer_ids")
-HF_WRAPPER_KEYS = ("architectures", "model_type", "torch_dtype", "transformers_version", "auto_map",
-                   "vision_config", "quantization_config", "tie_word_embeddings")
+from .config_schema import KEYS, ConfigValueError, check_value
+from .hf_config import read_config
 
 
 @dataclass(frozen=True)
@@ -97,11 +98,16 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
-        for key in TUPLE_FIELDS:
-            object.__setattr__(self, key, tuple(getattr(self, key)))
+        for key in KEYS:  # type and range first: the cross-key rules below assume them
+            object.__setattr__(self, key, check_value(key, getattr(self, key)))
         validate(self)
 
     # ----- derived facts -----------------------------------------------------------------------
+    @property
+    def vision_enabled(self) -> bool:
+        """The checkpoint has a vision tower (flashrt runs text only: its tensors are not loaded)."""
+        return self.vision_n_layers > 0
+
     @property
     def total_layers(self) -> int:
         """Backbone plus draft layers (draft layers exist when ``dspark_block_size > 0``)."""
@@ -153,42 +159,46 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict, name: str = "custom", source: str = "config") -> "ModelConfig":
-        if "text_config" in data:  # HF style: the model keys live under text_config
-            outer = set(data) - {"text_config"} - set(HF_WRAPPER_KEYS)
-            data = {**{k: data[k] for k in outer}, **data["text_config"]}
-        known = {f.name for f in dataclasses.fields(cls)} - {"name"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown config keys {unknown} (flashrt accepts the reference ModelArgs keys)")
-        return cls(**data, name=name)
+        """A config from a flat ``ModelArgs`` or published Hugging Face style object (``ValueError``
+        naming the key, as written in ``data``, for an unknown key or a bad value)."""
+        args, labels, _ = read_config(data, source)
+        try:
+            return cls(**args, name=name)
+        except ConfigValueError as exc:
+            label = labels.get(exc.key, exc.key)
+            if label != exc.key and repr(label) not in str(exc):
+                raise ConfigValueError(exc.key, f"{exc} (written as {label!r} in {source})") from None
+            raise
 
     @classmethod
     def from_file(cls, path: str) -> "ModelConfig":
         with open(path) as f:
             try:
                 data = json.load(f)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise CheckpointError(f"{path}: not valid JSON: {exc}") from None
         name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "custom"
         return cls.from_dict(data, name=name, source=path)
+
+
+assert set(KEYS) == {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}, "config_schema.KEYS is stale"
 
 
 def validate(cfg: ModelConfig) -> None:
     """``ValueError`` naming the key when the config cannot describe a runnable model."""
     def need(ok: bool, key: str, what: str):
         if not ok:
-            raise ValueError(f"config key {key!r}: expected {what}, got {getattr(cfg, key)!r}")
+            raise ConfigValueError(key, f"config key {key!r}: expected {what}, got {getattr(cfg, key)!r}")
 
     need(len(cfg.compress_ratios) >= cfg.n_layers, "compress_ratios", f"at least n_layers={cfg.n_layers} entries")
     need(all(r in (0, 1, 2, 4) for r in cfg.compress_ratios), "compress_ratios", "ratios in {0, 1, 2, 4}")
     need(cfg.rope_head_dim % 2 == 0 and cfg.rope_head_dim <= cfg.head_dim, "rope_head_dim", "even and <= head_dim")
-    need(cfg.head_dim % 32 == 0 and cfg.index_head_dim % 32 == 0, "head_dim", "a multiple of 32 (fp8 / fp4 blocks)")
+    need(cfg.head_dim % 32 == 0, "head_dim", "a multiple of 32 (fp8 / fp4 blocks)")
+    need(cfg.index_head_dim % 32 == 0, "index_head_dim", "a multiple of 32 (fp4 blocks)")
     need(cfg.n_heads % cfg.o_groups == 0, "o_groups", f"a divisor of n_heads={cfg.n_heads}")
-    need(cfg.score_func in ("softmax", "sigmoid", "sqrtsoftplus"), "score_func", "softmax, sigmoid or sqrtsoftplus")
-    need(cfg.dtype in ("bf16", "fp8"), "dtype", "'bf16' or 'fp8'")
-    need(cfg.expert_dtype in (None, "fp4"), "expert_dtype", "'fp4' or null")
     need(cfg.n_shared_experts in (0, 1), "n_shared_experts", "0 or 1")
-    need(cfg.vision_n_layers == 0, "vision_n_layers", "0 (the vision tower is not implemented yet)")
+    need(cfg.n_activated_experts <= cfg.n_routed_experts, "n_activated_experts",
+         f"at most n_routed_experts={cfg.n_routed_experts}")
     for key in ("kv_source_layers", "index_source_layers"):
         need(all(0 <= l < cfg.n_layers and cfg.ratio(l) > 0 for l in getattr(cfg, key)), key,
              "layers with a compress ratio > 0")
@@ -204,14 +214,32 @@ def validate(cfg: ModelConfig) -> None:
     if cfg.candidate_source_layer >= 0:
         need(cfg.candidate_source_layer in cfg.kv_source_layers, "candidate_source_layer", "a kv source layer")
         need(cfg.candidate_topk_blocks > 0 and cfg.candidate_block_size > 0, "candidate_topk_blocks", "> 0")
+    _validate_extras(cfg, need)
+
+
+def _validate_extras(cfg: ModelConfig, need) -> None:
+    """Engram, draft and vision keys."""
     if cfg.engram_layer_ids:
+        need(len(set(cfg.engram_layer_ids)) == len(cfg.engram_layer_ids)
+             and all(l < cfg.n_layers for l in cfg.engram_layer_ids), "engram_layer_ids",
+             f"distinct layers below n_layers={cfg.n_layers}")
         need(len(cfg.engram_num_embeddings) == len(cfg.engram_layer_ids), "engram_num_embeddings",
              "one row count per engram layer")
-        need(cfg.engram_max_ngram_size >= 2 and cfg.engram_n_heads > 0 and cfg.engram_head_dim % 32 == 0,
-             "engram_max_ngram_size", ">= 2 with engram heads and head_dim a multiple of 32")
+        need(cfg.engram_max_ngram_size >= 2 and cfg.engram_n_heads > 0 and cfg.engram_head_dim % 32 == 0
+             and cfg.engram_head_dim > 0, "engram_max_ngram_size",
+             ">= 2 with engram heads and head_dim a positive multiple of 32")
     if cfg.dspark_block_size:
         need(len(cfg.dspark_target_layer_ids) > 0 and cfg.n_mtp_layers > 0, "dspark_target_layer_ids",
              "target layers and n_mtp_layers > 0")
+        need(all(l < cfg.n_layers for l in cfg.dspark_target_layer_ids), "dspark_target_layer_ids",
+             f"layers below n_layers={cfg.n_layers}")
+        routed, active = cfg.n_experts(cfg.n_layers)
+        need(active <= routed, "dspark_n_activated_experts", f"at most the draft layers' {routed} routed experts")
+    if cfg.vision_n_layers:
+        for key in ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+                    "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels"):
+            need(getattr(cfg, key) > 0, key, "> 0 with a vision tower (vision_n_layers > 0)")
+        need(cfg.vision_dim % cfg.vision_n_heads == 0, "vision_n_heads", f"a divisor of vision_dim={cfg.vision_dim}")
 
 
 SHIPPED = ("tiny", "small", "v4.1-flash")

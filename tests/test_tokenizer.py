@@ -191,3 +191,17 @@ def test_attach_checks_the_model_vocabulary(tok_dir, tmp_path):
     (tmp_path / "tokenizer.json").write_text(build(400).to_str())
     with pytest.raises(ValueError, match="token ids reach 399, past the model's vocab_size 320"):
         attach_tokenizer(m, tmp_path)
+
+
+def test_a_built_in_checkpoint_verifies_with_its_tokenizer(tmp_path, monkeypatch):
+    """The built-in tokenizer decides the output, so the built-in checkpoint's SHA256SUMS lists it
+    and ``verify=True`` accepts the checkpoint as written."""
+    import flashrt
+    from flashrt.engine.run import builtin_checkpoint
+
+    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path))
+    path = builtin_checkpoint("tiny", quiet=True)
+    sums = (path / "SHA256SUMS").read_text()
+    assert "tokenizer.json" in sums and "tokenizer_config.json" in sums
+    model = flashrt.load(path, verify=True)
+    assert model.tokenizer is not None

@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_run(sub)
     add_plan(sub)
+    from .inspect import add_inspect
+
+    add_inspect(sub)
     from flashrt.conformance import add_parser as add_conformance
 
     add_conformance(sub)

@@ -40,18 +40,21 @@ def add_run(sub) -> None:
                    help="persistent prefix cache directory (TTL and size cap from the profile)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on CUDA devices)")
+    p.add_argument("--no-check-weights", action="store_true", help="skip the NaN / Inf check of the weights at load")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_run)
 
 
 def cmd_run(args) -> int:
     from flashrt.engine.run import DEFAULT_PROMPT, run
+    from flashrt.graphs.finite import weight_checks
 
-    report = run(args.model, DEFAULT_PROMPT if args.prompt is None else args.prompt, args.max_new_tokens,
-                 args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
-                 threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
-                 cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
-                 thinking=args.thinking, effort=args.effort)
+    with weight_checks(not args.no_check_weights):
+        report = run(args.model, DEFAULT_PROMPT if args.prompt is None else args.prompt, args.max_new_tokens,
+                     args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
+                     threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
+                     cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
+                     thinking=args.thinking, effort=args.effort)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
