@@ -21,7 +21,7 @@ from flashrt.progress import Progress
 from flashrt.graphs import checkpoint
 from flashrt.graphs.config import SHIPPED, shipped_config
 from flashrt.graphs.init_weights import init_weights
-from flashrt.graphs.loader import load
+from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
 from .generation import generate
 
@@ -116,12 +116,13 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
     if threads:
         torch.set_num_threads(threads)
     with dispatch.use_backend(backend) if backend else contextlib.nullcontext():
+        profile = resolve_profile(None, dev)  # the one load() picks: the cache is checked before loading
+        cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, profile)
         t0 = time.perf_counter()
-        m = load_model(model, dev, seed, quiet)
+        m = load_model(model, dev, seed, quiet, profile=profile)
         load_s = time.perf_counter() - t0
         ids = encode_prompt(prompt, m.cfg.vocab_size)
         t_gen = time.perf_counter()
-        cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, m.profile)
         result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
                             prefix_cache=cache,
                             kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
