@@ -112,7 +112,7 @@ class PrefixCache:
         kind = (op, getattr(exc, "errno", None) or type(exc).__name__)
         level = logging.DEBUG if kind in self._logged else logging.WARNING
         self._logged.add(kind)
-        log.log(level, "flashrt: prefix cache %s: %s failed%s (%s); treated as a miss / skipped store",
+        log.log(level, "flashrt: prefix cache %s: %s failed%s (%s); generation goes on without it",
                 self.root, op, detail, exc)
 
     # ----- write -----------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ class PrefixCache:
             return None
         header = self._header(line)
         if header is None or len(payload) != header["length"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
-            log.warning("flashrt: prefix cache entry %s is corrupt or of another format version; dropped", path.name)
+            self._fail("check", ValueError("corrupt or of another format version; dropped"), f" of {path.name}")
             self.corrupt += 1
             self._unlink(path)
             return None
@@ -211,8 +211,11 @@ class PrefixCache:
             return False
 
     def discard(self, key: str, reason: str) -> None:
-        """Drop the entry ``key`` (read but unusable: ``reason``), logged once per reason."""
+        """Drop the entry ``key`` that :meth:`get` just returned but its reader cannot use
+        (``reason``): the read counts as a miss; logged once per cache."""
         self._fail("load", ValueError(reason), f" of entry {key[:12]}")
+        if self.hits:
+            self.hits, self.misses = self.hits - 1, self.misses + 1
         path = self.path(key)
         if self.owned and self._magic(path):
             self._unlink(path)
