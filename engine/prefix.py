@@ -5,9 +5,11 @@ group is pending) is stored content-addressed by the hash of (model identity, ho
 made, the first ``L`` tokens): its global KV and everything else a continuation reads, with the
 logits of position ``L - 1`` (:mod:`flashrt.engine.prefix_entry`). Generation with a cache splits
 a prompt's prefill at its longest aligned length and stores the state there. A hit loads the
-entry into a fresh state, so it continues exactly as a prefill that stopped at ``L`` on the
-backend that stored it (on a backend whose results do not depend on where a prefill is split, as
-the reference backend, bit-identical to a run without the cache); nothing is replayed.
+entry into a fresh state and replays nothing: it continues exactly as the prefill that stored it
+(same backend, same rows prefilled together) would have. On a backend whose results do not depend
+on where a prefill is split, as the reference backend, that is bit-identical to a run without the
+cache; rows of one length but different hits are prefilled as separate groups, which can move the
+last bit on a backend that rounds by batch shape.
 
 ``replay=N`` (an option) loads only the global KV and replays the last ``N`` tokens through
 every layer to rebuild the window state: the bounded-replay approximation of v41-model.md, 7

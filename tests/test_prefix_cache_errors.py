@@ -163,3 +163,16 @@ def subprocess_pid() -> int:
 
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     return int(proc.stdout)
+
+
+def test_session_resume_after_its_entry_was_evicted_is_a_miss(model, ids, tmp_path):
+    from flashrt.engine import session
+    from flashrt.kv.window_pool import WindowPool
+
+    state = model.new_state(1, 120)
+    model.forward(torch.tensor(ids), state=state)
+    cache, pool = PrefixCache(tmp_path), WindowPool(ttl_minutes=5)
+    session.pause(model, state, 0, ids[0], cache, pool, "s")
+    (path,) = [p for p, _, _ in cache.entries()]
+    path.unlink()  # another process evicted it
+    assert session.resume(model, ids[0], cache, pool, "s", 120) is None  # prefill again
