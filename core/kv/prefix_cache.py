@@ -51,7 +51,7 @@ class PrefixCache:
         if not isinstance(root, (str, os.PathLike)) or not str(os.fspath(root)).strip():
             raise ValueError(f"prefix_cache root: expected a directory path, got {root!r} (an empty path would "
                              f"mean the current directory)")
-        if ttl_hours <= 0 or max_bytes <= 0:
+        if not ttl_hours > 0 or not max_bytes > 0:  # NaN fails too
             raise ValueError(f"ttl_hours, max_bytes: expected positive values, got {ttl_hours}, {max_bytes}")
         self.root, self.ttl_s, self.max_bytes = Path(root), ttl_hours * 3600.0, int(max_bytes)
         self.hits = self.misses = self.corrupt = self.errors = 0
