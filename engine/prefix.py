@@ -12,7 +12,7 @@ cache; rows of one length but different hits are prefilled as separate groups, w
 last bit on a backend that rounds by batch shape.
 
 ``replay=N`` (an option) loads only the global KV and replays the last ``N`` tokens through
-every layer to rebuild the window state: the bounded-replay approximation of v41-model.md, 7
+every layer to rebuild the window state: the bounded-replay approximation of docs/model.md, section 7
 (``benchmarks/bounded_replay.py`` measures its deviation). Session pauses store "global" entries
 (global KV only; the window state waits in the window pool).
 """
