@@ -12,7 +12,7 @@ import torch
 
 from flashrt import ops
 from flashrt.graphs.context import StepContext
-from flashrt.graphs.prefill import PREFILLS, prefill_prompt
+from flashrt.graphs.prefill import PREFILLS
 from flashrt.kv.state import KVState
 
 from . import prefix
@@ -67,7 +67,7 @@ def _as_sequences(prompts) -> list[list[int]]:
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact",
              generator: torch.Generator | None = None, seed: int | None = None, eos_token_id: int | None = None,
              kv_budget: int | None = None, prefill_chunk: int | None = None, kv_page_entries: int | None = None,
-             prefix_cache=None, cuda_graph: bool | None = None, progress=None):
+             prefix_cache=None, cuda_graph: bool | None = None, prefix_replay: int | None = None, progress=None):
     """Prefill every prompt, then decode ``max_new_tokens`` tokens for all of them together.
 
     ``kv_budget``: device bytes for the batch's whole KV state; main-KV pages beyond it live in
@@ -76,8 +76,10 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     prompt tokens per forward call. ``kv_page_entries``: compressed entries per KV page (None: the
     profile's ``hkcp_page_entries``, else 64).
     ``prefix_cache``: a :class:`flashrt.kv.prefix_cache.PrefixCache`; prompts whose aligned prefix is
-    cached load its global KV and replay the last ``window_size`` tokens instead of prefilling it,
-    and every prompt's aligned prefix is stored after its prefill. ``cuda_graph``: run the decode
+    cached load its stored state instead of prefilling it (the same logits and tokens as a prefill
+    split there: :mod:`flashrt.engine.prefix`), and every prompt's aligned prefix is stored.
+    ``prefix_replay``: on a hit, load only the global KV and replay this many tokens instead
+    (bounded replay, an approximation; nothing is stored then). ``cuda_graph``: run the decode
     steps from captured CUDA graphs (:mod:`flashrt.engine.step_capture`); None: on CUDA devices.
     ``progress(phase, done, total)``: called as the prompt tokens are prefilled (``"prefill"``) and
     as new tokens are decoded (``"decode"``)."""
@@ -85,6 +87,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
         raise ValueError(f"prefill: expected one of {list(PREFILLS)}, got {prefill!r}")
+    prefix.check_replay(prefix_replay)
     seqs = _as_sequences(prompts)
     if generator is None and seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -101,22 +104,15 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
             raise
         raise ValueError(f"{exc} (the budget comes from profile {model.profile.name!r}: its hot + warm fractions of "
                          f"the device memory left; pass kv_budget= or free device memory)") from exc
-    hits = [prefix.lookup(model, prefix_cache, s) if prefix_cache is not None else (0, None) for s in seqs]
+    hits = [prefix.lookup(model, prefix_cache, s, prefill) if prefix_cache is not None else (0, None) for s in seqs]
     report = progress or (lambda phase, done, total: None)
     report("prefill", 0, sum(map(len, seqs)))
     for length, hit in sorted({(len(s), h[0]) for s, h in zip(seqs, hits)}):
         rows = [i for i, s in enumerate(seqs) if len(s) == length and hits[i][0] == hit]
         ids = model._check_ids(torch.tensor([seqs[i] for i in rows], dtype=torch.long))
         state = model.new_state(len(rows), capacity, pool=pool)
-        if hit:
-            out = prefix.restore(model, state, [hits[i][1] for i in rows], ids, hit)
-            if length > hit:
-                out = prefill_prompt(model, ids[:, hit:], state, "exact", prefill_chunk)
-        else:
-            out = prefill_prompt(model, ids, state, prefill, prefill_chunk)
-        if prefix_cache is not None:
-            for r, i in enumerate(rows):
-                prefix.store(model, prefix_cache, state, r, seqs[i])
+        out = prefix.prefill(model, ids, state, prefix_cache, hit, [hits[i][1] for i in rows], prefill,
+                             prefill_chunk, prefix_replay)
         logits.append(out)
         order += rows
         report("prefill", sum(len(seqs[i]) for i in order), sum(map(len, seqs)))

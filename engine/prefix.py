@@ -1,10 +1,20 @@
-"""Prefix caching for the model (HKCP persistent tier + bounded replay).
+"""Prefix caching for the model (HKCP persistent tier).
 
-A prompt's global KV (every KV source's main KV and index K) up to an aligned length ``L`` (a
-multiple of ``ALIGN`` tokens, so no compressor group is pending) is stored content-addressed by
-the hash of (model identity, the first ``L`` tokens). Window KV is not stored: on a hit the entries
-are loaded and the last ``window_size`` tokens before ``L`` are replayed through every layer (no new
-entries) to rebuild the window rings — the bounded-replay approximation of docs/model.md, 7.
+A prompt's state at an aligned length ``L`` (a multiple of ``ALIGN`` tokens, so no compressor
+group is pending) is stored content-addressed by the hash of (model identity, how the state was
+made, the first ``L`` tokens): its global KV and everything else a continuation reads, with the
+logits of position ``L - 1`` (:mod:`flashrt.engine.prefix_entry`). Generation with a cache splits
+a prompt's prefill at its longest aligned length and stores the state there. A hit loads the
+entry into a fresh state and replays nothing: it continues exactly as the prefill that stored it
+(same backend, same rows prefilled together) would have. On a backend whose results do not depend
+on where a prefill is split, as the reference backend, that is bit-identical to a run without the
+cache; rows of one length but different hits are prefilled as separate groups, which can move the
+last bit on a backend that rounds by batch shape.
+
+``replay=N`` (an option) loads only the global KV and replays the last ``N`` tokens through
+every layer to rebuild the window state: the bounded-replay approximation of docs/model.md, section 7
+(``benchmarks/bounded_replay.py`` measures its deviation). Session pauses store "global" entries
+(global KV only; the window state waits in the window pool).
 """
 from __future__ import annotations
 
@@ -12,18 +22,19 @@ import hashlib
 import json
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from flashrt.formats import QTensor
-
 from flashrt.graphs.context import StepContext
+from flashrt.graphs.prefill import prefill_prompt
+
+from .prefix_entry import FULL, GLOBAL, LayoutError, export_row, import_row, parse
 
 ALIGN = 64
 
 
 def model_identity(model) -> str:
-    """sha256 of the config and a fingerprint of every weight (name, shape, dtype, leading bytes)."""
+    """sha256 of the config, a fingerprint of every weight (name, shape, dtype, leading bytes) and
+    the Engram token map."""
     if getattr(model, "_identity", None) is None:
         h = hashlib.sha256(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
         for name in sorted(model.weights):
@@ -31,13 +42,23 @@ def model_identity(model) -> str:
             data = w.data if isinstance(w, QTensor) else w
             h.update(f"{name}:{tuple(data.shape)}:{data.dtype};".encode())
             h.update(data.reshape(-1)[:64].view(torch.uint8).cpu().numpy().tobytes())
+        table = None if model.hasher is None else model.hasher.token_map.table
+        if table is not None:
+            h.update(b"token_map:" + table.numpy().tobytes())
         model._identity = h.hexdigest()
     return model._identity
 
 
-def prefix_key(identity: str, tokens) -> str:
+def prefix_key(identity: str, tokens, salt: str = "") -> str:
     data = torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes()
-    return hashlib.sha256(identity.encode() + b":" + data).hexdigest()
+    return hashlib.sha256(f"{identity}:{salt}".encode() + b":" + data).hexdigest()
+
+
+def entry_key(model, tokens, kind: str = FULL, schedule: str = "exact") -> str:
+    """Key of an entry of ``kind`` for ``tokens``: full entries also depend on the prefill schedule
+    and the window-ring format, every entry on the device type that computed it."""
+    salt = f"{kind}:{model.device.type}" + (f":{schedule}:{model.window_fmt}" if kind == FULL else "")
+    return prefix_key(model_identity(model), tokens, salt)
 
 
 def aligned(n: int, cfg) -> int:
@@ -46,78 +67,91 @@ def aligned(n: int, cfg) -> int:
     return (n // ALIGN) * ALIGN
 
 
-def export_row(state, row: int, length: int) -> bytes:
-    """The global KV of ``row`` for its first ``length`` positions, as safetensors bytes."""
-    tensors = {}
-    for l, c in state.compressed.items():
-        n = length // state.cfg.ratio(l)
-        main = c.main.read_row(row, n)
-        tensors[f"{l}.main.data"], tensors[f"{l}.main.scale"] = main.data, main.scale.view(torch.uint8)
-        index = c.index_k.read_row(row, 0, n)
-        tensors[f"{l}.index.data"], tensors[f"{l}.index.scale"] = index.data, index.scale.view(torch.uint8)
-    return st_save(tensors)
+def check_replay(replay) -> None:
+    if replay is not None and (isinstance(replay, bool) or not isinstance(replay, int) or replay < 1):
+        raise ValueError(f"prefix_replay: expected None (load the stored window state) or an int >= 1 "
+                         f"(tokens to replay), got {replay!r}")
 
 
-def import_row(state, row: int, payload: bytes, length: int) -> None:
-    """Load :func:`export_row` bytes into ``row`` of a fresh ``state``."""
-    tensors = st_load(payload)
-    cfg = state.cfg
-    for l, c in state.compressed.items():
-        n = length // cfg.ratio(l)
-        main = QTensor(tensors[f"{l}.main.data"], tensors[f"{l}.main.scale"].view(torch.float8_e4m3fn),
-                       "fp4_b16", (n, cfg.head_dim))
-        if main.data.shape[0] != n:
-            raise ValueError(f"payload: layer {l} holds {main.data.shape[0]} entries, expected {n}")
-        c.main.write_row(row, main)
-        index = QTensor(tensors[f"{l}.index.data"], tensors[f"{l}.index.scale"].view(torch.float8_e8m0fnu),
-                        "fp4_b32", (n, cfg.index_head_dim))
-        c.index_k.write_row(row, 0, index)
+def _load(model, cache, tokens, kind: str, schedule: str = "exact") -> dict | None:
+    """The checked entry of ``kind`` for ``tokens``, or None (a miss; an unusable entry is dropped)."""
+    key = entry_key(model, tokens, kind, schedule)
+    hit = cache.get(key)
+    if hit is None:
+        return None
+    try:
+        if hit[1].get("tokens") != len(tokens) or hit[1].get("kind") != kind:
+            raise LayoutError(f"meta: expected a {kind} entry of {len(tokens)} tokens, got {hit[1]}")
+        return parse(hit[0], model.cfg, model.window_fmt, len(tokens), kind)
+    except LayoutError as exc:
+        cache.discard(key, str(exc))
+        return None
 
 
-def lookup(model, cache, tokens: list[int]) -> tuple[int, bytes | None]:
-    """Longest cached aligned prefix of ``tokens``: (length, payload), or (0, None)."""
-    ident = model_identity(model)
+def lookup(model, cache, tokens: list[int], schedule: str = "exact") -> tuple[int, dict | None]:
+    """Longest cached aligned prefix of ``tokens`` (full entries of ``schedule``): (length, its
+    checked entry tensors), or (0, None)."""
     for length in range(aligned(len(tokens), model.cfg), 0, -ALIGN):
-        hit = cache.get(prefix_key(ident, tokens[:length]))
-        if hit is not None:
-            return length, hit[0]
+        entry = _load(model, cache, tokens[:length], FULL, schedule)
+        if entry is not None:
+            return length, entry
     return 0, None
 
 
-def store(model, cache, state, row: int, tokens: list[int]) -> bool:
-    """Store ``row``'s aligned prefix of ``tokens`` unless already cached; True if written."""
-    length = aligned(len(tokens), model.cfg)
-    if length == 0:
-        return False
-    key = prefix_key(model_identity(model), tokens[:length])
+def store(model, cache, state, row: int, tokens: list[int], logits: torch.Tensor, schedule: str = "exact") -> bool:
+    """Store ``row`` of ``state``, which has run exactly ``tokens`` (an aligned count) and whose
+    logits at its last position are ``logits``, unless already cached; True if written."""
+    length = len(tokens)
+    if length == 0 or length % ALIGN:
+        raise ValueError(f"tokens: expected a positive multiple of {ALIGN} tokens, got {length}")
+    key = entry_key(model, tokens, FULL, schedule)
     if cache.contains(key):
         return False
-    cache.put(key, export_row(state, row, length), {"tokens": length, "model": model_identity(model)[:16]})
-    return True
+    meta = {"tokens": length, "kind": FULL, "schedule": schedule, "model": model_identity(model)[:16]}
+    return cache.put(key, export_row(state, row, length, logits), meta) is not None
 
 
-def restore(model, state, payloads: list[bytes], ids: torch.Tensor, length: int,
-            replay: int | None = None) -> torch.Tensor:
-    """Load cached global KV (one payload per row, all ``length`` positions) into a fresh
-    ``state`` and replay the last ``window_size`` tokens before ``length``; returns the logits at
-    position ``length - 1``. ``ids`` [B, >= length] are the rows' tokens. ``replay``: tokens to
-    replay (default ``window_size``; ``length`` replays everything and reproduces a full prefill)."""
+def store_global(model, cache, state, row: int, tokens: list[int]) -> int:
+    """Store the global KV of ``row``'s aligned prefix of ``tokens`` (a session pause) unless
+    cached; returns that prefix's length."""
+    length = aligned(len(tokens), model.cfg)
+    key = entry_key(model, tokens[:length], GLOBAL)
+    if length and not cache.contains(key):
+        cache.put(key, export_row(state, row, length), {"tokens": length, "kind": GLOBAL})
+    return length
+
+
+def load_global(model, cache, tokens: list[int]) -> dict | None:
+    """The checked global entry of exactly ``tokens`` (see :func:`store_global`), or None."""
+    return _load(model, cache, tokens, GLOBAL)
+
+
+def restore(model, state, entries: list[dict], ids: torch.Tensor, length: int, replay: int | None = None) -> torch.Tensor:
+    """Load full entries (one per row, from :func:`lookup`) of ``length`` tokens into a fresh
+    ``state``; returns the logits at position ``length - 1``. ``replay=None``: the stored window
+    state and logits (exact). ``replay=N``: the global KV only, then the last ``N`` tokens before
+    ``length`` of ``ids`` [B, >= length] are replayed through every layer (bounded replay;
+    ``N >= length`` reproduces a full prefill)."""
+    check_replay(replay)
+    for row, entry in enumerate(entries):
+        import_row(state, row, entry, length, window=replay is None)
+    if replay is None:
+        state.advance(length)
+        return torch.stack([e["logits"] for e in entries]).to(model.device)
+    return _replay(model, state, ids, length, max(0, length - replay))
+
+
+def _replay(model, state, ids: torch.Tensor, length: int, start: int) -> torch.Tensor:
     cfg = model.cfg
-    for row, payload in enumerate(payloads):
-        import_row(state, row, payload, length)
-    start = max(0, length - (cfg.window_size if replay is None else replay))
     for ring_start in state.ring_start.values():
         ring_start.fill_(start)
-    state.positions.fill_(start)
-    state.host_positions = [start] * state.batch
+    state.advance(start)
     tokens = ids[:, start:length].to(model.device)
     if model.hasher is not None and start:
         n_hist = state.engram_history.shape[1]
-        state.engram_history = model.hasher.token_map(ids[:, max(0, start - n_hist):start].to(model.device))
-        if state.engram_history.shape[1] < n_hist:
-            pad = torch.full((state.batch, n_hist - state.engram_history.shape[1]), -1, dtype=torch.long,
-                             device=model.device)
-            state.engram_history = torch.cat([pad, state.engram_history], dim=1)
+        history = model.hasher.token_map(ids[:, max(0, start - n_hist):start].to(model.device))
+        pad = torch.full((state.batch, n_hist - history.shape[1]), -1, dtype=torch.long, device=model.device)
+        state.engram_history = torch.cat([pad, history], dim=1)
     ctx = model.context(tokens, state)
     ctx = StepContext(ctx.positions, ctx.end, state, ctx.rope, ctx.engram_ids,
                       compress_done=frozenset(cfg.kv_source_layers), next_history=ctx.next_history)
@@ -127,3 +161,28 @@ def restore(model, state, payloads: list[bytes], ids: torch.Tensor, length: int,
         model.drafts.seed(captured, ctx)
     state.advance(length - start, ctx.next_history)
     return model.logits(x, pre, all_positions=False)
+
+
+def prefill(model, ids: torch.Tensor, state, cache=None, hit: int = 0, entries: list | None = None,
+            schedule: str = "exact", chunk: int | None = None, replay: int | None = None) -> torch.Tensor:
+    """Prefill ``ids`` [B, n] (rows of one length) into the fresh ``state`` through the prefix
+    ``cache``: load the rows' entries of ``hit`` tokens (from :func:`lookup`), prefill up to the
+    longest aligned length and store the state there, then prefill the rest. Returns the logits
+    of the last position. After a bounded replay (``replay``) nothing is stored: the state is an
+    approximation. ``ced`` prefills store only prompts of an aligned length, from position 0."""
+    n, out, start = ids.shape[1], None, 0
+    if hit:
+        out, start = restore(model, state, entries, ids, hit, replay), hit
+    stop = 0
+    if cache is not None and not (hit and replay is not None):
+        stop = aligned(n, model.cfg)
+        if schedule != "exact" and (hit or stop != n):
+            stop = 0
+    if stop > start:
+        out = prefill_prompt(model, ids[:, start:stop], state, schedule, chunk)
+        for row in range(ids.shape[0]):
+            store(model, cache, state, row, ids[row, :stop].tolist(), out[row], schedule)
+        start = stop
+    if n > start:
+        out = prefill_prompt(model, ids[:, start:], state, schedule, chunk)
+    return out

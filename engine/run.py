@@ -26,7 +26,7 @@ from flashrt.graphs.builtin_tokenizer import ensure_builtin_tokenizer
 from flashrt.graphs.config import SHIPPED, ModelConfig, shipped_config
 from flashrt.graphs.devices import resolve_device
 from flashrt.graphs.init_weights import init_weights
-from flashrt.graphs.loader import load
+from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
 from .generation import generate
 
@@ -148,13 +148,14 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
     if threads:
         torch.set_num_threads(threads)
     with dispatch.use_backend(backend) if backend else contextlib.nullcontext():
+        profile = resolve_profile(None, dev)  # the one load() picks: the cache is checked before loading
+        cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, profile)
         t0 = time.perf_counter()
-        m = load_model(model, dev, seed, quiet)
+        m = load_model(model, dev, seed, quiet, profile=profile)
         load_s = time.perf_counter() - t0
         tok = m.tokenizer
         ids = encode_request(tok, m.cfg.vocab_size, prompt, chat, system, thinking, effort)
         t_gen = time.perf_counter()
-        cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, m.profile)
         result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
                           prefix_cache=cache, eos_token_id=tok.eos_id if chat is not None else None,
                           kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph,

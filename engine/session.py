@@ -1,5 +1,7 @@
 """Pause and resume a sequence: global KV to the persistent prefix cache, the rest to the window
-pool; a session resumed within the pool's TTL continues exactly where it stopped (no replay)."""
+pool; a session resumed within the pool's TTL continues exactly where it stopped (no replay).
+
+Neither writes anything to disk but through the prefix cache (the window pool is host memory)."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +9,7 @@ import torch
 from flashrt.formats import QTensor
 
 from . import prefix
+from .prefix_entry import global_kv, import_row, load_window, window_state
 
 
 def pause(model, state, row: int, tokens: list[int], cache, pool, session_id: str) -> None:
@@ -14,24 +17,10 @@ def pause(model, state, row: int, tokens: list[int], cache, pool, session_id: st
     n = state.host_positions[row]
     if n != len(tokens):
         raise ValueError(f"tokens: expected the {n} tokens row {row} has run, got {len(tokens)}")
-    cfg, u8 = model.cfg, torch.uint8
-    length = prefix.aligned(n, cfg)
-    if length:
-        prefix.store(model, cache, state, row, tokens)
-    snap = {"position": n, "aligned": length, "history": state.engram_history[row]}
-    for l in state.rings:
-        ring = state.rings[l]
-        snap[f"ring.{l}.data"], snap[f"ring.{l}.scale"] = ring.data[row].view(u8), ring.scale[row].view(u8)
-        snap[f"ring.{l}.start"] = state.ring_start[l][row]
-    for l, c in state.compressed.items():
-        r = cfg.ratio(l)
-        lo, hi = length // r, n // r
-        main = c.main.read_row(row, hi)
-        snap[f"tail.{l}.main.data"], snap[f"tail.{l}.main.scale"] = main.data[lo:], main.scale.view(u8)[lo:]
-        index = c.index_k.read_row(row, lo, hi)
-        snap[f"tail.{l}.index.data"], snap[f"tail.{l}.index.scale"] = index.data, index.scale.view(u8)
-        if c.kv_state is not None:
-            snap[f"partial.{l}.kv"], snap[f"partial.{l}.score"] = c.kv_state[row], c.score_state[row]
+    length = prefix.store_global(model, cache, state, row, tokens)
+    snap = {"position": n, "aligned": length}
+    snap.update({f"tail.{k}": v for k, v in global_kv(state, row, length, n).items()})
+    snap.update(window_state(state, row))
     pool.put(session_id, snap)
 
 
@@ -42,21 +31,23 @@ def resume(model, tokens: list[int], cache, pool, session_id: str, capacity: int
     if snap is None or snap["position"] != len(tokens):
         return None
     length, n = snap["aligned"], snap["position"]
-    payload = None
+    entry = None
     if length:
-        hit = cache.get(prefix.prefix_key(prefix.model_identity(model), tokens[:length]))
-        if hit is None:
+        entry = prefix.load_global(model, cache, tokens[:length])
+        if entry is None:
             return None
-        payload = hit[0]
     state = model.new_state(1, max(capacity, n))
-    if payload is not None:
-        prefix.import_row(state, 0, payload, length)
-    _restore_rest(model.cfg, state, snap, length, n)
+    if entry is not None:
+        import_row(state, 0, entry, length, window=False)
+    _restore_tail(model.cfg, state, snap, length, n)
+    load_window(state, 0, snap)
+    state.advance(n)
     return state
 
 
-def _restore_rest(cfg, state, snap: dict, length: int, n: int) -> None:
-    dev, u8 = state.device, torch.uint8
+def _restore_tail(cfg, state, snap: dict, length: int, n: int) -> None:
+    """The global KV of positions ``[length, n)`` (not in the aligned cache entry)."""
+    u8 = torch.uint8
     for l, c in state.compressed.items():
         r = cfg.ratio(l)
         lo, hi = length // r, n // r
@@ -67,13 +58,3 @@ def _restore_rest(cfg, state, snap: dict, length: int, n: int) -> None:
             c.main.write_row(0, QTensor(data, scale, "fp4_b16", (hi, cfg.head_dim)))
             c.index_k.write_row(0, lo, QTensor(snap[f"tail.{l}.index.data"], snap[f"tail.{l}.index.scale"].view(
                 torch.float8_e8m0fnu), "fp4_b32", (hi - lo, cfg.index_head_dim)))
-        if c.kv_state is not None:
-            c.kv_state[0], c.score_state[0] = snap[f"partial.{l}.kv"].to(dev), snap[f"partial.{l}.score"].to(dev)
-    for l in state.rings:
-        state.rings[l].data.view(u8)[0] = snap[f"ring.{l}.data"].to(dev)
-        state.rings[l].scale.view(u8)[0] = snap[f"ring.{l}.scale"].to(dev)
-        state.ring_start[l][0] = snap[f"ring.{l}.start"].to(dev)
-    state.engram_history[0] = snap["history"].to(dev)
-    state.positions.fill_(n)
-    state.host_positions = [n]
-

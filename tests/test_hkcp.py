@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashrt.engine import prefix, session
+from flashrt.engine.prefix_entry import FULL, export_row, parse
 from flashrt.kv.state import entry_bytes, fixed_bytes_for
 from flashrt.kv.prefix_cache import PrefixCache
 from flashrt.kv.window_pool import WindowPool
@@ -57,16 +58,21 @@ def test_spilled_pages_keep_their_bytes(model, rng):
     assert torch.equal(before.data, after.data) and torch.equal(before.scale.view(torch.uint8), after.scale.view(torch.uint8))
 
 
-def test_prefix_hit_restores_global_kv_exactly(model, rng, tmp_path):
+def test_prefix_entry_restores_the_state_exactly(model, rng):
     ids = torch.tensor(prompts(rng, model, 1, 128))
     state = model.new_state(1, 200)
     full = model.forward(ids, state=state)
-    payload = prefix.export_row(state, 0, 128)
-    # replaying the whole prefix reproduces a full prefill exactly: the loaded KV is right
-    exact = prefix.restore(model, model.new_state(1, 200), [payload], ids, 128, replay=128)
+    entry = parse(export_row(state, 0, 128, full[0]), model.cfg, model.window_fmt, 128, FULL)
+    loaded = model.new_state(1, 200)
+    assert torch.equal(prefix.restore(model, loaded, [entry], ids, 128), full)  # no forward at all
+    more = torch.tensor(prompts(rng, model, 1, 5))
+    assert torch.equal(model.forward(more, state=loaded, all_positions=True),
+                       model.forward(more, state=state, all_positions=True))
+    # replaying the whole prefix over the loaded global KV reproduces the prefill too
+    exact = prefix.restore(model, model.new_state(1, 200), [entry], ids, 128, replay=128)
     assert torch.equal(exact, full)
-    # the default bounded replay (window_size tokens) is the published approximation
-    bounded = prefix.restore(model, model.new_state(1, 200), [payload], ids, 128)
+    # a bounded replay of window_size tokens is an approximation (an explicit option)
+    bounded = prefix.restore(model, model.new_state(1, 200), [entry], ids, 128, replay=model.cfg.window_size)
     dev = float((bounded - full).norm() / full.norm())
     print(f"bounded replay rel. deviation (tiny, window 8): {dev:.3f}")
     assert 0 < dev < 2 and torch.isfinite(bounded).all()
@@ -96,6 +102,7 @@ def test_corrupt_entry_is_detected_and_dropped(tmp_path):
 
 
 def test_sigkill_while_writing_leaves_nothing_served(tmp_path):
+    PrefixCache(tmp_path)  # claimed here: the writer below is killed in its entry's fsync
     script = textwrap.dedent(f"""
         import os, time
         from flashrt.kv.prefix_cache import PrefixCache
@@ -111,9 +118,10 @@ def test_sigkill_while_writing_leaves_nothing_served(tmp_path):
     assert proc.stdout.readline().strip() == "writing"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    cache = PrefixCache(tmp_path)
+    assert list(tmp_path.glob("cd/.frtkv-tmp-*"))  # the killed writer's partial file
+    cache = PrefixCache(tmp_path)  # the next start sweeps it: its writer is dead
     assert cache.get("cd" * 32) is None and cache.entries() == []
-    assert list(tmp_path.glob("*/.tmp-*"))  # the partial write exists but is never an entry
+    assert list(tmp_path.glob("cd/*")) == []
 
 
 def test_ttl_and_lru_cap(tmp_path, monkeypatch):

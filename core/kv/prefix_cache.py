@@ -1,35 +1,64 @@
 """HKCP persistent tier: a content-addressed store of KV payloads on disk.
 
-An entry is one file ``<root>/<key[:2]>/<key>.kv``: a header line ``FRTKV1 <json>`` (payload
-length, sha256, creation time, metadata) then the payload bytes. Writes go to a temporary file in
-the same directory, are fsynced, then renamed into place, so a writer killed at any point leaves no
-file under an entry's name; stale temporaries are swept later. Reads check the length and the
-checksum (a corrupt entry is deleted and reported as a miss, never served) and the TTL (default
-72 h; an expired entry is deleted). A size cap evicts least recently used entries (reads refresh
-an entry's mtime).
+Ownership: the cache creates, reads, evicts and sweeps only files it can prove it wrote. Its root
+holds the marker file ``FLASHRT-PREFIX-CACHE``, written when the cache claims a new or empty
+directory (a non-empty directory without a valid marker is refused); an entry is
+``<root>/<key[:2]>/<key>.kv`` (``key``: 64 lowercase hex digits) whose first bytes are the magic
+``FRTKV``; a temporary file is ``<root>/<key[:2]>/.frtkv-tmp-<host>-<pid>-<hex>``. Nothing else
+under the root is ever opened for writing, renamed over or deleted.
+
+An entry is a header line ``FRTKV<version> <json>`` (payload length, sha256, creation time,
+metadata) then the payload bytes. Writes go to a temporary file in the entry's directory, are
+fsynced, then renamed into place, so a writer killed at any point leaves no file under an entry's
+name; temporaries of dead writers are swept when a cache opens the directory (and any older than
+an hour later). Reads check the version, the length and the checksum (an entry of another
+version or a corrupt one is deleted and reported as a miss, never served) and the TTL (an expired
+entry is deleted). A size cap evicts least recently used entries (reads refresh an entry's mtime).
+
+Every I/O failure (the root is a file, a read-only file system, a full disk, an entry removed by
+another process) is logged once per cache and kind, and becomes a miss or a skipped store.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
+import socket
 import time
 from pathlib import Path
 
 log = logging.getLogger("flashrt")
-MAGIC = b"FRTKV1 "
+MAGIC = b"FRTKV"
+VERSION = 2
+HEADER = MAGIC + b"%d " % VERSION
 SUFFIX = ".kv"
+MARKER = "FLASHRT-PREFIX-CACHE"
+MARKER_FORMAT = "flashrt-prefix-cache"
+TMP_PREFIX = ".frtkv-tmp-"
 STALE_TMP_S = 3600
+MAX_HEADER = 1 << 20
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_SHARD = re.compile(r"[0-9a-f]{2}")
+_ENTRY = re.compile(r"[0-9a-f]{64}\.kv")
+_TMP = re.compile(r"\.frtkv-tmp-([0-9a-f]{8})-(\d+)-[0-9a-f]{8}")
 
 
 class PrefixCache:
     def __init__(self, root, ttl_hours: float = 72.0, max_bytes: int = 20 << 30):
-        if ttl_hours <= 0 or max_bytes <= 0:
+        if not isinstance(root, (str, os.PathLike)) or not str(os.fspath(root)).strip():
+            raise ValueError(f"prefix_cache root: expected a directory path, got {root!r} (an empty path would "
+                             f"mean the current directory)")
+        if not ttl_hours > 0 or not max_bytes > 0:  # NaN fails too
             raise ValueError(f"ttl_hours, max_bytes: expected positive values, got {ttl_hours}, {max_bytes}")
         self.root, self.ttl_s, self.max_bytes = Path(root), ttl_hours * 3600.0, int(max_bytes)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.hits = self.misses = self.corrupt = 0
+        self.hits = self.misses = self.corrupt = self.errors = 0
+        self._logged: set = set()
+        self.owned = self._claim()  # False: an I/O error; every read is a miss, every store skipped
+        if self.owned:
+            self._sweep()
 
     @classmethod
     def for_profile(cls, root, profile=None) -> "PrefixCache":
@@ -41,89 +70,206 @@ class PrefixCache:
         return cls(root, ttl_hours=p.hkcp_prefix_ttl_hours, max_bytes=p.persistent_disk_bytes)
 
     def path(self, key: str) -> Path:
-        if len(key) < 8 or not all(c in "0123456789abcdef" for c in key):
-            raise ValueError(f"key: expected a lowercase hex digest, got {key!r}")
+        if not isinstance(key, str) or len(key) != 64 or not all(c in "0123456789abcdef" for c in key):
+            raise ValueError(f"key: expected a sha256 hex digest (64 lowercase hex digits), got {key!r}")
         return self.root / key[:2] / (key + SUFFIX)
 
+    # ----- ownership -------------------------------------------------------------------------------
+    def _claim(self) -> bool:
+        """Open the root as a cache: adopt it if it has the marker, claim it if new or empty."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            marker = self.root / MARKER
+            if self._marker_ok(marker):
+                return True
+            others = sorted(p.name for p in self.root.iterdir() if p.name != MARKER)
+            if others or (marker.exists() and marker.stat().st_size):
+                shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+                raise ValueError(f"prefix_cache root: {str(self.root)!r} is not empty and is not a flashrt prefix "
+                                 f"cache (no valid {MARKER} file; found {shown or MARKER}); give a new or empty "
+                                 f"directory")
+            with open(marker, "wb") as f:
+                f.write(json.dumps({"format": MARKER_FORMAT, "created": time.time()}).encode() + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+            return True
+        except OSError as exc:
+            self._fail("open", exc)
+            return False
+
+    @staticmethod
+    def _marker_ok(marker: Path) -> bool:
+        try:
+            with open(marker, "rb") as f:
+                doc = json.loads(f.read(4096))
+        except (OSError, ValueError):
+            return False
+        return isinstance(doc, dict) and doc.get("format") == MARKER_FORMAT
+
+    def _fail(self, op: str, exc: BaseException, detail: str = "") -> None:
+        """Log a failed operation: a warning the first time per (operation, error kind)."""
+        self.errors += 1
+        kind = (op, getattr(exc, "errno", None) or type(exc).__name__)
+        level = logging.DEBUG if kind in self._logged else logging.WARNING
+        self._logged.add(kind)
+        log.log(level, "flashrt: prefix cache %s: %s failed%s (%s); generation goes on without it",
+                self.root, op, detail, exc)
+
     # ----- write -----------------------------------------------------------------------------------
-    def put(self, key: str, payload: bytes, meta: dict | None = None) -> Path:
-        """Store ``payload`` under ``key`` atomically (an existing entry is replaced)."""
+    def put(self, key: str, payload: bytes, meta: dict | None = None) -> Path | None:
+        """Store ``payload`` under ``key`` atomically (an entry of the cache's own is replaced);
+        the entry's path, or None when the store was skipped (logged)."""
         path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        header = {"length": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+        if not self.owned:
+            return None
+        header = {"version": VERSION, "length": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
                   "created": time.time(), "meta": meta or {}}
-        tmp = path.parent / f".tmp-{os.getpid()}-{os.urandom(4).hex()}"
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n")
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        tmp = None
+        try:
+            path.parent.mkdir(exist_ok=True)  # the root itself is never re-created here
+            tmp = path.parent / f"{TMP_PREFIX}{HOST}-{os.getpid()}-{os.urandom(4).hex()}"
+            with open(tmp, "xb") as f:
+                self._write(f, HEADER + json.dumps(header, sort_keys=True).encode() + b"\n", payload)
+                f.flush()
+                os.fsync(f.fileno())
+            if path.exists() and self._magic(path) is False:
+                raise FileExistsError(errno.EEXIST, "a file the cache did not write has the entry's name", str(path))
+            os.replace(tmp, path)
+            tmp = None
+        except OSError as exc:
+            self._fail("store", exc, f" for entry {key[:12]}")
+            return None
+        finally:
+            if tmp is not None:
+                self._unlink(tmp)
         self._sweep()
         return path
 
+    @staticmethod
+    def _write(f, header: bytes, payload: bytes) -> None:
+        f.write(header)
+        f.write(payload)
+
     # ----- read ------------------------------------------------------------------------------------
     def get(self, key: str) -> tuple[bytes, dict] | None:
-        """``(payload, meta)`` for ``key``, or None on a miss (absent, expired or corrupt)."""
-        path = self.path(key)
+        """``(payload, meta)`` for ``key``, or None on a miss (absent, expired, corrupt, another
+        format version, or unreadable)."""
+        found = self._load(self.path(key))
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return found
+
+    def _load(self, path: Path) -> tuple[bytes, dict] | None:
+        if not self.owned:
+            return None
         try:
             with open(path, "rb") as f:
-                line = f.readline()
+                line = f.readline(MAX_HEADER)
                 payload = f.read()
         except FileNotFoundError:
-            self.misses += 1
+            return None
+        except OSError as exc:
+            self._fail("read", exc, f" of {path.name}")
+            return None
+        if not line.startswith(MAGIC):
+            self._fail("read", ValueError("not written by the cache; left in place"), f" of {path.name}")
             return None
         header = self._header(line)
         if header is None or len(payload) != header["length"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
-            log.warning("flashrt: prefix cache entry %s is corrupt; dropped", path.name)
+            self._fail("check", ValueError("corrupt or of another format version; dropped"), f" of {path.name}")
             self.corrupt += 1
-            self.misses += 1
             self._unlink(path)
             return None
         if time.time() - header["created"] > self.ttl_s:
-            self.misses += 1
             self._unlink(path)
             return None
-        os.utime(path)  # LRU: a read makes the entry recent
-        self.hits += 1
+        try:
+            os.utime(path)  # LRU: a read makes the entry recent
+        except FileNotFoundError:
+            pass  # evicted by another process after the read: the bytes read are still valid
+        except OSError as exc:
+            self._fail("touch", exc)
         return payload, header["meta"]
 
     @staticmethod
     def _header(line: bytes) -> dict | None:
-        if not line.startswith(MAGIC):
+        if not line.startswith(HEADER):
             return None
         try:
-            header = json.loads(line[len(MAGIC):])
+            header = json.loads(line[len(HEADER):])
         except ValueError:
             return None
-        ok = isinstance(header, dict) and {"length", "sha256", "created"} <= set(header)
-        return header if ok else None
+        ok = isinstance(header, dict) and header.get("version") == VERSION and {"length", "sha256", "created"} <= set(header)
+        return header if ok and isinstance(header.get("meta", {}), dict) else None
 
     def contains(self, key: str) -> bool:
-        return self.path(key).exists()
+        try:
+            return self.owned and self.path(key).is_file()
+        except OSError:
+            return False
+
+    def discard(self, key: str, reason: str) -> None:
+        """Drop the entry ``key`` that :meth:`get` just returned but its reader cannot use
+        (``reason``): the read counts as a miss; logged once per cache."""
+        self._fail("load", ValueError(reason), f" of entry {key[:12]}")
+        if self.hits:
+            self.hits, self.misses = self.hits - 1, self.misses + 1
+        path = self.path(key)
+        if self.owned and self._magic(path):
+            self._unlink(path)
 
     # ----- housekeeping ----------------------------------------------------------------------------
+    @staticmethod
+    def _magic(path: Path) -> bool | None:
+        """True: the file starts with the cache's magic; False: it does not; None: unreadable."""
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(MAGIC)) == MAGIC
+        except OSError:
+            return None
+
+    def _files(self):
+        """(kind, path, stat) of the cache's own files: "entry" or "tmp" (empty or with the magic)."""
+        if not self._marker_ok(self.root / MARKER):
+            return  # no longer (or never) a cache root: touch nothing
+        for shard in self.root.iterdir():
+            if not _SHARD.fullmatch(shard.name) or not shard.is_dir() or shard.is_symlink():
+                continue
+            for p in shard.iterdir():
+                kind = "entry" if _ENTRY.fullmatch(p.name) and p.name[:2] == shard.name else (
+                    "tmp" if _TMP.fullmatch(p.name) else None)
+                if kind is None:
+                    continue
+                try:
+                    st = p.lstat()
+                except FileNotFoundError:
+                    continue
+                if not p.is_symlink() and p.is_file() and ((kind == "tmp" and st.st_size == 0) or self._magic(p)):
+                    yield kind, p, st
+
     def entries(self) -> list[tuple[Path, int, float]]:
         """(path, size, mtime) of every entry."""
-        out = []
-        for p in self.root.glob(f"*/*{SUFFIX}"):
-            try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            out.append((p, st.st_size, st.st_mtime))
-        return out
+        try:
+            return [(p, st.st_size, st.st_mtime) for kind, p, st in self._files() if kind == "entry"]
+        except OSError as exc:
+            self._fail("list", exc)
+            return []
 
     def _sweep(self) -> None:
-        """Drop stale temporaries, expired entries, then the least recently used above the cap."""
+        """Drop temporaries of dead or long-gone writers, expired entries, then the least recently
+        used entries above the size cap."""
         now = time.time()
-        for tmp in self.root.glob("*/.tmp-*"):
-            try:
-                if now - tmp.stat().st_mtime > STALE_TMP_S:
-                    tmp.unlink()
-            except FileNotFoundError:
-                pass
-        entries = sorted(self.entries(), key=lambda e: e[2])
+        try:
+            files = list(self._files())
+        except OSError as exc:
+            self._fail("sweep", exc)
+            return
+        for kind, p, st in files:
+            if kind == "tmp" and (now - st.st_mtime > STALE_TMP_S or _writer_dead(p.name)):
+                self._unlink(p)
+        entries = sorted(((p, st.st_size, st.st_mtime) for kind, p, st in files if kind == "entry"), key=lambda e: e[2])
         total = sum(size for _, size, _ in entries)
         for path, size, mtime in entries:
             if total <= self.max_bytes and now - mtime <= self.ttl_s:
@@ -131,9 +277,24 @@ class PrefixCache:
             self._unlink(path)
             total -= size
 
-    @staticmethod
-    def _unlink(path: Path) -> None:
+    def _unlink(self, path: Path) -> None:
         try:
             path.unlink()
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            self._fail("delete", exc)
+
+
+def _writer_dead(name: str) -> bool:
+    """True when a temporary file's writer was a process of this host that no longer runs."""
+    host, pid = _TMP.fullmatch(name).groups()
+    if host != HOST or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False

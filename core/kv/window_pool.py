@@ -1,9 +1,9 @@
 """HKCP window-KV pool: host-memory snapshots of paused sessions with a short TTL (minutes).
 
-The persistent prefix cache keeps global KV for hours but no window KV; a paused session's window
-rings (and the little state the persistent tier does not hold) wait here, so a session resumed
-within the TTL skips even the bounded replay. Least recently stored snapshots go first when the
-pool exceeds ``max_bytes``.
+A paused session's global KV goes to the persistent prefix cache; its window rings, compressor
+and Engram state and unaligned tail wait here, so a session resumed within the TTL continues
+exactly. Least recently stored snapshots go first when the pool exceeds ``max_bytes``. Nothing
+is written to disk.
 """
 from __future__ import annotations
 
