@@ -70,7 +70,7 @@ def test_run_chat_prints_decoded_text(tmp_path):
 
 def test_run_with_a_prefix_cache_hits_on_the_second_run(tmp_path):
     """--prefix-cache DIR: the first run stores the prompt's aligned prefix, the second loads it
-    (bounded replay) and continues with the same tokens."""
+    (its stored state, no replay) and continues with the same tokens."""
     env = {"FLASHRT_CACHE_DIR": str(tmp_path / "c")}
     prompt = "a long prompt about foxes and dogs " * 5  # 175 bytes: two 64-token pages to cache
     args = ("run", "--json", "--prompt", prompt, "--max-new-tokens", "4", "--prefix-cache", str(tmp_path / "pc"))
