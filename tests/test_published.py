@@ -155,3 +155,20 @@ def test_engram_token_map_derived_from_the_tokenizer(cfg, weights, tmp_path, rng
     assert torch.isfinite(model.forward(ids)).all()
     with pytest.raises(CheckpointError, match="derives 160 compressed ids.*engram_compressed_vocab_size=150"):
         token_map_for(path, vcfg.replace(engram_compressed_vocab_size=150))
+
+
+def test_chat_on_a_published_dir_prints_decoded_text(cfg, weights, tmp_path):
+    """`flashrt run --model <published dir> --chat ...`: the folder's own tokenizer encodes the chat
+    turn and decodes the answer (text, never bytes)."""
+    from flashrt.engine.run import run
+    from flashrt.graphs import chat_format
+    from flashrt.graphs.builtin_tokenizer import ensure_builtin_tokenizer
+    from flashrt.graphs.tokenizer import load_tokenizer
+
+    path = write_published(weights, with_vision(cfg), tmp_path / "published")
+    ensure_builtin_tokenizer(path, cfg)  # a real byte-level BPE of the model's vocabulary
+    report = run(str(path), max_new_tokens=4, device="cpu", quiet=True, threads=1, chat="Hello there")
+    tok = load_tokenizer(path)
+    assert report["tokenizer"] and report["new_text"] == tok.decode(report["new_token_ids"])
+    prompt_ids = chat_format.encode(tok, [{"role": "user", "content": "Hello there"}], thinking=True)
+    assert report["prompt_tokens"] == len(prompt_ids)
