@@ -21,6 +21,13 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_str(self, token: int) -> str:
+        """One token as text for logprobs: its character, else ``<0xNN>`` (a byte that is not a
+        character alone) or ``<|id|>`` (an id past the bytes), so distinct tokens stay distinct."""
+        if token < 128:
+            return chr(token)
+        return f"<0x{token:02X}>" if token < 256 else f"<|{token}|>"
+
 
 def chat_prompt(messages: list[dict]) -> str:
     """The built-in chat template: one ``<|role|>`` line per message, then the assistant's turn.
