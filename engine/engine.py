@@ -130,7 +130,13 @@ class Engine:
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._queues[rid] = queue
-        self._submit(rid, ids, params, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+
+        def sink(out):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the caller's event loop is gone: nobody is listening
+                self.abort(rid)
+        self._submit(rid, ids, params, sink)
         return rid
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
