@@ -215,6 +215,21 @@ def test_load_64_requests_16_concurrent_some_abandoned(server, reference):
     assert metric(base, "flashrt_time_to_first_token_seconds_count") >= 64 - len(abandon)
 
 
+def test_bench_serve_sweep(server, tmp_path):
+    from flashrt.bench.serve import sweep
+
+    logged = []
+    report = sweep(server[0], concurrency=[1, 4], request_rate=[float("inf")], num_prompts=6, input_len=10,
+                   output_len=3, range_ratio=0.5, api_key=KEY, log=logged.append)
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 4, None] and len(logged) == 3
+    for lv in report["levels"]:
+        assert (lv["completed"], lv["failed"], lv["output_tokens"]) == (6, 0, 18)
+        assert lv["output_throughput"] > 0 and 5 * 6 <= lv["input_tokens"] <= 15 * 6
+        for key in ("ttft_s", "tpot_s", "latency_s"):
+            assert 0 < lv[key]["p50"] <= lv[key]["p99"]
+        assert lv["ttft_s"]["p99"] <= lv["latency_s"]["p99"]
+
+
 def test_sigterm_exits_zero_after_finishing_running_requests(server):
     base, proc = server
     hdr = {"authorization": f"Bearer {KEY}"}
