@@ -17,16 +17,23 @@ the pool itself spills to its cold tier beyond its device pages).
 """
 from __future__ import annotations
 
+import collections
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
 from .request import Sequence, Status
 
 
+@functools.lru_cache(maxsize=None)
+def _ratio_counts(ratios: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted(collections.Counter(ratios).items()))
+
+
 def pages_at(cfg, page_entries: int, position: int) -> int:
     """Main-KV pages a sequence holds after ``position`` positions (every source layer)."""
-    cdiv = lambda a, b: -(-a // b)
-    return sum(cdiv(position // cfg.ratio(l), page_entries) for l in cfg.kv_source_layers)
+    counts = _ratio_counts(tuple(cfg.ratio(l) for l in cfg.kv_source_layers))
+    return sum(n * -(-(position // r) // page_entries) for r, n in counts)
 
 
 @dataclass

@@ -168,3 +168,18 @@ def test_request_errors_name_the_parameter(model):
         small.generate([1] * 200, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="max_step_tokens: expected at least prefill_chunk"):
         Engine(model, prefill_chunk=32, max_step_tokens=16)
+
+
+def test_generate_while_the_loop_thread_runs(model, rng):
+    p = prompts_for(rng, (11,))[0]
+    want = Engine(model, **SMALL).generate(p, GREEDY)[0].outputs[0].token_ids
+    engine = Engine(model, **SMALL)
+    engine.start()
+    try:
+        got = engine.generate([p, p], GREEDY)
+        assert [o.outputs[0].token_ids for o in got] == [want, want]
+    finally:
+        engine.shutdown(grace_s=5)
+    assert engine._thread is None and not engine.core.has_work
+    with pytest.raises(Exception, match="shutting down"):
+        engine.add_request(p, GREEDY)
