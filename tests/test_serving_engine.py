@@ -156,6 +156,9 @@ def test_n_seeds_logprobs_and_stops(model, rng):
 
 
 def test_request_errors_name_the_parameter(model):
+    import flashrt
+
+    assert flashrt.Engine is Engine and flashrt.SamplingParams is SamplingParams  # the package root names them
     engine = Engine(model, **SMALL, max_model_len=64)
     with pytest.raises(PromptTooLong, match=r"prompt: 60 prompt tokens \+ max_tokens 10 = 70 exceed the model's context of 64"):
         engine.generate([1] * 60, SamplingParams(max_tokens=10))
