@@ -58,13 +58,28 @@ def snapshot_row(state, row: int) -> RowSnapshot:
     t["history"] = _host(state.engram_history[row])
     for l, c in state.compressed.items():
         e = n // cfg.ratio(l)
-        main = c.main.read_row(row, e)
+        t[f"{l}.main.data"], t[f"{l}.main.scale"] = _main_entries(c.main, row, e)
         index = c.index_k.read_row(row, 0, e)  # read_row gathers: new tensors
-        t[f"{l}.main.data"], t[f"{l}.main.scale"] = main.data.view(U8), main.scale.view(U8)
         t[f"{l}.index.data"], t[f"{l}.index.scale"] = index.data.view(U8), index.scale.view(U8)
         if c.kv_state is not None:
             t[f"{l}.kv"], t[f"{l}.score"] = _host(c.kv_state[row]), _host(c.score_state[row])
     return RowSnapshot(n, t)
+
+
+def _main_entries(main, row: int, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Main-KV entries ``[0, entries)`` of ``row`` as host uint8 (data, scale): one gather per tier
+    (not a copy per page)."""
+    pool, P = main.pool, main.pool.P
+    pages = main.tables[row].pages[:-(-entries // P)]
+    data = torch.empty((len(pages), P, pool.D // 2), dtype=U8)
+    scale = torch.empty((len(pages), P, pool.D // 16), dtype=U8)
+    for tier, src in (("dev", pool.dev), ("host", pool.host)):
+        at = [j for j, (t, _) in enumerate(pages) if t == tier]
+        if at:
+            ids = torch.tensor([pages[j][1] for j in at], device=src.data.device)
+            data[at] = src.data.view(U8).index_select(0, ids).cpu()
+            scale[at] = src.scale.view(U8).index_select(0, ids).cpu()
+    return data.reshape(-1, pool.D // 2)[:entries].clone(), scale.reshape(-1, pool.D // 16)[:entries].clone()
 
 
 def _q(t: dict, name: str, fmt: str, dim: int) -> QTensor:

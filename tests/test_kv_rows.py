@@ -57,3 +57,26 @@ def test_snapshot_restores_exactly_and_stays_fixed(model, cfg, rng):
     again = model.new_state(1, 8, pool=st.pool)
     restore_row(RowSnapshot.from_bytes(snap.to_bytes(), snap.position), again, 0)
     assert torch.equal(model.forward(tok, state=again), want)
+
+
+def test_snapshot_reads_both_tiers(model, cfg, rng):
+    from flashrt.engine.snapshot import _main_entries
+    from flashrt.kv.state import entry_bytes, fixed_bytes_for
+
+    page = 8 * entry_bytes(cfg.head_dim, "fp4_b16")
+    st = KVState(cfg, 1, 64, "cpu", kv_budget=fixed_bytes_for(cfg, 1, 64, 8) + 4 * page, page_entries=8)
+    ids = torch.randint(0, cfg.vocab_size, (1, 37), generator=rng)
+    for c0 in range(0, 37, 8):  # chunks: a step's new pages fit the 4 device pages
+        want = model.forward(ids[:, c0:c0 + 8], state=st)
+    assert st.pool.spilled > 0  # some pages live on the host tier
+    for l, c in st.compressed.items():
+        e = 37 // cfg.ratio(l)
+        data, scale = _main_entries(c.main, 0, e)
+        ref = c.main.read_row(0, e)
+        assert torch.equal(data, ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale.view(torch.uint8))
+    snap = snapshot_row(st, 0)
+    tok = torch.randint(0, cfg.vocab_size, (1, 1), generator=rng)
+    other = model.new_state(1, 8)
+    restore_row(snap, other, 0)
+    assert torch.equal(model.forward(tok, state=other), model.forward(tok, state=st))
+    assert want.shape == (1, cfg.vocab_size)
