@@ -27,7 +27,11 @@ def add_serve(sub) -> None:
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES", help="device bytes for KV pages")
     p.add_argument("--max-kv-pages", type=int, default=None, metavar="N",
                    help="main-KV pages held at once before the scheduler preempts")
+    p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
+                   help="host memory for prefix snapshots (0: no prefix cache)")
     p.add_argument("--prefix-cache-dir", default=None, metavar="DIR", help="also keep prefix snapshots on disk")
+    p.add_argument("--swap-bytes", type=int, default=4 << 30, metavar="BYTES",
+                   help="host memory for preempted sequences (beyond it: drop and recompute)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="decode from captured CUDA graphs (default: on CUDA devices)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
@@ -58,7 +62,8 @@ def cmd_serve(args) -> int:
     config = EngineConfig(max_running=args.max_running, max_step_tokens=args.max_step_tokens,
                           prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                           max_waiting=args.max_waiting, kv_budget=args.kv_budget, max_kv_pages=args.max_kv_pages,
-                          prefix_cache_dir=args.prefix_cache_dir, cuda_graphs=args.cuda_graph)
+                          prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
+                          swap_bytes=args.swap_bytes, cuda_graphs=args.cuda_graph)
     model = load_model(args.model, dev, args.seed, quiet=args.log_level not in ("info", "debug"))
     engine = Engine(model, config=config)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
