@@ -3,6 +3,7 @@ OpenAI error body and message, none reaching the engine; 429 when the queue is f
 disconnects (whole or streamed response) aborts its request and every page goes back."""
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -124,12 +125,11 @@ def test_disconnect_aborts_and_frees_pages(model, stream):
     try:
         body = {**OK, "max_tokens": 400, "temperature": 0, "stream": stream}
         asyncio.run(asyncio.wait_for(call_then_disconnect(app, C, body, after_s=1.5), 60))
-        for _ in range(200):  # the abort is applied by the loop thread
-            if not engine.core.has_work:
-                break
-            asyncio.run(asyncio.sleep(0.05))
+        deadline = time.monotonic() + 60  # the loop thread applies the abort after its current step
+        while engine.core.has_work and time.monotonic() < deadline:
+            time.sleep(0.05)
         stats = engine.stats()
-        assert stats["aborted"] == 1 and stats["finished"] == 0 and not engine.core.has_work
+        assert stats["aborted"] == 1 and stats["finished"] == 0 and not engine.core.has_work, stats
         assert engine.core.pool.pages_in_use == 0 and engine.core.pool.index_pool.pages_in_use == 0
     finally:
         engine.shutdown(grace_s=0)
