@@ -113,10 +113,26 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         render = Renderer(kind, f"{prefix}-{uuid.uuid4().hex}", model_name, engine.tokenizer, params.n)
         if req.stream:
-            return StreamingResponse(stream(engine, rids, render, req.include_usage), media_type="text/event-stream")
+            return EventStream(stream(engine, rids, render, req.include_usage), engine, rids)
         return await complete(engine, rids, render, request)
 
     return app
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that abort their requests however the response ends (finished, client
+    gone before or while streaming, server shutting down); aborting a finished request is a no-op."""
+
+    def __init__(self, events, engine, rids: list[str]):
+        super().__init__(events, media_type="text/event-stream")
+        self.engine, self.rids = engine, rids
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for rid in self.rids:
+                self.engine.abort(rid)
 
 
 def chat_text(req: ChatCompletionRequest) -> str:
