@@ -19,8 +19,6 @@ import time
 
 import torch
 
-from flashrt.kv.state import KVState
-
 from . import outputs
 from .config import EngineConfig
 from .errors import PromptTooLong, QueueFull, RequestError
@@ -127,6 +125,8 @@ class EngineCore:
             self._decode(plan.decode, due, touched)
         joins = []
         for seq, n in plan.prefill:
+            if seq.finished:  # its request failed earlier in this step
+                continue
             try:
                 logits = self._prefill(seq, n)
             except Exception as exc:  # noqa: BLE001 - one request fails, the engine goes on
@@ -158,6 +158,8 @@ class EngineCore:
         eos = self.config.eos_token_id
         logits = torch.stack([l for _, l in due])
         for (seq, _), s in zip(due, sample(logits, [seq.sampler_row(eos) for seq, _ in due])):
+            if seq.finished:  # its request failed earlier in this step
+                continue
             seq.append(s)
             self.counters["generation_tokens"] += 1
             req = seq.request
@@ -253,12 +255,13 @@ class EngineCore:
         seq.status = Status.RUNNING
 
     def _release(self, seq: Sequence, reason: str) -> None:
+        """``seq`` ends: its pages, row and host snapshot go back, wherever it was."""
         if seq.status is Status.RUNNING:
             self.slots.remove(seq)
-        elif seq.status is Status.PREFILL and seq.state is not None:
+        if seq.state is not None:  # prefilling (or failed while starting)
             seq.state.release_row(0)
             seq.state = None
-        elif seq.status is Status.SWAPPED:
+        if seq.snapshot is not None:
             self.swap_used -= seq.snapshot.nbytes
             seq.snapshot = None
         self.scheduler.remove(seq)

@@ -80,7 +80,8 @@ def test_pages_return_on_finish_abort_and_error(model, rng, monkeypatch):
     core.abort("r1")
     original = core.model.forward
 
-    def failing(ids, state=None, **kw):  # the next prefill or decode call fails
+    def failing(ids, state=None, **kw):  # the next prefill or decode call fails, its pages reserved
+        core.model.context(ids, state)
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(core.model, "forward", failing)
