@@ -8,6 +8,7 @@ aborts are queued for the loop thread, outputs come back through the caller's ev
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -18,7 +19,7 @@ from . import outputs
 from .config import EngineConfig
 from .core import EngineCore
 from .errors import EngineStopped, QueueFull, RequestError
-from .request import Request, RequestOutput
+from .request import Request, RequestOutput, Status
 from .sampling import SamplingParams
 from .text import ByteTokenizer
 
@@ -37,7 +38,7 @@ class Engine:
             raise ValueError(f"config: pass an EngineConfig or keyword settings, not both (got {sorted(kwargs)})")
         self.model = model
         self.tokenizer = tokenizer or ByteTokenizer(model.cfg.vocab_size)
-        config = config or EngineConfig(**kwargs)
+        config = dataclasses.replace(config) if config is not None else EngineConfig(**kwargs)  # ours to resolve
         if config.eos_token_id is None:
             config.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.core = EngineCore(model, config, self.tokenizer)
@@ -236,8 +237,6 @@ class Engine:
         """Counters and gauges for /metrics and benchmarks (read without stopping the loop)."""
         core, pool = self.core, self.core.pool
         sch = core.scheduler
-        from .request import Status
-
         return {
             **core.counters,
             "running": len(sch.running), "prefilling": len(sch.prefilling),

@@ -32,6 +32,7 @@ class Renderer:
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # completions: text offset of each choice's next token
         self.sent_role: set[int] = set()
+        self.ended: set[int] = set()  # choices whose finish_reason went out
 
     def token_text(self, t: int) -> str:
         as_str = getattr(self.tok, "token_str", None)
@@ -86,8 +87,11 @@ class Renderer:
         events = []
         for c in out.outputs:
             index = prompt_index * self.n + c.index
-            if not (c.delta_text or c.delta_token_ids or c.finish_reason or index not in self.sent_role):
+            if index in self.ended or not (c.delta_text or c.delta_token_ids or c.finish_reason
+                                           or index not in self.sent_role):
                 continue
+            if c.finish_reason:
+                self.ended.add(index)
             events.append(sse(self._chunk(index, c)))
         return events
 
