@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # (PEP 562) so that importing flashrt loads no model code.
 # ``backends`` (the plugin package) is named the same way: core never imports a backend.
 _FACADE = {"load": ("flashrt.graphs.loader", "load"), "generate": ("flashrt.engine.generation", "generate"),
+           "Engine": ("flashrt.engine.engine", "Engine"), "SamplingParams": ("flashrt.engine.sampling", "SamplingParams"),
            "backends": ("flashrt.backends", None)}
 
 
@@ -32,5 +33,5 @@ def __getattr__(name):
 __all__ = [
     "BackendError", "CheckpointError", "FlashrtError", "ProfileError", "QTensor", "active_profile", "backends",
     "formats", "ops", "profiles", "select_profile", "use_profile",
-    "generate", "load", "rope_table", "use_backend", "value_checks", "__version__",
+    "Engine", "SamplingParams", "generate", "load", "rope_table", "use_backend", "value_checks", "__version__",
 ]

@@ -43,3 +43,6 @@ def add_bench(sub) -> None:
     p.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here")
     p.add_argument("--json", action="store_true", help="print the JSON report (progress goes to stderr)")
     p.set_defaults(func=cmd_kernels)
+    from flashrt.bench.serve import add_parser as add_serve_bench
+
+    add_serve_bench(bsub)

@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench
 
     add_bench(sub)
+    from .serve import add_serve
+
+    add_serve(sub)
     return parser
 
 

@@ -51,6 +51,10 @@ class IndexPool:
             self._grow()
         return self.free.pop()
 
+    def release(self, pages: list[int]) -> None:
+        """Give ``pages`` back to the pool."""
+        self.free.extend(pages)
+
     def _grow(self) -> None:
         n = self.dev.shape[0]
         grown = empty_qtensor(FMT, (2 * n, self.P, self.D), self.device)
@@ -97,6 +101,25 @@ class PagedIndexK:
         new = [self.pool.alloc() for _ in range(need - have)]
         self.pages[row] += new
         self.table[row, have:need] = torch.tensor(new, dtype=torch.int32).to(self.pool.device, non_blocking=True)
+
+    def detach_row(self, row: int) -> list[int]:
+        """Hand ``row``'s pages to another owner; the row is left with none (its table row reads
+        the trash page)."""
+        pages, self.pages[row] = self.pages[row], []
+        self.table[row] = TRASH_PAGE
+        return pages
+
+    def clear_row(self, row: int) -> None:
+        """Give ``row``'s pages back to the pool."""
+        self.pool.release(self.detach_row(row))
+
+    def adopt_row(self, row: int, pages: list[int]) -> None:
+        """``row`` takes over ``pages`` (of the same pool, no copy); its own go back first."""
+        self.clear_row(row)
+        self.ensure_pages(len(pages))
+        self.pages[row] = list(pages)
+        if pages:
+            self.table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32).to(self.pool.device)
 
     def keys(self, entries: int) -> PagedKeys:
         """The first ``entries`` entries of every row, read in place."""

@@ -93,6 +93,23 @@ class PagePool:
     def unlock(self) -> None:
         self.locked.clear()
 
+    @property
+    def pages_in_use(self) -> int:
+        """Pages held by sequences on either tier (the trash page excluded)."""
+        return self.device_pages - len(self.free_dev) + self.host.shape[0] - len(self.free_host)
+
+    def release(self, table: "BlockTable") -> None:
+        """Give every page of ``table`` back (device and host tier); the table is left empty."""
+        for tier, page in table.pages:
+            if tier == "dev":
+                self.fifo.pop(page, None)
+                self.locked.discard(page)
+                self.free_dev.append(page)
+            else:
+                self.free_host.append(page)
+        table.pages, table.cold = [], 0
+        table.changed.clear()
+
     def _grow_device(self) -> None:
         n = self.dev.shape[0]
         m = 2 * n if self.limit is None else min(2 * n, self.limit + 1)
@@ -170,6 +187,26 @@ class PagedMainKV:
         while len(table.pages) * P < entries:
             table.pages.append(("dev", self.pool.alloc(table, len(table.pages))))
             table.changed.add(len(table.pages) - 1)
+
+    def detach_row(self, row: int) -> BlockTable:
+        """Hand ``row``'s block table (and so its pages) to another owner; the row is left with no
+        pages and its buffer row reads "no page"."""
+        table, self.tables[row] = self.tables[row], BlockTable()
+        if self._dev_ids.shape[0] == len(self.tables):
+            self._dev_ids[row] = -1
+            self._host_ids[row] = -1
+            self._host_ids_cpu[row] = -1
+        return table
+
+    def clear_row(self, row: int) -> None:
+        """Give ``row``'s pages back to the pool."""
+        self.pool.release(self.detach_row(row))
+
+    def adopt_row(self, row: int, table: BlockTable) -> None:
+        """``row`` takes over ``table`` (pages of the same pool, no copy); its own go back first."""
+        self.clear_row(row)
+        self.tables[row] = table
+        table.changed.update(range(len(table.pages)))
 
     def _rebuild_ids(self) -> None:
         """Bring the block-table buffers up to date in place: only the changed entries are written

@@ -1,0 +1,83 @@
+"""``flashrt serve``: the OpenAI-compatible server (FastAPI + uvicorn) over the serving engine.
+
+SIGTERM / SIGINT: the engine stops admitting (new requests get 503), the listener closes, running
+requests may finish for ``--grace-s`` seconds, the rest are aborted, and the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", default="tiny", help="tiny | small | checkpoint directory (default tiny)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients ask for (default: --model's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("FLASHRT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $FLASHRT_API_KEY, else none)")
+    p.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                   help="requests queued before new ones get 429 (default: no limit)")
+    p.add_argument("--max-running", type=int, default=64, metavar="N", help="sequences decoding at once")
+    p.add_argument("--max-step-tokens", type=int, default=2048, metavar="N", help="tokens per engine step")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per forward call")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="prompt + output tokens")
+    p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES", help="device bytes for KV pages")
+    p.add_argument("--max-kv-pages", type=int, default=None, metavar="N",
+                   help="main-KV pages held at once before the scheduler preempts")
+    p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
+                   help="host memory for prefix snapshots (0: no prefix cache)")
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR", help="also keep prefix snapshots on disk")
+    p.add_argument("--swap-bytes", type=int, default=4 << 30, metavar="BYTES",
+                   help="host memory for preempted sequences (beyond it: drop and recompute)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode from captured CUDA graphs (default: on CUDA devices)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed of the built-in models")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: 1 for tiny on CPU)")
+    p.add_argument("--grace-s", type=float, default=30.0, help="seconds running requests get at shutdown")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    import torch
+    import uvicorn
+
+    from flashrt.engine import Engine, EngineConfig
+    from flashrt.engine.run import load_model, pick_device
+    from flashrt.engine.server.app import create_app
+
+    for name in ("port", "max_waiting", "max_running", "max_step_tokens", "prefill_chunk"):
+        v = getattr(args, name)
+        if v is not None and (v < 1 or (name == "port" and v > 65535)):
+            raise ValueError(f"--{name.replace('_', '-')}: expected a positive {'port' if name == 'port' else 'count'}, got {v}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dev = pick_device(args.device)
+    threads = args.threads or (1 if dev.type == "cpu" and args.model == "tiny" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    config = EngineConfig(max_running=args.max_running, max_step_tokens=args.max_step_tokens,
+                          prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
+                          max_waiting=args.max_waiting, kv_budget=args.kv_budget, max_kv_pages=args.max_kv_pages,
+                          prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
+                          swap_bytes=args.swap_bytes, cuda_graphs=args.cuda_graph)
+    model = load_model(args.model, dev, args.seed, quiet=args.log_level not in ("info", "debug"))
+    engine = Engine(model, config=config)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    app = create_app(engine, name, api_key=args.api_key)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.accepting = False  # stop admitting at once; uvicorn then drains the connections
+            super().handle_exit(sig, frame)
+            # a drained shutdown is a normal exit: uvicorn would re-raise the signal afterwards
+            getattr(self, "_captured_signals", []).clear()
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=args.grace_s, access_log=args.log_level == "debug"))
+    logging.getLogger("flashrt").info("serving %s on http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
+    server.run()
+    return 0 if server.started else 1

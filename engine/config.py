@@ -1,0 +1,79 @@
+"""Settings of a serving engine (checked), and the shared page pool they describe."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from flashrt.kv.state import KVState
+
+from .generation import profile_kv_sizes
+
+
+@dataclass
+class EngineConfig:
+    max_running: int = 64  # sequences holding KV state at once (decode batch rows + prefilling)
+    max_step_tokens: int = 2048  # tokens per step: one per decode, the rest for prefill chunks
+    prefill_chunk: int = 512  # prompt tokens per forward call (also the prefix-cache block)
+    max_model_len: int | None = None  # prompt + output tokens (None: the config's max_seq_len)
+    max_waiting: int | None = None  # requests queued before add_request raises QueueFull
+    kv_budget: int | None = None  # device bytes of KV (None: the hardware profile's, on CUDA)
+    kv_page_entries: int | None = None  # entries per main-KV page (None: the profile's)
+    max_kv_pages: int | None = None  # main-KV pages held at once, both tiers (None: the pool's limits)
+    swap_bytes: int = 4 << 30  # host bytes for preempted sequences (beyond: drop and recompute)
+    prefix_cache_bytes: int = 1 << 30  # host bytes of prefix snapshots (0: no prefix cache)
+    prefix_cache_dir: str | None = None  # also keep prefix snapshots on disk here
+    cuda_graphs: bool | None = None  # decode from captured CUDA graphs (None: on CUDA devices)
+    eos_token_id: int | None = None
+    seed: int | None = None  # seeds the generators of requests that give no seed
+
+    def __post_init__(self):
+        positive = ("max_running", "max_step_tokens", "prefill_chunk", "max_model_len", "max_waiting",
+                    "kv_budget", "kv_page_entries", "max_kv_pages")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in positive and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{f.name}: expected an int >= 1{' or None' if f.default is None else ''}, got {v!r}")
+        for name in ("swap_bytes", "prefix_cache_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+        if self.max_step_tokens < self.prefill_chunk:
+            raise ValueError(f"max_step_tokens: expected at least prefill_chunk ({self.prefill_chunk}), "
+                             f"got {self.max_step_tokens}")
+
+    def resolve(self, model) -> "EngineConfig":
+        if self.max_model_len is None:
+            self.max_model_len = model.cfg.max_seq_len
+        return self
+
+    def graphs_on(self, model) -> bool:
+        return model.device.type == "cuda" if self.cuda_graphs is None else bool(self.cuda_graphs)
+
+    def make_pool(self, model):
+        """The engine's page pool and the most main-KV pages it may hold (None: no limit). The
+        device budget's fixed part counts window rings for ``max_running`` rows."""
+        given = self.kv_budget
+        kv_budget, entries, cold = profile_kv_sizes(model, self.kv_budget, self.kv_page_entries)
+        try:
+            pool = KVState.pool_for(model.cfg, self.max_running, self.prefill_chunk, model.device, kv_budget,
+                                    entries, cold)
+        except ValueError as exc:
+            raise ValueError(f"{exc} ({'given' if given else 'from the hardware profile'}; lower max_running "
+                             f"or raise kv_budget)") from None
+        limit = None
+        if pool.limit is not None and pool.host_limit is not None:
+            limit = pool.limit + pool.host_limit
+        if self.max_kv_pages is not None:
+            limit = self.max_kv_pages if limit is None else min(limit, self.max_kv_pages)
+        return pool, limit
+
+    def salt(self, model) -> bytes:
+        from .prefix import model_identity
+
+        return model_identity(model).encode()
+
+    def prefix_disk(self, model):
+        if not self.prefix_cache_dir:
+            return None
+        from flashrt.kv.prefix_cache import PrefixCache
+
+        return PrefixCache.for_profile(self.prefix_cache_dir, getattr(model, "profile", None))

@@ -1,0 +1,284 @@
+"""The serving engine's step loop (single-threaded): requests in, one scheduled step at a time, outputs out.
+
+Each step runs what the :class:`~flashrt.engine.scheduler.Scheduler` planned: swapped sequences
+come back, the decode batch (:class:`~flashrt.engine.slots.DecodeSlots`) runs one token per
+running sequence, prefill chunks run in their sequences' own one-row states (a ``[1, S]`` forward
+each: rows of one forward call share their length), then one batched sampling call covers every
+sequence whose next token is due. A sequence whose prompt completes joins the decode batch; a
+finished, aborted or failed one gives its pages back at once. Preempted sequences are swapped to
+host memory (exact :class:`~flashrt.engine.snapshot.RowSnapshot`, up to ``swap_bytes``) or dropped
+and recomputed (prompt chunks again, then the tokens they already produced fed back through
+decode steps without sampling: the same computation, so the same tokens).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+
+import torch
+
+from . import outputs
+from .config import EngineConfig
+from .errors import PromptTooLong, QueueFull, RequestError
+from .request import Request, Sequence, Status
+from .sampling import SamplingParams, make_generator, sample
+from .scheduler import Scheduler, pages_at
+from .slots import DecodeSlots, MIN_ROWS
+from .snapshot import PrefixStore, restore_row, snapshot_row
+
+log = logging.getLogger("flashrt.engine")
+
+
+class EngineCore:
+    def __init__(self, model, config: EngineConfig, tokenizer):
+        self.model, self.cfg, self.config, self.tokenizer = model, model.cfg, config.resolve(model), tokenizer
+        self.pool, self.max_pages = config.make_pool(model)
+        self.P = self.pool.P
+        self.slots = DecodeSlots(model, self.pool, config.prefill_chunk, config.graphs_on(model))
+        self.scheduler = Scheduler(model.cfg, self.P, config.max_running, config.max_step_tokens,
+                                   config.prefill_chunk, self.max_pages)
+        self.prefix = PrefixStore(config.prefill_chunk, config.prefix_cache_bytes, config.salt(model),
+                                  config.prefix_disk(model))
+        self.requests: dict[str, Request] = {}
+        self.arrivals = itertools.count()
+        self.rng = random.Random(config.seed)
+        self.swap_used = 0
+        self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "preemptions", "swaps",
+                                       "recomputes", "finished", "aborted", "failed", "steps"), 0)
+        self.finish_hooks = []  # called with each finished Request
+
+    # ----- requests --------------------------------------------------------------------------------
+    def check(self, prompt: list[int], params: SamplingParams) -> int:
+        """Validate a request; returns the tokens it may generate."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestError("prompt", f"expected a non-empty list of token ids, got {prompt!r:.80}")
+        V = self.cfg.vocab_size
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V), None)
+        if bad is not None:
+            raise RequestError("prompt", f"expected token ids in [0, {V}), got {bad!r}")
+        try:
+            params.check_vocab(V)
+        except ValueError as exc:
+            raise RequestError("stop_token_ids", str(exc)) from None
+        limit, n = self.config.max_model_len, len(prompt)
+        new = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max(new, 1) > limit:
+            raise PromptTooLong("prompt", f"{n} prompt tokens + max_tokens {new} = {n + new} exceed the "
+                                f"model's context of {limit} tokens")
+        seq, pad = pages_at(self.cfg, self.P, n + new), (MIN_ROWS - 1) * pages_at(self.cfg, self.P, 1)
+        if self.max_pages is not None and seq + pad > self.max_pages:  # alone, with the decode batch's padding
+            raise PromptTooLong("prompt", f"{n} prompt tokens + max_tokens {new} need {seq} KV pages (+ {pad} for "
+                                f"the padding rows of a decode batch), the engine holds at most {self.max_pages}")
+        return new
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
+        max_tokens = self.check(prompt, params)
+        if request_id in self.requests:
+            raise RequestError("request_id", f"expected a new id, got {request_id!r} (in use)")
+        if self.config.max_waiting is not None and self.num_waiting >= self.config.max_waiting:
+            raise QueueFull(f"the queue is full ({self.config.max_waiting} requests waiting)")
+        req = Request(request_id, list(prompt), params, next(self.arrivals), max_tokens)
+        req.seqs.append(Sequence(req, 0, self._generator(params, 0)))
+        self.requests[request_id] = req
+        self.scheduler.waiting.append(req.seqs[0])
+        self.counters["prompt_tokens"] += len(prompt)
+        return req
+
+    def _generator(self, params: SamplingParams, index: int):
+        if params.greedy:
+            return None
+        seed = params.seed + index if params.seed is not None else self.rng.getrandbits(63)
+        return make_generator(seed, self.model.device)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            for seq in req.seqs:
+                self._release(seq, "abort")
+            self._finished(req, "aborted")
+        return req
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for s in self.scheduler.waiting if s.status is Status.WAITING and s.index == 0
+                   and not s.output)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    # ----- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one scheduled step; returns the requests with new output."""
+        sch = self.scheduler
+        padding = self.slots.padding_need(pages_at(self.cfg, self.P, 1))
+        plan = sch.schedule(self.pool.pages_in_use, padding, self._preempt, self._prepare)
+        self.counters["steps"] += 1
+        touched, due = set(), []  # due: (sequence, logits [vocab]) to sample
+        for seq in plan.swap_in:
+            self._swap_in(seq)
+        if plan.decode:
+            self._decode(plan.decode, due, touched)
+        joins = []
+        for seq, n in plan.prefill:
+            if seq.finished:  # its request failed earlier in this step
+                continue
+            try:
+                logits = self._prefill(seq, n)
+            except Exception as exc:  # noqa: BLE001 - one request fails, the engine goes on
+                self._fail(seq.request, exc, touched)
+                continue
+            if seq.computed == seq.prompt_len:
+                joins += self._fork(seq)
+                if seq.computed == len(seq.tokens):
+                    due += [(s, logits[0]) for s in self._family(seq)]
+        if due:
+            self._sample(due, touched)
+        for seq in joins:
+            self._join(seq, touched)
+        return [r for r in touched]
+
+    def _decode(self, seqs: list[Sequence], due: list, touched: set) -> None:
+        try:
+            logits = self.slots.step({s.slot: s.tokens[s.computed] for s in seqs})
+        except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
+            for req in {s.request for s in seqs}:
+                self._fail(req, exc, touched)
+            return
+        for seq in seqs:
+            seq.computed += 1
+            if seq.computed == len(seq.tokens):
+                due.append((seq, logits[seq.slot]))
+
+    def _sample(self, due: list, touched: set) -> None:
+        eos = self.config.eos_token_id
+        logits = torch.stack([l for _, l in due])
+        for (seq, _), s in zip(due, sample(logits, [seq.sampler_row(eos) for seq, _ in due])):
+            if seq.finished:  # its request failed earlier in this step
+                continue
+            seq.append(s)
+            self.counters["generation_tokens"] += 1
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            outputs.check_finish(seq, self.tokenizer, eos, self.config.max_model_len)
+            touched.add(req)
+            if seq.finish_reason is not None:
+                self._release(seq, seq.finish_reason)
+                if req.finished:
+                    self._finished(req, "finished")
+
+    # ----- prefill ---------------------------------------------------------------------------------
+    def _prepare(self, seq: Sequence) -> None:
+        """Before a waiting sequence is costed: the longest cached prefix of its prompt."""
+        if not seq.looked_up and self.prefix.max_bytes > 0:
+            seq.looked_up = True
+            length, snap = self.prefix.lookup(seq.tokens[:seq.prompt_len])
+            if snap is not None:
+                seq.prefix_snap, seq.computed = snap, length
+
+    def _prefill(self, seq: Sequence, n: int) -> torch.Tensor:
+        if seq.status is Status.WAITING:
+            seq.state = self.model.new_state(1, len(seq.tokens) + n, pool=self.pool)
+            snap = seq.prefix_snap
+            if snap is not None:
+                restore_row(snap, seq.state, 0)
+                seq.prefix_snap = None
+                if seq.index == 0 and not seq.output:
+                    seq.request.prefix_hit_tokens = snap.position
+            seq.status = Status.PREFILL
+        ids = torch.tensor([seq.tokens[seq.computed:seq.computed + n]], dtype=torch.long, device=self.model.device)
+        logits = self.model.forward(ids, state=seq.state)
+        seq.computed += n
+        key = self.prefix.wants(seq.tokens, seq.computed)
+        if key is not None and seq.computed <= seq.prompt_len:
+            self.prefix.put(key, snapshot_row(seq.state, 0))
+        return logits
+
+    def _family(self, seq: Sequence) -> list[Sequence]:
+        """``seq`` and the sequences forked from it in this step (they share its logits)."""
+        return [s for s in seq.request.seqs if s is seq or s.forked_from is seq]
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Prompt done: the request's other ``n - 1`` sequences start from a copy of this state."""
+        req, out = seq.request, [seq]
+        if seq.index == 0 and len(req.seqs) == 1 and req.params.n > 1:
+            snap = snapshot_row(seq.state, 0)
+            for i in range(1, req.params.n):
+                child = Sequence(req, i, self._generator(req.params, i))
+                child.state = self.model.new_state(1, len(seq.tokens), pool=self.pool)
+                restore_row(snap, child.state, 0)
+                child.computed, child.status, child.forked_from = seq.computed, Status.PREFILL, seq
+                req.seqs.append(child)
+                self.scheduler.prefilling.append(child)
+                out.append(child)
+        return out
+
+    def _join(self, seq: Sequence, touched: set) -> None:
+        """A prefilled sequence (unless it already finished) becomes a row of the decode batch."""
+        seq.forked_from = None
+        if seq.status is not Status.PREFILL:
+            return
+        self.slots.add(seq, seq.state)
+        seq.state, seq.status = None, Status.RUNNING
+        self.scheduler.prefilling.remove(seq)
+        self.scheduler.running.append(seq)
+
+    # ----- preemption and release ------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.counters["preemptions"] += 1
+        if seq.status is Status.RUNNING and self.swap_used < self.config.swap_bytes:
+            seq.snapshot = snapshot_row(self.slots.state, seq.slot)
+            self.swap_used += seq.snapshot.nbytes
+            self.slots.remove(seq)
+            seq.status = Status.SWAPPED
+            self.counters["swaps"] += 1
+            return
+        if seq.status is Status.RUNNING:
+            self.slots.remove(seq)
+        else:
+            seq.state.release_row(0)
+            seq.state = None
+        seq.computed, seq.status, seq.prefix_snap, seq.looked_up = 0, Status.WAITING, None, False
+        self.counters["recomputes"] += 1
+
+    def _swap_in(self, seq: Sequence) -> None:
+        state = self.model.new_state(1, len(seq.tokens) + 1, pool=self.pool)
+        restore_row(seq.snapshot, state, 0)
+        self.swap_used -= seq.snapshot.nbytes
+        seq.snapshot = None
+        self.slots.add(seq, state)
+        seq.status = Status.RUNNING
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        """``seq`` ends: its pages, row and host snapshot go back, wherever it was."""
+        if seq.status is Status.RUNNING:
+            self.slots.remove(seq)
+        if seq.state is not None:  # prefilling (or failed while starting)
+            seq.state.release_row(0)
+            seq.state = None
+        if seq.snapshot is not None:
+            self.swap_used -= seq.snapshot.nbytes
+            seq.snapshot = None
+        self.scheduler.remove(seq)
+        outputs.finish(seq, reason)
+
+    def _fail(self, req: Request, exc: Exception, touched: set) -> None:
+        log.error("request %s failed: %s", req.id, exc)
+        req.error = f"{type(exc).__name__}: {exc}"
+        for seq in req.seqs:
+            self._release(seq, "error")
+        self.requests.pop(req.id, None)
+        self._finished(req, "failed")
+        touched.add(req)
+
+    def _finished(self, req: Request, counter: str) -> None:
+        self.requests.pop(req.id, None)
+        req.finish_time = time.monotonic()
+        self.counters[counter] += 1
+        for hook in self.finish_hooks:
+            hook(req)

@@ -1,0 +1,253 @@
+"""``flashrt.engine.Engine``: the serving engine's public face.
+
+Offline: ``Engine(model).generate(prompts, SamplingParams(...))`` runs a batch job to the end in the
+calling thread. Online (the server): :meth:`Engine.start` runs the step loop in a background thread;
+``add_request`` / ``stream`` / ``abort`` are safe to call from an asyncio event loop (requests and
+aborts are queued for the loop thread, outputs come back through the caller's event loop).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from . import outputs
+from .config import EngineConfig
+from .core import EngineCore
+from .errors import EngineStopped, QueueFull, RequestError
+from .request import Request, RequestOutput, Status
+from .sampling import SamplingParams
+from .text import ByteTokenizer
+
+log = logging.getLogger("flashrt.engine")
+
+
+def _is_token_list(p) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+class Engine:
+    """Continuous-batching engine over one model. Keyword arguments are :class:`EngineConfig` fields."""
+
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, **kwargs):
+        if config is not None and kwargs:
+            raise ValueError(f"config: pass an EngineConfig or keyword settings, not both (got {sorted(kwargs)})")
+        self.model = model
+        self.tokenizer = tokenizer or ByteTokenizer(model.cfg.vocab_size)
+        config = dataclasses.replace(config) if config is not None else EngineConfig(**kwargs)  # ours to resolve
+        if config.eos_token_id is None:
+            config.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
+        self.core = EngineCore(model, config, self.tokenizer)
+        self.config = self.core.config
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
+        self._commands: list = []  # ("add", Request-args) / ("abort", id), applied by the loop thread
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.accepting = True
+        self.step_error: str | None = None
+
+    # ----- prompts ---------------------------------------------------------------------------------
+    def encode(self, prompt, param: str = "prompt") -> list[int]:
+        """Text (through the tokenizer) or token ids -> token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError(param, "expected a non-empty prompt, got ''")
+            return self.tokenizer.encode(prompt)
+        if _is_token_list(prompt):
+            return list(prompt)
+        raise RequestError(param, f"expected a string or a non-empty list of token ids, got {prompt!r:.80}")
+
+    def _new_id(self, request_id: str | None) -> str:
+        return request_id if request_id is not None else f"req-{next(self._ids)}"
+
+    # ----- offline ---------------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` (a string, a token-id list, or a list of them) to the end; one final
+        :class:`RequestOutput` per prompt, in order."""
+        single = isinstance(prompts, str) or _is_token_list(prompts)
+        prompts = [prompts] if single else list(prompts)
+        if not prompts:
+            raise RequestError("prompts", "expected at least one prompt, got none")
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError("params", f"expected {len(prompts)} SamplingParams (one per prompt), got {len(plist)}")
+        ids = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        for i, (p, sp) in enumerate(zip(ids, plist)):
+            self.core.check(p, sp)
+        if self._thread is not None:
+            return self._generate_online(ids, plist)
+        done: dict[str, RequestOutput] = {}
+        names = []
+        for p, sp in zip(ids, plist):
+            req = self.core.add(self._new_id(None), p, sp)
+            req.sink = lambda out, done=done: done.__setitem__(out.request_id, out) if out.finished else None
+            names.append(req.id)
+        while self.core.has_work:
+            self._deliver(self.core.step())
+        return [done[n] for n in names]
+
+    def _generate_online(self, ids, plist) -> list[RequestOutput]:
+        events, done = [], {}
+        for p, sp in zip(ids, plist):
+            ev = threading.Event()
+            rid = self._new_id(None)
+
+            def sink(out, ev=ev):
+                if out.finished:
+                    done[out.request_id] = out
+                    ev.set()
+            self._submit(rid, p, sp, sink)
+            events.append((rid, ev))
+        for rid, ev in events:
+            ev.wait()
+        return [done[rid] for rid, _ in events]
+
+    # ----- online ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the step loop in a background thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="flashrt-engine", daemon=True)
+            self._thread.start()
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Call :meth:`stream` (same event loop) for its outputs.
+        Raises RequestError / PromptTooLong (bad input), QueueFull, EngineStopped."""
+        if not self.accepting:
+            raise EngineStopped("the engine is shutting down")
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self.core.check(ids, params)
+        rid = self._new_id(request_id)
+        limit = self.config.max_waiting
+        if limit is not None and self.core.num_waiting + self._pending_adds() >= limit:
+            raise QueueFull(f"the queue is full ({limit} requests waiting)")
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._queues[rid] = queue
+
+        def sink(out):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the caller's event loop is gone: nobody is listening
+                self.abort(rid)
+        self._submit(rid, ids, params, sink)
+        return rid
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request as they come (each with the deltas since the previous one); the
+        last has ``finished`` set. Leaving the iteration early aborts the request."""
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise RequestError("request_id", f"expected a request added by add_request, got {request_id!r}")
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages (a no-op for an unknown or finished one)."""
+        with self._cv:
+            self._commands.append(("abort", request_id))
+            self._cv.notify()
+
+    def _submit(self, rid, ids, params, sink) -> None:
+        with self._cv:
+            self._commands.append(("add", (rid, ids, params, sink)))
+            self._cv.notify()
+
+    def _pending_adds(self) -> int:
+        with self._cv:
+            return sum(1 for c in self._commands if c[0] == "add")
+
+    # ----- the loop thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._commands and not self.core.has_work and not self._stop:
+                    self._cv.wait()
+                if self._stop and not self._commands:
+                    return
+                commands, self._commands = self._commands, []
+            self._apply(commands)
+            if self.core.has_work:
+                try:
+                    self._deliver(self.core.step())
+                except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang every client
+                    log.exception("engine step failed")
+                    self.step_error = f"{type(exc).__name__}: {exc}"
+                    self._fail_all(exc)
+
+    def _apply(self, commands) -> None:
+        for kind, arg in commands:
+            if kind == "add":
+                rid, ids, params, sink = arg
+                try:
+                    req = self.core.add(rid, ids, params)
+                except (ValueError, QueueFull) as exc:  # raced with another add: report it as an output
+                    sink(RequestOutput(rid, ids, [], True, f"{type(exc).__name__}: {exc}"))
+                    continue
+                req.sink = sink
+            else:
+                req = self.core.abort(arg)
+                if req is not None:
+                    self._deliver([req])
+
+    def _deliver(self, requests: list[Request]) -> None:
+        for req in requests:
+            if req.sink is not None:
+                req.sink(outputs.request_output(req))
+
+    def _fail_all(self, exc: Exception) -> None:
+        touched: set = set()
+        for req in list(self.core.requests.values()):
+            self.core._fail(req, exc, touched)
+        self._deliver(list(touched))
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop admitting; let running requests finish for up to ``grace_s`` seconds, abort the
+        rest, stop the loop thread."""
+        self.accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._thread is not None and self.core.has_work and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for rid in list(self.core.requests):
+            self.abort(rid)
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=max(grace_s, 5.0))
+            self._thread = None
+
+    # ----- state ----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters and gauges for /metrics and benchmarks (read without stopping the loop)."""
+        core, pool = self.core, self.core.pool
+        sch = core.scheduler
+        return {
+            **core.counters,
+            "running": len(sch.running), "prefilling": len(sch.prefilling),
+            "waiting": sum(1 for s in list(sch.waiting) if s.status is Status.WAITING),
+            "swapped": sum(1 for s in list(sch.waiting) if s.status is Status.SWAPPED),
+            "requests": len(core.requests),
+            "kv_pages_device": pool.device_pages - len(pool.free_dev),
+            "kv_pages_host": pool.host.shape[0] - len(pool.free_host),
+            "kv_pages_index": pool.index_pool.pages_in_use, "kv_pages_limit": core.max_pages,
+            "kv_spilled_pages": pool.spilled,
+            "prefix_queries": core.prefix.queries, "prefix_hits": core.prefix.hits,
+            "prefix_query_tokens": core.prefix.query_tokens, "prefix_hit_tokens": core.prefix.hit_tokens,
+            "prefix_hit_rate": core.prefix.hit_rate, "swap_bytes": core.swap_used,
+        }

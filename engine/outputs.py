@@ -1,0 +1,66 @@
+"""Turning sampled tokens into what a client sees: finish checks (stop token ids, EOS, stop
+strings, length), incremental text with held-back stop-string prefixes, and output objects."""
+from __future__ import annotations
+
+from .request import CompletionOutput, Request, RequestOutput, Sequence, Status
+
+
+def check_finish(seq: Sequence, tokenizer, eos: int | None, max_model_len: int) -> None:
+    """After a token was appended: set ``seq.finish_reason`` (and its text) if it ends here."""
+    p, tok, n_out = seq.request.params, seq.tokens[-1], len(seq.output)
+    by_id = tok in p.stop_token_ids or (eos is not None and tok == eos and not p.ignore_eos)
+    ids = seq.output[:-1] if by_id else seq.output
+    full = tokenizer.decode(ids)
+    if p.stop:
+        start = max(0, len(seq.text) - max(map(len, p.stop)) + 1)
+        hits = [(full.find(s, start), s) for s in p.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            i, s = min(hits, key=lambda h: h[0])
+            seq.text = full
+            seq.stop_cut = i + len(s) if p.include_stop_str_in_output else i
+            seq.finish_reason, seq.stop_reason = "stop", s
+            return
+    seq.text = full
+    if by_id:
+        seq.finish_reason, seq.stop_reason = "stop", tok
+    elif n_out >= seq.request.max_tokens or len(seq.tokens) >= max_model_len:
+        seq.finish_reason = "length"
+
+
+def visible_text(seq: Sequence) -> str:
+    """The text a client may see now: cut at a stop string; while running, without a tail that
+    could still become a stop string or an incomplete UTF-8 character."""
+    if seq.stop_cut is not None:
+        return seq.text[:seq.stop_cut]
+    text = seq.text
+    if seq.finish_reason is None:
+        hold = max(map(len, seq.request.params.stop), default=1) - 1
+        text = text[:len(text) - hold] if hold else text
+        while text.endswith("\ufffd"):
+            text = text[:-1]
+    return text
+
+
+def completion(seq: Sequence) -> CompletionOutput:
+    """This sequence's output so far, with what is new since the previous call."""
+    text = visible_text(seq)
+    out = seq.output
+    lps = seq.logprobs
+    c = CompletionOutput(seq.index, text, list(out), None if lps is None else list(lps), seq.finish_reason,
+                         delta_text=text[seq.emitted_text:], delta_token_ids=out[seq.emitted_tokens:],
+                         delta_logprobs=[] if lps is None else lps[seq.emitted_logprobs:], stop_reason=seq.stop_reason)
+    seq.emitted_text, seq.emitted_tokens = max(seq.emitted_text, len(text)), len(out)
+    seq.emitted_logprobs = 0 if lps is None else len(lps)
+    return c
+
+
+def request_output(req: Request) -> RequestOutput:
+    return RequestOutput(req.id, list(req.prompt), [completion(s) for s in req.seqs], req.finished,
+                         req.error, req.prefix_hit_tokens)
+
+
+def finish(seq: Sequence, reason: str) -> None:
+    if seq.finish_reason is None:
+        seq.finish_reason = reason
+    seq.status = Status.FINISHED

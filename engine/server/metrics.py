@@ -1,0 +1,85 @@
+"""Prometheus metrics of a serving engine (``/metrics``).
+
+Gauges and counters are read from :meth:`Engine.stats` at scrape time (a custom collector, so
+nothing is double-booked); latency histograms are observed when a request finishes (a hook the
+engine calls from its loop thread). Generation throughput is the rate over the last
+``window_s`` seconds of scrapes.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "flashrt"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class EngineCollector:
+    def __init__(self, engine, window_s: float = 10.0):
+        self.engine, self.window_s = engine, window_s
+        self.samples: deque = deque()  # (time, generation tokens)
+
+    def tokens_per_s(self, generated: int) -> float:
+        now = time.monotonic()
+        self.samples.append((now, generated))
+        while len(self.samples) > 2 and now - self.samples[1][0] > self.window_s:
+            self.samples.popleft()
+        t0, g0 = self.samples[0]
+        return (generated - g0) / (now - t0) if now > t0 else 0.0
+
+    def collect(self):
+        s = self.engine.stats()
+        g = lambda name, doc, value: GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        yield g("requests_running", "Sequences in the decode batch", s["running"])
+        yield g("requests_prefilling", "Sequences prefilling their prompt", s["prefilling"])
+        yield g("requests_waiting", "Sequences waiting to start", s["waiting"])
+        yield g("requests_swapped", "Preempted sequences whose KV state is on the host", s["swapped"])
+        pages = GaugeMetricFamily(f"{PREFIX}_kv_pages_used", "KV pages in use per tier", labels=["tier"])
+        pages.add_metric(["device"], s["kv_pages_device"])
+        pages.add_metric(["host"], s["kv_pages_host"])
+        pages.add_metric(["index"], s["kv_pages_index"])
+        yield pages
+        if s["kv_pages_limit"] is not None:
+            yield g("kv_pages_limit", "Main-KV pages the scheduler may hold (both tiers)", s["kv_pages_limit"])
+        yield g("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up",
+                s["prefix_hit_rate"])
+        yield g("generation_tokens_per_second", "Generated tokens per second (recent window)",
+                self.tokens_per_s(s["generation_tokens"]))
+        c = lambda name, doc, value: CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        yield c("prompt_tokens", "Prompt tokens received", s["prompt_tokens"])
+        yield c("generation_tokens", "Tokens generated", s["generation_tokens"])
+        yield c("preemptions", "Sequences preempted when KV pages ran out", s["preemptions"])
+        yield c("preemption_swaps", "Preemptions that swapped the state to host memory", s["swaps"])
+        yield c("preemption_recomputes", "Preemptions that dropped the state for a recompute", s["recomputes"])
+        yield c("prefix_cache_queries", "Prefix-cache lookups", s["prefix_queries"])
+        yield c("prefix_cache_hits", "Prefix-cache lookups that hit", s["prefix_hits"])
+        yield c("kv_cold_spills", "Main-KV pages moved to the host (cold) tier", s["kv_spilled_pages"])
+        for kind in ("finished", "aborted", "failed"):
+            yield c(f"requests_{kind}", f"Requests {kind}", s[kind])
+
+
+class Metrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        h = lambda name, doc, buckets: Histogram(f"{PREFIX}_{name}", doc, buckets=buckets, registry=self.registry)
+        self.ttft = h("time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
+        self.tpot = h("time_per_output_token_seconds", "Mean time between output tokens of a request", TPOT_BUCKETS)
+        self.e2e = h("request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+        engine.core.finish_hooks.append(self.observe)
+
+    def observe(self, req) -> None:
+        if req.first_token_time is None or req.finish_time is None:
+            return
+        self.ttft.observe(req.first_token_time - req.arrival)
+        self.e2e.observe(req.finish_time - req.arrival)
+        per_seq = req.output_tokens / max(len(req.seqs), 1)
+        if per_seq > 1:
+            self.tpot.observe((req.finish_time - req.first_token_time) / (per_seq - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,82 @@
+"""KVState row operations a serving engine uses (take_row, release_row, rewind_rows) and exact row
+snapshots (engine/snapshot.py): a moved or restored row computes bit-identical logits, released
+pages go back to the pools, and a snapshot does not change when its state runs on."""
+import torch
+
+from flashrt.engine.snapshot import restore_row, snapshot_row
+from flashrt.kv.state import KVState
+
+
+def prefilled(model, pool, ids):
+    st = model.new_state(1, 64, pool=pool)
+    model.forward(ids, state=st)
+    return st
+
+
+def test_take_row_moves_a_sequence_exactly_and_release_returns_pages(model, cfg, rng):
+    ids = [torch.randint(0, cfg.vocab_size, (1, n), generator=rng) for n in (21, 9, 30)]
+    a = prefilled(model, None, ids[0])
+    pool = a.pool
+    batch = KVState(cfg, 4, 16, "cpu", pool=pool)
+    for row, i in ((2, 0), (0, 1), (3, 2)):
+        batch.take_row(row, a if i == 0 else prefilled(model, pool, ids[i]), 0)
+    assert a.row_pages(0) == 0 and a.host_positions == [0]  # the source row is left empty
+    ref = KVState(cfg, 4, 16, "cpu", pool=pool)  # the same sequence alone (4 rows: CPU GEMMs of
+    ref.take_row(0, prefilled(model, pool, ids[0]), 0)  # fewer rows round differently)
+    tok = torch.randint(0, cfg.vocab_size, (4, 1), generator=rng)
+    for _ in range(3):  # row 2 of the batch runs exactly what row 0 of the other runs
+        got = model.forward(tok, state=batch)[2]
+        assert torch.equal(got, model.forward(tok[[2, 0, 0, 0]], state=ref)[0])
+        batch.rewind_rows([1])  # the padding row stays at position 0
+        ref.rewind_rows([1, 2, 3])
+        assert batch.host_positions[1] == 0 and int(batch.positions[1]) == 0
+    held = pool.pages_in_use
+    assert held == sum(batch.row_pages(r) + ref.row_pages(r) for r in range(4))
+    for r in range(4):
+        batch.release_row(r)
+        ref.release_row(r)
+    assert pool.pages_in_use == 0 and pool.index_pool.pages_in_use == 0
+
+
+def test_snapshot_restores_exactly_and_stays_fixed(model, cfg, rng):
+    ids = torch.randint(0, cfg.vocab_size, (1, 37), generator=rng)
+    st = prefilled(model, None, ids)
+    snap = snapshot_row(st, 0)
+    frozen = {k: v.clone() for k, v in snap.tensors.items()}
+    tok = torch.randint(0, cfg.vocab_size, (1, 1), generator=rng)
+    want = model.forward(tok, state=st)  # the state runs on (and is then emptied)
+    st.release_row(0)
+    assert all(torch.equal(frozen[k], v) for k, v in snap.tensors.items())
+    other = model.new_state(1, 8, pool=st.pool)
+    restore_row(snap, other, 0)
+    assert other.host_positions == [37]
+    assert torch.equal(model.forward(tok, state=other), want)
+    # through bytes (the on-disk prefix cache) too
+    from flashrt.engine.snapshot import RowSnapshot
+
+    again = model.new_state(1, 8, pool=st.pool)
+    restore_row(RowSnapshot.from_bytes(snap.to_bytes(), snap.position), again, 0)
+    assert torch.equal(model.forward(tok, state=again), want)
+
+
+def test_snapshot_reads_both_tiers(model, cfg, rng):
+    from flashrt.engine.snapshot import _main_entries
+    from flashrt.kv.state import entry_bytes, fixed_bytes_for
+
+    page = 8 * entry_bytes(cfg.head_dim, "fp4_b16")
+    st = KVState(cfg, 1, 64, "cpu", kv_budget=fixed_bytes_for(cfg, 1, 64, 8) + 4 * page, page_entries=8)
+    ids = torch.randint(0, cfg.vocab_size, (1, 37), generator=rng)
+    for c0 in range(0, 37, 8):  # chunks: a step's new pages fit the 4 device pages
+        want = model.forward(ids[:, c0:c0 + 8], state=st)
+    assert st.pool.spilled > 0  # some pages live on the host tier
+    for l, c in st.compressed.items():
+        e = 37 // cfg.ratio(l)
+        data, scale = _main_entries(c.main, 0, e)
+        ref = c.main.read_row(0, e)
+        assert torch.equal(data, ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale.view(torch.uint8))
+    snap = snapshot_row(st, 0)
+    tok = torch.randint(0, cfg.vocab_size, (1, 1), generator=rng)
+    other = model.new_state(1, 8)
+    restore_row(snap, other, 0)
+    assert torch.equal(model.forward(tok, state=other), model.forward(tok, state=st))
+    assert want.shape == (1, cfg.vocab_size)
