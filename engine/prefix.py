@@ -17,8 +17,6 @@ from safetensors.torch import save as st_save
 
 from flashrt.formats import QTensor
 
-from flashrt.graphs.context import StepContext
-
 ALIGN = 64
 
 
@@ -118,9 +116,7 @@ def restore(model, state, payloads: list[bytes], ids: torch.Tensor, length: int,
             pad = torch.full((state.batch, n_hist - state.engram_history.shape[1]), -1, dtype=torch.long,
                              device=model.device)
             state.engram_history = torch.cat([pad, state.engram_history], dim=1)
-    ctx = model.context(tokens, state)
-    ctx = StepContext(ctx.positions, ctx.end, state, ctx.rope, ctx.engram_ids,
-                      compress_done=frozenset(cfg.kv_source_layers), next_history=ctx.next_history)
+    ctx = model.context(tokens, state, compress_done=frozenset(cfg.kv_source_layers))
     captured = {} if model.drafts is not None else None
     x, pre = model.run_layers(*model.embed_tokens(tokens), ctx, range(cfg.n_layers), capture=captured)
     if captured:

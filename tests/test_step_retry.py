@@ -103,7 +103,7 @@ def check_retries(model, monkeypatch, rng, before, ids, step=None, greedy: int =
 
 
 def prefilled(model, rng, batch: int, tokens: int):
-    state = model.new_state(batch, 64, kv_budget=None)
+    state = model.new_state(batch, 64)
     ids = torch.randint(0, model.cfg.vocab_size, (batch, tokens), generator=rng)
     tok = model.forward(ids, state=state).argmax(-1, keepdim=True)
     return state, tok
