@@ -140,3 +140,20 @@ def test_chunk_from_a_position_retry_is_exact(model, rng, monkeypatch, start, le
     state, _ = prefilled(model, rng, 2, start)
     ids = torch.randint(0, model.cfg.vocab_size, (2, length), generator=rng)
     check_retries(model, monkeypatch, rng, state, ids)
+
+
+def test_one_token_steps_write_in_place_chunks_at_commit(model, rng):
+    """What a captured decode step relies on: a one-token step's ring and partial-group writes land
+    inside Model.run (a CUDA graph records them); a chunk's land only when the state advances."""
+    rings = lambda s: torch.cat([r.data.view(torch.uint8).flatten() for r in s.rings.values()])
+    partial = lambda s: torch.cat([c.kv_state.flatten() for c in s.compressed.values() if c.kv_state is not None])
+    state, tok = prefilled(model, rng, 2, 13)
+    for ids in (tok, torch.randint(0, model.cfg.vocab_size, (2, 5), generator=rng)):
+        before_rings, before_partial = rings(state), partial(state)
+        ctx = model.context(ids, state)
+        model.run(ids, ctx)
+        one = ids.shape[1] == 1
+        assert torch.equal(rings(state), before_rings) != one
+        assert torch.equal(partial(state), before_partial) != one
+        state.advance(ids.shape[1], ctx.next_history)
+        assert not torch.equal(rings(state), before_rings) and not torch.equal(partial(state), before_partial)
