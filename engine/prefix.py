@@ -24,7 +24,6 @@ import json
 import torch
 
 from flashrt.formats import QTensor
-from flashrt.graphs.context import StepContext
 from flashrt.graphs.prefill import prefill_prompt
 
 from .prefix_entry import FULL, GLOBAL, LayoutError, export_row, import_row, parse
@@ -152,9 +151,7 @@ def _replay(model, state, ids: torch.Tensor, length: int, start: int) -> torch.T
         history = model.hasher.token_map(ids[:, max(0, start - n_hist):start].to(model.device))
         pad = torch.full((state.batch, n_hist - history.shape[1]), -1, dtype=torch.long, device=model.device)
         state.engram_history = torch.cat([pad, history], dim=1)
-    ctx = model.context(tokens, state)
-    ctx = StepContext(ctx.positions, ctx.end, state, ctx.rope, ctx.engram_ids,
-                      compress_done=frozenset(cfg.kv_source_layers), next_history=ctx.next_history)
+    ctx = model.context(tokens, state, compress_done=frozenset(cfg.kv_source_layers))
     captured = {} if model.drafts is not None else None
     x, pre = model.run_layers(*model.embed_tokens(tokens), ctx, range(cfg.n_layers), capture=captured)
     if captured:

@@ -30,10 +30,8 @@ import torch
 
 from flashrt import checks
 from flashrt.formats import QTensor
-from flashrt.kv.state import KVState
+from flashrt.kv.state import KVState, StepBuffers
 from flashrt.kv.pages import cold_gather_kernel
-
-from flashrt.graphs.context import StepContext
 
 
 CAPTURE_ERROR_MODE = "global"  # torch.cuda.graph's: "relaxed" lets driver queries run during a capture
@@ -77,18 +75,12 @@ class StepCapture:
         self.stats = {"captured": 0, "replayed": 0, "eager": 0, "fallback": 0}
         self.ratios = sorted({model.cfg.ratio(l) for l in model.cfg.kv_source_layers})
 
-    def fallback_reason(self, cold: tuple | None = None) -> str | None:
-        """Why the next step cannot run from static buffers (None when it can); ``cold``:
-        :meth:`_cold` when the caller has it already."""
+    def fallback_reason(self, buffers: StepBuffers) -> str | None:
+        """Why the next step cannot run from static ``buffers`` (None when it can)."""
         s = self.state
-        picks = s.batch * self.model.cfg.index_topk
-        if any(self._cold() if cold is None else cold) and not cold_gather_kernel(s.pool, picks):
+        if any(buffers.cold) and not cold_gather_kernel(s.pool, s.batch * self.model.cfg.index_topk):
             return "main-KV pages on the host tier without the zero-copy gather (host-driven fetch)"
         return None
-
-    def _cold(self) -> tuple:
-        """Per source layer: whether any of its pages live on the host (a step's resolve differs)."""
-        return tuple(any(t.cold for t in c.main.tables) for c in self.state.compressed.values())
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[B, vocab]`` after one token per row (``ids`` [B] or [B, 1] on the model's
@@ -98,13 +90,10 @@ class StepCapture:
         end = max(state.host_positions) + 1
         entries = {r: bucket(end // r) for r in self.ratios}
         state.begin_step(1)
-        state.ensure_capacity(max([end] + [t * r for r, t in entries.items()]))
-        cold = self._cold()
-        if self.fallback_reason(cold) is not None:
+        buffers = state.step_buffers(entries)  # room for the bucket, block tables refreshed in place
+        if self.fallback_reason(buffers) is not None:
             self.stats["fallback"] += 1
             return model.forward(ids, state=state)
-        for c in state.compressed.values():
-            c.main.dev_ids()  # block tables (device and host tier) refreshed in place before the graph reads them
         self.ids.copy_(ids)
         history = None
         if model.hasher is not None:
@@ -116,16 +105,15 @@ class StepCapture:
             if model.prefetch is not None:
                 self._stage_engram()
         with checks.value_checks(False):
-            logits = self._step(entries, cold)
+            logits = self._step(entries, buffers)
         state.advance(1, history)
         return logits
 
     def _body(self, entries: dict) -> torch.Tensor:
         state = self.state
-        ctx = StepContext(state.positions.unsqueeze(1), max(state.host_positions) + 1, state, self.model.rope,
-                          self.engram_ids, entries=entries)
-        for slot, (_, rows) in self.staged.items():
-            ctx.shared[("engram", slot)] = (rows, None)
+        ctx = self.model.step_context(state, state.positions.unsqueeze(1), max(state.host_positions) + 1,
+                                      entries=entries, engram_ids=self.engram_ids,
+                                      engram_rows={slot: (rows, None) for slot, (_, rows) in self.staged.items()})
         return self.model.run(self.ids, ctx)
 
     def _stage_engram(self) -> None:
@@ -150,12 +138,12 @@ class StepCapture:
         self.copied = torch.cuda.Event()
         self.copied.record()
 
-    def _step(self, entries: dict, cold: tuple) -> torch.Tensor:
+    def _step(self, entries: dict, buffers: StepBuffers) -> torch.Tensor:
         if not self.capture:
             self.stats["eager"] += 1
             return self._body(entries)
-        key = (tuple(sorted(entries.items())), cold, self._layout())
-        if any(key[1]) and not CAPTURE_COLD:  # cold pages: static buffers, run eagerly
+        key = (tuple(sorted(entries.items())), buffers.cold, buffers.layout(), self._layout())
+        if any(buffers.cold) and not CAPTURE_COLD:  # cold pages: static buffers, run eagerly
             self.stats["eager"] += 1
             return self._body(entries)
         hit = self.graphs.get(key)
@@ -187,13 +175,6 @@ class StepCapture:
         return logits
 
     def _layout(self) -> tuple:
-        """Address and shape of every state tensor a step reads or writes."""
-        s = self.state
-        tensors = [s.positions, self.ids, self.engram_ids]
-        for q in (s.pool.dev, s.pool.host, s.index_pool.dev):  # the host pool: pinned, read by the gather
-            tensors += [q.data, q.scale]
-        tensors += [t for _, dev in self.staged.values() for t in (dev.data, dev.scale)]
-        for c in s.compressed.values():
-            tensors += [c.index_k.table, c.kv_state, c.score_state, c.main.dev_ids(), c.main.host_ids_device()]
-        tensors += [t for q in s.rings.values() for t in (q.data, q.scale)] + list(s.ring_start.values())
+        """Address and shape of this runner's own static buffers (the state's: StepBuffers.layout)."""
+        tensors = [self.ids, self.engram_ids] + [t for _, dev in self.staged.values() for t in (dev.data, dev.scale)]
         return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors if t is not None)

@@ -12,34 +12,7 @@ import torch
 from flashrt import ops
 
 from .compressor import Compressor
-from .context import StepContext, rope_tail
-
-
-_BIG = 1 << 62  # a key every ring start accepts (chunk slots); -_BIG: none does (before the sequence)
-
-
-def window_parts(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What :func:`window_indices` needs that does not depend on the layer's ring start, computed once
-    per call: (slot int32 [B, S, W], key int64 [B, S, W]). Position ``p - w`` is slot
-    ``window + p - w - start`` of the chunk when it is >= the chunk start, else ring slot
-    ``(p - w) % W``; its key is ``_BIG`` in the chunk, the position itself when >= 0, else ``-_BIG``."""
-    start = positions[:, :1].unsqueeze(-1)  # [B, 1, 1]
-    pos = positions.unsqueeze(-1) - torch.arange(window, device=positions.device)  # [B, S, W]
-    in_chunk = pos >= start
-    slot = torch.where(in_chunk, window + pos - start, pos % window).to(torch.int32)
-    key = torch.where(in_chunk, _BIG, torch.where(pos >= 0, pos, -_BIG))
-    return slot, key
-
-
-def window_indices(positions: torch.Tensor, ring_start: torch.Tensor, window: int, parts=None) -> torch.Tensor:
-    """int32 [B, S, W] indices into [ring (W slots) ‖ chunk (S)] of the W most recent positions.
-
-    Position ``p - w`` lives in the chunk when it is >= the chunk start, else in ring slot
-    ``(p - w) % W`` if the ring holds it (>= ``ring_start``); -1 before the sequence start.
-    ``parts``: :func:`window_parts` of these positions (shared by the layers of one call).
-    """
-    slot, key = parts if parts is not None else window_parts(positions, window)
-    return slot.masked_fill(key < ring_start.view(-1, 1, 1), -1)
+from .context import Selection, StepContext, rope_tail, window_indices, window_parts  # noqa: F401 (re-exported)
 
 
 class Attention:
@@ -82,42 +55,32 @@ class Attention:
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         cfg = self.cfg
-        S = h.shape[1]
-        f = ctx.factors(self.ratio > 0)
+        f = ctx.rope_compressed if self.ratio else ctx.rope_window
         qr, q = self.query(h, f)
         kv = self.window_kv(h, f, ctx.state.window_fmt)
-        W = cfg.window_size
         segments = [ctx.state.rings[self.layer], kv]
-        if ("window", W) not in ctx.shared:
-            ctx.shared[("window", W)] = window_parts(ctx.positions, W)
-        indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], W, ctx.shared[("window", W)])
+        indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], cfg.window_size, ctx.window_parts)
         if self.ratio:
-            main, topk = self._compressed(h, qr, ctx)
-            segments += main
-            own = self.role in ("full", "reindex")  # else the index source's top-k (reuse layers share it)
-            key = ("topk+window", self.layer if own else self.index_source)
-            if key not in ctx.shared:
-                ctx.shared[key] = torch.where(topk >= 0, topk + W + S, topk)
-            indices = torch.cat([indices, ctx.shared[key]], dim=-1)
+            picked = self._selection(h, qr, ctx)
+            segments += picked.segments
+            indices = torch.cat([indices, picked.indices], dim=-1)
         o = ops.sparse_attention(q, tuple(segments), indices, self.sink, cfg.head_dim ** -0.5)
-        ctx.state.write_ring(self.layer, kv, ctx.positions)
+        ctx.state.write_ring(self.layer, kv, ctx.ring_slots)
         return self.output(o, f)
 
     # ----- compressed KV and its top-k ---------------------------------------------------------
-    def _compressed(self, h, qr, ctx: StepContext):
-        source = self.source
+    def _selection(self, h, qr, ctx: StepContext) -> Selection:
+        """The compressed entries this layer attends to: its own top-k (``full`` / ``reindex``,
+        published for the ``reuse`` layers after it) or its index source's."""
         if self.compressor is not None and self.layer not in ctx.compress_done:
             self.compressor.forward(h, ctx)
-        T = ctx.entries_for(self.ratio)
         if self.role in ("full", "reindex"):
-            topk = self._indexer(h, qr, ctx.state.index_keys(source, T), ctx.visible(self.ratio), ctx)
-            ctx.shared[("topk", self.layer)] = topk
-        else:
-            topk = ctx.shared[("topk", self.index_source)]
-        key = ("main", source, self.index_source)  # reuse layers share the resolved segments
-        if key not in ctx.shared:
-            ctx.shared[key] = ctx.state.main_segments(source, topk, T)
-        return ctx.shared[key]
+            T = ctx.entries[self.ratio]
+            topk = self._indexer(h, qr, ctx.state.index_keys(self.source, T), ctx.visible[self.ratio], ctx)
+            segments, idx = ctx.state.main_segments(self.source, topk, T)
+            offset = self.cfg.window_size + h.shape[1]  # past the ring and the chunk
+            ctx.selections[self.layer] = Selection(segments, torch.where(idx >= 0, idx + offset, idx))
+        return ctx.selections[self.index_source]
 
     def _indexer(self, h, qr, index_k, visible, ctx: StepContext) -> torch.Tensor:
         cfg = self.cfg
@@ -125,15 +88,13 @@ class Attention:
         T = index_k.shape[1]
         if T == 0:
             return torch.empty(B, S, 0, dtype=torch.int32, device=h.device)
-        f = ctx.factors(True)
         q = ops.linear(qr, self.idx_wq_b).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
-        q = rope_tail(q, f, cfg.rope_head_dim)
+        q = rope_tail(q, ctx.rope_compressed, cfg.rope_head_dim)
         q = ops.dequantize(ops.quantize(q, "fp4_b32"), q.dtype)  # the published fake-quant
         scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
         weights = ops.linear(h, self.idx_weights).to(torch.float32) * scale
         scores = ops.index_scores(q, index_k, weights, visible)
         if self.layer == cfg.candidate_source_layer:
-            ctx.shared["candidates"] = ops.candidate_blocks(
-                scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
-        candidates = ctx.shared.get("candidates") if cfg.uses_candidates(self.layer) else None
+            ctx.candidates = ops.candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+        candidates = ctx.candidates if cfg.uses_candidates(self.layer) else None
         return ops.topk_positions(scores, min(cfg.index_topk, T), candidates)

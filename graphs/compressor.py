@@ -36,7 +36,9 @@ class Compressor:
         self._store(latent, entry, mask, ctx)
 
     def _decode(self, h, ctx: StepContext):
-        """One token per row at its own position: fill slot ``pos % r``; pool when complete."""
+        """One token per row at its own position: fill slot ``pos % r``; pool when complete. Written
+        in place: a retried step writes the same slot again (no other slot is read until the group
+        is complete), so a decode step stays a pure device function (CUDA-graph capturable)."""
         cache, r = ctx.state.compressed[self.layer], self.ratio
         x = h.to(torch.float32)
         pos = ctx.positions[:, 0]
@@ -48,7 +50,9 @@ class Compressor:
         return latent, ((pos + 1) // r - 1).unsqueeze(1), ((pos + 1) % r == 0).unsqueeze(1)
 
     def _chunk(self, h, ctx: StepContext):
-        """A chunk of S tokens starting at the same position in every row."""
+        """A chunk of S tokens starting at the same position in every row: reads the pending
+        group, pools the groups the chunk completes; the new pending group is committed with the
+        call (a failed call leaves the old one for its retry)."""
         cache, r = ctx.state.compressed[self.layer], self.ratio
         starts = set(ctx.state.host_positions)
         if len(starts) != 1:
@@ -60,8 +64,7 @@ class Compressor:
         score = torch.cat([cache.score_state[:, :pend], ops.linear(x, self.wgate)], dim=1)
         B, L, D = kv.shape
         n, rem = divmod(L, r)
-        cache.kv_state[:, :rem] = kv[:, n * r:]
-        cache.score_state[:, :rem] = score[:, n * r:]
+        ctx.state.write_partial(self.layer, kv[:, n * r:], score[:, n * r:])  # the next pending group
         if n == 0:
             return None, None, None
         pooled = ops.compress_pool(kv[:, : n * r].reshape(B, n, r, D), score[:, : n * r].reshape(B, n, r, D))

@@ -1,4 +1,4 @@
-"""The per-forward metadata every layer reads: positions, rotary factors, what sources published."""
+"""The per-forward metadata every layer reads (computed once per call) and what source layers publish."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,47 +9,100 @@ from flashrt import ops
 from flashrt.rope import YaRN, rope_frequencies
 from flashrt.kv.state import KVState
 
+_BIG = 1 << 62  # a key every ring start accepts (chunk slots); -_BIG: none does (before the sequence)
+
+
+@dataclass(slots=True)
+class Selection:
+    """What one index source's top-k resolves to, shared by the layers that reuse its top-k."""
+
+    segments: list  # main-KV segments holding the picked entries
+    indices: torch.Tensor  # int32 [B, S, K] into [ring (W) ‖ chunk (S) ‖ segments]; -1: no pick
+
 
 @dataclass(slots=True)
 class StepContext:
-    """One forward call over a chunk of ``S`` tokens per sequence.
+    """One forward call over a chunk of ``S`` tokens per sequence (row b covers positions
+    ``start[b] .. start[b] + S - 1``): built once per call by :meth:`build`, read by every layer.
+    The layers publish into ``selections`` and ``candidates``; nothing else changes during a call."""
 
-    positions: [B, S] absolute positions (row b covers ``start[b] .. start[b] + S - 1``).
-    state: the sequences' caches. shared: what source layers published this call (compressed
-    top-k per index source, the candidate pool). engram_ids: [B, S, n_engram_layers, cols].
-    compress_done: KV-source layers whose entries for this chunk were already written (CED).
-    """
-
-    positions: torch.Tensor
+    positions: torch.Tensor  # [B, S] absolute positions
     end: int  # 1 + the largest position in the chunk (host-side, no device sync)
     state: KVState
     rope: "RopeCache"
-    engram_ids: torch.Tensor | None = None
-    shared: dict = field(default_factory=dict)
-    compress_done: frozenset = frozenset()
+    rope_window: torch.Tensor | None = None  # complex64 [B, S, R/2]: window-only and draft layers
+    rope_compressed: torch.Tensor | None = None  # the same for the compressed layers
+    window_parts: tuple | None = None  # window_parts(positions, W): (slot, key), shared by every layer
+    ring_slots: tuple | None = None  # KVState.ring_slots(positions): where every layer writes its ring
+    visible: dict = field(default_factory=dict)  # ratio -> int32 [B, S]: entries each query sees
+    entries: dict = field(default_factory=dict)  # ratio -> compressed entries a layer reads
+    shared_route: tuple | None = None  # (weights, experts) of the shared expert for the B * S tokens
+    engram_ids: torch.Tensor | None = None  # [B, S, n_engram_layers, cols]
+    engram_rows: dict = field(default_factory=dict)  # Engram slot -> (staged rows, copy event or None)
     token_mask: torch.Tensor | None = None  # [B, S] bool, False: no Engram for that token
-    entries: dict | None = None  # ratio -> compressed entries to read (a CUDA graph's static bucket)
+    compress_done: frozenset = frozenset()  # KV sources whose entries for this chunk exist (CED)
     next_history: torch.Tensor | None = None  # Engram history after this chunk: committed with advance()
+    selections: dict = field(default_factory=dict)  # index-source layer -> Selection (published)
+    candidates: torch.Tensor | None = None  # the candidate source's blocks (published)
 
-    def entries_for(self, ratio: int) -> int:
-        """Compressed entries a layer of this ``ratio`` reads: every complete group up to ``end``, or
-        the static bucket a captured decode step reads (the extra entries are not visible)."""
-        return self.entries[ratio] if self.entries is not None else self.end // ratio
+    @classmethod
+    def build(cls, needs: "StepNeeds", rope: "RopeCache", state: KVState, positions: torch.Tensor, end: int,
+              routes=None, entries: dict | None = None, **fields) -> "StepContext":
+        """Everything the layers read, computed once for this call. ``routes(n, device)``: the shared
+        expert's routes (None: no shared expert). ``entries``: ratio -> compressed entries to read
+        (a captured step's static bucket; default: every complete group up to ``end``; the extra
+        entries of a bucket are visible to no query)."""
+        B, S = positions.shape
+        return cls(
+            positions, end, state, rope,
+            rope_window=rope.factors(False, positions) if needs.window_rope else None,
+            rope_compressed=rope.factors(True, positions) if needs.ratios else None,
+            window_parts=window_parts(positions, needs.window),
+            ring_slots=state.ring_slots(positions),
+            visible={r: ((positions + 1) // r).to(torch.int32) for r in needs.index_ratios},
+            entries=dict(entries) if entries is not None else {r: end // r for r in needs.ratios},
+            shared_route=None if routes is None else routes(B * S, positions.device),
+            **fields)
 
-    def visible(self, ratio: int) -> torch.Tensor:
-        """int32 [B, S]: compressed entries of this ``ratio`` each query sees (its complete groups),
-        computed once per call and shared by the layers of that ratio."""
-        key = ("visible", ratio)
-        if key not in self.shared:
-            self.shared[key] = ((self.positions + 1) // ratio).to(torch.int32)
-        return self.shared[key]
 
-    def factors(self, compressed: bool) -> torch.Tensor:
-        """Rotary factors of this chunk's positions, computed once per call and shared by layers."""
-        key = ("rope", compressed)
-        if key not in self.shared:
-            self.shared[key] = self.rope.factors(compressed, self.positions)
-        return self.shared[key]
+@dataclass(frozen=True, slots=True)
+class StepNeeds:
+    """What the layers of a config read every call (fixed per model, so worked out once)."""
+
+    window: int  # window_size
+    ratios: tuple  # compress ratios of the compressed layers
+    index_ratios: tuple  # compress ratios of the index sources (their queries' visible counts)
+    window_rope: bool  # window-only or draft layers exist
+
+    @classmethod
+    def of(cls, cfg) -> "StepNeeds":
+        return cls(cfg.window_size, tuple(sorted({cfg.ratio(l) for l in range(cfg.n_layers)} - {0})),
+                   tuple(sorted({cfg.ratio(l) for l in cfg.index_source_layers})),
+                   any(cfg.ratio(l) == 0 for l in range(cfg.total_layers)))
+
+
+def window_parts(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`window_indices` needs that does not depend on the layer's ring start, computed once
+    per call: (slot int32 [B, S, W], key int64 [B, S, W]). Position ``p - w`` is slot
+    ``window + p - w - start`` of the chunk when it is >= the chunk start, else ring slot
+    ``(p - w) % W``; its key is ``_BIG`` in the chunk, the position itself when >= 0, else ``-_BIG``."""
+    start = positions[:, :1].unsqueeze(-1)  # [B, 1, 1]
+    pos = positions.unsqueeze(-1) - torch.arange(window, device=positions.device)  # [B, S, W]
+    in_chunk = pos >= start
+    slot = torch.where(in_chunk, window + pos - start, pos % window).to(torch.int32)
+    key = torch.where(in_chunk, _BIG, torch.where(pos >= 0, pos, -_BIG))
+    return slot, key
+
+
+def window_indices(positions: torch.Tensor, ring_start: torch.Tensor, window: int, parts=None) -> torch.Tensor:
+    """int32 [B, S, W] indices into [ring (W slots) ‖ chunk (S)] of the W most recent positions.
+
+    Position ``p - w`` lives in the chunk when it is >= the chunk start, else in ring slot
+    ``(p - w) % W`` if the ring holds it (>= ``ring_start``); -1 before the sequence start.
+    ``parts``: :func:`window_parts` of these positions (shared by the layers of one call).
+    """
+    slot, key = parts if parts is not None else window_parts(positions, window)
+    return slot.masked_fill(key < ring_start.view(-1, 1, 1), -1)
 
 
 class RopeCache:

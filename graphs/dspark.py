@@ -24,13 +24,13 @@ class _DraftAttention:
         self.a = attn
 
     def main_kv(self, main_x: torch.Tensor, ctx: StepContext):
-        return self.a.window_kv(main_x, ctx.factors(False), ctx.state.window_fmt)
+        return self.a.window_kv(main_x, ctx.rope_window, ctx.state.window_fmt)
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         a, cfg = self.a, self.a.cfg
         W = cfg.window_size
         B, S, _ = h.shape
-        f = ctx.factors(False)
+        f = ctx.rope_window
         _, q = a.query(h, f)
         kv = a.window_kv(h, f, ctx.state.window_fmt)
         main_pos = ctx.positions[:, :1] - 1  # the main token this block continues
@@ -65,7 +65,7 @@ class Drafts:
         """Prefill or decode: write the main stream's KV of this chunk into every draft ring."""
         main_x = self.main_stream(captured)
         for block in self.blocks:
-            ctx.state.write_ring(block.layer, block.attn.main_kv(main_x, ctx), ctx.positions)
+            ctx.state.write_ring(block.layer, block.attn.main_kv(main_x, ctx), ctx.ring_slots)
 
     def draft(self, next_ids: torch.Tensor, state, temperature: float = 0.0, generator=None):
         """Draft ``block_size`` tokens after ``next_ids`` [B] (the token sampled at the last
@@ -78,7 +78,8 @@ class Drafts:
         ids[:, 0] = next_ids
         x, pre = model.embed_tokens(ids)
         positions = state.positions.unsqueeze(1) + torch.arange(K, device=model.device)
-        ctx = StepContext(positions, max(state.host_positions) + K, state, model.rope)
+        ctx = StepContext(positions, max(state.host_positions) + K, state, model.rope,  # reads the rings only
+                          rope_window=model.rope.factors(False, positions), shared_route=model.shared_route(B * K))
         for block in self.blocks:
             x, pre = block.forward(x, pre, ctx)
         h = ops.hc_collapse(x, pre)

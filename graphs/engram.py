@@ -32,7 +32,7 @@ class Engram:
 
     def rows(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """bf16 [B, S, cols, head_dim]: from the staged rows when prefetched, else the table."""
-        staged = ctx.shared.get(("engram", self.slot))
+        staged = ctx.engram_rows.get(self.slot)
         if staged is None and self.table.device == ids.device:
             return ops.engram_lookup(self.table, ids)
         if staged is None:  # host table, not prefetched for this call: gather now
@@ -92,11 +92,11 @@ class EngramPrefetch:
         for e in self.engrams:
             flat = ids[:, :, e.slot].reshape(-1)
             if self.stream is None:
-                ctx.shared[("engram", e.slot)] = (host_rows(e.table, flat, self.device), None)
+                ctx.engram_rows[e.slot] = (host_rows(e.table, flat, self.device), None)
                 continue
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 staged = host_rows(e.table, flat, self.device, pin=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            ctx.shared[("engram", e.slot)] = (staged, event)
+            ctx.engram_rows[e.slot] = (staged, event)

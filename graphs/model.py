@@ -13,9 +13,10 @@ from flashrt.kv.state import KVState
 
 from .block import Block
 from .config import ModelConfig
-from .context import RopeCache, StepContext
+from .context import RopeCache, StepContext, StepNeeds
 from .engram import EngramPrefetch, place_tables
 from .engram_hash import EngramHasher, EngramLayout, TokenMap
+from .moe import SharedRoutes
 
 
 class Model:
@@ -31,6 +32,8 @@ class Model:
         self.device = self.embed.device
         self.blocks = [Block(cfg, layer, weights, f"layers.{layer}.") for layer in range(cfg.n_layers)]
         self.rope = RopeCache(cfg, self.device)
+        self.routes = SharedRoutes() if cfg.n_shared_experts else None
+        self.step_needs = StepNeeds.of(cfg)
         layout = EngramLayout.from_config(cfg)
         self.hasher = None
         if layout is not None:
@@ -66,11 +69,14 @@ class Model:
             raise ValueError(f"input_ids: expected ids in [0, {self.cfg.vocab_size}), got values in [{lo}, {hi}]")
         return input_ids.to(device=self.device, dtype=torch.long)
 
-    def context(self, ids: torch.Tensor, state: KVState, token_mask: torch.Tensor | None = None) -> StepContext:
-        """Positions and Engram hashes for a chunk ``ids`` [B, S] continuing ``state``.
+    def context(self, ids: torch.Tensor, state: KVState, token_mask: torch.Tensor | None = None,
+                compress_done: frozenset = frozenset()) -> StepContext:
+        """The step context of a chunk ``ids`` [B, S] continuing ``state`` (positions, Engram hashes
+        and the rest of :meth:`step_context`); opens the state's step (:meth:`KVState.begin_step`).
 
         ``token_mask`` [B, S] bool: False marks tokens (e.g. image tokens) that take no part in an
-        n-gram and whose Engram gate is off."""
+        n-gram and whose Engram gate is off. ``compress_done``: KV sources whose compressed entries
+        for this chunk are already stored (their compressors are skipped)."""
         S = ids.shape[1]
         end = max(state.host_positions) + S
         state.begin_step(S)
@@ -82,10 +88,19 @@ class Model:
         elif self.hasher is not None:
             engram_ids, history = self.hasher.hash_ids(ids, state.engram_history, token_mask)
         # the state changes only when the chunk has run (advance): a failed call can be retried
-        ctx = StepContext(positions, end, state, self.rope, engram_ids, token_mask=token_mask, next_history=history)
+        ctx = self.step_context(state, positions, end, engram_ids=engram_ids, token_mask=token_mask,
+                                compress_done=compress_done, next_history=history)
         if self.prefetch is not None and not state.is_meta:
             self.prefetch.start(ctx)
         return ctx
+
+    def step_context(self, state: KVState, positions: torch.Tensor, end: int, **fields) -> StepContext:
+        """:meth:`StepContext.build` for this model (its rotary factors and shared-expert routes)."""
+        return StepContext.build(self.step_needs, self.rope, state, positions, end, routes=self.routes, **fields)
+
+    def shared_route(self, tokens: int):
+        """The shared expert's routes for ``tokens`` tokens (None without a shared expert)."""
+        return None if self.routes is None else self.routes(tokens, self.device)
 
     # ----- pieces ----------------------------------------------------------------------------------
     def embed_tokens(self, ids: torch.Tensor):
@@ -132,7 +147,7 @@ class Model:
         return logits
 
     def run(self, ids: torch.Tensor, ctx: StepContext, all_positions: bool = False) -> torch.Tensor:
-        """Every layer over ``ids`` in context ``ctx`` (caches written, positions not advanced):
+        """Every layer over ``ids`` in context ``ctx``, nothing committed (``ctx.state.advance`` does):
         only device work, so a decode step can be captured in a CUDA graph (engine/step_capture.py)."""
         x, pre = self.embed_tokens(ids)
         captured = {} if self.drafts is not None else None

@@ -43,11 +43,12 @@ class MoE:
         self.bias = w[p + "gate.bias"]
         self.w1, self.w2, self.w3 = (
             stack_in_place(w, [f"{p}experts.{e}.{name}.weight" for e in range(n_routed)]) for name in ("w1", "w2", "w3"))
-        self.shared, self._routes = None, {}
+        self.shared = None
         if cfg.n_shared_experts:
             self.shared = tuple(stack_in_place(w, [f"{p}shared_experts.{name}.weight"]) for name in ("w1", "w3", "w2"))
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, shared_route: tuple | None = None) -> torch.Tensor:
+        """``shared_route``: :class:`SharedRoutes` of the call's tokens (made here when None)."""
         cfg = self.cfg
         shape = h.shape
         x = h.reshape(-1, shape[-1])
@@ -55,19 +56,33 @@ class MoE:
                                          cfg.norm_topk_prob, cfg.route_scale)
         y = ops.moe_experts(x, weights, indices, self.w1, self.w3, self.w2, cfg.swiglu_limit)
         if self.shared is not None:
-            ones, first = self._shared_route(x.shape[0], x.device)
+            ones, first = shared_route if shared_route is not None else SharedRoutes.make(x.shape[0], x.device)
             y = y + ops.moe_experts(x, ones, first, *self.shared, cfg.swiglu_limit)
         return y.to(h.dtype).view(shape)
 
-    def _shared_route(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights 1.0, expert 0) for ``n`` tokens of the shared expert: made once per token count
-        (two fills fewer per layer and step), never while a CUDA graph is being captured (a capture
-        records the fill without running it)."""
+
+class SharedRoutes:
+    """The shared expert's routes (weight 1.0, expert 0) for ``n`` tokens: made once per token count
+    and device and reused by every layer and call (two fills fewer per layer and step), never kept
+    from inside a CUDA-graph capture (a capture records the fill without running it)."""
+
+    LIMIT = 64  # prefill chunks of many lengths: keep the set small
+
+    def __init__(self):
+        self._routes: dict = {}
+
+    @staticmethod
+    def make(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.ones(n, 1, dtype=torch.float32, device=device),
+                torch.zeros(n, 1, dtype=torch.int32, device=device))
+
+    def __call__(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        device = torch.device(device)
         hit = self._routes.get((n, device))
         if hit is None:
-            hit = (torch.ones(n, 1, dtype=torch.float32, device=device), torch.zeros(n, 1, dtype=torch.int32, device=device))
+            hit = self.make(n, device)
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                if len(self._routes) >= 64:  # prefill chunks of many lengths: keep the set small
+                if len(self._routes) >= self.LIMIT:
                     self._routes.clear()
                 self._routes[(n, device)] = hit
         return hit

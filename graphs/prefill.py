@@ -11,8 +11,6 @@ import torch
 
 from flashrt.kv.state import KVState
 
-from .context import StepContext
-
 PREFILLS = ("exact", "ced")
 
 
@@ -66,9 +64,10 @@ def _ced(model, ids, state: KVState, chunk: int) -> torch.Tensor:
     x, pre, positions, engram_ids = (cut(i) for i in range(4))
     for layer in range(split, cfg.n_layers):
         state.ring_start[layer].fill_(S - W)
-    sub = StepContext(positions, S, state, model.rope, engram_ids, compress_done=frozenset({split}))
+    sub = model.step_context(state, positions, S, engram_ids=engram_ids, compress_done=frozenset({split}))
     captured = {} if model.drafts is not None else None
     x, pre = model.run_layers(x, pre, sub, range(split, cfg.n_layers), skip_engram={split}, capture=captured)
     if captured:
         model.drafts.seed(captured, sub)
+    state.commit()  # the decoder layers' (and drafts') rings
     return model.logits(x, pre, all_positions=False)

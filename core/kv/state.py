@@ -11,10 +11,18 @@ bytes, older pages spilled to (pinned) host memory; index K lives in device page
 Budget split: ``kv_budget`` = fixed state (rings, compressor partial groups, index-K pages for
 ``capacity`` positions, one trash page per pool) + main-KV device pages (the rest).
 Rows of a batch are independent sequences at their own positions.
+
+Steps are transactional: a forward call that fails part-way leaves the state as it was, so the
+same call can be retried bit-exactly. A one-token step writes in place (rings, partial groups,
+entries: a retry writes the same bytes to the same slots and no query reads a slot before the step
+writes it), so a decode step stays a pure device function. A chunk of S >= 2 tokens would overwrite
+ring slots and the pending group that its own queries read: those writes are staged and land in
+:meth:`KVState.commit` (from :meth:`KVState.advance`); its compressed entries are new slots, written
+in place. Positions and the Engram history move in :meth:`KVState.advance` only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,32 +31,9 @@ from .util import empty_qtensor, grown, write_rows
 from .index import IndexPool, PagedIndexK
 from .pages import PagedMainKV, PagePool
 from .paged import PagedKeys
+from .sizes import DEFAULT_PAGE_ENTRIES, entry_bytes, fixed_bytes_for, index_pages_for  # noqa: F401 (named here too)
 
-DEFAULT_PAGE_ENTRIES = 64
 WINDOW_FORMATS = ("fp8", "int8")  # int8 (per-32, UE8M0) on devices with no FP8, e.g. Ascend 910B
-
-
-def entry_bytes(dim: int, fmt: str) -> int:
-    """Stored bytes of one entry of ``dim`` channels in an fp4 format."""
-    return dim // 2 + dim // (16 if fmt == "fp4_b16" else 32)
-
-
-def index_pages_for(cfg, batch: int, capacity: int, page_entries: int = DEFAULT_PAGE_ENTRIES) -> int:
-    """Index-K pages a batch needs for ``capacity`` positions (every source layer and row)."""
-    cdiv = lambda a, b: -(-a // b)
-    return batch * sum(cdiv(cdiv(capacity, cfg.ratio(l)), page_entries) for l in cfg.kv_source_layers)
-
-
-def fixed_bytes_for(cfg, batch: int, capacity: int, page_entries: int = DEFAULT_PAGE_ENTRIES) -> int:
-    """Device bytes taken from a KV budget before main-KV pages: window rings (fp8), compressor
-    partial groups (fp32 kv + score), index-K pages (fp4_b32) for ``capacity`` positions, and the
-    trash page of each pool (index and main)."""
-    rings = cfg.total_layers * cfg.window_size * (cfg.head_dim + cfg.head_dim // 32)
-    partial = sum(2 * cfg.ratio(l) * cfg.head_dim * 4 for l in cfg.kv_source_layers if cfg.ratio(l) > 1)
-    index_page = page_entries * entry_bytes(cfg.index_head_dim, "fp4_b32")
-    index = (index_pages_for(cfg, batch, capacity, page_entries) + 1) * index_page
-    main_trash = page_entries * entry_bytes(cfg.head_dim, "fp4_b16")
-    return batch * (rings + partial) + index + main_trash
 
 
 @dataclass
@@ -59,6 +44,29 @@ class CompressedCache:
     index_k: PagedIndexK | QTensor  # device pages; QTensor [B, capacity // ratio, Di] only on meta
     kv_state: torch.Tensor | None  # fp32 [B, ratio, head_dim] (ratio > 1)
     score_state: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class Staged:
+    """The writes of the current call that wait for :meth:`KVState.commit`."""
+
+    rings: list = field(default_factory=list)  # (layer, (row, slot), kv QTensor [B, n, D])
+    partials: list = field(default_factory=list)  # (layer, kv, score) fp32 [B, rem, D]
+
+    def __bool__(self) -> bool:
+        return bool(self.rings or self.partials)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBuffers:
+    """What a static one-token step (a captured CUDA graph) reads and writes in place."""
+
+    tensors: tuple  # every state tensor the step reads or writes
+    cold: tuple  # per KV source: whether main-KV pages live on the host tier (the resolve differs)
+
+    def layout(self) -> tuple:
+        """Address and shape of each tensor: a graph recorded for another layout reads stale memory."""
+        return tuple((t.data_ptr(), tuple(t.shape)) for t in self.tensors)
 
 
 class KVState:
@@ -77,7 +85,7 @@ class KVState:
                       for l in range(cfg.total_layers)}
         # positions below ring_start[l] are not in layer l's ring (CED / bounded replay)
         self.ring_start = {l: torch.zeros(batch, dtype=torch.long, device=self.device) for l in self.rings}
-        self._slots = None  # (positions, (row, slot)) of the last ring write: see _ring_slots
+        self._staged = Staged()  # a chunk's ring and partial-group writes, until commit()
         n_hist = max(cfg.engram_max_ngram_size - 1, 0)
         self.engram_history = torch.full((batch, n_hist), -1, dtype=torch.long, device=self.device)
         self.pool = pool or (None if self.is_meta else self._pool(kv_budget, page_entries))
@@ -137,15 +145,19 @@ class KVState:
     # ----- steps -------------------------------------------------------------------------------
     def advance(self, tokens: int, engram_history: torch.Tensor | None = None) -> None:
         """Every row has run ``tokens`` more positions (and its Engram history is now
-        ``engram_history``, when given). Until then a failed step leaves the state as it was for
-        a retry: everything the step wrote it writes again, to the same slots."""
+        ``engram_history``, when given); what the step staged is committed first. Until then a
+        failed step leaves the state as it was for a retry."""
+        self.commit()
         if engram_history is not None:
             self.engram_history = engram_history
         self.positions += tokens
         self.host_positions = [p + tokens for p in self.host_positions]
 
     def begin_step(self, tokens: int) -> None:
-        """Before a chunk of ``tokens`` per row: room for its index K and main-KV pages."""
+        """Before a chunk of ``tokens`` per row: room for its index K and main-KV pages; what a
+        failed call staged is dropped."""
+        if self._staged:
+            self._staged = Staged()
         self.ensure_capacity(max(self.host_positions) + tokens)
         if self.is_meta:
             return
@@ -225,29 +237,63 @@ class KVState:
         """Main-KV pages ``row`` holds (both tiers, every source layer)."""
         return 0 if self.is_meta else sum(len(c.main.tables[row].pages) for c in self.compressed.values())
 
-    # ----- window rings ------------------------------------------------------------------------
-    def write_ring(self, layer: int, kv: QTensor, positions: torch.Tensor) -> None:
-        """Store the last ``window_size`` tokens of a chunk ``kv`` [B, S, D] at slot ``pos % W``."""
+    def step_buffers(self, entries: dict[int, int]) -> StepBuffers:
+        """Ready the caches for a static one-token step that reads ``entries`` compressed entries
+        per ratio (room for them, block tables brought up to date in place) and return the
+        buffers it reads and writes; call after :meth:`begin_step`."""
+        self.ensure_capacity(max([max(self.host_positions) + 1] + [t * r for r, t in entries.items()]))
+        tensors = [self.positions]
+        for q in (self.pool.dev, self.pool.host, self.index_pool.dev):  # the host pool: pinned, read by the gather
+            tensors += [q.data, q.scale]
+        for c in self.compressed.values():
+            tensors += [c.index_k.table, c.kv_state, c.score_state, c.main.dev_ids(), c.main.host_ids_device()]
+        for l, ring in self.rings.items():
+            tensors += [ring.data, ring.scale, self.ring_start[l]]
+        cold = tuple(any(t.cold for t in c.main.tables) for c in self.compressed.values())
+        return StepBuffers(tuple(t for t in tensors if t is not None), cold)
+
+    # ----- window rings and partial groups ----------------------------------------------------
+    def ring_slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, slot) int64 [n] of the last ``min(S, W)`` tokens of ``positions`` [B, S] in the
+        rings: where every layer of a call writes its ring (computed once per call)."""
+        W = self.cfg.window_size
+        positions = positions[:, -W:]  # rows of a chunk share its length: the last W tokens stay
+        rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)
+        return rows.reshape(-1), (positions % W).reshape(-1)
+
+    def write_ring(self, layer: int, kv: QTensor, slots: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Store the last ``window_size`` tokens of a chunk ``kv`` [B, S, D] at ``slots``
+        (:meth:`ring_slots` of its positions): now for one token per row, at :meth:`commit` for a
+        chunk (its queries read the slots its later tokens overwrite)."""
         if self.is_meta:  # shape-only tracing: nothing is stored
             return
-        W = self.cfg.window_size
-        S = positions.shape[1]
-        if S > W:  # rows of a chunk share its length: the last W tokens stay
+        S, W = kv.shape[1], self.cfg.window_size
+        if S == 1:
+            write_rows(self.rings[layer], *slots, kv)
+            return
+        if S > W:  # the last W tokens, copied: the chunk's KV is not kept until the commit
             tail = slice(S - W, S)
-            positions, kv = positions[:, tail], QTensor(kv.data[:, tail], kv.scale[:, tail], kv.fmt,
-                                                        (kv.shape[0], W, kv.shape[-1]))
-        write_rows(self.rings[layer], *self._ring_slots(positions), kv)
+            kv = QTensor(kv.data[:, tail].clone(), kv.scale[:, tail].clone(), kv.fmt, (kv.shape[0], W, kv.shape[-1]))
+        self._staged.rings.append((layer, slots, kv))
 
-    def _ring_slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, slot) of each token of ``positions`` [B, S] (S <= W) in the rings; every layer of a
-        call writes the same slots, so they are computed once per positions tensor (no device sync)."""
-        hit = self._slots
-        if hit is not None and hit[0] is positions:
-            return hit[1]
-        rows = torch.arange(self.batch, device=self.device).unsqueeze(1).expand_as(positions).reshape(-1)
-        slots = (rows, (positions % self.cfg.window_size).reshape(-1))
-        self._slots = (positions, slots)
-        return slots
+    def write_partial(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """After a chunk, ``layer``'s compressor's pending group: ``kv`` / ``score`` fp32 [B, rem, D]
+        become its slots ``[0, rem)`` at :meth:`commit` (the chunk read the old ones)."""
+        if kv.shape[1] and not self.is_meta:  # copied: the chunk's projections are not kept until the commit
+            self._staged.partials.append((layer, kv.clone(), score.clone()))
+
+    def commit(self) -> None:
+        """Write what the current call staged (a chunk's ring tokens and pending groups)."""
+        staged = self._staged
+        if not staged:
+            return
+        for layer, slots, kv in staged.rings:
+            write_rows(self.rings[layer], *slots, kv)
+        for layer, kv, score in staged.partials:
+            cache = self.compressed[layer]
+            cache.kv_state[:, :kv.shape[1]] = kv
+            cache.score_state[:, :score.shape[1]] = score
+        self._staged = Staged()
 
     # ----- compressed caches -------------------------------------------------------------------
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:
@@ -309,7 +355,7 @@ class KVState:
                                    qs[0].fmt, (out.batch, *qs[0].shape[1:]))
         out.rings = {l: cat_q([s.rings[l] for s in states]) for l in first.rings}
         out.ring_start = {l: torch.cat([s.ring_start[l] for s in states]) for l in first.ring_start}
-        out._slots = None
+        out._staged = Staged()
         out.compressed = {}
         for l, c in first.compressed.items():
             parts = [s.compressed[l] for s in states]

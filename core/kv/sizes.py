@@ -1,0 +1,27 @@
+"""Sizes of the KV state: bytes per compressed entry, index-K pages and the fixed part of a budget."""
+from __future__ import annotations
+
+DEFAULT_PAGE_ENTRIES = 64
+
+
+def entry_bytes(dim: int, fmt: str) -> int:
+    """Stored bytes of one entry of ``dim`` channels in an fp4 format."""
+    return dim // 2 + dim // (16 if fmt == "fp4_b16" else 32)
+
+
+def index_pages_for(cfg, batch: int, capacity: int, page_entries: int = DEFAULT_PAGE_ENTRIES) -> int:
+    """Index-K pages a batch needs for ``capacity`` positions (every source layer and row)."""
+    cdiv = lambda a, b: -(-a // b)
+    return batch * sum(cdiv(cdiv(capacity, cfg.ratio(l)), page_entries) for l in cfg.kv_source_layers)
+
+
+def fixed_bytes_for(cfg, batch: int, capacity: int, page_entries: int = DEFAULT_PAGE_ENTRIES) -> int:
+    """Device bytes taken from a KV budget before main-KV pages: window rings (fp8), compressor
+    partial groups (fp32 kv + score), index-K pages (fp4_b32) for ``capacity`` positions, and the
+    trash page of each pool (index and main)."""
+    rings = cfg.total_layers * cfg.window_size * (cfg.head_dim + cfg.head_dim // 32)
+    partial = sum(2 * cfg.ratio(l) * cfg.head_dim * 4 for l in cfg.kv_source_layers if cfg.ratio(l) > 1)
+    index_page = page_entries * entry_bytes(cfg.index_head_dim, "fp4_b32")
+    index = (index_pages_for(cfg, batch, capacity, page_entries) + 1) * index_page
+    main_trash = page_entries * entry_bytes(cfg.head_dim, "fp4_b16")
+    return batch * (rings + partial) + index + main_trash
