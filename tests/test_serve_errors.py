@@ -68,7 +68,7 @@ def test_bad_requests_never_reach_the_engine(engine, path, body, headers, status
     err = r.json()["error"]
     assert r.status_code == status and part in err["message"], err
     assert err["param"] == param and set(err) == {"message", "type", "param", "code"}
-    assert not engine._commands and not engine.core.requests
+    assert not engine._commands and not engine.step_loop.requests
 
 
 def test_unknown_route_and_method_use_the_error_body(engine):
@@ -126,10 +126,10 @@ def test_disconnect_aborts_and_frees_pages(model, stream):
         body = {**OK, "max_tokens": 400, "temperature": 0, "stream": stream}
         asyncio.run(asyncio.wait_for(call_then_disconnect(app, C, body, after_s=1.5), 60))
         deadline = time.monotonic() + 60  # the loop thread applies the abort after its current step
-        while engine.core.has_work and time.monotonic() < deadline:
+        while engine.step_loop.has_work and time.monotonic() < deadline:
             time.sleep(0.05)
         stats = engine.stats()
-        assert stats["aborted"] == 1 and stats["finished"] == 0 and not engine.core.has_work, stats
-        assert engine.core.pool.pages_in_use == 0 and engine.core.pool.index_pool.pages_in_use == 0
+        assert stats["aborted"] == 1 and stats["finished"] == 0 and not engine.step_loop.has_work, stats
+        assert engine.step_loop.pool.pages_in_use == 0 and engine.step_loop.pool.index_pool.pages_in_use == 0
     finally:
         engine.shutdown(grace_s=0)
