@@ -95,7 +95,7 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         return await serve(request, "completion")
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    async def chat_completions(request: Request):
         return await serve(request, "chat")
 
     async def serve(request: Request, kind: str):
