@@ -111,12 +111,14 @@ def test_tool_call_message_from_chat_format_ids(thinking):
 def test_streamed_chat_deltas_add_up_to_the_message(thinking, with_call):
     tok, rnd = tiny_tokenizer(), random.Random()
     words = ["北京", "😀", "rain", " ", "</", "think", "\n", "<｜DSML｜", "天气", "ok"]
-    reasoning = "".join(rnd.choice(words) for _ in range(12)).replace("</think>", "")
+    reasoning = "".join(rnd.choice(words) for _ in range(12))
+    while "</think>" in reasoning:
+        reasoning = reasoning.replace("</think>", "")
     content = "".join(rnd.choice(words) for _ in range(12))
     assistant = {"role": "assistant", "reasoning_content": reasoning, "content": content,
                  "tool_calls": [CALL] if with_call else None}
     ids = assistant_ids(tok, assistant, thinking)
-    ids = ids[:-6] + byte_ids(tok, "é😀") + ids[-6:] if not with_call else ids  # pieces of characters
+    ids = ids[:-1] + byte_ids(tok, "é😀") + ids[-1:] if not with_call else ids  # characters in pieces, before EOS
     texts = run_engine_text(tok, ids)
     render = Renderer("chat", "id", "tiny", tok, n=1, thinking=thinking)
     chunks = []
