@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator
 
 from . import outputs
 from .config import EngineConfig
-from .core import EngineCore
 from .errors import EngineStopped, QueueFull, RequestError
 from .request import Request, RequestOutput, Status
 from .sampling import SamplingParams
-from .text import ByteTokenizer
+from .step_loop import StepLoop
+from .text import eos_id, tokenizer_for
 
 log = logging.getLogger("flashrt.engine")
 
@@ -37,12 +37,12 @@ class Engine:
         if config is not None and kwargs:
             raise ValueError(f"config: pass an EngineConfig or keyword settings, not both (got {sorted(kwargs)})")
         self.model = model
-        self.tokenizer = tokenizer or ByteTokenizer(model.cfg.vocab_size)
+        self.tokenizer = tokenizer_for(model, tokenizer)
         config = dataclasses.replace(config) if config is not None else EngineConfig(**kwargs)  # ours to resolve
         if config.eos_token_id is None:
-            config.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
-        self.core = EngineCore(model, config, self.tokenizer)
-        self.config = self.core.config
+            config.eos_token_id = eos_id(self.tokenizer)
+        self.step_loop = StepLoop(model, config, self.tokenizer)
+        self.config = self.step_loop.config
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._commands: list = []  # ("add", Request-args) / ("abort", id), applied by the loop thread
@@ -54,7 +54,7 @@ class Engine:
 
     # ----- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt, param: str = "prompt") -> list[int]:
-        """Text (through the tokenizer) or token ids -> token ids."""
+        """Text (through the tokenizer, BOS as its config says) or token ids -> token ids."""
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError(param, "expected a non-empty prompt, got ''")
@@ -80,17 +80,17 @@ class Engine:
             raise RequestError("params", f"expected {len(prompts)} SamplingParams (one per prompt), got {len(plist)}")
         ids = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         for i, (p, sp) in enumerate(zip(ids, plist)):
-            self.core.check(p, sp)
+            self.step_loop.check(p, sp)
         if self._thread is not None:
             return self._generate_online(ids, plist)
         done: dict[str, RequestOutput] = {}
         names = []
         for p, sp in zip(ids, plist):
-            req = self.core.add(self._new_id(None), p, sp)
+            req = self.step_loop.add(self._new_id(None), p, sp)
             req.sink = lambda out, done=done: done.__setitem__(out.request_id, out) if out.finished else None
             names.append(req.id)
-        while self.core.has_work:
-            self._deliver(self.core.step())
+        while self.step_loop.has_work:
+            self._deliver(self.step_loop.step())
         return [done[n] for n in names]
 
     def _generate_online(self, ids, plist) -> list[RequestOutput]:
@@ -123,10 +123,10 @@ class Engine:
             raise EngineStopped("the engine is shutting down")
         params = params or SamplingParams()
         ids = self.encode(prompt)
-        self.core.check(ids, params)
+        self.step_loop.check(ids, params)
         rid = self._new_id(request_id)
         limit = self.config.max_waiting
-        if limit is not None and self.core.num_waiting + self._pending_adds() >= limit:
+        if limit is not None and self.step_loop.num_waiting + self._pending_adds() >= limit:
             raise QueueFull(f"the queue is full ({limit} requests waiting)")
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -176,15 +176,15 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._commands and not self.core.has_work and not self._stop:
+                while not self._commands and not self.step_loop.has_work and not self._stop:
                     self._cv.wait()
                 if self._stop and not self._commands:
                     return
                 commands, self._commands = self._commands, []
             self._apply(commands)
-            if self.core.has_work:
+            if self.step_loop.has_work:
                 try:
-                    self._deliver(self.core.step())
+                    self._deliver(self.step_loop.step())
                 except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang every client
                     log.exception("engine step failed")
                     self.step_error = f"{type(exc).__name__}: {exc}"
@@ -195,13 +195,13 @@ class Engine:
             if kind == "add":
                 rid, ids, params, sink = arg
                 try:
-                    req = self.core.add(rid, ids, params)
+                    req = self.step_loop.add(rid, ids, params)
                 except (ValueError, QueueFull) as exc:  # raced with another add: report it as an output
                     sink(RequestOutput(rid, ids, [], True, f"{type(exc).__name__}: {exc}"))
                     continue
                 req.sink = sink
             else:
-                req = self.core.abort(arg)
+                req = self.step_loop.abort(arg)
                 if req is not None:
                     self._deliver([req])
 
@@ -212,8 +212,8 @@ class Engine:
 
     def _fail_all(self, exc: Exception) -> None:
         touched: set = set()
-        for req in list(self.core.requests.values()):
-            self.core._fail(req, exc, touched)
+        for req in list(self.step_loop.requests.values()):
+            self.step_loop._fail(req, exc, touched)
         self._deliver(list(touched))
 
     def shutdown(self, grace_s: float = 30.0) -> None:
@@ -221,9 +221,9 @@ class Engine:
         rest, stop the loop thread."""
         self.accepting = False
         deadline = time.monotonic() + grace_s
-        while self._thread is not None and self.core.has_work and time.monotonic() < deadline:
+        while self._thread is not None and self.step_loop.has_work and time.monotonic() < deadline:
             time.sleep(0.05)
-        for rid in list(self.core.requests):
+        for rid in list(self.step_loop.requests):
             self.abort(rid)
         with self._cv:
             self._stop = True
@@ -235,8 +235,8 @@ class Engine:
     # ----- state ----------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters and gauges for /metrics and benchmarks (read without stopping the loop)."""
-        core, pool = self.core, self.core.pool
-        sch = core.scheduler
+        core = self.step_loop
+        pool, sch = core.pool, core.scheduler
         return {
             **core.counters,
             "running": len(sch.running), "prefilling": len(sch.prefilling),

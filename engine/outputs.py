@@ -1,44 +1,49 @@
 """Turning sampled tokens into what a client sees: finish checks (stop token ids, EOS, stop
-strings, length), incremental text with held-back stop-string prefixes, and output objects."""
+strings, length), incremental text (through the tokenizer's incremental decoder, with held-back
+stop-string prefixes), and output objects."""
 from __future__ import annotations
 
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status
 
 
 def check_finish(seq: Sequence, tokenizer, eos: int | None, max_model_len: int) -> None:
-    """After a token was appended: set ``seq.finish_reason`` (and its text) if it ends here."""
+    """After a token was appended: extend ``seq.text`` through its incremental decoder (never
+    part of a character; the stop token's own text left out) and set ``seq.finish_reason`` if it
+    ends here."""
     p, tok, n_out = seq.request.params, seq.tokens[-1], len(seq.output)
     by_id = tok in p.stop_token_ids or (eos is not None and tok == eos and not p.ignore_eos)
-    ids = seq.output[:-1] if by_id else seq.output
-    full = tokenizer.decode(ids)
+    if seq.decoder is None:
+        seq.decoder = tokenizer.stream()
+    before = len(seq.text)
+    if not by_id:
+        seq.text += seq.decoder.push(tok)
+    at_length = n_out >= seq.request.max_tokens or len(seq.tokens) >= max_model_len
+    if by_id or at_length:
+        seq.text += seq.decoder.finish()
     if p.stop:
-        start = max(0, len(seq.text) - max(map(len, p.stop)) + 1)
-        hits = [(full.find(s, start), s) for s in p.stop]
+        start = max(0, before - max(map(len, p.stop)) + 1)
+        hits = [(seq.text.find(s, start), s) for s in p.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if hits:
             i, s = min(hits, key=lambda h: h[0])
-            seq.text = full
             seq.stop_cut = i + len(s) if p.include_stop_str_in_output else i
             seq.finish_reason, seq.stop_reason = "stop", s
             return
-    seq.text = full
     if by_id:
         seq.finish_reason, seq.stop_reason = "stop", tok
-    elif n_out >= seq.request.max_tokens or len(seq.tokens) >= max_model_len:
+    elif at_length:
         seq.finish_reason = "length"
 
 
 def visible_text(seq: Sequence) -> str:
     """The text a client may see now: cut at a stop string; while running, without a tail that
-    could still become a stop string or an incomplete UTF-8 character."""
+    could still become a stop string."""
     if seq.stop_cut is not None:
         return seq.text[:seq.stop_cut]
     text = seq.text
     if seq.finish_reason is None:
         hold = max(map(len, seq.request.params.stop), default=1) - 1
         text = text[:len(text) - hold] if hold else text
-        while text.endswith("\ufffd"):
-            text = text[:-1]
     return text
 
 

@@ -69,7 +69,8 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason = None
-        self.text = ""
+        self.text = ""  # the decoded output so far (whole characters only)
+        self.decoder = None  # its tokenizer's incremental decoder, made at the first token
         self.emitted_text = self.emitted_tokens = self.emitted_logprobs = 0
         self.stop_cut: int | None = None  # text length kept after a stop string
         self.prefix_snap = None  # a cached prefix of its prompt, restored when it starts

@@ -120,11 +120,22 @@ class Tokenizer:
 
     def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         """An incremental decoder: ``push(id)`` returns the text that token completes."""
-        from tokenizers import decoders
-
-        if isinstance(self.backend.decoder, decoders.ByteLevel):
+        if self._byte_level():
             return ByteStream(self, self._token_bytes(), skip_special_tokens)
         return WindowStream(self, skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for (under a byte-level decoder possibly part of a UTF-8
+        character; otherwise the UTF-8 of its decoded text)."""
+        token_id = self.check_ids([token_id])[0]
+        if self._byte_level():
+            return self._token_bytes()[token_id]
+        return self.backend.decode([token_id], skip_special_tokens=False).encode()
+
+    def _byte_level(self) -> bool:
+        from tokenizers import decoders
+
+        return isinstance(self.backend.decoder, decoders.ByteLevel)
 
     def _token_bytes(self) -> list[bytes]:
         """Each id's bytes under the byte-level decoder (a token spelled in the byte alphabet maps
@@ -165,6 +176,12 @@ class ByteTokenizer:
 
     def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return ByteStream(self, [bytes([b]) for b in range(256)], skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte of an id below 256; the UTF-8 of U+FFFD (what it decodes to) above."""
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"token_id: expected an int >= 0, got {token_id!r}")
+        return bytes([token_id]) if token_id < 256 else "\ufffd".encode()
 
 
 class StreamDecoder:

@@ -1,5 +1,5 @@
 """The server's refusals, in process (httpx over ASGI): a table of bad requests, each with its status,
-OpenAI error body and message, none reaching the engine; 429 when the queue is full; a client that
+OpenAI error body and message, none reaching the engine; chat without a chat-capable tokenizer; 429 when the queue is full; a client that
 disconnects (whole or streamed response) aborts its request and every page goes back."""
 import asyncio
 import json
@@ -11,6 +11,9 @@ httpx = pytest.importorskip("httpx")
 
 from flashrt.engine import Engine  # noqa: E402
 from flashrt.engine.server.app import create_app  # noqa: E402
+from flashrt.graphs.tokenizer import ByteTokenizer  # noqa: E402
+
+from serving_text import tiny_tokenizer  # noqa: E402
 
 KEY = "k1"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -24,7 +27,7 @@ BAD = [  # (path, body, headers, status, param, message part)
     (C, {**OK, "foo": 1}, AUTH, 400, "foo", "foo: unknown field"),
     (C, b"{bad json", AUTH, 400, None, "not valid JSON"),
     (C, [1, 2], AUTH, 400, None, "expected a JSON object"),
-    (C, {**OK, "prompt": "y" * 80}, AUTH, 400, "prompt", "80 prompt tokens + max_tokens 16 = 96 exceed the model's context of 64"),
+    (C, {**OK, "prompt": [7] * 80}, AUTH, 400, "prompt", "80 prompt tokens + max_tokens 16 = 96 exceed the model's context of 64"),
     (CHAT, {**MSG, "messages": [{"role": "user", "content": "y" * 70}]}, AUTH, 400, "messages", "context of 64 tokens"),
     (C, {**OK, "model": "gpt-9"}, AUTH, 404, "model", "The model `gpt-9` does not exist."),
     (C, OK, {}, 401, None, "API key"),
@@ -40,16 +43,22 @@ BAD = [  # (path, body, headers, status, param, message part)
     (C, {**OK, "stop_token_ids": [999]}, AUTH, 400, "stop_token_ids", "below the vocabulary size 320"),
     (C, {**OK, "stream": "yes"}, AUTH, 400, "stream", "valid boolean"),
     (CHAT, {**MSG, "messages": [{"role": "wizard", "content": "x"}]}, AUTH, 400, "messages[0].role", "expected one of"),
+    (CHAT, {**MSG, "messages": []}, AUTH, 400, "messages", "non-empty"),
+    (CHAT, {**MSG, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, AUTH, 400,
+     "messages[0].content", "a list of text parts"),
+    (CHAT, {**MSG, "reasoning_effort": "extreme"}, AUTH, 400, "reasoning_effort", "reasoning_effort: expected one of"),
+    (CHAT, {**MSG, "chat_template_kwargs": {"thinking": 1}}, AUTH, 400, "chat_template_kwargs.thinking", "a bool"),
+    (CHAT, {**MSG, "tool_choice": "required"}, AUTH, 400, "tool_choice", "only 'auto' and 'none'"),
     (CHAT, {**MSG, "top_logprobs": 2}, AUTH, 400, "top_logprobs", "needs logprobs: true"),
     (CHAT, {**MSG, "max_completion_tokens": 0}, AUTH, 400, "max_completion_tokens", "max_completion_tokens: expected an int >= 1"),
-    (CHAT, {**MSG, "tools": [{"type": "function"}]}, AUTH, 400, "tools", "not supported"),
+    (CHAT, {**MSG, "tools": [{"type": "function"}]}, AUTH, 400, "tools[0]", "tools[0]: expected {'type': 'function'"),
     (CHAT, {"model": "tiny"}, AUTH, 400, "messages", "messages: required"),
 ]
 
 
 @pytest.fixture
 def engine(model):
-    return Engine(model, max_model_len=64, max_waiting=1, prefill_chunk=16, max_step_tokens=32)
+    return Engine(model, tiny_tokenizer(), max_model_len=64, max_waiting=1, prefill_chunk=16, max_step_tokens=32)
 
 
 def request(app, method, path, body=None, headers=None):
@@ -68,7 +77,7 @@ def test_bad_requests_never_reach_the_engine(engine, path, body, headers, status
     err = r.json()["error"]
     assert r.status_code == status and part in err["message"], err
     assert err["param"] == param and set(err) == {"message", "type", "param", "code"}
-    assert not engine._commands and not engine.core.requests
+    assert not engine._commands and not engine.step_loop.requests
 
 
 def test_unknown_route_and_method_use_the_error_body(engine):
@@ -77,6 +86,12 @@ def test_unknown_route_and_method_use_the_error_body(engine):
     assert r.status_code == 404 and "message" in r.json()["error"]
     r = request(app, "GET", C, headers=AUTH)
     assert r.status_code == 405 and "message" in r.json()["error"]
+
+
+def test_chat_needs_a_tokenizer_with_the_chat_tokens(model):
+    app = create_app(Engine(model, ByteTokenizer(), max_model_len=64), "tiny")
+    r = request(app, "POST", CHAT, MSG)
+    assert r.status_code == 400 and "the chat format needs the tokens" in r.json()["error"]["message"]
 
 
 def test_queue_full_is_429(engine):
@@ -126,10 +141,10 @@ def test_disconnect_aborts_and_frees_pages(model, stream):
         body = {**OK, "max_tokens": 400, "temperature": 0, "stream": stream}
         asyncio.run(asyncio.wait_for(call_then_disconnect(app, C, body, after_s=1.5), 60))
         deadline = time.monotonic() + 60  # the loop thread applies the abort after its current step
-        while engine.core.has_work and time.monotonic() < deadline:
+        while engine.step_loop.has_work and time.monotonic() < deadline:
             time.sleep(0.05)
         stats = engine.stats()
-        assert stats["aborted"] == 1 and stats["finished"] == 0 and not engine.core.has_work, stats
-        assert engine.core.pool.pages_in_use == 0 and engine.core.pool.index_pool.pages_in_use == 0
+        assert stats["aborted"] == 1 and stats["finished"] == 0 and not engine.step_loop.has_work, stats
+        assert engine.step_loop.pool.pages_in_use == 0 and engine.step_loop.pool.index_pool.pages_in_use == 0
     finally:
         engine.shutdown(grace_s=0)

@@ -1,6 +1,9 @@
 """``flashrt serve --model tiny`` in a subprocess on 127.0.0.1, driven by the official ``openai``
-client: completions, chat, streaming, n > 1, logprobs, stop strings, token-id prompts (each greedy
-result equals ``Engine.generate`` of the same prompt alone, in this process); a bounded load test
+client: completions (text through the model's tokenizer, BOS included), chat in the model's chat
+format (prompt ids equal ``chat_format.encode``; reasoning / content split; thinking and effort
+switches), streaming (deltas add up to the whole text, CJK and emoji included), n > 1, logprobs,
+stop strings, token-id prompts (each greedy result equals ``Engine.generate`` of the same prompt
+alone, in this process); a bounded load test
 (64 requests, 16 at a time, some abandoned mid-stream: the rest complete, none lost or duplicated,
 no KV page left in use); SIGTERM ends the server with exit status 0."""
 import asyncio
@@ -91,12 +94,17 @@ def alone(reference, prompt, **params):
 
 
 def test_models_and_completions_equal_the_engine_alone(client, reference):
+    from flashrt.graphs.tokenizer import Tokenizer
+
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert isinstance(reference.tokenizer, Tokenizer)  # the built-in checkpoint's BPE, not bytes
     prompt = "The quick brown fox"
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
     want = alone(reference, prompt, max_tokens=8, temperature=0).outputs[0]
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt.encode()), 8)
+    ids = reference.tokenizer.encode(prompt)
+    assert ids[0] == reference.tokenizer.bos_id and want.token_ids == alone(reference, ids, max_tokens=8, temperature=0).outputs[0].token_ids
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.token_ids))
     ids = [5, 77, 300, 12, 9]  # a token-id prompt
     r = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=3)
     want = alone(reference, ids, max_tokens=6, temperature=0, logprobs=3).outputs[0]
@@ -105,26 +113,59 @@ def test_models_and_completions_equal_the_engine_alone(client, reference):
     assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-6)
 
 
-def test_chat_streaming_and_stop_strings(client, reference):
-    from flashrt.engine.text import chat_prompt
+def chat_message(reference, ids, thinking, **params):
+    from flashrt.engine.server.chat import message
 
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    want = alone(reference, ids, **params).outputs[0]
+    return want, message(want.text, thinking)
+
+
+@pytest.mark.parametrize("extra, options", [
+    ({}, {"thinking": True}),
+    ({"reasoning_effort": "low"}, {"thinking": True, "effort": "low"}),
+    ({"extra_body": {"chat_template_kwargs": {"thinking": False}}}, {"thinking": False}),
+])
+def test_chat_in_the_models_format(client, reference, extra, options):
+    from flashrt.graphs import chat_format
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello 北京 😀"}]
+    ids = chat_format.encode(reference.tokenizer, messages, **options)
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                       logprobs=True, top_logprobs=2)
-    want = alone(reference, chat_prompt(messages), max_tokens=10, temperature=0).outputs[0]
-    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
-    assert len(r.choices[0].logprobs.content) == 10
+                                       logprobs=True, top_logprobs=2, **extra)
+    want, msg = chat_message(reference, ids, options["thinking"], max_tokens=10, temperature=0)
+    got = r.choices[0].message
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want.token_ids)
+    assert (got.role, got.content, (got.model_extra or {}).get("reasoning_content")) == \
+        ("assistant", msg["content"], msg.get("reasoning_content"))
+    assert len(r.choices[0].logprobs.content) == len(want.token_ids)
     assert all(len(t.top_logprobs) == 2 for t in r.choices[0].logprobs.content)
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == want.text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
-    full = want.text
+                                                 stream=True, stream_options={"include_usage": True}, **extra))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == (msg["content"] or "")
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == \
+        (msg.get("reasoning_content") or "")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].usage.prompt_tokens == len(ids) and not chunks[-1].choices
+
+
+@pytest.mark.parametrize("prompt, params", [("天气 北京 😀😀 é", dict(temperature=0)),
+                                            ("emoji 😀 北", dict(temperature=1.0, seed=7))])
+def test_streamed_completion_equals_whole(client, reference, prompt, params):
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, **params)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, stream=True, **params))
+    want = alone(reference, prompt, max_tokens=24, **params).outputs[0]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text == want.text
+    assert want.text == reference.tokenizer.decode(want.token_ids[:-1] if want.finish_reason == "stop"
+                                                   else want.token_ids)
+
+
+def test_stop_strings(client, reference):
+    prompt = "The quick brown fox 北京"
+    full = alone(reference, prompt, max_tokens=10, temperature=0).outputs[0].text
     stop = next((full[i:i + 2] for i in range(2, len(full) - 1) if "\ufffd" not in full[i:i + 2]), None)
     if stop is not None:  # a stop string taken from the greedy text: the output ends before it
-        s = client.completions.create(model="tiny", prompt=chat_prompt(messages), max_tokens=10, temperature=0,
+        s = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
                                       stop=[stop, "never-there"])
         assert s.choices[0].text == full[:full.find(stop)] and s.choices[0].finish_reason == "stop"
 
@@ -149,7 +190,7 @@ def test_auth_and_raw_errors(server):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x" * 5000},
+    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": [7] * 5000},
                    headers={"authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and "context of 4096 tokens" in r.json()["error"]["message"]
     assert httpx.get(f"{base}/metrics").status_code == 200  # no key needed for health and metrics

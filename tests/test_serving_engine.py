@@ -22,7 +22,7 @@ def prompts_for(rng, lengths):
 def run_staggered(engine, arrivals):
     """``arrivals``: step -> [(prompt, params)]; returns the final outputs in arrival order and the
     decode rows that ran in each step."""
-    core, names, done, step = engine.core, [], {}, 0
+    core, names, done, step = engine.step_loop, [], {}, 0
     while step <= max(arrivals) or core.has_work:
         for prompt, params in arrivals.get(step, []):
             req = core.add(f"r{len(names)}", prompt, params)
@@ -48,7 +48,7 @@ def test_alone_equals_staggered_mixed_batch(model, rng):
 
 def test_long_prompt_never_stalls_running_decodes(model, rng):
     engine = Engine(model, prefill_chunk=8, max_step_tokens=10, max_running=4)
-    core = engine.core
+    core = engine.step_loop
     short = prompts_for(rng, (5, 6))
     for i, p in enumerate(short):
         core.add(f"s{i}", p, SamplingParams(temperature=0, max_tokens=12))
@@ -70,7 +70,7 @@ def test_long_prompt_never_stalls_running_decodes(model, rng):
 
 def test_pages_return_on_finish_abort_and_error(model, rng, monkeypatch):
     engine = Engine(model, **SMALL)
-    core, pool = engine.core, engine.core.pool
+    core, pool = engine.step_loop, engine.step_loop.pool
     prompts = prompts_for(rng, (20, 30, 9))
     for i, p in enumerate(prompts):
         core.add(f"r{i}", p, SamplingParams(temperature=0, max_tokens=20))
@@ -115,7 +115,7 @@ def test_preemption_changes_no_token(model, unconstrained, swap_bytes):
     assert stats["preemptions"] > 0
     assert stats["swaps" if swap_bytes else "recomputes"] > 0
     assert [o.outputs[0].token_ids for o in got] == free
-    assert tight.core.pool.pages_in_use == 0 and stats["swap_bytes"] == 0
+    assert tight.step_loop.pool.pages_in_use == 0 and stats["swap_bytes"] == 0
 
 
 def test_prefix_hits_change_no_token(model, rng):
@@ -185,6 +185,6 @@ def test_generate_while_the_loop_thread_runs(model, rng):
         assert [o.outputs[0].token_ids for o in got] == [want, want]
     finally:
         engine.shutdown(grace_s=5)
-    assert engine._thread is None and not engine.core.has_work
+    assert engine._thread is None and not engine.step_loop.has_work
     with pytest.raises(Exception, match="shutting down"):
         engine.add_request(p, GREEDY)

@@ -78,6 +78,7 @@ def cmd_serve(args) -> int:
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=args.grace_s, access_log=args.log_level == "debug"))
-    logging.getLogger("flashrt").info("serving %s on http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
+    logging.getLogger("flashrt").info("serving %s on http://%s:%d (OpenAI API under /v1; tokenizer: %s)", name,
+                                      args.host, args.port, engine.tokenizer.describe())
     server.run()
     return 0 if server.started else 1

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API over an :class:`~flashrt.engine.Engine` (FastAPI).
 
-``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (``stream: true``: server-sent events
-in OpenAI's chunk format, then a usage chunk, then ``[DONE]``), ``/health``, ``/metrics``. Every
+``/v1/models``, ``/v1/completions`` (text prompts through the model's tokenizer),
+``/v1/chat/completions`` (the model's chat format, :mod:`.chat`), ``/health``, ``/metrics``;
+``stream: true`` sends server-sent events in OpenAI's chunk format, then a usage chunk, then
+``[DONE]``. Every
 error is OpenAI's error body. Bodies are decoded and validated here (:mod:`.protocol`) before the
 engine sees anything; a client that goes away aborts its requests, which frees their pages.
 """
@@ -19,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ..errors import EngineStopped, PromptTooLong, QueueFull, RequestError
-from ..text import chat_prompt
+from . import chat
 from .metrics import Metrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse
 from .responses import Renderer, sse
@@ -93,7 +95,7 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         return await serve(request, "completion")
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    async def chat_completions(request: Request):
         return await serve(request, "chat")
 
     async def serve(request: Request, kind: str):
@@ -106,12 +108,14 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
             if req.model != model_name:
                 return error(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
             params = req.params()
-            prompts = req.prompts() if kind == "completion" else [chat_text(req)]
+            opts = chat.options(req) if kind == "chat" else None
+            prompts = req.prompts() if kind == "completion" else [chat_ids(engine, req, opts)]
             rids = submit(engine, prompts, params, prompt_param)
         except (ValueError, QueueFull, EngineStopped) as exc:
             return as_error(exc, prompt_param)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        render = Renderer(kind, f"{prefix}-{uuid.uuid4().hex}", model_name, engine.tokenizer, params.n)
+        render = Renderer(kind, f"{prefix}-{uuid.uuid4().hex}", model_name, engine.tokenizer, params.n,
+                          thinking=opts.thinking if opts else True)
         if req.stream:
             return EventStream(stream(engine, rids, render, req.include_usage), engine, rids)
         return await complete(engine, rids, render, request)
@@ -135,11 +139,11 @@ class EventStream(StreamingResponse):
                 self.engine.abort(rid)
 
 
-def chat_text(req: ChatCompletionRequest) -> str:
-    try:
-        return chat_prompt([m.model_dump(exclude_none=True) for m in req.messages])
-    except ValueError as exc:
-        raise BadRequest(str(exc).split(":", 1)[0], str(exc)) from None
+def chat_ids(engine, req: ChatCompletionRequest, opts: chat.ChatOptions) -> list[int]:
+    """The prompt ids of a chat request in the model's chat format."""
+    if not req.messages:
+        raise BadRequest("messages", "messages: expected a non-empty list of messages, got []")
+    return chat.prompt_ids(engine.tokenizer, [m.model_dump(exclude_none=True) for m in req.messages], opts)
 
 
 async def read_json(request: Request):

@@ -70,7 +70,7 @@ class Metrics:
         self.ttft = h("time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
         self.tpot = h("time_per_output_token_seconds", "Mean time between output tokens of a request", TPOT_BUCKETS)
         self.e2e = h("request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
-        engine.core.finish_hooks.append(self.observe)
+        engine.step_loop.finish_hooks.append(self.observe)
 
     def observe(self, req) -> None:
         if req.first_token_time is None or req.finish_time is None:

@@ -1,7 +1,8 @@
 """The OpenAI request bodies the server takes (pydantic, strict types, unknown fields refused) and
 their translation to :class:`~flashrt.engine.SamplingParams`. Beyond OpenAI's fields, the vLLM
 extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos`` and ``include_stop_str_in_output`` are accepted."""
+``ignore_eos``, ``include_stop_str_in_output`` and (chat) ``chat_template_kwargs`` are accepted;
+the chat fields that shape the prompt are read by :mod:`.chat`."""
 from __future__ import annotations
 
 from typing import Any, Literal, Union
@@ -116,13 +117,13 @@ class ChatCompletionRequest(_Common):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    reasoning_effort: StrictStr | StrictInt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     metadata: dict[str, StrictStr] | None = None
     store: StrictBool | None = None
 
     def params(self) -> SamplingParams:
-        if self.tools:
-            raise BadRequest("tools", "tools: tool calls are not supported by this server")
         if self.response_format is not None and self.response_format.type != "text":
             raise BadRequest("response_format", f"response_format: only 'text' is supported, got "
                              f"{self.response_format.type!r}")

@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import time
 
+from .. import text
 from ..request import CompletionOutput, RequestOutput, TokenLogprob
+from . import chat
 
 
 def sse(obj) -> str:
@@ -25,30 +27,34 @@ def finish_reason(c: CompletionOutput) -> str | None:
 
 
 class Renderer:
-    """Bodies of one response: ``kind`` "completion" or "chat"; choice index = prompt * n + seq."""
+    """Bodies of one response: ``kind`` "completion" or "chat" (``thinking``: the chat prompt's
+    mode, which decides how the text splits); choice index = prompt * n + seq."""
 
-    def __init__(self, kind: str, rid: str, model: str, tokenizer, n: int):
+    def __init__(self, kind: str, rid: str, model: str, tokenizer, n: int, thinking: bool = True):
         self.kind, self.id, self.model, self.tok, self.n = kind, rid, model, tokenizer, n
+        self.thinking = thinking
         self.created = int(time.time())
-        self.offsets: dict[int, int] = {}  # completions: text offset of each choice's next token
+        self.offsets: dict[int, tuple] = {}  # completions: (text offset, incremental decoder) per choice
+        self.streams: dict[int, chat.ChatStream] = {}  # chat: the split of each choice's stream
         self.sent_role: set[int] = set()
         self.ended: set[int] = set()  # choices whose finish_reason went out
 
     def token_text(self, t: int) -> str:
-        as_str = getattr(self.tok, "token_str", None)
-        return as_str(t) if as_str is not None else self.tok.decode([t])
+        return text.token_str(self.tok, t)
 
     # ----- logprobs --------------------------------------------------------------------------------
     def completion_logprobs(self, index: int, lps: list[TokenLogprob] | None) -> dict | None:
+        """Logprobs of the next tokens of choice ``index``; a token's text offset is where the
+        text it completes starts (the choice's text decoded token by token)."""
         if lps is None:
             return None
-        tokens = [self.token_text(lp.token) for lp in lps]
-        offsets, at = [], self.offsets.get(index, 0)
-        for t in tokens:
+        at, decoder = self.offsets.get(index) or (0, self.tok.stream())
+        offsets = []
+        for lp in lps:
             offsets.append(at)
-            at += len(t)
-        self.offsets[index] = at
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            at += len(decoder.push(lp.token))
+        self.offsets[index] = (at, decoder)
+        return {"tokens": [self.token_text(lp.token) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
@@ -56,7 +62,7 @@ class Renderer:
         if lps is None:
             return None
         entry = lambda t, v: {"token": self.token_text(t), "logprob": v,
-                              "bytes": list(self.token_text(t).encode("utf-8"))}
+                              "bytes": list(text.token_bytes(self.tok, t) or b"")}
         return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                             for lp in lps]}
 
@@ -77,9 +83,9 @@ class Renderer:
         if self.kind == "completion":
             return {"index": index, "text": c.text, "logprobs": self.completion_logprobs(index, c.logprobs),
                     "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
-        return {"index": index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self.chat_logprobs(c.logprobs), "finish_reason": finish_reason(c),
-                "stop_reason": c.stop_reason}
+        msg = chat.message(c.text, self.thinking)
+        return {"index": index, "message": msg, "logprobs": self.chat_logprobs(c.logprobs),
+                "finish_reason": chat.finish_reason(finish_reason(c), msg), "stop_reason": c.stop_reason}
 
     # ----- stream chunks ------------------------------------------------------------------------------
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[str]:
@@ -103,11 +109,19 @@ class Renderer:
             self.sent_role.add(index)
             return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                     "choices": [choice]}
-        delta = {"content": c.delta_text}
-        if index not in self.sent_role:
-            delta["role"] = "assistant"
-            self.sent_role.add(index)
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason(c),
+        split = self.streams.setdefault(index, chat.ChatStream(self.thinking))
+        reasoning, content, msg = split.delta(c.text, c.finish_reason is not None)
+        delta = {"role": "assistant"} if index not in self.sent_role else {}
+        self.sent_role.add(index)
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content or not reasoning:
+            delta["content"] = content
+        reason = finish_reason(c)
+        if msg is not None and msg.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(msg["tool_calls"])]
+            reason = chat.finish_reason(reason, msg)
+        choice = {"index": index, "delta": delta, "finish_reason": reason,
                   "logprobs": self.chat_logprobs(c.delta_logprobs if c.logprobs is not None else None)}
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": [choice]}

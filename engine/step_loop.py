@@ -31,7 +31,9 @@ from .snapshot import PrefixStore, restore_row, snapshot_row
 log = logging.getLogger("flashrt.engine")
 
 
-class EngineCore:
+class StepLoop:
+    """Requests, the scheduler, the decode batch and the prefix store of one engine; :meth:`step` runs one step."""
+
     def __init__(self, model, config: EngineConfig, tokenizer):
         self.model, self.cfg, self.config, self.tokenizer = model, model.cfg, config.resolve(model), tokenizer
         self.pool, self.max_pages = config.make_pool(model)
