@@ -12,17 +12,11 @@ run on CPU tensors, but only when the backend is chosen explicitly: that is how 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from flashrt.dispatch import collect_module_attrs
 from flashrt.hookspecs import Backend, hookimpl
-
-
-def interpreter() -> bool:
-    """Triton runs kernels in its interpreter (numpy on the CPU)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from flashrt.jit_triton import interpreted
 
 
 def _triton_version() -> str | None:
@@ -36,7 +30,7 @@ def _triton_version() -> str | None:
 def supports_cuda() -> tuple[bool, str]:
     if _triton_version() is None:
         return False, "triton is not installed (pip install 'flashrt[cuda]')"
-    if interpreter():
+    if interpreted():
         return True, ""
     if not torch.cuda.is_available():
         return False, "no CUDA device visible to torch"
@@ -44,6 +38,35 @@ def supports_cuda() -> tuple[bool, str]:
     if major < 8:
         return False, f"compute capability sm_{major}{minor} is below sm_80"
     return True, ""
+
+
+def kernel_modules() -> list[tuple[str, object]]:
+    """(name, module or the exception its import raised) for each module of flashrt.kernels_cuda."""
+    import importlib
+    import pkgutil
+
+    import flashrt.kernels_cuda as pkg
+
+    out = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("_"):
+            continue
+        try:
+            out.append((info.name, importlib.import_module(f"{pkg.__name__}.{info.name}")))
+        except Exception as exc:  # report it; the other modules still warm up
+            out.append((info.name, exc))
+    return out
+
+
+def warmup_hooks() -> list[tuple[str, object]]:
+    """(module, its ``warmup(profile)`` hook, None, or its import error) of the op modules and of
+    helpers with a hook."""
+    out = []
+    for name, mod in kernel_modules():
+        hook = mod if isinstance(mod, BaseException) else getattr(mod, "warmup", None)
+        if hook is not None or hasattr(mod, "OPS"):
+            out.append((name, hook))
+    return out
 
 
 def collect_kernels() -> tuple[dict, dict, dict]:
@@ -56,7 +79,7 @@ def collect_kernels() -> tuple[dict, dict, dict]:
 def flashrt_backend():
     ok, _ = supports_cuda()
     ops, supports = {}, {}
-    if ok and not interpreter():
+    if ok and not interpreted():
         from flashrt import jit
 
         jit.install()  # compiled kernels go through flashrt's locked, checksummed cache
@@ -65,10 +88,11 @@ def flashrt_backend():
     return Backend(
         name="cuda",
         device_types=("cuda",),
-        explicit_device_types=("cpu",) if interpreter() else (),
+        explicit_device_types=("cpu",) if interpreted() else (),
         ops=ops,
         supports=supports,
         priority=50,
         is_available=supports_cuda,
+        warmup_hooks=warmup_hooks,
         description="Triton kernels (kernels_cuda); CPU tensors under TRITON_INTERPRET=1 when chosen explicitly",
     )

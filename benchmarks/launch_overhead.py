@@ -29,7 +29,7 @@ if not torch.cuda.is_available():  # CPU: the launchers' host code runs on CPU t
 
 import flashrt  # noqa: E402
 from flashrt import formats, ops  # noqa: E402
-from flashrt.cli.jit import kernel_modules  # noqa: E402
+from flashrt.backends.cuda import kernel_modules  # noqa: E402
 from results_io import write_json  # noqa: E402
 
 GPU = torch.cuda.is_available()

@@ -53,6 +53,9 @@ class Backend:
     explicit_device_types: device types served only when the backend is chosen explicitly
         (``FLASHRT_BACKEND`` / ``use_backend``), e.g. the CUDA kernels on CPU tensors under the
         Triton interpreter.
+    warmup_hooks: ``() -> [(name, hook)]``, what ``flashrt jit warmup`` compiles: ``hook(profile)``
+        (see :mod:`flashrt.jit_warmup`), None for kernels without one, or the exception that kept
+        them from loading.
     """
 
     name: str
@@ -63,6 +66,7 @@ class Backend:
     supports: Mapping[str, Callable[..., bool]] = field(default_factory=dict)
     description: str = ""
     explicit_device_types: tuple[str, ...] = ()
+    warmup_hooks: Callable[[], list] | None = None
 
 
 @hookspec

@@ -34,7 +34,7 @@ def _time_ms(fn, gpu: bool) -> float:
     launch gaps: what a captured decode step sees; ``flashrt.bench``'s timing), the plain
     ``do_bench`` median where ``fn`` cannot be captured. Elsewhere: a host-clock median."""
     if gpu:
-        from flashrt.bench.common import bench_ms
+        from .timing import bench_ms
 
         return float(bench_ms(fn, warmup=10, rep=40).ms)
     fn()

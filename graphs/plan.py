@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashrt.backends import trace
+from flashrt import tracing
 from flashrt.formats import QTensor, expected_layout, spec
 
 from .config import ModelConfig
@@ -100,7 +100,7 @@ def decode_trace(model, context: int, batch: int = 1):
     state = model.new_state(batch, context + 1)
     state.host_positions = [context] * batch
     ids = torch.empty(batch, 1, dtype=torch.long, device="meta")
-    with trace.record() as graph:
+    with tracing.record() as graph:  # meta tensors: dispatch runs them on the trace backend
         model.forward(ids, state=state)
     return graph
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from flashrt.backends import reference as ref
+from flashrt import refmath as ref
 from flashrt.kv.paged import PagedKeys
 
 from ._npu import bf16_exact, fallback, float_of, gather_rows, npu

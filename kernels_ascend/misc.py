@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from flashrt.backends import reference as ref
+from flashrt import refmath as ref
 from flashrt.formats import QTensor
 
 from ._npu import dequantize, first_argmax

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from flashrt.backends import reference as ref
+from flashrt import refmath as ref
 
 from ._npu import fallback, npu
 

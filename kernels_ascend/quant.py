@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from flashrt import formats
-from flashrt.backends import reference as ref
+from flashrt import refmath as ref
 from flashrt.formats import QTensor
 
 from ._npu import dequantize as exact_dequantize
@@ -89,7 +89,7 @@ def quant_matmul(x2: torch.Tensor, w: QTensor) -> torch.Tensor:
 
 def linear_exact(x, weight: QTensor) -> torch.Tensor:
     """Plain-torch ``linear`` with a quantized weight, in ``x.dtype``: ``x`` quantized as
-    ``reference.activation_format`` says, both operands decoded by the exact byte decoders."""
+    ``refmath.activation_format`` says, both operands decoded by the exact byte decoders."""
     xq = exact_dequantize(formats.quantize(x, ref.activation_format(weight)))
     return F.linear(xq, exact_dequantize(weight)).to(x.dtype)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from flashrt.backends import reference
+from flashrt import refmath
 
 from ._npu import positions_of, select_top
 
@@ -37,7 +37,7 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     T = scores.shape[-1]
     if T == 0:
         return torch.zeros_like(scores, dtype=torch.bool)
-    blocks, pinned = reference.block_scores(scores, visible, block_size)
+    blocks, pinned = refmath.block_scores(scores, visible, block_size)
     keep = select_top(blocks, torch.isfinite(blocks) | pinned, min(topk_blocks, blocks.shape[-1]))
     return keep.repeat_interleave(block_size, -1)[..., :T]
 

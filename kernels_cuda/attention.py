@@ -17,12 +17,11 @@ the profile's tiles (tiles, grid, splits, constexprs) is planned once per key (:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton.language as tl
 
 from flashrt.formats import QTensor
+from flashrt.jit_triton import interpreted
 from flashrt.kernels_cuda import attention_two_pass as two_pass
 from flashrt.kernels_cuda.attention_kernel import _combine_kernel, _sparse_attention_kernel
 from flashrt.kernels_cuda.codecs import CODES
@@ -139,7 +138,7 @@ def _dot_mode(dtype: torch.dtype):
     """(dot operand dtype, input precision): bf16 MMA for bf16 q; fp16 / fp32 q: fp32 operands at
     TILES' precision (bf16x3 needs a third of 3xTF32's shared memory); fp32 in the interpreter
     (its bf16 dot / arithmetic is wrong)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return tl.float32, "ieee"
     return (tl.bfloat16, "ieee") if dtype == torch.bfloat16 else (tl.float32, _tiles()["attention_fp32"]["precision"])
 

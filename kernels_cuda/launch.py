@@ -11,13 +11,13 @@ empty, so a plan never outlives the profile it was made under.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton.language as tl
 
 from flashrt import profiles
 from flashrt.formats import QTensor
+from flashrt.jit_triton import interpreted
 from flashrt.kv.util import empty_qtensor
 
 
@@ -75,7 +75,7 @@ def zeros_stored(fmt: str | None, shape, dtype: torch.dtype, device) -> torch.Te
 
 def no_device_reason() -> str | None:
     """Why a warmup hook has nothing to compile here (the interpreter, no CUDA device), or None."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return "TRITON_INTERPRET=1: kernels are interpreted, nothing to compile"
     if not torch.cuda.is_available():
         return "no CUDA device: nothing to compile"

@@ -25,7 +25,7 @@ import functools
 import torch
 import triton.language as tl
 
-from flashrt.backends.cuda import interpreter
+from flashrt.jit_triton import interpreted
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, no_device_reason, split_k, zeros_stored
@@ -64,21 +64,21 @@ PLANS = PlanCache("linear", TILES)  # launch plans of the active profile
 @functools.cache
 def supports_fp8_mma() -> bool:
     """tl.dot on E4M3 operands (sm_89+); the interpreter runs that path with fp32 operands."""
-    if interpreter():
+    if interpreted():
         return True
     return torch.cuda.get_device_capability() >= (8, 9)
 
 
 @functools.cache
 def num_sms() -> int:
-    return 1 if interpreter() else torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 1 if interpreted() else torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def mma_mode(fmt: str):
     """(PROMOTE, DOT dtype) for a weight format on this device."""
     forced = _tiles()["fp8_mma"]
     promote = fmt == "fp8_w" and (supports_fp8_mma() if forced is None else bool(forced))
-    if interpreter():
+    if interpreted():
         return promote, tl.float32
     return promote, (tl.float8e4nv if promote else tl.bfloat16)
 

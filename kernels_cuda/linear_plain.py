@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt.backends.cuda import interpreter
+from flashrt.jit_triton import interpreted
 from flashrt.kernels_cuda import _warmup
 from flashrt.kernels_cuda.codecs import to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count, split_k
@@ -81,7 +81,7 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
     k_split = cdiv(blocks, split) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     out_dtype = odt if split == 1 else torch.float32
-    dot = tl.float32 if interpreter() else TL_DTYPES[wdt]
+    dot = tl.float32 if interpreted() else TL_DTYPES[wdt]
     return dict(grid=(cdiv(n, t["BLOCK_N"]), cdiv(m, t["BLOCK_M"]), split), split=split, k_split=k_split,
                 out_dtype=out_dtype, constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=TL_DTYPES[wdt],
                                                      OUT=TL_DTYPES[out_dtype], **t))
@@ -99,7 +99,7 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype |
     key = (m, n, k, x.dtype, weight.dtype, out_dtype)
     plan = PLANS.lookup(key)[1]
     if plan is None:
-        sms = 1 if interpreter() else sm_count(x.device)
+        sms = 1 if interpreted() else sm_count(x.device)
         plan = PLANS.store(key, _plan(m, n, k, x.dtype, weight.dtype, out_dtype, sms))
     w = last_dense(weight)
     out = torch.empty(plan["split"], m, n, dtype=plan["out_dtype"], device=x.device)

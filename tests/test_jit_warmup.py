@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from flashrt import profiles
-from flashrt.cli.jit import kernel_modules, warmup
+from flashrt.backends.cuda import kernel_modules
+from flashrt.jit_warmup import warmup
 from flashrt.graphs.config import shipped_config
 from flashrt.kernels_cuda import _warmup
 
@@ -47,7 +48,7 @@ def test_without_cuda_every_hook_says_so_and_the_report_lists_why(monkeypatch):
     mods = _modules()
     for name in HOOKED:
         assert "no CUDA device" in mods[name].warmup(profiles.load_profile("h200"))["skipped"]
-    report = warmup("h200", [(n, mods[n]) for n in HOOKED], progress=lambda done, total: None)
+    report = warmup("h200", [(n, mods[n].warmup) for n in HOOKED], progress=lambda done, total: None)
     assert report["warmed"] == [] and report["failed"] == {} and report["skipped"] == list(HOOKED)
     assert all("no CUDA device" in report["notes"][n] for n in HOOKED)
 

@@ -247,7 +247,7 @@ def test_tiles_that_do_not_fit_the_kernel_name_the_key(given, message):
 
 def test_shipped_tiles_fit_every_kernel_module():
     """Profile tiles name only kernel modules and parameters that exist (else tuning would be ignored)."""
-    from flashrt.cli.jit import kernel_modules
+    from flashrt.backends.cuda import kernel_modules
 
     modules = {name: mod.TILES for name, mod in kernel_modules() if hasattr(mod, "TILES")}
     for name in SHIPPED:

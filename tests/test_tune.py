@@ -52,7 +52,8 @@ def test_a_rule_space_tunes_its_rule_only(tmp_path, monkeypatch):
     with profiles.using("h200"):
         base_rules = profiles.tiles("linear", tune._module_tiles("linear"))["linear"]
         tuned, (r,) = tune.tune(["linear_decode"], small=True)
-    assert r["winner"]["BLOCK_N"] in (32, 64) and r["rejected"] == 0 and r["failed"] == 0
+    # the profile's own tile is a candidate too (tried first): it may win
+    assert r["winner"]["BLOCK_N"] in (32, 64, base_rules[0][1]["BLOCK_N"]) and r["rejected"] == 0 and r["failed"] == 0
     tune.write_profile(tuned, [r], str(tmp_path / "h200.yaml"))
     with profiles.using(profiles.load_profile_file(tmp_path / "h200.yaml")):
         rules = profiles.tiles("linear", tune._module_tiles("linear"))["linear"]
