@@ -71,26 +71,33 @@ def warmup_hooks() -> list[tuple[str, object]]:
 
 def collect_kernels() -> tuple[dict, dict, dict]:
     """(ops, supports, load errors) from every module of flashrt.kernels_cuda."""
-    (ops, supports), errors = collect_module_attrs("flashrt.kernels_cuda", "OPS", "SUPPORTS")
+    (ops, supports, _), errors = collect_module_attrs("flashrt.kernels_cuda", "OPS", "SUPPORTS", "ZERO_COPY")
     return ops, supports, errors
+
+
+def zero_copy() -> dict:
+    """op -> ``(device) -> bool`` of the kernels that read pinned host memory in place."""
+    return collect_module_attrs("flashrt.kernels_cuda", "ZERO_COPY")[0][0]
 
 
 @hookimpl
 def flashrt_backend():
     ok, _ = supports_cuda()
-    ops, supports = {}, {}
+    ops, supports, copies = {}, {}, {}
     if ok and not interpreted():
         from flashrt import jit
 
         jit.install()  # compiled kernels go through flashrt's locked, checksummed cache
     if ok or _triton_version() is not None:
         ops, supports, _ = collect_kernels()
+        copies = zero_copy()
     return Backend(
         name="cuda",
         device_types=("cuda",),
         explicit_device_types=("cpu",) if interpreted() else (),
         ops=ops,
         supports=supports,
+        zero_copy=copies,
         priority=50,
         is_available=supports_cuda,
         warmup_hooks=warmup_hooks,

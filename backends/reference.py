@@ -17,6 +17,11 @@ def __getattr__(name: str):
     return getattr(refmath, name)
 
 
+def _host_is_device(device) -> bool:
+    """On the CPU the host pages are the device's memory: the gather reads them in place."""
+    return device.type == "cpu"
+
+
 @hookimpl
 def flashrt_backend():
     return Backend(
@@ -24,5 +29,6 @@ def flashrt_backend():
         device_types=("cpu", "cuda", "npu", "mps", "xpu"),
         ops=OPS,
         priority=0,
+        zero_copy={"gather_cold_rows": _host_is_device},
         description="plain torch on any device; the semantics of record",
     )

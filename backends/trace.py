@@ -10,14 +10,14 @@ Counting rules (the minimum work each op must do):
   counts data + scale). Gathers read only the rows they gather (paged ``index_scores`` keys: the
   ``B*T`` rows they map plus the block table, not the whole pool): ``sparse_attention`` reads
   ``B*S*K`` KV rows (every slot assumed valid; with KV segments, ``min(K, T_i)`` rows of each), ``engram_lookup`` ``B*S*C`` table rows,
-  ``moe_experts`` the weights of ``min(E, N*k)`` experts.
+  ``moe_experts`` the weights of ``min(E, N*k)`` experts, ``gather_cold_rows`` ``B*N`` host rows.
 - FLOPs: a multiply-add is 2. ``linear`` ``2*M*in*out``; ``sparse_attention`` ``4*B*S*H*K*D``;
   ``index_scores`` ``2*B*S*T*Hi*(Di+1)``; ``moe_experts`` ``N*k*(6*D*I + 4*I)``; ``moe_route``
   ``2*N*D*E + 3*N*E``; ``hc_coefficients`` ``2*B*S*hcD*(M+1) + 4*B*S*hc*hc*iters``;
   ``hc_collapse`` ``2*B*S*hc*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
   ``5*B*G*r*D``; ``engram_gate`` ``9*B*S*hc*D``; elementwise ops per element: ``rms_norm`` 4,
   ``rope`` 3, ``quantize`` 3, ``dequantize`` and ``engram_lookup`` 1, ``sample`` 3 per logit.
-  Selection ops (``topk_positions``, ``candidate_blocks``) count 0 FLOPs.
+  Selection and copy ops (``topk_positions``, ``candidate_blocks``, ``gather_cold_rows``) count 0 FLOPs.
 """
 from __future__ import annotations
 
@@ -183,6 +183,17 @@ def sample(logits, temperature, generator):
     extra = (temperature,) if isinstance(temperature, torch.Tensor) else ()
     _emit("sample", (logits, *extra), (out,), 3 * logits.numel())
     return out
+
+
+def gather_cold_rows(host, host_ids, picks, index, offset):
+    B, N = picks.shape
+    data = _meta((1, B * N, host.data.shape[-1]), host.data.dtype)
+    scale = _meta((1, B * N, host.scale.shape[-1]), host.scale.dtype)
+    staging = QTensor(data, scale, host.fmt, (1, B * N, host.shape[-1]))
+    out = _meta((B, N), torch.int32)
+    read = sum(map(_nbytes, (host_ids, picks, index))) + B * N * _row_bytes(host)
+    _emit("gather_cold_rows", (host, host_ids, picks, index), (staging, out), 0, read)
+    return staging, out
 
 
 OPS = {name: globals()[name] for name in OP_NAMES}

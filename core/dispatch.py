@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import pluggy
+import torch
 
 from . import hookspecs
 from .errors import BackendError
@@ -223,6 +224,15 @@ def chain(op: str, device_type: str) -> list[str]:
     if choice:
         return [choice]
     return [b.name for b in _candidates(op, device_type) if availability(b.name)[0]]
+
+
+def zero_copy(op: str, device) -> bool:
+    """Whether the backend that serves ``op`` on ``device`` (the first of :func:`chain`) reads
+    host-memory inputs in place there, with no host synchronisation (``Backend.zero_copy``)."""
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    names = chain(op, device.type)
+    check = backends()[names[0]].zero_copy.get(op) if names and names[0] in backends() else None
+    return bool(check(device)) if check is not None else False
 
 
 def _candidates(op: str, device_type: str) -> list[Backend]:

@@ -53,6 +53,9 @@ class Backend:
     explicit_device_types: device types served only when the backend is chosen explicitly
         (``FLASHRT_BACKEND`` / ``use_backend``), e.g. the CUDA kernels on CPU tensors under the
         Triton interpreter.
+    zero_copy: op name -> ``(device) -> bool``: whether this backend's implementation reads
+        host-memory inputs of the op in place on that device, with no host synchronisation (so a
+        CUDA-graph capture may contain the call); see ``flashrt.dispatch.zero_copy``.
     warmup_hooks: ``() -> [(name, hook)]``, what ``flashrt jit warmup`` compiles: ``hook(profile)``
         (see :mod:`flashrt.jit_warmup`), None for kernels without one, or the exception that kept
         them from loading.
@@ -66,6 +69,7 @@ class Backend:
     supports: Mapping[str, Callable[..., bool]] = field(default_factory=dict)
     description: str = ""
     explicit_device_types: tuple[str, ...] = ()
+    zero_copy: Mapping[str, Callable] = field(default_factory=dict)
     warmup_hooks: Callable[[], list] | None = None
 
 

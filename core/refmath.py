@@ -288,3 +288,31 @@ def gumbel_sample(logits, temperature, generator, argmax=lambda t: t.argmax(-1))
 def sample(logits, temperature, generator):
     return gumbel_sample(logits, temperature, generator)
 
+
+
+def _byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` as uint8 ``[rows, n * itemsize]`` (stored bytes, any dtype)."""
+    return t.reshape(-1, t.shape[-1]).view(torch.uint8)
+
+
+def cold_picks(host_ids, picks, pages_per_row: int, page_entries: int):
+    """(cold mask [B, N], flat host row of each pick [B, N], 0 where not cold) of ``gather_cold_rows``."""
+    e = picks.long()
+    page = (e.clamp_min(0) // page_entries).clamp_max(pages_per_row - 1)
+    hp = host_ids.gather(1, page)
+    cold = (e >= 0) & (hp >= 0)
+    return cold, torch.where(cold, hp * page_entries + e.clamp_min(0) % page_entries, 0)
+
+
+def gather_cold_rows(host, host_ids, picks, index, offset):
+    B, N = picks.shape
+    dev, at = picks.device, host.data.device
+    cold, src = cold_picks(host_ids, picks, host_ids.shape[1], host.shape[1])
+    keep, src = cold.reshape(-1, 1).to(at), src.reshape(-1).to(at)
+    staged = []
+    for part in (host.data, host.scale):
+        rows = torch.where(keep, _byte_rows(part)[src], 0)
+        staged.append(rows.to(dev).view(part.dtype).view(1, B * N, part.shape[-1]))
+    slots = offset + torch.arange(B * N, device=dev, dtype=torch.int64).view(B, N)
+    out = torch.where(cold, slots, index.long()).to(torch.int32)
+    return QTensor(staged[0], staged[1], host.fmt, (1, B * N, host.shape[-1])), out

@@ -57,5 +57,13 @@ def sample(logits, temperature, generator):
     return ref.gumbel_sample(logits, temperature, generator, argmax=first_argmax)
 
 
+def gather_cold_rows(host, host_ids, picks, index, offset):
+    """``gather_cold_rows``: plain torch. The picks and host page ids come to the host once (no
+    torch_npu operator reads host memory from the device), the rows are gathered there as bytes
+    and the staged bytes go to the NPU in one copy each; the output index is computed on the NPU."""
+    return ref.gather_cold_rows(host, host_ids, picks, index, offset)
+
+
 OPS = {name: globals()[name] for name in (
-    "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "sample")}
+    "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "sample",
+    "gather_cold_rows")}

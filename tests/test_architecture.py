@@ -112,15 +112,11 @@ def violations(source: str, path: str, module: str, package: bool = False) -> li
     return out
 
 
-PENDING = ("core/kv/pages.py", "flashrt.kernels_cuda.kv_gather")  # the cold gather becomes a contract op next
-
-
 def test_every_module_keeps_the_import_rules():
     found = []
     for path in source_files():
         module, package = module_name(path)
         found += violations(path.read_text(), str(path.relative_to(ROOT)), module, package)
-    found = [f for f in found if not (f.startswith(PENDING[0]) and f" {PENDING[1]} " in f)]
     assert not found, "import rules broken:\n" + "\n".join(found)
 
 
