@@ -1,6 +1,7 @@
 """Ahead-of-time compilation (``flashrt jit warmup``, :func:`flashrt.jit.warmup`) through the backends.
 
-Each registered backend may declare warm-up hooks for its kernels; none is imported here. A hook
+The kernel families the registered backends declare (``Backend.families``, reached through
+dispatch: nothing is imported here) carry their warm-up hooks. A hook
 compiles its kernels at the profile's tiles (``flashrt.profiles.tiles``) for the shapes the model
 launches, through Triton's cache (ours, after ``flashrt.jit.install()``). It returns None or a
 dict: ``{"launches": n, ...}`` when it compiled, ``{"skipped": why}`` (or just ``why``) when it
@@ -17,12 +18,17 @@ from .progress import Progress
 
 
 def warmup_targets() -> list[tuple[str, object]]:
-    """(name, hook or None or the exception that kept it from loading) of every registered backend's
-    kernels that declare warm-up, in backend registration order."""
-    out = []
-    for backend in dispatch.backends().values():
-        if backend.warmup_hooks is not None:
-            out.extend(backend.warmup_hooks())
+    """(family name, its warm-up hook or None) of every family of the backends that compile ahead
+    (those with at least one hook), in registration order; a name two backends share is prefixed
+    with the backend's."""
+    out, seen = [], set()
+    for backend, fams in dispatch.families().items():
+        if not any(f.warmup for f in fams):
+            continue
+        for fam in fams:
+            name = fam.name if fam.name not in seen else f"{backend}:{fam.name}"
+            seen.add(fam.name)
+            out.append((name, fam.warmup))
     return out
 
 

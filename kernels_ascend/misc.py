@@ -13,7 +13,7 @@ import torch
 from flashrt import refmath as ref
 from flashrt.formats import QTensor
 
-from ._npu import dequantize, first_argmax
+from .npu_runtime import dequantize, first_argmax, npu_family
 
 
 def compress_pool(kv, score):
@@ -44,7 +44,7 @@ def engram_gate(h, key, value, weight, eps):
 def engram_lookup(table, ids):
     """``engram_lookup``: plain-torch index (aclnnIndex / gather) on the stored bytes, then exact
     decoding: the ``fp8`` rows are looked up as uint8 and turned into values through the E4M3 and
-    UE8M0 tables of ``_npu`` (no float8 arithmetic on the device), returned as bf16."""
+    UE8M0 tables of ``npu_runtime`` (no float8 arithmetic on the device), returned as bf16."""
     flat = ids.reshape(-1)
     rows = QTensor(table.data[flat], table.scale[flat], table.fmt, (flat.shape[0], table.shape[-1]))
     return dequantize(rows, torch.bfloat16).view(*ids.shape, table.shape[-1])
@@ -64,6 +64,7 @@ def gather_cold_rows(host, host_ids, picks, index, offset):
     return ref.gather_cold_rows(host, host_ids, picks, index, offset)
 
 
-OPS = {name: globals()[name] for name in (
+FAMILY = npu_family("misc", {name: globals()[name] for name in (
     "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "sample",
-    "gather_cold_rows")}
+    "gather_cold_rows")},
+    "ops with no matching torch_npu operator: plain torch on the NPU")

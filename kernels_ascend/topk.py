@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from flashrt import refmath
 
-from ._npu import positions_of, select_top
+from .npu_runtime import npu_family, positions_of, select_top
 
 
 def topk_positions(scores, k, candidates):
@@ -42,4 +42,5 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     return keep.repeat_interleave(block_size, -1)[..., :T]
 
 
-OPS = {"topk_positions": topk_positions, "candidate_blocks": candidate_blocks}
+FAMILY = npu_family("topk", {"topk_positions": topk_positions, "candidate_blocks": candidate_blocks},
+                    "top-k positions and candidate blocks (torch.topk for the threshold)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from flashrt.families import Dim, KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.jit_triton import interpreted
 from flashrt.kernels_cuda import attention_two_pass as two_pass
@@ -48,12 +49,8 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.attention`` in its YAML)."""
-    return PLANS.lookup(None)[0]
-
-
-PLANS = PlanCache("attention", TILES)  # launch plans of the active profile
+PLANS = PlanCache("attention", TILES)  # the active tiles and the launch plans made with them
+_tiles = PLANS.tiles
 MAX_D = 512
 MAX_SEGMENTS = 4  # three with their own dequant path at most; a fourth joins one of the same format
 OFFSET_BIAS = 1 << 48  # added to every segment offset (attention_kernel.OFFSET_BIAS): always int64
@@ -210,24 +207,15 @@ def sparse_attention(q, kv, indices, sink, scale):
     return out
 
 
-def supports_sparse_attention(q, kv, indices, sink, scale) -> bool:
-    """bf16/fp16/fp32 q; D % 32 == 0 and D <= 512; <= 4 non-empty segments, each plain
-    bf16/fp16/fp32 or fp8 / fp4_b16 / fp4_b32, at most three formats' dequant paths (a fourth
-    segment shares an earlier segment's format: HKCP's ring + chunk + page pool + cold staging)."""
-    D = q.shape[-1]
-    if q.dtype not in PLAIN_DTYPES or D == 0 or D % 32 or D > MAX_D:
-        return False
+def segments_fit(q, kv, indices, sink, scale) -> bool:
+    """At most four non-empty KV segments and at most three formats' dequant paths (a fourth
+    segment shares an earlier segment's format: HKCP's ring + chunk + page pool + cold staging).
+    Reads only segment formats and emptiness (the call key holds both)."""
     segs = kv if isinstance(kv, tuple) else (kv,)
-    live = [s for s in segs if s.shape[1]]
+    live = [s for s in segs if (s.data if isinstance(s, QTensor) else s).numel()]
     if len(live) > MAX_SEGMENTS:
         return False
-    if not all(s.fmt in FMT_CODES if isinstance(s, QTensor) else s.dtype in PLAIN_DTYPES for s in segs):
-        return False
     return _roles([FMT_CODES[s.fmt] if isinstance(s, QTensor) else 0 for s in live]) is not None
-
-
-OPS = {"sparse_attention": sparse_attention}
-SUPPORTS = {"sparse_attention": supports_sparse_attention}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +227,7 @@ WARMUP_CASES = ((1, 1, 1024), (1, 1, 1000), (8, 1, 1000), (1, 64, 1000))  # deco
 _STORED = {"fp4": "fp4_b16", "fp8": "fp8", "bf16": None}  # profile KV dtype -> stored format
 
 
-def warmup(profile) -> str | None:
+def warm_up(profile) -> str | None:
     """Compile the variants the model launches under ``profile``: bf16 q over (``kv_window_dtype``
     ring, chunk, ``kv_main_dtype`` main KV), with a sink; decode (split K) and a prefill chunk
     (no split), main KV lengths on both sides of Triton's divisibility-by-16 specialization, and
@@ -264,3 +252,11 @@ def warmup(profile) -> str | None:
             sparse_attention(q, cold, idx, torch.zeros(H, device=dev), D ** -0.5)
     torch.cuda.synchronize()
     return None
+
+
+FAMILY = KernelFamily(
+    "attention", ops={"sparse_attention": sparse_attention},
+    # bf16/fp16/fp32 q; D % 32 == 0 and D <= 512; each segment plain or fp8 / fp4_b16 / fp4_b32
+    supports={"sparse_attention": Support(inputs={"q": PLAIN_DTYPES, "kv": PLAIN_DTYPES + tuple(FMT_CODES)},
+                                          dims={"q[-1]": Dim(32, MAX_D, 32)}, extra=segments_fit)},
+    tiles=TILES, warmup=warm_up, description="sparse MQA attention over gathered, quantized KV rows")

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashrt import refmath
+from flashrt.families import KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import INTERPRETED as _INTERPRETED
 from flashrt.kernels_cuda.launch import cdiv, dense, next_pow2
@@ -77,7 +79,9 @@ def gather_cold_rows(host: QTensor, host_ids: torch.Tensor, picks: torch.Tensor,
                      offset: int) -> tuple[QTensor, torch.Tensor]:
     """``flashrt.ops.gather_cold_rows``: (staging ``[1, B * N, D]`` in ``host``'s format, int32
     index ``[B, N]``) on the device of ``picks``. ``host`` [pages, P, D] pinned on the CPU (or on
-    the device), its data and scale contiguous (:func:`supports_gather_cold_rows`)."""
+    the device); pages whose data or scale is not contiguous take the plain-torch gather."""
+    if not (host.data.is_contiguous() and host.scale.is_contiguous()):  # rows are addressed as flat words
+        return refmath.gather_cold_rows(host, host_ids, picks, index, offset)
     B, N = picks.shape
     P, total = host.shape[1], B * N
     picks, host_ids, index = dense(picks), dense(host_ids), dense(index)
@@ -95,11 +99,9 @@ def gather_cold_rows(host: QTensor, host_ids: torch.Tensor, picks: torch.Tensor,
     return QTensor(staged[0], staged[1], host.fmt, (1, total, host.shape[-1])), oidx
 
 
-def supports_gather_cold_rows(host, host_ids, picks, index, offset) -> bool:
-    """Host pages with contiguous data and scale, on the CPU (read in place: pinned, as the op
-    requires) or on the device, and a device whose zero-copy self-check passed."""
-    return (host.data.is_contiguous() and host.scale.is_contiguous() and zero_copy_ok(picks.device)
-            and host.data.device.type in ("cpu", picks.device.type))
+def on_a_zero_copy_device(host, host_ids, picks, index, offset) -> bool:
+    """The device's zero-copy self-check passed (the verdict is per device: dispatch resolves per device)."""
+    return zero_copy_ok(picks.device)
 
 
 def zero_copy_ok(device: torch.device) -> bool:
@@ -125,6 +127,7 @@ def zero_copy_ok(device: torch.device) -> bool:
     return _CHECKED[key]
 
 
-OPS = {"gather_cold_rows": gather_cold_rows}
-SUPPORTS = {"gather_cold_rows": supports_gather_cold_rows}
-ZERO_COPY = {"gather_cold_rows": zero_copy_ok}
+FAMILY = KernelFamily(
+    "kv_gather", ops={"gather_cold_rows": gather_cold_rows},
+    supports={"gather_cold_rows": Support(extra=on_a_zero_copy_device)}, zero_copy={"gather_cold_rows": zero_copy_ok},
+    description="HKCP cold fetch: picked host-page rows read in place from pinned memory")

@@ -26,11 +26,12 @@ import torch
 import triton.language as tl
 
 from flashrt.jit_triton import interpreted
+from flashrt.families import KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, no_device_reason, split_k, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
-from flashrt.kernels_cuda.linear_plain import plain_linear, supports_plain_linear
+from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
 
 WEIGHT_FORMATS = ("fp8_w", "fp4_w")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -53,12 +54,8 @@ TILES = {
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.linear`` in its YAML)."""
-    return PLANS.lookup(None)[0]
-
-
-PLANS = PlanCache("linear", TILES)  # launch plans of the active profile
+PLANS = PlanCache("linear", TILES)  # the active tiles and the launch plans made with them
+_tiles = PLANS.tiles
 
 
 @functools.cache
@@ -178,10 +175,6 @@ def supports_linear(x, weight) -> bool:
     return weight.fmt in WEIGHT_FORMATS and weight.ndim == 2 and x.dtype in FLOATS
 
 
-OPS = {"linear": linear}
-SUPPORTS = {"linear": supports_linear}
-
-
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compilation (``flashrt jit warmup``)
 
@@ -190,7 +183,7 @@ WARMUP_SHAPES = ((1280, 5120), (2304, 5120), (4096, 1280), (5120, 8192))  # (out
 _ACTIVATIONS = {"fp16": torch.float16, "fp32": torch.float32}  # profile compute_dtype -> x dtype (else bf16)
 
 
-def warmup(profile) -> str | None:
+def warm_up(profile) -> str | None:
     """Compile the ``fp8_w`` linear variants the model launches under ``profile`` (weights
     ``weight_dtype: fp8``): each of WARMUP_ROWS x WARMUP_SHAPES once, on zero-filled inputs
     (activations in the profile's compute dtype). Returns why nothing was compiled, or None."""
@@ -206,3 +199,9 @@ def warmup(profile) -> str | None:
             linear(torch.zeros(m, k, dtype=dtype, device=dev), w)
     torch.cuda.synchronize()
     return None
+
+
+FAMILY = KernelFamily(
+    "linear", ops={"linear": linear},
+    supports={"linear": Support(inputs={"x": FLOATS, "weight": WEIGHT_FORMATS + WEIGHT_DTYPES}, extra=supports_linear)},
+    tiles=TILES, warmup=warm_up, description="block-scaled FP8 / FP4 GEMM with fp8 activations; plain weights: linear_plain")

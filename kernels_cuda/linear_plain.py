@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from flashrt.jit_triton import interpreted
-from flashrt.kernels_cuda import _warmup
+from flashrt.families import KernelFamily
+from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count, split_k
 
@@ -37,7 +38,7 @@ TILES = {
     ),
     "split_k": None,  # None: split K when the output tiles do not fill the SMs; or a forced count
 }
-PLANS = PlanCache("linear_plain", TILES)
+PLANS = PlanCache("linear_plain", TILES)  # the active tiles and the launch plans made with them
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -73,7 +74,7 @@ def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_split, stride_xm, str
 
 
 def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch.dtype, sms: int) -> dict:
-    tiles = PLANS.lookup(None)[0]
+    tiles = PLANS.tiles()
     t = next(tile for limit, tile in tiles["plain"] if limit is None or m <= limit)
     out_tiles = cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"])
     blocks = cdiv(k, t["BLOCK_K"])
@@ -129,6 +130,6 @@ def warmup_cases(device, d: dict, dtype):
                 yield _warmup.Launch(f"plain linear {xdt}", plain_linear, (_warmup.rand((n, dim), xdt, device), w))
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
+# no op of its own: ``linear`` (linear.py) and the MoE gate (moe_route.py) launch it
+FAMILY = KernelFamily("linear_plain", tiles=TILES, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+                      description="linear with a plain bf16 / fp16 weight (fp32 accumulation)")

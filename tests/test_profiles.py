@@ -247,9 +247,9 @@ def test_tiles_that_do_not_fit_the_kernel_name_the_key(given, message):
 
 def test_shipped_tiles_fit_every_kernel_module():
     """Profile tiles name only kernel modules and parameters that exist (else tuning would be ignored)."""
-    from flashrt.backends.cuda import kernel_modules
+    from flashrt.kernels_cuda import FAMILIES
 
-    modules = {name: mod.TILES for name, mod in kernel_modules() if hasattr(mod, "TILES")}
+    modules = {fam.name: fam.tiles for fam in FAMILIES if fam.tiles}
     for name in SHIPPED:
         with profiles.using(name):
             assert set(profiles.active_profile().tiles) <= set(modules), name

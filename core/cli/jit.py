@@ -49,7 +49,7 @@ def warm_model(model: str, report: dict) -> None:
 
 def cmd_warmup(args) -> int:
     if args.shapes:
-        from flashrt.kernels_cuda._warmup import MODELS
+        from flashrt.kernels_cuda.warmup import MODELS
 
         unknown = sorted(set(args.shapes) - set(MODELS))
         if unknown:
