@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from flashrt.dtypes import MAIN_KV_FORMAT, STORAGE
 from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import COUNT0, DOT, POW2, Tile
 from flashrt.formats import QTensor
 from flashrt.jit_triton import interpreted
 from flashrt.kernels_cuda import attention_two_pass as two_pass
@@ -224,21 +226,20 @@ def segments_fit(q, kv, indices, sink, scale) -> bool:
 # the released config: 64 heads x 512, K = window 128 + top-k 512; (batch, queries, main KV entries)
 WARMUP_SHAPE = dict(heads=64, head_dim=512, window=128, topk=512)
 WARMUP_CASES = ((1, 1, 1024), (1, 1, 1000), (8, 1, 1000), (1, 64, 1000))  # decode (split K), prefill chunk
-_STORED = {"fp4": "fp4_b16", "fp8": "fp8", "bf16": None}  # profile KV dtype -> stored format
 
 
 def warm_up(profile) -> str | None:
     """Compile the variants the model launches under ``profile``: bf16 q over (``kv_window_dtype``
-    ring, chunk, ``kv_main_dtype`` main KV), with a sink; decode (split K) and a prefill chunk
-    (no split), main KV lengths on both sides of Triton's divisibility-by-16 specialization, and
-    the decode steps that read cold HKCP pages (a fourth segment: the staged picks). Runs the
+    ring, chunk, the main KV in ``MAIN_KV_FORMAT``), with a sink; decode (split K) and a prefill
+    chunk (no split), main KV lengths on both sides of Triton's divisibility-by-16 specialization,
+    and the decode steps that read cold HKCP pages (a fourth segment: the staged picks). Runs the
     launcher once per case on zero-filled inputs. Returns why nothing was compiled, or None."""
     reason = no_device_reason()
-    if reason is None and (profile.kv_main_dtype not in _STORED or profile.kv_window_dtype not in _STORED):
-        reason = f"kv dtypes {profile.kv_window_dtype} / {profile.kv_main_dtype}: not served by this kernel"
+    window, main = STORAGE.get(profile.kv_window_dtype, "?"), MAIN_KV_FORMAT
+    if reason is None and window is not None and window not in FMT_CODES:
+        reason = f"kv_window_dtype {profile.kv_window_dtype}: not served by this kernel"
     if reason:
         return reason
-    window, main = _STORED[profile.kv_window_dtype], _STORED[profile.kv_main_dtype]
     H, D, W, K = (WARMUP_SHAPE[k] for k in ("heads", "head_dim", "window", "topk"))
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     for B, S, T in WARMUP_CASES:
@@ -247,11 +248,21 @@ def warm_up(profile) -> str | None:
         idx = torch.zeros(B, S, W + K, dtype=torch.int32, device=dev)
         q = torch.zeros(B, S, H, D, dtype=bf16, device=dev)
         sparse_attention(q, kv, idx, torch.zeros(H, device=dev), D ** -0.5)
-        if S == 1 and main is not None:  # + the cold picks staged from host pages
+        if S == 1:  # + the cold picks staged from host pages
             cold = kv + (zeros_stored(main, (1, B * K, D), bf16, dev),)
             sparse_attention(q, cold, idx, torch.zeros(H, device=dev), D ** -0.5)
     torch.cuda.synchronize()
     return None
+
+
+PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3")  # tl.dot input precisions of fp32 operands
+TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1, 2)), "combine.H_BLOCK": POW2,
+               "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0, "two_pass.DV": DOT}
+
+
+def _kv_tile_bytes(t: dict) -> int:
+    """At least the dequantized bf16 KV tile of one program (K_BLOCK rows of its share of D = 512)."""
+    return t["K_BLOCK"] * (MAX_D // t["D_SPLIT"]) * 2
 
 
 FAMILY = KernelFamily(
@@ -259,4 +270,6 @@ FAMILY = KernelFamily(
     # bf16/fp16/fp32 q; D % 32 == 0 and D <= 512; each segment plain or fp8 / fp4_b16 / fp4_b32
     supports={"sparse_attention": Support(inputs={"q": PLAIN_DTYPES, "kv": PLAIN_DTYPES + tuple(FMT_CODES)},
                                           dims={"q[-1]": Dim(32, MAX_D, 32)}, extra=segments_fit)},
-    tiles=TILES, warmup=warm_up, description="sparse MQA attention over gathered, quantized KV rows")
+    tiles=TILES, tile_checks=TILE_CHECKS,
+    smem={"attention": _kv_tile_bytes, "attention_fp32": _kv_tile_bytes},
+    warmup=warm_up, description="sparse MQA attention over gathered, quantized KV rows")

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from flashrt.families import KernelFamily
+from flashrt.tile_checks import POW2
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import warmup as _warmup
 
@@ -70,6 +71,8 @@ def warmup_cases(device, d: dict, dtype):
             yield _warmup.Launch("compress_pool", compress_pool, (kv, torch.randn_like(kv)))
 
 
-FAMILY = KernelFamily("compress", ops={"compress_pool": compress_pool}, tiles=TILES,
-                      warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
-                      description="CSA2 compression: softmax-weighted pooling of each group")
+FAMILY = KernelFamily(
+    "compress", ops={"compress_pool": compress_pool},
+    tiles=TILES, tile_checks={"compress_pool.TILE_ELEMS": POW2, "compress_pool.MAX_BLOCK_R": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="CSA2 compression: softmax-weighted pooling of each group")

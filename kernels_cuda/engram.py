@@ -17,6 +17,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import e4m3_to_f32, e8m0_to_f32, to_out
 from flashrt.families import KernelFamily, Support
+from flashrt.tile_checks import POW2
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2, zeros_stored
 from flashrt.kernels_cuda import warmup as _warmup
 
@@ -141,5 +142,6 @@ def warmup_cases(device, d: dict, dtype):
 FAMILY = KernelFamily(
     "engram", ops={"engram_lookup": engram_lookup, "engram_gate": engram_gate},
     supports={"engram_gate": Support(inputs={name: _DTYPES for name in ("h", "key", "value", "weight")})},
-    tiles=TILES, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    tiles=TILES, tile_checks={"engram_lookup.ROWS_ELEMS": POW2, "engram_gate.MAX_BLOCK_D": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="Engram table rows (fp8) and the gated add")

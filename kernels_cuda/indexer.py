@@ -9,6 +9,7 @@ import torch
 import triton.language as tl
 
 from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import DOT, POW2, Tile
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import CODES, INTERPRETED as _INTERPRETED
@@ -133,5 +134,7 @@ FAMILY = KernelFamily(
     supports={"index_scores": Support(inputs={"q": _PLAIN, "k": _PLAIN + tuple(_FORMATS)},
                                       dims={"q[-1]": Dim(0, 512), "q[2]": Dim(0, 128)}),
               "candidate_blocks": Support(dims={"scores[-1]": Dim(0, 2**30 - 1)})},
-    tiles=TILES, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    tiles=TILES, tile_checks={"index_scores.block_t": DOT, "index_scores.rows": POW2, "candidate_blocks.block": POW2,
+                              "index_scores.fp32_precision": Tile(choices=("ieee", "tf32", "tf32x3"))},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="indexer scores over (paged) quantized keys; candidate blocks")

@@ -16,6 +16,7 @@ import torch
 import triton.language as tl
 
 from flashrt import profiles
+from flashrt.dtypes import TORCH
 from flashrt.formats import QTensor
 from flashrt.jit_triton import interpreted
 from flashrt.kv.util import empty_qtensor
@@ -88,7 +89,8 @@ def no_device_reason() -> str | None:
     return None
 
 
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # -> Triton
+# torch -> Triton dtypes of flashrt.dtypes' table (Triton names them as torch does: tl.bfloat16, ...)
+TL_DTYPES = {dt: getattr(tl, str(dt).removeprefix("torch.")) for dt in TORCH.values()}
 
 
 def split_k(out_tiles: int, blocks: int, forced, sms: int) -> int:

@@ -26,7 +26,9 @@ import torch
 import triton.language as tl
 
 from flashrt.jit_triton import interpreted
+from flashrt.dtypes import activation_dtype
 from flashrt.families import KernelFamily, Support
+from flashrt.tile_checks import DOT, POW2, Tile, gemm_smem
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, no_device_reason, split_k, zeros_stored
@@ -180,7 +182,6 @@ def supports_linear(x, weight) -> bool:
 
 WARMUP_ROWS = (1, 8, 64, 4096)  # decode batches 1 / 8 / 64 and a prefill chunk: every tile rule, split or not
 WARMUP_SHAPES = ((1280, 5120), (2304, 5120), (4096, 1280), (5120, 8192))  # (out, in) of the released config
-_ACTIVATIONS = {"fp16": torch.float16, "fp32": torch.float32}  # profile compute_dtype -> x dtype (else bf16)
 
 
 def warm_up(profile) -> str | None:
@@ -192,7 +193,7 @@ def warm_up(profile) -> str | None:
         reason = f"weight_dtype {profile.weight_dtype}: no fp8_w linear to compile"
     if reason:
         return reason
-    dev, dtype = torch.device("cuda"), _ACTIVATIONS.get(profile.compute_dtype, torch.bfloat16)
+    dev, dtype = torch.device("cuda"), activation_dtype(profile.compute_dtype)
     for n, k in WARMUP_SHAPES:
         w = zeros_stored("fp8_w", (n, k), None, dev)
         for m in WARMUP_ROWS:
@@ -201,7 +202,14 @@ def warm_up(profile) -> str | None:
     return None
 
 
+SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
+TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": DOT, "linear.BLOCK_N": SCALED,
+               "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
+               "fp8_mma": Tile(nullable=True, kind=bool), "bf16_gemm_min_rows": Tile(nullable=True, kind=int)}
+
+
 FAMILY = KernelFamily(
     "linear", ops={"linear": linear},
     supports={"linear": Support(inputs={"x": FLOATS, "weight": WEIGHT_FORMATS + WEIGHT_DTYPES}, extra=supports_linear)},
-    tiles=TILES, warmup=warm_up, description="block-scaled FP8 / FP4 GEMM with fp8 activations; plain weights: linear_plain")
+    tiles=TILES, tile_checks=TILE_CHECKS, smem={"linear": gemm_smem}, warmup=warm_up,
+    description="block-scaled FP8 / FP4 GEMM with fp8 activations; plain weights: linear_plain")

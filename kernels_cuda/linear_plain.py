@@ -26,6 +26,7 @@ import triton.language as tl
 
 from flashrt.jit_triton import interpreted
 from flashrt.families import KernelFamily
+from flashrt.tile_checks import DOT, Tile
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count, split_k
@@ -131,5 +132,16 @@ def warmup_cases(device, d: dict, dtype):
 
 
 # no op of its own: ``linear`` (linear.py) and the MoE gate (moe_route.py) launch it
-FAMILY = KernelFamily("linear_plain", tiles=TILES, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
-                      description="linear with a plain bf16 / fp16 weight (fp32 accumulation)")
+
+
+def _bf16_tile_bytes(t: dict) -> int:
+    """At least (stages - 1) buffers of the bf16 x and weight tiles."""
+    return max(1, t["num_stages"] - 1) * (t["BLOCK_M"] + t["BLOCK_N"]) * t["BLOCK_K"] * 2
+
+
+FAMILY = KernelFamily(
+    "linear_plain",
+    tiles=TILES, tile_checks={"plain.BLOCK_M": DOT, "plain.BLOCK_N": DOT, "plain.BLOCK_K": DOT,
+                              "split_k": Tile(nullable=True, kind=int)},
+    smem={"plain": _bf16_tile_bytes}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="linear with a plain bf16 / fp16 weight (fp32 accumulation)")

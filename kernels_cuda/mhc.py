@@ -18,6 +18,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import INTERPRETED, to_out
 from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import DOT, POW2
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import warmup as _warmup
 
@@ -281,5 +282,6 @@ FAMILY = KernelFamily(
     "mhc", ops={"hc_coefficients": hc_coefficients, "hc_collapse": hc_collapse, "hc_expand": hc_expand},
     supports={"hc_coefficients": _STREAMS, "hc_collapse": _STREAMS,
               "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
-    tiles=TILES, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "hc_finish.BLOCK_T": POW2, "hc_mix.BLOCK_D": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="mHC: mixing coefficients (GEMV + Sinkhorn), collapse, expand")

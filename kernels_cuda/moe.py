@@ -21,11 +21,13 @@ import triton
 import triton.language as tl
 
 from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import DOT, POW2, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, zeros_stored
 from flashrt.kernels_cuda import moe_tables
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
-from flashrt.kernels_cuda.linear import FLOATS, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile, weight_operands
+from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile,
+                                         weight_operands)
 from flashrt.kernels_cuda.linear_kernel import _k_loop
 
 TILES = {
@@ -208,5 +210,7 @@ FAMILY = KernelFamily(
     supports={"moe_experts": Support(inputs={"x": FLOATS, "w1": WEIGHT_FORMATS, "w3": WEIGHT_FORMATS,
                                              "w2": WEIGHT_FORMATS}, dims={"w1[1]": Dim(0, None, 32)},
                                      extra=same_up_format)},
-    tiles=TILES, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    tiles=TILES, tile_checks={"experts.BLOCK_M": DOT, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
+                              "combine.BLOCK_D": POW2},
+    smem={"experts": gemm_smem}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="routed SwiGLU experts: grouped FP8 / FP4 GEMMs over routing tables")

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import POW2
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
@@ -122,5 +123,6 @@ FAMILY = KernelFamily(
                                            "bias": (torch.float32,), "score_func": tuple(SCORES)},
                                    dims={"weight[0]": Dim(1, MAX_EXPERTS), "topk": Dim(1, MAX_TOPK)},
                                    extra=gate_fits_plain_linear)},
-    tiles=TILES, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    tiles=TILES, tile_checks={"select.BLOCK_T": POW2, "select.ELEMS": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="MoE gate: scores, biased top-k, normalised weights")

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import to_out
 from flashrt.families import KernelFamily, Support
+from flashrt.tile_checks import POW2
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import warmup as _warmup
 
@@ -152,5 +153,6 @@ def warmup_cases(device, d: dict, dtype):
 FAMILY = KernelFamily(
     "norm_rope", ops={"rms_norm": rms_norm, "rope": rope},
     supports={"rms_norm": Support(inputs={"x": _DTYPES, "weight": _DTYPES}), "rope": Support(inputs={"x": _DTYPES})},
-    tiles=TILES, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    tiles=TILES, tile_checks={"rms_norm.MAX_BLOCK_N": POW2, "rms_norm.ROW_ELEMS": POW2, "rope.TILE_ELEMS": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="RMSNorm and rotary embedding")

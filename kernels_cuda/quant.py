@@ -23,6 +23,7 @@ import triton.language as tl
 
 from flashrt import formats
 from flashrt.families import KernelFamily, Support
+from flashrt.tile_checks import POW2
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_code, e2m1_to_f32, e4m3_rne, e4m3_to_f32,
                                          e8m0_to_f32, to_out)
@@ -217,5 +218,6 @@ FAMILY = KernelFamily(
     # the KV formats (fp8, fp4_b16, fp4_b32); weight and int8 formats are the reference's
     supports={"quantize": Support(inputs={"x": _IN_DTYPES, "fmt": tuple(_FMT)}),
               "dequantize": Support(inputs={"q": tuple(_FMT)})},
-    tiles=TILES, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    tiles=TILES, tile_checks={"*.ELEMS": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="quantize / dequantize of the KV formats")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda.topk_kernel import _chunk_max_kernel, _select_kernel
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import warmup as _warmup
@@ -125,5 +126,8 @@ def warmup_cases(device, d: dict, dtype):
 FAMILY = KernelFamily(
     "topk", ops={"topk_positions": topk_positions},
     supports={"topk_positions": Support(inputs={"scores": (torch.float32,)}, dims={"scores[-1]": Dim(0, 2**30 - 1)})},
-    tiles=TILES, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    tiles=TILES, tile_checks={"chunk_max.block": POW2, "select.summary": POW2, "select.fine": POW2,
+                              "select.small": POW2, "select.list": POW2, "select.group": POW2,
+                              "select.bits": Tile(high=32), "select.radix_bits": Tile(choices=(1, 2, 4))},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="top-k positions: chunk maxima, threshold search, ordered picks")

@@ -19,6 +19,8 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
+from flashrt import dtypes
+
 
 _COMMON = dict(head_dim=512, rope_head_dim=64, hc_mult=4, index_n_heads=32, index_head_dim=128, index_topk=512,
                candidate_block_size=8, engram_n_heads=8, engram_head_dim=256, engram_max_ngram_size=4,
@@ -36,7 +38,6 @@ MODELS = {
 DEFAULT_MODELS = ("small", "v4.1-flash")  # tiny only when asked for (--shapes tiny)
 TOKENS = (1, 44)  # a decode step of one sequence; a prefill of flashrt run's default prompt (44 bytes)
 CONTEXTS = (1, 22, 48)  # compressed entries visible: == 1, neither, % 16 == 0
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class Launch(NamedTuple):
@@ -58,7 +59,7 @@ def cuda_missing() -> str | None:
 
 def activation_dtype(profile) -> torch.dtype:
     """The model's activation dtype under ``profile`` (fp8 / int8 compute keeps bf16 activations)."""
-    return DTYPES.get(getattr(profile, "compute_dtype", "bf16"), torch.bfloat16)
+    return dtypes.activation_dtype(getattr(profile, "compute_dtype", "bf16"))
 
 
 def selected_models() -> dict:

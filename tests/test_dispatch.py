@@ -191,7 +191,8 @@ def test_declared_support_is_checked_once_per_call_key():
     dispatch.register(plugin)
     for _ in range(5):
         assert torch.all(ops.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-6) == 7.0)
-        assert torch.all(ops.rms_norm(torch.randn(2, 5, 4), torch.ones(4), 1e-6) == 7.0)  # another rank: a key
+        weight64 = torch.ones(4, dtype=torch.float64)  # another weight dtype: another key (the extra runs again)
+        assert torch.all(ops.rms_norm(torch.randn(2, 5, 4), weight64, 1e-6) == 7.0)
         wide = ops.rms_norm(torch.randn(3, 16), torch.ones(16), 1e-6)  # x[-1] = 16 > 8: the reference
         f64 = ops.rms_norm(torch.randn(3, 8, dtype=torch.float64), torch.ones(8), 1e-6)  # declined by dtype
     assert not torch.all(wide == 7.0) and not torch.all(f64 == 7.0)

@@ -215,7 +215,7 @@ def test_warmup_calls_each_hook_with_the_profile_active():
     seen = []
 
     def hook(profile):
-        seen.append((profile.name, profiles.active_profile().name, profiles.tiles("attention")))
+        seen.append((profile.name, profiles.active_profile().name, profiles.tiles("linear")))
 
     def broken(profile):
         raise RuntimeError("ptxas died")
@@ -226,7 +226,7 @@ def test_warmup_calls_each_hook_with_the_profile_active():
     with profiles.using("cpu"):
         report = jit.warmup("h200", targets, progress=lambda done, total: calls.append((done, total)))
         assert profiles.active_profile().name == "cpu"  # restored
-    assert seen == [("h200", "h200", profiles.load_profile("h200").tiles["attention"])]
+    assert seen == [("h200", "h200", profiles.load_profile("h200").tiles["linear"])]
     assert report["warmed"] == ["good"] and report["skipped"] == ["plain", "idle"]
     assert report["notes"] == {"idle": "no CUDA device", "good": report["notes"]["good"]}
     assert report["failed"] == {"broken": "RuntimeError: ptxas died", "missing": "import: ImportError: no module"}

@@ -25,7 +25,11 @@ def test_tune_writes_a_loadable_profile_with_winners(tmp_path, monkeypatch):
     text = path.read_text()
     assert "# quant.quantize (quant):" in text and "untuned" in text
     loaded = profiles.load_profile_file(path)
-    assert loaded.tiles["quant"]["quantize"]["ELEMS"] == r["winner"]["ELEMS"]
+    with profiles.using(loaded):
+        assert profiles.tiles("quant", tune._module_tiles("quant"))["quantize"]["ELEMS"] == r["winner"]["ELEMS"]
+    defaults = tune._module_tiles("quant")["quantize"]
+    written = loaded.tiles.get("quant", {}).get("quantize", {})
+    assert all(defaults[k] != v for k, v in written.items())  # only what differs from the defaults is written
 
 
 @requires_kernels

@@ -1,4 +1,4 @@
-"""HKCP main-KV pages: fixed-size pages of ``fp4_b16`` entries on two tiers.
+"""HKCP main-KV pages: fixed-size pages of ``MAIN_KV_FORMAT`` (``fp4_b16``) entries on two tiers.
 
 Every KV-source layer stores its compressed main KV in pages of ``page_entries`` entries drawn
 from one :class:`PagePool`: device pages (hot and warm) up to a byte budget, and host pages (cold,
@@ -20,10 +20,11 @@ from collections import OrderedDict
 import torch
 
 from flashrt import dispatch, ops
+from flashrt.dtypes import MAIN_KV_FORMAT
 from flashrt.formats import QTensor
 from .util import empty_qtensor, write_paged
 
-FMT = "fp4_b16"
+FMT = MAIN_KV_FORMAT
 TRASH_PAGE = 0
 
 
