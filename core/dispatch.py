@@ -100,6 +100,11 @@ def _collect() -> None:
                 raise BackendError(f"backend {backend.name!r} declares unknown ops {unknown}; known: {list(OPS)}")
             if backend.name in _STATE.backends:
                 raise BackendError(f"a backend named {backend.name!r} is already registered")
+            stray = sorted(set(backend.supports) - set(backend.ops))
+            if stray:
+                raise BackendError(f"backend {backend.name!r} declares support for ops it does not serve: {stray}")
+            for op, declared in backend.supports.items():
+                support.check_declaration(op, _as_support(declared), backend.name)
         except Exception as exc:
             _STATE.load_errors[hook.plugin_name] = f"{type(exc).__name__}: {exc}"
             log.warning("flashrt: plugin %r skipped: %s", hook.plugin_name, exc)

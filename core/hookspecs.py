@@ -53,7 +53,7 @@ class Backend:
         backend that is unavailable says why (missing package, no device, ...).
     supports: op name -> :class:`Support` (or a plain predicate, ``Support(extra=predicate)``):
         what the implementation serves. Dispatch checks it once per call key (dtypes, formats,
-        ranks, declared dimension ranges; see :mod:`flashrt.support`); a declined call goes to
+        declared dimension ranges; see :mod:`flashrt.support`); a declined call goes to
         the next backend (logged once), or fails with ``BackendError`` when this backend was
         chosen explicitly. An op with no entry serves every call its device type allows.
     explicit_device_types: device types served only when the backend is chosen explicitly

@@ -83,6 +83,23 @@ def _dim_spec(op: str, spec: str) -> tuple[int, int | None]:
     return arg_names(op).index(m.group(1)), None if m.group(2) is None else int(m.group(2))
 
 
+def check_declaration(op: str, support: Support | None, backend: str) -> None:
+    """A backend's declaration names only arguments ``op`` has (BackendError otherwise: the plugin
+    is reported and skipped when it loads, not at its first call)."""
+    if support is None:
+        return
+    names = arg_names(op)
+    unknown = [n for n in support.inputs if n not in names]
+    if unknown:
+        raise BackendError(f"backend {backend!r}: support of {op!r} names unknown arguments {unknown}; "
+                           f"the op's arguments: {list(names)}")
+    for spec in support.dims:
+        try:
+            _dim_spec(op, spec)
+        except ValueError as exc:
+            raise BackendError(f"backend {backend!r}: {exc}") from None
+
+
 def _elements(a) -> tuple:
     if isinstance(a, (tuple, list)):
         return tuple(x for e in a for x in _elements(e))

@@ -241,3 +241,22 @@ def test_doctor_probe_runs_every_op_and_lists_what_fell_back(capsys):
     assert [(f["op"], f["declined_by"], f["served_by"]) for f in report["fallbacks"]] == [
         ("rms_norm", "declared", "reference")]
     assert "torch.bfloat16 is not served" in report["fallbacks"][0]["reason"]
+
+
+def test_a_declaration_naming_unknown_arguments_is_reported_at_load():
+    class Wrong:
+        def __init__(self, support):
+            self.support = support
+
+        @hookimpl
+        def flashrt_backend(self):
+            return Backend(name="wrong", device_types=("cpu",), ops={"rms_norm": print},
+                           supports={"rms_norm": self.support})
+
+    for declared, message in ((Support(inputs={"y": (torch.float32,)}), "unknown arguments ['y']"),
+                              (Support(dims={"x[": Dim(1, 8)}), "dims key 'x['"),
+                              (Support(dims={"w[0]": Dim(1, 8)}), "dims key 'w[0]'")):
+        plugin = Wrong(declared)
+        dispatch.register(plugin, name="wrong-plugin")
+        assert message in dispatch.load_errors()["wrong-plugin"] and "wrong" not in dispatch.backends()
+        dispatch.unregister(plugin)
