@@ -1,12 +1,13 @@
 """Ascend backend: binds the ops to the torch_npu operator adapters of ``flashrt.kernels_ascend``.
 
-Each adapter module ``kernels_ascend/<family>.py`` declares ``OPS`` (functions with the op's
-signature) and, where an operator has preconditions, ``PLANS`` (``plan(*args) -> None`` when the
-operator serves the call exactly, else the reason it falls back). Every op serves every valid
-call on an ``npu`` tensor: through its operator where docs/ops.md's semantics hold exactly, through
-plain torch on the device otherwise (counted in ``kernels_ascend._npu.FALLBACKS``, logged once
-per reason), so ``FLASHRT_BACKEND=ascend`` never fails on a valid call. The capability predicates
-decline float64 only (the AI cores have no fp64): the automatic choice then runs the reference.
+The adapter package lists its families (``kernels_ascend.FAMILIES``; each module's ``FAMILY``:
+functions with the op's signature) and, where an operator has preconditions, its ``PLANS``
+(``plan(*args) -> None`` when the operator serves the call exactly, else the reason it falls
+back). Every op serves every valid call on an ``npu`` tensor: through its operator where ops.md's
+semantics hold exactly, through plain torch on the device otherwise (counted in
+``kernels_ascend.npu_runtime.FALLBACKS``, logged once per reason), so ``FLASHRT_BACKEND=ascend``
+never fails on a valid call. The families decline float64 only (the AI cores have no fp64): the
+automatic choice then runs the reference.
 
 Detection: torch_npu is looked up with ``importlib.util.find_spec`` and imported only by
 :func:`supports_ascend` (when the backend is asked for or an ``npu`` device is in play) or by
@@ -21,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from flashrt.dispatch import collect_module_attrs
+from flashrt.families import family_tables
 from flashrt.hookspecs import Backend, hookimpl
-from flashrt.kernels_ascend._npu import EMULATION_ENV, emulation, npu, torch_npu_present
+from flashrt.kernels_ascend.npu_runtime import EMULATION_ENV, emulation, npu, torch_npu_present
 
 A2_A3_SOCS = range(220, 256)  # SocVersion: Ascend910B1..B4 (220-225), Ascend910_93xx (250-255)
 
@@ -76,34 +77,25 @@ def versions() -> dict:
     return out
 
 
-def _no_float64(*args, **kwargs) -> bool:
-    return not any(getattr(a, "dtype", None) == torch.float64 for a in args)
-
-
-def collect_kernels() -> tuple[dict, dict, dict]:
-    """(ops, plans, load errors) from every public module of flashrt.kernels_ascend."""
-    (ops, plans), errors = collect_module_attrs("flashrt.kernels_ascend", "OPS", "PLANS")
-    return ops, plans, errors
-
-
 def plan(op: str, *args) -> str | None:
     """None when ``op`` would run its torch_npu operator on these arguments, else the reason it
     falls back to plain torch (each op evaluates the same plan before it runs)."""
-    plans = collect_kernels()[1]
-    return plans[op](*args) if op in plans else "no torch_npu operator for this op"
+    from flashrt.kernels_ascend import PLANS
+
+    return PLANS[op](*args) if op in PLANS else "no torch_npu operator for this op"
 
 
 @hookimpl
 def flashrt_backend():
-    ops = {}
+    families = ()
     if torch_npu_present() or emulation():
-        ops, _, _ = collect_kernels()
+        from flashrt.kernels_ascend import FAMILIES as families
     return Backend(
         name="ascend",
         device_types=("npu",),
         explicit_device_types=("cpu",) if emulation() else (),
-        ops=ops,
-        supports={name: _no_float64 for name in ops},
+        **family_tables(families),
+        families=families,
         priority=50,
         is_available=supports_ascend,
         description="torch_npu operators (kernels_ascend); CPU tensors under the test emulation when chosen explicitly",

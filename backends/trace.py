@@ -1,6 +1,6 @@
 """Trace backend: shape-only ops on ``meta`` tensors that record each call into a :class:`Graph`.
 
-Run any graph on meta tensors inside ``with trace.record() as graph:`` and every op call is kept
+Run any graph on meta tensors inside ``with trace.record() as graph:`` (:mod:`flashrt.tracing`) and every op call is kept
 with its input and output shapes and dtypes, FLOPs, and bytes read and written; nothing is
 allocated. ``flashrt plan`` builds on this.
 
@@ -10,20 +10,16 @@ Counting rules (the minimum work each op must do):
   counts data + scale). Gathers read only the rows they gather (paged ``index_scores`` keys: the
   ``B*T`` rows they map plus the block table, not the whole pool): ``sparse_attention`` reads
   ``B*S*K`` KV rows (every slot assumed valid; with KV segments, ``min(K, T_i)`` rows of each), ``engram_lookup`` ``B*S*C`` table rows,
-  ``moe_experts`` the weights of ``min(E, N*k)`` experts.
+  ``moe_experts`` the weights of ``min(E, N*k)`` experts, ``gather_cold_rows`` ``B*N`` host rows.
 - FLOPs: a multiply-add is 2. ``linear`` ``2*M*in*out``; ``sparse_attention`` ``4*B*S*H*K*D``;
   ``index_scores`` ``2*B*S*T*Hi*(Di+1)``; ``moe_experts`` ``N*k*(6*D*I + 4*I)``; ``moe_route``
   ``2*N*D*E + 3*N*E``; ``hc_coefficients`` ``2*B*S*hcD*(M+1) + 4*B*S*hc*hc*iters``;
   ``hc_collapse`` ``2*B*S*hc*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
   ``5*B*G*r*D``; ``engram_gate`` ``9*B*S*hc*D``; elementwise ops per element: ``rms_norm`` 4,
   ``rope`` 3, ``quantize`` 3, ``dequantize`` and ``engram_lookup`` 1, ``sample`` 3 per logit.
-  Selection ops (``topk_positions``, ``candidate_blocks``) count 0 FLOPs.
+  Selection and copy ops (``topk_positions``, ``candidate_blocks``, ``gather_cold_rows``) count 0 FLOPs.
 """
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from dataclasses import dataclass, field
 
 import torch
 
@@ -31,90 +27,7 @@ from flashrt.formats import QTensor, expected_layout, spec
 from flashrt.hookspecs import Backend, hookimpl
 from flashrt.kv.paged import PagedKeys
 from flashrt.ops import OPS as OP_NAMES
-
-_RECORDER: contextvars.ContextVar["Graph | None"] = contextvars.ContextVar("flashrt_trace", default=None)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    shape: tuple[int, ...]
-    dtype: str  # torch dtype name, or the QTensor format
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Call:
-    op: str
-    inputs: tuple[TensorInfo, ...]
-    outputs: tuple[TensorInfo, ...]
-    flops: int
-    bytes_read: int
-    bytes_written: int
-
-
-@dataclass
-class Totals:
-    calls: int = 0
-    flops: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-
-    def add(self, call: Call) -> None:
-        self.calls += 1
-        self.flops += call.flops
-        self.bytes_read += call.bytes_read
-        self.bytes_written += call.bytes_written
-
-
-@dataclass
-class Graph:
-    """The recorded op calls, in order, with totals per op."""
-
-    calls: list[Call] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.calls)
-
-    def totals(self) -> dict[str, Totals]:
-        out: dict[str, Totals] = {}
-        for call in self.calls:
-            out.setdefault(call.op, Totals()).add(call)
-        return out
-
-    def total(self) -> Totals:
-        t = Totals()
-        for call in self.calls:
-            t.add(call)
-        return t
-
-
-@contextlib.contextmanager
-def record():
-    """Record every trace-backend op call inside the block into the yielded :class:`Graph`."""
-    graph = Graph()
-    token = _RECORDER.set(graph)
-    try:
-        yield graph
-    finally:
-        _RECORDER.reset(token)
-
-
-def info(t) -> TensorInfo | None:
-    if isinstance(t, QTensor):
-        return TensorInfo(tuple(t.shape), t.fmt, t.nbytes)
-    if isinstance(t, torch.Tensor):
-        return TensorInfo(tuple(t.shape), str(t.dtype).replace("torch.", ""), t.numel() * t.element_size())
-    return None
-
-
-def _emit(op: str, args, outputs, flops: int, read: int | None = None) -> None:
-    graph = _RECORDER.get()
-    if graph is None:
-        return
-    ins = tuple(i for i in map(info, args) if i is not None)
-    outs = tuple(i for i in map(info, outputs) if i is not None)
-    read = sum(i.nbytes for i in ins) if read is None else read
-    graph.calls.append(Call(op, ins, outs, int(flops), int(read), sum(o.nbytes for o in outs)))
+from flashrt.tracing import Call, Graph, TensorInfo, Totals, emit as _emit, info, record  # noqa: F401 (re-exported)
 
 
 def _meta(shape, dtype) -> torch.Tensor:
@@ -270,6 +183,17 @@ def sample(logits, temperature, generator):
     extra = (temperature,) if isinstance(temperature, torch.Tensor) else ()
     _emit("sample", (logits, *extra), (out,), 3 * logits.numel())
     return out
+
+
+def gather_cold_rows(host, host_ids, picks, index, offset):
+    B, N = picks.shape
+    data = _meta((1, B * N, host.data.shape[-1]), host.data.dtype)
+    scale = _meta((1, B * N, host.scale.shape[-1]), host.scale.dtype)
+    staging = QTensor(data, scale, host.fmt, (1, B * N, host.shape[-1]))
+    out = _meta((B, N), torch.int32)
+    read = sum(map(_nbytes, (host_ids, picks, index))) + B * N * _row_bytes(host)
+    _emit("gather_cold_rows", (host, host_ids, picks, index), (staging, out), 0, read)
+    return staging, out
 
 
 OPS = {name: globals()[name] for name in OP_NAMES}

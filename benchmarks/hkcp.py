@@ -129,8 +129,7 @@ def cold_fetch(cfg, entries: int) -> dict:
     pool.host.data.view(torch.uint8).random_(0, 256)
     pool.host.scale.view(torch.uint8).fill_(40)
     row_bytes = entry_bytes(cfg.head_dim, "fp4_b16")
-    res = {"entries_in_layer": entries, "cold_pages": main.tables[0].cold, "kernel_used":
-           kvpages.cold_gather_kernel(pool, 1)}
+    res = {"entries_in_layer": entries, "cold_pages": main.tables[0].cold, "kernel_used": pool.zero_copy(1)}
     for picks in (512, kvpages.STAGING_MAX_ROWS):
         topk = torch.randint(0, entries, (1, picks // 512, 512), device=DEV, dtype=torch.int32)
         kernel = _timed(lambda: main.resolve(topk), 20)
@@ -139,12 +138,13 @@ def cold_fetch(cfg, entries: int) -> dict:
         kvpages.STAGING_MAX_ROWS = old
         row = {"bytes": picks * row_bytes, "resolve_ms": kernel * 1e3, "copy_path_ms": copy * 1e3,
                "resolve_gb_per_s": picks * row_bytes / kernel / 1e9, "copy_path_gb_per_s": picks * row_bytes / copy / 1e9}
-        if res["kernel_used"]:  # the gather kernel alone (no index math around it)
-            from flashrt.kernels_cuda.kv_gather import cold_gather
+        if res["kernel_used"]:  # the gather op alone (no index math around it)
+            from flashrt import ops, value_checks
 
             flat, ids = topk.reshape(1, -1), main.host_ids_device()
             index = torch.full_like(flat, -1)
-            only = _timed(lambda: cold_gather(pool.host, ids, flat, index, 0), 20)
+            with value_checks(False):
+                only = _timed(lambda: ops.gather_cold_rows(pool.host, ids, flat, index, 0), 20)
             row.update(kernel_ms=only * 1e3, kernel_gb_per_s=picks * row_bytes / only / 1e9)
         res[f"picks_{picks}"] = row
     return res

@@ -138,6 +138,20 @@ def choice(name: str, value, options) -> None:
         raise ValueError(f"{name}: expected one of {list(options)}, got {value!r}")
 
 
+def host_memory(name: str, t: QTensor, device: torch.device) -> None:
+    """``t`` lives on ``device`` or on the CPU, page-locked when ``device`` is an accelerator (a
+    kernel there reads it in place). Pinning is asked of the driver: a value check, skipped under
+    ``value_checks(False)`` (e.g. inside a CUDA-graph capture)."""
+    where = t.device
+    if where == device or device.type == "meta":
+        return
+    if where.type != "cpu":
+        raise ValueError(f"{name}: expected a tensor on the CPU or on {device}, got {where}")
+    if device.type != "cpu" and _STATE["values"] and not (t.data.is_pinned() and t.scale.is_pinned()):
+        raise ValueError(f"{name}: expected pinned (page-locked) host memory for a {device.type} computation, "
+                         f"got pageable memory (pin it with .pin_memory())")
+
+
 def value_range(t: torch.Tensor) -> tuple[int, int]:
     """(min, max) of a non-empty integer tensor, read with one device sync."""
     lo, hi = torch.stack(torch.aminmax(t)).tolist()

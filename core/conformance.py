@@ -12,11 +12,12 @@ import platform
 import torch
 
 from . import dispatch, ops
+from .dtypes import MAIN_KV_FORMAT
 from .formats import QTensor
 
 # op -> tolerance on max|got - want| / max|want| (selections compare exactly)
 TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,
-             "sample": 0.0, "moe_route": 1e-5}
+             "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0}
 DEFAULT_TOL = 2e-2  # bf16 outputs
 
 
@@ -24,7 +25,7 @@ def _cases(dev, g):
     r = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=g).to(dev, dt)
     f32 = lambda *s: r(*s, dt=torch.float32)
     i32 = lambda lo, hi, *s: torch.randint(lo, hi, s, generator=g, dtype=torch.int32).to(dev)
-    kv = ops.quantize(f32(2, 300, 512), "fp4_b16")
+    kv = ops.quantize(f32(2, 300, 512), MAIN_KV_FORMAT)
     yield "rms_norm", (r(64, 1024), f32(1024), 1e-6)
     yield "rope", (r(2, 16, 8, 64), torch.polar(torch.ones(16, 32), torch.rand(16, 32, generator=g)).to(dev), False)
     yield "quantize", (f32(64, 512), "fp8")
@@ -50,6 +51,16 @@ def _cases(dev, g):
     yield "moe_experts", (r(8, 256), torch.rand(8, 2, generator=g).to(dev), i32(0, 8, 8, 2), w(8, 128, 256),
                           w(8, 128, 256), w(8, 256, 128), 10.0)
     yield "sample", (f32(4, 1000), 0.0)
+    yield "gather_cold_rows", (_host_pages(ops.quantize(torch.randn(6, 16, 512, generator=g), MAIN_KV_FORMAT), dev),
+                               torch.randint(-1, 6, (2, 8), generator=g).to(dev), i32(-1, 128, 2, 40),
+                               i32(-1, 300, 2, 40), 300)
+
+
+def _host_pages(q: QTensor, dev) -> QTensor:
+    """KV pages in host memory, pinned for an accelerator (``gather_cold_rows`` reads them in place)."""
+    if dev.type == "cpu":
+        return q
+    return QTensor(q.data.pin_memory(), q.scale.pin_memory(), q.fmt, q.shape)
 
 
 def _rel(got, want) -> float:

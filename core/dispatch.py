@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import pluggy
+import torch
 
-from . import hookspecs
+from . import hookspecs, support
 from .errors import BackendError
+from .families import Support
 from .hookspecs import Backend
 
 log = logging.getLogger("flashrt")
@@ -98,6 +100,11 @@ def _collect() -> None:
                 raise BackendError(f"backend {backend.name!r} declares unknown ops {unknown}; known: {list(OPS)}")
             if backend.name in _STATE.backends:
                 raise BackendError(f"a backend named {backend.name!r} is already registered")
+            stray = sorted(set(backend.supports) - set(backend.ops))
+            if stray:
+                raise BackendError(f"backend {backend.name!r} declares support for ops it does not serve: {stray}")
+            for op, declared in backend.supports.items():
+                support.check_declaration(op, _as_support(declared), backend.name)
         except Exception as exc:
             _STATE.load_errors[hook.plugin_name] = f"{type(exc).__name__}: {exc}"
             log.warning("flashrt: plugin %r skipped: %s", hook.plugin_name, exc)
@@ -124,6 +131,7 @@ def reset_table() -> None:
     _TABLE.clear()
     _STATE.availability.clear()
     _STATE.logged_fallback.clear()
+    support.reset_fallbacks()
     _STATE.env_choice = os.environ.get("FLASHRT_BACKEND") or None
 
 
@@ -225,6 +233,15 @@ def chain(op: str, device_type: str) -> list[str]:
     return [b.name for b in _candidates(op, device_type) if availability(b.name)[0]]
 
 
+def zero_copy(op: str, device) -> bool:
+    """Whether the backend that serves ``op`` on ``device`` (the first of :func:`chain`) reads
+    host-memory inputs in place there, with no host synchronisation (``Backend.zero_copy``)."""
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    names = chain(op, device.type)
+    check = backends()[names[0]].zero_copy.get(op) if names and names[0] in backends() else None
+    return bool(check(device)) if check is not None else False
+
+
 def _candidates(op: str, device_type: str) -> list[Backend]:
     found = [b for b in backends().values() if device_type in b.device_types and op in b.ops]
     return sorted(found, key=lambda b: -b.priority)
@@ -238,7 +255,7 @@ def _resolve(choice: str | None, op: str, device_type: str) -> Callable:
                 f"backend {choice!r} (chosen explicitly) does not serve op {op!r} on device type "
                 f"{device_type!r}: it serves {sorted(b.ops)} on {list(b.device_types + b.explicit_device_types)}"
             )
-        return _runner(op, [b])
+        return _runner(op, [b], device_type)
     usable, skipped = [], []
     for b in _candidates(op, device_type):
         ok, reason = availability(b.name)
@@ -252,24 +269,22 @@ def _resolve(choice: str | None, op: str, device_type: str) -> Callable:
         _STATE.logged_fallback.add(device_type)
         why = "; ".join(skipped) or "no other backend serves this device type"
         log.info("flashrt: using the reference backend on %s (first op: %s; %s)", device_type, op, why)
-    return _runner(op, usable)
+    return _runner(op, usable, device_type)
 
 
-def _runner(op: str, chain_: list[Backend]) -> Callable:
+def _runner(op: str, chain_: list[Backend], device_type: str) -> Callable:
+    """The first backend's function when it declares no support for ``op`` (it serves every call),
+    else a runner choosing along the chain once per call key (:mod:`flashrt.support`)."""
     first = chain_[0]
     if op not in first.supports:
         return first.ops[op]
-    steps = [(b.name, b.supports.get(op), b.ops[op]) for b in chain_]
+    steps = [(b.name, _as_support(b.supports.get(op)), b.ops[op]) for b in chain_]
+    return support.runner(op, device_type, steps, _describe)
 
-    def run(*args, **kwargs):
-        for _, pred, fn in steps:
-            if pred is None or pred(*args, **kwargs):
-                return fn(*args, **kwargs)
-        raise BackendError(
-            f"op {op!r}: no backend serves this call ({_describe(args)}); tried {[s[0] for s in steps]}"
-        )
 
-    return run
+def _as_support(declared) -> Support | None:
+    """A declared :class:`Support`, or a plain predicate (``Support(extra=predicate)``)."""
+    return declared if declared is None or isinstance(declared, Support) else Support(extra=declared)
 
 
 def _describe(args) -> str:
@@ -284,25 +299,18 @@ def _describe(args) -> str:
     return ", ".join(parts)
 
 
-def collect_module_attrs(package: str, *attrs: str) -> tuple[list[dict], dict]:
-    """Merge the dict attributes ``attrs`` (e.g. OPS, SUPPORTS) of every public module of
-    ``package`` (a backend's kernel folder); a module that fails to import is reported, not fatal.
-    Returns ([merged dict per attr], {module: error})."""
-    import pkgutil
+def families() -> dict[str, tuple]:
+    """Backend name -> the kernel families it declares (``Backend.families``), for backends with any."""
+    return {name: tuple(b.families) for name, b in backends().items() if b.families}
 
-    pkg = importlib.import_module(package)
-    merged, errors = [{} for _ in attrs], {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("_"):
-            continue
-        try:
-            mod = importlib.import_module(f"{package}.{info.name}")
-        except Exception as exc:  # one broken kernel file must not hide the others
-            errors[info.name] = f"{type(exc).__name__}: {exc}"
-            _STATE.load_errors[f"{package}.{info.name}"] = errors[info.name]  # flashrt doctor lists it
-            log.warning("flashrt: %s.%s failed to import: %s", package, info.name, exc)
-            continue
-        for out, attr in zip(merged, attrs):
-            out.update(getattr(mod, attr, {}))
-    return merged, errors
 
+def family(name: str, backend: str | None = None):
+    """The kernel family ``name`` (of ``backend``, or of whichever backend declares it), or None."""
+    for owner, fams in families().items():
+        for fam in fams:
+            if fam.name == name and backend in (None, owner):
+                return fam
+    return None
+
+
+fallbacks = support.fallbacks

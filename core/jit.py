@@ -76,7 +76,9 @@ def device_arch(device=None) -> str:
         return "sm_" + facts.capability.replace(".", "")
     if facts.device_type == "npu":
         return (facts.soc or facts.name).lower().rstrip("0123456789") or "npu"
-    return "cpu-interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "cpu"
+    from .jit_triton import interpreted
+
+    return "cpu-interpreter" if interpreted() else "cpu"
 
 
 def source_hash(source) -> str:
@@ -288,8 +290,8 @@ def uninstall() -> None:
     _uninstall()
 
 
-def warmup(profile=None, modules=None, progress=None) -> dict:
-    """Compile every kernel ``profile`` needs ahead of time; see :func:`flashrt.cli.jit.warmup`."""
-    from .cli.jit import warmup as _warmup
+def warmup(profile=None, targets=None, progress=None) -> dict:
+    """Compile every kernel ``profile`` needs ahead of time; see :func:`flashrt.jit_warmup.warmup`."""
+    from .jit_warmup import warmup as _warmup
 
-    return _warmup(profile, modules, progress)
+    return _warmup(profile, targets, progress)

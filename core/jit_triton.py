@@ -35,6 +35,14 @@ from .jit import EntryInfo, atomic_write, cache_root
 log = logging.getLogger("flashrt")
 
 MANAGER_SPEC = "flashrt.jit_triton:TritonCacheManager"
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def interpreted() -> bool:
+    """Triton runs kernels in its interpreter (numpy on the CPU): ``TRITON_INTERPRET=1``, which
+    must be set before Triton is imported. The one place flashrt asks."""
+    return os.environ.get(INTERPRET_ENV) == "1"
+
 _HELD: set[str] = set()  # keys whose compile lock this process holds (no waiting on ourselves)
 
 

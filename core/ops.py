@@ -337,8 +337,43 @@ def sample(logits, temperature, generator=None) -> torch.Tensor:
     return _impl("sample", logits.device)(logits, temperature, generator)
 
 
+def gather_cold_rows(host: QTensor, host_ids, picks, index, offset: int):
+    """HKCP cold fetch: the picked KV entries that live on host pages, staged on the compute device.
+
+    ``host`` ``QTensor`` ``[pages, P, D]`` in a KV format (the host pages), ``host_ids`` int64
+    ``[B, W]`` in ``[-1, pages)`` (host page of each logical page of each row, ``-1`` where the
+    page is not on the host), ``picks`` int32 or int64 ``[B, N]`` logical entries in
+    ``[-1, W * P)`` (``-1`` empty), ``index`` int32 ``[B, N]``, ``offset`` int >= 0 ->
+    ``(staging, index)``: ``QTensor`` ``[1, B * N, D]`` in ``host``'s format and int32 ``[B, N]``.
+
+    Pick ``i = b * N + j`` with entry ``e = picks[b, j]`` is cold when ``e >= 0`` and
+    ``hp = host_ids[b, e // P] >= 0``: staging row ``i`` holds the stored bytes of host entry
+    ``host[hp, e % P]`` (data and scale, exactly) and the output index is ``offset + i``. Every
+    other pick keeps ``index[b, j]`` and its staging row is zero bytes.
+
+    The compute device is that of ``picks`` (``host_ids`` and ``index`` live there too); the
+    outputs live there. ``host`` lives on the CPU, page-locked (pinned) when the compute device is
+    an accelerator, or on the compute device. A backend that reads pinned host memory in place,
+    with no host synchronisation, declares the op zero-copy (``flashrt.dispatch.zero_copy``): a
+    CUDA-graph step may then contain the call.
+    """
+    env: dict = {}
+    if not isinstance(host, QTensor):
+        raise ValueError(f"host: expected a QTensor in {list(KV_FORMATS)}, got {type(host).__name__}")
+    c.maybe_quantized("host", host, "pages P D", env, KV_FORMATS)
+    c.tensor("picks", picks, "B N", env, (torch.int32, torch.int64))
+    device = picks.device
+    c.tensor("host_ids", host_ids, "B W", env, (torch.int64,), device)
+    c.tensor("index", index, "B N", env, I32, device)
+    c.integer("offset", offset, 0)
+    c.host_memory("host", host, device)
+    c.index_range("host_ids", host_ids, -1, env["pages"])
+    c.index_range("picks", picks, -1, env["W"] * env["P"])
+    return _impl("gather_cold_rows", device)(host, host_ids, picks, index, offset)
+
+
 OPS = (
     "rms_norm", "rope", "quantize", "dequantize", "linear", "sparse_attention", "index_scores",
     "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
-    "hc_expand", "engram_lookup", "engram_gate", "moe_route", "moe_experts", "sample",
+    "hc_expand", "engram_lookup", "engram_gate", "moe_route", "moe_experts", "sample", "gather_cold_rows",
 )

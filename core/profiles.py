@@ -4,14 +4,18 @@ A profile is one flat YAML file whose keys map one-to-one onto :class:`Profile`.
 live in ``flashrt.hwconfigs``; a user directory (``FLASHRT_PROFILE_DIR``, default
 ``~/.config/flashrt/profiles``) overrides a shipped file of the same name. The active profile is
 chosen once: ``--profile`` / ``FLASHRT_PROFILE`` (a name or a path) if given, else by matching the
-detected device (:class:`DeviceFacts`). Kernels read their tile parameters only through
-:func:`tiles`.
+detected device (:class:`DeviceFacts`); a broken profile is skipped by the matching (and
+reported), never fatal unless it is the one asked for. Tile defaults live with their kernel
+family; a profile's ``tiles`` hold only what differs on its device, validated against the
+family's declarations when the profile loads (:mod:`flashrt.tile_checks`). Kernels read their
+tiles only through :func:`tiles`.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import re
 import typing
@@ -20,12 +24,19 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal, Mapping, Union
 
+from . import tile_checks
+from .dtypes import COMPUTE, STORAGE
 from .errors import ProfileError
 from .profile_schema import convert, read_yaml, type_name
 from .profile_match import DeviceFacts, detect_device, match_profile, match_reasons
 
-StorageDtype = Literal["fp4", "fp8", "int8", "bf16"]
-ComputeDtype = Literal["fp8", "int8", "bf16", "fp16", "fp32"]
+log = logging.getLogger("flashrt")
+
+StorageDtype = Literal[tuple(STORAGE)]  # flashrt.dtypes: fp4, fp8, int8, bf16
+ComputeDtype = Literal[COMPUTE]
+# keys of older profiles that nothing reads any more: the value they may still hold, and why
+OBSOLETE = {"kv_main_dtype": ("fp4", "the main KV is always stored as fp4 (format fp4_b16)"),
+            "kv_window_compute_dtype": (None, "attention computes in the activation dtype (compute_dtype)")}
 TileParam = Union[bool, int, float, str, None]
 # one entry of a kernel module's TILES: parameters, [largest size the rule serves (null: any), parameters]
 # rules (the first match applies), or a single setting
@@ -40,12 +51,10 @@ class Profile:
     name: str                                   # must equal the file name without .yaml
     backend: str                                # reference | cuda | ascend | a plugin's name
     match_device_type: Literal["cpu", "cuda", "npu"]
-    kv_main_dtype: StorageDtype                 # paged main KV storage
     kv_window_dtype: StorageDtype               # window ring storage
-    kv_window_compute_dtype: ComputeDtype       # what attention over the window computes in
     weight_dtype: StorageDtype                  # dense weight storage
     compute_dtype: ComputeDtype                 # activations / accumulation inputs
-    tiles: dict[str, dict[str, TileSpec]] = field(hash=False)  # kernel module -> its TILES overrides
+    tiles: dict[str, dict[str, TileSpec]] = field(hash=False)  # kernel family -> what differs from its defaults
     hkcp_hot_fraction: float                    # of the KV budget: window rings + recent pages
     hkcp_warm_fraction: float                   # of the KV budget: compressed pages on the device
     hkcp_cold_host_gib: float                   # pinned host memory for cold main-KV pages
@@ -115,6 +124,7 @@ def profile_from_mapping(data, file: str) -> Profile:
         raise ProfileError(f"{file}: expected a mapping of keys at the top level, found {type(data).__name__}")
     hints = _hints()
     fields = {f.name: f for f in dataclasses.fields(Profile) if f.name != "source"}
+    data = _without_obsolete(data, file)
     for key in data:
         if key not in fields:
             raise ProfileError(f"{file}: unknown key {key!r}: expected one of {', '.join(sorted(fields))}")
@@ -127,7 +137,25 @@ def profile_from_mapping(data, file: str) -> Profile:
         raise ProfileError(f"{file}: key name: expected {stem!r} (the file name), found {values['name']!r}")
     profile = Profile(**values, source=file)
     _check_values(profile, file)
+    tile_checks.check_profile(profile, file)
     return profile
+
+
+def _without_obsolete(data: Mapping, file: str) -> dict:
+    """``data`` without the obsolete keys; one still holding what the runtime does is dropped with
+    a warning, one asking for something else is a ProfileError (it would be silently ignored)."""
+    out = dict(data)
+    for key, (allowed, why) in OBSOLETE.items():
+        if key not in out:
+            continue
+        value = out.pop(key)
+        ok = value == allowed if allowed is not None else value in COMPUTE
+        if not ok:
+            expected = repr(allowed) if allowed is not None else "one of " + ", ".join(map(repr, COMPUTE))
+            raise ProfileError(f"{file}: key {key}: expected {expected} (the key is obsolete: {why}; delete it), "
+                               f"found {value!r}")
+        log.warning("flashrt: %s: key %s is obsolete and ignored (%s); delete it", file, key, why)
+    return out
 
 
 def load_profile_file(path) -> Profile:
@@ -164,7 +192,15 @@ def load_profile(name_or_path: str) -> Profile:
 
 
 def load_all() -> list[Profile]:
-    return [load_profile_file(path) for path in available_profiles().values()]
+    """Every profile that loads; a broken one is reported (a warning naming the file and the key)
+    and left out, so that it breaks only a run that asks for it by name."""
+    out = []
+    for path in available_profiles().values():
+        try:
+            out.append(load_profile_file(path))
+        except ProfileError as exc:
+            log.warning("flashrt: profile skipped: %s", exc)
+    return out
 
 
 _ACTIVE: tuple[Profile, str] | None = None
@@ -220,10 +256,11 @@ def using(profile: Profile | str):
 
 
 def tiles(module: str, defaults: Mapping | None = None) -> dict:
-    """The tile parameters of kernel module ``module`` (``kernels_cuda/<module>.py``): its ``TILES``
-    (``defaults``) with the active profile's ``tiles.<module>`` merged over it. Cached per active
-    profile, so a launcher may call it on every launch; treat the result as read-only. A profile
-    entry ``defaults`` lacks, or of another shape or type, is a ProfileError naming the key."""
+    """The tile parameters of kernel family ``module``: its tile defaults (``defaults``, the
+    family's ``TILES``) with the active profile's ``tiles.<module>`` merged over them. Kernels read
+    it through their ``PlanCache`` (``kernels_cuda/launch.py``). Cached per active profile, so a
+    launcher may call it on every launch; treat the result as read-only. A profile entry
+    ``defaults`` lacks, or of another shape or type, is a ProfileError naming the key."""
     profile = active_profile()
     hit = _TILES_CACHE.get((module, id(defaults)))
     if hit is None or hit[0] is not profile or hit[1] is not defaults:
@@ -231,39 +268,10 @@ def tiles(module: str, defaults: Mapping | None = None) -> dict:
         if given is None and defaults is None:
             raise ProfileError(f"{profile.source}: key tiles.{module}: missing (profile {profile.name!r} "
                                f"has tiles for {', '.join(sorted(profile.tiles)) or 'no kernel module'})")
-        merged = dict(given) if defaults is None else _merge(defaults, given or {}, f"tiles.{module}", profile)
+        where = f"tiles.{module}"
+        merged = dict(given) if defaults is None else tile_checks.merge(defaults, given or {}, where, profile)
         hit = _TILES_CACHE[module, id(defaults)] = (profile, defaults, merged)
     return hit[2]
 
 
 _TILES_CACHE: dict[tuple, tuple] = {}  # (module, id(defaults)) -> (profile, defaults, merged)
-
-
-def _merge(default, given, where: str, profile: Profile):
-    def bad(expected):
-        found = f"{type(given).__name__} {given!r}" if given is not None else "null"
-        raise ProfileError(f"{profile.source}: key {where}: expected {expected}, found {found}")
-
-    if isinstance(default, Mapping):
-        if not isinstance(given, Mapping):
-            bad("a mapping, as the kernel's TILES")
-        for key in set(given) - set(default):
-            raise ProfileError(f"{profile.source}: key {where}.{key}: unknown tile parameter; expected one of "
-                               f"{', '.join(map(str, default))} (the kernel's TILES)")
-        return {k: _merge(v, given[k], f"{where}.{k}", profile) if k in given else v for k, v in default.items()}
-    if isinstance(default, (list, tuple)):  # [limit, parameters] rules
-        if not isinstance(given, (list, tuple)) or not given:
-            bad("a non-empty list of [limit, parameters] rules, as the kernel's TILES")
-        known = {k for _, params in default for k in params}
-        for i, (limit, params) in enumerate(given):
-            if set(params) - known:
-                bad(f"rule {i} with parameters among {', '.join(sorted(known))}")
-        return tuple((limit, dict(params)) for limit, params in given)
-    if given is not None and default is not None:  # null means "decide at launch": allowed either way
-        if _scalar_kind(given) != _scalar_kind(default) or (type(default) is int and type(given) is float):
-            bad(type(default).__name__)
-    return given
-
-
-def _scalar_kind(value) -> str:
-    return "bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else type(value).__name__

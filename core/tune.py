@@ -14,7 +14,6 @@ and the untuned time as comments.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import statistics
 import time
@@ -22,7 +21,7 @@ import time
 import torch
 import yaml
 
-from . import checks, dispatch, ops, profiles
+from . import checks, dispatch, ops, profiles, tile_checks
 from .progress import Progress
 from .tune_spaces import SPACES, Space
 
@@ -34,7 +33,7 @@ def _time_ms(fn, gpu: bool) -> float:
     launch gaps: what a captured decode step sees; ``flashrt.bench``'s timing), the plain
     ``do_bench`` median where ``fn`` cannot be captured. Elsewhere: a host-clock median."""
     if gpu:
-        from flashrt.bench.common import bench_ms
+        from .timing import bench_ms
 
         return float(bench_ms(fn, warmup=10, rep=40).ms)
     fn()
@@ -47,7 +46,11 @@ def _time_ms(fn, gpu: bool) -> float:
 
 
 def _module_tiles(module: str) -> dict:
-    return importlib.import_module(f"flashrt.kernels_cuda.{module}").TILES
+    """The tile defaults of the cuda backend's kernel family ``module`` (reached through dispatch)."""
+    family = dispatch.family(module, "cuda")
+    if family is None:
+        raise ValueError(f"kernels: the cuda backend declares no kernel family {module!r}")
+    return family.tiles
 
 
 def _current(profile, sp: Space) -> dict:
@@ -170,7 +173,21 @@ def _describe(r: dict) -> str:
             f"{r['failed']} failed to run, {r['skipped']} not tried)")
 
 
+def _differing_tiles(profile) -> dict:
+    """The profile's tiles less what equals the cuda families' defaults: a profile holds only what
+    differs on its device."""
+    out = {}
+    for name, given in profile.tiles.items():
+        family = dispatch.family(name, "cuda")
+        kept = tile_checks.differences(family.tiles, given) if family is not None else dict(given)
+        if kept:
+            out[name] = kept
+    return out
+
+
 def write_profile(profile, results: list[dict], path: str) -> None:
+    """Write ``profile`` (its tiles: only what differs from the defaults) with ``results`` as comments."""
+    profile = dataclasses.replace(profile, tiles=_differing_tiles(profile))
     lines = [f"# tuned by `flashrt tune` on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"
              + (" (times: CUDA-graph replay medians)" if torch.cuda.is_available() else "")]
     lines += [f"# {_describe(r)}" for r in results]

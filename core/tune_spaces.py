@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from . import formats, ops
+from .dtypes import MAIN_KV_FORMAT
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,12 @@ class Space:
 
 def _attention(batch: int):
     def case(dev, small):
-        """Decode: each query attends to a window (fp8) and top-k compressed entries (fp4_b16)."""
+        """Decode: each query attends to a window (fp8) and top-k compressed entries (the main-KV format)."""
         B, W, T, K = (batch, 8, 40, 24) if small else (batch, 128, 65536, 640)
         H, D = (16, 64) if small else (64, 512)
         q = torch.randn(B, 1, H, D, device=dev).to(torch.bfloat16)
         window = ops.quantize(torch.randn(B, W, D, device=dev), "fp8")
-        main = ops.quantize(torch.randn(B, T, D, device=dev), "fp4_b16")
+        main = ops.quantize(torch.randn(B, T, D, device=dev), MAIN_KV_FORMAT)
         idx = torch.cat([torch.arange(W, device=dev).expand(B, 1, W),
                          W + torch.randint(0, T, (B, 1, K - W), device=dev)], dim=-1).to(torch.int32)
         return "sparse_attention", (q, (window, main), idx, torch.zeros(H, device=dev), D ** -0.5)

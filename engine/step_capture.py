@@ -16,10 +16,10 @@ in place when a page is added). What would change a kernel's shape is made stati
 Host work stays outside the graph: page reservation and spills (``begin_step``), block-table
 refreshes, Engram hashing, sampling, and with Engram tables in host memory the gather of the
 step's rows into pinned buffers and their copy to static device buffers (issued before the
-replay, which reads them). Cold main-KV pages are read by the zero-copy gather
-(``kernels_cuda.kv_gather``: the kernel reads pinned host memory, no host work): such steps are
-captured too (eager with ``CAPTURE_COLD`` False); where that kernel is not available the cold
-fetch is host-driven and the step falls back to :meth:`Model.forward`. On a non-CUDA device the
+replay, which reads them). Cold main-KV pages are read by ``ops.gather_cold_rows``: where the
+backend serving it reads pinned host memory in place (zero-copy, no host work; the CUDA kernel)
+such steps are captured too (eager with ``CAPTURE_COLD`` False); elsewhere the cold fetch is
+host-driven and the step falls back to :meth:`Model.forward`. On a non-CUDA device the
 same static-buffer step runs eagerly (how CPU tests check it).
 """
 from __future__ import annotations
@@ -31,7 +31,6 @@ import torch
 from flashrt import checks
 from flashrt.formats import QTensor
 from flashrt.kv.state import KVState, StepBuffers
-from flashrt.kv.pages import cold_gather_kernel
 
 
 CAPTURE_ERROR_MODE = "global"  # torch.cuda.graph's: "relaxed" lets driver queries run during a capture
@@ -78,7 +77,8 @@ class StepCapture:
     def fallback_reason(self, buffers: StepBuffers) -> str | None:
         """Why the next step cannot run from static ``buffers`` (None when it can)."""
         s = self.state
-        if any(buffers.cold) and not cold_gather_kernel(s.pool, s.batch * self.model.cfg.index_topk):
+        picks = s.batch * self.model.cfg.index_topk
+        if any(buffers.cold) and not s.pool.zero_copy(picks):
             return "main-KV pages on the host tier without the zero-copy gather (host-driven fetch)"
         return None
 

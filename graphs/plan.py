@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from flashrt.backends import trace
+from flashrt import tracing
+from flashrt.dtypes import MAIN_KV_FORMAT, TORCH
 from flashrt.formats import QTensor, expected_layout, spec
 
 from .config import ModelConfig
 from .params import QUANTIZED, ParamSpec, count_params, param_specs
 
-KIND_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+KIND_DTYPE = {kind: TORCH[kind] for kind in ("bf16", "fp32")}  # plain parameter kinds
 
 
 def stored_bytes(s: ParamSpec) -> int:
@@ -44,12 +45,12 @@ def meta_weights(cfg: ModelConfig) -> dict:
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> float:
-    """Global KV per token: main KV (fp4_b16) + index K (fp4_b32) of every source, per ratio."""
+    """Global KV per token: main KV (MAIN_KV_FORMAT) + index K (fp4_b32) of every source, per ratio."""
     def entry(fmt, dim):
         data, scale = expected_layout(fmt, (dim,))
         return data.numel() + scale.numel()
 
-    per = entry("fp4_b16", cfg.head_dim) + entry("fp4_b32", cfg.index_head_dim)
+    per = entry(MAIN_KV_FORMAT, cfg.head_dim) + entry("fp4_b32", cfg.index_head_dim)
     return sum(per / cfg.ratio(l) for l in cfg.kv_source_layers)
 
 
@@ -100,7 +101,7 @@ def decode_trace(model, context: int, batch: int = 1):
     state = model.new_state(batch, context + 1)
     state.host_positions = [context] * batch
     ids = torch.empty(batch, 1, dtype=torch.long, device="meta")
-    with trace.record() as graph:
+    with tracing.record() as graph:  # meta tensors: dispatch runs them on the trace backend
         model.forward(ids, state=state)
     return graph
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from flashrt.backends import reference as ref
+from flashrt import refmath as ref
 from flashrt.kv.paged import PagedKeys
 
-from ._npu import bf16_exact, fallback, float_of, gather_rows, npu
+from .npu_runtime import bf16_exact, fallback, float_of, gather_rows, npu, npu_family
 
 SFA_DIM, SFA_ROPE = 512, 64  # npu_sparse_flash_attention: D fixed at 512, D_rope at 64
 SFA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -110,5 +110,8 @@ def index_scores(q, k, weights, visible):
     return ref.index_scores(q, float_of(k), weights, visible)
 
 
-OPS = {"sparse_attention": sparse_attention, "index_scores": index_scores}
 PLANS = {"sparse_attention": sparse_attention_plan, "index_scores": lambda *a: "no operator returns scores"}
+
+
+FAMILY = npu_family("attention", {"sparse_attention": sparse_attention, "index_scores": index_scores},
+                    "sparse attention (npu_fused_infer_attention_score) and index scores")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from flashrt.backends import reference as ref
+from flashrt import refmath as ref
 from flashrt.formats import QTensor
 
-from ._npu import dequantize, first_argmax
+from .npu_runtime import dequantize, first_argmax, npu_family
 
 
 def compress_pool(kv, score):
@@ -44,7 +44,7 @@ def engram_gate(h, key, value, weight, eps):
 def engram_lookup(table, ids):
     """``engram_lookup``: plain-torch index (aclnnIndex / gather) on the stored bytes, then exact
     decoding: the ``fp8`` rows are looked up as uint8 and turned into values through the E4M3 and
-    UE8M0 tables of ``_npu`` (no float8 arithmetic on the device), returned as bf16."""
+    UE8M0 tables of ``npu_runtime`` (no float8 arithmetic on the device), returned as bf16."""
     flat = ids.reshape(-1)
     rows = QTensor(table.data[flat], table.scale[flat], table.fmt, (flat.shape[0], table.shape[-1]))
     return dequantize(rows, torch.bfloat16).view(*ids.shape, table.shape[-1])
@@ -57,5 +57,14 @@ def sample(logits, temperature, generator):
     return ref.gumbel_sample(logits, temperature, generator, argmax=first_argmax)
 
 
-OPS = {name: globals()[name] for name in (
-    "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "sample")}
+def gather_cold_rows(host, host_ids, picks, index, offset):
+    """``gather_cold_rows``: plain torch. The picks and host page ids come to the host once (no
+    torch_npu operator reads host memory from the device), the rows are gathered there as bytes
+    and the staged bytes go to the NPU in one copy each; the output index is computed on the NPU."""
+    return ref.gather_cold_rows(host, host_ids, picks, index, offset)
+
+
+FAMILY = npu_family("misc", {name: globals()[name] for name in (
+    "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "sample",
+    "gather_cold_rows")},
+    "ops with no matching torch_npu operator: plain torch on the NPU")

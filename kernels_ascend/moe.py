@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashrt.backends import reference as ref
+from flashrt import refmath as ref
 from flashrt.formats import QTensor
 
-from ._npu import fallback, npu
+from .npu_runtime import fallback, npu, npu_family
 from .quant import HALF, linear_exact, quant_rows
 
 GATING_MAX_EXPERTS = 2048  # npu_moe_gating_top_k: align32(E) * group_count <= 2048, E / group_count > 2
@@ -138,5 +138,8 @@ def _experts_torch(x, weights, indices, w1, w3, w2, swiglu_limit):
     return ref.experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit, _project)
 
 
-OPS = {"moe_route": moe_route, "moe_experts": moe_experts}
 PLANS = {"moe_route": moe_route_plan, "moe_experts": moe_experts_plan}
+
+
+FAMILY = npu_family("moe", {"moe_route": moe_route, "moe_experts": moe_experts},
+                    "MoE gate (npu_moe_gating_top_k) and grouped expert GEMMs")

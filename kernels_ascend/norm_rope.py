@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from flashrt.backends import reference as ref
+from flashrt import refmath as ref
 
-from ._npu import fallback, npu
+from .npu_runtime import fallback, npu, npu_family
 
 ROTARY_MAX_DIM = 896  # npu_rotary_mul: D < 896
 ROTARY_MAX_BN = 1000  # interleave mode: B * N < 1000
@@ -91,5 +91,8 @@ def rope(x, freqs_cis, inverse):
     return out.reshape(x.shape).to(x.dtype)
 
 
-OPS = {"rms_norm": rms_norm, "rope": rope}
 PLANS = {"rms_norm": rms_norm_plan, "rope": rope_plan}
+
+
+FAMILY = npu_family("norm_rope", {"rms_norm": rms_norm, "rope": rope},
+                    "RMSNorm (npu_rms_norm) and rotary embedding")

@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from flashrt import formats
-from flashrt.backends import reference as ref
+from flashrt import refmath as ref
 from flashrt.formats import QTensor
 
-from ._npu import dequantize as exact_dequantize
-from ._npu import fallback, npu
+from .npu_runtime import dequantize as exact_dequantize
+from .npu_runtime import fallback, npu, npu_family
 
 HALF = (torch.float16, torch.bfloat16)
 INT8_T_MIN_SCALE = torch.tensor(formats.spec("int8_t").amax_floor / formats.INT8_MAX).item()  # fp32
@@ -64,7 +64,7 @@ def quantize(x, fmt):
 
 def dequantize(q, dtype):
     """``dequantize``: plain torch (elementwise; no operator needed). Bytes are decoded with
-    integer ops and table look-ups (``_npu.dequantize``), never with float8 arithmetic."""
+    integer ops and table look-ups (``npu_runtime.dequantize``), never with float8 arithmetic."""
     return exact_dequantize(q, dtype)
 
 
@@ -89,7 +89,7 @@ def quant_matmul(x2: torch.Tensor, w: QTensor) -> torch.Tensor:
 
 def linear_exact(x, weight: QTensor) -> torch.Tensor:
     """Plain-torch ``linear`` with a quantized weight, in ``x.dtype``: ``x`` quantized as
-    ``reference.activation_format`` says, both operands decoded by the exact byte decoders."""
+    ``refmath.activation_format`` says, both operands decoded by the exact byte decoders."""
     xq = exact_dequantize(formats.quantize(x, ref.activation_format(weight)))
     return F.linear(xq, exact_dequantize(weight)).to(x.dtype)
 
@@ -118,5 +118,8 @@ def linear(x, weight):
     return quant_matmul(x2, weight).reshape(*x.shape[:-1], weight.shape[0])
 
 
-OPS = {"quantize": quantize, "dequantize": dequantize, "linear": linear}
 PLANS = {"quantize": quantize_plan, "linear": linear_plan}
+
+
+FAMILY = npu_family("quant", {"quantize": quantize, "dequantize": dequantize, "linear": linear},
+                    "quantize, dequantize and linear (npu_quant_matmul, npu_dynamic_quant)")

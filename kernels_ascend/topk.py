@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-from flashrt.backends import reference
+from flashrt import refmath
 
-from ._npu import positions_of, select_top
+from .npu_runtime import npu_family, positions_of, select_top
 
 
 def topk_positions(scores, k, candidates):
@@ -37,9 +37,10 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     T = scores.shape[-1]
     if T == 0:
         return torch.zeros_like(scores, dtype=torch.bool)
-    blocks, pinned = reference.block_scores(scores, visible, block_size)
+    blocks, pinned = refmath.block_scores(scores, visible, block_size)
     keep = select_top(blocks, torch.isfinite(blocks) | pinned, min(topk_blocks, blocks.shape[-1]))
     return keep.repeat_interleave(block_size, -1)[..., :T]
 
 
-OPS = {"topk_positions": topk_positions, "candidate_blocks": candidate_blocks}
+FAMILY = npu_family("topk", {"topk_positions": topk_positions, "candidate_blocks": candidate_blocks},
+                    "top-k positions and candidate blocks (torch.topk for the threshold)")

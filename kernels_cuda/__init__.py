@@ -1,1 +1,13 @@
-"""Triton kernels for the CUDA backend, one op family per file."""
+"""Triton kernels for the CUDA backend: one kernel family per module, listed here.
+
+Each family module declares ``FAMILY`` (a :class:`flashrt.families.KernelFamily`: its ops, what
+they serve, its tile defaults, its warm-up); helper modules (``codecs``, ``launch``, the
+``*_kernel`` files, ``moe_tables``, ``warmup``) declare none. ``docs/kernels.md`` says how to add
+one.
+"""
+from . import (attention, compress, engram, indexer, kv_gather, linear, linear_plain, mhc, moe, moe_route, norm_rope,
+               quant, topk)
+
+FAMILIES = (attention.FAMILY, compress.FAMILY, engram.FAMILY, indexer.FAMILY, kv_gather.FAMILY, linear.FAMILY,
+            linear_plain.FAMILY, mhc.FAMILY, moe.FAMILY, moe_route.FAMILY, norm_rope.FAMILY, quant.FAMILY,
+            topk.FAMILY)

@@ -17,12 +17,14 @@ the profile's tiles (tiles, grid, splits, constexprs) is planned once per key (:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton.language as tl
 
+from flashrt.dtypes import MAIN_KV_FORMAT, STORAGE
+from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import COUNT0, DOT, POW2, Tile
 from flashrt.formats import QTensor
+from flashrt.jit_triton import interpreted
 from flashrt.kernels_cuda import attention_two_pass as two_pass
 from flashrt.kernels_cuda.attention_kernel import _combine_kernel, _sparse_attention_kernel
 from flashrt.kernels_cuda.codecs import CODES
@@ -48,12 +50,8 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.attention`` in its YAML)."""
-    return PLANS.lookup(None)[0]
-
-
-PLANS = PlanCache("attention", TILES)  # launch plans of the active profile
+PLANS = PlanCache("attention", TILES)  # the active tiles and the launch plans made with them
+_tiles = PLANS.tiles
 MAX_D = 512
 MAX_SEGMENTS = 4  # three with their own dequant path at most; a fourth joins one of the same format
 OFFSET_BIAS = 1 << 48  # added to every segment offset (attention_kernel.OFFSET_BIAS): always int64
@@ -138,7 +136,7 @@ def _dot_mode(dtype: torch.dtype):
     """(dot operand dtype, input precision): bf16 MMA for bf16 q; fp16 / fp32 q: fp32 operands at
     TILES' precision (bf16x3 needs a third of 3xTF32's shared memory); fp32 in the interpreter
     (its bf16 dot / arithmetic is wrong)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return tl.float32, "ieee"
     return (tl.bfloat16, "ieee") if dtype == torch.bfloat16 else (tl.float32, _tiles()["attention_fp32"]["precision"])
 
@@ -210,24 +208,15 @@ def sparse_attention(q, kv, indices, sink, scale):
     return out
 
 
-def supports_sparse_attention(q, kv, indices, sink, scale) -> bool:
-    """bf16/fp16/fp32 q; D % 32 == 0 and D <= 512; <= 4 non-empty segments, each plain
-    bf16/fp16/fp32 or fp8 / fp4_b16 / fp4_b32, at most three formats' dequant paths (a fourth
-    segment shares an earlier segment's format: HKCP's ring + chunk + page pool + cold staging)."""
-    D = q.shape[-1]
-    if q.dtype not in PLAIN_DTYPES or D == 0 or D % 32 or D > MAX_D:
-        return False
+def segments_fit(q, kv, indices, sink, scale) -> bool:
+    """At most four non-empty KV segments and at most three formats' dequant paths (a fourth
+    segment shares an earlier segment's format: HKCP's ring + chunk + page pool + cold staging).
+    Reads only segment formats and emptiness (the call key holds both)."""
     segs = kv if isinstance(kv, tuple) else (kv,)
-    live = [s for s in segs if s.shape[1]]
+    live = [s for s in segs if (s.data if isinstance(s, QTensor) else s).numel()]
     if len(live) > MAX_SEGMENTS:
         return False
-    if not all(s.fmt in FMT_CODES if isinstance(s, QTensor) else s.dtype in PLAIN_DTYPES for s in segs):
-        return False
     return _roles([FMT_CODES[s.fmt] if isinstance(s, QTensor) else 0 for s in live]) is not None
-
-
-OPS = {"sparse_attention": sparse_attention}
-SUPPORTS = {"sparse_attention": supports_sparse_attention}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,21 +225,20 @@ SUPPORTS = {"sparse_attention": supports_sparse_attention}
 # the released config: 64 heads x 512, K = window 128 + top-k 512; (batch, queries, main KV entries)
 WARMUP_SHAPE = dict(heads=64, head_dim=512, window=128, topk=512)
 WARMUP_CASES = ((1, 1, 1024), (1, 1, 1000), (8, 1, 1000), (1, 64, 1000))  # decode (split K), prefill chunk
-_STORED = {"fp4": "fp4_b16", "fp8": "fp8", "bf16": None}  # profile KV dtype -> stored format
 
 
-def warmup(profile) -> str | None:
+def warm_up(profile) -> str | None:
     """Compile the variants the model launches under ``profile``: bf16 q over (``kv_window_dtype``
-    ring, chunk, ``kv_main_dtype`` main KV), with a sink; decode (split K) and a prefill chunk
-    (no split), main KV lengths on both sides of Triton's divisibility-by-16 specialization, and
-    the decode steps that read cold HKCP pages (a fourth segment: the staged picks). Runs the
+    ring, chunk, the main KV in ``MAIN_KV_FORMAT``), with a sink; decode (split K) and a prefill
+    chunk (no split), main KV lengths on both sides of Triton's divisibility-by-16 specialization,
+    and the decode steps that read cold HKCP pages (a fourth segment: the staged picks). Runs the
     launcher once per case on zero-filled inputs. Returns why nothing was compiled, or None."""
     reason = no_device_reason()
-    if reason is None and (profile.kv_main_dtype not in _STORED or profile.kv_window_dtype not in _STORED):
-        reason = f"kv dtypes {profile.kv_window_dtype} / {profile.kv_main_dtype}: not served by this kernel"
+    window, main = STORAGE.get(profile.kv_window_dtype, "?"), MAIN_KV_FORMAT
+    if reason is None and window is not None and window not in FMT_CODES:
+        reason = f"kv_window_dtype {profile.kv_window_dtype}: not served by this kernel"
     if reason:
         return reason
-    window, main = _STORED[profile.kv_window_dtype], _STORED[profile.kv_main_dtype]
     H, D, W, K = (WARMUP_SHAPE[k] for k in ("heads", "head_dim", "window", "topk"))
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     for B, S, T in WARMUP_CASES:
@@ -259,8 +247,28 @@ def warmup(profile) -> str | None:
         idx = torch.zeros(B, S, W + K, dtype=torch.int32, device=dev)
         q = torch.zeros(B, S, H, D, dtype=bf16, device=dev)
         sparse_attention(q, kv, idx, torch.zeros(H, device=dev), D ** -0.5)
-        if S == 1 and main is not None:  # + the cold picks staged from host pages
+        if S == 1:  # + the cold picks staged from host pages
             cold = kv + (zeros_stored(main, (1, B * K, D), bf16, dev),)
             sparse_attention(q, cold, idx, torch.zeros(H, device=dev), D ** -0.5)
     torch.cuda.synchronize()
     return None
+
+
+PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3")  # tl.dot input precisions of fp32 operands
+TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1, 2)), "combine.H_BLOCK": POW2,
+               "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0, "two_pass.DV": DOT}
+
+
+def _kv_tile_bytes(t: dict) -> int:
+    """At least the dequantized bf16 KV tile of one program (K_BLOCK rows of its share of D = 512)."""
+    return t["K_BLOCK"] * (MAX_D // t["D_SPLIT"]) * 2
+
+
+FAMILY = KernelFamily(
+    "attention", ops={"sparse_attention": sparse_attention},
+    # bf16/fp16/fp32 q; D % 32 == 0 and D <= 512; each segment plain or fp8 / fp4_b16 / fp4_b32
+    supports={"sparse_attention": Support(inputs={"q": PLAIN_DTYPES, "kv": PLAIN_DTYPES + tuple(FMT_CODES)},
+                                          dims={"q[-1]": Dim(32, MAX_D, 32)}, extra=segments_fit)},
+    tiles=TILES, tile_checks=TILE_CHECKS,
+    smem={"attention": _kv_tile_bytes, "attention_fp32": _kv_tile_bytes},
+    warmup=warm_up, description="sparse MQA attention over gathered, quantized KV rows")

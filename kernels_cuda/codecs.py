@@ -22,13 +22,13 @@ the interpreter does not round to nearest even and sm_80 lacks): :func:`e4m3_rne
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from flashrt.jit_triton import interpreted
+
 CODES = {"fp8": 1, "fp4_b16": 2, "fp4_b32": 3, "int8": 4}  # FMT constexpr of the kernels; 0 = plain float
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # kernels run in Triton's CPU interpreter
+INTERPRETED = interpreted()  # kernels run in Triton's CPU interpreter (fixed when Triton is imported)
 _INTERPRETED = tl.constexpr(INTERPRETED)
 
 

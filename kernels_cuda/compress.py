@@ -9,16 +9,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from flashrt import profiles
-from flashrt.kernels_cuda.launch import cdiv, next_pow2
-from flashrt.kernels_cuda import _warmup
+from flashrt.families import KernelFamily
+from flashrt.tile_checks import POW2
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
+from flashrt.kernels_cuda import warmup as _warmup
 
 TILES = {"compress_pool": {"TILE_ELEMS": 2048, "MAX_BLOCK_R": 16, "num_warps": 4}}
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.compress`` in its YAML)."""
-    return profiles.tiles("compress", TILES)
+PLANS = PlanCache("compress", TILES)  # the active tiles (and launch plans made with them)
+_tiles = PLANS.tiles
 
 
 @triton.jit
@@ -71,9 +71,8 @@ def warmup_cases(device, d: dict, dtype):
             yield _warmup.Launch("compress_pool", compress_pool, (kv, torch.randn_like(kv)))
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
-
-
-OPS = {"compress_pool": compress_pool}
+FAMILY = KernelFamily(
+    "compress", ops={"compress_pool": compress_pool},
+    tiles=TILES, tile_checks={"compress_pool.TILE_ELEMS": POW2, "compress_pool.MAX_BLOCK_R": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="CSA2 compression: softmax-weighted pooling of each group")

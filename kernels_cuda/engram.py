@@ -16,9 +16,10 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import e4m3_to_f32, e8m0_to_f32, to_out
-from flashrt import profiles
-from flashrt.kernels_cuda.launch import cdiv, next_pow2, zeros_stored
-from flashrt.kernels_cuda import _warmup
+from flashrt.families import KernelFamily, Support
+from flashrt.tile_checks import POW2
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2, zeros_stored
+from flashrt.kernels_cuda import warmup as _warmup
 
 TILES = {
     "engram_lookup": {"ROWS_ELEMS": 4096, "num_warps": 4},
@@ -26,9 +27,8 @@ TILES = {
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.engram`` in its YAML)."""
-    return profiles.tiles("engram", TILES)
+PLANS = PlanCache("engram", TILES)  # the active tiles (and launch plans made with them)
+_tiles = PLANS.tiles
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -126,10 +126,6 @@ def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:
     return out
 
 
-def supports_engram_gate(h, key, value, weight, eps) -> bool:
-    return all(t.dtype in _DTYPES for t in (h, key, value, weight))
-
-
 def warmup_cases(device, d: dict, dtype):
     """engram_lookup of a step's n-gram ids (int64) from an fp8 table; engram_gate on the hc copies."""
     hc, dim, cols = d["hc_mult"], d["dim"], (d["engram_max_ngram_size"] - 1) * d["engram_n_heads"]
@@ -143,10 +139,9 @@ def warmup_cases(device, d: dict, dtype):
         yield _warmup.Launch("engram_gate", engram_gate, (x, key, value, weight, d["norm_eps"]))
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
-
-
-OPS = {"engram_lookup": engram_lookup, "engram_gate": engram_gate}
-SUPPORTS = {"engram_gate": supports_engram_gate}
+FAMILY = KernelFamily(
+    "engram", ops={"engram_lookup": engram_lookup, "engram_gate": engram_gate},
+    supports={"engram_gate": Support(inputs={name: _DTYPES for name in ("h", "key", "value", "weight")})},
+    tiles=TILES, tile_checks={"engram_lookup.ROWS_ELEMS": POW2, "engram_gate.MAX_BLOCK_D": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="Engram table rows (fp8) and the gated add")

@@ -8,12 +8,13 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from flashrt import profiles
+from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import DOT, POW2, Tile
 from flashrt.formats import QTensor
-from flashrt.kernels_cuda import _warmup
+from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import CODES, INTERPRETED as _INTERPRETED
 from flashrt.kernels_cuda.indexer_kernel import _block_keys_kernel, _expand_kernel, _index_scores_kernel
-from flashrt.kernels_cuda.launch import cdiv, next_pow2, zeros_stored
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2, zeros_stored
 from flashrt.kernels_cuda.topk import select_rows
 from flashrt.kv.paged import PagedKeys
 
@@ -26,9 +27,8 @@ TILES = {
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.indexer`` in its YAML)."""
-    return profiles.tiles("indexer", TILES)
+PLANS = PlanCache("indexer", TILES)  # the active tiles (and launch plans made with them)
+_tiles = PLANS.tiles
 
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -85,18 +85,6 @@ def index_scores(q, k, weights, visible):
     return out
 
 
-def supports_index_scores(q, k, weights, visible) -> bool:
-    """Plain fp32 / bf16 / fp16 keys or fp4_b32 / fp4_b16 / fp8 / int8 keys, contiguous or paged
-    (``PagedKeys``); Di <= 512, Hi <= 128."""
-    if q.dtype == torch.float64 or q.shape[-1] > 512 or q.shape[2] > 128:
-        return False
-    if isinstance(k, PagedKeys):
-        k = k.pool
-    if isinstance(k, QTensor):
-        return k.fmt in _FORMATS
-    return k.dtype in (torch.float32, *_HALF_DTYPES)
-
-
 # ---------------------------------------------------------------------------------------------
 # candidate_blocks
 
@@ -125,10 +113,6 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     return out
 
 
-def supports_candidate_blocks(scores, visible, topk_blocks, block_size) -> bool:
-    return scores.dim() == 3 and scores.shape[-1] < 2**30
-
-
 def warmup_cases(device, d: dict, dtype):
     """index_scores of a step's queries over fp4_b32 keys; candidate_blocks over its scores."""
     H, D = d["index_n_heads"], d["index_head_dim"]
@@ -143,10 +127,14 @@ def warmup_cases(device, d: dict, dtype):
                                  (scores, vis, d["candidate_topk_blocks"], d["candidate_block_size"]))
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
-
-
-OPS = {"index_scores": index_scores, "candidate_blocks": candidate_blocks}
-SUPPORTS = {"index_scores": supports_index_scores, "candidate_blocks": supports_candidate_blocks}
+_PLAIN = (torch.float32, *_HALF_DTYPES)
+FAMILY = KernelFamily(
+    "indexer", ops={"index_scores": index_scores, "candidate_blocks": candidate_blocks},
+    # keys plain or fp4_b32 / fp4_b16 / fp8 / int8, contiguous or paged (PagedKeys); Di <= 512, Hi <= 128
+    supports={"index_scores": Support(inputs={"q": _PLAIN, "k": _PLAIN + tuple(_FORMATS)},
+                                      dims={"q[-1]": Dim(0, 512), "q[2]": Dim(0, 128)}),
+              "candidate_blocks": Support(dims={"scores[-1]": Dim(0, 2**30 - 1)})},
+    tiles=TILES, tile_checks={"index_scores.block_t": DOT, "index_scores.rows": POW2, "candidate_blocks.block": POW2,
+                              "index_scores.fp32_precision": Tile(choices=("ieee", "tf32", "tf32x3"))},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="indexer scores over (paged) quantized keys; candidate blocks")

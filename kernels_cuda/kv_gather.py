@@ -1,13 +1,13 @@
-"""HKCP cold fetch: the picked main-KV entries that live on host pages, gathered by the GPU
-straight from pinned host memory (zero-copy) into a device staging segment.
+"""``gather_cold_rows`` (HKCP cold fetch): the picked KV entries that live on host pages, gathered
+by the GPU straight from pinned host memory (zero-copy) into a device staging segment.
 
 ``_cold_gather_kernel``: one program per ``BLOCK`` picks of the flat ``[B * N]`` picks (``N``
 picks per row, logical entries, ``-1`` empty). For pick ``i`` of row ``b``: host page
 ``hp = host_ids[b, e // P]``; when ``e >= 0`` and ``hp >= 0`` (a cold entry) its stored row
 (data and scale bytes, as 32-bit words when they divide) is copied from host row ``hp * P + e % P``
-to staging row ``i`` and ``index[i]`` becomes ``offset + i`` (its place after the device pool in
-the attention's segments); other picks leave ``index`` and their staging row alone. No host sync:
-the block table, the picks and the indices stay on the device.
+to staging row ``i`` and the output index ``i`` becomes ``offset + i`` (its place after the device
+pool in the attention's segments); other picks copy their input index and leave their (zeroed)
+staging row alone. No host sync: the block table, the picks and the indices stay on the device.
 
 Pinned memory from torch's host allocator is mapped into the device address space (CUDA unified
 addressing: host memory allocated through ``cudaHostAlloc`` / ``cudaMallocHost`` is directly
@@ -22,15 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
+from flashrt import refmath
+from flashrt.families import KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import INTERPRETED as _INTERPRETED
-from flashrt.kernels_cuda.launch import cdiv, next_pow2
+from flashrt.kernels_cuda.launch import cdiv, dense, next_pow2
+
 BLOCK = 32  # picks per program
 _CHECKED: dict[int, bool] = {}  # device index -> zero-copy self-check passed
 
 
 @triton.jit
-def _cold_gather_kernel(pick_ptr, hid_ptr, host_ptr, hscale_ptr, out_ptr, oscale_ptr, idx_ptr,
+def _cold_gather_kernel(pick_ptr, hid_ptr, host_ptr, hscale_ptr, out_ptr, oscale_ptr, idx_ptr, oidx_ptr,
                         total, N, W, P, offset, ROW: tl.constexpr, SROW: tl.constexpr,
                         BLOCK: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -49,7 +52,7 @@ def _cold_gather_kernel(pick_ptr, hid_ptr, host_ptr, hscale_ptr, out_ptr, oscale
     tl.store(oscale_ptr + dst[:, None] * SROW + c[None, :], tl.load(hscale_ptr + src[:, None] * SROW + c[None, :], mask=m),
              mask=m)
     old = tl.load(idx_ptr + i, mask=ok, other=-1)
-    tl.store(idx_ptr + i, tl.where(cold, offset + i, old), mask=ok)
+    tl.store(oidx_ptr + i, tl.where(cold, offset + i, old), mask=ok)
 
 
 class HostPointer:
@@ -72,27 +75,33 @@ def _arg(t: torch.Tensor):
     return t if _INTERPRETED or t.device.type != "cpu" else HostPointer(t)
 
 
-def cold_gather(host: QTensor, host_ids: torch.Tensor, picks: torch.Tensor, index: torch.Tensor,
-                offset: int) -> QTensor:
-    """Staging ``[1, B * N, D]`` (``fp4_b16``) of the cold picks; ``index`` int32 ``[B, N]`` (on the
-    device, contiguous) gets ``offset + i`` at every cold pick, in place.
-
-    ``host`` [pages, P, D] (pinned), ``host_ids`` [B, W] int64 on the device (host page of each
-    logical page, -1 elsewhere), ``picks`` int32/int64 [B, N] logical entries (-1 empty)."""
+def gather_cold_rows(host: QTensor, host_ids: torch.Tensor, picks: torch.Tensor, index: torch.Tensor,
+                     offset: int) -> tuple[QTensor, torch.Tensor]:
+    """``flashrt.ops.gather_cold_rows``: (staging ``[1, B * N, D]`` in ``host``'s format, int32
+    index ``[B, N]``) on the device of ``picks``. ``host`` [pages, P, D] pinned on the CPU (or on
+    the device); pages whose data or scale is not contiguous take the plain-torch gather."""
+    if not (host.data.is_contiguous() and host.scale.is_contiguous()):  # rows are addressed as flat words
+        return refmath.gather_cold_rows(host, host_ids, picks, index, offset)
     B, N = picks.shape
-    P, D, total = host.shape[1], host.shape[2], B * N
-    assert index.dtype == torch.int32 and index.is_contiguous() and index.shape == picks.shape
-    assert host_ids.is_contiguous() and picks.is_contiguous() and host.data.is_contiguous() and host.scale.is_contiguous()
+    P, total = host.shape[1], B * N
+    picks, host_ids, index = dense(picks), dense(host_ids), dense(index)
     data, scale = _rows(host.data), _rows(host.scale)
-    out = torch.zeros(total, data.shape[1], dtype=data.dtype, device=index.device)
-    oscale = torch.zeros(total, scale.shape[1], dtype=scale.dtype, device=index.device)
+    out = torch.zeros(total, data.shape[1], dtype=data.dtype, device=picks.device)
+    oscale = torch.zeros(total, scale.shape[1], dtype=scale.dtype, device=picks.device)
+    oidx = torch.empty_like(index)
     if total:
         _cold_gather_kernel[(cdiv(total, BLOCK),)](
-            picks, host_ids, _arg(data), _arg(scale), out, oscale, index, total, N, host_ids.shape[1], P, offset,
-            ROW=data.shape[1], SROW=scale.shape[1], BLOCK=BLOCK, BR=next_pow2(data.shape[1]),
+            picks, host_ids, _arg(data), _arg(scale), out, oscale, index, oidx, total, N, host_ids.shape[1], P,
+            offset, ROW=data.shape[1], SROW=scale.shape[1], BLOCK=BLOCK, BR=next_pow2(data.shape[1]),
             BS=next_pow2(scale.shape[1]), num_warps=4)
-    return QTensor(out.view(torch.uint8).view(1, total, D // 2),
-                   oscale.view(torch.uint8).view(host.scale.dtype).view(1, total, -1), host.fmt, (1, total, D))
+    staged = [o.view(torch.uint8).view(t.dtype).view(1, total, t.shape[-1]) for o, t in ((out, host.data),
+                                                                                           (oscale, host.scale))]
+    return QTensor(staged[0], staged[1], host.fmt, (1, total, host.shape[-1])), oidx
+
+
+def on_a_zero_copy_device(host, host_ids, picks, index, offset) -> bool:
+    """The device's zero-copy self-check passed (the verdict is per device: dispatch resolves per device)."""
+    return zero_copy_ok(picks.device)
 
 
 def zero_copy_ok(device: torch.device) -> bool:
@@ -108,7 +117,7 @@ def zero_copy_ok(device: torch.device) -> bool:
             picks = torch.tensor([[5, -1, 2, 7]], dtype=torch.int32, device=device)
             ids = torch.tensor([[1, 0]], dtype=torch.long, device=device)
             index = torch.full((1, 4), -1, dtype=torch.int32, device=device)
-            got = cold_gather(host, ids, picks, index, 100)
+            got, index = gather_cold_rows(host, ids, picks, index, 100)
             rows = torch.tensor([0 * 4 + 1, 0, 1 * 4 + 2, 0 * 4 + 3])  # logical page 0 is host page 1, 1 is 0
             want = host.data.view(8, 8)[rows]
             ok = torch.equal(got.data[0, [0, 2, 3]].cpu(), want[[0, 2, 3]]) and index.tolist() == [[100, -1, 102, 103]]
@@ -116,3 +125,9 @@ def zero_copy_ok(device: torch.device) -> bool:
             ok = False
         _CHECKED[key] = ok
     return _CHECKED[key]
+
+
+FAMILY = KernelFamily(
+    "kv_gather", ops={"gather_cold_rows": gather_cold_rows},
+    supports={"gather_cold_rows": Support(extra=on_a_zero_copy_device)}, zero_copy={"gather_cold_rows": zero_copy_ok},
+    description="HKCP cold fetch: picked host-page rows read in place from pinned memory")

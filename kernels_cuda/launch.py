@@ -1,5 +1,5 @@
-"""Host-side helpers of the launchers: per-shape launch plans, device facts, no-copy contiguity,
-zero inputs for the ``warmup(profile)`` hooks.
+"""Host-side helpers of the launchers: the active tiles and per-shape launch plans, device facts,
+no-copy contiguity, zero inputs for the warm-up hooks.
 
 A launcher's per-call Python work should be what truly changes per call (pointers, a few sizes):
 everything that follows from the shapes, dtypes and the active profile's tiles (tile sizes, grid,
@@ -11,27 +11,34 @@ empty, so a plan never outlives the profile it was made under.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton.language as tl
 
 from flashrt import profiles
+from flashrt.dtypes import TORCH
 from flashrt.formats import QTensor
+from flashrt.jit_triton import interpreted
 from flashrt.kv.util import empty_qtensor
 
 
 class PlanCache:
-    """Launch plans of one kernel module (``tiles.<module>`` of the profile, ``TILES`` as defaults)."""
+    """The tiles of one kernel family under the active profile (``tiles.<family>`` of the profile
+    over the family's ``TILES`` defaults) and the launch plans made with them. Every launcher
+    reads its tiles here (:meth:`tiles`)."""
 
-    def __init__(self, module: str, defaults: dict):
-        self.module, self.defaults = module, defaults
+    def __init__(self, family: str, defaults: dict):
+        self.family, self.defaults = family, defaults
         self._tiles: dict | None = None  # the merged tiles the plans were made with (held: no id reuse)
         self._plans: dict = {}
 
+    def tiles(self) -> dict:
+        """The active tiles (read-only)."""
+        return self.lookup(None)[0]
+
     def lookup(self, key) -> tuple[dict, object]:
         """(the active tiles, the plan stored under ``key`` for them or None)."""
-        tiles = profiles.tiles(self.module, self.defaults)
+        tiles = profiles.tiles(self.family, self.defaults)
         if tiles is not self._tiles:
             self._tiles, self._plans = tiles, {}
         return tiles, self._plans.get(key)
@@ -67,7 +74,7 @@ def last_dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def zeros_stored(fmt: str | None, shape, dtype: torch.dtype, device) -> torch.Tensor | QTensor:
-    """A zero-filled tensor as ``fmt`` stores it (None: plain ``dtype``): compile-only inputs for warmup hooks."""
+    """A zero-filled tensor as ``fmt`` stores it (None: plain ``dtype``): compile-only inputs for warm-up."""
     if fmt is None:
         return torch.zeros(shape, dtype=dtype, device=device)
     return empty_qtensor(fmt, shape, device)
@@ -75,14 +82,15 @@ def zeros_stored(fmt: str | None, shape, dtype: torch.dtype, device) -> torch.Te
 
 def no_device_reason() -> str | None:
     """Why a warmup hook has nothing to compile here (the interpreter, no CUDA device), or None."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return "TRITON_INTERPRET=1: kernels are interpreted, nothing to compile"
     if not torch.cuda.is_available():
         return "no CUDA device: nothing to compile"
     return None
 
 
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # -> Triton
+# torch -> Triton dtypes of flashrt.dtypes' table (Triton names them as torch does: tl.bfloat16, ...)
+TL_DTYPES = {dt: getattr(tl, str(dt).removeprefix("torch.")) for dt in TORCH.values()}
 
 
 def split_k(out_tiles: int, blocks: int, forced, sms: int) -> int:

@@ -25,12 +25,15 @@ import functools
 import torch
 import triton.language as tl
 
-from flashrt.backends.cuda import interpreter
+from flashrt.jit_triton import interpreted
+from flashrt.dtypes import activation_dtype
+from flashrt.families import KernelFamily, Support
+from flashrt.tile_checks import DOT, POW2, Tile, gemm_smem
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, no_device_reason, split_k, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
-from flashrt.kernels_cuda.linear_plain import plain_linear, supports_plain_linear
+from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
 
 WEIGHT_FORMATS = ("fp8_w", "fp4_w")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -53,32 +56,28 @@ TILES = {
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.linear`` in its YAML)."""
-    return PLANS.lookup(None)[0]
-
-
-PLANS = PlanCache("linear", TILES)  # launch plans of the active profile
+PLANS = PlanCache("linear", TILES)  # the active tiles and the launch plans made with them
+_tiles = PLANS.tiles
 
 
 @functools.cache
 def supports_fp8_mma() -> bool:
     """tl.dot on E4M3 operands (sm_89+); the interpreter runs that path with fp32 operands."""
-    if interpreter():
+    if interpreted():
         return True
     return torch.cuda.get_device_capability() >= (8, 9)
 
 
 @functools.cache
 def num_sms() -> int:
-    return 1 if interpreter() else torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 1 if interpreted() else torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def mma_mode(fmt: str):
     """(PROMOTE, DOT dtype) for a weight format on this device."""
     forced = _tiles()["fp8_mma"]
     promote = fmt == "fp8_w" and (supports_fp8_mma() if forced is None else bool(forced))
-    if interpreter():
+    if interpreted():
         return promote, tl.float32
     return promote, (tl.float8e4nv if promote else tl.bfloat16)
 
@@ -178,19 +177,14 @@ def supports_linear(x, weight) -> bool:
     return weight.fmt in WEIGHT_FORMATS and weight.ndim == 2 and x.dtype in FLOATS
 
 
-OPS = {"linear": linear}
-SUPPORTS = {"linear": supports_linear}
-
-
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compilation (``flashrt jit warmup``)
 
 WARMUP_ROWS = (1, 8, 64, 4096)  # decode batches 1 / 8 / 64 and a prefill chunk: every tile rule, split or not
 WARMUP_SHAPES = ((1280, 5120), (2304, 5120), (4096, 1280), (5120, 8192))  # (out, in) of the released config
-_ACTIVATIONS = {"fp16": torch.float16, "fp32": torch.float32}  # profile compute_dtype -> x dtype (else bf16)
 
 
-def warmup(profile) -> str | None:
+def warm_up(profile) -> str | None:
     """Compile the ``fp8_w`` linear variants the model launches under ``profile`` (weights
     ``weight_dtype: fp8``): each of WARMUP_ROWS x WARMUP_SHAPES once, on zero-filled inputs
     (activations in the profile's compute dtype). Returns why nothing was compiled, or None."""
@@ -199,10 +193,23 @@ def warmup(profile) -> str | None:
         reason = f"weight_dtype {profile.weight_dtype}: no fp8_w linear to compile"
     if reason:
         return reason
-    dev, dtype = torch.device("cuda"), _ACTIVATIONS.get(profile.compute_dtype, torch.bfloat16)
+    dev, dtype = torch.device("cuda"), activation_dtype(profile.compute_dtype)
     for n, k in WARMUP_SHAPES:
         w = zeros_stored("fp8_w", (n, k), None, dev)
         for m in WARMUP_ROWS:
             linear(torch.zeros(m, k, dtype=dtype, device=dev), w)
     torch.cuda.synchronize()
     return None
+
+
+SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
+TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": DOT, "linear.BLOCK_N": SCALED,
+               "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
+               "fp8_mma": Tile(nullable=True, kind=bool), "bf16_gemm_min_rows": Tile(nullable=True, kind=int)}
+
+
+FAMILY = KernelFamily(
+    "linear", ops={"linear": linear},
+    supports={"linear": Support(inputs={"x": FLOATS, "weight": WEIGHT_FORMATS + WEIGHT_DTYPES}, extra=supports_linear)},
+    tiles=TILES, tile_checks=TILE_CHECKS, smem={"linear": gemm_smem}, warmup=warm_up,
+    description="block-scaled FP8 / FP4 GEMM with fp8 activations; plain weights: linear_plain")

@@ -23,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt.backends.cuda import interpreter
-from flashrt.kernels_cuda import _warmup
+from flashrt.jit_triton import interpreted
+from flashrt.families import KernelFamily
+from flashrt.tile_checks import DOT, Tile
+from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count, split_k
 
@@ -36,7 +38,7 @@ TILES = {
     ),
     "split_k": None,  # None: split K when the output tiles do not fill the SMs; or a forced count
 }
-PLANS = PlanCache("linear_plain", TILES)
+PLANS = PlanCache("linear_plain", TILES)  # the active tiles and the launch plans made with them
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -72,7 +74,7 @@ def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_split, stride_xm, str
 
 
 def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch.dtype, sms: int) -> dict:
-    tiles = PLANS.lookup(None)[0]
+    tiles = PLANS.tiles()
     t = next(tile for limit, tile in tiles["plain"] if limit is None or m <= limit)
     out_tiles = cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"])
     blocks = cdiv(k, t["BLOCK_K"])
@@ -80,7 +82,7 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
     k_split = cdiv(blocks, split) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     out_dtype = odt if split == 1 else torch.float32
-    dot = tl.float32 if interpreter() else TL_DTYPES[wdt]
+    dot = tl.float32 if interpreted() else TL_DTYPES[wdt]
     return dict(grid=(cdiv(n, t["BLOCK_N"]), cdiv(m, t["BLOCK_M"]), split), split=split, k_split=k_split,
                 out_dtype=out_dtype, constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=TL_DTYPES[wdt],
                                                      OUT=TL_DTYPES[out_dtype], **t))
@@ -98,7 +100,7 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype |
     key = (m, n, k, x.dtype, weight.dtype, out_dtype)
     plan = PLANS.lookup(key)[1]
     if plan is None:
-        sms = 1 if interpreter() else sm_count(x.device)
+        sms = 1 if interpreted() else sm_count(x.device)
         plan = PLANS.store(key, _plan(m, n, k, x.dtype, weight.dtype, out_dtype, sms))
     w = last_dense(weight)
     out = torch.empty(plan["split"], m, n, dtype=plan["out_dtype"], device=x.device)
@@ -128,6 +130,17 @@ def warmup_cases(device, d: dict, dtype):
                 yield _warmup.Launch(f"plain linear {xdt}", plain_linear, (_warmup.rand((n, dim), xdt, device), w))
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
+# no op of its own: ``linear`` (linear.py) and the MoE gate (moe_route.py) launch it
+
+
+def _bf16_tile_bytes(t: dict) -> int:
+    """At least (stages - 1) buffers of the bf16 x and weight tiles."""
+    return max(1, t["num_stages"] - 1) * (t["BLOCK_M"] + t["BLOCK_N"]) * t["BLOCK_K"] * 2
+
+
+FAMILY = KernelFamily(
+    "linear_plain",
+    tiles=TILES, tile_checks={"plain.BLOCK_M": DOT, "plain.BLOCK_N": DOT, "plain.BLOCK_K": DOT,
+                              "split_k": Tile(nullable=True, kind=int)},
+    smem={"plain": _bf16_tile_bytes}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="linear with a plain bf16 / fp16 weight (fp32 accumulation)")

@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import INTERPRETED, to_out
-from flashrt import profiles
-from flashrt.kernels_cuda.launch import cdiv, next_pow2
-from flashrt.kernels_cuda import _warmup
+from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import DOT, POW2
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
+from flashrt.kernels_cuda import warmup as _warmup
 
 TILES = {
     # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on
@@ -30,9 +31,8 @@ TILES = {
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.mhc`` in its YAML)."""
-    return profiles.tiles("mhc", TILES)
+PLANS = PlanCache("mhc", TILES)  # the active tiles (and launch plans made with them)
+_tiles = PLANS.tiles
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -261,18 +261,6 @@ def hc_expand(y, residual, post, comb):
     return out
 
 
-def supports_hc_coefficients(x, fn, scale, base, iters, eps, norm_eps) -> bool:
-    return x.dtype in _DTYPES and x.shape[2] <= _MAX_HC
-
-
-def supports_hc_collapse(x, pre) -> bool:
-    return x.dtype in _DTYPES and x.shape[2] <= _MAX_HC
-
-
-def supports_hc_expand(y, residual, post, comb) -> bool:
-    return y.dtype in _DTYPES and residual.dtype in _DTYPES and residual.shape[2] <= _MAX_HC
-
-
 def warmup_cases(device, d: dict, dtype):
     """hc_coefficients (Sinkhorn fused), hc_collapse and hc_expand on the hc copies of a step."""
     hc, dim = d["hc_mult"], d["dim"]
@@ -289,11 +277,11 @@ def warmup_cases(device, d: dict, dtype):
         yield _warmup.Launch("hc_expand", hc_expand, (_warmup.rand((1, n, dim), dtype, device), x, pre, comb))
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
-
-
-OPS = {"hc_coefficients": hc_coefficients, "hc_collapse": hc_collapse, "hc_expand": hc_expand}
-SUPPORTS = {"hc_coefficients": supports_hc_coefficients, "hc_collapse": supports_hc_collapse,
-            "hc_expand": supports_hc_expand}
+_STREAMS = Support(inputs={"x": _DTYPES}, dims={"x[2]": Dim(0, _MAX_HC)})
+FAMILY = KernelFamily(
+    "mhc", ops={"hc_coefficients": hc_coefficients, "hc_collapse": hc_collapse, "hc_expand": hc_expand},
+    supports={"hc_coefficients": _STREAMS, "hc_collapse": _STREAMS,
+              "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
+    tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "hc_finish.BLOCK_T": POW2, "hc_mix.BLOCK_D": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="mHC: mixing coefficients (GEMV + Sinkhorn), collapse, expand")

@@ -20,12 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt import profiles
-from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv, zeros_stored
-from flashrt.kernels_cuda import _warmup, moe_tables
-from flashrt.formats import QTensor
+from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import DOT, POW2, gemm_smem
+from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, zeros_stored
+from flashrt.kernels_cuda import moe_tables
+from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
-from flashrt.kernels_cuda.linear import FLOATS, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile, weight_operands
+from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile,
+                                         weight_operands)
 from flashrt.kernels_cuda.linear_kernel import _k_loop
 
 TILES = {
@@ -39,9 +41,8 @@ TILES = {
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.moe`` in its YAML)."""
-    return profiles.tiles("moe", TILES)
+PLANS = PlanCache("moe", TILES)  # the active tiles (and launch plans made with them)
+_tiles = PLANS.tiles
 
 
 @triton.jit
@@ -150,7 +151,7 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, t):
 
 def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
     """x [N, D], weights [N, k] fp32, indices [N, k] int32, w1/w3 [E, I, D], w2 [E, D, I] QTensor -> fp32 [N, D]."""
-    assert supports_moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit)
+    assert FAMILY.serves("moe_experts", x, weights, indices, w1, w3, w2, swiglu_limit) is None
     n, D = x.shape
     k = indices.shape[1]
     E, I = w1.shape[0], w1.shape[1]
@@ -168,11 +169,9 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
     return out
 
 
-def supports_moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit) -> bool:
-    """All three weights quantized (fp4_w / fp8_w), w1 and w3 in one format; plain weights declined."""
-    ws = (w1, w3, w2)
-    return (all(isinstance(w, QTensor) and w.fmt in WEIGHT_FORMATS and w.ndim == 3 for w in ws)
-            and w1.fmt == w3.fmt and x.dtype in FLOATS and w1.shape[1] % 32 == 0)
+def same_up_format(x, weights, indices, w1, w3, w2, swiglu_limit) -> bool:
+    """w1 and w3 in one format (the up kernel reads both with one decoder)."""
+    return w1.fmt == w3.fmt
 
 
 def warmup_cases(device, d: dict, dtype):
@@ -205,10 +204,13 @@ def rule_tokens(rules, experts: int, k: int) -> list[int]:
     return out
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
-
-
-OPS = {"moe_experts": moe_experts}
-SUPPORTS = {"moe_experts": supports_moe_experts}
+FAMILY = KernelFamily(
+    "moe", ops={"moe_experts": moe_experts},
+    # all three weights quantized (fp4_w / fp8_w), w1 and w3 in one format; plain weights declined
+    supports={"moe_experts": Support(inputs={"x": FLOATS, "w1": WEIGHT_FORMATS, "w3": WEIGHT_FORMATS,
+                                             "w2": WEIGHT_FORMATS}, dims={"w1[1]": Dim(0, None, 32)},
+                                     extra=same_up_format)},
+    tiles=TILES, tile_checks={"experts.BLOCK_M": DOT, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
+                              "combine.BLOCK_D": POW2},
+    smem={"experts": gemm_smem}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="routed SwiGLU experts: grouped FP8 / FP4 GEMMs over routing tables")

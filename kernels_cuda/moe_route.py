@@ -17,14 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt import profiles
-from flashrt.kernels_cuda import _warmup
-from flashrt.kernels_cuda.launch import cdiv, next_pow2
-from flashrt.kernels_cuda.linear_plain import plain_linear, supports_plain_linear
+from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import POW2
+from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
+from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
 
 # tokens a program: at most ELEMS / experts (padded to a power of two) and BLOCK_T: the score, key and
 # pick tensors of ELEMS fp32 values stay in registers (4096 over 4 warps: no spills for 384 experts)
 TILES = {"select": dict(BLOCK_T=16, ELEMS=4096, num_warps=4)}
+PLANS = PlanCache("moe_route", TILES)  # the active tiles (and launch plans made with them)
 SCORES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_EXPERTS, MAX_TOPK = 1024, 16
 
@@ -89,7 +91,7 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     idx = torch.empty(n, topk, dtype=torch.int32, device=x.device)
     if n == 0 or topk == 0:
         return w, idx
-    t = profiles.tiles("moe_route", TILES)["select"]
+    t = PLANS.tiles()["select"]
     EB = max(16, next_pow2(E))
     bt = max(1, min(t["BLOCK_T"], t["ELEMS"] // EB))
     _route_select_kernel[(cdiv(n, bt),)](
@@ -99,16 +101,10 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     return w, idx
 
 
-def supports_moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale) -> bool:
-    """A 2-D x and a gate the plain linear serves (bf16 x with a bf16 gate), <= 1024 experts, top-16,
-    an fp32 bias or none."""
-    return (x.dim() == 2 and supports_plain_linear(x, weight) and weight.shape[0] <= MAX_EXPERTS
-            and 0 < topk <= min(MAX_TOPK, weight.shape[0]) and score_func in SCORES
-            and (bias is None or bias.dtype == torch.float32))
+def gate_fits_plain_linear(x, weight, bias, topk, score_func, norm_topk, route_scale) -> bool:
+    """The plain linear serves the gate (x in the gate's dtype, or fp32 x with a bf16 gate)."""
+    return supports_plain_linear(x, weight)
 
-
-OPS = {"moe_route": moe_route}
-SUPPORTS = {"moe_route": supports_moe_route}
 
 
 def warmup_cases(device, d: dict, dtype):
@@ -121,6 +117,13 @@ def warmup_cases(device, d: dict, dtype):
                                                       torch.zeros(E, device=device), k, "sqrtsoftplus", True, 1.5))
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
+FAMILY = KernelFamily(
+    "moe_route", ops={"moe_route": moe_route},
+    # <= 1024 experts, top-16, an fp32 bias or none; the gate through the plain linear
+    supports={"moe_route": Support(inputs={"x": (torch.float32, *WEIGHT_DTYPES), "weight": WEIGHT_DTYPES,
+                                           "bias": (torch.float32,), "score_func": tuple(SCORES)},
+                                   dims={"weight[0]": Dim(1, MAX_EXPERTS), "topk": Dim(1, MAX_TOPK)},
+                                   extra=gate_fits_plain_linear)},
+    tiles=TILES, tile_checks={"select.BLOCK_T": POW2, "select.ELEMS": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="MoE gate: scores, biased top-k, normalised weights")

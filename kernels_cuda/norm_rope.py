@@ -15,9 +15,10 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import to_out
-from flashrt import profiles
-from flashrt.kernels_cuda.launch import cdiv, next_pow2
-from flashrt.kernels_cuda import _warmup
+from flashrt.families import KernelFamily, Support
+from flashrt.tile_checks import POW2
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
+from flashrt.kernels_cuda import warmup as _warmup
 
 TILES = {
     "rms_norm": {"MAX_BLOCK_N": 8192, "ROW_ELEMS": 4096, "num_warps": 8},
@@ -25,9 +26,8 @@ TILES = {
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.norm_rope`` in its YAML)."""
-    return profiles.tiles("norm_rope", TILES)
+PLANS = PlanCache("norm_rope", TILES)  # the active tiles (and launch plans made with them)
+_tiles = PLANS.tiles
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -128,14 +128,6 @@ def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> tor
     return out
 
 
-def supports_rms_norm(x, weight, eps) -> bool:
-    return x.dtype in _DTYPES and weight.dtype in _DTYPES
-
-
-def supports_rope(x, freqs_cis, inverse=False) -> bool:
-    return x.dtype in _DTYPES
-
-
 def warmup_cases(device, d: dict, dtype):
     """rms_norm at every width the model normalises (bf16 weights); rope on the q, kv, index q and
     compressed-entry tails (slices read in place), and the inverse on the attention output."""
@@ -158,10 +150,9 @@ def warmup_cases(device, d: dict, dtype):
                 yield _warmup.Launch("rope inverse", rope, (o, f, True))
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
-
-
-OPS = {"rms_norm": rms_norm, "rope": rope}
-SUPPORTS = {"rms_norm": supports_rms_norm, "rope": supports_rope}
+FAMILY = KernelFamily(
+    "norm_rope", ops={"rms_norm": rms_norm, "rope": rope},
+    supports={"rms_norm": Support(inputs={"x": _DTYPES, "weight": _DTYPES}), "rope": Support(inputs={"x": _DTYPES})},
+    tiles=TILES, tile_checks={"rms_norm.MAX_BLOCK_N": POW2, "rms_norm.ROW_ELEMS": POW2, "rope.TILE_ELEMS": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="RMSNorm and rotary embedding")

@@ -22,11 +22,13 @@ import triton
 import triton.language as tl
 
 from flashrt import formats
+from flashrt.families import KernelFamily, Support
+from flashrt.tile_checks import POW2
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_code, e2m1_to_f32, e4m3_rne, e4m3_to_f32,
                                          e8m0_to_f32, to_out)
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, zeros_stored
-from flashrt.kernels_cuda import _warmup
+from flashrt.kernels_cuda import warmup as _warmup
 
 TILES = {
     "quantize": {"ELEMS": 4096, "num_warps": 4},  # BLOCK_G = ELEMS // block scale blocks a program
@@ -34,12 +36,8 @@ TILES = {
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.quant`` in its YAML)."""
-    return PLANS.lookup(None)[0]
-
-
-PLANS = PlanCache("quant", TILES)  # launch plans of the active profile
+PLANS = PlanCache("quant", TILES)  # the active tiles and the launch plans made with them
+_tiles = PLANS.tiles
 
 
 _FMT = {f: CODES[f] for f in ("fp8", "fp4_b16", "fp4_b32")}  # kernel code; block size from formats.spec
@@ -200,14 +198,6 @@ def quantize_store(x: torch.Tensor, fmt: str, cache_data: torch.Tensor, cache_sc
     _launch_quantize(last_dense(x), fmt, data, scale, dense(slot_mapping), data.stride(0), scale.stride(0))
 
 
-def supports_quantize(x, fmt) -> bool:
-    return fmt in _FMT and x.dtype in _IN_DTYPES
-
-
-def supports_dequantize(q, dtype=torch.float32) -> bool:
-    return q.fmt in _FMT
-
-
 def warmup_cases(device, d: dict, dtype):
     """The quantizations the model makes: window KV (fp8), the indexer's fake-quant of q (fp4_b32 and
     back), and the compressed entries (index keys fp4_b32, main KV fp4_b16)."""
@@ -223,10 +213,11 @@ def warmup_cases(device, d: dict, dtype):
             yield _warmup.Launch("quantize fp4_b16", quantize, (_warmup.rand((1, m, hd), dtype, device), "fp4_b16"))
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
-
-
-OPS = {"quantize": quantize, "dequantize": dequantize}
-SUPPORTS = {"quantize": supports_quantize, "dequantize": supports_dequantize}
+FAMILY = KernelFamily(
+    "quant", ops={"quantize": quantize, "dequantize": dequantize},
+    # the KV formats (fp8, fp4_b16, fp4_b32); weight and int8 formats are the reference's
+    supports={"quantize": Support(inputs={"x": _IN_DTYPES, "fmt": tuple(_FMT)}),
+              "dequantize": Support(inputs={"q": tuple(_FMT)})},
+    tiles=TILES, tile_checks={"*.ELEMS": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="quantize / dequantize of the KV formats")

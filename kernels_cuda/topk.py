@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from flashrt import profiles
+from flashrt.families import Dim, KernelFamily, Support
+from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda.topk_kernel import _chunk_max_kernel, _select_kernel
-from flashrt.kernels_cuda.launch import cdiv, next_pow2
-from flashrt.kernels_cuda import _warmup
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
+from flashrt.kernels_cuda import warmup as _warmup
 
 TILES = {
     "chunk_max": {"block": 2048, "num_warps": 4},
@@ -47,9 +48,8 @@ TILES = {
 }
 
 
-def _tiles() -> dict:
-    """TILES with the active hardware profile's overrides (``tiles.topk`` in its YAML)."""
-    return profiles.tiles("topk", TILES)
+PLANS = PlanCache("topk", TILES)  # the active tiles (and launch plans made with them)
+_tiles = PLANS.tiles
 
 
 def _pow2(n: int) -> int:
@@ -113,10 +113,6 @@ def topk_positions(scores, k, candidates=None):
     return out
 
 
-def supports_topk(scores, k, candidates=None) -> bool:
-    return scores.dim() == 3 and scores.shape[-1] < 2**30 and scores.dtype == torch.float32
-
-
 def warmup_cases(device, d: dict, dtype):
     """topk_positions over a step's index scores, with and without candidate blocks."""
     for n in _warmup.TOKENS:
@@ -127,10 +123,11 @@ def warmup_cases(device, d: dict, dtype):
             yield _warmup.Launch("topk_positions candidates", topk_positions, (scores, k, cand))
 
 
-def warmup(profile) -> dict:
-    """Compile this module's kernels for the shipped models' shapes (``flashrt jit warmup``)."""
-    return _warmup.run(warmup_cases, profile)
-
-
-OPS = {"topk_positions": topk_positions}
-SUPPORTS = {"topk_positions": supports_topk}
+FAMILY = KernelFamily(
+    "topk", ops={"topk_positions": topk_positions},
+    supports={"topk_positions": Support(inputs={"scores": (torch.float32,)}, dims={"scores[-1]": Dim(0, 2**30 - 1)})},
+    tiles=TILES, tile_checks={"chunk_max.block": POW2, "select.summary": POW2, "select.fine": POW2,
+                              "select.small": POW2, "select.list": POW2, "select.group": POW2,
+                              "select.bits": Tile(high=32), "select.radix_bits": Tile(choices=(1, 2, 4))},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="top-k positions: chunk maxima, threshold search, ordered picks")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashrt import dispatch
-from flashrt.kernels_ascend._npu import EMULATION_ENV, FALLBACKS
+from flashrt.kernels_ascend.npu_runtime import EMULATION_ENV, FALLBACKS
 from kernel_check import run_on_and_reference
 
 EMULATION_DIR = str(Path(__file__).parent / "npu_emulation")

@@ -153,6 +153,18 @@ def test_plain_torch_ops_match_the_reference(npu_emulation, rng):
     assert torch.equal(got, want)
 
 
+def test_gather_cold_rows_stages_the_host_bytes(npu_emulation, rng):
+    host = formats.quantize(torch.randn(5, 8, 64, generator=rng), "fp4_b16")
+    ids = torch.randint(-1, 5, (2, 4), generator=rng)
+    picks = torch.randint(-1, 32, (2, 9), generator=rng, dtype=torch.int32)
+    index = torch.randint(-1, 40, (2, 9), generator=rng, dtype=torch.int32)
+    (staging, got), (want_staging, want) = run_both("gather_cold_rows", host, ids, picks, index, 40)
+    assert torch.equal(got, want) and torch.equal(staging.data, want_staging.data)
+    assert torch.equal(staging.scale.view(torch.uint8), want_staging.scale.view(torch.uint8))
+    cold = (picks >= 0) & (ids.gather(1, (picks.clamp_min(0) // 8).long()) >= 0)
+    assert torch.equal(got[cold], 40 + torch.arange(18, dtype=torch.int32).view(2, 9)[cold]) and cold.any()
+
+
 def test_engram_lookup_decodes_table_bytes_exactly(npu_emulation, rng):
     table = formats.quantize(torch.randn(40, 64, generator=rng) * 3, "fp8")
     ids = torch.randint(0, 40, (2, 3, 4), generator=rng)

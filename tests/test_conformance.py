@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from flashrt import conformance, dispatch
+from flashrt import conformance, dispatch, ops, refmath
 from flashrt.hookspecs import Backend, hookimpl
 
 
@@ -16,11 +16,28 @@ class WrongNorm:
                        ops={"rms_norm": lambda x, weight, eps: x * 1.1})
 
 
+class OffByOneGather:
+    """Stages the right rows but points the cold picks one slot too far."""
+
+    @hookimpl
+    def flashrt_backend(self):
+        def gather(*args):
+            staging, index = refmath.gather_cold_rows(*args)
+            return staging, index + (index >= args[4]).int()
+
+        return Backend(name="offbyone", device_types=("cpu",), priority=60, ops={"gather_cold_rows": gather})
+
+
 def test_every_op_is_checked_and_passes_on_the_reference():
     report = conformance.run("cpu")
-    assert {r["op"] for r in report["rows"]} >= {"sparse_attention", "index_scores", "topk_positions", "linear",
-                                                  "moe_experts", "hc_coefficients", "engram_gate", "quantize"}
+    assert {r["op"] for r in report["rows"]} == set(ops.OPS)
     assert report["passed"] == report["total"]
+
+
+def test_a_wrong_cold_gather_fails_conformance():
+    dispatch.register(OffByOneGather(), name="offbyone")
+    rows = {r["op"]: r for r in conformance.run("cpu")["rows"]}
+    assert rows["gather_cold_rows"]["backend"] == "offbyone" and not rows["gather_cold_rows"]["pass"]
 
 
 def test_a_wrong_backend_fails_conformance():

@@ -192,7 +192,7 @@ def test_cuda_backend_runs_the_kernel(monkeypatch, rng):
 
 
 def test_supports_declines(rng):
-    sup = attention.SUPPORTS["sparse_attention"]
+    sup = lambda *args: attention.FAMILY.serves("sparse_attention", *args) is None
     idx = torch.zeros(1, 1, 4, dtype=torch.int32, device=DEVICE)
 
     def call(q, kv):

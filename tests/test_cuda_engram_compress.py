@@ -99,7 +99,8 @@ def test_empty(rng):
 
 def test_supports_and_dispatch(rng, monkeypatch):
     h64 = torch.randn(1, 1, 2, 8, dtype=torch.float64, device=DEVICE)
-    assert not engram.supports_engram_gate(h64, h64, h64[:, :, 0], h64[0, 0], 1e-6)
+    assert "h: dtype torch.float64 is not served" in engram.FAMILY.serves("engram_gate", h64, h64, h64[:, :, 0], h64[0, 0],
+                                                                            1e-6)
     calls = []
     monkeypatch.setattr(engram, "_engram_lookup_kernel", CountingKernel(engram._engram_lookup_kernel, calls))
     monkeypatch.setattr(compress, "_compress_pool_kernel", CountingKernel(compress._compress_pool_kernel, calls))

@@ -181,15 +181,16 @@ def test_moe_experts_no_tokens(rng):
 
 def test_supports_declines_plain_and_mixed_weights(rng):
     x = _randn(rng, 3, 64)
-    assert not lin.supports_linear(x, _randn(rng, 8, 64))
-    assert lin.supports_linear(x, _weight(rng, "fp8_w", 8, 64))
+    serves = lambda fam, op, *args: fam.FAMILY.serves(op, *args) is None
+    assert not serves(lin, "linear", x, _randn(rng, 8, 64))
+    assert serves(lin, "linear", x, _weight(rng, "fp8_w", 8, 64))
     plain = (_randn(rng, 2, 32, 64), _randn(rng, 2, 32, 64), _randn(rng, 2, 64, 32))
     route = (torch.ones(3, 1, device=DEVICE), torch.zeros(3, 1, dtype=torch.int32, device=DEVICE))
-    assert not moe.supports_moe_experts(x, *route, *plain, 0.0)
+    assert not serves(moe, "moe_experts", x, *route, *plain, 0.0)
     w1, w3, w2 = _experts(rng, "fp4_w", 2, 32, 64)
     w3_fp8 = _weight(rng, "fp8_w", 2, 32, 64)
-    assert not moe.supports_moe_experts(x, *route, w1, w3_fp8, w2, 0.0)
-    assert moe.supports_moe_experts(x, *route, w1, w3, w2, 0.0)
+    assert not serves(moe, "moe_experts", x, *route, w1, w3_fp8, w2, 0.0)
+    assert serves(moe, "moe_experts", x, *route, w1, w3, w2, 0.0)
     with flashrt.use_backend("cuda"), pytest.raises(BackendError):
         ops.linear(x, _randn(rng, 8, 64))
 

@@ -114,7 +114,7 @@ def test_index_scores_empty():
 
 def test_index_scores_declines_and_dispatch(monkeypatch, rng):
     q, k, w, vis = _inputs(1, 2, 2, 32, 9, torch.float32, rng)
-    sup = indexer.SUPPORTS["index_scores"]
+    sup = lambda *args: indexer.FAMILY.serves("index_scores", *args) is None
     assert sup(q, k, w, vis) and sup(q, ops.quantize(k, "fp4_b32"), w, vis)
     assert sup(q, ops.quantize(k, "fp8"), w, vis) and sup(q, ops.quantize(k, "fp4_b16"), w, vis)
     assert not sup(q.double(), k.double(), w, vis)
@@ -164,7 +164,7 @@ def test_candidate_blocks_empty_and_dispatch(monkeypatch, rng):
         out = ops.candidate_blocks(torch.zeros(2, 3, 0, device=DEVICE), torch.zeros(2, 3, dtype=torch.int32,
                                    device=DEVICE), 2, 4)
     assert out.shape == (2, 3, 0) and out.dtype == torch.bool
-    assert indexer.SUPPORTS["candidate_blocks"](torch.empty(1, 1, 2**30, device="meta"), None, 2, 4) is False
+    assert indexer.FAMILY.serves("candidate_blocks", torch.empty(1, 1, 2**30, device="meta"), None, 2, 4) is not None
     calls = []
     real = indexer.select_rows
     monkeypatch.setattr(indexer, "select_rows", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))

@@ -25,7 +25,7 @@ def test_plain_linear_matches_float64_and_the_reference(rng, monkeypatch, split,
     monkeypatch.setitem(lp.TILES, "split_k", split)
     x = torch.randn(m, k, generator=rng).to(xdt).to(DEVICE)
     w = (torch.randn(n, k, generator=rng) * k ** -0.5).to(wdt).to(DEVICE)
-    assert lin.supports_linear(x, w)
+    assert lin.FAMILY.serves("linear", x, w) is None
     got, want = run_both("linear", x, w)
     assert got.dtype == want.dtype == xdt and got.shape == (m, n)
     exact = _exact(x, w)
@@ -60,9 +60,9 @@ def test_declined_calls_go_to_the_reference(rng):
     x32 = torch.randn(3, 64, generator=rng).to(DEVICE)
     for w in (torch.randn(8, 64, generator=rng).to(DEVICE),  # fp32 weight
               torch.randn(8, 64, generator=rng).half().to(DEVICE)):  # fp32 x, fp16 weight
-        assert not lin.supports_linear(x32, w)
+        assert lin.FAMILY.serves("linear", x32, w) is not None
     x16 = x32.half()
-    assert not lin.supports_linear(x16, torch.randn(8, 64, generator=rng).bfloat16().to(DEVICE))  # mixed
+    assert lin.FAMILY.serves("linear", x16, torch.randn(8, 64, generator=rng).bfloat16().to(DEVICE))  # mixed
     out = ops.linear(x32, torch.randn(8, 64, generator=rng).to(DEVICE))  # automatic choice: served anyway
     assert out.shape == (3, 8)
 

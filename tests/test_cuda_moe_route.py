@@ -26,7 +26,7 @@ def test_moe_route_matches_float64(score_func, with_bias, norm_topk, rng):
         bias = torch.randn(E, generator=rng) * 0.3 if with_bias else None
         args = (x.to(DEVICE), weight.to(DEVICE), None if bias is None else bias.to(DEVICE), topk, score_func,
                 norm_topk, route_scale)
-        assert mr.supports_moe_route(*args)
+        assert mr.FAMILY.serves("moe_route", *args) is None
         with flashrt.use_backend("cuda"):
             w_op, i_op = ops.moe_route(*args)
         s64 = _scores64(x, weight, score_func)
@@ -52,8 +52,8 @@ def test_ties_go_to_the_lower_expert():
 def test_declined_calls(rng):
     x = torch.randn(3, 32, generator=rng).to(torch.bfloat16).to(DEVICE)
     w32 = torch.randn(8, 32, generator=rng).to(DEVICE)  # an fp32 gate (gate_temp != 1): reference
-    assert not mr.supports_moe_route(x, w32, None, 2, "softmax", True, 1.0)
-    assert not mr.supports_moe_route(x, w32.bfloat16(), None, 17, "softmax", True, 1.0)  # top-17 > 8 experts
+    assert "weight: dtype torch.float32 is not served" in mr.FAMILY.serves("moe_route", x, w32, None, 2, "softmax", True, 1.0)
+    assert mr.FAMILY.serves("moe_route", x, w32.bfloat16(), None, 17, "softmax", True, 1.0) == "topk = 17: served in [1, 16]"
     got = ops.moe_route(x, w32, None, 2, "softmax", True, 1.0)  # automatic choice: still served
     assert got[1].shape == (3, 2)
 

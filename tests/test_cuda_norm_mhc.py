@@ -144,9 +144,9 @@ def test_empty():
 
 def test_supports_and_dispatch(rng, monkeypatch):
     x64 = torch.randn(2, 8, dtype=torch.float64, device=DEVICE)
-    assert not norm_rope.supports_rms_norm(x64, torch.ones(8, device=DEVICE), 1e-6)
+    assert norm_rope.FAMILY.serves("rms_norm", x64, torch.ones(8, device=DEVICE), 1e-6) is not None
     big = torch.randn(1, 1, 9, 4, device=DEVICE)
-    assert not mhc.supports_hc_collapse(big, torch.ones(1, 1, 9, device=DEVICE))
+    assert mhc.FAMILY.serves("hc_collapse", big, torch.ones(1, 1, 9, device=DEVICE)) == "x[2] = 9: served in [0, 8]"
     with flashrt.use_backend("cuda"), pytest.raises(flashrt.BackendError):
         ops.rms_norm(x64, torch.ones(8, dtype=torch.float64, device=DEVICE), 1e-6)
     calls = []

@@ -168,9 +168,10 @@ def test_quantize_store_rejects_bad_arguments():
 
 def test_supports_declines_weight_formats():
     x = torch.randn(32, 64, device=DEVICE)
-    assert quant.supports_quantize(x, "fp8") and not quant.supports_quantize(x, "fp8_w")
-    assert not quant.supports_quantize(x, "fp4_w")
-    assert not quant.supports_dequantize(formats.quantize(x.cpu(), "fp4_w"), torch.float32)
+    serves = lambda op, *args: quant.FAMILY.serves(op, *args) is None
+    assert serves("quantize", x, "fp8") and not serves("quantize", x, "fp8_w")
+    assert not serves("quantize", x, "fp4_w")
+    assert not serves("dequantize", formats.quantize(x.cpu(), "fp4_w"), torch.float32)
     with flashrt.use_backend("cuda"), pytest.raises(flashrt.BackendError):
         ops.quantize(x, "fp8_w")
 

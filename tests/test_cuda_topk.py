@@ -152,8 +152,8 @@ def test_topk_radix_search_partial_bits(radix, monkeypatch, rng):
 
 
 def test_topk_decline_and_dispatch(monkeypatch, rng):
-    assert topk.SUPPORTS["topk_positions"](torch.empty(1, 1, 2**30, device="meta"), 4) is False
-    assert topk.SUPPORTS["topk_positions"](torch.empty(1, 1, 9), 4) is True
+    assert topk.FAMILY.serves("topk_positions", torch.empty(1, 1, 2**30, device="meta"), 4, None) is not None
+    assert topk.FAMILY.serves("topk_positions", torch.empty(1, 1, 9), 4, None) is None
     calls = []
     real = topk.select_rows
     monkeypatch.setattr(topk, "select_rows", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))

@@ -1,4 +1,5 @@
-"""Dispatch: resolution once per (op, device type), explicit choice, fallback, capabilities."""
+"""Dispatch: resolution once per (op, device type), explicit choice, fallback, declared support checked
+once per call key, fallbacks logged and listed by ``flashrt doctor``."""
 import logging
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 import flashrt
 from flashrt import dispatch, ops
 from flashrt.errors import BackendError
-from flashrt.hookspecs import Backend, hookimpl
+from flashrt.hookspecs import Backend, Dim, Support, hookimpl
 
 
 class Plugin:
@@ -159,3 +160,103 @@ def test_value_checks_switch():
     with flashrt.value_checks(False):  # no value read; the reference then fails on its own
         with pytest.raises(IndexError):
             ops.sparse_attention(q, kv, bad, None, 1.0)
+
+
+class Declared:
+    """A plugin serving rms_norm for fp32 rows of at most 8 (declared as data), counting how often
+    its extra predicate runs and how often it serves."""
+
+    def __init__(self):
+        self.checks = self.calls = 0
+
+        def extra(x, weight, eps):
+            self.checks += 1
+            return True
+
+        def rms_norm(x, weight, eps):
+            self.calls += 1
+            return torch.full_like(x, 7.0)
+
+        self.backend = Backend(name="declared", device_types=("cpu",), priority=50, ops={"rms_norm": rms_norm},
+                               supports={"rms_norm": Support(inputs={"x": (torch.float32,)},
+                                                             dims={"x[-1]": Dim(1, 8)}, extra=extra)})
+
+    @hookimpl
+    def flashrt_backend(self):
+        return self.backend
+
+
+def test_declared_support_is_checked_once_per_call_key():
+    plugin = Declared()
+    dispatch.register(plugin)
+    for _ in range(5):
+        assert torch.all(ops.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-6) == 7.0)
+        weight64 = torch.ones(4, dtype=torch.float64)  # another weight dtype: another key (the extra runs again)
+        assert torch.all(ops.rms_norm(torch.randn(2, 5, 4), weight64, 1e-6) == 7.0)
+        wide = ops.rms_norm(torch.randn(3, 16), torch.ones(16), 1e-6)  # x[-1] = 16 > 8: the reference
+        f64 = ops.rms_norm(torch.randn(3, 8, dtype=torch.float64), torch.ones(8), 1e-6)  # declined by dtype
+    assert not torch.all(wide == 7.0) and not torch.all(f64 == 7.0)
+    assert plugin.calls == 10 and plugin.checks == 2  # the extra predicate: once per served key
+    ops.rms_norm(torch.randn(7, 6), torch.ones(6), 1e-6)  # other sizes in range: the same key
+    assert plugin.checks == 2 and plugin.calls == 11
+
+
+def test_a_fallback_is_logged_once_with_the_reason_and_listed(caplog):
+    dispatch.register(Declared())
+    with caplog.at_level(logging.INFO, logger="flashrt"):
+        for n in (16, 16, 32):
+            ops.rms_norm(torch.randn(2, n), torch.ones(n), 1e-6)
+    lines = [r.getMessage() for r in caplog.records if "declines" in r.getMessage()]
+    assert lines == ["flashrt: rms_norm on cpu: declared declines (x[-1] = 16: served in [1, 8]); reference serves it"]
+    assert dispatch.fallbacks() == [{"op": "rms_norm", "device_type": "cpu", "declined_by": "declared",
+                                     "reason": "x[-1] = 16: served in [1, 8]", "served_by": "reference", "keys": 1}]
+
+
+def test_explicit_choice_names_the_reason():
+    dispatch.register(Declared())
+    with flashrt.use_backend("declared"), pytest.raises(BackendError, match=r"tried \['declared'\] \(declared: x: "
+                                                                            r"dtype torch.float64 is not served"):
+        ops.rms_norm(torch.randn(2, 4, dtype=torch.float64), torch.ones(4), 1e-6)
+
+
+def test_doctor_lists_the_ops_each_backend_serves_and_the_fallbacks(capsys):
+    from flashrt.cli import commands as cli
+
+    dispatch.register(Declared())
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "ops: rms_norm" in out and "fallbacks seen: none in this process" in out
+    ops.rms_norm(torch.randn(2, 16), torch.ones(16), 1e-6)
+    assert cli.main(["doctor"]) == 0
+    assert ("rms_norm on cpu: declared declines (x[-1] = 16: served in [1, 8]); reference serves it (1 call shapes)"
+            in capsys.readouterr().out)
+
+
+def test_doctor_probe_runs_every_op_and_lists_what_fell_back(capsys):
+    from flashrt.cli import commands as cli
+
+    dispatch.register(Declared())  # the conformance case of rms_norm is bf16: declined by dtype
+    report = cli.doctor_report(probe=True, device="cpu")
+    assert report["probe"]["total"] >= len(ops.OPS) and report["probe"]["failed"] == []
+    assert [(f["op"], f["declined_by"], f["served_by"]) for f in report["fallbacks"]] == [
+        ("rms_norm", "declared", "reference")]
+    assert "torch.bfloat16 is not served" in report["fallbacks"][0]["reason"]
+
+
+def test_a_declaration_naming_unknown_arguments_is_reported_at_load():
+    class Wrong:
+        def __init__(self, support):
+            self.support = support
+
+        @hookimpl
+        def flashrt_backend(self):
+            return Backend(name="wrong", device_types=("cpu",), ops={"rms_norm": print},
+                           supports={"rms_norm": self.support})
+
+    for declared, message in ((Support(inputs={"y": (torch.float32,)}), "unknown arguments ['y']"),
+                              (Support(dims={"x[": Dim(1, 8)}), "dims key 'x['"),
+                              (Support(dims={"w[0]": Dim(1, 8)}), "dims key 'w[0]'")):
+        plugin = Wrong(declared)
+        dispatch.register(plugin, name="wrong-plugin")
+        assert message in dispatch.load_errors()["wrong-plugin"] and "wrong" not in dispatch.backends()
+        dispatch.unregister(plugin)

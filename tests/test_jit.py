@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -216,32 +215,31 @@ def test_warmup_calls_each_hook_with_the_profile_active():
     seen = []
 
     def hook(profile):
-        seen.append((profile.name, profiles.active_profile().name, profiles.tiles("attention")))
+        seen.append((profile.name, profiles.active_profile().name, profiles.tiles("linear")))
 
     def broken(profile):
         raise RuntimeError("ptxas died")
 
-    modules = [("good", types.SimpleNamespace(warmup=hook)), ("plain", types.SimpleNamespace(OPS={})),
-               ("broken", types.SimpleNamespace(warmup=broken)), ("missing", ImportError("no module")),
-               ("idle", types.SimpleNamespace(warmup=lambda p: "no CUDA device")), ("helper", types.SimpleNamespace())]
+    targets = [("good", hook), ("plain", None), ("broken", broken), ("missing", ImportError("no module")),
+               ("idle", lambda p: "no CUDA device")]
     calls = []
     with profiles.using("cpu"):
-        report = jit.warmup("h200", modules, progress=lambda done, total: calls.append((done, total)))
+        report = jit.warmup("h200", targets, progress=lambda done, total: calls.append((done, total)))
         assert profiles.active_profile().name == "cpu"  # restored
-    assert seen == [("h200", "h200", profiles.load_profile("h200").tiles["attention"])]
-    assert report["warmed"] == ["good"] and report["skipped"] == ["plain", "idle"]  # "helper": no OPS, ignored
+    assert seen == [("h200", "h200", profiles.load_profile("h200").tiles["linear"])]
+    assert report["warmed"] == ["good"] and report["skipped"] == ["plain", "idle"]
     assert report["notes"] == {"idle": "no CUDA device", "good": report["notes"]["good"]}
     assert report["failed"] == {"broken": "RuntimeError: ptxas died", "missing": "import: ImportError: no module"}
-    assert calls == [(i, 6) for i in range(1, 7)]
+    assert calls == [(i, 5) for i in range(1, 6)]
     assert os.environ["TRITON_CACHE_MANAGER"] == "flashrt.jit_triton:TritonCacheManager"
 
 
-def test_warmup_cli_walks_the_kernel_modules(capsys):
+def test_warmup_cli_goes_through_the_declared_families(capsys):
+    from flashrt import dispatch
     from flashrt.cli import commands as cli
-    from flashrt.cli.jit import kernel_modules
 
-    names = {name for name, mod in kernel_modules()  # op modules and helpers with a warmup hook (linear_plain)
-             if isinstance(mod, Exception) or hasattr(mod, "OPS") or hasattr(mod, "warmup")}
+    names = {fam.name for fams in dispatch.families().values() for fam in fams if any(f.warmup for f in fams)}
+    assert "attention" in names and "kv_gather" in names  # families without a hook are listed too
     rc = cli.main(["jit", "warmup", "--profile", "cpu", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert report["profile"] == "cpu" and rc == (1 if report["failed"] else 0)

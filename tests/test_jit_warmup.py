@@ -1,4 +1,5 @@
-"""The kernel modules' ``warmup(profile)`` hooks: found, a no-op without CUDA, and their launches valid.
+"""The kernel families' warm-up hooks: declared, reached through dispatch, a no-op without CUDA, and
+their launches valid.
 
 No GPU here: the launches are recorded instead of compiled (the ``_launch`` call monkeypatched), and
 with the tiny model's dims they are run through the Triton interpreter, so every argument list a
@@ -12,15 +13,16 @@ import pytest
 import torch
 
 from flashrt import profiles
-from flashrt.cli.jit import kernel_modules, warmup
+from flashrt.jit_warmup import warmup, warmup_targets
 from flashrt.graphs.config import shipped_config
-from flashrt.kernels_cuda import _warmup
+from flashrt.kernels_cuda import FAMILIES, linear_plain
+from flashrt.kernels_cuda import warmup as _warmup
 
 HOOKED = ("compress", "engram", "indexer", "linear_plain", "mhc", "moe", "moe_route", "norm_rope", "quant", "topk")
 
 
-def _modules() -> dict:
-    return {name: mod for name, mod in kernel_modules() if not isinstance(mod, BaseException)}
+def _families() -> dict:
+    return {fam.name: fam for fam in FAMILIES}
 
 
 def _dims(name: str) -> dict:
@@ -35,19 +37,20 @@ def test_the_dims_are_the_shipped_configs():
         assert {**dims, "compress_ratios": tuple(sorted(set(dims["compress_ratios"])))} == want, name
 
 
-def test_hooks_exist_and_are_discovered():
-    mods = _modules()
+def test_hooks_are_declared_and_reached_through_dispatch():
+    fams = _families()
     for name in HOOKED:
-        assert callable(getattr(mods[name], "warmup", None)), name
-        assert callable(getattr(mods[name], "warmup_cases", None)), name
+        assert callable(fams[name].warmup) and callable(fams[name].warmup_cases), name
+    assert [name for name, _ in warmup_targets()] == [fam.name for fam in FAMILIES]  # every family, listed once
+    assert {name for name, hook in warmup_targets() if hook is not None} == set(HOOKED) | {"attention", "linear"}
 
 
 def test_without_cuda_every_hook_says_so_and_the_report_lists_why(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    mods = _modules()
+    fams = _families()
     for name in HOOKED:
-        assert "no CUDA device" in mods[name].warmup(profiles.load_profile("h200"))["skipped"]
-    report = warmup("h200", [(n, mods[n]) for n in HOOKED], progress=lambda done, total: None)
+        assert "no CUDA device" in fams[name].warmup(profiles.load_profile("h200"))["skipped"]
+    report = warmup("h200", [(n, fams[n].warmup) for n in HOOKED], progress=lambda done, total: None)
     assert report["warmed"] == [] and report["failed"] == {} and report["skipped"] == list(HOOKED)
     assert all("no CUDA device" in report["notes"][n] for n in HOOKED)
 
@@ -63,15 +66,15 @@ def recorded(monkeypatch):
 
 
 def test_every_launcher_of_a_module_is_warmed_for_both_models(recorded):
-    mods = _modules()
+    fams = _families()
     for name in HOOKED:
         recorded.clear()
         with profiles.using("h200"):
-            result = mods[name].warmup(profiles.active_profile())
+            result = fams[name].warmup(profiles.active_profile())
         assert result["launches"] == len(recorded) > 0, name
         launched = {launch.fn for launch in recorded}
         # linear_plain serves linear.py's op through its launcher
-        served = {mods[name].plain_linear} if name == "linear_plain" else set(mods[name].OPS.values())
+        served = {linear_plain.plain_linear} if name == "linear_plain" else set(fams[name].ops.values())
         assert served <= launched, (name, sorted(f.__name__ for f in launched))
         widths = {a.shape[-1] for launch in recorded for a in launch.args if isinstance(a, torch.Tensor)}
         if name in ("norm_rope", "mhc", "engram", "moe"):  # launched at both models' model width
@@ -86,7 +89,7 @@ def test_moe_covers_every_tile_rule_of_the_profile(recorded):
 
     with profiles.using("h200"):
         rules = profiles.tiles("moe", moe.TILES)["experts"]
-        moe.warmup(profiles.active_profile())
+        moe.FAMILY.warmup(profiles.active_profile())
     picked = set()
     for launch in recorded:
         x, _, idx, w1 = launch.args[:4]
@@ -97,11 +100,11 @@ def test_moe_covers_every_tile_rule_of_the_profile(recorded):
 @pytest.mark.parametrize("name", HOOKED)
 def test_the_launches_run_under_the_interpreter_at_tiny_dims(name):
     """The argument lists are valid: each launch of the hook, at the tiny model's dims, runs."""
-    mod = _modules()[name]
+    fam = _families()[name]
     t0, n = time.perf_counter(), 0
     with profiles.using("cpu"):
         tiny = {"tiny": _warmup.MODELS["tiny"]}
-        for launch in _warmup.plan(mod.warmup_cases, profiles.active_profile(), "cpu", tiny):
+        for launch in _warmup.plan(fam.warmup_cases, profiles.active_profile(), "cpu", tiny):
             launch.fn(*launch.args)
             n += 1
     assert n > 0 and time.perf_counter() - t0 < 120
@@ -112,11 +115,11 @@ def test_shapes_narrow_the_models_warmed(recorded, monkeypatch, capsys):
     from flashrt.kernels_cuda import norm_rope
 
     monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "small")
-    norm_rope.warmup(profiles.load_profile("h200"))
+    norm_rope.FAMILY.warmup(profiles.load_profile("h200"))
     widths = {launch.args[0].shape[-1] for launch in recorded if launch.fn is norm_rope.rms_norm}
     assert 1024 in widths and 5120 not in widths
     assert cli.main(["jit", "warmup", "--shapes", "small", "big"]) == 2
     assert "--shapes: expected names from ['small', 'tiny', 'v4.1-flash'], got ['big']" in capsys.readouterr().err
     monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "huge")
     with pytest.raises(ValueError, match="FLASHRT_WARMUP_MODELS"):
-        norm_rope.warmup(profiles.load_profile("h200"))
+        norm_rope.FAMILY.warmup(profiles.load_profile("h200"))

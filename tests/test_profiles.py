@@ -41,7 +41,6 @@ def test_every_shipped_profile_loads_and_validates(name):
     assert name in profile_files()
     p = profiles.load_profile(name)
     assert p.name == name and p.source == profile_files()[name]
-    assert p.kv_main_dtype == "fp4"  # FP4 main KV everywhere
     assert p.description and (p.tiles or p.backend == "ascend") and all(p.tiles.values())
     assert 0 < p.memory_utilization <= 1 and p.hkcp_page_entries & (p.hkcp_page_entries - 1) == 0
     assert profiles.profile_from_mapping(p.to_dict(), p.source) == p  # what a tuner writes back reads the same
@@ -51,9 +50,8 @@ def test_every_shipped_profile_loads_and_validates(name):
 def test_shipped_profiles_say_what_the_issue_asks():
     p = {name: profiles.load_profile(name) for name in SHIPPED}
     assert sorted(profile_files()) == sorted(SHIPPED)
-    for name in ("h100", "h200", "rtx4090"):  # sm_89 / sm_90: FP8 window KV computed in FP8
-        assert (p[name].kv_window_dtype, p[name].kv_window_compute_dtype) == ("fp8", "fp8")
-    assert (p["a100"].kv_window_dtype, p["a100"].kv_window_compute_dtype) == ("fp8", "bf16")  # bf16 compute
+    for name in ("a100", "h100", "h200", "rtx4090"):  # FP8 window KV (sm_80 dequantizes in registers)
+        assert p[name].kv_window_dtype == "fp8" and p[name].compute_dtype == "bf16"
     assert p["ascend910b"].kv_window_dtype == "int8" and "fp8" not in (p["ascend910b"].weight_dtype,)
     for name in ("a100", "h100", "h200"):  # 80 GB+ cards
         assert p[name].engram_placement == "device" and p[name].device_memory_gib >= 80
@@ -61,8 +59,7 @@ def test_shipped_profiles_say_what_the_issue_asks():
     assert p["cpu"].engram_placement == "host" and p["cpu"].backend == "reference"
     assert {p[n].backend for n in ("a100", "h100", "h200", "rtx4090")} == {"cuda"}
     assert p["ascend910b"].backend == "ascend"
-    for name in ("cpu", "a100", "h100", "h200", "rtx4090"):  # sparse attention, top-k, quantize, linear, MoE...
-        assert {"attention", "topk", "quant", "linear", "moe", "norm_rope", "mhc"} <= set(p[name].tiles)
+    assert "linear" in p["h200"].tiles and "linear" in p["rtx4090"].tiles  # tuned GEMM tiles differ per device
     assert p["ascend910b"].tiles == {}  # the torch_npu adapters take no tile parameters
 
 
@@ -76,7 +73,7 @@ def _error(tmp_path, data, name="bad") -> str:
 
 def test_unknown_key_names_file_and_key(tmp_path):
     msg = _error(tmp_path, shipped_data("h200") | {"name": "bad", "kv_dtype": "fp4"})
-    assert "unknown key 'kv_dtype'" in msg and "kv_main_dtype" in msg  # lists the known keys
+    assert "unknown key 'kv_dtype'" in msg and "kv_window_dtype" in msg  # lists the known keys
 
 
 @pytest.mark.parametrize("key, value, expected, found", [
@@ -118,8 +115,8 @@ def test_bad_values_name_file_and_key(tmp_path, key, value, expected):
 
 def test_missing_key_and_non_mapping(tmp_path):
     data = shipped_data("cpu") | {"name": "bad"}
-    del data["kv_main_dtype"]
-    assert "missing key kv_main_dtype: expected one of 'fp4'" in _error(tmp_path, data)
+    del data["weight_dtype"]
+    assert "missing key weight_dtype: expected one of 'fp4', 'fp8', 'int8', 'bf16'" in _error(tmp_path, data)
     assert "expected a mapping" in _error(tmp_path, ["a", "b"])
 
 
@@ -211,7 +208,10 @@ TILES = {  # a kernel module's defaults, shaped like kernels_cuda/linear.py's
 
 
 def profile_with_tiles(tiles: dict) -> profiles.Profile:
-    return profiles.profile_from_mapping(shipped_data("h200") | {"tiles": tiles}, "/x/h200.yaml")
+    """The h200 profile with ``tiles`` for a fake kernel family (not checked at load: no such family)."""
+    import dataclasses
+
+    return dataclasses.replace(profiles.profile_from_mapping(shipped_data("h200"), "/x/h200.yaml"), tiles=tiles)
 
 
 def test_tiles_merge_the_profile_over_the_kernel_defaults():
@@ -247,9 +247,9 @@ def test_tiles_that_do_not_fit_the_kernel_name_the_key(given, message):
 
 def test_shipped_tiles_fit_every_kernel_module():
     """Profile tiles name only kernel modules and parameters that exist (else tuning would be ignored)."""
-    from flashrt.cli.jit import kernel_modules
+    from flashrt.kernels_cuda import FAMILIES
 
-    modules = {name: mod.TILES for name, mod in kernel_modules() if hasattr(mod, "TILES")}
+    modules = {fam.name: fam.tiles for fam in FAMILIES if fam.tiles}
     for name in SHIPPED:
         with profiles.using(name):
             assert set(profiles.active_profile().tiles) <= set(modules), name

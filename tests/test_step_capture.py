@@ -63,10 +63,10 @@ def test_generate_with_graphs_same_tokens_ragged(model, rng):
 def test_cold_pages(model, rng, zero_copy, monkeypatch):
     """Most main-KV pages on the host: with the zero-copy gather the step stays static (the cold
     picks are read inside it); without it the step runs Model.forward. Same tokens either way."""
-    import flashrt.engine.step_capture as dg
+    from flashrt.kv.pages import PagePool
 
     if not zero_copy:
-        monkeypatch.setattr(dg, "cold_gather_kernel", lambda pool, picks: False)
+        monkeypatch.setattr(PagePool, "zero_copy", lambda pool, picks: False)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 60), generator=rng)
     plain = generate(model, ids, 6, kv_page_entries=4)
     small = generate(model, ids, 6, kv_page_entries=4, kv_budget=_budget(model, 66, 4), prefill_chunk=8,

@@ -31,11 +31,20 @@ if not torch.cuda.is_available():  # CPU: the launchers' host code runs on CPU t
 
 import flashrt  # noqa: E402
 from flashrt import formats, ops  # noqa: E402
-from flashrt.cli.jit import kernel_modules  # noqa: E402
 from flashrt.jit import atomic_write  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEV = torch.device("cuda" if GPU else "cpu")
+
+
+def kernel_modules() -> list:
+    """(name, module) of every module of flashrt.kernels_cuda (families and helpers: their kernels get stubbed)."""
+    import importlib
+    import pkgutil
+
+    import flashrt.kernels_cuda as pkg
+
+    return [(i.name, importlib.import_module(f"{pkg.__name__}.{i.name}")) for i in pkgutil.iter_modules(pkg.__path__)]
 
 
 def _r(g, *shape, dtype=torch.float32, scale=1.0):
@@ -120,10 +129,11 @@ def stubbed_kernels():
 
 
 def launchers() -> dict:
-    from flashrt.backends.cuda import collect_kernels
+    from flashrt.families import family_tables
+    from flashrt.kernels_cuda import FAMILIES
     from flashrt.kernels_cuda.quant import quantize_store
 
-    return {**collect_kernels()[0], None: quantize_store}
+    return {**family_tables(FAMILIES)["ops"], None: quantize_store}
 
 
 def per_call_us(fn, calls: int, repeats: int, sync=lambda: None) -> tuple[float, float]:

@@ -12,6 +12,7 @@ import torch
 import flashrt
 from flashrt import dispatch
 from flashrt.backends import cuda as cuda_backend
+from flashrt.families import family_tables
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
@@ -38,7 +39,8 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (2, args.tokens), generator=torch.Generator().manual_seed(0)).cuda()
     with flashrt.use_backend("reference"):
         want = model.forward(ids, all_positions=True)
-    ops, supports, _ = cuda_backend.collect_kernels()
+    tables = family_tables(cuda_backend.kernel_families())
+    ops, supports = tables["ops"], tables["supports"]
     dispatch.unregister(dispatch._manager().get_plugin("flashrt.backends.cuda"))
     for op in sorted(ops):
         plugin = One(op, ops[op], supports.get(op))

@@ -50,10 +50,21 @@ def _ascend_versions() -> dict:
     return versions()
 
 
-def doctor_report() -> dict:
-    """Everything ``flashrt doctor`` prints, as a dict."""
+def _probe(device: str | None) -> dict:
+    """Run every op once on ``device`` through the automatic choice (the conformance cases), so the
+    fallbacks it takes are seen; a summary of the conformance report."""
+    from flashrt import conformance
+
+    report = conformance.run(device)
+    return {"device": report["device"], "passed": report["passed"], "total": report["total"],
+            "failed": [r["op"] for r in report["rows"] if not r["pass"]]}
+
+
+def doctor_report(probe: bool = False, device: str | None = None) -> dict:
+    """Everything ``flashrt doctor`` prints, as a dict; ``probe`` first runs every op on ``device``."""
     from flashrt.hwconfigs import profile_files as shipped_profiles
 
+    probed = _probe(device) if probe else None
     ascend = _ascend_versions()
     return {
         "flashrt": __version__,
@@ -69,7 +80,10 @@ def doctor_report() -> dict:
         },
         "devices": {"cpu": {"available": True, "cores": os.cpu_count()}, "cuda": _cuda_devices(), "npu": _npu_devices()},
         "backends": [s.__dict__ for s in dispatch.available()],
+        "families": {name: [f.name for f in fams] for name, fams in dispatch.families().items()},
         "plugin_errors": dispatch.load_errors(),
+        "probe": probed,
+        "fallbacks": dispatch.fallbacks(),
         "explicit_backend": dispatch.current_choice(),
         "profiles": _profile_report(sorted(shipped_profiles())),
     }
@@ -106,6 +120,11 @@ def _print_doctor(r: dict) -> None:
         print(f"  {b['name']:10} {state:12} devices {','.join(b['device_types'])}; {len(b['ops'])} ops")
         if not b["available"]:
             print(f"  {'':10} why: {b['reason']}")
+        if b["name"] in r["families"]:
+            print(f"  {'':10} families: {', '.join(r['families'][b['name']])}")
+        if b["ops"]:
+            print(f"  {'':10} ops: {', '.join(b['ops'])}")
+    _print_fallbacks(r)
     for name, err in r["plugin_errors"].items():
         print(f"  {name:10} failed to load: {err}")
     if r["explicit_backend"]:
@@ -118,8 +137,23 @@ def _print_doctor(r: dict) -> None:
         print(f"profile: error: {p['error']}")
 
 
+def _print_fallbacks(r: dict) -> None:
+    if r["probe"]:
+        p = r["probe"]
+        failed = f"; failed: {', '.join(p['failed'])}" if p["failed"] else ""
+        print(f"probe: every op once on {p['device']}: {p['passed']}/{p['total']} conform{failed}")
+    if not r["fallbacks"]:
+        seen = "none" if r["probe"] else "none in this process (--probe runs every op once)"
+        print(f"fallbacks seen: {seen}")
+        return
+    print("fallbacks seen (a call one backend declines and the next serves):")
+    for f in r["fallbacks"]:
+        print(f"  {f['op']} on {f['device_type']}: {f['declined_by']} declines ({f['reason']}); "
+              f"{f['served_by']} serves it ({f['keys']} call shapes)")
+
+
 def cmd_doctor(args) -> int:
-    report = doctor_report()
+    report = doctor_report(args.probe, args.device)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
@@ -135,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="devices, backends and their availability, versions")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--probe", action="store_true",
+                        help="run every op once (the conformance cases) and list the fallbacks taken")
+    doctor.add_argument("--device", default=None, help="the device --probe runs on (default: cuda if present)")
     doctor.set_defaults(func=cmd_doctor)
     from .model import add_plan, add_run
 

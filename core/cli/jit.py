@@ -1,89 +1,17 @@
 """``flashrt jit warmup | ls | clear``: ahead-of-time compilation and the compile cache on disk.
 
-Warmup calls the ``warmup(profile)`` hook of every ``flashrt.kernels_cuda`` module that defines
-one (modules are found as the CUDA backend finds them; those without the hook are skipped). A hook
-compiles its kernels at the profile's tiles (``flashrt.profiles.tiles``) for the shapes the model
-launches, through Triton's cache (ours, after ``flashrt.jit.install()``): e.g.
-``_kernel.warmup(*example_args, grid=(1,), **tile_constexprs)`` (compiles without launching), or
-its launchers called once on small tensors of the model's dtypes and dims on the current CUDA
-device (``flashrt.kernels_cuda._warmup``). It returns None or a dict: ``{"launches": n, ...}``
-when it compiled, ``{"skipped": why}`` (or just ``why``) when it cannot here (no CUDA device): never an error for
-that. The report lists warmed, skipped (with why, in ``notes``) and failed modules.
+Warmup runs the warm-up hooks the backends declare (:mod:`flashrt.jit_warmup`); the report lists
+what was compiled, skipped (with why) and failed.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
-import pkgutil
 import sys
 import time
 
-
-def kernel_modules() -> list[tuple[str, object]]:
-    """(name, module or the exception its import raised) for each module of flashrt.kernels_cuda."""
-    import flashrt.kernels_cuda as pkg
-
-    out = []
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("_"):
-            continue
-        try:
-            out.append((info.name, importlib.import_module(f"{pkg.__name__}.{info.name}")))
-        except Exception as exc:  # report it; the other modules still warm up
-            out.append((info.name, exc))
-    return out
-
-
-def warmup(profile=None, modules=None, progress=None) -> dict:
-    """Run each module's ``warmup(profile)`` with ``profile`` active and Triton's cache routed
-    through ours. ``profile``: a Profile, name or path (default: the active one); ``modules``:
-    (name, module) pairs (default: :func:`kernel_modules`). Returns what was warmed, skipped (with
-    the reasons hooks gave), failed."""
-    from flashrt import profiles
-    from flashrt.jit import install
-    from flashrt.progress import Progress
-
-    profile = profiles.load_profile(profile) if isinstance(profile, str) else profile or profiles.active_profile()
-    modules = kernel_modules() if modules is None else list(modules)
-    progress = progress or Progress(f"jit warmup {profile.name}")
-    report = {"profile": profile.name, "warmed": [], "skipped": [], "failed": {}, "notes": {}, "seconds": 0.0}
-    install()
-    t0 = time.perf_counter()
-    with profiles.using(profile):
-        for done, (name, mod) in enumerate(modules, 1):
-            hook = None if isinstance(mod, BaseException) else getattr(mod, "warmup", None)
-            if isinstance(mod, BaseException):
-                report["failed"][name] = f"import: {type(mod).__name__}: {mod}"
-            elif hook is None:
-                if hasattr(mod, "OPS"):
-                    report["skipped"].append(name)
-            else:
-                _call_hook(name, hook, profile, report)
-            progress(done, len(modules))
-    report["seconds"] = time.perf_counter() - t0
-    return report
-
-
-def _call_hook(name: str, hook, profile, report: dict) -> None:
-    """Run one hook; a dict it returns with ``skipped`` (no device) marks the module skipped, with why."""
-    t0 = time.perf_counter()
-    try:
-        result = hook(profile)
-    except Exception as exc:  # one broken module must not stop the others
-        report["failed"][name] = f"{type(exc).__name__}: {exc}"
-        return
-    if isinstance(result, str):  # a hook may return just why it had nothing to compile
-        result = {"skipped": result}
-    result = result if isinstance(result, dict) else {}
-    if result.get("skipped"):
-        report["skipped"].append(name)
-        report["notes"][name] = str(result["skipped"])
-        return
-    report["warmed"].append(name)
-    launches = f"{result['launches']} launches, " if "launches" in result else ""
-    report["notes"][name] = f"{launches}{time.perf_counter() - t0:.1f} s"
+from flashrt.jit_warmup import warmup
 
 
 def _human(n: float) -> str:
@@ -121,7 +49,7 @@ def warm_model(model: str, report: dict) -> None:
 
 def cmd_warmup(args) -> int:
     if args.shapes:
-        from flashrt.kernels_cuda._warmup import MODELS
+        from flashrt.kernels_cuda.warmup import MODELS
 
         unknown = sorted(set(args.shapes) - set(MODELS))
         if unknown:

@@ -1,4 +1,4 @@
-"""HKCP main-KV pages: fixed-size pages of ``fp4_b16`` entries on two tiers.
+"""HKCP main-KV pages: fixed-size pages of ``MAIN_KV_FORMAT`` (``fp4_b16``) entries on two tiers.
 
 Every KV-source layer stores its compressed main KV in pages of ``page_entries`` entries drawn
 from one :class:`PagePool`: device pages (hot and warm) up to a byte budget, and host pages (cold,
@@ -8,10 +8,10 @@ by the current step is copied to a host page, then freed (a copy before a free: 
 
 Attention never copies hot data: the device pool is one ``[1, pages * P, D]`` QTensor segment
 shared by every row, and a row's logical entry ``e`` maps to ``phys(e // P) * P + e % P``. Only the
-selected entries that live on cold pages are gathered into a staging segment (one row per pick):
-on CUDA by a kernel that reads them straight from pinned host memory (``kernels_cuda.kv_gather``,
-no host sync: the block tables are device buffers); with too many picks for a staging segment
-(long prefill chunks), or without the kernel, by a host gather and one copy to the device.
+selected entries that live on cold pages are gathered into a staging segment (one row per pick)
+by the op ``flashrt.ops.gather_cold_rows`` (on CUDA a kernel that reads them straight from pinned
+host memory, with no host sync: the block tables are device buffers); with too many picks for a
+staging segment (long prefill chunks), by a host gather of the unique rows and one copy up.
 """
 from __future__ import annotations
 
@@ -19,29 +19,16 @@ from collections import OrderedDict
 
 import torch
 
+from flashrt import dispatch, ops
+from flashrt.dtypes import MAIN_KV_FORMAT
 from flashrt.formats import QTensor
 from .util import empty_qtensor, write_paged
 
-FMT = "fp4_b16"
+FMT = MAIN_KV_FORMAT
 TRASH_PAGE = 0
 
 
 STAGING_MAX_ROWS = 1 << 16  # picks per resolve that the zero-copy gather stages (about 18 MB at D=512)
-
-
-def cold_gather_kernel(pool: "PagePool", picks: int) -> bool:
-    """Whether cold picks go through the zero-copy gather kernel (``kernels_cuda.kv_gather``): a
-    CUDA device with pinned host pages that passed its self-check, or the Triton interpreter
-    (CI); and at most ``STAGING_MAX_ROWS`` picks (long prefill chunks take the copy path)."""
-    if picks > STAGING_MAX_ROWS:
-        return False
-    try:
-        from flashrt.kernels_cuda import kv_gather
-    except ImportError:  # no triton
-        return False
-    if pool.device.type == "cuda" and not pool.host_pinned:
-        return False
-    return kv_gather.zero_copy_ok(pool.device)
 
 
 class PagePool:
@@ -150,9 +137,17 @@ class PagePool:
             grown.data[:n], grown.scale[:n] = self.host.data, self.host.scale
             self.host, self.host_pinned = grown, pin
             if pin:
-                cold_gather_kernel(self, 0)  # its one-time self-check runs here, not inside a decode step
+                self.zero_copy(0)  # a backend's one-time self-check runs here, not inside a decode step
             self.free_host = list(range(grown.shape[0] - 1, n - 1, -1))
         return self.free_host.pop()
+
+    def zero_copy(self, picks: int) -> bool:
+        """Whether ``picks`` cold picks are fetched without a host sync (a CUDA-graph step may hold
+        the fetch): at most ``STAGING_MAX_ROWS`` of them, host pages pinned on CUDA, and the
+        backend serving ``gather_cold_rows`` here reads host memory in place."""
+        if picks > STAGING_MAX_ROWS or (self.device.type == "cuda" and not self.host_pinned):
+            return False
+        return dispatch.zero_copy("gather_cold_rows", self.device)
 
     def segment(self) -> QTensor:
         """The device pool as one ``[1, pages * P, D]`` segment (a view, no copy)."""
@@ -272,19 +267,17 @@ class PagedMainKV:
         out = torch.where((flat >= 0) & (phys >= 0), phys * P + flat.clamp_min(0) % P, -1).to(torch.int32)
         segments = [self.pool.segment()]
         if any(t.cold for t in self.tables):
-            if cold_gather_kernel(self.pool, flat.numel()):
-                from flashrt.kernels_cuda.kv_gather import cold_gather
-
-                staging = cold_gather(self.pool.host, self.host_ids_device(), flat.contiguous(), out,
-                                      segments[0].shape[1])
+            if flat.numel() <= STAGING_MAX_ROWS:
+                staging, out = ops.gather_cold_rows(self.pool.host, self.host_ids_device(), flat, out,
+                                                    segments[0].shape[1])
             else:
                 staging, out = self._stage_cold(flat, out, segments[0].shape[1])
             segments.append(staging)
         return segments, out.view(idx.shape)
 
     def _stage_cold(self, flat, out, offset):
-        """The copy path (too many picks for a staging segment, or no zero-copy kernel): the picks
-        to the host, lookups and a gather there, one copy of the unique rows up."""
+        """The copy path (too many picks for a staging segment): the picks to the host, lookups and
+        a gather there, one copy of the unique rows up."""
         P, D = self.pool.P, self.pool.D
         picks = flat.cpu().long()
         host_ids = self.host_ids()

@@ -1,4 +1,5 @@
-"""Shared pieces of the torch_npu adapters: the torch_npu handle, fallback accounting, exact decoders.
+"""Shared pieces of the torch_npu adapters: the torch_npu handle, their family declaration,
+fallback accounting, exact decoders.
 
 ``torch_npu`` is imported only on first use, i.e. when an Ascend op actually runs (the backend
 was chosen, or an ``npu`` tensor reached it); importing this module never imports it.
@@ -19,6 +20,7 @@ from collections import Counter
 import torch
 
 from flashrt import formats
+from flashrt.families import KernelFamily, Support
 from flashrt.formats import QTensor
 
 log = logging.getLogger("flashrt")
@@ -26,6 +28,16 @@ log = logging.getLogger("flashrt")
 EMULATION_ENV = "FLASHRT_NPU_EMULATION"
 FALLBACKS: Counter = Counter()  # (op, reason) -> calls served by plain torch instead of an operator
 _LOGGED: set = set()
+
+
+NO_FLOAT64 = Support(excluded_dtypes=(torch.float64,))  # no fp64 on the AI cores: the reference serves it
+
+
+def npu_family(name: str, ops: dict, description: str) -> KernelFamily:
+    """A family of adapters: each op serves every valid call on the NPU but float64 inputs
+    (through its operator where ops.md's semantics hold exactly, else plain torch, counted in
+    :data:`FALLBACKS`)."""
+    return KernelFamily(name, ops=ops, supports={op: NO_FLOAT64 for op in ops}, description=description)
 
 
 def emulation() -> bool:

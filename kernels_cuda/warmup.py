@@ -1,12 +1,13 @@
-"""What the kernel modules' ``warmup(profile)`` hooks share (``flashrt jit warmup``).
+"""What the kernel families' warm-up hooks share (``flashrt jit warmup``).
 
-A hook compiles its kernels by calling its own launchers once, on small tensors of the dtypes and
+A family's hook (``FAMILY.warmup``, made by :func:`hook` from its ``warmup_cases``) compiles its
+kernels by calling its own launchers once, on small tensors of the dtypes and
 dims the shipped models launch them with, on the current CUDA device, with the profile's tiles
 active (the launchers read them): each launch compiles exactly the variant the model would, into
 the compile cache. ``MODELS`` holds the kernel-relevant keys of ``graphs/configs/*.json`` (kernels
 never import graphs; a test checks the two agree). Token counts: a decode step (1) and a prefill
 (``PREFILL``); contexts ``CONTEXTS``: Triton specialises integer arguments on ``== 1`` and
-``% 16 == 0``, so these cover the three classes. A module says which launches it needs with
+``% 16 == 0``, so these cover the three classes. A family says which launches it needs with
 ``warmup_cases(device, dims, dtype)``, a generator of :class:`Launch`. ``FLASHRT_WARMUP_MODELS``
 (``flashrt jit warmup --shapes``) narrows the models warmed. Without a CUDA device a
 hook launches nothing and says why.
@@ -17,6 +18,8 @@ import os
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
+
+from flashrt import dtypes
 
 
 _COMMON = dict(head_dim=512, rope_head_dim=64, hc_mult=4, index_n_heads=32, index_head_dim=128, index_topk=512,
@@ -35,7 +38,6 @@ MODELS = {
 DEFAULT_MODELS = ("small", "v4.1-flash")  # tiny only when asked for (--shapes tiny)
 TOKENS = (1, 44)  # a decode step of one sequence; a prefill of flashrt run's default prompt (44 bytes)
 CONTEXTS = (1, 22, 48)  # compressed entries visible: == 1, neither, % 16 == 0
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class Launch(NamedTuple):
@@ -57,7 +59,7 @@ def cuda_missing() -> str | None:
 
 def activation_dtype(profile) -> torch.dtype:
     """The model's activation dtype under ``profile`` (fp8 / int8 compute keeps bf16 activations)."""
-    return DTYPES.get(getattr(profile, "compute_dtype", "bf16"), torch.bfloat16)
+    return dtypes.activation_dtype(getattr(profile, "compute_dtype", "bf16"))
 
 
 def selected_models() -> dict:
@@ -79,6 +81,15 @@ def plan(cases: Callable[..., Iterable[Launch]], profile, device, models: dict |
 
 def _launch(launch: Launch) -> None:
     launch.fn(*launch.args)
+
+
+def hook(cases: Callable[..., Iterable[Launch]]) -> Callable:
+    """The warm-up hook of a family whose launches are ``cases``: ``hook(profile) -> run(cases, profile)``."""
+    def warmup(profile) -> dict:
+        return run(cases, profile)
+
+    warmup.cases = cases
+    return warmup
 
 
 def run(cases: Callable[..., Iterable[Launch]], profile, models: dict | None = None) -> dict:

@@ -1,0 +1,75 @@
+"""Ahead-of-time compilation (``flashrt jit warmup``, :func:`flashrt.jit.warmup`) through the backends.
+
+The kernel families the registered backends declare (``Backend.families``, reached through
+dispatch: nothing is imported here) carry their warm-up hooks. A hook
+compiles its kernels at the profile's tiles (``flashrt.profiles.tiles``) for the shapes the model
+launches, through Triton's cache (ours, after ``flashrt.jit.install()``). It returns None or a
+dict: ``{"launches": n, ...}`` when it compiled, ``{"skipped": why}`` (or just ``why``) when it
+cannot here (no CUDA device): never an error for that. The report lists warmed, skipped (with why,
+in ``notes``) and failed hooks; one broken hook does not stop the others.
+"""
+from __future__ import annotations
+
+import time
+
+from . import dispatch, profiles
+from .jit import install
+from .progress import Progress
+
+
+def warmup_targets() -> list[tuple[str, object]]:
+    """(family name, its warm-up hook or None) of every family of the backends that compile ahead
+    (those with at least one hook), in registration order; a name two backends share is prefixed
+    with the backend's."""
+    out, seen = [], set()
+    for backend, fams in dispatch.families().items():
+        if not any(f.warmup for f in fams):
+            continue
+        for fam in fams:
+            name = fam.name if fam.name not in seen else f"{backend}:{fam.name}"
+            seen.add(fam.name)
+            out.append((name, fam.warmup))
+    return out
+
+
+def warmup(profile=None, targets=None, progress=None) -> dict:
+    """Run each hook with ``profile`` active (a Profile, name or path; default: the active one) and
+    Triton's cache routed through ours. ``targets``: (name, hook) pairs (default:
+    :func:`warmup_targets`); a hook of None is listed as skipped, an exception as failed."""
+    profile = profiles.load_profile(profile) if isinstance(profile, str) else profile or profiles.active_profile()
+    targets = warmup_targets() if targets is None else list(targets)
+    progress = progress or Progress(f"jit warmup {profile.name}")
+    report = {"profile": profile.name, "warmed": [], "skipped": [], "failed": {}, "notes": {}, "seconds": 0.0}
+    install()
+    t0 = time.perf_counter()
+    with profiles.using(profile):
+        for done, (name, hook) in enumerate(targets, 1):
+            if isinstance(hook, BaseException):
+                report["failed"][name] = f"import: {type(hook).__name__}: {hook}"
+            elif hook is None:
+                report["skipped"].append(name)
+            else:
+                _call_hook(name, hook, profile, report)
+            progress(done, len(targets))
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def _call_hook(name: str, hook, profile, report: dict) -> None:
+    """Run one hook; a dict it returns with ``skipped`` (no device) marks it skipped, with why."""
+    t0 = time.perf_counter()
+    try:
+        result = hook(profile)
+    except Exception as exc:  # one broken hook must not stop the others
+        report["failed"][name] = f"{type(exc).__name__}: {exc}"
+        return
+    if isinstance(result, str):  # a hook may return just why it had nothing to compile
+        result = {"skipped": result}
+    result = result if isinstance(result, dict) else {}
+    if result.get("skipped"):
+        report["skipped"].append(name)
+        report["notes"][name] = str(result["skipped"])
+        return
+    report["warmed"].append(name)
+    launches = f"{result['launches']} launches, " if "launches" in result else ""
+    report["notes"][name] = f"{launches}{time.perf_counter() - t0:.1f} s"
