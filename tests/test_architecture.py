@@ -160,8 +160,9 @@ def test_relative_imports_resolve_to_their_package():
 def test_the_package_root_names_only_the_facade_lazily():
     import flashrt
 
-    assert set(flashrt._FACADE) == {"load", "generate", "backends"}
+    assert set(flashrt._FACADE) == {"load", "generate", "Engine", "SamplingParams", "backends"}
     assert {m for m, _ in flashrt._FACADE.values()} == {"flashrt.graphs.loader", "flashrt.engine.generation",
+                                                        "flashrt.engine.engine", "flashrt.engine.sampling",
                                                         "flashrt.backends"}
     root = (ROOT / "core" / "__init__.py").read_text()
     assert all(layer(name) == "core" for _, name in imports(root, "flashrt", True))
