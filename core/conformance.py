@@ -37,6 +37,7 @@ def _cases(dev, g):
     i32 = lambda lo, hi, *s: torch.randint(lo, hi, s, generator=g, dtype=torch.int32).to(dev)
     kv = ops.quantize(f32(2, 300, 512), "fp4_b16")
     yield "rms_norm", (r(64, 1024), f32(1024), 1e-6)
+    yield "rms_norm", (r(64, 1024), r(1024), 1e-6)  # the model's bf16 norm weights
     yield "rope", (r(2, 16, 8, 64), torch.polar(torch.ones(16, 32), torch.rand(16, 32, generator=g)).to(dev), False)
     yield "quantize", (f32(64, 512), "fp8")
     yield "quantize", (f32(64, 512), "fp4_b16")
@@ -97,7 +98,8 @@ def _describe(args) -> list:
     return out
 
 
-def _run_noted(op, args) -> tuple[object, list[str]]:
+def run_noted(op: str, args) -> tuple[object, list[str]]:
+    """``ops.<op>(*args)`` and the routes its backend noted for it (see :func:`note_route`)."""
     global _ROUTES
     _ROUTES = []
     try:
@@ -114,7 +116,7 @@ def run(device=None, seed: int = 0) -> dict:
     rows = []
     for op, args in _cases(dev, g):
         backend = (dispatch.chain(op, dev.type) or ["none"])[0]
-        got, route = _run_noted(op, args)
+        got, route = run_noted(op, args)
         with dispatch.use_backend("reference"):
             want = getattr(ops, op)(*args)
         pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]

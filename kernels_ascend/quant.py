@@ -12,6 +12,7 @@ from ._npu import dequantize as exact_dequantize
 from ._npu import fallback, operator, via_torch
 
 HALF = (torch.float16, torch.bfloat16)
+DEQUANT_WHY = "elementwise decoding by integer ops and table look-ups (no operator decodes without float8 math)"
 INT8_T_MIN_SCALE = torch.tensor(formats.spec("int8_t").amax_floor / formats.INT8_MAX).item()  # fp32
 
 
@@ -66,6 +67,7 @@ def quantize(x, fmt):
 def dequantize(q, dtype):
     """``dequantize``: plain torch (elementwise; no operator needed). Bytes are decoded with
     integer ops and table look-ups (``_npu.dequantize``), never with float8 arithmetic."""
+    fallback("dequantize", DEQUANT_WHY)
     return exact_dequantize(q, dtype)
 
 
@@ -121,4 +123,4 @@ def linear(x, weight):
 
 
 OPS = {"quantize": quantize, "dequantize": dequantize, "linear": linear}
-PLANS = {"quantize": quantize_plan, "linear": linear_plan}
+PLANS = {"quantize": quantize_plan, "dequantize": lambda *args: DEQUANT_WHY, "linear": linear_plan}
