@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 import yaml
 
-TORCH_NPU_VERSION = "2.14.0"
+TORCH_NPU_VERSION = "2.14.0"  # flashrt.backends.ascend.TORCH_NPU_TARGET
 WHEEL_NAME = f"torch_npu-{TORCH_NPU_VERSION}-cp311-cp311-manylinux_2_28_x86_64.whl"
 WHEEL_SHA256 = "7736f7d82cf9f16c7dfc4537f7e7c638153da760273a193455e70857f912189e"
 SCHEMA_FILE = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 BINDINGS_FILE = "torch_npu/utils/custom_ops.py"
 META_FILE = "torch_npu/op_plugin/meta/_meta_registrations.py"
 TARGET_SOC = 223  # get_soc_version() seen by the meta functions: Ascend910B3 (an Atlas A2)
-TARGET_CANN = "8.5.0"  # get_cann_version() seen by the meta functions
+TARGET_CANN = "9.1.0"  # get_cann_version() seen by the meta functions: the CANN torch_npu 2.14.0 names
 DEFAULT_INDEX = "https://pypi.org/simple"
 
 

@@ -14,6 +14,7 @@ skips only when the package index cannot be reached. Then:
 from __future__ import annotations
 
 import inspect
+import types
 import os
 import re
 from pathlib import Path
@@ -41,12 +42,22 @@ def _cache_dir(config) -> Path:
     return Path(base) / "flashrt" / "torch_npu"
 
 
+REQUIRE_ENV = "FLASHRT_REQUIRE_SCHEMA_CHECK"  # CI sets it: an unreachable index fails instead of skipping
+
+
+def wheel_or_skip(cache: Path) -> Path:
+    try:
+        return npu_schema.fetch_wheel(cache)
+    except npu_schema.IndexUnreachable as exc:
+        msg = f"torch_npu {npu_schema.TORCH_NPU_VERSION} schema check not run: {exc}"
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{msg} ({REQUIRE_ENV}=1)")
+        pytest.skip(msg)
+
+
 @pytest.fixture(scope="module")
 def wheel(request):
-    try:
-        path = npu_schema.fetch_wheel(_cache_dir(request.config))
-    except npu_schema.IndexUnreachable as exc:
-        pytest.skip(f"torch_npu {npu_schema.TORCH_NPU_VERSION} schema check skipped: {exc}")
+    path = wheel_or_skip(_cache_dir(request.config))
     schemas, metas = npu_schema.load_schemas(path), npu_schema.load_meta(path)
     return {"schemas": schemas, "metas": metas, "bound": npu_schema.bound_operators(path),
             "ops": npu_schema.SchemaOps(schemas, metas)}
@@ -138,3 +149,44 @@ def test_missing_arguments_and_wrong_shapes_are_caught(wheel):
     assert tuple(out.shape) == (3, 4) and not output_problems(out, torch.zeros(3, 4))
     assert output_problems(out, torch.zeros(6, 4)) and output_problems(out, torch.zeros(3, 4, dtype=torch.bfloat16))
     assert output_problems((out, out), [torch.zeros(3, 4)])
+
+
+def test_the_target_version_is_one_across_backend_emulation_and_check(npu_emulation):
+    from flashrt.backends import ascend
+
+    assert ascend.TORCH_NPU_TARGET == npu_schema.TORCH_NPU_VERSION
+    assert npu_emulation.__version__.split("+")[0] == npu_schema.TORCH_NPU_VERSION
+    assert ascend.versions()["torch_npu_target"] == npu_schema.TORCH_NPU_VERSION
+
+
+def test_fetch_skips_only_when_the_index_is_unreachable(tmp_path, monkeypatch):
+    failed = types.SimpleNamespace(returncode=1, stdout="", stderr="pip: resolution failed")
+    monkeypatch.setattr(npu_schema.subprocess, "run", lambda cmd, **kw: failed)
+    monkeypatch.setattr(npu_schema, "_index_reachable", lambda index: "URLError: no route to host")
+    with pytest.raises(npu_schema.IndexUnreachable, match="no route to host"):
+        npu_schema.fetch_wheel(tmp_path)
+    monkeypatch.setattr(npu_schema, "_index_reachable", lambda index: None)  # reachable: pip's failure fails
+    with pytest.raises(RuntimeError, match="resolution failed"):
+        npu_schema.fetch_wheel(tmp_path)
+
+    def wrong_file(cmd, **kw):
+        (Path(cmd[cmd.index("-d") + 1]) / npu_schema.WHEEL_NAME).write_bytes(b"not the pinned wheel")
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(npu_schema.subprocess, "run", wrong_file)
+    with pytest.raises(RuntimeError, match="sha256"):
+        npu_schema.fetch_wheel(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == []  # nothing half-written is left behind
+
+
+def test_an_unreachable_index_skips_unless_the_check_is_required(tmp_path, monkeypatch):
+    def unreachable(cache):
+        raise npu_schema.IndexUnreachable("package index https://pypi.org/simple unreachable (URLError)")
+
+    monkeypatch.setattr(npu_schema, "fetch_wheel", unreachable)
+    monkeypatch.delenv(REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="schema check not run: package index"):
+        wheel_or_skip(tmp_path)
+    monkeypatch.setenv(REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match=REQUIRE_ENV):
+        wheel_or_skip(tmp_path)
