@@ -104,13 +104,14 @@ def test_emulated_operators_have_the_schema_signatures(wheel, npu_emulation):
 
 def _call_problems(wheel, call) -> list[str]:
     per_overload = [binding_problems(f, call.positional, call.keywords) for f in wheel["schemas"][call.name]]
+    where = call.signature()
     if all(per_overload):  # torch's parser takes the first overload that binds: none does
-        return [f"{call.name}: {p}" for p in per_overload[0]]
+        return [f"{where}: {p}" for p in per_overload[0]]
     try:
         meta = wheel["ops"].run(call.name, call.positional, call.keywords)
     except Exception as exc:  # torch's parser or the meta function's checks rejected the call
-        return [f"{call.name}: {type(exc).__name__}: {str(exc).splitlines()[0]}"]
-    return [f"{call.name}: {p}" for p in output_problems(meta, call.result)]
+        return [f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0]}"]
+    return [f"{where}: {p}" for p in output_problems(meta, call.result)]
 
 
 def test_every_backend_call_matches_the_real_schema_and_meta_shapes(wheel, npu_emulation, rng):

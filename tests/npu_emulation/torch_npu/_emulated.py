@@ -23,6 +23,19 @@ class Call:
     keywords: dict  # the values passed by keyword
     result: object = field(default=None)
 
+    def signature(self) -> str:
+        """The call as made, by kind: ``npu_x(Tensor, list[Tensor], k=int, mode=str)``."""
+        parts = [_kind(v) for v in self.positional] + [f"{k}={_kind(v)}" for k, v in self.keywords.items()]
+        return f"{self.name}({', '.join(parts)})"
+
+
+def _kind(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return f"{type(v).__name__}[{', '.join(sorted({_kind(e) for e in v}))}]"
+    if isinstance(v, torch.Tensor):
+        return f"Tensor[{str(v.dtype).replace('torch.', '')}]"
+    return "dtype" if isinstance(v, torch.dtype) else type(v).__name__
+
 
 CALLS: list[Call] = []
 OPERATORS: dict = {}  # operator name -> the emulated function (unwrapped)
