@@ -86,16 +86,16 @@ def moe_experts_plan(x, weights, indices, w1, w3, w2, swiglu_limit) -> str | Non
     return "weights are not all int8_w or all plain in x.dtype (no FP8/FP4 matmul on the 910B)"
 
 
-def grouped_matmul(x2: torch.Tensor, w, counts: torch.Tensor, xq=None) -> torch.Tensor:
+def grouped_matmul(x2: torch.Tensor, w, counts: torch.Tensor, quantized=None) -> torch.Tensor:
     """Rows of ``x2 [M, in]`` grouped by expert (``counts [E]`` int64) times ``w [E, out, in]`` ->
     ``[M, out]`` in ``x2.dtype``: one ``npu_grouped_matmul`` call, weight passed transposed
     ``[E, in, out]`` (a view), ``group_type=0`` (groups along M), ``group_list_type=1`` (counts),
-    ``split_item=3`` (one output tensor). ``xq``: the int8_t rows of ``x2`` when already quantized."""
+    ``split_item=3`` (one output tensor). ``quantized``: ``x2``'s int8_t rows and scales, when already made."""
     gmm = operator("moe_experts", "npu_grouped_matmul")
     kw = dict(group_list=counts, group_type=0, group_list_type=1, split_item=3, output_dtype=x2.dtype)
     if not isinstance(w, QTensor):
         return gmm([x2], [w.transpose(1, 2)], **kw)[0]
-    xq, xs = xq or quant_rows("moe_experts", x2)
+    xq, xs = quantized if quantized is not None else quant_rows("moe_experts", x2)
     scale = w.scale.view(w.shape[0], w.shape[1])  # [E, out]: bf16 for a bf16 output, fp32 for fp16
     if x2.dtype == torch.float16:
         scale = scale.to(torch.float32)
