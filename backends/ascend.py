@@ -14,9 +14,13 @@ Detection: torch_npu is looked up with ``importlib.util.find_spec`` and imported
 ``flashrt doctor`` when it is installed. Availability needs ``torch.npu.is_available()`` and an
 Atlas A2/A3 SoC (``torch_npu.npu.get_soc_version()`` 220-255: 910B1-4, 910_93).
 
+Target: torch_npu ``TORCH_NPU_TARGET`` (2.14.0). Every operator call of the adapters is checked in CI
+against that wheel's operator schemas and meta functions (tests/test_ascend_schema.py).
+
 Tests: with ``FLASHRT_NPU_EMULATION=1`` and the fake ``torch_npu`` of ``tests/npu_emulation`` on
 ``sys.path``, the backend also serves CPU tensors, only when chosen explicitly; the emulated
-operators implement the documented torch_npu signatures and layouts with reference math.
+operators have the signatures of the torch_npu 2.14.0 schemas and implement the documented layouts
+and constraints with reference math.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from flashrt.families import family_tables
 from flashrt.hookspecs import Backend, hookimpl
 from flashrt.kernels_ascend.npu_runtime import EMULATION_ENV, emulation, npu, torch_npu_present
 
+TORCH_NPU_TARGET = "2.14.0"  # the operator schemas the adapters are checked against (docs/ascend.md)
 A2_A3_SOCS = range(220, 256)  # SocVersion: Ascend910B1..B4 (220-225), Ascend910_93xx (250-255)
 
 
@@ -63,7 +68,8 @@ def versions() -> dict:
         tnpu = npu()
     except Exception as exc:
         return {"torch_npu": f"import failed: {type(exc).__name__}: {exc}"}
-    out = {"torch_npu": getattr(tnpu, "__version__", "unknown"), "cann": None, "soc_version": None}
+    out = {"torch_npu": getattr(tnpu, "__version__", "unknown"), "torch_npu_target": TORCH_NPU_TARGET, "cann": None,
+           "soc_version": None}
     try:
         out["cann"] = tnpu.npu.utils.get_cann_version(module="CANN")
     except Exception:  # older torch_npu has no get_cann_version

@@ -2,7 +2,9 @@
 
 Each case draws fresh random inputs of a model-like shape on the device, runs the op through the
 automatic choice (the backend that would serve it) and through the reference, and records the op,
-the backend that served it, dtype, shapes, max relative error, the tolerance and pass/fail.
+the backend that served it, dtype, shapes, max relative error, the tolerance and pass/fail, and
+``route``: what the backend says served the call (:func:`note_route`; the ascend backend names each
+torch_npu operator, each plain-torch fallback and each fused operator it declined, with the reason).
 """
 from __future__ import annotations
 
@@ -20,6 +22,15 @@ TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candida
              "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0}
 DEFAULT_TOL = 2e-2  # bf16 outputs
 
+_ROUTES: list | None = None  # (op, route) notes, collected only while a case runs
+
+
+def note_route(op: str, route: str) -> None:
+    """A backend names what served ``op`` on this call (an operator, or a fallback and its reason);
+    kept, once per distinct note, only while a conformance case runs."""
+    if _ROUTES is not None and (op, route) not in _ROUTES:
+        _ROUTES.append((op, route))
+
 
 def _cases(dev, g):
     r = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=g).to(dev, dt)
@@ -27,12 +38,16 @@ def _cases(dev, g):
     i32 = lambda lo, hi, *s: torch.randint(lo, hi, s, generator=g, dtype=torch.int32).to(dev)
     kv = ops.quantize(f32(2, 300, 512), MAIN_KV_FORMAT)
     yield "rms_norm", (r(64, 1024), f32(1024), 1e-6)
+    yield "rms_norm", (r(64, 1024), r(1024), 1e-6)  # the model's bf16 norm weights
     yield "rope", (r(2, 16, 8, 64), torch.polar(torch.ones(16, 32), torch.rand(16, 32, generator=g)).to(dev), False)
     yield "quantize", (f32(64, 512), "fp8")
     yield "quantize", (f32(64, 512), "fp4_b16")
     yield "dequantize", (ops.quantize(f32(64, 512), "fp4_b32"), torch.float32)
     yield "linear", (r(16, 512), ops.quantize(f32(256, 512), "fp8_w"))
+    yield "linear", (r(16, 512), ops.quantize(f32(256, 512), "int8_w"))  # the formats of devices with no FP8
     yield "sparse_attention", (r(2, 4, 64, 512), (ops.quantize(f32(2, 128, 512), "fp8"), kv),
+                               i32(-1, 428, 2, 4, 640), f32(64), 512 ** -0.5)
+    yield "sparse_attention", (r(2, 4, 64, 512), (ops.quantize(f32(2, 128, 512), "int8"), kv),
                                i32(-1, 428, 2, 4, 640), f32(64), 512 ** -0.5)
     yield "index_scores", (r(2, 4, 32, 128), ops.quantize(f32(2, 300, 128), "fp4_b32"), f32(2, 4, 32).abs(),
                            i32(0, 301, 2, 4))
@@ -47,7 +62,11 @@ def _cases(dev, g):
     yield "engram_lookup", (ops.quantize(f32(1000, 256), "fp8"), torch.randint(0, 1000, (2, 4, 24), generator=g).to(dev))
     yield "engram_gate", (r(2, 4, 4, 256), r(2, 4, 4, 256), r(2, 4, 256), f32(4, 256), 1e-6)
     yield "moe_route", (r(16, 256), r(32, 256), f32(32) * 0.1, 4, "sqrtsoftplus", True, 1.5)
+    yield "moe_route", (r(16, 256), r(32, 256), f32(32) * 0.1, 4, "sigmoid", True, 1.5)
     w = lambda *s: ops.quantize(f32(*s) * 0.05, "fp4_w")
+    yield "moe_experts", (r(8, 256), torch.rand(8, 2, generator=g).to(dev), i32(0, 8, 8, 2), w(8, 128, 256),
+                          w(8, 128, 256), w(8, 256, 128), 10.0)
+    w = lambda *s: ops.quantize(f32(*s) * 0.05, "int8_w")
     yield "moe_experts", (r(8, 256), torch.rand(8, 2, generator=g).to(dev), i32(0, 8, 8, 2), w(8, 128, 256),
                           w(8, 128, 256), w(8, 256, 128), 10.0)
     yield "sample", (f32(4, 1000), 0.0)
@@ -90,6 +109,17 @@ def _describe(args) -> list:
     return out
 
 
+def run_noted(op: str, args) -> tuple[object, list[str]]:
+    """``ops.<op>(*args)`` and the routes its backend noted for it (see :func:`note_route`)."""
+    global _ROUTES
+    _ROUTES = []
+    try:
+        got = getattr(ops, op)(*args)
+        return got, [route for name, route in _ROUTES if name == op]
+    finally:
+        _ROUTES = None
+
+
 def run(device=None, seed: int = 0) -> dict:
     """The conformance report for ``device`` (default: cuda when present, else cpu)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -97,14 +127,14 @@ def run(device=None, seed: int = 0) -> dict:
     rows = []
     for op, args in _cases(dev, g):
         backend = (dispatch.chain(op, dev.type) or ["none"])[0]
-        got = getattr(ops, op)(*args)
+        got, route = run_noted(op, args)
         with dispatch.use_backend("reference"):
             want = getattr(ops, op)(*args)
         pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
         err = max(_rel(a, b) for a, b in pairs)
         tol = TOLERANCE.get(op, DEFAULT_TOL)
         rows.append({"op": op, "backend": backend, "inputs": _describe(args), "max_rel_err": err,
-                     "tolerance": tol, "pass": err <= tol})
+                     "tolerance": tol, "pass": err <= tol, "route": route})
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     return {"device": device_name, "device_type": dev.type, "torch": torch.__version__,
             "passed": sum(r["pass"] for r in rows), "total": len(rows), "rows": rows}
@@ -118,7 +148,7 @@ def cmd(args) -> int:
             f.write(text + "\n")
     for r in report["rows"]:
         print(f"{'PASS' if r['pass'] else 'FAIL'} {r['op']:18} {r['backend']:10} err {r['max_rel_err']:.2e} "
-              f"(tol {r['tolerance']:.0e})")
+              f"(tol {r['tolerance']:.0e})" + "".join(f"\n    {route}" for route in r["route"]))
     print(f"{report['passed']}/{report['total']} ops conform on {report['device']}")
     return 0 if report["passed"] == report["total"] else 1
 

@@ -7,4 +7,4 @@ the reason it falls back to plain torch). ``npu_runtime`` holds what they share.
 from . import attention, misc, moe, norm_rope, quant, topk
 
 FAMILIES = (attention.FAMILY, misc.FAMILY, moe.FAMILY, norm_rope.FAMILY, quant.FAMILY, topk.FAMILY)
-PLANS = {**attention.PLANS, **moe.PLANS, **norm_rope.PLANS, **quant.PLANS}
+PLANS = {**attention.PLANS, **misc.PLANS, **moe.PLANS, **norm_rope.PLANS, **quant.PLANS}

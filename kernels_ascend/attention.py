@@ -1,16 +1,23 @@
-"""sparse_attention on torch_npu.npu_sparse_flash_attention; index_scores in plain torch."""
+"""sparse_attention on torch_npu.npu_gather_sparse_index + npu_sparse_flash_attention; index_scores in
+plain torch."""
 from __future__ import annotations
 
 import torch
 
 from flashrt import refmath as ref
+from flashrt.formats import QTensor
 from flashrt.kv.paged import PagedKeys
 
-from .npu_runtime import bf16_exact, fallback, float_of, gather_rows, npu, npu_family
+from .npu_runtime import bf16_exact, declined, fallback, float_of, gather_rows, npu_family, operator
 
 SFA_DIM, SFA_ROPE = 512, 64  # npu_sparse_flash_attention: D fixed at 512, D_rope at 64
 SFA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 CHUNK_BYTES = 256 << 20  # cap on one gathered key block
+KV_QUANT_SFA = "npu_kv_quant_sparse_flash_attention"
+KV_QUANT_SFA_WHY = ("it reads int8 KV with one fp32 scale per 128-element tile stored inside the key rows; "
+                    "our segments are int8 with e8m0 scales per 32 (window) or fp4_b16 (main), which it cannot read")
+INDEXER_WHY = ("npu_lightning_indexer / npu_quant_lightning_indexer return top-k positions, not the fp32 scores "
+               "index_scores returns (and take bf16/fp16 or per-token-head int8 keys, not fp4_b32)")
 
 
 def sparse_attention_plan(q, kv, indices, sink, scale) -> str | None:
@@ -45,7 +52,7 @@ def _chunk(q, kv, idx, sink, scale):
     B, S, H, D = q.shape
     K = idx.shape[-1]
     valid = idx >= 0
-    rows = gather_rows(kv, idx.clamp_min(0).long()).to(q.dtype)  # [B, s, K, D], exact (see plan)
+    rows = gather_rows("sparse_attention", kv, idx.clamp_min(0).long()).to(q.dtype)  # [B, s, K, D], exact (see plan)
     key = rows.reshape(B, S * K, 1, D)
     local = torch.arange(S * K, device=q.device, dtype=torch.int32).view(1, S, K)
     local = torch.where(valid, local, -1).sort(-1, descending=True).values  # valid first, -1 last
@@ -59,7 +66,7 @@ def _chunk(q, kv, idx, sink, scale):
         q_rope[..., :3] = _split3(sink / scale, q.dtype)
         first = torch.full((B, S, 1), S * K, dtype=torch.int32, device=q.device)
         local = torch.cat((first, local), -1)
-    out = npu().npu_sparse_flash_attention(
+    out = operator("sparse_attention", "npu_sparse_flash_attention")(
         q.contiguous(), key, key, local.unsqueeze(2).contiguous(), scale, query_rope=q_rope, key_rope=k_rope,
         sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=0, attention_mode=2)[0]
     if sink is None:  # no valid slot and no sink gives zeros (the operator's value there is undefined)
@@ -68,9 +75,11 @@ def _chunk(q, kv, idx, sink, scale):
 
 
 def sparse_attention(q, kv, indices, sink, scale):
-    """``sparse_attention`` -> ``torch_npu.npu_sparse_flash_attention`` (MLA-absorb, attention_mode=2).
+    """``sparse_attention`` -> ``torch_npu.npu_gather_sparse_index`` + ``npu_sparse_flash_attention``
+    (MLA-absorb, attention_mode=2).
 
-    Layout: the selected rows are gathered first (bytes for a QTensor, then decoded exactly, e.g.
+    Layout: the selected rows are gathered first with ``npu_gather_sparse_index`` from ``[B * T,
+    ...]`` views (bytes for a QTensor, data and scale, then decoded exactly, e.g.
     the ``fp4_b16`` main KV and the ``int8`` window ring: this is where they are dequantized on the
     way into the operator) into a compact ``key = value [B, s*K (+1), 1, 512]`` in ``q.dtype``; the
     operator's ``sparse_indices [B, s, 1, K]`` point into it with the valid slots first (the operator
@@ -82,13 +91,18 @@ def sparse_attention(q, kv, indices, sink, scale):
     ``sparse_mode=0`` (no causal mask: the indices say what is visible), ``scale_value = scale``.
     Rows with no valid slot and no sink are set to zero. Query positions are chunked so a gathered
     block stays under 256 MiB. Falls back to plain torch when D != 512, H is not a power of two
-    <= 128, q is fp32, K == 0 or T == 0, a sink comes with scale 0, or a segment's values are not exact in ``q.dtype``
-    (fp32 KV; fp16 q with quantized KV).
+    <= 128, q is fp32, K == 0 or T == 0, a sink comes with scale 0, or a segment's values are not
+    exact in ``q.dtype`` (fp32 KV; fp16 q with quantized KV). ``npu_kv_quant_sparse_flash_attention``
+    is not used: it reads int8 KV with an fp32 scale per 128-element tile inside the key rows, a
+    format neither KV segment has (re-quantizing would change the values). The schema's ``sinks``
+    argument is undocumented, so the sink goes through the rope entry above.
     """
     why = sparse_attention_plan(q, kv, indices, sink, scale)
     if why:
         fallback("sparse_attention", why)
         return ref.sparse_attention(q, kv, indices, sink, scale)
+    if any(isinstance(seg, QTensor) for seg in (kv if isinstance(kv, tuple) else (kv,))):
+        declined("sparse_attention", KV_QUANT_SFA, KV_QUANT_SFA_WHY)
     B, S, H, D = q.shape
     step = max(1, min(S, CHUNK_BYTES // max(1, B * indices.shape[-1] * D * q.element_size())))
     parts = [_chunk(q[:, s0:s0 + step], kv, indices[:, s0:s0 + step], sink, scale) for s0 in range(0, S, step)]
@@ -98,20 +112,21 @@ def sparse_attention(q, kv, indices, sink, scale):
 def index_scores(q, k, weights, visible):
     """``index_scores``: plain torch (an fp32 einsum, relu, weighted head sum, ``-inf`` mask).
 
-    ``torch_npu.npu_lightning_indexer`` fuses this score with its own top-k and returns positions
-    (plus int32 values), not the fp32 ``[B, S, T]`` scores docs/ops.md returns; it also takes bf16/fp16
-    weights only and exactly 64 heads of dim 128. So no operator: a quantized ``k`` (the ``fp4_b32``
+    ``torch_npu.npu_lightning_indexer`` and ``npu_quant_lightning_indexer`` fuse this score with their
+    own top-k and return positions, not the fp32 ``[B, S, T]`` scores docs/ops.md returns; they also
+    take bf16/fp16 keys (or int8 keys with per-token-head scales), not the ``fp4_b32`` index cache.
+    So no operator: a quantized ``k`` (the ``fp4_b32``
     index cache) is decoded exactly, then the reference math runs on the device. Paged keys
     (:class:`flashrt.kv.paged.PagedKeys`) are gathered into a contiguous copy first.
     """
-    fallback("index_scores", "npu_lightning_indexer returns top-k positions, not scores")
+    fallback("index_scores", INDEXER_WHY)
     if isinstance(k, PagedKeys):  # paged index K: gathered into one [B, T, Di] copy first
         k = k.gather()
     return ref.index_scores(q, float_of(k), weights, visible)
 
 
-PLANS = {"sparse_attention": sparse_attention_plan, "index_scores": lambda *a: "no operator returns scores"}
+PLANS = {"sparse_attention": sparse_attention_plan, "index_scores": lambda *a: INDEXER_WHY}
 
 
 FAMILY = npu_family("attention", {"sparse_attention": sparse_attention, "index_scores": index_scores},
-                    "sparse attention (npu_fused_infer_attention_score) and index scores")
+                    "sparse attention (npu_gather_sparse_index + npu_sparse_flash_attention) and index scores")

@@ -1,10 +1,14 @@
-"""The ops with no torch_npu operator of matching semantics: plain torch on the NPU.
+"""The ops with no torch_npu operator of matching semantics on Atlas A2/A3: plain torch on the NPU.
 
 ``compress_pool``, ``hc_coefficients``, ``hc_collapse``, ``hc_expand`` and ``engram_gate`` are
-small elementwise / reduction / tiny-GEMM graphs with no fused torch_npu operator of the same
-math (npu_rms_norm does not cover engram_gate's two-norm gate; no operator does mHC's Sinkhorn
-normalisation), so they run the reference math on the device. ``engram_lookup`` gathers table
-bytes and decodes them exactly; ``sample`` makes the argmax tie rule explicit.
+small elementwise / reduction / tiny-GEMM graphs. torch_npu 2.14.0 has the mHC operators
+(``npu_mhc_pre``: the coefficients and the collapse; ``npu_mhc_sinkhorn``; ``npu_mhc_post``: the
+expand), but their documentation lists the Ascend 950 only, so on the 910B these run the
+reference math on the device; no operator computes compress_pool's softmax pool or engram_gate's
+two-norm gate. ``engram_lookup`` gathers table bytes with ``npu_gather_sparse_index`` and decodes
+them exactly; ``sample`` makes the argmax tie rule explicit. Each call is counted as a fallback
+(``npu_runtime.FALLBACKS``) with its reason. ``gather_cold_rows`` reads pages in host memory,
+which no torch_npu operator reads: it gathers on the host and stages the rows to the NPU.
 """
 from __future__ import annotations
 
@@ -13,40 +17,59 @@ import torch
 from flashrt import refmath as ref
 from flashrt.formats import QTensor
 
-from .npu_runtime import dequantize, first_argmax, npu_family
+from .npu_runtime import dequantize, fallback, first_argmax, npu_family, take_rows
+
+MHC_950_ONLY = "npu_mhc_pre / npu_mhc_sinkhorn / npu_mhc_post are documented for the Ascend 950 only, not Atlas A2/A3"
+REASONS = {
+    "compress_pool": "no torch_npu operator computes a softmax-weighted pool over r",
+    "hc_coefficients": MHC_950_ONLY,
+    "hc_collapse": MHC_950_ONLY,
+    "hc_expand": MHC_950_ONLY,
+    "engram_gate": "no torch_npu operator computes engram_gate's two-norm sigmoid gate",
+    "sample": "no operator states an argmax tie rule or draws Gumbel noise from a given generator",
+    "gather_cold_rows": "the pages are in host memory, which no torch_npu operator reads: rows are gathered on "
+                        "the host as bytes and staged to the NPU in one copy each",
+}
 
 
 def compress_pool(kv, score):
     """``compress_pool``: plain torch (softmax over r, weighted sum), fp32 as docs/ops.md."""
+    fallback("compress_pool", REASONS["compress_pool"])
     return ref.compress_pool(kv, score)
 
 
 def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps):
     """``hc_coefficients``: plain torch (one small GEMM, sigmoids, Sinkhorn iterations), fp32."""
+    fallback("hc_coefficients", REASONS["hc_coefficients"])
     return ref.hc_coefficients(x, fn, scale, base, iters, eps, norm_eps)
 
 
 def hc_collapse(x, pre):
     """``hc_collapse``: plain torch (weighted sum over the hc streams), fp32."""
+    fallback("hc_collapse", REASONS["hc_collapse"])
     return ref.hc_collapse(x, pre)
 
 
 def hc_expand(y, residual, post, comb):
     """``hc_expand``: plain torch (an einsum over the hc streams), fp32."""
+    fallback("hc_expand", REASONS["hc_expand"])
     return ref.hc_expand(y, residual, post, comb)
 
 
 def engram_gate(h, key, value, weight, eps):
     """``engram_gate``: plain torch, fp32 as docs/ops.md."""
+    fallback("engram_gate", REASONS["engram_gate"])
     return ref.engram_gate(h, key, value, weight, eps)
 
 
 def engram_lookup(table, ids):
-    """``engram_lookup``: plain-torch index (aclnnIndex / gather) on the stored bytes, then exact
-    decoding: the ``fp8`` rows are looked up as uint8 and turned into values through the E4M3 and
-    UE8M0 tables of ``npu_runtime`` (no float8 arithmetic on the device), returned as bf16."""
+    """``engram_lookup`` -> ``torch_npu.npu_gather_sparse_index`` on the stored bytes, then exact
+    decoding: the ``fp8`` rows (data and scales, as uint8) are gathered by ``ids`` (int64 in
+    ``[0, rows)``, the operator's index range) and turned into values through the E4M3 and UE8M0
+    tables of ``npu_runtime`` (no float8 arithmetic on the device), returned as bf16."""
     flat = ids.reshape(-1)
-    rows = QTensor(table.data[flat], table.scale[flat], table.fmt, (flat.shape[0], table.shape[-1]))
+    data, scale = take_rows("engram_lookup", table.data, flat), take_rows("engram_lookup", table.scale, flat)
+    rows = QTensor(data, scale, table.fmt, (flat.shape[0], table.shape[-1]))
     return dequantize(rows, torch.bfloat16).view(*ids.shape, table.shape[-1])
 
 
@@ -54,17 +77,21 @@ def sample(logits, temperature, generator):
     """``sample``: plain torch. Greedy and Gumbel-max take the first maximum (ties to the lower id,
     as docs/ops.md says; the NPU's argmax documents no tie rule). The exponential noise is drawn on the
     device with ``generator`` (an NPU generator on the NPU: its stream differs from a CPU one)."""
+    fallback("sample", REASONS["sample"])
     return ref.gumbel_sample(logits, temperature, generator, argmax=first_argmax)
 
 
 def gather_cold_rows(host, host_ids, picks, index, offset):
-    """``gather_cold_rows``: plain torch. The picks and host page ids come to the host once (no
-    torch_npu operator reads host memory from the device), the rows are gathered there as bytes
-    and the staged bytes go to the NPU in one copy each; the output index is computed on the NPU."""
+    """``gather_cold_rows``: plain torch. The picks and host page ids come to the host once, the rows
+    are gathered there as bytes and the staged bytes go to the NPU in one copy each; the output index
+    is computed on the NPU."""
+    fallback("gather_cold_rows", REASONS["gather_cold_rows"])
     return ref.gather_cold_rows(host, host_ids, picks, index, offset)
 
 
 FAMILY = npu_family("misc", {name: globals()[name] for name in (
     "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "sample",
     "gather_cold_rows")},
-    "ops with no matching torch_npu operator: plain torch on the NPU")
+    "ops with no matching torch_npu operator (plain torch on the NPU) and engram_lookup (npu_gather_sparse_index)")
+PLANS = {name: (lambda *args, why=why: why) for name, why in REASONS.items()}
+PLANS["engram_lookup"] = lambda *args: None

@@ -5,7 +5,7 @@ import torch
 
 from flashrt import refmath as ref
 
-from .npu_runtime import fallback, npu, npu_family
+from .npu_runtime import fallback, npu_family, operator
 
 ROTARY_MAX_DIM = 896  # npu_rotary_mul: D < 896
 ROTARY_MAX_BN = 1000  # interleave mode: B * N < 1000
@@ -36,7 +36,7 @@ def rms_norm(x, weight, eps):
         fallback("rms_norm", why)
         return ref.rms_norm(x, weight, eps)
     x2 = x if x.dim() >= 2 else x.reshape(1, -1)
-    return npu().npu_rms_norm(x2, weight, epsilon=float(eps))[0].reshape(x.shape)
+    return operator("rms_norm", "npu_rms_norm")(x2, weight, epsilon=float(eps))[0].reshape(x.shape)
 
 
 def rope_plan(x, freqs_cis, inverse) -> str | None:
@@ -87,7 +87,7 @@ def rope(x, freqs_cis, inverse):
         return ref.rope(x, freqs_cis, inverse)
     r1, r2 = _coefficients(x, freqs_cis, inverse)
     x4 = _bsnd(x.to(torch.float32).contiguous())
-    out = npu().npu_rotary_mul(x4, r1, r2, rotary_mode="interleave")
+    out = operator("rope", "npu_rotary_mul")(x4, r1, r2, rotary_mode="interleave")
     return out.reshape(x.shape).to(x.dtype)
 
 
@@ -95,4 +95,4 @@ PLANS = {"rms_norm": rms_norm_plan, "rope": rope_plan}
 
 
 FAMILY = npu_family("norm_rope", {"rms_norm": rms_norm, "rope": rope},
-                    "RMSNorm (npu_rms_norm) and rotary embedding")
+                    "RMSNorm (npu_rms_norm) and rotary embedding (npu_rotary_mul)")

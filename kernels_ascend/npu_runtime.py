@@ -1,8 +1,11 @@
 """Shared pieces of the torch_npu adapters: the torch_npu handle, their family declaration,
-fallback accounting, exact decoders.
+operator and fallback accounting, exact decoders, row gathers.
 
 ``torch_npu`` is imported only on first use, i.e. when an Ascend op actually runs (the backend
-was chosen, or an ``npu`` tensor reached it); importing this module never imports it.
+was chosen, or an ``npu`` tensor reached it); importing this module never imports it. The adapters
+reach every operator through :func:`operator`, so each call names the op it serves (``flashrt
+conformance`` lists, per op, the operators used and the fallback reasons, see
+:func:`flashrt.conformance.note_route`).
 
 The decoders turn stored bytes into fp32 with integer ops and table look-ups only (no float8
 arithmetic on the device, which the 910B does not have): E4M3 through a 256-entry table, UE8M0 by
@@ -20,6 +23,7 @@ from collections import Counter
 import torch
 
 from flashrt import formats
+from flashrt.conformance import note_route
 from flashrt.families import KernelFamily, Support
 from flashrt.formats import QTensor
 
@@ -60,12 +64,34 @@ def npu():
     return importlib.import_module("torch_npu")
 
 
+def operator(op: str, name: str):
+    """``torch_npu.<name>``, noted as serving ``op`` on this call."""
+    note_route(op, name)
+    return getattr(npu(), name)
+
+
+def via_torch(op: str, what: str) -> None:
+    """Note that ``op`` ran (part of) its work through a torch op on the device by design, e.g.
+    ``torch.topk`` (aclnnTopk) or ``F.linear`` (aclnnMatmul): not a fallback."""
+    note_route(op, f"torch: {what}")
+
+
 def fallback(op: str, reason: str) -> None:
     """Count (and log once) a call served by plain torch on the device instead of an operator."""
     FALLBACKS[(op, reason)] += 1
+    note_route(op, f"plain torch: {reason}")
     if (op, reason) not in _LOGGED:
         _LOGGED.add((op, reason))
         log.info("flashrt: ascend %s falls back to plain torch: %s", op, reason)
+
+
+def declined(op: str, name: str, reason: str) -> None:
+    """Note (and log once) that the fused operator ``name`` does not serve ``op`` on this call and
+    why; the call still runs on the other operators (or plain-torch steps) of its adapter."""
+    note_route(op, f"not {name}: {reason}")
+    if (op, name, reason) not in _LOGGED:
+        _LOGGED.add((op, name, reason))
+        log.info("flashrt: ascend %s does not use %s: %s", op, name, reason)
 
 
 def float_of(t) -> torch.Tensor:
@@ -121,9 +147,21 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (blocks * scale.unsqueeze(-1)).view(q.shape).to(dtype)
 
 
-def gather_rows(kv, idx: torch.Tensor) -> torch.Tensor:
+_ONE_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+
+
+def take_rows(op: str, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` along dim 0 through ``torch_npu.npu_gather_sparse_index`` (index values in
+    ``[0, rows)``). One-byte float types, which the operator does not list, travel as uint8 bytes."""
+    raw = table.view(torch.uint8) if table.dtype in _ONE_BYTE_FLOATS else table
+    out = operator(op, "npu_gather_sparse_index")(raw, index)
+    return out.view(table.dtype) if raw is not table else out
+
+
+def gather_rows(op: str, kv, idx: torch.Tensor) -> torch.Tensor:
     """kv [B|1, T, D] (plain, QTensor or a tuple of segments), idx [B, ...] int64 in [0, T) ->
-    fp32 [B, ..., D]. Quantized rows are gathered as bytes first, then decoded."""
+    fp32 [B, ..., D]. Rows are taken with :func:`take_rows` from ``[B * T, ...]`` views (index
+    ``b * T + t``); quantized rows are gathered as bytes (data and scale), then decoded."""
     if isinstance(kv, tuple):
         out, offset = None, 0
         for seg in kv:
@@ -131,17 +169,19 @@ def gather_rows(kv, idx: torch.Tensor) -> torch.Tensor:
             local = idx - offset
             mine = ((local >= 0) & (local < n)).unsqueeze(-1)
             if n:
-                rows = gather_rows(seg, local.clamp(0, n - 1))
+                rows = gather_rows(op, seg, local.clamp(0, n - 1))
                 out = rows * mine if out is None else torch.where(mine, rows, out)
             offset += n
         return out if out is not None else torch.zeros(*idx.shape, kv[0].shape[-1], device=idx.device)
-    rows_b = kv.shape[0]
-    batch = torch.arange(idx.shape[0], device=idx.device) if rows_b > 1 else torch.zeros(idx.shape[0], dtype=torch.long, device=idx.device)
-    batch = batch.view(-1, *([1] * (idx.dim() - 1)))
+    B, T = kv.shape[0], kv.shape[1]
+    flat = idx
+    if B > 1:
+        flat = idx + (torch.arange(idx.shape[0], device=idx.device) * T).view(-1, *([1] * (idx.dim() - 1)))
     if isinstance(kv, QTensor):
-        data, scale = kv.data[batch, idx], kv.scale[batch, idx]
+        data = take_rows(op, kv.data.reshape(B * T, *kv.data.shape[2:]), flat)
+        scale = take_rows(op, kv.scale.reshape(B * T, *kv.scale.shape[2:]), flat)
         return dequantize(QTensor(data, scale, kv.fmt, tuple(idx.shape) + tuple(kv.shape[-1:])))
-    return kv[batch, idx].to(torch.float32)
+    return take_rows(op, kv.reshape(B * T, *kv.shape[2:]), flat).to(torch.float32)
 
 
 def bf16_exact(seg, dtype: torch.dtype) -> bool:

@@ -9,9 +9,10 @@ from flashrt import refmath as ref
 from flashrt.formats import QTensor
 
 from .npu_runtime import dequantize as exact_dequantize
-from .npu_runtime import fallback, npu, npu_family
+from .npu_runtime import fallback, npu_family, operator, via_torch
 
 HALF = (torch.float16, torch.bfloat16)
+DEQUANT_WHY = "elementwise decoding by integer ops and table look-ups (no operator decodes without float8 math)"
 INT8_T_MIN_SCALE = torch.tensor(formats.spec("int8_t").amax_floor / formats.INT8_MAX).item()  # fp32
 
 
@@ -20,8 +21,9 @@ def _quant_rows_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.round(x.to(torch.float32) / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
 
 
-def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``int8_t`` of a bf16/fp16 ``x [..., N]`` (>= 2 dims) -> (int8 [..., N], fp32 scale [...]).
+def quant_rows(op: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``int8_t`` of a bf16/fp16 ``x [..., N]`` (>= 2 dims) -> (int8 [..., N], fp32 scale [...]),
+    for op ``op``.
 
     ``torch_npu.npu_dynamic_quant(x)`` computes scale = row amax / 127 (fp32) and
     y = round(x / scale). ``int8_t`` floors amax at 2**-126: since fp32 division is monotonic,
@@ -29,7 +31,7 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (all-zero rows, where the operator divides 0 by 0, and denormal rows) get their elements
     recomputed in plain torch with a ``where`` (no host sync).
     """
-    y, scale = npu().npu_dynamic_quant(x)
+    y, scale = operator(op, "npu_dynamic_quant")(x)
     small = scale < INT8_T_MIN_SCALE
     scale = scale.clamp_min(INT8_T_MIN_SCALE)
     y = torch.where(small.unsqueeze(-1), _quant_rows_torch(x, scale), y)
@@ -58,13 +60,14 @@ def quantize(x, fmt):
     if why:
         fallback("quantize", why)
         return formats.quantize(x, fmt)
-    y, scale = quant_rows(x)
+    y, scale = quant_rows("quantize", x)
     return QTensor(y, scale.unsqueeze(-1), fmt, x.shape)
 
 
 def dequantize(q, dtype):
     """``dequantize``: plain torch (elementwise; no operator needed). Bytes are decoded with
     integer ops and table look-ups (``npu_runtime.dequantize``), never with float8 arithmetic."""
+    fallback("dequantize", DEQUANT_WHY)
     return exact_dequantize(q, dtype)
 
 
@@ -80,11 +83,11 @@ def linear_plan(x, weight) -> str | None:
 
 def quant_matmul(x2: torch.Tensor, w: QTensor) -> torch.Tensor:
     """``x2 [M, K]`` bf16/fp16 times ``int8_w [N, K]`` -> ``[M, N]`` in ``x2.dtype``."""
-    xq, xs = quant_rows(x2)
+    xq, xs = quant_rows("linear", x2)
     scale = w.scale.view(-1)  # [N] bf16: exact per-channel scale; fp32 for an fp16 output
     if x2.dtype == torch.float16:
         scale = scale.to(torch.float32)
-    return npu().npu_quant_matmul(xq, w.data.t(), scale, pertoken_scale=xs, output_dtype=x2.dtype)
+    return operator("linear", "npu_quant_matmul")(xq, w.data.t(), scale, pertoken_scale=xs, output_dtype=x2.dtype)
 
 
 def linear_exact(x, weight: QTensor) -> torch.Tensor:
@@ -113,12 +116,13 @@ def linear(x, weight):
             return linear_exact(x, weight)
         return ref.linear(x, weight)
     if not isinstance(weight, QTensor):
+        via_torch("linear", "F.linear (aclnnMatmul)")
         return F.linear(x, weight)
     x2 = x.reshape(-1, x.shape[-1])
     return quant_matmul(x2, weight).reshape(*x.shape[:-1], weight.shape[0])
 
 
-PLANS = {"quantize": quantize_plan, "linear": linear_plan}
+PLANS = {"quantize": quantize_plan, "dequantize": lambda *args: DEQUANT_WHY, "linear": linear_plan}
 
 
 FAMILY = npu_family("quant", {"quantize": quantize, "dequantize": dequantize, "linear": linear},

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from flashrt import refmath
 
-from .npu_runtime import npu_family, positions_of, select_top
+from .npu_runtime import npu_family, positions_of, select_top, via_torch
 
 
 def topk_positions(scores, k, candidates):
@@ -22,6 +22,7 @@ def topk_positions(scores, k, candidates):
     kk = min(k, T)
     if kk == 0:
         return torch.empty(B, S, 0, dtype=torch.int32, device=scores.device)
+    via_torch("topk_positions", "torch.topk (aclnnTopk) for the k-th value; ties and order in plain torch")
     valid = torch.isfinite(scores)
     if candidates is not None:
         valid &= candidates
@@ -37,6 +38,7 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     T = scores.shape[-1]
     if T == 0:
         return torch.zeros_like(scores, dtype=torch.bool)
+    via_torch("candidate_blocks", "torch.topk (aclnnTopk) for the k-th block value; ties in plain torch")
     blocks, pinned = refmath.block_scores(scores, visible, block_size)
     keep = select_top(blocks, torch.isfinite(blocks) | pinned, min(topk_blocks, blocks.shape[-1]))
     return keep.repeat_interleave(block_size, -1)[..., :T]

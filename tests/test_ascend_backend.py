@@ -86,8 +86,8 @@ def test_rope_uses_interleave_mode_with_1s1d_coefficients(npu_emulation, rng, la
     assert rel_err(got, want) < 1e-2
     call = npu_emulation.calls("npu_rotary_mul")[-1]
     rows = S * (B if x.dim() >= 3 else 1)
-    assert call["rotary_mode"] == "interleave" and call["input"].dtype == torch.float32
-    assert tuple(call["input"].shape) == (1, rows, H if x.dim() == 4 else 1, R)
+    assert call["rotary_mode"] == "interleave" and call["self"].dtype == torch.float32
+    assert tuple(call["self"].shape) == (1, rows, H if x.dim() == 4 else 1, R)
     assert tuple(call["r1"].shape) == (1, rows, 1, R)  # 1S1D
     c, s = call["r1"][0, :S, 0], call["r2"][0, :S, 0]
     f0 = freqs if freqs.dim() == 2 else freqs[0]

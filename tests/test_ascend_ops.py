@@ -34,7 +34,7 @@ def test_quantize_int8_t_through_npu_dynamic_quant(npu_emulation, rng, dtype):
     got = ascend("quantize", x, "int8_t")
     want = formats.quantize(x, "int8_t")
     assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
-    assert npu_emulation.calls("npu_dynamic_quant")[-1]["x"] is x
+    assert npu_emulation.calls("npu_dynamic_quant")[-1]["input"] is x
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp4_b16", "fp4_b32"])

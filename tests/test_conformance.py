@@ -54,4 +54,4 @@ def test_cli_writes_the_json_report(tmp_path):
     assert r.returncode == 0 and "ops conform" in r.stdout
     report = json.loads(out.read_text())
     assert report["device_type"] == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert all({"op", "backend", "inputs", "max_rel_err", "tolerance", "pass"} <= set(row) for row in report["rows"])
+    assert all({"op", "backend", "inputs", "max_rel_err", "tolerance", "pass", "route"} <= set(row) for row in report["rows"])

@@ -1,9 +1,10 @@
-"""Emulated npu_sparse_flash_attention (documented form: MLA-absorb, BSND, D 512 + rope 64)."""
+"""Emulated npu_sparse_flash_attention (torch_npu 2.14.0 schema; documented form: MLA-absorb, BSND,
+D 512 + rope 64)."""
 from __future__ import annotations
 
 import torch
 
-from . import _check, _record
+from ._emulated import check as _check, operator
 
 HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -16,18 +17,18 @@ def _check_indices(idx, s2):
     _check(bool((idx[valid] < s2).all()) and bool((idx[~valid] == -1).all()), "sparse_indices out of range")
 
 
+@operator
 def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
                                actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
                                key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
-                               sparse_mode=3, pre_tokens=2**63 - 1, next_tokens=2**63 - 1, attention_mode=0,
-                               return_softmax_lse=False):
+                               sparse_mode=3, pre_tokens=9223372036854775807, next_tokens=9223372036854775807,
+                               attention_mode=0, return_softmax_lse=False, sinks=None):
     """softmax(scale * [q, q_rope] . [k, k_rope]^T over the indexed entries) @ v -> [B, S1, N1, 512].
 
     Rows with no valid index: NaN (see module). sparse_mode 3 masks entries past S2 - S1 + s."""
-    _record("npu_sparse_flash_attention", query=query, key=key, value=value, sparse_indices=sparse_indices,
-            scale_value=scale_value, block_table=block_table, query_rope=query_rope, key_rope=key_rope,
-            sparse_block_size=sparse_block_size, layout_query=layout_query, layout_kv=layout_kv,
-            sparse_mode=sparse_mode, attention_mode=attention_mode, return_softmax_lse=return_softmax_lse)
+    _check(value is not None and sinks is None, "value=None (CANN >= 9.2) and sinks are not emulated")
+    _check(actual_seq_lengths_query is None and actual_seq_lengths_kv is None, "actual lengths are not emulated")
+    _check(pre_tokens == next_tokens == 2**63 - 1, "pre_tokens / next_tokens take only their defaults")
     _check(layout_query == "BSND" and layout_kv == "BSND" and block_table is None, "BSND without paging here")
     _check(attention_mode == 2 and query_rope is not None and key_rope is not None, "attention_mode 2 needs ropes")
     _check(query.dtype in (torch.bfloat16, torch.float16), "bf16 / fp16 only")
@@ -38,6 +39,7 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
     _check(value.shape == key.shape and key.is_contiguous() and value.is_contiguous(), "value like key")
     S2 = key.shape[1]
     _check(query_rope.shape == (B, S1, N1, 64) and key_rope.shape == (B, S2, 1, 64), "rope parts of 64")
+    _check(query_rope.is_contiguous() and key_rope.is_contiguous(), "rope parts must be contiguous")
     _check(sparse_indices.shape[:3] == (B, S1, 1) and sparse_indices.shape[3] > 0, "sparse_indices [B, S1, 1, K]")
     _check(sparse_block_size == 1 and sparse_mode in (0, 3) and not return_softmax_lse, "token-wise, inference")
     _check_indices(sparse_indices, S2)
