@@ -119,3 +119,4 @@ def test_conformance_report_on_the_emulation_lists_each_route(npu_emulation):
     assert all("Ascend 950 only" in r[0] for op in ("hc_coefficients", "hc_collapse", "hc_expand") for r in routes[op])
     assert routes["index_scores"][0][0].startswith("plain torch: npu_lightning_indexer / npu_quant_lightning_indexer")
     assert any(x.startswith("not npu_kv_quant_sparse_flash_attention") for r in routes["sparse_attention"] for x in r)
+    assert routes["gather_cold_rows"][0][0].startswith("plain torch: the pages are in host memory")

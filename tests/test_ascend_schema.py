@@ -64,13 +64,13 @@ def wheel(request):
 
 
 def used_operators() -> set[str]:
-    """The torch_npu operators the adapters call (each call goes through ``_npu.operator``)."""
+    """The torch_npu operators the adapters call (each call goes through ``npu_runtime.operator``)."""
     return {m for f in KERNELS.glob("*.py") for m in OPERATOR_CALL.findall(f.read_text())}
 
 
 def test_adapters_reach_torch_npu_only_through_operator():
     direct = [f.name for f in KERNELS.glob("*.py") if re.search(r"npu\(\)\.npu_", f.read_text())]
-    assert not direct, f"direct torch_npu operator calls (use _npu.operator(op, name)): {direct}"
+    assert not direct, f"direct torch_npu operator calls (use npu_runtime.operator(op, name)): {direct}"
     assert {"npu_rms_norm", "npu_sparse_flash_attention", "npu_moe_init_routing_v2"} <= used_operators()
 
 
