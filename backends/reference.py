@@ -288,6 +288,20 @@ def sample(logits, temperature, generator):
     return gumbel_sample(logits, temperature, generator)
 
 
+def dense_attention(q, k, v, scale):
+    """Softmax over every key in fp32, chunked over query positions."""
+    B, S, H, D = q.shape
+    T = k.shape[1]
+    kf, vf = k.to(torch.float32).transpose(1, 2), v.to(torch.float32).transpose(1, 2)  # [B, H, T, D]
+    out = torch.empty_like(q)
+    step = _chunk(S, B * H * T * 4)
+    for s0 in range(0, S, step):
+        qf = q[:, s0:s0 + step].to(torch.float32).transpose(1, 2)  # [B, H, s, D]
+        p = torch.softmax(torch.matmul(qf, kf.transpose(-1, -2)) * scale, dim=-1)
+        out[:, s0:s0 + step] = torch.matmul(p, vf).transpose(1, 2).to(q.dtype)
+    return out
+
+
 OPS = {name: globals()[name] for name in OP_NAMES}
 
 
