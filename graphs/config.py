@@ -188,7 +188,8 @@ def validate(cfg: ModelConfig) -> None:
     need(cfg.dtype in ("bf16", "fp8"), "dtype", "'bf16' or 'fp8'")
     need(cfg.expert_dtype in (None, "fp4"), "expert_dtype", "'fp4' or null")
     need(cfg.n_shared_experts in (0, 1), "n_shared_experts", "0 or 1")
-    need(cfg.vision_n_layers == 0, "vision_n_layers", "0 (the vision tower is not implemented yet)")
+    if cfg.vision_n_layers:
+        validate_vision(cfg, need)
     for key in ("kv_source_layers", "index_source_layers"):
         need(all(0 <= l < cfg.n_layers and cfg.ratio(l) > 0 for l in getattr(cfg, key)), key,
              "layers with a compress ratio > 0")
@@ -214,11 +215,25 @@ def validate(cfg: ModelConfig) -> None:
              "target layers and n_mtp_layers > 0")
 
 
-SHIPPED = ("tiny", "small", "v4.1-flash")
+def validate_vision(cfg: ModelConfig, need) -> None:
+    """The vision keys of a model with a vision tower (docs/vision.md)."""
+    need(cfg.vision_n_layers > 0 and cfg.vision_dim > 0, "vision_n_layers", "> 0 with vision_dim > 0")
+    need(cfg.vision_n_heads > 0 and cfg.vision_dim % cfg.vision_n_heads == 0
+         and (cfg.vision_dim // cfg.vision_n_heads) % 4 == 0, "vision_n_heads",
+         f"a divisor of vision_dim={cfg.vision_dim} leaving a head dim divisible by 4 (2-D rotary halves)")
+    for key, low in (("vision_inter_dim", 1), ("vision_patch_size", 1), ("vision_downsample_ratio", 1),
+                     ("vision_max_n_token", 4), ("vision_min_pixels", 0)):
+        need(getattr(cfg, key) >= low, key, f">= {low}")
+    need(cfg.vision_rope_theta > 0, "vision_rope_theta", "> 0")
+    need(cfg.vision_max_wh_ratio is None or cfg.vision_max_wh_ratio > 0, "vision_max_wh_ratio", "null or > 0")
+    need(0 <= cfg.image_token_id < cfg.vocab_size, "image_token_id", f"an id below vocab_size={cfg.vocab_size}")
+
+
+SHIPPED = ("tiny", "small", "v4.1-flash", "tiny-vl")
 
 
 def shipped_config(name: str) -> ModelConfig:
-    """A shipped config by name (``tiny``, ``small``, ``v4.1-flash``)."""
+    """A shipped config by name (``tiny``, ``small``, ``v4.1-flash``, ``tiny-vl``)."""
     if name not in SHIPPED:
         raise ValueError(f"model: expected one of {list(SHIPPED)} or a checkpoint directory, got {name!r}")
     text = resources.files("flashrt.graphs").joinpath("configs", f"{name}.json").read_text()

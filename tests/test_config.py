@@ -114,7 +114,7 @@ TINY_RATIOS = shipped_config("tiny").compress_ratios
 
 
 @pytest.mark.parametrize("key, value", [
-    ("vision_n_layers", 1),
+    ("vision_n_layers", -1),
     ("score_func", "relu"),
     ("compress_ratios", TINY_RATIOS[:5]),  # fewer than n_layers
     ("compress_ratios", (3,) * len(TINY_RATIOS)),  # not a supported ratio
