@@ -35,9 +35,16 @@ def model_identity(model) -> str:
     return model._identity
 
 
-def prefix_key(identity: str, tokens) -> str:
+def prefix_key(identity: str, tokens, images=()) -> str:
+    """Key of a prefix: the model, its tokens and the digests of the images whose spans start in it
+    (an image span's tokens are all the image token: only the digest tells two images apart)."""
     data = torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes()
-    return hashlib.sha256(identity.encode() + b":" + data).hexdigest()
+    return hashlib.sha256(identity.encode() + b":" + data + "".join(images).encode()).hexdigest()
+
+
+def image_digests(images, length: int) -> list[str]:
+    """Digests of the images of ``images`` (``[(span start, ImageInput)]``) starting before ``length``."""
+    return [item.digest for start, item in images if start < length]
 
 
 def aligned(n: int, cfg) -> int:
@@ -74,22 +81,24 @@ def import_row(state, row: int, payload: bytes, length: int) -> None:
         c.index_k.write_row(row, 0, index)
 
 
-def lookup(model, cache, tokens: list[int]) -> tuple[int, bytes | None]:
-    """Longest cached aligned prefix of ``tokens``: (length, payload), or (0, None)."""
+def lookup(model, cache, tokens: list[int], images=()) -> tuple[int, bytes | None]:
+    """Longest cached aligned prefix of ``tokens`` (with ``images``, ``[(span start,
+    ImageInput)]``): (length, payload), or (0, None)."""
     ident = model_identity(model)
     for length in range(aligned(len(tokens), model.cfg), 0, -ALIGN):
-        hit = cache.get(prefix_key(ident, tokens[:length]))
+        hit = cache.get(prefix_key(ident, tokens[:length], image_digests(images, length)))
         if hit is not None:
             return length, hit[0]
     return 0, None
 
 
-def store(model, cache, state, row: int, tokens: list[int]) -> bool:
-    """Store ``row``'s aligned prefix of ``tokens`` unless already cached; True if written."""
+def store(model, cache, state, row: int, tokens: list[int], images=()) -> bool:
+    """Store ``row``'s aligned prefix of ``tokens`` (with ``images``) unless already cached; True
+    if written."""
     length = aligned(len(tokens), model.cfg)
     if length == 0:
         return False
-    key = prefix_key(model_identity(model), tokens[:length])
+    key = prefix_key(model_identity(model), tokens[:length], image_digests(images, length))
     if cache.contains(key):
         return False
     cache.put(key, export_row(state, row, length), {"tokens": length, "model": model_identity(model)[:16]})
@@ -97,11 +106,12 @@ def store(model, cache, state, row: int, tokens: list[int]) -> bool:
 
 
 def restore(model, state, payloads: list[bytes], ids: torch.Tensor, length: int,
-            replay: int | None = None) -> torch.Tensor:
+            replay: int | None = None, spans=None) -> torch.Tensor:
     """Load cached global KV (one payload per row, all ``length`` positions) into a fresh
     ``state`` and replay the last ``window_size`` tokens before ``length``; returns the logits at
     position ``length - 1``. ``ids`` [B, >= length] are the rows' tokens. ``replay``: tokens to
-    replay (default ``window_size``; ``length`` replays everything and reproduces a full prefill)."""
+    replay (default ``window_size``; ``length`` replays everything and reproduces a full prefill).
+    ``spans``: the rows' image spans over ``ids`` (:class:`~flashrt.graphs.vision.ImageSpans`)."""
     cfg = model.cfg
     for row, payload in enumerate(payloads):
         import_row(state, row, payload, length)
@@ -114,15 +124,19 @@ def restore(model, state, payloads: list[bytes], ids: torch.Tensor, length: int,
     if model.hasher is not None and start:
         n_hist = state.engram_history.shape[1]
         state.engram_history = model.hasher.token_map(ids[:, max(0, start - n_hist):start].to(model.device))
+        if spans is not None:  # image tokens enter the history as no token
+            state.engram_history[spans.mask[:, max(0, start - n_hist):start]] = -1
         if state.engram_history.shape[1] < n_hist:
             pad = torch.full((state.batch, n_hist - state.engram_history.shape[1]), -1, dtype=torch.long,
                              device=model.device)
             state.engram_history = torch.cat([pad, state.engram_history], dim=1)
-    ctx = model.context(tokens, state)
+    part = None if spans is None else spans.chunk(start, length)
+    ctx = model.context(tokens, state, *model._span_masks(tokens, None, part))
     ctx = StepContext(ctx.positions, ctx.end, state, ctx.rope, ctx.engram_ids,
-                      compress_done=frozenset(cfg.kv_source_layers), next_history=ctx.next_history)
+                      compress_done=frozenset(cfg.kv_source_layers), token_mask=ctx.token_mask,
+                      next_history=ctx.next_history, vl_mask=ctx.vl_mask)
     captured = {} if model.drafts is not None else None
-    x, pre = model.run_layers(*model.embed_tokens(tokens), ctx, range(cfg.n_layers), capture=captured)
+    x, pre = model.run_layers(*model.embed_tokens(tokens, part), ctx, range(cfg.n_layers), capture=captured)
     if captured:
         model.drafts.seed(captured, ctx)
     state.advance(length - start, ctx.next_history)

@@ -30,6 +30,7 @@ class StepContext:
     token_mask: torch.Tensor | None = None  # [B, S] bool, False: no Engram for that token
     entries: dict | None = None  # ratio -> compressed entries to read (a CUDA graph's static bucket)
     next_history: torch.Tensor | None = None  # Engram history after this chunk: committed with advance()
+    vl_mask: torch.Tensor | None = None  # [B, S] bool, True inside an image span: the MoE gate uses bias_vl
 
     def entries_for(self, ratio: int) -> int:
         """Compressed entries a layer of this ``ratio`` reads: every complete group up to ``end``, or

@@ -216,12 +216,12 @@ def expand_prompt(tokens: list[int], images: list, cfg) -> tuple[list[int], list
     tid = cfg.image_token_id
     if not isinstance(images, (list, tuple)):
         raise ValueError(f"images: expected a list of images for one prompt, got {type(images).__name__}")
+    if images and cfg.vision_n_layers <= 0:
+        raise ValueError("images: this model has no vision tower (vision_n_layers = 0)")
     n_slots = sum(1 for t in tokens if t == tid)
     if n_slots != len(images):
         raise ValueError(f"images: the prompt has {n_slots} image placeholder(s) (token {tid}) "
                          f"but {len(images)} image(s) were given")
-    if images and cfg.vision_n_layers <= 0:
-        raise ValueError("images: this model has no vision tower (vision_n_layers = 0)")
     out, types, spans = [], [], []
     queue = iter(images)
     for t in tokens:
