@@ -10,7 +10,7 @@ import flashrt
 from flashrt import ops
 
 from ascend_helpers import fallbacks, npu_emulation, run_both as run_ascend  # noqa: F401
-from kernel_check import assert_error, rel_err, requires_kernels, run_both as run_cuda
+from kernel_check import DEVICE, assert_error, rel_err, requires_kernels, run_both as run_cuda
 
 
 def formula(q, k, v, scale):
@@ -59,7 +59,7 @@ def test_bad_inputs(rng):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1, 16), (2, 70, 37, 2, 16), (1, 33, 100, 3, 48), (1, 17, 5, 1, 64)])
 def test_cuda_kernel_matches_the_reference(rng, dtype, shape):
-    q, k, v = inputs(*shape, dtype, rng)
+    q, k, v = (t.to(DEVICE) for t in inputs(*shape, dtype, rng))
     scale = shape[-1] ** -0.5
     got, want = run_cuda("dense_attention", q, k, v, scale)
     assert got.dtype == dtype and got.shape == q.shape
@@ -68,7 +68,7 @@ def test_cuda_kernel_matches_the_reference(rng, dtype, shape):
 
 @requires_kernels
 def test_cuda_kernel_strided_inputs(rng):
-    qkv = torch.randn(2, 40, 3, 4, 32, generator=rng).bfloat16()  # q, k, v as views of one tensor
+    qkv = torch.randn(2, 40, 3, 4, 32, generator=rng).bfloat16().to(DEVICE)  # q, k, v as views of one tensor
     q, k, v = qkv.unbind(2)
     got, want = run_cuda("dense_attention", q, k, v, 0.2)
     assert rel_err(got, want) < 2e-2
