@@ -126,3 +126,16 @@ def test_image_spans_index_and_chunks(vl_cfg, rng):
     assert part.ranges == ((1, 4, 8),) and part.index.shape == (2, 8)
     assert spans.chunk(30, 40) is None
     assert ImageSpans.build(tower, [[], []], 8, torch.bfloat16) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("grid", [(24, 36), (37, 23)])
+def test_tower_on_cuda_matches_float64_oracle(rng, grid):
+    """The release tower's head dim (64) and grids of hundreds of patches, through the CUDA kernels."""
+    cfg = shipped_config("tiny-vl").replace(vision_dim=256, vision_n_heads=4, vision_inter_dim=512,
+                                             vision_patch_size=14, vision_downsample_ratio=3)
+    w = vision_weights(cfg, int(torch.randint(0, 2**31, (1,), generator=rng)))
+    item = random_image(cfg, *grid, rng)
+    got = VisionTower(cfg, {k: v.cuda() for k, v in w.items()}).image_features(item)
+    assert got.is_cuda and rel_err(got.cpu(), oracle(cfg, w, item)) < 3e-2
