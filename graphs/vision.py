@@ -70,7 +70,8 @@ class VisionTower:
             inter = w1.shape[0] // 2
             self.blocks.append(dict(
                 norm1=w[b + "norm1.weight"], norm2=w[b + "norm2.weight"],
-                wqkv=(w[b + "attn.wqkv.weight"], w[b + "attn.wqkv.bias"]), wo=(w[b + "attn.wo.weight"], w[b + "attn.wo.bias"]),
+                wqkv=(w[b + "attn.wqkv.weight"], w[b + "attn.wqkv.bias"]),
+                wo=(w[b + "attn.wo.weight"], w[b + "attn.wo.bias"]),
                 gate=w1[:inter].unsqueeze(0), up=w1[inter:].unsqueeze(0), down=w[b + "mlp.w2.weight"].unsqueeze(0)))
         self.norm = w["vision.norm.weight"]
         self.aligner = ((w["aligner.w1.weight"], w["aligner.w1.bias"]), (w["aligner.w2.weight"], w["aligner.w2.bias"]))
