@@ -167,3 +167,19 @@ def test_prefix_cache_key_holds_the_image(vl, tmp_path):
     want = vl.forward(ids[:, :length], spans=spans.chunk(0, length))
     assert rel(got, want) < TOL
     assert first.tokens
+
+
+def test_checkpoint_round_trip_keeps_the_vision_weights(vl, tmp_path):
+    import flashrt
+    from flashrt.graphs.params import param_specs
+
+    names = {s.name for s in param_specs(vl.cfg)}
+    assert {"vision.blocks.1.attn.wqkv.bias", "aligner.w2.weight", "image_newline",
+            "layers.0.ffn.gate.bias_vl", "mtp.0.ffn.gate.bias_vl"} <= names
+    vl.save(tmp_path / "ckpt")
+    back = flashrt.load(tmp_path / "ckpt")
+    for name in ("vision.blocks.0.mlp.w1.weight", "image_start", "layers.5.ffn.gate.bias_vl"):
+        assert torch.equal(back.weights[name], vl.weights[name])
+    p = prompt(vl, 9)
+    a, b = generate(vl, [p], 2, images=[picture(9)]), generate(back, [p], 2, images=[picture(9)])
+    assert a.tokens == b.tokens and torch.equal(a.first_logits, b.first_logits)
