@@ -58,7 +58,7 @@ torch.npu = types.SimpleNamespace(  # what `import torch_npu` registers, reduced
 
 from ._ops_basic import npu_dynamic_quant, npu_quant_matmul, npu_rms_norm, npu_rotary_mul  # noqa: E402
 from ._ops_moe import npu_grouped_matmul, npu_moe_gating_top_k  # noqa: E402
-from ._ops_attention import npu_sparse_flash_attention  # noqa: E402
+from ._ops_attention import npu_fusion_attention, npu_sparse_flash_attention  # noqa: E402
 
 __all__ = ["CALLS", "calls", "npu", "npu_rms_norm", "npu_rotary_mul", "npu_dynamic_quant", "npu_quant_matmul",
-           "npu_grouped_matmul", "npu_moe_gating_top_k", "npu_sparse_flash_attention"]
+           "npu_grouped_matmul", "npu_moe_gating_top_k", "npu_sparse_flash_attention", "npu_fusion_attention"]
