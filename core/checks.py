@@ -191,3 +191,9 @@ def paged_keys(name: str, k, spec: str, env: dict, formats, device=None) -> None
     if k.length:
         used = k.block_table[:, : -(-k.length // k.page_size)]
         index_range(f"{name}.block_table", used, 0, rows // k.page_size)
+
+
+def same_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """``t`` has ``dtype`` (the dtype of the op's first input)."""
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype} (the dtype of q), got {t.dtype}")

@@ -70,6 +70,7 @@ def _cases(dev, g):
     yield "moe_experts", (r(8, 256), torch.rand(8, 2, generator=g).to(dev), i32(0, 8, 8, 2), w(8, 128, 256),
                           w(8, 128, 256), w(8, 256, 128), 10.0)
     yield "sample", (f32(4, 1000), 0.0)
+    yield "dense_attention", (r(1, 324, 16, 64), r(1, 324, 16, 64), r(1, 324, 16, 64), 64 ** -0.5)
     yield "gather_cold_rows", (_host_pages(ops.quantize(torch.randn(6, 16, 512, generator=g), MAIN_KV_FORMAT), dev),
                                torch.randint(-1, 6, (2, 8), generator=g).to(dev), i32(-1, 128, 2, 40),
                                i32(-1, 300, 2, 40), 300)

@@ -372,8 +372,28 @@ def gather_cold_rows(host: QTensor, host_ids, picks, index, offset: int):
     return _impl("gather_cold_rows", device)(host, host_ids, picks, index, offset)
 
 
+def dense_attention(q, k, v, scale: float) -> torch.Tensor:
+    """Bidirectional attention (every query sees every key; e.g. the ViT over an image's patches):
+    ``q [B, S, H, D]``, ``k, v [B, T, H, D]`` (``T >= 1``), all one float dtype, ``scale`` float
+    -> ``[B, S, H, D]`` ``q.dtype``.
+
+    ``out[b, s, h] = sum_t softmax_t(scale * <q[b, s, h], k[b, t, h]>) v[b, t, h]``. Math in fp32.
+    """
+    env: dict = {}
+    c.tensor("q", q, "B S H D", env, c.FLOATS)
+    c.tensor("k", k, "B T H D", env, c.FLOATS, q.device)
+    c.tensor("v", v, "B T H D", env, c.FLOATS, q.device)
+    c.same_dtype("k", k, q.dtype)
+    c.same_dtype("v", v, q.dtype)
+    if env["T"] < 1:
+        raise ValueError(f"k: expected at least one key (T >= 1), got shape {tuple(k.shape)}")
+    c.number("scale", scale)
+    return _impl("dense_attention", q.device)(q, k, v, float(scale))
+
+
 OPS = (
     "rms_norm", "rope", "quantize", "dequantize", "linear", "sparse_attention", "index_scores",
     "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
     "hc_expand", "engram_lookup", "engram_gate", "moe_route", "moe_experts", "sample", "gather_cold_rows",
+    "dense_attention",
 )

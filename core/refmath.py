@@ -316,3 +316,17 @@ def gather_cold_rows(host, host_ids, picks, index, offset):
     slots = offset + torch.arange(B * N, device=dev, dtype=torch.int64).view(B, N)
     out = torch.where(cold, slots, index.long()).to(torch.int32)
     return QTensor(staged[0], staged[1], host.fmt, (1, B * N, host.shape[-1])), out
+
+
+def dense_attention(q, k, v, scale):
+    """Softmax over every key in fp32, chunked over query positions."""
+    B, S, H, D = q.shape
+    T = k.shape[1]
+    kf, vf = k.to(torch.float32).transpose(1, 2), v.to(torch.float32).transpose(1, 2)  # [B, H, T, D]
+    out = torch.empty_like(q)
+    step = _chunk(S, B * H * T * 4)
+    for s0 in range(0, S, step):
+        qf = q[:, s0:s0 + step].to(torch.float32).transpose(1, 2)  # [B, H, s, D]
+        p = torch.softmax(torch.matmul(qf, kf.transpose(-1, -2)) * scale, dim=-1)
+        out[:, s0:s0 + step] = torch.matmul(p, vf).transpose(1, 2).to(q.dtype)
+    return out

@@ -12,6 +12,7 @@ import torch
 
 from flashrt import ops
 from flashrt.graphs.context import StepContext
+from flashrt.graphs.image_processor import expand_prompt
 from flashrt.graphs.prefill import PREFILLS
 from flashrt.kv.state import KVState
 
@@ -29,6 +30,7 @@ class GenerateResult:
     first_logits: torch.Tensor = field(repr=False, default=None)  # [B, vocab] after prefill
     state: KVState | None = field(repr=False, default=None)
     step_capture: dict | None = None  # captured / replayed / fallback step counts with cuda_graph
+    image_tokens: int = 0  # prompt tokens in image spans (counted in prompt_tokens)
 
 
 def profile_kv_sizes(model, kv_budget: int | None, page_entries: int | None) -> tuple:
@@ -64,10 +66,31 @@ def _as_sequences(prompts) -> list[list[int]]:
     return seqs
 
 
+def _with_images(model, seqs: list[list[int]], images) -> tuple[list[list[int]], list[list]]:
+    """(prompts with each image placeholder expanded to its span, per prompt ``[(start, ImageInput)]``)."""
+    if images is None:
+        return seqs, [[] for _ in seqs]
+    if not isinstance(images, (list, tuple)) or len(images) != len(seqs):
+        got = len(images) if isinstance(images, (list, tuple)) else type(images).__name__
+        raise ValueError(f"images: expected one entry (an image, a list of images or None) per prompt "
+                         f"({len(seqs)}), got {got}")
+    tid, vocab = model.cfg.image_token_id, model.cfg.vocab_size
+    if model.vision is not None and not 0 <= tid < vocab:
+        raise ValueError(f"images: the config's image_token_id {tid} is not a token id (vocab_size={vocab})")
+    out, spans = [], []
+    for tokens, entry in zip(seqs, images):
+        entry = [] if entry is None else list(entry) if isinstance(entry, (list, tuple)) else [entry]
+        tokens, _, found = expand_prompt(tokens, entry, model.cfg)
+        out.append(tokens)
+        spans.append(found)
+    return out, spans
+
+
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, prefill: str = "exact",
              generator: torch.Generator | None = None, seed: int | None = None, eos_token_id: int | None = None,
              kv_budget: int | None = None, prefill_chunk: int | None = None, kv_page_entries: int | None = None,
-             prefix_cache=None, cuda_graph: bool | None = None, prefix_replay: int | None = None, progress=None):
+             prefix_cache=None, cuda_graph: bool | None = None, prefix_replay: int | None = None, progress=None,
+             images=None):
     """Prefill every prompt, then decode ``max_new_tokens`` tokens for all of them together.
 
     ``kv_budget``: device bytes for the batch's whole KV state; main-KV pages beyond it live in
@@ -82,18 +105,20 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     (bounded replay, an approximation; nothing is stored then). ``cuda_graph``: run the decode
     steps from captured CUDA graphs (:mod:`flashrt.engine.step_capture`); None: on CUDA devices.
     ``progress(phase, done, total)``: called as the prompt tokens are prefilled (``"prefill"``) and
-    as new tokens are decoded (``"decode"``)."""
+    as new tokens are decoded (``"decode"``). ``images``: one entry per prompt (an image, a list of
+    images or None; an image is a path, bytes, a PIL image or a base64 data URL); each image
+    replaces, in order, one ``image_token_id`` of its prompt by its span (docs/vision.md)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
         raise ValueError(f"prefill: expected one of {list(PREFILLS)}, got {prefill!r}")
     prefix.check_replay(prefix_replay)
-    seqs = _as_sequences(prompts)
+    t0 = time.perf_counter()  # image preprocessing counts towards the prefill time
+    seqs, images = _with_images(model, _as_sequences(prompts), images)
     if generator is None and seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
     capacity = max(map(len, seqs)) + max_new_tokens
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
     order, states, logits = [], [], []
     given = kv_budget
     kv_budget, kv_page_entries, cold_bytes = profile_kv_sizes(model, kv_budget, kv_page_entries)
@@ -104,15 +129,17 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
             raise
         raise ValueError(f"{exc} (the budget comes from profile {model.profile.name!r}: its hot + warm fractions of "
                          f"the device memory left; pass kv_budget= or free device memory)") from exc
-    hits = [prefix.lookup(model, prefix_cache, s, prefill) if prefix_cache is not None else (0, None) for s in seqs]
+    hits = [prefix.lookup(model, prefix_cache, s, prefill, im) if prefix_cache is not None else (0, None)
+            for s, im in zip(seqs, images)]
     report = progress or (lambda phase, done, total: None)
     report("prefill", 0, sum(map(len, seqs)))
     for length, hit in sorted({(len(s), h[0]) for s, h in zip(seqs, hits)}):
         rows = [i for i, s in enumerate(seqs) if len(s) == length and hits[i][0] == hit]
         ids = model._check_ids(torch.tensor([seqs[i] for i in rows], dtype=torch.long))
         state = model.new_state(len(rows), capacity, pool=pool)
+        spans = model.image_spans([images[i] for i in rows], length)
         out = prefix.prefill(model, ids, state, prefix_cache, hit, [hits[i][1] for i in rows], prefill,
-                             prefill_chunk, prefix_replay)
+                             prefill_chunk, prefix_replay, spans, [images[i] for i in rows])
         logits.append(out)
         order += rows
         report("prefill", sum(len(seqs[i]) for i in order), sum(map(len, seqs)))
@@ -141,4 +168,5 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     t2 = time.perf_counter()
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return GenerateResult(out, sum(map(len, seqs)), sum(map(len, out)), t1 - t0, t2 - t1,
-                          first_logits[inverse], state, graphs.stats if graphs else None)
+                          first_logits[inverse], state, graphs.stats if graphs else None,
+                          sum(item.n_tokens for row in images for _, item in row))

@@ -25,6 +25,7 @@ from flashrt.graphs import chat_format, checkpoint
 from flashrt.graphs.builtin_tokenizer import ensure_builtin_tokenizer
 from flashrt.graphs.config import SHIPPED, ModelConfig, shipped_config
 from flashrt.graphs.devices import resolve_device
+from flashrt.graphs.image_processor import open_image
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
@@ -36,6 +37,7 @@ OP_FAMILIES = {
     "linear": ("linear",), "moe": ("moe_route", "moe_experts"), "norm+rope": ("rms_norm", "rope"),
     "mhc": ("hc_coefficients", "hc_collapse", "hc_expand"), "compress": ("compress_pool",),
     "engram": ("engram_lookup", "engram_gate"), "quant": ("quantize", "dequantize"), "sample": ("sample",),
+    "vision": ("dense_attention",),
 }
 
 
@@ -66,41 +68,59 @@ def pick_device(device: str | None) -> torch.device:
     return dev if dev is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+BUILTIN = ("tiny", "small", "tiny-vl")  # the shipped configs that get built-in weights
+
+
 def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = False, profile=None) -> Model:
-    """``tiny`` / ``small`` (built-in) or a checkpoint directory -> Model on ``device``."""
+    """``tiny`` / ``small`` / ``tiny-vl`` (built-in) or a checkpoint directory -> Model on ``device``."""
     if model in SHIPPED and not os.path.isdir(model):
-        if model not in ("tiny", "small"):
+        if model not in BUILTIN:
             raise ValueError(f"model: {model!r} has no built-in weights; pass its checkpoint directory")
         path = builtin_checkpoint(model, seed, quiet)
     else:
         path = Path(model)
         if not (path / "config.json").exists():
-            raise ValueError(f"model: expected 'tiny', 'small' or a checkpoint directory with config.json, got {model!r}")
+            raise ValueError(f"model: expected one of {list(BUILTIN)} or a checkpoint directory with config.json, "
+                             f"got {model!r}")
     return load(path, device=device, profile=profile, progress=Progress(f"loading {path.name}", enabled=not quiet))
 
 
-def chat_messages(chat: str, system: str | None = None) -> list[dict]:
-    """The conversation of ``flashrt run --chat``: an optional system turn and one user turn."""
+def chat_messages(chat: str, system: str | None = None, images=()) -> list[dict]:
+    """The conversation of ``flashrt run --chat``: an optional system turn and one user turn (its
+    ``images`` first, then the text)."""
     for name, text in (("chat", chat), ("system", system)):
         if text is not None and not isinstance(text, str):
             raise ValueError(f"{name}: expected a str, got {type(text).__name__}")
     if not chat:
         raise ValueError("chat: expected a non-empty message")
-    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": chat}]
+    content = [{"type": "image", "image": i} for i in images] + [{"type": "text", "text": chat}] if images else chat
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
 
 
 def encode_request(tok, vocab_size: int, prompt: str | None, chat: str | None, system: str | None,
-                   thinking: bool, effort) -> list[int]:
-    """Prompt ids: ``chat`` (+ ``system``) in the chat format, else ``prompt`` with the tokenizer's BOS rule."""
+                   thinking: bool, effort, images=()) -> list[int]:
+    """Prompt ids: ``chat`` (+ ``system``) in the chat format, else ``prompt`` with the tokenizer's
+    BOS rule; one image placeholder per image, before the text."""
     if chat is not None:
-        ids = chat_format.encode(tok, chat_messages(chat, system), thinking=thinking, effort=effort)
+        ids = chat_format.encode(tok, chat_messages(chat, system, images), thinking=thinking, effort=effort)
     else:
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"prompt: expected a non-empty str, got {prompt!r}")
-        ids = tok.encode(prompt)
+        ids = tok.encode(chat_format.IMAGE * len(images) + prompt)
     if max(ids) >= vocab_size:
         raise ValueError(f"prompt: token id {max(ids)} is past the model's vocab_size {vocab_size}")
     return ids
+
+
+def check_image_token(model, tok) -> None:
+    """``ValueError`` unless the model has a vision tower and its tokenizer spells the image
+    placeholder as the config's ``image_token_id``."""
+    if model.vision is None:
+        raise ValueError(f"images: model {model.cfg.name!r} has no vision tower (vision_n_layers = 0)")
+    tid = tok.token_id(chat_format.IMAGE)
+    if tid != model.cfg.image_token_id:
+        raise ValueError(f"images: the tokenizer ({tok.describe()}) spells {chat_format.IMAGE} as {tid}, "
+                         f"expected the config's image_token_id {model.cfg.image_token_id}")
 
 
 def phase_progress(enabled: bool):
@@ -134,16 +154,21 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         backend: str | None = None, prefill: str = "exact", temperature: float = 0.0, seed: int = 0,
         quiet: bool = False, threads: int | None = None, kv_budget: int | None = None,
         prefill_chunk: int | None = None, cuda_graph: bool | None = None, prefix_cache: str | None = None,
-        chat: str | None = None, system: str | None = None, thinking: bool = True, effort=None) -> dict:
+        chat: str | None = None, system: str | None = None, thinking: bool = True, effort=None,
+        images=None) -> dict:
     """The whole job; returns the report as a dict (the CLI prints it). ``chat`` replaces
-    ``prompt`` with a chat turn (``system``, ``thinking``, ``effort``: chat_format.render)."""
+    ``prompt`` with a chat turn (``system``, ``thinking``, ``effort``: chat_format.render).
+    ``images``: image files (or other image sources) shown before the text (docs/vision.md)."""
+    images = [images] if isinstance(images, (str, bytes, os.PathLike)) else list(images or ())
     if chat is not None:  # bad chat input fails before the model loads
         chat_messages(chat, system)
         chat_format.effort_budget(effort)
     elif system is not None:
         raise ValueError("system: a system prompt needs --chat (a plain --prompt is continued as is)")
+    for image in images:  # an unreadable image fails before the model loads
+        open_image(image)
     dev = pick_device(device)
-    if dev.type == "cpu" and threads is None and model == "tiny":
+    if dev.type == "cpu" and threads is None and model in ("tiny", "tiny-vl"):
         threads = 1  # tiny ops: thread fan-out costs more than it gains (docs/performance.md)
     if threads:
         torch.set_num_threads(threads)
@@ -154,12 +179,14 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         m = load_model(model, dev, seed, quiet, profile=profile)
         load_s = time.perf_counter() - t0
         tok = m.tokenizer
-        ids = encode_request(tok, m.cfg.vocab_size, prompt, chat, system, thinking, effort)
+        if images:
+            check_image_token(m, tok)
+        ids = encode_request(tok, m.cfg.vocab_size, prompt, chat, system, thinking, effort, images)
         t_gen = time.perf_counter()
         result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
                           prefix_cache=cache, eos_token_id=tok.eos_id if chat is not None else None,
                           kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph,
-                          progress=phase_progress(not quiet))
+                          progress=phase_progress(not quiet), images=[images] if images else None)
         families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
                     for fam, ops in OP_FAMILIES.items()}
     ttft_load = t_gen - t0 + result.prefill_seconds  # the first token's logits, from the start of loading
@@ -172,7 +199,9 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "tokenizer": tok.describe(), "prompt": None if chat is not None else prompt,
         "chat": None if chat is None else {"system": system, "user": chat, "thinking": thinking,
                                            "effort": chat_format.effort_budget(effort) if thinking else None},
-        "prompt_tokens": result.prompt_tokens, "new_tokens": result.new_tokens,
+        "prompt_tokens": result.prompt_tokens, "image_tokens": result.image_tokens,
+        "images": [str(i) if isinstance(i, (str, os.PathLike)) else type(i).__name__ for i in images],
+        "new_tokens": result.new_tokens,
         "new_token_ids": result.tokens[0], "new_text": tok.decode(result.tokens[0]),
         "message": None if chat is None else chat_format.decode_message(tok, result.tokens[0], thinking=thinking),
         "load_seconds": load_s, "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,

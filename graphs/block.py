@@ -40,5 +40,5 @@ class Block:
         x = ops.hc_expand(self.attn.forward(self.attention_input(x, pre_mix), ctx), x, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.mixes(x, "ffn")
         h = ops.rms_norm(ops.hc_collapse(x, attn_pre), self.ffn_norm, eps)
-        x = ops.hc_expand(self.ffn.forward(h, ctx.shared_route), x, ffn_post, ffn_comb)
+        x = ops.hc_expand(self.ffn.forward(h, ctx.shared_route, ctx.vl_mask), x, ffn_post, ffn_comb)
         return x, ffn_pre

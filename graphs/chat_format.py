@@ -1,6 +1,8 @@
 """The DeepSeek-V4.1 chat format: messages -> prompt text / token ids, generated ids -> a message.
 
-Messages are OpenAI-style dicts: ``system`` / ``user`` (``content``), ``assistant`` (``content``,
+Messages are OpenAI-style dicts: ``system`` / ``user`` (``content``: a str, or a list of text
+parts and, in user turns, ``image_url`` / ``image`` parts, each rendered as one image placeholder
+``<｜deepseek_image｜>`` where it stands; :func:`images` lists them), ``assistant`` (``content``,
 ``reasoning_content``, ``tool_calls`` ``[{"id", "type": "function", "function": {"name",
 "arguments"}}]``) and ``tool`` (``tool_call_id``, ``content``). The layout follows the release's
 ``encoding/encoding.py`` (docs/chat.md):
@@ -37,7 +39,7 @@ DEFAULT_EFFORT = "high"
 EFFORT_LINE = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 ROLES = ("system", "user", "assistant", "tool")
 
-__all__ = ["ChatFormatError", "render", "encode", "parse", "decode_message", "effort_budget"]
+__all__ = ["ChatFormatError", "render", "encode", "parse", "decode_message", "effort_budget", "images"]
 
 
 def effort_budget(effort) -> int:
@@ -52,6 +54,43 @@ def effort_budget(effort) -> int:
     return effort
 
 
+def _part_image(part: dict, where: str):
+    """The image source of an ``image_url`` / ``image`` content part."""
+    if part.get("type") == "image":
+        return part.get("image")
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}.image_url: expected a URL string or {{'url': ...}}, got {part.get('image_url')!r}")
+    return url
+
+
+def _parts(content, where: str, role: str) -> tuple[str, list]:
+    """A list of OpenAI-style content parts -> (text with one image placeholder per image part,
+    the images in order). Parts: ``{"type": "text", "text"}``, ``{"type": "image_url",
+    "image_url": {"url"}}`` and ``{"type": "image", "image"}`` (images in user turns only)."""
+    text, images = "", []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            if IMAGE in part["text"]:
+                raise ValueError(f"{where}[{k}]: the image placeholder {IMAGE} cannot appear in text")
+            text += part["text"]
+        elif kind in ("image_url", "image") and role == "user":
+            images.append(_part_image(part, f"{where}[{k}]"))
+            text += IMAGE
+        else:
+            raise ValueError(f"{where}[{k}]: expected a text part (or an image_url / image part in a user "
+                             f"turn), got {part!r:.80}")
+    return text, images
+
+
+def images(messages) -> list:
+    """The images of ``messages``' content parts, in the order their placeholders are rendered."""
+    return [img for i, m in enumerate(messages or ()) if isinstance(m, dict) and isinstance(m.get("content"), list)
+            for img in _parts(m["content"], f"messages[{i}].content", m.get("role"))[1]]
+
+
 def _checked(messages, tools) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages: expected a non-empty list of message dicts")
@@ -59,12 +98,19 @@ def _checked(messages, tools) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ValueError(f"messages[{i}]: expected a dict with role in {list(ROLES)}, got {m!r}")
+        parts = None
+        if isinstance(m.get("content"), list):
+            parts, _ = _parts(m["content"], f"messages[{i}].content", m["role"])
+            m = {**m, "content": None}
         for key in ("content", "reasoning_content"):
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise ValueError(f"messages[{i}].{key}: expected a str, got {type(m[key]).__name__}")
         if IMAGE in (m.get("content") or "") + (m.get("reasoning_content") or ""):
             raise ValueError(f"messages[{i}]: the image placeholder {IMAGE} cannot appear in text")
-        out.append(copy.deepcopy(m))
+        m = copy.deepcopy(m)
+        if parts is not None:
+            m["content"] = parts
+        out.append(m)
     if tools:
         if out[0]["role"] != "system":
             out.insert(0, {"role": "system", "content": ""})

@@ -129,7 +129,7 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 def encode(weights: dict, cfg: ModelConfig, fp4_dtype: str = "auto") -> dict[str, torch.Tensor]:
     """The tensors to store for ``weights`` (validated like a load), in ``param_specs`` order, on CPU."""
-    specs = param_specs(cfg)
+    specs = param_specs(published.text_config(cfg) if published.text_only(cfg, weights, False) else cfg)
     found = {k: type(v).__name__ for k, v in weights.items()}
     check_names(specs, found | {s.scale_name: "scale" for s in specs if s.scale_name and s.name in found})
     store4, out = fp4_store_dtype(fp4_dtype), {}
@@ -256,11 +256,15 @@ def load(path, cfg: ModelConfig | None = None, device=None, verify: bool = False
     if verify:
         verify_checksums(path, verify_files)
     cfg = cfg if cfg is not None else read_config(path)
-    specs, weights, check_finite = param_specs(cfg), {}, checks_enabled(check_finite)
+    weights, check_finite = {}, checks_enabled(check_finite)
     with contextlib.ExitStack() as stack:
         where = open_shards(path, stack)
         headers = {k: h.get_slice(k) for k, h in where.items()}
-        ignored = published.vision_tensors(headers, cfg)
+        text_only = published.text_only(cfg, headers, published.is_published(path))
+        specs = param_specs(published.text_config(cfg) if text_only else cfg)
+        ignored = published.vision_tensors(headers, cfg) if text_only else []
+        if text_only and not ignored:
+            published.log_no_vision(cfg)
         fp8_plain = published.fp8_plain(specs, {k: v.get_dtype() for k, v in headers.items()})
         skip = set(ignored)
         check_names(specs, {k: f"{v.get_dtype()} {v.get_shape()}" for k, v in headers.items() if k not in skip},

@@ -105,7 +105,7 @@ class ModelConfig:
     # ----- derived facts -----------------------------------------------------------------------
     @property
     def vision_enabled(self) -> bool:
-        """The checkpoint has a vision tower (flashrt runs text only: its tensors are not loaded)."""
+        """The config describes a vision tower (``vision_n_layers > 0``; docs/vision.md)."""
         return self.vision_n_layers > 0
 
     @property
@@ -236,17 +236,27 @@ def _validate_extras(cfg: ModelConfig, need) -> None:
         routed, active = cfg.n_experts(cfg.n_layers)
         need(active <= routed, "dspark_n_activated_experts", f"at most the draft layers' {routed} routed experts")
     if cfg.vision_n_layers:
-        for key in ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
-                    "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels"):
-            need(getattr(cfg, key) > 0, key, "> 0 with a vision tower (vision_n_layers > 0)")
-        need(cfg.vision_dim % cfg.vision_n_heads == 0, "vision_n_heads", f"a divisor of vision_dim={cfg.vision_dim}")
+        validate_vision(cfg, need)
 
 
-SHIPPED = ("tiny", "small", "v4.1-flash")
+def validate_vision(cfg: ModelConfig, need) -> None:
+    """The vision keys of a model with a vision tower (docs/vision.md)."""
+    for key in ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+                "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels"):
+        need(getattr(cfg, key) > 0, key, "> 0 with a vision tower (vision_n_layers > 0)")
+    need(cfg.vision_dim % cfg.vision_n_heads == 0 and (cfg.vision_dim // cfg.vision_n_heads) % 4 == 0,
+         "vision_n_heads",
+         f"a divisor of vision_dim={cfg.vision_dim} leaving a head dim divisible by 4 (2-D rotary halves)")
+    need(cfg.vision_max_n_token >= 4, "vision_max_n_token", ">= 4 (one 2 x 2 merged patch grid)")
+    need(cfg.vision_rope_theta > 0, "vision_rope_theta", "> 0")
+    need(cfg.vision_max_wh_ratio is None or cfg.vision_max_wh_ratio > 0, "vision_max_wh_ratio", "null or > 0")
+
+
+SHIPPED = ("tiny", "small", "v4.1-flash", "tiny-vl")
 
 
 def shipped_config(name: str) -> ModelConfig:
-    """A shipped config by name (``tiny``, ``small``, ``v4.1-flash``)."""
+    """A shipped config by name (``tiny``, ``small``, ``v4.1-flash``, ``tiny-vl``)."""
     if name not in SHIPPED:
         raise ValueError(f"model: expected one of {list(SHIPPED)} or a checkpoint directory, got {name!r}")
     text = resources.files("flashrt.graphs").joinpath("configs", f"{name}.json").read_text()

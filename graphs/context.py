@@ -42,6 +42,7 @@ class StepContext:
     token_mask: torch.Tensor | None = None  # [B, S] bool, False: no Engram for that token
     compress_done: frozenset = frozenset()  # KV sources whose entries for this chunk exist (CED)
     next_history: torch.Tensor | None = None  # Engram history after this chunk: committed with advance()
+    vl_mask: torch.Tensor | None = None  # [B, S] bool, True inside an image span: the MoE gate uses bias_vl
     selections: dict = field(default_factory=dict)  # index-source layer -> Selection (published)
     candidates: torch.Tensor | None = None  # the candidate source's blocks (published)
 

@@ -109,9 +109,10 @@ def inspect(path, device=None, context: int = 4096) -> dict:
     hf = isinstance(raw, dict) and "text_config" in raw
     tokens = special_tokens(read_keys(raw)[2])
     found, shards, missing_shards = _tensors(path)
-    specs = param_specs(cfg)
+    text_only = published.text_only(cfg, found, hf)
+    specs = param_specs(published.text_config(cfg) if text_only else cfg)
     fp8 = published.fp8_plain(specs, {k: v[0] for k, v in found.items()})
-    ignored = published.vision_tensors(found, cfg)
+    ignored = published.vision_tensors(found, cfg) if text_only else []
     expected = expected_names(specs, fp8)
     missing = [n for n in expected if n not in found]
     unexpected = sorted(set(found) - set(expected) - set(ignored))

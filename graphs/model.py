@@ -17,6 +17,7 @@ from .context import RopeCache, StepContext, StepNeeds
 from .engram import EngramPrefetch, place_tables
 from .engram_hash import EngramHasher, EngramLayout, TokenMap
 from .moe import SharedRoutes
+from .vision import ImageSpans, VisionTower
 
 
 class Model:
@@ -41,6 +42,8 @@ class Model:
         self._state: KVState | None = None
         engrams = [b.engram for b in self.blocks if b.engram is not None]
         self.prefetch = EngramPrefetch(engrams, self.device) if engrams and engram_placement != "device" else None
+        # a text-only load of a vision config has no vision weights (graphs/published.py)
+        self.vision = VisionTower(cfg, weights) if cfg.vision_n_layers and "vision.norm.weight" in weights else None
         self.drafts = None
         if cfg.dspark_block_size:
             from .dspark import Drafts
@@ -70,13 +73,14 @@ class Model:
         return input_ids.to(device=self.device, dtype=torch.long)
 
     def context(self, ids: torch.Tensor, state: KVState, token_mask: torch.Tensor | None = None,
-                compress_done: frozenset = frozenset()) -> StepContext:
+                compress_done: frozenset = frozenset(), vl_mask: torch.Tensor | None = None) -> StepContext:
         """The step context of a chunk ``ids`` [B, S] continuing ``state`` (positions, Engram hashes
         and the rest of :meth:`step_context`); opens the state's step (:meth:`KVState.begin_step`).
 
         ``token_mask`` [B, S] bool: False marks tokens (e.g. image tokens) that take no part in an
         n-gram and whose Engram gate is off. ``compress_done``: KV sources whose compressed entries
-        for this chunk are already stored (their compressors are skipped)."""
+        for this chunk are already stored (their compressors are skipped). ``vl_mask`` [B, S] bool:
+        True marks image-span tokens, routed with ``bias_vl``."""
         S = ids.shape[1]
         end = max(state.host_positions) + S
         state.begin_step(S)
@@ -89,7 +93,7 @@ class Model:
             engram_ids, history = self.hasher.hash_ids(ids, state.engram_history, token_mask)
         # the state changes only when the chunk has run (advance): a failed call can be retried
         ctx = self.step_context(state, positions, end, engram_ids=engram_ids, token_mask=token_mask,
-                                compress_done=compress_done, next_history=history)
+                                compress_done=compress_done, next_history=history, vl_mask=vl_mask)
         if self.prefetch is not None and not state.is_meta:
             self.prefetch.start(ctx)
         return ctx
@@ -103,8 +107,12 @@ class Model:
         return None if self.routes is None else self.routes(tokens, self.device)
 
     # ----- pieces ----------------------------------------------------------------------------------
-    def embed_tokens(self, ids: torch.Tensor):
+    def embed_tokens(self, ids: torch.Tensor, spans: ImageSpans | None = None):
+        """Token embeddings [B, S, hc, dim] and the one-hot first mix; image-span positions take
+        their span embeddings (``spans``, see :class:`~flashrt.graphs.vision.ImageSpans`)."""
         x = self.embed[ids]  # [B, S, dim]
+        if spans is not None:
+            x = torch.where(spans.mask.unsqueeze(-1), spans.rows[spans.index.clamp_min(0)].to(x.dtype), x)
         x = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
         pre = torch.zeros(*ids.shape, self.cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre[..., 0] = 1.0
@@ -129,27 +137,51 @@ class Model:
 
     # ----- public ----------------------------------------------------------------------------------
     def forward(self, input_ids, start_pos: int = 0, all_positions: bool = False, state: KVState | None = None,
-                token_mask: torch.Tensor | None = None):
+                token_mask: torch.Tensor | None = None, spans: ImageSpans | None = None):
         """fp32 logits ``[B, vocab]`` of the last position (``[B, S, vocab]`` with ``all_positions``).
 
         ``start_pos == 0`` starts new sequences in the internal state; ``start_pos > 0`` continues
         it and must equal the number of tokens already run. ``token_mask`` [B, S] bool (optional):
-        False gates the Engram contribution off for those tokens (image tokens).
+        False gates the Engram contribution off for those tokens (image tokens). ``spans``: the
+        image spans of this chunk (:meth:`image_spans`); their positions take the image
+        embeddings, skip Engram and route with ``bias_vl``.
         """
         ids = self._check_ids(input_ids)
         if token_mask is not None and (not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool
                                        or token_mask.shape != ids.shape):
             raise ValueError(f"token_mask: expected a bool tensor {tuple(ids.shape)}, got {token_mask!r:.80}")
+        token_mask, vl_mask = self._span_masks(ids, token_mask, spans)
         state = self._state_for(ids, start_pos, state)
-        ctx = self.context(ids, state, None if token_mask is None else token_mask.to(self.device))
-        logits = self.run(ids, ctx, all_positions)
+        ctx = self.context(ids, state, token_mask, vl_mask=vl_mask)
+        logits = self.run(ids, ctx, all_positions, spans)
         state.advance(ids.shape[1], ctx.next_history)
         return logits
 
-    def run(self, ids: torch.Tensor, ctx: StepContext, all_positions: bool = False) -> torch.Tensor:
-        """Every layer over ``ids`` in context ``ctx``, nothing committed (``ctx.state.advance`` does):
+    def image_spans(self, rows_spans: list, length: int) -> ImageSpans | None:
+        """:class:`ImageSpans` of rows of ``length`` tokens with ``rows_spans[b] = [(start,
+        ImageInput), ...]`` (as :func:`~flashrt.graphs.image_processor.expand_prompt` returns them);
+        every image goes through the vision tower once."""
+        if self.vision is None and any(rows_spans):
+            raise ValueError("images: this model has no vision tower (vision_n_layers = 0)")
+        return ImageSpans.build(self.vision, rows_spans, length, self.embed.dtype) if any(rows_spans) else None
+
+    def _span_masks(self, ids, token_mask, spans):
+        """(Engram token mask, bias_vl mask) of a chunk: span positions are image tokens."""
+        if token_mask is not None:
+            token_mask = token_mask.to(self.device)
+        if spans is None:
+            return token_mask, None
+        if not isinstance(spans, ImageSpans) or spans.index.shape != ids.shape:
+            got = tuple(spans.index.shape) if isinstance(spans, ImageSpans) else type(spans).__name__
+            raise ValueError(f"spans: expected ImageSpans over {tuple(ids.shape)} tokens, got {got}")
+        inside = spans.mask
+        return (~inside if token_mask is None else token_mask & ~inside), inside
+
+    def run(self, ids: torch.Tensor, ctx: StepContext, all_positions: bool = False,
+            spans: ImageSpans | None = None) -> torch.Tensor:
+        """Every layer over ``ids`` in context ``ctx`` nothing committed (``ctx.state.advance`` does):
         only device work, so a decode step can be captured in a CUDA graph (engine/step_capture.py)."""
-        x, pre = self.embed_tokens(ids)
+        x, pre = self.embed_tokens(ids, spans)
         captured = {} if self.drafts is not None else None
         x, pre = self.run_layers(x, pre, ctx, range(self.cfg.n_layers), capture=captured)
         if captured:

@@ -41,24 +41,36 @@ class MoE:
         gate = w[p + "gate.weight"]
         self.gate = gate if cfg.gate_temp == 1.0 else (gate.to(torch.float32) / cfg.gate_temp)
         self.bias = w[p + "gate.bias"]
+        self.bias_vl = w.get(p + "gate.bias_vl")  # models with a vision tower: image-span tokens' bias
         self.w1, self.w2, self.w3 = (
             stack_in_place(w, [f"{p}experts.{e}.{name}.weight" for e in range(n_routed)]) for name in ("w1", "w2", "w3"))
         self.shared = None
         if cfg.n_shared_experts:
             self.shared = tuple(stack_in_place(w, [f"{p}shared_experts.{name}.weight"]) for name in ("w1", "w3", "w2"))
 
-    def forward(self, h: torch.Tensor, shared_route: tuple | None = None) -> torch.Tensor:
-        """``shared_route``: :class:`SharedRoutes` of the call's tokens (made here when None)."""
+    def forward(self, h: torch.Tensor, shared_route: tuple | None = None,
+                vl_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``shared_route``: :class:`SharedRoutes` of the call's tokens (made here when None).
+        ``vl_mask`` (bool, ``h.shape[:-1]``): tokens inside image spans, whose experts ``bias_vl``
+        picks instead of ``bias`` (the weights come from the same unbiased scores)."""
         cfg = self.cfg
         shape = h.shape
         x = h.reshape(-1, shape[-1])
-        weights, indices = ops.moe_route(x, self.gate, self.bias, self.topk, cfg.score_func,
-                                         cfg.norm_topk_prob, cfg.route_scale)
+        weights, indices = self.route(x, self.bias)
+        if vl_mask is not None and self.bias_vl is not None:
+            inside = vl_mask.reshape(-1, 1)
+            w_vl, i_vl = self.route(x, self.bias_vl)
+            weights, indices = torch.where(inside, w_vl, weights), torch.where(inside, i_vl, indices)
         y = ops.moe_experts(x, weights, indices, self.w1, self.w3, self.w2, cfg.swiglu_limit)
         if self.shared is not None:
             ones, first = shared_route if shared_route is not None else SharedRoutes.make(x.shape[0], x.device)
             y = y + ops.moe_experts(x, ones, first, *self.shared, cfg.swiglu_limit)
         return y.to(h.dtype).view(shape)
+
+    def route(self, x: torch.Tensor, bias: torch.Tensor):
+        """``moe_route`` of tokens ``x`` [N, dim] with the selection bias ``bias``."""
+        cfg = self.cfg
+        return ops.moe_route(x, self.gate, bias, self.topk, cfg.score_func, cfg.norm_topk_prob, cfg.route_scale)
 
 
 class SharedRoutes:

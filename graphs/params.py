@@ -10,6 +10,8 @@ Names follow the reference inference code (docs/model.md, 8). Storage kinds:
 | ``fp8_table`` | ``name`` F8_E4M3 ``[rows, dim]`` + ``.scale`` F8_E8M0 ``[rows, dim/32]`` | ``QTensor`` ``fp8`` |
 
 Groups: ``backbone``, ``engram`` (the Engram tables) and ``draft`` (DSpark layers, ``mtp.{k}.``).
+A model with a vision tower (``vision_n_layers > 0``) adds the ViT, the aligner, the span
+delimiters and every gate's ``bias_vl`` to ``backbone``.
 """
 from __future__ import annotations
 
@@ -92,6 +94,8 @@ def _ffn(c: _Collector, p: str, layer: int) -> None:
     n_routed, _ = cfg.n_experts(layer)
     c.add(f"{p}ffn.gate.weight", (n_routed, cfg.dim), "bf16")
     c.add(f"{p}ffn.gate.bias", (n_routed,), "fp32", "zeros")
+    if cfg.vision_n_layers:  # the expert-choice bias of image-span tokens (docs/vision.md)
+        c.add(f"{p}ffn.gate.bias_vl", (n_routed,), "fp32", "zeros")
     for e in range(n_routed):
         for w, (o, i) in (("w1", (cfg.moe_inter_dim, cfg.dim)), ("w2", (cfg.dim, cfg.moe_inter_dim)),
                           ("w3", (cfg.moe_inter_dim, cfg.dim))):
@@ -140,6 +144,31 @@ def _draft(c: _Collector, stage: int) -> None:
         c.linear(f"{p}confidence_head.proj", 1, cfg.dim + cfg.dspark_markov_rank, "bf16")
 
 
+def _vision(c: _Collector) -> None:
+    """The ViT (``vision.``), the aligner (``aligner.``) and the span delimiters, all bf16."""
+    cfg = c.cfg
+    D, I, p, r = cfg.vision_dim, cfg.vision_inter_dim, cfg.vision_patch_size, cfg.vision_downsample_ratio
+    c.linear("vision.patch_embed.proj", D, 3 * p * p, "bf16")
+    c.add("vision.patch_embed.proj.bias", (D,), "bf16")
+    for i in range(cfg.vision_n_layers):
+        b = f"vision.blocks.{i}."
+        c.norm(f"{b}norm1", D)
+        c.linear(f"{b}attn.wqkv", 3 * D, D, "bf16")
+        c.add(f"{b}attn.wqkv.bias", (3 * D,), "bf16")
+        c.linear(f"{b}attn.wo", D, D, "bf16")
+        c.add(f"{b}attn.wo.bias", (D,), "bf16")
+        c.norm(f"{b}norm2", D)
+        c.linear(f"{b}mlp.w1", 2 * I, D, "bf16")
+        c.linear(f"{b}mlp.w2", D, I, "bf16")
+    c.norm("vision.norm", D)
+    c.linear("aligner.w1", cfg.dim, D * r * r, "bf16")
+    c.add("aligner.w1.bias", (cfg.dim,), "bf16")
+    c.linear("aligner.w2", cfg.dim, cfg.dim, "bf16")
+    c.add("aligner.w2.bias", (cfg.dim,), "bf16")
+    for name in ("image_start", "image_end", "image_newline"):
+        c.add(name, (cfg.dim,), "bf16", "normal")
+
+
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     """All parameters of ``cfg`` in a stable order."""
     c = _Collector(cfg, "backbone")
@@ -151,6 +180,8 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         _block(c, p, layer)
     c.norm("norm", cfg.dim)
     c.linear("head", cfg.vocab_size, cfg.dim, "bf16")
+    if cfg.vision_n_layers:
+        _vision(c)
     if cfg.dspark_block_size:
         c.group = "draft"
         for stage in range(cfg.n_mtp_layers):

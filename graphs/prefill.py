@@ -23,11 +23,12 @@ def ced_split(cfg) -> int:
 
 
 def prefill_prompt(model, ids: torch.Tensor, state: KVState, schedule: str = "exact",
-                   chunk: int | None = None) -> torch.Tensor:
+                   chunk: int | None = None, spans=None) -> torch.Tensor:
     """Run prompt ``ids`` [B, S] (all rows starting at the same position) -> last-position logits.
 
     ``chunk``: tokens per forward call (bounds activation memory and lets HKCP spill pages
-    between chunks); None runs the prompt in one call."""
+    between chunks); None runs the prompt in one call. ``spans``: the prompt's image spans
+    (:class:`~flashrt.graphs.vision.ImageSpans` over ``ids``); a chunk may cut a span."""
     if schedule not in PREFILLS:
         raise ValueError(f"prefill: expected one of {list(PREFILLS)}, got {schedule!r}")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
@@ -37,12 +38,13 @@ def prefill_prompt(model, ids: torch.Tensor, state: KVState, schedule: str = "ex
     chunk = chunk or S
     if schedule == "exact" or S <= W or any(state.host_positions):
         for c0 in range(0, S, chunk):
-            logits = model.forward(ids[:, c0:c0 + chunk], state=state)
+            part = None if spans is None else spans.chunk(c0, c0 + chunk)
+            logits = model.forward(ids[:, c0:c0 + chunk], state=state, spans=part)
         return logits
-    return _ced(model, ids, state, chunk)
+    return _ced(model, ids, state, chunk, spans)
 
 
-def _ced(model, ids, state: KVState, chunk: int) -> torch.Tensor:
+def _ced(model, ids, state: KVState, chunk: int, spans=None) -> torch.Tensor:
     """Encoder layers + the decoder's KV-source compression over every token (in chunks), then
     the decoder layers over the last ``window_size`` tokens only."""
     cfg = model.cfg
@@ -52,8 +54,10 @@ def _ced(model, ids, state: KVState, chunk: int) -> torch.Tensor:
     tails = []  # (x, pre, positions, engram ids) of the last W tokens
     for c0 in range(0, S, chunk):
         part = ids[:, c0:c0 + chunk]
-        ctx = model.context(part, state)
-        x, pre = model.run_layers(*model.embed_tokens(part), ctx, range(split))
+        sp = None if spans is None else spans.chunk(c0, c0 + part.shape[1])
+        token_mask, vl_mask = model._span_masks(part, None, sp)
+        ctx = model.context(part, state, token_mask, vl_mask=vl_mask)
+        x, pre = model.run_layers(*model.embed_tokens(part, sp), ctx, range(split))
         if block.engram is not None:
             x = block.engram.forward(x, ctx, ctx.token_mask)
         block.attn.compressor.forward(block.attention_input(x, pre), ctx)  # the decoder's global KV
@@ -64,7 +68,9 @@ def _ced(model, ids, state: KVState, chunk: int) -> torch.Tensor:
     x, pre, positions, engram_ids = (cut(i) for i in range(4))
     for layer in range(split, cfg.n_layers):
         state.ring_start[layer].fill_(S - W)
-    sub = model.step_context(state, positions, S, engram_ids=engram_ids, compress_done=frozenset({split}))
+    token_mask, vl_mask = model._span_masks(ids[:, -W:], None, None if spans is None else spans.chunk(S - W, S))
+    sub = model.step_context(state, positions, S, engram_ids=engram_ids, compress_done=frozenset({split}),
+                             token_mask=token_mask, vl_mask=vl_mask)
     captured = {} if model.drafts is not None else None
     x, pre = model.run_layers(x, pre, sub, range(split, cfg.n_layers), skip_engram={split}, capture=captured)
     if captured:

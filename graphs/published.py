@@ -7,8 +7,10 @@ What the published files hold beyond the reference runtime's parameters (``param
   ``convert.py`` dequantizes it). A plain-kind weight stored that way is dequantized once at load
   (``w * scale`` in fp32, then BF16: exact, the scale is a power of two): :func:`fp8_plain`.
 - The vision tower (``vision.*``, ``aligner.*``, ``image_start`` / ``image_end`` /
-  ``image_newline`` and ``ffn.gate.bias_vl`` in every block) when ``vision_n_layers > 0``:
-  flashrt runs text only, so these are accepted and not loaded (:func:`vision_tensors`).
+  ``image_newline`` and ``ffn.gate.bias_vl`` in every block) when ``vision_n_layers > 0``: the
+  published layout loads text only, so these are accepted and not loaded (:func:`vision_tensors`).
+  A checkpoint in flashrt's layout loads them (``tiny-vl``); one without them, whatever its
+  layout, loads text only (:func:`text_only`).
 - ``inference/config.json`` (the flat ``ModelArgs``) beside the root ``config.json``: the two must
   describe one model (:func:`check_inference_config`).
 - The Engram compressed token map is not a file: the reference derives it from ``tokenizer.json``
@@ -31,12 +33,33 @@ log = logging.getLogger("flashrt.checkpoint")
 INFERENCE_CONFIG = "inference/config.json"
 TOKENIZER = "tokenizer.json"
 VISION = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$|(layers|mtp)\.\d+\.ffn\.gate\.bias_vl$)")
-VISION_WHY = "the vision tower (vision.*, aligner.*, image_start/end/newline, ffn.gate.bias_vl): flashrt runs text only"
+VISION_WHY = ("the vision tower (vision.*, aligner.*, image_start/end/newline, ffn.gate.bias_vl): the published "
+              "layout loads text only")
 
 
 def vision_tensors(names, cfg) -> list[str]:
     """The vision tower's tensors among ``names`` (none unless ``cfg`` has a vision tower)."""
     return [n for n in names if VISION.match(n)] if cfg.vision_enabled else []
+
+
+def is_published(path: Path) -> bool:
+    """``path/config.json`` is the Hugging Face layout (``text_config`` / ``vision_config``)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False
+    return isinstance(raw, dict) and "text_config" in raw
+
+
+def text_only(cfg, names, published: bool) -> bool:
+    """Whether a checkpoint of ``cfg`` holding tensors ``names`` loads without its vision tower: the
+    config has one and the checkpoint is in the published layout or holds none of its tensors."""
+    return cfg.vision_enabled and (published or not any(VISION.match(n) for n in names))
+
+
+def text_config(cfg):
+    """``cfg`` without its vision tower: the parameters a text-only load reads."""
+    return cfg.replace(vision_n_layers=0)
 
 
 def fp8_scale_name(name: str) -> str:
@@ -53,6 +76,11 @@ def fp8_plain(specs: list[ParamSpec], dtypes: dict[str, str]) -> set[str]:
 def log_ignored(names: list[str], nbytes: int) -> None:
     if names:
         log.warning("ignoring %d tensors (%.1f MiB) of %s", len(names), nbytes / 2**20, VISION_WHY)
+
+
+def log_no_vision(cfg) -> None:
+    log.warning("the checkpoint has none of the vision tower's tensors (vision_n_layers=%d in its config): "
+                "loading text only", cfg.vision_n_layers)
 
 
 def _read_json(file: Path):

@@ -123,6 +123,8 @@ TINY_RATIOS = shipped_config("tiny").compress_ratios
 
 @pytest.mark.parametrize("key, value", [
     ("vision_n_heads", 0),  # with the vision tower on, below
+    ("vision_n_heads", 512),  # a head dim of 2: no 2-D rotary halves
+    ("vision_max_n_token", 2),  # fewer than one 2 x 2 merged patch grid
     ("score_func", "relu"),
     ("compress_ratios", TINY_RATIOS[:5]),  # fewer than n_layers
     ("compress_ratios", (3,) * len(TINY_RATIOS)),  # not a supported ratio
@@ -192,6 +194,7 @@ def test_config_is_frozen_and_hashable():
     ("score_func", 1, "one of 'softmax', 'sigmoid', 'sqrtsoftplus'"),
     ("expert_dtype", "nvfp4", "null or one of 'fp4'"),
     ("vision_max_wh_ratio", 0, "null or an int >= 1"),
+    ("vision_n_layers", -1, "an int >= 0"),
     ("candidate_source_layer", -2, "an int >= -1"),
     ("dtype", "bfloat16", "'bf16' or 'fp8'"),  # a torch dtype name is not the flat file's weight format
 ])

@@ -172,3 +172,15 @@ def test_chat_on_a_published_dir_prints_decoded_text(cfg, weights, tmp_path):
     assert report["tokenizer"] and report["new_text"] == tok.decode(report["new_token_ids"])
     prompt_ids = chat_format.encode(tok, [{"role": "user", "content": "Hello there"}], thinking=True)
     assert report["prompt_tokens"] == len(prompt_ids)
+
+
+def test_vision_config_without_vision_tensors_loads_text_only(cfg, weights, tmp_path, rng, caplog):
+    vcfg = with_vision(cfg)
+    path = checkpoint.save(weights, vcfg, tmp_path / "text")  # the text weights under a vision config
+    with caplog.at_level(logging.INFO, logger="flashrt.checkpoint"):
+        back = flashrt.load(path)
+    lines = [r.getMessage() for r in caplog.records if r.name == "flashrt.checkpoint"]
+    assert len(lines) == 1 and "none of the vision tower's tensors" in lines[0] and "text only" in lines[0], lines
+    assert back.cfg == vcfg and back.vision is None
+    ids = torch.randint(0, cfg.vocab_size, (1, 11), generator=rng)
+    assert torch.equal(back.forward(ids), flashrt.load(checkpoint.save(weights, cfg, tmp_path / "plain")).forward(ids))

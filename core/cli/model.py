@@ -16,12 +16,14 @@ def _human(n: float, unit: str = "B") -> str:
 
 def add_run(sub) -> None:
     p = sub.add_parser("run", help="generate with the tiny built-in model (or --model small|PATH) and report")
-    p.add_argument("--model", default="tiny", help="tiny | small | checkpoint directory (default tiny)")
+    p.add_argument("--model", default="tiny", help="tiny | small | tiny-vl | checkpoint directory (default tiny)")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--prompt", default=None, help="text to continue for --max-new-tokens tokens")
     text.add_argument("--chat", default=None, metavar="MESSAGE",
                       help="a user message, rendered in the model's chat format and answered until EOS")
     p.add_argument("--system", default=None, metavar="TEXT", help="system prompt of --chat")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image shown before the prompt / chat text (repeatable; needs a vision model, e.g. tiny-vl)")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
                    help="--chat in thinking mode (reasoning before the answer; default on)")
     p.add_argument("--effort", default=None, metavar="LEVEL",
@@ -54,7 +56,7 @@ def cmd_run(args) -> int:
                      args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
                      threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
                      cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
-                     thinking=args.thinking, effort=args.effort)
+                     thinking=args.thinking, effort=args.effort, images=args.image)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -96,6 +98,8 @@ def _print_text(r: dict) -> None:
         mode = f"thinking, effort {c['effort']}" if c["thinking"] else "no thinking"
         print(f"chat ({r['prompt_tokens']} tokens, {mode}): " + (f"system {c['system']!r}, " if c["system"] else "")
               + f"user {c['user']!r}")
+    if r["image_tokens"]:
+        print(f"images: {', '.join(r['images'])} ({r['image_tokens']} of the prompt tokens)")
     print(f"new ({r['new_tokens']} tokens): {r['new_text']!r}  ids {r['new_token_ids']}")
     m = r["message"]
     if m is not None:

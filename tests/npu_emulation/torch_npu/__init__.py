@@ -37,7 +37,7 @@ torch.npu = types.SimpleNamespace(  # what `import torch_npu` registers, reduced
     is_available=npu.is_available, device_count=npu.device_count,
     get_device_name=npu.get_device_name, get_device_properties=npu.get_device_properties)
 
-from ._ops_attention import npu_sparse_flash_attention  # noqa: E402
+from ._ops_attention import npu_fusion_attention, npu_sparse_flash_attention  # noqa: E402
 from ._ops_basic import npu_clipped_swiglu, npu_gather_sparse_index, npu_rms_norm, npu_rotary_mul  # noqa: E402
 from ._ops_moe import npu_grouped_matmul, npu_moe_gating_top_k  # noqa: E402
 from ._ops_quant import npu_dynamic_quant, npu_quant_matmul  # noqa: E402

@@ -57,3 +57,27 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
     p = torch.softmax(logits, -1)  # all -inf: NaN
     out = torch.einsum("bshk,bskd->bshd", p, value[:, :, 0].to(torch.float32)[batch, g])
     return out.to(query.dtype), torch.empty(0), torch.empty(0)
+
+
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
+                         scale=1.0, keep_prob=1.0, pre_tockens=2147483647, next_tockens=2147483647,
+                         inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                         gen_mask_parallel=True, sync=False):
+    """softmax(scale * q k^T) v per head (no mask, BSND here) -> (attention_out, softmax_max,
+    softmax_sum, softmax_out, seed, offset, numels); statistics are not computed."""
+    _record("npu_fusion_attention", query=query, key=key, value=value, head_num=head_num,
+            input_layout=input_layout, scale=scale, keep_prob=keep_prob, atten_mask=atten_mask, pse=pse)
+    _check(input_layout == "BSND" and pse is None and atten_mask is None and padding_mask is None,
+           "BSND without mask or pse here")
+    _check(query.dtype in (torch.bfloat16, torch.float16), "bf16 / fp16 only")
+    _check(key.dtype == query.dtype == value.dtype, "one dtype")
+    _check(keep_prob == 1.0 and sparse_mode == 0, "inference: keep_prob 1, sparse_mode 0")
+    B, S, N, D = query.shape
+    _check(N == head_num and D % 16 == 0 and D <= 512, "query [B, S, head_num, D], D % 16 == 0, D <= 512")
+    _check(key.dim() == 4 and key.shape[0] == B and key.shape[2:] == (N, D) and value.shape == key.shape,
+           "key / value [B, T, head_num, D]")
+    _check(query.is_contiguous() and key.is_contiguous() and value.is_contiguous(), "contiguous inputs")
+    logits = torch.einsum("bshd,bthd->bhst", query.float(), key.float()) * scale
+    out = torch.einsum("bhst,bthd->bshd", torch.softmax(logits, -1), value.float())
+    empty = torch.empty(0)
+    return out.to(query.dtype), empty, empty, empty, 0, 0, 0
