@@ -11,7 +11,7 @@ import torch
 
 from flashrt import refmath as ref
 
-from .npu_runtime import fallback, npu, npu_family
+from .npu_runtime import fallback, npu_family, operator
 
 FA_DTYPES = (torch.bfloat16, torch.float16)
 FA_MAX_D = 512
@@ -34,8 +34,9 @@ def dense_attention(q, k, v, scale):
     if reason is not None:
         fallback("dense_attention", reason)
         return ref.dense_attention(q, k, v, scale)
-    out = npu().npu_fusion_attention(q.contiguous(), k.contiguous(), v.contiguous(), q.shape[2], "BSND",
-                                     scale=float(scale), keep_prob=1.0)[0]
+    fusion_attention = operator("dense_attention", "npu_fusion_attention")
+    out = fusion_attention(q.contiguous(), k.contiguous(), v.contiguous(), q.shape[2], "BSND",
+                           scale=float(scale), keep_prob=1.0)[0]
     return out.to(q.dtype)
 
 

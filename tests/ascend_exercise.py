@@ -63,6 +63,9 @@ def exercise_backend(g: torch.Generator) -> list:
             ops.linear(x, formats.quantize(torch.randn(40, 96, generator=g), "int8_w"))
         _attention(ops, g)
         _moe(ops, g)
+        for dtype in (torch.bfloat16, torch.float16):  # dense_attention: npu_fusion_attention
+            q, k, v = (torch.randn(2, s, 3, 32, generator=g).to(dtype) for s in (5, 7, 7))
+            ops.dense_attention(q, k, v, 32**-0.5)
         table = formats.quantize(torch.randn(40, 64, generator=g) * 3, "fp8")
         ops.engram_lookup(table, torch.randint(0, 40, (2, 3, 4), generator=g))
     return list(emulated.CALLS)

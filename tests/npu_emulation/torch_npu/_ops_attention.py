@@ -59,16 +59,16 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
     return out.to(query.dtype), torch.empty(0), torch.empty(0)
 
 
+@operator
 def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
                          scale=1.0, keep_prob=1.0, pre_tockens=2147483647, next_tockens=2147483647,
                          inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
-                         gen_mask_parallel=True, sync=False):
+                         gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None,
+                         seed=0, offset=0):
     """softmax(scale * q k^T) v per head (no mask, BSND here) -> (attention_out, softmax_max,
-    softmax_sum, softmax_out, seed, offset, numels); statistics are not computed."""
-    _record("npu_fusion_attention", query=query, key=key, value=value, head_num=head_num,
-            input_layout=input_layout, scale=scale, keep_prob=keep_prob, atten_mask=atten_mask, pse=pse)
-    _check(input_layout == "BSND" and pse is None and atten_mask is None and padding_mask is None,
-           "BSND without mask or pse here")
+    softmax_sum [B, N, S, 8] fp32, softmax_out (empty), seed, offset, numels)."""
+    _check(input_layout == "BSND" and pse is None and atten_mask is None and padding_mask is None
+           and sink is None and dropout_mask is None, "BSND without mask, pse, sink or dropout here")
     _check(query.dtype in (torch.bfloat16, torch.float16), "bf16 / fp16 only")
     _check(key.dtype == query.dtype == value.dtype, "one dtype")
     _check(keep_prob == 1.0 and sparse_mode == 0, "inference: keep_prob 1, sparse_mode 0")
@@ -79,5 +79,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     _check(query.is_contiguous() and key.is_contiguous() and value.is_contiguous(), "contiguous inputs")
     logits = torch.einsum("bshd,bthd->bhst", query.float(), key.float()) * scale
     out = torch.einsum("bhst,bthd->bshd", torch.softmax(logits, -1), value.float())
-    empty = torch.empty(0)
-    return out.to(query.dtype), empty, empty, empty, 0, 0, 0
+    row_max = logits.amax(-1, keepdim=True)  # softmax statistics [B, N, S, 8] (the value repeated 8 times)
+    row_sum = torch.exp(logits - row_max).sum(-1, keepdim=True)
+    return (out.to(query.dtype), row_max.expand(-1, -1, -1, 8).contiguous(), row_sum.expand(-1, -1, -1, 8).contiguous(),
+            torch.empty(0, dtype=query.dtype), 0, 0, 0)
