@@ -19,3 +19,12 @@ class ProfileError(FlashrtError):
 
 class CheckpointError(FlashrtError):
     """A checkpoint tensor is missing, extra, mis-shaped or mis-typed: names the tensor."""
+
+
+class CollectiveError(FlashrtError):
+    """A collective of a multi-device run failed: a peer rank died or did not answer within the
+    collective timeout. Names the rank that raised it and the collective."""
+
+    def __init__(self, message: str, rank: int | None = None, collective: str | None = None):
+        super().__init__(message)
+        self.rank, self.collective = rank, collective

@@ -20,7 +20,7 @@ from .engram_hash import EngramHasher, EngramLayout, TokenMap
 
 class Model:
     def __init__(self, cfg: ModelConfig, weights: dict, token_map=None, engram_placement: str = "device",
-                 window_fmt: str = "fp8"):
+                 window_fmt: str = "fp8", parallel=None):
         if weights["embed.weight"].device.type == "cpu":
             engram_placement = "device" if engram_placement in ("host", "host_pinned") else engram_placement
         place_tables(cfg, weights, engram_placement)
@@ -29,7 +29,8 @@ class Model:
         self.window_fmt = window_fmt  # window-ring format: fp8, or int8 where the device has no FP8
         self.embed, self.norm, self.head = weights["embed.weight"], weights["norm.weight"], weights["head.weight"]
         self.device = self.embed.device
-        self.blocks = [Block(cfg, layer, weights, f"layers.{layer}.") for layer in range(cfg.n_layers)]
+        self.parallel = parallel  # a graphs.parallel.Parallel: this rank's shards and its collectives
+        self.blocks = [Block(cfg, layer, weights, f"layers.{layer}.", parallel) for layer in range(cfg.n_layers)]
         self.rope = RopeCache(cfg, self.device)
         layout = EngramLayout.from_config(cfg)
         self.hasher = None
@@ -89,7 +90,7 @@ class Model:
 
     # ----- pieces ----------------------------------------------------------------------------------
     def embed_tokens(self, ids: torch.Tensor):
-        x = self.embed[ids]  # [B, S, dim]
+        x = self.embed[ids] if self.parallel is None else self.parallel.embed(self.embed, ids)  # [B, S, dim]
         x = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
         pre = torch.zeros(*ids.shape, self.cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre[..., 0] = 1.0
@@ -109,7 +110,8 @@ class Model:
         if not all_positions:
             x, pre = x[:, -1:], pre[:, -1:]
         h = ops.rms_norm(ops.hc_collapse(x, pre), self.norm, self.cfg.norm_eps)
-        out = ops.linear(h.to(torch.float32), self.head)
+        h = h.to(torch.float32)
+        out = ops.linear(h, self.head) if self.parallel is None else self.parallel.head_logits(h, self.head)
         return out if all_positions else out[:, 0]
 
     # ----- public ----------------------------------------------------------------------------------

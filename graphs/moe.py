@@ -1,4 +1,10 @@
-"""MoE FFN: routed experts chosen by the gate (the bias picks, it does not scale) + a shared expert."""
+"""MoE FFN: routed experts chosen by the gate (the bias picks, it does not scale) + a shared expert.
+
+With a :class:`~flashrt.graphs.parallel.Parallel` context a rank holds only its (whole) experts:
+every group's tokens are gathered, each rank runs the (token, expert) pairs that fall on its
+experts, and the partial sums are reduce-scattered back to the groups that own the tokens; the
+shared expert runs on one rank of each group (docs/parallel.md).
+"""
 from __future__ import annotations
 
 import torch
@@ -34,23 +40,28 @@ def stack_in_place(w: dict, names: list[str]) -> torch.Tensor | QTensor:
 
 
 class MoE:
-    def __init__(self, cfg, layer: int, w: dict, prefix: str):
+    def __init__(self, cfg, layer: int, w: dict, prefix: str, parallel=None):
         p = prefix + "ffn."
-        self.cfg = cfg
+        self.cfg, self.par = cfg, parallel
         n_routed, self.topk = cfg.n_experts(layer)
+        self.n_routed = n_routed
+        self.first, last = (0, n_routed) if parallel is None else parallel.layout.experts(n_routed)
         gate = w[p + "gate.weight"]
         self.gate = gate if cfg.gate_temp == 1.0 else (gate.to(torch.float32) / cfg.gate_temp)
         self.bias = w[p + "gate.bias"]
         self.w1, self.w2, self.w3 = (
-            stack_in_place(w, [f"{p}experts.{e}.{name}.weight" for e in range(n_routed)]) for name in ("w1", "w2", "w3"))
+            stack_in_place(w, [f"{p}experts.{e}.{name}.weight" for e in range(self.first, last)])
+            for name in ("w1", "w2", "w3"))
         self.shared, self._routes = None, {}
-        if cfg.n_shared_experts:
+        if cfg.n_shared_experts and (parallel is None or parallel.layout.holds_shared(layer)):
             self.shared = tuple(stack_in_place(w, [f"{p}shared_experts.{name}.weight"]) for name in ("w1", "w3", "w2"))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         shape = h.shape
         x = h.reshape(-1, shape[-1])
+        if self.par is not None:
+            return self._forward_parallel(x).to(h.dtype).view(shape)
         weights, indices = ops.moe_route(x, self.gate, self.bias, self.topk, cfg.score_func,
                                          cfg.norm_topk_prob, cfg.route_scale)
         y = ops.moe_experts(x, weights, indices, self.w1, self.w3, self.w2, cfg.swiglu_limit)
@@ -58,6 +69,30 @@ class MoE:
             ones, first = self._shared_route(x.shape[0], x.device)
             y = y + ops.moe_experts(x, ones, first, *self.shared, cfg.swiglu_limit)
         return y.to(h.dtype).view(shape)
+
+    def _forward_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 [N, D]: this rank's experts over every group's tokens, combined back to this group's."""
+        cfg, par = self.cfg, self.par
+        xs, counts = par.gather_tokens(x)  # [ep * m, D], group blocks of m rows
+        m = xs.shape[0] // len(counts)
+        real = torch.cat([torch.arange(g * m, g * m + c, device=x.device) for g, c in enumerate(counts)])
+        partial = torch.zeros(xs.shape[0], xs.shape[1], dtype=torch.float32, device=x.device)
+        if real.numel():
+            weights, indices = ops.moe_route(xs[real], self.gate, self.bias, self.topk, cfg.score_func,
+                                             cfg.norm_topk_prob, cfg.route_scale)
+            par.record_load(indices, self.n_routed)
+            local = indices - self.first
+            tok, slot = torch.nonzero((local >= 0) & (local < self.w1.shape[0]), as_tuple=True)
+            if tok.numel():  # one (token, expert) pair per row: only the pairs this rank serves run
+                y = ops.moe_experts(xs[real[tok]], weights[tok, slot].unsqueeze(1),
+                                    local[tok, slot].unsqueeze(1).to(torch.int32), self.w1, self.w3, self.w2,
+                                    cfg.swiglu_limit)
+                partial.index_add_(0, real[tok], y)
+        shared = None
+        if self.shared is not None and x.shape[0]:
+            ones, first = self._shared_route(x.shape[0], x.device)
+            shared = ops.moe_experts(x, ones, first, *self.shared, cfg.swiglu_limit)
+        return par.combine(partial, shared)[: x.shape[0]]
 
     def _shared_route(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights 1.0, expert 0) for ``n`` tokens of the shared expert: made once per token count
