@@ -105,7 +105,7 @@ def launch(target, world: int, args: tuple = (), *, device: str = "cpu", timeout
         _stop(procs)
 
 
-def _watch(procs, events, timeout_s: float, on_event) -> list:
+def _watch(procs, events, timeout_s: float, on_event, grace_s: float = 3.0) -> list:
     """Collect results until every rank is done; on the first failure name the rank and raise."""
     world, results, last, exited = len(procs), {}, {}, {}
     pids = [p.pid for p in procs]
@@ -123,12 +123,12 @@ def _watch(procs, events, timeout_s: float, on_event) -> list:
             elif kind == "done":
                 results[rank] = event[2]
             elif kind == "error":
-                raise _blame(procs, events, last, rank, event[2], event[3], timeout_s)
+                raise _blame(procs, events, last, rank, event[2], event[3], timeout_s, grace_s)
             continue
         for r, p in enumerate(procs):  # gone without a result (its last events get a second to arrive)
             if r not in results and p.exitcode is not None:
                 if time.monotonic() - exited.setdefault(r, time.monotonic()) > 1.0:
-                    raise _blame(procs, events, last, r, None, False, timeout_s)
+                    raise _blame(procs, events, last, r, None, False, timeout_s, grace_s)
     return [results[r] for r in range(world)]
 
 
@@ -137,10 +137,10 @@ def _died(p) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
-def _blame(procs, events, last, rank, message, collective: bool, timeout_s: float) -> RankError:
+def _blame(procs, events, last, rank, message, collective: bool, timeout_s: float, grace_s: float) -> RankError:
     """The error that names the rank at fault: a rank that died, else one that stopped answering
     (a peer's collective timed out while it reported no failure), else the rank that failed."""
-    deadline = time.monotonic() + 3.0  # let the other ranks' failures arrive (a death shows first as a peer's error)
+    deadline = time.monotonic() + grace_s  # let the other ranks' failures arrive (a death shows first as a peer's error)
     errors = {rank: message} if message is not None else {}
     while time.monotonic() < deadline and len(errors) < len(procs):
         try:
@@ -152,7 +152,7 @@ def _blame(procs, events, last, rank, message, collective: bool, timeout_s: floa
         elif event[0] == "progress":
             last[event[1]] = f"{event[2]} {event[3]}"
     where = lambda r: f" (last step: {last[r]})" if r in last else " (before its first step)"  # noqa: E731
-    dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in errors]
+    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors]
     if dead:
         r = dead[0]
         return RankError(f"rank {r} {_died(procs[r])}{where(r)}; every rank was stopped", r)

@@ -67,10 +67,10 @@ def _check(results, name, cfg, seed, prompts, reference=None):
 def test_two_ranks_tensor_and_expert_parallel(rng):
     cfg = shipped_config("tiny")
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    prompts, long = _prompts(rng, cfg, (13, 6, 13)), _prompts(rng, cfg, (72, 72))
-    budget = fixed_bytes_for(cfg, 1, 72 + NEW, page_entries=4) + 4 * 1024  # a few main-KV pages on the device
+    prompts, long = _prompts(rng, cfg, (13, 6, 13)), _prompts(rng, cfg, (40, 40))
+    budget = fixed_bytes_for(cfg, 1, 40 + NEW, page_entries=4) + 1024  # 7 main-KV pages on the device
     cases = [("tp2", cfg, 2, 1, prompts, {}), ("ep2", cfg, 1, 2, prompts, {}),
-             ("ep2-cold", cfg, 1, 2, long, {"kv_budget": budget, "kv_page_entries": 4})]
+             ("ep2-cold", cfg, 1, 2, long, {"kv_budget": budget, "kv_page_entries": 4, "prefill_chunk": 8})]
     results = launch(_rank, 2, (cases, seed), timeout_s=120)
     ref = _check(results, "tp2", cfg, seed, prompts)
     _check(results, "ep2", cfg, seed, prompts, ref)

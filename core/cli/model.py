@@ -40,6 +40,10 @@ def add_run(sub) -> None:
                    help="persistent prefix cache directory (TTL and size cap from the profile)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on CUDA devices)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group (docs/parallel.md)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel groups; tp x ep ranks, one per device")
+    p.add_argument("--collective-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a rank waits for its peers before the run fails (with --tp / --ep)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_run)
 
@@ -47,11 +51,20 @@ def add_run(sub) -> None:
 def cmd_run(args) -> int:
     from flashrt.engine.run import DEFAULT_PROMPT, run
 
-    report = run(args.model, DEFAULT_PROMPT if args.prompt is None else args.prompt, args.max_new_tokens,
-                 args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
-                 threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
-                 cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
-                 thinking=args.thinking, effort=args.effort)
+    go = run
+    if args.tp * args.ep > 1 or args.tp < 1 or args.ep < 1:  # several ranks (engine/parallel_run.py)
+        from functools import partial
+
+        from flashrt.engine.parallel_run import run_parallel
+
+        go = partial(run_parallel, tp=args.tp, ep=args.ep, timeout_s=args.collective_timeout)
+    report = go(args.model, DEFAULT_PROMPT if args.prompt is None else args.prompt, args.max_new_tokens,
+                args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
+                threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
+                cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
+                thinking=args.thinking, effort=args.effort)
+    if report is None:  # a torchrun rank other than 0: rank 0 prints
+        return 0
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -77,11 +90,24 @@ def cmd_run(args) -> int:
     pc = r["prefix_cache"]
     if pc:
         print(f"prefix cache {pc['root']}: {pc['hits']} hit(s), {pc['misses']} miss(es)")
+    if r.get("parallel"):
+        _print_parallel(r["parallel"])
     g = r["step_capture"]
     if g:
         print(f"decode steps: {g['replayed']} replayed from CUDA graphs, {g['captured']} captured, "
               f"{g['eager']} eager, {g['fallback']} unbuffered (host-tier pages)")
     return 0
+
+
+def _print_parallel(p: dict) -> None:
+    """The ranks of a --tp / --ep run: bytes held and the experts' load per decode step."""
+    ranks = ", ".join(f"rank {r['rank']} {_human(r['weight_bytes'])}" for r in p["ranks"])
+    print(f"parallel: tp {p['tp']} x ep {p['ep']} = {p['world']} ranks over {p['collectives']}; weights {ranks}")
+    steps = p["expert_pairs_per_rank_per_decode_step"]
+    if steps:
+        mean = [sum(col) / len(steps) for col in zip(*steps)]
+        print("expert (token, expert) pairs per rank per decode step (all layers): "
+              + ", ".join(f"{m:,.1f}" for m in mean) + f" (max / mean {max(mean) / max(sum(mean) / len(mean), 1e-9):.2f})")
 
 
 def _print_text(r: dict) -> None:
