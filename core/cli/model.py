@@ -138,6 +138,8 @@ def add_plan(sub) -> None:
     p.add_argument("--memory-gib", type=float, default=None, help="device memory in GiB (default: the profile's, "
                    "else 141, an H200)")
     p.add_argument("--memory-utilization", type=float, default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group: per-rank bytes (docs/parallel.md)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel groups (tp x ep ranks, one device each)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
@@ -145,15 +147,16 @@ def add_plan(sub) -> None:
 def cmd_plan(args) -> int:
     from flashrt.graphs.plan_report import plan_report
 
-    gib, util = 141.0, 0.9
+    gib, util, placement = 141.0, 0.9, "device"
     if args.plan_profile:
         from flashrt.profiles import load_profile
 
         prof = load_profile(args.plan_profile)
-        gib, util = prof.device_memory_gib or gib, prof.memory_utilization
+        gib, util, placement = prof.device_memory_gib or gib, prof.memory_utilization, prof.engram_placement
     gib = args.memory_gib if args.memory_gib is not None else gib
     util = args.memory_utilization if args.memory_utilization is not None else util
-    report = plan_report(args.model, args.context, gib * 2**30 * util)
+    report = plan_report(args.model, args.context, gib * 2**30 * util, tp=args.tp, ep=args.ep,
+                         engram_placement=placement)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
