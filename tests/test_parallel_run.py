@@ -34,7 +34,8 @@ def _rank(rank, device, cases, seed, report):
         model = Model(cfg, weights, parallel=Parallel(layout))
         r = parallel_generate(model, prompts, NEW, progress=report, **kv)
         tiers = r.state.tier_stats() if r.state is not None else {}
-        out[name] = (r.tokens, r.rows, r.first_logits, r.load, tiers, held)
+        first = None if r.first_logits is None else r.first_logits.numpy()  # plain data back to the launcher
+        out[name] = (r.tokens, r.rows, first, r.load, tiers, held)
     return out
 
 
@@ -54,7 +55,7 @@ def _check(results, name, cfg, seed, prompts, reference=None):
         tokens, rows, first, load, _, held = by_case[name]
         assert tokens == ref.tokens, f"{name}: rank {rank} tokens differ from one process"
         if rows:
-            err = (first - ref.first_logits[rows]).abs().max().item()
+            err = (torch.from_numpy(first) - ref.first_logits[rows]).abs().max().item()
             assert err <= TOLERANCE, f"{name}: rank {rank} first logits differ by {err}"
         seen += rows
         # every MoE layer routes each token to top-k experts: the per-rank counts add up to that
