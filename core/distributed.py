@@ -96,7 +96,7 @@ def _call(name: str, fn, *args, **kwargs):
     """Run one collective; a failure becomes a CollectiveError naming this rank and the collective."""
     try:
         return fn(*args, **kwargs)
-    except (RuntimeError, ValueError) as exc:  # gloo / nccl / hccl errors (DistBackendError is a RuntimeError)
+    except RuntimeError as exc:  # gloo / nccl / hccl failures (DistBackendError is a RuntimeError)
         raise CollectiveError(f"rank {rank()}: {name} failed (a peer rank died, or it waited past the "
                               f"collective timeout): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
                               rank=rank(), collective=name) from exc

@@ -48,11 +48,11 @@ def rank_device(kind: str, local_rank: int) -> torch.device:
     """The device of one local rank: ``cuda:i`` / ``npu:i``, or the CPU."""
     if kind == "cpu":
         return torch.device("cpu")
-    if kind == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"device: rank {local_rank} needs cuda:{local_rank}, "
-                             f"torch sees {torch.cuda.device_count()} CUDA device(s)")
-        torch.cuda.set_device(local_rank)
+    module = torch.cuda if kind == "cuda" else getattr(torch, kind, None)  # torch.npu once torch_npu is loaded
+    count = module.device_count() if module is not None else 0
+    if local_rank >= count:
+        raise ValueError(f"device: rank {local_rank} needs {kind}:{local_rank}, torch sees {count} {kind} device(s)")
+    module.set_device(local_rank)
     return torch.device(kind, local_rank)
 
 

@@ -54,14 +54,18 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
         raise ValueError(f"prefix_cache: not available with --tp / --ep yet, got {prefix_cache!r}")
     if cuda_graph:
         raise ValueError("cuda_graph: decode steps run eagerly with --tp / --ep; pass --no-cuda-graph")
-    if chat is not None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+    if chat is not None:  # bad input fails here, before any rank starts
         chat_messages(chat, system)
         chat_format.effort_budget(effort)
     elif system is not None:
         raise ValueError("system: a system prompt needs --chat (a plain --prompt is continued as is)")
+    elif not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"prompt: expected a non-empty str, got {prompt!r}")
     kind = pick_device(device).type
-    if kind != "cpu" and not under_torchrun():
-        count = torch.cuda.device_count() if kind == "cuda" else torch.npu.device_count()
+    if kind == "cuda" and not under_torchrun():
+        count = torch.cuda.device_count()
         if count < layout.world:
             raise ValueError(f"tp: tp * ep = {layout.world} ranks need {layout.world} {kind} devices, found {count}")
     path = checkpoint_path(model, seed, quiet or (under_torchrun() and os.environ.get("RANK") != "0"))
