@@ -51,18 +51,17 @@ def add_run(sub) -> None:
 def cmd_run(args) -> int:
     from flashrt.engine.run import DEFAULT_PROMPT, run
 
-    go = run
-    if args.tp * args.ep > 1 or args.tp < 1 or args.ep < 1:  # several ranks (engine/parallel_run.py)
+    if args.tp != 1 or args.ep != 1:  # several ranks, same arguments (engine/parallel_run.py)
         from functools import partial
 
         from flashrt.engine.parallel_run import run_parallel
 
-        go = partial(run_parallel, tp=args.tp, ep=args.ep, timeout_s=args.collective_timeout)
-    report = go(args.model, DEFAULT_PROMPT if args.prompt is None else args.prompt, args.max_new_tokens,
-                args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
-                threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
-                cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
-                thinking=args.thinking, effort=args.effort)
+        run = partial(run_parallel, tp=args.tp, ep=args.ep, timeout_s=args.collective_timeout)
+    report = run(args.model, DEFAULT_PROMPT if args.prompt is None else args.prompt, args.max_new_tokens,
+                 args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
+                 threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
+                 cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
+                 thinking=args.thinking, effort=args.effort)
     if report is None:  # a torchrun rank other than 0: rank 0 prints
         return 0
     if args.json:
