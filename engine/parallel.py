@@ -93,55 +93,81 @@ def parallel_generate(model, prompts, max_new_tokens: int, temperature: float = 
         raise ValueError("model: expected a model built with a parallel context (graphs.parallel.Parallel)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
-    seqs, layout, report = _as_sequences(prompts), par.layout, progress or (lambda *a: None)
+    seqs, layout = _as_sequences(prompts), par.layout
     plans = [group_plan(seqs, layout.for_rank(layout.leader(g)).sequences(len(seqs)), prefill_chunk)
              for g in range(layout.ep)]
-    orders = [[i for f in plan if f.last for i in f.rows] for plan in plans]
-    mine, rows = plans[layout.ep_rank], orders[layout.ep_rank]
-    capacity = max(map(len, seqs)) + max_new_tokens
-    budget, page_entries, cold = profile_kv_sizes(model, kv_budget, kv_page_entries)
-    pool = KVState.pool_for(model.cfg, len(rows), capacity, model.device, budget, page_entries, cold) if rows else None
-    generator = None if seed is None else torch.Generator(device=model.device).manual_seed(seed)
-    load, states, logits = [], [], []
-    t0 = time.perf_counter()
-    for r in range(max(map(len, plans))):
-        par.counts = [plan[r].tokens if r < len(plan) else 0 for plan in plans]
-        if r < len(mine):
-            f = mine[r]
-            if f.start == 0:
-                states.append(model.new_state(len(f.rows), capacity, pool=pool))
-            ids = torch.tensor([seqs[i][f.start:f.stop] for i in f.rows], dtype=torch.long)
-            out = model.forward(ids, state=states[-1])
-            if f.last:
-                logits.append(out)
-        else:
-            idle_step(model)
-        load.append(par.take_load())
-        report("prefill", r + 1, max(map(len, plans)))
-    state = (KVState.cat(states) if len(states) > 1 else states[0]) if states else None
-    step_logits = torch.cat(logits) if logits else None
-    first = step_logits
-    t1 = time.perf_counter()
-    out, done, kept = [[] for _ in seqs], [False] * len(seqs), []
-    for step in range(max_new_tokens):
-        mine_tokens = (ops.sample(step_logits, temperature, generator) if rows
-                       else torch.empty(0, dtype=torch.long, device=model.device))
-        for i, tok in sorted(_exchange(par, mine_tokens, orders).items()):
-            if not done[i]:
-                out[i].append(tok)
-                done[i] = eos_token_id is not None and tok == eos_token_id
-        report("decode", max_new_tokens if all(done) else step + 1, max_new_tokens)
-        if step + 1 == max_new_tokens or all(done):
-            break
-        par.counts = [len(o) for o in orders]
-        if rows:
-            step_logits = model.forward(mine_tokens.unsqueeze(1), state=state)
-            if keep_logits:
-                kept.append(step_logits)
-        else:
-            idle_step(model)
-        load.append(par.take_load())
-    par.counts = None
-    t2 = time.perf_counter()
-    return ParallelResult(out, sum(map(len, seqs)), sum(map(len, out)), t1 - t0, t2 - t1, rows, first, kept,
-                          load, state)
+    run = _Run(model, seqs, plans, max_new_tokens, progress or (lambda *a: None))
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    try:
+        t0 = time.perf_counter()
+        first = run.prefill(kv_budget, kv_page_entries)
+        sync()
+        t1 = time.perf_counter()
+        generator = None if seed is None else torch.Generator(device=model.device).manual_seed(seed)
+        out = run.decode(first, temperature, generator, eos_token_id, keep_logits)
+        sync()
+        t2 = time.perf_counter()
+    finally:
+        par.counts = None
+    return ParallelResult(out, sum(map(len, seqs)), sum(map(len, out)), t1 - t0, t2 - t1, run.rows, first,
+                          run.kept, run.load, run.state)
+
+
+class _Run:
+    """One rank's part of :func:`parallel_generate`: its group's states and the rounds it takes part in."""
+
+    def __init__(self, model, seqs, plans, max_new_tokens: int, report):
+        self.model, self.par, self.seqs, self.plans, self.report = model, model.parallel, seqs, plans, report
+        self.orders = [[i for f in plan if f.last for i in f.rows] for plan in plans]
+        self.rows = self.orders[self.par.layout.ep_rank]
+        self.capacity = max(map(len, seqs)) + max_new_tokens
+        self.max_new_tokens = max_new_tokens
+        self.load, self.kept, self.state = [], [], None
+
+    def prefill(self, kv_budget, kv_page_entries) -> torch.Tensor | None:
+        """Every group's prefill calls, one per round; this group's last-position logits in row order."""
+        model, mine = self.model, self.plans[self.par.layout.ep_rank]
+        budget, page_entries, cold = profile_kv_sizes(model, kv_budget, kv_page_entries)
+        pool = (KVState.pool_for(model.cfg, len(self.rows), self.capacity, model.device, budget, page_entries, cold)
+                if self.rows else None)
+        rounds, states, logits = max(map(len, self.plans)), [], []
+        for r in range(rounds):
+            self.par.counts = [plan[r].tokens if r < len(plan) else 0 for plan in self.plans]
+            if r < len(mine):
+                f = mine[r]
+                if f.start == 0:
+                    states.append(model.new_state(len(f.rows), self.capacity, pool=pool))
+                ids = torch.tensor([self.seqs[i][f.start:f.stop] for i in f.rows], dtype=torch.long)
+                out = model.forward(ids, state=states[-1])
+                if f.last:
+                    logits.append(out)
+            else:
+                idle_step(model)
+            self.load.append(self.par.take_load())
+            self.report("prefill", r + 1, rounds)
+        self.state = (KVState.cat(states) if len(states) > 1 else states[0]) if states else None
+        return torch.cat(logits) if logits else None
+
+    def decode(self, logits, temperature, generator, eos_token_id, keep_logits: bool) -> list[list[int]]:
+        """One token per sequence per step, every group together, until the last step or every EOS."""
+        model, n = self.model, self.max_new_tokens
+        out, done = [[] for _ in self.seqs], [False] * len(self.seqs)
+        for step in range(n):
+            tokens = (ops.sample(logits, temperature, generator) if self.rows
+                      else torch.empty(0, dtype=torch.long, device=model.device))
+            for i, tok in sorted(_exchange(self.par, tokens, self.orders).items()):
+                if not done[i]:
+                    out[i].append(tok)
+                    done[i] = eos_token_id is not None and tok == eos_token_id
+            self.report("decode", n if all(done) else step + 1, n)
+            if step + 1 == n or all(done):
+                break
+            self.par.counts = [len(o) for o in self.orders]
+            if self.rows:
+                logits = model.forward(tokens.unsqueeze(1), state=self.state)
+                if keep_logits:
+                    self.kept.append(logits)
+            else:
+                idle_step(model)
+            self.load.append(self.par.take_load())
+        return out

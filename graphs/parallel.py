@@ -117,6 +117,7 @@ class Layout:
         need(cfg.n_routed_experts % self.world == 0, "ep",
              f"tp * ep (here {self.world}) to divide n_routed_experts={cfg.n_routed_experts}")
 
+
 class Parallel:
     """A :class:`Layout` inside a running process group: the groups and collectives the layers use.
 
@@ -140,16 +141,14 @@ class Parallel:
 
     # ----- layer construction (this rank's shards) -------------------------------------------------
     def attention(self, cfg, layer: int, w: dict, prefix: str):
-        from . import tp_layers
+        from .tp_layers import Attention, TPAttention
 
-        kind = tp_layers.TPAttention if self.layout.tp > 1 else tp_layers.Attention
-        return kind(cfg, layer, w, prefix, *((self,) if self.layout.tp > 1 else ()))
+        return Attention(cfg, layer, w, prefix) if self.layout.tp == 1 else TPAttention(cfg, layer, w, prefix, self)
 
     def engram(self, cfg, layer: int, w: dict, prefix: str):
-        from . import tp_layers
+        from .tp_layers import Engram, TPEngram
 
-        kind = tp_layers.TPEngram if self.layout.tp > 1 else tp_layers.Engram
-        return kind(cfg, layer, w, prefix, *((self,) if self.layout.tp > 1 else ()))
+        return Engram(cfg, layer, w, prefix) if self.layout.tp == 1 else TPEngram(cfg, layer, w, prefix, self)
 
     def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         from .tp_layers import vocab_embed
