@@ -78,6 +78,17 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def collective_device() -> torch.device:
+    """Where this process group's collectives take their tensors: the current CUDA / NPU device for
+    nccl / hccl, else the CPU."""
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu", torch.npu.current_device())
+    return torch.device("cpu")
+
+
 def new_group(ranks: list[int]):
     """A process group over ``ranks`` (global ranks). Every rank of the default group must call this
     for every group, in the same order (torch.distributed's rule); None outside a process group."""
@@ -132,6 +143,16 @@ def reduce_scatter(t: torch.Tensor, group=None) -> torch.Tensor:
     out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
     _call("reduce_scatter", fn, out, t.contiguous(), group=group)
+    return out
+
+
+def all_to_all(t: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:
+    """Rows of ``t`` sent in blocks of ``send[i]`` rows to the ``i``-th rank of ``group``; returns
+    the rows received, ``recv[i]`` from the ``i``-th rank, in rank order."""
+    if not _active(group):
+        return t
+    out = torch.empty((sum(recv), *t.shape[1:]), dtype=t.dtype, device=t.device)
+    _call("all_to_all", dist.all_to_all_single, out, t.contiguous(), recv, send, group=group)
     return out
 
 

@@ -45,9 +45,11 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
                  threads: int | None = None, kv_budget: int | None = None, prefill_chunk: int | None = None,
                  cuda_graph: bool | None = None, prefix_cache: str | None = None, chat: str | None = None,
                  system: str | None = None, thinking: bool = True, effort=None, tp: int = 1, ep: int = 1,
-                 timeout_s: float = 600.0, on_event=None) -> dict | None:
+                 timeout_s: float = 600.0, dispatch: str = "gather", on_event=None) -> dict | None:
     """The whole job on ``tp * ep`` ranks; rank 0's report (None on the other ranks of a torchrun job)."""
     layout = Layout(tp, ep)
+    if dispatch not in ("gather", "all_to_all"):
+        raise ValueError(f"dispatch: expected 'gather' or 'all_to_all', got {dispatch!r}")
     if prefill != "exact":
         raise ValueError(f"prefill: expected 'exact' with --tp / --ep (CED runs on one device), got {prefill!r}")
     if prefix_cache is not None:
@@ -70,7 +72,7 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
             raise ValueError(f"tp: tp * ep = {layout.world} ranks need {layout.world} {kind} devices, found {count}")
     path = checkpoint_path(model, seed, quiet or (under_torchrun() and os.environ.get("RANK") != "0"))
     layout.check(ModelConfig.from_file(str(path / "config.json")))
-    job = dict(path=str(path), tp=tp, ep=ep, backend=backend, prompt=prompt, chat=chat, system=system,
+    job = dict(path=str(path), tp=tp, ep=ep, dispatch=dispatch, backend=backend, prompt=prompt, chat=chat, system=system,
                thinking=thinking, effort=effort, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                kv_budget=kv_budget, prefill_chunk=prefill_chunk, quiet=quiet,
                threads=threads or max(1, (os.cpu_count() or 1) // layout.world))
@@ -89,7 +91,7 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
     """One rank: load its slices, take rank 0's token ids, generate; rank 0 returns the report too."""
     if device.type == "cpu":
         torch.set_num_threads(job["threads"])
-    par = Parallel(Layout(job["tp"], job["ep"], rank))
+    par = Parallel(Layout(job["tp"], job["ep"], rank), job["dispatch"])
     show = rank == 0 and not job["quiet"]
     with dispatch.use_backend(job["backend"]) if job["backend"] else contextlib.nullcontext():
         t0 = time.perf_counter()
@@ -143,6 +145,6 @@ def _report(model, device, job, ids, result, load_s, families, mine) -> dict:
         "kv_budget": job["kv_budget"], "kv_tiers": state.tier_stats() if state else {}, "step_capture": None,
         "prefix_cache": None,
         "parallel": {"tp": layout.tp, "ep": layout.ep, "world": layout.world,
-                     "collectives": distributed.backend_for(device),
+                     "collectives": distributed.backend_for(device), "moe_dispatch": job["dispatch"],
                      "expert_pairs_per_rank_per_decode_step": decode},
     }

@@ -1,9 +1,9 @@
 """MoE FFN: routed experts chosen by the gate (the bias picks, it does not scale) + a shared expert.
 
 With a :class:`~flashrt.graphs.parallel.Parallel` context a rank holds only its (whole) experts:
-every group's tokens are gathered, each rank runs the (token, expert) pairs that fall on its
-experts, and the partial sums are reduce-scattered back to the groups that own the tokens; the
-shared expert runs on one rank of each group (docs/parallel.md).
+each (token, expert) pair runs on the rank holding the expert and the outputs come back to the
+group that owns the token (gathered and reduce-scattered, or sent both ways all-to-all:
+:mod:`flashrt.graphs.ep_dispatch`); the shared expert runs on one rank of each group (docs/parallel.md).
 """
 from __future__ import annotations
 
@@ -71,28 +71,15 @@ class MoE:
         return y.to(h.dtype).view(shape)
 
     def _forward_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 [N, D]: this rank's experts over every group's tokens, combined back to this group's."""
-        cfg, par = self.cfg, self.par
-        xs, counts = par.gather_tokens(x)  # [ep * m, D], group blocks of m rows
-        m = xs.shape[0] // len(counts)
-        real = torch.cat([torch.arange(g * m, g * m + c, device=x.device) for g, c in enumerate(counts)])
-        partial = torch.zeros(xs.shape[0], xs.shape[1], dtype=torch.float32, device=x.device)
-        if real.numel():
-            weights, indices = ops.moe_route(xs[real], self.gate, self.bias, self.topk, cfg.score_func,
-                                             cfg.norm_topk_prob, cfg.route_scale)
-            par.record_load(indices, self.n_routed)
-            local = indices - self.first
-            tok, slot = torch.nonzero((local >= 0) & (local < self.w1.shape[0]), as_tuple=True)
-            if tok.numel():  # one (token, expert) pair per row: only the pairs this rank serves run
-                y = ops.moe_experts(xs[real[tok]], weights[tok, slot].unsqueeze(1),
-                                    local[tok, slot].unsqueeze(1).to(torch.int32), self.w1, self.w3, self.w2,
-                                    cfg.swiglu_limit)
-                partial.index_add_(0, real[tok], y)
-        shared = None
+        """fp32 [N, D]: every rank's experts over this group's tokens (graphs/ep_dispatch.py), the
+        shared expert where this rank holds it, summed over the tensor-parallel group."""
+        from .ep_dispatch import DISPATCH
+
+        own = DISPATCH[self.par.dispatch](self, x)
         if self.shared is not None and x.shape[0]:
             ones, first = self._shared_route(x.shape[0], x.device)
-            shared = ops.moe_experts(x, ones, first, *self.shared, cfg.swiglu_limit)
-        return par.combine(partial, shared)[: x.shape[0]]
+            own[: x.shape[0]] += ops.moe_experts(x, ones, first, *self.shared, self.cfg.swiglu_limit)
+        return self.par.tp_all_reduce(own)[: x.shape[0]]
 
     def _shared_route(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights 1.0, expert 0) for ``n`` tokens of the shared expert: made once per token count

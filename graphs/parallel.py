@@ -124,11 +124,13 @@ class Parallel:
     Build it on every rank after :func:`flashrt.distributed.init` (it creates one process group per
     tensor-parallel group and per expert-parallel slice, in the same order on every rank)."""
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, dispatch: str = "gather"):
+        if dispatch not in ("gather", "all_to_all"):
+            raise ValueError(f"dispatch: expected 'gather' or 'all_to_all', got {dispatch!r}")
         if distributed.world_size() != layout.world:
             raise ValueError(f"layout: tp={layout.tp} x ep={layout.ep} needs {layout.world} ranks, "
                              f"the process group has {distributed.world_size()}")
-        self.layout = layout
+        self.layout, self.dispatch = layout, dispatch  # how MoE tokens reach the experts (graphs/ep_dispatch.py)
         self.tp_group = self.ep_group = None
         for e in range(layout.ep):
             g = distributed.new_group(layout.tp_ranks(e)) if layout.tp > 1 else None
@@ -190,15 +192,6 @@ class Parallel:
         padded[: x.shape[0]] = x
         return distributed.all_gather(padded, 0, group=self.ep_group), counts
 
-    def combine(self, partial: torch.Tensor, shared=None) -> torch.Tensor:
-        """Sum ``partial`` [ep * m, D] fp32 over every rank and keep this group's block [m, D]:
-        reduce-scatter across the groups, then (after adding ``shared``, the shared expert's output
-        for this group's tokens where this rank holds it) all-reduce inside the tensor-parallel group."""
-        own = distributed.reduce_scatter(partial, group=self.ep_group) if self.layout.ep > 1 else partial
-        if shared is not None:
-            own[: shared.shape[0]] += shared
-        return self.tp_all_reduce(own)
-
     def record_load(self, indices: torch.Tensor, n_routed: int) -> None:
         """Count the (token, expert) pairs each rank's experts serve (load balance)."""
         per = n_routed // self.layout.world
@@ -206,7 +199,12 @@ class Parallel:
         self.load = counts if self.load is None else self.load + counts
 
     def take_load(self) -> list[int]:
-        """The (token, expert) pairs per rank since the last call (every MoE layer summed)."""
-        out = [0] * self.layout.world if self.load is None else self.load.tolist()
+        """The (token, expert) pairs per rank since the last call (every MoE layer summed). With
+        ``all_to_all`` each group counted its own tokens' pairs: the groups' counts are summed."""
+        load = self.load
+        if load is None:
+            load = torch.zeros(self.layout.world, dtype=torch.long, device=distributed.collective_device())
+        if self.dispatch == "all_to_all" and self.layout.ep > 1:
+            load = distributed.all_reduce(load.clone(), group=self.ep_group)
         self.load = None
-        return out
+        return load.tolist()

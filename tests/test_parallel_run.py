@@ -28,10 +28,10 @@ def _rank(rank, device, cases, seed, report):
     torch.set_num_threads(1)
     out = {}
     for name, cfg, tp, ep, prompts, kv in cases:
-        layout = Layout(tp, ep, rank)
+        layout, dispatch = Layout(tp, ep, rank), kv.pop("dispatch", "gather")
         weights = shard_weights(init_weights(cfg, seed=seed), cfg, layout)
         held = (sum(nbytes(v) for v in weights.values()), _expert_bytes(weights))
-        model = Model(cfg, weights, parallel=Parallel(layout))
+        model = Model(cfg, weights, parallel=Parallel(layout, dispatch))
         r = parallel_generate(model, prompts, NEW, progress=report, **kv)
         tiers = r.state.tier_stats() if r.state is not None else {}
         first = None if r.first_logits is None else r.first_logits.numpy()  # plain data back to the launcher
@@ -68,7 +68,7 @@ def _check(results, name, cfg, seed, prompts, reference=None):
 def test_two_ranks_tensor_and_expert_parallel(rng):
     cfg = shipped_config("tiny")
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    prompts, long = _prompts(rng, cfg, (13, 6, 13)), _prompts(rng, cfg, (40, 40))
+    prompts, long = _prompts(rng, cfg, (13, 6, 9)), _prompts(rng, cfg, (40, 40))  # ep2: group 1 idles a round
     budget = fixed_bytes_for(cfg, 1, 40 + NEW, page_entries=4) + 1024  # 7 main-KV pages on the device
     cases = [("tp2", cfg, 2, 1, prompts, {}), ("ep2", cfg, 1, 2, prompts, {}),
              ("ep2-cold", cfg, 1, 2, long, {"kv_budget": budget, "kv_page_entries": 4, "prefill_chunk": 8})]
@@ -83,10 +83,13 @@ def test_four_ranks_on_sixteen_experts(rng):
     cfg = dataclasses.replace(shipped_config("tiny"), n_routed_experts=16, n_activated_experts=4, name="tiny-16e")
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     prompts = _prompts(rng, cfg, (11, 11, 4))  # 3 sequences over 4 groups: one group only serves experts
-    cases = [("tp2ep2", cfg, 2, 2, prompts, {}), ("ep4", cfg, 1, 4, prompts, {})]
+    cases = [("tp2ep2", cfg, 2, 2, prompts, {}), ("ep4-a2a", cfg, 1, 4, prompts, {"dispatch": "all_to_all"}),
+             ("tp2ep2-a2a", cfg, 2, 2, prompts, {"dispatch": "all_to_all"})]
     results = launch(_rank, 4, (cases, seed), timeout_s=120)
     ref = _check(results, "tp2ep2", cfg, seed, prompts)
-    _check(results, "ep4", cfg, seed, prompts, ref)
+    _check(results, "ep4-a2a", cfg, seed, prompts, ref)
+    _check(results, "tp2ep2-a2a", cfg, seed, prompts, ref)
+    assert [r["tp2ep2-a2a"][3] for r in results] == [r["tp2ep2"][3] for r in results]  # the same load, counted apart
     experts = _expert_bytes(init_weights(cfg, seed=seed))
-    for name in ("tp2ep2", "ep4"):  # the routed experts are spread over the 4 ranks
+    for name in ("tp2ep2", "ep4-a2a"):  # the routed experts are spread over the 4 ranks
         assert [r[name][5][1] for r in results] == [experts // 4] * 4

@@ -42,6 +42,8 @@ def add_run(sub) -> None:
                    help="replay decode steps from CUDA graphs (default: on CUDA devices)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group (docs/parallel.md)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups; tp x ep ranks, one per device")
+    p.add_argument("--moe-dispatch", choices=("gather", "all_to_all"), default="gather",
+                   help="how MoE tokens reach the experts' ranks with --tp / --ep (docs/parallel.md)")
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a rank waits for its peers before the run fails (with --tp / --ep)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -56,7 +58,8 @@ def cmd_run(args) -> int:
 
         from flashrt.engine.parallel_run import run_parallel
 
-        run = partial(run_parallel, tp=args.tp, ep=args.ep, timeout_s=args.collective_timeout)
+        run = partial(run_parallel, tp=args.tp, ep=args.ep, timeout_s=args.collective_timeout,
+                      dispatch=args.moe_dispatch)
     report = run(args.model, DEFAULT_PROMPT if args.prompt is None else args.prompt, args.max_new_tokens,
                  args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
                  threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
