@@ -23,3 +23,12 @@ class CheckpointError(FlashrtError):
 
 class DeviceError(FlashrtError, ValueError):
     """A device was asked for that this machine does not have: names the devices it has."""
+
+
+class CollectiveError(FlashrtError):
+    """A collective of a multi-device run failed: a peer rank died or did not answer within the
+    collective timeout. Names the rank that raised it and the collective."""
+
+    def __init__(self, message: str, rank: int | None = None, collective: str | None = None):
+        super().__init__(message)
+        self.rank, self.collective = rank, collective

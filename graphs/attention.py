@@ -51,6 +51,10 @@ class Attention:
         cfg = self.cfg
         o = rope_tail(o, f, cfg.rope_head_dim, inverse=True).view(*o.shape[:2], cfg.o_groups, -1)
         o = torch.cat([ops.linear(o[:, :, g], self.wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
+        return self.out_proj(o)
+
+    def out_proj(self, o: torch.Tensor) -> torch.Tensor:
+        """``wo_b`` (a tensor-parallel rank overrides it to sum its partial over its group)."""
         return ops.linear(o, self.wo_b)
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:

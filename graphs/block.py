@@ -17,14 +17,15 @@ from .moe import MoE
 
 
 class Block:
-    def __init__(self, cfg, layer: int, w: dict, prefix: str):
+    def __init__(self, cfg, layer: int, w: dict, prefix: str, parallel=None):
         self.cfg, self.layer = cfg, layer
         self.hc = {part: (w[f"{prefix}hc_{part}_fn"], w[f"{prefix}hc_{part}_scale"], w[f"{prefix}hc_{part}_base"])
                    for part in ("attn", "ffn")}
         self.attn_norm, self.ffn_norm = w[prefix + "attn_norm.weight"], w[prefix + "ffn_norm.weight"]
-        self.engram = Engram(cfg, layer, w, prefix) if layer in cfg.engram_layer_ids else None
-        self.attn = Attention(cfg, layer, w, prefix)
-        self.ffn = MoE(cfg, layer, w, prefix)
+        parts = (Attention, Engram) if parallel is None else (parallel.attention, parallel.engram)  # this rank's shards
+        self.engram = parts[1](cfg, layer, w, prefix) if layer in cfg.engram_layer_ids else None
+        self.attn = parts[0](cfg, layer, w, prefix)
+        self.ffn = MoE(cfg, layer, w, prefix, parallel)
 
     def mixes(self, x: torch.Tensor, part: str):
         fn, scale, base = self.hc[part]

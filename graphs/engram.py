@@ -30,6 +30,10 @@ class Engram:
         self.wkv = w[p + "wkv.weight"]
         self.weight = w[p + "q_weight"].to(torch.float32) * w[p + "k_weight"].to(torch.float32)
 
+    def table_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``self.table`` for hashed ``ids`` (a tensor-parallel rank holds a slice of them)."""
+        return ids
+
     def rows(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """bf16 [B, S, cols, head_dim]: from the staged rows when prefetched, else the table."""
         staged = ctx.engram_rows.get(self.slot)
@@ -90,7 +94,7 @@ class EngramPrefetch:
     def start(self, ctx: StepContext) -> None:
         ids = ctx.engram_ids.cpu()  # [B, S, L, cols]: known from the tokens before any block runs
         for e in self.engrams:
-            flat = ids[:, :, e.slot].reshape(-1)
+            flat = e.table_ids(ids[:, :, e.slot]).reshape(-1)
             if self.stream is None:
                 ctx.engram_rows[e.slot] = (host_rows(e.table, flat, self.device), None)
                 continue

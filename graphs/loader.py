@@ -22,7 +22,7 @@ TOKEN_MAP_FILES = ("engram_token_map.json", "engram_token_map.npy")
 
 
 def load(path, device=None, profile=None, verify: bool = False, progress=None, *, check_finite: bool | None = None,
-         threads: int | None = None, verify_files=()) -> Model:
+         threads: int | None = None, verify_files=(), parallel=None) -> Model:
     """Load ``config.json`` + safetensors shards (memory-mapped) from ``path`` onto ``device``.
 
     ``device``: ``cpu`` (default), ``cuda[:N]``, ``npu[:N]`` or ``meta``; one this machine lacks is
@@ -36,6 +36,8 @@ def load(path, device=None, profile=None, verify: bool = False, progress=None, *
     reference does when the identity map cannot cover the vocabulary, else is the identity.
     ``profile``: a hardware profile name, path or :class:`~flashrt.profiles.Profile` (default: the
     one selected for the device); it decides the Engram table placement and the KV page size.
+    ``parallel``: a :class:`~flashrt.graphs.parallel.Parallel` context; only this rank's slices are
+    read (:func:`~flashrt.graphs.shard_load.load_shard`).
     """
     dev = resolve_device(device)
     set_threads(threads)
@@ -43,11 +45,16 @@ def load(path, device=None, profile=None, verify: bool = False, progress=None, *
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(f"path: expected a checkpoint directory with config.json, got {str(path)!r}")
-    cfg, weights = checkpoint.load(path, device=dev, verify=verify, progress=progress, check_finite=check_finite,
-                                   verify_files=verify_files)
+    if parallel is None:
+        cfg, weights = checkpoint.load(path, device=dev, verify=verify, progress=progress, check_finite=check_finite,
+                                       verify_files=verify_files)
+    else:
+        from .shard_load import load_shard
+
+        cfg, weights, _ = load_shard(path, parallel.layout, device=dev, verify=verify, progress=progress)
     window_fmt = "int8" if prof.kv_window_dtype == "int8" else "fp8"
     model = Model(cfg, weights, token_map=token_map_for(path, cfg), engram_placement=prof.engram_placement,
-                  window_fmt=window_fmt)
+                  window_fmt=window_fmt, parallel=parallel)
     model.profile = prof
     attach_tokenizer(model, path)
     return model

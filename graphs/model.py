@@ -22,7 +22,7 @@ from .vision import ImageSpans, VisionTower
 
 class Model:
     def __init__(self, cfg: ModelConfig, weights: dict, token_map=None, engram_placement: str = "device",
-                 window_fmt: str = "fp8"):
+                 window_fmt: str = "fp8", parallel=None):
         if weights["embed.weight"].device.type == "cpu":
             engram_placement = "device" if engram_placement in ("host", "host_pinned") else engram_placement
         place_tables(cfg, weights, engram_placement)
@@ -31,7 +31,8 @@ class Model:
         self.window_fmt = window_fmt  # window-ring format: fp8, or int8 where the device has no FP8
         self.embed, self.norm, self.head = weights["embed.weight"], weights["norm.weight"], weights["head.weight"]
         self.device = self.embed.device
-        self.blocks = [Block(cfg, layer, weights, f"layers.{layer}.") for layer in range(cfg.n_layers)]
+        self.parallel = parallel  # a graphs.parallel.Parallel: this rank's shards and its collectives
+        self.blocks = [Block(cfg, layer, weights, f"layers.{layer}.", parallel) for layer in range(cfg.n_layers)]
         self.rope = RopeCache(cfg, self.device)
         self.routes = SharedRoutes() if cfg.n_shared_experts else None
         self.step_needs = StepNeeds.of(cfg)
@@ -110,7 +111,7 @@ class Model:
     def embed_tokens(self, ids: torch.Tensor, spans: ImageSpans | None = None):
         """Token embeddings [B, S, hc, dim] and the one-hot first mix; image-span positions take
         their span embeddings (``spans``, see :class:`~flashrt.graphs.vision.ImageSpans`)."""
-        x = self.embed[ids]  # [B, S, dim]
+        x = self.embed[ids] if self.parallel is None else self.parallel.embed(self.embed, ids)  # [B, S, dim]
         if spans is not None:
             x = torch.where(spans.mask.unsqueeze(-1), spans.rows[spans.index.clamp_min(0)].to(x.dtype), x)
         x = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
@@ -132,7 +133,8 @@ class Model:
         if not all_positions:
             x, pre = x[:, -1:], pre[:, -1:]
         h = ops.rms_norm(ops.hc_collapse(x, pre), self.norm, self.cfg.norm_eps)
-        out = ops.linear(h.to(torch.float32), self.head)
+        h = h.to(torch.float32)
+        out = ops.linear(h, self.head) if self.parallel is None else self.parallel.head_logits(h, self.head)
         return out if all_positions else out[:, 0]
 
     # ----- public ----------------------------------------------------------------------------------

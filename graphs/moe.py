@@ -1,4 +1,10 @@
-"""MoE FFN: routed experts chosen by the gate (the bias picks, it does not scale) + a shared expert."""
+"""MoE FFN: routed experts chosen by the gate (the bias picks, it does not scale) + a shared expert.
+
+With a :class:`~flashrt.graphs.parallel.Parallel` context a rank holds only its (whole) experts:
+each (token, expert) pair runs on the rank holding the expert and the outputs come back to the
+group that owns the token (gathered and reduce-scattered, or sent both ways all-to-all:
+:mod:`flashrt.graphs.ep_dispatch`); the shared expert runs on one rank of each group (docs/parallel.md).
+"""
 from __future__ import annotations
 
 import torch
@@ -34,18 +40,21 @@ def stack_in_place(w: dict, names: list[str]) -> torch.Tensor | QTensor:
 
 
 class MoE:
-    def __init__(self, cfg, layer: int, w: dict, prefix: str):
+    def __init__(self, cfg, layer: int, w: dict, prefix: str, parallel=None):
         p = prefix + "ffn."
-        self.cfg = cfg
+        self.cfg, self.par = cfg, parallel
         n_routed, self.topk = cfg.n_experts(layer)
+        self.n_routed = n_routed
+        self.first, last = (0, n_routed) if parallel is None else parallel.layout.experts(n_routed)
         gate = w[p + "gate.weight"]
         self.gate = gate if cfg.gate_temp == 1.0 else (gate.to(torch.float32) / cfg.gate_temp)
         self.bias = w[p + "gate.bias"]
         self.bias_vl = w.get(p + "gate.bias_vl")  # models with a vision tower: image-span tokens' bias
         self.w1, self.w2, self.w3 = (
-            stack_in_place(w, [f"{p}experts.{e}.{name}.weight" for e in range(n_routed)]) for name in ("w1", "w2", "w3"))
+            stack_in_place(w, [f"{p}experts.{e}.{name}.weight" for e in range(self.first, last)])
+            for name in ("w1", "w2", "w3"))
         self.shared = None
-        if cfg.n_shared_experts:
+        if cfg.n_shared_experts and (parallel is None or parallel.layout.holds_shared(layer)):
             self.shared = tuple(stack_in_place(w, [f"{p}shared_experts.{name}.weight"]) for name in ("w1", "w3", "w2"))
 
     def forward(self, h: torch.Tensor, shared_route: tuple | None = None,
@@ -56,6 +65,8 @@ class MoE:
         cfg = self.cfg
         shape = h.shape
         x = h.reshape(-1, shape[-1])
+        if self.par is not None:
+            return self._forward_parallel(x, shared_route).to(h.dtype).view(shape)
         weights, indices = self.route(x, self.bias)
         if vl_mask is not None and self.bias_vl is not None:
             inside = vl_mask.reshape(-1, 1)
@@ -71,6 +82,17 @@ class MoE:
         """``moe_route`` of tokens ``x`` [N, dim] with the selection bias ``bias``."""
         cfg = self.cfg
         return ops.moe_route(x, self.gate, bias, self.topk, cfg.score_func, cfg.norm_topk_prob, cfg.route_scale)
+
+    def _forward_parallel(self, x: torch.Tensor, shared_route: tuple | None = None) -> torch.Tensor:
+        """fp32 [N, D]: every rank's experts over this group's tokens (graphs/ep_dispatch.py), the
+        shared expert where this rank holds it, summed over the tensor-parallel group."""
+        from .ep_dispatch import DISPATCH
+
+        own = DISPATCH[self.par.dispatch](self, x)
+        if self.shared is not None and x.shape[0]:
+            ones, first = shared_route if shared_route is not None else SharedRoutes.make(x.shape[0], x.device)
+            own[: x.shape[0]] += ops.moe_experts(x, ones, first, *self.shared, self.cfg.swiglu_limit)
+        return self.par.tp_all_reduce(own)[: x.shape[0]]
 
 
 class SharedRoutes:

@@ -6,7 +6,7 @@ backend runs. Parameter and KV figures come from the parameter list and the form
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -117,19 +117,22 @@ class Plan:
     active_prefill_ced: float
     decode_flops: dict  # context -> FLOPs per decode token
     decode_bytes: dict
+    decode_largest: dict = field(default_factory=dict)  # context -> bytes of a decode step's largest op output
 
 
 def make_plan(cfg: ModelConfig, contexts=(4096, 1 << 20), prompt: int = 1 << 20) -> Plan:
     wb = {"backbone": 0, "engram": 0, "draft": 0}
     for s in param_specs(cfg):
         wb[s.group] += stored_bytes(s)
-    flops, moved = {}, {}
+    flops, moved, largest = {}, {}, {}
     model = meta_model(cfg)
     for n in contexts:
-        total = decode_trace(model, n).total()
+        graph = decode_trace(model, n)
+        total = graph.total()
         flops[n], moved[n] = total.flops, total.bytes_read + total.bytes_written
+        largest[n] = max(sum(o.nbytes for o in c.outputs) for c in graph.calls)
     return Plan(cfg, count_params(cfg), wb, kv_bytes_per_token(cfg), window_state_bytes(cfg),
-                active_params(cfg), active_params(cfg, prompt), flops, moved)
+                active_params(cfg), active_params(cfg, prompt), flops, moved, largest)
 
 
 def sequences_that_fit(plan: Plan, context: int, memory_bytes: float, engram_on_device: bool) -> int:

@@ -6,7 +6,9 @@ import os
 from .config import SHIPPED, ModelConfig, shipped_config
 from .dense import DENSE
 from .params import count_params
+from .parallel import Layout
 from .plan import make_plan, sequences_that_fit
+from .plan_parallel import parallel_report
 
 
 def _g(n: float) -> str:
@@ -28,13 +30,21 @@ def resolve(model: str):
     return ModelConfig.from_file(path)
 
 
-def plan_report(model: str, context: int, memory_bytes: float) -> dict:
+def plan_report(model: str, context: int, memory_bytes: float, tp: int = 1, ep: int = 1,
+                engram_placement: str = "device") -> dict:
+    """``tp`` / ``ep`` > 1 add what each rank of that layout holds (graphs/plan_parallel.py);
+    ``engram_placement`` (the profile's) says whether its Engram rows count against device memory."""
     cfg = resolve(model)
     if context < 1:
         raise ValueError(f"context: expected a positive int, got {context}")
+    layout = Layout(tp, ep)
     if not isinstance(cfg, ModelConfig):
+        if layout.world > 1:
+            raise ValueError(f"tp: --tp / --ep plan V4.1-class models only, not the dense {cfg.name!r}")
         return _dense_report(cfg, context, memory_bytes)
-    plan = make_plan(cfg.replace(dspark_block_size=0) if cfg.dspark_block_size else cfg, prompt=context)
+    layout.check(cfg)
+    contexts = tuple(sorted({4096, 1 << 20} | ({context} if layout.world > 1 else set())))
+    plan = make_plan(cfg.replace(dspark_block_size=0) if cfg.dspark_block_size else cfg, contexts, prompt=context)
     plan.params = count_params(cfg)  # with the draft layers the decode trace leaves out
     kv = plan.kv_bytes_per_token
     fixed = sum(plan.window_state.values())
@@ -53,7 +63,11 @@ def plan_report(model: str, context: int, memory_bytes: float) -> dict:
     lines += [f"decode FLOPs per token at {n:,} context: {f / 1e9:,.2f} GFLOP" for n, f in plan.decode_flops.items()]
     lines.append(f"sequences of {context:,} tokens in {_gib(memory_bytes)}: {fit_dev} (Engram on device), "
                  f"{fit_host} (Engram in host memory)")
-    return {"model": cfg.name, "params": plan.params, "weight_bytes": plan.weight_bytes, "kv_bytes_per_token": kv,
+    parallel = None
+    if layout.world > 1:
+        parallel = parallel_report(plan, cfg, layout, context, memory_bytes, engram_placement)
+        lines += parallel.pop("lines")
+    return {"model": cfg.name, "params": plan.params, "parallel": parallel, "weight_bytes": plan.weight_bytes, "kv_bytes_per_token": kv,
             "window_state": plan.window_state, "active_params_decode": plan.active_decode,
             "active_params_prefill_ced": plan.active_prefill_ced,
             "decode_flops": {str(k): v for k, v in plan.decode_flops.items()},

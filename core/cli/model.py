@@ -43,6 +43,12 @@ def add_run(sub) -> None:
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on CUDA devices)")
     p.add_argument("--no-check-weights", action="store_true", help="skip the NaN / Inf check of the weights at load")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group (docs/parallel.md)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel groups; tp x ep ranks, one per device")
+    p.add_argument("--moe-dispatch", choices=("gather", "all_to_all"), default="gather",
+                   help="how MoE tokens reach the experts' ranks with --tp / --ep (docs/parallel.md)")
+    p.add_argument("--collective-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a rank waits for its peers before the run fails (with --tp / --ep)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_run)
 
@@ -51,12 +57,21 @@ def cmd_run(args) -> int:
     from flashrt.engine.run import DEFAULT_PROMPT, run
     from flashrt.graphs.finite import weight_checks
 
+    if args.tp != 1 or args.ep != 1:  # several ranks, same arguments (engine/parallel_run.py)
+        from functools import partial
+
+        from flashrt.engine.parallel_run import run_parallel
+
+        run = partial(run_parallel, tp=args.tp, ep=args.ep, timeout_s=args.collective_timeout,
+                      dispatch=args.moe_dispatch)
     with weight_checks(not args.no_check_weights):
         report = run(args.model, DEFAULT_PROMPT if args.prompt is None else args.prompt, args.max_new_tokens,
                      args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
                      threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
                      cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
                      thinking=args.thinking, effort=args.effort, images=args.image)
+    if report is None:  # a torchrun rank other than 0: rank 0 prints
+        return 0
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -82,11 +97,24 @@ def cmd_run(args) -> int:
     pc = r["prefix_cache"]
     if pc:
         print(f"prefix cache {pc['root']}: {pc['hits']} hit(s), {pc['misses']} miss(es)")
+    if r.get("parallel"):
+        _print_parallel(r["parallel"])
     g = r["step_capture"]
     if g:
         print(f"decode steps: {g['replayed']} replayed from CUDA graphs, {g['captured']} captured, "
               f"{g['eager']} eager, {g['fallback']} unbuffered (host-tier pages)")
     return 0
+
+
+def _print_parallel(p: dict) -> None:
+    """The ranks of a --tp / --ep run: bytes held and the experts' load per decode step."""
+    ranks = ", ".join(f"rank {r['rank']} {_human(r['weight_bytes'])}" for r in p["ranks"])
+    print(f"parallel: tp {p['tp']} x ep {p['ep']} = {p['world']} ranks over {p['collectives']}; weights {ranks}")
+    steps = p["expert_pairs_per_rank_per_decode_step"]
+    if steps:
+        mean = [sum(col) / len(steps) for col in zip(*steps)]
+        print("expert (token, expert) pairs per rank per decode step (all layers): "
+              + ", ".join(f"{m:,.1f}" for m in mean) + f" (max / mean {max(mean) / max(sum(mean) / len(mean), 1e-9):.2f})")
 
 
 def _print_text(r: dict) -> None:
@@ -119,6 +147,8 @@ def add_plan(sub) -> None:
     p.add_argument("--memory-gib", type=float, default=None, help="device memory in GiB (default: the profile's, "
                    "else 141, an H200)")
     p.add_argument("--memory-utilization", type=float, default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group: per-rank bytes (docs/parallel.md)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel groups (tp x ep ranks, one device each)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
@@ -126,15 +156,16 @@ def add_plan(sub) -> None:
 def cmd_plan(args) -> int:
     from flashrt.graphs.plan_report import plan_report
 
-    gib, util = 141.0, 0.9
+    gib, util, placement = 141.0, 0.9, "device"
     if args.plan_profile:
         from flashrt.profiles import load_profile
 
         prof = load_profile(args.plan_profile)
-        gib, util = prof.device_memory_gib or gib, prof.memory_utilization
+        gib, util, placement = prof.device_memory_gib or gib, prof.memory_utilization, prof.engram_placement
     gib = args.memory_gib if args.memory_gib is not None else gib
     util = args.memory_utilization if args.memory_utilization is not None else util
-    report = plan_report(args.model, args.context, gib * 2**30 * util)
+    report = plan_report(args.model, args.context, gib * 2**30 * util, tp=args.tp, ep=args.ep,
+                         engram_placement=placement)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()

@@ -1,0 +1,92 @@
+"""Expert-parallel dispatch and combine: this group's tokens through the routed experts of every rank.
+
+Both return this rank's share of the routed experts' sum for its group's tokens, fp32 ``[>= n, D]``
+(the group's ranks then add the shared expert and all-reduce, :meth:`MoE._forward_parallel`).
+
+``gather`` (the default): every group's tokens are all-gathered, every rank routes all of them
+and runs the (token, expert) pairs of its own experts, and a reduce-scatter hands each group the
+sums for its tokens. Fixed shapes, two collectives per layer.
+
+``all_to_all``: each group routes its own tokens; rank ``t`` of a group sends each token once to
+every rank of slice ``t`` that holds some of its experts (every pair leaves the group once), with
+the (weight, expert) pairs it runs there; that rank sends back one fp32 sum per token. A count
+exchange first, split sizes known on the host, five collectives per layer; fewer bytes when the
+ranks outnumber top-k.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashrt import distributed, ops
+
+
+def _pairs(moe, xs: torch.Tensor, rows: torch.Tensor, partial: torch.Tensor) -> None:
+    """Add into ``partial`` the outputs of the (token, expert) pairs of ``xs[rows]`` on this rank's experts."""
+    cfg = moe.cfg
+    weights, indices = ops.moe_route(xs[rows], moe.gate, moe.bias, moe.topk, cfg.score_func,
+                                     cfg.norm_topk_prob, cfg.route_scale)
+    moe.par.record_load(indices, moe.n_routed)
+    local = indices - moe.first
+    tok, slot = torch.nonzero((local >= 0) & (local < moe.w1.shape[0]), as_tuple=True)
+    if tok.numel():  # one (token, expert) pair per row: only the pairs this rank serves run
+        y = ops.moe_experts(xs[rows[tok]], weights[tok, slot].unsqueeze(1),
+                            local[tok, slot].unsqueeze(1).to(torch.int32), moe.w1, moe.w3, moe.w2, cfg.swiglu_limit)
+        partial.index_add_(0, rows[tok], y)
+
+
+def routed_gather(moe, x: torch.Tensor) -> torch.Tensor:
+    par = moe.par
+    xs, counts = par.gather_tokens(x)  # [ep * m, D], group blocks of m rows
+    m = xs.shape[0] // len(counts)
+    rows = torch.cat([torch.arange(g * m, g * m + c, device=x.device) for g, c in enumerate(counts)])
+    partial = torch.zeros(xs.shape[0], xs.shape[1], dtype=torch.float32, device=x.device)
+    if rows.numel():
+        _pairs(moe, xs, rows, partial)
+    return distributed.reduce_scatter(partial, group=par.ep_group) if par.layout.ep > 1 else partial
+
+
+def _a2a(par, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    return distributed.all_to_all(t, send, recv, group=par.ep_group) if par.layout.ep > 1 else t
+
+
+def routed_all_to_all(moe, x: torch.Tensor) -> torch.Tensor:
+    par, cfg, layout = moe.par, moe.cfg, moe.par.layout
+    n, ep, dev = x.shape[0], layout.ep, x.device
+    out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=dev)
+    row_tok = torch.empty(0, dtype=torch.long, device=dev)
+    meta = torch.empty(0, 3, dtype=torch.float32, device=dev)  # (row in its block, routing weight, expert on its rank)
+    counts = torch.zeros(ep, 2, dtype=torch.long, device=dev)  # rows and pairs for each destination
+    if n:
+        weights, indices = ops.moe_route(x, moe.gate, moe.bias, moe.topk, cfg.score_func, cfg.norm_topk_prob,
+                                         cfg.route_scale)
+        par.record_load(indices, moe.n_routed)
+        per = moe.n_routed // layout.world
+        owner = indices.long() // per  # the global rank holding each pair's expert
+        tok, slot = torch.nonzero(owner % layout.tp == layout.tp_rank, as_tuple=True)
+        dest = owner[tok, slot] // layout.tp  # its place in this rank's expert-parallel slice
+        uniq, row = torch.unique(dest * n + tok, return_inverse=True)  # one row per (destination, token)
+        row_tok, row_dest = uniq % n, uniq // n
+        counts[:, 0] = torch.bincount(row_dest, minlength=ep)
+        counts[:, 1] = torch.bincount(dest, minlength=ep)
+        order = torch.argsort(row, stable=True)  # pairs grouped by destination, as the rows are
+        first_row = torch.cumsum(counts[:, 0], 0) - counts[:, 0]
+        meta = torch.stack([(row - first_row[dest]).to(torch.float32), weights[tok, slot],
+                            (indices[tok, slot] % per).to(torch.float32)], dim=1)[order]
+    recv = _a2a(par, counts, [1] * ep, [1] * ep).tolist()
+    sent = counts.tolist()
+    rows = _a2a(par, x[row_tok], [c[0] for c in sent], [c[0] for c in recv])
+    pairs = _a2a(par, meta, [c[1] for c in sent], [c[1] for c in recv])
+    sums = torch.zeros(rows.shape[0], x.shape[1], dtype=torch.float32, device=dev)
+    if pairs.shape[0]:  # a received pair names its row by its index in the sender's block
+        got_rows, got_pairs = (torch.tensor([c[i] for c in recv], device=dev) for i in (0, 1))
+        source = torch.repeat_interleave(torch.arange(ep, device=dev), got_pairs)
+        at = pairs[:, 0].long() + (torch.cumsum(got_rows, 0) - got_rows)[source]
+        y = ops.moe_experts(rows[at], pairs[:, 1:2].contiguous(), pairs[:, 2:].to(torch.int32), moe.w1, moe.w3,
+                            moe.w2, cfg.swiglu_limit)
+        sums.index_add_(0, at, y)
+    back = _a2a(par, sums, [c[0] for c in recv], [c[0] for c in sent])
+    out.index_add_(0, row_tok, back)
+    return out
+
+
+DISPATCH = {"gather": routed_gather, "all_to_all": routed_all_to_all}

@@ -1,0 +1,58 @@
+"""Sharded loading: each rank reads only its own slices of a checkpoint (docs/parallel.md).
+
+The safetensors shards are memory-mapped (``safe_open``) and every parameter is read through
+``get_slice`` with the index of this rank's cut (:func:`flashrt.graphs.shard.stored_index`), so
+only those bytes are touched; a parameter the rank holds whole is read whole (``get_tensor``,
+which also serves the packed FP4 dtype that safetensors cannot slice); experts of other ranks
+are never read. A rank's host memory holds
+at most its own weights plus the tensor being moved to the device.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from flashrt.errors import CheckpointError
+
+from . import checkpoint
+from .parallel import Layout
+from .shard import local_specs, nbytes, stored_index
+
+
+def load_shard(path, layout: Layout, device=None, verify: bool = False, progress=None) -> tuple:
+    """``(cfg, weights, bytes_read)``: the parameters ``layout``'s rank holds, as
+    :func:`flashrt.graphs.checkpoint.load` makes them (checked the same way), on ``device``.
+    ``progress(done, total)`` counts this rank's parameters."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    if verify:
+        checkpoint.verify_checksums(path)
+    cfg = checkpoint._read_config(path)
+    layout.check(cfg)
+    mine, weights, read = local_specs(cfg, layout), {}, 0
+    with contextlib.ExitStack() as stack:
+        where = checkpoint.open_shards(path, stack)
+        found = {k: f"{h.get_slice(k).get_dtype()} {h.get_slice(k).get_shape()}" for k, h in where.items()}
+        checkpoint.check_names([full for full, _, _ in local_specs(cfg, Layout())], found)  # the whole model's names
+        for i, (full, local, cut) in enumerate(mine):
+            data = _read(where[full.name], full.name, cut, stored_index(full, cut)[0])
+            scale = _read(where[full.scale_name], full.scale_name, cut, stored_index(full, cut)[1]) \
+                if full.scale_name else None
+            value = checkpoint.decode(local, data, scale)
+            read += nbytes(data) + (nbytes(scale) if scale is not None else 0)
+            weights[full.name] = value if device is None else value.to(device)
+            if progress is not None:
+                progress(i + 1, len(mine))
+    return cfg, weights, read
+
+
+def _read(handle, name: str, cut, index):
+    """One stored tensor: this rank's slice of it, or all of it when the rank holds it whole."""
+    if cut is None:
+        return handle.get_tensor(name)
+    part = handle.get_slice(name)
+    if part.get_dtype() == "F4":
+        raise CheckpointError(f"tensor {name!r}: packed F4 data cannot be sliced by safetensors; "
+                              f"store it as I8 or U8 to load it sharded")
+    return part[index]

@@ -1,0 +1,85 @@
+"""``flashrt run --tp / --ep``: the ranks start themselves, follow rank 0, and a dead rank is named."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from flashrt.cli.commands import main
+from flashrt.engine.launch import RankError, launch
+from flashrt.engine.parallel_run import run_parallel
+from flashrt.engine.run import run
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _text(rng, n=8):
+    return "".join(chr(int(c)) for c in torch.randint(97, 123, (n,), generator=rng)) + " fox"
+
+
+def test_run_on_two_ranks_matches_one_device(cache, rng, capsys):
+    prompt = _text(rng)
+    one = run("tiny", prompt, 4, quiet=True)
+    assert main(["run", "--tp", "2", "--prompt", prompt, "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"ids {one['new_token_ids']}" in out  # rank 0 printed the same greedy tokens
+    assert "parallel: tp 2 x ep 1 = 2 ranks over gloo" in out
+    assert main(["run", "--tp", "3"]) == 2  # bad input: one line naming the argument, no ranks started
+    assert "tp: expected a divisor of n_heads=4" in capsys.readouterr().err
+
+
+def test_a_rank_killed_mid_decode_is_named(cache, rng):
+    """Rank 1 is killed at its second decode step; rank 0 must not hang: the run ends well before
+    the collective timeout with an error naming rank 1."""
+    def kill_rank_1(event, pids):
+        if event[0] == "progress" and event[1] == 1 and event[2] == "decode" and event[3] == 2:
+            os.kill(pids[1], signal.SIGKILL)
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 was killed by SIGKILL \(last step: decode 2\)") as err:
+        run_parallel("tiny", _text(rng), 50, tp=1, ep=2, quiet=True, timeout_s=60, on_event=kill_rank_1)
+    assert err.value.rank == 1
+    assert time.monotonic() - t0 < 50  # far inside the 60 s collective timeout, start-up included
+
+
+class _Gone:
+    """A finished rank process, as the launcher sees it."""
+
+    def __init__(self, exitcode):
+        self.exitcode, self.pid = exitcode, 0
+
+    def is_alive(self):
+        return False
+
+
+def test_the_launcher_blames_the_right_rank():
+    """What the launcher concludes from its ranks' events: a rank's own failure, a rank that went
+    silent while its peers timed out, a rank that died."""
+    import queue
+
+    from flashrt.engine.launch import _watch
+
+    def outcome(procs, events):
+        q = queue.Queue()
+        for e in events:
+            q.put(e)
+        with pytest.raises(RankError) as err:
+            _watch(procs, q, 7.0, None, grace_s=0.2)
+        return err.value
+
+    failed = outcome([_Gone(0), _Gone(0)], [("progress", 1, "prefill", 1),
+                                            ("error", 1, "ValueError: bad shard", False, "")])
+    assert failed.rank == 1 and "rank 1 failed (last step: prefill 1): ValueError: bad shard" in str(failed)
+    silent = _Gone(None)  # still running, never answered
+    hung = outcome([_Gone(0), silent, _Gone(0)], [("progress", 1, "decode", 3),
+                                                  ("error", 0, "CollectiveError: timed out", True, ""),
+                                                  ("error", 2, "CollectiveError: timed out", True, "")])
+    assert hung.rank == 1 and "rank 1 stopped answering (last step: decode 3): rank 0 gave up on it after the " \
+        "7 s collective timeout" in str(hung)
+    dead = outcome([_Gone(0), _Gone(-9)], [("error", 0, "CollectiveError: connection closed", True, "")])
+    assert dead.rank == 1 and "rank 1 was killed by SIGKILL (before its first step)" in str(dead)
