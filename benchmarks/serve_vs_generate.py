@@ -3,11 +3,12 @@
     python benchmarks/serve_vs_generate.py --model small --out benchmarks/results/h200-serve.json
 
 1. ``flashrt.generate`` on ``--batch`` random prompts of ``--input-len`` byte ids, ``--output-len``
-   new tokens each (CUDA graphs on CUDA): output tokens/s over the whole call, after a short warm-up
-   call that compiles the kernels.
+   new tokens each (CUDA graphs on CUDA): output tokens/s over the whole call (prefill included),
+   after a warm-up call on the same prompts that compiles the kernels and captures the steps.
 2. ``flashrt serve --model M`` started as a subprocess, then ``flashrt bench serve`` at the given
    concurrency levels with the same lengths (streamed requests through the OpenAI API): output
-   tokens/s, TTFT and TPOT p50 / p99 per level. The server is stopped with SIGTERM.
+   tokens/s, TTFT and TPOT p50 / p99 per level, after one untimed warm-up pass at the highest
+   level (kernel compiles and step captures). The server is stopped with SIGTERM.
 ``ratio_to_generate`` of a level = its output tokens/s over step 1's.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ def generate_throughput(model_name: str, batch: int, input_len: int, output_len:
     model = load_model(model_name, pick_device(None), quiet=True)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 256, (batch, input_len), generator=gen).tolist()
-    flashrt.generate(model, prompts[:2], 4)  # compiles the kernel variants
+    flashrt.generate(model, prompts, 8)  # compiles this batch's kernel variants and captures its decode steps
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -67,12 +68,14 @@ def serve_levels(args) -> dict:
     proc = subprocess.Popen(cmd)
     try:
         wait_healthy(url, proc, args.start_timeout)
+        bench = [sys.executable, "-m", "flashrt.cli", "bench", "serve", "--base-url", url,
+                 "--input-len", str(args.input_len)]
+        top = str(max(args.concurrency))
+        subprocess.run([*bench, "--concurrency", top, "--num-prompts", top, "--output-len", "8"], check=True)  # warm-up
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "serve.json"
-            subprocess.run([sys.executable, "-m", "flashrt.cli", "bench", "serve", "--base-url", url,
-                            "--concurrency", *map(str, args.concurrency), "--num-prompts", str(args.num_prompts),
-                            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                            "--out", str(out)], check=True)
+            subprocess.run([*bench, "--concurrency", *map(str, args.concurrency), "--num-prompts", str(args.num_prompts),
+                            "--output-len", str(args.output_len), "--out", str(out)], check=True)
             return json.loads(out.read_text())
     finally:
         proc.send_signal(signal.SIGTERM)
