@@ -60,7 +60,7 @@ def backends(device: torch.device):
 
 
 def encoder_rows(cfg, device, sizes, repeats, sync) -> list[dict]:
-    weights = {k: v for k, v in device_weights(cfg, device).items() if k.startswith(("vision.", "aligner.", "image_"))}
+    weights = device_weights(cfg, device, select=lambda name: name.startswith(("vision.", "aligner.", "image_")))
     tower = VisionTower(cfg, weights)
     rows = []
     for w, h in sizes:

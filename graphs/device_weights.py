@@ -40,11 +40,12 @@ def device_param(spec: ParamSpec, seed: int, device: torch.device) -> torch.Tens
     return x.to(PLAIN_DTYPES[spec.kind])
 
 
-def device_weights(cfg: ModelConfig, device, seed: int = 0,
-                   progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor | QTensor]:
-    """Every ``param_specs(cfg)`` entry made on ``device``; ``progress(done, total)`` after each."""
+def device_weights(cfg: ModelConfig, device, seed: int = 0, progress: Callable[[int, int], None] | None = None,
+                   select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor | QTensor]:
+    """Every ``param_specs(cfg)`` entry (those whose name ``select`` accepts, when given) made on
+    ``device``; ``progress(done, total)`` after each."""
     device = torch.device(device)
-    specs = param_specs(cfg)
+    specs = [s for s in param_specs(cfg) if select is None or select(s.name)]
     out: dict[str, torch.Tensor | QTensor] = {}
     for i, spec in enumerate(specs):
         out[spec.name] = device_param(spec, seed, device)

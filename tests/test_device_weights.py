@@ -31,3 +31,13 @@ def test_values_follow_the_init_rule_and_the_seed():
     assert torch.equal(a[name].data.view(torch.uint8), b[name].data.view(torch.uint8))  # same seed, same bytes
     assert not torch.equal(w, dequantize(c[name]))  # another seed, other values
     assert torch.equal(a["norm.weight"], torch.ones_like(a["norm.weight"]))
+
+
+def test_select_makes_only_the_chosen_parameters():
+    cfg = shipped_config("tiny")
+    chosen = device_weights(cfg, "cpu", seed=2, select=lambda name: name.startswith("layers.1."))
+    every = device_weights(cfg, "cpu", seed=2)
+    assert chosen and set(chosen) == {n for n in every if n.startswith("layers.1.")}
+    for name, t in chosen.items():
+        a, b = (t.data, every[name].data) if isinstance(t, QTensor) else (t, every[name])
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
