@@ -15,7 +15,7 @@ Detection: torch_npu is looked up with ``importlib.util.find_spec`` and imported
 Atlas A2/A3 SoC (``torch_npu.npu.get_soc_version()`` 220-255: 910B1-4, 910_93).
 
 Target: torch_npu ``TORCH_NPU_TARGET`` (2.14.0). Every operator call of the adapters is checked in CI
-against that wheel's operator schemas and meta functions (tests/test_ascend_schema.py).
+against that wheel's operator schemas and meta functions (tests/ascend/test_ascend_schema.py).
 
 Tests: with ``FLASHRT_NPU_EMULATION=1`` and the fake ``torch_npu`` of ``tests/npu_emulation`` on
 ``sys.path``, the backend also serves CPU tensors, only when chosen explicitly; the emulated

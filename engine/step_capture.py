@@ -35,7 +35,7 @@ from flashrt.kv.state import KVState, StepBuffers
 
 CAPTURE_ERROR_MODE = "global"  # torch.cuda.graph's: "relaxed" lets driver queries run during a capture
 # Capture steps that read cold pages (through the zero-copy gather; attention then reads four KV
-# segments; tests/test_step_capture.py::test_captured_steps_with_cold_pages checks the replays
+# segments; tests/engine/test_step_capture.py::test_captured_steps_with_cold_pages checks the replays
 # against the eager static step); False runs such steps eagerly. Any step whose first run syncs
 # with the host is kept eager rather than captured (checks.host_syncs_raise).
 CAPTURE_COLD = True

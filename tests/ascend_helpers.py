@@ -1,4 +1,4 @@
-"""Shared helpers for the Ascend backend tests (``tests/test_ascend_*.py``).
+"""Shared helpers for the Ascend backend tests (``tests/ascend/test_ascend_*.py``).
 
 The fixture ``npu_emulation`` puts the fake ``torch_npu`` of ``tests/npu_emulation`` on
 ``sys.path`` and sets ``FLASHRT_NPU_EMULATION=1`` for one test only, re-collects the plugins (so

@@ -1,7 +1,17 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Tests live in one folder per area (ops, kernels_cuda, kv, graphs, engine, ...); the shared test
+# helpers sit beside this file, and a test module may reuse another area's reference helpers
+# (e.g. the CUDA top-k tests use the op tests' tie generator): every area folder is importable.
+_HERE = Path(__file__).resolve().parent
+for _area in sorted(p for p in _HERE.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
+    if str(_area) not in sys.path:
+        sys.path.append(str(_area))
 
 if not torch.cuda.is_available():  # Triton kernels run in the interpreter (before flashrt loads them)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -37,7 +47,7 @@ def rng():
 @pytest.fixture(autouse=True)
 def _module_tiles():
     """Kernels run with their modules' TILES (tests patch them to force code paths); the shipped
-    profiles' tile sections are checked by tests/test_profiles.py."""
+    profiles' tile sections are checked by tests/core/test_profiles.py."""
     import dataclasses
 
     from flashrt import profiles

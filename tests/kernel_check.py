@@ -1,4 +1,4 @@
-"""Shared helpers for the CUDA-kernel tests (``tests/test_cuda_*.py``).
+"""Shared helpers for the CUDA-kernel tests (``tests/kernels_cuda/test_cuda_*.py``).
 
 On a CUDA machine the kernels run on the GPU; elsewhere they run in the Triton interpreter on CPU
 tensors (``TRITON_INTERPRET=1``, set by conftest) with small shapes. Every check runs the same

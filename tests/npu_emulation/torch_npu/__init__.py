@@ -3,7 +3,7 @@
 Put on ``sys.path`` only by the Ascend tests (fixture ``npu_emulation`` in
 ``tests/ascend_helpers.py``), never globally. It provides the operators the Ascend backend uses,
 each with the exact signature of its schema in the torch_npu 2.14.0 wheel (argument names, order,
-keyword-only split, defaults: ``tests/test_ascend_schema.py`` checks this against the wheel), the
+keyword-only split, defaults: ``tests/ascend/test_ascend_schema.py`` checks this against the wheel), the
 documented constraints checked (a violation raises ``RuntimeError``, as the real operator's check
 would; what the emulation does not cover raises too, never runs silently), and reference math on
 CPU tensors. Every call is recorded in ``CALLS`` (``_emulated.Call``: the name, the arguments as

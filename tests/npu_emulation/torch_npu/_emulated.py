@@ -2,7 +2,7 @@
 
 Every emulated operator is wrapped by :func:`operator`, which records the call exactly as the
 caller made it (operator name, the positional values, the keyword values, the result) before and
-after running it. ``tests/test_ascend_schema.py`` replays these records against the operator
+after running it. ``tests/ascend/test_ascend_schema.py`` replays these records against the operator
 schemas and meta functions of the real torch_npu wheel; the backend tests read the arguments by
 name through :func:`calls`.
 """

@@ -35,7 +35,7 @@ def test_argument_errors_name_the_argument(capsys):
     assert exc.value.code == 2 and "argument --families: invalid choice: 'nope'" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"families: expected names from .*got \['nope'\]"):
         run_suite(["nope"])
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "h200_kernels.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "h200_kernels.py")
     r = subprocess.run([sys.executable, script, "--families", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "--families" in r.stderr
 

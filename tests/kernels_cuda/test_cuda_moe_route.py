@@ -1,5 +1,5 @@
 """``moe_route`` on the CUDA backend (kernels_cuda/moe_route.py) against the float64 loops of
-tests/test_moe.py and the reference backend: every score function, bias or none, normalised or
+tests/ops/test_moe.py and the reference backend: every score function, bias or none, normalised or
 not, ties to the lower expert, and the calls it declines."""
 import math
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"core": "flashrt", "graphs": "flashrt.graphs", "engine": "flashrt.engine",
             "backends": "flashrt.backends", "kernels_cuda": "flashrt.kernels_cuda",
             "kernels_ascend": "flashrt.kernels_ascend", "hwconfigs": "flashrt.hwconfigs"}

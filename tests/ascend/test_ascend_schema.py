@@ -27,7 +27,7 @@ from ascend_exercise import exercise_backend
 from ascend_helpers import npu_emulation  # noqa: F401
 from npu_schema import binding_problems, output_problems
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels_ascend"
+KERNELS = Path(__file__).resolve().parents[2] / "kernels_ascend"
 OPERATOR_CALL = re.compile(r'operator\(\s*[^,()]+,\s*"(npu_\w+)"\s*\)')
 
 

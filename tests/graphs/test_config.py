@@ -13,7 +13,7 @@ from flashrt.graphs.config import SHIPPED, ModelConfig, shipped_config
 from flashrt.graphs.hf_config import read_config, special_tokens, to_hf
 from flashrt.graphs.params import count_params
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 @pytest.mark.parametrize("name", SHIPPED)
