@@ -25,7 +25,6 @@ from flashrt.families import Dim, KernelFamily, Support
 from flashrt.tile_checks import COUNT0, DOT, POW2, Tile
 from flashrt.formats import QTensor
 from flashrt.jit_triton import interpreted
-from flashrt.kernels_cuda import attention_two_pass as two_pass
 from flashrt.kernels_cuda.attention_kernel import _combine_kernel, _sparse_attention_kernel
 from flashrt.kernels_cuda.codecs import CODES
 from flashrt.kernels_cuda.launch import (PlanCache, cdiv, dense, last_dense, next_pow2, no_device_reason, sm_count,
@@ -43,10 +42,6 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # split-K: splits = min(programs // (B*S*head blocks), max_splits, K blocks // min_blocks);
     # programs 0 = the device's SM count
     "split": {"programs": 0, "min_blocks": 1, "max_splits": 32},
-    # scores, then P @ V by column slices (attention_two_pass.py): for at least min_queries queries
-    # and a score buffer of at most max_score_bytes; off: no faster than one pass (docs/performance.md)
-    "two_pass": {"enabled": False, "min_queries": 16, "max_score_bytes": 1 << 30, "H_BLOCK": 64, "K_BLOCK": 64,
-                 "DV": 128, "max_splits": 8, "num_warps": 8, "num_stages": 2},
 }
 
 
@@ -149,11 +144,7 @@ def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
     dot_dtype, prec = _dot_mode(q.dtype)
     role1, role2, role3 = _roles(codes)
     fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
-    t2 = _tiles()["two_pass"]
-    two = (t2["enabled"] and B * S >= t2["min_queries"] and B * S * H * K * 4 <= t2["max_score_bytes"]
-           and next_pow2(D) >= 32)
-    return dict(two_pass=two_pass.plan(B, S, H, D, K, t2, sm_count(q.device)) if two else None,
-                grid=(B * S, cdiv(H, h_block) * d_split, splits), splits=splits, per_split=per_split,
+    return dict(grid=(B * S, cdiv(H, h_block) * d_split, splits), splits=splits, per_split=per_split,
                 roles=(0, role1, role2, role3),  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
                 pdtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32,
                 constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3,
@@ -191,10 +182,6 @@ def sparse_attention(q, kv, indices, sink, scale):
     q, indices = dense(q), dense(indices)
     sink = None if sink is None else dense(sink)
     out = torch.empty_like(q)
-    if plan["two_pass"] is not None:
-        two_pass.launch(q, indices, sink, out, _segment_args(segs, plan["roles"]), plan["constexprs"], scale,
-                        plan["two_pass"])
-        return out
     splits = plan["splits"]
     pacc = pml = out
     if splits > 1:
@@ -256,7 +243,7 @@ def warm_up(profile) -> str | None:
 
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3")  # tl.dot input precisions of fp32 operands
 TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1, 2)), "combine.H_BLOCK": POW2,
-               "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0, "two_pass.DV": DOT}
+               "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0}
 
 
 def _kv_tile_bytes(t: dict) -> int:

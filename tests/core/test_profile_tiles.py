@@ -60,7 +60,6 @@ def error(tmp_path, tiles: dict, **keys) -> str:
     ({"attention": {"attention_fp32": {"precision": "fp64"}}}, "tiles.attention.attention_fp32.precision", "one of 'ieee', 'tf32'"),
     ({"attention": {"split": {"programs": -1}}}, "tiles.attention.split.programs", ">= 0"),
     ({"attention": {"split": {"max_splits": 0}}}, "tiles.attention.split.max_splits", ">= 1"),
-    ({"attention": {"two_pass": {"enabled": 1}}}, "tiles.attention.two_pass.enabled", "expected bool"),
     ({"linear": {"linear": [[16, {"BLOCK_N": 48}], [None, {}]]}}, "tiles.linear.linear[0].BLOCK_N", ">= 32"),
     ({"linear": {"linear": [[16, {}], [8, {}], [None, {}]]}}, "tiles.linear.linear[1]", "an int limit > 16"),
     ({"linear": {"linear": [[16, {}], [64, {}]]}}, "tiles.linear.linear[1]", "the last rule's limit null"),

@@ -163,24 +163,6 @@ def test_attention_four_segments(q_dtype, monkeypatch, rng):
         _check(q, kv, _indices(B, S, 40, 8 + S + 30 + 12, rng), sink)
 
 
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("D, kinds", [(64, "fp8+fp4_b16"), (96, "fp8+fp8+fp4_b16+fp4_b16"), (64, "bf16+fp4_b32")])
-def test_attention_two_pass(q_dtype, D, kinds, monkeypatch, rng):
-    """TILES two_pass: scores to a buffer with split (m, l), then P @ V by column slices (64: two
-    slices of 32; 96: the second slice partly padding); the reference's results, sink or not."""
-    monkeypatch.setitem(attention.TILES, "two_pass", dict(attention.TILES["two_pass"], enabled=True, min_queries=1,
-                                                          K_BLOCK=16, DV=32 if D == 64 else 64, max_splits=3))
-    monkeypatch.setitem(attention.TILES, "split", {"programs": 64, "min_blocks": 1, "max_splits": 16})
-    calls = []
-    real = attention.two_pass.launch
-    monkeypatch.setattr(attention.two_pass, "launch", lambda *a: calls.append(a[-1]) or real(*a))
-    B, S, H, T = 2, 2, 16, 40
-    q = torch.randn(B, S, H, D, generator=rng).to(q_dtype).to(DEVICE)
-    for sink in (None, torch.randn(H, generator=rng).to(DEVICE)):
-        _check(q, _kv(kinds, B, T, D, rng), _indices(B, S, 36, T, rng, empty_row=sink is None), sink)
-    assert len(calls) == 2 and calls[0]["splits"] == 3 and calls[0]["pv_grid"][2] == 2
-
-
 def test_cuda_backend_runs_the_kernel(monkeypatch, rng):
     launches = []
     monkeypatch.setattr(attention, "_sparse_attention_kernel", CountingKernel(attention._sparse_attention_kernel, launches))
@@ -257,9 +239,3 @@ def test_attention_prefill_realistic(q_dtype, rng):
     _check(*_model_case(1, 512, 8192, rng, q_dtype))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("B,S", [(64, 1), (1, 512)])
-def test_attention_two_pass_realistic(B, S, monkeypatch, rng):
-    monkeypatch.setitem(attention.TILES, "two_pass", dict(attention.TILES["two_pass"], enabled=True, min_queries=1))
-    _check(*_model_case(B, S, 8192, rng))
