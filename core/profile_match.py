@@ -6,9 +6,15 @@ those facts and the profiles, so tests inject H200, A100, RTX 4090, 910B or CPU 
 from __future__ import annotations
 
 import re
+import types
 from dataclasses import dataclass
+from typing import Mapping
 
 from .errors import ProfileError
+from .profile_schema import convert
+
+MATCH_KEYS = ("match_device_type", "match_name", "match_capability", "match_soc", "match_min_memory_gib",
+              "match_max_memory_gib")
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,19 @@ def match_reasons(profile, facts: DeviceFacts) -> list[str] | None:
         upper = "inf" if high is None else f"{high:g}"
         why.append(f"memory {mem:.0f} GiB in [{low or 0:g}, {upper}]")
     return why
+
+
+def mapping_matches(data, facts: DeviceFacts, hints: dict, file: str) -> bool:
+    """Whether the match keys of a parsed profile mapping (one that may fail to load for another
+    reason) select ``facts``; False when they are absent or unreadable. ``hints``: Profile's types."""
+    if not isinstance(data, Mapping) or "match_device_type" not in data:
+        return False
+    try:
+        given = {k: convert(data[k], hints[k], k, file) for k in MATCH_KEYS if k in data}
+        probe = types.SimpleNamespace(**({k: None for k in MATCH_KEYS} | {"match_capability": ()} | given))
+        return match_reasons(probe, facts) is not None
+    except (ProfileError, re.error, TypeError):
+        return False
 
 
 def _capability(c: str | None) -> tuple[int, int]:

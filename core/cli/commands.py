@@ -84,7 +84,8 @@ def _profile_report(shipped: list[str]) -> dict:
     except FlashrtError as exc:  # a bad profile is reported, not fatal: the rest of doctor still helps
         chosen, error = None, str(exc)
     return {"shipped": shipped, "available": profiles.available_profiles(),
-            "user_dir": str(profiles.user_profile_dir()), "chosen": chosen, "error": error}
+            "user_dir": str(profiles.user_profile_dir()), "chosen": chosen, "error": error,
+            "broken": profiles.broken_profiles()}
 
 
 def _print_doctor(r: dict) -> None:
@@ -116,6 +117,8 @@ def _print_doctor(r: dict) -> None:
         print(f"profile: {p['chosen']['name']} ({p['chosen']['reason']})")
     else:
         print(f"profile: error: {p['error']}")
+    for error in p["broken"].values():
+        print(f"profile skipped: {error}")
 
 
 def cmd_doctor(args) -> int:
