@@ -43,7 +43,8 @@ def cache_dir() -> Path:
 
 
 def builtin_checkpoint(name: str, seed: int = 0, quiet: bool = False) -> Path:
-    """The cached checkpoint of a built-in model, created (atomically) on first use."""
+    """The cached checkpoint of a built-in model with the weights of ``seed``, created
+    (atomically) on first use."""
     path = cache_dir() / "models" / f"{name}-seed{seed}"
     if not (path / "config.json").exists():
         cfg = shipped_config(name)
@@ -53,16 +54,29 @@ def builtin_checkpoint(name: str, seed: int = 0, quiet: bool = False) -> Path:
 
 
 def pick_device(device: str | None) -> torch.device:
-    if device:
+    """``device`` ("cpu", "cuda", "cuda:N", "npu[:N]") checked to exist; None: cuda when available."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
         dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "npu"):
+        raise ValueError(f"device: expected cpu, cuda, cuda:N, npu or npu:N, got {device!r}")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
             raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device")
-        return dev
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device: {device!r} asked for, but torch sees {count} CUDA device(s): cuda:0..cuda:{count - 1}")
+    if dev.type == "npu" and not (getattr(torch, "npu", None) and torch.npu.is_available()):
+        raise ValueError(f"device: {device!r} asked for, but torch sees no NPU (is torch_npu installed?)")
+    return dev
 
 
 def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = False, profile=None) -> Model:
-    """``tiny`` / ``small`` (built-in) or a checkpoint directory -> Model on ``device``."""
+    """``tiny`` / ``small`` (built-in, with the weights of ``seed``) or a checkpoint directory ->
+    Model on ``device``."""
     if model in SHIPPED and not os.path.isdir(model):
         if model not in ("tiny", "small"):
             raise ValueError(f"model: {model!r} has no built-in weights; pass its checkpoint directory")
@@ -81,6 +95,28 @@ def encode_prompt(text: str, vocab_size: int) -> list[int]:
     if max(ids) >= vocab_size:
         raise ValueError(f"prompt: byte-level ids need vocab_size >= 256, the model has {vocab_size}")
     return ids
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, cfg) -> None:
+    """The prompt and the tokens to generate must fit the model's context (``max_seq_len``)."""
+    if isinstance(max_new_tokens, int) and prompt_tokens + max_new_tokens > cfg.max_seq_len:
+        room = max(cfg.max_seq_len - max_new_tokens, 0)
+        raise ValueError(f"prompt: {prompt_tokens} tokens + {max_new_tokens} new tokens exceed the context of "
+                         f"{cfg.name} ({cfg.max_seq_len} tokens); with --max-new-tokens {max_new_tokens} the prompt "
+                         f"may have at most {room} tokens")
+
+
+def check_run_args(prompt, threads, seed: int, weights_seed: int, cuda_graph, dev: torch.device) -> None:
+    """What ``run`` checks before loading anything (the CLI's argument types check the same)."""
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"prompt: expected a non-empty prompt, got {prompt!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads: expected an int >= 1 or None, got {threads!r}")
+    for name, value in (("seed", seed), ("weights_seed", weights_seed)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+            raise ValueError(f"{name}: expected an int in [0, 2**63), got {value!r}")
+    if cuda_graph and dev.type != "cuda":
+        raise ValueError(f"cuda_graph: CUDA graphs need a CUDA device, the device is {dev}")
 
 
 def decode_tokens(ids: list[int]) -> str:
@@ -108,18 +144,22 @@ def process_seconds() -> float | None:
 def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16, device=None,
         backend: str | None = None, prefill: str = "exact", temperature: float = 0.0, seed: int = 0,
         quiet: bool = False, threads: int | None = None, kv_budget: int | None = None,
-        prefill_chunk: int | None = None, cuda_graph: bool | None = None, prefix_cache: str | None = None) -> dict:
-    """The whole job; returns the report as a dict (the CLI prints it)."""
+        prefill_chunk: int | None = None, cuda_graph: bool | None = None, prefix_cache: str | None = None,
+        weights_seed: int = 0) -> dict:
+    """The whole job; returns the report as a dict (the CLI prints it). ``seed`` seeds sampling;
+    ``weights_seed`` picks the built-in models' weights (a checkpoint is ignored)."""
     dev = pick_device(device)
+    check_run_args(prompt, threads, seed, weights_seed, cuda_graph, dev)
     if dev.type == "cpu" and threads is None and model == "tiny":
         threads = 1  # tiny ops: thread fan-out costs more than it gains (12x slower when the cores are busy)
     if threads:
         torch.set_num_threads(threads)
-    with dispatch.use_backend(backend) if backend else contextlib.nullcontext():
+    with dispatch.use_backend(backend) if backend is not None else contextlib.nullcontext():
         t0 = time.perf_counter()
-        m = load_model(model, dev, seed, quiet)
+        m = load_model(model, dev, weights_seed, quiet)
         load_s = time.perf_counter() - t0
         ids = encode_prompt(prompt, m.cfg.vocab_size)
+        check_context(len(ids), max_new_tokens, m.cfg)
         t_gen = time.perf_counter()
         cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, m.profile)
         result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,

@@ -15,20 +15,27 @@ def _human(n: float, unit: str = "B") -> str:
 
 
 def add_run(sub) -> None:
+    from .args import device, float_range, nonempty, positive_int, seed
+
     p = sub.add_parser("run", help="generate with the tiny built-in model (or --model small|PATH) and report")
-    p.add_argument("--model", default="tiny", help="tiny | small | checkpoint directory (default tiny)")
-    p.add_argument("--prompt", default=None, help="prompt text (UTF-8 bytes as ids for built-in models)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    p.add_argument("--model", default="tiny", type=nonempty("model"),
+                   help="tiny | small | checkpoint directory (default tiny)")
+    p.add_argument("--prompt", default=None, type=nonempty("prompt"),
+                   help="prompt text (UTF-8 bytes as ids for built-in models)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16)
+    p.add_argument("--device", default=None, type=device, help="cpu | cuda | cuda:N (default: cuda when available)")
     p.add_argument("--backend", default=None, help="force a backend (see flashrt doctor)")
     p.add_argument("--prefill", choices=("exact", "ced"), default="exact")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: 1 for tiny, else torch's)")
-    p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
+    p.add_argument("--temperature", type=float_range(0.0, low_open=False), default=0.0)
+    p.add_argument("--seed", type=seed, default=0, help="sampling seed (default 0)")
+    p.add_argument("--weights-seed", type=seed, default=0,
+                   help="seed of the built-in models' weights (default 0; each seed is created once and cached)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: 1 for tiny, else torch's)")
+    p.add_argument("--kv-budget", type=positive_int, default=None, metavar="BYTES",
                    help="device bytes for the KV state; older main-KV pages spill to host memory")
-    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS", help="prompt tokens per forward call")
-    p.add_argument("--prefix-cache", default=None, metavar="DIR",
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="TOKENS",
+                   help="prompt tokens per forward call")
+    p.add_argument("--prefix-cache", default=None, metavar="DIR", type=nonempty("directory"),
                    help="persistent prefix cache directory (TTL and size cap from the profile)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on CUDA devices)")
@@ -39,10 +46,11 @@ def add_run(sub) -> None:
 def cmd_run(args) -> int:
     from flashrt.engine.run import DEFAULT_PROMPT, run
 
-    report = run(args.model, args.prompt or DEFAULT_PROMPT, args.max_new_tokens, args.device, args.backend,
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    report = run(args.model, prompt, args.max_new_tokens, args.device, args.backend,
                  args.prefill, args.temperature, args.seed, quiet=args.json, threads=args.threads,
                  kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk, cuda_graph=args.cuda_graph,
-                 prefix_cache=args.prefix_cache)
+                 prefix_cache=args.prefix_cache, weights_seed=args.weights_seed)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -76,14 +84,17 @@ def cmd_run(args) -> int:
 
 
 def add_plan(sub) -> None:
+    from .args import float_range, positive_int
+
     p = sub.add_parser("plan", help="parameters, KV bytes, FLOPs and capacity of a model (nothing allocated)")
     p.add_argument("--model", default="v4.1-flash", help="tiny | small | v4.1-flash | deepseek-llm-67b | config dir")
-    p.add_argument("--context", type=int, default=1 << 20, help="context length for capacity (default 1M)")
+    p.add_argument("--context", type=positive_int, default=1 << 20, help="context length for capacity (default 1M)")
     p.add_argument("--profile", dest="plan_profile", default=None,
                    help="hardware profile whose memory (device_memory_gib x memory_utilization) to plan for")
-    p.add_argument("--memory-gib", type=float, default=None, help="device memory in GiB (default: the profile's, "
-                   "else 141, an H200)")
-    p.add_argument("--memory-utilization", type=float, default=None)
+    p.add_argument("--memory-gib", type=float_range(0.0, 2.0**20), default=None,
+                   help="device memory in GiB (default: the profile's, else 141, an H200)")
+    p.add_argument("--memory-utilization", type=float_range(0.0, 1.0), default=None,
+                   help="fraction of the memory to plan for, in (0, 1] (default: the profile's, else 0.9)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
