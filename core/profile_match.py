@@ -82,6 +82,30 @@ def detect_device(device=None) -> DeviceFacts:
     return DeviceFacts(device.type)
 
 
+def check_device(device) -> "torch.device":
+    """``device`` ("cpu", "cuda", "cuda:N", "npu", "npu:N", or a torch.device) as a torch.device
+    that exists here; a ValueError saying what exists otherwise."""
+    import torch
+
+    text = str(device)
+    m = re.fullmatch(r"(cpu|cuda|npu)(?::(\d+))?", text)
+    if not m:
+        raise ValueError(f"device: expected cpu, cuda, cuda:N, npu or npu:N, got {device!r}")
+    kind, index = m.group(1), m.group(2)
+    if kind == "cpu":
+        return torch.device(text)
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    else:
+        count = torch.npu.device_count() if _npu_available() else 0
+    if count == 0:
+        raise ValueError(f"device: {text!r} asked for, but torch sees no {kind.upper()} device")
+    if index is not None and int(index) >= count:
+        raise ValueError(f"device: {text!r} asked for, but torch sees {count} {kind.upper()} device(s), "
+                         f"{kind}:0 to {kind}:{count - 1}")
+    return torch.device(text)
+
+
 def match_reasons(profile, facts: DeviceFacts) -> list[str] | None:
     """Why ``profile`` fits ``facts`` (one phrase per criterion), or None when it does not."""
     if profile.match_device_type != facts.device_type:

@@ -140,6 +140,8 @@ def check_sizes(p, file: str) -> None:
         _bad(file, "engram_prefetch_depth", f"an integer >= 0 and <= {MAX_PREFETCH_DEPTH}", p.engram_prefetch_depth)
     _number(p, file, "hkcp_cold_host_gib", "GiB", MAX_GIB, zero_ok=True)
     _number(p, file, "hkcp_persistent_disk_gib", "GiB", MAX_GIB, zero_ok=False)
+    if p.hkcp_persistent_disk_gib * 2**30 < 1:  # the prefix cache needs room for a byte
+        _bad(file, "hkcp_persistent_disk_gib", "at least one byte (2**-30 GiB)", p.hkcp_persistent_disk_gib)
     _number(p, file, "device_memory_gib", "GiB", MAX_GIB, zero_ok=False)
 
 

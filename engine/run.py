@@ -16,6 +16,7 @@ import torch
 
 from flashrt import dispatch
 from flashrt.kv.prefix_cache import PrefixCache
+from flashrt.profile_match import check_device
 from flashrt.progress import Progress
 
 from flashrt.graphs import checkpoint
@@ -57,21 +58,7 @@ def pick_device(device: str | None) -> torch.device:
     """``device`` ("cpu", "cuda", "cuda:N", "npu[:N]") checked to exist; None: cuda when available."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda", "npu"):
-        raise ValueError(f"device: expected cpu, cuda, cuda:N, npu or npu:N, got {device!r}")
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device")
-        if dev.index is not None and dev.index >= count:
-            raise ValueError(f"device: {device!r} asked for, but torch sees {count} CUDA device(s): cuda:0..cuda:{count - 1}")
-    if dev.type == "npu" and not (getattr(torch, "npu", None) and torch.npu.is_available()):
-        raise ValueError(f"device: {device!r} asked for, but torch sees no NPU (is torch_npu installed?)")
-    return dev
+    return check_device(device)
 
 
 def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = False, profile=None) -> Model:
@@ -89,7 +76,10 @@ def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = Fa
 
 
 def encode_prompt(text: str, vocab_size: int) -> list[int]:
-    ids = list(text.encode("utf-8"))
+    try:  # surrogateescape: bytes of a command-line argument that are not UTF-8 come back as given
+        ids = list(text.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"prompt: expected UTF-8 text, got {text!r} ({exc.reason})") from None
     if not ids:
         raise ValueError("prompt: expected a non-empty prompt")
     if max(ids) >= vocab_size:

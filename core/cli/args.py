@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 
 SEED_MAX = 2**63 - 1  # torch generators take signed 64-bit seeds
 
@@ -75,9 +74,13 @@ def nonempty(what: str):
 
 
 def device(text: str) -> str:
-    """``cpu``, ``cuda``, ``cuda:N``, ``npu`` or ``npu:N`` (whether it exists is checked when used)."""
-    if not re.fullmatch(r"(cpu|cuda|npu)(:\d+)?", text):
-        _reject("cpu, cuda, cuda:N, npu or npu:N", text)
+    """``cpu``, ``cuda``, ``cuda:N``, ``npu`` or ``npu:N`` that exists here."""
+    from flashrt.profile_match import check_device
+
+    try:
+        check_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("device: ")) from None
     return text
 
 

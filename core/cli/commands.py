@@ -13,7 +13,7 @@ import torch
 from flashrt import __version__, dispatch
 from flashrt.errors import FlashrtError
 
-from .args import Parser
+from .args import Parser, nonempty
 
 
 def _version(dist: str) -> str | None:
@@ -136,7 +136,8 @@ def cmd_doctor(args) -> int:
 def build_parser() -> Parser:
     parser = Parser(prog="flashrt", description="DeepSeek-V4.1-Flash inference runtime")
     parser.add_argument("--version", action="version", version=f"flashrt {__version__}")
-    parser.add_argument("--profile", default=None, help="hardware profile name or YAML path (default: auto)")
+    parser.add_argument("--profile", default=None, type=nonempty("profile"),
+                        help="hardware profile name or YAML path (default: auto)")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="devices, backends and their availability, versions")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -185,9 +186,19 @@ def _use_profile_option(args) -> None:
     from flashrt import profiles
 
     if args.command != "doctor":  # doctor reports a bad profile; the others stop before starting
-        profiles.load_profile(args.profile)
+        load_profile_option(args.profile)
     os.environ["FLASHRT_PROFILE"] = args.profile
     profiles.use_profile(None)
+
+
+def load_profile_option(value: str):
+    """The profile a ``--profile`` option names; its error says which option it came from."""
+    from flashrt import profiles
+
+    try:
+        return profiles.load_profile(value)
+    except FlashrtError as exc:
+        raise type(exc)(f"--profile: {exc}") from None
 
 
 def _fail(command: str, message: str, debug: bool, code: int) -> int:

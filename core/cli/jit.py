@@ -186,10 +186,13 @@ def cmd_clear(args) -> int:
 
 
 def add_jit(sub) -> None:
+    from .args import nonempty
+
     jit = sub.add_parser("jit", help="compile kernels ahead of time; inspect or empty the compile cache")
     jsub = jit.add_subparsers(dest="jit_command", required=True)
     p = jsub.add_parser("warmup", help="compile every kernel a profile needs (modules with a warmup hook)")
-    p.add_argument("--profile", default=argparse.SUPPRESS, help="profile name or YAML path (default: auto)")
+    p.add_argument("--profile", default=argparse.SUPPRESS, type=nonempty("profile"),
+                   help="profile name or YAML path (default: auto)")
     p.add_argument("--model", default=None, help="also run tiny | small | a checkpoint once, compiling every "
                    "kernel variant its prefill and decode use")
     p.add_argument("--shapes", nargs="+", default=None, metavar="MODEL",

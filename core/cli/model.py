@@ -84,12 +84,13 @@ def cmd_run(args) -> int:
 
 
 def add_plan(sub) -> None:
-    from .args import float_range, positive_int
+    from .args import float_range, nonempty, positive_int
 
     p = sub.add_parser("plan", help="parameters, KV bytes, FLOPs and capacity of a model (nothing allocated)")
-    p.add_argument("--model", default="v4.1-flash", help="tiny | small | v4.1-flash | deepseek-llm-67b | config dir")
+    p.add_argument("--model", default="v4.1-flash", type=nonempty("model"),
+                   help="tiny | small | v4.1-flash | deepseek-llm-67b | config dir")
     p.add_argument("--context", type=positive_int, default=1 << 20, help="context length for capacity (default 1M)")
-    p.add_argument("--profile", dest="plan_profile", default=None,
+    p.add_argument("--profile", dest="plan_profile", default=None, type=nonempty("profile"),
                    help="hardware profile whose memory (device_memory_gib x memory_utilization) to plan for")
     p.add_argument("--memory-gib", type=float_range(0.0, 2.0**20), default=None,
                    help="device memory in GiB (default: the profile's, else 141, an H200)")
@@ -104,9 +105,9 @@ def cmd_plan(args) -> int:
 
     gib, util = 141.0, 0.9
     if args.plan_profile:
-        from flashrt.profiles import load_profile
+        from .commands import load_profile_option
 
-        prof = load_profile(args.plan_profile)
+        prof = load_profile_option(args.plan_profile)
         gib, util = prof.device_memory_gib or gib, prof.memory_utilization
     gib = args.memory_gib if args.memory_gib is not None else gib
     util = args.memory_utilization if args.memory_utilization is not None else util
