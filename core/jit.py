@@ -222,8 +222,9 @@ class JitCache:
             with self.lock(key):
                 payload = self.read(key)  # someone else may have built it while we waited
                 if payload is None:
-                    for stale in path.parent.glob(f"{key}.bin.tmp.*") if path.parent.is_dir() else ():
-                        stale.unlink(missing_ok=True)  # a writer died: it held this lock while writing
+                    for stale in children(path.parent):  # a writer died: it held this lock while writing
+                        if stale.name.startswith(f"{key}.bin.tmp."):
+                            stale.unlink(missing_ok=True)
                     return self._build(key, key_parts, build, meta)
         self.hits += 1
         return payload

@@ -49,8 +49,8 @@ def lock_file(path: Path, shared: bool = False, deadline: float | None = None) -
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except FileNotFoundError:  # a clear removed the (empty) directory in between: again
-            continue
+        except (FileNotFoundError, FileExistsError):  # a clear removed the (empty) directory meanwhile
+            continue  # (mkdir says FileExistsError when it goes between its mkdir and its check)
         try:
             if not _flock(fd, mode, deadline):
                 os.close(fd)
