@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import os
 from contextlib import redirect_stderr, redirect_stdout
 
@@ -167,7 +168,8 @@ def check(command: tuple, argv: list[str], invalid: set[str]) -> None:
     assert "Traceback" not in err, (argv, err)
     last = (err.strip().splitlines() or [""])[-1]
     if command == ("doctor",) and invalid == {"--profile"} and code == 1:  # doctor reports a bad profile
-        assert "profile: error: " in out, (argv, out)
+        reported = json.loads(out)["profiles"]["error"] if "--json" in argv else "profile: error: " in out
+        assert reported, (argv, out)
     elif invalid:
         assert code == 2, f"{argv}: accepted the invalid {sorted(invalid)} (exit {code!r})\n{err}"
         assert last.startswith("flashrt") and ": error: " in last, (argv, err)
