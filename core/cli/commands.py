@@ -194,11 +194,12 @@ def _use_profile_option(args) -> None:
 def load_profile_option(value: str):
     """The profile a ``--profile`` option names; its error says which option it came from."""
     from flashrt import profiles
+    from flashrt.errors import ProfileError
 
     try:
         return profiles.load_profile(value)
-    except FlashrtError as exc:
-        raise type(exc)(f"--profile: {exc}") from None
+    except ProfileError as exc:
+        raise ProfileError(f"--profile: {exc}") from None
 
 
 def _fail(command: str, message: str, debug: bool, code: int) -> int:
