@@ -155,8 +155,10 @@ def cmd(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from flashrt.cli.args import device, nonempty, seed
+
     p = sub.add_parser("conformance", help="every op on this device/backend vs the reference; JSON report")
-    p.add_argument("--device", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the JSON report here")
+    p.add_argument("--device", default=None, type=device)
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--out", default=None, type=nonempty("file name"), help="write the JSON report here")
     p.set_defaults(func=cmd)

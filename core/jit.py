@@ -4,7 +4,8 @@ Layout under ``FLASHRT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/flashrt``, i.e. ``
 
     jit/entries/<k[:2]>/<key>.bin   one artifact: MAGIC, sha256(header + payload), header length,
                                     header JSON (key parts, metadata, payload sha256), payload
-    jit/locks/<key>.lock            fcntl lock files (one per key; never deleted while in use)
+    jit/locks/<key>.lock            fcntl lock files (one per key; never deleted while in use:
+                                    see :mod:`flashrt.jit_locks`)
     jit/triton/<key>/...            Triton's artifacts (see :mod:`flashrt.jit_triton`)
 
 The key is the sha256 of the key parts: kernel source hash, backend, device architecture
@@ -16,18 +17,18 @@ checksum fails is dropped and rebuilt.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import shutil
 import struct
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from .jit_locks import children, clear_cache, file_lock
 
 log = logging.getLogger("flashrt")
 
@@ -137,8 +138,25 @@ def decode_entry(blob: bytes, header_only: bool = False) -> tuple[dict, bytes]:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see all of it or nothing (temp + fsync + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``data`` to ``path`` so that readers see all of it or nothing (temp + fsync + rename).
+    A directory removed meanwhile (a concurrent ``jit clear`` removes empty ones) is made again."""
+    for attempt in range(10):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_replace(path, data)
+            break
+        except (FileNotFoundError, FileExistsError):  # FileExistsError: mkdir met a vanishing parent
+            if attempt == 9:
+                raise
+    with contextlib.suppress(FileNotFoundError):  # the directory went with the file: nothing to sync
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _write_replace(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
@@ -150,23 +168,6 @@ def atomic_write(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    """An exclusive fcntl lock on ``path`` (created if missing); released on exit or process death."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 @dataclass
@@ -223,8 +224,9 @@ class JitCache:
             with self.lock(key):
                 payload = self.read(key)  # someone else may have built it while we waited
                 if payload is None:
-                    for stale in path.parent.glob(f"{key}.bin.tmp.*") if path.parent.is_dir() else ():
-                        stale.unlink(missing_ok=True)  # a writer died: it held this lock while writing
+                    for stale in children(path.parent):  # a writer died: it held this lock while writing
+                        if stale.name.startswith(f"{key}.bin.tmp."):
+                            stale.unlink(missing_ok=True)
                     return self._build(key, key_parts, build, meta)
         self.hits += 1
         return payload
@@ -243,7 +245,8 @@ class JitCache:
         """Every entry (flashrt's and Triton's), newest first; headers only, payloads unchecked."""
         from .jit_triton import triton_entries
 
-        out = [self._info(p) for p in sorted((self.root / "entries").glob("*/*.bin"))]
+        files = [p for shard in children(self.root / "entries") for p in children(shard) if p.suffix == ".bin"]
+        out = [self._info(p) for p in files]
         out = [e for e in out if e is not None] + triton_entries(self.root / "triton")
         return sorted(out, key=lambda e: -e.mtime)
 
@@ -260,20 +263,14 @@ class JitCache:
         return EntryInfo(path.stem, "flashrt", str(meta.get("kernel") or parts.get("kernel", "?")),
                          str(meta.get("arch") or parts.get("arch", "?")), st.st_size, st.st_mtime, str(path))
 
-    def clear(self) -> tuple[int, int]:
-        """Remove everything under the cache root (and nothing else): (files removed, bytes freed).
-
-        Run it while nothing compiles: it removes the lock files too."""
+    def clear(self) -> tuple[int, int, int]:
+        """Remove everything under the cache root (and nothing else) that no process is using:
+        (files removed, bytes freed, items kept because a compile or a load holds their lock).
+        Safe while other processes compile, load or clear (:func:`flashrt.jit_locks.clear_cache`)."""
         if not self.root.is_dir():
-            return 0, 0
-        files = [p for p in self.root.rglob("*") if p.is_file() or p.is_symlink()]
-        size = sum(p.lstat().st_size for p in files)
-        for child in list(self.root.iterdir()):
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-        return len(files), size
+            return 0, 0, 0
+        tally = clear_cache(self.root)
+        return tally.files, tally.bytes, tally.kept
 
 
 def install(force: bool = False) -> bool:

@@ -12,16 +12,18 @@ recompiled. Triton's key already covers the source, constexprs and signature, th
 Compiling one key once across processes: ``compile()`` calls ``get_group`` before it compiles and
 ``put_group`` after. On a miss, ``get_group`` takes the key's file lock and holds it until
 ``put_group`` (or until the manager is collected, e.g. after a compile error); the other processes
-wait in ``get_group`` and then find the group.
+wait in ``get_group`` and then find the group. On a hit it holds the lock shared until the manager
+is collected (``compile()`` reads the group's files after ``get_group`` returns), so a concurrent
+``flashrt jit clear`` keeps the files being read (:mod:`flashrt.jit_locks`).
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -31,6 +33,7 @@ except ImportError:  # no Triton: listing the cache still works, the manager is 
     CacheManager, FileCacheManager = object, None
 
 from .jit import EntryInfo, atomic_write, cache_root
+from .jit_locks import children, lock_file
 
 log = logging.getLogger("flashrt")
 
@@ -43,7 +46,8 @@ def interpreted() -> bool:
     must be set before Triton is imported. The one place flashrt asks."""
     return os.environ.get(INTERPRET_ENV) == "1"
 
-_HELD: set[str] = set()  # keys whose compile lock this process holds (no waiting on ourselves)
+
+_HELD: set[str] = set()  # keys whose lock this process holds (no waiting on ourselves)
 
 
 def _sidecar(path: str) -> str:
@@ -57,9 +61,9 @@ class TritonCacheManager(CacheManager):
     def __init__(self, key, override=False, dump=False):
         self.key = key
         self._plain = FileCacheManager(key, override=override, dump=dump) if (override or dump) else None
-        self.cache_dir = str(cache_root() / "triton" / key)
-        os.makedirs(self.cache_dir, exist_ok=True)
-        self._lock_fd: int | None = None
+        self.cache_dir = str(cache_root() / "triton" / key)  # made by the first put (a clear may remove it)
+        self._lock_fd: int | None = None   # the key's lock, exclusive: this process compiles it
+        self._read_fd: int | None = None   # the key's lock, shared: Triton reads the group's files
 
     def _path(self, filename: str) -> str:
         return os.path.join(self.cache_dir, filename)
@@ -115,12 +119,12 @@ class TritonCacheManager(CacheManager):
     def get_group(self, filename):
         if self._plain is not None:
             return self._plain.get_group(filename)
+        self._acquire(shared=True)
         group = self._read_group(filename)
         if group is None:
+            self._release()
             self._acquire()  # a miss: this process compiles, others wait here until put_group
-            group = self._read_group(filename)
-            if group is not None:
-                self._release()
+            group = self._read_group(filename)  # (found: compiled meanwhile; held until collected)
         return group
 
     def put_group(self, filename, group):
@@ -132,31 +136,27 @@ class TritonCacheManager(CacheManager):
         finally:
             self._release()
 
-    def _acquire(self) -> None:
-        if self._lock_fd is not None or self.key in _HELD:
+    def _acquire(self, shared: bool = False) -> None:
+        if self._lock_fd is not None or self._read_fd is not None or self.key in _HELD:
             return
         lock = cache_root() / "locks" / f"triton-{self.key}.lock"
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + float(os.environ.get("FLASHRT_JIT_LOCK_TIMEOUT", "600"))
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    log.warning("flashrt.jit: waited too long for %s; compiling without the lock", lock)
-                    os.close(fd)
-                    return
-                time.sleep(0.02)
-        self._lock_fd = fd
+        fd = lock_file(lock, shared, time.monotonic() + float(os.environ.get("FLASHRT_JIT_LOCK_TIMEOUT", "600")))
+        if fd is None:
+            log.warning("flashrt.jit: waited too long for %s; going on without the lock", lock)
+            return
+        if shared:
+            self._read_fd = fd
+        else:
+            self._lock_fd = fd
         _HELD.add(self.key)
 
     def _release(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-            _HELD.discard(self.key)
+        for attr in ("_lock_fd", "_read_fd"):
+            fd = getattr(self, attr, None)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, attr, None)
+                _HELD.discard(self.key)
 
     def __del__(self):
         self._release()
@@ -174,18 +174,30 @@ def _group_info(key_dir: Path, grp: Path) -> tuple[str, str]:
 
 
 def triton_entries(root: Path) -> list[EntryInfo]:
-    """One line per Triton key directory: kernel, target architecture, size, age."""
-    out = []
-    for key_dir in sorted(root.glob("*")) if root.is_dir() else ():
-        files = [p for p in key_dir.iterdir() if p.is_file() and not p.name.startswith(".")]
-        if not files:
-            continue
-        groups = [p for p in files if p.name.startswith("__grp__")]
-        kernel, arch = _group_info(key_dir, groups[0]) if groups else (files[0].name, "-")
-        size = sum(p.stat().st_size for p in key_dir.iterdir() if p.is_file())
-        mtime = max(p.stat().st_mtime for p in files)
-        out.append(EntryInfo(key_dir.name, "triton", kernel, arch, size, mtime, str(key_dir)))
-    return out
+    """One line per Triton key directory: kernel, target architecture, size, age. Anything else
+    under ``root`` (stray files, empty or unreadable directories, files removed meanwhile) is skipped."""
+    return [e for e in map(_key_entry, children(root)) if e is not None]
+
+
+def _key_entry(key_dir: Path) -> EntryInfo | None:
+    try:
+        if key_dir.is_symlink() or not key_dir.is_dir():
+            return None
+        stats = {}
+        for p in key_dir.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                st = p.lstat()
+                if stat.S_ISREG(st.st_mode):
+                    stats[p.name] = st
+    except OSError:
+        return None
+    files = {name: st for name, st in stats.items() if not name.startswith(".")}
+    if not files:
+        return None
+    groups = sorted(name for name in files if name.startswith("__grp__"))
+    kernel, arch = _group_info(key_dir, key_dir / groups[0]) if groups else (min(files), "-")
+    return EntryInfo(key_dir.name, "triton", kernel, arch, sum(st.st_size for st in stats.values()),
+                     max(st.st_mtime for st in files.values()), str(key_dir))
 
 
 def install(force: bool = False) -> bool:

@@ -6,9 +6,15 @@ those facts and the profiles, so tests inject H200, A100, RTX 4090, 910B or CPU 
 from __future__ import annotations
 
 import re
+import types
 from dataclasses import dataclass
+from typing import Mapping
 
 from .errors import ProfileError
+from .profile_schema import convert
+
+MATCH_KEYS = ("match_device_type", "match_name", "match_capability", "match_soc", "match_min_memory_gib",
+              "match_max_memory_gib")
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,30 @@ def detect_device(device=None) -> DeviceFacts:
     return DeviceFacts(device.type)
 
 
+def check_device(device) -> "torch.device":
+    """``device`` ("cpu", "cuda", "cuda:N", "npu", "npu:N", or a torch.device) as a torch.device
+    that exists here; a ValueError saying what exists otherwise."""
+    import torch
+
+    text = str(device)
+    m = re.fullmatch(r"(cpu|cuda|npu)(?::(\d+))?", text)
+    if not m:
+        raise ValueError(f"device: expected cpu, cuda, cuda:N, npu or npu:N, got {device!r}")
+    kind, index = m.group(1), m.group(2)
+    if kind == "cpu":
+        return torch.device(text)
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    else:
+        count = torch.npu.device_count() if _npu_available() else 0
+    if count == 0:
+        raise ValueError(f"device: {text!r} asked for, but torch sees no {kind.upper()} device")
+    if index is not None and int(index) >= count:
+        raise ValueError(f"device: {text!r} asked for, but torch sees {count} {kind.upper()} device(s), "
+                         f"{kind}:0 to {kind}:{count - 1}")
+    return torch.device(text)
+
+
 def match_reasons(profile, facts: DeviceFacts) -> list[str] | None:
     """Why ``profile`` fits ``facts`` (one phrase per criterion), or None when it does not."""
     if profile.match_device_type != facts.device_type:
@@ -101,6 +131,19 @@ def match_reasons(profile, facts: DeviceFacts) -> list[str] | None:
         upper = "inf" if high is None else f"{high:g}"
         why.append(f"memory {mem:.0f} GiB in [{low or 0:g}, {upper}]")
     return why
+
+
+def mapping_matches(data, facts: DeviceFacts, hints: dict, file: str) -> bool:
+    """Whether the match keys of a parsed profile mapping (one that may fail to load for another
+    reason) select ``facts``; False when they are absent or unreadable. ``hints``: Profile's types."""
+    if not isinstance(data, Mapping) or "match_device_type" not in data:
+        return False
+    try:
+        given = {k: convert(data[k], hints[k], k, file) for k in MATCH_KEYS if k in data}
+        probe = types.SimpleNamespace(**({k: None for k in MATCH_KEYS} | {"match_capability": ()} | given))
+        return match_reasons(probe, facts) is not None
+    except (ProfileError, re.error, TypeError):
+        return False
 
 
 def _capability(c: str | None) -> tuple[int, int]:

@@ -1,10 +1,12 @@
-"""Checking YAML values against dataclass field types, and reading YAML strictly.
+"""Checking YAML values against dataclass field types and ranges, and reading YAML strictly.
 
 Used by :mod:`flashrt.profiles`: every error names the file, the key (dotted for nested
 mappings), what was expected and what was found.
 """
 from __future__ import annotations
 
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -97,3 +99,73 @@ def read_yaml(path: str):
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise ProfileError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+
+
+# ---- value ranges of the non-tile keys (one check per key group) -----------------------------
+
+MAX_PAGE_ENTRIES = 1 << 16     # KV entries per page: larger pages cannot be allocated whole
+MAX_PREFETCH_DEPTH = 1 << 10   # Engram blocks copied ahead
+MAX_GIB = float(1 << 20)       # 1 PiB: any memory or disk size above it is a typo
+MAX_TTL_HOURS = 24 * 365 * 10  # ten years; the caches multiply TTLs into seconds
+
+
+def _bad(file: str, key: str, expected: str, found) -> None:
+    raise ProfileError(f"{file}: key {key}: expected {expected}, found {found!r}")
+
+
+def _number(p, file: str, key: str, unit: str, high: float, zero_ok: bool) -> None:
+    value = getattr(p, key)
+    if value is None:
+        return
+    low_ok = value >= 0 if zero_ok else value > 0
+    if not (math.isfinite(value) and low_ok and value <= high):
+        _bad(file, key, f"a finite number of {unit} {'>=' if zero_ok else '>'} 0 and <= {high:.10g}", value)
+
+
+def check_fractions(p, file: str) -> None:
+    """Fractions of memory: each in (0, 1] (NaN fails every comparison), hot + warm <= 1."""
+    for key in ("hkcp_hot_fraction", "hkcp_warm_fraction", "memory_utilization"):
+        if not 0.0 < getattr(p, key) <= 1.0:
+            _bad(file, key, "a fraction in (0, 1]", getattr(p, key))
+    if p.hkcp_hot_fraction + p.hkcp_warm_fraction > 1.0:
+        _bad(file, "hkcp_warm_fraction", "hot + warm fractions <= 1", p.hkcp_hot_fraction + p.hkcp_warm_fraction)
+
+
+def check_sizes(p, file: str) -> None:
+    """Page and prefetch sizes, and memory and disk sizes in GiB: finite and within what exists."""
+    n = p.hkcp_page_entries
+    if n <= 0 or n & (n - 1) or n > MAX_PAGE_ENTRIES:
+        _bad(file, "hkcp_page_entries", f"a power of two in [1, {MAX_PAGE_ENTRIES}]", n)
+    if not 0 <= p.engram_prefetch_depth <= MAX_PREFETCH_DEPTH:
+        _bad(file, "engram_prefetch_depth", f"an integer >= 0 and <= {MAX_PREFETCH_DEPTH}", p.engram_prefetch_depth)
+    _number(p, file, "hkcp_cold_host_gib", "GiB", MAX_GIB, zero_ok=True)
+    _number(p, file, "hkcp_persistent_disk_gib", "GiB", MAX_GIB, zero_ok=False)
+    if p.hkcp_persistent_disk_gib * 2**30 < 1:  # the prefix cache needs room for a byte
+        _bad(file, "hkcp_persistent_disk_gib", "at least one byte (2**-30 GiB)", p.hkcp_persistent_disk_gib)
+    _number(p, file, "device_memory_gib", "GiB", MAX_GIB, zero_ok=False)
+
+
+def check_durations(p, file: str) -> None:
+    """Cache lifetimes: finite and positive (the caches reject a zero TTL)."""
+    _number(p, file, "hkcp_prefix_ttl_hours", "hours", MAX_TTL_HOURS, zero_ok=False)
+    _number(p, file, "hkcp_window_pool_ttl_minutes", "minutes", MAX_TTL_HOURS * 60, zero_ok=False)
+
+
+def check_match(p, file: str) -> None:
+    """Device matching keys: valid regular expressions, capabilities like "9.0", a memory range."""
+    for key in ("match_name", "match_soc"):
+        try:
+            re.compile(getattr(p, key) or "")
+        except re.error as exc:
+            _bad(file, key, f"a regular expression ({exc})", getattr(p, key))
+    for cap in p.match_capability:
+        if not re.fullmatch(r"\d+\.\d+", cap):
+            _bad(file, "match_capability", 'capabilities like "9.0"', cap)
+    _number(p, file, "match_min_memory_gib", "GiB", MAX_GIB, zero_ok=True)
+    _number(p, file, "match_max_memory_gib", "GiB", MAX_GIB, zero_ok=True)
+    low, high = p.match_min_memory_gib, p.match_max_memory_gib
+    if low is not None and high is not None and high < low:
+        _bad(file, "match_max_memory_gib", f">= match_min_memory_gib ({low!r})", high)
+
+
+VALUE_CHECKS = (check_fractions, check_sizes, check_durations, check_match)

@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import logging
 import os
-import re
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -27,8 +26,8 @@ from typing import Literal, Mapping, Union
 from . import tile_checks
 from .dtypes import COMPUTE, STORAGE
 from .errors import ProfileError
-from .profile_schema import convert, read_yaml, type_name
-from .profile_match import DeviceFacts, detect_device, match_profile, match_reasons
+from .profile_schema import VALUE_CHECKS, convert, read_yaml, type_name
+from .profile_match import DeviceFacts, detect_device, mapping_matches, match_profile, match_reasons
 
 log = logging.getLogger("flashrt")
 
@@ -96,26 +95,9 @@ def _hints() -> dict:
 
 
 def _check_values(p: Profile, file: str) -> None:
-    def bad(key, expected, found):
-        raise ProfileError(f"{file}: key {key}: expected {expected}, found {found!r}")
-
-    for key in ("hkcp_hot_fraction", "hkcp_warm_fraction", "memory_utilization"):
-        if not 0.0 < getattr(p, key) <= 1.0:
-            bad(key, "a fraction in (0, 1]", getattr(p, key))
-    if p.hkcp_hot_fraction + p.hkcp_warm_fraction > 1.0:
-        bad("hkcp_warm_fraction", "hot + warm fractions <= 1", p.hkcp_hot_fraction + p.hkcp_warm_fraction)
-    if p.hkcp_page_entries <= 0 or p.hkcp_page_entries & (p.hkcp_page_entries - 1):
-        bad("hkcp_page_entries", "a power of two", p.hkcp_page_entries)
-    if p.engram_prefetch_depth < 0:
-        bad("engram_prefetch_depth", "an integer >= 0", p.engram_prefetch_depth)
-    for key in ("match_name", "match_soc"):
-        try:
-            re.compile(getattr(p, key) or "")
-        except re.error as exc:
-            bad(key, f"a regular expression ({exc})", getattr(p, key))
-    for cap in p.match_capability:
-        if not re.fullmatch(r"\d+\.\d+", cap):
-            bad("match_capability", 'capabilities like "9.0"', cap)
+    """Ranges of the non-tile keys (:data:`flashrt.profile_schema.VALUE_CHECKS`, one per key group)."""
+    for check in VALUE_CHECKS:
+        check(p, file)
 
 
 def profile_from_mapping(data, file: str) -> Profile:
@@ -191,16 +173,45 @@ def load_profile(name_or_path: str) -> Profile:
                        f"(or a path to a .yaml file; user profiles in {user_profile_dir()})")
 
 
-def load_all() -> list[Profile]:
-    """Every profile that loads; a broken one is reported (a warning naming the file and the key)
-    and left out, so that it breaks only a run that asks for it by name."""
+_WARNED: set[str] = set()
+
+
+def load_all(facts: DeviceFacts | None = None) -> list[Profile]:
+    """Every available profile that loads. A file that does not is skipped with a warning (once
+    per process; :func:`broken_profiles` lists them), unless its match keys select the device of
+    ``facts``: then it was meant for this device and its error is raised."""
     out = []
     for path in available_profiles().values():
         try:
             out.append(load_profile_file(path))
         except ProfileError as exc:
-            log.warning("flashrt: profile skipped: %s", exc)
+            if facts is not None and _meant_for(path, facts):
+                raise ProfileError(f"{exc} (the profile matches this device, {facts.describe()}: fix it, "
+                                   f"or pass --profile / FLASHRT_PROFILE)") from None
+            if str(exc) not in _WARNED:
+                _WARNED.add(str(exc))
+                log.warning("flashrt: profile skipped: %s", exc)
     return out
+
+
+def broken_profiles() -> dict[str, str]:
+    """File -> error of each available profile that does not load (``flashrt doctor`` lists them)."""
+    out = {}
+    for path in available_profiles().values():
+        try:
+            load_profile_file(path)
+        except ProfileError as exc:
+            out[path] = str(exc)
+    return out
+
+
+def _meant_for(path: str, facts: DeviceFacts) -> bool:
+    """Whether the match keys of a profile file that does not load select ``facts``."""
+    try:
+        data = read_yaml(path)
+    except ProfileError:
+        return False
+    return mapping_matches(data, facts, _hints(), path)
 
 
 _ACTIVE: tuple[Profile, str] | None = None
@@ -217,7 +228,7 @@ def select_profile(device=None, facts: DeviceFacts | None = None, override: str 
             why += f"; note: it does not match the detected device {facts.describe()}"
         return profile, why
     facts = facts or detect_device(device)
-    return match_profile(facts, load_all())
+    return match_profile(facts, load_all(facts))
 
 
 def active_profile() -> Profile:

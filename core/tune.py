@@ -196,7 +196,7 @@ def write_profile(profile, results: list[dict], path: str) -> None:
 
 
 def cmd(args) -> int:
-    if args.budget <= 0:
+    if not 0 < args.budget < float("inf"):  # NaN fails too
         raise ValueError(f"--budget: expected seconds > 0, got {args.budget}")
     tuned, results = tune(args.kernels, progress=Progress("tuning"), budget=args.budget)
     write_profile(tuned, results, args.out)
@@ -209,8 +209,10 @@ def cmd(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from flashrt.cli.args import nonempty
+
     p = sub.add_parser("tune", help="sweep kernel tiles on this device; write a profile with the winners")
-    p.add_argument("--out", required=True, help="profile YAML to write")
+    p.add_argument("--out", required=True, type=nonempty("file name"), help="profile YAML to write")
     p.add_argument("--kernels", nargs="+", default=None, help=f"subset of {sorted(SPACES)}")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                    help=f"seconds for the whole sweep (default {DEFAULT_BUDGET_S:.0f})")

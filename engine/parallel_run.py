@@ -45,7 +45,8 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
                  threads: int | None = None, kv_budget: int | None = None, prefill_chunk: int | None = None,
                  cuda_graph: bool | None = None, prefix_cache: str | None = None, chat: str | None = None,
                  system: str | None = None, thinking: bool = True, effort=None, tp: int = 1, ep: int = 1,
-                 timeout_s: float = 600.0, dispatch: str = "gather", on_event=None, images=None) -> dict | None:
+                 timeout_s: float = 600.0, dispatch: str = "gather", on_event=None, images=None,
+                 weights_seed: int = 0) -> dict | None:
     """The whole job on ``tp * ep`` ranks; rank 0's report (None on the other ranks of a torchrun job)."""
     layout = Layout(tp, ep)
     if dispatch not in ("gather", "all_to_all"):
@@ -72,7 +73,7 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
         count = torch.cuda.device_count()
         if count < layout.world:
             raise ValueError(f"tp: tp * ep = {layout.world} ranks need {layout.world} {kind} devices, found {count}")
-    path = checkpoint_path(model, seed, quiet or (under_torchrun() and os.environ.get("RANK") != "0"))
+    path = checkpoint_path(model, weights_seed, quiet or (under_torchrun() and os.environ.get("RANK") != "0"))
     layout.check(ModelConfig.from_file(str(path / "config.json")))
     job = dict(path=str(path), tp=tp, ep=ep, dispatch=dispatch, backend=backend, prompt=prompt, chat=chat, system=system,
                thinking=thinking, effort=effort, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,

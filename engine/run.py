@@ -50,8 +50,9 @@ def cache_dir() -> Path:
 
 
 def builtin_checkpoint(name: str, seed: int = 0, quiet: bool = False) -> Path:
-    """The cached checkpoint of a built-in model, created (atomically) on first use; its tokenizer
-    files are added when missing (also to a checkpoint cached before they existed)."""
+    """The cached checkpoint of a built-in model with the weights of ``seed``, created (atomically)
+    on first use; its tokenizer files are added when missing (also to a checkpoint cached before
+    they existed)."""
     path = cache_dir() / "models" / f"{name}-seed{seed}"
     if not (path / "config.json").exists():
         cfg = shipped_config(name)
@@ -72,7 +73,8 @@ BUILTIN = ("tiny", "small", "tiny-vl")  # the shipped configs that get built-in 
 
 
 def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = False, profile=None) -> Model:
-    """``tiny`` / ``small`` / ``tiny-vl`` (built-in) or a checkpoint directory -> Model on ``device``."""
+    """``tiny`` / ``small`` / ``tiny-vl`` (built-in, with the weights of ``seed``) or a checkpoint
+    directory -> Model on ``device``."""
     if model in SHIPPED and not os.path.isdir(model):
         if model not in BUILTIN:
             raise ValueError(f"model: {model!r} has no built-in weights; pass its checkpoint directory")
@@ -132,6 +134,28 @@ def phase_progress(enabled: bool):
     return report
 
 
+def check_context(prompt_tokens: int, max_new_tokens: int, cfg) -> None:
+    """The prompt and the tokens to generate must fit the model's context (``max_seq_len``)."""
+    if isinstance(max_new_tokens, int) and prompt_tokens + max_new_tokens > cfg.max_seq_len:
+        room = max(cfg.max_seq_len - max_new_tokens, 0)
+        raise ValueError(f"prompt: {prompt_tokens} tokens + {max_new_tokens} new tokens exceed the context of "
+                         f"{cfg.name} ({cfg.max_seq_len} tokens); with --max-new-tokens {max_new_tokens} the prompt "
+                         f"may have at most {room} tokens")
+
+
+def check_run_args(prompt, chat, threads, seed: int, weights_seed: int, cuda_graph, dev: torch.device) -> None:
+    """What ``run`` checks before loading anything (the CLI's argument types check the same)."""
+    if chat is None and (not isinstance(prompt, str) or not prompt):
+        raise ValueError(f"prompt: expected a non-empty prompt, got {prompt!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads: expected an int >= 1 or None, got {threads!r}")
+    for name, value in (("seed", seed), ("weights_seed", weights_seed)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+            raise ValueError(f"{name}: expected an int in [0, 2**63), got {value!r}")
+    if cuda_graph and dev.type != "cuda":
+        raise ValueError(f"cuda_graph: CUDA graphs need a CUDA device, the device is {dev}")
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -155,10 +179,12 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         quiet: bool = False, threads: int | None = None, kv_budget: int | None = None,
         prefill_chunk: int | None = None, cuda_graph: bool | None = None, prefix_cache: str | None = None,
         chat: str | None = None, system: str | None = None, thinking: bool = True, effort=None,
-        images=None) -> dict:
+        images=None, weights_seed: int = 0) -> dict:
     """The whole job; returns the report as a dict (the CLI prints it). ``chat`` replaces
     ``prompt`` with a chat turn (``system``, ``thinking``, ``effort``: chat_format.render).
-    ``images``: image files (or other image sources) shown before the text (docs/vision.md)."""
+    ``images``: image files (or other image sources) shown before the text (docs/vision.md).
+    ``seed`` seeds sampling; ``weights_seed`` picks the built-in models' weights (a checkpoint
+    directory is used as it is)."""
     images = [images] if isinstance(images, (str, bytes, os.PathLike)) else list(images or ())
     if chat is not None:  # bad chat input fails before the model loads
         chat_messages(chat, system)
@@ -168,6 +194,7 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
     for image in images:  # an unreadable image fails before the model loads
         open_image(image)
     dev = pick_device(device)
+    check_run_args(prompt, chat, threads, seed, weights_seed, cuda_graph, dev)
     if dev.type == "cpu" and threads is None and model in ("tiny", "tiny-vl"):
         threads = 1  # tiny ops: thread fan-out costs more than it gains (docs/performance.md)
     if threads:
@@ -176,12 +203,13 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         profile = resolve_profile(None, dev)  # the one load() picks: the cache is checked before loading
         cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, profile)
         t0 = time.perf_counter()
-        m = load_model(model, dev, seed, quiet, profile=profile)
+        m = load_model(model, dev, weights_seed, quiet, profile=profile)
         load_s = time.perf_counter() - t0
         tok = m.tokenizer
         if images:
             check_image_token(m, tok)
         ids = encode_request(tok, m.cfg.vocab_size, prompt, chat, system, thinking, effort, images)
+        check_context(len(ids), max_new_tokens, m.cfg)
         t_gen = time.perf_counter()
         result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
                           prefix_cache=cache, eos_token_id=tok.eos_id if chat is not None else None,

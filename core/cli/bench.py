@@ -34,13 +34,15 @@ def cmd_kernels(args) -> int:
 def add_bench(sub) -> None:
     from flashrt.bench import FAMILIES
 
+    from .args import nonempty
+
     bench = sub.add_parser("bench", help="benchmarks on this device")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     p = bsub.add_parser("kernels", help="time every kernel family against its ceilings and baselines "
                         "(plain and CUDA-graph replay)")
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES, metavar="FAMILY",
                    help=f"subset of {', '.join(FAMILIES)} (default: all)")
-    p.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here")
+    p.add_argument("--out", default=None, metavar="FILE", type=nonempty("file name"), help="write the JSON report here")
     p.add_argument("--json", action="store_true", help="print the JSON report (progress goes to stderr)")
     p.set_defaults(func=cmd_kernels)
     from flashrt.bench.serve import add_parser as add_serve_bench

@@ -1,17 +1,19 @@
 """The ``flashrt`` command line."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import sys
+import traceback
 from importlib import metadata
 
 import torch
 
 from flashrt import __version__, dispatch
 from flashrt.errors import FlashrtError
+
+from .args import Parser, nonempty
 
 
 def _version(dist: str) -> str | None:
@@ -98,7 +100,8 @@ def _profile_report(shipped: list[str]) -> dict:
     except FlashrtError as exc:  # a bad profile is reported, not fatal: the rest of doctor still helps
         chosen, error = None, str(exc)
     return {"shipped": shipped, "available": profiles.available_profiles(),
-            "user_dir": str(profiles.user_profile_dir()), "chosen": chosen, "error": error}
+            "user_dir": str(profiles.user_profile_dir()), "chosen": chosen, "error": error,
+            "broken": profiles.broken_profiles()}
 
 
 def _print_doctor(r: dict) -> None:
@@ -135,6 +138,8 @@ def _print_doctor(r: dict) -> None:
         print(f"profile: {p['chosen']['name']} ({p['chosen']['reason']})")
     else:
         print(f"profile: error: {p['error']}")
+    for error in p["broken"].values():
+        print(f"profile skipped: {error}")
 
 
 def _print_fallbacks(r: dict) -> None:
@@ -162,10 +167,11 @@ def cmd_doctor(args) -> int:
     return 0 if report["profiles"]["chosen"] else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashrt", description="DeepSeek-V4.1-Flash inference runtime")
+def build_parser() -> Parser:
+    parser = Parser(prog="flashrt", description="DeepSeek-V4.1-Flash inference runtime")
     parser.add_argument("--version", action="version", version=f"flashrt {__version__}")
-    parser.add_argument("--profile", default=None, help="hardware profile name or YAML path (default: auto)")
+    parser.add_argument("--profile", default=None, type=nonempty("profile"),
+                        help="hardware profile name or YAML path (default: auto)")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="devices, backends and their availability, versions")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -200,19 +206,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.profile:  # honoured by every command and inherited by child processes
-        from flashrt import profiles
-
-        os.environ["FLASHRT_PROFILE"] = args.profile
-        profiles.use_profile(None)
+    debug = getattr(args, "debug", False) or os.environ.get("FLASHRT_DEBUG") == "1"
     try:
+        if args.profile:  # honoured by every command and inherited by child processes
+            _use_profile_option(args)
         return args.func(args)
     except BrokenPipeError:  # `flashrt doctor | head`
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:
+        return _fail(args.command, "interrupted", debug, 130)
     except (ValueError, FlashrtError) as exc:  # bad input: one clear line, no traceback
-        print(f"flashrt {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args.command, f"error: {exc}", debug, 2)
+    except OSError as exc:  # a file that cannot be read or written, a full disk
+        return _fail(args.command, f"error: {exc}", debug, 1)
+    except Exception as exc:  # a bug: still one line, the traceback on request
+        return _fail(args.command, f"internal error: {type(exc).__name__}: {exc} "
+                     "(run again with --debug for the traceback)", debug, 1)
+
+
+def _use_profile_option(args) -> None:
+    from flashrt import profiles
+
+    if args.command != "doctor":  # doctor reports a bad profile; the others stop before starting
+        load_profile_option(args.profile)
+    os.environ["FLASHRT_PROFILE"] = args.profile
+    profiles.use_profile(None)
+
+
+def load_profile_option(value: str):
+    """The profile a ``--profile`` option names; its error says which option it came from."""
+    from flashrt import profiles
+    from flashrt.errors import ProfileError
+
+    try:
+        return profiles.load_profile(value)
+    except ProfileError as exc:
+        raise ProfileError(f"--profile: {exc}") from None
+
+
+def _fail(command: str, message: str, debug: bool, code: int) -> int:
+    """Print ``flashrt COMMAND: MESSAGE`` as one line (after the traceback with --debug)."""
+    if debug:
+        traceback.print_exc()
+    print(f"flashrt {command}: {' '.join(message.splitlines())}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

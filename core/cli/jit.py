@@ -87,9 +87,14 @@ def cmd_ls(args) -> int:
     if entries:
         print(f"  {'key':12}  {'kind':7}  {'kernel':32}  {'arch':10}  {'size':>10}  age")
     for e in entries:
-        print(f"  {e.key[:12]:12}  {e.kind:7}  {e.kernel[:32]:32}  {e.arch:10}  {_human(e.size):>10}  "
-              f"{_age(now - e.mtime)}")
+        print(f"  {_shown(e.key)[:12]:12}  {e.kind:7}  {_shown(e.kernel)[:32]:32}  {_shown(e.arch):10}  "
+              f"{_human(e.size):>10}  {_age(now - e.mtime)}")
     return 0
+
+
+def _shown(name: str) -> str:
+    """``name`` printable on any stdout: a file name's undecodable bytes as ``\\xNN`` escapes."""
+    return name.encode("utf-8", "surrogateescape").decode("ascii", "backslashreplace")
 
 
 def cmd_clear(args) -> int:
@@ -102,16 +107,20 @@ def cmd_clear(args) -> int:
         if input(f"remove everything under {cache.root}? [y/N] ").strip().lower() not in ("y", "yes"):
             print("nothing removed")
             return 1
-    files, size = cache.clear()
-    print(f"removed {files} files ({_human(size)}) under {cache.root}")
+    files, size, kept = cache.clear()
+    busy = f"; kept {kept} in use by running compiles or loads" if kept else ""
+    print(f"removed {files} files ({_human(size)}) under {cache.root}{busy}")
     return 0
 
 
 def add_jit(sub) -> None:
+    from .args import nonempty
+
     jit = sub.add_parser("jit", help="compile kernels ahead of time; inspect or empty the compile cache")
     jsub = jit.add_subparsers(dest="jit_command", required=True)
     p = jsub.add_parser("warmup", help="compile every kernel a profile needs (modules with a warmup hook)")
-    p.add_argument("--profile", default=argparse.SUPPRESS, help="profile name or YAML path (default: auto)")
+    p.add_argument("--profile", default=argparse.SUPPRESS, type=nonempty("profile"),
+                   help="profile name or YAML path (default: auto)")
     p.add_argument("--model", default=None, help="also run tiny | small | a checkpoint once, compiling every "
                    "kernel variant its prefill and decode use")
     p.add_argument("--shapes", nargs="+", default=None, metavar="MODEL",

@@ -15,11 +15,15 @@ def _human(n: float, unit: str = "B") -> str:
 
 
 def add_run(sub) -> None:
+    from .args import device, float_range, nonempty, positive_int, seed
+
     p = sub.add_parser("run", help="generate with the tiny built-in model (or --model small|PATH) and report")
-    p.add_argument("--model", default="tiny", help="tiny | small | tiny-vl | checkpoint directory (default tiny)")
+    p.add_argument("--model", default="tiny", type=nonempty("model"),
+                   help="tiny | small | tiny-vl | checkpoint directory (default tiny)")
     text = p.add_mutually_exclusive_group()
-    text.add_argument("--prompt", default=None, help="text to continue for --max-new-tokens tokens")
-    text.add_argument("--chat", default=None, metavar="MESSAGE",
+    text.add_argument("--prompt", default=None, type=nonempty("prompt"),
+                      help="text to continue for --max-new-tokens tokens")
+    text.add_argument("--chat", default=None, metavar="MESSAGE", type=nonempty("chat"),
                       help="a user message, rendered in the model's chat format and answered until EOS")
     p.add_argument("--system", default=None, metavar="TEXT", help="system prompt of --chat")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
@@ -28,17 +32,20 @@ def add_run(sub) -> None:
                    help="--chat in thinking mode (reasoning before the answer; default on)")
     p.add_argument("--effort", default=None, metavar="LEVEL",
                    help="reasoning effort of thinking mode: low | high | max (50 / 75 / 100) or 1..100 (default high)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16)
+    p.add_argument("--device", default=None, type=device, help="cpu | cuda | cuda:N (default: cuda when available)")
     p.add_argument("--backend", default=None, help="force a backend (see flashrt doctor)")
     p.add_argument("--prefill", choices=("exact", "ced"), default="exact")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: 1 for tiny, else torch's)")
-    p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
+    p.add_argument("--temperature", type=float_range(0.0, low_open=False), default=0.0)
+    p.add_argument("--seed", type=seed, default=0, help="sampling seed (default 0)")
+    p.add_argument("--weights-seed", type=seed, default=0,
+                   help="seed of the built-in models' weights (default 0; each seed is created once and cached)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: 1 for tiny, else torch's)")
+    p.add_argument("--kv-budget", type=positive_int, default=None, metavar="BYTES",
                    help="device bytes for the KV state; older main-KV pages spill to host memory")
-    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS", help="prompt tokens per forward call")
-    p.add_argument("--prefix-cache", default=None, metavar="DIR",
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="TOKENS",
+                   help="prompt tokens per forward call")
+    p.add_argument("--prefix-cache", default=None, metavar="DIR", type=nonempty("directory"),
                    help="persistent prefix cache directory (TTL and size cap from the profile)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on CUDA devices)")
@@ -69,7 +76,8 @@ def cmd_run(args) -> int:
                      args.device, args.backend, args.prefill, args.temperature, args.seed, quiet=args.json,
                      threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
                      cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
-                     thinking=args.thinking, effort=args.effort, images=args.image)
+                     thinking=args.thinking, effort=args.effort, images=args.image,
+                     weights_seed=args.weights_seed)
     if report is None:  # a torchrun rank other than 0: rank 0 prints
         return 0
     if args.json:
@@ -139,16 +147,21 @@ def _print_text(r: dict) -> None:
 
 
 def add_plan(sub) -> None:
+    from .args import float_range, nonempty, positive_int
+
     p = sub.add_parser("plan", help="parameters, KV bytes, FLOPs and capacity of a model (nothing allocated)")
-    p.add_argument("--model", default="v4.1-flash", help="tiny | small | v4.1-flash | deepseek-llm-67b | config dir")
-    p.add_argument("--context", type=int, default=1 << 20, help="context length for capacity (default 1M)")
-    p.add_argument("--profile", dest="plan_profile", default=None,
+    p.add_argument("--model", default="v4.1-flash", type=nonempty("model"),
+                   help="tiny | small | v4.1-flash | deepseek-llm-67b | config dir")
+    p.add_argument("--context", type=positive_int, default=1 << 20, help="context length for capacity (default 1M)")
+    p.add_argument("--profile", dest="plan_profile", default=None, type=nonempty("profile"),
                    help="hardware profile whose memory (device_memory_gib x memory_utilization) to plan for")
-    p.add_argument("--memory-gib", type=float, default=None, help="device memory in GiB (default: the profile's, "
-                   "else 141, an H200)")
-    p.add_argument("--memory-utilization", type=float, default=None)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group: per-rank bytes (docs/parallel.md)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel groups (tp x ep ranks, one device each)")
+    p.add_argument("--memory-gib", type=float_range(0.0, 2.0**20), default=None,
+                   help="device memory in GiB (default: the profile's, else 141, an H200)")
+    p.add_argument("--memory-utilization", type=float_range(0.0, 1.0), default=None,
+                   help="fraction of the memory to plan for, in (0, 1] (default: the profile's, else 0.9)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks per group: per-rank bytes (docs/parallel.md)")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel groups (tp x ep ranks, one device each)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
@@ -158,9 +171,9 @@ def cmd_plan(args) -> int:
 
     gib, util, placement = 141.0, 0.9, "device"
     if args.plan_profile:
-        from flashrt.profiles import load_profile
+        from .commands import load_profile_option
 
-        prof = load_profile(args.plan_profile)
+        prof = load_profile_option(args.plan_profile)
         gib, util, placement = prof.device_memory_gib or gib, prof.memory_utilization, prof.engram_placement
     gib = args.memory_gib if args.memory_gib is not None else gib
     util = args.memory_utilization if args.memory_utilization is not None else util

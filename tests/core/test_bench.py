@@ -94,8 +94,7 @@ def test_the_cli_writes_the_report_after_every_family(monkeypatch, tmp_path, cap
 
     monkeypatch.setattr(elementwise, "run", first)
     monkeypatch.setattr(gemm, "run", second)
-    with pytest.raises(KeyboardInterrupt):
-        cli.main(["bench", "kernels", "--families", "elementwise", "gemm", "--out", str(out)])
+    assert cli.main(["bench", "kernels", "--families", "elementwise", "gemm", "--out", str(out)]) == 130  # Ctrl-C
     assert [r["kernel"] for r in seen[0]["rows"]] == ["k1"] and seen[0]["rows"][0]["family"] == "elementwise"
     assert json.loads(out.read_text()) == seen[0]  # the kill left the last whole report
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temporary file left behind
