@@ -199,7 +199,7 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         threads = 1  # tiny ops: thread fan-out costs more than it gains (docs/performance.md)
     if threads:
         torch.set_num_threads(threads)
-    with dispatch.use_backend(backend) if backend else contextlib.nullcontext():
+    with dispatch.use_backend(backend) if backend is not None else contextlib.nullcontext():
         profile = resolve_profile(None, dev)  # the one load() picks: the cache is checked before loading
         cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, profile)
         t0 = time.perf_counter()

@@ -28,7 +28,7 @@ def load_shard(path, layout: Layout, device=None, verify: bool = False, progress
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if verify:
         checkpoint.verify_checksums(path)
-    cfg = checkpoint._read_config(path)
+    cfg = checkpoint.read_config(path)
     layout.check(cfg)
     mine, weights, read = local_specs(cfg, layout), {}, 0
     with contextlib.ExitStack() as stack:

@@ -134,7 +134,7 @@ def _print_text(r: dict) -> None:
         mode = f"thinking, effort {c['effort']}" if c["thinking"] else "no thinking"
         print(f"chat ({r['prompt_tokens']} tokens, {mode}): " + (f"system {c['system']!r}, " if c["system"] else "")
               + f"user {c['user']!r}")
-    if r["image_tokens"]:
+    if r.get("image_tokens"):
         print(f"images: {', '.join(r['images'])} ({r['image_tokens']} of the prompt tokens)")
     print(f"new ({r['new_tokens']} tokens): {r['new_text']!r}  ids {r['new_token_ids']}")
     m = r["message"]

@@ -60,10 +60,11 @@ def test_an_empty_prompt_is_an_error_not_the_default_prompt():
 
 
 def test_a_prompt_longer_than_the_context_is_an_error_with_the_limits():
-    code, _, err = cli("run", "--prompt", "a" * 4097, "--max-new-tokens", "1")
-    assert_one_line_error(code, err, "4097", "4096")
-    code, _, err = cli("run", "--prompt", "a" * 4090, "--max-new-tokens", "16")
-    assert_one_line_error(code, err, "4090", "16", "4096", "at most 4080")
+    # the prompt's token count is the tokenizer's (BOS included), at least one token per 4 bytes here
+    code, _, err = cli("run", "--prompt", "a" * 4097 * 4, "--max-new-tokens", "1")
+    assert_one_line_error(code, err, "exceed the context", "4096", "at most 4095")
+    code, _, err = cli("run", "--prompt", "a" * 4090 * 4, "--max-new-tokens", "16")
+    assert_one_line_error(code, err, "16 new tokens", "4096", "at most 4080")
 
 
 def run_json(*args) -> dict:
@@ -139,7 +140,7 @@ def test_cuda_graphs_on_a_cpu_device_are_an_error():
 
 
 def test_an_unexpected_failure_is_one_line_with_a_hint_and_debug_prints_the_traceback(monkeypatch):
-    def boom():
+    def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(commands, "doctor_report", boom)
@@ -154,7 +155,7 @@ def test_an_unexpected_failure_is_one_line_with_a_hint_and_debug_prints_the_trac
 
 
 def test_interrupt_is_one_line(monkeypatch):
-    def stop():
+    def stop(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(commands, "doctor_report", stop)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashrt.formats import QTensor
-from flashrt.graphs import checkpoint
+from flashrt.graphs import checkpoint, shards
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.parallel import Layout
@@ -80,10 +80,10 @@ def test_each_rank_reads_only_its_slices(saved, monkeypatch, tp, ep):
     for rank in range(tp * ep):
         layout = Layout(tp, ep, rank)
         log = []
-        real = checkpoint.safe_open
-        monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: _Counting(real(*a, **k), log))
+        real = shards.safe_open
+        monkeypatch.setattr(shards, "safe_open", lambda *a, **k: _Counting(real(*a, **k), log))
         _, weights, read = load_shard(path, layout)
-        monkeypatch.setattr(checkpoint, "safe_open", real)
+        monkeypatch.setattr(shards, "safe_open", real)
         want = sum(stored_bytes(local) for _, local, _ in local_specs(cfg, layout))
         assert sum(n for _, _, n in log) == read == want < total
         cut = {n for full, _, c in local_specs(cfg, layout) if c is not None for n in (full.name, full.scale_name)}
