@@ -15,22 +15,10 @@ from flashrt import profiles
 from flashrt.errors import ProfileError
 from flashrt.hwconfigs import profile_files
 from flashrt.profile_match import DeviceFacts
+from profile_helpers import _clean_profiles, shipped_data  # noqa: F401 (autouse fixture)
 
 CPU = DeviceFacts("cpu")
 H200 = DeviceFacts("cuda", "NVIDIA H200", "9.0", None, 139.8)
-
-
-@pytest.fixture(autouse=True)
-def _clean_profiles(monkeypatch, tmp_path):
-    monkeypatch.delenv("FLASHRT_PROFILE", raising=False)
-    monkeypatch.setenv("FLASHRT_PROFILE_DIR", str(tmp_path / "user-profiles"))
-    profiles.use_profile(None)
-    yield
-    profiles.use_profile(None)
-
-
-def shipped_data(name: str) -> dict:
-    return yaml.safe_load(Path(profile_files()[name]).read_text())
 
 
 def load(tmp_path, data: dict, name: str = "bad") -> profiles.Profile:

@@ -4,7 +4,6 @@ obsolete dtype keys; a fuzz test over tile YAML (no traceback, no invalid value 
 import dataclasses
 import logging
 import math
-from pathlib import Path
 
 import pytest
 import yaml
@@ -13,24 +12,11 @@ from hypothesis import strategies as st
 
 from flashrt import dispatch, profiles, tile_checks
 from flashrt.errors import ProfileError
-from flashrt.hwconfigs import profile_files
 from kernel_check import requires_kernels
+from profile_helpers import _clean_profiles, shipped_data as data  # noqa: F401 (autouse fixture)
 
 SHIPPED = ("cpu", "a100", "h100", "h200", "rtx4090", "ascend910b")
 pytestmark = requires_kernels  # the families that declare tiles are the cuda backend's
-
-
-@pytest.fixture(autouse=True)
-def _clean_profiles(monkeypatch, tmp_path):
-    monkeypatch.delenv("FLASHRT_PROFILE", raising=False)
-    monkeypatch.setenv("FLASHRT_PROFILE_DIR", str(tmp_path / "user-profiles"))
-    profiles.use_profile(None)
-    yield
-    profiles.use_profile(None)
-
-
-def data(name: str) -> dict:
-    return yaml.safe_load(Path(profile_files()[name]).read_text())
 
 
 def families() -> dict:

@@ -12,22 +12,9 @@ from flashrt import profiles
 from flashrt.errors import ProfileError
 from flashrt.hwconfigs import profile_files
 from flashrt.profile_match import DeviceFacts
+from profile_helpers import _clean_profiles, shipped_data  # noqa: F401 (autouse fixture)
 
 SHIPPED = ("cpu", "a100", "h100", "h200", "rtx4090", "ascend910b")
-
-
-@pytest.fixture(autouse=True)
-def _clean_profiles(monkeypatch, tmp_path):
-    """No FLASHRT_PROFILE, an empty user profile dir, no cached active profile."""
-    monkeypatch.delenv("FLASHRT_PROFILE", raising=False)
-    monkeypatch.setenv("FLASHRT_PROFILE_DIR", str(tmp_path / "user-profiles"))
-    profiles.use_profile(None)
-    yield
-    profiles.use_profile(None)
-
-
-def shipped_data(name: str) -> dict:
-    return yaml.safe_load(Path(profile_files()[name]).read_text())
 
 
 def write_profile(path: Path, data: dict) -> Path:
