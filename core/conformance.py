@@ -155,7 +155,7 @@ def cmd(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from flashrt.cli.args import device, nonempty, seed
+    from flashrt.argtypes import device, nonempty, seed
 
     p = sub.add_parser("conformance", help="every op on this device/backend vs the reference; JSON report")
     p.add_argument("--device", default=None, type=device)

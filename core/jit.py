@@ -137,17 +137,21 @@ def decode_entry(blob: bytes, header_only: bool = False) -> tuple[dict, bytes]:
     return header, payload
 
 
+WRITE_ATTEMPTS = 50  # directory re-creations a write tries while concurrent clears remove it
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see all of it or nothing (temp + fsync + rename).
     A directory removed meanwhile (a concurrent ``jit clear`` removes empty ones) is made again."""
-    for attempt in range(10):
+    for attempt in range(WRITE_ATTEMPTS):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_replace(path, data)
             break
         except (FileNotFoundError, FileExistsError):  # FileExistsError: mkdir met a vanishing parent
-            if attempt == 9:
+            if attempt == WRITE_ATTEMPTS - 1:
                 raise
+            time.sleep(0.001 * attempt)  # a clear sweeping empty directories: let it pass
     with contextlib.suppress(FileNotFoundError):  # the directory went with the file: nothing to sync
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:

@@ -209,7 +209,7 @@ def cmd(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from flashrt.cli.args import nonempty
+    from flashrt.argtypes import nonempty
 
     p = sub.add_parser("tune", help="sweep kernel tiles on this device; write a profile with the winners")
     p.add_argument("--out", required=True, type=nonempty("file name"), help="profile YAML to write")

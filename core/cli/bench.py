@@ -34,7 +34,7 @@ def cmd_kernels(args) -> int:
 def add_bench(sub) -> None:
     from flashrt.bench import FAMILIES
 
-    from .args import nonempty
+    from flashrt.argtypes import nonempty
 
     bench = sub.add_parser("bench", help="benchmarks on this device")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -13,7 +13,7 @@ import torch
 from flashrt import __version__, dispatch
 from flashrt.errors import FlashrtError
 
-from .args import Parser, nonempty
+from flashrt.argtypes import Parser, nonempty
 
 
 def _version(dist: str) -> str | None:

@@ -114,7 +114,7 @@ def cmd_clear(args) -> int:
 
 
 def add_jit(sub) -> None:
-    from .args import nonempty
+    from flashrt.argtypes import nonempty
 
     jit = sub.add_parser("jit", help="compile kernels ahead of time; inspect or empty the compile cache")
     jsub = jit.add_subparsers(dest="jit_command", required=True)

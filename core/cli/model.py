@@ -15,7 +15,7 @@ def _human(n: float, unit: str = "B") -> str:
 
 
 def add_run(sub) -> None:
-    from .args import device, float_range, nonempty, positive_int, seed
+    from flashrt.argtypes import device, float_range, nonempty, positive_int, seed
 
     p = sub.add_parser("run", help="generate with the tiny built-in model (or --model small|PATH) and report")
     p.add_argument("--model", default="tiny", type=nonempty("model"),
@@ -147,7 +147,7 @@ def _print_text(r: dict) -> None:
 
 
 def add_plan(sub) -> None:
-    from .args import float_range, nonempty, positive_int
+    from flashrt.argtypes import float_range, nonempty, positive_int
 
     p = sub.add_parser("plan", help="parameters, KV bytes, FLOPs and capacity of a model (nothing allocated)")
     p.add_argument("--model", default="v4.1-flash", type=nonempty("model"),

@@ -97,5 +97,5 @@ def test_an_empty_path_is_rejected(root, tmp_path, monkeypatch):
 def test_cli_empty_prefix_cache_is_one_clear_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flashrt.cli", "run", "--prefix-cache", "", "--max-new-tokens", "1"],
                        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "FLASHRT_CACHE_DIR": str(tmp_path / "c")})
-    assert r.returncode == 2 and "prefix_cache root" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "--prefix-cache" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "FLASHRT-PREFIX-CACHE").exists()
