@@ -17,7 +17,7 @@ import torch
 from flashrt.formats import QTensor, quantize
 
 from .config import ModelConfig
-from .init_weights import PLAIN_DTYPES, param_seed
+from .init_weights import PLAIN_DTYPES, make_all, param_seed
 from .params import QUANTIZED, ParamSpec, param_specs
 
 SCALES = {"linear": lambda fan_in: fan_in**-0.5, "small": lambda fan_in: 0.02 * fan_in**-0.5, "normal": lambda _: 1.0}
@@ -46,9 +46,4 @@ def device_weights(cfg: ModelConfig, device, seed: int = 0, progress: Callable[[
     ``device``; ``progress(done, total)`` after each."""
     device = torch.device(device)
     specs = [s for s in param_specs(cfg) if select is None or select(s.name)]
-    out: dict[str, torch.Tensor | QTensor] = {}
-    for i, spec in enumerate(specs):
-        out[spec.name] = device_param(spec, seed, device)
-        if progress is not None:
-            progress(i + 1, len(specs))
-    return out
+    return make_all(specs, lambda spec: device_param(spec, seed, device), progress)

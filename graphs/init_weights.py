@@ -73,11 +73,15 @@ def init_weights(cfg: ModelConfig, seed: int = 0, device="cpu",
 
     ``progress(done, total)`` is called after each parameter (counts parameters, not bytes).
     """
-    specs = param_specs(cfg)
-    device = torch.device(device)
+    return make_all(param_specs(cfg), lambda spec: init_param(spec, seed, torch.device(device)), progress)
+
+
+def make_all(specs: list[ParamSpec], make: Callable[[ParamSpec], torch.Tensor | QTensor],
+             progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor | QTensor]:
+    """``make(spec)`` for every spec, keyed by name; ``progress(done, total)`` after each."""
     out: dict[str, torch.Tensor | QTensor] = {}
     for i, spec in enumerate(specs):
-        out[spec.name] = init_param(spec, seed, device)
+        out[spec.name] = make(spec)
         if progress is not None:
             progress(i + 1, len(specs))
     return out
