@@ -15,7 +15,7 @@ def _human(n: float, unit: str = "B") -> str:
 
 
 def add_run(sub) -> None:
-    from flashrt.argtypes import device, float_range, nonempty, positive_int, seed
+    from flashrt.argtypes import add_simulation_options, device, float_range, nonempty, positive_int, seed
 
     p = sub.add_parser("run", help="generate with the tiny built-in model (or --model small|PATH) and report")
     p.add_argument("--model", default="tiny", type=nonempty("model"),
@@ -57,6 +57,7 @@ def add_run(sub) -> None:
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a rank waits for its peers before the run fails (with --tp / --ep)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_simulation_options(p)
     p.set_defaults(func=cmd_run)
 
 
