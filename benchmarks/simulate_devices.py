@@ -7,7 +7,8 @@ For each card (default ``rtx4090 a100 h100``), each step its own ``flashrt`` pro
 
 - ``flashrt run --profile CARD --memory-limit SIZE --model small --json``: a short greedy decode
   through the code path of ``flashrt run``, its tokens compared with the same prompt run on this
-  device with no profile override and no cap (the baseline, run first);
+  device with no profile override and no cap (the baseline, run first); each is run once before
+  (``--warmup-runs``) so that the decode speed reported is not the kernels' compile time;
 - ``flashrt conformance --profile CARD --memory-limit SIZE``: every op against the reference.
 
 SIZE is the card's ``device_memory_gib`` from its profile. A card's report
@@ -15,7 +16,8 @@ SIZE is the card's ``device_memory_gib`` from its profile. A card's report
 and cold tier chosen, the backend per op family and the tiles of each kernel family, decode
 tokens/s, conformance per op, the greedy-token comparison, and the label "simulated on HOST
 (memory cap, kernel path)": what ran is this device's silicon under the card's profile and memory,
-not the card. A step that fails is recorded with its error and the next card still runs. Only the
+not the card. A step that fails is recorded with its error and the next card still runs; each
+report is written when its card is done (a run stopped midway keeps the cards done). Only the
 report files are written (the steps' own output goes to a temporary directory); a report of an
 earlier run at the same path is replaced.
 
@@ -55,11 +57,14 @@ def step_error(code: int, err: str) -> str:
     return f"exit {code}: " + (lines[-1] if lines else "no output")
 
 
-def run_step(common: list[str], profile_args: list[str], timeout: float) -> dict:
-    """``flashrt run ... --json``: its report, or ``{"error": ...}``."""
-    code, out, err = flashrt(["run", *common, *profile_args, "--json"], timeout)
-    if code != 0:
-        return {"error": step_error(code, err)}
+def run_step(common: list[str], profile_args: list[str], timeout: float, warmups: int = 0) -> dict:
+    """``flashrt run ... --json``: its report, or ``{"error": ...}``. ``warmups`` runs of the same
+    command go first, so the kernels the profile's tiles need are compiled (Triton's cache) before
+    the run whose decode speed is reported."""
+    for _ in range(warmups + 1):
+        code, out, err = flashrt(["run", *common, *profile_args, "--json"], timeout)
+        if code != 0:
+            return {"error": step_error(code, err)}
     try:
         return json.loads(out)
     except ValueError:
@@ -172,7 +177,7 @@ def simulate(args) -> list[Path]:
     host = host_facts(args.device)
     common = ["--model", args.model, "--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
               "--device", args.device]
-    baseline = run_step(common, [], args.timeout)
+    baseline = run_step(common, [], args.timeout, args.warmup_runs)
     written = []
     with tempfile.TemporaryDirectory(prefix="flashrt-simulate-") as tmp:
         for card in args.cards:
@@ -180,8 +185,10 @@ def simulate(args) -> list[Path]:
                 profile = card_profile(card)
                 limit = int(profile["device_memory_gib"] * 2**30) if on_cuda else None
                 sim = ["--profile", card] + (["--memory-limit", f"{limit}B"] if on_cuda else [])
-                report = card_report(card, profile, limit, host, run_step(common, sim, args.timeout), baseline,
-                                     conformance_step(args.device, sim, Path(tmp), args.timeout))
+                run = run_step(common, sim, args.timeout, args.warmup_runs)
+                conformance = conformance_step(args.device, sim, Path(tmp), args.timeout)
+                report = card_report(card, profile, limit, host, run, baseline, conformance)
+                report["settings"] = {k: getattr(args, k) for k in ("model", "prompt", "max_new_tokens", "warmup_runs")}
             except Exception as exc:  # a card that cannot be set up is recorded, the others still run
                 report = {"label": f"simulated on {host['name']}: not run", "card": card, "host": host,
                           "errors": {"setup": f"{type(exc).__name__}: {exc}"}}
@@ -217,7 +224,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="small", help="model of the decode (default small; tiny for a CPU smoke test)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per step")
+    p.add_argument("--warmup-runs", type=int, default=1,
+                   help="runs before the measured one of each card, compiling its kernels (default 1)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per step (default %(default)s)")
     p.add_argument("--out-dir", default="hwconfigs/reports", help="where the reports go (default: %(default)s)")
     args = p.parse_args(argv)
     from flashrt.profiles import available_profiles
@@ -228,6 +237,9 @@ def main(argv=None) -> int:
         p.error(f"--cards: expected profile names ({', '.join(known)}), got {unknown[0]!r}")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens: expected an integer >= 1, got {args.max_new_tokens}")
+    if args.warmup_runs < 0:
+        p.error(f"--warmup-runs: expected an integer >= 0, got {args.warmup_runs}")
+    os.environ.pop("FLASHRT_PROFILE", None)  # the host's profile is the detected one
     written = simulate(args)
     failed = [w for w in written if json.loads(w.read_text())["errors"]]
     return 1 if failed else 0

@@ -124,5 +124,6 @@ def test_device_kv_budget_is_the_profile_share_of_what_is_free_and_at_least_one_
     for _ in range(100):
         total, util = rng.randint(GIB, 200 * GIB), rng.uniform(0.5, 1.0)
         allocated, hot, warm = rng.randint(0, total // 2), rng.uniform(0, 0.5), rng.uniform(0, 0.5)
-        assert device_kv_budget(total, util, allocated, hot, warm) == max(int((total * util - allocated) * (hot + warm)), 1)
+        want = max(int((total * util - allocated) * (hot + warm)), 1)
+        assert device_kv_budget(total, util, allocated, hot, warm) == want
     assert device_kv_budget(GIB, 0.9, 2 * GIB, 0.2, 0.7) == 1  # the weights alone exceed the cap

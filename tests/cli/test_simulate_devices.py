@@ -66,7 +66,7 @@ def test_a_failed_step_is_recorded_and_the_rest_of_the_report_kept(sim):
     assert "decode" not in r and r["conformance"]["passed"] == 1
 
 
-def test_the_cpu_path_end_to_end(tmp_path):
+def test_the_cpu_path_end_to_end(sim, tmp_path):
     """Two cards, one whose profile does not load: both get a report, the good one complete; a
     report of an earlier run is replaced, nothing else in the folder is touched; no 'tested'."""
     out, profile_dir = tmp_path / "reports", tmp_path / "profiles"
@@ -79,7 +79,7 @@ def test_the_cpu_path_end_to_end(tmp_path):
     (out / "rtx4090-simulated-on-cpu.json").write_text('{"old": true}')
     env = {**os.environ, "FLASHRT_CACHE_DIR": str(tmp_path / "cache"), "FLASHRT_PROFILE_DIR": str(profile_dir)}
     r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--model", "tiny", "--max-new-tokens", "3",
-                        "--cards", "rtx4090", "brokencard", "--out-dir", str(out)],
+                        "--warmup-runs", "0", "--cards", "rtx4090", "brokencard", "--out-dir", str(out)],
                        capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 1, r.stderr  # one card failed
     assert sorted(p.name for p in out.iterdir()) == ["brokencard-simulated-on-cpu.json", "notes.txt",
@@ -88,6 +88,7 @@ def test_the_cpu_path_end_to_end(tmp_path):
     good = json.loads((out / "rtx4090-simulated-on-cpu.json").read_text())
     assert good["errors"] == {} and good["label"] == "simulated on CPU (profile only, no memory cap)"
     assert good["profile"]["name"] == "rtx4090" and good["memory_limit_bytes"] is None
+    assert good["settings"] == {"model": "tiny", "prompt": sim.PROMPT, "max_new_tokens": 3, "warmup_runs": 0}
     d = good["decode"]
     assert d["new_tokens"] == 3 and d["greedy_tokens"]["identical"] and d["decode_tokens_per_s"] > 0
     assert d["kv"]["cold_tier_bytes"] == 64 * 2**30 and d["engram_placement"]["profile"] == "host_pinned"
