@@ -128,8 +128,8 @@ def card_report(card: str, profile: dict, limit: int | None, host: dict, run: di
         out["decode"] = {
             "model": run["model"], "prompt_tokens": run["prompt_tokens"], "new_tokens": run["new_tokens"],
             "decode_tokens_per_s": run["decode_tokens_per_s"], "prefill_tokens_per_s": run["prefill_tokens_per_s"],
-            "peak_memory_bytes": run["peak_memory_bytes"],
-            "peak_within_cap": None if limit is None else run["peak_memory_bytes"] <= limit,
+            "peak_memory_bytes": run["peak_memory_bytes"], "peak_reserved_bytes": run["memory"]["peak_reserved_bytes"],
+            "peak_within_cap": None if limit is None else run["memory"]["peak_reserved_bytes"] <= limit,
             "engram_placement": {"profile": profile["engram_placement"], "model": run["engram_placement"]},
             "kv": {**mem, "device_page_limit": tiers.get("device_page_limit"), "page_bytes": page,
                    "cold_tier_pages": mem["cold_tier_bytes"] // page if page and mem["cold_tier_bytes"] else None,

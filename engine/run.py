@@ -163,11 +163,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def memory_report(dev: torch.device, sizes: tuple) -> dict:
-    """The device memory the KV state was sized from (the ``--memory-limit`` cap when set) and the
-    sizes chosen: device KV budget (None: unlimited), entries per page, cold-tier cap in host bytes."""
+    """The device memory the KV state was sized from (the ``--memory-limit`` cap when set), the peak
+    the caching allocator reserved, and the sizes chosen: device KV budget (None: unlimited),
+    entries per page, cold-tier cap in host bytes."""
     budget, page_entries, cold = sizes
+    cuda = dev.type == "cuda"
     return {"memory_limit_bytes": memory_cap.limit(dev),
-            "sized_from_bytes": memory_cap.device_total(dev) if dev.type == "cuda" else None,
+            "sized_from_bytes": memory_cap.device_total(dev) if cuda else None,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev) if cuda else None,  # what the cap bounds
             "kv_budget_bytes": budget, "page_entries": page_entries, "cold_tier_bytes": cold}
 
 

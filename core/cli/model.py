@@ -103,6 +103,11 @@ def cmd_run(args) -> int:
         limit = f" of at most {t['device_page_limit']:,}" if t.get("device_page_limit") else ""
         print(f"KV pages: {t['device_pages']}{limit} on the device ({t['page_entries']} entries each), "
               f"{t['cold_pages']} cold in host memory" + (f" (budget {r['kv_budget']:,} B)" if r["kv_budget"] else ""))
+    mem = r["memory"]
+    cap = f", device memory capped at {_human(mem['memory_limit_bytes'])}" if mem["memory_limit_bytes"] else ""
+    print(f"profile {r['profile']} (Engram tables: {r['engram_placement']}){cap}"
+          + (f"; KV budget {_human(mem['kv_budget_bytes'])} from {_human(mem['sized_from_bytes'])}"
+             if mem["kv_budget_bytes"] and mem["sized_from_bytes"] else ""))
     pc = r["prefix_cache"]
     if pc:
         print(f"prefix cache {pc['root']}: {pc['hits']} hit(s), {pc['misses']} miss(es)")
