@@ -57,9 +57,13 @@ def test_the_profile_after_the_command_is_the_one_used(monkeypatch, tmp_path):
     assert code == 0, err
     report = json.loads(out.read_text())
     assert report["profile"] == "rtx4090" and report["memory_limit_bytes"] is None
-    # the kernels' tiles are the profile's over the family defaults
-    assert report["kernel_paths"]["attention"]["tiles"]["attention"]["H_BLOCK"] == 32
-    assert report["kernel_paths"]["linear"]["tiles"]["linear"][0][1]["BLOCK_N"] == 64
+    # the kernels' tiles are the profile's over the family defaults (rtx4090.yaml against kernels_cuda)
+    from flashrt.kernels_cuda import attention, linear
+
+    paths = report["kernel_paths"]
+    assert attention.TILES["attention"]["H_BLOCK"] == 64 and paths["attention"]["tiles"]["attention"]["H_BLOCK"] == 32
+    assert linear.TILES["linear"][2][1]["num_stages"] == 3 and paths["linear"]["tiles"]["linear"][2][1]["num_stages"] == 2
+    assert paths["linear"]["tiles"]["group_m"] == linear.TILES["group_m"]  # not in the profile: the default
 
 
 def test_the_fraction_caps_the_total_and_a_limit_above_it_is_an_error():
