@@ -103,11 +103,8 @@ def cmd_run(args) -> int:
         limit = f" of at most {t['device_page_limit']:,}" if t.get("device_page_limit") else ""
         print(f"KV pages: {t['device_pages']}{limit} on the device ({t['page_entries']} entries each), "
               f"{t['cold_pages']} cold in host memory" + (f" (budget {r['kv_budget']:,} B)" if r["kv_budget"] else ""))
-    mem = r["memory"]
-    cap = f", device memory capped at {_human(mem['memory_limit_bytes'])}" if mem["memory_limit_bytes"] else ""
-    print(f"profile {r['profile']} (Engram tables: {r['engram_placement']}){cap}"
-          + (f"; KV budget {_human(mem['kv_budget_bytes'])} from {_human(mem['sized_from_bytes'])}"
-             if mem["kv_budget_bytes"] and mem["sized_from_bytes"] else ""))
+    if "memory" in r:  # a single-device run (a --tp / --ep report has its own per-rank lines)
+        _print_memory(r)
     pc = r["prefix_cache"]
     if pc:
         print(f"prefix cache {pc['root']}: {pc['hits']} hit(s), {pc['misses']} miss(es)")
@@ -118,6 +115,15 @@ def cmd_run(args) -> int:
         print(f"decode steps: {g['replayed']} replayed from CUDA graphs, {g['captured']} captured, "
               f"{g['eager']} eager, {g['fallback']} unbuffered (host-tier pages)")
     return 0
+
+
+def _print_memory(r: dict) -> None:
+    """The profile, where the Engram tables are, the --memory-limit cap and the KV budget sized from it."""
+    mem = r["memory"]
+    cap = f", device memory capped at {_human(mem['memory_limit_bytes'])}" if mem["memory_limit_bytes"] else ""
+    sized = mem["kv_budget_bytes"] and mem["sized_from_bytes"]
+    print(f"profile {r['profile']} (Engram tables: {r['engram_placement']}){cap}"
+          + (f"; KV budget {_human(mem['kv_budget_bytes'])} from {_human(mem['sized_from_bytes'])}" if sized else ""))
 
 
 def _print_parallel(p: dict) -> None:

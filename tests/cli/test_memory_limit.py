@@ -131,3 +131,15 @@ def test_device_kv_budget_is_the_profile_share_of_what_is_free_and_at_least_one_
         want = max(int((total * util - allocated) * (hot + warm)), 1)
         assert device_kv_budget(total, util, allocated, hot, warm) == want
     assert device_kv_budget(GIB, 0.9, 2 * GIB, 0.2, 0.7) == 1  # the weights alone exceed the cap
+
+
+def test_run_names_the_profile_given_after_the_command(monkeypatch):
+    monkeypatch.setenv("FLASHRT_PROFILE", "")  # main sets it for child processes: restored after the test
+    code, out, err = cli("run", "--device", "cpu", "--profile", "rtx4090", "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["profile"] == "rtx4090" and r["engram_placement"] == "device"  # CPU weights: tables stay with them
+    assert r["memory"] == {"memory_limit_bytes": None, "sized_from_bytes": None, "peak_reserved_bytes": None,
+                           "kv_budget_bytes": None, "page_entries": 64, "cold_tier_bytes": 64 * GIB}
+    code, out, err = cli("run", "--device", "cpu", "--profile", "rtx4090", "--max-new-tokens", "2")
+    assert code == 0 and "profile rtx4090 (Engram tables: device)\n" in out, err
