@@ -84,5 +84,28 @@ def device(text: str) -> str:
     return text
 
 
+def memory_size(text: str) -> int:
+    """Bytes of a size with a unit, e.g. ``24GiB`` (:func:`flashrt.memory_cap.parse_size`)."""
+    from flashrt.memory_cap import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+memory_size.__name__ = "size"
+
+
+def add_simulation_options(p) -> None:
+    """``--profile`` and ``--memory-limit`` of a command that runs on a device (``run``,
+    ``conformance``): run as the card that profile describes, in at most that much device memory."""
+    p.add_argument("--profile", dest="command_profile", default=None, type=nonempty("profile"),
+                   help="hardware profile name or YAML path used instead of the detected one "
+                        "(the same as the global --profile)")
+    p.add_argument("--memory-limit", default=None, type=memory_size, metavar="SIZE",
+                   help="cap the device memory torch may allocate, e.g. 24GiB (CUDA only; docs/hardware.md)")
+
+
 seed = int_range(0, SEED_MAX)
 positive_int = int_range(1)

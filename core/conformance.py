@@ -5,6 +5,8 @@ automatic choice (the backend that would serve it) and through the reference, an
 the backend that served it, dtype, shapes, max relative error, the tolerance and pass/fail, and
 ``route``: what the backend says served the call (:func:`note_route`; the ascend backend names each
 torch_npu operator, each plain-torch fallback and each fused operator it declined, with the reason).
+The report names the active hardware profile, the ``--memory-limit`` cap (:mod:`flashrt.memory_cap`)
+and the tiles each kernel family runs with under that profile (:func:`kernel_paths`).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import platform
 
 import torch
 
-from . import dispatch, ops
+from . import dispatch, memory_cap, ops, profiles
 from .dtypes import MAIN_KV_FORMAT
 from .formats import QTensor
 
@@ -121,6 +123,17 @@ def run_noted(op: str, args) -> tuple[object, list[str]]:
         _ROUTES = None
 
 
+def kernel_paths() -> dict:
+    """Kernel family -> the backend declaring it, its ops and the tiles it launches with under the
+    active profile (the family's defaults with the profile's ``tiles.<family>`` over them)."""
+    out = {}
+    for backend, fams in sorted(dispatch.families().items()):
+        for fam in fams:
+            out[fam.name] = {"backend": backend, "ops": sorted(fam.ops),
+                             "tiles": profiles.tiles(fam.name, fam.tiles) if fam.tiles else {}}
+    return out
+
+
 def run(device=None, seed: int = 0) -> dict:
     """The conformance report for ``device`` (default: cuda when present, else cpu)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -138,7 +151,9 @@ def run(device=None, seed: int = 0) -> dict:
                      "tolerance": tol, "pass": err <= tol, "route": route})
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     return {"device": device_name, "device_type": dev.type, "torch": torch.__version__,
-            "passed": sum(r["pass"] for r in rows), "total": len(rows), "rows": rows}
+            "profile": profiles.active_profile().name, "memory_limit_bytes": memory_cap.limit(dev),
+            "passed": sum(r["pass"] for r in rows), "total": len(rows), "rows": rows,
+            "kernel_paths": kernel_paths()}
 
 
 def cmd(args) -> int:
@@ -150,15 +165,18 @@ def cmd(args) -> int:
     for r in report["rows"]:
         print(f"{'PASS' if r['pass'] else 'FAIL'} {r['op']:18} {r['backend']:10} err {r['max_rel_err']:.2e} "
               f"(tol {r['tolerance']:.0e})" + "".join(f"\n    {route}" for route in r["route"]))
-    print(f"{report['passed']}/{report['total']} ops conform on {report['device']}")
+    cap = report["memory_limit_bytes"]
+    print(f"{report['passed']}/{report['total']} ops conform on {report['device']} (profile {report['profile']}"
+          + (f", memory capped at {memory_cap.gib(cap)})" if cap else ")"))
     return 0 if report["passed"] == report["total"] else 1
 
 
 def add_parser(sub) -> None:
-    from flashrt.argtypes import device, nonempty, seed
+    from flashrt.argtypes import add_simulation_options, device, nonempty, seed
 
     p = sub.add_parser("conformance", help="every op on this device/backend vs the reference; JSON report")
     p.add_argument("--device", default=None, type=device)
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--out", default=None, type=nonempty("file name"), help="write the JSON report here")
+    add_simulation_options(p)
     p.set_defaults(func=cmd)

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashrt import ops
+from flashrt import memory_cap, ops
 from flashrt.graphs.context import StepContext
 from flashrt.graphs.image_processor import expand_prompt
 from flashrt.graphs.prefill import PREFILLS
+from flashrt.kv.sizes import device_kv_budget
 from flashrt.kv.state import KVState
 
 from . import prefix
@@ -37,16 +38,17 @@ def profile_kv_sizes(model, kv_budget: int | None, page_entries: int | None) -> 
     """(device KV budget, page entries, cold-tier bytes) for a batch: what was given, else the
     model's hardware profile (``model.profile``, set by ``flashrt.load``). On CUDA the budget is
     the profile's hot + warm fractions of the device memory it may use (``memory_utilization`` of
-    the total) that is not allocated yet (the weights); the cold tier holds at most
+    the total, or of the ``--memory-limit`` cap: :mod:`flashrt.memory_cap`) that is not allocated
+    yet (the weights); the cold tier holds at most
     ``hkcp_cold_host_gib``. No profile or no CUDA: no budget, 64 entries per page, no cold cap."""
     p = getattr(model, "profile", None)
     page_entries = page_entries or (p.hkcp_page_entries if p is not None else 64)
     if p is None:
         return kv_budget, page_entries, None
     if kv_budget is None and model.device.type == "cuda":
-        usable = torch.cuda.get_device_properties(model.device).total_memory * p.memory_utilization
-        free = usable - torch.cuda.memory_allocated(model.device)
-        kv_budget = max(int(free * (p.hkcp_hot_fraction + p.hkcp_warm_fraction)), 1)
+        kv_budget = device_kv_budget(memory_cap.device_total(model.device), p.memory_utilization,
+                                     torch.cuda.memory_allocated(model.device), p.hkcp_hot_fraction,
+                                     p.hkcp_warm_fraction)
     return kv_budget, page_entries, p.cold_host_bytes
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from flashrt import dispatch
+from flashrt import dispatch, memory_cap
 from flashrt.kv.prefix_cache import PrefixCache
 from flashrt.progress import Progress
 
@@ -29,7 +29,7 @@ from flashrt.graphs.image_processor import open_image
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
-from .generation import generate
+from .generation import generate, profile_kv_sizes
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 OP_FAMILIES = {
@@ -162,6 +162,18 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def memory_report(dev: torch.device, sizes: tuple) -> dict:
+    """The device memory the KV state was sized from (the ``--memory-limit`` cap when set), the peak
+    the caching allocator reserved, and the sizes chosen: device KV budget (None: unlimited),
+    entries per page, cold-tier cap in host bytes."""
+    budget, page_entries, cold = sizes
+    cuda = dev.type == "cuda"
+    return {"memory_limit_bytes": memory_cap.limit(dev),
+            "sized_from_bytes": memory_cap.device_total(dev) if cuda else None,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev) if cuda else None,  # what the cap bounds
+            "kv_budget_bytes": budget, "page_entries": page_entries, "cold_tier_bytes": cold}
+
+
 def process_seconds() -> float | None:
     """Seconds since this process started (Linux ``/proc``, 10 ms ticks), or None elsewhere."""
     try:
@@ -210,6 +222,7 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
             check_image_token(m, tok)
         ids = encode_request(tok, m.cfg.vocab_size, prompt, chat, system, thinking, effort, images)
         check_context(len(ids), max_new_tokens, m.cfg)
+        sizes = profile_kv_sizes(m, kv_budget, None)  # what generate() derives, for the report
         t_gen = time.perf_counter()
         result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
                           prefix_cache=cache, eos_token_id=tok.eos_id if chat is not None else None,
@@ -240,5 +253,6 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "kv_bytes_per_token": kv_token, "kv_bytes_total": kv_token * n_tokens + state.window_bytes(),
         "window_state_bytes": state.window_bytes(), "peak_memory_bytes": peak_memory_bytes(dev),
         "kv_budget": kv_budget, "kv_tiers": state.tier_stats(), "step_capture": result.step_capture,
+        "profile": profile.name, "engram_placement": m.engram_placement, "memory": memory_report(dev, sizes),
         "prefix_cache": None if cache is None else {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses},
     }

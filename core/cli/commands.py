@@ -208,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get("FLASHRT_DEBUG") == "1"
     try:
+        _merge_profile_options(args)
         if args.profile:  # honoured by every command and inherited by child processes
             _use_profile_option(args)
+        _apply_memory_limit(args)
         return args.func(args)
     except BrokenPipeError:  # `flashrt doctor | head`
         sys.stderr.close()
@@ -223,6 +225,30 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug: still one line, the traceback on request
         return _fail(args.command, f"internal error: {type(exc).__name__}: {exc} "
                      "(run again with --debug for the traceback)", debug, 1)
+
+
+def _merge_profile_options(args) -> None:
+    """``flashrt run --profile X`` means ``flashrt --profile X run``; two different values are an error."""
+    given = getattr(args, "command_profile", None)
+    if given is None:
+        return
+    if args.profile is not None and args.profile != given:
+        raise ValueError(f"--profile: given twice with different values, {args.profile!r} before the command "
+                         f"and {given!r} after it; expected one")
+    args.profile = given
+
+
+def _apply_memory_limit(args) -> None:
+    """``--memory-limit``: cap the device memory of this process (flashrt.memory_cap) before anything loads."""
+    limit = getattr(args, "memory_limit", None)
+    if limit is None:
+        return
+    if getattr(args, "tp", 1) != 1 or getattr(args, "ep", 1) != 1:
+        raise ValueError("--memory-limit: expected a single-device run, got --tp / --ep (each rank is its own "
+                         "process; the cap applies to this one only)")
+    from flashrt import memory_cap
+
+    memory_cap.apply(limit, args.device)
 
 
 def _use_profile_option(args) -> None:

@@ -15,7 +15,7 @@ def _human(n: float, unit: str = "B") -> str:
 
 
 def add_run(sub) -> None:
-    from flashrt.argtypes import device, float_range, nonempty, positive_int, seed
+    from flashrt.argtypes import add_simulation_options, device, float_range, nonempty, positive_int, seed
 
     p = sub.add_parser("run", help="generate with the tiny built-in model (or --model small|PATH) and report")
     p.add_argument("--model", default="tiny", type=nonempty("model"),
@@ -57,6 +57,7 @@ def add_run(sub) -> None:
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a rank waits for its peers before the run fails (with --tp / --ep)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_simulation_options(p)
     p.set_defaults(func=cmd_run)
 
 
@@ -102,6 +103,8 @@ def cmd_run(args) -> int:
         limit = f" of at most {t['device_page_limit']:,}" if t.get("device_page_limit") else ""
         print(f"KV pages: {t['device_pages']}{limit} on the device ({t['page_entries']} entries each), "
               f"{t['cold_pages']} cold in host memory" + (f" (budget {r['kv_budget']:,} B)" if r["kv_budget"] else ""))
+    if "memory" in r:  # a single-device run (a --tp / --ep report has its own per-rank lines)
+        _print_memory(r)
     pc = r["prefix_cache"]
     if pc:
         print(f"prefix cache {pc['root']}: {pc['hits']} hit(s), {pc['misses']} miss(es)")
@@ -112,6 +115,15 @@ def cmd_run(args) -> int:
         print(f"decode steps: {g['replayed']} replayed from CUDA graphs, {g['captured']} captured, "
               f"{g['eager']} eager, {g['fallback']} unbuffered (host-tier pages)")
     return 0
+
+
+def _print_memory(r: dict) -> None:
+    """The profile, where the Engram tables are, the --memory-limit cap and the KV budget sized from it."""
+    mem = r["memory"]
+    cap = f", device memory capped at {_human(mem['memory_limit_bytes'])}" if mem["memory_limit_bytes"] else ""
+    sized = mem["kv_budget_bytes"] and mem["sized_from_bytes"]
+    print(f"profile {r['profile']} (Engram tables: {r['engram_placement']}){cap}"
+          + (f"; KV budget {_human(mem['kv_budget_bytes'])} from {_human(mem['sized_from_bytes'])}" if sized else ""))
 
 
 def _print_parallel(p: dict) -> None:

@@ -1,4 +1,5 @@
-"""Sizes of the KV state: bytes per compressed entry, index-K pages and the fixed part of a budget."""
+"""Sizes of the KV state: bytes per compressed entry, index-K pages, the fixed part of a budget and
+the device budget a profile gives."""
 from __future__ import annotations
 
 DEFAULT_PAGE_ENTRIES = 64
@@ -25,3 +26,12 @@ def fixed_bytes_for(cfg, batch: int, capacity: int, page_entries: int = DEFAULT_
     index = (index_pages_for(cfg, batch, capacity, page_entries) + 1) * index_page
     main_trash = page_entries * entry_bytes(cfg.head_dim, "fp4_b16")
     return batch * (rings + partial) + index + main_trash
+
+
+def device_kv_budget(total: int, memory_utilization: float, allocated: int, hot_fraction: float,
+                     warm_fraction: float) -> int:
+    """Device bytes for the KV state under a hardware profile: its hot + warm fractions of the
+    memory flashrt may use (``memory_utilization`` of ``total``, the device's memory or the
+    ``--memory-limit`` cap) that ``allocated`` bytes (the weights) leave free; at least 1."""
+    free = total * memory_utilization - allocated
+    return max(int(free * (hot_fraction + warm_fraction)), 1)
