@@ -66,6 +66,8 @@ def init(device=None, *, rank: int | None = None, world_size: int | None = None,
 
 def shutdown() -> None:
     """Leave the process group (no-op when not in one)."""
+    global _failure
+    _failure = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -103,14 +105,29 @@ def _active(group) -> bool:
     return dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+_failure: CollectiveError | None = None  # the first collective of this process group that failed
+
+
+def failure() -> CollectiveError | None:
+    """The collective that failed in this process group, if one did (the group is unusable then)."""
+    return _failure
+
+
 def _call(name: str, fn, *args, **kwargs):
-    """Run one collective; a failure becomes a CollectiveError naming this rank and the collective."""
+    """Run one collective; a failure becomes a CollectiveError naming this rank and the collective.
+    Once one failed the group is broken: every later collective raises at once instead of waiting
+    out the timeout again."""
+    global _failure
+    if _failure is not None:
+        raise CollectiveError(f"rank {rank()}: {name} not run: an earlier collective failed ({_failure})",
+                              rank=rank(), collective=name) from _failure
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:  # gloo / nccl / hccl failures (DistBackendError is a RuntimeError)
-        raise CollectiveError(f"rank {rank()}: {name} failed (a peer rank died, or it waited past the "
-                              f"collective timeout): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                              rank=rank(), collective=name) from exc
+        _failure = CollectiveError(f"rank {rank()}: {name} failed (a peer rank died, or it waited past the "
+                                   f"collective timeout): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                                   rank=rank(), collective=name)
+        raise _failure from exc
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
