@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .errors import CollectiveError
 
 COLLECTIVE_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+_timeout: datetime.timedelta | None = None  # the collective timeout :func:`init` gave the default group
 
 
 def backend_for(device) -> str:
@@ -59,8 +60,10 @@ def init(device=None, *, rank: int | None = None, world_size: int | None = None,
         importlib.import_module("torch_npu")  # registers the hccl backend with torch.distributed
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    global _timeout
+    _timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+                            world_size=world_size, timeout=_timeout)
     return backend
 
 
@@ -93,8 +96,10 @@ def collective_device() -> torch.device:
 
 def new_group(ranks: list[int]):
     """A process group over ``ranks`` (global ranks). Every rank of the default group must call this
-    for every group, in the same order (torch.distributed's rule); None outside a process group."""
-    return dist.new_group(sorted(ranks)) if dist.is_initialized() else None
+    for every group, in the same order (torch.distributed's rule); None outside a process group.
+    Its collectives wait as long as the default group's (the ``timeout_s`` given to :func:`init`)."""
+    # the default group's timeout (torch's own default for a new group is 30 minutes)
+    return dist.new_group(sorted(ranks), timeout=_timeout) if dist.is_initialized() else None
 
 
 def group_size(group=None) -> int:
