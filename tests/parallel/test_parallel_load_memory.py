@@ -9,8 +9,8 @@ the checkpoint's memory mappings in ``/proc/self/smaps``, after touching every w
 read whole stays backed by the file, and those pages only accumulate while the weights are held):
 with the private part, at least the rank's stored bytes and well under the whole checkpoint. The
 mapped part is not bounded by the shard alone: the kernel also maps page-cache pages around each
-faulting page (fault-around), which here adds up to a fifth of the shard because the test's expert
-tensors are small and other ranks' tensors sit next to them. A whole load measured the same way
+faulting page (fault-around), which adds a sizable part here because the test's expert tensors are
+small and other ranks' tensors sit next to them. A whole load measured the same way
 copies nothing and maps the whole checkpoint, so the measurement sees what it claims to."""
 import dataclasses
 import multiprocessing
