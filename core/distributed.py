@@ -129,9 +129,9 @@ def _call(name: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:  # gloo / nccl / hccl failures (DistBackendError is a RuntimeError)
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         _failure = CollectiveError(f"rank {rank()}: {name} failed (a peer rank died, or it waited past the "
-                                   f"collective timeout): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                                   rank=rank(), collective=name)
+                                   f"collective timeout): {why}", rank=rank(), collective=name)
         raise _failure from exc
 
 

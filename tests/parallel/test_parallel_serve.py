@@ -141,3 +141,18 @@ def test_a_hung_rank_fails_the_request_and_ends_the_server(cache, rng):
     assert err.rank == 1 and re.search(r"rank 1 stopped answering .*4 s collective timeout", str(err)), str(err)
     assert time.monotonic() - t0 < 240
     _gone(pids)
+
+
+def test_replicated_dispatch_is_refused_where_groups_run_different_sequences():
+    from flashrt.engine.parallel import parallel_generate
+    from flashrt.graphs.config import shipped_config
+    from flashrt.graphs.init_weights import init_weights
+    from flashrt.graphs.model import Model
+    from flashrt.graphs.parallel import Layout, Parallel
+
+    cfg = shipped_config("tiny")
+    model = Model(cfg, init_weights(cfg, seed=0), parallel=Parallel(Layout(), "replicated"))
+    with pytest.raises(ValueError, match="'replicated' MoE dispatch is for engines"):
+        parallel_generate(model, [[1, 2, 3]], 2)
+    with pytest.raises(ValueError, match=r"dispatch: expected one of \['gather', 'all_to_all', 'replicated'\]"):
+        Parallel(Layout(), "scatter")
