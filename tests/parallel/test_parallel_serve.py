@@ -156,3 +156,17 @@ def test_replicated_dispatch_is_refused_where_groups_run_different_sequences():
         parallel_generate(model, [[1, 2, 3]], 2)
     with pytest.raises(ValueError, match=r"dispatch: expected one of \['gather', 'all_to_all', 'replicated'\]"):
         Parallel(Layout(), "scatter")
+
+
+def test_bad_serve_requests_are_refused_before_any_rank_starts(cache, tmp_path, capsys):
+    from flashrt.cli.commands import main
+
+    assert main(["serve", "--tp", "3"]) == 2
+    assert "tp: expected a divisor of n_heads=4" in capsys.readouterr().err
+    assert main(["serve", "--tp", "2", "--prefix-cache-dir", str(tmp_path / "p")]) == 2
+    assert "prefix_cache_dir: a disk prefix cache is not shared by the ranks" in capsys.readouterr().err
+    assert main(["serve", "--ep", "2", "--cuda-graph"]) == 2
+    assert "cuda_graph: decode steps run eagerly with --tp / --ep" in capsys.readouterr().err
+    assert main(["serve", "--tp", "2", "--collective-timeout", "0"]) == 2
+    assert "collective_timeout: expected seconds > 0, got 0.0" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
