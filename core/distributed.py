@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .errors import CollectiveError
 
 COLLECTIVE_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+_timeout: datetime.timedelta | None = None  # the collective timeout :func:`init` gave the default group
 
 
 def backend_for(device) -> str:
@@ -59,13 +60,17 @@ def init(device=None, *, rank: int | None = None, world_size: int | None = None,
         importlib.import_module("torch_npu")  # registers the hccl backend with torch.distributed
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    global _timeout
+    _timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+                            world_size=world_size, timeout=_timeout)
     return backend
 
 
 def shutdown() -> None:
     """Leave the process group (no-op when not in one)."""
+    global _failure
+    _failure = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -91,8 +96,10 @@ def collective_device() -> torch.device:
 
 def new_group(ranks: list[int]):
     """A process group over ``ranks`` (global ranks). Every rank of the default group must call this
-    for every group, in the same order (torch.distributed's rule); None outside a process group."""
-    return dist.new_group(sorted(ranks)) if dist.is_initialized() else None
+    for every group, in the same order (torch.distributed's rule); None outside a process group.
+    Its collectives wait as long as the default group's (the ``timeout_s`` given to :func:`init`)."""
+    # the default group's timeout (torch's own default for a new group is 30 minutes)
+    return dist.new_group(sorted(ranks), timeout=_timeout) if dist.is_initialized() else None
 
 
 def group_size(group=None) -> int:
@@ -103,14 +110,29 @@ def _active(group) -> bool:
     return dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+_failure: CollectiveError | None = None  # the first collective of this process group that failed
+
+
+def failure() -> CollectiveError | None:
+    """The collective that failed in this process group, if one did (the group is unusable then)."""
+    return _failure
+
+
 def _call(name: str, fn, *args, **kwargs):
-    """Run one collective; a failure becomes a CollectiveError naming this rank and the collective."""
+    """Run one collective; a failure becomes a CollectiveError naming this rank and the collective.
+    Once one failed the group is broken: every later collective raises at once instead of waiting
+    out the timeout again."""
+    global _failure
+    if _failure is not None:
+        raise CollectiveError(f"rank {rank()}: {name} not run: an earlier collective failed ({_failure})",
+                              rank=rank(), collective=name) from _failure
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:  # gloo / nccl / hccl failures (DistBackendError is a RuntimeError)
-        raise CollectiveError(f"rank {rank()}: {name} failed (a peer rank died, or it waited past the "
-                              f"collective timeout): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                              rank=rank(), collective=name) from exc
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        _failure = CollectiveError(f"rank {rank()}: {name} failed (a peer rank died, or it waited past the "
+                                   f"collective timeout): {why}", rank=rank(), collective=name)
+        raise _failure from exc
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

@@ -51,6 +51,7 @@ class Engine:
         self._stop = False
         self.accepting = True
         self.step_error: str | None = None
+        self.lockstep = None  # several ranks: sends each turn's commands to the others first (parallel_serve.py)
 
     # ----- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt, param: str = "prompt") -> list[int]:
@@ -181,6 +182,8 @@ class Engine:
                 if self._stop and not self._commands:
                     return
                 commands, self._commands = self._commands, []
+            if self.lockstep is not None:
+                commands = self.lockstep.share(commands)
             self._apply(commands)
             if self.step_loop.has_work:
                 try:

@@ -91,6 +91,9 @@ def parallel_generate(model, prompts, max_new_tokens: int, temperature: float = 
     par = model.parallel
     if par is None:
         raise ValueError("model: expected a model built with a parallel context (graphs.parallel.Parallel)")
+    if par.dispatch == "replicated":
+        raise ValueError("model: the 'replicated' MoE dispatch is for engines that run every sequence on every "
+                         "group (flashrt serve); parallel_generate spreads them: use 'gather' or 'all_to_all'")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     seqs, layout = _as_sequences(prompts), par.layout

@@ -12,6 +12,10 @@ every rank of slice ``t`` that holds some of its experts (every pair leaves the 
 the (weight, expert) pairs it runs there; that rank sends back one fp32 sum per token. A count
 exchange first, split sizes known on the host, five collectives per layer; fewer bytes when the
 ranks outnumber top-k.
+
+``replicated``: every group already holds the same tokens (the serving engine runs every sequence
+on every group); each rank runs its own experts' pairs and one all-reduce across the groups adds
+them up. One collective per layer, no token exchange; attention is repeated on every group.
 """
 from __future__ import annotations
 
@@ -89,4 +93,14 @@ def routed_all_to_all(moe, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-DISPATCH = {"gather": routed_gather, "all_to_all": routed_all_to_all}
+def routed_replicated(moe, x: torch.Tensor) -> torch.Tensor:
+    """Every group runs the same tokens: no tokens move; each rank runs the pairs of its own
+    experts and one all-reduce across the groups sums every slice's share (each pair runs once)."""
+    par = moe.par
+    partial = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _pairs(moe, x, torch.arange(x.shape[0], device=x.device), partial)
+    return distributed.all_reduce(partial, group=par.ep_group) if par.layout.ep > 1 else partial
+
+
+DISPATCH = {"gather": routed_gather, "all_to_all": routed_all_to_all, "replicated": routed_replicated}

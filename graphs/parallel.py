@@ -118,6 +118,11 @@ class Layout:
              f"tp * ep (here {self.world}) to divide n_routed_experts={cfg.n_routed_experts}")
 
 
+# how MoE tokens reach the experts' ranks (graphs/ep_dispatch.py); ``replicated``: every group runs
+# the same tokens (the serving engine's lockstep, engine/parallel_serve.py), nothing is exchanged
+DISPATCHES = ("gather", "all_to_all", "replicated")
+
+
 class Parallel:
     """A :class:`Layout` inside a running process group: the groups and collectives the layers use.
 
@@ -125,8 +130,8 @@ class Parallel:
     tensor-parallel group and per expert-parallel slice, in the same order on every rank)."""
 
     def __init__(self, layout: Layout, dispatch: str = "gather"):
-        if dispatch not in ("gather", "all_to_all"):
-            raise ValueError(f"dispatch: expected 'gather' or 'all_to_all', got {dispatch!r}")
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch: expected one of {list(DISPATCHES)}, got {dispatch!r}")
         if distributed.world_size() != layout.world:
             raise ValueError(f"layout: tp={layout.tp} x ep={layout.ep} needs {layout.world} ranks, "
                              f"the process group has {distributed.world_size()}")

@@ -38,6 +38,10 @@ def add_serve(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights seed of the built-in models")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: 1 for tiny on CPU)")
     p.add_argument("--grace-s", type=float, default=30.0, help="seconds running requests get at shutdown")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group (docs/parallel.md)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel groups; tp x ep ranks, one per device")
+    p.add_argument("--collective-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a rank waits for its peers before the server fails (with --tp / --ep)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_serve)
 
@@ -64,6 +68,12 @@ def cmd_serve(args) -> int:
                           max_waiting=args.max_waiting, kv_budget=args.kv_budget, max_kv_pages=args.max_kv_pages,
                           prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
                           swap_bytes=args.swap_bytes, cuda_graphs=args.cuda_graph)
+    if args.tp != 1 or args.ep != 1:  # several ranks; rank 0 serves (engine/parallel_serve_run.py)
+        from flashrt.engine.parallel_serve_run import ServeJob, serve_parallel
+
+        return serve_parallel(ServeJob(args.model, args.tp, args.ep, config, args.host, args.port,
+                                       args.served_model_name, args.api_key, args.device, args.seed, args.threads,
+                                       args.grace_s, args.log_level, args.collective_timeout))
     model = load_model(args.model, dev, args.seed, quiet=args.log_level not in ("info", "debug"))
     engine = Engine(model, config=config)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

@@ -1,5 +1,7 @@
 """``flashrt run --tp / --ep``: the ranks start themselves, follow rank 0, and a dead rank is named."""
+import functools
 import os
+import re
 import signal
 import time
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 from flashrt.cli.commands import main
+from flashrt.engine import parallel_run
 from flashrt.engine.launch import RankError, launch
 from flashrt.engine.parallel_run import run_parallel
 from flashrt.engine.run import run
@@ -45,6 +48,32 @@ def test_a_rank_killed_mid_decode_is_named(cache, rng):
         run_parallel("tiny", _text(rng), 50, tp=1, ep=2, quiet=True, timeout_s=60, on_event=kill_rank_1)
     assert err.value.rank == 1
     assert time.monotonic() - t0 < 50  # far inside the 60 s collective timeout, start-up included
+
+
+def test_a_hung_rank_ends_every_rank_within_the_timeout(cache, rng, monkeypatch, capsys):
+    """Rank 1 stops (SIGSTOP: alive, silent) at its second decode step. Rank 0 gives up after the
+    4 s collective timeout, the launcher names rank 1, stops every rank process (the stopped one
+    included) and ``flashrt run`` exits non-zero with that error."""
+    pids, stopped = [], []
+
+    def stop_rank_1(event, ranks):
+        pids[:] = ranks
+        if event[0] == "progress" and event[1] == 1 and event[2] == "decode" and event[3] == 2:
+            os.kill(ranks[1], signal.SIGSTOP)
+            stopped.append(time.monotonic())
+
+    monkeypatch.setattr(parallel_run, "run_parallel", functools.partial(run_parallel, on_event=stop_rank_1))
+    code = main(["run", "--tp", "2", "--prompt", _text(rng), "--max-new-tokens", "40", "--collective-timeout", "4"])
+    ended = time.monotonic()
+    assert code == 2  # the CLI's status for a FlashrtError (RankError)
+    err = capsys.readouterr().err
+    assert re.search(r"rank 1 stopped answering \(last step: decode \d+\): rank 0 gave up on it after the 4 s "
+                     r"collective timeout; every rank was stopped", err), err
+    assert stopped and 4 <= ended - stopped[0] < 4 + 20  # the timeout, then the teardown (a busy machine)
+    assert len(pids) == 2
+    for pid in pids:  # no rank process is left, not even the stopped one
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 class _Gone:
