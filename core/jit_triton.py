@@ -10,11 +10,12 @@ recompiled. Triton's key already covers the source, constexprs and signature, th
 (``sm_90``), the compile options (warps, stages) and the Triton version.
 
 Compiling one key once across processes: ``compile()`` calls ``get_group`` before it compiles and
-``put_group`` after. On a miss, ``get_group`` takes the key's file lock and holds it until
-``put_group`` (or until the manager is collected, e.g. after a compile error); the other processes
-wait in ``get_group`` and then find the group. On a hit it holds the lock shared until the manager
-is collected (``compile()`` reads the group's files after ``get_group`` returns), so a concurrent
-``flashrt jit clear`` keeps the files being read (:mod:`flashrt.jit_locks`). The compiling process
+``put_group`` after, then reads the group's files (``CompiledKernel``) and drops the manager. On a
+miss, ``get_group`` takes the key's file lock exclusively and holds it until the manager is
+collected (after that read; also after a compile error); the other processes wait in
+``get_group`` and then find the group. On a hit it holds the lock shared until the manager is
+collected (``compile()`` reads the group's files after ``get_group`` returns). So a concurrent
+``flashrt jit clear`` never removes files that a compile is about to read (:mod:`flashrt.jit_locks`). The compiling process
 removes the temporary files of writers that died under the key's lock. A forked child holds none
 of its parent's locks: it drops the descriptors it inherited and takes its own.
 """
@@ -148,7 +149,7 @@ class TritonCacheManager(CacheManager):
         group = self._read_group(filename)
         if group is None:
             self._release()
-            self._acquire()  # a miss: this process compiles, others wait here until put_group
+            self._acquire()  # a miss: this process compiles, others wait here until it is done
             group = self._read_group(filename)  # (found: compiled meanwhile; held until collected)
             if group is None and self._lock_fd is not None:
                 self._sweep_dead_writes()
@@ -166,10 +167,8 @@ class TritonCacheManager(CacheManager):
         if self._plain is not None:
             return self._plain.put_group(filename, group)
         children = {name: os.path.basename(path) for name, path in group.items()}
-        try:
-            return self.put(json.dumps({"child_paths": children}), f"__grp__{filename}", binary=False)
-        finally:
-            self._release()
+        # the key's lock stays held: compile() reads these files next (CompiledKernel), then drops us
+        return self.put(json.dumps({"child_paths": children}), f"__grp__{filename}", binary=False)
 
     def _acquire(self, shared: bool = False) -> None:
         if self._lock_fd is not None or self._read_fd is not None or self.key in _HELD:

@@ -27,7 +27,8 @@ def _jit_cache_dir(monkeypatch, tmp_path):
 
 
 def fake_group(manager: TritonCacheManager, kernel: str = "k", arch: int = 90, cubin: bytes | None = None) -> dict:
-    """Write a compiled kernel's files and its group, as ``triton.compile`` does after a miss."""
+    """Write a compiled kernel's files and its group, as ``triton.compile`` does after a miss (the
+    key's lock, if ``manager`` holds it, stays held until the manager is dropped)."""
     cubin = b"\x7fELF" + os.urandom(64) if cubin is None else cubin
     group = {f"{kernel}.cubin": manager.put(cubin, f"{kernel}.cubin"),
              f"{kernel}.ptx": manager.put("// ptx text", f"{kernel}.ptx", binary=False),
@@ -35,6 +36,14 @@ def fake_group(manager: TritonCacheManager, kernel: str = "k", arch: int = 90, c
                                            f"{kernel}.json")}
     manager.put_group(f"{kernel}.json", group)
     return group
+
+
+def compiled(key: str, kernel: str = "k", arch: int = 90, cubin: bytes | None = None) -> dict:
+    """One finished compile of ``key``: a miss, the files written, the manager dropped (which
+    releases the key's lock, as at the end of ``triton.compile``). The group."""
+    m = TritonCacheManager(key)
+    assert m.get_group(f"{kernel}.json") is None
+    return fake_group(m, kernel, arch, cubin)
 
 
 def exclusive_build(marks: Path, seconds: float) -> None:
@@ -65,8 +74,8 @@ def compile_or_load(key: str, marks: Path, seconds: float = 0.05) -> dict:
     if group is None:
         exclusive_build(Path(marks), seconds)
         group = fake_group(m)
-    contents = {name: Path(path).read_bytes() for name, path in group.items()}
-    del m  # releases a shared (load) lock
+    contents = {name: Path(path).read_bytes() for name, path in group.items()}  # as CompiledKernel does
+    del m  # releases the key's lock (exclusive after a build, shared after a load)
     return contents
 
 

@@ -130,7 +130,8 @@ def test_a_forked_child_does_not_share_its_parents_compile_lock(tmp_path):
         time.sleep(0.01)
     time.sleep(0.5)
     assert not result.exists(), f"the child did not wait for the parent's compile: {result.read_text()}"
-    fake_group(parent)  # put_group releases the lock
+    fake_group(parent)
+    del parent  # the compile is over: its lock is released
     child.join(timeout=60)
     assert child.exitcode == 0 and result.read_text() == "loaded"
 

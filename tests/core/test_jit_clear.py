@@ -18,7 +18,7 @@ import pytest
 from flashrt import jit, jit_locks
 from flashrt.jit import JitCache
 from flashrt.jit_triton import TritonCacheManager
-from jit_helpers import _jit_cache_dir, builds, compile_or_load, fake_group, run_all  # noqa: F401 (autouse fixture)
+from jit_helpers import _jit_cache_dir, builds, compile_or_load, compiled, fake_group, run_all  # noqa: F401 (autouse fixture)
 
 STRESS_S = 3.0
 
@@ -87,8 +87,7 @@ def test_a_lock_that_vanished_and_came_back_during_a_clear_is_kept(monkeypatch, 
         assert lock.exists() and lock.stat().st_ino == state["inode"], "a lock in use was removed"
         assert jit_locks.lock_file(lock, deadline=0.0) is None  # still held: another compile waits
     finally:
-        if "compiler" in state:
-            fake_group(state["compiler"])  # put_group: the compile ends, its lock is released
+        state.pop("compiler", None)  # the compile ends: its lock is released
 
 
 def test_clears_run_one_at_a_time():
@@ -153,9 +152,7 @@ def test_clear_keeps_the_lock_of_a_running_compile(tmp_path):
 
 
 def test_clear_removes_only_under_its_root_and_counts_what_it_removed(tmp_path):
-    m = TritonCacheManager("KEYU")
-    assert m.get_group("k.json") is None
-    fake_group(m, cubin=b"x" * 1000)
+    compiled("KEYU", cubin=b"x" * 1000)
     (jit.cache_root() / "stray.txt").write_text("ours: under the jit root")
     beside = tmp_path / "cache" / "beside.txt"
     beside.write_text("not ours")
@@ -172,15 +169,26 @@ def test_clear_removes_only_under_its_root_and_counts_what_it_removed(tmp_path):
 def test_concurrent_clears_of_a_full_cache_do_not_fail():
     for i in range(150):
         if i % 3 == 0:
-            m = TritonCacheManager(f"KEY{i}")
-            assert m.get_group("k.json") is None
-            fake_group(m)
+            compiled(f"KEY{i}")
         (jit.cache_root() / "triton" / f"bare{i}").mkdir(parents=True)
         (jit.cache_root() / "triton" / f"bare{i}" / "a.cubin").write_bytes(b"z")
     stop_at = time.time() + 1.0
     run_all([(_clearer, (stop_at,))] * 3)
     JitCache().clear()
     assert not any(jit.cache_root().rglob("*"))
+
+
+def test_clear_keeps_the_files_a_finished_compile_reads_next():
+    """After ``put_group``, ``triton.compile`` reads the files it wrote (``CompiledKernel``): until
+    the compile drops its manager, a clear keeps them."""
+    m = TritonCacheManager("KEYP")
+    assert m.get_group("k.json") is None
+    group = fake_group(m)
+    files, _, kept = JitCache().clear()
+    assert kept >= 1 and all(Path(p).read_bytes() for p in group.values())
+    del m
+    JitCache().clear()
+    assert not (jit.cache_root() / "triton" / "KEYP").exists()
 
 
 def test_clear_keeps_a_triton_group_being_loaded():

@@ -27,11 +27,13 @@ CUBIN = b"\x7fELF" + bytes(range(256))
 def test_manager_round_trips_files_and_groups():
     m = TritonCacheManager("KEY1")
     assert m.get_file("k.cubin") is None and m.get_group("k.json") is None  # a miss takes the compile lock
-    group = fake_group(m, cubin=CUBIN)  # ... and put_group releases it
+    group = fake_group(m, cubin=CUBIN)
+    assert m._lock_fd is not None  # ... held until the compile drops its manager
     assert Path(group["k.cubin"]).read_bytes() == CUBIN
     assert Path(m.get_file("k.ptx")).read_text() == "// ptx text"
+    del m
     again = TritonCacheManager("KEY1")
-    assert again.get_group("k.json") == group and again._lock_fd is None
+    assert again.get_group("k.json") == group and again._lock_fd is None and again._read_fd is not None
     assert Path(group["k.cubin"]).parent == jit.cache_root() / "triton" / "KEY1"
     [entry] = jit.JitCache().entries()
     assert (entry.kind, entry.kernel, entry.arch) == ("triton", "k", "sm_90")
