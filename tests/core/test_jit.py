@@ -148,6 +148,19 @@ def test_a_link_at_a_lock_path_is_not_followed(tmp_path, caplog):
     assert not os.path.lexists(locks / "triton-KEYS.lock")
 
 
+def test_a_file_where_the_locks_directory_goes_does_not_hang_a_compile(caplog):
+    (jit.cache_root()).mkdir(parents=True)
+    (jit.cache_root() / "locks").write_text("not a directory")
+    t0 = time.perf_counter()
+    m = TritonCacheManager("KEYN")
+    assert m.get_group("k.json") is None and "cannot lock" in caplog.text  # compiles, unlocked, with a warning
+    assert time.perf_counter() - t0 < 30
+    fake_group(m)
+    del m
+    JitCache().clear()
+    assert not any(jit.cache_root().iterdir())
+
+
 def flashrt_cli(*args, check=True, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flashrt.cli", *args], capture_output=True, text=True,
                           env=os.environ | env, cwd="/", check=check, stdin=subprocess.DEVNULL)
