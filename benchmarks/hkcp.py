@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from flashrt.formats import MAIN_KV_FORMAT
 from flashrt.kv import pages as kvpages
 from flashrt.graphs.config import shipped_config
 from decode_timing import median_step_ms, stepper
@@ -38,7 +39,7 @@ def sync():
 
 
 def main_kv_bytes(cfg, n: int) -> int:
-    return sum(-(-n // cfg.ratio(l)) for l in cfg.kv_source_layers) * entry_bytes(cfg.head_dim, "fp4_b16")
+    return sum(-(-n // cfg.ratio(l)) for l in cfg.kv_source_layers) * entry_bytes(cfg.head_dim, MAIN_KV_FORMAT)
 
 
 def fill_state(model, state: KVState, n: int) -> None:
@@ -71,7 +72,7 @@ def decode_ms(model, state, steps: int = 5, graph: bool = False) -> float:
 def decode_row(model, n: int, device_share: float) -> dict:
     """Decode step at context ``n`` with a device budget holding ``device_share`` of the main KV."""
     cfg = model.cfg
-    floor = (4 * len(cfg.kv_source_layers) + 4) * 64 * entry_bytes(cfg.head_dim, "fp4_b16")  # a step's pages
+    floor = (4 * len(cfg.kv_source_layers) + 4) * 64 * entry_bytes(cfg.head_dim, MAIN_KV_FORMAT)  # a step's pages
     budget = fixed_bytes_for(cfg, 1, n + 64) + max(int(device_share * main_kv_bytes(cfg, n + 64)), floor)
     state = model.new_state(1, n + 64, kv_budget=budget)
     fill_state(model, state, n)
@@ -86,7 +87,7 @@ def decode_row(model, n: int, device_share: float) -> dict:
 
 def longest_context(cfg, budget: int, cold: bool) -> int:
     """Largest N whose KV state fits ``budget`` (cold tier: only index K + rings + a page floor)."""
-    per_main = sum(entry_bytes(cfg.head_dim, "fp4_b16") / cfg.ratio(l) for l in cfg.kv_source_layers)
+    per_main = sum(entry_bytes(cfg.head_dim, MAIN_KV_FORMAT) / cfg.ratio(l) for l in cfg.kv_source_layers)
     lo, hi = 0, 1 << 31
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -128,7 +129,7 @@ def cold_fetch(cfg, entries: int) -> dict:
         pool.unlock()
     pool.host.data.view(torch.uint8).random_(0, 256)
     pool.host.scale.view(torch.uint8).fill_(40)
-    row_bytes = entry_bytes(cfg.head_dim, "fp4_b16")
+    row_bytes = entry_bytes(cfg.head_dim, MAIN_KV_FORMAT)
     res = {"entries_in_layer": entries, "cold_pages": main.tables[0].cold, "kernel_used": pool.zero_copy(1)}
     for picks in (512, kvpages.STAGING_MAX_ROWS):
         topk = torch.randint(0, entries, (1, picks // 512, 512), device=DEV, dtype=torch.int32)

@@ -43,7 +43,7 @@ def _cases(dev, g):
     yield "rms_norm", (r(64, 1024), r(1024), 1e-6)  # the model's bf16 norm weights
     yield "rope", (r(2, 16, 8, 64), torch.polar(torch.ones(16, 32), torch.rand(16, 32, generator=g)).to(dev), False)
     yield "quantize", (f32(64, 512), "fp8")
-    yield "quantize", (f32(64, 512), "fp4_b16")
+    yield "quantize", (f32(64, 512), MAIN_KV_FORMAT)
     yield "dequantize", (ops.quantize(f32(64, 512), "fp4_b32"), torch.float32)
     yield "linear", (r(16, 512), ops.quantize(f32(256, 512), "fp8_w"))
     yield "linear", (r(16, 512), ops.quantize(f32(256, 512), "int8_w"))  # the formats of devices with no FP8

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-MAIN_KV_FORMAT = "fp4_b16"  # the main KV pages: E2M1 elements, an E4M3 scale per 16 (formats.py)
+from .formats import MAIN_KV_FORMAT  # the main KV pages' format (named in STORAGE)
 
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # plain dtypes by name
 STORAGE = {"fp4": MAIN_KV_FORMAT, "fp8": "fp8", "int8": "int8", "bf16": None}  # storage name -> format (None: plain)

@@ -65,6 +65,8 @@ class FormatSpec:
         return torch.uint8 if self.packed else torch.float8_e4m3fn
 
 
+MAIN_KV_FORMAT = "fp4_b16"  # the main (compressed) KV's one format everywhere: E2M1, an E4M3 scale per 16
+
 FORMATS: dict[str, FormatSpec] = {
     "fp8": FormatSpec("fp8", "e4m3", 32, torch.float8_e8m0fnu, 1e-4),
     "fp4_b16": FormatSpec("fp4_b16", "e2m1", 16, torch.float8_e4m3fn, 6 * 2.0**-9),

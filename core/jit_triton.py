@@ -10,11 +10,14 @@ recompiled. Triton's key already covers the source, constexprs and signature, th
 (``sm_90``), the compile options (warps, stages) and the Triton version.
 
 Compiling one key once across processes: ``compile()`` calls ``get_group`` before it compiles and
-``put_group`` after. On a miss, ``get_group`` takes the key's file lock and holds it until
-``put_group`` (or until the manager is collected, e.g. after a compile error); the other processes
-wait in ``get_group`` and then find the group. On a hit it holds the lock shared until the manager
-is collected (``compile()`` reads the group's files after ``get_group`` returns), so a concurrent
-``flashrt jit clear`` keeps the files being read (:mod:`flashrt.jit_locks`).
+``put_group`` after, then reads the group's files (``CompiledKernel``) and drops the manager. On a
+miss, ``get_group`` takes the key's file lock exclusively and holds it until the manager is
+collected (after that read; also after a compile error); the other processes wait in
+``get_group`` and then find the group. On a hit it holds the lock shared until the manager is
+collected (``compile()`` reads the group's files after ``get_group`` returns). So a concurrent
+``flashrt jit clear`` never removes files that a compile is about to read (:mod:`flashrt.jit_locks`). The compiling process
+removes the temporary files of writers that died under the key's lock. A forked child holds none
+of its parent's locks: it drops the descriptors it inherited and takes its own.
 """
 from __future__ import annotations
 
@@ -23,8 +26,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import time
+import weakref
 from pathlib import Path
 
 try:
@@ -39,6 +44,7 @@ log = logging.getLogger("flashrt")
 
 MANAGER_SPEC = "flashrt.jit_triton:TritonCacheManager"
 INTERPRET_ENV = "TRITON_INTERPRET"
+_TEMP = re.compile(r"\.tmp\.\d+\.[0-9a-f]{8}$")  # the temporary name of flashrt.jit.atomic_write
 
 
 def interpreted() -> bool:
@@ -48,6 +54,23 @@ def interpreted() -> bool:
 
 
 _HELD: set[str] = set()  # keys whose lock this process holds (no waiting on ourselves)
+_MANAGERS: "weakref.WeakSet[TritonCacheManager]" = weakref.WeakSet()  # live managers (for fork)
+
+
+def _forget_inherited_locks() -> None:
+    """In a forked child: the parent's lock descriptors are the parent's (closing the child's copy
+    leaves the parent's lock held); the child takes its own locks, waiting like any process."""
+    for manager in list(_MANAGERS):
+        for attr in ("_lock_fd", "_read_fd"):
+            fd = getattr(manager, attr, None)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(manager, attr, None)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_locks)
 
 
 def _sidecar(path: str) -> str:
@@ -64,6 +87,7 @@ class TritonCacheManager(CacheManager):
         self.cache_dir = str(cache_root() / "triton" / key)  # made by the first put (a clear may remove it)
         self._lock_fd: int | None = None   # the key's lock, exclusive: this process compiles it
         self._read_fd: int | None = None   # the key's lock, shared: Triton reads the group's files
+        _MANAGERS.add(self)
 
     def _path(self, filename: str) -> str:
         return os.path.join(self.cache_dir, filename)
@@ -108,6 +132,8 @@ class TritonCacheManager(CacheManager):
                 children = json.load(f)["child_paths"]
         except (ValueError, KeyError, TypeError):
             return None
+        if not isinstance(children, dict) or not all(isinstance(v, str) for v in children.values()):
+            return None  # a group of another layout: a miss, compiled again
         result = {}
         for name, stored in children.items():
             path = self._verified(os.path.basename(stored))
@@ -123,24 +149,36 @@ class TritonCacheManager(CacheManager):
         group = self._read_group(filename)
         if group is None:
             self._release()
-            self._acquire()  # a miss: this process compiles, others wait here until put_group
+            self._acquire()  # a miss: this process compiles, others wait here until it is done
             group = self._read_group(filename)  # (found: compiled meanwhile; held until collected)
+            if group is None and self._lock_fd is not None:
+                self._sweep_dead_writes()
         return group
+
+    def _sweep_dead_writes(self) -> None:
+        """Remove temporary files of writes that never finished: only the holder of the key's
+        exclusive lock writes here, so with it held, any there is a dead writer's."""
+        for path in children(Path(self.cache_dir)):
+            if _TEMP.search(path.name) and path.is_file():
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def put_group(self, filename, group):
         if self._plain is not None:
             return self._plain.put_group(filename, group)
         children = {name: os.path.basename(path) for name, path in group.items()}
-        try:
-            return self.put(json.dumps({"child_paths": children}), f"__grp__{filename}", binary=False)
-        finally:
-            self._release()
+        # the key's lock stays held: compile() reads these files next (CompiledKernel), then drops us
+        return self.put(json.dumps({"child_paths": children}), f"__grp__{filename}", binary=False)
 
     def _acquire(self, shared: bool = False) -> None:
         if self._lock_fd is not None or self._read_fd is not None or self.key in _HELD:
             return
         lock = cache_root() / "locks" / f"triton-{self.key}.lock"
-        fd = lock_file(lock, shared, time.monotonic() + float(os.environ.get("FLASHRT_JIT_LOCK_TIMEOUT", "600")))
+        try:
+            fd = lock_file(lock, shared, time.monotonic() + float(os.environ.get("FLASHRT_JIT_LOCK_TIMEOUT", "600")))
+        except OSError as exc:  # e.g. a link or a directory where the lock file goes
+            log.warning("flashrt.jit: cannot lock %s (%s); going on without the lock", lock, exc)
+            return
         if fd is None:
             log.warning("flashrt.jit: waited too long for %s; going on without the lock", lock)
             return

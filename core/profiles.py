@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal, Mapping, Union
 
 from . import tile_checks
-from .dtypes import COMPUTE, STORAGE
+from .dtypes import COMPUTE, MAIN_KV_FORMAT, STORAGE
 from .errors import ProfileError
 from .profile_schema import VALUE_CHECKS, convert, read_yaml, type_name
 from .profile_match import DeviceFacts, detect_device, mapping_matches, match_profile, match_reasons
@@ -34,7 +34,7 @@ log = logging.getLogger("flashrt")
 StorageDtype = Literal[tuple(STORAGE)]  # flashrt.dtypes: fp4, fp8, int8, bf16
 ComputeDtype = Literal[COMPUTE]
 # keys of older profiles that nothing reads any more: the value they may still hold, and why
-OBSOLETE = {"kv_main_dtype": ("fp4", "the main KV is always stored as fp4 (format fp4_b16)"),
+OBSOLETE = {"kv_main_dtype": ("fp4", f"the main KV is always stored as fp4 (format {MAIN_KV_FORMAT})"),
             "kv_window_compute_dtype": (None, "attention computes in the activation dtype (compute_dtype)")}
 TileParam = Union[bool, int, float, str, None]
 # one entry of a kernel module's TILES: parameters, [largest size the rule serves (null: any), parameters]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from flashrt.formats import QTensor, expected_layout
+from flashrt.formats import MAIN_KV_FORMAT, QTensor, expected_layout
 
 FULL, GLOBAL = "full", "global"
 U8 = torch.uint8
@@ -28,7 +28,7 @@ def layout(cfg, window_fmt: str, length: int, kind: str) -> dict:
     out = {}
     for l in cfg.kv_source_layers:
         n = length // cfg.ratio(l)
-        for part, fmt, dim in (("main", "fp4_b16", cfg.head_dim), ("index", "fp4_b32", cfg.index_head_dim)):
+        for part, fmt, dim in (("main", MAIN_KV_FORMAT, cfg.head_dim), ("index", "fp4_b32", cfg.index_head_dim)):
             data, scale = expected_layout(fmt, (n, dim))
             out[f"{l}.{part}.data"], out[f"{l}.{part}.scale"] = (U8, tuple(data)), (U8, tuple(scale))
     if kind == FULL:
@@ -111,7 +111,7 @@ def import_row(state, row: int, tensors: dict, length: int, window: bool = True)
     for l, c in state.compressed.items():
         n = length // cfg.ratio(l)
         c.main.write_row(row, QTensor(tensors[f"{l}.main.data"], tensors[f"{l}.main.scale"].view(torch.float8_e4m3fn),
-                                      "fp4_b16", (n, cfg.head_dim)))
+                                      MAIN_KV_FORMAT, (n, cfg.head_dim)))
         c.index_k.write_row(row, 0, QTensor(tensors[f"{l}.index.data"],
                                             tensors[f"{l}.index.scale"].view(torch.float8_e8m0fnu),
                                             "fp4_b32", (n, cfg.index_head_dim)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from flashrt.formats import QTensor
+from flashrt.formats import MAIN_KV_FORMAT, QTensor
 
 from . import prefix
 from .prefix_entry import global_kv, import_row, load_window, window_state
@@ -55,6 +55,6 @@ def _restore_tail(cfg, state, snap: dict, length: int, n: int) -> None:
             head = c.main.read_row(0, lo)
             data = torch.cat([head.data, snap[f"tail.{l}.main.data"]])
             scale = torch.cat([head.scale.view(u8), snap[f"tail.{l}.main.scale"]]).view(torch.float8_e4m3fn)
-            c.main.write_row(0, QTensor(data, scale, "fp4_b16", (hi, cfg.head_dim)))
+            c.main.write_row(0, QTensor(data, scale, MAIN_KV_FORMAT, (hi, cfg.head_dim)))
             c.index_k.write_row(0, lo, QTensor(snap[f"tail.{l}.index.data"], snap[f"tail.{l}.index.scale"].view(
                 torch.float8_e8m0fnu), "fp4_b32", (hi - lo, cfg.index_head_dim)))

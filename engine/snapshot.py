@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from flashrt.formats import QTensor, spec
+from flashrt.formats import MAIN_KV_FORMAT, QTensor, spec
 
 U8 = torch.uint8
 
@@ -98,7 +98,7 @@ def restore_row(snap: RowSnapshot, state, row: int) -> None:
     state.engram_history[row] = t["history"].to(dev)
     state.ensure_capacity(snap.position)
     for l, c in state.compressed.items():
-        main = _q(t, f"{l}.main", "fp4_b16", cfg.head_dim)
+        main = _q(t, f"{l}.main", MAIN_KV_FORMAT, cfg.head_dim)
         if main.shape[0]:
             c.main.write_row(row, main)
             c.index_k.write_row(row, 0, _q(t, f"{l}.index", "fp4_b32", cfg.index_head_dim))

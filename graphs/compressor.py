@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from flashrt import ops
+from flashrt.formats import MAIN_KV_FORMAT
 
 from .context import StepContext, rope_tail
 
@@ -77,5 +78,5 @@ class Compressor:
         f = ctx.rope.factors(True, entry * self.ratio)
         k = ops.rms_norm(ops.linear(latent, self.wk), self.k_norm, cfg.norm_eps)
         index_k = ops.quantize(rope_tail(k, f, rd), "fp4_b32")
-        main = ops.quantize(rope_tail(latent, f, rd), "fp4_b16")
+        main = ops.quantize(rope_tail(latent, f, rd), MAIN_KV_FORMAT)
         ctx.state.append_entries(self.layer, main, index_k, entry, mask)

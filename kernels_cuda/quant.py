@@ -24,7 +24,7 @@ import triton.language as tl
 from flashrt import formats
 from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import POW2
-from flashrt.formats import QTensor
+from flashrt.formats import MAIN_KV_FORMAT, QTensor
 from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_code, e2m1_to_f32, e4m3_rne, e4m3_to_f32,
                                          e8m0_to_f32, to_out)
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, zeros_stored
@@ -210,7 +210,8 @@ def warmup_cases(device, d: dict, dtype):
         for m in sorted({n, max(1, n // 2)}):
             k = _warmup.rand((1, m, d["index_head_dim"]), dtype, device)
             yield _warmup.Launch("quantize fp4_b32", quantize, (k, "fp4_b32"))
-            yield _warmup.Launch("quantize fp4_b16", quantize, (_warmup.rand((1, m, hd), dtype, device), "fp4_b16"))
+            main = _warmup.rand((1, m, hd), dtype, device)
+            yield _warmup.Launch(f"quantize {MAIN_KV_FORMAT}", quantize, (main, MAIN_KV_FORMAT))
 
 
 FAMILY = KernelFamily(

@@ -2,12 +2,15 @@
 the device budget a profile gives."""
 from __future__ import annotations
 
+from flashrt.formats import MAIN_KV_FORMAT, spec
+
 DEFAULT_PAGE_ENTRIES = 64
 
 
 def entry_bytes(dim: int, fmt: str) -> int:
-    """Stored bytes of one entry of ``dim`` channels in an fp4 format."""
-    return dim // 2 + dim // (16 if fmt == "fp4_b16" else 32)
+    """Stored bytes of one entry of ``dim`` channels in an fp4 format (a byte per two elements, one
+    scale byte per block)."""
+    return dim // 2 + dim // spec(fmt).block
 
 
 def index_pages_for(cfg, batch: int, capacity: int, page_entries: int = DEFAULT_PAGE_ENTRIES) -> int:
@@ -24,7 +27,7 @@ def fixed_bytes_for(cfg, batch: int, capacity: int, page_entries: int = DEFAULT_
     partial = sum(2 * cfg.ratio(l) * cfg.head_dim * 4 for l in cfg.kv_source_layers if cfg.ratio(l) > 1)
     index_page = page_entries * entry_bytes(cfg.index_head_dim, "fp4_b32")
     index = (index_pages_for(cfg, batch, capacity, page_entries) + 1) * index_page
-    main_trash = page_entries * entry_bytes(cfg.head_dim, "fp4_b16")
+    main_trash = page_entries * entry_bytes(cfg.head_dim, MAIN_KV_FORMAT)
     return batch * (rings + partial) + index + main_trash
 
 

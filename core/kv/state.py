@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashrt.formats import QTensor
+from flashrt.formats import MAIN_KV_FORMAT, QTensor
 from .util import empty_qtensor, grown, write_rows
 from .index import IndexPool, PagedIndexK
 from .pages import PagedMainKV, PagePool
@@ -99,7 +99,7 @@ class KVState:
             st = (batch, r, hd)
             meta = lambda fmt, dim: empty_qtensor(fmt, (batch, entries, dim), self.device)
             self.compressed[l] = CompressedCache(
-                meta("fp4_b16", hd) if self.is_meta else PagedMainKV(self.pool, batch, entries),
+                meta(MAIN_KV_FORMAT, hd) if self.is_meta else PagedMainKV(self.pool, batch, entries),
                 meta("fp4_b32", cfg.index_head_dim) if self.is_meta else PagedIndexK(self.index_pool, batch, entries),
                 torch.zeros(st, device=self.device) if r > 1 else None,
                 torch.full(st, float("-inf"), device=self.device) if r > 1 else None)
@@ -122,11 +122,11 @@ class KVState:
             pool = PagePool(cfg.head_dim, page_entries, device, None)
         else:
             fixed = fixed_bytes_for(cfg, batch, capacity, page_entries)
-            pages = (kv_budget - fixed) // (page_entries * entry_bytes(cfg.head_dim, "fp4_b16"))
+            pages = (kv_budget - fixed) // (page_entries * entry_bytes(cfg.head_dim, MAIN_KV_FORMAT))
             if pages < 2 * len(cfg.kv_source_layers):
                 raise ValueError(f"kv_budget: {kv_budget:,} bytes leave room for {max(pages, 0)} main-KV pages after "
                                  f"the fixed state ({fixed:,} bytes: rings, index-K pages, compressor state)")
-            page = page_entries * entry_bytes(cfg.head_dim, "fp4_b16")
+            page = page_entries * entry_bytes(cfg.head_dim, MAIN_KV_FORMAT)
             pool = PagePool(cfg.head_dim, page_entries, device, int(pages),
                             None if cold_bytes is None else max(cold_bytes // page, 1))
         pool.index_pool = index
@@ -321,7 +321,7 @@ class KVState:
     # ----- accounting --------------------------------------------------------------------------
     def global_kv_bytes_per_token(self) -> float:
         """Bytes the growing caches add per token (main KV + index K over all source layers)."""
-        per = entry_bytes(self.cfg.head_dim, "fp4_b16") + entry_bytes(self.cfg.index_head_dim, "fp4_b32")
+        per = entry_bytes(self.cfg.head_dim, MAIN_KV_FORMAT) + entry_bytes(self.cfg.index_head_dim, "fp4_b32")
         return sum(per / self.cfg.ratio(l) for l in self.compressed)
 
     def window_bytes(self) -> int:

@@ -1,4 +1,9 @@
-"""JIT compile-and-cache: keys, concurrent builders, killed writers, corruption, the CLI, warmup."""
+"""The JIT compile cache across processes: one compile per key, killed writers and compilers, forked
+children, the CLI, warmup.
+
+Compiles go through flashrt's Triton cache manager the way ``triton.compile`` drives it
+(``get_group``, ``put`` ..., ``put_group``; see tests/jit_helpers.py), in real processes.
+"""
 import json
 import multiprocessing
 import os
@@ -12,127 +17,86 @@ from pathlib import Path
 import pytest
 
 from flashrt import jit, profiles
-from flashrt.jit import JitCache, cache_key, key_parts
-
-PARTS = key_parts("double", "def double(x): ...", "cuda", spec={"BLOCK": 128, "num_warps": 4}, arch="sm_90",
-                  toolchain={"torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0"})
+from flashrt.jit import JitCache
+from flashrt.jit_triton import TritonCacheManager
+from jit_helpers import _jit_cache_dir, builds, compile_or_load, fake_group  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture(autouse=True)
-def _cache_dir(monkeypatch, tmp_path):
-    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("TRITON_CACHE_MANAGER", "x")  # so that monkeypatch undoes what install() sets
-    monkeypatch.delenv("TRITON_CACHE_MANAGER")
+def _default_profile():
     profiles.use_profile(None)
     yield
     profiles.use_profile(None)
 
 
-def counting_build(counter: Path, payload: bytes, delay: float = 0.0):
-    def build():
-        with open(counter, "a") as f:
-            f.write(f"{os.getpid()}\n")
-        time.sleep(delay)
-        return payload
-    return build
-
-
-def builds(counter: Path) -> int:
-    return len(counter.read_text().splitlines()) if counter.exists() else 0
-
-
-def test_cache_root_and_arch_defaults(monkeypatch, tmp_path):
+def test_cache_root_defaults(monkeypatch, tmp_path):
     assert jit.cache_root() == tmp_path / "cache" / "jit"
     monkeypatch.delenv("FLASHRT_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert jit.cache_root() == tmp_path / "xdg" / "flashrt" / "jit"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert jit.device_arch("cpu") == "cpu-interpreter"
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert jit.device_arch("cpu") == "cpu"
-    versions = jit.toolchain_versions()
-    assert {"torch", "triton", "cuda", "torch_npu", "cann"} <= set(versions) and versions["torch"]
+    monkeypatch.setenv("FLASHRT_CACHE_DIR", "~/somewhere")
+    assert jit.cache_root() == Path.home() / "somewhere" / "jit"
 
 
-def test_key_changes_with_source_constexpr_arch_toolchain_and_backend():
-    base = cache_key(PARTS)
-    assert base == cache_key(dict(reversed(list(PARTS.items()))))  # canonical: order does not matter
-    changed = [
-        key_parts("double", "def double(x): return 2 * x", "cuda", PARTS["spec"], "sm_90", PARTS["toolchain"]),
-        key_parts("double", "def double(x): ...", "cuda", {"BLOCK": 256, "num_warps": 4}, "sm_90", PARTS["toolchain"]),
-        key_parts("double", "def double(x): ...", "cuda", {"BLOCK": 128, "num_warps": 8}, "sm_90", PARTS["toolchain"]),
-        key_parts("double", "def double(x): ...", "cuda", PARTS["spec"], "sm_80", PARTS["toolchain"]),
-        key_parts("double", "def double(x): ...", "cuda", PARTS["spec"], "sm_90", PARTS["toolchain"] | {"triton": "3.5.1"}),
-        key_parts("double", "def double(x): ...", "cuda", PARTS["spec"], "sm_90", PARTS["toolchain"] | {"cuda": "12.8"}),
-        key_parts("double", "def double(x): ...", "ascend", PARTS["spec"], "ascend910b", PARTS["toolchain"]),
-    ]
-    keys = {cache_key(p) for p in changed}
-    assert len(keys) == len(changed) and base not in keys
-    assert jit.source_hash(jit) == jit.source_hash(Path(jit.__file__).read_bytes())  # a module: its file
-    assert jit.source_hash(jit.cache_key) == jit.source_hash(jit)  # a function: its module's file
-
-
-def test_build_once_then_hit_from_disk(tmp_path):
-    counter = tmp_path / "builds"
-    first = JitCache().get_or_build(PARTS, counting_build(counter, b"cubin" * 100), {"kernel": "double"})
-    again = JitCache()  # another process's view: nothing in memory
-    assert again.get_or_build(PARTS, counting_build(counter, b"other"), {}) == first == b"cubin" * 100
-    assert builds(counter) == 1 and again.hits == 1 and again.builds == 0
-    with pytest.raises(TypeError, match="must return bytes"):
-        JitCache().get_or_build(PARTS | {"spec": {}}, lambda: "text", {})
-
-
-def _concurrent_worker(root, counter, barrier, results):
+def _concurrent_worker(marks, barrier, results):
     barrier.wait()
-    payload = f"built by {os.getpid()}".encode() + os.urandom(32)  # differs per builder
-    results.put(JitCache(root).get_or_build(PARTS, counting_build(Path(counter), payload, 0.5), {}))
+    results.put(compile_or_load("KEYC", Path(marks), 0.5))
 
 
-def test_concurrent_processes_build_one_key_once(tmp_path):
+def test_concurrent_processes_compile_one_key_once(tmp_path):
     ctx = multiprocessing.get_context("fork")
     barrier, results = ctx.Barrier(4), ctx.Queue()
-    counter = tmp_path / "builds"
-    procs = [ctx.Process(target=_concurrent_worker, args=(jit.cache_root(), str(counter), barrier, results))
-             for _ in range(4)]
+    procs = [ctx.Process(target=_concurrent_worker, args=(tmp_path, barrier, results)) for _ in range(4)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=60) for _ in procs]
+    got = [results.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    assert builds(counter) == 1 and len(set(got)) == 1 and got[0].startswith(b"built by ")
+    assert builds(tmp_path) == 1 and not (tmp_path / "overlap").exists()
+    assert all(g == got[0] for g in got) and got[0]["k.cubin"].startswith(b"\x7fELF")  # the one build's bytes
 
 
 def _run_killed(script: str, *args) -> subprocess.Popen:
-    code = "import os, signal, sys, time\nfrom flashrt import jit\n" + textwrap.dedent(script)
+    code = ("import os, signal, sys, time\nfrom flashrt.jit_triton import TritonCacheManager\n"
+            "from jit_helpers import fake_group\n" + textwrap.dedent(script))
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env)
 
 
-def test_a_writer_killed_mid_write_leaves_nothing_that_is_served(tmp_path):
-    parts = json.dumps(PARTS)
+@pytest.mark.parametrize("dies_at", [1, 2, 7])  # the cubin, its checksum sidecar, the group file
+def test_a_compiler_killed_mid_write_leaves_nothing_that_is_served(dies_at):
     proc = _run_killed("""
-        os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # die with the temp file written, not renamed
-        jit.JitCache().get_or_build(__import__("json").loads(sys.argv[1]), lambda: b"partial" * 100000, {})
-    """, parts)
+        calls, real_fsync = [0], os.fsync
+        def fsync(fd):  # die at the n-th file written: its temp file written, not renamed
+            calls[0] += 1
+            if calls[0] == int(sys.argv[1]):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_fsync(fd)
+        os.fsync = fsync
+        m = TritonCacheManager("KEYW")
+        assert m.get_group("k.json") is None
+        fake_group(m)
+    """, 2 * dies_at - 1)  # each atomic write fsyncs its temp file, then the directory
     assert proc.wait(timeout=120) == -signal.SIGKILL
-    cache, key = JitCache(), cache_key(PARTS)
-    assert not cache.entry_path(key).exists() and cache.read(key) is None
-    assert list(cache.entry_path(key).parent.glob("*.tmp.*"))  # the dead writer's temp file
-    counter = tmp_path / "builds"
-    assert cache.get_or_build(PARTS, counting_build(counter, b"whole"), {}) == b"whole" and builds(counter) == 1
-    assert not list(cache.entry_path(key).parent.glob("*.tmp.*"))  # cleaned under the lock
+    key_dir = jit.cache_root() / "triton" / "KEYW"
+    assert list(key_dir.glob("*.tmp.*"))  # the dead writer's temp file
+    m = TritonCacheManager("KEYW")
+    assert m.get_group("k.json") is None  # nothing half-written is served: a miss, compiled again
+    assert dies_at > 2 or m.get_file("k.cubin") is None  # a file without its checksum is not served
+    assert not list(key_dir.glob("*.tmp.*"))  # swept by the next compiler, under the key's lock
+    group = fake_group(m)
+    assert TritonCacheManager("KEYW").get_group("k.json") == group
 
 
-def test_a_builder_killed_while_holding_the_lock_does_not_block_others(tmp_path):
+def test_a_compiler_killed_while_holding_the_lock_does_not_block_others(tmp_path):
     marker = tmp_path / "building"
     proc = _run_killed("""
-        parts = __import__("json").loads(sys.argv[1])
-        def build():
-            open(sys.argv[2], "w").close()
-            time.sleep(600)
-        jit.JitCache().get_or_build(parts, build, {})
-    """, json.dumps(PARTS), marker)
+        m = TritonCacheManager("KEYK")
+        assert m.get_group("k.json") is None  # a miss: this process holds the key's lock
+        open(sys.argv[1], "w").close()
+        time.sleep(600)
+    """, marker)
     deadline = time.time() + 120
     while not marker.exists():
         assert time.time() < deadline and proc.poll() is None
@@ -140,48 +104,61 @@ def test_a_builder_killed_while_holding_the_lock_does_not_block_others(tmp_path)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     t0 = time.perf_counter()
-    assert JitCache().get_or_build(PARTS, lambda: b"rebuilt", {}) == b"rebuilt"
+    m = TritonCacheManager("KEYK")
+    assert m.get_group("k.json") is None and m._lock_fd is not None  # the dead process's lock is free
     assert time.perf_counter() - t0 < 10
+    fake_group(m)
 
 
-def _entry_after(damage) -> tuple[JitCache, bytes]:
-    JitCache().get_or_build(PARTS, lambda: b"payload-bytes" * 50, {"kernel": "double"})
-    path = JitCache().entry_path(cache_key(PARTS))
-    blob = bytearray(path.read_bytes())
-    path.write_bytes(bytes(damage(blob)))
-    cache = JitCache()
-    return cache, cache.get_or_build(PARTS, lambda: b"payload-bytes" * 50, {"kernel": "double"})
+def _forked_compile(result):
+    Path(f"{result}.started").touch()
+    got = TritonCacheManager("KEYF").get_group("k.json")
+    Path(result).write_text("loaded" if got else "miss")
 
 
-def flip(offset):
-    def damage(blob):
-        blob[offset] ^= 0x40
-        return blob
-    return damage
+def test_a_forked_child_does_not_share_its_parents_compile_lock(tmp_path):
+    """The parent compiles a key (holds its lock) and forks: the child's compile of the same key
+    waits for the parent's, then loads it, instead of compiling beside it under the parent's lock."""
+    parent = TritonCacheManager("KEYF")
+    assert parent.get_group("k.json") is None
+    result = tmp_path / "child"
+    child = multiprocessing.get_context("fork").Process(target=_forked_compile, args=(result,))
+    child.start()
+    deadline = time.time() + 60
+    while not Path(f"{result}.started").exists():
+        assert time.time() < deadline and child.is_alive()
+        time.sleep(0.01)
+    time.sleep(0.5)
+    assert not result.exists(), f"the child did not wait for the parent's compile: {result.read_text()}"
+    fake_group(parent)
+    del parent  # the compile is over: its lock is released
+    child.join(timeout=60)
+    assert child.exitcode == 0 and result.read_text() == "loaded"
 
 
-HEADER = jit._PREFIX.size + 3
+def test_a_link_at_a_lock_path_is_not_followed(tmp_path, caplog):
+    locks = jit.cache_root() / "locks"
+    locks.mkdir(parents=True)
+    (locks / "triton-KEYS.lock").symlink_to(tmp_path / "elsewhere.lock")  # dangling: open would create it
+    m = TritonCacheManager("KEYS")
+    assert m.get_group("k.json") is None and "cannot lock" in caplog.text  # compiles, unlocked, with a warning
+    fake_group(m)
+    assert not (tmp_path / "elsewhere.lock").exists()  # nothing made outside the cache
+    JitCache().clear()
+    assert not os.path.lexists(locks / "triton-KEYS.lock")
 
 
-@pytest.mark.parametrize("damage", [flip(0), flip(12), flip(jit._PREFIX.size - 1), flip(HEADER), flip(-200),
-                                    flip(-1), lambda b: b[:0], lambda b: b[:20], lambda b: b[:HEADER],
-                                    lambda b: b[:-1], lambda b: b + b"x"],
-                         ids=["magic", "digest", "header-length", "header", "payload", "last-byte", "empty",
-                              "truncated-prefix", "truncated-header", "truncated-payload", "appended"])
-def test_a_corrupt_entry_is_detected_dropped_and_rebuilt(damage):
-    cache, payload = _entry_after(damage)
-    assert payload == b"payload-bytes" * 50 and cache.builds == 1 and cache.dropped == 1
-    assert JitCache().read(cache_key(PARTS)) == payload  # whole again on disk
-
-
-def test_an_entry_under_the_wrong_key_is_not_served():
-    cache = JitCache()
-    other = PARTS | {"arch": "sm_80"}
-    cache.get_or_build(other, lambda: b"for sm_80", {})
-    src, dst = cache.entry_path(cache_key(other)), cache.entry_path(cache_key(PARTS))
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    dst.write_bytes(src.read_bytes())
-    assert cache.get_or_build(PARTS, lambda: b"for sm_90", {}) == b"for sm_90" and cache.dropped == 1
+def test_a_file_where_the_locks_directory_goes_does_not_hang_a_compile(caplog):
+    (jit.cache_root()).mkdir(parents=True)
+    (jit.cache_root() / "locks").write_text("not a directory")
+    t0 = time.perf_counter()
+    m = TritonCacheManager("KEYN")
+    assert m.get_group("k.json") is None and "cannot lock" in caplog.text  # compiles, unlocked, with a warning
+    assert time.perf_counter() - t0 < 30
+    fake_group(m)
+    del m
+    JitCache().clear()
+    assert not any(jit.cache_root().iterdir())
 
 
 def flashrt_cli(*args, check=True, **env) -> subprocess.CompletedProcess:
@@ -192,22 +169,22 @@ def flashrt_cli(*args, check=True, **env) -> subprocess.CompletedProcess:
 def test_ls_and_clear_cli(tmp_path, capsys):
     from flashrt.cli import commands as cli
 
-    cache = JitCache()
-    cache.get_or_build(PARTS, lambda: b"a" * 3000, {"kernel": "double"})
-    cache.get_or_build(PARTS | {"kernel": "norm", "arch": "sm_80"}, lambda: b"b" * 10, {})
+    fake_group(TritonCacheManager("KEYA" * 8), "double", 90, b"a" * 3000)
+    fake_group(TritonCacheManager("KEYB" * 8), "norm", 80, b"b" * 10)
     keep = tmp_path / "cache" / "not-ours.txt"  # beside jit/ in FLASHRT_CACHE_DIR: clear leaves it
     keep.write_text("keep")
     out = flashrt_cli("jit", "ls").stdout
-    assert "2 entries" in out and cache_key(PARTS)[:12] in out
+    assert "2 entries" in out and "KEYA" * 3 in out
     assert "double" in out and "sm_90" in out and "norm" in out and "sm_80" in out and " KiB " in out
     assert cli.main(["jit", "ls", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert {(e["kernel"], e["arch"], e["kind"]) for e in listed} == {("double", "sm_90", "flashrt"),
-                                                                     ("norm", "sm_80", "flashrt")}
+    assert {(e["kernel"], e["arch"], e["kind"]) for e in listed} == {("double", "sm_90", "triton"),
+                                                                     ("norm", "sm_80", "triton")}
     assert cli.main(["jit", "clear"]) == 2  # stdin is not a terminal and no --yes: nothing removed
     assert "without --yes" in capsys.readouterr().err and len(JitCache().entries()) == 2
     out = flashrt_cli("jit", "clear", "--yes").stdout
-    assert "removed" in out and JitCache().entries() == [] and keep.read_text() == "keep"
+    assert "removed 16 files" in out  # 2 x (4 artifacts + their checksum sidecars)
+    assert JitCache().entries() == [] and keep.read_text() == "keep"
     assert jit.cache_root().is_dir() and not any(jit.cache_root().iterdir())
 
 

@@ -4,6 +4,7 @@ Triton compiles for an sm_90 target without a GPU (``triton.compile(..., target=
 runs the whole pipeline to a cubin with the bundled ptxas), so the manager is exercised end to end
 here; launching the result needs the GPU.
 """
+import hashlib
 import json
 import os
 import subprocess
@@ -17,51 +18,57 @@ triton = pytest.importorskip("triton")
 
 from flashrt import jit  # noqa: E402
 from flashrt.jit_triton import MANAGER_SPEC, TritonCacheManager  # noqa: E402
+from jit_helpers import _jit_cache_dir, fake_group  # noqa: E402, F401 (autouse fixture)
 
 
-@pytest.fixture(autouse=True)
-def _cache_dir(monkeypatch, tmp_path):
-    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("TRITON_CACHE_MANAGER", "x")  # so that monkeypatch undoes what install() sets
-    monkeypatch.delenv("TRITON_CACHE_MANAGER")
-
-
-def fake_group(manager: TritonCacheManager) -> dict:
-    group = {"k.cubin": manager.put(b"\x7fELF" + bytes(range(256)), "k.cubin"),
-             "k.ptx": manager.put("// ptx text", "k.ptx", binary=False),
-             "k.json": manager.put(json.dumps({"name": "k", "target": {"backend": "cuda", "arch": 90}}), "k.json")}
-    manager.put_group("k.json", group)
-    return group
+CUBIN = b"\x7fELF" + bytes(range(256))
 
 
 def test_manager_round_trips_files_and_groups():
     m = TritonCacheManager("KEY1")
     assert m.get_file("k.cubin") is None and m.get_group("k.json") is None  # a miss takes the compile lock
-    group = fake_group(m)  # ... and put_group releases it
-    assert Path(group["k.cubin"]).read_bytes() == b"\x7fELF" + bytes(range(256))
+    group = fake_group(m, cubin=CUBIN)
+    assert m._lock_fd is not None  # ... held until the compile drops its manager
+    assert Path(group["k.cubin"]).read_bytes() == CUBIN
     assert Path(m.get_file("k.ptx")).read_text() == "// ptx text"
+    del m
     again = TritonCacheManager("KEY1")
-    assert again.get_group("k.json") == group and again._lock_fd is None
+    assert again.get_group("k.json") == group and again._lock_fd is None and again._read_fd is not None
     assert Path(group["k.cubin"]).parent == jit.cache_root() / "triton" / "KEY1"
     [entry] = jit.JitCache().entries()
     assert (entry.kind, entry.kernel, entry.arch) == ("triton", "k", "sm_90")
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "no-sidecar"])
-def test_a_corrupt_artifact_makes_the_group_a_miss(damage):
-    group = fake_group(TritonCacheManager("KEY2"))
+def _rewrite(path: Path, data: bytes) -> None:
+    """Replace a file and its checksum sidecar: a well-formed file with other content."""
+    path.write_bytes(data)
+    (path.parent / f".{path.name}.sha256").write_text(hashlib.sha256(data).hexdigest())
+
+
+DAMAGE = {
+    "flip": lambda g: g["cubin"].write_bytes(bytes([g["cubin"].read_bytes()[0] ^ 1]) + g["cubin"].read_bytes()[1:]),
+    "truncate": lambda g: g["cubin"].write_bytes(g["cubin"].read_bytes()[:-3]),
+    "empty": lambda g: g["cubin"].write_bytes(b""),
+    "appended": lambda g: g["cubin"].write_bytes(g["cubin"].read_bytes() + b"x"),
+    "no-sidecar": lambda g: (g["cubin"].parent / ".k.cubin.sha256").unlink(),  # a writer died between the two
+    "bad-sidecar": lambda g: (g["cubin"].parent / ".k.cubin.sha256").write_text("0" * 64),
+    "group-not-json": lambda g: _rewrite(g["grp"], b"{not json"),
+    "group-wrong-key": lambda g: _rewrite(g["grp"], b'{"children": {}}'),
+    "group-wrong-layout": lambda g: _rewrite(g["grp"], b'{"child_paths": ["k.cubin"]}'),
+    "group-wrong-path": lambda g: _rewrite(g["grp"], b'{"child_paths": {"k.cubin": 7}}'),
+    "group-file-missing": lambda g: (g["cubin"].unlink(), (g["cubin"].parent / ".k.cubin.sha256").unlink()),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_artifact_or_group_makes_the_group_a_miss(damage):
+    group = fake_group(TritonCacheManager("KEY2"), cubin=CUBIN)
     cubin = Path(group["k.cubin"])
-    if damage == "flip":
-        blob = bytearray(cubin.read_bytes())
-        blob[7] ^= 1
-        cubin.write_bytes(bytes(blob))
-    elif damage == "truncate":
-        cubin.write_bytes(cubin.read_bytes()[:-3])
-    else:
-        (cubin.parent / f".{cubin.name}.sha256").unlink()  # a writer died between the file and its checksum
+    DAMAGE[damage]({"cubin": cubin, "grp": cubin.parent / "__grp__k.json"})
     m = TritonCacheManager("KEY2")
-    assert m.get_group("k.json") is None and m.get_file("k.cubin") is None
-    assert damage == "no-sidecar" or not cubin.exists()  # dropped
+    assert m.get_group("k.json") is None and m._lock_fd is not None  # a miss: this process compiles
+    if damage in ("flip", "truncate", "empty", "appended", "bad-sidecar"):
+        assert m.get_file("k.cubin") is None and not cubin.exists()  # dropped
     assert fake_group(m) and TritonCacheManager("KEY2").get_group("k.json") is not None  # rebuilt
 
 
