@@ -8,7 +8,8 @@ Triton driver reporting its target. Triton's ``_do_compile`` is replaced for the
 specialization a launcher would compile is recorded, not compiled or launched. Each distinct
 (kernel, signature, constexprs, options) is then compiled by ``triton.compile`` with the ``ptxas``
 Triton ships, and the cubin's resource usage is read with its ``cuobjdump``: registers, local
-memory (spills), shared memory against the architecture's per-block limit. A compiler error, a
+memory (``spill_bytes``: the per-thread stack frame ptxas gives spilled registers and local
+arrays), shared memory against the architecture's per-block limit. A compiler error, a
 launcher that raises, or shared memory over the limit is a failure.
 """
 from __future__ import annotations
@@ -164,8 +165,7 @@ def compile_variant(v: Variant) -> dict:
                       "seconds": round(time.perf_counter() - t0, 2)}
     usage = resource_usage(kernel.asm["cubin"])
     shared = max(int(kernel.metadata.shared), usage.get("shared", 0))
-    row |= {"registers": usage.get("registers"), "spill_bytes": usage.get("local"), "stack_bytes": usage.get("stack"),
-            "shared_bytes": shared, "seconds": round(time.perf_counter() - t0, 2)}
+    row |= {"registers": usage.get("registers"), "spill_bytes": usage.get("stack"), "shared_bytes": shared, "seconds": round(time.perf_counter() - t0, 2)}
     if shared > v.arch.smem_limit:
         return row | {"status": "failed", "error": f"shared memory {shared} B exceeds the {v.arch.name} per-block "
                                                    f"limit of {v.arch.smem_limit} B ({v.arch.device})"}

@@ -25,7 +25,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.target_info import cuda_capability_geq
+
+try:  # the compile target, read inside a kernel (recent Triton; older: see e4m3_cvt)
+    from triton.language.target_info import cuda_capability_geq
+except ImportError:
+    cuda_capability_geq = None
 
 from flashrt.jit_triton import interpreted
 
@@ -68,18 +72,27 @@ def e4m3_to_f32(b):
     return tl.where((b & 0x7F) == 0x7F, float("nan"), _e4m3_f16(b).to(tl.float32) * 256.0)
 
 
-@triton.jit
-def e4m3_cvt(x):
-    """fp32 value of E4M3 bytes ``x`` (uint8 / int32; NaN for 0x7F / 0xFF) by the hardware conversion
-    where the target has one (sm_89+), else decoded on the bits (:func:`e4m3_to_f32`: sm_80)."""
-    if _INTERPRETED:  # the interpreter converts the NaN codes to +-480
+if cuda_capability_geq is not None:
+    @triton.jit
+    def e4m3_cvt(x):
+        """fp32 value of E4M3 bytes ``x`` (uint8 / int32; NaN for 0x7F / 0xFF) by the hardware conversion
+        where the target has one (sm_89+), else decoded on the bits (:func:`e4m3_to_f32`: sm_80)."""
+        if _INTERPRETED:  # the interpreter converts the NaN codes to +-480
+            v = x.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            v = tl.where((x.to(tl.int32) & 0x7F) == 0x7F, float("nan"), v)
+        elif cuda_capability_geq(8, 9):
+            v = x.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = e4m3_to_f32(x.to(tl.uint8).to(tl.int32))
+        return v
+else:  # a Triton that cannot ask for the target inside a kernel: the hardware conversion (sm_89+)
+    @triton.jit
+    def e4m3_cvt(x):
+        """fp32 value of E4M3 bytes ``x`` (uint8 / int32) by the hardware conversion (sm_89+; NaN for 0x7F / 0xFF)."""
         v = x.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        v = tl.where((x.to(tl.int32) & 0x7F) == 0x7F, float("nan"), v)
-    elif cuda_capability_geq(8, 9):
-        v = x.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        v = e4m3_to_f32(x.to(tl.uint8).to(tl.int32))
-    return v
+        if _INTERPRETED:  # the interpreter converts the NaN codes to +-480
+            v = tl.where((x.to(tl.int32) & 0x7F) == 0x7F, float("nan"), v)
+        return v
 
 
 @triton.jit
