@@ -7,6 +7,7 @@ hook builds is one its launcher accepts.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -109,7 +110,7 @@ def test_the_launches_run_under_the_interpreter_at_tiny_dims(name):
     an image encoder), runs."""
     fam = _families()[name]
     t0, n = time.perf_counter(), 0
-    with profiles.using("cpu"):
+    with profiles.using(dataclasses.replace(profiles.load_profile("cpu"), weight_dtype="fp8")):  # fp8_w linears too
         tiny = {"tiny-vl": _warmup.MODELS["tiny-vl"]}
         for launch in _warmup.plan(fam.warmup_cases, profiles.active_profile(), "cpu", tiny):
             launch.fn(*launch.args)
