@@ -74,7 +74,7 @@ def test_the_subset_compiles_for_every_architecture(tmp_path):
         assert {"_sparse_attention_kernel", "_linear_kernel", "_quantize_kernel"} <= kernels, (arch.name, kernels)
         for row in rows:
             assert row["status"] == "compiled" and row["registers"] > 0 and row["spill_bytes"] is not None
-            assert 0 < row["shared_bytes"] <= row["smem_limit"] == arch.smem_limit, row
+            assert 0 <= row["shared_bytes"] <= row["smem_limit"] == arch.smem_limit, row
         promote = {row["constexprs"]["PROMOTE"] for row in rows if row["kernel"] == "_linear_kernel"}
         assert promote == ({False} if arch.name == "sm_80" else {True}), (arch.name, promote)  # FP8 MMA from sm_89
 
@@ -126,12 +126,13 @@ SMEM_SCRIPT = textwrap.dedent('''
 
 
 @needs_ptxas
-def test_shared_memory_over_the_limit_is_a_failure():
+def test_shared_memory_over_the_limit_is_a_failure(tmp_path):
     """Two 256 x 256 bf16 dot operands staged in shared memory (256 KB): over sm_89's 99 KB and
     sm_90's 227 KB per block."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", SMEM_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=600)
+    script = tmp_path / "big_tile.py"  # Triton reads a kernel's source from its file
+    script.write_text(SMEM_SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     rows = {row["arch"]: row for row in report["rows"]}
