@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from flashrt import profiles
 from flashrt.dtypes import MAIN_KV_FORMAT, STORAGE
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.tile_checks import COUNT0, DOT, POW2, Tile
@@ -27,8 +28,8 @@ from flashrt.formats import QTensor
 from flashrt.jit_triton import interpreted
 from flashrt.kernels_cuda.attention_kernel import _combine_kernel, _sparse_attention_kernel
 from flashrt.kernels_cuda.codecs import CODES
-from flashrt.kernels_cuda.launch import (PlanCache, cdiv, dense, last_dense, next_pow2, no_device_reason, sm_count,
-                                         zeros_stored)
+from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, sm_count, zeros_stored
 
 TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLOCK * D * 2 (kv) + stages
     # D_SPLIT 2: two programs per head block, each accumulating half of the output columns, used
@@ -209,36 +210,29 @@ def segments_fit(q, kv, indices, sink, scale) -> bool:
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compilation (``flashrt jit warmup``)
 
-# the released config: 64 heads x 512, K = window 128 + top-k 512; (batch, queries, main KV entries)
-WARMUP_SHAPE = dict(heads=64, head_dim=512, window=128, topk=512)
-WARMUP_CASES = ((1, 1, 1024), (1, 1, 1000), (8, 1, 1000), (1, 64, 1000))  # decode (split K), prefill chunk
+# (batch, queries, main KV entries): decode (split K) and a prefill chunk; main KV lengths on both
+# sides of Triton's divisibility-by-16 specialization
+WARMUP_CASES = ((1, 1, 1024), (1, 1, 1000), (8, 1, 1000), (1, 64, 1000))
 
 
-def warm_up(profile) -> str | None:
-    """Compile the variants the model launches under ``profile``: bf16 q over (``kv_window_dtype``
-    ring, chunk, the main KV in ``MAIN_KV_FORMAT``), with a sink; decode (split K) and a prefill
-    chunk (no split), main KV lengths on both sides of Triton's divisibility-by-16 specialization,
-    and the decode steps that read cold HKCP pages (a fourth segment: the staged picks). Runs the
-    launcher once per case on zero-filled inputs. Returns why nothing was compiled, or None."""
-    reason = no_device_reason()
-    window, main = STORAGE.get(profile.kv_window_dtype, "?"), MAIN_KV_FORMAT
-    if reason is None and window is not None and window not in FMT_CODES:
-        reason = f"kv_window_dtype {profile.kv_window_dtype}: not served by this kernel"
-    if reason:
-        return reason
-    H, D, W, K = (WARMUP_SHAPE[k] for k in ("heads", "head_dim", "window", "topk"))
-    dev, bf16 = torch.device("cuda"), torch.bfloat16
+def warmup_cases(device, d: dict, dtype):
+    """The variants the model launches under the active profile: q in the activation dtype over
+    (``kv_window_dtype`` ring, chunk, the main KV in ``MAIN_KV_FORMAT``), with a sink, K = window +
+    index top-k; every case of WARMUP_CASES, and the decode steps that read cold HKCP pages (a fourth
+    segment: the staged picks)."""
+    window, main = STORAGE.get(profiles.active_profile().kv_window_dtype, "?"), MAIN_KV_FORMAT
+    if window is not None and window not in FMT_CODES:
+        return  # a window format this kernel does not serve: the op goes elsewhere
+    H, D, W, K = d["n_heads"], d["head_dim"], d["window_size"], d["index_topk"]
     for B, S, T in WARMUP_CASES:
-        kv = (zeros_stored(window, (B, W, D), bf16, dev), zeros_stored(window, (B, S, D), bf16, dev),
-              zeros_stored(main, (B, T, D), bf16, dev))
-        idx = torch.zeros(B, S, W + K, dtype=torch.int32, device=dev)
-        q = torch.zeros(B, S, H, D, dtype=bf16, device=dev)
-        sparse_attention(q, kv, idx, torch.zeros(H, device=dev), D ** -0.5)
-        if S == 1:  # + the cold picks staged from host pages
-            cold = kv + (zeros_stored(main, (1, B * K, D), bf16, dev),)
-            sparse_attention(q, cold, idx, torch.zeros(H, device=dev), D ** -0.5)
-    torch.cuda.synchronize()
-    return None
+        kv = (zeros_stored(window, (B, W, D), dtype, device), zeros_stored(window, (B, S, D), dtype, device),
+              zeros_stored(main, (B, T, D), dtype, device))
+        idx = torch.zeros(B, S, W + K, dtype=torch.int32, device=device)
+        q, sink = torch.zeros(B, S, H, D, dtype=dtype, device=device), torch.zeros(H, device=device)
+        yield _warmup.Launch("sparse_attention", sparse_attention, (q, kv, idx, sink, D ** -0.5))
+        if S == 1:
+            cold = kv + (zeros_stored(main, (1, B * K, D), dtype, device),)
+            yield _warmup.Launch("sparse_attention cold", sparse_attention, (q, cold, idx, sink, D ** -0.5))
 
 
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3")  # tl.dot input precisions of fp32 operands
@@ -258,4 +252,4 @@ FAMILY = KernelFamily(
                                           dims={"q[-1]": Dim(32, MAX_D, 32)}, extra=segments_fit)},
     tiles=TILES, tile_checks=TILE_CHECKS,
     smem={"attention": _kv_tile_bytes, "attention_fp32": _kv_tile_bytes},
-    warmup=warm_up, description="sparse MQA attention over gathered, quantized KV rows")
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases, description="sparse MQA attention over gathered, quantized KV rows")

@@ -7,8 +7,9 @@ Element decoders (stored bytes widened to int32 unless said otherwise), all exac
 - :func:`e4m3_x256` E4M3 -> its value times 2**-8 as fp16, the 7 magnitude bits placed in fp16's
   (any architecture, no NaN codes: the dot operand path of ``linear`` / ``moe``);
   :func:`e4m3_to_f32` the fp32 value from the same bits, NaN for 0x7F / 0xFF (any architecture);
-  :func:`e4m3_cvt` through the hardware conversion (float8e4nv: sm_89+), NaN codes fixed up under
-  the interpreter (whose conversion returns +-480 for them; the GPU's returns NaN);
+  :func:`e4m3_cvt` through the hardware conversion (float8e4nv: sm_89+; the bit decode on sm_80),
+  NaN codes fixed up under the interpreter (whose conversion returns +-480 for them; the GPU's
+  returns NaN);
 - :func:`e2m1_x16384` E2M1 codes (sign in bit 3) -> value times 2**-14 as fp16 (the 0.5 code is an
   fp16 subnormal, kept by the fp16 -> fp32 conversion where an fp32 subnormal could be flushed);
   :func:`e2m1_to_f32` the fp32 value.
@@ -24,6 +25,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+try:  # the compile target, read inside a kernel (recent Triton; older: see e4m3_cvt)
+    from triton.language.target_info import cuda_capability_geq
+except ImportError:
+    cuda_capability_geq = None
 
 from flashrt.jit_triton import interpreted
 
@@ -66,13 +72,27 @@ def e4m3_to_f32(b):
     return tl.where((b & 0x7F) == 0x7F, float("nan"), _e4m3_f16(b).to(tl.float32) * 256.0)
 
 
-@triton.jit
-def e4m3_cvt(x):
-    """fp32 value of E4M3 bytes ``x`` (uint8 / int32) by the hardware conversion (sm_89+; NaN for 0x7F / 0xFF)."""
-    v = x.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if _INTERPRETED:  # the interpreter converts the NaN codes to +-480
-        v = tl.where((x.to(tl.int32) & 0x7F) == 0x7F, float("nan"), v)
-    return v
+if cuda_capability_geq is not None:
+    @triton.jit
+    def e4m3_cvt(x):
+        """fp32 value of E4M3 bytes ``x`` (uint8 / int32; NaN for 0x7F / 0xFF) by the hardware conversion
+        where the target has one (sm_89+), else decoded on the bits (:func:`e4m3_to_f32`: sm_80)."""
+        if _INTERPRETED:  # the interpreter converts the NaN codes to +-480
+            v = x.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            v = tl.where((x.to(tl.int32) & 0x7F) == 0x7F, float("nan"), v)
+        elif cuda_capability_geq(8, 9):
+            v = x.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = e4m3_to_f32(x.to(tl.uint8).to(tl.int32))
+        return v
+else:  # a Triton that cannot ask for the target inside a kernel: the hardware conversion (sm_89+)
+    @triton.jit
+    def e4m3_cvt(x):
+        """fp32 value of E4M3 bytes ``x`` (uint8 / int32) by the hardware conversion (sm_89+; NaN for 0x7F / 0xFF)."""
+        v = x.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if _INTERPRETED:  # the interpreter converts the NaN codes to +-480
+            v = tl.where((x.to(tl.int32) & 0x7F) == 0x7F, float("nan"), v)
+        return v
 
 
 @triton.jit

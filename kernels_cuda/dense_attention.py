@@ -17,6 +17,7 @@ import triton.language as tl
 
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.jit_triton import interpreted
+from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, next_pow2
 from flashrt.tile_checks import DOT
@@ -103,9 +104,22 @@ def dense_attention(q, k, v, scale):
     return out
 
 
+def warmup_cases(device, d: dict, dtype):
+    """The image encoder's attention (models with one: ``vision_*`` dims): every query / key block
+    of its longest image (``vision_max_n_token`` patches) and of a short one, bf16 q, k, v."""
+    if "vision_dim" not in d:
+        return
+    H = d["vision_n_heads"]
+    D = d["vision_dim"] // H
+    for n in sorted({d["vision_max_n_token"], 16}):
+        q, k, v = (_warmup.rand((1, n, H, D), torch.bfloat16, device) for _ in range(3))
+        yield _warmup.Launch("dense_attention", dense_attention, (q, k, v, D ** -0.5))
+
+
 FAMILY = KernelFamily(
     "dense_attention", ops={"dense_attention": dense_attention},
     # q, k, v of one float dtype (the contract checks k and v against q); head dims up to 256
     supports={"dense_attention": Support(inputs={"q": _DTYPES}, dims={"q[-1]": Dim(1, MAX_D)})},
     tiles=TILES, tile_checks={"dense.BLOCK_M": DOT, "dense.BLOCK_N": DOT},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="bidirectional flash attention (the vision encoder)")

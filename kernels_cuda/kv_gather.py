@@ -22,9 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt import refmath
+from flashrt import profiles, refmath
+from flashrt.dtypes import MAIN_KV_FORMAT
 from flashrt.families import KernelFamily, Support
 from flashrt.formats import QTensor
+from flashrt.kv.util import empty_qtensor
+from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import INTERPRETED as _INTERPRETED
 from flashrt.kernels_cuda.launch import cdiv, dense, next_pow2
 
@@ -127,7 +130,21 @@ def zero_copy_ok(device: torch.device) -> bool:
     return _CHECKED[key]
 
 
+def warmup_cases(device, d: dict, dtype):
+    """The cold fetch of a decode step: top-k picks of 1 and 8 sequences from host pages of the
+    main KV format (``hkcp_page_entries`` rows a page), pinned when the device is a GPU."""
+    P, D = profiles.active_profile().hkcp_page_entries, d["head_dim"]
+    host = empty_qtensor(MAIN_KV_FORMAT, (4, P, D), "cpu")
+    if device.type == "cuda":
+        host = QTensor(host.data.pin_memory(), host.scale.pin_memory(), host.fmt, host.shape)
+    for B in (1, 8):
+        picks = torch.full((B, d["index_topk"]), -1, dtype=torch.int32, device=device)
+        ids = torch.full((B, 4), -1, dtype=torch.long, device=device)
+        yield _warmup.Launch("gather_cold_rows", gather_cold_rows, (host, ids, picks, picks.clone(), 0))
+
+
 FAMILY = KernelFamily(
     "kv_gather", ops={"gather_cold_rows": gather_cold_rows},
     supports={"gather_cold_rows": Support(extra=on_a_zero_copy_device)}, zero_copy={"gather_cold_rows": zero_copy_ok},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="HKCP cold fetch: picked host-page rows read in place from pinned memory")

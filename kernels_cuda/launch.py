@@ -10,15 +10,12 @@ empty, so a plan never outlives the profile it was made under.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton.language as tl
 
-from flashrt import profiles
+from flashrt import jit_targets, profiles
 from flashrt.dtypes import TORCH
 from flashrt.formats import QTensor
-from flashrt.jit_triton import interpreted
 from flashrt.kv.util import empty_qtensor
 
 
@@ -51,16 +48,12 @@ class PlanCache:
         return len(self._plans)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sm_count(device: torch.device, default: int = 132) -> int:
-    """Streaming multiprocessors of a CUDA ``device`` (queried once per device); ``default`` elsewhere."""
-    if device.type != "cuda":
-        return default
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    """Streaming multiprocessors of a CUDA ``device`` (queried once per device) or of the architecture
+    being cross-compiled for (:mod:`flashrt.jit_targets`); ``default`` elsewhere."""
+    if jit_targets.cross_target() is not None or device.type == "cuda":
+        return jit_targets.sm_count(device.index)
+    return default
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
@@ -78,15 +71,6 @@ def zeros_stored(fmt: str | None, shape, dtype: torch.dtype, device) -> torch.Te
     if fmt is None:
         return torch.zeros(shape, dtype=dtype, device=device)
     return empty_qtensor(fmt, shape, device)
-
-
-def no_device_reason() -> str | None:
-    """Why a warmup hook has nothing to compile here (the interpreter, no CUDA device), or None."""
-    if interpreted():
-        return "TRITON_INTERPRET=1: kernels are interpreted, nothing to compile"
-    if not torch.cuda.is_available():
-        return "no CUDA device: nothing to compile"
-    return None
 
 
 # torch -> Triton dtypes of flashrt.dtypes' table (Triton names them as torch does: tl.bfloat16, ...)

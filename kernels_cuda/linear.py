@@ -20,18 +20,17 @@ operand helpers.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton.language as tl
 
+from flashrt import jit_targets, profiles
 from flashrt.jit_triton import interpreted
-from flashrt.dtypes import activation_dtype
 from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import DOT, POW2, Tile, gemm_smem
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant
-from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, no_device_reason, split_k, zeros_stored
+from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, split_k, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
 
@@ -60,17 +59,14 @@ PLANS = PlanCache("linear", TILES)  # the active tiles and the launch plans made
 _tiles = PLANS.tiles
 
 
-@functools.cache
 def supports_fp8_mma() -> bool:
-    """tl.dot on E4M3 operands (sm_89+); the interpreter runs that path with fp32 operands."""
-    if interpreted():
-        return True
-    return torch.cuda.get_device_capability() >= (8, 9)
+    """tl.dot on E4M3 operands (sm_89+; the device compiled for, :mod:`flashrt.jit_targets`); the
+    interpreter runs that path with fp32 operands."""
+    return interpreted() or jit_targets.capability() >= (8, 9)
 
 
-@functools.cache
 def num_sms() -> int:
-    return 1 if interpreted() else torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 1 if interpreted() else jit_targets.sm_count()
 
 
 def mma_mode(fmt: str):
@@ -180,26 +176,19 @@ def supports_linear(x, weight) -> bool:
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compilation (``flashrt jit warmup``)
 
-WARMUP_ROWS = (1, 8, 64, 4096)  # decode batches 1 / 8 / 64 and a prefill chunk: every tile rule, split or not
-WARMUP_SHAPES = ((1280, 5120), (2304, 5120), (4096, 1280), (5120, 8192))  # (out, in) of the released config
+WARMUP_ROWS = (1, 8, 64, 256)  # decode batches 1 / 8 / 64 and a prefill chunk: every tile rule, split or not
 
 
-def warm_up(profile) -> str | None:
-    """Compile the ``fp8_w`` linear variants the model launches under ``profile`` (weights
-    ``weight_dtype: fp8``): each of WARMUP_ROWS x WARMUP_SHAPES once, on zero-filled inputs
-    (activations in the profile's compute dtype). Returns why nothing was compiled, or None."""
-    reason = no_device_reason()
-    if reason is None and profile.weight_dtype != "fp8":
-        reason = f"weight_dtype {profile.weight_dtype}: no fp8_w linear to compile"
-    if reason:
-        return reason
-    dev, dtype = torch.device("cuda"), activation_dtype(profile.compute_dtype)
-    for n, k in WARMUP_SHAPES:
-        w = zeros_stored("fp8_w", (n, k), None, dev)
+def warmup_cases(device, d: dict, dtype):
+    """The ``fp8_w`` linear variants the model launches when the active profile stores weights in
+    fp8: each of WARMUP_ROWS on the attention projections' shapes (out, in), zero-filled inputs."""
+    if profiles.active_profile().weight_dtype != "fp8":
+        return
+    qk = d["n_heads"] * d["head_dim"]
+    for n, k in ((d["q_lora_rank"], d["dim"]), (qk, d["q_lora_rank"]), (d["head_dim"], d["dim"]), (d["dim"], qk)):
+        w = zeros_stored("fp8_w", (n, k), None, device)
         for m in WARMUP_ROWS:
-            linear(torch.zeros(m, k, dtype=dtype, device=dev), w)
-    torch.cuda.synchronize()
-    return None
+            yield _warmup.Launch("linear fp8_w", linear, (torch.zeros(m, k, dtype=dtype, device=device), w))
 
 
 SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
@@ -211,5 +200,5 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
 FAMILY = KernelFamily(
     "linear", ops={"linear": linear},
     supports={"linear": Support(inputs={"x": FLOATS, "weight": WEIGHT_FORMATS + WEIGHT_DTYPES}, extra=supports_linear)},
-    tiles=TILES, tile_checks=TILE_CHECKS, smem={"linear": gemm_smem}, warmup=warm_up,
+    tiles=TILES, tile_checks=TILE_CHECKS, smem={"linear": gemm_smem}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="block-scaled FP8 / FP4 GEMM with fp8 activations; plain weights: linear_plain")

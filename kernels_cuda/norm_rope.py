@@ -148,6 +148,14 @@ def warmup_cases(device, d: dict, dtype):
             if m == n:
                 o = _warmup.rand((1, m, d["n_heads"], hd), dtype, device)[..., -rd:]
                 yield _warmup.Launch("rope inverse", rope, (o, f, True))
+    if "vision_dim" in d:  # the image encoder: bf16 rows of vision_dim, 2-D rope over whole heads
+        vh, n = d["vision_dim"] // d["vision_n_heads"], d["vision_max_n_token"]
+        x = _warmup.rand((n, d["vision_dim"]), torch.bfloat16, device)
+        yield _warmup.Launch("rms_norm vision", rms_norm, (x, torch.ones(d["vision_dim"], dtype=torch.bfloat16,
+                                                                         device=device), 1e-6))
+        f = torch.polar(torch.ones(n, vh // 2, device=device), torch.rand(n, vh // 2, device=device))
+        q = _warmup.rand((1, n, d["vision_n_heads"], vh), torch.bfloat16, device)
+        yield _warmup.Launch("rope vision", rope, (q, f, False))
 
 
 FAMILY = KernelFamily(

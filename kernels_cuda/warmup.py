@@ -5,7 +5,8 @@ kernels by calling its own launchers once, on small tensors of the dtypes and
 dims the shipped models launch them with, on the current CUDA device, with the profile's tiles
 active (the launchers read them): each launch compiles exactly the variant the model would, into
 the compile cache. ``MODELS`` holds the kernel-relevant keys of ``graphs/configs/*.json`` (kernels
-never import graphs; a test checks the two agree). Token counts: a decode step (1) and a prefill
+never import graphs; a test checks the two agree; the ``vision_*`` keys only where the model has an
+image encoder). Token counts: a decode step (1) and a prefill
 (``PREFILL``); contexts ``CONTEXTS``: Triton specialises integer arguments on ``== 1`` and
 ``% 16 == 0``, so these cover the three classes. A family says which launches it needs with
 ``warmup_cases(device, dims, dtype)``, a generator of :class:`Launch`. ``FLASHRT_WARMUP_MODELS``
@@ -25,17 +26,20 @@ from flashrt import dtypes
 _COMMON = dict(head_dim=512, rope_head_dim=64, hc_mult=4, index_n_heads=32, index_head_dim=128, index_topk=512,
                candidate_block_size=8, engram_n_heads=8, engram_head_dim=256, engram_max_ngram_size=4,
                n_shared_experts=1, compress_ratios=(0, 1, 2), expert_dtype="fp4", swiglu_limit=10.0,
-               hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-20)
+               hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-20, window_size=128)
+_TINY = dict(_COMMON, dim=64, moe_inter_dim=64, n_heads=4, n_routed_experts=8, n_activated_experts=2,
+             q_lora_rank=32, head_dim=64, rope_head_dim=16, index_n_heads=2, index_head_dim=32, index_topk=4,
+             candidate_topk_blocks=2, candidate_block_size=4, engram_n_heads=2, engram_head_dim=32, window_size=8)
 MODELS = {
-    "tiny": dict(_COMMON, dim=64, moe_inter_dim=64, n_heads=4, n_routed_experts=8, n_activated_experts=2,
-                 q_lora_rank=32, head_dim=64, rope_head_dim=16, index_n_heads=2, index_head_dim=32, index_topk=4,
-                 candidate_topk_blocks=2, candidate_block_size=4, engram_n_heads=2, engram_head_dim=32),
+    "tiny": _TINY,
+    "tiny-vl": dict(_TINY, vision_dim=32, vision_n_heads=2, vision_max_n_token=64),
     "small": dict(_COMMON, dim=1024, moe_inter_dim=512, n_heads=16, n_routed_experts=32, n_activated_experts=4,
                   q_lora_rank=512, candidate_topk_blocks=256),
     "v4.1-flash": dict(_COMMON, dim=5120, moe_inter_dim=2304, n_heads=64, n_routed_experts=384,
-                       n_activated_experts=6, q_lora_rank=1280, candidate_topk_blocks=2048),
+                       n_activated_experts=6, q_lora_rank=1280, candidate_topk_blocks=2048, vision_dim=1024,
+                       vision_n_heads=16, vision_max_n_token=1024),
 }
-DEFAULT_MODELS = ("small", "v4.1-flash")  # tiny only when asked for (--shapes tiny)
+DEFAULT_MODELS = ("small", "v4.1-flash")  # tiny / tiny-vl only when asked for (--shapes tiny)
 TOKENS = (1, 44)  # a decode step of one sequence; a prefill of flashrt run's default prompt (44 bytes)
 CONTEXTS = (1, 22, 48)  # compressed entries visible: == 1, neither, % 16 == 0
 

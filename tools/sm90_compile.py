@@ -6,9 +6,10 @@ Costs no device time: use it to check a kernel change for spills and wgmma befor
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
     python tools/sm90_compile.py moe_route --B 8        # also linear_plain, moe_tables
 
-How: a stand-in Triton driver reports an sm_90 target; the launcher runs on CPU tensors as it
-would on the GPU; Triton's ``jit_cache_hook`` takes each kernel's specialization instead of
-launching it, and ``triton.compile`` builds the cubin with the ptxas that Triton ships. Compile with
+How: the launcher runs on CPU tensors as it would on an sm_90 GPU, each kernel specialization it
+launches recorded instead of compiled (:func:`flashrt.jit_compile.recording`, shared with
+``flashrt jit compile``, which compiles every variant for sm_80 / sm_89 / sm_90 and checks limits);
+``triton.compile`` builds the cubin with the ptxas that Triton ships. Compile with
 the Triton version of the GPU image for numbers that match the device.
 """
 from __future__ import annotations
@@ -27,8 +28,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.driver import driver  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+
+from flashrt.jit_compile import recording  # noqa: E402
+from flashrt.jit_targets import ARCHS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DUMP_DIR = os.environ.get("SM90_DUMP_DIR", "/tmp/sm90")  # <kernel>.cubin / .ttgir / .ptx / .sass
@@ -36,37 +38,12 @@ SASS_OPS = ("HGMMA", "HMMA", "LDL", "STL", "LDG", "LDGSTS", "UTMALDG", "LDS", "S
             "MUFU", "BAR", "WARPGROUP")
 
 
-class _Sm90Driver:
-    """The parts of Triton's active driver a compile asks for, answering as one sm_90 GPU."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return TARGET
-
-
-
 def capture(call) -> list[tuple]:
     """(kernel, signature, constexprs, options, attrs) of each kernel ``call()`` launches; none is
-    compiled or run (``JITFunction._do_compile`` returns None, so ``run`` returns before launching)."""
+    compiled or run (:func:`flashrt.jit_compile.recording`, with sm_90's device facts)."""
     seen = []
-
-    def record(self, key, signature, device, constexprs, options, attrs, warmup):
-        seen.append((self, signature, constexprs, options, attrs))
-        return None
-
-    real, active = JITFunction._do_compile, driver._active
-    driver.set_active(_Sm90Driver())
-    JITFunction._do_compile = record
-    try:
+    with recording(ARCHS["sm_90"], lambda *spec: seen.append(spec)):
         call()
-    finally:
-        JITFunction._do_compile = real
-        driver._active = active  # (reset_active would create a driver: none exists without a GPU)
     return seen
 
 

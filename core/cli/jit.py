@@ -1,7 +1,8 @@
-"""``flashrt jit warmup | ls | clear``: ahead-of-time compilation and the compile cache on disk.
+"""``flashrt jit warmup | compile | ls | clear``: ahead-of-time compilation and the compile cache on disk.
 
 Warmup runs the warm-up hooks the backends declare (:mod:`flashrt.jit_warmup`); the report lists
-what was compiled, skipped (with why) and failed.
+what was compiled, skipped (with why) and failed. Compile cross-compiles every kernel variant for
+the named architectures without a GPU (:mod:`flashrt.jit_compile`).
 """
 from __future__ import annotations
 
@@ -74,6 +75,62 @@ def cmd_warmup(args) -> int:
     return 1 if report["failed"] else 0
 
 
+def cmd_compile(args) -> int:
+    from flashrt.jit_targets import parse_arch
+    from flashrt.jit_triton import INTERPRET_ENV, interpreted
+
+    archs = list(dict.fromkeys(parse_arch(a) for a in args.arch))
+    if interpreted():
+        raise ValueError(f"{INTERPRET_ENV}=1 is set: the kernels plan for Triton's interpreter; unset it to compile")
+    from flashrt.jit_compile import cross_compile, launch_sources
+    from flashrt.kernels_cuda.warmup import MODELS
+
+    models = args.models or sorted(MODELS)
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        raise ValueError(f"--models: expected names from {sorted(MODELS)}, got {unknown}")
+    sources = launch_sources()
+    if args.families:
+        unknown = sorted(set(args.families) - {name for name, _ in sources})
+        if unknown:
+            raise ValueError(f"--families: expected names from {sorted(n for n, _ in sources)}, got {unknown}")
+        sources = [s for s in sources if s[0] in args.families]
+    report = cross_compile(archs, {m: MODELS[m] for m in models}, sources, _compile_progress)
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        _print_compile(report)
+    return 1 if report["failed"] else 0
+
+
+def _compile_progress(arch: str, done: int, total: int, row: dict) -> None:
+    """One stderr line per compiled variant (its outcome), so a long run shows where it is."""
+    what = "ok" if row["status"] == "compiled" else "FAILED"
+    print(f"jit compile {arch} [{done}/{total}] {row['kernel']}: {what} ({row.get('seconds', 0):.1f} s)",
+          file=sys.stderr, flush=True)
+
+
+def _print_compile(report: dict) -> None:
+    for arch in report["archs"]:
+        rows = [r for r in report["rows"] if r["arch"] == arch]
+        ok = [r for r in rows if r["status"] == "compiled"]
+        print(f"{arch} ({', '.join(report['profiles'][arch])}): {len(ok)}/{len(rows)} variants compiled from "
+              f"{report['launches'][arch]} launches")
+        if ok:
+            top = max(ok, key=lambda r: r["shared_bytes"])
+            print(f"  most shared memory: {top['kernel']} {top['shared_bytes']} of {top['smem_limit']} B; most registers: "
+                  f"{max(r['registers'] or 0 for r in ok)}; variants spilling: {sum(bool(r['spill_bytes']) for r in ok)}")
+        for r in rows:
+            if r["status"] != "compiled":
+                print(f"  FAILED {r['kernel'] or r['family']} ({', '.join(r.get('launches') or [r.get('model', '')])}):"
+                      f" {r['error']}")
+    print(f"jit compile: {report['failed']} failed ({report['seconds']:.0f} s)")
+
+
 def cmd_ls(args) -> int:
     from flashrt.jit import JitCache
 
@@ -128,6 +185,15 @@ def add_jit(sub) -> None:
                    "(default: small and v4.1-flash)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_warmup)
+    p = jsub.add_parser("compile", help="cross-compile every kernel variant for GPU architectures (no GPU needed)")
+    p.add_argument("--arch", nargs="+", required=True, type=nonempty("arch"), metavar="ARCH",
+                   help="sm_80 (A100), sm_89 (RTX 4090), sm_90 (H100, H200): each with its devices' profiles")
+    p.add_argument("--models", nargs="+", default=None, metavar="MODEL",
+                   help="the shipped models whose dims the kernels are launched at (default: all)")
+    p.add_argument("--families", nargs="+", default=None, metavar="FAMILY", help="only these kernel families")
+    p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    p.add_argument("--out", default=None, metavar="FILE", type=nonempty("file name"), help="write the JSON report here")
+    p.set_defaults(func=cmd_compile)
     p = jsub.add_parser("ls", help="cache entries: key, kind, kernel, architecture, size, age")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ls)

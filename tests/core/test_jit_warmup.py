@@ -7,6 +7,7 @@ hook builds is one its launcher accepts.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -18,19 +19,25 @@ from flashrt.graphs.config import shipped_config
 from flashrt.kernels_cuda import FAMILIES, linear_plain
 from flashrt.kernels_cuda import warmup as _warmup
 
-HOOKED = ("compress", "engram", "indexer", "linear_plain", "mhc", "moe", "moe_route", "norm_rope", "quant", "topk")
+HOOKED = ("attention", "compress", "dense_attention", "engram", "indexer", "kv_gather", "linear", "linear_plain", "mhc",
+          "moe", "moe_route", "norm_rope", "quant", "topk")
 
 
 def _families() -> dict:
     return {fam.name: fam for fam in FAMILIES}
 
 
+VISION = ("vision_dim", "vision_n_heads", "vision_max_n_token")
+
+
 def _dims(name: str) -> dict:
     cfg = shipped_config(name)
-    return {key: getattr(cfg, key) for key in _warmup.MODELS["small"]}
+    keys = list(_warmup.MODELS["small"]) + (list(VISION) if cfg.vision_n_layers else [])
+    return {key: getattr(cfg, key) for key in keys}
 
 
 def test_the_dims_are_the_shipped_configs():
+    assert {"tiny", "tiny-vl", "small", "v4.1-flash"} <= set(_warmup.MODELS)
     for name, dims in _warmup.MODELS.items():
         want = _dims(name)
         want["compress_ratios"] = tuple(sorted(set(want["compress_ratios"])))
@@ -42,7 +49,7 @@ def test_hooks_are_declared_and_reached_through_dispatch():
     for name in HOOKED:
         assert callable(fams[name].warmup) and callable(fams[name].warmup_cases), name
     assert [name for name, _ in warmup_targets()] == [fam.name for fam in FAMILIES]  # every family, listed once
-    assert {name for name, hook in warmup_targets() if hook is not None} == set(HOOKED) | {"attention", "linear"}
+    assert {name for name, hook in warmup_targets() if hook is not None} == set(HOOKED)
 
 
 def test_without_cuda_every_hook_says_so_and_the_report_lists_why(monkeypatch):
@@ -81,7 +88,7 @@ def test_every_launcher_of_a_module_is_warmed_for_both_models(recorded):
             assert {1024, 5120} <= widths, (name, widths)
         floats = {a.dtype for launch in recorded for a in launch.args
                   if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.is_floating_point()}
-        assert torch.bfloat16 in floats or name in ("compress", "topk"), (name, floats)  # h200: bf16 compute
+        assert torch.bfloat16 in floats or name in ("compress", "topk", "kv_gather"), (name, floats)  # h200: bf16
 
 
 def test_moe_covers_every_tile_rule_of_the_profile(recorded):
@@ -99,11 +106,12 @@ def test_moe_covers_every_tile_rule_of_the_profile(recorded):
 
 @pytest.mark.parametrize("name", HOOKED)
 def test_the_launches_run_under_the_interpreter_at_tiny_dims(name):
-    """The argument lists are valid: each launch of the hook, at the tiny model's dims, runs."""
+    """The argument lists are valid: each launch of the hook, at the tiny-vl model's dims (tiny's and
+    an image encoder), runs."""
     fam = _families()[name]
     t0, n = time.perf_counter(), 0
-    with profiles.using("cpu"):
-        tiny = {"tiny": _warmup.MODELS["tiny"]}
+    with profiles.using(dataclasses.replace(profiles.load_profile("cpu"), weight_dtype="fp8")):  # fp8_w linears too
+        tiny = {"tiny-vl": _warmup.MODELS["tiny-vl"]}
         for launch in _warmup.plan(fam.warmup_cases, profiles.active_profile(), "cpu", tiny):
             launch.fn(*launch.args)
             n += 1
@@ -119,7 +127,7 @@ def test_shapes_narrow_the_models_warmed(recorded, monkeypatch, capsys):
     widths = {launch.args[0].shape[-1] for launch in recorded if launch.fn is norm_rope.rms_norm}
     assert 1024 in widths and 5120 not in widths
     assert cli.main(["jit", "warmup", "--shapes", "small", "big"]) == 2
-    assert "--shapes: expected names from ['small', 'tiny', 'v4.1-flash'], got ['big']" in capsys.readouterr().err
+    assert "--shapes: expected names from ['small', 'tiny', 'tiny-vl', 'v4.1-flash'], got ['big']" in capsys.readouterr().err
     monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "huge")
     with pytest.raises(ValueError, match="FLASHRT_WARMUP_MODELS"):
         norm_rope.FAMILY.warmup(profiles.load_profile("h200"))

@@ -89,7 +89,7 @@ def test_host_helpers_match_triton():
 def test_warmup_hooks_compile_nothing_without_a_device():
     profile = profiles.load_profile("h200")
     for mod in (attention, lin):
-        assert "nothing to compile" in mod.FAMILY.warmup(profile)
+        assert "no CUDA device" in mod.FAMILY.warmup(profile)["skipped"]
 
 
 @pytest.mark.gpu
@@ -97,7 +97,7 @@ def test_warmup_hooks_compile_nothing_without_a_device():
 def test_warmup_hooks_compile_on_the_gpu():
     profile = profiles.load_profile("h200")
     with profiles.using(profile):
-        assert attention.FAMILY.warmup(profile) is None and lin.FAMILY.warmup(profile) is None
+        assert attention.FAMILY.warmup(profile)["launches"] > 0 and lin.FAMILY.warmup(profile)["launches"] > 0
 
 
 @triton.jit
