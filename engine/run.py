@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from flashrt import dispatch
-from flashrt.errors import CheckpointError
 from flashrt.kv.prefix_cache import PrefixCache
 from flashrt.progress import Progress
+from flashrt.errors import CheckpointError
 
 from flashrt.graphs import chat_format, checkpoint
 from flashrt.graphs.builtin_tokenizer import ensure_builtin_tokenizer
