@@ -168,8 +168,10 @@ class Engine:
             self._cv.notify()
 
     def _submit(self, rid, ids, params, sink, images=None) -> None:
-        with self._cv:
-            self._commands.append(("add", (rid, ids, params, sink, images)))
+        with self._cv:  # a request's images travel as their own command, just before its add
+            if images is not None:
+                self._commands.append(("images", (rid, images)))
+            self._commands.append(("add", (rid, ids, params, sink)))
             self._cv.notify()
 
     def _pending_adds(self) -> int:
@@ -195,11 +197,14 @@ class Engine:
                     self._fail_all(exc)
 
     def _apply(self, commands) -> None:
+        images = {}
         for kind, arg in commands:
-            if kind == "add":
-                rid, ids, params, sink, images = arg
+            if kind == "images":
+                images[arg[0]] = arg[1]
+            elif kind == "add":
+                rid, ids, params, sink = arg
                 try:
-                    req = self.step_loop.add(rid, ids, params, images)
+                    req = self.step_loop.add(rid, ids, params, images.pop(rid, None))
                 except (ValueError, QueueFull) as exc:  # raced with another add: report it as an output
                     sink(RequestOutput(rid, ids, [], True, f"{type(exc).__name__}: {exc}"))
                     continue
