@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    for name in ("repeats", "text_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if args.tiny:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from . import outputs
 from .config import EngineConfig
 from .errors import EngineStopped, QueueFull, RequestError
+from .images import prompt_images
 from .request import Request, RequestOutput, Status
 from .sampling import SamplingParams
 from .step_loop import StepLoop
@@ -117,13 +118,16 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="flashrt-engine", daemon=True)
             self._thread.start()
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    images=None) -> str:
         """Queue a request; returns its id. Call :meth:`stream` (same event loop) for its outputs.
+        ``images``: one per image placeholder of the prompt, in order (engine/images.py).
         Raises RequestError / PromptTooLong (bad input), QueueFull, EngineStopped."""
         if not self.accepting:
             raise EngineStopped("the engine is shutting down")
         params = params or SamplingParams()
-        ids = self.encode(prompt)
+        ids, pics = prompt_images(self.model, self.tokenizer, self.encode(prompt), images, params.max_tokens,
+                                  self.config.max_model_len)
         self.step_loop.check(ids, params)
         rid = self._new_id(request_id)
         limit = self.config.max_waiting
@@ -138,7 +142,7 @@ class Engine:
                 loop.call_soon_threadsafe(queue.put_nowait, out)
             except RuntimeError:  # the caller's event loop is gone: nobody is listening
                 self.abort(rid)
-        self._submit(rid, ids, params, sink)
+        self._submit(rid, ids, params, sink, pics)
         return rid
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -164,8 +168,10 @@ class Engine:
             self._commands.append(("abort", request_id))
             self._cv.notify()
 
-    def _submit(self, rid, ids, params, sink) -> None:
-        with self._cv:
+    def _submit(self, rid, ids, params, sink, images=None) -> None:
+        with self._cv:  # a request's images travel as their own command, just before its add
+            if images is not None:
+                self._commands.append(("images", (rid, images)))
             self._commands.append(("add", (rid, ids, params, sink)))
             self._cv.notify()
 
@@ -194,11 +200,14 @@ class Engine:
                     self._fail_all(exc)
 
     def _apply(self, commands) -> None:
+        images = {}
         for kind, arg in commands:
-            if kind == "add":
+            if kind == "images":
+                images[arg[0]] = arg[1]
+            elif kind == "add":
                 rid, ids, params, sink = arg
                 try:
-                    req = self.step_loop.add(rid, ids, params)
+                    req = self.step_loop.add(rid, ids, params, images.pop(rid, None))
                 except (ValueError, QueueFull) as exc:  # raced with another add: report it as an output
                     sink(RequestOutput(rid, ids, [], True, f"{type(exc).__name__}: {exc}"))
                     continue

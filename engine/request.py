@@ -109,8 +109,9 @@ class Sequence:
 
 class Request:
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_index: int,
-                 max_tokens: int):
+                 max_tokens: int, images=None):
         self.id, self.prompt, self.params = request_id, prompt, params
+        self.images = images  # its PromptImages (engine/images.py), None without images
         self.arrival_index = arrival_index
         self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves
         self.arrival = time.monotonic()

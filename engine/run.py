@@ -10,6 +10,8 @@ encoded with the tokenizer's BOS rule and continued for ``max_new_tokens``; a ``
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import resource
 import time
@@ -20,6 +22,7 @@ import torch
 from flashrt import dispatch, memory_cap
 from flashrt.kv.prefix_cache import PrefixCache
 from flashrt.progress import Progress
+from flashrt.errors import CheckpointError
 
 from flashrt.graphs import chat_format, checkpoint
 from flashrt.graphs.builtin_tokenizer import ensure_builtin_tokenizer
@@ -52,15 +55,28 @@ def cache_dir() -> Path:
 def builtin_checkpoint(name: str, seed: int = 0, quiet: bool = False) -> Path:
     """The cached checkpoint of a built-in model with the weights of ``seed``, created (atomically)
     on first use; its tokenizer files are added when missing (also to a checkpoint cached before
-    they existed)."""
+    they existed). A cached checkpoint made from another config (an older release's, e.g. ``small``
+    before its vision tower) is left as it is: the current config's is made next to it, its name
+    suffixed with the config's digest."""
+    cfg = shipped_config(name)
     path = cache_dir() / "models" / f"{name}-seed{seed}"
+    if (path / "config.json").exists() and not _same_config(path, cfg):  # cached by a release whose config differed
+        digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+        path = path.with_name(f"{path.name}-{digest}")
     if not (path / "config.json").exists():
-        cfg = shipped_config(name)
         weights = init_weights(cfg, seed=seed, progress=Progress(f"creating {name} weights", enabled=not quiet))
         checkpoint.save(weights, cfg, path, progress=Progress(f"saving to {path}", enabled=not quiet))
     if not (path / "tokenizer.json").exists():
         ensure_builtin_tokenizer(path, ModelConfig.from_file(str(path / "config.json")))
     return path
+
+
+def _same_config(path: Path, cfg: ModelConfig) -> bool:
+    """Whether the checkpoint at ``path`` was made from ``cfg`` (an unreadable config is not)."""
+    try:
+        return ModelConfig.from_file(str(path / "config.json")).to_dict() == cfg.to_dict()
+    except (ValueError, OSError, CheckpointError):
+        return False
 
 
 def pick_device(device: str | None) -> torch.device:

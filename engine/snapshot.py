@@ -108,11 +108,15 @@ def restore_row(snap: RowSnapshot, state, row: int) -> None:
     state.host_positions[row] = snap.position
 
 
-def chunk_keys(tokens: list[int], block: int, salt: bytes = b"") -> list[bytes]:
-    """``keys[i]``: the hash chain over the first ``(i + 1) * block`` tokens (full blocks only)."""
+def chunk_keys(tokens: list[int], block: int, salt: bytes = b"", images=()) -> list[bytes]:
+    """``keys[i]``: the hash chain over the first ``(i + 1) * block`` tokens (full blocks only).
+    ``images``: ``[(span start, digest)]``; a block also hashes the digests of the images whose
+    spans start in it (every token of a span is the image token: only the digest tells two images
+    of one size apart)."""
     keys, h = [], hashlib.sha256(salt).digest()
     for b0 in range(0, len(tokens) - block + 1, block):
         data = torch.tensor(tokens[b0:b0 + block], dtype=torch.int64).numpy().tobytes()
+        data += "".join(d for start, d in images if b0 <= start < b0 + block).encode()
         h = hashlib.sha256(h + data).digest()
         keys.append(h)
     return keys
@@ -129,9 +133,10 @@ class PrefixStore:
         self.bytes = 0
         self.queries = self.hits = self.query_tokens = self.hit_tokens = 0
 
-    def lookup(self, tokens: list[int]) -> tuple[int, RowSnapshot | None]:
-        """The longest stored prefix of ``tokens`` shorter than all of them: (length, snapshot)."""
-        keys = chunk_keys(tokens, self.block, self.salt)
+    def lookup(self, tokens: list[int], images=()) -> tuple[int, RowSnapshot | None]:
+        """The longest stored prefix of ``tokens`` (with ``images``, see :func:`chunk_keys`)
+        shorter than all of them: (length, snapshot)."""
+        keys = chunk_keys(tokens, self.block, self.salt, images)
         self.queries += 1
         self.query_tokens += len(tokens)
         for i in range(len(keys) - 1, -1, -1):
@@ -157,12 +162,12 @@ class PrefixStore:
                 self._keep(key, snap)
         return snap
 
-    def wants(self, tokens: list[int], length: int) -> bytes | None:
-        """The key to store a snapshot of ``tokens[:length]`` under, or None (not a boundary, or
-        already stored)."""
+    def wants(self, tokens: list[int], length: int, images=()) -> bytes | None:
+        """The key to store a snapshot of ``tokens[:length]`` (with ``images``) under, or None
+        (not a boundary, or already stored)."""
         if length % self.block or length == 0 or self.max_bytes <= 0:
             return None
-        key = chunk_keys(tokens[:length], self.block, self.salt)[-1]
+        key = chunk_keys(tokens[:length], self.block, self.salt, images)[-1]
         return None if key in self.entries else key
 
     def put(self, key: bytes, snap: RowSnapshot) -> None:

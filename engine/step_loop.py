@@ -22,6 +22,7 @@ import torch
 from . import outputs
 from .config import EngineConfig
 from .errors import PromptTooLong, QueueFull, RequestError
+from .images import chunk_spans, image_keys
 from .request import Request, Sequence, Status
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduler, pages_at
@@ -77,13 +78,13 @@ class StepLoop:
                                 f"the padding rows of a decode batch), the engine holds at most {self.max_pages}")
         return new
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, images=None) -> Request:
         max_tokens = self.check(prompt, params)
         if request_id in self.requests:
             raise RequestError("request_id", f"expected a new id, got {request_id!r} (in use)")
         if self.config.max_waiting is not None and self.num_waiting >= self.config.max_waiting:
             raise QueueFull(f"the queue is full ({self.config.max_waiting} requests waiting)")
-        req = Request(request_id, list(prompt), params, next(self.arrivals), max_tokens)
+        req = Request(request_id, list(prompt), params, next(self.arrivals), max_tokens, images)
         req.seqs.append(Sequence(req, 0, self._generator(params, 0)))
         self.requests[request_id] = req
         self.scheduler.waiting.append(req.seqs[0])
@@ -179,7 +180,7 @@ class StepLoop:
         """Before a waiting sequence is costed: the longest cached prefix of its prompt."""
         if not seq.looked_up and self.prefix.max_bytes > 0:
             seq.looked_up = True
-            length, snap = self.prefix.lookup(seq.tokens[:seq.prompt_len])
+            length, snap = self.prefix.lookup(seq.tokens[:seq.prompt_len], image_keys(seq.request.images))
             if snap is not None:
                 seq.prefix_snap, seq.computed = snap, length
 
@@ -194,9 +195,10 @@ class StepLoop:
                     seq.request.prefix_hit_tokens = snap.position
             seq.status = Status.PREFILL
         ids = torch.tensor([seq.tokens[seq.computed:seq.computed + n]], dtype=torch.long, device=self.model.device)
-        logits = self.model.forward(ids, state=seq.state)
+        spans = chunk_spans(self.model, seq.request.images, seq.prompt_len, seq.computed, seq.computed + n)
+        logits = self.model.forward(ids, state=seq.state, spans=spans)
         seq.computed += n
-        key = self.prefix.wants(seq.tokens, seq.computed)
+        key = self.prefix.wants(seq.tokens, seq.computed, image_keys(seq.request.images))
         if key is not None and seq.computed <= seq.prompt_len:
             self.prefix.put(key, snapshot_row(seq.state, 0))
         return logits

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import EngineStopped, PromptTooLong, QueueFull, RequestError
 from . import chat
+from .images import request_images
 from .metrics import Metrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse
 from .responses import Renderer, sse
@@ -109,8 +110,8 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
                 return error(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
             params = req.params()
             opts = chat.options(req) if kind == "chat" else None
-            prompts = req.prompts() if kind == "completion" else [chat_ids(engine, req, opts)]
-            rids = submit(engine, prompts, params, prompt_param)
+            prompts, images = (req.prompts(), None) if kind == "completion" else chat_ids(engine, req, opts)
+            rids = submit(engine, prompts, params, prompt_param, images)
         except (ValueError, QueueFull, EngineStopped) as exc:
             return as_error(exc, prompt_param)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
@@ -139,11 +140,13 @@ class EventStream(StreamingResponse):
                 self.engine.abort(rid)
 
 
-def chat_ids(engine, req: ChatCompletionRequest, opts: chat.ChatOptions) -> list[int]:
-    """The prompt ids of a chat request in the model's chat format."""
+def chat_ids(engine, req: ChatCompletionRequest, opts: chat.ChatOptions) -> tuple[list[list[int]], list]:
+    """([the prompt ids of a chat request in the model's chat format], its images in order)."""
     if not req.messages:
         raise BadRequest("messages", "messages: expected a non-empty list of messages, got []")
-    return chat.prompt_ids(engine.tokenizer, [m.model_dump(exclude_none=True) for m in req.messages], opts)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    images = request_images(engine.model, engine.tokenizer, messages)
+    return [chat.prompt_ids(engine.tokenizer, messages, opts)], images
 
 
 async def read_json(request: Request):
@@ -154,12 +157,13 @@ async def read_json(request: Request):
         raise BadRequest(None, f"the request body is not valid JSON ({exc})") from None
 
 
-def submit(engine, prompts, params, prompt_param: str) -> list[str]:
-    """Add one engine request per prompt; on a failure none stays behind."""
+def submit(engine, prompts, params, prompt_param: str, images=None) -> list[str]:
+    """Add one engine request per prompt (with ``images``, the images of its placeholders); on a
+    failure none stays behind."""
     rids = []
     try:
         for p in prompts:
-            rids.append(engine.add_request(p, params))
+            rids.append(engine.add_request(p, params, images=images))
     except Exception:
         for rid in rids:
             engine.abort(rid)

@@ -1,6 +1,7 @@
 """``/v1/chat/completions`` in the model's chat format (``flashrt.graphs.chat_format``).
 
-Requests: OpenAI messages (``developer`` is a system turn; content a string or text parts;
+Requests: OpenAI messages (``developer`` is a system turn; content a string or text parts, in user
+turns also ``image_url`` parts (:mod:`.images`), rendered as image placeholders where they stand;
 assistant ``reasoning_content`` and ``tool_calls``; ``tool`` results), ``tools`` (function
 definitions), ``reasoning_effort`` and ``chat_template_kwargs`` (``thinking`` / ``enable_thinking``,
 ``drop_thinking``) become :class:`ChatOptions` and prompt ids. Responses: the generated text split
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from flashrt.graphs import chat_format
 from flashrt.graphs.chat_format import END_THINK, EOS, TOOL_CALLS_START
 
+from .images import has_images
 from .protocol import BadRequest
 
 # OpenAI's levels onto the model's (low / high / max = 50 / 75 / 100): OpenAI's default "medium"
@@ -59,13 +61,18 @@ def options(req) -> ChatOptions:
                        drop_thinking=kwargs.get("drop_thinking", True))
 
 
-def _content(content, where: str) -> str | None:
+def _content(content, where: str, images: bool = False) -> str | list | None:
+    """A message's content as the chat format takes it: a string, or (``images``: a user turn
+    with image parts, checked by :mod:`.images`) the parts themselves."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise BadRequest(f"{where}.content", f"{where}.content: expected a string or a list of text parts, got {content!r:.80}")
+    if images and has_images(content):
+        return content
+    raise BadRequest(f"{where}.content", f"{where}.content: expected a string or a list of text parts (and "
+                     f"image_url parts in a user turn), got {content!r:.80}")
 
 
 def format_messages(messages) -> list[dict]:
@@ -76,7 +83,8 @@ def format_messages(messages) -> list[dict]:
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise BadRequest(f"{where}.role", f"{where}.role: expected one of ['system', 'developer', 'user', "
                              f"'assistant', 'tool'], got {role!r:.80}")
-        msg = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)}
+        msg = {"role": "system" if role == "developer" else role,
+               "content": _content(m.get("content"), where, images=role == "user")}
         if role == "assistant":
             if m.get("reasoning_content") is not None:
                 msg["reasoning_content"] = _content(m["reasoning_content"], where)

@@ -45,6 +45,8 @@ BAD = [  # (path, body, headers, status, param, message part)
     (CHAT, {**MSG, "messages": [{"role": "wizard", "content": "x"}]}, AUTH, 400, "messages[0].role", "expected one of"),
     (CHAT, {**MSG, "messages": []}, AUTH, 400, "messages", "non-empty"),
     (CHAT, {**MSG, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, AUTH, 400,
+     "messages[0].content[0]", "takes no images"),
+    (CHAT, {**MSG, "messages": [{"role": "user", "content": [{"type": "audio", "audio": "x"}]}]}, AUTH, 400,
      "messages[0].content", "a list of text parts"),
     (CHAT, {**MSG, "reasoning_effort": "extreme"}, AUTH, 400, "reasoning_effort", "reasoning_effort: expected one of"),
     (CHAT, {**MSG, "chat_template_kwargs": {"thinking": 1}}, AUTH, 400, "chat_template_kwargs.thinking", "a bool"),

@@ -134,7 +134,8 @@ def test_bad_chat_messages():
     tok = tiny_tokenizer()
     opts = chat.ChatOptions()
     cases = [([{"role": "wizard", "content": "x"}], "messages[0].role"),
-             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
+             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0].image_url"),
+             ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content"),
              ([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [
                  {"type": "function", "function": {"name": "f", "arguments": "{bad"}}]}],
               "messages[1].tool_calls[0].function.arguments")]

@@ -139,3 +139,23 @@ def test_tower_on_cuda_matches_float64_oracle(rng, grid):
     item = random_image(cfg, *grid, rng)
     got = VisionTower(cfg, {k: v.cuda() for k, v in w.items()}).image_features(item)
     assert got.is_cuda and rel_err(got.cpu(), oracle(cfg, w, item)) < 3e-2
+
+
+def test_small_tower_on_a_preprocessed_image_matches_float64_oracle(rng):
+    """The built-in ``small``'s tower (release preprocessing, aligner to small's width) on a real image."""
+    from PIL import Image
+
+    from flashrt.graphs.image_processor import preprocess
+
+    cfg = shipped_config("small")
+    assert cfg.vision_n_layers > 0 and cfg.vision_patch_size == 14 and cfg.vision_downsample_ratio == 3
+    w = vision_weights(cfg, int(torch.randint(0, 2**31, (1,), generator=rng)))
+    size = torch.randint(20, 90, (2,), generator=rng).tolist()
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=rng, dtype=torch.uint8).numpy()
+    item = preprocess(Image.fromarray(pixels), cfg)
+    assert item.n_vit_h * item.n_vit_w * 14 * 14 >= cfg.vision_min_pixels  # scaled up to the release minimum
+    tower = VisionTower(cfg, w)
+    got = tower.image_features(item)
+    assert got.shape == (item.n_llm_h * item.n_llm_w, cfg.dim) and got.dtype == torch.bfloat16
+    assert rel_err(got, oracle(cfg, w, item)) < 3e-2
+    assert tower.span_embeddings(item).shape == (item.n_tokens, cfg.dim)

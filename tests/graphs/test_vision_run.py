@@ -95,3 +95,39 @@ def test_cli_run_image(cache, png):
     assert report["image_tokens"] > 0 and report["images"] == [str(png)]
     human = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd="/").stdout
     assert f"images: {png} ({report['image_tokens']} of the prompt tokens)" in human
+
+
+@pytest.mark.slow
+def test_small_has_a_vision_tower_at_its_tokenizers_image_id():
+    cfg = shipped_config("small")
+    assert cfg.vision_n_layers > 0 and cfg.vision_dim % cfg.vision_n_heads == 0
+    assert build(cfg.vocab_size).token_to_id(chat_format.IMAGE) == cfg.image_token_id
+
+
+def test_small_text_weights_do_not_move_with_the_tower():
+    """The tower adds parameters; every text parameter keeps its name, shape, kind and init (its
+    values come from its own name's seed), so text-only decoding of ``small`` is what it was."""
+    from flashrt.graphs.params import param_specs
+
+    vl = shipped_config("small")
+    specs_vl = {s.name: s for s in param_specs(vl)}
+    specs_text = {s.name: s for s in param_specs(vl.replace(vision_n_layers=0))}
+    added = set(specs_vl) - set(specs_text)
+    assert set(specs_text) <= set(specs_vl) and added
+    assert all(n.startswith(("vision.", "aligner.", "image_")) or n.endswith("gate.bias_vl") for n in added)
+    assert all(specs_vl[n] == specs_text[n] for n in specs_text)
+
+
+def test_a_cached_builtin_of_another_config_is_left_alone(cache):
+    """A checkpoint cached from an older release's config (here: tiny-vl without its tower) is not
+    used, changed or removed: the current config's checkpoint is made next to it."""
+    old = run_mod.builtin_checkpoint("tiny-vl", quiet=True)
+    data = json.loads((old / "config.json").read_text())
+    data = {k: v for k, v in data.items() if not k.startswith("vision_") and k != "image_token_id"}
+    (old / "config.json").write_text(json.dumps(data))
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    new = run_mod.builtin_checkpoint("tiny-vl", quiet=True)
+    assert new != old and new.parent == old.parent and new.name.startswith("tiny-vl-seed0-")
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert json.loads((new / "config.json").read_text())["vision_n_layers"] == shipped_config("tiny-vl").vision_n_layers
+    assert run_mod.builtin_checkpoint("tiny-vl", quiet=True) == new  # found again, not rebuilt
