@@ -50,6 +50,17 @@ class Plan:
     def tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
+    def prefill_groups(self, min_len: int = 4) -> list[list[tuple[Sequence, int]]]:
+        """The prefill chunks that run as one forward call each: chunks starting at the same
+        position with the same length (a ``[rows, n]`` call needs both), in plan order. Chunks of
+        fewer than ``min_len`` tokens run alone: a CPU fp32 GEMM of fewer than 4 rows rounds
+        differently from a larger one, and a prompt's logits must not depend on the load."""
+        groups: dict = {}
+        for seq, n in self.prefill:
+            key = (seq.computed, n) if n >= min_len else id(seq)
+            groups.setdefault(key, []).append((seq, n))
+        return list(groups.values())
+
 
 class Scheduler:
     def __init__(self, cfg, page_entries: int, max_running: int, max_step_tokens: int, chunk: int,
