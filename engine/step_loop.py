@@ -122,8 +122,8 @@ class StepLoop:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for s in self.scheduler.waiting if s.status is Status.WAITING and s.index == 0
-                   and not s.output)
+        waiting = list(self.scheduler.waiting)  # one copy: the loop thread may change it meanwhile
+        return sum(1 for s in waiting if s.status is Status.WAITING and s.index == 0 and not s.output)
 
     @property
     def has_work(self) -> bool:
