@@ -10,7 +10,8 @@
    tokens/s, TTFT and TPOT p50 / p99 per level, after one untimed warm-up pass at the highest
    level (kernel compiles and step captures); each level runs as its own ``bench serve`` call. The
    server is stopped with SIGTERM.
-``ratio_to_generate`` of a level = its output tokens/s over step 1's. Each level also carries
+``ratio_to_generate`` of a level = its output tokens/s over step 1's; ``ratio_to_generate_same_batch``
+= over ``generate()`` at a batch of the level's concurrency (measured the same way). Each level also carries
 ``engine``: the server's step counters over that level (``/metrics``, ``flashrt_engine_*``): steps/s,
 mean step time, mean decode batch, prompt tokens per prefill forward, the share of wall time the
 loop spent in steps (``engine_busy``) and, of the step time, the decode / prefill / sampling shares
@@ -151,20 +152,28 @@ def main() -> None:
     args = ap.parse_args()
     base = generate_throughput(args.model, args.batch, args.input_len, args.output_len)
     print(f"generate(): batch {args.batch}: {base['output_throughput']:.1f} output tok/s", flush=True)
+    same = {args.batch: base}  # generate() at each concurrency level's batch size
+    for level in args.concurrency:
+        if level not in same:
+            same[level] = generate_throughput(args.model, level, args.input_len, args.output_len)
+            print(f"generate(): batch {level}: {same[level]['output_throughput']:.1f} output tok/s", flush=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     served = serve_levels(args)
     for level in served["levels"]:
         level["ratio_to_generate"] = level["output_throughput"] / base["output_throughput"]
+        level["generate_same_batch"] = same[level["concurrency"]]["output_throughput"]
+        level["ratio_to_generate_same_batch"] = level["output_throughput"] / level["generate_same_batch"]
         e = level["engine"]
         print(f"serve, concurrency {level.get('concurrency')}: {level['output_throughput']:.1f} output tok/s "
-              f"= {level['ratio_to_generate']:.2f}x generate(); {e['steps_per_s']:.0f} steps/s, "
+              f"= {level['ratio_to_generate']:.2f}x generate() at batch {args.batch}, "
+              f"{level['ratio_to_generate_same_batch']:.2f}x at batch {level['concurrency']}; {e['steps_per_s']:.0f} steps/s, "
               f"{e['step_ms']:.1f} ms/step, mean decode batch {e['mean_decode_batch']:.1f}, "
               f"{e['prefill_tokens_per_forward']:.0f} prefill tokens/forward, engine busy {e['engine_busy']:.0%} "
               f"(decode {e['share_decode']:.0%}, prefill {e['share_prefill']:.0%}, sample {e['share_sample']:.0%}; "
               f"device: decode {e['share_decode_device']:.0%}, prefill {e['share_prefill_device']:.0%})", flush=True)
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                          else "cpu", "generate": base, "serve": served})
+                          else "cpu", "generate": base, "generate_by_batch": same, "serve": served})
 
 
 if __name__ == "__main__":
