@@ -141,3 +141,24 @@ def test_prefill_groups_split_into_power_of_two_rows(model, rng):
     expect = [1 << b for b in range(k.bit_length() - 1, -1, -1) if k >> b & 1] + [2, 1]
     assert sizes == expect
     assert [s for g in groups for s, _ in g] == [s for s, _ in plan.prefill]  # every chunk once, in order
+
+
+def test_step_budget_comes_from_the_profile(model, monkeypatch):
+    import dataclasses
+
+    from flashrt import profiles
+    from flashrt.errors import ProfileError
+
+    assert profiles.load_profile("h200").serve_max_step_tokens == 8192
+    base = profiles.active_profile()
+    budget = int(torch.randint(600, 5000, (1,)))
+    monkeypatch.setattr(model, "profile", dataclasses.replace(base, serve_max_step_tokens=budget), raising=False)
+    assert Engine(model, prefill_chunk=512).config.max_step_tokens == budget
+    assert Engine(model, prefill_chunk=512, max_step_tokens=1024).config.max_step_tokens == 1024  # given wins
+    monkeypatch.setattr(model, "profile", dataclasses.replace(base, serve_max_step_tokens=100))
+    assert Engine(model, prefill_chunk=512).config.max_step_tokens == 512  # a step holds one chunk
+    monkeypatch.setattr(model, "profile", None)
+    assert Engine(model).config.max_step_tokens == 2048
+    data = {**base.to_dict(), "name": "bad", "serve_max_step_tokens": 0}
+    with pytest.raises(ProfileError, match="serve_max_step_tokens"):
+        profiles.profile_from_mapping(data, "bad")
