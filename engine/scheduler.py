@@ -30,10 +30,16 @@ def _ratio_counts(ratios: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(collections.Counter(ratios).items()))
 
 
-def pages_at(cfg, page_entries: int, position: int) -> int:
-    """Main-KV pages a sequence holds after ``position`` positions (every source layer)."""
-    counts = _ratio_counts(tuple(cfg.ratio(l) for l in cfg.kv_source_layers))
+def pages_at(cfg, page_entries: int, position: int, counts=None) -> int:
+    """Main-KV pages a sequence holds after ``position`` positions (every source layer).
+    ``counts``: :func:`ratio_counts` of ``cfg``, when the caller keeps it."""
+    counts = counts if counts is not None else ratio_counts(cfg)
     return sum(n * -(-(position // r) // page_entries) for r, n in counts)
+
+
+def ratio_counts(cfg) -> tuple[tuple[int, int], ...]:
+    """(compression ratio, KV source layers with it) of ``cfg``."""
+    return _ratio_counts(tuple(cfg.ratio(l) for l in cfg.kv_source_layers))
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Scheduler:
     def __init__(self, cfg, page_entries: int, max_running: int, max_step_tokens: int, chunk: int,
                  max_pages: int | None):
         self.cfg, self.P = cfg, page_entries
+        self.counts = ratio_counts(cfg)  # pages_at runs for every sequence every step
         self.max_running, self.max_step_tokens, self.chunk, self.max_pages = max_running, max_step_tokens, chunk, max_pages
         self.waiting: deque[Sequence] = deque()  # WAITING or SWAPPED; the front goes first
         self.prefilling: list[Sequence] = []
@@ -81,7 +88,7 @@ class Scheduler:
         self.preemptions = 0
 
     def pages(self, position: int) -> int:
-        return pages_at(self.cfg, self.P, position)
+        return pages_at(self.cfg, self.P, position, self.counts)
 
     def growth(self, seq: Sequence, tokens: int) -> int:
         return self.pages(seq.computed + tokens) - self.pages(seq.computed)
