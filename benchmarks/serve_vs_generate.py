@@ -8,8 +8,14 @@
 2. ``flashrt serve --model M`` started as a subprocess, then ``flashrt bench serve`` at the given
    concurrency levels with the same lengths (streamed requests through the OpenAI API): output
    tokens/s, TTFT and TPOT p50 / p99 per level, after one untimed warm-up pass at the highest
-   level (kernel compiles and step captures). The server is stopped with SIGTERM.
-``ratio_to_generate`` of a level = its output tokens/s over step 1's.
+   level (kernel compiles and step captures); each level runs as its own ``bench serve`` call. The
+   server is stopped with SIGTERM.
+``ratio_to_generate`` of a level = its output tokens/s over step 1's; ``ratio_to_generate_same_batch``
+= over ``generate()`` at a batch of the level's concurrency (measured the same way). Each level also carries
+``engine``: the server's step counters over that level (``/metrics``, ``flashrt_engine_*``): steps/s,
+mean step time, mean decode batch, prompt tokens per prefill forward, the share of wall time the
+loop spent in steps (``engine_busy``) and, of the step time, the decode / prefill / sampling shares
+(host wall time, and device time from CUDA events).
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ def generate_throughput(model_name: str, batch: int, input_len: int, output_len:
     seconds = time.perf_counter() - t0
     del model
     return {"batch": batch, "seconds": seconds, "output_tokens": out.new_tokens,
+            "decode_step_ms": 1e3 * out.decode_seconds / max(output_len - 1, 1),
             "output_throughput": out.new_tokens / seconds, "decode_seconds": out.decode_seconds,
             "prefill_seconds": out.prefill_seconds}
 
@@ -61,10 +68,45 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"flashrt serve was not healthy after {timeout:.0f} s")
 
 
+def engine_counters(url: str) -> dict:
+    """The server's ``flashrt_engine_*`` counters (``/metrics``)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("flashrt_engine_") and "_total " in line:
+            name, value = line.split(" ", 1)
+            out[name[len("flashrt_engine_"):-len("_total")]] = float(value)
+    return out
+
+
+def where_time_goes(before: dict, after: dict, duration: float) -> dict:
+    """One level's engine counters (differences over the level) as rates and shares."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    step_s = d.get("step_seconds", 0.0)
+    share = lambda k: d.get(k, 0.0) / step_s if step_s else 0.0  # noqa: E731
+    return {
+        "steps": int(d.get("steps", 0)), "steps_per_s": d.get("steps", 0) / duration,
+        "step_ms": 1e3 * step_s / d["steps"] if d.get("steps") else 0.0,
+        "mean_decode_batch": d["decode_rows"] / d["decode_steps"] if d.get("decode_steps") else 0.0,
+        "prefill_forwards": int(d.get("prefill_forwards", 0)),
+        "prefill_tokens_per_forward": d["prefill_step_tokens"] / d["prefill_forwards"] if d.get("prefill_forwards") else 0.0,
+        "engine_busy": step_s / duration,  # the rest: the loop waited for requests
+        "share_decode": share("decode_seconds"), "share_prefill": share("prefill_seconds"),
+        "share_sample": share("sample_seconds"),
+        "share_decode_device": share("decode_device_seconds"), "share_prefill_device": share("prefill_device_seconds"),
+        "counters": d,
+    }
+
+
 def serve_levels(args) -> dict:
+    """Each concurrency level as its own ``flashrt bench serve`` run, with the server's engine
+    counters read before and after it."""
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "flashrt.cli", "serve", "--model", args.model, "--port", str(args.port),
            "--max-running", str(max(args.concurrency)), "--max-model-len", str(args.input_len + args.output_len + 64)]
+    if args.max_step_tokens is not None:
+        cmd += ["--max-step-tokens", str(args.max_step_tokens)]
     proc = subprocess.Popen(cmd)
     try:
         wait_healthy(url, proc, args.start_timeout)
@@ -72,11 +114,21 @@ def serve_levels(args) -> dict:
                  "--input-len", str(args.input_len)]
         top = str(max(args.concurrency))
         subprocess.run([*bench, "--concurrency", top, "--num-prompts", top, "--output-len", "8"], check=True)  # warm-up
+        result = None
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "serve.json"
-            subprocess.run([*bench, "--concurrency", *map(str, args.concurrency), "--num-prompts", str(args.num_prompts),
-                            "--output-len", str(args.output_len), "--out", str(out)], check=True)
-            return json.loads(out.read_text())
+            for level in args.concurrency:
+                out = Path(tmp) / f"serve-{level}.json"
+                before = engine_counters(url)
+                subprocess.run([*bench, "--concurrency", str(level), "--num-prompts", str(args.num_prompts),
+                                "--output-len", str(args.output_len), "--out", str(out)], check=True)
+                one = json.loads(out.read_text())
+                for lv in one["levels"]:
+                    lv["engine"] = where_time_goes(before, engine_counters(url), lv["duration_s"])
+                if result is None:
+                    result = one
+                else:
+                    result["levels"] += one["levels"]
+        return result
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -95,19 +147,33 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--max-step-tokens", type=int, default=None, help="the server's (default: its profile's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base = generate_throughput(args.model, args.batch, args.input_len, args.output_len)
     print(f"generate(): batch {args.batch}: {base['output_throughput']:.1f} output tok/s", flush=True)
+    same = {args.batch: base}  # generate() at each concurrency level's batch size
+    for level in args.concurrency:
+        if level not in same:
+            same[level] = generate_throughput(args.model, level, args.input_len, args.output_len)
+            print(f"generate(): batch {level}: {same[level]['output_throughput']:.1f} output tok/s", flush=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     served = serve_levels(args)
     for level in served["levels"]:
         level["ratio_to_generate"] = level["output_throughput"] / base["output_throughput"]
+        level["generate_same_batch"] = same[level["concurrency"]]["output_throughput"]
+        level["ratio_to_generate_same_batch"] = level["output_throughput"] / level["generate_same_batch"]
+        e = level["engine"]
         print(f"serve, concurrency {level.get('concurrency')}: {level['output_throughput']:.1f} output tok/s "
-              f"= {level['ratio_to_generate']:.2f}x generate()", flush=True)
+              f"= {level['ratio_to_generate']:.2f}x generate() at batch {args.batch}, "
+              f"{level['ratio_to_generate_same_batch']:.2f}x at batch {level['concurrency']}; {e['steps_per_s']:.0f} steps/s, "
+              f"{e['step_ms']:.1f} ms/step, mean decode batch {e['mean_decode_batch']:.1f}, "
+              f"{e['prefill_tokens_per_forward']:.0f} prefill tokens/forward, engine busy {e['engine_busy']:.0%} "
+              f"(decode {e['share_decode']:.0%}, prefill {e['share_prefill']:.0%}, sample {e['share_sample']:.0%}; "
+              f"device: decode {e['share_decode_device']:.0%}, prefill {e['share_prefill_device']:.0%})", flush=True)
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                          else "cpu", "generate": base, "serve": served})
+                          else "cpu", "generate": base, "generate_by_batch": same, "serve": served})
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ def read_yaml(path: str):
 
 MAX_PAGE_ENTRIES = 1 << 16     # KV entries per page: larger pages cannot be allocated whole
 MAX_PREFETCH_DEPTH = 1 << 10   # Engram blocks copied ahead
+MAX_STEP_TOKENS = 1 << 20      # tokens in one serving-engine step
 MAX_GIB = float(1 << 20)       # 1 PiB: any memory or disk size above it is a typo
 MAX_TTL_HOURS = 24 * 365 * 10  # ten years; the caches multiply TTLs into seconds
 
@@ -132,12 +133,14 @@ def check_fractions(p, file: str) -> None:
 
 
 def check_sizes(p, file: str) -> None:
-    """Page and prefetch sizes, and memory and disk sizes in GiB: finite and within what exists."""
+    """Page, prefetch and serving-step sizes, and memory and disk sizes in GiB: finite and within what exists."""
     n = p.hkcp_page_entries
     if n <= 0 or n & (n - 1) or n > MAX_PAGE_ENTRIES:
         _bad(file, "hkcp_page_entries", f"a power of two in [1, {MAX_PAGE_ENTRIES}]", n)
     if not 0 <= p.engram_prefetch_depth <= MAX_PREFETCH_DEPTH:
         _bad(file, "engram_prefetch_depth", f"an integer >= 0 and <= {MAX_PREFETCH_DEPTH}", p.engram_prefetch_depth)
+    if not 1 <= p.serve_max_step_tokens <= MAX_STEP_TOKENS:
+        _bad(file, "serve_max_step_tokens", f"an integer >= 1 and <= {MAX_STEP_TOKENS}", p.serve_max_step_tokens)
     _number(p, file, "hkcp_cold_host_gib", "GiB", MAX_GIB, zero_ok=True)
     _number(p, file, "hkcp_persistent_disk_gib", "GiB", MAX_GIB, zero_ok=False)
     if p.hkcp_persistent_disk_gib * 2**30 < 1:  # the prefix cache needs room for a byte

@@ -66,6 +66,7 @@ class Profile:
     memory_utilization: float                   # fraction of device memory flashrt may use
     device_memory_gib: float | None             # nominal memory of the class (None: system RAM)
     description: str = ""
+    serve_max_step_tokens: int = 2048           # tokens per serving-engine step (decodes + prefill chunks)
     match_name: str | None = None               # regex searched in the device name (no case)
     match_capability: tuple[str, ...] = ()      # CUDA compute capabilities, e.g. ["9.0"]
     match_soc: str | None = None                # regex searched in the NPU SoC version

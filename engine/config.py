@@ -8,10 +8,14 @@ from flashrt.kv.state import KVState
 from .generation import profile_kv_sizes
 
 
+DEFAULT_STEP_TOKENS = 2048  # a step's token budget without a hardware profile
+
+
 @dataclass
 class EngineConfig:
     max_running: int = 64  # sequences holding KV state at once (decode batch rows + prefilling)
-    max_step_tokens: int = 2048  # tokens per step: one per decode, the rest for prefill chunks
+    max_step_tokens: int | None = None  # tokens per step: one per decode, the rest for prefill chunks
+    # (None: the hardware profile's serve_max_step_tokens, else DEFAULT_STEP_TOKENS)
     prefill_chunk: int = 512  # prompt tokens per forward call (also the prefix-cache block)
     max_model_len: int | None = None  # prompt + output tokens (None: the config's max_seq_len)
     max_waiting: int | None = None  # requests queued before add_request raises QueueFull
@@ -36,13 +40,18 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
-        if self.max_step_tokens < self.prefill_chunk:
+        if self.max_step_tokens is not None and self.max_step_tokens < self.prefill_chunk:
             raise ValueError(f"max_step_tokens: expected at least prefill_chunk ({self.prefill_chunk}), "
                              f"got {self.max_step_tokens}")
 
     def resolve(self, model) -> "EngineConfig":
+        """Fill in what depends on the model: the context length, the step budget (its profile's)."""
         if self.max_model_len is None:
             self.max_model_len = model.cfg.max_seq_len
+        if self.max_step_tokens is None:
+            profile = getattr(model, "profile", None)
+            budget = profile.serve_max_step_tokens if profile is not None else DEFAULT_STEP_TOKENS
+            self.max_step_tokens = max(budget, self.prefill_chunk)  # a step always has room for one chunk
         return self
 
     def graphs_on(self, model) -> bool:

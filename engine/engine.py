@@ -31,6 +31,25 @@ def _is_token_list(p) -> bool:
     return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
+class AsyncSink:
+    """Where a request's outputs go when it was added from an event loop: a queue of that loop."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.request_id, self.loop, self.queue = request_id, loop, queue
+
+    def __call__(self, out: RequestOutput) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        except RuntimeError:  # the caller's event loop is gone: nobody is listening
+            pass
+
+
+def _put_all(items) -> None:
+    """On the event loop's thread: each output into its request's queue."""
+    for sink, out in items:
+        sink.queue.put_nowait(out)
+
+
 class Engine:
     """Continuous-batching engine over one model. Keyword arguments are :class:`EngineConfig` fields."""
 
@@ -133,15 +152,8 @@ class Engine:
         limit = self.config.max_waiting
         if limit is not None and self.step_loop.num_waiting + self._pending_adds() >= limit:
             raise QueueFull(f"the queue is full ({limit} requests waiting)")
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self._queues[rid] = queue
-
-        def sink(out):
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, out)
-            except RuntimeError:  # the caller's event loop is gone: nobody is listening
-                self.abort(rid)
+        sink = AsyncSink(rid, asyncio.get_running_loop(), asyncio.Queue())
+        self._queues[rid] = sink.queue
         self._submit(rid, ids, params, sink, pics)
         return rid
 
@@ -218,9 +230,21 @@ class Engine:
                     self._deliver([req])
 
     def _deliver(self, requests: list[Request]) -> None:
+        """Each request's new output to its sink; outputs bound for one event loop go in one
+        hand-off per step (one wake-up of that loop, not one per request)."""
+        batches: dict = {}
         for req in requests:
-            if req.sink is not None:
-                req.sink(outputs.request_output(req))
+            sink = req.sink
+            if isinstance(sink, AsyncSink):
+                batches.setdefault(sink.loop, []).append((sink, outputs.request_output(req)))
+            elif sink is not None:
+                sink(outputs.request_output(req))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the callers' event loop is gone: nobody is listening
+                for sink, _ in items:
+                    self.abort(sink.request_id)
 
     def _fail_all(self, exc: Exception) -> None:
         touched: set = set()

@@ -63,7 +63,8 @@ class Sequence:
         self.tokens = list(request.prompt) + list(output or [])
         self.computed = 0
         self.status = Status.WAITING
-        self.state = None  # its one-row KVState while prefilling
+        self.state = None  # the KVState it prefills in (row ``row``) while prefilling
+        self.row = 0
         self.slot: int | None = None  # its row of the decode batch while running
         self.snapshot = None  # its KV state on the host while swapped
         self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None

@@ -179,13 +179,11 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         for i, r in enumerate(rows):
             if r.banned:
                 z[i, list(r.banned)] = float("-inf")
-    tokens = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    if greedy:
-        picked = ops.sample(z[greedy] if len(greedy) < len(rows) else z, 0.0)
-        for i, t in zip(greedy, picked.tolist()):
-            tokens[i] = t
     drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+    parts = []  # token tensors on the device, in the order of ``greedy + drawn``
+    if greedy:
+        parts.append(ops.sample(z[greedy] if len(greedy) < len(rows) else z, 0.0))
     if drawn:
         dev = z.device
         par = [rows[i].params for i in drawn]
@@ -193,8 +191,12 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         filt = filter_logits(z[drawn] / temp, torch.tensor([max(p.top_k, 0) for p in par], device=dev),
                              torch.tensor([p.top_p for p in par], device=dev),
                              torch.tensor([p.min_p for p in par], device=dev))
-        for j, i in enumerate(drawn):  # one generator per row: its draws depend on nothing else
-            tokens[i] = int(ops.sample(filt[j:j + 1], 1.0, rows[i].generator)[0])
+        # one generator per row: its draws depend on nothing else
+        parts += [ops.sample(filt[j:j + 1], 1.0, rows[i].generator) for j, i in enumerate(drawn)]
+    picked = (parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])).tolist()  # one copy
+    tokens = [0] * len(rows)
+    for i, t in zip(greedy + drawn, picked):
+        tokens[i] = t
     return _with_logprobs(raw, rows, tokens)
 
 

@@ -30,10 +30,16 @@ def _ratio_counts(ratios: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(collections.Counter(ratios).items()))
 
 
-def pages_at(cfg, page_entries: int, position: int) -> int:
-    """Main-KV pages a sequence holds after ``position`` positions (every source layer)."""
-    counts = _ratio_counts(tuple(cfg.ratio(l) for l in cfg.kv_source_layers))
+def pages_at(cfg, page_entries: int, position: int, counts=None) -> int:
+    """Main-KV pages a sequence holds after ``position`` positions (every source layer).
+    ``counts``: :func:`ratio_counts` of ``cfg``, when the caller keeps it."""
+    counts = counts if counts is not None else ratio_counts(cfg)
     return sum(n * -(-(position // r) // page_entries) for r, n in counts)
+
+
+def ratio_counts(cfg) -> tuple[tuple[int, int], ...]:
+    """(compression ratio, KV source layers with it) of ``cfg``."""
+    return _ratio_counts(tuple(cfg.ratio(l) for l in cfg.kv_source_layers))
 
 
 @dataclass
@@ -50,11 +56,32 @@ class Plan:
     def tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
+    def prefill_groups(self, min_len: int = 4) -> list[list[tuple[Sequence, int]]]:
+        """The prefill chunks that run as one forward call each: chunks starting at the same
+        position with the same length (a ``[rows, n]`` call needs both), in plan order, split into
+        power-of-two row counts (13 -> 8, 4, 1): every distinct call shape compiles kernels once,
+        so the shapes are kept few. Chunks of fewer than ``min_len`` tokens run alone: a CPU fp32
+        GEMM of fewer than 4 rows rounds differently from a larger one, and a prompt's logits must
+        not depend on the load. A prompt with images runs alone (its spans are one row's)."""
+        groups: dict = {}
+        for seq, n in self.prefill:
+            alone = n < min_len or seq.request.images is not None
+            key = id(seq) if alone else (seq.computed, n)
+            groups.setdefault(key, []).append((seq, n))
+        out = []
+        for group in groups.values():
+            while group:
+                rows = 1 << (len(group).bit_length() - 1)
+                out.append(group[:rows])
+                group = group[rows:]
+        return out
+
 
 class Scheduler:
     def __init__(self, cfg, page_entries: int, max_running: int, max_step_tokens: int, chunk: int,
                  max_pages: int | None):
         self.cfg, self.P = cfg, page_entries
+        self.counts = ratio_counts(cfg)  # pages_at runs for every sequence every step
         self.max_running, self.max_step_tokens, self.chunk, self.max_pages = max_running, max_step_tokens, chunk, max_pages
         self.waiting: deque[Sequence] = deque()  # WAITING or SWAPPED; the front goes first
         self.prefilling: list[Sequence] = []
@@ -62,7 +89,7 @@ class Scheduler:
         self.preemptions = 0
 
     def pages(self, position: int) -> int:
-        return pages_at(self.cfg, self.P, position)
+        return pages_at(self.cfg, self.P, position, self.counts)
 
     def growth(self, seq: Sequence, tokens: int) -> int:
         return self.pages(seq.computed + tokens) - self.pages(seq.computed)

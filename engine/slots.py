@@ -6,7 +6,8 @@ rings and compressor state copied, pages change owner) and leaves by giving its 
 0 at position 0 every step (rewound afterwards, so they never grow) and their logits are ignored.
 The batch grows to the next bucket when a sequence finds no free row and shrinks when at most half
 a smaller bucket is used; the rows move over with :meth:`KVState.take_row` again. Each bucket's
-state lives on (the ``keep`` most recent), so on CUDA its captured decode steps
+state lives on (the ``keep`` most recent; by default every bucket, so a batch size that goes back
+and forth across a bucket boundary never captures again), so on CUDA its captured decode steps
 (:class:`~flashrt.engine.step_capture.StepCapture`, keyed by tensor addresses) are replayed
 whenever the batch comes back to that size.
 
@@ -35,7 +36,7 @@ def bucket_for(n: int) -> int:
 
 
 class DecodeSlots:
-    def __init__(self, model, pool, capacity: int, cuda_graph: bool, keep: int = 2):
+    def __init__(self, model, pool, capacity: int, cuda_graph: bool, keep: int = len(BUCKETS)):
         self.model, self.pool, self.capacity, self.cuda_graph, self.keep = model, pool, capacity, cuda_graph, keep
         self.cache: OrderedDict[int, tuple[KVState, StepCapture | None]] = OrderedDict()
         self.state, self.capture, self.owner = None, None, []

@@ -96,15 +96,15 @@ class StepCapture:
             return model.forward(ids, state=state)
         self.ids.copy_(ids)
         history = None
-        if model.hasher is not None:
-            hashed, history = model.hasher.hash_ids(self.ids, state.engram_history)
-            if self.engram_ids is None or self.engram_ids.shape != hashed.shape:
-                self.engram_ids = torch.empty_like(hashed)
-                self.graphs.clear()
-            self.engram_ids.copy_(hashed)
-            if model.prefetch is not None:
-                self._stage_engram()
-        with checks.value_checks(False):
+        with checks.value_checks(False):  # the ids are sampled tokens: range checks would sync every step
+            if model.hasher is not None:
+                hashed, history = model.hasher.hash_ids(self.ids, state.engram_history)
+                if self.engram_ids is None or self.engram_ids.shape != hashed.shape:
+                    self.engram_ids = torch.empty_like(hashed)
+                    self.graphs.clear()
+                self.engram_ids.copy_(hashed)
+                if model.prefetch is not None:
+                    self._stage_engram()
             logits = self._step(entries, buffers)
         state.advance(1, history)
         return logits

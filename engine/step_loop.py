@@ -28,8 +28,23 @@ from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduler, pages_at
 from .slots import DecodeSlots, MIN_ROWS
 from .snapshot import PrefixStore, restore_row, snapshot_row
+from .step_timing import COUNTERS, StepTimer
 
 log = logging.getLogger("flashrt.engine")
+
+
+def gather_rows(due: list) -> torch.Tensor:
+    """The logits rows of ``due`` ``[(sequence, logits [rows, vocab], row)]`` as one ``[len(due),
+    vocab]`` tensor: one gather per source tensor (the decode batch, each prefill group)."""
+    parts, i = [], 0
+    while i < len(due):
+        src, j = due[i][1], i
+        while j < len(due) and due[j][1] is src:
+            j += 1
+        rows = [r for _, _, r in due[i:j]]
+        parts.append(src.index_select(0, torch.tensor(rows, device=src.device)))
+        i = j
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class StepLoop:
@@ -49,7 +64,8 @@ class StepLoop:
         self.rng = random.Random(config.seed)
         self.swap_used = 0
         self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "preemptions", "swaps",
-                                       "recomputes", "finished", "aborted", "failed", "steps"), 0)
+                                       "recomputes", "finished", "aborted", "failed", "steps", *COUNTERS), 0)
+        self.timer = StepTimer(model.device)
         self.finish_hooks = []  # called with each finished Request
 
     # ----- requests --------------------------------------------------------------------------------
@@ -107,8 +123,8 @@ class StepLoop:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for s in self.scheduler.waiting if s.status is Status.WAITING and s.index == 0
-                   and not s.output)
+        waiting = list(self.scheduler.waiting)  # one copy: the loop thread may change it meanwhile
+        return sum(1 for s in waiting if s.status is Status.WAITING and s.index == 0 and not s.output)
 
     @property
     def has_work(self) -> bool:
@@ -121,29 +137,37 @@ class StepLoop:
         padding = self.slots.padding_need(pages_at(self.cfg, self.P, 1))
         plan = sch.schedule(self.pool.pages_in_use, padding, self._preempt, self._prepare)
         self.counters["steps"] += 1
-        touched, due = set(), []  # due: (sequence, logits [vocab]) to sample
+        touched, due = set(), []  # due: (sequence, logits [rows, vocab], its row) to sample
+        timer = self.timer.start()
         for seq in plan.swap_in:
             self._swap_in(seq)
         if plan.decode:
+            timer.mark("decode")
             self._decode(plan.decode, due, touched)
         joins = []
-        for seq, n in plan.prefill:
-            if seq.finished:  # its request failed earlier in this step
+        timer.mark("prefill")
+        for group in plan.prefill_groups(MIN_ROWS):
+            seqs = [s for s, _ in group if not s.finished]  # a request may have failed earlier in this step
+            if not seqs:
                 continue
             try:
-                logits = self._prefill(seq, n)
-            except Exception as exc:  # noqa: BLE001 - one request fails, the engine goes on
-                self._fail(seq.request, exc, touched)
+                logits = self._prefill(seqs, group[0][1])
+            except Exception as exc:  # noqa: BLE001 - the group's requests fail, the engine goes on
+                for seq in seqs:
+                    self._fail(seq.request, exc, touched)
                 continue
-            if seq.computed == seq.prompt_len:
-                joins += self._fork(seq)
-                if seq.computed == len(seq.tokens):
-                    due += [(s, logits[0]) for s in self._family(seq)]
+            for i, seq in enumerate(seqs):
+                if seq.computed == seq.prompt_len:
+                    joins += self._fork(seq)
+                    if seq.computed == len(seq.tokens):
+                        due += [(s, logits, i) for s in self._family(seq)]
+        timer.mark("sample")
         if due:
             self._sample(due, touched)
         for seq in joins:
             self._join(seq, touched)
-        return [r for r in touched]
+        timer.stop(self.counters, len(plan.decode), sum(n for _, n in plan.prefill))
+        return list(touched)
 
     def _decode(self, seqs: list[Sequence], due: list, touched: set) -> None:
         try:
@@ -155,12 +179,12 @@ class StepLoop:
         for seq in seqs:
             seq.computed += 1
             if seq.computed == len(seq.tokens):
-                due.append((seq, logits[seq.slot]))
+                due.append((seq, logits, seq.slot))
 
     def _sample(self, due: list, touched: set) -> None:
         eos = self.config.eos_token_id
-        logits = torch.stack([l for _, l in due])
-        for (seq, _), s in zip(due, sample(logits, [seq.sampler_row(eos) for seq, _ in due])):
+        logits = gather_rows(due)
+        for (seq, _, _), s in zip(due, sample(logits, [seq.sampler_row(eos) for seq, _, _ in due])):
             if seq.finished:  # its request failed earlier in this step
                 continue
             seq.append(s)
@@ -184,24 +208,46 @@ class StepLoop:
             if snap is not None:
                 seq.prefix_snap, seq.computed = snap, length
 
-    def _prefill(self, seq: Sequence, n: int) -> torch.Tensor:
+    def _prefill(self, seqs: list[Sequence], n: int) -> torch.Tensor:
+        """One forward call over the next ``n`` prompt tokens of ``seqs`` (all at the same position):
+        logits ``[len(seqs), vocab]``. A lone sequence continues in its own one-row state; a group
+        runs in a fresh state of one row per sequence, each taking its row over (pages change owner,
+        nothing is recomputed)."""
+        if len(seqs) == 1 and seqs[0].state is not None and seqs[0].state.batch == 1:
+            state = seqs[0].state
+        else:
+            state = self.model.new_state(len(seqs), max(len(s.tokens) for s in seqs) + n, pool=self.pool)
+            for row, seq in enumerate(seqs):
+                self._enter(seq, state, row)
+        ids = torch.tensor([s.tokens[s.computed:s.computed + n] for s in seqs], dtype=torch.long,
+                           device=self.model.device)
+        spans = None
+        if len(seqs) == 1:  # a prompt with images always runs alone (Plan.prefill_groups)
+            seq = seqs[0]
+            spans = chunk_spans(self.model, seq.request.images, seq.prompt_len, seq.computed, seq.computed + n)
+        logits = self.model.forward(ids, state=state, spans=spans)
+        self.counters["prefill_forwards"] += 1
+        for seq in seqs:
+            seq.computed += n
+            key = self.prefix.wants(seq.tokens, seq.computed, image_keys(seq.request.images))
+            if key is not None and seq.computed <= seq.prompt_len:
+                self.prefix.put(key, snapshot_row(state, seq.row))
+        return logits
+
+    def _enter(self, seq: Sequence, state, row: int) -> None:
+        """``seq`` continues in ``row`` of ``state``: a new sequence starts there (from its cached
+        prefix, if any), a prefilling one moves its row over."""
         if seq.status is Status.WAITING:
-            seq.state = self.model.new_state(1, len(seq.tokens) + n, pool=self.pool)
             snap = seq.prefix_snap
             if snap is not None:
-                restore_row(snap, seq.state, 0)
+                restore_row(snap, state, row)
                 seq.prefix_snap = None
                 if seq.index == 0 and not seq.output:
                     seq.request.prefix_hit_tokens = snap.position
             seq.status = Status.PREFILL
-        ids = torch.tensor([seq.tokens[seq.computed:seq.computed + n]], dtype=torch.long, device=self.model.device)
-        spans = chunk_spans(self.model, seq.request.images, seq.prompt_len, seq.computed, seq.computed + n)
-        logits = self.model.forward(ids, state=seq.state, spans=spans)
-        seq.computed += n
-        key = self.prefix.wants(seq.tokens, seq.computed, image_keys(seq.request.images))
-        if key is not None and seq.computed <= seq.prompt_len:
-            self.prefix.put(key, snapshot_row(seq.state, 0))
-        return logits
+        else:
+            state.take_row(row, seq.state, seq.row)
+        seq.state, seq.row = state, row
 
     def _family(self, seq: Sequence) -> list[Sequence]:
         """``seq`` and the sequences forked from it in this step (they share its logits)."""
@@ -211,7 +257,7 @@ class StepLoop:
         """Prompt done: the request's other ``n - 1`` sequences start from a copy of this state."""
         req, out = seq.request, [seq]
         if seq.index == 0 and len(req.seqs) == 1 and req.params.n > 1:
-            snap = snapshot_row(seq.state, 0)
+            snap = snapshot_row(seq.state, seq.row)
             for i in range(1, req.params.n):
                 child = Sequence(req, i, self._generator(req.params, i))
                 child.state = self.model.new_state(1, len(seq.tokens), pool=self.pool)
@@ -227,7 +273,7 @@ class StepLoop:
         seq.forked_from = None
         if seq.status is not Status.PREFILL:
             return
-        self.slots.add(seq, seq.state)
+        self.slots.add(seq, seq.state, seq.row)
         seq.state, seq.status = None, Status.RUNNING
         self.scheduler.prefilling.remove(seq)
         self.scheduler.running.append(seq)
@@ -245,7 +291,7 @@ class StepLoop:
         if seq.status is Status.RUNNING:
             self.slots.remove(seq)
         else:
-            seq.state.release_row(0)
+            seq.state.release_row(seq.row)
             seq.state = None
         seq.computed, seq.status, seq.prefix_snap, seq.looked_up = 0, Status.WAITING, None, False
         self.counters["recomputes"] += 1
@@ -263,7 +309,7 @@ class StepLoop:
         if seq.status is Status.RUNNING:
             self.slots.remove(seq)
         if seq.state is not None:  # prefilling (or failed while starting)
-            seq.state.release_row(0)
+            seq.state.release_row(seq.row)
             seq.state = None
         if seq.snapshot is not None:
             self.swap_used -= seq.snapshot.nbytes

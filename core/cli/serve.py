@@ -21,7 +21,8 @@ def add_serve(sub) -> None:
     p.add_argument("--max-waiting", type=int, default=None, metavar="N",
                    help="requests queued before new ones get 429 (default: no limit)")
     p.add_argument("--max-running", type=int, default=64, metavar="N", help="sequences decoding at once")
-    p.add_argument("--max-step-tokens", type=int, default=2048, metavar="N", help="tokens per engine step")
+    p.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
+                   help="tokens per engine step (default: the hardware profile's serve_max_step_tokens)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per forward call")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="prompt + output tokens")
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES", help="device bytes for KV pages")

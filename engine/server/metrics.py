@@ -18,6 +18,21 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
+STEP_COUNTERS = {  # where the engine's steps spend their time (Engine.stats keys)
+    "steps": "Engine steps run",
+    "step_seconds": "Wall time inside engine steps",
+    "decode_steps": "Steps that ran a decode batch",
+    "decode_rows": "Sequences decoded, summed over steps (divided by decode_steps: the mean batch)",
+    "prefill_step_tokens": "Prompt tokens prefilled, summed over steps",
+    "prefill_forwards": "Prefill forward calls (one per group of chunks at one position and length)",
+    "decode_seconds": "Wall time of the decode forward calls (host side)",
+    "prefill_seconds": "Wall time of the prefill forward calls (host side)",
+    "sample_seconds": "Wall time of sampling, output checks and joins (waits for the device)",
+    "decode_device_seconds": "Device time of the decode forward calls (CUDA events; 0 elsewhere)",
+    "prefill_device_seconds": "Device time of the prefill forward calls (CUDA events; 0 elsewhere)",
+}
+
+
 class EngineCollector:
     def __init__(self, engine, window_s: float = 10.0):
         self.engine, self.window_s = engine, window_s
@@ -60,6 +75,8 @@ class EngineCollector:
         yield c("kv_cold_spills", "Main-KV pages moved to the host (cold) tier", s["kv_spilled_pages"])
         for kind in ("finished", "aborted", "failed"):
             yield c(f"requests_{kind}", f"Requests {kind}", s[kind])
+        for name, doc in STEP_COUNTERS.items():
+            yield c(f"engine_{name}", doc, s[name])
 
 
 class Metrics:

@@ -70,6 +70,7 @@ RULES = {  # non-tile key -> whether a value is one the runtime can use
     "hkcp_window_pool_ttl_minutes": lambda v: within(v, 0, TTL_HOURS_MAX * 60, True),
     "engram_placement": one_of("device", "host", "host_pinned"),
     "engram_prefetch_depth": lambda v: type(v) is int and 0 <= v <= 1024,
+    "serve_max_step_tokens": lambda v: type(v) is int and 1 <= v <= 2**20,
     "device_memory_gib": lambda v: v is None or within(v, 0, GIB_MAX, True),
     "match_name": regex, "match_soc": regex,
     "match_capability": lambda v: isinstance(v, list) and all(isinstance(c, str) and re.fullmatch(r"\d+\.\d+", c)

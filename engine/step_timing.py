@@ -1,0 +1,53 @@
+"""Where a serving step's time goes: wall time per phase (decode forward, prefill forwards,
+sampling and the host work after it), plus device time of the decode and prefill forwards on CUDA.
+
+Device times come from CUDA events recorded around each phase; they are read at the end of the
+step, after sampling has synchronized with the device anyway (no extra host sync in a step that
+samples). Counters accumulate into the engine's ``counters`` dict (``/metrics``, benchmarks).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+PHASES = ("decode", "prefill", "sample")
+
+
+class StepTimer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def start(self) -> "StepTimer":
+        self.marks = [("start", time.perf_counter(), self._event())]
+        return self
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, time.perf_counter(), self._event()))
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def stop(self, counters: dict, decode_rows: int, prefill_tokens: int) -> None:
+        """Add this step's times and sizes to ``counters``."""
+        self.mark("end")
+        marks = self.marks
+        counters["step_seconds"] += marks[-1][1] - marks[0][1]
+        counters["decode_rows"] += decode_rows
+        counters["prefill_step_tokens"] += prefill_tokens
+        counters["decode_steps"] += bool(decode_rows)
+        for (phase, t0, e0), (_, t1, e1) in zip(marks, marks[1:]):
+            if phase in PHASES:
+                counters[f"{phase}_seconds"] += t1 - t0
+                if e0 is not None and phase != "sample":
+                    e1.synchronize()
+                    counters[f"{phase}_device_seconds"] += e0.elapsed_time(e1) / 1e3
+
+
+COUNTERS = ("step_seconds", "decode_rows", "prefill_step_tokens", "decode_steps", "prefill_forwards",
+            *(f"{p}_seconds" for p in PHASES), "decode_device_seconds", "prefill_device_seconds")
