@@ -85,17 +85,18 @@ class PagePool:
         """Pages held by sequences on either tier (the trash page excluded)."""
         return self.device_pages - len(self.free_dev) + self.host.shape[0] - len(self.free_host)
 
-    def release(self, table: "BlockTable") -> None:
-        """Give every page of ``table`` back (device and host tier); the table is left empty."""
-        for tier, page in table.pages:
+    def release(self, table: "BlockTable", keep: int = 0) -> None:
+        """Give the pages of ``table`` past its first ``keep`` back (device and host tier)."""
+        for tier, page in table.pages[keep:]:
             if tier == "dev":
                 self.fifo.pop(page, None)
                 self.locked.discard(page)
                 self.free_dev.append(page)
             else:
                 self.free_host.append(page)
-        table.pages, table.cold = [], 0
-        table.changed.clear()
+                table.cold -= 1
+        table.pages = table.pages[:keep]
+        table.changed = {j for j in table.changed if j < keep}
 
     def _grow_device(self) -> None:
         n = self.dev.shape[0]
@@ -196,6 +197,16 @@ class PagedMainKV:
     def clear_row(self, row: int) -> None:
         """Give ``row``'s pages back to the pool."""
         self.pool.release(self.detach_row(row))
+
+    def trim_row(self, row: int, entries: int) -> None:
+        """Give back ``row``'s pages past those holding entries ``< entries`` (a rolled-back step's)."""
+        table, keep = self.tables[row], -(-entries // self.pool.P)
+        if len(table.pages) <= keep:
+            return
+        self.pool.release(table, keep)
+        if row < self._dev_ids.shape[0]:
+            for ids in (self._dev_ids, self._host_ids, self._host_ids_cpu):
+                ids[row, keep:] = -1
 
     def adopt_row(self, row: int, table: BlockTable) -> None:
         """``row`` takes over ``table`` (pages of the same pool, no copy); its own go back first."""

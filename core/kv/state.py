@@ -51,7 +51,7 @@ class Staged:
     """The writes of the current call that wait for :meth:`KVState.commit`."""
 
     rings: list = field(default_factory=list)  # (layer, (row, slot), kv QTensor [B, n, D])
-    partials: list = field(default_factory=list)  # (layer, kv, score) fp32 [B, rem, D]
+    partials: list = field(default_factory=list)  # (layer, kv, score fp32 [B, n, D], first int64 [B])
 
     def __bool__(self) -> bool:
         return bool(self.rings or self.partials)
@@ -86,6 +86,7 @@ class KVState:
         # positions below ring_start[l] are not in layer l's ring (CED / bounded replay)
         self.ring_start = {l: torch.zeros(batch, dtype=torch.long, device=self.device) for l in self.rings}
         self._staged = Staged()  # a chunk's ring and partial-group writes, until commit()
+        self._chunk_len = 0  # tokens per row of the current call (begin_step)
         n_hist = max(cfg.engram_max_ngram_size - 1, 0)
         self.engram_history = torch.full((batch, n_hist), -1, dtype=torch.long, device=self.device)
         self.pool = pool or (None if self.is_meta else self._pool(kv_budget, page_entries))
@@ -143,21 +144,43 @@ class KVState:
         return 0 if self.pool is None else self.pool.generation + self.index_pool.generation
 
     # ----- steps -------------------------------------------------------------------------------
-    def advance(self, tokens: int, engram_history: torch.Tensor | None = None) -> None:
+    def advance(self, tokens, engram_history: torch.Tensor | None = None) -> None:
         """Every row has run ``tokens`` more positions (and its Engram history is now
         ``engram_history``, when given); what the step staged is committed first. Until then a
-        failed step leaves the state as it was for a retry."""
-        self.commit()
+        failed step leaves the state as it was for a retry.
+
+        ``tokens`` a list (one count per row, each at most the chunk's length): row ``b`` keeps only
+        the first ``tokens[b]`` tokens of the chunk just run (speculative verification): rings and
+        the pending group take only those, and main-KV / index-K pages reserved past them go back
+        to the pools. Entries the chunk wrote past them are never read before they are rewritten."""
+        counts = [tokens] * self.batch if isinstance(tokens, int) else list(tokens)
+        if len(counts) != self.batch:
+            raise ValueError(f"tokens: expected one count per row ({self.batch}), got {len(counts)}")
+        self.commit(counts)
         if engram_history is not None:
             self.engram_history = engram_history
-        self.positions += tokens
-        self.host_positions = [p + tokens for p in self.host_positions]
+        if isinstance(tokens, int):
+            self.positions += tokens
+        else:
+            self.positions += torch.tensor(counts, dtype=torch.long).to(self.device)
+            self.trim_rows([p + c for p, c in zip(self.host_positions, counts)])
+        self.host_positions = [p + c for p, c in zip(self.host_positions, counts)]
+
+    def trim_rows(self, positions: list[int]) -> None:
+        """Give back main-KV and index-K pages past the entries of ``positions[b]`` tokens."""
+        if self.is_meta:
+            return
+        for l, c in self.compressed.items():
+            for row, pos in enumerate(positions):
+                c.main.trim_row(row, pos // self.cfg.ratio(l))
+                c.index_k.trim_row(row, pos // self.cfg.ratio(l))
 
     def begin_step(self, tokens: int) -> None:
         """Before a chunk of ``tokens`` per row: room for its index K and main-KV pages; what a
         failed call staged is dropped."""
         if self._staged:
             self._staged = Staged()
+        self._chunk_len = tokens
         self.ensure_capacity(max(self.host_positions) + tokens)
         if self.is_meta:
             return
@@ -276,24 +299,53 @@ class KVState:
             kv = QTensor(kv.data[:, tail].clone(), kv.scale[:, tail].clone(), kv.fmt, (kv.shape[0], W, kv.shape[-1]))
         self._staged.rings.append((layer, slots, kv))
 
-    def write_partial(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """After a chunk, ``layer``'s compressor's pending group: ``kv`` / ``score`` fp32 [B, rem, D]
-        become its slots ``[0, rem)`` at :meth:`commit` (the chunk read the old ones)."""
+    def write_partial(self, layer: int, kv: torch.Tensor, score: torch.Tensor, first: torch.Tensor,
+                      end: torch.Tensor) -> None:
+        """After a chunk, the source of ``layer``'s pending group: ``kv`` / ``score`` fp32 [B, n, D]
+        hold the compressor inputs of positions ``first[b] + j`` (``first`` int64 [B], a group
+        start) up to ``end[b]`` (the chunk's end); :meth:`commit` moves those of the group each
+        row ends in to its slots ``[0, rem)`` (the chunk read the old ones)."""
         if kv.shape[1] and not self.is_meta:  # copied: the chunk's projections are not kept until the commit
-            self._staged.partials.append((layer, kv.clone(), score.clone()))
+            self._staged.partials.append((layer, kv.clone(), score.clone(), first, end))
 
-    def commit(self) -> None:
-        """Write what the current call staged (a chunk's ring tokens and pending groups)."""
-        staged = self._staged
+    def commit(self, counts: list[int] | None = None) -> None:
+        """Write what the current call staged (a chunk's ring tokens and pending groups); with
+        ``counts``, row ``b`` takes only its chunk's first ``counts[b]`` tokens."""
+        staged, L = self._staged, self._chunk_len
         if not staged:
             return
+        cut = None if counts is None or all(c == L for c in counts) else L - torch.tensor(counts)
+        keep = None
+        if cut is not None and staged.rings:
+            n = staged.rings[0][2].shape[1]
+            if n < L:
+                raise ValueError(f"counts: keeping part of a chunk needs it in the window ({L} > {n} tokens)")
+            keep = (torch.arange(n).unsqueeze(0) < n - cut.unsqueeze(1)).reshape(-1).to(self.device)
         for layer, slots, kv in staged.rings:
-            write_rows(self.rings[layer], *slots, kv)
-        for layer, kv, score in staged.partials:
-            cache = self.compressed[layer]
-            cache.kv_state[:, :kv.shape[1]] = kv
-            cache.score_state[:, :score.shape[1]] = score
+            if keep is None:
+                write_rows(self.rings[layer], *slots, kv)
+            else:
+                u8 = torch.uint8  # boolean indexing is not implemented for every quantized dtype: pick the bytes
+                data, scale = kv.data.view(u8).flatten(0, 1)[keep], kv.scale.view(u8).flatten(0, 1)[keep]
+                flat = QTensor(data, scale, kv.fmt, (data.shape[0], kv.shape[-1]))
+                write_rows(self.rings[layer], slots[0][keep], slots[1][keep], flat)
+        for layer, kv, score, first, end in staged.partials:
+            self._commit_partial(layer, kv, score, first, end if cut is None else end - cut.to(end.device))
         self._staged = Staged()
+
+    def _commit_partial(self, layer, kv, score, first, ends) -> None:
+        """Slots ``[0, rem)`` of the pending group of each row ending at position ``ends[b]``,
+        taken from the staged compressor inputs (positions ``first[b] + j``)."""
+        cache, r = self.compressed[layer], self.cfg.ratio(layer)
+        start = ends // r * r - first  # [B] index of the pending group's first input
+        if bool((start < 0).any()):
+            raise ValueError("counts: the staged compressor inputs do not reach back to the kept group")
+        slot = torch.arange(r, device=kv.device)
+        idx = (start.unsqueeze(1) + slot).clamp(0, kv.shape[1] - 1)  # [B, r]
+        live = (slot < (ends - ends // r * r).unsqueeze(1)).unsqueeze(-1)
+        pick = lambda t: t.gather(1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+        cache.kv_state.copy_(torch.where(live, pick(kv), cache.kv_state))
+        cache.score_state.copy_(torch.where(live, pick(score), cache.score_state))
 
     # ----- compressed caches -------------------------------------------------------------------
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:
@@ -355,7 +407,7 @@ class KVState:
                                    qs[0].fmt, (out.batch, *qs[0].shape[1:]))
         out.rings = {l: cat_q([s.rings[l] for s in states]) for l in first.rings}
         out.ring_start = {l: torch.cat([s.ring_start[l] for s in states]) for l in first.ring_start}
-        out._staged = Staged()
+        out._staged, out._chunk_len = Staged(), 0
         out.compressed = {}
         for l, c in first.compressed.items():
             parts = [s.compressed[l] for s in states]
