@@ -185,10 +185,13 @@ class KVState:
         if self.is_meta:
             return
         self.pool.unlock()
+        for l, c in self.compressed.items():  # before any page is allocated (an allocation may spill)
+            for row, pos in enumerate(self.host_positions):
+                c.main.lock_from(row, pos // self.cfg.ratio(l))
         for l, c in self.compressed.items():
             r = self.cfg.ratio(l)
             for row, pos in enumerate(self.host_positions):
-                c.main.reserve(row, (pos + tokens) // r)
+                c.main.reserve(row, (pos + tokens) // r, pos // r)
                 c.index_k.reserve(row, (pos + tokens) // r)
 
     def ensure_capacity(self, positions: int) -> None:
