@@ -35,21 +35,22 @@ class OracleDraft:
         return out, logits, confidence
 
 
-def top2_gap(model, tokens: list[int]) -> float:
-    """The target's gap between its two largest logits after ``tokens`` (a fresh prefill)."""
-    logits = model.forward(torch.tensor([tokens]))[0]
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
+def top2(model, tokens: list[int]) -> tuple[list[int], float]:
+    """The target's two most likely ids after ``tokens`` (a fresh prefill) and their logit gap."""
+    top = model.forward(torch.tensor([tokens]))[0].topk(2)
+    return top.indices.tolist(), float(top.values[0] - top.values[1])
 
 
-def assert_same_greedy(model, prompts, want, got, tie: float = 1e-4):
-    """``got`` == ``want`` token for token, except that a row may part from ``want`` at a step where
-    the target's top two logits are within ``tie`` (a verify chunk and a one-token step round
-    differently): the rest of that row is then not compared."""
+def assert_same_greedy(model, prompts, want, got, tie: float = 0.05):
+    """``got`` == ``want`` token for token, except that a row may part from ``want`` where the
+    target's top two logits are within ``tie`` and both runs chose one of those two: a verify chunk
+    and a one-token step (or another batch mix) round differently, and the KV quantization can turn
+    such a rounding difference into a visible one. The rest of that row is then not compared."""
     assert len(want) == len(got)
     for i, (w, g) in enumerate(zip(want, got)):
         assert len(w) == len(g), f"prompt {i}: {len(g)} tokens, expected {len(w)}"
         j = next((j for j, (a, b) in enumerate(zip(w, g)) if a != b), None)
         if j is not None:
-            gap = top2_gap(model, prompts[i] + w[:j])
-            assert gap < tie, f"prompt {i}: token {j} is {g[j]}, expected {w[j]} (top-2 gap {gap:.2e}: no tie)"
+            ids, gap = top2(model, prompts[i] + w[:j])
+            assert gap < tie and {w[j], g[j]} <= set(ids), \
+                f"prompt {i}: token {j} is {g[j]}, expected {w[j]} (target's top two {ids}, gap {gap:.2e})"
