@@ -87,3 +87,31 @@ def test_options_are_checked(model, cfg, weights):
     plain = Model(dataclasses.replace(cfg, dspark_block_size=0, n_mtp_layers=0), weights)
     with pytest.raises(ValueError, match="speculative: the model has no DSpark draft layers"):
         generate(plain, [[1, 2]], 2, speculative="dspark")
+
+
+@pytest.fixture(scope="module")
+def small_shaped(cfg):
+    """The ``small`` config's layer layout (12 layers, its ratios, sources, candidates, Engram
+    layers) at the tiny sizes, with a 5-token draft block and a 16-token window."""
+    from flashrt.graphs.config import shipped_config
+    from flashrt.graphs.init_weights import init_weights
+    from flashrt.graphs.model import Model
+    import dataclasses
+
+    s = shipped_config("small")
+    shaped = dataclasses.replace(cfg, n_layers=s.n_layers, compress_ratios=s.compress_ratios,
+                                 kv_source_layers=s.kv_source_layers, index_source_layers=s.index_source_layers,
+                                 candidate_source_layer=s.candidate_source_layer, engram_layer_ids=s.engram_layer_ids,
+                                 dspark_target_layer_ids=[9, 10, 11], dspark_block_size=5, window_size=16)
+    return Model(shaped, init_weights(shaped, seed=1))
+
+
+@pytest.mark.parametrize("k", [5, "auto"])
+def test_small_shaped_ragged_greedy_equals_plain(small_shaped, rng, monkeypatch, k):
+    model = small_shaped
+    prompts = ragged_prompts(rng, model, lengths(rng, 3, 5, 40))
+    want = generate(model, prompts, 14)
+    monkeypatch.setattr(model.drafts, "draft", OracleDraft(model, prompts, want.tokens, rng, 0.25))
+    got = generate(model, prompts, 14, speculative="dspark", draft_tokens=k)
+    assert_same_greedy(model, prompts, want.tokens, got.tokens)
+    assert 0 < got.speculative["accepted"] < got.speculative["drafted"]
