@@ -22,7 +22,7 @@ in place. Positions and the Engram history move in :meth:`KVState.advance` only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +31,7 @@ from .util import empty_qtensor, grown, write_rows
 from .index import IndexPool, PagedIndexK
 from .pages import PagedMainKV, PagePool
 from .paged import PagedKeys
+from .staged import Staged, commit_partial, write_kept
 from .sizes import DEFAULT_PAGE_ENTRIES, entry_bytes, fixed_bytes_for, index_pages_for  # noqa: F401 (named here too)
 
 WINDOW_FORMATS = ("fp8", "int8")  # int8 (per-32, UE8M0) on devices with no FP8, e.g. Ascend 910B
@@ -44,17 +45,6 @@ class CompressedCache:
     index_k: PagedIndexK | QTensor  # device pages; QTensor [B, capacity // ratio, Di] only on meta
     kv_state: torch.Tensor | None  # fp32 [B, ratio, head_dim] (ratio > 1)
     score_state: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class Staged:
-    """The writes of the current call that wait for :meth:`KVState.commit`."""
-
-    rings: list = field(default_factory=list)  # (layer, (row, slot), kv QTensor [B, n, D])
-    partials: list = field(default_factory=list)  # (layer, kv, score fp32 [B, n, D], first int64 [B])
-
-    def __bool__(self) -> bool:
-        return bool(self.rings or self.partials)
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,30 +315,11 @@ class KVState:
                 raise ValueError(f"counts: keeping part of a chunk needs it in the window ({L} > {n} tokens)")
             keep = (torch.arange(n).unsqueeze(0) < n - cut.unsqueeze(1)).reshape(-1).to(self.device)
         for layer, slots, kv in staged.rings:
-            if keep is None:
-                write_rows(self.rings[layer], *slots, kv)
-            else:
-                u8 = torch.uint8  # boolean indexing is not implemented for every quantized dtype: pick the bytes
-                data, scale = kv.data.view(u8).flatten(0, 1)[keep], kv.scale.view(u8).flatten(0, 1)[keep]
-                flat = QTensor(data, scale, kv.fmt, (data.shape[0], kv.shape[-1]))
-                write_rows(self.rings[layer], slots[0][keep], slots[1][keep], flat)
+            write_kept(self.rings[layer], slots, kv, keep)
         for layer, kv, score, first, end in staged.partials:
-            self._commit_partial(layer, kv, score, first, end if cut is None else end - cut.to(end.device))
+            commit_partial(self.compressed[layer], self.cfg.ratio(layer), kv, score, first,
+                           end if cut is None else end - cut.to(end.device))
         self._staged = Staged()
-
-    def _commit_partial(self, layer, kv, score, first, ends) -> None:
-        """Slots ``[0, rem)`` of the pending group of each row ending at position ``ends[b]``,
-        taken from the staged compressor inputs (positions ``first[b] + j``)."""
-        cache, r = self.compressed[layer], self.cfg.ratio(layer)
-        start = ends // r * r - first  # [B] index of the pending group's first input
-        if bool((start < 0).any()):
-            raise ValueError("counts: the staged compressor inputs do not reach back to the kept group")
-        slot = torch.arange(r, device=kv.device)
-        idx = (start.unsqueeze(1) + slot).clamp(0, kv.shape[1] - 1)  # [B, r]
-        live = (slot < (ends - ends // r * r).unsqueeze(1)).unsqueeze(-1)
-        pick = lambda t: t.gather(1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
-        cache.kv_state.copy_(torch.where(live, pick(kv), cache.kv_state))
-        cache.score_state.copy_(torch.where(live, pick(score), cache.score_state))
 
     # ----- compressed caches -------------------------------------------------------------------
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:
