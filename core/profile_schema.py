@@ -171,4 +171,20 @@ def check_match(p, file: str) -> None:
         _bad(file, "match_max_memory_gib", f">= match_min_memory_gib ({low!r})", high)
 
 
-VALUE_CHECKS = (check_fractions, check_sizes, check_durations, check_match)
+def check_speculative(p, file: str) -> None:
+    """``speculative_costs``: per batch size >= 1, ``verify`` (k = 0, 1, ...: at least two finite
+    times > 0, relative to a plain decode step) and ``draft`` (finite, >= 0)."""
+    for batch, entry in p.speculative_costs.items():
+        where = f"speculative_costs.{batch}"
+        if batch < 1:
+            _bad(file, "speculative_costs", "batch sizes >= 1", batch)
+        if set(entry) != {"verify", "draft"}:
+            _bad(file, where, "the keys verify and draft", sorted(entry))
+        verify, draft = entry["verify"], entry["draft"]
+        if not isinstance(verify, list) or len(verify) < 2 or not all(math.isfinite(v) and v > 0 for v in verify):
+            _bad(file, f"{where}.verify", "a list of at least two finite times > 0 (k = 0, 1, ...)", verify)
+        if isinstance(draft, list) or not (math.isfinite(draft) and draft >= 0):
+            _bad(file, f"{where}.draft", "a finite time >= 0", draft)
+
+
+VALUE_CHECKS = (check_fractions, check_sizes, check_durations, check_match, check_speculative)

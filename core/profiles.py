@@ -72,6 +72,9 @@ class Profile:
     match_soc: str | None = None                # regex searched in the NPU SoC version
     match_min_memory_gib: float | None = None
     match_max_memory_gib: float | None = None
+    # speculative decoding: batch size -> {"verify": [time of a verify step with k = 0, 1, ... drafts],
+    # "draft": time of the draft}, relative to a plain decode step (benchmarks/speculative.py)
+    speculative_costs: dict[int, dict[str, Union[float, list[float]]]] = field(default_factory=dict, hash=False)
     source: str = field(default="", compare=False)  # the file it was read from (not a YAML key)
 
     @property
@@ -87,6 +90,7 @@ class Profile:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
         d["match_capability"] = list(self.match_capability)
         d["tiles"] = {k: dict(v) for k, v in self.tiles.items()}
+        d["speculative_costs"] = {b: dict(v) for b, v in self.speculative_costs.items()}
         return d
 
 
@@ -111,7 +115,8 @@ def profile_from_mapping(data, file: str) -> Profile:
     for key in data:
         if key not in fields:
             raise ProfileError(f"{file}: unknown key {key!r}: expected one of {', '.join(sorted(fields))}")
-    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING]
+    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ProfileError(f"{file}: missing key {missing[0]}: expected {type_name(hints[missing[0]])}")
     values = {k: convert(v, hints[k], k, file) for k, v in data.items()}

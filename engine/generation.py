@@ -17,7 +17,7 @@ from flashrt.graphs.prefill import PREFILLS
 from flashrt.kv.sizes import device_kv_budget
 from flashrt.kv.state import KVState
 
-from . import prefix
+from . import prefix, speculative as spec
 from .step_capture import StepCapture
 
 
@@ -32,6 +32,7 @@ class GenerateResult:
     state: KVState | None = field(repr=False, default=None)
     step_capture: dict | None = None  # captured / replayed / fallback step counts with cuda_graph
     image_tokens: int = 0  # prompt tokens in image spans (counted in prompt_tokens)
+    speculative: dict | None = None  # SpecStats.as_dict() of a speculative run
 
 
 def profile_kv_sizes(model, kv_budget: int | None, page_entries: int | None) -> tuple:
@@ -92,7 +93,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
              generator: torch.Generator | None = None, seed: int | None = None, eos_token_id: int | None = None,
              kv_budget: int | None = None, prefill_chunk: int | None = None, kv_page_entries: int | None = None,
              prefix_cache=None, cuda_graph: bool | None = None, prefix_replay: int | None = None, progress=None,
-             images=None):
+             images=None, speculative: str | None = None, draft_tokens="auto"):
     """Prefill every prompt, then decode ``max_new_tokens`` tokens for all of them together.
 
     ``kv_budget``: device bytes for the batch's whole KV state; main-KV pages beyond it live in
@@ -109,17 +110,22 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     ``progress(phase, done, total)``: called as the prompt tokens are prefilled (``"prefill"``) and
     as new tokens are decoded (``"decode"``). ``images``: one entry per prompt (an image, a list of
     images or None; an image is a path, bytes, a PIL image or a base64 data URL); each image
-    replaces, in order, one ``image_token_id`` of its prompt by its span (docs/vision.md)."""
+    replaces, in order, one ``image_token_id`` of its prompt by its span (docs/vision.md).
+    ``speculative="dspark"``: decode with the model's DSpark draft layers, verifying ``draft_tokens``
+    drafts per step (an int up to the draft's block size, or ``"auto"``: chosen each step from the
+    confidence head and the device's cost table); greedy output is the target's, sampled output is
+    distributed as the target's (docs/speculative.md). Decode steps then run eagerly (no CUDA graphs)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
         raise ValueError(f"prefill: expected one of {list(PREFILLS)}, got {prefill!r}")
     prefix.check_replay(prefix_replay)
     t0 = time.perf_counter()  # image preprocessing counts towards the prefill time
+    draft_tokens = spec.check_options(model, speculative, draft_tokens)
     seqs, images = _with_images(model, _as_sequences(prompts), images)
     if generator is None and seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
-    capacity = max(map(len, seqs)) + max_new_tokens
+    capacity = max(map(len, seqs)) + max_new_tokens + (model.cfg.dspark_block_size if speculative else 0)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     order, states, logits = [], [], []
     given = kv_budget
@@ -151,6 +157,14 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     sync()
     t1 = time.perf_counter()
     first_logits = step_logits
+    if speculative is not None:
+        rows, stats = spec.decode(model, state, step_logits, max_new_tokens, temperature, generator, eos_token_id,
+                                  draft_tokens, report)
+        sync()
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        out = [rows[i] for i in inverse]
+        return GenerateResult(out, sum(map(len, seqs)), sum(map(len, out)), t1 - t0, time.perf_counter() - t1,
+                              first_logits[inverse], state, None, _image_tokens(images), stats.as_dict())
     if cuda_graph is None:
         cuda_graph = model.device.type == "cuda"
     graphs = StepCapture(model, state) if cuda_graph else None
@@ -170,5 +184,8 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     t2 = time.perf_counter()
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return GenerateResult(out, sum(map(len, seqs)), sum(map(len, out)), t1 - t0, t2 - t1,
-                          first_logits[inverse], state, graphs.stats if graphs else None,
-                          sum(item.n_tokens for row in images for _, item in row))
+                          first_logits[inverse], state, graphs.stats if graphs else None, _image_tokens(images))
+
+
+def _image_tokens(images) -> int:
+    return sum(item.n_tokens for row in images for _, item in row)

@@ -207,12 +207,13 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         quiet: bool = False, threads: int | None = None, kv_budget: int | None = None,
         prefill_chunk: int | None = None, cuda_graph: bool | None = None, prefix_cache: str | None = None,
         chat: str | None = None, system: str | None = None, thinking: bool = True, effort=None,
-        images=None, weights_seed: int = 0) -> dict:
+        images=None, weights_seed: int = 0, speculative: str | None = None, draft_tokens="auto") -> dict:
     """The whole job; returns the report as a dict (the CLI prints it). ``chat`` replaces
     ``prompt`` with a chat turn (``system``, ``thinking``, ``effort``: chat_format.render).
     ``images``: image files (or other image sources) shown before the text (docs/vision.md).
     ``seed`` seeds sampling; ``weights_seed`` picks the built-in models' weights (a checkpoint
-    directory is used as it is)."""
+    directory is used as it is). ``speculative="dspark"``: decode with the model's draft layers,
+    ``draft_tokens`` (an int or ``"auto"``) drafts verified per step (docs/speculative.md)."""
     images = [images] if isinstance(images, (str, bytes, os.PathLike)) else list(images or ())
     if chat is not None:  # bad chat input fails before the model loads
         chat_messages(chat, system)
@@ -243,7 +244,8 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
                           prefix_cache=cache, eos_token_id=tok.eos_id if chat is not None else None,
                           kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph,
-                          progress=phase_progress(not quiet), images=[images] if images else None)
+                          progress=phase_progress(not quiet), images=[images] if images else None,
+                          speculative=speculative, draft_tokens=draft_tokens)
         families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
                     for fam, ops in OP_FAMILIES.items()}
     ttft_load = t_gen - t0 + result.prefill_seconds  # the first token's logits, from the start of loading
@@ -270,5 +272,6 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "window_state_bytes": state.window_bytes(), "peak_memory_bytes": peak_memory_bytes(dev),
         "kv_budget": kv_budget, "kv_tiers": state.tier_stats(), "step_capture": result.step_capture,
         "profile": profile.name, "engram_placement": m.engram_placement, "memory": memory_report(dev, sizes),
+        "speculative": result.speculative,
         "prefix_cache": None if cache is None else {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses},
     }

@@ -51,27 +51,43 @@ class Compressor:
         return latent, ((pos + 1) // r - 1).unsqueeze(1), ((pos + 1) % r == 0).unsqueeze(1)
 
     def _chunk(self, h, ctx: StepContext):
-        """A chunk of S tokens starting at the same position in every row: reads the pending
-        group, pools the groups the chunk completes; the new pending group is committed with the
+        """A chunk of S tokens per row, each row from its own position: row ``b``'s inputs are its
+        pending group (``pos % r`` slots) followed by the chunk, laid out from its group start (rows
+        of one start share the layout; other rows are padded and their extra groups masked). Pools
+        the groups each row completes; the inputs of the new pending group are staged with the
         call (a failed call leaves the old one for its retry)."""
         cache, r = ctx.state.compressed[self.layer], self.ratio
-        starts = set(ctx.state.host_positions)
-        if len(starts) != 1:
-            raise ValueError(f"input_ids: a multi-token chunk must start at the same position in every row, got {sorted(starts)}")
-        p0 = starts.pop()
-        pend = p0 % r
         x = h.to(torch.float32)
-        kv = torch.cat([cache.kv_state[:, :pend], ops.linear(x, self.wkv)], dim=1)
-        score = torch.cat([cache.score_state[:, :pend], ops.linear(x, self.wgate)], dim=1)
-        B, L, D = kv.shape
-        n, rem = divmod(L, r)
-        ctx.state.write_partial(self.layer, kv[:, n * r:], score[:, n * r:])  # the next pending group
+        new_kv, new_score = ops.linear(x, self.wkv), ops.linear(x, self.wgate)
+        B, S, D = new_kv.shape
+        pos = ctx.positions[:, 0]
+        pend = pos % r
+        starts = ctx.state.host_positions
+        pends = [p % r for p in starts]
+        if len(set(pends)) == 1:  # one layout: the pending slots, then the chunk
+            kv = torch.cat([cache.kv_state[:, :pends[0]], new_kv], dim=1)
+            score = torch.cat([cache.score_state[:, :pends[0]], new_score], dim=1)
+            ends = [pends[0] + S] * B
+        else:
+            width = max(pends) + S
+            j = torch.arange(width, device=h.device).unsqueeze(0)
+            src = torch.where(j < pend.unsqueeze(1), j, (j - pend.unsqueeze(1)).clamp(0, S - 1) + r)
+            take = lambda old, new: torch.cat([old, new], dim=1).gather(1, src.unsqueeze(-1).expand(-1, -1, D))
+            kv, score = take(cache.kv_state, new_kv), take(cache.score_state, new_score)
+            ends = [p + S for p in pends]
+        first = pos - pend
+        groups = [e // r for e in ends]
+        # the next pending group; a chunk longer than the window is only ever kept whole: its tail
+        off = 0 if S <= self.cfg.window_size else min(groups) * r
+        ctx.state.write_partial(self.layer, kv[:, off:], score[:, off:], first + off, pos + S)
+        n = max(groups)
         if n == 0:
             return None, None, None
         pooled = ops.compress_pool(kv[:, : n * r].reshape(B, n, r, D), score[:, : n * r].reshape(B, n, r, D))
         latent = ops.rms_norm(pooled.to(h.dtype), self.norm, self.cfg.norm_eps)
-        entry = (p0 // r + torch.arange(n, device=h.device)).unsqueeze(0).expand(B, n)
-        return latent, entry, torch.ones_like(entry, dtype=torch.bool)
+        j = torch.arange(n, device=h.device).unsqueeze(0)
+        entry = first.unsqueeze(1) // r + j
+        return latent, entry, j < torch.tensor(groups, device=h.device).unsqueeze(1)
 
     def _store(self, latent, entry, mask, ctx: StepContext) -> None:
         cfg, rd = self.cfg, self.cfg.rope_head_dim

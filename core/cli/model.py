@@ -49,6 +49,10 @@ def add_run(sub) -> None:
                    help="persistent prefix cache directory (TTL and size cap from the profile)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on CUDA devices)")
+    p.add_argument("--speculative", choices=("dspark",), default=None,
+                   help="speculative decoding with the model's DSpark draft layers (docs/speculative.md)")
+    p.add_argument("--draft-tokens", type=_draft_tokens, default="auto", metavar="K|auto",
+                   help="drafts verified per step with --speculative: 1..block size, or auto (default)")
     p.add_argument("--no-check-weights", action="store_true", help="skip the NaN / Inf check of the weights at load")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group (docs/parallel.md)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups; tp x ep ranks, one per device")
@@ -59,6 +63,15 @@ def add_run(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_simulation_options(p)
     p.set_defaults(func=cmd_run)
+
+
+def _draft_tokens(text: str):
+    """--draft-tokens: ``auto`` or a positive int (the model checks it against its block size)."""
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {text!r}")
+    return int(text)
 
 
 def cmd_run(args) -> int:
@@ -78,7 +91,7 @@ def cmd_run(args) -> int:
                      threads=args.threads, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
                      cuda_graph=args.cuda_graph, prefix_cache=args.prefix_cache, chat=args.chat, system=args.system,
                      thinking=args.thinking, effort=args.effort, images=args.image,
-                     weights_seed=args.weights_seed)
+                     weights_seed=args.weights_seed, **_speculative_args(args))
     if report is None:  # a torchrun rank other than 0: rank 0 prints
         return 0
     if args.json:
@@ -110,6 +123,11 @@ def cmd_run(args) -> int:
         print(f"prefix cache {pc['root']}: {pc['hits']} hit(s), {pc['misses']} miss(es)")
     if r.get("parallel"):
         _print_parallel(r["parallel"])
+    sp = r.get("speculative")
+    if sp:
+        print(f"speculative (dspark): acceptance {sp['acceptance_rate']:.1%}, {sp['mean_accepted_length']:.2f} tokens per "
+              f"verify step, {sp['rounds']} verify + {sp['plain_steps']} plain steps, draft {sp['draft_seconds']:.2f} s, "
+              f"verify {sp['verify_seconds']:.2f} s")
     g = r["step_capture"]
     if g:
         print(f"decode steps: {g['replayed']} replayed from CUDA graphs, {g['captured']} captured, "
@@ -124,6 +142,15 @@ def _print_memory(r: dict) -> None:
     sized = mem["kv_budget_bytes"] and mem["sized_from_bytes"]
     print(f"profile {r['profile']} (Engram tables: {r['engram_placement']}){cap}"
           + (f"; KV budget {_human(mem['kv_budget_bytes'])} from {_human(mem['sized_from_bytes'])}" if sized else ""))
+
+
+def _speculative_args(args) -> dict:
+    """--speculative / --draft-tokens for run() (a parallel run takes neither: refused there)."""
+    if args.speculative is None:
+        return {}
+    if args.tp != 1 or args.ep != 1:
+        raise ValueError("--speculative: not available with --tp / --ep yet")
+    return {"speculative": args.speculative, "draft_tokens": args.draft_tokens}
 
 
 def _print_parallel(p: dict) -> None:

@@ -113,6 +113,14 @@ class PagedIndexK:
         """Give ``row``'s pages back to the pool."""
         self.pool.release(self.detach_row(row))
 
+    def trim_row(self, row: int, entries: int) -> None:
+        """Give back ``row``'s pages past those holding entries ``< entries`` (a rolled-back step's)."""
+        keep = -(-entries // self.pool.P)
+        if len(self.pages[row]) > keep:
+            self.pool.release(self.pages[row][keep:])
+            self.pages[row] = self.pages[row][:keep]
+            self.table[row, keep:] = TRASH_PAGE
+
     def adopt_row(self, row: int, pages: list[int]) -> None:
         """``row`` takes over ``pages`` (of the same pool, no copy); its own go back first."""
         self.clear_row(row)

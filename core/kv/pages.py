@@ -85,17 +85,18 @@ class PagePool:
         """Pages held by sequences on either tier (the trash page excluded)."""
         return self.device_pages - len(self.free_dev) + self.host.shape[0] - len(self.free_host)
 
-    def release(self, table: "BlockTable") -> None:
-        """Give every page of ``table`` back (device and host tier); the table is left empty."""
-        for tier, page in table.pages:
+    def release(self, table: "BlockTable", keep: int = 0) -> None:
+        """Give the pages of ``table`` past its first ``keep`` back (device and host tier)."""
+        for tier, page in table.pages[keep:]:
             if tier == "dev":
                 self.fifo.pop(page, None)
                 self.locked.discard(page)
                 self.free_dev.append(page)
             else:
                 self.free_host.append(page)
-        table.pages, table.cold = [], 0
-        table.changed.clear()
+                table.cold -= 1
+        table.pages = table.pages[:keep]
+        table.changed = {j for j in table.changed if j < keep}
 
     def _grow_device(self) -> None:
         n = self.dev.shape[0]
@@ -176,12 +177,37 @@ class PagedMainKV:
         self._host_ids = torch.full_like(self._dev_ids, -1)  # on the device
         self._host_ids_cpu = torch.full(width, -1, dtype=torch.long)
 
-    def reserve(self, row: int, entries: int) -> None:
-        """Make room (device pages, locked for this step) for entries ``< entries`` of ``row``."""
+    def lock_from(self, row: int, first: int) -> None:
+        """Keep ``row``'s device pages from entry ``first`` on (a partly filled last page the step
+        writes into) on the device for this step: a spill would send the write to a page the row
+        no longer owns."""
+        for tier, page in self.tables[row].pages[first // self.pool.P:]:
+            if tier == "dev":
+                self.pool.locked.add(page)
+
+    def reserve(self, row: int, entries: int, first: int | None = None) -> None:
+        """Make room (device pages, locked for this step) for entries ``< entries`` of ``row``;
+        ``first``: the first entry the step writes: a page from there on that was spilled to the
+        host (a partly filled page of a row whose batch was prefilled apart) comes back first."""
         table, P = self.tables[row], self.pool.P
+        for j in range(len(table.pages) if first is None else first // P, len(table.pages)):
+            if table.pages[j][0] == "host":
+                self._promote(table, j)
         while len(table.pages) * P < entries:
             table.pages.append(("dev", self.pool.alloc(table, len(table.pages))))
             table.changed.add(len(table.pages) - 1)
+
+    def _promote(self, table: BlockTable, logical: int) -> None:
+        """Move host page ``logical`` of ``table`` back to a (locked) device page."""
+        pool, host = self.pool, table.pages[logical][1]
+        page = pool.alloc(table, logical)
+        u8 = torch.uint8
+        pool.dev.data.view(u8)[page].copy_(pool.host.data.view(u8)[host].to(pool.device))
+        pool.dev.scale.view(u8)[page].copy_(pool.host.scale.view(u8)[host].to(pool.device))
+        pool.free_host.append(host)
+        table.pages[logical] = ("dev", page)
+        table.changed.add(logical)
+        table.cold -= 1
 
     def detach_row(self, row: int) -> BlockTable:
         """Hand ``row``'s block table (and so its pages) to another owner; the row is left with no
@@ -196,6 +222,16 @@ class PagedMainKV:
     def clear_row(self, row: int) -> None:
         """Give ``row``'s pages back to the pool."""
         self.pool.release(self.detach_row(row))
+
+    def trim_row(self, row: int, entries: int) -> None:
+        """Give back ``row``'s pages past those holding entries ``< entries`` (a rolled-back step's)."""
+        table, keep = self.tables[row], -(-entries // self.pool.P)
+        if len(table.pages) <= keep:
+            return
+        self.pool.release(table, keep)
+        if row < self._dev_ids.shape[0]:
+            for ids in (self._dev_ids, self._host_ids, self._host_ids_cpu):
+                ids[row, keep:] = -1
 
     def adopt_row(self, row: int, table: BlockTable) -> None:
         """``row`` takes over ``table`` (pages of the same pool, no copy); its own go back first."""

@@ -22,7 +22,7 @@ in place. Positions and the Engram history move in :meth:`KVState.advance` only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +31,7 @@ from .util import empty_qtensor, grown, write_rows
 from .index import IndexPool, PagedIndexK
 from .pages import PagedMainKV, PagePool
 from .paged import PagedKeys
+from .staged import Staged, commit_partial, write_kept
 from .sizes import DEFAULT_PAGE_ENTRIES, entry_bytes, fixed_bytes_for, index_pages_for  # noqa: F401 (named here too)
 
 WINDOW_FORMATS = ("fp8", "int8")  # int8 (per-32, UE8M0) on devices with no FP8, e.g. Ascend 910B
@@ -44,17 +45,6 @@ class CompressedCache:
     index_k: PagedIndexK | QTensor  # device pages; QTensor [B, capacity // ratio, Di] only on meta
     kv_state: torch.Tensor | None  # fp32 [B, ratio, head_dim] (ratio > 1)
     score_state: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class Staged:
-    """The writes of the current call that wait for :meth:`KVState.commit`."""
-
-    rings: list = field(default_factory=list)  # (layer, (row, slot), kv QTensor [B, n, D])
-    partials: list = field(default_factory=list)  # (layer, kv, score) fp32 [B, rem, D]
-
-    def __bool__(self) -> bool:
-        return bool(self.rings or self.partials)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +76,7 @@ class KVState:
         # positions below ring_start[l] are not in layer l's ring (CED / bounded replay)
         self.ring_start = {l: torch.zeros(batch, dtype=torch.long, device=self.device) for l in self.rings}
         self._staged = Staged()  # a chunk's ring and partial-group writes, until commit()
+        self._chunk_len = 0  # tokens per row of the current call (begin_step)
         n_hist = max(cfg.engram_max_ngram_size - 1, 0)
         self.engram_history = torch.full((batch, n_hist), -1, dtype=torch.long, device=self.device)
         self.pool = pool or (None if self.is_meta else self._pool(kv_budget, page_entries))
@@ -143,29 +134,54 @@ class KVState:
         return 0 if self.pool is None else self.pool.generation + self.index_pool.generation
 
     # ----- steps -------------------------------------------------------------------------------
-    def advance(self, tokens: int, engram_history: torch.Tensor | None = None) -> None:
+    def advance(self, tokens, engram_history: torch.Tensor | None = None) -> None:
         """Every row has run ``tokens`` more positions (and its Engram history is now
         ``engram_history``, when given); what the step staged is committed first. Until then a
-        failed step leaves the state as it was for a retry."""
-        self.commit()
+        failed step leaves the state as it was for a retry.
+
+        ``tokens`` a list (one count per row, each at most the chunk's length): row ``b`` keeps only
+        the first ``tokens[b]`` tokens of the chunk just run (speculative verification): rings and
+        the pending group take only those, and main-KV / index-K pages reserved past them go back
+        to the pools. Entries the chunk wrote past them are never read before they are rewritten."""
+        counts = [tokens] * self.batch if isinstance(tokens, int) else list(tokens)
+        if len(counts) != self.batch:
+            raise ValueError(f"tokens: expected one count per row ({self.batch}), got {len(counts)}")
+        self.commit(counts)
         if engram_history is not None:
             self.engram_history = engram_history
-        self.positions += tokens
-        self.host_positions = [p + tokens for p in self.host_positions]
+        if isinstance(tokens, int):
+            self.positions += tokens
+        else:
+            self.positions += torch.tensor(counts, dtype=torch.long).to(self.device)
+            self.trim_rows([p + c for p, c in zip(self.host_positions, counts)])
+        self.host_positions = [p + c for p, c in zip(self.host_positions, counts)]
+
+    def trim_rows(self, positions: list[int]) -> None:
+        """Give back main-KV and index-K pages past the entries of ``positions[b]`` tokens."""
+        if self.is_meta:
+            return
+        for l, c in self.compressed.items():
+            for row, pos in enumerate(positions):
+                c.main.trim_row(row, pos // self.cfg.ratio(l))
+                c.index_k.trim_row(row, pos // self.cfg.ratio(l))
 
     def begin_step(self, tokens: int) -> None:
         """Before a chunk of ``tokens`` per row: room for its index K and main-KV pages; what a
         failed call staged is dropped."""
         if self._staged:
             self._staged = Staged()
+        self._chunk_len = tokens
         self.ensure_capacity(max(self.host_positions) + tokens)
         if self.is_meta:
             return
         self.pool.unlock()
+        for l, c in self.compressed.items():  # before any page is allocated (an allocation may spill)
+            for row, pos in enumerate(self.host_positions):
+                c.main.lock_from(row, pos // self.cfg.ratio(l))
         for l, c in self.compressed.items():
             r = self.cfg.ratio(l)
             for row, pos in enumerate(self.host_positions):
-                c.main.reserve(row, (pos + tokens) // r)
+                c.main.reserve(row, (pos + tokens) // r, pos // r)
                 c.index_k.reserve(row, (pos + tokens) // r)
 
     def ensure_capacity(self, positions: int) -> None:
@@ -276,23 +292,33 @@ class KVState:
             kv = QTensor(kv.data[:, tail].clone(), kv.scale[:, tail].clone(), kv.fmt, (kv.shape[0], W, kv.shape[-1]))
         self._staged.rings.append((layer, slots, kv))
 
-    def write_partial(self, layer: int, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """After a chunk, ``layer``'s compressor's pending group: ``kv`` / ``score`` fp32 [B, rem, D]
-        become its slots ``[0, rem)`` at :meth:`commit` (the chunk read the old ones)."""
+    def write_partial(self, layer: int, kv: torch.Tensor, score: torch.Tensor, first: torch.Tensor,
+                      end: torch.Tensor) -> None:
+        """After a chunk, the source of ``layer``'s pending group: ``kv`` / ``score`` fp32 [B, n, D]
+        hold the compressor inputs of positions ``first[b] + j`` (``first`` int64 [B], a group
+        start) up to ``end[b]`` (the chunk's end); :meth:`commit` moves those of the group each
+        row ends in to its slots ``[0, rem)`` (the chunk read the old ones)."""
         if kv.shape[1] and not self.is_meta:  # copied: the chunk's projections are not kept until the commit
-            self._staged.partials.append((layer, kv.clone(), score.clone()))
+            self._staged.partials.append((layer, kv.clone(), score.clone(), first, end))
 
-    def commit(self) -> None:
-        """Write what the current call staged (a chunk's ring tokens and pending groups)."""
-        staged = self._staged
+    def commit(self, counts: list[int] | None = None) -> None:
+        """Write what the current call staged (a chunk's ring tokens and pending groups); with
+        ``counts``, row ``b`` takes only its chunk's first ``counts[b]`` tokens."""
+        staged, L = self._staged, self._chunk_len
         if not staged:
             return
+        cut = None if counts is None or all(c == L for c in counts) else L - torch.tensor(counts)
+        keep = None
+        if cut is not None and staged.rings:
+            n = staged.rings[0][2].shape[1]
+            if n < L:
+                raise ValueError(f"counts: keeping part of a chunk needs it in the window ({L} > {n} tokens)")
+            keep = (torch.arange(n).unsqueeze(0) < n - cut.unsqueeze(1)).reshape(-1).to(self.device)
         for layer, slots, kv in staged.rings:
-            write_rows(self.rings[layer], *slots, kv)
-        for layer, kv, score in staged.partials:
-            cache = self.compressed[layer]
-            cache.kv_state[:, :kv.shape[1]] = kv
-            cache.score_state[:, :score.shape[1]] = score
+            write_kept(self.rings[layer], slots, kv, keep)
+        for layer, kv, score, first, end in staged.partials:
+            commit_partial(self.compressed[layer], self.cfg.ratio(layer), kv, score, first,
+                           end if cut is None else end - cut.to(end.device))
         self._staged = Staged()
 
     # ----- compressed caches -------------------------------------------------------------------
@@ -355,7 +381,7 @@ class KVState:
                                    qs[0].fmt, (out.batch, *qs[0].shape[1:]))
         out.rings = {l: cat_q([s.rings[l] for s in states]) for l in first.rings}
         out.ring_start = {l: torch.cat([s.ring_start[l] for s in states]) for l in first.ring_start}
-        out._staged = Staged()
+        out._staged, out._chunk_len = Staged(), 0
         out.compressed = {}
         for l, c in first.compressed.items():
             parts = [s.compressed[l] for s in states]
