@@ -127,3 +127,26 @@ def test_moe_up_quantizes_x_itself(rng, monkeypatch, launches, promote, fmt, E, 
     assert torch.equal(fused, unfused)
     _, want = run_both("moe_experts", x, rw, idx, *w, 10.0)
     assert rel_err(fused, want) < 1e-3
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("B,S,hc,D", [(1, 1, 4, 27), (2, 9, 3, 40)])
+def test_hc_coefficients_finish_in_kernel(rng, monkeypatch, launches, splits, B, S, hc, D):
+    """A split K's partials summed and finished by each token tile's last split program: one launch,
+    the finish kernel's results bit for bit (the same sums in the same order)."""
+    mhc = pytest.importorskip("flashrt.kernels_cuda.mhc")
+    monkeypatch.setitem(mhc.TILES, "hc_coefficients_fp32", {**mhc.TILES["hc_coefficients_fp32"], "BLOCK_K": 16})
+    x = _randn(rng, B, S, hc, D, scale=2.0)
+    fn = _randn(rng, (2 + hc) * hc, hc * D) / (hc * D) ** 0.5
+    scale, base = (torch.rand(3, generator=rng) * 2 + 0.1).to(DEVICE), _randn(rng, (2 + hc) * hc, scale=0.5)
+    args = (x, fn, scale, base, 5, 1e-6, 1e-6)
+    got = mhc.hc_coefficients(*args, splits=splits)
+    assert launches == ["_hc_coefficients_kernel"]
+    _counters_zero()
+    _retile(monkeypatch, mhc.TILES, "hc_finish", {**mhc.TILES["hc_finish"], "in_kernel": False})
+    two = mhc.hc_coefficients(*args, splits=splits)
+    assert launches[1:] == ["_hc_coefficients_kernel", "_hc_finish_kernel"]
+    with flashrt.use_backend("reference"):
+        want = ops.hc_coefficients(*args)
+    for a, b, c in zip(got, two, want):
+        assert torch.equal(a, b) and rel_err(a, c) < 1e-5
