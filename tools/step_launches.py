@@ -1,6 +1,6 @@
 """GPU kernel launches one decode step makes, per layer and per op, counted on CPU.
 
-    TRITON_INTERPRET=1 FLASHRT_BACKEND=cuda python tools/step_launches.py --model small --batch 1
+    TRITON_INTERPRET=1 FLASHRT_BACKEND=cuda python tools/step_launches.py --model small --batch 1 --vocab 512
 
 Runs the static-buffer decode step (engine/step_capture.py, eager) as ``step_ops.py`` does, and
 counts what each would be on a CUDA device: every Triton kernel launch (counted at the
@@ -88,6 +88,16 @@ def install(rec: Launches) -> None:
     _ops._impl, InterpretedFunction.run, _block.Block.forward = impl, run, forward
 
 
+def as_device(sms: int) -> None:
+    """Plan launches as on a GPU with ``sms`` SMs: the interpreter reports one, which would never
+    split K (the GEMM launchers split when the output tiles do not fill the SMs)."""
+    from flashrt.kernels_cuda import linear, linear_plain
+
+    linear.num_sms = lambda: sms
+    plan = linear_plain._plan
+    linear_plain._plan = lambda *a: plan(*a[:-1], sms)
+
+
 def measure(model, batch: int, prompt: int) -> Launches:
     """The launches of one static decode step after a ``prompt``-token prefill and one warm step."""
     from flashrt.engine.step_capture import StepCapture
@@ -130,16 +140,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=40)
     ap.add_argument("--top", type=int, default=80)
+    ap.add_argument("--sms", type=int, default=132, help="SMs the launchers plan for (H200: 132)")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="a smaller vocabulary (the head's launches sit outside the layers; the interpreter runs it slowly)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("step_launches.py counts interpreted launches: run it with TRITON_INTERPRET=1 FLASHRT_BACKEND=cuda")
     step_ops.cuda_then_reference_on_cpu()
+    as_device(args.sms)
     from flashrt.graphs.config import shipped_config
     from flashrt.graphs.init_weights import init_weights
     from flashrt.graphs.model import Model
 
     cfg = shipped_config(args.model)
+    if args.vocab:
+        cfg = cfg.replace(vocab_size=args.vocab)
     model = Model(cfg, init_weights(cfg, seed=0, device="cpu"))
     rec = measure(model, args.batch, args.prompt)
     out = summary(rec, {l: cfg.role(l) for l in range(cfg.n_layers)})
