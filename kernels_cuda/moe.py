@@ -5,7 +5,8 @@ The (token, slot) pairs are sorted by expert with a table of row tiles, each ins
 be captured in a CUDA graph). Then three kernels:
 
 1. ``_moe_up_kernel``: per (row tile, column tile of I), W1 and W3 over the fp8 activations of the
-   tile's tokens (rows gathered by token id), the SwiGLU epilogue in fp32 (gate and up rounded to
+   tile's tokens (rows gathered by token id; up to ``fused_max_tokens`` tokens quantized in the kernel
+   from x, past that by one ``act_quant`` launch first), the SwiGLU epilogue in fp32 (gate and up rounded to
    x.dtype first, clamp, silu, times the routing weight), h rounded to x.dtype and quantized to fp8
    per 32 (the input W2 sees, as ``linear`` would quantize it), stored in pair order;
 2. ``_moe_down_kernel``: per (row tile, column tile of D), W2 over h, output rounded to x.dtype;
