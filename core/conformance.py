@@ -42,6 +42,8 @@ def _cases(dev, g):
     yield "rms_norm", (r(64, 1024), f32(1024), 1e-6)
     yield "rms_norm", (r(64, 1024), r(1024), 1e-6)  # the model's bf16 norm weights
     yield "rope", (r(2, 16, 8, 64), torch.polar(torch.ones(16, 32), torch.rand(16, 32, generator=g)).to(dev), False)
+    tail = torch.polar(torch.ones(2, 16, 32), torch.rand(2, 16, 32, generator=g)).to(dev)
+    yield "rope", (r(2, 16, 8, 512), tail, True)  # the model's: the last 64 of 512 channels, per-row positions
     yield "quantize", (f32(64, 512), "fp8")
     yield "quantize", (f32(64, 512), MAIN_KV_FORMAT)
     yield "dequantize", (ops.quantize(f32(64, 512), "fp4_b32"), torch.float32)

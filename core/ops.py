@@ -38,18 +38,25 @@ def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> tor
     """Rotary embedding of ``x [S, R]``, ``[B, S, R]`` or ``[B, S, H, R]`` (R even) -> like ``x``.
 
     Adjacent pairs ``(x[2i], x[2i+1])`` form one complex number multiplied by
-    ``freqs_cis [S, R/2]`` (complex64; ``[B, S, R/2]`` gives each sequence its own positions),
-    or by its conjugate when ``inverse``. Computed in fp32, cast back to ``x.dtype``.
+    ``freqs_cis [S, P]`` (complex64; ``[B, S, P]`` gives each sequence its own positions),
+    or by its conjugate when ``inverse``. ``P = R/2`` rotates every pair; ``1 <= P < R/2`` rotates
+    only the last ``2P`` channels (table entry ``i`` on the ``i``-th of the last ``P`` pairs) and
+    copies the first ``R - 2P`` unchanged. Computed in fp32, cast back to ``x.dtype``.
     """
     c.tensor("x", x, None, {}, c.FLOATS)
     if x.dim() not in (2, 3, 4) or x.shape[-1] % 2:
         raise ValueError(f"x: expected [S, R], [B, S, R] or [B, S, H, R] with R even, got shape {tuple(x.shape)}")
     seq_axis = 1 if x.dim() >= 3 else 0
-    env = {"S": x.shape[seq_axis], "R/2": x.shape[-1] // 2, "B": x.shape[0]}
-    spec = "B S R/2" if freqs_cis.dim() == 3 else "S R/2"
+    pairs = x.shape[-1] // 2
+    fdim = freqs_cis.dim() if isinstance(freqs_cis, torch.Tensor) else 0
+    if fdim in (2, 3) and not 1 <= freqs_cis.shape[-1] <= pairs:
+        raise ValueError(f"freqs_cis: expected a last dim P in [1, {pairs}] (x's R/2 pairs), got shape "
+                         f"{tuple(freqs_cis.shape)}")
+    env = {"S": x.shape[seq_axis], "P": freqs_cis.shape[-1] if fdim in (2, 3) else pairs, "B": x.shape[0]}
+    spec = "B S P" if fdim == 3 else "S P"
     c.tensor("freqs_cis", freqs_cis, spec, env, (torch.complex64,), x.device)
     if freqs_cis.dim() == 3 and x.dim() == 2:
-        raise ValueError(f"freqs_cis: per-sequence [B, S, R/2] needs x with a batch dim, got x shape {tuple(x.shape)}")
+        raise ValueError(f"freqs_cis: per-sequence [B, S, P] needs x with a batch dim, got x shape {tuple(x.shape)}")
     return _impl("rope", x.device)(x, freqs_cis, bool(inverse))
 
 

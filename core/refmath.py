@@ -36,6 +36,9 @@ def rms_norm(x, weight, eps):
 
 
 def rope(x, freqs_cis, inverse):
+    rot = 2 * freqs_cis.shape[-1]
+    if rot < x.shape[-1]:  # the last 2P channels rotate, the rest is copied
+        return torch.cat([x[..., :-rot], rope(x[..., -rot:], freqs_cis, inverse)], dim=-1)
     # contiguous: view_as_complex needs even strides, which a sliced x (e.g. q[..., -R:]) may lack
     xc = torch.view_as_complex(x.to(torch.float32).contiguous().reshape(*x.shape[:-1], x.shape[-1] // 2, 2))
     f = freqs_cis.conj() if inverse else freqs_cis

@@ -127,5 +127,8 @@ class RopeCache:
 
 
 def rope_tail(x: torch.Tensor, factors: torch.Tensor, rd: int, inverse: bool = False) -> torch.Tensor:
-    """Rotary embedding on the last ``rd`` channels of ``x`` [B, S, (H,) D]."""
-    return torch.cat([x[..., :-rd], ops.rope(x[..., -rd:], factors, inverse)], dim=-1)
+    """Rotary embedding on the last ``rd`` channels of ``x`` [B, S, (H,) D] (``factors`` [.., rd/2]:
+    ``ops.rope`` copies the other channels in the same call)."""
+    if factors.shape[-1] * 2 != rd:
+        raise ValueError(f"factors: expected rd/2 = {rd // 2} pairs, got shape {tuple(factors.shape)}")
+    return ops.rope(x, factors, inverse)

@@ -85,6 +85,10 @@ def rope(x, freqs_cis, inverse):
     if why:
         fallback("rope", why)
         return ref.rope(x, freqs_cis, inverse)
+    head = x.shape[-1] // 2 - freqs_cis.shape[-1]
+    if head:  # a tail table: the head pairs get the factor 1 + 0i (r1 = 1, r2 = 0): copied (a -0.0 may come back +0.0)
+        one = torch.ones(*freqs_cis.shape[:-1], head, dtype=freqs_cis.dtype, device=freqs_cis.device)
+        freqs_cis = torch.cat([one, freqs_cis], dim=-1)
     r1, r2 = _coefficients(x, freqs_cis, inverse)
     x4 = _bsnd(x.to(torch.float32).contiguous())
     out = operator("rope", "npu_rotary_mul")(x4, r1, r2, rotary_mode="interleave")

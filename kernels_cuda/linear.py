@@ -26,11 +26,11 @@ import triton.language as tl
 from flashrt import jit_targets, profiles
 from flashrt.jit_triton import interpreted
 from flashrt.families import KernelFamily, Support
-from flashrt.tile_checks import DOT, POW2, Tile, gemm_smem
+from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
 from flashrt.formats import QTensor
-from flashrt.kernels_cuda import quant
+from flashrt.kernels_cuda import quant, splitk
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, split_k, zeros_stored
+from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, split_k, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
 
@@ -52,6 +52,9 @@ TILES = {
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
     # docs/performance.md, linear fp8_w)
     "bf16_gemm_min_rows": None,
+    # up to this many rows the GEMM quantizes x itself (no act_quant launch) and a split K is summed
+    # by the tile's last program (no sum and cast launches); 0: never
+    "fused_max_rows": 64,
 }
 
 
@@ -122,8 +125,12 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     split = split_k(tiles, cdiv(k, t["BLOCK_K"]), _tiles()["split_k"], num_sms())
     k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
     split = cdiv(k, k_split)
-    return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=dtype if split == 1 else torch.float32,
-                constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"], **t))
+    fused = m <= _tiles()["fused_max_rows"]
+    reduce = fused and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
+    out_dtype = dtype if split == 1 or reduce else torch.float32
+    return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=out_dtype, fused=fused, reduce=reduce,
+                constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"],
+                                OUT=TL_DTYPES[out_dtype], QX=fused, REDUCE=reduce, **t))
 
 
 def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -155,14 +162,19 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor) -> torch.Tensor:
         return _bf16_gemm(x2, weight).view(*x.shape[:-1], n)
     key = (m, n, k, x.dtype, weight.fmt)
     plan = PLANS.lookup(key)[1] or PLANS.store(key, _linear_plan(m, n, k, x.dtype, weight.fmt))
-    xq, sx = act_quant(x2)
     data, scale = weight_operands(weight)
     split = plan["split"]
-    out = torch.empty(split, m, n, dtype=plan["out_dtype"], device=x.device)
+    if plan["fused"]:
+        xq = sx = last_dense(x2)  # quantized inside the kernel
+    else:
+        xq, sx = act_quant(x2)
+    out = torch.empty(1 if plan["reduce"] else split, m, n, dtype=plan["out_dtype"], device=x.device)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if plan["reduce"] else out
+    cnt = splitk.counters(x.device) if plan["reduce"] else out
     _linear_kernel[plan["grid"]](
-        xq, sx, data, scale, out, m, n, k, plan["k_split"], xq.stride(0), sx.stride(0), data.stride(0),
-        scale.stride(0), out.stride(1), out.stride(0), **plan["constexprs"])
-    out = out[0] if split == 1 else out.sum(0).to(x.dtype)
+        xq, sx, data, scale, out, ws, cnt, m, n, k, plan["k_split"], split, xq.stride(0), sx.stride(0),
+        data.stride(0), scale.stride(0), out.stride(1), out.stride(0), **plan["constexprs"])
+    out = out[0] if split == 1 or plan["reduce"] else out.sum(0).to(x.dtype)
     return out.view(*x.shape[:-1], n)
 
 
@@ -194,7 +206,8 @@ def warmup_cases(device, d: dict, dtype):
 SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
 TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": DOT, "linear.BLOCK_N": SCALED,
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
-               "fp8_mma": Tile(nullable=True, kind=bool), "bf16_gemm_min_rows": Tile(nullable=True, kind=int)}
+               "fp8_mma": Tile(nullable=True, kind=bool), "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
+               "fused_max_rows": COUNT0}
 
 
 FAMILY = KernelFamily(

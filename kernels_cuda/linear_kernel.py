@@ -14,7 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashrt.kernels_cuda.codecs import e2m1_x16384, e4m3_x256, e8m0_to_f32, pow2, to_out
+from flashrt.kernels_cuda.codecs import e2m1_x16384, e4m3_x256, e8m0_to_f32, pow2, quant_fp8
+from flashrt.kernels_cuda.splitk import store_tile
 
 
 @triton.jit
@@ -52,14 +53,30 @@ def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn,
 
 
 @triton.jit
-def _a_block(a_rows, sa_rows, row_ok, k0, k_hi, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Dequantized activations [BLOCK_M, BLOCK_K] at k0 as DOT (a_rows / sa_rows: row pointers)."""
+def _x_fp8(a_rows, ok, kg, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Float activations x[:, kg + 0..31] quantized in registers to ``fp8`` (what act_quant stores):
+    (E4M3 bytes uint8 [BLOCK_M, G, 32], UE8M0 bytes int32 [BLOCK_M, G])."""
+    x = tl.load(a_rows[:, None, None] + kg[None, :, None] + tl.arange(0, 32)[None, None, :],
+                mask=ok[:, :, None], other=0.0).to(tl.float32)
+    q, s = quant_fp8(x)
+    return q.to(tl.uint8), s
+
+
+@triton.jit
+def _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """Dequantized activations [BLOCK_M, BLOCK_K] at k0 as DOT (a_rows / sa_rows: row pointers; with
+    QX, a_rows point at float rows quantized here and sa_rows is unused)."""
     G: tl.constexpr = BLOCK_K // 32
     kg = k0 + tl.arange(0, G) * 32
     ok = row_ok[:, None] & (kg < k_hi)[None, :]
-    a = tl.load(a_rows[:, None, None] + kg[None, :, None] + tl.arange(0, 32)[None, None, :],
-                mask=ok[:, :, None], other=0)
-    sa = e8m0_to_f32(tl.load(sa_rows[:, None] + (kg // 32)[None, :], mask=ok, other=0).to(tl.int32)) * 256.0
+    if QX:
+        a, sb = _x_fp8(a_rows, ok, kg, G, BLOCK_M)
+    else:
+        a = tl.load(a_rows[:, None, None] + kg[None, :, None] + tl.arange(0, 32)[None, None, :],
+                    mask=ok[:, :, None], other=0)
+        sb = tl.load(sa_rows[:, None] + (kg // 32)[None, :], mask=ok, other=0).to(tl.int32)
+    sa = e8m0_to_f32(sb) * 256.0
     return tl.reshape(e4m3_x256(a).to(tl.float32) * sa[:, :, None], (BLOCK_M, BLOCK_K)).to(DOT)
 
 
@@ -92,24 +109,32 @@ def _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn,
 @triton.jit
 def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
             FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] of xq @ w.T over K in [k_lo, k_hi) (and of xq @ w3.T when DUAL)."""
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr = False):
+    """fp32 [BLOCK_M, BLOCK_N] of xq @ w.T over K in [k_lo, k_hi) (and of xq @ w3.T when DUAL).
+    QX: ``a_rows`` point at float activation rows, quantized to fp8 per 32 in registers (the bytes
+    ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if PROMOTE:
             for kk in tl.static_range(BLOCK_K // 32):
                 k1 = k0 + kk * 32
-                offs_k = k1 + tl.arange(0, 32)
-                a = tl.load(a_rows[:, None] + offs_k[None, :], mask=row_ok[:, None] & (offs_k < k_hi)[None, :], other=0)
-                sa = tl.load(sa_rows + k1 // 32, mask=row_ok & (tl.full([BLOCK_M], k1, tl.int32) < k_hi), other=0)
-                sa = e8m0_to_f32(sa.to(tl.int32))
+                if QX:
+                    kg = k1 + tl.arange(0, 1) * 32
+                    a, sb = _x_fp8(a_rows, row_ok[:, None] & (kg < k_hi)[None, :], kg, 1, BLOCK_M)
+                    a, sa = tl.reshape(a, (BLOCK_M, 32)), e8m0_to_f32(tl.reshape(sb, (BLOCK_M,)))
+                else:
+                    offs_k = k1 + tl.arange(0, 32)
+                    a = tl.load(a_rows[:, None] + offs_k[None, :], mask=row_ok[:, None] & (offs_k < k_hi)[None, :],
+                                other=0)
+                    sa = tl.load(sa_rows + k1 // 32, mask=row_ok & (tl.full([BLOCK_M], k1, tl.int32) < k_hi), other=0)
+                    sa = e8m0_to_f32(sa.to(tl.int32))
                 a = _e4m3_operand(a, DOT)
                 acc = _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, DOT, BLOCK_N)
                 if DUAL:
                     acc3 = _promote(acc3, a, sa, w3_ptr, sw3_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, DOT, BLOCK_N)
         else:
-            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, DOT, BLOCK_M, BLOCK_K)
+            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
             b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K)
             acc = tl.dot(a, tl.trans(b), acc)
             if DUAL:
@@ -119,10 +144,13 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
 
 
 @triton.jit
-def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, M, N, K, k_split,
+def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_splits,
                    stride_xm, stride_sxm, stride_wn, stride_swn, stride_om, stride_os,
-                   FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, OUT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   QX: tl.constexpr, REDUCE: tl.constexpr):
+    """One output tile's K range. QX: xq_ptr holds the float x (quantized here). REDUCE: the tile's
+    splits meet in :func:`.splitk.store_tile`; otherwise split s stores at out + s * stride_os."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_n  # grouped order: GROUP_M row tiles share each weight tile in L2
@@ -135,8 +163,9 @@ def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, M, N, K, k_split,
     r64 = rows.to(tl.int64)
     acc, _ = _k_loop(xq_ptr + r64 * stride_xm, sx_ptr + r64 * stride_sxm, rows < M, w_ptr, sw_ptr, w_ptr, sw_ptr,
                      n0, N, k_lo, tl.minimum(k_lo + k_split, K), stride_wn, stride_swn,
-                     FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+                     FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    ptrs = out_ptr + tl.program_id(1) * stride_os + r64[:, None] * stride_om + offs_n[None, :]
     ok = (rows < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(ptrs, to_out(acc, out_ptr.dtype.element_ty), mask=ok)
+    out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os
+    store_tile(acc, out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, offs_n, ok, stride_om, M, N,
+               OUT, REDUCE)

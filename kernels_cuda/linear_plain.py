@@ -13,7 +13,8 @@ weight (a weight read, an fp32 write and an fp32 GEMM that reads twice the bytes
   fp32 GEMM; an fp32 FMA dot is more accurate but slower end to end (both measured in
   docs/performance.md, plain-weight linear with fp32 inputs).
 
-The output is ``x.dtype``; few output tiles (decode) split K over programs and sum fp32 partials.
+The output is ``x.dtype``; few output tiles (decode) split K over programs, each tile's last program
+summing the fp32 partials (:mod:`.splitk`).
 Under the Triton interpreter the dot operands are fp32 (exact for these values) and fp32 -> bf16
 rounding is done by hand (:func:`.codecs.to_out`).
 """
@@ -26,8 +27,8 @@ import triton.language as tl
 from flashrt.jit_triton import interpreted
 from flashrt.families import KernelFamily
 from flashrt.tile_checks import DOT, Tile
+from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.codecs import to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count, split_k
 
 TILES = {
@@ -37,15 +38,17 @@ TILES = {
         (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
     ),
     "split_k": None,  # None: split K when the output tiles do not fill the SMs; or a forced count
+    "reduce_in_kernel": True,  # a split K summed by each tile's last program (False: sum and cast launches)
 }
 PLANS = PlanCache("linear_plain", TILES)  # the active tiles and the launch plans made with them
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_split, stride_xm, stride_wn, stride_om, stride_os,
-                         SPLIT3: tl.constexpr, DOT: tl.constexpr, WDT: tl.constexpr, OUT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_splits, stride_xm, stride_wn,
+                         stride_om, stride_os, SPLIT3: tl.constexpr, DOT: tl.constexpr, WDT: tl.constexpr,
+                         OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         REDUCE: tl.constexpr):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,8 +72,10 @@ def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_split, stride_xm, str
             acc = tl.dot(lo.to(DOT), wt, acc, input_precision="ieee")
         else:
             acc = tl.dot(x.to(DOT), wt, acc, input_precision="ieee")
-    out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, to_out(acc, OUT), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    out = out_ptr if REDUCE else out_ptr + pid_k.to(tl.int64) * stride_os
+    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    splitk.store_tile(acc, out, ws_ptr, cnt_ptr, pid_n + pid_m * tl.num_programs(0), pid_k, n_splits, offs_m, offs_n,
+                      ok, stride_om, M, N, OUT, REDUCE)
 
 
 def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch.dtype, sms: int) -> dict:
@@ -81,11 +86,13 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
     split = split_k(out_tiles, blocks, tiles["split_k"], sms)
     k_split = cdiv(blocks, split) * t["BLOCK_K"]
     split = cdiv(k, k_split)
-    out_dtype = odt if split == 1 else torch.float32
+    reduce = split > 1 and tiles["reduce_in_kernel"] and splitk.fits(out_tiles) and split * m * n < 2 ** 31
+    out_dtype = odt if split == 1 or reduce else torch.float32
     dot = tl.float32 if interpreted() else TL_DTYPES[wdt]
     return dict(grid=(cdiv(n, t["BLOCK_N"]), cdiv(m, t["BLOCK_M"]), split), split=split, k_split=k_split,
-                out_dtype=out_dtype, constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=TL_DTYPES[wdt],
-                                                     OUT=TL_DTYPES[out_dtype], **t))
+                out_dtype=out_dtype, reduce=reduce,
+                constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=TL_DTYPES[wdt], OUT=TL_DTYPES[out_dtype],
+                                REDUCE=reduce, **t))
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -103,10 +110,13 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype |
         sms = 1 if interpreted() else sm_count(x.device)
         plan = PLANS.store(key, _plan(m, n, k, x.dtype, weight.dtype, out_dtype, sms))
     w = last_dense(weight)
-    out = torch.empty(plan["split"], m, n, dtype=plan["out_dtype"], device=x.device)
-    _plain_linear_kernel[plan["grid"]](x2, w, out, m, n, k, plan["k_split"], x2.stride(0), w.stride(0), out.stride(1),
-                                       out.stride(0), **plan["constexprs"])
-    out = out[0] if plan["split"] == 1 else out.sum(0).to(out_dtype)
+    split, reduce = plan["split"], plan["reduce"]
+    out = torch.empty(1 if reduce else split, m, n, dtype=plan["out_dtype"], device=x.device)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if reduce else out
+    cnt = splitk.counters(x.device) if reduce else out
+    _plain_linear_kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["k_split"], split, x2.stride(0), w.stride(0),
+                                       out.stride(1), out.stride(0), **plan["constexprs"])
+    out = out[0] if split == 1 or reduce else out.sum(0).to(out_dtype)
     return out.view(*x.shape[:-1], n)
 
 
@@ -141,6 +151,6 @@ def _bf16_tile_bytes(t: dict) -> int:
 FAMILY = KernelFamily(
     "linear_plain",
     tiles=TILES, tile_checks={"plain.BLOCK_M": DOT, "plain.BLOCK_N": DOT, "plain.BLOCK_K": DOT,
-                              "split_k": Tile(nullable=True, kind=int)},
+                              "split_k": Tile(nullable=True, kind=int), "reduce_in_kernel": Tile(kind=bool)},
     smem={"plain": _bf16_tile_bytes}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="linear with a plain bf16 / fp16 weight (fp32 accumulation)")

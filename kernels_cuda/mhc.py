@@ -4,7 +4,8 @@
 split in two ``tl.dot`` accumulators: the ``2hc`` pre/post rows (``PP`` columns, padded to 16)
 and the ``hc x hc`` comb rows laid out as an ``HCP x HCP`` square (``HCP = max(4, pow2(hc))``).
 A program owns ``BLOCK_T`` tokens and a K range; with few tokens K is split over programs
-(partials in a workspace, reduced by ``_hc_finish_kernel``), otherwise the same program runs
+(partials in a workspace, summed by each token tile's last split program, :mod:`.splitk`, or by
+``_hc_finish_kernel`` when ``hc_finish.in_kernel`` is off), otherwise the same program runs
 the epilogue: rsqrt(mean v**2), sigmoids, softmax and the Sinkhorn iterations in registers.
 Dot precision: bf16 ``x`` on the GPU multiplies ``fn`` split into ``FN_PARTS`` bf16 terms
 (``x`` is exact in bf16, so 3 parts give fp32 accuracy on the tensor cores); otherwise an
@@ -18,15 +19,16 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import INTERPRETED, to_out
 from flashrt.families import Dim, KernelFamily, Support
-from flashrt.tile_checks import DOT, POW2
+from flashrt.tile_checks import DOT, POW2, Tile
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
+from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda import warmup as _warmup
 
 TILES = {
     # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on
     "hc_coefficients": {"BLOCK_K": 128, "FN_PARTS": 3, "PROGRAMS": 264, "BLOCK_T_MAX": 64, "BIG_T": 2048},
     "hc_coefficients_fp32": {"BLOCK_K": 64, "BLOCK_T_MAX": 32},  # fp32 FMA dot (ieee): 64 tokens spill
-    "hc_finish": {"BLOCK_T": 32, "num_warps": 4},
+    "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True},  # in_kernel: the last split program finishes
     "hc_mix": {"BLOCK_D": 1024, "num_warps": 4},
 }
 
@@ -112,11 +114,13 @@ def _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post
 
 
 @triton.jit
-def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, ws_p, ws_c, ws_s,
-                            T, K, x_row_stride, k_per_split, iters, eps, norm_eps,
+def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, ws_p, ws_c, ws_s, cnt_ptr,
+                            T, K, x_row_stride, k_per_split, n_splits, iters, eps, norm_eps,
                             HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, HCP: tl.constexpr,
                             PP: tl.constexpr, DOT_BF16: tl.constexpr, FN_PARTS: tl.constexpr,
-                            SPLIT: tl.constexpr):
+                            SPLIT: tl.constexpr, FINISH: tl.constexpr):
+    """One (token tile, K split). SPLIT: partials to the workspace, and with FINISH the token tile's
+    last split program (a ticket from its counter, :mod:`.splitk`) sums them and runs the epilogue."""
     t0 = tl.program_id(0) * BLOCK_T
     split = tl.program_id(1)
     k_lo = split * k_per_split
@@ -132,16 +136,22 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
         tl.store(ws_p + row[:, None] * PP + p[None, :], acc_p, mask=tm[:, None])
         tl.store(ws_c + row[:, None] * (HCP * HCP) + c[None, :], acc_c, mask=tm[:, None])
         tl.store(ws_s + row, ssq, mask=tm)
+        if FINISH:
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if ticket == n_splits - 1:
+                _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t0, T, K, n_splits,
+                           iters, eps, norm_eps, HC, BLOCK_T, HCP, PP)
+                tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
     else:
         _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
                      norm_eps, HC, BLOCK_T, HCP, PP)
 
 
 @triton.jit
-def _hc_finish_kernel(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_splits,
-                      iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr,
-                      PP: tl.constexpr):
-    t0 = tl.program_id(0) * BLOCK_T
+def _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t0, T, K, n_splits,
+               iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr):
+    """The split partials of tokens t0 + [0, BLOCK_T) summed in split order, then the epilogue."""
     t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
     tm = t < T
     p = tl.arange(0, PP)
@@ -151,11 +161,20 @@ def _hc_finish_kernel(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, 
     ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for s in range(n_splits):
         row = s * T + t
-        acc_p += tl.load(ws_p + row[:, None] * PP + p[None, :], mask=tm[:, None], other=0.0)
-        acc_c += tl.load(ws_c + row[:, None] * (HCP * HCP) + c[None, :], mask=tm[:, None], other=0.0)
-        ssq += tl.load(ws_s + row, mask=tm, other=0.0)
+        acc_p += tl.load(ws_p + row[:, None] * PP + p[None, :], mask=tm[:, None], other=0.0, cache_modifier=".cg")
+        acc_c += tl.load(ws_c + row[:, None] * (HCP * HCP) + c[None, :], mask=tm[:, None], other=0.0,
+                         cache_modifier=".cg")
+        ssq += tl.load(ws_s + row, mask=tm, other=0.0, cache_modifier=".cg")
     _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
                  norm_eps, HC, BLOCK_T, HCP, PP)
+
+
+@triton.jit
+def _hc_finish_kernel(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_splits,
+                      iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr,
+                      PP: tl.constexpr):
+    _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, tl.program_id(0) * BLOCK_T, T, K,
+               n_splits, iters, eps, norm_eps, HC, BLOCK_T, HCP, PP)
 
 
 def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool):
@@ -190,15 +209,19 @@ def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None
     dot_bf16 = x.dtype == torch.bfloat16 and not INTERPRETED
     block_t, block_k, num_warps, n_splits, k_per = _hc_plan(T, K, splits, dot_bf16)
     ws = [pre] * 3  # unused without a split
+    f = _tiles()["hc_finish"]
+    tiles = cdiv(T, block_t)
+    finish = n_splits > 1 and f["in_kernel"] and splitk.fits(tiles)
     if n_splits > 1:
         ws = [torch.empty(n_splits, T, n, dtype=torch.float32, device=dev) for n in (pp, hcp * hcp, 1)]
+    cnt = splitk.counters(dev) if finish else pre
     consts = dict(HC=hc, HCP=hcp, PP=pp)
-    _hc_coefficients_kernel[(cdiv(T, block_t), n_splits)](
-        x2, fn, scale, base, pre, post, comb, *ws, T, K, x2.stride(0), k_per, iters, float(eps), float(norm_eps),
-        BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16, FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"],
-        SPLIT=n_splits > 1, num_warps=num_warps, **consts)
-    if n_splits > 1:
-        f = _tiles()["hc_finish"]
+    _hc_coefficients_kernel[(tiles, n_splits)](
+        x2, fn, scale, base, pre, post, comb, *ws, cnt, T, K, x2.stride(0), k_per, n_splits, iters, float(eps),
+        float(norm_eps), BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
+        FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], SPLIT=n_splits > 1, FINISH=finish, num_warps=num_warps,
+        **consts)
+    if n_splits > 1 and not finish:
         _hc_finish_kernel[(cdiv(T, f["BLOCK_T"]),)](
             *ws, scale, base, pre, post, comb, T, K, n_splits, iters, float(eps), float(norm_eps),
             BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"], **consts)
@@ -282,6 +305,7 @@ FAMILY = KernelFamily(
     "mhc", ops={"hc_coefficients": hc_coefficients, "hc_collapse": hc_collapse, "hc_expand": hc_expand},
     supports={"hc_coefficients": _STREAMS, "hc_collapse": _STREAMS,
               "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
-    tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "hc_finish.BLOCK_T": POW2, "hc_mix.BLOCK_D": POW2},
+    tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "hc_finish.BLOCK_T": POW2,
+                              "hc_finish.in_kernel": Tile(kind=bool), "hc_mix.BLOCK_D": POW2},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="mHC: mixing coefficients (GEMV + Sinkhorn), collapse, expand")

@@ -5,7 +5,8 @@ The (token, slot) pairs are sorted by expert with a table of row tiles, each ins
 be captured in a CUDA graph). Then three kernels:
 
 1. ``_moe_up_kernel``: per (row tile, column tile of I), W1 and W3 over the fp8 activations of the
-   tile's tokens (rows gathered by token id), the SwiGLU epilogue in fp32 (gate and up rounded to
+   tile's tokens (rows gathered by token id; up to ``fused_max_tokens`` tokens quantized in the kernel
+   from x, past that by one ``act_quant`` launch first), the SwiGLU epilogue in fp32 (gate and up rounded to
    x.dtype first, clamp, silu, times the routing weight), h rounded to x.dtype and quantized to fp8
    per 32 (the input W2 sees, as ``linear`` would quantize it), stored in pair order;
 2. ``_moe_down_kernel``: per (row tile, column tile of D), W2 over h, output rounded to x.dtype;
@@ -21,8 +22,8 @@ import triton
 import triton.language as tl
 
 from flashrt.families import Dim, KernelFamily, Support
-from flashrt.tile_checks import DOT, POW2, gemm_smem
-from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, zeros_stored
+from flashrt.tile_checks import COUNT0, DOT, POW2, gemm_smem
+from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
 from flashrt.kernels_cuda import moe_tables
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
@@ -38,6 +39,7 @@ TILES = {
     ),
     "combine": dict(BLOCK_D=1024, num_warps=4),
     "route": moe_tables.ROUTE,  # the routing tables in one program up to max_pairs (token, slot) pairs
+    "fused_max_tokens": 64,  # up to this many tokens the up kernel quantizes x itself (no act_quant launch)
 }
 
 
@@ -71,7 +73,8 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
                    tile_e_ptr, tile_row_ptr, row_end_ptr, E, I, D, limit,
                    stride_xm, stride_sxm, stride_we, stride_wn, stride_swe, stride_swn, stride_hm, stride_shm,
                    FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, CLAMP: tl.constexpr, XDT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr):
+    """QX: xq_ptr holds the float x rows, quantized to fp8 in registers (sx_ptr unused)."""
     e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, BLOCK_M)
     if e >= E:  # past the last tile
         return
@@ -80,7 +83,7 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
     ew, es = e.to(tl.int64) * stride_we, e.to(tl.int64) * stride_swe
     g, u = _k_loop(xq_ptr + tok * stride_xm, sx_ptr + tok * stride_sxm, row_ok, w1_ptr + ew, sw1_ptr + es,
                    w3_ptr + ew, sw3_ptr + es, n0, I, 0, D, stride_wn, stride_swn,
-                   FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+                   FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX)
     rw = tl.load(rw_ptr + rows, mask=row_ok, other=0.0)
     h = _swiglu(g, u, rw, limit, CLAMP, XDT)
     q, s = quant_fp8(tl.reshape(h, (BLOCK_M, BLOCK_N // 32, 32)))  # fp8 bytes: E4M3 and UE8M0
@@ -121,7 +124,7 @@ def _moe_combine_kernel(y_ptr, pos_ptr, out_ptr, D, TOPK, stride_ym, stride_om, 
     tl.store(out_ptr + t * stride_om + offs, acc, mask=offs < D)
 
 
-def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t):
+def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t, qx: bool):
     (d1, s1), (d3, s3) = weight_operands(w1), weight_operands(w3)
     assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
     pairs, D = tab["tok"].shape[0], xq.shape[1]
@@ -133,7 +136,7 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t):
         xq, sx, tab["tok"], tab["rw"], d1, s1, d3, s3, hq, sh, tab["tile_e"], tab["tile_row"], tab["row_end"],
         w1.shape[0], I, D, limit, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1),
         hq.stride(0), sh.stride(0), FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0,
-        XDT=TL_DTYPES[xdtype], **t)
+        XDT=TL_DTYPES[xdtype], QX=qx, **t)
     return hq, sh
 
 
@@ -159,8 +162,9 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
         return torch.zeros(n, D, dtype=torch.float32, device=x.device)
     t = pick_tile(_tiles()["experts"], n * k / E)
     tab = moe_tables.route_tables(indices, weights, E, t["BLOCK_M"], _tiles()["route"])
-    xq, sx = act_quant(x)
-    hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t)
+    qx = n <= _tiles()["fused_max_tokens"]
+    xq, sx = (last_dense(x),) * 2 if qx else act_quant(x)
+    hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t, qx)
     y = _experts_down(hq, sh, tab, w2, D, x.dtype, t)
     c = _tiles()["combine"]
     out = torch.empty(n, D, dtype=torch.float32, device=x.device)  # every row is written: k >= 1
@@ -211,6 +215,6 @@ FAMILY = KernelFamily(
                                              "w2": WEIGHT_FORMATS}, dims={"w1[1]": Dim(0, None, 32)},
                                      extra=same_up_format)},
     tiles=TILES, tile_checks={"experts.BLOCK_M": DOT, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
-                              "combine.BLOCK_D": POW2},
+                              "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0},
     smem={"experts": gemm_smem}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="routed SwiGLU experts: grouped FP8 / FP4 GEMMs over routing tables")

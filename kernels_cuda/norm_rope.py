@@ -3,7 +3,8 @@
 ``rms_norm``: a program normalises ``BLOCK_M`` rows; a row that fits ``BLOCK_N`` is read once
 and kept in registers (``SINGLE``), a longer one is read twice (sum of squares, then scale).
 ``rope``: x is seen as ``[B, S, H, R]`` with its own strides (a slice such as ``q[..., -64:]``
-is read in place); a program rotates ``BLOCK_ROWS`` rows of the flattened (b, s, h), each with
+is read in place); a table of ``P < R/2`` pairs rotates the last ``2P`` channels and the first
+``R - 2P`` are copied in the same pass (the model's rope on a head's tail); a program rotates ``BLOCK_ROWS`` rows of the flattened (b, s, h), each with
 its table row (``torch.view_as_real`` of the complex table; per-sequence tables by batch stride,
 shared ones with stride 0), so ``[B, S, R]`` inputs get full tiles too.
 All math in fp32; outputs are contiguous in ``x.dtype``.
@@ -84,17 +85,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(x_ptr, f_ptr, out_ptr, n_rows, S, H, R, sxb, sxs, sxh, sfb, sfs, sfp,
+def _rope_kernel(x_ptr, f_ptr, out_ptr, n_rows, S, H, R, HEAD, sxb, sxs, sxh, sfb, sfs, sfp,
                  INVERSE: tl.constexpr, PAIRS_CONTIGUOUS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                  BLOCK_R: tl.constexpr):
+    """Rows of R channels: the first HEAD (even) copied, the rest rotated by the table's pairs."""
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # flattened (b, s, h); int32 divisions
     h = (row % H).to(tl.int64)
     s = ((row // H) % S).to(tl.int64)
     b = (row // (H * S)).to(tl.int64)
     c = tl.arange(0, BLOCK_R)
     m = (row < n_rows)[:, None] & (c < R)[None, :]
-    fc = c if PAIRS_CONTIGUOUS else (c // 2) * sfp + c % 2  # table pairs adjacent (sfp == 2): one vector load
-    f = tl.load(f_ptr + (b * sfb + s * sfs)[:, None] + fc[None, :], mask=m, other=0.0)
+    ct = c - HEAD  # table channel (negative: a copied head channel)
+    fc = ct if PAIRS_CONTIGUOUS else (ct // 2) * sfp + ct % 2  # table pairs adjacent (sfp == 2): one vector load
+    f = tl.load(f_ptr + (b * sfb + s * sfs)[:, None] + fc[None, :], mask=m & (ct >= 0)[None, :], other=0.0)
     fr, fi = tl.split(tl.reshape(f, (BLOCK_ROWS, BLOCK_R // 2, 2)))  # interleaved (re, im) pairs
     if INVERSE:
         fi = -fi
@@ -102,7 +105,7 @@ def _rope_kernel(x_ptr, f_ptr, out_ptr, n_rows, S, H, R, sxb, sxs, sxh, sfb, sfs
     xr, xi = tl.split(tl.reshape(x, (BLOCK_ROWS, BLOCK_R // 2, 2)))
     yr = xr * fr - xi * fi
     yi = xr * fi + xi * fr
-    y = tl.reshape(tl.join(yr, yi), (BLOCK_ROWS, BLOCK_R))
+    y = tl.where((c < HEAD)[None, :], x, tl.reshape(tl.join(yr, yi), (BLOCK_ROWS, BLOCK_R)))
     tl.store(out_ptr + row.to(tl.int64)[:, None] * R + c[None, :], to_out(y, out_ptr.dtype.element_ty), mask=m)
 
 
@@ -112,7 +115,7 @@ def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> tor
     x4 = x.unsqueeze(0) if x.dim() == 2 else x  # [S, R] -> [1, S, R]
     x4 = x4.unsqueeze(2) if x4.dim() == 3 else x4  # [B, S, R] -> [B, S, 1, R]
     B, S, H, R = x4.shape
-    f = torch.view_as_real(freqs_cis)  # [(B,) S, R/2, 2] fp32
+    f = torch.view_as_real(freqs_cis)  # [(B,) S, P, 2] fp32: the last 2P channels rotate
     assert f.dtype == torch.float32 and f.stride(-1) == 1
     sfb = f.stride(0) if f.dim() == 4 else 0
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -123,14 +126,14 @@ def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> tor
     block_r = next_pow2(R)
     block_rows = min(next_pow2(n_rows), max(1, t["TILE_ELEMS"] // block_r))
     _rope_kernel[(cdiv(n_rows, block_rows),)](
-        x4, f, out, n_rows, S, H, R, x4.stride(0), x4.stride(1), x4.stride(2), sfb, f.stride(-3), f.stride(-2),
+        x4, f, out, n_rows, S, H, R, R - 2 * f.shape[-2], x4.stride(0), x4.stride(1), x4.stride(2), sfb, f.stride(-3), f.stride(-2),
         INVERSE=bool(inverse), PAIRS_CONTIGUOUS=f.stride(-2) == 2, BLOCK_ROWS=block_rows, BLOCK_R=block_r, num_warps=t["num_warps"])
     return out
 
 
 def warmup_cases(device, d: dict, dtype):
     """rms_norm at every width the model normalises (bf16 weights); rope on the q, kv, index q and
-    compressed-entry tails (slices read in place), and the inverse on the attention output."""
+    compressed-entry rows with a table of the tail's pairs, and the inverse on the attention output."""
     rd, hd, ihd = d["rope_head_dim"], d["head_dim"], d["index_head_dim"]
     for n in _warmup.TOKENS:
         entries = sorted({n, max(1, n // 2)})
@@ -144,9 +147,9 @@ def warmup_cases(device, d: dict, dtype):
             shapes = [(1, m, hd), (1, m, ihd)] + ([(1, m, d["n_heads"], hd), (1, m, d["index_n_heads"], ihd)]
                                                    if m == n else [])
             for shape in shapes:
-                yield _warmup.Launch("rope", rope, (_warmup.rand(shape, dtype, device)[..., -rd:], f, False))
+                yield _warmup.Launch("rope", rope, (_warmup.rand(shape, dtype, device), f, False))
             if m == n:
-                o = _warmup.rand((1, m, d["n_heads"], hd), dtype, device)[..., -rd:]
+                o = _warmup.rand((1, m, d["n_heads"], hd), dtype, device)
                 yield _warmup.Launch("rope inverse", rope, (o, f, True))
     if "vision_dim" in d:  # the image encoder: bf16 rows of vision_dim, 2-D rope over whole heads
         vh, n = d["vision_dim"] // d["vision_n_heads"], d["vision_max_n_token"]

@@ -4,7 +4,7 @@ the compiler made of them: registers, spilled bytes, shared memory, and the SASS
 Costs no device time: use it to check a kernel change for spills and wgmma before timing it.
 
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
-    python tools/sm90_compile.py moe_route --B 8        # also linear_plain, moe_tables
+    python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc
 
 How: the launcher runs on CPU tensors as it would on an sm_90 GPU, each kernel specialization it
 launches recorded instead of compiled (:func:`flashrt.jit_compile.recording`, shared with
@@ -124,8 +124,52 @@ def moe_tables_call(B: int, S: int, cold: bool):
     return lambda: moe_tables.route_tables(idx, w, 384, 16)
 
 
+def _as_h200():
+    """The GEMM launchers' device queries answered as an H200 (fp8 MMA, 132 SMs)."""
+    from flashrt.kernels_cuda import linear
+
+    linear.supports_fp8_mma, linear.num_sms = (lambda: True), (lambda: 132)
+
+
+def linear_call(B: int, S: int, cold: bool):
+    """``small``'s fp8_w projections at decode rows: wq_a (512 x 1,024, K split, x quantized in the
+    kernel) and wo_b (1,024 x 2,048); and an fp4_w weight of the same shape."""
+    from flashrt.formats import QTensor
+    from flashrt.kernels_cuda import linear
+
+    _as_h200()
+    x, xo = torch.zeros(B * S, 1024, dtype=torch.bfloat16), torch.zeros(B * S, 2048, dtype=torch.bfloat16)
+    fp8 = lambda n, k: QTensor(torch.zeros(n, k, dtype=torch.float8_e4m3fn),
+                               torch.zeros(n // 32, k // 32, dtype=torch.uint8), "fp8_w", (n, k))
+    fp4 = QTensor(torch.zeros(512, 512, dtype=torch.uint8), torch.zeros(512, 32, dtype=torch.uint8), "fp4_w", (512, 1024))
+    return lambda: (linear.linear(x, fp8(512, 1024)), linear.linear(xo, fp8(1024, 2048)), linear.linear(x, fp4))
+
+
+def moe_call(B: int, S: int, cold: bool):
+    """``small``'s routed experts (32 x 512 x 1,024 fp4_w, top-4) and shared expert (fp8_w) over B * S tokens."""
+    from flashrt.kernels_cuda import moe
+    from flashrt.kernels_cuda.launch import zeros_stored
+
+    _as_h200()
+    n, D, I, E = B * S, 1024, 512, 32
+    w = lambda fmt, e: (zeros_stored(fmt, (e, I, D), None, "cpu"), zeros_stored(fmt, (e, I, D), None, "cpu"),
+                        zeros_stored(fmt, (e, D, I), None, "cpu"))
+    x, idx = torch.zeros(n, D, dtype=torch.bfloat16), torch.zeros(n, 4, dtype=torch.int32)
+    one, first = torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.int32)
+    return lambda: (moe.moe_experts(x, torch.rand(n, 4), idx, *w("fp4_w", E), 10.0),
+                    moe.moe_experts(x, one, first, *w("fp8_w", 1), 10.0))
+
+
+def mhc_call(B: int, S: int, cold: bool):
+    """``small``'s mixing coefficients (hc 4 x 1,024, bf16 x) over B * S tokens: K split, finished in the kernel."""
+    from flashrt.kernels_cuda import mhc
+
+    x, fn = torch.zeros(B, S, 4, 1024, dtype=torch.bfloat16), torch.zeros(24, 4096)
+    return lambda: mhc.hc_coefficients(x, fn, torch.ones(3), torch.zeros(24), 20, 1e-6, 1e-20)
+
+
 CALLS = {"attention": attention_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
-         "moe_tables": moe_tables_call}
+         "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call}
 
 
 def main(argv=None) -> None:

@@ -75,7 +75,7 @@ def cuda_then_reference_on_cpu() -> None:
     def resolve(choice, op, device_type):
         if choice == "cuda" and device_type == "cpu":
             found = dispatch.backends()
-            return dispatch._runner(op, [b for b in (found["cuda"], found["reference"]) if op in b.ops])
+            return dispatch._runner(op, [b for b in (found["cuda"], found["reference"]) if op in b.ops], device_type)
         return real(choice, op, device_type)
 
     dispatch._resolve = resolve

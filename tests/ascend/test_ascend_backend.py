@@ -96,6 +96,20 @@ def test_rope_uses_interleave_mode_with_1s1d_coefficients(npu_emulation, rng, la
     torch.testing.assert_close(s[:, ::2], -f0.imag if inverse else f0.imag)
 
 
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_table_pads_the_head_with_unit_factors(npu_emulation, rng, inverse):
+    """A table of P < R/2 pairs (the model's rope on a head's tail): one npu_rotary_mul over the whole
+    row with factor 1 + 0i on the head pairs, the head unchanged."""
+    x = torch.randn(2, 5, 3, 24, generator=rng).bfloat16()
+    ang = torch.rand(2, 5, 4, generator=rng) * 6
+    freqs = torch.polar(torch.ones_like(ang), ang)
+    got, want = run_both("rope", x, freqs, inverse)
+    assert rel_err(got, want) < 1e-2 and torch.equal(got[..., :16], x[..., :16])
+    call = npu_emulation.calls("npu_rotary_mul")[-1]
+    assert tuple(call["r1"].shape) == (1, 10, 1, 24)
+    assert torch.equal(call["r1"][..., :16], torch.ones(1, 10, 1, 16)) and not call["r2"][..., :16].any()
+
+
 def test_rope_falls_back_past_the_operator_limits(npu_emulation, rng):
     x = torch.randn(1, 2, 1000, 8, generator=rng)  # H >= 1000: interleave mode needs B * N < 1000
     freqs = torch.polar(torch.ones(2, 4), torch.rand(2, 4, generator=rng))

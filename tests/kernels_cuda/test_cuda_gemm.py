@@ -196,6 +196,8 @@ def test_supports_declines_plain_and_mixed_weights(rng):
 
 
 def test_cuda_backend_runs_these_kernels(rng, monkeypatch):
+    monkeypatch.setitem(lin.TILES, "fused_max_rows", 0)  # separate activation quantization (prefill sizes)
+    monkeypatch.setitem(moe.TILES, "fused_max_tokens", 0)
     calls = []
     monkeypatch.setattr(lin, "act_quant", lambda x, f=lin.act_quant: calls.append("linear") or f(x))
     monkeypatch.setattr(moe, "act_quant", lambda x, f=moe.act_quant: calls.append("moe") or f(x))

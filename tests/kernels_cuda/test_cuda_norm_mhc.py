@@ -73,6 +73,19 @@ def test_rope_on_a_slice(dtype, rng):
     _check(*run_both("rope", x, f, True), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,pairs,per_seq", [((2, 3, 3, 40), 8, False), ((2, 5, 24), 3, True), ((7, 10), 1, False)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_table(dtype, shape, pairs, per_seq, inverse, rng):
+    """A table of P < R/2 pairs: the last 2P channels rotate, the head is copied bit for bit, in one launch."""
+    x = _randn(shape, rng, dtype)
+    S = shape[1] if len(shape) >= 3 else shape[0]
+    f = _freqs(S, 2 * pairs, rng, shape[0] if per_seq else None)
+    got, want = run_both("rope", x, f, inverse)
+    _check(got, want, dtype)
+    assert torch.equal(got[..., :-2 * pairs], x[..., :-2 * pairs])
+
+
 def test_rope_odd_pairs_and_strided_table(rng):
     """R/2 not a power of two (padded lanes masked); a table whose complex entries are not adjacent."""
     x = _randn((2, 3, 2, 12), rng)

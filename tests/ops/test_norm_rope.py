@@ -133,6 +133,21 @@ def test_rope(dtype, shape, per_seq, inverse, rng):
     _close(y, _rope64(x, freqs, inverse), dtype, scale=3.0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,pairs,per_seq", [((5, 6), 1, False), ((2, 3, 10), 2, True), ((2, 3, 3, 16), 4, False),
+                                                 ((1, 2, 4, 64), 3, True)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_table(dtype, shape, pairs, per_seq, inverse, rng):
+    """A table of P < R/2 pairs rotates the last 2P channels and copies the others bit for bit."""
+    x = torch.randn(shape, generator=rng).to(dtype)
+    S = shape[1] if len(shape) >= 3 else shape[0]
+    freqs = _rand_freqs((shape[0], S, pairs) if per_seq else (S, pairs), rng)
+    y = ops.rope(x, freqs, inverse=inverse)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert torch.equal(y[..., :-2 * pairs], x[..., :-2 * pairs])
+    _close(y[..., -2 * pairs:], _rope64(x[..., -2 * pairs:], freqs, inverse), dtype, scale=3.0)
+
+
 @pytest.mark.parametrize("shape,per_seq", ROPE_CASES)
 def test_rope_inverse_undoes_forward(shape, per_seq, rng):
     g = rng
@@ -188,7 +203,7 @@ def test_rope_errors():
     with pytest.raises(ValueError, match="freqs_cis"):
         ops.rope(torch.randn(5, 6), f)  # S mismatch
     with pytest.raises(ValueError, match="freqs_cis"):
-        ops.rope(torch.randn(4, 8), f)  # R/2 mismatch
+        ops.rope(torch.randn(4, 4), f)  # more table pairs than x has (fewer: the tail rotates)
     with pytest.raises(ValueError, match="freqs_cis"):
         ops.rope(torch.randn(4, 6), f.to(torch.complex128))
     with pytest.raises(ValueError, match="freqs_cis"):

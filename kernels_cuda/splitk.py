@@ -1,0 +1,59 @@
+"""Split-K reduction inside the GEMM launch: the last program of an output tile sums the partials.
+
+A GEMM with few output tiles (decode) splits K over programs. Instead of writing fp32 partials and
+summing them with two more launches (``sum`` and a cast), each program of a tile stores its fp32
+partial into a workspace ``[splits, M, N]``, then takes a ticket from the tile's counter (an atomic
+add, acquire-release at GPU scope, after a barrier so every thread's stores are ordered before it).
+The program that draws the last ticket reads the partials in split order (a deterministic sum),
+rounds once to the output dtype, stores the tile, and puts the counter back to zero, so the
+counters are ready for the next launch without a memset (and inside a CUDA graph).
+
+The counters live in one zero-filled int32 pool per device, shared by every launch: launches on one
+stream run one after another and each leaves its counters at zero. :func:`counters` never allocates
+inside a CUDA-graph capture (the first eager call of a shape allocates; a capture reuses the pool).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashrt.kernels_cuda.codecs import to_out
+
+POOL = 1 << 14  # counters allocated per device (tiles of one split launch must fit; more: no fused reduction)
+_POOLS: dict = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's zero-filled int32 ticket counters (allocated once per device)."""
+    key = (device.type, device.index)
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _POOLS[key] = torch.zeros(POOL, dtype=torch.int32, device=device)
+    return pool
+
+
+def fits(tiles: int) -> bool:
+    """Whether a launch with ``tiles`` output tiles can reduce in place (one counter per tile)."""
+    return tiles <= POOL
+
+
+@triton.jit
+def store_tile(acc, out_ptr, ws_ptr, cnt_ptr, tile, split, n_splits, rows, cols, ok, stride_om, M, N,
+               OUT: tl.constexpr, REDUCE: tl.constexpr):
+    """Store fp32 ``acc`` (rows x cols of the output, mask ``ok``) rounded to ``OUT``; with REDUCE,
+    as partial ``split`` of ``n_splits``, the last program of ``tile`` storing the ordered sum."""
+    r64 = rows.to(tl.int64)
+    if REDUCE:
+        part = ws_ptr + r64[:, None] * N + cols[None, :]
+        tl.store(part + split.to(tl.int64) * M * N, acc, mask=ok)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_splits - 1:
+            total = tl.zeros(acc.shape, tl.float32)
+            for s in range(n_splits):
+                total += tl.load(part + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + r64[:, None] * stride_om + cols[None, :], to_out(total, OUT), mask=ok)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.store(out_ptr + r64[:, None] * stride_om + cols[None, :], to_out(acc, OUT), mask=ok)
