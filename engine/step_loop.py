@@ -214,14 +214,16 @@ class StepLoop:
             return False
         counts, logits0, emitted = out
         state.rewind_rows([r for r, o in enumerate(self.slots.owner) if o is None])
-        for seq in seqs:
-            seq.computed += counts[seq.slot]
-            if seq.slot in emitted:
-                for t in emitted[seq.slot]:  # tokens past a stop are dropped: the sequence ends there
+        placed = [(seq, seq.slot) for seq in seqs]  # a sequence ending below may move the others' rows
+        for seq, row in placed:
+            seq.computed += counts[row]
+        for seq, row in placed:
+            if row in emitted:
+                for t in emitted[row]:  # tokens past a stop are dropped: the sequence ends there
                     if seq.finished or self._emit(seq, Sampled(t), touched):
                         break
             elif seq.computed == len(seq.tokens):
-                due.append((seq, logits0, seq.slot))
+                due.append((seq, logits0, row))
         return True
 
     def _sample(self, due: list, touched: set) -> None:
