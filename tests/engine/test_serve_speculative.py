@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flashrt import cli
 from flashrt.engine import Engine, EngineConfig, SamplingParams
-from flashrt.engine.outputs import visible_text
+from flashrt.engine.outputs import request_output, visible_text
 from flashrt.engine.sampling import SamplerRow, apply_penalties, make_generator
 from flashrt.engine.server.metrics import Metrics
 from flashrt.engine.spec_serve import ServeSpeculator, accept_sampled, processed_probs
@@ -33,14 +33,17 @@ PLAIN_ROWS = (SamplingParams(temperature=0, max_tokens=MAX, repetition_penalty=1
               SamplingParams(temperature=0, max_tokens=MAX, logprobs=2))
 
 
-def serve(engine, arrivals):
-    """``arrivals``: step -> [(prompt, params)]; the finished requests' outputs in arrival order."""
+def serve(engine, arrivals, deltas=None):
+    """``arrivals``: step -> [(prompt, params)]; the finished requests' sequences in arrival order.
+    ``deltas``: filled with each request's streamed token deltas, one per step that touched it."""
     core, reqs, done, step = engine.step_loop, [], {}, 0
+    deltas = {} if deltas is None else deltas
     while step <= max(arrivals) or core.has_work:
         for prompt, params in arrivals.get(step, []):
             req = core.add(f"r{len(reqs)}", prompt, params)
             reqs.append(req)
         for req in core.step():
+            deltas.setdefault(req.id, []).append(request_output(req).outputs[0].delta_token_ids)
             if req.finished:
                 done[req.id] = req.seqs[0]
         step += 1
@@ -116,8 +119,12 @@ def test_oracle_draft_ragged_acceptance_equals_plain_and_metrics(model, workload
     engine = Engine(model, speculative="dspark", draft_tokens=3, **SMALL)
     reference = {tuple(s.request.prompt): s.output for s in plain}
     monkeypatch.setattr(model.drafts, "draft", OracleDraft(engine, reference, torch.Generator().manual_seed(7), 0.3))
-    got = serve(engine, workload)
+    deltas = {}
+    got = serve(engine, workload, deltas)
     check_same(model, workload, plain, got)
+    for seq in got:  # a step streams the tokens it accepted together
+        assert sum(deltas[seq.request.id], []) == seq.output
+    assert max(len(d) for seq in got[:2] for d in deltas[seq.request.id]) > 1
     s = engine.stats()
     assert 0 < s["spec_accepted"] < s["spec_drafted"]
     assert s["spec_acceptance_rate"] == pytest.approx(s["spec_accepted"] / s["spec_drafted"])
