@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from flashrt.kv.state import KVState
 
 from .generation import profile_kv_sizes
+from .speculative import SPECULATIVE, check_options
 
 
 DEFAULT_STEP_TOKENS = 2048  # a step's token budget without a hardware profile
@@ -28,6 +29,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # decode from captured CUDA graphs (None: on CUDA devices)
     eos_token_id: int | None = None
     seed: int | None = None  # seeds the generators of requests that give no seed
+    speculative: str | None = None  # "dspark": decode batches draft and verify (docs/speculative.md)
+    draft_tokens: int | str = "auto"  # drafts verified per round (1 .. block size) or "auto"
 
     def __post_init__(self):
         positive = ("max_running", "max_step_tokens", "prefill_chunk", "max_model_len", "max_waiting",
@@ -40,12 +43,19 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+        if self.speculative is not None and self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative: expected one of {list(SPECULATIVE)} or None, got {self.speculative!r}")
+        d = self.draft_tokens
+        if d != "auto" and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"draft_tokens: expected an int >= 1 or 'auto', got {d!r}")
         if self.max_step_tokens is not None and self.max_step_tokens < self.prefill_chunk:
             raise ValueError(f"max_step_tokens: expected at least prefill_chunk ({self.prefill_chunk}), "
                              f"got {self.max_step_tokens}")
 
     def resolve(self, model) -> "EngineConfig":
         """Fill in what depends on the model: the context length, the step budget (its profile's)."""
+        if self.speculative is not None:  # the model's draft layers and block size
+            self.draft_tokens = check_options(model, self.speculative, self.draft_tokens)
         if self.max_model_len is None:
             self.max_model_len = model.cfg.max_seq_len
         if self.max_step_tokens is None:
@@ -55,6 +65,8 @@ class EngineConfig:
         return self
 
     def graphs_on(self, model) -> bool:
+        if self.speculative is not None:  # verify chunks run eagerly (docs/speculative.md)
+            return False
         return model.device.type == "cuda" if self.cuda_graphs is None else bool(self.cuda_graphs)
 
     def make_pool(self, model):

@@ -286,4 +286,15 @@ class Engine:
             "prefix_queries": core.prefix.queries, "prefix_hits": core.prefix.hits,
             "prefix_query_tokens": core.prefix.query_tokens, "prefix_hit_tokens": core.prefix.hit_tokens,
             "prefix_hit_rate": core.prefix.hit_rate, "swap_bytes": core.swap_used,
+            **self.speculative_stats(),
         }
+
+    def speculative_stats(self) -> dict:
+        """With ``speculative``: the rounds' statistics (:class:`~flashrt.engine.speculative.SpecStats`)
+        as ``spec_*`` keys; empty without."""
+        spec = self.step_loop.spec
+        if spec is None:
+            return {}
+        d = spec.stats.as_dict()
+        d.pop("k_counts")
+        return {f"spec_{k}": v for k, v in d.items()}

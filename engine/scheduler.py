@@ -79,8 +79,9 @@ class Plan:
 
 class Scheduler:
     def __init__(self, cfg, page_entries: int, max_running: int, max_step_tokens: int, chunk: int,
-                 max_pages: int | None):
+                 max_pages: int | None, decode_tokens: int = 1):
         self.cfg, self.P = cfg, page_entries
+        self.decode_tokens = decode_tokens  # positions a running sequence may add in one step (speculation: k + 1)
         self.counts = ratio_counts(cfg)  # pages_at runs for every sequence every step
         self.max_running, self.max_step_tokens, self.chunk, self.max_pages = max_running, max_step_tokens, chunk, max_pages
         self.waiting: deque[Sequence] = deque()  # WAITING or SWAPPED; the front goes first
@@ -113,13 +114,14 @@ class Scheduler:
         waiting); ``prepare(seq)`` readies a waiting sequence (prefix lookup) before it is costed."""
         free = float("inf") if self.max_pages is None else self.max_pages - used_pages - padding_pages
         plan = Plan()
-        need = sum(self.growth(s, 1) for s in self.running)
+        d = self.decode_tokens
+        need = sum(self.growth(s, d) for s in self.running)
         holders = sorted(self.running + self.prefilling, key=lambda s: s.order)
         while need > free and len(holders) > 1:  # the oldest always goes on: no livelock
             victim = holders.pop()
             free += self.pages(victim.computed)
             if victim.status is Status.RUNNING:
-                need -= self.growth(victim, 1)
+                need -= self.growth(victim, d)
             self._preempt(victim, preempt)
         free -= need
         plan.decode = sorted(self.running, key=lambda s: s.order)
@@ -143,7 +145,7 @@ class Scheduler:
         while self.waiting and holding < self.max_running:
             seq = self.waiting[0]
             if seq.status is Status.SWAPPED:
-                n, g = 1, self.pages(seq.computed + 1)
+                n, g = 1, self.pages(seq.computed + self.decode_tokens)
             else:
                 prepare(seq)
                 n = self.chunk_len(seq)

@@ -24,10 +24,11 @@ from .config import EngineConfig
 from .errors import PromptTooLong, QueueFull, RequestError
 from .images import chunk_spans, image_keys
 from .request import Request, Sequence, Status
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import Sampled, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, pages_at
 from .slots import DecodeSlots, MIN_ROWS
 from .snapshot import PrefixStore, restore_row, snapshot_row
+from .spec_serve import ServeSpeculator, speculative_row
 from .step_timing import COUNTERS, StepTimer
 
 log = logging.getLogger("flashrt.engine")
@@ -55,8 +56,11 @@ class StepLoop:
         self.pool, self.max_pages = config.make_pool(model)
         self.P = self.pool.P
         self.slots = DecodeSlots(model, self.pool, config.prefill_chunk, config.graphs_on(model))
+        self.spec = ServeSpeculator(model, config.draft_tokens) if config.speculative else None
+        # positions a decode row may run in one step: the verify chunk's with speculation
+        self.decode_tokens = model.cfg.dspark_block_size + 1 if self.spec else 1
         self.scheduler = Scheduler(model.cfg, self.P, config.max_running, config.max_step_tokens,
-                                   config.prefill_chunk, self.max_pages)
+                                   config.prefill_chunk, self.max_pages, self.decode_tokens)
         self.prefix = PrefixStore(config.prefill_chunk, config.prefix_cache_bytes, config.salt(model),
                                   config.prefix_disk(model))
         self.requests: dict[str, Request] = {}
@@ -134,7 +138,7 @@ class StepLoop:
     def step(self) -> list[Request]:
         """Run one scheduled step; returns the requests with new output."""
         sch = self.scheduler
-        padding = self.slots.padding_need(pages_at(self.cfg, self.P, 1))
+        padding = self.slots.padding_need(pages_at(self.cfg, self.P, self.decode_tokens))
         plan = sch.schedule(self.pool.pages_in_use, padding, self._preempt, self._prepare)
         self.counters["steps"] += 1
         touched, due = set(), []  # due: (sequence, logits [rows, vocab], its row) to sample
@@ -170,6 +174,8 @@ class StepLoop:
         return list(touched)
 
     def _decode(self, seqs: list[Sequence], due: list, touched: set) -> None:
+        if self.spec is not None and self._decode_speculative(seqs, due, touched):
+            return
         try:
             logits = self.slots.step({s.slot: s.tokens[s.computed] for s in seqs})
         except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
@@ -181,23 +187,67 @@ class StepLoop:
             if seq.computed == len(seq.tokens):
                 due.append((seq, logits, seq.slot))
 
+    def _decode_speculative(self, seqs: list[Sequence], due: list, touched: set) -> bool:
+        """One speculative round over the decode batch (engine/spec_serve.py); False when it ran
+        nothing on the target (no row may speculate, or ``k = 0``): a plain step follows."""
+        eos, limit = self.config.eos_token_id, self.config.max_model_len
+        rows = {s.slot: s.sampler_row(eos) for s in seqs}
+        rows = {s.slot: rows[s.slot] for s in seqs if speculative_row(s, rows[s.slot])}
+        if not rows:
+            return False
+        # drafts no row can use are not verified; no row's chunk may run past the context
+        want = max(s.request.max_tokens - len(s.output) for s in seqs if s.slot in rows) - 1
+        most = min([want] + [limit - 1 - s.computed for s in seqs])
+        if most <= 0:
+            return False
+        ids = [0] * self.slots.rows
+        for s in seqs:
+            ids[s.slot] = s.tokens[s.computed]
+        state = self.slots.state
+        try:
+            out = self.spec.round(state, torch.tensor(ids, dtype=torch.long, device=self.model.device), rows, most)
+        except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
+            for req in {s.request for s in seqs}:
+                self._fail(req, exc, touched)
+            return True
+        if out is None:
+            return False
+        counts, logits0, emitted = out
+        state.rewind_rows([r for r, o in enumerate(self.slots.owner) if o is None])
+        placed = [(seq, seq.slot) for seq in seqs]  # a sequence ending below may move the others' rows
+        for seq, row in placed:
+            seq.computed += counts[row]
+        for seq, row in placed:
+            if row in emitted:
+                for t in emitted[row]:  # tokens past a stop are dropped: the sequence ends there
+                    if seq.finished or self._emit(seq, Sampled(t), touched):
+                        break
+            elif seq.computed == len(seq.tokens):
+                due.append((seq, logits0, row))
+        return True
+
     def _sample(self, due: list, touched: set) -> None:
         eos = self.config.eos_token_id
         logits = gather_rows(due)
         for (seq, _, _), s in zip(due, sample(logits, [seq.sampler_row(eos) for seq, _, _ in due])):
-            if seq.finished:  # its request failed earlier in this step
-                continue
-            seq.append(s)
-            self.counters["generation_tokens"] += 1
-            req = seq.request
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            outputs.check_finish(seq, self.tokenizer, eos, self.config.max_model_len)
-            touched.add(req)
-            if seq.finish_reason is not None:
-                self._release(seq, seq.finish_reason)
-                if req.finished:
-                    self._finished(req, "finished")
+            if not seq.finished:  # else its request failed earlier in this step
+                self._emit(seq, s, touched)
+
+    def _emit(self, seq: Sequence, s: Sampled, touched: set) -> bool:
+        """Append a new token to ``seq``; True when the sequence ended with it."""
+        seq.append(s)
+        self.counters["generation_tokens"] += 1
+        req = seq.request
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        outputs.check_finish(seq, self.tokenizer, self.config.eos_token_id, self.config.max_model_len)
+        touched.add(req)
+        if seq.finish_reason is None:
+            return False
+        self._release(seq, seq.finish_reason)
+        if req.finished:
+            self._finished(req, "finished")
+        return True
 
     # ----- prefill ---------------------------------------------------------------------------------
     def _prepare(self, seq: Sequence) -> None:
@@ -297,7 +347,7 @@ class StepLoop:
         self.counters["recomputes"] += 1
 
     def _swap_in(self, seq: Sequence) -> None:
-        state = self.model.new_state(1, len(seq.tokens) + 1, pool=self.pool)
+        state = self.model.new_state(1, len(seq.tokens) + self.decode_tokens, pool=self.pool)
         restore_row(seq.snapshot, state, 0)
         self.swap_used -= seq.snapshot.nbytes
         seq.snapshot = None

@@ -35,6 +35,10 @@ def add_serve(sub) -> None:
                    help="host memory for preempted sequences (beyond it: drop and recompute)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="decode from captured CUDA graphs (default: on CUDA devices)")
+    p.add_argument("--speculative", default=None, choices=("dspark",),
+                   help="speculative decoding with the model's draft layers (docs/speculative.md)")
+    p.add_argument("--draft-tokens", default="auto", type=draft_tokens_arg, metavar="K|auto",
+                   help="drafts verified per round with --speculative (default auto: chosen each round)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0, help="weights seed of the built-in models")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: 1 for tiny on CPU)")
@@ -45,6 +49,19 @@ def add_serve(sub) -> None:
                    help="seconds a rank waits for its peers before the server fails (with --tp / --ep)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_serve)
+
+
+def draft_tokens_arg(value: str):
+    """``--draft-tokens``: ``auto`` or a positive int."""
+    if value == "auto":
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'auto', got {value!r}")
+    return k
 
 
 def cmd_serve(args) -> int:
@@ -68,7 +85,8 @@ def cmd_serve(args) -> int:
                           prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                           max_waiting=args.max_waiting, kv_budget=args.kv_budget, max_kv_pages=args.max_kv_pages,
                           prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
-                          swap_bytes=args.swap_bytes, cuda_graphs=args.cuda_graph)
+                          swap_bytes=args.swap_bytes, cuda_graphs=args.cuda_graph,
+                          speculative=args.speculative, draft_tokens=args.draft_tokens)
     if args.tp != 1 or args.ep != 1:  # several ranks; rank 0 serves (engine/parallel_serve_run.py)
         from flashrt.engine.parallel_serve_run import ServeJob, serve_parallel
 

@@ -33,6 +33,20 @@ STEP_COUNTERS = {  # where the engine's steps spend their time (Engine.stats key
 }
 
 
+SPEC_COUNTERS = {  # speculative decoding (Engine.stats spec_* keys, with --speculative)
+    "rounds": "Speculative verify steps (rounds with k >= 1)",
+    "plain_steps": "Speculative decode batches that ran a plain step (k = 0)",
+    "drafted": "Draft tokens verified, summed over the rows that speculated",
+    "accepted": "Draft tokens accepted by the target",
+    "draft_seconds": "Wall time of the draft layers",
+    "verify_seconds": "Wall time of the verify forwards and the acceptance",
+}
+SPEC_GAUGES = {
+    "acceptance_rate": "Accepted / drafted tokens since the start",
+    "mean_accepted_length": "Tokens a speculating row gains per verify step (accepted drafts + 1)",
+}
+
+
 class EngineCollector:
     def __init__(self, engine, window_s: float = 10.0):
         self.engine, self.window_s = engine, window_s
@@ -77,6 +91,11 @@ class EngineCollector:
             yield c(f"requests_{kind}", f"Requests {kind}", s[kind])
         for name, doc in STEP_COUNTERS.items():
             yield c(f"engine_{name}", doc, s[name])
+        if "spec_rounds" in s:
+            for name, doc in SPEC_COUNTERS.items():
+                yield c(f"spec_{name}", doc, s[f"spec_{name}"])
+            for name, doc in SPEC_GAUGES.items():
+                yield g(f"spec_{name}", doc, s[f"spec_{name}"])
 
 
 class Metrics:

@@ -1,0 +1,125 @@
+"""Speculative rounds over the serving engine's decode batch (``EngineConfig(speculative="dspark")``).
+
+One round over the batch's :class:`~flashrt.kv.state.KVState` (every row at its own position, its
+``next`` token not run yet): the draft layers propose ``block_size`` tokens per row (greedily: the
+draft's argmax, so each draft is a point mass ``q = 1[d]``), ``k`` of them are verified in one
+target forward of ``k + 1`` tokens per row, and each row keeps what its own acceptance rule
+accepts (:func:`flashrt.engine.speculative.keep`).
+
+Rows accept under their own sampling parameters. The target's distribution of a row is processed
+exactly as the engine's sampler does it (``temperature``, then ``min_p``, ``top_k``, ``top_p``:
+:func:`flashrt.engine.sampling.filter_logits`); with the point-mass draft, the standard rule
+reads: accept ``d`` with probability ``p(d)``, at the first rejection draw from ``p`` without
+``d`` (renormalized), after ``k`` acceptances draw the bonus from ``p``. Every emitted token then
+follows ``p``, the distribution the plain sampler draws from (lossless), with the row's own
+generator. Greedy rows keep the longest prefix equal to the target's argmax.
+
+Rows that cannot speculate exactly (``speculative_row``: penalties, logprobs, stop ids still
+banned by ``min_tokens``, a recompute feeding known tokens) and the batch's padding rows verify no
+draft: they keep the chunk's first token, and the logits after it (``logits0``) are sampled by
+the engine's ordinary sampler, as a plain decode step would.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from flashrt import ops
+
+from . import accept, adaptive
+from .sampling import SamplerRow, filter_logits
+from .speculative import SpecStats, keep, verify
+
+
+def speculative_row(seq, row: SamplerRow) -> bool:
+    """Whether ``seq`` may take drafted tokens this step (else it decodes one token, exactly as
+    without speculation)."""
+    p = row.params
+    return (not p.penalized and p.logprobs is None and not row.banned
+            and seq.computed + 1 == len(seq.tokens))
+
+
+def processed_probs(target: torch.Tensor, params) -> torch.Tensor:
+    """fp32 [S, V]: the sampler's distribution for ``params`` over each row of ``target`` [S, V]."""
+    S, dev = target.shape[0], target.device
+    z = target.to(torch.float32) / params.temperature
+    filt = filter_logits(z, torch.full((S,), max(params.top_k, 0), device=dev),
+                         torch.full((S,), float(params.top_p), device=dev),
+                         torch.full((S,), float(params.min_p), device=dev))
+    return torch.softmax(filt, dim=-1)
+
+
+def accept_sampled(drafts: torch.Tensor, target: torch.Tensor, row: SamplerRow) -> tuple[int, int]:
+    """One sampling row: ``drafts`` int64 [k] (point-mass proposals), ``target`` fp32 [k + 1, V]
+    -> (accepted drafts, the token after them)."""
+    k = drafts.shape[0]
+    p = processed_probs(target, row.params)
+    gen = row.generator
+    u = torch.rand(k, generator=gen, device=gen.device if gen is not None else p.device).to(p.device)
+    ok = u < p[torch.arange(k, device=p.device), drafts]
+    a = int(ok.to(torch.long).cumprod(0).sum())
+    if a < k:
+        residual = p[a].clone()
+        residual[drafts[a]] = 0
+        dist = residual if float(residual.sum()) > 0 else p[a]
+    else:
+        dist = p[k]
+    return a, int(ops.sample(dist.log().unsqueeze(0), 1.0, gen)[0])
+
+
+class ServeSpeculator:
+    """Speculative rounds for one engine; ``stats`` (:class:`SpecStats`) sums over its rounds."""
+
+    def __init__(self, model, draft_tokens):
+        self.model, self.draft_tokens = model, draft_tokens
+        self.block = model.cfg.dspark_block_size
+        self.costs = adaptive.CostCurve.for_model(model)
+        self.stats = SpecStats()
+        self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
+    def round(self, state, next_ids: torch.Tensor, rows: dict[int, SamplerRow], most: int):
+        """Draft and verify up to ``most`` tokens for the batch rows in ``rows`` (row -> its
+        sampler row); every other row verifies none. Returns None when the round chose ``k = 0``
+        (nothing ran on the target: the caller runs a plain step), else (kept tokens per row,
+        ``logits0`` [rows, V] after each row's first token, {row: tokens emitted after ``next``})."""
+        t0 = time.perf_counter()
+        ids, _, confidence = self.model.drafts.draft(next_ids, state, 0.0, None)
+        spec = sorted(rows)
+        k = self._choose(confidence[spec], min(most, self.block), state.batch)
+        self._sync()
+        t1 = time.perf_counter()
+        self.stats.draft_seconds += t1 - t0
+        if k == 0:
+            self.stats.plain_steps += 1
+            return None
+        chunk = ids[:, :k + 1]
+        target, _ = verify(self.model, state, chunk)
+        drafts = chunk[:, 1:]
+        counts = [1] * state.batch
+        emitted = {}
+        greedy = [r for r in spec if rows[r].params.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=target.device)
+            acc, after = accept.greedy(drafts[idx], target[idx])
+            for r, a, t in zip(greedy, acc.tolist(), after.tolist()):
+                counts[r], emitted[r] = a + 1, drafts[r, :a].tolist() + [t]
+        for r in spec:
+            if r not in emitted:
+                a, t = accept_sampled(drafts[r], target[r], rows[r])
+                counts[r], emitted[r] = a + 1, drafts[r, :a].tolist() + [t]
+        keep(self.model, state, chunk, torch.tensor(counts, device=chunk.device))
+        self._sync()
+        s = self.stats
+        s.verify_seconds += time.perf_counter() - t1
+        s.rounds, s.row_rounds, s.drafted = s.rounds + 1, s.row_rounds + len(spec), s.drafted + k * len(spec)
+        s.accepted += sum(counts[r] - 1 for r in spec)
+        s.k_counts[k] = s.k_counts.get(k, 0) + 1
+        return counts, target[:, 0], emitted
+
+    def _choose(self, confidence: torch.Tensor, most: int, batch: int) -> int:
+        if most <= 0:
+            return 0
+        if self.draft_tokens != "auto":
+            return min(self.draft_tokens, most)
+        return adaptive.choose_k(confidence[:, :most], self.costs, batch)
