@@ -90,11 +90,14 @@ def keep(model, state, ids: torch.Tensor, counts: torch.Tensor) -> None:
 class Decoder:
     """The speculative decode loop over one batch (a :class:`~flashrt.kv.state.KVState` after
     prefill). ``draft_tokens``: ``k`` per round (int) or ``"auto"``; ``force_accept``: accept every
-    draft (benchmarks only: the output is then not the target's)."""
+    draft (benchmarks only: the output is then not the target's); ``verifier``: runs the verify
+    forward (``verifier.verify(ids)``, e.g. :class:`~flashrt.engine.verify_capture.VerifyCapture`;
+    default: eager :func:`verify`)."""
 
     def __init__(self, model, state, temperature: float = 0.0, generator=None, draft_tokens="auto",
-                 force_accept: bool = False, costs=None):
+                 force_accept: bool = False, costs=None, verifier=None):
         self.model, self.state, self.temperature, self.generator = model, state, temperature, generator
+        self.verifier = verifier  # e.g. engine/verify_capture.VerifyCapture: verify steps from CUDA graphs
         self.draft_tokens, self.force_accept = draft_tokens, force_accept
         self.block = model.cfg.dspark_block_size
         self.costs = costs or adaptive.CostCurve.for_model(model)
@@ -115,7 +118,7 @@ class Decoder:
         if k == 0:
             return self._plain(next_ids)
         ids = drafts[:, :k + 1]
-        target, _ = verify(self.model, self.state, ids)
+        target = self.verifier.verify(ids) if self.verifier is not None else verify(self.model, self.state, ids)[0]
         accepted, after = self._accept(drafts[:, 1:k + 1], logits[:, :k], target)
         keep(self.model, self.state, ids, accepted + 1)
         self._sync()

@@ -1,0 +1,140 @@
+"""Verify steps from static buffers (engine/verify_capture.py): the same function as the eager verify.
+
+On the CPU the static-buffer step runs eagerly, and a fake recorder stands in for CUDA graphs: it
+runs the body once at record time and on each replay re-runs it into the recorded output tensors
+(what a graph replay does to its memory), so the keying, the hand-back of the staged commit and
+"no recapture in steady state" are checked here; the capture itself runs on a CUDA device (``-m gpu``).
+Rows keep random counts of each chunk, so their positions drift apart (ragged starts)."""
+import pytest
+import torch
+
+from flashrt.engine import speculative as spec
+from flashrt.engine.step_capture import bucket
+from flashrt.engine.verify_capture import VerifyCapture
+from flashrt.kv.state import KVState
+
+
+class FakeRecorder:
+    """``record(body) -> (replay, outputs)`` on the CPU: replay re-runs ``body`` into ``outputs``."""
+
+    def __init__(self):
+        self.recorded = 0
+
+    def __call__(self, body):
+        self.recorded += 1
+        out = body()
+
+        def replay():
+            logits, staged = body()
+            out[0].copy_(logits)
+            for (_, s0, kv0), (_, s1, kv1) in zip(out[1].rings, staged.rings, strict=True):
+                for a, b in zip((*s0, kv0.data, kv0.scale), (*s1, kv1.data, kv1.scale)):
+                    a.copy_(b)
+            for p0, p1 in zip(out[1].partials, staged.partials, strict=True):
+                for a, b in zip(p0[1:], p1[1:]):
+                    a.copy_(b)
+        return replay, out
+
+
+def _pair(model, rng, batch, prompt, page_entries=4):
+    ids = torch.randint(0, model.cfg.vocab_size, (batch, prompt), generator=rng)
+    states = []
+    for _ in range(2):
+        pool = KVState.pool_for(model.cfg, batch, 96, model.device, None, page_entries)
+        s = model.new_state(batch, 96, pool=pool)
+        model.forward(ids, state=s)
+        states.append(s)
+    return states
+
+
+def _same_caches(model, a, b):
+    assert a.host_positions == b.host_positions
+    assert torch.equal(a.positions, b.positions)
+    for l in a.rings:
+        assert torch.equal(a.rings[l].data.view(torch.uint8), b.rings[l].data.view(torch.uint8)), l
+    for l in model.cfg.kv_source_layers:
+        ca, cb = a.compressed[l], b.compressed[l]
+        if ca.kv_state is not None:
+            assert torch.equal(ca.kv_state, cb.kv_state) and torch.equal(ca.score_state, cb.score_state)
+        for row, pos in enumerate(a.host_positions):
+            n = pos // model.cfg.ratio(l)
+            ka, kb = ca.index_k.read_row(row, 0, n), cb.index_k.read_row(row, 0, n)
+            assert torch.equal(ka.data.view(torch.uint8), kb.data.view(torch.uint8))
+            assert torch.equal(ca.main.read_row(row, n).data, cb.main.read_row(row, n).data)
+
+
+def _round(model, eager, static, runner, ids, counts):
+    want = spec.verify(model, eager, ids)[0]
+    got = runner.verify(ids).clone()
+    assert torch.equal(want, got)
+    spec.keep(model, eager, ids, counts)
+    spec.keep(model, static, ids, counts)
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_static_verify_equals_eager_ragged(model, rng, fake):
+    """Chunks of k + 1 tokens (k varies), random kept counts: logits bit-identical to the eager
+    verify every round, the caches identical after each commit; the fake recorder replays."""
+    eager, static = _pair(model, rng, 3, 11)
+    recorder = FakeRecorder() if fake else None
+    runner = VerifyCapture(model, static, record=recorder)
+    K, V = model.cfg.dspark_block_size, model.cfg.vocab_size
+    for _ in range(14):
+        k = int(torch.randint(1, K + 1, (1,), generator=rng))
+        ids = torch.randint(0, V, (3, k + 1), generator=rng)
+        counts = torch.randint(1, k + 2, (3,), generator=rng)
+        _round(model, eager, static, runner, ids, counts)
+    assert len(set(eager.host_positions)) > 1  # the rows drifted apart
+    _same_caches(model, eager, static)
+    s = runner.stats
+    if fake:
+        assert s["captured"] == recorder.recorded == len(runner.graphs) and s["replayed"] > 0
+        assert s["captured"] + s["replayed"] == 14 and s["eager"] == 0
+    else:
+        assert s == {"captured": 0, "replayed": 0, "eager": 14, "fallback": 0}
+
+
+def test_keys_and_no_recapture_in_steady_state(model, rng):
+    """Keys are (batch, k + 1, entry buckets, ...): a fixed k within one bucket records once."""
+    eager, static = _pair(model, rng, 2, 20, page_entries=64)
+    recorder = FakeRecorder()
+    runner = VerifyCapture(model, static, record=recorder)
+    V, ends = model.cfg.vocab_size, []
+    for k in (2, 3):
+        before = runner.stats["captured"]
+        ends.append(static.host_positions[0] + k + 1)
+        for _ in range(3):
+            ids = torch.randint(0, V, (2, k + 1), generator=rng)
+            _round(model, eager, static, runner, ids, torch.ones(2, dtype=torch.long))
+        assert runner.stats["captured"] == before + 1  # positions 20..25: one bucket for every ratio
+    keys = list(runner.graphs)
+    assert [key[:2] for key in keys] == [(2, 3), (2, 4)]
+    assert [dict(key[2]) for key in keys] == [{r: bucket(e // r) for r in runner.ratios} for e in ends]
+    assert runner.stats["replayed"] == 4 and recorder.recorded == 2
+    _same_caches(model, eager, static)
+
+
+def test_decoder_with_verifier_equals_plain(model, rng):
+    """The Decoder verifying through the static step emits the eager Decoder's tokens and state."""
+    eager, static = _pair(model, rng, 2, 9)
+    tok = torch.randint(0, model.cfg.vocab_size, (2,), generator=rng)
+    a = spec.Decoder(model, eager, draft_tokens=2, force_accept=True)
+    b = spec.Decoder(model, static, draft_tokens=2, force_accept=True,
+                     verifier=VerifyCapture(model, static, record=FakeRecorder()))
+    ta = tb = tok
+    for _ in range(5):
+        ea, ta = a.step(ta, 8)
+        eb, tb = b.step(tb, 8)
+        assert ea == eb and torch.equal(ta, tb)
+    assert b.verifier.stats["replayed"] >= 3
+    _same_caches(model, eager, static)
+
+
+def test_bad_arguments_are_named(model):
+    with pytest.raises(ValueError, match="state"):
+        VerifyCapture(model, "not a state")
+    with pytest.raises(ValueError, match="capture"):
+        VerifyCapture(model, model.new_state(1, 8), capture=True)
+    runner = VerifyCapture(model, model.new_state(2, 8))
+    with pytest.raises(ValueError, match="ids: expected a \\[2, k \\+ 1\\]"):
+        runner.verify(torch.zeros(3, 2, dtype=torch.long))
