@@ -126,7 +126,8 @@ def test_decoder_with_verifier_equals_plain(model, rng):
         ea, ta = a.step(ta, 8)
         eb, tb = b.step(tb, 8)
         assert ea == eb and torch.equal(ta, tb)
-    assert b.verifier.stats["replayed"] >= 3
+    vs = b.verifier.stats
+    assert vs["captured"] + vs["replayed"] == 5 and vs["replayed"] >= 1
     _same_caches(model, eager, static)
 
 
