@@ -92,12 +92,14 @@ class Decoder:
     prefill). ``draft_tokens``: ``k`` per round (int) or ``"auto"``; ``force_accept``: accept every
     draft (benchmarks only: the output is then not the target's); ``verifier``: runs the verify
     forward (``verifier.verify(ids)``, e.g. :class:`~flashrt.engine.verify_capture.VerifyCapture`;
-    default: eager :func:`verify`)."""
+    default: eager :func:`verify`); ``drafter``: runs the draft (``drafter.draft(next_ids, state,
+    temperature, generator)``, e.g. :class:`~flashrt.engine.draft_capture.DraftCapture`)."""
 
     def __init__(self, model, state, temperature: float = 0.0, generator=None, draft_tokens="auto",
-                 force_accept: bool = False, costs=None, verifier=None):
+                 force_accept: bool = False, costs=None, verifier=None, drafter=None):
         self.model, self.state, self.temperature, self.generator = model, state, temperature, generator
         self.verifier = verifier  # e.g. engine/verify_capture.VerifyCapture: verify steps from CUDA graphs
+        self.drafter = drafter  # e.g. engine/draft_capture.DraftCapture (default: model.drafts)
         self.draft_tokens, self.force_accept = draft_tokens, force_accept
         self.block = model.cfg.dspark_block_size
         self.costs = costs or adaptive.CostCurve.for_model(model)
@@ -110,7 +112,8 @@ class Decoder:
         if limit <= 1:
             return self._plain(next_ids)
         t0 = time.perf_counter()
-        drafts, logits, confidence = self.model.drafts.draft(next_ids, self.state, self.temperature, self.generator)
+        drafts, logits, confidence = (self.drafter or self.model.drafts).draft(next_ids, self.state, self.temperature,
+                                                                          self.generator)
         k = self._choose(confidence, limit - 1)
         self._sync()
         t1 = time.perf_counter()

@@ -10,6 +10,7 @@ import torch
 
 from flashrt.engine import speculative as spec
 from flashrt.engine.step_capture import bucket
+from flashrt.engine.draft_capture import DraftCapture
 from flashrt.engine.verify_capture import VerifyCapture
 from flashrt.kv.state import KVState
 
@@ -33,6 +34,18 @@ class FakeRecorder:
             for p0, p1 in zip(out[1].partials, staged.partials, strict=True):
                 for a, b in zip(p0[1:], p1[1:]):
                     a.copy_(b)
+        return replay, out
+
+
+class DraftRecorder:
+    """The fake recorder for the draft: replay re-runs it into the recorded (ids, logits, confidence)."""
+
+    def __call__(self, body):
+        out = body()
+
+        def replay():
+            for a, b in zip(out, body(), strict=True):
+                a.copy_(b)
         return replay, out
 
 
@@ -120,14 +133,16 @@ def test_decoder_with_verifier_equals_plain(model, rng):
     tok = torch.randint(0, model.cfg.vocab_size, (2,), generator=rng)
     a = spec.Decoder(model, eager, draft_tokens=2, force_accept=True)
     b = spec.Decoder(model, static, draft_tokens=2, force_accept=True,
-                     verifier=VerifyCapture(model, static, record=FakeRecorder()))
+                     verifier=VerifyCapture(model, static, record=FakeRecorder()),
+                     drafter=DraftCapture(model, static, record=DraftRecorder()))
     ta = tb = tok
     for _ in range(5):
         ea, ta = a.step(ta, 8)
         eb, tb = b.step(tb, 8)
         assert ea == eb and torch.equal(ta, tb)
-    vs = b.verifier.stats
+    vs, ds = b.verifier.stats, b.drafter.stats
     assert vs["captured"] + vs["replayed"] == 5 and vs["replayed"] >= 1
+    assert ds == {"captured": 1, "replayed": 4, "eager": 0}  # the draft reads the state in place: one graph
     _same_caches(model, eager, static)
 
 
@@ -139,3 +154,29 @@ def test_bad_arguments_are_named(model):
     runner = VerifyCapture(model, model.new_state(2, 8))
     with pytest.raises(ValueError, match="ids: expected a \\[2, k \\+ 1\\]"):
         runner.verify(torch.zeros(3, 2, dtype=torch.long))
+
+
+def test_draft_capture_replays_the_draft(model, rng):
+    """Greedy drafts from the recorded body equal Drafts.draft after every kind of state change;
+    sampled drafts run eagerly; bad arguments are named."""
+    eager, static = _pair(model, rng, 2, 13)
+    runner = DraftCapture(model, static, record=DraftRecorder())
+    V = model.cfg.vocab_size
+    for _ in range(4):
+        tok = torch.randint(0, V, (2,), generator=rng)
+        want = model.drafts.draft(tok, eager)
+        got = [t.clone() for t in runner.draft(tok, static)]
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        ids = torch.randint(0, V, (2, 3), generator=rng)
+        counts = torch.randint(1, 4, (2,), generator=rng)
+        for s in (eager, static):
+            spec.verify(model, s, ids)
+            spec.keep(model, s, ids, counts)
+    assert runner.stats == {"captured": 1, "replayed": 3, "eager": 0}
+    g = torch.Generator().manual_seed(5)
+    runner.draft(tok, static, temperature=0.7, generator=g)
+    assert runner.stats["eager"] == 1
+    with pytest.raises(ValueError, match="next_ids"):
+        runner.draft(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="state"):
+        runner.draft(tok, eager)
