@@ -146,6 +146,44 @@ def test_decoder_with_verifier_equals_plain(model, rng):
     _same_caches(model, eager, static)
 
 
+def test_a_step_that_syncs_stays_eager(model, rng, monkeypatch):
+    """A host sync met part-way through the first run of a key (here: the fifth rms_norm under
+    host_syncs_raise) keeps that key eager: nothing recorded, the step rerun from a fresh staging,
+    the logits and caches those of the eager verify."""
+    import contextlib
+
+    from flashrt import ops
+    from flashrt.engine import verify_capture
+
+    guarded, calls, real = [False], [0], ops.rms_norm
+
+    @contextlib.contextmanager
+    def raising():
+        guarded[0] = True
+        try:
+            yield
+        finally:
+            guarded[0] = False
+
+    def rms_norm(x, w, eps):
+        calls[0] += guarded[0]
+        if guarded[0] and calls[0] == 5:
+            raise RuntimeError("called a synchronizing CUDA operation")
+        return real(x, w, eps)
+
+    monkeypatch.setattr(verify_capture.checks, "host_syncs_raise", raising)
+    monkeypatch.setattr(ops, "rms_norm", rms_norm)
+    eager, static = _pair(model, rng, 2, 10)
+    recorder = FakeRecorder()
+    runner = VerifyCapture(model, static, record=recorder)
+    for _ in range(3):
+        ids = torch.randint(0, model.cfg.vocab_size, (2, 3), generator=rng)
+        _round(model, eager, static, runner, ids, torch.randint(1, 4, (2,), generator=rng))
+    assert recorder.recorded == 0 and runner.stats["eager"] == 3 and "synchroniz" in runner.stats["uncapturable"]
+    assert set(runner.graphs.values()) == {"eager"}
+    _same_caches(model, eager, static)
+
+
 def test_bad_arguments_are_named(model):
     with pytest.raises(ValueError, match="state"):
         VerifyCapture(model, "not a state")
