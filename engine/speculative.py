@@ -159,12 +159,19 @@ class Decoder:
 
 def decode(model, state, first_logits: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
            generator=None, eos_token_id: int | None = None, draft_tokens="auto", progress=None,
-           force_accept: bool = False, costs=None) -> tuple[list[list[int]], SpecStats]:
+           force_accept: bool = False, costs=None, cuda_graph: bool = False) -> tuple[list[list[int]], SpecStats]:
     """Decode up to ``max_new_tokens`` tokens per row of ``state`` (prefilled; ``first_logits``
     [B, V] the logits after it) with speculation; rows stop at ``eos_token_id``. Returns (new
     tokens per row, stats). The state must have room for ``max_new_tokens + block_size`` more
-    positions per row (it grows on demand otherwise)."""
-    dec = Decoder(model, state, temperature, generator, draft_tokens, force_accept, costs)
+    positions per row (it grows on demand otherwise). ``cuda_graph``: draft and verify from static
+    buffers (engine/draft_capture.py, engine/verify_capture.py), CUDA-graph replays on a GPU."""
+    runners = {}
+    if cuda_graph:
+        from .draft_capture import DraftCapture
+        from .verify_capture import VerifyCapture
+
+        runners = {"verifier": VerifyCapture(model, state), "drafter": DraftCapture(model, state)}
+    dec = Decoder(model, state, temperature, generator, draft_tokens, force_accept, costs, **runners)
     report = progress or (lambda phase, done, total: None)
     next_ids = ops.sample(first_logits, temperature, generator)
     out = [[t] for t in next_ids.tolist()]

@@ -159,7 +159,7 @@ def test_a_step_that_syncs_stays_eager(model, rng, monkeypatch):
 
     @contextlib.contextmanager
     def raising():
-        guarded[0] = True
+        guarded[0], calls[0] = True, 0
         try:
             yield
         finally:
@@ -181,6 +181,17 @@ def test_a_step_that_syncs_stays_eager(model, rng, monkeypatch):
         _round(model, eager, static, runner, ids, torch.randint(1, 4, (2,), generator=rng))
     assert recorder.recorded == 0 and runner.stats["eager"] == 3 and "synchroniz" in runner.stats["uncapturable"]
     assert set(runner.graphs.values()) == {"eager"}
+    _same_caches(model, eager, static)
+
+
+def test_decode_with_static_steps_equals_eager_decode(model, rng):
+    """speculative.decode(cuda_graph=True) (static draft and verify; eager on the CPU) emits the
+    eager loop's tokens and statistics over a ragged batch."""
+    eager, static = _pair(model, rng, 3, 7)
+    first = torch.randn(3, model.cfg.vocab_size, generator=rng)
+    a, sa = spec.decode(model, eager, first, 10, draft_tokens="auto")
+    b, sb = spec.decode(model, static, first, 10, draft_tokens="auto", cuda_graph=True)
+    assert a == b and sa.k_counts == sb.k_counts and sa.accepted == sb.accepted
     _same_caches(model, eager, static)
 
 
