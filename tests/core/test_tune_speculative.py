@@ -38,11 +38,14 @@ def test_tune_writes_the_speculative_cost_table(tmp_path, capsys, monkeypatch):
     model = load_model("tiny", torch.device("cpu"), quiet=True, profile=str(out))
     curve = adaptive.CostCurve.for_model(model)
     assert curve.at(2, K) == (pytest.approx(entry["verify"]), pytest.approx(entry["draft"]))
-    sure, doubtful = torch.full((2, K), 30.0), torch.full((2, K), -30.0)
-    assert adaptive.choose_k(doubtful, curve, 2) == 0
-    # every draft accepted: k tokens more for verify[k] + draft; the table decides which k wins
-    rates = [(k + 1) / (entry["verify"][k] + (entry["draft"] if k else 0)) for k in range(K + 1)]
-    assert adaptive.choose_k(sure, curve, 2) == max(range(K + 1), key=lambda k: (rates[k], -k))
+    # the same confidence c at every position: a row gains 1 + c + c^2 + .. + c^k tokens for
+    # verify[k] + draft (k >= 1) of the written table; the measured table decides which k wins
+    for logit in (-30.0, 0.0, 2.0, 30.0):
+        c = 1 / (1 + math.exp(-logit))
+        rates = [sum(c ** i for i in range(k + 1)) / (entry["verify"][k] + (entry["draft"] if k else 0))
+                 for k in range(K + 1)]
+        want = max(range(K + 1), key=lambda k: (round(rates[k], 9), -k))
+        assert adaptive.choose_k(torch.full((2, K), logit), curve, 2) == want
 
 
 def test_batches_and_errors_are_named(capsys):
