@@ -107,6 +107,35 @@ def test_static_verify_equals_eager_ragged(model, rng, fake):
         assert s == {"captured": 0, "replayed": 0, "eager": 14, "fallback": 0}
 
 
+@pytest.fixture(scope="module")
+def wide_ratios(cfg):
+    """tiny with compress ratio 4 in place of 2 (the shipped tiny and small configs have 1 and 2 only):
+    the static chunk layout then pads rows over several group phases."""
+    import dataclasses
+
+    from flashrt.graphs.init_weights import init_weights
+    from flashrt.graphs.model import Model
+
+    ratios = [4 if r == 2 else r for r in cfg.compress_ratios]
+    wide = dataclasses.replace(cfg, compress_ratios=ratios)
+    return Model(wide, init_weights(wide, seed=2))
+
+
+def test_static_verify_equals_eager_wide_ratios(wide_ratios, rng):
+    model = wide_ratios
+    assert 4 in {model.cfg.ratio(l) for l in model.cfg.kv_source_layers}
+    eager, static = _pair(model, rng, 4, 13)
+    runner = VerifyCapture(model, static, record=FakeRecorder())
+    K, V = model.cfg.dspark_block_size, model.cfg.vocab_size
+    for _ in range(16):
+        k = int(torch.randint(1, K + 1, (1,), generator=rng))
+        _round(model, eager, static, runner, torch.randint(0, V, (4, k + 1), generator=rng),
+               torch.randint(1, k + 2, (4,), generator=rng))
+    assert len({p % 4 for p in eager.host_positions}) > 1
+    _same_caches(model, eager, static)
+    assert runner.stats["replayed"] > 0
+
+
 def test_keys_and_no_recapture_in_steady_state(model, rng):
     """Keys are (batch, k + 1, entry buckets, ...): a fixed k within one bucket records once."""
     eager, static = _pair(model, rng, 2, 20, page_entries=64)
