@@ -163,7 +163,7 @@ def tune(kernels=None, small: bool | None = None, progress=None, budget: float =
     return tuned, results
 
 
-def _describe(r: dict) -> str:
+def describe(r: dict) -> str:
     rule = f"[rule {r['rule']}]" if r["rule"] is not None else ""
     head = f"{r['module']}.{r['key']}{rule} ({r['name']})"
     if r["winner"] is None:
@@ -185,12 +185,13 @@ def _differing_tiles(profile) -> dict:
     return out
 
 
-def write_profile(profile, results: list[dict], path: str) -> None:
-    """Write ``profile`` (its tiles: only what differs from the defaults) with ``results`` as comments."""
+def write_profile(profile, results: list[dict], path: str, notes=()) -> None:
+    """Write ``profile`` (its tiles: only what differs from the defaults) with ``results`` and
+    ``notes`` (lines) as comments."""
     profile = dataclasses.replace(profile, tiles=_differing_tiles(profile))
     lines = [f"# tuned by `flashrt tune` on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"
              + (" (times: CUDA-graph replay medians)" if torch.cuda.is_available() else "")]
-    lines += [f"# {_describe(r)}" for r in results]
+    lines += [f"# {describe(r)}" for r in results] + [f"# {n}" for n in notes]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n" + yaml.safe_dump(profile.to_dict(), sort_keys=False))
 
@@ -201,14 +202,14 @@ def cmd(args) -> int:
     tuned, results = tune(args.kernels, progress=Progress("tuning"), budget=args.budget)
     write_profile(tuned, results, args.out)
     for r in results:
-        print(_describe(r))
+        print(describe(r))
         for note in r["notes"]:
             print(f"    {note}")
     print(f"wrote {args.out}")
     return 0
 
 
-def add_parser(sub) -> None:
+def add_parser(sub):
     from flashrt.argtypes import nonempty
 
     p = sub.add_parser("tune", help="sweep kernel tiles on this device; write a profile with the winners")
@@ -217,3 +218,4 @@ def add_parser(sub) -> None:
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                    help=f"seconds for the whole sweep (default {DEFAULT_BUDGET_S:.0f})")
     p.set_defaults(func=cmd)
+    return p

@@ -90,11 +90,16 @@ def keep(model, state, ids: torch.Tensor, counts: torch.Tensor) -> None:
 class Decoder:
     """The speculative decode loop over one batch (a :class:`~flashrt.kv.state.KVState` after
     prefill). ``draft_tokens``: ``k`` per round (int) or ``"auto"``; ``force_accept``: accept every
-    draft (benchmarks only: the output is then not the target's)."""
+    draft (benchmarks only: the output is then not the target's); ``verifier``: runs the verify
+    forward (``verifier.verify(ids)``, e.g. :class:`~flashrt.engine.verify_capture.VerifyCapture`;
+    default: eager :func:`verify`); ``drafter``: runs the draft (``drafter.draft(next_ids, state,
+    temperature, generator)``, e.g. :class:`~flashrt.engine.draft_capture.DraftCapture`)."""
 
     def __init__(self, model, state, temperature: float = 0.0, generator=None, draft_tokens="auto",
-                 force_accept: bool = False, costs=None):
+                 force_accept: bool = False, costs=None, verifier=None, drafter=None):
         self.model, self.state, self.temperature, self.generator = model, state, temperature, generator
+        self.verifier = verifier  # e.g. engine/verify_capture.VerifyCapture: verify steps from CUDA graphs
+        self.drafter = drafter  # e.g. engine/draft_capture.DraftCapture (default: model.drafts)
         self.draft_tokens, self.force_accept = draft_tokens, force_accept
         self.block = model.cfg.dspark_block_size
         self.costs = costs or adaptive.CostCurve.for_model(model)
@@ -107,7 +112,8 @@ class Decoder:
         if limit <= 1:
             return self._plain(next_ids)
         t0 = time.perf_counter()
-        drafts, logits, confidence = self.model.drafts.draft(next_ids, self.state, self.temperature, self.generator)
+        drafts, logits, confidence = (self.drafter or self.model.drafts).draft(next_ids, self.state, self.temperature,
+                                                                          self.generator)
         k = self._choose(confidence, limit - 1)
         self._sync()
         t1 = time.perf_counter()
@@ -115,7 +121,7 @@ class Decoder:
         if k == 0:
             return self._plain(next_ids)
         ids = drafts[:, :k + 1]
-        target, _ = verify(self.model, self.state, ids)
+        target = self.verifier.verify(ids) if self.verifier is not None else verify(self.model, self.state, ids)[0]
         accepted, after = self._accept(drafts[:, 1:k + 1], logits[:, :k], target)
         keep(self.model, self.state, ids, accepted + 1)
         self._sync()
@@ -153,12 +159,19 @@ class Decoder:
 
 def decode(model, state, first_logits: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
            generator=None, eos_token_id: int | None = None, draft_tokens="auto", progress=None,
-           force_accept: bool = False, costs=None) -> tuple[list[list[int]], SpecStats]:
+           force_accept: bool = False, costs=None, cuda_graph: bool = False) -> tuple[list[list[int]], SpecStats]:
     """Decode up to ``max_new_tokens`` tokens per row of ``state`` (prefilled; ``first_logits``
     [B, V] the logits after it) with speculation; rows stop at ``eos_token_id``. Returns (new
     tokens per row, stats). The state must have room for ``max_new_tokens + block_size`` more
-    positions per row (it grows on demand otherwise)."""
-    dec = Decoder(model, state, temperature, generator, draft_tokens, force_accept, costs)
+    positions per row (it grows on demand otherwise). ``cuda_graph``: draft and verify from static
+    buffers (engine/draft_capture.py, engine/verify_capture.py), CUDA-graph replays on a GPU."""
+    runners = {}
+    if cuda_graph:
+        from .draft_capture import DraftCapture
+        from .verify_capture import VerifyCapture
+
+        runners = {"verifier": VerifyCapture(model, state), "drafter": DraftCapture(model, state)}
+    dec = Decoder(model, state, temperature, generator, draft_tokens, force_accept, costs, **runners)
     report = progress or (lambda phase, done, total: None)
     next_ids = ops.sample(first_logits, temperature, generator)
     out = [[t] for t in next_ids.tolist()]

@@ -62,6 +62,8 @@ class Compressor:
         B, S, D = new_kv.shape
         pos = ctx.positions[:, 0]
         pend = pos % r
+        if ctx.static_chunk:
+            return self._static_chunk(h, ctx, new_kv, new_score)
         starts = ctx.state.host_positions
         pends = [p % r for p in starts]
         if len(set(pends)) == 1:  # one layout: the pending slots, then the chunk
@@ -88,6 +90,30 @@ class Compressor:
         j = torch.arange(n, device=h.device).unsqueeze(0)
         entry = first.unsqueeze(1) // r + j
         return latent, entry, j < torch.tensor(groups, device=h.device).unsqueeze(1)
+
+    def _static_chunk(self, h, ctx: StepContext, new_kv, new_score):
+        """:meth:`_chunk` from device values only (a captured verify step): every row's inputs are
+        laid out in ``r - 1 + S`` slots from its group start, whatever its position; groups past a
+        row's end are masked. Each group is pooled on its own, so the entries equal :meth:`_chunk`'s."""
+        cache, r = ctx.state.compressed[self.layer], self.ratio
+        B, S, D = new_kv.shape
+        if S > self.cfg.window_size:
+            raise ValueError(f"static_chunk: expected a chunk of at most window_size ({self.cfg.window_size}) "
+                             f"tokens, got {S}")
+        pos = ctx.positions[:, 0]
+        pend = pos % r
+        width = r - 1 + S
+        j = torch.arange(width, device=h.device).unsqueeze(0)
+        src = torch.where(j < pend.unsqueeze(1), j, (j - pend.unsqueeze(1)).clamp(0, S - 1) + r)
+        take = lambda old, new: torch.cat([old, new], dim=1).gather(1, src.unsqueeze(-1).expand(-1, -1, D))
+        kv, score = take(cache.kv_state, new_kv), take(cache.score_state, new_score)
+        first = pos - pend
+        ctx.state.write_partial(self.layer, kv, score, first, pos + S)
+        n = width // r
+        pooled = ops.compress_pool(kv[:, : n * r].reshape(B, n, r, D), score[:, : n * r].reshape(B, n, r, D))
+        latent = ops.rms_norm(pooled.to(h.dtype), self.norm, self.cfg.norm_eps)
+        g = torch.arange(n, device=h.device).unsqueeze(0)
+        return latent, first.unsqueeze(1) // r + g, g < ((pend + S) // r).unsqueeze(1)
 
     def _store(self, latent, entry, mask, ctx: StepContext) -> None:
         cfg, rd = self.cfg, self.cfg.rope_head_dim

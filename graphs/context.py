@@ -43,6 +43,7 @@ class StepContext:
     compress_done: frozenset = frozenset()  # KV sources whose entries for this chunk exist (CED)
     next_history: torch.Tensor | None = None  # Engram history after this chunk: committed with advance()
     vl_mask: torch.Tensor | None = None  # [B, S] bool, True inside an image span: the MoE gate uses bias_vl
+    static_chunk: bool = False  # a chunk laid out from device values only (captured verify steps)
     selections: dict = field(default_factory=dict)  # index-source layer -> Selection (published)
     candidates: torch.Tensor | None = None  # the candidate source's blocks (published)
 

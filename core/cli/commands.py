@@ -189,7 +189,7 @@ def build_parser() -> Parser:
     from flashrt.conformance import add_parser as add_conformance
 
     add_conformance(sub)
-    from flashrt.tune import add_parser as add_tune
+    from .tune_speculative import add_tune
 
     add_tune(sub)
     from .jit import add_jit
