@@ -57,8 +57,6 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
         raise ValueError(f"prefix_cache: not available with --tp / --ep yet, got {prefix_cache!r}")
     if images:
         raise ValueError(f"images: image input runs on one device (not with --tp / --ep yet), got {len(images)} image(s)")
-    if cuda_graph:
-        raise ValueError("cuda_graph: decode steps run eagerly with --tp / --ep; pass --no-cuda-graph")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if chat is not None:  # bad input fails here, before any rank starts
@@ -69,6 +67,8 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
     elif not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt: expected a non-empty str, got {prompt!r}")
     kind = pick_device(device).type
+    if cuda_graph and kind != "cuda":
+        raise ValueError(f"cuda_graph: CUDA graphs need a CUDA device, the device is {kind}")
     if kind == "cuda" and not under_torchrun():
         count = torch.cuda.device_count()
         if count < layout.world:
@@ -78,6 +78,7 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
     job = dict(path=str(path), tp=tp, ep=ep, dispatch=dispatch, backend=backend, prompt=prompt, chat=chat, system=system,
                thinking=thinking, effort=effort, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                kv_budget=kv_budget, prefill_chunk=prefill_chunk, quiet=quiet,
+               cuda_graph=kind == "cuda" if cuda_graph is None else bool(cuda_graph),
                threads=threads or max(1, (os.cpu_count() or 1) // layout.world))
     t0 = time.perf_counter()
     results = launch(rank_main, layout.world, (job,), device=kind, timeout_s=timeout_s, on_event=on_event)
@@ -113,7 +114,8 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
                 report(phase, done)
         result = parallel_generate(model, [ids], job["max_new_tokens"], temperature=job["temperature"],
                                    seed=job["seed"], eos_token_id=tok.eos_id if job["chat"] is not None else None,
-                                   prefill_chunk=job["prefill_chunk"], kv_budget=job["kv_budget"], progress=progress)
+                                   prefill_chunk=job["prefill_chunk"], kv_budget=job["kv_budget"], progress=progress,
+                                   cuda_graph=job["cuda_graph"])
         families = {fam: "/".join(sorted({(dispatch.chain(op, device.type) or ["none"])[0] for op in ops}))
                     for fam, ops in OP_FAMILIES.items()}
     held = sum(nbytes(v) for v in model.weights.values())
@@ -145,7 +147,7 @@ def _report(model, device, job, ids, result, load_s, families, mine) -> dict:
         "kv_bytes_per_token": kv_token,
         "kv_bytes_total": kv_token * (result.prompt_tokens + result.new_tokens) + (state.window_bytes() if state else 0),
         "window_state_bytes": state.window_bytes() if state else 0, "peak_memory_bytes": mine["peak_memory_bytes"],
-        "kv_budget": job["kv_budget"], "kv_tiers": state.tier_stats() if state else {}, "step_capture": None,
+        "kv_budget": job["kv_budget"], "kv_tiers": state.tier_stats() if state else {}, "step_capture": result.step_capture,
         "prefix_cache": None,
         "parallel": {"tp": layout.tp, "ep": layout.ep, "world": layout.world,
                      "collectives": distributed.backend_for(device), "moe_dispatch": job["dispatch"],

@@ -16,6 +16,14 @@ ranks outnumber top-k.
 ``replicated``: every group already holds the same tokens (the serving engine runs every sequence
 on every group); each rank runs its own experts' pairs and one all-reduce across the groups adds
 them up. One collective per layer, no token exchange; attention is repeated on every group.
+
+``routed_static`` (taken instead of any of them inside :meth:`Parallel.static_shapes`, which
+CUDA-graph-captured decode steps use): the collectives of ``gather`` (or of ``replicated``) with
+fixed shapes and no host sync. Each rank runs every routed slot of every row (the padded rows of
+every group too) through ``moe_experts``, the slots of other ranks' experts and the padding rows
+weighing 0 and pointed at a local expert: their outputs are exact zeros (the routing weight scales
+W2's input), so the sum is the dynamic dispatch's, with ``world`` times the expert slots computed
+(the weights read are the same: the decode step's cost at small batches).
 """
 from __future__ import annotations
 
@@ -101,6 +109,42 @@ def routed_replicated(moe, x: torch.Tensor) -> torch.Tensor:
     if x.shape[0]:
         _pairs(moe, x, torch.arange(x.shape[0], device=x.device), partial)
     return distributed.all_reduce(partial, group=par.ep_group) if par.layout.ep > 1 else partial
+
+
+def _static_pairs(moe, xs: torch.Tensor, valid: torch.Tensor | None, counted: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``[N, D]``: this rank's experts' share of every row of ``xs`` (rows where ``valid`` is
+    False give zeros), with fixed shapes; ``counted`` rows go into the load count."""
+    cfg = moe.cfg
+    weights, indices = ops.moe_route(xs, moe.gate, moe.bias, moe.topk, cfg.score_func, cfg.norm_topk_prob,
+                                     cfg.route_scale)
+    moe.par.record_load(indices, moe.n_routed, counted)
+    local = indices - moe.first
+    mine = (local >= 0) & (local < moe.w1.shape[0])
+    if valid is not None:
+        mine = mine & valid.unsqueeze(1)
+    return ops.moe_experts(xs, torch.where(mine, weights, 0.0), torch.where(mine, local, 0).to(torch.int32),
+                           moe.w1, moe.w3, moe.w2, cfg.swiglu_limit)
+
+
+def routed_static(moe, x: torch.Tensor) -> torch.Tensor:
+    """The gather (or replicated) dispatch with fixed shapes: no ``nonzero``, no host sync. Needs
+    the token counts from the runner's plan (``Parallel.counts``) when groups exchange tokens."""
+    par, layout = moe.par, moe.par.layout
+    if par.dispatch == "replicated" or layout.ep == 1:
+        partial = _static_pairs(moe, x, None, None)
+        return distributed.all_reduce(partial, group=par.ep_group) if layout.ep > 1 else partial
+    if par.counts is None:
+        raise ValueError("counts: the fixed-shape MoE dispatch needs every group's token count from the "
+                         "runner's plan (Parallel.counts), got None")
+    xs, counts = par.gather_tokens(x)
+    m = xs.shape[0] // len(counts)
+    row = torch.arange(m, device=x.device)
+    valid = torch.cat([row < c for c in counts])  # the padding rows of each group block
+    counted = valid
+    if par.dispatch == "all_to_all":  # that dispatch counts each group's own pairs (take_load sums the groups)
+        counted = torch.cat([valid[g * m:(g + 1) * m] & (g == layout.ep_rank) for g in range(len(counts))])
+    partial = _static_pairs(moe, xs, valid, counted)
+    return distributed.reduce_scatter(partial, group=par.ep_group)
 
 
 DISPATCH = {"gather": routed_gather, "all_to_all": routed_all_to_all, "replicated": routed_replicated}

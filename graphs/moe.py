@@ -86,13 +86,17 @@ class MoE:
     def _forward_parallel(self, x: torch.Tensor, shared_route: tuple | None = None) -> torch.Tensor:
         """fp32 [N, D]: every rank's experts over this group's tokens (graphs/ep_dispatch.py), the
         shared expert where this rank holds it, summed over the tensor-parallel group."""
-        from .ep_dispatch import DISPATCH
+        from .ep_dispatch import DISPATCH, routed_static
 
-        own = DISPATCH[self.par.dispatch](self, x)
+        own = (routed_static if self.par.static or _capturing(x) else DISPATCH[self.par.dispatch])(self, x)
         if self.shared is not None and x.shape[0]:
             ones, first = shared_route if shared_route is not None else SharedRoutes.make(x.shape[0], x.device)
             own[: x.shape[0]] += ops.moe_experts(x, ones, first, *self.shared, self.cfg.swiglu_limit)
         return self.par.tp_all_reduce(own)[: x.shape[0]]
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class SharedRoutes:
