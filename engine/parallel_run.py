@@ -24,7 +24,10 @@ from flashrt.graphs.loader import load
 from flashrt.graphs.parallel import Layout, Parallel
 from flashrt.graphs.shard import nbytes
 from .launch import launch, under_torchrun
+from flashrt.kv.prefix_cache import PrefixCache
+from .generation import PREFILLS
 from .parallel import parallel_generate
+from .parallel_whole import generate_whole
 from .run import OP_FAMILIES, builtin_checkpoint, chat_messages, encode_request, peak_memory_bytes, phase_progress, \
     pick_device
 
@@ -51,10 +54,10 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
     layout = Layout(tp, ep)
     if dispatch not in ("gather", "all_to_all"):
         raise ValueError(f"dispatch: expected 'gather' or 'all_to_all', got {dispatch!r}")
-    if prefill != "exact":
-        raise ValueError(f"prefill: expected 'exact' with --tp / --ep (CED runs on one device), got {prefill!r}")
-    if prefix_cache is not None:
-        raise ValueError(f"prefix_cache: not available with --tp / --ep yet, got {prefix_cache!r}")
+    if prefill not in PREFILLS:
+        raise ValueError(f"prefill: expected one of {list(PREFILLS)}, got {prefill!r}")
+    if prefix_cache is not None:  # claims (or checks) the directory before any rank opens it
+        PrefixCache.for_profile(prefix_cache)
     if images:
         raise ValueError(f"images: image input runs on one device (not with --tp / --ep yet), got {len(images)} image(s)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -77,7 +80,8 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
     layout.check(ModelConfig.from_file(str(path / "config.json")))
     job = dict(path=str(path), tp=tp, ep=ep, dispatch=dispatch, backend=backend, prompt=prompt, chat=chat, system=system,
                thinking=thinking, effort=effort, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-               kv_budget=kv_budget, prefill_chunk=prefill_chunk, quiet=quiet,
+               kv_budget=kv_budget, prefill_chunk=prefill_chunk, quiet=quiet, prefill=prefill,
+               prefix_cache=None if prefix_cache is None else str(prefix_cache),
                cuda_graph=kind == "cuda" if cuda_graph is None else bool(cuda_graph),
                threads=threads or max(1, (os.cpu_count() or 1) // layout.world))
     t0 = time.perf_counter()
@@ -112,10 +116,16 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
             phases(phase, done, total)
             if report is not None:
                 report(phase, done)
-        result = parallel_generate(model, [ids], job["max_new_tokens"], temperature=job["temperature"],
-                                   seed=job["seed"], eos_token_id=tok.eos_id if job["chat"] is not None else None,
-                                   prefill_chunk=job["prefill_chunk"], kv_budget=job["kv_budget"], progress=progress,
-                                   cuda_graph=job["cuda_graph"])
+        eos = tok.eos_id if job["chat"] is not None else None
+        cache = None
+        if job["prefix_cache"] is not None:
+            cache = PrefixCache.for_profile(job["prefix_cache"], model.profile)
+        if job["prefill"] != "exact" or cache is not None:  # every group runs the request whole
+            result = generate_whole(model, ids, dict(job, eos=eos), progress, cache)
+        else:
+            result = parallel_generate(model, [ids], job["max_new_tokens"], temperature=job["temperature"],
+                                       seed=job["seed"], eos_token_id=eos, prefill_chunk=job["prefill_chunk"],
+                                       kv_budget=job["kv_budget"], progress=progress, cuda_graph=job["cuda_graph"])
         families = {fam: "/".join(sorted({(dispatch.chain(op, device.type) or ["none"])[0] for op in ops}))
                     for fam, ops in OP_FAMILIES.items()}
     held = sum(nbytes(v) for v in model.weights.values())
@@ -123,7 +133,10 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
             "sequences": result.rows}
     if rank != 0:
         return {"rank": mine, "report": None}
-    return {"rank": mine, "report": _report(model, device, job, ids, result, load_s, families, mine)}
+    out = _report(model, device, job, ids, result, load_s, families, mine)
+    if cache is not None:
+        out["prefix_cache"] = {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses}
+    return {"rank": mine, "report": out}
 
 
 def _report(model, device, job, ids, result, load_s, families, mine) -> dict:
@@ -133,7 +146,7 @@ def _report(model, device, job, ids, result, load_s, families, mine) -> dict:
     decode = result.load[-(result.new_tokens - 1):] if result.new_tokens > 1 else []
     return {
         "model": model.cfg.name, "device": f"{device.type} x {layout.world}", "cpu_threads": torch.get_num_threads(),
-        "backend_per_op_family": families, "prefill": "exact", "tokenizer": tok.describe(),
+        "backend_per_op_family": families, "prefill": job["prefill"], "tokenizer": tok.describe(),
         "prompt": None if chat is not None else job["prompt"],
         "chat": None if chat is None else {"system": job["system"], "user": chat, "thinking": job["thinking"],
                                            "effort": chat_format.effort_budget(job["effort"]) if job["thinking"] else None},
@@ -150,6 +163,6 @@ def _report(model, device, job, ids, result, load_s, families, mine) -> dict:
         "kv_budget": job["kv_budget"], "kv_tiers": state.tier_stats() if state else {}, "step_capture": result.step_capture,
         "prefix_cache": None,
         "parallel": {"tp": layout.tp, "ep": layout.ep, "world": layout.world,
-                     "collectives": distributed.backend_for(device), "moe_dispatch": job["dispatch"],
+                     "collectives": distributed.backend_for(device), "moe_dispatch": model.parallel.dispatch,
                      "expert_pairs_per_rank_per_decode_step": decode},
     }

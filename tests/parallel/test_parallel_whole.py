@@ -1,0 +1,43 @@
+"""``flashrt run --tp / --ep`` with CED prefill and with the prefix cache: every group runs the
+request whole (engine/parallel_whole.py); greedy tokens identical to one process."""
+import pytest
+import torch
+
+from flashrt.engine.parallel_run import run_parallel
+from flashrt.engine.run import run
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _text(rng, n):
+    return "".join(chr(int(c)) for c in torch.randint(97, 123, (n,), generator=rng))
+
+
+def test_ced_prefill_on_two_ranks_matches_one_process(cache, rng):
+    prompt = _text(rng, 70)
+    one = run("tiny", prompt, 4, prefill="ced", quiet=True)
+    for tp, ep in ((2, 1), (1, 2)):
+        out = run_parallel("tiny", prompt, 4, prefill="ced", quiet=True, tp=tp, ep=ep, timeout_s=120)
+        assert out["new_token_ids"] == one["new_token_ids"], f"tp {tp} ep {ep}"
+        assert out["prefill"] == "ced"
+        assert out["parallel"]["moe_dispatch"] == ("replicated" if ep > 1 else "gather")
+        steps = out["parallel"]["expert_pairs_per_rank_per_decode_step"]
+        cfg_pairs = 1 * 2 * 8  # one sequence, top-2 of tiny's experts, 8 layers
+        assert len(steps) == 3 and all(sum(s) == cfg_pairs for s in steps)
+
+
+def test_prefix_cache_hits_on_two_ranks(cache, rng, tmp_path):
+    prompt = _text(rng, 75)
+    one = run("tiny", prompt, 4, quiet=True)
+    root = tmp_path / "prefix"
+    first = run_parallel("tiny", prompt, 4, quiet=True, tp=2, prefix_cache=str(root), timeout_s=120)
+    second = run_parallel("tiny", prompt, 4, quiet=True, tp=2, prefix_cache=str(root), timeout_s=120)
+    assert first["new_token_ids"] == second["new_token_ids"] == one["new_token_ids"]
+    assert first["prefix_cache"]["hits"] == 0 and second["prefix_cache"]["hits"] == 1
+    assert len(list(root.glob("*/*.kv"))) >= 2  # each rank stored its own entry (keys cover its shard)
+    ced = run_parallel("tiny", prompt, 4, quiet=True, ep=2, prefill="ced", prefix_cache=str(root), timeout_s=120)
+    assert ced["new_token_ids"] == run("tiny", prompt, 4, prefill="ced", quiet=True)["new_token_ids"]
