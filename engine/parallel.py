@@ -60,6 +60,7 @@ class ParallelResult:
     load: list = field(default_factory=list)  # per forward round: (token, expert) pairs per ep rank
     state: KVState | None = field(repr=False, default=None)
     step_capture: dict | None = None  # captured / replayed / eager step counts (cuda_graph or static_steps)
+    image_tokens: int = 0  # prompt tokens in image spans (flashrt run --image: engine/parallel_whole.py)
 
 
 def idle_step(model) -> None:

@@ -28,18 +28,19 @@ from flashrt.kv.prefix_cache import PrefixCache
 from .generation import PREFILLS
 from .parallel import parallel_generate
 from .parallel_whole import generate_whole
-from .run import OP_FAMILIES, builtin_checkpoint, chat_messages, encode_request, peak_memory_bytes, phase_progress, \
-    pick_device
+from flashrt.graphs.image_processor import open_image
+from .run import OP_FAMILIES, builtin_checkpoint, chat_messages, check_image_token, encode_request, \
+    peak_memory_bytes, phase_progress, pick_device
 
 
 def checkpoint_path(model: str, seed: int, quiet: bool) -> Path:
     if model in SHIPPED and not os.path.isdir(model):
-        if model not in ("tiny", "small"):
+        if model not in ("tiny", "tiny-vl", "small"):
             raise ValueError(f"model: {model!r} has no built-in weights; pass its checkpoint directory")
         return builtin_checkpoint(model, seed, quiet)
     path = Path(model)
     if not (path / "config.json").exists():
-        raise ValueError(f"model: expected 'tiny', 'small' or a checkpoint directory with config.json, got {model!r}")
+        raise ValueError(f"model: expected 'tiny', 'tiny-vl', 'small' or a checkpoint directory with config.json, got {model!r}")
     return path
 
 
@@ -58,8 +59,11 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
         raise ValueError(f"prefill: expected one of {list(PREFILLS)}, got {prefill!r}")
     if prefix_cache is not None:  # claims (or checks) the directory before any rank opens it
         PrefixCache.for_profile(prefix_cache)
-    if images:
-        raise ValueError(f"images: image input runs on one device (not with --tp / --ep yet), got {len(images)} image(s)")
+    images = [images] if isinstance(images, (str, bytes, os.PathLike)) else list(images or ())
+    for image in images:  # an unreadable image fails before any rank starts
+        open_image(image)
+    names = [str(i) if isinstance(i, (str, os.PathLike)) else type(i).__name__ for i in images]
+    images = [Path(i).read_bytes() if isinstance(i, (str, os.PathLike)) else i for i in images]  # sent to the ranks
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if chat is not None:  # bad input fails here, before any rank starts
@@ -77,10 +81,13 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
         if count < layout.world:
             raise ValueError(f"tp: tp * ep = {layout.world} ranks need {layout.world} {kind} devices, found {count}")
     path = checkpoint_path(model, weights_seed, quiet or (under_torchrun() and os.environ.get("RANK") != "0"))
-    layout.check(ModelConfig.from_file(str(path / "config.json")))
+    cfg = ModelConfig.from_file(str(path / "config.json"))
+    layout.check(cfg)
+    if images and not cfg.vision_n_layers:
+        raise ValueError(f"images: model {cfg.name!r} has no vision tower (vision_n_layers = 0)")
     job = dict(path=str(path), tp=tp, ep=ep, dispatch=dispatch, backend=backend, prompt=prompt, chat=chat, system=system,
                thinking=thinking, effort=effort, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-               kv_budget=kv_budget, prefill_chunk=prefill_chunk, quiet=quiet, prefill=prefill,
+               kv_budget=kv_budget, prefill_chunk=prefill_chunk, quiet=quiet, prefill=prefill, images=images, image_names=names,
                prefix_cache=None if prefix_cache is None else str(prefix_cache),
                cuda_graph=kind == "cuda" if cuda_graph is None else bool(cuda_graph),
                threads=threads or max(1, (os.cpu_count() or 1) // layout.world))
@@ -107,8 +114,10 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
         load_s = time.perf_counter() - t0
         tok, ids = model.tokenizer, None
         if rank == 0:
+            if job["images"]:
+                check_image_token(model, tok)
             ids = encode_request(tok, model.cfg.vocab_size, job["prompt"], job["chat"], job["system"],
-                                 job["thinking"], job["effort"])
+                                 job["thinking"], job["effort"], job["images"])
         ids = distributed.broadcast_object(ids, 0)
         phases = phase_progress(show)
 
@@ -120,8 +129,9 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
         cache = None
         if job["prefix_cache"] is not None:
             cache = PrefixCache.for_profile(job["prefix_cache"], model.profile)
-        if job["prefill"] != "exact" or cache is not None:  # every group runs the request whole
-            result = generate_whole(model, ids, dict(job, eos=eos), progress, cache)
+        if job["prefill"] != "exact" or cache is not None or job["images"]:  # every group runs it whole
+            result = generate_whole(model, ids, dict(job, eos=eos), progress, cache,
+                                    [job["images"]] if job["images"] else None)
         else:
             result = parallel_generate(model, [ids], job["max_new_tokens"], temperature=job["temperature"],
                                        seed=job["seed"], eos_token_id=eos, prefill_chunk=job["prefill_chunk"],
@@ -134,6 +144,7 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
     if rank != 0:
         return {"rank": mine, "report": None}
     out = _report(model, device, job, ids, result, load_s, families, mine)
+    out["images"], out["image_tokens"] = job["image_names"], result.image_tokens
     if cache is not None:
         out["prefix_cache"] = {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses}
     return {"rank": mine, "report": out}

@@ -1,5 +1,6 @@
 """One request run whole on every group of a multi-device run: what ``flashrt run --tp / --ep``
-does for CED prefill, the prefix cache and images (docs/parallel.md).
+does for CED prefill, the prefix cache and images (docs/parallel.md; the vision tower is
+replicated on every rank: it is small, and its span embeddings then need no exchange).
 
 Every rank calls :func:`flashrt.engine.generation.generate` with the same request: its prefill
 schedule, prefix lookups, image spans and decode steps are the same on every rank (the logits are
@@ -60,4 +61,4 @@ def generate_whole(model, ids: list[int], job: dict, progress, cache=None, image
                  prefill_chunk=job["prefill_chunk"], prefix_cache=None if cache is None else AgreedPrefixCache(cache),
                  cuda_graph=job["cuda_graph"], progress=report, images=images)
     return ParallelResult(r.tokens, r.prompt_tokens, r.new_tokens, r.prefill_seconds, r.decode_seconds, [0],
-                          r.first_logits, [], load, r.state, r.step_capture)
+                          r.first_logits, [], load, r.state, r.step_capture, r.image_tokens)

@@ -124,3 +124,41 @@ def test_static_dispatch_four_ranks(rng):
     cases = [("tp2ep2", 2, 2, "gather", [3, 2]), ("ep4-a2a", 1, 4, "all_to_all", [1, 0, 4, 2])]
     results = launch(_rank, 4, (cfg, cases, seed), timeout_s=240)
     _check(results, [c[0] for c in cases])
+
+
+def _vl_rank(rank, device, cfg, cases, seed, report):
+    """Image-span tokens route with bias_vl on every dispatch that sees them: max error against one process."""
+    torch.set_num_threads(1)
+    full = init_weights(cfg, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    for name in [k for k in full if k.endswith("gate.bias_vl")]:  # a bias that picks other experts
+        full[name] = torch.randn(full[name].shape, generator=gen).to(full[name].dtype)
+    single = Model(cfg, dict(full))
+    x = torch.randn(6, cfg.dim, generator=gen).to(single.embed.dtype)
+    vl = torch.rand(6, generator=gen) < 0.5
+    out = {}
+    for name, tp, ep, dispatch in cases:
+        layout = Layout(tp, ep, rank)
+        par = Parallel(layout, dispatch)
+        model = Model(cfg, shard_weights(dict(full), cfg, layout), parallel=par)
+        errors = []
+        for layer in range(cfg.n_layers):
+            moe, ref = model.blocks[layer].ffn, single.blocks[layer].ffn
+            one = ref.forward(x.unsqueeze(0), vl_mask=vl.unsqueeze(0)).squeeze(0).float()
+            plain = ref.forward(x.unsqueeze(0)).squeeze(0).float()
+            for static in (False, True):
+                with checks.value_checks(False), par.static_shapes(static):
+                    got = moe.forward(x.unsqueeze(0), vl_mask=vl.unsqueeze(0)).squeeze(0).float()
+                errors.append(((got - one).abs().max().item(), (plain - one).abs().max().item()))
+        out[name] = errors
+    return out
+
+
+def test_image_span_tokens_use_the_vision_bias(rng):
+    cfg = shipped_config("tiny-vl")
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    results = launch(_vl_rank, 2, (cfg, [("tp2", 2, 1, "gather"), ("ep2", 1, 2, "replicated")], seed), timeout_s=120)
+    for rank, by_case in enumerate(results):
+        for name, errors in by_case.items():
+            assert max(e for e, _ in errors) <= 2e-2, f"{name} rank {rank}: {errors}"
+            assert max(d for _, d in errors) > 0.05  # the vision bias changes some token's experts

@@ -41,3 +41,20 @@ def test_prefix_cache_hits_on_two_ranks(cache, rng, tmp_path):
     assert len(list(root.glob("*/*.kv"))) >= 2  # each rank stored its own entry (keys cover its shard)
     ced = run_parallel("tiny", prompt, 4, quiet=True, ep=2, prefill="ced", prefix_cache=str(root), timeout_s=120)
     assert ced["new_token_ids"] == run("tiny", prompt, 4, prefill="ced", quiet=True)["new_token_ids"]
+
+
+def test_image_on_two_ranks_matches_one_process(cache, rng, tmp_path):
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (40, 56, 3), generator=rng, dtype=torch.uint8).numpy()
+    image = tmp_path / "x.png"
+    Image.fromarray(pixels).save(image)
+    prompt = _text(rng, 12)
+    one = run("tiny-vl", prompt, 4, images=[str(image)], quiet=True)
+    assert one["image_tokens"] > 0
+    for tp, ep in ((2, 1), (1, 2)):
+        out = run_parallel("tiny-vl", prompt, 4, images=[str(image)], quiet=True, tp=tp, ep=ep, timeout_s=120)
+        assert out["new_token_ids"] == one["new_token_ids"], f"tp {tp} ep {ep}"
+        assert out["image_tokens"] == one["image_tokens"] and out["images"] == [str(image)]
+    with pytest.raises(ValueError, match="images: model .* has no vision tower"):
+        run_parallel("tiny", prompt, 4, images=[str(image)], quiet=True, tp=2, timeout_s=120)
