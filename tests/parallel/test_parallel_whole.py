@@ -58,3 +58,10 @@ def test_image_on_two_ranks_matches_one_process(cache, rng, tmp_path):
         assert out["image_tokens"] == one["image_tokens"] and out["images"] == [str(image)]
     with pytest.raises(ValueError, match="images: model .* has no vision tower"):
         run_parallel("tiny", prompt, 4, images=[str(image)], quiet=True, tp=2, timeout_s=120)
+
+
+def test_cuda_graph_off_cuda_is_refused_before_any_rank_starts(cache):
+    with pytest.raises(ValueError, match="cuda_graph: CUDA graphs need a CUDA device, the device is cpu"):
+        run_parallel("tiny", "a fox", 2, cuda_graph=True, tp=2, device="cpu")
+    with pytest.raises(ValueError, match=r"prefill: expected one of \['exact', 'ced'\], got 'fast'"):
+        run_parallel("tiny", "a fox", 2, prefill="fast", tp=2)
