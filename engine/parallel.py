@@ -20,6 +20,7 @@ from flashrt import distributed, ops
 from flashrt.kv.state import KVState
 
 from .generation import _as_sequences, profile_kv_sizes
+from .step_capture import StepCapture
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class ParallelResult:
     step_logits: list = field(repr=False, default_factory=list)  # decode steps' logits (keep_logits)
     load: list = field(default_factory=list)  # per forward round: (token, expert) pairs per ep rank
     state: KVState | None = field(repr=False, default=None)
+    step_capture: dict | None = None  # captured / replayed / eager step counts (cuda_graph or static_steps)
+    image_tokens: int = 0  # prompt tokens in image spans (flashrt run --image: engine/parallel_whole.py)
 
 
 def idle_step(model) -> None:
@@ -83,11 +86,14 @@ def _exchange(par, tokens: torch.Tensor, orders: list[list[int]]) -> dict[int, i
 def parallel_generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
                       eos_token_id: int | None = None, prefill_chunk: int | None = None,
                       kv_budget: int | None = None, kv_page_entries: int | None = None, keep_logits: bool = False,
-                      progress=None) -> ParallelResult:
+                      progress=None, cuda_graph: bool | None = None, static_steps: bool = False) -> ParallelResult:
     """:func:`~flashrt.engine.generation.generate` for a model built with a
     :class:`~flashrt.graphs.parallel.Parallel` context; every rank calls it with the same arguments.
     Exact prefill only. ``kv_budget``: device bytes for this rank's share of the KV state (its
-    group's sequences); ``kv_page_entries`` and ``progress(phase, done, total)`` as for generate."""
+    group's sequences); ``kv_page_entries`` and ``progress(phase, done, total)`` as for generate.
+    ``cuda_graph`` (default: on CUDA devices): decode steps replayed from CUDA graphs
+    (:class:`~flashrt.engine.step_capture.StepCapture`, fixed-shape MoE dispatch); ``static_steps``:
+    the same static-buffer steps run eagerly (on any device; how CPU tests check them)."""
     par = model.parallel
     if par is None:
         raise ValueError("model: expected a model built with a parallel context (graphs.parallel.Parallel)")
@@ -96,6 +102,10 @@ def parallel_generate(model, prompts, max_new_tokens: int, temperature: float = 
                          "group (flashrt serve); parallel_generate spreads them: use 'gather' or 'all_to_all'")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+    if cuda_graph is None:
+        cuda_graph = model.device.type == "cuda"
+    if cuda_graph and model.device.type != "cuda":
+        raise ValueError(f"cuda_graph: CUDA graphs need a CUDA device, the model is on {model.device}")
     seqs, layout = _as_sequences(prompts), par.layout
     plans = [group_plan(seqs, layout.for_rank(layout.leader(g)).sequences(len(seqs)), prefill_chunk)
              for g in range(layout.ep)]
@@ -107,13 +117,14 @@ def parallel_generate(model, prompts, max_new_tokens: int, temperature: float = 
         sync()
         t1 = time.perf_counter()
         generator = None if seed is None else torch.Generator(device=model.device).manual_seed(seed)
-        out = run.decode(first, temperature, generator, eos_token_id, keep_logits)
+        steps = "graph" if cuda_graph else ("static" if static_steps else None)
+        out = run.decode(first, temperature, generator, eos_token_id, keep_logits, steps)
         sync()
         t2 = time.perf_counter()
     finally:
         par.counts = None
     return ParallelResult(out, sum(map(len, seqs)), sum(map(len, out)), t1 - t0, t2 - t1, run.rows, first,
-                          run.kept, run.load, run.state)
+                          run.kept, run.load, run.state, run.capture_stats)
 
 
 class _Run:
@@ -125,7 +136,7 @@ class _Run:
         self.rows = self.orders[self.par.layout.ep_rank]
         self.capacity = max(map(len, seqs)) + max_new_tokens
         self.max_new_tokens = max_new_tokens
-        self.load, self.kept, self.state = [], [], None
+        self.load, self.kept, self.state, self.capture_stats = [], [], None, None
 
     def prefill(self, kv_budget, kv_page_entries) -> torch.Tensor | None:
         """Every group's prefill calls, one per round; this group's last-position logits in row order."""
@@ -151,8 +162,19 @@ class _Run:
         self.state = (KVState.cat(states) if len(states) > 1 else states[0]) if states else None
         return torch.cat(logits) if logits else None
 
-    def decode(self, logits, temperature, generator, eos_token_id, keep_logits: bool) -> list[list[int]]:
-        """One token per sequence per step, every group together, until the last step or every EOS."""
+    def decode(self, logits, temperature, generator, eos_token_id, keep_logits: bool, steps=None) -> list[list[int]]:
+        """One token per sequence per step, every group together, until the last step or every EOS.
+        ``steps``: "graph" (CUDA graphs) or "static" (the same static-buffer steps, eager): every rank,
+        idle groups too, then runs the fixed-shape MoE dispatch, so the collectives line up."""
+        if steps is None:
+            return self._decode(logits, temperature, generator, eos_token_id, keep_logits, None)
+        capture = StepCapture(self.model, self.state, capture=steps == "graph") if self.rows else None
+        with self.par.static_shapes():
+            out = self._decode(logits, temperature, generator, eos_token_id, keep_logits, capture)
+        self.capture_stats = dict(capture.stats) if capture is not None else {}
+        return out
+
+    def _decode(self, logits, temperature, generator, eos_token_id, keep_logits: bool, capture) -> list[list[int]]:
         model, n = self.model, self.max_new_tokens
         out, done = [[] for _ in self.seqs], [False] * len(self.seqs)
         for step in range(n):
@@ -167,9 +189,10 @@ class _Run:
                 break
             self.par.counts = [len(o) for o in self.orders]
             if self.rows:
-                logits = model.forward(tokens.unsqueeze(1), state=self.state)
+                logits = (model.forward(tokens.unsqueeze(1), state=self.state) if capture is None
+                          else capture.step(tokens))  # a captured step's logits: its static output
                 if keep_logits:
-                    self.kept.append(logits)
+                    self.kept.append(logits.clone())
             else:
                 idle_step(model)
             self.load.append(self.par.take_load())

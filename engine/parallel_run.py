@@ -24,19 +24,23 @@ from flashrt.graphs.loader import load
 from flashrt.graphs.parallel import Layout, Parallel
 from flashrt.graphs.shard import nbytes
 from .launch import launch, under_torchrun
+from flashrt.kv.prefix_cache import PrefixCache
+from .generation import PREFILLS
 from .parallel import parallel_generate
-from .run import OP_FAMILIES, builtin_checkpoint, chat_messages, encode_request, peak_memory_bytes, phase_progress, \
-    pick_device
+from .parallel_whole import generate_whole
+from flashrt.graphs.image_processor import open_image
+from .run import OP_FAMILIES, builtin_checkpoint, chat_messages, check_image_token, encode_request, \
+    peak_memory_bytes, phase_progress, pick_device
 
 
 def checkpoint_path(model: str, seed: int, quiet: bool) -> Path:
     if model in SHIPPED and not os.path.isdir(model):
-        if model not in ("tiny", "small"):
+        if model not in ("tiny", "tiny-vl", "small"):
             raise ValueError(f"model: {model!r} has no built-in weights; pass its checkpoint directory")
         return builtin_checkpoint(model, seed, quiet)
     path = Path(model)
     if not (path / "config.json").exists():
-        raise ValueError(f"model: expected 'tiny', 'small' or a checkpoint directory with config.json, got {model!r}")
+        raise ValueError(f"model: expected 'tiny', 'tiny-vl', 'small' or a checkpoint directory with config.json, got {model!r}")
     return path
 
 
@@ -51,14 +55,15 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
     layout = Layout(tp, ep)
     if dispatch not in ("gather", "all_to_all"):
         raise ValueError(f"dispatch: expected 'gather' or 'all_to_all', got {dispatch!r}")
-    if prefill != "exact":
-        raise ValueError(f"prefill: expected 'exact' with --tp / --ep (CED runs on one device), got {prefill!r}")
-    if prefix_cache is not None:
-        raise ValueError(f"prefix_cache: not available with --tp / --ep yet, got {prefix_cache!r}")
-    if images:
-        raise ValueError(f"images: image input runs on one device (not with --tp / --ep yet), got {len(images)} image(s)")
-    if cuda_graph:
-        raise ValueError("cuda_graph: decode steps run eagerly with --tp / --ep; pass --no-cuda-graph")
+    if prefill not in PREFILLS:
+        raise ValueError(f"prefill: expected one of {list(PREFILLS)}, got {prefill!r}")
+    if prefix_cache is not None:  # claims (or checks) the directory before any rank opens it
+        PrefixCache.for_profile(prefix_cache)
+    images = [images] if isinstance(images, (str, bytes, os.PathLike)) else list(images or ())
+    for image in images:  # an unreadable image fails before any rank starts
+        open_image(image)
+    names = [str(i) if isinstance(i, (str, os.PathLike)) else type(i).__name__ for i in images]
+    images = [Path(i).read_bytes() if isinstance(i, (str, os.PathLike)) else i for i in images]  # sent to the ranks
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if chat is not None:  # bad input fails here, before any rank starts
@@ -69,15 +74,22 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
     elif not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt: expected a non-empty str, got {prompt!r}")
     kind = pick_device(device).type
+    if cuda_graph and kind != "cuda":
+        raise ValueError(f"cuda_graph: CUDA graphs need a CUDA device, the device is {kind}")
     if kind == "cuda" and not under_torchrun():
         count = torch.cuda.device_count()
         if count < layout.world:
             raise ValueError(f"tp: tp * ep = {layout.world} ranks need {layout.world} {kind} devices, found {count}")
     path = checkpoint_path(model, weights_seed, quiet or (under_torchrun() and os.environ.get("RANK") != "0"))
-    layout.check(ModelConfig.from_file(str(path / "config.json")))
+    cfg = ModelConfig.from_file(str(path / "config.json"))
+    layout.check(cfg)
+    if images and not cfg.vision_n_layers:
+        raise ValueError(f"images: model {cfg.name!r} has no vision tower (vision_n_layers = 0)")
     job = dict(path=str(path), tp=tp, ep=ep, dispatch=dispatch, backend=backend, prompt=prompt, chat=chat, system=system,
                thinking=thinking, effort=effort, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-               kv_budget=kv_budget, prefill_chunk=prefill_chunk, quiet=quiet,
+               kv_budget=kv_budget, prefill_chunk=prefill_chunk, quiet=quiet, prefill=prefill, images=images, image_names=names,
+               prefix_cache=None if prefix_cache is None else str(prefix_cache),
+               cuda_graph=kind == "cuda" if cuda_graph is None else bool(cuda_graph),
                threads=threads or max(1, (os.cpu_count() or 1) // layout.world))
     t0 = time.perf_counter()
     results = launch(rank_main, layout.world, (job,), device=kind, timeout_s=timeout_s, on_event=on_event)
@@ -102,8 +114,10 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
         load_s = time.perf_counter() - t0
         tok, ids = model.tokenizer, None
         if rank == 0:
+            if job["images"]:
+                check_image_token(model, tok)
             ids = encode_request(tok, model.cfg.vocab_size, job["prompt"], job["chat"], job["system"],
-                                 job["thinking"], job["effort"])
+                                 job["thinking"], job["effort"], job["images"])
         ids = distributed.broadcast_object(ids, 0)
         phases = phase_progress(show)
 
@@ -111,9 +125,17 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
             phases(phase, done, total)
             if report is not None:
                 report(phase, done)
-        result = parallel_generate(model, [ids], job["max_new_tokens"], temperature=job["temperature"],
-                                   seed=job["seed"], eos_token_id=tok.eos_id if job["chat"] is not None else None,
-                                   prefill_chunk=job["prefill_chunk"], kv_budget=job["kv_budget"], progress=progress)
+        eos = tok.eos_id if job["chat"] is not None else None
+        cache = None
+        if job["prefix_cache"] is not None:
+            cache = PrefixCache.for_profile(job["prefix_cache"], model.profile)
+        if job["prefill"] != "exact" or cache is not None or job["images"]:  # every group runs it whole
+            result = generate_whole(model, ids, dict(job, eos=eos), progress, cache,
+                                    [job["images"]] if job["images"] else None)
+        else:
+            result = parallel_generate(model, [ids], job["max_new_tokens"], temperature=job["temperature"],
+                                       seed=job["seed"], eos_token_id=eos, prefill_chunk=job["prefill_chunk"],
+                                       kv_budget=job["kv_budget"], progress=progress, cuda_graph=job["cuda_graph"])
         families = {fam: "/".join(sorted({(dispatch.chain(op, device.type) or ["none"])[0] for op in ops}))
                     for fam, ops in OP_FAMILIES.items()}
     held = sum(nbytes(v) for v in model.weights.values())
@@ -121,7 +143,11 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
             "sequences": result.rows}
     if rank != 0:
         return {"rank": mine, "report": None}
-    return {"rank": mine, "report": _report(model, device, job, ids, result, load_s, families, mine)}
+    out = _report(model, device, job, ids, result, load_s, families, mine)
+    out["images"], out["image_tokens"] = job["image_names"], result.image_tokens
+    if cache is not None:
+        out["prefix_cache"] = {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses}
+    return {"rank": mine, "report": out}
 
 
 def _report(model, device, job, ids, result, load_s, families, mine) -> dict:
@@ -131,7 +157,7 @@ def _report(model, device, job, ids, result, load_s, families, mine) -> dict:
     decode = result.load[-(result.new_tokens - 1):] if result.new_tokens > 1 else []
     return {
         "model": model.cfg.name, "device": f"{device.type} x {layout.world}", "cpu_threads": torch.get_num_threads(),
-        "backend_per_op_family": families, "prefill": "exact", "tokenizer": tok.describe(),
+        "backend_per_op_family": families, "prefill": job["prefill"], "tokenizer": tok.describe(),
         "prompt": None if chat is not None else job["prompt"],
         "chat": None if chat is None else {"system": job["system"], "user": chat, "thinking": job["thinking"],
                                            "effort": chat_format.effort_budget(job["effort"]) if job["thinking"] else None},
@@ -145,9 +171,9 @@ def _report(model, device, job, ids, result, load_s, families, mine) -> dict:
         "kv_bytes_per_token": kv_token,
         "kv_bytes_total": kv_token * (result.prompt_tokens + result.new_tokens) + (state.window_bytes() if state else 0),
         "window_state_bytes": state.window_bytes() if state else 0, "peak_memory_bytes": mine["peak_memory_bytes"],
-        "kv_budget": job["kv_budget"], "kv_tiers": state.tier_stats() if state else {}, "step_capture": None,
+        "kv_budget": job["kv_budget"], "kv_tiers": state.tier_stats() if state else {}, "step_capture": result.step_capture,
         "prefix_cache": None,
         "parallel": {"tp": layout.tp, "ep": layout.ep, "world": layout.world,
-                     "collectives": distributed.backend_for(device), "moe_dispatch": job["dispatch"],
+                     "collectives": distributed.backend_for(device), "moe_dispatch": model.parallel.dispatch,
                      "expert_pairs_per_rank_per_decode_step": decode},
     }

@@ -56,11 +56,11 @@ def check(job: ServeJob) -> Layout:
     if job.config.speculative is not None:
         raise ValueError(f"speculative: not supported with --tp / --ep (the ranks run plain decode steps); "
                          f"drop --speculative {job.config.speculative} or serve on one device")
-    if job.config.cuda_graphs:
-        raise ValueError("cuda_graph: decode steps run eagerly with --tp / --ep; pass --no-cuda-graph")
     if isinstance(job.timeout_s, bool) or not job.timeout_s > 0:
         raise ValueError(f"collective_timeout: expected seconds > 0, got {job.timeout_s!r}")
     kind = pick_device(job.device).type
+    if job.config.cuda_graphs and kind != "cuda":
+        raise ValueError(f"cuda_graph: CUDA graphs need a CUDA device, the device is {kind}")
     if kind == "cuda" and not under_torchrun() and torch.cuda.device_count() < layout.world:
         raise ValueError(f"tp: tp * ep = {layout.world} ranks need {layout.world} cuda devices, "
                          f"found {torch.cuda.device_count()}")
@@ -74,7 +74,7 @@ def serve_parallel(job: ServeJob, on_event=None) -> int:
     kind = pick_device(job.device).type
     path = checkpoint_path(job.model, job.seed, job.log_level not in ("info", "debug"))
     layout.check(ModelConfig.from_file(str(path / "config.json")))
-    job = dataclasses.replace(job, model=str(path), config=dataclasses.replace(job.config, cuda_graphs=False),
+    job = dataclasses.replace(job, model=str(path), config=job.config,
                               name=job.name or os.path.basename(os.path.normpath(job.model)),
                               threads=job.threads or max(1, (os.cpu_count() or 1) // layout.world))
     pids: list[int] = []

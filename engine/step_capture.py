@@ -21,9 +21,16 @@ backend serving it reads pinned host memory in place (zero-copy, no host work; t
 such steps are captured too (eager with ``CAPTURE_COLD`` False); elsewhere the cold fetch is
 host-driven and the step falls back to :meth:`Model.forward`. On a non-CUDA device the
 same static-buffer step runs eagerly (how CPU tests check it).
+
+A model built with a :class:`~flashrt.graphs.parallel.Parallel` context (``--tp`` / ``--ep``) runs
+its steps with the fixed-shape MoE dispatch (``Parallel.static_shapes``); its collectives are
+recorded into the graph and replayed (NCCL supports capture). Every rank captures and replays the
+same steps in lockstep; a step that syncs with the host cannot fall back to eager on one rank
+alone (its collectives would no longer line up), so there it raises instead.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 
 import torch
@@ -93,7 +100,8 @@ class StepCapture:
         buffers = state.step_buffers(entries)  # room for the bucket, block tables refreshed in place
         if self.fallback_reason(buffers) is not None:
             self.stats["fallback"] += 1
-            return model.forward(ids, state=state)
+            with model.parallel.static_shapes() if model.parallel is not None else contextlib.nullcontext():
+                return model.forward(ids, state=state)  # the same collectives as a captured step's
         self.ids.copy_(ids)
         history = None
         with checks.value_checks(False):  # the ids are sampled tokens: range checks would sync every step
@@ -110,11 +118,12 @@ class StepCapture:
         return logits
 
     def _body(self, entries: dict) -> torch.Tensor:
-        state = self.state
+        state, par = self.state, self.model.parallel
         ctx = self.model.step_context(state, state.positions.unsqueeze(1), max(state.host_positions) + 1,
                                       entries=entries, engram_ids=self.engram_ids,
                                       engram_rows={slot: (rows, None) for slot, (_, rows) in self.staged.items()})
-        return self.model.run(self.ids, ctx)
+        with par.static_shapes() if par is not None else contextlib.nullcontext():
+            return self.model.run(self.ids, ctx)
 
     def _stage_engram(self) -> None:
         """Rows of host-memory Engram tables this step reads -> pinned buffers -> static device buffers."""
@@ -161,12 +170,17 @@ class StepCapture:
         except RuntimeError as exc:
             if not checks.is_host_sync_error(exc):
                 raise
+            if self.model.parallel is not None:  # the ranks' collectives must line up: no lone fallback
+                raise RuntimeError(f"cuda_graph: a decode step of this model syncs with the host and cannot be "
+                                   f"captured with --tp / --ep; pass --no-cuda-graph ({exc})") from exc
             self.graphs[key] = "eager"
             self.stats["uncapturable"] = str(exc).splitlines()[0][:200]
             self.stats["eager"] += 1
             return self._body(entries)  # again, syncs allowed: the step's cache writes land in the same slots
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=CAPTURE_ERROR_MODE):
+        # with collectives, the process group's watchdog thread queries events during the capture
+        mode = CAPTURE_ERROR_MODE if self.model.parallel is None else "thread_local"
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=mode):
             out = self._body(entries)  # recorded, not run: the caches are written once
         self.graphs[key] = (graph, out)
         self.stats["captured"] += 1

@@ -16,6 +16,14 @@ ranks outnumber top-k.
 ``replicated``: every group already holds the same tokens (the serving engine runs every sequence
 on every group); each rank runs its own experts' pairs and one all-reduce across the groups adds
 them up. One collective per layer, no token exchange; attention is repeated on every group.
+
+``routed_static`` (taken instead of any of them inside :meth:`Parallel.static_shapes`, which
+CUDA-graph-captured decode steps use): the collectives of ``gather`` (or of ``replicated``) with
+fixed shapes and no host sync. Each rank runs every routed slot of every row (the padded rows of
+every group too) through ``moe_experts``, the slots of other ranks' experts and the padding rows
+weighing 0 and pointed at a local expert: their outputs are exact zeros (the routing weight scales
+W2's input), so the sum is the dynamic dispatch's, with ``world`` times the expert slots computed
+(the weights read are the same: the decode step's cost at small batches).
 """
 from __future__ import annotations
 
@@ -24,11 +32,11 @@ import torch
 from flashrt import distributed, ops
 
 
-def _pairs(moe, xs: torch.Tensor, rows: torch.Tensor, partial: torch.Tensor) -> None:
-    """Add into ``partial`` the outputs of the (token, expert) pairs of ``xs[rows]`` on this rank's experts."""
+def _pairs(moe, xs: torch.Tensor, rows: torch.Tensor, partial: torch.Tensor, vl=None) -> None:
+    """Add into ``partial`` the outputs of the (token, expert) pairs of ``xs[rows]`` on this rank's
+    experts (``vl``: the image-span rows of ``xs``, routed with ``bias_vl``)."""
     cfg = moe.cfg
-    weights, indices = ops.moe_route(xs[rows], moe.gate, moe.bias, moe.topk, cfg.score_func,
-                                     cfg.norm_topk_prob, cfg.route_scale)
+    weights, indices = moe.routes(xs[rows], None if vl is None else vl[rows])
     moe.par.record_load(indices, moe.n_routed)
     local = indices - moe.first
     tok, slot = torch.nonzero((local >= 0) & (local < moe.w1.shape[0]), as_tuple=True)
@@ -38,14 +46,21 @@ def _pairs(moe, xs: torch.Tensor, rows: torch.Tensor, partial: torch.Tensor) -> 
         partial.index_add_(0, rows[tok], y)
 
 
-def routed_gather(moe, x: torch.Tensor) -> torch.Tensor:
+def _no_spans_across_groups(par, vl) -> None:
+    if vl is not None and par.layout.ep > 1:
+        raise ValueError("vl_mask: tokens of image spans exchanged between expert-parallel groups are not "
+                         "supported; run image requests whole on every group (the 'replicated' dispatch)")
+
+
+def routed_gather(moe, x: torch.Tensor, vl=None) -> torch.Tensor:
     par = moe.par
+    _no_spans_across_groups(par, vl)
     xs, counts = par.gather_tokens(x)  # [ep * m, D], group blocks of m rows
     m = xs.shape[0] // len(counts)
     rows = torch.cat([torch.arange(g * m, g * m + c, device=x.device) for g, c in enumerate(counts)])
     partial = torch.zeros(xs.shape[0], xs.shape[1], dtype=torch.float32, device=x.device)
     if rows.numel():
-        _pairs(moe, xs, rows, partial)
+        _pairs(moe, xs, rows, partial, vl)
     return distributed.reduce_scatter(partial, group=par.ep_group) if par.layout.ep > 1 else partial
 
 
@@ -53,7 +68,7 @@ def _a2a(par, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor
     return distributed.all_to_all(t, send, recv, group=par.ep_group) if par.layout.ep > 1 else t
 
 
-def routed_all_to_all(moe, x: torch.Tensor) -> torch.Tensor:
+def routed_all_to_all(moe, x: torch.Tensor, vl=None) -> torch.Tensor:
     par, cfg, layout = moe.par, moe.cfg, moe.par.layout
     n, ep, dev = x.shape[0], layout.ep, x.device
     out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=dev)
@@ -61,8 +76,7 @@ def routed_all_to_all(moe, x: torch.Tensor) -> torch.Tensor:
     meta = torch.empty(0, 3, dtype=torch.float32, device=dev)  # (row in its block, routing weight, expert on its rank)
     counts = torch.zeros(ep, 2, dtype=torch.long, device=dev)  # rows and pairs for each destination
     if n:
-        weights, indices = ops.moe_route(x, moe.gate, moe.bias, moe.topk, cfg.score_func, cfg.norm_topk_prob,
-                                         cfg.route_scale)
+        weights, indices = moe.routes(x, vl)
         par.record_load(indices, moe.n_routed)
         per = moe.n_routed // layout.world
         owner = indices.long() // per  # the global rank holding each pair's expert
@@ -93,14 +107,51 @@ def routed_all_to_all(moe, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def routed_replicated(moe, x: torch.Tensor) -> torch.Tensor:
+def routed_replicated(moe, x: torch.Tensor, vl=None) -> torch.Tensor:
     """Every group runs the same tokens: no tokens move; each rank runs the pairs of its own
     experts and one all-reduce across the groups sums every slice's share (each pair runs once)."""
     par = moe.par
     partial = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        _pairs(moe, x, torch.arange(x.shape[0], device=x.device), partial)
+        _pairs(moe, x, torch.arange(x.shape[0], device=x.device), partial, vl)
     return distributed.all_reduce(partial, group=par.ep_group) if par.layout.ep > 1 else partial
+
+
+def _static_pairs(moe, xs: torch.Tensor, valid: torch.Tensor | None, counted: torch.Tensor | None,
+                  vl=None) -> torch.Tensor:
+    """fp32 ``[N, D]``: this rank's experts' share of every row of ``xs`` (rows where ``valid`` is
+    False give zeros), with fixed shapes; ``counted`` rows go into the load count."""
+    cfg = moe.cfg
+    weights, indices = moe.routes(xs, vl)
+    moe.par.record_load(indices, moe.n_routed, counted)
+    local = indices - moe.first
+    mine = (local >= 0) & (local < moe.w1.shape[0])
+    if valid is not None:
+        mine = mine & valid.unsqueeze(1)
+    return ops.moe_experts(xs, torch.where(mine, weights, 0.0), torch.where(mine, local, 0).to(torch.int32),
+                           moe.w1, moe.w3, moe.w2, cfg.swiglu_limit)
+
+
+def routed_static(moe, x: torch.Tensor, vl=None) -> torch.Tensor:
+    """The gather (or replicated) dispatch with fixed shapes: no ``nonzero``, no host sync. Needs
+    the token counts from the runner's plan (``Parallel.counts``) when groups exchange tokens."""
+    par, layout = moe.par, moe.par.layout
+    if par.dispatch == "replicated" or layout.ep == 1:
+        partial = _static_pairs(moe, x, None, None, vl)
+        return distributed.all_reduce(partial, group=par.ep_group) if layout.ep > 1 else partial
+    _no_spans_across_groups(par, vl)
+    if par.counts is None:
+        raise ValueError("counts: the fixed-shape MoE dispatch needs every group's token count from the "
+                         "runner's plan (Parallel.counts), got None")
+    xs, counts = par.gather_tokens(x)
+    m = xs.shape[0] // len(counts)
+    row = torch.arange(m, device=x.device)
+    valid = torch.cat([row < c for c in counts])  # the padding rows of each group block
+    counted = valid
+    if par.dispatch == "all_to_all":  # that dispatch counts each group's own pairs (take_load sums the groups)
+        counted = torch.cat([valid[g * m:(g + 1) * m] & (g == layout.ep_rank) for g in range(len(counts))])
+    partial = _static_pairs(moe, xs, valid, counted)
+    return distributed.reduce_scatter(partial, group=par.ep_group)
 
 
 DISPATCH = {"gather": routed_gather, "all_to_all": routed_all_to_all, "replicated": routed_replicated}

@@ -65,13 +65,10 @@ class MoE:
         cfg = self.cfg
         shape = h.shape
         x = h.reshape(-1, shape[-1])
+        vl = vl_mask.reshape(-1) if vl_mask is not None and self.bias_vl is not None else None
         if self.par is not None:
-            return self._forward_parallel(x, shared_route).to(h.dtype).view(shape)
-        weights, indices = self.route(x, self.bias)
-        if vl_mask is not None and self.bias_vl is not None:
-            inside = vl_mask.reshape(-1, 1)
-            w_vl, i_vl = self.route(x, self.bias_vl)
-            weights, indices = torch.where(inside, w_vl, weights), torch.where(inside, i_vl, indices)
+            return self._forward_parallel(x, shared_route, vl).to(h.dtype).view(shape)
+        weights, indices = self.routes(x, vl)
         y = ops.moe_experts(x, weights, indices, self.w1, self.w3, self.w2, cfg.swiglu_limit)
         if self.shared is not None:
             ones, first = shared_route if shared_route is not None else SharedRoutes.make(x.shape[0], x.device)
@@ -83,16 +80,32 @@ class MoE:
         cfg = self.cfg
         return ops.moe_route(x, self.gate, bias, self.topk, cfg.score_func, cfg.norm_topk_prob, cfg.route_scale)
 
-    def _forward_parallel(self, x: torch.Tensor, shared_route: tuple | None = None) -> torch.Tensor:
-        """fp32 [N, D]: every rank's experts over this group's tokens (graphs/ep_dispatch.py), the
-        shared expert where this rank holds it, summed over the tensor-parallel group."""
-        from .ep_dispatch import DISPATCH
+    def routes(self, x: torch.Tensor, vl: torch.Tensor | None = None):
+        """``moe_route`` of tokens ``x`` [N, dim]; rows where ``vl`` [N] (bool) is True (image spans)
+        pick their experts with ``bias_vl`` (the weights come from the same unbiased scores)."""
+        weights, indices = self.route(x, self.bias)
+        if vl is not None and self.bias_vl is not None:
+            inside = vl.reshape(-1, 1)
+            w_vl, i_vl = self.route(x, self.bias_vl)
+            weights, indices = torch.where(inside, w_vl, weights), torch.where(inside, i_vl, indices)
+        return weights, indices
 
-        own = DISPATCH[self.par.dispatch](self, x)
+    def _forward_parallel(self, x: torch.Tensor, shared_route: tuple | None = None,
+                          vl: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 [N, D]: every rank's experts over this group's tokens (graphs/ep_dispatch.py), the
+        shared expert where this rank holds it, summed over the tensor-parallel group. ``vl`` [N]
+        bool: the tokens inside image spans (routed with ``bias_vl``)."""
+        from .ep_dispatch import DISPATCH, routed_static
+
+        own = (routed_static if self.par.static or _capturing(x) else DISPATCH[self.par.dispatch])(self, x, vl)
         if self.shared is not None and x.shape[0]:
             ones, first = shared_route if shared_route is not None else SharedRoutes.make(x.shape[0], x.device)
             own[: x.shape[0]] += ops.moe_experts(x, ones, first, *self.shared, self.cfg.swiglu_limit)
         return self.par.tp_all_reduce(own)[: x.shape[0]]
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class SharedRoutes:

@@ -19,6 +19,7 @@ layers call, through :mod:`flashrt.distributed`.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +146,18 @@ class Parallel:
             self.ep_group = g if t == layout.tp_rank else self.ep_group
         self.counts: list[int] | None = None  # tokens per group in the coming forward (set by the runner)
         self.load: torch.Tensor | None = None  # (token, expert) pairs per rank, summed over layers
+        # MoE layers take the fixed-shape dispatch (ep_dispatch.routed_static): no host sync, no
+        # data-dependent shape, what a CUDA-graph-captured decode step needs (static_shapes())
+        self.static = False
+
+    @contextlib.contextmanager
+    def static_shapes(self, on: bool = True):
+        """Inside the block the MoE layers dispatch with fixed shapes (:func:`routed_static`)."""
+        old, self.static = self.static, bool(on)
+        try:
+            yield
+        finally:
+            self.static = old
 
     # ----- layer construction (this rank's shards) -------------------------------------------------
     def attention(self, cfg, layer: int, w: dict, prefix: str):
@@ -197,19 +210,26 @@ class Parallel:
         padded[: x.shape[0]] = x
         return distributed.all_gather(padded, 0, group=self.ep_group), counts
 
-    def record_load(self, indices: torch.Tensor, n_routed: int) -> None:
-        """Count the (token, expert) pairs each rank's experts serve (load balance)."""
+    def record_load(self, indices: torch.Tensor, n_routed: int, valid: torch.Tensor | None = None) -> None:
+        """Count the (token, expert) pairs each rank's experts serve (load balance); ``valid`` (bool
+        per row of ``indices``): only those rows count. Added in place into one buffer, with fixed
+        shapes (no host sync), so a captured step counts on every replay."""
         per = n_routed // self.layout.world
-        counts = torch.bincount((indices.reshape(-1).long() // per), minlength=self.layout.world)
-        self.load = counts if self.load is None else self.load + counts
+        owner = (indices.long() // per).reshape(-1)
+        ones = (torch.ones_like(owner) if valid is None
+                else valid.reshape(-1, 1).expand(indices.shape).reshape(-1).to(torch.long))
+        if self.load is None:
+            self.load = torch.zeros(self.layout.world, dtype=torch.long, device=indices.device)
+        self.load.index_add_(0, owner, ones)
 
     def take_load(self) -> list[int]:
         """The (token, expert) pairs per rank since the last call (every MoE layer summed). With
         ``all_to_all`` each group counted its own tokens' pairs: the groups' counts are summed."""
-        load = self.load
-        if load is None:
+        if self.load is None:
             load = torch.zeros(self.layout.world, dtype=torch.long, device=distributed.collective_device())
+        else:  # the buffer stays (a captured step adds into it): read and zeroed in place
+            load = self.load.clone()
+            self.load.zero_()
         if self.dispatch == "all_to_all" and self.layout.ep > 1:
-            load = distributed.all_reduce(load.clone(), group=self.ep_group)
-        self.load = None
+            load = distributed.all_reduce(load, group=self.ep_group)
         return load.tolist()

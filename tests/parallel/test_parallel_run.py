@@ -35,7 +35,7 @@ def _rank(rank, device, cases, seed, report):
         r = parallel_generate(model, prompts, NEW, progress=report, **kv)
         tiers = r.state.tier_stats() if r.state is not None else {}
         first = None if r.first_logits is None else r.first_logits.numpy()  # plain data back to the launcher
-        out[name] = (r.tokens, r.rows, first, r.load, tiers, held)
+        out[name] = (r.tokens, r.rows, first, r.load, tiers, held, r.step_capture)
     return out
 
 
@@ -52,7 +52,7 @@ def _check(results, name, cfg, seed, prompts, reference=None):
     full = sum(nbytes(v) for v in init_weights(cfg, seed=seed).values())
     seen = []
     for rank, by_case in enumerate(results):
-        tokens, rows, first, load, _, held = by_case[name]
+        tokens, rows, first, load, _, held, _ = by_case[name]
         assert tokens == ref.tokens, f"{name}: rank {rank} tokens differ from one process"
         if rows:
             err = (torch.from_numpy(first) - ref.first_logits[rows]).abs().max().item()
@@ -71,10 +71,18 @@ def test_two_ranks_tensor_and_expert_parallel(rng):
     prompts, long = _prompts(rng, cfg, (13, 6, 9)), _prompts(rng, cfg, (40, 40))  # ep2: group 1 idles a round
     budget = fixed_bytes_for(cfg, 1, 40 + NEW, page_entries=4) + 1024  # 7 main-KV pages on the device
     cases = [("tp2", cfg, 2, 1, prompts, {}), ("ep2", cfg, 1, 2, prompts, {}),
-             ("ep2-cold", cfg, 1, 2, long, {"kv_budget": budget, "kv_page_entries": 4, "prefill_chunk": 8})]
-    results = launch(_rank, 2, (cases, seed), timeout_s=120)
+             ("ep2-cold", cfg, 1, 2, long, {"kv_budget": budget, "kv_page_entries": 4, "prefill_chunk": 8}),
+             # decode through StepCapture's static-buffer steps and the fixed-shape MoE dispatch
+             ("tp2-static", cfg, 2, 1, prompts, {"static_steps": True}),
+             ("ep2-static-a2a", cfg, 1, 2, prompts[:1], {"static_steps": True, "dispatch": "all_to_all"})]
+    results = launch(_rank, 2, (cases, seed), timeout_s=180)
     ref = _check(results, "tp2", cfg, seed, prompts)
     _check(results, "ep2", cfg, seed, prompts, ref)
+    _check(results, "tp2-static", cfg, seed, prompts, ref)
+    _check(results, "ep2-static-a2a", cfg, seed, prompts[:1])  # group 1 has no sequence: it serves its experts
+    assert [r["tp2-static"][6]["eager"] for r in results] == [NEW - 1] * 2  # every decode step ran static
+    assert [r["ep2-static-a2a"][6].get("eager", 0) for r in results] == [NEW - 1, 0]
+    assert all(r["tp2"][6] is None for r in results)
     _check(results, "ep2-cold", cfg, seed, long)
     assert all(r["ep2-cold"][4]["cold_pages"] > 0 for r in results)  # pages spilled to host memory
 
