@@ -8,6 +8,8 @@ reads no file of its own. Every refusal is a :class:`~.protocol.BadRequest` nami
 """
 from __future__ import annotations
 
+import os
+
 from flashrt.graphs.image_processor import preprocess
 
 from ..errors import RequestError
@@ -15,6 +17,7 @@ from ..images import check_vision
 from .protocol import BadRequest
 
 IMAGE_PART = "image_url"
+DECODE_WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads that decode request images at once
 
 
 def is_image_part(part) -> bool:
