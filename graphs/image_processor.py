@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import math
@@ -120,9 +121,10 @@ class ImageInput:
     def types(self) -> list[int]:
         return span_types(self.n_llm_h, self.n_llm_w)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """sha256 of the grid and the patch bytes: what the image contributes to a prefix key."""
+        """sha256 of the grid and the patch bytes: what the image contributes to a prefix key
+        (computed once per image)."""
         h = hashlib.sha256(f"{self.n_vit_h}x{self.n_vit_w}:{tuple(self.patches.shape)};".encode())
         h.update(self.patches.contiguous().view(torch.int16).numpy().tobytes())
         return h.hexdigest()

@@ -66,7 +66,9 @@ def request_images(model, tokenizer, messages: list[dict]) -> list:
                 raise BadRequest(where, str(exc)) from None
             url = _data_url(part, where)
             try:
-                out.append(preprocess(url, model.cfg))
+                item = preprocess(url, model.cfg)
             except ValueError as exc:
                 raise BadRequest(f"{where}.image_url", f"{where}.image_url: {exc}") from None
+            _ = item.digest  # hashed here, in the decoding thread, not on the event loop
+            out.append(item)
     return out

@@ -78,12 +78,13 @@ def test_cmyk(rng):
                 np.asarray(Image.open(io.BytesIO(encode(Image.fromarray(cmyk, "CMYK"), "JPEG"))).convert("RGB")))
 
 
-def test_animated_gif_gives_its_first_frame(rng):
+@pytest.mark.parametrize("fmt, kw", [("GIF", {}), ("PNG", {}), ("WEBP", {"lossless": True})])
+def test_animated_image_gives_its_first_frame(rng, fmt, kw):
     h, w = size(rng)
     colours = rng.integers(0, 256, (8, 3), dtype=np.uint8)  # few colours: the GIF palette holds them exactly
     frames = [colours[rng.integers(0, 8, (h, w))] for _ in range(3)]
-    data = encode(Image.fromarray(frames[0]), "GIF", save_all=True,
-                  append_images=[Image.fromarray(f) for f in frames[1:]], duration=50, loop=0)
+    data = encode(Image.fromarray(frames[0]), fmt, save_all=True,
+                  append_images=[Image.fromarray(f) for f in frames[1:]], duration=50, loop=0, **kw)
     assert Image.open(io.BytesIO(data)).n_frames == 3
     assert same(data, frames[0]) and not same(data, frames[1])
     opened = Image.open(io.BytesIO(data))
