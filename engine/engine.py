@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from . import outputs
 from .config import EngineConfig
 from .errors import EngineStopped, QueueFull, RequestError
-from .images import prompt_images
+from .images import batch_images, prompt_images
 from .request import Request, RequestOutput, Status
 from .sampling import SamplingParams
 from .step_loop import StepLoop
@@ -88,9 +88,12 @@ class Engine:
         return request_id if request_id is not None else f"req-{next(self._ids)}"
 
     # ----- offline ---------------------------------------------------------------------------------
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 images=None) -> list[RequestOutput]:
         """Run ``prompts`` (a string, a token-id list, or a list of them) to the end; one final
-        :class:`RequestOutput` per prompt, in order."""
+        :class:`RequestOutput` per prompt, in order. ``images``: None or one entry per prompt (a
+        list of its images, one per image placeholder, as ``add_request`` takes them, or None); for a
+        single prompt, its list of images."""
         single = isinstance(prompts, str) or _is_token_list(prompts)
         prompts = [prompts] if single else list(prompts)
         if not prompts:
@@ -100,23 +103,26 @@ class Engine:
         if len(plist) != len(prompts):
             raise RequestError("params", f"expected {len(prompts)} SamplingParams (one per prompt), got {len(plist)}")
         ids = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        if single and images is not None:
+            images = [images]  # one prompt: ``images`` is its list of images
+        ids, pics = zip(*batch_images(self.model, self.tokenizer, ids, images, plist, self.config.max_model_len))
         for i, (p, sp) in enumerate(zip(ids, plist)):
             self.step_loop.check(p, sp)
         if self._thread is not None:
-            return self._generate_online(ids, plist)
+            return self._generate_online(ids, plist, pics)
         done: dict[str, RequestOutput] = {}
         names = []
-        for p, sp in zip(ids, plist):
-            req = self.step_loop.add(self._new_id(None), p, sp)
+        for p, sp, pic in zip(ids, plist, pics):
+            req = self.step_loop.add(self._new_id(None), p, sp, pic)
             req.sink = lambda out, done=done: done.__setitem__(out.request_id, out) if out.finished else None
             names.append(req.id)
         while self.step_loop.has_work:
             self._deliver(self.step_loop.step())
         return [done[n] for n in names]
 
-    def _generate_online(self, ids, plist) -> list[RequestOutput]:
+    def _generate_online(self, ids, plist, pics) -> list[RequestOutput]:
         events, done = [], {}
-        for p, sp in zip(ids, plist):
+        for p, sp, pic in zip(ids, plist, pics):
             ev = threading.Event()
             rid = self._new_id(None)
 
@@ -124,7 +130,7 @@ class Engine:
                 if out.finished:
                     done[out.request_id] = out
                     ev.set()
-            self._submit(rid, p, sp, sink)
+            self._submit(rid, p, sp, sink, pic)
             events.append((rid, ev))
         for rid, ev in events:
             ev.wait()

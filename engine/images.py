@@ -71,6 +71,27 @@ def prompt_images(model, tokenizer, ids: list[int], images, max_tokens: int | No
     return expanded, pics
 
 
+def batch_images(model, tokenizer, ids: list[list[int]], images, params: list, max_model_len: int):
+    """``prompt_images`` for each prompt of a batch: ``images`` is None or one entry per prompt (a
+    list of images, one image, or None). Returns ``[(ids, PromptImages | None)]``; errors name the
+    prompt (``images[i]``)."""
+    if images is None:
+        return [(p, None) for p in ids]
+    if not isinstance(images, (list, tuple)) or len(images) != len(ids):
+        got = f"{len(images)} entries" if isinstance(images, (list, tuple)) else type(images).__name__
+        raise RequestError("images", f"expected one entry (a list of images or None) per prompt ({len(ids)}), "
+                           f"got {got}")
+    out = []
+    for i, (p, entry, sp) in enumerate(zip(ids, images, params)):
+        entry = entry if entry is None or isinstance(entry, (list, tuple)) else [entry]
+        try:
+            out.append(prompt_images(model, tokenizer, p, entry, sp.max_tokens, max_model_len))
+        except RequestError as exc:
+            text = str(exc).removeprefix(f"{exc.param}:").strip()
+            raise type(exc)(f"images[{i}]" if exc.param != "prompt" else f"prompts[{i}]", text) from None
+    return out
+
+
 def chunk_spans(model, pics: PromptImages | None, prompt_len: int, c0: int, c1: int):
     """The image spans (:class:`~flashrt.graphs.vision.ImageSpans`) of prompt positions ``c0 ..
     c1 - 1``, or None. The whole prompt's spans are encoded at the first chunk that needs them and

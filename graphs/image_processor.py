@@ -17,7 +17,9 @@ would exceed the budget, the size is solved from the aspect ratio ``a = h / w``:
 ``(budget - 2) // 2`` cells, below one cell in height one row of ``budget - 3`` cells; otherwise
 ``beta = min(floor(w*) p r / w, floor(h*) p r / h)`` and each side is ``floor(side beta / p) p``.
 
-Pixels: RGB (``convert("RGB")``), stretched to the size when the source width is at least
+Pixels: RGB (``convert("RGB")``, as published: alpha is dropped, not composited; a palette is
+looked up; grey is repeated; 16-bit grey saturates at 255; CMYK as Pillow converts it; an animated
+image gives its first frame), stretched to the size when the source width is at least
 ``vision_max_wh_ratio`` x its height, else fitted inside it with the aspect kept and centred on
 grey 127 (Pillow's ``ImageOps.pad``, bicubic), scaled to ``[-1, 1]`` (``(x / 255 - 0.5) / 0.5``)
 and cast to bf16; patches in row-major grid order, each ``[3, p, p]``. The published processor
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import math
@@ -118,9 +121,10 @@ class ImageInput:
     def types(self) -> list[int]:
         return span_types(self.n_llm_h, self.n_llm_w)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """sha256 of the grid and the patch bytes: what the image contributes to a prefix key."""
+        """sha256 of the grid and the patch bytes: what the image contributes to a prefix key
+        (computed once per image)."""
         h = hashlib.sha256(f"{self.n_vit_h}x{self.n_vit_w}:{tuple(self.patches.shape)};".encode())
         h.update(self.patches.contiguous().view(torch.int16).numpy().tobytes())
         return h.hexdigest()
@@ -149,15 +153,25 @@ def _bytes_of(source) -> bytes:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
-            raise ValueError(f"image: expected an image file, got {str(path)!r} (no such file)")
+            why = "a directory" if path.is_dir() else "no such file"
+            raise ValueError(f"image: expected an image file, got {str(path)!r} ({why})")
         return path.read_bytes()
     raise ValueError(f"image: expected a file path, bytes, a PIL image or a base64 data URL, "
                      f"got {type(source).__name__}")
 
 
+def _decode_error(source, exc: Exception) -> ValueError:
+    Image, _ = _pil()
+    why = ("not in an image format Pillow reads" if isinstance(exc, Image.UnidentifiedImageError)
+           else str(exc) or type(exc).__name__)
+    return ValueError(f"image: cannot decode {_describe(source)}: {why}")
+
+
 def open_image(source, exif_transpose: bool = False):
     """``source`` (path, bytes, PIL image, data URL) -> an RGB PIL image, checked: a truncated or
-    unreadable file, a zero-sized image and one over ``MAX_SOURCE_PIXELS`` are ``ValueError``s."""
+    unreadable file, a zero-sized image and one over ``MAX_SOURCE_PIXELS`` are ``ValueError``s.
+    Any mode becomes RGB as Pillow's ``convert("RGB")`` makes it (module doc); an animated image
+    gives its first frame."""
     Image, ImageOps = _pil()
     opened = source if isinstance(source, Image.Image) else None
     if opened is None:
@@ -168,21 +182,27 @@ def open_image(source, exif_transpose: bool = False):
             with warnings.catch_warnings():  # the size is checked below, from the header
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 opened = Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError as exc:
-            raise ValueError(f"image: over the {MAX_SOURCE_PIXELS} pixel limit: {exc}") from None
-        except (OSError, SyntaxError, ValueError) as exc:
-            raise ValueError(f"image: cannot decode {_describe(source)}: {exc}") from None
+        except Image.DecompressionBombError:
+            raise ValueError(f"image: {_describe(source)} is over the {MAX_SOURCE_PIXELS} pixel limit (Pillow "
+                             f"refused it as a possible decompression bomb)") from None
+        except Exception as exc:  # noqa: BLE001 - any failure to parse untrusted bytes is a bad image
+            raise _decode_error(source, exc) from None
     width, height = opened.size
     if width <= 0 or height <= 0:
-        raise ValueError(f"image: expected a non-empty image, got size {width}x{height}")
+        raise ValueError(f"image: expected a non-empty image, got size {width}x{height} in {_describe(source)}")
     if width * height > MAX_SOURCE_PIXELS:
-        raise ValueError(f"image: {width}x{height} is over the {MAX_SOURCE_PIXELS} pixel limit")
+        raise ValueError(f"image: {_describe(source)} is {width}x{height} = {width * height} pixels, over the "
+                         f"{MAX_SOURCE_PIXELS} pixel limit")
     try:
-        if exif_transpose:
-            opened = ImageOps.exif_transpose(opened)
-        return opened.convert("RGB")
-    except (OSError, SyntaxError, ValueError) as exc:  # truncated data surfaces on load
-        raise ValueError(f"image: cannot decode {_describe(source)}: {exc}") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            if getattr(opened, "is_animated", False):
+                opened.seek(0)
+            if exif_transpose:
+                opened = ImageOps.exif_transpose(opened)
+            return opened.convert("RGB")
+    except Exception as exc:  # noqa: BLE001 - truncated or corrupt data surfaces on load
+        raise _decode_error(source, exc) from None
 
 
 def preprocess(source, cfg, exif_transpose: bool = False) -> ImageInput:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -22,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import EngineStopped, PromptTooLong, QueueFull, RequestError
 from . import chat
-from .images import request_images
+from .images import DECODE_WORKERS, has_images, request_images
 from .metrics import Metrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse
 from .responses import Renderer, sse
@@ -54,12 +55,15 @@ def as_error(exc: Exception, prompt_param: str = "prompt") -> JSONResponse:
 
 def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
     metrics = Metrics(engine)
+    # image decoding and preprocessing run here, off the event loop, a few at a time
+    decoders = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="flashrt-images")
 
     @asynccontextmanager
     async def lifespan(app):
         engine.start()
         yield
         engine.shutdown(grace_s=0)
+        decoders.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="flashrt", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
@@ -110,7 +114,8 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
                 return error(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
             params = req.params()
             opts = chat.options(req) if kind == "chat" else None
-            prompts, images = (req.prompts(), None) if kind == "completion" else chat_ids(engine, req, opts)
+            prompts, images = (req.prompts(), None) if kind == "completion" else await chat_ids(engine, req, opts,
+                                                                                               decoders)
             rids = submit(engine, prompts, params, prompt_param, images)
         except (ValueError, QueueFull, EngineStopped) as exc:
             return as_error(exc, prompt_param)
@@ -140,12 +145,18 @@ class EventStream(StreamingResponse):
                 self.engine.abort(rid)
 
 
-def chat_ids(engine, req: ChatCompletionRequest, opts: chat.ChatOptions) -> tuple[list[list[int]], list]:
-    """([the prompt ids of a chat request in the model's chat format], its images in order)."""
+async def chat_ids(engine, req: ChatCompletionRequest, opts: chat.ChatOptions,
+                   decoders: ThreadPoolExecutor) -> tuple[list[list[int]], list]:
+    """([the prompt ids of a chat request in the model's chat format], its images in order). The
+    images are decoded and preprocessed in ``decoders``' threads, so a large or slow image never
+    holds up the event loop (other requests, /health, streams)."""
     if not req.messages:
         raise BadRequest("messages", "messages: expected a non-empty list of messages, got []")
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    images = request_images(engine.model, engine.tokenizer, messages)
+    images = []
+    if any(has_images(m.get("content")) for m in messages):
+        loop = asyncio.get_running_loop()
+        images = await loop.run_in_executor(decoders, request_images, engine.model, engine.tokenizer, messages)
     return [chat.prompt_ids(engine.tokenizer, messages, opts)], images
 
 

@@ -8,6 +8,8 @@ reads no file of its own. Every refusal is a :class:`~.protocol.BadRequest` nami
 """
 from __future__ import annotations
 
+import os
+
 from flashrt.graphs.image_processor import preprocess
 
 from ..errors import RequestError
@@ -15,6 +17,7 @@ from ..images import check_vision
 from .protocol import BadRequest
 
 IMAGE_PART = "image_url"
+DECODE_WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads that decode request images at once
 
 
 def is_image_part(part) -> bool:
@@ -63,7 +66,9 @@ def request_images(model, tokenizer, messages: list[dict]) -> list:
                 raise BadRequest(where, str(exc)) from None
             url = _data_url(part, where)
             try:
-                out.append(preprocess(url, model.cfg))
+                item = preprocess(url, model.cfg)
             except ValueError as exc:
                 raise BadRequest(f"{where}.image_url", f"{where}.image_url: {exc}") from None
+            _ = item.digest  # hashed here, in the decoding thread, not on the event loop
+            out.append(item)
     return out
