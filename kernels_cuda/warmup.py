@@ -34,7 +34,7 @@ MODELS = {
     "tiny": _TINY,
     "tiny-vl": dict(_TINY, vision_dim=32, vision_n_heads=2, vision_max_n_token=64),
     "small": dict(_COMMON, dim=1024, moe_inter_dim=512, n_heads=16, n_routed_experts=32, n_activated_experts=4,
-                  q_lora_rank=512, candidate_topk_blocks=256),
+                  q_lora_rank=512, candidate_topk_blocks=256, vision_dim=256, vision_n_heads=4, vision_max_n_token=1024),
     "v4.1-flash": dict(_COMMON, dim=5120, moe_inter_dim=2304, n_heads=64, n_routed_experts=384,
                        n_activated_experts=6, q_lora_rank=1280, candidate_topk_blocks=2048, vision_dim=1024,
                        vision_n_heads=16, vision_max_n_token=1024),

@@ -32,7 +32,7 @@ VISION = ("vision_dim", "vision_n_heads", "vision_max_n_token")
 
 def _dims(name: str) -> dict:
     cfg = shipped_config(name)
-    keys = list(_warmup.MODELS["small"]) + (list(VISION) if cfg.vision_n_layers else [])
+    keys = list(_warmup.MODELS["tiny"]) + (list(VISION) if cfg.vision_n_layers else [])
     return {key: getattr(cfg, key) for key in keys}
 
 
