@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from flashrt import ops
 from flashrt.formats import QTensor, expected_layout, spec
 
 
@@ -32,14 +33,8 @@ def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tens
     """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] of a paged ``pool`` (a
     ``pages.PagePool`` or ``index.IndexPool``) whose block table ``table`` [B, max_pages] gives
     the device page of each logical page, where ``mask``; the other rows go to ``pool.trash_row``
-    (no host-side filtering, no device sync)."""
-    P, B, n = pool.P, entry.shape[0], entry.shape[1]
-    e = entry.clamp_min(0)
-    phys = table.gather(1, (e // P).clamp_max(table.shape[1] - 1)).long() * P + e % P
-    phys = torch.where(mask, phys, pool.trash_row).reshape(-1)
-    seg = pool.segment()
-    flat = QTensor(values.data.reshape(B * n, -1), values.scale.reshape(B * n, -1), seg.fmt, (B * n, values.shape[-1]))
-    write_rows(seg, torch.zeros_like(phys), phys, flat)
+    (no host-side filtering, no device sync): the op ``store_paged``."""
+    ops.store_paged(pool.segment(), table, entry, mask, values, pool.P, pool.trash_row)
 
 
 def grown(q: QTensor, entries: int) -> QTensor:

@@ -1,0 +1,122 @@
+"""``store_paged`` (kernels_cuda/kv_store.py): the one-launch paged KV store against the reference
+and against stores made pair by pair in Python, on fresh random pools, block tables and entries
+(odd batch sizes, entry counts and row widths: word rows and byte rows; int32 and int64 tables;
+masked pairs and pages with no pool page going to the trash row)."""
+import pytest
+import torch
+
+import flashrt
+from flashrt import formats, ops, profiles
+from flashrt.formats import QTensor
+from kernel_check import DEVICE, assert_error, requires_kernels
+
+pytestmark = requires_kernels
+ks = pytest.importorskip("flashrt.kernels_cuda.kv_store")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+U8 = torch.uint8
+
+
+def _case(rng, fmt, B, n, D, P, pages, table_dtype):
+    """A pool of ``pages`` pages (page 0 the trash page), each row's logical pages on distinct pool
+    pages (some logical pages without one: -1), entries distinct per row, about a third masked."""
+    W = max(1, -(-(n + 3) // P))
+    pool = formats.quantize(torch.randn(1, pages * P, D, generator=rng), fmt).to(DEVICE)
+    ids = (torch.randperm(pages - 1, generator=rng)[:B * W] + 1).view(B, W)
+    ids[torch.rand(B, W, generator=rng) < 0.2] = -1
+    entry = torch.stack([torch.randperm(W * P, generator=rng)[:n] for _ in range(B)])
+    mask = torch.rand(B, n, generator=rng) < 0.7
+    entry[~mask & (torch.rand(B, n, generator=rng) < 0.5)] = -1  # an empty entry is only ever masked off
+    values = formats.quantize(torch.randn(B, n, D, generator=rng), fmt).to(DEVICE)
+    return pool, ids.to(DEVICE, table_dtype), entry.to(DEVICE), mask.to(DEVICE), values, P
+
+
+def _copy(q: QTensor) -> QTensor:
+    return QTensor(q.data.clone(), q.scale.clone(), q.fmt, q.shape)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(U8).reshape(t.shape[0] * t.shape[1], -1).cpu()
+
+
+def _by_hand(pool, table, entry, mask, values, P):
+    """(pool data bytes, scale bytes, trash candidates) from plain Python loops over the pairs."""
+    data, scale = _bytes(pool.data).clone(), _bytes(pool.scale).clone()
+    vdata, vscale = _bytes(values.data), _bytes(values.scale)
+    trash = []
+    for b in range(entry.shape[0]):
+        for j in range(entry.shape[1]):
+            e = max(int(entry[b, j]), 0)
+            page = int(table[b, min(e // P, table.shape[1] - 1)])
+            i = b * entry.shape[1] + j
+            if bool(mask[b, j]) and page >= 0:
+                data[page * P + e % P], scale[page * P + e % P] = vdata[i], vscale[i]
+            else:
+                trash.append(i)
+    return data, scale, trash
+
+
+def _store(backend, args):
+    pool = _copy(args[0])
+    with flashrt.use_backend(backend):
+        out = ops.store_paged(pool, *args[1:], 0)
+    assert out is pool
+    return pool
+
+
+@pytest.mark.parametrize("fmt,B,n,D,P,table_dtype", [
+    ("fp4_b16", 1, 1, 512, 64, torch.int64),   # a decode step's main-KV store
+    ("fp4_b16", 3, 5, 48, 4, torch.int64),     # 3 scale bytes a row: byte rows
+    ("fp4_b32", 5, 2, 128, 8, torch.int32),    # the indexer's K pool: an int32 block table
+    ("fp8", 2, 7, 96, 3, torch.int32),
+    ("int8", 7, 3, 64, 5, torch.int64),
+])
+def test_kernel_matches_the_reference_and_stores_by_hand(rng, fmt, B, n, D, P, table_dtype):
+    args = _case(rng, fmt, B, n, D, P, pages=2 * B * (-(-(n + 3) // P)) + 3, table_dtype=table_dtype)
+    got, want = _store("cuda", args), _store("reference", args)
+    data, scale, trash = _by_hand(*args)
+    gd, gs = _bytes(got.data), _bytes(got.scale)
+    keep = torch.ones(gd.shape[0], dtype=torch.bool)
+    keep[0] = False  # the trash row: one of the pairs not stored
+    for g, w, h in ((gd, _bytes(want.data), data), (gs, _bytes(want.scale), scale)):
+        assert torch.equal(g[keep], h[keep]) and torch.equal(w[keep], h[keep])
+    if trash:
+        vd, vs = _bytes(args[4].data), _bytes(args[4].scale)
+        assert any(torch.equal(gd[0], vd[i]) and torch.equal(gs[0], vs[i]) for i in trash)
+    else:
+        assert torch.equal(gd[0], _bytes(args[0].data)[0])
+
+
+def test_one_launch_and_the_switch_off_is_the_same_store(rng, monkeypatch):
+    names = []
+    real = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
+    args = _case(rng, "fp4_b16", 4, 3, 64, 4, pages=20, table_dtype=torch.int64)
+    args[3][:] = True  # every pair stored: the result is defined to the byte
+    args[2].clamp_(min=0)
+    args[1].clamp_(min=1)
+    fused = _store("cuda", args)
+    assert names == ["_store_paged_kernel"]
+    monkeypatch.setitem(ks.TILES, "store_paged", {**ks.TILES["store_paged"], "in_kernel": False})
+    profiles._TILES_CACHE.clear()
+    try:
+        plain = _store("cuda", args)
+    finally:
+        profiles._TILES_CACHE.clear()
+    assert names == ["_store_paged_kernel"]  # the switch off launched no kernel
+    assert torch.equal(fused.data.view(U8), plain.data.view(U8))
+    assert torch.equal(fused.scale.view(U8), plain.scale.view(U8))
+
+
+def test_bad_arguments_are_named(rng):
+    pool, table, entry, mask, values, P = _case(rng, "fp4_b16", 2, 3, 32, 4, pages=12, table_dtype=torch.int64)
+    call = lambda **kw: ops.store_paged(**{"pool": pool, "table": table, "entry": entry, "mask": mask,
+                                           "values": values, "page_entries": P, "trash_row": 0, **kw})
+    assert_error(lambda: call(pool=pool.data), "pool", "QTensor")
+    assert_error(lambda: call(mask=mask.int()), "mask", "bool")
+    assert_error(lambda: call(mask=mask[:, :2]), "mask", "n=3")
+    assert_error(lambda: call(values=formats.quantize(torch.randn(2, 3, 32), "fp8").to(DEVICE)), "values", "fp4_b16")
+    assert_error(lambda: call(page_entries=5), "page_entries", "divisor")
+    assert_error(lambda: call(trash_row=48), "trash_row", "[0, 47]")
+    assert_error(lambda: call(entry=torch.full_like(entry, 4 * table.shape[1])), "entry", "values in")
