@@ -21,7 +21,8 @@ from .formats import QTensor
 
 # op -> tolerance on max|got - want| / max|want| (selections compare exactly)
 TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,
-             "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0, "store_paged": 0.0}
+             "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0, "store_paged": 0.0,
+             "resolve_paged": 0.0}
 IN_PLACE = {"store_paged": 0}  # op -> the argument it writes: each run gets its own copy of it
 DEFAULT_TOL = 2e-2  # bf16 outputs
 
@@ -80,6 +81,8 @@ def _cases(dev, g):
                                torch.randint(-1, 6, (2, 8), generator=g).to(dev), i32(-1, 128, 2, 40),
                                i32(-1, 300, 2, 40), 300)
     yield "store_paged", _store_case(dev, g)
+    table = torch.randint(-1, 40, (2, 12), generator=g).to(dev)  # -1: logical pages with no pool page
+    yield "resolve_paged", (table, i32(-1, 12 * 64, 2, 640), 64)
 
 
 def _store_case(dev, g):

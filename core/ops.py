@@ -379,6 +379,25 @@ def gather_cold_rows(host: QTensor, host_ids, picks, index, offset: int):
     return _impl("gather_cold_rows", device)(host, host_ids, picks, index, offset)
 
 
+def resolve_paged(table, picks, page_entries: int) -> torch.Tensor:
+    """Pool rows of logical KV entries through a block table (the page lookup before a paged
+    attention read), with no host sync.
+
+    ``table`` int32 or int64 ``[B, W]`` (the pool page of each logical page of each row, ``< 0``
+    where none), ``picks`` int32 or int64 ``[B, N]`` logical entries in ``[-1, W * P)`` (``-1``
+    empty), ``page_entries`` P >= 1 -> int32 ``[B, N]``: for ``e = picks[b, j]`` and
+    ``page = table[b, min(max(e, 0) // P, W - 1)]``, ``page * P + e % P`` where ``e >= 0`` and
+    ``page >= 0``, else ``-1``. Rows must fit in int32 (``page * P + P <= 2**31``).
+    """
+    env: dict = {}
+    c.tensor("picks", picks, "B N", env, (torch.int32, torch.int64))
+    c.tensor("table", table, "B W", env, (torch.int32, torch.int64), picks.device)
+    c.integer("page_entries", page_entries, 1)
+    c.index_range("picks", picks, -1, env["W"] * page_entries)
+    c.index_range("table", table, -(2 ** 31), 2 ** 31 // page_entries)
+    return _impl("resolve_paged", picks.device)(table, picks, page_entries)
+
+
 def store_paged(pool: QTensor, table, entry, mask, values: QTensor, page_entries: int, trash_row: int) -> QTensor:
     """Store KV rows into a paged pool, in place: the block-table lookup and the scatter of a
     decode step's new entries, with no host sync (a CUDA-graph step may hold the call).
@@ -439,5 +458,5 @@ OPS = (
     "rms_norm", "rope", "quantize", "dequantize", "linear", "sparse_attention", "index_scores",
     "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
     "hc_expand", "engram_lookup", "engram_gate", "moe_route", "moe_experts", "sample", "gather_cold_rows",
-    "dense_attention", "store_paged",
+    "dense_attention", "store_paged", "resolve_paged",
 )

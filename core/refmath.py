@@ -329,6 +329,12 @@ def paged_rows(table, entry, mask, page_entries: int, trash_row: int):
     return torch.where(mask & (page >= 0), page * P + e % P, trash_row).reshape(-1)
 
 
+def resolve_paged(table, picks, page_entries):
+    P, e = page_entries, picks.long()
+    page = table.gather(1, (e.clamp_min(0) // P).clamp_max(table.shape[1] - 1)).long()
+    return torch.where((e >= 0) & (page >= 0), page * P + e.clamp_min(0) % P, -1).to(torch.int32)
+
+
 def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
     B, n = entry.shape
     rows = paged_rows(table, entry, mask, page_entries, trash_row)

@@ -1,5 +1,6 @@
 """``store_paged`` (paged KV store): a decode step's new KV rows written into a paged pool in one
-launch, the block-table lookup included.
+launch, the block-table lookup included; ``resolve_paged``: the pool rows of picked logical
+entries (the lookup before a paged attention read) in one launch.
 
 ``_store_paged_kernel``: one program per ``BLOCK`` pairs of the flat ``[B * n]`` pairs. For pair
 ``i`` of row ``b`` with entry ``e = max(entry[b, j], 0)``: pool page ``page = table[b, min(e // P,
@@ -8,6 +9,10 @@ words when they divide) go to pool row ``page * P + e % P``, otherwise to ``tras
 is data-dependent in the launch (grid from the shapes only) and nothing syncs with the host, so a
 CUDA graph may hold it. ``store_paged.in_kernel`` off: the plain-torch lookup and byte scatter of
 the reference (about a dozen launches).
+
+``_resolve_paged_kernel``: one program per ``BLOCK`` picks; pick ``e`` of row ``b`` maps to
+``table[b, min(max(e, 0) // P, W - 1)] * P + e % P``, or ``-1`` where ``e < 0`` or the page is
+``< 0`` (``resolve_paged.in_kernel`` off: about a dozen torch launches).
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2
 
-TILES = {"store_paged": {"in_kernel": True, "BLOCK": 16, "num_warps": 4}}  # in_kernel False: plain torch
+TILES = {"store_paged": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},  # in_kernel False: plain torch
+         "resolve_paged": {"in_kernel": True, "BLOCK": 1024, "num_warps": 4}}
 PLANS = PlanCache("kv_store", TILES)
 _tiles = PLANS.tiles
 
@@ -46,6 +52,16 @@ def _store_paged_kernel(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, en
     m = ok[:, None] & (c < SROW)[None, :]
     tl.store(pscale_ptr + dst[:, None] * SROW + c[None, :], tl.load(vscale_ptr + src[:, None] * SROW + c[None, :], mask=m),
              mask=m)
+
+
+@triton.jit
+def _resolve_paged_kernel(pick_ptr, table_ptr, out_ptr, total, N, W, P, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    e = tl.load(pick_ptr + i, mask=ok, other=-1).to(tl.int64)
+    ec = tl.maximum(e, 0)
+    page = tl.load(table_ptr + (i // N).to(tl.int64) * W + tl.minimum(ec // P, W - 1), mask=ok, other=-1).to(tl.int64)
+    tl.store(out_ptr + i, tl.where((e >= 0) & (page >= 0), page * P + ec % P, -1).to(tl.int32), mask=ok)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -75,6 +91,19 @@ def store_paged(pool, table, entry, mask, values, page_entries: int, trash_row: 
     return pool
 
 
+def resolve_paged(table, picks, page_entries: int):
+    """``flashrt.ops.resolve_paged`` in one launch (the switch ``resolve_paged.in_kernel`` off: plain torch)."""
+    t = _tiles()["resolve_paged"]
+    if not t["in_kernel"]:
+        return refmath.resolve_paged(table, picks, page_entries)
+    B, N = picks.shape
+    out = torch.empty(B, N, dtype=torch.int32, device=picks.device)
+    if out.numel():
+        _resolve_paged_kernel[(cdiv(B * N, t["BLOCK"]),)](dense(picks), dense(table), out, B * N, N, table.shape[1],
+                                                          page_entries, BLOCK=t["BLOCK"], num_warps=t["num_warps"])
+    return out
+
+
 def warmup_cases(device, d: dict, dtype):
     """A decode step's main-KV store: 1 and 8 rows of one new entry each into a small paged pool."""
     P, D = profiles.active_profile().hkcp_page_entries, d["head_dim"]
@@ -85,10 +114,12 @@ def warmup_cases(device, d: dict, dtype):
         entry = torch.zeros(B, 1, dtype=torch.long, device=device)
         mask = torch.ones(B, 1, dtype=torch.bool, device=device)
         yield _warmup.Launch("store_paged", store_paged, (pool, table, entry, mask, vals, P, 0))
+        picks = torch.full((B, d["index_topk"]), -1, dtype=torch.int32, device=device)
+        yield _warmup.Launch("resolve_paged", resolve_paged, (table, picks, P))
 
 
 FAMILY = KernelFamily(
-    "kv_store", ops={"store_paged": store_paged}, tiles=TILES,
-    tile_checks={"store_paged.in_kernel": Tile(kind=bool), "store_paged.BLOCK": POW2},
+    "kv_store", ops={"store_paged": store_paged, "resolve_paged": resolve_paged}, tiles=TILES,
+    tile_checks={"*.in_kernel": Tile(kind=bool), "*.BLOCK": POW2},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
-    description="paged KV store: block-table lookup and byte scatter of new rows in one launch")
+    description="paged KV: the store of new rows and the lookup of picked rows, each in one launch")

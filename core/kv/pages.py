@@ -298,9 +298,7 @@ class PagedMainKV:
         """Segments and int32 indices into them for logical entries ``idx`` [B, S, K] (-1 empty)."""
         B, P = idx.shape[0], self.pool.P
         flat = idx.reshape(B, -1)
-        ids = self.dev_ids()
-        phys = ids.gather(1, (flat.clamp_min(0) // P).clamp_max(ids.shape[1] - 1).long())
-        out = torch.where((flat >= 0) & (phys >= 0), phys * P + flat.clamp_min(0) % P, -1).to(torch.int32)
+        out = ops.resolve_paged(self.dev_ids(), flat, P)
         segments = [self.pool.segment()]
         if any(t.cold for t in self.tables):
             if flat.numel() <= STAGING_MAX_ROWS:
