@@ -22,8 +22,8 @@ from .formats import QTensor
 # op -> tolerance on max|got - want| / max|want| (selections compare exactly)
 TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,
              "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0, "store_paged": 0.0,
-             "resolve_paged": 0.0}
-IN_PLACE = {"store_paged": 0}  # op -> the argument it writes: each run gets its own copy of it
+             "resolve_paged": 0.0, "store_rows": 0.0}
+IN_PLACE = {"store_paged": 0, "store_rows": 0}  # op -> the argument it writes: each run gets its own copy of it
 DEFAULT_TOL = 2e-2  # bf16 outputs
 
 _ROUTES: list | None = None  # (op, route) notes, collected only while a case runs
@@ -83,6 +83,9 @@ def _cases(dev, g):
     yield "store_paged", _store_case(dev, g)
     table = torch.randint(-1, 40, (2, 12), generator=g).to(dev)  # -1: logical pages with no pool page
     yield "resolve_paged", (table, i32(-1, 12 * 64, 2, 640), 64)
+    ring = ops.quantize(f32(4, 128, 512), "fp8")  # a window ring: one new token for each of 4 rows
+    yield "store_rows", (ring, torch.arange(4, device=dev), torch.randint(0, 128, (4,), generator=g).to(dev),
+                         ops.quantize(f32(4, 512), "fp8"))
 
 
 def _store_case(dev, g):

@@ -379,6 +379,27 @@ def gather_cold_rows(host: QTensor, host_ids, picks, index, offset: int):
     return _impl("gather_cold_rows", device)(host, host_ids, picks, index, offset)
 
 
+def store_rows(dst: QTensor, batch, slot, src: QTensor) -> QTensor:
+    """Store KV rows at (row, slot) pairs, in place (a window ring's new tokens), with no host sync.
+
+    ``dst`` ``QTensor`` ``[Bd, S, D]`` in a KV format, ``batch`` int64 ``[n]`` in ``[0, Bd)``,
+    ``slot`` int64 ``[n]`` in ``[0, S)``, ``src`` ``QTensor`` ``[n, D]`` in ``dst``'s format ->
+    ``dst``: ``dst[batch[i], slot[i]]`` takes the stored bytes of ``src[i]`` (data and scale,
+    exactly). Two pairs must not name the same row.
+    """
+    env: dict = {}
+    for name, q in (("dst", dst), ("src", src)):
+        if not isinstance(q, QTensor):
+            raise ValueError(f"{name}: expected a QTensor in {list(KV_FORMATS)}, got {type(q).__name__}")
+    c.maybe_quantized("dst", dst, "Bd S D", env, KV_FORMATS)
+    c.tensor("batch", batch, "n", env, (torch.int64,), dst.device)
+    c.tensor("slot", slot, "n", env, (torch.int64,), dst.device)
+    c.maybe_quantized("src", src, "n D", env, (dst.fmt,), dst.device)
+    c.index_range("batch", batch, 0, env["Bd"])
+    c.index_range("slot", slot, 0, env["S"])
+    return _impl("store_rows", dst.device)(dst, batch, slot, src)
+
+
 def resolve_paged(table, picks, page_entries: int) -> torch.Tensor:
     """Pool rows of logical KV entries through a block table (the page lookup before a paged
     attention read), with no host sync.
@@ -458,5 +479,5 @@ OPS = (
     "rms_norm", "rope", "quantize", "dequantize", "linear", "sparse_attention", "index_scores",
     "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
     "hc_expand", "engram_lookup", "engram_gate", "moe_route", "moe_experts", "sample", "gather_cold_rows",
-    "dense_attention", "store_paged", "resolve_paged",
+    "dense_attention", "store_paged", "resolve_paged", "store_rows",
 )

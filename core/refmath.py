@@ -329,6 +329,12 @@ def paged_rows(table, entry, mask, page_entries: int, trash_row: int):
     return torch.where(mask & (page >= 0), page * P + e % P, trash_row).reshape(-1)
 
 
+def store_rows(dst, batch, slot, src):
+    for d, v in ((dst.data, src.data), (dst.scale, src.scale)):
+        d.view(torch.uint8)[batch, slot] = v.view(torch.uint8)  # float8 has no index_put
+    return dst
+
+
 def resolve_paged(table, picks, page_entries):
     P, e = page_entries, picks.long()
     page = table.gather(1, (e.clamp_min(0) // P).clamp_max(table.shape[1] - 1)).long()

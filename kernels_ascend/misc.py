@@ -9,7 +9,8 @@ two-norm gate. ``engram_lookup`` gathers table bytes with ``npu_gather_sparse_in
 them exactly; ``sample`` makes the argmax tie rule explicit. Each call is counted as a fallback
 (``npu_runtime.FALLBACKS``) with its reason. ``gather_cold_rows`` reads pages in host memory,
 which no torch_npu operator reads: it gathers on the host and stages the rows to the NPU;
-``store_paged`` and ``resolve_paged`` go through a block table, which no operator does.
+``store_paged`` and ``resolve_paged`` go through a block table, which no operator does, and
+``store_rows`` is a plain byte scatter.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ REASONS = {
                         "the host as bytes and staged to the NPU in one copy each",
     "store_paged": "no torch_npu operator scatters rows through a block table: the lookup and the byte "
                    "scatter run as torch operations on the NPU",
+    "store_rows": "a byte scatter of rows: two torch index_put operations on the NPU (data and scale)",
     "resolve_paged": "no torch_npu operator looks entries up through a block table: the lookup runs as torch "
                      "operations on the NPU",
 }
@@ -101,6 +103,12 @@ def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
     return ref.store_paged(pool, table, entry, mask, values, page_entries, trash_row)
 
 
+def store_rows(dst, batch, slot, src):
+    """``store_rows``: plain torch on the NPU (one byte scatter each for data and scale), exactly the reference."""
+    fallback("store_rows", REASONS["store_rows"])
+    return ref.store_rows(dst, batch, slot, src)
+
+
 def resolve_paged(table, picks, page_entries):
     """``resolve_paged``: plain torch on the NPU (gather, then the row arithmetic), exactly the reference."""
     fallback("resolve_paged", REASONS["resolve_paged"])
@@ -109,7 +117,7 @@ def resolve_paged(table, picks, page_entries):
 
 FAMILY = npu_family("misc", {name: globals()[name] for name in (
     "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "sample",
-    "gather_cold_rows", "store_paged", "resolve_paged")},
+    "gather_cold_rows", "store_paged", "store_rows", "resolve_paged")},
     "ops with no matching torch_npu operator (plain torch on the NPU) and engram_lookup (npu_gather_sparse_index)")
 PLANS = {name: (lambda *args, why=why: why) for name, why in REASONS.items()}
 PLANS["engram_lookup"] = lambda *args: None

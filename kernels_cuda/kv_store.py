@@ -1,6 +1,7 @@
 """``store_paged`` (paged KV store): a decode step's new KV rows written into a paged pool in one
 launch, the block-table lookup included; ``resolve_paged``: the pool rows of picked logical
-entries (the lookup before a paged attention read) in one launch.
+entries (the lookup before a paged attention read) in one launch; ``store_rows``: a window ring's
+new tokens at (row, slot) pairs in one launch (``_store_rows_kernel``, the same byte copy).
 
 ``_store_paged_kernel``: one program per ``BLOCK`` pairs of the flat ``[B * n]`` pairs. For pair
 ``i`` of row ``b`` with entry ``e = max(entry[b, j], 0)``: pool page ``page = table[b, min(e // P,
@@ -29,6 +30,7 @@ from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2
 
 TILES = {"store_paged": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},  # in_kernel False: plain torch
+         "store_rows": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},
          "resolve_paged": {"in_kernel": True, "BLOCK": 1024, "num_warps": 4}}
 PLANS = PlanCache("kv_store", TILES)
 _tiles = PLANS.tiles
@@ -47,10 +49,28 @@ def _store_paged_kernel(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, en
     src = i.to(tl.int64)
     c = tl.arange(0, BR)
     m = ok[:, None] & (c < ROW)[None, :]
-    tl.store(pool_ptr + dst[:, None] * ROW + c[None, :], tl.load(val_ptr + src[:, None] * ROW + c[None, :], mask=m), mask=m)
+    tl.store(pool_ptr + dst[:, None] * ROW + c[None, :], tl.load(val_ptr + src[:, None] * ROW + c[None, :], mask=m),
+             mask=m)
     c = tl.arange(0, BS)
     m = ok[:, None] & (c < SROW)[None, :]
     tl.store(pscale_ptr + dst[:, None] * SROW + c[None, :], tl.load(vscale_ptr + src[:, None] * SROW + c[None, :], mask=m),
+             mask=m)
+
+
+@triton.jit
+def _store_rows_kernel(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, batch_ptr, slot_ptr, total, S, ROW: tl.constexpr,
+                       SROW: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    dst = tl.load(batch_ptr + i, mask=ok, other=0) * S + tl.load(slot_ptr + i, mask=ok, other=0)
+    src = i.to(tl.int64)
+    c = tl.arange(0, BR)
+    m = ok[:, None] & (c < ROW)[None, :]
+    tl.store(dst_ptr + dst[:, None] * ROW + c[None, :], tl.load(val_ptr + src[:, None] * ROW + c[None, :], mask=m),
+             mask=m)
+    c = tl.arange(0, BS)
+    m = ok[:, None] & (c < SROW)[None, :]
+    tl.store(dscale_ptr + dst[:, None] * SROW + c[None, :], tl.load(vscale_ptr + src[:, None] * SROW + c[None, :], mask=m),
              mask=m)
 
 
@@ -91,6 +111,21 @@ def store_paged(pool, table, entry, mask, values, page_entries: int, trash_row: 
     return pool
 
 
+def store_rows(dst, batch, slot, src):
+    """``flashrt.ops.store_rows`` in one launch; a ``dst`` that is not contiguous, the switch
+    ``store_rows.in_kernel`` off, or no rows take the plain-torch path."""
+    t, n = _tiles()["store_rows"], batch.shape[0]
+    if not (t["in_kernel"] and n and _flat(dst.data) and _flat(dst.scale)):
+        return refmath.store_rows(dst, batch, slot, src)
+    ddata, dscale = _words(dst.data), _words(dst.scale)
+    vdata, vscale = _words(dense(src.data)), _words(dense(src.scale))
+    _store_rows_kernel[(cdiv(n, t["BLOCK"]),)](
+        vdata, vscale, ddata, dscale, dense(batch), dense(slot), n, dst.shape[1], ROW=ddata.shape[1],
+        SROW=dscale.shape[1], BLOCK=t["BLOCK"], BR=next_pow2(ddata.shape[1]), BS=next_pow2(dscale.shape[1]),
+        num_warps=t["num_warps"])
+    return dst
+
+
 def resolve_paged(table, picks, page_entries: int):
     """``flashrt.ops.resolve_paged`` in one launch (the switch ``resolve_paged.in_kernel`` off: plain torch)."""
     t = _tiles()["resolve_paged"]
@@ -105,7 +140,8 @@ def resolve_paged(table, picks, page_entries: int):
 
 
 def warmup_cases(device, d: dict, dtype):
-    """A decode step's main-KV store: 1 and 8 rows of one new entry each into a small paged pool."""
+    """A decode step's stores and lookup at 1 and 8 rows: one new main-KV entry each into a small
+    paged pool, the pool rows of ``index_topk`` picks, one new token each into the window ring."""
     P, D = profiles.active_profile().hkcp_page_entries, d["head_dim"]
     pool = empty_qtensor(MAIN_KV_FORMAT, (1, 4 * P, D), device)
     for B in (1, 8):
@@ -116,10 +152,14 @@ def warmup_cases(device, d: dict, dtype):
         yield _warmup.Launch("store_paged", store_paged, (pool, table, entry, mask, vals, P, 0))
         picks = torch.full((B, d["index_topk"]), -1, dtype=torch.int32, device=device)
         yield _warmup.Launch("resolve_paged", resolve_paged, (table, picks, P))
+        ring = empty_qtensor(profiles.active_profile().kv_window_dtype, (B, d["window_size"], D), device)
+        rows = torch.arange(B, device=device)
+        yield _warmup.Launch("store_rows", store_rows, (ring, rows, rows, empty_qtensor(ring.fmt, (B, D), device)))
 
 
 FAMILY = KernelFamily(
-    "kv_store", ops={"store_paged": store_paged, "resolve_paged": resolve_paged}, tiles=TILES,
+    "kv_store", ops={"store_paged": store_paged, "store_rows": store_rows, "resolve_paged": resolve_paged},
+    tiles=TILES,
     tile_checks={"*.in_kernel": Tile(kind=bool), "*.BLOCK": POW2},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
-    description="paged KV: the store of new rows and the lookup of picked rows, each in one launch")
+    description="KV stores (paged and ring rows) and the page lookup of picked rows, each in one launch")

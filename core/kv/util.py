@@ -23,10 +23,13 @@ def _zero_bits(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTensor) -> None:
-    """``dst[batch[i], slot[i]] = src[i]`` on the stored bytes (``src`` is [n, D])."""
-    u8 = torch.uint8  # index_put is not implemented for the float8 dtypes: write the bytes
-    dst.data.view(u8)[batch, slot] = src.data.reshape(-1, src.data.shape[-1]).view(u8)
-    dst.scale.view(u8)[batch, slot] = src.scale.reshape(-1, src.scale.shape[-1]).view(u8)
+    """``dst[batch[i], slot[i]] = src[i]`` on the stored bytes (``src`` [..., D], ``n`` rows in
+    all): the op ``store_rows``."""
+    n = batch.shape[0]
+    data, scale = (s.reshape(n, -1).view(torch.uint8).view(d.dtype)
+                   for s, d in ((src.data, dst.data), (src.scale, dst.scale)))
+    rows = QTensor(data, scale, dst.fmt, (n, src.shape[-1]))  # a caller's byte views back in the stored dtypes
+    ops.store_rows(dst, batch, slot, rows)
 
 
 def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:

@@ -154,3 +154,37 @@ def test_resolve_is_one_launch_and_checks_its_arguments(rng, monkeypatch):
     past = picks.clone()
     past[1, 3] = 32  # one past the 4 pages x 8 entries
     assert_error(lambda: ops.resolve_paged(table, past, 8), "picks", "[-1, 32)")
+
+
+@pytest.mark.parametrize("fmt,Bd,S,D,n", [("fp8", 1, 8, 512, 1), ("fp8", 5, 7, 96, 5), ("int8", 3, 128, 64, 3),
+                                          ("fp4_b16", 6, 5, 48, 11)])
+def test_store_rows_matches_the_reference_and_stores_by_hand(rng, monkeypatch, fmt, Bd, S, D, n):
+    names = []
+    real = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
+    dst = formats.quantize(torch.randn(Bd, S, D, generator=rng), fmt).to(DEVICE)
+    flat = torch.randperm(Bd * S, generator=rng)[:n]  # n distinct (row, slot) pairs
+    batch, slot = (flat // S).to(DEVICE), (flat % S).to(DEVICE)
+    src = formats.quantize(torch.randn(n, D, generator=rng), fmt).to(DEVICE)
+    got, want = _copy(dst), _copy(dst)
+    with flashrt.use_backend("cuda"):
+        assert ops.store_rows(got, batch, slot, src) is got
+    assert names == ["_store_rows_kernel"]
+    with flashrt.use_backend("reference"):
+        ops.store_rows(want, batch, slot, src)
+    for part, g, w in (("data", got.data, want.data), ("scale", got.scale, want.scale)):
+        hand = _bytes(getattr(dst, part)).clone()
+        hand[flat] = _bytes(getattr(src, part).unsqueeze(0))
+        assert torch.equal(_bytes(g), hand) and torch.equal(_bytes(w), hand), part
+
+
+def test_store_rows_checks_its_arguments(rng):
+    dst = formats.quantize(torch.randn(3, 4, 32, generator=rng), "fp8").to(DEVICE)
+    src = formats.quantize(torch.randn(2, 32, generator=rng), "fp8").to(DEVICE)
+    rows = torch.tensor([0, 2], device=DEVICE)
+    assert_error(lambda: ops.store_rows(dst, rows, torch.tensor([1, 4], device=DEVICE), src), "slot", "[0, 4)")
+    assert_error(lambda: ops.store_rows(dst, rows.int(), rows, src), "batch", "int64")
+    assert_error(lambda: ops.store_rows(dst, rows[:1], rows[:1], src), "src", "n=1")
+    assert_error(lambda: ops.store_rows(dst, rows, rows, formats.quantize(torch.randn(2, 32), "int8").to(DEVICE)),
+                 "src", "fp8")
