@@ -203,7 +203,7 @@ def store_rows(dst, batch, slot, src):
     return dst
 
 
-def resolve_paged(table, picks, page_entries):
+def resolve_paged(table, picks, page_entries, offset=0):
     out = _meta(picks.shape, torch.int32)
     _emit("resolve_paged", (picks,), (out,), 0, _nbytes(picks) + picks.numel() * table.element_size())
     return out

@@ -82,7 +82,7 @@ def _cases(dev, g):
                                i32(-1, 300, 2, 40), 300)
     yield "store_paged", _store_case(dev, g)
     table = torch.randint(-1, 40, (2, 12), generator=g).to(dev)  # -1: logical pages with no pool page
-    yield "resolve_paged", (table, i32(-1, 12 * 64, 2, 640), 64)
+    yield "resolve_paged", (table, i32(-1, 12 * 64, 2, 640), 64, 129)  # offset: past a window of 128 and 1 token
     ring = ops.quantize(f32(4, 128, 512), "fp8")  # a window ring: one new token for each of 4 rows
     yield "store_rows", (ring, torch.arange(4, device=dev), torch.randint(0, 128, (4,), generator=g).to(dev),
                          ops.quantize(f32(4, 512), "fp8"))

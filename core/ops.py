@@ -400,23 +400,25 @@ def store_rows(dst: QTensor, batch, slot, src: QTensor) -> QTensor:
     return _impl("store_rows", dst.device)(dst, batch, slot, src)
 
 
-def resolve_paged(table, picks, page_entries: int) -> torch.Tensor:
+def resolve_paged(table, picks, page_entries: int, offset: int = 0) -> torch.Tensor:
     """Pool rows of logical KV entries through a block table (the page lookup before a paged
     attention read), with no host sync.
 
     ``table`` int32 or int64 ``[B, W]`` (the pool page of each logical page of each row, ``< 0``
     where none), ``picks`` int32 or int64 ``[B, N]`` logical entries in ``[-1, W * P)`` (``-1``
-    empty), ``page_entries`` P >= 1 -> int32 ``[B, N]``: for ``e = picks[b, j]`` and
-    ``page = table[b, min(max(e, 0) // P, W - 1)]``, ``page * P + e % P`` where ``e >= 0`` and
-    ``page >= 0``, else ``-1``. Rows must fit in int32 (``page * P + P <= 2**31``).
+    empty), ``page_entries`` P >= 1, ``offset`` >= 0 (where the pool's rows start among the
+    attention's KV rows) -> int32 ``[B, N]``: for ``e = picks[b, j]`` and ``page = table[b,
+    min(max(e, 0) // P, W - 1)]``, ``offset + page * P + e % P`` where ``e >= 0`` and
+    ``page >= 0``, else ``-1``. Rows must fit in int32 (``offset + page * P + P <= 2**31``).
     """
     env: dict = {}
     c.tensor("picks", picks, "B N", env, (torch.int32, torch.int64))
     c.tensor("table", table, "B W", env, (torch.int32, torch.int64), picks.device)
     c.integer("page_entries", page_entries, 1)
+    c.integer("offset", offset, 0, 2 ** 31 - 1)
     c.index_range("picks", picks, -1, env["W"] * page_entries)
-    c.index_range("table", table, -(2 ** 31), 2 ** 31 // page_entries)
-    return _impl("resolve_paged", picks.device)(table, picks, page_entries)
+    c.index_range("table", table, -(2 ** 31), (2 ** 31 - offset) // page_entries)
+    return _impl("resolve_paged", picks.device)(table, picks, page_entries, offset)
 
 
 def store_paged(pool: QTensor, table, entry, mask, values: QTensor, page_entries: int, trash_row: int) -> QTensor:

@@ -335,10 +335,10 @@ def store_rows(dst, batch, slot, src):
     return dst
 
 
-def resolve_paged(table, picks, page_entries):
+def resolve_paged(table, picks, page_entries, offset=0):
     P, e = page_entries, picks.long()
     page = table.gather(1, (e.clamp_min(0) // P).clamp_max(table.shape[1] - 1)).long()
-    return torch.where((e >= 0) & (page >= 0), page * P + e.clamp_min(0) % P, -1).to(torch.int32)
+    return torch.where((e >= 0) & (page >= 0), page * P + e.clamp_min(0) % P + offset, -1).to(torch.int32)
 
 
 def store_paged(pool, table, entry, mask, values, page_entries, trash_row):

@@ -109,10 +109,10 @@ def store_rows(dst, batch, slot, src):
     return ref.store_rows(dst, batch, slot, src)
 
 
-def resolve_paged(table, picks, page_entries):
+def resolve_paged(table, picks, page_entries, offset=0):
     """``resolve_paged``: plain torch on the NPU (gather, then the row arithmetic), exactly the reference."""
     fallback("resolve_paged", REASONS["resolve_paged"])
-    return ref.resolve_paged(table, picks, page_entries)
+    return ref.resolve_paged(table, picks, page_entries, offset)
 
 
 FAMILY = npu_family("misc", {name: globals()[name] for name in (

@@ -12,7 +12,7 @@ CUDA graph may hold it. ``store_paged.in_kernel`` off: the plain-torch lookup an
 the reference (about a dozen launches).
 
 ``_resolve_paged_kernel``: one program per ``BLOCK`` picks; pick ``e`` of row ``b`` maps to
-``table[b, min(max(e, 0) // P, W - 1)] * P + e % P``, or ``-1`` where ``e < 0`` or the page is
+``offset + table[b, min(max(e, 0) // P, W - 1)] * P + e % P``, or ``-1`` where ``e < 0`` or the page is
 ``< 0`` (``resolve_paged.in_kernel`` off: about a dozen torch launches).
 """
 from __future__ import annotations
@@ -75,13 +75,13 @@ def _store_rows_kernel(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, batch_ptr, slot
 
 
 @triton.jit
-def _resolve_paged_kernel(pick_ptr, table_ptr, out_ptr, total, N, W, P, BLOCK: tl.constexpr):
+def _resolve_paged_kernel(pick_ptr, table_ptr, out_ptr, total, N, W, P, offset, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < total
     e = tl.load(pick_ptr + i, mask=ok, other=-1).to(tl.int64)
     ec = tl.maximum(e, 0)
     page = tl.load(table_ptr + (i // N).to(tl.int64) * W + tl.minimum(ec // P, W - 1), mask=ok, other=-1).to(tl.int64)
-    tl.store(out_ptr + i, tl.where((e >= 0) & (page >= 0), page * P + ec % P, -1).to(tl.int32), mask=ok)
+    tl.store(out_ptr + i, tl.where((e >= 0) & (page >= 0), offset + page * P + ec % P, -1).to(tl.int32), mask=ok)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -126,16 +126,17 @@ def store_rows(dst, batch, slot, src):
     return dst
 
 
-def resolve_paged(table, picks, page_entries: int):
+def resolve_paged(table, picks, page_entries: int, offset: int = 0):
     """``flashrt.ops.resolve_paged`` in one launch (the switch ``resolve_paged.in_kernel`` off: plain torch)."""
     t = _tiles()["resolve_paged"]
     if not t["in_kernel"]:
-        return refmath.resolve_paged(table, picks, page_entries)
+        return refmath.resolve_paged(table, picks, page_entries, offset)
     B, N = picks.shape
     out = torch.empty(B, N, dtype=torch.int32, device=picks.device)
     if out.numel():
         _resolve_paged_kernel[(cdiv(B * N, t["BLOCK"]),)](dense(picks), dense(table), out, B * N, N, table.shape[1],
-                                                          page_entries, BLOCK=t["BLOCK"], num_warps=t["num_warps"])
+                                                          page_entries, offset, BLOCK=t["BLOCK"],
+                                                          num_warps=t["num_warps"])
     return out
 
 

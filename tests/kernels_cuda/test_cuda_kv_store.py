@@ -122,18 +122,18 @@ def test_bad_arguments_are_named(rng):
     assert_error(lambda: call(entry=torch.full_like(entry, 4 * table.shape[1])), "entry", "values in")
 
 
-@pytest.mark.parametrize("B,N,W,P,table_dtype", [(1, 640, 3, 64, torch.int64), (3, 37, 5, 7, torch.int32),
-                                                 (5, 1, 1, 1, torch.int64), (2, 1500, 9, 16, torch.int32)])
-def test_resolve_matches_the_reference_and_lookups_by_hand(rng, B, N, W, P, table_dtype):
+@pytest.mark.parametrize("B,N,W,P,table_dtype,offset", [(1, 640, 3, 64, torch.int64, 129), (3, 37, 5, 7, torch.int32, 0),
+                                                        (5, 1, 1, 1, torch.int64, 3), (2, 1500, 9, 16, torch.int32, 0)])
+def test_resolve_matches_the_reference_and_lookups_by_hand(rng, B, N, W, P, table_dtype, offset):
     table = torch.randint(-1, 50, (B, W), generator=rng)  # -1: a logical page with no pool page
     picks = torch.randint(-1, W * P, (B, N), generator=rng, dtype=torch.int32)
-    args = (table.to(DEVICE, table_dtype), picks.to(DEVICE), P)
+    args = (table.to(DEVICE, table_dtype), picks.to(DEVICE), P, offset)
     with flashrt.use_backend("cuda"):
         got = ops.resolve_paged(*args)
     with flashrt.use_backend("reference"):
         want = ops.resolve_paged(*args)
-    hand = [[-1 if e < 0 or table[b, e // P] < 0 else int(table[b, e // P]) * P + e % P for e in picks[b].tolist()]
-            for b in range(B)]
+    hand = [[-1 if e < 0 or table[b, e // P] < 0 else offset + int(table[b, e // P]) * P + e % P
+             for e in picks[b].tolist()] for b in range(B)]
     assert got.dtype == torch.int32 and got.shape == (B, N)
     assert torch.equal(got.cpu(), want.cpu()) and got.cpu().tolist() == hand
 
@@ -151,6 +151,7 @@ def test_resolve_is_one_launch_and_checks_its_arguments(rng, monkeypatch):
     assert_error(lambda: ops.resolve_paged(table, picks.float(), 8), "picks", "int32")
     assert_error(lambda: ops.resolve_paged(table[:1], picks, 8), "table", "B=2")
     assert_error(lambda: ops.resolve_paged(table, picks, 0), "page_entries", ">= 1")
+    assert_error(lambda: ops.resolve_paged(table, picks, 8, -1), "offset", "[0,")
     past = picks.clone()
     past[1, 3] = 32  # one past the 4 pages x 8 entries
     assert_error(lambda: ops.resolve_paged(table, past, 8), "picks", "[-1, 32)")
