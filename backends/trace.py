@@ -17,7 +17,9 @@ Counting rules (the minimum work each op must do):
   ``hc_collapse`` ``2*B*S*hc*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
   ``5*B*G*r*D``; ``engram_gate`` ``9*B*S*hc*D``; elementwise ops per element: ``rms_norm`` 4,
   ``rope`` 3, ``quantize`` 3, ``dequantize`` and ``engram_lookup`` 1, ``sample`` 3 per logit.
-  Selection and copy ops (``topk_positions``, ``candidate_blocks``, ``gather_cold_rows``) count 0 FLOPs.
+  Selection and copy ops (``topk_positions``, ``candidate_blocks``, ``gather_cold_rows``,
+  ``store_paged``, ``store_rows``, ``resolve_paged``) count 0 FLOPs; the stores count as writing
+  their source rows, not the pool; ``resolve_paged`` reads one block-table entry a pick.
 """
 from __future__ import annotations
 
@@ -194,6 +196,23 @@ def gather_cold_rows(host, host_ids, picks, index, offset):
     read = sum(map(_nbytes, (host_ids, picks, index))) + B * N * _row_bytes(host)
     _emit("gather_cold_rows", (host, host_ids, picks, index), (staging, out), 0, read)
     return staging, out
+
+
+def store_rows(dst, batch, slot, src):
+    _emit("store_rows", (batch, slot, src), (src,), 0)  # writes the source rows' bytes into dst
+    return dst
+
+
+def resolve_paged(table, picks, page_entries, offset=0):
+    out = _meta(picks.shape, torch.int32)
+    _emit("resolve_paged", (picks,), (out,), 0, _nbytes(picks) + picks.numel() * table.element_size())
+    return out
+
+
+def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
+    read = sum(map(_nbytes, (table, entry, mask, values)))
+    _emit("store_paged", (table, entry, mask, values), (values,), 0, read)  # writes the values' bytes into the pool
+    return pool
 
 
 def dense_attention(q, k, v, scale):

@@ -21,7 +21,9 @@ from .formats import QTensor
 
 # op -> tolerance on max|got - want| / max|want| (selections compare exactly)
 TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,
-             "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0}
+             "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0, "store_paged": 0.0,
+             "resolve_paged": 0.0, "store_rows": 0.0}
+IN_PLACE = {"store_paged": 0, "store_rows": 0}  # op -> the argument it writes: each run gets its own copy of it
 DEFAULT_TOL = 2e-2  # bf16 outputs
 
 _ROUTES: list | None = None  # (op, route) notes, collected only while a case runs
@@ -78,6 +80,32 @@ def _cases(dev, g):
     yield "gather_cold_rows", (_host_pages(ops.quantize(torch.randn(6, 16, 512, generator=g), MAIN_KV_FORMAT), dev),
                                torch.randint(-1, 6, (2, 8), generator=g).to(dev), i32(-1, 128, 2, 40),
                                i32(-1, 300, 2, 40), 300)
+    yield "store_paged", _store_case(dev, g)
+    table = torch.randint(-1, 40, (2, 12), generator=g).to(dev)  # -1: logical pages with no pool page
+    yield "resolve_paged", (table, i32(-1, 12 * 64, 2, 640), 64, 129)  # offset: past a window of 128 and 1 token
+    ring = ops.quantize(f32(4, 128, 512), "fp8")  # a window ring: one new token for each of 4 rows
+    yield "store_rows", (ring, torch.arange(4, device=dev), torch.randint(0, 128, (4,), generator=g).to(dev),
+                         ops.quantize(f32(4, 512), "fp8"))
+
+
+def _store_case(dev, g):
+    """A decode step's store: 3 rows x 5 new entries into an 8-page pool (16 rows a page), each row
+    on its own pages, one pair masked off (so the trash row's content is defined)."""
+    pool = ops.quantize(torch.randn(1, 128, 512, generator=g), MAIN_KV_FORMAT).to(dev)
+    table = torch.randperm(7, generator=g)[:6].add(1).view(3, 2).to(dev)  # page 0 is the trash page
+    entry = torch.stack([torch.randperm(32, generator=g)[:5] for _ in range(3)]).to(dev)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1, 2] = False
+    values = ops.quantize(torch.randn(3, 5, 512, generator=g), MAIN_KV_FORMAT).to(dev)
+    return pool, table, entry, mask.to(dev), values, 16, 0
+
+
+def _own_copy(op: str, args) -> tuple:
+    """``args`` with the argument ``op`` writes in place copied (so each run starts from the same state)."""
+    if op not in IN_PLACE:
+        return args
+    at, q = IN_PLACE[op], args[IN_PLACE[op]]
+    return (*args[:at], QTensor(q.data.clone(), q.scale.clone(), q.fmt, q.shape), *args[at + 1:])
 
 
 def _host_pages(q: QTensor, dev) -> QTensor:
@@ -143,9 +171,9 @@ def run(device=None, seed: int = 0) -> dict:
     rows = []
     for op, args in _cases(dev, g):
         backend = (dispatch.chain(op, dev.type) or ["none"])[0]
-        got, route = run_noted(op, args)
+        got, route = run_noted(op, _own_copy(op, args))
         with dispatch.use_backend("reference"):
-            want = getattr(ops, op)(*args)
+            want = getattr(ops, op)(*_own_copy(op, args))
         pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
         err = max(_rel(a, b) for a, b in pairs)
         tol = TOLERANCE.get(op, DEFAULT_TOL)

@@ -321,6 +321,34 @@ def gather_cold_rows(host, host_ids, picks, index, offset):
     return QTensor(staged[0], staged[1], host.fmt, (1, B * N, host.shape[-1])), out
 
 
+def paged_rows(table, entry, mask, page_entries: int, trash_row: int):
+    """int64 [B * n]: the pool row of each (row, entry) pair of ``store_paged``; pairs not stored
+    (``mask`` false, or a page id < 0) point at ``trash_row``."""
+    P, e = page_entries, entry.long().clamp_min(0)
+    page = table.gather(1, (e // P).clamp_max(table.shape[1] - 1)).long()
+    return torch.where(mask & (page >= 0), page * P + e % P, trash_row).reshape(-1)
+
+
+def store_rows(dst, batch, slot, src):
+    for d, v in ((dst.data, src.data), (dst.scale, src.scale)):
+        d.view(torch.uint8)[batch, slot] = v.view(torch.uint8)  # float8 has no index_put
+    return dst
+
+
+def resolve_paged(table, picks, page_entries, offset=0):
+    P, e = page_entries, picks.long()
+    page = table.gather(1, (e.clamp_min(0) // P).clamp_max(table.shape[1] - 1)).long()
+    return torch.where((e >= 0) & (page >= 0), page * P + e.clamp_min(0) % P + offset, -1).to(torch.int32)
+
+
+def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
+    B, n = entry.shape
+    rows = paged_rows(table, entry, mask, page_entries, trash_row)
+    for dst, src in ((pool.data, values.data), (pool.scale, values.scale)):
+        dst.view(torch.uint8)[0, rows] = src.reshape(B * n, -1).view(torch.uint8)  # float8 has no index_put
+    return pool
+
+
 def dense_attention(q, k, v, scale):
     """Softmax over every key in fp32, chunked over query positions."""
     B, S, H, D = q.shape

@@ -81,9 +81,8 @@ class Attention:
         if self.role in ("full", "reindex"):
             T = ctx.entries[self.ratio]
             topk = self._indexer(h, qr, ctx.state.index_keys(self.source, T), ctx.visible[self.ratio], ctx)
-            segments, idx = ctx.state.main_segments(self.source, topk, T)
             offset = self.cfg.window_size + h.shape[1]  # past the ring and the chunk
-            ctx.selections[self.layer] = Selection(segments, torch.where(idx >= 0, idx + offset, idx))
+            ctx.selections[self.layer] = Selection(*ctx.state.main_segments(self.source, topk, T, offset))
         return ctx.selections[self.index_source]
 
     def _indexer(self, h, qr, index_k, visible, ctx: StepContext) -> torch.Tensor:

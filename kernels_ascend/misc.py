@@ -8,7 +8,9 @@ reference math on the device; no operator computes compress_pool's softmax pool 
 two-norm gate. ``engram_lookup`` gathers table bytes with ``npu_gather_sparse_index`` and decodes
 them exactly; ``sample`` makes the argmax tie rule explicit. Each call is counted as a fallback
 (``npu_runtime.FALLBACKS``) with its reason. ``gather_cold_rows`` reads pages in host memory,
-which no torch_npu operator reads: it gathers on the host and stages the rows to the NPU.
+which no torch_npu operator reads: it gathers on the host and stages the rows to the NPU;
+``store_paged`` and ``resolve_paged`` go through a block table, which no operator does, and
+``store_rows`` is a plain byte scatter.
 """
 from __future__ import annotations
 
@@ -29,6 +31,11 @@ REASONS = {
     "sample": "no operator states an argmax tie rule or draws Gumbel noise from a given generator",
     "gather_cold_rows": "the pages are in host memory, which no torch_npu operator reads: rows are gathered on "
                         "the host as bytes and staged to the NPU in one copy each",
+    "store_paged": "no torch_npu operator scatters rows through a block table: the lookup and the byte "
+                   "scatter run as torch operations on the NPU",
+    "store_rows": "a byte scatter of rows: two torch index_put operations on the NPU (data and scale)",
+    "resolve_paged": "no torch_npu operator looks entries up through a block table: the lookup runs as torch "
+                     "operations on the NPU",
 }
 
 
@@ -89,9 +96,28 @@ def gather_cold_rows(host, host_ids, picks, index, offset):
     return ref.gather_cold_rows(host, host_ids, picks, index, offset)
 
 
+def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
+    """``store_paged``: plain torch on the NPU (block-table lookup, then one byte scatter each for
+    data and scale), exactly the reference."""
+    fallback("store_paged", REASONS["store_paged"])
+    return ref.store_paged(pool, table, entry, mask, values, page_entries, trash_row)
+
+
+def store_rows(dst, batch, slot, src):
+    """``store_rows``: plain torch on the NPU (one byte scatter each for data and scale), exactly the reference."""
+    fallback("store_rows", REASONS["store_rows"])
+    return ref.store_rows(dst, batch, slot, src)
+
+
+def resolve_paged(table, picks, page_entries, offset=0):
+    """``resolve_paged``: plain torch on the NPU (gather, then the row arithmetic), exactly the reference."""
+    fallback("resolve_paged", REASONS["resolve_paged"])
+    return ref.resolve_paged(table, picks, page_entries, offset)
+
+
 FAMILY = npu_family("misc", {name: globals()[name] for name in (
     "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "sample",
-    "gather_cold_rows")},
+    "gather_cold_rows", "store_paged", "store_rows", "resolve_paged")},
     "ops with no matching torch_npu operator (plain torch on the NPU) and engram_lookup (npu_gather_sparse_index)")
 PLANS = {name: (lambda *args, why=why: why) for name, why in REASONS.items()}
 PLANS["engram_lookup"] = lambda *args: None

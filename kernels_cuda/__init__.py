@@ -5,9 +5,9 @@ they serve, its tile defaults, its warm-up); helper modules (``codecs``, ``launc
 ``*_kernel`` files, ``moe_tables``, ``warmup``) declare none. ``docs/kernels.md`` says how to add
 one.
 """
-from . import (attention, compress, dense_attention, engram, indexer, kv_gather, linear, linear_plain, mhc, moe, moe_route, norm_rope,
+from . import (attention, compress, dense_attention, engram, indexer, kv_gather, kv_store, linear, linear_plain, mhc, moe, moe_route, norm_rope,
                quant, topk)
 
-FAMILIES = (attention.FAMILY, compress.FAMILY, dense_attention.FAMILY, engram.FAMILY, indexer.FAMILY, kv_gather.FAMILY, linear.FAMILY,
+FAMILIES = (attention.FAMILY, compress.FAMILY, dense_attention.FAMILY, engram.FAMILY, indexer.FAMILY, kv_gather.FAMILY, kv_store.FAMILY, linear.FAMILY,
             linear_plain.FAMILY, mhc.FAMILY, moe.FAMILY, moe_route.FAMILY, norm_rope.FAMILY, quant.FAMILY,
             topk.FAMILY)

@@ -4,7 +4,7 @@ the compiler made of them: registers, spilled bytes, shared memory, and the SASS
 Costs no device time: use it to check a kernel change for spills and wgmma before timing it.
 
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
-    python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc
+    python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc, kv_store
 
 How: the launcher runs on CPU tensors as it would on an sm_90 GPU, each kernel specialization it
 launches recorded instead of compiled (:func:`flashrt.jit_compile.recording`, shared with
@@ -168,7 +168,22 @@ def mhc_call(B: int, S: int, cold: bool):
     return lambda: mhc.hc_coefficients(x, fn, torch.ones(3), torch.zeros(24), 20, 1e-6, 1e-20)
 
 
-CALLS = {"attention": attention_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
+def kv_store_call(B: int, S: int, cold: bool):
+    """The paged main KV of a decode step (fp4_b16, 512 wide, 64-entry pages): B rows x S new entries
+    stored, and B rows x 640 picks looked up; B x S new tokens into an fp8 window ring."""
+    from flashrt.kernels_cuda import kv_store
+    from flashrt.kv.util import empty_qtensor
+
+    pool, vals = empty_qtensor("fp4_b16", (1, 64 * 64, 512), "cpu"), empty_qtensor("fp4_b16", (B, S, 512), "cpu")
+    table, entry = torch.zeros(B, 16, dtype=torch.long), torch.zeros(B, S, dtype=torch.long)
+    picks, rows = torch.zeros(B, 640, dtype=torch.int32), torch.zeros(B * S, dtype=torch.long)
+    ring = empty_qtensor("fp8", (B, 128, 512), "cpu")
+    return lambda: (kv_store.store_paged(pool, table, entry, torch.ones(B, S, dtype=torch.bool), vals, 64, 0),
+                    kv_store.resolve_paged(table, picks, 64),
+                    kv_store.store_rows(ring, rows, rows, empty_qtensor("fp8", (B * S, 512), "cpu")))
+
+
+CALLS = {"attention": attention_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
          "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call}
 
 

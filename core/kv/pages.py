@@ -294,20 +294,19 @@ class PagedMainKV:
         rows go to the trash row (no host-side filtering, no device sync)."""
         write_paged(self.pool, self.dev_ids(), entry, mask, values)  # reserved pages are on the device
 
-    def resolve(self, idx: torch.Tensor) -> tuple[list[QTensor], torch.Tensor]:
-        """Segments and int32 indices into them for logical entries ``idx`` [B, S, K] (-1 empty)."""
+    def resolve(self, idx: torch.Tensor, offset: int = 0) -> tuple[list[QTensor], torch.Tensor]:
+        """Segments and int32 indices into them for logical entries ``idx`` [B, S, K] (-1 empty);
+        ``offset``: added to every index but -1 (the rows the attention reads before the segments)."""
         B, P = idx.shape[0], self.pool.P
         flat = idx.reshape(B, -1)
-        ids = self.dev_ids()
-        phys = ids.gather(1, (flat.clamp_min(0) // P).clamp_max(ids.shape[1] - 1).long())
-        out = torch.where((flat >= 0) & (phys >= 0), phys * P + flat.clamp_min(0) % P, -1).to(torch.int32)
+        out = ops.resolve_paged(self.dev_ids(), flat, P, offset)
         segments = [self.pool.segment()]
         if any(t.cold for t in self.tables):
             if flat.numel() <= STAGING_MAX_ROWS:
                 staging, out = ops.gather_cold_rows(self.pool.host, self.host_ids_device(), flat, out,
-                                                    segments[0].shape[1])
+                                                    offset + segments[0].shape[1])
             else:
-                staging, out = self._stage_cold(flat, out, segments[0].shape[1])
+                staging, out = self._stage_cold(flat, out, offset + segments[0].shape[1])
             segments.append(staging)
         return segments, out.view(idx.shape)
 

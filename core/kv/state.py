@@ -337,12 +337,13 @@ class KVState:
         index_k = self.compressed[layer].index_k
         return index_k.narrow(1, 0, entries) if self.is_meta else index_k.keys(entries)
 
-    def main_segments(self, layer: int, topk: torch.Tensor, entries: int) -> tuple[list, torch.Tensor]:
-        """KV segments holding the entries ``topk`` [B, S, K] picks, and indices into them."""
+    def main_segments(self, layer: int, topk: torch.Tensor, entries: int, offset: int = 0) -> tuple[list, torch.Tensor]:
+        """KV segments holding the entries ``topk`` [B, S, K] picks, and indices into them, each
+        but -1 plus ``offset`` (the rows the attention reads before the segments)."""
         main = self.compressed[layer].main
         if self.is_meta:
-            return [main.narrow(1, 0, entries)], topk
-        return main.resolve(topk)
+            return [main.narrow(1, 0, entries)], torch.where(topk >= 0, topk + offset, topk)
+        return main.resolve(topk, offset)
 
     # ----- accounting --------------------------------------------------------------------------
     def global_kv_bytes_per_token(self) -> float:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from flashrt import ops
 from flashrt.formats import QTensor, expected_layout, spec
 
 
@@ -22,24 +23,21 @@ def _zero_bits(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTensor) -> None:
-    """``dst[batch[i], slot[i]] = src[i]`` on the stored bytes (``src`` is [n, D])."""
-    u8 = torch.uint8  # index_put is not implemented for the float8 dtypes: write the bytes
-    dst.data.view(u8)[batch, slot] = src.data.reshape(-1, src.data.shape[-1]).view(u8)
-    dst.scale.view(u8)[batch, slot] = src.scale.reshape(-1, src.scale.shape[-1]).view(u8)
+    """``dst[batch[i], slot[i]] = src[i]`` on the stored bytes (``src`` [..., D], ``n`` rows in
+    all): the op ``store_rows``."""
+    n = batch.shape[0]
+    data, scale = (s.reshape(n, -1).view(torch.uint8).view(d.dtype)
+                   for s, d in ((src.data, dst.data), (src.scale, dst.scale)))
+    rows = QTensor(data, scale, dst.fmt, (n, src.shape[-1]))  # a caller's byte views back in the stored dtypes
+    ops.store_rows(dst, batch, slot, rows)
 
 
 def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
     """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] of a paged ``pool`` (a
     ``pages.PagePool`` or ``index.IndexPool``) whose block table ``table`` [B, max_pages] gives
     the device page of each logical page, where ``mask``; the other rows go to ``pool.trash_row``
-    (no host-side filtering, no device sync)."""
-    P, B, n = pool.P, entry.shape[0], entry.shape[1]
-    e = entry.clamp_min(0)
-    phys = table.gather(1, (e // P).clamp_max(table.shape[1] - 1)).long() * P + e % P
-    phys = torch.where(mask, phys, pool.trash_row).reshape(-1)
-    seg = pool.segment()
-    flat = QTensor(values.data.reshape(B * n, -1), values.scale.reshape(B * n, -1), seg.fmt, (B * n, values.shape[-1]))
-    write_rows(seg, torch.zeros_like(phys), phys, flat)
+    (no host-side filtering, no device sync): the op ``store_paged``."""
+    ops.store_paged(pool.segment(), table, entry, mask, values, pool.P, pool.trash_row)
 
 
 def grown(q: QTensor, entries: int) -> QTensor:

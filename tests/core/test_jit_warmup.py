@@ -19,8 +19,8 @@ from flashrt.graphs.config import shipped_config
 from flashrt.kernels_cuda import FAMILIES, linear_plain
 from flashrt.kernels_cuda import warmup as _warmup
 
-HOOKED = ("attention", "compress", "dense_attention", "engram", "indexer", "kv_gather", "linear", "linear_plain", "mhc",
-          "moe", "moe_route", "norm_rope", "quant", "topk")
+HOOKED = ("attention", "compress", "dense_attention", "engram", "indexer", "kv_gather", "kv_store", "linear",
+          "linear_plain", "mhc", "moe", "moe_route", "norm_rope", "quant", "topk")
 
 
 def _families() -> dict:
@@ -88,7 +88,7 @@ def test_every_launcher_of_a_module_is_warmed_for_both_models(recorded):
             assert {1024, 5120} <= widths, (name, widths)
         floats = {a.dtype for launch in recorded for a in launch.args
                   if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.is_floating_point()}
-        assert torch.bfloat16 in floats or name in ("compress", "topk", "kv_gather"), (name, floats)  # h200: bf16
+        assert torch.bfloat16 in floats or name in ("compress", "topk", "kv_gather", "kv_store"), (name, floats)  # h200: bf16
 
 
 def test_moe_covers_every_tile_rule_of_the_profile(recorded):

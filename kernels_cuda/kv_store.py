@@ -1,0 +1,166 @@
+"""``store_paged`` (paged KV store): a decode step's new KV rows written into a paged pool in one
+launch, the block-table lookup included; ``resolve_paged``: the pool rows of picked logical
+entries (the lookup before a paged attention read) in one launch; ``store_rows``: a window ring's
+new tokens at (row, slot) pairs in one launch (``_store_rows_kernel``, the same byte copy).
+
+``_store_paged_kernel``: one program per ``BLOCK`` pairs of the flat ``[B * n]`` pairs. For pair
+``i`` of row ``b`` with entry ``e = max(entry[b, j], 0)``: pool page ``page = table[b, min(e // P,
+W - 1)]``; when ``mask`` holds and ``page >= 0`` the pair's stored bytes (data and scale, as 32-bit
+words when they divide) go to pool row ``page * P + e % P``, otherwise to ``trash_row``. Nothing
+is data-dependent in the launch (grid from the shapes only) and nothing syncs with the host, so a
+CUDA graph may hold it. ``store_paged.in_kernel`` off: the plain-torch lookup and byte scatter of
+the reference (about a dozen launches).
+
+``_resolve_paged_kernel``: one program per ``BLOCK`` picks; pick ``e`` of row ``b`` maps to
+``offset + table[b, min(max(e, 0) // P, W - 1)] * P + e % P``, or ``-1`` where ``e < 0`` or the page is
+``< 0`` (``resolve_paged.in_kernel`` off: about a dozen torch launches).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashrt import profiles, refmath
+from flashrt.dtypes import MAIN_KV_FORMAT
+from flashrt.families import KernelFamily
+from flashrt.kv.util import empty_qtensor
+from flashrt.tile_checks import POW2, Tile
+from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2
+
+TILES = {"store_paged": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},  # in_kernel False: plain torch
+         "store_rows": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},
+         "resolve_paged": {"in_kernel": True, "BLOCK": 1024, "num_warps": 4}}
+PLANS = PlanCache("kv_store", TILES)
+_tiles = PLANS.tiles
+
+
+@triton.jit
+def _store_paged_kernel(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, entry_ptr, mask_ptr, total, n, W, P,
+                        trash, ROW: tl.constexpr, SROW: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr,
+                        BS: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    e = tl.maximum(tl.load(entry_ptr + i, mask=ok, other=0).to(tl.int64), 0)
+    page = tl.load(table_ptr + (i // n).to(tl.int64) * W + tl.minimum(e // P, W - 1), mask=ok, other=-1).to(tl.int64)
+    keep = tl.load(mask_ptr + i, mask=ok, other=0) != 0
+    dst = tl.where(keep & (page >= 0), page * P + e % P, trash)
+    src = i.to(tl.int64)
+    c = tl.arange(0, BR)
+    m = ok[:, None] & (c < ROW)[None, :]
+    tl.store(pool_ptr + dst[:, None] * ROW + c[None, :], tl.load(val_ptr + src[:, None] * ROW + c[None, :], mask=m),
+             mask=m)
+    c = tl.arange(0, BS)
+    m = ok[:, None] & (c < SROW)[None, :]
+    tl.store(pscale_ptr + dst[:, None] * SROW + c[None, :], tl.load(vscale_ptr + src[:, None] * SROW + c[None, :], mask=m),
+             mask=m)
+
+
+@triton.jit
+def _store_rows_kernel(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, batch_ptr, slot_ptr, total, S, ROW: tl.constexpr,
+                       SROW: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    dst = tl.load(batch_ptr + i, mask=ok, other=0) * S + tl.load(slot_ptr + i, mask=ok, other=0)
+    src = i.to(tl.int64)
+    c = tl.arange(0, BR)
+    m = ok[:, None] & (c < ROW)[None, :]
+    tl.store(dst_ptr + dst[:, None] * ROW + c[None, :], tl.load(val_ptr + src[:, None] * ROW + c[None, :], mask=m),
+             mask=m)
+    c = tl.arange(0, BS)
+    m = ok[:, None] & (c < SROW)[None, :]
+    tl.store(dscale_ptr + dst[:, None] * SROW + c[None, :], tl.load(vscale_ptr + src[:, None] * SROW + c[None, :], mask=m),
+             mask=m)
+
+
+@triton.jit
+def _resolve_paged_kernel(pick_ptr, table_ptr, out_ptr, total, N, W, P, offset, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    e = tl.load(pick_ptr + i, mask=ok, other=-1).to(tl.int64)
+    ec = tl.maximum(e, 0)
+    page = tl.load(table_ptr + (i // N).to(tl.int64) * W + tl.minimum(ec // P, W - 1), mask=ok, other=-1).to(tl.int64)
+    tl.store(out_ptr + i, tl.where((e >= 0) & (page >= 0), offset + page * P + ec % P, -1).to(tl.int32), mask=ok)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The stored bytes of ``t`` [..., n] as ``[rows, words]``: int32 words when they divide, else bytes."""
+    b = t.view(torch.uint8).reshape(-1, t.shape[-1] * t.element_size())
+    return b.view(torch.int32) if b.shape[-1] % 4 == 0 else b
+
+
+def _flat(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.data_ptr() % 4 == 0
+
+
+def store_paged(pool, table, entry, mask, values, page_entries: int, trash_row: int):
+    """``flashrt.ops.store_paged`` in one launch; a pool that is not contiguous, the switch
+    ``store_paged.in_kernel`` off, or an empty store take the plain-torch path."""
+    t = _tiles()["store_paged"]
+    B, n = entry.shape
+    total = B * n
+    if not (t["in_kernel"] and total and _flat(pool.data) and _flat(pool.scale)):
+        return refmath.store_paged(pool, table, entry, mask, values, page_entries, trash_row)
+    pdata, pscale = _words(pool.data), _words(pool.scale)
+    vdata, vscale = _words(dense(values.data)), _words(dense(values.scale))  # one format: the same row widths
+    _store_paged_kernel[(cdiv(total, t["BLOCK"]),)](
+        vdata, vscale, pdata, pscale, dense(table), dense(entry), dense(mask).view(torch.uint8), total, n,
+        table.shape[1], page_entries, trash_row, ROW=pdata.shape[1], SROW=pscale.shape[1], BLOCK=t["BLOCK"],
+        BR=next_pow2(pdata.shape[1]), BS=next_pow2(pscale.shape[1]), num_warps=t["num_warps"])
+    return pool
+
+
+def store_rows(dst, batch, slot, src):
+    """``flashrt.ops.store_rows`` in one launch; a ``dst`` that is not contiguous, the switch
+    ``store_rows.in_kernel`` off, or no rows take the plain-torch path."""
+    t, n = _tiles()["store_rows"], batch.shape[0]
+    if not (t["in_kernel"] and n and _flat(dst.data) and _flat(dst.scale)):
+        return refmath.store_rows(dst, batch, slot, src)
+    ddata, dscale = _words(dst.data), _words(dst.scale)
+    vdata, vscale = _words(dense(src.data)), _words(dense(src.scale))
+    _store_rows_kernel[(cdiv(n, t["BLOCK"]),)](
+        vdata, vscale, ddata, dscale, dense(batch), dense(slot), n, dst.shape[1], ROW=ddata.shape[1],
+        SROW=dscale.shape[1], BLOCK=t["BLOCK"], BR=next_pow2(ddata.shape[1]), BS=next_pow2(dscale.shape[1]),
+        num_warps=t["num_warps"])
+    return dst
+
+
+def resolve_paged(table, picks, page_entries: int, offset: int = 0):
+    """``flashrt.ops.resolve_paged`` in one launch (the switch ``resolve_paged.in_kernel`` off: plain torch)."""
+    t = _tiles()["resolve_paged"]
+    if not t["in_kernel"]:
+        return refmath.resolve_paged(table, picks, page_entries, offset)
+    B, N = picks.shape
+    out = torch.empty(B, N, dtype=torch.int32, device=picks.device)
+    if out.numel():
+        _resolve_paged_kernel[(cdiv(B * N, t["BLOCK"]),)](dense(picks), dense(table), out, B * N, N, table.shape[1],
+                                                          page_entries, offset, BLOCK=t["BLOCK"],
+                                                          num_warps=t["num_warps"])
+    return out
+
+
+def warmup_cases(device, d: dict, dtype):
+    """A decode step's stores and lookup at 1 and 8 rows: one new main-KV entry each into a small
+    paged pool, the pool rows of ``index_topk`` picks, one new token each into the window ring."""
+    P, D = profiles.active_profile().hkcp_page_entries, d["head_dim"]
+    pool = empty_qtensor(MAIN_KV_FORMAT, (1, 4 * P, D), device)
+    for B in (1, 8):
+        vals = empty_qtensor(MAIN_KV_FORMAT, (B, 1, D), device)
+        table = torch.zeros(B, 4, dtype=torch.long, device=device)
+        entry = torch.zeros(B, 1, dtype=torch.long, device=device)
+        mask = torch.ones(B, 1, dtype=torch.bool, device=device)
+        yield _warmup.Launch("store_paged", store_paged, (pool, table, entry, mask, vals, P, 0))
+        picks = torch.full((B, d["index_topk"]), -1, dtype=torch.int32, device=device)
+        yield _warmup.Launch("resolve_paged", resolve_paged, (table, picks, P))
+        ring = empty_qtensor(profiles.active_profile().kv_window_dtype, (B, d["window_size"], D), device)
+        rows = torch.arange(B, device=device)
+        yield _warmup.Launch("store_rows", store_rows, (ring, rows, rows, empty_qtensor(ring.fmt, (B, D), device)))
+
+
+FAMILY = KernelFamily(
+    "kv_store", ops={"store_paged": store_paged, "store_rows": store_rows, "resolve_paged": resolve_paged},
+    tiles=TILES,
+    tile_checks={"*.in_kernel": Tile(kind=bool), "*.BLOCK": POW2},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="KV stores (paged and ring rows) and the page lookup of picked rows, each in one launch")
