@@ -107,6 +107,8 @@ def serve_levels(args) -> dict:
            "--max-running", str(max(args.concurrency)), "--max-model-len", str(args.input_len + args.output_len + 64)]
     if args.max_step_tokens is not None:
         cmd += ["--max-step-tokens", str(args.max_step_tokens)]
+    if args.device_timing:
+        cmd += ["--device-timing"]
     proc = subprocess.Popen(cmd)
     try:
         wait_healthy(url, proc, args.start_timeout)
@@ -148,6 +150,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--max-step-tokens", type=int, default=None, help="the server's (default: its profile's)")
+    ap.add_argument("--device-timing", action="store_true",
+                    help="the server times its forwards on the device (a host sync per step: slows it down)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base = generate_throughput(args.model, args.batch, args.input_len, args.output_len)
