@@ -11,6 +11,9 @@ from .speculative import SPECULATIVE, check_options
 
 
 DEFAULT_STEP_TOKENS = 2048  # a step's token budget without a hardware profile
+# the decode batch's block tables start wide enough for this many positions per row at most (a
+# longer context widens them by doubling, a recapture each time; a table per bucket and layer)
+TABLE_POSITIONS = 1 << 16
 
 
 @dataclass
@@ -95,17 +98,19 @@ class EngineConfig:
         """With a device budget (``pool.limit``): allocate now the main-KV and index-K pages that
         ``max_running`` sequences of ``positions`` positions hold (the main pool capped at its
         limit), so serving never reallocates (moves) a pool and so never recaptures its decode
-        steps for it. Returns the positions per row this covers (the decode batch's block tables
-        start that wide), or ``prefill_chunk`` without a budget (pools grow on demand)."""
+        steps for it. Returns the positions per row the decode batch's block tables start wide
+        enough for (those covered, at most ``TABLE_POSITIONS``), or ``prefill_chunk`` without a
+        budget (pools grow on demand)."""
         if pool.limit is None:
             return self.prefill_chunk
         rows, cfg = self.max_running, model.cfg
         need = index_pages_for(cfg, rows, positions, pool.P)  # main KV: the same pages per entry
-        if need > pool.limit:
-            positions = max(self.prefill_chunk, positions * pool.limit // need)
-        pool.grow_device_to(min(need, pool.limit))
+        cap = pool.limit if self.max_kv_pages is None else min(pool.limit, self.max_kv_pages)
+        if need > cap:
+            positions = max(self.prefill_chunk, positions * cap // need)
+        pool.grow_device_to(min(need, cap))
         pool.index_pool.grow_to(index_pages_for(cfg, rows, positions, pool.index_pool.P))
-        return positions
+        return min(positions, TABLE_POSITIONS)
 
     def salt(self, model) -> bytes:
         from .prefix import model_identity

@@ -68,6 +68,12 @@ def test_pools_are_reserved_within_the_budget(model):
     rows_positions = cfg.reserve_pools(model, pool, 4097)
     assert pool.device_pages <= limit
     assert 16 <= rows_positions <= 4097
+    # the engine's own page limit caps the reservation too
+    capped = EngineConfig(max_running=8, prefill_chunk=16, kv_budget=64 << 20, max_model_len=4096,
+                          max_kv_pages=40).resolve(model)
+    pool, _ = capped.make_pool(model)
+    capped.reserve_pools(model, pool, 4097)
+    assert pool.device_pages == 40  # 8 rows of 4097 positions need more: grown to the cap, not past it
     # without a device budget nothing is reserved: the pools grow on demand
     free = EngineConfig(max_running=8, prefill_chunk=16).resolve(model)
     pool, _ = free.make_pool(model)
