@@ -50,6 +50,7 @@ class DecodeSlots:
         self.model, self.pool, self.capacity, self.cuda_graph, self.keep = model, pool, capacity, cuda_graph, keep
         self.cache: OrderedDict[int, tuple[KVState, StepCapture | None]] = OrderedDict()
         self.state, self.capture, self.owner = None, None, []
+        self.captures = 0  # decode steps captured as CUDA graphs, over every bucket's runner
 
     # ----- membership ------------------------------------------------------------------------------
     @property
@@ -115,7 +116,9 @@ class DecodeSlots:
         """fp32 logits [rows, vocab] after one token per row (``tokens``: row -> id; padding runs 0)."""
         ids = self.ids(tokens)
         if self.capture is not None:
+            before = self.capture.stats["captured"]
             logits = self.capture.step(ids)
+            self.captures += self.capture.stats["captured"] - before
         else:
             logits = self.model.forward(ids.unsqueeze(1), state=self.state)
         self.state.rewind_rows([r for r, o in enumerate(self.owner) if o is None])

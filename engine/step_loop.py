@@ -72,7 +72,8 @@ class StepLoop(PrefillSteps):
         self.rng = random.Random(config.seed)
         self.swap_used = 0
         self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "preemptions", "swaps",
-                                       "recomputes", "finished", "aborted", "failed", "steps", *COUNTERS), 0)
+                                       "recomputes", "finished", "aborted", "failed", "steps", "decode_captures",
+                                       *COUNTERS), 0)
         self.timer = StepTimer(model.device, config.device_timing)
         self.finish_hooks = []  # called with each finished Request
 
@@ -182,6 +183,7 @@ class StepLoop(PrefillSteps):
             return
         try:
             logits = self.slots.step({s.slot: s.tokens[s.computed] for s in seqs})
+            self.counters["decode_captures"] = self.slots.captures
         except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
             for req in {s.request for s in seqs}:
                 self._fail(req, exc, touched)

@@ -58,7 +58,24 @@ def test_growing_pools_do_not_recapture_decode_steps(model, rng, monkeypatch):
     run_waves(core, rng, 2, 8, 30)
     assert (pool.device_pages, pool.index_pool.dev.shape[0], pool.generation, pool.index_pool.generation) == before
     assert counter.keys and counter.layouts() == [1] * len(counter.keys)
+    assert core.counters["decode_captures"] == 0  # CPU: the static-buffer step runs eagerly
     assert pool.pages_in_use == 0 and pool.index_pool.pages_in_use == 0
+
+
+def test_captures_are_counted(model, rng, monkeypatch):
+    real = sc.StepCapture.step
+
+    def step(runner, ids):  # a capture per new runner, as the first CUDA step of a shape makes
+        runner.stats["captured"] += not runner.stats["eager"]
+        return real(runner, ids)
+    monkeypatch.setattr(sc.StepCapture, "step", step)
+    engine = Engine(model, prefill_chunk=16, max_step_tokens=256, max_running=8, cuda_graphs=True,
+                    prefix_cache_bytes=0)
+    core = engine.step_loop
+    run_waves(core, rng, 1, 6, 4)
+    runners = len(core.slots.cache)  # a bucket of 4 rows, then 8 (or 8 at once)
+    assert runners >= 1 and core.counters["decode_captures"] == runners
+    assert engine.stats()["decode_captures"] == runners
 
 
 def test_pools_are_reserved_within_the_budget(model):
