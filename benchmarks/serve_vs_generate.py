@@ -90,6 +90,7 @@ def where_time_goes(before: dict, after: dict, duration: float) -> dict:
         "step_ms": 1e3 * step_s / d["steps"] if d.get("steps") else 0.0,
         "mean_decode_batch": d["decode_rows"] / d["decode_steps"] if d.get("decode_steps") else 0.0,
         "prefill_forwards": int(d.get("prefill_forwards", 0)),
+        "decode_captures": int(d.get("decode_captures", 0)),  # captures during the level (not warm-up)
         "prefill_tokens_per_forward": d["prefill_step_tokens"] / d["prefill_forwards"] if d.get("prefill_forwards") else 0.0,
         "engine_busy": step_s / duration,  # the rest: the loop waited for requests
         "share_decode": share("decode_seconds"), "share_prefill": share("prefill_seconds"),
@@ -107,6 +108,8 @@ def serve_levels(args) -> dict:
            "--max-running", str(max(args.concurrency)), "--max-model-len", str(args.input_len + args.output_len + 64)]
     if args.max_step_tokens is not None:
         cmd += ["--max-step-tokens", str(args.max_step_tokens)]
+    if args.device_timing:
+        cmd += ["--device-timing"]
     proc = subprocess.Popen(cmd)
     try:
         wait_healthy(url, proc, args.start_timeout)
@@ -148,6 +151,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--max-step-tokens", type=int, default=None, help="the server's (default: its profile's)")
+    ap.add_argument("--device-timing", action="store_true",
+                    help="the server times its forwards on the device (a host sync per step: slows it down)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base = generate_throughput(args.model, args.batch, args.input_len, args.output_len)

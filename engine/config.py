@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from flashrt.kv.sizes import index_pages_for
 from flashrt.kv.state import KVState
 
 from .generation import profile_kv_sizes
@@ -10,6 +11,9 @@ from .speculative import SPECULATIVE, check_options
 
 
 DEFAULT_STEP_TOKENS = 2048  # a step's token budget without a hardware profile
+# the decode batch's block tables start wide enough for this many positions per row at most (a
+# longer context widens them by doubling, a recapture each time; a table per bucket and layer)
+TABLE_POSITIONS = 1 << 16
 
 
 @dataclass
@@ -31,6 +35,7 @@ class EngineConfig:
     seed: int | None = None  # seeds the generators of requests that give no seed
     speculative: str | None = None  # "dspark": decode batches draft and verify (docs/speculative.md)
     draft_tokens: int | str = "auto"  # drafts verified per round (1 .. block size) or "auto"
+    device_timing: bool = False  # time the forwards on the device too (CUDA events: a host sync per step)
 
     def __post_init__(self):
         positive = ("max_running", "max_step_tokens", "prefill_chunk", "max_model_len", "max_waiting",
@@ -45,6 +50,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
         if self.speculative is not None and self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative: expected one of {list(SPECULATIVE)} or None, got {self.speculative!r}")
+        if not isinstance(self.device_timing, bool):
+            raise ValueError(f"device_timing: expected a bool, got {self.device_timing!r}")
         d = self.draft_tokens
         if d != "auto" and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError(f"draft_tokens: expected an int >= 1 or 'auto', got {d!r}")
@@ -86,6 +93,24 @@ class EngineConfig:
         if self.max_kv_pages is not None:
             limit = self.max_kv_pages if limit is None else min(limit, self.max_kv_pages)
         return pool, limit
+
+    def reserve_pools(self, model, pool, positions: int) -> int:
+        """With a device budget (``pool.limit``): allocate now the main-KV and index-K pages that
+        ``max_running`` sequences of ``positions`` positions hold (the main pool capped at its
+        limit), so serving never reallocates (moves) a pool and so never recaptures its decode
+        steps for it. Returns the positions per row the decode batch's block tables start wide
+        enough for (those covered, at most ``TABLE_POSITIONS``), or ``prefill_chunk`` without a
+        budget (pools grow on demand)."""
+        if pool.limit is None:
+            return self.prefill_chunk
+        rows, cfg = self.max_running, model.cfg
+        need = index_pages_for(cfg, rows, positions, pool.P)  # main KV: the same pages per entry
+        cap = pool.limit if self.max_kv_pages is None else min(pool.limit, self.max_kv_pages)
+        if need > cap:
+            positions = max(self.prefill_chunk, positions * cap // need)
+        pool.grow_device_to(min(need, cap))
+        pool.index_pool.grow_to(index_pages_for(cfg, rows, positions, pool.index_pool.P))
+        return min(positions, TABLE_POSITIONS)
 
     def salt(self, model) -> bytes:
         from .prefix import model_identity

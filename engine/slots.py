@@ -29,6 +29,16 @@ MIN_ROWS = 4
 BUCKETS = (4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on ``device`` without a synchronous host->device copy: on CUDA staged in
+    pinned memory (the caching host allocator keeps the block until the copy has run) and copied
+    ``non_blocking``, so the host goes on preparing the step while the copy is queued."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def bucket_for(n: int) -> int:
     """The smallest bucket with room for ``n`` rows (multiples of 64 past the table)."""
     n = max(n, MIN_ROWS)
@@ -40,6 +50,7 @@ class DecodeSlots:
         self.model, self.pool, self.capacity, self.cuda_graph, self.keep = model, pool, capacity, cuda_graph, keep
         self.cache: OrderedDict[int, tuple[KVState, StepCapture | None]] = OrderedDict()
         self.state, self.capture, self.owner = None, None, []
+        self.captures = 0  # decode steps captured as CUDA graphs, over every bucket's runner
 
     # ----- membership ------------------------------------------------------------------------------
     @property
@@ -103,16 +114,22 @@ class DecodeSlots:
     # ----- one decode step ---------------------------------------------------------------------------
     def step(self, tokens: dict[int, int]) -> torch.Tensor:
         """fp32 logits [rows, vocab] after one token per row (``tokens``: row -> id; padding runs 0)."""
-        ids = [0] * self.rows
-        for r, t in tokens.items():
-            ids[r] = t
-        ids = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+        ids = self.ids(tokens)
         if self.capture is not None:
+            before = self.capture.stats["captured"]
             logits = self.capture.step(ids)
+            self.captures += self.capture.stats["captured"] - before
         else:
             logits = self.model.forward(ids.unsqueeze(1), state=self.state)
         self.state.rewind_rows([r for r, o in enumerate(self.owner) if o is None])
         return logits
+
+    def ids(self, tokens: dict[int, int]) -> torch.Tensor:
+        """int64 [rows] on the model's device: ``tokens`` (row -> id) in their rows, 0 elsewhere."""
+        ids = [0] * self.rows
+        for r, t in tokens.items():
+            ids[r] = t
+        return to_device(ids, self.model.device)
 
     def padding_need(self, pages_at_one: int) -> int:
         """Pages the padding rows will reserve in the next step (those holding none yet: a padding

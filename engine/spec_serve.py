@@ -28,7 +28,8 @@ import torch
 from flashrt import ops
 
 from . import accept, adaptive
-from .sampling import SamplerRow, filter_logits
+from .sampling import Sampled, SamplerRow, filter_logits
+from .slots import to_device
 from .speculative import SpecStats, keep, verify
 
 
@@ -100,7 +101,7 @@ class ServeSpeculator:
         emitted = {}
         greedy = [r for r in spec if rows[r].params.greedy]
         if greedy:
-            idx = torch.tensor(greedy, device=target.device)
+            idx = to_device(greedy, target.device)
             acc, after = accept.greedy(drafts[idx], target[idx])
             for r, a, t in zip(greedy, acc.tolist(), after.tolist()):
                 counts[r], emitted[r] = a + 1, drafts[r, :a].tolist() + [t]
@@ -108,7 +109,7 @@ class ServeSpeculator:
             if r not in emitted:
                 a, t = accept_sampled(drafts[r], target[r], rows[r])
                 counts[r], emitted[r] = a + 1, drafts[r, :a].tolist() + [t]
-        keep(self.model, state, chunk, torch.tensor(counts, device=chunk.device))
+        keep(self.model, state, chunk, to_device(counts, chunk.device))
         self._sync()
         s = self.stats
         s.verify_seconds += time.perf_counter() - t1
@@ -123,3 +124,42 @@ class ServeSpeculator:
         if self.draft_tokens != "auto":
             return min(self.draft_tokens, most)
         return adaptive.choose_k(confidence[:, :most], self.costs, batch)
+
+
+def decode_speculative(loop, seqs: list, due: list, touched: set) -> bool:
+    """One speculative round over the decode batch of ``loop`` (a
+    :class:`~flashrt.engine.step_loop.StepLoop`); False when it ran nothing on the target (no row
+    may speculate, or ``k = 0``): a plain step follows. Rows that took no drafts go to ``due``
+    with the logits after their first token, as a plain step's would."""
+    eos, limit, slots = loop.config.eos_token_id, loop.config.max_model_len, loop.slots
+    rows = {s.slot: s.sampler_row(eos) for s in seqs}
+    rows = {s.slot: rows[s.slot] for s in seqs if speculative_row(s, rows[s.slot])}
+    if not rows:
+        return False
+    # drafts no row can use are not verified; no row's chunk may run past the context
+    want = max(s.request.max_tokens - len(s.output) for s in seqs if s.slot in rows) - 1
+    most = min([want] + [limit - 1 - s.computed for s in seqs])
+    if most <= 0:
+        return False
+    state = slots.state
+    try:
+        out = loop.spec.round(state, slots.ids({s.slot: s.tokens[s.computed] for s in seqs}), rows, most)
+    except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
+        for req in {s.request for s in seqs}:
+            loop._fail(req, exc, touched)
+        return True
+    if out is None:
+        return False
+    counts, logits0, emitted = out
+    state.rewind_rows([r for r, o in enumerate(slots.owner) if o is None])
+    placed = [(seq, seq.slot) for seq in seqs]  # a sequence ending below may move the others' rows
+    for seq, row in placed:
+        seq.computed += counts[row]
+    for seq, row in placed:
+        if row in emitted:
+            for t in emitted[row]:  # tokens past a stop are dropped: the sequence ends there
+                if seq.finished or loop._emit(seq, Sampled(t), touched):
+                    break
+        elif seq.computed == len(seq.tokens):
+            due.append((seq, logits0, row))
+    return True

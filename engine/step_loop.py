@@ -9,6 +9,9 @@ finished, aborted or failed one gives its pages back at once. Preempted sequence
 host memory (exact :class:`~flashrt.engine.snapshot.RowSnapshot`, up to ``swap_bytes``) or dropped
 and recomputed (prompt chunks again, then the tokens they already produced fed back through
 decode steps without sampling: the same computation, so the same tokens).
+
+The prefill side lives in :mod:`~flashrt.engine.step_prefill` (a base class), the speculative
+decode round in :func:`~flashrt.engine.spec_serve.decode_speculative`.
 """
 from __future__ import annotations
 
@@ -22,13 +25,13 @@ import torch
 from . import outputs
 from .config import EngineConfig
 from .errors import PromptTooLong, QueueFull, RequestError
-from .images import chunk_spans, image_keys
 from .request import Request, Sequence, Status
 from .sampling import Sampled, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, pages_at
-from .slots import DecodeSlots, MIN_ROWS
+from .slots import DecodeSlots, MIN_ROWS, to_device
 from .snapshot import PrefixStore, restore_row, snapshot_row
-from .spec_serve import ServeSpeculator, speculative_row
+from .spec_serve import ServeSpeculator, decode_speculative
+from .step_prefill import PrefillSteps
 from .step_timing import COUNTERS, StepTimer
 
 log = logging.getLogger("flashrt.engine")
@@ -43,22 +46,23 @@ def gather_rows(due: list) -> torch.Tensor:
         while j < len(due) and due[j][1] is src:
             j += 1
         rows = [r for _, _, r in due[i:j]]
-        parts.append(src.index_select(0, torch.tensor(rows, device=src.device)))
+        parts.append(src.index_select(0, to_device(rows, src.device)))
         i = j
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-class StepLoop:
+class StepLoop(PrefillSteps):
     """Requests, the scheduler, the decode batch and the prefix store of one engine; :meth:`step` runs one step."""
 
     def __init__(self, model, config: EngineConfig, tokenizer):
         self.model, self.cfg, self.config, self.tokenizer = model, model.cfg, config.resolve(model), tokenizer
         self.pool, self.max_pages = config.make_pool(model)
         self.P = self.pool.P
-        self.slots = DecodeSlots(model, self.pool, config.prefill_chunk, config.graphs_on(model))
         self.spec = ServeSpeculator(model, config.draft_tokens) if config.speculative else None
         # positions a decode row may run in one step: the verify chunk's with speculation
         self.decode_tokens = model.cfg.dspark_block_size + 1 if self.spec else 1
+        row_positions = config.reserve_pools(model, self.pool, config.max_model_len + self.decode_tokens)
+        self.slots = DecodeSlots(model, self.pool, row_positions, config.graphs_on(model))
         self.scheduler = Scheduler(model.cfg, self.P, config.max_running, config.max_step_tokens,
                                    config.prefill_chunk, self.max_pages, self.decode_tokens)
         self.prefix = PrefixStore(config.prefill_chunk, config.prefix_cache_bytes, config.salt(model),
@@ -68,8 +72,9 @@ class StepLoop:
         self.rng = random.Random(config.seed)
         self.swap_used = 0
         self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "preemptions", "swaps",
-                                       "recomputes", "finished", "aborted", "failed", "steps", *COUNTERS), 0)
-        self.timer = StepTimer(model.device)
+                                       "recomputes", "finished", "aborted", "failed", "steps", "decode_captures",
+                                       *COUNTERS), 0)
+        self.timer = StepTimer(model.device, config.device_timing)
         self.finish_hooks = []  # called with each finished Request
 
     # ----- requests --------------------------------------------------------------------------------
@@ -174,10 +179,11 @@ class StepLoop:
         return list(touched)
 
     def _decode(self, seqs: list[Sequence], due: list, touched: set) -> None:
-        if self.spec is not None and self._decode_speculative(seqs, due, touched):
+        if self.spec is not None and decode_speculative(self, seqs, due, touched):
             return
         try:
             logits = self.slots.step({s.slot: s.tokens[s.computed] for s in seqs})
+            self.counters["decode_captures"] = self.slots.captures
         except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
             for req in {s.request for s in seqs}:
                 self._fail(req, exc, touched)
@@ -186,45 +192,6 @@ class StepLoop:
             seq.computed += 1
             if seq.computed == len(seq.tokens):
                 due.append((seq, logits, seq.slot))
-
-    def _decode_speculative(self, seqs: list[Sequence], due: list, touched: set) -> bool:
-        """One speculative round over the decode batch (engine/spec_serve.py); False when it ran
-        nothing on the target (no row may speculate, or ``k = 0``): a plain step follows."""
-        eos, limit = self.config.eos_token_id, self.config.max_model_len
-        rows = {s.slot: s.sampler_row(eos) for s in seqs}
-        rows = {s.slot: rows[s.slot] for s in seqs if speculative_row(s, rows[s.slot])}
-        if not rows:
-            return False
-        # drafts no row can use are not verified; no row's chunk may run past the context
-        want = max(s.request.max_tokens - len(s.output) for s in seqs if s.slot in rows) - 1
-        most = min([want] + [limit - 1 - s.computed for s in seqs])
-        if most <= 0:
-            return False
-        ids = [0] * self.slots.rows
-        for s in seqs:
-            ids[s.slot] = s.tokens[s.computed]
-        state = self.slots.state
-        try:
-            out = self.spec.round(state, torch.tensor(ids, dtype=torch.long, device=self.model.device), rows, most)
-        except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
-            for req in {s.request for s in seqs}:
-                self._fail(req, exc, touched)
-            return True
-        if out is None:
-            return False
-        counts, logits0, emitted = out
-        state.rewind_rows([r for r, o in enumerate(self.slots.owner) if o is None])
-        placed = [(seq, seq.slot) for seq in seqs]  # a sequence ending below may move the others' rows
-        for seq, row in placed:
-            seq.computed += counts[row]
-        for seq, row in placed:
-            if row in emitted:
-                for t in emitted[row]:  # tokens past a stop are dropped: the sequence ends there
-                    if seq.finished or self._emit(seq, Sampled(t), touched):
-                        break
-            elif seq.computed == len(seq.tokens):
-                due.append((seq, logits0, row))
-        return True
 
     def _sample(self, due: list, touched: set) -> None:
         eos = self.config.eos_token_id
@@ -248,75 +215,6 @@ class StepLoop:
         if req.finished:
             self._finished(req, "finished")
         return True
-
-    # ----- prefill ---------------------------------------------------------------------------------
-    def _prepare(self, seq: Sequence) -> None:
-        """Before a waiting sequence is costed: the longest cached prefix of its prompt."""
-        if not seq.looked_up and self.prefix.max_bytes > 0:
-            seq.looked_up = True
-            length, snap = self.prefix.lookup(seq.tokens[:seq.prompt_len], image_keys(seq.request.images))
-            if snap is not None:
-                seq.prefix_snap, seq.computed = snap, length
-
-    def _prefill(self, seqs: list[Sequence], n: int) -> torch.Tensor:
-        """One forward call over the next ``n`` prompt tokens of ``seqs`` (all at the same position):
-        logits ``[len(seqs), vocab]``. A lone sequence continues in its own one-row state; a group
-        runs in a fresh state of one row per sequence, each taking its row over (pages change owner,
-        nothing is recomputed)."""
-        if len(seqs) == 1 and seqs[0].state is not None and seqs[0].state.batch == 1:
-            state = seqs[0].state
-        else:
-            state = self.model.new_state(len(seqs), max(len(s.tokens) for s in seqs) + n, pool=self.pool)
-            for row, seq in enumerate(seqs):
-                self._enter(seq, state, row)
-        ids = torch.tensor([s.tokens[s.computed:s.computed + n] for s in seqs], dtype=torch.long,
-                           device=self.model.device)
-        spans = None
-        if len(seqs) == 1:  # a prompt with images always runs alone (Plan.prefill_groups)
-            seq = seqs[0]
-            spans = chunk_spans(self.model, seq.request.images, seq.prompt_len, seq.computed, seq.computed + n)
-        logits = self.model.forward(ids, state=state, spans=spans)
-        self.counters["prefill_forwards"] += 1
-        for seq in seqs:
-            seq.computed += n
-            key = self.prefix.wants(seq.tokens, seq.computed, image_keys(seq.request.images))
-            if key is not None and seq.computed <= seq.prompt_len:
-                self.prefix.put(key, snapshot_row(state, seq.row))
-        return logits
-
-    def _enter(self, seq: Sequence, state, row: int) -> None:
-        """``seq`` continues in ``row`` of ``state``: a new sequence starts there (from its cached
-        prefix, if any), a prefilling one moves its row over."""
-        if seq.status is Status.WAITING:
-            snap = seq.prefix_snap
-            if snap is not None:
-                restore_row(snap, state, row)
-                seq.prefix_snap = None
-                if seq.index == 0 and not seq.output:
-                    seq.request.prefix_hit_tokens = snap.position
-            seq.status = Status.PREFILL
-        else:
-            state.take_row(row, seq.state, seq.row)
-        seq.state, seq.row = state, row
-
-    def _family(self, seq: Sequence) -> list[Sequence]:
-        """``seq`` and the sequences forked from it in this step (they share its logits)."""
-        return [s for s in seq.request.seqs if s is seq or s.forked_from is seq]
-
-    def _fork(self, seq: Sequence) -> list[Sequence]:
-        """Prompt done: the request's other ``n - 1`` sequences start from a copy of this state."""
-        req, out = seq.request, [seq]
-        if seq.index == 0 and len(req.seqs) == 1 and req.params.n > 1:
-            snap = snapshot_row(seq.state, seq.row)
-            for i in range(1, req.params.n):
-                child = Sequence(req, i, self._generator(req.params, i))
-                child.state = self.model.new_state(1, len(seq.tokens), pool=self.pool)
-                restore_row(snap, child.state, 0)
-                child.computed, child.status, child.forked_from = seq.computed, Status.PREFILL, seq
-                req.seqs.append(child)
-                self.scheduler.prefilling.append(child)
-                out.append(child)
-        return out
 
     def _join(self, seq: Sequence, touched: set) -> None:
         """A prefilled sequence (unless it already finished) becomes a row of the decode batch."""

@@ -1,9 +1,12 @@
 """Where a serving step's time goes: wall time per phase (decode forward, prefill forwards,
-sampling and the host work after it), plus device time of the decode and prefill forwards on CUDA.
+sampling and the host work after it), plus, when asked (``EngineConfig(device_timing=True)``),
+device time of the decode and prefill forwards on CUDA.
 
-Device times come from CUDA events recorded around each phase; they are read at the end of the
-step, after sampling has synchronized with the device anyway (no extra host sync in a step that
-samples). Counters accumulate into the engine's ``counters`` dict (``/metrics``, benchmarks).
+Device times come from CUDA events recorded around each phase and read at the end of the step,
+which waits for the last event: a host sync in every step (a step that samples has synchronized
+with the device already, a step that does not would stall here). So device timing is off unless
+asked for (benchmarks); plain serving records no events. Counters accumulate into the engine's
+``counters`` dict (``/metrics``, benchmarks).
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ PHASES = ("decode", "prefill", "sample")
 
 
 class StepTimer:
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, device_timing: bool = False):
+        """``device_timing``: also record CUDA events and add the forwards' device time (CUDA only)."""
+        self.cuda = device_timing and device.type == "cuda"
         self.marks: list = []
 
     def start(self) -> "StepTimer":

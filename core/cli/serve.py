@@ -23,6 +23,8 @@ def add_serve(sub) -> None:
     p.add_argument("--max-running", type=int, default=64, metavar="N", help="sequences decoding at once")
     p.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
                    help="tokens per engine step (default: the hardware profile's serve_max_step_tokens)")
+    p.add_argument("--device-timing", action="store_true",
+                   help="time each step's forwards on the device too (metrics; costs a host sync per step)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per forward call")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="prompt + output tokens")
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES", help="device bytes for KV pages")
@@ -86,7 +88,8 @@ def cmd_serve(args) -> int:
                           max_waiting=args.max_waiting, kv_budget=args.kv_budget, max_kv_pages=args.max_kv_pages,
                           prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
                           swap_bytes=args.swap_bytes, cuda_graphs=args.cuda_graph,
-                          speculative=args.speculative, draft_tokens=args.draft_tokens)
+                          speculative=args.speculative, draft_tokens=args.draft_tokens,
+                          device_timing=args.device_timing)
     if args.tp != 1 or args.ep != 1:  # several ranks; rank 0 serves (engine/parallel_serve_run.py)
         from flashrt.engine.parallel_serve_run import ServeJob, serve_parallel
 

@@ -55,12 +55,19 @@ class IndexPool:
         """Give ``pages`` back to the pool."""
         self.free.extend(pages)
 
-    def _grow(self) -> None:
+    def grow_to(self, pages: int) -> None:
+        """Allocate ``pages`` pages now, so the pool need not be reallocated (moved) later."""
+        if pages + 1 > self.dev.shape[0]:
+            self._grow(pages + 1)
+
+    def _grow(self, rows: int | None = None) -> None:
+        """Double the pool (``rows``: to this many pages, the trash page included)."""
         n = self.dev.shape[0]
-        grown = empty_qtensor(FMT, (2 * n, self.P, self.D), self.device)
+        m = max(2 * n, rows or 0)
+        grown = empty_qtensor(FMT, (m, self.P, self.D), self.device)
         grown.data[:n], grown.scale[:n] = self.dev.data, self.dev.scale
         self.dev = grown
-        self.free = list(range(2 * n - 1, n - 1, -1))
+        self.free = list(range(m - 1, n - 1, -1)) + self.free
         self.generation += 1
 
     def segment(self) -> QTensor:

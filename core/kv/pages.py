@@ -98,13 +98,23 @@ class PagePool:
         table.pages = table.pages[:keep]
         table.changed = {j for j in table.changed if j < keep}
 
-    def _grow_device(self) -> None:
+    def grow_device_to(self, pages: int) -> None:
+        """Allocate up to ``pages`` device pages now (capped at the limit), so the pool need not be
+        reallocated later: a reallocation moves it, and every captured step reading it is recaptured."""
+        if self.limit is not None:
+            pages = min(pages, self.limit)
+        if pages > self.device_pages:
+            self._grow_device(pages + 1)
+
+    def _grow_device(self, rows: int | None = None) -> None:
+        """Double the device pool (``rows``: to this many pages, the trash page included)."""
         n = self.dev.shape[0]
         m = 2 * n if self.limit is None else min(2 * n, self.limit + 1)
+        m = max(m, rows or 0)
         grown = empty_qtensor(FMT, (m, self.P, self.D), self.device)
         grown.data[:n], grown.scale[:n] = self.dev.data, self.dev.scale
         self.dev = grown
-        self.free_dev = list(range(m - 1, n - 1, -1))
+        self.free_dev = list(range(m - 1, n - 1, -1)) + self.free_dev  # pages still free are handed out first
         self.generation += 1
 
     def _spill_one(self) -> None:
@@ -251,14 +261,17 @@ class PagedMainKV:
             self._full_rebuild(max(width, 2 * self._dev_ids.shape[1]))
         else:
             cells = [(r, j, t.pages[j]) for r, t in enumerate(self.tables) for j in sorted(t.changed)]
-            rows = torch.tensor([c[0] for c in cells], dtype=torch.long)
-            cols = torch.tensor([c[1] for c in cells], dtype=torch.long)
-            dev = torch.tensor([p if tier == "dev" else -1 for _, _, (tier, p) in cells], dtype=torch.long)
-            host = torch.tensor([p if tier == "host" else -1 for _, _, (tier, p) in cells], dtype=torch.long)
-            self._host_ids_cpu[rows, cols] = host
-            at = (rows.to(self.pool.device), cols.to(self.pool.device))
-            self._dev_ids.index_put_(at, dev.to(self.pool.device))
-            self._host_ids.index_put_(at, host.to(self.pool.device))
+            # rows, cols, device page, host page of each changed cell: one host->device copy
+            # (pinned, non-blocking on CUDA)
+            packed = torch.tensor([[r for r, _, _ in cells], [j for _, j, _ in cells],
+                                   [p if tier == "dev" else -1 for _, _, (tier, p) in cells],
+                                   [p if tier == "host" else -1 for _, _, (tier, p) in cells]], dtype=torch.long)
+            self._host_ids_cpu[packed[0], packed[1]] = packed[3]
+            if self.pool.device.type == "cuda":
+                packed = packed.pin_memory()
+            rows, cols, dev, host = packed.to(self.pool.device, non_blocking=True)
+            self._dev_ids.index_put_((rows, cols), dev)
+            self._host_ids.index_put_((rows, cols), host)
         for t in self.tables:
             t.changed.clear()
 

@@ -237,7 +237,10 @@ class KVState:
         """``rows`` restart at position 0 without clearing their caches: the idle rows of a padded
         decode batch, which run a token every step and must not grow."""
         if rows:
-            self.positions[torch.tensor(rows, device=self.device)] = 0
+            idx = torch.tensor(rows, dtype=torch.long)  # staged in pinned memory on CUDA: no blocking copy
+            if self.device.type == "cuda":
+                idx = idx.pin_memory()
+            self.positions[idx.to(self.device, non_blocking=True)] = 0
             for r in rows:
                 self.host_positions[r] = 0
 

@@ -28,8 +28,9 @@ STEP_COUNTERS = {  # where the engine's steps spend their time (Engine.stats key
     "decode_seconds": "Wall time of the decode forward calls (host side)",
     "prefill_seconds": "Wall time of the prefill forward calls (host side)",
     "sample_seconds": "Wall time of sampling, output checks and joins (waits for the device)",
-    "decode_device_seconds": "Device time of the decode forward calls (CUDA events; 0 elsewhere)",
-    "prefill_device_seconds": "Device time of the prefill forward calls (CUDA events; 0 elsewhere)",
+    "decode_captures": "Decode steps captured as CUDA graphs (a new shape, or a state buffer that moved)",
+    "decode_device_seconds": "Device time of the decode forward calls (CUDA events with --device-timing; 0 otherwise)",
+    "prefill_device_seconds": "Device time of the prefill forward calls (CUDA events with --device-timing; 0 otherwise)",
 }
 
 
