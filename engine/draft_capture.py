@@ -16,7 +16,7 @@ import torch
 from flashrt import checks
 from flashrt.kv.state import KVState
 
-from .verify_capture import cuda_record
+from .verify_capture import capture_setup
 
 
 class DraftCapture:
@@ -24,16 +24,10 @@ class DraftCapture:
     ``capture`` / ``record`` / ``max_graphs`` as in :class:`~flashrt.engine.verify_capture.VerifyCapture`."""
 
     def __init__(self, model, state: KVState, capture: bool | None = None, max_graphs: int = 4, record=None):
-        if not isinstance(state, KVState) or state.is_meta:
-            raise ValueError(f"state: expected a KVState on a real device, got {type(state).__name__}")
         if model.drafts is None:
             raise ValueError("model: expected a model with DSpark draft layers (dspark_block_size > 0)")
-        cuda = model.device.type == "cuda"
-        self.capture = (cuda or record is not None) if capture is None else bool(capture)
-        if self.capture and not cuda and record is None:
-            raise ValueError(f"capture: CUDA graphs need a CUDA device, the model is on {model.device}")
+        self.capture, self.record = capture_setup(model, state, capture, record)
         self.model, self.state, self.max_graphs = model, state, max_graphs
-        self.record = record or (cuda_record(torch.cuda.graph_pool_handle()) if self.capture else None)
         self.next_ids = torch.zeros(state.batch, dtype=torch.long, device=model.device)
         self.graphs: OrderedDict = OrderedDict()  # key -> (replay, outputs) or "eager"
         self.stats = {"captured": 0, "replayed": 0, "eager": 0}

@@ -32,6 +32,18 @@ from . import speculative as spec
 from .step_capture import CAPTURE_ERROR_MODE, bucket
 
 
+def capture_setup(model, state, capture: bool | None, record):
+    """Check ``state``; return (whether steps are captured: by default on CUDA or with ``record``
+    given, the recorder: ``record`` or CUDA graphs)."""
+    if not isinstance(state, KVState) or state.is_meta:
+        raise ValueError(f"state: expected a KVState on a real device, got {type(state).__name__}")
+    cuda = model.device.type == "cuda"
+    use = (cuda or record is not None) if capture is None else bool(capture)
+    if use and not cuda and record is None:
+        raise ValueError(f"capture: CUDA graphs need a CUDA device, the model is on {model.device}")
+    return use, record or (cuda_record(torch.cuda.graph_pool_handle()) if use else None)
+
+
 def cuda_record(pool):
     """A recorder of CUDA graphs in memory pool ``pool``: ``record(body) -> (replay, outputs)``."""
     def record(body):
@@ -50,14 +62,8 @@ class VerifyCapture:
     dropped). ``record``: ``record(body) -> (replay, outputs)`` (default: CUDA graphs)."""
 
     def __init__(self, model, state: KVState, capture: bool | None = None, max_graphs: int = 16, record=None):
-        if not isinstance(state, KVState) or state.is_meta:
-            raise ValueError(f"state: expected a KVState on a real device, got {type(state).__name__}")
-        cuda = model.device.type == "cuda"
-        self.capture = (cuda or record is not None) if capture is None else bool(capture)
-        if self.capture and not cuda and record is None:
-            raise ValueError(f"capture: CUDA graphs need a CUDA device, the model is on {model.device}")
+        self.capture, self.record = capture_setup(model, state, capture, record)
         self.model, self.state, self.max_graphs = model, state, max_graphs
-        self.record = record or (cuda_record(torch.cuda.graph_pool_handle()) if self.capture else None)
         self.ids: dict = {}  # k + 1 -> static ids [B, k + 1]
         self.engram_ids: dict = {}  # k + 1 -> static Engram hash ids
         self.graphs: OrderedDict = OrderedDict()  # key -> (replay, (logits, Staged)) or "eager"

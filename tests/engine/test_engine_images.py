@@ -9,17 +9,8 @@ from PIL import Image
 import flashrt
 from flashrt.engine import Engine, SamplingParams
 from flashrt.engine.errors import PromptTooLong, RequestError
-from flashrt.engine.run import load_model
 from flashrt.graphs import chat_format
 from flashrt.graphs.image_processor import preprocess
-
-
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FLASHRT_CACHE_DIR", str(tmp_path_factory.mktemp("vl-cache")))
-    yield load_model("tiny-vl", torch.device("cpu"), quiet=True)
-    mp.undo()
 
 
 def picture(rng) -> Image.Image:

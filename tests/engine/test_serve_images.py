@@ -18,7 +18,6 @@ httpx = pytest.importorskip("httpx")
 
 import flashrt  # noqa: E402
 from flashrt.engine import Engine, text  # noqa: E402
-from flashrt.engine.run import load_model  # noqa: E402
 from flashrt.engine.server.app import create_app  # noqa: E402
 from flashrt.engine.snapshot import chunk_keys  # noqa: E402
 from flashrt.graphs import chat_format  # noqa: E402
@@ -28,14 +27,6 @@ from serving_text import tiny_tokenizer  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 NO_THINK = {"chat_template_kwargs": {"thinking": False}, "temperature": 0}  # greedy
-
-
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FLASHRT_CACHE_DIR", str(tmp_path_factory.mktemp("vl-cache")))
-    yield load_model("tiny-vl", torch.device("cpu"), quiet=True)
-    mp.undo()
 
 
 def data_url(w: int, h: int, seed: int, fmt: str = "PNG") -> str:

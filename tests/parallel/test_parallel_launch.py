@@ -6,6 +6,7 @@ import signal
 import time
 
 import pytest
+from parallel_text import random_text
 import torch
 
 from flashrt.cli.commands import main
@@ -15,14 +16,8 @@ from flashrt.engine.parallel_run import run_parallel
 from flashrt.engine.run import run
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def _text(rng, n=8):
-    return "".join(chr(int(c)) for c in torch.randint(97, 123, (n,), generator=rng)) + " fox"
+    return random_text(rng, n) + " fox"
 
 
 def test_run_on_two_ranks_matches_one_device(cache, rng, capsys):

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from parallel_text import random_text
 import torch
 
 from flashrt.engine import Engine, EngineConfig, SamplingParams
@@ -22,14 +23,8 @@ from flashrt.engine.run import load_model
 CONFIG = dict(max_running=4, prefill_chunk=8, max_step_tokens=16)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def _text(rng, n):
-    return "".join(chr(int(c)) for c in torch.randint(97, 123, (n,), generator=rng))
+    return random_text(rng, n)
 
 
 def _post(port, body, timeout=120):

@@ -1,20 +1,15 @@
 """``flashrt run --tp / --ep`` with CED prefill and with the prefix cache: every group runs the
 request whole (engine/parallel_whole.py); greedy tokens identical to one process."""
 import pytest
+from parallel_text import random_text
 import torch
 
 from flashrt.engine.parallel_run import run_parallel
 from flashrt.engine.run import run
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def _text(rng, n):
-    return "".join(chr(int(c)) for c in torch.randint(97, 123, (n,), generator=rng))
+    return random_text(rng, n)
 
 
 def test_ced_prefill_on_two_ranks_matches_one_process(cache, rng):
