@@ -20,7 +20,7 @@ from flashrt.engine import Engine  # noqa: E402
 from flashrt.engine.server import images as server_images  # noqa: E402
 from flashrt.engine.server.app import create_app  # noqa: E402
 
-from test_serve_images import NO_THINK, messages, served, served_tokens, vl  # noqa: E402,F401
+from test_serve_images import NO_THINK, messages, served, served_tokens  # noqa: E402
 
 SLOW_S = 1.5
 
