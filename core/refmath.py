@@ -42,13 +42,24 @@ def _linear32(x, weight) -> torch.Tensor:
     return F.linear(_wide(x), _wide(weight)).to(torch.float32)
 
 
+def _row_sum(t: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over the last dim, the same for a row whatever the other rows (a reduction's
+    vectorization, and so its order, depends on the tensor's shape)."""
+    return _wide(t).sum(-1).to(torch.float32)
+
+
+def _mean_sq(t: torch.Tensor) -> torch.Tensor:
+    """``mean(t ** 2)`` over the last dim (kept), row-invariant as :func:`_row_sum`."""
+    return (_wide(t).pow(2).sum(-1, keepdim=True) / t.shape[-1]).to(torch.float32)
+
+
 def _float(t) -> torch.Tensor:
     return formats.dequantize(t) if isinstance(t, QTensor) else t.to(torch.float32)
 
 
 def rms_norm(x, weight, eps):
     xf = x.to(torch.float32)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)
+    y = xf * torch.rsqrt(_mean_sq(xf) + eps) * weight.to(torch.float32)
     return y.to(x.dtype)
 
 
@@ -237,8 +248,8 @@ def engram_lookup(table, ids):
 
 def engram_gate(h, key, value, weight, eps):
     hf, kf = h.to(torch.float32), key.to(torch.float32)
-    r = torch.rsqrt(hf.pow(2).mean(-1) + eps) * torch.rsqrt(kf.pow(2).mean(-1) + eps)
-    d = (hf * weight.to(torch.float32) * kf).sum(-1) * r / math.sqrt(h.shape[-1])
+    r = torch.rsqrt(_mean_sq(hf)[..., 0] + eps) * torch.rsqrt(_mean_sq(kf)[..., 0] + eps)
+    d = _row_sum(hf * weight.to(torch.float32) * kf) * r / math.sqrt(h.shape[-1])
     g = torch.sigmoid(torch.copysign(d.abs().clamp_min(1e-6).sqrt(), d))
     return (hf + g.unsqueeze(-1) * value.to(torch.float32).unsqueeze(2)).to(h.dtype)
 

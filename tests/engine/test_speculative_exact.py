@@ -30,11 +30,16 @@ def small_shaped():
     return Model(shaped, init_weights(shaped, seed=1))
 
 
-def sequence(model):
-    rng = torch.Generator().manual_seed(448491446)
+def prompts(model, seed):
+    """The speculative tests' three ragged prompts (5 to 39 tokens) from ``seed``."""
+    rng = torch.Generator().manual_seed(seed)
     n = [int(x) for x in torch.randint(5, 40, (3,), generator=rng)]
-    prompts = [torch.randint(0, model.cfg.vocab_size, (k,), generator=rng).tolist() for k in n]
-    return prompts[2] + [166, 138, 19, 245, 107, 282, 117, 91, 83, 126]
+    return [torch.randint(0, model.cfg.vocab_size, (k,), generator=rng).tolist() for k in n]
+
+
+def sequence(model):
+    """Prompt 2 from seed 448491446 and its first 10 greedy tokens."""
+    return prompts(model, 448491446)[2] + [166, 138, 19, 245, 107, 282, 117, 91, 83, 126]
 
 
 def stepwise(model, seq, state=None):
@@ -63,3 +68,13 @@ def test_verify_chunk_equals_one_token_steps(small_shaped, start):
     logits, _ = spec.verify(model, state, ids)
     spec.keep(model, state, ids, torch.tensor([ids.shape[1]]))
     assert torch.equal(logits[0], steps[start:start + ids.shape[1]])
+
+
+def test_chunk_length_does_not_change_a_position(small_shaped):
+    """Position 28 of one sequence computed by chunks of 29 to 34 tokens from position 0 (the
+    Engram gate's reductions and the GEMMs see other heights): the same logits each time."""
+    model = small_shaped
+    seq = torch.tensor([prompts(model, 2)[0] + [284, 229, 280, 123, 302, 217]])
+    want = model.forward(seq[:, :29], all_positions=True)[0, 28]
+    for n in range(30, seq.shape[1] + 1):
+        assert torch.equal(model.forward(seq[:, :n], all_positions=True)[0, 28], want), f"a chunk of {n} tokens"

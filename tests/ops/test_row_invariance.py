@@ -44,3 +44,4 @@ def test_moe_route_rows_are_independent(rng):
     x = torch.randn(1, 37, 512, generator=rng).to(torch.bfloat16)
     gate = torch.randn(64, 512, generator=rng).to(torch.bfloat16)
     assert_rows_invariant(lambda t: refmath.moe_route(t, gate, None, 6, "sqrtsoftplus", True, 1.5)[0], x)
+
