@@ -37,6 +37,20 @@ _tiles = PLANS.tiles
 
 
 @triton.jit
+def _copy_rows(val_ptr, vscale_ptr, out_ptr, oscale_ptr, src, dst, ok, ROW: tl.constexpr, SROW: tl.constexpr,
+               BR: tl.constexpr, BS: tl.constexpr):
+    """Byte rows ``src`` of the values and their scale rows to rows ``dst`` of the output (where ``ok``)."""
+    c = tl.arange(0, BR)
+    m = ok[:, None] & (c < ROW)[None, :]
+    tl.store(out_ptr + dst[:, None] * ROW + c[None, :], tl.load(val_ptr + src[:, None] * ROW + c[None, :], mask=m),
+             mask=m)
+    c = tl.arange(0, BS)
+    m = ok[:, None] & (c < SROW)[None, :]
+    tl.store(oscale_ptr + dst[:, None] * SROW + c[None, :], tl.load(vscale_ptr + src[:, None] * SROW + c[None, :], mask=m),
+             mask=m)
+
+
+@triton.jit
 def _store_paged_kernel(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, entry_ptr, mask_ptr, total, n, W, P,
                         trash, ROW: tl.constexpr, SROW: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr,
                         BS: tl.constexpr):
@@ -47,14 +61,7 @@ def _store_paged_kernel(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, en
     keep = tl.load(mask_ptr + i, mask=ok, other=0) != 0
     dst = tl.where(keep & (page >= 0), page * P + e % P, trash)
     src = i.to(tl.int64)
-    c = tl.arange(0, BR)
-    m = ok[:, None] & (c < ROW)[None, :]
-    tl.store(pool_ptr + dst[:, None] * ROW + c[None, :], tl.load(val_ptr + src[:, None] * ROW + c[None, :], mask=m),
-             mask=m)
-    c = tl.arange(0, BS)
-    m = ok[:, None] & (c < SROW)[None, :]
-    tl.store(pscale_ptr + dst[:, None] * SROW + c[None, :], tl.load(vscale_ptr + src[:, None] * SROW + c[None, :], mask=m),
-             mask=m)
+    _copy_rows(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, src, dst, ok, ROW, SROW, BR, BS)
 
 
 @triton.jit
@@ -64,14 +71,7 @@ def _store_rows_kernel(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, batch_ptr, slot
     ok = i < total
     dst = tl.load(batch_ptr + i, mask=ok, other=0) * S + tl.load(slot_ptr + i, mask=ok, other=0)
     src = i.to(tl.int64)
-    c = tl.arange(0, BR)
-    m = ok[:, None] & (c < ROW)[None, :]
-    tl.store(dst_ptr + dst[:, None] * ROW + c[None, :], tl.load(val_ptr + src[:, None] * ROW + c[None, :], mask=m),
-             mask=m)
-    c = tl.arange(0, BS)
-    m = ok[:, None] & (c < SROW)[None, :]
-    tl.store(dscale_ptr + dst[:, None] * SROW + c[None, :], tl.load(vscale_ptr + src[:, None] * SROW + c[None, :], mask=m),
-             mask=m)
+    _copy_rows(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, src, dst, ok, ROW, SROW, BR, BS)
 
 
 @triton.jit
