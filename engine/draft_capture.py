@@ -51,6 +51,11 @@ class DraftCapture:
             self.stats["eager"] += 1
             return drafts.draft(next_ids, self.state, temperature, generator)
         self.next_ids.copy_(next_ids)
+        with checks.value_checks(False):  # sampled tokens: range checks would sync (and stay eager) every call
+            return self._captured()
+
+    def _captured(self):
+        drafts = self.model.drafts
         key = self.key()
         hit = self.graphs.get(key)
         body = lambda: drafts.draft(self.next_ids, self.state)

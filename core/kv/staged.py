@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashrt import checks
 from flashrt.formats import QTensor
 from .util import write_rows
 
@@ -23,20 +24,25 @@ class Staged:
 
 def write_kept(ring: QTensor, slots: tuple, kv: QTensor, keep: torch.Tensor | None) -> None:
     """Write the staged ring tokens ``kv`` [B, n, D] at ``slots`` (row, slot) [B * n]; with ``keep``
-    (bool [B * n]) only those it marks."""
+    (bool [B * n], on the ring's device) only those it marks: the others write back what the ring
+    holds at their slot (no host-side filtering, no device sync). A row's slots are distinct: its
+    chunk fits in the window."""
     if keep is None:
         write_rows(ring, *slots, kv)
         return
-    u8 = torch.uint8  # boolean indexing is not implemented for every quantized dtype: pick the bytes
-    data, scale = kv.data.view(u8).flatten(0, 1)[keep], kv.scale.view(u8).flatten(0, 1)[keep]
-    write_rows(ring, slots[0][keep], slots[1][keep], QTensor(data, scale, kv.fmt, (data.shape[0], kv.shape[-1])))
+    u8 = torch.uint8  # selects on the stored bytes: `where` is not implemented for every quantized dtype
+    row, slot = slots
+    new = (kv.data.view(u8).flatten(0, 1), kv.scale.view(u8).flatten(0, 1))
+    old = (ring.data.view(u8)[row, slot], ring.scale.view(u8)[row, slot])
+    data, scale = (torch.where(keep.unsqueeze(1), n, o) for n, o in zip(new, old))
+    write_rows(ring, row, slot, QTensor(data, scale, kv.fmt, (data.shape[0], kv.shape[-1])))
 
 
 def commit_partial(cache, r: int, kv, score, first, ends) -> None:
     """Slots ``[0, rem)`` of the pending group of each row ending at position ``ends[b]``, taken
     from the staged compressor inputs ``kv`` / ``score`` [B, n, D] (positions ``first[b] + j``)."""
     start = ends // r * r - first  # [B] index of the pending group's first input
-    if bool((start < 0).any()):
+    if checks.values_checked() and bool((start < 0).any()):  # a device sync: only with value checks on
         raise ValueError("counts: the staged compressor inputs do not reach back to the kept group")
     slot = torch.arange(r, device=kv.device)
     idx = (start.unsqueeze(1) + slot).clamp(0, kv.shape[1] - 1)  # [B, r]

@@ -134,10 +134,11 @@ class KVState:
         return 0 if self.pool is None else self.pool.generation + self.index_pool.generation
 
     # ----- steps -------------------------------------------------------------------------------
-    def advance(self, tokens, engram_history: torch.Tensor | None = None) -> None:
+    def advance(self, tokens, engram_history: torch.Tensor | None = None, committed: bool = False) -> None:
         """Every row has run ``tokens`` more positions (and its Engram history is now
-        ``engram_history``, when given); what the step staged is committed first. Until then a
-        failed step leaves the state as it was for a retry.
+        ``engram_history``, when given); what the step staged is committed first (``committed``:
+        the caller already wrote it, e.g. :meth:`commit_kept` replayed from a CUDA graph). Until
+        then a failed step leaves the state as it was for a retry.
 
         ``tokens`` a list (one count per row, each at most the chunk's length): row ``b`` keeps only
         the first ``tokens[b]`` tokens of the chunk just run (speculative verification): rings and
@@ -146,7 +147,10 @@ class KVState:
         counts = [tokens] * self.batch if isinstance(tokens, int) else list(tokens)
         if len(counts) != self.batch:
             raise ValueError(f"tokens: expected one count per row ({self.batch}), got {len(counts)}")
-        self.commit(counts)
+        if committed:
+            self._staged = Staged()
+        else:
+            self.commit(counts)
         if engram_history is not None:
             self.engram_history = engram_history
         if isinstance(tokens, int):
@@ -307,22 +311,36 @@ class KVState:
     def commit(self, counts: list[int] | None = None) -> None:
         """Write what the current call staged (a chunk's ring tokens and pending groups); with
         ``counts``, row ``b`` takes only its chunk's first ``counts[b]`` tokens."""
-        staged, L = self._staged, self._chunk_len
-        if not staged:
+        if not self._staged:
             return
+        L = self._chunk_len
         cut = None if counts is None or all(c == L for c in counts) else L - torch.tensor(counts)
+        self._write_staged(None if cut is None else cut.to(self.device))
+
+    def commit_kept(self, counts: torch.Tensor) -> None:
+        """:meth:`commit` of the first ``counts[b]`` tokens of each row, ``counts`` int64 [B] on the
+        device: no host value is read, so a CUDA graph can record it. Writing the same staged
+        values twice leaves the caches as writing them once. The staging is left for
+        :meth:`advance` (``committed=True``) to drop."""
+        if self._staged:
+            self._write_staged(self._chunk_len - counts, drop=False)
+
+    def _write_staged(self, cut: torch.Tensor | None, drop: bool = True) -> None:
+        """The staged writes; ``cut`` [B] (device): tokens dropped from the end of each row's chunk."""
+        staged, L = self._staged, self._chunk_len
         keep = None
         if cut is not None and staged.rings:
             n = staged.rings[0][2].shape[1]
             if n < L:
                 raise ValueError(f"counts: keeping part of a chunk needs it in the window ({L} > {n} tokens)")
-            keep = (torch.arange(n).unsqueeze(0) < n - cut.unsqueeze(1)).reshape(-1).to(self.device)
+            keep = (torch.arange(n, device=cut.device).unsqueeze(0) < n - cut.unsqueeze(1)).reshape(-1)
         for layer, slots, kv in staged.rings:
             write_kept(self.rings[layer], slots, kv, keep)
         for layer, kv, score, first, end in staged.partials:
             commit_partial(self.compressed[layer], self.cfg.ratio(layer), kv, score, first,
                            end if cut is None else end - cut.to(end.device))
-        self._staged = Staged()
+        if drop:
+            self._staged = Staged()
 
     # ----- compressed caches -------------------------------------------------------------------
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:
