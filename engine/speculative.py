@@ -123,7 +123,10 @@ class Decoder:
         ids = drafts[:, :k + 1]
         target = self.verifier.verify(ids) if self.verifier is not None else verify(self.model, self.state, ids)[0]
         accepted, after = self._accept(drafts[:, 1:k + 1], logits[:, :k], target)
-        keep(self.model, self.state, ids, accepted + 1)
+        if hasattr(self.verifier, "keep"):  # a captured verifier commits from graphs too
+            self.verifier.keep(ids, accepted + 1)
+        else:
+            keep(self.model, self.state, ids, accepted + 1)
         self._sync()
         s = self.stats
         s.verify_seconds += time.perf_counter() - t1

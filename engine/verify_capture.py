@@ -28,6 +28,7 @@ from flashrt import checks
 from flashrt.kv.staged import Staged
 from flashrt.kv.state import KVState
 
+from . import accept
 from . import speculative as spec
 from .step_capture import CAPTURE_ERROR_MODE, bucket
 
@@ -67,6 +68,9 @@ class VerifyCapture:
         self.ids: dict = {}  # k + 1 -> static ids [B, k + 1]
         self.engram_ids: dict = {}  # k + 1 -> static Engram hash ids
         self.graphs: OrderedDict = OrderedDict()  # key -> (replay, (logits, Staged)) or "eager"
+        self.commits: dict = {}  # verify key -> replay of the commit of its staging, or "eager"
+        self.counts: dict = {}  # k + 1 -> static kept counts [B] (device)
+        self._replayed = None  # (key, S) when the current staging is a graph's (what keep can replay)
         self.stats = {"captured": 0, "replayed": 0, "eager": 0, "fallback": 0}
         self.ratios = sorted({model.cfg.ratio(l) for l in model.cfg.kv_source_layers})
 
@@ -82,6 +86,7 @@ class VerifyCapture:
         if ids.dim() != 2 or ids.shape[0] != state.batch or ids.shape[1] < 1:
             raise ValueError(f"ids: expected a [{state.batch}, k + 1] tensor, got {tuple(ids.shape)}")
         S = ids.shape[1]
+        self._replayed = None
         entries = {r: bucket((max(state.host_positions) + S) // r) for r in self.ratios}
         state.begin_step(S)
         buffers = state.step_buffers(entries)
@@ -127,6 +132,7 @@ class VerifyCapture:
             replay()
             self.state._staged = Staged(list(staged.rings), list(staged.partials))
             self.stats["replayed"] += 1
+            self._replayed = (key, S)
             return logits
         return self._first(key, S, entries)
 
@@ -146,8 +152,48 @@ class VerifyCapture:
         self.state._staged = staged  # the eager run's staging is what this step commits
         self.stats["captured"] += 1
         while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
+            self.commits.pop(self.graphs.popitem(last=False)[0], None)
         return logits
+
+    def keep(self, ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """:func:`flashrt.engine.speculative.keep` after :meth:`verify` of ``ids``: row ``b`` keeps
+        its first ``counts[b]`` tokens. After a replayed step the commit of its staging (a graph's
+        memory, at fixed addresses) is itself replayed from a graph recorded per verify graph, with
+        the counts in a static buffer; the host bookkeeping (positions, pages, Engram history) runs
+        as in the eager commit."""
+        state, model, last = self.state, self.model, self._replayed
+        self._replayed = None
+        if last is None or self.commits.get(last[0]) == "eager":
+            return spec.keep(model, state, ids, counts)
+        key, S = last
+        history = accept.engram_history(model, state.engram_history, ids, counts)
+        counted = counts.tolist()
+        if S not in self.counts:
+            self.counts[S] = torch.zeros(state.batch, dtype=torch.long, device=model.device)
+        self.counts[S].copy_(counts)
+        replay = self.commits.get(key)
+        if replay is None:
+            replay = self._record_commit(key, S)
+        if replay == "eager":
+            return spec.keep(model, state, ids, counts)
+        replay()
+        state.advance(counted, history, committed=True)
+
+    def _record_commit(self, key, S: int):
+        """Run the commit of the current (graph) staging once with host syncs raising, then record
+        it (a recorder that runs the body writes the same values again); a sync keeps it eager."""
+        body = lambda: self.state.commit_kept(self.counts[S])
+        try:
+            with checks.host_syncs_raise(), checks.value_checks(False):
+                body()
+        except RuntimeError as exc:
+            if not checks.is_host_sync_error(exc):
+                raise
+            self.commits[key] = "eager"
+            return "eager"
+        with checks.value_checks(False):
+            self.commits[key] = self.record(body)[0]
+        return lambda: None  # this step's commit ran above
 
     def _layout(self, S: int) -> tuple:
         tensors = [self.ids.get(S), self.engram_ids.get(S)]
