@@ -27,13 +27,17 @@ SMALL = dict(prefill_chunk=16, max_step_tokens=40, max_running=8)
 class LockstepOracle:
     """Replaces ``Drafts.draft`` for every engine in ``engines``: proposes the continuation in
     ``reference`` (prompt -> tokens) of each decode row, a position corrupted where a hash of
-    (prompt, position, j) says so: the same drafts however often it is called."""
+    (prompt, position, j) says so: the same drafts however often it is called. Its host-side
+    choices cannot live in a CUDA graph: on CUDA it reads a value back first, so the draft step's
+    first run meets a host sync and DraftCapture keeps it eager."""
 
     def __init__(self, model, engines, reference, corrupt=0.35):
         self.real, self.engines, self.reference, self.corrupt = model.drafts.draft, engines, reference, corrupt
         self.V = model.cfg.vocab_size
 
     def __call__(self, next_ids, state, temperature=0.0, generator=None):
+        if next_ids.device.type == "cuda":
+            int(next_ids[0])  # a host sync: never recorded into a graph with stale choices
         out, logits, confidence = self.real(next_ids, state, temperature, generator)
         out = out.clone()
         engine = next(e for e in self.engines if e.step_loop.slots.state is state)
@@ -153,9 +157,10 @@ def _cuda_model():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_serving_replays_equal_static_steps(rng, monkeypatch):
-    """CUDA graphs (the default on CUDA) against the same static steps uncaptured, in lockstep:
-    tokens and real rows' states identical; then against the eager engine: the same greedy tokens
-    (a near-tie of the target's logits may part them)."""
+    """CUDA graphs (the default on CUDA) against the same static steps uncaptured, in lockstep with
+    the oracle draft (kept eager: ragged acceptance through captured verify steps): tokens and real
+    rows' states identical. Then, with the real draft captured too, against the eager engine: the
+    same greedy tokens (a near-tie of the target's logits may part them)."""
     from spec_helpers import assert_same_greedy
 
     model = _cuda_model()
@@ -170,6 +175,7 @@ def test_cuda_serving_replays_equal_static_steps(rng, monkeypatch):
     lockstep(model, arrivals, graphs, static, lambda which: capture.update(on=which == 0))
     st = graphs.step_loop.spec.capture_stats()
     assert st["replayed"] > 0 and st["captured"] > 0, st
+    assert graphs.step_loop.spec.stats.accepted > 0
     monkeypatch.undo()
 
     greedy = {s: [(p, SamplingParams(temperature=0, max_tokens=8)) for p, _ in reqs] for s, reqs in arrivals.items()}
@@ -181,5 +187,7 @@ def test_cuda_serving_replays_equal_static_steps(rng, monkeypatch):
         while engine.step_loop.has_work:
             engine.step_loop.step()
         outs.append([r.seqs[0].output for r in reqs])
+    draft = sum(r.drafter.stats["replayed"] for r in engine.step_loop.spec.runners.values())
+    assert draft > 0 and engine.step_loop.spec.capture_stats()["eager"] == 0
     prompts = [p for s in sorted(greedy) for p, _ in greedy[s]]
     assert_same_greedy(model, prompts, outs[0], outs[1])
