@@ -18,6 +18,11 @@ Rows that cannot speculate exactly (``speculative_row``: penalties, logprobs, st
 banned by ``min_tokens``, a recompute feeding known tokens) and the batch's padding rows verify no
 draft: they keep the chunk's first token, and the logits after it (``logits0``) are sampled by
 the engine's ordinary sampler, as a plain decode step would.
+
+When the decode batch's steps are captured (``EngineConfig.cuda_graphs``, by default on CUDA), the
+draft and verify run from static buffers, one set of runners per batch bucket's state
+(:class:`~flashrt.engine.spec_capture.SpecRunners`); a round with ``k = 0`` leaves the plain step
+to the batch's own :class:`~flashrt.engine.step_capture.StepCapture`.
 """
 from __future__ import annotations
 
