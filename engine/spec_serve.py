@@ -140,7 +140,11 @@ class ServeSpeculator:
             if r not in emitted:
                 a, t = accept_sampled(drafts[r], target[r], rows[r])
                 counts[r], emitted[r] = a + 1, drafts[r, :a].tolist() + [t]
-        keep(self.model, state, chunk, to_device(counts, chunk.device))
+        kept = to_device(counts, chunk.device)
+        if run is not None and hasattr(run.verifier, "keep"):  # a captured verifier commits from graphs too
+            run.verifier.keep(chunk, kept)
+        else:
+            keep(self.model, state, chunk, kept)
         self._sync()
         s = self.stats
         s.verify_seconds += time.perf_counter() - t1
