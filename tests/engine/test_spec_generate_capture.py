@@ -37,14 +37,18 @@ def _copy_into(dst, src) -> None:
 
 class TensorRecorder:
     """``record(body) -> (replay, outputs)`` on the CPU for any body: replay re-runs ``body`` and
-    copies its results into the recorded outputs."""
+    copies its results into the recorded outputs. A body without outputs (a captured commit) is
+    counted in ``commits`` and replayed by running it again."""
 
     def __init__(self):
-        self.recorded = self.replayed = 0
+        self.recorded = self.replayed = self.commits = 0
 
     def __call__(self, body):
-        self.recorded += 1
         out = body()
+        if out is None:
+            self.commits += 1
+            return body, None
+        self.recorded += 1
 
         def replay():
             self.replayed += 1
