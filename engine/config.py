@@ -72,8 +72,7 @@ class EngineConfig:
         return self
 
     def graphs_on(self, model) -> bool:
-        if self.speculative is not None:  # verify chunks run eagerly (docs/speculative.md)
-            return False
+        """Whether decode steps (plain, draft and verify) run from static buffers: CUDA graphs on a GPU."""
         return model.device.type == "cuda" if self.cuda_graphs is None else bool(self.cuda_graphs)
 
     def make_pool(self, model):

@@ -18,6 +18,7 @@ from flashrt.kv.sizes import device_kv_budget
 from flashrt.kv.state import KVState
 
 from . import prefix, speculative as spec
+from .spec_capture import SpecRunners, graphs_on
 from .step_capture import StepCapture
 
 
@@ -114,12 +115,14 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     ``speculative="dspark"``: decode with the model's DSpark draft layers, verifying ``draft_tokens``
     drafts per step (an int up to the draft's block size, or ``"auto"``: chosen each step from the
     confidence head and the device's cost table); greedy output is the target's, sampled output is
-    distributed as the target's (docs/speculative.md). Decode steps then run eagerly (no CUDA graphs)."""
+    distributed as the target's (docs/speculative.md); its draft, verify and plain steps follow
+    ``cuda_graph`` as plain decode steps do (:mod:`flashrt.engine.spec_capture`)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
         raise ValueError(f"prefill: expected one of {list(PREFILLS)}, got {prefill!r}")
     prefix.check_replay(prefix_replay)
+    cuda_graph = graphs_on(model, cuda_graph)
     t0 = time.perf_counter()  # image preprocessing counts towards the prefill time
     draft_tokens = spec.check_options(model, speculative, draft_tokens)
     seqs, images = _with_images(model, _as_sequences(prompts), images)
@@ -158,15 +161,15 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     t1 = time.perf_counter()
     first_logits = step_logits
     if speculative is not None:
+        runners = SpecRunners(model, state) if cuda_graph else None
         rows, stats = spec.decode(model, state, step_logits, max_new_tokens, temperature, generator, eos_token_id,
-                                  draft_tokens, report)
+                                  draft_tokens, report, runners=runners)
         sync()
         inverse = sorted(range(len(order)), key=order.__getitem__)
         out = [rows[i] for i in inverse]
         return GenerateResult(out, sum(map(len, seqs)), sum(map(len, out)), t1 - t0, time.perf_counter() - t1,
-                              first_logits[inverse], state, None, _image_tokens(images), stats.as_dict())
-    if cuda_graph is None:
-        cuda_graph = model.device.type == "cuda"
+                              first_logits[inverse], state, runners.stats() if runners else None,
+                              _image_tokens(images), stats.as_dict())
     graphs = StepCapture(model, state) if cuda_graph else None
     out = [[] for _ in seqs]
     done = [False] * len(seqs)  # per row of the batch (host-side: checked every step)

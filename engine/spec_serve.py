@@ -18,6 +18,11 @@ Rows that cannot speculate exactly (``speculative_row``: penalties, logprobs, st
 banned by ``min_tokens``, a recompute feeding known tokens) and the batch's padding rows verify no
 draft: they keep the chunk's first token, and the logits after it (``logits0``) are sampled by
 the engine's ordinary sampler, as a plain decode step would.
+
+When the decode batch's steps are captured (``EngineConfig.cuda_graphs``, by default on CUDA), the
+draft and verify run from static buffers, one set of runners per batch bucket's state
+(:class:`~flashrt.engine.spec_capture.SpecRunners`); a round with ``k = 0`` leaves the plain step
+to the batch's own :class:`~flashrt.engine.step_capture.StepCapture`.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from flashrt import ops
 from . import accept, adaptive
 from .sampling import Sampled, SamplerRow, filter_logits
 from .slots import to_device
+from .spec_capture import COUNTS, SpecRunners
 from .speculative import SpecStats, keep, verify
 
 
@@ -70,22 +76,47 @@ def accept_sampled(drafts: torch.Tensor, target: torch.Tensor, row: SamplerRow) 
 
 
 class ServeSpeculator:
-    """Speculative rounds for one engine; ``stats`` (:class:`SpecStats`) sums over its rounds."""
+    """Speculative rounds for one engine; ``stats`` (:class:`SpecStats`) sums over its rounds.
+
+    With static steps (``round(..., graphs=True)``) the draft and verify run through
+    :class:`~flashrt.engine.spec_capture.SpecRunners` of the batch state, one set per batch bucket
+    (the decode batch keeps a state per bucket: its graphs replay whenever the batch returns to that
+    size). ``capture`` / ``record``: passed to the runners (None: CUDA graphs on a GPU)."""
 
     def __init__(self, model, draft_tokens):
         self.model, self.draft_tokens = model, draft_tokens
         self.block = model.cfg.dspark_block_size
         self.costs = adaptive.CostCurve.for_model(model)
         self.stats = SpecStats()
+        self.capture, self.record = None, None
+        self.runners: dict = {}  # batch rows -> SpecRunners of that bucket's state
         self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
 
-    def round(self, state, next_ids: torch.Tensor, rows: dict[int, SamplerRow], most: int):
+    def runners_for(self, state):
+        """The static draft and verify steps of ``state`` (made afresh when the bucket's state changed)."""
+        r = self.runners.get(state.batch)
+        if r is None or r.state is not state:
+            r = self.runners[state.batch] = SpecRunners(self.model, state, self.capture, self.record, plain=False)
+        return r
+
+    def capture_stats(self) -> dict:
+        """Draft and verify steps captured / replayed / eager / unbuffered, over every bucket."""
+        out = dict.fromkeys(COUNTS, 0)
+        for r in self.runners.values():
+            for k, v in r.stats().items():
+                if k in out:
+                    out[k] += v
+        return out
+
+    def round(self, state, next_ids: torch.Tensor, rows: dict[int, SamplerRow], most: int, graphs: bool = False):
         """Draft and verify up to ``most`` tokens for the batch rows in ``rows`` (row -> its
         sampler row); every other row verifies none. Returns None when the round chose ``k = 0``
         (nothing ran on the target: the caller runs a plain step), else (kept tokens per row,
-        ``logits0`` [rows, V] after each row's first token, {row: tokens emitted after ``next``})."""
+        ``logits0`` [rows, V] after each row's first token, {row: tokens emitted after ``next``}).
+        ``graphs``: draft and verify from static buffers (:meth:`runners_for`)."""
         t0 = time.perf_counter()
-        ids, _, confidence = self.model.drafts.draft(next_ids, state, 0.0, None)
+        run = self.runners_for(state) if graphs else None
+        ids, _, confidence = (run.drafter if run else self.model.drafts).draft(next_ids, state, 0.0, None)
         spec = sorted(rows)
         k = self._choose(confidence[spec], min(most, self.block), state.batch)
         self._sync()
@@ -95,7 +126,7 @@ class ServeSpeculator:
             self.stats.plain_steps += 1
             return None
         chunk = ids[:, :k + 1]
-        target, _ = verify(self.model, state, chunk)
+        target = run.verifier.verify(chunk) if run else verify(self.model, state, chunk)[0]
         drafts = chunk[:, 1:]
         counts = [1] * state.batch
         emitted = {}
@@ -109,7 +140,11 @@ class ServeSpeculator:
             if r not in emitted:
                 a, t = accept_sampled(drafts[r], target[r], rows[r])
                 counts[r], emitted[r] = a + 1, drafts[r, :a].tolist() + [t]
-        keep(self.model, state, chunk, to_device(counts, chunk.device))
+        kept = to_device(counts, chunk.device)
+        if run is not None and hasattr(run.verifier, "keep"):  # a captured verifier commits from graphs too
+            run.verifier.keep(chunk, kept)
+        else:
+            keep(self.model, state, chunk, kept)
         self._sync()
         s = self.stats
         s.verify_seconds += time.perf_counter() - t1
@@ -143,7 +178,8 @@ def decode_speculative(loop, seqs: list, due: list, touched: set) -> bool:
         return False
     state = slots.state
     try:
-        out = loop.spec.round(state, slots.ids({s.slot: s.tokens[s.computed] for s in seqs}), rows, most)
+        out = loop.spec.round(state, slots.ids({s.slot: s.tokens[s.computed] for s in seqs}), rows, most,
+                              slots.cuda_graph)
     except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
         for req in {s.request for s in seqs}:
             loop._fail(req, exc, touched)

@@ -93,11 +93,14 @@ class Decoder:
     draft (benchmarks only: the output is then not the target's); ``verifier``: runs the verify
     forward (``verifier.verify(ids)``, e.g. :class:`~flashrt.engine.verify_capture.VerifyCapture`;
     default: eager :func:`verify`); ``drafter``: runs the draft (``drafter.draft(next_ids, state,
-    temperature, generator)``, e.g. :class:`~flashrt.engine.draft_capture.DraftCapture`)."""
+    temperature, generator)``, e.g. :class:`~flashrt.engine.draft_capture.DraftCapture`);
+    ``plain``: runs the one-token step of a round with ``k = 0`` (``plain.step(next_ids)`` ->
+    logits, the state advanced; e.g. :class:`~flashrt.engine.step_capture.StepCapture`)."""
 
     def __init__(self, model, state, temperature: float = 0.0, generator=None, draft_tokens="auto",
-                 force_accept: bool = False, costs=None, verifier=None, drafter=None):
+                 force_accept: bool = False, costs=None, verifier=None, drafter=None, plain=None):
         self.model, self.state, self.temperature, self.generator = model, state, temperature, generator
+        self.plain = plain  # e.g. engine/step_capture.StepCapture: k = 0 rounds from CUDA graphs
         self.verifier = verifier  # e.g. engine/verify_capture.VerifyCapture: verify steps from CUDA graphs
         self.drafter = drafter  # e.g. engine/draft_capture.DraftCapture (default: model.drafts)
         self.draft_tokens, self.force_accept = draft_tokens, force_accept
@@ -152,7 +155,10 @@ class Decoder:
     def _plain(self, next_ids: torch.Tensor):
         """A plain decode step (``k`` = 0): run ``next_ids`` and sample the token after it."""
         t0 = time.perf_counter()
-        logits = self.model.forward(next_ids.unsqueeze(1), state=self.state)
+        if self.plain is not None:
+            logits = self.plain.step(next_ids)
+        else:
+            logits = self.model.forward(next_ids.unsqueeze(1), state=self.state)
         after = ops.sample(logits, self.temperature, self.generator)
         self._sync()
         self.stats.verify_seconds += time.perf_counter() - t0
@@ -162,19 +168,21 @@ class Decoder:
 
 def decode(model, state, first_logits: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
            generator=None, eos_token_id: int | None = None, draft_tokens="auto", progress=None,
-           force_accept: bool = False, costs=None, cuda_graph: bool = False) -> tuple[list[list[int]], SpecStats]:
+           force_accept: bool = False, costs=None, cuda_graph: bool = False,
+           runners=None) -> tuple[list[list[int]], SpecStats]:
     """Decode up to ``max_new_tokens`` tokens per row of ``state`` (prefilled; ``first_logits``
     [B, V] the logits after it) with speculation; rows stop at ``eos_token_id``. Returns (new
     tokens per row, stats). The state must have room for ``max_new_tokens + block_size`` more
-    positions per row (it grows on demand otherwise). ``cuda_graph``: draft and verify from static
-    buffers (engine/draft_capture.py, engine/verify_capture.py), CUDA-graph replays on a GPU."""
-    runners = {}
-    if cuda_graph:
-        from .draft_capture import DraftCapture
-        from .verify_capture import VerifyCapture
+    positions per row (it grows on demand otherwise). ``cuda_graph``: draft, verify and ``k = 0``
+    steps from static buffers (:class:`~flashrt.engine.spec_capture.SpecRunners`), CUDA-graph
+    replays on a GPU; ``runners``: those runners, built by the caller (implies ``cuda_graph``)."""
+    if cuda_graph and runners is None:
+        from .spec_capture import SpecRunners
 
-        runners = {"verifier": VerifyCapture(model, state), "drafter": DraftCapture(model, state)}
-    dec = Decoder(model, state, temperature, generator, draft_tokens, force_accept, costs, **runners)
+        runners = SpecRunners(model, state)
+    steps = {} if runners is None else {"verifier": runners.verifier, "drafter": runners.drafter,
+                                        "plain": runners.plain}
+    dec = Decoder(model, state, temperature, generator, draft_tokens, force_accept, costs, **steps)
     report = progress or (lambda phase, done, total: None)
     next_ids = ops.sample(first_logits, temperature, generator)
     out = [[t] for t in next_ids.tolist()]
