@@ -1,0 +1,76 @@
+"""Data-parallel attention over expert-parallel groups (engine/parallel_groups.py, parallel_place.py):
+offline runs on CPU processes, the placement rule, and what ``serve --dp-attention`` refuses."""
+import pytest
+from parallel_text import random_text
+import torch
+
+from flashrt.engine import Engine, EngineConfig, SamplingParams
+from flashrt.engine.launch import launch
+from flashrt.engine.parallel_groups import pool_bytes
+from flashrt.engine.parallel_place import Placer
+from flashrt.engine.parallel_run import checkpoint_path
+from flashrt.engine.parallel_serve_run import ServeJob, check, group_engine
+from flashrt.engine.run import load_model
+
+CONFIG = dict(max_running=4, prefill_chunk=8, max_step_tokens=16, max_model_len=128, kv_budget=1 << 24)
+
+
+def _rank(rank, device, path, prompts, params, report=None):
+    from flashrt.graphs.loader import load
+    from flashrt.graphs.parallel import Layout, Parallel
+
+    torch.set_num_threads(1)
+    model = load(path, device=device, parallel=Parallel(Layout(1, 2, rank), "gather"))
+    engine = group_engine(model, EngineConfig(**CONFIG), 2)
+    outs = engine.generate(prompts, params)
+    return {"tokens": [[c.token_ids for c in o.outputs] for o in outs], "errors": [o.error for o in outs],
+            "owners": [engine.step_loop.placed], "pool": pool_bytes(engine.step_loop.pool)}
+
+
+def test_groups_generate_like_one_process_and_mirror_every_request(cache, rng):
+    """Offline generate on two groups: every rank returns every request's completions (its own
+    group's and the mirrored ones, forks of n=2 included) with one process's greedy tokens, the
+    requests are spread over both groups, and each rank's pool is one process's for half of
+    max_running."""
+    prompts = [random_text(rng, n) for n in (21, 5, 13, 9, 30)]
+    params = [SamplingParams(max_tokens=5, temperature=0, n=2 if i % 2 else 1) for i in range(len(prompts))]
+    torch.set_num_threads(1)
+    model = load_model("tiny", torch.device("cpu"), 0, quiet=True)
+    want = [[c.token_ids for c in o.outputs] for o in Engine(model, **CONFIG).generate(prompts, params)]
+    half = pool_bytes(Engine(model, **dict(CONFIG, max_running=2)).step_loop.pool)
+    whole = pool_bytes(Engine(model, **CONFIG).step_loop.pool)
+    path = str(checkpoint_path("tiny", 0, True))
+    ranks = launch(_rank, 2, (path, prompts, params), device="cpu", timeout_s=60)
+    for r in ranks:
+        assert r["tokens"] == want and r["errors"] == [None] * len(prompts)
+        assert r["owners"] == ranks[0]["owners"] and min(r["owners"][0]) >= 2, r["owners"]
+        assert r["pool"] == half < whole
+
+
+def test_placement_follows_the_prefix_then_the_lightest_group():
+    p = Placer(3, chunk=4)
+    a = list(range(10))
+    assert p.choose("a", a, [5, 0, 0], [1, 0, 0]) == 1  # fewest tokens, then fewest requests, then index
+    assert p.pending_tokens(1) == 10
+    assert p.choose("b", [7] * 3, [5, 0, 0], [1, 0, 0]) == 2  # group 1 counts the pending 10 tokens
+    p.settle("a")
+    p.settle("b")
+    assert p.pending_tokens(1) == 0
+    assert p.choose("c", a[:9] + [99], [0, 50, 50], [0, 1, 1]) == 1  # shares 8 tokens (two blocks) with "a"
+    assert p.choose("d", a[:3] + [99] * 5, [0, 50, 50], [0, 1, 1]) == 0  # shares less than a block: by load
+    assert Placer(2, chunk=None).choose("e", a, [3, 9], [0, 0]) == 0  # no prefix cache: by load alone
+    small = Placer(2, chunk=1, keep=4)
+    small.choose("f", a, [0, 0], [0, 0])
+    assert len(small.holders) == 4  # the oldest prefixes are forgotten
+
+
+def test_dp_attention_is_refused_where_it_cannot_run(cache, capsys):
+    from flashrt.cli.commands import main
+
+    assert main(["serve", "--dp-attention"]) == 2
+    assert "dp_attention: spreads the requests over the expert-parallel groups, expected --ep >= 2, got --ep 1" \
+        in capsys.readouterr().err
+    with pytest.raises(ValueError, match="cuda_graph: decode steps with --dp-attention run eagerly"):
+        check(ServeJob("tiny", 1, 2, EngineConfig(cuda_graphs=True), dp_attention=True))
+    with pytest.raises(ValueError, match="dp_attention: expected a bool, got 'yes'"):
+        check(ServeJob("tiny", 1, 2, EngineConfig(), dp_attention="yes"))
