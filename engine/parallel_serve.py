@@ -9,7 +9,9 @@ store and the samplers are deterministic functions of those commands, and the lo
 on every rank (the tensor-parallel sums are all-reduced), so every rank schedules, runs and samples
 the same thing: the forward's collectives line up without any per-step plan on the wire. Every
 group runs every sequence (``Parallel(dispatch="replicated")``: the experts are split over all
-ranks, one all-reduce per MoE layer, attention repeated on each group).
+ranks, one all-reduce per MoE layer, attention repeated on each group), unless ``--dp-attention``
+spreads them: then each turn also carries the group rank 0 chose for each new request, and each
+group runs only its own (:mod:`flashrt.engine.parallel_groups`).
 
 Each turn also carries a digest of rank 0's requests (tokens, states, counters) after the previous
 step; a rank whose own digest differs stops with an error naming it, never decodes on silently.
