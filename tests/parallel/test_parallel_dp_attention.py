@@ -47,7 +47,7 @@ def test_groups_generate_like_one_process_and_mirror_every_request(cache, rng):
         assert r["pool"] == half < whole
 
 
-def test_placement_follows_the_prefix_then_the_lightest_group():
+def test_placement_weighs_held_tokens_against_the_cached_prefix():
     p = Placer(3, chunk=4)
     a = list(range(10))
     assert p.choose("a", a, [5, 0, 0], [1, 0, 0]) == 1  # fewest tokens, then fewest requests, then index
@@ -56,11 +56,15 @@ def test_placement_follows_the_prefix_then_the_lightest_group():
     p.settle("a")
     p.settle("b")
     assert p.pending_tokens(1) == 0
-    assert p.choose("c", a[:9] + [99], [0, 50, 50], [0, 1, 1]) == 1  # shares 8 tokens (two blocks) with "a"
-    assert p.choose("d", a[:3] + [99] * 5, [0, 50, 50], [0, 1, 1]) == 0  # shares less than a block: by load
-    assert Placer(2, chunk=None).choose("e", a, [3, 9], [0, 0]) == 0  # no prefix cache: by load alone
+    c = a[:9] + [99]  # shares two blocks (8 tokens) with "a", on group 1
+    assert p.cached(p._prefixes(c)) == [0, 8, 0]
+    assert p.choose("c", c, [10, 15, 30], [1, 1, 1]) == 1  # 15 - 8 < 10
+    assert p.choose("d", c, [10, 19, 30], [1, 1, 1]) == 0  # 19 - 8 > 10: the prefix does not pull it over
+    assert p.cached(p._prefixes(c)) == [8, 8, 0]  # both groups may hold it now
+    assert p.choose("e", a[:3] + [99] * 5, [12, 10, 30], [1, 1, 1]) == 1  # less than a block shared: by load
+    assert Placer(2, chunk=None).choose("f", a, [3, 9], [0, 0]) == 0  # no prefix cache: by load alone
     small = Placer(2, chunk=1, keep=4)
-    small.choose("f", a, [0, 0], [0, 0])
+    small.choose("g", a, [0, 0], [0, 0])
     assert len(small.holders) == 4  # the oldest prefixes are forgotten
 
 
