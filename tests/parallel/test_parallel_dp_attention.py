@@ -15,23 +15,32 @@ from flashrt.engine.run import load_model
 CONFIG = dict(max_running=4, prefill_chunk=8, max_step_tokens=16, max_model_len=128, kv_budget=1 << 24)
 
 
-def _rank(rank, device, path, prompts, params, report=None):
+def _rank(rank, device, path, prompts, params, bad, report=None):
     from flashrt.graphs.loader import load
     from flashrt.graphs.parallel import Layout, Parallel
 
     torch.set_num_threads(1)
     model = load(path, device=device, parallel=Parallel(Layout(1, 2, rank), "gather"))
     engine = group_engine(model, EngineConfig(**CONFIG), 2)
-    outs = engine.generate(prompts, params)
-    return {"tokens": [[c.token_ids for c in o.outputs] for o in outs], "errors": [o.error for o in outs],
-            "owners": [engine.step_loop.placed], "pool": pool_bytes(engine.step_loop.pool)}
+    loop, bad_ids = engine.step_loop, engine.encode(bad)
+    prefill = loop._prefill
+
+    def failing(seqs, n):  # the bad prompt's second chunk fails on the group that runs it
+        if any(s.request.prompt == bad_ids and s.computed > 0 for s in seqs):
+            raise RuntimeError("chunk failed")
+        return prefill(seqs, n)
+    loop._prefill = failing
+    outs = engine.generate(prompts + [bad], params + params[:1])
+    return {"tokens": [[c.token_ids for c in o.outputs] for o in outs[:-1]], "errors": [o.error for o in outs],
+            "owners": [loop.placed], "pool": pool_bytes(loop.pool), "failed": loop.counters["failed"]}
 
 
 def test_groups_generate_like_one_process_and_mirror_every_request(cache, rng):
     """Offline generate on two groups: every rank returns every request's completions (its own
-    group's and the mirrored ones, forks of n=2 included) with one process's greedy tokens, the
-    requests are spread over both groups, and each rank's pool is one process's for half of
-    max_running."""
+    group's and the mirrored ones, forks of n=2 included) with one process's greedy tokens, a
+    request whose chunk fails on its group fails on every rank with that error while the others go
+    on, the requests are spread over both groups, and each rank's pool is one process's for half
+    of max_running."""
     prompts = [random_text(rng, n) for n in (21, 5, 13, 9, 30)]
     params = [SamplingParams(max_tokens=5, temperature=0, n=2 if i % 2 else 1) for i in range(len(prompts))]
     torch.set_num_threads(1)
@@ -40,9 +49,11 @@ def test_groups_generate_like_one_process_and_mirror_every_request(cache, rng):
     half = pool_bytes(Engine(model, **dict(CONFIG, max_running=2)).step_loop.pool)
     whole = pool_bytes(Engine(model, **CONFIG).step_loop.pool)
     path = str(checkpoint_path("tiny", 0, True))
-    ranks = launch(_rank, 2, (path, prompts, params), device="cpu", timeout_s=60)
+    bad = random_text(rng, 11)  # a lone 3-token second chunk (no other prompt shares its call)
+    ranks = launch(_rank, 2, (path, prompts, params, bad), device="cpu", timeout_s=60)
     for r in ranks:
-        assert r["tokens"] == want and r["errors"] == [None] * len(prompts)
+        assert r["tokens"] == want
+        assert r["errors"] == [None] * len(prompts) + ["RuntimeError: chunk failed"] and r["failed"] == 1
         assert r["owners"] == ranks[0]["owners"] and min(r["owners"][0]) >= 2, r["owners"]
         assert r["pool"] == half < whole
 
