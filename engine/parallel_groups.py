@@ -74,7 +74,7 @@ class GroupStepLoop(StepLoop):
         self.placer = Placer(self.groups, self.config.prefill_chunk if self.config.prefix_cache_bytes else None)
         self.placement: dict[str, int] = {}  # request id -> group, from rank 0, applied by the next add
         self.placed = [0] * self.groups  # requests placed on each group so far
-        self.group_stats: list[dict] = [dict.fromkeys(GROUP_GAUGES, 0) for _ in range(self.groups)]
+        self.group_stats = [self.gauges() for _ in range(self.groups)]  # every group starts alike
         self._records: list = []  # this step's samples and failures of this group's requests
         self._mirroring = False
         self._forward = model.forward
