@@ -89,3 +89,29 @@ def test_dp_attention_is_refused_where_it_cannot_run(cache, capsys):
         check(ServeJob("tiny", 1, 2, EngineConfig(cuda_graphs=True), dp_attention=True))
     with pytest.raises(ValueError, match="dp_attention: expected a bool, got 'yes'"):
         check(ServeJob("tiny", 1, 2, EngineConfig(), dp_attention="yes"))
+
+
+def test_digests_cover_the_shared_state_and_skip_the_timers():
+    """The turn's digest (every rank alike) covers every request's tokens and the server-wide
+    counters; the group digest covers the group's own counters; neither sees the ``*_seconds`` timers."""
+    from flashrt.engine.parallel_groups import GroupedEngine
+    from flashrt.engine.parallel_serve import state_digest
+    from flashrt.graphs.config import shipped_config
+    from flashrt.graphs.init_weights import init_weights
+    from flashrt.graphs.model import Model
+    from flashrt.graphs.parallel import Layout, Parallel
+
+    cfg = shipped_config("tiny")
+    model = Model(cfg, init_weights(cfg, seed=0), parallel=Parallel(Layout(), "gather"))
+    engine = GroupedEngine(model, **CONFIG)
+    loop = engine.step_loop
+    engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0))
+    loop.add("open", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+    loop.step()
+    shared, group = state_digest(engine), loop.group_digest()
+    loop.counters["step_seconds"] += 1.5
+    assert (state_digest(engine), loop.group_digest()) == (shared, group)
+    loop.counters["preemptions"] += 1  # one group's own work: its ranks compare it, the others cannot
+    assert state_digest(engine) == shared and loop.group_digest() != group
+    loop.requests["open"].seqs[0].tokens.append(4)
+    assert state_digest(engine) != shared
