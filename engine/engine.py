@@ -53,6 +53,8 @@ def _put_all(items) -> None:
 class Engine:
     """Continuous-batching engine over one model. Keyword arguments are :class:`EngineConfig` fields."""
 
+    step_loop_class = StepLoop  # a subclass may run a variant (engine/parallel_groups.py)
+
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, **kwargs):
         if config is not None and kwargs:
             raise ValueError(f"config: pass an EngineConfig or keyword settings, not both (got {sorted(kwargs)})")
@@ -61,7 +63,7 @@ class Engine:
         config = dataclasses.replace(config) if config is not None else EngineConfig(**kwargs)  # ours to resolve
         if config.eos_token_id is None:
             config.eos_token_id = eos_id(self.tokenizer)
-        self.step_loop = StepLoop(model, config, self.tokenizer)
+        self.step_loop = self.step_loop_class(model, config, self.tokenizer)
         self.config = self.step_loop.config
         self._ids = itertools.count()
         self._cv = threading.Condition()

@@ -9,7 +9,9 @@ store and the samplers are deterministic functions of those commands, and the lo
 on every rank (the tensor-parallel sums are all-reduced), so every rank schedules, runs and samples
 the same thing: the forward's collectives line up without any per-step plan on the wire. Every
 group runs every sequence (``Parallel(dispatch="replicated")``: the experts are split over all
-ranks, one all-reduce per MoE layer, attention repeated on each group).
+ranks, one all-reduce per MoE layer, attention repeated on each group), unless ``--dp-attention``
+spreads them: then each turn also carries the group rank 0 chose for each new request, and each
+group runs only its own (:mod:`flashrt.engine.parallel_groups`).
 
 Each turn also carries a digest of rank 0's requests (tokens, states, counters) after the previous
 step; a rank whose own digest differs stops with an error naming it, never decodes on silently.
@@ -40,8 +42,13 @@ class Diverged(FlashrtError):
 
 def state_digest(engine) -> str:
     """A fingerprint of an engine's requests and counters (equal on every rank in lockstep; the
-    step timers, ``*_seconds``, differ between ranks and are left out)."""
+    step timers, ``*_seconds``, differ between ranks and are left out). With data-parallel attention
+    (:class:`~flashrt.engine.parallel_groups.GroupStepLoop`) only what every rank holds alike: every
+    request's group, tokens and finish, and the counters of the whole server."""
     core, h = engine.step_loop, hashlib.blake2b(digest_size=8)
+    if hasattr(core, "shared_state"):
+        h.update(repr(core.shared_state()).encode())
+        return h.hexdigest()
     h.update(repr(sorted((k, v) for k, v in core.counters.items() if not k.endswith("_seconds"))).encode())
     for rid, req in sorted(core.requests.items()):
         h.update(repr((rid, [(s.status.name, len(s.tokens), s.tokens[-1:]) for s in req.seqs])).encode())
@@ -79,7 +86,7 @@ class Lockstep:
         if self.failed is None and not self._closed.is_set():
             wire = [("add", arg[:3]) if kind == "add" else (kind, arg) for kind, arg in commands]
             try:
-                distributed.broadcast_object((wire, state_digest(self.engine)), 0)
+                distributed.broadcast_object((wire, state_digest(self.engine), self._place(commands)), 0)
             except CollectiveError as exc:
                 self._fail(exc)
         if self.failed is None:
@@ -89,6 +96,13 @@ class Lockstep:
                 rid, ids, _, sink = arg
                 sink(RequestOutput(rid, ids, [], True, f"{type(self.failed).__name__}: {self.failed}"))
         return [c for c in commands if c[0] == "abort"]
+
+    def _place(self, commands: list) -> dict:
+        """With data-parallel attention: the group of each request added this turn (request id -> group)."""
+        place = getattr(self.engine.step_loop, "place", None)
+        if place is None:
+            return {}
+        return {arg[0]: place(arg[0], arg[1]) for kind, arg in commands if kind == "add"}
 
     def _fail(self, exc: CollectiveError) -> None:
         log.error("a collective failed, the server stops: %s", exc)
@@ -104,7 +118,7 @@ class Lockstep:
         self._closed.set()
         if self.failed is None:
             try:
-                distributed.broadcast_object((STOP, state_digest(self.engine)), 0)
+                distributed.broadcast_object((STOP, state_digest(self.engine), {}), 0)
             except CollectiveError as exc:
                 self.failed = exc
 
@@ -115,12 +129,14 @@ def follow(engine) -> int:
     quiet = lambda out: None  # noqa: E731 - rank 0 answers the clients
     rank, steps = distributed.rank(), 0
     while True:
-        commands, digest = distributed.broadcast_object(None, 0)
+        commands, digest, placement = distributed.broadcast_object(None, 0)
         if digest != state_digest(engine):
             raise Diverged(f"rank {rank}: its engine differs from rank 0's after {steps} steps "
                            f"(requests, tokens or counters); the ranks cannot stay in lockstep")
         if commands == STOP:
             return steps
+        if placement:  # data-parallel attention: the groups rank 0 chose for this turn's requests
+            engine.step_loop.placement.update(placement)
         engine._apply([("add", (*arg, quiet)) if kind == "add" else (kind, arg) for kind, arg in commands])
         if engine.step_loop.has_work:
             engine.step_loop.step()

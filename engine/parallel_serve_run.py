@@ -24,6 +24,7 @@ from flashrt.graphs.parallel import Layout, Parallel
 from .config import EngineConfig
 from .engine import Engine
 from .launch import launch, under_torchrun
+from .parallel_groups import GroupedEngine
 from .parallel_run import checkpoint_path
 from .parallel_serve import Lockstep, follow, leave_signals_to_rank_0
 from .run import pick_device
@@ -45,6 +46,7 @@ class ServeJob:
     grace_s: float = 30.0
     log_level: str = "info"
     timeout_s: float = 600.0  # the collective timeout
+    dp_attention: bool = False  # each group runs only its own requests (engine/parallel_groups.py)
 
 
 def check(job: ServeJob) -> Layout:
@@ -56,6 +58,14 @@ def check(job: ServeJob) -> Layout:
     if job.config.speculative is not None:
         raise ValueError(f"speculative: not supported with --tp / --ep (the ranks run plain decode steps); "
                          f"drop --speculative {job.config.speculative} or serve on one device")
+    if not isinstance(job.dp_attention, bool):
+        raise ValueError(f"dp_attention: expected a bool, got {job.dp_attention!r}")
+    if job.dp_attention and job.ep < 2:
+        raise ValueError(f"dp_attention: spreads the requests over the expert-parallel groups, expected --ep >= 2, "
+                         f"got --ep {job.ep}")
+    if job.dp_attention and job.config.cuda_graphs:
+        raise ValueError("cuda_graph: decode steps with --dp-attention run eagerly (every forward exchanges the "
+                         "groups' token counts first); drop --cuda-graph or --dp-attention")
     if isinstance(job.timeout_s, bool) or not job.timeout_s > 0:
         raise ValueError(f"collective_timeout: expected seconds > 0, got {job.timeout_s!r}")
     kind = pick_device(job.device).type
@@ -110,13 +120,20 @@ def serve_rank(rank: int, device, job: ServeJob, report=None) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(job.threads)
     logging.basicConfig(level=job.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    par = Parallel(Layout(job.tp, job.ep, rank), "replicated")
+    par = Parallel(Layout(job.tp, job.ep, rank), "gather" if job.dp_attention else "replicated")
     show = rank == 0 and job.log_level in ("info", "debug")
     model = load(job.model, device=device, parallel=par, progress=Progress(f"loading rank {rank}", enabled=show))
-    engine = Engine(model, config=job.config)
+    engine = group_engine(model, job.config, job.ep) if job.dp_attention else Engine(model, config=job.config)
     if rank != 0:
         return {"rank": rank, "steps": follow(engine)}
     return {"rank": 0, "exit": _serve(engine, job)}
+
+
+def group_engine(model, config: EngineConfig, ep: int) -> GroupedEngine:
+    """This rank's engine with data-parallel attention: ``max_running`` (the whole server's) is
+    divided over the ``ep`` groups, so each rank's pool is sized for its group's sequences."""
+    config = dataclasses.replace(config, max_running=-(-config.max_running // ep), cuda_graphs=False)
+    return GroupedEngine(model, config=config)
 
 
 def _serve(engine, job: ServeJob) -> int:
@@ -139,8 +156,9 @@ def _serve(engine, job: ServeJob) -> int:
                         on_failure=lambda exc: setattr(server, "should_exit", True))
     engine.lockstep = lockstep
     layout = engine.model.parallel.layout
-    logging.getLogger("flashrt").info("serving %s on http://%s:%d over %d ranks (tp %d x ep %d)", job.name, job.host,
-                                      job.port, layout.world, layout.tp, layout.ep)
+    logging.getLogger("flashrt").info("serving %s on http://%s:%d over %d ranks (tp %d x ep %d%s)", job.name, job.host,
+                                      job.port, layout.world, layout.tp, layout.ep,
+                                      ", data-parallel attention" if job.dp_attention else "")
     try:
         server.run()
     finally:

@@ -49,6 +49,8 @@ def add_serve(sub) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups; tp x ep ranks, one per device")
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a rank waits for its peers before the server fails (with --tp / --ep)")
+    p.add_argument("--dp-attention", action="store_true",
+                   help="with --ep: each group runs only the requests placed on it (docs/parallel.md)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_serve)
 
@@ -90,12 +92,13 @@ def cmd_serve(args) -> int:
                           swap_bytes=args.swap_bytes, cuda_graphs=args.cuda_graph,
                           speculative=args.speculative, draft_tokens=args.draft_tokens,
                           device_timing=args.device_timing)
-    if args.tp != 1 or args.ep != 1:  # several ranks; rank 0 serves (engine/parallel_serve_run.py)
+    if args.tp != 1 or args.ep != 1 or args.dp_attention:  # several ranks; rank 0 serves (engine/parallel_serve_run.py)
         from flashrt.engine.parallel_serve_run import ServeJob, serve_parallel
 
         return serve_parallel(ServeJob(args.model, args.tp, args.ep, config, args.host, args.port,
                                        args.served_model_name, args.api_key, args.device, args.seed, args.threads,
-                                       args.grace_s, args.log_level, args.collective_timeout))
+                                       args.grace_s, args.log_level, args.collective_timeout,
+                                       dp_attention=args.dp_attention))
     model = load_model(args.model, dev, args.seed, quiet=args.log_level not in ("info", "debug"))
     engine = Engine(model, config=config)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

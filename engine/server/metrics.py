@@ -92,11 +92,30 @@ class EngineCollector:
             yield c(f"requests_{kind}", f"Requests {kind}", s[kind])
         for name, doc in STEP_COUNTERS.items():
             yield c(f"engine_{name}", doc, s[name])
+        if "groups" in s:  # data-parallel attention over expert-parallel groups (engine/parallel_groups.py)
+            yield from group_metrics(s["groups"])
         if "spec_rounds" in s:
             for name, doc in SPEC_COUNTERS.items():
                 yield c(f"spec_{name}", doc, s[f"spec_{name}"])
             for name, doc in SPEC_GAUGES.items():
                 yield g(f"spec_{name}", doc, s[f"spec_{name}"])
+
+
+GROUP_METRICS = {  # per expert-parallel group with --dp-attention (Engine.stats "groups")
+    "requests": (CounterMetricFamily, "Requests placed on the group"),
+    "running": (GaugeMetricFamily, "Sequences in the group's decode batch"),
+    "kv_pages_device": (GaugeMetricFamily, "Main-KV device pages the group's pool holds"),
+    "kv_pool_bytes": (GaugeMetricFamily, "Device bytes of one rank's page pool of the group (main KV and index K)"),
+    "prefix_hits": (CounterMetricFamily, "Prefix-cache lookups that hit in the group's cache"),
+}
+
+
+def group_metrics(groups: list[dict]):
+    for name, (family, doc) in GROUP_METRICS.items():
+        m = family(f"{PREFIX}_group_{name}", doc, labels=["group"])
+        for g, values in enumerate(groups):
+            m.add_metric([str(g)], values[name])
+        yield m
 
 
 class Metrics:

@@ -2,22 +2,19 @@
 
 The server runs in this process's main thread (it owns the signal handlers, as the CLI does); a
 client thread talks to it, then stops it with SIGTERM or stops one of its ranks."""
-import json
 import os
 import re
 import signal
-import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 from parallel_text import random_text
+from serve_client import get as _get, gone as _gone, post as _post, serve
 import torch
 
 from flashrt.engine import Engine, EngineConfig, SamplingParams
-from flashrt.engine.launch import RankError, free_port
-from flashrt.engine.parallel_serve_run import ServeJob, serve_parallel
+from flashrt.engine.launch import free_port
+from flashrt.engine.parallel_serve_run import ServeJob
 from flashrt.engine.run import load_model
 
 CONFIG = dict(max_running=4, prefill_chunk=8, max_step_tokens=16)
@@ -27,61 +24,11 @@ def _text(rng, n):
     return random_text(rng, n)
 
 
-def _post(port, body, timeout=120):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                 {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def _get(port, path):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-        return r.read().decode()
-
-
-def _wait_ready(port, limit_s=240):
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        try:
-            if json.loads(_get(port, "/health"))["status"] == "ok":
-                return
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server did not come up")
-
-
 def _serve(tp, ep, port, client, timeout_s):
     """Run the server until it stops; the ranks' process ids and its exit status (or exception)."""
-    pids, box = [], {}
-
-    def run_client():
-        try:
-            _wait_ready(port)
-            client(pids)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            box["client"] = exc
-        finally:
-            box.setdefault("stop", True)
-    threading.Thread(target=run_client, daemon=True).start()
     job = ServeJob("tiny", tp, ep, EngineConfig(**CONFIG), port=port, log_level="warning", timeout_s=timeout_s,
                    threads=1)
-    try:
-        box["exit"] = serve_parallel(job, on_event=lambda event, ranks: pids.__setitem__(slice(None), ranks))
-    except RankError as exc:
-        box["error"] = exc
-    if "client" in box:
-        raise box["client"]
-    return pids, box
-
-
-def _gone(pids):
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    return serve(job, client)
 
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])
