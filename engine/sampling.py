@@ -122,7 +122,7 @@ class SamplerRow:
     params: SamplingParams
     generator: torch.Generator | None
     prompt: list[int]
-    output: list[int]
+    output: list[int]  # the tokens generated so far, for the penalties (empty for a row without them)
     banned: tuple[int, ...] = ()  # ids masked out this step (stop ids / EOS before min_tokens)
 
 

@@ -133,7 +133,7 @@ class StepLoop(PrefillSteps):
     @property
     def num_waiting(self) -> int:
         waiting = list(self.scheduler.waiting)  # one copy: the loop thread may change it meanwhile
-        return sum(1 for s in waiting if s.status is Status.WAITING and s.index == 0 and not s.output)
+        return sum(1 for s in waiting if s.status is Status.WAITING and s.index == 0 and not s.n_output)
 
     @property
     def has_work(self) -> bool:
