@@ -187,10 +187,7 @@ class KVState:
             r = cfg.ratio(l)
             ends = [(p + tokens) // r for p in positions]
             c.main.reserve_rows(ends, firsts[l])
-            index_k, P = c.index_k, self.index_pool.P
-            for row, (pages, end) in enumerate(zip(index_k.pages, ends)):
-                if len(pages) * P < end:
-                    index_k.reserve(row, end)
+            c.index_k.reserve_rows(ends)
 
     def ensure_capacity(self, positions: int) -> None:
         """Room (doubling) for ``positions`` positions: wider index block tables (index pages come
