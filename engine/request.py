@@ -62,6 +62,7 @@ class Sequence:
         self.request, self.index, self.generator = request, index, generator
         self.tokens = list(request.prompt) + list(output or [])
         self.prompt_len = len(request.prompt)  # a request's prompt never changes
+        self.order = (request.arrival_index, index)  # scheduling priority: earlier requests first (preemption takes the last)
         self.computed = 0
         self.status = Status.WAITING
         self.state = None  # the KVState it prefills in (row ``row``) while prefilling
@@ -90,10 +91,6 @@ class Sequence:
         """How many tokens it has generated (``len(self.output)`` without the copy)."""
         return len(self.tokens) - self.prompt_len
 
-    @property
-    def order(self) -> tuple:
-        """Scheduling priority: earlier requests first (preemption takes the last)."""
-        return (self.request.arrival_index, self.index)
 
     @property
     def finished(self) -> bool:
