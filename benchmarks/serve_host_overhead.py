@@ -84,14 +84,16 @@ class Level:
             self.steps.append((c1 - c0, t1 - t0, loop.counters["prefill_forwards"] == prefill_before))
 
 
-def make_engine(model, concurrency: int, input_len: int) -> Engine:
-    return Engine(model, max_running=max(concurrency, 1), prefill_chunk=input_len, max_step_tokens=16 * input_len,
-                  cuda_graphs=True, prefix_cache_bytes=1 << 30)
+def make_engine(model, concurrency: int, args) -> Engine:
+    """As ``flashrt serve`` runs on a GPU: pools of a device budget reserved at start (page limits,
+    spill locks and page accounting on), a step budget of 16 prompts, the prefix cache on."""
+    return Engine(model, max_running=concurrency, prefill_chunk=args.input_len, max_step_tokens=16 * args.input_len,
+                  cuda_graphs=True, kv_budget=args.kv_budget, prefix_cache_bytes=1 << 30)
 
 
 def measure(model, concurrency: int, args) -> dict:
     total = args.rounds * concurrency
-    engine = make_engine(model, concurrency, args.input_len)
+    engine = make_engine(model, concurrency, args)
     Level(engine, concurrency, concurrency, args.input_len, args.output_len, seed=1).run()  # warm-up
     before = dict(engine.step_loop.counters)
     level = Level(engine, concurrency, total, args.input_len, args.output_len, seed=2)
@@ -119,7 +121,7 @@ def measure(model, concurrency: int, args) -> dict:
 
 def profile(model, concurrency: int, args, top: int = 25) -> list[dict]:
     """The functions with the most own time (ms per step) in a profiled run of the level."""
-    engine = make_engine(model, concurrency, args.input_len)
+    engine = make_engine(model, concurrency, args)
     Level(engine, concurrency, concurrency, args.input_len, args.output_len, seed=1).run()
     level = Level(engine, concurrency, concurrency, args.input_len, args.output_len, seed=3)
     prof = cProfile.Profile()
@@ -142,9 +144,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="requests per level = rounds x concurrency")
+    ap.add_argument("--kv-budget", type=int, default=256 << 20, help="device KV bytes (as on a GPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    for name in ("input_len", "output_len", "rounds"):
+    for name in ("input_len", "output_len", "rounds", "kv_budget"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
     if any(c < 1 for c in args.levels):
@@ -154,6 +157,7 @@ def main(argv=None) -> dict:
     no_op_layers(model)
     result = {"model": args.model, "device": "cpu (layers replaced by a no-op)", "host": platform.processor() or platform.machine(),
               "torch": torch.__version__, "input_len": args.input_len, "output_len": args.output_len,
+              "kv_budget": args.kv_budget,
               "levels": []}
     for c in args.levels:
         row = measure(model, c, args)

@@ -179,12 +179,13 @@ class KVState:
         if self.is_meta:
             return
         self.pool.unlock()
-        positions, cfg = self.host_positions, self.cfg
-        firsts = {l: [p // cfg.ratio(l) for p in positions] for l in self.compressed}
+        positions = self.host_positions
+        ratios = {l: self.cfg.ratio(l) for l in self.compressed}
+        firsts = {l: [p // r for p in positions] for l, r in ratios.items()}
         for l, c in self.compressed.items():  # before any page is allocated (an allocation may spill)
             c.main.lock_rows(firsts[l])
         for l, c in self.compressed.items():  # rows whose pages already hold the chunk are skipped
-            r = cfg.ratio(l)
+            r = ratios[l]
             ends = [(p + tokens) // r for p in positions]
             c.main.reserve_rows(ends, firsts[l])
             c.index_k.reserve_rows(ends)
