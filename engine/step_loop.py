@@ -173,6 +173,8 @@ class StepLoop(PrefillSteps):
         timer.mark("sample")
         if due:
             self._sample(due, touched)
+        if joins:  # one resize of the decode batch for every sequence joining it
+            self.slots.make_room(sum(1 for s in joins if s.status is Status.PREFILL))
         for seq in joins:
             self._join(seq, touched)
         timer.stop(self.counters, len(plan.decode), sum(n for _, n in plan.prefill))
