@@ -49,6 +49,7 @@ class PagePool:
         self.free_host: list[int] = []
         self.fifo: OrderedDict[int, tuple] = OrderedDict()  # device page -> (table, logical page)
         self.locked: set[int] = set()  # device pages written by the current step
+        self.pending_locks: list = []  # (block tables, first entries) of PagedMainKV.lock_rows, not applied yet
         self.spilled = 0  # pages moved to the host so far
         self.edits = 0  # bumped whenever a block table gains a changed page (PagedMainKV._rebuild_ids skips otherwise)
 
@@ -80,6 +81,21 @@ class PagePool:
 
     def unlock(self) -> None:
         self.locked.clear()
+        self.pending_locks.clear()
+
+    def locked_pages(self) -> set[int]:
+        """The device pages the current step keeps on the device, with the row locks of
+        :meth:`PagedMainKV.lock_rows` applied: the same pages as locking them when they were asked
+        for (until a spill, a page only leaves a table by a release, which unlocks it anyway, and
+        pages added since are locked by :meth:`alloc`)."""
+        P = self.P
+        for tables, firsts in self.pending_locks:
+            for table, first in zip(tables, firsts):
+                for tier, page in table.pages[first // P:]:
+                    if tier == "dev":
+                        self.locked.add(page)
+        self.pending_locks.clear()
+        return self.locked
 
     @property
     def has_cold(self) -> bool:
@@ -125,7 +141,8 @@ class PagePool:
 
     def _spill_one(self) -> None:
         """Copy the oldest unlocked device page to a host page, then free it."""
-        victim = next((p for p in self.fifo if p not in self.locked), None)
+        locked = self.locked_pages()
+        victim = next((p for p in self.fifo if p not in locked), None)
         if victim is None:
             raise ValueError(f"kv_budget: {self.device_pages} device pages of main KV cannot hold one step's "
                              f"new entries; raise the budget or shorten the prefill chunk")
@@ -204,16 +221,11 @@ class PagedMainKV:
                 self.pool.locked.add(page)
 
     def lock_rows(self, firsts: list[int]) -> None:
-        """:meth:`lock_from` of every row (``firsts[row]``: its first entry the step writes); nothing
-        to do for a pool that never spills (no device limit)."""
-        pool = self.pool
-        if pool.limit is None:
-            return
-        P, locked = pool.P, pool.locked
-        for table, first in zip(self.tables, firsts):
-            for tier, page in table.pages[first // P:]:
-                if tier == "dev":
-                    locked.add(page)
+        """:meth:`lock_from` of every row (``firsts[row]``: its first entry the step writes), applied
+        only when a spill needs the locks (:meth:`PagePool.locked_pages`): most steps spill nothing.
+        Nothing to do for a pool that never spills (no device limit)."""
+        if self.pool.limit is not None:
+            self.pool.pending_locks.append((list(self.tables), firsts))
 
     def reserve_rows(self, ends: list[int], firsts: list[int]) -> None:
         """:meth:`reserve` of every row in order (``ends[row]`` entries, ``firsts[row]`` the first

@@ -46,7 +46,8 @@ def test_index_reserve_rows_writes_the_pages_it_handed_out_before_a_failure(rng,
 
 
 def test_main_reserve_rows_and_lock_rows_equal_the_row_by_row_calls(cfg, rng):
-    """With a pool that spills: the same locks, pages, spills and tables as lock_from / reserve."""
+    """With a pool that spills: the same locks, pages, spills and tables as lock_from / reserve (the
+    row locks applied when a spill needs them)."""
     def build():
         pool = PagePool(cfg.head_dim, 4, "cpu", 24)
         return pool, PagedMainKV(pool, 5, entries=200)
@@ -67,7 +68,7 @@ def test_main_reserve_rows_and_lock_rows_equal_the_row_by_row_calls(cfg, rng):
                 for row, (e, f) in enumerate(zip(ends, firsts)):
                     m.reserve(row, e, f)
         assert [t.pages for t in a.tables] == [t.pages for t in b.tables]
-        assert pa.locked == pb.locked and pa.spilled == pb.spilled and list(pa.fifo) == list(pb.fifo)
+        assert pa.locked_pages() == pb.locked_pages() and pa.spilled == pb.spilled and list(pa.fifo) == list(pb.fifo)
         assert torch.equal(a.dev_ids(), b.dev_ids()) and torch.equal(a.host_ids(), b.host_ids())
         positions = [e if k else 0 for e, k in zip(ends, _draw(rng, 4, 5))]  # some rows start over
         for row, p in enumerate(positions):
