@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
 from .request import Sequence, Status
+
+
+ORDER = operator.attrgetter("order")  # the sort key of sequences (scheduling priority)
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,7 +126,7 @@ class Scheduler:
         d = self.decode_tokens
         need = 0 if self.max_pages is None else sum(self.growth(s, d) for s in self.running)
         if need > free:
-            holders = sorted(self.running + self.prefilling, key=lambda s: s.order)
+            holders = sorted(self.running + self.prefilling, key=ORDER)
             while need > free and len(holders) > 1:  # the oldest always goes on: no livelock
                 victim = holders.pop()
                 free += self.pages(victim.computed)
@@ -130,9 +134,9 @@ class Scheduler:
                     need -= self.growth(victim, d)
                 self._preempt(victim, preempt)
         free -= need
-        plan.decode = sorted(self.running, key=lambda s: s.order)
+        plan.decode = sorted(self.running, key=ORDER)
         budget = self.max_step_tokens - len(plan.decode)
-        for seq in sorted(self.prefilling, key=lambda s: s.order):
+        for seq in sorted(self.prefilling, key=ORDER):
             n = self.chunk_len(seq)
             g = self.growth(seq, n) + self._fork_pages(seq, n)
             if n > budget or g > free:
@@ -143,7 +147,7 @@ class Scheduler:
             free, budget = self._admit(plan, free, budget, prepare)
         holders = self.running + self.prefilling
         if plan.empty and len(holders) > 1 and self.max_pages is not None:  # stuck: make room
-            self._preempt(max(holders, key=lambda s: s.order), preempt)
+            self._preempt(max(holders, key=ORDER), preempt)
         return plan
 
     def _admit(self, plan: Plan, free, budget: int, prepare):
