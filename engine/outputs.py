@@ -40,9 +40,9 @@ def visible_text(seq: Sequence) -> str:
     could still become a stop string."""
     if seq.stop_cut is not None:
         return seq.text[:seq.stop_cut]
-    text = seq.text
-    if seq.finish_reason is None:
-        hold = max(map(len, seq.request.params.stop), default=1) - 1
+    text, stop = seq.text, seq.request.params.stop
+    if seq.finish_reason is None and stop:
+        hold = max(map(len, stop)) - 1
         text = text[:len(text) - hold] if hold else text
     return text
 
