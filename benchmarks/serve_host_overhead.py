@@ -1,7 +1,7 @@
 """Host work of a serving step, on CPU, with the model's layers replaced by a no-op.
 
-    python benchmarks/serve_host_overhead.py [--model tiny] [--levels 1 16 64] \
-        [--out benchmarks/results/cpu-serve-host.json]
+    python benchmarks/serve_host_overhead.py [--model tiny] [--levels 1 16 64] [--rounds 3] \
+        [--out benchmarks/results/cpu-serve-host-after.json]
 
 ``flashrt.engine.Engine`` serves ``--rounds`` x N requests at N concurrent (closed loop: a new
 request arrives whenever one finishes), ``--input-len`` random prompt ids and ``--output-len``
