@@ -33,7 +33,7 @@ def test_joining_together_equals_joining_one_by_one(model, rng):
     live = []
     for _ in range(6):  # random joins and leaves, then a group joins at once
         for _ in range(draw(6)):
-            seq_a, seq_b = Seq(next(names)), None
+            seq_a = Seq(next(names))
             seq_b = Seq(seq_a.name)
             pos = draw(40) + 1
             a.add(seq_a, _one_row(model, pool, pos))
