@@ -10,7 +10,7 @@ def check_finish(seq: Sequence, tokenizer, eos: int | None, max_model_len: int) 
     """After a token was appended: extend ``seq.text`` through its incremental decoder (never
     part of a character; the stop token's own text left out) and set ``seq.finish_reason`` if it
     ends here."""
-    p, tok, n_out = seq.request.params, seq.tokens[-1], len(seq.output)
+    p, tok, n_out = seq.request.params, seq.tokens[-1], seq.n_output
     by_id = tok in p.stop_token_ids or (eos is not None and tok == eos and not p.ignore_eos)
     if seq.decoder is None:
         seq.decoder = tokenizer.stream()
@@ -40,9 +40,9 @@ def visible_text(seq: Sequence) -> str:
     could still become a stop string."""
     if seq.stop_cut is not None:
         return seq.text[:seq.stop_cut]
-    text = seq.text
-    if seq.finish_reason is None:
-        hold = max(map(len, seq.request.params.stop), default=1) - 1
+    text, stop = seq.text, seq.request.params.stop
+    if seq.finish_reason is None and stop:
+        hold = max(map(len, stop)) - 1
         text = text[:len(text) - hold] if hold else text
     return text
 
@@ -50,10 +50,10 @@ def visible_text(seq: Sequence) -> str:
 def completion(seq: Sequence) -> CompletionOutput:
     """This sequence's output so far, with what is new since the previous call."""
     text = visible_text(seq)
-    out = seq.output
+    out = seq.output  # a new list: the output's own
     lps = seq.logprobs
-    c = CompletionOutput(seq.index, text, list(out), None if lps is None else list(lps), seq.finish_reason,
-                         delta_text=text[seq.emitted_text:], delta_token_ids=out[seq.emitted_tokens:],
+    c = CompletionOutput(seq.index, text, out, None if lps is None else list(lps), seq.finish_reason,
+                         delta_text=text[seq.emitted_text:], delta_token_ids=seq.tokens[seq.prompt_len + seq.emitted_tokens:],
                          delta_logprobs=[] if lps is None else lps[seq.emitted_logprobs:], stop_reason=seq.stop_reason)
     seq.emitted_text, seq.emitted_tokens = max(seq.emitted_text, len(text)), len(out)
     seq.emitted_logprobs = 0 if lps is None else len(lps)
@@ -61,7 +61,7 @@ def completion(seq: Sequence) -> CompletionOutput:
 
 
 def request_output(req: Request) -> RequestOutput:
-    return RequestOutput(req.id, list(req.prompt), [completion(s) for s in req.seqs], req.finished,
+    return RequestOutput(req.id, req.prompt_ids, [completion(s) for s in req.seqs], req.finished,
                          req.error, req.prefix_hit_tokens)
 
 

@@ -49,7 +49,7 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # one list shared by the outputs of a request: read it, do not change it
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None
@@ -61,6 +61,8 @@ class Sequence:
                  output: list[int] | None = None):
         self.request, self.index, self.generator = request, index, generator
         self.tokens = list(request.prompt) + list(output or [])
+        self.prompt_len = len(request.prompt)  # a request's prompt never changes
+        self.order = (request.arrival_index, index)  # scheduling priority: earlier requests first (preemption takes the last)
         self.computed = 0
         self.status = Status.WAITING
         self.state = None  # the KVState it prefills in (row ``row``) while prefilling
@@ -77,30 +79,35 @@ class Sequence:
         self.prefix_snap = None  # a cached prefix of its prompt, restored when it starts
         self.looked_up = False  # the prefix store was asked (once per start)
         self.forked_from: Sequence | None = None  # set for the step in which it was forked
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt)
+        self._sampler_row: SamplerRow | None = None  # kept once it no longer changes (sampler_row)
 
     @property
     def output(self) -> list[int]:
+        """The generated tokens (a new list)."""
         return self.tokens[self.prompt_len:]
 
     @property
-    def order(self) -> tuple:
-        """Scheduling priority: earlier requests first (preemption takes the last)."""
-        return (self.request.arrival_index, self.index)
+    def n_output(self) -> int:
+        """How many tokens it has generated (``len(self.output)`` without the copy)."""
+        return len(self.tokens) - self.prompt_len
+
 
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
     def sampler_row(self, eos: int | None) -> SamplerRow:
+        if self._sampler_row is not None:
+            return self._sampler_row
         p = self.request.params
-        banned = ()
-        if len(self.output) < p.min_tokens:
+        output = self.output if p.penalized else []  # only the penalties read the history
+        if self.n_output < p.min_tokens:
             banned = tuple(p.stop_token_ids) + ((eos,) if eos is not None and not p.ignore_eos else ())
-        return SamplerRow(p, self.generator, self.request.prompt, self.output, banned)
+            return SamplerRow(p, self.generator, self.request.prompt, output, banned)
+        row = SamplerRow(p, self.generator, self.request.prompt, output)
+        if not p.penalized:  # nothing in it changes from now on
+            self._sampler_row = row
+        return row
 
     def append(self, s: Sampled) -> None:
         self.tokens.append(s.token)
@@ -119,14 +126,18 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.seqs: list[Sequence] = []
+        self.prompt_ids = list(prompt)  # the ``prompt_token_ids`` of its outputs: one copy, not one per output
         self.prefix_hit_tokens = 0
         self.error: str | None = None
         self.sink = None  # called with each RequestOutput (from the engine's thread)
 
     @property
     def finished(self) -> bool:
-        return bool(self.seqs) and all(s.finished for s in self.seqs)
+        for s in self.seqs:
+            if s.status is not Status.FINISHED:
+                return False
+        return bool(self.seqs)
 
     @property
     def output_tokens(self) -> int:
-        return sum(len(s.output) for s in self.seqs)
+        return sum(s.n_output for s in self.seqs)

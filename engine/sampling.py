@@ -122,7 +122,7 @@ class SamplerRow:
     params: SamplingParams
     generator: torch.Generator | None
     prompt: list[int]
-    output: list[int]
+    output: list[int]  # the tokens generated so far, for the penalties (empty for a row without them)
     banned: tuple[int, ...] = ()  # ids masked out this step (stop ids / EOS before min_tokens)
 
 
@@ -183,14 +183,16 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
     drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
     parts = []  # token tensors on the device, in the order of ``greedy + drawn``
     if greedy:
-        parts.append(ops.sample(z[greedy] if len(greedy) < len(rows) else z, 0.0))
+        parts.append(ops.sample(_rows(z, greedy) if len(greedy) < len(rows) else z, 0.0))
     if drawn:
-        dev = z.device
         par = [rows[i].params for i in drawn]
-        temp = torch.tensor([p.temperature for p in par], device=dev).unsqueeze(1)
-        filt = filter_logits(z[drawn] / temp, torch.tensor([max(p.top_k, 0) for p in par], device=dev),
-                             torch.tensor([p.top_p for p in par], device=dev),
-                             torch.tensor([p.min_p for p in par], device=dev))
+        # the rows' settings in one host->device copy (float64 holds each exactly; a top_k past the
+        # vocabulary keeps every token, as the vocabulary's size does)
+        V = z.shape[1]
+        packed = _to_device([[p.temperature for p in par], [min(max(p.top_k, 0), V) for p in par],
+                             [p.top_p for p in par], [p.min_p for p in par]], torch.float64, z.device)
+        temp, top_p, min_p = (packed[i].to(torch.float32) for i in (0, 2, 3))
+        filt = filter_logits(_rows(z, drawn) / temp.unsqueeze(1), packed[1].to(torch.long), top_p, min_p)
         # one generator per row: its draws depend on nothing else
         parts += [ops.sample(filt[j:j + 1], 1.0, rows[i].generator) for j, i in enumerate(drawn)]
     picked = (parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])).tolist()  # one copy
@@ -214,6 +216,19 @@ def _with_logprobs(raw: torch.Tensor, rows: list[SamplerRow], tokens: list[int])
         top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())) if k else []
         out[i] = Sampled(tokens[i], chosen[j], top)
     return out
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as ``dtype`` on ``device``; on CUDA through pinned memory, copied ``non_blocking``
+    (a copy from pageable memory waits for the device's queue)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _rows(z: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return z.index_select(0, _to_device(rows, torch.long, z.device))
 
 
 def make_generator(seed: int, device) -> torch.Generator:

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
 from .request import Sequence, Status
+
+
+ORDER = operator.attrgetter("order")  # the sort key of sequences (scheduling priority)
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +97,12 @@ class Scheduler:
         return pages_at(self.cfg, self.P, position, self.counts)
 
     def growth(self, seq: Sequence, tokens: int) -> int:
-        return self.pages(seq.computed + tokens) - self.pages(seq.computed)
+        """Pages ``seq`` adds by running ``tokens`` more positions (every running sequence, every step)."""
+        a, P, g = seq.computed, self.P, 0
+        b = a + tokens
+        for r, n in self.counts:
+            g += n * (-(-(b // r) // P) + (a // r) // -P)  # ceil(b // r / P) - ceil(a // r / P)
+        return g
 
     def chunk_len(self, seq: Sequence) -> int:
         return min(self.chunk - seq.computed % self.chunk, seq.prompt_len - seq.computed)
@@ -115,18 +124,19 @@ class Scheduler:
         free = float("inf") if self.max_pages is None else self.max_pages - used_pages - padding_pages
         plan = Plan()
         d = self.decode_tokens
-        need = sum(self.growth(s, d) for s in self.running)
-        holders = sorted(self.running + self.prefilling, key=lambda s: s.order)
-        while need > free and len(holders) > 1:  # the oldest always goes on: no livelock
-            victim = holders.pop()
-            free += self.pages(victim.computed)
-            if victim.status is Status.RUNNING:
-                need -= self.growth(victim, d)
-            self._preempt(victim, preempt)
+        need = 0 if self.max_pages is None else sum(self.growth(s, d) for s in self.running)
+        if need > free:
+            holders = sorted(self.running + self.prefilling, key=ORDER)
+            while need > free and len(holders) > 1:  # the oldest always goes on: no livelock
+                victim = holders.pop()
+                free += self.pages(victim.computed)
+                if victim.status is Status.RUNNING:
+                    need -= self.growth(victim, d)
+                self._preempt(victim, preempt)
         free -= need
-        plan.decode = sorted(self.running, key=lambda s: s.order)
+        plan.decode = sorted(self.running, key=ORDER)
         budget = self.max_step_tokens - len(plan.decode)
-        for seq in sorted(self.prefilling, key=lambda s: s.order):
+        for seq in sorted(self.prefilling, key=ORDER):
             n = self.chunk_len(seq)
             g = self.growth(seq, n) + self._fork_pages(seq, n)
             if n > budget or g > free:
@@ -137,7 +147,7 @@ class Scheduler:
             free, budget = self._admit(plan, free, budget, prepare)
         holders = self.running + self.prefilling
         if plan.empty and len(holders) > 1 and self.max_pages is not None:  # stuck: make room
-            self._preempt(max(holders, key=lambda s: s.order), preempt)
+            self._preempt(max(holders, key=ORDER), preempt)
         return plan
 
     def _admit(self, plan: Plan, free, budget: int, prepare):

@@ -71,6 +71,21 @@ class DecodeSlots:
         seq.slot = slot
         return slot
 
+    def make_room(self, n: int) -> None:
+        """Room for ``n`` more sequences in one resize, every row staying where it is: the adds that
+        follow put each sequence where adding them one by one (growing bucket by bucket, moving
+        every row each time) would, in the same final bucket."""
+        if self.active + n <= self.rows:
+            return
+        rows = bucket_for(self.active + n)
+        state, capture = self._state_for(rows)
+        for r, seq in enumerate(self.owner):
+            if seq is not None:
+                state.take_row(r, self.state, r)
+        self._release_padding()
+        self.state, self.capture = state, capture
+        self.owner = self.owner + [None] * (rows - len(self.owner))
+
     def remove(self, seq) -> None:
         """Give ``seq``'s pages back and free its row."""
         self.state.release_row(seq.slot)

@@ -133,7 +133,7 @@ class StepLoop(PrefillSteps):
     @property
     def num_waiting(self) -> int:
         waiting = list(self.scheduler.waiting)  # one copy: the loop thread may change it meanwhile
-        return sum(1 for s in waiting if s.status is Status.WAITING and s.index == 0 and not s.output)
+        return sum(1 for s in waiting if s.status is Status.WAITING and s.index == 0 and not s.n_output)
 
     @property
     def has_work(self) -> bool:
@@ -173,6 +173,8 @@ class StepLoop(PrefillSteps):
         timer.mark("sample")
         if due:
             self._sample(due, touched)
+        if joins:  # one resize of the decode batch for every sequence joining it
+            self.slots.make_room(sum(1 for s in joins if s.status is Status.PREFILL))
         for seq in joins:
             self._join(seq, touched)
         timer.stop(self.counters, len(plan.decode), sum(n for _, n in plan.prefill))

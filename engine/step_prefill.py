@@ -57,7 +57,7 @@ class PrefillSteps:
             if snap is not None:
                 restore_row(snap, state, row)
                 seq.prefix_snap = None
-                if seq.index == 0 and not seq.output:
+                if seq.index == 0 and not seq.n_output:
                     seq.request.prefix_hit_tokens = snap.position
             seq.status = Status.PREFILL
         else:

@@ -23,6 +23,15 @@ FMT = "fp4_b32"
 TRASH_PAGE = 0
 
 
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on ``device``; on CUDA staged in pinned memory and copied ``non_blocking``
+    (a copy from pageable memory would wait for the device's queue first)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class IndexPool:
     """Device pages of index-K entries (``[pages, P, D]``) for every source layer of a batch."""
 
@@ -107,7 +116,24 @@ class PagedIndexK:
         self.ensure_pages(need)
         new = [self.pool.alloc() for _ in range(need - have)]
         self.pages[row] += new
-        self.table[row, have:need] = torch.tensor(new, dtype=torch.int32).to(self.pool.device, non_blocking=True)
+        self.table[row, have:need] = _to_device(new, self.pool.device).to(torch.int32)
+
+    def reserve_rows(self, ends: list[int]) -> None:
+        """:meth:`reserve` of every row in order (``ends[row]`` entries); rows with room are skipped
+        and the new pages go into the table in one copy."""
+        P, cells = self.pool.P, []
+        try:
+            for row, (pages, end) in enumerate(zip(self.pages, ends)):
+                need = -(-end // P)
+                if need > len(pages):
+                    self.ensure_pages(need)
+                    while len(pages) < need:
+                        pages.append(self.pool.alloc())
+                        cells.append((row, len(pages) - 1, pages[-1]))
+        finally:  # pages handed out before a failure are in the table too
+            if cells:
+                rows, cols, ids = _to_device(cells, self.pool.device).T
+                self.table[rows, cols] = ids.to(torch.int32)
 
     def detach_row(self, row: int) -> list[int]:
         """Hand ``row``'s pages to another owner; the row is left with none (its table row reads
@@ -134,7 +160,7 @@ class PagedIndexK:
         self.ensure_pages(len(pages))
         self.pages[row] = list(pages)
         if pages:
-            self.table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32).to(self.pool.device)
+            self.table[row, :len(pages)] = _to_device(pages, self.pool.device).to(torch.int32)
 
     def keys(self, entries: int) -> PagedKeys:
         """The first ``entries`` entries of every row, read in place."""

@@ -49,7 +49,9 @@ class PagePool:
         self.free_host: list[int] = []
         self.fifo: OrderedDict[int, tuple] = OrderedDict()  # device page -> (table, logical page)
         self.locked: set[int] = set()  # device pages written by the current step
+        self.pending_locks: list = []  # (block tables, first entries) of PagedMainKV.lock_rows, not applied yet
         self.spilled = 0  # pages moved to the host so far
+        self.edits = 0  # bumped whenever a block table gains a changed page (PagedMainKV._rebuild_ids skips otherwise)
 
     @property
     def page_bytes(self) -> int:
@@ -79,6 +81,26 @@ class PagePool:
 
     def unlock(self) -> None:
         self.locked.clear()
+        self.pending_locks.clear()
+
+    def locked_pages(self) -> set[int]:
+        """The device pages the current step keeps on the device, with the row locks of
+        :meth:`PagedMainKV.lock_rows` applied: the same pages as locking them when they were asked
+        for (until a spill, a page only leaves a table by a release, which unlocks it anyway, and
+        pages added since are locked by :meth:`alloc`)."""
+        P = self.P
+        for tables, firsts in self.pending_locks:
+            for table, first in zip(tables, firsts):
+                for tier, page in table.pages[first // P:]:
+                    if tier == "dev":
+                        self.locked.add(page)
+        self.pending_locks.clear()
+        return self.locked
+
+    @property
+    def has_cold(self) -> bool:
+        """Whether any host page is in use (else no block table has a cold page)."""
+        return len(self.free_host) != self.host.shape[0]
 
     @property
     def pages_in_use(self) -> int:
@@ -119,7 +141,8 @@ class PagePool:
 
     def _spill_one(self) -> None:
         """Copy the oldest unlocked device page to a host page, then free it."""
-        victim = next((p for p in self.fifo if p not in self.locked), None)
+        locked = self.locked_pages()
+        victim = next((p for p in self.fifo if p not in locked), None)
         if victim is None:
             raise ValueError(f"kv_budget: {self.device_pages} device pages of main KV cannot hold one step's "
                              f"new entries; raise the budget or shorten the prefill chunk")
@@ -130,6 +153,7 @@ class PagePool:
         self.host.scale.view(u8)[host].copy_(self.dev.scale.view(u8)[victim])
         table.pages[logical] = ("host", host)
         table.changed.add(logical)
+        self.edits += 1
         table.cold += 1
         self.free_dev.append(victim)
         self.spilled += 1
@@ -186,6 +210,7 @@ class PagedMainKV:
         self._dev_ids = torch.full(width, -1, dtype=torch.long, device=pool.device)
         self._host_ids = torch.full_like(self._dev_ids, -1)  # on the device
         self._host_ids_cpu = torch.full(width, -1, dtype=torch.long)
+        self._seen_edits = -1  # pool.edits when the buffers were last brought up to date
 
     def lock_from(self, row: int, first: int) -> None:
         """Keep ``row``'s device pages from entry ``first`` on (a partly filled last page the step
@@ -194,6 +219,21 @@ class PagedMainKV:
         for tier, page in self.tables[row].pages[first // self.pool.P:]:
             if tier == "dev":
                 self.pool.locked.add(page)
+
+    def lock_rows(self, firsts: list[int]) -> None:
+        """:meth:`lock_from` of every row (``firsts[row]``: its first entry the step writes), applied
+        only when a spill needs the locks (:meth:`PagePool.locked_pages`): most steps spill nothing.
+        Nothing to do for a pool that never spills (no device limit)."""
+        if self.pool.limit is not None:
+            self.pool.pending_locks.append((list(self.tables), firsts))
+
+    def reserve_rows(self, ends: list[int], firsts: list[int]) -> None:
+        """:meth:`reserve` of every row in order (``ends[row]`` entries, ``firsts[row]`` the first
+        entry the step writes), with the common case (no page to add, none on the host) skipped."""
+        P = self.pool.P
+        for row, (table, end, first) in enumerate(zip(self.tables, ends, firsts)):
+            if table.cold or len(table.pages) * P < end:
+                self.reserve(row, end, first)
 
     def reserve(self, row: int, entries: int, first: int | None = None) -> None:
         """Make room (device pages, locked for this step) for entries ``< entries`` of ``row``;
@@ -206,6 +246,7 @@ class PagedMainKV:
         while len(table.pages) * P < entries:
             table.pages.append(("dev", self.pool.alloc(table, len(table.pages))))
             table.changed.add(len(table.pages) - 1)
+            self.pool.edits += 1
 
     def _promote(self, table: BlockTable, logical: int) -> None:
         """Move host page ``logical`` of ``table`` back to a (locked) device page."""
@@ -217,7 +258,12 @@ class PagedMainKV:
         pool.free_host.append(host)
         table.pages[logical] = ("dev", page)
         table.changed.add(logical)
+        pool.edits += 1
         table.cold -= 1
+
+    def has_cold(self) -> bool:
+        """Whether any row has a page on the host tier."""
+        return self.pool.has_cold and any(t.cold for t in self.tables)
 
     def detach_row(self, row: int) -> BlockTable:
         """Hand ``row``'s block table (and so its pages) to another owner; the row is left with no
@@ -248,14 +294,17 @@ class PagedMainKV:
         self.clear_row(row)
         self.tables[row] = table
         table.changed.update(range(len(table.pages)))
+        self.pool.edits += 1
 
     def _rebuild_ids(self) -> None:
         """Bring the block-table buffers up to date in place: only the changed entries are written
         (a page added or spilled: a few entries per step, not the whole table); a wider table
         reallocates them (doubling) and bumps ``pool.generation``."""
         fresh = self._dev_ids.shape[0] != len(self.tables)
-        if not fresh and not any(t.changed for t in self.tables):
+        if not fresh and (self._seen_edits == self.pool.edits or not any(t.changed for t in self.tables)):
+            self._seen_edits = self.pool.edits
             return
+        self._seen_edits = self.pool.edits
         width = max(1, max(len(t.pages) for t in self.tables))
         if fresh or self._dev_ids.shape[1] < width:
             self._full_rebuild(max(width, 2 * self._dev_ids.shape[1]))
@@ -314,7 +363,7 @@ class PagedMainKV:
         flat = idx.reshape(B, -1)
         out = ops.resolve_paged(self.dev_ids(), flat, P, offset)
         segments = [self.pool.segment()]
-        if any(t.cold for t in self.tables):
+        if self.has_cold():
             if flat.numel() <= STAGING_MAX_ROWS:
                 staging, out = ops.gather_cold_rows(self.pool.host, self.host_ids_device(), flat, out,
                                                     offset + segments[0].shape[1])

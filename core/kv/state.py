@@ -70,11 +70,15 @@ class KVState:
         self.device = torch.device(device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.host_positions = [0] * batch  # the same on the host: no device sync to read them
-        hd = cfg.head_dim
-        self.rings = {l: empty_qtensor(window_fmt, (batch, cfg.window_size, hd), self.device)
-                      for l in range(cfg.total_layers)}
+        hd, L, W = cfg.head_dim, cfg.total_layers, cfg.window_size
+        # every layer's ring is a view of one [layers, batch, W, hd] store (and ring_start of one
+        # [layers, batch] tensor), so moving or clearing a row is one copy, not one per layer
+        self._ring_store = empty_qtensor(window_fmt, (L, batch, W, hd), self.device)
+        self.rings = {l: QTensor(self._ring_store.data[l], self._ring_store.scale[l], window_fmt, (batch, W, hd))
+                      for l in range(L)}
         # positions below ring_start[l] are not in layer l's ring (CED / bounded replay)
-        self.ring_start = {l: torch.zeros(batch, dtype=torch.long, device=self.device) for l in self.rings}
+        self._ring_start_store = torch.zeros(L, batch, dtype=torch.long, device=self.device)
+        self.ring_start = {l: self._ring_start_store[l] for l in self.rings}
         self._staged = Staged()  # a chunk's ring and partial-group writes, until commit()
         self._chunk_len = 0  # tokens per row of the current call (begin_step)
         n_hist = max(cfg.engram_max_ngram_size - 1, 0)
@@ -179,14 +183,16 @@ class KVState:
         if self.is_meta:
             return
         self.pool.unlock()
+        positions = self.host_positions
+        ratios = {l: self.cfg.ratio(l) for l in self.compressed}
+        firsts = {l: [p // r for p in positions] for l, r in ratios.items()}
         for l, c in self.compressed.items():  # before any page is allocated (an allocation may spill)
-            for row, pos in enumerate(self.host_positions):
-                c.main.lock_from(row, pos // self.cfg.ratio(l))
-        for l, c in self.compressed.items():
-            r = self.cfg.ratio(l)
-            for row, pos in enumerate(self.host_positions):
-                c.main.reserve(row, (pos + tokens) // r, pos // r)
-                c.index_k.reserve(row, (pos + tokens) // r)
+            c.main.lock_rows(firsts[l])
+        for l, c in self.compressed.items():  # rows whose pages already hold the chunk are skipped
+            r = ratios[l]
+            ends = [(p + tokens) // r for p in positions]
+            c.main.reserve_rows(ends, firsts[l])
+            c.index_k.reserve_rows(ends)
 
     def ensure_capacity(self, positions: int) -> None:
         """Room (doubling) for ``positions`` positions: wider index block tables (index pages come
@@ -210,11 +216,17 @@ class KVState:
         if src.pool is not self.pool:
             raise ValueError("src: KVState.take_row needs a state drawn from the same page pool")
         u8 = torch.uint8
-        for l, q in self.rings.items():
-            s = src.rings[l]
-            q.data.view(u8)[row].copy_(s.data.view(u8)[src_row])
-            q.scale.view(u8)[row].copy_(s.scale.view(u8)[src_row])
-            self.ring_start[l][row] = src.ring_start[l][src_row]
+        if self._ring_store is not None and src._ring_store is not None:  # every layer in one copy
+            q, s = self._ring_store, src._ring_store
+            q.data.view(u8)[:, row].copy_(s.data.view(u8)[:, src_row])
+            q.scale.view(u8)[:, row].copy_(s.scale.view(u8)[:, src_row])
+            self._ring_start_store[:, row] = src._ring_start_store[:, src_row]
+        else:
+            for l, q in self.rings.items():
+                s = src.rings[l]
+                q.data.view(u8)[row].copy_(s.data.view(u8)[src_row])
+                q.scale.view(u8)[row].copy_(s.scale.view(u8)[src_row])
+                self.ring_start[l][row] = src.ring_start[l][src_row]
         self.positions[row] = src.positions[src_row]
         self.host_positions[row] = src.host_positions[src_row]
         self.engram_history[row] = src.engram_history[src_row]
@@ -230,8 +242,11 @@ class KVState:
         """``row`` becomes an empty sequence at position 0 (its pages, if any, stay with it)."""
         self.positions[row] = 0
         self.host_positions[row] = 0
-        for start in self.ring_start.values():
-            start[row] = 0
+        if self._ring_start_store is not None:
+            self._ring_start_store[:, row] = 0
+        else:
+            for start in self.ring_start.values():
+                start[row] = 0
         self.engram_history[row] = -1
         for c in self.compressed.values():
             if c.kv_state is not None:
@@ -272,7 +287,7 @@ class KVState:
             tensors += [c.index_k.table, c.kv_state, c.score_state, c.main.dev_ids(), c.main.host_ids_device()]
         for l, ring in self.rings.items():
             tensors += [ring.data, ring.scale, self.ring_start[l]]
-        cold = tuple(any(t.cold for t in c.main.tables) for c in self.compressed.values())
+        cold = tuple(c.main.has_cold() for c in self.compressed.values())
         return StepBuffers(tuple(t for t in tensors if t is not None), cold)
 
     # ----- window rings and partial groups ----------------------------------------------------
@@ -403,6 +418,7 @@ class KVState:
                                    qs[0].fmt, (out.batch, *qs[0].shape[1:]))
         out.rings = {l: cat_q([s.rings[l] for s in states]) for l in first.rings}
         out.ring_start = {l: torch.cat([s.ring_start[l] for s in states]) for l in first.ring_start}
+        out._ring_store = out._ring_start_store = None  # separate tensors per layer
         out._staged, out._chunk_len = Staged(), 0
         out.compressed = {}
         for l, c in first.compressed.items():
