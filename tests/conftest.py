@@ -39,7 +39,7 @@ def _clean_dispatch(monkeypatch):
 @pytest.fixture
 def rng():
     """A fresh, logged generator: each run draws new inputs, a failure prints its seed."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(os.environ.get("FLASHRT_TEST_SEED", 0)) or int.from_bytes(os.urandom(4), "little")
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
 
