@@ -1,0 +1,74 @@
+"""``moe_experts`` with one expert and one slot a token (the shared expert) in two launches (up and
+down, no routing tables, no combine: ``tiles.moe.direct``) against the tables path (the switch
+off) bit for bit and against the reference, on fresh random inputs of odd token counts and widths
+(fp4_w / fp8_w weights, bf16 / fp32 activations, in-kernel and separate activation quantization,
+routing weights other than one)."""
+import pytest
+import torch
+
+import flashrt
+from flashrt import formats, ops, profiles
+from kernel_check import DEVICE, rel_err, requires_kernels, run_both
+
+pytestmark = requires_kernels
+moe = pytest.importorskip("flashrt.kernels_cuda.moe")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    names = []
+    real = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
+    return names
+
+
+def _retile(monkeypatch, key, value):
+    monkeypatch.setitem(moe.TILES, key, value)
+    profiles._TILES_CACHE.clear()
+
+
+def _case(rng, fmt, xdt, n, D, I):
+    x = (torch.randn(n, D, generator=rng) * 3.0).to(DEVICE, xdt)
+    rw = (torch.rand(n, 1, generator=rng) + 0.5).to(DEVICE)
+    first = torch.zeros(n, 1, dtype=torch.int32, device=DEVICE)
+    w = [formats.quantize(torch.randn(*s, generator=rng) * 0.25, fmt).to(DEVICE) for s in ((1, I, D), (1, I, D), (1, D, I))]
+    return x, rw, first, *w, 10.0
+
+
+def _cuda(*args):
+    with flashrt.use_backend("cuda"):
+        return ops.moe_experts(*args)
+
+
+@pytest.mark.parametrize("fmt,xdt,n,D,I,fused", [("fp4_w", torch.bfloat16, 1, 96, 64, 64),
+                                                 ("fp8_w", torch.bfloat16, 7, 160, 96, 64),
+                                                 ("fp4_w", torch.float32, 19, 64, 160, 64),
+                                                 ("fp8_w", torch.bfloat16, 5, 96, 32, 0)])
+def test_direct_equals_the_tables_path_in_two_launches(rng, monkeypatch, launches, fmt, xdt, n, D, I, fused):
+    _retile(monkeypatch, "fused_max_tokens", fused)
+    args = _case(rng, fmt, xdt, n, D, I)
+    direct = _cuda(*args)
+    kernels = [k for k in launches if k != "_quantize_kernel"]
+    assert kernels == ["_moe_up_kernel", "_moe_down_kernel"]
+    assert direct.dtype == torch.float32 and tuple(direct.shape) == (n, D)
+    launches.clear()
+    _retile(monkeypatch, "direct", False)
+    tables = _cuda(*args)
+    assert [k for k in launches if k != "_quantize_kernel"] == ["_route_kernel", "_moe_up_kernel",
+                                                                "_moe_down_kernel", "_moe_combine_kernel"]
+    assert torch.equal(direct, tables)
+    _, want = run_both("moe_experts", *args)
+    assert rel_err(direct, want) < 1e-3
+
+
+def test_routed_experts_keep_the_tables(rng, launches):
+    """More than one expert (or slot) still sorts pairs by expert and sums each token's rows."""
+    x, _, _, *w, limit = _case(rng, "fp4_w", torch.bfloat16, 3, 64, 32)
+    idx = torch.randint(0, 1, (3, 2), generator=rng, dtype=torch.int32).to(DEVICE)
+    rw = torch.rand(3, 2, generator=rng).to(DEVICE)
+    got = _cuda(x, rw, idx, *w, limit)
+    assert "_route_kernel" in launches and "_moe_combine_kernel" in launches
+    _, want = run_both("moe_experts", x, rw, idx, *w, limit)
+    assert rel_err(got, want) < 1e-3
