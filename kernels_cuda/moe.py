@@ -10,7 +10,10 @@ be captured in a CUDA graph). Then three kernels:
    x.dtype first, clamp, silu, times the routing weight), h rounded to x.dtype and quantized to fp8
    per 32 (the input W2 sees, as ``linear`` would quantize it), stored in pair order;
 2. ``_moe_down_kernel``: per (row tile, column tile of D), W2 over h, output rounded to x.dtype;
-3. ``_moe_combine_kernel``: each token sums its k rows in fp32 (a deterministic gather-sum).
+3. ``_moe_combine_kernel``: each token sums its k rows in fp32 (a deterministic gather-sum); with
+   ``combine.in_kernel`` (up to ``splitk.POOL`` token x column tiles) the down kernel does it: each
+   (token, column tile) has a ticket counter (kernels_cuda/splitk.py's pool), and the program that
+   stores a token's last row sums its k rows in slot order, so the bits are the combine kernel's.
 
 One expert and one slot a token (the shared expert; ``direct`` on) needs no tables and no sum:
 pair ``t`` is token ``t``, the row tiles are ``BLOCK_M`` tokens each (``DIRECT``), and the down
@@ -28,7 +31,7 @@ import triton.language as tl
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
-from flashrt.kernels_cuda import moe_tables
+from flashrt.kernels_cuda import moe_tables, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
 from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile,
@@ -41,7 +44,7 @@ TILES = {
         (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),  # decode: weight-bound
         (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
     ),
-    "combine": dict(BLOCK_D=1024, num_warps=4),
+    "combine": dict(BLOCK_D=1024, num_warps=4, in_kernel=True),  # in_kernel: the down kernel's last program sums
     "route": moe_tables.ROUTE,  # the routing tables in one program up to max_pairs (token, slot) pairs
     "fused_max_tokens": 64,  # up to this many tokens the up kernel quantizes x itself (no act_quant launch)
     "direct": True,  # one expert, one slot (the shared expert): no routing tables, no combine launch
@@ -112,9 +115,14 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
 @triton.jit
 def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, E, D, I, n_rows,
                      stride_hm, stride_shm, stride_we, stride_wn, stride_swe, stride_swn, stride_ym,
+                     tok_ptr, pos_ptr, out_ptr, cnt_ptr, TOPK, stride_om,
                      FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, XDT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr):
-    """y rows rounded to XDT (stored as y's dtype: fp32 when DIRECT writes the op's output)."""
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+                     COMBINE: tl.constexpr):
+    """y rows rounded to XDT (stored as y's dtype: fp32 when DIRECT writes the op's output).
+    COMBINE: then a ticket per (token, column tile) of each row; the program drawing a token's
+    last (TOPK-th) ticket sums its TOPK rows in slot order into ``out`` (``_moe_combine_kernel``'s
+    sum) and puts the counter back to zero."""
     e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, BLOCK_M, DIRECT)
     if e >= E:
         return
@@ -125,7 +133,21 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
                      n0, D, 0, I, stride_wn, stride_swn, FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     y = to_out(acc, XDT).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + r64[:, None] * stride_ym + offs_n[None, :], y, mask=row_ok[:, None] & (offs_n < D)[None, :])
+    col_ok = offs_n < D
+    tl.store(y_ptr + r64[:, None] * stride_ym + offs_n[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+    if COMBINE:
+        tl.debug_barrier()  # every thread's rows are stored before the tickets publish them
+        tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        slot = cnt_ptr + tok * tl.num_programs(0) + tl.program_id(0)
+        ticket = tl.atomic_add(slot, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+        last = row_ok & (ticket == TOPK - 1)
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in range(TOPK):
+            p = tl.load(pos_ptr + tok * TOPK + s, mask=last, other=0).to(tl.int64)
+            total += tl.load(y_ptr + p[:, None] * stride_ym + offs_n[None, :], mask=last[:, None] & col_ok[None, :],
+                             other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + tok[:, None] * stride_om + offs_n[None, :], total, mask=last[:, None] & col_ok[None, :])
+        tl.atomic_xchg(slot, 0, mask=last, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -162,16 +184,21 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t, qx: bool, direct: bool
     return hq, sh
 
 
-def _experts_down(hq, sh, tab, w2, D, xdtype, t, direct: bool = False):
-    """The pairs' rows [pairs, D] in x.dtype (``direct``: the op's fp32 output, pair = token)."""
+def _experts_down(hq, sh, tab, w2, D, xdtype, t, direct: bool = False, combine=None):
+    """The pairs' rows [pairs, D] in x.dtype (``direct``: the op's fp32 output, pair = token).
+    ``combine``: (out fp32 [N, D], k): the kernel also sums each token's k rows into ``out``."""
     d2, s2 = weight_operands(w2)
     y = torch.empty(hq.shape[0], D, dtype=torch.float32 if direct else xdtype, device=hq.device)
     promote, dot = mma_mode(w2.fmt)
     grid = (cdiv(D, t["BLOCK_N"]), tab["tiles"] if direct else tab["tile_e"].shape[0])
+    out, k = combine if combine is not None else (y, 1)
+    cnt = splitk.counters(hq.device) if combine is not None else y
     _moe_down_kernel[grid](
         hq, sh, d2, s2, y, tab["tile_e"], tab["tile_row"], tab["row_end"], w2.shape[0], D, hq.shape[1], hq.shape[0],
         hq.stride(0), sh.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct, **t)
+        tab["tok"], tab.get("pos", y), out, cnt, k, out.stride(0),
+        FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
+        COMBINE=combine is not None, **t)
     return y
 
 
@@ -192,9 +219,12 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
         return _experts_down(hq, sh, tab, w2, D, x.dtype, t, direct=True)
     tab = moe_tables.route_tables(indices, weights, E, t["BLOCK_M"], _tiles()["route"])
     hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t, qx)
-    y = _experts_down(hq, sh, tab, w2, D, x.dtype, t)
-    c = _tiles()["combine"]
     out = torch.empty(n, D, dtype=torch.float32, device=x.device)  # every row is written: k >= 1
+    c = _tiles()["combine"]
+    if c["in_kernel"] and splitk.fits(n * cdiv(D, t["BLOCK_N"])):
+        _experts_down(hq, sh, tab, w2, D, x.dtype, t, combine=(out, k))
+        return out
+    y = _experts_down(hq, sh, tab, w2, D, x.dtype, t)
     _moe_combine_kernel[(n, cdiv(D, c["BLOCK_D"]))](y, tab["pos"], out, D, k, y.stride(0), out.stride(0),
                                                           BLOCK_D=c["BLOCK_D"], num_warps=c["num_warps"])
     return out
@@ -242,6 +272,7 @@ FAMILY = KernelFamily(
                                              "w2": WEIGHT_FORMATS}, dims={"w1[1]": Dim(0, None, 32)},
                                      extra=same_up_format)},
     tiles=TILES, tile_checks={"experts.BLOCK_M": DOT, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
-                              "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool)},
+                              "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
+                              "combine.in_kernel": Tile(kind=bool)},
     smem={"experts": gemm_smem}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="routed SwiGLU experts: grouped FP8 / FP4 GEMMs over routing tables")

@@ -1,8 +1,12 @@
-"""``moe_experts`` with one expert and one slot a token (the shared expert) in two launches (up and
-down, no routing tables, no combine: ``tiles.moe.direct``) against the tables path (the switch
-off) bit for bit and against the reference, on fresh random inputs of odd token counts and widths
-(fp4_w / fp8_w weights, bf16 / fp32 activations, in-kernel and separate activation quantization,
-routing weights other than one)."""
+"""Fewer ``moe_experts`` launches, each against the path its switch restores, bit for bit, and
+against the reference, on fresh random inputs of odd token counts and widths (fp4_w / fp8_w
+weights, bf16 / fp32 activations, in-kernel and separate activation quantization):
+
+- one expert and one slot a token (the shared expert) in two launches (up and down, no routing
+  tables, no combine: ``tiles.moe.direct``);
+- routed experts with the combine summed by the down kernel's last program per (token, column
+  tile) (``tiles.moe.combine.in_kernel``): three launches, the ticket counters left at zero; a
+  token's slots may repeat an expert (two rows of one token in one row tile)."""
 import pytest
 import torch
 
@@ -12,6 +16,7 @@ from kernel_check import DEVICE, rel_err, requires_kernels, run_both
 
 pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
+splitk = pytest.importorskip("flashrt.kernels_cuda.splitk")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 
@@ -55,6 +60,7 @@ def test_direct_equals_the_tables_path_in_two_launches(rng, monkeypatch, launche
     assert direct.dtype == torch.float32 and tuple(direct.shape) == (n, D)
     launches.clear()
     _retile(monkeypatch, "direct", False)
+    _retile(monkeypatch, "combine", {**moe.TILES["combine"], "in_kernel": False})
     tables = _cuda(*args)
     assert [k for k in launches if k != "_quantize_kernel"] == ["_route_kernel", "_moe_up_kernel",
                                                                 "_moe_down_kernel", "_moe_combine_kernel"]
@@ -63,12 +69,36 @@ def test_direct_equals_the_tables_path_in_two_launches(rng, monkeypatch, launche
     assert rel_err(direct, want) < 1e-3
 
 
-def test_routed_experts_keep_the_tables(rng, launches):
-    """More than one expert (or slot) still sorts pairs by expert and sums each token's rows."""
-    x, _, _, *w, limit = _case(rng, "fp4_w", torch.bfloat16, 3, 64, 32)
-    idx = torch.randint(0, 1, (3, 2), generator=rng, dtype=torch.int32).to(DEVICE)
-    rw = torch.rand(3, 2, generator=rng).to(DEVICE)
-    got = _cuda(x, rw, idx, *w, limit)
-    assert "_route_kernel" in launches and "_moe_combine_kernel" in launches
-    _, want = run_both("moe_experts", x, rw, idx, *w, limit)
-    assert rel_err(got, want) < 1e-3
+def _routed(rng, fmt, xdt, n, D, I, E, k, repeat=False):
+    x = (torch.randn(n, D, generator=rng) * 3.0).to(DEVICE, xdt)
+    if repeat:
+        idx = torch.randint(0, E, (n, k), generator=rng, dtype=torch.int32)
+    else:
+        idx = torch.stack([torch.randperm(E, generator=rng)[:k] for _ in range(n)]).to(torch.int32)
+    rw = torch.rand(n, k, generator=rng).to(DEVICE)
+    w = [formats.quantize(torch.randn(*s, generator=rng) * 0.25, fmt).to(DEVICE) for s in ((E, I, D), (E, I, D), (E, D, I))]
+    return x, rw, idx.to(DEVICE), *w, 10.0
+
+
+def _counters_zero():
+    pool = splitk._POOLS.get((DEVICE.type, DEVICE.index))
+    assert pool is not None and int(pool.count_nonzero()) == 0, "ticket counters not reset"
+
+
+@pytest.mark.parametrize("fmt,xdt,n,D,I,E,k,repeat", [("fp4_w", torch.bfloat16, 1, 96, 64, 8, 2, False),
+                                                      ("fp8_w", torch.bfloat16, 7, 160, 96, 5, 3, False),
+                                                      ("fp4_w", torch.float32, 13, 64, 32, 3, 2, True),
+                                                      ("fp8_w", torch.bfloat16, 37, 96, 64, 2, 2, True)])
+def test_combine_in_the_down_kernel_equals_the_combine_launch(rng, monkeypatch, launches, fmt, xdt, n, D, I, E, k,
+                                                               repeat):
+    args = _routed(rng, fmt, xdt, n, D, I, E, k, repeat)
+    fused = _cuda(*args)
+    assert [k for k in launches if k != "_quantize_kernel"] == ["_route_kernel", "_moe_up_kernel", "_moe_down_kernel"]
+    _counters_zero()
+    launches.clear()
+    _retile(monkeypatch, "combine", {**moe.TILES["combine"], "in_kernel": False})
+    plain = _cuda(*args)
+    assert "_moe_combine_kernel" in launches
+    assert torch.equal(fused, plain)
+    _, want = run_both("moe_experts", *args)
+    assert rel_err(fused, want) < 1e-3
