@@ -61,11 +61,14 @@ def _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, BLOCK_M: tl.conste
     rows ``t * BLOCK_M ..`` of ``n_rows``; the tables are not read)."""
     t = tl.program_id(1)
     if DIRECT:
+        e = tl.full([], 0, tl.int32)
         rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
-        return tl.full([], 0, tl.int32), rows, rows < n_rows
-    e = tl.load(tile_e_ptr + t)
-    rows = tl.load(tile_row_ptr + t) + tl.arange(0, BLOCK_M)
-    return e, rows, rows < tl.load(row_end_ptr + t)
+        end = n_rows
+    else:
+        e = tl.load(tile_e_ptr + t)
+        rows = tl.load(tile_row_ptr + t) + tl.arange(0, BLOCK_M)
+        end = tl.load(row_end_ptr + t)
+    return e, rows, rows < end
 
 
 @triton.jit
