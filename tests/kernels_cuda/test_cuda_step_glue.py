@@ -50,3 +50,29 @@ def test_a_decode_sized_context_carries_every_rings_indices(rng, S, expect):
     if expect:
         for layer, start in state.ring_start.items():
             assert torch.equal(ctx.window_index[layer], window_indices(positions, start, cfg.window_size))
+
+
+def test_step_indices_cost_the_same_launches_for_any_layer_count(rng):
+    """The torch operations of ``step_window_indices`` do not grow with the layers (a per-layer
+    mask was two a layer): counted at dispatch, views and allocations aside."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in ("view", "select", "unsqueeze", "empty", "_unsafe_view", "detach", "alias"):
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    parts = window_parts(_positions(rng, 2, 1), 8)
+    counts = []
+    for L in (1, 5, 23):
+        ring_start = {l: torch.randint(0, 9, (2,), generator=rng) for l in range(L)}
+        with Count() as c:
+            step_window_indices(parts, ring_start)
+        counts.append(len(c.ops))
+    assert counts[0] == counts[1] == counts[2] <= 4, counts
