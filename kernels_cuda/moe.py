@@ -143,6 +143,7 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
         tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         slot = cnt_ptr + tok * tl.num_programs(0) + tl.program_id(0)
         ticket = tl.atomic_add(slot, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()  # a row's ticket and its loads below may sit in different threads
         last = row_ok & (ticket == TOPK - 1)
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for s in range(TOPK):
