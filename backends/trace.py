@@ -15,7 +15,8 @@ Counting rules (the minimum work each op must do):
   ``index_scores`` ``2*B*S*T*Hi*(Di+1)``; ``moe_experts`` ``N*k*(6*D*I + 4*I)``; ``moe_route``
   ``2*N*D*E + 3*N*E``; ``hc_coefficients`` ``2*B*S*hcD*(M+1) + 4*B*S*hc*hc*iters``;
   ``hc_collapse`` ``2*B*S*hc*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
-  ``5*B*G*r*D``; ``engram_gate`` ``9*B*S*hc*D``; elementwise ops per element: ``rms_norm`` 4,
+  ``5*B*G*r*D``; ``engram_gate`` ``9*B*S*hc*D``; ``engram_hash`` ``2*B*S*L*N`` (multiply,
+  xor) plus ``B*S*L*C`` remainders; elementwise ops per element: ``rms_norm`` 4,
   ``rope`` 3, ``quantize`` 3, ``dequantize`` and ``engram_lookup`` 1, ``sample`` 3 per logit.
   Selection and copy ops (``topk_positions``, ``candidate_blocks``, ``gather_cold_rows``,
   ``store_paged``, ``store_rows``, ``resolve_paged``) count 0 FLOPs; the stores count as writing
@@ -158,6 +159,14 @@ def engram_lookup(table, ids):
 def engram_gate(h, key, value, weight, eps):
     out = _meta(h.shape, h.dtype)
     _emit("engram_gate", (h, key, value, weight), (out,), 9 * h.numel())
+    return out
+
+
+def engram_hash(seq, multipliers, primes, offsets, pad):
+    (B, T), (L, N), C = seq.shape, multipliers.shape, primes.shape[1]
+    S = T - (N - 1)
+    out = _meta((B, S, L, C), torch.int64)
+    _emit("engram_hash", (seq, multipliers, primes, offsets), (out,), B * S * L * (2 * N + C))
     return out
 
 

@@ -22,7 +22,7 @@ from .formats import QTensor
 # op -> tolerance on max|got - want| / max|want| (selections compare exactly)
 TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,
              "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0, "store_paged": 0.0,
-             "resolve_paged": 0.0, "store_rows": 0.0}
+             "resolve_paged": 0.0, "store_rows": 0.0, "engram_hash": 0.0}
 IN_PLACE = {"store_paged": 0, "store_rows": 0}  # op -> the argument it writes: each run gets its own copy of it
 DEFAULT_TOL = 2e-2  # bf16 outputs
 
@@ -67,6 +67,7 @@ def _cases(dev, g):
                         torch.rand(1, 8, 4, 4, generator=g).to(dev))
     yield "engram_lookup", (ops.quantize(f32(1000, 256), "fp8"), torch.randint(0, 1000, (2, 4, 24), generator=g).to(dev))
     yield "engram_gate", (r(2, 4, 4, 256), r(2, 4, 4, 256), r(2, 4, 256), f32(4, 256), 1e-6)
+    yield "engram_hash", _hash_case(dev, g)
     yield "moe_route", (r(16, 256), r(32, 256), f32(32) * 0.1, 4, "sqrtsoftplus", True, 1.5)
     yield "moe_route", (r(16, 256), r(32, 256), f32(32) * 0.1, 4, "sigmoid", True, 1.5)
     w = lambda *s: ops.quantize(f32(*s) * 0.05, "fp4_w")
@@ -86,6 +87,16 @@ def _cases(dev, g):
     ring = ops.quantize(f32(4, 128, 512), "fp8")  # a window ring: one new token for each of 4 rows
     yield "store_rows", (ring, torch.arange(4, device=dev), torch.randint(0, 128, (4,), generator=g).to(dev),
                          ops.quantize(f32(4, 512), "fp8"))
+
+
+def _hash_case(dev, g):
+    """Two sequences of 5 positions after a 3-token history (4-grams, 4 heads, 3 Engram layers),
+    about one token in eight -1; int64 multipliers near 2**40 (the products wrap), primes 5000+."""
+    seq = torch.randint(0, 5000, (2, 8), generator=g)
+    seq[torch.rand(2, 8, generator=g) < 0.125] = -1
+    mult = torch.randint(1, 2 ** 40, (3, 4), generator=g) * 2 + 1
+    primes = torch.tensor([5003, 5009, 5011, 5021, 5023, 5039, 5051, 5059, 5077, 5081, 5087, 5099]).repeat(3, 1)
+    return seq.to(dev), mult.to(dev), primes.to(dev), primes.cumsum(1).sub(primes).to(dev), 17
 
 
 def _store_case(dev, g):

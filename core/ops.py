@@ -280,6 +280,33 @@ def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:
     return _impl("engram_gate", h.device)(h, key, value, weight, eps)
 
 
+def engram_hash(seq, multipliers, primes, offsets, pad: int) -> torch.Tensor:
+    """Engram n-gram bucket ids: ``seq [B, N-1+S]`` int64 (compressed token ids, -1 for none;
+    the ``N-1`` tokens before the chunk first), ``multipliers [L, N]``, ``primes`` and
+    ``offsets [L, C]`` int64 (``C = (N-1) * H``, n-gram-size-major, head-minor), ``pad >= 0``
+    -> int64 ``[B, S, L, C]``.
+
+    At chunk position ``s`` and shift ``j`` (the token ``j`` back) the value is ``pad`` once that
+    token or a newer one is -1, else the token; ``h_n = xor_{j<n} value_j * multipliers[l, j]``
+    (int64, wrapping); column ``(n-2) * H + k`` holds ``remainder(h_n, prime) + offset``.
+    """
+    env: dict = {}
+    c.tensor("seq", seq, "B T", env, (torch.int64,))
+    c.tensor("multipliers", multipliers, "L N", env, (torch.int64,), seq.device)
+    c.tensor("primes", primes, "L C", env, (torch.int64,), seq.device)
+    c.tensor("offsets", offsets, "L C", env, (torch.int64,), seq.device)
+    N, C = env["N"], env["C"]
+    if N < 2:
+        raise ValueError(f"multipliers: expected [L, N] with N >= 2 (n-gram sizes 2..N), got N={N}")
+    if C % (N - 1):
+        raise ValueError(f"primes: expected [L, C] with C a multiple of N - 1 = {N - 1}, got C={C}")
+    if env["T"] < N - 1:
+        raise ValueError(f"seq: expected [B, T] with T >= N - 1 = {N - 1} (the history), got T={env['T']}")
+    c.integer("pad", pad, 0)
+    c.index_range("seq", seq, -1, 2 ** 63 - 1)
+    return _impl("engram_hash", seq.device)(seq, multipliers, primes, offsets, int(pad))
+
+
 def moe_route(x, weight, bias, topk: int, score_func: str, norm_topk: bool, route_scale: float):
     """Expert choice: ``x [N, D]``, ``weight [E, D]``, ``bias [E]`` fp32 or None ->
     ``(weights fp32 [N, topk], indices int32 [N, topk])``.
@@ -480,6 +507,6 @@ def dense_attention(q, k, v, scale: float) -> torch.Tensor:
 OPS = (
     "rms_norm", "rope", "quantize", "dequantize", "linear", "sparse_attention", "index_scores",
     "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
-    "hc_expand", "engram_lookup", "engram_gate", "moe_route", "moe_experts", "sample", "gather_cold_rows",
+    "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route", "moe_experts", "sample", "gather_cold_rows",
     "dense_attention", "store_paged", "resolve_paged", "store_rows",
 )

@@ -233,6 +233,21 @@ _SCORE = {
 }
 
 
+def engram_hash(seq, multipliers, primes, offsets, pad):
+    N, H = multipliers.shape[1], primes.shape[1] // (multipliers.shape[1] - 1)
+    S = seq.shape[1] - (N - 1)
+    blocked = torch.zeros(seq.shape[0], S, dtype=torch.bool, device=seq.device)
+    rolling, cols = None, []
+    for shift in range(N):  # shift: the token ``shift`` positions back; DEAD there or newer blocks it
+        src = seq[:, N - 1 - shift: N - 1 - shift + S]
+        blocked = blocked | (src == -1)
+        prod = torch.where(blocked, pad, src).unsqueeze(-1) * multipliers[:, shift]  # [B, S, L], wraps
+        rolling = prod if rolling is None else torch.bitwise_xor(rolling, prod)
+        if shift:
+            cols.append(rolling.unsqueeze(-1).expand(-1, -1, -1, H))
+    return torch.remainder(torch.cat(cols, dim=-1), primes) + offsets
+
+
 def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     s = _SCORE[score_func](F.linear(x.to(torch.float32), weight.to(torch.float32)))
     indices = _top_order(s if bias is None else s + bias, topk)

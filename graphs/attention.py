@@ -63,7 +63,10 @@ class Attention:
         qr, q = self.query(h, f)
         kv = self.window_kv(h, f, ctx.state.window_fmt)
         segments = [ctx.state.rings[self.layer], kv]
-        indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], cfg.window_size, ctx.window_parts)
+        if ctx.window_index is not None and self.layer in ctx.window_index:
+            indices = ctx.window_index[self.layer]
+        else:
+            indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], cfg.window_size, ctx.window_parts)
         if self.ratio:
             picked = self._selection(h, qr, ctx)
             segments += picked.segments

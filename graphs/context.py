@@ -9,6 +9,7 @@ from flashrt import ops
 from flashrt.rope import YaRN, rope_frequencies
 from flashrt.kv.state import KVState
 
+STEP_ROWS = 256  # chunks of at most this many query rows (B * S) build every layer's window indices at once
 _BIG = 1 << 62  # a key every ring start accepts (chunk slots); -_BIG: none does (before the sequence)
 
 
@@ -33,6 +34,7 @@ class StepContext:
     rope_window: torch.Tensor | None = None  # complex64 [B, S, R/2]: window-only and draft layers
     rope_compressed: torch.Tensor | None = None  # the same for the compressed layers
     window_parts: tuple | None = None  # window_parts(positions, W): (slot, key), shared by every layer
+    window_index: dict | None = None  # layer -> its window_indices (decode-sized chunks: step_window_indices)
     ring_slots: tuple | None = None  # KVState.ring_slots(positions): where every layer writes its ring
     visible: dict = field(default_factory=dict)  # ratio -> int32 [B, S]: entries each query sees
     entries: dict = field(default_factory=dict)  # ratio -> compressed entries a layer reads
@@ -55,11 +57,13 @@ class StepContext:
         (a captured step's static bucket; default: every complete group up to ``end``; the extra
         entries of a bucket are visible to no query)."""
         B, S = positions.shape
+        parts = window_parts(positions, needs.window)
         return cls(
             positions, end, state, rope,
             rope_window=rope.factors(False, positions) if needs.window_rope else None,
             rope_compressed=rope.factors(True, positions) if needs.ratios else None,
-            window_parts=window_parts(positions, needs.window),
+            window_parts=parts,
+            window_index=step_window_indices(parts, state.ring_start) if B * S <= STEP_ROWS else None,
             ring_slots=state.ring_slots(positions),
             visible={r: ((positions + 1) // r).to(torch.int32) for r in needs.index_ratios},
             entries=dict(entries) if entries is not None else {r: end // r for r in needs.ratios},
@@ -105,6 +109,19 @@ def window_indices(positions: torch.Tensor, ring_start: torch.Tensor, window: in
     """
     slot, key = parts if parts is not None else window_parts(positions, window)
     return slot.masked_fill(key < ring_start.view(-1, 1, 1), -1)
+
+
+def step_window_indices(parts: tuple, ring_start: dict) -> dict:
+    """:func:`window_indices` of every layer of ``ring_start`` (layer -> int64 [B] ring start) in
+    one pass: the starts stacked to ``[L, B]``, one compare and one select over ``[L, B, S, W]``
+    instead of two launches a layer. Layer -> int32 [B, S, W] (a view of the stacked result)."""
+    if not ring_start:
+        return {}
+    slot, key = parts
+    layers = list(ring_start)
+    starts = torch.stack([ring_start[l] for l in layers]).view(len(layers), -1, 1, 1)
+    masked = torch.where(key >= starts, slot, -1)
+    return {l: masked[i] for i, l in enumerate(layers)}
 
 
 class RopeCache:

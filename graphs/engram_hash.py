@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashrt import checks
+from flashrt import checks, ops
 
 DEAD = -1  # history marker: no token (before the sequence start) or a dead position (image token)
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # deterministic for n < 3.3e24
@@ -215,8 +215,9 @@ class EngramHasher:
         DEAD (-1) where there is none (None: fresh sequences). ``mask [B, S]``: False marks dead
         positions (image tokens); they enter the history as DEAD, so a lookback shift reaching one,
         and every older shift, reads pad. Dead positions still get ids (the model zeroes their
-        gate). Products wrap in int64; the bucket is ``torch.remainder(h, prime) + offset``
-        (remainder is non-negative for a positive prime even when ``h`` is negative)."""
+        gate). The rolling hash and buckets are ``flashrt.ops.engram_hash`` (products wrap in
+        int64; the bucket is ``torch.remainder(h, prime) + offset``, non-negative for a positive
+        prime even when ``h`` is negative)."""
         _need("tokens", tokens, torch.int64, None)
         if history is None:
             history = self.start_history(tokens.shape[0], tokens.device)
@@ -233,20 +234,5 @@ class EngramHasher:
         if comp.device not in self._on:
             self._on[comp.device] = tuple(t.to(comp.device) for t in self._cpu)
         mult, primes, offsets = self._on[comp.device]
-        hashes = self._rolling(seq, tokens.shape[1], mult)
-        return torch.remainder(hashes, primes) + offsets, seq[:, seq.shape[1] - history.shape[1]:]
-
-    def _rolling(self, seq: torch.Tensor, s_len: int, mult: torch.Tensor) -> torch.Tensor:
-        """Rolling hashes ``[B, S, L, n_cols]`` (n-gram-size-major, head-minor) of the last
-        ``s_len`` positions of ``seq``; a shift reads pad once it, or any newer shift, meets DEAD."""
-        n = self.layout.max_ngram
-        blocked = torch.zeros(seq.shape[0], s_len, dtype=torch.bool, device=seq.device)
-        rolling, cols = None, []
-        for shift in range(n):
-            src = seq[:, n - 1 - shift: n - 1 - shift + s_len]
-            blocked = blocked | (src == DEAD)
-            prod = torch.where(blocked, self.pad, src).unsqueeze(-1) * mult[:, shift]  # [B, S, L]
-            rolling = prod if rolling is None else torch.bitwise_xor(rolling, prod)
-            if shift:
-                cols.append(rolling.unsqueeze(-1).expand(-1, -1, -1, self.layout.n_heads))
-        return torch.cat(cols, dim=-1)
+        ids = ops.engram_hash(seq, mult, primes, offsets, self.pad)
+        return ids, seq[:, seq.shape[1] - history.shape[1]:]

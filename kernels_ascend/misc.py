@@ -10,7 +10,7 @@ them exactly; ``sample`` makes the argmax tie rule explicit. Each call is counte
 (``npu_runtime.FALLBACKS``) with its reason. ``gather_cold_rows`` reads pages in host memory,
 which no torch_npu operator reads: it gathers on the host and stages the rows to the NPU;
 ``store_paged`` and ``resolve_paged`` go through a block table, which no operator does, and
-``store_rows`` is a plain byte scatter.
+``store_rows`` is a plain byte scatter; ``engram_hash`` is int64 arithmetic no operator does.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ REASONS = {
     "hc_collapse": MHC_950_ONLY,
     "hc_expand": MHC_950_ONLY,
     "engram_gate": "no torch_npu operator computes engram_gate's two-norm sigmoid gate",
+    "engram_hash": "no torch_npu operator computes the n-gram rolling hash (int64 multiply, xor, remainder)",
     "sample": "no operator states an argmax tie rule or draws Gumbel noise from a given generator",
     "gather_cold_rows": "the pages are in host memory, which no torch_npu operator reads: rows are gathered on "
                         "the host as bytes and staged to the NPU in one copy each",
@@ -103,6 +104,12 @@ def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
     return ref.store_paged(pool, table, entry, mask, values, page_entries, trash_row)
 
 
+def engram_hash(seq, multipliers, primes, offsets, pad):
+    """``engram_hash``: plain torch on the NPU, exactly the reference."""
+    fallback("engram_hash", REASONS["engram_hash"])
+    return ref.engram_hash(seq, multipliers, primes, offsets, pad)
+
+
 def store_rows(dst, batch, slot, src):
     """``store_rows``: plain torch on the NPU (one byte scatter each for data and scale), exactly the reference."""
     fallback("store_rows", REASONS["store_rows"])
@@ -116,7 +123,7 @@ def resolve_paged(table, picks, page_entries, offset=0):
 
 
 FAMILY = npu_family("misc", {name: globals()[name] for name in (
-    "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "sample",
+    "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "engram_hash", "sample",
     "gather_cold_rows", "store_paged", "store_rows", "resolve_paged")},
     "ops with no matching torch_npu operator (plain torch on the NPU) and engram_lookup (npu_gather_sparse_index)")
 PLANS = {name: (lambda *args, why=why: why) for name, why in REASONS.items()}

@@ -1,4 +1,6 @@
-"""Engram kernels: ``engram_lookup`` (fp8 row gather + dequantize) and ``engram_gate``.
+"""Engram kernels: ``engram_lookup`` (fp8 row gather + dequantize), ``engram_gate`` and
+``engram_hash`` (the n-gram bucket ids in one launch: ``kernels_cuda/engram_hash.py``;
+``engram_hash.in_kernel`` off: plain torch, about 25 launches a decode step).
 
 ``engram_lookup``: a program gathers ``BLOCK_N`` ids, reads their E4M3 rows and UE8M0 scales
 (one per 32) in place (row strides of the table, int64 offsets: tables have 16M+ rows) and
@@ -17,13 +19,14 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import e4m3_to_f32, e8m0_to_f32, to_out
 from flashrt.families import KernelFamily, Support
-from flashrt.tile_checks import POW2
+from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2, zeros_stored
-from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda import engram_hash as _hash, warmup as _warmup
 
 TILES = {
     "engram_lookup": {"ROWS_ELEMS": 4096, "num_warps": 4},
     "engram_gate": {"MAX_BLOCK_D": 8192, "ELEMS_PER_WARP": 512},  # num_warps = BLOCK_D / this, 4..16
+    "engram_hash": {"in_kernel": True, "BLOCK_R": 16, "num_warps": 4},  # in_kernel False: plain torch
 }
 
 
@@ -126,12 +129,22 @@ def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:
     return out
 
 
+def engram_hash(seq, multipliers, primes, offsets, pad: int) -> torch.Tensor:
+    return _hash.engram_hash(seq, multipliers, primes, offsets, pad, _tiles()["engram_hash"])
+
+
 def warmup_cases(device, d: dict, dtype):
-    """engram_lookup of a step's n-gram ids (int64) from an fp8 table; engram_gate on the hc copies."""
+    """engram_hash of a step's tokens (two Engram layers), engram_lookup of its n-gram ids (int64)
+    from an fp8 table; engram_gate on the hc copies."""
     hc, dim, cols = d["hc_mult"], d["dim"], (d["engram_max_ngram_size"] - 1) * d["engram_n_heads"]
+    N = d["engram_max_ngram_size"]
+    mult = torch.ones(2, N, dtype=torch.long, device=device)
+    primes = torch.full((2, cols), 7, dtype=torch.long, device=device)
     table = zeros_stored("fp8", (256, d["engram_head_dim"]), None, device)
     weight = torch.ones(hc, dim, device=device)
     for n in _warmup.TOKENS:
+        seq = torch.zeros(1, N - 1 + n, dtype=torch.long, device=device)
+        yield _warmup.Launch("engram_hash", engram_hash, (seq, mult, primes, primes, 0))
         ids = torch.randint(0, 256, (1, n, cols), device=device)
         yield _warmup.Launch("engram_lookup", engram_lookup, (table, ids))
         x, key = _warmup.rand((1, n, hc, dim), dtype, device), _warmup.rand((1, n, hc, dim), dtype, device)
@@ -140,8 +153,9 @@ def warmup_cases(device, d: dict, dtype):
 
 
 FAMILY = KernelFamily(
-    "engram", ops={"engram_lookup": engram_lookup, "engram_gate": engram_gate},
+    "engram", ops={"engram_lookup": engram_lookup, "engram_gate": engram_gate, "engram_hash": engram_hash},
     supports={"engram_gate": Support(inputs={name: _DTYPES for name in ("h", "key", "value", "weight")})},
-    tiles=TILES, tile_checks={"engram_lookup.ROWS_ELEMS": POW2, "engram_gate.MAX_BLOCK_D": POW2},
+    tiles=TILES, tile_checks={"engram_lookup.ROWS_ELEMS": POW2, "engram_gate.MAX_BLOCK_D": POW2,
+                              "engram_hash.in_kernel": Tile(kind=bool), "engram_hash.BLOCK_R": POW2},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
-    description="Engram table rows (fp8) and the gated add")
+    description="Engram n-gram bucket ids, table rows (fp8) and the gated add")

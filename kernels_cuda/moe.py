@@ -10,7 +10,14 @@ be captured in a CUDA graph). Then three kernels:
    x.dtype first, clamp, silu, times the routing weight), h rounded to x.dtype and quantized to fp8
    per 32 (the input W2 sees, as ``linear`` would quantize it), stored in pair order;
 2. ``_moe_down_kernel``: per (row tile, column tile of D), W2 over h, output rounded to x.dtype;
-3. ``_moe_combine_kernel``: each token sums its k rows in fp32 (a deterministic gather-sum).
+3. ``_moe_combine_kernel``: each token sums its k rows in fp32 (a deterministic gather-sum); with
+   ``combine.in_kernel`` (up to ``splitk.POOL`` token x column tiles) the down kernel does it: each
+   (token, column tile) has a ticket counter (kernels_cuda/splitk.py's pool), and the program that
+   stores a token's last row sums its k rows in slot order, so the bits are the combine kernel's.
+
+One expert and one slot a token (the shared expert; ``direct`` on) needs no tables and no sum:
+pair ``t`` is token ``t``, the row tiles are ``BLOCK_M`` tokens each (``DIRECT``), and the down
+kernel writes each token's x.dtype-rounded row as fp32 (the combine's sum of one row): two launches.
 
 The MMA modes are those of ``linear.py`` (promote for fp8_w on sm_89+, dequant-to-bf16 otherwise).
 ``moe_route`` is not served here (the reference does it: one small GEMM and a top-k).
@@ -22,9 +29,9 @@ import triton
 import triton.language as tl
 
 from flashrt.families import Dim, KernelFamily, Support
-from flashrt.tile_checks import COUNT0, DOT, POW2, gemm_smem
+from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
-from flashrt.kernels_cuda import moe_tables
+from flashrt.kernels_cuda import moe_tables, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
 from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile,
@@ -37,9 +44,10 @@ TILES = {
         (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),  # decode: weight-bound
         (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
     ),
-    "combine": dict(BLOCK_D=1024, num_warps=4),
+    "combine": dict(BLOCK_D=1024, num_warps=4, in_kernel=True),  # in_kernel: the down kernel's last program sums
     "route": moe_tables.ROUTE,  # the routing tables in one program up to max_pairs (token, slot) pairs
     "fused_max_tokens": 64,  # up to this many tokens the up kernel quantizes x itself (no act_quant launch)
+    "direct": True,  # one expert, one slot (the shared expert): no routing tables, no combine launch
 }
 
 
@@ -48,12 +56,19 @@ _tiles = PLANS.tiles
 
 
 @triton.jit
-def _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, BLOCK_M: tl.constexpr):
-    """(expert, pair rows [BLOCK_M], row mask) of this program's row tile."""
+def _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(expert, pair rows [BLOCK_M], row mask) of this program's row tile (``DIRECT``: expert 0,
+    rows ``t * BLOCK_M ..`` of ``n_rows``; the tables are not read)."""
     t = tl.program_id(1)
-    e = tl.load(tile_e_ptr + t)
-    rows = tl.load(tile_row_ptr + t) + tl.arange(0, BLOCK_M)
-    return e, rows, rows < tl.load(row_end_ptr + t)
+    if DIRECT:
+        e = tl.full([], 0, tl.int32)
+        rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
+        end = n_rows
+    else:
+        e = tl.load(tile_e_ptr + t)
+        rows = tl.load(tile_row_ptr + t) + tl.arange(0, BLOCK_M)
+        end = tl.load(row_end_ptr + t)
+    return e, rows, rows < end
 
 
 @triton.jit
@@ -70,15 +85,20 @@ def _swiglu(g, u, rw, limit, CLAMP: tl.constexpr, XDT: tl.constexpr):
 
 @triton.jit
 def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3_ptr, hq_ptr, sh_ptr,
-                   tile_e_ptr, tile_row_ptr, row_end_ptr, E, I, D, limit,
+                   tile_e_ptr, tile_row_ptr, row_end_ptr, E, I, D, limit, n_rows,
                    stride_xm, stride_sxm, stride_we, stride_wn, stride_swe, stride_swn, stride_hm, stride_shm,
                    FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, CLAMP: tl.constexpr, XDT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr):
-    """QX: xq_ptr holds the float x rows, quantized to fp8 in registers (sx_ptr unused)."""
-    e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, BLOCK_M)
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr,
+                   DIRECT: tl.constexpr):
+    """QX: xq_ptr holds the float x rows, quantized to fp8 in registers (sx_ptr unused). DIRECT:
+    pair = token (tok_ptr unused), rw_ptr the [N] routing weights."""
+    e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, BLOCK_M, DIRECT)
     if e >= E:  # past the last tile
         return
-    tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    if DIRECT:
+        tok = rows.to(tl.int64)
+    else:
+        tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     n0 = tl.program_id(0) * BLOCK_N
     ew, es = e.to(tl.int64) * stride_we, e.to(tl.int64) * stride_swe
     g, u = _k_loop(xq_ptr + tok * stride_xm, sx_ptr + tok * stride_sxm, row_ok, w1_ptr + ew, sw1_ptr + es,
@@ -96,11 +116,17 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
 
 
 @triton.jit
-def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, E, D, I,
+def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, E, D, I, n_rows,
                      stride_hm, stride_shm, stride_we, stride_wn, stride_swe, stride_swn, stride_ym,
-                     FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, BLOCK_M)
+                     tok_ptr, pos_ptr, out_ptr, cnt_ptr, TOPK, stride_om,
+                     FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, XDT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+                     COMBINE: tl.constexpr):
+    """y rows rounded to XDT (stored as y's dtype: fp32 when DIRECT writes the op's output).
+    COMBINE: then a ticket per (token, column tile) of each row; the program drawing a token's
+    last (TOPK-th) ticket sums its TOPK rows in slot order into ``out`` (``_moe_combine_kernel``'s
+    sum) and puts the counter back to zero."""
+    e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, BLOCK_M, DIRECT)
     if e >= E:
         return
     r64 = rows.to(tl.int64)
@@ -109,8 +135,23 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
     acc, _ = _k_loop(hq_ptr + r64 * stride_hm, sh_ptr + r64 * stride_shm, row_ok, w2, sw2, w2, sw2,
                      n0, D, 0, I, stride_wn, stride_swn, FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    tl.store(y_ptr + r64[:, None] * stride_ym + offs_n[None, :], to_out(acc, y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_n < D)[None, :])
+    y = to_out(acc, XDT).to(y_ptr.dtype.element_ty)
+    col_ok = offs_n < D
+    tl.store(y_ptr + r64[:, None] * stride_ym + offs_n[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+    if COMBINE:
+        tl.debug_barrier()  # every thread's rows are stored before the tickets publish them
+        tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        slot = cnt_ptr + tok * tl.num_programs(0) + tl.program_id(0)
+        ticket = tl.atomic_add(slot, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()  # a row's ticket and its loads below may sit in different threads
+        last = row_ok & (ticket == TOPK - 1)
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in range(TOPK):
+            p = tl.load(pos_ptr + tok * TOPK + s, mask=last, other=0).to(tl.int64)
+            total += tl.load(y_ptr + p[:, None] * stride_ym + offs_n[None, :], mask=last[:, None] & col_ok[None, :],
+                             other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + tok[:, None] * stride_om + offs_n[None, :], total, mask=last[:, None] & col_ok[None, :])
+        tl.atomic_xchg(slot, 0, mask=last, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -124,31 +165,44 @@ def _moe_combine_kernel(y_ptr, pos_ptr, out_ptr, D, TOPK, stride_ym, stride_om, 
     tl.store(out_ptr + t * stride_om + offs, acc, mask=offs < D)
 
 
-def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t, qx: bool):
+def _direct_tables(weights: torch.Tensor, block_m: int) -> dict:
+    """What the kernels read of the tables in ``DIRECT`` mode: the [N] routing weights (fp32) and
+    the number of row tiles (the other entries are never read: the weights stand in)."""
+    rw = weights.reshape(-1).to(torch.float32).contiguous()
+    return dict(tok=rw, rw=rw, tile_e=rw, tile_row=rw, row_end=rw, tiles=cdiv(rw.shape[0], block_m))
+
+
+def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t, qx: bool, direct: bool = False):
     (d1, s1), (d3, s3) = weight_operands(w1), weight_operands(w3)
     assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
     pairs, D = tab["tok"].shape[0], xq.shape[1]
     hq = torch.empty(pairs, I, dtype=torch.uint8, device=xq.device)  # E4M3 bytes
     sh = torch.empty(pairs, I // 32, dtype=torch.uint8, device=xq.device)  # UE8M0 bytes
     promote, dot = mma_mode(w1.fmt)
-    grid = (cdiv(I, t["BLOCK_N"]), tab["tile_e"].shape[0])
+    grid = (cdiv(I, t["BLOCK_N"]), tab["tiles"] if direct else tab["tile_e"].shape[0])
     _moe_up_kernel[grid](
         xq, sx, tab["tok"], tab["rw"], d1, s1, d3, s3, hq, sh, tab["tile_e"], tab["tile_row"], tab["row_end"],
-        w1.shape[0], I, D, limit, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1),
-        hq.stride(0), sh.stride(0), FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0,
-        XDT=TL_DTYPES[xdtype], QX=qx, **t)
+        w1.shape[0], I, D, limit, pairs, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0),
+        s1.stride(1), hq.stride(0), sh.stride(0), FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0,
+        XDT=TL_DTYPES[xdtype], QX=qx, DIRECT=direct, **t)
     return hq, sh
 
 
-def _experts_down(hq, sh, tab, w2, D, xdtype, t):
+def _experts_down(hq, sh, tab, w2, D, xdtype, t, direct: bool = False, combine=None):
+    """The pairs' rows [pairs, D] in x.dtype (``direct``: the op's fp32 output, pair = token).
+    ``combine``: (out fp32 [N, D], k): the kernel also sums each token's k rows into ``out``."""
     d2, s2 = weight_operands(w2)
-    y = torch.empty(hq.shape[0], D, dtype=xdtype, device=hq.device)
+    y = torch.empty(hq.shape[0], D, dtype=torch.float32 if direct else xdtype, device=hq.device)
     promote, dot = mma_mode(w2.fmt)
-    grid = (cdiv(D, t["BLOCK_N"]), tab["tile_e"].shape[0])
+    grid = (cdiv(D, t["BLOCK_N"]), tab["tiles"] if direct else tab["tile_e"].shape[0])
+    out, k = combine if combine is not None else (y, 1)
+    cnt = splitk.counters(hq.device) if combine is not None else y
     _moe_down_kernel[grid](
-        hq, sh, d2, s2, y, tab["tile_e"], tab["tile_row"], tab["row_end"], w2.shape[0], D, hq.shape[1],
+        hq, sh, d2, s2, y, tab["tile_e"], tab["tile_row"], tab["row_end"], w2.shape[0], D, hq.shape[1], hq.shape[0],
         hq.stride(0), sh.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, **t)
+        tab["tok"], tab.get("pos", y), out, cnt, k, out.stride(0),
+        FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
+        COMBINE=combine is not None, **t)
     return y
 
 
@@ -161,13 +215,20 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
     if n * k == 0 or D == 0 or I == 0:
         return torch.zeros(n, D, dtype=torch.float32, device=x.device)
     t = pick_tile(_tiles()["experts"], n * k / E)
-    tab = moe_tables.route_tables(indices, weights, E, t["BLOCK_M"], _tiles()["route"])
     qx = n <= _tiles()["fused_max_tokens"]
     xq, sx = (last_dense(x),) * 2 if qx else act_quant(x)
+    if E == 1 and k == 1 and _tiles()["direct"]:  # every token's one slot is expert 0
+        tab = _direct_tables(weights, t["BLOCK_M"])
+        hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t, qx, direct=True)
+        return _experts_down(hq, sh, tab, w2, D, x.dtype, t, direct=True)
+    tab = moe_tables.route_tables(indices, weights, E, t["BLOCK_M"], _tiles()["route"])
     hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t, qx)
-    y = _experts_down(hq, sh, tab, w2, D, x.dtype, t)
-    c = _tiles()["combine"]
     out = torch.empty(n, D, dtype=torch.float32, device=x.device)  # every row is written: k >= 1
+    c = _tiles()["combine"]
+    if c["in_kernel"] and splitk.fits(n * cdiv(D, t["BLOCK_N"])):
+        _experts_down(hq, sh, tab, w2, D, x.dtype, t, combine=(out, k))
+        return out
+    y = _experts_down(hq, sh, tab, w2, D, x.dtype, t)
     _moe_combine_kernel[(n, cdiv(D, c["BLOCK_D"]))](y, tab["pos"], out, D, k, y.stride(0), out.stride(0),
                                                           BLOCK_D=c["BLOCK_D"], num_warps=c["num_warps"])
     return out
@@ -215,6 +276,7 @@ FAMILY = KernelFamily(
                                              "w2": WEIGHT_FORMATS}, dims={"w1[1]": Dim(0, None, 32)},
                                      extra=same_up_format)},
     tiles=TILES, tile_checks={"experts.BLOCK_M": DOT, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
-                              "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0},
+                              "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
+                              "combine.in_kernel": Tile(kind=bool)},
     smem={"experts": gemm_smem}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="routed SwiGLU experts: grouped FP8 / FP4 GEMMs over routing tables")

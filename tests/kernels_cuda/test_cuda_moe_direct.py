@@ -1,0 +1,104 @@
+"""Fewer ``moe_experts`` launches, each against the path its switch restores, bit for bit, and
+against the reference, on fresh random inputs of odd token counts and widths (fp4_w / fp8_w
+weights, bf16 / fp32 activations, in-kernel and separate activation quantization):
+
+- one expert and one slot a token (the shared expert) in two launches (up and down, no routing
+  tables, no combine: ``tiles.moe.direct``);
+- routed experts with the combine summed by the down kernel's last program per (token, column
+  tile) (``tiles.moe.combine.in_kernel``): three launches, the ticket counters left at zero; a
+  token's slots may repeat an expert (two rows of one token in one row tile)."""
+import pytest
+import torch
+
+import flashrt
+from flashrt import formats, ops, profiles
+from kernel_check import DEVICE, rel_err, requires_kernels, run_both
+
+pytestmark = requires_kernels
+moe = pytest.importorskip("flashrt.kernels_cuda.moe")
+splitk = pytest.importorskip("flashrt.kernels_cuda.splitk")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    names = []
+    real = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
+    return names
+
+
+def _retile(monkeypatch, key, value):
+    monkeypatch.setitem(moe.TILES, key, value)
+    profiles._TILES_CACHE.clear()
+
+
+def _case(rng, fmt, xdt, n, D, I):
+    x = (torch.randn(n, D, generator=rng) * 3.0).to(DEVICE, xdt)
+    rw = (torch.rand(n, 1, generator=rng) + 0.5).to(DEVICE)
+    first = torch.zeros(n, 1, dtype=torch.int32, device=DEVICE)
+    w = [formats.quantize(torch.randn(*s, generator=rng) * 0.25, fmt).to(DEVICE) for s in ((1, I, D), (1, I, D), (1, D, I))]
+    return x, rw, first, *w, 10.0
+
+
+def _cuda(*args):
+    with flashrt.use_backend("cuda"):
+        return ops.moe_experts(*args)
+
+
+@pytest.mark.parametrize("fmt,xdt,n,D,I,fused", [("fp4_w", torch.bfloat16, 1, 96, 64, 64),
+                                                 ("fp8_w", torch.bfloat16, 7, 160, 96, 64),
+                                                 ("fp4_w", torch.float32, 19, 64, 160, 64),
+                                                 ("fp8_w", torch.bfloat16, 5, 96, 32, 0)])
+def test_direct_equals_the_tables_path_in_two_launches(rng, monkeypatch, launches, fmt, xdt, n, D, I, fused):
+    _retile(monkeypatch, "fused_max_tokens", fused)
+    args = _case(rng, fmt, xdt, n, D, I)
+    direct = _cuda(*args)
+    kernels = [k for k in launches if k != "_quantize_kernel"]
+    assert kernels == ["_moe_up_kernel", "_moe_down_kernel"]
+    assert direct.dtype == torch.float32 and tuple(direct.shape) == (n, D)
+    launches.clear()
+    _retile(monkeypatch, "direct", False)
+    _retile(monkeypatch, "combine", {**moe.TILES["combine"], "in_kernel": False})
+    tables = _cuda(*args)
+    assert [k for k in launches if k != "_quantize_kernel"] == ["_route_kernel", "_moe_up_kernel",
+                                                                "_moe_down_kernel", "_moe_combine_kernel"]
+    assert torch.equal(direct, tables)
+    _, want = run_both("moe_experts", *args)
+    assert rel_err(direct, want) < 1e-3
+
+
+def _routed(rng, fmt, xdt, n, D, I, E, k, repeat=False):
+    x = (torch.randn(n, D, generator=rng) * 3.0).to(DEVICE, xdt)
+    if repeat:
+        idx = torch.randint(0, E, (n, k), generator=rng, dtype=torch.int32)
+    else:
+        idx = torch.stack([torch.randperm(E, generator=rng)[:k] for _ in range(n)]).to(torch.int32)
+    rw = torch.rand(n, k, generator=rng).to(DEVICE)
+    w = [formats.quantize(torch.randn(*s, generator=rng) * 0.25, fmt).to(DEVICE) for s in ((E, I, D), (E, I, D), (E, D, I))]
+    return x, rw, idx.to(DEVICE), *w, 10.0
+
+
+def _counters_zero():
+    pool = splitk._POOLS.get((DEVICE.type, DEVICE.index))
+    assert pool is not None and int(pool.count_nonzero()) == 0, "ticket counters not reset"
+
+
+@pytest.mark.parametrize("fmt,xdt,n,D,I,E,k,repeat", [("fp4_w", torch.bfloat16, 1, 96, 64, 8, 2, False),
+                                                      ("fp8_w", torch.bfloat16, 7, 160, 96, 5, 3, False),
+                                                      ("fp4_w", torch.float32, 13, 64, 32, 3, 2, True),
+                                                      ("fp8_w", torch.bfloat16, 37, 96, 64, 2, 2, True)])
+def test_combine_in_the_down_kernel_equals_the_combine_launch(rng, monkeypatch, launches, fmt, xdt, n, D, I, E, k,
+                                                               repeat):
+    args = _routed(rng, fmt, xdt, n, D, I, E, k, repeat)
+    fused = _cuda(*args)
+    assert [k for k in launches if k != "_quantize_kernel"] == ["_route_kernel", "_moe_up_kernel", "_moe_down_kernel"]
+    _counters_zero()
+    launches.clear()
+    _retile(monkeypatch, "combine", {**moe.TILES["combine"], "in_kernel": False})
+    plain = _cuda(*args)
+    assert "_moe_combine_kernel" in launches
+    assert torch.equal(fused, plain)
+    _, want = run_both("moe_experts", *args)
+    assert rel_err(fused, want) < 1e-3
