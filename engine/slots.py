@@ -51,6 +51,8 @@ class DecodeSlots:
         self.cache: OrderedDict[int, tuple[KVState, StepCapture | None]] = OrderedDict()
         self.state, self.capture, self.owner = None, None, []
         self.captures = 0  # decode steps captured as CUDA graphs, over every bucket's runner
+        self.graph_steps = dict.fromkeys(("replayed", "eager", "fallback"), 0)  # how the other steps ran
+        self.uncapturable = None  # why a shape last stayed eager (the host sync), if one did
 
     # ----- membership ------------------------------------------------------------------------------
     @property
@@ -131,9 +133,12 @@ class DecodeSlots:
         """fp32 logits [rows, vocab] after one token per row (``tokens``: row -> id; padding runs 0)."""
         ids = self.ids(tokens)
         if self.capture is not None:
-            before = self.capture.stats["captured"]
+            before = dict(self.capture.stats)
             logits = self.capture.step(ids)
-            self.captures += self.capture.stats["captured"] - before
+            self.captures += self.capture.stats["captured"] - before["captured"]
+            for kind in ("replayed", "eager", "fallback"):
+                self.graph_steps[kind] += self.capture.stats[kind] - before[kind]
+            self.uncapturable = self.capture.stats.get("uncapturable", self.uncapturable)
         else:
             logits = self.model.forward(ids.unsqueeze(1), state=self.state)
         self.state.rewind_rows([r for r, o in enumerate(self.owner) if o is None])

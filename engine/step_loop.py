@@ -73,6 +73,7 @@ class StepLoop(PrefillSteps):
         self.swap_used = 0
         self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "preemptions", "swaps",
                                        "recomputes", "finished", "aborted", "failed", "steps", "decode_captures",
+                                       "decode_replays", "decode_eager", "decode_fallbacks",
                                        *COUNTERS), 0)
         self.timer = StepTimer(model.device, config.device_timing)
         self.finish_hooks = []  # called with each finished Request
@@ -186,6 +187,8 @@ class StepLoop(PrefillSteps):
         try:
             logits = self.slots.step({s.slot: s.tokens[s.computed] for s in seqs})
             self.counters["decode_captures"] = self.slots.captures
+            g = self.slots.graph_steps
+            self.counters.update(decode_replays=g["replayed"], decode_eager=g["eager"], decode_fallbacks=g["fallback"])
         except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
             for req in {s.request for s in seqs}:
                 self._fail(req, exc, touched)

@@ -29,6 +29,9 @@ STEP_COUNTERS = {  # where the engine's steps spend their time (Engine.stats key
     "prefill_seconds": "Wall time of the prefill forward calls (host side)",
     "sample_seconds": "Wall time of sampling, output checks and joins (waits for the device)",
     "decode_captures": "Decode steps captured as CUDA graphs (a new shape, or a state buffer that moved)",
+    "decode_replays": "Decode steps replayed from captured CUDA graphs",
+    "decode_eager": "Decode steps run eagerly from static buffers (no CUDA graphs, cold pages, or a shape that syncs with the host)",
+    "decode_fallbacks": "Decode steps run as a plain forward (host-tier pages without the zero-copy gather)",
     "decode_device_seconds": "Device time of the decode forward calls (CUDA events with --device-timing; 0 otherwise)",
     "prefill_device_seconds": "Device time of the prefill forward calls (CUDA events with --device-timing; 0 otherwise)",
 }

@@ -59,6 +59,7 @@ def test_growing_pools_do_not_recapture_decode_steps(model, rng, monkeypatch):
     assert (pool.device_pages, pool.index_pool.dev.shape[0], pool.generation, pool.index_pool.generation) == before
     assert counter.keys and counter.layouts() == [1] * len(counter.keys)
     assert core.counters["decode_captures"] == 0  # CPU: the static-buffer step runs eagerly
+    assert core.counters["decode_eager"] == core.counters["decode_steps"] > 0 == core.counters["decode_replays"]
     assert pool.pages_in_use == 0 and pool.index_pool.pages_in_use == 0
 
 
