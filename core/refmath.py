@@ -25,13 +25,41 @@ def _chunk(rows: int, bytes_per_row: int) -> int:
     return max(1, min(rows, CHUNK_BYTES // max(1, bytes_per_row)))
 
 
+# A GEMM's blocking depends on how many rows it has, so in fp32 one row rounds differently in a
+# one-token step and in a chunk (a verify step, a prefill). Accumulating in fp64 and rounding to
+# fp32 gives each row the same fp32 result whatever the other rows of the call (up to exact
+# rounding ties): decode steps, verify chunks and prefills agree bit for bit. Devices without
+# fast fp64 (NPUs) keep fp32.
+_WIDE_DEVICES = ("cpu", "cuda")
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64) if t.device.type in _WIDE_DEVICES else t.to(torch.float32)
+
+
+def _linear32(x, weight) -> torch.Tensor:
+    """``x @ weight.T`` of fp32-valued operands -> fp32, each row independent of the others."""
+    return F.linear(_wide(x), _wide(weight)).to(torch.float32)
+
+
+def _row_sum(t: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over the last dim, the same for a row whatever the other rows (a reduction's
+    vectorization, and so its order, depends on the tensor's shape)."""
+    return _wide(t).sum(-1).to(torch.float32)
+
+
+def _mean_sq(t: torch.Tensor) -> torch.Tensor:
+    """``mean(t ** 2)`` over the last dim (kept), row-invariant as :func:`_row_sum`."""
+    return (_wide(t).pow(2).sum(-1, keepdim=True) / t.shape[-1]).to(torch.float32)
+
+
 def _float(t) -> torch.Tensor:
     return formats.dequantize(t) if isinstance(t, QTensor) else t.to(torch.float32)
 
 
 def rms_norm(x, weight, eps):
     xf = x.to(torch.float32)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)
+    y = xf * torch.rsqrt(_mean_sq(xf) + eps) * weight.to(torch.float32)
     return y.to(x.dtype)
 
 
@@ -78,8 +106,8 @@ def linear_fp32(x, weight) -> torch.Tensor:
     """``x @ weight.T`` accumulated in fp32, returned in fp32 (fp8 activations for QTensor weights)."""
     if isinstance(weight, QTensor):
         xq = formats.dequantize(formats.quantize(x, activation_format(weight)))
-        return F.linear(xq, dequantized_weight(weight))
-    return F.linear(x.to(torch.float32), weight.to(torch.float32))
+        return _linear32(xq, dequantized_weight(weight))
+    return _linear32(x, weight)
 
 
 def linear(x, weight):
@@ -193,7 +221,7 @@ def compress_pool(kv, score):
 def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps):
     B, S, hc, _ = x.shape
     v = x.to(torch.float32).flatten(2)
-    m = (v @ fn.T) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm_eps)
+    m = _linear32(v, fn) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm_eps)
     pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).view(B, S, hc, hc)
@@ -220,8 +248,8 @@ def engram_lookup(table, ids):
 
 def engram_gate(h, key, value, weight, eps):
     hf, kf = h.to(torch.float32), key.to(torch.float32)
-    r = torch.rsqrt(hf.pow(2).mean(-1) + eps) * torch.rsqrt(kf.pow(2).mean(-1) + eps)
-    d = (hf * weight.to(torch.float32) * kf).sum(-1) * r / math.sqrt(h.shape[-1])
+    r = torch.rsqrt(_mean_sq(hf)[..., 0] + eps) * torch.rsqrt(_mean_sq(kf)[..., 0] + eps)
+    d = _row_sum(hf * weight.to(torch.float32) * kf) * r / math.sqrt(h.shape[-1])
     g = torch.sigmoid(torch.copysign(d.abs().clamp_min(1e-6).sqrt(), d))
     return (hf + g.unsqueeze(-1) * value.to(torch.float32).unsqueeze(2)).to(h.dtype)
 
@@ -234,7 +262,7 @@ _SCORE = {
 
 
 def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
-    s = _SCORE[score_func](F.linear(x.to(torch.float32), weight.to(torch.float32)))
+    s = _SCORE[score_func](_linear32(x, weight))
     indices = _top_order(s if bias is None else s + bias, topk)
     w = s.gather(-1, indices)
     if norm_topk and topk > 1:
@@ -246,8 +274,8 @@ def _project(x, w, e: int) -> torch.Tensor:
     """``linear(x, w[e])`` of a stacked [E, out, in] weight, in ``x.dtype``."""
     if isinstance(w, QTensor):  # fp8 activations, as linear() does for a quantized weight
         xq = formats.dequantize(formats.quantize(x, activation_format(w)))
-        return F.linear(xq, dequantized_weight(w)[e]).to(x.dtype)
-    return F.linear(x.to(torch.float32), w[e].to(torch.float32)).to(x.dtype)
+        return _linear32(xq, dequantized_weight(w)[e]).to(x.dtype)
+    return _linear32(x, w[e]).to(x.dtype)
 
 
 def swiglu(gate, up, weight, limit: float) -> torch.Tensor:
