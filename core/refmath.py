@@ -5,6 +5,11 @@ adapters that fall back to plain torch on their device (``flashrt.kernels_ascend
 so both share one implementation. Inputs arrive validated by :mod:`flashrt.ops`. Math runs in
 fp32; large intermediates are chunked over query positions so that the math stays usable on
 realistic shapes.
+
+GEMMs, last-dim sums and the transcendental pointwise functions are evaluated wide (fp64 on CPU and
+CUDA) and rounded to fp32, so that a row (a position, a head) gets the same bits whatever the other
+rows of the call: a one-token decode step, a speculative verify chunk, a prefill and a
+tensor-parallel rank's share of the heads agree bit for bit.
 """
 from __future__ import annotations
 
