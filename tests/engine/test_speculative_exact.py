@@ -47,10 +47,16 @@ def stepwise(model, seq, state=None):
     return torch.stack([model.forward(torch.tensor([[t]]), state=state)[0] for t in seq]), state
 
 
-def test_chunk_equals_one_token_steps(small_shaped):
+@pytest.fixture(scope="module")
+def stepped(small_shaped):
+    """(the sequence, its logits from one-token steps), computed once for the tests below."""
+    seq = sequence(small_shaped)
+    return seq, stepwise(small_shaped, seq)[0]
+
+
+def test_chunk_equals_one_token_steps(small_shaped, stepped):
     model = small_shaped
-    seq = sequence(model)
-    steps, _ = stepwise(model, seq)
+    seq, steps = stepped
     chunk = model.forward(torch.tensor([seq]), all_positions=True)[0]
     bad = [p for p in range(len(seq)) if not torch.equal(steps[p], chunk[p])]
     assert not bad, f"positions {bad} differ between one-token steps and one chunk"
@@ -58,11 +64,10 @@ def test_chunk_equals_one_token_steps(small_shaped):
 
 
 @pytest.mark.parametrize("start", [30, 31])
-def test_verify_chunk_equals_one_token_steps(small_shaped, start):
+def test_verify_chunk_equals_one_token_steps(small_shaped, stepped, start):
     """A verify chunk of 6 from ``start`` (across the ratio-2 boundary at 32, window wrapped)."""
     model = small_shaped
-    seq = sequence(model)
-    steps, _ = stepwise(model, seq)
+    seq, steps = stepped
     _, state = stepwise(model, seq[:start])
     ids = torch.tensor([seq[start:start + 6]])
     logits, _ = spec.verify(model, state, ids)
