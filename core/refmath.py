@@ -5,6 +5,11 @@ adapters that fall back to plain torch on their device (``flashrt.kernels_ascend
 so both share one implementation. Inputs arrive validated by :mod:`flashrt.ops`. Math runs in
 fp32; large intermediates are chunked over query positions so that the math stays usable on
 realistic shapes.
+
+GEMMs, last-dim sums and the transcendental pointwise functions are evaluated wide (fp64 on CPU and
+CUDA) and rounded to fp32, so that a row (a position, a head) gets the same bits whatever the other
+rows of the call: a one-token decode step, a speculative verify chunk, a prefill and a
+tensor-parallel rank's share of the heads agree bit for bit.
 """
 from __future__ import annotations
 
@@ -25,13 +30,53 @@ def _chunk(rows: int, bytes_per_row: int) -> int:
     return max(1, min(rows, CHUNK_BYTES // max(1, bytes_per_row)))
 
 
+# A GEMM's blocking depends on how many rows it has, so in fp32 one row rounds differently in a
+# one-token step and in a chunk (a verify step, a prefill). Accumulating in fp64 and rounding to
+# fp32 gives each row the same fp32 result whatever the other rows of the call (up to exact
+# rounding ties): decode steps, verify chunks and prefills agree bit for bit. Devices without
+# fast fp64 (NPUs) keep fp32.
+_WIDE_DEVICES = ("cpu", "cuda")
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64) if t.device.type in _WIDE_DEVICES else t.to(torch.float32)
+
+
+def _linear_wide(x, weight) -> torch.Tensor:
+    """``x @ weight.T`` accumulated wide (fp64 where :data:`_WIDE_DEVICES`), not rounded."""
+    return F.linear(_wide(x), _wide(weight))
+
+
+def _linear32(x, weight) -> torch.Tensor:
+    """``x @ weight.T`` of fp32-valued operands -> fp32, each row independent of the others."""
+    return _linear_wide(x, weight).to(torch.float32)
+
+
+def _row_sum(t: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over the last dim, the same for a row whatever the other rows (a reduction's
+    vectorization, and so its order, depends on the tensor's shape)."""
+    return _wide(t).sum(-1).to(torch.float32)
+
+
+def _mean_sq(t: torch.Tensor) -> torch.Tensor:
+    """``mean(t ** 2)`` over the last dim (kept), row-invariant as :func:`_row_sum`."""
+    return (_wide(t).pow(2).sum(-1, keepdim=True) / t.shape[-1]).to(torch.float32)
+
+
+def _pointwise(fn, t: torch.Tensor) -> torch.Tensor:
+    """``fn(t)`` -> fp32, the same for an element wherever it sits in the tensor: CPU kernels run a
+    transcendental function (sigmoid, silu, softplus) vectorized over a tensor's body and scalar
+    over its tail, which round differently; evaluated wide and rounded to fp32 they agree."""
+    return fn(_wide(t)).to(torch.float32)
+
+
 def _float(t) -> torch.Tensor:
     return formats.dequantize(t) if isinstance(t, QTensor) else t.to(torch.float32)
 
 
 def rms_norm(x, weight, eps):
     xf = x.to(torch.float32)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)
+    y = xf * torch.rsqrt(_mean_sq(xf) + eps) * weight.to(torch.float32)
     return y.to(x.dtype)
 
 
@@ -74,15 +119,26 @@ def activation_format(weight: QTensor) -> str:
     return "int8_t" if weight.fmt == "int8_w" else "fp8"
 
 
-def linear_fp32(x, weight) -> torch.Tensor:
-    """``x @ weight.T`` accumulated in fp32, returned in fp32 (fp8 activations for QTensor weights)."""
+def _linear_acc(x, weight) -> torch.Tensor:
+    """``x @ weight.T`` accumulated wide, not rounded (fp8 activations for QTensor weights)."""
     if isinstance(weight, QTensor):
         xq = formats.dequantize(formats.quantize(x, activation_format(weight)))
-        return F.linear(xq, dequantized_weight(weight))
-    return F.linear(x.to(torch.float32), weight.to(torch.float32))
+        return _linear_wide(xq, dequantized_weight(weight))
+    return _linear_wide(x, weight)
+
+
+def linear_fp32(x, weight) -> torch.Tensor:
+    """``x @ weight.T`` rounded once to fp32 from the wide accumulation (fp8 activations for
+    QTensor weights)."""
+    return _linear_acc(x, weight).to(torch.float32)
 
 
 def linear(x, weight):
+    """``linear_fp32`` in ``x.dtype``; an fp64 ``x`` gets the wide accumulation itself, not rounded
+    to fp32: partial sums that tensor-parallel ranks add up (in fp64) and round once, as one
+    process's whole sum is rounded."""
+    if x.dtype == torch.float64:
+        return _linear_acc(x, weight).to(torch.float64)
     return linear_fp32(x, weight).to(x.dtype)
 
 
@@ -112,12 +168,15 @@ def sparse_attention(q, kv, indices, sink, scale):
     if T == 0:  # empty cache (T == 0): every slot is -1, nothing to gather
         return torch.zeros_like(q)
     out = torch.empty_like(q)
-    step = _chunk(S, B * K * D * 4 + B * H * K * 8)
+    step = _chunk(S, B * K * D * 12 + B * H * K * 16)
     for s0 in range(0, S, step):
         idx = indices[:, s0 : s0 + step]
         valid = (idx >= 0).unsqueeze(2)  # [B, s, 1, K]
-        rows = _gather_rows(kv, idx.clamp_min(0).long())  # [B, s, K, D]
-        logits = torch.einsum("bshd,bskd->bshk", q[:, s0 : s0 + step].to(torch.float32), rows) * scale
+        # the two products accumulate wide: a head's (and a position's) bits do not depend on how
+        # many heads the call has (a tensor-parallel rank has n_heads / tp) or positions
+        rows = _wide(_gather_rows(kv, idx.clamp_min(0).long()))  # [B, s, K, D]
+        qw = _wide(q[:, s0 : s0 + step])
+        logits = torch.einsum("bshd,bskd->bshk", qw, rows).to(torch.float32) * scale
         logits = logits.masked_fill(~valid, float("-inf"))
         # [B, s, H]; K == 0 (no slot at all) has no max to take: -inf, as for all-empty rows
         m = logits.amax(-1) if K else logits.new_full(logits.shape[:-1], float("-inf"))
@@ -125,10 +184,10 @@ def sparse_attention(q, kv, indices, sink, scale):
             m = torch.maximum(m, sink)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(logits - m.unsqueeze(-1))
-        denom = p.sum(-1)
+        denom = _row_sum(p)
         if sink is not None:
             denom = denom + torch.exp(sink - m)
-        o = torch.einsum("bshk,bskd->bshd", p, rows) / denom.clamp_min(1e-38).unsqueeze(-1)
+        o = torch.einsum("bshk,bskd->bshd", _wide(p), rows).to(torch.float32) / denom.clamp_min(1e-38).unsqueeze(-1)
         out[:, s0 : s0 + step] = torch.where(denom.unsqueeze(-1) > 0, o, torch.zeros_like(o)).to(q.dtype)
     return out
 
@@ -193,9 +252,9 @@ def compress_pool(kv, score):
 def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps):
     B, S, hc, _ = x.shape
     v = x.to(torch.float32).flatten(2)
-    m = (v @ fn.T) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm_eps)
-    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    m = _linear32(v, fn) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm_eps)
+    pre = _pointwise(torch.sigmoid, m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * _pointwise(torch.sigmoid, m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).view(B, S, hc, hc)
     comb = torch.softmax(comb, -1) + eps
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
@@ -220,16 +279,16 @@ def engram_lookup(table, ids):
 
 def engram_gate(h, key, value, weight, eps):
     hf, kf = h.to(torch.float32), key.to(torch.float32)
-    r = torch.rsqrt(hf.pow(2).mean(-1) + eps) * torch.rsqrt(kf.pow(2).mean(-1) + eps)
-    d = (hf * weight.to(torch.float32) * kf).sum(-1) * r / math.sqrt(h.shape[-1])
-    g = torch.sigmoid(torch.copysign(d.abs().clamp_min(1e-6).sqrt(), d))
+    r = torch.rsqrt(_mean_sq(hf)[..., 0] + eps) * torch.rsqrt(_mean_sq(kf)[..., 0] + eps)
+    d = _row_sum(hf * weight.to(torch.float32) * kf) * r / math.sqrt(h.shape[-1])
+    g = _pointwise(torch.sigmoid, torch.copysign(d.abs().clamp_min(1e-6).sqrt(), d))
     return (hf + g.unsqueeze(-1) * value.to(torch.float32).unsqueeze(2)).to(h.dtype)
 
 
 _SCORE = {
     "softmax": lambda z: torch.softmax(z, -1),
-    "sigmoid": torch.sigmoid,
-    "sqrtsoftplus": lambda z: F.softplus(z).sqrt(),
+    "sigmoid": lambda z: _pointwise(torch.sigmoid, z),
+    "sqrtsoftplus": lambda z: _pointwise(F.softplus, z).sqrt(),
 }
 
 
@@ -249,7 +308,7 @@ def engram_hash(seq, multipliers, primes, offsets, pad):
 
 
 def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
-    s = _SCORE[score_func](F.linear(x.to(torch.float32), weight.to(torch.float32)))
+    s = _SCORE[score_func](_linear32(x, weight))
     indices = _top_order(s if bias is None else s + bias, topk)
     w = s.gather(-1, indices)
     if norm_topk and topk > 1:
@@ -261,8 +320,8 @@ def _project(x, w, e: int) -> torch.Tensor:
     """``linear(x, w[e])`` of a stacked [E, out, in] weight, in ``x.dtype``."""
     if isinstance(w, QTensor):  # fp8 activations, as linear() does for a quantized weight
         xq = formats.dequantize(formats.quantize(x, activation_format(w)))
-        return F.linear(xq, dequantized_weight(w)[e]).to(x.dtype)
-    return F.linear(x.to(torch.float32), w[e].to(torch.float32)).to(x.dtype)
+        return _linear32(xq, dequantized_weight(w)[e]).to(x.dtype)
+    return _linear32(x, w[e]).to(x.dtype)
 
 
 def swiglu(gate, up, weight, limit: float) -> torch.Tensor:
@@ -271,7 +330,7 @@ def swiglu(gate, up, weight, limit: float) -> torch.Tensor:
     gate, up = gate.to(torch.float32), up.to(torch.float32)
     if limit > 0:
         gate, up = gate.clamp_max(limit), up.clamp(-limit, limit)
-    return F.silu(gate) * up * weight.unsqueeze(-1)
+    return _pointwise(F.silu, gate) * up * weight.unsqueeze(-1)
 
 
 def experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit, project=_project):

@@ -11,7 +11,8 @@ one rank of each group (``layer % tp``). Everything else (norms, mHC, the query 
 compressor, indexer, the gate, Engram projections, draft layers) is replicated.
 
 No weight is cut inside a dot product whose result the published model rounds to bf16, so a rank
-computes the same values as one process; only the order of fp32 sums changes.
+computes the same values as one process; only the order of the sums across ranks changes (on the
+CPU not even that shows: the output projection's partials are summed in fp64, graphs/tp_layers.py).
 
 :class:`Layout` is the static answer (a frozen dataclass, no process group needed: the loader and
 ``flashrt plan`` use it); :class:`Parallel` adds the process groups and the collectives the

@@ -1,9 +1,13 @@
 """Tensor-parallel versions of the layers (docs/parallel.md): each rank holds its slice of the
 weights (:mod:`flashrt.graphs.shard`) and sums or gathers across its tensor-parallel group.
 
-Sums are taken in fp32 and cast once, so a rank's result differs from one process only by the
-order of fp32 additions; the vocabulary-parallel embedding and Engram lookups are exact (one rank
-contributes each row, the others zeros) and the head's logits are gathered, not summed.
+The output projection's partial sums are added up wide and rounded once: on the CPU each rank's
+partial is the reference's fp64 accumulation (an fp64 input to ``linear`` keeps it) and the group
+sums it in fp64, so the result is one process's fp64 sum rounded the same way, bit for bit (up to
+fp64 rounding, far below an fp32 ulp); on accelerators partials and sums are fp32 and differ from
+one process by the order of fp32 additions. The vocabulary-parallel embedding and Engram lookups
+are exact (one rank contributes each row, the others zeros) and the head's logits are gathered,
+not summed.
 """
 from __future__ import annotations
 
@@ -26,9 +30,16 @@ class TPAttention(Attention):
         self.par = par
 
     def out_proj(self, o: torch.Tensor) -> torch.Tensor:
-        """This rank's groups' share of ``wo_b`` (its input columns), summed over the group in fp32."""
-        y = ops.linear(o.to(torch.float32), self.wo_b)
-        return self.par.tp_all_reduce(y).to(o.dtype)
+        """This rank's groups' share of ``wo_b`` (its input columns), summed over the group wide
+        (:func:`partial_dtype`), rounded to fp32 and then to ``o.dtype`` as one process's sum is."""
+        y = ops.linear(o.to(partial_dtype(o.device)), self.wo_b)
+        return self.par.tp_all_reduce(y).to(torch.float32).to(o.dtype)
+
+
+def partial_dtype(device: torch.device) -> torch.dtype:
+    """dtype of a GEMM's partial sums that ranks add up: fp64 on the CPU (the reference accumulates
+    in fp64, and an fp64 input gets that accumulation unrounded), fp32 on accelerators."""
+    return torch.float64 if torch.device(device).type == "cpu" else torch.float32
 
 
 class TPEngram(Engram):

@@ -106,15 +106,17 @@ def small_shaped(cfg):
     return Model(shaped, init_weights(shaped, seed=1))
 
 
-@pytest.mark.xfail(strict=False, reason="known, open: the reference backend's fp32 GEMMs round a row by the "
-                   "call's row count, so a verify chunk and one-token steps can drift past the 0.05 tie "
-                   "bound on some seeds (e.g. 448491446); a row-invariant reference is on branch specfix")
-@pytest.mark.parametrize("k", [5, "auto"])
-def test_small_shaped_ragged_greedy_equals_plain(small_shaped, rng, monkeypatch, k):
+# (k, seed): fresh inputs (seed None), and seeds whose speculative output diverged (with either k)
+# while the reference rounded a verify chunk's rows unlike one-token steps
+@pytest.mark.parametrize("k, seed", [(5, None), ("auto", None), (5, 448491446), ("auto", 2)])
+def test_small_shaped_ragged_greedy_equals_plain(small_shaped, rng, monkeypatch, k, seed):
     model = small_shaped
+    rng = rng if seed is None else torch.Generator().manual_seed(seed)
     prompts = ragged_prompts(rng, model, lengths(rng, 3, 5, 40))
     want = generate(model, prompts, 14)
     monkeypatch.setattr(model.drafts, "draft", OracleDraft(model, prompts, want.tokens, rng, 0.25))
     got = generate(model, prompts, 14, speculative="dspark", draft_tokens=k)
-    assert_same_greedy(model, prompts, want.tokens, got.tokens)
+    # the reference gives a row the same bits in a verify chunk as in a one-token step: no near-tie
+    # allowance, the tokens are equal
+    assert got.tokens == want.tokens
     assert 0 < got.speculative["accepted"] < got.speculative["drafted"]
