@@ -53,9 +53,6 @@ def check(job: ServeJob) -> Layout:
     if job.config.prefix_cache_dir:
         raise ValueError(f"prefix_cache_dir: a disk prefix cache is not shared by the ranks of --tp / --ep "
                          f"(the in-memory one works), got {job.config.prefix_cache_dir!r}")
-    if job.config.speculative is not None:
-        raise ValueError(f"speculative: not supported with --tp / --ep (the ranks run plain decode steps); "
-                         f"drop --speculative {job.config.speculative} or serve on one device")
     if isinstance(job.timeout_s, bool) or not job.timeout_s > 0:
         raise ValueError(f"collective_timeout: expected seconds > 0, got {job.timeout_s!r}")
     kind = pick_device(job.device).type
