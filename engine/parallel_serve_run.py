@@ -27,6 +27,7 @@ from .launch import launch, under_torchrun
 from .parallel_run import checkpoint_path
 from .parallel_serve import Lockstep, follow, leave_signals_to_rank_0
 from .run import pick_device
+from .speculative import check_config
 
 
 @dataclasses.dataclass
@@ -70,7 +71,9 @@ def serve_parallel(job: ServeJob, on_event=None) -> int:
     layout = check(job)
     kind = pick_device(job.device).type
     path = checkpoint_path(job.model, job.seed, job.log_level not in ("info", "debug"))
-    layout.check(ModelConfig.from_file(str(path / "config.json")))
+    cfg = ModelConfig.from_file(str(path / "config.json"))
+    layout.check(cfg)
+    check_config(cfg, cfg.n_mtp_layers > 0, job.config.speculative, job.config.draft_tokens)
     job = dataclasses.replace(job, model=str(path), config=job.config,
                               name=job.name or os.path.basename(os.path.normpath(job.model)),
                               threads=job.threads or max(1, (os.cpu_count() or 1) // layout.world))
