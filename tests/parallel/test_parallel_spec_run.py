@@ -37,15 +37,19 @@ PAIRS = 2 * 8  # (token, expert) pairs per token in tiny: top-2 experts, 8 layer
 class OracleDraft:
     """The real draft runs (its collectives and rings as always); its proposals are replaced by
     ``reference`` (the prompt's plain greedy continuation) with draft ``calls % (K + 1) + 1`` (none
-    when past the block) turned into a random other id."""
+    when past the block) turned into a random other id. Its confidence scores alternate between all
+    high and only the first high (an adaptive k of the whole block, then of 1); ``skew``: this
+    rank's scores are turned around (an adaptive k of its own would differ from rank 0's)."""
 
     def __init__(self, model, prompt_len: int, reference: list[int], seed: int, skew: bool = False):
         self.real, self.V, self.skew = model.drafts.draft, model.cfg.vocab_size, skew
-        self.prompt_len, self.reference, self.calls = prompt_len, reference, 0
+        self.prompt_len, self.reference, self.calls, self.first = prompt_len, reference, 0, None
         self.rng = torch.Generator().manual_seed(seed)
 
     def __call__(self, next_ids, state, temperature=0.0, generator=None):
         out, logits, confidence = self.real(next_ids, state, temperature, generator)
+        if self.first is None:  # the real draft's first logits and scores
+            self.first = (logits.clone(), confidence.clone())
         out, K = out.clone(), out.shape[1] - 1
         t = state.host_positions[0] - self.prompt_len  # next_ids is new token t
         wrong, self.calls = self.calls % (K + 1) + 1, self.calls + 1
@@ -54,9 +58,9 @@ class OracleDraft:
             if j == wrong:
                 want = (want + 1 + int(torch.randint(0, self.V - 1, (1,), generator=self.rng))) % self.V
             out[0, j] = want
-        if self.skew:  # this rank scores the drafts otherwise: an adaptive k of its own would differ
-            confidence = -8 * confidence.sign()
-        return out, logits, confidence
+        scores = torch.full_like(confidence, 4.0 if self.calls % 2 else -4.0)
+        scores[:, 0] = 4.0
+        return out, logits, -scores if self.skew else scores
 
 
 def _job(**kw):
@@ -67,15 +71,17 @@ def _job(**kw):
 
 
 def _rank(rank, device, cases, seed, prompt, reference, report):
-    """Every case on this rank: (new tokens, the speculative statistics without timers)."""
+    """Every case on this rank: (new tokens, the speculative statistics without timers, the real
+    draft's first logits and confidence scores)."""
     torch.set_num_threads(1)
     cfg, out = shipped_config("tiny"), {}
     for name, tp, ep, job in cases:
         layout = Layout(tp, ep, rank)
         model = Model(cfg, shard_weights(init_weights(cfg, seed=seed), cfg, layout), parallel=Parallel(layout))
-        model.drafts.draft = OracleDraft(model, len(prompt), reference, seed, skew=name.endswith("skewed") and rank)
+        oracle = model.drafts.draft = OracleDraft(model, len(prompt), reference, seed,
+                                                  skew=name.endswith("skewed") and rank)
         r = generate_whole(model, prompt, job, report)
-        out[name] = (r.tokens[0], _decisions(r.speculative))
+        out[name] = (r.tokens[0], _decisions(r.speculative), [t.numpy() for t in oracle.first])
     return out
 
 
@@ -85,10 +91,10 @@ def _decisions(stats: dict) -> dict:
 
 def _one_process(cfg, seed, prompt, job):
     model = Model(cfg, init_weights(cfg, seed=seed))
-    model.drafts.draft = OracleDraft(model, len(prompt), job.pop("reference"), seed)
+    oracle = model.drafts.draft = OracleDraft(model, len(prompt), job.pop("reference"), seed)
     r = generate(model, [prompt], NEW, temperature=job["temperature"], seed=job["seed"], speculative="dspark",
                  draft_tokens=job["draft_tokens"])
-    return r.tokens[0], _decisions(r.speculative)
+    return r.tokens[0], _decisions(r.speculative), oracle.first
 
 
 def test_oracle_acceptance_and_rollback_agree_on_every_rank(rng):
@@ -107,7 +113,10 @@ def test_oracle_acceptance_and_rollback_agree_on_every_rank(rng):
     results = launch(_rank, 2, (cases, seed, prompt, plain), timeout_s=240)
     for name, _, _, _ in cases:
         for rank, by_case in enumerate(results):
-            assert by_case[name] == want[name], f"{name}: rank {rank} differs from one process"
+            assert by_case[name][:2] == want[name][:2], f"{name}: rank {rank} differs from one process"
+            for got, ref in zip(by_case[name][2], want[name][2]):  # the replicated draft's logits and scores
+                err = (torch.from_numpy(got) - ref).abs().max().item()
+                assert err <= 1e-3, f"{name}: rank {rank}'s draft differs from one process's by {err}"
         stats = want[name][1]
         assert stats["rounds"] >= 1 and stats["drafted"] >= stats["rounds"]
     for name in ("tp2-k2", "ep2-auto", "tp2-auto-skewed"):

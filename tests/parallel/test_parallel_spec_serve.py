@@ -39,7 +39,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX)
 class EngineOracle:
     """Proposes each decode row's continuation from ``reference`` (prompt -> plain greedy output);
     draft ``(calls + row) % (K + 1) + 1`` of a row (none when past the block) is a random other id.
-    ``skew``: this rank's confidence scores are turned around (its own adaptive k would differ)."""
+    The confidence scores alternate between all high and only the first high (an adaptive k of the
+    whole block, then of 1); ``skew``: this rank's are turned around (its own k would differ)."""
 
     def __init__(self, engine, reference: dict, seed: int, skew: bool = False):
         self.engine, self.real, self.reference = engine, engine.model.drafts.draft, reference
@@ -59,7 +60,9 @@ class EngineOracle:
                     want = (want + 1 + int(torch.randint(0, V - 1, (1,), generator=self.rng))) % V
                 out[row, j] = want
         self.calls += 1
-        return out, logits, (-8 * confidence.sign() if self.skew else confidence)
+        scores = torch.full_like(confidence, 4.0 if self.calls % 2 else -4.0)
+        scores[:, 0] = 4.0
+        return out, logits, -scores if self.skew else scores
 
 
 def _lockstep_rank(rank, device, cases, seed, prompts, params, reference, report):
