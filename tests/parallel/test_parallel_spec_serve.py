@@ -10,15 +10,20 @@ draft per round, at a position cycling with the round and the row), so rows acce
 Greedy speculative output can part from plain output at a near-tie (the CPU reference rounds a
 verify chunk's rows differently from a one-token step); the launch-level test checks one process
 first and skips, naming the seed, in the rare case its speculative tokens differ from its plain ones.
+The HTTP tests draw prompts whose greedy tokens lead the runner-up clearly (``_clear_prompts``):
+ranks sum the attention and expert outputs in another order than one process, which can flip a
+near-tie with or without speculation.
 """
+import json
 import os
 import re
 import signal
 import threading
+import time
 
 import pytest
 from parallel_text import random_text
-from test_parallel_serve import CONFIG, _get, _gone, _post, _wait_ready
+from test_parallel_serve import CONFIG, _get, _gone, _post
 import torch
 
 from flashrt.engine import Engine, EngineConfig, SamplingParams
@@ -118,6 +123,18 @@ def test_lockstep_engines_accept_alike_on_every_rank(rng):
     assert set(results[0]["tp2"][1]["k_counts"]) <= {1, 2, 3}
 
 
+def _wait_ready(port, limit_s=240):
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        try:
+            if json.loads(_get(port, "/health"))["status"] == "ok":
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the server did not come up")
+
+
 def _serve(tp, ep, port, client, config):
     """Run the server until it stops; the ranks' process ids and its exit status (or exception)."""
     pids, box = [], {}
@@ -141,17 +158,34 @@ def _serve(tp, ep, port, client, config):
     return pids, box
 
 
-def _one_process(prompts, max_tokens):
+TIE = 0.1  # a greedy token whose lead over the runner-up is below this may flip under another sum order
+
+
+def _clear_prompts(rng, lengths, max_tokens):
+    """Random prompts of ``lengths`` characters whose one-process greedy continuations lead the
+    runner-up token by at least ``TIE`` at every step (redrawn otherwise: several ranks sum in
+    another order, which may flip a near-tie), and those continuations' text."""
     torch.set_num_threads(1)
-    one = Engine(load_model("tiny", torch.device("cpu"), 0, quiet=True), **CONFIG)
-    return [o.outputs[0].text for o in one.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))]
+    model = load_model("tiny", torch.device("cpu"), 0, quiet=True)
+    one = Engine(model, **CONFIG)
+    prompts, texts = [], []
+    for n in lengths:
+        for _ in range(20):
+            text = random_text(rng, n)
+            out = one.generate([text], SamplingParams(max_tokens=max_tokens, temperature=0))[0].outputs[0]
+            ids = one.encode(text) + out.token_ids
+            top = model.forward(torch.tensor([ids[:-1]]), all_positions=True)[0, -len(out.token_ids):].topk(2).values
+            if float((top[:, 0] - top[:, 1]).min()) >= TIE:
+                break
+        prompts.append(text)
+        texts.append(out.text)
+    return prompts, texts
 
 
 def test_speculative_server_on_two_ranks_answers_like_one_process(cache, rng):
     """``serve --tp 2 --speculative dspark``: greedy completions are one process's (without
     speculation), the speculative counters show verify rounds, SIGTERM ends every rank with 0."""
-    prompts = [random_text(rng, 17), random_text(rng, 6)]
-    want = _one_process(prompts, 7)
+    prompts, want = _clear_prompts(rng, (17, 6), 7)
     got = []
 
     def client():
@@ -173,8 +207,7 @@ def test_speculative_server_on_two_ranks_answers_like_one_process(cache, rng):
 
 def test_server_on_four_ranks_answers_concurrent_requests_like_one_process(cache, rng):
     """``serve --tp 2 --ep 2`` (4 processes): concurrent greedy completions get one process's text."""
-    prompts = [random_text(rng, n) for n in (19, 7, 12)]
-    want = _one_process(prompts, 5)
+    prompts, want = _clear_prompts(rng, (19, 7, 12), 5)
     got = {}
 
     def ask(i):
