@@ -64,7 +64,8 @@ def generate_whole(model, ids: list[int], job: dict, progress, cache=None, image
     r = generate(model, [ids], job["max_new_tokens"], temperature=job["temperature"], prefill=job["prefill"],
                  seed=job["seed"], eos_token_id=job["eos"], kv_budget=job["kv_budget"],
                  prefill_chunk=job["prefill_chunk"], prefix_cache=None if cache is None else AgreedPrefixCache(cache),
-                 cuda_graph=job["cuda_graph"], progress=report, images=images,
+                 cuda_graph=job["cuda_graph"] and not job.get("speculative"),  # rounds across ranks: eager
+                 progress=report, images=images,
                  speculative=job.get("speculative"), draft_tokens=job.get("draft_tokens", "auto"))
     return ParallelResult(r.tokens, r.prompt_tokens, r.new_tokens, r.prefill_seconds, r.decode_seconds, [0],
                           r.first_logits, [], load, r.state, r.step_capture, r.image_tokens, r.speculative)
