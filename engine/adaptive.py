@@ -7,12 +7,18 @@ expectation (the target always adds one). A round costs the verify step of ``k +
 row plus the draft (``k = 0``: a plain decode step, no draft needed); costs come from a
 :class:`CostCurve`, relative to a plain decode step at the same batch size. The chosen ``k``
 maximises ``sum_b E_b(k) / cost(k)`` over ``0 .. K``.
+
+On a multi-device model every rank scores the same confidence (the draft layers are replicated and
+read the all-reduced hidden states), yet one rank choosing another ``k`` would feed verify chunks
+of different lengths into the layers' collectives; :func:`agreed` makes rank 0's choice everyone's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from flashrt import distributed
 
 # used where the device profile has no measured table: a verify step costs a plain step plus a
 # share per extra token, the draft a fixed share of a plain step
@@ -80,3 +86,12 @@ def choose_k(confidence: torch.Tensor, costs: CostCurve, batch: int) -> int:
     gain = expected_tokens(confidence).tolist()
     rate = [gain[k] / (verify[k] + (draft if k else 0.0)) for k in range(K + 1)]
     return max(range(K + 1), key=lambda k: (rate[k], -k))
+
+
+def agreed(model, k: int) -> int:
+    """``k`` as rank 0 chose it, on every rank of a multi-device model (one small broadcast per
+    round); ``k`` itself on one device."""
+    if model.parallel is None or distributed.world_size() == 1:
+        return k
+    box = torch.tensor([k], dtype=torch.long, device=distributed.collective_device())
+    return int(distributed.broadcast(box, 0).item())

@@ -61,6 +61,7 @@ class ParallelResult:
     state: KVState | None = field(repr=False, default=None)
     step_capture: dict | None = None  # captured / replayed / eager step counts (cuda_graph or static_steps)
     image_tokens: int = 0  # prompt tokens in image spans (flashrt run --image: engine/parallel_whole.py)
+    speculative: dict | None = None  # SpecStats.as_dict() of a speculative run (engine/parallel_whole.py)
 
 
 def idle_step(model) -> None:

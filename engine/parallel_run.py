@@ -28,6 +28,7 @@ from flashrt.kv.prefix_cache import PrefixCache
 from .generation import PREFILLS
 from .parallel import parallel_generate
 from .parallel_whole import generate_whole
+from .speculative import check_config
 from flashrt.graphs.image_processor import open_image
 from .run import OP_FAMILIES, builtin_checkpoint, chat_messages, check_image_token, encode_request, \
     peak_memory_bytes, phase_progress, pick_device
@@ -50,8 +51,10 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
                  cuda_graph: bool | None = None, prefix_cache: str | None = None, chat: str | None = None,
                  system: str | None = None, thinking: bool = True, effort=None, tp: int = 1, ep: int = 1,
                  timeout_s: float = 600.0, dispatch: str = "gather", on_event=None, images=None,
-                 weights_seed: int = 0) -> dict | None:
-    """The whole job on ``tp * ep`` ranks; rank 0's report (None on the other ranks of a torchrun job)."""
+                 weights_seed: int = 0, speculative: str | None = None, draft_tokens="auto") -> dict | None:
+    """The whole job on ``tp * ep`` ranks; rank 0's report (None on the other ranks of a torchrun job).
+    ``speculative="dspark"``: every rank drafts with its replica of the draft layers and verifies
+    in lockstep (``draft_tokens``: an int or ``"auto"``, as for :func:`flashrt.engine.run.run`)."""
     layout = Layout(tp, ep)
     if dispatch not in ("gather", "all_to_all"):
         raise ValueError(f"dispatch: expected 'gather' or 'all_to_all', got {dispatch!r}")
@@ -83,12 +86,14 @@ def run_parallel(model: str = "tiny", prompt: str = "", max_new_tokens: int = 16
     path = checkpoint_path(model, weights_seed, quiet or (under_torchrun() and os.environ.get("RANK") != "0"))
     cfg = ModelConfig.from_file(str(path / "config.json"))
     layout.check(cfg)
+    draft_tokens = check_config(cfg, cfg.n_mtp_layers > 0, speculative, draft_tokens)
     if images and not cfg.vision_n_layers:
         raise ValueError(f"images: model {cfg.name!r} has no vision tower (vision_n_layers = 0)")
     job = dict(path=str(path), tp=tp, ep=ep, dispatch=dispatch, backend=backend, prompt=prompt, chat=chat, system=system,
                thinking=thinking, effort=effort, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                kv_budget=kv_budget, prefill_chunk=prefill_chunk, quiet=quiet, prefill=prefill, images=images, image_names=names,
                prefix_cache=None if prefix_cache is None else str(prefix_cache),
+               speculative=speculative, draft_tokens=draft_tokens,
                cuda_graph=kind == "cuda" if cuda_graph is None else bool(cuda_graph),
                threads=threads or max(1, (os.cpu_count() or 1) // layout.world))
     t0 = time.perf_counter()
@@ -129,7 +134,7 @@ def rank_main(rank: int, device, job: dict, report=None) -> dict:
         cache = None
         if job["prefix_cache"] is not None:
             cache = PrefixCache.for_profile(job["prefix_cache"], model.profile)
-        if job["prefill"] != "exact" or cache is not None or job["images"]:  # every group runs it whole
+        if job["prefill"] != "exact" or cache is not None or job["images"] or job["speculative"]:  # run whole
             result = generate_whole(model, ids, dict(job, eos=eos), progress, cache,
                                     [job["images"]] if job["images"] else None)
         else:
@@ -172,7 +177,7 @@ def _report(model, device, job, ids, result, load_s, families, mine) -> dict:
         "kv_bytes_total": kv_token * (result.prompt_tokens + result.new_tokens) + (state.window_bytes() if state else 0),
         "window_state_bytes": state.window_bytes() if state else 0, "peak_memory_bytes": mine["peak_memory_bytes"],
         "kv_budget": job["kv_budget"], "kv_tiers": state.tier_stats() if state else {}, "step_capture": result.step_capture,
-        "prefix_cache": None,
+        "prefix_cache": None, "speculative": result.speculative,
         "parallel": {"tp": layout.tp, "ep": layout.ep, "world": layout.world,
                      "collectives": distributed.backend_for(device), "moe_dispatch": model.parallel.dispatch,
                      "expert_pairs_per_rank_per_decode_step": decode},

@@ -28,6 +28,7 @@ from .parallel_groups import GroupedEngine
 from .parallel_run import checkpoint_path
 from .parallel_serve import Lockstep, follow, leave_signals_to_rank_0
 from .run import pick_device
+from .speculative import check_config
 
 
 @dataclasses.dataclass
@@ -55,9 +56,6 @@ def check(job: ServeJob) -> Layout:
     if job.config.prefix_cache_dir:
         raise ValueError(f"prefix_cache_dir: a disk prefix cache is not shared by the ranks of --tp / --ep "
                          f"(the in-memory one works), got {job.config.prefix_cache_dir!r}")
-    if job.config.speculative is not None:
-        raise ValueError(f"speculative: not supported with --tp / --ep (the ranks run plain decode steps); "
-                         f"drop --speculative {job.config.speculative} or serve on one device")
     if not isinstance(job.dp_attention, bool):
         raise ValueError(f"dp_attention: expected a bool, got {job.dp_attention!r}")
     if job.dp_attention and job.ep < 2:
@@ -66,11 +64,18 @@ def check(job: ServeJob) -> Layout:
     if job.dp_attention and job.config.cuda_graphs:
         raise ValueError("cuda_graph: decode steps with --dp-attention run eagerly (every forward exchanges the "
                          "groups' token counts first); drop --cuda-graph or --dp-attention")
+    if job.dp_attention and job.config.speculative is not None:
+        raise ValueError(f"speculative: with --dp-attention the groups run different requests, so their verify "
+                         f"rounds cannot line up; drop --speculative {job.config.speculative} or --dp-attention")
     if isinstance(job.timeout_s, bool) or not job.timeout_s > 0:
         raise ValueError(f"collective_timeout: expected seconds > 0, got {job.timeout_s!r}")
     kind = pick_device(job.device).type
     if job.config.cuda_graphs and kind != "cuda":
         raise ValueError(f"cuda_graph: CUDA graphs need a CUDA device, the device is {kind}")
+    if job.config.speculative is not None and kind == "cuda" and job.config.cuda_graphs is not False:
+        raise ValueError("cuda_graph: speculative rounds across ranks have not run from CUDA graphs on GPUs "
+                         "(the replicated draft gathers its logits inside the step); pass --no-cuda-graph with "
+                         "--speculative and --tp / --ep")
     if kind == "cuda" and not under_torchrun() and torch.cuda.device_count() < layout.world:
         raise ValueError(f"tp: tp * ep = {layout.world} ranks need {layout.world} cuda devices, "
                          f"found {torch.cuda.device_count()}")
@@ -83,7 +88,9 @@ def serve_parallel(job: ServeJob, on_event=None) -> int:
     layout = check(job)
     kind = pick_device(job.device).type
     path = checkpoint_path(job.model, job.seed, job.log_level not in ("info", "debug"))
-    layout.check(ModelConfig.from_file(str(path / "config.json")))
+    cfg = ModelConfig.from_file(str(path / "config.json"))
+    layout.check(cfg)
+    check_config(cfg, cfg.n_mtp_layers > 0, job.config.speculative, job.config.draft_tokens)
     job = dataclasses.replace(job, model=str(path), config=job.config,
                               name=job.name or os.path.basename(os.path.normpath(job.model)),
                               threads=job.threads or max(1, (os.cpu_count() or 1) // layout.world))

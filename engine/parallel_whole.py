@@ -1,13 +1,18 @@
 """One request run whole on every group of a multi-device run: what ``flashrt run --tp / --ep``
-does for CED prefill, the prefix cache and images (docs/parallel.md; the vision tower is
-replicated on every rank: it is small, and its span embeddings then need no exchange).
+does for CED prefill, the prefix cache, images and speculative decoding (docs/parallel.md; the
+vision tower and the DSpark draft layers are replicated on every rank: they are small, and their
+outputs then need no exchange).
 
 Every rank calls :func:`flashrt.engine.generation.generate` with the same request: its prefill
 schedule, prefix lookups, image spans and decode steps are the same on every rank (the logits are
 all-reduced or all-gathered, so every value a schedule decides on is the same everywhere), and so
 are the collectives of the layers. With ``ep > 1`` each group runs the whole request and the MoE
 layers use the ``replicated`` dispatch (no token moves; each rank runs its own experts' pairs).
-The prefix cache is consulted in lockstep (:class:`AgreedPrefixCache`).
+The prefix cache is consulted in lockstep (:class:`AgreedPrefixCache`). Speculative rounds draft on
+every rank from the same hidden states and accept from the same verify logits (greedy: the same
+argmax; sampling: the same seeded generator), so every rank keeps the same tokens and rolls back
+the same; the one choice that is not a pure function of shared values, an adaptive ``k``, is rank
+0's (:func:`flashrt.engine.adaptive.agreed`).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ class AgreedPrefixCache:
 
 def generate_whole(model, ids: list[int], job: dict, progress, cache=None, images=None) -> ParallelResult:
     """``generate`` of one prompt on this rank, as every other rank runs it; the load per decode step
-    is taken as each step's token is reported."""
+    (per verify round with ``job["speculative"]``) is taken as each step's tokens are reported."""
     par = model.parallel
     if par.layout.ep > 1:
         par.dispatch = "replicated"
@@ -59,6 +64,8 @@ def generate_whole(model, ids: list[int], job: dict, progress, cache=None, image
     r = generate(model, [ids], job["max_new_tokens"], temperature=job["temperature"], prefill=job["prefill"],
                  seed=job["seed"], eos_token_id=job["eos"], kv_budget=job["kv_budget"],
                  prefill_chunk=job["prefill_chunk"], prefix_cache=None if cache is None else AgreedPrefixCache(cache),
-                 cuda_graph=job["cuda_graph"], progress=report, images=images)
+                 cuda_graph=job["cuda_graph"] and not job.get("speculative"),  # rounds across ranks: eager
+                 progress=report, images=images,
+                 speculative=job.get("speculative"), draft_tokens=job.get("draft_tokens", "auto"))
     return ParallelResult(r.tokens, r.prompt_tokens, r.new_tokens, r.prefill_seconds, r.decode_seconds, [0],
-                          r.first_logits, [], load, r.state, r.step_capture, r.image_tokens)
+                          r.first_logits, [], load, r.state, r.step_capture, r.image_tokens, r.speculative)

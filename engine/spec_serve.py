@@ -158,7 +158,7 @@ class ServeSpeculator:
             return 0
         if self.draft_tokens != "auto":
             return min(self.draft_tokens, most)
-        return adaptive.choose_k(confidence[:, :most], self.costs, batch)
+        return adaptive.agreed(self.model, adaptive.choose_k(confidence[:, :most], self.costs, batch))
 
 
 def decode_speculative(loop, seqs: list, due: list, touched: set) -> bool:

@@ -58,12 +58,18 @@ class SpecStats:
 def check_options(model, speculative, draft_tokens):
     """``speculative`` / ``draft_tokens`` as given to :func:`flashrt.generate`, checked; returns
     ``draft_tokens`` as an int or ``"auto"``."""
+    return check_config(model.cfg, model.drafts is not None, speculative, draft_tokens)
+
+
+def check_config(cfg, has_drafts: bool, speculative, draft_tokens):
+    """:func:`check_options` against a model's config (``has_drafts``: its draft layers are loaded),
+    so that a multi-device run refuses bad options before any rank loads the model."""
     if speculative is None:
         return None
     if speculative not in SPECULATIVE:
         raise ValueError(f"speculative: expected one of {list(SPECULATIVE)} or None, got {speculative!r}")
-    block = model.cfg.dspark_block_size
-    if model.drafts is None or not block:
+    block = cfg.dspark_block_size
+    if not has_drafts or not block:
         raise ValueError("speculative: the model has no DSpark draft layers (dspark_block_size = 0 or no mtp.* "
                          "weights); run it without speculative decoding (speculative=None / no --speculative)")
     if draft_tokens is None or draft_tokens == "auto":
@@ -143,7 +149,7 @@ class Decoder:
     def _choose(self, confidence: torch.Tensor, most: int) -> int:
         if self.draft_tokens != "auto":
             return min(self.draft_tokens, most)
-        return adaptive.choose_k(confidence[:, :most], self.costs, confidence.shape[0])
+        return adaptive.agreed(self.model, adaptive.choose_k(confidence[:, :most], self.costs, confidence.shape[0]))
 
     def _accept(self, drafts, draft_logits, target):
         if self.force_accept:

@@ -83,7 +83,10 @@ class Drafts:
         for block in self.blocks:
             x, pre = block.forward(x, pre, ctx)
         h = ops.hc_collapse(x, pre)
-        logits = ops.linear(ops.rms_norm(h, self.norm, cfg.norm_eps).to(torch.float32), model.head)
+        normed = ops.rms_norm(h, self.norm, cfg.norm_eps).to(torch.float32)
+        # the head is split by vocabulary rows under tensor parallelism: every rank gets the whole row
+        par = model.parallel
+        logits = ops.linear(normed, model.head) if par is None else par.head_logits(normed, model.head)
         out = torch.empty(B, K + 1, dtype=torch.long, device=model.device)
         out[:, 0] = next_ids
         embeds = []

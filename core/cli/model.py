@@ -145,11 +145,9 @@ def _print_memory(r: dict) -> None:
 
 
 def _speculative_args(args) -> dict:
-    """--speculative / --draft-tokens for run() (a parallel run takes neither: refused there)."""
+    """--speculative / --draft-tokens for run() and run_parallel()."""
     if args.speculative is None:
         return {}
-    if args.tp != 1 or args.ep != 1:
-        raise ValueError("--speculative: not available with --tp / --ep yet")
     return {"speculative": args.speculative, "draft_tokens": args.draft_tokens}
 
 

@@ -227,9 +227,10 @@ def test_errors_name_the_option(cfg, weights, model, tmp_path, capsys):
             EngineConfig(speculative="dspark", draft_tokens=bad)
     with pytest.raises(ValueError, match=r"draft_tokens: expected an int in \[1, "):
         Engine(model, speculative="dspark", draft_tokens=cfg.dspark_block_size + 1)
-    assert cli.main(["serve", "--speculative", "dspark", "--tp", "2", "--device", "cpu"]) != 0
+    # with --tp the parent refuses a bad --draft-tokens before any rank starts
+    assert cli.main(["serve", "--speculative", "dspark", "--draft-tokens", "9", "--tp", "2", "--device", "cpu"]) != 0
     err = capsys.readouterr().err
-    assert "speculative: not supported with --tp / --ep" in err and "Traceback" not in err
+    assert "draft_tokens: expected an int in [1, 3]" in err and "Traceback" not in err
     with pytest.raises(SystemExit):
         cli.main(["serve", "--speculative", "dspark", "--draft-tokens", "zero"])
     assert "--draft-tokens" in capsys.readouterr().err

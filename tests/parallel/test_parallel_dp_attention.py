@@ -89,6 +89,20 @@ def test_dp_attention_is_refused_where_it_cannot_run(cache, capsys):
         check(ServeJob("tiny", 1, 2, EngineConfig(cuda_graphs=True), dp_attention=True))
     with pytest.raises(ValueError, match="dp_attention: expected a bool, got 'yes'"):
         check(ServeJob("tiny", 1, 2, EngineConfig(), dp_attention="yes"))
+    with pytest.raises(ValueError, match="speculative: with --dp-attention the groups run different requests"):
+        check(ServeJob("tiny", 1, 2, EngineConfig(speculative="dspark"), dp_attention=True))
+
+
+def test_speculative_serving_across_ranks_asks_for_eager_steps_on_cuda(monkeypatch):
+    """Speculative rounds across ranks run eagerly: on a CUDA device the graphs must be turned off."""
+    import flashrt.engine.parallel_serve_run as psr
+
+    monkeypatch.setattr(psr, "pick_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(psr.torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="cuda_graph: speculative rounds across ranks .* pass --no-cuda-graph"):
+        check(ServeJob("tiny", 2, 1, EngineConfig(speculative="dspark")))
+    assert check(ServeJob("tiny", 2, 1, EngineConfig(speculative="dspark", cuda_graphs=False))).world == 2
+    assert check(ServeJob("tiny", 2, 1, EngineConfig())).world == 2  # plain steps replay from graphs
 
 
 def test_digests_cover_the_shared_state_and_skip_the_timers():
