@@ -69,3 +69,15 @@ class CountingKernel:
     def __getitem__(self, grid):
         self.calls.append(grid)
         return self.kernel[grid]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names of the Triton kernels launched (under the interpreter), in order (a fixture: import it)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names = []
+    real = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
+    return names

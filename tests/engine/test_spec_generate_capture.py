@@ -16,7 +16,7 @@ from flashrt.formats import QTensor
 from flashrt.kv.staged import Staged
 
 from spec_helpers import assert_same_greedy
-from test_verify_capture import _pair, _same_caches
+from test_verify_capture import _cuda_model, _pair, _same_caches
 
 
 def _copy_into(dst, src) -> None:
@@ -130,15 +130,6 @@ def test_decode_mixes_plain_and_verify_rounds(model, rng):
     st = runners.stats()
     assert st["verify"]["replayed"] > 0 and st["plain"]["eager"] == sb.plain_steps
     _same_caches(model, eager, static)
-
-
-def _cuda_model():
-    from flashrt.graphs.config import shipped_config
-    from flashrt.graphs.init_weights import init_weights
-    from flashrt.graphs.model import Model
-
-    cfg = shipped_config("tiny")
-    return Model(cfg, init_weights(cfg, seed=3, device="cuda"))
 
 
 @pytest.mark.gpu

@@ -12,14 +12,13 @@ import torch
 
 import flashrt
 from flashrt import formats, ops, profiles
-from kernel_check import DEVICE, requires_kernels, rel_err, run_both
+from kernel_check import DEVICE, launches, requires_kernels, rel_err, run_both  # noqa: F401 (launches: a fixture)
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 plain = pytest.importorskip("flashrt.kernels_cuda.linear_plain")
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
 splitk = pytest.importorskip("flashrt.kernels_cuda.splitk")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
 
@@ -37,14 +36,6 @@ def _cuda(op, *args):
         return getattr(ops, op)(*args)
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Names of the Triton kernels launched (under the interpreter), in order."""
-    names = []
-    real = InterpretedFunction.run
-    monkeypatch.setattr(InterpretedFunction, "run",
-                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
-    return names
 
 
 def _retile(monkeypatch, tiles, key, value):

@@ -12,21 +12,13 @@ import torch
 
 import flashrt
 from flashrt import formats, ops, profiles
-from kernel_check import DEVICE, rel_err, requires_kernels, run_both
+from kernel_check import DEVICE, launches, rel_err, requires_kernels, run_both  # noqa: F401 (launches: a fixture)
 
 pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
 splitk = pytest.importorskip("flashrt.kernels_cuda.splitk")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    names = []
-    real = InterpretedFunction.run
-    monkeypatch.setattr(InterpretedFunction, "run",
-                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
-    return names
 
 
 def _retile(monkeypatch, key, value):

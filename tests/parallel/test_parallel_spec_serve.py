@@ -14,20 +14,19 @@ The HTTP tests draw prompts whose greedy tokens lead the runner-up clearly (``_c
 ranks sum the attention and expert outputs in another order than one process, which can flip a
 near-tie with or without speculation.
 """
-import json
 import os
 import re
 import signal
 import threading
-import time
 
 import pytest
 from parallel_text import random_text
-from test_parallel_serve import CONFIG, _get, _gone, _post
+from serve_client import get as _get, gone as _gone, post as _post, serve
+from test_parallel_serve import CONFIG
 import torch
 
 from flashrt.engine import Engine, EngineConfig, SamplingParams
-from flashrt.engine.launch import RankError, free_port, launch
+from flashrt.engine.launch import free_port, launch
 from flashrt.engine.parallel_serve import Lockstep, follow
 from flashrt.engine.parallel_serve_run import ServeJob, serve_parallel
 from flashrt.engine.run import load_model
@@ -123,39 +122,16 @@ def test_lockstep_engines_accept_alike_on_every_rank(rng):
     assert set(results[0]["tp2"][1]["k_counts"]) <= {1, 2, 3}
 
 
-def _wait_ready(port, limit_s=240):
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        try:
-            if json.loads(_get(port, "/health"))["status"] == "ok":
-                return
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server did not come up")
-
-
 def _serve(tp, ep, port, client, config):
-    """Run the server until it stops; the ranks' process ids and its exit status (or exception)."""
-    pids, box = [], {}
-
-    def run_client():
+    """Run the server until ``client()`` is done, then SIGTERM it; the ranks' process ids and its
+    exit status (or the launcher's error)."""
+    def client_then_stop(pids):
         try:
-            _wait_ready(port)
             client()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            box["client"] = exc
         finally:
             os.kill(os.getpid(), signal.SIGTERM)  # the parent hands it to rank 0, which drains and stops all
-    threading.Thread(target=run_client, daemon=True).start()
     job = ServeJob("tiny", tp, ep, config, port=port, log_level="warning", timeout_s=60, threads=1)
-    try:
-        box["exit"] = serve_parallel(job, on_event=lambda event, ranks: pids.__setitem__(slice(None), ranks))
-    except RankError as exc:
-        box["error"] = exc
-    if "client" in box:
-        raise box["client"]
-    return pids, box
+    return serve(job, client_then_stop)
 
 
 TIE = 0.1  # a greedy token whose lead over the runner-up is below this may flip under another sum order
