@@ -102,7 +102,7 @@ def test_plain_rounds_go_through_step_capture(model, rng):
     """Rounds with k = 0 (a limit of one token, or the cost table choosing no drafts) run the
     one-token static step: same tokens and state as the eager Decoder."""
     eager, static = _pair(model, rng, 3, 10)
-    costly = adaptive.CostCurve((1,), ((1.0, 1.9, 2.8, 3.7),), (0.0,))  # drafting never pays: k = 0
+    costly = adaptive.CostCurve((1,), ((1.0, 2.5, 3.5, 4.5),), (0.0,))  # k + 1 tokens at most, cost > k + 1: k = 0
     runners = SpecRunners(model, static, record=TensorRecorder())
     a = spec.Decoder(model, eager, costs=costly)
     b = spec.Decoder(model, static, costs=costly, verifier=runners.verifier, drafter=runners.drafter,
