@@ -166,22 +166,21 @@ class VerifyCapture:
         if last is None or self.commits.get(last[0]) == "eager":
             return spec.keep(model, state, ids, counts)
         key, S = last
-        history = accept.engram_history(model, state.engram_history, ids, counts)
         counted = counts.tolist()
         if S not in self.counts:
             self.counts[S] = torch.zeros(state.batch, dtype=torch.long, device=model.device)
         self.counts[S].copy_(counts)
         replay = self.commits.get(key)
-        if replay is None:
-            replay = self._record_commit(key, S)
-        if replay == "eager":
+        if replay is not None:
+            replay()
+        elif not self._commit_and_record(key, S):
             return spec.keep(model, state, ids, counts)
-        replay()
-        state.advance(counted, history, committed=True)
+        state.advance(counted, accept.engram_history(model, state.engram_history, ids, counts), committed=True)
 
-    def _record_commit(self, key, S: int):
+    def _commit_and_record(self, key, S: int) -> bool:
         """Run the commit of the current (graph) staging once with host syncs raising, then record
-        it (a recorder that runs the body writes the same values again); a sync keeps it eager."""
+        it (a recorder that runs the body writes the same values again). False: it synced, the key's
+        commits stay eager (what it wrote is written again by the eager commit)."""
         body = lambda: self.state.commit_kept(self.counts[S])
         try:
             with checks.host_syncs_raise(), checks.value_checks(False):
@@ -190,10 +189,10 @@ class VerifyCapture:
             if not checks.is_host_sync_error(exc):
                 raise
             self.commits[key] = "eager"
-            return "eager"
+            return False
         with checks.value_checks(False):
             self.commits[key] = self.record(body)[0]
-        return lambda: None  # this step's commit ran above
+        return True
 
     def _layout(self, S: int) -> tuple:
         tensors = [self.ids.get(S), self.engram_ids.get(S)]
