@@ -27,6 +27,7 @@ from flashrt.families import KernelFamily
 from flashrt.kv.util import empty_qtensor
 from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda.kv_gather import _rows
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2
 
 TILES = {"store_paged": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},  # in_kernel False: plain torch
@@ -84,12 +85,6 @@ def _resolve_paged_kernel(pick_ptr, table_ptr, out_ptr, total, N, W, P, offset, 
     tl.store(out_ptr + i, tl.where((e >= 0) & (page >= 0), offset + page * P + ec % P, -1).to(tl.int32), mask=ok)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The stored bytes of ``t`` [..., n] as ``[rows, words]``: int32 words when they divide, else bytes."""
-    b = t.view(torch.uint8).reshape(-1, t.shape[-1] * t.element_size())
-    return b.view(torch.int32) if b.shape[-1] % 4 == 0 else b
-
-
 def _flat(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 4 == 0
 
@@ -102,8 +97,8 @@ def store_paged(pool, table, entry, mask, values, page_entries: int, trash_row: 
     total = B * n
     if not (t["in_kernel"] and total and _flat(pool.data) and _flat(pool.scale)):
         return refmath.store_paged(pool, table, entry, mask, values, page_entries, trash_row)
-    pdata, pscale = _words(pool.data), _words(pool.scale)
-    vdata, vscale = _words(dense(values.data)), _words(dense(values.scale))  # one format: the same row widths
+    pdata, pscale = _rows(pool.data), _rows(pool.scale)
+    vdata, vscale = _rows(dense(values.data)), _rows(dense(values.scale))  # one format: the same row widths
     _store_paged_kernel[(cdiv(total, t["BLOCK"]),)](
         vdata, vscale, pdata, pscale, dense(table), dense(entry), dense(mask).view(torch.uint8), total, n,
         table.shape[1], page_entries, trash_row, ROW=pdata.shape[1], SROW=pscale.shape[1], BLOCK=t["BLOCK"],
@@ -117,8 +112,8 @@ def store_rows(dst, batch, slot, src):
     t, n = _tiles()["store_rows"], batch.shape[0]
     if not (t["in_kernel"] and n and _flat(dst.data) and _flat(dst.scale)):
         return refmath.store_rows(dst, batch, slot, src)
-    ddata, dscale = _words(dst.data), _words(dst.scale)
-    vdata, vscale = _words(dense(src.data)), _words(dense(src.scale))
+    ddata, dscale = _rows(dst.data), _rows(dst.scale)
+    vdata, vscale = _rows(dense(src.data)), _rows(dense(src.scale))
     _store_rows_kernel[(cdiv(n, t["BLOCK"]),)](
         vdata, vscale, ddata, dscale, dense(batch), dense(slot), n, dst.shape[1], ROW=ddata.shape[1],
         SROW=dscale.shape[1], BLOCK=t["BLOCK"], BR=next_pow2(ddata.shape[1]), BS=next_pow2(dscale.shape[1]),

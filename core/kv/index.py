@@ -16,20 +16,11 @@ from __future__ import annotations
 import torch
 
 from flashrt.formats import QTensor
-from .util import empty_qtensor, write_paged, write_rows
+from .util import empty_qtensor, to_device, write_paged, write_rows
 from .paged import PagedKeys
 
 FMT = "fp4_b32"
 TRASH_PAGE = 0
-
-
-def _to_device(values: list, device: torch.device) -> torch.Tensor:
-    """int64 ``values`` on ``device``; on CUDA staged in pinned memory and copied ``non_blocking``
-    (a copy from pageable memory would wait for the device's queue first)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class IndexPool:
@@ -116,7 +107,7 @@ class PagedIndexK:
         self.ensure_pages(need)
         new = [self.pool.alloc() for _ in range(need - have)]
         self.pages[row] += new
-        self.table[row, have:need] = _to_device(new, self.pool.device).to(torch.int32)
+        self.table[row, have:need] = to_device(new, self.pool.device).to(torch.int32)
 
     def reserve_rows(self, ends: list[int]) -> None:
         """:meth:`reserve` of every row in order (``ends[row]`` entries); rows with room are skipped
@@ -132,7 +123,7 @@ class PagedIndexK:
                         cells.append((row, len(pages) - 1, pages[-1]))
         finally:  # pages handed out before a failure are in the table too
             if cells:
-                rows, cols, ids = _to_device(cells, self.pool.device).T
+                rows, cols, ids = to_device(cells, self.pool.device).T
                 self.table[rows, cols] = ids.to(torch.int32)
 
     def detach_row(self, row: int) -> list[int]:
@@ -160,7 +151,7 @@ class PagedIndexK:
         self.ensure_pages(len(pages))
         self.pages[row] = list(pages)
         if pages:
-            self.table[row, :len(pages)] = _to_device(pages, self.pool.device).to(torch.int32)
+            self.table[row, :len(pages)] = to_device(pages, self.pool.device).to(torch.int32)
 
     def keys(self, entries: int) -> PagedKeys:
         """The first ``entries`` entries of every row, read in place."""

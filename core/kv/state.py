@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrt.formats import MAIN_KV_FORMAT, QTensor
-from .util import empty_qtensor, grown, write_rows
+from .util import empty_qtensor, grown, to_device, write_rows
 from .index import IndexPool, PagedIndexK
 from .pages import PagedMainKV, PagePool
 from .paged import PagedKeys
@@ -160,7 +160,7 @@ class KVState:
         if isinstance(tokens, int):
             self.positions += tokens
         else:
-            self.positions += torch.tensor(counts, dtype=torch.long).to(self.device)
+            self.positions += to_device(counts, self.device)
             self.trim_rows([p + c for p, c in zip(self.host_positions, counts)])
         self.host_positions = [p + c for p, c in zip(self.host_positions, counts)]
 
@@ -329,8 +329,9 @@ class KVState:
         if not self._staged:
             return
         L = self._chunk_len
-        cut = None if counts is None or all(c == L for c in counts) else L - torch.tensor(counts)
-        self._write_staged(None if cut is None else cut.to(self.device))
+        cut = None if counts is None or all(c == L for c in counts) else \
+            to_device([L - c for c in counts], self.device)
+        self._write_staged(cut)
 
     def commit_kept(self, counts: torch.Tensor) -> None:
         """:meth:`commit` of the first ``counts[b]`` tokens of each row, ``counts`` int64 [B] on the

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from flashrt import ops
+from flashrt import checks, ops
 from flashrt.formats import QTensor, expected_layout, spec
 
 
@@ -22,6 +22,16 @@ def _zero_bits(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def to_device(values: list, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` (int64 by default) on ``device`` without a synchronous host->device copy: on CUDA
+    staged in pinned memory (the caching host allocator keeps the block until the copy has run) and
+    copied ``non_blocking`` (a copy from pageable memory would wait for the device's queue first)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTensor) -> None:
     """``dst[batch[i], slot[i]] = src[i]`` on the stored bytes (``src`` [..., D], ``n`` rows in
     all): the op ``store_rows``."""
@@ -29,7 +39,8 @@ def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTens
     data, scale = (s.reshape(n, -1).view(torch.uint8).view(d.dtype)
                    for s, d in ((src.data, dst.data), (src.scale, dst.scale)))
     rows = QTensor(data, scale, dst.fmt, (n, src.shape[-1]))  # a caller's byte views back in the stored dtypes
-    ops.store_rows(dst, batch, slot, rows)
+    with checks.value_checks(False):  # slots the state computed itself: a range check would only sync
+        ops.store_rows(dst, batch, slot, rows)
 
 
 def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
@@ -37,7 +48,8 @@ def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tens
     ``pages.PagePool`` or ``index.IndexPool``) whose block table ``table`` [B, max_pages] gives
     the device page of each logical page, where ``mask``; the other rows go to ``pool.trash_row``
     (no host-side filtering, no device sync): the op ``store_paged``."""
-    ops.store_paged(pool.segment(), table, entry, mask, values, pool.P, pool.trash_row)
+    with checks.value_checks(False):  # entries and tables the state computed itself: checks would only sync
+        ops.store_paged(pool.segment(), table, entry, mask, values, pool.P, pool.trash_row)
 
 
 def grown(q: QTensor, entries: int) -> QTensor:
