@@ -31,6 +31,7 @@ from flashrt.errors import FlashrtError
 from .engine import Engine
 from .parallel import idle_step
 from .parallel_place import Placer
+from .parallel_serve import counters_repr
 from .request import Sequence, Status
 from .step_loop import StepLoop
 
@@ -111,7 +112,7 @@ class GroupStepLoop(StepLoop):
     @property
     def num_waiting(self) -> int:
         """Requests with no output yet, on every group (the same count on every rank)."""
-        return sum(1 for r in list(self.requests.values()) if not r.seqs or not r.seqs[0].output)
+        return sum(1 for r in list(self.requests.values()) if not r.seqs or not r.seqs[0].n_output)
 
     # ----- one step --------------------------------------------------------------------------------
     def step(self):
@@ -210,7 +211,7 @@ class GroupStepLoop(StepLoop):
     def group_digest(self) -> str:
         """This group's scheduler state (equal on the ranks of a group; ``*_seconds`` timers left out)."""
         h = hashlib.blake2b(digest_size=8)
-        h.update(repr(sorted((k, v) for k, v in self.counters.items() if not k.endswith("_seconds"))).encode())
+        h.update(counters_repr(self.counters))
         h.update(repr((self.pool.pages_in_use, [(s.request.id, s.index, s.computed) for s in self.scheduler.running],
                        [(s.request.id, s.index, s.computed) for s in self.scheduler.prefilling])).encode())
         return h.hexdigest()

@@ -49,10 +49,15 @@ def state_digest(engine) -> str:
     if hasattr(core, "shared_state"):
         h.update(repr(core.shared_state()).encode())
         return h.hexdigest()
-    h.update(repr(sorted((k, v) for k, v in core.counters.items() if not k.endswith("_seconds"))).encode())
+    h.update(counters_repr(core.counters))
     for rid, req in sorted(core.requests.items()):
         h.update(repr((rid, [(s.status.name, len(s.tokens), s.tokens[-1:]) for s in req.seqs])).encode())
     return h.hexdigest()
+
+
+def counters_repr(counters: dict) -> bytes:
+    """The counters a digest covers: all but the ``*_seconds`` timers (they differ between ranks)."""
+    return repr(sorted((k, v) for k, v in counters.items() if not k.endswith("_seconds"))).encode()
 
 
 class Lockstep:

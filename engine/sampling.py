@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrt import ops
+from flashrt.kv.util import to_device
 
 MAX_LOGPROBS = 20
 
@@ -189,8 +190,8 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         # the rows' settings in one host->device copy (float64 holds each exactly; a top_k past the
         # vocabulary keeps every token, as the vocabulary's size does)
         V = z.shape[1]
-        packed = _to_device([[p.temperature for p in par], [min(max(p.top_k, 0), V) for p in par],
-                             [p.top_p for p in par], [p.min_p for p in par]], torch.float64, z.device)
+        packed = to_device([[p.temperature for p in par], [min(max(p.top_k, 0), V) for p in par],
+                            [p.top_p for p in par], [p.min_p for p in par]], z.device, torch.float64)
         temp, top_p, min_p = (packed[i].to(torch.float32) for i in (0, 2, 3))
         filt = filter_logits(_rows(z, drawn) / temp.unsqueeze(1), packed[1].to(torch.long), top_p, min_p)
         # one generator per row: its draws depend on nothing else
@@ -218,17 +219,8 @@ def _with_logprobs(raw: torch.Tensor, rows: list[SamplerRow], tokens: list[int])
     return out
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as ``dtype`` on ``device``; on CUDA through pinned memory, copied ``non_blocking``
-    (a copy from pageable memory waits for the device's queue)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def _rows(z: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    return z.index_select(0, _to_device(rows, torch.long, z.device))
+    return z.index_select(0, to_device(rows, z.device))
 
 
 def make_generator(seed: int, device) -> torch.Generator:

@@ -22,21 +22,12 @@ from collections import OrderedDict
 import torch
 
 from flashrt.kv.state import KVState
+from flashrt.kv.util import to_device  # noqa: F401 (the engine's name for it)
 
 from .step_capture import StepCapture
 
 MIN_ROWS = 4
 BUCKETS = (4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ``values`` on ``device`` without a synchronous host->device copy: on CUDA staged in
-    pinned memory (the caching host allocator keeps the block until the copy has run) and copied
-    ``non_blocking``, so the host goes on preparing the step while the copy is queued."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def bucket_for(n: int) -> int:
@@ -50,8 +41,8 @@ class DecodeSlots:
         self.model, self.pool, self.capacity, self.cuda_graph, self.keep = model, pool, capacity, cuda_graph, keep
         self.cache: OrderedDict[int, tuple[KVState, StepCapture | None]] = OrderedDict()
         self.state, self.capture, self.owner = None, None, []
-        self.captures = 0  # decode steps captured as CUDA graphs, over every bucket's runner
-        self.graph_steps = dict.fromkeys(("replayed", "eager", "fallback"), 0)  # how the other steps ran
+        # how the decode steps ran, over every bucket's runner (StepCapture.stats keys)
+        self.graph_steps = dict.fromkeys(("captured", "replayed", "eager", "fallback"), 0)
         self.uncapturable = None  # why a shape last stayed eager (the host sync), if one did
 
     # ----- membership ------------------------------------------------------------------------------
@@ -135,8 +126,7 @@ class DecodeSlots:
         if self.capture is not None:
             before = dict(self.capture.stats)
             logits = self.capture.step(ids)
-            self.captures += self.capture.stats["captured"] - before["captured"]
-            for kind in ("replayed", "eager", "fallback"):
+            for kind in self.graph_steps:
                 self.graph_steps[kind] += self.capture.stats[kind] - before[kind]
             self.uncapturable = self.capture.stats.get("uncapturable", self.uncapturable)
         else:

@@ -65,11 +65,11 @@ def accept_sampled(drafts: torch.Tensor, target: torch.Tensor, row: SamplerRow) 
     gen = row.generator
     u = torch.rand(k, generator=gen, device=gen.device if gen is not None else p.device).to(p.device)
     ok = u < p[torch.arange(k, device=p.device), drafts]
-    a = int(ok.to(torch.long).cumprod(0).sum())
+    a = int(accept._prefix_length(ok.unsqueeze(0))[0])
     if a < k:
         residual = p[a].clone()
         residual[drafts[a]] = 0
-        dist = residual if float(residual.sum()) > 0 else p[a]
+        dist = torch.where(residual.sum() > 0, residual, p[a])  # p a point mass on the draft: any draw from p
     else:
         dist = p[k]
     return a, int(ops.sample(dist.log().unsqueeze(0), 1.0, gen)[0])
@@ -130,18 +130,19 @@ class ServeSpeculator:
         drafts = chunk[:, 1:]
         counts = [1] * state.batch
         emitted = {}
+        draft_rows = drafts.tolist()  # one device->host copy for every row
         greedy = [r for r in spec if rows[r].params.greedy]
         if greedy:
             idx = to_device(greedy, target.device)
             acc, after = accept.greedy(drafts[idx], target[idx])
             for r, a, t in zip(greedy, acc.tolist(), after.tolist()):
-                counts[r], emitted[r] = a + 1, drafts[r, :a].tolist() + [t]
+                counts[r], emitted[r] = a + 1, draft_rows[r][:a] + [t]
         for r in spec:
             if r not in emitted:
                 a, t = accept_sampled(drafts[r], target[r], rows[r])
-                counts[r], emitted[r] = a + 1, drafts[r, :a].tolist() + [t]
+                counts[r], emitted[r] = a + 1, draft_rows[r][:a] + [t]
         kept = to_device(counts, chunk.device)
-        if run is not None and hasattr(run.verifier, "keep"):  # a captured verifier commits from graphs too
+        if run is not None:  # the captured verifier commits from graphs too
             run.verifier.keep(chunk, kept)
         else:
             keep(self.model, state, chunk, kept)
@@ -172,7 +173,7 @@ def decode_speculative(loop, seqs: list, due: list, touched: set) -> bool:
     if not rows:
         return False
     # drafts no row can use are not verified; no row's chunk may run past the context
-    want = max(s.request.max_tokens - len(s.output) for s in seqs if s.slot in rows) - 1
+    want = max(s.request.max_tokens - s.n_output for s in seqs if s.slot in rows) - 1
     most = min([want] + [limit - 1 - s.computed for s in seqs])
     if most <= 0:
         return False

@@ -132,7 +132,7 @@ class Decoder:
         ids = drafts[:, :k + 1]
         target = self.verifier.verify(ids) if self.verifier is not None else verify(self.model, self.state, ids)[0]
         accepted, after = self._accept(drafts[:, 1:k + 1], logits[:, :k], target)
-        if hasattr(self.verifier, "keep"):  # a captured verifier commits from graphs too
+        if self.verifier is not None:  # the captured verifier commits from graphs too
             self.verifier.keep(ids, accepted + 1)
         else:
             keep(self.model, self.state, ids, accepted + 1)

@@ -186,9 +186,9 @@ class StepLoop(PrefillSteps):
             return
         try:
             logits = self.slots.step({s.slot: s.tokens[s.computed] for s in seqs})
-            self.counters["decode_captures"] = self.slots.captures
             g = self.slots.graph_steps
-            self.counters.update(decode_replays=g["replayed"], decode_eager=g["eager"], decode_fallbacks=g["fallback"])
+            self.counters.update(decode_captures=g["captured"], decode_replays=g["replayed"], decode_eager=g["eager"],
+                                 decode_fallbacks=g["fallback"])
         except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
             for req in {s.request for s in seqs}:
                 self._fail(req, exc, touched)
