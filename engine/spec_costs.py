@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from . import speculative as spec
 from .draft_capture import DraftCapture
 from .step_capture import StepCapture
 from .verify_capture import VerifyCapture

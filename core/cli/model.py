@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from .serve import draft_tokens_arg
+
 
 def _human(n: float, unit: str = "B") -> str:
     for prefix in ("", "K", "M", "G", "T", "P"):
@@ -51,7 +53,7 @@ def add_run(sub) -> None:
                    help="replay decode steps from CUDA graphs (default: on CUDA devices)")
     p.add_argument("--speculative", choices=("dspark",), default=None,
                    help="speculative decoding with the model's DSpark draft layers (docs/speculative.md)")
-    p.add_argument("--draft-tokens", type=_draft_tokens, default="auto", metavar="K|auto",
+    p.add_argument("--draft-tokens", type=draft_tokens_arg, default="auto", metavar="K|auto",
                    help="drafts verified per step with --speculative: 1..block size, or auto (default)")
     p.add_argument("--no-check-weights", action="store_true", help="skip the NaN / Inf check of the weights at load")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group (docs/parallel.md)")
@@ -63,15 +65,6 @@ def add_run(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_simulation_options(p)
     p.set_defaults(func=cmd_run)
-
-
-def _draft_tokens(text: str):
-    """--draft-tokens: ``auto`` or a positive int (the model checks it against its block size)."""
-    if text == "auto":
-        return "auto"
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {text!r}")
-    return int(text)
 
 
 def cmd_run(args) -> int:

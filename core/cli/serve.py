@@ -56,16 +56,13 @@ def add_serve(sub) -> None:
 
 
 def draft_tokens_arg(value: str):
-    """``--draft-tokens``: ``auto`` or a positive int."""
+    """``--draft-tokens`` (run and serve): ``auto`` or a positive int (the model checks it against
+    its block size)."""
     if value == "auto":
         return value
-    try:
-        k = int(value)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'auto', got {value!r}")
-    return k
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {value!r}")
+    return int(value)
 
 
 def cmd_serve(args) -> int:

@@ -20,6 +20,7 @@ from flashrt.engine import slots as slots_mod
 from flashrt.engine.step_capture import StepCapture
 
 from test_spec_generate_capture import TensorRecorder
+from test_verify_capture import _cuda_model
 
 SMALL = dict(prefill_chunk=16, max_step_tokens=40, max_running=8)
 
@@ -143,15 +144,6 @@ def test_static_serving_rounds_equal_eager(model, rng, monkeypatch, draft_tokens
     assert 0 < s.accepted < s.drafted and s.as_dict()["k_counts"] == eager.step_loop.spec.stats.as_dict()["k_counts"]
     plain_steps = sum(sc.stats["eager"] for _, sc in static.step_loop.slots.cache.values())
     assert plain_steps > 0  # plain steps (k = 0, or no row could speculate) ran the static one-token step
-
-
-def _cuda_model():
-    from flashrt.graphs.config import shipped_config
-    from flashrt.graphs.init_weights import init_weights
-    from flashrt.graphs.model import Model
-
-    cfg = shipped_config("tiny")
-    return Model(cfg, init_weights(cfg, seed=3, device="cuda"))
 
 
 @pytest.mark.gpu
