@@ -16,8 +16,12 @@ from kernel_check import rel_err
 import flashrt
 
 
-def oracle_linear(x, w):
+def oracle_linear(x, w, wide: bool = False):
+    """int8_t activations times ``w``, summed in fp32 (``wide``: in fp64, rounded to fp32 as the
+    reference backend does), in ``x``'s dtype."""
     xq = formats.dequantize(formats.quantize(x, "int8_t"))
+    if wide:
+        return F.linear(xq.double(), formats.dequantize(w).double()).float().to(x.dtype)
     return F.linear(xq, formats.dequantize(w)).to(x.dtype)
 
 
@@ -234,4 +238,4 @@ def test_reference_backend_uses_int8_t_activations_for_int8_w(rng):
     w = formats.quantize(torch.randn(16, 64, generator=rng), "int8_w")
     with flashrt.use_backend("reference"):
         got = flashrt.ops.linear(x, w)
-    assert torch.equal(got, oracle_linear(x, w))
+    assert torch.equal(got, oracle_linear(x, w, wide=True))
