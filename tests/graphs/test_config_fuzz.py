@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from flashrt.errors import CheckpointError
 from flashrt.graphs.checkpoint import read_config
 from flashrt.graphs.config import ModelConfig, shipped_config
-from flashrt.graphs.hf_config import to_hf
+from flashrt.graphs.hf_config import RUNTIME_ONLY, to_hf
 
 TINY = shipped_config("tiny")
 FLAT = json.loads(json.dumps(TINY.to_dict()))
@@ -161,6 +161,8 @@ def test_fuzz_published_config(data):
         assert value == orig and type(value) is type(orig)
     elif path[-1] == "dtype" and len(path) == 1:
         assert value in ("bfloat16", "float16", "float32", "fp8")
+    elif path[-1] in RUNTIME_ONLY:  # to_hf writes these only when they differ from the default
+        assert _same(getattr(cfg, path[-1]), value), (path, value, getattr(cfg, path[-1]))
     else:
         held = _at(to_hf(cfg), path)
         assert _same(held, value), (path, value, held)
