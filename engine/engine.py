@@ -167,7 +167,8 @@ class Engine:
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a request as they come (each with the deltas since the previous one); the
-        last has ``finished`` set. Leaving the iteration early aborts the request."""
+        last has ``finished`` set. Outputs that queued up while the caller was busy come as one
+        (the latest, its deltas covering them all). Leaving the iteration early aborts the request."""
         queue = self._queues.get(request_id)
         if queue is None:
             raise RequestError("request_id", f"expected a request added by add_request, got {request_id!r}")
@@ -175,6 +176,8 @@ class Engine:
         try:
             while not finished:
                 out = await queue.get()
+                while not out.finished and not queue.empty():  # behind the engine: one output for all
+                    out = outputs.merge(out, queue.get_nowait())
                 finished = out.finished
                 yield out
         finally:

@@ -3,6 +3,8 @@ strings, length), incremental text (through the tokenizer's incremental decoder,
 stop-string prefixes), and output objects."""
 from __future__ import annotations
 
+import dataclasses
+
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status
 
 
@@ -63,6 +65,21 @@ def completion(seq: Sequence) -> CompletionOutput:
 def request_output(req: Request) -> RequestOutput:
     return RequestOutput(req.id, req.prompt_ids, [completion(s) for s in req.seqs], req.finished,
                          req.error, req.prefix_hit_tokens)
+
+
+def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output standing for two consecutive ones of a request: ``newer`` with each sequence's
+    deltas starting where ``older``'s did (what a stream sends when it fell behind the engine)."""
+    before = {c.index: c for c in older.outputs}
+    outs = []
+    for c in newer.outputs:
+        o = before.get(c.index)
+        if o is not None:
+            c = dataclasses.replace(c, delta_text=o.delta_text + c.delta_text,
+                                    delta_token_ids=o.delta_token_ids + c.delta_token_ids,
+                                    delta_logprobs=o.delta_logprobs + c.delta_logprobs)
+        outs.append(c)
+    return dataclasses.replace(newer, outputs=outs)
 
 
 def finish(seq: Sequence, reason: str) -> None:

@@ -7,8 +7,8 @@ reads in place: the token ids and Engram hash ids (static buffers filled before 
 positions, window rings, compressor state, index K, the page pool and its block tables (updated
 in place when a page is added). What would change a kernel's shape is made static:
 
-* the compressed entries a layer reads are rounded up to a bucket (at most 1/8 more than needed,
-  see :func:`bucket`); the extra entries are not visible to any query (the indexer masks them to
+* the compressed entries a layer reads follow the step's last position rounded up to a bucket
+  (at most 1/8 more than needed, see :func:`step_entries`); the extra entries are not visible to any query (the indexer masks them to
   ``-inf`` and top-k never picks them), so the step computes the same function;
 * the key also holds the address and shape of every state tensor, so a cache that grew (index K
   doubling, page pool growth, a wider block table) is captured afresh instead of read stale.
@@ -56,6 +56,15 @@ def bucket(entries: int) -> int:
     return -(-entries // step) * step
 
 
+def step_entries(end: int, ratios) -> dict[int, int]:
+    """Compressed entries each compression ratio's layers read in a step whose last position is
+    ``end - 1``: every ratio's count follows one rounded position (``bucket(end) // r >= end //
+    r``), so the shape key changes only when that position crosses a bucket, not whenever any one
+    ratio's count does (fewer distinct keys, fewer captures while a batch's positions move)."""
+    top = bucket(end)
+    return {r: top // r for r in ratios}
+
+
 class StepCapture:
     """One-token decode steps of ``state`` (a batch of ``state.batch`` rows) through CUDA graphs.
 
@@ -63,7 +72,7 @@ class StepCapture:
     static-buffer step eagerly. ``max_graphs``: graphs kept (least recently used dropped).
     """
 
-    def __init__(self, model, state: KVState, capture: bool | None = None, max_graphs: int = 8):
+    def __init__(self, model, state: KVState, capture: bool | None = None, max_graphs: int = 16):
         if not isinstance(state, KVState) or state.is_meta:
             raise ValueError(f"state: expected a KVState on a real device, got {type(state).__name__}")
         self.model, self.state = model, state
@@ -95,7 +104,7 @@ class StepCapture:
         state, model = self.state, self.model
         ids = ids.reshape(state.batch, 1)
         end = max(state.host_positions) + 1
-        entries = {r: bucket(end // r) for r in self.ratios}
+        entries = step_entries(end, self.ratios)
         state.begin_step(1)
         buffers = state.step_buffers(entries)  # room for the bucket, block tables refreshed in place
         if self.fallback_reason(buffers) is not None:

@@ -30,7 +30,7 @@ from flashrt.kv.state import KVState
 
 from . import accept
 from . import speculative as spec
-from .step_capture import CAPTURE_ERROR_MODE, bucket
+from .step_capture import CAPTURE_ERROR_MODE, step_entries
 
 
 def capture_setup(model, state, capture: bool | None, record):
@@ -87,7 +87,7 @@ class VerifyCapture:
             raise ValueError(f"ids: expected a [{state.batch}, k + 1] tensor, got {tuple(ids.shape)}")
         S = ids.shape[1]
         self._replayed = None
-        entries = {r: bucket((max(state.host_positions) + S) // r) for r in self.ratios}
+        entries = step_entries(max(state.host_positions) + S, self.ratios)
         state.begin_step(S)
         buffers = state.step_buffers(entries)
         if model.prefetch is not None or (any(buffers.cold) and not state.pool.zero_copy(

@@ -131,7 +131,11 @@ class ImageInput:
 
 
 def _describe(source) -> str:
+    """``source`` for an error message: a file path whole (the user must find the file), anything
+    else (bytes, a data URL, an object) cut to 80 characters."""
     text = repr(source)
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and not source.startswith("data:")):
+        return text
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -154,8 +154,12 @@ class Model:
             raise ValueError(f"token_mask: expected a bool tensor {tuple(ids.shape)}, got {token_mask!r:.80}")
         token_mask, vl_mask = self._span_masks(ids, token_mask, spans)
         state = self._state_for(ids, start_pos, state)
-        ctx = self.context(ids, state, token_mask, vl_mask=vl_mask)
-        logits = self.run(ids, ctx, all_positions, spans)
+        # the ids are checked above; every other index the layers pass to an op (routes, top-k
+        # picks, cache slots) is computed by the model itself, so the ops skip reading index values
+        # (a host sync each, dozens per forward on a GPU)
+        with checks.value_checks(False):
+            ctx = self.context(ids, state, token_mask, vl_mask=vl_mask)
+            logits = self.run(ids, ctx, all_positions, spans)
         state.advance(ids.shape[1], ctx.next_history)
         return logits
 

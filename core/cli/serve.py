@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 
 def add_serve(sub) -> None:
@@ -65,6 +66,25 @@ def draft_tokens_arg(value: str):
     return int(value)
 
 
+SWITCH_INTERVAL_MS = 5.0  # Python's own default
+
+
+def switch_interval_s(value: str | None) -> float:
+    """The interpreter's thread switch interval for the server, in seconds, from
+    ``FLASHRT_SWITCH_INTERVAL_MS`` (None: :data:`SWITCH_INTERVAL_MS`). The engine thread and the
+    HTTP event loop share one interpreter: how long one may hold it while the other waits decides
+    how much the streaming work delays the next engine step (docs/serving.md)."""
+    if value is None:
+        return SWITCH_INTERVAL_MS / 1e3
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float("nan")
+    if not 0.01 <= ms <= 1000:
+        raise ValueError(f"FLASHRT_SWITCH_INTERVAL_MS: expected milliseconds in [0.01, 1000], got {value!r}")
+    return ms / 1e3
+
+
 def cmd_serve(args) -> int:
     import torch
     import uvicorn
@@ -108,6 +128,7 @@ def cmd_serve(args) -> int:
             # a drained shutdown is a normal exit: uvicorn would re-raise the signal afterwards
             getattr(self, "_captured_signals", []).clear()
 
+    sys.setswitchinterval(switch_interval_s(os.environ.get("FLASHRT_SWITCH_INTERVAL_MS")))
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=args.grace_s, access_log=args.log_level == "debug"))
     logging.getLogger("flashrt").info("serving %s on http://%s:%d (OpenAI API under /v1; tokenizer: %s)", name,

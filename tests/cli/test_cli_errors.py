@@ -4,6 +4,7 @@ and the seeds mean what they say."""
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -169,3 +170,14 @@ def test_bad_values_in_a_fresh_process(tmp_path):
                            cwd="/", env=os.environ | {"FLASHRT_CACHE_DIR": str(tmp_path)})
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "Traceback" not in r.stderr and ": error: " in r.stderr
+
+
+def test_serve_switch_interval_env_is_checked(rng):
+    from flashrt.cli.serve import SWITCH_INTERVAL_MS, switch_interval_s
+
+    assert switch_interval_s(None) == SWITCH_INTERVAL_MS / 1e3
+    ms = float(torch.empty(1).uniform_(0.01, 1000, generator=rng))
+    assert abs(switch_interval_s(repr(ms)) - ms / 1e3) < 1e-12
+    for bad in ("0", "-1", "abc", "nan", "inf", "1e9", ""):
+        with pytest.raises(ValueError, match="FLASHRT_SWITCH_INTERVAL_MS.*" + re.escape(repr(bad))):
+            switch_interval_s(bad)

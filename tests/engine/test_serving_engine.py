@@ -188,3 +188,36 @@ def test_generate_while_the_loop_thread_runs(model, rng):
     assert engine._thread is None and not engine.step_loop.has_work
     with pytest.raises(Exception, match="shutting down"):
         engine.add_request(p, GREEDY)
+
+
+def test_a_stream_behind_the_engine_gets_merged_outputs(model, rng):
+    """A consumer slower than the engine gets fewer outputs than tokens; their deltas still add up
+    to exactly the final token ids, text and logprobs, each covered once."""
+    import asyncio
+    import time
+
+    p = prompts_for(rng, (int(torch.randint(5, 14, (1,), generator=rng)),))[0]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    engine = Engine(model, **SMALL)
+    engine.start()
+
+    async def consume():
+        rid = engine.add_request(p, params)
+        got = []
+        async for out in engine.stream(rid):
+            got.append(out)
+            end = time.monotonic() + 60
+            while engine.step_loop.has_work and time.monotonic() < end:  # the loop blocked: outputs queue up
+                time.sleep(0.01)
+        return got
+
+    try:
+        got = asyncio.run(consume())
+    finally:
+        engine.shutdown(grace_s=5)
+    final = got[-1].outputs[0]
+    assert got[-1].finished and len(final.token_ids) == 12
+    assert len(got) == 2  # the first, then everything that queued up behind it as one
+    assert sum((o.outputs[0].delta_token_ids for o in got), []) == final.token_ids
+    assert "".join(o.outputs[0].delta_text for o in got) == final.text
+    assert [lp.token for o in got for lp in o.outputs[0].delta_logprobs] == final.token_ids

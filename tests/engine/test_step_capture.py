@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashrt.graphs.config import shipped_config
-from flashrt.engine.step_capture import StepCapture, bucket
+from flashrt.engine.step_capture import StepCapture, bucket, step_entries
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
 from flashrt.kv.state import KVState
@@ -20,6 +20,20 @@ def test_bucket_bounds(rng):
         assert b >= e and b - e <= max(15, e // 8), (e, b)
         assert bucket(b) == b
     assert bucket(0) == 0
+
+
+def test_step_entries_cover_every_ratio_and_change_together(rng):
+    """Each ratio reads at least its entries, at most 1/8 (or 16 positions) more, and the shape key
+    over a run of positions changes no more often than one rounded position does."""
+    ratios = sorted(set(torch.randint(1, 200, (3,), generator=rng).tolist()) | {4, 128})
+    start = int(torch.randint(1, 1 << 16, (1,), generator=rng))
+    keys = set()
+    for end in range(start, start + 3000):
+        e = step_entries(end, ratios)
+        for r in ratios:
+            assert end // r <= e[r] <= (end + max(15, end // 8)) // r, (end, r, e[r])
+        keys.add(tuple(sorted(e.items())))
+    assert len(keys) <= len({bucket(end) for end in range(start, start + 3000)})
 
 
 def _states(model, batch, capacity, page_entries):

@@ -297,6 +297,29 @@ def test_captured_verify_replays_the_static_step(rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_commit_equals_the_eager_commit(rng):
+    """CUDA graphs: the kept tokens committed by the commit's own graph (VerifyCapture.keep) leave
+    the caches the eager commit leaves, round after round of ragged counts, and later verifies
+    still agree."""
+    model = _cuda_model()
+    eager, static = _pair(model, rng, 3, 19)
+    plain, graphs = VerifyCapture(model, eager, capture=False), VerifyCapture(model, static)
+    K, V = model.cfg.dspark_block_size, model.cfg.vocab_size
+    for i in range(24):
+        k = 1 + i % K
+        ids = torch.randint(0, V, (3, k + 1), generator=rng).cuda()
+        counts = torch.randint(1, k + 2, (3,), generator=rng)
+        assert torch.equal(plain.verify(ids).clone(), graphs.verify(ids).clone())
+        spec.keep(model, eager, ids, counts)
+        graphs.keep(ids, counts)
+        torch.cuda.synchronize()
+        _same_caches(model, eager, static)
+    assert graphs.stats["replayed"] > 10 and graphs.stats["eager"] == 0, graphs.stats
+    assert any(callable(c) for c in graphs.commits.values()), graphs.commits  # commits replayed from graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_draft_and_decoder(rng):
     """Decoder rounds with the captured draft and verify emit what the eager Decoder emits."""
     model = _cuda_model()
