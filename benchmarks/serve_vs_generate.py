@@ -4,11 +4,13 @@
 
 1. ``flashrt.generate`` on ``--batch`` random prompts of ``--input-len`` byte ids, ``--output-len``
    new tokens each (CUDA graphs on CUDA): output tokens/s over the whole call (prefill included),
-   after a warm-up call on the same prompts that compiles the kernels and captures the steps.
+   after the same call untimed (kernel compiles; a call's decode graphs are its own, so the timed
+   call captures its steps again, as every call of ``generate()`` does).
 2. ``flashrt serve --model M`` started as a subprocess, then ``flashrt bench serve`` at the given
    concurrency levels with the same lengths (streamed requests through the OpenAI API): output
    tokens/s, TTFT and TPOT p50 / p99 per level, after one untimed warm-up pass at the highest
-   level (kernel compiles and step captures); each level runs as its own ``bench serve`` call. The
+   level with the same prompts and lengths (kernel compiles and step captures); each level runs as
+   its own ``bench serve`` call. The
    server is stopped with SIGTERM.
 ``ratio_to_generate`` of a level = its output tokens/s over step 1's; ``ratio_to_generate_same_batch``
 = over ``generate()`` at a batch of the level's concurrency (measured the same way). Each level also carries
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -40,7 +43,7 @@ def generate_throughput(model_name: str, batch: int, input_len: int, output_len:
     model = load_model(model_name, pick_device(None), quiet=True)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 256, (batch, input_len), generator=gen).tolist()
-    flashrt.generate(model, prompts, 8)  # compiles this batch's kernel variants and captures its decode steps
+    flashrt.generate(model, prompts, output_len)  # the same call untimed: kernel compiles, its shapes seen
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -110,13 +113,19 @@ def serve_levels(args) -> dict:
         cmd += ["--max-step-tokens", str(args.max_step_tokens)]
     if args.device_timing:
         cmd += ["--device-timing"]
-    proc = subprocess.Popen(cmd)
+    env = dict(os.environ)
+    if args.profile_engine:
+        env["FLASHRT_PROFILE_ENGINE"] = args.profile_engine  # engine/loop_profile.py
+    proc = subprocess.Popen(cmd, env=env)
     try:
         wait_healthy(url, proc, args.start_timeout)
         bench = [sys.executable, "-m", "flashrt.cli", "bench", "serve", "--base-url", url,
                  "--input-len", str(args.input_len)]
         top = str(max(args.concurrency))
-        subprocess.run([*bench, "--concurrency", top, "--num-prompts", top, "--output-len", "8"], check=True)  # warm-up
+        # warm-up: the highest level's whole run, untimed (kernel variants, decode graphs of every
+        # bucket and position the timed runs reach)
+        subprocess.run([*bench, "--concurrency", top, "--num-prompts", str(args.num_prompts),
+                        "--output-len", str(args.output_len)], check=True)
         result = None
         with tempfile.TemporaryDirectory() as tmp:
             for level in args.concurrency:
@@ -153,6 +162,8 @@ def main() -> None:
     ap.add_argument("--max-step-tokens", type=int, default=None, help="the server's (default: its profile's)")
     ap.add_argument("--device-timing", action="store_true",
                     help="the server times its forwards on the device (a host sync per step: slows it down)")
+    ap.add_argument("--profile-engine", default=None, metavar="FILE",
+                    help="cProfile the server's engine loop thread into FILE (written when the server stops)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base = generate_throughput(args.model, args.batch, args.input_len, args.output_len)

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from . import outputs
+from . import loop_profile, outputs
 from .config import EngineConfig
 from .errors import EngineStopped, QueueFull, RequestError
 from .images import batch_images, prompt_images
@@ -70,6 +70,7 @@ class Engine:
         self._commands: list = []  # ("add", Request-args) / ("abort", id), applied by the loop thread
         self._queues: dict[str, asyncio.Queue] = {}
         self._thread: threading.Thread | None = None
+        self._profile: str | None = None  # FLASHRT_PROFILE_ENGINE (engine/loop_profile.py)
         self._stop = False
         self.accepting = True
         self.step_error: str | None = None
@@ -142,6 +143,7 @@ class Engine:
     def start(self) -> None:
         """Run the step loop in a background thread (idempotent)."""
         if self._thread is None:
+            self._profile = loop_profile.profile_path()
             self._thread = threading.Thread(target=self._loop, name="flashrt-engine", daemon=True)
             self._thread.start()
 
@@ -204,6 +206,10 @@ class Engine:
 
     # ----- the loop thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
+        with loop_profile.profiled(self._profile):
+            self._run_loop()
+
+    def _run_loop(self) -> None:
         while True:
             with self._cv:
                 while not self._commands and not self.step_loop.has_work and not self._stop:

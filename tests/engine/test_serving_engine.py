@@ -221,3 +221,24 @@ def test_a_stream_behind_the_engine_gets_merged_outputs(model, rng):
     assert sum((o.outputs[0].delta_token_ids for o in got), []) == final.token_ids
     assert "".join(o.outputs[0].delta_text for o in got) == final.text
     assert [lp.token for o in got for lp in o.outputs[0].delta_logprobs] == final.token_ids
+
+
+def test_loop_profile_written_on_stop_and_never_over_a_file(model, rng, tmp_path, monkeypatch):
+    import pstats
+
+    path = tmp_path / "loop.prof"
+    monkeypatch.setenv("FLASHRT_PROFILE_ENGINE", str(path))
+    p = prompts_for(rng, (7,))[0]
+    engine = Engine(model, **SMALL)
+    engine.start()
+    try:
+        engine.generate(p, GREEDY)
+    finally:
+        engine.shutdown(grace_s=5)
+    names = {fn for _, _, fn in pstats.Stats(str(path)).stats}
+    assert "step" in names  # the loop thread's steps were profiled
+    with pytest.raises(ValueError, match="FLASHRT_PROFILE_ENGINE.*exists"):
+        Engine(model, **SMALL).start()
+    monkeypatch.setenv("FLASHRT_PROFILE_ENGINE", str(tmp_path / "no" / "x.prof"))
+    with pytest.raises(ValueError, match="existing folder"):
+        Engine(model, **SMALL).start()

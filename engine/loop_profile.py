@@ -1,0 +1,40 @@
+"""``FLASHRT_PROFILE_ENGINE=FILE``: profile the engine's loop thread (``cProfile``) while it runs
+and write the statistics to ``FILE`` (``pstats`` format) when it stops. A diagnostic for serving
+(where the loop thread shares the interpreter with the HTTP event loop): read the file with
+``python -m pstats FILE``. The file must not exist yet (nothing is overwritten)."""
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import os
+
+ENV = "FLASHRT_PROFILE_ENGINE"
+
+
+def profile_path() -> str | None:
+    """The file to write, checked; None when profiling is off."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    if os.path.exists(path):
+        raise ValueError(f"{ENV}: expected a path that does not exist yet, got {path!r} (it exists)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{ENV}: expected a file in an existing folder, got {path!r}")
+    return path
+
+
+@contextlib.contextmanager
+def profiled(path: str | None):
+    """Profile the calling thread inside the block when ``path`` is set; write the statistics after."""
+    if path is None:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        if not os.path.exists(path):
+            prof.dump_stats(path)
