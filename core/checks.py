@@ -17,6 +17,11 @@ import torch
 from .formats import FORMATS, QTensor, check_qtensor
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+F32 = (torch.float32,)
+I32 = (torch.int32,)
+KV_FORMATS = ("fp8", "fp4_b16", "fp4_b32", "int8")  # int8: devices with no FP8 (formats.py)
+WEIGHT_FORMATS = ("fp8_w", "fp4_w", "int8_w")  # int8_w: int8_t activations (formats.py)
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 _STATE = {"values": True}
 
 

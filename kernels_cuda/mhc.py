@@ -137,12 +137,10 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
         tl.store(ws_c + row[:, None] * (HCP * HCP) + c[None, :], acc_c, mask=tm[:, None])
         tl.store(ws_s + row, ssq, mask=tm)
         if FINISH:
-            tl.debug_barrier()
-            ticket = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-            if ticket == n_splits - 1:
+            if splitk.last_ticket(cnt_ptr + tl.program_id(0), n_splits):
                 _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t0, T, K, n_splits,
                            iters, eps, norm_eps, HC, BLOCK_T, HCP, PP)
-                tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+                splitk.reset_ticket(cnt_ptr + tl.program_id(0))
     else:
         _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
                      norm_eps, HC, BLOCK_T, HCP, PP)

@@ -139,19 +139,17 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
     col_ok = offs_n < D
     tl.store(y_ptr + r64[:, None] * stride_ym + offs_n[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
     if COMBINE:
-        tl.debug_barrier()  # every thread's rows are stored before the tickets publish them
         tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         slot = cnt_ptr + tok * tl.num_programs(0) + tl.program_id(0)
-        ticket = tl.atomic_add(slot, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+        last = row_ok & splitk.last_ticket(slot, TOPK, row_ok)  # once every thread's rows are stored
         tl.debug_barrier()  # a row's ticket and its loads below may sit in different threads
-        last = row_ok & (ticket == TOPK - 1)
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for s in range(TOPK):
             p = tl.load(pos_ptr + tok * TOPK + s, mask=last, other=0).to(tl.int64)
             total += tl.load(y_ptr + p[:, None] * stride_ym + offs_n[None, :], mask=last[:, None] & col_ok[None, :],
                              other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + tok[:, None] * stride_om + offs_n[None, :], total, mask=last[:, None] & col_ok[None, :])
-        tl.atomic_xchg(slot, 0, mask=last, sem="relaxed", scope="gpu")
+        splitk.reset_ticket(slot, last)
 
 
 @triton.jit

@@ -39,6 +39,23 @@ def fits(tiles: int) -> bool:
 
 
 @triton.jit
+def last_ticket(counter, n, mask=None):
+    """Take a ticket from ``counter`` once this program's stores are published (a barrier, then an
+    atomic add, acquire-release at GPU scope): true where it is the last of ``n`` tickets, i.e. every
+    other partial is stored and visible. A block of counters takes one ticket each where ``mask``;
+    the result is only meaningful there."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, mask=mask, sem="acq_rel", scope="gpu") == n - 1
+
+
+@triton.jit
+def reset_ticket(counter, mask=None):
+    """Put ``counter`` back to zero (by the program that drew the last ticket, where ``mask``), so the
+    pool is ready for the next launch."""
+    tl.atomic_xchg(counter, 0, mask=mask, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def store_tile(acc, out_ptr, ws_ptr, cnt_ptr, tile, split, n_splits, rows, cols, ok, stride_om, M, N,
                OUT: tl.constexpr, REDUCE: tl.constexpr):
     """Store fp32 ``acc`` (rows x cols of the output, mask ``ok``) rounded to ``OUT``; with REDUCE,
@@ -47,13 +64,11 @@ def store_tile(acc, out_ptr, ws_ptr, cnt_ptr, tile, split, n_splits, rows, cols,
     if REDUCE:
         part = ws_ptr + r64[:, None] * N + cols[None, :]
         tl.store(part + split.to(tl.int64) * M * N, acc, mask=ok)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == n_splits - 1:
+        if last_ticket(cnt_ptr + tile, n_splits):
             total = tl.zeros(acc.shape, tl.float32)
             for s in range(n_splits):
                 total += tl.load(part + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + r64[:, None] * stride_om + cols[None, :], to_out(total, OUT), mask=ok)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            reset_ticket(cnt_ptr + tile)
     else:
         tl.store(out_ptr + r64[:, None] * stride_om + cols[None, :], to_out(acc, OUT), mask=ok)

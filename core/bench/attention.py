@@ -64,10 +64,10 @@ def _bytes(q, kv, idx) -> int:
 
 def _sdpa_inputs(q, kv, idx):
     """Dense equivalent: per query, its K rows gathered as bf16 [B*S, 1, K, D]; heads as rows."""
-    from flashrt.backends import reference as ref
+    from flashrt.refmath_attention import gather_rows
 
     B, S, _, _ = q.shape
-    rows = ref._gather_rows(kv, idx.clamp_min(0).long()).to(torch.bfloat16)  # [B, S, K, D]
+    rows = gather_rows(kv, idx.clamp_min(0).long()).to(torch.bfloat16)  # [B, S, K, D]
     return q.reshape(B * S, 1, H, D), rows.reshape(B * S, 1, -1, D)
 
 

@@ -12,7 +12,8 @@ from flashrt.engine import Engine, EngineConfig, SamplingParams
 from flashrt.engine import slots as slots_mod
 from flashrt.engine import step_capture as sc
 from flashrt.engine.step_timing import StepTimer
-from flashrt.kv.pages import PagedMainKV, PagePool
+from flashrt.kv.main_kv import PagedMainKV
+from flashrt.kv.pages import PagePool
 
 ENGINE_DIR = os.path.dirname(slots_mod.__file__)
 

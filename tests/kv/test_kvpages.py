@@ -128,7 +128,8 @@ def test_device_pages_grow_to_the_budget_then_spill_then_the_cold_cap(cfg):
 def test_block_table_buffers_follow_every_change_incrementally(cfg, rng):
     """Pages added and spilled in random order: the device / host id buffers, updated entry by entry
     (not rebuilt) while their width suffices, always equal a rebuild from the tables."""
-    from flashrt.kv.pages import PagedMainKV, PagePool
+    from flashrt.kv.main_kv import PagedMainKV
+    from flashrt.kv.pages import PagePool
 
     pool = PagePool(cfg.head_dim, 4, "cpu", 12)
     main = PagedMainKV(pool, 3, entries=400)
@@ -149,7 +150,8 @@ def test_block_table_buffers_follow_every_change_incrementally(cfg, rng):
 
 
 def test_cold_page_count_follows_the_spills(cfg):
-    from flashrt.kv.pages import PagedMainKV, PagePool
+    from flashrt.kv.main_kv import PagedMainKV
+    from flashrt.kv.pages import PagePool
 
     pool = PagePool(cfg.head_dim, 4, "cpu", 6)
     main = PagedMainKV(pool, 2, entries=200)
@@ -176,3 +178,13 @@ def test_zero_qtensors_match_every_format_layout():
         assert (tuple(q.data.shape), tuple(q.scale.shape)) == (tuple(data_shape), tuple(scale_shape)), fmt
         assert (q.data.dtype, q.scale.dtype) == (s.data_dtype, s.scale_dtype), fmt
         assert not q.data.view(torch.uint8).any() and not q.scale.contiguous().view(torch.uint8).any(), fmt
+
+
+def test_pages_names_the_main_kv_class():
+    """``flashrt.kv.pages`` names ``PagedMainKV`` (kept in ``flashrt.kv.main_kv``) for its importers;
+    a name it does not hold still fails as an attribute error."""
+    from flashrt.kv import main_kv, pages
+
+    assert pages.PagedMainKV is main_kv.PagedMainKV
+    with pytest.raises(AttributeError, match="no_such_name"):
+        pages.no_such_name

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from flashrt.kv.index import IndexPool, PagedIndexK
-from flashrt.kv.pages import PagedMainKV, PagePool
+from flashrt.kv.main_kv import PagedMainKV
+from flashrt.kv.pages import PagePool
 from flashrt.kv.state import KVState
 
 
