@@ -7,18 +7,16 @@ aborts are queued for the loop thread, outputs come back through the caller's ev
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
 
 from . import loop_profile, outputs
 from .config import EngineConfig
-from .errors import EngineStopped, QueueFull, RequestError
-from .images import batch_images, prompt_images
+from .errors import QueueFull, RequestError
+from .front import EngineFront, is_token_list
+from .images import batch_images
 from .request import Request, RequestOutput, Status
 from .sampling import SamplingParams
 from .step_loop import StepLoop
@@ -27,30 +25,7 @@ from .text import eos_id, tokenizer_for
 log = logging.getLogger("flashrt.engine")
 
 
-def _is_token_list(p) -> bool:
-    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-
-
-class AsyncSink:
-    """Where a request's outputs go when it was added from an event loop: a queue of that loop."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-        self.request_id, self.loop, self.queue = request_id, loop, queue
-
-    def __call__(self, out: RequestOutput) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-        except RuntimeError:  # the caller's event loop is gone: nobody is listening
-            pass
-
-
-def _put_all(items) -> None:
-    """On the event loop's thread: each output into its request's queue."""
-    for sink, out in items:
-        sink.queue.put_nowait(out)
-
-
-class Engine:
+class Engine(EngineFront):
     """Continuous-batching engine over one model. Keyword arguments are :class:`EngineConfig` fields."""
 
     step_loop_class = StepLoop  # a subclass may run a variant (engine/parallel_groups.py)
@@ -65,30 +40,16 @@ class Engine:
             config.eos_token_id = eos_id(self.tokenizer)
         self.step_loop = self.step_loop_class(model, config, self.tokenizer)
         self.config = self.step_loop.config
-        self._ids = itertools.count()
+        self.limits = self.step_loop.limits
+        self._init_front()
         self._cv = threading.Condition()
         self._commands: list = []  # ("add", Request-args) / ("abort", id), applied by the loop thread
-        self._queues: dict[str, asyncio.Queue] = {}
         self._thread: threading.Thread | None = None
         self._profile: str | None = None  # FLASHRT_PROFILE_ENGINE (engine/loop_profile.py)
         self._stop = False
         self.accepting = True
         self.step_error: str | None = None
         self.lockstep = None  # several ranks: sends each turn's commands to the others first (parallel_serve.py)
-
-    # ----- prompts ---------------------------------------------------------------------------------
-    def encode(self, prompt, param: str = "prompt") -> list[int]:
-        """Text (through the tokenizer, BOS as its config says) or token ids -> token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError(param, "expected a non-empty prompt, got ''")
-            return self.tokenizer.encode(prompt)
-        if _is_token_list(prompt):
-            return list(prompt)
-        raise RequestError(param, f"expected a string or a non-empty list of token ids, got {prompt!r:.80}")
-
-    def _new_id(self, request_id: str | None) -> str:
-        return request_id if request_id is not None else f"req-{next(self._ids)}"
 
     # ----- offline ---------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -97,7 +58,7 @@ class Engine:
         :class:`RequestOutput` per prompt, in order. ``images``: None or one entry per prompt (a
         list of its images, one per image placeholder, as ``add_request`` takes them, or None); for a
         single prompt, its list of images."""
-        single = isinstance(prompts, str) or _is_token_list(prompts)
+        single = isinstance(prompts, str) or is_token_list(prompts)
         prompts = [prompts] if single else list(prompts)
         if not prompts:
             raise RequestError("prompts", "expected at least one prompt, got none")
@@ -147,46 +108,6 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="flashrt-engine", daemon=True)
             self._thread.start()
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    images=None) -> str:
-        """Queue a request; returns its id. Call :meth:`stream` (same event loop) for its outputs.
-        ``images``: one per image placeholder of the prompt, in order (engine/images.py).
-        Raises RequestError / PromptTooLong (bad input), QueueFull, EngineStopped."""
-        if not self.accepting:
-            raise EngineStopped("the engine is shutting down")
-        params = params or SamplingParams()
-        ids, pics = prompt_images(self.model, self.tokenizer, self.encode(prompt), images, params.max_tokens,
-                                  self.config.max_model_len)
-        self.step_loop.check(ids, params)
-        rid = self._new_id(request_id)
-        limit = self.config.max_waiting
-        if limit is not None and self.step_loop.num_waiting + self._pending_adds() >= limit:
-            raise QueueFull(f"the queue is full ({limit} requests waiting)")
-        sink = AsyncSink(rid, asyncio.get_running_loop(), asyncio.Queue())
-        self._queues[rid] = sink.queue
-        self._submit(rid, ids, params, sink, pics)
-        return rid
-
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of a request as they come (each with the deltas since the previous one); the
-        last has ``finished`` set. Outputs that queued up while the caller was busy come as one
-        (the latest, its deltas covering them all). Leaving the iteration early aborts the request."""
-        queue = self._queues.get(request_id)
-        if queue is None:
-            raise RequestError("request_id", f"expected a request added by add_request, got {request_id!r}")
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                while not out.finished and not queue.empty():  # behind the engine: one output for all
-                    out = outputs.merge(out, queue.get_nowait())
-                finished = out.finished
-                yield out
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
-
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages (a no-op for an unknown or finished one)."""
         with self._cv:
@@ -200,9 +121,10 @@ class Engine:
             self._commands.append(("add", (rid, ids, params, sink)))
             self._cv.notify()
 
-    def _pending_adds(self) -> int:
+    def _waiting(self) -> int:
         with self._cv:
-            return sum(1 for c in self._commands if c[0] == "add")
+            pending = sum(1 for c in self._commands if c[0] == "add")
+        return self.step_loop.num_waiting + pending
 
     # ----- the loop thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -247,19 +169,18 @@ class Engine:
                     self._deliver([req])
 
     def _deliver(self, requests: list[Request]) -> None:
-        """Each request's new output to its sink; outputs bound for one event loop go in one
-        hand-off per step (one wake-up of that loop, not one per request)."""
+        """Each request's new output to its sink; outputs whose sinks share a ``batch_key`` (one
+        event loop, one pipe) go in one hand-off per step (:meth:`AsyncSink.deliver_batch`)."""
         batches: dict = {}
         for req in requests:
             sink = req.sink
-            if isinstance(sink, AsyncSink):
-                batches.setdefault(sink.loop, []).append((sink, outputs.request_output(req)))
+            key = getattr(sink, "batch_key", None)
+            if key is not None:
+                batches.setdefault(key, (sink.deliver_batch, []))[1].append((sink, outputs.request_output(req)))
             elif sink is not None:
                 sink(outputs.request_output(req))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the callers' event loop is gone: nobody is listening
+        for deliver, items in batches.values():
+            if not deliver(items):  # nobody is listening any more
                 for sink, _ in items:
                     self.abort(sink.request_id)
 

@@ -24,7 +24,8 @@ import torch
 
 from . import outputs
 from .config import EngineConfig
-from .errors import PromptTooLong, QueueFull, RequestError
+from .errors import QueueFull, RequestError
+from .limits import RequestLimits
 from .request import Request, Sequence, Status
 from .sampling import Sampled, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, pages_at
@@ -77,32 +78,12 @@ class StepLoop(PrefillSteps):
                                        *COUNTERS), 0)
         self.timer = StepTimer(model.device, config.device_timing)
         self.finish_hooks = []  # called with each finished Request
+        self.limits = RequestLimits(model.cfg, self.config.max_model_len, self.P, self.max_pages)
 
     # ----- requests --------------------------------------------------------------------------------
     def check(self, prompt: list[int], params: SamplingParams) -> int:
-        """Validate a request; returns the tokens it may generate."""
-        if not isinstance(params, SamplingParams):
-            raise RequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompt, list) or not prompt:
-            raise RequestError("prompt", f"expected a non-empty list of token ids, got {prompt!r:.80}")
-        V = self.cfg.vocab_size
-        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V), None)
-        if bad is not None:
-            raise RequestError("prompt", f"expected token ids in [0, {V}), got {bad!r}")
-        try:
-            params.check_vocab(V)
-        except ValueError as exc:
-            raise RequestError("stop_token_ids", str(exc)) from None
-        limit, n = self.config.max_model_len, len(prompt)
-        new = params.max_tokens if params.max_tokens is not None else limit - n
-        if n + max(new, 1) > limit:
-            raise PromptTooLong("prompt", f"{n} prompt tokens + max_tokens {new} = {n + new} exceed the "
-                                f"model's context of {limit} tokens")
-        seq, pad = pages_at(self.cfg, self.P, n + new), (MIN_ROWS - 1) * pages_at(self.cfg, self.P, 1)
-        if self.max_pages is not None and seq + pad > self.max_pages:  # alone, with the decode batch's padding
-            raise PromptTooLong("prompt", f"{n} prompt tokens + max_tokens {new} need {seq} KV pages (+ {pad} for "
-                                f"the padding rows of a decode batch), the engine holds at most {self.max_pages}")
-        return new
+        """Validate a request; returns the tokens it may generate (:class:`RequestLimits`)."""
+        return self.limits.check(prompt, params)
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, images=None) -> Request:
         max_tokens = self.check(prompt, params)
