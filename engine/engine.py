@@ -17,7 +17,7 @@ from .config import EngineConfig
 from .errors import QueueFull, RequestError
 from .front import EngineFront, is_token_list
 from .images import batch_images
-from .request import Request, RequestOutput, Status
+from .request import Request, RequestOutput, Status, finished_record
 from .sampling import SamplingParams
 from .step_loop import StepLoop
 from .text import eos_id, tokenizer_for
@@ -205,6 +205,10 @@ class Engine(EngineFront):
         if self._thread is not None:
             self._thread.join(timeout=max(grace_s, 5.0))
             self._thread = None
+
+    def on_finish(self, hook) -> None:
+        """Call ``hook`` with a :class:`~flashrt.engine.request.Finished` record of each finished request."""
+        self.step_loop.finish_hooks.append(lambda req: hook(finished_record(req)))
 
     # ----- state ----------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -141,3 +141,18 @@ class Request:
     @property
     def output_tokens(self) -> int:
         return sum(s.n_output for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The times of a finished request (what ``/metrics`` histograms read; monotonic clock, shared
+    by the processes of one machine)."""
+    arrival: float
+    first_token_time: float | None
+    finish_time: float | None
+    output_tokens: int
+    n_seqs: int
+
+
+def finished_record(req) -> Finished:
+    return Finished(req.arrival, req.first_token_time, req.finish_time, req.output_tokens, len(req.seqs))

@@ -52,6 +52,9 @@ def add_serve(sub) -> None:
                    help="seconds a rank waits for its peers before the server fails (with --tp / --ep)")
     p.add_argument("--dp-attention", action="store_true",
                    help="with --ep: each group runs only the requests placed on it (docs/parallel.md)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, apart from the HTTP server (default on; "
+                        "one device; docs/serving.md)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_serve)
 
@@ -116,8 +119,14 @@ def cmd_serve(args) -> int:
                                        args.served_model_name, args.api_key, args.device, args.seed, args.threads,
                                        args.grace_s, args.log_level, args.collective_timeout,
                                        dp_attention=args.dp_attention))
-    model = load_model(args.model, dev, args.seed, quiet=args.log_level not in ("info", "debug"))
-    engine = Engine(model, config=config)
+    if args.engine_process:
+        from flashrt.engine.client import EngineClient
+        from flashrt.engine.core_process import CoreSpec
+
+        engine = EngineClient(CoreSpec(args.model, args.device, args.seed, config, threads, args.log_level))
+    else:
+        model = load_model(args.model, dev, args.seed, quiet=args.log_level not in ("info", "debug"))
+        engine = Engine(model, config=config)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = create_app(engine, name, api_key=args.api_key)
 

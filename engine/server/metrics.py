@@ -129,14 +129,15 @@ class Metrics:
         self.ttft = h("time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
         self.tpot = h("time_per_output_token_seconds", "Mean time between output tokens of a request", TPOT_BUCKETS)
         self.e2e = h("request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
-        engine.step_loop.finish_hooks.append(self.observe)
+        engine.on_finish(self.observe)
 
     def observe(self, req) -> None:
+        """One finished request (:class:`~flashrt.engine.request.Finished`)."""
         if req.first_token_time is None or req.finish_time is None:
             return
         self.ttft.observe(req.first_token_time - req.arrival)
         self.e2e.observe(req.finish_time - req.arrival)
-        per_seq = req.output_tokens / max(len(req.seqs), 1)
+        per_seq = req.output_tokens / max(req.n_seqs, 1)
         if per_seq > 1:
             self.tpot.observe((req.finish_time - req.first_token_time) / (per_seq - 1))
 

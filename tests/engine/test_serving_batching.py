@@ -127,9 +127,7 @@ def test_bucket_changes_reuse_the_step_runners(model, rng, monkeypatch):
     assert core.pool.pages_in_use == 0
 
 
-def test_prefill_groups_one_call_per_position_and_length(model, rng):
-    """Chunks at the same position with the same length run as one call, however many; short
-    chunks run alone; every chunk once, in plan order."""
+def test_prefill_groups_split_into_power_of_two_rows(model, rng):
     from flashrt.engine.scheduler import Plan
 
     engine = Engine(model, prefill_chunk=16, max_step_tokens=512, max_running=32, prefix_cache_bytes=0)
@@ -139,8 +137,10 @@ def test_prefill_groups_one_call_per_position_and_length(model, rng):
         core.add(f"r{i}", p, GREEDY)
     plan = Plan(prefill=[(s, min(16, s.prompt_len)) for s in core.scheduler.waiting])
     groups = plan.prefill_groups()
-    assert [len(g) for g in groups] == [k, 2, 1]
-    assert [s for g in groups for s, _ in g] == [s for s, _ in plan.prefill]
+    sizes = [len(g) for g in groups]
+    expect = [1 << b for b in range(k.bit_length() - 1, -1, -1) if k >> b & 1] + [2, 1]
+    assert sizes == expect
+    assert [s for g in groups for s, _ in g] == [s for s, _ in plan.prefill]  # every chunk once, in order
 
 
 def test_step_budget_comes_from_the_profile(model, monkeypatch):

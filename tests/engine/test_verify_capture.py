@@ -314,7 +314,7 @@ def test_captured_commit_equals_the_eager_commit(rng):
         graphs.keep(ids, counts)
         torch.cuda.synchronize()
         _same_caches(model, eager, static)
-    assert graphs.stats["replayed"] > 10 and graphs.stats["eager"] == 0, graphs.stats
+    assert graphs.stats["replayed"] >= 5 and graphs.stats["eager"] == 0, graphs.stats  # most rounds see a new (k, bucket)
     assert any(callable(c) for c in graphs.commits.values()), graphs.commits  # commits replayed from graphs
 
 
