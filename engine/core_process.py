@@ -97,7 +97,8 @@ def build(spec: CoreSpec):
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    model = load_model(spec.model, pick_device(spec.device), spec.seed, quiet=True)
+    quiet = spec.log_level not in ("info", "debug")  # loading progress on the server's stderr, as in process
+    model = load_model(spec.model, pick_device(spec.device), spec.seed, quiet=quiet)
     return Engine(model, config=spec.config)
 
 

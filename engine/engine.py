@@ -38,6 +38,7 @@ class Engine(EngineFront):
         config = dataclasses.replace(config) if config is not None else EngineConfig(**kwargs)  # ours to resolve
         if config.eos_token_id is None:
             config.eos_token_id = eos_id(self.tokenizer)
+        self.tokenizer.stream()  # builds the tokenizer's per-id byte table now, not in the first request's step
         self.step_loop = self.step_loop_class(model, config, self.tokenizer)
         self.config = self.step_loop.config
         self.limits = self.step_loop.limits
