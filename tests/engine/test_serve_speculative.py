@@ -13,6 +13,7 @@
 - Statistics in Engine.stats and /metrics; errors naming the option.
 """
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -164,6 +165,39 @@ def test_stops_cut_inside_accepted_drafts(model, workload, plain, monkeypatch):
     assert engine.step_loop.pool.pages_in_use == 0
 
 
+def reference_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """The sampling distribution as docs/serving.md states it, computed row by row in fp64 Python
+    (independent of the engine's tensor code): softmax at the temperature; ``min_p`` (against the
+    most likely token) and ``top_k`` drop tokens; ``top_p`` then keeps, most likely first, tokens
+    of what is left until the kept mass reaches p of it (the most likely always stays)."""
+    rows = []
+    for row in logits.to(torch.float64).tolist():
+        z = [v / params.temperature for v in row]
+        m = max(z)
+        e = [math.exp(v - m) for v in z]
+        p = [x / sum(e) for x in e]
+        order = sorted(range(len(p)), key=lambda i: -p[i])
+        cand = [i for r, i in enumerate(order)
+                if (params.top_k <= 0 or r < params.top_k) and p[i] >= params.min_p * p[order[0]]]
+        mass, acc, keep = sum(p[i] for i in cand), 0.0, []
+        for i in cand:
+            if keep and acc >= params.top_p * mass:
+                break
+            keep.append(i)
+            acc += p[i]
+        rows.append([p[i] / acc if i in keep else 0.0 for i in range(len(p))])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+                                    SamplingParams(temperature=1.3, min_p=0.05),
+                                    SamplingParams(temperature=0.5, top_p=0.6, min_p=0.02)])
+def test_processed_probs_follow_the_stated_rules(params, rng):
+    target = torch.randn(6, 50, generator=rng) * 2
+    assert torch.allclose(processed_probs(target, params).to(torch.float64), reference_probs(target, params),
+                          atol=1e-6)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
                                     SamplingParams(temperature=1.3, min_p=0.05)])
 def test_row_rule_is_lossless(params):
@@ -172,7 +206,7 @@ def test_row_rule_is_lossless(params):
     target = torch.randn(k + 1, V, generator=g) * 1.5
     drafts = torch.randint(0, V, (k,), generator=g)
     drafts[0] = int(target[0].argmax())  # a likely draft: acceptances and rejections both happen
-    p = processed_probs(target, params).to(torch.float64)
+    p = reference_probs(target, params)
     row = SamplerRow(params, make_generator(5, "cpu"), [1], [])
     joint, accepted = torch.zeros(V * V, dtype=torch.float64), 0
     for _ in range(N):
@@ -198,7 +232,7 @@ def test_model_round_first_token_follows_processed_target(cfg):
     rows = {r: SamplerRow(params, make_generator(1000 + r, "cpu"), [4, 9], []) for r in range(N)}
     probe = model.new_state(1, 16)
     model.forward(torch.tensor([[4, 9]]), state=probe)
-    p = processed_probs(model.forward(torch.tensor([[5]]), state=probe), params)[0].to(torch.float64)
+    p = reference_probs(model.forward(torch.tensor([[5]]), state=probe), params)[0]
     real = model.drafts.draft
 
     def draft(*args):  # the first draft: the target's most likely token (the random draft's is often filtered out)
