@@ -277,9 +277,11 @@ def _cuda_model():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_verify_replays_the_static_step(rng):
+@pytest.mark.parametrize("commit", ["eager", "graph"])
+def test_captured_verify_replays_the_static_step(rng, commit):
     """CUDA graphs: ragged rounds of every k replay what the same static step computes eagerly;
-    the caches stay identical through the commits."""
+    the kept tokens committed eagerly, or by the commit's own graph (VerifyCapture.keep), leave
+    the caches the eager commit of the eager state leaves, round after round."""
     model = _cuda_model()
     eager, static = _pair(model, rng, 3, 19)
     plain, graphs = VerifyCapture(model, eager, capture=False), VerifyCapture(model, static)
@@ -290,32 +292,18 @@ def test_captured_verify_replays_the_static_step(rng):
         counts = torch.randint(1, k + 2, (3,), generator=rng)
         assert torch.equal(plain.verify(ids).clone(), graphs.verify(ids).clone())
         spec.keep(model, eager, ids, counts)
-        spec.keep(model, static, ids, counts)
+        if commit == "graph":
+            graphs.keep(ids, counts)
+            _same_caches(model, eager, static)
+        else:
+            spec.keep(model, static, ids, counts)
     _same_caches(model, eager, static)
-    assert graphs.stats["replayed"] > 10 and graphs.stats["captured"] >= K and graphs.stats["eager"] == 0, graphs.stats
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_commit_equals_the_eager_commit(rng):
-    """CUDA graphs: the kept tokens committed by the commit's own graph (VerifyCapture.keep) leave
-    the caches the eager commit leaves, round after round of ragged counts, and later verifies
-    still agree."""
-    model = _cuda_model()
-    eager, static = _pair(model, rng, 3, 19)
-    plain, graphs = VerifyCapture(model, eager, capture=False), VerifyCapture(model, static)
-    K, V = model.cfg.dspark_block_size, model.cfg.vocab_size
-    for i in range(24):
-        k = 1 + i % K
-        ids = torch.randint(0, V, (3, k + 1), generator=rng).cuda()
-        counts = torch.randint(1, k + 2, (3,), generator=rng)
-        assert torch.equal(plain.verify(ids).clone(), graphs.verify(ids).clone())
-        spec.keep(model, eager, ids, counts)
-        graphs.keep(ids, counts)
-        torch.cuda.synchronize()
-        _same_caches(model, eager, static)
-    assert graphs.stats["replayed"] >= 5 and graphs.stats["eager"] == 0, graphs.stats  # most rounds see a new (k, bucket)
-    assert any(callable(c) for c in graphs.commits.values()), graphs.commits  # commits replayed from graphs
+    # with the commit's graphs the H200 replayed 9 of 24 rounds (h200-gpu-tests-engine.log), eagerly over 10 of 30
+    replays = 10 if commit == "eager" else 4
+    assert graphs.stats["replayed"] > replays and graphs.stats["captured"] >= K and graphs.stats["eager"] == 0, \
+        graphs.stats
+    if commit == "graph":
+        assert any(callable(c) for c in graphs.commits.values()), graphs.commits  # commits replayed from graphs
 
 
 @pytest.mark.gpu
