@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from flashrt.progress import Progress
 from flashrt.errors import CheckpointError
 
 from flashrt.graphs import chat_format, checkpoint
-from flashrt.graphs.builtin_tokenizer import ensure_builtin_tokenizer
+from flashrt.graphs.builtin_tokenizer import build as build_tokenizer, ensure_builtin_tokenizer
 from flashrt.graphs.config import SHIPPED, ModelConfig, shipped_config
 from flashrt.graphs.devices import resolve_device
 from flashrt.graphs.image_processor import open_image
@@ -64,8 +65,12 @@ def builtin_checkpoint(name: str, seed: int = 0, quiet: bool = False) -> Path:
         digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
         path = path.with_name(f"{path.name}-{digest}")
     if not (path / "config.json").exists():
-        weights = init_weights(cfg, seed=seed, progress=Progress(f"creating {name} weights", enabled=not quiet))
-        checkpoint.save(weights, cfg, path, progress=Progress(f"saving to {path}", enabled=not quiet))
+        with ThreadPoolExecutor(1, thread_name_prefix="builtin-tokenizer") as pool:
+            tok = pool.submit(build_tokenizer, cfg.vocab_size)  # trained while the weights are made
+            weights = init_weights(cfg, seed=seed, progress=Progress(f"creating {name} weights", enabled=not quiet))
+            checkpoint.save(weights, cfg, path, progress=Progress(f"saving to {path}", enabled=not quiet))
+            del weights
+            ensure_builtin_tokenizer(path, cfg, tok=tok.result())
     if not (path / "tokenizer.json").exists():
         ensure_builtin_tokenizer(path, ModelConfig.from_file(str(path / "config.json")))
     return path

@@ -56,7 +56,9 @@ def cmd_warmup(args) -> int:
         if unknown:
             raise ValueError(f"--shapes: expected names from {sorted(MODELS)}, got {unknown}")
         os.environ["FLASHRT_WARMUP_MODELS"] = ",".join(args.shapes)
-    report = warmup(getattr(args, "profile", None))
+    from flashrt.kernels_cuda.warmup import selected_models
+
+    report = warmup(getattr(args, "profile", None), models=selected_models())
     if args.model:
         warm_model(args.model, report)
     if args.json:
@@ -66,6 +68,10 @@ def cmd_warmup(args) -> int:
         no_hook = [n for n in report["skipped"] if n not in report["notes"]]
         print(f"jit warmup {report['profile']}: {len(report['warmed'])} compiled, {len(report['skipped'])} skipped, "
               f"{len(report['failed'])} failed ({report['seconds']:.1f} s)")
+        pre = report.get("precompile")
+        if pre:
+            print(f"  compiled in parallel: {pre['compiled']}/{pre['variants']} variants for {pre['arch']} on "
+                  f"{pre['workers']} processes ({pre['seconds']:.1f} s), {pre['launchers']} launchers built")
         if no_hook:
             print(f"  without a warmup hook: {', '.join(no_hook)}")
         for name, note in report["notes"].items():

@@ -1,0 +1,162 @@
+"""The parallel compile (``flashrt.jit_parallel``): the same variants and cache keys as compiling
+one by one, what the launches then find in the cache, and failures named, never a hang.
+
+Compiling needs Triton without its interpreter: those checks run in a subprocess (this process
+imported Triton with ``TRITON_INTERPRET=1``) that cross-compiles for sm_90 with the ``ptxas``
+Triton ships. The pool's bookkeeping (errors, a dying worker) is checked here with the compile
+replaced.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flashrt import jit_parallel
+from flashrt.jit_targets import ARCHS
+
+triton = pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
+needs_ptxas = pytest.mark.skipif(not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
+                                 reason="Triton without its bundled ptxas (no NVIDIA backend)")
+
+CHECK = textwrap.dedent('''
+    import json, os, sys
+    from pathlib import Path
+    from flashrt import profiles
+    from flashrt.jit_compile import Variant, collect, compile_variant, launch_sources, recording, _StandInDriver
+    from flashrt.jit_parallel import Precompile, Spec, plan
+    from flashrt.jit_targets import ARCHS, targeting
+    from flashrt.kernels_cuda.warmup import MODELS, plan as launches
+
+    families, root = sys.argv[1].split(","), Path(sys.argv[2])
+    arch, profile, models = ARCHS["sm_90"], profiles.load_profile("h200"), {"tiny": MODELS["tiny"]}
+    sources = [s for s in launch_sources() if s[0] in families]
+    keys = lambda d: sorted(p.name for p in (d / "jit" / "triton").iterdir())
+    out = {}
+
+    # one by one, in this process (flashrt jit compile's path)
+    os.environ["FLASHRT_CACHE_DIR"] = str(root / "serial")
+    from flashrt.jit import install
+    install()
+    variants, failures = {}, []
+    collect(arch, profile, models, sources, variants, failures)
+    rows = [compile_variant(v) for v in variants.values()]
+    out["serial"] = {"keys": keys(root / "serial"), "failed": [r for r in rows if r["status"] != "compiled"]}
+
+    # on the pool, into another cache; one variant broken on purpose
+    os.environ["FLASHRT_CACHE_DIR"] = str(root / "parallel")
+    specs, _ = plan(arch, profile, models, sources)
+    out["specs"] = sorted(f"{s.module}.{s.name}" for s in specs)
+    out["variants"] = sorted(f"{v.fn.__module__}.{v.kernel}" for v in variants.values())
+    pool = Precompile(2)
+    report = pool.start(arch, profile, models, sources).result(600)
+    out["parallel"] = {"keys": keys(root / "parallel"), "report": report}
+    bad = specs[0]
+    bad = Spec(bad.module, bad.name, bad.signature, bad.constexprs, bad.attrs, bad.options | {"num_warps": 3}, bad.cc)
+    from flashrt.jit_parallel import compile_spec
+    out["bad"] = compile_spec(bad)
+
+    # the launches themselves, through Triton's own JIT path: every compile must be a cache hit
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.driver import driver
+
+    def refuse(*a, **k):
+        raise RuntimeError("compiled in the launching process")
+    CUDABackend.add_stages = refuse
+    driver.set_active(_StandInDriver(arch))
+    misses, made = [], 0
+    with profiles.using(profile), targeting(arch):
+        for family, cases in sources:
+            for launch in launches(cases, profile, "cpu", models):
+                made += 1
+                try:
+                    launch.fn(*launch.args)
+                except RuntimeError as exc:
+                    if "compiled in the launching process" in str(exc):
+                        misses.append(launch.name)
+                except Exception:
+                    pass  # past the cache: the stand-in driver cannot load or launch a kernel
+    out["launches"], out["misses"] = made, misses
+    print(json.dumps(out, default=str))
+''')
+
+
+@needs_ptxas
+def test_the_pool_compiles_what_serial_compiles_under_the_same_keys_and_launches_hit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    r = subprocess.run([sys.executable, "-c", CHECK, "compress,kv_store", str(tmp_path)], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["serial"]["failed"] == [] and len(out["serial"]["keys"]) == len(out["specs"]) > 2
+    assert out["specs"] == out["variants"]  # the plan is the cross-compile's recording
+    report = out["parallel"]["report"]
+    assert report["done"] and report["failed"] == [] and report["compiled"] == report["variants"] == len(out["specs"])
+    assert out["parallel"]["keys"] == out["serial"]["keys"]  # same kernels, same Triton cache keys
+    assert out["launches"] >= len(out["specs"]) and out["misses"] == []
+    bad = out["bad"]
+    assert bad["status"] == "failed" and bad["kernel"].endswith(out["specs"][0].rsplit(".", 1)[-1]) and bad["error"]
+
+
+def _spec(name: str) -> jit_parallel.Spec:
+    return jit_parallel.Spec("flashrt.kernels_cuda.fake", name, {}, {}, {}, {}, 90, ("fam",), ("l",))
+
+
+def _fake_compile(spec, launcher=False):
+    if spec.name == "_dies":
+        os._exit(3)  # a worker killed mid-compile (a crash, the OOM killer)
+    if spec.name == "_broken":
+        return {"kernel": f"{spec.module}.{spec.name}", "status": "failed", "error": "ptxas: bad", "launcher": None}
+    return {"kernel": f"{spec.module}.{spec.name}", "status": "compiled", "error": None, "launcher": launcher}
+
+
+def test_a_compile_error_and_a_dead_worker_are_reported_by_kernel_never_a_hang(monkeypatch):
+    names = ["_ok1", "_broken", "_ok2"]
+    monkeypatch.setattr(jit_parallel, "plan", lambda *a, **k: ([_spec(n) for n in names], []))
+    monkeypatch.setattr(jit_parallel, "compile_spec", _fake_compile)  # before the fork: the workers see it
+    report = jit_parallel.Precompile(2).start(ARCHS["sm_90"], _Profile(), {}, launcher=True).result(120)
+    assert report["done"] and report["variants"] == 3 and report["compiled"] == 2 and report["launchers"] == 2
+    assert report["failed"] == [{"kernel": "flashrt.kernels_cuda.fake._broken", "family": "fam", "error": "ptxas: bad"}]
+
+    names[:] = ["_dies", "_ok1"]
+    report = jit_parallel.Precompile(1).start(ARCHS["sm_90"], _Profile(), {}).result(120)
+    assert report["done"] and report["compiled"] == 0
+    failed = {row["kernel"]: row["error"] for row in report["failed"]}
+    assert set(failed) == {"flashrt.kernels_cuda.fake._dies", "flashrt.kernels_cuda.fake._ok1"}
+    assert all("BrokenProcessPool" in e for e in failed.values())
+
+
+def test_a_planning_error_is_reported(monkeypatch):
+    def broken_plan(*a, **k):
+        raise KeyError("dim")
+    monkeypatch.setattr(jit_parallel, "plan", broken_plan)
+    report = jit_parallel.Precompile(1).start(ARCHS["sm_90"], _Profile(), {}).result(120)
+    assert report["done"] and report["variants"] == 0 and "KeyError" in report["failed"][0]["error"]
+
+
+class _Profile:
+    name = "fake"
+
+
+def test_worker_count_reads_the_environment(monkeypatch):
+    monkeypatch.setenv(jit_parallel.WORKERS_ENV, "3")
+    assert jit_parallel.worker_count() == 3 and jit_parallel.worker_count(tasks=2) == 2
+    monkeypatch.setenv(jit_parallel.WORKERS_ENV, "0")
+    assert jit_parallel.worker_count() == 0
+    for bad in ("-1", "many"):
+        monkeypatch.setenv(jit_parallel.WORKERS_ENV, bad)
+        with pytest.raises(ValueError, match=rf"FLASHRT_JIT_WORKERS: expected an int >= 0, got '{bad}'"):
+            jit_parallel.worker_count()
+    monkeypatch.delenv(jit_parallel.WORKERS_ENV)
+    assert jit_parallel.worker_count() == len(os.sched_getaffinity(0))
+
+
+def test_a_spec_naming_something_else_than_a_kernel_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"flashrt.jit_parallel.plan: expected a triton.jit kernel, got function"):
+        jit_parallel.resolve(jit_parallel.Spec("flashrt.jit_parallel", "plan", {}, {}, {}, {}, 90))
