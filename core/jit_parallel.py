@@ -132,11 +132,16 @@ def _plan_task(arch: Arch, profile, models: dict, sources) -> tuple[list[Spec], 
 
 
 def _worker_init() -> None:
-    """A forked worker: one torch thread (the parent's OpenMP pool does not survive a fork), and
-    the cache locks of the parent are the parent's (:mod:`flashrt.jit_triton` drops them)."""
+    """A forked worker: one torch thread (the parent's OpenMP pool does not survive a fork), Ctrl-C
+    left to the parent (which cancels what has not started; a compile under way completes its
+    atomic writes), and the cache locks of the parent are the parent's (:mod:`flashrt.jit_triton`
+    drops them)."""
+    import signal
+
     import torch
 
     torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run; its compiles finish or are cancelled
 
 
 def _noop() -> None:

@@ -1,0 +1,46 @@
+"""The kernel compiles of ``flashrt run`` started before the model loads (:mod:`flashrt.jit_parallel`).
+
+On a CUDA device, with the CUDA kernels in use, the run forks a pool of compile workers before it
+touches the device; once the profile is known, the pool plans the variants the kernel families'
+warm-up launches compile at the model's dims on this device and compiles them into the compile
+cache while the checkpoint is made or loaded. The run does not wait for it: a launch whose variant
+a worker is compiling waits for that compile (the cache's per-key lock) and then loads it, one no
+worker has reached is compiled by the run itself. ``FLASHRT_JIT_WORKERS=0`` turns the pool off.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from flashrt.graphs.config import ModelConfig
+
+
+def kernel_dims(cfg: ModelConfig) -> dict:
+    """The config's values by key, as the kernel families' warm-up launches read them
+    (``warmup_cases(device, dims, dtype)``): each compression ratio once, and no ``vision_*`` keys
+    without a vision tower."""
+    dims = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    dims["compress_ratios"] = tuple(sorted(set(cfg.compress_ratios)))
+    return dims if cfg.vision_enabled else {k: v for k, v in dims.items() if not k.startswith("vision_")}
+
+
+def start_precompile(cfg: ModelConfig | None, dev: torch.device, backend: str | None):
+    """Fork the compile pool (:mod:`flashrt.jit_parallel`) for a model of config ``cfg`` when the
+    run launches Triton kernels on a CUDA device, before this process uses the device; ``(pool,
+    {name: dims})``, or ``(None, None)``."""
+    from flashrt.jit_warmup import precompile_pool
+
+    if cfg is None or dev.type != "cuda" or backend not in (None, "cuda"):
+        return None, None
+    models = {cfg.name: kernel_dims(cfg)}
+    pool = precompile_pool(models)
+    return (pool, models) if pool is not None else (None, None)
+
+
+def jit_report(precompiled: dict | None) -> dict:
+    """What the compile pool did (None: no pool) and the kernels this process compiled itself
+    (none when everything came from the cache or the pool)."""
+    triton_cache = sys.modules.get("flashrt.jit_triton")  # not imported: nothing was compiled through it
+    return {"precompile": precompiled, "compiled_in_process": triton_cache.compiled_here() if triton_cache else []}

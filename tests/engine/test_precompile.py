@@ -1,0 +1,58 @@
+"""``flashrt run`` starts its kernel compiles before loading: the dims it plans at are the model's
+config as the warm-up launches read it, and the pool is made only where CUDA kernels run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flashrt import jit_warmup
+from flashrt.engine import precompile
+from flashrt.engine import run as run_mod
+from flashrt.graphs.config import shipped_config
+from flashrt.kernels_cuda.warmup import MODELS
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-vl", "small", "v4.1-flash"])
+def test_kernel_dims_are_the_warmup_dims_of_the_shipped_model(name):
+    dims = precompile.kernel_dims(shipped_config(name))
+    want = MODELS[name]
+    assert {k: dims[k] for k in want} == {**want, "compress_ratios": tuple(sorted(set(want["compress_ratios"])))}
+    assert any(k.startswith("vision_") for k in dims) == shipped_config(name).vision_enabled
+
+
+def test_the_pool_is_made_only_for_cuda_kernels(monkeypatch):
+    asked = []
+    monkeypatch.setattr(jit_warmup, "precompile_pool", lambda models: asked.append(models) or "pool")
+    cfg = shipped_config("small")
+    assert precompile.start_precompile(cfg, torch.device("cpu"), None) == (None, None)
+    assert precompile.start_precompile(cfg, torch.device("cuda"), "reference") == (None, None)
+    assert precompile.start_precompile(None, torch.device("cuda"), None) == (None, None)
+    pool, models = precompile.start_precompile(cfg, torch.device("cuda"), "cuda")
+    assert pool == "pool" and models == {"small": precompile.kernel_dims(cfg)}
+    assert asked == [models]
+
+
+def test_no_pool_where_triton_is_interpreted_or_workers_are_off(monkeypatch):
+    """This process runs Triton's interpreter (tests/conftest.py): nothing to compile."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert jit_warmup.precompile_pool({"small": {}}) is None
+    monkeypatch.setattr(jit_warmup, "interpreted", lambda: False)
+    monkeypatch.setenv("FLASHRT_JIT_WORKERS", "0")
+    assert jit_warmup.precompile_pool({"small": {}}) is None
+    assert jit_warmup.precompile_pool(None) is None
+
+
+def test_model_config_reads_without_loading(tmp_path):
+    assert run_mod.model_config("small") == shipped_config("small")
+    assert run_mod.model_config("v4.1-flash") is None  # no built-in weights: load_model says so
+    assert run_mod.model_config(str(tmp_path)) is None  # no config.json: load_model says so
+    (tmp_path / "config.json").write_text(json.dumps(shipped_config("tiny").to_dict()))
+    assert run_mod.model_config(str(tmp_path)) == shipped_config("tiny")
+
+
+def test_a_cpu_run_reports_no_pool_and_no_compiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path))
+    report = run_mod.run("tiny", max_new_tokens=2, device="cpu", quiet=True)
+    assert report["jit"]["precompile"] is None and isinstance(report["jit"]["compiled_in_process"], list)
