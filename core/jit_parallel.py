@@ -6,7 +6,9 @@
    dispatch) are made at a model's dims with the profile active and the device's facts (compute
    capability, SM count: :mod:`flashrt.jit_targets`), with Triton's compile replaced by a record
    (:func:`flashrt.jit_compile.recording`): one :class:`Spec` per distinct (kernel, signature,
-   constexprs, options), exactly what the launcher would compile on that device;
+   constexprs, specialization attributes, options), exactly what the launcher would compile on
+   that device; to these come the variants earlier runs of the model used on this device and
+   profile (their plan, :mod:`flashrt.jit_plans`: token counts and routing the warm-up shapes miss);
 2. compile: forked worker processes each compile a share with ``triton.compile`` for the device's
    target. Triton's cache key covers the source, the constexprs and signature, the options and the
    target, and the cache is flashrt's (:mod:`flashrt.jit_triton`: atomic writes, a per-key lock, so
@@ -66,17 +68,32 @@ def worker_count(tasks: int | None = None) -> int:
     return n if tasks is None else min(n, tasks)
 
 
-def plan(arch: Arch, profile, models: dict, sources=None) -> tuple[list[Spec], list[dict]]:
+def plan(arch: Arch, profile, models: dict, sources=None, plans: bool = True) -> tuple[list[Spec], list[dict]]:
     """The variants the families' warm-up launches (``sources``: (family, warmup_cases) pairs;
     default every CUDA family's) compile at ``models`` (name -> dims) under ``profile`` on
-    ``arch``, and the launchers that raised (rows naming the family and the error)."""
+    ``arch``, then (``plans``) those earlier runs of these models used there
+    (:mod:`flashrt.jit_plans`); and the launchers that raised (rows naming the family and the error)."""
+    from . import jit_plans
     from .jit_compile import collect, launch_sources
 
     variants, failures = {}, []
     collect(arch, profile, models, launch_sources() if sources is None else list(sources), variants, failures)
-    specs = [Spec(v.fn.__module__, getattr(v.fn, "fn", v.fn).__qualname__, v.signature, v.constexprs, v.attrs, dict(v.options.__dict__), arch.cc,
-                  tuple(sorted(v.families)), tuple(sorted(v.launches))) for v in variants.values()]
+    specs = [Spec(v.fn.__module__, getattr(v.fn, "fn", v.fn).__qualname__, v.signature, v.constexprs, v.attrs,
+                  dict(v.options.__dict__), arch.cc, tuple(sorted(v.families)), tuple(sorted(v.launches)))
+             for v in variants.values()]
+    seen = {spec_key(s) for s in specs}
+    for model in models if plans else ():
+        for s in jit_plans.load(arch, profile.name, model):
+            if spec_key(s) not in seen:
+                seen.add(spec_key(s))
+                specs.append(s)
     return specs, failures
+
+
+def spec_key(s: Spec) -> tuple:
+    """What tells two variants apart (Triton's cache key, less the source and the target's facts)."""
+    return (s.module, s.name, repr(s.signature), repr(sorted(s.constexprs.items(), key=repr)),
+            repr(sorted(s.attrs.items(), key=repr)), repr(sorted(s.options.items(), key=repr)))
 
 
 def resolve(spec: Spec):

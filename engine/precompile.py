@@ -6,6 +6,8 @@ warm-up launches compile at the model's dims on this device and compiles them in
 cache while the checkpoint is made or loaded. The run does not wait for it: a launch whose variant
 a worker is compiling waits for that compile (the cache's per-key lock) and then loads it, one no
 worker has reached is compiled by the run itself. ``FLASHRT_JIT_WORKERS=0`` turns the pool off.
+The variants the run loaded are added to the model's plan (:mod:`flashrt.jit_plans`), which the
+next pool compiles too.
 """
 from __future__ import annotations
 
@@ -39,8 +41,38 @@ def start_precompile(cfg: ModelConfig | None, dev: torch.device, backend: str | 
     return (pool, models) if pool is not None else (None, None)
 
 
-def jit_report(precompiled: dict | None) -> dict:
-    """What the compile pool did (None: no pool) and the kernels this process compiled itself
-    (none when everything came from the cache or the pool)."""
+def start_recording(dev: torch.device, backend: str | None):
+    """A :class:`flashrt.jit_plans.Recorder` of the kernel variants this run loads, when it runs
+    Triton kernels on a CUDA device (their plan makes the next cold start compile them at once);
+    else None."""
+    if dev.type != "cuda" or backend not in (None, "cuda"):
+        return None
+    from flashrt.jit_triton import interpreted
+
+    if interpreted():
+        return None
+    try:
+        from flashrt.jit_plans import Recorder
+
+        return Recorder()
+    except ImportError:  # no Triton: no kernels to record
+        return None
+
+
+def save_plan(recorder, dev: torch.device, profile, model: str) -> int:
+    """Add what ``recorder`` saw to the plan of ``model`` on this device and ``profile``; the new
+    variants (0 without a recorder)."""
+    if recorder is None:
+        return 0
+    from flashrt.jit_plans import save
+    from flashrt.jit_targets import device_arch
+
+    return save(device_arch(dev.index), profile.name, model, recorder.entries())
+
+
+def jit_report(precompiled: dict | None, plan_added: int = 0) -> dict:
+    """What the compile pool did (None: no pool), the kernels this process compiled itself (none
+    when everything came from the cache or the pool) and the variants added to the model's plan."""
     triton_cache = sys.modules.get("flashrt.jit_triton")  # not imported: nothing was compiled through it
-    return {"precompile": precompiled, "compiled_in_process": triton_cache.compiled_here() if triton_cache else []}
+    return {"precompile": precompiled, "compiled_in_process": triton_cache.compiled_here() if triton_cache else [],
+            "plan_added": plan_added}

@@ -34,7 +34,7 @@ from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
 from .generation import generate, profile_kv_sizes
-from .precompile import jit_report, start_precompile
+from .precompile import jit_report, save_plan, start_precompile, start_recording
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 OP_FAMILIES = {
@@ -245,7 +245,9 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         threads = 1  # tiny ops: thread fan-out costs more than it gains (docs/performance.md)
     if threads:
         torch.set_num_threads(threads)
-    pool, dims = start_precompile(model_config(model) if dev.type == "cuda" else None, dev, backend)  # compiles while the model loads
+    cfg = model_config(model) if dev.type == "cuda" else None
+    pool, dims = start_precompile(cfg, dev, backend)  # compiles while the model loads
+    recorder = start_recording(dev, backend)
     try:
         with dispatch.use_backend(backend) if backend is not None else contextlib.nullcontext():
             profile = resolve_profile(None, dev)  # the one load() picks: the cache is checked before loading
@@ -273,6 +275,9 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
                         for fam, ops in OP_FAMILIES.items()}
     finally:
         precompiled = pool.result(timeout=0) if pool is not None else None  # cancels what is not needed now
+        if recorder is not None:
+            recorder.close()
+    plan_added = save_plan(recorder, dev, profile, m.cfg.name)
     ttft_load = t_gen - t0 + result.prefill_seconds  # the first token's logits, from the start of loading
     age, now = process_seconds(), time.perf_counter()
     state = result.state
@@ -298,6 +303,6 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "kv_budget": kv_budget, "kv_tiers": state.tier_stats(), "step_capture": result.step_capture,
         "profile": profile.name, "engram_placement": m.engram_placement, "memory": memory_report(dev, sizes),
         "speculative": result.speculative,
-        "jit": jit_report(precompiled),
+        "jit": jit_report(precompiled, plan_added),
         "prefix_cache": None if cache is None else {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses},
     }

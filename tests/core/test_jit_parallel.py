@@ -68,8 +68,10 @@ CHECK = textwrap.dedent('''
 
     def refuse(*a, **k):
         raise RuntimeError("compiled in the launching process")
-    CUDABackend.add_stages = refuse
+    real_stages, CUDABackend.add_stages = CUDABackend.add_stages, refuse
     driver.set_active(_StandInDriver(arch))
+    from flashrt import jit_plans
+    recorder = jit_plans.Recorder()
     misses, made = [], 0
     with profiles.using(profile), targeting(arch):
         for family, cases in sources:
@@ -83,6 +85,24 @@ CHECK = textwrap.dedent('''
                 except Exception:
                     pass  # past the cache: the stand-in driver cannot load or launch a kernel
     out["launches"], out["misses"] = made, misses
+
+    # what the launches loaded, kept as a plan and compiled from it into a third cache: same keys
+    recorder.close()
+    CUDABackend.add_stages = real_stages
+    out["added"] = jit_plans.save(arch, profile.name, "tiny", recorder.entries())
+    out["added_again"] = jit_plans.save(arch, profile.name, "tiny", recorder.entries())
+    os.environ["FLASHRT_CACHE_DIR"] = str(root / "replayed")
+    planned = jit_plans.load(arch, profile.name, "tiny")
+    out["planned"] = len(planned)
+    os.environ["FLASHRT_CACHE_DIR"] = str(root / "parallel")  # where the plan is kept
+    specs_with_plan, _ = plan(arch, profile, models, sources)
+    out["with_plan"] = len(specs_with_plan)
+    import shutil
+    shutil.copytree(root / "parallel" / "jit" / "plans", root / "replayed" / "jit" / "plans")
+    os.environ["FLASHRT_CACHE_DIR"] = str(root / "replayed")
+    planned = jit_plans.load(arch, profile.name, "tiny")
+    report = Precompile(2).start(arch, profile, models, sources=[]).result(600)
+    out["replayed"] = {"keys": keys(root / "replayed"), "report": report, "planned": len(planned)}
     print(json.dumps(out, default=str))
 ''')
 
@@ -100,6 +120,12 @@ def test_the_pool_compiles_what_serial_compiles_under_the_same_keys_and_launches
     assert report["done"] and report["failed"] == [] and report["compiled"] == report["variants"] == len(out["specs"])
     assert out["parallel"]["keys"] == out["serial"]["keys"]  # same kernels, same Triton cache keys
     assert out["launches"] >= len(out["specs"]) and out["misses"] == []
+    # the plan of what the launches loaded: every variant once, decoded to the same cache keys
+    assert out["added"] == len(out["specs"]) and out["added_again"] == 0 and out["planned"] == 0
+    assert out["with_plan"] == len(out["specs"])  # the plan adds nothing the warm-up cases had
+    replayed = out["replayed"]
+    assert replayed["planned"] == len(out["specs"]) and replayed["report"]["failed"] == []
+    assert replayed["keys"] == out["serial"]["keys"]
     bad = out["bad"]
     assert bad["status"] == "failed" and bad["kernel"].endswith(out["specs"][0].rsplit(".", 1)[-1]) and bad["error"]
 
