@@ -106,6 +106,7 @@ def precompile_pool(models: dict | None):
 
     if not torch.cuda.is_available() or worker_count() == 0:
         return None
+    dispatch.families()  # the backends and their kernel modules, imported once here for every worker
     return Precompile()
 
 
