@@ -27,9 +27,11 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import queue
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from .jit_targets import Arch
@@ -187,7 +189,8 @@ class Precompile:
 
     def start(self, arch: Arch, profile, models: dict, sources=None, launcher: bool = False) -> "Precompile":
         self._report = {"arch": arch.name, "profile": profile.name, "workers": self.workers, "variants": 0,
-                        "compiled": 0, "failed": [], "launchers": 0, "seconds": None, "done": False}
+                        "compiled": 0, "cancelled": 0, "failed": [], "launchers": 0, "seconds": None,
+                        "done": False}
         self._thread = threading.Thread(target=self._job, args=(arch, profile, models, sources, launcher),
                                         name="flashrt-precompile", daemon=True)
         self._thread.start()
@@ -199,9 +202,24 @@ class Precompile:
             specs, failures = self._pool.submit(_plan_task, arch, profile, models, sources).result()
             report["variants"] = len(specs)
             report["failed"] += [{"kernel": None, "family": f["family"], "error": f["error"]} for f in failures]
-            futures = {self._pool.submit(compile_spec, s, launcher): s for s in specs}
-            for fut in as_completed(futures):
+            done: queue.SimpleQueue = queue.SimpleQueue()
+            futures = {}
+            for s in specs:
+                try:
+                    fut = self._pool.submit(compile_spec, s, launcher)
+                except BrokenProcessPool:
+                    raise
+                except RuntimeError:  # closed meanwhile by result(timeout): the rest is not needed
+                    report["cancelled"] += 1
+                    continue
+                futures[fut] = s
+                fut.add_done_callback(done.put)  # also called on cancel (as_completed is not woken then)
+            for _ in range(len(futures)):
+                fut = done.get()
                 spec = futures[fut]
+                if fut.cancelled():  # result() closed the pool: not needed any more
+                    report["cancelled"] += 1
+                    continue
                 try:
                     row = fut.result()
                 except BaseException as exc:  # the worker died (BrokenProcessPool): name the kernel
@@ -221,14 +239,15 @@ class Precompile:
 
     def result(self, timeout: float | None = None) -> dict:
         """The report once the job is done (or ``timeout`` seconds have passed: ``done`` False, the
-        variants not compiled yet are then compiled by the launches that need them); the pool is
-        shut down, its pending tasks cancelled."""
+        variants not compiled yet are then compiled by the launches that need them): ``variants``,
+        ``compiled``, ``launchers`` built, ``failed`` (rows naming the kernel), ``cancelled``,
+        ``seconds``. The pool is shut down, the compiles not started cancelled."""
         try:
             if self._thread is not None:
                 self._thread.join(timeout)
         finally:
             self.close()
-        return dict(self._report)
+        return {**self._report, "failed": list(self._report.get("failed", ()))}  # as of now
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -186,3 +186,22 @@ def test_worker_count_reads_the_environment(monkeypatch):
 def test_a_spec_naming_something_else_than_a_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match=r"flashrt.jit_parallel.plan: expected a triton.jit kernel, got function"):
         jit_parallel.resolve(jit_parallel.Spec("flashrt.jit_parallel", "plan", {}, {}, {}, {}, 90))
+
+
+def _slow_compile(spec, launcher=False):
+    import time
+
+    time.sleep(0.3)
+    return {"kernel": spec.name, "status": "compiled", "error": None, "launcher": None}
+
+
+def test_closing_early_cancels_what_has_not_started_and_reports_no_failure(monkeypatch):
+    monkeypatch.setattr(jit_parallel, "plan", lambda *a, **k: ([_spec(f"_k{i}") for i in range(6)], []))
+    monkeypatch.setattr(jit_parallel, "compile_spec", _slow_compile)
+    pool = jit_parallel.Precompile(1).start(ARCHS["sm_90"], _Profile(), {})
+    early = pool.result(timeout=0.5)
+    assert not early["done"] and early["failed"] == []
+    pool._thread.join(30)
+    final = pool._report
+    assert final["done"] and final["failed"] == [] and final["cancelled"] >= 2
+    assert final["compiled"] + final["cancelled"] == 6
