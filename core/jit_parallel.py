@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import CancelledError, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
@@ -231,6 +231,8 @@ class Precompile:
                 else:
                     report["failed"].append({"kernel": row["kernel"], "family": ",".join(spec.families),
                                              "error": row["error"]})
+        except CancelledError:  # closed by result(timeout) before the plan was made
+            pass
         except BaseException as exc:  # planning failed, or the pool broke before the compiles began
             report["failed"].append({"kernel": None, "family": None, "error": f"{type(exc).__name__}: {exc}"})
         finally:
