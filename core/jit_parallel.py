@@ -135,12 +135,15 @@ def compile_spec(spec: Spec, launcher: bool = False) -> dict:
 
 
 def build_launcher(kernel) -> bool | str:
-    """Build a compiled kernel's launcher as its first launch would (Triton keeps the built module
-    in the cache); True, or why not (a launcher is an optimisation: the launch builds it anyway)."""
+    """Build a compiled kernel's launcher as its first launch would (Triton keeps the module it
+    compiles in the cache, under a key of the launcher's source); True, or why not (a launcher is an
+    optimisation: the launch builds it anyway). The NVIDIA launcher class is used directly, not
+    through ``driver.active``: a forked worker must not make a driver (it would ask CUDA for the
+    devices); Triton versions whose launcher needs the driver have no launcher to build."""
     try:
-        from triton.runtime import driver
+        from triton.backends.nvidia.driver import CudaLauncher
 
-        driver.active.launcher_cls(kernel.src, kernel.metadata)
+        CudaLauncher(kernel.src, kernel.metadata)
     except Exception as exc:
         return f"not built: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -205,3 +206,66 @@ def test_closing_early_cancels_what_has_not_started_and_reports_no_failure(monke
     final = pool._report
     assert final["done"] and final["failed"] == [] and final["cancelled"] >= 2
     assert final["compiled"] + final["cancelled"] == 6
+
+
+LAUNCHERS = textwrap.dedent('''
+    import os, sys
+    from flashrt import profiles
+    from flashrt.jit_compile import launch_sources
+    from flashrt.jit_parallel import Precompile, plan, resolve
+    from flashrt.jit_targets import ARCHS
+    from flashrt.kernels_cuda.warmup import MODELS
+    import triton
+    import triton.runtime.build as build
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.compiler import ASTSource
+
+    arch, profile, models = ARCHS["sm_90"], profiles.load_profile("h200"), {"tiny": MODELS["tiny"]}
+    sources = [s for s in launch_sources() if s[0] == "kv_store"]
+    report = Precompile(2).start(arch, profile, models, sources, launcher=True).result(600)
+    built, real = [], build._build
+    build._build = lambda *a, **k: built.append(a[0]) or real(*a, **k)
+    specs, _ = plan(arch, profile, models, sources)
+    for s in specs:  # what a launch does: compile (a cache hit), then make the launcher
+        kernel = triton.compile(ASTSource(resolve(s), s.signature, s.constexprs, s.attrs),
+                                target=GPUTarget("cuda", 90, 32), options=s.options)
+        CudaLauncher(kernel.src, kernel.metadata)
+    from flashrt.jit_triton import compiled_here
+    print(report["variants"], report["launchers"], len(compiled_here()), len(built))
+''')
+
+
+def _builds_launcher_stubs() -> bool:
+    import inspect
+
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:
+        return False
+    return "compile_module_from_src" in inspect.getsource(driver.CudaLauncher.__init__)
+
+
+@needs_ptxas
+@pytest.mark.skipif(not _builds_launcher_stubs(), reason="this Triton builds no per-kernel launcher stub")
+def test_the_pool_builds_each_launcher_stub_so_the_launch_builds_none(tmp_path):
+    """Triton versions that compile a C launcher per signature (gcc, at the first launch): the pool
+    builds them into the cache. A stub ``libcuda`` stands in for the driver's (link and load)."""
+    from triton.backends.nvidia import driver
+
+    fake = tmp_path / "libcuda"
+    fake.mkdir()
+    text = Path(driver.__file__).read_text() + (Path(driver.__file__).with_name("driver.c").read_text()
+                                                if Path(driver.__file__).with_name("driver.c").exists() else "")
+    names = sorted(set(re.findall(r"\b(cu[A-Z]\w+)\b", text)) - {n for n in re.findall(r"\b(cu[A-Z]\w+_t)\b", text)})
+    (fake / "s.c").write_text("".join(f"int {n}(void) {{ return 0; }}\n" for n in names))
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(fake / "libcuda.so.1"), str(fake / "s.c")], check=True)
+    (fake / "libcuda.so").symlink_to("libcuda.so.1")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {
+        "TRITON_DEFAULT_FP_FUSION": "1", "FLASHRT_CACHE_DIR": str(tmp_path / "cache"),
+        "TRITON_LIBCUDA_PATH": str(fake), "LD_LIBRARY_PATH": str(fake)}
+    r = subprocess.run([sys.executable, "-c", LAUNCHERS], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    variants, launchers, compiled, built = map(int, r.stdout.split()[-4:])
+    assert variants == launchers > 0 and compiled == 0 and built == 0
