@@ -80,16 +80,26 @@ def plan(arch: Arch, profile, models: dict, sources=None, plans: bool = True) ->
 
     variants, failures = {}, []
     collect(arch, profile, models, launch_sources() if sources is None else list(sources), variants, failures)
-    specs = [Spec(v.fn.__module__, getattr(v.fn, "fn", v.fn).__qualname__, v.signature, v.constexprs, v.attrs,
-                  dict(v.options.__dict__), arch.cc, tuple(sorted(v.families)), tuple(sorted(v.launches)))
+    cases = [Spec(v.fn.__module__, getattr(v.fn, "fn", v.fn).__qualname__, v.signature, v.constexprs, v.attrs,
+                  portable_options(v.options.__dict__), arch.cc, tuple(sorted(v.families)), tuple(sorted(v.launches)))
              for v in variants.values()]
-    seen = {spec_key(s) for s in specs}
-    for model in models if plans else ():
-        for s in jit_plans.load(arch, profile.name, model):
-            if spec_key(s) not in seen:
-                seen.add(spec_key(s))
-                specs.append(s)
+    planned = [s for model in (models if plans else ()) for s in jit_plans.load(arch, profile.name, model)]
+    specs, seen = [], set()
+    for s in planned + cases:  # a plan lists its variants in the order a run first used them: those first
+        if spec_key(s) not in seen:
+            seen.add(spec_key(s))
+            specs.append(s)
     return specs, failures
+
+
+def portable_options(options: dict) -> dict:
+    """Triton's compile options without the default ``extern_libs`` (libdevice by its absolute path
+    on the machine that recorded them): ``triton.compile`` fills in the local one, the same as a
+    launch here passes, so the cache key is the one the launch computes."""
+    options = dict(options)
+    if {name for name, _ in options.get("extern_libs") or ()} <= {"libdevice"}:
+        options.pop("extern_libs", None)
+    return options
 
 
 def spec_key(s: Spec) -> tuple:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .jit import atomic_write, cache_root
 from .jit_locks import lock_file
-from .jit_parallel import Spec
+from .jit_parallel import Spec, portable_options
 from .jit_targets import Arch
 
 log = logging.getLogger("flashrt")
@@ -96,10 +96,15 @@ def decode(entry: dict, arch: Arch) -> Spec:
 
     constexprs = {tuple(k): constant(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
     attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
-    signature = {k: tuple(v) if isinstance(v, list) else v for k, v in data["signature"].items()}
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
+    signature = {k: _tuples(v) for k, v in data["signature"].items()}
+    options = portable_options({k: _tuples(v) for k, v in data["options"].items()})
     return Spec(str(entry["module"]), str(entry["name"]), signature, constexprs, attrs, options, arch.cc,
                 ("plan",), ("plan",))
+
+
+def _tuples(value):
+    """JSON's lists back to the tuples Triton wrote (options and signatures hold no lists)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 class Recorder:

@@ -96,8 +96,14 @@ CHECK = textwrap.dedent('''
     planned = jit_plans.load(arch, profile.name, "tiny")
     out["planned"] = len(planned)
     os.environ["FLASHRT_CACHE_DIR"] = str(root / "parallel")  # where the plan is kept
+    from flashrt.jit_parallel import resolve
+    for s in specs:
+        resolve(s).device_caches.clear()  # the launches above left them in memory: record them again
     specs_with_plan, _ = plan(arch, profile, models, sources)
-    out["with_plan"] = len(specs_with_plan)
+    out["with_plan"] = [list(s.families) for s in specs_with_plan]
+    for s in specs:
+        resolve(s).device_caches.clear()
+    out["cases_again"] = len(plan(arch, profile, models, sources, plans=False)[0])
     import shutil
     shutil.copytree(root / "parallel" / "jit" / "plans", root / "replayed" / "jit" / "plans")
     os.environ["FLASHRT_CACHE_DIR"] = str(root / "replayed")
@@ -123,7 +129,8 @@ def test_the_pool_compiles_what_serial_compiles_under_the_same_keys_and_launches
     assert out["launches"] >= len(out["specs"]) and out["misses"] == []
     # the plan of what the launches loaded: every variant once, decoded to the same cache keys
     assert out["added"] == len(out["specs"]) and out["added_again"] == 0 and out["planned"] == 0
-    assert out["with_plan"] == len(out["specs"])  # the plan adds nothing the warm-up cases had
+    assert out["cases_again"] == len(out["specs"])
+    assert out["with_plan"] == [["plan"]] * len(out["specs"])  # the plan's first; the cases add nothing new
     replayed = out["replayed"]
     assert replayed["planned"] == len(out["specs"]) and replayed["report"]["failed"] == []
     assert replayed["keys"] == out["serial"]["keys"]
