@@ -276,3 +276,45 @@ def test_the_pool_builds_each_launcher_stub_so_the_launch_builds_none(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     variants, launchers, compiled, built = map(int, r.stdout.split()[-4:])
     assert variants == launchers > 0 and compiled == 0 and built == 0
+
+
+CTRL_C = textwrap.dedent('''
+    import os, signal, sys, threading, time
+    from pathlib import Path
+    from flashrt import jit_parallel
+    from flashrt.jit import atomic_write
+    from flashrt.jit_targets import ARCHS
+
+    out = Path(sys.argv[1])
+
+    def slow_write(spec, launcher=False):
+        time.sleep(0.6)
+        atomic_write(out / spec.name, spec.name.encode() * 100000)
+        return {"kernel": spec.name, "status": "compiled", "error": None, "launcher": None}
+
+    class P:
+        name = "fake"
+    specs = [jit_parallel.Spec("m", f"k{i}", {}, {}, {}, {}, 90) for i in range(12)]
+    jit_parallel.plan = lambda *a, **k: (specs, [])
+    jit_parallel.compile_spec = slow_write
+    pool = jit_parallel.Precompile(2).start(ARCHS["sm_90"], P(), {})
+    threading.Timer(0.9, lambda: os.killpg(os.getpgrp(), signal.SIGINT)).start()  # Ctrl-C at a terminal
+    try:
+        time.sleep(30)
+    finally:
+        print(pool.result(timeout=0)["done"], flush=True)
+''')
+
+
+def test_ctrl_c_stops_the_pool_soon_and_leaves_only_whole_files(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", CTRL_C, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60, start_new_session=True)  # its own process group: the signal stays there
+    assert time.monotonic() - t0 < 20 and r.returncode != 0 and "KeyboardInterrupt" in r.stderr
+    assert "ForkProcess" not in r.stderr  # the workers left Ctrl-C to the parent
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert 0 < len(files) < 12 and not [f for f in files if ".tmp." in f]  # the rest was cancelled
+    for name in files:
+        assert (tmp_path / name).read_bytes() == name.encode() * 100000  # each whole
