@@ -1,6 +1,7 @@
 """Which Triton variants a run launches that the kernel families' warm-up cases do not compile.
 
     python tools/jit_coverage.py --model tiny [--profile h200 --arch sm_90 --max-new-tokens 4] [--json FILE]
+    python tools/jit_coverage.py --model small --max-new-tokens 16 --plan-out core/jit_plans   # ship a plan
 
 How: the model runs on the CPU on the reference backend (its numbers decide the data-dependent
 launches: routing counts, picked positions), with the profile's formats and tiles; every op the
@@ -11,6 +12,13 @@ cases plan at the model's dims (:func:`flashrt.jit_parallel.plan`); for each one
 closest planned variant of the same kernel and the fields that differ are printed (a constexpr
 block size, an integer Triton specialised on, ``== 1`` or ``% 16 == 0``, a format). A run on the
 device can differ where the engine takes device-only paths (CUDA graphs, memory-sized pools).
+
+``--plan-out DIR`` writes every variant the run launched as a plan (:mod:`flashrt.jit_plans`) under
+``DIR/triton-<version>/``: with ``core/jit_plans`` it ships with flashrt, and a cold start on that
+architecture, profile and Triton version compiles those variants on its pool before the run asks.
+Run it with the Triton version of the target machine. A plan recorded by a run on the device
+(``flashrt jit warmup --model M`` writes ``$FLASHRT_CACHE_DIR/jit/plans/...``) is exact; copy that
+instead where a device is at hand.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import copy
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
@@ -26,7 +35,7 @@ import torch  # noqa: E402
 from flashrt import dispatch, ops, profiles  # noqa: E402
 from flashrt.formats import QTensor  # noqa: E402
 from flashrt.jit_compile import Variant, recording  # noqa: E402
-from flashrt.jit_parallel import plan  # noqa: E402
+from flashrt.jit_parallel import Spec, plan, portable_options, spec_key  # noqa: E402
 from flashrt.jit_targets import parse_arch  # noqa: E402
 
 
@@ -42,8 +51,8 @@ def _copy(a):
 
 
 def key_of(module, name, signature, constexprs, attrs, options) -> tuple:
-    return (module, name, repr(signature), repr(sorted(constexprs.items(), key=repr)),
-            repr(sorted(attrs.items(), key=repr)), repr(sorted(options.items(), key=repr)))
+    """:func:`flashrt.jit_parallel.spec_key` of a variant."""
+    return spec_key(Spec(module, name, signature, constexprs, attrs, portable_options(options), 0))
 
 
 def trace(model: str, profile, arch, max_new_tokens: int, prompt: str) -> tuple[dict, dict]:
@@ -56,7 +65,7 @@ def trace(model: str, profile, arch, max_new_tokens: int, prompt: str) -> tuple[
     cuda, variants, errors, where = dispatch.backends()["cuda"], {}, {}, {}
 
     def record(fn, signature, constexprs, options, attrs):
-        k = key_of(fn.__module__, fn.__name__, signature, constexprs, attrs, options.__dict__)
+        k = key_of(fn.__module__, fn.fn.__qualname__, signature, constexprs, attrs, options.__dict__)
         variants.setdefault(k, Variant(arch, fn, signature, constexprs, options, attrs)).launches.add(where["op"])
 
     real = ops._impl
@@ -87,6 +96,29 @@ def trace(model: str, profile, arch, max_new_tokens: int, prompt: str) -> tuple[
     return variants, errors
 
 
+def plan_entries(variants: dict) -> list[dict]:
+    """The traced variants as plan entries: Triton's own specialization data, as its
+    ``jit_post_compile_hook`` gives it at a launch."""
+    import inspect
+
+    from triton.runtime.jit import serialize_specialization_data
+
+    takes_target = "target" in inspect.signature(serialize_specialization_data).parameters
+    out = []
+    for v in variants.values():
+        args = (v.kernel, v.signature, v.constexprs, v.attrs, v.options, None)
+        data = serialize_specialization_data(*args, _StandInTarget(v.arch)) if takes_target else \
+            serialize_specialization_data(*args)
+        out.append({"module": v.fn.__module__, "name": v.fn.fn.__qualname__, "data": data})
+    return out
+
+
+def _StandInTarget(arch):
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", arch.cc, 32)
+
+
 def fields(fn, signature, constexprs, attrs, options) -> dict:
     names = fn.arg_names
     out = {f"constexpr {names[k[0]]}": str(v) for k, v in constexprs.items()}
@@ -106,6 +138,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--plan-out", default=None, metavar="DIR", help="write the traced variants as a plan here")
     args = ap.parse_args()
     profile, arch, cfg = profiles.load_profile(args.profile), parse_arch(args.arch), model_config(args.model)
     variants, errors = trace(args.model, profile, arch, args.max_new_tokens, args.prompt)
@@ -126,6 +159,16 @@ def main() -> None:
               else "; ".join(f"{f} run {a} vs planned {b}" for f, (a, b) in best.items())))
     print(f"{args.model} on {arch.name} ({profile.name}): {len(variants)} variants launched, {len(missing)} not in "
           f"the warm-up cases' {len(planned)}; CUDA paths that refused the CPU copies: {errors or 'none'}")
+    if args.plan_out:
+        from flashrt.jit_plans import plan_name
+
+        import triton
+
+        path = Path(args.plan_out) / f"triton-{triton.__version__}" / plan_name(arch, profile.name, cfg.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"arch": arch.name, "profile": profile.name, "model": cfg.name,
+                                    "entries": plan_entries(variants)}, indent=0) + "\n")
+        print(f"plan of {len(variants)} variants written to {path}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "arch": arch.name, "profile": profile.name, "launched": len(variants),
