@@ -70,9 +70,16 @@ def save_plan(recorder, dev: torch.device, profile, model: str) -> int:
     return save(device_arch(dev.index), profile.name, model, recorder.entries())
 
 
-def jit_report(precompiled: dict | None, plan_added: int = 0) -> dict:
-    """What the compile pool did (None: no pool), the kernels this process compiled itself (none
-    when everything came from the cache or the pool) and the variants added to the model's plan."""
+def compiled_count() -> int:
+    """How many kernels this process has compiled itself so far (see :func:`jit_report`)."""
     triton_cache = sys.modules.get("flashrt.jit_triton")  # not imported: nothing was compiled through it
-    return {"precompile": precompiled, "compiled_in_process": triton_cache.compiled_here() if triton_cache else [],
-            "plan_added": plan_added}
+    return len(triton_cache.compiled_here()) if triton_cache else 0
+
+
+def jit_report(precompiled: dict | None, plan_added: int = 0, since: int = 0) -> dict:
+    """What the compile pool did (None: no pool), the kernels this process compiled itself after
+    the ``since``-th (none when everything came from the cache or the pool) and the variants added
+    to the model's plan."""
+    triton_cache = sys.modules.get("flashrt.jit_triton")
+    return {"precompile": precompiled, "plan_added": plan_added,
+            "compiled_in_process": triton_cache.compiled_here()[since:] if triton_cache else []}

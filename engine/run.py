@@ -34,7 +34,7 @@ from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
 from .generation import generate, profile_kv_sizes
-from .precompile import jit_report, save_plan, start_precompile, start_recording
+from .precompile import compiled_count, jit_report, save_plan, start_precompile, start_recording
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 OP_FAMILIES = {
@@ -247,7 +247,7 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         torch.set_num_threads(threads)
     cfg = model_config(model) if dev.type == "cuda" else None
     pool, dims = start_precompile(cfg, dev, backend)  # compiles while the model loads
-    recorder = start_recording(dev, backend)
+    recorder, compiled_before = start_recording(dev, backend), compiled_count()
     try:
         with dispatch.use_backend(backend) if backend is not None else contextlib.nullcontext():
             profile = resolve_profile(None, dev)  # the one load() picks: the cache is checked before loading
@@ -303,6 +303,6 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "kv_budget": kv_budget, "kv_tiers": state.tier_stats(), "step_capture": result.step_capture,
         "profile": profile.name, "engram_placement": m.engram_placement, "memory": memory_report(dev, sizes),
         "speculative": result.speculative,
-        "jit": jit_report(precompiled, plan_added),
+        "jit": jit_report(precompiled, plan_added, compiled_before),
         "prefix_cache": None if cache is None else {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses},
     }

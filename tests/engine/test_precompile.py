@@ -56,3 +56,14 @@ def test_a_cpu_run_reports_no_pool_and_no_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path))
     report = run_mod.run("tiny", max_new_tokens=2, device="cpu", quiet=True)
     assert report["jit"]["precompile"] is None and isinstance(report["jit"]["compiled_in_process"], list)
+
+
+def test_the_report_lists_the_kernels_compiled_since_the_run_began(monkeypatch):
+    from flashrt import jit_triton
+
+    monkeypatch.setattr(jit_triton, "COMPILED", ["_hook_kernel"])  # compiled before (e.g. by warm-up hooks)
+    since = precompile.compiled_count()
+    jit_triton.COMPILED += ["_rms_norm_kernel", "_rope_kernel"]
+    report = precompile.jit_report({"variants": 3}, 2, since)
+    assert report == {"precompile": {"variants": 3}, "plan_added": 2,
+                      "compiled_in_process": ["_rms_norm_kernel", "_rope_kernel"]}
