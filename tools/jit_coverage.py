@@ -28,6 +28,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
@@ -106,7 +107,8 @@ def plan_entries(variants: dict) -> list[dict]:
     takes_target = "target" in inspect.signature(serialize_specialization_data).parameters
     out = []
     for v in variants.values():
-        args = (v.kernel, v.signature, v.constexprs, v.attrs, v.options, None)
+        options = SimpleNamespace(**portable_options(v.options.__dict__))  # no path of this machine
+        args = (v.kernel, v.signature, v.constexprs, v.attrs, options, None)
         data = serialize_specialization_data(*args, _StandInTarget(v.arch)) if takes_target else \
             serialize_specialization_data(*args)
         out.append({"module": v.fn.__module__, "name": v.fn.fn.__qualname__, "data": data})
@@ -124,7 +126,7 @@ def fields(fn, signature, constexprs, attrs, options) -> dict:
     out = {f"constexpr {names[k[0]]}": str(v) for k, v in constexprs.items()}
     out |= {f"type {k}": v for k, v in signature.items()}
     out |= {f"attrs {names[k[0]]}": str(v) for k, v in attrs.items()}
-    return out | {f"option {k}": str(v) for k, v in options.items()}
+    return out | {f"option {k}": str(v) for k, v in portable_options(options).items()}
 
 
 def main() -> None:

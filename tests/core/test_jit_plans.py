@@ -102,3 +102,25 @@ def test_portable_options_keep_a_kernel_s_own_extern_libs():
     own = {"extern_libs": (("libdevice", "/a"), ("mine", "/b")), "num_warps": 8}
     assert portable_options(own) == own
     assert portable_options({"extern_libs": (("libdevice", "/a"),), "num_warps": 8}) == {"num_warps": 8}
+
+
+def test_every_shipped_plan_names_kernels_as_they_are_now():
+    """A shipped plan goes stale when a kernel's parameters change (its variants then compile for
+    nothing): regenerate it (tools/jit_coverage.py --plan-out core/jit_plans) when this fails."""
+    import importlib
+    import inspect
+    from pathlib import Path
+
+    import flashrt
+
+    shipped = sorted((Path(flashrt.__file__).parent / "jit_plans").glob("*/*.json"))
+    assert shipped, "no shipped plan"
+    for path in shipped:
+        entries = jit_plans.read_entries(path)
+        assert entries, path
+        for entry in entries:
+            spec = jit_plans.decode(entry, ARCH)
+            kernel = getattr(importlib.import_module(spec.module), spec.name)
+            params = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+            assert list(spec.signature) == params, (path.name, spec.name)
+            assert all(k[0] < len(params) for k in (*spec.constexprs, *spec.attrs)), (path.name, spec.name)
