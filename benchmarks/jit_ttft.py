@@ -8,7 +8,8 @@ Phases (each ``flashrt run --model small --json``, its own process):
 - ``first_run``: nothing cached at all: the run creates the built-in checkpoint (weights and
   tokenizer) and compiles every kernel (the README's first command on a fresh machine);
 - ``cold``: fresh ``FLASHRT_CACHE_DIR`` and ``TRITON_CACHE_DIR`` (the checkpoint linked in): every
-  kernel compiles, on the pool for what the warm-up cases cover, in the run for the rest;
+  kernel compiles: on the pool what the warm-up cases and a shipped plan (``core/jit_plans``, for
+  this device, profile and Triton version) list, in the run the rest;
 - ``warm``: the same directories again: every kernel comes from the cache;
 - ``cold_with_plan``: a fresh compile cache holding only the plan ``cold`` recorded
   (``jit/plans``: the variants the run loaded), as a shipped plan would: the pool compiles all of
