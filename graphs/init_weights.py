@@ -94,9 +94,11 @@ def make_all(specs: list[ParamSpec], make: Callable[[ParamSpec], torch.Tensor | 
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an int >= 1 or None, got {workers!r}")
     out: dict[str, torch.Tensor | QTensor] = {}
+    threads = torch.get_num_threads()
     if workers == 1:
         values = map(make, specs)
     else:
+        torch.set_num_threads(1)  # one thread per parameter, not a team each: the threads are the parallelism
         pool = ThreadPoolExecutor(workers, thread_name_prefix="init-weights")
         futures = [pool.submit(make, spec) for spec in specs]
         values = (f.result() for f in futures)
@@ -108,4 +110,5 @@ def make_all(specs: list[ParamSpec], make: Callable[[ParamSpec], torch.Tensor | 
     finally:
         if workers > 1:  # an error or Ctrl-C: the parameters not started are dropped, not made
             pool.shutdown(wait=True, cancel_futures=True)
+            torch.set_num_threads(threads)
     return out
