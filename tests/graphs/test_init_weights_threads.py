@@ -54,10 +54,11 @@ def test_an_error_in_one_parameter_is_raised_and_the_rest_is_not_made(cfg):
         made.append(spec.name)
         return torch.zeros(1)
 
-    progress = []
+    progress, threads = [], torch.get_num_threads()
     with pytest.raises(ValueError, match="unknown init 'x'"):
         make_all(specs, make, lambda d, t: progress.append(d), workers=2)
     assert progress == [1, 2]  # what came before the error, in order, and nothing after it
+    assert torch.get_num_threads() == threads  # torch's thread count is given back
     with pytest.raises(ValueError, match=r"workers: expected an int >= 1 or None, got 0"):
         make_all(specs, make, workers=0)
 
