@@ -79,7 +79,8 @@ def cmd_warmup(args) -> int:
         if no_hook:
             print(f"  without a warmup hook: {', '.join(no_hook)}")
         for name, note in report["notes"].items():
-            print(f"  {name:12} {'compiled' if name in report['warmed'] else 'skipped'}: {note}")
+            what = "compiled" if name in report["warmed"] else "note" if name == "plan" else "skipped"
+            print(f"  {name:12} {what}: {note}")
         for name, err in report["failed"].items():
             print(f"  {name:12} failed: {err}")
     return 1 if report["failed"] else 0
