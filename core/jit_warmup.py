@@ -15,6 +15,7 @@ could not compile is listed in ``failed`` under ``compile <kernel>``.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import time
 
@@ -22,6 +23,8 @@ from . import dispatch, profiles
 from .jit import install
 from .jit_triton import interpreted
 from .progress import Progress
+
+log = logging.getLogger("flashrt")
 
 
 def warmup_targets() -> list[tuple[str, object]]:
@@ -107,7 +110,11 @@ def precompile_pool(models: dict | None):
     if not torch.cuda.is_available() or worker_count() == 0:
         return None
     dispatch.families()  # the backends and their kernel modules, imported once here for every worker
-    return Precompile()
+    try:
+        return Precompile()
+    except OSError as exc:  # no processes to be had (limits, memory): compile in this process as before
+        log.warning("flashrt.jit: no compile pool (%s); kernels compile at their first launch", exc)
+        return None
 
 
 def _precompile(pool, profile, models: dict, targets, report: dict) -> None:

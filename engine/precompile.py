@@ -12,11 +12,14 @@ next pool compiles too.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 
 import torch
 
 from flashrt.graphs.config import ModelConfig
+
+log = logging.getLogger("flashrt")
 
 
 def kernel_dims(cfg: ModelConfig) -> dict:
@@ -39,6 +42,21 @@ def start_precompile(cfg: ModelConfig | None, dev: torch.device, backend: str | 
     models = {cfg.name: kernel_dims(cfg)}
     pool = precompile_pool(models)
     return (pool, models) if pool is not None else (None, None)
+
+
+def begin(pool, dev: torch.device, profile, models: dict):
+    """Start ``pool`` planning and compiling ``models`` for this device under ``profile``; the pool,
+    or None when it could not start (logged: the kernels then compile at their first launch)."""
+    if pool is None:
+        return None
+    from flashrt.jit_targets import device_arch
+
+    try:
+        return pool.start(device_arch(dev.index), profile, models, launcher=True)
+    except Exception as exc:
+        log.warning("flashrt.jit: the compile pool did not start (%s: %s)", type(exc).__name__, exc)
+        pool.close()
+        return None
 
 
 def start_recording(dev: torch.device, backend: str | None):
@@ -67,7 +85,11 @@ def save_plan(recorder, dev: torch.device, profile, model: str) -> int:
     from flashrt.jit_plans import save
     from flashrt.jit_targets import device_arch
 
-    return save(device_arch(dev.index), profile.name, model, recorder.entries())
+    try:
+        return save(device_arch(dev.index), profile.name, model, recorder.entries())
+    except OSError as exc:  # a read-only or full cache: the run's result stands, its plan is not kept
+        log.warning("flashrt.jit: the plan of %s is not updated (%s)", model, exc)
+        return 0
 
 
 def compiled_count() -> int:

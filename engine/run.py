@@ -34,7 +34,7 @@ from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
 from .generation import generate, profile_kv_sizes
-from .precompile import compiled_count, jit_report, save_plan, start_precompile, start_recording
+from .precompile import begin, compiled_count, jit_report, save_plan, start_precompile, start_recording
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 OP_FAMILIES = {
@@ -251,10 +251,7 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
     try:
         with dispatch.use_backend(backend) if backend is not None else contextlib.nullcontext():
             profile = resolve_profile(None, dev)  # the one load() picks: the cache is checked before loading
-            if pool is not None:
-                from flashrt.jit_targets import device_arch
-
-                pool.start(device_arch(dev.index), profile, dims, launcher=True)
+            pool = begin(pool, dev, profile, dims)
             cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, profile)
             t0 = time.perf_counter()
             m = load_model(model, dev, weights_seed, quiet, profile=profile)

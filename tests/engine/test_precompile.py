@@ -67,3 +67,33 @@ def test_the_report_lists_the_kernels_compiled_since_the_run_began(monkeypatch):
     report = precompile.jit_report({"variants": 3}, 2, since)
     assert report == {"precompile": {"variants": 3}, "plan_added": 2,
                       "compiled_in_process": ["_rms_norm_kernel", "_rope_kernel"]}
+
+
+def test_a_pool_that_cannot_start_is_closed_and_the_run_goes_on(monkeypatch, caplog):
+    from flashrt import jit_targets
+
+    class Pool:
+        closed = False
+
+        def start(self, *a, **k):
+            raise RuntimeError("no planning worker")
+
+        def close(self):
+            Pool.closed = True
+
+    monkeypatch.setattr(jit_targets, "device_arch", lambda index=None: jit_targets.ARCHS["sm_90"])
+    assert precompile.begin(Pool(), torch.device("cuda"), None, {}) is None and Pool.closed
+    assert "the compile pool did not start (RuntimeError: no planning worker)" in caplog.text
+    assert precompile.begin(None, torch.device("cuda"), None, {}) is None
+
+
+def test_a_plan_that_cannot_be_written_is_logged_not_raised(monkeypatch, caplog, tmp_path):
+    from flashrt import jit_plans, jit_targets
+
+    monkeypatch.setattr(jit_targets, "device_arch", lambda index=None: jit_targets.ARCHS["sm_90"])
+    monkeypatch.setattr(jit_plans, "save", lambda *a: (_ for _ in ()).throw(PermissionError("read-only")))
+    recorder = type("R", (), {"entries": lambda self: [{"module": "m", "name": "k", "data": "{}"}]})()
+    profile = type("P", (), {"name": "h200"})()
+    assert precompile.save_plan(recorder, torch.device("cuda"), profile, "small") == 0
+    assert "the plan of small is not updated (read-only)" in caplog.text
+    assert precompile.save_plan(None, torch.device("cuda"), profile, "small") == 0
