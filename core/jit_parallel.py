@@ -183,7 +183,7 @@ def _noop() -> None:
 class Precompile:
     """A pool of forked compile workers and one background job on it (see the module doc).
 
-    ``Precompile(workers)`` forks the workers at once (call it before the process uses CUDA);
+    ``Precompile(workers)`` forks the workers at once (call it before the process makes a CUDA context);
     ``start(arch, profile, models)`` plans in a worker and compiles on all of them while the caller
     goes on; ``result(timeout)`` waits for the report and closes the pool."""
 

@@ -50,7 +50,7 @@ def warmup(profile=None, targets=None, progress=None, models: dict | None = None
     Triton's cache routed through ours. ``targets``: (name, hook) pairs (default:
     :func:`warmup_targets`); a hook of None is listed as skipped, an exception as failed.
     ``models`` (name -> kernel dims): first compile the hooks' variants at these dims in parallel."""
-    pool = precompile_pool(models)  # forked before this process touches the device
+    pool = precompile_pool(models)  # forked before this process makes a CUDA context
     try:
         profile = profiles.load_profile(profile) if isinstance(profile, str) else profile or profiles.active_profile()
         targets = warmup_targets() if targets is None else list(targets)

@@ -1,7 +1,7 @@
 """The kernel compiles of ``flashrt run`` started before the model loads (:mod:`flashrt.jit_parallel`).
 
 On a CUDA device, with the CUDA kernels in use, the run forks a pool of compile workers before it
-touches the device; once the profile is known, the pool plans the variants the kernel families'
+makes a CUDA context; once the profile is known, the pool plans the variants the kernel families'
 warm-up launches compile at the model's dims on this device and compiles them into the compile
 cache while the checkpoint is made or loaded. The run does not wait for it: a launch whose variant
 a worker is compiling waits for that compile (the cache's per-key lock) and then loads it, one no
@@ -33,7 +33,7 @@ def kernel_dims(cfg: ModelConfig) -> dict:
 
 def start_precompile(cfg: ModelConfig | None, dev: torch.device, backend: str | None):
     """Fork the compile pool (:mod:`flashrt.jit_parallel`) for a model of config ``cfg`` when the
-    run launches Triton kernels on a CUDA device, before this process uses the device; ``(pool,
+    run launches Triton kernels on a CUDA device, before this process makes a CUDA context; ``(pool,
     {name: dims})``, or ``(None, None)``."""
     from flashrt.jit_warmup import precompile_pool
 
