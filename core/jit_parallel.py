@@ -196,7 +196,11 @@ class Precompile:
             raise ValueError(f"workers: expected an int >= 1, got {self.workers!r}")
         ctx = multiprocessing.get_context("fork")
         self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_worker_init)
-        self._pool.submit(_noop).result()  # a fork pool starts every worker on its first task: now
+        try:
+            self._pool.submit(_noop).result()  # a fork pool starts every worker on its first task: now
+        except BaseException:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            raise
         self._thread: threading.Thread | None = None
         self._report: dict = {}
 

@@ -112,7 +112,8 @@ def precompile_pool(models: dict | None):
     dispatch.families()  # the backends and their kernel modules, imported once here for every worker
     try:
         return Precompile()
-    except OSError as exc:  # no processes to be had (limits, memory): compile in this process as before
+    except (OSError, RuntimeError) as exc:  # no processes to be had (limits, memory), or a worker died at
+        # its start (BrokenProcessPool): compile in this process as before
         log.warning("flashrt.jit: no compile pool (%s); kernels compile at their first launch", exc)
         return None
 

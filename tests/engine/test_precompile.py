@@ -97,3 +97,15 @@ def test_a_plan_that_cannot_be_written_is_logged_not_raised(monkeypatch, caplog,
     assert precompile.save_plan(recorder, torch.device("cuda"), profile, "small") == 0
     assert "the plan of small is not updated (read-only)" in caplog.text
     assert precompile.save_plan(None, torch.device("cuda"), profile, "small") == 0
+
+
+def test_no_processes_to_fork_means_no_pool_and_a_warning(monkeypatch, caplog):
+    from flashrt import jit_parallel
+
+    def refuse(*a, **k):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(jit_warmup, "interpreted", lambda: False)
+    monkeypatch.setattr(jit_parallel, "Precompile", refuse)
+    assert jit_warmup.precompile_pool({"small": {}}) is None
+    assert "no compile pool" in caplog.text and "Resource temporarily unavailable" in caplog.text
