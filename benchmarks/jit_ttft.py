@@ -5,15 +5,24 @@
 
 Phases (each ``flashrt run --model small --json``, its own process):
 
-- ``cold``: fresh ``FLASHRT_CACHE_DIR`` and ``TRITON_CACHE_DIR``: every kernel compiles;
+- ``first_run``: nothing cached at all: the run creates the built-in checkpoint (weights and
+  tokenizer) and compiles every kernel (the README's first command on a fresh machine);
+- ``cold``: fresh ``FLASHRT_CACHE_DIR`` and ``TRITON_CACHE_DIR`` (the checkpoint linked in): every
+  kernel compiles: on the pool what the warm-up cases and a shipped plan (``core/jit_plans``, for
+  this device, profile and Triton version) list, in the run the rest;
 - ``warm``: the same directories again: every kernel comes from the cache;
+- ``cold_with_plan``: a fresh compile cache holding only the plan ``cold`` recorded
+  (``jit/plans``: the variants the run loaded), as a shipped plan would: the pool compiles all of
+  them while the model loads;
 - ``after_warmup``: fresh directories, then ``flashrt jit warmup --shapes small`` (the kernel
   modules' hooks), then the run: what the hooks leave to compile shows as the gap to ``warm``;
 - ``after_model_warmup``: fresh directories, ``flashrt jit warmup --model small`` (runs the model
   once), then the run.
 
-The ``small`` checkpoint is created once before any timing (``flashrt run`` would create it under
-``FLASHRT_CACHE_DIR/models``) and linked into each fresh directory, so no phase pays for it.
+Except in ``first_run`` (whose checkpoint the later phases then reuse), the ``small`` checkpoint is
+created once before any timing (``flashrt run`` would create it under ``FLASHRT_CACHE_DIR/models``)
+and linked into each fresh directory, so no other phase pays for it.
+Each row keeps the run's ``jit`` report: the variants the run compiled itself and what the pool did.
 TTFT is what ``flashrt run --json`` reports: from the start of loading the weights to the first
 token's logits, and from the process start; the parent's wall time of each process is kept too.
 Phases that would not fit the time budget (``--budget``) are recorded as skipped.
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +41,7 @@ from pathlib import Path
 
 from results_io import write_json
 
-PHASES = ("cold", "warm", "after_warmup", "after_model_warmup")
+PHASES = ("first_run", "cold", "warm", "cold_with_plan", "after_warmup", "after_model_warmup")
 
 
 def flashrt(args: list[str], dirs: Path, timeout: float) -> tuple[dict, float]:
@@ -46,12 +56,13 @@ def flashrt(args: list[str], dirs: Path, timeout: float) -> tuple[dict, float]:
     return json.loads(r.stdout), wall
 
 
-def fresh_dirs(root: Path, name: str, checkpoint: Path) -> Path:
-    """Empty cache directories holding only a link to the prepared checkpoint."""
+def fresh_dirs(root: Path, name: str, checkpoint: Path | None) -> Path:
+    """Empty cache directories holding only a link to the prepared checkpoint (when given)."""
     dirs = root / name
     models = dirs / "flashrt" / "models"
     models.mkdir(parents=True)
-    (models / checkpoint.name).symlink_to(checkpoint)
+    if checkpoint is not None:
+        (models / checkpoint.name).symlink_to(checkpoint)
     (dirs / "triton").mkdir()
     return dirs
 
@@ -68,17 +79,27 @@ def row(phase: str, report: dict, wall: float, warmup: dict | None = None) -> di
     keys = ("ttft_from_load_s", "ttft_from_process_start_s", "load_seconds", "prefill_seconds",
             "decode_tokens_per_s", "new_token_ids")
     out = {"phase": phase, "device": report["device"], **{k: report[k] for k in keys}, "process_wall_s": wall}
+    jit = report.get("jit") or {}
+    pre = jit.get("precompile") or {}
+    out["jit"] = {"compiled_in_process": len(jit.get("compiled_in_process", [])), "plan_added": jit.get("plan_added"),
+                  "precompile": {k: pre.get(k) for k in ("workers", "variants", "compiled", "launchers", "seconds",
+                                                         "done")} | {"failed": len(pre.get("failed", []))}}
     if warmup is not None:
         out["warmup"] = warmup
     print(f"{phase:20} TTFT {report['ttft_from_load_s']:8.2f} s from load, "
           f"{report['ttft_from_process_start_s'] or float('nan'):8.2f} s from process start; "
-          f"prefill {report['prefill_seconds']:7.2f} s; decode {report['decode_tokens_per_s']:8.1f} tok/s", flush=True)
+          f"prefill {report['prefill_seconds']:7.2f} s; decode {report['decode_tokens_per_s']:8.1f} tok/s; "
+          f"{out['jit']['compiled_in_process']} compiled in the run, {pre.get('compiled')}/{pre.get('variants')} "
+          f"on the pool", flush=True)
     return out
 
 
 def run_phase(phase: str, root: Path, checkpoint: Path, run_args: list[str], model: str, deadline: float) -> dict:
     left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
-    dirs = root / "cold" if phase == "warm" else fresh_dirs(root, phase, checkpoint)
+    dirs = root / "cold" if phase == "warm" else fresh_dirs(root, phase, None if phase == "first_run" else checkpoint)
+    plans = root / "cold" / "flashrt" / "jit" / "plans"
+    if phase == "cold_with_plan" and plans.is_dir():  # (none where the cold run loaded no Triton kernel)
+        shutil.copytree(plans, dirs / "flashrt" / "jit" / "plans")
     warm = None
     if phase in ("after_warmup", "after_model_warmup"):
         extra = ["--shapes", model] if phase == "after_warmup" else ["--model", model]
@@ -97,18 +118,22 @@ def main() -> None:
     ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if "warm" in args.phases and "cold" not in args.phases:
-        ap.error("--phases: 'warm' reuses the directories of 'cold'; list 'cold' too")
+    for needs_cold in ("warm", "cold_with_plan"):
+        if needs_cold in args.phases and "cold" not in args.phases:
+            ap.error(f"--phases: '{needs_cold}' reuses what 'cold' leaves; list 'cold' too")
     deadline = time.monotonic() + args.budget
     run_args = ["run", "--model", args.model, "--max-new-tokens", str(args.max_new_tokens)]
     rows, skipped = [], {}
     with tempfile.TemporaryDirectory(prefix="flashrt-ttft-") as tmp:
         root = Path(tmp)
-        checkpoint = prepare_checkpoint(root, args.model)
+        checkpoint = None
         for phase in args.phases:
             if time.monotonic() > deadline - 20:
                 skipped[phase] = "time budget spent"
                 continue
+            if checkpoint is None and phase != "first_run":
+                made = sorted((root / "first_run" / "flashrt" / "models").glob(f"{args.model}-seed0*"))
+                checkpoint = made[0] if made else prepare_checkpoint(root, args.model)
             try:
                 rows.append(run_phase(phase, root, checkpoint, run_args, args.model, deadline))
             except (subprocess.TimeoutExpired, RuntimeError) as exc:

@@ -117,13 +117,14 @@ def launch_sources() -> list[tuple[str, object]]:
 
 def collect(arch: Arch, profile, models: dict, sources, variants: dict, failures: list) -> int:
     """Record every specialization ``sources`` launch under ``profile`` on ``arch`` into ``variants``
-    (keyed: one entry per distinct compile); a launcher that raises goes to ``failures``. Returns
+    (keyed: one entry per distinct compile: kernel, signature, constexprs, specialization attributes
+    such as pointer alignment, options); a launcher that raises goes to ``failures``. Returns
     the number of launches made."""
     where = {}
 
     def record(fn, signature, constexprs, options, attrs):
         key = (fn.__module__, fn.__name__, repr(signature), repr(sorted(constexprs.items(), key=repr)),
-               repr(sorted(options.__dict__.items())))
+               repr(sorted(attrs.items(), key=repr)), repr(sorted(options.__dict__.items())))  # Triton's key
         v = variants.setdefault(key, Variant(arch, fn, signature, constexprs, options, attrs))
         v.families.add(where["family"])
         v.launches.add(where["launch"])

@@ -52,6 +52,16 @@ def parse_arch(name: str, option: str = "--arch") -> Arch:
     return arch
 
 
+def device_arch(index: int | None = None) -> Arch:
+    """The :class:`Arch` of CUDA device ``index`` (default: the current one): its capability, SM
+    count and name, so that launchers planned for it (:func:`targeting`) plan what they launch there."""
+    import torch
+
+    index = torch.cuda.current_device() if index is None else index
+    cap = _device_capability(index)
+    return Arch(f"sm_{cap[0]}{cap[1]}", cap, _device_sms(index), torch.cuda.get_device_name(index))
+
+
 def cross_target() -> Arch | None:
     """The architecture being compiled for inside :func:`targeting`, else None."""
     return _TARGET.get()

@@ -54,6 +54,7 @@ def interpreted() -> bool:
 
 
 _HELD: set[str] = set()  # keys whose lock this process holds (no waiting on ourselves)
+COMPILED: list[str] = []  # kernels this process compiled (wrote a group for), in order: see compiled_here()
 _MANAGERS: "weakref.WeakSet[TritonCacheManager]" = weakref.WeakSet()  # live managers (for fork)
 
 
@@ -68,6 +69,7 @@ def _forget_inherited_locks() -> None:
                     os.close(fd)
                 setattr(manager, attr, None)
     _HELD.clear()
+    COMPILED.clear()
 
 
 os.register_at_fork(after_in_child=_forget_inherited_locks)
@@ -164,6 +166,7 @@ class TritonCacheManager(CacheManager):
                     path.unlink()
 
     def put_group(self, filename, group):
+        COMPILED.append(filename.removesuffix(".json"))  # a group is put after a compile, never on a hit
         if self._plain is not None:
             return self._plain.put_group(filename, group)
         children = {name: os.path.basename(path) for name, path in group.items()}
@@ -236,6 +239,11 @@ def _key_entry(key_dir: Path) -> EntryInfo | None:
     kernel, arch = _group_info(key_dir, key_dir / groups[0]) if groups else (min(files), "-")
     return EntryInfo(key_dir.name, "triton", kernel, arch, sum(st.st_size for st in stats.values()),
                      max(st.st_mtime for st in files.values()), str(key_dir))
+
+
+def compiled_here() -> list[str]:
+    """The kernels this process compiled itself through flashrt's cache (not found there), in order."""
+    return list(COMPILED)
 
 
 def install(force: bool = False) -> bool:

@@ -7,14 +7,24 @@ launches, through Triton's cache (ours, after ``flashrt.jit.install()``). It ret
 dict: ``{"launches": n, ...}`` when it compiled, ``{"skipped": why}`` (or just ``why``) when it
 cannot here (no CUDA device): never an error for that. The report lists warmed, skipped (with why,
 in ``notes``) and failed hooks; one broken hook does not stop the others.
+
+Given the models' dims (``models``; ``flashrt jit warmup`` passes them) and a CUDA device, the
+variants the hooks launch are first compiled on a pool of processes (:mod:`flashrt.jit_parallel`),
+so the hooks then load them from the cache; the pool's report is ``precompile``, and a variant it
+could not compile is listed in ``failed`` under ``compile <kernel>``.
 """
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import time
 
 from . import dispatch, profiles
 from .jit import install
+from .jit_triton import interpreted
 from .progress import Progress
+
+log = logging.getLogger("flashrt")
 
 
 def warmup_targets() -> list[tuple[str, object]]:
@@ -32,16 +42,28 @@ def warmup_targets() -> list[tuple[str, object]]:
     return out
 
 
-def warmup(profile=None, targets=None, progress=None) -> dict:
+PRECOMPILE_TIMEOUT = 1800.0  # seconds the warm-up waits for its pool (a hung compiler must not hang it)
+
+
+def warmup(profile=None, targets=None, progress=None, models: dict | None = None) -> dict:
     """Run each hook with ``profile`` active (a Profile, name or path; default: the active one) and
     Triton's cache routed through ours. ``targets``: (name, hook) pairs (default:
-    :func:`warmup_targets`); a hook of None is listed as skipped, an exception as failed."""
-    profile = profiles.load_profile(profile) if isinstance(profile, str) else profile or profiles.active_profile()
-    targets = warmup_targets() if targets is None else list(targets)
+    :func:`warmup_targets`); a hook of None is listed as skipped, an exception as failed.
+    ``models`` (name -> kernel dims): first compile the hooks' variants at these dims in parallel."""
+    pool = precompile_pool(models)  # forked before this process makes a CUDA context
+    try:
+        profile = profiles.load_profile(profile) if isinstance(profile, str) else profile or profiles.active_profile()
+        targets = warmup_targets() if targets is None else list(targets)
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        raise
     progress = progress or Progress(f"jit warmup {profile.name}")
     report = {"profile": profile.name, "warmed": [], "skipped": [], "failed": {}, "notes": {}, "seconds": 0.0}
     install()
     t0 = time.perf_counter()
+    if pool is not None:
+        _precompile(pool, profile, models, targets, report)
     with profiles.using(profile):
         for done, (name, hook) in enumerate(targets, 1):
             if isinstance(hook, BaseException):
@@ -73,3 +95,50 @@ def _call_hook(name: str, hook, profile, report: dict) -> None:
     report["warmed"].append(name)
     launches = f"{result['launches']} launches, " if "launches" in result else ""
     report["notes"][name] = f"{launches}{time.perf_counter() - t0:.1f} s"
+
+
+def precompile_pool(models: dict | None):
+    """A :class:`flashrt.jit_parallel.Precompile` pool when ``models`` are given and kernels can be
+    compiled here (a CUDA device, Triton not interpreted, ``fork``, ``FLASHRT_JIT_WORKERS`` not 0);
+    else None."""
+    if not models or interpreted() or "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    import torch
+
+    from .jit_parallel import Precompile, worker_count
+
+    if not torch.cuda.is_available() or worker_count() == 0:
+        return None
+    dispatch.families()  # the backends and their kernel modules, imported once here for every worker
+    try:
+        return Precompile()
+    except (OSError, RuntimeError) as exc:  # no processes to be had (limits, memory), or a worker died at
+        # its start (BrokenProcessPool): compile in this process as before
+        log.warning("flashrt.jit: no compile pool (%s); kernels compile at their first launch", exc)
+        return None
+
+
+def _precompile(pool, profile, models: dict, targets, report: dict) -> None:
+    """Compile the variants of the hooks' launches at ``models`` (and of the models' plans) on
+    ``pool``; into ``report``. A plan's variant that does not compile is a note (a plan is a hint
+    that may predate a kernel change), a warm-up case's a failure."""
+    from .jit_targets import device_arch
+
+    try:
+        arch = device_arch()
+        if arch.capability < (8, 0):
+            return
+        sources = [(name, hook.cases) for name, hook in targets if callable(getattr(hook, "cases", None))]
+        result = pool.start(arch, profile, models, sources, launcher=True).result(PRECOMPILE_TIMEOUT)
+    finally:
+        pool.close()
+    report["precompile"] = result
+    stale = [row["kernel"] for row in result["failed"] if row["family"] == "plan"]
+    if stale:
+        report["notes"]["plan"] = f"{len(stale)} planned variants did not compile (a plan older than the kernels?): " \
+                                  f"{', '.join(sorted(set(stale)))}"
+    for row in result["failed"]:
+        if row["family"] != "plan":
+            report["failed"][f"compile {row['kernel'] or row['family']}"] = row["error"]
+    if not result["done"]:
+        report["failed"]["compile"] = f"the pool did not finish within {PRECOMPILE_TIMEOUT:.0f} s"

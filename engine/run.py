@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from flashrt.progress import Progress
 from flashrt.errors import CheckpointError
 
 from flashrt.graphs import chat_format, checkpoint
-from flashrt.graphs.builtin_tokenizer import ensure_builtin_tokenizer
+from flashrt.graphs.builtin_tokenizer import build as build_tokenizer, ensure_builtin_tokenizer
 from flashrt.graphs.config import SHIPPED, ModelConfig, shipped_config
 from flashrt.graphs.devices import resolve_device
 from flashrt.graphs.image_processor import open_image
@@ -33,6 +34,7 @@ from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
 from .generation import generate, profile_kv_sizes
+from .precompile import begin, compiled_count, jit_report, save_plan, start_precompile, start_recording
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 OP_FAMILIES = {
@@ -64,8 +66,12 @@ def builtin_checkpoint(name: str, seed: int = 0, quiet: bool = False) -> Path:
         digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
         path = path.with_name(f"{path.name}-{digest}")
     if not (path / "config.json").exists():
-        weights = init_weights(cfg, seed=seed, progress=Progress(f"creating {name} weights", enabled=not quiet))
-        checkpoint.save(weights, cfg, path, progress=Progress(f"saving to {path}", enabled=not quiet))
+        with ThreadPoolExecutor(1, thread_name_prefix="builtin-tokenizer") as pool:
+            tok = pool.submit(build_tokenizer, cfg.vocab_size)  # trained while the weights are made
+            weights = init_weights(cfg, seed=seed, progress=Progress(f"creating {name} weights", enabled=not quiet))
+            checkpoint.save(weights, cfg, path, progress=Progress(f"saving to {path}", enabled=not quiet))
+            del weights
+            ensure_builtin_tokenizer(path, cfg, tok=tok.result())
     if not (path / "tokenizer.json").exists():
         ensure_builtin_tokenizer(path, ModelConfig.from_file(str(path / "config.json")))
     return path
@@ -101,6 +107,17 @@ def load_model(model: str, device: torch.device, seed: int = 0, quiet: bool = Fa
             raise ValueError(f"model: expected one of {list(BUILTIN)} or a checkpoint directory with config.json, "
                              f"got {model!r}")
     return load(path, device=device, profile=profile, progress=Progress(f"loading {path.name}", enabled=not quiet))
+
+
+def model_config(model: str) -> ModelConfig | None:
+    """The config ``load_model`` will load for ``model``, read without loading; None when there is
+    none to read (``load_model`` then says why)."""
+    try:
+        if model in SHIPPED and not os.path.isdir(model):
+            return shipped_config(model) if model in BUILTIN else None
+        return ModelConfig.from_file(str(Path(model) / "config.json"))
+    except (ValueError, OSError, CheckpointError):
+        return None
 
 
 def chat_messages(chat: str, system: str | None = None, images=()) -> list[dict]:
@@ -228,26 +245,36 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         threads = 1  # tiny ops: thread fan-out costs more than it gains (docs/performance.md)
     if threads:
         torch.set_num_threads(threads)
-    with dispatch.use_backend(backend) if backend is not None else contextlib.nullcontext():
-        profile = resolve_profile(None, dev)  # the one load() picks: the cache is checked before loading
-        cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, profile)
-        t0 = time.perf_counter()
-        m = load_model(model, dev, weights_seed, quiet, profile=profile)
-        load_s = time.perf_counter() - t0
-        tok = m.tokenizer
-        if images:
-            check_image_token(m, tok)
-        ids = encode_request(tok, m.cfg.vocab_size, prompt, chat, system, thinking, effort, images)
-        check_context(len(ids), max_new_tokens, m.cfg)
-        sizes = profile_kv_sizes(m, kv_budget, None)  # what generate() derives, for the report
-        t_gen = time.perf_counter()
-        result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
-                          prefix_cache=cache, eos_token_id=tok.eos_id if chat is not None else None,
-                          kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph,
-                          progress=phase_progress(not quiet), images=[images] if images else None,
-                          speculative=speculative, draft_tokens=draft_tokens)
-        families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
-                    for fam, ops in OP_FAMILIES.items()}
+    cfg = model_config(model) if dev.type == "cuda" else None
+    pool, dims = start_precompile(cfg, dev, backend)  # compiles while the model loads
+    recorder, compiled_before = start_recording(dev, backend), compiled_count()
+    try:
+        with dispatch.use_backend(backend) if backend is not None else contextlib.nullcontext():
+            profile = resolve_profile(None, dev)  # the one load() picks: the cache is checked before loading
+            pool = begin(pool, dev, profile, dims)
+            cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, profile)
+            t0 = time.perf_counter()
+            m = load_model(model, dev, weights_seed, quiet, profile=profile)
+            load_s = time.perf_counter() - t0
+            tok = m.tokenizer
+            if images:
+                check_image_token(m, tok)
+            ids = encode_request(tok, m.cfg.vocab_size, prompt, chat, system, thinking, effort, images)
+            check_context(len(ids), max_new_tokens, m.cfg)
+            sizes = profile_kv_sizes(m, kv_budget, None)  # what generate() derives, for the report
+            t_gen = time.perf_counter()
+            result = generate(m, [ids], max_new_tokens, temperature=temperature, prefill=prefill, seed=seed,
+                              prefix_cache=cache, eos_token_id=tok.eos_id if chat is not None else None,
+                              kv_budget=kv_budget, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph,
+                              progress=phase_progress(not quiet), images=[images] if images else None,
+                              speculative=speculative, draft_tokens=draft_tokens)
+            families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
+                        for fam, ops in OP_FAMILIES.items()}
+    finally:
+        precompiled = pool.result(timeout=0) if pool is not None else None  # cancels what is not needed now
+        if recorder is not None:
+            recorder.close()
+    plan_added = save_plan(recorder, dev, profile, m.cfg.name)
     ttft_load = t_gen - t0 + result.prefill_seconds  # the first token's logits, from the start of loading
     age, now = process_seconds(), time.perf_counter()
     state = result.state
@@ -273,5 +300,6 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "kv_budget": kv_budget, "kv_tiers": state.tier_stats(), "step_capture": result.step_capture,
         "profile": profile.name, "engram_placement": m.engram_placement, "memory": memory_report(dev, sizes),
         "speculative": result.speculative,
+        "jit": jit_report(precompiled, plan_added, compiled_before),
         "prefix_cache": None if cache is None else {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses},
     }

@@ -77,14 +77,20 @@ def tokenizer_config(max_length: int) -> dict:
             "tokenizer_class": "PreTrainedTokenizerFast"}
 
 
-def ensure_builtin_tokenizer(path, cfg, seed: int = 0) -> bool:
+def ensure_builtin_tokenizer(path, cfg, seed: int = 0, tok=None) -> bool:
     """Write ``tokenizer.json`` + ``tokenizer_config.json`` for ``cfg`` into checkpoint directory
     ``path`` unless ``tokenizer.json`` is there; True when written. Each file is written whole
-    or not at all; the config goes first, so a present ``tokenizer.json`` means both are."""
+    or not at all; the config goes first, so a present ``tokenizer.json`` means both are.
+    ``tok``: ``build(cfg.vocab_size, seed)`` when already made (e.g. on a thread while the weights
+    were made); built here otherwise."""
     path = Path(path)
     if (path / TOKENIZER_FILE).exists():
         return False
-    tok = build(cfg.vocab_size, seed)
+    if tok is None:
+        tok = build(cfg.vocab_size, seed)
+    elif tok.get_vocab_size(with_added_tokens=True) != cfg.vocab_size:
+        raise ValueError(f"tok: expected a tokenizer of {cfg.vocab_size} ids (the config's vocab_size), "
+                         f"got {tok.get_vocab_size(with_added_tokens=True)}")
     atomic_write(path / CONFIG_FILE, (json.dumps(tokenizer_config(cfg.max_seq_len), ensure_ascii=False, indent=1)
                                       + "\n").encode())
     atomic_write(path / TOKENIZER_FILE, tok.to_str().encode())

@@ -14,10 +14,15 @@ bit-identical weights whatever the parameter order or the device. Init rules (``
 Values are made in fp32 on the CPU, then cast (``bf16`` / ``fp32``) or quantized with
 ``flashrt.formats.quantize`` (``fp8_w``, ``fp4_w``, ``fp8_table`` -> fmt ``fp8``) on the CPU, so
 the bytes do not depend on ``device``; the result is moved to ``device`` last.
+
+Parameters are made on a pool of threads (``workers``, default ``torch.get_num_threads()``): each
+draws from its own generator, so the bytes do not depend on the order or the number of threads
+(torch's sampling and quantization kernels release the GIL, so the threads run in parallel).
 """
 from __future__ import annotations
 
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -68,20 +73,42 @@ def init_param(spec: ParamSpec, seed: int = 0, device="cpu") -> torch.Tensor | Q
 
 
 def init_weights(cfg: ModelConfig, seed: int = 0, device="cpu",
-                 progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor | QTensor]:
+                 progress: Callable[[int, int], None] | None = None,
+                 workers: int | None = None) -> dict[str, torch.Tensor | QTensor]:
     """Weights for every ``param_specs(cfg)`` entry, keyed by checkpoint name (QTensor if quantized).
 
-    ``progress(done, total)`` is called after each parameter (counts parameters, not bytes).
+    ``progress(done, total)`` is called after each parameter (counts parameters, not bytes);
+    ``workers``: threads making parameters at once (default ``torch.get_num_threads()``).
     """
-    return make_all(param_specs(cfg), lambda spec: init_param(spec, seed, torch.device(device)), progress)
+    device = torch.device(device)
+    return make_all(param_specs(cfg), lambda spec: init_param(spec, seed, device), progress, workers)
 
 
 def make_all(specs: list[ParamSpec], make: Callable[[ParamSpec], torch.Tensor | QTensor],
-             progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor | QTensor]:
-    """``make(spec)`` for every spec, keyed by name; ``progress(done, total)`` after each."""
+             progress: Callable[[int, int], None] | None = None,
+             workers: int | None = 1) -> dict[str, torch.Tensor | QTensor]:
+    """``make(spec)`` for every spec, keyed by name, in the order of ``specs``; ``progress(done,
+    total)`` after each (from the calling thread). ``workers`` threads call ``make`` at once
+    (None: ``torch.get_num_threads()``); an error of one is raised once the earlier ones are in."""
+    workers = torch.get_num_threads() if workers is None else workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: expected an int >= 1 or None, got {workers!r}")
     out: dict[str, torch.Tensor | QTensor] = {}
-    for i, spec in enumerate(specs):
-        out[spec.name] = make(spec)
-        if progress is not None:
-            progress(i + 1, len(specs))
+    threads = torch.get_num_threads()
+    if workers == 1:
+        values = map(make, specs)
+    else:
+        torch.set_num_threads(1)  # one thread per parameter, not a team each: the threads are the parallelism
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="init-weights")
+        futures = [pool.submit(make, spec) for spec in specs]
+        values = (f.result() for f in futures)
+    try:
+        for i, (spec, value) in enumerate(zip(specs, values)):
+            out[spec.name] = value
+            if progress is not None:
+                progress(i + 1, len(specs))
+    finally:
+        if workers > 1:  # an error or Ctrl-C: the parameters not started are dropped, not made
+            pool.shutdown(wait=True, cancel_futures=True)
+            torch.set_num_threads(threads)
     return out

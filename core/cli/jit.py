@@ -31,13 +31,17 @@ def _age(seconds: float) -> str:
 
 
 def warm_model(model: str, report: dict) -> None:
-    """Compile every kernel variant a model's prefill (both schedules) and decode steps use, by
-    running them once on the device (the cache keeps what they compile)."""
+    """Compile every kernel variant ``flashrt run --model MODEL`` uses by default (by running it:
+    its variants go into the model's plan too, :mod:`flashrt.jit_plans`), then those a batch of two
+    prompts uses in both prefill schedules and decode, by running them once on the device."""
     from flashrt.engine import generate
-    from flashrt.engine.run import load_model, pick_device
+    from flashrt.engine.run import load_model, pick_device, run
 
     t0 = time.perf_counter()
     try:
+        jit = run(model, quiet=True)["jit"]
+        report["notes"][f"model:{model}"] = (f"flashrt run: {len(jit['compiled_in_process'])} variants compiled "
+                                             f"in the run, {jit['plan_added']} new in its plan")
         m = load_model(model, pick_device(None), quiet=True)
         prompt = list(range(3, 3 + 2 * m.cfg.window_size + 5))
         for prefill in ("exact", "ced"):
@@ -56,7 +60,9 @@ def cmd_warmup(args) -> int:
         if unknown:
             raise ValueError(f"--shapes: expected names from {sorted(MODELS)}, got {unknown}")
         os.environ["FLASHRT_WARMUP_MODELS"] = ",".join(args.shapes)
-    report = warmup(getattr(args, "profile", None))
+    from flashrt.kernels_cuda.warmup import selected_models
+
+    report = warmup(getattr(args, "profile", None), models=selected_models())
     if args.model:
         warm_model(args.model, report)
     if args.json:
@@ -66,10 +72,15 @@ def cmd_warmup(args) -> int:
         no_hook = [n for n in report["skipped"] if n not in report["notes"]]
         print(f"jit warmup {report['profile']}: {len(report['warmed'])} compiled, {len(report['skipped'])} skipped, "
               f"{len(report['failed'])} failed ({report['seconds']:.1f} s)")
+        pre = report.get("precompile")
+        if pre:
+            print(f"  compiled in parallel: {pre['compiled']}/{pre['variants']} variants for {pre['arch']} on "
+                  f"{pre['workers']} processes ({pre['seconds']:.1f} s), {pre['launchers']} launchers built")
         if no_hook:
             print(f"  without a warmup hook: {', '.join(no_hook)}")
         for name, note in report["notes"].items():
-            print(f"  {name:12} {'compiled' if name in report['warmed'] else 'skipped'}: {note}")
+            what = "compiled" if name in report["warmed"] else "note" if name == "plan" else "skipped"
+            print(f"  {name:12} {what}: {note}")
         for name, err in report["failed"].items():
             print(f"  {name:12} failed: {err}")
     return 1 if report["failed"] else 0
@@ -178,8 +189,8 @@ def add_jit(sub) -> None:
     p = jsub.add_parser("warmup", help="compile every kernel a profile needs (modules with a warmup hook)")
     p.add_argument("--profile", default=argparse.SUPPRESS, type=nonempty("profile"),
                    help="profile name or YAML path (default: auto)")
-    p.add_argument("--model", default=None, help="also run tiny | small | a checkpoint once, compiling every "
-                   "kernel variant its prefill and decode use")
+    p.add_argument("--model", default=None, help="also run tiny | small | a checkpoint as `flashrt run` does, then "
+                   "a batch in both prefill schedules, compiling every kernel variant they use")
     p.add_argument("--shapes", nargs="+", default=None, metavar="MODEL",
                    help="the shipped models whose dims the kernels are warmed at: tiny, small, v4.1-flash "
                    "(default: small and v4.1-flash)")

@@ -131,3 +131,29 @@ def test_shapes_narrow_the_models_warmed(recorded, monkeypatch, capsys):
     monkeypatch.setenv("FLASHRT_WARMUP_MODELS", "huge")
     with pytest.raises(ValueError, match="FLASHRT_WARMUP_MODELS"):
         norm_rope.FAMILY.warmup(profiles.load_profile("h200"))
+
+
+def test_the_pool_s_failures_a_stale_plan_entry_is_a_note_a_warm_up_case_a_failure(monkeypatch):
+    from flashrt import jit_targets, jit_warmup
+
+    class Pool:
+        closed = False
+
+        def start(self, arch, profile, models, sources, launcher):
+            assert launcher and models == {"small": {}} and [n for n, _ in sources] == ["norm_rope"]
+            return self
+
+        def result(self, timeout):
+            return {"done": True, "failed": [
+                {"kernel": "m._old_kernel", "family": "plan", "error": "CompilationError: gone"},
+                {"kernel": "m._rms_norm_kernel", "family": "norm_rope", "error": "ptxas: too many registers"}]}
+
+        def close(self):
+            Pool.closed = True
+
+    monkeypatch.setattr(jit_targets, "device_arch", lambda: jit_targets.ARCHS["sm_90"])
+    hook = _families()["norm_rope"].warmup
+    report = {"failed": {}, "notes": {}}
+    jit_warmup._precompile(Pool(), profiles.load_profile("h200"), {"small": {}}, [("norm_rope", hook)], report)
+    assert Pool.closed and report["failed"] == {"compile m._rms_norm_kernel": "ptxas: too many registers"}
+    assert "1 planned variants did not compile" in report["notes"]["plan"] and "m._old_kernel" in report["notes"]["plan"]

@@ -1,0 +1,272 @@
+"""Compiling the kernel variants a run needs on a pool of processes, into the compile cache.
+
+``flashrt jit warmup`` (on a CUDA device) and the start of ``flashrt run`` use it:
+
+1. plan: every kernel family's warm-up launches (``KernelFamily.warmup_cases``, reached through
+   dispatch) are made at a model's dims with the profile active and the device's facts (compute
+   capability, SM count: :mod:`flashrt.jit_targets`), with Triton's compile replaced by a record
+   (:func:`flashrt.jit_compile.recording`): one :class:`Spec` per distinct (kernel, signature,
+   constexprs, specialization attributes, options), exactly what the launcher would compile on
+   that device; to these come the variants earlier runs of the model used on this device and
+   profile (their plan, :mod:`flashrt.jit_plans`: token counts and routing the warm-up shapes miss);
+2. compile: forked worker processes each compile a share with ``triton.compile`` for the device's
+   target. Triton's cache key covers the source, the constexprs and signature, the options and the
+   target, and the cache is flashrt's (:mod:`flashrt.jit_triton`: atomic writes, a per-key lock, so
+   one key is compiled once however many processes ask); where the device's driver is present each
+   worker also builds the kernel's launcher (a C stub compiled with the host compiler on Triton
+   versions that make one) into the same cache. The launch in the main process then loads both.
+
+Planning runs in a worker too (``Precompile``): recording patches Triton process-wide, which must
+not happen beside the main process's own launches. Workers are forked before the main process
+touches CUDA, run with one torch thread and never use the device. A compile error is a row naming
+the kernel (never raised: the run's own launch then compiles it and raises the real error); a
+worker that dies fails the variants it had and the pool stops; nothing waits without a limit.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import queue
+import threading
+import time
+from concurrent.futures import CancelledError, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+from .jit_targets import Arch
+
+WORKERS_ENV = "FLASHRT_JIT_WORKERS"  # processes compiling at once; 0 turns the pool off
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One kernel variant, in a form a worker process can receive (the kernel by module and name)."""
+
+    module: str
+    name: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    cc: int
+    families: tuple = ()
+    launches: tuple = ()
+
+    @property
+    def kernel(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+
+def worker_count(tasks: int | None = None) -> int:
+    """``FLASHRT_JIT_WORKERS`` (0: no pool), else the CPUs this process may use; at most ``tasks``."""
+    raw = os.environ.get(WORKERS_ENV, "")
+    try:
+        n = int(raw) if raw.strip() else len(os.sched_getaffinity(0))
+    except ValueError:
+        raise ValueError(f"{WORKERS_ENV}: expected an int >= 0, got {raw!r}") from None
+    if n < 0:
+        raise ValueError(f"{WORKERS_ENV}: expected an int >= 0, got {raw!r}")
+    return n if tasks is None else min(n, tasks)
+
+
+def plan(arch: Arch, profile, models: dict, sources=None, plans: bool = True) -> tuple[list[Spec], list[dict]]:
+    """The variants the families' warm-up launches (``sources``: (family, warmup_cases) pairs;
+    default every CUDA family's) compile at ``models`` (name -> dims) under ``profile`` on
+    ``arch``, then (``plans``) those earlier runs of these models used there
+    (:mod:`flashrt.jit_plans`); and the launchers that raised (rows naming the family and the error)."""
+    from . import jit_plans
+    from .jit_compile import collect, launch_sources
+
+    variants, failures = {}, []
+    collect(arch, profile, models, launch_sources() if sources is None else list(sources), variants, failures)
+    cases = [Spec(v.fn.__module__, getattr(v.fn, "fn", v.fn).__qualname__, v.signature, v.constexprs, v.attrs,
+                  portable_options(v.options.__dict__), arch.cc, tuple(sorted(v.families)), tuple(sorted(v.launches)))
+             for v in variants.values()]
+    planned = [s for model in (models if plans else ()) for s in jit_plans.load(arch, profile.name, model)]
+    specs, seen = [], set()
+    for s in planned + cases:  # a plan lists its variants in the order a run first used them: those first
+        if spec_key(s) not in seen:
+            seen.add(spec_key(s))
+            specs.append(s)
+    return specs, failures
+
+
+def portable_options(options: dict) -> dict:
+    """Triton's compile options without the default ``extern_libs`` (libdevice by its absolute path
+    on the machine that recorded them): ``triton.compile`` fills in the local one, the same as a
+    launch here passes, so the cache key is the one the launch computes."""
+    options = dict(options)
+    if {name for name, _ in options.get("extern_libs") or ()} <= {"libdevice"}:
+        options.pop("extern_libs", None)
+    return options
+
+
+def spec_key(s: Spec) -> tuple:
+    """What tells two variants apart (Triton's cache key, less the source and the target's facts)."""
+    return (s.module, s.name, repr(s.signature), repr(sorted(s.constexprs.items(), key=repr)),
+            repr(sorted(s.attrs.items(), key=repr)), repr(sorted(s.options.items(), key=repr)))
+
+
+def resolve(spec: Spec):
+    """The ``triton.jit`` function ``spec`` names (ValueError naming it when it is not one)."""
+    from triton.runtime.jit import JITFunction
+
+    obj = importlib.import_module(spec.module)
+    for part in spec.name.split("."):
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, JITFunction):
+        raise ValueError(f"{spec.module}.{spec.name}: expected a triton.jit kernel, got {type(obj).__name__}")
+    return obj
+
+
+def compile_spec(spec: Spec, launcher: bool = False) -> dict:
+    """Compile one variant into the cache (and its launcher when ``launcher``); its report row:
+    ``kernel``, ``status`` (compiled / failed), ``error`` (the compiler's message), ``seconds``,
+    ``launcher`` (True, or why it was not built)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .jit_compile import compiler_error
+
+    row = {"kernel": f"{spec.module}.{spec.name}", "families": list(spec.families), "status": "compiled",
+           "error": None, "launcher": None}
+    t0 = time.perf_counter()
+    try:
+        fn = resolve(spec)
+        kernel = triton.compile(ASTSource(fn, spec.signature, spec.constexprs, spec.attrs),
+                                target=GPUTarget("cuda", spec.cc, 32), options=spec.options)
+    except Exception as exc:
+        return row | {"status": "failed", "error": compiler_error(exc), "seconds": round(time.perf_counter() - t0, 2)}
+    if launcher:
+        row["launcher"] = build_launcher(kernel)
+    return row | {"seconds": round(time.perf_counter() - t0, 2)}
+
+
+def build_launcher(kernel) -> bool | str:
+    """Build a compiled kernel's launcher as its first launch would (Triton keeps the module it
+    compiles in the cache, under a key of the launcher's source); True, or why not (a launcher is an
+    optimisation: the launch builds it anyway). The NVIDIA launcher class is used directly, not
+    through ``driver.active``: a forked worker must not make a driver (it would ask CUDA for the
+    devices); Triton versions whose launcher needs the driver have no launcher to build."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        CudaLauncher(kernel.src, kernel.metadata)
+    except Exception as exc:
+        return f"not built: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return True
+
+
+def _plan_task(arch: Arch, profile, models: dict, sources) -> tuple[list[Spec], list[dict]]:
+    return plan(arch, profile, models, sources)
+
+
+def _worker_init() -> None:
+    """A forked worker: one torch thread (the parent's OpenMP pool does not survive a fork), Ctrl-C
+    left to the parent (which cancels what has not started; a compile under way completes its
+    atomic writes), and the cache locks of the parent are the parent's (:mod:`flashrt.jit_triton`
+    drops them)."""
+    import signal
+
+    import torch
+
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run; its compiles finish or are cancelled
+
+
+def _noop() -> None:
+    return None
+
+
+class Precompile:
+    """A pool of forked compile workers and one background job on it (see the module doc).
+
+    ``Precompile(workers)`` forks the workers at once (call it before the process makes a CUDA context);
+    ``start(arch, profile, models)`` plans in a worker and compiles on all of them while the caller
+    goes on; ``result(timeout)`` waits for the report and closes the pool."""
+
+    def __init__(self, workers: int | None = None):
+        from .jit import install
+
+        install()  # the workers inherit TRITON_CACHE_MANAGER: they compile into flashrt's cache
+        self.workers = worker_count() if workers is None else workers
+        if self.workers < 1:
+            raise ValueError(f"workers: expected an int >= 1, got {self.workers!r}")
+        ctx = multiprocessing.get_context("fork")
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_worker_init)
+        try:
+            self._pool.submit(_noop).result()  # a fork pool starts every worker on its first task: now
+        except BaseException:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        self._thread: threading.Thread | None = None
+        self._report: dict = {}
+
+    def start(self, arch: Arch, profile, models: dict, sources=None, launcher: bool = False) -> "Precompile":
+        self._report = {"arch": arch.name, "profile": profile.name, "workers": self.workers, "variants": 0,
+                        "compiled": 0, "cancelled": 0, "failed": [], "launchers": 0, "seconds": None,
+                        "done": False}
+        self._thread = threading.Thread(target=self._job, args=(arch, profile, models, sources, launcher),
+                                        name="flashrt-precompile", daemon=True)
+        self._thread.start()
+        return self
+
+    def _job(self, arch, profile, models, sources, launcher) -> None:
+        report, t0 = self._report, time.perf_counter()
+        try:
+            specs, failures = self._pool.submit(_plan_task, arch, profile, models, sources).result()
+            report["variants"] = len(specs)
+            report["failed"] += [{"kernel": None, "family": f["family"], "error": f["error"]} for f in failures]
+            done: queue.SimpleQueue = queue.SimpleQueue()
+            futures = {}
+            for s in specs:
+                try:
+                    fut = self._pool.submit(compile_spec, s, launcher)
+                except BrokenProcessPool:
+                    raise
+                except RuntimeError:  # closed meanwhile by result(timeout): the rest is not needed
+                    report["cancelled"] += 1
+                    continue
+                futures[fut] = s
+                fut.add_done_callback(done.put)  # also called on cancel (as_completed is not woken then)
+            for _ in range(len(futures)):
+                fut = done.get()
+                spec = futures[fut]
+                if fut.cancelled():  # result() closed the pool: not needed any more
+                    report["cancelled"] += 1
+                    continue
+                try:
+                    row = fut.result()
+                except BaseException as exc:  # the worker died (BrokenProcessPool): name the kernel
+                    row = {"kernel": f"{spec.module}.{spec.name}", "status": "failed",
+                           "error": f"worker: {type(exc).__name__}: {exc}", "launcher": None}
+                if row["status"] == "compiled":
+                    report["compiled"] += 1
+                    report["launchers"] += row["launcher"] is True
+                else:
+                    report["failed"].append({"kernel": row["kernel"], "family": ",".join(spec.families),
+                                             "error": row["error"]})
+        except CancelledError:  # closed by result(timeout) before the plan was made
+            pass
+        except BaseException as exc:  # planning failed, or the pool broke before the compiles began
+            report["failed"].append({"kernel": None, "family": None, "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            report["seconds"] = round(time.perf_counter() - t0, 2)
+            report["done"] = True
+
+    def result(self, timeout: float | None = None) -> dict:
+        """The report once the job is done (or ``timeout`` seconds have passed: ``done`` False, the
+        variants not compiled yet are then compiled by the launches that need them): ``variants``,
+        ``compiled``, ``launchers`` built, ``failed`` (rows naming the kernel), ``cancelled``,
+        ``seconds``. The pool is shut down, the compiles not started cancelled."""
+        try:
+            if self._thread is not None:
+                self._thread.join(timeout)
+        finally:
+            self.close()
+        return {**self._report, "failed": list(self._report.get("failed", ()))}  # as of now
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,107 @@
+"""The kernel compiles of ``flashrt run`` started before the model loads (:mod:`flashrt.jit_parallel`).
+
+On a CUDA device, with the CUDA kernels in use, the run forks a pool of compile workers before it
+makes a CUDA context; once the profile is known, the pool plans the variants the kernel families'
+warm-up launches compile at the model's dims on this device and compiles them into the compile
+cache while the checkpoint is made or loaded. The run does not wait for it: a launch whose variant
+a worker is compiling waits for that compile (the cache's per-key lock) and then loads it, one no
+worker has reached is compiled by the run itself. ``FLASHRT_JIT_WORKERS=0`` turns the pool off.
+The variants the run loaded are added to the model's plan (:mod:`flashrt.jit_plans`), which the
+next pool compiles too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+import torch
+
+from flashrt.graphs.config import ModelConfig
+
+log = logging.getLogger("flashrt")
+
+
+def kernel_dims(cfg: ModelConfig) -> dict:
+    """The config's values by key, as the kernel families' warm-up launches read them
+    (``warmup_cases(device, dims, dtype)``): each compression ratio once, and no ``vision_*`` keys
+    without a vision tower."""
+    dims = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    dims["compress_ratios"] = tuple(sorted(set(cfg.compress_ratios)))
+    return dims if cfg.vision_enabled else {k: v for k, v in dims.items() if not k.startswith("vision_")}
+
+
+def start_precompile(cfg: ModelConfig | None, dev: torch.device, backend: str | None):
+    """Fork the compile pool (:mod:`flashrt.jit_parallel`) for a model of config ``cfg`` when the
+    run launches Triton kernels on a CUDA device, before this process makes a CUDA context; ``(pool,
+    {name: dims})``, or ``(None, None)``."""
+    from flashrt.jit_warmup import precompile_pool
+
+    if cfg is None or dev.type != "cuda" or backend not in (None, "cuda"):
+        return None, None
+    models = {cfg.name: kernel_dims(cfg)}
+    pool = precompile_pool(models)
+    return (pool, models) if pool is not None else (None, None)
+
+
+def begin(pool, dev: torch.device, profile, models: dict):
+    """Start ``pool`` planning and compiling ``models`` for this device under ``profile``; the pool,
+    or None when it could not start (logged: the kernels then compile at their first launch)."""
+    if pool is None:
+        return None
+    from flashrt.jit_targets import device_arch
+
+    try:
+        return pool.start(device_arch(dev.index), profile, models, launcher=True)
+    except Exception as exc:
+        log.warning("flashrt.jit: the compile pool did not start (%s: %s)", type(exc).__name__, exc)
+        pool.close()
+        return None
+
+
+def start_recording(dev: torch.device, backend: str | None):
+    """A :class:`flashrt.jit_plans.Recorder` of the kernel variants this run loads, when it runs
+    Triton kernels on a CUDA device (their plan makes the next cold start compile them at once);
+    else None."""
+    if dev.type != "cuda" or backend not in (None, "cuda"):
+        return None
+    from flashrt.jit_triton import interpreted
+
+    if interpreted():
+        return None
+    try:
+        from flashrt.jit_plans import Recorder
+
+        return Recorder()
+    except ImportError:  # no Triton: no kernels to record
+        return None
+
+
+def save_plan(recorder, dev: torch.device, profile, model: str) -> int:
+    """Add what ``recorder`` saw to the plan of ``model`` on this device and ``profile``; the new
+    variants (0 without a recorder)."""
+    if recorder is None:
+        return 0
+    from flashrt.jit_plans import save
+    from flashrt.jit_targets import device_arch
+
+    try:
+        return save(device_arch(dev.index), profile.name, model, recorder.entries())
+    except OSError as exc:  # a read-only or full cache: the run's result stands, its plan is not kept
+        log.warning("flashrt.jit: the plan of %s is not updated (%s)", model, exc)
+        return 0
+
+
+def compiled_count() -> int:
+    """How many kernels this process has compiled itself so far (see :func:`jit_report`)."""
+    triton_cache = sys.modules.get("flashrt.jit_triton")  # not imported: nothing was compiled through it
+    return len(triton_cache.compiled_here()) if triton_cache else 0
+
+
+def jit_report(precompiled: dict | None, plan_added: int = 0, since: int = 0) -> dict:
+    """What the compile pool did (None: no pool), the kernels this process compiled itself after
+    the ``since``-th (none when everything came from the cache or the pool) and the variants added
+    to the model's plan."""
+    triton_cache = sys.modules.get("flashrt.jit_triton")
+    return {"precompile": precompiled, "plan_added": plan_added,
+            "compiled_in_process": triton_cache.compiled_here()[since:] if triton_cache else []}

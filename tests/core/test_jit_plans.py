@@ -1,0 +1,126 @@
+"""Plans (``flashrt.jit_plans``): what a run records, merged into the plan file whole and once,
+read back as the variants Triton would compile; bad files and entries skipped, never fatal.
+(That a plan compiles to the cache keys the launches use: tests/core/test_jit_parallel.py.)"""
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from flashrt import jit_plans
+from flashrt.jit_parallel import portable_options
+from flashrt.jit_targets import ARCHS
+
+triton = pytest.importorskip("triton")
+ARCH = ARCHS["sm_90"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(jit_plans, "SHIPPED", tmp_path / "shipped")
+
+
+def _data(block: int, dtype: str = "bf16") -> str:
+    """Specialization data as Triton serializes it (``serialize_specialization_data``)."""
+    return json.dumps({"name": "k", "signature": {"x_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr",
+                                                  "DT": "constexpr", "T": ["constexpr", "constexpr"]},
+                       "constant_keys": [[2], [3]], "constant_vals": [block, dtype],
+                       "attrs_keys": [[0], [1]], "attrs_vals": [[["tt.divisibility", 16]], []],
+                       "options": {"num_warps": 4, "supported_fp8_dtypes": ["fp8e5"],
+                                   "extern_libs": [["libdevice", "/elsewhere/libdevice.10.bc"]]},
+                       "key": "ignored"})
+
+
+def _entry(block: int) -> dict:
+    return {"module": "flashrt.kernels_cuda.norm_rope", "name": "_rms_norm_kernel", "data": _data(block)}
+
+
+def test_an_entry_decodes_as_triton_preloads_it():
+    spec = jit_plans.decode(_entry(64), ARCH)
+    assert spec.cc == 90 and spec.name == "_rms_norm_kernel" and spec.families == ("plan",)
+    assert spec.constexprs[(2,)] == 64 and spec.constexprs[(3,)] == triton.language.bfloat16
+    assert spec.attrs == {(0,): [["tt.divisibility", 16]], (1,): []}
+    assert spec.signature["T"] == ("constexpr", "constexpr")
+    assert spec.options == {"num_warps": 4, "supported_fp8_dtypes": ("fp8e5",)}  # libdevice: this machine's
+
+
+def test_save_merges_new_entries_first_once_and_whole():
+    blocks = random.sample(range(1, 1000), 6)
+    assert jit_plans.save(ARCH, "h200", "small", [_entry(b) for b in blocks[:4]]) == 4
+    assert jit_plans.save(ARCH, "h200", "small", [_entry(b) for b in blocks[2:]]) == 2  # two known
+    path = jit_plans.plan_paths(ARCH, "h200", "small")[0]
+    assert path.parent.name == f"triton-{triton.__version__}" and path.name == "sm_90-h200-small.json"
+    assert not [p for p in path.parent.iterdir() if p != path]  # no temporary file left
+    got = [s.constexprs[(2,)] for s in jit_plans.load(ARCH, "h200", "small")]
+    assert got == blocks[4:] + blocks[:4]  # the newest run's first
+    assert jit_plans.load(ARCH, "h200", "tiny") == [] and jit_plans.save(ARCH, "h200", "small", []) == 0
+
+
+def test_the_shipped_plan_is_read_too_and_a_variant_listed_twice_is_one(tmp_path):
+    jit_plans.save(ARCH, "h200", "small", [_entry(16)])
+    shipped = jit_plans.plan_paths(ARCH, "h200", "small")[1]
+    shipped.parent.mkdir(parents=True)
+    shipped.write_text(json.dumps({"entries": [_entry(16), _entry(32)]}))
+    assert [s.constexprs[(2,)] for s in jit_plans.load(ARCH, "h200", "small")] == [16, 32]
+
+
+def test_a_bad_file_or_entry_is_skipped_with_a_warning(caplog):
+    path = jit_plans.plan_paths(ARCH, "h200", "small")[0]
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert jit_plans.load(ARCH, "h200", "small") == []
+    bad = {"module": "m", "name": "k", "data": json.dumps({"signature": {}})}  # no constants
+    path.write_text(json.dumps({"entries": [bad, {"module": "m"}, 7, _entry(8)]}))
+    assert [s.constexprs[(2,)] for s in jit_plans.load(ARCH, "h200", "small")] == [8]
+    assert "ignoring the plan" in caplog.text and "skipping a plan entry of m.k" in caplog.text
+    assert jit_plans.save(ARCH, "h200", "small", [_entry(9)]) == 1  # a bad file is replaced, never fatal
+
+
+def test_the_recorder_keeps_every_variant_once_and_chains_the_hook_it_found(monkeypatch):
+    calls = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append(kw["key"]))
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    recorder = jit_plans.Recorder()
+
+    def kernel():
+        pass
+    jit_fn = SimpleNamespace(fn=kernel, __module__="flashrt.kernels_cuda.quant")
+    for key, data in (("a", _data(16)), ("b", _data(32)), ("a", _data(16))):
+        triton.knobs.runtime.jit_post_compile_hook(key=key, fn=SimpleNamespace(jit_function=jit_fn),
+                                                   compile={"specialization_data": data})
+    assert calls == ["a", "b", "a"]
+    assert recorder.entries() == [{"module": "flashrt.kernels_cuda.quant", "name": kernel.__qualname__, "data": d}
+                                  for d in (_data(16), _data(32))]
+    recorder.close()
+    assert triton.knobs.runtime.jit_post_compile_hook is previous
+
+
+def test_portable_options_keep_a_kernel_s_own_extern_libs():
+    own = {"extern_libs": (("libdevice", "/a"), ("mine", "/b")), "num_warps": 8}
+    assert portable_options(own) == own
+    assert portable_options({"extern_libs": (("libdevice", "/a"),), "num_warps": 8}) == {"num_warps": 8}
+
+
+def test_every_shipped_plan_names_kernels_as_they_are_now():
+    """A shipped plan goes stale when a kernel's parameters change (its variants then compile for
+    nothing): regenerate it (tools/jit_coverage.py --plan-out core/jit_plans) when this fails."""
+    import importlib
+    import inspect
+    from pathlib import Path
+
+    import flashrt
+
+    shipped = sorted((Path(flashrt.__file__).parent / "jit_plans").glob("*/*.json"))
+    assert shipped, "no shipped plan"
+    for path in shipped:
+        entries = jit_plans.read_entries(path)
+        assert entries, path
+        for entry in entries:
+            spec = jit_plans.decode(entry, ARCH)
+            kernel = getattr(importlib.import_module(spec.module), spec.name)
+            params = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+            assert list(spec.signature) == params, (path.name, spec.name)
+            assert all(k[0] < len(params) for k in (*spec.constexprs, *spec.attrs)), (path.name, spec.name)

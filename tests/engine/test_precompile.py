@@ -1,0 +1,111 @@
+"""``flashrt run`` starts its kernel compiles before loading: the dims it plans at are the model's
+config as the warm-up launches read it, and the pool is made only where CUDA kernels run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flashrt import jit_warmup
+from flashrt.engine import precompile
+from flashrt.engine import run as run_mod
+from flashrt.graphs.config import shipped_config
+from flashrt.kernels_cuda.warmup import MODELS
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-vl", "small", "v4.1-flash"])
+def test_kernel_dims_are_the_warmup_dims_of_the_shipped_model(name):
+    dims = precompile.kernel_dims(shipped_config(name))
+    want = MODELS[name]
+    assert {k: dims[k] for k in want} == {**want, "compress_ratios": tuple(sorted(set(want["compress_ratios"])))}
+    assert any(k.startswith("vision_") for k in dims) == shipped_config(name).vision_enabled
+
+
+def test_the_pool_is_made_only_for_cuda_kernels(monkeypatch):
+    asked = []
+    monkeypatch.setattr(jit_warmup, "precompile_pool", lambda models: asked.append(models) or "pool")
+    cfg = shipped_config("small")
+    assert precompile.start_precompile(cfg, torch.device("cpu"), None) == (None, None)
+    assert precompile.start_precompile(cfg, torch.device("cuda"), "reference") == (None, None)
+    assert precompile.start_precompile(None, torch.device("cuda"), None) == (None, None)
+    pool, models = precompile.start_precompile(cfg, torch.device("cuda"), "cuda")
+    assert pool == "pool" and models == {"small": precompile.kernel_dims(cfg)}
+    assert asked == [models]
+
+
+def test_no_pool_where_triton_is_interpreted_or_workers_are_off(monkeypatch):
+    """This process runs Triton's interpreter (tests/conftest.py): nothing to compile."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert jit_warmup.precompile_pool({"small": {}}) is None
+    monkeypatch.setattr(jit_warmup, "interpreted", lambda: False)
+    monkeypatch.setenv("FLASHRT_JIT_WORKERS", "0")
+    assert jit_warmup.precompile_pool({"small": {}}) is None
+    assert jit_warmup.precompile_pool(None) is None
+
+
+def test_model_config_reads_without_loading(tmp_path):
+    assert run_mod.model_config("small") == shipped_config("small")
+    assert run_mod.model_config("v4.1-flash") is None  # no built-in weights: load_model says so
+    assert run_mod.model_config(str(tmp_path)) is None  # no config.json: load_model says so
+    (tmp_path / "config.json").write_text(json.dumps(shipped_config("tiny").to_dict()))
+    assert run_mod.model_config(str(tmp_path)) == shipped_config("tiny")
+
+
+def test_a_cpu_run_reports_no_pool_and_no_compiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path))
+    report = run_mod.run("tiny", max_new_tokens=2, device="cpu", quiet=True)
+    assert report["jit"]["precompile"] is None and isinstance(report["jit"]["compiled_in_process"], list)
+
+
+def test_the_report_lists_the_kernels_compiled_since_the_run_began(monkeypatch):
+    from flashrt import jit_triton
+
+    monkeypatch.setattr(jit_triton, "COMPILED", ["_hook_kernel"])  # compiled before (e.g. by warm-up hooks)
+    since = precompile.compiled_count()
+    jit_triton.COMPILED += ["_rms_norm_kernel", "_rope_kernel"]
+    report = precompile.jit_report({"variants": 3}, 2, since)
+    assert report == {"precompile": {"variants": 3}, "plan_added": 2,
+                      "compiled_in_process": ["_rms_norm_kernel", "_rope_kernel"]}
+
+
+def test_a_pool_that_cannot_start_is_closed_and_the_run_goes_on(monkeypatch, caplog):
+    from flashrt import jit_targets
+
+    class Pool:
+        closed = False
+
+        def start(self, *a, **k):
+            raise RuntimeError("no planning worker")
+
+        def close(self):
+            Pool.closed = True
+
+    monkeypatch.setattr(jit_targets, "device_arch", lambda index=None: jit_targets.ARCHS["sm_90"])
+    assert precompile.begin(Pool(), torch.device("cuda"), None, {}) is None and Pool.closed
+    assert "the compile pool did not start (RuntimeError: no planning worker)" in caplog.text
+    assert precompile.begin(None, torch.device("cuda"), None, {}) is None
+
+
+def test_a_plan_that_cannot_be_written_is_logged_not_raised(monkeypatch, caplog, tmp_path):
+    from flashrt import jit_plans, jit_targets
+
+    monkeypatch.setattr(jit_targets, "device_arch", lambda index=None: jit_targets.ARCHS["sm_90"])
+    monkeypatch.setattr(jit_plans, "save", lambda *a: (_ for _ in ()).throw(PermissionError("read-only")))
+    recorder = type("R", (), {"entries": lambda self: [{"module": "m", "name": "k", "data": "{}"}]})()
+    profile = type("P", (), {"name": "h200"})()
+    assert precompile.save_plan(recorder, torch.device("cuda"), profile, "small") == 0
+    assert "the plan of small is not updated (read-only)" in caplog.text
+    assert precompile.save_plan(None, torch.device("cuda"), profile, "small") == 0
+
+
+def test_no_processes_to_fork_means_no_pool_and_a_warning(monkeypatch, caplog):
+    from flashrt import jit_parallel
+
+    def refuse(*a, **k):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(jit_warmup, "interpreted", lambda: False)
+    monkeypatch.setattr(jit_parallel, "Precompile", refuse)
+    assert jit_warmup.precompile_pool({"small": {}}) is None
+    assert "no compile pool" in caplog.text and "Resource temporarily unavailable" in caplog.text
