@@ -113,6 +113,7 @@ def serve_levels(args) -> dict:
         cmd += ["--max-step-tokens", str(args.max_step_tokens)]
     if args.device_timing:
         cmd += ["--device-timing"]
+    cmd += args.serve_arg
     env = dict(os.environ)
     if args.profile_engine:
         env["FLASHRT_PROFILE_ENGINE"] = args.profile_engine  # engine/loop_profile.py
@@ -162,6 +163,8 @@ def main() -> None:
     ap.add_argument("--max-step-tokens", type=int, default=None, help="the server's (default: its profile's)")
     ap.add_argument("--device-timing", action="store_true",
                     help="the server times its forwards on the device (a host sync per step: slows it down)")
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for flashrt serve (repeatable), e.g. --serve-arg=--no-engine-process")
     ap.add_argument("--profile-engine", default=None, metavar="FILE",
                     help="cProfile the server's engine loop thread into FILE (written when the server stops)")
     ap.add_argument("--out", default=None)
@@ -189,7 +192,8 @@ def main() -> None:
               f"(decode {e['share_decode']:.0%}, prefill {e['share_prefill']:.0%}, sample {e['share_sample']:.0%}; "
               f"device: decode {e['share_decode_device']:.0%}, prefill {e['share_prefill_device']:.0%})", flush=True)
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                          else "cpu", "generate": base, "generate_by_batch": same, "serve": served})
+                          else "cpu", "serve_args": args.serve_arg, "generate": base, "generate_by_batch": same,
+                          "serve": served})
 
 
 if __name__ == "__main__":
