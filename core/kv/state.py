@@ -27,11 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from flashrt.formats import MAIN_KV_FORMAT, QTensor
-from .util import empty_qtensor, grown, to_device, write_rows
+from .util import empty_qtensor, grown, to_device
 from .index import IndexPool, PagedIndexK
 from .pages import PagedMainKV, PagePool
 from .paged import PagedKeys
-from .staged import Staged, commit_partial, write_kept
+from .rows import RowMoves
+from .staged import Staged
+from .window_writes import StagedWrites
 from .sizes import DEFAULT_PAGE_ENTRIES, entry_bytes, fixed_bytes_for, index_pages_for  # noqa: F401 (named here too)
 
 WINDOW_FORMATS = ("fp8", "int8")  # int8 (per-32, UE8M0) on devices with no FP8, e.g. Ascend 910B
@@ -59,7 +61,7 @@ class StepBuffers:
         return tuple((t.data_ptr(), tuple(t.shape)) for t in self.tensors)
 
 
-class KVState:
+class KVState(RowMoves, StagedWrites):
     """Everything a batch of sequences carries between forward calls."""
 
     def __init__(self, cfg, batch: int, capacity: int, device, kv_budget: int | None = None,
@@ -208,73 +210,6 @@ class KVState:
                 c.index_k.ensure_pages(-(-entries // self.index_pool.P))
         self.capacity = capacity
 
-    # ----- rows (a serving engine's sequences come and go) ---------------------------------------
-    def take_row(self, row: int, src: "KVState", src_row: int = 0) -> None:
-        """Move sequence ``src_row`` of ``src`` (same pools) into ``row``: window rings, compressor
-        state, Engram history and positions are copied; its main-KV and index-K pages change owner
-        (no page copy). ``row``'s own pages go back to the pools; ``src_row`` is left empty."""
-        if src.pool is not self.pool:
-            raise ValueError("src: KVState.take_row needs a state drawn from the same page pool")
-        u8 = torch.uint8
-        if self._ring_store is not None and src._ring_store is not None:  # every layer in one copy
-            q, s = self._ring_store, src._ring_store
-            q.data.view(u8)[:, row].copy_(s.data.view(u8)[:, src_row])
-            q.scale.view(u8)[:, row].copy_(s.scale.view(u8)[:, src_row])
-            self._ring_start_store[:, row] = src._ring_start_store[:, src_row]
-        else:
-            for l, q in self.rings.items():
-                s = src.rings[l]
-                q.data.view(u8)[row].copy_(s.data.view(u8)[src_row])
-                q.scale.view(u8)[row].copy_(s.scale.view(u8)[src_row])
-                self.ring_start[l][row] = src.ring_start[l][src_row]
-        self.positions[row] = src.positions[src_row]
-        self.host_positions[row] = src.host_positions[src_row]
-        self.engram_history[row] = src.engram_history[src_row]
-        for l, c in self.compressed.items():
-            s = src.compressed[l]
-            if c.kv_state is not None:
-                c.kv_state[row], c.score_state[row] = s.kv_state[src_row], s.score_state[src_row]
-            c.main.adopt_row(row, s.main.detach_row(src_row))
-            c.index_k.adopt_row(row, s.index_k.detach_row(src_row))
-        src.reset_row(src_row)
-
-    def reset_row(self, row: int) -> None:
-        """``row`` becomes an empty sequence at position 0 (its pages, if any, stay with it)."""
-        self.positions[row] = 0
-        self.host_positions[row] = 0
-        if self._ring_start_store is not None:
-            self._ring_start_store[:, row] = 0
-        else:
-            for start in self.ring_start.values():
-                start[row] = 0
-        self.engram_history[row] = -1
-        for c in self.compressed.values():
-            if c.kv_state is not None:
-                c.kv_state[row], c.score_state[row] = 0.0, float("-inf")
-
-    def rewind_rows(self, rows: list[int]) -> None:
-        """``rows`` restart at position 0 without clearing their caches: the idle rows of a padded
-        decode batch, which run a token every step and must not grow."""
-        if rows:
-            idx = torch.tensor(rows, dtype=torch.long)  # staged in pinned memory on CUDA: no blocking copy
-            if self.device.type == "cuda":
-                idx = idx.pin_memory()
-            self.positions[idx.to(self.device, non_blocking=True)] = 0
-            for r in rows:
-                self.host_positions[r] = 0
-
-    def release_row(self, row: int) -> None:
-        """Give ``row``'s main-KV and index-K pages back to the pools and empty it."""
-        if not self.is_meta:
-            for c in self.compressed.values():
-                c.main.clear_row(row)
-                c.index_k.clear_row(row)
-        self.reset_row(row)
-
-    def row_pages(self, row: int) -> int:
-        """Main-KV pages ``row`` holds (both tiers, every source layer)."""
-        return 0 if self.is_meta else sum(len(c.main.tables[row].pages) for c in self.compressed.values())
-
     def step_buffers(self, entries: dict[int, int]) -> StepBuffers:
         """Ready the caches for a static one-token step that reads ``entries`` compressed entries
         per ratio (room for them, block tables brought up to date in place) and return the
@@ -289,74 +224,6 @@ class KVState:
             tensors += [ring.data, ring.scale, self.ring_start[l]]
         cold = tuple(c.main.has_cold() for c in self.compressed.values())
         return StepBuffers(tuple(t for t in tensors if t is not None), cold)
-
-    # ----- window rings and partial groups ----------------------------------------------------
-    def ring_slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, slot) int64 [n] of the last ``min(S, W)`` tokens of ``positions`` [B, S] in the
-        rings: where every layer of a call writes its ring (computed once per call)."""
-        W = self.cfg.window_size
-        positions = positions[:, -W:]  # rows of a chunk share its length: the last W tokens stay
-        rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)
-        return rows.reshape(-1), (positions % W).reshape(-1)
-
-    def write_ring(self, layer: int, kv: QTensor, slots: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Store the last ``window_size`` tokens of a chunk ``kv`` [B, S, D] at ``slots``
-        (:meth:`ring_slots` of its positions): now for one token per row, at :meth:`commit` for a
-        chunk (its queries read the slots its later tokens overwrite)."""
-        if self.is_meta:  # shape-only tracing: nothing is stored
-            return
-        S, W = kv.shape[1], self.cfg.window_size
-        if S == 1:
-            write_rows(self.rings[layer], *slots, kv)
-            return
-        if S > W:  # the last W tokens, copied: the chunk's KV is not kept until the commit
-            tail = slice(S - W, S)
-            kv = QTensor(kv.data[:, tail].clone(), kv.scale[:, tail].clone(), kv.fmt, (kv.shape[0], W, kv.shape[-1]))
-        self._staged.rings.append((layer, slots, kv))
-
-    def write_partial(self, layer: int, kv: torch.Tensor, score: torch.Tensor, first: torch.Tensor,
-                      end: torch.Tensor) -> None:
-        """After a chunk, the source of ``layer``'s pending group: ``kv`` / ``score`` fp32 [B, n, D]
-        hold the compressor inputs of positions ``first[b] + j`` (``first`` int64 [B], a group
-        start) up to ``end[b]`` (the chunk's end); :meth:`commit` moves those of the group each
-        row ends in to its slots ``[0, rem)`` (the chunk read the old ones)."""
-        if kv.shape[1] and not self.is_meta:  # copied: the chunk's projections are not kept until the commit
-            self._staged.partials.append((layer, kv.clone(), score.clone(), first, end))
-
-    def commit(self, counts: list[int] | None = None) -> None:
-        """Write what the current call staged (a chunk's ring tokens and pending groups); with
-        ``counts``, row ``b`` takes only its chunk's first ``counts[b]`` tokens."""
-        if not self._staged:
-            return
-        L = self._chunk_len
-        cut = None if counts is None or all(c == L for c in counts) else \
-            to_device([L - c for c in counts], self.device)
-        self._write_staged(cut)
-
-    def commit_kept(self, counts: torch.Tensor) -> None:
-        """:meth:`commit` of the first ``counts[b]`` tokens of each row, ``counts`` int64 [B] on the
-        device: no host value is read, so a CUDA graph can record it. Writing the same staged
-        values twice leaves the caches as writing them once. The staging is left for
-        :meth:`advance` (``committed=True``) to drop."""
-        if self._staged:
-            self._write_staged(self._chunk_len - counts, drop=False)
-
-    def _write_staged(self, cut: torch.Tensor | None, drop: bool = True) -> None:
-        """The staged writes; ``cut`` [B] (device): tokens dropped from the end of each row's chunk."""
-        staged, L = self._staged, self._chunk_len
-        keep = None
-        if cut is not None and staged.rings:
-            n = staged.rings[0][2].shape[1]
-            if n < L:
-                raise ValueError(f"counts: keeping part of a chunk needs it in the window ({L} > {n} tokens)")
-            keep = (torch.arange(n, device=cut.device).unsqueeze(0) < n - cut.unsqueeze(1)).reshape(-1)
-        for layer, slots, kv in staged.rings:
-            write_kept(self.rings[layer], slots, kv, keep)
-        for layer, kv, score, first, end in staged.partials:
-            commit_partial(self.compressed[layer], self.cfg.ratio(layer), kv, score, first,
-                           end if cut is None else end - cut.to(end.device))
-        if drop:
-            self._staged = Staged()
 
     # ----- compressed caches -------------------------------------------------------------------
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:
