@@ -24,7 +24,8 @@ from decode_timing import median_step_ms, stepper
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
 from flashrt.kv.state import KVState, entry_bytes, fixed_bytes_for
-from flashrt.kv.pages import PagedMainKV, PagePool
+from flashrt.kv.main_kv import PagedMainKV
+from flashrt.kv.pages import PagePool
 from flashrt.kv.prefix_cache import PrefixCache
 from results_io import write_json
 from flashrt.engine import generate

@@ -53,10 +53,6 @@ class Spec:
     families: tuple = ()
     launches: tuple = ()
 
-    @property
-    def kernel(self) -> str:
-        return self.name.rsplit(".", 1)[-1]
-
 
 def worker_count(tasks: int | None = None) -> int:
     """``FLASHRT_JIT_WORKERS`` (0: no pool), else the CPUs this process may use; at most ``tasks``."""

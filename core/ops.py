@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import checks as c
-from .checks import F32, I32, KV_FORMATS, SCORE_FUNCS, WEIGHT_FORMATS  # noqa: F401 (named here too)
+from .checks import F32, WEIGHT_FORMATS
 from .dispatch import impl as _impl
 from .formats import QTensor, check_shape
 # the op groups kept beside this module, named here too: ``flashrt.ops.<op>`` is the contract

@@ -24,12 +24,11 @@ import torch
 
 from . import formats
 # the op groups kept beside this module, named here too: the reference backend binds them from here
-from .refmath_attention import (CHUNK_BYTES, block_scores, candidate_blocks, dense_attention,  # noqa: F401
-                                index_scores, sparse_attention, topk_positions)
-from .refmath_kv import cold_picks, gather_cold_rows, paged_rows, resolve_paged, store_paged, store_rows  # noqa: F401
-from .refmath_linear import (activation_format, dequantize, dequantized_weight, linear, linear_fp32,  # noqa: F401
-                             quantize)
-from .refmath_moe import experts_loop, moe_experts, moe_route, swiglu  # noqa: F401
+from .refmath_attention import (block_scores, candidate_blocks, dense_attention, index_scores,  # noqa: F401
+                                sparse_attention, topk_positions)
+from .refmath_kv import gather_cold_rows, resolve_paged, store_paged, store_rows  # noqa: F401
+from .refmath_linear import activation_format, dequantize, dequantized_weight, linear, quantize  # noqa: F401
+from .refmath_moe import moe_experts, moe_route, swiglu  # noqa: F401
 from .refmath_wide import linear32, mean_sq, pointwise, row_sum
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from .core_process import CoreSpec, main
 from .errors import EngineStopped
-from .front import AsyncSink, EngineFront
+from .front import AsyncSink, EngineFront, deliver_grouped
 from .request import CompletionOutput, RequestOutput
 
 log = logging.getLogger("flashrt.engine")
@@ -30,7 +30,6 @@ class ModelInfo:
     """What the server process knows of the model: its config and whether it has a vision tower."""
     cfg: object
     vision: bool | None  # truthy when the model takes images (None otherwise, as Model.vision)
-    device: str
 
 
 class EngineClient(EngineFront):
@@ -42,12 +41,13 @@ class EngineClient(EngineFront):
         self._proc.start()
         child.close()
         info = self._first_message(start_timeout_s)
-        self.model = ModelInfo(info["cfg"], True if info["has_vision"] else None, info["device"])
+        self.model = ModelInfo(info["limits"].cfg, True if info["has_vision"] else None)
         self.tokenizer, self.config, self.limits = info["tokenizer"], info["config"], info["limits"]
         self._stats = info["stats"]
         self._init_front()
         self._lock = threading.Lock()  # sends, and the map of open requests
         self._open: dict[str, AsyncSink] = {}
+        self._unstarted = 0  # requests sent that have no output yet
         self._hooks: list = []
         self._stopped = threading.Event()
         self.accepting = True
@@ -98,15 +98,16 @@ class EngineClient(EngineFront):
 
     def _waiting(self) -> int:
         """Requests sent that have no output yet (waiting, in flight to the engine or prefilling)."""
-        with self._lock:
-            return sum(1 for s in self._open.values() if not getattr(s, "started", False))
+        return self._unstarted
 
     def _submit(self, rid, ids, params, sink, images=None) -> None:
         with self._lock:
             self._open[rid] = sink
+            self._unstarted += 1
         if not self._send("add", rid, ids, params, images):
             with self._lock:
                 self._open.pop(rid, None)
+                self._unstarted -= 1
             self._queues.pop(rid, None)
             raise EngineStopped(self.step_error or "the engine process is gone")
 
@@ -143,25 +144,24 @@ class EngineClient(EngineFront):
         for record in records:  # before the outputs, as in process: a caller that saw its request end finds it counted
             for hook in self._hooks:
                 hook(record)
-        batches: dict = {}
+        pairs = []
         with self._lock:
             for rid, out in items:
                 sink = self._open.get(rid)
                 if sink is None:
                     continue
-                sink.started = True
+                if not sink.started:
+                    sink.started = True
+                    self._unstarted -= 1
                 if out.finished:
                     del self._open[rid]
-                batches.setdefault(sink.loop, []).append((sink, out))
-        for items in batches.values():
-            if not AsyncSink.deliver_batch(items):
-                for sink, _ in items:
-                    self.abort(sink.request_id)
+                pairs.append((sink, out))
+        deliver_grouped(pairs, self.abort)
 
     def _fail_open(self, why: str) -> None:
         """Every request still open ends with an error output (the engine cannot answer any more)."""
         with self._lock:
-            open_, self._open = self._open, {}
+            open_, self._open, self._unstarted = self._open, {}, 0
         if self.accepting:
             self.step_error = self.step_error or why
             log.error("%s; %d open requests fail", why, len(open_))

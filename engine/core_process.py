@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from .config import EngineConfig
+from .front import BatchSink
 
 STATS_EVERY_S = 0.2
 log = logging.getLogger("flashrt.engine")
@@ -42,18 +43,11 @@ class CoreSpec:
     log_level: str = "warning"
 
 
-class PipeSink:
+class PipeSink(BatchSink):
     """Outputs of requests added through the pipe: one message per step for all of them."""
 
     def __init__(self, request_id: str, channel: "Channel"):
-        self.request_id, self.channel = request_id, channel
-
-    @property
-    def batch_key(self):
-        return self.channel
-
-    def __call__(self, out) -> None:
-        self.deliver_batch([(self, out)])
+        self.request_id, self.channel, self.batch_key = request_id, channel, channel
 
     @staticmethod
     def deliver_batch(items) -> bool:
@@ -105,8 +99,8 @@ def build(spec: CoreSpec):
 def describe(engine) -> dict:
     """What the server process needs to check, encode and render requests without the model."""
     m = engine.model
-    return {"cfg": m.cfg, "has_vision": m.vision is not None, "device": str(m.device), "tokenizer": engine.tokenizer,
-            "config": engine.config, "limits": engine.limits, "stats": engine.stats()}
+    return {"has_vision": m.vision is not None, "tokenizer": engine.tokenizer, "config": engine.config,
+            "limits": engine.limits, "stats": engine.stats()}
 
 
 def main(conn, spec: CoreSpec) -> None:
@@ -131,7 +125,7 @@ def main(conn, spec: CoreSpec) -> None:
 
 
 def serve(engine, conn, channel: Channel) -> None:
-    reported, error = 0.0, None
+    reported, error, last = 0.0, None, None
     while True:
         try:
             ready = conn.poll(STATS_EVERY_S)
@@ -155,5 +149,7 @@ def serve(engine, conn, channel: Channel) -> None:
             channel.send("error", error)
         now = time.monotonic()
         if now - reported >= STATS_EVERY_S:
-            reported = now
-            channel.send("stats", engine.stats())
+            reported, stats = now, engine.stats()
+            if stats != last:  # an idle engine sends nothing
+                last = stats
+                channel.send("stats", stats)

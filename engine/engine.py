@@ -15,7 +15,7 @@ import time
 from . import loop_profile, outputs
 from .config import EngineConfig
 from .errors import QueueFull, RequestError
-from .front import EngineFront, is_token_list
+from .front import BatchSink, EngineFront, deliver_grouped, is_token_list
 from .images import batch_images
 from .request import Request, RequestOutput, Status, finished_record
 from .sampling import SamplingParams
@@ -172,18 +172,13 @@ class Engine(EngineFront):
     def _deliver(self, requests: list[Request]) -> None:
         """Each request's new output to its sink; outputs whose sinks share a ``batch_key`` (one
         event loop, one pipe) go in one hand-off per step (:meth:`AsyncSink.deliver_batch`)."""
-        batches: dict = {}
+        grouped = []
         for req in requests:
-            sink = req.sink
-            key = getattr(sink, "batch_key", None)
-            if key is not None:
-                batches.setdefault(key, (sink.deliver_batch, []))[1].append((sink, outputs.request_output(req)))
-            elif sink is not None:
-                sink(outputs.request_output(req))
-        for deliver, items in batches.values():
-            if not deliver(items):  # nobody is listening any more
-                for sink, _ in items:
-                    self.abort(sink.request_id)
+            if isinstance(req.sink, BatchSink):
+                grouped.append((req.sink, outputs.request_output(req)))
+            elif req.sink is not None:
+                req.sink(outputs.request_output(req))
+        deliver_grouped(grouped, self.abort)
 
     def _fail_all(self, exc: Exception) -> None:
         touched: set = set()

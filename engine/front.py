@@ -25,19 +25,36 @@ def is_token_list(p) -> bool:
     return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
-class AsyncSink:
-    """Where a request's outputs go when it was added from an event loop: a queue of that loop.
-    Outputs of one engine step bound for one loop travel together (:meth:`deliver_batch`)."""
+class BatchSink:
+    """Where one request's outputs go; the outputs of one engine step whose sinks share a
+    ``batch_key`` travel together (``deliver_batch([(sink, output)])``, False when nobody listens)."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-        self.request_id, self.loop, self.queue = request_id, loop, queue
-
-    @property
-    def batch_key(self):
-        return self.loop
+    request_id: str
+    batch_key: object
 
     def __call__(self, out: RequestOutput) -> None:
         self.deliver_batch([(self, out)])
+
+
+def deliver_grouped(pairs, abort) -> None:
+    """``[(BatchSink, output)]`` in one hand-off per ``batch_key``; ``abort(request_id)`` for the
+    requests of a hand-off nobody listens to any more."""
+    batches: dict = {}
+    for sink, out in pairs:
+        batches.setdefault(sink.batch_key, (sink.deliver_batch, []))[1].append((sink, out))
+    for deliver, items in batches.values():
+        if not deliver(items):
+            for sink, _ in items:
+                abort(sink.request_id)
+
+
+class AsyncSink(BatchSink):
+    """Where a request's outputs go when it was added from an event loop: a queue of that loop."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.request_id, self.loop, self.queue = request_id, loop, queue
+        self.batch_key = loop
+        self.started = False  # an output has come (engine/client.py counts the requests without one)
 
     @staticmethod
     def deliver_batch(items) -> bool:

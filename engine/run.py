@@ -72,7 +72,7 @@ def builtin_checkpoint(name: str, seed: int = 0, quiet: bool = False) -> Path:
             checkpoint.save(weights, cfg, path, progress=Progress(f"saving to {path}", enabled=not quiet))
             del weights
             ensure_builtin_tokenizer(path, cfg, tok=tok.result())
-    if not (path / "tokenizer.json").exists():
+    elif not (path / "tokenizer.json").exists():  # cached before the checkpoint held its tokenizer
         ensure_builtin_tokenizer(path, ModelConfig.from_file(str(path / "config.json")))
     return path
 

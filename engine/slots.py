@@ -22,7 +22,7 @@ from collections import OrderedDict
 import torch
 
 from flashrt.kv.state import KVState
-from flashrt.kv.util import to_device  # noqa: F401 (the engine's name for it)
+from flashrt.kv.util import to_device
 
 from .step_capture import StepCapture
 

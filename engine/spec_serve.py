@@ -31,10 +31,10 @@ import time
 import torch
 
 from flashrt import ops
+from flashrt.kv.util import to_device
 
 from . import accept, adaptive
 from .sampling import Sampled, SamplerRow, filter_logits
-from .slots import to_device
 from .spec_capture import COUNTS, SpecRunners
 from .speculative import SpecStats, keep, verify
 

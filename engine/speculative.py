@@ -97,8 +97,9 @@ class Decoder:
     """The speculative decode loop over one batch (a :class:`~flashrt.kv.state.KVState` after
     prefill). ``draft_tokens``: ``k`` per round (int) or ``"auto"``; ``force_accept``: accept every
     draft (benchmarks only: the output is then not the target's); ``verifier``: runs the verify
-    forward (``verifier.verify(ids)``, e.g. :class:`~flashrt.engine.verify_capture.VerifyCapture`;
-    default: eager :func:`verify`); ``drafter``: runs the draft (``drafter.draft(next_ids, state,
+    forward and commits its kept tokens (``verifier.verify(ids)``, ``verifier.keep(ids, counts)``,
+    e.g. :class:`~flashrt.engine.verify_capture.VerifyCapture`; default: eager :func:`verify` and
+    :func:`keep`); ``drafter``: runs the draft (``drafter.draft(next_ids, state,
     temperature, generator)``, e.g. :class:`~flashrt.engine.draft_capture.DraftCapture`);
     ``plain``: runs the one-token step of a round with ``k = 0`` (``plain.step(next_ids)`` ->
     logits, the state advanced; e.g. :class:`~flashrt.engine.step_capture.StepCapture`)."""

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from flashrt.kv.util import to_device
+
 from . import outputs
 from .config import EngineConfig
 from .errors import QueueFull, RequestError
@@ -29,7 +31,7 @@ from .limits import RequestLimits
 from .request import Request, Sequence, Status
 from .sampling import Sampled, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, pages_at
-from .slots import DecodeSlots, MIN_ROWS, to_device
+from .slots import DecodeSlots, MIN_ROWS
 from .snapshot import PrefixStore, restore_row, snapshot_row
 from .spec_serve import ServeSpeculator, decode_speculative
 from .step_prefill import PrefillSteps

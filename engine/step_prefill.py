@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from flashrt import checks
+from flashrt.kv.util import to_device
 
 from .images import chunk_spans, image_keys
 from .request import Sequence, Status
-from .slots import to_device
 from .snapshot import restore_row, snapshot_row
 
 

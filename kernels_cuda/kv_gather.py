@@ -68,7 +68,7 @@ class HostPointer:
         return self.tensor.data_ptr()
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def byte_rows(t: torch.Tensor) -> torch.Tensor:
     """``[..., n]`` bytes as ``[rows, words]``: int32 words when ``n % 4 == 0``, else bytes."""
     b = t.view(torch.uint8).reshape(-1, t.shape[-1] * t.element_size())
     return b.view(torch.int32) if b.shape[-1] % 4 == 0 else b
@@ -88,7 +88,7 @@ def gather_cold_rows(host: QTensor, host_ids: torch.Tensor, picks: torch.Tensor,
     B, N = picks.shape
     P, total = host.shape[1], B * N
     picks, host_ids, index = dense(picks), dense(host_ids), dense(index)
-    data, scale = _rows(host.data), _rows(host.scale)
+    data, scale = byte_rows(host.data), byte_rows(host.scale)
     out = torch.zeros(total, data.shape[1], dtype=data.dtype, device=picks.device)
     oscale = torch.zeros(total, scale.shape[1], dtype=scale.dtype, device=picks.device)
     oidx = torch.empty_like(index)

@@ -27,7 +27,7 @@ from flashrt.families import KernelFamily
 from flashrt.kv.util import empty_qtensor
 from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.kv_gather import _rows
+from flashrt.kernels_cuda.kv_gather import byte_rows
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2
 
 TILES = {"store_paged": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},  # in_kernel False: plain torch
@@ -97,8 +97,8 @@ def store_paged(pool, table, entry, mask, values, page_entries: int, trash_row: 
     total = B * n
     if not (t["in_kernel"] and total and _flat(pool.data) and _flat(pool.scale)):
         return refmath.store_paged(pool, table, entry, mask, values, page_entries, trash_row)
-    pdata, pscale = _rows(pool.data), _rows(pool.scale)
-    vdata, vscale = _rows(dense(values.data)), _rows(dense(values.scale))  # one format: the same row widths
+    pdata, pscale = byte_rows(pool.data), byte_rows(pool.scale)
+    vdata, vscale = byte_rows(dense(values.data)), byte_rows(dense(values.scale))  # one format: the same row widths
     _store_paged_kernel[(cdiv(total, t["BLOCK"]),)](
         vdata, vscale, pdata, pscale, dense(table), dense(entry), dense(mask).view(torch.uint8), total, n,
         table.shape[1], page_entries, trash_row, ROW=pdata.shape[1], SROW=pscale.shape[1], BLOCK=t["BLOCK"],
@@ -112,8 +112,8 @@ def store_rows(dst, batch, slot, src):
     t, n = _tiles()["store_rows"], batch.shape[0]
     if not (t["in_kernel"] and n and _flat(dst.data) and _flat(dst.scale)):
         return refmath.store_rows(dst, batch, slot, src)
-    ddata, dscale = _rows(dst.data), _rows(dst.scale)
-    vdata, vscale = _rows(dense(src.data)), _rows(dense(src.scale))
+    ddata, dscale = byte_rows(dst.data), byte_rows(dst.scale)
+    vdata, vscale = byte_rows(dense(src.data)), byte_rows(dense(src.scale))
     _store_rows_kernel[(cdiv(n, t["BLOCK"]),)](
         vdata, vscale, ddata, dscale, dense(batch), dense(slot), n, dst.shape[1], ROW=ddata.shape[1],
         SROW=dscale.shape[1], BLOCK=t["BLOCK"], BR=next_pow2(ddata.shape[1]), BS=next_pow2(dscale.shape[1]),

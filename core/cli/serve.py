@@ -137,7 +137,8 @@ def cmd_serve(args) -> int:
             # a drained shutdown is a normal exit: uvicorn would re-raise the signal afterwards
             getattr(self, "_captured_signals", []).clear()
 
-    sys.setswitchinterval(switch_interval_s(os.environ.get("FLASHRT_SWITCH_INTERVAL_MS")))
+    if not args.engine_process:  # the engine thread shares this interpreter with the event loop
+        sys.setswitchinterval(switch_interval_s(os.environ.get("FLASHRT_SWITCH_INTERVAL_MS")))
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=args.grace_s, access_log=args.log_level == "debug"))
     logging.getLogger("flashrt").info("serving %s on http://%s:%d (OpenAI API under /v1; tokenizer: %s)", name,

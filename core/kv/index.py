@@ -107,7 +107,7 @@ class PagedIndexK:
         self.ensure_pages(need)
         new = [self.pool.alloc() for _ in range(need - have)]
         self.pages[row] += new
-        self.table[row, have:need] = to_device(new, self.pool.device).to(torch.int32)
+        self.table[row, have:need] = to_device(new, self.pool.device, torch.int32)
 
     def reserve_rows(self, ends: list[int]) -> None:
         """:meth:`reserve` of every row in order (``ends[row]`` entries); rows with room are skipped
@@ -151,7 +151,7 @@ class PagedIndexK:
         self.ensure_pages(len(pages))
         self.pages[row] = list(pages)
         if pages:
-            self.table[row, :len(pages)] = to_device(pages, self.pool.device).to(torch.int32)
+            self.table[row, :len(pages)] = to_device(pages, self.pool.device, torch.int32)
 
     def keys(self, entries: int) -> PagedKeys:
         """The first ``entries`` entries of every row, read in place."""

@@ -202,13 +202,3 @@ class BlockTable:
         self.pages: list[tuple[str, int]] = []
         self.changed: set[int] = set()
         self.cold = 0  # pages on the host tier, counted as they spill (a page only ever moves there)
-
-
-def __getattr__(name: str):
-    # PagedMainKV is named here lazily: main_kv reads this module's constants, so importing it
-    # eagerly from here would be an import cycle
-    if name == "PagedMainKV":
-        from .main_kv import PagedMainKV
-
-        return PagedMainKV
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,8 @@ import torch
 from flashrt.formats import MAIN_KV_FORMAT, QTensor
 from .util import empty_qtensor, grown, to_device
 from .index import IndexPool, PagedIndexK
-from .pages import PagedMainKV, PagePool
+from .main_kv import PagedMainKV
+from .pages import PagePool
 from .paged import PagedKeys
 from .rows import RowMoves
 from .staged import Staged

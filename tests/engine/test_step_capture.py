@@ -34,6 +34,10 @@ def test_step_entries_cover_every_ratio_and_change_together(rng):
             assert end // r <= e[r] <= (end + max(15, end // 8)) // r, (end, r, e[r])
         keys.add(tuple(sorted(e.items())))
     assert len(keys) <= len({bucket(end) for end in range(start, start + 3000)})
+    # over a whole context, fewer distinct keys (captures) than rounding each ratio's count on its own
+    ends = range(1, 1 << 15)
+    whole = {tuple(sorted(step_entries(end, ratios).items())) for end in ends}
+    assert len(whole) < len({tuple(bucket(end // r) for r in ratios) for end in ends})
 
 
 def _states(model, batch, capacity, page_entries):

@@ -178,13 +178,3 @@ def test_zero_qtensors_match_every_format_layout():
         assert (tuple(q.data.shape), tuple(q.scale.shape)) == (tuple(data_shape), tuple(scale_shape)), fmt
         assert (q.data.dtype, q.scale.dtype) == (s.data_dtype, s.scale_dtype), fmt
         assert not q.data.view(torch.uint8).any() and not q.scale.contiguous().view(torch.uint8).any(), fmt
-
-
-def test_pages_names_the_main_kv_class():
-    """``flashrt.kv.pages`` names ``PagedMainKV`` (kept in ``flashrt.kv.main_kv``) for its importers;
-    a name it does not hold still fails as an attribute error."""
-    from flashrt.kv import main_kv, pages
-
-    assert pages.PagedMainKV is main_kv.PagedMainKV
-    with pytest.raises(AttributeError, match="no_such_name"):
-        pages.no_such_name
