@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flashrt import refmath as ref
+from flashrt.refmath_moe import experts_loop
 from flashrt.formats import QTensor
 
 from .npu_runtime import declined, fallback, npu_family, operator
@@ -167,7 +168,7 @@ def _project(x, w, e: int) -> torch.Tensor:
 
 def _experts_torch(x, weights, indices, w1, w3, w2, swiglu_limit):
     """The reference loop over experts, decoding weights with byte ops (no float8 math on the NPU)."""
-    return ref.experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit, _project)
+    return experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit, _project)
 
 
 PLANS = {"moe_route": moe_route_plan, "moe_experts": moe_experts_plan}
