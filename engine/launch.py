@@ -12,6 +12,7 @@ collective timeout its peers hit, with the last step each rank reported).
 """
 from __future__ import annotations
 
+import collections
 import os
 import queue as queue_mod
 import signal
@@ -21,6 +22,7 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+from multiprocessing.connection import wait as wait_readable
 
 from flashrt import distributed
 from flashrt.errors import CollectiveError, FlashrtError
@@ -56,18 +58,42 @@ def rank_device(kind: str, local_rank: int) -> torch.device:
     return torch.device(kind, local_rank)
 
 
-def _entry(rank, world, port, kind, events, target, args, timeout_s):
+class _RankPipes:
+    """The launcher's end of one event pipe per rank, read as one queue (``get(timeout)``).
+
+    A pipe per rank rather than one shared queue: a shared ``multiprocessing.Queue`` has one write
+    lock for all writers, so a rank stopped while its feeder thread holds that lock would keep every
+    other rank's events, its collective-timeout error included, from ever arriving."""
+
+    def __init__(self, readers):
+        self.open, self.ready = list(readers), collections.deque()
+
+    def get(self, timeout: float):
+        if not self.ready and self.open:
+            for reader in wait_readable(self.open, timeout):
+                try:
+                    self.ready.append(reader.recv())
+                except (EOFError, OSError):  # the rank closed its end (exited)
+                    self.open.remove(reader)
+        elif not self.ready:
+            time.sleep(timeout)
+        if not self.ready:
+            raise queue_mod.Empty
+        return self.ready.popleft()
+
+
+def _entry(rank, world, port, kind, pipe, target, args, timeout_s):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    report = lambda phase, done, total=None: events.put(("progress", rank, phase, done))  # noqa: E731
+    report = lambda phase, done, total=None: pipe.send(("progress", rank, phase, done))  # noqa: E731
     try:
         device = rank_device(kind, rank)
         distributed.init(device, rank=rank, world_size=world, timeout_s=timeout_s)
         result = target(rank, device, *args, report=report)
-        events.put(("done", rank, result))
+        pipe.send(("done", rank, result))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher, by rank
         collective = isinstance(exc, CollectiveError) or isinstance(exc.__cause__, CollectiveError)
-        events.put(("error", rank, f"{type(exc).__name__}: {exc}", collective, traceback.format_exc()))
+        pipe.send(("error", rank, f"{type(exc).__name__}: {exc}", collective, traceback.format_exc()))
     finally:
         try:
             distributed.shutdown()
@@ -94,15 +120,19 @@ def launch(target, world: int, args: tuple = (), *, device: str = "cpu", timeout
         finally:
             distributed.shutdown()
     ctx = mp.get_context("spawn")
-    events, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, device, events, target, args, timeout_s), daemon=True)
+    port = free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, device, pipes[r][1], target, args, timeout_s), daemon=True)
              for r in range(world)]
-    for p in procs:
+    for p, (_, writer) in zip(procs, pipes):
         p.start()
+        writer.close()  # the rank holds its end: the pipe reads EOF once the rank exits
     try:
-        return _watch(procs, events, timeout_s, on_event)
+        return _watch(procs, _RankPipes([reader for reader, _ in pipes]), timeout_s, on_event)
     finally:
         _stop(procs)
+        for reader, _ in pipes:
+            reader.close()
 
 
 def _watch(procs, events, timeout_s: float, on_event, grace_s: float = 3.0) -> list:
