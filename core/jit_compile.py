@@ -115,6 +115,19 @@ def launch_sources() -> list[tuple[str, object]]:
     return [(fam.name, fam.warmup_cases) for fam in dispatch.families().get("cuda", ()) if fam.warmup_cases]
 
 
+def kernel_name(fn) -> str:
+    """The name a ``triton.jit`` kernel has in its module (the qualified name of the function it wraps)."""
+    return getattr(fn, "fn", fn).__qualname__
+
+
+def variant_key(module: str, name: str, signature: dict, constexprs: dict, attrs: dict, options: dict) -> tuple:
+    """What tells two kernel variants apart: Triton's cache key less the source and the target's
+    facts (the kernel by module and name, its signature, constexprs, specialization attributes and
+    compile options)."""
+    return (module, name, repr(signature), repr(sorted(constexprs.items(), key=repr)),
+            repr(sorted(attrs.items(), key=repr)), repr(sorted(options.items(), key=repr)))
+
+
 def collect(arch: Arch, profile, models: dict, sources, variants: dict, failures: list) -> int:
     """Record every specialization ``sources`` launch under ``profile`` on ``arch`` into ``variants``
     (keyed: one entry per distinct compile: kernel, signature, constexprs, specialization attributes
@@ -123,8 +136,7 @@ def collect(arch: Arch, profile, models: dict, sources, variants: dict, failures
     where = {}
 
     def record(fn, signature, constexprs, options, attrs):
-        key = (fn.__module__, fn.__name__, repr(signature), repr(sorted(constexprs.items(), key=repr)),
-               repr(sorted(attrs.items(), key=repr)), repr(sorted(options.__dict__.items())))  # Triton's key
+        key = variant_key(fn.__module__, kernel_name(fn), signature, constexprs, attrs, options.__dict__)
         v = variants.setdefault(key, Variant(arch, fn, signature, constexprs, options, attrs))
         v.families.add(where["family"])
         v.launches.add(where["launch"])
@@ -148,22 +160,30 @@ def collect(arch: Arch, profile, models: dict, sources, variants: dict, failures
     return launches
 
 
-def compile_variant(v: Variant) -> dict:
-    """Compile one recorded specialization for its architecture; its report row."""
+def compile_kernel(fn, signature: dict, constexprs: dict, attrs: dict, options: dict, cc: int) -> tuple[object, str | None]:
+    """``triton.compile`` of one variant for a CUDA device of compute capability ``cc``, into the
+    active compile cache: (the compiled kernel, None), or (None, the compiler's message)."""
     import triton
+    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX on a ptxas error
+            return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", cc, 32),
+                                  options=options), None
+    except Exception as exc:
+        return None, compiler_error(exc)
+
+
+def compile_variant(v: Variant) -> dict:
+    """Compile one recorded specialization for its architecture; its report row."""
     row = {"arch": v.arch.name, "kernel": v.kernel, "families": sorted(v.families), "launches": sorted(v.launches),
            "profiles": sorted(v.profiles), "constexprs": v.describe(), "num_warps": v.options.num_warps,
            "num_stages": v.options.num_stages, "smem_limit": v.arch.smem_limit}
     t0 = time.perf_counter()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX on a ptxas error
-            kernel = triton.compile(ASTSource(v.fn, v.signature, v.constexprs, v.attrs),
-                                    target=_StandInDriver(v.arch).target, options=v.options.__dict__)
-    except Exception as exc:
-        return row | {"status": "failed", "error": compiler_error(exc),
-                      "seconds": round(time.perf_counter() - t0, 2)}
+    kernel, error = compile_kernel(v.fn, v.signature, v.constexprs, v.attrs, v.options.__dict__, v.arch.cc)
+    if error is not None:
+        return row | {"status": "failed", "error": error, "seconds": round(time.perf_counter() - t0, 2)}
     usage = resource_usage(kernel.asm["cubin"])
     shared = max(int(kernel.metadata.shared), usage.get("shared", 0))
     row |= {"registers": usage.get("registers"), "spill_bytes": usage.get("stack"), "shared_bytes": shared, "seconds": round(time.perf_counter() - t0, 2)}

@@ -72,11 +72,11 @@ def plan(arch: Arch, profile, models: dict, sources=None, plans: bool = True) ->
     ``arch``, then (``plans``) those earlier runs of these models used there
     (:mod:`flashrt.jit_plans`); and the launchers that raised (rows naming the family and the error)."""
     from . import jit_plans
-    from .jit_compile import collect, launch_sources
+    from .jit_compile import collect, kernel_name, launch_sources
 
     variants, failures = {}, []
     collect(arch, profile, models, launch_sources() if sources is None else list(sources), variants, failures)
-    cases = [Spec(v.fn.__module__, getattr(v.fn, "fn", v.fn).__qualname__, v.signature, v.constexprs, v.attrs,
+    cases = [Spec(v.fn.__module__, kernel_name(v.fn), v.signature, v.constexprs, v.attrs,
                   portable_options(v.options.__dict__), arch.cc, tuple(sorted(v.families)), tuple(sorted(v.launches)))
              for v in variants.values()]
     planned = [s for model in (models if plans else ()) for s in jit_plans.load(arch, profile.name, model)]
@@ -99,9 +99,10 @@ def portable_options(options: dict) -> dict:
 
 
 def spec_key(s: Spec) -> tuple:
-    """What tells two variants apart (Triton's cache key, less the source and the target's facts)."""
-    return (s.module, s.name, repr(s.signature), repr(sorted(s.constexprs.items(), key=repr)),
-            repr(sorted(s.attrs.items(), key=repr)), repr(sorted(s.options.items(), key=repr)))
+    """What tells two variants apart (:func:`flashrt.jit_compile.variant_key`)."""
+    from .jit_compile import variant_key
+
+    return variant_key(s.module, s.name, s.signature, s.constexprs, s.attrs, s.options)
 
 
 def resolve(spec: Spec):
@@ -117,24 +118,21 @@ def resolve(spec: Spec):
 
 
 def compile_spec(spec: Spec, launcher: bool = False) -> dict:
-    """Compile one variant into the cache (and its launcher when ``launcher``); its report row:
-    ``kernel``, ``status`` (compiled / failed), ``error`` (the compiler's message), ``seconds``,
-    ``launcher`` (True, or why it was not built)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from .jit_compile import compiler_error
+    """Compile one variant into the cache (:func:`flashrt.jit_compile.compile_kernel`; its launcher
+    too when ``launcher``); its report row: ``kernel``, ``status`` (compiled / failed), ``error``
+    (the compiler's message), ``seconds``, ``launcher`` (True, or why it was not built)."""
+    from .jit_compile import compile_kernel, compiler_error
 
     row = {"kernel": f"{spec.module}.{spec.name}", "families": list(spec.families), "status": "compiled",
            "error": None, "launcher": None}
     t0 = time.perf_counter()
     try:
         fn = resolve(spec)
-        kernel = triton.compile(ASTSource(fn, spec.signature, spec.constexprs, spec.attrs),
-                                target=GPUTarget("cuda", spec.cc, 32), options=spec.options)
-    except Exception as exc:
+    except Exception as exc:  # the module or the kernel is gone (a stale plan entry): a failed row
         return row | {"status": "failed", "error": compiler_error(exc), "seconds": round(time.perf_counter() - t0, 2)}
+    kernel, error = compile_kernel(fn, spec.signature, spec.constexprs, spec.attrs, spec.options, spec.cc)
+    if error is not None:
+        return row | {"status": "failed", "error": error, "seconds": round(time.perf_counter() - t0, 2)}
     if launcher:
         row["launcher"] = build_launcher(kernel)
     return row | {"seconds": round(time.perf_counter() - t0, 2)}
