@@ -219,13 +219,21 @@ def process_seconds() -> float | None:
         return None
 
 
-def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16, device=None,
+def run(*args, **kwargs) -> dict:
+    """``flashrt run``'s whole job (the arguments of :func:`run_with_model`); returns the report as
+    a dict (the CLI prints it)."""
+    return run_with_model(*args, **kwargs)[0]
+
+
+def run_with_model(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16, device=None,
         backend: str | None = None, prefill: str = "exact", temperature: float = 0.0, seed: int = 0,
         quiet: bool = False, threads: int | None = None, kv_budget: int | None = None,
         prefill_chunk: int | None = None, cuda_graph: bool | None = None, prefix_cache: str | None = None,
         chat: str | None = None, system: str | None = None, thinking: bool = True, effort=None,
-        images=None, weights_seed: int = 0, speculative: str | None = None, draft_tokens="auto") -> dict:
-    """The whole job; returns the report as a dict (the CLI prints it). ``chat`` replaces
+        images=None, weights_seed: int = 0, speculative: str | None = None,
+        draft_tokens="auto") -> tuple[dict, Model]:
+    """The whole job; returns the report as a dict and the loaded model (for more work on it
+    without loading it again, e.g. ``flashrt jit warmup --model``). ``chat`` replaces
     ``prompt`` with a chat turn (``system``, ``thinking``, ``effort``: chat_format.render).
     ``images``: image files (or other image sources) shown before the text (docs/vision.md).
     ``seed`` seeds sampling; ``weights_seed`` picks the built-in models' weights (a checkpoint
@@ -280,7 +288,7 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
     state = result.state
     kv_token = state.global_kv_bytes_per_token()
     n_tokens = result.prompt_tokens + result.new_tokens
-    return {
+    report = {
         "model": m.cfg.name, "device": str(dev), "cpu_threads": torch.get_num_threads(), "backend_per_op_family": families, "prefill": prefill,
         "tokenizer": tok.describe(), "prompt": None if chat is not None else prompt,
         "chat": None if chat is None else {"system": system, "user": chat, "thinking": thinking,
@@ -303,3 +311,4 @@ def run(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_tokens: int =
         "jit": jit_report(precompiled, plan_added, compiled_before),
         "prefix_cache": None if cache is None else {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses},
     }
+    return report, m

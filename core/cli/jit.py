@@ -35,14 +35,14 @@ def warm_model(model: str, report: dict) -> None:
     its variants go into the model's plan too, :mod:`flashrt.jit_plans`), then those a batch of two
     prompts uses in both prefill schedules and decode, by running them once on the device."""
     from flashrt.engine import generate
-    from flashrt.engine.run import load_model, pick_device, run
+    from flashrt.engine.run import run_with_model
 
     t0 = time.perf_counter()
     try:
-        jit = run(model, quiet=True)["jit"]
+        ran, m = run_with_model(model, quiet=True)  # the batch below reuses the model the run loaded
+        jit = ran["jit"]
         report["notes"][f"model:{model}"] = (f"flashrt run: {len(jit['compiled_in_process'])} variants compiled "
                                              f"in the run, {jit['plan_added']} new in its plan")
-        m = load_model(model, pick_device(None), quiet=True)
         prompt = list(range(3, 3 + 2 * m.cfg.window_size + 5))
         for prefill in ("exact", "ced"):
             generate(m, [prompt, prompt[:7]], 3, prefill=prefill)

@@ -223,6 +223,29 @@ def test_warmup_cli_goes_through_the_declared_families(capsys):
     assert set(report["warmed"]) | set(report["skipped"]) | set(report["failed"]) == names
 
 
+def test_warmup_with_a_model_loads_its_checkpoint_once(monkeypatch):
+    import torch
+
+    from flashrt.cli.jit import warm_model
+    from flashrt.engine import run as run_mod
+
+    loaded = []
+
+    def counting_load(path, *args, **kwargs):
+        loaded.append(str(path))
+        return real_load(path, *args, **kwargs)
+    real_load = run_mod.load
+    monkeypatch.setattr(run_mod, "load", counting_load)
+    report = {"warmed": [], "failed": {}, "notes": {}, "seconds": 0.0}
+    threads = torch.get_num_threads()
+    try:
+        warm_model("tiny", report)
+    finally:
+        torch.set_num_threads(threads)  # the tiny run pins one thread
+    assert report["failed"] == {} and report["warmed"] == ["model:tiny"]
+    assert len(loaded) == 1 and loaded[0].endswith("tiny-seed0"), loaded
+
+
 def test_warmup_with_a_model_runs_it_once(tmp_path):
     env = {**os.environ, "FLASHRT_CACHE_DIR": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "flashrt.cli", "jit", "warmup", "--model", "tiny", "--json"],
