@@ -25,7 +25,7 @@ def greedy(drafts: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, to
     """``drafts`` int64 [B, k], ``target`` fp32 [B, k + 1, V] -> (accepted int64 [B], next int64 [B])."""
     B, k1, V = target.shape
     best = ops.sample(target.reshape(B * k1, V), 0.0).view(B, k1)
-    accepted = _prefix_length(best[:, :-1] == drafts)
+    accepted = leading_true(best[:, :-1] == drafts)
     return accepted, best.gather(1, accepted.unsqueeze(1))[:, 0]
 
 
@@ -38,7 +38,7 @@ def rejection(drafts: torch.Tensor, draft_logits: torch.Tensor, target: torch.Te
     q = torch.softmax(draft_logits.to(torch.float32) / temperature, dim=-1)  # [B, k, V]
     pick = lambda t: t.gather(2, drafts.unsqueeze(-1))[..., 0]
     u = torch.rand(B, k, generator=generator, device=generator.device if generator is not None else p.device).to(p.device)
-    accepted = _prefix_length(u * pick(q) < pick(p[:, :k]))
+    accepted = leading_true(u * pick(q) < pick(p[:, :k]))
     at = accepted.view(B, 1, 1).expand(B, 1, p.shape[-1])
     p_at = p.gather(1, at)[:, 0]
     q_at = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1).gather(1, at)[:, 0]  # no draft at the bonus
@@ -54,7 +54,7 @@ def forced(drafts: torch.Tensor, target: torch.Tensor, temperature: float,
     return torch.full((B,), k, dtype=torch.long, device=drafts.device), ops.sample(target[:, k], temperature, generator)
 
 
-def _prefix_length(ok: torch.Tensor) -> torch.Tensor:
+def leading_true(ok: torch.Tensor) -> torch.Tensor:
     """Per row, how many leading entries of the bool ``ok`` [B, k] are True."""
     return ok.to(torch.long).cumprod(dim=1).sum(dim=1)
 

@@ -65,7 +65,7 @@ def accept_sampled(drafts: torch.Tensor, target: torch.Tensor, row: SamplerRow) 
     gen = row.generator
     u = torch.rand(k, generator=gen, device=gen.device if gen is not None else p.device).to(p.device)
     ok = u < p[torch.arange(k, device=p.device), drafts]
-    a = int(accept._prefix_length(ok.unsqueeze(0))[0])
+    a = int(accept.leading_true(ok.unsqueeze(0))[0])
     if a < k:
         residual = p[a].clone()
         residual[drafts[a]] = 0
