@@ -39,8 +39,7 @@ def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTens
     data, scale = (s.reshape(n, -1).view(torch.uint8).view(d.dtype)
                    for s, d in ((src.data, dst.data), (src.scale, dst.scale)))
     rows = QTensor(data, scale, dst.fmt, (n, src.shape[-1]))  # a caller's byte views back in the stored dtypes
-    with checks.value_checks(False):  # slots the state computed itself: a range check would only sync
-        ops.store_rows(dst, batch, slot, rows)
+    unchecked(ops.store_rows, dst, batch, slot, rows)
 
 
 def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
@@ -48,8 +47,19 @@ def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tens
     ``pages.PagePool`` or ``index.IndexPool``) whose block table ``table`` [B, max_pages] gives
     the device page of each logical page, where ``mask``; the other rows go to ``pool.trash_row``
     (no host-side filtering, no device sync): the op ``store_paged``."""
-    with checks.value_checks(False):  # entries and tables the state computed itself: checks would only sync
-        ops.store_paged(pool.segment(), table, entry, mask, values, pool.P, pool.trash_row)
+    unchecked(ops.store_paged, pool.segment(), table, entry, mask, values, pool.P, pool.trash_row)
+
+
+def unchecked(op, *args) -> None:
+    """``op(*args)`` with the checks that read index values off: the KV writes take slots, entries
+    and block tables the state computed itself, so a range check would only read them back (a host
+    sync per write). A caller's step normally has them off already (``Model.forward``, the captured
+    steps, :meth:`KVState.commit`'s writes), and then no context is entered here."""
+    if not checks.values_checked():
+        op(*args)
+        return
+    with checks.value_checks(False):
+        op(*args)
 
 
 def grown(q: QTensor, entries: int) -> QTensor:

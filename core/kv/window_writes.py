@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from flashrt import checks
 from flashrt.formats import QTensor
 from .staged import Staged, commit_partial, write_kept
 from .util import to_device, write_rows
@@ -72,8 +73,9 @@ class StagedWrites:
             if n < L:
                 raise ValueError(f"counts: keeping part of a chunk needs it in the window ({L} > {n} tokens)")
             keep = (torch.arange(n, device=cut.device).unsqueeze(0) < n - cut.unsqueeze(1)).reshape(-1)
-        for layer, slots, kv in staged.rings:
-            write_kept(self.rings[layer], slots, kv, keep)
+        with checks.value_checks(False):  # once for every layer's ring write (kv.util.unchecked)
+            for layer, slots, kv in staged.rings:
+                write_kept(self.rings[layer], slots, kv, keep)
         for layer, kv, score, first, end in staged.partials:
             commit_partial(self.compressed[layer], self.cfg.ratio(layer), kv, score, first,
                            end if cut is None else end - cut.to(end.device))
