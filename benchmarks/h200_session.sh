@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The pending H200 measurements, grouped into phases that each fit one device call (< 10 min).
+#
+#   bash benchmarks/h200_session.sh PHASE [PHASE ...]     (from the repository root)
+#
+# Phases:
+#   serve      flashrt serve (engine process, then engine in process) against generate() at 16
+#              and 64 concurrent: h200-serve-process.json, h200-serve-in-process.json
+#   coldstart  time to first token of a cold `flashrt run --model small`, with the compile pool:
+#              h200-jit-ttft.json; then records the plan of what a run launches on this device
+#              (the file to commit under core/jit_plans/)
+#   tests      the GPU tests (pytest -m gpu) and the CUDA kernel tests as the interpreter runs
+#              them, under the device's own profile: h200-gpu-tests.log, h200-kernel-tests.log
+#   decode     the captured decode step of `small` at batch 1 / 8 / 64 and its kernel profile:
+#              h200-e2e.json, h200-decode-profile.json
+#
+# On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
+# `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
+# benchmarks/results/ and quote each figure in docs/performance.md with its command.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT" .cache
+export TRITON_CACHE_DIR=$PWD/.cache/triton FLASHRT_CACHE_DIR=$PWD/.cache/flashrt PYTHONUNBUFFERED=1
+if [ -d .whl ] && ! python -c "import fastapi, uvicorn, openai" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+fi
+python -c "import flashrt" 2>/dev/null || python -m pip install --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || exit 1
+
+phase_serve() {
+  python benchmarks/serve_vs_generate.py --model small --out "$OUT/h200-serve-process.json"
+  python benchmarks/serve_vs_generate.py --model small --concurrency 64 --serve-arg=--no-engine-process \
+    --out "$OUT/h200-serve-in-process.json"
+}
+
+phase_coldstart() {
+  python benchmarks/jit_ttft.py --budget 420 --out "$OUT/h200-jit-ttft.json"
+  local plans
+  plans=$(mktemp -d)
+  FLASHRT_CACHE_DIR=$plans timeout 120 flashrt jit warmup --model small >/dev/null 2>&1
+  find "$plans/jit/plans" -name '*.json' -exec cp {} "$OUT/" \;
+}
+
+phase_tests() {
+  timeout 300 python -m pytest -q -m gpu -n 8 -p no:cacheprovider tests > "$OUT/h200-gpu-tests.log" 2>&1
+  timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda > "$OUT/h200-kernel-tests.log" 2>&1
+  tail -n 3 "$OUT/h200-gpu-tests.log" "$OUT/h200-kernel-tests.log"
+}
+
+phase_decode() {
+  python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
+    --out "$OUT/h200-e2e.json"
+  python benchmarks/decode_profile.py --model small --batch 8 --out "$OUT/h200-decode-profile.json"
+}
+
+[ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
+for phase in "$@"; do
+  case "$phase" in
+    serve|coldstart|tests|decode) echo "== $phase"; "phase_$phase" ;;
+    *) echo "unknown phase: $phase (expected serve, coldstart, tests or decode)" >&2; exit 2 ;;
+  esac
+done
