@@ -14,7 +14,7 @@ Counting rules (the minimum work each op must do):
 - FLOPs: a multiply-add is 2. ``linear`` ``2*M*in*out``; ``sparse_attention`` ``4*B*S*H*K*D``;
   ``index_scores`` ``2*B*S*T*Hi*(Di+1)``; ``moe_experts`` ``N*k*(6*D*I + 4*I)``; ``moe_route``
   ``2*N*D*E + 3*N*E``; ``hc_coefficients`` ``2*B*S*hcD*(M+1) + 4*B*S*hc*hc*iters``;
-  ``hc_collapse`` ``2*B*S*hc*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
+  ``hc_collapse`` ``2*B*S*hc*D``; ``hc_collapse_norm`` ``2*B*S*hc*D + 4*B*S*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
   ``5*B*G*r*D``; ``engram_gate`` ``9*B*S*hc*D``; ``engram_hash`` ``2*B*S*L*N`` (multiply,
   xor) plus ``B*S*L*C`` remainders; elementwise ops per element: ``rms_norm`` 4,
   ``rope`` 3, ``quantize`` 3, ``dequantize`` and ``engram_lookup`` 1, ``sample`` 3 per logit.
@@ -139,6 +139,13 @@ def hc_collapse(x, pre):
     B, S, hc, D = x.shape
     out = _meta((B, S, D), x.dtype)
     _emit("hc_collapse", (x, pre), (out,), 2 * B * S * hc * D)
+    return out
+
+
+def hc_collapse_norm(x, pre, weight, eps):
+    B, S, hc, D = x.shape
+    out = _meta((B, S, D), x.dtype)
+    _emit("hc_collapse_norm", (x, pre, weight), (out,), 2 * B * S * hc * D + 4 * B * S * D)
     return out
 
 

@@ -63,6 +63,7 @@ def _cases(dev, g):
     yield "hc_coefficients", (r(1, 8, 4, 256), f32(24, 1024) * 0.01, torch.ones(3, device=dev), f32(24) * 0.1,
                               20, 1e-6, 1e-6)
     yield "hc_collapse", (r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev))
+    yield "hc_collapse_norm", (r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev), f32(256), 1e-6)
     yield "hc_expand", (r(1, 8, 256), r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev),
                         torch.rand(1, 8, 4, 4, generator=g).to(dev))
     yield "engram_lookup", (ops.quantize(f32(1000, 256), "fp8"), torch.randint(0, 1000, (2, 4, 24), generator=g).to(dev))

@@ -23,7 +23,7 @@ from .ops_attention import (candidate_blocks, compress_pool, dense_attention, in
                             sparse_attention, topk_positions)
 from .ops_engram import engram_gate, engram_hash, engram_lookup  # noqa: F401
 from .ops_kv import gather_cold_rows, resolve_paged, store_paged, store_rows  # noqa: F401
-from .ops_mhc import hc_coefficients, hc_collapse, hc_expand  # noqa: F401
+from .ops_mhc import hc_coefficients, hc_collapse, hc_collapse_norm, hc_expand  # noqa: F401
 from .ops_moe import moe_experts, moe_route  # noqa: F401
 
 
@@ -126,6 +126,6 @@ def sample(logits, temperature, generator=None) -> torch.Tensor:
 OPS = (
     "rms_norm", "rope", "quantize", "dequantize", "linear", "sparse_attention", "index_scores",
     "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
-    "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route", "moe_experts", "sample", "gather_cold_rows",
+    "hc_collapse_norm", "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route", "moe_experts", "sample", "gather_cold_rows",
     "dense_attention", "store_paged", "resolve_paged", "store_rows",
 )

@@ -42,6 +42,18 @@ def hc_collapse(x, pre) -> torch.Tensor:
     return _impl("hc_collapse", x.device)(x, pre)
 
 
+def hc_collapse_norm(x, pre, weight, eps: float) -> torch.Tensor:
+    """``rms_norm(hc_collapse(x, pre), weight, eps)`` in one op: ``x [B, S, hc, D]``, ``pre [B, S, hc]``
+    fp32, ``weight [D]`` -> ``[B, S, D]`` in ``x.dtype``. The collapse is rounded to ``x.dtype``
+    before the norm reads it, as the two ops in sequence would."""
+    env: dict = {}
+    c.tensor("x", x, "B S hc D", env, c.FLOATS)
+    c.tensor("pre", pre, "B S hc", env, F32, x.device)
+    c.tensor("weight", weight, "D", env, c.FLOATS, x.device)
+    c.number("eps", eps, 0.0)
+    return _impl("hc_collapse_norm", x.device)(x, pre, weight, eps)
+
+
 def hc_expand(y, residual, post, comb) -> torch.Tensor:
     """``y [B, S, D]``, ``residual [B, S, hc, D]``, ``post [B, S, hc]``, ``comb [B, S, hc, hc]``
     fp32 -> ``[B, S, hc, D]``: ``out[k] = post[k] * y + sum_j comb[j, k] * residual[j]`` in fp32,

@@ -73,6 +73,10 @@ def hc_collapse(x, pre):
     return (pre.unsqueeze(-1) * x.to(torch.float32)).sum(2).to(x.dtype)
 
 
+def hc_collapse_norm(x, pre, weight, eps):
+    return rms_norm(hc_collapse(x, pre), weight, eps)
+
+
 def hc_expand(y, residual, post, comb):
     mixed = torch.einsum("bsjk,bsjd->bskd", comb, residual.to(torch.float32))
     return (post.unsqueeze(-1) * y.to(torch.float32).unsqueeze(2) + mixed).to(y.dtype)

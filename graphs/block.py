@@ -33,13 +33,13 @@ class Block:
         return ops.hc_coefficients(x, fn, scale, base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
     def attention_input(self, x: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(ops.hc_collapse(x, pre_mix), self.attn_norm, self.cfg.norm_eps)
+        return ops.hc_collapse_norm(x, pre_mix, self.attn_norm, self.cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, pre_mix: torch.Tensor, ctx: StepContext):
         eps = self.cfg.norm_eps
         attn_pre, attn_post, attn_comb = self.mixes(x, "attn")
         x = ops.hc_expand(self.attn.forward(self.attention_input(x, pre_mix), ctx), x, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.mixes(x, "ffn")
-        h = ops.rms_norm(ops.hc_collapse(x, attn_pre), self.ffn_norm, eps)
+        h = ops.hc_collapse_norm(x, attn_pre, self.ffn_norm, eps)
         x = ops.hc_expand(self.ffn.forward(h, ctx.shared_route, ctx.vl_mask), x, ffn_post, ffn_comb)
         return x, ffn_pre

@@ -132,7 +132,7 @@ class Model:
     def logits(self, x, pre, all_positions: bool) -> torch.Tensor:
         if not all_positions:
             x, pre = x[:, -1:], pre[:, -1:]
-        h = ops.rms_norm(ops.hc_collapse(x, pre), self.norm, self.cfg.norm_eps)
+        h = ops.hc_collapse_norm(x, pre, self.norm, self.cfg.norm_eps)
         h = h.to(torch.float32)
         out = ops.linear(h, self.head) if self.parallel is None else self.parallel.head_logits(h, self.head)
         return out if all_positions else out[:, 0]

@@ -19,6 +19,7 @@ import torch
 from flashrt import refmath as ref
 from flashrt.formats import QTensor
 
+from . import norm_rope
 from .npu_runtime import dequantize, fallback, first_argmax, npu_family, take_rows
 
 MHC_950_ONLY = "npu_mhc_pre / npu_mhc_sinkhorn / npu_mhc_post are documented for the Ascend 950 only, not Atlas A2/A3"
@@ -26,6 +27,7 @@ REASONS = {
     "compress_pool": "no torch_npu operator computes a softmax-weighted pool over r",
     "hc_coefficients": MHC_950_ONLY,
     "hc_collapse": MHC_950_ONLY,
+    "hc_collapse_norm": f"the collapse: {MHC_950_ONLY} (the norm runs as rms_norm does)",
     "hc_expand": MHC_950_ONLY,
     "engram_gate": "no torch_npu operator computes engram_gate's two-norm sigmoid gate",
     "engram_hash": "no torch_npu operator computes the n-gram rolling hash (int64 multiply, xor, remainder)",
@@ -56,6 +58,13 @@ def hc_collapse(x, pre):
     """``hc_collapse``: plain torch (weighted sum over the hc streams), fp32."""
     fallback("hc_collapse", REASONS["hc_collapse"])
     return ref.hc_collapse(x, pre)
+
+
+def hc_collapse_norm(x, pre, weight, eps):
+    """``hc_collapse_norm``: the collapse in plain torch (counted under this op), then ``rms_norm``
+    (npu_rms_norm where it serves the call)."""
+    fallback("hc_collapse_norm", REASONS["hc_collapse_norm"])
+    return norm_rope.rms_norm(ref.hc_collapse(x, pre), weight, eps)
 
 
 def hc_expand(y, residual, post, comb):
@@ -123,8 +132,8 @@ def resolve_paged(table, picks, page_entries, offset=0):
 
 
 FAMILY = npu_family("misc", {name: globals()[name] for name in (
-    "compress_pool", "hc_coefficients", "hc_collapse", "hc_expand", "engram_gate", "engram_lookup", "engram_hash", "sample",
-    "gather_cold_rows", "store_paged", "store_rows", "resolve_paged")},
+    "compress_pool", "hc_coefficients", "hc_collapse", "hc_collapse_norm", "hc_expand", "engram_gate",
+    "engram_lookup", "engram_hash", "sample", "gather_cold_rows", "store_paged", "store_rows", "resolve_paged")},
     "ops with no matching torch_npu operator (plain torch on the NPU) and engram_lookup (npu_gather_sparse_index)")
 PLANS = {name: (lambda *args, why=why: why) for name, why in REASONS.items()}
 PLANS["engram_lookup"] = lambda *args: None

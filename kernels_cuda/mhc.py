@@ -1,4 +1,5 @@
-"""mHC kernels: ``hc_coefficients`` (GEMV + Sinkhorn fused), ``hc_collapse``, ``hc_expand``.
+"""mHC kernels: ``hc_coefficients`` (GEMV + Sinkhorn fused), ``hc_collapse``, ``hc_collapse_norm``
+(collapse + RMS norm, one program per token), ``hc_expand``.
 
 ``hc_coefficients``: ``m = v @ fn.T`` over ``K = hc * D`` for ``T = B * S`` tokens, ``fn`` rows
 split in two ``tl.dot`` accumulators: the ``2hc`` pre/post rows (``PP`` columns, padded to 16)
@@ -21,7 +22,7 @@ from flashrt.kernels_cuda.codecs import INTERPRETED, to_out
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.tile_checks import DOT, POW2, Tile
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
-from flashrt.kernels_cuda import splitk
+from flashrt.kernels_cuda import norm_rope, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 
 TILES = {
@@ -30,6 +31,8 @@ TILES = {
     "hc_coefficients_fp32": {"BLOCK_K": 64, "BLOCK_T_MAX": 32},  # fp32 FMA dot (ieee): 64 tokens spill
     "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True},  # in_kernel: the last split program finishes
     "hc_mix": {"BLOCK_D": 1024, "num_warps": 4},
+    # in_kernel: collapse + norm in one program per token (else hc_collapse, then rms_norm)
+    "hc_collapse_norm": {"MAX_BLOCK_D": 8192, "num_warps": 4, "in_kernel": True},
 }
 
 
@@ -250,6 +253,36 @@ def hc_collapse(x, pre):
 
 
 @triton.jit
+def _hc_collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token: the collapse of its hc streams, kept in registers (one stream at a time is read),
+    rounded to the output dtype as ``hc_collapse`` stores it, then normalised as ``rms_norm``."""
+    tok = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(HC):
+        w = tl.load(pre_ptr + tok * HC + k)
+        acc += w * tl.load(x_ptr + (tok * HC + k) * D + d, mask=dm, other=0.0).to(tl.float32)
+    y = to_out(acc, out_ptr.dtype.element_ty).to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(y * y, axis=0) / D + eps)
+    g = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * D + d, to_out(y * r * g, out_ptr.dtype.element_ty), mask=dm)
+
+
+def hc_collapse_norm(x, pre, weight, eps):
+    B, S, hc, D = x.shape
+    t = _tiles()["hc_collapse_norm"]
+    if not t["in_kernel"] or next_pow2(D) > t["MAX_BLOCK_D"]:  # the row does not fit one program
+        return norm_rope.rms_norm(hc_collapse(x, pre), weight, eps)
+    x, pre, weight = x.contiguous(), pre.contiguous(), weight.contiguous()
+    out = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
+    if out.numel():
+        _hc_collapse_norm_kernel[(B * S,)](x, pre, weight, out, D, float(eps), HC=hc, BLOCK_D=next_pow2(D),
+                                           num_warps=t["num_warps"])
+    return out
+
+
+@triton.jit
 def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, HCP: tl.constexpr,
                       BLOCK_D: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
@@ -294,16 +327,21 @@ def warmup_cases(device, d: dict, dtype):
         yield _warmup.Launch("hc_coefficients", hc_coefficients,
                              (x, fn, scale, base, d["hc_sinkhorn_iters"], d["hc_eps"], d["norm_eps"]))
         yield _warmup.Launch("hc_collapse", hc_collapse, (x, pre))
+        norm_w = torch.ones(dim, dtype=dtype, device=device)
+        yield _warmup.Launch("hc_collapse_norm", hc_collapse_norm, (x, pre, norm_w, d["norm_eps"]))
         comb = torch.rand(1, n, hc, hc, device=device)
         yield _warmup.Launch("hc_expand", hc_expand, (_warmup.rand((1, n, dim), dtype, device), x, pre, comb))
 
 
 _STREAMS = Support(inputs={"x": _DTYPES}, dims={"x[2]": Dim(0, _MAX_HC)})
 FAMILY = KernelFamily(
-    "mhc", ops={"hc_coefficients": hc_coefficients, "hc_collapse": hc_collapse, "hc_expand": hc_expand},
+    "mhc", ops={"hc_coefficients": hc_coefficients, "hc_collapse": hc_collapse, "hc_collapse_norm": hc_collapse_norm,
+                "hc_expand": hc_expand},
     supports={"hc_coefficients": _STREAMS, "hc_collapse": _STREAMS,
+              "hc_collapse_norm": Support(inputs={"x": _DTYPES, "weight": _DTYPES}, dims={"x[2]": Dim(0, _MAX_HC)}),
               "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
     tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "hc_finish.BLOCK_T": POW2,
-                              "hc_finish.in_kernel": Tile(kind=bool), "hc_mix.BLOCK_D": POW2},
+                              "hc_finish.in_kernel": Tile(kind=bool), "hc_mix.BLOCK_D": POW2,
+                              "hc_collapse_norm.MAX_BLOCK_D": POW2, "hc_collapse_norm.in_kernel": Tile(kind=bool)},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
-    description="mHC: mixing coefficients (GEMV + Sinkhorn), collapse, expand")
+    description="mHC: mixing coefficients (GEMV + Sinkhorn), collapse (with its norm), expand")

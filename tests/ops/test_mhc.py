@@ -1,4 +1,4 @@
-"""mHC ops (hc_coefficients, hc_collapse, hc_expand) against float64 loops (not backends/reference)."""
+"""mHC ops (hc_coefficients, hc_collapse, hc_collapse_norm, hc_expand) against float64 loops (not backends/reference)."""
 import math
 
 import numpy as np
@@ -135,6 +135,31 @@ def test_hc_collapse(dtype, B, S, hc, D, rng):
     rel = 2.0**-8 if dtype == torch.bfloat16 else 0
     err = np.abs(y.double().numpy() - want)
     assert np.all(err <= rel * np.abs(want) + 1e-6 * mag + 1e-30)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,S,hc,D", [(1, 1, 4, 16), (2, 3, 4, 7), (1, 2, 3, 33)])
+def test_hc_collapse_norm(dtype, B, S, hc, D, rng):
+    """The collapse rounded to x.dtype, then the RMS norm: each step in float64 from the rounded value."""
+    x = torch.randn(B, S, hc, D, generator=rng).to(dtype)
+    pre = torch.rand(B, S, hc, generator=rng) * 2 - 0.5
+    w = torch.randn(D, generator=rng).to(torch.bfloat16)
+    eps = float(torch.rand(1, generator=rng)) * 1e-2
+    y = ops.hc_collapse_norm(x, pre, w, eps)
+    assert y.dtype == dtype and tuple(y.shape) == (B, S, D)
+    collapsed = (pre.double().unsqueeze(-1) * x.double()).sum(2).to(dtype).double().numpy()  # as hc_collapse rounds
+    want = np.zeros((B, S, D))
+    for b in range(B):
+        for s in range(S):
+            row = collapsed[b, s]
+            want[b, s] = row / math.sqrt(sum(v * v for v in row) / D + eps) * w.double().numpy()
+    rel = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+    # plus an absolute term for cancellation in the fp32 sum (pre has both signs)
+    assert np.all(np.abs(y.double().numpy() - want) <= rel * np.abs(want) + 1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="weight"):
+        ops.hc_collapse_norm(x, pre, w[:-1], eps)
+    with pytest.raises(ValueError, match="eps"):
+        ops.hc_collapse_norm(x, pre, w, -1.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
