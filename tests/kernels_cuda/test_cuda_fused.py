@@ -12,7 +12,8 @@ import torch
 
 import flashrt
 from flashrt import formats, ops, profiles
-from kernel_check import DEVICE, launches, requires_kernels, rel_err, run_both  # noqa: F401 (launches: a fixture)
+from kernel_check import (DEVICE, assert_counters_zero, launches, requires_kernels, rel_err,  # noqa: F401
+                          run_both)  # (launches: a fixture)
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
@@ -44,11 +45,6 @@ def _retile(monkeypatch, tiles, key, value):
     profiles._TILES_CACHE.clear()
 
 
-def _counters_zero():
-    pool = splitk._POOLS.get((DEVICE.type, DEVICE.index))
-    assert pool is None or int(pool.count_nonzero()) == 0, "split-K counters not reset"
-
-
 @pytest.mark.parametrize("promote", [True, False])
 @pytest.mark.parametrize("fmt", ["fp8_w", "fp4_w"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -60,7 +56,7 @@ def test_linear_fused_equals_unfused(rng, monkeypatch, launches, promote, fmt, d
     x, w = _randn(rng, m, k, scale=3.0).to(dtype), _weight(rng, fmt, n, k)
     fused = _cuda("linear", x, w)
     assert launches == ["_linear_kernel"]  # no act_quant, no sum, no cast
-    _counters_zero()
+    assert_counters_zero(fused)
     _retile(monkeypatch, lin.TILES, "fused_max_rows", 0)
     unfused = _cuda("linear", x, w)
     assert len(launches) > 1 and launches[1] == "_quantize_kernel"
@@ -80,9 +76,9 @@ def test_plain_linear_reduces_in_kernel(rng, monkeypatch, launches, xdt, m, n, k
     x, w = _randn(rng, m, k).to(xdt), _randn(rng, n, k, scale=0.1).to(torch.bfloat16)
     got = _cuda("linear", x, w)
     assert launches == ["_plain_linear_kernel"]
-    _counters_zero()
+    assert_counters_zero(got)
     gate = plain.plain_linear(x, w, out_dtype=torch.float32)  # the MoE gate's fp32 output
-    _counters_zero()
+    assert_counters_zero(gate)
     want = x.double() @ w.double().T
     assert got.dtype == xdt and rel_err(got, want) < (1e-5 if xdt == torch.float32 else 1e-2)
     assert gate.dtype == torch.float32 and rel_err(gate, want) < (1e-5 if xdt == torch.float32 else 1e-3)
@@ -98,7 +94,7 @@ def test_split_k_counters_shared_across_launches(rng, monkeypatch):
         x, w = _randn(rng, m, 128).to(torch.bfloat16), _weight(rng, "fp8_w", n, 128)
         got, want = run_both("linear", x, w)
         assert rel_err(got, want) < 1e-2
-        _counters_zero()
+        assert_counters_zero(got)
 
 
 @pytest.mark.parametrize("promote", [True, False])
@@ -133,7 +129,7 @@ def test_hc_coefficients_finish_in_kernel(rng, monkeypatch, launches, splits, B,
     args = (x, fn, scale, base, 5, 1e-6, 1e-6)
     got = mhc.hc_coefficients(*args, splits=splits)
     assert launches == ["_hc_coefficients_kernel"]
-    _counters_zero()
+    assert_counters_zero(x)
     _retile(monkeypatch, mhc.TILES, "hc_finish", {**mhc.TILES["hc_finish"], "in_kernel": False})
     two = mhc.hc_coefficients(*args, splits=splits)
     assert launches[1:] == ["_hc_coefficients_kernel", "_hc_finish_kernel"]

@@ -12,7 +12,8 @@ import torch
 
 import flashrt
 from flashrt import formats, ops, profiles
-from kernel_check import DEVICE, launches, rel_err, requires_kernels, run_both  # noqa: F401 (launches: a fixture)
+from kernel_check import (DEVICE, assert_counters_zero, launches, rel_err, requires_kernels,  # noqa: F401
+                          run_both)  # (launches: a fixture)
 
 pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
@@ -72,11 +73,6 @@ def _routed(rng, fmt, xdt, n, D, I, E, k, repeat=False):
     return x, rw, idx.to(DEVICE), *w, 10.0
 
 
-def _counters_zero():
-    pool = splitk._POOLS.get((DEVICE.type, DEVICE.index))
-    assert pool is not None and int(pool.count_nonzero()) == 0, "ticket counters not reset"
-
-
 @pytest.mark.parametrize("fmt,xdt,n,D,I,E,k,repeat", [("fp4_w", torch.bfloat16, 1, 96, 64, 8, 2, False),
                                                       ("fp8_w", torch.bfloat16, 7, 160, 96, 5, 3, False),
                                                       ("fp4_w", torch.float32, 13, 64, 32, 3, 2, True),
@@ -86,7 +82,7 @@ def test_combine_in_the_down_kernel_equals_the_combine_launch(rng, monkeypatch, 
     args = _routed(rng, fmt, xdt, n, D, I, E, k, repeat)
     fused = _cuda(*args)
     assert [k for k in launches if k != "_quantize_kernel"] == ["_route_kernel", "_moe_up_kernel", "_moe_down_kernel"]
-    _counters_zero()
+    assert_counters_zero(fused)
     launches.clear()
     _retile(monkeypatch, "combine", {**moe.TILES["combine"], "in_kernel": False})
     plain = _cuda(*args)
