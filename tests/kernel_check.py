@@ -73,10 +73,10 @@ class CountingKernel:
         return self.kernel[grid]
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Names of the Triton kernels launched, in order (a fixture: import it): interpreted launches
-    and, on a GPU, compiled ones (``kernel[grid](...)``; a ``kernel.warmup`` compile is no launch)."""
+def record_launches(monkeypatch) -> list:
+    """A list that collects the name of each Triton kernel launched from now on, in order:
+    interpreted launches and compiled ones (``kernel[grid](...)`` on a GPU); a ``kernel.warmup``
+    compile is no launch."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -89,6 +89,13 @@ def launches(monkeypatch):
 
         monkeypatch.setattr(cls, "run", run)
     return names
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names of the Triton kernels launched in the test, in order (:func:`record_launches`; a
+    fixture: import it)."""
+    return record_launches(monkeypatch)
 
 
 @contextlib.contextmanager
