@@ -102,13 +102,10 @@ def launches(monkeypatch):
 def pinned_tiles(**sections):
     """The active profile with exactly these ``tiles`` sections (kernel family -> what differs from
     its ``TILES``) inside the block: the kernels read their modules' defaults and these overrides,
-    whatever profile the device selected (h200.yaml's tiles change paths and launch counts)."""
-    profiles._TILES_CACHE.clear()
-    try:
-        with profiles.using(dataclasses.replace(profiles.active_profile(), tiles=sections)):
-            yield
-    finally:
-        profiles._TILES_CACHE.clear()
+    whatever profile the device selected (h200.yaml's tiles change paths and launch counts). A new
+    profile object: the merged tiles and the launch plans are made afresh for it."""
+    with profiles.using(dataclasses.replace(profiles.active_profile(), tiles=sections)):
+        yield
 
 
 def assert_counters_zero(t: torch.Tensor):
