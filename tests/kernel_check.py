@@ -6,6 +6,8 @@ tensors (``TRITON_INTERPRET=1``, set by conftest) with small shapes. Every check
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import re
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 import flashrt
-from flashrt import dispatch
+from flashrt import dispatch, profiles
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
@@ -71,13 +73,46 @@ class CountingKernel:
         return self.kernel[grid]
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Names of the Triton kernels launched (under the interpreter), in order (a fixture: import it)."""
+def record_launches(monkeypatch) -> list:
+    """A list that collects the name of each Triton kernel launched from now on, in order:
+    interpreted launches and compiled ones (``kernel[grid](...)`` on a GPU); a ``kernel.warmup``
+    compile is no launch."""
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
     names = []
-    real = InterpretedFunction.run
-    monkeypatch.setattr(InterpretedFunction, "run",
-                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
+    for cls in (InterpretedFunction, JITFunction):
+        def run(self, *a, _real=cls.run, **k):
+            if not k.get("warmup"):
+                names.append(self.fn.__name__)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(cls, "run", run)
     return names
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names of the Triton kernels launched in the test, in order (:func:`record_launches`; a
+    fixture: import it)."""
+    return record_launches(monkeypatch)
+
+
+@contextlib.contextmanager
+def pinned_tiles(**sections):
+    """The active profile with exactly these ``tiles`` sections (kernel family -> what differs from
+    its ``TILES``) inside the block: the kernels read their modules' defaults and these overrides,
+    whatever profile the device selected (h200.yaml's tiles change paths and launch counts). A new
+    profile object: the merged tiles and the launch plans are made afresh for it."""
+    with profiles.using(dataclasses.replace(profiles.active_profile(), tiles=sections)):
+        yield
+
+
+def assert_counters_zero(t: torch.Tensor):
+    """The split-K ticket counters of the device ``t`` lives on (kernels_cuda/splitk.py) are all
+    back at zero. The device is taken from a tensor: ``torch.device("cuda")`` has no index, the
+    pool's key does."""
+    from flashrt.kernels_cuda import splitk
+
+    pool = splitk.counters(t.device)
+    assert int(pool.count_nonzero()) == 0, f"split-K ticket counters not reset on {t.device}"

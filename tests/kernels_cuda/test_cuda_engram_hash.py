@@ -7,12 +7,11 @@ import pytest
 import torch
 
 import flashrt
-from flashrt import ops, profiles
-from kernel_check import DEVICE, assert_error, requires_kernels, run_both
+from flashrt import ops
+from kernel_check import DEVICE, assert_error, launches, pinned_tiles, requires_kernels, run_both  # noqa: F401
 
 pytestmark = requires_kernels
 eng = pytest.importorskip("flashrt.kernels_cuda.engram")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 MASK64 = (1 << 64) - 1
 
@@ -70,23 +69,14 @@ def test_all_dead_and_no_dead_rows(rng):
     assert torch.equal(got, want) and torch.equal(got.cpu(), _by_hand(seq, mult, primes, offsets, pad))
 
 
-def test_one_launch_and_the_switch_off_is_the_same(rng, monkeypatch):
-    names = []
-    real = InterpretedFunction.run
-    monkeypatch.setattr(InterpretedFunction, "run",
-                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
+def test_one_launch_and_the_switch_off_is_the_same(rng, launches):
     args = _case(rng, 2, 3, 4, 3, 2)
-    with flashrt.use_backend("cuda"):
+    with pinned_tiles(engram=dict(engram_hash=dict(in_kernel=True))), flashrt.use_backend("cuda"):
         fused = ops.engram_hash(*args)
-    assert names == ["_engram_hash_kernel"]
-    monkeypatch.setitem(eng.TILES, "engram_hash", {**eng.TILES["engram_hash"], "in_kernel": False})
-    profiles._TILES_CACHE.clear()
-    try:
-        with flashrt.use_backend("cuda"):
-            plain = ops.engram_hash(*args)
-    finally:
-        profiles._TILES_CACHE.clear()
-    assert names == ["_engram_hash_kernel"]  # the switch off launched no kernel
+    assert launches == ["_engram_hash_kernel"]
+    with pinned_tiles(engram=dict(engram_hash=dict(in_kernel=False))), flashrt.use_backend("cuda"):
+        plain = ops.engram_hash(*args)
+    assert launches == ["_engram_hash_kernel"]  # the switch off launched no kernel
     assert torch.equal(fused, plain)
 
 

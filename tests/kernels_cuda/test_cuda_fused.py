@@ -5,20 +5,22 @@
   the results equal the unfused path's bit for bit;
 - a split K is summed by each output tile's last program (kernels_cuda/splitk.py), for the
   quantized and the plain-weight linear: one launch, the counters left at zero for the next.
-Shapes are odd on purpose (rows, outputs and K blocks that fill no tile).
+Shapes are odd on purpose (rows, outputs and K blocks that fill no tile). Each test sets its
+tiles through a pinned profile (``kernel_check.pinned_tiles``), so the device's profile (h200.yaml
+sets ``linear.fused_max_rows``, ``moe.fused_max_tokens`` and the GEMM tiles) changes no path.
 """
 import pytest
 import torch
 
 import flashrt
-from flashrt import formats, ops, profiles
-from kernel_check import DEVICE, launches, requires_kernels, rel_err, run_both  # noqa: F401 (launches: a fixture)
+from flashrt import formats, ops
+from kernel_check import (DEVICE, assert_counters_zero, launches, pinned_tiles, requires_kernels,  # noqa: F401
+                          rel_err, run_both)  # (launches: a fixture)
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 plain = pytest.importorskip("flashrt.kernels_cuda.linear_plain")
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
-splitk = pytest.importorskip("flashrt.kernels_cuda.splitk")
 
 SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
 
@@ -36,33 +38,19 @@ def _cuda(op, *args):
         return getattr(ops, op)(*args)
 
 
-
-
-def _retile(monkeypatch, tiles, key, value):
-    """Change a tile default mid-test (the merged tiles and the plans made with them start afresh)."""
-    monkeypatch.setitem(tiles, key, value)
-    profiles._TILES_CACHE.clear()
-
-
-def _counters_zero():
-    pool = splitk._POOLS.get((DEVICE.type, DEVICE.index))
-    assert pool is None or int(pool.count_nonzero()) == 0, "split-K counters not reset"
-
-
 @pytest.mark.parametrize("promote", [True, False])
 @pytest.mark.parametrize("fmt", ["fp8_w", "fp4_w"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,split", [(5, 40, 96, 1), (3, 72, 160, 2), (17, 33, 224, 3)])
-def test_linear_fused_equals_unfused(rng, monkeypatch, launches, promote, fmt, dtype, m, n, k, split):
-    monkeypatch.setitem(lin.TILES, "fp8_mma", promote)
-    monkeypatch.setitem(lin.TILES, "linear", ((None, SMALL),))
-    monkeypatch.setitem(lin.TILES, "split_k", split)
+def test_linear_fused_equals_unfused(rng, launches, promote, fmt, dtype, m, n, k, split):
+    tiles = dict(fp8_mma=promote, linear=((None, SMALL),), split_k=split, fused_max_rows=64)
     x, w = _randn(rng, m, k, scale=3.0).to(dtype), _weight(rng, fmt, n, k)
-    fused = _cuda("linear", x, w)
+    with pinned_tiles(linear=tiles):
+        fused = _cuda("linear", x, w)
     assert launches == ["_linear_kernel"]  # no act_quant, no sum, no cast
-    _counters_zero()
-    _retile(monkeypatch, lin.TILES, "fused_max_rows", 0)
-    unfused = _cuda("linear", x, w)
+    assert_counters_zero(fused)
+    with pinned_tiles(linear={**tiles, "fused_max_rows": 0}):
+        unfused = _cuda("linear", x, w)
     assert len(launches) > 1 and launches[1] == "_quantize_kernel"
     assert fused.dtype == dtype and fused.shape == (m, n)
     if split <= 2:  # a + b: the same fp32 sum in either order
@@ -73,47 +61,46 @@ def test_linear_fused_equals_unfused(rng, monkeypatch, launches, promote, fmt, d
 
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,split", [(1, 40, 192, 3), (7, 100, 320, 4)])
-def test_plain_linear_reduces_in_kernel(rng, monkeypatch, launches, xdt, m, n, k, split):
+def test_plain_linear_reduces_in_kernel(rng, launches, xdt, m, n, k, split):
     tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
-    monkeypatch.setitem(plain.TILES, "plain", ((None, tile),))
-    monkeypatch.setitem(plain.TILES, "split_k", split)
+    tiles = dict(plain=((None, tile),), split_k=split, reduce_in_kernel=True)
     x, w = _randn(rng, m, k).to(xdt), _randn(rng, n, k, scale=0.1).to(torch.bfloat16)
-    got = _cuda("linear", x, w)
-    assert launches == ["_plain_linear_kernel"]
-    _counters_zero()
-    gate = plain.plain_linear(x, w, out_dtype=torch.float32)  # the MoE gate's fp32 output
-    _counters_zero()
+    with pinned_tiles(linear_plain=tiles):
+        got = _cuda("linear", x, w)
+        assert launches == ["_plain_linear_kernel"]
+        assert_counters_zero(got)
+        gate = plain.plain_linear(x, w, out_dtype=torch.float32)  # the MoE gate's fp32 output
+        assert_counters_zero(gate)
     want = x.double() @ w.double().T
     assert got.dtype == xdt and rel_err(got, want) < (1e-5 if xdt == torch.float32 else 1e-2)
     assert gate.dtype == torch.float32 and rel_err(gate, want) < (1e-5 if xdt == torch.float32 else 1e-3)
-    _retile(monkeypatch, plain.TILES, "reduce_in_kernel", False)
-    assert rel_err(_cuda("linear", x, w), got.double()) < (1e-6 if xdt == torch.float32 else 1e-2)
+    with pinned_tiles(linear_plain={**tiles, "reduce_in_kernel": False}):
+        assert rel_err(_cuda("linear", x, w), got.double()) < (1e-6 if xdt == torch.float32 else 1e-2)
 
 
-def test_split_k_counters_shared_across_launches(rng, monkeypatch):
+def test_split_k_counters_shared_across_launches(rng):
     """Consecutive split launches with different tile counts reuse the pool: each finds zeros."""
-    monkeypatch.setitem(lin.TILES, "linear", ((None, SMALL),))
-    monkeypatch.setitem(lin.TILES, "split_k", 2)
     for m, n in ((1, 64), (9, 96), (1, 64)):
         x, w = _randn(rng, m, 128).to(torch.bfloat16), _weight(rng, "fp8_w", n, 128)
-        got, want = run_both("linear", x, w)
+        with pinned_tiles(linear=dict(linear=((None, SMALL),), split_k=2, fused_max_rows=64)):
+            got, want = run_both("linear", x, w)
         assert rel_err(got, want) < 1e-2
-        _counters_zero()
+        assert_counters_zero(got)
 
 
 @pytest.mark.parametrize("promote", [True, False])
 @pytest.mark.parametrize("fmt,E,k,n", [("fp4_w", 3, 2, 5), ("fp8_w", 1, 1, 7), ("fp4_w", 5, 3, 11)])
-def test_moe_up_quantizes_x_itself(rng, monkeypatch, launches, promote, fmt, E, k, n):
-    monkeypatch.setitem(lin.TILES, "fp8_mma", promote)
+def test_moe_up_quantizes_x_itself(rng, launches, promote, fmt, E, k, n):
     D, I = 96, 64
     x = _randn(rng, n, D, scale=3.0).to(torch.bfloat16)
     idx = torch.randint(0, E, (n, k), generator=rng, dtype=torch.int32).to(DEVICE)
     rw = torch.rand(n, k, generator=rng).to(DEVICE)
     w = (_weight(rng, fmt, E, I, D), _weight(rng, fmt, E, I, D), _weight(rng, fmt, E, D, I))
-    fused = _cuda("moe_experts", x, rw, idx, *w, 10.0)
+    with pinned_tiles(linear=dict(fp8_mma=promote), moe=dict(fused_max_tokens=64)):
+        fused = _cuda("moe_experts", x, rw, idx, *w, 10.0)
     assert "_quantize_kernel" not in launches
-    _retile(monkeypatch, moe.TILES, "fused_max_tokens", 0)
-    unfused = _cuda("moe_experts", x, rw, idx, *w, 10.0)
+    with pinned_tiles(linear=dict(fp8_mma=promote), moe=dict(fused_max_tokens=0)):
+        unfused = _cuda("moe_experts", x, rw, idx, *w, 10.0)
     assert "_quantize_kernel" in launches
     assert torch.equal(fused, unfused)
     _, want = run_both("moe_experts", x, rw, idx, *w, 10.0)
@@ -122,20 +109,21 @@ def test_moe_up_quantizes_x_itself(rng, monkeypatch, launches, promote, fmt, E, 
 
 @pytest.mark.parametrize("splits", [2, 3, 7])
 @pytest.mark.parametrize("B,S,hc,D", [(1, 1, 4, 27), (2, 9, 3, 40)])
-def test_hc_coefficients_finish_in_kernel(rng, monkeypatch, launches, splits, B, S, hc, D):
+def test_hc_coefficients_finish_in_kernel(rng, launches, splits, B, S, hc, D):
     """A split K's partials summed and finished by each token tile's last split program: one launch,
     the finish kernel's results bit for bit (the same sums in the same order)."""
     mhc = pytest.importorskip("flashrt.kernels_cuda.mhc")
-    monkeypatch.setitem(mhc.TILES, "hc_coefficients_fp32", {**mhc.TILES["hc_coefficients_fp32"], "BLOCK_K": 16})
+    tiles = dict(hc_coefficients_fp32=dict(BLOCK_K=16), hc_finish=dict(in_kernel=True))
     x = _randn(rng, B, S, hc, D, scale=2.0)
     fn = _randn(rng, (2 + hc) * hc, hc * D) / (hc * D) ** 0.5
     scale, base = (torch.rand(3, generator=rng) * 2 + 0.1).to(DEVICE), _randn(rng, (2 + hc) * hc, scale=0.5)
     args = (x, fn, scale, base, 5, 1e-6, 1e-6)
-    got = mhc.hc_coefficients(*args, splits=splits)
+    with pinned_tiles(mhc=tiles):
+        got = mhc.hc_coefficients(*args, splits=splits)
     assert launches == ["_hc_coefficients_kernel"]
-    _counters_zero()
-    _retile(monkeypatch, mhc.TILES, "hc_finish", {**mhc.TILES["hc_finish"], "in_kernel": False})
-    two = mhc.hc_coefficients(*args, splits=splits)
+    assert_counters_zero(x)
+    with pinned_tiles(mhc={**tiles, "hc_finish": dict(in_kernel=False)}):
+        two = mhc.hc_coefficients(*args, splits=splits)
     assert launches[1:] == ["_hc_coefficients_kernel", "_hc_finish_kernel"]
     with flashrt.use_backend("reference"):
         want = ops.hc_coefficients(*args)

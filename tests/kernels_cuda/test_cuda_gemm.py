@@ -10,7 +10,7 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from flashrt.errors import BackendError
-from kernel_check import DEVICE, GPU, requires_kernels, rel_err, run_both
+from kernel_check import DEVICE, GPU, pinned_tiles, requires_kernels, rel_err, run_both
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")  # needs triton (not a GPU)
@@ -97,19 +97,19 @@ def test_linear_split_k_and_tile_order(rng, monkeypatch, mode, fmt):
 
 @pytest.mark.parametrize("out_f,in_f", [(72, 256), (40, 96)])
 def test_linear_bf16_gemm_path(rng, monkeypatch, out_f, in_f):
-    """TILES bf16_gemm_min_rows: bf16 x and fp8_w from that many rows go through exact bf16
-    operands and one bf16 GEMM (ragged 32 x 32 weight tiles at 40 x 96); fewer rows, fp32 x and
-    fp4_w keep the kernel."""
-    monkeypatch.setitem(lin.TILES, "bf16_gemm_min_rows", 16)
+    """tiles.linear.bf16_gemm_min_rows (set by a profile, as h200.yaml does): bf16 x and fp8_w
+    from that many rows go through exact bf16 operands and one bf16 GEMM (ragged 32 x 32 weight
+    tiles at 40 x 96); fewer rows, fp32 x and fp4_w keep the kernel."""
     calls = []
     real = lin._bf16_gemm
-    monkeypatch.setattr(lin, "_bf16_gemm", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(lin, "_bf16_gemm", lambda *a: calls.append(tuple(a[0].shape)) or real(*a))
     w = _weight(rng, "fp8_w", out_f, in_f)
-    for rows, dtype in ((20, torch.bfloat16), (8, torch.bfloat16), (20, torch.float32)):
-        x = _randn(rng, rows, in_f).to(dtype)
-        got, want = run_both("linear", x, w)
-        assert got.dtype == dtype and rel_err(got, want) < _tol(dtype)
-    run_both("linear", _randn(rng, 20, in_f).to(torch.bfloat16), _weight(rng, "fp4_w", out_f, in_f))
+    with pinned_tiles(linear={"bf16_gemm_min_rows": 16}):
+        for rows, dtype in ((20, torch.bfloat16), (8, torch.bfloat16), (20, torch.float32)):
+            x = _randn(rng, rows, in_f).to(dtype)
+            got, want = run_both("linear", x, w)
+            assert got.dtype == dtype and rel_err(got, want) < _tol(dtype)
+        run_both("linear", _randn(rng, 20, in_f).to(torch.bfloat16), _weight(rng, "fp4_w", out_f, in_f))
     assert calls == [(20, in_f)]
 
 
@@ -196,13 +196,12 @@ def test_supports_declines_plain_and_mixed_weights(rng):
 
 
 def test_cuda_backend_runs_these_kernels(rng, monkeypatch):
-    monkeypatch.setitem(lin.TILES, "fused_max_rows", 0)  # separate activation quantization (prefill sizes)
-    monkeypatch.setitem(moe.TILES, "fused_max_tokens", 0)
     calls = []
     monkeypatch.setattr(lin, "act_quant", lambda x, f=lin.act_quant: calls.append("linear") or f(x))
     monkeypatch.setattr(moe, "act_quant", lambda x, f=moe.act_quant: calls.append("moe") or f(x))
     x = _randn(rng, 2, 64).to(torch.bfloat16)
-    with flashrt.use_backend("cuda"):
+    # separate activation quantization (prefill sizes), whatever the device's profile sets
+    with pinned_tiles(linear={"fused_max_rows": 0}, moe={"fused_max_tokens": 0}), flashrt.use_backend("cuda"):
         ops.linear(x, _weight(rng, "fp4_w", 32, 64))
         route = (torch.ones(2, 1, device=DEVICE), torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
         ops.moe_experts(x, *route, *_experts(rng, "fp8_w", 1, 32, 64), 0.0)

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 import flashrt
-from flashrt import formats, ops, profiles
+from flashrt import formats, ops
 from flashrt.formats import QTensor
-from kernel_check import DEVICE, assert_error, requires_kernels
+from kernel_check import DEVICE, assert_error, launches, pinned_tiles, requires_kernels  # noqa: F401 (launches: a fixture)
 
 pytestmark = requires_kernels
 ks = pytest.importorskip("flashrt.kernels_cuda.kv_store")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 U8 = torch.uint8
 
@@ -87,24 +86,17 @@ def test_kernel_matches_the_reference_and_stores_by_hand(rng, fmt, B, n, D, P, t
         assert torch.equal(gd[0], _bytes(args[0].data)[0])
 
 
-def test_one_launch_and_the_switch_off_is_the_same_store(rng, monkeypatch):
-    names = []
-    real = InterpretedFunction.run
-    monkeypatch.setattr(InterpretedFunction, "run",
-                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
+def test_one_launch_and_the_switch_off_is_the_same_store(rng, launches):
     args = _case(rng, "fp4_b16", 4, 3, 64, 4, pages=20, table_dtype=torch.int64)
     args[3][:] = True  # every pair stored: the result is defined to the byte
     args[2].clamp_(min=0)
     args[1].clamp_(min=1)
-    fused = _store("cuda", args)
-    assert names == ["_store_paged_kernel"]
-    monkeypatch.setitem(ks.TILES, "store_paged", {**ks.TILES["store_paged"], "in_kernel": False})
-    profiles._TILES_CACHE.clear()
-    try:
+    with pinned_tiles(kv_store=dict(store_paged=dict(in_kernel=True))):
+        fused = _store("cuda", args)
+    assert launches == ["_store_paged_kernel"]
+    with pinned_tiles(kv_store=dict(store_paged=dict(in_kernel=False))):
         plain = _store("cuda", args)
-    finally:
-        profiles._TILES_CACHE.clear()
-    assert names == ["_store_paged_kernel"]  # the switch off launched no kernel
+    assert launches == ["_store_paged_kernel"]  # the switch off launched no kernel
     assert torch.equal(fused.data.view(U8), plain.data.view(U8))
     assert torch.equal(fused.scale.view(U8), plain.scale.view(U8))
 
@@ -138,16 +130,12 @@ def test_resolve_matches_the_reference_and_lookups_by_hand(rng, B, N, W, P, tabl
     assert torch.equal(got.cpu(), want.cpu()) and got.cpu().tolist() == hand
 
 
-def test_resolve_is_one_launch_and_checks_its_arguments(rng, monkeypatch):
-    names = []
-    real = InterpretedFunction.run
-    monkeypatch.setattr(InterpretedFunction, "run",
-                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
+def test_resolve_is_one_launch_and_checks_its_arguments(rng, launches):
     table = torch.randint(0, 9, (2, 4), generator=rng).to(DEVICE)
     picks = torch.randint(-1, 32, (2, 11), generator=rng).to(DEVICE)
     with flashrt.use_backend("cuda"):
         ops.resolve_paged(table, picks, 8)
-    assert names == ["_resolve_paged_kernel"]
+    assert launches == ["_resolve_paged_kernel"]
     assert_error(lambda: ops.resolve_paged(table, picks.float(), 8), "picks", "int32")
     assert_error(lambda: ops.resolve_paged(table[:1], picks, 8), "table", "B=2")
     assert_error(lambda: ops.resolve_paged(table, picks, 0), "page_entries", ">= 1")
@@ -159,11 +147,7 @@ def test_resolve_is_one_launch_and_checks_its_arguments(rng, monkeypatch):
 
 @pytest.mark.parametrize("fmt,Bd,S,D,n", [("fp8", 1, 8, 512, 1), ("fp8", 5, 7, 96, 5), ("int8", 3, 128, 64, 3),
                                           ("fp4_b16", 6, 5, 48, 11)])
-def test_store_rows_matches_the_reference_and_stores_by_hand(rng, monkeypatch, fmt, Bd, S, D, n):
-    names = []
-    real = InterpretedFunction.run
-    monkeypatch.setattr(InterpretedFunction, "run",
-                        lambda self, *a, **k: (names.append(self.fn.__name__), real(self, *a, **k))[1])
+def test_store_rows_matches_the_reference_and_stores_by_hand(rng, launches, fmt, Bd, S, D, n):
     dst = formats.quantize(torch.randn(Bd, S, D, generator=rng), fmt).to(DEVICE)
     flat = torch.randperm(Bd * S, generator=rng)[:n]  # n distinct (row, slot) pairs
     batch, slot = (flat // S).to(DEVICE), (flat % S).to(DEVICE)
@@ -171,7 +155,7 @@ def test_store_rows_matches_the_reference_and_stores_by_hand(rng, monkeypatch, f
     got, want = _copy(dst), _copy(dst)
     with flashrt.use_backend("cuda"):
         assert ops.store_rows(got, batch, slot, src) is got
-    assert names == ["_store_rows_kernel"]
+    assert launches == ["_store_rows_kernel"]
     with flashrt.use_backend("reference"):
         ops.store_rows(want, batch, slot, src)
     for part, g, w in (("data", got.data, want.data), ("scale", got.scale, want.scale)):

@@ -11,19 +11,16 @@ import pytest
 import torch
 
 import flashrt
-from flashrt import formats, ops, profiles
-from kernel_check import DEVICE, launches, rel_err, requires_kernels, run_both  # noqa: F401 (launches: a fixture)
+from flashrt import formats, ops
+from kernel_check import (DEVICE, assert_counters_zero, launches, pinned_tiles, rel_err,  # noqa: F401
+                          requires_kernels, run_both)  # (launches: a fixture)
 
 pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
-splitk = pytest.importorskip("flashrt.kernels_cuda.splitk")
 
-
-
-
-def _retile(monkeypatch, key, value):
-    monkeypatch.setitem(moe.TILES, key, value)
-    profiles._TILES_CACHE.clear()
+# the paths under test, set through a pinned profile: the device's profile changes none of them
+DIRECT = dict(direct=True, combine=dict(in_kernel=True))
+TABLES = dict(direct=False, combine=dict(in_kernel=False))
 
 
 def _case(rng, fmt, xdt, n, D, I):
@@ -43,19 +40,17 @@ def _cuda(*args):
                                                  ("fp8_w", torch.bfloat16, 7, 160, 96, 64),
                                                  ("fp4_w", torch.float32, 19, 64, 160, 64),
                                                  ("fp8_w", torch.bfloat16, 5, 96, 32, 0)])
-def test_direct_equals_the_tables_path_in_two_launches(rng, monkeypatch, launches, fmt, xdt, n, D, I, fused):
-    _retile(monkeypatch, "fused_max_tokens", fused)
+def test_direct_equals_the_tables_path_in_two_launches(rng, launches, fmt, xdt, n, D, I, fused):
     args = _case(rng, fmt, xdt, n, D, I)
-    direct = _cuda(*args)
-    kernels = [k for k in launches if k != "_quantize_kernel"]
-    assert kernels == ["_moe_up_kernel", "_moe_down_kernel"]
+    quantize = ["_quantize_kernel"] if n > fused else []  # past fused_max_tokens: one act_quant launch first
+    with pinned_tiles(moe=dict(DIRECT, fused_max_tokens=fused)):
+        direct = _cuda(*args)
+    assert launches == quantize + ["_moe_up_kernel", "_moe_down_kernel"]
     assert direct.dtype == torch.float32 and tuple(direct.shape) == (n, D)
     launches.clear()
-    _retile(monkeypatch, "direct", False)
-    _retile(monkeypatch, "combine", {**moe.TILES["combine"], "in_kernel": False})
-    tables = _cuda(*args)
-    assert [k for k in launches if k != "_quantize_kernel"] == ["_route_kernel", "_moe_up_kernel",
-                                                                "_moe_down_kernel", "_moe_combine_kernel"]
+    with pinned_tiles(moe=dict(TABLES, fused_max_tokens=fused)):
+        tables = _cuda(*args)
+    assert launches == quantize + ["_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_combine_kernel"]
     assert torch.equal(direct, tables)
     _, want = run_both("moe_experts", *args)
     assert rel_err(direct, want) < 1e-3
@@ -72,25 +67,21 @@ def _routed(rng, fmt, xdt, n, D, I, E, k, repeat=False):
     return x, rw, idx.to(DEVICE), *w, 10.0
 
 
-def _counters_zero():
-    pool = splitk._POOLS.get((DEVICE.type, DEVICE.index))
-    assert pool is not None and int(pool.count_nonzero()) == 0, "ticket counters not reset"
-
-
 @pytest.mark.parametrize("fmt,xdt,n,D,I,E,k,repeat", [("fp4_w", torch.bfloat16, 1, 96, 64, 8, 2, False),
                                                       ("fp8_w", torch.bfloat16, 7, 160, 96, 5, 3, False),
                                                       ("fp4_w", torch.float32, 13, 64, 32, 3, 2, True),
                                                       ("fp8_w", torch.bfloat16, 37, 96, 64, 2, 2, True)])
-def test_combine_in_the_down_kernel_equals_the_combine_launch(rng, monkeypatch, launches, fmt, xdt, n, D, I, E, k,
-                                                               repeat):
+def test_combine_in_the_down_kernel_equals_the_combine_launch(rng, launches, fmt, xdt, n, D, I, E, k, repeat):
     args = _routed(rng, fmt, xdt, n, D, I, E, k, repeat)
-    fused = _cuda(*args)
+    with pinned_tiles(moe=DIRECT):
+        fused = _cuda(*args)
     assert [k for k in launches if k != "_quantize_kernel"] == ["_route_kernel", "_moe_up_kernel", "_moe_down_kernel"]
-    _counters_zero()
+    assert_counters_zero(fused)
     launches.clear()
-    _retile(monkeypatch, "combine", {**moe.TILES["combine"], "in_kernel": False})
-    plain = _cuda(*args)
-    assert "_moe_combine_kernel" in launches
+    with pinned_tiles(moe=TABLES):
+        plain = _cuda(*args)
+    assert [k for k in launches if k != "_quantize_kernel"] == ["_route_kernel", "_moe_up_kernel", "_moe_down_kernel",
+                                                                "_moe_combine_kernel"]
     assert torch.equal(fused, plain)
     _, want = run_both("moe_experts", *args)
     assert rel_err(fused, want) < 1e-3
