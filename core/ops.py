@@ -25,6 +25,11 @@ from .ops_engram import engram_gate, engram_hash, engram_lookup  # noqa: F401
 from .ops_kv import gather_cold_rows, resolve_paged, store_paged, store_rows  # noqa: F401
 from .ops_mhc import hc_coefficients, hc_collapse, hc_collapse_norm, hc_expand  # noqa: F401
 from .ops_moe import moe_experts, moe_route  # noqa: F401
+from . import ops_attention, ops_engram, ops_kv, ops_mhc, ops_moe  # noqa: E402
+
+MODULES = (ops_attention, ops_engram, ops_kv, ops_mhc, ops_moe)
+"""The group modules; each, like this one, resolves implementations through its own ``_impl``
+(a tool that routes every op call, e.g. to count launches, replaces ``_impl`` in all of them)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -88,12 +88,15 @@ def trace(model: str, profile, arch, max_new_tokens: int, prompt: str) -> tuple[
 
     path = builtin_checkpoint(model, quiet=True) if not os.path.isdir(model) else model
     m = load(path, device="cpu", profile=profile)
-    ops._impl = shadowed
+    modules = (ops, *ops.MODULES)  # every op group resolves through its module's own _impl
+    for module in modules:
+        module._impl = shadowed
     try:
         with profiles.using(profile):
             generate(m, [m.tokenizer.encode(prompt)], max_new_tokens)
     finally:
-        ops._impl = real
+        for module in modules:
+            module._impl = real
     return variants, errors
 
 

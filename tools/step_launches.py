@@ -85,7 +85,9 @@ def install(rec: Launches) -> None:
         finally:
             rec.layer = before
 
-    _ops._impl, InterpretedFunction.run, _block.Block.forward = impl, run, forward
+    for module in (_ops, *_ops.MODULES):  # every op group resolves through its module's own _impl
+        module._impl = impl
+    InterpretedFunction.run, _block.Block.forward = run, forward
 
 
 def as_device(sms: int) -> None:
