@@ -2,7 +2,7 @@
 
 The math lives in :mod:`flashrt.refmath` (core), which backend adapters that fall back to plain
 torch share; this plugin binds it. Every public name of ``refmath`` is reachable here too
-(``reference.sparse_attention``, ``reference.experts_loop``, ...).
+(``reference.sparse_attention``, ``reference.swiglu``, ...).
 """
 from __future__ import annotations
 
