@@ -185,14 +185,16 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     return w, idx
 
 
-def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32):
     N, D = x.shape
     E, I, _ = w1.shape
     k = indices.shape[-1]
-    out = _meta((N, D), torch.float32)
+    out = _meta((N, D), out_dtype)
     used = min(E, N * k)
     read = _nbytes(x) + _nbytes(weights) + _nbytes(indices) + used * sum(_nbytes(w) // E for w in (w1, w3, w2))
-    _emit("moe_experts", (x, weights, indices, w1, w3, w2), (out,), N * k * (6 * D * I + 4 * I), read)
+    inputs = (x, weights, indices, w1, w3, w2) + ((add,) if add is not None else ())
+    read += _nbytes(add) if add is not None else 0
+    _emit("moe_experts", inputs, (out,), N * k * (6 * D * I + 4 * I), read)
     return out
 
 

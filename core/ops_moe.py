@@ -29,15 +29,17 @@ def moe_route(x, weight, bias, topk: int, score_func: str, norm_topk: bool, rout
     return _impl("moe_route", x.device)(x, weight, bias, topk, score_func, bool(norm_topk), float(route_scale))
 
 
-def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit: float) -> torch.Tensor:
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit: float, add=None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Routed SwiGLU experts: ``x [N, D]``, ``weights [N, k]`` fp32, ``indices [N, k]`` int32 in
     ``[0, E)``, ``w1, w3 [E, I, D]``, ``w2 [E, D, I]`` plain or ``QTensor`` (``fp4_w``/``fp8_w``)
-    -> fp32 ``[N, D]``.
+    -> ``[N, D]`` in ``out_dtype`` (fp32 by default).
 
-    ``out = sum_e W2_e(weights_e * silu(min(W1_e x, L)) * clamp(W3_e x, -L, L))`` with
+    ``out = sum_e W2_e(weights_e * silu(min(W1_e x, L)) * clamp(W3_e x, -L, L))`` in fp32 with
     ``L = swiglu_limit`` (no clamp when 0). Each projection is an :func:`linear` (so quantized
     weights see fp8-quantized inputs); the routing weight multiplies W2's input before it is
-    quantized, as the published model does.
+    quantized, as the published model does. ``add`` (fp32 ``[N, D]`` or None, e.g. the shared
+    expert's output) is added to the fp32 sum; the result is then cast to ``out_dtype``.
     """
     env: dict = {}
     c.tensor("x", x, "N D", env, c.FLOATS)
@@ -49,5 +51,8 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit: float) -> torch.T
             raise ValueError(f"{name}: a quantized weight needs its input dim % 32 == 0 (fp8 activations), "
                              f"got shape {tuple(w.shape)}")
     c.number("swiglu_limit", swiglu_limit, 0.0)
+    if add is not None:
+        c.tensor("add", add, "N D", env, F32, x.device)
+    c.choice("out_dtype", out_dtype, c.FLOATS)
     c.index_range("indices", indices, 0, env["E"])
-    return _impl("moe_experts", x.device)(x, weights, indices, w1, w3, w2, float(swiglu_limit))
+    return _impl("moe_experts", x.device)(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype)

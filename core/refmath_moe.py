@@ -57,5 +57,12 @@ def experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit, project=_project
     return out
 
 
-def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
-    return experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit)
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32):
+    return finish_experts(experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit), add, out_dtype)
+
+
+def finish_experts(out: torch.Tensor, add, out_dtype) -> torch.Tensor:
+    """``moe_experts``' fp32 sum ``out`` plus ``add`` (fp32 or None), cast to ``out_dtype``."""
+    if add is not None:
+        out = out + add
+    return out.to(out_dtype)

@@ -69,11 +69,14 @@ class MoE:
         if self.par is not None:
             return self._forward_parallel(x, shared_route, vl).to(h.dtype).view(shape)
         weights, indices = self.routes(x, vl)
-        y = ops.moe_experts(x, weights, indices, self.w1, self.w3, self.w2, cfg.swiglu_limit)
+        shared = None
         if self.shared is not None:
             ones, first = shared_route if shared_route is not None else SharedRoutes.make(x.shape[0], x.device)
-            y = y + ops.moe_experts(x, ones, first, *self.shared, cfg.swiglu_limit)
-        return y.to(h.dtype).view(shape)
+            shared = ops.moe_experts(x, ones, first, *self.shared, cfg.swiglu_limit)
+        # the routed sum plus the shared expert's output, cast to h's dtype inside the op
+        y = ops.moe_experts(x, weights, indices, self.w1, self.w3, self.w2, cfg.swiglu_limit, add=shared,
+                            out_dtype=h.dtype)
+        return y.view(shape)
 
     def route(self, x: torch.Tensor, bias: torch.Tensor):
         """``moe_route`` of tokens ``x`` [N, dim] with the selection bias ``bias``."""

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flashrt import refmath as ref
-from flashrt.refmath_moe import experts_loop
+from flashrt.refmath_moe import experts_loop, finish_experts
 from flashrt.formats import QTensor
 
 from .npu_runtime import declined, fallback, npu_family, operator
@@ -72,7 +72,7 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     return w * route_scale, idx.to(torch.int32)
 
 
-def moe_experts_plan(x, weights, indices, w1, w3, w2, swiglu_limit) -> str | None:
+def moe_experts_plan(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None) -> str | None:
     ws = (w1, w3, w2)
     if x.dtype not in HALF:
         return "npu_grouped_matmul returns fp16/bf16 (an fp32 x would be rounded)"
@@ -116,8 +116,14 @@ def _swiglu(gate, up, w_rows, limit):
     return act * w_rows.unsqueeze(-1)
 
 
-def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
-    """``moe_experts`` -> ``npu_moe_init_routing_v2`` + ``npu_grouped_matmul`` (W1, W3, W2) +
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32):
+    """``moe_experts``: :func:`_experts` (the fp32 sum), then ``add`` and the cast to ``out_dtype``
+    in torch."""
+    return finish_experts(_experts(x, weights, indices, w1, w3, w2, swiglu_limit), add, out_dtype)
+
+
+def _experts(x, weights, indices, w1, w3, w2, swiglu_limit):
+    """``moe_experts``' fp32 sum -> ``npu_moe_init_routing_v2`` + ``npu_grouped_matmul`` (W1, W3, W2) +
     ``npu_clipped_swiglu`` + ``npu_moe_finalize_routing``.
 
     Dispatch: ``npu_moe_init_routing_v2(x, indices, expert_num=E, active_num=N*k,

@@ -10,10 +10,11 @@ be captured in a CUDA graph). Then three kernels:
    x.dtype first, clamp, silu, times the routing weight), h rounded to x.dtype and quantized to fp8
    per 32 (the input W2 sees, as ``linear`` would quantize it), stored in pair order;
 2. ``_moe_down_kernel``: per (row tile, column tile of D), W2 over h, output rounded to x.dtype;
-3. ``_moe_combine_kernel``: each token sums its k rows in fp32 (a deterministic gather-sum); with
-   ``combine.in_kernel`` (up to ``splitk.POOL`` token x column tiles) the down kernel does it: each
-   (token, column tile) has a ticket counter (kernels_cuda/splitk.py's pool), and the program that
-   stores a token's last row sums its k rows in slot order, so the bits are the combine kernel's.
+3. ``_moe_combine_kernel``: each token sums its k rows in fp32 (a deterministic gather-sum), adds
+   the op's ``add`` row after the sum and stores in ``out_dtype``; with ``combine.in_kernel`` (up
+   to ``splitk.POOL`` token x column tiles) the down kernel does it: each (token, column tile) has a
+   ticket counter (kernels_cuda/splitk.py's pool), and the program that stores a token's last row
+   sums its k rows in slot order, so the bits are the combine kernel's.
 
 One expert and one slot a token (the shared expert; ``direct`` on) needs no tables and no sum:
 pair ``t`` is token ``t``, the row tiles are ``BLOCK_M`` tokens each (``DIRECT``), and the down
@@ -37,6 +38,7 @@ from flashrt.kernels_cuda.codecs import quant_fp8, to_out
 from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile,
                                          weight_operands)
 from flashrt.kernels_cuda.linear_kernel import _k_loop
+from flashrt.refmath_moe import finish_experts
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -118,14 +120,15 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
 @triton.jit
 def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, E, D, I, n_rows,
                      stride_hm, stride_shm, stride_we, stride_wn, stride_swe, stride_swn, stride_ym,
-                     tok_ptr, pos_ptr, out_ptr, cnt_ptr, TOPK, stride_om,
+                     tok_ptr, pos_ptr, out_ptr, cnt_ptr, TOPK, stride_om, add_ptr, stride_am,
                      FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, XDT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
-                     COMBINE: tl.constexpr):
+                     COMBINE: tl.constexpr, HAS_ADD: tl.constexpr):
     """y rows rounded to XDT (stored as y's dtype: fp32 when DIRECT writes the op's output).
     COMBINE: then a ticket per (token, column tile) of each row; the program drawing a token's
-    last (TOPK-th) ticket sums its TOPK rows in slot order into ``out`` (``_moe_combine_kernel``'s
-    sum) and puts the counter back to zero."""
+    last (TOPK-th) ticket sums its TOPK rows in slot order (``_moe_combine_kernel``'s sum), adds
+    the token's ``add`` row after the sum (HAS_ADD), stores it in ``out``'s dtype and puts the
+    counter back to zero."""
     e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, BLOCK_M, DIRECT)
     if e >= E:
         return
@@ -148,19 +151,26 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
             p = tl.load(pos_ptr + tok * TOPK + s, mask=last, other=0).to(tl.int64)
             total += tl.load(y_ptr + p[:, None] * stride_ym + offs_n[None, :], mask=last[:, None] & col_ok[None, :],
                              other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(out_ptr + tok[:, None] * stride_om + offs_n[None, :], total, mask=last[:, None] & col_ok[None, :])
+        if HAS_ADD:
+            total += tl.load(add_ptr + tok[:, None] * stride_am + offs_n[None, :], mask=last[:, None] & col_ok[None, :],
+                             other=0.0)
+        tl.store(out_ptr + tok[:, None] * stride_om + offs_n[None, :], to_out(total, out_ptr.dtype.element_ty),
+                 mask=last[:, None] & col_ok[None, :])
         splitk.reset_ticket(slot, last)
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, pos_ptr, out_ptr, D, TOPK, stride_ym, stride_om, BLOCK_D: tl.constexpr):
+def _moe_combine_kernel(y_ptr, pos_ptr, out_ptr, add_ptr, D, TOPK, stride_ym, stride_om, stride_am,
+                        BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s in range(TOPK):
         p = tl.load(pos_ptr + t * TOPK + s).to(tl.int64)
         acc += tl.load(y_ptr + p * stride_ym + offs, mask=offs < D, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_om + offs, acc, mask=offs < D)
+    if HAS_ADD:  # after the sum, as the op adds it
+        acc += tl.load(add_ptr + t * stride_am + offs, mask=offs < D, other=0.0)
+    tl.store(out_ptr + t * stride_om + offs, to_out(acc, out_ptr.dtype.element_ty), mask=offs < D)
 
 
 def _direct_tables(weights: torch.Tensor, block_m: int) -> dict:
@@ -186,9 +196,10 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, t, qx: bool, direct: bool
     return hq, sh
 
 
-def _experts_down(hq, sh, tab, w2, D, xdtype, t, direct: bool = False, combine=None):
+def _experts_down(hq, sh, tab, w2, D, xdtype, t, direct: bool = False, combine=None, add=None):
     """The pairs' rows [pairs, D] in x.dtype (``direct``: the op's fp32 output, pair = token).
-    ``combine``: (out fp32 [N, D], k): the kernel also sums each token's k rows into ``out``."""
+    ``combine``: (out [N, D], k): the kernel also sums each token's k rows, plus ``add`` (fp32
+    [N, D] or None), into ``out`` (in out's dtype)."""
     d2, s2 = weight_operands(w2)
     y = torch.empty(hq.shape[0], D, dtype=torch.float32 if direct else xdtype, device=hq.device)
     promote, dot = mma_mode(w2.fmt)
@@ -198,41 +209,47 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, t, direct: bool = False, combine=N
     _moe_down_kernel[grid](
         hq, sh, d2, s2, y, tab["tile_e"], tab["tile_row"], tab["row_end"], w2.shape[0], D, hq.shape[1], hq.shape[0],
         hq.stride(0), sh.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        tab["tok"], tab.get("pos", y), out, cnt, k, out.stride(0),
+        tab["tok"], tab.get("pos", y), out, cnt, k, out.stride(0), add if add is not None else out,
+        add.stride(0) if add is not None else 0,
         FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
-        COMBINE=combine is not None, **t)
+        COMBINE=combine is not None, HAS_ADD=add is not None, **t)
     return y
 
 
-def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit):
-    """x [N, D], weights [N, k] fp32, indices [N, k] int32, w1/w3 [E, I, D], w2 [E, D, I] QTensor -> fp32 [N, D]."""
-    assert FAMILY.serves("moe_experts", x, weights, indices, w1, w3, w2, swiglu_limit) is None
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32):
+    """x [N, D], weights [N, k] fp32, indices [N, k] int32, w1/w3 [E, I, D], w2 [E, D, I] QTensor,
+    add fp32 [N, D] or None -> [N, D] in out_dtype (the sum, plus add, cast: in the combine)."""
+    assert FAMILY.serves("moe_experts", x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype) is None
     n, D = x.shape
     k = indices.shape[1]
     E, I = w1.shape[0], w1.shape[1]
     if n * k == 0 or D == 0 or I == 0:
-        return torch.zeros(n, D, dtype=torch.float32, device=x.device)
+        return finish_experts(torch.zeros(n, D, dtype=torch.float32, device=x.device), add, out_dtype)
     t = pick_tile(_tiles()["experts"], n * k / E)
     qx = n <= _tiles()["fused_max_tokens"]
     xq, sx = (last_dense(x),) * 2 if qx else act_quant(x)
     if E == 1 and k == 1 and _tiles()["direct"]:  # every token's one slot is expert 0
         tab = _direct_tables(weights, t["BLOCK_M"])
         hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t, qx, direct=True)
-        return _experts_down(hq, sh, tab, w2, D, x.dtype, t, direct=True)
+        out = _experts_down(hq, sh, tab, w2, D, x.dtype, t, direct=True)
+        return out if add is None and out_dtype == torch.float32 else finish_experts(out, add, out_dtype)
     tab = moe_tables.route_tables(indices, weights, E, t["BLOCK_M"], _tiles()["route"])
     hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t, qx)
-    out = torch.empty(n, D, dtype=torch.float32, device=x.device)  # every row is written: k >= 1
+    out = torch.empty(n, D, dtype=out_dtype, device=x.device)  # every row is written: k >= 1
+    add = add.contiguous() if add is not None else None
     c = _tiles()["combine"]
     if c["in_kernel"] and splitk.fits(n * cdiv(D, t["BLOCK_N"])):
-        _experts_down(hq, sh, tab, w2, D, x.dtype, t, combine=(out, k))
+        _experts_down(hq, sh, tab, w2, D, x.dtype, t, combine=(out, k), add=add)
         return out
     y = _experts_down(hq, sh, tab, w2, D, x.dtype, t)
-    _moe_combine_kernel[(n, cdiv(D, c["BLOCK_D"]))](y, tab["pos"], out, D, k, y.stride(0), out.stride(0),
-                                                          BLOCK_D=c["BLOCK_D"], num_warps=c["num_warps"])
+    _moe_combine_kernel[(n, cdiv(D, c["BLOCK_D"]))](
+        y, tab["pos"], out, add if add is not None else out, D, k, y.stride(0), out.stride(0),
+        add.stride(0) if add is not None else 0, BLOCK_D=c["BLOCK_D"], HAS_ADD=add is not None,
+        num_warps=c["num_warps"])
     return out
 
 
-def same_up_format(x, weights, indices, w1, w3, w2, swiglu_limit) -> bool:
+def same_up_format(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None) -> bool:
     """w1 and w3 in one format (the up kernel reads both with one decoder)."""
     return w1.fmt == w3.fmt
 

@@ -85,3 +85,29 @@ def test_combine_in_the_down_kernel_equals_the_combine_launch(rng, launches, fmt
     assert torch.equal(fused, plain)
     _, want = run_both("moe_experts", *args)
     assert rel_err(fused, want) < 1e-3
+
+
+@pytest.mark.parametrize("fmt,xdt,n,D,I,E,k", [("fp4_w", torch.bfloat16, 3, 96, 64, 8, 2),
+                                               ("fp8_w", torch.bfloat16, 11, 160, 32, 5, 3),
+                                               ("fp4_w", torch.float32, 6, 64, 32, 3, 2)])
+@pytest.mark.parametrize("paths", [DIRECT, TABLES])
+def test_add_and_out_dtype_inside_the_combine(rng, launches, fmt, xdt, n, D, I, E, k, paths):
+    """``add`` (the shared expert's output) and the cast to ``out_dtype`` happen in the combine
+    (in the down kernel or the combine launch): no extra launch, and the bits of the fp32 sum
+    plus ``add`` cast by torch; the shared expert itself (one expert, one slot) with ``add``."""
+    args = _routed(rng, fmt, xdt, n, D, I, E, k)
+    add = (torch.randn(n, D, generator=rng) * 2.0).to(DEVICE)
+    with pinned_tiles(moe=paths):
+        plain = _cuda(*args)
+        before = list(launches)
+        launches.clear()
+        got = _cuda(*args, add, xdt)
+    assert launches == before
+    assert got.dtype == xdt and torch.equal(got, (plain + add).to(xdt))
+    shared = _case(rng, fmt, xdt, n, D, I)
+    with pinned_tiles(moe=paths):
+        alone = _cuda(*shared)
+        assert torch.equal(_cuda(*shared, add, torch.bfloat16), (alone + add).to(torch.bfloat16))
+    with flashrt.use_backend("reference"):
+        want = ops.moe_experts(*args, add, xdt)
+    assert rel_err(got, want) < (1e-2 if xdt == torch.bfloat16 else 1e-3)

@@ -217,6 +217,27 @@ def test_moe_experts_plain_fp32(N, D, I, E, k, L, rng):
     assert np.all(err <= 1e-5 * mag + 1e-7), err.max()
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_add_then_cast(out_dtype, rng):
+    """``add`` joins the fp32 sum, then the result is cast to ``out_dtype``: against float64."""
+    N, D, I, E, k = 7, 16, 12, 4, 2
+    x, weights, idx, w1, w3, w2 = _experts_inputs(N, D, I, E, k, rng, dup=True)
+    add = torch.randn(N, D, generator=rng)
+    out = ops.moe_experts(x, weights, idx, w1, w3, w2, 0.7, add=add, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and tuple(out.shape) == (N, D)
+    want, mag, _, _ = experts64(x, weights, idx, w1, w3, w2, 0.7)
+    want = want + add.double().numpy()
+    rel = 2.0**-8 if out_dtype == torch.bfloat16 else 0.0
+    err = np.abs(out.double().numpy() - want)
+    assert np.all(err <= rel * np.abs(want) + 1e-5 * (mag + np.abs(want)) + 1e-7), err.max()
+    with pytest.raises(ValueError, match="add"):
+        ops.moe_experts(x, weights, idx, w1, w3, w2, 0.7, add=add[:, :-1])
+    with pytest.raises(ValueError, match="add"):
+        ops.moe_experts(x, weights, idx, w1, w3, w2, 0.7, add=add.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out_dtype"):
+        ops.moe_experts(x, weights, idx, w1, w3, w2, 0.7, out_dtype=torch.int32)
+
+
 def test_moe_experts_clamp_semantics():
     # one expert, identity-like weights: gate = x0, up = x1; check min (not clamp) on the gate
     w1 = torch.tensor([[[1.0, 0.0], [0.0, 0.0]]])
