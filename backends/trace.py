@@ -61,6 +61,14 @@ def rope(x, freqs_cis, inverse):
     return out
 
 
+def norm_rope_quantize(x, weight, eps, freqs_cis, fmt):
+    data_shape, scale_shape = expected_layout(fmt, x.shape)
+    s = spec(fmt)
+    q = QTensor(_meta(data_shape, s.data_dtype), _meta(scale_shape, s.scale_dtype), fmt, x.shape)
+    _emit("norm_rope_quantize", (x, freqs_cis) if weight is None else (x, weight, freqs_cis), (q,), 10 * x.numel())
+    return q
+
+
 def quantize(x, fmt):
     data_shape, scale_shape = expected_layout(fmt, x.shape)
     s = spec(fmt)

@@ -22,7 +22,7 @@ from .formats import QTensor
 # op -> tolerance on max|got - want| / max|want| (selections compare exactly)
 TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,
              "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0, "store_paged": 0.0,
-             "resolve_paged": 0.0, "store_rows": 0.0, "engram_hash": 0.0}
+             "resolve_paged": 0.0, "store_rows": 0.0, "engram_hash": 0.0, "norm_rope_quantize": 0.02}
 IN_PLACE = {"store_paged": 0, "store_rows": 0}  # op -> the argument it writes: each run gets its own copy of it
 DEFAULT_TOL = 2e-2  # bf16 outputs
 
@@ -63,6 +63,10 @@ def _cases(dev, g):
     yield "hc_coefficients", (r(1, 8, 4, 256), f32(24, 1024) * 0.01, torch.ones(3, device=dev), f32(24) * 0.1,
                               20, 1e-6, 1e-6)
     yield "hc_collapse", (r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev))
+    P = 16
+    f = torch.polar(torch.ones(2, 3, P), torch.rand(2, 3, P, generator=g) * 6).to(dev)
+    yield "norm_rope_quantize", (r(2, 3, 512), r(512), 1e-6, f, "fp8")
+    yield "norm_rope_quantize", (r(2, 3, 512), None, 0.0, f, MAIN_KV_FORMAT)
     yield "hc_collapse_norm", (r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev), f32(256), 1e-6)
     yield "hc_expand", (r(1, 8, 256), r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev),
                         torch.rand(1, 8, 4, 4, generator=g).to(dev))

@@ -81,6 +81,33 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
     return _impl("quantize", x.device)(x, fmt)
 
 
+def norm_rope_quantize(x: torch.Tensor, weight, eps: float, freqs_cis: torch.Tensor, fmt: str) -> QTensor:
+    """``quantize(rope(rms_norm(x, weight, eps), freqs_cis), fmt)`` in one op (no norm when
+    ``weight`` is None): the KV path of a layer (a window ring's new rows, a compressed entry and
+    its index key). ``x [B, S, D]`` float, ``weight [D]`` or None, ``freqs_cis [B, S, P]``
+    complex64 rotating the last ``2P`` channels as :func:`rope`, ``fmt`` a block format
+    (``fp8``, ``fp4_b16``, ``fp4_b32``, ``int8``). The norm and the rope round to ``x.dtype`` as
+    the ops in sequence would.
+    """
+    env: dict = {}
+    c.tensor("x", x, "B S D", env, c.FLOATS)
+    if weight is not None:
+        c.tensor("weight", weight, "D", env, c.FLOATS, x.device)
+    c.number("eps", eps, 0.0)
+    if env["D"] % 2 or not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dim() != 3 \
+            or not 1 <= freqs_cis.shape[-1] <= env["D"] // 2:
+        got = tuple(freqs_cis.shape) if isinstance(freqs_cis, torch.Tensor) else type(freqs_cis).__name__
+        raise ValueError(f"freqs_cis: expected [B, S, P] with P in [1, {env['D'] // 2}] and D even, got {got} "
+                         f"for x of shape {tuple(x.shape)}")
+    c.tensor("freqs_cis", freqs_cis, "B S P", env, (torch.complex64,), x.device)
+    c.choice("fmt", fmt, BLOCK_FORMATS)
+    check_shape(fmt, x.shape, "x")
+    return _impl("norm_rope_quantize", x.device)(x, weight, float(eps), freqs_cis, fmt)
+
+
+BLOCK_FORMATS = ("fp8", "fp4_b16", "fp4_b32", "int8")  # the activation / KV formats norm_rope_quantize writes
+
+
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values a ``QTensor`` stands for, as ``dtype`` (computed in fp32)."""
     if not isinstance(q, QTensor):
@@ -129,8 +156,8 @@ def sample(logits, temperature, generator=None) -> torch.Tensor:
 
 
 OPS = (
-    "rms_norm", "rope", "quantize", "dequantize", "linear", "sparse_attention", "index_scores",
-    "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
-    "hc_collapse_norm", "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route", "moe_experts", "sample", "gather_cold_rows",
-    "dense_attention", "store_paged", "resolve_paged", "store_rows",
+    "rms_norm", "rope", "quantize", "norm_rope_quantize", "dequantize", "linear", "sparse_attention",
+    "index_scores", "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
+    "hc_collapse_norm", "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route", "moe_experts",
+    "sample", "gather_cold_rows", "dense_attention", "store_paged", "resolve_paged", "store_rows",
 )

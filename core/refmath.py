@@ -50,6 +50,11 @@ def rope(x, freqs_cis, inverse):
     return torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
 
 
+def norm_rope_quantize(x, weight, eps, freqs_cis, fmt):
+    y = rms_norm(x, weight, eps) if weight is not None else x
+    return quantize(rope(y, freqs_cis, False), fmt)
+
+
 def compress_pool(kv, score):
     return (torch.softmax(score, dim=2) * kv).sum(2)
 

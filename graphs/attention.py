@@ -12,7 +12,8 @@ import torch
 from flashrt import ops
 
 from .compressor import Compressor
-from .context import Selection, StepContext, rope_tail, window_indices, window_parts  # noqa: F401 (re-exported)
+from .context import (Selection, StepContext, quantized_rope_tail, rope_tail, window_indices,  # noqa: F401
+                      window_parts)  # (re-exported)
 
 
 class Attention:
@@ -43,8 +44,7 @@ class Attention:
     def window_kv(self, h: torch.Tensor, f: torch.Tensor, fmt: str):
         """The roped KV latent of ``h`` [B, S, dim], quantized to the window ring's ``fmt``."""
         cfg = self.cfg
-        kv = ops.rms_norm(ops.linear(h, self.wkv), self.kv_norm, cfg.norm_eps)
-        return ops.quantize(rope_tail(kv, f, cfg.rope_head_dim), fmt)
+        return quantized_rope_tail(ops.linear(h, self.wkv), self.kv_norm, cfg.norm_eps, f, cfg.rope_head_dim, fmt)
 
     def output(self, o: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         """Attention output [B, S, H, head_dim] -> [B, S, dim]: inverse rope, grouped ``wo_a``, ``wo_b``."""

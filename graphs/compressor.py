@@ -13,7 +13,7 @@ import torch
 from flashrt import ops
 from flashrt.formats import MAIN_KV_FORMAT
 
-from .context import StepContext, rope_tail
+from .context import StepContext, quantized_rope_tail
 
 
 class Compressor:
@@ -118,7 +118,6 @@ class Compressor:
     def _store(self, latent, entry, mask, ctx: StepContext) -> None:
         cfg, rd = self.cfg, self.cfg.rope_head_dim
         f = ctx.rope.factors(True, entry * self.ratio)
-        k = ops.rms_norm(ops.linear(latent, self.wk), self.k_norm, cfg.norm_eps)
-        index_k = ops.quantize(rope_tail(k, f, rd), "fp4_b32")
-        main = ops.quantize(rope_tail(latent, f, rd), MAIN_KV_FORMAT)
+        index_k = quantized_rope_tail(ops.linear(latent, self.wk), self.k_norm, cfg.norm_eps, f, rd, "fp4_b32")
+        main = quantized_rope_tail(latent, None, 0.0, f, rd, MAIN_KV_FORMAT)
         ctx.state.append_entries(self.layer, main, index_k, entry, mask)

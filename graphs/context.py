@@ -144,6 +144,14 @@ class RopeCache:
         return torch.polar(torch.ones_like(angles), angles)
 
 
+def quantized_rope_tail(x: torch.Tensor, norm, eps: float, factors: torch.Tensor, rd: int, fmt: str):
+    """``quantize(rope_tail(rms_norm(x, norm, eps)), fmt)`` (no norm when ``norm`` is None) as one
+    op, ``ops.norm_rope_quantize``: a KV row on its way into a cache."""
+    if factors.shape[-1] * 2 != rd:
+        raise ValueError(f"factors: expected rd/2 = {rd // 2} pairs, got shape {tuple(factors.shape)}")
+    return ops.norm_rope_quantize(x, norm, eps, factors, fmt)
+
+
 def rope_tail(x: torch.Tensor, factors: torch.Tensor, rd: int, inverse: bool = False) -> torch.Tensor:
     """Rotary embedding on the last ``rd`` channels of ``x`` [B, S, (H,) D] (``factors`` [.., rd/2]:
     ``ops.rope`` copies the other channels in the same call)."""

@@ -1,10 +1,14 @@
-"""rms_norm and rope on torch_npu operators (npu_rms_norm, npu_rotary_mul)."""
+"""rms_norm and rope on torch_npu operators (npu_rms_norm, npu_rotary_mul); norm_rope_quantize as
+those two and the quantize adapter in sequence."""
 from __future__ import annotations
 
 import torch
 
 from flashrt import refmath as ref
 
+from flashrt.conformance import note_route
+
+from . import quant
 from .npu_runtime import fallback, npu_family, operator
 
 ROTARY_MAX_DIM = 896  # npu_rotary_mul: D < 896
@@ -95,8 +99,16 @@ def rope(x, freqs_cis, inverse):
     return out.reshape(x.shape).to(x.dtype)
 
 
-PLANS = {"rms_norm": rms_norm_plan, "rope": rope_plan}
+def norm_rope_quantize(x, weight, eps, freqs_cis, fmt):
+    """``norm_rope_quantize``: :func:`rms_norm` (when ``weight``), :func:`rope`, then the quantize
+    adapter, each on its own route."""
+    note_route("norm_rope_quantize", "rms_norm, rope and quantize in sequence")
+    y = rms_norm(x, weight, eps) if weight is not None else x
+    return quant.quantize(rope(y, freqs_cis, False), fmt)
 
 
-FAMILY = npu_family("norm_rope", {"rms_norm": rms_norm, "rope": rope},
-                    "RMSNorm (npu_rms_norm) and rotary embedding (npu_rotary_mul)")
+PLANS = {"rms_norm": rms_norm_plan, "rope": rope_plan, "norm_rope_quantize": lambda *args: None}
+
+
+FAMILY = npu_family("norm_rope", {"rms_norm": rms_norm, "rope": rope, "norm_rope_quantize": norm_rope_quantize},
+                    "RMSNorm (npu_rms_norm), rotary embedding (npu_rotary_mul), and the two before a quantize")

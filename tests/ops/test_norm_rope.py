@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashrt
-from flashrt import ops
+from flashrt import formats, ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -297,3 +297,41 @@ def test_rope_table_errors():
         flashrt.rope_table(0, 10, 10000.0)
     with pytest.raises(ValueError, match="max_len"):
         flashrt.rope_table(8, 0, 10000.0)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4_b16", "fp4_b32", "int8"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_norm_rope_quantize_against_float64_steps(fmt, norm, rng):
+    """The norm and the rope in float64, each rounded to x.dtype as the op says, then quantized by
+    :mod:`flashrt.formats`: the op's bytes, but for an element a float64 step rounds differently."""
+    B, S, D, P = 2, 3, 64, 8
+    x = (torch.randn(B, S, D, generator=rng) * 3).to(torch.bfloat16)
+    w = torch.randn(D, generator=rng).to(torch.bfloat16) if norm else None
+    f = torch.polar(torch.ones(B, S, P), torch.rand(B, S, P, generator=rng) * 6.3)
+    q = ops.norm_rope_quantize(x, w, 1e-6, f, fmt)
+    y = x.double()
+    if norm:
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()).to(torch.bfloat16).double()
+    tail = torch.view_as_complex(y[..., -2 * P:].reshape(B, S, P, 2).contiguous()) * f.to(torch.complex128)
+    y = torch.cat([y[..., :-2 * P], torch.view_as_real(tail).reshape(B, S, 2 * P)], -1).to(torch.bfloat16)
+    want = formats.quantize(y, fmt)
+    assert q.fmt == fmt and q.shape == x.shape
+    assert (q.data.view(torch.uint8) != want.data.view(torch.uint8)).float().mean() < 0.02
+    assert (q.scale.view(torch.uint8) != want.scale.view(torch.uint8)).float().mean() < 0.1
+
+
+def test_norm_rope_quantize_errors(rng):
+    x = torch.randn(1, 2, 64)
+    f = torch.polar(torch.ones(1, 2, 8), torch.zeros(1, 2, 8))
+    with pytest.raises(ValueError, match="fmt"):
+        ops.norm_rope_quantize(x, None, 0.0, f, "fp8_w")
+    with pytest.raises(ValueError, match="freqs_cis"):
+        ops.norm_rope_quantize(x, None, 0.0, f[0], "fp8")
+    with pytest.raises(ValueError, match="freqs_cis"):
+        ops.norm_rope_quantize(x, None, 0.0, torch.polar(torch.ones(1, 2, 40), torch.zeros(1, 2, 40)), "fp8")
+    with pytest.raises(ValueError, match="weight"):
+        ops.norm_rope_quantize(x, torch.ones(63), 1e-6, f, "fp8")
+    with pytest.raises(ValueError, match="eps"):
+        ops.norm_rope_quantize(x, torch.ones(64), -1.0, f, "fp8")
+    with pytest.raises(ValueError, match="x"):
+        ops.norm_rope_quantize(x[0], None, 0.0, f, "fp8")

@@ -1,0 +1,133 @@
+"""``norm_rope_quantize``: RMS norm, rotary embedding of the tail and block quantization of a row in
+one program (docs/ops.md).
+
+A program owns ``BLOCK_R`` rows of ``D`` channels (``D`` a power of two, kept in registers): the
+norm (``rms_norm``'s math, rounded to x.dtype), the rope of the last ``2P`` channels (``rope``'s
+complex product with the row's table entry, rounded to x.dtype; the first ``D - 2P`` copied),
+then the block scales and elements of ``fmt`` as ``_quantize_kernel`` makes them (bit-exact with
+:mod:`flashrt.formats` from the same rounded values). Replaces three launches (two without the
+norm) on the KV path of every layer. Rows whose ``D`` is not a power of two, or longer than
+``MAX_D``, run the three kernels in sequence.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashrt import formats, profiles
+from flashrt.dtypes import STORAGE
+from flashrt.families import KernelFamily, Support
+from flashrt.formats import QTensor
+from flashrt.tile_checks import POW2, Tile
+from flashrt.kernels_cuda import norm_rope, quant
+from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda.codecs import CODES, block_scale, e2m1_code, e4m3_rne, to_out
+from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, next_pow2
+
+TILES = {"norm_rope_quantize": {"ROW_ELEMS": 2048, "MAX_D": 4096, "num_warps": 4, "in_kernel": True}}
+
+PLANS = PlanCache("norm_rope_quant", TILES)
+_tiles = PLANS.tiles
+
+_FMT = {f: CODES[f] for f in ("fp8", "fp4_b16", "fp4_b32")}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _norm_rope_quant_kernel(x_ptr, w_ptr, f_ptr, data_ptr, scale_ptr, n_rows, S, x_row_stride, sfb, sfs, eps,
+                            HEAD: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, XDT: tl.constexpr,
+                            FMT: tl.constexpr, BLK: tl.constexpr, BLOCK_R: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = row < n_rows
+    c = tl.arange(0, D)
+    x = tl.load(x_ptr + row[:, None] * x_row_stride + c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        w = tl.load(w_ptr + c).to(tl.float32)
+        x = to_out(x * r[:, None] * w[None, :], XDT).to(tl.float32)
+    ct = c - HEAD  # table channel of the rotated tail (negative: a copied head channel)
+    b, s = row // S, row % S
+    f = tl.load(f_ptr + (b * sfb + s * sfs)[:, None] + ct[None, :], mask=rmask[:, None] & (ct >= 0)[None, :],
+                other=0.0)
+    fr, fi = tl.split(tl.reshape(f, (BLOCK_R, D // 2, 2)))
+    xr, xi = tl.split(tl.reshape(x, (BLOCK_R, D // 2, 2)))
+    rot = tl.reshape(tl.join(xr * fr - xi * fi, xr * fi + xi * fr), (BLOCK_R, D))
+    y = to_out(tl.where((c < HEAD)[None, :], x, rot), XDT).to(tl.float32)
+    # block quantization, as _quantize_kernel: one scale per BLK elements of a row
+    G: tl.constexpr = D // BLK
+    yb = tl.reshape(y, (BLOCK_R * G, BLK))
+    grow = tl.reshape(tl.broadcast_to(row[:, None], (BLOCK_R, G)), (BLOCK_R * G,))
+    gcol = tl.reshape(tl.broadcast_to(tl.arange(0, G)[None, :], (BLOCK_R, G)), (BLOCK_R * G,))
+    gmask = grow < n_rows
+    byte, scale, recip = block_scale(tl.max(tl.abs(yb), axis=1), FMT)
+    tl.store(scale_ptr + grow * G + gcol, byte.to(tl.uint8), mask=gmask)
+    e = tl.arange(0, BLK)
+    if FMT == 1:
+        v = tl.minimum(tl.maximum(yb * recip[:, None], -448.0), 448.0)
+        tl.store(data_ptr + (grow * G + gcol)[:, None] * BLK + e[None, :], e4m3_rne(v).to(tl.uint8),
+                 mask=gmask[:, None])
+    else:
+        if FMT == 2:
+            v = tl.math.div_rn(yb, scale[:, None])
+        else:
+            v = yb * recip[:, None]
+        lo, hi = tl.split(tl.reshape(e2m1_code(v), (BLOCK_R * G, BLK // 2, 2)))
+        h = tl.arange(0, BLK // 2)
+        tl.store(data_ptr + (grow * G + gcol)[:, None] * (BLK // 2) + h[None, :], (lo | (hi << 4)).to(tl.uint8),
+                 mask=gmask[:, None])
+
+
+def _fused(x, fmt) -> bool:
+    """The one-program path serves this row length and format (else the three kernels run)."""
+    t = _tiles()["norm_rope_quantize"]
+    D = x.shape[-1]
+    return t["in_kernel"] and fmt in _FMT and D == next_pow2(D) and D <= t["MAX_D"] and D >= formats.spec(fmt).block
+
+
+def norm_rope_quantize(x, weight, eps, freqs_cis, fmt):
+    if not _fused(x, fmt):
+        y = norm_rope.rms_norm(x, weight, eps) if weight is not None else x
+        return quant.quantize(norm_rope.rope(y, freqs_cis, False), fmt)
+    B, S, D = x.shape
+    s = formats.spec(fmt)
+    x2 = x.reshape(B * S, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    f = torch.view_as_real(freqs_cis.contiguous())  # [B, S, P, 2] fp32: (re, im) pairs adjacent
+    row_bytes = D // 2 if s.packed else D
+    data = torch.empty(B * S, row_bytes, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(B * S, D // s.block, dtype=torch.uint8, device=x.device)
+    if B * S:
+        t = _tiles()["norm_rope_quantize"]
+        block_r = max(1, min(t["ROW_ELEMS"] // D, next_pow2(B * S)))
+        w = weight.contiguous() if weight is not None else x2
+        _norm_rope_quant_kernel[(cdiv(B * S, block_r),)](
+            x2, w, f, data, scale, B * S, S, x2.stride(0), f.stride(0), f.stride(1), float(eps),
+            HEAD=D - 2 * freqs_cis.shape[-1], D=D, NORM=weight is not None, XDT=TL_DTYPES[x.dtype],
+            FMT=_FMT[fmt], BLK=s.block, BLOCK_R=block_r, num_warps=t["num_warps"])
+    data_shape, scale_shape = formats.expected_layout(fmt, x.shape)
+    return QTensor(data.view(s.data_dtype).view(data_shape), scale.view(s.scale_dtype).view(scale_shape), fmt, x.shape)
+
+
+def warmup_cases(device, d: dict, dtype):
+    """The window ring's new rows (head_dim, its format), a compressed entry (main KV format, no
+    norm) and its index key (index_head_dim, fp4_b32), one decode row each."""
+    P = d["rope_head_dim"] // 2
+    f = torch.polar(torch.ones(1, 1, P, device=device), torch.zeros(1, 1, P, device=device))
+    window = STORAGE.get(profiles.active_profile().kv_window_dtype)
+    for D, norm, fmt in ((d["head_dim"], True, window),
+                         (d["head_dim"], False, formats.MAIN_KV_FORMAT), (d["index_head_dim"], True, "fp4_b32")):
+        if fmt in _FMT:
+            w = torch.ones(D, dtype=dtype, device=device) if norm else None
+            yield _warmup.Launch("norm_rope_quantize", norm_rope_quantize,
+                                 (_warmup.rand((1, 1, D), dtype, device), w, 1e-6, f, fmt))
+
+
+FAMILY = KernelFamily(
+    "norm_rope_quant", ops={"norm_rope_quantize": norm_rope_quantize},
+    supports={"norm_rope_quantize": Support(inputs={"x": _DTYPES, "weight": _DTYPES, "fmt": tuple(_FMT)})},
+    tiles=TILES, tile_checks={"norm_rope_quantize.ROW_ELEMS": POW2, "norm_rope_quantize.MAX_D": POW2,
+                              "norm_rope_quantize.in_kernel": Tile(kind=bool)},
+    warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    description="RMS norm + rope of the tail + block quantization of a KV row, one program")
