@@ -183,6 +183,25 @@ def block_scale(amax, FMT: tl.constexpr):
 
 
 @triton.jit
+def store_blocks(data_ptr, offset, x, scale, recip, mask, FMT: tl.constexpr, BLK: tl.constexpr, N: tl.constexpr):
+    """Store ``N`` blocks of fp32 ``x [N, BLK]`` in format FMT (``fp8``, ``fp4_b16``, ``fp4_b32``)
+    with their :func:`block_scale` ``scale`` / ``recip`` [N]: block ``i``'s bytes start at byte
+    ``offset[i]`` of ``data_ptr`` (E4M3 bytes, or E2M1 codes packed two a byte, low nibble first)."""
+    if FMT == 1:
+        v = tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)
+        e = tl.arange(0, BLK)
+        tl.store(data_ptr + offset[:, None] + e[None, :], e4m3_rne(v).to(tl.uint8), mask=mask[:, None])
+    else:
+        if FMT == 2:
+            v = tl.math.div_rn(x, scale[:, None])
+        else:
+            v = x * recip[:, None]
+        lo, hi = tl.split(tl.reshape(e2m1_code(v), (N, BLK // 2, 2)))
+        h = tl.arange(0, BLK // 2)
+        tl.store(data_ptr + offset[:, None] + h[None, :], (lo | (hi << 4)).to(tl.uint8), mask=mask[:, None])
+
+
+@triton.jit
 def quant_fp8(x):
     """``fp8`` blocks of fp32 ``x`` [R, G, 32] -> (E4M3 bytes int32 [R, G, 32], UE8M0 bytes int32 [R, G])."""
     byte, _, recip = block_scale(tl.max(tl.abs(x), axis=2), 1)

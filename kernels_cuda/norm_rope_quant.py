@@ -22,7 +22,7 @@ from flashrt.formats import QTensor
 from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda import norm_rope, quant
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.codecs import CODES, block_scale, e2m1_code, e4m3_rne, to_out
+from flashrt.kernels_cuda.codecs import CODES, block_scale, store_blocks, to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, next_pow2
 
 TILES = {"norm_rope_quantize": {"ROW_ELEMS": 2048, "MAX_D": 4096, "num_warps": 4, "in_kernel": True}}
@@ -62,20 +62,8 @@ def _norm_rope_quant_kernel(x_ptr, w_ptr, f_ptr, data_ptr, scale_ptr, n_rows, S,
     gmask = grow < n_rows
     byte, scale, recip = block_scale(tl.max(tl.abs(yb), axis=1), FMT)
     tl.store(scale_ptr + grow * G + gcol, byte.to(tl.uint8), mask=gmask)
-    e = tl.arange(0, BLK)
-    if FMT == 1:
-        v = tl.minimum(tl.maximum(yb * recip[:, None], -448.0), 448.0)
-        tl.store(data_ptr + (grow * G + gcol)[:, None] * BLK + e[None, :], e4m3_rne(v).to(tl.uint8),
-                 mask=gmask[:, None])
-    else:
-        if FMT == 2:
-            v = tl.math.div_rn(yb, scale[:, None])
-        else:
-            v = yb * recip[:, None]
-        lo, hi = tl.split(tl.reshape(e2m1_code(v), (BLOCK_R * G, BLK // 2, 2)))
-        h = tl.arange(0, BLK // 2)
-        tl.store(data_ptr + (grow * G + gcol)[:, None] * (BLK // 2) + h[None, :], (lo | (hi << 4)).to(tl.uint8),
-                 mask=gmask[:, None])
+    block_bytes = BLK if FMT == 1 else BLK // 2
+    store_blocks(data_ptr, (grow * G + gcol) * block_bytes, yb, scale, recip, gmask, FMT, BLK, BLOCK_R * G)
 
 
 def _fused(x, fmt) -> bool:

@@ -25,8 +25,8 @@ from flashrt import formats
 from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import POW2
 from flashrt.formats import MAIN_KV_FORMAT, QTensor
-from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_code, e2m1_to_f32, e4m3_rne, e4m3_to_f32,
-                                         e8m0_to_f32, to_out)
+from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_to_f32, e4m3_to_f32,
+                                         e8m0_to_f32, store_blocks, to_out)
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, zeros_stored
 from flashrt.kernels_cuda import warmup as _warmup
 
@@ -62,19 +62,9 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, slot_ptr, n_rows, groups_per_ro
                 mask=gmask[:, None], other=0.0).to(tl.float32)
     byte, scale, recip = block_scale(tl.max(tl.abs(x), axis=1), FMT)
     tl.store(scale_ptr + dst * scale_row_stride + col, byte.to(tl.uint8), mask=gmask)
-    if FMT == 1:
-        v = tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)
-        tl.store(data_ptr + dst[:, None] * data_row_stride + col[:, None] * BLK + e[None, :],
-                 e4m3_rne(v).to(tl.uint8), mask=gmask[:, None])
-    else:
-        if FMT == 2:
-            v = tl.math.div_rn(x, scale[:, None])
-        else:
-            v = x * recip[:, None]
-        lo, hi = tl.split(tl.reshape(e2m1_code(v), (BLOCK_R * BLOCK_C, BLK // 2, 2)))
-        h = tl.arange(0, BLK // 2)
-        tl.store(data_ptr + dst[:, None] * data_row_stride + col[:, None] * (BLK // 2) + h[None, :],
-                 (lo | (hi << 4)).to(tl.uint8), mask=gmask[:, None])
+    block_bytes = BLK if FMT == 1 else BLK // 2
+    store_blocks(data_ptr, dst * data_row_stride + col * block_bytes, x, scale, recip, gmask, FMT, BLK,
+                 BLOCK_R * BLOCK_C)
 
 
 @triton.jit

@@ -4,7 +4,8 @@ the compiler made of them: registers, spilled bytes, shared memory, and the SASS
 Costs no device time: use it to check a kernel change for spills and wgmma before timing it.
 
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
-    python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc, kv_store
+    python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc, kv_store,
+                                                        # norm_rope_quant
 
 How: the launcher runs on CPU tensors as it would on an sm_90 GPU, each kernel specialization it
 launches recorded instead of compiled (:func:`flashrt.jit_compile.recording`, shared with
@@ -165,7 +166,21 @@ def mhc_call(B: int, S: int, cold: bool):
     from flashrt.kernels_cuda import mhc
 
     x, fn = torch.zeros(B, S, 4, 1024, dtype=torch.bfloat16), torch.zeros(24, 4096)
-    return lambda: mhc.hc_coefficients(x, fn, torch.ones(3), torch.zeros(24), 20, 1e-6, 1e-20)
+    pre, w = torch.zeros(B, S, 4), torch.ones(1024, dtype=torch.bfloat16)
+    return lambda: (mhc.hc_coefficients(x, fn, torch.ones(3), torch.zeros(24), 20, 1e-6, 1e-20),
+                    mhc.hc_collapse_norm(x, pre, w, 1e-6))
+
+
+def norm_rope_quant_call(B: int, S: int, cold: bool):
+    """The KV rows of B x S tokens: the window ring's (512 wide, kv_norm, fp8), a compressed entry
+    (fp4_b16, no norm) and its index key (128 wide, k_norm, fp4_b32); rope on the last 64."""
+    from flashrt.kernels_cuda import norm_rope_quant as nrq
+
+    f = torch.polar(torch.ones(B, S, 32), torch.zeros(B, S, 32))
+    x, k = torch.zeros(B, S, 512, dtype=torch.bfloat16), torch.zeros(B, S, 128, dtype=torch.bfloat16)
+    w, wk = torch.ones(512, dtype=torch.bfloat16), torch.ones(128, dtype=torch.bfloat16)
+    return lambda: (nrq.norm_rope_quantize(x, w, 1e-6, f, "fp8"), nrq.norm_rope_quantize(x, None, 0.0, f, "fp4_b16"),
+                    nrq.norm_rope_quantize(k, wk, 1e-6, f, "fp4_b32"))
 
 
 def kv_store_call(B: int, S: int, cold: bool):
@@ -184,7 +199,8 @@ def kv_store_call(B: int, S: int, cold: bool):
 
 
 CALLS = {"attention": attention_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
-         "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call}
+         "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call,
+         "norm_rope_quant": norm_rope_quant_call}
 
 
 def main(argv=None) -> None:
