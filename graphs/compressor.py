@@ -43,12 +43,12 @@ class Compressor:
         cache, r = ctx.state.compressed[self.layer], self.ratio
         x = h.to(torch.float32)
         pos = ctx.positions[:, 0]
-        rows = torch.arange(h.shape[0], device=h.device)
-        cache.kv_state[rows, pos % r] = ops.linear(x, self.wkv)[:, 0]
-        cache.score_state[rows, pos % r] = ops.linear(x, self.wgate)[:, 0]
+        rows, slot, done = torch.arange(h.shape[0], device=h.device), pos % r, pos + 1
+        cache.kv_state[rows, slot] = ops.linear(x, self.wkv)[:, 0]
+        cache.score_state[rows, slot] = ops.linear(x, self.wgate)[:, 0]
         pooled = ops.compress_pool(cache.kv_state.unsqueeze(1), cache.score_state.unsqueeze(1))
         latent = ops.rms_norm(pooled.to(h.dtype), self.norm, self.cfg.norm_eps)
-        return latent, ((pos + 1) // r - 1).unsqueeze(1), ((pos + 1) % r == 0).unsqueeze(1)
+        return latent, (done // r - 1).unsqueeze(1), (done % r == 0).unsqueeze(1)
 
     def _chunk(self, h, ctx: StepContext):
         """A chunk of S tokens per row, each row from its own position: row ``b``'s inputs are its

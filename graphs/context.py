@@ -136,12 +136,13 @@ class RopeCache:
         if cfg.original_seq_len > 0:
             yarn = YaRN(cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
         self.compressed = rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, yarn).to(device)
+        self.one = torch.ones((), dtype=torch.float32, device=device)
 
     def factors(self, compressed: bool, positions: torch.Tensor) -> torch.Tensor:
         """complex64 ``[*positions.shape, R/2]``."""
         freqs = self.compressed if compressed else self.window
-        angles = positions.to(torch.float32).unsqueeze(-1) * freqs
-        return torch.polar(torch.ones_like(angles), angles)
+        angles = positions.unsqueeze(-1) * freqs  # promoted to fp32 inside the multiply (one launch)
+        return torch.polar(self.one.expand_as(angles), angles)  # a stride-0 view of 1: no fill launch
 
 
 def quantized_rope_tail(x: torch.Tensor, norm, eps: float, factors: torch.Tensor, rd: int, fmt: str):
