@@ -276,6 +276,10 @@ def test_moe_experts_gpu(rng, n):
     with flashrt.use_backend("cuda"):
         got = ops.moe_experts(x, weights, indices, w1, w3, w2, 10.0)
     assert rel_err(got, _reference_by_expert(x, weights, indices, w1, w3, w2, 10.0)) < 1e-3
+    add = torch.randn(n, D, device="cuda", generator=gen)  # the shared expert's output, added in the combine
+    with flashrt.use_backend("cuda"):
+        assert torch.equal(ops.moe_experts(x, weights, indices, w1, w3, w2, 10.0, add, torch.bfloat16),
+                           (got + add).to(torch.bfloat16))
 
 
 @pytest.mark.gpu

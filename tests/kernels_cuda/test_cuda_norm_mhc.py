@@ -197,4 +197,5 @@ def test_gpu_hc_realistic(T, dtype, rng):
     _check_coeffs(*run_both("hc_coefficients", x, fn, scale, base, 20, 1e-6, 1e-6))
     pre, post, comb = ops.hc_coefficients(x, fn, scale, base, 20, 1e-6, 1e-6)
     _check(*run_both("hc_collapse", x, pre), dtype)
+    _check(*run_both("hc_collapse_norm", x, pre, _randn(5120, rng), 1e-6), dtype)
     _check(*run_both("hc_expand", x[:, :, 0], x, post, comb), dtype)

@@ -63,3 +63,17 @@ def test_the_backend_serves_the_block_formats_and_declines_int8(rng):
     with flashrt.use_backend("cuda"):
         q = ops.norm_rope_quantize(x, None, 0.0, f, "fp4_b16")
     assert q.fmt == "fp4_b16" and q.shape == x.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S", [(64, 1), (1, 4096)])
+def test_gpu_kv_rows_realistic(rng, B, S):
+    """The released KV rows: 512 wide with rope on the last 64 (window fp8 with kv_norm, compressed
+    entry fp4_b16 without), and 128-wide index keys (fp4_b32 with k_norm), decode and prefill."""
+    for D, norm, fmt in ((512, True, "fp8"), (512, False, "fp4_b16"), (128, True, "fp4_b32")):
+        x, w, eps, f = _case(rng, B, S, D, 32, torch.bfloat16, norm)
+        with flashrt.use_backend("cuda"):
+            got = ops.norm_rope_quantize(x, w, eps, f, fmt)
+        with flashrt.use_backend("reference"):
+            want = ops.norm_rope_quantize(x, w, eps, f, fmt)
+        _close(got, want)
