@@ -4,8 +4,11 @@
 #   bash benchmarks/h200_session.sh PHASE [PHASE ...]     (from the repository root)
 #
 # Phases:
-#   serve      flashrt serve (engine process, then engine in process) against generate() at 16
-#              and 64 concurrent: h200-serve-process.json, h200-serve-in-process.json
+#   serve      flashrt serve (its engine in a process of its own) against generate() at 16 and
+#              64 concurrent: h200-serve-process.json
+#   serve-alt  64 concurrent with the engine in the server's process, then with the engine
+#              process but no prefix cache (no prefix snapshots: their cost shows as the gap):
+#              h200-serve-in-process.json, h200-serve-no-prefix.json
 #   coldstart  time to first token of a cold `flashrt run --model small`, with the compile pool:
 #              h200-jit-ttft.json; then records the plan of what a run launches on this device
 #              (the file to commit under core/jit_plans/)
@@ -18,6 +21,13 @@
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
+[ $# -gt 0 ] || { sed -n 2,22p "$0"; exit 2; }
+for phase in "$@"; do
+  case "$phase" in
+    serve|serve-alt|coldstart|tests|decode) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-alt, coldstart, tests or decode)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT" .cache
@@ -30,8 +40,13 @@ python -c "import flashrt" 2>/dev/null || python -m pip install --no-deps --no-b
 
 phase_serve() {
   python benchmarks/serve_vs_generate.py --model small --out "$OUT/h200-serve-process.json"
+}
+
+phase_serve_alt() {
   python benchmarks/serve_vs_generate.py --model small --concurrency 64 --serve-arg=--no-engine-process \
     --out "$OUT/h200-serve-in-process.json"
+  python benchmarks/serve_vs_generate.py --model small --concurrency 64 --serve-arg=--prefix-cache-bytes=0 \
+    --out "$OUT/h200-serve-no-prefix.json"
 }
 
 phase_coldstart() {
@@ -54,10 +69,7 @@ phase_decode() {
   python benchmarks/decode_profile.py --model small --batch 8 --out "$OUT/h200-decode-profile.json"
 }
 
-[ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
 for phase in "$@"; do
-  case "$phase" in
-    serve|coldstart|tests|decode) echo "== $phase"; "phase_$phase" ;;
-    *) echo "unknown phase: $phase (expected serve, coldstart, tests or decode)" >&2; exit 2 ;;
-  esac
+  echo "== $phase"
+  "phase_${phase//-/_}"
 done
