@@ -22,6 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from flashrt.formats import MAIN_KV_FORMAT, QTensor, spec
+from flashrt.kv.util import to_device
 
 U8 = torch.uint8
 
@@ -29,11 +30,34 @@ U8 = torch.uint8
 @dataclass
 class RowSnapshot:
     position: int
-    tensors: dict  # name -> CPU tensor (quantized data as uint8 bytes)
+    host: dict  # name -> CPU tensor (quantized data as uint8 bytes); filled once ``ready`` completed
+    ready: object = None  # the CUDA event after the copy into ``pinned`` (None: filled already)
+    pinned: object = None  # (page-locked packed buffer, layout) the tensors are views of, until settled
+
+    @property
+    def tensors(self) -> dict:
+        """The host tensors, once the copy that fills them is done."""
+        self.settle(wait=True)
+        return self.host
+
+    def settle(self, wait: bool = False) -> bool:
+        """Once the copy is done (waited for when ``wait``), move the tensors out of page-locked
+        memory into ordinary host memory (one copy of the packed buffer), so that a snapshot kept
+        for long holds no page-locked memory. True when settled."""
+        if self.ready is not None:
+            if not wait and not self.ready.query():
+                return False
+            self.ready.synchronize()
+            self.ready = None
+        if self.pinned is not None:
+            buf, layout = self.pinned
+            self.host = {**self.host, **_views(torch.empty(buf.numel(), dtype=U8).copy_(buf), layout)}
+            self.pinned = None
+        return True
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(t.numel() * t.element_size() for t in self.host.values())
 
     def to_bytes(self) -> bytes:
         return st_save(self.tensors, metadata={"position": str(self.position)})
@@ -43,34 +67,77 @@ class RowSnapshot:
         return cls(position, st_load(payload))
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy (``.cpu()`` of a CPU tensor would be the tensor itself: the state writes on)."""
-    return t.to("cpu", copy=True)
-
-
 def snapshot_row(state, row: int) -> RowSnapshot:
-    """Everything ``row`` of ``state`` holds, copied to the host."""
-    n, cfg, t = state.host_positions[row], state.cfg, {}
+    """Everything ``row`` of ``state`` holds, copied to the host: the device parts packed into one
+    buffer and copied in one transfer that the host does not wait for (:func:`_to_host`)."""
+    n, cfg, t, host = state.host_positions[row], state.cfg, {}, {}
     for l, q in state.rings.items():
-        t[f"ring.{l}.data"] = _host(q.data.view(U8)[row])
-        t[f"ring.{l}.scale"] = _host(q.scale.view(U8)[row])
-        t[f"ring.{l}.start"] = _host(state.ring_start[l][row])
-    t["history"] = _host(state.engram_history[row])
+        t[f"ring.{l}.data"] = q.data.view(U8)[row]
+        t[f"ring.{l}.scale"] = q.scale.view(U8)[row]
+        t[f"ring.{l}.start"] = state.ring_start[l][row]
+    t["history"] = state.engram_history[row]
     for l, c in state.compressed.items():
         e = n // cfg.ratio(l)
-        t[f"{l}.main.data"], t[f"{l}.main.scale"] = _main_entries(c.main, row, e)
-        index = c.index_k.read_row(row, 0, e)  # read_row gathers: new tensors
-        t[f"{l}.index.data"], t[f"{l}.index.scale"] = index.data.view(U8), index.scale.view(U8)
+        main = host if _has_cold_pages(c.main, row, e) else t
+        main[f"{l}.main.data"], main[f"{l}.main.scale"] = _main_entries(c.main, row, e)
+        t[f"{l}.index.data"], t[f"{l}.index.scale"] = c.index_k.gather_row(row, 0, e)
         if c.kv_state is not None:
-            t[f"{l}.kv"], t[f"{l}.score"] = _host(c.kv_state[row]), _host(c.score_state[row])
-    return RowSnapshot(n, t)
+            t[f"{l}.kv"], t[f"{l}.score"] = c.kv_state[row], c.score_state[row]
+    snap = _to_host(t, state.device)
+    snap.position, snap.host = n, {**snap.host, **host}
+    return snap
+
+
+def _to_host(tensors: dict, device: torch.device) -> RowSnapshot:
+    """A snapshot whose host tensors are copies of ``tensors`` (on ``device``): packed into one
+    device buffer (each part at an 8-byte aligned offset, so that its dtype view is aligned), then
+    on a GPU copied to page-locked host memory without waiting (the snapshot's ``ready`` event
+    marks the copy done); on the CPU the packing is the copy."""
+    layout, total = _layout(tensors)
+    buf = torch.empty(total, dtype=U8, device=device)
+    for name, x in tensors.items():
+        off, nb = layout[name][:2]
+        if nb:
+            buf[off:off + nb].copy_(x.reshape(-1).view(U8))
+    if device.type != "cuda":
+        return RowSnapshot(0, _views(buf, layout))
+    pinned = torch.empty(total, dtype=U8, pin_memory=True)
+    pinned.copy_(buf, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return RowSnapshot(0, _views(pinned, layout), ready, (pinned, layout))
+
+
+def _layout(tensors: dict) -> tuple[dict, int]:
+    """name -> (byte offset, bytes, dtype, shape) of each tensor packed in order at 8-byte aligned
+    offsets, and the buffer's size."""
+    layout, total = {}, 0
+    for name, x in tensors.items():
+        nb = x.numel() * x.element_size()
+        layout[name] = (total, nb, x.dtype, tuple(x.shape))
+        total += -(-nb // 8) * 8
+    return layout, total
+
+
+def _views(buf: torch.Tensor, layout: dict) -> dict:
+    """name -> the tensor stored at its (offset, bytes, dtype, shape) in the uint8 buffer ``buf``."""
+    return {name: buf[off:off + nb].view(dtype).view(shape) for name, (off, nb, dtype, shape) in layout.items()}
+
+
+def _has_cold_pages(main, row: int, entries: int) -> bool:
+    pages = main.tables[row].pages[:-(-entries // main.pool.P)]
+    return any(tier != "dev" for tier, _ in pages)
 
 
 def _main_entries(main, row: int, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Main-KV entries ``[0, entries)`` of ``row`` as host uint8 (data, scale): one gather per tier
-    (not a copy per page)."""
+    """Main-KV entries ``[0, entries)`` of ``row`` as uint8 (data, scale): one gather per tier (not
+    a copy per page); on the device when every page is there, else on the host."""
     pool, P = main.pool, main.pool.P
     pages = main.tables[row].pages[:-(-entries // P)]
+    if not _has_cold_pages(main, row, entries):
+        ids = to_device([p for _, p in pages], pool.dev.data.device)
+        data = pool.dev.data.view(U8).index_select(0, ids).reshape(-1, pool.D // 2)[:entries]
+        return data, pool.dev.scale.view(U8).index_select(0, ids).reshape(-1, pool.D // 16)[:entries]
     data = torch.empty((len(pages), P, pool.D // 2), dtype=U8)
     scale = torch.empty((len(pages), P, pool.D // 16), dtype=U8)
     for tier, src in (("dev", pool.dev), ("host", pool.host)):
@@ -130,6 +197,7 @@ class PrefixStore:
     def __init__(self, block: int, max_bytes: int, salt: bytes = b"", disk=None):
         self.block, self.max_bytes, self.salt, self.disk = block, max_bytes, salt, disk
         self.entries: OrderedDict[bytes, RowSnapshot] = OrderedDict()
+        self.unsettled: list[RowSnapshot] = []  # kept while their copies may still be in flight
         self.bytes = 0
         self.queries = self.hits = self.query_tokens = self.hit_tokens = 0
 
@@ -171,6 +239,7 @@ class PrefixStore:
         return None if key in self.entries else key
 
     def put(self, key: bytes, snap: RowSnapshot) -> None:
+        self.unsettled = [s for s in self.unsettled if not s.settle()] + [snap]  # settle those whose copy is done
         self._keep(key, snap)
         if self.disk is not None and not self.disk.contains(key.hex()):
             self.disk.put(key.hex(), snap.to_bytes(), {"tokens": snap.position})

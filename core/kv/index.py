@@ -165,15 +165,19 @@ class PagedIndexK:
 
     def _rows(self, row: int, lo: int, hi: int) -> torch.Tensor:
         P, t = self.pool.P, torch.arange(lo, hi)
-        pages = torch.tensor(self.pages[row], dtype=torch.long)
-        return (pages[t // P] * P + t % P).to(self.pool.device)
+        rows = torch.tensor(self.pages[row], dtype=torch.long)[t // P] * P + t % P
+        return to_device(rows, self.pool.device)  # no wait on the device's queue
+
+    def gather_row(self, row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries ``[lo, hi)`` of ``row`` as uint8 (data, scale) rows on the pool's device (new tensors)."""
+        seg, rows, u8 = self.pool.segment(), self._rows(row, lo, hi), torch.uint8
+        return seg.data.view(u8)[0, rows], seg.scale.view(u8)[0, rows]
 
     def read_row(self, row: int, lo: int, hi: int) -> QTensor:
         """Entries ``[lo, hi)`` of ``row`` as a CPU QTensor ``[hi - lo, D]``."""
-        seg, rows, u8 = self.pool.segment(), self._rows(row, lo, hi), torch.uint8
-        data = seg.data.view(u8)[0, rows].cpu()
-        scale = seg.scale.view(u8)[0, rows].cpu().view(seg.scale.dtype)
-        return QTensor(data.view(seg.data.dtype), scale, FMT, (hi - lo, self.pool.D))
+        data, scale = (t.cpu() for t in self.gather_row(row, lo, hi))
+        seg = self.pool.segment()
+        return QTensor(data.view(seg.data.dtype), scale.view(seg.scale.dtype), FMT, (hi - lo, self.pool.D))
 
     def write_row(self, row: int, lo: int, values: QTensor) -> None:
         """Store ``values`` [n, D] as entries ``[lo, lo + n)`` of ``row`` (pages reserved here)."""

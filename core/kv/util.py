@@ -22,11 +22,12 @@ def _zero_bits(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def to_device(values: list, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``values`` (int64 by default) on ``device`` without a synchronous host->device copy: on CUDA
-    staged in pinned memory (the caching host allocator keeps the block until the copy has run) and
-    copied ``non_blocking`` (a copy from pageable memory would wait for the device's queue first)."""
-    host = torch.tensor(values, dtype=dtype)
+def to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` (a list, int64 by default, or a CPU tensor) on ``device`` without a synchronous
+    host->device copy: on CUDA staged in pinned memory (the caching host allocator keeps the block
+    until the copy has run) and copied ``non_blocking`` (a copy from pageable memory would wait for
+    the device's queue first)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

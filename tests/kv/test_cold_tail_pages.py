@@ -18,7 +18,11 @@ def test_ragged_rows_under_a_small_budget_decode_exactly(model, rng):
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=rng).tolist() for n in lengths]
     cap = lengths[-1] + 8
     main = sum(-(-cap // cfg.ratio(l)) for l in cfg.kv_source_layers) * entry_bytes(cfg.head_dim, "fp4_b16") * 2
-    budget = fixed_bytes_for(cfg, 2, cap, page_entries=8) + main // 10
+    # 16 device pages of 8 entries: a step's new entries fit (8 did not for some lengths), under
+    # half of what the rows hold (so pages spill)
+    pages16 = 16 * 8 * entry_bytes(cfg.head_dim, "fp4_b16")
+    assert pages16 < main // 2
+    budget = fixed_bytes_for(cfg, 2, cap, page_entries=8) + pages16
     cold = generate(model, prompts, 1, prefill_chunk=32, kv_page_entries=8, kv_budget=budget)
     full = generate(model, prompts, 1, prefill_chunk=32, kv_page_entries=8)
     assert cold.state.tier_stats()["cold_pages"] > 0
