@@ -14,10 +14,12 @@ Counting rules (the minimum work each op must do):
 - FLOPs: a multiply-add is 2. ``linear`` ``2*M*in*out``; ``sparse_attention`` ``4*B*S*H*K*D``;
   ``index_scores`` ``2*B*S*T*Hi*(Di+1)``; ``moe_experts`` ``N*k*(6*D*I + 4*I)``; ``moe_route``
   ``2*N*D*E + 3*N*E``; ``hc_coefficients`` ``2*B*S*hcD*(M+1) + 4*B*S*hc*hc*iters``;
-  ``hc_collapse`` ``2*B*S*hc*D``; ``hc_collapse_norm`` ``2*B*S*hc*D + 4*B*S*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
+  ``grouped_linear`` ``2*rows*in*G*out``; ``hc_collapse`` ``2*B*S*hc*D``; ``hc_collapse_norm``
+  ``2*B*S*hc*D + 4*B*S*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
   ``5*B*G*r*D``; ``engram_gate`` ``9*B*S*hc*D``; ``engram_hash`` ``2*B*S*L*N`` (multiply,
   xor) plus ``B*S*L*C`` remainders; elementwise ops per element: ``rms_norm`` 4,
-  ``rope`` 3, ``quantize`` 3, ``dequantize`` and ``engram_lookup`` 1, ``sample`` 3 per logit.
+  ``rope`` 3, ``quantize`` 3, ``norm_rope_quantize`` 10, ``dequantize`` and ``engram_lookup`` 1,
+  ``sample`` 3 per logit.
   Selection and copy ops (``topk_positions``, ``candidate_blocks``, ``gather_cold_rows``,
   ``store_paged``, ``store_rows``, ``resolve_paged``) count 0 FLOPs; the stores count as writing
   their source rows, not the pool; ``resolve_paged`` reads one block-table entry a pick.
@@ -87,6 +89,12 @@ def linear(x, weight):
     out_features, in_features = weight.shape
     out = _meta((*x.shape[:-1], out_features), x.dtype)
     _emit("linear", (x, weight), (out,), 2 * (x.numel() // in_features) * in_features * out_features)
+    return out
+
+
+def grouped_linear(x, weight):
+    out = _meta((*x.shape[:-2], weight.shape[0]), x.dtype)
+    _emit("grouped_linear", (x, weight), (out,), 2 * (x.numel() // x.shape[-1]) * weight.shape[1] * weight.shape[0] // x.shape[-2])
     return out
 
 

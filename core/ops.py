@@ -81,6 +81,22 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
     return _impl("quantize", x.device)(x, fmt)
 
 
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., G, in]`` float, ``weight [G * out, in]`` plain float -> ``[..., G * out]``: group
+    ``g`` of ``x`` times rows ``[g * out, (g + 1) * out)`` of ``weight`` (each a :func:`linear`),
+    the groups' outputs side by side. The attention's grouped output projection (``wo_a``)."""
+    c.tensor("x", x, None, {}, c.FLOATS)
+    if x.dim() < 2:
+        raise ValueError(f"x: expected [..., G, in], got shape {tuple(x.shape)}")
+    G, k = x.shape[-2], x.shape[-1]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != k \
+            or weight.shape[0] % max(G, 1):
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight: expected a plain [G * out, in] tensor with G = {G}, in = {k}, got {got}")
+    c.tensor("weight", weight, None, {}, c.FLOATS, x.device)
+    return _impl("grouped_linear", x.device)(x, weight)
+
+
 def norm_rope_quantize(x: torch.Tensor, weight, eps: float, freqs_cis: torch.Tensor, fmt: str) -> QTensor:
     """``quantize(rope(rms_norm(x, weight, eps), freqs_cis), fmt)`` in one op (no norm when
     ``weight`` is None): the KV path of a layer (a window ring's new rows, a compressed entry and
@@ -156,7 +172,7 @@ def sample(logits, temperature, generator=None) -> torch.Tensor:
 
 
 OPS = (
-    "rms_norm", "rope", "quantize", "norm_rope_quantize", "dequantize", "linear", "sparse_attention",
+    "rms_norm", "rope", "quantize", "norm_rope_quantize", "dequantize", "linear", "grouped_linear", "sparse_attention",
     "index_scores", "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
     "hc_collapse_norm", "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route", "moe_experts",
     "sample", "gather_cold_rows", "dense_attention", "store_paged", "resolve_paged", "store_rows",

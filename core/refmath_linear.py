@@ -53,6 +53,11 @@ def linear_fp32(x, weight) -> torch.Tensor:
     return _linear_acc(x, weight).to(torch.float32)
 
 
+def grouped_linear(x, weight):
+    out = weight.shape[0] // x.shape[-2]
+    return torch.cat([linear(x[..., g, :], weight[g * out:(g + 1) * out]) for g in range(x.shape[-2])], dim=-1)
+
+
 def linear(x, weight):
     """``linear_fp32`` in ``x.dtype``; an fp64 ``x`` gets the wide accumulation itself, not rounded
     to fp32: partial sums that tensor-parallel ranks add up (in fp64) and round once, as one

@@ -25,9 +25,7 @@ class Attention:
         self.sink = w[p + "attn_sink"]
         self.wq_a, self.q_norm = w[p + "wq_a.weight"], w[p + "q_norm.weight"]
         self.wq_b, self.wkv, self.kv_norm = w[p + "wq_b.weight"], w[p + "wkv.weight"], w[p + "kv_norm.weight"]
-        G = cfg.o_groups
-        wo_a = w[p + "wo_a.weight"]  # [G * o_lora, H * hd / G]
-        self.wo_a = [wo_a[g * cfg.o_lora_rank:(g + 1) * cfg.o_lora_rank] for g in range(G)]
+        self.wo_a = w[p + "wo_a.weight"]  # [G * o_lora, H * hd / G]: ops.grouped_linear
         self.wo_b = w[p + "wo_b.weight"]
         self.compressor = Compressor(cfg, layer, w, p) if self.role == "full" else None
         if self.role in ("full", "reindex"):
@@ -50,7 +48,7 @@ class Attention:
         """Attention output [B, S, H, head_dim] -> [B, S, dim]: inverse rope, grouped ``wo_a``, ``wo_b``."""
         cfg = self.cfg
         o = rope_tail(o, f, cfg.rope_head_dim, inverse=True).view(*o.shape[:2], cfg.o_groups, -1)
-        o = torch.cat([ops.linear(o[:, :, g], self.wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
+        o = ops.grouped_linear(o, self.wo_a)
         return self.out_proj(o)
 
     def out_proj(self, o: torch.Tensor) -> torch.Tensor:

@@ -122,8 +122,18 @@ def linear(x, weight):
     return quant_matmul(x2, weight).reshape(*x.shape[:-1], weight.shape[0])
 
 
-PLANS = {"quantize": quantize_plan, "dequantize": lambda *args: DEQUANT_WHY, "linear": linear_plan}
+def grouped_linear(x, weight):
+    """``grouped_linear``: one :func:`linear` per group (``F.linear`` for a plain weight in x's
+    dtype), the outputs side by side."""
+    via_torch("grouped_linear", "linear per group, then torch.cat")
+    out = weight.shape[0] // x.shape[-2]
+    return torch.cat([linear(x[..., g, :], weight[g * out:(g + 1) * out]) for g in range(x.shape[-2])], dim=-1)
 
 
-FAMILY = npu_family("quant", {"quantize": quantize, "dequantize": dequantize, "linear": linear},
-                    "quantize, dequantize and linear (npu_quant_matmul, npu_dynamic_quant)")
+PLANS = {"quantize": quantize_plan, "dequantize": lambda *args: DEQUANT_WHY, "linear": linear_plan,
+         "grouped_linear": lambda x, weight: linear_plan(x[..., 0, :], weight)}
+
+
+FAMILY = npu_family("quant", {"quantize": quantize, "dequantize": dequantize, "linear": linear,
+                              "grouped_linear": grouped_linear},
+                    "quantize, dequantize, linear and grouped linear (npu_quant_matmul, npu_dynamic_quant)")

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from flashrt.jit_triton import interpreted
-from flashrt.families import KernelFamily
+from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import DOT, Tile
 from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda import warmup as _warmup
@@ -45,15 +45,17 @@ WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_splits, stride_xm, stride_wn,
-                         stride_om, stride_os, SPLIT3: tl.constexpr, DOT: tl.constexpr, WDT: tl.constexpr,
+def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, n_group, k_split, n_splits, stride_xm,
+                         stride_wn, stride_om, stride_os, SPLIT3: tl.constexpr, DOT: tl.constexpr, WDT: tl.constexpr,
                          OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          REDUCE: tl.constexpr):
+    """out[:, n] = x[:, g*K:(g+1)*K] @ w[n].T with g = n // n_group (n_group = N: one group; a
+    column tile lies inside one group)."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (pid_n * BLOCK_N // n_group).to(tl.int64) * K
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = pid_k * k_split
@@ -78,9 +80,17 @@ def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
                       ok, stride_om, M, N, OUT, REDUCE)
 
 
-def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch.dtype, sms: int) -> dict:
+def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch.dtype, *, sms: int,
+          n_group: int | None = None) -> dict | None:
+    """The launch of an [m, k] x [n, k] product (``n_group``: output columns per group, each group
+    reading its own k columns of x; a column tile must not straddle two: None when none fits)."""
     tiles = PLANS.tiles()
     t = next(tile for limit, tile in tiles["plain"] if limit is None or m <= limit)
+    if n_group is not None and n_group % t["BLOCK_N"]:
+        block_n = next((b for b in (128, 64, 32, 16) if b <= t["BLOCK_N"] and n_group % b == 0), None)
+        if block_n is None:
+            return None
+        t = dict(t, BLOCK_N=block_n)
     out_tiles = cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"])
     blocks = cdiv(k, t["BLOCK_K"])
     split = split_k(out_tiles, blocks, tiles["split_k"], sms)
@@ -90,7 +100,7 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
     out_dtype = odt if split == 1 or reduce else torch.float32
     dot = tl.float32 if interpreted() else TL_DTYPES[wdt]
     return dict(grid=(cdiv(n, t["BLOCK_N"]), cdiv(m, t["BLOCK_M"]), split), split=split, k_split=k_split,
-                out_dtype=out_dtype, reduce=reduce,
+                out_dtype=out_dtype, reduce=reduce, n_group=n_group or n,
                 constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=TL_DTYPES[wdt], OUT=TL_DTYPES[out_dtype],
                                 REDUCE=reduce, **t))
 
@@ -99,25 +109,44 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype |
     """x [..., in] (fp32, or the weight's dtype), weight [out, in] bf16 / fp16 -> [..., out] in x.dtype
     (``out_dtype``: fp32 for callers that keep the fp32 sums, e.g. the MoE gate)."""
     n, k = weight.shape
-    out_dtype = out_dtype or x.dtype
-    x2 = last_dense(x.reshape(-1, k))
+    out = _launch(x.reshape(-1, k), weight, out_dtype or x.dtype, None)
+    return out.view(*x.shape[:-1], n)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grouped_linear``: x [..., G, in], weight [G * out, in] -> [..., G * out], one launch when a
+    column tile fits inside a group (else one ``linear`` per group)."""
+    G, k = x.shape[-2], x.shape[-1]
+    n = weight.shape[0]
+    out = _launch(x.reshape(-1, G * k), weight, x.dtype, n // G)
+    if out is None:
+        return torch.cat([plain_linear(x[..., g, :], weight[g * (n // G):(g + 1) * (n // G)]) for g in range(G)], -1)
+    return out.view(*x.shape[:-2], n)
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, n_group: int | None):
+    """``x2 [m, G * k] @ weight [n, k].T`` group by group (``n_group`` columns each; None: one
+    group) -> [m, n] in ``out_dtype``; None when no column tile fits a group."""
+    n, k = weight.shape
+    x2 = last_dense(x2)
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
-        return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
-    key = (m, n, k, x.dtype, weight.dtype, out_dtype)
+        return x2.new_zeros(m, n, dtype=out_dtype)
+    key = (m, n, k, x2.dtype, weight.dtype, out_dtype, n_group)
     plan = PLANS.lookup(key)[1]
-    if plan is None:
-        sms = 1 if interpreted() else sm_count(x.device)
-        plan = PLANS.store(key, _plan(m, n, k, x.dtype, weight.dtype, out_dtype, sms))
+    if plan is None:  # False: planned, and no column tile fits a group
+        sms = 1 if interpreted() else sm_count(x2.device)
+        plan = PLANS.store(key, _plan(m, n, k, x2.dtype, weight.dtype, out_dtype, sms=sms, n_group=n_group) or False)
+    if plan is False:
+        return None
     w = last_dense(weight)
     split, reduce = plan["split"], plan["reduce"]
-    out = torch.empty(1 if reduce else split, m, n, dtype=plan["out_dtype"], device=x.device)
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if reduce else out
-    cnt = splitk.counters(x.device) if reduce else out
-    _plain_linear_kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["k_split"], split, x2.stride(0), w.stride(0),
-                                       out.stride(1), out.stride(0), **plan["constexprs"])
-    out = out[0] if split == 1 or reduce else out.sum(0).to(out_dtype)
-    return out.view(*x.shape[:-1], n)
+    out = torch.empty(1 if reduce else split, m, n, dtype=plan["out_dtype"], device=x2.device)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if reduce else out
+    cnt = splitk.counters(x2.device) if reduce else out
+    _plain_linear_kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], split,
+                                       x2.stride(0), w.stride(0), out.stride(1), out.stride(0), **plan["constexprs"])
+    return out[0] if split == 1 or reduce else out.sum(0).to(out_dtype)
 
 
 def supports_plain_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -140,7 +169,12 @@ def warmup_cases(device, d: dict, dtype):
                 yield _warmup.Launch(f"plain linear {xdt}", plain_linear, (_warmup.rand((n, dim), xdt, device), w))
 
 
-# no op of its own: ``linear`` (linear.py) and the MoE gate (moe_route.py) launch it
+def supports_grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """As :func:`supports_plain_linear` for one group's product."""
+    return supports_plain_linear(x[..., 0, :], weight)
+
+
+# ``linear`` (linear.py) and the MoE gate (moe_route.py) launch it too
 
 
 def _bf16_tile_bytes(t: dict) -> int:
@@ -149,8 +183,10 @@ def _bf16_tile_bytes(t: dict) -> int:
 
 
 FAMILY = KernelFamily(
-    "linear_plain",
+    "linear_plain", ops={"grouped_linear": grouped_linear},
+    supports={"grouped_linear": Support(inputs={"x": (torch.float32,) + WEIGHT_DTYPES, "weight": WEIGHT_DTYPES},
+                                        extra=supports_grouped_linear)},
     tiles=TILES, tile_checks={"plain.BLOCK_M": DOT, "plain.BLOCK_N": DOT, "plain.BLOCK_K": DOT,
                               "split_k": Tile(nullable=True, kind=int), "reduce_in_kernel": Tile(kind=bool)},
     smem={"plain": _bf16_tile_bytes}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
-    description="linear with a plain bf16 / fp16 weight (fp32 accumulation)")
+    description="linear with a plain bf16 / fp16 weight (fp32 accumulation), and grouped by column blocks")

@@ -97,7 +97,7 @@ def as_device(sms: int) -> None:
 
     linear.num_sms = lambda: sms
     plan = linear_plain._plan
-    linear_plain._plan = lambda *a: plan(*a[:-1], sms)
+    linear_plain._plan = lambda *a, **k: plan(*a, **{**k, "sms": sms})
 
 
 def measure(model, batch: int, prompt: int) -> Launches:

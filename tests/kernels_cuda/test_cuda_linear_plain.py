@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashrt import ops
-from kernel_check import DEVICE, GPU, requires_kernels, rel_err, run_both
+from kernel_check import DEVICE, GPU, launches, requires_kernels, rel_err, run_both  # noqa: F401 (launches: a fixture)
 
 pytestmark = requires_kernels
 lp = pytest.importorskip("flashrt.kernels_cuda.linear_plain")
@@ -81,3 +81,27 @@ def test_plain_linear_realistic(rng, m, n, k):
             assert rel_err(got, exact) < 1e-5  # bf16 rounding of x would give ~2e-3
         else:
             assert rel_err(got, want) < 4e-3
+
+
+@pytest.mark.parametrize("split", [None, 1, 3])
+@pytest.mark.parametrize("m,G,k,out,xdt", [(1, 2, 128, 32, torch.bfloat16), (5, 4, 64, 48, torch.bfloat16),
+                                           (3, 2, 96, 64, torch.float32), (17, 8, 64, 16, torch.bfloat16)])
+def test_grouped_linear_is_one_launch(rng, monkeypatch, launches, split, m, G, k, out, xdt):
+    """``grouped_linear``: group g of x times its rows of the weight, all groups in one launch
+    (column tiles inside one group), against float64 per group and the reference."""
+    monkeypatch.setitem(lp.TILES, "split_k", split)
+    x = torch.randn(m, 1, G, k, generator=rng).to(xdt).to(DEVICE)
+    w = (torch.randn(G * out, k, generator=rng) * k ** -0.5).to(torch.bfloat16).to(DEVICE)
+    got, want = run_both("grouped_linear", x, w)
+    assert launches[0] == "_plain_linear_kernel" and launches.count("_plain_linear_kernel") == 1
+    assert got.dtype == want.dtype == xdt and got.shape == (m, 1, G * out)
+    exact = torch.cat([_exact(x[:, 0, g], w[g * out:(g + 1) * out]) for g in range(G)], -1)
+    assert rel_err(got[:, 0], exact) < (2e-6 if xdt == torch.float32 else 4e-3)
+
+
+def test_grouped_linear_whose_groups_no_tile_fits_runs_a_launch_per_group(rng, launches):
+    x = torch.randn(3, 2, 64, generator=rng).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(2 * 40, 64, generator=rng) * 0.125).to(torch.bfloat16).to(DEVICE)  # 40 columns a group
+    got, want = run_both("grouped_linear", x, w)
+    assert launches.count("_plain_linear_kernel") == 2 and got.shape == (3, 80)
+    assert rel_err(got, want) < 4e-3

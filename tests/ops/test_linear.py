@@ -201,3 +201,21 @@ def test_linear_errors(rng):
         ops.linear(torch.randint(0, 3, (3, 64)), torch.randn(5, 64))
     with pytest.raises(ValueError, match="x"):
         ops.linear(torch.tensor(1.0), torch.randn(5, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_is_each_group_times_its_rows(dtype, rng):
+    B, S, G, k, out = 2, 3, 4, 24, 5
+    x = _x((B, S, G, k), dtype, rng)
+    w = _x((G * out, k), torch.bfloat16, rng)
+    y = ops.grouped_linear(x, w)
+    assert y.dtype == dtype and y.shape == (B, S, G * out)
+    for g in range(G):
+        xf = x[:, :, g].to(torch.float64).numpy().reshape(-1, k)
+        _check(y[..., g * out:(g + 1) * out].reshape(-1, out), x[:, :, g], w[g * out:(g + 1) * out].to(torch.float64).numpy(), xf)
+    with pytest.raises(ValueError, match="weight"):
+        ops.grouped_linear(x, w[:-1])  # rows not a multiple of G
+    with pytest.raises(ValueError, match="weight"):
+        ops.grouped_linear(x, w[:, :-1])
+    with pytest.raises(ValueError, match="x"):
+        ops.grouped_linear(x[0, 0, 0], w)
