@@ -18,7 +18,7 @@ def test_ragged_rows_under_a_small_budget_decode_exactly(model, rng):
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=rng).tolist() for n in lengths]
     cap = lengths[-1] + 8
     main = sum(-(-cap // cfg.ratio(l)) for l in cfg.kv_source_layers) * entry_bytes(cfg.head_dim, "fp4_b16") * 2
-    # 16 device pages of 8 entries: a step's new entries fit (8 did not for some lengths), under
+    # 16 device pages of 8 entries: room for one step's new entries at any drawn length, and under
     # half of what the rows hold (so pages spill)
     pages16 = 16 * 8 * entry_bytes(cfg.head_dim, "fp4_b16")
     assert pages16 < main // 2
