@@ -37,7 +37,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _norm_rope_quant_kernel(x_ptr, w_ptr, f_ptr, data_ptr, scale_ptr, n_rows, S, x_row_stride, sfb, sfs, eps,
                             HEAD: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, XDT: tl.constexpr,
-                            FMT: tl.constexpr, BLK: tl.constexpr, BLOCK_R: tl.constexpr):
+                            FMT: tl.constexpr, BLK: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = row < n_rows
     c = tl.arange(0, D)
@@ -54,8 +54,7 @@ def _norm_rope_quant_kernel(x_ptr, w_ptr, f_ptr, data_ptr, scale_ptr, n_rows, S,
     xr, xi = tl.split(tl.reshape(x, (BLOCK_R, D // 2, 2)))
     rot = tl.reshape(tl.join(xr * fr - xi * fi, xr * fi + xi * fr), (BLOCK_R, D))
     y = to_out(tl.where((c < HEAD)[None, :], x, rot), XDT).to(tl.float32)
-    # block quantization, as _quantize_kernel: one scale per BLK elements of a row
-    G: tl.constexpr = D // BLK
+    # block quantization, as _quantize_kernel: G = D / BLK scales a row
     yb = tl.reshape(y, (BLOCK_R * G, BLK))
     grow = tl.reshape(tl.broadcast_to(row[:, None], (BLOCK_R, G)), (BLOCK_R * G,))
     gcol = tl.reshape(tl.broadcast_to(tl.arange(0, G)[None, :], (BLOCK_R, G)), (BLOCK_R * G,))
@@ -93,7 +92,7 @@ def norm_rope_quantize(x, weight, eps, freqs_cis, fmt):
         _norm_rope_quant_kernel[(cdiv(B * S, block_r),)](
             x2, w, f, data, scale, B * S, S, x2.stride(0), f.stride(0), f.stride(1), float(eps),
             HEAD=D - 2 * freqs_cis.shape[-1], D=D, NORM=weight is not None, XDT=TL_DTYPES[x.dtype],
-            FMT=_FMT[fmt], BLK=s.block, BLOCK_R=block_r, num_warps=t["num_warps"])
+            FMT=_FMT[fmt], BLK=s.block, G=D // s.block, BLOCK_R=block_r, num_warps=t["num_warps"])
     data_shape, scale_shape = formats.expected_layout(fmt, x.shape)
     return QTensor(data.view(s.data_dtype).view(data_shape), scale.view(s.scale_dtype).view(scale_shape), fmt, x.shape)
 
