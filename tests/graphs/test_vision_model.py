@@ -79,8 +79,10 @@ def test_gate_uses_bias_vl_inside_spans(vl, monkeypatch, rng):
     monkeypatch.setattr(moe, "bias_vl", torch.randn(moe.bias.shape, generator=rng) * 4)
     routes = []
     experts = ops.moe_experts
-    monkeypatch.setattr(ops, "moe_experts", lambda x, w, i, *a: routes.append((w, i)) or experts(x, w, i, *a))
+    monkeypatch.setattr(ops, "moe_experts", lambda x, w, i, w1, *a, **k: routes.append((w, i, w1))
+                        or experts(x, w, i, w1, *a, **k))
     moe.forward(h, vl_mask=inside)
+    routes = [(w, i) for w, i, w1 in routes if w1 is moe.w1]  # the routed experts' call, not the shared expert's
     cfg = vl.cfg
     text = ops.moe_route(h, moe.gate, moe.bias, moe.topk, cfg.score_func, cfg.norm_topk_prob, cfg.route_scale)
     image = ops.moe_route(h, moe.gate, moe.bias_vl, moe.topk, cfg.score_func, cfg.norm_topk_prob, cfg.route_scale)
