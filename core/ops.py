@@ -89,8 +89,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dim() < 2:
         raise ValueError(f"x: expected [..., G, in], got shape {tuple(x.shape)}")
     G, k = x.shape[-2], x.shape[-1]
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != k \
-            or weight.shape[0] % max(G, 1):
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != k or G < 1 \
+            or weight.shape[0] % G:
         got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(f"weight: expected a plain [G * out, in] tensor with G = {G}, in = {k}, got {got}")
     c.tensor("weight", weight, None, {}, c.FLOATS, x.device)

@@ -78,8 +78,9 @@ def snapshot_row(state, row: int) -> RowSnapshot:
     t["history"] = state.engram_history[row]
     for l, c in state.compressed.items():
         e = n // cfg.ratio(l)
-        main = host if _has_cold_pages(c.main, row, e) else t
-        main[f"{l}.main.data"], main[f"{l}.main.scale"] = _main_entries(c.main, row, e)
+        data, scale = _main_entries(c.main, row, e)
+        main = t if data.device.type == state.device.type else host  # pages in host memory were gathered there
+        main[f"{l}.main.data"], main[f"{l}.main.scale"] = data, scale
         t[f"{l}.index.data"], t[f"{l}.index.scale"] = c.index_k.gather_row(row, 0, e)
         if c.kv_state is not None:
             t[f"{l}.kv"], t[f"{l}.score"] = c.kv_state[row], c.score_state[row]
@@ -124,17 +125,12 @@ def _views(buf: torch.Tensor, layout: dict) -> dict:
     return {name: buf[off:off + nb].view(dtype).view(shape) for name, (off, nb, dtype, shape) in layout.items()}
 
 
-def _has_cold_pages(main, row: int, entries: int) -> bool:
-    pages = main.tables[row].pages[:-(-entries // main.pool.P)]
-    return any(tier != "dev" for tier, _ in pages)
-
-
 def _main_entries(main, row: int, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Main-KV entries ``[0, entries)`` of ``row`` as uint8 (data, scale): one gather per tier (not
     a copy per page); on the device when every page is there, else on the host."""
     pool, P = main.pool, main.pool.P
     pages = main.tables[row].pages[:-(-entries // P)]
-    if not _has_cold_pages(main, row, entries):
+    if all(tier == "dev" for tier, _ in pages):
         ids = to_device([p for _, p in pages], pool.dev.data.device)
         data = pool.dev.data.view(U8).index_select(0, ids).reshape(-1, pool.D // 2)[:entries]
         return data, pool.dev.scale.view(U8).index_select(0, ids).reshape(-1, pool.D // 16)[:entries]

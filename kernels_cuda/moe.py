@@ -231,8 +231,7 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     if E == 1 and k == 1 and _tiles()["direct"]:  # every token's one slot is expert 0
         tab = _direct_tables(weights, t["BLOCK_M"])
         hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t, qx, direct=True)
-        out = _experts_down(hq, sh, tab, w2, D, x.dtype, t, direct=True)
-        return out if add is None and out_dtype == torch.float32 else finish_experts(out, add, out_dtype)
+        return finish_experts(_experts_down(hq, sh, tab, w2, D, x.dtype, t, direct=True), add, out_dtype)
     tab = moe_tables.route_tables(indices, weights, E, t["BLOCK_M"], _tiles()["route"])
     hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t, qx)
     out = torch.empty(n, D, dtype=out_dtype, device=x.device)  # every row is written: k >= 1
