@@ -58,17 +58,19 @@ def _shown(v) -> object:
 
 
 class _StandInDriver:
-    """The parts of Triton's active driver a launch asks for, answering as one GPU of ``arch``.
-    Its device id is the arch number, so Triton's per-device binders (which hold the target's
-    backend and options) are never shared between architectures."""
+    """The parts of Triton's active driver a launch or a compile asks for, answering as one GPU of
+    compute capability ``cc`` (an :class:`Arch` or its number). Its device id is that number, so
+    Triton's per-device binders (which hold the target's backend and options) are never shared
+    between architectures."""
 
-    def __init__(self, arch: Arch):
+    def __init__(self, arch: Arch | int):
         from triton.backends.compiler import GPUTarget
 
-        self.arch, self.target = arch, GPUTarget("cuda", arch.cc, 32)
+        self.cc = arch if isinstance(arch, int) else arch.cc
+        self.target = GPUTarget("cuda", self.cc, 32)
 
     def get_current_device(self):
-        return self.arch.cc
+        return self.cc
 
     def get_current_stream(self, device=None):
         return 0
@@ -164,15 +166,30 @@ def compile_kernel(fn, signature: dict, constexprs: dict, attrs: dict, options: 
     """``triton.compile`` of one variant for a CUDA device of compute capability ``cc``, into the
     active compile cache: (the compiled kernel, None), or (None, the compiler's message)."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX on a ptxas error
-            return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", cc, 32),
-                                  options=options), None
+        with contextlib.redirect_stdout(io.StringIO()), answering_as(cc) as target:  # (ptxas errors print the PTX)
+            return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options), None
     except Exception as exc:
         return None, compiler_error(exc)
+
+
+@contextlib.contextmanager
+def answering_as(cc: int):
+    """Triton's active driver answers as a GPU of compute capability ``cc`` inside the block (yields
+    its target). Kernels branch on the target at compile time (``cuda_capability_geq``, read from
+    the active driver, not from the target ``triton.compile`` is given): without this, compiling
+    for sm_80 on an sm_90 machine would take the sm_90 branches, and compiling on a machine
+    without a GPU would take the oldest ones."""
+    from triton.runtime.driver import driver
+
+    stand_in, active = _StandInDriver(cc), driver._active
+    driver.set_active(stand_in)
+    try:
+        yield stand_in.target
+    finally:
+        driver._active = active
 
 
 def compile_variant(v: Variant) -> dict:

@@ -22,12 +22,14 @@ import torch
 from flashrt import formats, profiles
 from flashrt.cli import commands as cli
 from flashrt.jit_targets import ARCHS, parse_arch
+from flashrt.jit_triton import interpreted
 from kernel_check import DEVICE, rel_err, requires_kernels, run_both
 
 triton = pytest.importorskip("triton")
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = ("attention", "linear")
+INTERPRETED = interpreted()
 
 
 def _ptxas_missing() -> bool:
@@ -52,6 +54,7 @@ def test_arch_names_parse_and_an_unknown_one_is_a_clear_error(capsys):
     assert "--arch: expected one of sm_80, sm_89, sm_90, got 'sm_75'" in err and "Traceback" not in err
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="runs under TRITON_INTERPRET=1 (the CPU test run)")
 def test_interpreter_mode_is_refused(capsys):
     """Under TRITON_INTERPRET=1 (this process) the launchers plan for the interpreter: not compiled."""
     assert cli.main(["jit", "compile", "--arch", "sm_90"]) == 2
@@ -140,6 +143,38 @@ def test_shared_memory_over_the_limit_is_a_failure(tmp_path):
     for arch, row in rows.items():
         assert row["status"] == "failed" and row["shared_bytes"] > ARCHS[arch].smem_limit
         assert f"exceeds the {arch} per-block limit of {ARCHS[arch].smem_limit} B" in row["error"]
+
+
+CVT_SCRIPT = textwrap.dedent('''
+    import json, triton, triton.language as tl
+    from flashrt.jit_compile import compile_kernel
+    from flashrt.kernels_cuda.codecs import e4m3_cvt
+
+    @triton.jit
+    def _decode_kernel(x_ptr, o_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(o_ptr + i, e4m3_cvt(tl.load(x_ptr + i)))
+
+    out = {}
+    for cc in (80, 89, 90):
+        kernel, error = compile_kernel(_decode_kernel, {"x_ptr": "*u8", "o_ptr": "*fp32", "N": "constexpr"},
+                                       {(2,): 64}, {}, {}, cc)
+        out[cc] = error or ("e4m3x2" in kernel.asm["ptx"])
+    print(json.dumps(out))
+''')
+
+
+@needs_ptxas
+def test_a_kernel_branches_on_the_architecture_it_is_compiled_for(tmp_path):
+    """E4M3 decoding by the hardware conversion on sm_89+ and on the bits on sm_80, whatever GPU
+    (or none) the compiling machine has: the target a kernel reads at compile time is the one
+    compiled for, not the machine's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "cvt.py"
+    script.write_text(CVT_SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"80": False, "89": True, "90": True}
 
 
 # ------------------------------------------------------------ the A100 profile's paths, computed

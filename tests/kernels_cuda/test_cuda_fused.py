@@ -14,7 +14,7 @@ import torch
 
 import flashrt
 from flashrt import formats, ops
-from kernel_check import (DEVICE, assert_counters_zero, launches, pinned_tiles, requires_kernels,  # noqa: F401
+from kernel_check import (DEVICE, GPU, assert_counters_zero, launches, pinned_tiles, requires_kernels,  # noqa: F401
                           rel_err, run_both)  # (launches: a fixture)
 
 pytestmark = requires_kernels
@@ -111,7 +111,8 @@ def test_moe_up_quantizes_x_itself(rng, launches, promote, fmt, E, k, n):
 @pytest.mark.parametrize("B,S,hc,D", [(1, 1, 4, 27), (2, 9, 3, 40)])
 def test_hc_coefficients_finish_in_kernel(rng, launches, splits, B, S, hc, D):
     """A split K's partials summed and finished by each token tile's last split program: one launch,
-    the finish kernel's results bit for bit (the same sums in the same order)."""
+    the finish kernel's results (the same sums in the same order: bit for bit in the interpreter; a
+    GPU compile may contract a multiply-add differently in the two kernels, a last-bit difference)."""
     mhc = pytest.importorskip("flashrt.kernels_cuda.mhc")
     tiles = dict(hc_coefficients_fp32=dict(BLOCK_K=16), hc_finish=dict(in_kernel=True))
     x = _randn(rng, B, S, hc, D, scale=2.0)
@@ -128,7 +129,7 @@ def test_hc_coefficients_finish_in_kernel(rng, launches, splits, B, S, hc, D):
     with flashrt.use_backend("reference"):
         want = ops.hc_coefficients(*args)
     for a, b, c in zip(got, two, want):
-        assert torch.equal(a, b) and rel_err(a, c) < 1e-5
+        assert (rel_err(a, b) < 1e-6 if GPU else torch.equal(a, b)) and rel_err(a, c) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

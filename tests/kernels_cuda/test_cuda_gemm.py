@@ -28,7 +28,12 @@ def _weight(rng, fmt, *shape, scale=0.25):
 
 
 def _tol(dtype):
-    return 1e-3 if dtype != torch.float32 else 1e-5
+    """bf16 / fp16 outputs: their rounding. fp32: the accumulation; on sm_90 a 64-row tile's fp8 MMA is
+    a wgmma, whose accumulator keeps fewer bits than fp32 within each 32-wide K slice (the slices
+    are then promoted into the fp32 accumulator), so a few 1e-5 there."""
+    if dtype != torch.float32:
+        return 1e-3
+    return 1e-4 if GPU and torch.cuda.get_device_capability() >= (9, 0) else 1e-5
 
 
 @pytest.fixture
