@@ -16,16 +16,19 @@
 #              them, under the device's own profile: h200-gpu-tests.log, h200-kernel-tests.log
 #   decode     the captured decode step of `small` at batch 1 / 8 / 64 and its kernel profile:
 #              h200-e2e.json, h200-decode-profile.json
+#   prefill    a prefill forward's wall and GPU time per token at 1 / 4 / 16 / 64 rows of 512
+#              tokens (the serving engine's groups against generate()'s whole batch), and the
+#              batch-1 decode step's kernel profile: h200-prefill-rows.json, h200-decode-profile-b1.json
 #
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
-[ $# -gt 0 ] || { sed -n 2,22p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,25p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-alt|coldstart|tests|decode) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-alt, coldstart, tests or decode)" >&2; exit 2 ;;
+    serve|serve-alt|coldstart|tests|decode|prefill) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-alt, coldstart, tests, decode or prefill)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -67,6 +70,11 @@ phase_decode() {
   python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
     --out "$OUT/h200-e2e.json"
   python benchmarks/decode_profile.py --model small --batch 8 --out "$OUT/h200-decode-profile.json"
+}
+
+phase_prefill() {
+  python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 --out "$OUT/h200-prefill-rows.json"
+  python benchmarks/decode_profile.py --model small --batch 1 --out "$OUT/h200-decode-profile-b1.json"
 }
 
 for phase in "$@"; do

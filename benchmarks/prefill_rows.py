@@ -1,0 +1,78 @@
+"""What a prefill forward costs per token as its row count grows: the serving engine runs a prompt
+chunk of ``n`` tokens for a group of ``R`` rows as one ``[R, n]`` forward, ``generate()`` the whole
+batch at once.
+
+    python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 --out F
+
+For each row count: the wall time of a forward in a fresh state (synchronized, median of
+``--repeat`` after one untimed forward that compiles its kernels), and the GPU time of one forward
+(torch profiler: the sum of its kernels, and their number). Wall time well above GPU time is host
+work (launches, Python); GPU time per token that falls with ``R`` is kernels that only fill the
+device at many rows.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import flashrt
+from flashrt.graphs.config import shipped_config
+from flashrt.graphs.init_weights import init_weights
+from flashrt.graphs.model import Model
+from decode_profile import kernel_times
+from results_io import write_json
+
+
+def forward_costs(model, rows: int, n: int, repeat: int) -> dict:
+    ids = torch.randint(0, model.cfg.vocab_size, (rows, n), device=model.device)
+
+    def once():
+        state = model.new_state(rows, n + 8)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.forward(ids, state=state)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    once()
+    wall = statistics.median(once() for _ in range(repeat))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        once()
+    kernels = kernel_times(prof, 1)
+    gpu_ms = sum(k["us_per_step"] for k in kernels) / 1e3
+    return {"rows": rows, "tokens": rows * n, "wall_ms": 1e3 * wall, "gpu_ms": gpu_ms,
+            "launches": sum(k["launches_per_step"] for k in kernels),
+            "wall_us_per_token": 1e6 * wall / (rows * n), "gpu_us_per_token": 1e3 * gpu_ms / (rows * n),
+            "top_kernels": kernels[:12]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--tokens", type=int, default=512, help="prompt tokens per row")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = shipped_config(args.model)
+    model = Model(cfg, init_weights(cfg, seed=0, device="cuda"))
+    out = []
+    with flashrt.value_checks(False):
+        for rows in args.rows:
+            r = forward_costs(model, rows, args.tokens, args.repeat)
+            out.append(r)
+            print(f"[{rows}, {args.tokens}]: wall {r['wall_ms']:.1f} ms ({r['wall_us_per_token']:.2f} us/token), "
+                  f"GPU {r['gpu_ms']:.1f} ms ({r['gpu_us_per_token']:.2f} us/token) over {r['launches']:.0f} kernels",
+                  flush=True)
+            for k in r["top_kernels"][:8]:
+                print(f"    {k['us_per_step'] / 1e3:8.2f} ms x{k['launches_per_step']:4.0f}  {k['kernel'][:80]}")
+    if args.out:
+        write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "tokens_per_row": args.tokens,
+                              "rows": out})
+
+
+if __name__ == "__main__":
+    main()
