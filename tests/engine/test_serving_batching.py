@@ -127,20 +127,23 @@ def test_bucket_changes_reuse_the_step_runners(model, rng, monkeypatch):
     assert core.pool.pages_in_use == 0
 
 
-def test_prefill_groups_split_into_power_of_two_rows(model, rng):
+def test_prefill_groups_run_whole(model, rng):
+    """Chunks at one position with one length run as one call whatever their number; a short
+    chunk (fewer than 4 tokens) and one at another position run alone."""
     from flashrt.engine.scheduler import Plan
 
     engine = Engine(model, prefill_chunk=16, max_step_tokens=512, max_running=32, prefix_cache_bytes=0)
     core = engine.step_loop
-    k = int(torch.randint(9, 20, (1,), generator=rng))
+    k = int(torch.randint(3, 20, (1,), generator=rng))
     for i, p in enumerate(prompts_for(rng, [16] * k + [5, 5, 2])):
         core.add(f"r{i}", p, GREEDY)
-    plan = Plan(prefill=[(s, min(16, s.prompt_len)) for s in core.scheduler.waiting])
+    waiting = list(core.scheduler.waiting)
+    waiting[1].computed = 16  # a chunk further on: its own call
+    plan = Plan(prefill=[(s, min(16, s.prompt_len)) for s in waiting])
     groups = plan.prefill_groups()
-    sizes = [len(g) for g in groups]
-    expect = [1 << b for b in range(k.bit_length() - 1, -1, -1) if k >> b & 1] + [2, 1]
-    assert sizes == expect
-    assert [s for g in groups for s, _ in g] == [s for s, _ in plan.prefill]  # every chunk once, in order
+    assert [len(g) for g in groups] == [k - 1, 1, 2, 1]
+    assert [s for g in groups for s, _ in g] == [waiting[0], *waiting[2:k], waiting[1], *waiting[k:]]
+    assert all(len({(s.computed, n) for s, n in g}) == 1 for g in groups)
 
 
 def test_step_budget_comes_from_the_profile(model, monkeypatch):
