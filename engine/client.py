@@ -5,8 +5,9 @@ with the asynchronous interface of :class:`~flashrt.engine.Engine` (``add_reques
 Requests are checked here, before they are sent, with the engine's own
 :class:`~flashrt.engine.limits.RequestLimits` and tokenizer (both sent by the engine process once
 it is ready), so bad input is refused with the same errors as in process. A reader thread receives
-the engine's messages: each step's outputs go to their requests' queues in one hand-off per event
-loop; statistics are kept for ``stats()``; finished-request records go to :meth:`on_finish` hooks.
+the engine's messages: each step's outputs (slim while a request runs: only what is new, see
+:mod:`flashrt.engine.wire`) are rebuilt whole and go to their requests' queues in one hand-off per
+event loop; statistics are kept for ``stats()``; finished-request records go to :meth:`on_finish` hooks.
 If the engine process dies, every open request ends with an error output and ``step_error`` says so.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .core_process import CoreSpec, main
 from .errors import EngineStopped
 from .front import AsyncSink, EngineFront, deliver_grouped
 from .request import CompletionOutput, RequestOutput
+from .wire import Accumulator, is_last
 
 log = logging.getLogger("flashrt.engine")
 
@@ -47,6 +49,7 @@ class EngineClient(EngineFront):
         self._init_front()
         self._lock = threading.Lock()  # sends, and the map of open requests
         self._open: dict[str, AsyncSink] = {}
+        self._sofar: dict[str, Accumulator] = {}  # per open request: what its slim outputs add to
         self._unstarted = 0  # requests sent that have no output yet
         self._hooks: list = []
         self._stopped = threading.Event()
@@ -103,10 +106,12 @@ class EngineClient(EngineFront):
     def _submit(self, rid, ids, params, sink, images=None) -> None:
         with self._lock:
             self._open[rid] = sink
+            self._sofar[rid] = Accumulator(ids)
             self._unstarted += 1
         if not self._send("add", rid, ids, params, images):
             with self._lock:
                 self._open.pop(rid, None)
+                self._sofar.pop(rid, None)
                 self._unstarted -= 1
             self._queues.pop(rid, None)
             raise EngineStopped(self.step_error or "the engine process is gone")
@@ -144,7 +149,7 @@ class EngineClient(EngineFront):
         for record in records:  # before the outputs, as in process: a caller that saw its request end finds it counted
             for hook in self._hooks:
                 hook(record)
-        pairs = []
+        taken = []
         with self._lock:
             for rid, out in items:
                 sink = self._open.get(rid)
@@ -153,15 +158,18 @@ class EngineClient(EngineFront):
                 if not sink.started:
                     sink.started = True
                     self._unstarted -= 1
-                if out.finished:
+                if is_last(out):
                     del self._open[rid]
-                pairs.append((sink, out))
-        deliver_grouped(pairs, self.abort)
+                    taken.append((sink, self._sofar.pop(rid), out))
+                else:
+                    taken.append((sink, self._sofar[rid], out))
+        # rebuilt outside the lock (only this thread changes an accumulator): sends need not wait
+        deliver_grouped([(sink, sofar.take(out)) for sink, sofar, out in taken], self.abort)
 
     def _fail_open(self, why: str) -> None:
         """Every request still open ends with an error output (the engine cannot answer any more)."""
         with self._lock:
-            open_, self._open, self._unstarted = self._open, {}, 0
+            open_, self._open, self._sofar, self._unstarted = self._open, {}, {}, 0
         if self.accepting:
             self.step_error = self.step_error or why
             log.error("%s; %d open requests fail", why, len(open_))

@@ -10,7 +10,8 @@ talks to the server process over one pipe (``multiprocessing`` connections, pick
 server -> engine: ``("add", rid, ids, params, images)``, ``("abort", rid)``,
 ``("shutdown", grace_s)``.
 engine -> server: ``("ready", info)`` or ``("failed", exception)`` once; then ``("out", [(rid,
-RequestOutput)], finished_records, stats or None)`` once per step with new outputs (the
+output)], finished_records, stats or None)`` once per step with new outputs (each output as
+:func:`flashrt.engine.wire.slim` makes it: only what is new while its request runs; the
 statistics when requests finished in it); ``("stats", dict)`` at most every
 :data:`STATS_EVERY_S` while busy; ``("error", message)`` when a step failed; ``("stopped", stats)``
 last. Requests were checked by the server process with the same
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .front import BatchSink
+from .wire import slim
 
 STATS_EVERY_S = 0.2
 log = logging.getLogger("flashrt.engine")
@@ -44,14 +46,15 @@ class CoreSpec:
 
 
 class PipeSink(BatchSink):
-    """Outputs of requests added through the pipe: one message per step for all of them."""
+    """Outputs of requests added through the pipe: one message per step for all of them, each
+    output slimmed to what is new (the server process rebuilds the rest)."""
 
     def __init__(self, request_id: str, channel: "Channel"):
         self.request_id, self.channel, self.batch_key = request_id, channel, channel
 
     @staticmethod
     def deliver_batch(items) -> bool:
-        return items[0][0].channel.outputs([(sink.request_id, out) for sink, out in items])
+        return items[0][0].channel.outputs([(sink.request_id, slim(out)) for sink, out in items])
 
 
 class Channel:

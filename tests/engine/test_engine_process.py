@@ -5,6 +5,7 @@ shutdown lets running requests finish, and a dead engine process fails every ope
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -41,17 +42,46 @@ async def _collect(engine, prompts, params):
 
 
 def test_greedy_equals_the_in_process_engine(client, rng):
+    """Also the pipe's slim outputs (engine/wire.py): every streamed output is whole again, its
+    cumulative fields the sum of the deltas so far; nothing of a request is kept once it ended."""
     model = load_model("tiny", torch.device("cpu"), 0, quiet=True)  # what the engine process loads
     prompts = prompts_for(rng, torch.randint(3, 30, (5,), generator=rng).tolist())
-    params = SamplingParams(temperature=0, max_tokens=int(torch.randint(3, 12, (1,), generator=rng)), logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=int(torch.randint(3, 12, (1,), generator=rng)), logprobs=1,
+                            n=2, stop=["\ufffd\ufffd"])
     want = Engine(model, **SMALL).generate(prompts, params)
     got = asyncio.run(_collect(client, prompts, params))
-    for w, outs in zip(want, got):
-        last = outs[-1].outputs[0]
-        assert outs[-1].finished and last.token_ids == w.outputs[0].token_ids
-        assert sum((o.outputs[0].delta_token_ids for o in outs), []) == last.token_ids
-        assert "".join(o.outputs[0].delta_text for o in outs) == last.text == w.outputs[0].text
+    for p, w, outs in zip(prompts, want, got):
+        assert outs[-1].finished and all(o.prompt_token_ids == p for o in outs)
+        for i, wc in enumerate(w.outputs):
+            last = outs[-1].outputs[i]
+            assert (last.token_ids, last.text, last.finish_reason, last.stop_reason) == \
+                (wc.token_ids, wc.text, wc.finish_reason, wc.stop_reason)
+            assert [lp.token for lp in last.logprobs] == [lp.token for lp in wc.logprobs] == last.token_ids
+            assert [lp.logprob for lp in last.logprobs] == pytest.approx([lp.logprob for lp in wc.logprobs], abs=1e-4)
+            sofar = ([], "", [])
+            for o in outs:
+                c = o.outputs[i] if len(o.outputs) > i else None
+                if c is not None:
+                    sofar = (sofar[0] + c.delta_token_ids, sofar[1] + c.delta_text, sofar[2] + c.delta_logprobs)
+                    assert (c.token_ids, c.text, c.logprobs) == sofar
     assert client.step_error is None and client.stats()["finished"] >= len(prompts)
+    assert not client._sofar and not client._open
+
+
+def test_a_stream_left_early_leaves_nothing_behind(client, rng):
+    async def go():
+        it = client.stream(client.add_request(prompts_for(rng, (12,))[0], SamplingParams(
+            n=2, temperature=1.0, max_tokens=60, ignore_eos=True, logprobs=0)))
+        first = await it.__anext__()
+        await it.aclose()  # aborts the request; the engine's last output of it drops what the client kept
+        return first
+    first = asyncio.run(go())
+    assert not first.finished
+    for _ in range(200):
+        if not client._sofar and not client._open:
+            break
+        time.sleep(0.05)
+    assert not client._sofar and not client._open
 
 
 def test_bad_input_is_refused_before_it_is_sent(client):
