@@ -96,10 +96,15 @@ def _to_host(tensors: dict, device: torch.device) -> RowSnapshot:
     marks the copy done); on the CPU the packing is the copy."""
     layout, total = _layout(tensors)
     buf = torch.empty(total, dtype=U8, device=device)
+    parts = []  # every part's bytes, then its padding to the next 8-byte offset: one cat, one launch
     for name, x in tensors.items():
-        off, nb = layout[name][:2]
+        nb = layout[name][1]
         if nb:
-            buf[off:off + nb].copy_(x.reshape(-1).view(U8))
+            parts.append(x.reshape(-1).view(U8))
+        if nb % 8:
+            parts.append(buf.new_empty(8 - nb % 8))
+    if parts:
+        torch.cat(parts, out=buf)
     if device.type != "cuda":
         return RowSnapshot(0, _views(buf, layout))
     pinned = torch.empty(total, dtype=U8, pin_memory=True)
