@@ -6,7 +6,8 @@ Recorded (``flashrt.jit_compile.recording``: nothing is compiled or run) in a su
 does: ``topk_positions`` (with and without candidates) and ``candidate_blocks`` at the shipped
 models' ``k`` over entry counts 1 .. 1024 give one variant of each kernel. The bucketed tiles the
 kernels take (``select.min_summary``; ``k`` past the row's length) are checked against the
-reference under the interpreter here.
+reference under the interpreter here. ``tools/decode_variants.py`` over the tiny model's decode
+finds no variant met after its first step.
 """
 from __future__ import annotations
 
@@ -91,6 +92,22 @@ def test_decode_kernels_have_one_variant_from_1_to_1024_entries(profile, tmp_pat
             for kernel in kernels:
                 assert found.get(f"{model} / {launch} / {kernel}") == 1, (model, launch, kernel, counts, found)
     assert not any("_chunk_max_kernel" in k for k in found), found  # rows of <= 1024 entries need no chunk pass
+
+
+@needs_ptxas
+def test_a_decode_meets_no_new_variant_after_its_first_step(tmp_path):
+    """tools/decode_variants.py over the tiny model's decode (its compressed entries pass 1, 16,
+    32, 64 ...): every variant is met in the prefill or at the first step."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "variants.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "decode_variants.py"), "--model", "tiny", "--batch", "2",
+                        "--prompt", "20", "--steps", "60", "--json", str(out)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["prefill_variants"] > 0 and report["positions"]["20"], report
+    assert list(report["positions"]) == ["20"], r.stdout[-3000:]
+    assert "positions with new variants after it: none" in r.stdout
 
 
 # ------------------------------------------------------------ the bucketed tiles, computed
