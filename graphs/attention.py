@@ -101,4 +101,4 @@ class Attention:
         if self.layer == cfg.candidate_source_layer:
             ctx.candidates = ops.candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
         candidates = ctx.candidates if cfg.uses_candidates(self.layer) else None
-        return ops.topk_positions(scores, min(cfg.index_topk, T), candidates)
+        return ops.topk_positions(scores, cfg.index_topk, candidates)  # min(k, T) wide; k whole: one kernel variant

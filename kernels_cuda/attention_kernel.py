@@ -164,7 +164,9 @@ def _scores(q, kv, q_o, kv_o, lo_first, D_SPLIT: tl.constexpr, PREC: tl.constexp
     return s
 
 
-@triton.jit
+# K (indices per query) grows with the context in decode until the top-k is full: not specialised
+# on (== 1, % 16 == 0), so it compiles no variant mid-run; it bounds the loop and masks the index loads.
+@triton.jit(do_not_specialize=("K",))
 def _sparse_attention_kernel(
         q_ptr, idx_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
         d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,

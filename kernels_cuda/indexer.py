@@ -105,9 +105,9 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     _block_keys_kernel[(R, cdiv(NB, blocks))](src, vis, keys, T, NB, bs, src.stride(0), keys.stride(0),
                                                      BLOCKS=blocks, BJ=bj, num_warps=tiles["num_warps"])
     flags = torch.zeros(R, NB, dtype=torch.uint8, device=scores.device)
-    select_rows(keys, None, min(topk_blocks, NB), flags, mark=True)
+    select_rows(keys, None, topk_blocks, flags, mark=True)  # the model's k, whatever NB: one variant
     flat = out.view(R, T).view(torch.uint8)
-    block = min(tiles["block"], next_pow2(T))
+    block = tiles["block"]  # (not shrunk to short rows: one variant for every row length)
     _expand_kernel[(R, cdiv(T, block))](flags, flat, T, bs, flags.stride(0), flat.stride(0),
                                                BLOCK=block, num_warps=tiles["num_warps"])
     return out

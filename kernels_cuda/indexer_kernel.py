@@ -111,7 +111,10 @@ def _tile_plain(acc, k_ptr, q_rows, row_ok, offs_t, t_ok, sk_t, sk_d, sq_d,
     return acc
 
 
-@triton.jit
+# The key count and the output's row strides (which follow it) are not specialised on (== 1,
+# % 16 == 0): a decode's key count grows by one entry a step, and a variant per class would be
+# compiled mid-run. They only mask and address the scores written, a few per thread.
+@triton.jit(do_not_specialize=("T", "so_b", "so_s"))
 def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, bt_ptr, S, T, H,
                          sq_b, sq_s, sq_h, sq_d, sk_b, sk_t, sk_d, ss_b, ss_t, sw_b, sw_s, sw_h, sv_b, sv_s,
                          so_b, so_s, sbt_b, PAGE, PAGED: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DK: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -149,7 +152,11 @@ def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, bt_ptr, 
     tl.store(rows[None, :] + offs_t[:, None], res, mask=mask)
 
 
-@triton.jit
+# The row length and what follows it (block count, row strides) are not specialised on (== 1,
+# % 16 == 0): a decode's rows grow by one entry a step, and a variant per class would be compiled
+# mid-run. The loads and stores they address are not vectorised anyway (blocks of a runtime size;
+# byte flags), and a warp's accesses stay contiguous.
+@triton.jit(do_not_specialize=("T", "NB", "s_row", "k_row"))
 def _block_keys_kernel(s_ptr, vis_ptr, key_ptr, T, NB, bs, s_row, k_row,
                        BLOCKS: tl.constexpr, BJ: tl.constexpr):
     """Key of the max finite score of each block; the block holding visible - 1 -> MAX (pinned)."""
@@ -167,7 +174,7 @@ def _block_keys_kernel(s_ptr, vis_ptr, key_ptr, T, NB, bs, s_row, k_row,
     tl.store(key_ptr + r * k_row + blk, best, mask=blk < NB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("T", "f_row", "o_row"))
 def _expand_kernel(flag_ptr, out_ptr, T, bs, f_row, o_row, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

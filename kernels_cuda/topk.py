@@ -42,9 +42,11 @@ TILES = {
     # (at least 2k); list: longest list kept (streamed from L2 when longer than small; past it the
     # chunks are streamed); group: elements per step of the scanning and streaming loops
     # radix_bits: bits of the k-th-largest searches decided per pass (1, 2 or 4; bits % radix_bits == 0):
-    # 2**radix_bits candidate thresholds counted at once, bits / radix_bits sequential reductions
+    # 2**radix_bits candidate thresholds counted at once, bits / radix_bits sequential reductions;
+    # min_summary: the smallest summary block (capped at summary): rows of up to this many entries
+    # share one compiled variant (a decode's rows grow by one entry at a time)
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
-               "num_warps": 8, "radix_bits": 1},
+               "num_warps": 8, "radix_bits": 1, "min_summary": 1024},
 }
 
 
@@ -58,9 +60,11 @@ def _pow2(n: int) -> int:
 
 def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool = False, stats=None) -> None:
     """Top-``k`` of every row of ``src`` ([R, T]: fp32 scores, or int32 keys as made by ``_keys``),
-    only where ``cand`` ([R, T] uint8, or None) is nonzero, ties to the lower position.
+    only where ``cand`` ([R, T] uint8, or None) is nonzero, ties to the lower position. ``k`` may
+    pass ``T`` (every valid entry is picked): callers pass the model's ``k`` whatever the row's
+    length, so the compiled variant does not change as a context grows.
 
-    ``mark=False``: ``out`` int32 [R, >= k] gets the positions ascending, then -1 up to its width.
+    ``mark=False``: ``out`` int32 [R, >= min(k, T)] gets the positions ascending, then -1 up to its width.
     ``mark=True``: ``out`` uint8 [R, T], zero on entry, gets 1 at every pick.
     ``stats``: int32 [R] or None; gets each row's list length (tests and tuning: longer than the
     register block ``max(TILES small, 2k)`` means the list was streamed, than ``TILES list`` that
@@ -68,7 +72,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     """
     R, T = src.shape
     assert src.stride(1) == 1 and (cand is None or (cand.stride(1) == 1 and cand.shape == src.shape))
-    assert src.dtype in (torch.float32, torch.int32) and out.stride(1) == 1 and 1 <= k <= T
+    assert src.dtype in (torch.float32, torch.int32) and out.stride(1) == 1 and k >= 1
+    assert mark or out.shape[1] >= min(k, T)
     all_tiles = _tiles()
     tiles, chunk_tiles = all_tiles["select"], all_tiles["chunk_max"]
     coarse = _pow2(cdiv(T, tiles["summary"]))  # chunk size of the summary searched for L
@@ -90,10 +95,13 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     small = min(max(tiles["small"], _pow2(2 * k)), LIST)  # a list of k + k ties stays in registers
     lst = torch.empty(R, LIST, dtype=torch.int32, device=src.device)
     width = 0 if mark else out.shape[1]
+    # SUMMARY and PAD are capacities (masked past NC / width): floored and taken from k rather than
+    # from the row, so short rows of any length share one variant
+    summary = max(_pow2(NC), min(tiles["min_summary"], tiles["summary"]))
     _select_kernel[(R,)](src, cand_t, summ, fine, fids, lst, out, stats if stats is not None else summ, T, NC, NF,
                          k, width, src.stride(0), cand_t.stride(0), summ.stride(0), fine.stride(0), lst.stride(0),
-                         out.stride(0), C=C, F=F, SUMMARY=_pow2(NC), BITS=tiles["bits"], LIST=LIST, SMALL=small,
-                         GROUP=max(C * F, tiles["group"]), PAD=min(1024, _pow2(width)), SRC_KEYS=src_keys,
+                         out.stride(0), C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, SMALL=small,
+                         GROUP=max(C * F, tiles["group"]), PAD=min(1024, _pow2(k)), SRC_KEYS=src_keys,
                          HAS_CAND=has_cand, MARK=mark, STATS=stats is not None, RADIX=radix,
                          num_warps=tiles["num_warps"])
 
@@ -109,7 +117,7 @@ def topk_positions(scores, k, candidates=None):
     cand = None
     if candidates is not None:
         cand = candidates.reshape(B * S, T).contiguous().view(torch.uint8)
-    select_rows(src, cand, width, out.view(B * S, width))
+    select_rows(src, cand, k, out.view(B * S, width))
     return out
 
 
@@ -117,7 +125,7 @@ def warmup_cases(device, d: dict, dtype):
     """topk_positions over a step's index scores, with and without candidate blocks."""
     for n in _warmup.TOKENS:
         for T in _warmup.CONTEXTS:
-            scores, k = torch.randn(1, n, T, device=device), min(d["index_topk"], T)
+            scores, k = torch.randn(1, n, T, device=device), d["index_topk"]  # as the model passes it
             yield _warmup.Launch("topk_positions", topk_positions, (scores, k, None))
             cand = torch.rand(1, n, T, device=device) < 0.5
             yield _warmup.Launch("topk_positions candidates", topk_positions, (scores, k, cand))
@@ -128,6 +136,6 @@ FAMILY = KernelFamily(
     supports={"topk_positions": Support(inputs={"scores": (torch.float32,)}, dims={"scores[-1]": Dim(0, 2**30 - 1)})},
     tiles=TILES, tile_checks={"chunk_max.block": POW2, "select.summary": POW2, "select.fine": POW2,
                               "select.small": POW2, "select.list": POW2, "select.group": POW2,
-                              "select.bits": Tile(high=32), "select.radix_bits": Tile(choices=(1, 2, 4))},
+                              "select.min_summary": POW2, "select.bits": Tile(high=32), "select.radix_bits": Tile(choices=(1, 2, 4))},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="top-k positions: chunk maxima, threshold search, ordered picks")

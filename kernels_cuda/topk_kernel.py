@@ -172,7 +172,13 @@ def _fine_chunks(fine, coarse_ids, fids, n_coarse, NF, L, F: tl.constexpr, GROUP
     return n
 
 
-@triton.jit
+# The row length and what follows it (counts, row strides, the output width) are not specialised
+# on (== 1, % 16 == 0): a decode's rows grow by one entry a step, and a variant per class would be
+# compiled mid-run. This kernel runs one program per row; the loads it could vectorise are few.
+_ROW_SIZED = ("T", "NC", "NF", "width", "s_src", "s_cand", "s_summ", "s_fine", "s_out")
+
+
+@triton.jit(do_not_specialize=_ROW_SIZED)
 def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, width,
                    s_src, s_cand, s_summ, s_fine, s_lst, s_out,
                    C: tl.constexpr, F: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
@@ -207,7 +213,7 @@ def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, w
             tl.store(out + j, tl.full([PAD], -1, tl.int32), mask=(j >= n_out) & (j < width))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("NF", "NC", "s_fine", "s_coarse"))  # (T and the row strides kept: the loads' vectors)
 def _chunk_max_kernel(src, cand, fine, coarse, T, NF, NC, s_src, s_cand, s_fine, s_coarse, C: tl.constexpr,
                       F: tl.constexpr, CHUNKS: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
     """Max key of every chunk of C positions (fine), and of every F fine chunks (coarse, F > 1)."""

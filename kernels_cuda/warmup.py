@@ -8,7 +8,10 @@ the compile cache. ``MODELS`` holds the kernel-relevant keys of ``graphs/configs
 never import graphs; a test checks the two agree; the ``vision_*`` keys only where the model has an
 image encoder). Token counts: a decode step (1) and a prefill
 (``PREFILL``); contexts ``CONTEXTS``: Triton specialises integer arguments on ``== 1`` and
-``% 16 == 0``, so these cover the three classes. A family says which launches it needs with
+``% 16 == 0``, so these cover the three classes. The kernels of ``topk_positions``,
+``candidate_blocks`` and ``index_scores`` do not specialise on the entry count and floor their
+block sizes, so their variants are the same for every count from 1 to 1024 (past it the top-k
+summary grows by powers of two): any of these contexts stands for that whole range. A family says which launches it needs with
 ``warmup_cases(device, dims, dtype)``, a generator of :class:`Launch`. ``FLASHRT_WARMUP_MODELS``
 (``flashrt jit warmup --shapes``) narrows the models warmed. Without a CUDA device a
 hook launches nothing and says why.
