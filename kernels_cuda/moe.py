@@ -1,8 +1,8 @@
 """``moe_experts``: routed SwiGLU experts with ``fp4_w`` / ``fp8_w`` weights, grouped by expert.
 
 The (token, slot) pairs are sorted by expert with a table of row tiles, each inside one expert
-(:mod:`.moe_tables`: one program for decode-sized batches, torch past that; no host sync, so it can
-be captured in a CUDA graph). Then three kernels:
+(:mod:`.moe_tables`: one program for decode-sized batches, a sort and two kernels past that; no
+host sync, so it can be captured in a CUDA graph). Then three kernels:
 
 1. ``_moe_up_kernel``: per (row tile, column tile of I), W1 and W3 over the fp8 activations of the
    tile's tokens (rows gathered by token id; up to ``fused_max_tokens`` tokens quantized in the kernel
@@ -47,7 +47,7 @@ TILES = {
         (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
     ),
     "combine": dict(BLOCK_D=1024, num_warps=4, in_kernel=True),  # in_kernel: the down kernel's last program sums
-    "route": moe_tables.ROUTE,  # the routing tables in one program up to max_pairs (token, slot) pairs
+    "route": moe_tables.ROUTE,  # the routing tables: one program up to max_pairs (token, slot) pairs
     "fused_max_tokens": 64,  # up to this many tokens the up kernel quantizes x itself (no act_quant launch)
     "direct": True,  # one expert, one slot (the shared expert): no routing tables, no combine launch
 }
@@ -291,6 +291,6 @@ FAMILY = KernelFamily(
                                      extra=same_up_format)},
     tiles=TILES, tile_checks={"experts.BLOCK_M": DOT, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
                               "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
-                              "combine.in_kernel": Tile(kind=bool)},
+                              "combine.in_kernel": Tile(kind=bool), "route.large": Tile(kind=bool)},
     smem={"experts": gemm_smem}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="routed SwiGLU experts: grouped FP8 / FP4 GEMMs over routing tables")
