@@ -90,7 +90,7 @@ def _route_tiles_kernel(sorted_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, P, E,
     """The tile table (as ``_route_kernel``) from the ``P`` experts sorted, ``TB`` tiles per step."""
     x = tl.arange(0, EB)
     ends = _count_below(sorted_ptr, P, steps, x + 1)  # pairs of experts <= x
-    counts = ends - _count_below(sorted_ptr, P, steps, x)
+    counts = ends - tl.where(x > 0, tl.gather(ends, tl.maximum(x - 1, 0), 0), 0)  # one search, not two
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_ends = tl.cumsum(tiles, 0)
     first = ends - counts - (tile_ends - tiles) * BLOCK_M
