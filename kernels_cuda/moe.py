@@ -269,6 +269,28 @@ def warmup_cases(device, d: dict, dtype):
         x, one = _warmup.rand((n, D), dtype, device), torch.ones(n, 1, device=device)
         first = torch.zeros(n, 1, dtype=torch.int32, device=device)
         yield _warmup.Launch("moe_experts shared", moe_experts, (x, one, first, *weights[1], d["swiglu_limit"]))
+    yield from route_cases(device, d["n_routed_experts"], k)
+
+
+def route_cases(device, experts: int, k: int):
+    """The routing tables at the model's expert count (their kernels' expert width follows it, where
+    the experts' GEMMs above see 16 stand-in experts): the one-program kernel at every power-of-two
+    pair count it serves (its sort width follows the pairs: decode batches, prefill chunks) and the
+    sorted path past it, for each tile rule's row height."""
+    route = _tiles()["route"]
+    for bm in sorted({t["BLOCK_M"] for _, t in _tiles()["experts"]}):
+        pairs = 16
+        while pairs <= route["max_pairs"]:
+            yield _route_launch(device, experts, k, max(1, pairs // k), bm, route)  # sort width: pairs
+            pairs *= 2
+        if route.get("large", True):
+            yield _route_launch(device, experts, k, route["max_pairs"] // k + 1, bm, route)
+
+
+def _route_launch(device, experts: int, k: int, tokens: int, bm: int, route: dict):
+    idx = torch.randint(0, experts, (tokens, k), dtype=torch.int32, device=device)
+    return _warmup.Launch(f"moe route tables {tokens * k} pairs", moe_tables.route_tables,
+                          (idx, torch.rand(tokens, k, device=device), experts, bm, route))
 
 
 def rule_tokens(rules, experts: int, k: int) -> list[int]:

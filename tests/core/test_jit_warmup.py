@@ -99,9 +99,32 @@ def test_moe_covers_every_tile_rule_of_the_profile(recorded):
         moe.FAMILY.warmup(profiles.active_profile())
     picked = set()
     for launch in recorded:
-        x, _, idx, w1 = launch.args[:4]
-        picked.add(id(moe.pick_tile(rules, x.shape[0] * idx.shape[1] / w1.shape[0])))
+        if launch.fn is moe.moe_experts:
+            x, _, idx, w1 = launch.args[:4]
+            picked.add(id(moe.pick_tile(rules, x.shape[0] * idx.shape[1] / w1.shape[0])))
     assert picked == {id(tile) for _, tile in rules}
+
+
+def test_moe_warms_the_routing_tables_at_the_models_experts(recorded):
+    """Every sort width of the one-program routing kernel (a power of two of the pairs, up to
+    route.max_pairs) and the sorted path past it, for each tile rule's row height, at the expert
+    count of each warmed model."""
+    from flashrt.kernels_cuda import moe, moe_tables
+
+    with profiles.using("h200"):
+        route, rules = profiles.tiles("moe", moe.TILES)["route"], profiles.tiles("moe", moe.TILES)["experts"]
+        moe.FAMILY.warmup(profiles.active_profile())
+    seen = {}
+    for launch in recorded:
+        if launch.fn is moe_tables.route_tables:
+            idx, _, experts, bm = launch.args[:4]
+            pairs = idx.numel()
+            seen.setdefault((experts, bm), set()).add(max(16, 1 << (pairs - 1).bit_length())
+                                                      if pairs <= route["max_pairs"] else "large")
+    widths = {1 << b for b in range(4, route["max_pairs"].bit_length())} | {"large"}
+    assert seen and all(v == widths for v in seen.values()), seen
+    assert {bm for _, bm in seen} == {t["BLOCK_M"] for _, t in rules}
+    assert {e for e, _ in seen} == {d["n_routed_experts"] for d in _warmup.selected_models().values()}
 
 
 @pytest.mark.parametrize("name", HOOKED)
