@@ -58,7 +58,9 @@ def _route_kernel(idx_ptr, w_ptr, tok_ptr, rw_ptr, pos_ptr, tile_e_ptr, tile_row
     tl.store(row_end_ptr + t, tl.gather(ends, ec, 0), mask=t < T)
 
 
-@triton.jit
+# The pair and tile counts follow the prefill chunk's tokens: not specialised on (== 1, % 16 == 0),
+# so the sorted path is one variant per model (expert count) and tile height, warmed once.
+@triton.jit(do_not_specialize=("P",))
 def _route_pairs_kernel(order_ptr, w_ptr, tok_ptr, rw_ptr, pos_ptr, P, K, BLOCK: tl.constexpr):
     """Sorted positions ``i`` of this program: the pair ``order[i]``'s token, weight and position."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -84,7 +86,7 @@ def _count_below(sorted_ptr, P, steps, x):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("P", "T", "steps"))
 def _route_tiles_kernel(sorted_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, P, E, T, steps,
                         BLOCK_M: tl.constexpr, EB: tl.constexpr, TB: tl.constexpr):
     """The tile table (as ``_route_kernel``) from the ``P`` experts sorted, ``TB`` tiles per step."""
@@ -132,7 +134,7 @@ def route_tables(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, b
         _route_pairs_kernel[(cdiv(pairs, PAIRS_BLOCK),)](order, w, out["tok"], out["rw"], out["pos"], pairs, k,
                                                          BLOCK=PAIRS_BLOCK, num_warps=t["num_warps"])
         _route_tiles_kernel[(1,)](experts, out["tile_e"], out["tile_row"], out["row_end"], pairs, n_experts, T,
-                                  pairs.bit_length(), BLOCK_M=block_m, EB=EB, TB=max(16, min(TILE_BLOCK, next_pow2(T))),
+                                  pairs.bit_length(), BLOCK_M=block_m, EB=EB, TB=TILE_BLOCK,
                                   num_warps=t["num_warps"])
         return out
     _route_kernel[(1,)](idx, w, out["tok"], out["rw"], out["pos"], out["tile_e"], out["tile_row"], out["row_end"],

@@ -4,7 +4,8 @@ compressed entry a step, and each new variant met mid-run is a compile in the mi
 Recorded (``flashrt.jit_compile.recording``: nothing is compiled or run) in a subprocess without
 ``TRITON_INTERPRET`` (this process imported Triton in interpreter mode), as test_arch_compile.py
 does: ``topk_positions`` (with and without candidates) and ``candidate_blocks`` at the shipped
-models' ``k`` over entry counts 1 .. 1024 give one variant of each kernel. The bucketed tiles the
+models' ``k`` over entry counts 1 .. 1024 give one variant of each kernel, and the MoE routing
+tables past the one-program kernel one variant each over a prefill chunk's pair counts. The bucketed tiles the
 kernels take (``select.min_summary``; ``k`` past the row's length) are checked against the
 reference under the interpreter here. ``tools/decode_variants.py`` over the tiny model's decode
 finds no variant met after its first step.
@@ -36,6 +37,7 @@ VARIANTS_SCRIPT = textwrap.dedent('''
     from flashrt.jit_compile import kernel_name, recording, variant_key
     from flashrt.jit_targets import ARCHS
     from flashrt.kernels_cuda.indexer import candidate_blocks
+    from flashrt.kernels_cuda.moe_tables import ROUTE, route_tables
     from flashrt.kernels_cuda.topk import topk_positions
     from flashrt.kernels_cuda.warmup import MODELS
 
@@ -62,6 +64,12 @@ VARIANTS_SCRIPT = textwrap.dedent('''
                 topk_positions(scores, d["index_topk"], torch.rand(B, 1, T, generator=g) < 0.5)
                 where["at"] = (model, "candidate_blocks")
                 candidate_blocks(scores, vis, d["candidate_topk_blocks"], d["candidate_block_size"])
+            k = d["n_activated_experts"]
+            for tokens in sorted({1 + ROUTE["max_pairs"] // k, 512, 1024, 2048, 2049, 4096, 5461, 8192}):
+                if tokens * k > ROUTE["max_pairs"]:  # prefill chunks past the one-program tables
+                    where["at"] = (model, "route_tables")
+                    idx = torch.randint(0, d["n_routed_experts"], (tokens, k), generator=g, dtype=torch.int32)
+                    route_tables(idx, torch.rand(tokens, k, generator=g), d["n_routed_experts"], 64)
     print(json.dumps({" / ".join(k): len(v) for k, v in sorted(found.items())}))
 ''')
 
@@ -91,6 +99,8 @@ def test_decode_kernels_have_one_variant_from_1_to_1024_entries(profile, tmp_pat
                                 ("candidate_blocks", ("_block_keys_kernel", "_select_kernel", "_expand_kernel"))):
             for kernel in kernels:
                 assert found.get(f"{model} / {launch} / {kernel}") == 1, (model, launch, kernel, counts, found)
+        for kernel in ("_route_pairs_kernel", "_route_tiles_kernel"):  # any prefill chunk's pair count
+            assert found.get(f"{model} / route_tables / {kernel}") == 1, (model, kernel, found)
     assert not any("_chunk_max_kernel" in k for k in found), found  # rows of <= 1024 entries need no chunk pass
 
 
