@@ -54,8 +54,14 @@ def linear_fp32(x, weight) -> torch.Tensor:
 
 
 def grouped_linear(x, weight):
+    return per_group(linear, x, weight)
+
+
+def per_group(linear_fn, x, weight):
+    """``grouped_linear`` by one ``linear_fn(x_g, weight_g)`` per group, the outputs side by side
+    (the reference; the backends' fallback when a group cannot be one launch)."""
     out = weight.shape[0] // x.shape[-2]
-    return torch.cat([linear(x[..., g, :], weight[g * out:(g + 1) * out]) for g in range(x.shape[-2])], dim=-1)
+    return torch.cat([linear_fn(x[..., g, :], weight[g * out:(g + 1) * out]) for g in range(x.shape[-2])], dim=-1)
 
 
 def linear(x, weight):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from flashrt import formats
 from flashrt import refmath as ref
 from flashrt.formats import QTensor
+from flashrt.refmath_linear import per_group
 
 from .npu_runtime import dequantize as exact_dequantize
 from .npu_runtime import fallback, npu_family, operator, via_torch
@@ -126,8 +127,7 @@ def grouped_linear(x, weight):
     """``grouped_linear``: one :func:`linear` per group (``F.linear`` for a plain weight in x's
     dtype), the outputs side by side."""
     via_torch("grouped_linear", "linear per group, then torch.cat")
-    out = weight.shape[0] // x.shape[-2]
-    return torch.cat([linear(x[..., g, :], weight[g * out:(g + 1) * out]) for g in range(x.shape[-2])], dim=-1)
+    return per_group(linear, x, weight)
 
 
 PLANS = {"quantize": quantize_plan, "dequantize": lambda *args: DEQUANT_WHY, "linear": linear_plan,

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from flashrt.jit_triton import interpreted
+from flashrt.refmath_linear import per_group
 from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import DOT, Tile
 from flashrt.kernels_cuda import splitk
@@ -120,7 +121,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = weight.shape[0]
     out = _launch(x.reshape(-1, G * k), weight, x.dtype, n // G)
     if out is None:
-        return torch.cat([plain_linear(x[..., g, :], weight[g * (n // G):(g + 1) * (n // G)]) for g in range(G)], -1)
+        return per_group(plain_linear, x, weight)
     return out.view(*x.shape[:-2], n)
 
 

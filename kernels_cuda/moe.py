@@ -283,7 +283,7 @@ def route_cases(device, experts: int, k: int):
         while pairs <= route["max_pairs"]:
             yield _route_launch(device, experts, k, max(1, pairs // k), bm, route)  # sort width: pairs
             pairs *= 2
-        if route.get("large", True):
+        if route["large"]:
             yield _route_launch(device, experts, k, route["max_pairs"] // k + 1, bm, route)
 
 
