@@ -63,9 +63,8 @@ class Plan:
     def prefill_groups(self, min_len: int = 4) -> list[list[tuple[Sequence, int]]]:
         """The prefill chunks that run as one forward call each: chunks starting at the same
         position with the same length (a ``[rows, n]`` call needs both), in plan order. A forward's
-        host work hardly grows with its rows, so a group is never split: any row count runs the
-        kernel variants the power-of-two counts do (the launchers' constexprs follow the token
-        count's tile rule, not the rows). Chunks of fewer than ``min_len`` tokens run alone: a CPU
+        host work hardly grows with its rows, so a group is never split (the launchers' constexprs
+        follow the token count's tile rule, so new row counts add few kernel variants). Chunks of fewer than ``min_len`` tokens run alone: a CPU
         fp32 GEMM of fewer than 4 rows rounds differently from a larger one, and a prompt's logits
         must not depend on the load. A prompt with images runs alone (its spans are one row's)."""
         groups: dict = {}
