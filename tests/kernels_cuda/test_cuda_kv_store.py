@@ -88,10 +88,13 @@ def test_kernel_matches_the_reference_and_stores_by_hand(rng, fmt, B, n, D, P, t
 
 
 def test_one_launch_and_the_switch_off_is_the_same_store(rng, launches):
-    args = _case(rng, "fp4_b16", 4, 3, 64, 4, pages=20, table_dtype=torch.int64)
-    args[3][:] = True  # every pair stored: the result is defined to the byte
-    args[2].clamp_(min=0)
-    args[1].clamp_(min=1)
+    pool, table, entry, mask, values, P = _case(rng, "fp4_b16", 4, 3, 64, 4, pages=20, table_dtype=torch.int64)
+    # every pair stored, each to a pool row of its own (distinct pages, distinct entries per row): the
+    # result is defined to the byte (pairs sharing a row would race on a GPU)
+    B, W = table.shape
+    table = (torch.randperm(19, generator=rng)[:B * W] + 1).view(B, W).to(DEVICE, torch.int64)
+    entry = torch.stack([torch.randperm(W * P, generator=rng)[:entry.shape[1]] for _ in range(B)]).to(DEVICE)
+    args = (pool, table, entry, torch.ones_like(mask), values, P)
     with pinned_tiles(kv_store=dict(store_paged=dict(in_kernel=True))):
         fused = _store("cuda", args)
     assert launches == ["_store_paged_kernel"]
