@@ -9,6 +9,9 @@
 #   serve-alt  64 concurrent with the engine in the server's process, then with the engine
 #              process but no prefix cache (no prefix snapshots: their cost shows as the gap):
 #              h200-serve-in-process.json, h200-serve-no-prefix.json
+#   overlap    the overlapped-steps GPU test, then serve at 16 and 64 concurrent (overlap on, the
+#              default) and at 64 with --no-overlap in the same call: h200-serve-overlap.json,
+#              h200-serve-no-overlap.json
 #   coldstart  time to first token of a cold `flashrt run --model small`, with the compile pool:
 #              h200-jit-ttft.json; then records the plan of what a run launches on this device
 #              (the file to commit under core/jit_plans/)
@@ -24,11 +27,11 @@
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
-[ $# -gt 0 ] || { sed -n 2,25p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,28p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-alt|coldstart|tests|decode|prefill) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-alt, coldstart, tests, decode or prefill)" >&2; exit 2 ;;
+    serve|serve-alt|overlap|coldstart|tests|decode|prefill) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, coldstart, tests, decode or prefill)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -50,6 +53,13 @@ phase_serve_alt() {
     --out "$OUT/h200-serve-in-process.json"
   python benchmarks/serve_vs_generate.py --model small --concurrency 64 --serve-arg=--prefix-cache-bytes=0 \
     --out "$OUT/h200-serve-no-prefix.json"
+}
+
+phase_overlap() {
+  timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_serving_overlap.py 2>&1 | tail -n 3
+  python benchmarks/serve_vs_generate.py --model small --out "$OUT/h200-serve-overlap.json"
+  python benchmarks/serve_vs_generate.py --model small --concurrency 64 --serve-arg=--no-overlap \
+    --out "$OUT/h200-serve-no-overlap.json"
 }
 
 phase_coldstart() {

@@ -36,6 +36,7 @@ class EngineConfig:
     speculative: str | None = None  # "dspark": decode batches draft and verify (docs/speculative.md)
     draft_tokens: int | str = "auto"  # drafts verified per round (1 .. block size) or "auto"
     device_timing: bool = False  # time the forwards on the device too (CUDA events: a host sync per step)
+    overlap: bool = True  # launch each step before the host has read the previous step's tokens
 
     def __post_init__(self):
         positive = ("max_running", "max_step_tokens", "prefill_chunk", "max_model_len", "max_waiting",
@@ -50,8 +51,9 @@ class EngineConfig:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
         if self.speculative is not None and self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative: expected one of {list(SPECULATIVE)} or None, got {self.speculative!r}")
-        if not isinstance(self.device_timing, bool):
-            raise ValueError(f"device_timing: expected a bool, got {self.device_timing!r}")
+        for name in ("device_timing", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         d = self.draft_tokens
         if d != "auto" and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError(f"draft_tokens: expected an int >= 1 or 'auto', got {d!r}")

@@ -66,6 +66,8 @@ def pool_bytes(pool) -> int:
 class GroupStepLoop(StepLoop):
     """A :class:`StepLoop` that runs its own group's sequences and mirrors the other groups'."""
 
+    overlap_steps = False  # each step's tokens go to the other groups at its end: read them in it
+
     def __init__(self, model, config, tokenizer):
         super().__init__(model, config, tokenizer)
         self.par = model.parallel

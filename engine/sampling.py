@@ -171,6 +171,14 @@ def filter_logits(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
 
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
     """One token per row of fp32 ``logits`` [B, vocab], each row under its own parameters."""
+    return sample_async(logits, rows).result()
+
+
+def sample_async(logits: torch.Tensor, rows: list[SamplerRow]) -> "SampleJob":
+    """:func:`sample` with the host left out until :meth:`SampleJob.result`: the draws (and the
+    log-probabilities asked for) are queued on the device, their copy to the host started, and
+    ``job.tokens`` holds the tokens on the device (row order), so the next forward can read them
+    before the host has."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits: expected [{len(rows)}, vocab], got {tuple(logits.shape)}")
     raw = logits.to(torch.float32)
@@ -196,27 +204,56 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         filt = filter_logits(_rows(z, drawn) / temp.unsqueeze(1), packed[1].to(torch.long), top_p, min_p)
         # one generator per row: its draws depend on nothing else
         parts += [ops.sample(filt[j:j + 1], 1.0, rows[i].generator) for j, i in enumerate(drawn)]
-    picked = (parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])).tolist()  # one copy
-    tokens = [0] * len(rows)
-    for i, t in zip(greedy + drawn, picked):
-        tokens[i] = t
-    return _with_logprobs(raw, rows, tokens)
+    picked = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
+    order = greedy + drawn
+    if order != list(range(len(rows))):  # back to row order
+        picked = torch.empty_like(picked).index_copy_(0, to_device(order, picked.device), picked)
+    return SampleJob(raw, rows, picked.to(torch.long))
 
 
-def _with_logprobs(raw: torch.Tensor, rows: list[SamplerRow], tokens: list[int]) -> list[Sampled]:
-    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    out = [Sampled(t) for t in tokens]
-    if not want:
-        return out
-    lp = torch.log_softmax(raw[want], dim=-1)
-    n = max(rows[i].params.logprobs for i in want)
-    top_v, top_i = lp.topk(max(n, 1), dim=-1) if n else (None, None)
-    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in want], device=lp.device))[:, 0].tolist()
-    for j, i in enumerate(want):
-        k = rows[i].params.logprobs
-        top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())) if k else []
-        out[i] = Sampled(tokens[i], chosen[j], top)
-    return out
+class SampleJob:
+    """Tokens drawn on the device (``tokens``, int64 [B] in row order) and, for the rows that ask,
+    their log-probabilities, on their way to the host; :meth:`result` waits for them."""
+
+    def __init__(self, raw: torch.Tensor, rows: list[SamplerRow], tokens: torch.Tensor):
+        self.tokens = tokens
+        self.want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        self.ks = [rows[i].params.logprobs for i in self.want]
+        device_parts = [tokens]
+        if self.want:
+            lp = torch.log_softmax(raw[self.want], dim=-1)
+            n = max(self.ks)
+            device_parts.append(lp.gather(1, tokens[self.want].unsqueeze(1))[:, 0])
+            if n:
+                top_v, top_i = lp.topk(n, dim=-1)
+                device_parts += [top_i, top_v]
+        self._host = [_to_host(t) for t in device_parts]
+        self._ready = torch.cuda.Event() if tokens.is_cuda else None
+        if self._ready is not None:
+            self._ready.record()
+        self._result: list[Sampled] | None = None
+
+    def result(self) -> list[Sampled]:
+        """One :class:`Sampled` per row (waits for the device's copies once)."""
+        if self._result is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            host = [t.tolist() for t in self._host]
+            out = [Sampled(t) for t in host[0]]
+            for j, i in enumerate(self.want):
+                k = self.ks[j]
+                top = list(zip(host[2][j][:k], host[3][j][:k])) if k else []
+                out[i] = Sampled(out[i].token, host[1][j], top)
+            self._result = out
+        return self._result
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` on the host, started now (pinned and asynchronous from a CUDA device)."""
+    if not t.is_cuda:
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def _rows(z: torch.Tensor, rows: list[int]) -> torch.Tensor:

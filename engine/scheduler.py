@@ -118,7 +118,7 @@ class Scheduler:
         free = float("inf") if self.max_pages is None else self.max_pages - used_pages - padding_pages
         plan = Plan()
         d = self.decode_tokens
-        need = 0 if self.max_pages is None else sum(self.growth(s, d) for s in self.running)
+        need = self._decode_need()
         if need > free:
             holders = sorted(self.running + self.prefilling, key=ORDER)
             while need > free and len(holders) > 1:  # the oldest always goes on: no livelock
@@ -143,6 +143,14 @@ class Scheduler:
         if plan.empty and len(holders) > 1 and self.max_pages is not None:  # stuck: make room
             self._preempt(max(holders, key=ORDER), preempt)
         return plan
+
+    def _decode_need(self) -> int:
+        """Pages the running sequences' next decode adds (0 without a page limit: not counted)."""
+        return 0 if self.max_pages is None else sum(self.growth(s, self.decode_tokens) for s in self.running)
+
+    def decode_fits(self, used_pages: int, padding_pages: int) -> bool:
+        """Whether the running sequences' next decode fits the free pages (no preemption needed)."""
+        return self.max_pages is None or self._decode_need() <= self.max_pages - used_pages - padding_pages
 
     def _admit(self, plan: Plan, free, budget: int, prepare):
         holding = self.holding

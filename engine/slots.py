@@ -120,9 +120,11 @@ class DecodeSlots:
                     self.state.release_row(r)
 
     # ----- one decode step ---------------------------------------------------------------------------
-    def step(self, tokens: dict[int, int]) -> torch.Tensor:
-        """fp32 logits [rows, vocab] after one token per row (``tokens``: row -> id; padding runs 0)."""
-        ids = self.ids(tokens)
+    def step(self, tokens: dict[int, int], drawn: tuple | None = None) -> torch.Tensor:
+        """fp32 logits [rows, vocab] after one token per row (``tokens``: row -> id; padding runs 0).
+        ``drawn``: ``(device tokens, {row: index})``, rows whose token is still on the device only
+        (drawn by the previous step, not yet read by the host)."""
+        ids = self.ids(tokens, drawn)
         if self.capture is not None:
             before = dict(self.capture.stats)
             logits = self.capture.step(ids)
@@ -134,12 +136,21 @@ class DecodeSlots:
         self.state.rewind_rows([r for r, o in enumerate(self.owner) if o is None])
         return logits
 
-    def ids(self, tokens: dict[int, int]) -> torch.Tensor:
-        """int64 [rows] on the model's device: ``tokens`` (row -> id) in their rows, 0 elsewhere."""
+    def ids(self, tokens: dict[int, int], drawn: tuple | None = None) -> torch.Tensor:
+        """int64 [rows] on the model's device: ``tokens`` (row -> id) in their rows, the tokens
+        ``drawn`` names (``(device tokens, {row: index})``) in theirs, 0 elsewhere: one host->device
+        copy and, with ``drawn``, one gather on the device."""
         ids = [0] * self.rows
         for r, t in tokens.items():
             ids[r] = t
-        return to_device(ids, self.model.device)
+        if not drawn or not drawn[1]:
+            return to_device(ids, self.model.device)
+        src, where = drawn
+        rows, index = list(where), list(where.values())
+        packed = to_device(ids + rows + index, self.model.device)
+        n, k = self.rows, len(rows)
+        out = packed[:n].clone()
+        return out.index_copy_(0, packed[n:n + k], src.index_select(0, packed[n + k:]))
 
     def padding_need(self, pages_at_one: int) -> int:
         """Pages the padding rows will reserve in the next step (those holding none yet: a padding

@@ -29,7 +29,7 @@ from .config import EngineConfig
 from .errors import QueueFull, RequestError
 from .limits import RequestLimits
 from .request import Request, Sequence, Status
-from .sampling import Sampled, SamplingParams, make_generator, sample
+from .sampling import Sampled, SamplingParams, make_generator, sample_async
 from .scheduler import Scheduler, pages_at
 from .slots import DecodeSlots, MIN_ROWS
 from .snapshot import PrefixStore, restore_row, snapshot_row
@@ -57,6 +57,8 @@ def gather_rows(due: list) -> torch.Tensor:
 class StepLoop(PrefillSteps):
     """Requests, the scheduler, the decode batch and the prefix store of one engine; :meth:`step` runs one step."""
 
+    overlap_steps = True  # a subclass whose steps must read their own tokens sets False
+
     def __init__(self, model, config: EngineConfig, tokenizer):
         self.model, self.cfg, self.config, self.tokenizer = model, model.cfg, config.resolve(model), tokenizer
         self.pool, self.max_pages = config.make_pool(model)
@@ -81,6 +83,10 @@ class StepLoop(PrefillSteps):
         self.timer = StepTimer(model.device, config.device_timing)
         self.finish_hooks = []  # called with each finished Request
         self.limits = RequestLimits(model.cfg, self.config.max_model_len, self.P, self.max_pages)
+        # drawn tokens read by the host one step late (step()); never with speculation (its rounds
+        # read the tokens they verify) or in a subclass that shares each step's tokens (overlap_steps)
+        self.overlap = self.config.overlap and self.spec is None and self.overlap_steps
+        self.pending: tuple[list[Sequence], object] | None = None  # (sequences, SampleJob) not read yet
 
     # ----- requests --------------------------------------------------------------------------------
     def check(self, prompt: list[int], params: SamplingParams) -> int:
@@ -125,18 +131,34 @@ class StepLoop(PrefillSteps):
 
     # ----- one step ---------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one scheduled step; returns the requests with new output."""
+        """Run one scheduled step; returns the requests with new output.
+
+        With ``overlap``, the tokens a step draws are read by the host in the next step, after that
+        step's decode was launched from them on the device: the host work of step N (finish
+        checks, text, outputs, scheduling N + 1) runs while the device runs step N + 1. A sequence
+        that turns out to end with its token has had one more row computed for nothing. The
+        pending tokens are read first instead when the next step could need a preemption (page
+        limit) or none of their sequences can go on after them (they all end by length)."""
         sch = self.scheduler
+        touched, due = set(), []  # due: (sequence, logits [rows, vocab], its row) to sample
         padding = self.slots.padding_need(pages_at(self.cfg, self.P, self.decode_tokens))
+        if self.pending is not None and not self._may_run_ahead(padding):
+            self._take_pending(touched)
+            padding = self.slots.padding_need(pages_at(self.cfg, self.P, self.decode_tokens))
         plan = sch.schedule(self.pool.pages_in_use, padding, self._preempt, self._prepare)
         self.counters["steps"] += 1
-        touched, due = set(), []  # due: (sequence, logits [rows, vocab], its row) to sample
         timer = self.timer.start()
         for seq in plan.swap_in:
             self._swap_in(seq)
+        launched = None
         if plan.decode:
             timer.mark("decode")
-            self._decode(plan.decode, due, touched)
+            launched = self._decode(plan.decode, due, touched)
+        if self.pending is not None:
+            timer.mark("sample")  # the previous step's tokens: wait for them, then their host work
+            self._take_pending(touched)
+        if launched is not None:
+            self._decoded(*launched, due)
         joins = []
         timer.mark("prefill")
         for group in plan.prefill_groups(MIN_ROWS):
@@ -155,6 +177,7 @@ class StepLoop(PrefillSteps):
                     if seq.computed == len(seq.tokens):
                         due += [(s, logits, i) for s in self._family(seq)]
         timer.mark("sample")
+        due = [d for d in due if not d[0].finished]  # a request may have failed or ended in this step
         if due:
             self._sample(due, touched)
         if joins:  # one resize of the decode batch for every sequence joining it
@@ -164,29 +187,57 @@ class StepLoop(PrefillSteps):
         timer.stop(self.counters, len(plan.decode), sum(n for _, n in plan.prefill))
         return list(touched)
 
-    def _decode(self, seqs: list[Sequence], due: list, touched: set) -> None:
+    def _decode(self, seqs: list[Sequence], due: list, touched: set):
+        """Launch the decode batch's step: ``(logits, [(sequence, row)])``, or None when nothing is
+        left to sample from it (a speculative round emitted its tokens, or the step failed)."""
         if self.spec is not None and decode_speculative(self, seqs, due, touched):
-            return
+            return None
+        drawn = None
+        if self.pending is not None:  # rows whose token the previous step drew: read on the device
+            index = {seq: i for i, seq in enumerate(self.pending[0])}
+            drawn = (self.pending[1].tokens, {s.slot: index[s] for s in seqs if s in index})
+        host = {s.slot: s.tokens[s.computed] for s in seqs if drawn is None or s.slot not in drawn[1]}
         try:
-            logits = self.slots.step({s.slot: s.tokens[s.computed] for s in seqs})
+            logits = self.slots.step(host, drawn)
             g = self.slots.graph_steps
             self.counters.update(decode_captures=g["captured"], decode_replays=g["replayed"], decode_eager=g["eager"],
                                  decode_fallbacks=g["fallback"])
         except Exception as exc:  # noqa: BLE001 - the batch's state is suspect: its requests fail
             for req in {s.request for s in seqs}:
                 self._fail(req, exc, touched)
-            return
-        for seq in seqs:
+            return None
+        return logits, [(s, s.slot) for s in seqs]  # rows now: a sequence ending later may move the others
+
+    def _decoded(self, logits: torch.Tensor, placed: list, due: list) -> None:
+        """After the decode step (and the previous step's tokens, which may end sequences): who samples."""
+        for seq, row in placed:
             seq.computed += 1
-            if seq.computed == len(seq.tokens):
-                due.append((seq, logits, seq.slot))
+            if not seq.finished and seq.computed == len(seq.tokens):
+                due.append((seq, logits, row))
 
     def _sample(self, due: list, touched: set) -> None:
         eos = self.config.eos_token_id
-        logits = gather_rows(due)
-        for (seq, _, _), s in zip(due, sample(logits, [seq.sampler_row(eos) for seq, _, _ in due])):
-            if not seq.finished:  # else its request failed earlier in this step
+        job = sample_async(gather_rows(due), [seq.sampler_row(eos) for seq, _, _ in due])
+        self.pending = ([seq for seq, _, _ in due], job)
+        if not self.overlap:
+            self._take_pending(touched)
+
+    def _take_pending(self, touched: set) -> None:
+        """The previous step's drawn tokens, read on the host and appended."""
+        seqs, job = self.pending
+        self.pending = None
+        for seq, s in zip(seqs, job.result()):
+            if not seq.finished:  # else its request failed or was aborted since
                 self._emit(seq, s, touched)
+
+    def _may_run_ahead(self, padding: int) -> bool:
+        """Whether the next step may launch before the pending tokens are read: no preemption can
+        be needed, and some pending sequence may go on after its token (not ending by length)."""
+        seqs = [s for s in self.pending[0] if not s.finished]
+        if not seqs or not self.scheduler.decode_fits(self.pool.pages_in_use, padding):
+            return False
+        limit = self.config.max_model_len
+        return any(s.n_output + 1 < s.request.max_tokens and len(s.tokens) + 1 < limit for s in seqs)
 
     def _emit(self, seq: Sequence, s: Sampled, touched: set) -> bool:
         """Append a new token to ``seq``; True when the sequence ended with it."""

@@ -26,6 +26,8 @@ def add_serve(sub) -> None:
                    help="tokens per engine step (default: the hardware profile's serve_max_step_tokens)")
     p.add_argument("--device-timing", action="store_true",
                    help="time each step's forwards on the device too (metrics; costs a host sync per step)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each engine step before the host has read the previous step's tokens (default: on)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per forward call")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="prompt + output tokens")
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES", help="device bytes for KV pages")
@@ -111,7 +113,7 @@ def cmd_serve(args) -> int:
                           prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
                           swap_bytes=args.swap_bytes, cuda_graphs=args.cuda_graph,
                           speculative=args.speculative, draft_tokens=args.draft_tokens,
-                          device_timing=args.device_timing)
+                          device_timing=args.device_timing, overlap=args.overlap)
     if args.tp != 1 or args.ep != 1 or args.dp_attention:  # several ranks; rank 0 serves (engine/parallel_serve_run.py)
         from flashrt.engine.parallel_serve_run import ServeJob, serve_parallel
 
