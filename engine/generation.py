@@ -18,6 +18,7 @@ from flashrt.kv.sizes import device_kv_budget
 from flashrt.kv.state import KVState
 
 from . import prefix, speculative as spec
+from .sampling import HostCopy
 from .spec_capture import SpecRunners, graphs_on
 from .step_capture import StepCapture
 
@@ -116,7 +117,12 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     drafts per step (an int up to the draft's block size, or ``"auto"``: chosen each step from the
     confidence head and the device's cost table); greedy output is the target's, sampled output is
     distributed as the target's (docs/speculative.md); its draft, verify and plain steps follow
-    ``cuda_graph`` as plain decode steps do (:mod:`flashrt.engine.spec_capture`)."""
+    ``cuda_graph`` as plain decode steps do (:mod:`flashrt.engine.spec_capture`).
+
+    Plain decode steps run one ahead of the host: each is launched from the previous step's
+    tokens on the device, then the host reads those tokens (EOS checks, progress) while it runs.
+    When every row has met EOS, the step launched last is not read (its state holds one position
+    more than the tokens returned)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if prefill not in PREFILLS:
@@ -173,16 +179,19 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, pref
     graphs = StepCapture(model, state) if cuda_graph else None
     out = [[] for _ in seqs]
     done = [False] * len(seqs)  # per row of the batch (host-side: checked every step)
+    tokens = ops.sample(step_logits, temperature, generator)
     for step in range(max_new_tokens):
-        tokens = ops.sample(step_logits, temperature, generator)
-        for row, tok in enumerate(tokens.tolist()):
+        drawn = HostCopy(tokens)  # on its way to the host while the next step runs
+        if step + 1 < max_new_tokens:  # the next step reads this step's tokens on the device
+            step_logits = graphs.step(tokens) if graphs else model.forward(tokens.unsqueeze(1), state=state)
+        for row, tok in enumerate(drawn.lists()[0]):
             if not done[row]:
                 out[order[row]].append(tok)
                 done[row] = eos_token_id is not None and tok == eos_token_id
         report("decode", max_new_tokens if all(done) else step + 1, max_new_tokens)
-        if step + 1 == max_new_tokens or all(done):
+        if step + 1 == max_new_tokens or all(done):  # every row at EOS: the step launched above is not read
             break
-        step_logits = graphs.step(tokens) if graphs else model.forward(tokens.unsqueeze(1), state=state)
+        tokens = ops.sample(step_logits, temperature, generator)
     sync()
     t2 = time.perf_counter()
     inverse = sorted(range(len(order)), key=order.__getitem__)

@@ -227,18 +227,13 @@ class SampleJob:
             if n:
                 top_v, top_i = lp.topk(n, dim=-1)
                 device_parts += [top_i, top_v]
-        self._host = [_to_host(t) for t in device_parts]
-        self._ready = torch.cuda.Event() if tokens.is_cuda else None
-        if self._ready is not None:
-            self._ready.record()
+        self._copy = HostCopy(*device_parts)
         self._result: list[Sampled] | None = None
 
     def result(self) -> list[Sampled]:
         """One :class:`Sampled` per row (waits for the device's copies once)."""
         if self._result is None:
-            if self._ready is not None:
-                self._ready.synchronize()
-            host = [t.tolist() for t in self._host]
+            host = self._copy.lists()
             out = [Sampled(t) for t in host[0]]
             for j, i in enumerate(self.want):
                 k = self.ks[j]
@@ -248,8 +243,25 @@ class SampleJob:
         return self._result
 
 
+class HostCopy:
+    """Copies of device tensors on the host, started now (into pinned memory, not waited for, from
+    a CUDA device): the device goes on with what is queued after them; :meth:`lists` waits."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        self._host = [_to_host(t) for t in tensors]
+        self._ready = None
+        if any(t.is_cuda for t in tensors):
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def lists(self) -> list[list]:
+        """Each tensor as (nested) Python lists, once its copy has landed."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return [t.tolist() for t in self._host]
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` on the host, started now (pinned and asynchronous from a CUDA device)."""
     if not t.is_cuda:
         return t.clone()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
