@@ -4,7 +4,9 @@ step, and the reference backend, same run.
     python benchmarks/e2e_decode.py --model small --batches 1 8 64 --out benchmarks/results/h200-e2e.json
 
 Each configuration prefills a random prompt, then times ``--steps`` decode steps (median per-step
-time, host clock around a synchronized step; tokens/s = batch / step time). All modes run the same
+time, host clock around a synchronized step; tokens/s = batch / step time; ``pipelined_step_ms``: the
+mean of the same steps back to back, each fed the previous argmax on the device, one sync at the
+end, as a loop that reads its tokens one step late sees them). All modes run the same
 weights and prompt. ``cuda+graph`` replays the step from engine/step_capture.py (the captures happen
 in the warm-up steps; a bucket edge inside the timed steps costs one capture, the median ignores it).
 """
@@ -19,7 +21,7 @@ import torch
 import flashrt
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
-from decode_timing import median_step_ms, stepper
+from decode_timing import median_step_ms, pipelined_step_ms, stepper
 from flashrt.engine.step_capture import StepCapture
 from flashrt.graphs.model import Model
 from results_io import add_ratio, write_json
@@ -34,7 +36,7 @@ def decode(model, batch: int, prompt: int, steps: int, mode: str) -> dict:
     # "cuda": automatic choice (kernels first, the reference for calls they decline); "reference": forced
     chosen = flashrt.use_backend("reference") if mode == "reference" else contextlib.nullcontext()
     with chosen, flashrt.value_checks(False):
-        state = model.new_state(batch, prompt + steps + 8)
+        state = model.new_state(batch, prompt + 2 * steps + 8)  # the synchronized steps, then the pipelined ones
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         logits = model.forward(ids, state=state)
@@ -43,10 +45,12 @@ def decode(model, batch: int, prompt: int, steps: int, mode: str) -> dict:
         graphs = StepCapture(model, state) if mode == "cuda+graph" else None
         step = graphs.step if graphs else stepper(model, state, graph=False)
         per_step = median_step_ms(step, logits.argmax(-1), steps, greedy=True) / 1e3  # 2 warm-up (capture) steps
+        pipelined = pipelined_step_ms(step, logits.argmax(-1), steps) if mode != "reference" else None
     return {"mode": mode, "backend": "reference" if mode == "reference" else "cuda", "cuda_graph": graphs is not None,
             "batch": batch, "prompt": prompt, "prefill_s": prefill_s,
             "prefill_tokens_per_s": batch * prompt / prefill_s, "step_ms": per_step * 1e3,
-            "decode_tokens_per_s": batch / per_step, "graph_stats": graphs.stats if graphs else None}
+            "decode_tokens_per_s": batch / per_step, "pipelined_step_ms": pipelined,
+            "graph_stats": graphs.stats if graphs else None}
 
 
 def main() -> None:
@@ -68,7 +72,9 @@ def main() -> None:
             row = decode(model, batch, args.prompt, args.steps, mode)
             rows.append(row)
             print(f"{mode:10} batch {batch:3d}: prefill {row['prefill_tokens_per_s']:10.1f} tok/s, "
-                  f"decode {row['step_ms']:8.2f} ms/step = {row['decode_tokens_per_s']:8.2f} tok/s", flush=True)
+                  f"decode {row['step_ms']:8.2f} ms/step = {row['decode_tokens_per_s']:8.2f} tok/s"
+                  + (f", back to back {row['pipelined_step_ms']:.2f} ms/step" if row["pipelined_step_ms"] else ""),
+                  flush=True)
     if "reference" in args.modes:
         add_ratio(rows, "mode", "decode_tokens_per_s", "decode_speedup_vs_reference", "batch", "reference")
     if "cuda" in args.modes:
