@@ -49,17 +49,26 @@ class AgreedPrefixCache:
 
 def generate_whole(model, ids: list[int], job: dict, progress, cache=None, images=None) -> ParallelResult:
     """``generate`` of one prompt on this rank, as every other rank runs it; the load per decode step
-    (per verify round with ``job["speculative"]``) is taken as each step's tokens are reported."""
+    (per verify round with ``job["speculative"]``) is taken as each step's tokens are reported.
+
+    A verify round reports its tokens before the next round runs; a plain decode step is launched
+    before the host reads (and reports) the tokens it started from: the prefill's pairs are taken
+    when the prefill is reported (dropped), each decode report then holds the step just launched,
+    and the last report (no step after it, or every row at EOS) holds none worth keeping."""
     par = model.parallel
     if par.layout.ep > 1:
         par.dispatch = "replicated"
-    load = []
+    load, spec = [], job.get("speculative")
 
     def report(phase, done, total):
-        if phase == "decode":  # the first token's: the prefill's pairs, dropped; then one decode step's
-            pairs = par.take_load()
+        if phase == "prefill" and not spec:
+            par.take_load_tensor()  # the prefill's pairs, dropped
+        elif phase == "decode" and spec:  # the first token's: the prefill's pairs, dropped; then a round's
+            pairs = par.take_load_tensor()
             if done >= 2:
                 load.append(pairs)
+        elif phase == "decode" and done < total:
+            load.append(par.take_load_tensor())
         progress(phase, done, total)
     r = generate(model, [ids], job["max_new_tokens"], temperature=job["temperature"], prefill=job["prefill"],
                  seed=job["seed"], eos_token_id=job["eos"], kv_budget=job["kv_budget"],
@@ -68,4 +77,5 @@ def generate_whole(model, ids: list[int], job: dict, progress, cache=None, image
                  progress=report, images=images,
                  speculative=job.get("speculative"), draft_tokens=job.get("draft_tokens", "auto"))
     return ParallelResult(r.tokens, r.prompt_tokens, r.new_tokens, r.prefill_seconds, r.decode_seconds, [0],
-                          r.first_logits, [], load, r.state, r.step_capture, r.image_tokens, r.speculative)
+                          r.first_logits, [], [t.tolist() for t in load], r.state, r.step_capture, r.image_tokens,
+                          r.speculative)

@@ -226,6 +226,10 @@ class Parallel:
     def take_load(self) -> list[int]:
         """The (token, expert) pairs per rank since the last call (every MoE layer summed). With
         ``all_to_all`` each group counted its own tokens' pairs: the groups' counts are summed."""
+        return self.take_load_tensor().tolist()
+
+    def take_load_tensor(self) -> torch.Tensor:
+        """:meth:`take_load` as a device tensor, queued after the work launched so far (no host sync)."""
         if self.load is None:
             load = torch.zeros(self.layout.world, dtype=torch.long, device=distributed.collective_device())
         else:  # the buffer stays (a captured step adds into it): read and zeroed in place
@@ -233,4 +237,4 @@ class Parallel:
             self.load.zero_()
         if self.dispatch == "all_to_all" and self.layout.ep > 1:
             load = distributed.all_reduce(load, group=self.ep_group)
-        return load.tolist()
+        return load
