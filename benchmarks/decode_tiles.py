@@ -134,6 +134,8 @@ def _flow(value) -> str:
 
 def fragment_yaml(frag: dict) -> str:
     """``tiles:`` as the profiles write it: one ``- [limit, {tile}]`` line per rule."""
+    if not frag:
+        return "tiles: {}  # no candidate beat the profile's tiles\n"
     lines = ["tiles:"]
     for module, entries in frag.items():
         lines.append(f"  {module}:")

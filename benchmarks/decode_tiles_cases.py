@@ -111,8 +111,8 @@ CANDIDATES = {
         dict(num_stages=4, min_block_n=32, split_min_blocks=2),
     ],
     ("mhc", "hc_coefficients"): [
-        dict(BLOCK_K=64), dict(BLOCK_K=64, PROGRAMS=132), dict(PROGRAMS=132), dict(BLOCK_K=32),
-        dict(BLOCK_K=64, PROGRAMS=528),
+        dict(BLOCK_K=64), dict(PROGRAMS=132), dict(PROGRAMS=64), dict(BLOCK_K=64, PROGRAMS=132), dict(PROGRAMS=16),
+        dict(BLOCK_K=32), dict(BLOCK_K=64, PROGRAMS=528),
     ],
 }
 

@@ -52,12 +52,13 @@ def splits(out_tiles: int, blocks: int, sms: int, forced=None, min_blocks: int |
 
 
 def narrow_block_n(block_n: int, n: int, other_tiles: int, sms: int, min_block_n: int | None) -> int:
-    """``block_n`` halved while the launch (``other_tiles`` x ``cdiv(n, block_n)`` output tiles) has
-    fewer programs than ``sms`` and stays >= ``min_block_n`` (None: ``block_n`` as it is): small
-    output widths get more, narrower column tiles."""
+    """``block_n`` halved, down to ``min_block_n`` (None: ``block_n`` as it is), while the launch's
+    ``other_tiles`` x ``cdiv(n, block_n)`` output tiles at the halved width still fit in ``sms``
+    programs: small output widths get more, narrower column tiles, and a K split (which needs
+    fewer tiles than SMs) can still fill the rest."""
     if min_block_n is None:
         return block_n
-    while block_n // 2 >= max(32, int(min_block_n)) and other_tiles * cdiv(n, block_n) < sms:
+    while block_n // 2 >= max(32, int(min_block_n)) and other_tiles * cdiv(n, block_n // 2) <= sms:
         block_n //= 2
     return block_n
 
