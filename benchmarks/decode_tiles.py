@@ -20,7 +20,7 @@ each entry's winner where it beats the baseline.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import os
 import sys
 import time
@@ -63,12 +63,44 @@ def time_call(fn, gpu: bool) -> dict:
     return {"ms": (time.perf_counter() - t0) * 1e3, "plain_ms": None, "note": "host clock (no GPU)"}
 
 
+class _Grids:
+    """Stands in for a Triton kernel (``kernel[grid](...)``) and records each launch's grid."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        self.seen.append([int(g) for g in grid])
+        return self.kernel[grid]
+
+
+@contextlib.contextmanager
+def recording_grids():
+    """{kernel name: [grid, ...]} of the swept kernels launched inside the block."""
+    from flashrt.kernels_cuda import linear, mhc, moe
+
+    seen: dict = {}
+    swaps = [(linear, "_linear_kernel"), (moe, "_moe_up_kernel"), (moe, "_moe_down_kernel"),
+             (mhc, "_hc_coefficients_kernel")]
+    kept = [(mod, name, getattr(mod, name)) for mod, name in swaps]
+    try:
+        for mod, name, kernel in kept:
+            setattr(mod, name, _Grids(kernel, seen.setdefault(name, [])))
+        yield seen
+    finally:
+        for mod, name, kernel in kept:
+            setattr(mod, name, kernel)
+
+
 def run_case(case, profile, gpu: bool) -> tuple:
-    """(cuda result, timing) of one case under ``profile``; raises what the launch raises."""
+    """(cuda result, timing with the grids of the first call) of one case under ``profile``;
+    raises what the launch raises."""
     fn = getattr(ops, case.op)
     with profiles.using(profile), dispatch.use_backend("cuda"), checks.value_checks(False):
-        got = fn(*case.args)
-        return got, time_call(lambda: fn(*case.args), gpu)
+        with recording_grids() as grids:
+            got = fn(*case.args)
+        t = time_call(lambda: fn(*case.args), gpu)
+        return got, dict(t, grids={k: v for k, v in grids.items() if v})
 
 
 def sweep_group(group, members, base, gpu: bool, deadline: float, limit) -> dict:
@@ -166,8 +198,10 @@ def sweep(model: str, batches, budget: float, limit=None, progress=print) -> dic
         r = sweep_group(group, members, base, gpu, time.monotonic() + share, limit)
         results.append(r)
         progress(f"{r['entry']}: baseline {r['baseline_ms']} ms/step, winner {r['winner']} {r['winner_ms']} ms/step")
+    import triton
+
     return dict(model=model, batches=list(batches), device=torch.cuda.get_device_name() if gpu else "cpu",
-                profile=base.name, timing="CUDA-graph replay median (flashrt.timing.bench_ms)" if gpu else "host clock",
+                torch=torch.__version__, triton=triton.__version__, profile=base.name, timing="CUDA-graph replay median (flashrt.timing.bench_ms)" if gpu else "host clock",
                 budget_s=budget, results=results, fragment=fragment(results, base))
 
 

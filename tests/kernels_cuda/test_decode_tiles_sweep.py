@@ -11,11 +11,10 @@ import pytest
 import yaml
 
 from flashrt import profiles, tile_checks
-from kernel_check import CountingKernel, requires_kernels
+from kernel_check import requires_kernels
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
-moe = pytest.importorskip("flashrt.kernels_cuda.moe")
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -24,9 +23,6 @@ def test_small_sweep_writes_timings_and_a_valid_fragment(tmp_path, monkeypatch):
     import decode_tiles
 
     monkeypatch.setattr(lin, "num_sms", lambda: 132)  # the knobs act as on an H200
-    grids = {"_linear_kernel": [], "_moe_up_kernel": []}
-    for mod, name in ((lin, "_linear_kernel"), (moe, "_moe_up_kernel")):
-        monkeypatch.setattr(mod, name, CountingKernel(getattr(mod, name), grids[name]))
     out, frag = tmp_path / "tiles.json", tmp_path / "frag.yaml"
     assert decode_tiles.main(["--small", "--budget", "120", "--out", str(out), "--fragment", str(frag)]) == 0
     report = json.loads(out.read_text())
@@ -43,8 +39,11 @@ def test_small_sweep_writes_timings_and_a_valid_fragment(tmp_path, monkeypatch):
     assert linear["cases"] == ["linear 32x64 b1", "linear 256x32 b1", "linear 64x64 b1", "linear 64x32 b1",
                                "linear 320x192 b1"]
     assert [row["per_step"] for row in linear["rows"][:5]] == [8, 8, 16, 3, 2]
-    assert any(g[1] > 1 for g in grids["_linear_kernel"])  # K split by split_min_blocks
-    assert len({g[0] for g in grids["_moe_up_kernel"]}) > 1  # narrower column tiles (tiny's K: one block)
+    grids = lambda r, name: [g for row in r["rows"] for g in row["grids"][name]]  # noqa: E731
+    assert all(row["grids"] for r in report["results"] for row in r["rows"])  # each case's launches recorded
+    assert any(g[1] > 1 for g in grids(linear, "_linear_kernel"))  # K split by split_min_blocks
+    moe_up = grids(next(r for r in report["results"] if r["entry"]["module"] == "moe"), "_moe_up_kernel")
+    assert len({g[0] for g in moe_up}) > 1  # narrower column tiles (tiny's K: one block, no split)
     tiles = yaml.safe_load(frag.read_text())["tiles"]
     assert tiles == report["fragment"]
     tile_checks.check_profile(dataclasses.replace(profiles.active_profile(), tiles=tiles), str(frag))
