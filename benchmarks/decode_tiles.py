@@ -103,8 +103,10 @@ def run_case(case, profile, gpu: bool) -> tuple:
         return got, dict(t, grids={k: v for k, v in grids.items() if v})
 
 
-def sweep_group(group, members, base, gpu: bool, deadline: float, limit) -> dict:
-    """Every candidate of one profile entry over its cases: rows of timings, scores, the winner."""
+def sweep_group(group, members, base, gpu: bool, deadline: float, limit, hard_end: float = float("inf")) -> dict:
+    """Every candidate of one profile entry over its cases: rows of timings, scores, the winner.
+    A candidate starts only before ``deadline`` (the baseline always), and stops at ``hard_end``
+    (the whole sweep's end: then it does not compete)."""
     module, key, rule = group
     sp = types.SimpleNamespace(module=module, key=key, rule=rule)
     current = profiles.tiles(module, _module_tiles(module))[key]
@@ -117,6 +119,9 @@ def sweep_group(group, members, base, gpu: bool, deadline: float, limit) -> dict
         profile = _with_tiles(base, sp, values)
         total, why = 0.0, None
         for case in members:
+            if i and time.monotonic() > hard_end:
+                why = "budget spent"
+                break
             row = dict(entry=f"{module}.{key}" + (f"[{rule}]" if rule is not None else ""), values=values,
                        case=case.name, batch=case.batch, per_step=case.per_step)
             try:
@@ -195,7 +200,7 @@ def sweep(model: str, batches, budget: float, limit=None, progress=print) -> dic
     end, results = time.monotonic() + budget, []
     for i, (group, members) in enumerate(sorted(groups.items(), key=lambda g: str(g[0]))):
         share = (end - time.monotonic()) / (len(groups) - i)
-        r = sweep_group(group, members, base, gpu, time.monotonic() + share, limit)
+        r = sweep_group(group, members, base, gpu, time.monotonic() + share, limit, end)
         results.append(r)
         progress(f"{r['entry']}: baseline {r['baseline_ms']} ms/step, winner {r['winner']} {r['winner_ms']} ms/step")
     import triton

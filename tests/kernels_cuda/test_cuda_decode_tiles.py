@@ -122,3 +122,31 @@ def test_linear_default_knobs_keep_the_split_rule(monkeypatch, m, n, k):
     assert plan["grid"][0] == tiles and plan["split"] == launch.cdiv(k, launch.cdiv(launch.cdiv(k, split), t["BLOCK_K"])
                                                                       * t["BLOCK_K"])
     assert plan["constexprs"]["BLOCK_N"] == t["BLOCK_N"] and "min_block_n" not in plan["constexprs"]
+
+
+KNOBS = dict(min_block_n=32, split_min_blocks=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_small_decode_with_knobs_gpu_and_graph(rng, n):
+    """``small``'s routed experts (32 fp4_w, top-4, D 1024, I 512) and its fp8_w shared expert with
+    the decode knobs on every rule: the reference's result, the counters back at zero, and a CUDA
+    graph of the call replaying to the eager result."""
+    import flashrt
+
+    routed = _routed(rng, "fp4_w", torch.bfloat16, n, 1024, 512, 32, 4)
+    shared = _routed(rng, "fp8_w", torch.bfloat16, n, 1024, 512, 1, 1)
+    rules = [[limit, dict(t, **KNOBS)] for limit, t in moe.PLANS.tiles()["experts"]]
+    with pinned_tiles(moe=dict(experts=rules)):
+        for args in (routed, shared):
+            got, want = run_both("moe_experts", *args)
+            assert rel_err(got, want) < 5e-3
+            assert_counters_zero(got)
+            with flashrt.use_backend("cuda"):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = moe.moe_experts(*args)
+                graph.replay()
+            assert torch.equal(out, got)
