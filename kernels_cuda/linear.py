@@ -38,8 +38,9 @@ WEIGHT_FORMATS = ("fp8_w", "fp4_w")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 # A rule's launch knobs (not kernel parameters; a rule without them gets these values): min_block_n
-# halves BLOCK_N while the output tiles do not fill the SMs, down to it (None: BLOCK_N as given);
-# split_min_blocks: the fewest K blocks a split keeps when K is split to fill the SMs (None: no split)
+# halves BLOCK_N, down to it, while the output tiles at the halved width still fit in the SMs (None:
+# BLOCK_N as given; splitk.narrow_block_n); split_min_blocks: the fewest K blocks a split keeps when
+# K is split because the output tiles do not fill the SMs (None: no split; splitk.splits)
 KNOBS = dict(min_block_n=None, split_min_blocks=4)
 
 TILES = {

@@ -44,10 +44,10 @@ from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kern
 from flashrt.refmath_moe import finish_experts
 
 # A rule's launch knobs (not kernel parameters; a rule without them gets these values), applied to
-# the up (I columns over D) and the down (D columns over I) launch apart: min_block_n halves BLOCK_N
-# while the (row tile, column tile) programs do not fill the SMs, down to it (None: BLOCK_N as
-# given); split_min_blocks: split K when they do not, keeping this many K blocks a split (None: no
-# split); split_k: a forced split count (None: split_min_blocks decides)
+# the up (I columns over D) and the down (D columns over I) launch apart, as linear's: min_block_n
+# halves BLOCK_N, down to it, while the (row tile, column tile) programs at the halved width still
+# fit in the SMs (None: BLOCK_N as given); split_min_blocks: split K when they do not fill the SMs,
+# keeping this many K blocks a split (None: no split); split_k: a forced count (None: as above)
 KNOBS = dict(min_block_n=None, split_min_blocks=None, split_k=None)
 
 TILES = {
