@@ -4,7 +4,6 @@ checked against the reference, the new split / narrow launches taken (132 SMs as
 the YAML fragment passes the profile checks of the kernel families."""
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
