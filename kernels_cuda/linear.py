@@ -30,18 +30,24 @@ from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant, splitk
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, split_k, zeros_stored
+from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
 
 WEIGHT_FORMATS = ("fp8_w", "fp4_w")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
+# A rule's launch knobs (not kernel parameters; a rule without them gets these values): min_block_n
+# halves BLOCK_N, down to it, while the output tiles at the halved width still fit in the SMs (None:
+# BLOCK_N as given; splitk.narrow_block_n); split_min_blocks: the fewest K blocks a split keeps when
+# K is split because the output tiles do not fill the SMs (None: no split; splitk.splits)
+KNOBS = dict(min_block_n=None, split_min_blocks=4)
+
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
     # (largest M the rule serves or None, tile): the first matching rule applies
     "linear": (
-        (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
+        (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, **KNOBS)),
         (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
         (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)),
     ),
@@ -88,6 +94,12 @@ def pick_tile(rules, rows: int) -> dict:
     return tile
 
 
+def split_tile(tile: dict, knobs: dict = KNOBS) -> tuple[dict, dict]:
+    """(the kernel parameters of a rule's tile, its launch knobs: ``knobs``' defaults where unset)."""
+    return ({k: v for k, v in tile.items() if k not in knobs},
+            {k: tile.get(k, default) for k, default in knobs.items()})
+
+
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float (K % 32 == 0) -> (E4M3 bytes uint8 [M, K], UE8M0 scale bytes uint8 [M, K / 32]):
     the ``fp8`` format, bit for bit (quant.py's kernel at TILES ``act_quant``)."""
@@ -120,9 +132,11 @@ def weight_operands(w: QTensor):
 def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     """Grid, K split, output dtype and constexprs of one (rows, weight shape, dtype) under the active tiles."""
     promote, dot = mma_mode(fmt)
-    t = pick_tile(_tiles()["linear"], m)
-    tiles = cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"])
-    split = split_k(tiles, cdiv(k, t["BLOCK_K"]), _tiles()["split_k"], num_sms())
+    t, knobs = split_tile(pick_tile(_tiles()["linear"], m))
+    sms, row_tiles = num_sms(), cdiv(m, t["BLOCK_M"])
+    t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
+    tiles = row_tiles * cdiv(n, t["BLOCK_N"])
+    split = splitk.splits(tiles, cdiv(k, t["BLOCK_K"]), sms, _tiles()["split_k"], knobs["split_min_blocks"])
     k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     fused = m <= _tiles()["fused_max_rows"]
@@ -207,7 +221,8 @@ SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
 TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": DOT, "linear.BLOCK_N": SCALED,
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
                "fp8_mma": Tile(nullable=True, kind=bool), "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
-               "fused_max_rows": COUNT0}
+               "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
+               "*.split_min_blocks": Tile(nullable=True, kind=int)}
 
 
 FAMILY = KernelFamily(

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import to_out
+from flashrt.kernels_cuda.launch import cdiv
 
 POOL = 1 << 14  # counters allocated per device (tiles of one split launch must fit; more: no fused reduction)
 _POOLS: dict = {}
@@ -36,6 +37,30 @@ def counters(device: torch.device) -> torch.Tensor:
 def fits(tiles: int) -> bool:
     """Whether a launch with ``tiles`` output tiles can reduce in place (one counter per tile)."""
     return tiles <= POOL
+
+
+def splits(out_tiles: int, blocks: int, sms: int, forced=None, min_blocks: int | None = 4) -> int:
+    """K splits of a GEMM launch with ``out_tiles`` output tiles and ``blocks`` K blocks: ``forced``
+    (a count, capped at the K blocks), else none when the tiles fill the SMs or ``min_blocks`` is
+    None, else enough for ~2 programs an SM keeping >= ``min_blocks`` K blocks per split (4:
+    :func:`flashrt.kernels_cuda.launch.split_k`'s rule)."""
+    if forced is not None:
+        return max(1, min(int(forced), blocks))
+    if out_tiles >= sms or min_blocks is None:
+        return 1
+    return max(1, min(cdiv(2 * sms, out_tiles), blocks // max(1, int(min_blocks))))
+
+
+def narrow_block_n(block_n: int, n: int, other_tiles: int, sms: int, min_block_n: int | None) -> int:
+    """``block_n`` halved, down to ``min_block_n`` (None: ``block_n`` as it is), while the launch's
+    ``other_tiles`` x ``cdiv(n, block_n)`` output tiles at the halved width still fit in ``sms``
+    programs: small output widths get more, narrower column tiles, and a K split (which needs
+    fewer tiles than SMs) can still fill the rest."""
+    if min_block_n is None:
+        return block_n
+    while block_n // 2 >= max(32, int(min_block_n)) and other_tiles * cdiv(n, block_n // 2) <= sms:
+        block_n //= 2
+    return block_n
 
 
 @triton.jit

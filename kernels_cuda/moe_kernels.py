@@ -1,0 +1,204 @@
+"""Triton kernels of ``moe_experts`` (launcher and tables: :mod:`.moe`, :mod:`.moe_tables`).
+
+``_moe_up_kernel`` / ``_moe_down_kernel`` run one (column tile, row tile, K split) each. With
+``SPLIT`` (decode: few row tiles, so few programs and long K loops) every program of an output
+tile stores its fp32 partial in a workspace ``[splits, ..]`` and takes a ticket from the tile's
+counter (:mod:`.splitk`); the program that draws the last ticket sums the partials in split order
+(a deterministic fp32 sum) and runs the epilogue the unsplit program runs: SwiGLU and the fp8
+quantization of h (up), the x.dtype rounding and the in-kernel combine (down). The up kernel's
+partials are the fp32 gate and up sums: the SwiGLU is not linear, so it waits for the full sums.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashrt.kernels_cuda import splitk
+from flashrt.kernels_cuda.codecs import quant_fp8, to_out
+from flashrt.kernels_cuda.linear_kernel import _k_loop
+
+
+@triton.jit
+def _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(expert, pair rows [BLOCK_M], row mask) of this program's row tile (``DIRECT``: expert 0,
+    rows ``t * BLOCK_M ..`` of ``n_rows``; the tables are not read)."""
+    t = tl.program_id(1)
+    if DIRECT:
+        e = tl.full([], 0, tl.int32)
+        rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
+        end = n_rows
+    else:
+        e = tl.load(tile_e_ptr + t)
+        rows = tl.load(tile_row_ptr + t) + tl.arange(0, BLOCK_M)
+        end = tl.load(row_end_ptr + t)
+    return e, rows, rows < end
+
+
+@triton.jit
+def _k_range(k_split, K):
+    """[k_lo, k_hi) of this program's K split (axis 2)."""
+    k_lo = tl.program_id(2) * k_split
+    return k_lo, tl.minimum(k_lo + k_split, K)
+
+
+@triton.jit
+def _partials_sum(part, split_stride, n_splits, ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The fp32 partials ``part + s * split_stride`` summed in split order (read past L1: other
+    programs wrote them)."""
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for s in range(n_splits):
+        total += tl.load(part + s * split_stride, mask=ok, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _swiglu(g, u, rw, limit, CLAMP: tl.constexpr, XDT: tl.constexpr):
+    """h = silu(min(g, L)) * clamp(u, -L, L) * rw in fp32 from x.dtype-rounded g, u; rounded to x.dtype."""
+    g = to_out(g, XDT).to(tl.float32)
+    u = to_out(u, XDT).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
+    return to_out(h, XDT).to(tl.float32)
+
+
+@triton.jit
+def _up_epilogue(g, u, rw_ptr, rows, row_ok, n0, I, limit, hq_ptr, sh_ptr, stride_hm, stride_shm,
+                 CLAMP: tl.constexpr, XDT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """SwiGLU of the full gate / up sums, h quantized to fp8 per 32 and stored in pair order."""
+    rw = tl.load(rw_ptr + rows, mask=row_ok, other=0.0)
+    h = _swiglu(g, u, rw, limit, CLAMP, XDT)
+    q, s = quant_fp8(tl.reshape(h, (BLOCK_M, BLOCK_N // 32, 32)))  # fp8 bytes: E4M3 and UE8M0
+    kg = n0 + tl.arange(0, BLOCK_N // 32) * 32
+    r64 = rows.to(tl.int64)
+    ok = row_ok[:, None] & (kg < I)[None, :]
+    ptrs = hq_ptr + r64[:, None, None] * stride_hm + kg[None, :, None] + tl.arange(0, 32)[None, None, :]
+    tl.store(ptrs, q.to(tl.uint8), mask=ok[:, :, None])
+    tl.store(sh_ptr + r64[:, None] * stride_shm + (kg // 32)[None, :], s.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3_ptr, hq_ptr, sh_ptr,
+                   tile_e_ptr, tile_row_ptr, row_end_ptr, E, I, D, limit, n_rows,
+                   stride_xm, stride_sxm, stride_we, stride_wn, stride_swe, stride_swn, stride_hm, stride_shm,
+                   ws_ptr, cnt_ptr, k_split, n_splits,
+                   FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, CLAMP: tl.constexpr, XDT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr,
+                   DIRECT: tl.constexpr, SPLIT: tl.constexpr):
+    """QX: xq_ptr holds the float x rows, quantized to fp8 in registers (sx_ptr unused). DIRECT:
+    pair = token (tok_ptr unused), rw_ptr the [N] routing weights. SPLIT: ws_ptr [splits, 2, n_rows, I]
+    fp32 gate / up partials, cnt_ptr a counter per (row tile, column tile)."""
+    e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, BLOCK_M, DIRECT)
+    if e >= E:  # past the last tile
+        return
+    if DIRECT:
+        tok = rows.to(tl.int64)
+    else:
+        tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    n0 = tl.program_id(0) * BLOCK_N
+    k_lo, k_hi = _k_range(k_split, D)
+    ew, es = e.to(tl.int64) * stride_we, e.to(tl.int64) * stride_swe
+    g, u = _k_loop(xq_ptr + tok * stride_xm, sx_ptr + tok * stride_sxm, row_ok, w1_ptr + ew, sw1_ptr + es,
+                   w3_ptr + ew, sw3_ptr + es, n0, I, k_lo, k_hi, stride_wn, stride_swn,
+                   FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX)
+    if SPLIT:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = row_ok[:, None] & (offs_n < I)[None, :]
+        plane = n_rows * I  # one [n_rows, I] partial (< 2**31: the launcher's check)
+        part = ws_ptr + rows.to(tl.int64)[:, None] * I + offs_n[None, :]
+        mine = part + tl.program_id(2).to(tl.int64) * 2 * plane
+        tl.store(mine, g, mask=ok)
+        tl.store(mine + plane, u, mask=ok)
+        tile = cnt_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if splitk.last_ticket(tile, n_splits):
+            g = _partials_sum(part, 2 * plane, n_splits, ok, BLOCK_M, BLOCK_N)
+            u = _partials_sum(part + plane, 2 * plane, n_splits, ok, BLOCK_M, BLOCK_N)
+            _up_epilogue(g, u, rw_ptr, rows, row_ok, n0, I, limit, hq_ptr, sh_ptr, stride_hm, stride_shm,
+                         CLAMP, XDT, BLOCK_M, BLOCK_N)
+            splitk.reset_ticket(tile)
+    else:
+        _up_epilogue(g, u, rw_ptr, rows, row_ok, n0, I, limit, hq_ptr, sh_ptr, stride_hm, stride_shm,
+                     CLAMP, XDT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _down_epilogue(acc, rows, row_ok, n0, D, y_ptr, stride_ym, tok_ptr, pos_ptr, out_ptr, cnt_ptr, TOPK, stride_om,
+                   add_ptr, stride_am, XDT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   COMBINE: tl.constexpr, HAS_ADD: tl.constexpr):
+    """y rows rounded to XDT; COMBINE: the token's last row sums its TOPK rows (see the kernel)."""
+    r64 = rows.to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    y = to_out(acc, XDT).to(y_ptr.dtype.element_ty)
+    col_ok = offs_n < D
+    tl.store(y_ptr + r64[:, None] * stride_ym + offs_n[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+    if COMBINE:
+        tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        slot = cnt_ptr + tok * tl.num_programs(0) + tl.program_id(0)
+        last = row_ok & splitk.last_ticket(slot, TOPK, row_ok)  # once every thread's rows are stored
+        tl.debug_barrier()  # a row's ticket and its loads below may sit in different threads
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in range(TOPK):
+            p = tl.load(pos_ptr + tok * TOPK + s, mask=last, other=0).to(tl.int64)
+            total += tl.load(y_ptr + p[:, None] * stride_ym + offs_n[None, :], mask=last[:, None] & col_ok[None, :],
+                             other=0.0, cache_modifier=".cg").to(tl.float32)
+        if HAS_ADD:
+            total += tl.load(add_ptr + tok[:, None] * stride_am + offs_n[None, :], mask=last[:, None] & col_ok[None, :],
+                             other=0.0)
+        tl.store(out_ptr + tok[:, None] * stride_om + offs_n[None, :], to_out(total, out_ptr.dtype.element_ty),
+                 mask=last[:, None] & col_ok[None, :])
+        splitk.reset_ticket(slot, last)
+
+
+@triton.jit
+def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, E, D, I, n_rows,
+                     stride_hm, stride_shm, stride_we, stride_wn, stride_swe, stride_swn, stride_ym,
+                     tok_ptr, pos_ptr, out_ptr, cnt_ptr, TOPK, stride_om, add_ptr, stride_am,
+                     ws_ptr, split_cnt_ptr, k_split, n_splits,
+                     FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, XDT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+                     COMBINE: tl.constexpr, HAS_ADD: tl.constexpr, SPLIT: tl.constexpr):
+    """y rows rounded to XDT (stored as y's dtype: fp32 when DIRECT writes the op's output).
+    COMBINE: then a ticket per (token, column tile) of each row; the program drawing a token's
+    last (TOPK-th) ticket sums its TOPK rows in slot order (``_moe_combine_kernel``'s sum), adds
+    the token's ``add`` row after the sum (HAS_ADD), stores it in ``out``'s dtype and puts the
+    counter back to zero. SPLIT: ws_ptr [splits, n_rows, D] fp32 partials, split_cnt_ptr a
+    counter per (row tile, column tile) (apart from the combine's)."""
+    e, rows, row_ok = _tile_rows(tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, BLOCK_M, DIRECT)
+    if e >= E:
+        return
+    r64 = rows.to(tl.int64)
+    n0 = tl.program_id(0) * BLOCK_N
+    k_lo, k_hi = _k_range(k_split, I)
+    w2, sw2 = w2_ptr + e.to(tl.int64) * stride_we, sw2_ptr + e.to(tl.int64) * stride_swe
+    acc, _ = _k_loop(hq_ptr + r64 * stride_hm, sh_ptr + r64 * stride_shm, row_ok, w2, sw2, w2, sw2,
+                     n0, D, k_lo, k_hi, stride_wn, stride_swn, FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SPLIT:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = row_ok[:, None] & (offs_n < D)[None, :]
+        plane = n_rows * D
+        part = ws_ptr + r64[:, None] * D + offs_n[None, :]
+        tl.store(part + tl.program_id(2).to(tl.int64) * plane, acc, mask=ok)
+        tile = split_cnt_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if splitk.last_ticket(tile, n_splits):
+            acc = _partials_sum(part, plane, n_splits, ok, BLOCK_M, BLOCK_N)
+            _down_epilogue(acc, rows, row_ok, n0, D, y_ptr, stride_ym, tok_ptr, pos_ptr, out_ptr, cnt_ptr, TOPK,
+                           stride_om, add_ptr, stride_am, XDT, BLOCK_M, BLOCK_N, COMBINE, HAS_ADD)
+            splitk.reset_ticket(tile)
+    else:
+        _down_epilogue(acc, rows, row_ok, n0, D, y_ptr, stride_ym, tok_ptr, pos_ptr, out_ptr, cnt_ptr, TOPK,
+                       stride_om, add_ptr, stride_am, XDT, BLOCK_M, BLOCK_N, COMBINE, HAS_ADD)
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, pos_ptr, out_ptr, add_ptr, D, TOPK, stride_ym, stride_om, stride_am,
+                        BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(TOPK):
+        p = tl.load(pos_ptr + t * TOPK + s).to(tl.int64)
+        acc += tl.load(y_ptr + p * stride_ym + offs, mask=offs < D, other=0.0).to(tl.float32)
+    if HAS_ADD:  # after the sum, as the op adds it
+        acc += tl.load(add_ptr + t * stride_am + offs, mask=offs < D, other=0.0)
+    tl.store(out_ptr + t * stride_om + offs, to_out(acc, out_ptr.dtype.element_ty), mask=offs < D)
