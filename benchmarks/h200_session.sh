@@ -12,6 +12,14 @@
 #   overlap    the overlapped-steps GPU test, then serve at 16 and 64 concurrent (overlap on, the
 #              default) and at 64 with --no-overlap in the same call: h200-serve-overlap.json,
 #              h200-serve-no-overlap.json
+#   kernels    the CUDA kernel tests natively and the GPU tests of the model, the engine's captured
+#              and overlapped steps and the decode tiles (a quick check after kernel changes):
+#              h200-kernel-tests.log, h200-gpu-tests.log
+#   tiles      the decode tile sweep of `small` (benchmarks/decode_tiles.py; TILES_BUDGET seconds,
+#              default 180): h200-decode-tiles.json and its profile fragment h200-decode-tiles.yaml
+#   e2e        the captured decode step of `small` at batch 1 / 8 / 64, synchronized and back to
+#              back: h200-e2e.json
+#   serve64    flashrt serve against generate() at 64 concurrent only: h200-serve-64.json
 #   coldstart  time to first token of a cold `flashrt run --model small`, with the compile pool:
 #              h200-jit-ttft.json; then records the plan of what a run launches on this device
 #              (the file to commit under core/jit_plans/)
@@ -27,11 +35,11 @@
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
-[ $# -gt 0 ] || { sed -n 2,28p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,36p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-alt|overlap|coldstart|tests|decode|prefill) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, coldstart, tests, decode or prefill)" >&2; exit 2 ;;
+    serve|serve-alt|overlap|kernels|tiles|e2e|serve64|coldstart|tests|decode|prefill) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, e2e, serve64, coldstart, tests, decode or prefill)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -60,6 +68,27 @@ phase_overlap() {
   python benchmarks/serve_vs_generate.py --model small --out "$OUT/h200-serve-overlap.json"
   python benchmarks/serve_vs_generate.py --model small --concurrency 64 --serve-arg=--no-overlap \
     --out "$OUT/h200-serve-no-overlap.json"
+}
+
+phase_kernels() {
+  timeout 200 python -m pytest -q -n 12 -p no:cacheprovider tests/kernels_cuda > "$OUT/h200-kernel-tests.log" 2>&1
+  timeout 150 python -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/graphs tests/engine/test_serving_overlap.py \
+    tests/engine/test_step_capture.py tests/kernels_cuda/test_cuda_decode_tiles.py > "$OUT/h200-gpu-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-kernel-tests.log" "$OUT/h200-gpu-tests.log"
+}
+
+phase_tiles() {
+  python benchmarks/decode_tiles.py --model small --batches 1 8 64 --budget "${TILES_BUDGET:-180}" \
+    --out "$OUT/h200-decode-tiles.json"
+}
+
+phase_e2e() {
+  python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
+    --out "$OUT/h200-e2e.json"
+}
+
+phase_serve64() {
+  python benchmarks/serve_vs_generate.py --model small --concurrency 64 --out "$OUT/h200-serve-64.json"
 }
 
 phase_coldstart() {
