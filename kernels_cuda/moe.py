@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from flashrt.families import Dim, KernelFamily, Support
+from flashrt.formats import QTensor
 from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
 from flashrt.kernels_cuda import moe_tables, splitk
@@ -219,25 +220,26 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, t, direct: bool = False, combine=N
 def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32):
     """x [N, D], weights [N, k] fp32, indices [N, k] int32, w1/w3 [E, I, D], w2 [E, D, I] QTensor,
     add fp32 [N, D] or None -> [N, D] in out_dtype (the sum, plus add, cast: in the combine)."""
-    assert FAMILY.serves("moe_experts", x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype) is None
+    assert _quantized_up_pair(w1, w3, w2), (w1, w3, w2)  # dispatch checked the rest of FAMILY's support
     n, D = x.shape
     k = indices.shape[1]
     E, I = w1.shape[0], w1.shape[1]
     if n * k == 0 or D == 0 or I == 0:
         return finish_experts(torch.zeros(n, D, dtype=torch.float32, device=x.device), add, out_dtype)
-    t = pick_tile(_tiles()["experts"], n * k / E)
-    qx = n <= _tiles()["fused_max_tokens"]
+    key = ("experts", n, k, E, D)
+    plan = PLANS.lookup(key)[1] or PLANS.store(key, _experts_plan(n, k, E, D))
+    t, qx = plan["tile"], plan["qx"]
     xq, sx = (last_dense(x),) * 2 if qx else act_quant(x)
-    if E == 1 and k == 1 and _tiles()["direct"]:  # every token's one slot is expert 0
+    if plan["direct"]:  # every token's one slot is expert 0
         tab = _direct_tables(weights, t["BLOCK_M"])
         hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t, qx, direct=True)
         return finish_experts(_experts_down(hq, sh, tab, w2, D, x.dtype, t, direct=True), add, out_dtype)
-    tab = moe_tables.route_tables(indices, weights, E, t["BLOCK_M"], _tiles()["route"])
+    tab = moe_tables.route_tables(indices, weights, E, t["BLOCK_M"], plan["route"])
     hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, t, qx)
     out = torch.empty(n, D, dtype=out_dtype, device=x.device)  # every row is written: k >= 1
     add = add.contiguous() if add is not None else None
-    c = _tiles()["combine"]
-    if c["in_kernel"] and splitk.fits(n * cdiv(D, t["BLOCK_N"])):
+    c = plan["combine"]
+    if plan["combine_in_kernel"]:
         _experts_down(hq, sh, tab, w2, D, x.dtype, t, combine=(out, k), add=add)
         return out
     y = _experts_down(hq, sh, tab, w2, D, x.dtype, t)
@@ -246,6 +248,22 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
         add.stride(0) if add is not None else 0, BLOCK_D=c["BLOCK_D"], HAS_ADD=add is not None,
         num_warps=c["num_warps"])
     return out
+
+
+def _experts_plan(n: int, k: int, E: int, D: int) -> dict:
+    """The tiles and paths of one (tokens, top-k, experts, dim) under the active tiles."""
+    t = pick_tile(_tiles()["experts"], n * k / E)
+    c = _tiles()["combine"]
+    return dict(tile=t, qx=n <= _tiles()["fused_max_tokens"], direct=E == 1 and k == 1 and _tiles()["direct"],
+                route=_tiles()["route"], combine=c,
+                combine_in_kernel=c["in_kernel"] and splitk.fits(n * cdiv(D, t["BLOCK_N"])))
+
+
+def _quantized_up_pair(w1, w3, w2) -> bool:
+    """What the launcher's code relies on of the weights (a cheap guard on every call; dispatch
+    checks FAMILY's whole support declaration once per call key): all quantized in WEIGHT_FORMATS,
+    w1 and w3 in one format."""
+    return all(isinstance(w, QTensor) and w.fmt in WEIGHT_FORMATS for w in (w1, w3, w2)) and w1.fmt == w3.fmt
 
 
 def same_up_format(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None) -> bool:
