@@ -42,7 +42,7 @@ from flashrt import profiles  # noqa: E402
 from flashrt.errors import FlashrtError  # noqa: E402
 from flashrt.jit_compile import recording  # noqa: E402
 from flashrt.jit_targets import parse_arch  # noqa: E402
-from decode_variants import cuda_on_cpu  # noqa: E402  (tools/ is on the path when a tool runs)
+from decode_variants import _positive, cuda_on_cpu  # noqa: E402  (tools/ is on the path when a tool runs)
 from step_ops import FREE  # noqa: E402
 
 _FILL = {"depth": 0, "s": 0.0}  # inside a patched torch.empty's zero fill (no work on a GPU): depth, seconds
@@ -85,7 +85,7 @@ def warm_launches(arch):
 @contextlib.contextmanager
 def empty_as_zeros():
     """``torch.empty`` / ``torch.empty_like`` -> zeros (why: tools/decode_variants.py). The fill is
-    no host work on a GPU: its time is kept in ``FILL["s"]`` (subtracted from the host time) and
+    no host work on a GPU: its time is kept in ``_FILL["s"]`` (subtracted from the host time) and
     :class:`Launches` does not count it."""
     empty, empty_like = torch.empty, torch.empty_like
 
@@ -276,13 +276,6 @@ def _shape(text: str) -> tuple[int, int]:
     if rows < 1 or tokens < 1:
         raise argparse.ArgumentTypeError(f"expected ROWSxTOKENS >= 1, got {text!r}")
     return rows, tokens
-
-
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return n
 
 
 def main(argv=None) -> int:
