@@ -80,7 +80,7 @@ def _fmt_dims(dims, env: dict) -> str:
 
 def shape(name: str, t, spec: str, env: dict) -> None:
     """Check ``t.shape`` against ``spec``, binding new symbols into ``env``."""
-    dims = _dims(spec)
+    dims = _SPECS.get(spec) or _dims(spec)
     got = t.shape
     if len(got) != len(dims):
         raise ValueError(f"{name}: expected {len(dims)} dims {_fmt_dims(dims, env)}, got shape {tuple(got)}")

@@ -159,19 +159,31 @@ def check_shape(fmt: str, shape, name: str = "x") -> None:
         )
 
 
+_LAYOUTS: dict = {}  # (fmt, logical shape) -> (data dtype, data shape, scale dtype, scale shape) of valid layouts
+
+
 def check_qtensor(q: QTensor, name: str) -> None:
-    """``ValueError`` unless ``q``'s data and scale match the layout of its format."""
-    s = spec(q.fmt)
-    check_shape(q.fmt, q.shape, name)
-    want_data, want_scale = expected_layout(q.fmt, q.shape)
-    if q.data.dtype != s.data_dtype or q.data.shape != want_data:
+    """``ValueError`` unless ``q``'s data and scale match the layout of its format (the layout of a
+    valid (fmt, shape) is worked out once: weights are checked on every op call)."""
+    try:
+        want = _LAYOUTS.get((q.fmt, q.shape))
+    except TypeError:  # an unhashable fmt: spec() words the error
+        want = None
+    if want is None:
+        s = spec(q.fmt)
+        check_shape(q.fmt, q.shape, name)
+        if len(_LAYOUTS) >= 4096:
+            _LAYOUTS.clear()
+        want = _LAYOUTS[q.fmt, q.shape] = (s.data_dtype, *expected_layout(q.fmt, q.shape), s.scale_dtype)
+    data_dtype, want_data, want_scale, scale_dtype = want
+    if q.data.dtype != data_dtype or q.data.shape != want_data:
         raise ValueError(
-            f"{name}.data: expected {s.data_dtype} {tuple(want_data)} for {q.fmt} {tuple(q.shape)}, "
+            f"{name}.data: expected {data_dtype} {tuple(want_data)} for {q.fmt} {tuple(q.shape)}, "
             f"got {q.data.dtype} {tuple(q.data.shape)}"
         )
-    if q.scale.dtype != s.scale_dtype or q.scale.shape != want_scale:
+    if q.scale.dtype != scale_dtype or q.scale.shape != want_scale:
         raise ValueError(
-            f"{name}.scale: expected {s.scale_dtype} {tuple(want_scale)} for {q.fmt} {tuple(q.shape)}, "
+            f"{name}.scale: expected {scale_dtype} {tuple(want_scale)} for {q.fmt} {tuple(q.shape)}, "
             f"got {q.scale.dtype} {tuple(q.scale.shape)}"
         )
     if q.scale.device != q.data.device:

@@ -278,7 +278,7 @@ def tiles(module: str, defaults: Mapping | None = None) -> dict:
     it through their ``PlanCache`` (``kernels_cuda/launch.py``). Cached per active profile, so a
     launcher may call it on every launch; treat the result as read-only. A profile entry
     ``defaults`` lacks, or of another shape or type, is a ProfileError naming the key."""
-    profile = active_profile()
+    profile = _ACTIVE[0] if _ACTIVE is not None else active_profile()  # (inlined: once per launch)
     hit = _TILES_CACHE.get((module, id(defaults)))
     if hit is None or hit[0] is not profile or hit[1] is not defaults:
         given = profile.tiles.get(module)

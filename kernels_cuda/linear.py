@@ -24,11 +24,11 @@ import torch
 import triton.language as tl
 
 from flashrt import jit_targets, profiles
-from flashrt.jit_triton import interpreted
 from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant, splitk
+from flashrt.kernels_cuda.codecs import INTERPRETED
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
@@ -71,18 +71,18 @@ _tiles = PLANS.tiles
 def supports_fp8_mma() -> bool:
     """tl.dot on E4M3 operands (sm_89+; the device compiled for, :mod:`flashrt.jit_targets`); the
     interpreter runs that path with fp32 operands."""
-    return interpreted() or jit_targets.capability() >= (8, 9)
+    return INTERPRETED or jit_targets.capability() >= (8, 9)
 
 
 def num_sms() -> int:
-    return 1 if interpreted() else jit_targets.sm_count()
+    return 1 if INTERPRETED else jit_targets.sm_count()
 
 
 def mma_mode(fmt: str):
     """(PROMOTE, DOT dtype) for a weight format on this device."""
     forced = _tiles()["fp8_mma"]
     promote = fmt == "fp8_w" and (supports_fp8_mma() if forced is None else bool(forced))
-    if interpreted():
+    if INTERPRETED:
         return promote, tl.float32
     return promote, (tl.float8e4nv if promote else tl.bfloat16)
 
@@ -130,7 +130,8 @@ def weight_operands(w: QTensor):
 
 
 def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
-    """Grid, K split, output dtype and constexprs of one (rows, weight shape, dtype) under the active tiles."""
+    """Grid, K split, output dtype and constexprs of one (rows, weight shape, dtype) under the active
+    tiles; ``bf16_gemm``: the call takes :func:`_bf16_gemm` instead."""
     promote, dot = mma_mode(fmt)
     t, knobs = split_tile(pick_tile(_tiles()["linear"], m))
     sms, row_tiles = num_sms(), cdiv(m, t["BLOCK_M"])
@@ -142,7 +143,9 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     fused = m <= _tiles()["fused_max_rows"]
     reduce = fused and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
     out_dtype = dtype if split == 1 or reduce else torch.float32
+    big = _tiles()["bf16_gemm_min_rows"]
     return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=out_dtype, fused=fused, reduce=reduce,
+                bf16_gemm=big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16,
                 constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"],
                                 OUT=TL_DTYPES[out_dtype], QX=fused, REDUCE=reduce, **t))
 
@@ -171,11 +174,10 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor) -> torch.Tensor:
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros(*x.shape[:-1], n)
-    big = _tiles()["bf16_gemm_min_rows"]
-    if big is not None and m >= big and weight.fmt == "fp8_w" and x.dtype == torch.bfloat16:
-        return _bf16_gemm(x2, weight).view(*x.shape[:-1], n)
     key = (m, n, k, x.dtype, weight.fmt)
     plan = PLANS.lookup(key)[1] or PLANS.store(key, _linear_plan(m, n, k, x.dtype, weight.fmt))
+    if plan["bf16_gemm"]:
+        return _bf16_gemm(x2, weight).view(*x.shape[:-1], n)
     data, scale = weight_operands(weight)
     split = plan["split"]
     if plan["fused"]:

@@ -193,6 +193,21 @@ def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool):
     return block_t, block_k, 8 if block_t >= 128 else 4, cdiv(chunks, per), per * block_k
 
 
+def _coefficients_plan(T: int, K: int, hc: int, splits: int | None, dot_bf16: bool) -> dict:
+    """Everything of one hc_coefficients launch that follows from the shapes and the active tiles."""
+    block_t, block_k, num_warps, n_splits, k_per = _hc_plan(T, K, splits, dot_bf16)
+    f = _tiles()["hc_finish"]
+    tiles = cdiv(T, block_t)
+    finish = n_splits > 1 and f["in_kernel"] and splitk.fits(tiles)
+    consts = dict(HC=hc, HCP=max(4, next_pow2(hc)), PP=max(16, next_pow2(2 * hc)))
+    return dict(grid=(tiles, n_splits), n_splits=n_splits, k_per=k_per, finish=finish, consts=consts,
+                kernel=dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
+                            FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], SPLIT=n_splits > 1, FINISH=finish,
+                            num_warps=num_warps, **consts),
+                finish_grid=(cdiv(T, f["BLOCK_T"]),), finish_kernel=dict(BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"],
+                                                                         **consts))
+
+
 def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None = None):
     B, S, hc, D = x.shape
     T, K = B * S, hc * D
@@ -206,26 +221,22 @@ def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None
     comb = torch.empty(B, S, hc, hc, dtype=torch.float32, device=dev)
     if T == 0:
         return pre, post, comb
-    hcp, pp = max(4, next_pow2(hc)), max(16, next_pow2(2 * hc))
     dot_bf16 = x.dtype == torch.bfloat16 and not INTERPRETED
-    block_t, block_k, num_warps, n_splits, k_per = _hc_plan(T, K, splits, dot_bf16)
+    key = ("hc_coefficients", T, K, hc, splits, dot_bf16)
+    plan = PLANS.lookup(key)[1] or PLANS.store(key, _coefficients_plan(T, K, hc, splits, dot_bf16))
+    n_splits, consts = plan["n_splits"], plan["consts"]
     ws = [pre] * 3  # unused without a split
-    f = _tiles()["hc_finish"]
-    tiles = cdiv(T, block_t)
-    finish = n_splits > 1 and f["in_kernel"] and splitk.fits(tiles)
     if n_splits > 1:
-        ws = [torch.empty(n_splits, T, n, dtype=torch.float32, device=dev) for n in (pp, hcp * hcp, 1)]
-    cnt = splitk.counters(dev) if finish else pre
-    consts = dict(HC=hc, HCP=hcp, PP=pp)
-    _hc_coefficients_kernel[(tiles, n_splits)](
-        x2, fn, scale, base, pre, post, comb, *ws, cnt, T, K, x2.stride(0), k_per, n_splits, iters, float(eps),
-        float(norm_eps), BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
-        FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], SPLIT=n_splits > 1, FINISH=finish, num_warps=num_warps,
-        **consts)
-    if n_splits > 1 and not finish:
-        _hc_finish_kernel[(cdiv(T, f["BLOCK_T"]),)](
+        ws = [torch.empty(n_splits, T, n, dtype=torch.float32, device=dev)
+              for n in (consts["PP"], consts["HCP"] * consts["HCP"], 1)]
+    cnt = splitk.counters(dev) if plan["finish"] else pre
+    _hc_coefficients_kernel[plan["grid"]](
+        x2, fn, scale, base, pre, post, comb, *ws, cnt, T, K, x2.stride(0), plan["k_per"], n_splits, iters,
+        float(eps), float(norm_eps), **plan["kernel"])
+    if n_splits > 1 and not plan["finish"]:
+        _hc_finish_kernel[plan["finish_grid"]](
             *ws, scale, base, pre, post, comb, T, K, n_splits, iters, float(eps), float(norm_eps),
-            BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"], **consts)
+            **plan["finish_kernel"])
     return pre, post, comb
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from flashrt.families import Dim, KernelFamily, Support
+from flashrt.formats import QTensor
 from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
 from flashrt.kernels_cuda import moe_tables, splitk
@@ -89,13 +90,15 @@ def _gemm(t: dict, knobs: dict, cols: int, k: int, row_tiles: int, rows: int, wi
     return t, split, k_split
 
 
-def _plan(n: int, k: int, E: int, D: int, I: int, direct: bool) -> dict:
-    """The up and down launches (tile, splits, K per split) and whether the down kernel combines,
-    for n tokens of k slots over E experts, under the active tiles."""
-    key = ("experts", n, k, E, D, I, direct)
+def _plan(n: int, k: int, E: int, D: int, I: int) -> dict:
+    """The up and down launches (tile, splits, K per split), whether the down kernel combines, the
+    direct path (every token's one slot is expert 0), the fused activation quantization and the
+    routing tiles, for n tokens of k slots over E experts, under the active tiles."""
+    key = ("experts", n, k, E, D, I)
     tiles, plan = PLANS.lookup(key)
     if plan is not None:
         return plan
+    direct = E == 1 and k == 1 and tiles["direct"]
     t, knobs = split_tile(pick_tile(tiles["experts"], n * k / E), KNOBS)
     pairs = n * k
     row_tiles = cdiv(n, t["BLOCK_M"]) if direct else min(pairs, cdiv(pairs, t["BLOCK_M"]) + E)
@@ -105,7 +108,9 @@ def _plan(n: int, k: int, E: int, D: int, I: int, direct: bool) -> dict:
     if combine and down[1] > 1:
         down = _gemm(t, knobs, D, I, row_tiles, pairs, 1, reserved=cols)
     return PLANS.store(key, dict(block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, pairs, 2), down=down,
-                                 combine=combine, reserved=cols if combine else 0))
+                                 combine=combine, reserved=cols if combine else 0, direct=direct,
+                                 qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
+                                 combine_tile=tiles["combine"]))
 
 
 def _grid(tab, t, cols: int, split: int, direct: bool):
@@ -155,21 +160,20 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, direct: bool = False, combin
 def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32):
     """x [N, D], weights [N, k] fp32, indices [N, k] int32, w1/w3 [E, I, D], w2 [E, D, I] QTensor,
     add fp32 [N, D] or None -> [N, D] in out_dtype (the sum, plus add, cast: in the combine)."""
-    assert FAMILY.serves("moe_experts", x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype) is None
+    assert _quantized_up_pair(w1, w3, w2), (w1, w3, w2)  # dispatch checked the rest of FAMILY's support
     n, D = x.shape
     k = indices.shape[1]
     E, I = w1.shape[0], w1.shape[1]
     if n * k == 0 or D == 0 or I == 0:
         return finish_experts(torch.zeros(n, D, dtype=torch.float32, device=x.device), add, out_dtype)
-    qx = n <= _tiles()["fused_max_tokens"]
+    plan = _plan(n, k, E, D, I)
+    qx = plan["qx"]
     xq, sx = (last_dense(x),) * 2 if qx else act_quant(x)
-    direct = E == 1 and k == 1 and _tiles()["direct"]  # every token's one slot is expert 0
-    plan = _plan(n, k, E, D, I, direct)
-    if direct:
+    if plan["direct"]:  # every token's one slot is expert 0
         tab = _direct_tables(weights, plan["block_m"])
         hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, plan["up"], qx, direct=True)
         return finish_experts(_experts_down(hq, sh, tab, w2, D, x.dtype, plan, direct=True), add, out_dtype)
-    tab = moe_tables.route_tables(indices, weights, E, plan["block_m"], _tiles()["route"])
+    tab = moe_tables.route_tables(indices, weights, E, plan["block_m"], plan["route"])
     hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, plan["up"], qx)
     out = torch.empty(n, D, dtype=out_dtype, device=x.device)  # every row is written: k >= 1
     add = add.contiguous() if add is not None else None
@@ -177,12 +181,19 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
         _experts_down(hq, sh, tab, w2, D, x.dtype, plan, combine=(out, k), add=add)
         return out
     y = _experts_down(hq, sh, tab, w2, D, x.dtype, plan)
-    c = _tiles()["combine"]
+    c = plan["combine_tile"]
     _moe_combine_kernel[(n, cdiv(D, c["BLOCK_D"]))](
         y, tab["pos"], out, add if add is not None else out, D, k, y.stride(0), out.stride(0),
         add.stride(0) if add is not None else 0, BLOCK_D=c["BLOCK_D"], HAS_ADD=add is not None,
         num_warps=c["num_warps"])
     return out
+
+
+def _quantized_up_pair(w1, w3, w2) -> bool:
+    """What the launcher's code relies on of the weights (a cheap guard on every call; dispatch
+    checks FAMILY's whole support declaration once per call key): all quantized in WEIGHT_FORMATS,
+    w1 and w3 in one format."""
+    return all(isinstance(w, QTensor) and w.fmt in WEIGHT_FORMATS for w in (w1, w3, w2)) and w1.fmt == w3.fmt
 
 
 def same_up_format(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None) -> bool:

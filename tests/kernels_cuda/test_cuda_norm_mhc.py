@@ -130,6 +130,21 @@ def test_hc_coefficients_split_k(splits, rng, monkeypatch):
     _check_coeffs(got, want)
 
 
+def test_hc_coefficients_plan_per_shape_and_split(rng, monkeypatch):
+    """The launch plan is kept per (shape, split): a forced split between automatic ones at the same
+    shape, and another shape, each get their own plan and match the reference."""
+    monkeypatch.setitem(mhc.TILES, "hc_coefficients_fp32", {**mhc.TILES["hc_coefficients_fp32"], "BLOCK_K": 16})
+    for S, splits in ((9, None), (9, 3), (9, None), (4, 3), (9, 3)):
+        x, fn, scale, base = _hc_inputs(2, S, 4, 27, torch.float32, rng)
+        got = mhc.hc_coefficients(x, fn, scale, base, 5, 1e-6, 1e-6, splits=splits)
+        with flashrt.use_backend("reference"):
+            want = ops.hc_coefficients(x, fn, scale, base, 5, 1e-6, 1e-6)
+        _check_coeffs(got, want)
+        plan = mhc.PLANS.lookup(("hc_coefficients", 2 * S, 108, 4, splits, False))[1]
+        assert plan["n_splits"] == mhc._hc_plan(2 * S, 108, splits, False)[3], (S, splits, plan)
+    assert len(mhc.PLANS) == 3
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hc", [1, 3, 4])
 def test_hc_collapse_expand(hc, dtype, rng):

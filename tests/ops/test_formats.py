@@ -42,6 +42,25 @@ def test_layout(fmt, shape, ddt, dshape, sdt, sshape, rng):
     assert q.device == torch.device("cpu") and q.to("cpu").shape == q.shape
 
 
+@pytest.mark.parametrize("fmt,shape,ddt,dshape,sdt,sshape", LAYOUTS[:3] + LAYOUTS[-2:])
+def test_check_qtensor_rejects_a_bad_layout_after_a_good_one(fmt, shape, ddt, dshape, sdt, sshape, rng):
+    """The layout of a valid (fmt, shape) is kept after its first check: a QTensor of the same
+    fmt and shape with the wrong data or scale dtype or shape is still rejected, naming the part."""
+    q = ops.quantize(rand_input(shape, torch.float32, rng, spread=8), fmt)
+    formats.check_qtensor(q, "q")  # kept
+    bad_dtype = torch.int16 if q.data.dtype != torch.int16 else torch.uint8
+    cases = {"q.data": QTensor(q.data.view(-1)[:-1], q.scale, fmt, q.shape),
+             "q.data:dtype": QTensor(q.data.to(bad_dtype), q.scale, fmt, q.shape),
+             "q.scale": QTensor(q.data, q.scale.unsqueeze(0), fmt, q.shape),
+             "q.scale:dtype": QTensor(q.data, q.scale.view(torch.uint8).to(torch.int16), fmt, q.shape)}
+    for part, bad in cases.items():
+        with pytest.raises(ValueError, match=part.split(":")[0].replace(".", r"\.") + ": expected"):
+            formats.check_qtensor(bad, "q")
+    formats.check_qtensor(q, "q")  # the good one still passes
+    with pytest.raises(ValueError, match="fmt: expected one of"):
+        formats.check_qtensor(QTensor(q.data, q.scale, ["fp8"], q.shape), "q")  # unhashable
+
+
 def test_fp4_b16_entry_is_288_bytes():
     q = ops.quantize(torch.randn(1, 512), "fp4_b16")
     assert q.nbytes == 288
