@@ -1,5 +1,5 @@
 """Attention ops of the contract (:mod:`flashrt.ops`): sparse MQA over selected KV entries, dense
-attention, the indexer's scores, the two-level top-k selection and the CSA2 compression pool."""
+attention, the indexer's scores, the two-level top-k selection, the CSA2 compression pool and a compressor's decode step."""
 from __future__ import annotations
 
 import torch
@@ -117,6 +117,34 @@ def compress_pool(kv, score) -> torch.Tensor:
     c.tensor("kv", kv, "B G r D", env, F32)
     c.tensor("score", score, "B G r D", env, F32, kv.device)
     return _impl("compress_pool", kv.device)(kv, score)
+
+
+def compress_decode(kv, score, kv_state, score_state, positions, weight, eps: float, dtype: torch.dtype):
+    """A compressor's decode step (one token per row) in one op: the token's projections enter the
+    row's pending group, the group is pooled and normalised.
+
+    ``kv, score`` fp32 ``[B, D]`` (the token's ``wkv`` and ``wgate`` rows), ``kv_state,
+    score_state`` fp32 ``[B, r, D]`` with ``r >= 2`` (the pending groups, **written in place**:
+    row ``b``'s slot ``positions[b] % r`` takes ``kv[b]`` and ``score[b]``), ``positions`` int64
+    ``[B]`` >= 0, ``weight [D]`` float, ``eps >= 0``, ``dtype`` a float dtype ->
+    ``(latent, entry, mask)``: ``latent [B, 1, D]`` ``dtype`` =
+    ``rms_norm(compress_pool(kv_state, score_state).to(dtype), weight, eps)`` over the updated
+    state (every slot, complete or not), ``entry`` int64 ``[B, 1]`` = ``(positions + 1) // r - 1``
+    (the group's index) and ``mask`` bool ``[B, 1]`` = ``(positions + 1) % r == 0`` (the group is
+    complete: only then is the entry meaningful)."""
+    env: dict = {}
+    c.tensor("kv", kv, "B D", env, F32)
+    c.tensor("score", score, "B D", env, F32, kv.device)
+    c.tensor("kv_state", kv_state, "B r D", env, F32, kv.device)
+    c.tensor("score_state", score_state, "B r D", env, F32, kv.device)
+    if env["r"] < 2:
+        raise ValueError(f"kv_state: expected r >= 2 slots a group, got shape {tuple(kv_state.shape)}")
+    c.tensor("positions", positions, "B", env, (torch.int64,), kv.device)
+    c.tensor("weight", weight, "D", env, c.FLOATS, kv.device)
+    c.number("eps", eps, 0.0)
+    c.choice("dtype", dtype, c.FLOATS)
+    c.index_range("positions", positions, 0, 2 ** 62)
+    return _impl("compress_decode", kv.device)(kv, score, kv_state, score_state, positions, weight, float(eps), dtype)
 
 
 def dense_attention(q, k, v, scale: float) -> torch.Tensor:
