@@ -113,7 +113,7 @@ def sparse_attention(q, kv, indices, sink, scale):
     return out
 
 
-def index_scores(q, k, weights, visible):
+def index_scores(q, k, weights, visible, weight_scale=1.0):
     B, S, Hi, Di = q.shape
     T = k.shape[1]
     out = _meta((B, S, T), torch.float32)

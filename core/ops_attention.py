@@ -49,12 +49,13 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
     return _impl("sparse_attention", q.device)(q, kv, indices, sink, float(scale))
 
 
-def index_scores(q, k, weights, visible) -> torch.Tensor:
+def index_scores(q, k, weights, visible, weight_scale: float = 1.0) -> torch.Tensor:
     """Indexer scores: ``q [B, S, Hi, Di]``, ``k [B, T, Di]`` plain or ``QTensor`` or
-    :class:`flashrt.kv.paged.PagedKeys`, ``weights [B, S, Hi]`` fp32, ``visible [B, S]`` int32 in
-    ``[0, T]`` -> fp32 ``[B, S, T]``.
+    :class:`flashrt.kv.paged.PagedKeys`, ``weights [B, S, Hi]`` float, ``visible [B, S]`` int32 in
+    ``[0, T]``, ``weight_scale`` a float -> fp32 ``[B, S, T]``.
 
-    ``score[b,s,t] = sum_h relu(<q[b,s,h], k[b,t]>) * weights[b,s,h]`` for ``t < visible[b,s]``,
+    With ``w = weights.to(fp32) * weight_scale`` (an fp32 product, as torch computes it),
+    ``score[b,s,t] = sum_h relu(<q[b,s,h], k[b,t]>) * w[b,s,h]`` for ``t < visible[b,s]``,
     else ``-inf``. Math in fp32.
 
     Paged ``k`` (HKCP index K): ``PagedKeys(pool, block_table, page_size, length)`` with ``pool``
@@ -69,10 +70,11 @@ def index_scores(q, k, weights, visible) -> torch.Tensor:
         c.paged_keys("k", k, "B T Di", env, KV_FORMATS, q.device)
     else:
         c.maybe_quantized("k", k, "B T Di", env, KV_FORMATS, q.device)
-    c.tensor("weights", weights, "B S Hi", env, F32, q.device)
+    c.tensor("weights", weights, "B S Hi", env, c.FLOATS, q.device)
     c.tensor("visible", visible, "B S", env, I32, q.device)
+    c.number("weight_scale", weight_scale)
     c.index_range("visible", visible, 0, env["T"] + 1)
-    return _impl("index_scores", q.device)(q, k, weights, visible)
+    return _impl("index_scores", q.device)(q, k, weights, visible, float(weight_scale))
 
 
 def topk_positions(scores, k: int, candidates=None) -> torch.Tensor:

@@ -76,8 +76,10 @@ def sparse_attention(q, kv, indices, sink, scale):
     return out
 
 
-def index_scores(q, k, weights, visible):
+def index_scores(q, k, weights, visible, weight_scale=1.0):
     B, S, Hi, _ = q.shape
+    if weights.dtype != torch.float32 or weight_scale != 1.0:
+        weights = weights.to(torch.float32) * weight_scale
     T = k.shape[1]
     kf = _float(k.gather() if isinstance(k, PagedKeys) else k)  # paged keys: gather, then the same math
     out = torch.empty(B, S, T, dtype=torch.float32, device=q.device)

@@ -96,8 +96,7 @@ class Attention:
         # rope, then the published fake quantization through fp4_b32, in one op
         q = quantized_rope_tail(q, None, 0.0, ctx.rope_compressed, cfg.rope_head_dim, "fp4_b32", q.dtype)
         scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
-        weights = ops.linear(h, self.idx_weights).to(torch.float32) * scale
-        scores = ops.index_scores(q, index_k, weights, visible)
+        scores = ops.index_scores(q, index_k, ops.linear(h, self.idx_weights), visible, scale)
         if self.layer == cfg.candidate_source_layer:
             ctx.candidates = ops.candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
         candidates = ctx.candidates if cfg.uses_candidates(self.layer) else None

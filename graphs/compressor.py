@@ -113,7 +113,9 @@ class Compressor:
 
     def _store(self, latent, entry, mask, ctx: StepContext) -> None:
         cfg, rd = self.cfg, self.cfg.rope_head_dim
-        f = ctx.rope.factors(True, entry * self.ratio)
+        # entry j is rotated as position j * ratio: at ratio 1 the entries are the chunk's positions,
+        # whose factors the step context holds already
+        f = ctx.rope_compressed if self.ratio == 1 else ctx.rope.factors(True, entry * self.ratio)
         index_k = quantized_rope_tail(ops.linear(latent, self.wk), self.k_norm, cfg.norm_eps, f, rd, "fp4_b32")
         main = quantized_rope_tail(latent, None, 0.0, f, rd, MAIN_KV_FORMAT)
         ctx.state.append_entries(self.layer, main, index_k, entry, mask)

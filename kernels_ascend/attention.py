@@ -109,7 +109,7 @@ def sparse_attention(q, kv, indices, sink, scale):
     return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
 
 
-def index_scores(q, k, weights, visible):
+def index_scores(q, k, weights, visible, weight_scale=1.0):
     """``index_scores``: plain torch (an fp32 einsum, relu, weighted head sum, ``-inf`` mask).
 
     ``torch_npu.npu_lightning_indexer`` and ``npu_quant_lightning_indexer`` fuse this score with their
@@ -122,7 +122,7 @@ def index_scores(q, k, weights, visible):
     fallback("index_scores", INDEXER_WHY)
     if isinstance(k, PagedKeys):  # paged index K: gathered into one [B, T, Di] copy first
         k = k.gather()
-    return ref.index_scores(q, float_of(k), weights, visible)
+    return ref.index_scores(q, float_of(k), weights, visible, weight_scale)
 
 
 PLANS = {"sparse_attention": sparse_attention_plan, "index_scores": lambda *a: INDEXER_WHY}

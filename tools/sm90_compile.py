@@ -212,7 +212,19 @@ def compress_call(B: int, S: int, cold: bool):
                                              torch.ones(512, dtype=torch.bfloat16), 1e-6, torch.bfloat16))
 
 
-CALLS = {"attention": attention_call, "compress": compress_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
+def indexer_call(B: int, S: int, cold: bool):
+    """``small``'s indexer scores: 32 query heads x 128 over 4,096 fp4_b32 keys, bf16 head weights
+    scaled in the kernel (the linear's output as it comes)."""
+    from flashrt.kernels_cuda import indexer
+    from flashrt.kernels_cuda.launch import zeros_stored
+
+    _as_h200()
+    q, w = torch.zeros(B, S, 32, 128, dtype=torch.bfloat16), torch.zeros(B, S, 32, dtype=torch.bfloat16)
+    keys, vis = zeros_stored("fp4_b32", (B, 4096, 128), None, "cpu"), torch.full((B, S), 4096, dtype=torch.int32)
+    return lambda: indexer.index_scores(q, keys, w, vis, 128 ** -0.5 * 32 ** -0.5)
+
+
+CALLS = {"attention": attention_call, "compress": compress_call, "indexer": indexer_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
          "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call,
          "norm_rope_quant": norm_rope_quant_call}
 
