@@ -103,13 +103,14 @@ def grouped_linear(x, weight):
 
 def sparse_attention(q, kv, indices, sink, scale):
     B, S, H, D = q.shape
-    K = indices.shape[-1]
+    parts = indices if isinstance(indices, tuple) else (indices,)
+    K = sum(p.shape[-1] for p in parts)
     out = _meta(q.shape, q.dtype)
     segments = kv if isinstance(kv, tuple) else (kv,)
     # each query reads K rows; from a segment at most T_i of them (an upper bound when K < sum T_i)
     rows = sum(min(K, seg.shape[1]) * _row_bytes(seg) for seg in segments) if len(segments) > 1 else K * _row_bytes(kv)
-    read = _nbytes(q) + _nbytes(indices) + _nbytes(sink) + B * S * rows
-    _emit("sparse_attention", (q, *segments, indices, sink), (out,), 4 * B * S * H * K * D, read)
+    read = _nbytes(q) + sum(map(_nbytes, parts)) + _nbytes(sink) + B * S * rows
+    _emit("sparse_attention", (q, *segments, *parts, sink), (out,), 4 * B * S * H * K * D, read)
     return out
 
 

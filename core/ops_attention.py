@@ -19,7 +19,9 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
     ``kv`` may also be a tuple of segments ``[B, T_i, D]`` (each plain or QTensor, e.g. the fp8
     window ring, the fp8 chunk and the fp4 compressed cache) standing for their concatenation
     along T (``T = sum T_i``); nothing is concatenated in memory. A segment whose batch dim is 1
-    is shared by every row (the HKCP page pool).
+    is shared by every row (the HKCP page pool). Likewise ``indices`` may be a tuple of int32
+    ``[B, S, K_i]`` standing for their concatenation along K (``K = sum K_i``: a layer's window
+    indices and its compressed picks).
 
     ``l_j = scale * <q, kv[idx_j]>`` over valid slots, ``m = max(max_j l_j, sink)``;
     ``out = sum_j exp(l_j - m) kv[idx_j] / (sum_j exp(l_j - m) + exp(sink - m))``; no valid slot
@@ -41,11 +43,19 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
         kv = tuple(kv)
     else:
         c.maybe_quantized("kv", kv, "B T D", env, KV_FORMATS, q.device)
-    c.tensor("indices", indices, "B S K", env, I32, q.device)
+    if isinstance(indices, (tuple, list)):
+        if not indices:
+            raise ValueError("indices: expected at least one [B, S, K] part, got an empty tuple")
+        for i, part in enumerate(indices):
+            c.tensor(f"indices[{i}]", part, "B S K", {"B": env["B"], "S": env["S"]}, I32, q.device)
+            c.index_range(f"indices[{i}]", part, -1, env["T"])
+        indices = tuple(indices)
+    else:
+        c.tensor("indices", indices, "B S K", env, I32, q.device)
+        c.index_range("indices", indices, -1, env["T"])
     if sink is not None:
         c.tensor("sink", sink, "H", env, F32, q.device)
     c.number("scale", scale)
-    c.index_range("indices", indices, -1, env["T"])
     return _impl("sparse_attention", q.device)(q, kv, indices, sink, float(scale))
 
 

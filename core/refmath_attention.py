@@ -47,6 +47,8 @@ def gather_rows(kv, idx):
 
 def sparse_attention(q, kv, indices, sink, scale):
     B, S, H, D = q.shape
+    if isinstance(indices, tuple):  # parts standing for their concatenation along K
+        indices = torch.cat(indices, dim=-1)
     K = indices.shape[-1]
     T = sum(seg.shape[1] for seg in kv) if isinstance(kv, tuple) else kv.shape[1]
     if T == 0:  # empty cache (T == 0): every slot is -1, nothing to gather

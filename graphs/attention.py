@@ -68,7 +68,7 @@ class Attention:
         if self.ratio:
             picked = self._selection(h, qr, ctx)
             segments += picked.segments
-            indices = torch.cat([indices, picked.indices], dim=-1)
+            indices = (indices, picked.indices)  # read as their concatenation: no copy
         o = ops.sparse_attention(q, tuple(segments), indices, self.sink, cfg.head_dim ** -0.5)
         ctx.state.write_ring(self.layer, kv, ctx.ring_slots)
         return self.output(o, f)

@@ -96,7 +96,7 @@ def attention_call(B: int, S: int, cold: bool):
     if cold:
         kv += (stored("fp4_b16", (1, B * TOPK, D)),)
     q = torch.zeros(B, S, H, D, dtype=torch.bfloat16)
-    idx = torch.zeros(B, S, W + TOPK, dtype=torch.int32)
+    idx = (torch.zeros(B, S, W, dtype=torch.int32), torch.zeros(B, S, TOPK, dtype=torch.int32))  # window ‖ picks
     return lambda: attention.sparse_attention(q, kv, idx, torch.zeros(H), D ** -0.5)
 
 
