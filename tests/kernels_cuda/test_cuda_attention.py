@@ -75,7 +75,7 @@ def test_attention_indices_in_two_parts(split, split_k, monkeypatch, rng):
     if split_k:
         monkeypatch.setitem(attention.TILES, "split", {"programs": 64, "min_blocks": 1, "max_splits": 16})
         monkeypatch.setitem(attention.TILES, "attention", dict(attention.TILES["attention"], K_BLOCK=16))
-    B, S, H, D, T, K = 2, 1, 16, 64, 70, 40
+    B, S, H, D, T, K = 2, 1 if split_k else 3, 16, 64, 70, 40  # a decode step; a verify chunk of 3 queries
     q = torch.randn(B, S, H, D, generator=rng).to(torch.bfloat16).to(DEVICE)
     kv, sink = _kv("fp8+fp8+fp4_b16", B, T, D, rng), torch.randn(H, generator=rng).to(DEVICE)
     idx = _indices(B, S, K, T, rng)
