@@ -16,7 +16,8 @@ Counting rules (the minimum work each op must do):
   ``2*N*D*E + 3*N*E``; ``hc_coefficients`` ``2*B*S*hcD*(M+1) + 4*B*S*hc*hc*iters``;
   ``grouped_linear`` ``2*rows*in*G*out``; ``hc_collapse`` ``2*B*S*hc*D``; ``hc_collapse_norm``
   ``2*B*S*hc*D + 4*B*S*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
-  ``5*B*G*r*D``; ``engram_gate`` ``9*B*S*hc*D``; ``engram_hash`` ``2*B*S*L*N`` (multiply,
+  ``5*B*G*r*D``; ``compress_decode`` ``5*B*r*D + 4*B*D`` (the pool and the norm; the new rows it
+  writes into the state count as outputs); ``engram_gate`` ``9*B*S*hc*D``; ``engram_hash`` ``2*B*S*L*N`` (multiply,
   xor) plus ``B*S*L*C`` remainders; elementwise ops per element: ``rms_norm`` 4,
   ``rope`` 3, ``quantize`` 3, ``norm_rope_quantize`` 10, ``dequantize`` and ``engram_lookup`` 1,
   ``sample`` 3 per logit.
@@ -63,10 +64,12 @@ def rope(x, freqs_cis, inverse):
     return out
 
 
-def norm_rope_quantize(x, weight, eps, freqs_cis, fmt):
+def norm_rope_quantize(x, weight, eps, freqs_cis, fmt, dequantize_to=None):
     data_shape, scale_shape = expected_layout(fmt, x.shape)
     s = spec(fmt)
     q = QTensor(_meta(data_shape, s.data_dtype), _meta(scale_shape, s.scale_dtype), fmt, x.shape)
+    if dequantize_to is not None:  # the fake quantization: the values, not the stored rows
+        q = _meta(x.shape, dequantize_to)
     _emit("norm_rope_quantize", (x, freqs_cis) if weight is None else (x, weight, freqs_cis), (q,), 10 * x.numel())
     return q
 
@@ -100,17 +103,18 @@ def grouped_linear(x, weight):
 
 def sparse_attention(q, kv, indices, sink, scale):
     B, S, H, D = q.shape
-    K = indices.shape[-1]
+    parts = indices if isinstance(indices, tuple) else (indices,)
+    K = sum(p.shape[-1] for p in parts)
     out = _meta(q.shape, q.dtype)
     segments = kv if isinstance(kv, tuple) else (kv,)
     # each query reads K rows; from a segment at most T_i of them (an upper bound when K < sum T_i)
     rows = sum(min(K, seg.shape[1]) * _row_bytes(seg) for seg in segments) if len(segments) > 1 else K * _row_bytes(kv)
-    read = _nbytes(q) + _nbytes(indices) + _nbytes(sink) + B * S * rows
-    _emit("sparse_attention", (q, *segments, indices, sink), (out,), 4 * B * S * H * K * D, read)
+    read = _nbytes(q) + sum(map(_nbytes, parts)) + _nbytes(sink) + B * S * rows
+    _emit("sparse_attention", (q, *segments, *parts, sink), (out,), 4 * B * S * H * K * D, read)
     return out
 
 
-def index_scores(q, k, weights, visible):
+def index_scores(q, k, weights, visible, weight_scale=1.0):
     B, S, Hi, Di = q.shape
     T = k.shape[1]
     out = _meta((B, S, T), torch.float32)
@@ -140,6 +144,15 @@ def compress_pool(kv, score):
     out = _meta((B, G, D), torch.float32)
     _emit("compress_pool", (kv, score), (out,), 5 * B * G * r * D)
     return out
+
+
+def compress_decode(kv, score, kv_state, score_state, positions, weight, eps, dtype):
+    B, r, D = kv_state.shape
+    latent, entry, mask = _meta((B, 1, D), dtype), _meta((B, 1), torch.int64), _meta((B, 1), torch.bool)
+    # reads the new rows, the state, the positions and the norm weight; writes the new rows into the state too
+    _emit("compress_decode", (kv, score, kv_state, score_state, positions, weight), (kv, score, latent, entry, mask),
+          5 * B * r * D + 4 * B * D)
+    return latent, entry, mask
 
 
 def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps):

@@ -23,7 +23,8 @@ from .formats import QTensor
 TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,
              "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0, "store_paged": 0.0,
              "resolve_paged": 0.0, "store_rows": 0.0, "engram_hash": 0.0, "norm_rope_quantize": 0.02}
-IN_PLACE = {"store_paged": 0, "store_rows": 0}  # op -> the argument it writes: each run gets its own copy of it
+# op -> the arguments it writes: each run gets its own copy of them
+IN_PLACE = {"store_paged": (0,), "store_rows": (0,), "compress_decode": (2, 3)}
 DEFAULT_TOL = 2e-2  # bf16 outputs
 
 _ROUTES: list | None = None  # (op, route) notes, collected only while a case runs
@@ -61,6 +62,9 @@ def _cases(dev, g):
     yield "topk_positions", (f32(2, 4, 300), 64)
     yield "candidate_blocks", (f32(2, 4, 300), i32(1, 301, 2, 4), 8, 8)
     yield "compress_pool", (f32(1, 64, 2, 512), f32(1, 64, 2, 512))
+    state = f32(4, 4, 512)  # four rows' pending groups of a ratio-4 compressor, one row completing its group
+    yield "compress_decode", (f32(4, 512), f32(4, 512), state, f32(4, 4, 512), torch.tensor([5, 11, 0, 130]).to(dev),
+                              r(512), 1e-6, torch.bfloat16)
     yield "hc_coefficients", (r(1, 8, 4, 256), f32(24, 1024) * 0.01, torch.ones(3, device=dev), f32(24) * 0.1,
                               20, 1e-6, 1e-6)
     yield "hc_collapse", (r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev))
@@ -68,6 +72,7 @@ def _cases(dev, g):
     f = torch.polar(torch.ones(2, 3, P), torch.rand(2, 3, P, generator=g) * 6).to(dev)
     yield "norm_rope_quantize", (r(2, 3, 512), r(512), 1e-6, f, "fp8")
     yield "norm_rope_quantize", (r(2, 3, 512), None, 0.0, f, MAIN_KV_FORMAT)
+    yield "norm_rope_quantize", (r(2, 3, 32, 128), None, 0.0, f, "fp4_b32", torch.bfloat16)  # the indexer's queries
     yield "hc_collapse_norm", (r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev), f32(256), 1e-6)
     yield "hc_expand", (r(1, 8, 256), r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev),
                         torch.rand(1, 8, 4, 4, generator=g).to(dev))
@@ -119,10 +124,8 @@ def _store_case(dev, g):
 
 def _own_copy(op: str, args) -> tuple:
     """``args`` with the argument ``op`` writes in place copied (so each run starts from the same state)."""
-    if op not in IN_PLACE:
-        return args
-    at, q = IN_PLACE[op], args[IN_PLACE[op]]
-    return (*args[:at], QTensor(q.data.clone(), q.scale.clone(), q.fmt, q.shape), *args[at + 1:])
+    copy = lambda t: QTensor(t.data.clone(), t.scale.clone(), t.fmt, t.shape) if isinstance(t, QTensor) else t.clone()
+    return tuple(copy(a) if i in IN_PLACE.get(op, ()) else a for i, a in enumerate(args))
 
 
 def _host_pages(q: QTensor, dev) -> QTensor:

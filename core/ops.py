@@ -4,7 +4,8 @@ Each op validates its inputs (``ValueError`` naming the argument, the expected a
 shape or dtype; out-of-range indices rejected) and then calls the implementation resolved once
 for (op, device type) by :mod:`flashrt.dispatch`. Notation: ``B`` batch, ``S`` query positions,
 ``T`` KV entries, ``H`` heads, ``D`` head dim, ``K`` top-k. Index tensors are int32 unless said.
-Ops never mutate their inputs. Outputs live on the device of the inputs.
+Ops never mutate their inputs, except the ones that say they write in place (``store_paged``,
+``store_rows``, ``compress_decode``). Outputs live on the device of the inputs.
 
 This module holds the norm, rotary, quantization, linear and sampling ops and names every op of the
 groups kept beside it: :mod:`flashrt.ops_attention`, :mod:`flashrt.ops_kv`, :mod:`flashrt.ops_moe`,
@@ -19,7 +20,7 @@ from .checks import F32, WEIGHT_FORMATS
 from .dispatch import impl as _impl
 from .formats import QTensor, check_shape
 # the op groups kept beside this module, named here too: ``flashrt.ops.<op>`` is the contract
-from .ops_attention import (candidate_blocks, compress_pool, dense_attention, index_scores,  # noqa: F401
+from .ops_attention import (candidate_blocks, compress_decode, compress_pool, dense_attention, index_scores,  # noqa: F401
                             sparse_attention, topk_positions)
 from .ops_engram import engram_gate, engram_hash, engram_lookup  # noqa: F401
 from .ops_kv import gather_cold_rows, resolve_paged, store_paged, store_rows  # noqa: F401
@@ -97,16 +98,23 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _impl("grouped_linear", x.device)(x, weight)
 
 
-def norm_rope_quantize(x: torch.Tensor, weight, eps: float, freqs_cis: torch.Tensor, fmt: str) -> QTensor:
+def norm_rope_quantize(x: torch.Tensor, weight, eps: float, freqs_cis: torch.Tensor, fmt: str,
+                       dequantize_to: torch.dtype | None = None):
     """``quantize(rope(rms_norm(x, weight, eps), freqs_cis), fmt)`` in one op (no norm when
     ``weight`` is None): the KV path of a layer (a window ring's new rows, a compressed entry and
-    its index key). ``x [B, S, D]`` float, ``weight [D]`` or None, ``freqs_cis [B, S, P]``
-    complex64 rotating the last ``2P`` channels as :func:`rope`, ``fmt`` a block format
-    (``fp8``, ``fp4_b16``, ``fp4_b32``, ``int8``). The norm and the rope round to ``x.dtype`` as
-    the ops in sequence would.
+    its index key). ``x [B, S, D]`` or ``[B, S, H, D]`` float (the heads of a row share its table
+    entry), ``weight [D]`` or None, ``freqs_cis [B, S, P]`` complex64 rotating the last ``2P``
+    channels as :func:`rope`, ``fmt`` a block format (``fp8``, ``fp4_b16``, ``fp4_b32``,
+    ``int8``). The norm and the rope round to ``x.dtype`` as the ops in sequence would.
+    ``dequantize_to`` a float dtype: the values the quantized rows stand for, as that dtype (a
+    fake quantization: ``dequantize(..., dequantize_to)``; the indexer's queries) instead of the
+    ``QTensor``.
     """
     env: dict = {}
-    c.tensor("x", x, "B S D", env, c.FLOATS)
+    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x: expected [B, S, D] or [B, S, H, D], got {got}")
+    c.tensor("x", x, "B S D" if x.dim() == 3 else "B S H D", env, c.FLOATS)
     if weight is not None:
         c.tensor("weight", weight, "D", env, c.FLOATS, x.device)
     c.number("eps", eps, 0.0)
@@ -118,7 +126,9 @@ def norm_rope_quantize(x: torch.Tensor, weight, eps: float, freqs_cis: torch.Ten
     c.tensor("freqs_cis", freqs_cis, "B S P", env, (torch.complex64,), x.device)
     c.choice("fmt", fmt, BLOCK_FORMATS)
     check_shape(fmt, x.shape, "x")
-    return _impl("norm_rope_quantize", x.device)(x, weight, float(eps), freqs_cis, fmt)
+    if dequantize_to is not None:
+        c.choice("dequantize_to", dequantize_to, c.FLOATS)
+    return _impl("norm_rope_quantize", x.device)(x, weight, float(eps), freqs_cis, fmt, dequantize_to)
 
 
 BLOCK_FORMATS = ("fp8", "fp4_b16", "fp4_b32", "int8")  # the activation / KV formats norm_rope_quantize writes
@@ -173,7 +183,7 @@ def sample(logits, temperature, generator=None) -> torch.Tensor:
 
 OPS = (
     "rms_norm", "rope", "quantize", "norm_rope_quantize", "dequantize", "linear", "grouped_linear", "sparse_attention",
-    "index_scores", "topk_positions", "candidate_blocks", "compress_pool", "hc_coefficients", "hc_collapse",
-    "hc_collapse_norm", "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route", "moe_experts",
-    "sample", "gather_cold_rows", "dense_attention", "store_paged", "resolve_paged", "store_rows",
+    "index_scores", "topk_positions", "candidate_blocks", "compress_pool", "compress_decode", "hc_coefficients",
+    "hc_collapse", "hc_collapse_norm", "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route",
+    "moe_experts", "sample", "gather_cold_rows", "dense_attention", "store_paged", "resolve_paged", "store_rows",
 )

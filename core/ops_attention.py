@@ -1,5 +1,5 @@
 """Attention ops of the contract (:mod:`flashrt.ops`): sparse MQA over selected KV entries, dense
-attention, the indexer's scores, the two-level top-k selection and the CSA2 compression pool."""
+attention, the indexer's scores, the two-level top-k selection, the CSA2 compression pool and a compressor's decode step."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +19,9 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
     ``kv`` may also be a tuple of segments ``[B, T_i, D]`` (each plain or QTensor, e.g. the fp8
     window ring, the fp8 chunk and the fp4 compressed cache) standing for their concatenation
     along T (``T = sum T_i``); nothing is concatenated in memory. A segment whose batch dim is 1
-    is shared by every row (the HKCP page pool).
+    is shared by every row (the HKCP page pool). Likewise ``indices`` may be a tuple of int32
+    ``[B, S, K_i]`` standing for their concatenation along K (``K = sum K_i``: a layer's window
+    indices and its compressed picks).
 
     ``l_j = scale * <q, kv[idx_j]>`` over valid slots, ``m = max(max_j l_j, sink)``;
     ``out = sum_j exp(l_j - m) kv[idx_j] / (sum_j exp(l_j - m) + exp(sink - m))``; no valid slot
@@ -41,20 +43,29 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
         kv = tuple(kv)
     else:
         c.maybe_quantized("kv", kv, "B T D", env, KV_FORMATS, q.device)
-    c.tensor("indices", indices, "B S K", env, I32, q.device)
+    if isinstance(indices, (tuple, list)):
+        if not indices:
+            raise ValueError("indices: expected at least one [B, S, K] part, got an empty tuple")
+        for i, part in enumerate(indices):
+            c.tensor(f"indices[{i}]", part, "B S K", {"B": env["B"], "S": env["S"]}, I32, q.device)
+            c.index_range(f"indices[{i}]", part, -1, env["T"])
+        indices = tuple(indices)
+    else:
+        c.tensor("indices", indices, "B S K", env, I32, q.device)
+        c.index_range("indices", indices, -1, env["T"])
     if sink is not None:
         c.tensor("sink", sink, "H", env, F32, q.device)
     c.number("scale", scale)
-    c.index_range("indices", indices, -1, env["T"])
     return _impl("sparse_attention", q.device)(q, kv, indices, sink, float(scale))
 
 
-def index_scores(q, k, weights, visible) -> torch.Tensor:
+def index_scores(q, k, weights, visible, weight_scale: float = 1.0) -> torch.Tensor:
     """Indexer scores: ``q [B, S, Hi, Di]``, ``k [B, T, Di]`` plain or ``QTensor`` or
-    :class:`flashrt.kv.paged.PagedKeys`, ``weights [B, S, Hi]`` fp32, ``visible [B, S]`` int32 in
-    ``[0, T]`` -> fp32 ``[B, S, T]``.
+    :class:`flashrt.kv.paged.PagedKeys`, ``weights [B, S, Hi]`` float, ``visible [B, S]`` int32 in
+    ``[0, T]``, ``weight_scale`` a float -> fp32 ``[B, S, T]``.
 
-    ``score[b,s,t] = sum_h relu(<q[b,s,h], k[b,t]>) * weights[b,s,h]`` for ``t < visible[b,s]``,
+    With ``w = weights.to(fp32) * weight_scale`` (an fp32 product, as torch computes it),
+    ``score[b,s,t] = sum_h relu(<q[b,s,h], k[b,t]>) * w[b,s,h]`` for ``t < visible[b,s]``,
     else ``-inf``. Math in fp32.
 
     Paged ``k`` (HKCP index K): ``PagedKeys(pool, block_table, page_size, length)`` with ``pool``
@@ -69,10 +80,11 @@ def index_scores(q, k, weights, visible) -> torch.Tensor:
         c.paged_keys("k", k, "B T Di", env, KV_FORMATS, q.device)
     else:
         c.maybe_quantized("k", k, "B T Di", env, KV_FORMATS, q.device)
-    c.tensor("weights", weights, "B S Hi", env, F32, q.device)
+    c.tensor("weights", weights, "B S Hi", env, c.FLOATS, q.device)
     c.tensor("visible", visible, "B S", env, I32, q.device)
+    c.number("weight_scale", weight_scale)
     c.index_range("visible", visible, 0, env["T"] + 1)
-    return _impl("index_scores", q.device)(q, k, weights, visible)
+    return _impl("index_scores", q.device)(q, k, weights, visible, float(weight_scale))
 
 
 def topk_positions(scores, k: int, candidates=None) -> torch.Tensor:
@@ -117,6 +129,34 @@ def compress_pool(kv, score) -> torch.Tensor:
     c.tensor("kv", kv, "B G r D", env, F32)
     c.tensor("score", score, "B G r D", env, F32, kv.device)
     return _impl("compress_pool", kv.device)(kv, score)
+
+
+def compress_decode(kv, score, kv_state, score_state, positions, weight, eps: float, dtype: torch.dtype):
+    """A compressor's decode step (one token per row) in one op: the token's projections enter the
+    row's pending group, the group is pooled and normalised.
+
+    ``kv, score`` fp32 ``[B, D]`` (the token's ``wkv`` and ``wgate`` rows), ``kv_state,
+    score_state`` fp32 ``[B, r, D]`` with ``r >= 2`` (the pending groups, **written in place**:
+    row ``b``'s slot ``positions[b] % r`` takes ``kv[b]`` and ``score[b]``), ``positions`` int64
+    ``[B]`` >= 0, ``weight [D]`` float, ``eps >= 0``, ``dtype`` a float dtype ->
+    ``(latent, entry, mask)``: ``latent [B, 1, D]`` ``dtype`` =
+    ``rms_norm(compress_pool(kv_state, score_state).to(dtype), weight, eps)`` over the updated
+    state (every slot, complete or not), ``entry`` int64 ``[B, 1]`` = ``(positions + 1) // r - 1``
+    (the group's index) and ``mask`` bool ``[B, 1]`` = ``(positions + 1) % r == 0`` (the group is
+    complete: only then is the entry meaningful)."""
+    env: dict = {}
+    c.tensor("kv", kv, "B D", env, F32)
+    c.tensor("score", score, "B D", env, F32, kv.device)
+    c.tensor("kv_state", kv_state, "B r D", env, F32, kv.device)
+    c.tensor("score_state", score_state, "B r D", env, F32, kv.device)
+    if env["r"] < 2:
+        raise ValueError(f"kv_state: expected r >= 2 slots a group, got shape {tuple(kv_state.shape)}")
+    c.tensor("positions", positions, "B", env, (torch.int64,), kv.device)
+    c.tensor("weight", weight, "D", env, c.FLOATS, kv.device)
+    c.number("eps", eps, 0.0)
+    c.choice("dtype", dtype, c.FLOATS)
+    c.index_range("positions", positions, 0, 2 ** 62)
+    return _impl("compress_decode", kv.device)(kv, score, kv_state, score_state, positions, weight, float(eps), dtype)
 
 
 def dense_attention(q, k, v, scale: float) -> torch.Tensor:

@@ -51,13 +51,24 @@ def rope(x, freqs_cis, inverse):
     return torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
 
 
-def norm_rope_quantize(x, weight, eps, freqs_cis, fmt):
+def norm_rope_quantize(x, weight, eps, freqs_cis, fmt, dequantize_to=None):
     y = rms_norm(x, weight, eps) if weight is not None else x
-    return quantize(rope(y, freqs_cis, False), fmt)
+    q = quantize(rope(y, freqs_cis, False), fmt)
+    return q if dequantize_to is None else dequantize(q, dequantize_to)
 
 
 def compress_pool(kv, score):
     return (torch.softmax(score, dim=2) * kv).sum(2)
+
+
+def compress_decode(kv, score, kv_state, score_state, positions, weight, eps, dtype):
+    r = kv_state.shape[1]
+    rows, slot = torch.arange(kv.shape[0], device=kv.device), positions % r
+    kv_state[rows, slot] = kv
+    score_state[rows, slot] = score
+    latent = rms_norm(compress_pool(kv_state.unsqueeze(1), score_state.unsqueeze(1)).to(dtype), weight, eps)
+    done = positions + 1
+    return latent, (done // r - 1).unsqueeze(1), (done % r == 0).unsqueeze(1)
 
 
 def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps):

@@ -47,6 +47,8 @@ def gather_rows(kv, idx):
 
 def sparse_attention(q, kv, indices, sink, scale):
     B, S, H, D = q.shape
+    if isinstance(indices, tuple):  # parts standing for their concatenation along K
+        indices = torch.cat(indices, dim=-1)
     K = indices.shape[-1]
     T = sum(seg.shape[1] for seg in kv) if isinstance(kv, tuple) else kv.shape[1]
     if T == 0:  # empty cache (T == 0): every slot is -1, nothing to gather
@@ -76,8 +78,10 @@ def sparse_attention(q, kv, indices, sink, scale):
     return out
 
 
-def index_scores(q, k, weights, visible):
+def index_scores(q, k, weights, visible, weight_scale=1.0):
     B, S, Hi, _ = q.shape
+    if weights.dtype != torch.float32 or weight_scale != 1.0:
+        weights = weights.to(torch.float32) * weight_scale
     T = k.shape[1]
     kf = _float(k.gather() if isinstance(k, PagedKeys) else k)  # paged keys: gather, then the same math
     out = torch.empty(B, S, T, dtype=torch.float32, device=q.device)

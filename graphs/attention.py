@@ -68,7 +68,7 @@ class Attention:
         if self.ratio:
             picked = self._selection(h, qr, ctx)
             segments += picked.segments
-            indices = torch.cat([indices, picked.indices], dim=-1)
+            indices = (indices, picked.indices)  # read as their concatenation: no copy
         o = ops.sparse_attention(q, tuple(segments), indices, self.sink, cfg.head_dim ** -0.5)
         ctx.state.write_ring(self.layer, kv, ctx.ring_slots)
         return self.output(o, f)
@@ -93,11 +93,10 @@ class Attention:
         if T == 0:
             return torch.empty(B, S, 0, dtype=torch.int32, device=h.device)
         q = ops.linear(qr, self.idx_wq_b).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
-        q = rope_tail(q, ctx.rope_compressed, cfg.rope_head_dim)
-        q = ops.dequantize(ops.quantize(q, "fp4_b32"), q.dtype)  # the published fake-quant
+        # rope, then the published fake quantization through fp4_b32, in one op
+        q = quantized_rope_tail(q, None, 0.0, ctx.rope_compressed, cfg.rope_head_dim, "fp4_b32", q.dtype)
         scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
-        weights = ops.linear(h, self.idx_weights).to(torch.float32) * scale
-        scores = ops.index_scores(q, index_k, weights, visible)
+        scores = ops.index_scores(q, index_k, ops.linear(h, self.idx_weights), visible, scale)
         if self.layer == cfg.candidate_source_layer:
             ctx.candidates = ops.candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
         candidates = ctx.candidates if cfg.uses_candidates(self.layer) else None

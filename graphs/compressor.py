@@ -37,18 +37,14 @@ class Compressor:
         self._store(latent, entry, mask, ctx)
 
     def _decode(self, h, ctx: StepContext):
-        """One token per row at its own position: fill slot ``pos % r``; pool when complete. Written
-        in place: a retried step writes the same slot again (no other slot is read until the group
-        is complete), so a decode step stays a pure device function (CUDA-graph capturable)."""
-        cache, r = ctx.state.compressed[self.layer], self.ratio
+        """One token per row at its own position: fill slot ``pos % r``; pool when complete
+        (``ops.compress_decode``). Written in place: a retried step writes the same slot again (no
+        other slot is read until the group is complete), so a decode step stays a pure device
+        function (CUDA-graph capturable)."""
+        cache = ctx.state.compressed[self.layer]
         x = h.to(torch.float32)
-        pos = ctx.positions[:, 0]
-        rows, slot, done = torch.arange(h.shape[0], device=h.device), pos % r, pos + 1
-        cache.kv_state[rows, slot] = ops.linear(x, self.wkv)[:, 0]
-        cache.score_state[rows, slot] = ops.linear(x, self.wgate)[:, 0]
-        pooled = ops.compress_pool(cache.kv_state.unsqueeze(1), cache.score_state.unsqueeze(1))
-        latent = ops.rms_norm(pooled.to(h.dtype), self.norm, self.cfg.norm_eps)
-        return latent, (done // r - 1).unsqueeze(1), (done % r == 0).unsqueeze(1)
+        return ops.compress_decode(ops.linear(x, self.wkv)[:, 0], ops.linear(x, self.wgate)[:, 0], cache.kv_state,
+                                   cache.score_state, ctx.positions[:, 0], self.norm, self.cfg.norm_eps, h.dtype)
 
     def _chunk(self, h, ctx: StepContext):
         """A chunk of S tokens per row, each row from its own position: row ``b``'s inputs are its
@@ -117,7 +113,9 @@ class Compressor:
 
     def _store(self, latent, entry, mask, ctx: StepContext) -> None:
         cfg, rd = self.cfg, self.cfg.rope_head_dim
-        f = ctx.rope.factors(True, entry * self.ratio)
+        # entry j is rotated as position j * ratio: at ratio 1 the entries are the chunk's positions,
+        # whose factors the step context holds already
+        f = ctx.rope_compressed if self.ratio == 1 else ctx.rope.factors(True, entry * self.ratio)
         index_k = quantized_rope_tail(ops.linear(latent, self.wk), self.k_norm, cfg.norm_eps, f, rd, "fp4_b32")
         main = quantized_rope_tail(latent, None, 0.0, f, rd, MAIN_KV_FORMAT)
         ctx.state.append_entries(self.layer, main, index_k, entry, mask)

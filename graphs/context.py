@@ -145,12 +145,14 @@ class RopeCache:
         return torch.polar(self.one.expand_as(angles), angles)  # a stride-0 view of 1: no fill launch
 
 
-def quantized_rope_tail(x: torch.Tensor, norm, eps: float, factors: torch.Tensor, rd: int, fmt: str):
+def quantized_rope_tail(x: torch.Tensor, norm, eps: float, factors: torch.Tensor, rd: int, fmt: str,
+                        dequantize_to: torch.dtype | None = None):
     """``quantize(rope_tail(rms_norm(x, norm, eps)), fmt)`` (no norm when ``norm`` is None) as one
-    op, ``ops.norm_rope_quantize``: a KV row on its way into a cache."""
+    op, ``ops.norm_rope_quantize``: a KV row on its way into a cache, or (``dequantize_to``) the
+    values it stands for (the indexer's fake-quantized queries)."""
     if factors.shape[-1] * 2 != rd:
         raise ValueError(f"factors: expected rd/2 = {rd // 2} pairs, got shape {tuple(factors.shape)}")
-    return ops.norm_rope_quantize(x, norm, eps, factors, fmt)
+    return ops.norm_rope_quantize(x, norm, eps, factors, fmt, dequantize_to)
 
 
 def rope_tail(x: torch.Tensor, factors: torch.Tensor, rd: int, inverse: bool = False) -> torch.Tensor:

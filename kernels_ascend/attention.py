@@ -22,6 +22,7 @@ INDEXER_WHY = ("npu_lightning_indexer / npu_quant_lightning_indexer return top-k
 
 def sparse_attention_plan(q, kv, indices, sink, scale) -> str | None:
     B, S, H, D = q.shape
+    K = sum(p.shape[-1] for p in indices) if isinstance(indices, tuple) else indices.shape[-1]
     segs = kv if isinstance(kv, tuple) else (kv,)
     if D != SFA_DIM:
         return f"npu_sparse_flash_attention needs D == {SFA_DIM}, got {D}"
@@ -29,7 +30,7 @@ def sparse_attention_plan(q, kv, indices, sink, scale) -> str | None:
         return f"npu_sparse_flash_attention needs H in {SFA_HEADS}, got {H}"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return "npu_sparse_flash_attention takes only bf16/fp16"
-    if indices.shape[-1] == 0 or sum(s.shape[1] for s in segs) == 0:
+    if K == 0 or sum(s.shape[1] for s in segs) == 0:
         return "no slot to attend (K == 0 or T == 0)"
     if not all(bf16_exact(s, q.dtype) for s in segs):
         return f"a KV segment is not exactly representable in {q.dtype}"
@@ -95,12 +96,15 @@ def sparse_attention(q, kv, indices, sink, scale):
     exact in ``q.dtype`` (fp32 KV; fp16 q with quantized KV). ``npu_kv_quant_sparse_flash_attention``
     is not used: it reads int8 KV with an fp32 scale per 128-element tile inside the key rows, a
     format neither KV segment has (re-quantizing would change the values). The schema's ``sinks``
-    argument is undocumented, so the sink goes through the rope entry above.
+    argument is undocumented, so the sink goes through the rope entry above. Indices given in
+    parts are concatenated first.
     """
     why = sparse_attention_plan(q, kv, indices, sink, scale)
     if why:
         fallback("sparse_attention", why)
         return ref.sparse_attention(q, kv, indices, sink, scale)
+    if isinstance(indices, tuple):  # parts of the indices: one [B, S, K] for the gather
+        indices = torch.cat(indices, dim=-1)
     if any(isinstance(seg, QTensor) for seg in (kv if isinstance(kv, tuple) else (kv,))):
         declined("sparse_attention", KV_QUANT_SFA, KV_QUANT_SFA_WHY)
     B, S, H, D = q.shape
@@ -109,7 +113,7 @@ def sparse_attention(q, kv, indices, sink, scale):
     return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
 
 
-def index_scores(q, k, weights, visible):
+def index_scores(q, k, weights, visible, weight_scale=1.0):
     """``index_scores``: plain torch (an fp32 einsum, relu, weighted head sum, ``-inf`` mask).
 
     ``torch_npu.npu_lightning_indexer`` and ``npu_quant_lightning_indexer`` fuse this score with their
@@ -122,7 +126,7 @@ def index_scores(q, k, weights, visible):
     fallback("index_scores", INDEXER_WHY)
     if isinstance(k, PagedKeys):  # paged index K: gathered into one [B, T, Di] copy first
         k = k.gather()
-    return ref.index_scores(q, float_of(k), weights, visible)
+    return ref.index_scores(q, float_of(k), weights, visible, weight_scale)
 
 
 PLANS = {"sparse_attention": sparse_attention_plan, "index_scores": lambda *a: INDEXER_WHY}

@@ -1,7 +1,7 @@
 """The ops with no torch_npu operator of matching semantics on Atlas A2/A3: plain torch on the NPU.
 
-``compress_pool``, ``hc_coefficients``, ``hc_collapse``, ``hc_expand`` and ``engram_gate`` are
-small elementwise / reduction / tiny-GEMM graphs. torch_npu 2.14.0 has the mHC operators
+``compress_pool`` (and the pool of ``compress_decode``), ``hc_coefficients``, ``hc_collapse``,
+``hc_expand`` and ``engram_gate`` are small elementwise / reduction / tiny-GEMM graphs. torch_npu 2.14.0 has the mHC operators
 (``npu_mhc_pre``: the coefficients and the collapse; ``npu_mhc_sinkhorn``; ``npu_mhc_post``: the
 expand), but their documentation lists the Ascend 950 only, so on the 910B these run the
 reference math on the device; no operator computes compress_pool's softmax pool or engram_gate's
@@ -25,6 +25,8 @@ from .npu_runtime import dequantize, fallback, first_argmax, npu_family, take_ro
 MHC_950_ONLY = "npu_mhc_pre / npu_mhc_sinkhorn / npu_mhc_post are documented for the Ascend 950 only, not Atlas A2/A3"
 REASONS = {
     "compress_pool": "no torch_npu operator computes a softmax-weighted pool over r",
+    "compress_decode": "the slot writes and the pool: no torch_npu operator computes a softmax-weighted pool "
+                       "over r (the norm runs as rms_norm does)",
     "hc_coefficients": MHC_950_ONLY,
     "hc_collapse": MHC_950_ONLY,
     "hc_collapse_norm": f"the collapse: {MHC_950_ONLY} (the norm runs as rms_norm does)",
@@ -46,6 +48,20 @@ def compress_pool(kv, score):
     """``compress_pool``: plain torch (softmax over r, weighted sum), fp32 as docs/ops.md."""
     fallback("compress_pool", REASONS["compress_pool"])
     return ref.compress_pool(kv, score)
+
+
+def compress_decode(kv, score, kv_state, score_state, positions, weight, eps, dtype):
+    """``compress_decode``: the slot writes and :func:`compress_pool` in plain torch (counted under
+    this op), then ``rms_norm`` (npu_rms_norm where it serves the call), in sequence."""
+    fallback("compress_decode", REASONS["compress_decode"])
+    r = kv_state.shape[1]
+    rows, slot = torch.arange(kv.shape[0], device=kv.device), positions % r
+    kv_state[rows, slot] = kv
+    score_state[rows, slot] = score
+    latent = norm_rope.rms_norm(ref.compress_pool(kv_state.unsqueeze(1), score_state.unsqueeze(1)).to(dtype),
+                                weight, eps)
+    done = positions + 1
+    return latent, (done // r - 1).unsqueeze(1), (done % r == 0).unsqueeze(1)
 
 
 def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps):
@@ -132,8 +148,9 @@ def resolve_paged(table, picks, page_entries, offset=0):
 
 
 FAMILY = npu_family("misc", {name: globals()[name] for name in (
-    "compress_pool", "hc_coefficients", "hc_collapse", "hc_collapse_norm", "hc_expand", "engram_gate",
-    "engram_lookup", "engram_hash", "sample", "gather_cold_rows", "store_paged", "store_rows", "resolve_paged")},
+    "compress_pool", "compress_decode", "hc_coefficients", "hc_collapse", "hc_collapse_norm", "hc_expand",
+    "engram_gate", "engram_lookup", "engram_hash", "sample", "gather_cold_rows", "store_paged", "store_rows",
+    "resolve_paged")},
     "ops with no matching torch_npu operator (plain torch on the NPU) and engram_lookup (npu_gather_sparse_index)")
 PLANS = {name: (lambda *args, why=why: why) for name, why in REASONS.items()}
 PLANS["engram_lookup"] = lambda *args: None

@@ -99,12 +99,14 @@ def rope(x, freqs_cis, inverse):
     return out.reshape(x.shape).to(x.dtype)
 
 
-def norm_rope_quantize(x, weight, eps, freqs_cis, fmt):
+def norm_rope_quantize(x, weight, eps, freqs_cis, fmt, dequantize_to=None):
     """``norm_rope_quantize``: :func:`rms_norm` (when ``weight``), :func:`rope`, then the quantize
-    adapter, each on its own route."""
-    note_route("norm_rope_quantize", "rms_norm, rope and quantize in sequence")
+    adapter (and the dequantize adapter for a fake quantization), each on its own route."""
+    note_route("norm_rope_quantize", "rms_norm, rope and quantize in sequence"
+               + (", then dequantize" if dequantize_to is not None else ""))
     y = rms_norm(x, weight, eps) if weight is not None else x
-    return quant.quantize(rope(y, freqs_cis, False), fmt)
+    q = quant.quantize(rope(y, freqs_cis, False), fmt)
+    return q if dequantize_to is None else quant.dequantize(q, dequantize_to)
 
 
 PLANS = {"rms_norm": rms_norm_plan, "rope": rope_plan, "norm_rope_quantize": lambda *args: None}

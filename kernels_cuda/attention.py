@@ -169,18 +169,21 @@ def _combine(pacc, pml, sink, out, splits: int) -> None:
 
 def sparse_attention(q, kv, indices, sink, scale):
     B, S, H, D = q.shape
-    K = indices.shape[-1]
+    parts = indices if isinstance(indices, tuple) else (indices,)
+    if len(parts) > 2:  # the kernel reads one or two parts
+        parts = (torch.cat(parts, dim=-1),)
+    K = sum(p.shape[-1] for p in parts)
     segs = _segments(kv)
     if not segs or min(B * S, H, K) == 0:
         return torch.zeros_like(q)
     codes = tuple(s[2] for s in segs)
-    key = (B, S, H, D, K, q.dtype, indices.dtype, q.device, codes, sink is not None)
+    key = (B, S, H, D, K, q.dtype, q.device, codes, sink is not None)
     plan = PLANS.lookup(key)[1]
     if plan is None:
         assert D % 32 == 0 and D <= MAX_D and len(segs) <= MAX_SEGMENTS, (D, len(segs))
-        assert q.dtype in PLAIN_DTYPES and indices.dtype == torch.int32, (q.dtype, indices.dtype)
+        assert q.dtype in PLAIN_DTYPES and all(p.dtype == torch.int32 for p in parts), q.dtype
         plan = PLANS.store(key, _launch_plan(q, K, codes, sink is not None))
-    q, indices = dense(q), dense(indices)
+    q, parts = dense(q), tuple(map(dense, parts))
     sink = None if sink is None else dense(sink)
     out = torch.empty_like(q)
     splits = plan["splits"]
@@ -189,8 +192,9 @@ def sparse_attention(q, kv, indices, sink, scale):
         pacc = torch.empty(splits, B * S, H, D, dtype=plan["pdtype"], device=q.device)
         pml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
     _sparse_attention_kernel[plan["grid"]](
-        q, indices, sink if sink is not None else q, out, pacc, pml, *_segment_args(segs, plan["roles"]),
-        S, H, K, plan["per_split"], float(scale) * LOG2E, D, **plan["constexprs"])
+        q, parts[0], parts[-1], sink if sink is not None else q, out, pacc, pml, *_segment_args(segs, plan["roles"]),
+        S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E, D, TWO_PARTS=len(parts) == 2,
+        **plan["constexprs"])
     if splits > 1:
         _combine(pacc, pml, sink, out, splits)
     return out
@@ -218,7 +222,7 @@ WARMUP_CASES = ((1, 1, 1024), (1, 1, 1000), (8, 1, 1000), (1, 64, 1000))
 def warmup_cases(device, d: dict, dtype):
     """The variants the model launches under the active profile: q in the activation dtype over
     (``kv_window_dtype`` ring, chunk, the main KV in ``MAIN_KV_FORMAT``), with a sink, K = window +
-    index top-k; every case of WARMUP_CASES, and the decode steps that read cold HKCP pages (a fourth
+    index top-k in two index parts; every case of WARMUP_CASES, and the decode steps that read cold HKCP pages (a fourth
     segment: the staged picks)."""
     window, main = STORAGE.get(profiles.active_profile().kv_window_dtype, "?"), MAIN_KV_FORMAT
     if window is not None and window not in FMT_CODES:
@@ -227,7 +231,8 @@ def warmup_cases(device, d: dict, dtype):
     for B, S, T in WARMUP_CASES:
         kv = (zeros_stored(window, (B, W, D), dtype, device), zeros_stored(window, (B, S, D), dtype, device),
               zeros_stored(main, (B, T, D), dtype, device))
-        idx = torch.zeros(B, S, W + K, dtype=torch.int32, device=device)
+        # the window's indices and the compressed picks, in two parts as a compressed layer gives them
+        idx = (torch.zeros(B, S, W, dtype=torch.int32, device=device), torch.zeros(B, S, K, dtype=torch.int32, device=device))
         q, sink = torch.zeros(B, S, H, D, dtype=dtype, device=device), torch.zeros(H, device=device)
         yield _warmup.Launch("sparse_attention", sparse_attention, (q, kv, idx, sink, D ** -0.5))
         if S == 1:

@@ -166,19 +166,22 @@ def _scores(q, kv, q_o, kv_o, lo_first, D_SPLIT: tl.constexpr, PREC: tl.constexp
 
 # K (indices per query) grows with the context in decode until the top-k is full: not specialised
 # on (== 1, % 16 == 0), so it compiles no variant mid-run; it bounds the loop and masks the index loads.
-@triton.jit(do_not_specialize=("K",))
+@triton.jit(do_not_specialize=("K", "K0"))
 def _sparse_attention_kernel(
-        q_ptr, idx_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
+        q_ptr, idx_ptr, idx1_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
         d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
         o3, so3, sb3, st3, ssb3, sst3, start3, len3,
-        S, H, K, blocks_per_split, qk_scale, D: tl.constexpr,
+        S, H, K, K0, blocks_per_split, qk_scale, D: tl.constexpr,
         FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr, ROLE2: tl.constexpr,
         ROLE3: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
-        H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, D_SPLIT: tl.constexpr):
+        H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, D_SPLIT: tl.constexpr,
+        TWO_PARTS: tl.constexpr):
     """D_SPLIT 2: two programs share a head block, each accumulating half of the output columns
-    (half the accumulator registers) and gathering both halves for the scores."""
+    (half the accumulator registers) and gathering both halves for the scores. TWO_PARTS: the
+    indices come in two tensors, ``[B*S, K0]`` (the window's) and ``[B*S, K - K0]`` (the picks),
+    read as their concatenation (no concatenated copy); else one ``[B*S, K]`` with K0 == K."""
     BW: tl.constexpr = BLOCK_D // D_SPLIT
     bs, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
     h = (tl.program_id(1) // D_SPLIT) * H_BLOCK + tl.arange(0, H_BLOCK)
@@ -196,9 +199,14 @@ def _sparse_attention_kernel(
     l_i = tl.zeros([H_BLOCK], tl.float32)
     acc = tl.zeros([H_BLOCK, BW], tl.float32)
     kb_lo = split * blocks_per_split
+    row0 = idx_ptr + bs * K0  # this query's indices: slots [0, K0) here, [K0, K) in the second part
+    row1 = idx1_ptr + bs * (K - K0) - K0
     for kb in range(kb_lo, tl.minimum(kb_lo + blocks_per_split, tl.cdiv(K, K_BLOCK))):
         offs_k = kb * K_BLOCK + tl.arange(0, K_BLOCK)
-        idx = tl.load(idx_ptr + bs * K + offs_k, mask=offs_k < K, other=-1)
+        if TWO_PARTS:  # one load through the part each slot lies in
+            idx = tl.load(tl.where(offs_k < K0, row0 + offs_k, row1 + offs_k), mask=offs_k < K, other=-1)
+        else:
+            idx = tl.load(row0 + offs_k, mask=offs_k < K, other=-1)
         kv = _gather_kv(idx, bs // S, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,

@@ -19,7 +19,8 @@ scale bytes into fp32 ``[R, elements]`` for every KV / key format (codes :data:`
 
 Encoders (bit-exact with :mod:`flashrt.formats`; never through Triton's float8 conversion, which
 the interpreter does not round to nearest even and sm_80 lacks): :func:`e4m3_rne`,
-:func:`e2m1_code`, :func:`block_scale`; :func:`to_out` rounds fp32 to an output dtype.
+:func:`e2m1_code`, :func:`block_scale`; :func:`fake_blocks` the values a block's bytes would stand for;
+:func:`to_out` rounds fp32 to an output dtype.
 """
 from __future__ import annotations
 
@@ -199,6 +200,23 @@ def store_blocks(data_ptr, offset, x, scale, recip, mask, FMT: tl.constexpr, BLK
         lo, hi = tl.split(tl.reshape(e2m1_code(v), (N, BLK // 2, 2)))
         h = tl.arange(0, BLK // 2)
         tl.store(data_ptr + offset[:, None] + h[None, :], (lo | (hi << 4)).to(tl.uint8), mask=mask[:, None])
+
+
+@triton.jit
+def fake_blocks(x, scale, recip, FMT: tl.constexpr):
+    """fp32 values that :func:`store_blocks`' bytes of ``x [N, BLK]`` stand for (FMT ``fp8``,
+    ``fp4_b16``, ``fp4_b32``): each element encoded as it stores it, decoded and times its block's
+    ``scale``, exactly what ``_dequantize_kernel`` makes of those bytes (a quantization and a
+    dequantization in registers)."""
+    if FMT == 1:
+        v = e4m3_to_f32(e4m3_rne(tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)))
+    else:
+        if FMT == 2:
+            v = tl.math.div_rn(x, scale[:, None])
+        else:
+            v = x * recip[:, None]
+        v = e2m1_to_f32(e2m1_code(v))
+    return v * scale[:, None]
 
 
 @triton.jit

@@ -45,7 +45,7 @@ def _dot_dtype(q, k):
     return tl.float32, ("ieee" if _INTERPRETED else _tiles()["index_scores"]["fp32_precision"])
 
 
-def index_scores(q, k, weights, visible):
+def index_scores(q, k, weights, visible, weight_scale=1.0):
     B, S, H, D = q.shape
     T = k.shape[1]
     out = torch.empty(B, S, T, dtype=torch.float32, device=q.device)
@@ -77,7 +77,7 @@ def index_scores(q, k, weights, visible):
     asm = fmt == CODES["fp4_b32"] and dot == tl.bfloat16 and tiles["asm_decode"] and not _INTERPRETED
     _index_scores_kernel[grid](
         q, kd, ks, weights, visible, out, table, S, T, H, *q.stride(), *sk, *ss, *weights.stride(),
-        *visible.stride(), out.stride(0), out.stride(1), table.stride(0), page, PAGED=paged, D=D, BLOCK_D=block_d,
+        *visible.stride(), out.stride(0), out.stride(1), table.stride(0), page, float(weight_scale), PAGED=paged, D=D, BLOCK_D=block_d,
         DK=min(block_d, 32), BLOCK_T=tiles["block_t"],
         BLOCK_S=block_s, BLOCK_H=block_h, FMT=fmt, NB=next_pow2(max(1, D // qblock)), QBLOCK=qblock,
         QBYTES=qbytes, ONE=one, DOT=dot, PREC=prec, ASM=asm,
@@ -100,11 +100,11 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     src = src if src.stride(1) == 1 else src.contiguous()
     vis = visible.reshape(R).contiguous()
     keys = torch.empty(R, NB, dtype=torch.int32, device=scores.device)
+    flags = torch.empty(R, NB, dtype=torch.uint8, device=scores.device)  # cleared by _block_keys_kernel
     bj = min(next_pow2(bs), tiles["block"])
     blocks = max(1, tiles["block"] // bj)
-    _block_keys_kernel[(R, cdiv(NB, blocks))](src, vis, keys, T, NB, bs, src.stride(0), keys.stride(0),
+    _block_keys_kernel[(R, cdiv(NB, blocks))](src, vis, keys, flags, T, NB, bs, src.stride(0), keys.stride(0),
                                                      BLOCKS=blocks, BJ=bj, num_warps=tiles["num_warps"])
-    flags = torch.zeros(R, NB, dtype=torch.uint8, device=scores.device)
     select_rows(keys, None, topk_blocks, flags, mark=True)  # the model's k, whatever NB: one variant
     flat = out.view(R, T).view(torch.uint8)
     block = tiles["block"]  # (not shrunk to short rows: one variant for every row length)

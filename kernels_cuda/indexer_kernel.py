@@ -117,7 +117,7 @@ def _tile_plain(acc, k_ptr, q_rows, row_ok, offs_t, t_ok, sk_t, sk_d, sq_d,
 @triton.jit(do_not_specialize=("T", "so_b", "so_s"))
 def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, bt_ptr, S, T, H,
                          sq_b, sq_s, sq_h, sq_d, sk_b, sk_t, sk_d, ss_b, ss_t, sw_b, sw_s, sw_h, sv_b, sv_s,
-                         so_b, so_s, sbt_b, PAGE, PAGED: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DK: tl.constexpr, BLOCK_T: tl.constexpr,
+                         so_b, so_s, sbt_b, PAGE, w_scale, PAGED: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DK: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr,
                          QBLOCK: tl.constexpr, QBYTES: tl.constexpr, ONE: tl.constexpr,
                          DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr):
@@ -143,7 +143,8 @@ def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, bt_ptr, 
         else:
             dots = _tile_plain(tl.zeros([BLOCK_T, BLOCK_S * BLOCK_H], dtype=tl.float32), k_ptr + b * sk_b, q_rows,
                                row_ok, rows_t, t_ok, sk_t, sk_d, sq_d, D, BLOCK_D, DK, DOT, PREC)
-        w = tl.load(w_ptr + b * sw_b + s_of * sw_s + h_of * sw_h, mask=row_ok, other=0.0)
+        # the head weights in fp32 times their scale (the weights may arrive in the linear's dtype)
+        w = tl.load(w_ptr + b * sw_b + s_of * sw_s + h_of * sw_h, mask=row_ok, other=0.0).to(tl.float32) * w_scale
         dots = tl.maximum(dots, 0.0) * w[None, :]
         acc = tl.sum(tl.reshape(dots, [BLOCK_T, BLOCK_S, BLOCK_H]), axis=2)
     res = tl.where(offs_t[:, None] < vis[None, :], acc, float("-inf"))
@@ -157,9 +158,10 @@ def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, bt_ptr, 
 # mid-run. The loads and stores they address are not vectorised anyway (blocks of a runtime size;
 # byte flags), and a warp's accesses stay contiguous.
 @triton.jit(do_not_specialize=("T", "NB", "s_row", "k_row"))
-def _block_keys_kernel(s_ptr, vis_ptr, key_ptr, T, NB, bs, s_row, k_row,
+def _block_keys_kernel(s_ptr, vis_ptr, key_ptr, flag_ptr, T, NB, bs, s_row, k_row,
                        BLOCKS: tl.constexpr, BJ: tl.constexpr):
-    """Key of the max finite score of each block; the block holding visible - 1 -> MAX (pinned)."""
+    """Key of the max finite score of each block; the block holding visible - 1 -> MAX (pinned).
+    Clears the blocks' flags (``[R, NB]`` bytes, row stride ``k_row``) for the select to mark."""
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     best = tl.full([BLOCKS], -2147483648, tl.int32)
@@ -172,6 +174,7 @@ def _block_keys_kernel(s_ptr, vis_ptr, key_ptr, T, NB, bs, s_row, k_row,
     vis = tl.load(vis_ptr + r)
     best = tl.where((blk == (vis - 1) // bs) & (vis > 0), _MAX, best)
     tl.store(key_ptr + r * k_row + blk, best, mask=blk < NB)
+    tl.store(flag_ptr + r * k_row + blk, tl.zeros([BLOCKS], tl.uint8), mask=blk < NB)
 
 
 @triton.jit(do_not_specialize=("T", "f_row", "o_row"))

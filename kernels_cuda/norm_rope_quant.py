@@ -6,8 +6,11 @@ norm (``rms_norm``'s math, rounded to x.dtype), the rope of the last ``2P`` chan
 complex product with the row's table entry, rounded to x.dtype; the first ``D - 2P`` copied),
 then the block scales and elements of ``fmt`` as ``_quantize_kernel`` makes them (bit-exact with
 :mod:`flashrt.formats` from the same rounded values). Replaces three launches (two without the
-norm) on the KV path of every layer. Rows whose ``D`` is not a power of two, or longer than
-``MAX_D``, run the three kernels in sequence.
+norm) on the KV path of every layer. Rows of ``[B, S, H, D]`` (the indexer's query heads) read
+their (b, s) table entry. With ``dequantize_to`` (a fake quantization) the program writes the
+values the blocks stand for, as ``_dequantize_kernel`` decodes them, instead of the bytes: one
+launch for the indexer's rope, quantize and dequantize. Rows whose ``D`` is not a power of two, or
+longer than ``MAX_D``, run the kernels in sequence.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from flashrt.formats import QTensor
 from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda import norm_rope, quant
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.codecs import CODES, block_scale, store_blocks, to_out
+from flashrt.kernels_cuda.codecs import CODES, block_scale, fake_blocks, store_blocks, to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, next_pow2
 
 TILES = {"norm_rope_quantize": {"ROW_ELEMS": 2048, "MAX_D": 4096, "num_warps": 4, "in_kernel": True}}
@@ -35,10 +38,11 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _norm_rope_quant_kernel(x_ptr, w_ptr, f_ptr, data_ptr, scale_ptr, n_rows, S, x_row_stride, sfb, sfs, eps,
-                            HEAD: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, XDT: tl.constexpr,
-                            FMT: tl.constexpr, BLK: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _norm_rope_quant_kernel(x_ptr, w_ptr, f_ptr, data_ptr, scale_ptr, out_ptr, n_rows, S, H, x_row_stride, sfb, sfs,
+                            eps, HEAD: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, XDT: tl.constexpr,
+                            FMT: tl.constexpr, BLK: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                            FAKE: tl.constexpr, OUT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (b, s, h)
     rmask = row < n_rows
     c = tl.arange(0, D)
     x = tl.load(x_ptr + row[:, None] * x_row_stride + c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
@@ -47,7 +51,8 @@ def _norm_rope_quant_kernel(x_ptr, w_ptr, f_ptr, data_ptr, scale_ptr, n_rows, S,
         w = tl.load(w_ptr + c).to(tl.float32)
         x = to_out(x * r[:, None] * w[None, :], XDT).to(tl.float32)
     ct = c - HEAD  # table channel of the rotated tail (negative: a copied head channel)
-    b, s = row // S, row % S
+    bs = row // H  # the heads of a (b, s) share its table entry
+    b, s = bs // S, bs % S
     f = tl.load(f_ptr + (b * sfb + s * sfs)[:, None] + ct[None, :], mask=rmask[:, None] & (ct >= 0)[None, :],
                 other=0.0)
     fr, fi = tl.split(tl.reshape(f, (BLOCK_R, D // 2, 2)))
@@ -56,50 +61,64 @@ def _norm_rope_quant_kernel(x_ptr, w_ptr, f_ptr, data_ptr, scale_ptr, n_rows, S,
     y = to_out(tl.where((c < HEAD)[None, :], x, rot), XDT).to(tl.float32)
     # block quantization, as _quantize_kernel: G = D / BLK scales a row
     yb = tl.reshape(y, (BLOCK_R * G, BLK))
-    grow = tl.reshape(tl.broadcast_to(row[:, None], (BLOCK_R, G)), (BLOCK_R * G,))
-    gcol = tl.reshape(tl.broadcast_to(tl.arange(0, G)[None, :], (BLOCK_R, G)), (BLOCK_R * G,))
-    gmask = grow < n_rows
     byte, scale, recip = block_scale(tl.max(tl.abs(yb), axis=1), FMT)
-    tl.store(scale_ptr + grow * G + gcol, byte.to(tl.uint8), mask=gmask)
-    block_bytes = BLK if FMT == 1 else BLK // 2
-    store_blocks(data_ptr, (grow * G + gcol) * block_bytes, yb, scale, recip, gmask, FMT, BLK, BLOCK_R * G)
+    if FAKE:  # the values the blocks stand for, as _dequantize_kernel decodes them
+        v = tl.reshape(fake_blocks(yb, scale, recip, FMT), (BLOCK_R, D))
+        tl.store(out_ptr + row[:, None] * D + c[None, :], to_out(v, OUT), mask=rmask[:, None])
+    else:
+        grow = tl.reshape(tl.broadcast_to(row[:, None], (BLOCK_R, G)), (BLOCK_R * G,))
+        gcol = tl.reshape(tl.broadcast_to(tl.arange(0, G)[None, :], (BLOCK_R, G)), (BLOCK_R * G,))
+        gmask = grow < n_rows
+        tl.store(scale_ptr + grow * G + gcol, byte.to(tl.uint8), mask=gmask)
+        block_bytes = BLK if FMT == 1 else BLK // 2
+        store_blocks(data_ptr, (grow * G + gcol) * block_bytes, yb, scale, recip, gmask, FMT, BLK, BLOCK_R * G)
 
 
-def _fused(x, fmt) -> bool:
-    """The one-program path serves this row length and format (else the three kernels run)."""
+def _fused(x, fmt, dequantize_to) -> bool:
+    """The one-program path serves this row length, format and output (else the kernels run in sequence)."""
     t = _tiles()["norm_rope_quantize"]
     D = x.shape[-1]
-    return t["in_kernel"] and fmt in _FMT and D == next_pow2(D) and D <= t["MAX_D"] and D >= formats.spec(fmt).block
+    return t["in_kernel"] and fmt in _FMT and D == next_pow2(D) and D <= t["MAX_D"] \
+        and D >= formats.spec(fmt).block and dequantize_to in (None, *_DTYPES)
 
 
-def norm_rope_quantize(x, weight, eps, freqs_cis, fmt):
-    if not _fused(x, fmt):
+def norm_rope_quantize(x, weight, eps, freqs_cis, fmt, dequantize_to=None):
+    if not _fused(x, fmt, dequantize_to):
         y = norm_rope.rms_norm(x, weight, eps) if weight is not None else x
-        return quant.quantize(norm_rope.rope(y, freqs_cis, False), fmt)
-    B, S, D = x.shape
+        q = quant.quantize(norm_rope.rope(y, freqs_cis, False), fmt)
+        return q if dequantize_to is None else quant.dequantize(q, dequantize_to)
+    B, S, D = x.shape[0], x.shape[1], x.shape[-1]
+    H = x.shape[2] if x.dim() == 4 else 1
+    n = B * S * H
     s = formats.spec(fmt)
-    x2 = x.reshape(B * S, D)
+    x2 = x.reshape(n, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     f = torch.view_as_real(freqs_cis.contiguous())  # [B, S, P, 2] fp32: (re, im) pairs adjacent
-    row_bytes = D // 2 if s.packed else D
-    data = torch.empty(B * S, row_bytes, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(B * S, D // s.block, dtype=torch.uint8, device=x.device)
-    if B * S:
+    if dequantize_to is not None:
+        out = data = scale = torch.empty(x.shape, dtype=dequantize_to, device=x.device)
+    else:
+        out = data = torch.empty(n, D // 2 if s.packed else D, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(n, D // s.block, dtype=torch.uint8, device=x.device)
+    if n:
         t = _tiles()["norm_rope_quantize"]
-        block_r = max(1, min(t["ROW_ELEMS"] // D, next_pow2(B * S)))
+        block_r = max(1, min(t["ROW_ELEMS"] // D, next_pow2(n)))
         w = weight.contiguous() if weight is not None else x2
-        _norm_rope_quant_kernel[(cdiv(B * S, block_r),)](
-            x2, w, f, data, scale, B * S, S, x2.stride(0), f.stride(0), f.stride(1), float(eps),
+        _norm_rope_quant_kernel[(cdiv(n, block_r),)](
+            x2, w, f, data, scale, out, n, S, H, x2.stride(0), f.stride(0), f.stride(1), float(eps),
             HEAD=D - 2 * freqs_cis.shape[-1], D=D, NORM=weight is not None, XDT=TL_DTYPES[x.dtype],
-            FMT=_FMT[fmt], BLK=s.block, G=D // s.block, BLOCK_R=block_r, num_warps=t["num_warps"])
+            FMT=_FMT[fmt], BLK=s.block, G=D // s.block, BLOCK_R=block_r, FAKE=dequantize_to is not None,
+            OUT=TL_DTYPES[dequantize_to or x.dtype], num_warps=t["num_warps"])
+    if dequantize_to is not None:
+        return out
     data_shape, scale_shape = formats.expected_layout(fmt, x.shape)
     return QTensor(data.view(s.data_dtype).view(data_shape), scale.view(s.scale_dtype).view(scale_shape), fmt, x.shape)
 
 
 def warmup_cases(device, d: dict, dtype):
     """The window ring's new rows (head_dim, its format), a compressed entry (main KV format, no
-    norm) and its index key (index_head_dim, fp4_b32), one decode row each."""
+    norm) and its index key (index_head_dim, fp4_b32), one decode row each; the indexer's query
+    heads of a decode row (no norm, fp4_b32 fake quantization)."""
     P = d["rope_head_dim"] // 2
     f = torch.polar(torch.ones(1, 1, P, device=device), torch.zeros(1, 1, P, device=device))
     window = STORAGE.get(profiles.active_profile().kv_window_dtype)
@@ -109,6 +128,8 @@ def warmup_cases(device, d: dict, dtype):
             w = torch.ones(D, dtype=dtype, device=device) if norm else None
             yield _warmup.Launch("norm_rope_quantize", norm_rope_quantize,
                                  (_warmup.rand((1, 1, D), dtype, device), w, 1e-6, f, fmt))
+    q = _warmup.rand((1, 1, d["index_n_heads"], d["index_head_dim"]), dtype, device)
+    yield _warmup.Launch("norm_rope_quantize index q", norm_rope_quantize, (q, None, 0.0, f, "fp4_b32", dtype))
 
 
 FAMILY = KernelFamily(

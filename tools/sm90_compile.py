@@ -96,7 +96,7 @@ def attention_call(B: int, S: int, cold: bool):
     if cold:
         kv += (stored("fp4_b16", (1, B * TOPK, D)),)
     q = torch.zeros(B, S, H, D, dtype=torch.bfloat16)
-    idx = torch.zeros(B, S, W + TOPK, dtype=torch.int32)
+    idx = (torch.zeros(B, S, W, dtype=torch.int32), torch.zeros(B, S, TOPK, dtype=torch.int32))  # window ‖ picks
     return lambda: attention.sparse_attention(q, kv, idx, torch.zeros(H), D ** -0.5)
 
 
@@ -173,14 +173,17 @@ def mhc_call(B: int, S: int, cold: bool):
 
 def norm_rope_quant_call(B: int, S: int, cold: bool):
     """The KV rows of B x S tokens: the window ring's (512 wide, kv_norm, fp8), a compressed entry
-    (fp4_b16, no norm) and its index key (128 wide, k_norm, fp4_b32); rope on the last 64."""
+    (fp4_b16, no norm), its index key (128 wide, k_norm, fp4_b32) and the indexer's 32 query heads
+    (128 wide, fp4_b32 fake quantization); rope on the last 64."""
     from flashrt.kernels_cuda import norm_rope_quant as nrq
 
     f = torch.polar(torch.ones(B, S, 32), torch.zeros(B, S, 32))
     x, k = torch.zeros(B, S, 512, dtype=torch.bfloat16), torch.zeros(B, S, 128, dtype=torch.bfloat16)
     w, wk = torch.ones(512, dtype=torch.bfloat16), torch.ones(128, dtype=torch.bfloat16)
+    q = torch.zeros(B, S, 32, 128, dtype=torch.bfloat16)  # the indexer's query heads: fp4_b32 fake quantization
     return lambda: (nrq.norm_rope_quantize(x, w, 1e-6, f, "fp8"), nrq.norm_rope_quantize(x, None, 0.0, f, "fp4_b16"),
-                    nrq.norm_rope_quantize(k, wk, 1e-6, f, "fp4_b32"))
+                    nrq.norm_rope_quantize(k, wk, 1e-6, f, "fp4_b32"),
+                    nrq.norm_rope_quantize(q, None, 0.0, f, "fp4_b32", torch.bfloat16))
 
 
 def kv_store_call(B: int, S: int, cold: bool):
@@ -198,7 +201,30 @@ def kv_store_call(B: int, S: int, cold: bool):
                     kv_store.store_rows(ring, rows, rows, empty_qtensor("fp8", (B * S, 512), "cpu")))
 
 
-CALLS = {"attention": attention_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
+def compress_call(B: int, S: int, cold: bool):
+    """A ratio-4 compressor over B rows (512 wide): the pool of a decode step's groups and the fused
+    decode step (slot writes, pool, bf16 cast, norm)."""
+    from flashrt.kernels_cuda import compress
+
+    kv, st = torch.zeros(B, 512), torch.zeros(B, 4, 512)
+    return lambda: (compress.compress_pool(st.unsqueeze(1), st.unsqueeze(1)),
+                    compress.compress_decode(kv, kv, st, st.clone(), torch.zeros(B, dtype=torch.long),
+                                             torch.ones(512, dtype=torch.bfloat16), 1e-6, torch.bfloat16))
+
+
+def indexer_call(B: int, S: int, cold: bool):
+    """``small``'s indexer scores: 32 query heads x 128 over 4,096 fp4_b32 keys, bf16 head weights
+    scaled in the kernel (the linear's output as it comes)."""
+    from flashrt.kernels_cuda import indexer
+    from flashrt.kernels_cuda.launch import zeros_stored
+
+    _as_h200()
+    q, w = torch.zeros(B, S, 32, 128, dtype=torch.bfloat16), torch.zeros(B, S, 32, dtype=torch.bfloat16)
+    keys, vis = zeros_stored("fp4_b32", (B, 4096, 128), None, "cpu"), torch.full((B, S), 4096, dtype=torch.int32)
+    return lambda: indexer.index_scores(q, keys, w, vis, 128 ** -0.5 * 32 ** -0.5)
+
+
+CALLS = {"attention": attention_call, "compress": compress_call, "indexer": indexer_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
          "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call,
          "norm_rope_quant": norm_rope_quant_call}
 

@@ -66,6 +66,25 @@ def test_attention_matches_reference(kinds, q_dtype, with_sink, rng):
     _check(q, _kv(kinds, B, T, D, rng), _indices(B, S, K, T, rng), sink)
 
 
+@pytest.mark.parametrize("split", [0, 16, 23])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_attention_indices_in_two_parts(split, split_k, monkeypatch, rng):
+    """The window's indices and the picks as two tensors, read as their concatenation in one launch
+    (no copy): the reference's result, and the same bits as the concatenated indices, split over K
+    or not."""
+    if split_k:
+        monkeypatch.setitem(attention.TILES, "split", {"programs": 64, "min_blocks": 1, "max_splits": 16})
+        monkeypatch.setitem(attention.TILES, "attention", dict(attention.TILES["attention"], K_BLOCK=16))
+    B, S, H, D, T, K = 2, 1 if split_k else 3, 16, 64, 70, 40  # a decode step; a verify chunk of 3 queries
+    q = torch.randn(B, S, H, D, generator=rng).to(torch.bfloat16).to(DEVICE)
+    kv, sink = _kv("fp8+fp8+fp4_b16", B, T, D, rng), torch.randn(H, generator=rng).to(DEVICE)
+    idx = _indices(B, S, K, T, rng)
+    parts = (idx[..., :split].contiguous(), idx[..., split:].contiguous())
+    got, _ = _check(q, kv, parts, sink)
+    with flashrt.use_backend("cuda"):
+        assert torch.equal(got, ops.sparse_attention(q, kv, idx, sink, D ** -0.5))
+
+
 @pytest.mark.parametrize("H,D", [(3, 96), (80, 32)])  # D not a power of two; several head blocks
 def test_attention_odd_shapes(H, D, rng):
     q = torch.randn(2, 2, H, D, generator=rng).to(torch.bfloat16).to(DEVICE)

@@ -65,6 +65,21 @@ def test_index_scores_fp4_keys(B, S, H, D, T, dtype, rng):
     _check_scores(*_inputs(B, S, H, D, T, dtype, rng, k_fmt="fp4_b32"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_index_scores_weight_dtype_and_scale(dtype, rng):
+    """bf16 head weights (the linear's output) and a weight scale, read and scaled in the kernel:
+    the same scores as fp32 weights scaled beforehand (one fp32 product either way)."""
+    q, k, w, vis = _inputs(2, 3, 32, 128, 70, torch.bfloat16, rng, k_fmt="fp4_b32")
+    w = w.to(dtype)
+    scale = 128 ** -0.5 * 32 ** -0.5
+    args = [t.to(DEVICE) for t in (q, k, w, vis)]
+    got, want = run_both("index_scores", *args, scale)
+    assert rel_err(got.cpu(), want.cpu()) < _tol(q.dtype)
+    with flashrt.use_backend("cuda"):
+        pre = ops.index_scores(args[0], args[1], args[2].to(torch.float32) * scale, args[3])
+    assert torch.equal(got, pre)
+
+
 @pytest.mark.parametrize("fmt", ["fp4_b16", "fp8", "int8"])
 @pytest.mark.parametrize("D", [32, 96])
 def test_index_scores_other_key_formats(fmt, D, rng):

@@ -7,7 +7,7 @@ import torch
 
 import flashrt
 from flashrt import formats, ops
-from kernel_check import DEVICE, launches, pinned_tiles, requires_kernels  # noqa: F401 (launches: a fixture)
+from kernel_check import DEVICE, launches, pinned_tiles, rel_err, requires_kernels  # noqa: F401 (launches: a fixture)
 
 pytestmark = requires_kernels
 nrq = pytest.importorskip("flashrt.kernels_cuda.norm_rope_quant")
@@ -45,6 +45,28 @@ def test_one_launch_against_the_reference_and_the_three_kernels(rng, launches, f
         three = nrq.norm_rope_quantize(x, w, eps, f, fmt)
     assert launches == (["_rms_norm_kernel"] if norm else []) + ["_rope_kernel", "_quantize_kernel"]
     _close(got, three)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4_b16", "fp4_b32"])
+@pytest.mark.parametrize("B,S,H,D,P,out", [(1, 1, 4, 32, 8, torch.bfloat16), (2, 3, 8, 128, 32, torch.bfloat16),
+                                           (1, 2, 2, 64, 16, torch.float32)])
+def test_fake_quant_of_heads_in_one_launch_bit_identical_to_the_three_kernels(rng, launches, fmt, B, S, H, D, P, out):
+    """The indexer's queries: ``[B, S, H, D]`` heads sharing a row's table entry, rope then a fake
+    quantization; the unfused path (rope, quantize, dequantize kernels) gives the same bits (no
+    sum in between), and the reference the same values."""
+    x = (torch.randn(B, S, H, D, generator=rng) * 3.0).to(DEVICE, torch.bfloat16)
+    f = torch.polar(torch.ones(B, S, P), torch.rand(B, S, P, generator=rng) * 6.3).to(DEVICE)
+    with pinned_tiles(norm_rope_quant={}):
+        got = nrq.norm_rope_quantize(x, None, 0.0, f, fmt, out)
+    assert launches == ["_norm_rope_quant_kernel"]
+    launches.clear()
+    with pinned_tiles(norm_rope_quant={"norm_rope_quantize": {"in_kernel": False}}):
+        three = nrq.norm_rope_quantize(x, None, 0.0, f, fmt, out)
+    assert launches == ["_rope_kernel", "_quantize_kernel", "_dequantize_kernel"]
+    assert got.dtype == out and got.shape == x.shape and torch.equal(got, three)
+    with flashrt.use_backend("reference"):
+        want = ops.norm_rope_quantize(x, None, 0.0, f, fmt, out)
+    assert (got != want).float().mean() < 0.01 and rel_err(got, want) <= 0.5
 
 
 def test_rows_it_does_not_hold_run_the_three_kernels(rng, launches):

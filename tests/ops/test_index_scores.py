@@ -117,6 +117,22 @@ def test_empty_cache(fmt):
                  "visible", "[0, 1)")
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_weights_in_their_linear_dtype_times_a_scale(wdtype, rng):
+    """``weights`` as the head-weight linear returns them (bf16) and ``weight_scale``: the scores of
+    the fp32 weights ``weights.to(fp32) * weight_scale``, whatever the dtype they arrive in."""
+    B, S, Hi, Di, T = 2, 3, 4, 32, 21
+    g = rng
+    q, k = torch.randn(B, S, Hi, Di, generator=g), torch.randn(B, T, Di, generator=g)
+    weights = torch.randn(B, S, Hi, generator=g).to(wdtype)
+    visible = random_visible(B, S, T, g)
+    scale = 32 ** -0.5 * 4 ** -0.5 * 1.37
+    out = ops.index_scores(q, k, weights, visible, scale)
+    w32 = weights.to(torch.float32) * scale  # the fp32 product the contract names
+    check(out, expected_scores(q, k, w32, visible), B, S, T)
+    torch.testing.assert_close(out, ops.index_scores(q, k, w32, visible), rtol=0, atol=0)
+
+
 def test_relu_and_weight_sign():
     """Negative dot products contribute nothing; weights scale linearly and may be negative."""
     Di, T = 16, 3
@@ -177,8 +193,8 @@ def test_bad_q_and_k():
 
 def test_bad_weights():
     q, k, w, v = _good()
-    assert_error(lambda: ops.index_scores(q, k, w.to(torch.bfloat16), v), "weights", "torch.float32", "torch.bfloat16")
-    assert_error(lambda: ops.index_scores(q, k, w.double(), v), "weights", "torch.float64")
+    assert_error(lambda: ops.index_scores(q, k, w.to(torch.int32), v), "weights", "torch.float32", "torch.int32")
+    assert_error(lambda: ops.index_scores(q, k, w, v, "0.5"), "weight_scale", "str")
     assert_error(lambda: ops.index_scores(q, k, w[..., :3], v), "weights", "Hi=4", "(2, 3, 3)")
     assert_error(lambda: ops.index_scores(q, k, w[:, :2], v), "weights", "S=3", "(2, 2, 4)")
     assert_error(lambda: ops.index_scores(q, k, w[0], v), "weights", "3 dims")

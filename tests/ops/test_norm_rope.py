@@ -320,6 +320,30 @@ def test_norm_rope_quantize_against_float64_steps(fmt, norm, rng):
     assert (q.scale.view(torch.uint8) != want.scale.view(torch.uint8)).float().mean() < 0.1
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4_b16", "fp4_b32"])
+@pytest.mark.parametrize("out", [None, torch.bfloat16, torch.float32])
+def test_norm_rope_quantize_heads_and_fake_quant_against_float64(fmt, out, rng):
+    """``[B, S, H, D]`` rows (every head of a (b, s) rotated by its table entry) and the fake
+    quantization (``dequantize_to``): the rope in float64 rounded to x.dtype, quantized and decoded
+    by :mod:`flashrt.formats`; the op's values equal those but for an element the rounding moves."""
+    B, S, H, D, P = 2, 3, 4, 64, 8
+    x = (torch.randn(B, S, H, D, generator=rng) * 3).to(torch.bfloat16)
+    f = torch.polar(torch.ones(B, S, P), torch.rand(B, S, P, generator=rng) * 6.3)
+    got = ops.norm_rope_quantize(x, None, 0.0, f, fmt, out)
+    y = x.double()
+    tail = torch.view_as_complex(y[..., -2 * P:].reshape(B, S, H, P, 2).contiguous()) * f.to(torch.complex128)[:, :, None]
+    y = torch.cat([y[..., :-2 * P], torch.view_as_real(tail).reshape(B, S, H, 2 * P)], -1).to(torch.bfloat16)
+    q = formats.quantize(y, fmt)
+    if out is None:
+        assert got.fmt == fmt and got.shape == x.shape
+        assert (got.data.view(torch.uint8) != q.data.view(torch.uint8)).float().mean() < 0.02
+        return
+    want = formats.dequantize(q, out)
+    assert got.dtype == out and got.shape == x.shape
+    assert (got != want).float().mean() < 0.02
+    assert (got.double() - want.double()).abs().max() <= 0.5 * want.double().abs().max()
+
+
 def test_norm_rope_quantize_errors(rng):
     x = torch.randn(1, 2, 64)
     f = torch.polar(torch.ones(1, 2, 8), torch.zeros(1, 2, 8))
@@ -335,3 +359,7 @@ def test_norm_rope_quantize_errors(rng):
         ops.norm_rope_quantize(x, torch.ones(64), -1.0, f, "fp8")
     with pytest.raises(ValueError, match="x"):
         ops.norm_rope_quantize(x[0], None, 0.0, f, "fp8")
+    with pytest.raises(ValueError, match="^x: expected .*B, S, H, D.*got"):
+        ops.norm_rope_quantize(x.view(1, 2, 2, 2, 16), None, 0.0, f, "fp8")
+    with pytest.raises(ValueError, match="^dequantize_to: expected"):
+        ops.norm_rope_quantize(x, None, 0.0, f, "fp8", torch.int32)

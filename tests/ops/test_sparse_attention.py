@@ -209,6 +209,34 @@ def test_segmented_kv_matches_loop_over_concatenation(layout, with_sink, rng):
     torch.testing.assert_close(ops.sparse_attention(q, whole, idx, sink, 0.2), out, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("split", [0, 4, 9])
+def test_indices_in_parts_match_loop_over_concatenation(split, rng):
+    """``indices`` as a tuple of ``[B, S, K_i]`` parts (the window's, the picks) stands for their
+    concatenation along K: the float64 loop over the concatenated indices, and the same bits as
+    passing the concatenation (a part may be empty)."""
+    g = rng
+    B, S, H, D, K, T = 2, 3, 4, 32, 9, 30
+    segs = (torch.randn(B, 10, D, generator=g), ops.quantize(torch.randn(B, T - 10, D, generator=g), "fp8"))
+    q, sink = torch.randn(B, S, H, D, generator=g), torch.randn(H, generator=g)
+    idx = random_indices(B, S, K, T, g, p_all_empty_row=0.2)
+    parts = (idx[..., :split].contiguous(), idx[..., split:].contiguous())
+    out = ops.sparse_attention(q, segs, parts, sink, 0.2)
+    check_close(out, expected_attention(q, segs, idx, sink, 0.2), torch.float32)
+    assert torch.equal(out, ops.sparse_attention(q, segs, idx, sink, 0.2))
+    three = (idx[..., :2], idx[..., 2:5], idx[..., 5:])
+    assert torch.equal(ops.sparse_attention(q, segs, list(three), sink, 0.2), out)
+
+
+def test_bad_index_parts():
+    q, kv, idx, sink = _good()
+    assert_error(lambda: ops.sparse_attention(q, kv, (), sink, 0.1), "indices", "at least one")
+    assert_error(lambda: ops.sparse_attention(q, kv, (idx, idx[:, :2]), sink, 0.1), "indices[1]", "S=3")
+    assert_error(lambda: ops.sparse_attention(q, kv, (idx, idx.long()), sink, 0.1), "indices[1]", "torch.int64")
+    high = idx.clone()
+    high[1, 2, 3] = 37  # == T
+    assert_error(lambda: ops.sparse_attention(q, kv, (idx, high), sink, 0.1), "indices[1]", "[-1, 37)")
+
+
 def test_segmented_kv_empty_and_bad():
     q = torch.randn(2, 3, 4, 32)
     a, b = torch.randn(2, 5, 32), ops.quantize(torch.randn(2, 7, 32), "fp8")
