@@ -24,6 +24,9 @@ class Attention:
         p = prefix + "attn."
         self.sink = w[p + "attn_sink"]
         self.wq_a, self.q_norm = w[p + "wq_a.weight"], w[p + "q_norm.weight"]
+        # each head of q is RMS-normalized after wq_b, with no weight (the reference multiplies by
+        # rsqrt(mean(q**2) + eps)): rms_norm with a unit weight
+        self.head_unit = torch.ones(cfg.head_dim, dtype=torch.float32, device=self.q_norm.device)
         self.wq_b, self.wkv, self.kv_norm = w[p + "wq_b.weight"], w[p + "wkv.weight"], w[p + "kv_norm.weight"]
         self.wo_a = w[p + "wo_a.weight"]  # [G * o_lora, H * hd / G]: ops.grouped_linear
         self.wo_b = w[p + "wo_b.weight"]
@@ -33,10 +36,12 @@ class Attention:
             self.idx_weights = w[p + "indexer.weights_proj.weight"]
 
     def query(self, h: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the normed query latent ``qr``, the roped heads ``q`` [B, S, H, head_dim]) of ``h``."""
+        """(the normed query latent ``qr``, the heads ``q`` [B, S, H, head_dim], each RMS-normalized
+        over its whole head_dim, then roped) of ``h``."""
         cfg = self.cfg
         qr = ops.rms_norm(ops.linear(h, self.wq_a), self.q_norm, cfg.norm_eps)
         q = ops.linear(qr, self.wq_b).view(*h.shape[:2], cfg.n_heads, cfg.head_dim)
+        q = ops.rms_norm(q, self.head_unit, cfg.norm_eps)
         return qr, rope_tail(q, f, cfg.rope_head_dim)
 
     def window_kv(self, h: torch.Tensor, f: torch.Tensor, fmt: str):
