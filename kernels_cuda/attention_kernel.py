@@ -164,9 +164,10 @@ def _scores(q, kv, q_o, kv_o, lo_first, D_SPLIT: tl.constexpr, PREC: tl.constexp
     return s
 
 
-# K (indices per query) grows with the context in decode until the top-k is full: not specialised
-# on (== 1, % 16 == 0), so it compiles no variant mid-run; it bounds the loop and masks the index loads.
-@triton.jit(do_not_specialize=("K", "K0"))
+# K (indices per query) grows with the context in decode until the top-k is full, and the blocks a
+# split reads with it: not specialised on (== 1, % 16 == 0), so they compile no variant mid-run; K
+# bounds the loop and masks the index loads.
+@triton.jit(do_not_specialize=("K", "K0", "blocks_per_split"))
 def _sparse_attention_kernel(
         q_ptr, idx_ptr, idx1_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
         d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,

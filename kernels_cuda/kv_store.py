@@ -75,7 +75,8 @@ def _store_rows_kernel(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, batch_ptr, slot
     _copy_rows(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, src, dst, ok, ROW, SROW, BR, BS)
 
 
-@triton.jit
+# the pick counts grow with the context in decode: not specialised, so no variant compiles mid-run
+@triton.jit(do_not_specialize=("total", "N"))
 def _resolve_paged_kernel(pick_ptr, table_ptr, out_ptr, total, N, W, P, offset, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < total

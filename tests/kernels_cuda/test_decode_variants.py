@@ -120,6 +120,17 @@ def test_a_decode_meets_no_new_variant_after_its_first_step(tmp_path):
     assert "positions with new variants after it: none" in r.stdout
 
 
+@needs_ptxas
+def test_small_meets_no_new_variant_as_its_window_fills(tmp_path):
+    """`small` at batch 8 from position 126: the window part of the attention's indices fills at
+    128 and the blocks a split reads change (an integer Triton would specialise on == 1)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "decode_variants.py"), "--model", "small", "--batch", "8",
+                        "--prompt", "126", "--steps", "3"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "positions with new variants after it: none" in r.stdout, r.stdout[-3000:]
+
+
 # ------------------------------------------------------------ the bucketed tiles, computed
 
 
