@@ -134,16 +134,17 @@ def sweep_group(group, members, base, gpu: bool, deadline: float, limit, hard_en
                     row["why"] = "wrong"
             except Exception as exc:  # a tile that cannot compile or run: recorded, never fatal
                 row["why"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
-            if i == 0:  # a baseline that fails or is not finite widens no later bound
-                err = row.get("rel_err", 0.0)
+            if i == 0:  # a baseline that fails (wrong included) or is not finite widens no later bound
+                err = row.get("rel_err", 0.0) if not row.get("why") else 0.0
                 case.base_err = err if math.isfinite(err) else 0.0
             rows.append(row)
             why = why or row.get("why")
             total += row.get("ms", 0.0) * case.per_step
         scores.append(dict(values=values, score_ms=None if why else total, why=why))
     ok = [s for s in scores if s["score_ms"] is not None]
-    best = min(ok, key=lambda s: s["score_ms"]) if ok else None
     base_score = scores[0]["score_ms"]
+    # a winner only against a measured baseline: without one nothing says the profile's tiles lose
+    best = min(ok, key=lambda s: s["score_ms"]) if ok and base_score is not None else None
     return dict(entry=dict(module=module, key=key, rule=rule), cases=[c.name for c in members], rows=rows,
                 scores=scores, baseline_ms=base_score, winner=best["values"] if best else None,
                 winner_ms=best["score_ms"] if best else None,
