@@ -24,10 +24,11 @@ class Attention:
         p = prefix + "attn."
         self.sink = w[p + "attn_sink"]
         self.wq_a, self.q_norm = w[p + "wq_a.weight"], w[p + "q_norm.weight"]
-        # each head of q is RMS-normalized after wq_b, with no weight (the reference multiplies by
-        # rsqrt(mean(q**2) + eps)): rms_norm with a unit weight
-        self.head_unit = torch.ones(cfg.head_dim, dtype=torch.float32, device=self.q_norm.device)
         self.wq_b, self.wkv, self.kv_norm = w[p + "wq_b.weight"], w[p + "wkv.weight"], w[p + "kv_norm.weight"]
+        # each head of q is RMS-normalized after wq_b, with no weight (the reference multiplies by
+        # rsqrt(mean(q**2) + eps)): rms_norm with a unit weight, in the norm weights' dtype (exact in
+        # any), so the kernel variants of kv_norm (the same width) serve it
+        self.head_unit = torch.ones(cfg.head_dim, dtype=self.kv_norm.dtype, device=self.kv_norm.device)
         self.wo_a = w[p + "wo_a.weight"]  # [G * o_lora, H * hd / G]: ops.grouped_linear
         self.wo_b = w[p + "wo_b.weight"]
         self.compressor = Compressor(cfg, layer, w, p) if self.role == "full" else None
