@@ -133,24 +133,36 @@ def _positive(text: str) -> int:
     return n
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def target_args(ap: argparse.ArgumentParser) -> None:
+    """The options a tool of this kind shares: the model, the profile and architecture recorded for, the JSON out."""
     ap.add_argument("--model", default="small", help="a shipped config: tiny, small, v4.1-flash, tiny-vl")
-    ap.add_argument("--batch", type=_positive, default=8)
-    ap.add_argument("--prompt", type=_positive, default=500, help="prompt tokens per row")
-    ap.add_argument("--steps", type=_positive, default=300, help="decode steps")
     ap.add_argument("--profile", default="h200")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--json", default=None, metavar="OUT")
-    args = ap.parse_args(argv)
+
+
+def load_target(args, tool: str):
+    """(config, profile, architecture) that ``args`` name, or None after printing why to stderr."""
     from flashrt.graphs.config import shipped_config
 
     try:
-        cfg = shipped_config(args.model)
-        profile, arch = profiles.load_profile(args.profile), parse_arch(args.arch)
+        return shipped_config(args.model), profiles.load_profile(args.profile), parse_arch(args.arch)
     except (ValueError, FlashrtError) as exc:
-        print(f"decode_variants: {exc}", file=sys.stderr)
+        print(f"{tool}: {exc}", file=sys.stderr)
+        return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    target_args(ap)
+    ap.add_argument("--batch", type=_positive, default=8)
+    ap.add_argument("--prompt", type=_positive, default=500, help="prompt tokens per row")
+    ap.add_argument("--steps", type=_positive, default=300, help="decode steps")
+    args = ap.parse_args(argv)
+    target = load_target(args, "decode_variants")
+    if target is None:
         return 2
+    cfg, profile, arch = target
     variants = trace(cfg, args.batch, args.prompt, args.steps, profile, arch)
     by_pos = report(variants, args.prompt)
     for pos, news in by_pos.items():

@@ -39,10 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import flashrt  # noqa: E402
 from flashrt import profiles  # noqa: E402
-from flashrt.errors import FlashrtError  # noqa: E402
 from flashrt.jit_compile import recording  # noqa: E402
-from flashrt.jit_targets import parse_arch  # noqa: E402
-from decode_variants import _positive, cuda_on_cpu  # noqa: E402  (tools/ is on the path when a tool runs)
+from decode_variants import _positive, cuda_on_cpu, load_target, target_args  # noqa: E402  (tools/ is on the path when a tool runs)
 from step_ops import FREE  # noqa: E402
 
 _FILL = {"depth": 0, "s": 0.0}  # inside a patched torch.empty's zero fill (no work on a GPU): depth, seconds
@@ -280,26 +278,20 @@ def _shape(text: str) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="small", help="a shipped config: tiny, small, v4.1-flash, tiny-vl")
+    target_args(ap)
     ap.add_argument("--prefill", type=_shape, nargs="*", default=[(1, 512), (4, 512)], metavar="RxS")
     ap.add_argument("--decode", type=_positive, nargs="*", default=[1, 64], metavar="BATCH")
     ap.add_argument("--decode-prompt", type=_positive, default=128, help="tokens per row before the decode steps")
     ap.add_argument("--repeats", type=_positive, default=5)
     ap.add_argument("--profile-top", type=int, default=25, help="functions listed per profile table")
-    ap.add_argument("--profile", default="h200")
-    ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--json", default=None, metavar="OUT")
     args = ap.parse_args(argv)
-    from flashrt.graphs.config import shipped_config
     from flashrt.graphs.init_weights import init_weights
     from flashrt.graphs.model import Model
 
-    try:
-        cfg = shipped_config(args.model)
-        profile, arch = profiles.load_profile(args.profile), parse_arch(args.arch)
-    except (ValueError, FlashrtError) as exc:
-        print(f"host_cost: {exc}", file=sys.stderr)
+    target = load_target(args, "host_cost")
+    if target is None:
         return 2
+    cfg, profile, arch = target
     torch.manual_seed(0)
     torch.set_num_threads(1)  # host time is one thread's CPU time: torch's CPU operations stay on it
     results = []
