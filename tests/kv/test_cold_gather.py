@@ -35,6 +35,7 @@ def draw(B, N, W, P, D, g, pin=False, fmt="fp4_b16"):
     host = host_pool(7, P, D, g, pin, fmt)
     ids = torch.randint(-1, 7, (B, W), generator=g)  # -1: a page not on the host
     picks = torch.randint(-1, W * P, (B, N), generator=g, dtype=torch.int32)
+    ids[0, 0], picks[0, 0] = int(torch.randint(0, 7, (), generator=g)), 0  # at least one pick is cold
     index = torch.randint(-1, 50, (B, N), generator=g, dtype=torch.int32)
     return host, ids.to(DEV), picks.to(DEV), index.to(DEV)
 
