@@ -77,14 +77,15 @@ def zeros_stored(fmt: str | None, shape, dtype: torch.dtype, device) -> torch.Te
 TL_DTYPES = {dt: getattr(tl, str(dt).removeprefix("torch.")) for dt in TORCH.values()}
 
 
-def split_k(out_tiles: int, blocks: int, forced, sms: int) -> int:
+def split_k(out_tiles: int, blocks: int, forced, sms: int, min_blocks: int | None = 4) -> int:
     """K splits of a GEMM launch: ``forced`` (a count, capped at the K blocks), else none when the
-    output tiles fill the SMs, else enough for ~2 programs an SM keeping >= 4 K blocks per split."""
+    output tiles fill the SMs or ``min_blocks`` is None, else enough for ~2 programs an SM keeping
+    >= ``min_blocks`` K blocks per split."""
     if forced is not None:
         return max(1, min(int(forced), blocks))
-    if out_tiles >= sms:
+    if out_tiles >= sms or min_blocks is None:
         return 1
-    return max(1, min(cdiv(2 * sms, out_tiles), blocks // 4))
+    return max(1, min(cdiv(2 * sms, out_tiles), blocks // max(1, int(min_blocks))))
 
 
 def cdiv(a: int, b: int) -> int:

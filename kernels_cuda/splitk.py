@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import to_out
-from flashrt.kernels_cuda.launch import cdiv
+from flashrt.kernels_cuda.launch import cdiv, split_k
 
 POOL = 1 << 14  # counters allocated per device (tiles of one split launch must fit; more: no fused reduction)
 _POOLS: dict = {}
@@ -40,15 +40,9 @@ def fits(tiles: int) -> bool:
 
 
 def splits(out_tiles: int, blocks: int, sms: int, forced=None, min_blocks: int | None = 4) -> int:
-    """K splits of a GEMM launch with ``out_tiles`` output tiles and ``blocks`` K blocks: ``forced``
-    (a count, capped at the K blocks), else none when the tiles fill the SMs or ``min_blocks`` is
-    None, else enough for ~2 programs an SM keeping >= ``min_blocks`` K blocks per split (4:
-    :func:`flashrt.kernels_cuda.launch.split_k`'s rule)."""
-    if forced is not None:
-        return max(1, min(int(forced), blocks))
-    if out_tiles >= sms or min_blocks is None:
-        return 1
-    return max(1, min(cdiv(2 * sms, out_tiles), blocks // max(1, int(min_blocks))))
+    """K splits of a GEMM launch with ``out_tiles`` output tiles and ``blocks`` K blocks
+    (:func:`flashrt.kernels_cuda.launch.split_k`'s rule, ``min_blocks`` K blocks a split at least)."""
+    return split_k(out_tiles, blocks, forced, sms, min_blocks)
 
 
 def narrow_block_n(block_n: int, n: int, other_tiles: int, sms: int, min_block_n: int | None) -> int:
