@@ -122,3 +122,15 @@ def test_model_rings_after_prefill_hold_the_reference_fake_quantization(model, c
         last = torch.arange(S - W, S).unsqueeze(0)
         ring = read_ring(state.rings[attn.layer], last % W).numpy()
         np.testing.assert_array_equal(ring, want[:, S - W:], err_msg=f"ring of layer {attn.layer}")
+
+
+@pytest.mark.parametrize("elem_max,floor", [(448.0, 1e-4), (6.0, 6 * 2.0**-126)])
+def test_power_of_two_scales_equal_the_reference_product_form(elem_max, floor):
+    """The reference kernels round ``max(amax, floor) * fp32(1 / elem_max)`` up to a power of
+    two; flashrt's codec divides. The same power of two for every fp32 mantissa (the exponent
+    only shifts both), so the stored UE8M0 scales agree."""
+    mantissas = torch.arange(0, 1 << 23, dtype=torch.int32)
+    for exponent in (90, 127, 150):
+        amax = ((exponent << 23) | mantissas).view(torch.float32).clamp_min(floor)
+        product = amax * torch.tensor(1 / elem_max, dtype=torch.float32)
+        assert torch.equal(formats.pow2_ceil(amax / elem_max), formats.pow2_ceil(product))
