@@ -22,7 +22,7 @@ from flashrt.graphs.attention import Attention
 from flashrt.graphs.config import shipped_config
 from flashrt.kv.state import KVState
 from _formats_ref import pow2_scale_exp, rand_input
-from kernel_check import requires_kernels
+from kernel_check import record_launches, requires_kernels
 
 BACKENDS = ["reference", pytest.param("cuda", marks=requires_kernels)]
 
@@ -77,9 +77,10 @@ def rotate(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_ring_holds_the_reference_fake_quantization(rng, backend):
+def test_ring_holds_the_reference_fake_quantization(rng, monkeypatch, backend):
     """512 channels with a 64-channel rotary tail, as released; rows of widely varying
     magnitudes: every value attention reads from the ring equals the reference's."""
+    launches = record_launches(monkeypatch)
     cfg = dataclasses.replace(shipped_config("tiny"), head_dim=512, rope_head_dim=64)
     B, W, D, rd = 2, cfg.window_size, cfg.head_dim, cfg.rope_head_dim
     x = rand_input((B, W, D), torch.bfloat16, rng, spread=20)
@@ -91,6 +92,8 @@ def test_ring_holds_the_reference_fake_quantization(rng, backend):
         for t in range(W):  # decode rows, one position per call
             state.write_ring(0, kv.narrow(1, t, 1), state.ring_slots(pos[:, t:t + 1]))
         got = read_ring(state.rings[0], pos % W).numpy()
+    if backend == "cuda":  # the quantization, the ring store and the attention read ran as kernels
+        assert {"_norm_rope_quant_kernel", "_store_rows_kernel", "_sparse_attention_kernel"} <= set(launches), launches
     rows = rotate(x, f).numpy()
     want = v41_window(rows)
     np.testing.assert_array_equal(got, want)
