@@ -19,7 +19,9 @@
 #              default 180): h200-decode-tiles.json and its profile fragment h200-decode-tiles.yaml
 #   e2e        the captured decode step of `small` at batch 1 / 8 / 64, synchronized and back to
 #              back: h200-e2e.json
-#   serve64    flashrt serve against generate() at 64 concurrent only: h200-serve-64.json
+#   serve64    flashrt serve against generate() at 64 concurrent only, with the server's kernel
+#              variants logged (those built in the timed level listed in the result):
+#              h200-serve-64.json, h200-serve-64-jit.log
 #   coldstart  time to first token of a cold `flashrt run --model small`, with the compile pool:
 #              h200-jit-ttft.json; then records the plan of what a run launches on this device
 #              (the file to commit under core/jit_plans/)
@@ -88,7 +90,8 @@ phase_e2e() {
 }
 
 phase_serve64() {
-  python benchmarks/serve_vs_generate.py --model small --concurrency 64 --out "$OUT/h200-serve-64.json"
+  python benchmarks/serve_vs_generate.py --model small --concurrency 64 --jit-log "$OUT/h200-serve-64-jit.log" \
+    --out "$OUT/h200-serve-64.json"
 }
 
 phase_coldstart() {

@@ -103,6 +103,16 @@ def where_time_goes(before: dict, after: dict, duration: float) -> dict:
     }
 
 
+def built_in(log_path: str, start: float, end: float) -> dict:
+    """The kernel variants the server built (compiled or loaded) during ``[start, end)``: their
+    count, seconds, and each one's kernel and specialisation key (``core/jit_log.py``)."""
+    from flashrt.jit_log import between, read
+
+    rows = between(read(log_path), start, end) if os.path.exists(log_path) else []
+    return {"count": len(rows), "seconds": round(sum(r["s"] or 0 for r in rows), 3),
+            "variants": [{k: r.get(k) for k in ("t", "s", "name", "repr", "key")} for r in rows]}
+
+
 def serve_levels(args) -> dict:
     """Each concurrency level as its own ``flashrt bench serve`` run, with the server's engine
     counters read before and after it."""
@@ -117,6 +127,8 @@ def serve_levels(args) -> dict:
     env = dict(os.environ)
     if args.profile_engine:
         env["FLASHRT_PROFILE_ENGINE"] = args.profile_engine  # engine/loop_profile.py
+    if args.jit_log:
+        env["FLASHRT_JIT_LOG"] = args.jit_log  # core/jit_log.py: a line per kernel variant built
     proc = subprocess.Popen(cmd, env=env)
     try:
         wait_healthy(url, proc, args.start_timeout)
@@ -131,12 +143,14 @@ def serve_levels(args) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             for level in args.concurrency:
                 out = Path(tmp) / f"serve-{level}.json"
-                before = engine_counters(url)
+                before, started = engine_counters(url), time.time()
                 subprocess.run([*bench, "--concurrency", str(level), "--num-prompts", str(args.num_prompts),
                                 "--output-len", str(args.output_len), "--out", str(out)], check=True)
                 one = json.loads(out.read_text())
                 for lv in one["levels"]:
                     lv["engine"] = where_time_goes(before, engine_counters(url), lv["duration_s"])
+                    if args.jit_log:
+                        lv["jit_built"] = built_in(args.jit_log, started, time.time())
                 if result is None:
                     result = one
                 else:
@@ -167,6 +181,9 @@ def main() -> None:
                     help="one more argument for flashrt serve (repeatable), e.g. --serve-arg=--no-engine-process")
     ap.add_argument("--profile-engine", default=None, metavar="FILE",
                     help="cProfile the server's engine loop thread into FILE (written when the server stops)")
+    ap.add_argument("--jit-log", default=None, metavar="FILE",
+                    help="log every kernel variant the server builds to FILE (appended) and list, per "
+                         "timed level, those built during it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base = generate_throughput(args.model, args.batch, args.input_len, args.output_len)

@@ -105,8 +105,10 @@ class JitCache:
 def install(force: bool = False) -> bool:
     """Route Triton's compile cache through ours (sets ``TRITON_CACHE_MANAGER``; children inherit
     it); True if installed. A user's own ``TRITON_CACHE_MANAGER`` is kept unless ``force``."""
+    from .jit_log import install_from_env
     from .jit_triton import install as _install
 
+    install_from_env()  # FLASHRT_JIT_LOG: a line per variant built (a diagnostic; off by default)
     return _install(force)
 
 

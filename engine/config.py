@@ -37,6 +37,8 @@ class EngineConfig:
     draft_tokens: int | str = "auto"  # drafts verified per round (1 .. block size) or "auto"
     device_timing: bool = False  # time the forwards on the device too (CUDA events: a host sync per step)
     overlap: bool = True  # launch each step before the host has read the previous step's tokens
+    # the server runs engine/warmup.py before it admits requests (None: when decode steps are captured)
+    warmup: bool | None = None
 
     def __post_init__(self):
         positive = ("max_running", "max_step_tokens", "prefill_chunk", "max_model_len", "max_waiting",
@@ -54,6 +56,8 @@ class EngineConfig:
         for name in ("device_timing", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.warmup is not None and not isinstance(self.warmup, bool):
+            raise ValueError(f"warmup: expected a bool or None, got {self.warmup!r}")
         d = self.draft_tokens
         if d != "auto" and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError(f"draft_tokens: expected an int >= 1 or 'auto', got {d!r}")
@@ -76,6 +80,10 @@ class EngineConfig:
     def graphs_on(self, model) -> bool:
         """Whether decode steps (plain, draft and verify) run from static buffers: CUDA graphs on a GPU."""
         return model.device.type == "cuda" if self.cuda_graphs is None else bool(self.cuda_graphs)
+
+    def warmup_on(self, model) -> bool:
+        """Whether a server warms this engine up before admitting requests (engine/warmup.py)."""
+        return self.graphs_on(model) if self.warmup is None else self.warmup
 
     def make_pool(self, model):
         """The engine's page pool and the most main-KV pages it may hold (None: no limit). The

@@ -96,7 +96,12 @@ def build(spec: CoreSpec):
         torch.set_num_threads(spec.threads)
     quiet = spec.log_level not in ("info", "debug")  # loading progress on the server's stderr, as in process
     model = load_model(spec.model, pick_device(spec.device), spec.seed, quiet=quiet)
-    return Engine(model, config=spec.config)
+    engine = Engine(model, config=spec.config)
+    if engine.config.warmup_on(model):  # before the server reports ready
+        from .warmup import log_progress
+
+        engine.warm_up(log_progress)
+    return engine
 
 
 def describe(engine) -> dict:

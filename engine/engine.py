@@ -101,6 +101,16 @@ class Engine(EngineFront):
             ev.wait()
         return [done[rid] for rid, _ in events]
 
+    def warm_up(self, progress=None) -> dict:
+        """Run every decode batch size up to ``max_running`` once with synthetic requests, so that
+        serving meets no new kernel variant or decode graph of a batch size (engine/warmup.py).
+        Call before :meth:`start`; ``progress(done, total, batch)`` after each batch size."""
+        if self._thread is not None:
+            raise RuntimeError("warm_up: expected an engine not started yet (call it before start())")
+        from .warmup import warm_up
+
+        return warm_up(self, progress)
+
     # ----- online ----------------------------------------------------------------------------------
     def start(self) -> None:
         """Run the step loop in a background thread (idempotent)."""

@@ -28,6 +28,9 @@ def add_serve(sub) -> None:
                    help="time each step's forwards on the device too (metrics; costs a host sync per step)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each engine step before the host has read the previous step's tokens (default: on)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every decode batch size once with synthetic requests before admitting any, so "
+                        "serving never stops to compile or capture (default: on with CUDA graphs)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per forward call")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="prompt + output tokens")
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES", help="device bytes for KV pages")
@@ -113,7 +116,7 @@ def cmd_serve(args) -> int:
                           prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
                           swap_bytes=args.swap_bytes, cuda_graphs=args.cuda_graph,
                           speculative=args.speculative, draft_tokens=args.draft_tokens,
-                          device_timing=args.device_timing, overlap=args.overlap)
+                          device_timing=args.device_timing, overlap=args.overlap, warmup=args.warmup)
     if args.tp != 1 or args.ep != 1 or args.dp_attention:  # several ranks; rank 0 serves (engine/parallel_serve_run.py)
         from flashrt.engine.parallel_serve_run import ServeJob, serve_parallel
 
@@ -129,6 +132,10 @@ def cmd_serve(args) -> int:
     else:
         model = load_model(args.model, dev, args.seed, quiet=args.log_level not in ("info", "debug"))
         engine = Engine(model, config=config)
+        if engine.config.warmup_on(model):
+            from flashrt.engine.warmup import log_progress
+
+            engine.warm_up(log_progress)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = create_app(engine, name, api_key=args.api_key)
 
