@@ -61,18 +61,21 @@ def _pow2_up_to(n: int) -> list[int]:
 def rounds(chunk: int, max_rows: int, sizes: list[int]) -> list[tuple[str, list[int]]]:
     """The warm-up's rounds, each ``(what, prompt lengths)`` run together to their end.
 
-    * one prompt alone of every power-of-two length ``p`` up to a chunk and of ``p + 1`` (the
-      launchers specialise on a forward's token count by power of two, ``== 1`` and ``% 16``;
-      ``chunk + 1`` also runs a second chunk, at a later start), then one that starts with the
-      chunk that one stored (the prefix store's hit path);
+    * one prompt alone of every power-of-two length ``p`` up to a chunk and of ``p - 1`` and
+      ``p + 1``, and of a chunk (less one, and down to a multiple of 16): the launchers specialise
+      on a forward's token count by power of two, ``== 1`` and ``% 16`` (each class of all three,
+      and the tiles' thresholds between them);
+      then the same lengths after a whole first chunk (a later chunk reads the earlier one's KV),
+      then one more whose first chunk is stored by then (the prefix store's hit path);
     * ``r`` and ``r + 1`` whole chunks in one forward for every power of two ``r`` up to the rows a
       step's token budget holds (``max_rows``);
     * one round per decode batch size in ``sizes``: that many short prompts, decoded together.
     """
     out = []
-    for p in _pow2_up_to(chunk):
-        out += [("prefill", [p]), ("prefill", [p + 1])]
-    out.append(("prefix", [chunk + 3]))  # its first chunk is the one ``chunk + 1`` stored: a prefix hit
+    for start in (0, chunk):  # a first chunk, and a later one (it reads the earlier chunk's KV)
+        lengths = {n for p in _pow2_up_to(chunk) for n in (p - 1, p, p + 1)} | {chunk - 1, chunk, chunk // 16 * 16}
+        out += [("prefill", [start + n]) for n in sorted(lengths) if 1 <= n <= chunk]
+    out.append(("prefix", [chunk + 3]))  # its first chunk is the one every longer prompt shares: a prefix hit
     for r in _pow2_up_to(max_rows):
         out += [("group", [chunk] * r)] + ([("group", [chunk] * (r + 1))] if r + 1 <= max_rows else [])
     out += [("decode", [5] * b) for b in sizes]

@@ -51,7 +51,8 @@ def _copy_rows(val_ptr, vscale_ptr, out_ptr, oscale_ptr, src, dst, ok, ROW: tl.c
              mask=m)
 
 
-@triton.jit
+# counts and sizes, not specialised: their == 1 / % 16 classes follow the load, a compile mid-serving each
+@triton.jit(do_not_specialize=["total", "W", "trash"])
 def _store_paged_kernel(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, entry_ptr, mask_ptr, total, n, W, P,
                         trash, ROW: tl.constexpr, SROW: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr,
                         BS: tl.constexpr):
