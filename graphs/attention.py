@@ -52,8 +52,8 @@ class Attention:
         cfg = self.cfg
         qr = ops.rms_norm(ops.linear(h, self.wq_a) if latent is None else latent, self.q_norm, cfg.norm_eps)
         q = ops.linear(qr, self.wq_b).view(*h.shape[:2], cfg.n_heads, cfg.head_dim)
-        q = ops.rms_norm(q, self.head_unit, cfg.norm_eps)
-        return qr, rope_tail(q, f, cfg.rope_head_dim)
+        # each head's unit-weight RMS norm and its rope in one op (no quantization)
+        return qr, quantized_rope_tail(q, self.head_unit, cfg.norm_eps, f, cfg.rope_head_dim, None)
 
     def window_kv(self, h: torch.Tensor, f: torch.Tensor, fmt: str, latent: torch.Tensor | None = None):
         """The roped KV latent of ``h`` [B, S, dim], quantized to the window ring's ``fmt``;
