@@ -65,6 +65,10 @@ def rope(x, freqs_cis, inverse):
 
 
 def norm_rope_quantize(x, weight, eps, freqs_cis, fmt, dequantize_to=None):
+    if fmt is None:  # no quantization: the roped rows in x.dtype
+        out = _meta(x.shape, x.dtype)
+        _emit("norm_rope_quantize", (x, freqs_cis) if weight is None else (x, weight, freqs_cis), (out,), 10 * x.numel())
+        return out
     data_shape, scale_shape = expected_layout(fmt, x.shape)
     s = spec(fmt)
     q = QTensor(_meta(data_shape, s.data_dtype), _meta(scale_shape, s.scale_dtype), fmt, x.shape)

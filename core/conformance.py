@@ -73,6 +73,7 @@ def _cases(dev, g):
     yield "norm_rope_quantize", (r(2, 3, 512), r(512), 1e-6, f, "fp8")
     yield "norm_rope_quantize", (r(2, 3, 512), None, 0.0, f, MAIN_KV_FORMAT)
     yield "norm_rope_quantize", (r(2, 3, 32, 128), None, 0.0, f, "fp4_b32", torch.bfloat16)  # the indexer's queries
+    yield "norm_rope_quantize", (r(2, 3, 8, 512), r(512), 1e-6, f, None)  # the attention's query heads: not quantized
     yield "hc_collapse_norm", (r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev), f32(256), 1e-6)
     yield "hc_expand", (r(1, 8, 256), r(1, 8, 4, 256), torch.rand(1, 8, 4, generator=g).to(dev),
                         torch.rand(1, 8, 4, 4, generator=g).to(dev))

@@ -108,7 +108,8 @@ def norm_rope_quantize(x: torch.Tensor, weight, eps: float, freqs_cis: torch.Ten
     ``int8``). The norm and the rope round to ``x.dtype`` as the ops in sequence would.
     ``dequantize_to`` a float dtype: the values the quantized rows stand for, as that dtype (a
     fake quantization: ``dequantize(..., dequantize_to)``; the indexer's queries) instead of the
-    ``QTensor``.
+    ``QTensor``. ``fmt`` None: no quantization, ``rope(rms_norm(x, weight, eps), freqs_cis)`` in
+    ``x.dtype`` (the attention's query heads).
     """
     env: dict = {}
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
@@ -124,8 +125,11 @@ def norm_rope_quantize(x: torch.Tensor, weight, eps: float, freqs_cis: torch.Ten
         raise ValueError(f"freqs_cis: expected [B, S, P] with P in [1, {env['D'] // 2}] and D even, got {got} "
                          f"for x of shape {tuple(x.shape)}")
     c.tensor("freqs_cis", freqs_cis, "B S P", env, (torch.complex64,), x.device)
-    c.choice("fmt", fmt, BLOCK_FORMATS)
-    check_shape(fmt, x.shape, "x")
+    if fmt is not None:
+        c.choice("fmt", fmt, BLOCK_FORMATS)
+        check_shape(fmt, x.shape, "x")
+    elif dequantize_to is not None:
+        raise ValueError(f"dequantize_to: expected None when fmt is None (nothing to dequantize), got {dequantize_to}")
     if dequantize_to is not None:
         c.choice("dequantize_to", dequantize_to, c.FLOATS)
     return _impl("norm_rope_quantize", x.device)(x, weight, float(eps), freqs_cis, fmt, dequantize_to)

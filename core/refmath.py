@@ -53,6 +53,8 @@ def rope(x, freqs_cis, inverse):
 
 def norm_rope_quantize(x, weight, eps, freqs_cis, fmt, dequantize_to=None):
     y = rms_norm(x, weight, eps) if weight is not None else x
+    if fmt is None:
+        return rope(y, freqs_cis, False)
     q = quantize(rope(y, freqs_cis, False), fmt)
     return q if dequantize_to is None else dequantize(q, dequantize_to)
 

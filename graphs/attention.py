@@ -12,6 +12,7 @@ import torch
 from flashrt import ops
 
 from .compressor import Compressor
+from .fused_weights import fuse_in_place
 from .context import (Selection, StepContext, quantized_rope_tail, rope_tail, window_indices,  # noqa: F401
                       window_parts)  # (re-exported)
 
@@ -23,6 +24,8 @@ class Attention:
         self.source, self.index_source = cfg.kv_source(layer), cfg.index_source(layer)
         p = prefix + "attn."
         self.sink = w[p + "attn_sink"]
+        # wq_a and wkv read the same h: one GEMM over their concatenated rows where the formats allow
+        self.latent_w = fuse_in_place(w, [p + "wq_a.weight", p + "wkv.weight"])
         self.wq_a, self.q_norm = w[p + "wq_a.weight"], w[p + "q_norm.weight"]
         self.wq_b, self.wkv, self.kv_norm = w[p + "wq_b.weight"], w[p + "wkv.weight"], w[p + "kv_norm.weight"]
         # each head of q is RMS-normalized after wq_b, with no weight (the reference multiplies by
@@ -36,19 +39,28 @@ class Attention:
             self.idx_wq_b = w[p + "indexer.wq_b.weight"]
             self.idx_weights = w[p + "indexer.weights_proj.weight"]
 
-    def query(self, h: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the normed query latent ``qr``, the heads ``q`` [B, S, H, head_dim], each RMS-normalized
-        over its whole head_dim, then roped) of ``h``."""
-        cfg = self.cfg
-        qr = ops.rms_norm(ops.linear(h, self.wq_a), self.q_norm, cfg.norm_eps)
-        q = ops.linear(qr, self.wq_b).view(*h.shape[:2], cfg.n_heads, cfg.head_dim)
-        q = ops.rms_norm(q, self.head_unit, cfg.norm_eps)
-        return qr, rope_tail(q, f, cfg.rope_head_dim)
+    def latents(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``wq_a(h)``, ``wkv(h)``): one ``linear`` over the fused weight (split into views) or two."""
+        if self.latent_w is None:
+            return ops.linear(h, self.wq_a), ops.linear(h, self.wkv)
+        fused, widths = self.latent_w
+        return ops.linear(h, fused).split(widths, dim=-1)
 
-    def window_kv(self, h: torch.Tensor, f: torch.Tensor, fmt: str):
-        """The roped KV latent of ``h`` [B, S, dim], quantized to the window ring's ``fmt``."""
+    def query(self, h: torch.Tensor, f: torch.Tensor, latent: torch.Tensor | None = None):
+        """(the normed query latent ``qr``, the heads ``q`` [B, S, H, head_dim], each RMS-normalized
+        over its whole head_dim, then roped) of ``h``; ``latent``: ``wq_a(h)`` when computed already."""
         cfg = self.cfg
-        return quantized_rope_tail(ops.linear(h, self.wkv), self.kv_norm, cfg.norm_eps, f, cfg.rope_head_dim, fmt)
+        qr = ops.rms_norm(ops.linear(h, self.wq_a) if latent is None else latent, self.q_norm, cfg.norm_eps)
+        q = ops.linear(qr, self.wq_b).view(*h.shape[:2], cfg.n_heads, cfg.head_dim)
+        # each head's unit-weight RMS norm and its rope in one op (no quantization)
+        return qr, quantized_rope_tail(q, self.head_unit, cfg.norm_eps, f, cfg.rope_head_dim, None)
+
+    def window_kv(self, h: torch.Tensor, f: torch.Tensor, fmt: str, latent: torch.Tensor | None = None):
+        """The roped KV latent of ``h`` [B, S, dim], quantized to the window ring's ``fmt``;
+        ``latent``: ``wkv(h)`` when computed already."""
+        cfg = self.cfg
+        kv = ops.linear(h, self.wkv) if latent is None else latent
+        return quantized_rope_tail(kv, self.kv_norm, cfg.norm_eps, f, cfg.rope_head_dim, fmt)
 
     def output(self, o: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         """Attention output [B, S, H, head_dim] -> [B, S, dim]: inverse rope, grouped ``wo_a``, ``wo_b``."""
@@ -64,8 +76,9 @@ class Attention:
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         cfg = self.cfg
         f = ctx.rope_compressed if self.ratio else ctx.rope_window
-        qr, q = self.query(h, f)
-        kv = self.window_kv(h, f, ctx.state.window_fmt)
+        q_latent, kv_latent = self.latents(h)
+        qr, q = self.query(h, f, q_latent)
+        kv = self.window_kv(h, f, ctx.state.window_fmt, kv_latent)
         segments = [ctx.state.rings[self.layer], kv]
         if ctx.window_index is not None and self.layer in ctx.window_index:
             indices = ctx.window_index[self.layer]

@@ -14,11 +14,15 @@ from flashrt import ops
 from flashrt.formats import MAIN_KV_FORMAT
 
 from .context import StepContext, quantized_rope_tail
+from .fused_weights import fuse_in_place
 
 
 class Compressor:
     def __init__(self, cfg, layer: int, w: dict, p: str):
         self.cfg, self.layer, self.ratio = cfg, layer, cfg.ratio(layer)
+        # wkv and wgate read the same input: one GEMM over their concatenated rows where they allow
+        self.fused = fuse_in_place(w, [p + "compressor.wkv.weight", p + "compressor.wgate.weight"]) \
+            if self.ratio > 1 else None
         self.wkv, self.norm = w[p + "compressor.wkv.weight"], w[p + "compressor.norm.weight"]
         self.wgate = w[p + "compressor.wgate.weight"] if self.ratio > 1 else None
         self.wk, self.k_norm = w[p + "indexer.wk.weight"], w[p + "indexer.k_norm.weight"]
@@ -42,9 +46,17 @@ class Compressor:
         other slot is read until the group is complete), so a decode step stays a pure device
         function (CUDA-graph capturable)."""
         cache = ctx.state.compressed[self.layer]
+        kv, score = self._project(h)
+        return ops.compress_decode(kv[:, 0], score[:, 0], cache.kv_state, cache.score_state, ctx.positions[:, 0],
+                                   self.norm, self.cfg.norm_eps, h.dtype)
+
+    def _project(self, h):
+        """(``wkv(h)``, ``wgate(h)``) in fp32: one ``linear`` over the fused weight (split into views) or two."""
         x = h.to(torch.float32)
-        return ops.compress_decode(ops.linear(x, self.wkv)[:, 0], ops.linear(x, self.wgate)[:, 0], cache.kv_state,
-                                   cache.score_state, ctx.positions[:, 0], self.norm, self.cfg.norm_eps, h.dtype)
+        if self.fused is None:
+            return ops.linear(x, self.wkv), ops.linear(x, self.wgate)
+        fused, widths = self.fused
+        return ops.linear(x, fused).split(widths, dim=-1)
 
     def _chunk(self, h, ctx: StepContext):
         """A chunk of S tokens per row, each row from its own position: row ``b``'s inputs are its
@@ -53,8 +65,7 @@ class Compressor:
         the groups each row completes; the inputs of the new pending group are staged with the
         call (a failed call leaves the old one for its retry)."""
         cache, r = ctx.state.compressed[self.layer], self.ratio
-        x = h.to(torch.float32)
-        new_kv, new_score = ops.linear(x, self.wkv), ops.linear(x, self.wgate)
+        new_kv, new_score = self._project(h)
         B, S, D = new_kv.shape
         pos = ctx.positions[:, 0]
         pend = pos % r

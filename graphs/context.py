@@ -147,9 +147,10 @@ class RopeCache:
 
 def quantized_rope_tail(x: torch.Tensor, norm, eps: float, factors: torch.Tensor, rd: int, fmt: str,
                         dequantize_to: torch.dtype | None = None):
-    """``quantize(rope_tail(rms_norm(x, norm, eps)), fmt)`` (no norm when ``norm`` is None) as one
-    op, ``ops.norm_rope_quantize``: a KV row on its way into a cache, or (``dequantize_to``) the
-    values it stands for (the indexer's fake-quantized queries)."""
+    """``quantize(rope_tail(rms_norm(x, norm, eps)), fmt)`` (no norm when ``norm`` is None, no
+    quantization when ``fmt`` is None) as one op, ``ops.norm_rope_quantize``: a KV row on its way
+    into a cache, the attention's query heads (``fmt`` None), or (``dequantize_to``) the values it
+    stands for (the indexer's fake-quantized queries)."""
     if factors.shape[-1] * 2 != rd:
         raise ValueError(f"factors: expected rd/2 = {rd // 2} pairs, got shape {tuple(factors.shape)}")
     return ops.norm_rope_quantize(x, norm, eps, factors, fmt, dequantize_to)

@@ -31,8 +31,9 @@ class _DraftAttention:
         W = cfg.window_size
         B, S, _ = h.shape
         f = ctx.rope_window
-        _, q = a.query(h, f)
-        kv = a.window_kv(h, f, ctx.state.window_fmt)
+        q_latent, kv_latent = a.latents(h)
+        _, q = a.query(h, f, q_latent)
+        kv = a.window_kv(h, f, ctx.state.window_fmt, kv_latent)
         main_pos = ctx.positions[:, :1] - 1  # the main token this block continues
         ring = torch.arange(W, device=h.device).expand(B, W)
         ring = torch.where(ring <= main_pos, ring, -1)  # ring slots filled so far

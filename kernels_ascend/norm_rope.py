@@ -102,9 +102,11 @@ def rope(x, freqs_cis, inverse):
 def norm_rope_quantize(x, weight, eps, freqs_cis, fmt, dequantize_to=None):
     """``norm_rope_quantize``: :func:`rms_norm` (when ``weight``), :func:`rope`, then the quantize
     adapter (and the dequantize adapter for a fake quantization), each on its own route."""
-    note_route("norm_rope_quantize", "rms_norm, rope and quantize in sequence"
+    note_route("norm_rope_quantize", "rms_norm, rope" + (" and quantize" if fmt is not None else "") + " in sequence"
                + (", then dequantize" if dequantize_to is not None else ""))
     y = rms_norm(x, weight, eps) if weight is not None else x
+    if fmt is None:
+        return rope(y, freqs_cis, False)
     q = quant.quantize(rope(y, freqs_cis, False), fmt)
     return q if dequantize_to is None else quant.dequantize(q, dequantize_to)
 

@@ -78,13 +78,13 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _compress_decode_kernel(kv_ptr, score_ptr, kvs_ptr, ss_ptr, pos_ptr, w_ptr, out_ptr, entry_ptr, mask_ptr, R, eps,
-                            D: tl.constexpr, BLOCK_R: tl.constexpr, OUT: tl.constexpr):
+                            stride_kv, stride_s, D: tl.constexpr, BLOCK_R: tl.constexpr, OUT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + b)
     slot = pos % R
     d = tl.arange(0, D)
-    new_kv = tl.load(kv_ptr + b * D + d)
-    new_s = tl.load(score_ptr + b * D + d)
+    new_kv = tl.load(kv_ptr + b * stride_kv + d)  # rows may be column slices of one GEMM's output
+    new_s = tl.load(score_ptr + b * stride_s + d)
     tl.store(kvs_ptr + (b * R + slot) * D + d, new_kv)
     tl.store(ss_ptr + (b * R + slot) * D + d, new_s)
     # the group's slots; the one just written is taken from registers (no read-after-write across threads)
@@ -130,9 +130,10 @@ def compress_decode(kv, score, kv_state, score_state, positions, weight, eps, dt
     entry = torch.empty(B, 1, dtype=torch.int64, device=kv.device)
     mask = torch.empty(B, 1, dtype=torch.uint8, device=kv.device)
     if B:
+        kv, score = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, score))
         _compress_decode_kernel[(B,)](
-            kv.contiguous(), score.contiguous(), kv_state, score_state, positions.contiguous(), weight.contiguous(),
-            latent, entry, mask, R, float(eps), D=D, BLOCK_R=next_pow2(R), OUT=TL_DTYPES[dtype],
+            kv, score, kv_state, score_state, positions.contiguous(), weight.contiguous(),
+            latent, entry, mask, R, float(eps), kv.stride(0), score.stride(0), D=D, BLOCK_R=next_pow2(R), OUT=TL_DTYPES[dtype],
             num_warps=_tiles()["compress_decode"]["num_warps"])
     return latent, entry, mask.view(torch.bool)
 

@@ -9,10 +9,13 @@ then the block scales and elements of ``fmt`` as ``_quantize_kernel`` makes them
 norm) on the KV path of every layer. Rows of ``[B, S, H, D]`` (the indexer's query heads) read
 their (b, s) table entry. With ``dequantize_to`` (a fake quantization) the program writes the
 values the blocks stand for, as ``_dequantize_kernel`` decodes them, instead of the bytes: one
-launch for the indexer's rope, quantize and dequantize. Rows whose ``D`` is not a power of two, or
+launch for the indexer's rope, quantize and dequantize. With no ``fmt`` the program stores the
+normed, roped rows in x.dtype (the attention's query heads: norm and rope in one launch). Rows whose ``D`` is not a power of two, or
 longer than ``MAX_D``, run the kernels in sequence.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -34,6 +37,8 @@ PLANS = PlanCache("norm_rope_quant", TILES)
 _tiles = PLANS.tiles
 
 _FMT = {f: CODES[f] for f in ("fp8", "fp4_b16", "fp4_b32")}
+_FMT[None] = 0  # plain float (codecs.CODES): no quantization: the normed, roped rows in x.dtype
+_PLAIN = SimpleNamespace(block=1, packed=False)  # what the launch reads of a format when there is none
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -59,19 +64,22 @@ def _norm_rope_quant_kernel(x_ptr, w_ptr, f_ptr, data_ptr, scale_ptr, out_ptr, n
     xr, xi = tl.split(tl.reshape(x, (BLOCK_R, D // 2, 2)))
     rot = tl.reshape(tl.join(xr * fr - xi * fi, xr * fi + xi * fr), (BLOCK_R, D))
     y = to_out(tl.where((c < HEAD)[None, :], x, rot), XDT).to(tl.float32)
-    # block quantization, as _quantize_kernel: G = D / BLK scales a row
-    yb = tl.reshape(y, (BLOCK_R * G, BLK))
-    byte, scale, recip = block_scale(tl.max(tl.abs(yb), axis=1), FMT)
-    if FAKE:  # the values the blocks stand for, as _dequantize_kernel decodes them
-        v = tl.reshape(fake_blocks(yb, scale, recip, FMT), (BLOCK_R, D))
-        tl.store(out_ptr + row[:, None] * D + c[None, :], to_out(v, OUT), mask=rmask[:, None])
+    if FMT == 0:  # no quantization: the rows in x.dtype
+        tl.store(out_ptr + row[:, None] * D + c[None, :], to_out(y, XDT), mask=rmask[:, None])
     else:
-        grow = tl.reshape(tl.broadcast_to(row[:, None], (BLOCK_R, G)), (BLOCK_R * G,))
-        gcol = tl.reshape(tl.broadcast_to(tl.arange(0, G)[None, :], (BLOCK_R, G)), (BLOCK_R * G,))
-        gmask = grow < n_rows
-        tl.store(scale_ptr + grow * G + gcol, byte.to(tl.uint8), mask=gmask)
-        block_bytes = BLK if FMT == 1 else BLK // 2
-        store_blocks(data_ptr, (grow * G + gcol) * block_bytes, yb, scale, recip, gmask, FMT, BLK, BLOCK_R * G)
+        # block quantization, as _quantize_kernel: G = D / BLK scales a row
+        yb = tl.reshape(y, (BLOCK_R * G, BLK))
+        byte, scale, recip = block_scale(tl.max(tl.abs(yb), axis=1), FMT)
+        if FAKE:  # the values the blocks stand for, as _dequantize_kernel decodes them
+            v = tl.reshape(fake_blocks(yb, scale, recip, FMT), (BLOCK_R, D))
+            tl.store(out_ptr + row[:, None] * D + c[None, :], to_out(v, OUT), mask=rmask[:, None])
+        else:
+            grow = tl.reshape(tl.broadcast_to(row[:, None], (BLOCK_R, G)), (BLOCK_R * G,))
+            gcol = tl.reshape(tl.broadcast_to(tl.arange(0, G)[None, :], (BLOCK_R, G)), (BLOCK_R * G,))
+            gmask = grow < n_rows
+            tl.store(scale_ptr + grow * G + gcol, byte.to(tl.uint8), mask=gmask)
+            block_bytes = BLK if FMT == 1 else BLK // 2
+            store_blocks(data_ptr, (grow * G + gcol) * block_bytes, yb, scale, recip, gmask, FMT, BLK, BLOCK_R * G)
 
 
 def _fused(x, fmt, dequantize_to) -> bool:
@@ -79,24 +87,26 @@ def _fused(x, fmt, dequantize_to) -> bool:
     t = _tiles()["norm_rope_quantize"]
     D = x.shape[-1]
     return t["in_kernel"] and fmt in _FMT and D == next_pow2(D) and D <= t["MAX_D"] \
-        and D >= formats.spec(fmt).block and dequantize_to in (None, *_DTYPES)
+        and D >= (formats.spec(fmt) if fmt is not None else _PLAIN).block and dequantize_to in (None, *_DTYPES)
 
 
 def norm_rope_quantize(x, weight, eps, freqs_cis, fmt, dequantize_to=None):
     if not _fused(x, fmt, dequantize_to):
         y = norm_rope.rms_norm(x, weight, eps) if weight is not None else x
+        if fmt is None:
+            return norm_rope.rope(y, freqs_cis, False)
         q = quant.quantize(norm_rope.rope(y, freqs_cis, False), fmt)
         return q if dequantize_to is None else quant.dequantize(q, dequantize_to)
     B, S, D = x.shape[0], x.shape[1], x.shape[-1]
     H = x.shape[2] if x.dim() == 4 else 1
     n = B * S * H
-    s = formats.spec(fmt)
+    s = formats.spec(fmt) if fmt is not None else _PLAIN
     x2 = x.reshape(n, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     f = torch.view_as_real(freqs_cis.contiguous())  # [B, S, P, 2] fp32: (re, im) pairs adjacent
-    if dequantize_to is not None:
-        out = data = scale = torch.empty(x.shape, dtype=dequantize_to, device=x.device)
+    if fmt is None or dequantize_to is not None:
+        out = data = scale = torch.empty(x.shape, dtype=dequantize_to or x.dtype, device=x.device)
     else:
         out = data = torch.empty(n, D // 2 if s.packed else D, dtype=torch.uint8, device=x.device)
         scale = torch.empty(n, D // s.block, dtype=torch.uint8, device=x.device)
@@ -109,7 +119,7 @@ def norm_rope_quantize(x, weight, eps, freqs_cis, fmt, dequantize_to=None):
             HEAD=D - 2 * freqs_cis.shape[-1], D=D, NORM=weight is not None, XDT=TL_DTYPES[x.dtype],
             FMT=_FMT[fmt], BLK=s.block, G=D // s.block, BLOCK_R=block_r, FAKE=dequantize_to is not None,
             OUT=TL_DTYPES[dequantize_to or x.dtype], num_warps=t["num_warps"])
-    if dequantize_to is not None:
+    if fmt is None or dequantize_to is not None:
         return out
     data_shape, scale_shape = formats.expected_layout(fmt, x.shape)
     return QTensor(data.view(s.data_dtype).view(data_shape), scale.view(s.scale_dtype).view(scale_shape), fmt, x.shape)

@@ -120,3 +120,17 @@ def test_conformance_report_on_the_emulation_lists_each_route(npu_emulation):
     assert routes["index_scores"][0][0].startswith("plain torch: npu_lightning_indexer / npu_quant_lightning_indexer")
     assert any(x.startswith("not npu_kv_quant_sparse_flash_attention") for r in routes["sparse_attention"] for x in r)
     assert routes["gather_cold_rows"][0][0].startswith("plain torch: the pages are in host memory")
+
+
+def test_norm_rope_without_quantization_on_npu_operators(npu_emulation, rng):
+    """``norm_rope_quantize`` with no ``fmt`` (the attention's query heads): npu_rms_norm then
+    npu_rotary_mul, no quantize call, the reference's values."""
+    B, S, H, D, P = 2, 3, 4, 64, 8
+    x = (torch.randn(B, S, H, D, generator=rng) * 3).to(torch.bfloat16)
+    f = torch.polar(torch.ones(B, S, P), torch.rand(B, S, P, generator=rng) * 6.3)
+    got, want = run_both("norm_rope_quantize", x, torch.ones(D, dtype=torch.bfloat16), 1e-6, f, None)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert rel_err(got, want) < 1e-2
+    names = [c.name for c in npu_emulation.CALLS]
+    assert "npu_rms_norm" in names and "npu_rotary_mul" in names
+    assert not any("quant" in n for n in names)

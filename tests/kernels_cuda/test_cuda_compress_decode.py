@@ -51,6 +51,21 @@ def test_one_launch_bit_identical_to_the_unfused_kernels(rng, launches, B, r, D,
     assert all(torch.equal(a, b) for a, b in zip(states, ref_states))
 
 
+@pytest.mark.parametrize("B,r,D", [(3, 4, 64), (2, 2, 128)])
+def test_column_slices_of_one_output_in_one_launch(rng, launches, B, r, D):
+    """kv and score as the two halves of one [B, 2D] GEMM output (the compressor's fused wkv and
+    wgate): read through their row stride, no copy launch, the bits of contiguous inputs."""
+    args = _case(rng, B, r, D)
+    both = torch.cat([args[0], args[1]], dim=1)
+    kv, score = both.split((D, D), dim=1)
+    assert not kv.is_contiguous()
+    (latent, entry, mask), states = _run((kv, score, *args[2:]), torch.bfloat16)
+    assert launches == ["_compress_decode_kernel"]
+    (want, want_entry, want_mask), want_states = _run(args, torch.bfloat16)
+    assert torch.equal(latent, want) and torch.equal(entry, want_entry) and torch.equal(mask, want_mask)
+    assert all(torch.equal(a, b) for a, b in zip(states, want_states))
+
+
 def test_states_it_does_not_hold_run_the_steps(rng, launches):
     args = _case(rng, 2, 4, 96)  # 96 channels: not a power of two
     (latent, entry, mask), states = _run(args, torch.bfloat16)

@@ -99,3 +99,27 @@ def test_gpu_kv_rows_realistic(rng, B, S):
         with flashrt.use_backend("reference"):
             want = ops.norm_rope_quantize(x, w, eps, f, fmt)
         _close(got, want)
+
+
+@pytest.mark.parametrize("B,S,H,D,P,dtype,norm", [(1, 1, 4, 64, 8, torch.bfloat16, True),
+                                                  (2, 3, 8, 128, 32, torch.bfloat16, True),
+                                                  (3, 2, 2, 256, 16, torch.float32, False)])
+def test_no_quantization_one_launch_bit_identical_to_norm_and_rope(rng, launches, B, S, H, D, P, dtype, norm):
+    """``fmt`` None (the attention's query heads, a unit-weight norm per head): one launch whose
+    rows equal the norm and rope kernels' in sequence bit for bit, and the reference's values."""
+    x = (torch.randn(B, S, H, D, generator=rng) * 3.0).to(DEVICE, dtype)
+    w = torch.ones(D, dtype=dtype, device=DEVICE) if norm else None
+    f = torch.polar(torch.ones(B, S, P), torch.rand(B, S, P, generator=rng) * 6.3).to(DEVICE)
+    with pinned_tiles(norm_rope_quant={}):
+        got = nrq.norm_rope_quantize(x, w, 1e-6, f, None)
+    assert launches == ["_norm_rope_quant_kernel"]
+    assert got.dtype == dtype and got.shape == x.shape
+    launches.clear()
+    with pinned_tiles(norm_rope_quant={"norm_rope_quantize": {"in_kernel": False}}):
+        two = nrq.norm_rope_quantize(x, w, 1e-6, f, None)
+    assert launches == (["_rms_norm_kernel"] if norm else []) + ["_rope_kernel"]
+    assert torch.equal(got, two)
+    with flashrt.use_backend("reference"):
+        want = ops.norm_rope_quantize(x, w, 1e-6, f, None)
+    assert rel_err(got, want) < 1e-2
+

@@ -344,6 +344,30 @@ def test_norm_rope_quantize_heads_and_fake_quant_against_float64(fmt, out, rng):
     assert (got.double() - want.double()).abs().max() <= 0.5 * want.double().abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [True, False])
+def test_norm_rope_without_quantization_against_float64(dtype, norm, rng):
+    """``fmt`` None (the attention's query heads): the norm and the rope in float64, each rounded to
+    x.dtype as the op says; the op returns those rows in x.dtype but for an element a float64 step
+    rounds differently."""
+    B, S, H, D, P = 2, 3, 4, 64, 8
+    x = (torch.randn(B, S, H, D, generator=rng) * 3).to(dtype)
+    w = (torch.randn(D, generator=rng) + 1).to(dtype) if norm else None
+    f = torch.polar(torch.ones(B, S, P), torch.rand(B, S, P, generator=rng) * 6.3)
+    got = ops.norm_rope_quantize(x, w, 1e-6, f, None)
+    y = x.double()
+    if norm:
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()).to(dtype).double()
+    tail = torch.view_as_complex(y[..., -2 * P:].reshape(B, S, H, P, 2).contiguous()) * f.to(torch.complex128)[:, :, None]
+    want = torch.cat([y[..., :-2 * P], torch.view_as_real(tail).reshape(B, S, H, 2 * P)], -1).to(dtype)
+    assert got.dtype == dtype and got.shape == x.shape
+    ulp = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -23
+    if dtype == torch.bfloat16:  # fp32 rows differ from float64 in their last bits
+        assert (got != want).float().mean() < 0.02
+    assert ((got.double() - want.double()).abs() <= 4 * ulp * want.double().abs().clamp_min(1e-3)).float().mean() > 0.98
+    assert (got.double() - want.double()).abs().max() <= 4 * ulp * want.double().abs().max()
+
+
 def test_norm_rope_quantize_errors(rng):
     x = torch.randn(1, 2, 64)
     f = torch.polar(torch.ones(1, 2, 8), torch.zeros(1, 2, 8))
@@ -363,3 +387,5 @@ def test_norm_rope_quantize_errors(rng):
         ops.norm_rope_quantize(x.view(1, 2, 2, 2, 16), None, 0.0, f, "fp8")
     with pytest.raises(ValueError, match="^dequantize_to: expected"):
         ops.norm_rope_quantize(x, None, 0.0, f, "fp8", torch.int32)
+    with pytest.raises(ValueError, match="^dequantize_to: expected None when fmt is None"):
+        ops.norm_rope_quantize(x, None, 0.0, f, None, torch.float32)
