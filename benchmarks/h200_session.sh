@@ -25,6 +25,9 @@
 #   coldstart  time to first token of a cold `flashrt run --model small`, with the compile pool:
 #              h200-jit-ttft.json; then records the plan of what a run launches on this device
 #              (the file to commit under core/jit_plans/)
+#   plan       only the plan of what a `small` run launches on this device, recorded by
+#              `flashrt jit warmup --model small` on an empty cache (the file to commit under
+#              core/jit_plans/)
 #   tests      the GPU tests (pytest -m gpu) and the CUDA kernel tests as the interpreter runs
 #              them, under the device's own profile: h200-gpu-tests.log, h200-kernel-tests.log
 #   decode     the captured decode step of `small` at batch 1 / 8 / 64 and its kernel profile:
@@ -40,8 +43,8 @@ set -u
 [ $# -gt 0 ] || { sed -n 2,36p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-alt|overlap|kernels|tiles|e2e|serve64|coldstart|tests|decode|prefill) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, e2e, serve64, coldstart, tests, decode or prefill)" >&2; exit 2 ;;
+    serve|serve-alt|overlap|kernels|tiles|e2e|serve64|coldstart|plan|tests|decode|prefill) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, e2e, serve64, coldstart, plan, tests, decode or prefill)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -96,6 +99,10 @@ phase_serve64() {
 
 phase_coldstart() {
   python benchmarks/jit_ttft.py --budget 420 --out "$OUT/h200-jit-ttft.json"
+  phase_plan
+}
+
+phase_plan() {
   local plans
   plans=$(mktemp -d)
   FLASHRT_CACHE_DIR=$plans timeout 120 flashrt jit warmup --model small >/dev/null 2>&1
