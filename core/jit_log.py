@@ -48,14 +48,14 @@ class JitLog:
         knobs.runtime.jit_post_compile_hook = self._after
 
     def _before(self, *args, **kwargs):
-        self._started[(id(kwargs.get("fn")), str(kwargs.get("key")))] = time.perf_counter()
+        self._started[(*_name(kwargs.get("fn")), str(kwargs.get("key")))] = time.perf_counter()
         return self._prev_cache(*args, **kwargs) if self._prev_cache is not None else None
 
     def _after(self, *args, **kwargs):
         result = self._prev_post(*args, **kwargs) if self._prev_post is not None else None
-        fn, key = kwargs.get("fn"), str(kwargs.get("key"))
-        start = self._started.pop((id(fn), key), None)
-        module, name = _name(fn)
+        module, name = _name(kwargs.get("fn"))
+        key = str(kwargs.get("key"))
+        start = self._started.pop((module, name, key), None)
         line = {"t": round(time.time(), 3), "s": None if start is None else round(time.perf_counter() - start, 4),
                 "pid": os.getpid(), "module": module, "name": name, "repr": str(kwargs.get("repr")), "key": key}
         with self._lock:

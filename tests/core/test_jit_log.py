@@ -13,12 +13,13 @@ from flashrt import jit_log  # noqa: E402
 
 def _build(key, name, seconds=0.0):
     """What Triton does around one compile: the cache hook, the compile, the post-compile hook."""
+    runtime = triton.knobs.runtime  # Triton makes a new ``fn`` record for each hook call
     fn = SimpleNamespace(module="flashrt.kernels_cuda.quant", name=name)
-    runtime = triton.knobs.runtime
     skipped = runtime.jit_cache_hook(key=key, repr=f"{name}[num_warps=4]()", fn=fn, compile={"key": key})
     if skipped:
         return False
     time.sleep(seconds)
+    fn = SimpleNamespace(module="flashrt.kernels_cuda.quant", name=name)
     runtime.jit_post_compile_hook(key=key, repr=f"{name}[num_warps=4]()", fn=fn, compile={"key": key})
     return True
 
