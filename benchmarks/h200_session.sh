@@ -16,7 +16,10 @@
 #              and overlapped steps and the decode tiles (a quick check after kernel changes):
 #              h200-kernel-tests.log, h200-gpu-tests.log
 #   tiles      the decode tile sweep of `small` (benchmarks/decode_tiles.py; TILES_BUDGET seconds,
-#              default 180): h200-decode-tiles.json and its profile fragment h200-decode-tiles.yaml
+#              default 180; TILES_BATCHES, default "1 8 64"): h200-decode-tiles.json and its
+#              profile fragment h200-decode-tiles.yaml
+#   profile    the captured decode step's kernel profile of `small` at batch 1 and 64:
+#              h200-decode-profile-b1.json, h200-decode-profile-b64.json
 #   e2e        the captured decode step of `small` at batch 1 / 8 / 64, synchronized and back to
 #              back: h200-e2e.json
 #   serve64    flashrt serve against generate() at 64 concurrent only, with the server's kernel
@@ -43,8 +46,8 @@ set -u
 [ $# -gt 0 ] || { sed -n 2,36p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-alt|overlap|kernels|tiles|e2e|serve64|coldstart|plan|tests|decode|prefill) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, e2e, serve64, coldstart, plan, tests, decode or prefill)" >&2; exit 2 ;;
+    serve|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode or prefill)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -83,8 +86,16 @@ phase_kernels() {
 }
 
 phase_tiles() {
-  python benchmarks/decode_tiles.py --model small --batches 1 8 64 --budget "${TILES_BUDGET:-180}" \
+  # shellcheck disable=SC2086  # the batches are words
+  python benchmarks/decode_tiles.py --model small --batches ${TILES_BATCHES:-1 8 64} --budget "${TILES_BUDGET:-180}" \
     --out "$OUT/h200-decode-tiles.json"
+}
+
+phase_profile() {
+  local b
+  for b in 1 64; do
+    python benchmarks/decode_profile.py --model small --batch "$b" --out "$OUT/h200-decode-profile-b$b.json" | tail -n 16
+  done
 }
 
 phase_e2e() {
