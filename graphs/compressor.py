@@ -96,7 +96,7 @@ class Compressor:
         latent = ops.rms_norm(pooled.to(h.dtype), self.norm, self.cfg.norm_eps)
         j = torch.arange(n, device=h.device).unsqueeze(0)
         entry = first.unsqueeze(1) // r + j
-        return latent, entry, j < torch.tensor(groups, device=h.device).unsqueeze(1)
+        return latent, entry, j < ((pend + S) // r).unsqueeze(1)  # each row's groups, from device values
 
     def _static_chunk(self, h, ctx: StepContext, new_kv, new_score):
         """:meth:`_chunk` from device values only (a captured verify step): every row's inputs are

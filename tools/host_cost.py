@@ -15,7 +15,9 @@ Per case (a prefill ``[R, S]`` on a new state; a one-token decode step at batch 
 the calling thread (torch on one thread): the host time, and the host time less the CPU time of
 the torch operations that launch a kernel on a GPU. Those really run here, on CPU tensors, and
 cost far more than a launch (a prefill's glue moves real data): their count is reported so the
-reader can put a launch's cost in their place. Also: the Triton launches of one forward, and
+reader can put a launch's cost in their place. Also: the host syncs a GPU run of one forward
+would make, by source line (:mod:`host_syncs`: invisible in a CPU profile, a wait for the device's
+whole queue on a GPU), the Triton launches of one forward, and
 ``cProfile`` over one forward, its own time by group (Triton's launch path, flashrt dispatch /
 ops / checks, launcher plans, model glue (graphs, KV state), torch operations, other) and the top
 functions by own and cumulative time (cProfile's overhead included: compare shares, not sums).
@@ -41,6 +43,7 @@ import flashrt  # noqa: E402
 from flashrt import profiles  # noqa: E402
 from flashrt.jit_compile import recording  # noqa: E402
 from decode_variants import _positive, cuda_on_cpu, load_target, target_args  # noqa: E402  (tools/ is on the path when a tool runs)
+from host_syncs import HostSyncs  # noqa: E402
 from step_ops import FREE  # noqa: E402
 
 _FILL = {"depth": 0, "s": 0.0}  # inside a patched torch.empty's zero fill (no work on a GPU): depth, seconds
@@ -242,11 +245,15 @@ def measure(case: Case, repeats: int, top: int) -> dict:
             case.forward()
         torch_s.append(counted.torch_s)
     case.prepare(steps)
+    with HostSyncs() as syncs:
+        case.forward()
+    case.prepare(steps)
     prof = profile_one(case.forward)
     med = statistics.median
     return {"case": case.name, "host_us": med(host) * 1e6, "host_less_torch_us": (med(host) - med(torch_s)) * 1e6,
             "torch_ops_cpu_us": med(torch_s) * 1e6, "triton_launches": counted.triton,
             "torch_ops": sum(counted.torch_ops.values()), "torch_ops_by_name": dict(counted.torch_ops.most_common()),
+            "host_syncs": syncs.total, "host_sync_sites": dict(syncs.sites.most_common()),
             "profile_us": prof["total_us"], "profile_groups_us": prof["groups"], "function_calls": prof["calls"],
             "top_own": sorted(prof["functions"], key=lambda r: -r["own_us"])[:top],
             "top_cum": sorted(prof["functions"], key=lambda r: -r["cum_us"])[:top]}
@@ -255,6 +262,9 @@ def measure(case: Case, repeats: int, top: int) -> dict:
 def show(r: dict) -> None:
     print(f"\n== {r['case']}: {r['host_us']:.0f} us host per forward, {r['host_less_torch_us']:.0f} us less the "
           f"{r['torch_ops']} torch ops run on CPU tensors; {r['triton_launches']} Triton launches")
+    print(f"  host syncs a GPU run would make: {r['host_syncs']}")
+    for where, n in r["host_sync_sites"].items():
+        print(f"    {n:5d}  {where}")
     total = r["profile_us"]
     print(f"  profiled: {r['function_calls']} function calls, own time {total:.0f} us (cProfile's overhead "
           f"included), by group:")
@@ -307,7 +317,7 @@ def main(argv=None) -> int:
     for r in results:
         print(f"  {r['case']:22} {r['host_us']:9.0f} us  less torch ops {r['host_less_torch_us']:9.0f} us  "
               f"{r['triton_launches']:5d} Triton launches  {r['torch_ops']:5d} torch ops  "
-              f"{r['function_calls']:6d} function calls")
+              f"{r['function_calls']:6d} function calls  {r['host_syncs']:3d} host syncs")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "profile": profile.name, "arch": arch.name, "repeats": args.repeats,
