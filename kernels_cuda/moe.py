@@ -16,9 +16,19 @@ host sync, so it can be captured in a CUDA graph). Then three kernels (:mod:`.mo
    ticket counter (kernels_cuda/splitk.py's pool), and the program that stores a token's last row
    sums its k rows in slot order, so the bits are the combine kernel's.
 
-One expert and one slot a token (the shared expert; ``direct`` on) needs no tables and no sum:
-pair ``t`` is token ``t``, the row tiles are ``BLOCK_M`` tokens each (``DIRECT``), and the down
-kernel writes each token's x.dtype-rounded row as fp32 (the combine's sum of one row): two launches.
+Up to ``pair_tiles`` tokens (decode) the tables are not built: each (token, slot) pair is a row
+tile of its own, in pair order (``PAIRS``: expert = its index, token = pair // k); a batch-1 step's
+pairs are distinct experts, so this reads what the tables' tiles read, one launch fewer.
+
+``shared`` (the model's shared expert, any weight format of FAMILY) runs in the same up and down
+launches: its row tiles (``BLOCK_M`` tokens each, rows ``pairs + token``) follow the routed ones,
+each tile picks its weights and decoder by a runtime branch between two compiled K loops, and the
+combine adds the token's shared row after its k slots. Shared weights the kernels do not decode
+(plain) go through the reference math, joined as the combine's ``add``.
+
+One expert and one slot a token (the shared expert alone, expert parallel; ``direct`` on) needs no
+tables and no sum: pair ``t`` is token ``t``, the row tiles are ``BLOCK_M`` tokens each
+(``DIRECT``), and the down kernel writes each token's x.dtype-rounded row as fp32: two launches.
 
 Decode launches have few row tiles: the experts rule's knobs (``KNOBS``, off by default) narrow
 the column tiles and / or split K over programs (the tile's last program sums the fp32 partials
@@ -35,14 +45,14 @@ import torch
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
-from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
-from flashrt.kernels_cuda import moe_tables, splitk
+from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
+from flashrt.kernels_cuda import moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
 from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile, split_tile,
                                          weight_operands)
 from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_up_kernel
-from flashrt.refmath_moe import finish_experts
+from flashrt.refmath_moe import experts_loop, finish_experts
 
 # A rule's launch knobs (not kernel parameters; a rule without them gets these values), applied to
 # the up (I columns over D) and the down (D columns over I) launch apart, as linear's: min_block_n
@@ -196,7 +206,8 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     add fp32 [N, D] or None, shared (w1, w3, w2) of one expert or None -> [N, D] in out_dtype (the
     sum, the shared expert's row, plus add, cast: in the combine)."""
     assert _quantized_up_pair(w1, w3, w2), (w1, w3, w2)  # dispatch checked the rest of FAMILY's support
-    assert shared is None or _quantized_up_pair(*shared), shared
+    if shared is not None and not _quantized_up_pair(*shared):
+        return _with_plain_shared(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared)
     n, D = x.shape
     k = indices.shape[1]
     E, I = w1.shape[0], w1.shape[1]
@@ -229,6 +240,18 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     return out
 
 
+def _with_plain_shared(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared):
+    """A shared expert the kernels do not decode (plain weights, or w1 and w3 in two formats): its
+    fp32 output by the reference math on this device, joined as the combine's ``add`` (the
+    op's order: the routed sum, the shared row, then ``add``)."""
+    n = x.shape[0]
+    ones = torch.ones(n, 1, dtype=torch.float32, device=x.device)
+    alone = experts_loop(x, ones, torch.zeros(n, 1, dtype=torch.int32, device=x.device), *shared, swiglu_limit)
+    if add is None:
+        return moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, alone, out_dtype)
+    return finish_experts(moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, alone), add, out_dtype)
+
+
 def _quantized_up_pair(w1, w3, w2) -> bool:
     """What the launcher's code relies on of the weights (a cheap guard on every call; dispatch
     checks FAMILY's whole support declaration once per call key): all quantized in WEIGHT_FORMATS,
@@ -237,67 +260,16 @@ def _quantized_up_pair(w1, w3, w2) -> bool:
 
 
 def same_up_format(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None, shared=None) -> bool:
-    """w1 and w3 in one format (the up kernel reads both with one decoder), the shared expert's too."""
-    return w1.fmt == w3.fmt and (shared is None or shared[0].fmt == shared[1].fmt)
-
-
-def warmup_cases(device, d: dict, dtype):
-    """moe_experts with every tile rule (a token count whose mean rows per expert falls in it) and
-    the shared expert (E = 1, k = 1). 16 experts stand for the model's: the kernels see E only as
-    an integer (specialised on % 16, like 32 and 384), and the token count picks the rule."""
-    D, I, k, E = d["dim"], d["moe_inter_dim"], d["n_activated_experts"], 16
-    fmt = "fp4_w" if d["expert_dtype"] == "fp4" else "fp8_w"
-    weights = {e: (zeros_stored(fmt, (e, I, D), None, device), zeros_stored(fmt, (e, I, D), None, device),
-                   zeros_stored(fmt, (e, D, I), None, device)) for e in (E, 1)}
-    for n in rule_tokens(_tiles()["experts"], E, k):
-        x, rw = _warmup.rand((n, D), dtype, device), torch.rand(n, k, device=device)
-        idx = torch.randint(0, E, (n, k), dtype=torch.int32, device=device)
-        yield _warmup.Launch("moe_experts", moe_experts, (x, rw, idx, *weights[E], d["swiglu_limit"]))
-    for n in _warmup.TOKENS:
-        x, one = _warmup.rand((n, D), dtype, device), torch.ones(n, 1, device=device)
-        first = torch.zeros(n, 1, dtype=torch.int32, device=device)
-        yield _warmup.Launch("moe_experts shared", moe_experts, (x, one, first, *weights[1], d["swiglu_limit"]))
-    yield from route_cases(device, d["n_routed_experts"], k)
-
-
-def route_cases(device, experts: int, k: int):
-    """The routing tables at the model's expert count (their kernels' expert width follows it, where
-    the experts' GEMMs above see 16 stand-in experts): the one-program kernel at every power-of-two
-    pair count it serves (its sort width follows the pairs: decode batches, prefill chunks) and the
-    sorted path past it, for each tile rule's row height."""
-    route = _tiles()["route"]
-    for bm in sorted({t["BLOCK_M"] for _, t in _tiles()["experts"]}):
-        pairs = 16
-        while pairs <= route["max_pairs"]:
-            yield _route_launch(device, experts, k, max(1, pairs // k), bm, route)  # sort width: pairs
-            pairs *= 2
-        if route["large"]:
-            yield _route_launch(device, experts, k, route["max_pairs"] // k + 1, bm, route)
-
-
-def _route_launch(device, experts: int, k: int, tokens: int, bm: int, route: dict):
-    idx = torch.randint(0, experts, (tokens, k), dtype=torch.int32, device=device)
-    return _warmup.Launch(f"moe route tables {tokens * k} pairs", moe_tables.route_tables,
-                          (idx, torch.rand(tokens, k, device=device), experts, bm, route))
-
-
-def rule_tokens(rules, experts: int, k: int) -> list[int]:
-    """One token count per tile rule whose mean rows per expert (n * k / experts) it serves."""
-    out, low = [], 0
-    for limit, _ in rules:
-        rows = limit if limit is not None else 2 * max(low, 16)
-        n = max(1, rows * experts // k)
-        assert n * k / experts > low, (rules, n)
-        out.append(n)
-        low = limit if limit is not None else low
-    return out
+    """w1 and w3 in one format (the up kernel reads both with one decoder)."""
+    return w1.fmt == w3.fmt
 
 
 FAMILY = KernelFamily(
     "moe", ops={"moe_experts": moe_experts},
-    # all three weights quantized (fp4_w / fp8_w), w1 and w3 in one format; plain weights declined
+    # all three weights quantized (fp4_w / fp8_w), w1 and w3 in one format; plain weights declined (a
+    # plain shared expert is served: _with_plain_shared)
     supports={"moe_experts": Support(inputs={"x": FLOATS, "w1": WEIGHT_FORMATS, "w3": WEIGHT_FORMATS,
-                                             "w2": WEIGHT_FORMATS, "shared": WEIGHT_FORMATS},
+                                             "w2": WEIGHT_FORMATS, "shared": (*WEIGHT_FORMATS, *FLOATS)},
                                      dims={"w1[1]": Dim(0, None, 32)},
                                      extra=same_up_format)},
     tiles=TILES, tile_checks={"experts.BLOCK_M": DOT, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
@@ -307,5 +279,6 @@ FAMILY = KernelFamily(
                               "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
                               "pair_tiles": Tile(low=0, kind=int),
                               "combine.in_kernel": Tile(kind=bool), "route.large": Tile(kind=bool)},
-    smem={"experts": gemm_smem}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    smem={"experts": gemm_smem}, warmup=_warmup.hook(moe_warmup.warmup_cases),
+    warmup_cases=moe_warmup.warmup_cases,
     description="routed SwiGLU experts: grouped FP8 / FP4 GEMMs over routing tables")

@@ -105,12 +105,25 @@ def test_pair_tiles_equal_the_tables(rng, launches):
         assert torch.equal(tables, pairs)
 
 
-def test_plain_shared_weights_are_declined(rng):
-    """Plain shared weights: the CUDA family declines the call by name (another backend in the
-    chain serves it)."""
-    from flashrt.errors import BackendError
+@pytest.mark.parametrize("with_add", [False, True])
+def test_plain_shared_weights(rng, launches, with_add):
+    """Plain shared weights (or w1 and w3 in two formats), which the kernels do not decode: the
+    CUDA family serves them, the shared expert by the reference math joined as the combine's add,
+    in the op's order (routed sum, shared row, add)."""
+    args, shared = _case(rng, torch.bfloat16, 3, 64, 32, 4, 2)
+    add = torch.randn(3, 64, generator=rng).to(DEVICE) if with_add else None
+    for odd in (tuple(formats.dequantize(w).to(torch.bfloat16) for w in shared),
+                (shared[0], formats.quantize(formats.dequantize(shared[1]), "fp4_w"), shared[2])):
+        launches.clear()
+        got = _cuda(*args, add=add, out_dtype=torch.bfloat16, shared=odd)
+        assert "_moe_up_kernel" in launches
+        with flashrt.use_backend("reference"):
+            alone = ops.moe_experts(args[0], torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int32), *odd, args[-1])
+            want = ops.moe_experts(*args, add=add, out_dtype=torch.bfloat16, shared=odd)
+        assert torch.equal(got, _unfused_with(args, alone, add, torch.bfloat16))
+        assert rel_err(got, want) < 1e-2
 
-    args, shared = _case(rng, torch.bfloat16, 2, 64, 32, 4, 2)
-    plain = tuple(formats.dequantize(w).to(torch.bfloat16) for w in shared)
-    with pytest.raises(BackendError, match=r"cuda: shared: dtype torch.bfloat16 is not served"):
-        _cuda(*args, shared=plain)
+
+def _unfused_with(args, alone, add, out_dtype):
+    total = _cuda(*args) + alone
+    return (total if add is None else total + add).to(out_dtype)
