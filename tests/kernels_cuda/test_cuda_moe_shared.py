@@ -127,3 +127,22 @@ def test_plain_shared_weights(rng, launches, with_add):
 def _unfused_with(args, alone, add, out_dtype):
     total = _cuda(*args) + alone
     return (total if add is None else total + add).to(out_dtype)
+
+
+def test_the_h200_decode_rule_with_the_shared_tiles(rng, monkeypatch):
+    """132 SMs and the h200 profile's decode rule (``min_block_n`` 32, ``split_min_blocks`` 2) at
+    batch 1: the shared tile counts among the row tiles that narrow the columns and split K."""
+    from flashrt.kernels_cuda import linear as lin
+
+    monkeypatch.setattr(lin, "num_sms", lambda: 132)
+    rule = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, min_block_n=32, split_min_blocks=2)
+    args, shared = _case(rng, torch.bfloat16, 1, 256, 128, 8, 2)
+    with pinned_tiles(moe=dict(experts=[[16, rule], [None, rule]])):
+        plan = moe._plan(1, 2, 8, 256, 128, True)
+        assert plan["pairs"] and plan["up"][0]["BLOCK_N"] == 32 and plan["up"][1] == 2, plan
+        got = _cuda(*args, out_dtype=torch.bfloat16, shared=shared)
+        assert_counters_zero(got)
+        assert torch.equal(got, _unfused(args, shared, None, torch.bfloat16))  # the same tiles, unfused
+    with flashrt.use_backend("reference"):
+        want = ops.moe_experts(*args, out_dtype=torch.bfloat16, shared=shared)
+    assert rel_err(got, want) < 1e-2
