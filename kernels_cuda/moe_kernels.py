@@ -264,7 +264,7 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
 def _moe_combine_kernel(y_ptr, pos_ptr, out_ptr, add_ptr, D, TOPK, stride_ym, stride_om, stride_am, n_pairs,
                         BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr, PAIRS: tl.constexpr, SHARED: tl.constexpr):
     """Token ``program_id(0)``'s rows summed as :func:`_token_sum`, plus its ``add`` row (HAS_ADD)."""
-    t = tl.full([1], tl.program_id(0), tl.int64)
+    t = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (offs < D)[None, :]
     acc = _token_sum(y_ptr, pos_ptr, t, offs, ok, t >= 0, TOPK, stride_ym, n_pairs, 1, BLOCK_D, PAIRS, SHARED)
