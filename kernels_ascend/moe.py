@@ -72,7 +72,8 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     return w * route_scale, idx.to(torch.int32)
 
 
-def moe_experts_plan(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None, shared=None) -> str | None:
+def moe_experts_plan(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None,
+                     shared=None) -> str | None:
     ws = (w1, w3, w2)
     if x.dtype not in HALF:
         return "npu_grouped_matmul returns fp16/bf16 (an fp32 x would be rounded)"

@@ -1,7 +1,8 @@
 """The MoE block runs the routed experts and the shared expert in one ``moe_experts`` (``shared=``):
 on the CUDA kernels (interpreter) the layer's output equals the two-op formulation (the shared
-expert as its own op, its output as ``add``) bit for bit, and the reference backend's within the experts' tolerance, on fresh random activations of the shipped
-``tiny`` weights (routed ``fp4_w``, shared ``fp8_w``)."""
+expert as its own op, its output as ``add``) bit for bit, and the reference backend's within the
+experts' tolerance, on fresh random activations of the shipped ``tiny`` weights (routed ``fp4_w``,
+shared ``fp8_w``)."""
 import pytest
 import torch
 
