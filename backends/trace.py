@@ -10,9 +10,9 @@ Counting rules (the minimum work each op must do):
   counts data + scale). Gathers read only the rows they gather (paged ``index_scores`` keys: the
   ``B*T`` rows they map plus the block table, not the whole pool): ``sparse_attention`` reads
   ``B*S*K`` KV rows (every slot assumed valid; with KV segments, ``min(K, T_i)`` rows of each), ``engram_lookup`` ``B*S*C`` table rows,
-  ``moe_experts`` the weights of ``min(E, N*k)`` experts, ``gather_cold_rows`` ``B*N`` host rows.
+  ``moe_experts`` the weights of ``min(E, N*k)`` experts (and the shared one), ``gather_cold_rows`` ``B*N`` host rows.
 - FLOPs: a multiply-add is 2. ``linear`` ``2*M*in*out``; ``sparse_attention`` ``4*B*S*H*K*D``;
-  ``index_scores`` ``2*B*S*T*Hi*(Di+1)``; ``moe_experts`` ``N*k*(6*D*I + 4*I)``; ``moe_route``
+  ``index_scores`` ``2*B*S*T*Hi*(Di+1)``; ``moe_experts`` ``N*(k+shared)*(6*D*I + 4*I)``; ``moe_route``
   ``2*N*D*E + 3*N*E``; ``hc_coefficients`` ``2*B*S*hcD*(M+1) + 4*B*S*hc*hc*iters``;
   ``grouped_linear`` ``2*rows*in*G*out``; ``hc_collapse`` ``2*B*S*hc*D``; ``hc_collapse_norm``
   ``2*B*S*hc*D + 4*B*S*D``; ``hc_expand`` ``2*B*S*hc*D*(hc+1)``; ``compress_pool``
@@ -218,16 +218,17 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     return w, idx
 
 
-def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32):
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32, shared=None):
     N, D = x.shape
     E, I, _ = w1.shape
     k = indices.shape[-1]
     out = _meta((N, D), out_dtype)
     used = min(E, N * k)
     read = _nbytes(x) + _nbytes(weights) + _nbytes(indices) + used * sum(_nbytes(w) // E for w in (w1, w3, w2))
-    inputs = (x, weights, indices, w1, w3, w2) + ((add,) if add is not None else ())
-    read += _nbytes(add) if add is not None else 0
-    _emit("moe_experts", inputs, (out,), N * k * (6 * D * I + 4 * I), read)
+    inputs = (x, weights, indices, w1, w3, w2) + ((add,) if add is not None else ()) + tuple(shared or ())
+    read += (_nbytes(add) if add is not None else 0) + sum(_nbytes(w) for w in shared or ())
+    slots = k + (shared is not None)
+    _emit("moe_experts", inputs, (out,), N * slots * (6 * D * I + 4 * I), read)
     return out
 
 

@@ -85,6 +85,9 @@ def _cases(dev, g):
     w = lambda *s: ops.quantize(f32(*s) * 0.05, "fp4_w")
     yield "moe_experts", (r(8, 256), torch.rand(8, 2, generator=g).to(dev), i32(0, 8, 8, 2), w(8, 128, 256),
                           w(8, 128, 256), w(8, 256, 128), 10.0)
+    shared = tuple(ops.quantize(f32(*s) * 0.05, "fp8_w") for s in ((1, 128, 256), (1, 128, 256), (1, 256, 128)))
+    yield "moe_experts", (r(8, 256), torch.rand(8, 2, generator=g).to(dev), i32(0, 8, 8, 2), w(8, 128, 256),
+                          w(8, 128, 256), w(8, 256, 128), 10.0, None, torch.bfloat16, shared)  # the model's call
     w = lambda *s: ops.quantize(f32(*s) * 0.05, "int8_w")
     yield "moe_experts", (r(8, 256), torch.rand(8, 2, generator=g).to(dev), i32(0, 8, 8, 2), w(8, 128, 256),
                           w(8, 128, 256), w(8, 256, 128), 10.0)

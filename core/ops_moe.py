@@ -30,7 +30,7 @@ def moe_route(x, weight, bias, topk: int, score_func: str, norm_topk: bool, rout
 
 
 def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit: float, add=None,
-                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.float32, shared: tuple | None = None) -> torch.Tensor:
     """Routed SwiGLU experts: ``x [N, D]``, ``weights [N, k]`` fp32, ``indices [N, k]`` int32 in
     ``[0, E)``, ``w1, w3 [E, I, D]``, ``w2 [E, D, I]`` plain or ``QTensor`` (``fp4_w``/``fp8_w``)
     -> ``[N, D]`` in ``out_dtype`` (fp32 by default).
@@ -40,6 +40,10 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit: float, add=None,
     weights see fp8-quantized inputs); the routing weight multiplies W2's input before it is
     quantized, as the published model does. ``add`` (fp32 ``[N, D]`` or None, e.g. the shared
     expert's output) is added to the fp32 sum; the result is then cast to ``out_dtype``.
+
+    ``shared`` (``(w1, w3, w2)`` of one expert, ``[1, I, D]`` / ``[1, D, I]``, plain or quantized,
+    formats free of the routed ones' or None): an expert every token also takes with weight 1 (the
+    model's shared expert); its output joins the fp32 sum after the k slots and before ``add``.
     """
     env: dict = {}
     c.tensor("x", x, "N D", env, c.FLOATS)
@@ -50,9 +54,26 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit: float, add=None,
         if isinstance(w, QTensor) and w.shape[-1] % 32:  # its input is fp8-quantized, as in linear
             raise ValueError(f"{name}: a quantized weight needs its input dim % 32 == 0 (fp8 activations), "
                              f"got shape {tuple(w.shape)}")
+    if shared is not None:
+        _check_shared(shared, env, x.device)
     c.number("swiglu_limit", swiglu_limit, 0.0)
     if add is not None:
         c.tensor("add", add, "N D", env, F32, x.device)
     c.choice("out_dtype", out_dtype, c.FLOATS)
     c.index_range("indices", indices, 0, env["E"])
-    return _impl("moe_experts", x.device)(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype)
+    tail = () if shared is None else (tuple(shared),)  # backends see a 10th argument only when given
+    return _impl("moe_experts", x.device)(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, *tail)
+
+
+def _check_shared(shared, env: dict, device) -> None:
+    """``shared``: (w1, w3, w2) of one expert with the routed experts' I and D."""
+    if not isinstance(shared, (tuple, list)) or len(shared) != 3:
+        raise ValueError(f"shared: expected (w1, w3, w2) of one expert or None, got {type(shared).__name__}"
+                         + (f" of length {len(shared)}" if isinstance(shared, (tuple, list)) else ""))
+    dims = {"I": env["I"], "D": env["D"]}
+    for name, w, spec in (("shared[0] (w1)", shared[0], "1 I D"), ("shared[1] (w3)", shared[1], "1 I D"),
+                          ("shared[2] (w2)", shared[2], "1 D I")):
+        c.maybe_quantized(name, w, spec, dims, WEIGHT_FORMATS, device)
+        if isinstance(w, QTensor) and w.shape[-1] % 32:
+            raise ValueError(f"{name}: a quantized weight needs its input dim % 32 == 0 (fp8 activations), "
+                             f"got shape {tuple(w.shape)}")

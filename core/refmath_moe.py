@@ -57,8 +57,21 @@ def experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit, project=_project
     return out
 
 
-def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32):
-    return finish_experts(experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit), add, out_dtype)
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32, shared=None):
+    out = with_shared(experts_loop(x, weights, indices, w1, w3, w2, swiglu_limit), x, shared, swiglu_limit)
+    return finish_experts(out, add, out_dtype)
+
+
+def with_shared(out: torch.Tensor, x, shared, swiglu_limit, experts=experts_loop) -> torch.Tensor:
+    """The fp32 routed sum ``out`` plus the ``shared`` expert ((w1, w3, w2) of one expert, or None)
+    over every token with weight 1; ``experts``: the backend's fp32 experts sum (``experts_loop``'s
+    signature)."""
+    if shared is None:
+        return out
+    n = x.shape[0]
+    ones = torch.ones(n, 1, dtype=torch.float32, device=x.device)
+    first = torch.zeros(n, 1, dtype=torch.int32, device=x.device)
+    return out + experts(x, ones, first, *shared, swiglu_limit)
 
 
 def finish_experts(out: torch.Tensor, add, out_dtype) -> torch.Tensor:

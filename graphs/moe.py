@@ -59,7 +59,8 @@ class MoE:
 
     def forward(self, h: torch.Tensor, shared_route: tuple | None = None,
                 vl_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``shared_route``: :class:`SharedRoutes` of the call's tokens (made here when None).
+        """``shared_route``: :class:`SharedRoutes` of the call's tokens (the expert-parallel path's
+        shared expert; made there when None).
         ``vl_mask`` (bool, ``h.shape[:-1]``): tokens inside image spans, whose experts ``bias_vl``
         picks instead of ``bias`` (the weights come from the same unbiased scores)."""
         cfg = self.cfg
@@ -69,13 +70,9 @@ class MoE:
         if self.par is not None:
             return self._forward_parallel(x, shared_route, vl).to(h.dtype).view(shape)
         weights, indices = self.routes(x, vl)
-        shared = None
-        if self.shared is not None:
-            ones, first = shared_route if shared_route is not None else SharedRoutes.make(x.shape[0], x.device)
-            shared = ops.moe_experts(x, ones, first, *self.shared, cfg.swiglu_limit)
-        # the routed sum plus the shared expert's output, cast to h's dtype inside the op
-        y = ops.moe_experts(x, weights, indices, self.w1, self.w3, self.w2, cfg.swiglu_limit, add=shared,
-                            out_dtype=h.dtype)
+        # the routed experts and the shared one in one op, summed and cast to h's dtype inside it
+        y = ops.moe_experts(x, weights, indices, self.w1, self.w3, self.w2, cfg.swiglu_limit, out_dtype=h.dtype,
+                            shared=self.shared)
         return y.view(shape)
 
     def route(self, x: torch.Tensor, bias: torch.Tensor):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flashrt import refmath as ref
-from flashrt.refmath_moe import experts_loop, finish_experts
+from flashrt.refmath_moe import experts_loop, finish_experts, with_shared
 from flashrt.formats import QTensor
 
 from .npu_runtime import declined, fallback, npu_family, operator
@@ -72,7 +72,8 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     return w * route_scale, idx.to(torch.int32)
 
 
-def moe_experts_plan(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None) -> str | None:
+def moe_experts_plan(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None,
+                     shared=None) -> str | None:
     ws = (w1, w3, w2)
     if x.dtype not in HALF:
         return "npu_grouped_matmul returns fp16/bf16 (an fp32 x would be rounded)"
@@ -116,10 +117,12 @@ def _swiglu(gate, up, w_rows, limit):
     return act * w_rows.unsqueeze(-1)
 
 
-def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32):
-    """``moe_experts``: :func:`_experts` (the fp32 sum), then ``add`` and the cast to ``out_dtype``
-    in torch."""
-    return finish_experts(_experts(x, weights, indices, w1, w3, w2, swiglu_limit), add, out_dtype)
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32, shared=None):
+    """``moe_experts``: :func:`_experts` (the fp32 sum), plus the ``shared`` expert by a second
+    :func:`_experts` (one expert, every token's weight 1; its own weights' route), then ``add`` and
+    the cast to ``out_dtype`` in torch."""
+    out = with_shared(_experts(x, weights, indices, w1, w3, w2, swiglu_limit), x, shared, swiglu_limit, _experts)
+    return finish_experts(out, add, out_dtype)
 
 
 def _experts(x, weights, indices, w1, w3, w2, swiglu_limit):

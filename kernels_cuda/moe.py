@@ -16,9 +16,19 @@ host sync, so it can be captured in a CUDA graph). Then three kernels (:mod:`.mo
    ticket counter (kernels_cuda/splitk.py's pool), and the program that stores a token's last row
    sums its k rows in slot order, so the bits are the combine kernel's.
 
-One expert and one slot a token (the shared expert; ``direct`` on) needs no tables and no sum:
-pair ``t`` is token ``t``, the row tiles are ``BLOCK_M`` tokens each (``DIRECT``), and the down
-kernel writes each token's x.dtype-rounded row as fp32 (the combine's sum of one row): two launches.
+Up to ``pair_tiles`` tokens (decode) the tables are not built: each (token, slot) pair is a row
+tile of its own, in pair order (``PAIRS``: expert = its index, token = pair // k); a batch-1 step's
+pairs are distinct experts, so this reads what the tables' tiles read, one launch fewer.
+
+``shared`` (the model's shared expert, any weight format of FAMILY) runs in the same up and down
+launches: its row tiles (``BLOCK_M`` tokens each, rows ``pairs + token``) follow the routed ones,
+each tile picks its weights and decoder by a runtime branch between two compiled K loops, and the
+combine adds the token's shared row after its k slots. Shared weights the kernels do not decode
+(plain) go through the reference math, joined as the combine's ``add``.
+
+One expert and one slot a token (the shared expert alone, expert parallel; ``direct`` on) needs no
+tables and no sum: pair ``t`` is token ``t``, the row tiles are ``BLOCK_M`` tokens each
+(``DIRECT``), and the down kernel writes each token's x.dtype-rounded row as fp32: two launches.
 
 Decode launches have few row tiles: the experts rule's knobs (``KNOBS``, off by default) narrow
 the column tiles and / or split K over programs (the tile's last program sums the fp32 partials
@@ -35,14 +45,14 @@ import torch
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
-from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
-from flashrt.kernels_cuda import moe_tables, splitk
+from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
+from flashrt.kernels_cuda import moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
 from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, mma_mode, pick_tile, split_tile,
                                          weight_operands)
 from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_up_kernel
-from flashrt.refmath_moe import finish_experts
+from flashrt.refmath_moe import experts_loop, finish_experts
 
 # A rule's launch knobs (not kernel parameters; a rule without them gets these values), applied to
 # the up (I columns over D) and the down (D columns over I) launch apart, as linear's: min_block_n
@@ -61,6 +71,7 @@ TILES = {
     "route": moe_tables.ROUTE,  # the routing tables: one program up to max_pairs (token, slot) pairs
     "fused_max_tokens": 64,  # up to this many tokens the up kernel quantizes x itself (no act_quant launch)
     "direct": True,  # one expert, one slot (the shared expert): no routing tables, no combine launch
+    "pair_tiles": 1,  # up to this many tokens: a row tile per (token, slot) pair, no routing tables launch
 }
 
 
@@ -72,7 +83,15 @@ def _direct_tables(weights: torch.Tensor, block_m: int) -> dict:
     """What the kernels read of the tables in ``DIRECT`` mode: the [N] routing weights (fp32) and
     the number of row tiles (the other entries are never read: the weights stand in)."""
     rw = weights.reshape(-1).to(torch.float32).contiguous()
-    return dict(tok=rw, rw=rw, tile_e=rw, tile_row=rw, row_end=rw, tiles=cdiv(rw.shape[0], block_m))
+    return dict(tok=rw, rw=rw, tile_e=rw, tile_row=rw, row_end=rw, pos=rw, tiles=cdiv(rw.shape[0], block_m))
+
+
+def _pair_tables(weights: torch.Tensor, indices: torch.Tensor) -> dict:
+    """What the kernels read in ``PAIRS`` mode (a row tile per (token, slot) pair, in pair order):
+    each pair's routing weight and expert; the other entries are never read."""
+    rw = weights.reshape(-1).to(torch.float32).contiguous()
+    e = indices.reshape(-1).to(torch.int32).contiguous()
+    return dict(tok=e, rw=rw, tile_e=e, tile_row=e, row_end=e, pos=e, tiles=e.shape[0])
 
 
 def _gemm(t: dict, knobs: dict, cols: int, k: int, row_tiles: int, rows: int, width: int, reserved: int = 0):
@@ -90,103 +109,147 @@ def _gemm(t: dict, knobs: dict, cols: int, k: int, row_tiles: int, rows: int, wi
     return t, split, k_split
 
 
-def _plan(n: int, k: int, E: int, D: int, I: int) -> dict:
+def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
     """The up and down launches (tile, splits, K per split), whether the down kernel combines, the
-    direct path (every token's one slot is expert 0), the fused activation quantization and the
-    routing tiles, for n tokens of k slots over E experts, under the active tiles."""
-    key = ("experts", n, k, E, D, I)
+    row tiles (``direct``: every token's one slot is expert 0; ``pairs``: a tile per pair, no
+    routing tables; else the tables'), the shared expert's tiles after them, the fused activation
+    quantization and the routing tiles, for n tokens of k slots over E experts, under the active
+    tiles."""
+    key = ("experts", n, k, E, D, I, shared)
     tiles, plan = PLANS.lookup(key)
     if plan is not None:
         return plan
-    direct = E == 1 and k == 1 and tiles["direct"]
+    direct = E == 1 and k == 1 and tiles["direct"] and not shared
+    pairs_mode = not direct and n <= tiles["pair_tiles"]
     t, knobs = split_tile(pick_tile(tiles["experts"], n * k / E), KNOBS)
     pairs = n * k
-    row_tiles = cdiv(n, t["BLOCK_M"]) if direct else min(pairs, cdiv(pairs, t["BLOCK_M"]) + E)
-    down = _gemm(t, knobs, D, I, row_tiles, pairs, 1)
+    routed = cdiv(n, t["BLOCK_M"]) if direct else pairs if pairs_mode else min(pairs, cdiv(pairs, t["BLOCK_M"]) + E)
+    row_tiles, rows = routed + (cdiv(n, t["BLOCK_M"]) if shared else 0), pairs + (n if shared else 0)
+    down = _gemm(t, knobs, D, I, row_tiles, rows, 1)
     cols = n * cdiv(D, down[0]["BLOCK_N"])  # the combine's counters: one per (token, column tile)
     combine = not direct and tiles["combine"]["in_kernel"] and splitk.fits(cols)
     if combine and down[1] > 1:
-        down = _gemm(t, knobs, D, I, row_tiles, pairs, 1, reserved=cols)
-    return PLANS.store(key, dict(block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, pairs, 2), down=down,
-                                 combine=combine, reserved=cols if combine else 0, direct=direct,
-                                 qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
+        down = _gemm(t, knobs, D, I, row_tiles, rows, 1, reserved=cols)
+    return PLANS.store(key, dict(block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
+                                 combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
+                                 shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
                                  combine_tile=tiles["combine"]))
 
 
-def _grid(tab, t, cols: int, split: int, direct: bool):
-    return cdiv(cols, t["BLOCK_N"]), tab["tiles"] if direct else tab["tile_e"].shape[0], split
+def _grid(tab, t, cols: int, split: int, n: int, plan: dict):
+    """(column tiles, routed row tiles plus the shared expert's, K splits)."""
+    return cdiv(cols, t["BLOCK_N"]), tab["tiles"] + (cdiv(n, plan["block_m"]) if plan["shared"] else 0), split
 
 
-def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, gemm, qx: bool, direct: bool = False):
+def _shared_operands(shared, w_routed):
+    """(data and scale of each shared weight, its strides (n, scale n), FP4_S, PROMOTE_S, DOT_S); the
+    routed weight's stand-ins when there is no shared expert (never read)."""
+    ws = shared if shared is not None else (w_routed,) * 3
+    ops = [weight_operands(w) for w in ws]
+    d, s = ops[0]
+    assert all(o[0].stride()[-2:] == d.stride()[-2:] and o[1].stride()[-2:] == s.stride()[-2:] for o in ops[:2]), \
+        "shared w1 and w3 must share a layout"
+    promote, dot = mma_mode(ws[0].fmt)
+    return ops, ws[0].fmt == "fp4_w", promote, dot
+
+
+def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
     (d1, s1), (d3, s3) = weight_operands(w1), weight_operands(w3)
     assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
-    pairs, D = tab["tok"].shape[0], xq.shape[1]
-    t, split, k_split = gemm
-    hq = torch.empty(pairs, I, dtype=torch.uint8, device=xq.device)  # E4M3 bytes
-    sh = torch.empty(pairs, I // 32, dtype=torch.uint8, device=xq.device)  # UE8M0 bytes
-    ws = torch.empty(split, 2, pairs, I, dtype=torch.float32, device=xq.device) if split > 1 else hq
+    (o1, o3, _), fp4_s, promote_s, dot_s = _shared_operands(shared, w1)
+    rows, D = n * k + (n if plan["shared"] else 0), xq.shape[1]
+    t, split, k_split = plan["up"]
+    hq = torch.empty(rows, I, dtype=torch.uint8, device=xq.device)  # E4M3 bytes
+    sh = torch.empty(rows, I // 32, dtype=torch.uint8, device=xq.device)  # UE8M0 bytes
+    ws = torch.empty(split, 2, rows, I, dtype=torch.float32, device=xq.device) if split > 1 else hq
     cnt = splitk.counters(xq.device) if split > 1 else hq
     promote, dot = mma_mode(w1.fmt)
-    _moe_up_kernel[_grid(tab, t, I, split, direct)](
+    _moe_up_kernel[_grid(tab, t, I, split, n, plan)](
         xq, sx, tab["tok"], tab["rw"], d1, s1, d3, s3, hq, sh, tab["tile_e"], tab["tile_row"], tab["row_end"],
-        w1.shape[0], I, D, limit, pairs, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0),
-        s1.stride(1), hq.stride(0), sh.stride(0), ws, cnt, k_split, split, FP4=w1.fmt == "fp4_w", PROMOTE=promote,
-        DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=qx, DIRECT=direct, SPLIT=split > 1, **t)
+        w1.shape[0], I, D, limit, rows, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0),
+        s1.stride(1), hq.stride(0), sh.stride(0), ws, cnt, k_split, split,
+        o1[0], o1[1], o3[0], o3[1], o1[0].stride(-2), o1[1].stride(-2), tab["tiles"], n * k, k,
+        FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=plan["qx"],
+        DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
+        PROMOTE_S=promote_s, DOT_S=dot_s, **t)
     return hq, sh
 
 
-def _experts_down(hq, sh, tab, w2, D, xdtype, plan, direct: bool = False, combine=None, add=None):
-    """The pairs' rows [pairs, D] in x.dtype (``direct``: the op's fp32 output, pair = token).
-    ``combine``: (out [N, D], k): the kernel also sums each token's k rows, plus ``add`` (fp32
+def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=None, add=None):
+    """The pair rows [pairs (+ n shared), D] in x.dtype (``direct``: the op's fp32 output, pair =
+    token). ``combine``: out [N, D]: the kernel also sums each token's rows, plus ``add`` (fp32
     [N, D] or None), into ``out`` (in out's dtype)."""
     d2, s2 = weight_operands(w2)
+    (_, _, o2), fp4_s, promote_s, dot_s = _shared_operands(shared, w2)
     t, split, k_split = plan["down"]
+    direct = plan["direct"]
     y = torch.empty(hq.shape[0], D, dtype=torch.float32 if direct else xdtype, device=hq.device)
     ws = torch.empty(split, hq.shape[0], D, dtype=torch.float32, device=hq.device) if split > 1 else y
     promote, dot = mma_mode(w2.fmt)
-    out, k = combine if combine is not None else (y, 1)
+    out = combine if combine is not None else y
     pool = splitk.counters(hq.device) if combine is not None or split > 1 else y
     split_cnt = pool[plan["reserved"]:] if split > 1 else y  # past the combine's counters
-    _moe_down_kernel[_grid(tab, t, D, split, direct)](
+    _moe_down_kernel[_grid(tab, t, D, split, n, plan)](
         hq, sh, d2, s2, y, tab["tile_e"], tab["tile_row"], tab["row_end"], w2.shape[0], D, hq.shape[1], hq.shape[0],
         hq.stride(0), sh.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        tab["tok"], tab.get("pos", y), out, pool, k, out.stride(0), add if add is not None else out,
+        tab["tok"], tab["pos"], out, pool, k, out.stride(0), add if add is not None else out,
         add.stride(0) if add is not None else 0, ws, split_cnt, k_split, split,
+        o2[0], o2[1], o2[0].stride(-2), o2[1].stride(-2), tab["tiles"], n * k,
         FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
-        COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, **t)
+        COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, PAIRS=plan["pairs"],
+        SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s, **t)
     return y
 
 
-def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32):
+def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32, shared=None):
     """x [N, D], weights [N, k] fp32, indices [N, k] int32, w1/w3 [E, I, D], w2 [E, D, I] QTensor,
-    add fp32 [N, D] or None -> [N, D] in out_dtype (the sum, plus add, cast: in the combine)."""
+    add fp32 [N, D] or None, shared (w1, w3, w2) of one expert or None -> [N, D] in out_dtype (the
+    sum, the shared expert's row, plus add, cast: in the combine)."""
     assert _quantized_up_pair(w1, w3, w2), (w1, w3, w2)  # dispatch checked the rest of FAMILY's support
+    if shared is not None and not _quantized_up_pair(*shared):
+        return _with_plain_shared(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared)
     n, D = x.shape
     k = indices.shape[1]
     E, I = w1.shape[0], w1.shape[1]
     if n * k == 0 or D == 0 or I == 0:
         return finish_experts(torch.zeros(n, D, dtype=torch.float32, device=x.device), add, out_dtype)
-    plan = _plan(n, k, E, D, I)
-    qx = plan["qx"]
-    xq, sx = (last_dense(x),) * 2 if qx else act_quant(x)
+    plan = _plan(n, k, E, D, I, shared is not None)
+    xq, sx = (last_dense(x),) * 2 if plan["qx"] else act_quant(x)
+    limit = float(swiglu_limit)
     if plan["direct"]:  # every token's one slot is expert 0
         tab = _direct_tables(weights, plan["block_m"])
-        hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, plan["up"], qx, direct=True)
-        return finish_experts(_experts_down(hq, sh, tab, w2, D, x.dtype, plan, direct=True), add, out_dtype)
-    tab = moe_tables.route_tables(indices, weights, E, plan["block_m"], plan["route"])
-    hq, sh = _experts_up(xq, sx, tab, w1, w3, I, float(swiglu_limit), x.dtype, plan["up"], qx)
+        hq, sh = _experts_up(xq, sx, tab, w1, w3, I, limit, x.dtype, plan, n, k)
+        return finish_experts(_experts_down(hq, sh, tab, w2, D, x.dtype, plan, n, k), add, out_dtype)
+    if plan["pairs"]:
+        tab = _pair_tables(weights, indices)
+    else:
+        tab = dict(moe_tables.route_tables(indices, weights, E, plan["block_m"], plan["route"]))
+        tab["tiles"] = tab["tile_e"].shape[0]
+    hq, sh = _experts_up(xq, sx, tab, w1, w3, I, limit, x.dtype, plan, n, k, shared)
     out = torch.empty(n, D, dtype=out_dtype, device=x.device)  # every row is written: k >= 1
     add = add.contiguous() if add is not None else None
     if plan["combine"]:
-        _experts_down(hq, sh, tab, w2, D, x.dtype, plan, combine=(out, k), add=add)
+        _experts_down(hq, sh, tab, w2, D, x.dtype, plan, n, k, shared, combine=out, add=add)
         return out
-    y = _experts_down(hq, sh, tab, w2, D, x.dtype, plan)
+    y = _experts_down(hq, sh, tab, w2, D, x.dtype, plan, n, k, shared)
     c = plan["combine_tile"]
     _moe_combine_kernel[(n, cdiv(D, c["BLOCK_D"]))](
         y, tab["pos"], out, add if add is not None else out, D, k, y.stride(0), out.stride(0),
-        add.stride(0) if add is not None else 0, BLOCK_D=c["BLOCK_D"], HAS_ADD=add is not None,
-        num_warps=c["num_warps"])
+        add.stride(0) if add is not None else 0, n * k, BLOCK_D=c["BLOCK_D"], HAS_ADD=add is not None,
+        PAIRS=plan["pairs"], SHARED=plan["shared"], num_warps=c["num_warps"])
     return out
+
+
+def _with_plain_shared(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared):
+    """A shared expert the kernels do not decode (plain weights, or w1 and w3 in two formats): its
+    fp32 output by the reference math on this device, joined as the combine's ``add`` (the
+    op's order: the routed sum, the shared row, then ``add``)."""
+    n = x.shape[0]
+    ones = torch.ones(n, 1, dtype=torch.float32, device=x.device)
+    alone = experts_loop(x, ones, torch.zeros(n, 1, dtype=torch.int32, device=x.device), *shared, swiglu_limit)
+    if add is None:
+        return moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, alone, out_dtype)
+    return finish_experts(moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, alone), add, out_dtype)
 
 
 def _quantized_up_pair(w1, w3, w2) -> bool:
@@ -196,74 +259,26 @@ def _quantized_up_pair(w1, w3, w2) -> bool:
     return all(isinstance(w, QTensor) and w.fmt in WEIGHT_FORMATS for w in (w1, w3, w2)) and w1.fmt == w3.fmt
 
 
-def same_up_format(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None) -> bool:
+def same_up_format(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=None, shared=None) -> bool:
     """w1 and w3 in one format (the up kernel reads both with one decoder)."""
     return w1.fmt == w3.fmt
 
 
-def warmup_cases(device, d: dict, dtype):
-    """moe_experts with every tile rule (a token count whose mean rows per expert falls in it) and
-    the shared expert (E = 1, k = 1). 16 experts stand for the model's: the kernels see E only as
-    an integer (specialised on % 16, like 32 and 384), and the token count picks the rule."""
-    D, I, k, E = d["dim"], d["moe_inter_dim"], d["n_activated_experts"], 16
-    fmt = "fp4_w" if d["expert_dtype"] == "fp4" else "fp8_w"
-    weights = {e: (zeros_stored(fmt, (e, I, D), None, device), zeros_stored(fmt, (e, I, D), None, device),
-                   zeros_stored(fmt, (e, D, I), None, device)) for e in (E, 1)}
-    for n in rule_tokens(_tiles()["experts"], E, k):
-        x, rw = _warmup.rand((n, D), dtype, device), torch.rand(n, k, device=device)
-        idx = torch.randint(0, E, (n, k), dtype=torch.int32, device=device)
-        yield _warmup.Launch("moe_experts", moe_experts, (x, rw, idx, *weights[E], d["swiglu_limit"]))
-    for n in _warmup.TOKENS:
-        x, one = _warmup.rand((n, D), dtype, device), torch.ones(n, 1, device=device)
-        first = torch.zeros(n, 1, dtype=torch.int32, device=device)
-        yield _warmup.Launch("moe_experts shared", moe_experts, (x, one, first, *weights[1], d["swiglu_limit"]))
-    yield from route_cases(device, d["n_routed_experts"], k)
-
-
-def route_cases(device, experts: int, k: int):
-    """The routing tables at the model's expert count (their kernels' expert width follows it, where
-    the experts' GEMMs above see 16 stand-in experts): the one-program kernel at every power-of-two
-    pair count it serves (its sort width follows the pairs: decode batches, prefill chunks) and the
-    sorted path past it, for each tile rule's row height."""
-    route = _tiles()["route"]
-    for bm in sorted({t["BLOCK_M"] for _, t in _tiles()["experts"]}):
-        pairs = 16
-        while pairs <= route["max_pairs"]:
-            yield _route_launch(device, experts, k, max(1, pairs // k), bm, route)  # sort width: pairs
-            pairs *= 2
-        if route["large"]:
-            yield _route_launch(device, experts, k, route["max_pairs"] // k + 1, bm, route)
-
-
-def _route_launch(device, experts: int, k: int, tokens: int, bm: int, route: dict):
-    idx = torch.randint(0, experts, (tokens, k), dtype=torch.int32, device=device)
-    return _warmup.Launch(f"moe route tables {tokens * k} pairs", moe_tables.route_tables,
-                          (idx, torch.rand(tokens, k, device=device), experts, bm, route))
-
-
-def rule_tokens(rules, experts: int, k: int) -> list[int]:
-    """One token count per tile rule whose mean rows per expert (n * k / experts) it serves."""
-    out, low = [], 0
-    for limit, _ in rules:
-        rows = limit if limit is not None else 2 * max(low, 16)
-        n = max(1, rows * experts // k)
-        assert n * k / experts > low, (rules, n)
-        out.append(n)
-        low = limit if limit is not None else low
-    return out
-
-
 FAMILY = KernelFamily(
     "moe", ops={"moe_experts": moe_experts},
-    # all three weights quantized (fp4_w / fp8_w), w1 and w3 in one format; plain weights declined
+    # all three weights quantized (fp4_w / fp8_w), w1 and w3 in one format; plain weights declined (a
+    # plain shared expert is served: _with_plain_shared)
     supports={"moe_experts": Support(inputs={"x": FLOATS, "w1": WEIGHT_FORMATS, "w3": WEIGHT_FORMATS,
-                                             "w2": WEIGHT_FORMATS}, dims={"w1[1]": Dim(0, None, 32)},
+                                             "w2": WEIGHT_FORMATS, "shared": (*WEIGHT_FORMATS, *FLOATS)},
+                                     dims={"w1[1]": Dim(0, None, 32)},
                                      extra=same_up_format)},
     tiles=TILES, tile_checks={"experts.BLOCK_M": DOT, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
                               "experts.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                               "experts.split_min_blocks": Tile(nullable=True, kind=int),
                               "experts.split_k": Tile(nullable=True, kind=int),
                               "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
+                              "pair_tiles": Tile(low=0, kind=int),
                               "combine.in_kernel": Tile(kind=bool), "route.large": Tile(kind=bool)},
-    smem={"experts": gemm_smem}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    smem={"experts": gemm_smem}, warmup=_warmup.hook(moe_warmup.warmup_cases),
+    warmup_cases=moe_warmup.warmup_cases,
     description="routed SwiGLU experts: grouped FP8 / FP4 GEMMs over routing tables")

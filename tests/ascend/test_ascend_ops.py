@@ -233,6 +233,21 @@ def test_moe_experts_int8_w_per_token_quantized(npu_emulation, rng):
     assert rel_err(got32, oracle_experts(x.float(), weights, idx, *ws, 0.8)) < 1e-5 and fallbacks("moe_experts")
 
 
+def test_moe_experts_shared_expert_second_grouped_matmul_route(npu_emulation, rng):
+    """``shared``: the shared expert through the same operators as one expert with weight 1 (three
+    more grouped matmuls), joined after the routed sum and before ``add``."""
+    x, weights, idx, ws = _experts_inputs(rng)
+    ws = [formats.quantize(w, "int8_w") for w in ws]
+    _, _, _, sw = _experts_inputs(rng, E=1)
+    shared = tuple(formats.quantize(w, "int8_w") for w in sw)
+    add = torch.randn(x.shape[0], x.shape[1], generator=rng)
+    got = ascend("moe_experts", x, weights, idx, *ws, 0.8, add, torch.bfloat16, shared)
+    ones, first = torch.ones(x.shape[0], 1), torch.zeros(x.shape[0], 1, dtype=torch.int32)
+    want = (oracle_experts(x, weights, idx, *ws, 0.8) + oracle_experts(x, ones, first, *shared, 0.8) + add)
+    assert got.dtype == torch.bfloat16 and rel_err(got, want.bfloat16()) < 2e-2 and not fallbacks("moe_experts")
+    assert len(npu_emulation.calls("npu_grouped_matmul")) == 6
+
+
 def test_reference_backend_uses_int8_t_activations_for_int8_w(rng):
     x = torch.randn(3, 64, generator=rng).bfloat16()
     w = formats.quantize(torch.randn(16, 64, generator=rng), "int8_w")

@@ -19,8 +19,9 @@ pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
 
 # the paths under test, set through a pinned profile: the device's profile changes none of them
-DIRECT = dict(direct=True, combine=dict(in_kernel=True))
-TABLES = dict(direct=False, combine=dict(in_kernel=False))
+# (the routing tables' path at every token count: no pair tiles, test_cuda_moe_shared.py has them)
+DIRECT = dict(direct=True, combine=dict(in_kernel=True), pair_tiles=0)
+TABLES = dict(direct=False, combine=dict(in_kernel=False), pair_tiles=0)
 
 
 def _case(rng, fmt, xdt, n, D, I):

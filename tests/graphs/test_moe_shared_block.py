@@ -1,0 +1,36 @@
+"""The MoE block runs the routed experts and the shared expert in one ``moe_experts`` (``shared=``):
+on the CUDA kernels (interpreter) the layer's output equals the two-op formulation (the shared
+expert as its own op, its output as ``add``) bit for bit, and the reference backend's within the
+experts' tolerance, on fresh random activations of the shipped ``tiny`` weights (routed ``fp4_w``,
+shared ``fp8_w``)."""
+import pytest
+import torch
+
+import flashrt
+from flashrt import ops
+from flashrt.graphs.moe import MoE, SharedRoutes
+from kernel_check import rel_err
+
+
+def _two_ops(moe: MoE, h: torch.Tensor) -> torch.Tensor:
+    x = h.reshape(-1, h.shape[-1])
+    weights, indices = moe.routes(x)
+    ones, first = SharedRoutes.make(x.shape[0], x.device)
+    alone = ops.moe_experts(x, ones, first, *moe.shared, moe.cfg.swiglu_limit)
+    return ops.moe_experts(x, weights, indices, moe.w1, moe.w3, moe.w2, moe.cfg.swiglu_limit, add=alone,
+                           out_dtype=h.dtype).view(h.shape)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_moe_block_in_one_op_equals_two_ops_and_the_reference(cfg, weights, rng, tokens):
+    pytest.importorskip("flashrt.kernels_cuda.moe")
+    moe = MoE(cfg, 0, dict(weights), "layers.0.")
+    assert moe.shared is not None and moe.shared[0].fmt != moe.w1.fmt  # two formats in one launch
+    h = (torch.randn(1, tokens, cfg.dim, generator=rng) * 2.0).to(torch.bfloat16)
+    with flashrt.use_backend("cuda"):
+        got, two = moe.forward(h), _two_ops(moe, h)
+    with flashrt.use_backend("reference"):
+        want = moe.forward(h)
+    assert got.dtype == h.dtype and got.shape == h.shape
+    assert torch.equal(got, two)  # the shared row joins the fp32 sum where the add did
+    assert rel_err(got, want) < 1e-2
