@@ -9,6 +9,8 @@ from flashrt import ops
 from flashrt.rope import YaRN, rope_frequencies
 from flashrt.kv.state import KVState
 
+from .step_rows import StepRows
+
 STEP_ROWS = 256  # chunks of at most this many query rows (B * S) build every layer's window indices at once
 _BIG = 1 << 62  # a key every ring start accepts (chunk slots); -_BIG: none does (before the sequence)
 
@@ -33,6 +35,7 @@ class StepContext:
     rope: "RopeCache"
     rope_window: torch.Tensor | None = None  # complex64 [B, S, R/2]: window-only and draft layers
     rope_compressed: torch.Tensor | None = None  # the same for the compressed layers
+    entry_rope: dict = field(default_factory=dict)  # ratio -> factors of the entry a decode compressor completes
     window_parts: tuple | None = None  # window_parts(positions, W): (slot, key), shared by every layer
     window_index: dict | None = None  # layer -> its window_indices (decode-sized chunks: step_window_indices)
     ring_slots: tuple | None = None  # KVState.ring_slots(positions): where every layer writes its ring
@@ -58,14 +61,15 @@ class StepContext:
         entries of a bucket are visible to no query)."""
         B, S = positions.shape
         parts = window_parts(positions, needs.window)
+        visible, factors = rope.rows(needs, S == 1)(positions)
         return cls(
             positions, end, state, rope,
-            rope_window=rope.factors(False, positions) if needs.window_rope else None,
-            rope_compressed=rope.factors(True, positions) if needs.ratios else None,
+            rope_window=factors.get("window"), rope_compressed=factors.get("compressed"),
+            entry_rope={r: f for r, f in factors.items() if isinstance(r, int)},
             window_parts=parts,
             window_index=step_window_indices(parts, state.ring_start) if B * S <= STEP_ROWS else None,
             ring_slots=state.ring_slots(positions),
-            visible={r: ((positions + 1) // r).to(torch.int32) for r in needs.index_ratios},
+            visible=visible,
             entries=dict(entries) if entries is not None else {r: end // r for r in needs.ratios},
             shared_route=None if routes is None else routes(B * S, positions.device),
             **fields)
@@ -79,12 +83,14 @@ class StepNeeds:
     ratios: tuple  # compress ratios of the compressed layers
     index_ratios: tuple  # compress ratios of the index sources (their queries' visible counts)
     window_rope: bool  # window-only or draft layers exist
+    entry_ratios: tuple = ()  # compress ratios > 1 of the KV sources (a decode step's entry factors)
 
     @classmethod
     def of(cls, cfg) -> "StepNeeds":
         return cls(cfg.window_size, tuple(sorted({cfg.ratio(l) for l in range(cfg.n_layers)} - {0})),
                    tuple(sorted({cfg.ratio(l) for l in cfg.index_source_layers})),
-                   any(cfg.ratio(l) == 0 for l in range(cfg.total_layers)))
+                   any(cfg.ratio(l) == 0 for l in range(cfg.total_layers)),
+                   tuple(sorted({cfg.ratio(l) for l in cfg.kv_source_layers} - {0, 1})))
 
 
 def window_parts(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +143,16 @@ class RopeCache:
             yarn = YaRN(cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
         self.compressed = rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, yarn).to(device)
         self.one = torch.ones((), dtype=torch.float32, device=device)
+        # the model's step tables are made here, not at a call (a captured step cannot copy to the device)
+        needs = StepNeeds.of(cfg)
+        self._rows = {(needs, decode): StepRows(needs, self.window, self.compressed, decode) for decode in (False, True)}
+
+    def rows(self, needs: "StepNeeds", decode: bool) -> StepRows:
+        """The :class:`StepRows` of ``needs`` for a one-token (``decode``) or a longer chunk."""
+        key = (needs, decode)
+        if key not in self._rows:
+            self._rows[key] = StepRows(needs, self.window, self.compressed, decode)
+        return self._rows[key]
 
     def factors(self, compressed: bool, positions: torch.Tensor) -> torch.Tensor:
         """complex64 ``[*positions.shape, R/2]``."""
