@@ -22,7 +22,8 @@ from .formats import QTensor
 # op -> tolerance on max|got - want| / max|want| (selections compare exactly)
 TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,
              "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0, "store_paged": 0.0,
-             "resolve_paged": 0.0, "store_rows": 0.0, "engram_hash": 0.0, "norm_rope_quantize": 0.02}
+             "resolve_paged": 0.0, "store_rows": 0.0, "engram_hash": 0.0, "norm_rope_quantize": 0.02,
+             "window_indices": 0.0}
 # op -> the arguments it writes: each run gets its own copy of them
 IN_PLACE = {"store_paged": (0,), "store_rows": (0,), "compress_decode": (2, 3)}
 DEFAULT_TOL = 2e-2  # bf16 outputs
@@ -99,6 +100,18 @@ def _cases(dev, g):
     ring = ops.quantize(f32(4, 128, 512), "fp8")  # a window ring: one new token for each of 4 rows
     yield "store_rows", (ring, torch.arange(4, device=dev), torch.randint(0, 128, (4,), generator=g).to(dev),
                          ops.quantize(f32(4, 512), "fp8"))
+    for case in _window_case(dev, g):
+        yield "window_indices", case
+
+
+def _window_case(dev, g):
+    """43 ring layers of a decode step and of a 5-token chunk (window 128), rows early in their
+    sequence and far past the window; ring starts at 0, mid-window and past the chunk."""
+    for S in (1, 5):
+        start = torch.tensor([3, 130, 1000, 70000]).view(4, 1)
+        ring_start = torch.randint(0, 2000, (43, 4), generator=g)
+        ring_start[:10] = 0
+        yield (start + torch.arange(S)).to(dev), ring_start.to(dev), 128
 
 
 def _hash_case(dev, g):

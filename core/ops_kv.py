@@ -1,5 +1,6 @@
 """KV-cache ops of the contract (:mod:`flashrt.ops`): the HKCP cold fetch, window-ring row stores,
-and the block-table lookup and scatter of a paged pool, each with no host sync."""
+the block-table lookup and scatter of a paged pool, and every ring layer's window indices of a
+chunk, each with no host sync."""
 from __future__ import annotations
 
 import torch
@@ -122,3 +123,20 @@ def store_paged(pool: QTensor, table, entry, mask, values: QTensor, page_entries
     c.index_range("entry", entry, -1, env["W"] * page_entries)
     c.index_range("table", table, -(2 ** 31), env["R"] // page_entries)
     return _impl("store_paged", device)(pool, table, entry, mask, values, page_entries, trash_row)
+
+
+def window_indices(positions, ring_start, window: int) -> torch.Tensor:
+    """Every ring layer's sliding-window indices of a chunk, with no host sync: int32 ``[L, B, S, W]``
+    into ``[ring (W slots) ‖ chunk (S rows)]`` of the ``W`` most recent positions of each query.
+
+    ``positions`` int64 ``[B, S]`` >= 0, each row consecutive from ``positions[b, 0]`` (the chunk
+    start); ``ring_start`` int64 ``[L, B]`` (positions below it are not in layer ``l``'s ring);
+    ``window`` W >= 1. With ``p = positions[b, s] - w``: ``W + p - positions[b, 0]`` when ``p`` is
+    in the chunk, else ring slot ``p % W`` when ``p >= 0`` and ``p >= ring_start[l, b]``, else ``-1``.
+    """
+    env: dict = {}
+    c.tensor("positions", positions, "B S", env, (torch.int64,))
+    c.tensor("ring_start", ring_start, "L B", env, (torch.int64,), positions.device)
+    c.integer("window", window, 1, 2 ** 31 - 1 - env["S"])
+    c.index_range("positions", positions, 0, 2 ** 62)
+    return _impl("window_indices", positions.device)(positions, ring_start, window)

@@ -13,8 +13,7 @@ from flashrt import ops
 
 from .compressor import Compressor
 from .fused_weights import fuse_in_place
-from .context import (Selection, StepContext, quantized_rope_tail, rope_tail, window_indices,  # noqa: F401
-                      window_parts)  # (re-exported)
+from .context import Selection, StepContext, quantized_rope_tail, rope_tail, window_indices  # noqa: F401 (re-exported)
 
 
 class Attention:
@@ -83,7 +82,7 @@ class Attention:
         if ctx.window_index is not None and self.layer in ctx.window_index:
             indices = ctx.window_index[self.layer]
         else:
-            indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], cfg.window_size, ctx.window_parts)
+            indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], cfg.window_size)
         if self.ratio:
             picked = self._selection(h, qr, ctx)
             segments += picked.segments

@@ -12,7 +12,6 @@ from flashrt.kv.state import KVState
 from .step_rows import StepRows
 
 STEP_ROWS = 256  # chunks of at most this many query rows (B * S) build every layer's window indices at once
-_BIG = 1 << 62  # a key every ring start accepts (chunk slots); -_BIG: none does (before the sequence)
 
 
 @dataclass(slots=True)
@@ -36,7 +35,6 @@ class StepContext:
     rope_window: torch.Tensor | None = None  # complex64 [B, S, R/2]: window-only and draft layers
     rope_compressed: torch.Tensor | None = None  # the same for the compressed layers
     entry_rope: dict = field(default_factory=dict)  # ratio -> factors of the entry a decode compressor completes
-    window_parts: tuple | None = None  # window_parts(positions, W): (slot, key), shared by every layer
     window_index: dict | None = None  # layer -> its window_indices (decode-sized chunks: step_window_indices)
     ring_slots: tuple | None = None  # KVState.ring_slots(positions): where every layer writes its ring
     visible: dict = field(default_factory=dict)  # ratio -> int32 [B, S]: entries each query sees
@@ -60,14 +58,12 @@ class StepContext:
         (a captured step's static bucket; default: every complete group up to ``end``; the extra
         entries of a bucket are visible to no query)."""
         B, S = positions.shape
-        parts = window_parts(positions, needs.window)
         visible, factors = rope.rows(needs, S == 1)(positions)
         return cls(
             positions, end, state, rope,
             rope_window=factors.get("window"), rope_compressed=factors.get("compressed"),
             entry_rope={r: f for r, f in factors.items() if isinstance(r, int)},
-            window_parts=parts,
-            window_index=step_window_indices(parts, state.ring_start) if B * S <= STEP_ROWS else None,
+            window_index=step_window_indices(positions, state, needs.window) if B * S <= STEP_ROWS else None,
             ring_slots=state.ring_slots(positions),
             visible=visible,
             entries=dict(entries) if entries is not None else {r: end // r for r in needs.ratios},
@@ -93,41 +89,20 @@ class StepNeeds:
                    tuple(sorted({cfg.ratio(l) for l in cfg.kv_source_layers} - {0, 1})))
 
 
-def window_parts(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What :func:`window_indices` needs that does not depend on the layer's ring start, computed once
-    per call: (slot int32 [B, S, W], key int64 [B, S, W]). Position ``p - w`` is slot
-    ``window + p - w - start`` of the chunk when it is >= the chunk start, else ring slot
-    ``(p - w) % W``; its key is ``_BIG`` in the chunk, the position itself when >= 0, else ``-_BIG``."""
-    start = positions[:, :1].unsqueeze(-1)  # [B, 1, 1]
-    pos = positions.unsqueeze(-1) - torch.arange(window, device=positions.device)  # [B, S, W]
-    in_chunk = pos >= start
-    slot = torch.where(in_chunk, window + pos - start, pos % window).to(torch.int32)
-    key = torch.where(in_chunk, _BIG, torch.where(pos >= 0, pos, -_BIG))
-    return slot, key
+def window_indices(positions: torch.Tensor, ring_start: torch.Tensor, window: int) -> torch.Tensor:
+    """int32 [B, S, W] indices into [ring (W slots) ‖ chunk (S)] of the W most recent positions of
+    one layer (``ring_start`` int64 [B]): ``ops.window_indices`` of that layer alone."""
+    return ops.window_indices(positions, ring_start.view(1, -1), window)[0]
 
 
-def window_indices(positions: torch.Tensor, ring_start: torch.Tensor, window: int, parts=None) -> torch.Tensor:
-    """int32 [B, S, W] indices into [ring (W slots) ‖ chunk (S)] of the W most recent positions.
-
-    Position ``p - w`` lives in the chunk when it is >= the chunk start, else in ring slot
-    ``(p - w) % W`` if the ring holds it (>= ``ring_start``); -1 before the sequence start.
-    ``parts``: :func:`window_parts` of these positions (shared by the layers of one call).
-    """
-    slot, key = parts if parts is not None else window_parts(positions, window)
-    return slot.masked_fill(key < ring_start.view(-1, 1, 1), -1)
-
-
-def step_window_indices(parts: tuple, ring_start: dict) -> dict:
-    """:func:`window_indices` of every layer of ``ring_start`` (layer -> int64 [B] ring start) in
-    one pass: the starts stacked to ``[L, B]``, one compare and one select over ``[L, B, S, W]``
-    instead of two launches a layer. Layer -> int32 [B, S, W] (a view of the stacked result)."""
-    if not ring_start:
+def step_window_indices(positions: torch.Tensor, state: KVState, window: int) -> dict:
+    """:func:`window_indices` of every ring layer of ``state`` in one ``ops.window_indices`` call:
+    layer -> int32 [B, S, W] (a view of the [L, B, S, W] result)."""
+    layers, starts = state.ring_starts()
+    if not layers:
         return {}
-    slot, key = parts
-    layers = list(ring_start)
-    starts = torch.stack([ring_start[l] for l in layers]).view(len(layers), -1, 1, 1)
-    masked = torch.where(key >= starts, slot, -1)
-    return {l: masked[i] for i, l in enumerate(layers)}
+    out = ops.window_indices(positions, starts, window)
+    return {l: out[i] for i, l in enumerate(layers)}
 
 
 class RopeCache:

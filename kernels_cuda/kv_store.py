@@ -14,6 +14,10 @@ the reference (about a dozen launches).
 ``_resolve_paged_kernel``: one program per ``BLOCK`` picks; pick ``e`` of row ``b`` maps to
 ``offset + table[b, min(max(e, 0) // P, W - 1)] * P + e % P``, or ``-1`` where ``e < 0`` or the page is
 ``< 0`` (``resolve_paged.in_kernel`` off: about a dozen torch launches).
+
+``_window_indices_kernel``: one program per ``BLOCK`` elements of the flat ``[L, B, S, W]`` output:
+every ring layer's window indices of a call in one launch (``window_indices.in_kernel`` off: the
+reference's dozen torch launches).
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2
 
 TILES = {"store_paged": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},  # in_kernel False: plain torch
          "store_rows": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},
-         "resolve_paged": {"in_kernel": True, "BLOCK": 1024, "num_warps": 4}}
+         "resolve_paged": {"in_kernel": True, "BLOCK": 1024, "num_warps": 4},
+         "window_indices": {"in_kernel": True, "BLOCK": 1024, "num_warps": 4}}
 PLANS = PlanCache("kv_store", TILES)
 _tiles = PLANS.tiles
 
@@ -87,6 +92,25 @@ def _resolve_paged_kernel(pick_ptr, table_ptr, out_ptr, total, N, W, P, offset, 
     tl.store(out_ptr + i, tl.where((e >= 0) & (page >= 0), offset + page * P + ec % P, -1).to(tl.int32), mask=ok)
 
 
+# the batch and the chunk length vary with the load, the ring layers and the window with the model
+@triton.jit(do_not_specialize=("total", "B", "S", "W"))
+def _window_indices_kernel(pos_ptr, start_ptr, out_ptr, total, B, S, W, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    i64 = i.to(tl.int64)
+    w = i64 % W
+    s = (i64 // W) % S
+    lb = i64 // (W * S)  # l * B + b
+    b = lb % B
+    first = tl.load(pos_ptr + b * S, mask=ok, other=0)
+    p = tl.load(pos_ptr + b * S + s, mask=ok, other=0) - w
+    ring_start = tl.load(start_ptr + lb, mask=ok, other=0)
+    in_chunk = p >= first
+    slot = tl.where(in_chunk, W + p - first, p % W)
+    keep = in_chunk | ((p >= 0) & (p >= ring_start))
+    tl.store(out_ptr + i64, tl.where(keep, slot, -1).to(tl.int32), mask=ok)
+
+
 def _flat(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 4 == 0
 
@@ -137,6 +161,20 @@ def resolve_paged(table, picks, page_entries: int, offset: int = 0):
     return out
 
 
+def window_indices(positions, ring_start, window: int):
+    """``flashrt.ops.window_indices`` in one launch (the switch ``window_indices.in_kernel`` off: plain torch)."""
+    t = _tiles()["window_indices"]
+    if not t["in_kernel"]:
+        return refmath.window_indices(positions, ring_start, window)
+    (B, S), L = positions.shape, ring_start.shape[0]
+    out = torch.empty(L, B, S, window, dtype=torch.int32, device=positions.device)
+    if out.numel():
+        _window_indices_kernel[(cdiv(out.numel(), t["BLOCK"]),)](dense(positions), dense(ring_start), out, out.numel(),
+                                                                 B, S, window, BLOCK=t["BLOCK"],
+                                                                 num_warps=t["num_warps"])
+    return out
+
+
 def warmup_cases(device, d: dict, dtype):
     """A decode step's stores and lookup at 1 and 8 rows: one new main-KV entry each into a small
     paged pool, the pool rows of ``index_topk`` picks, one new token each into the window ring."""
@@ -153,11 +191,15 @@ def warmup_cases(device, d: dict, dtype):
         ring = empty_qtensor(profiles.active_profile().kv_window_dtype, (B, d["window_size"], D), device)
         rows = torch.arange(B, device=device)
         yield _warmup.Launch("store_rows", store_rows, (ring, rows, rows, empty_qtensor(ring.fmt, (B, D), device)))
+        starts = torch.zeros(d["n_layers"], B, dtype=torch.long, device=device)
+        yield _warmup.Launch("window_indices", window_indices, (rows.view(B, 1), starts, d["window_size"]))
 
 
 FAMILY = KernelFamily(
-    "kv_store", ops={"store_paged": store_paged, "store_rows": store_rows, "resolve_paged": resolve_paged},
+    "kv_store", ops={"store_paged": store_paged, "store_rows": store_rows, "resolve_paged": resolve_paged,
+                     "window_indices": window_indices},
     tiles=TILES,
     tile_checks={"*.in_kernel": Tile(kind=bool), "*.BLOCK": POW2},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
-    description="KV stores (paged and ring rows) and the page lookup of picked rows, each in one launch")
+    description="KV stores (paged and ring rows), the page lookup of picked rows and the window indices, "
+                "each in one launch")

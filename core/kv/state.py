@@ -226,6 +226,14 @@ class KVState(RowMoves, StagedWrites):
         cold = tuple(c.main.has_cold() for c in self.compressed.values())
         return StepBuffers(tuple(t for t in tensors if t is not None), cold)
 
+    def ring_starts(self) -> tuple[tuple, torch.Tensor]:
+        """(ring layers, int64 [L, B] their ring starts): the one store when the rings share it."""
+        layers = tuple(self.ring_start)
+        if self._ring_start_store is not None and layers == tuple(range(self._ring_start_store.shape[0])):
+            return layers, self._ring_start_store
+        empty = torch.zeros(0, self.batch, dtype=torch.long, device=self.device)
+        return layers, torch.stack([self.ring_start[l] for l in layers]) if layers else empty
+
     # ----- compressed caches -------------------------------------------------------------------
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:
         """Write compressed entries ``main``/``index_k`` [B, n, *] at entry numbers ``entry``
