@@ -93,9 +93,9 @@ def dequantize(q, dtype):
     return out
 
 
-def linear(x, weight):
+def linear(x, weight, out_dtype=None):
     out_features, in_features = weight.shape
-    out = _meta((*x.shape[:-1], out_features), x.dtype)
+    out = _meta((*x.shape[:-1], out_features), out_dtype or x.dtype)
     _emit("linear", (x, weight), (out,), 2 * (x.numel() // in_features) * in_features * out_features)
     return out
 

@@ -53,6 +53,7 @@ def _cases(dev, g):
     yield "dequantize", (ops.quantize(f32(64, 512), "fp4_b32"), torch.float32)
     yield "linear", (r(16, 512), ops.quantize(f32(256, 512), "fp8_w"))
     yield "linear", (r(16, 512), ops.quantize(f32(256, 512), "int8_w"))  # the formats of devices with no FP8
+    yield "linear", (r(4, 512), r(256, 512), torch.float32)  # a compressor's bf16 rows to fp32 sums
     yield "grouped_linear", (r(2, 3, 4, 256), r(4 * 128, 256) * 0.0625)
     yield "sparse_attention", (r(2, 4, 64, 512), (ops.quantize(f32(2, 128, 512), "fp8"), kv),
                                i32(-1, 428, 2, 4, 640), f32(64), 512 ** -0.5)

@@ -147,13 +147,14 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _impl("dequantize", q.device)(q, dtype)
 
 
-def linear(x: torch.Tensor, weight) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x [..., in]`` float, ``weight [out, in]`` plain or ``QTensor`` ``fp8_w``/``fp4_w`` -> ``[..., out]``.
 
     Plain weight: ``x @ weight.T`` accumulated in fp32. Quantized weight: ``x`` is first
     quantized to ``fp8`` (per 32, UE8M0; ``int8_t``, one scale per token, for an ``int8_w``
     weight), then ``dequant(xq) @ dequant(w).T`` accumulated in fp32.
-    Output dtype ``x.dtype``.
+    Output dtype ``out_dtype`` (default ``x.dtype``): the sums rounded once to it, so
+    ``linear(x, w, torch.float32)`` is ``linear(x.float(), w)`` with no cast of ``x`` before it.
     """
     c.tensor("x", x, None, {}, c.FLOATS)
     if x.dim() == 0:
@@ -162,7 +163,10 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     c.maybe_quantized("weight", weight, "out in", env, WEIGHT_FORMATS, x.device)
     if isinstance(weight, QTensor) and x.shape[-1] % 32:
         raise ValueError(f"x: a quantized weight needs in % 32 == 0 (fp8 activations), got in={x.shape[-1]}")
-    return _impl("linear", x.device)(x, weight)
+    if out_dtype is None or out_dtype == x.dtype:
+        return _impl("linear", x.device)(x, weight)
+    c.choice("out_dtype", out_dtype, c.FLOATS)
+    return _impl("linear", x.device)(x, weight, out_dtype)
 
 
 def sample(logits, temperature, generator=None) -> torch.Tensor:

@@ -63,12 +63,13 @@ class Compressor:
                                    self.norm, self.cfg.norm_eps, h.dtype)
 
     def _project(self, h):
-        """(``wkv(h)``, ``wgate(h)``) in fp32: one ``linear`` over the fused weight (split into views) or two."""
-        x = h.to(torch.float32)
+        """(``wkv(h)``, ``wgate(h)``) in fp32 (``h`` exact in fp32: the sums rounded once to fp32, no
+        cast before): one ``linear`` over the fused weight (split into views) or two."""
+        f32 = torch.float32
         if self.fused is None:
-            return ops.linear(x, self.wkv), ops.linear(x, self.wgate)
+            return ops.linear(h, self.wkv, f32), ops.linear(h, self.wgate, f32)
         fused, widths = self.fused
-        return ops.linear(x, fused).split(widths, dim=-1)
+        return ops.linear(h, fused, f32).split(widths, dim=-1)
 
     def _chunk(self, h, ctx: StepContext):
         """A chunk of S tokens per row, each row from its own position: row ``b``'s inputs are its
