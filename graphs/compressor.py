@@ -29,12 +29,13 @@ class Compressor:
         # ratio 1: every entry counts; a decode step's mask is a view of rows made once
         self.true = torch.ones(cfg.max_batch_size, 1, dtype=torch.bool, device=self.norm.device)
 
-    def forward(self, h: torch.Tensor, ctx: StepContext) -> None:
-        """Pool the groups this chunk completes and append them to the layer's caches."""
+    def forward(self, h: torch.Tensor, ctx: StepContext, kv: torch.Tensor | None = None) -> None:
+        """Pool the groups this chunk completes and append them to the layer's caches; ``kv``: a
+        ratio-1 compressor's ``wkv(h)`` when computed already."""
         # entry j is rotated as position j * ratio: at ratio 1 the entries are the chunk's positions
         # and in a decode step the step context holds the factors of the entry it may complete
         if self.ratio == 1:
-            latent = ops.rms_norm(ops.linear(h, self.wkv), self.norm, self.cfg.norm_eps)
+            latent = ops.rms_norm(ops.linear(h, self.wkv) if kv is None else kv, self.norm, self.cfg.norm_eps)
             entry, mask = ctx.positions, self._all(ctx.positions)
             f = ctx.rope_compressed
         elif h.shape[1] == 1:
