@@ -72,6 +72,7 @@ class KVState(RowMoves, StagedWrites):
         self.cfg, self.batch, self.capacity, self.window_fmt = cfg, batch, capacity, window_fmt
         self.device = torch.device(device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.row_ids = torch.arange(batch, device=self.device)  # the rows' numbers (ring writes)
         self.host_positions = [0] * batch  # the same on the host: no device sync to read them
         hd, L, W = cfg.head_dim, cfg.total_layers, cfg.window_size
         # every layer's ring is a view of one [layers, batch, W, hd] store (and ring_start of one
@@ -290,6 +291,7 @@ class KVState(RowMoves, StagedWrites):
         out.window_fmt = first.window_fmt
         out.batch = sum(s.batch for s in states)
         out.positions = torch.cat([s.positions for s in states])
+        out.row_ids = torch.arange(out.batch, device=out.device)
         out.host_positions = [p for s in states for p in s.host_positions]
         cat_q = lambda qs: QTensor(torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs]),
                                    qs[0].fmt, (out.batch, *qs[0].shape[1:]))
