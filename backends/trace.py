@@ -268,6 +268,10 @@ def window_indices(positions, ring_start, window):
     return out
 
 
+def store_paged_many(stores, entry, mask):
+    return tuple(store_paged(pool, table, entry, mask, values, P, trash) for pool, table, values, P, trash in stores)
+
+
 def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
     read = sum(map(_nbytes, (table, entry, mask, values)))
     _emit("store_paged", (table, entry, mask, values), (values,), 0, read)  # writes the values' bytes into the pool

@@ -5,7 +5,7 @@ shape or dtype; out-of-range indices rejected) and then calls the implementation
 for (op, device type) by :mod:`flashrt.dispatch`. Notation: ``B`` batch, ``S`` query positions,
 ``T`` KV entries, ``H`` heads, ``D`` head dim, ``K`` top-k. Index tensors are int32 unless said.
 Ops never mutate their inputs, except the ones that say they write in place (``store_paged``,
-``store_rows``, ``compress_decode``). Outputs live on the device of the inputs.
+``store_paged_many``, ``store_rows``, ``compress_decode``). Outputs live on the device of the inputs.
 
 This module holds the norm, rotary, quantization, linear and sampling ops and names every op of the
 groups kept beside it: :mod:`flashrt.ops_attention`, :mod:`flashrt.ops_kv`, :mod:`flashrt.ops_moe`,
@@ -23,7 +23,8 @@ from .formats import QTensor, check_shape
 from .ops_attention import (candidate_blocks, compress_decode, compress_pool, dense_attention, index_scores,  # noqa: F401
                             sparse_attention, topk_positions)
 from .ops_engram import engram_gate, engram_hash, engram_lookup  # noqa: F401
-from .ops_kv import gather_cold_rows, resolve_paged, store_paged, store_rows, window_indices  # noqa: F401
+from .ops_kv import (gather_cold_rows, resolve_paged, store_paged, store_paged_many, store_rows,  # noqa: F401
+                     window_indices)
 from .ops_mhc import hc_coefficients, hc_collapse, hc_collapse_norm, hc_expand  # noqa: F401
 from .ops_moe import moe_experts, moe_route  # noqa: F401
 from . import ops_attention, ops_engram, ops_kv, ops_mhc, ops_moe  # noqa: E402
@@ -194,5 +195,5 @@ OPS = (
     "index_scores", "topk_positions", "candidate_blocks", "compress_pool", "compress_decode", "hc_coefficients",
     "hc_collapse", "hc_collapse_norm", "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route",
     "moe_experts", "sample", "gather_cold_rows", "dense_attention", "store_paged", "resolve_paged", "store_rows",
-    "window_indices",
+    "window_indices", "store_paged_many",
 )

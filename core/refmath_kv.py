@@ -56,6 +56,10 @@ def resolve_paged(table, picks, page_entries, offset=0):
     return torch.where((e >= 0) & (page >= 0), page * P + e.clamp_min(0) % P + offset, -1).to(torch.int32)
 
 
+def store_paged_many(stores, entry, mask):
+    return tuple(store_paged(pool, table, entry, mask, values, P, trash) for pool, table, values, P, trash in stores)
+
+
 def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
     B, n = entry.shape
     rows = paged_rows(table, entry, mask, page_entries, trash_row)

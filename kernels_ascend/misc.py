@@ -132,6 +132,11 @@ def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
     return ref.store_paged(pool, table, entry, mask, values, page_entries, trash_row)
 
 
+def store_paged_many(stores, entry, mask):
+    """``store_paged_many``: :func:`store_paged` of each store, exactly the reference."""
+    return tuple(store_paged(pool, table, entry, mask, values, P, trash) for pool, table, values, P, trash in stores)
+
+
 def engram_hash(seq, multipliers, primes, offsets, pad):
     """``engram_hash``: plain torch on the NPU, exactly the reference."""
     fallback("engram_hash", REASONS["engram_hash"])
@@ -159,7 +164,7 @@ def window_indices(positions, ring_start, window):
 FAMILY = npu_family("misc", {name: globals()[name] for name in (
     "compress_pool", "compress_decode", "hc_coefficients", "hc_collapse", "hc_collapse_norm", "hc_expand",
     "engram_gate", "engram_lookup", "engram_hash", "sample", "gather_cold_rows", "store_paged", "store_rows",
-    "resolve_paged", "window_indices")},
+    "resolve_paged", "window_indices", "store_paged_many")},
     "ops with no matching torch_npu operator (plain torch on the NPU) and engram_lookup (npu_gather_sparse_index)")
 PLANS = {name: (lambda *args, why=why: why) for name, why in REASONS.items()}
 PLANS["engram_lookup"] = lambda *args: None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrt.formats import MAIN_KV_FORMAT, QTensor
-from .util import empty_qtensor, grown, to_device
+from .util import empty_qtensor, grown, to_device, write_paged_many
 from .index import IndexPool, PagedIndexK
 from .main_kv import PagedMainKV
 from .pages import PagePool
@@ -242,8 +242,7 @@ class KVState(RowMoves, StagedWrites):
         if self.is_meta:
             return
         cache = self.compressed[layer]
-        cache.index_k.write(entry, mask, index_k)
-        cache.main.write(entry, mask, main)
+        write_paged_many(((*cache.index_k.target(), index_k), (*cache.main.target(), main)), entry, mask)
 
     def index_keys(self, layer: int, entries: int) -> PagedKeys | QTensor:
         """Index K of source ``layer``: the first ``entries`` entries of every row, as a paged
