@@ -42,6 +42,8 @@ REASONS = {
     "store_rows": "a byte scatter of rows: two torch index_put operations on the NPU (data and scale)",
     "resolve_paged": "no torch_npu operator looks entries up through a block table: the lookup runs as torch "
                      "operations on the NPU",
+    "store_paged_many": "no torch_npu operator stores through a block table: each store's lookup and byte "
+                        "scatter run as torch operations on the NPU",
     "window_indices": "no torch_npu operator computes sliding-window ring slots: int64 arithmetic as torch "
                       "operations on the NPU",
 }
@@ -133,8 +135,9 @@ def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
 
 
 def store_paged_many(stores, entry, mask):
-    """``store_paged_many``: :func:`store_paged` of each store, exactly the reference."""
-    return tuple(store_paged(pool, table, entry, mask, values, P, trash) for pool, table, values, P, trash in stores)
+    """``store_paged_many``: the reference's ``store_paged`` of each store, as torch operations on the NPU."""
+    fallback("store_paged_many", REASONS["store_paged_many"])
+    return ref.store_paged_many(stores, entry, mask)
 
 
 def engram_hash(seq, multipliers, primes, offsets, pad):

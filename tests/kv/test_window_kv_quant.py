@@ -108,8 +108,8 @@ def test_model_rings_after_prefill_hold_the_reference_fake_quantization(model, c
     seen = []
     original = Attention.window_kv
 
-    def spy(self, h, f, fmt):
-        out = original(self, h, f, fmt)
+    def spy(self, h, f, fmt, *latent):
+        out = original(self, h, f, fmt, *latent)
         seen.append((self, h, f, out))
         return out
 
