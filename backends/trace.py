@@ -23,7 +23,8 @@ Counting rules (the minimum work each op must do):
   ``sample`` 3 per logit.
   Selection and copy ops (``topk_positions``, ``candidate_blocks``, ``gather_cold_rows``,
   ``store_paged``, ``store_rows``, ``resolve_paged``) count 0 FLOPs; the stores count as writing
-  their source rows, not the pool; ``resolve_paged`` reads one block-table entry a pick.
+  their source rows, not the pool; ``resolve_paged`` reads one block-table entry a pick;
+  ``window_indices`` counts its ``L*B*S*W`` int32 outputs and reads its inputs, no FLOPs.
 """
 from __future__ import annotations
 
@@ -92,9 +93,9 @@ def dequantize(q, dtype):
     return out
 
 
-def linear(x, weight):
+def linear(x, weight, out_dtype=None):
     out_features, in_features = weight.shape
-    out = _meta((*x.shape[:-1], out_features), x.dtype)
+    out = _meta((*x.shape[:-1], out_features), out_dtype or x.dtype)
     _emit("linear", (x, weight), (out,), 2 * (x.numel() // in_features) * in_features * out_features)
     return out
 
@@ -259,6 +260,17 @@ def resolve_paged(table, picks, page_entries, offset=0):
     out = _meta(picks.shape, torch.int32)
     _emit("resolve_paged", (picks,), (out,), 0, _nbytes(picks) + picks.numel() * table.element_size())
     return out
+
+
+def window_indices(positions, ring_start, window):
+    (B, S), L = positions.shape, ring_start.shape[0]
+    out = _meta((L, B, S, window), torch.int32)
+    _emit("window_indices", (positions, ring_start), (out,), 0, _nbytes(positions) + _nbytes(ring_start))
+    return out
+
+
+def store_paged_many(stores, entry, mask):
+    return tuple(store_paged(pool, table, entry, mask, values, P, trash) for pool, table, values, P, trash in stores)
 
 
 def store_paged(pool, table, entry, mask, values, page_entries, trash_row):

@@ -22,9 +22,10 @@ from .formats import QTensor
 # op -> tolerance on max|got - want| / max|want| (selections compare exactly)
 TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,
              "sample": 0.0, "moe_route": 1e-5, "gather_cold_rows": 0.0, "store_paged": 0.0,
-             "resolve_paged": 0.0, "store_rows": 0.0, "engram_hash": 0.0, "norm_rope_quantize": 0.02}
+             "resolve_paged": 0.0, "store_rows": 0.0, "engram_hash": 0.0, "norm_rope_quantize": 0.02,
+             "window_indices": 0.0, "store_paged_many": 0.0}
 # op -> the arguments it writes: each run gets its own copy of them
-IN_PLACE = {"store_paged": (0,), "store_rows": (0,), "compress_decode": (2, 3)}
+IN_PLACE = {"store_paged": (0,), "store_rows": (0,), "compress_decode": (2, 3), "store_paged_many": (0,)}
 DEFAULT_TOL = 2e-2  # bf16 outputs
 
 _ROUTES: list | None = None  # (op, route) notes, collected only while a case runs
@@ -52,6 +53,7 @@ def _cases(dev, g):
     yield "dequantize", (ops.quantize(f32(64, 512), "fp4_b32"), torch.float32)
     yield "linear", (r(16, 512), ops.quantize(f32(256, 512), "fp8_w"))
     yield "linear", (r(16, 512), ops.quantize(f32(256, 512), "int8_w"))  # the formats of devices with no FP8
+    yield "linear", (r(4, 512), r(256, 512), torch.float32)  # a compressor's bf16 rows to fp32 sums
     yield "grouped_linear", (r(2, 3, 4, 256), r(4 * 128, 256) * 0.0625)
     yield "sparse_attention", (r(2, 4, 64, 512), (ops.quantize(f32(2, 128, 512), "fp8"), kv),
                                i32(-1, 428, 2, 4, 640), f32(64), 512 ** -0.5)
@@ -97,11 +99,24 @@ def _cases(dev, g):
                                torch.randint(-1, 6, (2, 8), generator=g).to(dev), i32(-1, 128, 2, 40),
                                i32(-1, 300, 2, 40), 300)
     yield "store_paged", _store_case(dev, g)
+    yield "store_paged_many", _store_many_case(dev, g)
     table = torch.randint(-1, 40, (2, 12), generator=g).to(dev)  # -1: logical pages with no pool page
     yield "resolve_paged", (table, i32(-1, 12 * 64, 2, 640), 64, 129)  # offset: past a window of 128 and 1 token
     ring = ops.quantize(f32(4, 128, 512), "fp8")  # a window ring: one new token for each of 4 rows
     yield "store_rows", (ring, torch.arange(4, device=dev), torch.randint(0, 128, (4,), generator=g).to(dev),
                          ops.quantize(f32(4, 512), "fp8"))
+    for case in _window_case(dev, g):
+        yield "window_indices", case
+
+
+def _window_case(dev, g):
+    """43 ring layers of a decode step and of a 5-token chunk (window 128), rows early in their
+    sequence and far past the window; ring starts at 0, mid-window and past the chunk."""
+    for S in (1, 5):
+        start = torch.tensor([3, 130, 1000, 70000]).view(4, 1)
+        ring_start = torch.randint(0, 2000, (43, 4), generator=g)
+        ring_start[:10] = 0
+        yield (start + torch.arange(S)).to(dev), ring_start.to(dev), 128
 
 
 def _hash_case(dev, g):
@@ -126,9 +141,24 @@ def _store_case(dev, g):
     return pool, table, entry, mask.to(dev), values, 16, 0
 
 
+def _store_many_case(dev, g):
+    """:func:`_store_case`'s entries stored into its pool and into an index-key pool of another
+    format, page size and block table (pages of 8 rows, 4 a row)."""
+    pool, table, entry, mask, values, P, trash = _store_case(dev, g)
+    keys = ops.quantize(torch.randn(1, 112, 128, generator=g), "fp4_b32").to(dev)
+    key_table = torch.randperm(13, generator=g)[:12].add(1).view(3, 4).to(dev)
+    key_values = ops.quantize(torch.randn(3, 5, 128, generator=g), "fp4_b32").to(dev)
+    return ((pool, table, values, P, trash), (keys, key_table, key_values, 8, 0)), entry, mask
+
+
 def _own_copy(op: str, args) -> tuple:
     """``args`` with the argument ``op`` writes in place copied (so each run starts from the same state)."""
-    copy = lambda t: QTensor(t.data.clone(), t.scale.clone(), t.fmt, t.shape) if isinstance(t, QTensor) else t.clone()
+    def copy(t):
+        if isinstance(t, tuple):  # (a store_paged_many's stores)
+            return tuple(map(copy, t))
+        if isinstance(t, QTensor):
+            return QTensor(t.data.clone(), t.scale.clone(), t.fmt, t.shape)
+        return t.clone() if isinstance(t, torch.Tensor) else t
     return tuple(copy(a) if i in IN_PLACE.get(op, ()) else a for i, a in enumerate(args))
 
 

@@ -5,7 +5,7 @@ shape or dtype; out-of-range indices rejected) and then calls the implementation
 for (op, device type) by :mod:`flashrt.dispatch`. Notation: ``B`` batch, ``S`` query positions,
 ``T`` KV entries, ``H`` heads, ``D`` head dim, ``K`` top-k. Index tensors are int32 unless said.
 Ops never mutate their inputs, except the ones that say they write in place (``store_paged``,
-``store_rows``, ``compress_decode``). Outputs live on the device of the inputs.
+``store_paged_many``, ``store_rows``, ``compress_decode``). Outputs live on the device of the inputs.
 
 This module holds the norm, rotary, quantization, linear and sampling ops and names every op of the
 groups kept beside it: :mod:`flashrt.ops_attention`, :mod:`flashrt.ops_kv`, :mod:`flashrt.ops_moe`,
@@ -23,7 +23,8 @@ from .formats import QTensor, check_shape
 from .ops_attention import (candidate_blocks, compress_decode, compress_pool, dense_attention, index_scores,  # noqa: F401
                             sparse_attention, topk_positions)
 from .ops_engram import engram_gate, engram_hash, engram_lookup  # noqa: F401
-from .ops_kv import gather_cold_rows, resolve_paged, store_paged, store_rows  # noqa: F401
+from .ops_kv import (gather_cold_rows, resolve_paged, store_paged, store_paged_many, store_rows,  # noqa: F401
+                     window_indices)
 from .ops_mhc import hc_coefficients, hc_collapse, hc_collapse_norm, hc_expand  # noqa: F401
 from .ops_moe import moe_experts, moe_route  # noqa: F401
 from . import ops_attention, ops_engram, ops_kv, ops_mhc, ops_moe  # noqa: E402
@@ -147,13 +148,14 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _impl("dequantize", q.device)(q, dtype)
 
 
-def linear(x: torch.Tensor, weight) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x [..., in]`` float, ``weight [out, in]`` plain or ``QTensor`` ``fp8_w``/``fp4_w`` -> ``[..., out]``.
 
     Plain weight: ``x @ weight.T`` accumulated in fp32. Quantized weight: ``x`` is first
     quantized to ``fp8`` (per 32, UE8M0; ``int8_t``, one scale per token, for an ``int8_w``
     weight), then ``dequant(xq) @ dequant(w).T`` accumulated in fp32.
-    Output dtype ``x.dtype``.
+    Output dtype ``out_dtype`` (default ``x.dtype``): the sums rounded once to it, so
+    ``linear(x, w, torch.float32)`` is ``linear(x.float(), w)`` with no cast of ``x`` before it.
     """
     c.tensor("x", x, None, {}, c.FLOATS)
     if x.dim() == 0:
@@ -162,7 +164,10 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     c.maybe_quantized("weight", weight, "out in", env, WEIGHT_FORMATS, x.device)
     if isinstance(weight, QTensor) and x.shape[-1] % 32:
         raise ValueError(f"x: a quantized weight needs in % 32 == 0 (fp8 activations), got in={x.shape[-1]}")
-    return _impl("linear", x.device)(x, weight)
+    if out_dtype is None or out_dtype == x.dtype:
+        return _impl("linear", x.device)(x, weight)
+    c.choice("out_dtype", out_dtype, c.FLOATS)
+    return _impl("linear", x.device)(x, weight, out_dtype)
 
 
 def sample(logits, temperature, generator=None) -> torch.Tensor:
@@ -190,4 +195,5 @@ OPS = (
     "index_scores", "topk_positions", "candidate_blocks", "compress_pool", "compress_decode", "hc_coefficients",
     "hc_collapse", "hc_collapse_norm", "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route",
     "moe_experts", "sample", "gather_cold_rows", "dense_attention", "store_paged", "resolve_paged", "store_rows",
+    "window_indices", "store_paged_many",
 )

@@ -1,5 +1,6 @@
 """KV-cache ops of the contract (:mod:`flashrt.ops`): the HKCP cold fetch, window-ring row stores,
-and the block-table lookup and scatter of a paged pool, each with no host sync."""
+the block-table lookup and scatter of a paged pool, and every ring layer's window indices of a
+chunk, each with no host sync."""
 from __future__ import annotations
 
 import torch
@@ -103,22 +104,63 @@ def store_paged(pool: QTensor, table, entry, mask, values: QTensor, page_entries
     ``trash_row``, whose content afterwards is one of theirs (which one is unspecified). Two
     stored pairs must not share a pool row.
     """
+    _check_store("", pool, table, entry, mask, values, page_entries, trash_row)
+    return _impl("store_paged", pool.device)(pool, table, entry, mask, values, page_entries, trash_row)
+
+
+def store_paged_many(stores, entry, mask) -> tuple:
+    """Several :func:`store_paged` at the same entries in one call: ``stores`` a non-empty tuple of
+    ``(pool, table, values, page_entries, trash_row)``, each stored as ``store_paged(pool, table,
+    entry, mask, values, page_entries, trash_row)`` -> the tuple of pools. A compressed entry's main
+    KV and its index key (two pools, formats and block tables) in one launch."""
+    if not isinstance(stores, (tuple, list)) or not stores:
+        raise ValueError(f"stores: expected a non-empty tuple of (pool, table, values, page_entries, trash_row), "
+                         f"got {type(stores).__name__} {stores!r:.60}")
+    for i, store in enumerate(stores):
+        if not isinstance(store, (tuple, list)) or len(store) != 5:
+            raise ValueError(f"stores[{i}]: expected (pool, table, values, page_entries, trash_row), got "
+                             f"{type(store).__name__} of {len(store) if isinstance(store, (tuple, list)) else 1}")
+        pool, table, values, page_entries, trash_row = store
+        _check_store(f"stores[{i}].", pool, table, entry, mask, values, page_entries, trash_row)
+        if pool.device != stores[0][0].device:
+            raise ValueError(f"stores[{i}].pool: expected a tensor on {stores[0][0].device}, got {pool.device}")
+    return _impl("store_paged_many", entry.device)(tuple(map(tuple, stores)), entry, mask)
+
+
+def _check_store(at: str, pool, table, entry, mask, values, page_entries, trash_row) -> None:
+    """The checks of one ``store_paged``; ``at`` prefixes the argument names of a store in a tuple."""
     env: dict = {}
     for name, q in (("pool", pool), ("values", values)):
         if not isinstance(q, QTensor):
-            raise ValueError(f"{name}: expected a QTensor in {list(KV_FORMATS)}, got {type(q).__name__}")
-    c.maybe_quantized("pool", pool, "one R D", env, KV_FORMATS)
+            raise ValueError(f"{at}{name}: expected a QTensor in {list(KV_FORMATS)}, got {type(q).__name__}")
+    c.maybe_quantized(at + "pool", pool, "one R D", env, KV_FORMATS)
     device = pool.device
     if env["one"] != 1:
-        raise ValueError(f"pool: expected shape [1, R, D], got {list(pool.shape)}")
-    c.tensor("table", table, "B W", env, (torch.int32, torch.int64), device)
+        raise ValueError(f"{at}pool: expected shape [1, R, D], got {list(pool.shape)}")
+    c.tensor(at + "table", table, "B W", env, (torch.int32, torch.int64), device)
     c.tensor("entry", entry, "B n", env, (torch.int32, torch.int64), device)
     c.tensor("mask", mask, "B n", env, (torch.bool,), device)
-    c.maybe_quantized("values", values, "B n D", env, (pool.fmt,), device)
-    c.integer("page_entries", page_entries, 1)
+    c.maybe_quantized(at + "values", values, "B n D", env, (pool.fmt,), device)
+    c.integer(at + "page_entries", page_entries, 1)
     if env["R"] % page_entries:
-        raise ValueError(f"page_entries: expected a divisor of the pool's {env['R']} rows, got {page_entries}")
-    c.integer("trash_row", trash_row, 0, env["R"] - 1)
+        raise ValueError(f"{at}page_entries: expected a divisor of the pool's {env['R']} rows, got {page_entries}")
+    c.integer(at + "trash_row", trash_row, 0, env["R"] - 1)
     c.index_range("entry", entry, -1, env["W"] * page_entries)
-    c.index_range("table", table, -(2 ** 31), env["R"] // page_entries)
-    return _impl("store_paged", device)(pool, table, entry, mask, values, page_entries, trash_row)
+    c.index_range(at + "table", table, -(2 ** 31), env["R"] // page_entries)
+
+
+def window_indices(positions, ring_start, window: int) -> torch.Tensor:
+    """Every ring layer's sliding-window indices of a chunk, with no host sync: int32 ``[L, B, S, W]``
+    into ``[ring (W slots) ‖ chunk (S rows)]`` of the ``W`` most recent positions of each query.
+
+    ``positions`` int64 ``[B, S]`` >= 0, each row consecutive from ``positions[b, 0]`` (the chunk
+    start); ``ring_start`` int64 ``[L, B]`` (positions below it are not in layer ``l``'s ring);
+    ``window`` W >= 1. With ``p = positions[b, s] - w``: ``W + p - positions[b, 0]`` when ``p`` is
+    in the chunk, else ring slot ``p % W`` when ``p >= 0`` and ``p >= ring_start[l, b]``, else ``-1``.
+    """
+    env: dict = {}
+    c.tensor("positions", positions, "B S", env, (torch.int64,))
+    c.tensor("ring_start", ring_start, "L B", env, (torch.int64,), positions.device)
+    c.integer("window", window, 1, 2 ** 31 - 1 - env["S"])
+    c.index_range("positions", positions, 0, 2 ** 62)
+    return _impl("window_indices", positions.device)(positions, ring_start, window)

@@ -56,9 +56,22 @@ def resolve_paged(table, picks, page_entries, offset=0):
     return torch.where((e >= 0) & (page >= 0), page * P + e.clamp_min(0) % P + offset, -1).to(torch.int32)
 
 
+def store_paged_many(stores, entry, mask):
+    return tuple(store_paged(pool, table, entry, mask, values, P, trash) for pool, table, values, P, trash in stores)
+
+
 def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
     B, n = entry.shape
     rows = paged_rows(table, entry, mask, page_entries, trash_row)
     for dst, src in ((pool.data, values.data), (pool.scale, values.scale)):
         dst.view(torch.uint8)[0, rows] = src.reshape(B * n, -1).view(torch.uint8)  # float8 has no index_put
     return pool
+
+
+def window_indices(positions, ring_start, window):
+    start = positions[:, :1].unsqueeze(-1)  # [B, 1, 1]
+    pos = positions.unsqueeze(-1) - torch.arange(window, device=positions.device)  # [B, S, W]
+    in_chunk = pos >= start
+    slot = torch.where(in_chunk, window + pos - start, pos % window)
+    in_ring = (pos >= 0) & (pos >= ring_start.view(*ring_start.shape, 1, 1))  # [L, B, S, W]
+    return torch.where(in_chunk | in_ring, slot, -1).to(torch.int32)

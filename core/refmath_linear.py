@@ -64,10 +64,11 @@ def per_group(linear_fn, x, weight):
     return torch.cat([linear_fn(x[..., g, :], weight[g * out:(g + 1) * out]) for g in range(x.shape[-2])], dim=-1)
 
 
-def linear(x, weight):
-    """``linear_fp32`` in ``x.dtype``; an fp64 ``x`` gets the wide accumulation itself, not rounded
-    to fp32: partial sums that tensor-parallel ranks add up (in fp64) and round once, as one
-    process's whole sum is rounded."""
-    if x.dtype == torch.float64:
+def linear(x, weight, out_dtype=None):
+    """``linear_fp32`` in ``out_dtype`` (default ``x.dtype``); an fp64 output gets the wide
+    accumulation itself, not rounded to fp32: partial sums that tensor-parallel ranks add up (in
+    fp64) and round once, as one process's whole sum is rounded."""
+    out_dtype = out_dtype or x.dtype
+    if out_dtype == torch.float64:
         return _linear_acc(x, weight).to(torch.float64)
-    return linear_fp32(x, weight).to(x.dtype)
+    return linear_fp32(x, weight).to(out_dtype)

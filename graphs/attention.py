@@ -13,8 +13,7 @@ from flashrt import ops
 
 from .compressor import Compressor
 from .fused_weights import fuse_in_place
-from .context import (Selection, StepContext, quantized_rope_tail, rope_tail, window_indices,  # noqa: F401
-                      window_parts)  # (re-exported)
+from .context import Selection, StepContext, quantized_rope_tail, rope_tail, window_indices  # noqa: F401 (re-exported)
 
 
 class Attention:
@@ -34,6 +33,10 @@ class Attention:
         self.head_unit = torch.ones(cfg.head_dim, dtype=self.kv_norm.dtype, device=self.kv_norm.device)
         self.wo_a = w[p + "wo_a.weight"]  # [G * o_lora, H * hd / G]: ops.grouped_linear
         self.wo_b = w[p + "wo_b.weight"]
+        # a ratio-1 compressor's wkv and the indexer's head weights read the same h (plain weights
+        # of one dtype): one GEMM over their concatenated rows
+        self.h_rows = fuse_in_place(w, [p + "compressor.wkv.weight", p + "indexer.weights_proj.weight"]) \
+            if self.role == "full" and self.ratio == 1 else None
         self.compressor = Compressor(cfg, layer, w, p) if self.role == "full" else None
         if self.role in ("full", "reindex"):
             self.idx_wq_b = w[p + "indexer.wq_b.weight"]
@@ -83,7 +86,7 @@ class Attention:
         if ctx.window_index is not None and self.layer in ctx.window_index:
             indices = ctx.window_index[self.layer]
         else:
-            indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], cfg.window_size, ctx.window_parts)
+            indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], cfg.window_size)
         if self.ratio:
             picked = self._selection(h, qr, ctx)
             segments += picked.segments
@@ -96,16 +99,21 @@ class Attention:
     def _selection(self, h, qr, ctx: StepContext) -> Selection:
         """The compressed entries this layer attends to: its own top-k (``full`` / ``reindex``,
         published for the ``reuse`` layers after it) or its index source's."""
+        kv_rows = head_w = None
+        if self.h_rows is not None:
+            fused, widths = self.h_rows
+            kv_rows, head_w = ops.linear(h, fused).split(widths, dim=-1)
         if self.compressor is not None and self.layer not in ctx.compress_done:
-            self.compressor.forward(h, ctx)
+            self.compressor.forward(h, ctx, kv_rows)
         if self.role in ("full", "reindex"):
             T = ctx.entries[self.ratio]
-            topk = self._indexer(h, qr, ctx.state.index_keys(self.source, T), ctx.visible[self.ratio], ctx)
+            topk = self._indexer(h, qr, ctx.state.index_keys(self.source, T), ctx.visible[self.ratio], ctx, head_w)
             offset = self.cfg.window_size + h.shape[1]  # past the ring and the chunk
             ctx.selections[self.layer] = Selection(*ctx.state.main_segments(self.source, topk, T, offset))
         return ctx.selections[self.index_source]
 
-    def _indexer(self, h, qr, index_k, visible, ctx: StepContext) -> torch.Tensor:
+    def _indexer(self, h, qr, index_k, visible, ctx: StepContext, head_w=None) -> torch.Tensor:
+        """The top-k entries of this layer's queries; ``head_w``: ``weights_proj(h)`` when computed already."""
         cfg = self.cfg
         B, S, _ = h.shape
         T = index_k.shape[1]
@@ -115,7 +123,8 @@ class Attention:
         # rope, then the published fake quantization through fp4_b32, in one op
         q = quantized_rope_tail(q, None, 0.0, ctx.rope_compressed, cfg.rope_head_dim, "fp4_b32", q.dtype)
         scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
-        scores = ops.index_scores(q, index_k, ops.linear(h, self.idx_weights), visible, scale)
+        head_w = ops.linear(h, self.idx_weights) if head_w is None else head_w
+        scores = ops.index_scores(q, index_k, head_w, visible, scale)
         if self.layer == cfg.candidate_source_layer:
             ctx.candidates = ops.candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
         candidates = ctx.candidates if cfg.uses_candidates(self.layer) else None

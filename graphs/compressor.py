@@ -26,19 +26,32 @@ class Compressor:
         self.wkv, self.norm = w[p + "compressor.wkv.weight"], w[p + "compressor.norm.weight"]
         self.wgate = w[p + "compressor.wgate.weight"] if self.ratio > 1 else None
         self.wk, self.k_norm = w[p + "indexer.wk.weight"], w[p + "indexer.k_norm.weight"]
+        # ratio 1: every entry counts; a decode step's mask is a view of rows made once
+        self.true = torch.ones(cfg.max_batch_size, 1, dtype=torch.bool, device=self.norm.device)
 
-    def forward(self, h: torch.Tensor, ctx: StepContext) -> None:
-        """Pool the groups this chunk completes and append them to the layer's caches."""
+    def forward(self, h: torch.Tensor, ctx: StepContext, kv: torch.Tensor | None = None) -> None:
+        """Pool the groups this chunk completes and append them to the layer's caches; ``kv``: a
+        ratio-1 compressor's ``wkv(h)`` when computed already."""
+        # entry j is rotated as position j * ratio: at ratio 1 the entries are the chunk's positions
+        # and in a decode step the step context holds the factors of the entry it may complete
         if self.ratio == 1:
-            latent = ops.rms_norm(ops.linear(h, self.wkv), self.norm, self.cfg.norm_eps)
-            entry, mask = ctx.positions, torch.ones_like(ctx.positions, dtype=torch.bool)
+            latent = ops.rms_norm(ops.linear(h, self.wkv) if kv is None else kv, self.norm, self.cfg.norm_eps)
+            entry, mask = ctx.positions, self._all(ctx.positions)
+            f = ctx.rope_compressed
         elif h.shape[1] == 1:
             latent, entry, mask = self._decode(h, ctx)
+            f = ctx.entry_rope.get(self.ratio)
         else:
             latent, entry, mask = self._chunk(h, ctx)
             if latent is None:
                 return
-        self._store(latent, entry, mask, ctx)
+            f = None
+        self._store(latent, entry, mask, ctx, ctx.rope.factors(True, entry * self.ratio) if f is None else f)
+
+    def _all(self, positions: torch.Tensor) -> torch.Tensor:
+        """bool ``[B, S]``, every entry kept: rows of :attr:`true` for a decode step."""
+        B, S = positions.shape
+        return self.true[:B] if S == 1 and B <= self.true.shape[0] else torch.ones_like(positions, dtype=torch.bool)
 
     def _decode(self, h, ctx: StepContext):
         """One token per row at its own position: fill slot ``pos % r``; pool when complete
@@ -51,12 +64,13 @@ class Compressor:
                                    self.norm, self.cfg.norm_eps, h.dtype)
 
     def _project(self, h):
-        """(``wkv(h)``, ``wgate(h)``) in fp32: one ``linear`` over the fused weight (split into views) or two."""
-        x = h.to(torch.float32)
+        """(``wkv(h)``, ``wgate(h)``) in fp32 (``h`` exact in fp32: the sums rounded once to fp32, no
+        cast before): one ``linear`` over the fused weight (split into views) or two."""
+        f32 = torch.float32
         if self.fused is None:
-            return ops.linear(x, self.wkv), ops.linear(x, self.wgate)
+            return ops.linear(h, self.wkv, f32), ops.linear(h, self.wgate, f32)
         fused, widths = self.fused
-        return ops.linear(x, fused).split(widths, dim=-1)
+        return ops.linear(h, fused, f32).split(widths, dim=-1)
 
     def _chunk(self, h, ctx: StepContext):
         """A chunk of S tokens per row, each row from its own position: row ``b``'s inputs are its
@@ -122,11 +136,8 @@ class Compressor:
         g = torch.arange(n, device=h.device).unsqueeze(0)
         return latent, first.unsqueeze(1) // r + g, g < ((pend + S) // r).unsqueeze(1)
 
-    def _store(self, latent, entry, mask, ctx: StepContext) -> None:
+    def _store(self, latent, entry, mask, ctx: StepContext, f: torch.Tensor) -> None:
         cfg, rd = self.cfg, self.cfg.rope_head_dim
-        # entry j is rotated as position j * ratio: at ratio 1 the entries are the chunk's positions,
-        # whose factors the step context holds already
-        f = ctx.rope_compressed if self.ratio == 1 else ctx.rope.factors(True, entry * self.ratio)
         index_k = quantized_rope_tail(ops.linear(latent, self.wk), self.k_norm, cfg.norm_eps, f, rd, "fp4_b32")
         main = quantized_rope_tail(latent, None, 0.0, f, rd, MAIN_KV_FORMAT)
         ctx.state.append_entries(self.layer, main, index_k, entry, mask)

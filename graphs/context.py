@@ -9,8 +9,9 @@ from flashrt import ops
 from flashrt.rope import YaRN, rope_frequencies
 from flashrt.kv.state import KVState
 
+from .step_rows import StepRows
+
 STEP_ROWS = 256  # chunks of at most this many query rows (B * S) build every layer's window indices at once
-_BIG = 1 << 62  # a key every ring start accepts (chunk slots); -_BIG: none does (before the sequence)
 
 
 @dataclass(slots=True)
@@ -33,7 +34,7 @@ class StepContext:
     rope: "RopeCache"
     rope_window: torch.Tensor | None = None  # complex64 [B, S, R/2]: window-only and draft layers
     rope_compressed: torch.Tensor | None = None  # the same for the compressed layers
-    window_parts: tuple | None = None  # window_parts(positions, W): (slot, key), shared by every layer
+    entry_rope: dict = field(default_factory=dict)  # ratio -> factors of the entry a decode compressor completes
     window_index: dict | None = None  # layer -> its window_indices (decode-sized chunks: step_window_indices)
     ring_slots: tuple | None = None  # KVState.ring_slots(positions): where every layer writes its ring
     visible: dict = field(default_factory=dict)  # ratio -> int32 [B, S]: entries each query sees
@@ -57,15 +58,14 @@ class StepContext:
         (a captured step's static bucket; default: every complete group up to ``end``; the extra
         entries of a bucket are visible to no query)."""
         B, S = positions.shape
-        parts = window_parts(positions, needs.window)
+        visible, factors = rope.rows(needs, S == 1)(positions)
         return cls(
             positions, end, state, rope,
-            rope_window=rope.factors(False, positions) if needs.window_rope else None,
-            rope_compressed=rope.factors(True, positions) if needs.ratios else None,
-            window_parts=parts,
-            window_index=step_window_indices(parts, state.ring_start) if B * S <= STEP_ROWS else None,
+            rope_window=factors.get("window"), rope_compressed=factors.get("compressed"),
+            entry_rope={r: f for r, f in factors.items() if isinstance(r, int)},
+            window_index=step_window_indices(positions, state, needs.window) if B * S <= STEP_ROWS else None,
             ring_slots=state.ring_slots(positions),
-            visible={r: ((positions + 1) // r).to(torch.int32) for r in needs.index_ratios},
+            visible=visible,
             entries=dict(entries) if entries is not None else {r: end // r for r in needs.ratios},
             shared_route=None if routes is None else routes(B * S, positions.device),
             **fields)
@@ -79,49 +79,30 @@ class StepNeeds:
     ratios: tuple  # compress ratios of the compressed layers
     index_ratios: tuple  # compress ratios of the index sources (their queries' visible counts)
     window_rope: bool  # window-only or draft layers exist
+    entry_ratios: tuple = ()  # compress ratios > 1 of the KV sources (a decode step's entry factors)
 
     @classmethod
     def of(cls, cfg) -> "StepNeeds":
         return cls(cfg.window_size, tuple(sorted({cfg.ratio(l) for l in range(cfg.n_layers)} - {0})),
                    tuple(sorted({cfg.ratio(l) for l in cfg.index_source_layers})),
-                   any(cfg.ratio(l) == 0 for l in range(cfg.total_layers)))
+                   any(cfg.ratio(l) == 0 for l in range(cfg.total_layers)),
+                   tuple(sorted({cfg.ratio(l) for l in cfg.kv_source_layers} - {0, 1})))
 
 
-def window_parts(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What :func:`window_indices` needs that does not depend on the layer's ring start, computed once
-    per call: (slot int32 [B, S, W], key int64 [B, S, W]). Position ``p - w`` is slot
-    ``window + p - w - start`` of the chunk when it is >= the chunk start, else ring slot
-    ``(p - w) % W``; its key is ``_BIG`` in the chunk, the position itself when >= 0, else ``-_BIG``."""
-    start = positions[:, :1].unsqueeze(-1)  # [B, 1, 1]
-    pos = positions.unsqueeze(-1) - torch.arange(window, device=positions.device)  # [B, S, W]
-    in_chunk = pos >= start
-    slot = torch.where(in_chunk, window + pos - start, pos % window).to(torch.int32)
-    key = torch.where(in_chunk, _BIG, torch.where(pos >= 0, pos, -_BIG))
-    return slot, key
+def window_indices(positions: torch.Tensor, ring_start: torch.Tensor, window: int) -> torch.Tensor:
+    """int32 [B, S, W] indices into [ring (W slots) ‖ chunk (S)] of the W most recent positions of
+    one layer (``ring_start`` int64 [B]): ``ops.window_indices`` of that layer alone."""
+    return ops.window_indices(positions, ring_start.view(1, -1), window)[0]
 
 
-def window_indices(positions: torch.Tensor, ring_start: torch.Tensor, window: int, parts=None) -> torch.Tensor:
-    """int32 [B, S, W] indices into [ring (W slots) ‖ chunk (S)] of the W most recent positions.
-
-    Position ``p - w`` lives in the chunk when it is >= the chunk start, else in ring slot
-    ``(p - w) % W`` if the ring holds it (>= ``ring_start``); -1 before the sequence start.
-    ``parts``: :func:`window_parts` of these positions (shared by the layers of one call).
-    """
-    slot, key = parts if parts is not None else window_parts(positions, window)
-    return slot.masked_fill(key < ring_start.view(-1, 1, 1), -1)
-
-
-def step_window_indices(parts: tuple, ring_start: dict) -> dict:
-    """:func:`window_indices` of every layer of ``ring_start`` (layer -> int64 [B] ring start) in
-    one pass: the starts stacked to ``[L, B]``, one compare and one select over ``[L, B, S, W]``
-    instead of two launches a layer. Layer -> int32 [B, S, W] (a view of the stacked result)."""
-    if not ring_start:
+def step_window_indices(positions: torch.Tensor, state: KVState, window: int) -> dict:
+    """:func:`window_indices` of every ring layer of ``state`` in one ``ops.window_indices`` call:
+    layer -> int32 [B, S, W] (a view of the [L, B, S, W] result)."""
+    layers, starts = state.ring_starts()
+    if not layers:
         return {}
-    slot, key = parts
-    layers = list(ring_start)
-    starts = torch.stack([ring_start[l] for l in layers]).view(len(layers), -1, 1, 1)
-    masked = torch.where(key >= starts, slot, -1)
-    return {l: masked[i] for i, l in enumerate(layers)}
+    out = ops.window_indices(positions, starts, window)
+    return {l: out[i] for i, l in enumerate(layers)}
 
 
 class RopeCache:
@@ -137,6 +118,16 @@ class RopeCache:
             yarn = YaRN(cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
         self.compressed = rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, yarn).to(device)
         self.one = torch.ones((), dtype=torch.float32, device=device)
+        # the model's step tables are made here, not at a call (a captured step cannot copy to the device)
+        needs = StepNeeds.of(cfg)
+        self._rows = {(needs, decode): StepRows(needs, self.window, self.compressed, decode) for decode in (False, True)}
+
+    def rows(self, needs: "StepNeeds", decode: bool) -> StepRows:
+        """The :class:`StepRows` of ``needs`` for a one-token (``decode``) or a longer chunk."""
+        key = (needs, decode)
+        if key not in self._rows:
+            self._rows[key] = StepRows(needs, self.window, self.compressed, decode)
+        return self._rows[key]
 
     def factors(self, compressed: bool, positions: torch.Tensor) -> torch.Tensor:
         """complex64 ``[*positions.shape, R/2]``."""

@@ -36,6 +36,8 @@ class Model:
         self.rope = RopeCache(cfg, self.device)
         self.routes = SharedRoutes() if cfg.n_shared_experts else None
         self.step_needs = StepNeeds.of(cfg)
+        self.first_mix = torch.zeros(cfg.hc_mult, dtype=torch.float32, device=self.device)  # block 0 reads copy 0
+        self.first_mix[0] = 1.0
         layout = EngramLayout.from_config(cfg)
         self.hasher = None
         if layout is not None:
@@ -115,9 +117,7 @@ class Model:
         if spans is not None:
             x = torch.where(spans.mask.unsqueeze(-1), spans.rows[spans.index.clamp_min(0)].to(x.dtype), x)
         x = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
-        pre = torch.zeros(*ids.shape, self.cfg.hc_mult, dtype=torch.float32, device=self.device)
-        pre[..., 0] = 1.0
-        return x, pre
+        return x, self.first_mix.expand(*ids.shape, self.cfg.hc_mult)  # a view: no fill launch
 
     def run_layers(self, x, pre, ctx: StepContext, layers, skip_engram=(), capture=None):
         for layer in layers:
@@ -133,8 +133,10 @@ class Model:
         if not all_positions:
             x, pre = x[:, -1:], pre[:, -1:]
         h = ops.hc_collapse_norm(x, pre, self.norm, self.cfg.norm_eps)
-        h = h.to(torch.float32)
-        out = ops.linear(h, self.head) if self.parallel is None else self.parallel.head_logits(h, self.head)
+        if self.parallel is None:  # fp32 sums of h, with no cast launch before the head
+            out = ops.linear(h, self.head, torch.float32)
+        else:
+            out = self.parallel.head_logits(h.to(torch.float32), self.head)
         return out if all_positions else out[:, 0]
 
     # ----- public ----------------------------------------------------------------------------------

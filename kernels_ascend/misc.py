@@ -10,7 +10,8 @@ them exactly; ``sample`` makes the argmax tie rule explicit. Each call is counte
 (``npu_runtime.FALLBACKS``) with its reason. ``gather_cold_rows`` reads pages in host memory,
 which no torch_npu operator reads: it gathers on the host and stages the rows to the NPU;
 ``store_paged`` and ``resolve_paged`` go through a block table, which no operator does, and
-``store_rows`` is a plain byte scatter; ``engram_hash`` is int64 arithmetic no operator does.
+``store_rows`` is a plain byte scatter; ``engram_hash`` and ``window_indices`` are int64
+arithmetic no operator does.
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ REASONS = {
     "store_rows": "a byte scatter of rows: two torch index_put operations on the NPU (data and scale)",
     "resolve_paged": "no torch_npu operator looks entries up through a block table: the lookup runs as torch "
                      "operations on the NPU",
+    "store_paged_many": "no torch_npu operator stores through a block table: each store's lookup and byte "
+                        "scatter run as torch operations on the NPU",
+    "window_indices": "no torch_npu operator computes sliding-window ring slots: int64 arithmetic as torch "
+                      "operations on the NPU",
 }
 
 
@@ -129,6 +134,12 @@ def store_paged(pool, table, entry, mask, values, page_entries, trash_row):
     return ref.store_paged(pool, table, entry, mask, values, page_entries, trash_row)
 
 
+def store_paged_many(stores, entry, mask):
+    """``store_paged_many``: the reference's ``store_paged`` of each store, as torch operations on the NPU."""
+    fallback("store_paged_many", REASONS["store_paged_many"])
+    return ref.store_paged_many(stores, entry, mask)
+
+
 def engram_hash(seq, multipliers, primes, offsets, pad):
     """``engram_hash``: plain torch on the NPU, exactly the reference."""
     fallback("engram_hash", REASONS["engram_hash"])
@@ -147,10 +158,16 @@ def resolve_paged(table, picks, page_entries, offset=0):
     return ref.resolve_paged(table, picks, page_entries, offset)
 
 
+def window_indices(positions, ring_start, window):
+    """``window_indices``: plain torch on the NPU, exactly the reference."""
+    fallback("window_indices", REASONS["window_indices"])
+    return ref.window_indices(positions, ring_start, window)
+
+
 FAMILY = npu_family("misc", {name: globals()[name] for name in (
     "compress_pool", "compress_decode", "hc_coefficients", "hc_collapse", "hc_collapse_norm", "hc_expand",
     "engram_gate", "engram_lookup", "engram_hash", "sample", "gather_cold_rows", "store_paged", "store_rows",
-    "resolve_paged")},
+    "resolve_paged", "window_indices", "store_paged_many")},
     "ops with no matching torch_npu operator (plain torch on the NPU) and engram_lookup (npu_gather_sparse_index)")
 PLANS = {name: (lambda *args, why=why: why) for name, why in REASONS.items()}
 PLANS["engram_lookup"] = lambda *args: None

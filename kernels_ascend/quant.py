@@ -72,7 +72,9 @@ def dequantize(q, dtype):
     return exact_dequantize(q, dtype)
 
 
-def linear_plan(x, weight) -> str | None:
+def linear_plan(x, weight, out_dtype=None) -> str | None:
+    if out_dtype not in (None, x.dtype):
+        return "an output dtype other than x's: the sums rounded once to it, in plain torch"
     if not isinstance(weight, QTensor):
         return None if weight.dtype == x.dtype and x.dtype in HALF else "plain weight: fp32 matmul"
     if weight.fmt != "int8_w":
@@ -91,14 +93,14 @@ def quant_matmul(x2: torch.Tensor, w: QTensor) -> torch.Tensor:
     return operator("linear", "npu_quant_matmul")(xq, w.data.t(), scale, pertoken_scale=xs, output_dtype=x2.dtype)
 
 
-def linear_exact(x, weight: QTensor) -> torch.Tensor:
-    """Plain-torch ``linear`` with a quantized weight, in ``x.dtype``: ``x`` quantized as
-    ``refmath.activation_format`` says, both operands decoded by the exact byte decoders."""
+def linear_exact(x, weight: QTensor, out_dtype=None) -> torch.Tensor:
+    """Plain-torch ``linear`` with a quantized weight, in ``out_dtype`` (default ``x.dtype``): ``x``
+    quantized as ``refmath.activation_format`` says, both operands decoded by the exact byte decoders."""
     xq = exact_dequantize(formats.quantize(x, ref.activation_format(weight)))
-    return F.linear(xq, exact_dequantize(weight)).to(x.dtype)
+    return F.linear(xq, exact_dequantize(weight)).to(out_dtype or x.dtype)
 
 
-def linear(x, weight):
+def linear(x, weight, out_dtype=None):
     """``linear``: plain weight -> ``F.linear`` (aclnnMatmul, fp32 accumulation on the cube);
     ``int8_w`` -> ``npu_dynamic_quant`` + ``torch_npu.npu_quant_matmul``.
 
@@ -108,14 +110,15 @@ def linear(x, weight):
     exact int32 accumulation, which is docs/ops.md's ``dequant(xq) @ dequant(w).T`` rounded once to
     ``x.dtype``. Falls back to plain torch for fp32 x (the operator has no fp32 output), for
     ``fp8_w``/``fp4_w`` weights (no FP8/FP4 on the 910B: reference numerics, fp8 activations) and
-    for a plain weight whose dtype differs from x's (computed in fp32 as the reference does).
+    for a plain weight whose dtype differs from x's (computed in fp32 as the reference does), and
+    for an ``out_dtype`` other than x's.
     """
-    why = linear_plan(x, weight)
+    why = linear_plan(x, weight, out_dtype)
     if why:
         fallback("linear", why)
         if isinstance(weight, QTensor) and weight.fmt == "int8_w":
-            return linear_exact(x, weight)
-        return ref.linear(x, weight)
+            return linear_exact(x, weight, out_dtype)
+        return ref.linear(x, weight, out_dtype)
     if not isinstance(weight, QTensor):
         via_torch("linear", "F.linear (aclnnMatmul)")
         return F.linear(x, weight)

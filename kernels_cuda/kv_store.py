@@ -14,6 +14,13 @@ the reference (about a dozen launches).
 ``_resolve_paged_kernel``: one program per ``BLOCK`` picks; pick ``e`` of row ``b`` maps to
 ``offset + table[b, min(max(e, 0) // P, W - 1)] * P + e % P``, or ``-1`` where ``e < 0`` or the page is
 ``< 0`` (``resolve_paged.in_kernel`` off: about a dozen torch launches).
+
+``_store_paged_two_kernel``: two stores at the same entries (``store_paged_many``: a compressed
+entry's main KV and its index key), the grid's second axis picking the store.
+
+``_window_indices_kernel``: one program per ``BLOCK`` elements of the flat ``[L, B, S, W]`` output:
+every ring layer's window indices of a call in one launch (``window_indices.in_kernel`` off: the
+reference's dozen torch launches).
 """
 from __future__ import annotations
 
@@ -32,7 +39,8 @@ from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2
 
 TILES = {"store_paged": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},  # in_kernel False: plain torch
          "store_rows": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},
-         "resolve_paged": {"in_kernel": True, "BLOCK": 1024, "num_warps": 4}}
+         "resolve_paged": {"in_kernel": True, "BLOCK": 1024, "num_warps": 4},
+         "window_indices": {"in_kernel": True, "BLOCK": 1024, "num_warps": 4}}
 PLANS = PlanCache("kv_store", TILES)
 _tiles = PLANS.tiles
 
@@ -56,6 +64,30 @@ def _copy_rows(val_ptr, vscale_ptr, out_ptr, oscale_ptr, src, dst, ok, ROW: tl.c
 def _store_paged_kernel(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, entry_ptr, mask_ptr, total, n, W, P,
                         trash, ROW: tl.constexpr, SROW: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr,
                         BS: tl.constexpr):
+    _store_paged_block(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, entry_ptr, mask_ptr, total, n, W, P,
+                       trash, ROW, SROW, BLOCK, BR, BS)
+
+
+@triton.jit(do_not_specialize=["total", "W0", "trash0", "W1", "trash1"])
+def _store_paged_two_kernel(val0, vscale0, pool0, pscale0, table0, W0, P0, trash0,
+                            val1, vscale1, pool1, pscale1, table1, W1, P1, trash1, entry_ptr, mask_ptr, total, n,
+                            ROW0: tl.constexpr, SROW0: tl.constexpr, BR0: tl.constexpr, BS0: tl.constexpr,
+                            ROW1: tl.constexpr, SROW1: tl.constexpr, BR1: tl.constexpr, BS1: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Two stores at the same entries: axis 1 of the grid picks the store."""
+    if tl.program_id(1) == 0:
+        _store_paged_block(val0, vscale0, pool0, pscale0, table0, entry_ptr, mask_ptr, total, n, W0, P0, trash0,
+                           ROW0, SROW0, BLOCK, BR0, BS0)
+    else:
+        _store_paged_block(val1, vscale1, pool1, pscale1, table1, entry_ptr, mask_ptr, total, n, W1, P1, trash1,
+                           ROW1, SROW1, BLOCK, BR1, BS1)
+
+
+@triton.jit
+def _store_paged_block(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, entry_ptr, mask_ptr, total, n, W, P,
+                       trash, ROW: tl.constexpr, SROW: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr,
+                       BS: tl.constexpr):
+    """Pairs ``[pid * BLOCK, (pid + 1) * BLOCK)`` of one store (``_store_paged_kernel``)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < total
     e = tl.maximum(tl.load(entry_ptr + i, mask=ok, other=0).to(tl.int64), 0)
@@ -87,6 +119,25 @@ def _resolve_paged_kernel(pick_ptr, table_ptr, out_ptr, total, N, W, P, offset, 
     tl.store(out_ptr + i, tl.where((e >= 0) & (page >= 0), offset + page * P + ec % P, -1).to(tl.int32), mask=ok)
 
 
+# the batch and the chunk length vary with the load, the ring layers and the window with the model
+@triton.jit(do_not_specialize=("total", "B", "S", "W"))
+def _window_indices_kernel(pos_ptr, start_ptr, out_ptr, total, B, S, W, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    i64 = i.to(tl.int64)
+    w = i64 % W
+    s = (i64 // W) % S
+    lb = i64 // (W * S)  # l * B + b
+    b = lb % B
+    first = tl.load(pos_ptr + b * S, mask=ok, other=0)
+    p = tl.load(pos_ptr + b * S + s, mask=ok, other=0) - w
+    ring_start = tl.load(start_ptr + lb, mask=ok, other=0)
+    in_chunk = p >= first
+    slot = tl.where(in_chunk, W + p - first, p % W)
+    keep = in_chunk | ((p >= 0) & (p >= ring_start))
+    tl.store(out_ptr + i64, tl.where(keep, slot, -1).to(tl.int32), mask=ok)
+
+
 def _flat(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 4 == 0
 
@@ -106,6 +157,36 @@ def store_paged(pool, table, entry, mask, values, page_entries: int, trash_row: 
         table.shape[1], page_entries, trash_row, ROW=pdata.shape[1], SROW=pscale.shape[1], BLOCK=t["BLOCK"],
         BR=next_pow2(pdata.shape[1]), BS=next_pow2(pscale.shape[1]), num_warps=t["num_warps"])
     return pool
+
+
+def store_paged_many(stores, entry, mask):
+    """``flashrt.ops.store_paged_many``: two stores a launch (a compressed entry's main KV and
+    index key in one); the switch ``store_paged.in_kernel`` off, a pool that is not contiguous or
+    an empty store take the plain-torch path."""
+    t = _tiles()["store_paged"]
+    B, n = entry.shape
+    flat = all(_flat(s[0].data) and _flat(s[0].scale) for s in stores)
+    if not (t["in_kernel"] and B * n and flat):
+        return refmath.store_paged_many(stores, entry, mask)
+    for k in range(0, len(stores) - 1, 2):
+        _store_two(stores[k], stores[k + 1], dense(entry), dense(mask).view(torch.uint8), t)
+    if len(stores) % 2:
+        pool, table, values, P, trash = stores[-1]
+        store_paged(pool, table, entry, mask, values, P, trash)
+    return tuple(s[0] for s in stores)
+
+
+def _store_two(a, b, entry, mask, t):
+    args, rows = [], {}
+    for i, (pool, table, values, P, trash) in enumerate((a, b)):
+        pdata, pscale = byte_rows(pool.data), byte_rows(pool.scale)
+        args += [byte_rows(dense(values.data)), byte_rows(dense(values.scale)), pdata, pscale, dense(table),
+                 table.shape[1], P, trash]
+        rows.update({f"ROW{i}": pdata.shape[1], f"SROW{i}": pscale.shape[1], f"BR{i}": next_pow2(pdata.shape[1]),
+                     f"BS{i}": next_pow2(pscale.shape[1])})
+    total = entry.numel()
+    _store_paged_two_kernel[(cdiv(total, t["BLOCK"]), 2)](*args, entry, mask, total, entry.shape[1], **rows,
+                                                          BLOCK=t["BLOCK"], num_warps=t["num_warps"])
 
 
 def store_rows(dst, batch, slot, src):
@@ -137,6 +218,20 @@ def resolve_paged(table, picks, page_entries: int, offset: int = 0):
     return out
 
 
+def window_indices(positions, ring_start, window: int):
+    """``flashrt.ops.window_indices`` in one launch (the switch ``window_indices.in_kernel`` off: plain torch)."""
+    t = _tiles()["window_indices"]
+    if not t["in_kernel"]:
+        return refmath.window_indices(positions, ring_start, window)
+    (B, S), L = positions.shape, ring_start.shape[0]
+    out = torch.empty(L, B, S, window, dtype=torch.int32, device=positions.device)
+    if out.numel():
+        _window_indices_kernel[(cdiv(out.numel(), t["BLOCK"]),)](dense(positions), dense(ring_start), out, out.numel(),
+                                                                 B, S, window, BLOCK=t["BLOCK"],
+                                                                 num_warps=t["num_warps"])
+    return out
+
+
 def warmup_cases(device, d: dict, dtype):
     """A decode step's stores and lookup at 1 and 8 rows: one new main-KV entry each into a small
     paged pool, the pool rows of ``index_topk`` picks, one new token each into the window ring."""
@@ -148,16 +243,24 @@ def warmup_cases(device, d: dict, dtype):
         entry = torch.zeros(B, 1, dtype=torch.long, device=device)
         mask = torch.ones(B, 1, dtype=torch.bool, device=device)
         yield _warmup.Launch("store_paged", store_paged, (pool, table, entry, mask, vals, P, 0))
+        keys = empty_qtensor("fp4_b32", (1, 4 * P, d["index_head_dim"]), device)
+        key_vals = empty_qtensor("fp4_b32", (B, 1, d["index_head_dim"]), device)
+        stores = ((pool, table, vals, P, 0), (keys, table, key_vals, P, 0))
+        yield _warmup.Launch("store_paged_many", store_paged_many, (stores, entry, mask))
         picks = torch.full((B, d["index_topk"]), -1, dtype=torch.int32, device=device)
         yield _warmup.Launch("resolve_paged", resolve_paged, (table, picks, P))
         ring = empty_qtensor(profiles.active_profile().kv_window_dtype, (B, d["window_size"], D), device)
         rows = torch.arange(B, device=device)
         yield _warmup.Launch("store_rows", store_rows, (ring, rows, rows, empty_qtensor(ring.fmt, (B, D), device)))
+        starts = torch.zeros(3, B, dtype=torch.long, device=device)  # ring layers: not specialised
+        yield _warmup.Launch("window_indices", window_indices, (rows.view(B, 1), starts, d["window_size"]))
 
 
 FAMILY = KernelFamily(
-    "kv_store", ops={"store_paged": store_paged, "store_rows": store_rows, "resolve_paged": resolve_paged},
+    "kv_store", ops={"store_paged": store_paged, "store_paged_many": store_paged_many, "store_rows": store_rows,
+                     "resolve_paged": resolve_paged, "window_indices": window_indices},
     tiles=TILES,
     tile_checks={"*.in_kernel": Tile(kind=bool), "*.BLOCK": POW2},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
-    description="KV stores (paged and ring rows) and the page lookup of picked rows, each in one launch")
+    description="KV stores (paged and ring rows), the page lookup of picked rows and the window indices, "
+                "each in one launch")

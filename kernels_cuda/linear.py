@@ -164,10 +164,16 @@ def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
     return a @ (weight.data.to(bf16) * sw).t()
 
 
-def linear(x: torch.Tensor, weight: QTensor | torch.Tensor) -> torch.Tensor:
-    """x [..., in] float, weight fp8_w / fp4_w [out, in] (or plain: :mod:`.linear_plain`) -> [..., out] in x.dtype."""
+def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., in] float, weight fp8_w / fp4_w [out, in] (or plain: :mod:`.linear_plain`) -> [..., out] in
+    ``out_dtype`` (default x.dtype). A plain weight writes ``out_dtype`` from the kernel; a quantized
+    one with another ``out_dtype`` runs on fp32 ``x`` (exact; the activations quantize the same
+    values) and rounds the fp32 sums once."""
     if not isinstance(weight, QTensor):
-        return plain_linear(x, weight)
+        return plain_linear(x, weight, out_dtype)
+    if out_dtype not in (None, x.dtype):
+        out = linear(x.to(torch.float32), weight)
+        return out if out_dtype == torch.float32 else out.to(out_dtype)
     assert weight.fmt in WEIGHT_FORMATS and weight.ndim == 2, weight
     n, k = weight.shape
     x2 = x.reshape(-1, k)
@@ -194,8 +200,11 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def supports_linear(x, weight) -> bool:
-    """Quantized 2-D weights (fp8_w / fp4_w), or plain bf16 / fp16 ones (:func:`.linear_plain.supports_plain_linear`)."""
+def supports_linear(x, weight, out_dtype=None) -> bool:
+    """Quantized 2-D weights (fp8_w / fp4_w), or plain bf16 / fp16 ones (:func:`.linear_plain.supports_plain_linear`);
+    an fp32, bf16 or fp16 output."""
+    if out_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        return False
     if not isinstance(weight, QTensor):
         return supports_plain_linear(x, weight)
     return weight.fmt in WEIGHT_FORMATS and weight.ndim == 2 and x.dtype in FLOATS

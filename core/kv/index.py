@@ -161,7 +161,11 @@ class PagedIndexK:
     def write(self, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
         """Store ``values`` [B, n, D] at entries ``entry`` [B, n] where ``mask`` (pages reserved);
         the other rows go to the trash row, so nothing is filtered on the host."""
-        write_paged(self.pool, self.table, entry, mask, values)
+        write_paged(*self.target(), entry, mask, values)
+
+    def target(self) -> tuple:
+        """(pool, block table) of a write (``kv.util.write_paged``)."""
+        return self.pool, self.table
 
     def _rows(self, row: int, lo: int, hi: int) -> torch.Tensor:
         P, t = self.pool.P, torch.arange(lo, hi)

@@ -168,7 +168,11 @@ class PagedMainKV:
     def write(self, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:
         """Store ``values`` [B, n, D] at logical entries ``entry`` [B, n] where ``mask``; the other
         rows go to the trash row (no host-side filtering, no device sync)."""
-        write_paged(self.pool, self.dev_ids(), entry, mask, values)  # reserved pages are on the device
+        write_paged(*self.target(), entry, mask, values)
+
+    def target(self) -> tuple:
+        """(pool, block table) of a write (``kv.util.write_paged``): reserved pages are on the device."""
+        return self.pool, self.dev_ids()
 
     def resolve(self, idx: torch.Tensor, offset: int = 0) -> tuple[list[QTensor], torch.Tensor]:
         """Segments and int32 indices into them for logical entries ``idx`` [B, S, K] (-1 empty);

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrt.formats import MAIN_KV_FORMAT, QTensor
-from .util import empty_qtensor, grown, to_device
+from .util import empty_qtensor, grown, to_device, write_paged_many
 from .index import IndexPool, PagedIndexK
 from .main_kv import PagedMainKV
 from .pages import PagePool
@@ -72,6 +72,7 @@ class KVState(RowMoves, StagedWrites):
         self.cfg, self.batch, self.capacity, self.window_fmt = cfg, batch, capacity, window_fmt
         self.device = torch.device(device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.row_ids = torch.arange(batch, device=self.device)  # the rows' numbers (ring writes)
         self.host_positions = [0] * batch  # the same on the host: no device sync to read them
         hd, L, W = cfg.head_dim, cfg.total_layers, cfg.window_size
         # every layer's ring is a view of one [layers, batch, W, hd] store (and ring_start of one
@@ -226,6 +227,14 @@ class KVState(RowMoves, StagedWrites):
         cold = tuple(c.main.has_cold() for c in self.compressed.values())
         return StepBuffers(tuple(t for t in tensors if t is not None), cold)
 
+    def ring_starts(self) -> tuple[tuple, torch.Tensor]:
+        """(ring layers, int64 [L, B] their ring starts): the one store when the rings share it."""
+        layers = tuple(self.ring_start)
+        if self._ring_start_store is not None and layers == tuple(range(self._ring_start_store.shape[0])):
+            return layers, self._ring_start_store
+        empty = torch.zeros(0, self.batch, dtype=torch.long, device=self.device)
+        return layers, torch.stack([self.ring_start[l] for l in layers]) if layers else empty
+
     # ----- compressed caches -------------------------------------------------------------------
     def append_entries(self, layer: int, main: QTensor, index_k: QTensor, entry: torch.Tensor, mask) -> None:
         """Write compressed entries ``main``/``index_k`` [B, n, *] at entry numbers ``entry``
@@ -233,8 +242,7 @@ class KVState(RowMoves, StagedWrites):
         if self.is_meta:
             return
         cache = self.compressed[layer]
-        cache.index_k.write(entry, mask, index_k)
-        cache.main.write(entry, mask, main)
+        write_paged_many(((*cache.index_k.target(), index_k), (*cache.main.target(), main)), entry, mask)
 
     def index_keys(self, layer: int, entries: int) -> PagedKeys | QTensor:
         """Index K of source ``layer``: the first ``entries`` entries of every row, as a paged
@@ -282,6 +290,7 @@ class KVState(RowMoves, StagedWrites):
         out.window_fmt = first.window_fmt
         out.batch = sum(s.batch for s in states)
         out.positions = torch.cat([s.positions for s in states])
+        out.row_ids = torch.arange(out.batch, device=out.device)
         out.host_positions = [p for s in states for p in s.host_positions]
         cat_q = lambda qs: QTensor(torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs]),
                                    qs[0].fmt, (out.batch, *qs[0].shape[1:]))

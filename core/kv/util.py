@@ -51,6 +51,13 @@ def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tens
     unchecked(ops.store_paged, pool.segment(), table, entry, mask, values, pool.P, pool.trash_row)
 
 
+def write_paged_many(writes, entry: torch.Tensor, mask: torch.Tensor) -> None:
+    """:func:`write_paged` into several pools at the same entries in one ``store_paged_many`` call:
+    ``writes`` ``((pool, table, values), ...)``."""
+    stores = tuple((pool.segment(), table, values, pool.P, pool.trash_row) for pool, table, values in writes)
+    unchecked(ops.store_paged_many, stores, entry, mask)
+
+
 def unchecked(op, *args) -> None:
     """``op(*args)`` with the checks that read index values off: the KV writes take slots, entries
     and block tables the state computed itself, so a range check would only read them back (a host

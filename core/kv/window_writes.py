@@ -19,7 +19,7 @@ class StagedWrites:
         rings: where every layer of a call writes its ring (computed once per call)."""
         W = self.cfg.window_size
         positions = positions[:, -W:]  # rows of a chunk share its length: the last W tokens stay
-        rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)
+        rows = self.row_ids.unsqueeze(1).expand_as(positions)
         return rows.reshape(-1), (positions % W).reshape(-1)
 
     def write_ring(self, layer: int, kv: QTensor, slots: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -78,3 +78,36 @@ def test_model_fuses_wq_a_and_wkv_and_saves_the_original_names(cfg, tmp_path):
             assert torch.equal(got.scale.view(torch.uint8), ref[1].view(torch.uint8)), name
         else:
             assert torch.equal(got, ref), name
+
+
+def test_ratio_one_source_fuses_its_compressor_and_head_weight_rows(rng, monkeypatch):
+    """``tiny``'s ratio-1 KV source computes its compressor's ``wkv`` and its indexer's head
+    weights in one GEMM over views of one copy; a prefill and decode steps give the logits of the
+    model built without that fusion, bit for bit (reference backend, fresh random weights and ids)."""
+    from flashrt.graphs import attention
+    from flashrt.graphs.config import shipped_config
+
+    cfg = shipped_config("tiny")
+    layer = next(l for l in cfg.kv_source_layers if cfg.ratio(l) == 1)
+    weights = init_weights(cfg, seed=int(torch.randint(0, 1000, (1,), generator=rng)), device="cpu")
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=rng)
+
+    def logits(model):
+        with flashrt.use_backend("reference"):
+            state = model.new_state(2, 16)
+            out = [model.forward(ids, state=state)]
+            for _ in range(3):
+                out.append(model.forward(out[-1].argmax(-1, keepdim=True), state=state))
+        return out
+
+    fused = Model(cfg, dict(weights))
+    attn = fused.blocks[layer].attn
+    assert attn.h_rows is not None and attn.h_rows[1] == (cfg.head_dim, cfg.index_n_heads)
+    assert attn.idx_weights.data_ptr() - attn.compressor.wkv.data_ptr() == cfg.head_dim * cfg.dim * 2
+    real = attention.fuse_in_place
+    monkeypatch.setattr(attention, "fuse_in_place",
+                        lambda w, names: None if "indexer.weights_proj.weight" in names[-1] else real(w, names))
+    plain = Model(cfg, dict(weights))
+    assert plain.blocks[layer].attn.h_rows is None
+    for a, b in zip(logits(fused), logits(plain)):
+        assert torch.equal(a, b)

@@ -105,3 +105,29 @@ def test_grouped_linear_whose_groups_no_tile_fits_runs_a_launch_per_group(rng, l
     got, want = run_both("grouped_linear", x, w)
     assert launches.count("_plain_linear_kernel") == 2 and got.shape == (3, 80)
     assert rel_err(got, want) < 4e-3
+
+
+@pytest.mark.parametrize("split", [None, 1, 3])
+@pytest.mark.parametrize("m,n,k", [(1, 128, 64), (5, 70, 100)])
+def test_fp32_sums_of_bf16_rows_equal_the_cast_path(rng, monkeypatch, launches, split, m, n, k):
+    """``linear(x, w, torch.float32)`` on bf16 rows (the compressor's ``wkv`` / ``wgate``): one
+    launch, no cast before it, equal to the fp32-input path it replaces (``linear(x.float(), w)``,
+    the same exact products) and within fp32 accuracy of the reference and float64."""
+    monkeypatch.setitem(lp.TILES, "split_k", split)
+    x = torch.randn(m, k, generator=rng).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(n, k, generator=rng) * k ** -0.5).to(torch.bfloat16).to(DEVICE)
+    assert lin.FAMILY.serves("linear", x, w, torch.float32) is None
+    got, want = run_both("linear", x, w, torch.float32)
+    assert launches == ["_plain_linear_kernel"]
+    unfused, _ = run_both("linear", x.float(), w)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == (m, n)
+    assert rel_err(got, unfused) < 2e-6 and rel_err(got, want) < 2e-6 and rel_err(got, _exact(x, w)) < 2e-6
+
+
+def test_quantized_weight_with_another_output_dtype(rng):
+    """fp8_w with ``out_dtype`` fp32 from bf16 x: the fp32-x result of the same activations."""
+    x = torch.randn(3, 64, generator=rng).to(torch.bfloat16).to(DEVICE)
+    w = ops.quantize((torch.randn(32, 64, generator=rng) * 0.1).to(DEVICE), "fp8_w")
+    got, want = run_both("linear", x, w, torch.float32)
+    fp32, _ = run_both("linear", x.float(), w)
+    assert got.dtype == torch.float32 and torch.equal(got, fp32) and rel_err(got, want) < 2e-6

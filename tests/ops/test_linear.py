@@ -219,3 +219,30 @@ def test_grouped_linear_is_each_group_times_its_rows(dtype, rng):
         ops.grouped_linear(x, w[:, :-1])
     with pytest.raises(ValueError, match="x"):
         ops.grouped_linear(x[0, 0, 0], w)
+
+
+@pytest.mark.parametrize("wkind", ["bf16", "fp8_w", "fp4_w"])
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                             (torch.bfloat16, torch.float64)])
+def test_linear_out_dtype_rounds_the_sums_once(wkind, dtype, out_dtype, rng):
+    """``out_dtype``: the result of the same sums rounded once to it: bit for bit ``linear`` of x
+    in the wider dtype (x exact there) for a wider output, and that fp32 result rounded for a
+    narrower one; checked against float64 as the default output is."""
+    x = _x((3, 64), dtype, rng)
+    w = torch.randn(33, 64, generator=rng) * 0.05
+    w = w.to(torch.bfloat16) if wkind == "bf16" else ops.quantize(w, wkind)
+    y = ops.linear(x, w, out_dtype)
+    assert y.dtype == out_dtype and y.shape == (3, 33)
+    wide = ops.linear(x.to(torch.float64) if out_dtype == torch.float64 else x.float(), w)
+    assert torch.equal(y, wide.to(out_dtype))
+    w64 = w.to(torch.float64).numpy() if wkind == "bf16" else dequant_w64(w)
+    xf = x.to(torch.float64).numpy()
+    if out_dtype != torch.float64:  # (the bound's rounding is that of the output dtype)
+        _check(y, y, w64, xf if wkind == "bf16" else fp8_act_quant64(xf))
+
+
+def test_linear_out_dtype_errors(rng):
+    x, w = torch.randn(3, 64, generator=rng), torch.randn(5, 64, generator=rng)
+    for bad in (torch.int32, "float32"):
+        with pytest.raises(ValueError, match=r"^out_dtype: expected"):
+            ops.linear(x.bfloat16(), w, bad)
