@@ -80,11 +80,11 @@ class _Grids:
 @contextlib.contextmanager
 def recording_grids():
     """{kernel name: [grid, ...]} of the swept kernels launched inside the block."""
-    from flashrt.kernels_cuda import linear, mhc, moe
+    from flashrt.kernels_cuda import linear, mhc_coefficients, moe
 
     seen: dict = {}
     swaps = [(linear, "_linear_kernel"), (moe, "_moe_up_kernel"), (moe, "_moe_down_kernel"),
-             (mhc, "_hc_coefficients_kernel")]
+             (mhc_coefficients, "_hc_coefficients_kernel")]
     kept = [(mod, name, getattr(mod, name)) for mod, name in swaps]
     try:
         for mod, name, kernel in kept:
