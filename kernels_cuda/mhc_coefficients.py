@@ -130,35 +130,30 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
 
 
 @triton.jit
-def _sum_splits(ws, t, tm, n_splits, T, W: tl.constexpr, BLOCK_T: tl.constexpr, SUM_SPLITS: tl.constexpr):
-    """sum over s of ws[s, t, :W] ([BLOCK_T, W]; ws [splits, T, W]): SUM_SPLITS splits a load, summed
-    as a tree in a fixed order (deterministic for a given split count)."""
-    w = tl.arange(0, W)
-    acc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
-    for s0 in range(0, n_splits, SUM_SPLITS):
-        s = s0 + tl.arange(0, SUM_SPLITS)
-        row = s.to(tl.int64)[:, None] * T + t[None, :]
-        m = ((s < n_splits)[:, None] & tm[None, :])[:, :, None]
-        acc += tl.sum(tl.load(ws + row[:, :, None] * W + w[None, None, :], mask=m, other=0.0, cache_modifier=".cg"),
-                      axis=0)
-    return acc
-
-
-@triton.jit
 def _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t0, T, K, n_splits,
                iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr,
                SUM_SPLITS: tl.constexpr):
-    """The split partials of tokens t0 + [0, BLOCK_T) summed, then the epilogue."""
+    """The split partials of tokens t0 + [0, BLOCK_T) summed, then the epilogue. SUM_SPLITS splits
+    of the three partials a round (their loads issued together), summed as a tree in a fixed order:
+    deterministic for a given split count."""
     t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
     tm = t < T
-    acc_p = _sum_splits(ws_p, t, tm, n_splits, T, PP, BLOCK_T, SUM_SPLITS)
-    acc_c = _sum_splits(ws_c, t, tm, n_splits, T, HCP * HCP, BLOCK_T, SUM_SPLITS)
+    p = tl.arange(0, PP)[None, None, :]
+    c = tl.arange(0, HCP * HCP)[None, None, :]
+    acc_p = tl.zeros((BLOCK_T, PP), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_T, HCP * HCP), dtype=tl.float32)
     ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for s0 in range(0, n_splits, SUM_SPLITS):
         s = s0 + tl.arange(0, SUM_SPLITS)
-        row = s.to(tl.int64)[:, None] * T + t[None, :]
-        ssq += tl.sum(tl.load(ws_s + row, mask=(s < n_splits)[:, None] & tm[None, :], other=0.0,
-                              cache_modifier=".cg"), axis=0)
+        row = s.to(tl.int64)[:, None] * T + t[None, :]  # [SUM_SPLITS, BLOCK_T]
+        m = (s < n_splits)[:, None] & tm[None, :]
+        part_p = tl.load(ws_p + row[:, :, None] * PP + p, mask=m[:, :, None], other=0.0, cache_modifier=".cg")
+        part_c = tl.load(ws_c + row[:, :, None] * (HCP * HCP) + c, mask=m[:, :, None], other=0.0,
+                         cache_modifier=".cg")
+        part_s = tl.load(ws_s + row, mask=m, other=0.0, cache_modifier=".cg")
+        acc_p += tl.sum(part_p, axis=0)
+        acc_c += tl.sum(part_c, axis=0)
+        ssq += tl.sum(part_s, axis=0)
     _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
                  norm_eps, HC, BLOCK_T, HCP, PP)
 
