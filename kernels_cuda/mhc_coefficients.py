@@ -4,7 +4,7 @@ and the ``hc x hc`` comb rows laid out as an ``HCP x HCP`` square (``HCP = max(4
 A program owns a token tile and a K range. Few tokens (decode): ``SPLIT_BLOCK_T``-token tiles with
 K split so that tiles x splits is about ``PROGRAMS`` (one wave), partials in a workspace; each
 token tile's last split program (a ticket, :mod:`.splitk`; or ``_hc_finish_kernel`` when
-``hc_finish.in_kernel`` is off) sums them ``SUM_SPLITS`` splits per load (one round of loads,
+``hc_finish.in_kernel`` is off) sums them ``SUM_SPLITS`` splits a round (one round of loads,
 not one per split) and runs the epilogue. Many tokens: tiles up to ``BLOCK_T_MAX`` tokens, K
 split only while the tiles leave programs free. The epilogue: rsqrt(mean v**2), sigmoids,
 softmax and the Sinkhorn iterations in registers.
@@ -195,14 +195,21 @@ def _coefficients_plan(T: int, K: int, hc: int, splits: int | None, dot_bf16: bo
     f = _tiles()["hc_finish"]
     tiles = cdiv(T, block_t)
     finish = n_splits > 1 and f["in_kernel"] and splitk.fits(tiles)
-    consts = dict(HC=hc, HCP=max(4, next_pow2(hc)), PP=max(16, next_pow2(2 * hc)),
-                  SUM_SPLITS=_tiles()["hc_coefficients"]["SUM_SPLITS"])
+    consts = dict(HC=hc, HCP=max(4, next_pow2(hc)), PP=max(16, next_pow2(2 * hc)))
     return dict(grid=(tiles, n_splits), n_splits=n_splits, k_per=k_per, finish=finish, consts=consts,
                 kernel=dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
                             FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], SPLIT=n_splits > 1, FINISH=finish,
-                            num_warps=num_warps, **consts),
-                finish_grid=(cdiv(T, f["BLOCK_T"]),), finish_kernel=dict(BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"],
-                                                                         **consts))
+                            SUM_SPLITS=_sum_splits(block_t), num_warps=num_warps, **consts),
+                finish_grid=(cdiv(T, f["BLOCK_T"]),),
+                finish_kernel=dict(BLOCK_T=f["BLOCK_T"], SUM_SPLITS=_sum_splits(f["BLOCK_T"]), num_warps=f["num_warps"],
+                                   **consts))
+
+
+def _sum_splits(block_t: int) -> int:
+    """Splits a finishing round loads for a ``block_t``-token tile: SUM_SPLITS at SPLIT_BLOCK_T tokens,
+    fewer for wider tiles (the same partial rows a round, the registers they take bounded)."""
+    t = _tiles()["hc_coefficients"]
+    return max(1, t["SUM_SPLITS"] * t["SPLIT_BLOCK_T"] // block_t)
 
 
 def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None = None):

@@ -99,6 +99,11 @@ def test_default_tiles_fill_the_sms_at_decode():
             assert block_t == t["SPLIT_BLOCK_T"] and (splits - 1) * k_per < 4096 <= splits * k_per
         block_t, _, warps, splits, _ = mhc._hc_plan(8192, 4096, None, True)
         assert (block_t, warps) == (128, 8) and math.ceil(8192 / 128) * splits <= t["PROGRAMS"]
+        # the wide tiles split too, and their finishing rounds load as many partial rows as a small tile's
+        for T, block_t in ((1, 16), (2048, 128)):
+            plan = mhc._coefficients_plan(T, 4096, 4, None, True)
+            assert plan["n_splits"] > 1 and plan["kernel"]["BLOCK_T"] == block_t
+            assert plan["kernel"]["SUM_SPLITS"] * block_t == t["SUM_SPLITS"] * t["SPLIT_BLOCK_T"]
 
 
 def test_split_is_deterministic_and_equals_no_split_up_to_the_sum_order(rng):
