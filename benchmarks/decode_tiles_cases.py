@@ -150,9 +150,12 @@ CANDIDATES = {
         dict(BLOCK_K=128, min_block_n=32, split_min_blocks=2), dict(num_warps=8, min_block_n=64, split_min_blocks=2),
         dict(num_stages=4, min_block_n=32, split_min_blocks=2),
     ],
+    # the gate and weights_proj (32 columns) fill few programs: shorter K blocks split them further
     ("linear_plain", "plain"): _GEMM_KNOBS + [
-        dict(split_min_blocks=1), dict(BLOCK_N=128, min_block_n=32, split_min_blocks=1),
-        dict(BLOCK_K=64, min_block_n=32, split_min_blocks=1), dict(num_warps=8, min_block_n=32, split_min_blocks=1),
+        dict(split_min_blocks=1), dict(BLOCK_K=64, min_block_n=32, split_min_blocks=1),
+        dict(BLOCK_K=32, min_block_n=32, split_min_blocks=1), dict(BLOCK_N=128, min_block_n=32, split_min_blocks=1),
+        dict(num_warps=8, min_block_n=32, split_min_blocks=1),
+        dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, min_block_n=32, split_min_blocks=1),
     ],
     # few-token launches (decode): tiles x splits ~ PROGRAMS, SPLIT_BLOCK_K-wide K blocks, the finish
     # summing SUM_SPLITS partials a load
