@@ -80,7 +80,7 @@ def test_fp32_output_of_a_bf16_x_split(rng, grids, monkeypatch):
     with pinned_tiles(linear_plain=_rules(small=dict(min_block_n=32, split_min_blocks=1))):
         got = lp.plain_linear(x, w, out_dtype=torch.float32)
     assert grids[0][2] > 1 and got.dtype == torch.float32
-    assert rel_err(got, x.double() @ w.double().T) < 1e-6
+    assert rel_err(got, x.double() @ w.double().T) < 1e-5  # fp32 sums (tensor cores: truncating adds)
 
 
 @pytest.mark.parametrize("m", [1, 6, 25])
