@@ -3,9 +3,10 @@
 
 Shapes follow the model config: the fp8_w projections (wq_a, wq_b, wkv, wo_b every layer; the
 indexer's wq_b on the layers with an indexer; the Engram wkv on the Engram layers), the routed
-experts (fp4_w / fp8_w per ``expert_dtype``) and the shared expert (one expert, one slot), and
-``hc_coefficients`` (twice a layer). Candidates are values merged into the profile's entry: the
-tile rule the case's rows select (``linear``, ``moe`` experts) or the mapping (``mhc``). The
+experts (fp4_w / fp8_w per ``expert_dtype``) and the shared expert (one expert, one slot),
+``hc_coefficients`` (twice a layer), and the plain bf16-weight linears (:func:`plain_shapes`).
+Candidates are values merged into the profile's entry: the tile rule the case's rows select
+(``linear``, ``moe`` experts, ``linear_plain``) or the mapping (``mhc``). The
 rule knobs (``min_block_n``, ``split_min_blocks``) only act where a launch does not fill the SMs,
 so a winner at decode leaves the prefill launches of the same rule as they are.
 """
@@ -56,6 +57,43 @@ def linear_shapes(cfg) -> dict:
     return shapes
 
 
+def plain_shapes(cfg) -> dict:
+    """(out, in, x dtype, groups) of each plain bf16-weight linear a decode step runs -> launches per
+    step: the grouped ``wo_a`` every layer, the MoE gate every layer (timed with a bf16 output; the
+    model keeps its fp32 sums: the same launch but the stored dtype), the head (fp32 x), and on the
+    layers with a compressor (``full``) its ``wkv`` (ratio 1, bf16 x) or ``wkv`` + ``wgate`` fused
+    (fp32 x) and the indexer's ``wk``; the indexer's ``weights_proj`` where the layer indexes."""
+    layers = range(cfg.n_layers)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    full = [i for i in layers if cfg.role(i) == "full"]
+    shapes: dict = {}
+
+    def add(key, count):
+        if count:
+            shapes[key] = shapes.get(key, 0) + count
+
+    g, hd = cfg.o_groups, cfg.head_dim
+    add((g * cfg.o_lora_rank, cfg.n_heads * hd // g, bf16, g), cfg.n_layers)
+    add((cfg.n_routed_experts, cfg.dim, bf16, 1), cfg.n_layers)
+    add((cfg.vocab_size, cfg.dim, fp32, 1), 1)
+    add((2 * hd, cfg.dim, fp32, 1), sum(cfg.ratio(i) > 1 for i in full))
+    add((hd, cfg.dim, bf16, 1), sum(cfg.ratio(i) == 1 for i in full))
+    add((cfg.index_head_dim, hd, bf16, 1), len(full))
+    add((cfg.index_n_heads, cfg.dim, bf16, 1), sum(cfg.role(i) in ("full", "reindex") for i in layers))
+    return shapes
+
+
+def _plain_cases(cfg, b, dev, rules) -> list:
+    out = []
+    for (n, k, xdt, groups), count in plain_shapes(cfg).items():
+        w = (torch.randn(n, k, device=dev) * k ** -0.5).to(torch.bfloat16)
+        x = torch.randn(b, groups, k, device=dev).to(xdt) if groups > 1 else torch.randn(b, k, device=dev).to(xdt)
+        name = f"plain {n}x{k}" + (f" g{groups}" if groups > 1 else "") + f" {str(xdt)[6:]} b{b}"
+        out.append(Case(name, ("linear_plain", "plain", rule_index(rules, b)),
+                        "grouped_linear" if groups > 1 else "linear", (x, w), b, count, dict(n=n, k=k)))
+    return out
+
+
 def rule_index(rules, rows: float) -> int:
     return next(i for i, (limit, _) in enumerate(rules) if limit is None or rows <= limit)
 
@@ -67,7 +105,9 @@ def cases(cfg, batches, dev, tiles_of) -> list[Case]:
     efmt = "fp4_w" if cfg.expert_dtype == "fp4" else fmt
     out = []
     lin_rules, moe_rules = tiles_of("linear")["linear"], tiles_of("moe")["experts"]
+    plain_rules = tiles_of("linear_plain")["plain"]
     for b in batches:
+        out += _plain_cases(cfg, b, dev, plain_rules)
         for (n, k), count in linear_shapes(cfg).items():
             x = torch.randn(b, k, device=dev).to(torch.bfloat16)
             out.append(Case(f"linear {n}x{k} b{b}", ("linear", "linear", rule_index(lin_rules, b)), "linear",
@@ -110,9 +150,19 @@ CANDIDATES = {
         dict(BLOCK_K=128, min_block_n=32, split_min_blocks=2), dict(num_warps=8, min_block_n=64, split_min_blocks=2),
         dict(num_stages=4, min_block_n=32, split_min_blocks=2),
     ],
+    # the gate and weights_proj (32 columns) fill few programs: shorter K blocks split them further
+    ("linear_plain", "plain"): _GEMM_KNOBS + [
+        dict(split_min_blocks=1), dict(BLOCK_K=64, min_block_n=32, split_min_blocks=1),
+        dict(BLOCK_K=32, min_block_n=32, split_min_blocks=1), dict(BLOCK_N=128, min_block_n=32, split_min_blocks=1),
+        dict(num_warps=8, min_block_n=32, split_min_blocks=1),
+        dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, min_block_n=32, split_min_blocks=1),
+    ],
+    # few-token launches (decode): tiles x splits ~ PROGRAMS, SPLIT_BLOCK_K-wide K blocks, the finish
+    # summing SUM_SPLITS partials a load
     ("mhc", "hc_coefficients"): [
-        dict(BLOCK_K=64), dict(PROGRAMS=132), dict(PROGRAMS=64), dict(BLOCK_K=64, PROGRAMS=132), dict(PROGRAMS=16),
-        dict(BLOCK_K=32), dict(BLOCK_K=64, PROGRAMS=528),
+        dict(SPLIT_BLOCK_K=64), dict(SUM_SPLITS=64), dict(SUM_SPLITS=64, SPLIT_WARPS=8), dict(SPLIT_WARPS=8),
+        dict(PROGRAMS=264, SPLIT_BLOCK_K=16, SUM_SPLITS=64), dict(PROGRAMS=66, SPLIT_BLOCK_K=64),
+        dict(SPLIT_BLOCK_K=128, SUM_SPLITS=16), dict(SPLIT_BLOCK_T=32),
     ],
 }
 

@@ -14,7 +14,9 @@ weight (a weight read, an fp32 write and an fp32 GEMM that reads twice the bytes
   docs/performance.md, plain-weight linear with fp32 inputs).
 
 The output is ``x.dtype``; few output tiles (decode) split K over programs, each tile's last program
-summing the fp32 partials (:mod:`.splitk`).
+summing the fp32 partials (:mod:`.splitk`). A tile rule's launch knobs are the quantized ``linear``
+rules' (:data:`KNOBS`): narrower column tiles, then a K split, where the output tiles do not fill
+the SMs.
 Under the Triton interpreter the dot operands are fp32 (exact for these values) and fp32 -> bf16
 rounding is done by hand (:func:`.codecs.to_out`).
 """
@@ -30,12 +32,20 @@ from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import DOT, Tile
 from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count, split_k
+from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count
+
+# A rule's launch knobs (not kernel parameters; a rule without them gets these values), as linear's:
+# min_block_n halves BLOCK_N, down to it, while the output tiles at the halved width still fit in
+# the SMs (None: BLOCK_N as given; splitk.narrow_block_n); split_min_blocks: the fewest K blocks a
+# split keeps when K is split because the output tiles do not fill the SMs (None: no split)
+KNOBS = dict(min_block_n=None, split_min_blocks=4)
 
 TILES = {
     # (largest M the rule serves or None, tile): the first matching rule applies
     "plain": (
-        (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),  # decode: weight-bound
+        (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, **KNOBS)),  # decode: weight-bound
+        # decode at larger batches: the prefill tile, apart so that its knobs leave prefill as it is
+        (64, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
         (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
     ),
     "split_k": None,  # None: split K when the output tiles do not fill the SMs; or a forced count
@@ -86,15 +96,20 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
     """The launch of an [m, k] x [n, k] product (``n_group``: output columns per group, each group
     reading its own k columns of x; a column tile must not straddle two: None when none fits)."""
     tiles = PLANS.tiles()
-    t = next(tile for limit, tile in tiles["plain"] if limit is None or m <= limit)
+    rule = next(tile for limit, tile in tiles["plain"] if limit is None or m <= limit)
+    t = {key: v for key, v in rule.items() if key not in KNOBS}
+    knobs = {key: rule.get(key, default) for key, default in KNOBS.items()}
     if n_group is not None and n_group % t["BLOCK_N"]:
         block_n = next((b for b in (128, 64, 32, 16) if b <= t["BLOCK_N"] and n_group % b == 0), None)
         if block_n is None:
             return None
-        t = dict(t, BLOCK_N=block_n)
-    out_tiles = cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"])
+        t["BLOCK_N"] = block_n
+    row_tiles = cdiv(m, t["BLOCK_M"])
+    # halving a power of two that divides n_group keeps dividing it: a tile stays inside one group
+    t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
+    out_tiles = row_tiles * cdiv(n, t["BLOCK_N"])
     blocks = cdiv(k, t["BLOCK_K"])
-    split = split_k(out_tiles, blocks, tiles["split_k"], sms)
+    split = splitk.splits(out_tiles, blocks, sms, tiles["split_k"], knobs["split_min_blocks"])
     k_split = cdiv(blocks, split) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     reduce = split > 1 and tiles["reduce_in_kernel"] and splitk.fits(out_tiles) and split * m * n < 2 ** 31
@@ -104,6 +119,11 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
                 out_dtype=out_dtype, reduce=reduce, n_group=n_group or n,
                 constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=TL_DTYPES[wdt], OUT=TL_DTYPES[out_dtype],
                                 REDUCE=reduce, **t))
+
+
+def num_sms(device: torch.device) -> int:
+    """The SMs the launch plans fill (1 under the interpreter: no split, no narrowing there)."""
+    return 1 if interpreted() else sm_count(device)
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -136,7 +156,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, n_gr
     key = (m, n, k, x2.dtype, weight.dtype, out_dtype, n_group)
     plan = PLANS.lookup(key)[1]
     if plan is None:  # False: planned, and no column tile fits a group
-        sms = 1 if interpreted() else sm_count(x2.device)
+        sms = num_sms(x2.device)
         plan = PLANS.store(key, _plan(m, n, k, x2.dtype, weight.dtype, out_dtype, sms=sms, n_group=n_group) or False)
     if plan is False:
         return None
@@ -188,6 +208,8 @@ FAMILY = KernelFamily(
     supports={"grouped_linear": Support(inputs={"x": (torch.float32,) + WEIGHT_DTYPES, "weight": WEIGHT_DTYPES},
                                         extra=supports_grouped_linear)},
     tiles=TILES, tile_checks={"plain.BLOCK_M": DOT, "plain.BLOCK_N": DOT, "plain.BLOCK_K": DOT,
-                              "split_k": Tile(nullable=True, kind=int), "reduce_in_kernel": Tile(kind=bool)},
+                              "split_k": Tile(nullable=True, kind=int), "reduce_in_kernel": Tile(kind=bool),
+                              "plain.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
+                              "plain.split_min_blocks": Tile(nullable=True, kind=int)},
     smem={"plain": _bf16_tile_bytes}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="linear with a plain bf16 / fp16 weight (fp32 accumulation), and grouped by column blocks")

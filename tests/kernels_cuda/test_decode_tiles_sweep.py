@@ -14,6 +14,7 @@ from kernel_check import requires_kernels
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
+lp = pytest.importorskip("flashrt.kernels_cuda.linear_plain")
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -22,11 +23,13 @@ def test_small_sweep_writes_timings_and_a_valid_fragment(tmp_path, monkeypatch):
     import decode_tiles
 
     monkeypatch.setattr(lin, "num_sms", lambda: 132)  # the knobs act as on an H200
+    monkeypatch.setattr(lp, "num_sms", lambda device: 132)
     out, frag = tmp_path / "tiles.json", tmp_path / "frag.yaml"
     assert decode_tiles.main(["--small", "--budget", "120", "--out", str(out), "--fragment", str(frag)]) == 0
     report = json.loads(out.read_text())
     got = {(r["entry"]["module"], r["entry"]["key"], r["entry"]["rule"]) for r in report["results"]}
-    assert got == {("linear", "linear", 0), ("moe", "experts", 0), ("mhc", "hc_coefficients", None)}
+    assert got == {("linear", "linear", 0), ("moe", "experts", 0), ("mhc", "hc_coefficients", None),
+                   ("linear_plain", "plain", 0)}
     for r in report["results"]:
         assert r["scores"][0]["values"] == {} and r["baseline_ms"] > 0  # the profile's own tiles, timed first
         assert len(r["scores"]) == 2 and all(s["why"] is None for s in r["scores"])
@@ -43,6 +46,15 @@ def test_small_sweep_writes_timings_and_a_valid_fragment(tmp_path, monkeypatch):
     assert any(g[1] > 1 for g in grids(linear, "_linear_kernel"))  # K split by split_min_blocks
     moe_up = grids(next(r for r in report["results"] if r["entry"]["module"] == "moe"), "_moe_up_kernel")
     assert len({g[0] for g in moe_up}) > 1  # narrower column tiles (tiny's K: one block, no split)
+    plain = next(r for r in report["results"] if r["entry"]["module"] == "linear_plain")
+    # tiny's plain linears: wo_a (2 groups), the gate, the head, the fused compressor (fp32 x), the
+    # ratio-1 compressor, the indexer's wk and weights_proj
+    assert plain["cases"] == ["plain 64x128 g2 bfloat16 b1", "plain 8x64 bfloat16 b1", "plain 320x64 float32 b1",
+                              "plain 128x64 float32 b1", "plain 64x64 bfloat16 b1", "plain 32x64 bfloat16 b1",
+                              "plain 2x64 bfloat16 b1"]
+    assert [row["per_step"] for row in plain["rows"][:7]] == [8, 8, 1, 1, 1, 2, 3]
+    head = [row["grids"]["_plain_linear_kernel"][0] for row in plain["rows"] if row["case"].startswith("plain 320x64")]
+    assert head[0][0] < head[1][0]  # the candidate's narrower column tiles
     tiles = yaml.safe_load(frag.read_text())["tiles"]
     assert tiles == report["fragment"]
     tile_checks.check_profile(dataclasses.replace(profiles.active_profile(), tiles=tiles), str(frag))
