@@ -80,11 +80,11 @@ class _Grids:
 @contextlib.contextmanager
 def recording_grids():
     """{kernel name: [grid, ...]} of the swept kernels launched inside the block."""
-    from flashrt.kernels_cuda import linear, linear_plain, mhc_coefficients, moe
+    from flashrt.kernels_cuda import linear, linear_plain, mhc, moe
 
     seen: dict = {}
     swaps = [(linear, "_linear_kernel"), (moe, "_moe_up_kernel"), (moe, "_moe_down_kernel"),
-             (mhc_coefficients, "_hc_coefficients_kernel"),
+             (mhc, "_hc_coefficients_kernel"),
              (linear_plain, "_plain_linear_kernel")]
     kept = [(mod, name, getattr(mod, name)) for mod, name in swaps]
     try:

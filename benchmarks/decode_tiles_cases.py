@@ -157,12 +157,9 @@ CANDIDATES = {
         dict(num_warps=8, min_block_n=32, split_min_blocks=1),
         dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, min_block_n=32, split_min_blocks=1),
     ],
-    # few-token launches (decode): tiles x splits ~ PROGRAMS, SPLIT_BLOCK_K-wide K blocks, the finish
-    # summing SUM_SPLITS partials a load
     ("mhc", "hc_coefficients"): [
-        dict(SPLIT_BLOCK_K=64), dict(SUM_SPLITS=64), dict(SUM_SPLITS=64, SPLIT_WARPS=8), dict(SPLIT_WARPS=8),
-        dict(PROGRAMS=264, SPLIT_BLOCK_K=16, SUM_SPLITS=64), dict(PROGRAMS=66, SPLIT_BLOCK_K=64),
-        dict(SPLIT_BLOCK_K=128, SUM_SPLITS=16), dict(SPLIT_BLOCK_T=32),
+        dict(BLOCK_K=64), dict(PROGRAMS=132), dict(PROGRAMS=64), dict(BLOCK_K=64, PROGRAMS=132), dict(PROGRAMS=16),
+        dict(BLOCK_K=32), dict(BLOCK_K=64, PROGRAMS=528),
     ],
 }
 

@@ -1,23 +1,243 @@
-"""mHC kernels: ``hc_coefficients`` (GEMV + Sinkhorn fused, :mod:`.mhc_coefficients`), ``hc_collapse``,
-``hc_collapse_norm`` (collapse + RMS norm, one program per token), ``hc_expand``; the family's tiles:
-:mod:`.mhc_tiles`."""
+"""mHC kernels: ``hc_coefficients`` (GEMV + Sinkhorn fused), ``hc_collapse``, ``hc_collapse_norm``
+(collapse + RMS norm, one program per token), ``hc_expand``.
+
+``hc_coefficients``: ``m = v @ fn.T`` over ``K = hc * D`` for ``T = B * S`` tokens, ``fn`` rows
+split in two ``tl.dot`` accumulators: the ``2hc`` pre/post rows (``PP`` columns, padded to 16)
+and the ``hc x hc`` comb rows laid out as an ``HCP x HCP`` square (``HCP = max(4, pow2(hc))``).
+A program owns ``BLOCK_T`` tokens and a K range; with few tokens K is split over programs
+(partials in a workspace, summed by each token tile's last split program, :mod:`.splitk`, or by
+``_hc_finish_kernel`` when ``hc_finish.in_kernel`` is off), otherwise the same program runs
+the epilogue: rsqrt(mean v**2), sigmoids, softmax and the Sinkhorn iterations in registers.
+Dot precision: bf16 ``x`` on the GPU multiplies ``fn`` split into ``FN_PARTS`` bf16 terms
+(``x`` is exact in bf16, so 3 parts give fp32 accuracy on the tensor cores); otherwise an
+fp32 ``ieee`` dot. The op is memory-bound on ``x`` for many tokens and on ``fn`` for few.
+"""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from flashrt.kernels_cuda.codecs import to_out
+from flashrt.kernels_cuda.codecs import INTERPRETED, to_out
 from flashrt.families import Dim, KernelFamily, Support
-from flashrt.tile_checks import DOT, POW2, WARPS, Tile
-from flashrt.kernels_cuda.launch import cdiv, next_pow2
-from flashrt.kernels_cuda import norm_rope
+from flashrt.tile_checks import DOT, POW2, Tile
+from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
+from flashrt.kernels_cuda import norm_rope, splitk
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.mhc_tiles import PLANS, TILES, _tiles  # noqa: F401 (PLANS: the family's launch plans)
-from flashrt.kernels_cuda.mhc_coefficients import _coefficients_plan, _hc_plan, hc_coefficients  # noqa: F401
+
+TILES = {
+    # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on
+    "hc_coefficients": {"BLOCK_K": 128, "FN_PARTS": 3, "PROGRAMS": 264, "BLOCK_T_MAX": 64, "BIG_T": 2048},
+    "hc_coefficients_fp32": {"BLOCK_K": 64, "BLOCK_T_MAX": 32},  # fp32 FMA dot (ieee): 64 tokens spill
+    "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True},  # in_kernel: the last split program finishes
+    "hc_mix": {"BLOCK_D": 1024, "num_warps": 4},
+    # in_kernel: collapse + norm in one program per token (else hc_collapse, then rms_norm)
+    "hc_collapse_norm": {"MAX_BLOCK_D": 8192, "num_warps": 4, "in_kernel": True},
+}
+
+
+PLANS = PlanCache("mhc", TILES)  # the active tiles (and launch plans made with them)
+_tiles = PLANS.tiles
+
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_HC = 8
+
+
+@triton.jit
+def _fn_dot(x, x_raw, fn_ptr, rows, valid, kk, K, acc, DOT_BF16: tl.constexpr, FN_PARTS: tl.constexpr):
+    """acc += x @ fn[rows, kk].T (fn tile loaded transposed [BLOCK_K, N])."""
+    f = tl.load(fn_ptr + rows[None, :].to(tl.int64) * K + kk[:, None], mask=valid[None, :] & (kk < K)[:, None],
+                other=0.0)
+    if DOT_BF16:
+        for _ in tl.static_range(FN_PARTS):
+            part = f.to(tl.bfloat16)
+            acc = tl.dot(x_raw, part, acc)
+            f = f - part.to(tl.float32)
+    else:
+        acc = tl.dot(x, f, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _hc_partial(x_ptr, fn_ptr, t0, T, K, x_row_stride, k_lo, k_hi, HC: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_K: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr, DOT_BF16: tl.constexpr,
+                FN_PARTS: tl.constexpr):
+    """(acc_p [BLOCK_T, PP], acc_c [BLOCK_T, HCP*HCP], sum of squares [BLOCK_T]) over k in [k_lo, k_hi)."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    p = tl.arange(0, PP)
+    c = tl.arange(0, HCP * HCP)
+    j, k = c // HCP, c % HCP
+    comb_rows = 2 * HC + j * HC + k
+    comb_valid = (j < HC) & (k < HC)
+    acc_p = tl.zeros((BLOCK_T, PP), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_T, HCP * HCP), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        xm = (t < T)[:, None] & (kk < k_hi)[None, :]
+        x_raw = tl.load(x_ptr + t[:, None].to(tl.int64) * x_row_stride + kk[None, :], mask=xm, other=0.0)
+        x = x_raw.to(tl.float32)
+        ssq += tl.sum(x * x, axis=1)
+        kk = tl.where(kk < k_hi, kk, K)  # past this range: masked in fn too
+        acc_p = _fn_dot(x, x_raw, fn_ptr, p, p < 2 * HC, kk, K, acc_p, DOT_BF16, FN_PARTS)
+        acc_c = _fn_dot(x, x_raw, fn_ptr, comb_rows, comb_valid, kk, K, acc_c, DOT_BF16, FN_PARTS)
+    return acc_p, acc_c, ssq
+
+
+@triton.jit
+def _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
+                 norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr):
+    t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tm = t < T
+    r = tl.math.rsqrt(ssq / K + norm_eps)
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    p = tl.arange(0, PP)
+    zp = (acc_p * r[:, None]) * tl.where(p < HC, s0, s1)[None, :]
+    zp += tl.load(base_ptr + p, mask=p < 2 * HC, other=0.0)[None, :]
+    sig = 1.0 / (1.0 + tl.exp(-zp))
+    tl.store(pre_ptr + t[:, None] * HC + p[None, :], sig + eps, mask=tm[:, None] & (p < HC)[None, :])
+    tl.store(post_ptr + t[:, None] * HC + (p - HC)[None, :], 2.0 * sig,
+             mask=tm[:, None] & ((p >= HC) & (p < 2 * HC))[None, :])
+    j = tl.arange(0, HCP)[:, None]
+    k = tl.arange(0, HCP)[None, :]
+    valid = ((j < HC) & (k < HC))[None, :, :]
+    bc = tl.load(base_ptr + 2 * HC + j * HC + k, mask=(j < HC) & (k < HC), other=0.0)
+    z = (tl.reshape(acc_c, (BLOCK_T, HCP, HCP)) * r[:, None, None]) * s2 + bc[None, :, :]
+    z = tl.where(valid, z, float("-inf"))
+    mx = tl.max(z, axis=2)
+    e = tl.where(valid, tl.exp(z - tl.where(mx == float("-inf"), 0.0, mx)[:, :, None]), 0.0)  # pad rows: 0
+    c = tl.where(valid, tl.math.div_rn(e, tl.maximum(tl.sum(e, axis=2), 1e-30)[:, :, None]) + eps, 0.0)
+    c = tl.math.div_rn(c, tl.sum(c, axis=1)[:, None, :] + eps)
+    for _ in range(iters - 1):
+        c = tl.math.div_rn(c, tl.sum(c, axis=2)[:, :, None] + eps)
+        c = tl.math.div_rn(c, tl.sum(c, axis=1)[:, None, :] + eps)
+    tl.store(comb_ptr + t[:, None, None] * (HC * HC) + j[None, :, :] * HC + k[None, :, :], c,
+             mask=tm[:, None, None] & valid)
+
+
+@triton.jit
+def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, ws_p, ws_c, ws_s, cnt_ptr,
+                            T, K, x_row_stride, k_per_split, n_splits, iters, eps, norm_eps,
+                            HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, HCP: tl.constexpr,
+                            PP: tl.constexpr, DOT_BF16: tl.constexpr, FN_PARTS: tl.constexpr,
+                            SPLIT: tl.constexpr, FINISH: tl.constexpr):
+    """One (token tile, K split). SPLIT: partials to the workspace, and with FINISH the token tile's
+    last split program (a ticket from its counter, :mod:`.splitk`) sums them and runs the epilogue."""
+    t0 = tl.program_id(0) * BLOCK_T
+    split = tl.program_id(1)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc_p, acc_c, ssq = _hc_partial(x_ptr, fn_ptr, t0, T, K, x_row_stride, k_lo, k_hi, HC, BLOCK_T, BLOCK_K,
+                                    HCP, PP, DOT_BF16, FN_PARTS)
+    if SPLIT:  # partials: ws_p [splits, T, PP], ws_c [splits, T, HCP*HCP], ws_s [splits, T]
+        t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+        row = split * T + t
+        tm = t < T
+        p = tl.arange(0, PP)
+        c = tl.arange(0, HCP * HCP)
+        tl.store(ws_p + row[:, None] * PP + p[None, :], acc_p, mask=tm[:, None])
+        tl.store(ws_c + row[:, None] * (HCP * HCP) + c[None, :], acc_c, mask=tm[:, None])
+        tl.store(ws_s + row, ssq, mask=tm)
+        if FINISH:
+            if splitk.last_ticket(cnt_ptr + tl.program_id(0), n_splits):
+                _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t0, T, K, n_splits,
+                           iters, eps, norm_eps, HC, BLOCK_T, HCP, PP)
+                splitk.reset_ticket(cnt_ptr + tl.program_id(0))
+    else:
+        _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
+                     norm_eps, HC, BLOCK_T, HCP, PP)
+
+
+@triton.jit
+def _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t0, T, K, n_splits,
+               iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr):
+    """The split partials of tokens t0 + [0, BLOCK_T) summed in split order, then the epilogue."""
+    t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tm = t < T
+    p = tl.arange(0, PP)
+    c = tl.arange(0, HCP * HCP)
+    acc_p = tl.zeros((BLOCK_T, PP), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_T, HCP * HCP), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s in range(n_splits):
+        row = s * T + t
+        acc_p += tl.load(ws_p + row[:, None] * PP + p[None, :], mask=tm[:, None], other=0.0, cache_modifier=".cg")
+        acc_c += tl.load(ws_c + row[:, None] * (HCP * HCP) + c[None, :], mask=tm[:, None], other=0.0,
+                         cache_modifier=".cg")
+        ssq += tl.load(ws_s + row, mask=tm, other=0.0, cache_modifier=".cg")
+    _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
+                 norm_eps, HC, BLOCK_T, HCP, PP)
+
+
+@triton.jit
+def _hc_finish_kernel(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_splits,
+                      iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr,
+                      PP: tl.constexpr):
+    _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, tl.program_id(0) * BLOCK_T, T, K,
+               n_splits, iters, eps, norm_eps, HC, BLOCK_T, HCP, PP)
+
+
+def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool):
+    """(BLOCK_T, BLOCK_K, num_warps, number of K splits, K per split): enough programs to fill the GPU."""
+    t = _tiles()["hc_coefficients"]
+    sizes = t if dot_bf16 else _tiles()["hc_coefficients_fp32"]
+    block_t = min(max(16, next_pow2(T)), sizes["BLOCK_T_MAX"])
+    if dot_bf16 and T >= t["BIG_T"]:
+        block_t = 128
+    block_k = min(sizes["BLOCK_K"], max(16, next_pow2(K)))
+    chunks = cdiv(K, block_k)
+    if splits is None:
+        splits = max(1, min(chunks, t["PROGRAMS"] // cdiv(T, block_t)))
+    per = cdiv(chunks, max(1, min(splits, chunks)))
+    return block_t, block_k, 8 if block_t >= 128 else 4, cdiv(chunks, per), per * block_k
+
+
+def _coefficients_plan(T: int, K: int, hc: int, splits: int | None, dot_bf16: bool) -> dict:
+    """Everything of one hc_coefficients launch that follows from the shapes and the active tiles."""
+    block_t, block_k, num_warps, n_splits, k_per = _hc_plan(T, K, splits, dot_bf16)
+    f = _tiles()["hc_finish"]
+    tiles = cdiv(T, block_t)
+    finish = n_splits > 1 and f["in_kernel"] and splitk.fits(tiles)
+    consts = dict(HC=hc, HCP=max(4, next_pow2(hc)), PP=max(16, next_pow2(2 * hc)))
+    return dict(grid=(tiles, n_splits), n_splits=n_splits, k_per=k_per, finish=finish, consts=consts,
+                kernel=dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
+                            FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], SPLIT=n_splits > 1, FINISH=finish,
+                            num_warps=num_warps, **consts),
+                finish_grid=(cdiv(T, f["BLOCK_T"]),), finish_kernel=dict(BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"],
+                                                                         **consts))
+
+
+def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None = None):
+    B, S, hc, D = x.shape
+    T, K = B * S, hc * D
+    x2 = x.reshape(T, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    fn, scale, base = fn.contiguous(), scale.contiguous(), base.contiguous()
+    dev = x.device
+    pre = torch.empty(B, S, hc, dtype=torch.float32, device=dev)
+    post = torch.empty(B, S, hc, dtype=torch.float32, device=dev)
+    comb = torch.empty(B, S, hc, hc, dtype=torch.float32, device=dev)
+    if T == 0:
+        return pre, post, comb
+    dot_bf16 = x.dtype == torch.bfloat16 and not INTERPRETED
+    key = ("hc_coefficients", T, K, hc, splits, dot_bf16)
+    plan = PLANS.lookup(key)[1] or PLANS.store(key, _coefficients_plan(T, K, hc, splits, dot_bf16))
+    n_splits, consts = plan["n_splits"], plan["consts"]
+    ws = [pre] * 3  # unused without a split
+    if n_splits > 1:
+        ws = [torch.empty(n_splits, T, n, dtype=torch.float32, device=dev)
+              for n in (consts["PP"], consts["HCP"] * consts["HCP"], 1)]
+    cnt = splitk.counters(dev) if plan["finish"] else pre
+    _hc_coefficients_kernel[plan["grid"]](
+        x2, fn, scale, base, pre, post, comb, *ws, cnt, T, K, x2.stride(0), plan["k_per"], n_splits, iters,
+        float(eps), float(norm_eps), **plan["kernel"])
+    if n_splits > 1 and not plan["finish"]:
+        _hc_finish_kernel[plan["finish_grid"]](
+            *ws, scale, base, pre, post, comb, T, K, n_splits, iters, float(eps), float(norm_eps),
+            **plan["finish_kernel"])
+    return pre, post, comb
 
 
 @triton.jit
@@ -132,8 +352,6 @@ FAMILY = KernelFamily(
               "hc_collapse_norm": Support(inputs={"x": _DTYPES, "weight": _DTYPES}, dims={"x[2]": Dim(0, _MAX_HC)}),
               "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
     tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "hc_finish.BLOCK_T": POW2,
-                              "hc_coefficients.SPLIT_BLOCK_T": DOT, "hc_coefficients.SPLIT_BLOCK_K": DOT,
-                              "hc_coefficients.SUM_SPLITS": POW2, "hc_coefficients.SPLIT_WARPS": WARPS,
                               "hc_finish.in_kernel": Tile(kind=bool), "hc_mix.BLOCK_D": POW2,
                               "hc_collapse_norm.MAX_BLOCK_D": POW2, "hc_collapse_norm.in_kernel": Tile(kind=bool)},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,

@@ -118,7 +118,8 @@ def test_plain_shared_weights(rng, launches, with_add):
         got = _cuda(*args, add=add, out_dtype=torch.bfloat16, shared=odd)
         assert "_moe_up_kernel" in launches
         with flashrt.use_backend("reference"):
-            alone = ops.moe_experts(args[0], torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int32), *odd, args[-1])
+            alone = ops.moe_experts(args[0], torch.ones(3, 1, device=DEVICE),
+                                    torch.zeros(3, 1, dtype=torch.int32, device=DEVICE), *odd, args[-1])
             want = ops.moe_experts(*args, add=add, out_dtype=torch.bfloat16, shared=odd)
         assert torch.equal(got, _unfused_with(args, alone, add, torch.bfloat16))
         assert rel_err(got, want) < 1e-2
