@@ -84,6 +84,13 @@ def start_recording(dev: torch.device, backend: str | None):
         return None
 
 
+def plan_model(cfg: ModelConfig | None, loaded: ModelConfig) -> str:
+    """The name a run's plan is kept under: that of the config its compile pool read before the
+    model loaded (``cfg``, from :func:`flashrt.engine.run.model_config`; a built-in model's
+    checkpoint names itself ``<name>-seed<N>``, which no pool reads), else the loaded one's."""
+    return cfg.name if cfg is not None else loaded.name
+
+
 def save_plan(recorder, dev: torch.device, profile, model: str) -> int:
     """Add what ``recorder`` saw to the plan of ``model`` on this device and ``profile``; the new
     variants (0 without a recorder)."""

@@ -34,7 +34,7 @@ from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
 from .generation import generate, profile_kv_sizes
-from .precompile import begin, compiled_count, jit_report, save_plan, start_precompile, start_recording
+from .precompile import begin, compiled_count, jit_report, plan_model, save_plan, start_precompile, start_recording
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 OP_FAMILIES = {
@@ -282,7 +282,7 @@ def run_with_model(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_to
         precompiled = pool.result(timeout=0) if pool is not None else None  # cancels what is not needed now
         if recorder is not None:
             recorder.close()
-    plan_added = save_plan(recorder, dev, profile, m.cfg.name)
+    plan_added = save_plan(recorder, dev, profile, plan_model(cfg, m.cfg))
     ttft_load = t_gen - t0 + result.prefill_seconds  # the first token's logits, from the start of loading
     age, now = process_seconds(), time.perf_counter()
     state = result.state

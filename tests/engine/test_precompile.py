@@ -55,6 +55,20 @@ def test_model_config_reads_without_loading(tmp_path):
     assert run_mod.model_config(str(tmp_path)) == shipped_config("tiny")
 
 
+def test_a_run_keeps_its_plan_under_the_name_the_next_pool_reads(tmp_path, monkeypatch):
+    """A built-in model's checkpoint names itself ``tiny-seed0``; the compile pool reads the plan of
+    the config it planned from before loading (``tiny``): the run must add to that one."""
+    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path))
+    loaded = run_mod.load_model("tiny", torch.device("cpu"), quiet=True).cfg
+    assert loaded.name != "tiny"  # the premise: the checkpoint's own name differs
+    planned = run_mod.model_config("tiny")
+    monkeypatch.setenv("FLASHRT_JIT_WORKERS", "2")
+    monkeypatch.setattr(jit_warmup, "precompile_pool", lambda models: "pool")
+    _, models = precompile.start_precompile(planned, torch.device("cuda"), "cuda")
+    assert list(models) == [precompile.plan_model(planned, loaded)] == ["tiny"]
+    assert precompile.plan_model(None, loaded) == loaded.name  # no pool config (a CPU run): its own
+
+
 def test_a_cpu_run_reports_no_pool_and_no_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHRT_CACHE_DIR", str(tmp_path))
     report = run_mod.run("tiny", max_new_tokens=2, device="cpu", quiet=True)
