@@ -102,9 +102,10 @@ class Engine(EngineFront):
         return [done[rid] for rid, _ in events]
 
     def warm_up(self, progress=None) -> dict:
-        """Run every decode batch size up to ``max_running`` once with synthetic requests, so that
-        serving meets no new kernel variant or decode graph of a batch size (engine/warmup.py).
-        Call before :meth:`start`; ``progress(done, total, batch)`` after each batch size."""
+        """Run every decode batch size up to ``max_running`` and every prefill shape class once with
+        synthetic requests, so that serving meets no new kernel variant or decode graph of a batch
+        size (engine/warmup.py). Call before :meth:`start`; ``progress(done, total, what, prompts)``
+        after each round."""
         if self._thread is not None:
             raise RuntimeError("warm_up: expected an engine not started yet (call it before start())")
         from .warmup import warm_up

@@ -13,7 +13,8 @@ every decode batch-size bucket up to the one ``max_running`` rows fill (largest 
 greedy and sampled draws (top-k / top-p, min-p, penalties, logprobs) and a few decode steps each
 (captured on CUDA).
 
-Nothing of it stays visible: its requests have ids of their own and no sink, its prefix snapshots
+Nothing of it stays visible: its requests have ids of their own, no sink and no finish hooks
+(nothing reaches a server's channel), its prefix snapshots
 go to a store of their own (never the engine's, nor its disk cache), and the request counters are
 put back afterwards (the decode-graph counters keep the captures: they happened). Random draws use
 seeded generators of their own, so the engine's seed stream is untouched.
@@ -108,7 +109,7 @@ def warm_up(engine, progress=None) -> dict:
     try:
         for done, (what, lengths) in enumerate(plan, 1):
             for length in lengths[:config.max_running]:
-                length = min(length, config.max_model_len - DECODE_STEPS)
+                length = max(1, min(length, config.max_model_len - DECODE_STEPS))
                 tail = [rng.randrange(cfg.vocab_size) for _ in range(length)]
                 prompt = (shared + tail)[:length] if length > chunk else tail
                 loop.add(f"warm-up-{n}", prompt, _params(n))

@@ -29,8 +29,8 @@ def add_serve(sub) -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each engine step before the host has read the previous step's tokens (default: on)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="run every decode batch size once with synthetic requests before admitting any, so "
-                        "serving never stops to compile or capture (default: on with CUDA graphs)")
+                   help="run every decode batch size and prefill shape class once with synthetic requests before "
+                        "admitting any, so serving never stops to compile or capture (default: on with CUDA graphs)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per forward call")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="prompt + output tokens")
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES", help="device bytes for KV pages")
