@@ -33,11 +33,12 @@ _MADE = ("tensor", "as_tensor")  # torch functions making a tensor of host data
 
 
 def _site(depth: int) -> str:
-    """``file:line (function)`` of the innermost frame in the flashrt checkout outside tools/."""
+    """``file:line (function)`` of the innermost frame in the flashrt checkout outside tools/ (and
+    outside a virtual environment kept inside the checkout: its packages are not flashrt's)."""
     f = sys._getframe(depth)
     while f is not None:
         path = f.f_code.co_filename
-        if path.startswith(_PKG) and "/tools/" not in path and "/triton/" not in path:
+        if path.startswith(_PKG) and not any(p in path for p in ("/tools/", "/triton/", "-packages/")):
             return f"{os.path.relpath(path, _PKG)}:{f.f_lineno} ({f.f_code.co_name})"
         f = f.f_back
     return "?"
