@@ -6,7 +6,6 @@ the named architectures without a GPU (:mod:`flashrt.jit_compile`).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -187,8 +186,8 @@ def add_jit(sub) -> None:
     jit = sub.add_parser("jit", help="compile kernels ahead of time; inspect or empty the compile cache")
     jsub = jit.add_subparsers(dest="jit_command", required=True)
     p = jsub.add_parser("warmup", help="compile every kernel a profile needs (modules with a warmup hook)")
-    p.add_argument("--profile", default=argparse.SUPPRESS, type=nonempty("profile"),
-                   help="profile name or YAML path (default: auto)")
+    p.add_argument("--profile", dest="command_profile", default=None, type=nonempty("profile"),
+                   help="profile name or YAML path (default: auto); the same as flashrt --profile")
     p.add_argument("--model", default=None, help="also run tiny | small | a checkpoint as `flashrt run` does, then "
                    "a batch in both prefill schedules, compiling every kernel variant they use")
     p.add_argument("--shapes", nargs="+", default=None, metavar="MODEL",
