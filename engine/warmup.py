@@ -110,8 +110,8 @@ def warm_up(engine, progress=None) -> dict:
         for done, (what, lengths) in enumerate(plan, 1):
             for length in lengths[:config.max_running]:
                 length = max(1, min(length, config.max_model_len - DECODE_STEPS))
-                tail = [rng.randrange(cfg.vocab_size) for _ in range(length)]
-                prompt = (shared + tail)[:length] if length > chunk else tail
+                head = shared if length > chunk else []
+                prompt = head + [rng.randrange(cfg.vocab_size) for _ in range(length - len(head))]
                 loop.add(f"warm-up-{n}", prompt, _params(n))
                 n += 1
             while loop.has_work:
