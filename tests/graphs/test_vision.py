@@ -153,7 +153,11 @@ def test_small_tower_on_a_preprocessed_image_matches_float64_oracle(rng):
     size = torch.randint(20, 90, (2,), generator=rng).tolist()
     pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=rng, dtype=torch.uint8).numpy()
     item = preprocess(Image.fromarray(pixels), cfg)
-    assert item.n_vit_h * item.n_vit_w * 14 * 14 >= cfg.vision_min_pixels  # scaled up to the release minimum
+    # Scaled up to the release minimum as published: each side times sqrt(min / area), truncated
+    # to an int (so the area may fall a few pixels short of the minimum), then rounded up to 14.
+    scale = max(1.0, (cfg.vision_min_pixels / (size[0] * size[1])) ** 0.5)
+    assert item.n_vit_w * 14 >= int(size[0] * scale) > item.n_vit_w * 14 - 14
+    assert item.n_vit_h * 14 >= int(size[1] * scale) > item.n_vit_h * 14 - 14
     tower = VisionTower(cfg, w)
     got = tower.image_features(item)
     assert got.shape == (item.n_llm_h * item.n_llm_w, cfg.dim) and got.dtype == torch.bfloat16
