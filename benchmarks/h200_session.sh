@@ -35,9 +35,10 @@
 #              them, under the device's own profile: h200-gpu-tests.log, h200-kernel-tests.log
 #   decode     the captured decode step of `small` at batch 1 / 8 / 64 and its kernel profile:
 #              h200-e2e.json, h200-decode-profile.json
-#   prefill    a prefill forward's wall and GPU time per token at 1 / 4 / 16 / 64 rows of 512
-#              tokens (the serving engine's groups against generate()'s whole batch), and the
-#              batch-1 decode step's kernel profile: h200-prefill-rows.json, h200-decode-profile-b1.json
+#   prefill    the prefill-graph GPU tests, then a prefill forward's wall and GPU time per token
+#              at 1 / 4 / 16 / 64 rows of 512 tokens (the serving engine's groups against
+#              generate()'s whole batch), eager and replayed from a CUDA graph, and the batch-1
+#              decode step's kernel profile: h200-prefill-rows.json, h200-decode-profile-b1.json
 #
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
@@ -133,6 +134,7 @@ phase_decode() {
 }
 
 phase_prefill() {
+  timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_prefill_capture.py 2>&1 | tail -n 5
   python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 --out "$OUT/h200-prefill-rows.json"
   python benchmarks/decode_profile.py --model small --batch 1 --out "$OUT/h200-decode-profile-b1.json"
 }

@@ -8,7 +8,10 @@ For each row count: the wall time of a forward in a fresh state (synchronized, m
 ``--repeat`` after one untimed forward that compiles its kernels), and the GPU time of one forward
 (torch profiler: the sum of its kernels, and their number). Wall time well above GPU time is host
 work (launches, Python); GPU time per token that falls with ``R`` is kernels that only fill the
-device at many rows.
+device at many rows. With ``--graphs`` (default), also the wall time of the same forward replayed
+from a CUDA graph (``engine/prefill_capture.py``: a reusable state, its rows emptied before each
+call as the serving engine empties them; the first call captures, untimed) and the ratio of the
+two wall times.
 """
 from __future__ import annotations
 
@@ -21,12 +24,35 @@ import torch
 import flashrt
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
+from flashrt.engine.prefill_capture import PrefillCapture
 from flashrt.graphs.model import Model
 from decode_profile import kernel_times
 from results_io import write_json
 
 
-def forward_costs(model, rows: int, n: int, repeat: int) -> dict:
+def graph_wall(model, ids: torch.Tensor, repeat: int) -> float:
+    """Median wall seconds of ``ids``' forward replayed by a :class:`PrefillCapture` (synchronized)."""
+    rows, n = ids.shape
+    state = model.new_state(rows, n + 8)
+    runner = PrefillCapture(model, state)
+
+    def once():
+        for row in range(rows):
+            state.release_row(row)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.forward(ids)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    once()  # captured
+    wall = statistics.median(once() for _ in range(repeat))
+    if runner.stats["replayed"] != repeat:
+        raise RuntimeError(f"the prefill graph did not replay: {runner.stats}")
+    return wall
+
+
+def forward_costs(model, rows: int, n: int, repeat: int, graphs: bool = True) -> dict:
     ids = torch.randint(0, model.cfg.vocab_size, (rows, n), device=model.device)
 
     def once():
@@ -42,10 +68,13 @@ def forward_costs(model, rows: int, n: int, repeat: int) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         once()
     kernels = kernel_times(prof, 1)
+    graph = graph_wall(model, ids, repeat) if graphs else None
     gpu_ms = sum(k["us_per_step"] for k in kernels) / 1e3
     return {"rows": rows, "tokens": rows * n, "wall_ms": 1e3 * wall, "gpu_ms": gpu_ms,
             "launches": sum(k["launches_per_step"] for k in kernels),
             "wall_us_per_token": 1e6 * wall / (rows * n), "gpu_us_per_token": 1e3 * gpu_ms / (rows * n),
+            "graph_wall_ms": None if graph is None else 1e3 * graph,
+            "graph_speedup": None if graph is None else wall / graph,
             "top_kernels": kernels[:12]}
 
 
@@ -55,6 +84,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--tokens", type=int, default=512, help="prompt tokens per row")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the forward replayed from a CUDA graph")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = shipped_config(args.model)
@@ -62,10 +93,11 @@ def main() -> None:
     out = []
     with flashrt.value_checks(False):
         for rows in args.rows:
-            r = forward_costs(model, rows, args.tokens, args.repeat)
+            r = forward_costs(model, rows, args.tokens, args.repeat, args.graphs)
             out.append(r)
             print(f"[{rows}, {args.tokens}]: wall {r['wall_ms']:.1f} ms ({r['wall_us_per_token']:.2f} us/token), "
                   f"GPU {r['gpu_ms']:.1f} ms ({r['gpu_us_per_token']:.2f} us/token) over {r['launches']:.0f} kernels",
+                  + (f"; from a CUDA graph {r['graph_wall_ms']:.1f} ms ({r['graph_speedup']:.2f}x)" if args.graphs else ""),
                   flush=True)
             for k in r["top_kernels"][:8]:
                 print(f"    {k['us_per_step'] / 1e3:8.2f} ms x{k['launches_per_step']:4.0f}  {k['kernel'][:80]}")

@@ -94,6 +94,7 @@ def where_time_goes(before: dict, after: dict, duration: float) -> dict:
         "mean_decode_batch": d["decode_rows"] / d["decode_steps"] if d.get("decode_steps") else 0.0,
         "prefill_forwards": int(d.get("prefill_forwards", 0)),
         "decode_captures": int(d.get("decode_captures", 0)),  # captures during the level (not warm-up)
+        "prefill_captures": int(d.get("prefill_captures", 0)), "prefill_replays": int(d.get("prefill_replays", 0)),
         "prefill_tokens_per_forward": d["prefill_step_tokens"] / d["prefill_forwards"] if d.get("prefill_forwards") else 0.0,
         "engine_busy": step_s / duration,  # the rest: the loop waited for requests
         "share_decode": share("decode_seconds"), "share_prefill": share("prefill_seconds"),

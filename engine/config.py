@@ -31,6 +31,8 @@ class EngineConfig:
     prefix_cache_bytes: int = 1 << 30  # host bytes of prefix snapshots (0: no prefix cache)
     prefix_cache_dir: str | None = None  # also keep prefix snapshots on disk here
     cuda_graphs: bool | None = None  # decode from captured CUDA graphs (None: on CUDA devices)
+    # prompt chunks of at most prefill_capture.GRAPH_TOKENS tokens from CUDA graphs (None: with cuda_graphs)
+    prefill_graphs: bool | None = None
     eos_token_id: int | None = None
     seed: int | None = None  # seeds the generators of requests that give no seed
     speculative: str | None = None  # "dspark": decode batches draft and verify (docs/speculative.md)
@@ -56,8 +58,10 @@ class EngineConfig:
         for name in ("device_timing", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        if self.warmup is not None and not isinstance(self.warmup, bool):
-            raise ValueError(f"warmup: expected a bool or None, got {self.warmup!r}")
+        for name in ("warmup", "prefill_graphs"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name}: expected a bool or None, got {v!r}")
         d = self.draft_tokens
         if d != "auto" and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError(f"draft_tokens: expected an int >= 1 or 'auto', got {d!r}")
@@ -80,6 +84,15 @@ class EngineConfig:
     def graphs_on(self, model) -> bool:
         """Whether decode steps (plain, draft and verify) run from static buffers: CUDA graphs on a GPU."""
         return model.device.type == "cuda" if self.cuda_graphs is None else bool(self.cuda_graphs)
+
+    def prefill_graphs_on(self, model) -> bool:
+        """Whether short prompt chunks may replay from CUDA graphs (engine/prefill_capture.py): on
+        a CUDA device with ``cuda_graphs`` on, unless ``prefill_graphs`` says otherwise; never for
+        a model split over ranks (its ranks would have to capture in lockstep) or with speculative
+        decoding (a prefill seeds the draft layers' state)."""
+        if model.device.type != "cuda" or model.parallel is not None or self.speculative is not None:
+            return False
+        return self.graphs_on(model) if self.prefill_graphs is None else self.prefill_graphs
 
     def warmup_on(self, model) -> bool:
         """Whether a server warms this engine up before admitting requests (engine/warmup.py)."""

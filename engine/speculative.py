@@ -87,10 +87,11 @@ def verify(model, state, ids: torch.Tensor) -> tuple[torch.Tensor, object]:
     return model.run(ids, ctx, all_positions=True), ctx
 
 
-def keep(model, state, ids: torch.Tensor, counts: torch.Tensor) -> None:
-    """After :func:`verify` of ``ids``: row ``b`` keeps its first ``counts[b]`` tokens."""
+def keep(model, state, ids: torch.Tensor, counts: torch.Tensor, counted: list[int] | None = None) -> None:
+    """After :func:`verify` of ``ids``: row ``b`` keeps its first ``counts[b]`` tokens
+    (``counted``: the same counts on the host, when the caller has them)."""
     history = accept.engram_history(model, state.engram_history, ids, counts)
-    state.advance(counts.tolist(), history)
+    state.advance(counts.tolist() if counted is None else counted, history)
 
 
 class Decoder:

@@ -34,6 +34,7 @@ from .scheduler import Scheduler, pages_at
 from .slots import DecodeSlots, MIN_ROWS
 from .snapshot import PrefixStore, restore_row, snapshot_row
 from .spec_serve import ServeSpeculator, decode_speculative
+from .prefill_capture import PrefillStates
 from .step_prefill import PrefillSteps
 from .step_timing import COUNTERS, StepTimer
 
@@ -70,6 +71,9 @@ class StepLoop(PrefillSteps):
         self.slots = DecodeSlots(model, self.pool, row_positions, config.graphs_on(model))
         self.scheduler = Scheduler(model.cfg, self.P, config.max_running, config.max_step_tokens,
                                    config.prefill_chunk, self.max_pages, self.decode_tokens)
+        # prompt chunks of a few rows replayed from CUDA graphs in states reused request after request
+        self.prefill_states = PrefillStates(model, self.pool, config.prefill_chunk,
+                                            capture=None if config.prefill_graphs_on(model) else False)
         self.prefix = PrefixStore(config.prefill_chunk, config.prefix_cache_bytes, config.salt(model),
                                   config.prefix_disk(model))
         self.requests: dict[str, Request] = {}
@@ -78,7 +82,8 @@ class StepLoop(PrefillSteps):
         self.swap_used = 0
         self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "preemptions", "swaps",
                                        "recomputes", "finished", "aborted", "failed", "steps", "decode_captures",
-                                       "decode_replays", "decode_eager", "decode_fallbacks",
+                                       "decode_replays", "decode_eager", "decode_fallbacks", "prefill_captures",
+                                       "prefill_replays",
                                        *COUNTERS), 0)
         self.timer = StepTimer(model.device, config.device_timing)
         self.finish_hooks = []  # called with each finished Request

@@ -34,7 +34,11 @@ class PrefillSteps:
         if len(seqs) == 1 and seqs[0].state is not None and seqs[0].state.batch == 1:
             state = seqs[0].state
         else:
-            state = self.model.new_state(len(seqs), max(len(s.tokens) for s in seqs) + n, pool=self.pool)
+            state = None
+            if self.prefill_states.wants(len(seqs), n):
+                state = self.prefill_states.state_for(len(seqs), self._holds_sequence)
+            if state is None:
+                state = self.model.new_state(len(seqs), max(len(s.tokens) for s in seqs) + n, pool=self.pool)
             for row, seq in enumerate(seqs):
                 self._enter(seq, state, row)
         ids = to_device([s.tokens[s.computed:s.computed + n] for s in seqs], self.model.device)
@@ -42,8 +46,15 @@ class PrefillSteps:
         if len(seqs) == 1:  # a prompt with images always runs alone (Plan.prefill_groups)
             seq = seqs[0]
             spans = chunk_spans(self.model, seq.request.images, seq.prompt_len, seq.computed, seq.computed + n)
+        runner = self.prefill_states.runner(state) if spans is None else None
         with checks.value_checks(False):  # the prompt's ids were checked on the host when it was added
-            logits = self.model.forward(ids, state=state, spans=spans)
+            if runner is not None:
+                captured, replayed = runner.stats["captured"], runner.stats["replayed"]
+                logits = runner.forward(ids)
+                self.counters["prefill_captures"] += runner.stats["captured"] - captured
+                self.counters["prefill_replays"] += runner.stats["replayed"] - replayed
+            else:
+                logits = self.model.forward(ids, state=state, spans=spans)
         self.counters["prefill_forwards"] += 1
         for seq in seqs:
             seq.computed += n
@@ -51,6 +62,10 @@ class PrefillSteps:
             if key is not None and seq.computed <= seq.prompt_len:
                 self.prefix.put(key, snapshot_row(state, seq.row))
         return logits
+
+    def _holds_sequence(self, state) -> bool:
+        """Whether a sequence of this engine has its rows in ``state`` (a reusable prefill state is free otherwise)."""
+        return any(s.state is state for req in self.requests.values() for s in req.seqs)
 
     def _enter(self, seq: Sequence, state, row: int) -> None:
         """``seq`` continues in ``row`` of ``state``: a new sequence starts there (from its cached

@@ -87,13 +87,13 @@ class VerifyCapture:
             raise ValueError(f"ids: expected a [{state.batch}, k + 1] tensor, got {tuple(ids.shape)}")
         S = ids.shape[1]
         self._replayed = None
-        entries = step_entries(max(state.host_positions) + S, self.ratios)
+        entries = self._entries(max(state.host_positions) + S)
         state.begin_step(S)
         buffers = state.step_buffers(entries)
         if model.prefetch is not None or (any(buffers.cold) and not state.pool.zero_copy(
                 state.batch * S * model.cfg.index_topk)):
             self.stats["fallback"] += 1
-            return spec.verify(model, state, ids)[0]
+            return self._fallback(ids)
         if S not in self.ids:
             self.ids[S] = torch.zeros(state.batch, S, dtype=torch.long, device=model.device)
         self.ids[S].copy_(ids)
@@ -104,6 +104,14 @@ class VerifyCapture:
                     self.engram_ids[S] = torch.empty_like(hashed)
                 self.engram_ids[S].copy_(hashed)
             return self._step(S, entries, buffers)
+
+    def _entries(self, end: int) -> dict[int, int]:
+        """Compressed entries per ratio a step ending at position ``end - 1`` reads: a bucket."""
+        return step_entries(end, self.ratios)
+
+    def _fallback(self, ids: torch.Tensor) -> torch.Tensor:
+        """The eager step of ``ids`` (cold pages without the zero-copy gather, host-memory Engram tables)."""
+        return spec.verify(self.model, self.state, ids)[0]
 
     def _body(self, S: int, entries: dict) -> torch.Tensor:
         state = self.state
@@ -155,18 +163,19 @@ class VerifyCapture:
             self.commits.pop(self.graphs.popitem(last=False)[0], None)
         return logits
 
-    def keep(self, ids: torch.Tensor, counts: torch.Tensor) -> None:
+    def keep(self, ids: torch.Tensor, counts: torch.Tensor, counted: list[int] | None = None) -> None:
         """:func:`flashrt.engine.speculative.keep` after :meth:`verify` of ``ids``: row ``b`` keeps
         its first ``counts[b]`` tokens. After a replayed step the commit of its staging (a graph's
         memory, at fixed addresses) is itself replayed from a graph recorded per verify graph, with
         the counts in a static buffer; the host bookkeeping (positions, pages, Engram history) runs
-        as in the eager commit."""
+        as in the eager commit. ``counted``: ``counts`` on the host when the caller knows them
+        (saves reading them back)."""
         state, model, last = self.state, self.model, self._replayed
         self._replayed = None
         if last is None or self.commits.get(last[0]) == "eager":
-            return spec.keep(model, state, ids, counts)
+            return spec.keep(model, state, ids, counts, counted)
         key, S = last
-        counted = counts.tolist()
+        counted = counts.tolist() if counted is None else counted
         if S not in self.counts:
             self.counts[S] = torch.zeros(state.batch, dtype=torch.long, device=model.device)
         self.counts[S].copy_(counts)
@@ -174,14 +183,14 @@ class VerifyCapture:
         if replay is not None:
             replay()
         elif not self._commit_and_record(key, S):
-            return spec.keep(model, state, ids, counts)
+            return spec.keep(model, state, ids, counts, counted)
         state.advance(counted, accept.engram_history(model, state.engram_history, ids, counts), committed=True)
 
     def _commit_and_record(self, key, S: int) -> bool:
         """Run the commit of the current (graph) staging once with host syncs raising, then record
         it (a recorder that runs the body writes the same values again). False: it synced, the key's
         commits stay eager (what it wrote is written again by the eager commit)."""
-        body = lambda: self.state.commit_kept(self.counts[S])
+        body = self._commit_body(S)
         try:
             with checks.host_syncs_raise(), checks.value_checks(False):
                 body()
@@ -193,6 +202,10 @@ class VerifyCapture:
         with checks.value_checks(False):
             self.commits[key] = self.record(body)[0]
         return True
+
+    def _commit_body(self, S: int):
+        """The commit a recorded step's graph replays: the first ``counts[S][b]`` tokens of each row."""
+        return lambda: self.state.commit_kept(self.counts[S])
 
     def _layout(self, S: int) -> tuple:
         tensors = [self.ids.get(S), self.engram_ids.get(S)]

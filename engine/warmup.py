@@ -32,7 +32,8 @@ from .snapshot import PrefixStore
 log = logging.getLogger("flashrt.engine")
 
 DECODE_STEPS = 3  # tokens per warm-up request: the first from prefill, then decode steps
-_KEEP = ("decode_captures", "decode_replays", "decode_eager", "decode_fallbacks")
+_KEEP = ("decode_captures", "decode_replays", "decode_eager", "decode_fallbacks", "prefill_captures",
+         "prefill_replays")
 
 
 def buckets(max_running: int) -> list[int]:
@@ -123,5 +124,8 @@ def warm_up(engine, progress=None) -> dict:
         loop.counters.update({k: v for k, v in counters.items() if k not in _KEEP})
     seconds = time.perf_counter() - t0
     captures = loop.counters["decode_captures"] - counters["decode_captures"]
-    log.info("warm-up: %d rounds, %d requests, %d graphs captured, %.1f s", len(plan), n, captures, seconds)
-    return {"buckets": sizes, "rounds": len(plan), "requests": n, "seconds": round(seconds, 3), "captures": captures}
+    prefill = loop.counters["prefill_captures"] - counters["prefill_captures"]
+    log.info("warm-up: %d rounds, %d requests, %d decode and %d prefill graphs captured, %.1f s", len(plan), n,
+             captures, prefill, seconds)
+    return {"buckets": sizes, "rounds": len(plan), "requests": n, "seconds": round(seconds, 3), "captures": captures,
+            "prefill_captures": prefill}

@@ -256,7 +256,8 @@ def measure(case: Case, repeats: int, top: int) -> dict:
             "host_syncs": syncs.total, "host_sync_sites": dict(syncs.sites.most_common()),
             "profile_us": prof["total_us"], "profile_groups_us": prof["groups"], "function_calls": prof["calls"],
             "top_own": sorted(prof["functions"], key=lambda r: -r["own_us"])[:top],
-            "top_cum": sorted(prof["functions"], key=lambda r: -r["cum_us"])[:top]}
+            "top_cum": sorted(prof["functions"], key=lambda r: -r["cum_us"])[:top],
+            "top_calls": sorted(prof["functions"], key=lambda r: -r["calls"])[:top]}
 
 
 def show(r: dict) -> None:
@@ -270,8 +271,9 @@ def show(r: dict) -> None:
           f"included), by group:")
     for g, us in sorted(r["profile_groups_us"].items(), key=lambda kv: -kv[1]):
         print(f"    {us:9.0f} us {100 * us / total:5.1f}%  {g}")
-    for title, key, rows in (("own", "own_us", r["top_own"]), ("cumulative", "cum_us", r["top_cum"])):
-        print(f"  top functions by {title} time:")
+    for title, key, rows in (("own time", "own_us", r["top_own"]), ("cumulative time", "cum_us", r["top_cum"]),
+                             ("calls", "own_us", r["top_calls"])):
+        print(f"  top functions by {title}:")
         for row in rows:
             print(f"    {row[key]:9.0f} us {row['calls']:7d} calls  [{row['group']}]  {row['function']}")
 

@@ -43,6 +43,10 @@ def add_serve(sub) -> None:
                    help="host memory for preempted sequences (beyond it: drop and recompute)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="decode from captured CUDA graphs (default: on CUDA devices)")
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay prompt chunks of at most 4,096 tokens (rows x chunk) from CUDA graphs, in prefill "
+                        "states reused by request after request (default: with --cuda-graph, one device, "
+                        "no --speculative)")
     p.add_argument("--speculative", default=None, choices=("dspark",),
                    help="speculative decoding with the model's draft layers (docs/speculative.md)")
     p.add_argument("--draft-tokens", default="auto", type=draft_tokens_arg, metavar="K|auto",
@@ -116,7 +120,8 @@ def cmd_serve(args) -> int:
                           prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
                           swap_bytes=args.swap_bytes, cuda_graphs=args.cuda_graph,
                           speculative=args.speculative, draft_tokens=args.draft_tokens,
-                          device_timing=args.device_timing, overlap=args.overlap, warmup=args.warmup)
+                          device_timing=args.device_timing, overlap=args.overlap, warmup=args.warmup,
+                          prefill_graphs=args.prefill_graphs)
     if args.tp != 1 or args.ep != 1 or args.dp_attention:  # several ranks; rank 0 serves (engine/parallel_serve_run.py)
         from flashrt.engine.parallel_serve_run import ServeJob, serve_parallel
 

@@ -56,13 +56,13 @@ class StagedWrites:
             to_device([L - c for c in counts], self.device)
         self._write_staged(cut)
 
-    def commit_kept(self, counts: torch.Tensor) -> None:
+    def commit_kept(self, counts: torch.Tensor | None) -> None:
         """:meth:`commit` of the first ``counts[b]`` tokens of each row, ``counts`` int64 [B] on the
-        device: no host value is read, so a CUDA graph can record it. Writing the same staged
-        values twice leaves the caches as writing them once. The staging is left for
-        :meth:`advance` (``committed=True``) to drop."""
+        device (None: every token): no host value is read, so a CUDA graph can record it. Writing
+        the same staged values twice leaves the caches as writing them once. The staging is left
+        for :meth:`advance` (``committed=True``) to drop."""
         if self._staged:
-            self._write_staged(self._chunk_len - counts, drop=False)
+            self._write_staged(None if counts is None else self._chunk_len - counts, drop=False)
 
     def _write_staged(self, cut: torch.Tensor | None, drop: bool = True) -> None:
         """The staged writes; ``cut`` [B] (device): tokens dropped from the end of each row's chunk."""

@@ -32,6 +32,8 @@ STEP_COUNTERS = {  # where the engine's steps spend their time (Engine.stats key
     "decode_replays": "Decode steps replayed from captured CUDA graphs",
     "decode_eager": "Decode steps run eagerly from static buffers (no CUDA graphs, cold pages, or a shape that syncs with the host)",
     "decode_fallbacks": "Decode steps run as a plain forward (host-tier pages without the zero-copy gather)",
+    "prefill_captures": "Prompt chunks captured as CUDA graphs (a new rows, length and start position in a reusable prefill state)",
+    "prefill_replays": "Prompt chunks replayed from captured CUDA graphs",
     "decode_device_seconds": "Device time of the decode forward calls (CUDA events with --device-timing; 0 otherwise)",
     "prefill_device_seconds": "Device time of the prefill forward calls (CUDA events with --device-timing; 0 otherwise)",
 }
