@@ -31,6 +31,7 @@ alone (its collectives would no longer line up), so there it raises instead.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
 
 import torch
@@ -40,11 +41,13 @@ from flashrt.formats import QTensor
 from flashrt.kv.state import KVState, StepBuffers
 
 
+log = logging.getLogger("flashrt.engine")
+
 CAPTURE_ERROR_MODE = "global"  # torch.cuda.graph's: "relaxed" lets driver queries run during a capture
 # Capture steps that read cold pages (through the zero-copy gather; attention then reads four KV
 # segments; tests/engine/test_step_capture.py::test_captured_steps_with_cold_pages checks the replays
 # against the eager static step); False runs such steps eagerly. Any step whose first run syncs
-# with the host is kept eager rather than captured (checks.host_syncs_raise).
+# with the host (checks.host_syncs_raise), or whose capture fails, is kept eager rather than captured.
 CAPTURE_COLD = True
 
 
@@ -189,8 +192,17 @@ class StepCapture:
         graph = torch.cuda.CUDAGraph()
         # with collectives, the process group's watchdog thread queries events during the capture
         mode = CAPTURE_ERROR_MODE if self.model.parallel is None else "thread_local"
-        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=mode):
-            out = self._body(entries)  # recorded, not run: the caches are written once
+        try:
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode=mode):
+                out = self._body(entries)  # recorded, not run: the caches are written once
+        except RuntimeError as exc:  # an operation a graph cannot record: this shape runs eagerly from now on
+            if self.model.parallel is not None:
+                raise
+            why = str(exc).splitlines()[0][:200]
+            log.warning("a decode step could not be captured and runs eagerly: %s", why)
+            self.graphs[key], self.stats["uncapturable"] = "eager", why
+            self.stats["eager"] += 1
+            return logits
         self.graphs[key] = (graph, out)
         self.stats["captured"] += 1
         while len(self.graphs) > self.max_graphs:

@@ -20,6 +20,7 @@ recorder (tests pass one that re-runs the body into the recorded outputs).
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import torch
@@ -31,6 +32,8 @@ from flashrt.kv.state import KVState
 from . import accept
 from . import speculative as spec
 from .step_capture import CAPTURE_ERROR_MODE, step_entries
+
+log = logging.getLogger("flashrt.engine")
 
 
 def capture_setup(model, state, capture: bool | None, record):
@@ -156,9 +159,15 @@ class VerifyCapture:
             self.stats["uncapturable"] = str(exc).splitlines()[0][:200]
             self.stats["eager"] += 1
             return self._traced(S, entries)[0]  # again, syncs allowed: fresh staging, the same cache slots
-        self.graphs[key] = self.record(lambda: self._traced(S, entries))  # cache writes: same slots, same values
+        try:
+            self.graphs[key] = self.record(lambda: self._traced(S, entries))  # cache writes: same slots, same values
+            self.stats["captured"] += 1
+        except RuntimeError as exc:  # an operation a graph cannot record: the key runs eagerly from now on
+            why = str(exc).splitlines()[0][:200]
+            log.warning("a %d-token step could not be captured and runs eagerly: %s", S, why)
+            self.graphs[key], self.stats["uncapturable"] = "eager", why
+            self.stats["eager"] += 1
         self.state._staged = staged  # the eager run's staging is what this step commits
-        self.stats["captured"] += 1
         while len(self.graphs) > self.max_graphs:
             self.commits.pop(self.graphs.popitem(last=False)[0], None)
         return logits
@@ -199,8 +208,12 @@ class VerifyCapture:
                 raise
             self.commits[key] = "eager"
             return False
-        with checks.value_checks(False):
-            self.commits[key] = self.record(body)[0]
+        try:
+            with checks.value_checks(False):
+                self.commits[key] = self.record(body)[0]
+        except RuntimeError as exc:  # not recordable: this key's commits run eagerly (they rewrite the same values)
+            log.warning("a commit could not be captured, it runs eagerly: %s", str(exc).splitlines()[0][:200])
+            self.commits[key] = "eager"
         return True
 
     def _commit_body(self, S: int):

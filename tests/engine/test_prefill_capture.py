@@ -184,3 +184,24 @@ def test_cuda_engine_with_prefill_graphs_decodes_as_without(rng):
     assert run_staggered(engine, arrivals) == want
     c = engine.step_loop.counters
     assert c["prefill_captures"] > 0 and c["prefill_replays"] > 0, c
+
+
+def test_a_chunk_that_cannot_be_recorded_runs_eagerly(model, rng):
+    """A recorder that raises (an operation a CUDA graph cannot hold): the key stays eager, every
+    chunk still gives the forward's logits and caches, nothing is recorded."""
+    def failing(body):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    eager, static = _states(model, 2)
+    runner = PrefillCapture(model, static, record=failing)
+    for _ in range(2):
+        for n in (5, 9):
+            ids = _ids(model, rng, 2, n)
+            assert torch.equal(model.forward(ids, state=eager), runner.forward(ids))
+        same_caches(model, eager, static)
+        for s in (eager, static):
+            for row in range(2):
+                s.release_row(row)
+    s = runner.stats
+    assert s["captured"] == s["replayed"] == 0 and s["eager"] >= 2 and "capturing" in s["uncapturable"]
+    assert set(runner.graphs.values()) == {"eager"}

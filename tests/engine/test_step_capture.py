@@ -142,6 +142,32 @@ def test_captured_steps_replay_the_eager_step(rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_that_cannot_be_captured_runs_eagerly(rng, monkeypatch):
+    """A step body that fails while it is being captured (as an operation a stream capture refuses
+    would): that shape runs eagerly from then on, every step still the eager step's."""
+    cfg = shipped_config("tiny")
+    model = Model(cfg, init_weights(cfg, seed=3, device="cuda"))
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=rng).cuda()
+    eager, static = _states(model, 2, 200, page_entries=64)
+    la, lb = model.forward(ids, state=eager), model.forward(ids, state=static)
+    plain, graphs = StepCapture(model, eager, capture=False), StepCapture(model, static)
+    body = graphs._body
+
+    def failing(entries):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return body(entries)
+
+    monkeypatch.setattr(graphs, "_body", failing)
+    for _ in range(4):
+        tok = la.argmax(-1)
+        la, lb = plain.step(tok).clone(), graphs.step(tok).clone()
+        assert torch.equal(la, lb)
+    assert graphs.stats["captured"] == 0 and graphs.stats["eager"] == 4 and "uncapturable" in graphs.stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_steps_with_engram_tables_in_host_memory(rng):
     """host_pinned Engram: the step's rows are staged into static buffers before each replay; the
     logits follow Model.forward's prefetch path."""
