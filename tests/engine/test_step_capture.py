@@ -123,16 +123,22 @@ def test_bad_arguments_are_named(model):
             StepCapture(model, model.new_state(1, 8), capture=True)
 
 
+def _cuda_pair(rng, page_entries):
+    """tiny on CUDA after a 19-token prompt in two states: (the prompt's logits, an eager static-step
+    runner of one, a capturing runner of the other)."""
+    cfg = shipped_config("tiny")
+    model = Model(cfg, init_weights(cfg, seed=3, device="cuda"))
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=rng).cuda()
+    eager, static = _states(model, 2, 200, page_entries=page_entries)
+    la, _ = model.forward(ids, state=eager), model.forward(ids, state=static)
+    return la, StepCapture(model, eager, capture=False), StepCapture(model, static)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_steps_replay_the_eager_step(rng):
     """Captured replays compute what the same static-buffer step computes eagerly, step after step."""
-    cfg = shipped_config("tiny")
-    model = Model(cfg, init_weights(cfg, seed=3, device="cuda"))
-    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=rng).cuda()
-    eager, static = _states(model, 2, 200, page_entries=4)
-    la, lb = model.forward(ids, state=eager), model.forward(ids, state=static)
-    plain, graphs = StepCapture(model, eager, capture=False), StepCapture(model, static)
+    la, plain, graphs = _cuda_pair(rng, page_entries=4)
     for _ in range(40):
         tok = la.argmax(-1)
         la, lb = plain.step(tok).clone(), graphs.step(tok).clone()
@@ -145,12 +151,7 @@ def test_captured_steps_replay_the_eager_step(rng):
 def test_a_step_that_cannot_be_captured_runs_eagerly(rng, monkeypatch):
     """A step body that fails while it is being captured (as an operation a stream capture refuses
     would): that shape runs eagerly from then on, every step still the eager step's."""
-    cfg = shipped_config("tiny")
-    model = Model(cfg, init_weights(cfg, seed=3, device="cuda"))
-    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=rng).cuda()
-    eager, static = _states(model, 2, 200, page_entries=64)
-    la, lb = model.forward(ids, state=eager), model.forward(ids, state=static)
-    plain, graphs = StepCapture(model, eager, capture=False), StepCapture(model, static)
+    la, plain, graphs = _cuda_pair(rng, page_entries=64)
     body = graphs._body
 
     def failing(entries):
