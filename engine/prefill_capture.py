@@ -85,7 +85,8 @@ class PrefillCapture(VerifyCapture):
 
 class PrefillStates:
     """The serving engine's prefill states of ``rows`` rows (one per row count, made when first
-    needed), each with its :class:`PrefillCapture`; graphs of every runner in one memory pool.
+    needed, at most ``max_states`` row counts), each with its :class:`PrefillCapture`; graphs of
+    every runner in one memory pool; chunks of at most ``max_tokens`` (rows x length).
 
     A sequence prefills in a row of one of them while it is free (no prefilling sequence in it)
     and moves to the decode batch from there (``KVState.take_row`` leaves the row empty), so the
@@ -119,10 +120,3 @@ class PrefillStates:
         """The runner of ``state`` when it is one of these states."""
         runner = self.runners.get(state.batch)
         return runner if runner is not None and runner.state is state else None
-
-    def stats(self) -> dict:
-        out = dict.fromkeys(("captured", "replayed", "eager", "fallback"), 0)
-        for runner in self.runners.values():
-            for k in out:
-                out[k] += runner.stats[k]
-        return out
