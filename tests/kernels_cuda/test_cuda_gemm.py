@@ -146,6 +146,36 @@ def test_linear_no_rows(rng):
 # ------------------------------------------------------------------------------------ moe_experts
 
 
+def _one_code_flips(x, weights, indices, w1, w3, w2, limit, diff: torch.Tensor) -> list[bool]:
+    """Per token: whether its output difference ``diff`` [N, D] (kernel - reference) is one code of
+    the fp8-quantized intermediate (the input of W2) one step apart: ``+-step_i * W2[e, :, i]`` for
+    one expert slot and one intermediate column ``i``. The kernel's fp32 sums run in another order
+    than the reference's, so a value within an ulp of a rounding midpoint may round the other way."""
+    from flashrt.refmath_linear import dequantized_weight
+    from flashrt.refmath_moe import _project, swiglu
+
+    x, weights, indices, diff = x.cpu(), weights.cpu(), indices.cpu().long(), diff.cpu()
+    w1, w3, w2 = (formats.QTensor(w.data.cpu(), w.scale.cpu(), w.fmt, w.shape) for w in (w1, w3, w2))
+    down = dequantized_weight(w2)  # [E, D, I]
+    out = []
+    for t in range(x.shape[0]):
+        found = not diff[t].any()
+        for k, e in enumerate(indices[t].tolist()):
+            xe = x[t:t + 1]
+            h = swiglu(_project(xe, w1, e), _project(xe, w3, e), weights[t, k:k + 1], limit)[0]
+            q = formats.quantize(h.unsqueeze(0), "fp8")
+            scale = q.scale.to(torch.float32).repeat_interleave(h.shape[0] // q.scale.shape[-1], dim=-1)[0]
+            v = (h / scale).abs().clamp_min(2.0**-6)  # E4M3: 3 mantissa bits, normal from 2^-6
+            step = scale * 2.0 ** (torch.floor(torch.log2(v)) - 3)
+            cols = down[e]  # [D, I]
+            alpha = (diff[t] @ cols) / (cols * cols).sum(dim=0)  # the best multiple of each column
+            resid = (diff[t].unsqueeze(1) - alpha * cols).abs().amax(dim=0)
+            ok = (resid <= 1e-4 * diff[t].abs().max()) & ((alpha.abs() - step).abs() <= 1e-3 * step)
+            found = found or bool(ok.any())
+        out.append(found)
+    return out
+
+
 def _experts(rng, fmt, E, I, D):
     return _weight(rng, fmt, E, I, D), _weight(rng, fmt, E, I, D), _weight(rng, fmt, E, D, I)
 
@@ -159,9 +189,13 @@ def test_moe_experts(rng, mode, fmt, E, k, dtype, limit):
     x = _randn(rng, N, D, scale=3.0).to(dtype)
     indices = torch.randint(0, E, (N, k), generator=rng, dtype=torch.int32).to(DEVICE)  # repeats allowed
     weights = torch.rand(N, k, generator=rng).to(DEVICE)
-    got, want = run_both("moe_experts", x, weights, indices, *_experts(rng, fmt, E, I, D), limit)
+    experts = _experts(rng, fmt, E, I, D)
+    got, want = run_both("moe_experts", x, weights, indices, *experts, limit)
     assert got.dtype == torch.float32 and got.shape == (N, D)
-    assert rel_err(got, want) < _tol(dtype)
+    if rel_err(got, want) >= _tol(dtype):  # only a near-tie of the fp8 intermediate rounded the other way
+        diff = torch.where(((got - want).abs() > _tol(dtype) * want.abs().amax()).any(dim=1, keepdim=True),
+                           got - want, 0.0)
+        assert all(_one_code_flips(x, weights, indices, *experts, limit, diff)), (got - want).abs().amax(dim=1)
 
 
 def test_moe_experts_multi_tile_and_unused_experts(rng):
