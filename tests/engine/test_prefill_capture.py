@@ -205,3 +205,16 @@ def test_a_chunk_that_cannot_be_recorded_runs_eagerly(model, rng):
     s = runner.stats
     assert s["captured"] == s["replayed"] == 0 and s["eager"] >= 2 and "capturing" in s["uncapturable"]
     assert set(runner.graphs.values()) == {"eager"}
+
+
+def test_serve_help_gives_the_graph_limit():
+    """``flashrt serve --help`` states the largest captured chunk this module uses."""
+    import argparse
+
+    from flashrt.cli.serve import add_serve
+    from flashrt.engine.prefill_capture import GRAPH_TOKENS
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_serve(sub)
+    help_text = " ".join(sub.choices["serve"].format_help().split())
+    assert f"at most {GRAPH_TOKENS:,} tokens" in help_text
