@@ -32,6 +32,9 @@ from flashrt.kv.state import KVState
 from .verify_capture import VerifyCapture, cuda_record
 
 GRAPH_TOKENS = 4096  # rows x chunk tokens of the largest chunk captured (larger ones are device-bound)
+# rows of the largest reusable prefill state: each state keeps its window rings and compressor state
+# for good (a fresh group state holds them only until its rows move), so their number stays small
+GRAPH_ROWS = 8
 
 
 class PrefillCapture(VerifyCapture):
@@ -85,8 +88,9 @@ class PrefillCapture(VerifyCapture):
 
 class PrefillStates:
     """The serving engine's prefill states of ``rows`` rows (one per row count, made when first
-    needed, at most ``max_states`` row counts), each with its :class:`PrefillCapture`; graphs of
-    every runner in one memory pool; chunks of at most ``max_tokens`` (rows x length).
+    needed, at most ``max_states`` row counts of at most ``max_rows`` rows), each with its
+    :class:`PrefillCapture`; graphs of every runner in one memory pool; chunks of at most
+    ``max_tokens`` (rows x length).
 
     A sequence prefills in a row of one of them while it is free (no prefilling sequence in it)
     and moves to the decode batch from there (``KVState.take_row`` leaves the row empty), so the
@@ -94,8 +98,9 @@ class PrefillStates:
     ``record``: the recorder for every runner (tests); default CUDA graphs on a CUDA device."""
 
     def __init__(self, model, pool, capacity: int, capture: bool | None = None, record=None,
-                 max_tokens: int = GRAPH_TOKENS, max_states: int = 4):
-        self.model, self.pool, self.capacity, self.max_tokens, self.max_states = model, pool, capacity, max_tokens, max_states
+                 max_tokens: int = GRAPH_TOKENS, max_states: int = 4, max_rows: int = GRAPH_ROWS):
+        self.model, self.pool, self.capacity = model, pool, capacity
+        self.max_tokens, self.max_states, self.max_rows = max_tokens, max_states, max_rows
         cuda = model.device.type == "cuda"
         self.capture = (cuda or record is not None) if capture is None else bool(capture)
         if self.capture and record is None and cuda:
@@ -105,7 +110,7 @@ class PrefillStates:
 
     def wants(self, rows: int, tokens: int) -> bool:
         """Whether a chunk of ``rows`` x ``tokens`` runs in a captured state."""
-        return self.capture and rows * tokens <= self.max_tokens and (
+        return self.capture and rows <= self.max_rows and rows * tokens <= self.max_tokens and (
             rows in self.runners or len(self.runners) < self.max_states)
 
     def state_for(self, rows: int, busy) -> KVState | None:

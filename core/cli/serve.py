@@ -44,7 +44,7 @@ def add_serve(sub) -> None:
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="decode from captured CUDA graphs (default: on CUDA devices)")
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay prompt chunks of at most 4,096 tokens (rows x chunk) from CUDA graphs, in prefill "
+                   help="replay prompt chunks of at most 4,096 tokens (rows x chunk) and 8 rows from CUDA graphs, in prefill "
                         "states reused by request after request (default: with --cuda-graph, one device, "
                         "no --speculative)")
     p.add_argument("--speculative", default=None, choices=("dspark",),

@@ -97,8 +97,8 @@ def test_bad_ids_name_the_argument(model):
 
 def test_prefill_states_hand_out_free_states(model):
     pool = KVState.pool_for(model.cfg, 4, 64, model.device, None, 4)
-    states = PrefillStates(model, pool, 64, record=FakeRecorder(), max_tokens=64, max_states=2)
-    assert states.wants(2, 32) and not states.wants(2, 33) and not states.wants(3, 32)
+    states = PrefillStates(model, pool, 64, record=FakeRecorder(), max_tokens=64, max_states=2, max_rows=3)
+    assert states.wants(2, 32) and not states.wants(2, 33) and not states.wants(3, 32) and not states.wants(4, 1)
     a = states.state_for(2, lambda s: False)
     assert a.batch == 2 and states.state_for(2, lambda s: s is a) is None
     assert states.runner(a) is states.runners[2] and states.runner(model.new_state(2, 8, pool=pool)) is None
@@ -208,13 +208,13 @@ def test_a_chunk_that_cannot_be_recorded_runs_eagerly(model, rng):
 
 
 def test_serve_help_gives_the_graph_limit():
-    """``flashrt serve --help`` states the largest captured chunk this module uses."""
+    """``flashrt serve --help`` states the largest captured chunk and prefill state this module uses."""
     import argparse
 
     from flashrt.cli.serve import add_serve
-    from flashrt.engine.prefill_capture import GRAPH_TOKENS
+    from flashrt.engine.prefill_capture import GRAPH_ROWS, GRAPH_TOKENS
 
     sub = argparse.ArgumentParser().add_subparsers()
     add_serve(sub)
     help_text = " ".join(sub.choices["serve"].format_help().split())
-    assert f"at most {GRAPH_TOKENS:,} tokens" in help_text
+    assert f"at most {GRAPH_TOKENS:,} tokens (rows x chunk) and {GRAPH_ROWS} rows" in help_text
