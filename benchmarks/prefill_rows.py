@@ -30,6 +30,15 @@ from decode_profile import kernel_times
 from results_io import write_json
 
 
+def synced_seconds(run) -> float:
+    """Wall seconds of ``run()`` with the device idle before and after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def graph_wall(model, ids: torch.Tensor, repeat: int) -> float:
     """Median wall seconds of ``ids``' forward replayed by a :class:`PrefillCapture` (synchronized)."""
     rows, n = ids.shape
@@ -39,11 +48,7 @@ def graph_wall(model, ids: torch.Tensor, repeat: int) -> float:
     def once():
         for row in range(rows):
             state.release_row(row)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        runner.forward(ids)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return synced_seconds(lambda: runner.forward(ids))
 
     once()  # captured
     wall = statistics.median(once() for _ in range(repeat))
@@ -57,11 +62,7 @@ def forward_costs(model, rows: int, n: int, repeat: int, graphs: bool = True) ->
 
     def once():
         state = model.new_state(rows, n + 8)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.forward(ids, state=state)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return synced_seconds(lambda: model.forward(ids, state=state))
 
     once()
     wall = statistics.median(once() for _ in range(repeat))
