@@ -160,7 +160,7 @@ def _one_code_flips(x, weights, indices, w1, w3, w2, limit, diff: torch.Tensor) 
     out = []
     for t in range(x.shape[0]):
         found = not diff[t].any()
-        for k, e in enumerate(indices[t].tolist()):
+        for k, e in enumerate([] if found else indices[t].tolist()):
             xe = x[t:t + 1]
             h = swiglu(_project(xe, w1, e), _project(xe, w3, e), weights[t, k:k + 1], limit)[0]
             q = formats.quantize(h.unsqueeze(0), "fp8")
