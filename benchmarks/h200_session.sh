@@ -39,16 +39,21 @@
 #              at 1 / 4 / 16 / 64 rows of 512 tokens (the serving engine's groups against
 #              generate()'s whole batch), eager and replayed from a CUDA graph, and the batch-1
 #              decode step's kernel profile: h200-prefill-rows.json, h200-decode-profile-b1.json
+#   engine     the serving engine stepped in process at 64 concurrent against generate() at batch 64
+#              (benchmarks/engine_steps.py: step wall and CPU time, GPU busy share, kernels per
+#              decode step), with and without prefill graphs: h200-engine-steps.json,
+#              h200-engine-steps-no-prefill-graphs.json
 #
+# Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed.
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
-[ $# -gt 0 ] || { sed -n 2,36p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,50p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode or prefill)" >&2; exit 2 ;;
+    serve|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill or engine)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -139,7 +144,14 @@ phase_prefill() {
   python benchmarks/decode_profile.py --model small --batch 1 --out "$OUT/h200-decode-profile-b1.json"
 }
 
+phase_engine() {
+  python benchmarks/engine_steps.py --model small --concurrency 64 --out "$OUT/h200-engine-steps.json"
+  python benchmarks/engine_steps.py --model small --concurrency 64 --no-prefill-graphs \
+    --out "$OUT/h200-engine-steps-no-prefill-graphs.json"
+}
+
 for phase in "$@"; do
   echo "== $phase"
-  "phase_${phase//-/_}"
+  "phase_${phase//-/_}" > "$OUT/phase-$phase.log" 2>&1
+  tail -n 30 "$OUT/phase-$phase.log"
 done

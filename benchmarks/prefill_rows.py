@@ -97,7 +97,7 @@ def main() -> None:
             r = forward_costs(model, rows, args.tokens, args.repeat, args.graphs)
             out.append(r)
             print(f"[{rows}, {args.tokens}]: wall {r['wall_ms']:.1f} ms ({r['wall_us_per_token']:.2f} us/token), "
-                  f"GPU {r['gpu_ms']:.1f} ms ({r['gpu_us_per_token']:.2f} us/token) over {r['launches']:.0f} kernels",
+                  f"GPU {r['gpu_ms']:.1f} ms ({r['gpu_us_per_token']:.2f} us/token) over {r['launches']:.0f} kernels"
                   + (f"; from a CUDA graph {r['graph_wall_ms']:.1f} ms ({r['graph_speedup']:.2f}x)" if args.graphs else ""),
                   flush=True)
             for k in r["top_kernels"][:8]:
