@@ -17,13 +17,16 @@
 ``engine``: the server's step counters over that level (``/metrics``, ``flashrt_engine_*``): steps/s,
 mean step time, mean decode batch, prompt tokens per prefill forward, the share of wall time the
 loop spent in steps (``engine_busy``) and, of the step time, the decode / prefill / sampling shares
-(host wall time, and device time from CUDA events).
+(host wall time, and device time from CUDA events), and ``cpu``: the CPU seconds of the server's
+processes (the HTTP server, the engine process) and their busiest threads' shares of the level's
+wall time (a thread near 100% bounds the level), and the benchmark client's CPU seconds.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -36,6 +39,7 @@ import torch
 
 import flashrt
 from flashrt.engine.run import load_model, pick_device
+from proc_cpu import busiest, snapshot
 from results_io import write_json
 
 
@@ -145,11 +149,19 @@ def serve_levels(args) -> dict:
             for level in args.concurrency:
                 out = Path(tmp) / f"serve-{level}.json"
                 before, started = engine_counters(url), time.time()
+                cpu0, client0 = snapshot(proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
                 subprocess.run([*bench, "--concurrency", str(level), "--num-prompts", str(args.num_prompts),
                                 "--output-len", str(args.output_len), "--out", str(out)], check=True)
+                cpu1, client1 = snapshot(proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
+                wall = time.time() - started
                 one = json.loads(out.read_text())
                 for lv in one["levels"]:
                     lv["engine"] = where_time_goes(before, engine_counters(url), lv["duration_s"])
+                    # which thread of the server's processes ran all the time (a GIL-bound
+                    # bottleneck), and the benchmark client's CPU, over the whole bench call
+                    lv["cpu"] = {"wall_s": round(wall, 3), "server": busiest(cpu0, cpu1, wall),
+                                 "client_cpu_s": round(client1.ru_utime + client1.ru_stime
+                                                       - client0.ru_utime - client0.ru_stime, 3)}
                     if args.jit_log:
                         lv["jit_built"] = built_in(args.jit_log, started, time.time())
                 if result is None:
@@ -209,6 +221,11 @@ def main() -> None:
               f"{e['prefill_tokens_per_forward']:.0f} prefill tokens/forward, engine busy {e['engine_busy']:.0%} "
               f"(decode {e['share_decode']:.0%}, prefill {e['share_prefill']:.0%}, sample {e['share_sample']:.0%}; "
               f"device: decode {e['share_decode_device']:.0%}, prefill {e['share_prefill_device']:.0%})", flush=True)
+        if "cpu" in level:
+            c = level["cpu"]
+            print(f"  CPU over {c['wall_s']:.1f} s: client {c['client_cpu_s']:.1f} s; " + "; ".join(
+                f"{p['command'][:40]!r} {p['cpu_s']:.1f} s (threads " + ", ".join(
+                    f"{t['name']} {t['share']:.0%}" for t in p["threads"]) + ")" for p in c["server"]), flush=True)
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                           else "cpu", "serve_args": args.serve_arg, "generate": base, "generate_by_batch": same,
                           "serve": served})
