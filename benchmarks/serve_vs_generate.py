@@ -223,7 +223,8 @@ def main() -> None:
               f"device: decode {e['share_decode_device']:.0%}, prefill {e['share_prefill_device']:.0%})", flush=True)
         if "cpu" in level:
             c = level["cpu"]
-            print(f"  CPU over {c['wall_s']:.1f} s: client {c['client_cpu_s']:.1f} s; " + "; ".join(
+            print(f"  CPU over {c['wall_s']:.1f} s: client {c['client_cpu_s']:.1f} s "
+                  f"({level.get('client_busy', 0):.0%} busy in the level); " + "; ".join(
                 f"{p['command'][:40]!r} {p['cpu_s']:.1f} s (threads " + ", ".join(
                     f"{t['name']} {t['share']:.0%}" for t in p["threads"]) + ")" for p in c["server"]), flush=True)
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name() if torch.cuda.is_available()

@@ -125,6 +125,8 @@ BAD = [
     (("tune", "--out", "", "--budget", "1"), "--out"),
     (("jit", "warmup", "--shapes", "huge"), "--shapes"),
     (("bench", "kernels", "--families", "nope"), "--families"),
+    (("bench", "serve", "--base-url", "http://127.0.0.1:9", "--concurrency", "1"), "base_url"),
+    (("bench", "serve", "--concurrency", "0"), "--concurrency"),
     (("--profile", "nope", "run"), "nope"),
 ]
 
