@@ -17,7 +17,9 @@
 ``engine``: the server's step counters over that level (``/metrics``, ``flashrt_engine_*``): steps/s,
 mean step time, mean decode batch, prompt tokens per prefill forward, the share of wall time the
 loop spent in steps (``engine_busy``) and, of the step time, the decode / prefill / sampling shares
-(host wall time, and device time from CUDA events), and ``cpu``: the CPU seconds of the server's
+(host wall time, and device time from CUDA events), the server's mean time to first token, time in
+the queue and prefill time of the level's requests (``server_mean_s``, from their arrival at the
+engine), and ``cpu``: the CPU seconds of the server's
 processes (the HTTP server, the engine process) and their busiest threads' shares of the level's
 wall time (a thread near 100% bounds the level), and the benchmark client's CPU seconds.
 """
@@ -84,7 +86,15 @@ def engine_counters(url: str) -> dict:
         if line.startswith("flashrt_engine_") and "_total " in line:
             name, value = line.split(" ", 1)
             out[name[len("flashrt_engine_"):-len("_total")]] = float(value)
+        elif line.startswith(tuple(f"flashrt_{h}_seconds_" for h in TIMES)) and line.split(" ", 1)[0].endswith(("_sum", "_count")):
+            name, value = line.split(" ", 1)
+            out[name[len("flashrt_"):]] = float(value)
     return out
+
+
+# request-time histograms of /metrics whose means over a level are reported (the server's view:
+# from a request's arrival at the engine, so the client's TTFT less these is transport)
+TIMES = ("time_to_first_token", "request_queue_time", "request_prefill_time")
 
 
 def where_time_goes(before: dict, after: dict, duration: float) -> dict:
@@ -105,6 +115,8 @@ def where_time_goes(before: dict, after: dict, duration: float) -> dict:
         "share_sample": share("sample_seconds"),
         "share_decode_device": share("decode_device_seconds"), "share_prefill_device": share("prefill_device_seconds"),
         "counters": d,
+        "server_mean_s": {h: d[f"{h}_seconds_sum"] / d[f"{h}_seconds_count"] for h in TIMES
+                          if d.get(f"{h}_seconds_count")},
     }
 
 
@@ -221,6 +233,9 @@ def main() -> None:
               f"{e['prefill_tokens_per_forward']:.0f} prefill tokens/forward, engine busy {e['engine_busy']:.0%} "
               f"(decode {e['share_decode']:.0%}, prefill {e['share_prefill']:.0%}, sample {e['share_sample']:.0%}; "
               f"device: decode {e['share_decode_device']:.0%}, prefill {e['share_prefill_device']:.0%})", flush=True)
+        if e.get("server_mean_s"):
+            print("  server means: " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in e["server_mean_s"].items()),
+                  flush=True)
         if "cpu" in level:
             c = level["cpu"]
             print(f"  CPU over {c['wall_s']:.1f} s: client {c['client_cpu_s']:.1f} s "

@@ -123,6 +123,7 @@ class Request:
         self.arrival_index = arrival_index
         self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves
         self.arrival = time.monotonic()
+        self.scheduled_time: float | None = None  # its first prompt chunk was planned (the queue ends)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.seqs: list[Sequence] = []
@@ -152,7 +153,9 @@ class Finished:
     finish_time: float | None
     output_tokens: int
     n_seqs: int
+    scheduled_time: float | None = None
 
 
 def finished_record(req) -> Finished:
-    return Finished(req.arrival, req.first_token_time, req.finish_time, req.output_tokens, len(req.seqs))
+    return Finished(req.arrival, req.first_token_time, req.finish_time, req.output_tokens, len(req.seqs),
+                    req.scheduled_time)

@@ -152,6 +152,11 @@ class StepLoop(PrefillSteps):
             padding = self.slots.padding_need(pages_at(self.cfg, self.P, self.decode_tokens))
         plan = sch.schedule(self.pool.pages_in_use, padding, self._preempt, self._prepare)
         self.counters["steps"] += 1
+        if plan.prefill:
+            now = time.monotonic()
+            for seq, _ in plan.prefill:
+                if seq.request.scheduled_time is None:
+                    seq.request.scheduled_time = now
         timer = self.timer.start()
         for seq in plan.swap_in:
             self._swap_in(seq)

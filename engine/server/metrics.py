@@ -131,6 +131,8 @@ class Metrics:
         self.ttft = h("time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
         self.tpot = h("time_per_output_token_seconds", "Mean time between output tokens of a request", TPOT_BUCKETS)
         self.e2e = h("request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+        self.queue = h("request_queue_time_seconds", "Arrival to its first prompt chunk planned", LATENCY_BUCKETS)
+        self.prefill = h("request_prefill_time_seconds", "First prompt chunk planned to first token", LATENCY_BUCKETS)
         engine.on_finish(self.observe)
 
     def observe(self, req) -> None:
@@ -138,6 +140,9 @@ class Metrics:
         if req.first_token_time is None or req.finish_time is None:
             return
         self.ttft.observe(req.first_token_time - req.arrival)
+        if req.scheduled_time is not None:  # TTFT = queue time + prefill time
+            self.queue.observe(req.scheduled_time - req.arrival)
+            self.prefill.observe(req.first_token_time - req.scheduled_time)
         self.e2e.observe(req.finish_time - req.arrival)
         per_seq = req.output_tokens / max(req.n_seqs, 1)
         if per_seq > 1:
