@@ -43,17 +43,22 @@
 #              (benchmarks/engine_steps.py: step wall and CPU time, GPU busy share, kernels per
 #              decode step), with and without prefill graphs: h200-engine-steps.json,
 #              h200-engine-steps-no-prefill-graphs.json
+#   combine    the attention's split-K partials merged in the attention launch
+#              (tiles.attention.combine.in_kernel) against the separate combine launch: its GPU
+#              test, then the captured decode step of `small` at batch 1 / 8 / 64 and its batch-1
+#              and batch-64 kernel profiles under each: h200-combine-{off,on}-e2e.json,
+#              h200-combine-{off,on}-profile-b{1,64}.json
 #
 # Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed.
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
-[ $# -gt 0 ] || { sed -n 2,50p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,55p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill or engine)" >&2; exit 2 ;;
+    serve|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine or combine)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -148,6 +153,24 @@ phase_engine() {
   python benchmarks/engine_steps.py --model small --concurrency 64 --out "$OUT/h200-engine-steps.json"
   python benchmarks/engine_steps.py --model small --concurrency 64 --no-prefill-graphs \
     --out "$OUT/h200-engine-steps-no-prefill-graphs.json"
+}
+
+phase_combine() {
+  local mode b on
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_attention.py -k merged_in 2>&1 | tail -n 2
+  on=$(mktemp -d)/h200-combine.yaml  # a profile's name is its file's
+  python -c "import sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = 'h200-combine'; \
+p['tiles'].setdefault('attention', {})['combine'] = {'in_kernel': True}; yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$on"
+  for mode in off on; do
+    local profile=h200
+    [ "$mode" = on ] && profile=$on
+    FLASHRT_PROFILE=$profile python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+      --modes cuda+graph --out "$OUT/h200-combine-$mode-e2e.json"
+    for b in 1 64; do
+      FLASHRT_PROFILE=$profile python benchmarks/decode_profile.py --model small --batch "$b" \
+        --out "$OUT/h200-combine-$mode-profile-b$b.json" | head -n 1
+    done
+  done
 }
 
 for phase in "$@"; do

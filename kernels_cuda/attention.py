@@ -8,8 +8,9 @@ concatenation along T) are read as stored: plain float, ``fp8`` (E4M3 + UE8M0 pe
 ``fp4_b16`` (E2M1 + E4M3 per 16), ``fp4_b32`` (E2M1 + UE8M0 per 32); a global index is mapped to
 its segment by comparing with the segment starts (segments in one quantized format share one
 dequant path); a K block only converts the formats it touches. With few queries the K blocks
-are split over programs (flash-decoding): each writes ``(acc / l, m, l)`` and ``_combine_kernel``
-merges them with the sink. Dots: bf16 MMA for bf16 q, 3 bf16 MMAs (``bf16x3``) for fp16 / fp32 q.
+are split over programs (flash-decoding): each writes ``(acc / l, m, l)`` and the last split
+program of each tile merges them with the sink in the same launch (``tiles.combine.in_kernel``,
+ticket counters of :mod:`.splitk`), or ``_combine_kernel`` does in a launch of its own. Dots: bf16 MMA for bf16 q, 3 bf16 MMAs (``bf16x3``) for fp16 / fp32 q.
 
 This file holds the launcher and its planning; the Triton kernels are in :mod:`.attention_kernel`
 and the format decoders in :mod:`.codecs`. Everything that follows from the shapes, formats and
@@ -28,6 +29,7 @@ from flashrt.formats import QTensor
 from flashrt.jit_triton import interpreted
 from flashrt.kernels_cuda.attention_kernel import _combine_kernel, _sparse_attention_kernel
 from flashrt.kernels_cuda.codecs import CODES
+from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, sm_count, zeros_stored
 
@@ -39,7 +41,9 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # fp16 / fp32 q: fp32 dot operands at this input precision ("bf16x3": 3 bf16 MMAs, ~2**-16)
     "attention_fp32": {"H_BLOCK": 64, "K_BLOCK": 16, "num_warps": 8, "num_stages": 1, "precision": "bf16x3",
                        "D_SPLIT": 1},
-    "combine": {"H_BLOCK": 16, "num_warps": 4},
+    # in_kernel: the last split program of each tile merges the partials (no combine launch);
+    # else _combine_kernel with these tiles
+    "combine": {"H_BLOCK": 16, "num_warps": 4, "in_kernel": False},
     # split-K: splits = min(programs // (B*S*head blocks), max_splits, K blocks // min_blocks);
     # programs 0 = the device's SM count
     "split": {"programs": 0, "min_blocks": 1, "max_splits": 32},
@@ -145,13 +149,15 @@ def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
     dot_dtype, prec = _dot_mode(q.dtype)
     role1, role2, role3 = _roles(codes)
     fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
-    return dict(grid=(B * S, cdiv(H, h_block) * d_split, splits), splits=splits, per_split=per_split,
+    tiles = B * S * cdiv(H, h_block) * d_split  # programs per split: one ticket counter each
+    finish = splits > 1 and _tiles()["combine"]["in_kernel"] and splitk.fits(tiles)
+    return dict(grid=(B * S, cdiv(H, h_block) * d_split, splits), splits=splits, per_split=per_split, finish=finish,
                 roles=(0, role1, role2, role3),  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
                 pdtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32,
                 constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3,
                                 HAS_SINK=has_sink,
                                 SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, H_BLOCK=h_block, K_BLOCK=k_block,
-                                BLOCK_D=next_pow2(D), D_SPLIT=d_split, num_warps=t["num_warps"],
+                                BLOCK_D=next_pow2(D), D_SPLIT=d_split, FINISH=finish, num_warps=t["num_warps"],
                                 num_stages=t["num_stages"]))
 
 
@@ -193,9 +199,9 @@ def sparse_attention(q, kv, indices, sink, scale):
         pml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
     _sparse_attention_kernel[plan["grid"]](
         q, parts[0], parts[-1], sink if sink is not None else q, out, pacc, pml, *_segment_args(segs, plan["roles"]),
-        S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E, D, TWO_PARTS=len(parts) == 2,
-        **plan["constexprs"])
-    if splits > 1:
+        S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E, splitk.counters(q.device), D,
+        TWO_PARTS=len(parts) == 2, **plan["constexprs"])
+    if splits > 1 and not plan["finish"]:
         _combine(pacc, pml, sink, out, splits)
     return out
 
@@ -242,6 +248,7 @@ def warmup_cases(device, d: dict, dtype):
 
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3")  # tl.dot input precisions of fp32 operands
 TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1, 2)), "combine.H_BLOCK": POW2,
+               "combine.in_kernel": Tile(kind=bool),
                "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0}
 
 

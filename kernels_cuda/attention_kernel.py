@@ -3,14 +3,17 @@
 ``_sparse_attention_kernel``: one program per (query ``b, s``, block of heads, K split); the
 selected rows of up to three KV segments are gathered (``_gather_kv``), dequantized in registers
 by :func:`.codecs.dequant_rows` once per program for every head of the block, and fed to an
-online softmax (base 2) over K blocks (``_attend``). ``_combine_kernel`` merges the split-K
-partials ``(acc / l, m, l)`` with the sink.
+online softmax (base 2) over K blocks (``_attend``). The split-K partials ``(acc / l, m, l)``
+are merged with the sink (``_combine_rows``) by ``_combine_kernel``, or, with ``FINISH``, by the
+last split program of each (query, head block, column half) inside the attention launch (a
+ticket from its counter, :mod:`.splitk`): one launch fewer per layer.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda.codecs import dequant_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -174,15 +177,17 @@ def _sparse_attention_kernel(
         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
         o3, so3, sb3, st3, ssb3, sst3, start3, len3,
-        S, H, K, K0, blocks_per_split, qk_scale, D: tl.constexpr,
+        S, H, K, K0, blocks_per_split, qk_scale, cnt_ptr, D: tl.constexpr,
         FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr, ROLE2: tl.constexpr,
         ROLE3: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
         H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, D_SPLIT: tl.constexpr,
-        TWO_PARTS: tl.constexpr):
+        TWO_PARTS: tl.constexpr, FINISH: tl.constexpr):
     """D_SPLIT 2: two programs share a head block, each accumulating half of the output columns
     (half the accumulator registers) and gathering both halves for the scores. TWO_PARTS: the
     indices come in two tensors, ``[B*S, K0]`` (the window's) and ``[B*S, K - K0]`` (the picks),
-    read as their concatenation (no concatenated copy); else one ``[B*S, K]`` with K0 == K."""
+    read as their concatenation (no concatenated copy); else one ``[B*S, K]`` with K0 == K.
+    SPLIT: partials to ``pacc`` / ``pml``; with FINISH the last split program of this (query, head
+    block, column half) merges them into ``out`` (counter ``cnt_ptr`` + its tile, reset after)."""
     BW: tl.constexpr = BLOCK_D // D_SPLIT
     bs, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
     h = (tl.program_id(1) // D_SPLIT) * H_BLOCK + tl.arange(0, H_BLOCK)
@@ -229,6 +234,12 @@ def _sparse_attention_kernel(
         tl.store(pacc_ptr + row[:, None] * D + d[None, :], o.to(pacc_ptr.dtype.element_ty), mask=mask_hd)
         tl.store(pml_ptr + row * 2, m_i, mask=h < H)  # D_SPLIT 2: both programs store the same (m, l)
         tl.store(pml_ptr + row * 2 + 1, l_i, mask=h < H)
+        if FINISH:
+            tile = cnt_ptr + bs * tl.num_programs(1) + tl.program_id(1)
+            if splitk.last_ticket(tile, tl.num_programs(2)):
+                _combine_rows(pacc_ptr, pml_ptr, sink_ptr, out_ptr, bs, tl.num_programs(0), h, d, tl.num_programs(2),
+                              H, D, HAS_SINK)
+                splitk.reset_ticket(tile)
     else:
         sk = tl.load(sink_ptr + h, mask=h < H, other=0.0) * LOG2E if HAS_SINK else 0.0
         out = _finish(acc, m_i, l_i, sk, HAS_SINK)
@@ -236,24 +247,33 @@ def _sparse_attention_kernel(
 
 
 @triton.jit
-def _combine_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, NSPLIT, H, D, HAS_SINK: tl.constexpr,
-                    H_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    bs, nbs = tl.program_id(0).to(tl.int64), tl.num_programs(0)
-    h = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
-    d = tl.arange(0, BLOCK_D)
+def _combine_rows(pacc_ptr, pml_ptr, sink_ptr, out_ptr, bs, nbs, h, d, NSPLIT, H, D, HAS_SINK: tl.constexpr):
+    """``out`` rows of query ``bs``, heads ``h``, columns ``d``: the NSPLIT partials merged in split
+    order (deterministic), the sink joining the denominator. The partials are loaded past L1 (``.cg``,
+    as :mod:`.splitk` reads them): other programs of the same launch may have just stored them."""
     mask_hd = (h < H)[:, None] & (d < D)[None, :]
-    m = tl.full([H_BLOCK], float("-inf"), tl.float32)
-    for j in range(NSPLIT):
-        m = tl.maximum(m, tl.load(pml_ptr + ((j * nbs + bs) * H + h) * 2, mask=h < H, other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros([H_BLOCK], tl.float32)
-    acc = tl.zeros([H_BLOCK, BLOCK_D], tl.float32)
+    m = tl.full(h.shape, float("-inf"), tl.float32)
     for j in range(NSPLIT):
         row = (j * nbs + bs) * H + h
-        w = tl.exp2(tl.load(pml_ptr + row * 2, mask=h < H, other=float("-inf")) - m_use)
-        w = w * tl.load(pml_ptr + row * 2 + 1, mask=h < H, other=0.0)  # this split's l, rescaled
+        m = tl.maximum(m, tl.load(pml_ptr + row * 2, mask=h < H, other=float("-inf"), cache_modifier=".cg"))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros(h.shape, tl.float32)
+    acc = tl.zeros(mask_hd.shape, tl.float32)
+    for j in range(NSPLIT):
+        row = (j * nbs + bs) * H + h
+        w = tl.exp2(tl.load(pml_ptr + row * 2, mask=h < H, other=float("-inf"), cache_modifier=".cg") - m_use)
+        w = w * tl.load(pml_ptr + row * 2 + 1, mask=h < H, other=0.0, cache_modifier=".cg")  # this split's l, rescaled
         l += w
-        acc += tl.load(pacc_ptr + row[:, None] * D + d[None, :], mask=mask_hd, other=0.0).to(tl.float32) * w[:, None]
+        part = tl.load(pacc_ptr + row[:, None] * D + d[None, :], mask=mask_hd, other=0.0, cache_modifier=".cg")
+        acc += part.to(tl.float32) * w[:, None]
     sk = tl.load(sink_ptr + h, mask=h < H, other=0.0) * LOG2E if HAS_SINK else 0.0
     out = _finish(acc, m_use, l, sk, HAS_SINK)
     tl.store(out_ptr + (bs * H + h)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+
+
+@triton.jit
+def _combine_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, NSPLIT, H, D, HAS_SINK: tl.constexpr,
+                    H_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    h = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
+    _combine_rows(pacc_ptr, pml_ptr, sink_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.num_programs(0), h,
+                  tl.arange(0, BLOCK_D), NSPLIT, H, D, HAS_SINK)

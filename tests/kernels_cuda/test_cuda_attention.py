@@ -153,6 +153,39 @@ def test_attention_split_k(q_dtype, monkeypatch, rng):
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d_split", [1, 2])
+def test_attention_split_k_merged_in_the_launch(q_dtype, d_split, monkeypatch, rng):
+    """``combine.in_kernel``: the last split program of each tile merges the partials, no combine
+    launch; the output is bit-identical to the separate combine's (the same merge in the same
+    order) and the ticket counters are back at zero after each call."""
+    from flashrt import profiles
+    from flashrt.kernels_cuda import splitk
+
+    monkeypatch.setitem(attention.TILES, "split", {"programs": 64, "min_blocks": 1, "max_splits": 16})
+    for key in ("attention", "attention_fp32"):
+        monkeypatch.setitem(attention.TILES, key, dict(attention.TILES[key], K_BLOCK=16, D_SPLIT=d_split))
+    B, S, H, D, T = 2, 1, 16, 64, 50
+    q = torch.randn(B, S, H, D, generator=rng).to(q_dtype).to(DEVICE)
+    kv = _kv("fp8+fp8+fp4_b16", B, T, D, rng)
+    idx = _indices(B, S, 40, T, rng)
+    idx[-1, 0, :20] = -1  # a split with no valid slot
+    sink = torch.randn(H, generator=rng).to(DEVICE)
+    outs, real = {}, attention._combine
+    for in_kernel in (False, True):
+        monkeypatch.setitem(attention.TILES, "combine", dict(attention.TILES["combine"], in_kernel=in_kernel))
+        profiles._TILES_CACHE.clear()  # the merged tiles are cached per profile: take the change
+        launches = []
+        monkeypatch.setattr(attention, "_combine", lambda *a: launches.append(a[-1]) or real(*a))
+        for _ in range(2):  # the second call finds the counters reset by the first
+            outs[in_kernel], _ = _check(q, kv, idx, sink)
+        assert (launches == []) == in_kernel, launches
+        assert int(splitk.counters(q.device).abs().sum()) == 0
+    _, _, _, splits, _, got_split = attention._plan(q, 40)
+    assert splits > 1 and got_split == d_split
+    assert torch.equal(outs[True], outs[False])
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("D, split_k", [(64, False), (96, False), (96, True)])
 def test_attention_output_columns_split_over_two_programs(q_dtype, D, split_k, monkeypatch, rng):
     """D_SPLIT 2, with and without split K: each program accumulates half of the columns (96:
