@@ -42,8 +42,8 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     "attention_fp32": {"H_BLOCK": 64, "K_BLOCK": 16, "num_warps": 8, "num_stages": 1, "precision": "bf16x3",
                        "D_SPLIT": 1},
     # in_kernel: the last split program of each tile merges the partials (no combine launch);
-    # else _combine_kernel with these tiles
-    "combine": {"H_BLOCK": 16, "num_warps": 4, "in_kernel": False},
+    # else _combine_kernel, one program per (query, H_BLOCK heads, BLOCK_D columns)
+    "combine": {"H_BLOCK": 16, "BLOCK_D": 64, "num_warps": 4, "in_kernel": False},
     # split-K: splits = min(programs // (B*S*head blocks), max_splits, K blocks // min_blocks);
     # programs 0 = the device's SM count
     "split": {"programs": 0, "min_blocks": 1, "max_splits": 32},
@@ -167,8 +167,9 @@ def _combine(pacc, pml, sink, out, splits: int) -> None:
     tiles, plan = PLANS.lookup(key)
     if plan is None:
         t = tiles["combine"]
-        plan = PLANS.store(key, ((B * S, cdiv(H, t["H_BLOCK"])), dict(
-            H_BLOCK=t["H_BLOCK"], BLOCK_D=next_pow2(D), num_warps=t["num_warps"])))
+        block_d = min(t["BLOCK_D"], next_pow2(D))
+        plan = PLANS.store(key, ((B * S, cdiv(H, t["H_BLOCK"]), cdiv(D, block_d)), dict(
+            H_BLOCK=t["H_BLOCK"], BLOCK_D=block_d, num_warps=t["num_warps"])))
     _combine_kernel[plan[0]](pacc, pml, sink if sink is not None else pml, out, splits, H, D, sink is not None,
                              **plan[1])
 
@@ -248,7 +249,7 @@ def warmup_cases(device, d: dict, dtype):
 
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3")  # tl.dot input precisions of fp32 operands
 TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1, 2)), "combine.H_BLOCK": POW2,
-               "combine.in_kernel": Tile(kind=bool),
+               "combine.BLOCK_D": POW2, "combine.in_kernel": Tile(kind=bool),
                "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0}
 
 

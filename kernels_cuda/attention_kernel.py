@@ -274,6 +274,8 @@ def _combine_rows(pacc_ptr, pml_ptr, sink_ptr, out_ptr, bs, nbs, h, d, NSPLIT, H
 @triton.jit
 def _combine_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, NSPLIT, H, D, HAS_SINK: tl.constexpr,
                     H_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (query, ``H_BLOCK`` heads, ``BLOCK_D`` columns)."""
     h = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
-    _combine_rows(pacc_ptr, pml_ptr, sink_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.num_programs(0), h,
-                  tl.arange(0, BLOCK_D), NSPLIT, H, D, HAS_SINK)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    _combine_rows(pacc_ptr, pml_ptr, sink_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.num_programs(0), h, d,
+                  NSPLIT, H, D, HAS_SINK)
