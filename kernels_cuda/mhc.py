@@ -29,7 +29,9 @@ TILES = {
     # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on
     "hc_coefficients": {"BLOCK_K": 128, "FN_PARTS": 3, "PROGRAMS": 264, "BLOCK_T_MAX": 64, "BIG_T": 2048},
     "hc_coefficients_fp32": {"BLOCK_K": 64, "BLOCK_T_MAX": 32},  # fp32 FMA dot (ieee): 64 tokens spill
-    "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True},  # in_kernel: the last split program finishes
+    # in_kernel: the last split program finishes; SPLIT_CHUNK: split partials loaded and summed at once
+    # (a serial load per split made the finish a chain of memory latencies)
+    "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True, "SPLIT_CHUNK": 8},
     "hc_mix": {"BLOCK_D": 1024, "num_warps": 4},
     # in_kernel: collapse + norm in one program per token (else hc_collapse, then rms_norm)
     "hc_collapse_norm": {"MAX_BLOCK_D": 8192, "num_warps": 4, "in_kernel": True},
@@ -121,7 +123,7 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
                             T, K, x_row_stride, k_per_split, n_splits, iters, eps, norm_eps,
                             HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, HCP: tl.constexpr,
                             PP: tl.constexpr, DOT_BF16: tl.constexpr, FN_PARTS: tl.constexpr,
-                            SPLIT: tl.constexpr, FINISH: tl.constexpr):
+                            SPLIT: tl.constexpr, FINISH: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
     """One (token tile, K split). SPLIT: partials to the workspace, and with FINISH the token tile's
     last split program (a ticket from its counter, :mod:`.splitk`) sums them and runs the epilogue."""
     t0 = tl.program_id(0) * BLOCK_T
@@ -142,7 +144,7 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
         if FINISH:
             if splitk.last_ticket(cnt_ptr + tl.program_id(0), n_splits):
                 _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t0, T, K, n_splits,
-                           iters, eps, norm_eps, HC, BLOCK_T, HCP, PP)
+                           iters, eps, norm_eps, HC, BLOCK_T, HCP, PP, SPLIT_CHUNK)
                 splitk.reset_ticket(cnt_ptr + tl.program_id(0))
     else:
         _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
@@ -151,8 +153,10 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
 
 @triton.jit
 def _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t0, T, K, n_splits,
-               iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr):
-    """The split partials of tokens t0 + [0, BLOCK_T) summed in split order, then the epilogue."""
+               iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr,
+               SPLIT_CHUNK: tl.constexpr):
+    """The split partials of tokens t0 + [0, BLOCK_T) summed (``SPLIT_CHUNK`` splits per load, a
+    fixed order for a given split count), then the epilogue."""
     t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
     tm = t < T
     p = tl.arange(0, PP)
@@ -160,12 +164,15 @@ def _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_pt
     acc_p = tl.zeros((BLOCK_T, PP), dtype=tl.float32)
     acc_c = tl.zeros((BLOCK_T, HCP * HCP), dtype=tl.float32)
     ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for s in range(n_splits):
-        row = s * T + t
-        acc_p += tl.load(ws_p + row[:, None] * PP + p[None, :], mask=tm[:, None], other=0.0, cache_modifier=".cg")
-        acc_c += tl.load(ws_c + row[:, None] * (HCP * HCP) + c[None, :], mask=tm[:, None], other=0.0,
-                         cache_modifier=".cg")
-        ssq += tl.load(ws_s + row, mask=tm, other=0.0, cache_modifier=".cg")
+    for s0 in range(0, n_splits, SPLIT_CHUNK):
+        sj = s0 + tl.arange(0, SPLIT_CHUNK)
+        row = sj[:, None] * T + t[None, :]  # [SPLIT_CHUNK, BLOCK_T]
+        ok = (sj < n_splits)[:, None] & tm[None, :]
+        acc_p += tl.sum(tl.load(ws_p + row[:, :, None] * PP + p[None, None, :], mask=ok[:, :, None], other=0.0,
+                                cache_modifier=".cg"), axis=0)
+        acc_c += tl.sum(tl.load(ws_c + row[:, :, None] * (HCP * HCP) + c[None, None, :], mask=ok[:, :, None],
+                                other=0.0, cache_modifier=".cg"), axis=0)
+        ssq += tl.sum(tl.load(ws_s + row, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
     _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
                  norm_eps, HC, BLOCK_T, HCP, PP)
 
@@ -173,9 +180,9 @@ def _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_pt
 @triton.jit
 def _hc_finish_kernel(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_splits,
                       iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr,
-                      PP: tl.constexpr):
+                      PP: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
     _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, tl.program_id(0) * BLOCK_T, T, K,
-               n_splits, iters, eps, norm_eps, HC, BLOCK_T, HCP, PP)
+               n_splits, iters, eps, norm_eps, HC, BLOCK_T, HCP, PP, SPLIT_CHUNK)
 
 
 def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool):
@@ -199,7 +206,7 @@ def _coefficients_plan(T: int, K: int, hc: int, splits: int | None, dot_bf16: bo
     f = _tiles()["hc_finish"]
     tiles = cdiv(T, block_t)
     finish = n_splits > 1 and f["in_kernel"] and splitk.fits(tiles)
-    consts = dict(HC=hc, HCP=max(4, next_pow2(hc)), PP=max(16, next_pow2(2 * hc)))
+    consts = dict(HC=hc, HCP=max(4, next_pow2(hc)), PP=max(16, next_pow2(2 * hc)), SPLIT_CHUNK=f["SPLIT_CHUNK"])
     return dict(grid=(tiles, n_splits), n_splits=n_splits, k_per=k_per, finish=finish, consts=consts,
                 kernel=dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
                             FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], SPLIT=n_splits > 1, FINISH=finish,
@@ -352,7 +359,7 @@ FAMILY = KernelFamily(
               "hc_collapse_norm": Support(inputs={"x": _DTYPES, "weight": _DTYPES}, dims={"x[2]": Dim(0, _MAX_HC)}),
               "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
     tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "hc_finish.BLOCK_T": POW2,
-                              "hc_finish.in_kernel": Tile(kind=bool), "hc_mix.BLOCK_D": POW2,
+                              "hc_finish.in_kernel": Tile(kind=bool), "hc_finish.SPLIT_CHUNK": POW2, "hc_mix.BLOCK_D": POW2,
                               "hc_collapse_norm.MAX_BLOCK_D": POW2, "hc_collapse_norm.in_kernel": Tile(kind=bool)},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="mHC: mixing coefficients (GEMV + Sinkhorn), collapse (with its norm), expand")

@@ -107,14 +107,15 @@ def test_moe_up_quantizes_x_itself(rng, launches, promote, fmt, E, k, n):
     assert rel_err(fused, want) < 1e-3
 
 
-@pytest.mark.parametrize("splits", [2, 3, 7])
-@pytest.mark.parametrize("B,S,hc,D", [(1, 1, 4, 27), (2, 9, 3, 40)])
-def test_hc_coefficients_finish_in_kernel(rng, launches, splits, B, S, hc, D):
+@pytest.mark.parametrize("splits, chunk", [(2, 8), (3, 2), (7, 8), (20, 8), (20, 4)])
+@pytest.mark.parametrize("B,S,hc,D", [(1, 1, 4, 96), (2, 9, 3, 40)])
+def test_hc_coefficients_finish_in_kernel(rng, launches, splits, chunk, B, S, hc, D):
     """A split K's partials summed and finished by each token tile's last split program: one launch,
     the finish kernel's results (the same sums in the same order: bit for bit in the interpreter; a
-    GPU compile may contract a multiply-add differently in the two kernels, a last-bit difference)."""
+    GPU compile may contract a multiply-add differently in the two kernels, a last-bit difference).
+    ``chunk`` splits are summed per load: fewer or more splits than a chunk, a ragged last chunk."""
     mhc = pytest.importorskip("flashrt.kernels_cuda.mhc")
-    tiles = dict(hc_coefficients_fp32=dict(BLOCK_K=16), hc_finish=dict(in_kernel=True))
+    tiles = dict(hc_coefficients_fp32=dict(BLOCK_K=16), hc_finish=dict(in_kernel=True, SPLIT_CHUNK=chunk))
     x = _randn(rng, B, S, hc, D, scale=2.0)
     fn = _randn(rng, (2 + hc) * hc, hc * D) / (hc * D) ** 0.5
     scale, base = (torch.rand(3, generator=rng) * 2 + 0.1).to(DEVICE), _randn(rng, (2 + hc) * hc, scale=0.5)
@@ -123,7 +124,7 @@ def test_hc_coefficients_finish_in_kernel(rng, launches, splits, B, S, hc, D):
         got = mhc.hc_coefficients(*args, splits=splits)
     assert launches == ["_hc_coefficients_kernel"]
     assert_counters_zero(x)
-    with pinned_tiles(mhc={**tiles, "hc_finish": dict(in_kernel=False)}):
+    with pinned_tiles(mhc={**tiles, "hc_finish": dict(in_kernel=False, SPLIT_CHUNK=chunk)}):
         two = mhc.hc_coefficients(*args, splits=splits)
     assert launches[1:] == ["_hc_coefficients_kernel", "_hc_finish_kernel"]
     with flashrt.use_backend("reference"):
