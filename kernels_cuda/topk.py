@@ -7,7 +7,8 @@ and non-candidates -> ``INT32_MIN``, below every finite key). Per row:
 1. ``_chunk_max_kernel`` (many programs per row, one read of the row): the max key of every chunk
    of ``C`` positions, ``C`` = the smallest power of two with ``T / C <= TILES summary``. With
    ``C == 1`` this pass is skipped and the keys themselves are the summary.
-2. ``_select_kernel`` (one program per row):
+2. ``_select_kernel`` (one program per row). A row of at most ``k`` entries takes every valid
+   one, in position order, in one pass. Longer rows:
    a. ``L`` = the k-th largest chunk max, by a bitwise binary search (``count(key >= t) >= k``)
       over the summary held in registers. ``k`` chunk maxima are ``k`` distinct elements, so
       ``L`` <= the k-th largest key (``INT32_MIN`` when fewer than ``k`` chunks hold a key).
@@ -68,7 +69,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     ``mark=True``: ``out`` uint8 [R, T], zero on entry, gets 1 at every pick.
     ``stats``: int32 [R] or None; gets each row's list length (tests and tuning: longer than the
     register block ``max(TILES small, 2k)`` means the list was streamed, than ``TILES list`` that
-    the chunks were).
+    the chunks were), or -1 for a row of at most ``k`` entries (every valid one picked in one
+    pass, no search: a decode's rows until the context passes ``k`` entries).
     """
     R, T = src.shape
     assert src.stride(1) == 1 and (cand is None or (cand.stride(1) == 1 and cand.shape == src.shape))

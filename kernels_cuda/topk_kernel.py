@@ -191,22 +191,31 @@ def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, w
     summ += r * s_summ
     lst += r * s_lst
     out += r * s_out
-    L, n_sel = _chunks_above(src, cand, summ, summ, T, NC, k, C * F, SUMMARY, BITS, SRC_KEYS, HAS_CAND, RADIX)
-    ids = summ  # coarse chunk ids, written over the summary
-    if F > 1:  # two-level summary: narrow the coarse chunks down to fine ones
-        ids = fids + r * s_fine
-        n_sel = _fine_chunks(fine + r * s_fine, summ, ids, n_sel, NF, L, F, GROUP)
-    total = n_sel * C
-    n_list = _build_list(src, cand, ids, lst, T, total, L, k, C, GROUP, LIST, SRC_KEYS, HAS_CAND)
-    tl.debug_barrier()
-    if STATS:  # the list length says which path (d) took
-        tl.store(stats + r, n_list)
-    if n_list <= SMALL:  # (d)
-        n_out = _finish_registers(src, cand, lst, out, n_list, k, SMALL, SRC_KEYS, HAS_CAND, MARK, RADIX)
-    elif n_list <= LIST:  # the list streamed
-        n_out = _finish_streaming(src, cand, lst, out, T, n_list, k, 1, GROUP, SRC_KEYS, HAS_CAND, MARK)
-    else:  # the list overflowed: the selected chunks streamed
-        n_out = _finish_streaming(src, cand, ids, out, T, total, k, C, GROUP, SRC_KEYS, HAS_CAND, MARK)
+    if T <= k:  # every valid entry is a pick: one pass, no threshold search
+        if STATS:
+            tl.store(stats + r, -1)
+        n_out = 0
+        for g in range(0, T, GROUP):
+            pos = g + tl.arange(0, GROUP)
+            n_out, _ = _emit(_load_keys(src, cand, pos, pos < T, SRC_KEYS, HAS_CAND), pos, _MIN, 0, n_out, 0, out,
+                             MARK)
+    else:
+        L, n_sel = _chunks_above(src, cand, summ, summ, T, NC, k, C * F, SUMMARY, BITS, SRC_KEYS, HAS_CAND, RADIX)
+        ids = summ  # coarse chunk ids, written over the summary
+        if F > 1:  # two-level summary: narrow the coarse chunks down to fine ones
+            ids = fids + r * s_fine
+            n_sel = _fine_chunks(fine + r * s_fine, summ, ids, n_sel, NF, L, F, GROUP)
+        total = n_sel * C
+        n_list = _build_list(src, cand, ids, lst, T, total, L, k, C, GROUP, LIST, SRC_KEYS, HAS_CAND)
+        tl.debug_barrier()
+        if STATS:  # the list length says which path (d) took
+            tl.store(stats + r, n_list)
+        if n_list <= SMALL:  # (d)
+            n_out = _finish_registers(src, cand, lst, out, n_list, k, SMALL, SRC_KEYS, HAS_CAND, MARK, RADIX)
+        elif n_list <= LIST:  # the list streamed
+            n_out = _finish_streaming(src, cand, lst, out, T, n_list, k, 1, GROUP, SRC_KEYS, HAS_CAND, MARK)
+        else:  # the list overflowed: the selected chunks streamed
+            n_out = _finish_streaming(src, cand, ids, out, T, total, k, C, GROUP, SRC_KEYS, HAS_CAND, MARK)
     if not MARK:
         for p in range(0, width, PAD):
             j = p + tl.arange(0, PAD)

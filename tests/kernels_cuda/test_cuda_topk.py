@@ -88,7 +88,7 @@ def _force(monkeypatch, **select):
 def _select(scores, k, cand=None):
     """(positions, list lengths) of select_rows on [R, T] scores."""
     R, T = scores.shape
-    out = torch.empty(R, k, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(R, min(k, T), dtype=torch.int32, device=DEVICE)
     stats = torch.empty(R, dtype=torch.int32, device=DEVICE)
     cand_u8 = None if cand is None else cand.to(DEVICE).view(torch.uint8)
     topk.select_rows(scores.to(DEVICE), cand_u8, k, out, stats=stats)
@@ -125,6 +125,25 @@ def test_topk_streamed_list(monkeypatch, rng):
     scores = torch.cat([_scores("tied", 1, 1, 200, rng)[0], _scores("sorted", 1, 1, 200, rng)[0]])
     stats = _select(scores, 4, torch.rand(2, 200, generator=rng) < 0.9)
     assert ((stats > 8) & (stats <= 512)).any(), stats
+
+
+@pytest.mark.parametrize("kind", ["tied", "sparse", "smooth"])
+@pytest.mark.parametrize("k", [100, 128])
+def test_topk_rows_of_at_most_k_entries_take_every_valid_entry(kind, k, monkeypatch, rng):
+    """T <= k: one pass over the row (several GROUP steps here), no search (stats -1); positions
+    and marks as the reference's picks."""
+    _force(monkeypatch, group=32)
+    scores = _scores(kind, 1, 3, 100, rng)[0]
+    cand = torch.rand(3, 100, generator=rng) < 0.7
+    for c in (None, cand):
+        assert (_select(scores, k, c) == -1).all()
+    marks = torch.zeros(3, 100, dtype=torch.uint8, device=DEVICE)
+    topk.select_rows(scores.to(DEVICE), cand.to(DEVICE).view(torch.uint8), k, marks, mark=True)
+    with flashrt.use_backend("reference"):
+        want = ops.topk_positions(scores[None], k, cand[None])[0]
+    expect = torch.zeros(3, 101, dtype=torch.uint8)
+    expect.scatter_(1, torch.where(want < 0, 100, want).long(), 1)
+    assert torch.equal(marks.cpu(), expect[:, :100])
 
 
 def test_topk_partial_bits_lower_bound(monkeypatch, rng):
