@@ -4,7 +4,8 @@
 
 No HTTP, no engine process: an :class:`~flashrt.engine.Engine` over ``--model`` (random weights,
 CUDA graphs, the serving defaults) is stepped in this thread by a closed loop of ``--concurrency``
-requests (a new one arrives whenever one finishes; ``--requests`` in all, ``--input-len`` random
+requests (a new one arrives whenever one finishes, or with ``--arrivals-per-step N`` at most N
+before each step, spread out as over a network; ``--requests`` in all, ``--input-len`` random
 prompt ids and ``--output-len`` greedy tokens each), as ``benchmarks/serve_host_overhead.py`` does
 on CPU. One untimed level first (compiles, captures), then:
 
@@ -88,7 +89,8 @@ def generate_level(model, batch: int, input_len: int, output_len: int) -> tuple[
 def engine_level(engine: Engine, args, seed: int, profile: bool) -> tuple[dict, dict, list]:
     loop = engine.step_loop
     before = dict(loop.counters)
-    level = Level(engine, args.concurrency, args.requests, args.input_len, args.output_len, seed)
+    level = Level(engine, args.concurrency, args.requests, args.input_len, args.output_len, seed,
+                  args.arrivals_per_step or None)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     if profile:
@@ -126,8 +128,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--arrivals-per-step", type=int, default=0, metavar="N",
+                    help="at most N new requests before each step (0: every free slot at once); N >= 1 spreads "
+                         "the prompts' arrivals as a server's network does")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.arrivals_per_step < 0:
+        ap.error(f"--arrivals-per-step: expected an int >= 0, got {args.arrivals_per_step}")
     for name in ("concurrency", "requests", "input_len", "output_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
@@ -149,6 +156,7 @@ def main(argv=None) -> dict:
     result = {"model": args.model, "device": torch.cuda.get_device_name(), "concurrency": args.concurrency,
               "requests": args.requests, "input_len": args.input_len, "output_len": args.output_len,
               "overlap": args.overlap, "prefill_graphs": args.prefill_graphs,
+              "arrivals_per_step": args.arrivals_per_step,
               "generate": gen_row, "engine": timed, "engine_profiled": prof_row,
               "ratio_to_generate": timed["output_throughput"] / gen_row["output_throughput"],
               "kernel_us_per_decode_step": {"engine": sum(eng_kernels.values()), "generate": sum(gen_kernels.values())},

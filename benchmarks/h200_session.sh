@@ -41,8 +41,9 @@
 #              decode step's kernel profile: h200-prefill-rows.json, h200-decode-profile-b1.json
 #   engine     the serving engine stepped in process at 64 concurrent against generate() at batch 64
 #              (benchmarks/engine_steps.py: step wall and CPU time, GPU busy share, kernels per
-#              decode step), with and without prefill graphs: h200-engine-steps.json,
-#              h200-engine-steps-no-prefill-graphs.json
+#              decode step), with and without prefill graphs, and with arrivals spread (2 a step,
+#              as over a network): h200-engine-steps.json, h200-engine-steps-no-prefill-graphs.json,
+#              h200-engine-steps-spread.json
 #   combine    the attention's split-K partials merged in the attention launch
 #              (tiles.attention.combine.in_kernel) against the separate combine launch: its GPU
 #              test, then the captured decode step of `small` at batch 1 / 8 / 64 and its batch-1
@@ -54,7 +55,7 @@
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
-[ $# -gt 0 ] || { sed -n 2,55p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,56p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
     serve|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine) ;;
@@ -153,6 +154,8 @@ phase_engine() {
   python benchmarks/engine_steps.py --model small --concurrency 64 --out "$OUT/h200-engine-steps.json"
   python benchmarks/engine_steps.py --model small --concurrency 64 --no-prefill-graphs \
     --out "$OUT/h200-engine-steps-no-prefill-graphs.json"
+  python benchmarks/engine_steps.py --model small --concurrency 64 --arrivals-per-step 2 \
+    --out "$OUT/h200-engine-steps-spread.json"
 }
 
 phase_combine() {

@@ -53,8 +53,11 @@ def no_op_layers(model, token: int = 7) -> None:
 class Level:
     """A closed loop of ``concurrency`` requests over one engine, stepped in this thread."""
 
-    def __init__(self, engine: Engine, concurrency: int, total: int, input_len: int, output_len: int, seed: int):
-        self.engine, self.concurrency, self.total = engine, concurrency, total
+    def __init__(self, engine: Engine, concurrency: int, total: int, input_len: int, output_len: int, seed: int,
+                 per_step: int | None = None):
+        """``per_step``: at most this many new requests arrive before a step (None: every free slot
+        fills at once), so prompts reach the engine spread out, as over a network."""
+        self.engine, self.concurrency, self.total, self.per_step = engine, concurrency, total, per_step
         self.params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
         gen = torch.Generator().manual_seed(seed)
         self.prompts = torch.randint(0, engine.model.cfg.vocab_size, (total, input_len), generator=gen).tolist()
@@ -67,8 +70,10 @@ class Level:
             self.tokens += len(out.outputs[0].token_ids)
 
     def _top_up(self) -> None:
-        loop = self.engine.step_loop
-        while self.added < self.total and self.added - self.finished < self.concurrency:
+        loop, arrived = self.engine.step_loop, 0
+        while self.added < self.total and self.added - self.finished < self.concurrency and (
+                self.per_step is None or arrived < self.per_step):
+            arrived += 1
             req = loop.add(f"r{self.added}", self.prompts[self.added], self.params)
             req.sink = self._sink
             self.added += 1
