@@ -29,9 +29,10 @@ TILES = {
     # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on
     "hc_coefficients": {"BLOCK_K": 128, "FN_PARTS": 3, "PROGRAMS": 264, "BLOCK_T_MAX": 64, "BIG_T": 2048},
     "hc_coefficients_fp32": {"BLOCK_K": 64, "BLOCK_T_MAX": 32},  # fp32 FMA dot (ieee): 64 tokens spill
-    # in_kernel: the last split program finishes; SPLIT_CHUNK: split partials loaded and summed at once
-    # (a serial load per split made the finish a chain of memory latencies)
-    "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True, "SPLIT_CHUNK": 8},
+    # in_kernel: the last split program finishes; SPLIT_CHUNK: split partials loaded and summed at
+    # once (a serial load per split made the finish a chain of memory latencies), fewer where a
+    # load would pass SPLIT_ELEMS values (BLOCK_T x 16 per split)
+    "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True, "SPLIT_CHUNK": 8, "SPLIT_ELEMS": 4096},
     "hc_mix": {"BLOCK_D": 1024, "num_warps": 4},
     # in_kernel: collapse + norm in one program per token (else hc_collapse, then rms_norm)
     "hc_collapse_norm": {"MAX_BLOCK_D": 8192, "num_warps": 4, "in_kernel": True},
@@ -206,13 +207,21 @@ def _coefficients_plan(T: int, K: int, hc: int, splits: int | None, dot_bf16: bo
     f = _tiles()["hc_finish"]
     tiles = cdiv(T, block_t)
     finish = n_splits > 1 and f["in_kernel"] and splitk.fits(tiles)
-    consts = dict(HC=hc, HCP=max(4, next_pow2(hc)), PP=max(16, next_pow2(2 * hc)), SPLIT_CHUNK=f["SPLIT_CHUNK"])
+    consts = dict(HC=hc, HCP=max(4, next_pow2(hc)), PP=max(16, next_pow2(2 * hc)))
+    width = max(consts["PP"], consts["HCP"] ** 2)  # values of one token's partial (the wider part)
+
+    # splits summed per load: one count for both finishes (the same sums in the same order), from
+    # the larger of their token tiles
+    fit = max(1, f["SPLIT_ELEMS"] // (max(block_t, f["BLOCK_T"]) * width))
+    chunk = min(f["SPLIT_CHUNK"], 1 << (fit.bit_length() - 1))
+
     return dict(grid=(tiles, n_splits), n_splits=n_splits, k_per=k_per, finish=finish, consts=consts,
                 kernel=dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
                             FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], SPLIT=n_splits > 1, FINISH=finish,
-                            num_warps=num_warps, **consts),
-                finish_grid=(cdiv(T, f["BLOCK_T"]),), finish_kernel=dict(BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"],
-                                                                         **consts))
+                            SPLIT_CHUNK=chunk, num_warps=num_warps, **consts),
+                finish_grid=(cdiv(T, f["BLOCK_T"]),),
+                finish_kernel=dict(BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"], SPLIT_CHUNK=chunk,
+                                   **consts))
 
 
 def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None = None):
@@ -359,7 +368,8 @@ FAMILY = KernelFamily(
               "hc_collapse_norm": Support(inputs={"x": _DTYPES, "weight": _DTYPES}, dims={"x[2]": Dim(0, _MAX_HC)}),
               "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
     tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "hc_finish.BLOCK_T": POW2,
-                              "hc_finish.in_kernel": Tile(kind=bool), "hc_finish.SPLIT_CHUNK": POW2, "hc_mix.BLOCK_D": POW2,
+                              "hc_finish.in_kernel": Tile(kind=bool), "hc_finish.SPLIT_CHUNK": POW2,
+                              "hc_finish.SPLIT_ELEMS": POW2, "hc_mix.BLOCK_D": POW2,
                               "hc_collapse_norm.MAX_BLOCK_D": POW2, "hc_collapse_norm.in_kernel": Tile(kind=bool)},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="mHC: mixing coefficients (GEMV + Sinkhorn), collapse (with its norm), expand")
