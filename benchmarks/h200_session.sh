@@ -44,7 +44,9 @@
 #              decode step), with and without prefill graphs, and with arrivals spread (2 a step,
 #              as over a network): h200-engine-steps.json, h200-engine-steps-no-prefill-graphs.json,
 #              h200-engine-steps-spread.json
-#   combine    the attention's split-K partials merged in the attention launch
+#   combine    decode-shaped hc_coefficients and sparse_attention launches under their finish and
+#              combine variants (benchmarks/decode_kernel_variants.py): h200-decode-kernel-variants.json;
+#              then the attention's split-K partials merged in the attention launch
 #              (tiles.attention.combine.in_kernel) against the separate combine launch: its GPU
 #              test, then the captured decode step of `small` at batch 1 / 8 / 64 and its batch-1
 #              and batch-64 kernel profiles under each: h200-combine-{off,on}-e2e.json,
@@ -55,7 +57,7 @@
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
-[ $# -gt 0 ] || { sed -n 2,56p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,58p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
     serve|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine) ;;
@@ -160,6 +162,7 @@ phase_engine() {
 
 phase_combine() {
   local mode b on
+  python benchmarks/decode_kernel_variants.py --model small --out "$OUT/h200-decode-kernel-variants.json"
   timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_attention.py -k merged_in 2>&1 | tail -n 2
   on=$(mktemp -d)/h200-combine.yaml  # a profile's name is its file's
   python -c "import sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = 'h200-combine'; \

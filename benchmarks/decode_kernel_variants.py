@@ -1,0 +1,137 @@
+"""Decode-shaped launches of the mHC coefficients and the sparse attention under tile variants, side
+by side in one process: which finish and combine paths are fastest at batch 1 / 8 / 64.
+
+    python benchmarks/decode_kernel_variants.py --model small --out F
+
+Per op, batch and variant: microseconds per launch (``--launches`` launches captured in one CUDA
+graph, median of ``--repeats`` replays), the launches a call makes, and the largest difference of
+the outputs from the first variant's (the variants compute the same values; a finish that sums in
+another order may differ in the last bits). Variants are profile tiles merged over the active
+profile's (``flashrt.profiles.using``):
+
+* ``hc_coefficients`` (``x [B, 1, hc, dim]`` bf16): the shipped tiles; the finish loading one split
+  at a time (``SPLIT_CHUNK`` 1, as before the chunked finish); token tiles of at most 16; the
+  finish as a launch of its own (``in_kernel`` off).
+* ``sparse_attention`` (``q [B, 1, heads, head_dim]`` bf16 over an fp8 window ring and an
+  fp4_b16 main cache, ``window + index_topk`` indices in two parts, a sink): the combine launch
+  over 64-column tiles (shipped), over whole rows (``BLOCK_D`` = head_dim, as before), and merged
+  in the attention launch (``in_kernel``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+
+from flashrt import formats, profiles
+from flashrt.graphs.config import shipped_config
+from flashrt.kernels_cuda import attention, mhc
+from results_io import write_json
+
+HC_VARIANTS = {
+    "shipped": {},
+    "finish one split a load": {"hc_finish": {"SPLIT_CHUNK": 1}},
+    "token tiles of 16": {"hc_coefficients": {"BLOCK_T_MAX": 16}},
+    "finish launch": {"hc_finish": {"in_kernel": False}},
+}
+ATTENTION_VARIANTS = {
+    "combine, 64 columns": {},
+    "combine, whole rows": {"combine": {"BLOCK_D": 512}},
+    "combine in the launch": {"combine": {"in_kernel": True}},
+}
+
+
+def with_tiles(family: str, tiles: dict):
+    base = profiles.active_profile()
+    merged = {k: dict(v) for k, v in base.tiles.items()}
+    for key, value in tiles.items():
+        merged.setdefault(family, {})[key] = {**merged.get(family, {}).get(key, {}), **value}
+    return profiles.using(dataclasses.replace(base, tiles=merged))
+
+
+def per_launch_us(fn, launches: int, repeats: int) -> float:
+    """Median microseconds per call of ``fn`` over graph replays of ``launches`` calls."""
+    fn()  # compile, plan
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / launches)
+    return statistics.median(times)
+
+
+def kernels_per_call(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+
+
+def measure(name: str, family: str, variants: dict, make_call, batches, args) -> list[dict]:
+    rows = []
+    for B in batches:
+        call, first = make_call(B), None
+        for label, tiles in variants.items():
+            with with_tiles(family, tiles):
+                profiles._TILES_CACHE.clear()
+                out = call()
+                got = out if isinstance(out, tuple) else (out,)
+                first = first or [t.clone() for t in got]
+                diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, first))
+                us = per_launch_us(call, args.launches, args.repeats)
+                rows.append({"op": name, "batch": B, "variant": label, "us_per_call": us,
+                             "kernels_per_call": kernels_per_call(call), "max_abs_diff_from_first": diff})
+                print(f"{name:16s} B={B:3d} {label:26s} {us:8.2f} us  {rows[-1]['kernels_per_call']} kernels  "
+                      f"diff {diff:.3g}", flush=True)
+    profiles._TILES_CACHE.clear()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--entries", type=int, default=1024, help="main-KV entries the indices point into")
+    ap.add_argument("--launches", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("a CUDA device is needed")
+    cfg, dev, g = shipped_config(args.model), torch.device("cuda"), torch.Generator().manual_seed(0)
+    hc, dim = cfg.hc_mult, cfg.dim
+    H, D, W, K = cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.index_topk
+
+    def hc_call(B):
+        x = torch.randn(B, 1, hc, dim, generator=g).to(torch.bfloat16).to(dev)
+        fn = (torch.randn((2 + hc) * hc, hc * dim, generator=g) / (hc * dim) ** 0.5).to(dev)
+        scale, base = (torch.rand(3, generator=g) + 0.1).to(dev), torch.randn((2 + hc) * hc, generator=g).to(dev)
+        return lambda: mhc.hc_coefficients(x, fn, scale, base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+
+    def attention_call(B):
+        ring = formats.quantize(torch.randn(B, W, D, generator=g), "fp8").to(dev)
+        main_kv = formats.quantize(torch.randn(B, args.entries, D, generator=g), "fp4_b16").to(dev)
+        q = torch.randn(B, 1, H, D, generator=g).to(torch.bfloat16).to(dev)
+        idx = (torch.randint(0, W, (B, 1, W), generator=g).to(torch.int32).to(dev),
+               torch.randint(W, W + args.entries, (B, 1, K), generator=g).to(torch.int32).to(dev))
+        sink = torch.randn(H, generator=g).to(dev)
+        return lambda: attention.sparse_attention(q, (ring, main_kv), idx, sink, D ** -0.5)
+
+    rows = measure("hc_coefficients", "mhc", HC_VARIANTS, hc_call, args.batches, args)
+    rows += measure("sparse_attention", "attention", ATTENTION_VARIANTS, attention_call, args.batches, args)
+    write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "entries": args.entries,
+                          "launches": args.launches, "repeats": args.repeats, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
