@@ -10,7 +10,8 @@ its segment by comparing with the segment starts (segments in one quantized form
 dequant path); a K block only converts the formats it touches. With few queries the K blocks
 are split over programs (flash-decoding): each writes ``(acc / l, m, l)`` and the last split
 program of each tile merges them with the sink in the same launch (``tiles.combine.in_kernel``,
-ticket counters of :mod:`.splitk`), or ``_combine_kernel`` does in a launch of its own. Dots: bf16 MMA for bf16 q, 3 bf16 MMAs (``bf16x3``) for fp16 / fp32 q.
+ticket counters of :mod:`.splitk`), or ``_combine_kernel`` does in a launch of its own. Dots:
+bf16 MMA for bf16 q, 3 bf16 MMAs (``bf16x3``) for fp16 / fp32 q.
 
 This file holds the launcher and its planning; the Triton kernels are in :mod:`.attention_kernel`
 and the format decoders in :mod:`.codecs`. Everything that follows from the shapes, formats and
