@@ -174,7 +174,8 @@ p['tiles'].setdefault('attention', {})['combine'] = {'in_kernel': True}; yaml.sa
       --modes cuda+graph --out "$OUT/h200-combine-$mode-e2e.json"
     for b in 1 64; do
       FLASHRT_PROFILE=$profile python benchmarks/decode_profile.py --model small --batch "$b" \
-        --out "$OUT/h200-combine-$mode-profile-b$b.json" | head -n 1
+        --out "$OUT/h200-combine-$mode-profile-b$b.json" > "$OUT/h200-combine-$mode-profile-b$b.log" 2>&1
+      grep -m 1 "GPU time per decode step" "$OUT/h200-combine-$mode-profile-b$b.log"  # (not a pipe: head would end the script early)
     done
   done
 }
