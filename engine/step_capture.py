@@ -51,6 +51,13 @@ CAPTURE_ERROR_MODE = "global"  # torch.cuda.graph's: "relaxed" lets driver queri
 CAPTURE_COLD = True
 
 
+def uncapturable(exc: Exception, what: str) -> str:
+    """Why a capture failed (the first line of ``exc``), logged: ``what`` runs eagerly from now on."""
+    why = str(exc).splitlines()[0][:200]
+    log.warning("%s could not be captured and runs eagerly: %s", what, why)
+    return why
+
+
 def bucket(entries: int) -> int:
     """``entries`` rounded up to a multiple of ``max(16, 2**(bits - 4))``: <= 1/8 extra."""
     if entries <= 0:
@@ -198,9 +205,7 @@ class StepCapture:
         except RuntimeError as exc:  # an operation a graph cannot record: this shape runs eagerly from now on
             if self.model.parallel is not None:
                 raise
-            why = str(exc).splitlines()[0][:200]
-            log.warning("a decode step could not be captured and runs eagerly: %s", why)
-            self.graphs[key], self.stats["uncapturable"] = "eager", why
+            self.graphs[key], self.stats["uncapturable"] = "eager", uncapturable(exc, "a decode step")
             self.stats["eager"] += 1
             return logits
         self.graphs[key] = (graph, out)

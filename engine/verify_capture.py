@@ -20,7 +20,6 @@ recorder (tests pass one that re-runs the body into the recorded outputs).
 """
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 
 import torch
@@ -31,9 +30,7 @@ from flashrt.kv.state import KVState
 
 from . import accept
 from . import speculative as spec
-from .step_capture import CAPTURE_ERROR_MODE, step_entries
-
-log = logging.getLogger("flashrt.engine")
+from .step_capture import CAPTURE_ERROR_MODE, step_entries, uncapturable
 
 
 def capture_setup(model, state, capture: bool | None, record):
@@ -163,9 +160,7 @@ class VerifyCapture:
             self.graphs[key] = self.record(lambda: self._traced(S, entries))  # cache writes: same slots, same values
             self.stats["captured"] += 1
         except RuntimeError as exc:  # an operation a graph cannot record: the key runs eagerly from now on
-            why = str(exc).splitlines()[0][:200]
-            log.warning("a %d-token step could not be captured and runs eagerly: %s", S, why)
-            self.graphs[key], self.stats["uncapturable"] = "eager", why
+            self.graphs[key], self.stats["uncapturable"] = "eager", uncapturable(exc, f"a {S}-token step")
             self.stats["eager"] += 1
         self.state._staged = staged  # the eager run's staging is what this step commits
         while len(self.graphs) > self.max_graphs:
@@ -212,7 +207,7 @@ class VerifyCapture:
             with checks.value_checks(False):
                 self.commits[key] = self.record(body)[0]
         except RuntimeError as exc:  # not recordable: this key's commits run eagerly (they rewrite the same values)
-            log.warning("a commit could not be captured, it runs eagerly: %s", str(exc).splitlines()[0][:200])
+            uncapturable(exc, "a commit")
             self.commits[key] = "eager"
         return True
 
