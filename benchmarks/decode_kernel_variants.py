@@ -3,10 +3,10 @@ by side in one process: which finish and combine paths are fastest at batch 1 / 
 
     python benchmarks/decode_kernel_variants.py --model small --out F
 
-Per op, batch and variant: microseconds per launch (``--launches`` launches captured in one CUDA
-graph, median of ``--repeats`` replays), the launches a call makes, and the largest difference of
-the outputs from the first variant's (the variants compute the same values; a finish that sums in
-another order may differ in the last bits). Variants are profile tiles merged over the active
+Per op, batch and variant: microseconds per call (``flashrt.timing.bench_ms``, the kernel suite's
+timing: calls replayed from a CUDA graph, each behind an L2 flush), the launches a call makes, and
+the largest difference of the outputs from the first variant's (the variants compute the same
+values; a finish that sums in another order may differ in the last bits). Variants are profile tiles merged over the active
 profile's (``flashrt.profiles.using``):
 
 * ``hc_coefficients`` (``x [B, 1, hc, dim]`` bf16): the shipped tiles; the finish loading one split
@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 
 import torch
 
 from flashrt import formats, profiles
 from flashrt.graphs.config import shipped_config
 from flashrt.kernels_cuda import attention, mhc
+from flashrt.timing import bench_ms
+from decode_profile import gpu_events
 from results_io import write_json
 
 HC_VARIANTS = {
@@ -51,33 +52,14 @@ def with_tiles(family: str, tiles: dict):
     return profiles.using(dataclasses.replace(base, tiles=merged))
 
 
-def per_launch_us(fn, launches: int, repeats: int) -> float:
-    """Median microseconds per call of ``fn`` over graph replays of ``launches`` calls."""
-    fn()  # compile, plan
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / launches)
-    return statistics.median(times)
-
-
 def kernels_per_call(fn) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    return len(gpu_events(prof))
 
 
-def measure(name: str, family: str, variants: dict, make_call, batches, args) -> list[dict]:
+def measure(name: str, family: str, variants: dict, make_call, batches) -> list[dict]:
     rows = []
     for B in batches:
         call, first = make_call(B), None
@@ -88,8 +70,10 @@ def measure(name: str, family: str, variants: dict, make_call, batches, args) ->
                 got = out if isinstance(out, tuple) else (out,)
                 first = first or [t.clone() for t in got]
                 diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, first))
-                us = per_launch_us(call, args.launches, args.repeats)
+                t = bench_ms(call)
+                us = 1e3 * t.ms
                 rows.append({"op": name, "batch": B, "variant": label, "us_per_call": us,
+                             "timing": "graph" if t.graph is not None else "plain", "timing_note": t.note,
                              "kernels_per_call": kernels_per_call(call), "max_abs_diff_from_first": diff})
                 print(f"{name:16s} B={B:3d} {label:26s} {us:8.2f} us  {rows[-1]['kernels_per_call']} kernels  "
                       f"diff {diff:.3g}", flush=True)
@@ -102,8 +86,6 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--entries", type=int, default=1024, help="main-KV entries the indices point into")
-    ap.add_argument("--launches", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -127,10 +109,10 @@ def main() -> None:
         sink = torch.randn(H, generator=g).to(dev)
         return lambda: attention.sparse_attention(q, (ring, main_kv), idx, sink, D ** -0.5)
 
-    rows = measure("hc_coefficients", "mhc", HC_VARIANTS, hc_call, args.batches, args)
-    rows += measure("sparse_attention", "attention", ATTENTION_VARIANTS, attention_call, args.batches, args)
+    rows = measure("hc_coefficients", "mhc", HC_VARIANTS, hc_call, args.batches)
+    rows += measure("sparse_attention", "attention", ATTENTION_VARIANTS, attention_call, args.batches)
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "entries": args.entries,
-                          "launches": args.launches, "repeats": args.repeats, "rows": rows})
+                          "rows": rows})
 
 
 if __name__ == "__main__":

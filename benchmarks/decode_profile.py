@@ -21,13 +21,17 @@ from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
 
 
+def gpu_events(prof) -> list:
+    """The profiler's events that ran on the GPU (kernels and copies)."""
+    return [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+
+
 def kernel_times(prof, steps: int) -> list[dict]:
     """(name, us per step, launches per step) of every GPU kernel the profiler saw."""
     total, count = defaultdict(float), defaultdict(int)
-    for e in prof.events():
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:  # a kernel (or copy) on the GPU
-            total[e.name] += e.time_range.elapsed_us()
-            count[e.name] += 1
+    for e in gpu_events(prof):
+        total[e.name] += e.time_range.elapsed_us()
+        count[e.name] += 1
     rows = [{"kernel": k, "us_per_step": v / steps, "launches_per_step": count[k] / steps} for k, v in total.items()]
     return sorted(rows, key=lambda r: -r["us_per_step"])
 

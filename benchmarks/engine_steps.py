@@ -32,14 +32,14 @@ import torch
 import flashrt
 from flashrt.engine import Engine, EngineConfig
 from flashrt.engine.run import load_model
+from decode_profile import gpu_events
 from results_io import write_json
 from serve_host_overhead import Level
 
 
 def kernel_spans(prof) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of every GPU kernel or copy the profiler saw."""
-    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    return [(e.name, e.time_range.start, e.time_range.end) for e in gpu_events(prof)]
 
 
 def busy(spans) -> dict:

@@ -201,7 +201,8 @@ def sparse_attention(q, kv, indices, sink, scale):
         pml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
     _sparse_attention_kernel[plan["grid"]](
         q, parts[0], parts[-1], sink if sink is not None else q, out, pacc, pml, *_segment_args(segs, plan["roles"]),
-        S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E, splitk.counters(q.device), D,
+        S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E,
+        splitk.counters(q.device) if plan["finish"] else pml, D,  # ticket counters only when merging in the launch
         TWO_PARTS=len(parts) == 2, **plan["constexprs"])
     if splits > 1 and not plan["finish"]:
         _combine(pacc, pml, sink, out, splits)
