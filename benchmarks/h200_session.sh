@@ -23,8 +23,9 @@
 #   e2e        the captured decode step of `small` at batch 1 / 8 / 64, synchronized and back to
 #              back: h200-e2e.json
 #   serve64    flashrt serve against generate() at 64 concurrent only, with the server's kernel
-#              variants logged (those built in the timed level listed in the result):
-#              h200-serve-64.json, h200-serve-64-jit.log
+#              variants logged (those built in the timed level listed in the result) and its
+#              steps traced (engine/step_trace.py; each level gets a summary of its steps):
+#              h200-serve-64.json, h200-serve-64-jit.log, h200-serve-64-steps.jsonl
 #   coldstart  time to first token of a cold `flashrt run --model small`, with the compile pool:
 #              h200-jit-ttft.json; then records the plan of what a run launches on this device
 #              (the file to commit under core/jit_plans/)
@@ -51,17 +52,18 @@
 #              test, then the captured decode step of `small` at batch 1 / 8 / 64 and its batch-1
 #              and batch-64 kernel profiles under each: h200-combine-{off,on}-e2e.json,
 #              h200-combine-{off,on}-profile-b{1,64}.json
+#   variants   only the first step of combine: h200-decode-kernel-variants.json
 #
 # Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed.
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
-[ $# -gt 0 ] || { sed -n 2,58p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,60p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine or combine)" >&2; exit 2 ;;
+    serve|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine or variants)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -119,7 +121,7 @@ phase_e2e() {
 
 phase_serve64() {
   python benchmarks/serve_vs_generate.py --model small --concurrency 64 --jit-log "$OUT/h200-serve-64-jit.log" \
-    --out "$OUT/h200-serve-64.json"
+    --step-trace "$OUT/h200-serve-64-steps.jsonl" --out "$OUT/h200-serve-64.json"
 }
 
 phase_coldstart() {
@@ -160,9 +162,13 @@ phase_engine() {
     --out "$OUT/h200-engine-steps-spread.json"
 }
 
+phase_variants() {
+  python benchmarks/decode_kernel_variants.py --model small --out "$OUT/h200-decode-kernel-variants.json"
+}
+
 phase_combine() {
   local mode b on
-  python benchmarks/decode_kernel_variants.py --model small --out "$OUT/h200-decode-kernel-variants.json"
+  phase_variants
   timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_attention.py -k merged_in 2>&1 | tail -n 2
   on=$(mktemp -d)/h200-combine.yaml  # a profile's name is its file's
   python -c "import sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = 'h200-combine'; \

@@ -130,6 +130,16 @@ def built_in(log_path: str, start: float, end: float) -> dict:
             "variants": [{k: r.get(k) for k in ("t", "s", "name", "repr", "key")} for r in rows]}
 
 
+def traced(path: str, start: float, end: float) -> dict:
+    """The server's engine steps during ``[start, end)`` (Unix time) from its step trace, summarised
+    (``engine/step_trace.py``). The trace is written in blocks: a short wait lets the last one land."""
+    from flashrt.engine.step_trace import read, summary
+
+    time.sleep(0.5)
+    steps = [s for s in read(path) if start <= s["t"] < end] if os.path.exists(path) else []
+    return summary(steps)
+
+
 def serve_levels(args) -> dict:
     """Each concurrency level as its own ``flashrt bench serve`` run, with the server's engine
     counters read before and after it."""
@@ -144,6 +154,8 @@ def serve_levels(args) -> dict:
     env = dict(os.environ)
     if args.profile_engine:
         env["FLASHRT_PROFILE_ENGINE"] = args.profile_engine  # engine/loop_profile.py
+    if args.step_trace:
+        env["FLASHRT_STEP_TRACE"] = args.step_trace  # engine/step_trace.py: a line per engine step
     if args.jit_log:
         env["FLASHRT_JIT_LOG"] = args.jit_log  # core/jit_log.py: a line per kernel variant built
     proc = subprocess.Popen(cmd, env=env)
@@ -176,6 +188,8 @@ def serve_levels(args) -> dict:
                                                        - client0.ru_utime - client0.ru_stime, 3)}
                     if args.jit_log:
                         lv["jit_built"] = built_in(args.jit_log, started, time.time())
+                    if args.step_trace:
+                        lv["steps"] = traced(args.step_trace, started, time.time())
                 if result is None:
                     result = one
                 else:
@@ -206,6 +220,9 @@ def main() -> None:
                     help="one more argument for flashrt serve (repeatable), e.g. --serve-arg=--no-engine-process")
     ap.add_argument("--profile-engine", default=None, metavar="FILE",
                     help="cProfile the server's engine loop thread into FILE (written when the server stops)")
+    ap.add_argument("--step-trace", default=None, metavar="FILE",
+                    help="the server writes a line per engine step to FILE (a new file); each level "
+                         "gets a summary of its steps")
     ap.add_argument("--jit-log", default=None, metavar="FILE",
                     help="log every kernel variant the server builds to FILE (appended) and list, per "
                          "timed level, those built during it")

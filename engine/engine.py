@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 
-from . import loop_profile, outputs
+from . import loop_profile, outputs, step_trace
 from .config import EngineConfig
 from .errors import QueueFull, RequestError
 from .front import BatchSink, EngineFront, deliver_grouped, is_token_list
@@ -47,6 +47,7 @@ class Engine(EngineFront):
         self._commands: list = []  # ("add", Request-args) / ("abort", id), applied by the loop thread
         self._thread: threading.Thread | None = None
         self._profile: str | None = None  # FLASHRT_PROFILE_ENGINE (engine/loop_profile.py)
+        self._trace: str | None = None  # FLASHRT_STEP_TRACE (engine/step_trace.py)
         self._stop = False
         self.accepting = True
         self.step_error: str | None = None
@@ -117,6 +118,7 @@ class Engine(EngineFront):
         """Run the step loop in a background thread (idempotent)."""
         if self._thread is None:
             self._profile = loop_profile.profile_path()
+            self._trace = step_trace.trace_path()
             self._thread = threading.Thread(target=self._loop, name="flashrt-engine", daemon=True)
             self._thread.start()
 
@@ -140,13 +142,22 @@ class Engine(EngineFront):
 
     # ----- the loop thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
-        with loop_profile.profiled(self._profile):
-            self._run_loop()
+        trace = step_trace.StepTrace(self._trace) if self._trace else None
+        self.step_loop.trace = trace
+        try:
+            with loop_profile.profiled(self._profile):
+                self._run_loop()
+        finally:
+            self.step_loop.trace = None
+            if trace is not None:
+                trace.close()
 
     def _run_loop(self) -> None:
         while True:
             with self._cv:
                 while not self._commands and not self.step_loop.has_work and not self._stop:
+                    if self.step_loop.trace is not None:  # idle: the steps so far reach the file
+                        self.step_loop.trace.flush()
                     self._cv.wait()
                 if self._stop and not self._commands:
                     return

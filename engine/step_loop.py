@@ -92,6 +92,8 @@ class StepLoop(PrefillSteps):
         # read the tokens they verify) or in a subclass that shares each step's tokens (overlap_steps)
         self.overlap = self.config.overlap and self.spec is None and self.overlap_steps
         self.pending: tuple[list[Sequence], object] | None = None  # (sequences, SampleJob) not read yet
+        self.trace = None  # a StepTrace (engine/step_trace.py) while FLASHRT_STEP_TRACE is set
+        self.arrived = 0  # requests added since the last step (for the trace)
 
     # ----- requests --------------------------------------------------------------------------------
     def check(self, prompt: list[int], params: SamplingParams) -> int:
@@ -109,6 +111,7 @@ class StepLoop(PrefillSteps):
         self.requests[request_id] = req
         self.scheduler.waiting.append(req.seqs[0])
         self.counters["prompt_tokens"] += len(prompt)
+        self.arrived += 1
         return req
 
     def _generator(self, params: SamplingParams, index: int):
@@ -145,6 +148,7 @@ class StepLoop(PrefillSteps):
         pending tokens are read first instead when the next step could need a preemption (page
         limit) or none of their sequences can go on after them (they all end by length)."""
         sch = self.scheduler
+        began = time.perf_counter()
         touched, due = set(), []  # due: (sequence, logits [rows, vocab], its row) to sample
         padding = self.slots.padding_need(pages_at(self.cfg, self.P, self.decode_tokens))
         if self.pending is not None and not self._may_run_ahead(padding):
@@ -171,7 +175,8 @@ class StepLoop(PrefillSteps):
             self._decoded(*launched, due)
         joins = []
         timer.mark("prefill")
-        for group in plan.prefill_groups(MIN_ROWS):
+        groups = plan.prefill_groups(MIN_ROWS)
+        for group in groups:
             seqs = [s for s, _ in group if not s.finished]  # a request may have failed earlier in this step
             if not seqs:
                 continue
@@ -195,6 +200,10 @@ class StepLoop(PrefillSteps):
         for seq in joins:
             self._join(seq, touched)
         timer.stop(self.counters, len(plan.decode), sum(n for _, n in plan.prefill))
+        if self.trace is not None:
+            self.trace.record(began, time.perf_counter(), len(plan.decode), [(len(g), g[0][1]) for g in groups],
+                              len(sch.waiting), self.arrived)
+        self.arrived = 0
         return list(touched)
 
     def _decode(self, seqs: list[Sequence], due: list, touched: set):

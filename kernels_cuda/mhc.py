@@ -30,9 +30,9 @@ TILES = {
     "hc_coefficients": {"BLOCK_K": 128, "FN_PARTS": 3, "PROGRAMS": 264, "BLOCK_T_MAX": 64, "BIG_T": 2048},
     "hc_coefficients_fp32": {"BLOCK_K": 64, "BLOCK_T_MAX": 32},  # fp32 FMA dot (ieee): 64 tokens spill
     # in_kernel: the last split program finishes; SPLIT_CHUNK: split partials loaded and summed at
-    # once (a serial load per split made the finish a chain of memory latencies), fewer where a
-    # load would pass SPLIT_ELEMS values (BLOCK_T x 16 per split)
-    "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True, "SPLIT_CHUNK": 8, "SPLIT_ELEMS": 4096},
+    # once, fewer where a load would pass SPLIT_ELEMS values (BLOCK_T x 16 per split); 1 (one split
+    # a load) is the faster at decode shapes on sm_90 (docs/performance.md)
+    "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True, "SPLIT_CHUNK": 1, "SPLIT_ELEMS": 4096},
     "hc_mix": {"BLOCK_D": 1024, "num_warps": 4},
     # in_kernel: collapse + norm in one program per token (else hc_collapse, then rms_norm)
     "hc_collapse_norm": {"MAX_BLOCK_D": 8192, "num_warps": 4, "in_kernel": True},

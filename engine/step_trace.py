@@ -1,0 +1,92 @@
+"""``FLASHRT_STEP_TRACE=FILE``: one JSON line per engine step while the loop runs, for finding where
+serving time goes between steps (arrivals, grouping, idle gaps) rather than inside them.
+
+Each line: ``t`` (the step's start, Unix time in seconds: lines line up with a client's clock), ``ms`` (the step's wall
+time), ``idle_ms`` (wall time since the previous step ended: the loop waited for requests or
+applied commands), ``decode`` (rows in the decode batch), ``prefill`` (``[rows, tokens]`` of each
+prefill forward), ``waiting`` (sequences still queued after planning), ``arrived`` (requests added
+since the previous step). The file must not exist yet (nothing is overwritten); lines are written
+in blocks, whenever the loop goes idle and when it stops, so a killed process keeps all but its
+last block.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+ENV = "FLASHRT_STEP_TRACE"
+_BLOCK = 256  # lines kept before a write
+
+
+def trace_path() -> str | None:
+    """The file to write, checked; None when tracing is off."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    if os.path.exists(path):
+        raise ValueError(f"{ENV}: expected a path that does not exist yet, got {path!r} (it exists)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{ENV}: expected a file in an existing folder, got {path!r}")
+    return path
+
+
+class StepTrace:
+    def __init__(self, path: str):
+        self.file = open(path, "x", encoding="utf-8")  # "x": never an existing file
+        self.t0 = time.time() - time.perf_counter()  # Unix time at perf_counter 0
+        self.last_end: float | None = None
+        self.lines: list[str] = []
+
+    def record(self, start: float, end: float, decode: int, groups: list[tuple[int, int]], waiting: int,
+               arrived: int) -> None:
+        """One step: ``start`` / ``end`` from ``time.perf_counter``; ``groups``: (rows, tokens) per prefill forward."""
+        idle = 0.0 if self.last_end is None else start - self.last_end
+        self.last_end = end
+        self.lines.append(json.dumps({"t": round(self.t0 + start, 6), "ms": round((end - start) * 1e3, 3),
+                                      "idle_ms": round(idle * 1e3, 3), "decode": decode,
+                                      "prefill": [list(g) for g in groups], "waiting": waiting,
+                                      "arrived": arrived}))
+        if len(self.lines) >= _BLOCK:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.lines:
+            self.file.write("\n".join(self.lines) + "\n")
+            self.file.flush()
+            self.lines = []
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+
+
+def read(path: str) -> list[dict]:
+    """The steps of a trace file."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summary(steps: list[dict]) -> dict:
+    """What a span of steps did: counts, wall and idle time, decode rows, and the prefill forwards
+    by their row count (``{rows: forwards}``) with the mean step time of steps that ran each."""
+    if not steps:
+        return {"steps": 0}
+    by_rows: dict[int, list[float]] = {}
+    for s in steps:
+        for rows, _ in s["prefill"]:
+            by_rows.setdefault(rows, []).append(s["ms"])
+    decode_only = [s["ms"] for s in steps if s["decode"] and not s["prefill"]]
+    return {
+        "steps": len(steps),
+        "span_s": round(steps[-1]["t"] + steps[-1]["ms"] / 1e3 - steps[0]["t"], 4),
+        "step_s": round(sum(s["ms"] for s in steps) / 1e3, 4),
+        "idle_s": round(sum(s["idle_ms"] for s in steps[1:]) / 1e3, 4),
+        "mean_decode": round(sum(s["decode"] for s in steps) / len(steps), 2),
+        "decode_only_steps": len(decode_only),
+        "decode_only_ms_mean": round(sum(decode_only) / len(decode_only), 3) if decode_only else None,
+        "prefill_forwards": {rows: len(ms) for rows, ms in sorted(by_rows.items())},
+        "prefill_step_ms_mean": {rows: round(sum(ms) / len(ms), 2) for rows, ms in sorted(by_rows.items())},
+        "arrived": sum(s["arrived"] for s in steps),
+    }

@@ -1,0 +1,45 @@
+"""``FLASHRT_STEP_TRACE``: the engine's loop writes one line per step, and the lines account for
+every request, prompt token and decode row the engine ran."""
+import pytest
+import torch
+
+from flashrt.engine import Engine, SamplingParams
+from flashrt.engine import step_trace
+
+
+def test_trace_accounts_for_every_step(model, rng, tmp_path, monkeypatch):
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(step_trace.ENV, str(path))
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (), generator=rng))  # noqa: E731
+    n, max_tokens = draw(3, 6), draw(2, 5)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (draw(5, 40),), generator=rng).tolist() for _ in range(n)]
+    engine = Engine(model, prefill_chunk=16, max_step_tokens=40, max_running=2, overlap=False)
+    engine.start()
+    try:
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    steps = step_trace.read(str(path))
+    assert len(steps) == engine.stats()["steps"]
+    assert sum(s["arrived"] for s in steps) == n
+    # [rows, tokens a row] per prefill forward: every prompt token once
+    assert sum(r * t for s in steps for r, t in s["prefill"]) == sum(len(p) for p in prompts)
+    assert all(t <= 16 for s in steps for _, t in s["prefill"])
+    # every output token but each request's first (drawn from its prompt's last chunk) came from a decode row
+    assert sum(s["decode"] for s in steps) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    assert max(s["decode"] for s in steps) <= 2
+    times = [s["t"] for s in steps]
+    assert times == sorted(times)
+    summary = step_trace.summary(steps)
+    assert summary["steps"] == len(steps) and summary["arrived"] == n
+    assert summary["step_s"] == pytest.approx(sum(s["ms"] for s in steps) / 1e3, abs=1e-3)
+
+
+def test_an_existing_file_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "steps.jsonl"
+    path.write_text("mine\n")
+    monkeypatch.setenv(step_trace.ENV, str(path))
+    with pytest.raises(ValueError, match="does not exist yet"):
+        step_trace.trace_path()
+    assert path.read_text() == "mine\n"
