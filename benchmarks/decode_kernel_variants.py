@@ -10,8 +10,9 @@ values; a finish that sums in another order may differ in the last bits). Varian
 profile's (``flashrt.profiles.using``):
 
 * ``hc_coefficients`` (``x [B, 1, hc, dim]`` bf16): the shipped tiles (the finish loading one split
-  at a time); the finish loading four splits at a time (``SPLIT_CHUNK`` 4); token tiles of at most
-  16; the finish as a launch of its own (``in_kernel`` off).
+  at a time); the finish loading four splits at a time (``SPLIT_CHUNK`` 4); token tiles of up to 64 at
+  every batch (``SMALL_T`` 0: no 16-token tiles for small batches); the finish as a launch of its
+  own (``in_kernel`` off).
 * ``sparse_attention`` (``q [B, 1, heads, head_dim]`` bf16 over an fp8 window ring and an
   fp4_b16 main cache, ``window + index_topk`` indices in two parts, a sink): the combine launch
   over 64-column tiles (shipped), over whole rows (``BLOCK_D`` = head_dim, as before), and merged
@@ -34,7 +35,7 @@ from results_io import write_json
 HC_VARIANTS = {
     "shipped": {},
     "finish four splits a load": {"hc_finish": {"SPLIT_CHUNK": 4}},
-    "token tiles of 16": {"hc_coefficients": {"BLOCK_T_MAX": 16}},
+    "token tiles of 64 (no small-batch rule)": {"hc_coefficients": {"SMALL_T": 0}},
     "finish launch": {"hc_finish": {"in_kernel": False}},
 }
 ATTENTION_VARIANTS = {

@@ -26,8 +26,11 @@ from flashrt.kernels_cuda import norm_rope, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 
 TILES = {
-    # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on
-    "hc_coefficients": {"BLOCK_K": 128, "FN_PARTS": 3, "PROGRAMS": 264, "BLOCK_T_MAX": 64, "BIG_T": 2048},
+    # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on; up to
+    # SMALL_T tokens (decode batches) tiles of BLOCK_T_SMALL: more token tiles, each finishing its
+    # own splits, instead of one program summing every split of the batch
+    "hc_coefficients": {"BLOCK_K": 128, "FN_PARTS": 3, "PROGRAMS": 264, "BLOCK_T_MAX": 64, "BIG_T": 2048,
+                        "SMALL_T": 64, "BLOCK_T_SMALL": 16},
     "hc_coefficients_fp32": {"BLOCK_K": 64, "BLOCK_T_MAX": 32},  # fp32 FMA dot (ieee): 64 tokens spill
     # in_kernel: the last split program finishes; SPLIT_CHUNK: split partials loaded and summed at
     # once, fewer where a load would pass SPLIT_ELEMS values (BLOCK_T x 16 per split); 1 (one split
@@ -193,6 +196,8 @@ def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool):
     block_t = min(max(16, next_pow2(T)), sizes["BLOCK_T_MAX"])
     if dot_bf16 and T >= t["BIG_T"]:
         block_t = 128
+    elif dot_bf16 and T <= t["SMALL_T"]:
+        block_t = min(block_t, t["BLOCK_T_SMALL"])
     block_k = min(sizes["BLOCK_K"], max(16, next_pow2(K)))
     chunks = cdiv(K, block_k)
     if splits is None:
@@ -367,7 +372,7 @@ FAMILY = KernelFamily(
     supports={"hc_coefficients": _STREAMS, "hc_collapse": _STREAMS,
               "hc_collapse_norm": Support(inputs={"x": _DTYPES, "weight": _DTYPES}, dims={"x[2]": Dim(0, _MAX_HC)}),
               "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
-    tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "hc_finish.BLOCK_T": POW2,
+    tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "*.BLOCK_T_SMALL": DOT, "hc_finish.BLOCK_T": POW2,
                               "hc_finish.in_kernel": Tile(kind=bool), "hc_finish.SPLIT_CHUNK": POW2,
                               "hc_finish.SPLIT_ELEMS": POW2, "hc_mix.BLOCK_D": POW2,
                               "hc_collapse_norm.MAX_BLOCK_D": POW2, "hc_collapse_norm.in_kernel": Tile(kind=bool)},
