@@ -5,7 +5,7 @@
 #
 # Phases:
 #   serve      flashrt serve (its engine in a process of its own) against generate() at 16 and
-#              64 concurrent: h200-serve-process.json
+#              64 concurrent, its steps traced: h200-serve-process.json, h200-serve-process-steps.jsonl
 #   serve-alt  64 concurrent with the engine in the server's process, then with the engine
 #              process but no prefix cache (no prefix snapshots: their cost shows as the gap):
 #              h200-serve-in-process.json, h200-serve-no-prefix.json
@@ -77,7 +77,8 @@ fi
 python -c "import flashrt" 2>/dev/null || python -m pip install --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || exit 1
 
 phase_serve() {
-  python benchmarks/serve_vs_generate.py --model small --out "$OUT/h200-serve-process.json"
+  python benchmarks/serve_vs_generate.py --model small --step-trace "$OUT/h200-serve-process-steps.jsonl" \
+    --out "$OUT/h200-serve-process.json"
 }
 
 phase_serve_alt() {
