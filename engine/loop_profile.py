@@ -11,17 +11,23 @@ import os
 ENV = "FLASHRT_PROFILE_ENGINE"
 
 
-def profile_path() -> str | None:
-    """The file to write, checked; None when profiling is off."""
-    path = os.environ.get(ENV)
+def new_file_from_env(env: str) -> str | None:
+    """The path in environment variable ``env``, checked to be a new file in an existing folder;
+    None when it is unset or empty."""
+    path = os.environ.get(env)
     if not path:
         return None
     if os.path.exists(path):
-        raise ValueError(f"{ENV}: expected a path that does not exist yet, got {path!r} (it exists)")
+        raise ValueError(f"{env}: expected a path that does not exist yet, got {path!r} (it exists)")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ValueError(f"{ENV}: expected a file in an existing folder, got {path!r}")
+        raise ValueError(f"{env}: expected a file in an existing folder, got {path!r}")
     return path
+
+
+def profile_path() -> str | None:
+    """The file to write, checked; None when profiling is off."""
+    return new_file_from_env(ENV)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,9 @@ last block.
 from __future__ import annotations
 
 import json
-import os
 import time
+
+from .loop_profile import new_file_from_env
 
 ENV = "FLASHRT_STEP_TRACE"
 _BLOCK = 256  # lines kept before a write
@@ -21,15 +22,7 @@ _BLOCK = 256  # lines kept before a write
 
 def trace_path() -> str | None:
     """The file to write, checked; None when tracing is off."""
-    path = os.environ.get(ENV)
-    if not path:
-        return None
-    if os.path.exists(path):
-        raise ValueError(f"{ENV}: expected a path that does not exist yet, got {path!r} (it exists)")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{ENV}: expected a file in an existing folder, got {path!r}")
-    return path
+    return new_file_from_env(ENV)
 
 
 class StepTrace:
