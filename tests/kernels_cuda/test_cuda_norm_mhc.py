@@ -145,6 +145,24 @@ def test_hc_coefficients_plan_per_shape_and_split(rng, monkeypatch):
     assert len(mhc.PLANS) == 3
 
 
+@pytest.mark.parametrize("T", [1, 17, 40, 64, 65, 300, 4096])
+def test_hc_plan_token_tiles(T):
+    """bf16 token tiles: BLOCK_T_SMALL up to SMALL_T tokens, 128 from BIG_T on, else the power of
+    two covering T within [16, BLOCK_T_MAX]; the K splits fill PROGRAMS and cover K exactly."""
+    t = mhc._tiles()["hc_coefficients"]
+    block_t, block_k, warps, n_splits, k_per = mhc._hc_plan(T, 4 * 5120, None, True)
+    if T <= t["SMALL_T"]:
+        want = min(max(16, 1 << (T - 1).bit_length()), t["BLOCK_T_SMALL"])
+    elif T >= t["BIG_T"]:
+        want = 128
+    else:
+        want = min(max(16, 1 << (T - 1).bit_length()), t["BLOCK_T_MAX"])
+    assert block_t == want and warps == (8 if want >= 128 else 4)
+    tiles = -(-T // block_t)
+    assert n_splits * tiles <= max(t["PROGRAMS"], tiles)
+    assert k_per % block_k == 0 and (n_splits - 1) * k_per < 4 * 5120 <= n_splits * k_per
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hc", [1, 3, 4])
 def test_hc_collapse_expand(hc, dtype, rng):
@@ -206,7 +224,7 @@ def test_gpu_rope_realistic(B, S, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T", [1, 8, 64, 4096])
+@pytest.mark.parametrize("T", [1, 8, 40, 64, 4096])  # 40: 16-token tiles, the last one ragged
 def test_gpu_hc_realistic(T, dtype, rng):
     x, fn, scale, base = _hc_inputs(1, T, 4, 5120, dtype, rng)
     _check_coeffs(*run_both("hc_coefficients", x, fn, scale, base, 20, 1e-6, 1e-6))
