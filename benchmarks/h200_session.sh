@@ -6,6 +6,9 @@
 # Phases:
 #   serve      flashrt serve (its engine in a process of its own) against generate() at 16 and
 #              64 concurrent, its steps traced: h200-serve-process.json, h200-serve-process-steps.jsonl
+#   serve-budget  64 concurrent with a step budget of SERVE_BUDGET tokens (default 32,768: a wave
+#              of 64 prompts of 512 prefills in fewer, larger forwards than the profile's 8,192),
+#              steps traced: h200-serve-budget.json, h200-serve-budget-steps.jsonl
 #   serve-alt  64 concurrent with the engine in the server's process, then with the engine
 #              process but no prefix cache (no prefix snapshots: their cost shows as the gap):
 #              h200-serve-in-process.json, h200-serve-no-prefix.json
@@ -62,8 +65,8 @@ set -u
 [ $# -gt 0 ] || { sed -n 2,60p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine or variants)" >&2; exit 2 ;;
+    serve|serve-budget|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine or variants)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -79,6 +82,11 @@ python -c "import flashrt" 2>/dev/null || python -m pip install --no-deps --no-b
 phase_serve() {
   python benchmarks/serve_vs_generate.py --model small --step-trace "$OUT/h200-serve-process-steps.jsonl" \
     --out "$OUT/h200-serve-process.json"
+}
+
+phase_serve_budget() {
+  python benchmarks/serve_vs_generate.py --model small --concurrency 64 --max-step-tokens "${SERVE_BUDGET:-32768}" \
+    --step-trace "$OUT/h200-serve-budget-steps.jsonl" --out "$OUT/h200-serve-budget.json"
 }
 
 phase_serve_alt() {

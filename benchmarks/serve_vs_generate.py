@@ -17,9 +17,9 @@
 ``engine``: the server's step counters over that level (``/metrics``, ``flashrt_engine_*``): steps/s,
 mean step time, mean decode batch, prompt tokens per prefill forward, the share of wall time the
 loop spent in steps (``engine_busy``) and, of the step time, the decode / prefill / sampling shares
-(host wall time, and device time from CUDA events), the server's mean time to first token, time in
-the queue and prefill time of the level's requests (``server_mean_s``, from their arrival at the
-engine), and ``cpu``: the CPU seconds of the server's
+(host wall time, and device time from CUDA events), the prefix-snapshot and join shares, the
+server's mean time to first token, time in the queue and prefill time of the level's requests
+(``server_mean_s``, from their arrival at the engine), and ``cpu``: the CPU seconds of the server's
 processes (the HTTP server, the engine process) and their busiest threads' shares of the level's
 wall time (a thread near 100% bounds the level), and the benchmark client's CPU seconds.
 """
@@ -112,7 +112,8 @@ def where_time_goes(before: dict, after: dict, duration: float) -> dict:
         "prefill_tokens_per_forward": d["prefill_step_tokens"] / d["prefill_forwards"] if d.get("prefill_forwards") else 0.0,
         "engine_busy": step_s / duration,  # the rest: the loop waited for requests
         "share_decode": share("decode_seconds"), "share_prefill": share("prefill_seconds"),
-        "share_sample": share("sample_seconds"),
+        "share_sample": share("sample_seconds"), "share_prefix": share("prefix_seconds"),
+        "share_join": share("join_seconds"),
         "share_decode_device": share("decode_device_seconds"), "share_prefill_device": share("prefill_device_seconds"),
         "counters": d,
         "server_mean_s": {h: d[f"{h}_seconds_sum"] / d[f"{h}_seconds_count"] for h in TIMES

@@ -195,14 +195,15 @@ class StepLoop(PrefillSteps):
         due = [d for d in due if not d[0].finished]  # a request may have failed or ended in this step
         if due:
             self._sample(due, touched)
+        timer.mark("join")
         if joins:  # one resize of the decode batch for every sequence joining it
             self.slots.make_room(sum(1 for s in joins if s.status is Status.PREFILL))
         for seq in joins:
             self._join(seq, touched)
-        timer.stop(self.counters, len(plan.decode), sum(n for _, n in plan.prefill))
+        host_ms, device_ms = timer.stop(self.counters, len(plan.decode), sum(n for _, n in plan.prefill))
         if self.trace is not None:
             self.trace.record(began, time.perf_counter(), len(plan.decode), [(len(g), g[0][1]) for g in groups],
-                              len(sch.waiting), self.arrived)
+                              len(sch.waiting), self.arrived, host_ms, device_ms)
         self.arrived = 0
         return list(touched)
 

@@ -56,11 +56,13 @@ class PrefillSteps:
             else:
                 logits = self.model.forward(ids, state=state, spans=spans)
         self.counters["prefill_forwards"] += 1
+        self.timer.mark("prefix")
         for seq in seqs:
             seq.computed += n
             key = self.prefix.wants(seq.tokens, seq.computed, image_keys(seq.request.images))
             if key is not None and seq.computed <= seq.prompt_len:
                 self.prefix.put(key, snapshot_row(state, seq.row))
+        self.timer.mark("prefill")
         return logits
 
     def _holds_sequence(self, state) -> bool:

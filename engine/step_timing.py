@@ -1,6 +1,7 @@
-"""Where a serving step's time goes: wall time per phase (decode forward, prefill forwards,
-sampling and the host work after it), plus, when asked (``EngineConfig(device_timing=True)``),
-device time of the decode and prefill forwards on CUDA.
+"""Where a serving step's time goes: wall time per phase (decode forward, prefill forwards, prefix
+snapshots of the prompts, sampling and the host work after it, the joins of prefilled rows into
+the decode batch), plus, when asked (``EngineConfig(device_timing=True)``), device time of the
+decode and prefill forwards on CUDA.
 
 Device times come from CUDA events recorded around each phase and read at the end of the step,
 which waits for the last event: a host sync in every step (a step that samples has synchronized
@@ -14,7 +15,8 @@ import time
 
 import torch
 
-PHASES = ("decode", "prefill", "sample")
+PHASES = ("decode", "prefill", "prefix", "sample", "join")
+DEVICE_PHASES = ("decode", "prefill")  # the phases whose device time is kept (the others wait for it)
 
 
 class StepTimer:
@@ -37,21 +39,27 @@ class StepTimer:
         ev.record()
         return ev
 
-    def stop(self, counters: dict, decode_rows: int, prefill_tokens: int) -> None:
-        """Add this step's times and sizes to ``counters``."""
+    def stop(self, counters: dict, decode_rows: int, prefill_tokens: int) -> tuple[dict, dict]:
+        """Add this step's times and sizes to ``counters``; returns this step's milliseconds per phase
+        (host wall time, and device time of the timed phases when device timing is on)."""
         self.mark("end")
         marks = self.marks
         counters["step_seconds"] += marks[-1][1] - marks[0][1]
         counters["decode_rows"] += decode_rows
         counters["prefill_step_tokens"] += prefill_tokens
         counters["decode_steps"] += bool(decode_rows)
+        host, device = {}, {}
         for (phase, t0, e0), (_, t1, e1) in zip(marks, marks[1:]):
             if phase in PHASES:
                 counters[f"{phase}_seconds"] += t1 - t0
-                if e0 is not None and phase != "sample":
+                host[phase] = host.get(phase, 0.0) + (t1 - t0) * 1e3
+                if e0 is not None and phase in DEVICE_PHASES:
                     e1.synchronize()
-                    counters[f"{phase}_device_seconds"] += e0.elapsed_time(e1) / 1e3
+                    ms = e0.elapsed_time(e1)
+                    counters[f"{phase}_device_seconds"] += ms / 1e3
+                    device[phase] = device.get(phase, 0.0) + ms
+        return host, device
 
 
 COUNTERS = ("step_seconds", "decode_rows", "prefill_step_tokens", "decode_steps", "prefill_forwards",
-            *(f"{p}_seconds" for p in PHASES), "decode_device_seconds", "prefill_device_seconds")
+            *(f"{p}_seconds" for p in PHASES), *(f"{p}_device_seconds" for p in DEVICE_PHASES))

@@ -5,7 +5,10 @@ Each line: ``t`` (the step's start, Unix time in seconds: lines line up with a c
 time), ``idle_ms`` (wall time since the previous step ended: the loop waited for requests or
 applied commands), ``decode`` (rows in the decode batch), ``prefill`` (``[rows, tokens]`` of each
 prefill forward), ``waiting`` (sequences still queued after planning), ``arrived`` (requests added
-since the previous step). The file must not exist yet (nothing is overwritten); lines are written
+since the previous step), ``phase_ms`` (host wall time of the step's phases: ``decode``,
+``prefill``, ``prefix`` (prompt snapshots for the prefix cache), ``sample``, ``join``; see
+:mod:`.step_timing`) and, with device timing on, ``device_ms`` (device time of the decode and
+prefill forwards). The file must not exist yet (nothing is overwritten); lines are written
 in blocks, whenever the loop goes idle and when it stops, so a killed process keeps all but its
 last block.
 """
@@ -33,14 +36,17 @@ class StepTrace:
         self.lines: list[str] = []
 
     def record(self, start: float, end: float, decode: int, groups: list[tuple[int, int]], waiting: int,
-               arrived: int) -> None:
-        """One step: ``start`` / ``end`` from ``time.perf_counter``; ``groups``: (rows, tokens) per prefill forward."""
+               arrived: int, phase_ms: dict | None = None, device_ms: dict | None = None) -> None:
+        """One step: ``start`` / ``end`` from ``time.perf_counter``; ``groups``: (rows, tokens) per
+        prefill forward; ``phase_ms`` / ``device_ms``: milliseconds per phase (``StepTimer.stop``)."""
         idle = 0.0 if self.last_end is None else start - self.last_end
         self.last_end = end
-        self.lines.append(json.dumps({"t": round(self.t0 + start, 6), "ms": round((end - start) * 1e3, 3),
-                                      "idle_ms": round(idle * 1e3, 3), "decode": decode,
-                                      "prefill": [list(g) for g in groups], "waiting": waiting,
-                                      "arrived": arrived}))
+        line = {"t": round(self.t0 + start, 6), "ms": round((end - start) * 1e3, 3), "idle_ms": round(idle * 1e3, 3),
+                "decode": decode, "prefill": [list(g) for g in groups], "waiting": waiting, "arrived": arrived,
+                "phase_ms": {k: round(v, 3) for k, v in (phase_ms or {}).items()}}
+        if device_ms:
+            line["device_ms"] = {k: round(v, 3) for k, v in device_ms.items()}
+        self.lines.append(json.dumps(line))
         if len(self.lines) >= _BLOCK:
             self.flush()
 
@@ -62,8 +68,9 @@ def read(path: str) -> list[dict]:
 
 
 def summary(steps: list[dict]) -> dict:
-    """What a span of steps did: counts, wall and idle time, decode rows, and the prefill forwards
-    by their row count (``{rows: forwards}``) with the mean step time of steps that ran each."""
+    """What a span of steps did: counts, wall and idle time, decode rows, the prefill forwards by
+    their row count (``{rows: forwards}``) with the mean step time of steps that ran each, and the
+    seconds per phase (host, and device where timed)."""
     if not steps:
         return {"steps": 0}
     by_rows: dict[int, list[float]] = {}
@@ -82,4 +89,15 @@ def summary(steps: list[dict]) -> dict:
         "prefill_forwards": {rows: len(ms) for rows, ms in sorted(by_rows.items())},
         "prefill_step_ms_mean": {rows: round(sum(ms) / len(ms), 2) for rows, ms in sorted(by_rows.items())},
         "arrived": sum(s["arrived"] for s in steps),
+        "phase_s": _phase_sums(steps, "phase_ms"),
+        "device_s": _phase_sums(steps, "device_ms"),
     }
+
+
+def _phase_sums(steps: list[dict], field: str) -> dict:
+    """Seconds per phase over the steps (traces written before phases were recorded have none)."""
+    out: dict[str, float] = {}
+    for s in steps:
+        for k, v in s.get(field, {}).items():
+            out[k] = out.get(k, 0.0) + v / 1e3
+    return {k: round(v, 4) for k, v in out.items()}

@@ -3,7 +3,9 @@ so captured decode steps are not recaptured for a moved pool; a decode step issu
 host->device copy from the engine; a changed block table goes to the device in one copy; the step
 timer records device events only when asked."""
 import collections
+import time
 import os
+import time
 
 import pytest
 import torch
@@ -179,10 +181,28 @@ def test_step_timer_syncs_only_when_asked(monkeypatch, asked):
     timer.mark("decode")
     timer.mark("prefill")
     timer.mark("sample")
-    timer.stop(counters, 4, 16)
+    host, device = timer.stop(counters, 4, 16)
     assert counters["decode_rows"] == 4 and counters["decode_steps"] == 1 and counters["step_seconds"] > 0
+    assert set(host) == {"decode", "prefill", "sample"}
+    assert 0 < sum(host.values()) <= counters["step_seconds"] * 1e3  # from the first mark to the end
     if asked:
         assert any(e.synced for e in FakeEvent.made)
         assert counters["decode_device_seconds"] == pytest.approx(2e-3)
+        assert device == {"decode": 2.0, "prefill": 2.0}  # the sampling phase waits for the device: not timed
     else:
-        assert FakeEvent.made == [] and counters["decode_device_seconds"] == 0
+        assert FakeEvent.made == [] and counters["decode_device_seconds"] == 0 and device == {}
+
+
+def test_step_timer_sums_a_phase_met_twice():
+    """A phase marked twice in a step (prefill, prefix snapshots, prefill again) adds up per phase."""
+    timer = StepTimer(torch.device("cpu"))
+    counters = collections.Counter()
+    timer.start()
+    for phase in ("prefill", "prefix", "prefill", "prefix", "join"):
+        timer.mark(phase)
+        time.sleep(0.002)
+    host, device = timer.stop(counters, 0, 8)
+    assert set(host) == {"prefill", "prefix", "join"} and device == {}
+    assert host["prefill"] >= 4 and host["prefix"] >= 4
+    assert counters["prefill_seconds"] == pytest.approx(host["prefill"] / 1e3)
+    assert counters["decode_steps"] == 0 and counters["prefill_step_tokens"] == 8

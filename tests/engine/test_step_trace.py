@@ -29,11 +29,18 @@ def test_trace_accounts_for_every_step(model, rng, tmp_path, monkeypatch):
     assert sum(s["decode"] for s in steps) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
     assert max(s["decode"] for s in steps) <= 2
+    # each step's phases: host times within the step's wall time; a decode phase where it decoded,
+    # prefix snapshots where it prefilled
+    for s in steps:
+        phases = s["phase_ms"]
+        assert sum(phases.values()) <= s["ms"] + 1e-3 and "device_ms" not in s  # no device timing on CPU
+        assert ("decode" in phases) == bool(s["decode"]) and ("prefix" in phases) == bool(s["prefill"])
     times = [s["t"] for s in steps]
     assert times == sorted(times)
     summary = step_trace.summary(steps)
     assert summary["steps"] == len(steps) and summary["arrived"] == n
     assert summary["step_s"] == pytest.approx(sum(s["ms"] for s in steps) / 1e3, abs=1e-3)
+    assert sum(summary["phase_s"].values()) <= summary["step_s"] + 1e-3 and summary["device_s"] == {}
 
 
 def test_an_existing_file_is_refused(tmp_path, monkeypatch):
