@@ -6,9 +6,9 @@
 # Phases:
 #   serve      flashrt serve (its engine in a process of its own) against generate() at 16 and
 #              64 concurrent, its steps traced: h200-serve-process.json, h200-serve-process-steps.jsonl
-#   serve-budget  64 concurrent with a step budget of SERVE_BUDGET tokens (default 32,768: a wave
-#              of 64 prompts of 512 prefills in fewer, larger forwards than the profile's 8,192),
-#              steps traced: h200-serve-budget.json, h200-serve-budget-steps.jsonl
+#   serve-budget  64 concurrent at each step budget of SERVE_BUDGETS (tokens; default "8192 16384
+#              32768": a wave of 64 prompts of 512 prefills in fewer, larger forwards with more),
+#              steps traced: h200-serve-budget-N.json, h200-serve-budget-N-steps.jsonl
 #   serve-alt  64 concurrent with the engine in the server's process, then with the engine
 #              process but no prefix cache (no prefix snapshots: their cost shows as the gap):
 #              h200-serve-in-process.json, h200-serve-no-prefix.json
@@ -85,8 +85,11 @@ phase_serve() {
 }
 
 phase_serve_budget() {
-  python benchmarks/serve_vs_generate.py --model small --concurrency 64 --max-step-tokens "${SERVE_BUDGET:-32768}" \
-    --step-trace "$OUT/h200-serve-budget-steps.jsonl" --out "$OUT/h200-serve-budget.json"
+  local n
+  for n in ${SERVE_BUDGETS:-8192 16384 32768}; do
+    python benchmarks/serve_vs_generate.py --model small --concurrency 64 --max-step-tokens "$n" \
+      --step-trace "$OUT/h200-serve-budget-$n-steps.jsonl" --out "$OUT/h200-serve-budget-$n.json" | tail -n 4
+  done
 }
 
 phase_serve_alt() {
