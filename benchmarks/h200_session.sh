@@ -9,6 +9,8 @@
 #   serve-budget  64 concurrent at each step budget of SERVE_BUDGETS (tokens; default "8192 16384
 #              32768": a wave of 64 prompts of 512 prefills in fewer, larger forwards with more),
 #              steps traced: h200-serve-budget-N.json, h200-serve-budget-N-steps.jsonl
+#   engine-gpu the GPU tests of the engine's overlapped, captured decode and captured prefill steps:
+#              h200-engine-gpu-tests.log
 #   serve-alt  64 concurrent with the engine in the server's process, then with the engine
 #              process but no prefix cache (no prefix snapshots: their cost shows as the gap):
 #              h200-serve-in-process.json, h200-serve-no-prefix.json
@@ -65,8 +67,8 @@ set -u
 [ $# -gt 0 ] || { sed -n 2,60p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine or variants)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine or variants)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -82,6 +84,12 @@ python -c "import flashrt" 2>/dev/null || python -m pip install --no-deps --no-b
 phase_serve() {
   python benchmarks/serve_vs_generate.py --model small --step-trace "$OUT/h200-serve-process-steps.jsonl" \
     --out "$OUT/h200-serve-process.json"
+}
+
+phase_engine_gpu() {
+  timeout 150 python -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/engine/test_serving_overlap.py \
+    tests/engine/test_step_capture.py tests/engine/test_prefill_capture.py > "$OUT/h200-engine-gpu-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-engine-gpu-tests.log"
 }
 
 phase_serve_budget() {

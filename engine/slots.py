@@ -64,6 +64,24 @@ class DecodeSlots:
         seq.slot = slot
         return slot
 
+    def add_many(self, moves: list[tuple]) -> None:
+        """:meth:`add` of each ``(seq, src, src_row)`` in order (the same rows), the moves out of one
+        source state in one :meth:`KVState.take_rows`."""
+        if not moves:
+            return
+        self.make_room(len(moves))
+        by_src: dict[int, tuple] = {}
+        free = (r for r, o in enumerate(self.owner) if o is None)
+        for seq, src, src_row in moves:
+            slot = next(free)
+            self.owner[slot] = seq
+            seq.slot = slot
+            _, rows, src_rows = by_src.setdefault(id(src), (src, [], []))
+            rows.append(slot)
+            src_rows.append(src_row)
+        for src, rows, src_rows in by_src.values():
+            self.state.take_rows(rows, src, src_rows)
+
     def make_room(self, n: int) -> None:
         """Room for ``n`` more sequences in one resize, every row staying where it is: the adds that
         follow put each sequence where adding them one by one (growing bucket by bucket, moving
@@ -72,9 +90,8 @@ class DecodeSlots:
             return
         rows = bucket_for(self.active + n)
         state, capture = self._state_for(rows)
-        for r, seq in enumerate(self.owner):
-            if seq is not None:
-                state.take_row(r, self.state, r)
+        held = [r for r, seq in enumerate(self.owner) if seq is not None]
+        state.take_rows(held, self.state, held)
         self._release_padding()
         self.state, self.capture = state, capture
         self.owner = self.owner + [None] * (rows - len(self.owner))
@@ -93,8 +110,8 @@ class DecodeSlots:
     def _resize(self, rows: int) -> None:
         state, capture = self._state_for(rows)
         moved = [o for o in self.owner if o is not None]
+        state.take_rows(list(range(len(moved))), self.state, [seq.slot for seq in moved])
         for i, seq in enumerate(moved):
-            state.take_row(i, self.state, seq.slot)
             seq.slot = i
         self._release_padding()
         self.state, self.capture = state, capture

@@ -196,10 +196,8 @@ class StepLoop(PrefillSteps):
         if due:
             self._sample(due, touched)
         timer.mark("join")
-        if joins:  # one resize of the decode batch for every sequence joining it
-            self.slots.make_room(sum(1 for s in joins if s.status is Status.PREFILL))
-        for seq in joins:
-            self._join(seq, touched)
+        if joins:
+            self._join(joins)
         host_ms, device_ms = timer.stop(self.counters, len(plan.decode), sum(n for _, n in plan.prefill))
         if self.trace is not None:
             self.trace.record(began, time.perf_counter(), len(plan.decode), [(len(g), g[0][1]) for g in groups],
@@ -275,15 +273,19 @@ class StepLoop(PrefillSteps):
             self._finished(req, "finished")
         return True
 
-    def _join(self, seq: Sequence, touched: set) -> None:
-        """A prefilled sequence (unless it already finished) becomes a row of the decode batch."""
-        seq.forked_from = None
-        if seq.status is not Status.PREFILL:
-            return
-        self.slots.add(seq, seq.state, seq.row)
-        seq.state, seq.status = None, Status.RUNNING
-        self.scheduler.prefilling.remove(seq)
-        self.scheduler.running.append(seq)
+    def _join(self, seqs: list[Sequence]) -> None:
+        """Prefilled sequences (but those that already finished) become rows of the decode batch:
+        one resize of the batch for all of them, their rows moved over together."""
+        joining = []
+        for seq in seqs:
+            seq.forked_from = None
+            if seq.status is Status.PREFILL:
+                joining.append(seq)
+        self.slots.add_many([(seq, seq.state, seq.row) for seq in joining])
+        for seq in joining:
+            seq.state, seq.status = None, Status.RUNNING
+            self.scheduler.prefilling.remove(seq)
+            self.scheduler.running.append(seq)
 
     # ----- preemption and release ------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:

@@ -130,7 +130,8 @@ class PagedIndexK:
         """Hand ``row``'s pages to another owner; the row is left with none (its table row reads
         the trash page)."""
         pages, self.pages[row] = self.pages[row], []
-        self.table[row] = TRASH_PAGE
+        if pages:  # a row with no pages reads the trash page already (see :meth:`trim_row`)
+            self.table[row] = TRASH_PAGE
         return pages
 
     def clear_row(self, row: int) -> None:

@@ -83,7 +83,9 @@ class PagedMainKV:
         """Hand ``row``'s block table (and so its pages) to another owner; the row is left with no
         pages and its buffer row reads "no page"."""
         table, self.tables[row] = self.tables[row], BlockTable()
-        if self._dev_ids.shape[0] == len(self.tables):
+        # a row with no pages reads "no page" in the buffers already (every write of a page id
+        # comes from a table's pages, and a detach or trim writes -1 back)
+        if table.pages and self._dev_ids.shape[0] == len(self.tables):
             self._dev_ids[row] = -1
             self._host_ids[row] = -1
             self._host_ids_cpu[row] = -1

@@ -80,3 +80,55 @@ def test_snapshot_reads_both_tiers(model, cfg, rng):
     restore_row(snap, other, 0)
     assert torch.equal(model.forward(tok, state=other), model.forward(tok, state=st))
     assert want.shape == (1, cfg.vocab_size)
+
+
+def _row_contents(st, row: int) -> list[torch.Tensor]:
+    """Everything ``row`` of ``st`` carries, page contents read through its tables (page ids differ)."""
+    u8, pos = torch.uint8, st.host_positions[row]
+    out = [st._ring_store.data.view(u8)[:, row], st._ring_store.scale.view(u8)[:, row],
+           st._ring_start_store[:, row], st.positions[row], st.engram_history[row], torch.tensor(pos)]
+    for l, c in st.compressed.items():
+        e = pos // st.cfg.ratio(l)
+        if c.kv_state is not None:
+            out += [c.kv_state[row], c.score_state[row]]
+        main, index = c.main.read_row(row, e), c.index_k.read_row(row, 0, e)
+        out += [main.data.view(u8), main.scale.view(u8), index.data.view(u8), index.scale.view(u8)]
+    return out
+
+
+def test_take_rows_equals_take_row_one_by_one(model, cfg, rng):
+    """Rows moved together (one copy per tensor) land as moved one at a time: same contents, sources
+    left empty, the same pages held, and the next step's logits equal."""
+    n = int(torch.randint(17, 40, (), generator=rng))
+    ids = torch.randint(0, cfg.vocab_size, (3, n), generator=rng)
+    srcs = [model.new_state(3, 64), model.new_state(3, 64)]  # the same prompts twice, pools of their own
+    for st in srcs:
+        model.forward(ids, state=st)
+    rows = torch.randperm(5, generator=rng)[:3].tolist()
+    src_rows = torch.randperm(3, generator=rng).tolist()
+    together, one_by_one = (KVState(cfg, 5, 64, "cpu", pool=st.pool) for st in srcs)
+    together.take_rows(rows, srcs[0], src_rows)
+    for row, src_row in zip(rows, src_rows):
+        one_by_one.take_row(row, srcs[1], src_row)
+    for r in range(5):
+        assert together.host_positions[r] == one_by_one.host_positions[r] == (n if r in rows else 0)
+        for a, b in zip(_row_contents(together, r), _row_contents(one_by_one, r)):
+            assert torch.equal(a, b)
+    for st in srcs:
+        assert st.host_positions == [0, 0, 0] and not st.positions.any()
+        assert sum(st.row_pages(r) for r in range(3)) == 0
+    assert srcs[0].pool.pages_in_use == srcs[1].pool.pages_in_use > 0
+    tok = torch.randint(0, cfg.vocab_size, (5, 1), generator=rng)
+    assert torch.equal(model.forward(tok, state=together), model.forward(tok, state=one_by_one))
+
+
+def test_take_rows_refuses_mismatched_rows(cfg):
+    import pytest
+
+    pool = KVState.pool_for(cfg, 4, 16, "cpu", None)
+    a, b = KVState(cfg, 3, 16, "cpu", pool=pool), KVState(cfg, 3, 16, "cpu", pool=pool)
+    for rows, src_rows in (([0, 1], [0]), ([0, 0], [1, 2]), ([0, 1], [2, 2])):
+        with pytest.raises(ValueError, match="rows, src_rows: expected two lists of distinct rows"):
+            a.take_rows(rows, b, src_rows)
+    with pytest.raises(ValueError, match="same page pool"):
+        a.take_rows([0], KVState(cfg, 1, 16, "cpu"), [0])
