@@ -11,6 +11,8 @@
 #              steps traced: h200-serve-budget-N.json, h200-serve-budget-N-steps.jsonl
 #   engine-gpu the GPU tests of the engine's overlapped, captured decode and captured prefill steps:
 #              h200-engine-gpu-tests.log
+#   mhc        the mHC kernel tests natively (norm, rope, hc_coefficients at every token-tile
+#              rule): h200-mhc-tests.log
 #   serve-alt  64 concurrent with the engine in the server's process, then with the engine
 #              process but no prefix cache (no prefix snapshots: their cost shows as the gap):
 #              h200-serve-in-process.json, h200-serve-no-prefix.json
@@ -67,8 +69,8 @@ set -u
 [ $# -gt 0 ] || { sed -n 2,60p "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine or variants)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine or variants)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -90,6 +92,12 @@ phase_engine_gpu() {
   timeout 150 python -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/engine/test_serving_overlap.py \
     tests/engine/test_step_capture.py tests/engine/test_prefill_capture.py > "$OUT/h200-engine-gpu-tests.log" 2>&1
   tail -n 2 "$OUT/h200-engine-gpu-tests.log"
+}
+
+phase_mhc() {
+  timeout 150 python -m pytest -q -n 4 -p no:cacheprovider tests/kernels_cuda/test_cuda_norm_mhc.py \
+    > "$OUT/h200-mhc-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-mhc-tests.log"
 }
 
 phase_serve_budget() {
