@@ -12,7 +12,8 @@ profile's (``flashrt.profiles.using``):
 * ``hc_coefficients`` (``x [B, 1, hc, dim]`` bf16): the shipped tiles (the finish loading one split
   at a time); the finish loading four splits at a time (``SPLIT_CHUNK`` 4); token tiles of up to 64 at
   every batch (``SMALL_T`` 0: no 16-token tiles for small batches); the finish as a launch of its
-  own (``in_kernel`` off).
+  own (``in_kernel`` off); fewer K splits (``PROGRAMS`` 4 / 8 / 16 / 64: each program reads more of
+  ``fn``, the last one sums fewer partials); K blocks of 256 or 64.
 * ``sparse_attention`` (``q [B, 1, heads, head_dim]`` bf16 over an fp8 window ring and an
   fp4_b16 main cache, ``window + index_topk`` indices in two parts, a sink): the combine launch
   over 64-column tiles (shipped), over whole rows (``BLOCK_D`` = head_dim, as before), and merged
@@ -37,6 +38,14 @@ HC_VARIANTS = {
     "finish four splits a load": {"hc_finish": {"SPLIT_CHUNK": 4}},
     "token tiles of 64 (no small-batch rule)": {"hc_coefficients": {"SMALL_T": 0}},
     "finish launch": {"hc_finish": {"in_kernel": False}},
+    # fewer K splits (PROGRAMS / token tiles of them, at most K / BLOCK_K): a shorter finish, more K a program
+    "programs 4": {"hc_coefficients": {"PROGRAMS": 4}},
+    "programs 8": {"hc_coefficients": {"PROGRAMS": 8}},
+    "programs 16": {"hc_coefficients": {"PROGRAMS": 16}},
+    "programs 64": {"hc_coefficients": {"PROGRAMS": 64}},
+    "K blocks of 256": {"hc_coefficients": {"BLOCK_K": 256}},
+    "K blocks of 256, programs 8": {"hc_coefficients": {"BLOCK_K": 256, "PROGRAMS": 8}},
+    "K blocks of 64, programs 16": {"hc_coefficients": {"BLOCK_K": 64, "PROGRAMS": 16}},
 }
 ATTENTION_VARIANTS = {
     "combine, 64 columns": {},

@@ -60,17 +60,27 @@
 #              and batch-64 kernel profiles under each: h200-combine-{off,on}-e2e.json,
 #              h200-combine-{off,on}-profile-b{1,64}.json
 #   variants   only the first step of combine: h200-decode-kernel-variants.json
+#   coldplan   a cold `flashrt run --model small` with its recorded plan kept (h200-jit-ttft-record.json,
+#              recorded-plans/), that plan merged into the shipped one (tools/ship_plan.py), then cold
+#              and warm again on the merged plan: h200-jit-ttft-shipped.json and the merged plan file
+#              (sm_90-h200-small.json, to commit under core/jit_plans/triton-3.6.0/)
+#   serve-allocs  64 concurrent with device timing: the step trace's per-phase device time and the
+#              allocator's slow paths (cudaMalloc, retries, syncs, pinned allocations) per phase:
+#              h200-serve-allocs.json, h200-serve-allocs-steps.jsonl
+#   hkcp       benchmarks/hkcp.py at 4K and 128K contexts (capacity, decode with 90% of the main KV
+#              cold, cold fetch, and time to first token of a 32K prompt: full prefill against a
+#              prefix-cache hit): h200-hkcp.json
 #
 # Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed.
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
 # `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
-[ $# -gt 0 ] || { sed -n 2,60p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine or variants)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs or hkcp)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -162,6 +172,23 @@ phase_plan() {
   plans=$(mktemp -d)
   FLASHRT_CACHE_DIR=$plans timeout 120 flashrt jit warmup --model small >/dev/null 2>&1
   find "$plans/jit/plans" -name '*.json' -exec cp {} "$OUT/" \;
+}
+
+phase_coldplan() {
+  python benchmarks/jit_ttft.py --phases cold --budget 120 --keep-plans "$OUT/recorded-plans" \
+    --out "$OUT/h200-jit-ttft-record.json"
+  python tools/ship_plan.py "$OUT"/recorded-plans/triton-*/sm_90-h200-small.json || return 1
+  cp core/jit_plans/triton-*/sm_90-h200-small.json "$OUT/"
+  python benchmarks/jit_ttft.py --phases cold warm --budget 150 --out "$OUT/h200-jit-ttft-shipped.json"
+}
+
+phase_serve_allocs() {
+  python benchmarks/serve_vs_generate.py --model small --concurrency 64 --device-timing \
+    --step-trace "$OUT/h200-serve-allocs-steps.jsonl" --out "$OUT/h200-serve-allocs.json" | tail -n 4
+}
+
+phase_hkcp() {
+  python benchmarks/hkcp.py --contexts 4096 131072 --out "$OUT/h200-hkcp.json" | tail -n 6
 }
 
 phase_tests() {

@@ -28,6 +28,9 @@ opt-in for ``flashrt run``; ``FLASHRT_JIT_WORKERS=0`` measures without it).
 TTFT is what ``flashrt run --json`` reports: from the start of loading the weights to the first
 token's logits, and from the process start; the parent's wall time of each process is kept too.
 Phases that would not fit the time budget (``--budget``) are recorded as skipped.
+``--keep-plans DIR`` copies the plans the ``cold`` run recorded (``jit/plans``: what a run of the
+model launched on this device) to ``DIR``, which must not exist yet; ``tools/ship_plan.py`` merges
+them into the shipped plan.
 """
 from __future__ import annotations
 
@@ -119,8 +122,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--budget", type=float, default=510.0, help="seconds for all phases (default 8.5 min)")
     ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    ap.add_argument("--keep-plans", default=None, metavar="DIR",
+                    help="copy the plans the cold run recorded here (a directory that does not exist yet)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.keep_plans is not None and os.path.exists(args.keep_plans):
+        ap.error(f"--keep-plans: expected a path that does not exist yet, got {args.keep_plans!r}")
+    if args.keep_plans is not None and "cold" not in args.phases:
+        ap.error("--keep-plans: keeps what 'cold' records; list 'cold' in --phases")
     for needs_cold in ("warm", "cold_with_plan"):
         if needs_cold in args.phases and "cold" not in args.phases:
             ap.error(f"--phases: '{needs_cold}' reuses what 'cold' leaves; list 'cold' too")
@@ -142,6 +151,9 @@ def main() -> None:
             except (subprocess.TimeoutExpired, RuntimeError) as exc:
                 skipped[phase] = f"{type(exc).__name__}: {str(exc)[-500:]}"
                 print(f"{phase:20} skipped: {skipped[phase]}", flush=True)
+            plans = root / "cold" / "flashrt" / "jit" / "plans"
+            if phase == "cold" and args.keep_plans is not None and plans.is_dir():
+                shutil.copytree(plans, args.keep_plans)
     warm = next((r for r in rows if r["phase"] == "warm"), None)
     for r in rows:
         r["ttft_ratio_to_warm"] = r["ttft_from_load_s"] / warm["ttft_from_load_s"] if warm else None

@@ -64,13 +64,24 @@ def read_entries(path: Path) -> list[dict]:
         if isinstance(entries, list) else []
 
 
+def entry_key(entry: dict) -> tuple:
+    """What tells two plan entries apart: the kernel and Triton's specialization data."""
+    return entry["module"], entry["name"], entry["data"]
+
+
+def plan_text(arch: str, profile: str, model: str, entries: list[dict]) -> bytes:
+    """A plan file's contents."""
+    return (json.dumps({"arch": arch, "profile": profile, "model": model, "entries": entries}, indent=0)
+            + "\n").encode()
+
+
 def load(arch: Arch, profile: str, model: str) -> list[Spec]:
     """The variants of every plan of (``arch``, ``profile``, ``model``), decoded; an entry that
     does not decode is skipped."""
     specs, seen = [], set()
     for path in plan_paths(arch, profile, model):
         for entry in read_entries(path):
-            key = (entry["module"], entry["name"], entry["data"])
+            key = entry_key(entry)
             if key in seen:
                 continue
             seen.add(key)
@@ -149,12 +160,10 @@ def save(arch: Arch, profile: str, model: str, entries: list[dict]) -> int:
         return 0
     try:
         old = read_entries(path)
-        known = {(e["module"], e["name"], e["data"]) for e in old}
-        new = [e for e in entries if (e["module"], e["name"], e["data"]) not in known]
+        known = {entry_key(e) for e in old}
+        new = [e for e in entries if entry_key(e) not in known]
         if new:
-            merged = (new + old)[:MAX_ENTRIES]
-            atomic_write(path, (json.dumps({"arch": arch.name, "profile": profile, "model": model,
-                                            "entries": merged}, indent=0) + "\n").encode())
+            atomic_write(path, plan_text(arch.name, profile, model, (new + old)[:MAX_ENTRIES]))
         return len(new)
     finally:
         os.close(fd)

@@ -201,7 +201,7 @@ class StepLoop(PrefillSteps):
         host_ms, device_ms = timer.stop(self.counters, len(plan.decode), sum(n for _, n in plan.prefill))
         if self.trace is not None:
             self.trace.record(began, time.perf_counter(), len(plan.decode), [(len(g), g[0][1]) for g in groups],
-                              len(sch.waiting), self.arrived, host_ms, device_ms)
+                              len(sch.waiting), self.arrived, host_ms, device_ms, self.timer.allocs)
         self.arrived = 0
         return list(touched)
 

@@ -3,6 +3,12 @@ snapshots of the prompts, sampling and the host work after it, the joins of pref
 the decode batch), plus, when asked (``EngineConfig(device_timing=True)``), device time of the
 decode and prefill forwards on CUDA.
 
+With device timing on, each phase also counts the caching allocator's slow paths
+(``torch.cuda.memory_stats``: ``cudaMalloc`` calls, failed ones retried after freeing the cache,
+which synchronizes the device, and whole-device syncs to free blocks; pinned host allocations from
+``torch.cuda.host_memory_stats``): a phase that waits for the device without reading a value
+shows it there.
+
 Device times come from CUDA events recorded around each phase and read at the end of the step,
 which waits for the last event: a host sync in every step (a step that samples has synchronized
 with the device already, a step that does not would stall here). So device timing is off unless
@@ -17,6 +23,16 @@ import torch
 
 PHASES = ("decode", "prefill", "prefix", "sample", "join")
 DEVICE_PHASES = ("decode", "prefill")  # the phases whose device time is kept (the others wait for it)
+# the allocator's counters a phase's delta is reported for (memory_stats keys, then host_memory_stats')
+ALLOC_KEYS = ("num_device_alloc", "num_alloc_retries", "num_sync_all_streams")
+HOST_ALLOC_KEYS = ("num_host_alloc",)
+
+
+def alloc_counts() -> tuple[int, ...]:
+    """The allocator counters of :data:`ALLOC_KEYS` and :data:`HOST_ALLOC_KEYS`, now (host reads only)."""
+    dev = torch.cuda.memory_stats()
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return tuple(int(dev.get(k, 0)) for k in ALLOC_KEYS) + tuple(int(host.get(k, 0)) for k in HOST_ALLOC_KEYS)
 
 
 class StepTimer:
@@ -24,6 +40,7 @@ class StepTimer:
         """``device_timing``: also record CUDA events and add the forwards' device time (CUDA only)."""
         self.cuda = device_timing and device.type == "cuda"
         self.marks: list = []
+        self.allocs: dict = {}  # the last stopped step's allocator deltas by phase (device timing only)
 
     def start(self) -> "StepTimer":
         self.marks = [("start", time.perf_counter(), self._event())]
@@ -37,7 +54,7 @@ class StepTimer:
             return None
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
-        return ev
+        return ev, alloc_counts()
 
     def stop(self, counters: dict, decode_rows: int, prefill_tokens: int) -> tuple[dict, dict]:
         """Add this step's times and sizes to ``counters``; returns this step's milliseconds per phase
@@ -48,16 +65,23 @@ class StepTimer:
         counters["decode_rows"] += decode_rows
         counters["prefill_step_tokens"] += prefill_tokens
         counters["decode_steps"] += bool(decode_rows)
-        host, device = {}, {}
+        host, device, self.allocs = {}, {}, {}
         for (phase, t0, e0), (_, t1, e1) in zip(marks, marks[1:]):
-            if phase in PHASES:
-                counters[f"{phase}_seconds"] += t1 - t0
-                host[phase] = host.get(phase, 0.0) + (t1 - t0) * 1e3
-                if e0 is not None and phase in DEVICE_PHASES:
-                    e1.synchronize()
-                    ms = e0.elapsed_time(e1)
-                    counters[f"{phase}_device_seconds"] += ms / 1e3
-                    device[phase] = device.get(phase, 0.0) + ms
+            if phase not in PHASES:
+                continue
+            counters[f"{phase}_seconds"] += t1 - t0
+            host[phase] = host.get(phase, 0.0) + (t1 - t0) * 1e3
+            if e0 is None:
+                continue
+            if phase in DEVICE_PHASES:
+                e1[0].synchronize()
+                ms = e0[0].elapsed_time(e1[0])
+                counters[f"{phase}_device_seconds"] += ms / 1e3
+                device[phase] = device.get(phase, 0.0) + ms
+            delta = [b - a for a, b in zip(e0[1], e1[1])]
+            if any(delta):
+                old = self.allocs.get(phase, [0] * len(delta))
+                self.allocs[phase] = [a + b for a, b in zip(old, delta)]
         return host, device
 
 

@@ -8,7 +8,9 @@ prefill forward), ``waiting`` (sequences still queued after planning), ``arrived
 since the previous step), ``phase_ms`` (host wall time of the step's phases: ``decode``,
 ``prefill``, ``prefix`` (prompt snapshots for the prefix cache), ``sample``, ``join``; see
 :mod:`.step_timing`) and, with device timing on, ``device_ms`` (device time of the decode and
-prefill forwards). The file must not exist yet (nothing is overwritten); lines are written
+prefill forwards) and ``allocs`` (per phase, the allocator's slow paths that phase took, where
+any: ``cudaMalloc`` calls, retries after freeing the cache, whole-device syncs, pinned host
+allocations). The file must not exist yet (nothing is overwritten); lines are written
 in blocks, whenever the loop goes idle and when it stops, so a killed process keeps all but its
 last block.
 """
@@ -18,6 +20,8 @@ import json
 import time
 
 from .loop_profile import new_file_from_env
+
+ALLOC_NAMES = ("cuda_malloc", "alloc_retries", "sync_all_streams", "host_alloc")  # step_timing.alloc_counts' order
 
 ENV = "FLASHRT_STEP_TRACE"
 _BLOCK = 256  # lines kept before a write
@@ -36,9 +40,11 @@ class StepTrace:
         self.lines: list[str] = []
 
     def record(self, start: float, end: float, decode: int, groups: list[tuple[int, int]], waiting: int,
-               arrived: int, phase_ms: dict | None = None, device_ms: dict | None = None) -> None:
+               arrived: int, phase_ms: dict | None = None, device_ms: dict | None = None,
+               allocs: dict | None = None) -> None:
         """One step: ``start`` / ``end`` from ``time.perf_counter``; ``groups``: (rows, tokens) per
-        prefill forward; ``phase_ms`` / ``device_ms``: milliseconds per phase (``StepTimer.stop``)."""
+        prefill forward; ``phase_ms`` / ``device_ms``: milliseconds per phase (``StepTimer.stop``);
+        ``allocs``: the allocator counter deltas per phase (``StepTimer.allocs``)."""
         idle = 0.0 if self.last_end is None else start - self.last_end
         self.last_end = end
         line = {"t": round(self.t0 + start, 6), "ms": round((end - start) * 1e3, 3), "idle_ms": round(idle * 1e3, 3),
@@ -46,6 +52,8 @@ class StepTrace:
                 "phase_ms": {k: round(v, 3) for k, v in (phase_ms or {}).items()}}
         if device_ms:
             line["device_ms"] = {k: round(v, 3) for k, v in device_ms.items()}
+        if allocs:
+            line["allocs"] = {phase: dict(zip(ALLOC_NAMES, counts)) for phase, counts in allocs.items()}
         self.lines.append(json.dumps(line))
         if len(self.lines) >= _BLOCK:
             self.flush()
@@ -91,6 +99,7 @@ def summary(steps: list[dict]) -> dict:
         "arrived": sum(s["arrived"] for s in steps),
         "phase_s": _phase_sums(steps, "phase_ms"),
         "device_s": _phase_sums(steps, "device_ms"),
+        "allocs": _alloc_sums(steps),
     }
 
 
@@ -101,3 +110,14 @@ def _phase_sums(steps: list[dict], field: str) -> dict:
         for k, v in s.get(field, {}).items():
             out[k] = out.get(k, 0.0) + v / 1e3
     return {k: round(v, 4) for k, v in out.items()}
+
+
+def _alloc_sums(steps: list[dict]) -> dict:
+    """The allocator counters per phase summed over the steps (only phases and counters seen)."""
+    out: dict[str, dict[str, int]] = {}
+    for s in steps:
+        for phase, counts in s.get("allocs", {}).items():
+            for k, v in counts.items():
+                if v:
+                    out.setdefault(phase, {})[k] = out.get(phase, {}).get(k, 0) + v
+    return out

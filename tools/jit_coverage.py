@@ -17,8 +17,8 @@ device can differ where the engine takes device-only paths (CUDA graphs, memory-
 ``DIR/triton-<version>/``: with ``core/jit_plans`` it ships with flashrt, and a cold start on that
 architecture, profile and Triton version compiles those variants on its pool before the run asks.
 Run it with the Triton version of the target machine. A plan recorded by a run on the device
-(``flashrt jit warmup --model M`` writes ``$FLASHRT_CACHE_DIR/jit/plans/...``) is exact; copy that
-instead where a device is at hand.
+(``flashrt jit warmup --model M`` writes ``$FLASHRT_CACHE_DIR/jit/plans/...``) is exact; merge that
+into the shipped one (``tools/ship_plan.py``) instead where a device is at hand.
 """
 from __future__ import annotations
 

@@ -124,3 +124,42 @@ def test_every_shipped_plan_names_kernels_as_they_are_now():
             params = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
             assert list(spec.signature) == params, (path.name, spec.name)
             assert all(k[0] < len(params) for k in (*spec.constexprs, *spec.attrs)), (path.name, spec.name)
+
+
+def _ship_plan():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "ship_plan.py"
+    spec = importlib.util.spec_from_file_location("ship_plan", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("drop_rest", [False, True])
+def test_ship_plan_puts_the_recording_first_in_its_order(tmp_path, drop_rest):
+    """tools/ship_plan.py: the recorded entries in their order (once each), then the shipped
+    entries the recording lacks unless dropped; the recorded header names the file's plan."""
+    ship_plan = _ship_plan()
+    blocks = random.sample(range(1, 1000), 9)
+    recorded_blocks, old_blocks = blocks[:5] + blocks[:1], blocks[3:]  # blocks 3 and 4 in both
+    recorded = tmp_path / "rec" / "triton-9.9.9" / "sm_90-h200-small.json"
+    recorded.parent.mkdir(parents=True)
+    recorded.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(b) for b in recorded_blocks]).decode())
+    target = ship_plan.shipped_path(recorded, None, tmp_path / "ship")
+    assert target == tmp_path / "ship" / "triton-9.9.9" / "sm_90-h200-small.json"
+    target.parent.mkdir(parents=True)
+    target.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(b) for b in old_blocks]).decode())
+    report = ship_plan.ship(recorded, target, drop_rest)
+    got = [json.loads(e["data"])["constant_vals"][0] for e in jit_plans.read_entries(target)]
+    rest = [] if drop_rest else blocks[5:]
+    assert got == blocks[:5] + rest
+    assert report["recorded"] == 5 and report["kept"] == len(rest) and report["dropped"] == 4 - len(rest)
+    assert json.loads(target.read_text())["model"] == "small"
+    assert ship_plan.shipped_path(recorded, "3.6.0", tmp_path).parent.name == "triton-3.6.0"
+    with pytest.raises(ValueError, match="--triton"):
+        ship_plan.shipped_path(tmp_path / "x.json", None)
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(ValueError, match="RECORDED: expected a plan file with entries"):
+        ship_plan.ship(tmp_path / "empty.json", target)

@@ -3,8 +3,8 @@ so captured decode steps are not recaptured for a moved pool; a decode step issu
 host->device copy from the engine; a changed block table goes to the device in one copy; the step
 timer records device events only when asked."""
 import collections
-import time
 import os
+import random
 import time
 
 import pytest
@@ -13,6 +13,7 @@ import torch
 from flashrt.engine import Engine, EngineConfig, SamplingParams
 from flashrt.engine import slots as slots_mod
 from flashrt.engine import step_capture as sc
+from flashrt.engine import step_timing
 from flashrt.engine.step_timing import StepTimer
 from flashrt.kv.main_kv import PagedMainKV
 from flashrt.kv.pages import PagePool
@@ -191,6 +192,31 @@ def test_step_timer_syncs_only_when_asked(monkeypatch, asked):
         assert device == {"decode": 2.0, "prefill": 2.0}  # the sampling phase waits for the device: not timed
     else:
         assert FakeEvent.made == [] and counters["decode_device_seconds"] == 0 and device == {}
+
+
+def test_step_timer_counts_allocator_slow_paths_per_phase(monkeypatch):
+    """With device timing, each phase gets the allocator counters' growth between its mark and the
+    next; phases where nothing grew are left out, and a phase met twice adds up."""
+    FakeEvent.made = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    rng = random.Random()
+    phases = rng.choices(step_timing.PHASES, k=rng.randint(2, 8))
+    growth = [[rng.choice([0, 0, rng.randint(1, 5)]) for _ in range(4)] for _ in range(len(phases) + 1)]
+    readings = [tuple(rng.randint(0, 100) for _ in range(4))]
+    for g in growth:  # the reading at each later mark: the one before plus that interval's growth
+        readings.append(tuple(a + b for a, b in zip(readings[-1], g)))
+    it = iter(readings)
+    monkeypatch.setattr(step_timing, "alloc_counts", lambda: next(it))
+    timer = StepTimer(torch.device("cuda"), device_timing=True)
+    timer.start()
+    for phase in phases:
+        timer.mark(phase)
+    timer.stop(collections.Counter(), 1, 0)
+    want = {}
+    for phase, g in zip(phases, growth[1:]):  # growth[0]: between start and the first mark, no phase
+        if any(g):
+            want[phase] = [a + b for a, b in zip(want.get(phase, [0] * 4), g)]
+    assert timer.allocs == want
 
 
 def test_step_timer_sums_a_phase_met_twice():

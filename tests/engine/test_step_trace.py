@@ -50,3 +50,27 @@ def test_an_existing_file_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="does not exist yet"):
         step_trace.trace_path()
     assert path.read_text() == "mine\n"
+
+
+def test_allocator_counts_are_named_and_summed(tmp_path):
+    """A step's allocator deltas (``StepTimer.allocs``: counts in ``step_timing.alloc_counts``' order)
+    are written under their names, and the summary adds them up per phase and counter."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    trace = step_trace.StepTrace(str(tmp_path / "steps.jsonl"))
+    given = []
+    for i in range(int(torch.randint(2, 6, (), generator=g))):
+        allocs = {p: torch.randint(0, 3, (4,), generator=g).tolist() for p in ("join", "prefill")
+                  if torch.rand((), generator=g) < 0.7}
+        given.append(allocs)
+        trace.record(float(i), i + 0.5, 1, [], 0, 0, {"join": 0.1}, None, allocs)
+    trace.close()
+    steps = step_trace.read(str(tmp_path / "steps.jsonl"))
+    for s, allocs in zip(steps, given):
+        assert s.get("allocs", {}) == {p: dict(zip(step_trace.ALLOC_NAMES, c)) for p, c in allocs.items()}
+    want = {}
+    for allocs in given:
+        for p, counts in allocs.items():
+            for name, v in zip(step_trace.ALLOC_NAMES, counts):
+                if v:
+                    want.setdefault(p, {})[name] = want.get(p, {}).get(name, 0) + v
+    assert step_trace.summary(steps)["allocs"] == want

@@ -1,0 +1,67 @@
+"""Merge a kernel plan a run recorded (``FLASHRT_CACHE_DIR/jit/plans/triton-<version>/<name>.json``)
+into the plan shipped with flashrt (``core/jit_plans/triton-<version>/<name>.json``).
+
+    python tools/ship_plan.py RECORDED.json [RECORDED.json ...] [--triton 3.6.0] [--drop-rest]
+
+The recorded entries come first, in the order the run first loaded them (the order a cold start's
+compile pool compiles them in), then the shipped entries the recording lacks (variants of other
+runs: other batch sizes, serving), unless ``--drop-rest``; at most ``jit_plans.MAX_ENTRIES``. The
+Triton version is the recorded file's folder (``triton-<version>``) unless ``--triton`` names
+it. Prints, per file, the entries recorded, kept from before and dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from flashrt.jit import atomic_write
+from flashrt.jit_plans import MAX_ENTRIES, SHIPPED, entry_key, plan_text, read_entries
+
+
+def shipped_path(recorded: Path, triton: str | None, root: Path = SHIPPED) -> Path:
+    """Where the shipped plan of the same name and Triton version as ``recorded`` lives."""
+    folder = f"triton-{triton}" if triton else recorded.parent.name
+    if not folder.startswith("triton-"):
+        raise ValueError(f"--triton: {recorded} is not in a triton-<version> folder; expected --triton VERSION")
+    return root / folder / recorded.name
+
+
+def ship(recorded: Path, target: Path, drop_rest: bool = False) -> dict:
+    """Write ``target`` as ``recorded``'s entries then (unless ``drop_rest``) ``target``'s others."""
+    try:
+        header = json.loads(recorded.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"RECORDED: expected a plan file, got {recorded} ({exc})") from None
+    entries = read_entries(recorded)
+    if not entries or not {"arch", "profile", "model"} <= set(header):
+        raise ValueError(f"RECORDED: expected a plan file with entries, got {recorded}")
+    seen, first = set(), []
+    for e in entries:
+        if entry_key(e) not in seen:
+            seen.add(entry_key(e))
+            first.append(e)
+    old = read_entries(target)
+    rest = [] if drop_rest else [e for e in old if entry_key(e) not in seen]
+    merged = (first + rest)[:MAX_ENTRIES]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(target, plan_text(header["arch"], header["profile"], header["model"], merged))
+    return {"file": str(target), "recorded": len(first), "kept": len(merged) - len(first),
+            "dropped": len(old) - sum(entry_key(e) in seen for e in old) - (len(merged) - len(first))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("recorded", nargs="+", type=Path, metavar="RECORDED")
+    ap.add_argument("--triton", default=None, help="the Triton version (default: the recorded file's folder)")
+    ap.add_argument("--drop-rest", action="store_true", help="keep only what the recording has")
+    args = ap.parse_args()
+    try:
+        for path in args.recorded:
+            print(json.dumps(ship(path, shipped_path(path, args.triton), args.drop_rest)))
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+if __name__ == "__main__":
+    main()
