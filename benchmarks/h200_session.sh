@@ -70,6 +70,11 @@
 #   hkcp       benchmarks/hkcp.py at 4K and 128K contexts (capacity, decode with 90% of the main KV
 #              cold, cold fetch, and time to first token of a 32K prompt: full prefill against a
 #              prefix-cache hit): h200-hkcp.json
+#   ttft-hit   only that time-to-first-token comparison (both paths warmed on another prompt, medians
+#              of 3): h200-hkcp-ttft.json; then cProfile of one warm hit (tools/host_profile.py):
+#              prof-hit/prefix-hit.{txt,json}
+#   engine-profile  cProfile of the offline engine over 128 prompts of 512 at 64 running, after an
+#              identical pass (tools/host_profile.py engine): prof-engine/engine.{txt,json}
 #
 # Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed.
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
@@ -79,8 +84,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs or hkcp)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit or engine-profile)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -189,6 +194,15 @@ phase_serve_allocs() {
 
 phase_hkcp() {
   python benchmarks/hkcp.py --contexts 4096 131072 --out "$OUT/h200-hkcp.json" | tail -n 6
+}
+
+phase_ttft_hit() {
+  python benchmarks/hkcp.py --ttft-only --out "$OUT/h200-hkcp-ttft.json" | tail -n 2
+  python tools/host_profile.py prefix-hit --model small --tokens 32768 --out "$OUT/prof-hit" | tail -n 3
+}
+
+phase_engine_profile() {
+  python tools/host_profile.py engine --model small --requests 128 --max-running 64 --out "$OUT/prof-engine" | tail -n 3
 }
 
 phase_tests() {
