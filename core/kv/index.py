@@ -169,9 +169,12 @@ class PagedIndexK:
         return self.pool, self.table
 
     def _rows(self, row: int, lo: int, hi: int) -> torch.Tensor:
-        P, t = self.pool.P, torch.arange(lo, hi)
-        rows = torch.tensor(self.pages[row], dtype=torch.long)[t // P] * P + t % P
-        return to_device(rows, self.pool.device)  # no wait on the device's queue
+        """Pool rows of entries ``[lo, hi)`` of ``row``, computed on the pool's device: only the
+        row's page list crosses (no wait on the device's queue), not one index per entry."""
+        P, dev = self.pool.P, self.pool.device
+        pages = to_device(self.pages[row][lo // P:-(-hi // P)], dev)
+        t = torch.arange(lo - lo // P * P, hi - lo // P * P, device=dev)
+        return pages[t // P] * P + t % P
 
     def gather_row(self, row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries ``[lo, hi)`` of ``row`` as uint8 (data, scale) rows on the pool's device (new tensors)."""

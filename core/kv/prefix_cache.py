@@ -165,9 +165,7 @@ class PrefixCache:
         if not self.owned:
             return None
         try:
-            with open(path, "rb") as f:
-                line = f.readline(MAX_HEADER)
-                payload = f.read()
+            line, payload = _read_entry(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -284,6 +282,24 @@ class PrefixCache:
             pass
         except OSError as exc:
             self._fail("delete", exc)
+
+
+def _read_entry(path: Path) -> tuple[bytes, bytes]:
+    """(header line with its newline, payload) of an entry file: the whole file in one unbuffered
+    read per part (a buffered read after ``readline`` grows its result in steps, several times
+    slower on payloads of tens of MB); a file with no newline in its first ``MAX_HEADER`` bytes
+    gives those bytes and an empty payload (rejected by the header check)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(min(size, 1 << 16))
+        end = head.find(b"\n")
+        if end < 0 and len(head) < min(size, MAX_HEADER):
+            head += f.read(min(size, MAX_HEADER) - len(head))
+            end = head.find(b"\n")
+        if end < 0:
+            return head[:MAX_HEADER], b""
+        f.seek(end + 1)
+        return head[:end + 1], f.readall()
 
 
 def _writer_dead(name: str) -> bool:

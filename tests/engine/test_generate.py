@@ -184,6 +184,23 @@ def test_float_prompts_refused(model, prompts):
         generate(model, prompts, 2)
 
 
+@pytest.mark.parametrize("bad", [True, 2.0, "7", None])
+def test_a_token_that_is_not_an_int_is_named(model, rng, bad):
+    """Anywhere in any prompt, a token that is not an int (a bool is not) is named in the error; an
+    int subclass is accepted as the int."""
+    import enum
+
+    n = int(torch.randint(2, 5, (), generator=rng))
+    prompts = [torch.randint(0, model.cfg.vocab_size, (int(torch.randint(1, 9, (), generator=rng)),),
+                             generator=rng).tolist() for _ in range(n)]
+    which = int(torch.randint(0, n, (), generator=rng))
+    at = int(torch.randint(0, len(prompts[which]) + 1, (), generator=rng))
+    with pytest.raises(ValueError, match=f"prompts: expected integer token ids, got {type(bad).__name__}"):
+        generate(model, [p if i != which else p[:at] + [bad] + p[at:] for i, p in enumerate(prompts)], 1)
+    Tok = enum.IntEnum("Tok", {"A": prompts[0][0] or 1})
+    assert generate(model, [[Tok.A, 1]], 1).tokens == generate(model, [[int(Tok.A), 1]], 1).tokens
+
+
 def test_a_failed_step_can_be_retried(model, rng, monkeypatch):
     """A forward call that fails half-way (here: layer 5 raises after layers 0-4 wrote their rings,
     compressor state and compressed entries, and the Engram history was hashed) leaves the state

@@ -126,3 +126,19 @@ def test_take_row_moves_every_layer_in_one_copy_as_layer_by_layer(cfg, rng):
             assert torch.equal(st.rings[l].data.view(u8)[1], data) and torch.equal(st.rings[l].scale.view(u8)[1], scale)
         assert int(split.ring_start[l][1]) == start and int(stacked.ring_start[l][1]) == 0  # moved on, then reset
         assert int(src.ring_start[l][row]) == 0
+
+
+def test_index_rows_of_any_span_are_their_pool_rows(rng):
+    """``PagedIndexK._rows``: entry ``e`` of a row lives at pool row ``pages[e // P] * P + e % P``,
+    for spans starting and ending anywhere (not only on page bounds)."""
+    P = int(torch.randint(2, 9, (), generator=rng))
+    keys = PagedIndexK(IndexPool(16, P, "cpu", 64), 3, 40 * P)
+    row = int(torch.randint(0, 3, (), generator=rng))
+    n = int(torch.randint(1, 30 * P, (), generator=rng))
+    keys.reserve(row, n)
+    pages = keys.pages[row] = [keys.pages[row][i] for i in torch.randperm(len(keys.pages[row]), generator=rng)]
+    for _ in range(20):
+        lo = int(torch.randint(0, n, (), generator=rng))
+        hi = int(torch.randint(lo + 1, n + 1, (), generator=rng))
+        want = [pages[e // P] * P + e % P for e in range(lo, hi)]
+        assert keys._rows(row, lo, hi).tolist() == want
