@@ -18,6 +18,7 @@ every layer to rebuild the window state: the bounded-replay approximation of doc
 """
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 
@@ -52,7 +53,7 @@ def prefix_key(identity: str, tokens, salt: str = "", images=()) -> str:
     """Key of a prefix: the model, how its state was made (``salt``), its tokens and the digests of
     the images whose spans start in it (an image span's tokens are all the image token: only the
     digest tells two images apart)."""
-    data = torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes()
+    data = array.array("q", tokens).tobytes()  # int64 in native order, as a torch int64 tensor's bytes
     return hashlib.sha256(f"{identity}:{salt}".encode() + b":" + data + "".join(images).encode()).hexdigest()
 
 

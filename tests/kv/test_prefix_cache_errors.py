@@ -176,3 +176,25 @@ def test_session_resume_after_its_entry_was_evicted_is_a_miss(model, ids, tmp_pa
     (path,) = [p for p, _, _ in cache.entries()]
     path.unlink()  # another process evicted it
     assert session.resume(model, ids[0], cache, pool, "s", 120) is None  # prefill again
+
+
+def test_each_chunk_of_a_payload_is_checked(tmp_path, monkeypatch, rng):
+    """Entries carry one sha256 per ``CHUNK`` bytes (hashed on threads): the digests are those of
+    the pieces, and a byte changed in any piece makes the entry a miss that is deleted."""
+    import hashlib
+
+    monkeypatch.setattr(pc, "CHUNK", int(torch.randint(1, 64, (), generator=rng)))
+    cache = PrefixCache(tmp_path / "c")
+    for n in (0, pc.CHUNK, 3 * pc.CHUNK, int(torch.randint(1, 8 * pc.CHUNK, (), generator=rng))):
+        payload = os.urandom(n)
+        want = [hashlib.sha256(payload[i:i + pc.CHUNK]).hexdigest() for i in range(0, n, pc.CHUNK)]
+        assert pc.digests(payload, pc.CHUNK) == (want or [hashlib.sha256(b"").hexdigest()])
+        key = hashlib.sha256(payload + b"k").hexdigest()
+        path = cache.put(key, payload, {"n": n})
+        assert cache.get(key) == (payload, {"n": n})
+        if n:
+            raw = bytearray(path.read_bytes())
+            raw[-1 - int(torch.randint(0, n, (), generator=rng))] ^= 0x40
+            path.write_bytes(bytes(raw))
+            corrupt = cache.corrupt
+            assert cache.get(key) is None and cache.corrupt == corrupt + 1 and not path.exists()
