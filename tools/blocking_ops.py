@@ -52,19 +52,25 @@ def main() -> None:
         "score_state[idx] = -inf": lambda: c.score_state.__setitem__(idx, float("-inf"))
         if c.score_state is not None else None,
         "positions.index_fill_(0, idx, 0)": lambda: state.positions.index_fill_(0, idx, 0),
+        "kv_state.index_fill_(0, idx, 0.0)": lambda: c.kv_state.index_fill_(0, idx, 0.0)
+        if c.kv_state is not None else None,
         "take_rows (all rows)": lambda: state.take_rows(rows, other, rows),
         "rewind_rows": lambda: state.rewind_rows(rows),
     }
     for name, fn in cases.items():
         fn()
         torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         torch.cuda._sleep(int(args.sleep_ms * per_ms))
+        end.record()
         t0 = time.perf_counter()
         fn()
         host_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
-        verdict = "WAITS for the device" if host_ms > args.sleep_ms / 2 else "async"
-        print(f"{name:42s} {host_ms:8.3f} ms on the host  {verdict}", flush=True)
+        busy = start.elapsed_time(end)
+        verdict = "WAITS for the device" if host_ms > busy / 4 else "async"
+        print(f"{name:42s} {host_ms:8.3f} ms on the host (GPU busy {busy:.1f} ms)  {verdict}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,16 @@ from __future__ import annotations
 import torch
 
 
+def _fill(t: torch.Tensor, dim: int, index, value) -> None:
+    """``t``'s rows ``index`` (an int, or a device tensor of rows) along ``dim`` set to ``value``.
+    ``index_fill_``, not ``t[index] = value``: an advanced-index assignment of a Python number
+    waits for the device's queue on CUDA (tools/blocking_ops.py), index_fill_ does not."""
+    if isinstance(index, int):
+        t.select(dim, index).fill_(value)
+    else:
+        t.index_fill_(dim, index, value)
+
+
 class RowMoves:
     def take_row(self, row: int, src: "KVState", src_row: int = 0) -> None:
         """Move sequence ``src_row`` of ``src`` (same pools) into ``row``: window rings, compressor
@@ -71,27 +81,25 @@ class RowMoves:
 
     def _reset_rows(self, index, rows: list[int]) -> None:
         """:meth:`reset_row` of ``rows`` (``index``: their :meth:`_row_index`)."""
-        self.positions[index] = 0
+        _fill(self.positions, 0, index, 0)
         for r in rows:
             self.host_positions[r] = 0
         if self._ring_start_store is not None:
-            self._ring_start_store[:, index] = 0
+            _fill(self._ring_start_store, 1, index, 0)
         else:
             for start in self.ring_start.values():
-                start[index] = 0
-        self.engram_history[index] = -1
+                _fill(start, 0, index, 0)
+        _fill(self.engram_history, 0, index, -1)
         for c in self.compressed.values():
             if c.kv_state is not None:
-                c.kv_state[index], c.score_state[index] = 0.0, float("-inf")
+                _fill(c.kv_state, 0, index, 0.0)
+                _fill(c.score_state, 0, index, float("-inf"))
 
     def rewind_rows(self, rows: list[int]) -> None:
         """``rows`` restart at position 0 without clearing their caches: the idle rows of a padded
         decode batch, which run a token every step and must not grow."""
         if rows:
-            idx = torch.tensor(rows, dtype=torch.long)  # staged in pinned memory on CUDA: no blocking copy
-            if self.device.type == "cuda":
-                idx = idx.pin_memory()
-            self.positions[idx.to(self.device, non_blocking=True)] = 0
+            _fill(self.positions, 0, self._row_index(rows), 0)
             for r in rows:
                 self.host_positions[r] = 0
 

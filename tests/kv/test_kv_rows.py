@@ -1,6 +1,7 @@
 """KVState row operations a serving engine uses (take_row, release_row, rewind_rows) and exact row
 snapshots (engine/snapshot.py): a moved or restored row computes bit-identical logits, released
 pages go back to the pools, and a snapshot does not change when its state runs on."""
+import pytest
 import torch
 
 from flashrt.engine.snapshot import restore_row, snapshot_row
@@ -132,3 +133,30 @@ def test_take_rows_refuses_mismatched_rows(cfg):
             a.take_rows(rows, b, src_rows)
     with pytest.raises(ValueError, match="same page pool"):
         a.take_rows([0], KVState(cfg, 1, 16, "cpu"), [0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_row_moves_do_not_wait_for_the_device(cfg, rng):
+    """take_rows, reset and rewind of many rows queue their copies and fills behind a long kernel
+    instead of waiting for it (a serving step joins prefilled rows while their prefill still runs)."""
+    import time
+
+    dev = torch.device("cuda")
+    a = KVState(cfg, 8, 64, dev)
+    b = KVState(cfg, 8, 64, dev, pool=a.pool)
+    rows = sorted(torch.randperm(8, generator=rng)[:int(torch.randint(2, 8, (), generator=rng))].tolist())
+    moves = {"take_rows": lambda: a.take_rows(rows, b, rows), "rewind_rows": lambda: a.rewind_rows(rows),
+             "release_row": lambda: a.release_row(rows[0])}
+    for name, move in moves.items():
+        move()  # warm: the pinned staging blocks exist
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+        end.record()
+        t0 = time.perf_counter()
+        move()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        assert host_ms < 0.25 * start.elapsed_time(end), (name, host_ms, start.elapsed_time(end))
