@@ -73,6 +73,8 @@
 #   ttft-hit   only that time-to-first-token comparison (both paths warmed on another prompt, medians
 #              of 3): h200-hkcp-ttft.json; then cProfile of one warm hit (tools/host_profile.py):
 #              prof-hit/prefix-hit.{txt,json}
+#   rows       the KV row moves against a busy GPU: their GPU test (tests/kv/test_kv_rows.py -m gpu)
+#              and tools/blocking_ops.py: h200-kv-rows-gpu.log, h200-blocking-ops.txt
 #   engine-profile  cProfile of the offline engine over 128 prompts of 512 at 64 running, after an
 #              identical pass (tools/host_profile.py engine): prof-engine/engine.{txt,json}
 #
@@ -84,8 +86,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit or engine-profile)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile or rows)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -203,6 +205,13 @@ phase_ttft_hit() {
 
 phase_engine_profile() {
   python tools/host_profile.py engine --model small --requests 128 --max-running 64 --out "$OUT/prof-engine" | tail -n 3
+}
+
+phase_rows() {
+  timeout 90 python -m pytest -q -m gpu -p no:cacheprovider tests/kv/test_kv_rows.py > "$OUT/h200-kv-rows-gpu.log" 2>&1
+  tail -n 2 "$OUT/h200-kv-rows-gpu.log"
+  timeout 90 python tools/blocking_ops.py --model small > "$OUT/h200-blocking-ops.txt" 2>&1
+  cat "$OUT/h200-blocking-ops.txt"
 }
 
 phase_tests() {
