@@ -13,7 +13,8 @@ profile's (``flashrt.profiles.using``):
   at a time); the finish loading four splits at a time (``SPLIT_CHUNK`` 4); token tiles of up to 64 at
   every batch (``SMALL_T`` 0: no 16-token tiles for small batches); the finish as a launch of its
   own (``in_kernel`` off); fewer K splits (``PROGRAMS`` 4 / 8 / 16 / 64: each program reads more of
-  ``fn``, the last one sums fewer partials); K blocks of 256 or 64.
+  ``fn``, the last one sums fewer partials); K blocks of 256 or 64; the GEMV as fp32 multiply-adds
+  up to 8 tokens (``FMA_T``); the dot path with a one-stage pipeline (``num_stages`` 1).
 * ``sparse_attention`` (``q [B, 1, heads, head_dim]`` bf16 over an fp8 window ring and an
   fp4_b16 main cache, ``window + index_topk`` indices in two parts, a sink): the combine launch
   over 64-column tiles (shipped), over whole rows (``BLOCK_D`` = head_dim, as before), and merged
@@ -46,6 +47,11 @@ HC_VARIANTS = {
     "K blocks of 256": {"hc_coefficients": {"BLOCK_K": 256}},
     "K blocks of 256, programs 8": {"hc_coefficients": {"BLOCK_K": 256, "PROGRAMS": 8}},
     "K blocks of 64, programs 16": {"hc_coefficients": {"BLOCK_K": 64, "PROGRAMS": 16}},
+    "K blocks of 64 (64 splits)": {"hc_coefficients": {"BLOCK_K": 64}},
+    # up to FMA_T tokens: fp32 multiply-adds over K in 1-8-token tiles, no 16-row tl.dot
+    "multiply-add GEMV up to 8 tokens": {"hc_coefficients": {"FMA_T": 8}},
+    "multiply-add GEMV, K blocks of 256": {"hc_coefficients": {"FMA_T": 8, "BLOCK_K": 256}},
+    "dot path, one pipeline stage": {"hc_coefficients": {"num_stages": 1}},
 }
 ATTENTION_VARIANTS = {
     "combine, 64 columns": {},

@@ -4,8 +4,9 @@
 ``hc_coefficients``: ``m = v @ fn.T`` over ``K = hc * D`` for ``T = B * S`` tokens, ``fn`` rows
 split in two ``tl.dot`` accumulators: the ``2hc`` pre/post rows (``PP`` columns, padded to 16)
 and the ``hc x hc`` comb rows laid out as an ``HCP x HCP`` square (``HCP = max(4, pow2(hc))``).
-A program owns ``BLOCK_T`` tokens and a K range; with few tokens K is split over programs
-(partials in a workspace, summed by each token tile's last split program, :mod:`.splitk`, or by
+A program owns ``BLOCK_T`` tokens and a K range (up to the ``FMA_T`` tile's token count the
+GEMV is fp32 multiply-adds summed over K instead, in a token tile of the next power of two of T,
+not a 16-row dot); with few tokens K is split over programs (partials in a workspace, summed by each token tile's last split program, :mod:`.splitk`, or by
 ``_hc_finish_kernel`` when ``hc_finish.in_kernel`` is off), otherwise the same program runs
 the epilogue: rsqrt(mean v**2), sigmoids, softmax and the Sinkhorn iterations in registers.
 Dot precision: bf16 ``x`` on the GPU multiplies ``fn`` split into ``FN_PARTS`` bf16 terms
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import INTERPRETED, to_out
 from flashrt.families import Dim, KernelFamily, Support
-from flashrt.tile_checks import DOT, POW2, Tile
+from flashrt.tile_checks import COUNT0, DOT, POW2, Tile
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import norm_rope, splitk
 from flashrt.kernels_cuda import warmup as _warmup
@@ -29,8 +30,12 @@ TILES = {
     # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on; up to
     # SMALL_T tokens (decode batches) tiles of BLOCK_T_SMALL: more token tiles, each finishing its
     # own splits, instead of one program summing every split of the batch
+    # FMA_T: up to this many tokens the GEMV runs on fp32 FMAs and a sum over K (token tiles of the
+    # next power of two of T, no 16-row tl.dot tile; 0: off, the dot path everywhere); num_stages:
+    # the software pipeline's depth (0: Triton's default; a program with one K block has nothing to
+    # pipeline)
     "hc_coefficients": {"BLOCK_K": 128, "FN_PARTS": 3, "PROGRAMS": 264, "BLOCK_T_MAX": 64, "BIG_T": 2048,
-                        "SMALL_T": 64, "BLOCK_T_SMALL": 16},
+                        "SMALL_T": 64, "BLOCK_T_SMALL": 16, "FMA_T": 0, "num_stages": 0},
     "hc_coefficients_fp32": {"BLOCK_K": 64, "BLOCK_T_MAX": 32},  # fp32 FMA dot (ieee): 64 tokens spill
     # in_kernel: the last split program finishes; SPLIT_CHUNK: split partials loaded and summed at
     # once, fewer where a load would pass SPLIT_ELEMS values (BLOCK_T x 16 per split); 1 (one split
@@ -66,9 +71,17 @@ def _fn_dot(x, x_raw, fn_ptr, rows, valid, kk, K, acc, DOT_BF16: tl.constexpr, F
 
 
 @triton.jit
+def _fn_fma(x, fn_ptr, rows, valid, kk, K):
+    """x @ fn[rows, kk].T in fp32 multiply-adds (fn tile loaded [N, BLOCK_K], K contiguous)."""
+    f = tl.load(fn_ptr + rows[:, None].to(tl.int64) * K + kk[None, :], mask=valid[:, None] & (kk < K)[None, :],
+                other=0.0)
+    return tl.sum(x[:, None, :] * f[None, :, :], axis=2)
+
+
+@triton.jit
 def _hc_partial(x_ptr, fn_ptr, t0, T, K, x_row_stride, k_lo, k_hi, HC: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_K: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr, DOT_BF16: tl.constexpr,
-                FN_PARTS: tl.constexpr):
+                FN_PARTS: tl.constexpr, FMA: tl.constexpr):
     """(acc_p [BLOCK_T, PP], acc_c [BLOCK_T, HCP*HCP], sum of squares [BLOCK_T]) over k in [k_lo, k_hi)."""
     t = t0 + tl.arange(0, BLOCK_T)
     p = tl.arange(0, PP)
@@ -86,8 +99,12 @@ def _hc_partial(x_ptr, fn_ptr, t0, T, K, x_row_stride, k_lo, k_hi, HC: tl.conste
         x = x_raw.to(tl.float32)
         ssq += tl.sum(x * x, axis=1)
         kk = tl.where(kk < k_hi, kk, K)  # past this range: masked in fn too
-        acc_p = _fn_dot(x, x_raw, fn_ptr, p, p < 2 * HC, kk, K, acc_p, DOT_BF16, FN_PARTS)
-        acc_c = _fn_dot(x, x_raw, fn_ptr, comb_rows, comb_valid, kk, K, acc_c, DOT_BF16, FN_PARTS)
+        if FMA:
+            acc_p += _fn_fma(x, fn_ptr, p, p < 2 * HC, kk, K)
+            acc_c += _fn_fma(x, fn_ptr, comb_rows, comb_valid, kk, K)
+        else:
+            acc_p = _fn_dot(x, x_raw, fn_ptr, p, p < 2 * HC, kk, K, acc_p, DOT_BF16, FN_PARTS)
+            acc_c = _fn_dot(x, x_raw, fn_ptr, comb_rows, comb_valid, kk, K, acc_c, DOT_BF16, FN_PARTS)
     return acc_p, acc_c, ssq
 
 
@@ -127,7 +144,7 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
                             T, K, x_row_stride, k_per_split, n_splits, iters, eps, norm_eps,
                             HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, HCP: tl.constexpr,
                             PP: tl.constexpr, DOT_BF16: tl.constexpr, FN_PARTS: tl.constexpr,
-                            SPLIT: tl.constexpr, FINISH: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+                            SPLIT: tl.constexpr, FINISH: tl.constexpr, SPLIT_CHUNK: tl.constexpr, FMA: tl.constexpr):
     """One (token tile, K split). SPLIT: partials to the workspace, and with FINISH the token tile's
     last split program (a ticket from its counter, :mod:`.splitk`) sums them and runs the epilogue."""
     t0 = tl.program_id(0) * BLOCK_T
@@ -135,7 +152,7 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc_p, acc_c, ssq = _hc_partial(x_ptr, fn_ptr, t0, T, K, x_row_stride, k_lo, k_hi, HC, BLOCK_T, BLOCK_K,
-                                    HCP, PP, DOT_BF16, FN_PARTS)
+                                    HCP, PP, DOT_BF16, FN_PARTS, FMA)
     if SPLIT:  # partials: ws_p [splits, T, PP], ws_c [splits, T, HCP*HCP], ws_s [splits, T]
         t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
         row = split * T + t
@@ -189,12 +206,15 @@ def _hc_finish_kernel(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, 
                n_splits, iters, eps, norm_eps, HC, BLOCK_T, HCP, PP, SPLIT_CHUNK)
 
 
-def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool):
-    """(BLOCK_T, BLOCK_K, num_warps, number of K splits, K per split): enough programs to fill the GPU."""
+def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool, fma: bool = False):
+    """(BLOCK_T, BLOCK_K, num_warps, number of K splits, K per split): enough programs to fill the GPU.
+    ``fma``: the multiply-add GEMV's token tile (the next power of two of T)."""
     t = _tiles()["hc_coefficients"]
     sizes = t if dot_bf16 else _tiles()["hc_coefficients_fp32"]
     block_t = min(max(16, next_pow2(T)), sizes["BLOCK_T_MAX"])
-    if dot_bf16 and T >= t["BIG_T"]:
+    if fma:
+        block_t = next_pow2(T)
+    elif dot_bf16 and T >= t["BIG_T"]:
         block_t = 128
     elif dot_bf16 and T <= t["SMALL_T"]:
         block_t = min(block_t, t["BLOCK_T_SMALL"])
@@ -208,7 +228,9 @@ def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool):
 
 def _coefficients_plan(T: int, K: int, hc: int, splits: int | None, dot_bf16: bool) -> dict:
     """Everything of one hc_coefficients launch that follows from the shapes and the active tiles."""
-    block_t, block_k, num_warps, n_splits, k_per = _hc_plan(T, K, splits, dot_bf16)
+    fma = 0 < T <= _tiles()["hc_coefficients"]["FMA_T"]
+    block_t, block_k, num_warps, n_splits, k_per = _hc_plan(T, K, splits, dot_bf16, fma)
+    stages = _tiles()["hc_coefficients"]["num_stages"]
     f = _tiles()["hc_finish"]
     tiles = cdiv(T, block_t)
     finish = n_splits > 1 and f["in_kernel"] and splitk.fits(tiles)
@@ -223,7 +245,8 @@ def _coefficients_plan(T: int, K: int, hc: int, splits: int | None, dot_bf16: bo
     return dict(grid=(tiles, n_splits), n_splits=n_splits, k_per=k_per, finish=finish, consts=consts,
                 kernel=dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
                             FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], SPLIT=n_splits > 1, FINISH=finish,
-                            SPLIT_CHUNK=chunk, num_warps=num_warps, **consts),
+                            SPLIT_CHUNK=chunk, FMA=fma, num_warps=num_warps,
+                            **({"num_stages": stages} if stages else {}), **consts),
                 finish_grid=(cdiv(T, f["BLOCK_T"]),),
                 finish_kernel=dict(BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"], SPLIT_CHUNK=chunk,
                                    **consts))
@@ -372,7 +395,9 @@ FAMILY = KernelFamily(
     supports={"hc_coefficients": _STREAMS, "hc_collapse": _STREAMS,
               "hc_collapse_norm": Support(inputs={"x": _DTYPES, "weight": _DTYPES}, dims={"x[2]": Dim(0, _MAX_HC)}),
               "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
-    tiles=TILES, tile_checks={"*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT, "*.BLOCK_T_SMALL": DOT, "hc_finish.BLOCK_T": POW2,
+    tiles=TILES, tile_checks={"hc_coefficients.FMA_T": COUNT0, "hc_coefficients.num_stages": COUNT0,
+                              "*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT,
+                              "*.BLOCK_T_SMALL": DOT, "hc_finish.BLOCK_T": POW2,
                               "hc_finish.in_kernel": Tile(kind=bool), "hc_finish.SPLIT_CHUNK": POW2,
                               "hc_finish.SPLIT_ELEMS": POW2, "hc_mix.BLOCK_D": POW2,
                               "hc_collapse_norm.MAX_BLOCK_D": POW2, "hc_collapse_norm.in_kernel": Tile(kind=bool)},

@@ -145,6 +145,30 @@ def test_hc_coefficients_plan_per_shape_and_split(rng, monkeypatch):
     assert len(mhc.PLANS) == 3
 
 
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_hc_coefficients_fma_tokens(splits, rng, monkeypatch):
+    """Up to FMA_T tokens the GEMV runs as fp32 multiply-adds in token tiles of the next power of
+    two of T (split over K or not): the reference's values; past FMA_T the dot path again."""
+    from flashrt import profiles
+
+    fma_t = int(torch.randint(1, 6, (), generator=rng))
+    monkeypatch.setitem(mhc.TILES, "hc_coefficients", {**mhc.TILES["hc_coefficients"], "FMA_T": fma_t})
+    monkeypatch.setitem(mhc.TILES, "hc_coefficients_fp32", {**mhc.TILES["hc_coefficients_fp32"], "BLOCK_K": 16})
+    profiles._TILES_CACHE.clear()
+    D = int(torch.randint(5, 40, (), generator=rng))
+    for T in sorted({1, fma_t, int(torch.randint(1, fma_t + 1, (), generator=rng)), fma_t + 1}):
+        plan = mhc._coefficients_plan(T, 4 * D, 4, splits, False)["kernel"]
+        assert plan["FMA"] == (T <= fma_t), (T, fma_t)
+        if T <= fma_t:
+            assert plan["BLOCK_T"] == 1 << (T - 1).bit_length()
+        x, fn, scale, base = _hc_inputs(T, 1, 4, D, torch.float32, rng)
+        got = mhc.hc_coefficients(x, fn, scale, base, 7, 1e-6, 1e-6, splits=splits)
+        with flashrt.use_backend("reference"):
+            want = ops.hc_coefficients(x, fn, scale, base, 7, 1e-6, 1e-6)
+        _check_coeffs(got, want)
+    profiles._TILES_CACHE.clear()
+
+
 @pytest.mark.parametrize("T", [1, 17, 40, 64, 65, 300, 4096])
 def test_hc_plan_token_tiles(T):
     """bf16 token tiles: BLOCK_T_SMALL up to SMALL_T tokens, 128 from BIG_T on, else the power of
