@@ -145,6 +145,8 @@ CANDIDATES = {
     ("linear", "linear"): _GEMM_KNOBS + [
         dict(split_min_blocks=1), dict(BLOCK_N=64, min_block_n=32, split_min_blocks=1),
         dict(BLOCK_K=256, min_block_n=32, split_min_blocks=1), dict(num_stages=4, min_block_n=32, split_min_blocks=1),
+        # past fused_max_rows: the split K summed in the kernel after act_quant (no sum and cast launches)
+        dict(split_reduce=True), dict(split_reduce=True, split_min_blocks=1),
     ],
     ("moe", "experts"): _GEMM_KNOBS + [
         dict(BLOCK_K=128, min_block_n=32, split_min_blocks=2), dict(num_warps=8, min_block_n=64, split_min_blocks=2),
@@ -164,7 +166,7 @@ CANDIDATES = {
 }
 
 
-KNOB_NAMES = {"min_block_n", "split_min_blocks"}
+KNOB_NAMES = {"min_block_n", "split_min_blocks", "split_reduce"}
 
 
 def candidates(group: tuple, last_rule: bool = False, limit: int | None = None) -> list[dict]:

@@ -40,8 +40,10 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # A rule's launch knobs (not kernel parameters; a rule without them gets these values): min_block_n
 # halves BLOCK_N, down to it, while the output tiles at the halved width still fit in the SMs (None:
 # BLOCK_N as given; splitk.narrow_block_n); split_min_blocks: the fewest K blocks a split keeps when
-# K is split because the output tiles do not fill the SMs (None: no split; splitk.splits)
-KNOBS = dict(min_block_n=None, split_min_blocks=4)
+# K is split because the output tiles do not fill the SMs (None: no split; splitk.splits);
+# split_reduce: a split K summed by each output tile's last program (True), or by a sum and a cast
+# launch after the GEMM (False); None: in the kernel where it quantizes x itself (fused_max_rows)
+KNOBS = dict(min_block_n=None, split_min_blocks=4, split_reduce=None)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -141,7 +143,8 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     fused = m <= _tiles()["fused_max_rows"]
-    reduce = fused and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
+    in_kernel = fused if knobs["split_reduce"] is None else knobs["split_reduce"]
+    reduce = in_kernel and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
     out_dtype = dtype if split == 1 or reduce else torch.float32
     big = _tiles()["bf16_gemm_min_rows"]
     return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=out_dtype, fused=fused, reduce=reduce,
@@ -233,7 +236,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
                "fp8_mma": Tile(nullable=True, kind=bool), "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
-               "*.split_min_blocks": Tile(nullable=True, kind=int)}
+               "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_reduce": Tile(nullable=True, kind=bool)}
 
 
 FAMILY = KernelFamily(

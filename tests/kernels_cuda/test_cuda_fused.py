@@ -59,6 +59,30 @@ def test_linear_fused_equals_unfused(rng, launches, promote, fmt, dtype, m, n, k
     assert rel_err(fused, want) < (1e-5 if dtype == torch.float32 else 1e-2 if split > 1 else 1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,split", [(3, 72, 160, 2), (17, 33, 224, 3)])
+def test_linear_split_reduce_after_act_quant(rng, launches, dtype, m, n, k, split):
+    """The ``split_reduce`` knob: past ``fused_max_rows`` (x quantized by act_quant) the split K is
+    still summed by each tile's last program (act_quant + one GEMM launch, no sum and cast), the
+    reference's values; ``False`` forces the sum and cast launches where x is quantized inside."""
+    rule = dict(SMALL, split_reduce=True)
+    tiles = dict(linear=((None, rule),), split_k=split, fused_max_rows=0)
+    x, w = _randn(rng, m, k, scale=3.0).to(dtype), _weight(rng, "fp8_w", n, k)
+    with pinned_tiles(linear=tiles):
+        plan = lin._linear_plan(m, n, k, dtype, "fp8_w")
+        got = _cuda("linear", x, w)
+    assert not plan["fused"] and plan["reduce"] and plan["split"] > 1
+    assert launches == ["_quantize_kernel", "_linear_kernel"]
+    assert_counters_zero(got)
+    _, want = run_both("linear", x, w)
+    assert got.dtype == dtype and rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    with pinned_tiles(linear=dict(tiles, linear=((None, dict(SMALL, split_reduce=False)),), fused_max_rows=64)):
+        plan = lin._linear_plan(m, n, k, dtype, "fp8_w")
+        summed = _cuda("linear", x, w)
+    assert plan["fused"] and not plan["reduce"] and plan["split"] > 1
+    assert rel_err(summed, got.double()) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,split", [(1, 40, 192, 3), (7, 100, 320, 4)])
 def test_plain_linear_reduces_in_kernel(rng, launches, xdt, m, n, k, split):
