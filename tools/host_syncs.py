@@ -5,7 +5,9 @@ On a GPU each of these waits for the device's whole queue: a value read to the h
 shape depends on the values (``nonzero``, boolean indexing, ``unique``, ``masked_select``,
 ``repeat_interleave`` without ``output_size``, ``bincount``), and host data made into a tensor on a
 given device (``torch.tensor(data, device=d)``, ``torch.as_tensor``: a copy from pageable memory
-that torch follows with a stream synchronize). On CPU tensors they cost nothing, so
+that torch follows with a stream synchronize), and an advanced-index assignment of a Python number
+(``t[idx] = 0`` with a tensor or list index: the number becomes a host tensor that ``index_put_``
+copies to the device synchronously; ``index_fill_`` does not wait). On CPU tensors they cost nothing, so
 a CPU profile hides them; :class:`HostSyncs` finds them without a GPU.
 
     with HostSyncs() as syncs:
@@ -17,6 +19,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -30,6 +33,7 @@ SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "nonzero_static", "maske
 # Tensor methods that read the values on the host with no aten call of their own on CPU tensors
 _READS = ("tolist", "numpy", "cpu")
 _MADE = ("tensor", "as_tensor")  # torch functions making a tensor of host data
+_PUTS = ("index_put_", "index_put", "_index_put_impl_")
 
 
 def _site(depth: int) -> str:
@@ -61,6 +65,7 @@ class HostSyncs(TorchDispatchMode):
         super().__init__()
         self.sites: collections.Counter = collections.Counter()
         self._depth = 0  # inside a patched read: its own aten calls are not counted again
+        self._number = None  # a weak reference to the tensor the latest Python number was made into
 
     @property
     def total(self) -> int:
@@ -73,7 +78,13 @@ class HostSyncs(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if not self._depth and (name in SYNC_OPS or _sized_by_values(func, args, kwargs or {})):
             self._note(name)
-        return func(*args, **(kwargs or {}))
+        elif not self._depth and name in _PUTS and len(args) > 2 and self._number is not None \
+                and self._number() is args[2]:
+            self._note(f"{name} of a number")
+        out = func(*args, **(kwargs or {}))
+        if name == "lift_fresh" and isinstance(out, torch.Tensor) and out.dim() == 0:
+            self._number = weakref.ref(out)  # (lift_fresh: a Python number made a tensor by indexing)
+        return out
 
     def __enter__(self):
         self._real = {m: getattr(torch.Tensor, m) for m in _READS}

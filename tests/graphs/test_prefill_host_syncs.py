@@ -34,10 +34,15 @@ def test_counter_finds_each_kind_of_sync_and_nothing_else():
         t.tolist()
         torch.repeat_interleave(t, t)
         torch.tensor([1, 2], device=t.device)
+        rows = torch.randperm(6)[:3]
+        t[rows] = 0                                           # a number put by a tensor index: one
+        t[rows] = t.flip(0)[rows]                             # a tensor put: no sync
+        t.index_fill_(0, rows, 1)                             # no sync
+        t[1] = 3                                              # a basic index: a fill, no sync
     ops = sorted(site.rsplit(" ", 1)[-1] for site in syncs.sites.elements())
-    assert syncs.total == 8, syncs.sites
+    assert syncs.total == 9, syncs.sites
     assert ops == sorted(["_local_scalar_dense"] * 3 + ["nonzero", "index", "tolist", "repeat_interleave",
-                                                        "device)"]), ops
+                                                        "device)", "number"]), ops
 
 
 SCRIPT = textwrap.dedent('''

@@ -160,3 +160,24 @@ def test_row_moves_do_not_wait_for_the_device(cfg, rng):
         host_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
         assert host_ms < 0.25 * start.elapsed_time(end), (name, host_ms, start.elapsed_time(end))
+
+
+def test_row_moves_make_no_host_sync(cfg, rng):
+    """take_rows, rewind_rows, reset and release of many rows make none of the host syncs a GPU run
+    would wait on (tools/host_syncs.py: value reads, host data copied up, a number put by a tensor
+    index); the GPU test above times the same on a device."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from host_syncs import HostSyncs
+
+    a = KVState(cfg, 8, 64, torch.device("cpu"))
+    b = KVState(cfg, 8, 64, torch.device("cpu"), pool=a.pool)
+    rows = sorted(torch.randperm(8, generator=rng)[:int(torch.randint(2, 8, (), generator=rng))].tolist())
+    with HostSyncs() as syncs:
+        a.take_rows(rows, b, rows)
+        a.rewind_rows(rows)
+        a.reset_row(rows[0])
+        a.release_row(rows[-1])
+    assert syncs.total == 0, syncs.sites
