@@ -6,9 +6,9 @@ split in two ``tl.dot`` accumulators: the ``2hc`` pre/post rows (``PP`` columns,
 and the ``hc x hc`` comb rows laid out as an ``HCP x HCP`` square (``HCP = max(4, pow2(hc))``).
 A program owns ``BLOCK_T`` tokens and a K range (up to the ``FMA_T`` tile's token count the
 GEMV is fp32 multiply-adds summed over K instead, in a token tile of the next power of two of T,
-not a 16-row dot); with few tokens K is split over programs (partials in a workspace, summed by each token tile's last split program, :mod:`.splitk`, or by
-``_hc_finish_kernel`` when ``hc_finish.in_kernel`` is off), otherwise the same program runs
-the epilogue: rsqrt(mean v**2), sigmoids, softmax and the Sinkhorn iterations in registers.
+not a 16-row dot); with few tokens K is split over programs (partials in a workspace, summed by
+each token tile's last split program, :mod:`.splitk`, or by ``_hc_finish_kernel`` when
+``hc_finish.in_kernel`` is off), otherwise the same program runs the epilogue: rsqrt(mean v**2), sigmoids, softmax and the Sinkhorn iterations in registers.
 Dot precision: bf16 ``x`` on the GPU multiplies ``fn`` split into ``FN_PARTS`` bf16 terms
 (``x`` is exact in bf16, so 3 parts give fp32 accuracy on the tensor cores); otherwise an
 fp32 ``ieee`` dot. The op is memory-bound on ``x`` for many tokens and on ``fn`` for few.
