@@ -187,7 +187,7 @@ def sample_async(logits: torch.Tensor, rows: list[SamplerRow]) -> "SampleJob":
         z = z.clone() if z is raw else z
         for i, r in enumerate(rows):
             if r.banned:
-                z[i, list(r.banned)] = float("-inf")
+                z[i].index_fill_(0, to_device(sorted(r.banned), z.device), float("-inf"))  # t[idx] = number would wait
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
     parts = []  # token tensors on the device, in the order of ``greedy + drawn``
