@@ -315,10 +315,10 @@ def digests(payload: bytes, chunk: int) -> list[str]:
 
 
 def _read_entry(path: Path) -> tuple[bytes, bytes]:
-    """(header line with its newline, payload) of an entry file: the whole file in one unbuffered
-    read per part (a buffered read after ``readline`` grows its result in steps, several times
-    slower on payloads of tens of MB); a file with no newline in its first ``MAX_HEADER`` bytes
-    gives those bytes and an empty payload (rejected by the header check)."""
+    """(header line with its newline, payload) of an entry file, read unbuffered: the payload in one
+    ``readall`` into its own bytes object (no copy to split it off the header); a file with no
+    newline in its first ``MAX_HEADER`` bytes gives those bytes and an empty payload (rejected by
+    the header check)."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(min(size, 1 << 16))

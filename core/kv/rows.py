@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .util import to_device
+
 
 def _fill(t: torch.Tensor, dim: int, index, value) -> None:
     """``t``'s rows ``index`` (an int, or a device tensor of rows) along ``dim`` set to ``value``.
@@ -68,12 +70,7 @@ class RowMoves:
     def _row_index(self, rows: list[int]):
         """An index of ``rows``: the row itself for one (a plain copy), else a device tensor (one
         gather or scatter; staged through pinned memory on CUDA, no blocking copy)."""
-        if len(rows) == 1:
-            return rows[0]
-        idx = torch.tensor(rows, dtype=torch.long)
-        if self.device.type == "cuda":
-            idx = idx.pin_memory()
-        return idx.to(self.device, non_blocking=True)
+        return rows[0] if len(rows) == 1 else to_device(rows, self.device)
 
     def reset_row(self, row: int) -> None:
         """``row`` becomes an empty sequence at position 0 (its pages, if any, stay with it)."""

@@ -124,8 +124,6 @@ def test_take_rows_equals_take_row_one_by_one(model, cfg, rng):
 
 
 def test_take_rows_refuses_mismatched_rows(cfg):
-    import pytest
-
     pool = KVState.pool_for(cfg, 4, 16, "cpu", None)
     a, b = KVState(cfg, 3, 16, "cpu", pool=pool), KVState(cfg, 3, 16, "cpu", pool=pool)
     for rows, src_rows in (([0, 1], [0]), ([0, 0], [1, 2]), ([0, 1], [2, 2])):
