@@ -18,7 +18,10 @@ profile's (``flashrt.profiles.using``):
 * ``sparse_attention`` (``q [B, 1, heads, head_dim]`` bf16 over an fp8 window ring and an
   fp4_b16 main cache, ``window + index_topk`` indices in two parts, a sink): the combine launch
   over 64-column tiles (shipped), over whole rows (``BLOCK_D`` = head_dim, as before), and merged
-  in the attention launch (``in_kernel``).
+  in the attention launch (``in_kernel``); K split for 2 / 4 / 8 waves of programs
+  (``split.programs``); 4 warps; 3 pipeline stages; K blocks of 16. The same op over a prefill
+  chunk (``--prefill-rows`` rows of ``--prefill-len`` queries, no split) under warp, stage and K
+  block variants.
 """
 from __future__ import annotations
 
@@ -57,6 +60,24 @@ ATTENTION_VARIANTS = {
     "combine, 64 columns": {},
     "combine, whole rows": {"combine": {"BLOCK_D": 512}},
     "combine in the launch": {"combine": {"in_kernel": True}},
+    # more K splits than one program per SM (split.programs: the programs the split aims at; only
+    # batches whose queries alone fill part of a wave split at all): several programs an SM in flight
+    "splits for 2 waves": {"split": {"programs": 264}},
+    "splits for 4 waves": {"split": {"programs": 528}},
+    "splits for 8 waves": {"split": {"programs": 1056}},
+    # a 16-head block (small's heads) on fewer warps, or a deeper pipeline
+    "4 warps": {"attention": {"num_warps": 4}},
+    "4 warps, splits for 4 waves": {"attention": {"num_warps": 4}, "split": {"programs": 528}},
+    "3 stages": {"attention": {"num_stages": 3}},
+    "K blocks of 16, splits for 4 waves": {"attention": {"K_BLOCK": 16}, "split": {"programs": 528}},
+}
+# a prefill chunk: one query a program, no split; the tiles that shape its launches
+PREFILL_VARIANTS = {
+    "shipped": {},
+    "4 warps": {"attention": {"num_warps": 4}},
+    "3 stages": {"attention": {"num_stages": 3}},
+    "4 warps, 3 stages": {"attention": {"num_warps": 4, "num_stages": 3}},
+    "K blocks of 64, 4 warps": {"attention": {"K_BLOCK": 64, "num_warps": 4}},
 }
 
 
@@ -91,7 +112,7 @@ def measure(name: str, family: str, variants: dict, make_call, batches) -> list[
                 rows.append({"op": name, "batch": B, "variant": label, "us_per_call": us,
                              "timing": "graph" if t.graph is not None else "plain", "timing_note": t.note,
                              "kernels_per_call": kernels_per_call(call), "max_abs_diff_from_first": diff})
-                print(f"{name:16s} B={B:3d} {label:26s} {us:8.2f} us  {rows[-1]['kernels_per_call']} kernels  "
+                print(f"{name:24s} B={B:3d} {label:26s} {us:8.2f} us  {rows[-1]['kernels_per_call']} kernels  "
                       f"diff {diff:.3g}", flush=True)
     profiles._TILES_CACHE.clear()
     return rows
@@ -102,6 +123,8 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--entries", type=int, default=1024, help="main-KV entries the indices point into")
+    ap.add_argument("--prefill-rows", type=int, default=4, help="rows of the prefill attention case")
+    ap.add_argument("--prefill-len", type=int, default=512, help="queries per row of the prefill attention case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -116,17 +139,19 @@ def main() -> None:
         scale, base = (torch.rand(3, generator=g) + 0.1).to(dev), torch.randn((2 + hc) * hc, generator=g).to(dev)
         return lambda: mhc.hc_coefficients(x, fn, scale, base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
-    def attention_call(B):
+    def attention_call(B, S=1):
         ring = formats.quantize(torch.randn(B, W, D, generator=g), "fp8").to(dev)
         main_kv = formats.quantize(torch.randn(B, args.entries, D, generator=g), "fp4_b16").to(dev)
-        q = torch.randn(B, 1, H, D, generator=g).to(torch.bfloat16).to(dev)
-        idx = (torch.randint(0, W, (B, 1, W), generator=g).to(torch.int32).to(dev),
-               torch.randint(W, W + args.entries, (B, 1, K), generator=g).to(torch.int32).to(dev))
+        q = torch.randn(B, S, H, D, generator=g).to(torch.bfloat16).to(dev)
+        idx = (torch.randint(0, W, (B, S, W), generator=g).to(torch.int32).to(dev),
+               torch.randint(W, W + args.entries, (B, S, K), generator=g).to(torch.int32).to(dev))
         sink = torch.randn(H, generator=g).to(dev)
         return lambda: attention.sparse_attention(q, (ring, main_kv), idx, sink, D ** -0.5)
 
     rows = measure("hc_coefficients", "mhc", HC_VARIANTS, hc_call, args.batches)
     rows += measure("sparse_attention", "attention", ATTENTION_VARIANTS, attention_call, args.batches)
+    rows += measure("sparse_attention prefill", "attention", PREFILL_VARIANTS,
+                    lambda B: attention_call(B, args.prefill_len), [args.prefill_rows])
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "entries": args.entries,
                           "rows": rows})
 

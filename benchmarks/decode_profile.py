@@ -19,6 +19,7 @@ from flashrt.graphs.config import shipped_config
 from flashrt.engine.step_capture import StepCapture
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
+from decode_timing import greedy_pick
 
 
 def gpu_events(prof) -> list:
@@ -49,14 +50,14 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), device="cuda")
     with flashrt.value_checks(False):
         state = model.new_state(args.batch, args.prompt + args.steps + 8)
-        tok = model.forward(ids, state=state).argmax(-1)
+        tok = greedy_pick(model.forward(ids, state=state))
         graphs = StepCapture(model, state)
         for _ in range(2):  # capture
-            tok = graphs.step(tok).argmax(-1)
+            tok = greedy_pick(graphs.step(tok))
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
-                tok = graphs.step(tok).argmax(-1)
+                tok = greedy_pick(graphs.step(tok))
             torch.cuda.synchronize()
     rows = kernel_times(prof, args.steps)
     step_us = sum(r["us_per_step"] for r in rows)

@@ -7,7 +7,13 @@ import time
 
 import torch
 
+from flashrt import ops
 from flashrt.engine.step_capture import StepCapture
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """The next tokens ``[B]`` as ``generate()`` picks them at temperature 0: ``ops.sample(logits, 0)``."""
+    return ops.sample(logits, 0.0)
 
 
 def stepper(model, state, graph: bool):
@@ -19,11 +25,11 @@ def stepper(model, state, graph: bool):
 
 def median_step_ms(step, tok: torch.Tensor, steps: int, warmup: int = 2, greedy: bool = False) -> float:
     """Median ms of ``steps`` synchronized calls of ``step`` after ``warmup`` untimed ones; ``greedy``
-    feeds each step's argmax to the next (else ``tok`` every time)."""
+    feeds each step's greedy pick to the next (else ``tok`` every time)."""
     sync = torch.cuda.synchronize if tok.device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         out = step(tok)
-        tok = out.argmax(-1) if greedy else tok
+        tok = greedy_pick(out) if greedy else tok
     times = []
     for _ in range(steps):
         sync()
@@ -31,20 +37,20 @@ def median_step_ms(step, tok: torch.Tensor, steps: int, warmup: int = 2, greedy:
         out = step(tok)
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-        tok = out.argmax(-1) if greedy else tok
+        tok = greedy_pick(out) if greedy else tok
     return statistics.median(times)
 
 
 def pipelined_step_ms(step, tok: torch.Tensor, steps: int) -> float:
-    """Mean ms of ``steps`` calls of ``step`` back to back, each fed the previous one's argmax on
+    """Mean ms of ``steps`` calls of ``step`` back to back, each fed the previous one's greedy pick on
     the device, one sync at the end: a step's host work overlaps the device work queued before it,
     as in a decode loop that reads its tokens one step late (``generate()``, the overlapped engine)."""
     sync = torch.cuda.synchronize if tok.device.type == "cuda" else (lambda: None)
-    tok = step(tok).argmax(-1)  # warm: captures, compiles
+    tok = greedy_pick(step(tok))  # warm: captures, compiles
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        tok = step(tok).argmax(-1)
+        tok = greedy_pick(step(tok))
     sync()
     return (time.perf_counter() - t0) * 1e3 / steps
 

@@ -5,7 +5,7 @@ step, and the reference backend, same run.
 
 Each configuration prefills a random prompt, then times ``--steps`` decode steps (median per-step
 time, host clock around a synchronized step; tokens/s = batch / step time; ``pipelined_step_ms``: the
-mean of the same steps back to back, each fed the previous argmax on the device, one sync at the
+mean of the same steps back to back, each fed the previous greedy pick (``ops.sample`` at temperature 0) on the device, one sync at the
 end, as a loop that reads its tokens one step late sees them). All modes run the same
 weights and prompt. ``cuda+graph`` replays the step from engine/step_capture.py (the captures happen
 in the warm-up steps; a bucket edge inside the timed steps costs one capture, the median ignores it).
@@ -21,7 +21,7 @@ import torch
 import flashrt
 from flashrt.graphs.config import shipped_config
 from flashrt.graphs.init_weights import init_weights
-from decode_timing import median_step_ms, pipelined_step_ms, stepper
+from decode_timing import greedy_pick, median_step_ms, pipelined_step_ms, stepper
 from flashrt.engine.step_capture import StepCapture
 from flashrt.graphs.model import Model
 from results_io import add_ratio, write_json
@@ -44,8 +44,8 @@ def decode(model, batch: int, prompt: int, steps: int, mode: str) -> dict:
         prefill_s = time.perf_counter() - t0
         graphs = StepCapture(model, state) if mode == "cuda+graph" else None
         step = graphs.step if graphs else stepper(model, state, graph=False)
-        per_step = median_step_ms(step, logits.argmax(-1), steps, greedy=True) / 1e3  # 2 warm-up (capture) steps
-        pipelined = pipelined_step_ms(step, logits.argmax(-1), steps) if mode != "reference" else None
+        per_step = median_step_ms(step, greedy_pick(logits), steps, greedy=True) / 1e3  # 2 warm-up (capture) steps
+        pipelined = pipelined_step_ms(step, greedy_pick(logits), steps) if mode != "reference" else None
     return {"mode": mode, "backend": "reference" if mode == "reference" else "cuda", "cuda_graph": graphs is not None,
             "batch": batch, "prompt": prompt, "prefill_s": prefill_s,
             "prefill_tokens_per_s": batch * prompt / prefill_s, "step_ms": per_step * 1e3,

@@ -77,6 +77,9 @@
 #              and tools/blocking_ops.py: h200-kv-rows-gpu.log, h200-blocking-ops.txt
 #   engine-profile  cProfile of the offline engine over 128 prompts of 512 at 64 running, after an
 #              identical pass (tools/host_profile.py engine): prof-engine/engine.{txt,json}
+#   sample     greedy sampling: its kernel test on the GPU (tests/kernels_cuda/test_cuda_sample.py), then
+#              the split argmax against torch.argmax at batch 1 / 8 / 64 over the vocabulary
+#              (benchmarks/greedy_pick.py): h200-sample-tests.log, h200-greedy-pick.json
 #
 # Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed.
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
@@ -86,8 +89,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile or rows)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows or sample)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -205,6 +208,12 @@ phase_ttft_hit() {
 
 phase_engine_profile() {
   python tools/host_profile.py engine --model small --requests 128 --max-running 64 --out "$OUT/prof-engine" | tail -n 3
+}
+
+phase_sample() {
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_sample.py > "$OUT/h200-sample-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-sample-tests.log"
+  python benchmarks/greedy_pick.py --out "$OUT/h200-greedy-pick.json"
 }
 
 phase_rows() {
