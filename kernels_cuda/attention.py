@@ -45,6 +45,10 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # in_kernel: the last split program of each tile merges the partials (no combine launch);
     # else _combine_kernel, one program per (query, H_BLOCK heads, BLOCK_D columns)
     "combine": {"H_BLOCK": 16, "BLOCK_D": 64, "num_warps": 4, "in_kernel": False},
+    # launches of at least min_queries queries (B * S; 0: none) with bf16 q run with these warps and
+    # stages instead: a prefill chunk has one program per query and head block and no split, and
+    # fewer warps a program can suit it where they would slow a decode step (docs/performance.md)
+    "prefill": {"min_queries": 0, "num_warps": 8, "num_stages": 2},
     # split-K: splits = min(programs // (B*S*head blocks), max_splits, K blocks // min_blocks);
     # programs 0 = the device's SM count
     "split": {"programs": 0, "min_blocks": 1, "max_splits": 32},
@@ -119,6 +123,9 @@ def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int, int]:
     B, S, H, D = q.shape
     tiles = _tiles()
     t, sp = tiles["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], tiles["split"]
+    pre = tiles["prefill"]
+    if q.dtype == torch.bfloat16 and 0 < pre["min_queries"] <= B * S:
+        t = {**t, "num_warps": pre["num_warps"], "num_stages": pre["num_stages"]}
     h_block = min(t["H_BLOCK"], max(16, next_pow2(H)))
     k_block = min(t["K_BLOCK"], max(16, next_pow2(K)))
     assert t["D_SPLIT"] in (1, 2), f"tiles.attention D_SPLIT: expected 1 or 2, got {t['D_SPLIT']!r}"
@@ -223,9 +230,10 @@ def segments_fit(q, kv, indices, sink, scale) -> bool:
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compilation (``flashrt jit warmup``)
 
-# (batch, queries, main KV entries): decode (split K) and a prefill chunk; main KV lengths on both
-# sides of Triton's divisibility-by-16 specialization
-WARMUP_CASES = ((1, 1, 1024), (1, 1, 1000), (8, 1, 1000), (1, 64, 1000))
+# (batch, queries, main KV entries): decode (split K) and prefill chunks below and past the prefill
+# tiles' min_queries of the shipped profiles; main KV lengths on both sides of Triton's
+# divisibility-by-16 specialization
+WARMUP_CASES = ((1, 1, 1024), (1, 1, 1000), (8, 1, 1000), (1, 64, 1000), (1, 512, 1000))
 
 
 def warmup_cases(device, d: dict, dtype):
@@ -251,6 +259,7 @@ def warmup_cases(device, d: dict, dtype):
 
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3")  # tl.dot input precisions of fp32 operands
 TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1, 2)), "combine.H_BLOCK": POW2,
+               "prefill.min_queries": COUNT0,
                "combine.BLOCK_D": POW2, "combine.in_kernel": Tile(kind=bool),
                "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0}
 

@@ -3,8 +3,9 @@
 ``torch.argmax`` of a ``[B, V]`` row reduces each row in one block: for a 129K-entry vocabulary
 that is a long serial reduction on one SM, the costliest single launch of a batch-1 decode step.
 ``_argmax_kernel`` runs a grid of ``(B, G)`` programs: program ``(b, g)`` scans its slice of row
-``b`` in ``BLOCK``-wide tiles, keeping the first NaN, the largest value and the first column that
-holds it (NaN ranks above every number, as in ``torch.argmax``; ties go to the lower column),
+``b`` in ``BLOCK``-wide tiles, each lane keeping the first NaN, the largest value and the first
+column holding it over its columns (no reduction inside the loop), then reduces the lanes once
+(NaN ranks above every number, as in ``torch.argmax``; ties go to the lower column),
 stores that triple and takes a ticket from the row's counter (:mod:`.splitk`); the program that
 draws the row's last ticket merges the ``G`` triples in slice order and writes the index. Greedy
 ``sample`` (temperature the number 0) is this argmax alone; otherwise the reference's Gumbel-max
@@ -30,20 +31,7 @@ TILES = {
     "argmax": {"BLOCK": 2048, "waves": 4, "num_warps": 4, "in_kernel": True},
 }
 PLANS = PlanCache("sample", TILES)
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_NONE = 2 ** 62  # "no column": above every real column
-
-
-@triton.jit
-def _best(x, cols, ok):
-    """(first NaN column, largest number, first column holding it) of one tile; ``_NONE`` where none."""
-    NONE: tl.constexpr = 2 ** 62
-    nan = ok & (x != x)
-    first_nan = tl.min(tl.where(nan, cols, NONE), axis=0)
-    v = tl.where(ok & (x == x), x, float("-inf"))
-    m = tl.max(v, axis=0)
-    first_m = tl.min(tl.where(ok & (v == m), cols, NONE), axis=0)
-    return first_nan, m, first_m
+MAX_V = 2 ** 31 - 2  # columns are int32 in the kernel; 2**31 - 1 stands for "no column"
 
 
 @triton.jit(do_not_specialize=("V", "stride", "per_slice"))
@@ -51,22 +39,25 @@ def _argmax_kernel(x_ptr, out_ptr, pv_ptr, pi_ptr, cnt_ptr, V, stride, per_slice
                    BLOCK: tl.constexpr, SLICES: tl.constexpr):
     b, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     G = tl.num_programs(1)
-    NONE: tl.constexpr = 2 ** 62
-    nan_at = tl.full((), NONE, tl.int64)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_at = tl.full((), NONE, tl.int64)
-    lo = g.to(tl.int64) * per_slice
+    NONE: tl.constexpr = 2 ** 31 - 1
+    # per lane: its first NaN column, its largest number and the first column holding it (lanes see
+    # their columns in increasing order, so a strictly larger value is the only reason to move)
+    lane_nan = tl.full([BLOCK], NONE, tl.int32)
+    lane_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_at = tl.full([BLOCK], NONE, tl.int32)
+    lo = g * per_slice
     hi = tl.minimum(lo + per_slice, V)
     for c0 in range(lo, hi, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK).to(tl.int64)
+        cols = c0 + tl.arange(0, BLOCK)
         ok = cols < hi
-        x = tl.load(x_ptr + b * stride + cols, mask=ok, other=0.0).to(tl.float32)
-        fn, m, fm = _best(x, cols, ok)
-        nan_at = tl.minimum(nan_at, fn)
-        # tiles run in column order: a later tile replaces only a strictly larger maximum
-        take = (m > best) | (best_at == NONE)
-        best_at = tl.where(take & (fm != NONE), fm, best_at)
-        best = tl.where(take, m, best)
+        x = tl.load(x_ptr + b * stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        lane_nan = tl.where(ok & (x != x) & (lane_nan == NONE), cols, lane_nan)
+        take = ok & (x == x) & ((x > lane_v) | (lane_at == NONE))
+        lane_v = tl.where(take, x, lane_v)
+        lane_at = tl.where(take, cols, lane_at)
+    nan_at = tl.min(lane_nan, axis=0)
+    best = tl.max(lane_v, axis=0)
+    best_at = tl.min(tl.where((lane_v == best) & (lane_at != NONE), lane_at, NONE), axis=0)
     slot = b * G + g
     tl.store(pv_ptr + slot, best)
     tl.store(pi_ptr + 2 * slot, nan_at)
@@ -81,7 +72,7 @@ def _argmax_kernel(x_ptr, out_ptr, pv_ptr, pi_ptr, cnt_ptr, V, stride, per_slice
         first_nan = tl.min(n_at, axis=0)
         m = tl.max(tl.where(v_at != NONE, v, float("-inf")), axis=0)
         first_m = tl.min(tl.where((v == m) & (v_at != NONE), v_at, NONE), axis=0)
-        tl.store(out_ptr + b, tl.where(first_nan != NONE, first_nan, first_m))
+        tl.store(out_ptr + b, tl.where(first_nan != NONE, first_nan, first_m).to(tl.int64))
         splitk.reset_ticket(cnt_ptr + b)
 
 
@@ -101,12 +92,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """int64 ``[B]``: the first column of each row's maximum (NaN first), as ``x.argmax(-1)``."""
     B, V = x.shape
     t, slices, per = _plan(B, V, x.device)
-    if not t["in_kernel"] or not splitk.fits(B) or B == 0 or V == 0:
+    if not t["in_kernel"] or not splitk.fits(B) or B == 0 or V == 0 or V > MAX_V:
         return x.argmax(-1)
     x = last_dense(x)
     out = torch.empty(B, dtype=torch.int64, device=x.device)
     pv = torch.empty(B * slices, dtype=torch.float32, device=x.device)
-    pi = torch.empty(2 * B * slices, dtype=torch.int64, device=x.device)
+    pi = torch.empty(2 * B * slices, dtype=torch.int32, device=x.device)
     _argmax_kernel[(B, slices)](x, out, pv, pi, splitk.counters(x.device), V, x.stride(0), per,
                                 BLOCK=t["BLOCK"], SLICES=MAX_SLICES, num_warps=t["num_warps"])
     return out

@@ -291,3 +291,18 @@ def test_attention_prefill_realistic(q_dtype, rng):
     _check(*_model_case(1, 512, 8192, rng, q_dtype))
 
 
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_prefill_tiles_apply_from_their_query_count(q_dtype, monkeypatch, rng):
+    """``tiles.attention.prefill``: launches of at least ``min_queries`` queries with bf16 q take its
+    warps and stages, smaller ones (and fp32 q) keep their own; the results match the reference."""
+    monkeypatch.setitem(attention.TILES, "prefill", {"min_queries": 6, "num_warps": 4, "num_stages": 3})
+    H, D, T = 16, 64, 48
+    own = attention.TILES["attention" if q_dtype == torch.bfloat16 else "attention_fp32"]
+    for B, S in ((1, 5), (2, 3), (1, 1)):
+        q = torch.randn(B, S, H, D, generator=rng).to(q_dtype).to(DEVICE)
+        plan = attention._launch_plan(q, 24, (attention.FMT_CODES["fp8"],), True)["constexprs"]
+        wide = q_dtype == torch.bfloat16 and B * S >= 6
+        assert (plan["num_warps"], plan["num_stages"]) == ((4, 3) if wide else (own["num_warps"], own["num_stages"]))
+        _check(q, _kv("fp8", B, T, D, rng), _indices(B, S, 24, T, rng), torch.randn(H, generator=rng).to(DEVICE))
