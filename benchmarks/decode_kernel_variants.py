@@ -19,9 +19,9 @@ profile's (``flashrt.profiles.using``):
   fp4_b16 main cache, ``window + index_topk`` indices in two parts, a sink): the combine launch
   over 64-column tiles (shipped), over whole rows (``BLOCK_D`` = head_dim, as before), and merged
   in the attention launch (``in_kernel``); K split for 2 / 4 / 8 waves of programs
-  (``split.programs``); 4 warps; 3 pipeline stages; K blocks of 16. The same op over a prefill
-  chunk (``--prefill-rows`` rows of ``--prefill-len`` queries, no split) under warp, stage and K
-  block variants.
+  (``split.programs``); at most 8 or 4 splits; 4 warps; 3 pipeline stages; K blocks of 16. The
+  same op over a prefill chunk (``--prefill-rows`` rows of ``--prefill-len`` queries, no split)
+  under warp, stage and K block variants.
 """
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ ATTENTION_VARIANTS = {
     "4 warps, splits for 4 waves": {"attention": {"num_warps": 4}, "split": {"programs": 528}},
     "3 stages": {"attention": {"num_stages": 3}},
     "K blocks of 16, splits for 4 waves": {"attention": {"K_BLOCK": 16}, "split": {"programs": 528}},
+    # fewer, longer splits: fewer partials for the combine to merge at small batches
+    "at most 8 splits": {"split": {"max_splits": 8}},
+    "at most 4 splits": {"split": {"max_splits": 4}},
 }
 # a prefill chunk: one query a program, no split; the tiles that shape its launches
 PREFILL_VARIANTS = {
@@ -78,6 +81,10 @@ PREFILL_VARIANTS = {
     "3 stages": {"attention": {"num_stages": 3}},
     "4 warps, 3 stages": {"attention": {"num_warps": 4, "num_stages": 3}},
     "K blocks of 64, 4 warps": {"attention": {"K_BLOCK": 64, "num_warps": 4}},
+    # less shared memory a program (one stage, or 16-row K blocks): more programs resident an SM
+    "4 warps, 1 stage": {"attention": {"num_warps": 4, "num_stages": 1}},
+    "4 warps, K blocks of 16": {"attention": {"num_warps": 4, "K_BLOCK": 16}},
+    "2 warps": {"attention": {"num_warps": 2}},
 }
 
 

@@ -155,16 +155,13 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
 
 def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
     """The fp8 activations and the fp8_w weight as bf16 (E4M3 values times UE8M0 powers of two:
-    exact in bf16), one cuBLAS bf16 GEMM (fp32 accumulation, one rounding to bf16): the kernel's
-    math at large M, where the per-32 scale promotion makes the fp8 MMA loop slow."""
+    exact in bf16; one dequantize launch each), one cuBLAS bf16 GEMM (fp32 accumulation, one rounding
+    to bf16): the kernel's math at large M, where the per-32 scale promotion makes the fp8 MMA loop slow."""
     m, k = x2.shape
-    n = weight.shape[0]
     xq, sx = act_quant(x2)
     bf16 = torch.bfloat16
-    pow2 = lambda s: s.view(torch.float8_e8m0fnu).to(torch.float32).to(bf16)
-    a = (xq.view(torch.float8_e4m3fn).to(bf16).view(m, k // 32, 32) * pow2(sx).unsqueeze(-1)).view(m, k)
-    sw = pow2(weight.scale.view(torch.uint8)).repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]
-    return a @ (weight.data.to(bf16) * sw).t()
+    a = quant.dequantize(QTensor(xq.view(torch.float8_e4m3fn), sx.view(torch.float8_e8m0fnu), "fp8", (m, k)), bf16)
+    return a @ quant.dequantize(weight, bf16).t()
 
 
 def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -221,7 +218,8 @@ WARMUP_ROWS = (1, 8, 64, 256)  # decode batches 1 / 8 / 64 and a prefill chunk: 
 
 def warmup_cases(device, d: dict, dtype):
     """The ``fp8_w`` linear variants the model launches when the active profile stores weights in
-    fp8: each of WARMUP_ROWS on the attention projections' shapes (out, in), zero-filled inputs."""
+    fp8: each of WARMUP_ROWS on the attention projections' shapes (out, in), zero-filled inputs; where
+    the profile sends large chunks to the bf16 GEMM, its two dequantize kernels at the model's dim."""
     if profiles.active_profile().weight_dtype != "fp8":
         return
     qk = d["n_heads"] * d["head_dim"]
@@ -229,6 +227,11 @@ def warmup_cases(device, d: dict, dtype):
         w = zeros_stored("fp8_w", (n, k), None, device)
         for m in WARMUP_ROWS:
             yield _warmup.Launch("linear fp8_w", linear, (torch.zeros(m, k, dtype=dtype, device=device), w))
+    big = _tiles()["bf16_gemm_min_rows"]
+    if big is not None and dtype == torch.bfloat16:  # the bf16 GEMM path's two dequantize launches
+        yield _warmup.Launch("linear fp8_w, bf16 GEMM", _bf16_gemm,
+                             (torch.zeros(32, d["dim"], dtype=dtype, device=device),
+                              zeros_stored("fp8_w", (d["q_lora_rank"], d["dim"]), None, device)))
 
 
 SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile

@@ -13,7 +13,9 @@ interpreter's is not round-to-nearest-even, and sm_80 has none):
 
 ``quantize_store`` writes row ``i`` of ``x`` into cache row ``slot_mapping[i]`` of a paged cache
 (``-1`` skipped), without materialising the QTensor. Weight formats (``fp8_w``, ``fp4_w``) are
-declined: weights are quantized offline. The element codecs live in :mod:`.codecs`.
+declined by ``quantize`` (weights are quantized offline); ``dequantize`` also serves ``fp8_w`` (32 x 32
+tiles, one program per 32 rows x ``BLOCK_C`` columns), for the bf16 GEMM path of large prefill
+chunks. The element codecs live in :mod:`.codecs`.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from flashrt.kernels_cuda import warmup as _warmup
 TILES = {
     "quantize": {"ELEMS": 4096, "num_warps": 4},  # BLOCK_G = ELEMS // block scale blocks a program
     "dequantize": {"ELEMS": 4096, "num_warps": 4},
+    "dequantize_w": {"BLOCK_C": 128, "num_warps": 4},  # fp8_w: 32 rows x BLOCK_C columns a program
 }
 
 
@@ -42,6 +45,7 @@ _tiles = PLANS.tiles
 
 _FMT = {f: CODES[f] for f in ("fp8", "fp4_b16", "fp4_b32")}  # kernel code; block size from formats.spec
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_DEQUANT_FMTS = tuple(_FMT) + ("fp8_w",)  # dequantize also serves the fp8 weights (the bf16 GEMM path)
 
 
 @triton.jit
@@ -87,6 +91,33 @@ def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_groups,
         v = tl.reshape(tl.join(e2m1_to_f32(b & 15), e2m1_to_f32(b >> 4)), (BLOCK_G, BLK))
     out = v * scale[:, None]
     tl.store(out_ptr + g[:, None] * BLK + e[None, :], to_out(out, out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+@triton.jit
+def _dequantize_w_kernel(data_ptr, scale_ptr, out_ptr, rows, cols, s_rows, s_cols, BLOCK_C: tl.constexpr):
+    """``fp8_w``: one program per 32 rows (one row of 32 x 32 scale tiles) x ``BLOCK_C`` columns of
+    matrix ``program_id(2)`` (the leading dims flattened); each element's E4M3 value times its
+    tile's UE8M0 power of two, in fp32, rounded once to the output dtype."""
+    mat = tl.program_id(2).to(tl.int64)
+    r = tl.program_id(0) * 32 + tl.arange(0, 32)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (r < rows)[:, None] & (c < cols)[None, :]
+    at = mat * rows * cols + r.to(tl.int64)[:, None] * cols + c[None, :]
+    b = tl.load(data_ptr + at, mask=m, other=0).to(tl.int32)
+    sb = tl.load(scale_ptr + mat * s_rows * s_cols + (r // 32)[:, None] * s_cols + (c // 32)[None, :], mask=m,
+                 other=0).to(tl.int32)
+    tl.store(out_ptr + at, to_out(e4m3_to_f32(b) * e8m0_to_f32(sb), out_ptr.dtype.element_ty), mask=m)
+
+
+def _dequantize_w(q: QTensor, out: torch.Tensor) -> None:
+    """:func:`dequantize` of an ``fp8_w`` QTensor ``[..., rows, cols]`` into ``out``."""
+    rows, cols = q.shape[-2:]
+    mats = out.numel() // max(1, rows * cols)
+    data, scale = dense(q.data).view(torch.uint8), dense(q.scale).view(torch.uint8)
+    block_c = min(_tiles()["dequantize_w"]["BLOCK_C"], next_pow2(cols))
+    _dequantize_w_kernel[(cdiv(rows, 32), cdiv(cols, block_c), mats)](
+        data, scale, out, rows, cols, scale.shape[-2], scale.shape[-1], BLOCK_C=block_c,
+        num_warps=_tiles()["dequantize_w"]["num_warps"])
 
 
 def rows_plan(rows: int, n: int, fmt: str, has_slots: bool, tile: tuple | None = None) -> tuple:
@@ -140,9 +171,13 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     s = formats.spec(q.fmt)
-    assert q.fmt in _FMT
-    data, scale = dense(q.data).view(torch.uint8), dense(q.scale).view(torch.uint8)
+    assert q.fmt in _DEQUANT_FMTS
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if q.fmt == "fp8_w":
+        if out.numel():
+            _dequantize_w(q, out)
+        return out
+    data, scale = dense(q.data).view(torch.uint8), dense(q.scale).view(torch.uint8)
     n_groups = scale.numel()
     if n_groups:
         key = ("dequantize", n_groups, q.fmt)
@@ -206,9 +241,10 @@ def warmup_cases(device, d: dict, dtype):
 
 FAMILY = KernelFamily(
     "quant", ops={"quantize": quantize, "dequantize": dequantize},
-    # the KV formats (fp8, fp4_b16, fp4_b32); weight and int8 formats are the reference's
+    # the KV formats (fp8, fp4_b16, fp4_b32), and fp8_w to dequantize; the other weight formats and
+    # int8 are the reference's
     supports={"quantize": Support(inputs={"x": _IN_DTYPES, "fmt": tuple(_FMT)}),
-              "dequantize": Support(inputs={"q": tuple(_FMT)})},
-    tiles=TILES, tile_checks={"*.ELEMS": POW2},
+              "dequantize": Support(inputs={"q": _DEQUANT_FMTS})},
+    tiles=TILES, tile_checks={"*.ELEMS": POW2, "dequantize_w.BLOCK_C": POW2},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
-    description="quantize / dequantize of the KV formats")
+    description="quantize / dequantize of the KV formats (and dequantize of fp8_w weights)")

@@ -5,7 +5,7 @@ import torch
 pytest.importorskip("triton")
 
 from _formats_ref import rand_input  # noqa: E402
-from kernel_check import CountingKernel, DEVICE, requires_kernels, run_both  # noqa: E402
+from kernel_check import CountingKernel, DEVICE, launches, requires_kernels, run_both  # noqa: E402,F401 (launches: a fixture)
 
 import flashrt  # noqa: E402
 from flashrt import dispatch, formats, ops  # noqa: E402
@@ -124,6 +124,27 @@ def test_dequantize_any_bytes(fmt, rng):
     _same_floats(*run_both("dequantize", q, torch.float32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 96), (45, 70), (3, 33, 40), (1, 1)])
+def test_dequantize_fp8_weights(shape, dtype, rng, launches):
+    """``fp8_w`` (32 x 32 scale tiles, ragged at the edges, leading dims as separate matrices): the
+    reference's values exactly; one launch of the weight kernel."""
+    q = formats.quantize(rand_input(shape, torch.float32, rng, spread=20), "fp8_w")
+    q = formats.QTensor(q.data.to(DEVICE), q.scale.to(DEVICE), "fp8_w", q.shape)
+    _same_floats(*run_both("dequantize", q, dtype))
+    assert launches == ["_dequantize_w_kernel"]
+
+
+def test_dequantize_fp8_weights_any_bytes(rng):
+    """Every E4M3 byte (NaN 0x7F / 0xFF included) under random UE8M0 tile scales (0 and 255 included)."""
+    data = torch.arange(256, dtype=torch.uint8).repeat(40)[torch.randperm(256 * 40, generator=rng)].view(80, 128)
+    scale = torch.randint(0, 256, (3, 4), generator=rng, dtype=torch.uint8)
+    scale[0, 0], scale[2, 3] = 0, 255
+    q = formats.QTensor(data.view(torch.float8_e4m3fn).to(DEVICE), scale.view(torch.float8_e8m0fnu).to(DEVICE),
+                        "fp8_w", (80, 128))
+    _same_floats(*run_both("dequantize", q, torch.float32))
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_empty(fmt):
     got, want = run_both("quantize", torch.zeros(0, 3, 64, device=DEVICE), fmt)
@@ -166,12 +187,13 @@ def test_quantize_store_rejects_bad_arguments():
         quant.quantize_store(x, "fp8", data, scale, slots[:3])
 
 
-def test_supports_declines_weight_formats():
+def test_supports_declines_weight_formats_but_dequantizes_fp8_weights():
     x = torch.randn(32, 64, device=DEVICE)
     serves = lambda op, *args: quant.FAMILY.serves(op, *args) is None
     assert serves("quantize", x, "fp8") and not serves("quantize", x, "fp8_w")
     assert not serves("quantize", x, "fp4_w")
     assert not serves("dequantize", formats.quantize(x.cpu(), "fp4_w"), torch.float32)
+    assert serves("dequantize", formats.quantize(x.cpu(), "fp8_w"), torch.float32)
     with flashrt.use_backend("cuda"), pytest.raises(flashrt.BackendError):
         ops.quantize(x, "fp8_w")
 
