@@ -11,7 +11,8 @@ Counting rules (the minimum work each op must do):
   ``B*T`` rows they map plus the block table, not the whole pool): ``sparse_attention`` reads
   ``B*S*K`` KV rows (every slot assumed valid; with KV segments, ``min(K, T_i)`` rows of each), ``engram_lookup`` ``B*S*C`` table rows,
   ``moe_experts`` the weights of ``min(E, N*k)`` experts (and the shared one), ``gather_cold_rows`` ``B*N`` host rows.
-- FLOPs: a multiply-add is 2. ``linear`` ``2*M*in*out``; ``sparse_attention`` ``4*B*S*H*K*D``;
+- FLOPs: a multiply-add is 2. ``linear`` ``2*M*in*out``; ``sparse_attention`` ``4*B*S*H*K*D``
+  (``prefix_attention`` as the sparse call it stands for: ``K`` = window + entries);
   ``index_scores`` ``2*B*S*T*Hi*(Di+1)``; ``moe_experts`` ``N*(k+shared)*(6*D*I + 4*I)``; ``moe_route``
   ``2*N*D*E + 3*N*E``; ``hc_coefficients`` ``2*B*S*hcD*(M+1) + 4*B*S*hc*hc*iters``;
   ``grouped_linear`` ``2*rows*in*G*out``; ``hc_collapse`` ``2*B*S*hc*D``; ``hc_collapse_norm``
@@ -107,16 +108,27 @@ def grouped_linear(x, weight):
 
 
 def sparse_attention(q, kv, indices, sink, scale):
-    B, S, H, D = q.shape
     parts = indices if isinstance(indices, tuple) else (indices,)
-    K = sum(p.shape[-1] for p in parts)
+    return _attention("sparse_attention", q, kv, sum(p.shape[-1] for p in parts), parts, sink)
+
+
+def _attention(op, q, kv, K, parts, sink):
+    """An attention call of ``K`` slots a query: each query reads K rows, from a segment at most T_i
+    of them (an upper bound when K < sum T_i)."""
+    B, S, H, D = q.shape
     out = _meta(q.shape, q.dtype)
     segments = kv if isinstance(kv, tuple) else (kv,)
-    # each query reads K rows; from a segment at most T_i of them (an upper bound when K < sum T_i)
     rows = sum(min(K, seg.shape[1]) * _row_bytes(seg) for seg in segments) if len(segments) > 1 else K * _row_bytes(kv)
     read = _nbytes(q) + sum(map(_nbytes, parts)) + _nbytes(sink) + B * S * rows
-    _emit("sparse_attention", (q, *segments, *parts, sink), (out,), 4 * B * S * H * K * D, read)
+    _emit(op, (q, *segments, *parts, sink), (out,), 4 * B * S * H * K * D, read)
     return out
+
+
+def prefix_attention(q, kv, positions, ring_start, window, entries, visible, sink, scale):
+    # counted as the sparse_attention it stands for: each query's window and every entry it may see
+    K = window + (entries.shape[-1] if entries is not None else 0)
+    parts = (positions, ring_start) + ((entries, visible) if entries is not None else ())
+    return _attention("prefix_attention", q, kv, K, parts, sink)
 
 
 def index_scores(q, k, weights, visible, weight_scale=1.0):

@@ -38,6 +38,19 @@ def note_route(op: str, route: str) -> None:
         _ROUTES.append((op, route))
 
 
+def _prefix_case(dev, g, r, f32, main):
+    """A prompt chunk of 6 tokens a row after 200 and 0 earlier ones: the fp8 window ring, the chunk,
+    the main KV; entries at their place past ring and chunk (a few nowhere), each query seeing a prefix."""
+    B, S, W, T = 2, 6, 128, 100
+    ring, chunk = ops.quantize(f32(B, W, 512), "fp8"), ops.quantize(f32(B, S, 512), "fp8")
+    positions = (torch.tensor([[200], [0]]) + torch.arange(S)).to(dev)
+    entries = (W + S + torch.randperm(T, generator=g)).to(torch.int32)
+    entries[torch.rand(T, generator=g) < 0.1] = -1
+    visible = torch.randint(0, T + 1, (B, S), generator=g, dtype=torch.int32)
+    return (r(B, S, 64, 512), (ring, chunk, main), positions, torch.tensor([72, 0]).to(dev), W,
+            entries.expand(B, T).contiguous().to(dev), visible.to(dev), f32(64), 512 ** -0.5)
+
+
 def _cases(dev, g):
     r = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=g).to(dev, dt)
     f32 = lambda *s: r(*s, dt=torch.float32)
@@ -59,6 +72,7 @@ def _cases(dev, g):
                                i32(-1, 428, 2, 4, 640), f32(64), 512 ** -0.5)
     yield "sparse_attention", (r(2, 4, 64, 512), (ops.quantize(f32(2, 128, 512), "int8"), kv),
                                i32(-1, 428, 2, 4, 640), f32(64), 512 ** -0.5)
+    yield "prefix_attention", _prefix_case(dev, g, r, f32, kv)
     yield "index_scores", (r(2, 4, 32, 128), ops.quantize(f32(2, 300, 128), "fp4_b32"), f32(2, 4, 32).abs(),
                            i32(0, 301, 2, 4))
     yield "topk_positions", (f32(2, 4, 300), 64)

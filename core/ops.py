@@ -21,7 +21,7 @@ from .dispatch import impl as _impl
 from .formats import QTensor, check_shape
 # the op groups kept beside this module, named here too: ``flashrt.ops.<op>`` is the contract
 from .ops_attention import (candidate_blocks, compress_decode, compress_pool, dense_attention, index_scores,  # noqa: F401
-                            sparse_attention, topk_positions)
+                            prefix_attention, sparse_attention, topk_positions)
 from .ops_engram import engram_gate, engram_hash, engram_lookup  # noqa: F401
 from .ops_kv import (gather_cold_rows, resolve_paged, store_paged, store_paged_many, store_rows,  # noqa: F401
                      window_indices)
@@ -192,7 +192,7 @@ def sample(logits, temperature, generator=None) -> torch.Tensor:
 
 OPS = (
     "rms_norm", "rope", "quantize", "norm_rope_quantize", "dequantize", "linear", "grouped_linear", "sparse_attention",
-    "index_scores", "topk_positions", "candidate_blocks", "compress_pool", "compress_decode", "hc_coefficients",
+    "prefix_attention", "index_scores", "topk_positions", "candidate_blocks", "compress_pool", "compress_decode", "hc_coefficients",
     "hc_collapse", "hc_collapse_norm", "hc_expand", "engram_lookup", "engram_gate", "engram_hash", "moe_route",
     "moe_experts", "sample", "gather_cold_rows", "dense_attention", "store_paged", "resolve_paged", "store_rows",
     "window_indices", "store_paged_many",

@@ -11,6 +11,25 @@ from .formats import QTensor
 from .kv.paged import PagedKeys
 
 
+def _kv_segments(kv, env: dict, device):
+    """Check ``kv`` (one ``[B, T, D]`` tensor / QTensor or a tuple of segments, a batch-1 segment
+    shared by every row) against ``env``'s B and D; set ``env["T"]`` to the total length."""
+    if not isinstance(kv, (tuple, list)):
+        c.maybe_quantized("kv", kv, "B T D", env, KV_FORMATS, device)
+        return kv
+    if not kv:
+        raise ValueError("kv: expected at least one segment, got an empty tuple")
+    total = 0
+    for i, seg in enumerate(kv):
+        # a segment with batch 1 is shared by every row (e.g. the HKCP device page pool)
+        shared = isinstance(seg, (torch.Tensor, QTensor)) and seg.ndim == 3 and seg.shape[0] == 1
+        seg_env = {"B": 1 if shared else env["B"], "D": env["D"]}
+        c.maybe_quantized(f"kv[{i}]", seg, "B T D", seg_env, KV_FORMATS, device)
+        total += seg_env["T"]
+    env["T"] = total
+    return tuple(kv)
+
+
 def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
     """MQA over selected entries: ``q [B, S, H, D]``, ``kv [B, T, D]`` plain or ``QTensor``
     (``fp8``/``fp4_b16``/``fp4_b32``), ``indices [B, S, K]`` int32 in ``[-1, T)`` (``-1`` empty,
@@ -29,20 +48,7 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
     """
     env: dict = {}
     c.tensor("q", q, "B S H D", env, c.FLOATS)
-    if isinstance(kv, (tuple, list)):
-        if not kv:
-            raise ValueError("kv: expected at least one segment, got an empty tuple")
-        total = 0
-        for i, seg in enumerate(kv):
-            # a segment with batch 1 is shared by every row (e.g. the HKCP device page pool)
-            shared = isinstance(seg, (torch.Tensor, QTensor)) and seg.ndim == 3 and seg.shape[0] == 1
-            seg_env = {"B": 1 if shared else env["B"], "D": env["D"]}
-            c.maybe_quantized(f"kv[{i}]", seg, "B T D", seg_env, KV_FORMATS, q.device)
-            total += seg_env["T"]
-        env["T"] = total
-        kv = tuple(kv)
-    else:
-        c.maybe_quantized("kv", kv, "B T D", env, KV_FORMATS, q.device)
+    kv = _kv_segments(kv, env, q.device)
     if isinstance(indices, (tuple, list)):
         if not indices:
             raise ValueError("indices: expected at least one [B, S, K] part, got an empty tuple")
@@ -57,6 +63,41 @@ def sparse_attention(q, kv, indices, sink, scale: float) -> torch.Tensor:
         c.tensor("sink", sink, "H", env, F32, q.device)
     c.number("scale", scale)
     return _impl("sparse_attention", q.device)(q, kv, indices, sink, float(scale))
+
+
+def prefix_attention(q, kv, positions, ring_start, window: int, entries, visible, sink, scale: float) -> torch.Tensor:
+    """:func:`sparse_attention` of a chunk whose queries each attend to their whole causal window and
+    to a prefix of the compressed entries (a prompt chunk while the index top-k takes every visible
+    entry): the indices are implied, not passed.
+
+    ``kv`` as for :func:`sparse_attention`, laid out ``[ring (window rows) ‖ chunk (S rows) ‖ ...]``;
+    ``positions`` int64 ``[B, S]`` >= 0, each row consecutive; ``ring_start`` int64 ``[B]``;
+    ``window`` W >= 1; ``entries`` int32 ``[B, T]`` in ``[-1, total)``: where compressed entry ``j``
+    of row ``b`` is in ``kv`` (-1: nowhere), with ``visible`` int32 ``[B, S]`` in ``[0, T]`` (query
+    ``(b, s)`` sees entries ``0 .. visible[b, s] - 1``), or both None (window only). Exactly
+    ``sparse_attention(q, kv, (window_indices(positions, ring_start[None], W)[0], picks), sink,
+    scale)`` with ``picks[b, s, j] = entries[b, j]`` where ``j < visible[b, s]``, else -1.
+    """
+    env: dict = {}
+    c.tensor("q", q, "B S H D", env, c.FLOATS)
+    kv = _kv_segments(kv, env, q.device)
+    c.tensor("positions", positions, "B S", env, (torch.int64,), q.device)
+    c.tensor("ring_start", ring_start, "B", env, (torch.int64,), q.device)
+    c.integer("window", window, 1, 2 ** 31 - 1 - env["S"])
+    c.index_range("positions", positions, 0, 2 ** 62)
+    if (entries is None) != (visible is None):
+        raise ValueError("entries, visible: expected both tensors or both None, got "
+                         f"{type(entries).__name__} and {type(visible).__name__}")
+    if entries is not None:
+        c.tensor("entries", entries, "B E", env, I32, q.device)
+        c.index_range("entries", entries, -1, env["T"])
+        c.tensor("visible", visible, "B S", env, I32, q.device)
+        c.index_range("visible", visible, 0, env["E"] + 1)
+    if sink is not None:
+        c.tensor("sink", sink, "H", env, F32, q.device)
+    c.number("scale", scale)
+    return _impl("prefix_attention", q.device)(q, kv, positions, ring_start, int(window), entries, visible, sink,
+                                               float(scale))
 
 
 def index_scores(q, k, weights, visible, weight_scale: float = 1.0) -> torch.Tensor:

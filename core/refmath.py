@@ -25,7 +25,7 @@ import torch
 from . import formats
 # the op groups kept beside this module, named here too: the reference backend binds them from here
 from .refmath_attention import (block_scores, candidate_blocks, dense_attention, index_scores,  # noqa: F401
-                                sparse_attention, topk_positions)
+                                prefix_attention, prefix_indices, sparse_attention, topk_positions)
 from .refmath_kv import (gather_cold_rows, resolve_paged, store_paged, store_paged_many, store_rows,  # noqa: F401
                          window_indices)
 from .refmath_linear import (activation_format, dequantize, dequantized_weight, grouped_linear,  # noqa: F401

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from . import formats
 from .formats import QTensor
 from .kv.paged import PagedKeys
+from .refmath_kv import window_indices
 from .refmath_wide import row_sum, wide
 
 CHUNK_BYTES = 256 << 20  # cap on one fp32 intermediate
@@ -76,6 +77,21 @@ def sparse_attention(q, kv, indices, sink, scale):
         o = torch.einsum("bshk,bskd->bshd", wide(p), rows).to(torch.float32) / denom.clamp_min(1e-38).unsqueeze(-1)
         out[:, s0 : s0 + step] = torch.where(denom.unsqueeze(-1) > 0, o, torch.zeros_like(o)).to(q.dtype)
     return out
+
+
+def prefix_indices(positions, ring_start, window, entries, visible):
+    """The indices :func:`prefix_attention` implies: (window indices ``[B, S, W]``, picks
+    ``[B, S, T]``) or the window indices alone (``entries`` None)."""
+    idx = window_indices(positions, ring_start.view(1, -1), window)[0]
+    if entries is None:
+        return idx
+    j = torch.arange(entries.shape[-1], device=entries.device)
+    picks = torch.where(j < visible.unsqueeze(-1), entries.unsqueeze(1), -1).to(torch.int32)
+    return idx, picks
+
+
+def prefix_attention(q, kv, positions, ring_start, window, entries, visible, sink, scale):
+    return sparse_attention(q, kv, prefix_indices(positions, ring_start, window, entries, visible), sink, scale)
 
 
 def index_scores(q, k, weights, visible, weight_scale=1.0):

@@ -83,15 +83,23 @@ class Attention:
         qr, q = self.query(h, f, q_latent)
         kv = self.window_kv(h, f, ctx.state.window_fmt, kv_latent)
         segments = [ctx.state.rings[self.layer], kv]
-        if ctx.window_index is not None and self.layer in ctx.window_index:
-            indices = ctx.window_index[self.layer]
+        picked = self._selection(h, qr, ctx) if self.ratio else None
+        if h.shape[1] > 1 and (picked is None or picked.indices is None):
+            # a prompt chunk that sees its whole window and every visible entry: indices implied
+            if picked is not None:
+                segments += picked.segments
+            o = ops.prefix_attention(q, tuple(segments), ctx.positions, ctx.state.ring_start[self.layer],
+                                     cfg.window_size, picked and picked.entries, picked and picked.visible,
+                                     self.sink, cfg.head_dim ** -0.5)
         else:
-            indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], cfg.window_size)
-        if self.ratio:
-            picked = self._selection(h, qr, ctx)
-            segments += picked.segments
-            indices = (indices, picked.indices)  # read as their concatenation: no copy
-        o = ops.sparse_attention(q, tuple(segments), indices, self.sink, cfg.head_dim ** -0.5)
+            if ctx.window_index is not None and self.layer in ctx.window_index:
+                indices = ctx.window_index[self.layer]
+            else:
+                indices = window_indices(ctx.positions, ctx.state.ring_start[self.layer], cfg.window_size)
+            if picked is not None:
+                segments += picked.segments
+                indices = (indices, picked.indices)  # read as their concatenation: no copy
+            o = ops.sparse_attention(q, tuple(segments), indices, self.sink, cfg.head_dim ** -0.5)
         ctx.state.write_ring(self.layer, kv, ctx.ring_slots)
         return self.output(o, f)
 
@@ -107,10 +115,29 @@ class Attention:
             self.compressor.forward(h, ctx, kv_rows)
         if self.role in ("full", "reindex"):
             T = ctx.entries[self.ratio]
-            topk = self._indexer(h, qr, ctx.state.index_keys(self.source, T), ctx.visible[self.ratio], ctx, head_w)
             offset = self.cfg.window_size + h.shape[1]  # past the ring and the chunk
-            ctx.selections[self.layer] = Selection(*ctx.state.main_segments(self.source, topk, T, offset))
+            if self._takes_every_entry(h.shape[1], T):
+                every = torch.arange(T, dtype=torch.int32, device=h.device).expand(h.shape[0], 1, T)
+                segments, where = ctx.state.main_segments(self.source, every, T, offset)
+                ctx.selections[self.layer] = Selection(segments, None, where[:, 0], ctx.visible[self.ratio])
+            else:
+                topk = self._indexer(h, qr, ctx.state.index_keys(self.source, T), ctx.visible[self.ratio], ctx, head_w)
+                ctx.selections[self.layer] = Selection(*ctx.state.main_segments(self.source, topk, T, offset))
         return ctx.selections[self.index_source]
+
+    def _takes_every_entry(self, S: int, T: int) -> bool:
+        """Whether the top-k of a chunk of ``S`` > 1 queries over ``T`` entries picks every visible one:
+        ``T <= index_topk`` and, where candidate blocks restrict it (or this layer makes them), all of
+        ``T``'s blocks fit the candidate count. Then the indexer is skipped and the attention reads
+        the entries each query sees (``ops.prefix_attention``): the same picks whenever the visible
+        entries' scores are finite. A candidate source that skips leaves ``ctx.candidates`` None;
+        its users have the same ``T``, so they skip too (and would be unrestricted anyway)."""
+        cfg = self.cfg
+        if S == 1 or T > cfg.index_topk:
+            return False
+        if self.layer == cfg.candidate_source_layer or cfg.uses_candidates(self.layer):
+            return -(-T // cfg.candidate_block_size) <= cfg.candidate_topk_blocks
+        return True
 
     def _indexer(self, h, qr, index_k, visible, ctx: StepContext, head_w=None) -> torch.Tensor:
         """The top-k entries of this layer's queries; ``head_w``: ``weights_proj(h)`` when computed already."""

@@ -19,7 +19,11 @@ class Selection:
     """What one index source's top-k resolves to, shared by the layers that reuse its top-k."""
 
     segments: list  # main-KV segments holding the picked entries
-    indices: torch.Tensor  # int32 [B, S, K] into [ring (W) ‖ chunk (S) ‖ segments]; -1: no pick
+    indices: torch.Tensor | None  # int32 [B, S, K] into [ring (W) ‖ chunk (S) ‖ segments]; -1: no pick
+    # every visible entry picked (a prompt chunk while the top-k takes them all): instead of indices,
+    # where each entry lies (int32 [B, T], as indices) and how many each query sees (int32 [B, S])
+    entries: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashrt import refmath as ref
+from flashrt.conformance import note_route
 from flashrt.formats import QTensor
 from flashrt.kv.paged import PagedKeys
 
@@ -113,6 +114,14 @@ def sparse_attention(q, kv, indices, sink, scale):
     return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
 
 
+def prefix_attention(q, kv, positions, ring_start, window, entries, visible, sink, scale):
+    """``prefix_attention``: the indices it implies built on the device (window indices and the
+    visible prefix of the entries, plain torch), then :func:`sparse_attention` above (its operator
+    where it applies)."""
+    note_route("prefix_attention", "its indices in torch, then sparse_attention")
+    return sparse_attention(q, kv, ref.prefix_indices(positions, ring_start, window, entries, visible), sink, scale)
+
+
 def index_scores(q, k, weights, visible, weight_scale=1.0):
     """``index_scores``: plain torch (an fp32 einsum, relu, weighted head sum, ``-inf`` mask).
 
@@ -132,5 +141,6 @@ def index_scores(q, k, weights, visible, weight_scale=1.0):
 PLANS = {"sparse_attention": sparse_attention_plan, "index_scores": lambda *a: INDEXER_WHY}
 
 
-FAMILY = npu_family("attention", {"sparse_attention": sparse_attention, "index_scores": index_scores},
+FAMILY = npu_family("attention", {"sparse_attention": sparse_attention, "prefix_attention": prefix_attention,
+                                  "index_scores": index_scores},
                     "sparse attention (npu_gather_sparse_index + npu_sparse_flash_attention) and index scores")

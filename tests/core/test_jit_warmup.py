@@ -20,7 +20,8 @@ from flashrt.kernels_cuda import FAMILIES, linear_plain
 from flashrt.kernels_cuda import warmup as _warmup
 
 HOOKED = ("attention", "compress", "dense_attention", "engram", "indexer", "kv_gather", "kv_store", "linear",
-          "linear_plain", "mhc", "moe", "moe_route", "norm_rope", "norm_rope_quant", "quant", "sample", "topk")
+          "linear_plain", "mhc", "moe", "moe_route", "norm_rope", "norm_rope_quant", "prefix_attention", "quant", "sample",
+          "topk")
 
 
 def _families() -> dict:

@@ -1,0 +1,87 @@
+"""A prompt chunk whose top-k would take every visible entry skips the indexer and attends through
+``ops.prefix_attention``: the same logits as the indexer's path (bit for bit on the reference
+backend, whose picks are then the same tensor), in one chunk or chunked across the point where the
+top-k starts to choose; the indexer runs again once entries outnumber the top-k."""
+import dataclasses
+
+import pytest
+import torch
+
+import flashrt
+from flashrt import ops
+from flashrt.graphs import attention as attention_graph
+from flashrt.graphs.init_weights import init_weights
+from flashrt.graphs.model import Model
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """``tiny`` with a top-k of 12 entries (candidate blocks: 3 of 4 entries), so prompts of up to 12
+    tokens take every entry at ratio 1 and up to 25 at ratio 2."""
+    from flashrt.graphs.config import shipped_config
+    cfg = dataclasses.replace(shipped_config("tiny"), index_topk=12, candidate_topk_blocks=3)
+    return cfg, Model(cfg, init_weights(cfg, seed=1))
+
+
+def _calls(monkeypatch, name):
+    seen = []
+    real = getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *a, **k: seen.append(a[0].shape) or real(*a, **k))
+    return seen
+
+
+def _logits(model, ids, chunks, sparse, monkeypatch):
+    with monkeypatch.context() as m:
+        if sparse:
+            m.setattr(attention_graph.Attention, "_takes_every_entry", lambda *a: False)
+        state = model.new_state(ids.shape[0], ids.shape[1] + 1)
+        out, at = [], 0
+        for n in chunks:
+            out.append(model.forward(ids[:, at:at + n], state=state, start_pos=at, all_positions=True))
+            at += n
+        return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("chunks", [(10,), (4, 6), (9, 7, 5)])
+def test_same_logits_as_the_indexer_path(wide, rng, monkeypatch, chunks):
+    cfg, model = wide
+    ids = torch.randint(0, cfg.vocab_size, (3, sum(chunks)), generator=rng)
+    with flashrt.use_backend("reference"):
+        scores = _calls(monkeypatch, "index_scores")
+        prefix = _calls(monkeypatch, "prefix_attention")
+        got = _logits(model, ids, chunks, False, monkeypatch)
+        dense_calls, index_calls = len(prefix), len(scores)
+        want = _logits(model, ids, chunks, True, monkeypatch)
+    assert torch.equal(got, want)
+    n_layers = cfg.n_layers
+    if sum(chunks) <= cfg.index_topk:  # every chunk took every entry: no indexer at all
+        assert index_calls == 0 and dense_calls == n_layers * len(chunks)
+    else:  # the ratio-1 sources chose by top-k in the last chunk
+        assert index_calls > 0
+
+
+def test_decode_steps_keep_the_indices(wide, rng, monkeypatch):
+    cfg, model = wide
+    ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=rng)
+    state = model.new_state(2, 8)
+    model.forward(ids, state=state)
+    prefix = _calls(monkeypatch, "prefix_attention")
+    model.forward(ids[:, :1], state=state, start_pos=5)
+    assert prefix == []
+
+
+def test_the_kernels_give_the_indexer_paths_logits(wide, rng, monkeypatch):
+    """On the cuda backend (the prefix kernel against the indexer, top-k and sparse kernels): the same
+    logits up to the attention outputs' bf16 rounding (the kernels sum in other orders)."""
+    pytest.importorskip("triton")
+    from kernel_check import kernels_available, record_launches
+    if not kernels_available():
+        pytest.skip("cuda backend unavailable")
+    cfg, model = wide
+    ids = torch.randint(0, cfg.vocab_size, (1, 7), generator=rng)
+    with flashrt.use_backend("cuda"):
+        want = _logits(model, ids, (7,), True, monkeypatch)
+        names = record_launches(monkeypatch)
+        got = _logits(model, ids, (7,), False, monkeypatch)
+    assert names.count("_prefix_attention_kernel") == cfg.n_layers and "_sparse_attention_kernel" not in names
+    assert ((got - want).norm() / want.norm()) < 1e-2
