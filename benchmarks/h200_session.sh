@@ -77,6 +77,10 @@
 #              and tools/blocking_ops.py: h200-kv-rows-gpu.log, h200-blocking-ops.txt
 #   engine-profile  cProfile of the offline engine over 128 prompts of 512 at 64 running, after an
 #              identical pass (tools/host_profile.py engine): prof-engine/engine.{txt,json}
+#   prefix     a prompt chunk's attention through prefix_attention against sparse_attention on the
+#              indices it implies (benchmarks/prefix_attention.py: h200-prefix-attention.json; its GPU
+#              tests first: h200-prefix-tests.log), then the prefill forwards by row count
+#              (h200-prefill-rows.json, as the prefill phase)
 #   sample     greedy sampling: its kernel test on the GPU (tests/kernels_cuda/test_cuda_sample.py), then
 #              the split argmax against torch.argmax at batch 1 / 8 / 64 over the vocabulary
 #              (benchmarks/greedy_pick.py): h200-sample-tests.log, h200-greedy-pick.json
@@ -89,8 +93,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows or sample)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample or prefix)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -208,6 +212,14 @@ phase_ttft_hit() {
 
 phase_engine_profile() {
   python tools/host_profile.py engine --model small --requests 128 --max-running 64 --out "$OUT/prof-engine" | tail -n 3
+}
+
+phase_prefix() {
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_prefix_attention.py \
+    tests/graphs/test_prefix_selection.py > "$OUT/h200-prefix-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-prefix-tests.log"
+  python benchmarks/prefix_attention.py --out "$OUT/h200-prefix-attention.json"
+  phase_prefill
 }
 
 phase_sample() {

@@ -139,10 +139,10 @@ def _finish(acc, m, l, sk, HAS_SINK: tl.constexpr):
 
 
 @triton.jit
-def _attend(s, kv, idx, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
-    """One K block of the online softmax over raw scores ``s`` (base 2; empty slots masked) and
-    the values ``kv`` -> (m, l, acc)."""
-    s = tl.where((idx >= 0)[None, :], s * qk_scale, float("-inf"))
+def _attend(s, kv, seen, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """One K block of the online softmax over raw scores ``s`` [M, K] (base 2; ``seen``, broadcast to
+    [M, K], masks the slots a row does not attend to) and the values ``kv`` -> (m, l, acc)."""
+    s = tl.where(seen, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
@@ -226,7 +226,7 @@ def _sparse_attention_kernel(
                               o3, so3, sb3, st3, ssb3, sst3, start3, len3,
                               FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, False)
         s = _scores(q, kv, q_o, kv_o, c0 == 0, D_SPLIT, PREC)
-        m_i, l_i, acc = _attend(s, kv, idx, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
+        m_i, l_i, acc = _attend(s, kv, (idx >= 0)[None, :], m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
     offs_o = (bs * H + h)[:, None] * D + d[None, :]
     if SPLIT:  # partials [splits, B*S, H, D] = acc / l and [.., 2] = (m, l); the sink joins in _combine_kernel
         row = (split * tl.num_programs(0) + bs) * H + h

@@ -27,9 +27,9 @@ import triton.language as tl
 from flashrt import profiles, refmath
 from flashrt.dtypes import MAIN_KV_FORMAT, STORAGE
 from flashrt.families import Dim, KernelFamily, Support
-from flashrt.kernels_cuda import attention
+from flashrt.kernels_cuda import attention, splitk
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.attention_kernel import _finish, _gather_kv
+from flashrt.kernels_cuda.attention_kernel import _attend, _finish, _gather_kv
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2, zeros_stored
 from flashrt.tile_checks import DOT
 
@@ -39,19 +39,6 @@ TILES = {
     "prefix": {"M_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2},
 }
 PLANS = PlanCache("prefix_attention", TILES)
-
-
-@triton.jit
-def _attend_rows(s, kv, seen, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
-    """One K block of the online softmax (base 2) over raw scores ``s`` [M, K], ``seen`` [M, K] the
-    slots each score row attends to; values ``kv`` -> (m, l, acc)."""
-    s = tl.where(seen, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv, input_precision=PREC)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
 @triton.jit(do_not_specialize=("S", "W", "E"))
@@ -83,37 +70,34 @@ def _prefix_attention_kernel(
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BLOCK_D], tl.float32)
-    # the window: positions (p_first - W, p_last], each at its [ring ‖ chunk] row
+    # K blocks of the window (positions (p_first - W, p_last], each at its [ring ‖ chunk] row), then
+    # of the compressed entries 0 .. the block's largest visible count
     u0 = p_first - W + 1
     n_u = p_last - u0 + 1
-    for k0 in range(0, n_u, K_BLOCK):
-        k = k0 + tl.arange(0, K_BLOCK)
-        u = u0 + k
-        in_chunk = u >= chunk_start
-        stored = (k < n_u) & (in_chunk | ((u >= 0) & (u >= ring_start)))
-        idx = tl.where(stored, tl.where(in_chunk, W + u - chunk_start, u % W), -1).to(tl.int32)
-        seen = live[:, None] & stored[None, :] & (u[None, :] > p_row[:, None] - W) & (u[None, :] <= p_row[:, None])
+    n_wb = tl.cdiv(n_u, K_BLOCK)
+    v_row = tl.zeros([M], tl.int32)  # entries each score row sees (none without entries)
+    if HAS_ENTRIES:
+        v_row = tl.load(vis_ptr + b * S + qi, mask=qi < S, other=0)
+    n_e = tl.max(v_row, axis=0)
+    for kb in range(0, n_wb + tl.cdiv(n_e, K_BLOCK)):
+        k = kb * K_BLOCK + tl.arange(0, K_BLOCK)
+        if kb < n_wb:
+            u = u0 + k
+            in_chunk = u >= chunk_start
+            stored = (k < n_u) & (in_chunk | ((u >= 0) & (u >= ring_start)))
+            idx = tl.where(stored, tl.where(in_chunk, W + u - chunk_start, u % W), -1).to(tl.int32)
+            seen = live[:, None] & stored[None, :] & (u[None, :] > p_row[:, None] - W) & (u[None, :] <= p_row[:, None])
+        else:
+            j = k - n_wb * K_BLOCK
+            idx = tl.load(ent_ptr + b * E + j, mask=j < n_e, other=-1)
+            seen = live[:, None] & (idx >= 0)[None, :] & (j[None, :] < v_row[:, None])
         kv = _gather_kv(idx, b, 0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                         o3, so3, sb3, st3, ssb3, sst3, start3, len3,
                         FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BLOCK_D, DOT_DTYPE, True)
         s = tl.dot(q, tl.trans(kv), input_precision=PREC)
-        m_i, l_i, acc = _attend_rows(s, kv, seen, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
-    if HAS_ENTRIES:  # the compressed entries 0 .. (the block's largest visible count)
-        v_row = tl.load(vis_ptr + b * S + qi, mask=qi < S, other=0)
-        n_e = tl.max(v_row, axis=0)
-        for k0 in range(0, n_e, K_BLOCK):
-            j = k0 + tl.arange(0, K_BLOCK)
-            idx = tl.load(ent_ptr + b * E + j, mask=j < n_e, other=-1)
-            seen = live[:, None] & (idx >= 0)[None, :] & (j[None, :] < v_row[:, None])
-            kv = _gather_kv(idx, b, 0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
-                            d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
-                            d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
-                            o3, so3, sb3, st3, ssb3, sst3, start3, len3,
-                            FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BLOCK_D, DOT_DTYPE, True)
-            s = tl.dot(q, tl.trans(kv), input_precision=PREC)
-            m_i, l_i, acc = _attend_rows(s, kv, seen, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
+        m_i, l_i, acc = _attend(s, kv, seen, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
     sk = tl.load(sink_ptr + h, mask=h < H, other=0.0) * LOG2E if HAS_SINK else 0.0
     out = _finish(acc, m_i, l_i, sk, HAS_SINK)
     tl.store(out_ptr + row_off, out.to(out_ptr.dtype.element_ty), mask=live[:, None] & (d < D)[None, :])
@@ -151,8 +135,9 @@ def prefix_attention(q, kv, positions, ring_start, window, entries, visible, sin
         return attention.sparse_attention(q, kv, indices, sink, scale)
     q, positions, ring_start = dense(q), dense(positions), dense(ring_start)
     out = torch.empty_like(q)
-    ent = dense(entries) if entries is not None else positions
-    vis = dense(visible) if visible is not None else positions
+    none = splitk.counters(q.device)  # an int32 stand-in for absent entries (not read)
+    ent = dense(entries) if entries is not None else none
+    vis = dense(visible) if visible is not None else none
     _prefix_attention_kernel[plan["grid"]](
         q, positions, ring_start, ent, vis, dense(sink) if sink is not None else q, out,
         *attention._segment_args(segs, plan["roles"]), S, H, window,

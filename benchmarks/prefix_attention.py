@@ -1,0 +1,82 @@
+"""A prompt chunk's attention two ways in one run: ``ops.prefix_attention`` (each KV row gathered once
+for a block of queries) against ``ops.sparse_attention`` on the indices it implies (one query a
+program, its rows gathered per query), at ``small``'s shapes by default.
+
+    python benchmarks/prefix_attention.py --out F
+
+Rows of ``--len`` queries after ``--start`` earlier tokens, an fp8 window ring and chunk, the main KV
+in its format with ``--entries`` entries each query sees a causal prefix of (ratio 1: ``start + s +
+1``), a sink. Microseconds a call by ``flashrt.timing.bench_ms`` (graph replays behind an L2 flush);
+both outputs checked against each other first. The floor is the FLOPs of the (query, head, entry)
+pairs each query attends to (4 x D a pair) at the bf16 GEMM rate measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import flashrt
+from flashrt import formats, ops, refmath
+from flashrt.dtypes import MAIN_KV_FORMAT
+from flashrt.graphs.config import shipped_config
+from flashrt.timing import bench_ms
+from results_io import write_json
+
+
+def case(cfg, B, S, start, T, dev, g):
+    H, D, W = cfg.n_heads, cfg.head_dim, cfg.window_size
+    q = torch.randn(B, S, H, D, device=dev, generator=g).to(torch.bfloat16)
+    ring = formats.quantize(torch.randn(B, W, D, device=dev, generator=g), "fp8")
+    chunk = formats.quantize(torch.randn(B, S, D, device=dev, generator=g), "fp8")
+    main = formats.quantize(torch.randn(B, T, D, device=dev, generator=g), MAIN_KV_FORMAT)
+    positions = (start + torch.arange(S, device=dev)).expand(B, S).contiguous()
+    ring_start = torch.zeros(B, dtype=torch.long, device=dev)
+    entries = (W + S + torch.arange(T, device=dev, dtype=torch.int32)).expand(B, T).contiguous()
+    visible = (positions + 1).clamp_max(T).to(torch.int32)
+    sink = torch.randn(H, device=dev, generator=g)
+    return q, (ring, chunk, main), positions, ring_start, W, entries, visible, sink, D ** -0.5
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--len", type=int, default=512)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--entries", type=int, default=512)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("a CUDA device is needed")
+    cfg, dev, g = shipped_config(args.model), torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    gemm_flops = 2 * 8192 ** 3 / (bench_ms(lambda: a @ a).ms * 1e-3)
+    del a
+    rows = []
+    for B in args.rows:
+        c = case(cfg, B, args.len, args.start, args.entries, dev, g)
+        q, kv, positions, ring_start, W, entries, visible, sink, scale = c
+        indices = refmath.prefix_indices(positions, ring_start, W, entries, visible)
+        with flashrt.use_backend("cuda"), flashrt.value_checks(False):
+            dense = lambda: ops.prefix_attention(*c)
+            sparse = lambda: ops.sparse_attention(q, kv, indices, sink, scale)
+            got, want = dense().float(), sparse().float()
+            err = float((got - want).norm() / want.norm())
+            if err > 2e-2:
+                raise SystemExit(f"prefix_attention differs from sparse_attention at B={B}: relative error {err:.3g}")
+            t_dense, t_sparse = bench_ms(dense).ms * 1e3, bench_ms(sparse).ms * 1e3
+        seen = int((indices[0] >= 0).sum() + (indices[1] >= 0).sum())  # (query, entry) pairs attended
+        floor = 4 * seen * cfg.n_heads * cfg.head_dim / gemm_flops * 1e6
+        rows.append({"rows": B, "queries": B * args.len, "prefix_us": t_dense, "sparse_us": t_sparse,
+                     "speedup": t_sparse / t_dense, "floor_us": floor, "prefix_of_floor": floor / t_dense,
+                     "rel_err": err})
+        print(f"rows {B:3d} x {args.len}: prefix {t_dense:9.1f} us  sparse {t_sparse:9.1f} us  "
+              f"{t_sparse / t_dense:5.2f}x  (floor {floor:.1f} us: {100 * floor / t_dense:.1f}% / "
+              f"{100 * floor / t_sparse:.1f}%)", flush=True)
+    write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "gemm_flops": gemm_flops,
+                          "len": args.len, "start": args.start, "entries": args.entries, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
