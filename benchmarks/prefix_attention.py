@@ -8,7 +8,10 @@ Rows of ``--len`` queries after ``--start`` earlier tokens, an fp8 window ring a
 in its format with ``--entries`` entries each query sees a causal prefix of (ratio 1: ``start + s +
 1``), a sink. Microseconds a call by ``flashrt.timing.bench_ms`` (graph replays behind an L2 flush);
 both outputs checked against each other first. The floor is the FLOPs of the (query, head, entry)
-pairs each query attends to (4 x D a pair) at the bf16 GEMM rate measured in the same run.
+pairs each query attends to (4 x D a pair) at the bf16 GEMM rate measured in the same run. Then, at
+``--variant-rows`` rows, the prefix kernel under tile variants (``tiles.prefix_attention.prefix``):
+4 warps, the output columns split over two programs, 128 score rows a program, K blocks of 16 / 64,
+one pipeline stage.
 """
 from __future__ import annotations
 
@@ -17,11 +20,23 @@ import argparse
 import torch
 
 import flashrt
-from flashrt import formats, ops, refmath
+from flashrt import formats, ops, profiles, refmath
 from flashrt.dtypes import MAIN_KV_FORMAT
 from flashrt.graphs.config import shipped_config
 from flashrt.timing import bench_ms
+from decode_kernel_variants import with_tiles
 from results_io import write_json
+
+VARIANTS = {
+    "shipped": {},
+    "4 warps": {"num_warps": 4},
+    "columns split over two programs": {"D_SPLIT": 2},
+    "columns split, 4 warps": {"D_SPLIT": 2, "num_warps": 4},
+    "128 score rows a program": {"M_BLOCK": 128},
+    "K blocks of 16": {"K_BLOCK": 16},
+    "K blocks of 64": {"K_BLOCK": 64},
+    "one stage": {"num_stages": 1},
+}
 
 
 def case(cfg, B, S, start, T, dev, g):
@@ -45,6 +60,7 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=512)
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--entries", type=int, default=512)
+    ap.add_argument("--variant-rows", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -74,8 +90,21 @@ def main() -> None:
         print(f"rows {B:3d} x {args.len}: prefix {t_dense:9.1f} us  sparse {t_sparse:9.1f} us  "
               f"{t_sparse / t_dense:5.2f}x  (floor {floor:.1f} us: {100 * floor / t_dense:.1f}% / "
               f"{100 * floor / t_sparse:.1f}%)", flush=True)
+    c = case(cfg, args.variant_rows, args.len, args.start, args.entries, dev, g)
+    variants, first = [], None
+    for label, tiles in VARIANTS.items():
+        with with_tiles("prefix_attention", {"prefix": tiles}), flashrt.use_backend("cuda"), flashrt.value_checks(False):
+            profiles._TILES_CACHE.clear()
+            out = ops.prefix_attention(*c).float()
+            first = out if first is None else first
+            t = bench_ms(lambda: ops.prefix_attention(*c)).ms * 1e3
+        variants.append({"variant": label, "tiles": tiles, "us": t,
+                         "rel_diff_from_first": float((out - first).norm() / first.norm())})
+        print(f"prefix tiles {label:32s} {t:9.1f} us  (diff {variants[-1]['rel_diff_from_first']:.2g})", flush=True)
+    profiles._TILES_CACHE.clear()
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "gemm_flops": gemm_flops,
-                          "len": args.len, "start": args.start, "entries": args.entries, "rows": rows})
+                          "len": args.len, "start": args.start, "entries": args.entries, "rows": rows,
+                          "variant_rows": args.variant_rows, "variants": variants})
 
 
 if __name__ == "__main__":

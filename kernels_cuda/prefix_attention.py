@@ -29,14 +29,16 @@ from flashrt.dtypes import MAIN_KV_FORMAT, STORAGE
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.kernels_cuda import attention, splitk
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.attention_kernel import _attend, _finish, _gather_kv
+from flashrt.kernels_cuda.attention_kernel import _attend, _finish, _gather_kv, _scores
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2, zeros_stored
-from flashrt.tile_checks import DOT
+from flashrt.tile_checks import DOT, Tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 TILES = {
-    # M_BLOCK score rows a program (QB = M_BLOCK / HB queries); K_BLOCK rows gathered a step
-    "prefix": {"M_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2},
+    # M_BLOCK score rows a program (QB = M_BLOCK / HB queries); K_BLOCK rows gathered a step;
+    # D_SPLIT 2: two programs a query block, each accumulating half of the output columns (half the
+    # accumulator's registers) and gathering both halves for the scores
+    "prefix": {"M_BLOCK": 64, "K_BLOCK": 32, "num_warps": 8, "num_stages": 2, "D_SPLIT": 1},
 }
 PLANS = PlanCache("prefix_attention", TILES)
 
@@ -51,17 +53,25 @@ def _prefix_attention_kernel(
         S, H, W, E, qk_scale, D: tl.constexpr,
         FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr, ROLE2: tl.constexpr,
         ROLE3: tl.constexpr, HAS_SINK: tl.constexpr, HAS_ENTRIES: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        PREC: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+        PREC: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+        D_SPLIT: tl.constexpr):
     M: tl.constexpr = QB * HB
+    BW: tl.constexpr = BLOCK_D // D_SPLIT
     b = tl.program_id(1).to(tl.int64)
-    first = tl.program_id(0) * QB
+    first = (tl.program_id(0) // D_SPLIT) * QB
+    c0 = (tl.program_id(0) % D_SPLIT) * BW  # this program's output columns [c0, c0 + BW)
+    c1 = BW - c0  # the other half's (D_SPLIT 2)
     m = tl.arange(0, M)
     qi = first + m // HB  # this score row's query (chunk index) and head
     h = m % HB
     live = (qi < S) & (h < H)
-    d = tl.arange(0, BLOCK_D)
-    row_off = ((b * S + qi) * H + h).to(tl.int64)[:, None] * D + d[None, :]
-    q = tl.load(q_ptr + row_off, mask=live[:, None] & (d < D)[None, :], other=0.0).to(DOT_DTYPE)
+    d = c0 + tl.arange(0, BW)
+    q_row = ((b * S + qi) * H + h).to(tl.int64)[:, None] * D
+    q = tl.load(q_ptr + q_row + d[None, :], mask=live[:, None] & (d < D)[None, :], other=0.0).to(DOT_DTYPE)
+    q_o = q
+    if D_SPLIT == 2:
+        d_o = c1 + tl.arange(0, BW)
+        q_o = tl.load(q_ptr + q_row + d_o[None, :], mask=live[:, None] & (d_o < D)[None, :], other=0.0).to(DOT_DTYPE)
     p_row = tl.load(pos_ptr + b * S + qi, mask=qi < S, other=0)
     chunk_start = tl.load(pos_ptr + b * S)
     ring_start = tl.load(rs_ptr + b)
@@ -69,7 +79,7 @@ def _prefix_attention_kernel(
     p_last = tl.load(pos_ptr + b * S + tl.minimum(first + QB, S) - 1)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, BLOCK_D], tl.float32)
+    acc = tl.zeros([M, BW], tl.float32)
     # K blocks of the window (positions (p_first - W, p_last], each at its [ring ‖ chunk] row), then
     # of the compressed entries 0 .. the block's largest visible count
     u0 = p_first - W + 1
@@ -91,16 +101,23 @@ def _prefix_attention_kernel(
             j = k - n_wb * K_BLOCK
             idx = tl.load(ent_ptr + b * E + j, mask=j < n_e, other=-1)
             seen = live[:, None] & (idx >= 0)[None, :] & (j[None, :] < v_row[:, None])
-        kv = _gather_kv(idx, b, 0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
+        kv = _gather_kv(idx, b, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                         o3, so3, sb3, st3, ssb3, sst3, start3, len3,
-                        FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BLOCK_D, DOT_DTYPE, True)
-        s = tl.dot(q, tl.trans(kv), input_precision=PREC)
+                        FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, D_SPLIT == 1)
+        kv_o = kv
+        if D_SPLIT == 2:
+            kv_o = _gather_kv(idx, b, c1, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
+                              d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
+                              d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
+                              o3, so3, sb3, st3, ssb3, sst3, start3, len3,
+                              FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, False)
+        s = _scores(q, kv, q_o, kv_o, c0 == 0, D_SPLIT, PREC)
         m_i, l_i, acc = _attend(s, kv, seen, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
     sk = tl.load(sink_ptr + h, mask=h < H, other=0.0) * LOG2E if HAS_SINK else 0.0
     out = _finish(acc, m_i, l_i, sk, HAS_SINK)
-    tl.store(out_ptr + row_off, out.to(out_ptr.dtype.element_ty), mask=live[:, None] & (d < D)[None, :])
+    tl.store(out_ptr + q_row + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None] & (d < D)[None, :])
 
 
 def _plan(q: torch.Tensor, codes: tuple, has_entries: bool, has_sink: bool) -> dict | None:
@@ -114,10 +131,11 @@ def _plan(q: torch.Tensor, codes: tuple, has_entries: bool, has_sink: bool) -> d
         return None
     dot_dtype, prec = attention._dot_mode(q.dtype)
     fmt = list(codes) + [0] * (attention.MAX_SEGMENTS - len(codes))
-    return dict(grid=(cdiv(S, qb), B), roles=(0, *roles), constexprs=dict(
+    d_split = t["D_SPLIT"] if next_pow2(D) >= 64 else 1  # halves of >= 32 columns (scale blocks)
+    return dict(grid=(cdiv(S, qb) * d_split, B), roles=(0, *roles), constexprs=dict(
         FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=roles[0], ROLE2=roles[1], ROLE3=roles[2], HAS_SINK=has_sink,
         HAS_ENTRIES=has_entries, DOT_DTYPE=dot_dtype, PREC=prec, QB=qb, HB=hb, K_BLOCK=t["K_BLOCK"],
-        BLOCK_D=next_pow2(D), num_warps=t["num_warps"], num_stages=t["num_stages"]))
+        BLOCK_D=next_pow2(D), D_SPLIT=d_split, num_warps=t["num_warps"], num_stages=t["num_stages"]))
 
 
 def prefix_attention(q, kv, positions, ring_start, window, entries, visible, sink, scale):
@@ -174,7 +192,7 @@ FAMILY = KernelFamily(
     supports={"prefix_attention": Support(
         inputs={"q": attention.PLAIN_DTYPES, "kv": attention.PLAIN_DTYPES + tuple(attention.FMT_CODES)},
         dims={"q[-1]": Dim(32, attention.MAX_D, 32)}, extra=prefix_fits)},
-    tiles=TILES, tile_checks={"prefix.M_BLOCK": DOT, "prefix.K_BLOCK": DOT},
+    tiles=TILES, tile_checks={"prefix.M_BLOCK": DOT, "prefix.K_BLOCK": DOT, "prefix.D_SPLIT": Tile(choices=(1, 2))},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="a prompt chunk's attention over its causal window and a prefix of the compressed entries, "
                 "each KV row gathered once for a block of queries")

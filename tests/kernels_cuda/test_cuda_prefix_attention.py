@@ -67,10 +67,13 @@ def test_fp32_queries(rng):
     _check(_case(rng, 2, 6, 16, 64, 8, 10, q_dtype=torch.float32), tol=1e-4)
 
 
-def test_smaller_blocks(rng):
-    """Two queries a program and 16-row K blocks: the block edges fall elsewhere, same results."""
-    with pinned_tiles(prefix_attention={"prefix": {"M_BLOCK": 32, "K_BLOCK": 16}}):
+@pytest.mark.parametrize("tiles", [{"M_BLOCK": 32, "K_BLOCK": 16}, {"D_SPLIT": 2}, {"D_SPLIT": 2, "M_BLOCK": 128}])
+def test_other_tiles(rng, tiles):
+    """Two or eight queries a program, 16-row K blocks, the output columns split over two programs:
+    the block edges fall elsewhere, the same results."""
+    with pinned_tiles(prefix_attention={"prefix": tiles}):
         _check(_case(rng, 2, 11, 16, 64, 8, 37))
+        _check(_case(rng, 1, 6, 16, 96, 4, 9, q_dtype=torch.float32), tol=1e-4)  # 96: a half is partly padding
 
 
 def test_implied_indices_are_the_window_and_the_visible_prefix(rng):
