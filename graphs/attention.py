@@ -86,11 +86,12 @@ class Attention:
         picked = self._selection(h, qr, ctx) if self.ratio else None
         if h.shape[1] > 1 and (picked is None or picked.indices is None):
             # a prompt chunk that sees its whole window and every visible entry: indices implied
+            entries = visible = None
             if picked is not None:
                 segments += picked.segments
+                entries, visible = picked.entries, picked.visible
             o = ops.prefix_attention(q, tuple(segments), ctx.positions, ctx.state.ring_start[self.layer],
-                                     cfg.window_size, picked and picked.entries, picked and picked.visible,
-                                     self.sink, cfg.head_dim ** -0.5)
+                                     cfg.window_size, entries, visible, self.sink, cfg.head_dim ** -0.5)
         else:
             if ctx.window_index is not None and self.layer in ctx.window_index:
                 indices = ctx.window_index[self.layer]
