@@ -59,6 +59,16 @@ def test_segment_formats(rng, kinds):
     _check(_case(rng, 2, 6, 16, 64, 8, 10, kinds))
 
 
+def test_shared_page_pool_and_staging_segments(rng):
+    """The paged main KV: a batch-1 page pool every row shares and a per-row staging segment of cold
+    rows in the same format (four segments, the fourth joining the pool's dequant path)."""
+    B, S, H, W, D = 2, 7, 16, 8, 64
+    q, kv, positions, ring_start, _, _, vis, sink, scale = _case(rng, B, S, H, D, W, 12)
+    pool, staging = _seg("fp4_b16", 1, 30, D, rng), _seg("fp4_b16", B, 5, D, rng)
+    ent = (W + S + torch.randint(0, 35, (B, 12), generator=rng)).to(torch.int32).to(DEVICE)
+    _check((q, kv[:2] + (pool, staging), positions, ring_start, W, ent, vis, sink, scale))
+
+
 def test_window_only_without_sink(rng):
     _check(_case(rng, 3, 7, 16, 64, 5, 0, entries=False, sink=False))
 
