@@ -84,6 +84,8 @@
 #   sample     greedy sampling: its kernel test on the GPU (tests/kernels_cuda/test_cuda_sample.py), then
 #              the split argmax against torch.argmax at batch 1 / 8 / 64 over the vocabulary
 #              (benchmarks/greedy_pick.py): h200-sample-tests.log, h200-greedy-pick.json
+#   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
+#              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
 # Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed.
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
@@ -93,8 +95,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample or prefix)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|realslice) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix or realslice)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -220,6 +222,10 @@ phase_prefix() {
   tail -n 2 "$OUT/h200-prefix-tests.log"
   python benchmarks/prefix_attention.py --out "$OUT/h200-prefix-attention.json"
   phase_prefill
+}
+
+phase_realslice() {
+  python benchmarks/real_slice.py --batches 1 8 64 --profile 3 --out "$OUT/h200-real-slice-profile.json"
 }
 
 phase_sample() {

@@ -31,7 +31,8 @@ from flashrt.graphs.config import shipped_config
 from flashrt.graphs.device_weights import device_weights
 from flashrt.graphs.engram_hash import bucket_primes
 from flashrt.graphs.model import Model
-from decode_timing import median_step_ms, stepper
+from decode_profile import kernel_times
+from decode_timing import greedy_pick, median_step_ms, stepper
 from results_io import write_json
 
 ROLES = (0, 0, 2, 2, 1, 1, 1, 1)  # compress ratios of the 8-layer slice
@@ -94,15 +95,26 @@ def floor_bytes(cfg, weights: dict, batch: int, context: int) -> dict:
     return {**parts, "total": sum(parts.values()), "distinct_experts_per_layer": distinct}
 
 
-def measure(model, batch: int, prompt: int, steps: int, chunk: int) -> float:
-    """Median ms of a decode step replayed from CUDA graphs after a ``prompt``-token prefill."""
+def measure(model, batch: int, prompt: int, steps: int, chunk: int, profile: int = 0) -> tuple[float, list]:
+    """Median ms of a decode step replayed from CUDA graphs after a ``prompt``-token prefill, and
+    with ``profile`` > 0 the GPU kernels of that many more replays (decode_profile.kernel_times)."""
     gen = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, model.cfg.vocab_size, (batch, prompt), generator=gen).to(model.device)
-    state = model.new_state(batch, prompt + steps + 8)
+    state = model.new_state(batch, prompt + steps + profile + 8)
     with flashrt.value_checks(False):
         for c0 in range(0, prompt, chunk):
             logits = model.forward(ids[:, c0:c0 + chunk], state=state)
-        return median_step_ms(stepper(model, state, graph=True), logits.argmax(-1), steps, greedy=True)
+        step = stepper(model, state, graph=True)
+        tok = greedy_pick(logits)
+        ms = median_step_ms(step, tok, steps, greedy=True)
+        if not profile:
+            return ms, []
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(profile):
+                step(tok)
+            torch.cuda.synchronize()
+        return ms, kernel_times(prof, profile)
 
 
 def main() -> None:
@@ -114,6 +126,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=64, help="prefill tokens per forward call and sequence")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also record the GPU kernels of STEPS more replays per batch (their time per step, by name)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -127,15 +141,19 @@ def main() -> None:
           f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB; copy {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for batch in args.batches:
-        step_ms = measure(model, batch, args.prompt, args.steps, args.chunk)
+        step_ms, kernels = measure(model, batch, args.prompt, args.steps, args.chunk, args.profile)
         floor = floor_bytes(cfg, weights, batch, args.prompt + args.steps)
         floor_ms = floor["total"] / bw * 1e3
         row = {"batch": batch, "step_ms": step_ms, "per_layer_ms": step_ms / cfg.n_layers, "floor_ms": floor_ms,
                "per_layer_floor_ms": floor_ms / cfg.n_layers, "floor_ratio": step_ms / floor_ms, "floor_bytes": floor,
                "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+        if kernels:
+            row["kernels"] = kernels
         rows.append(row)
         print(f"batch {batch:4d}: step {step_ms:7.2f} ms ({row['per_layer_ms']:.3f} ms/layer), floor {floor_ms:6.3f} ms "
               f"-> {row['floor_ratio']:.1f}x floor", flush=True)
+        for k in kernels[:12]:
+            print(f"    {k['us_per_step']:9.1f} us  x{k['launches_per_step']:5.1f}  {k['kernel'][:80]}", flush=True)
     write_json(args.out, {"model": args.model, "config": cfg.to_dict(), "device": torch.cuda.get_device_name(),
                           "copy_bytes_per_s": bw, "build_s": build_s, "prompt": args.prompt, "rows": rows})
 

@@ -72,6 +72,7 @@ class Tile:
 
 POW2 = Tile(pow2=True)                         # a block size: tl.arange needs a power of two
 DOT = Tile(low=16, pow2=True)                  # a tl.dot dimension: a power of two >= 16
+GEMM_ROWS = Tile(pow2=True)                    # a block-scaled GEMM's row tile: >= 16 a tl.dot, below it multiply-adds
 WARPS = Tile(high=32, pow2=True)               # warps per program
 STAGES = Tile(high=8)                          # software-pipeline stages
 COUNT0 = Tile(low=0)                           # a count where 0 means "decide" (e.g. the SM count)

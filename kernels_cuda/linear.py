@@ -25,7 +25,7 @@ import triton.language as tl
 
 from flashrt import jit_targets, profiles
 from flashrt.families import KernelFamily, Support
-from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
+from flashrt.tile_checks import COUNT0, GEMM_ROWS, POW2, Tile, gemm_smem
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant, splitk
 from flashrt.kernels_cuda.codecs import INTERPRETED
@@ -235,7 +235,7 @@ def warmup_cases(device, d: dict, dtype):
 
 
 SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
-TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": DOT, "linear.BLOCK_N": SCALED,
+TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": GEMM_ROWS, "linear.BLOCK_N": SCALED,
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
                "fp8_mma": Tile(nullable=True, kind=bool), "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),

@@ -107,12 +107,32 @@ def _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn,
 
 
 @triton.jit
-def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
-            FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr = False):
-    """fp32 [BLOCK_M, BLOCK_N] of xq @ w.T over K in [k_lo, k_hi) (and of xq @ w3.T when DUAL).
-    QX: ``a_rows`` point at float activation rows, quantized to fp8 per 32 in registers (the bytes
-    ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range)."""
+def _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
+                FP4: tl.constexpr, DUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, QX: tl.constexpr):
+    """:func:`_k_loop` for row tiles under 16 (a GEMV: decode's few rows): both operands dequantized
+    to fp32 in registers, their products added elementwise into [BLOCK_M, BLOCK_N, BLOCK_K] partial
+    sums, reduced over K once at the end. No MMA: its 16-row minimum would spend 15 of 16 rows on
+    nothing at one row, and the weight tile is used where it was decoded, without the trip through
+    shared memory a dot operand takes. Products of E4M3 / E2M1 values are exact in fp32; only the
+    order of the fp32 sums differs from the MMA paths."""
+    part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+    part3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, tl.float32, BLOCK_M, BLOCK_K)[:, None, :]
+        b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, tl.float32, BLOCK_N, BLOCK_K)
+        part += a * b[None, :, :]
+        if DUAL:
+            b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, tl.float32, BLOCK_N, BLOCK_K)
+            part3 += a * b3[None, :, :]
+    return tl.sum(part, axis=2), tl.sum(part3, axis=2)
+
+
+@triton.jit
+def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
+                FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr):
+    """:func:`_k_loop` for row tiles of 16 and more: ``tl.dot`` per 32-wide K slice (PROMOTE) or per K block."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -140,6 +160,23 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
             if DUAL:
                 b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K)
                 acc3 = tl.dot(a, tl.trans(b3), acc3)
+    return acc, acc3
+
+
+@triton.jit
+def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
+            FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr = False):
+    """fp32 [BLOCK_M, BLOCK_N] of xq @ w.T over K in [k_lo, k_hi) (and of xq @ w3.T when DUAL).
+    QX: ``a_rows`` point at float activation rows, quantized to fp8 per 32 in registers (the bytes
+    ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range).
+    Row tiles under 16 take the multiply-add loop (PROMOTE and DOT do not apply), others the MMA loop."""
+    if BLOCK_M < 16:
+        acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
+                                stride_swn, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX)
+    else:
+        acc, acc3 = _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
+                                stride_swn, FP4, PROMOTE, DUAL, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX)
     return acc, acc3
 
 

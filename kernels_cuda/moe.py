@@ -44,7 +44,7 @@ import torch
 
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.formats import QTensor
-from flashrt.tile_checks import COUNT0, DOT, POW2, Tile, gemm_smem
+from flashrt.tile_checks import COUNT0, GEMM_ROWS, POW2, Tile, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
 from flashrt.kernels_cuda import moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
@@ -121,7 +121,8 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
         return plan
     direct = E == 1 and k == 1 and tiles["direct"] and not shared
     pairs_mode = not direct and n <= tiles["pair_tiles"]
-    t, knobs = split_tile(pick_tile(tiles["experts"], n * k / E), KNOBS)
+    # the rows a tile serves: one in pairs mode, else the mean rows per expert
+    t, knobs = split_tile(pick_tile(tiles["experts"], 1 if pairs_mode else n * k / E), KNOBS)
     pairs = n * k
     routed = cdiv(n, t["BLOCK_M"]) if direct else pairs if pairs_mode else min(pairs, cdiv(pairs, t["BLOCK_M"]) + E)
     row_tiles, rows = routed + (cdiv(n, t["BLOCK_M"]) if shared else 0), pairs + (n if shared else 0)
@@ -272,7 +273,7 @@ FAMILY = KernelFamily(
                                              "w2": WEIGHT_FORMATS, "shared": (*WEIGHT_FORMATS, *FLOATS)},
                                      dims={"w1[1]": Dim(0, None, 32)},
                                      extra=same_up_format)},
-    tiles=TILES, tile_checks={"experts.BLOCK_M": DOT, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
+    tiles=TILES, tile_checks={"experts.BLOCK_M": GEMM_ROWS, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
                               "experts.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                               "experts.split_min_blocks": Tile(nullable=True, kind=int),
                               "experts.split_k": Tile(nullable=True, kind=int),

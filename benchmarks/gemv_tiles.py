@@ -1,0 +1,138 @@
+"""Decode-sized block-scaled GEMMs under row tiles under 16 (the multiply-add K loop) against the
+active profile's tiles, next to their weight-read floor.
+
+    python benchmarks/gemv_tiles.py --model v4.1-flash --out F
+
+Cases, at the model's dimensions: ``linear`` with ``fp8_w`` weights on each attention projection
+shape at 1 / 4 / 8 rows, and ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`` shared expert
+in the same launches) at 1 / 8 tokens. Each variant puts one rule in front of the active profile's
+rules for that many rows (``tiles.linear.linear`` / ``tiles.moe.experts``); "profile" is the
+active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
+replays from a CUDA graph, each behind an L2 flush), the weight bytes the call must read over the
+device-to-device copy bandwidth measured in the same run (its floor), and the largest difference
+of the output from the profile's (the variants sum fp32 products in another order).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from flashrt import formats, ops, profiles
+import flashrt
+from flashrt.graphs.config import shipped_config
+from flashrt.kernels_cuda import linear, moe
+from flashrt.timing import bench_ms
+from real_slice import copy_bandwidth, nbytes
+from results_io import write_json
+
+
+def fma(block_m: int, block_n: int, block_k: int, warps: int = 4, stages: int = 3, **knobs) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+                split_min_blocks=knobs.pop("split_min_blocks", 1), **knobs)
+
+
+# label -> tile for the rows of the case (BLOCK_M: the smallest power of two >= those rows)
+VARIANTS = {
+    "N32 K128": dict(block_n=32, block_k=128),
+    "N32 K256": dict(block_n=32, block_k=256),
+    "N64 K128": dict(block_n=64, block_k=128),
+    "N32 K512": dict(block_n=32, block_k=512),
+    "N32 K256, 8 warps": dict(block_n=32, block_k=256, warps=8),
+    "N64 K256, 8 warps": dict(block_n=64, block_k=256, warps=8),
+    "N32 K256, 2 stages": dict(block_n=32, block_k=256, stages=2),
+    "N32 K128, splits of 2 blocks": dict(block_n=32, block_k=128, split_min_blocks=2),
+    "N32 K64": dict(block_n=32, block_k=64),
+}
+
+
+def with_rule(family: str, entry: str, rows: int, tile: dict | None):
+    """The active profile with ``[rows, tile]`` in front of ``tiles.<family>.<entry>``'s rules."""
+    base = profiles.active_profile()
+    if tile is None:
+        return profiles.using(base)
+    merged = {k: dict(v) for k, v in base.tiles.items()}
+    rules = {"linear": linear, "moe": moe}[family]._tiles()[entry]  # the active rules (defaults merged)
+    merged.setdefault(family, {})[entry] = [[rows, tile]] + [list(r) for r in rules]
+    return profiles.using(dataclasses.replace(base, tiles=merged))
+
+
+def linear_cases(cfg, dev, g):
+    """(name, rows, family, entry, call, weight bytes) of the fp8_w projections."""
+    shapes = {"wq_a + wkv": (cfg.q_lora_rank + cfg.head_dim, cfg.dim),
+              "wq_b": (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank), "wo_b": (cfg.dim, cfg.o_groups * cfg.o_lora_rank)}
+    for name, (n, k) in shapes.items():
+        w = formats.quantize(torch.randn(n, k, generator=g) * 0.05, "fp8_w").to(dev)
+        for m in (1, 4, 8):
+            x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
+            yield f"linear {name} {n}x{k}", m, "linear", "linear", (lambda x=x, w=w: ops.linear(x, w)), nbytes(w)
+
+
+def expert_cases(cfg, dev, g):
+    """moe_experts at 1 and 8 tokens: random fp4 bytes (every code) for the routed experts."""
+    E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def fp4(*shape):
+        data = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), dtype=torch.uint8, device=dev, generator=gen)
+        scale = torch.randint(119, 123, (*shape[:-1], shape[-1] // 32), dtype=torch.uint8, device=dev, generator=gen)
+        return formats.QTensor(data, scale.view(torch.float8_e8m0fnu), "fp4_w", shape)
+
+    w1, w3, w2 = fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)
+    shared = tuple(formats.quantize(torch.randn(1, *s, generator=g) * 0.05, "fp8_w").to(dev)
+                   for s in ((I, D), (I, D), (D, I)))
+    per_expert = sum(nbytes(w) for w in (w1, w3, w2)) / E
+    for n in (1, 8):
+        x = torch.randn(n, D, generator=g).to(dev, torch.bfloat16)
+        idx = torch.rand(n, E, generator=g).topk(k).indices.to(dev, torch.int32)
+        rw = torch.rand(n, k, generator=g).to(dev)
+        touched = len(torch.unique(idx))
+        call = (lambda x=x, idx=idx, rw=rw: ops.moe_experts(x, rw, idx, w1, w3, w2, 10.0, None, torch.bfloat16,
+                                                            shared))
+        yield (f"moe_experts E{E} top{k} {D}x{I} + shared", n, "moe", "experts", call,
+               touched * per_expert + sum(nbytes(w) for w in shared))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="v4.1-flash")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("a CUDA device is needed")
+    cfg, dev, g = shipped_config(args.model), torch.device("cuda"), torch.Generator().manual_seed(0)
+    bw = copy_bandwidth(dev)
+    rows = []
+    with flashrt.use_backend("cuda"), flashrt.value_checks(False):
+        for name, m, family, entry, call, weight_bytes in [*linear_cases(cfg, dev, g), *expert_cases(cfg, dev, g)]:
+            floor_us = weight_bytes / bw * 1e6
+            block_m = 1 << (m - 1).bit_length()
+            first = None
+            for label, v in {"profile": None, **VARIANTS}.items():
+                tile = None if v is None else fma(block_m, **v)
+                with with_rule(family, entry, m, tile):
+                    profiles._TILES_CACHE.clear()
+                    try:
+                        out = call()
+                        t = bench_ms(call)
+                    except Exception as e:  # a tile that does not compile or fit: recorded, not fatal
+                        error = f"{type(e).__name__}: {e}"[:300]
+                        rows.append({"case": name, "rows": m, "variant": label, "error": error})
+                        print(f"{name:44s} m={m:2d} {label:30s} failed: {rows[-1]['error'][:80]}", flush=True)
+                        continue
+                first = out.clone() if first is None else first
+                us = 1e3 * t.ms
+                rows.append({"case": name, "rows": m, "variant": label, "tile": tile, "us_per_call": us,
+                             "floor_us": floor_us, "of_floor": floor_us / us,
+                             "timing": "graph" if t.graph is not None else "plain",
+                             "max_abs_diff_from_profile": float((out.float() - first.float()).abs().max())})
+                print(f"{name:44s} m={m:2d} {label:30s} {us:8.2f} us  floor {floor_us:7.2f} us "
+                      f"({100 * floor_us / us:5.1f}%)  diff {rows[-1]['max_abs_diff_from_profile']:.3g}", flush=True)
+    profiles._TILES_CACHE.clear()
+    write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw,
+                          "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
