@@ -84,6 +84,10 @@
 #   sample     greedy sampling: its kernel test on the GPU (tests/kernels_cuda/test_cuda_sample.py), then
 #              the split argmax against torch.argmax at batch 1 / 8 / 64 over the vocabulary
 #              (benchmarks/greedy_pick.py): h200-sample-tests.log, h200-greedy-pick.json
+#   gemv       row tiles under 16 (the multiply-add K loop): their GPU tests, then the fp8_w projections and
+#              the experts at 1-8 rows under tile variants against the profile's tiles, at the real
+#              dimensions and at small's (benchmarks/gemv_tiles.py): h200-gemv-tests.log,
+#              h200-gemv-tiles-v41.json, h200-gemv-tiles-small.json
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
@@ -95,8 +99,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|realslice) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix or realslice)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|realslice) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv or realslice)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -222,6 +226,13 @@ phase_prefix() {
   tail -n 2 "$OUT/h200-prefix-tests.log"
   python benchmarks/prefix_attention.py --out "$OUT/h200-prefix-attention.json"
   phase_prefill
+}
+
+phase_gemv() {
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_gemv.py > "$OUT/h200-gemv-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-gemv-tests.log"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --out "$OUT/h200-gemv-tiles-v41.json"
+  python benchmarks/gemv_tiles.py --model small --out "$OUT/h200-gemv-tiles-small.json"
 }
 
 phase_realslice() {
