@@ -4,9 +4,9 @@ active profile's tiles, next to their weight-read floor.
     python benchmarks/gemv_tiles.py --model v4.1-flash --out F
 
 Cases, at the model's dimensions: ``linear`` with ``fp8_w`` weights on each attention projection
-shape at 1 / 4 / 8 rows, and ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`` shared expert
+shape at 1 / 4 rows, and ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`` shared expert
 in the same launches) at 1 / 8 tokens. Each variant puts one rule in front of the active profile's
-rules for that many rows (``tiles.linear.linear`` / ``tiles.moe.experts``); "profile" is the
+rules for the case's rows (the experts: for one row a tile) (``tiles.linear.linear`` / ``tiles.moe.experts``); "profile" is the
 active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
 replays from a CUDA graph, each behind an L2 flush), the weight bytes the call must read over the
 device-to-device copy bandwidth measured in the same run (its floor), and the largest difference
@@ -33,17 +33,14 @@ def fma(block_m: int, block_n: int, block_k: int, warps: int = 4, stages: int = 
                 split_min_blocks=knobs.pop("split_min_blocks", 1), **knobs)
 
 
-# label -> tile for the rows of the case (BLOCK_M: the smallest power of two >= those rows)
+# label -> tile (BLOCK_M: the case's)
 VARIANTS = {
     "N32 K128": dict(block_n=32, block_k=128),
     "N32 K256": dict(block_n=32, block_k=256),
     "N64 K128": dict(block_n=64, block_k=128),
-    "N32 K512": dict(block_n=32, block_k=512),
     "N32 K256, 8 warps": dict(block_n=32, block_k=256, warps=8),
     "N64 K256, 8 warps": dict(block_n=64, block_k=256, warps=8),
-    "N32 K256, 2 stages": dict(block_n=32, block_k=256, stages=2),
     "N32 K128, splits of 2 blocks": dict(block_n=32, block_k=128, split_min_blocks=2),
-    "N32 K64": dict(block_n=32, block_k=64),
 }
 
 
@@ -59,18 +56,19 @@ def with_rule(family: str, entry: str, rows: int, tile: dict | None):
 
 
 def linear_cases(cfg, dev, g):
-    """(name, rows, family, entry, call, weight bytes) of the fp8_w projections."""
+    """(name, rows, rule limit, BLOCK_M, family, entry, call, weight bytes) of the fp8_w projections."""
     shapes = {"wq_a + wkv": (cfg.q_lora_rank + cfg.head_dim, cfg.dim),
               "wq_b": (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank), "wo_b": (cfg.dim, cfg.o_groups * cfg.o_lora_rank)}
     for name, (n, k) in shapes.items():
         w = formats.quantize(torch.randn(n, k, generator=g) * 0.05, "fp8_w").to(dev)
-        for m in (1, 4, 8):
+        for m in (1, 4):
             x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
-            yield f"linear {name} {n}x{k}", m, "linear", "linear", (lambda x=x, w=w: ops.linear(x, w)), nbytes(w)
+            yield f"linear {name} {n}x{k}", m, m, m, "linear", "linear", (lambda x=x, w=w: ops.linear(x, w)), nbytes(w)
 
 
 def expert_cases(cfg, dev, g):
-    """moe_experts at 1 and 8 tokens: random fp4 bytes (every code) for the routed experts."""
+    """moe_experts at 1 and 8 tokens: random fp4 bytes (every code) for the routed experts; one-row
+    tiles (pairs mode at 1 token; at 8, routing-table tiles of about one row an expert)."""
     E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -90,7 +88,7 @@ def expert_cases(cfg, dev, g):
         touched = len(torch.unique(idx))
         call = (lambda x=x, idx=idx, rw=rw: ops.moe_experts(x, rw, idx, w1, w3, w2, 10.0, None, torch.bfloat16,
                                                             shared))
-        yield (f"moe_experts E{E} top{k} {D}x{I} + shared", n, "moe", "experts", call,
+        yield (f"moe_experts E{E} top{k} {D}x{I} + shared", n, 1, 1, "moe", "experts", call,
                touched * per_expert + sum(nbytes(w) for w in shared))
 
 
@@ -105,13 +103,13 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     rows = []
     with flashrt.use_backend("cuda"), flashrt.value_checks(False):
-        for name, m, family, entry, call, weight_bytes in [*linear_cases(cfg, dev, g), *expert_cases(cfg, dev, g)]:
+        for name, m, limit, block_m, family, entry, call, weight_bytes in [*linear_cases(cfg, dev, g),
+                                                                           *expert_cases(cfg, dev, g)]:
             floor_us = weight_bytes / bw * 1e6
-            block_m = 1 << (m - 1).bit_length()
             first = None
             for label, v in {"profile": None, **VARIANTS}.items():
                 tile = None if v is None else fma(block_m, **v)
-                with with_rule(family, entry, m, tile):
+                with with_rule(family, entry, limit, tile):
                     profiles._TILES_CACHE.clear()
                     try:
                         out = call()

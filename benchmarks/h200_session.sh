@@ -86,8 +86,7 @@
 #              (benchmarks/greedy_pick.py): h200-sample-tests.log, h200-greedy-pick.json
 #   gemv       row tiles under 16 (the multiply-add K loop): their GPU tests, then the fp8_w projections and
 #              the experts at 1-8 rows under tile variants against the profile's tiles, at the real
-#              dimensions and at small's (benchmarks/gemv_tiles.py): h200-gemv-tests.log,
-#              h200-gemv-tiles-v41.json, h200-gemv-tiles-small.json
+#              dimensions (benchmarks/gemv_tiles.py): h200-gemv-tests.log, h200-gemv-tiles-v41.json
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
@@ -232,7 +231,6 @@ phase_gemv() {
   timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_gemv.py > "$OUT/h200-gemv-tests.log" 2>&1
   tail -n 2 "$OUT/h200-gemv-tests.log"
   python benchmarks/gemv_tiles.py --model v4.1-flash --out "$OUT/h200-gemv-tiles-v41.json"
-  python benchmarks/gemv_tiles.py --model small --out "$OUT/h200-gemv-tiles-small.json"
 }
 
 phase_realslice() {
