@@ -6,8 +6,9 @@ active profile's tiles, next to their weight-read floor.
 Cases, at the model's dimensions: ``linear`` with ``fp8_w`` weights on each attention projection
 shape at 1 / 4 rows, and ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`` shared expert
 in the same launches) at 1 / 8 tokens. Each variant puts one rule in front of the active profile's
-rules for the case's rows (the experts: for one row a tile) (``tiles.linear.linear`` / ``tiles.moe.experts``); "profile" is the
-active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
+rules for the case's rows (``tiles.linear.linear`` / ``tiles.moe.experts``; the experts: for one
+row a tile), or, for the experts, sets a ``tiles.linear`` entry (``fp4_dot_scaled``); "profile" is
+the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
 replays from a CUDA graph, each behind an L2 flush), the weight bytes the call must read over the
 device-to-device copy bandwidth measured in the same run (its floor), and the largest difference
 of the output from the profile's (the variants sum fp32 products in another order).
@@ -42,16 +43,19 @@ VARIANTS = {
     "N64 K256, 8 warps": dict(block_n=64, block_k=256, warps=8),
     "N32 K128, splits of 2 blocks": dict(block_n=32, block_k=128, split_min_blocks=2),
 }
+# label -> tiles.linear entries, the profile's rules kept: the fp4_w cases (the experts) only
+FP4_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"fp4_dot_scaled": True}}
 
 
-def with_rule(family: str, entry: str, rows: int, tile: dict | None):
-    """The active profile with ``[rows, tile]`` in front of ``tiles.<family>.<entry>``'s rules."""
+def with_rule(family: str, entry: str, rows: int, tile: dict | None, linear_tiles: dict | None = None):
+    """The active profile with ``[rows, tile]`` in front of ``tiles.<family>.<entry>``'s rules (None:
+    its rules as they are) and ``linear_tiles`` merged into its ``tiles.linear``."""
     base = profiles.active_profile()
-    if tile is None:
-        return profiles.using(base)
     merged = {k: dict(v) for k, v in base.tiles.items()}
-    rules = {"linear": linear, "moe": moe}[family]._tiles()[entry]  # the active rules (defaults merged)
-    merged.setdefault(family, {})[entry] = [[rows, tile]] + [list(r) for r in rules]
+    if tile is not None:
+        rules = {"linear": linear, "moe": moe}[family]._tiles()[entry]  # the active rules (defaults merged)
+        merged.setdefault(family, {})[entry] = [[rows, tile]] + [list(r) for r in rules]
+    merged.setdefault("linear", {}).update(linear_tiles or {})
     return profiles.using(dataclasses.replace(base, tiles=merged))
 
 
@@ -95,6 +99,8 @@ def expert_cases(cfg, dev, g):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="v4.1-flash")
+    ap.add_argument("--variants", nargs="+", default=None, metavar="LABEL",
+                    help="only these variants (and the profile's tiles); default: all")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -107,9 +113,13 @@ def main() -> None:
                                                                            *expert_cases(cfg, dev, g)]:
             floor_us = weight_bytes / bw * 1e6
             first = None
-            for label, v in {"profile": None, **VARIANTS}.items():
-                tile = None if v is None else fma(block_m, **v)
-                with with_rule(family, entry, limit, tile):
+            variants = {"profile": (None, None), **{k: (fma(block_m, **v), None) for k, v in VARIANTS.items()}}
+            if family == "moe":
+                variants.update({k: (None, v) for k, v in FP4_VARIANTS.items()})
+            for label, (tile, linear_tiles) in variants.items():
+                if args.variants and label != "profile" and label not in args.variants:
+                    continue
+                with with_rule(family, entry, limit, tile, linear_tiles):
                     profiles._TILES_CACHE.clear()
                     try:
                         out = call()
@@ -121,7 +131,8 @@ def main() -> None:
                         continue
                 first = out.clone() if first is None else first
                 us = 1e3 * t.ms
-                rows.append({"case": name, "rows": m, "variant": label, "tile": tile, "us_per_call": us,
+                rows.append({"case": name, "rows": m, "variant": label, "tile": tile, "linear_tiles": linear_tiles,
+                             "us_per_call": us,
                              "floor_us": floor_us, "of_floor": floor_us / us,
                              "timing": "graph" if t.graph is not None else "plain",
                              "max_abs_diff_from_profile": float((out.float() - first.float()).abs().max())})

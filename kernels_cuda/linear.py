@@ -8,7 +8,12 @@ computes ``dequant(xq) @ dequant(w).T`` tile by tile. Two ways to run the MMA (c
 - promote (``fp8_w`` on sm_89 / sm_90): ``tl.dot`` on the raw E4M3 operands one 32-wide K slice at a
   time; each slice's product is scaled by ``sx[row] * sw[col]`` and added to the fp32 accumulator;
 - dequant (``fp4_w`` everywhere, ``fp8_w`` on sm_80): both operands are dequantized in registers
-  (exact in bf16: E4M3 / E2M1 times a power of two) and one bf16 ``tl.dot`` per K block accumulates.
+  (exact in bf16: E4M3 / E2M1 times a power of two) and one bf16 ``tl.dot`` per K block accumulates;
+  with the ``fp4_dot_scaled`` tile, ``fp4_w`` goes to ``tl.dot_scaled`` as packed E2M1 bytes and
+  UE8M0 scales instead (the same values: Triton decodes them).
+
+Row tiles under 16 (a profile's decode rule) take neither: a multiply-add K loop over fp32 operands
+(``linear_kernel._fma_k_loop``).
 
 E4M3 weights reach the kernels as float8e4nv on sm_89+ and as uint8 below (Triton rejects the fp8
 type there), activations as uint8; the kernels bitcast in registers. Under the Triton interpreter
@@ -56,6 +61,9 @@ TILES = {
     "group_m": 8,
     "split_k": None,  # None: split K when the output tiles do not fill the SMs; or a forced count
     "fp8_mma": None,  # None: fp8 tl.dot where the device has it (sm_89+); True / False force a path
+    # fp4_w weights in the MMA loop through tl.dot_scaled (Triton decodes the E2M1 bytes and scales) in
+    # place of this module's decode; row tiles under 16 keep the multiply-add loop
+    "fp4_dot_scaled": False,
     # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
     # docs/performance.md, linear fp8_w)
@@ -87,6 +95,11 @@ def mma_mode(fmt: str):
     if INTERPRETED:
         return promote, tl.float32
     return promote, (tl.float8e4nv if promote else tl.bfloat16)
+
+
+def fp4_dot_scaled() -> bool:
+    """Whether fp4_w weights go through ``tl.dot_scaled`` (the ``fp4_dot_scaled`` tile)."""
+    return bool(_tiles()["fp4_dot_scaled"])
 
 
 def pick_tile(rules, rows: int) -> dict:
@@ -150,7 +163,8 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=out_dtype, fused=fused, reduce=reduce,
                 bf16_gemm=big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16,
                 constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"],
-                                OUT=TL_DTYPES[out_dtype], QX=fused, REDUCE=reduce, **t))
+                                OUT=TL_DTYPES[out_dtype], QX=fused, REDUCE=reduce,
+                                SCALED=fmt == "fp4_w" and fp4_dot_scaled(), **t))
 
 
 def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -237,7 +251,7 @@ def warmup_cases(device, d: dict, dtype):
 SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
 TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": GEMM_ROWS, "linear.BLOCK_N": SCALED,
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
-               "fp8_mma": Tile(nullable=True, kind=bool), "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
+               "fp8_mma": Tile(nullable=True, kind=bool), "fp4_dot_scaled": Tile(kind=bool), "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_reduce": Tile(nullable=True, kind=bool)}
 

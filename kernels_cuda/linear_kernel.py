@@ -53,6 +53,22 @@ def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn,
 
 
 @triton.jit
+def _w_packed(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``fp4_w`` rows [n0, n0 + BLOCK_N) at K block k0 as ``tl.dot_scaled``'s e2m1 operand: the bytes
+    [BLOCK_K // 2, BLOCK_N] (two K elements a byte, the low nibble first) and the UE8M0 scale bytes
+    [BLOCK_N, BLOCK_K // 32]."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    n_ok = offs_n < N
+    w = tl.load(w_ptr + offs_n[None, :] * stride_wn + kb[:, None], mask=n_ok[None, :] & (kb * 2 < k_hi)[:, None],
+                other=0)
+    s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + kg[None, :], mask=n_ok[:, None] & (kg * 32 < k_hi)[None, :],
+                other=0)
+    return w, s
+
+
+@triton.jit
 def _x_fp8(a_rows, ok, kg, G: tl.constexpr, BLOCK_M: tl.constexpr):
     """Float activations x[:, kg + 0..31] quantized in registers to ``fp8`` (what act_quant stores):
     (E4M3 bytes uint8 [BLOCK_M, G, 32], UE8M0 bytes int32 [BLOCK_M, G])."""
@@ -131,8 +147,11 @@ def _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
 @triton.jit
 def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
                 FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr):
-    """:func:`_k_loop` for row tiles of 16 and more: ``tl.dot`` per 32-wide K slice (PROMOTE) or per K block."""
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr,
+                SCALED: tl.constexpr):
+    """:func:`_k_loop` for row tiles of 16 and more: ``tl.dot`` per 32-wide K slice (PROMOTE) or per K
+    block; SCALED (fp4_w): ``tl.dot_scaled`` on the packed E2M1 bytes and their scales (Triton's own
+    decode of the weights, in place of :func:`_w_block`'s)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -153,6 +172,13 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                 acc = _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, DOT, BLOCK_N)
                 if DUAL:
                     acc3 = _promote(acc3, a, sa, w3_ptr, sw3_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, DOT, BLOCK_N)
+        elif FP4 and SCALED:  # the activations exact in bf16 (E4M3 times a power of two)
+            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K).to(tl.bfloat16)
+            wq, ws = _w_packed(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, BLOCK_N, BLOCK_K)
+            acc = tl.dot_scaled(a, None, "bf16", wq, ws, "e2m1", acc)
+            if DUAL:
+                wq3, ws3 = _w_packed(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, BLOCK_N, BLOCK_K)
+                acc3 = tl.dot_scaled(a, None, "bf16", wq3, ws3, "e2m1", acc3)
         else:
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
             b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K)
@@ -166,17 +192,19 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
 @triton.jit
 def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
             FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr = False):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr = False,
+            SCALED: tl.constexpr = False):
     """fp32 [BLOCK_M, BLOCK_N] of xq @ w.T over K in [k_lo, k_hi) (and of xq @ w3.T when DUAL).
     QX: ``a_rows`` point at float activation rows, quantized to fp8 per 32 in registers (the bytes
     ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range).
-    Row tiles under 16 take the multiply-add loop (PROMOTE and DOT do not apply), others the MMA loop."""
+    Row tiles under 16 take the multiply-add loop (PROMOTE, DOT and SCALED do not apply), others the
+    MMA loop (SCALED: fp4_w through ``tl.dot_scaled``)."""
     if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
                                 stride_swn, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX)
     else:
         acc, acc3 = _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
-                                stride_swn, FP4, PROMOTE, DUAL, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX)
+                                stride_swn, FP4, PROMOTE, DUAL, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, SCALED)
     return acc, acc3
 
 
@@ -185,7 +213,7 @@ def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
                    stride_xm, stride_sxm, stride_wn, stride_swn, stride_om, stride_os,
                    FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, OUT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   QX: tl.constexpr, REDUCE: tl.constexpr):
+                   QX: tl.constexpr, REDUCE: tl.constexpr, SCALED: tl.constexpr):
     """One output tile's K range. QX: xq_ptr holds the float x (quantized here). REDUCE: the tile's
     splits meet in :func:`.splitk.store_tile`; otherwise split s stores at out + s * stride_os."""
     pid = tl.program_id(0)
@@ -200,7 +228,7 @@ def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
     r64 = rows.to(tl.int64)
     acc, _ = _k_loop(xq_ptr + r64 * stride_xm, sx_ptr + r64 * stride_sxm, rows < M, w_ptr, sw_ptr, w_ptr, sw_ptr,
                      n0, N, k_lo, tl.minimum(k_lo + k_split, K), stride_wn, stride_swn,
-                     FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX)
+                     FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, SCALED)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     ok = (rows < M)[:, None] & (offs_n < N)[None, :]
     out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os

@@ -74,11 +74,12 @@ def test_the_kernels_give_the_indexer_paths_logits(wide, rng, monkeypatch):
     """On the cuda backend (the prefix kernel against the indexer, top-k and sparse kernels): the same
     logits up to the attention outputs' bf16 rounding (the kernels sum in other orders)."""
     pytest.importorskip("triton")
-    from kernel_check import kernels_available, record_launches
+    from kernel_check import DEVICE, kernels_available, record_launches
     if not kernels_available():
         pytest.skip("cuda backend unavailable")
-    cfg, model = wide
-    ids = torch.randint(0, cfg.vocab_size, (1, 7), generator=rng)
+    cfg = wide[0]
+    model = Model(cfg, init_weights(cfg, seed=1, device=DEVICE))  # the GPU's, where there is one (else the interpreter's)
+    ids = torch.randint(0, cfg.vocab_size, (1, 7), generator=rng).to(DEVICE)
     with flashrt.use_backend("cuda"):
         want = _logits(model, ids, (7,), True, monkeypatch)
         names = record_launches(monkeypatch)
