@@ -88,7 +88,10 @@ def test_shared_with_split_k(rng, launches, routed, shared_fmt, pair_tiles):
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, shared=shared)
     assert rel_err(got, want) < 2e-3 and rel_err(unsplit, want) < 2e-3
-    assert rel_err(got, unsplit) < 1e-5  # the fp32 sums in another order, then the same roundings
+    # the fp32 sums in another order, then the same roundings: a sum one ulp across a rounding point
+    # of gate / up (x.dtype) or of h's fp8 code moves that element by a step (~1e-5 of the norm);
+    # a lost or doubled partial moves it by ~1
+    assert rel_err(got, unsplit) < 1e-4
 
 
 def test_pair_tiles_equal_the_tables(rng, launches):
