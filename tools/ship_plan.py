@@ -5,13 +5,16 @@ into the plan shipped with flashrt (``core/jit_plans/triton-<version>/<name>.jso
 
 The recorded entries come first, in the order the run first loaded them (the order a cold start's
 compile pool compiles them in), then the shipped entries the recording lacks (variants of other
-runs: other batch sizes, serving), unless ``--drop-rest``; at most ``jit_plans.MAX_ENTRIES``. The
-Triton version is the recorded file's folder (``triton-<version>``) unless ``--triton`` names
+runs: other batch sizes, serving), unless ``--drop-rest``, less those the current code cannot
+compile (the kernel gone, or its parameters changed since they were recorded); at most
+``jit_plans.MAX_ENTRIES``. The Triton version is the recorded file's folder (``triton-<version>``) unless ``--triton`` names
 it. Prints, per file, the entries recorded, kept from before and dropped.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
 from pathlib import Path
 
@@ -25,6 +28,17 @@ def shipped_path(recorded: Path, triton: str | None, root: Path = SHIPPED) -> Pa
     if not folder.startswith("triton-"):
         raise ValueError(f"--triton: {recorded} is not in a triton-<version> folder; expected --triton VERSION")
     return root / folder / recorded.name
+
+
+def matches_code(entry: dict) -> bool:
+    """Whether the entry's kernel exists with the parameters its signature names (a kernel that
+    gained or lost a parameter since the entry was recorded would compile a variant no run loads)."""
+    try:
+        fn = getattr(importlib.import_module(entry["module"]), entry["name"])
+        names = list(json.loads(entry["data"])["signature"])
+    except (ImportError, AttributeError, KeyError, ValueError):
+        return False
+    return list(inspect.signature(getattr(fn, "fn", fn)).parameters) == names
 
 
 def ship(recorded: Path, target: Path, drop_rest: bool = False) -> dict:
@@ -42,7 +56,7 @@ def ship(recorded: Path, target: Path, drop_rest: bool = False) -> dict:
             seen.add(entry_key(e))
             first.append(e)
     old = read_entries(target)
-    rest = [] if drop_rest else [e for e in old if entry_key(e) not in seen]
+    rest = [] if drop_rest else [e for e in old if entry_key(e) not in seen and matches_code(e)]
     merged = (first + rest)[:MAX_ENTRIES]
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(target, plan_text(header["arch"], header["profile"], header["model"], merged))

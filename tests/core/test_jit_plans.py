@@ -138,10 +138,11 @@ def _ship_plan():
 
 
 @pytest.mark.parametrize("drop_rest", [False, True])
-def test_ship_plan_puts_the_recording_first_in_its_order(tmp_path, drop_rest):
+def test_ship_plan_puts_the_recording_first_in_its_order(tmp_path, monkeypatch, drop_rest):
     """tools/ship_plan.py: the recorded entries in their order (once each), then the shipped
     entries the recording lacks unless dropped; the recorded header names the file's plan."""
     ship_plan = _ship_plan()
+    monkeypatch.setattr(ship_plan, "matches_code", lambda entry: True)  # the entries' signature is made up
     blocks = random.sample(range(1, 1000), 9)
     recorded_blocks, old_blocks = blocks[:5] + blocks[:1], blocks[3:]  # blocks 3 and 4 in both
     recorded = tmp_path / "rec" / "triton-9.9.9" / "sm_90-h200-small.json"
@@ -163,3 +164,35 @@ def test_ship_plan_puts_the_recording_first_in_its_order(tmp_path, drop_rest):
     (tmp_path / "empty.json").write_text("{}")
     with pytest.raises(ValueError, match="RECORDED: expected a plan file with entries"):
         ship_plan.ship(tmp_path / "empty.json", target)
+
+
+def test_ship_plan_drops_entries_the_code_no_longer_has(tmp_path):
+    """Shipped entries whose kernel is gone or whose parameters changed since they were recorded
+    are not carried over; an entry naming the kernel's parameters as they are is."""
+    import inspect
+
+    from flashrt.kernels_cuda import norm_rope
+
+    ship_plan = _ship_plan()
+    params = list(inspect.signature(norm_rope._rms_norm_kernel.fn).parameters)
+    block = random.randrange(1, 1000)
+
+    def entry(name, names):
+        data = json.dumps({"name": name, "signature": {p: "i32" for p in names}, "constant_keys": [],
+                           "constant_vals": [block], "attrs_keys": [], "attrs_vals": [], "options": {}})
+        return {"module": "flashrt.kernels_cuda.norm_rope", "name": name, "data": data}
+
+    current, renamed, extra = entry("_rms_norm_kernel", params), entry("_rms_norm_kernel", params[:-1] + ["X"]), \
+        entry("_rms_norm_kernel", params + ["NEW"])
+    gone = entry("_no_such_kernel", params)
+    assert ship_plan.matches_code(current)
+    assert not any(ship_plan.matches_code(e) for e in (renamed, extra, gone))
+    recorded = tmp_path / "triton-9.9.9" / "sm_90-h200-small.json"
+    recorded.parent.mkdir(parents=True)
+    recorded.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(7)]).decode())
+    target = tmp_path / "ship" / "sm_90-h200-small.json"
+    target.parent.mkdir(parents=True)
+    target.write_text(jit_plans.plan_text("sm_90", "h200", "small", [renamed, current, gone, extra]).decode())
+    report = ship_plan.ship(recorded, target)
+    assert [e["data"] for e in jit_plans.read_entries(target)] == [_entry(7)["data"], current["data"]]
+    assert report["recorded"] == 1 and report["kept"] == 1 and report["dropped"] == 3

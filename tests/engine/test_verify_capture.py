@@ -259,10 +259,11 @@ def test_captured_verify_replays_the_static_step(rng, commit):
         else:
             spec.keep(model, static, ids, counts)
     _same_caches(model, eager, static)
-    # the commit's own graphs add shapes: fewer rounds replay than with the eager commit (h200-gpu-tests-engine.log)
-    replays = 10 if commit == "eager" else 4
-    assert graphs.stats["replayed"] > replays and graphs.stats["captured"] >= K and graphs.stats["eager"] == 0, \
-        graphs.stats
+    # every round ran from static buffers, captured or replayed (how many shapes repeat depends on
+    # the random counts; the commit's own graphs add shapes), and repeated shapes replayed
+    stats = graphs.stats
+    assert stats["eager"] == 0 and stats["captured"] >= K and stats["replayed"] > 0, stats
+    assert stats["captured"] + stats["replayed"] >= 30, stats
     if commit == "graph":
         assert any(callable(c) for c in graphs.commits.values()), graphs.commits  # commits replayed from graphs
 
