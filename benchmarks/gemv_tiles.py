@@ -7,7 +7,7 @@ Cases, at the model's dimensions: ``linear`` with ``fp8_w`` weights on each atte
 shape at 1 / 4 rows, and ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`` shared expert
 in the same launches) at 1 / 8 tokens. Each variant puts one rule in front of the active profile's
 rules for the case's rows (``tiles.linear.linear`` / ``tiles.moe.experts``; the experts: for one
-row a tile), or, for the experts, sets a ``tiles.linear`` entry (``fp4_dot_scaled``); "profile" is
+row a tile), or, for the experts, sets ``tiles.linear.fp4_decode``; "profile" is
 the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
 replays from a CUDA graph, each behind an L2 flush), the weight bytes the call must read over the
 device-to-device copy bandwidth measured in the same run (its floor), and the largest difference
@@ -44,7 +44,8 @@ VARIANTS = {
     "N32 K128, splits of 2 blocks": dict(block_n=32, block_k=128, split_min_blocks=2),
 }
 # label -> tiles.linear entries, the profile's rules kept: the fp4_w cases (the experts) only
-FP4_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"fp4_dot_scaled": True}}
+FP4_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"fp4_decode": "dot_scaled"},
+                "profile, fp4 decoded packed": {"fp4_decode": "packed"}}
 
 
 def with_rule(family: str, entry: str, rows: int, tile: dict | None, linear_tiles: dict | None = None):

@@ -87,11 +87,13 @@
 #   gemv       row tiles under 16 (the multiply-add K loop): their GPU tests, then the fp8_w projections and
 #              the experts at 1-8 rows under tile variants against the profile's tiles, at the real
 #              dimensions (benchmarks/gemv_tiles.py): h200-gemv-tests.log, h200-gemv-tiles-v41.json
-#   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_dot_scaled): its GPU tests
-#              (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens with and without it
-#              (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension slice and
-#              small's decode and prefill under a copy of the profile with it on
-#              (h200-real-slice-fp4-{off,on}.json, h200-e2e-fp4-on.json)
+#   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
+#              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
+#              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
+#              slice and small's decode and prefill under a copy of the profile with it on
+#              (h200-real-slice-fp4-scaled-{off,on}.json, h200-e2e-fp4-scaled.json)
+#   fp4packed  the same for the packed decode (fp4_decode: packed): h200-fp4-packed-tests.log,
+#              h200-gemv-fp4-packed.json, h200-real-slice-fp4-packed-{off,on}.json, h200-e2e-fp4-packed.json
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
@@ -103,8 +105,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|realslice) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot or realslice)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|realslice) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed or realslice)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -238,20 +240,29 @@ phase_gemv() {
   python benchmarks/gemv_tiles.py --model v4.1-flash --out "$OUT/h200-gemv-tiles-v41.json"
 }
 
-phase_fp4dot() {
-  local on
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_fp4_scaled.py \
-    > "$OUT/h200-fp4-scaled-tests.log" 2>&1
-  tail -n 2 "$OUT/h200-fp4-scaled-tests.log"
+fp4_decode_runs() {  # MODE NAME: the fp4dot / fp4packed phases (tiles.linear.fp4_decode MODE)
+  local mode=$1 name=$2 on
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_fp4_scaled.py \
+    tests/kernels_cuda/test_cuda_fp4_packed.py > "$OUT/h200-fp4-$name-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-fp4-$name-tests.log"
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants "profile, fp4 through tl.dot_scaled" \
-    --out "$OUT/h200-gemv-fp4-scaled.json" | grep moe_experts
-  on=$(mktemp -d)/h200-fp4-scaled.yaml  # a profile's name is its file's
-  python -c "import sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = 'h200-fp4-scaled'; \
-p['tiles'].setdefault('linear', {})['fp4_dot_scaled'] = True; yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$on"
-  python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-fp4-off.json" | grep batch
-  FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-fp4-on.json" | grep batch
+    "profile, fp4 decoded packed" --out "$OUT/h200-gemv-fp4-$name.json" | grep moe_experts
+  on=$(mktemp -d)/h200-fp4-$name.yaml  # a profile's name is its file's
+  python -c "import sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = 'h200-fp4-$name'; \
+p['tiles'].setdefault('linear', {})['fp4_decode'] = sys.argv[2]; yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$on" "$mode"
+  python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-fp4-$name-off.json" | grep batch
+  FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-fp4-$name-on.json" \
+    | grep batch
   FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
-    --modes cuda+graph --out "$OUT/h200-e2e-fp4-on.json"
+    --modes cuda+graph --out "$OUT/h200-e2e-fp4-$name.json"
+}
+
+phase_fp4dot() {
+  fp4_decode_runs dot_scaled scaled
+}
+
+phase_fp4packed() {
+  fp4_decode_runs packed packed
 }
 
 phase_realslice() {

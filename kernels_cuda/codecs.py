@@ -12,7 +12,9 @@ Element decoders (stored bytes widened to int32 unless said otherwise), all exac
   returns NaN);
 - :func:`e2m1_x16384` E2M1 codes (sign in bit 3) -> value times 2**-14 as fp16 (the 0.5 code is an
   fp16 subnormal, kept by the fp16 -> fp32 conversion where an fp32 subnormal could be flushed);
-  :func:`e2m1_to_f32` the fp32 value.
+  :func:`e2m1_to_f32` the fp32 value; :func:`e2m1_pairs_bf16` both codes of each byte times their
+  UE8M0 scale as bf16, decoded in packed registers by :data:`E2M1_PAIRS_PTX` (sm_90+, not the
+  interpreter).
 
 Row decoder: :func:`dequant_rows` turns a ``[R, bytes]`` tile of stored rows and its ``[R, blocks]``
 scale bytes into fp32 ``[R, elements]`` for every KV / key format (codes :data:`CODES`).
@@ -100,6 +102,70 @@ else:  # a Triton that cannot ask for the target inside a kernel: the hardware c
 def e2m1_x16384(c):
     """E2M1 codes (int32, low 4 bits, sign in bit 3) -> value * 2**-14 as fp16 (the code's bits in fp16's)."""
     return (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+# Four fp4 bytes (eight E2M1 codes) in $4 -> their values times the scales: the low nibbles' four
+# bf16 in $0 (bytes 0, 1) and $1 (bytes 2, 3), the high nibbles' in $2 and $3; $5 / $6 hold the
+# bf16 scales of bytes 0, 1 / 2, 3. prmt spreads two bytes to the two 16-bit halves of a register;
+# a code's 3 magnitude bits are moved to bf16 bits 6-8 and its sign to bit 15, which reads as the
+# code's value times 2**-126 (the 0.5 code a bf16 subnormal); one multiply by 2**126 (0x7E80) makes
+# it exact, one by the scale applies the block's power of two (sm_90's bf16x2 multiplies keep
+# subnormals). About 3 instructions a code, where the bit-by-bit decode takes about 9.
+E2M1_PAIRS_TEXT = """
+{
+.reg .b32 x, y, t, u, z, k;
+mov.b32 z, 0;
+mov.b32 k, 0x7E807E80;
+prmt.b32 x, $4, z, 0x4140;
+prmt.b32 y, $4, z, 0x4342;
+shl.b32 t, x, 6;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, x, 12;
+and.b32 u, u, 0x80008000;
+or.b32 $0, t, u;
+mul.rn.bf16x2 $0, $0, k;
+mul.rn.bf16x2 $0, $0, $5;
+shl.b32 t, y, 6;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, y, 12;
+and.b32 u, u, 0x80008000;
+or.b32 $1, t, u;
+mul.rn.bf16x2 $1, $1, k;
+mul.rn.bf16x2 $1, $1, $6;
+shl.b32 t, x, 2;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, x, 8;
+and.b32 u, u, 0x80008000;
+or.b32 $2, t, u;
+mul.rn.bf16x2 $2, $2, k;
+mul.rn.bf16x2 $2, $2, $5;
+shl.b32 t, y, 2;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, y, 8;
+and.b32 u, u, 0x80008000;
+or.b32 $3, t, u;
+mul.rn.bf16x2 $3, $3, k;
+mul.rn.bf16x2 $3, $3, $6;
+}
+"""
+E2M1_PAIRS_PTX = tl.constexpr(E2M1_PAIRS_TEXT)  # as a kernel reads it
+
+
+@triton.jit
+def e8m0_bf16(u):
+    """UE8M0 scale bytes (int32) -> ``2**(u - 127)`` as bf16: the byte in bf16's exponent field, 0 ->
+    the subnormal 2**-127, 255 -> NaN."""
+    bits = tl.where(u == 0, 0x40, tl.where(u == 255, 0x7FC0, u << 7))
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_pairs_bf16(byte, scale):
+    """fp4 bytes (uint8, two E2M1 codes each: the low nibble first) and a bf16 scale per byte (same
+    shape) -> (low codes' values, high codes' values) times the scales, bf16 (exact down to bf16's
+    smallest normal, 2**-126; below, bf16 subnormals), :data:`E2M1_PAIRS_PTX`."""
+    return tl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit

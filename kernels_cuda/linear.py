@@ -8,9 +8,10 @@ computes ``dequant(xq) @ dequant(w).T`` tile by tile. Two ways to run the MMA (c
 - promote (``fp8_w`` on sm_89 / sm_90): ``tl.dot`` on the raw E4M3 operands one 32-wide K slice at a
   time; each slice's product is scaled by ``sx[row] * sw[col]`` and added to the fp32 accumulator;
 - dequant (``fp4_w`` everywhere, ``fp8_w`` on sm_80): both operands are dequantized in registers
-  (exact in bf16: E4M3 / E2M1 times a power of two) and one bf16 ``tl.dot`` per K block accumulates;
-  with the ``fp4_dot_scaled`` tile, ``fp4_w`` goes to ``tl.dot_scaled`` as packed E2M1 bytes and
-  UE8M0 scales instead (the same values: Triton decodes them).
+  (exact in bf16: E4M3 / E2M1 times a power of two) and one bf16 ``tl.dot`` per K block accumulates.
+  The ``fp4_decode`` tile picks how E2M1 codes are decoded: code by code ("bits"), by
+  ``tl.dot_scaled`` on the packed bytes and UE8M0 scales ("dot_scaled": Triton decodes them), or two
+  codes a byte in packed registers ("packed", sm_90+); the same values each way.
 
 Row tiles under 16 (a profile's decode rule) take neither: a multiply-add K loop over fp32 operands
 (``linear_kernel._fma_k_loop``).
@@ -61,9 +62,11 @@ TILES = {
     "group_m": 8,
     "split_k": None,  # None: split K when the output tiles do not fill the SMs; or a forced count
     "fp8_mma": None,  # None: fp8 tl.dot where the device has it (sm_89+); True / False force a path
-    # fp4_w weights in the MMA loop through tl.dot_scaled (Triton decodes the E2M1 bytes and scales) in
-    # place of this module's decode; row tiles under 16 keep the multiply-add loop
-    "fp4_dot_scaled": False,
+    # how the MMA loop decodes fp4_w codes: "bits" (code by code: linear_kernel._w_block), "dot_scaled"
+    # (the bytes and scales to tl.dot_scaled: Triton decodes them), "packed" (two codes a byte in
+    # packed registers: codecs.e2m1_pairs_bf16; sm_90+, "bits" elsewhere and under the interpreter).
+    # The same values either way; row tiles under 16 keep the multiply-add loop
+    "fp4_decode": "bits",
     # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
     # docs/performance.md, linear fp8_w)
@@ -97,9 +100,16 @@ def mma_mode(fmt: str):
     return promote, (tl.float8e4nv if promote else tl.bfloat16)
 
 
-def fp4_dot_scaled() -> bool:
-    """Whether fp4_w weights go through ``tl.dot_scaled`` (the ``fp4_dot_scaled`` tile)."""
-    return bool(_tiles()["fp4_dot_scaled"])
+FP4_DECODES = ("bits", "dot_scaled", "packed")  # the E2M1 constexpr of the kernels: the index
+
+
+def fp4_decode() -> int:
+    """The kernels' E2M1 constexpr for the ``fp4_decode`` tile on this device: the packed decode's
+    bf16x2 multiplies need sm_90 (and a GPU: inline PTX), else the bit decode (the same values)."""
+    mode = FP4_DECODES.index(_tiles()["fp4_decode"])
+    if mode == 2 and (INTERPRETED or jit_targets.capability() < (9, 0)):
+        return 0
+    return mode
 
 
 def pick_tile(rules, rows: int) -> dict:
@@ -164,7 +174,7 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
                 bf16_gemm=big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16,
                 constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"],
                                 OUT=TL_DTYPES[out_dtype], QX=fused, REDUCE=reduce,
-                                SCALED=fmt == "fp4_w" and fp4_dot_scaled(), **t))
+                                E2M1=fp4_decode() if fmt == "fp4_w" else 0, **t))
 
 
 def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -251,7 +261,7 @@ def warmup_cases(device, d: dict, dtype):
 SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
 TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": GEMM_ROWS, "linear.BLOCK_N": SCALED,
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
-               "fp8_mma": Tile(nullable=True, kind=bool), "fp4_dot_scaled": Tile(kind=bool), "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
+               "fp8_mma": Tile(nullable=True, kind=bool), "fp4_decode": Tile(choices=FP4_DECODES), "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_reduce": Tile(nullable=True, kind=bool)}
 

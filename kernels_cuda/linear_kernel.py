@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashrt.kernels_cuda.codecs import e2m1_x16384, e4m3_x256, e8m0_to_f32, pow2, quant_fp8
+from flashrt.kernels_cuda.codecs import e2m1_pairs_bf16, e2m1_x16384, e4m3_x256, e8m0_bf16, e8m0_to_f32, pow2, quant_fp8
 from flashrt.kernels_cuda.splitk import store_tile
 
 
@@ -28,13 +28,22 @@ def _e4m3_operand(b, DOT: tl.constexpr):
 
 @triton.jit
 def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn,
-             FP4: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT."""
+             FP4: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             E2M1: tl.constexpr = 0):
+    """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT. fp4_w with
+    E2M1 == 2: the codes decoded two a byte in packed registers (codecs.e2m1_pairs_bf16) into bf16."""
     G: tl.constexpr = BLOCK_K // 32
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kg = k0 + tl.arange(0, G) * 32
     ok = (offs_n < N)[:, None] & (kg < k_hi)[None, :]  # [BN, G]
-    if FP4:
+    if FP4 and E2M1 == 2:
+        j = tl.arange(0, 16)
+        ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
+        byte = tl.load(ptrs, mask=ok[:, :, None], other=0)
+        s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + (kg // 32)[None, :], mask=ok, other=0).to(tl.int32)
+        lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(e8m0_bf16(s)[:, :, None], (BLOCK_N, G, 16)))
+        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # element 2i low nibble, 2i + 1 high
+    elif FP4:
         j = tl.arange(0, 16)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
         byte = tl.load(ptrs, mask=ok[:, :, None], other=0).to(tl.int32)
@@ -148,10 +157,10 @@ def _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
 def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
                 FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr,
-                SCALED: tl.constexpr):
+                E2M1: tl.constexpr):
     """:func:`_k_loop` for row tiles of 16 and more: ``tl.dot`` per 32-wide K slice (PROMOTE) or per K
-    block; SCALED (fp4_w): ``tl.dot_scaled`` on the packed E2M1 bytes and their scales (Triton's own
-    decode of the weights, in place of :func:`_w_block`'s)."""
+    block; fp4_w with E2M1 == 1: ``tl.dot_scaled`` on the packed E2M1 bytes and their scales (Triton's
+    own decode of the weights, in place of :func:`_w_block`'s)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -172,7 +181,7 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                 acc = _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, DOT, BLOCK_N)
                 if DUAL:
                     acc3 = _promote(acc3, a, sa, w3_ptr, sw3_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, DOT, BLOCK_N)
-        elif FP4 and SCALED:  # the activations exact in bf16 (E4M3 times a power of two)
+        elif FP4 and E2M1 == 1:  # the activations exact in bf16 (E4M3 times a power of two)
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K).to(tl.bfloat16)
             wq, ws = _w_packed(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, BLOCK_N, BLOCK_K)
             acc = tl.dot_scaled(a, None, "bf16", wq, ws, "e2m1", acc)
@@ -181,10 +190,11 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                 acc3 = tl.dot_scaled(a, None, "bf16", wq3, ws3, "e2m1", acc3)
         else:
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
-            b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K)
+            b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K, E2M1)
             acc = tl.dot(a, tl.trans(b), acc)
             if DUAL:
-                b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K)
+                b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K,
+                              E2M1)
                 acc3 = tl.dot(a, tl.trans(b3), acc3)
     return acc, acc3
 
@@ -193,18 +203,19 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
 def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
             FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr = False,
-            SCALED: tl.constexpr = False):
+            E2M1: tl.constexpr = 0):
     """fp32 [BLOCK_M, BLOCK_N] of xq @ w.T over K in [k_lo, k_hi) (and of xq @ w3.T when DUAL).
     QX: ``a_rows`` point at float activation rows, quantized to fp8 per 32 in registers (the bytes
     ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range).
-    Row tiles under 16 take the multiply-add loop (PROMOTE, DOT and SCALED do not apply), others the
-    MMA loop (SCALED: fp4_w through ``tl.dot_scaled``)."""
+    E2M1: how the MMA loop decodes fp4_w codes (0 bit by bit, 1 ``tl.dot_scaled``, 2 two a byte in
+    packed registers). Row tiles under 16 take the multiply-add loop (PROMOTE, DOT and E2M1 do not
+    apply), others the MMA loop."""
     if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
                                 stride_swn, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX)
     else:
         acc, acc3 = _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
-                                stride_swn, FP4, PROMOTE, DUAL, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, SCALED)
+                                stride_swn, FP4, PROMOTE, DUAL, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
     return acc, acc3
 
 
@@ -213,7 +224,7 @@ def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
                    stride_xm, stride_sxm, stride_wn, stride_swn, stride_om, stride_os,
                    FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, OUT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   QX: tl.constexpr, REDUCE: tl.constexpr, SCALED: tl.constexpr):
+                   QX: tl.constexpr, REDUCE: tl.constexpr, E2M1: tl.constexpr):
     """One output tile's K range. QX: xq_ptr holds the float x (quantized here). REDUCE: the tile's
     splits meet in :func:`.splitk.store_tile`; otherwise split s stores at out + s * stride_os."""
     pid = tl.program_id(0)
@@ -228,7 +239,7 @@ def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
     r64 = rows.to(tl.int64)
     acc, _ = _k_loop(xq_ptr + r64 * stride_xm, sx_ptr + r64 * stride_sxm, rows < M, w_ptr, sw_ptr, w_ptr, sw_ptr,
                      n0, N, k_lo, tl.minimum(k_lo + k_split, K), stride_wn, stride_swn,
-                     FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, SCALED)
+                     FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     ok = (rows < M)[:, None] & (offs_n < N)[None, :]
     out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os

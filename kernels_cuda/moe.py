@@ -49,7 +49,7 @@ from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
 from flashrt.kernels_cuda import moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
-from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fp4_dot_scaled, mma_mode,
+from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fp4_decode, mma_mode,
                                          pick_tile, split_tile, weight_operands)
 from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_up_kernel
 from flashrt.refmath_moe import experts_loop, finish_experts
@@ -172,7 +172,7 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
         o1[0], o1[1], o3[0], o3[1], o1[0].stride(-2), o1[1].stride(-2), tab["tiles"], n * k, k,
         FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=plan["qx"],
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
-        PROMOTE_S=promote_s, DOT_S=dot_s, SCALED=fp4_dot_scaled(), **t)
+        PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=fp4_decode(), **t)
     return hq, sh
 
 
@@ -198,7 +198,7 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
         o2[0], o2[1], o2[0].stride(-2), o2[1].stride(-2), tab["tiles"], n * k,
         FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
         COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, PAIRS=plan["pairs"],
-        SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s, SCALED=fp4_dot_scaled(), **t)
+        SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=fp4_decode(), **t)
     return y
 
 

@@ -69,9 +69,11 @@ def test_overlapped_steps_give_the_outputs_of_plain_steps(model, rng, pages):
     kw = {}
     if pages == "tight":  # room for a few sequences: preemptions (swaps, and recomputes past swap_bytes)
         kw = dict(max_kv_pages=8, swap_bytes=1 << 14)
-        # four sequences admitted at 2 pages each fill the 8; each needs a third past position 64
+        # four sequences admitted first (the earliest arrivals) at 2 pages each fill the 8; each needs
+        # a third past position 64 (no early end on the end-of-sequence token)
         burst = [torch.randint(0, 256, (60,), generator=rng).tolist() for _ in range(4)]
-        arrivals.setdefault(0, []).extend((p, SamplingParams(temperature=0, max_tokens=12)) for p in burst)
+        arrivals[0] = [(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in burst] + \
+            arrivals.get(0, [])
     plain, counters = _run(model, arrivals, overlap=False, **kw), {}
     assert _run(model, arrivals, counters=counters, overlap=True, **kw) == plain
     assert (counters["preemptions"] > 0) == (pages == "tight")

@@ -1,4 +1,4 @@
-"""``fp4_w`` weights through ``tl.dot_scaled`` (the ``tiles.linear.fp4_dot_scaled`` switch): Triton
+"""``fp4_w`` weights through ``tl.dot_scaled`` (``tiles.linear.fp4_decode: dot_scaled``): Triton
 decodes the packed E2M1 bytes and UE8M0 scales in the MMA loop in place of the kernels' own decode.
 The same values reach the same fp32 accumulation, so ``linear`` and ``moe_experts`` match the
 reference and the kernels' own decode on fresh random inputs: ragged K and column edges, split K,
@@ -14,7 +14,7 @@ pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
 
-ON = dict(fp4_dot_scaled=True)
+ON = dict(fp4_decode="dot_scaled")
 
 
 def _weight(rng, fmt, *shape):
@@ -39,7 +39,7 @@ def test_linear_fp4(rng, dtype, m, n, k, split):
     w = _weight(rng, "fp4_w", n, k)
     rules = [[None, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)]]
     with pinned_tiles(linear=dict(ON, linear=rules, split_k=split)):
-        assert lin._linear_plan(m, n, k, dtype, "fp4_w")["constexprs"]["SCALED"]
+        assert lin._linear_plan(m, n, k, dtype, "fp4_w")["constexprs"]["E2M1"] == 1
         got = _cuda("linear", x, w)
         assert_counters_zero(got)
     with pinned_tiles(linear=dict(linear=rules, split_k=split)):
@@ -51,7 +51,7 @@ def test_linear_fp4(rng, dtype, m, n, k, split):
 
 def test_fp8_weights_ignore_the_switch(rng):
     with pinned_tiles(linear=ON):
-        assert not lin._linear_plan(4, 64, 64, torch.bfloat16, "fp8_w")["constexprs"]["SCALED"]
+        assert lin._linear_plan(4, 64, 64, torch.bfloat16, "fp8_w")["constexprs"]["E2M1"] == 0
 
 
 @pytest.mark.parametrize("n,pair_tiles", [(1, 1), (6, 0)])

@@ -1,0 +1,153 @@
+"""The packed E2M1 decode (``tiles.linear.fp4_decode: packed``, ``codecs.E2M1_PAIRS_TEXT``).
+
+Its PTX text runs here through a small emulator of the instructions it uses (``prmt``, shifts,
+masks, ``mul.rn.bf16x2``) on every byte and a spread of UE8M0 scales, against the ``fp4_w``
+format's values; on an sm_90 GPU, ``linear`` and ``moe_experts`` with the packed decode against
+the bit decode and the reference. Under the interpreter the launcher falls back to the bit decode."""
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import flashrt
+from flashrt import formats, ops
+from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
+
+pytestmark = requires_kernels
+codecs = pytest.importorskip("flashrt.kernels_cuda.codecs")
+lin = pytest.importorskip("flashrt.kernels_cuda.linear")
+
+PACKED = dict(fp4_decode="packed")
+SM90 = GPU and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _bf16x2_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Two bf16 lanes per uint32, multiplied lane by lane with round to nearest even."""
+    def lanes(x):
+        halves = np.stack([x & 0xFFFF, x >> 16], axis=-1).astype(np.uint16)
+        return torch.from_numpy(halves.view(np.int16).copy()).view(torch.bfloat16)
+    prod = (lanes(a).float() * lanes(b).float()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return prod[..., 0].astype(np.uint32) | (prod[..., 1].astype(np.uint32) << 16)
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = np.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        assert nib < 8, "sign-replicate selectors are not emulated"
+        out |= pool[nib] << (8 * i)
+    return out
+
+
+def run_ptx(text: str, operands: dict) -> dict:
+    """Execute ``text`` (the instructions E2M1_PAIRS_PTX uses) on uint32 arrays; ``operands`` maps
+    ``$n`` to its input array; returns every register, ``$n`` outputs included."""
+    regs = {f"${k}": v.astype(np.uint32) for k, v in operands.items()}
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    for line in text.strip().splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            regs[dst] = np.broadcast_to(val(src[0]), next(iter(operands.values())).shape).astype(np.uint32)
+        elif op == "prmt.b32":
+            regs[dst] = _prmt(val(src[0]), val(src[1]), int(src[2], 0))
+        elif op == "shl.b32":
+            regs[dst] = (val(src[0]) << np.uint32(int(src[1], 0))) & np.uint32(0xFFFFFFFF)
+        elif op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            regs[dst] = val(src[0]) | val(src[1])
+        elif op == "mul.rn.bf16x2":
+            regs[dst] = _bf16x2_mul(val(src[0]), val(src[1]))
+        else:
+            raise AssertionError(f"instruction not emulated: {line}")
+    return regs
+
+
+def _bf16_bits(values: torch.Tensor) -> np.ndarray:
+    return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+
+
+def test_the_ptx_decodes_every_byte_and_scale(rng):
+    """Words of four random fp4 bytes (every byte value among them) and per-pair scales from the
+    whole UE8M0 range: each output lane is the byte's low / high code times its scale, in bf16."""
+    assert set(re.findall(r"^\s*([a-z][a-z0-9.]*)\s", codecs.E2M1_PAIRS_TEXT, re.M)) <= {
+        "mov.b32", "prmt.b32", "shl.b32", "and.b32", "or.b32", "mul.rn.bf16x2"}
+    n = 4096
+    data = torch.randint(0, 256, (n, 4), generator=rng, dtype=torch.uint8)
+    data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
+    scale_bytes = torch.randint(0, 256, (n, 2), generator=rng)
+    scale_bytes[:8] = torch.tensor([[0, 1], [126, 127], [128, 200], [254, 255], [100, 3], [120, 122], [140, 9], [60, 0]])
+    scales = torch.where(scale_bytes == 255, float("nan"), torch.exp2(scale_bytes.double() - 127))
+    word = data.numpy().astype(np.uint32)
+    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    sb = _bf16_bits(scales)  # exact: powers of two in bf16's range (2**-127 a subnormal), NaN
+    out = run_ptx(codecs.E2M1_PAIRS_TEXT, {4: word, 5: sb[:, 0] * 0x10001, 6: sb[:, 1] * 0x10001})
+    codes = torch.stack([data & 15, data >> 4], dim=-1).long()  # [n, 4 bytes, low / high]
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    values = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    want = _bf16_bits(values * scales.repeat_interleave(2, dim=1)[:, :, None])  # bytes 0, 1 scale 0; 2, 3 scale 1
+    lanes = {0: (0, 0), 1: (2, 0), 2: (0, 1), 3: (2, 1)}  # output reg -> (first byte, low / high nibble)
+    for reg, (first, nibble) in lanes.items():
+        got = out[f"${reg}"]
+        for half in (0, 1):
+            g = (got >> (16 * half)) & 0xFFFF
+            w = want[:, first + half, nibble]
+            nan = np.isnan(scales[:, (first + half) // 2].numpy())
+            np.testing.assert_array_equal(g[~nan], w[~nan], err_msg=f"${reg} lane {half}")
+            assert ((g[nan] & 0x7F80) == 0x7F80).all() and (g[nan] & 0x7F).all()  # NaN for the NaN scale
+
+
+def test_the_interpreter_keeps_the_bit_decode():
+    with pinned_tiles(linear=PACKED):
+        assert lin.fp4_decode() == (2 if SM90 else 0)
+        assert lin._linear_plan(1, 64, 64, torch.bfloat16, "fp4_w")["constexprs"]["E2M1"] == lin.fp4_decode()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_linear_packed_gpu(rng, m):
+    x = torch.randn(m, 5120, generator=rng).to(DEVICE, torch.bfloat16)
+    w = formats.quantize(torch.randn(2304, 5120, generator=rng) * 0.05, "fp4_w").to(DEVICE)
+    with flashrt.use_backend("cuda"):
+        with pinned_tiles(linear=PACKED):
+            got = ops.linear(x, w)
+        with pinned_tiles():
+            bits = ops.linear(x, w)
+    with flashrt.use_backend("reference"):
+        want = ops.linear(x, w)
+    assert rel_err(got, bits) < 1e-6 and rel_err(got, want) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_experts_packed_gpu(rng, n):
+    """Routed fp4 experts with an fp8 shared expert in the same launches."""
+    E, k, D, I = 64, 6, 1024, 512
+    x = torch.randn(n, D, generator=rng).to(DEVICE, torch.bfloat16)
+    idx = torch.rand(n, E, generator=rng).topk(k).indices.to(DEVICE, torch.int32)
+    rw = torch.rand(n, k, generator=rng).to(DEVICE)
+    ws = [formats.quantize(torch.randn(*s, generator=rng) * 0.05, "fp4_w").to(DEVICE)
+          for s in ((E, I, D), (E, I, D), (E, D, I))]
+    shared = tuple(formats.quantize(torch.randn(1, *s, generator=rng) * 0.05, "fp8_w").to(DEVICE)
+                   for s in ((I, D), (I, D), (D, I)))
+    args = (x, rw, idx, *ws, 10.0)
+    with flashrt.use_backend("cuda"):
+        with pinned_tiles(linear=PACKED):
+            got = ops.moe_experts(*args, shared=shared)
+        with pinned_tiles():
+            bits = ops.moe_experts(*args, shared=shared)
+    with flashrt.use_backend("reference"):
+        want = ops.moe_experts(*args, shared=shared)
+    assert rel_err(got, bits) < 1e-6 and rel_err(got, want) < 2e-3
