@@ -94,6 +94,10 @@
 #              (h200-real-slice-fp4-scaled-{off,on}.json, h200-e2e-fp4-scaled.json)
 #   fp4packed  the same for the packed decode (fp4_decode: packed): h200-fp4-packed-tests.log,
 #              h200-gemv-fp4-packed.json, h200-real-slice-fp4-packed-{off,on}.json, h200-e2e-fp4-packed.json
+#   grouped    the experts of prefill-sized calls as bf16 grouped GEMMs (tiles.moe.grouped_min_rows: 256
+#              under a copy of the profile): their GPU tests (h200-moe-grouped-tests.log), the prefill
+#              forwards by row count without and with it (h200-prefill-rows-grouped-{off,on}.json) and
+#              small's e2e with it (h200-e2e-moe-grouped.json)
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
@@ -105,8 +109,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|realslice) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed or realslice)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|realslice) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped or realslice)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -118,6 +122,15 @@ if [ -d .whl ] && ! python -c "import fastapi, uvicorn, openai" 2>/dev/null; the
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
 fi
 python -c "import flashrt" 2>/dev/null || python -m pip install --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || exit 1
+
+profile_with() {  # NAME FAMILY KEY JSON: a copy of h200.yaml named NAME with tiles.FAMILY.KEY = JSON; prints its path
+  local f
+  f=$(mktemp -d)/$1.yaml  # a profile's name is its file's
+  python -c "import json, sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = sys.argv[2]; \
+p['tiles'].setdefault(sys.argv[3], {})[sys.argv[4]] = json.loads(sys.argv[5]); yaml.safe_dump(p, open(sys.argv[1], 'w'))" \
+    "$f" "$@"
+  echo "$f"
+}
 
 phase_serve() {
   python benchmarks/serve_vs_generate.py --model small --step-trace "$OUT/h200-serve-process-steps.jsonl" \
@@ -247,9 +260,7 @@ fp4_decode_runs() {  # MODE NAME: the fp4dot / fp4packed phases (tiles.linear.fp
   tail -n 2 "$OUT/h200-fp4-$name-tests.log"
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants "profile, fp4 through tl.dot_scaled" \
     "profile, fp4 decoded packed" --out "$OUT/h200-gemv-fp4-$name.json" | grep moe_experts
-  on=$(mktemp -d)/h200-fp4-$name.yaml  # a profile's name is its file's
-  python -c "import sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = 'h200-fp4-$name'; \
-p['tiles'].setdefault('linear', {})['fp4_decode'] = sys.argv[2]; yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$on" "$mode"
+  on=$(profile_with "h200-fp4-$name" linear fp4_decode "\"$mode\"")
   python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-fp4-$name-off.json" | grep batch
   FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-fp4-$name-on.json" \
     | grep batch
@@ -263,6 +274,20 @@ phase_fp4dot() {
 
 phase_fp4packed() {
   fp4_decode_runs packed packed
+}
+
+phase_grouped() {
+  local on
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_grouped.py \
+    > "$OUT/h200-moe-grouped-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-moe-grouped-tests.log"
+  on=$(profile_with h200-moe-grouped moe grouped_min_rows 256)
+  python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
+    --out "$OUT/h200-prefill-rows-grouped-off.json" | grep -v '^ '
+  FLASHRT_PROFILE=$on python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
+    --out "$OUT/h200-prefill-rows-grouped-on.json"
+  FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+    --modes cuda+graph --out "$OUT/h200-e2e-moe-grouped.json"
 }
 
 phase_realslice() {
@@ -316,9 +341,7 @@ phase_combine() {
   local mode b on
   phase_variants
   timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_attention.py -k merged_in 2>&1 | tail -n 2
-  on=$(mktemp -d)/h200-combine.yaml  # a profile's name is its file's
-  python -c "import sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = 'h200-combine'; \
-p['tiles'].setdefault('attention', {})['combine'] = {'in_kernel': True}; yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$on"
+  on=$(profile_with h200-combine attention combine '{"in_kernel": true}')
   for mode in off on; do
     local profile=h200
     [ "$mode" = on ] && profile=$on

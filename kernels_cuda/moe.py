@@ -26,6 +26,9 @@ each tile picks its weights and decoder by a runtime branch between two compiled
 combine adds the token's shared row after its k slots. Shared weights the kernels do not decode
 (plain) go through the reference math, joined as the combine's ``add``.
 
+From ``grouped_min_rows`` pair rows per expert (a profile's choice; prefill) with bf16 x, the call
+runs as two bf16 grouped GEMMs over weights dequantized once (:mod:`.moe_grouped`).
+
 One expert and one slot a token (the shared expert alone, expert parallel; ``direct`` on) needs no
 tables and no sum: pair ``t`` is token ``t``, the row tiles are ``BLOCK_M`` tokens each
 (``DIRECT``), and the down kernel writes each token's x.dtype-rounded row as fp32: two launches.
@@ -46,7 +49,7 @@ from flashrt.families import Dim, KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.tile_checks import COUNT0, GEMM_ROWS, POW2, Tile, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
-from flashrt.kernels_cuda import moe_tables, moe_warmup, splitk
+from flashrt.kernels_cuda import moe_grouped, moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
 from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fp4_decode, mma_mode,
@@ -72,6 +75,9 @@ TILES = {
     "fused_max_tokens": 64,  # up to this many tokens the up kernel quantizes x itself (no act_quant launch)
     "direct": True,  # one expert, one slot (the shared expert): no routing tables, no combine launch
     "pair_tiles": 1,  # up to this many tokens: a row tile per (token, slot) pair, no routing tables launch
+    # from this many pair rows per expert (mean), bf16 x: exact bf16 operands and two grouped GEMMs
+    # (moe_grouped.py); None: never (the default)
+    "grouped_min_rows": None,
 }
 
 
@@ -214,6 +220,10 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     E, I = w1.shape[0], w1.shape[1]
     if n * k == 0 or D == 0 or I == 0:
         return finish_experts(torch.zeros(n, D, dtype=torch.float32, device=x.device), add, out_dtype)
+    big = _tiles()["grouped_min_rows"]
+    if big is not None and n * k >= big * E and moe_grouped.available(x):
+        return moe_grouped.experts(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, shared,
+                                   _tiles()["combine"])
     plan = _plan(n, k, E, D, I, shared is not None)
     xq, sx = (last_dense(x),) * 2 if plan["qx"] else act_quant(x)
     limit = float(swiglu_limit)
@@ -278,7 +288,7 @@ FAMILY = KernelFamily(
                               "experts.split_min_blocks": Tile(nullable=True, kind=int),
                               "experts.split_k": Tile(nullable=True, kind=int),
                               "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
-                              "pair_tiles": Tile(low=0, kind=int),
+                              "pair_tiles": Tile(low=0, kind=int), "grouped_min_rows": Tile(nullable=True, kind=int),
                               "combine.in_kernel": Tile(kind=bool), "route.large": Tile(kind=bool)},
     smem={"experts": gemm_smem}, warmup=_warmup.hook(moe_warmup.warmup_cases),
     warmup_cases=moe_warmup.warmup_cases,
