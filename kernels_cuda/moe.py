@@ -178,7 +178,7 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
         o1[0], o1[1], o3[0], o3[1], o1[0].stride(-2), o1[1].stride(-2), tab["tiles"], n * k, k,
         FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=plan["qx"],
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
-        PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=fp4_decode(), **t)
+        PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=fp4_decode() if w1.fmt == "fp4_w" or fp4_s else 0, **t)
     return hq, sh
 
 
@@ -204,7 +204,8 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
         o2[0], o2[1], o2[0].stride(-2), o2[1].stride(-2), tab["tiles"], n * k,
         FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
         COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, PAIRS=plan["pairs"],
-        SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=fp4_decode(), **t)
+        SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s,
+        E2M1=fp4_decode() if w2.fmt == "fp4_w" or fp4_s else 0, **t)
     return y
 
 
