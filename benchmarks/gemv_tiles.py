@@ -1,5 +1,5 @@
-"""Decode-sized block-scaled GEMMs under row tiles under 16 (the multiply-add K loop) against the
-active profile's tiles, next to their weight-read floor.
+"""Decode-sized block-scaled GEMMs under row tiles under 16 (the multiply-add K loop) and, for the
+experts, each E2M1 decode, against the active profile's tiles, next to their weight-read floor.
 
     python benchmarks/gemv_tiles.py --model v4.1-flash --out F
 
