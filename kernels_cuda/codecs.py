@@ -104,50 +104,28 @@ def e2m1_x16384(c):
     return (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
 
 
-# Four fp4 bytes (eight E2M1 codes) in $4 -> their values times the scales: the low nibbles' four
+# E2M1_PAIRS_TEXT: four fp4 bytes (eight E2M1 codes) in $4 -> their values times the scales: the low nibbles' four
 # bf16 in $0 (bytes 0, 1) and $1 (bytes 2, 3), the high nibbles' in $2 and $3; $5 / $6 hold the
 # bf16 scales of bytes 0, 1 / 2, 3. prmt spreads two bytes to the two 16-bit halves of a register;
 # a code's 3 magnitude bits are moved to bf16 bits 6-8 and its sign to bit 15, which reads as the
 # code's value times 2**-126 (the 0.5 code a bf16 subnormal); one multiply by 2**126 (0x7E80) makes
 # it exact, one by the scale applies the block's power of two (sm_90's bf16x2 multiplies keep
 # subnormals). About 3 instructions a code, where the bit-by-bit decode takes about 9.
-E2M1_PAIRS_TEXT = """
-{
-.reg .b32 x, y, t, u, z, k;
-mov.b32 z, 0;
-mov.b32 k, 0x7E807E80;
-prmt.b32 x, $4, z, 0x4140;
-prmt.b32 y, $4, z, 0x4342;
-shl.b32 t, x, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, x, 12;
-and.b32 u, u, 0x80008000;
-or.b32 $0, t, u;
-mul.rn.bf16x2 $0, $0, k;
-mul.rn.bf16x2 $0, $0, $5;
-shl.b32 t, y, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, y, 12;
-and.b32 u, u, 0x80008000;
-or.b32 $1, t, u;
-mul.rn.bf16x2 $1, $1, k;
-mul.rn.bf16x2 $1, $1, $6;
-shl.b32 t, x, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, x, 8;
-and.b32 u, u, 0x80008000;
-or.b32 $2, t, u;
-mul.rn.bf16x2 $2, $2, k;
-mul.rn.bf16x2 $2, $2, $5;
-shl.b32 t, y, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, y, 8;
-and.b32 u, u, 0x80008000;
-or.b32 $3, t, u;
-mul.rn.bf16x2 $3, $3, k;
-mul.rn.bf16x2 $3, $3, $6;
-}
-"""
+
+
+def _e2m1_register(out: int, src: str, mag_shift: int, sign_shift: int, scale: int) -> str:
+    """PTX of one output register: the codes at bits 0-3 (or 4-7) of each 16-bit half of ``src``
+    moved into bf16 positions (magnitude bits to 6-8, sign to 15), times 2**126, times the scales."""
+    return (f"shl.b32 t, {src}, {mag_shift};\nand.b32 t, t, 0x01C001C0;\n"
+            f"shl.b32 u, {src}, {sign_shift};\nand.b32 u, u, 0x80008000;\nor.b32 ${out}, t, u;\n"
+            f"mul.rn.bf16x2 ${out}, ${out}, k;\nmul.rn.bf16x2 ${out}, ${out}, ${scale};\n")
+
+
+E2M1_PAIRS_TEXT = ("{\n.reg .b32 x, y, t, u, z, k;\nmov.b32 z, 0;\nmov.b32 k, 0x7E807E80;\n"
+                   "prmt.b32 x, $4, z, 0x4140;\nprmt.b32 y, $4, z, 0x4342;\n"  # bytes 0, 1 / 2, 3 to the halves
+                   + _e2m1_register(0, "x", 6, 12, 5) + _e2m1_register(1, "y", 6, 12, 6)  # low nibbles
+                   + _e2m1_register(2, "x", 2, 8, 5) + _e2m1_register(3, "y", 2, 8, 6)  # high nibbles
+                   + "}\n")
 E2M1_PAIRS_PTX = tl.constexpr(E2M1_PAIRS_TEXT)  # as a kernel reads it
 
 

@@ -181,11 +181,15 @@ def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
     """The fp8 activations and the fp8_w weight as bf16 (E4M3 values times UE8M0 powers of two:
     exact in bf16; one dequantize launch each), one cuBLAS bf16 GEMM (fp32 accumulation, one rounding
     to bf16): the kernel's math at large M, where the per-32 scale promotion makes the fp8 MMA loop slow."""
-    m, k = x2.shape
-    xq, sx = act_quant(x2)
-    bf16 = torch.bfloat16
-    a = quant.dequantize(QTensor(xq.view(torch.float8_e4m3fn), sx.view(torch.float8_e8m0fnu), "fp8", (m, k)), bf16)
-    return a @ quant.dequantize(weight, bf16).t()
+    return fp8_rows_bf16(x2) @ quant.dequantize(weight, torch.bfloat16).t()
+
+
+def fp8_rows_bf16(x2: torch.Tensor) -> torch.Tensor:
+    """``x2`` [M, K] quantized to fp8 per 32 (:func:`act_quant`) and back, as bf16: the values the
+    kernels' fp8 activations stand for (E4M3 times a power of two: exact in bf16)."""
+    q, s = act_quant(x2)
+    fp8 = QTensor(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), "fp8", tuple(x2.shape))
+    return quant.dequantize(fp8, torch.bfloat16)
 
 
 def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -261,7 +265,8 @@ def warmup_cases(device, d: dict, dtype):
 SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
 TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": GEMM_ROWS, "linear.BLOCK_N": SCALED,
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
-               "fp8_mma": Tile(nullable=True, kind=bool), "fp4_decode": Tile(choices=FP4_DECODES), "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
+               "fp8_mma": Tile(nullable=True, kind=bool), "fp4_decode": Tile(choices=FP4_DECODES),
+               "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_reduce": Tile(nullable=True, kind=bool)}
 

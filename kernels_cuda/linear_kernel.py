@@ -14,7 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashrt.kernels_cuda.codecs import e2m1_pairs_bf16, e2m1_x16384, e4m3_x256, e8m0_bf16, e8m0_to_f32, pow2, quant_fp8
+from flashrt.kernels_cuda.codecs import (e2m1_pairs_bf16, e2m1_x16384, e4m3_x256, e8m0_bf16, e8m0_to_f32, pow2,
+                                         quant_fp8)
 from flashrt.kernels_cuda.splitk import store_tile
 
 
@@ -36,21 +37,18 @@ def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn,
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kg = k0 + tl.arange(0, G) * 32
     ok = (offs_n < N)[:, None] & (kg < k_hi)[None, :]  # [BN, G]
-    if FP4 and E2M1 == 2:
+    if FP4:
         j = tl.arange(0, 16)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
         byte = tl.load(ptrs, mask=ok[:, :, None], other=0)
         s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + (kg // 32)[None, :], mask=ok, other=0).to(tl.int32)
-        lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(e8m0_bf16(s)[:, :, None], (BLOCK_N, G, 16)))
-        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # element 2i low nibble, 2i + 1 high
-    elif FP4:
-        j = tl.arange(0, 16)
-        ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
-        byte = tl.load(ptrs, mask=ok[:, :, None], other=0).to(tl.int32)
-        s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + (kg // 32)[None, :], mask=ok, other=0).to(tl.int32)
-        s = pow2(s + 14)[:, :, None]  # 2**(b - 127) * 2**14
-        lo = e2m1_x16384(byte & 15).to(tl.float32) * s
-        hi = e2m1_x16384(byte >> 4).to(tl.float32) * s
+        if E2M1 == 2:
+            lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(e8m0_bf16(s)[:, :, None], (BLOCK_N, G, 16)))
+        else:
+            byte = byte.to(tl.int32)
+            s = pow2(s + 14)[:, :, None]  # 2**(b - 127) * 2**14
+            lo = e2m1_x16384(byte & 15).to(tl.float32) * s
+            hi = e2m1_x16384(byte >> 4).to(tl.float32) * s
         v = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # element 2i low nibble, 2i + 1 high
     else:
         j = tl.arange(0, 32)

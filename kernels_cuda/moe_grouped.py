@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant
 from flashrt.kernels_cuda.launch import cdiv
-from flashrt.kernels_cuda.linear import act_quant
+from flashrt.kernels_cuda.linear import fp8_rows_bf16
 from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel
 
 BF16 = torch.bfloat16
@@ -37,13 +37,6 @@ def available(x: torch.Tensor) -> bool:
     """Whether this torch has ``_grouped_mm`` (and the call's activations are bf16, whose roundings
     the GEMM output reproduces)."""
     return hasattr(torch, "_grouped_mm") and x.dtype == BF16
-
-
-def fp8_exact_bf16(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` [M, K] quantized to fp8 per 32 (``act_quant``) and back, as bf16 (exact)."""
-    q, s = act_quant(rows)
-    fp8 = QTensor(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), "fp8", tuple(rows.shape))
-    return quant.dequantize(fp8, BF16)
 
 
 def weight_bf16(w: QTensor) -> torch.Tensor:
@@ -70,7 +63,7 @@ def experts(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, share
     order = torch.argsort(flat, stable=True)  # pair ids by expert
     counts = torch.bincount(flat, minlength=E)
     rw = weights.reshape(-1).to(torch.float32)[order]
-    xb = fp8_exact_bf16(x)
+    xb = fp8_rows_bf16(x)
     a = xb[order // k]
     if shared is not None:
         counts = torch.cat([counts, counts.new_tensor([n])])
@@ -85,7 +78,7 @@ def experts(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, share
         g, u = g.clamp_max(limit), u.clamp(-limit, limit)
     h = (F.silu(g) * u * rw[:, None]).to(BF16)
     w2s = _stack([w2] if shared is None else [w2, shared[2]])
-    y = torch._grouped_mm(fp8_exact_bf16(h), w2s.transpose(1, 2), offs=offs)  # [rows, D] bf16
+    y = torch._grouped_mm(fp8_rows_bf16(h), w2s.transpose(1, 2), offs=offs)  # [rows, D] bf16
     pos = torch.empty(pairs, dtype=torch.int32, device=x.device)
     pos[order] = torch.arange(pairs, dtype=torch.int32, device=x.device)  # pair -> its row of y
     out = torch.empty(n, D, dtype=out_dtype, device=x.device)

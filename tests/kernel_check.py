@@ -116,3 +116,16 @@ def assert_counters_zero(t: torch.Tensor):
 
     pool = splitk.counters(t.device)
     assert int(pool.count_nonzero()) == 0, f"split-K ticket counters not reset on {t.device}"
+
+
+def moe_reference_by_expert(x, weights, indices, w1, w3, w2, limit):
+    """The reference backend expert by expert (it dequantizes only one expert's weights at a time)."""
+    from flashrt.backends import reference
+
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(indices).tolist():
+        tok, slot = torch.nonzero(indices == e, as_tuple=True)
+        sub = [w.narrow(0, e, 1) for w in (w1, w3, w2)]
+        zero = torch.zeros(tok.numel(), 1, dtype=torch.int32, device=x.device)
+        out.index_add_(0, tok, reference.moe_experts(x[tok], weights[tok, slot][:, None], zero, *sub, limit))
+    return out

@@ -7,8 +7,8 @@ The recorded entries come first, in the order the run first loaded them (the ord
 compile pool compiles them in), then the shipped entries the recording lacks (variants of other
 runs: other batch sizes, serving), unless ``--drop-rest``, less those the current code cannot
 compile (the kernel gone, or its parameters changed since they were recorded); at most
-``jit_plans.MAX_ENTRIES``. The Triton version is the recorded file's folder (``triton-<version>``) unless ``--triton`` names
-it. Prints, per file, the entries recorded, kept from before and dropped.
+``jit_plans.MAX_ENTRIES``. The Triton version is the recorded file's folder (``triton-<version>``)
+unless ``--triton`` names it. Prints, per file, the entries recorded, kept from before and dropped.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from flashrt.errors import BackendError
-from kernel_check import DEVICE, GPU, pinned_tiles, requires_kernels, rel_err, run_both
+from kernel_check import DEVICE, GPU, moe_reference_by_expert, pinned_tiles, requires_kernels, rel_err, run_both
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")  # needs triton (not a GPU)
@@ -288,19 +288,6 @@ def _random_fp4_experts(gen, E, out_f, in_f):
     return formats.QTensor(data, scale.view(torch.float8_e8m0fnu), "fp4_w", (E, out_f, in_f))
 
 
-def _reference_by_expert(x, weights, indices, w1, w3, w2, limit):
-    """The reference backend expert by expert (it dequantizes only one expert's weights at a time)."""
-    from flashrt.backends import reference
-
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in torch.unique(indices).tolist():
-        tok, slot = torch.nonzero(indices == e, as_tuple=True)
-        sub = [w.narrow(0, e, 1) for w in (w1, w3, w2)]
-        zero = torch.zeros(tok.numel(), 1, dtype=torch.int32, device=x.device)
-        out.index_add_(0, tok, reference.moe_experts(x[tok], weights[tok, slot][:, None], zero, *sub, limit))
-    return out
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("n", [1, 8, 64, 4096])
@@ -314,7 +301,7 @@ def test_moe_experts_gpu(rng, n):
     weights = torch.rand(n, k, device="cuda", generator=gen)
     with flashrt.use_backend("cuda"):
         got = ops.moe_experts(x, weights, indices, w1, w3, w2, 10.0)
-    assert rel_err(got, _reference_by_expert(x, weights, indices, w1, w3, w2, 10.0)) < 1e-3
+    assert rel_err(got, moe_reference_by_expert(x, weights, indices, w1, w3, w2, 10.0)) < 1e-3
     add = torch.randn(n, D, device="cuda", generator=gen)  # the shared expert's output, added in the combine
     with flashrt.use_backend("cuda"):
         assert torch.equal(ops.moe_experts(x, weights, indices, w1, w3, w2, 10.0, add, torch.bfloat16),
@@ -331,7 +318,7 @@ def test_moe_experts_cuda_graph(rng):
     indices = torch.rand(n, E, generator=rng).topk(k).indices.to(torch.int32).to(DEVICE)
     weights = torch.rand(n, k, generator=rng).to(DEVICE)
     eager = moe.moe_experts(x, weights, indices, *ws, 10.0)  # also compiles the kernels
-    assert rel_err(eager, _reference_by_expert(x, weights, indices, *ws, 10.0)) < 1e-3
+    assert rel_err(eager, moe_reference_by_expert(x, weights, indices, *ws, 10.0)) < 1e-3
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe.moe_experts(x, weights, indices, *ws, 10.0)
