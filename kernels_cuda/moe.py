@@ -119,8 +119,8 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
     """The up and down launches (tile, splits, K per split), whether the down kernel combines, the
     row tiles (``direct``: every token's one slot is expert 0; ``pairs``: a tile per pair, no
     routing tables; else the tables'), the shared expert's tiles after them, the fused activation
-    quantization and the routing tiles, for n tokens of k slots over E experts, under the active
-    tiles."""
+    quantization, the routing tiles and the fp4 decode (``e2m1``: the kernels' E2M1 for fp4_w
+    loops, ``linear.fp4_decode``), for n tokens of k slots over E experts, under the active tiles."""
     key = ("experts", n, k, E, D, I, shared)
     tiles, plan = PLANS.lookup(key)
     if plan is not None:
@@ -140,6 +140,7 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
     return PLANS.store(key, dict(block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
                                  combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
                                  shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
+                                 e2m1=fp4_decode(),
                                  combine_tile=tiles["combine"]))
 
 
@@ -178,7 +179,7 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
         o1[0], o1[1], o3[0], o3[1], o1[0].stride(-2), o1[1].stride(-2), tab["tiles"], n * k, k,
         FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=plan["qx"],
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
-        PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=fp4_decode() if w1.fmt == "fp4_w" or fp4_s else 0, **t)
+        PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=plan["e2m1"] if w1.fmt == "fp4_w" or fp4_s else 0, **t)
     return hq, sh
 
 
@@ -205,7 +206,7 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
         FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
         COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, PAIRS=plan["pairs"],
         SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s,
-        E2M1=fp4_decode() if w2.fmt == "fp4_w" or fp4_s else 0, **t)
+        E2M1=plan["e2m1"] if w2.fmt == "fp4_w" or fp4_s else 0, **t)
     return y
 
 
