@@ -98,6 +98,10 @@
 #              under a copy of the profile): their GPU tests (h200-moe-grouped-tests.log), the prefill
 #              forwards by row count without and with it (h200-prefill-rows-grouped-{off,on}.json) and
 #              small's e2e with it (h200-e2e-moe-grouped.json)
+#   pdl        programmatic dependent launch (tiles.pdl.enabled): its tests (the GPU one compares captured
+#              decode steps with it on and off), then the captured decode step of `small` at batch 1 / 8 / 64
+#              and the real-dimension slice, each with it off and on: h200-pdl-tests.log,
+#              h200-e2e-pdl-{off,on}.json, h200-real-slice-pdl-{off,on}.json
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
@@ -109,8 +113,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|realslice) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped or realslice)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|realslice) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl or realslice)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -288,6 +292,20 @@ phase_grouped() {
     --out "$OUT/h200-prefill-rows-grouped-on.json"
   FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
     --modes cuda+graph --out "$OUT/h200-e2e-moe-grouped.json"
+}
+
+phase_pdl() {
+  local on
+  timeout 200 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_pdl.py \
+    > "$OUT/h200-pdl-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-pdl-tests.log"
+  on=$(profile_with h200-pdl pdl enabled true)
+  python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
+    --out "$OUT/h200-e2e-pdl-off.json"
+  FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+    --modes cuda+graph --out "$OUT/h200-e2e-pdl-on.json"
+  python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-pdl-off.json" | grep batch
+  FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-pdl-on.json" | grep batch
 }
 
 phase_realslice() {

@@ -6,8 +6,9 @@ they serve, its tile defaults, its warm-up); helper modules (``codecs``, ``launc
 one.
 """
 from . import (attention, compress, dense_attention, engram, indexer, kv_gather, kv_store, linear, linear_plain, mhc, moe, moe_route, norm_rope,
-               norm_rope_quant, prefix_attention, quant, sample, topk)
+               norm_rope_quant, pdl, prefix_attention, quant, sample, topk)
 
-FAMILIES = (attention.FAMILY, compress.FAMILY, dense_attention.FAMILY, engram.FAMILY, indexer.FAMILY, kv_gather.FAMILY, kv_store.FAMILY, linear.FAMILY,
-            linear_plain.FAMILY, mhc.FAMILY, moe.FAMILY, moe_route.FAMILY, norm_rope.FAMILY, norm_rope_quant.FAMILY, prefix_attention.FAMILY,
-            quant.FAMILY, sample.FAMILY, topk.FAMILY)
+FAMILIES = (attention.FAMILY, compress.FAMILY, dense_attention.FAMILY, engram.FAMILY, indexer.FAMILY, kv_gather.FAMILY,
+            kv_store.FAMILY, linear.FAMILY, linear_plain.FAMILY, mhc.FAMILY, moe.FAMILY, moe_route.FAMILY,
+            norm_rope.FAMILY, norm_rope_quant.FAMILY, pdl.FAMILY, prefix_attention.FAMILY, quant.FAMILY, sample.FAMILY,
+            topk.FAMILY)

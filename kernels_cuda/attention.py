@@ -33,6 +33,7 @@ from flashrt.kernels_cuda.codecs import CODES
 from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, sm_count, zeros_stored
+from flashrt.kernels_cuda import pdl
 
 TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLOCK * D * 2 (kv) + stages
     # D_SPLIT 2: two programs per head block, each accumulating half of the output columns, used
@@ -179,7 +180,7 @@ def _combine(pacc, pml, sink, out, splits: int) -> None:
         plan = PLANS.store(key, ((B * S, cdiv(H, t["H_BLOCK"]), cdiv(D, block_d)), dict(
             H_BLOCK=t["H_BLOCK"], BLOCK_D=block_d, num_warps=t["num_warps"])))
     _combine_kernel[plan[0]](pacc, pml, sink if sink is not None else pml, out, splits, H, D, sink is not None,
-                             **plan[1])
+                             **plan[1], **pdl.options(pacc.device))
 
 
 def sparse_attention(q, kv, indices, sink, scale):
@@ -210,7 +211,7 @@ def sparse_attention(q, kv, indices, sink, scale):
         q, parts[0], parts[-1], sink if sink is not None else q, out, pacc, pml, *_segment_args(segs, plan["roles"]),
         S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E,
         splitk.counters(q.device) if plan["finish"] else pml, D,  # ticket counters only when merging in the launch
-        TWO_PARTS=len(parts) == 2, **plan["constexprs"])
+        TWO_PARTS=len(parts) == 2, **plan["constexprs"], **pdl.options(q.device))
     if splits > 1 and not plan["finish"]:
         _combine(pacc, pml, sink, out, splits)
     return out

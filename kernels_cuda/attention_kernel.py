@@ -15,6 +15,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda.codecs import dequant_rows
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # Segment offsets arrive with this bias added: always int64 to Triton (an offset between two
@@ -188,6 +189,7 @@ def _sparse_attention_kernel(
     read as their concatenation (no concatenated copy); else one ``[B*S, K]`` with K0 == K.
     SPLIT: partials to ``pacc`` / ``pml``; with FINISH the last split program of this (query, head
     block, column half) merges them into ``out`` (counter ``cnt_ptr`` + its tile, reset after)."""
+    wait_inputs()
     BW: tl.constexpr = BLOCK_D // D_SPLIT
     bs, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
     h = (tl.program_id(1) // D_SPLIT) * H_BLOCK + tl.arange(0, H_BLOCK)
@@ -275,6 +277,7 @@ def _combine_rows(pacc_ptr, pml_ptr, sink_ptr, out_ptr, bs, nbs, h, d, NSPLIT, H
 def _combine_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, NSPLIT, H, D, HAS_SINK: tl.constexpr,
                     H_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (query, ``H_BLOCK`` heads, ``BLOCK_D`` columns)."""
+    wait_inputs()
     h = tl.program_id(1) * H_BLOCK + tl.arange(0, H_BLOCK)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     _combine_rows(pacc_ptr, pml_ptr, sink_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.num_programs(0), h, d,

@@ -25,6 +25,8 @@ from flashrt.kernels_cuda.codecs import to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import norm_rope
 from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 TILES = {"compress_pool": {"TILE_ELEMS": 2048, "MAX_BLOCK_R": 16, "num_warps": 4},
          "compress_decode": {"MAX_D": 4096, "num_warps": 4, "in_kernel": True}}
@@ -37,6 +39,7 @@ _tiles = PLANS.tiles
 
 @triton.jit
 def _compress_pool_kernel(kv_ptr, score_ptr, out_ptr, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    wait_inputs()
     entry = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -72,13 +75,15 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     block_r = min(next_pow2(R), t["MAX_BLOCK_R"])
     block_d = min(next_pow2(D), max(16, t["TILE_ELEMS"] // block_r))
     grid = (B * G, cdiv(D, block_d))
-    _compress_pool_kernel[grid](kv, score, out, R, D, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=t["num_warps"])
+    _compress_pool_kernel[grid](kv, score, out, R, D, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=t["num_warps"],
+                                **pdl.options(kv.device))
     return out
 
 
 @triton.jit
 def _compress_decode_kernel(kv_ptr, score_ptr, kvs_ptr, ss_ptr, pos_ptr, w_ptr, out_ptr, entry_ptr, mask_ptr, R, eps,
                             stride_kv, stride_s, D: tl.constexpr, BLOCK_R: tl.constexpr, OUT: tl.constexpr):
+    wait_inputs()
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + b)
     slot = pos % R
@@ -134,7 +139,7 @@ def compress_decode(kv, score, kv_state, score_state, positions, weight, eps, dt
         _compress_decode_kernel[(B,)](
             kv, score, kv_state, score_state, positions.contiguous(), weight.contiguous(),
             latent, entry, mask, R, float(eps), kv.stride(0), score.stride(0), D=D, BLOCK_R=next_pow2(R), OUT=TL_DTYPES[dtype],
-            num_warps=_tiles()["compress_decode"]["num_warps"])
+            num_warps=_tiles()["compress_decode"]["num_warps"], **pdl.options(kv.device))
     return latent, entry, mask.view(torch.bool)
 
 

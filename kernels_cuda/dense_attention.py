@@ -21,6 +21,8 @@ from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, next_pow2
 from flashrt.tile_checks import DOT
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 LOG2E = 1.4426950408889634
 MAX_D = 256
@@ -41,6 +43,7 @@ def _dense_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, S, T, H,
                             sqb, sqs, sqh, skb, skt, skh, svb, svt, svh, sob, sos, soh, qk_scale,
                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, DOT: tl.constexpr, OUT: tl.constexpr):
+    wait_inputs()
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -100,7 +103,7 @@ def dense_attention(q, k, v, scale):
     _dense_attention_kernel[plan["grid"]](
         q, k, v, out, S, T, H, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        float(scale) * LOG2E, **plan["constexprs"])
+        float(scale) * LOG2E, **plan["constexprs"], **pdl.options(q.device))
     return out
 
 

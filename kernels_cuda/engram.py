@@ -22,6 +22,8 @@ from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2, zeros_stored
 from flashrt.kernels_cuda import engram_hash as _hash, warmup as _warmup
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 TILES = {
     "engram_lookup": {"ROWS_ELEMS": 4096, "num_warps": 4},
@@ -40,6 +42,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _engram_lookup_kernel(data_ptr, scale_ptr, ids_ptr, out_ptr, n_ids, DH, data_row_stride, scale_row_stride,
                           BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr):
+    wait_inputs()
     i = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     im = i < n_ids
     row = tl.load(ids_ptr + i, mask=im, other=0).to(tl.int64)
@@ -65,7 +68,7 @@ def engram_lookup(table, ids: torch.Tensor) -> torch.Tensor:
     block_n = min(max(1, t["ROWS_ELEMS"] // block_dh), next_pow2(n))
     _engram_lookup_kernel[(cdiv(n, block_n),)](
         data, scale, ids, out, n, dh, data.stride(0), scale.stride(0), BLOCK_N=block_n, BLOCK_DH=block_dh,
-        num_warps=t["num_warps"])
+        num_warps=t["num_warps"], **pdl.options(data.device))
     return out
 
 
@@ -82,6 +85,7 @@ def _gate(sh, sk, dot, D, eps, sqrt_d):
 @triton.jit
 def _engram_gate_kernel(h_ptr, key_ptr, value_ptr, w_ptr, out_ptr, HC, D, eps, sqrt_d,
                         BLOCK_D: tl.constexpr, SINGLE: tl.constexpr):
+    wait_inputs()
     pid = tl.program_id(0).to(tl.int64)  # token * HC + stream
     row = pid * D
     v_row = (pid // HC) * D
@@ -125,7 +129,8 @@ def engram_gate(h, key, value, weight, eps: float) -> torch.Tensor:
     block_d = min(next_pow2(D), t["MAX_BLOCK_D"])
     _engram_gate_kernel[(B * S * hc,)](h, key, value, weight, out, hc, D, float(eps), math.sqrt(D),
                                        BLOCK_D=block_d, SINGLE=block_d >= D,
-                                       num_warps=max(4, min(16, block_d // t["ELEMS_PER_WARP"])))
+                                       num_warps=max(4, min(16, block_d // t["ELEMS_PER_WARP"])),
+                                       **pdl.options(h.device))
     return out
 
 

@@ -16,11 +16,14 @@ import triton.language as tl
 
 from flashrt import refmath
 from flashrt.kernels_cuda.launch import cdiv, dense, next_pow2
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 
 @triton.jit
 def _engram_hash_kernel(seq_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr, R, S, T, L, H, pad,
                         N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    wait_inputs()
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # flat (sequence, position)
     layer = tl.program_id(1).to(tl.int64)
     rm = r < R
@@ -58,5 +61,5 @@ def engram_hash(seq, multipliers, primes, offsets, pad: int, tiles: dict) -> tor
         block_r = min(tiles["BLOCK_R"], next_pow2(B * S))
         _engram_hash_kernel[(cdiv(B * S, block_r), L)](
             dense(seq), dense(multipliers), dense(primes), dense(offsets), out, B * S, S, T, L, H, pad,
-            N=N, BLOCK_R=block_r, BLOCK_H=next_pow2(H), num_warps=tiles["num_warps"])
+            N=N, BLOCK_R=block_r, BLOCK_H=next_pow2(H), num_warps=tiles["num_warps"], **pdl.options(seq.device))
     return out

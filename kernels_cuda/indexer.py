@@ -17,6 +17,7 @@ from flashrt.kernels_cuda.indexer_kernel import _block_keys_kernel, _expand_kern
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2, zeros_stored
 from flashrt.kernels_cuda.topk import select_rows
 from flashrt.kv.paged import PagedKeys
+from flashrt.kernels_cuda import pdl
 
 TILES = {
     # rows: most (query, head) dot columns per program; num_warps_wide: > 64 columns or an fp32 dot;
@@ -81,7 +82,8 @@ def index_scores(q, k, weights, visible, weight_scale=1.0):
         DK=min(block_d, 32), BLOCK_T=tiles["block_t"],
         BLOCK_S=block_s, BLOCK_H=block_h, FMT=fmt, NB=next_pow2(max(1, D // qblock)), QBLOCK=qblock,
         QBYTES=qbytes, ONE=one, DOT=dot, PREC=prec, ASM=asm,
-        num_warps=tiles["num_warps_wide" if wide else "num_warps"], num_stages=tiles["num_stages"])
+        num_warps=tiles["num_warps_wide" if wide else "num_warps"], num_stages=tiles["num_stages"],
+        **pdl.options(q.device))
     return out
 
 
@@ -104,12 +106,13 @@ def candidate_blocks(scores, visible, topk_blocks, block_size):
     bj = min(next_pow2(bs), tiles["block"])
     blocks = max(1, tiles["block"] // bj)
     _block_keys_kernel[(R, cdiv(NB, blocks))](src, vis, keys, flags, T, NB, bs, src.stride(0), keys.stride(0),
-                                                     BLOCKS=blocks, BJ=bj, num_warps=tiles["num_warps"])
+                                                     BLOCKS=blocks, BJ=bj, num_warps=tiles["num_warps"],
+                                                     **pdl.options(src.device))
     select_rows(keys, None, topk_blocks, flags, mark=True)  # the model's k, whatever NB: one variant
     flat = out.view(R, T).view(torch.uint8)
     block = tiles["block"]  # (not shrunk to short rows: one variant for every row length)
     _expand_kernel[(R, cdiv(T, block))](flags, flat, T, bs, flags.stride(0), flat.stride(0),
-                                               BLOCK=block, num_warps=tiles["num_warps"])
+                                               BLOCK=block, num_warps=tiles["num_warps"], **pdl.options(flags.device))
     return out
 
 

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import dequant_rows
 from flashrt.kernels_cuda.topk_kernel import _keys
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 _MAX = tl.constexpr(2147483647)
 
@@ -121,6 +122,7 @@ def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr, bt_ptr, 
                          BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr,
                          QBLOCK: tl.constexpr, QBYTES: tl.constexpr, ONE: tl.constexpr,
                          DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr):
+    wait_inputs()
     b = tl.program_id(2).to(tl.int64)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -162,6 +164,7 @@ def _block_keys_kernel(s_ptr, vis_ptr, key_ptr, flag_ptr, T, NB, bs, s_row, k_ro
                        BLOCKS: tl.constexpr, BJ: tl.constexpr):
     """Key of the max finite score of each block; the block holding visible - 1 -> MAX (pinned).
     Clears the blocks' flags (``[R, NB]`` bytes, row stride ``k_row``) for the select to mark."""
+    wait_inputs()
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     best = tl.full([BLOCKS], -2147483648, tl.int32)
@@ -179,6 +182,7 @@ def _block_keys_kernel(s_ptr, vis_ptr, key_ptr, flag_ptr, T, NB, bs, s_row, k_ro
 
 @triton.jit(do_not_specialize=("T", "f_row", "o_row"))
 def _expand_kernel(flag_ptr, out_ptr, T, bs, f_row, o_row, BLOCK: tl.constexpr):
+    wait_inputs()
     r = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     keep = tl.load(flag_ptr + r * f_row + t // bs, mask=t < T, other=0)

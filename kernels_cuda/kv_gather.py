@@ -30,6 +30,8 @@ from flashrt.kv.util import empty_qtensor
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import INTERPRETED as _INTERPRETED
 from flashrt.kernels_cuda.launch import cdiv, dense, next_pow2
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 BLOCK = 32  # picks per program
 _CHECKED: dict[int, bool] = {}  # device index -> zero-copy self-check passed
@@ -39,6 +41,7 @@ _CHECKED: dict[int, bool] = {}  # device index -> zero-copy self-check passed
 def _cold_gather_kernel(pick_ptr, hid_ptr, host_ptr, hscale_ptr, out_ptr, oscale_ptr, idx_ptr, oidx_ptr,
                         total, N, W, P, offset, ROW: tl.constexpr, SROW: tl.constexpr,
                         BLOCK: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
+    wait_inputs()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < total
     e = tl.load(pick_ptr + i, mask=ok, other=-1)
@@ -96,7 +99,7 @@ def gather_cold_rows(host: QTensor, host_ids: torch.Tensor, picks: torch.Tensor,
         _cold_gather_kernel[(cdiv(total, BLOCK),)](
             picks, host_ids, _arg(data), _arg(scale), out, oscale, index, oidx, total, N, host_ids.shape[1], P,
             offset, ROW=data.shape[1], SROW=scale.shape[1], BLOCK=BLOCK, BR=next_pow2(data.shape[1]),
-            BS=next_pow2(scale.shape[1]), num_warps=4)
+            BS=next_pow2(scale.shape[1]), num_warps=4, **pdl.options(picks.device))
     staged = [o.view(torch.uint8).view(t.dtype).view(1, total, t.shape[-1]) for o, t in ((out, host.data),
                                                                                            (oscale, host.scale))]
     return QTensor(staged[0], staged[1], host.fmt, (1, total, host.shape[-1])), oidx

@@ -36,6 +36,8 @@ from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.kv_gather import byte_rows
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 TILES = {"store_paged": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},  # in_kernel False: plain torch
          "store_rows": {"in_kernel": True, "BLOCK": 16, "num_warps": 4},
@@ -64,6 +66,7 @@ def _copy_rows(val_ptr, vscale_ptr, out_ptr, oscale_ptr, src, dst, ok, ROW: tl.c
 def _store_paged_kernel(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, entry_ptr, mask_ptr, total, n, W, P,
                         trash, ROW: tl.constexpr, SROW: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr,
                         BS: tl.constexpr):
+    wait_inputs()
     _store_paged_block(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, entry_ptr, mask_ptr, total, n, W, P,
                        trash, ROW, SROW, BLOCK, BR, BS)
 
@@ -75,6 +78,7 @@ def _store_paged_two_kernel(val0, vscale0, pool0, pscale0, table0, W0, P0, trash
                             ROW1: tl.constexpr, SROW1: tl.constexpr, BR1: tl.constexpr, BS1: tl.constexpr,
                             BLOCK: tl.constexpr):
     """Two stores at the same entries: axis 1 of the grid picks the store."""
+    wait_inputs()
     if tl.program_id(1) == 0:
         _store_paged_block(val0, vscale0, pool0, pscale0, table0, entry_ptr, mask_ptr, total, n, W0, P0, trash0,
                            ROW0, SROW0, BLOCK, BR0, BS0)
@@ -101,6 +105,7 @@ def _store_paged_block(val_ptr, vscale_ptr, pool_ptr, pscale_ptr, table_ptr, ent
 @triton.jit
 def _store_rows_kernel(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, batch_ptr, slot_ptr, total, S, ROW: tl.constexpr,
                        SROW: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
+    wait_inputs()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < total
     dst = tl.load(batch_ptr + i, mask=ok, other=0) * S + tl.load(slot_ptr + i, mask=ok, other=0)
@@ -111,6 +116,7 @@ def _store_rows_kernel(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, batch_ptr, slot
 # the pick counts grow with the context in decode: not specialised, so no variant compiles mid-run
 @triton.jit(do_not_specialize=("total", "N"))
 def _resolve_paged_kernel(pick_ptr, table_ptr, out_ptr, total, N, W, P, offset, BLOCK: tl.constexpr):
+    wait_inputs()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < total
     e = tl.load(pick_ptr + i, mask=ok, other=-1).to(tl.int64)
@@ -122,6 +128,7 @@ def _resolve_paged_kernel(pick_ptr, table_ptr, out_ptr, total, N, W, P, offset, 
 # the batch and the chunk length vary with the load, the ring layers and the window with the model
 @triton.jit(do_not_specialize=("total", "B", "S", "W"))
 def _window_indices_kernel(pos_ptr, start_ptr, out_ptr, total, B, S, W, BLOCK: tl.constexpr):
+    wait_inputs()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < total
     i64 = i.to(tl.int64)
@@ -155,7 +162,8 @@ def store_paged(pool, table, entry, mask, values, page_entries: int, trash_row: 
     _store_paged_kernel[(cdiv(total, t["BLOCK"]),)](
         vdata, vscale, pdata, pscale, dense(table), dense(entry), dense(mask).view(torch.uint8), total, n,
         table.shape[1], page_entries, trash_row, ROW=pdata.shape[1], SROW=pscale.shape[1], BLOCK=t["BLOCK"],
-        BR=next_pow2(pdata.shape[1]), BS=next_pow2(pscale.shape[1]), num_warps=t["num_warps"])
+        BR=next_pow2(pdata.shape[1]), BS=next_pow2(pscale.shape[1]), num_warps=t["num_warps"],
+        **pdl.options(vdata.device))
     return pool
 
 
@@ -186,7 +194,8 @@ def _store_two(a, b, entry, mask, t):
                      f"BS{i}": next_pow2(pscale.shape[1])})
     total = entry.numel()
     _store_paged_two_kernel[(cdiv(total, t["BLOCK"]), 2)](*args, entry, mask, total, entry.shape[1], **rows,
-                                                          BLOCK=t["BLOCK"], num_warps=t["num_warps"])
+                                                          BLOCK=t["BLOCK"], num_warps=t["num_warps"],
+                                                          **pdl.options(entry.device))
 
 
 def store_rows(dst, batch, slot, src):
@@ -200,7 +209,7 @@ def store_rows(dst, batch, slot, src):
     _store_rows_kernel[(cdiv(n, t["BLOCK"]),)](
         vdata, vscale, ddata, dscale, dense(batch), dense(slot), n, dst.shape[1], ROW=ddata.shape[1],
         SROW=dscale.shape[1], BLOCK=t["BLOCK"], BR=next_pow2(ddata.shape[1]), BS=next_pow2(dscale.shape[1]),
-        num_warps=t["num_warps"])
+        num_warps=t["num_warps"], **pdl.options(vdata.device))
     return dst
 
 
@@ -214,7 +223,7 @@ def resolve_paged(table, picks, page_entries: int, offset: int = 0):
     if out.numel():
         _resolve_paged_kernel[(cdiv(B * N, t["BLOCK"]),)](dense(picks), dense(table), out, B * N, N, table.shape[1],
                                                           page_entries, offset, BLOCK=t["BLOCK"],
-                                                          num_warps=t["num_warps"])
+                                                          num_warps=t["num_warps"], **pdl.options(picks.device))
     return out
 
 
@@ -228,7 +237,8 @@ def window_indices(positions, ring_start, window: int):
     if out.numel():
         _window_indices_kernel[(cdiv(out.numel(), t["BLOCK"]),)](dense(positions), dense(ring_start), out, out.numel(),
                                                                  B, S, window, BLOCK=t["BLOCK"],
-                                                                 num_warps=t["num_warps"])
+                                                                 num_warps=t["num_warps"],
+                                                                 **pdl.options(positions.device))
     return out
 
 

@@ -39,6 +39,7 @@ from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
+from flashrt.kernels_cuda import pdl
 
 WEIGHT_FORMATS = ("fp8_w", "fp4_w")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -223,7 +224,7 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
     cnt = splitk.counters(x.device) if plan["reduce"] else out
     _linear_kernel[plan["grid"]](
         xq, sx, data, scale, out, ws, cnt, m, n, k, plan["k_split"], split, xq.stride(0), sx.stride(0),
-        data.stride(0), scale.stride(0), out.stride(1), out.stride(0), **plan["constexprs"])
+        data.stride(0), scale.stride(0), out.stride(1), out.stride(0), **plan["constexprs"], **pdl.options(xq.device))
     out = out[0] if split == 1 or plan["reduce"] else out.sum(0).to(x.dtype)
     return out.view(*x.shape[:-1], n)
 

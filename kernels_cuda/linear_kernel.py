@@ -17,6 +17,7 @@ import triton.language as tl
 from flashrt.kernels_cuda.codecs import (e2m1_pairs_bf16, e2m1_x16384, e4m3_x256, e8m0_bf16, e8m0_to_f32, pow2,
                                          quant_fp8)
 from flashrt.kernels_cuda.splitk import store_tile
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 
 @triton.jit
@@ -225,6 +226,7 @@ def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
                    QX: tl.constexpr, REDUCE: tl.constexpr, E2M1: tl.constexpr):
     """One output tile's K range. QX: xq_ptr holds the float x (quantized here). REDUCE: the tile's
     splits meet in :func:`.splitk.store_tile`; otherwise split s stores at out + s * stride_os."""
+    wait_inputs()
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_n  # grouped order: GROUP_M row tiles share each weight tile in L2

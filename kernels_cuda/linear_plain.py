@@ -33,6 +33,8 @@ from flashrt.tile_checks import DOT, Tile
 from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 # A rule's launch knobs (not kernel parameters; a rule without them gets these values), as linear's:
 # min_block_n halves BLOCK_N, down to it, while the output tiles at the halved width still fit in
@@ -62,6 +64,7 @@ def _plain_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, n_grou
                          REDUCE: tl.constexpr):
     """out[:, n] = x[:, g*K:(g+1)*K] @ w[n].T with g = n // n_group (n_group = N: one group; a
     column tile lies inside one group)."""
+    wait_inputs()
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,7 +169,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, n_gr
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if reduce else out
     cnt = splitk.counters(x2.device) if reduce else out
     _plain_linear_kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], split,
-                                       x2.stride(0), w.stride(0), out.stride(1), out.stride(0), **plan["constexprs"])
+                                       x2.stride(0), w.stride(0), out.stride(1), out.stride(0), **plan["constexprs"],
+                                       **pdl.options(x2.device))
     return out[0] if split == 1 or reduce else out.sum(0).to(out_dtype)
 
 

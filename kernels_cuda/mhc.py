@@ -25,6 +25,8 @@ from flashrt.tile_checks import COUNT0, DOT, POW2, Tile
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import norm_rope, splitk
 from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 TILES = {
     # bf16 x on the GPU (tensor cores); BLOCK_T 128 (8 warps) only from BIG_T tokens on; up to
@@ -147,6 +149,7 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
                             SPLIT: tl.constexpr, FINISH: tl.constexpr, SPLIT_CHUNK: tl.constexpr, FMA: tl.constexpr):
     """One (token tile, K split). SPLIT: partials to the workspace, and with FINISH the token tile's
     last split program (a ticket from its counter, :mod:`.splitk`) sums them and runs the epilogue."""
+    wait_inputs()
     t0 = tl.program_id(0) * BLOCK_T
     split = tl.program_id(1)
     k_lo = split * k_per_split
@@ -202,6 +205,7 @@ def _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_pt
 def _hc_finish_kernel(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_splits,
                       iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr,
                       PP: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    wait_inputs()
     _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, tl.program_id(0) * BLOCK_T, T, K,
                n_splits, iters, eps, norm_eps, HC, BLOCK_T, HCP, PP, SPLIT_CHUNK)
 
@@ -276,16 +280,17 @@ def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None
     cnt = splitk.counters(dev) if plan["finish"] else pre
     _hc_coefficients_kernel[plan["grid"]](
         x2, fn, scale, base, pre, post, comb, *ws, cnt, T, K, x2.stride(0), plan["k_per"], n_splits, iters,
-        float(eps), float(norm_eps), **plan["kernel"])
+        float(eps), float(norm_eps), **plan["kernel"], **pdl.options(x2.device))
     if n_splits > 1 and not plan["finish"]:
         _hc_finish_kernel[plan["finish_grid"]](
             *ws, scale, base, pre, post, comb, T, K, n_splits, iters, float(eps), float(norm_eps),
-            **plan["finish_kernel"])
+            **plan["finish_kernel"], **pdl.options(scale.device))
     return pre, post, comb
 
 
 @triton.jit
 def _hc_collapse_kernel(x_ptr, pre_ptr, out_ptr, D, HC: tl.constexpr, HCP: tl.constexpr, BLOCK_D: tl.constexpr):
+    wait_inputs()
     tok = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     k = tl.arange(0, HCP)
@@ -303,7 +308,7 @@ def hc_collapse(x, pre):
         t = _tiles()["hc_mix"]
         block_d = min(t["BLOCK_D"], next_pow2(D))
         _hc_collapse_kernel[(B * S, cdiv(D, block_d))](
-            x, pre, out, D, HC=hc, HCP=next_pow2(hc), BLOCK_D=block_d, num_warps=t["num_warps"])
+            x, pre, out, D, HC=hc, HCP=next_pow2(hc), BLOCK_D=block_d, num_warps=t["num_warps"], **pdl.options(x.device))
     return out
 
 
@@ -311,6 +316,7 @@ def hc_collapse(x, pre):
 def _hc_collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr):
     """One token: the collapse of its hc streams, kept in registers (one stream at a time is read),
     rounded to the output dtype as ``hc_collapse`` stores it, then normalised as ``rms_norm``."""
+    wait_inputs()
     tok = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
@@ -333,13 +339,14 @@ def hc_collapse_norm(x, pre, weight, eps):
     out = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
     if out.numel():
         _hc_collapse_norm_kernel[(B * S,)](x, pre, weight, out, D, float(eps), HC=hc, BLOCK_D=next_pow2(D),
-                                           num_warps=t["num_warps"])
+                                           num_warps=t["num_warps"], **pdl.options(x.device))
     return out
 
 
 @triton.jit
 def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, HCP: tl.constexpr,
                       BLOCK_D: tl.constexpr):
+    wait_inputs()
     tok = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -366,7 +373,7 @@ def hc_expand(y, residual, post, comb):
         block_d = min(t["BLOCK_D"] // next_pow2(hc), next_pow2(D))
         _hc_expand_kernel[(B * S, cdiv(D, block_d))](
             y, residual, post, comb, out, D, HC=hc, HCP=next_pow2(hc), BLOCK_D=block_d,
-            num_warps=t["num_warps"])
+            num_warps=t["num_warps"], **pdl.options(y.device))
     return out
 
 

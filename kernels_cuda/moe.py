@@ -56,6 +56,7 @@ from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_qua
                                          pick_tile, split_tile, weight_operands)
 from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_up_kernel
 from flashrt.refmath_moe import experts_loop, finish_experts
+from flashrt.kernels_cuda import pdl
 
 # A rule's launch knobs (not kernel parameters; a rule without them gets these values), applied to
 # the up (I columns over D) and the down (D columns over I) launch apart, as linear's: min_block_n
@@ -179,7 +180,8 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
         o1[0], o1[1], o3[0], o3[1], o1[0].stride(-2), o1[1].stride(-2), tab["tiles"], n * k, k,
         FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=plan["qx"],
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
-        PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=plan["e2m1"] if w1.fmt == "fp4_w" or fp4_s else 0, **t)
+        PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=plan["e2m1"] if w1.fmt == "fp4_w" or fp4_s else 0, **t,
+        **pdl.options(xq.device))
     return hq, sh
 
 
@@ -206,7 +208,7 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
         FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
         COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, PAIRS=plan["pairs"],
         SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s,
-        E2M1=plan["e2m1"] if w2.fmt == "fp4_w" or fp4_s else 0, **t)
+        E2M1=plan["e2m1"] if w2.fmt == "fp4_w" or fp4_s else 0, **t, **pdl.options(hq.device))
     return y
 
 
@@ -249,7 +251,7 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     _moe_combine_kernel[(n, cdiv(D, c["BLOCK_D"]))](
         y, tab["pos"], out, add if add is not None else out, D, k, y.stride(0), out.stride(0),
         add.stride(0) if add is not None else 0, n * k, BLOCK_D=c["BLOCK_D"], HAS_ADD=add is not None,
-        PAIRS=plan["pairs"], SHARED=plan["shared"], num_warps=c["num_warps"])
+        PAIRS=plan["pairs"], SHARED=plan["shared"], num_warps=c["num_warps"], **pdl.options(y.device))
     return out
 
 

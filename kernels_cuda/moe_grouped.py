@@ -29,6 +29,7 @@ from flashrt.kernels_cuda import quant
 from flashrt.kernels_cuda.launch import cdiv
 from flashrt.kernels_cuda.linear import fp8_rows_bf16
 from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel
+from flashrt.kernels_cuda import pdl
 
 BF16 = torch.bfloat16
 
@@ -87,5 +88,5 @@ def experts(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, share
     _moe_combine_kernel[(n, cdiv(D, block))](
         y, pos, out, add if add is not None else out, D, k, y.stride(0), out.stride(0),
         add.stride(0) if add is not None else 0, pairs, BLOCK_D=block, HAS_ADD=add is not None, PAIRS=False,
-        SHARED=shared is not None, num_warps=combine["num_warps"])
+        SHARED=shared is not None, num_warps=combine["num_warps"], **pdl.options(y.device))
     return out

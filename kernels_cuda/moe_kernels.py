@@ -20,6 +20,7 @@ import triton.language as tl
 from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda.codecs import quant_fp8, to_out
 from flashrt.kernels_cuda.linear_kernel import _k_loop
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 
 @triton.jit
@@ -123,6 +124,7 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
     pair row (DIRECT: of each token). SHARED: s1/ss1/s3/ss3 the shared expert's W1 / W3 (data,
     scales; format FP4_S, MMA mode PROMOTE_S / DOT_S). SPLIT: ws_ptr [splits, 2, n_rows, I] fp32
     gate / up partials, cnt_ptr a counter per (row tile, column tile)."""
+    wait_inputs()
     e, rows, row_ok, tok, sh = _tile_rows(tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, n_tiles, n_pairs,
                                           TOPK, BLOCK_M, DIRECT, PAIRS, SHARED)
     if e >= E:  # past the last tile
@@ -227,6 +229,7 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
     token's ``add`` row after the sum (HAS_ADD), stores it in ``out``'s dtype and puts the counter
     back to zero. SPLIT: ws_ptr [splits, n_rows, D] fp32 partials, split_cnt_ptr a counter per
     (row tile, column tile) (apart from the combine's)."""
+    wait_inputs()
     e, rows, row_ok, tok, sh = _tile_rows(tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, n_tiles, n_pairs,
                                           TOPK, BLOCK_M, DIRECT, PAIRS, SHARED)
     if e >= E:
@@ -269,6 +272,7 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
 def _moe_combine_kernel(y_ptr, pos_ptr, out_ptr, add_ptr, D, TOPK, stride_ym, stride_om, stride_am, n_pairs,
                         BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr, PAIRS: tl.constexpr, SHARED: tl.constexpr):
     """Token ``program_id(0)``'s rows summed as :func:`_token_sum`, plus its ``add`` row (HAS_ADD)."""
+    wait_inputs()
     t = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (offs < D)[None, :]

@@ -22,6 +22,8 @@ from flashrt.tile_checks import POW2
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 # tokens a program: at most ELEMS / experts (padded to a power of two) and BLOCK_T: the score, key and
 # pick tensors of ELEMS fp32 values stay in registers (4096 over 4 warps: no spills for 384 experts)
@@ -55,6 +57,7 @@ def _scores(z, SCORE: tl.constexpr):
 def _route_select_kernel(z_ptr, bias_ptr, w_ptr, i_ptr, N, E, stride_z, route_scale,
                          TOPK: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                          BLOCK_T: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr):
+    wait_inputs()
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, EB)
     live = (e < E)[None, :]
@@ -97,7 +100,7 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
     _route_select_kernel[(cdiv(n, bt),)](
         z, bias if bias is not None else z, w, idx, n, E, z.stride(0), float(route_scale), TOPK=topk,
         SCORE=SCORES[score_func], HAS_BIAS=bias is not None, NORM=bool(norm_topk) and topk > 1,
-        BLOCK_T=bt, EB=EB, KB=max(2, next_pow2(topk)), num_warps=t["num_warps"])
+        BLOCK_T=bt, EB=EB, KB=max(2, next_pow2(topk)), num_warps=t["num_warps"], **pdl.options(z.device))
     return w, idx
 
 

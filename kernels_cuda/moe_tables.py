@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda.launch import cdiv, next_pow2
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 # defaults of tiles.moe.route (moe.TILES); large: past max_pairs sort + two kernels, else torch
 ROUTE = dict(max_pairs=4096, num_warps=4, large=True)
@@ -35,6 +37,7 @@ PAIRS_BLOCK, TILE_BLOCK = 1024, 1024  # sorted positions per _route_pairs_kernel
 @triton.jit
 def _route_kernel(idx_ptr, w_ptr, tok_ptr, rw_ptr, pos_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr,
                   P, K, E, T, BLOCK_M: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, TB: tl.constexpr):
+    wait_inputs()
     i = tl.arange(0, PB)
     valid = i < P
     e = tl.load(idx_ptr + i, mask=valid, other=0)
@@ -63,6 +66,7 @@ def _route_kernel(idx_ptr, w_ptr, tok_ptr, rw_ptr, pos_ptr, tile_e_ptr, tile_row
 @triton.jit(do_not_specialize=("P",))
 def _route_pairs_kernel(order_ptr, w_ptr, tok_ptr, rw_ptr, pos_ptr, P, K, BLOCK: tl.constexpr):
     """Sorted positions ``i`` of this program: the pair ``order[i]``'s token, weight and position."""
+    wait_inputs()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = i < P
     order = tl.load(order_ptr + i, mask=valid, other=0).to(tl.int32)  # int64 from torch.sort; pairs < 2**31
@@ -90,6 +94,7 @@ def _count_below(sorted_ptr, P, steps, x):
 def _route_tiles_kernel(sorted_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, P, E, T, steps,
                         BLOCK_M: tl.constexpr, EB: tl.constexpr, TB: tl.constexpr):
     """The tile table (as ``_route_kernel``) from the ``P`` experts sorted, ``TB`` tiles per step."""
+    wait_inputs()
     x = tl.arange(0, EB)
     ends = _count_below(sorted_ptr, P, steps, x + 1)  # pairs of experts <= x
     counts = ends - tl.where(x > 0, tl.gather(ends, tl.maximum(x - 1, 0), 0), 0)  # one search, not two
@@ -132,14 +137,15 @@ def route_tables(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, b
     if pairs > t["max_pairs"]:
         experts, order = torch.sort(idx, stable=True)  # pairs of one expert stay in pair order
         _route_pairs_kernel[(cdiv(pairs, PAIRS_BLOCK),)](order, w, out["tok"], out["rw"], out["pos"], pairs, k,
-                                                         BLOCK=PAIRS_BLOCK, num_warps=t["num_warps"])
+                                                         BLOCK=PAIRS_BLOCK, num_warps=t["num_warps"],
+                                                         **pdl.options(order.device))
         _route_tiles_kernel[(1,)](experts, out["tile_e"], out["tile_row"], out["row_end"], pairs, n_experts, T,
                                   pairs.bit_length(), BLOCK_M=block_m, EB=EB, TB=TILE_BLOCK,
-                                  num_warps=t["num_warps"])
+                                  num_warps=t["num_warps"], **pdl.options(experts.device))
         return out
     _route_kernel[(1,)](idx, w, out["tok"], out["rw"], out["pos"], out["tile_e"], out["tile_row"], out["row_end"],
                         pairs, k, n_experts, T, BLOCK_M=block_m, PB=max(16, next_pow2(pairs)),
-                        EB=EB, TB=max(16, next_pow2(T)), num_warps=t["num_warps"])
+                        EB=EB, TB=max(16, next_pow2(T)), num_warps=t["num_warps"], **pdl.options(idx.device))
     return out
 
 

@@ -20,6 +20,8 @@ from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import POW2
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 TILES = {
     "rms_norm": {"MAX_BLOCK_N": 8192, "ROW_ELEMS": 4096, "num_warps": 8},
@@ -37,6 +39,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, N, x_row_stride, eps,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr):
+    wait_inputs()
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < n_rows
     cols = tl.arange(0, BLOCK_N)
@@ -80,7 +83,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block_m = min(block_m, next_pow2(rows))
     grid = (cdiv(rows, block_m),)
     _rms_norm_kernel[grid](x2, weight, out, rows, n, x2.stride(0), float(eps),
-                           BLOCK_M=block_m, BLOCK_N=block_n, SINGLE=block_n >= n, num_warps=t["num_warps"])
+                           BLOCK_M=block_m, BLOCK_N=block_n, SINGLE=block_n >= n, num_warps=t["num_warps"],
+                           **pdl.options(x2.device))
     return out
 
 
@@ -89,6 +93,7 @@ def _rope_kernel(x_ptr, f_ptr, out_ptr, n_rows, S, H, R, HEAD, sxb, sxs, sxh, sf
                  INVERSE: tl.constexpr, PAIRS_CONTIGUOUS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                  BLOCK_R: tl.constexpr):
     """Rows of R channels: the first HEAD (even) copied, the rest rotated by the table's pairs."""
+    wait_inputs()
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # flattened (b, s, h); int32 divisions
     h = (row % H).to(tl.int64)
     s = ((row // H) % S).to(tl.int64)
@@ -127,7 +132,8 @@ def rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> tor
     block_rows = min(next_pow2(n_rows), max(1, t["TILE_ELEMS"] // block_r))
     _rope_kernel[(cdiv(n_rows, block_rows),)](
         x4, f, out, n_rows, S, H, R, R - 2 * f.shape[-2], x4.stride(0), x4.stride(1), x4.stride(2), sfb, f.stride(-3), f.stride(-2),
-        INVERSE=bool(inverse), PAIRS_CONTIGUOUS=f.stride(-2) == 2, BLOCK_ROWS=block_rows, BLOCK_R=block_r, num_warps=t["num_warps"])
+        INVERSE=bool(inverse), PAIRS_CONTIGUOUS=f.stride(-2) == 2, BLOCK_ROWS=block_rows, BLOCK_R=block_r, num_warps=t["num_warps"],
+        **pdl.options(x4.device))
     return out
 
 

@@ -30,6 +30,8 @@ from flashrt.kernels_cuda import norm_rope, quant
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.codecs import CODES, block_scale, fake_blocks, store_blocks, to_out
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, next_pow2
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 TILES = {"norm_rope_quantize": {"ROW_ELEMS": 2048, "MAX_D": 4096, "num_warps": 4, "in_kernel": True}}
 
@@ -47,6 +49,7 @@ def _norm_rope_quant_kernel(x_ptr, w_ptr, f_ptr, data_ptr, scale_ptr, out_ptr, n
                             eps, HEAD: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, XDT: tl.constexpr,
                             FMT: tl.constexpr, BLK: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
                             FAKE: tl.constexpr, OUT: tl.constexpr):
+    wait_inputs()
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (b, s, h)
     rmask = row < n_rows
     c = tl.arange(0, D)
@@ -118,7 +121,7 @@ def norm_rope_quantize(x, weight, eps, freqs_cis, fmt, dequantize_to=None):
             x2, w, f, data, scale, out, n, S, H, x2.stride(0), f.stride(0), f.stride(1), float(eps),
             HEAD=D - 2 * freqs_cis.shape[-1], D=D, NORM=weight is not None, XDT=TL_DTYPES[x.dtype],
             FMT=_FMT[fmt], BLK=s.block, G=D // s.block, BLOCK_R=block_r, FAKE=dequantize_to is not None,
-            OUT=TL_DTYPES[dequantize_to or x.dtype], num_warps=t["num_warps"])
+            OUT=TL_DTYPES[dequantize_to or x.dtype], num_warps=t["num_warps"], **pdl.options(x2.device))
     if fmt is None or dequantize_to is not None:
         return out
     data_shape, scale_shape = formats.expected_layout(fmt, x.shape)

@@ -32,6 +32,8 @@ from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.attention_kernel import _attend, _finish, _gather_kv, _scores
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, next_pow2, zeros_stored
 from flashrt.tile_checks import DOT, Tile
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 LOG2E = tl.constexpr(1.4426950408889634)
 TILES = {
@@ -55,6 +57,7 @@ def _prefix_attention_kernel(
         ROLE3: tl.constexpr, HAS_SINK: tl.constexpr, HAS_ENTRIES: tl.constexpr, DOT_DTYPE: tl.constexpr,
         PREC: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
         D_SPLIT: tl.constexpr):
+    wait_inputs()
     M: tl.constexpr = QB * HB
     BW: tl.constexpr = BLOCK_D // D_SPLIT
     b = tl.program_id(1).to(tl.int64)
@@ -159,7 +162,8 @@ def prefix_attention(q, kv, positions, ring_start, window, entries, visible, sin
     _prefix_attention_kernel[plan["grid"]](
         q, positions, ring_start, ent, vis, dense(sink) if sink is not None else q, out,
         *attention._segment_args(segs, plan["roles"]), S, H, window,
-        entries.shape[-1] if entries is not None else 0, float(scale) * attention.LOG2E, D, **plan["constexprs"])
+        entries.shape[-1] if entries is not None else 0, float(scale) * attention.LOG2E, D, **plan["constexprs"],
+        **pdl.options(q.device))
     return out
 
 

@@ -31,6 +31,8 @@ from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_to_f32, e4m3_t
                                          e8m0_to_f32, store_blocks, to_out)
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, zeros_stored
 from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 TILES = {
     "quantize": {"ELEMS": 4096, "num_warps": 4},  # BLOCK_G = ELEMS // block scale blocks a program
@@ -53,6 +55,7 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, slot_ptr, n_rows, groups_per_ro
                      x_row_stride, data_row_stride, scale_row_stride,
                      FMT: tl.constexpr, BLK: tl.constexpr, HAS_SLOTS: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    wait_inputs()
     i = tl.arange(0, BLOCK_R * BLOCK_C)  # BLOCK_R rows x BLOCK_C scale blocks, flattened
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + i // BLOCK_C
     col = tl.program_id(1) * BLOCK_C + i % BLOCK_C
@@ -74,6 +77,7 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, slot_ptr, n_rows, groups_per_ro
 @triton.jit
 def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_groups,
                        FMT: tl.constexpr, BLK: tl.constexpr, BLOCK_G: tl.constexpr):
+    wait_inputs()
     g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     gmask = g < n_groups
     sbyte = tl.load(scale_ptr + g, mask=gmask, other=0).to(tl.int32)
@@ -98,6 +102,7 @@ def _dequantize_w_kernel(data_ptr, scale_ptr, out_ptr, rows, cols, s_rows, s_col
     """``fp8_w``: one program per 32 rows (one row of 32 x 32 scale tiles) x ``BLOCK_C`` columns of
     matrix ``program_id(2)`` (the leading dims flattened); each element's E4M3 value times its
     tile's UE8M0 power of two, in fp32, rounded once to the output dtype."""
+    wait_inputs()
     mat = tl.program_id(2).to(tl.int64)
     r = tl.program_id(0) * 32 + tl.arange(0, 32)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -117,7 +122,7 @@ def _dequantize_w(q: QTensor, out: torch.Tensor) -> None:
     block_c = min(_tiles()["dequantize_w"]["BLOCK_C"], next_pow2(cols))
     _dequantize_w_kernel[(cdiv(rows, 32), cdiv(cols, block_c), mats)](
         data, scale, out, rows, cols, scale.shape[-2], scale.shape[-1], BLOCK_C=block_c,
-        num_warps=_tiles()["dequantize_w"]["num_warps"])
+        num_warps=_tiles()["dequantize_w"]["num_warps"], **pdl.options(data.device))
 
 
 def rows_plan(rows: int, n: int, fmt: str, has_slots: bool, tile: tuple | None = None) -> tuple:
@@ -139,7 +144,7 @@ def launch_rows(plan: tuple, x2, data, scale, slots, data_row_stride: int, scale
     """Run a :func:`rows_plan` on ``x2 [M, N]`` (unit last stride) into uint8 ``data`` / ``scale`` rows."""
     grid, c = plan
     _quantize_kernel[grid](x2, data, scale, slots if slots is not None else data, x2.shape[0], x2.shape[1] // c["BLK"],
-                           x2.stride(0), data_row_stride, scale_row_stride, **c)
+                           x2.stride(0), data_row_stride, scale_row_stride, **c, **pdl.options(x2.device))
 
 
 def _launch_quantize(x2, fmt, data, scale, slots, data_row_stride, scale_row_stride):
@@ -187,7 +192,7 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             block_g = t["ELEMS"] // s.block
             plan = PLANS.store(key, ((cdiv(n_groups, block_g),), dict(
                 FMT=_FMT[q.fmt], BLK=s.block, BLOCK_G=block_g, num_warps=t["num_warps"])))
-        _dequantize_kernel[plan[0]](data, scale, out, n_groups, **plan[1])
+        _dequantize_kernel[plan[0]](data, scale, out, n_groups, **plan[1], **pdl.options(data.device))
     return out
 
 

@@ -23,6 +23,8 @@ from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, last_dense, sm_count
 from flashrt.tile_checks import COUNT0, POW2, Tile
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 MAX_SLICES = 256  # slices a row is split into at most (the merge loads them as one vector)
 TILES = {
@@ -37,6 +39,7 @@ MAX_V = 2 ** 31 - 2  # columns are int32 in the kernel; 2**31 - 1 stands for "no
 @triton.jit(do_not_specialize=("V", "stride", "per_slice"))
 def _argmax_kernel(x_ptr, out_ptr, pv_ptr, pi_ptr, cnt_ptr, V, stride, per_slice,
                    BLOCK: tl.constexpr, SLICES: tl.constexpr):
+    wait_inputs()
     b, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     G = tl.num_programs(1)
     NONE: tl.constexpr = 2 ** 31 - 1
@@ -99,7 +102,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     pv = torch.empty(B * slices, dtype=torch.float32, device=x.device)
     pi = torch.empty(2 * B * slices, dtype=torch.int32, device=x.device)
     _argmax_kernel[(B, slices)](x, out, pv, pi, splitk.counters(x.device), V, x.stride(0), per,
-                                BLOCK=t["BLOCK"], SLICES=MAX_SLICES, num_warps=t["num_warps"])
+                                BLOCK=t["BLOCK"], SLICES=MAX_SLICES, num_warps=t["num_warps"], **pdl.options(x.device))
     return out
 
 

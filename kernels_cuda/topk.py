@@ -34,6 +34,7 @@ from flashrt.tile_checks import POW2, Tile
 from flashrt.kernels_cuda.topk_kernel import _chunk_max_kernel, _select_kernel
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import warmup as _warmup
+from flashrt.kernels_cuda import pdl
 
 TILES = {
     "chunk_max": {"block": 2048, "num_warps": 4},
@@ -90,7 +91,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
         chunks = max(chunk_tiles["block"], coarse) // C
         _chunk_max_kernel[(R, cdiv(NF, chunks))](
             src, cand_t, fine, summ, T, NF, NC, src.stride(0), cand_t.stride(0), fine.stride(0), summ.stride(0),
-            C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand, num_warps=chunk_tiles["num_warps"])
+            C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand, num_warps=chunk_tiles["num_warps"],
+            **pdl.options(src.device))
     radix = tiles["radix_bits"]
     assert radix in (1, 2, 4) and tiles["bits"] % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {tiles['bits']}"
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
@@ -105,7 +107,7 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
                          out.stride(0), C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, SMALL=small,
                          GROUP=max(C * F, tiles["group"]), PAD=min(1024, _pow2(k)), SRC_KEYS=src_keys,
                          HAS_CAND=has_cand, MARK=mark, STATS=stats is not None, RADIX=radix,
-                         num_warps=tiles["num_warps"])
+                         num_warps=tiles["num_warps"], **pdl.options(src.device))
 
 
 def topk_positions(scores, k, candidates=None):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashrt.kernels_cuda.pdl import wait_inputs
+
 _MIN = tl.constexpr(-2147483648)
 
 
@@ -185,6 +187,7 @@ def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, w
                    LIST: tl.constexpr, SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr,
                    SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, MARK: tl.constexpr,
                    STATS: tl.constexpr, RADIX: tl.constexpr):
+    wait_inputs()
     r = tl.program_id(0).to(tl.int64)
     src += r * s_src
     cand += r * s_cand
@@ -226,6 +229,7 @@ def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, w
 def _chunk_max_kernel(src, cand, fine, coarse, T, NF, NC, s_src, s_cand, s_fine, s_coarse, C: tl.constexpr,
                       F: tl.constexpr, CHUNKS: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
     """Max key of every chunk of C positions (fine), and of every F fine chunks (coarse, F > 1)."""
+    wait_inputs()
     r = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1) * CHUNKS + tl.arange(0, CHUNKS)
     pos = chunk[:, None] * C + tl.arange(0, C)[None, :]

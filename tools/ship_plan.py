@@ -2,12 +2,15 @@
 into the plan shipped with flashrt (``core/jit_plans/triton-<version>/<name>.json``).
 
     python tools/ship_plan.py RECORDED.json [RECORDED.json ...] [--triton 3.6.0] [--drop-rest]
+                              [--option NAME=JSON ...]
 
 The recorded entries come first, in the order the run first loaded them (the order a cold start's
 compile pool compiles them in), then the shipped entries the recording lacks (variants of other
 runs: other batch sizes, serving), unless ``--drop-rest``, less those the current code cannot
 compile (the kernel gone, or its parameters changed since they were recorded); at most
-``jit_plans.MAX_ENTRIES``. The Triton version is the recorded file's folder (``triton-<version>``)
+``jit_plans.MAX_ENTRIES``. ``--option launch_pdl=true`` sets one Triton compile option in every
+entry: what the launches carry after a profile change that sets it on every launch
+(``tiles.pdl.enabled``), without recording again. The Triton version is the recorded file's folder (``triton-<version>``)
 unless ``--triton`` names it. Prints, per file, the entries recorded, kept from before and dropped.
 """
 from __future__ import annotations
@@ -41,13 +44,34 @@ def matches_code(entry: dict) -> bool:
     return list(inspect.signature(getattr(fn, "fn", fn)).parameters) == names
 
 
-def ship(recorded: Path, target: Path, drop_rest: bool = False) -> dict:
-    """Write ``target`` as ``recorded``'s entries then (unless ``drop_rest``) ``target``'s others."""
+def with_options(entry: dict, options: dict) -> dict:
+    """``entry`` with ``options`` (name -> value) set among its compile options."""
+    if not options:
+        return entry
+    data = json.loads(entry["data"])
+    data["options"] = {**data["options"], **options}
+    return {**entry, "data": json.dumps(data)}
+
+
+def parse_option(text: str) -> tuple[str, object]:
+    """``NAME=JSON`` of ``--option``: (name, value)."""
+    name, sep, value = text.partition("=")
+    try:
+        if not sep or not name:
+            raise ValueError
+        return name, json.loads(value)
+    except ValueError:
+        raise ValueError(f"--option: expected NAME=JSON (e.g. launch_pdl=true), got {text!r}") from None
+
+
+def ship(recorded: Path, target: Path, drop_rest: bool = False, options: dict | None = None) -> dict:
+    """Write ``target`` as ``recorded``'s entries then (unless ``drop_rest``) ``target``'s others,
+    each with ``options`` set (:func:`with_options`)."""
     try:
         header = json.loads(recorded.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"RECORDED: expected a plan file, got {recorded} ({exc})") from None
-    entries = read_entries(recorded)
+    entries = [with_options(e, options) for e in read_entries(recorded)]
     if not entries or not {"arch", "profile", "model"} <= set(header):
         raise ValueError(f"RECORDED: expected a plan file with entries, got {recorded}")
     seen, first = set(), []
@@ -55,13 +79,17 @@ def ship(recorded: Path, target: Path, drop_rest: bool = False) -> dict:
         if entry_key(e) not in seen:
             seen.add(entry_key(e))
             first.append(e)
-    old = read_entries(target)
-    rest = [] if drop_rest else [e for e in old if entry_key(e) not in seen and matches_code(e)]
+    old = [with_options(e, options) for e in read_entries(target)]
+    recorded_keys, rest = set(seen), []
+    for e in [] if drop_rest else old:  # (options set, two old entries may now be one)
+        if entry_key(e) not in seen and matches_code(e):
+            seen.add(entry_key(e))
+            rest.append(e)
     merged = (first + rest)[:MAX_ENTRIES]
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(target, plan_text(header["arch"], header["profile"], header["model"], merged))
     return {"file": str(target), "recorded": len(first), "kept": len(merged) - len(first),
-            "dropped": len(old) - sum(entry_key(e) in seen for e in old) - (len(merged) - len(first))}
+            "dropped": len(old) - sum(entry_key(e) in recorded_keys for e in old) - (len(merged) - len(first))}
 
 
 def main() -> None:
@@ -69,10 +97,13 @@ def main() -> None:
     ap.add_argument("recorded", nargs="+", type=Path, metavar="RECORDED")
     ap.add_argument("--triton", default=None, help="the Triton version (default: the recorded file's folder)")
     ap.add_argument("--drop-rest", action="store_true", help="keep only what the recording has")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=JSON",
+                    help="set this Triton compile option in every entry (e.g. launch_pdl=true)")
     args = ap.parse_args()
     try:
+        options = dict(parse_option(o) for o in args.option)
         for path in args.recorded:
-            print(json.dumps(ship(path, shipped_path(path, args.triton), args.drop_rest)))
+            print(json.dumps(ship(path, shipped_path(path, args.triton), args.drop_rest, options)))
     except ValueError as exc:
         ap.error(str(exc))
 

@@ -113,12 +113,17 @@ def test_every_shipped_plan_names_kernels_as_they_are_now():
 
     import flashrt
 
+    from flashrt import profiles
+
     shipped = sorted((Path(flashrt.__file__).parent / "jit_plans").glob("*/*.json"))
     assert shipped, "no shipped plan"
     for path in shipped:
         entries = jit_plans.read_entries(path)
         assert entries, path
+        # launches carry launch_pdl exactly when the plan's profile enables it (an sm_90 plan)
+        pdl = bool(profiles.load_profile(json.loads(path.read_text())["profile"]).tiles.get("pdl", {}).get("enabled"))
         for entry in entries:
+            assert json.loads(entry["data"])["options"].get("launch_pdl", False) is pdl, (path.name, entry["name"])
             spec = jit_plans.decode(entry, ARCH)
             kernel = getattr(importlib.import_module(spec.module), spec.name)
             params = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
@@ -164,6 +169,34 @@ def test_ship_plan_puts_the_recording_first_in_its_order(tmp_path, monkeypatch, 
     (tmp_path / "empty.json").write_text("{}")
     with pytest.raises(ValueError, match="RECORDED: expected a plan file with entries"):
         ship_plan.ship(tmp_path / "empty.json", target)
+
+
+def test_ship_plan_sets_an_option_in_every_entry(tmp_path, monkeypatch):
+    """``--option launch_pdl=true``: every entry, recorded or kept, compiles with the option set; an
+    old entry that then equals a recorded one is listed once; a malformed option is named."""
+    ship_plan = _ship_plan()
+    monkeypatch.setattr(ship_plan, "matches_code", lambda entry: True)
+    blocks = random.sample(range(1, 1000), 4)
+
+    def entry(block, pdl):
+        return ship_plan.with_options(_entry(block), {"launch_pdl": pdl})
+
+    recorded = tmp_path / "triton-9.9.9" / "sm_90-h200-small.json"
+    recorded.parent.mkdir(parents=True)
+    recorded.write_text(jit_plans.plan_text("sm_90", "h200", "small", [entry(blocks[0], False)]).decode())
+    target = tmp_path / "ship" / "sm_90-h200-small.json"
+    target.parent.mkdir(parents=True)
+    old = [entry(blocks[0], True), entry(blocks[1], False), entry(blocks[1], True), _entry(blocks[2])]
+    target.write_text(jit_plans.plan_text("sm_90", "h200", "small", old).decode())
+    report = ship_plan.ship(recorded, target, options={"launch_pdl": True})
+    got = [json.loads(e["data"]) for e in jit_plans.read_entries(target)]
+    assert [d["constant_vals"][0] for d in got] == blocks[:3]
+    assert all(d["options"]["launch_pdl"] is True and d["options"]["num_warps"] == 4 for d in got)
+    assert report["recorded"] == 1 and report["kept"] == 2 and report["dropped"] == 1
+    assert ship_plan.parse_option("launch_pdl=true") == ("launch_pdl", True)
+    for bad in ("launch_pdl", "=1", "launch_pdl=yes"):
+        with pytest.raises(ValueError, match=f"--option: expected NAME=JSON .*got {bad!r}"):
+            ship_plan.parse_option(bad)
 
 
 def test_ship_plan_drops_entries_the_code_no_longer_has(tmp_path):
