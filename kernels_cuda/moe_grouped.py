@@ -62,15 +62,18 @@ def experts(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, share
     pairs = n * k
     flat = indices.reshape(-1).long()
     order = torch.argsort(flat, stable=True)  # pair ids by expert
-    counts = torch.bincount(flat, minlength=E)
+    # rows per group without a host sync (torch.bincount reads its size back; a captured prefill
+    # cannot): the routed experts' counts, then the shared expert's n rows
+    counts = torch.zeros(E + (shared is not None), dtype=torch.int32, device=x.device)
+    counts[:E].scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     rw = weights.reshape(-1).to(torch.float32)[order]
     xb = fp8_rows_bf16(x)
     a = xb[order // k]
     if shared is not None:
-        counts = torch.cat([counts, counts.new_tensor([n])])
+        counts[E] = n
         a = torch.cat([a, xb])
         rw = torch.cat([rw, rw.new_ones(n)])
-    offs = counts.cumsum(0).to(torch.int32)
+    offs = counts.cumsum(0, dtype=torch.int32)
     up = [w1, w3] if shared is None else [w1, shared[0], w3, shared[1]]
     w13 = torch.cat([_stack(up[:len(up) // 2]), _stack(up[len(up) // 2:])], dim=1)  # [E(+1), 2I, D]
     gu = torch._grouped_mm(a, w13.transpose(1, 2), offs=offs)  # [rows, 2I], fp32 sums rounded to bf16

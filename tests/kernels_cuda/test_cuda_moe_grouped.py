@@ -82,3 +82,24 @@ def test_grouped_prefill_shapes_gpu(rng, n):
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, out_dtype=torch.bfloat16, shared=shared)
     assert rel_err(got, kernels) < 2e-3 and rel_err(got, want) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+def test_grouped_path_never_syncs_the_host(rng):
+    """A captured prefill cannot read device values back: the grouped path runs with torch's sync
+    debug mode raising on any synchronizing call, and captures into a CUDA graph that replays it."""
+    args, shared = _case(rng, 1024, 32, 4, 1024, 512)
+    with pinned_tiles(moe=GROUPED):
+        want = _cuda(args, out_dtype=torch.bfloat16, shared=shared)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _cuda(args, out_dtype=torch.bfloat16, shared=shared)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = _cuda(args, out_dtype=torch.bfloat16, shared=shared)
+        graph.replay()
+    assert torch.equal(got, want)
