@@ -1,0 +1,71 @@
+"""``topk_positions`` (k = 512) under each ``tiles.topk.select.radix_bits`` against ``torch.topk`` +
+the sort of its indices, one run.
+
+    python benchmarks/topk_radix.py --out F [--rows 1 8 64] [--lengths 4096 131072 1048576]
+
+The select's two k-th-largest searches decide ``radix_bits`` bits a pass: 32 sequential block-wide
+reductions at 1 bit, 16 at 2, 8 at 4 (each pass counts ``2**radix_bits`` thresholds at once). At one
+row those reductions are the suspected floor (docs/performance.md, "topk_positions"). Each case's
+picks are checked equal to the baseline's first; times are CUDA-graph replays
+(``flashrt.timing.bench_ms``, each behind an L2 flush).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from flashrt import profiles
+from flashrt.timing import bench_ms
+from results_io import write_json
+
+K = 512
+
+
+def with_radix(radix: int):
+    """The active profile with ``tiles.topk.select.radix_bits`` = ``radix``."""
+    p = profiles.active_profile()
+    tiles = dict(p.tiles)
+    topk = dict(tiles.get("topk") or {})
+    topk["select"] = {**(topk.get("select") or {}), "radix_bits": radix}
+    tiles["topk"] = topk
+    return dataclasses.replace(p, tiles=tiles)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 131072, 1048576])
+    ap.add_argument("--radix", type=int, nargs="+", default=[1, 2, 4], choices=[1, 2, 4])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("a CUDA device is needed")
+    from flashrt.kernels_cuda import topk
+
+    g, rows = torch.Generator(device="cuda").manual_seed(0), []
+    for T in args.lengths:
+        for R in args.rows:
+            scores = torch.randn(R, 1, T, device="cuda", generator=g)
+            want = torch.topk(scores, K).indices.sort(-1).values
+            base = bench_ms(lambda: torch.topk(scores, K).indices.sort(-1))
+            row = {"rows": R, "T": T, "k": K, "torch_topk_sort_us": 1e3 * base.ms}
+            for radix in args.radix:
+                with profiles.using(with_radix(radix)):
+                    out = topk.topk_positions(scores, K)
+                    match = bool(torch.equal(out.long(), want))
+                    t = bench_ms(lambda: topk.topk_positions(scores, K))
+                row[f"radix{radix}_us"] = 1e3 * t.ms
+                row[f"radix{radix}_speedup"] = base.ms / t.ms
+                row[f"radix{radix}_match"] = match
+            rows.append(row)
+            print(f"rows {R:3d} T {T:8d}: torch.topk+sort {row['torch_topk_sort_us']:8.1f} us  " + "  ".join(
+                f"radix {r}: {row[f'radix{r}_us']:7.1f} us ({row[f'radix{r}_speedup']:5.2f}x"
+                f"{'' if row[f'radix{r}_match'] else ', WRONG'})" for r in args.radix), flush=True)
+            del scores, want
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
