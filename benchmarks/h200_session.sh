@@ -103,7 +103,7 @@
 #              and the real-dimension slice, each with it off and on: h200-pdl-tests.log,
 #              h200-e2e-pdl-{off,on}.json, h200-real-slice-pdl-{off,on}.json
 #   topk       topk_positions (k = 512) at 1 / 8 / 64 rows of 4K / 128K / 1M entries under radix_bits
-#              1, 2 and 4 against torch.topk + sort (benchmarks/topk_radix.py): h200-topk-radix.json
+#              1, 2, 4 and 8 against torch.topk + sort (benchmarks/topk_radix.py): h200-topk-radix.json
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #

@@ -4,7 +4,8 @@ the sort of its indices, one run.
     python benchmarks/topk_radix.py --out F [--rows 1 8 64] [--lengths 4096 131072 1048576]
 
 The select's two k-th-largest searches decide ``radix_bits`` bits a pass: 32 sequential block-wide
-reductions at 1 bit, 16 at 2, 8 at 4 (each pass counts ``2**radix_bits`` thresholds at once). At one
+reductions at 1 bit, 16 at 2, 8 at 4 (each pass counts ``2**radix_bits`` thresholds at once), 4
+256-bin histograms at 8. At one
 row those reductions are the suspected floor (docs/performance.md, "topk_positions"). Each case's
 picks are checked equal to the baseline's first; times are CUDA-graph replays
 (``flashrt.timing.bench_ms``, each behind an L2 flush).
@@ -37,7 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 131072, 1048576])
-    ap.add_argument("--radix", type=int, nargs="+", default=[1, 2, 4], choices=[1, 2, 4])
+    ap.add_argument("--radix", type=int, nargs="+", default=[1, 2, 4, 8], choices=[1, 2, 4, 8])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -43,8 +43,9 @@ TILES = {
     # (longer summary chunks are split into fine ones); small: longest list selected in registers
     # (at least 2k); list: longest list kept (streamed from L2 when longer than small; past it the
     # chunks are streamed); group: elements per step of the scanning and streaming loops
-    # radix_bits: bits of the k-th-largest searches decided per pass (1, 2 or 4; bits % radix_bits == 0):
-    # 2**radix_bits candidate thresholds counted at once, bits / radix_bits sequential reductions;
+    # radix_bits: bits of the k-th-largest searches decided per pass (1, 2, 4 or 8; bits % radix_bits == 0):
+    # 2**radix_bits candidate thresholds counted at once (8: a 256-bin histogram of the digit),
+    # bits / radix_bits sequential passes;
     # min_summary: the smallest summary block (capped at summary): rows of up to this many entries
     # share one compiled variant (a decode's rows grow by one entry at a time)
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
@@ -94,7 +95,7 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
             C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand, num_warps=chunk_tiles["num_warps"],
             **pdl.options(src.device))
     radix = tiles["radix_bits"]
-    assert radix in (1, 2, 4) and tiles["bits"] % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {tiles['bits']}"
+    assert radix in (1, 2, 4, 8) and tiles["bits"] % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {tiles['bits']}"
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
     small = min(max(tiles["small"], _pow2(2 * k)), LIST)  # a list of k + k ties stays in registers
     lst = torch.empty(R, LIST, dtype=torch.int32, device=src.device)
@@ -140,6 +141,6 @@ FAMILY = KernelFamily(
     supports={"topk_positions": Support(inputs={"scores": (torch.float32,)}, dims={"scores[-1]": Dim(0, 2**30 - 1)})},
     tiles=TILES, tile_checks={"chunk_max.block": POW2, "select.summary": POW2, "select.fine": POW2,
                               "select.small": POW2, "select.list": POW2, "select.group": POW2,
-                              "select.min_summary": POW2, "select.bits": Tile(high=32), "select.radix_bits": Tile(choices=(1, 2, 4))},
+                              "select.min_summary": POW2, "select.bits": Tile(high=32), "select.radix_bits": Tile(choices=(1, 2, 4, 8))},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="top-k positions: chunk maxima, threshold search, ordered picks")

@@ -37,8 +37,11 @@ def _load_keys(src, cand, pos, mask, SRC_KEYS: tl.constexpr, HAS_CAND: tl.conste
 def _kth_largest(keys, k, BITS: tl.constexpr, RADIX: tl.constexpr = 1):
     """The k-th largest of ``keys`` (MIN when fewer than k exceed MIN), its top ``BITS`` bits
     exact and the rest zero (a lower bound when BITS < 32). RADIX bits per step: all
-    ``2**RADIX`` candidate digits counted in one pass (BITS / RADIX sequential reductions)."""
-    if RADIX == 1:
+    ``2**RADIX`` candidate digits counted in one pass (BITS / RADIX sequential reductions); at
+    RADIX 8 the pass is a 256-bin histogram of the digit under the bits decided so far."""
+    if RADIX == 8:
+        ans = _kth_histogram(keys, k, BITS)
+    elif RADIX == 1:
         ans = 0  # unsigned bit pattern of the answer, built from the top bit down
         bit = tl.full([], _MIN, tl.int32)
         for i in range(BITS):
@@ -54,6 +57,31 @@ def _kth_largest(keys, k, BITS: tl.constexpr, RADIX: tl.constexpr = 1):
             counts = tl.sum((keys[None, :] >= cand[:, None]).to(tl.int32), axis=1)
             ans = ans | (tl.max(tl.where(counts >= k, d, 0), axis=0) << shift)  # counts fall with d
     return ans ^ _MIN
+
+
+@triton.jit
+def _kth_histogram(keys, k, BITS: tl.constexpr):
+    """:func:`_kth_largest`'s unsigned answer pattern by 8-bit digits, top digit first: the keys
+    whose higher digits equal the answer's so far are counted per digit (``tl.histogram``); the
+    answer takes the largest digit with at least ``need`` keys at or above it, and ``need`` drops
+    by the keys above that digit. ``need`` starts at k over every element (padding included, as
+    MIN: fewer than k keys above MIN give MIN), as the counting passes do."""
+    u = (keys ^ _MIN).to(tl.uint32, bitcast=True)  # signed key order as unsigned order
+    d = tl.arange(0, 256)
+    ans = tl.full([], 0, tl.uint32)
+    need = tl.full([], 0, tl.int32) + k
+    for i in tl.static_range(BITS // 8):
+        shift = 24 - 8 * i
+        digit = ((u >> shift) & 0xFF).to(tl.int32)
+        if i == 0:
+            hist = tl.histogram(digit, 256)
+        else:
+            hist = tl.histogram(digit, 256, mask=(u >> (shift + 8)) == (ans >> (shift + 8)))
+        at_or_above = tl.cumsum(hist, 0, reverse=True)
+        best = tl.max(tl.where(at_or_above >= need, d, 0), axis=0)
+        need -= tl.sum(tl.where(d > best, hist, 0), axis=0)
+        ans = ans | (best.to(tl.uint32) << shift)
+    return ans.to(tl.int32, bitcast=True)
 
 
 @triton.jit

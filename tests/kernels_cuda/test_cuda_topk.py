@@ -152,20 +152,21 @@ def test_topk_partial_bits_lower_bound(monkeypatch, rng):
     _select(torch.randn(2, 200, generator=rng) * 1e-3 + 5.0, 7)
 
 
-@pytest.mark.parametrize("radix", [2, 4])
+@pytest.mark.parametrize("radix", [2, 4, 8])
 @pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
 def test_topk_radix_search(radix, kind, monkeypatch, rng):
-    """radix_bits 2 / 4: several bits of each k-th-largest search per pass (the chunk-summary L and
-    the register-list threshold); the same picks as the reference, with and without candidates."""
+    """radix_bits 2 / 4 / 8: several bits of each k-th-largest search per pass (the chunk-summary L
+    and the register-list threshold; at 8 a histogram of the digit); the same picks as the
+    reference, with and without candidates."""
     _force(monkeypatch, summary=16, fine=4, small=64, list=512, radix_bits=radix)
     scores = _scores(kind, 1, 3, 300, rng)[0]
     _select(scores, 9, torch.rand(3, 300, generator=rng) < 0.8)
     _select(scores, 1)
 
 
-@pytest.mark.parametrize("radix", [2, 4])
+@pytest.mark.parametrize("radix", [2, 4, 8])
 def test_topk_radix_search_partial_bits(radix, monkeypatch, rng):
-    """Only the top 8 bits of L exact, found 2 / 4 bits a pass: the same picks."""
+    """Only the top 8 bits of L exact, found 2 / 4 / 8 bits a pass: the same picks."""
     _force(monkeypatch, summary=16, bits=8, small=64, list=512, radix_bits=radix)
     _select(torch.randn(2, 200, generator=rng) * 1e-3 + 5.0, 7)
 
@@ -203,7 +204,7 @@ def test_topk_realistic(rows, T, kind, rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("radix", [2, 4])
+@pytest.mark.parametrize("radix", [2, 4, 8])
 @pytest.mark.parametrize("rows,T", [(1, 131072), (64, 131072)])
 def test_topk_realistic_radix(radix, rows, T, monkeypatch, rng):
     monkeypatch.setitem(topk.TILES, "select", {**topk.TILES["select"], "radix_bits": radix})
