@@ -102,6 +102,8 @@
 #              decode steps with it on and off), then the captured decode step of `small` at batch 1 / 8 / 64
 #              and the real-dimension slice, each with it off and on: h200-pdl-tests.log,
 #              h200-e2e-pdl-{off,on}.json, h200-real-slice-pdl-{off,on}.json
+#   conformance  `flashrt conformance` under the h200 profile (every op against the reference on the
+#              device): h200-conformance.json (copy it to hwconfigs/reports/h200.json when it passes)
 #   topk       topk_positions (k = 512) at 1 / 8 / 64 rows of 4K / 128K / 1M entries under radix_bits
 #              1, 2, 4 and 8 against torch.topk + sort (benchmarks/topk_radix.py): h200-topk-radix.json
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
@@ -115,8 +117,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|realslice) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk or realslice)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|realslice) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance or realslice)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -308,6 +310,10 @@ phase_pdl() {
     --modes cuda+graph --out "$OUT/h200-e2e-pdl-on.json"
   python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-pdl-off.json" | grep batch
   FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-pdl-on.json" | grep batch
+}
+
+phase_conformance() {
+  python -m flashrt.cli conformance --out "$OUT/h200-conformance.json" | tail -n 3
 }
 
 phase_topk() {
