@@ -102,6 +102,9 @@
 #              decode steps with it on and off), then the captured decode step of `small` at batch 1 / 8 / 64
 #              and the real-dimension slice, each with it off and on: h200-pdl-tests.log,
 #              h200-e2e-pdl-{off,on}.json, h200-real-slice-pdl-{off,on}.json
+#   mixstream  the blocks' mHC coefficients on a second stream (hc_mix_stream_max_tokens 64): its GPU
+#              test, then the captured decode step of `small` at batch 1 / 8 / 64 with it off and on,
+#              twice, interleaved: h200-mix-stream-tests.log, h200-e2e-mix-stream-{off,on}-{1,2}.json
 #   conformance  `flashrt conformance` under the h200 profile (every op against the reference on the
 #              device): h200-conformance.json (copy it to hwconfigs/reports/h200.json when it passes)
 #   topk       topk_positions (k = 512) at 1 / 8 / 64 rows of 4K / 128K / 1M entries under radix_bits
@@ -117,8 +120,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|realslice) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance or realslice)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|realslice) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream or realslice)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -131,13 +134,18 @@ if [ -d .whl ] && ! python -c "import fastapi, uvicorn, openai" 2>/dev/null; the
 fi
 python -c "import flashrt" 2>/dev/null || python -m pip install --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || exit 1
 
-profile_with() {  # NAME FAMILY KEY JSON: a copy of h200.yaml named NAME with tiles.FAMILY.KEY = JSON; prints its path
+profile_set() {  # NAME DOTTED.KEY JSON: a copy of h200.yaml named NAME with that key set to JSON; prints its path
   local f
   f=$(mktemp -d)/$1.yaml  # a profile's name is its file's
   python -c "import json, sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = sys.argv[2]; \
-p['tiles'].setdefault(sys.argv[3], {})[sys.argv[4]] = json.loads(sys.argv[5]); yaml.safe_dump(p, open(sys.argv[1], 'w'))" \
-    "$f" "$@"
+*path, last = sys.argv[3].split('.'); d = p
+for k in path: d = d.setdefault(k, {})
+d[last] = json.loads(sys.argv[4]); yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$f" "$@"
   echo "$f"
+}
+
+profile_with() {  # NAME FAMILY KEY JSON: tiles.FAMILY.KEY = JSON (profile_set)
+  profile_set "$1" "tiles.$2.$3" "$4"
 }
 
 phase_serve() {
@@ -310,6 +318,20 @@ phase_pdl() {
     --modes cuda+graph --out "$OUT/h200-e2e-pdl-on.json"
   python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-pdl-off.json" | grep batch
   FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-pdl-on.json" | grep batch
+}
+
+phase_mixstream() {
+  local on i
+  timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/graphs/test_mix_stream.py \
+    > "$OUT/h200-mix-stream-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-mix-stream-tests.log"
+  on=$(profile_set h200-mix-stream hc_mix_stream_max_tokens 64)
+  for i in 1 2; do
+    python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
+      --out "$OUT/h200-e2e-mix-stream-off-$i.json" | grep batch
+    FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+      --modes cuda+graph --out "$OUT/h200-e2e-mix-stream-on-$i.json" | grep batch
+  done
 }
 
 phase_conformance() {

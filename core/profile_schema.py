@@ -133,7 +133,7 @@ def check_fractions(p, file: str) -> None:
 
 
 def check_sizes(p, file: str) -> None:
-    """Page, prefetch and serving-step sizes, and memory and disk sizes in GiB: finite and within what exists."""
+    """Page, prefetch, serving-step and mix-stream sizes, and memory and disk sizes in GiB: finite and within what exists."""
     n = p.hkcp_page_entries
     if n <= 0 or n & (n - 1) or n > MAX_PAGE_ENTRIES:
         _bad(file, "hkcp_page_entries", f"a power of two in [1, {MAX_PAGE_ENTRIES}]", n)
@@ -141,6 +141,8 @@ def check_sizes(p, file: str) -> None:
         _bad(file, "engram_prefetch_depth", f"an integer >= 0 and <= {MAX_PREFETCH_DEPTH}", p.engram_prefetch_depth)
     if not 1 <= p.serve_max_step_tokens <= MAX_STEP_TOKENS:
         _bad(file, "serve_max_step_tokens", f"an integer >= 1 and <= {MAX_STEP_TOKENS}", p.serve_max_step_tokens)
+    if not 0 <= p.hc_mix_stream_max_tokens <= MAX_STEP_TOKENS:
+        _bad(file, "hc_mix_stream_max_tokens", f"an integer >= 0 and <= {MAX_STEP_TOKENS}", p.hc_mix_stream_max_tokens)
     _number(p, file, "hkcp_cold_host_gib", "GiB", MAX_GIB, zero_ok=True)
     _number(p, file, "hkcp_persistent_disk_gib", "GiB", MAX_GIB, zero_ok=False)
     if p.hkcp_persistent_disk_gib * 2**30 < 1:  # the prefix cache needs room for a byte

@@ -67,6 +67,9 @@ class Profile:
     device_memory_gib: float | None             # nominal memory of the class (None: system RAM)
     description: str = ""
     serve_max_step_tokens: int = 2048           # tokens per serving-engine step (decodes + prefill chunks)
+    # forwards of up to this many tokens (rows x chunk) run each block's mHC coefficients on a second
+    # CUDA stream, beside the attention / MoE that does not read them (graphs/mix_stream.py; 0: never)
+    hc_mix_stream_max_tokens: int = 0
     match_name: str | None = None               # regex searched in the device name (no case)
     match_capability: tuple[str, ...] = ()      # CUDA compute capabilities, e.g. ["9.0"]
     match_soc: str | None = None                # regex searched in the NPU SoC version

@@ -36,10 +36,16 @@ class Block:
         return ops.hc_collapse_norm(x, pre_mix, self.attn_norm, self.cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, pre_mix: torch.Tensor, ctx: StepContext):
+        # each mix is started before the sublayer that does not read it and joined where it is read
+        # (ctx.fork: on a second CUDA stream where the profile asks, else inline; graphs/mix_stream.py)
         eps = self.cfg.norm_eps
-        attn_pre, attn_post, attn_comb = self.mixes(x, "attn")
-        x = ops.hc_expand(self.attn.forward(self.attention_input(x, pre_mix), ctx), x, attn_post, attn_comb)
-        ffn_pre, ffn_post, ffn_comb = self.mixes(x, "ffn")
+        attn_mix = ctx.fork(self.mixes, x, "attn")
+        y = self.attn.forward(self.attention_input(x, pre_mix), ctx)
+        attn_pre, attn_post, attn_comb = attn_mix.join()
+        x = ops.hc_expand(y, x, attn_post, attn_comb)
+        ffn_mix = ctx.fork(self.mixes, x, "ffn")
         h = ops.hc_collapse_norm(x, attn_pre, self.ffn_norm, eps)
-        x = ops.hc_expand(self.ffn.forward(h, ctx.shared_route, ctx.vl_mask), x, ffn_post, ffn_comb)
+        y = self.ffn.forward(h, ctx.shared_route, ctx.vl_mask)
+        ffn_pre, ffn_post, ffn_comb = ffn_mix.join()
+        x = ops.hc_expand(y, x, ffn_post, ffn_comb)
         return x, ffn_pre

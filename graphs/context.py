@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -9,6 +10,7 @@ from flashrt import ops
 from flashrt.rope import YaRN, rope_frequencies
 from flashrt.kv.state import KVState
 
+from .mix_stream import run_inline
 from .step_rows import StepRows
 
 STEP_ROWS = 256  # chunks of at most this many query rows (B * S) build every layer's window indices at once
@@ -53,6 +55,7 @@ class StepContext:
     static_chunk: bool = False  # a chunk laid out from device values only (captured verify steps)
     selections: dict = field(default_factory=dict)  # index-source layer -> Selection (published)
     candidates: torch.Tensor | None = None  # the candidate source's blocks (published)
+    fork: Callable = run_inline  # starts a block's mHC coefficients (graphs/mix_stream.py)
 
     @classmethod
     def build(cls, needs: "StepNeeds", rope: "RopeCache", state: KVState, positions: torch.Tensor, end: int,

@@ -16,6 +16,7 @@ from .config import ModelConfig
 from .context import RopeCache, StepContext, StepNeeds
 from .engram import EngramPrefetch, place_tables
 from .engram_hash import EngramHasher, EngramLayout, TokenMap
+from .mix_stream import MixStream
 from .moe import SharedRoutes
 from .vision import ImageSpans, VisionTower
 
@@ -37,6 +38,7 @@ class Model:
         self.routes = SharedRoutes() if cfg.n_shared_experts else None
         self.step_needs = StepNeeds.of(cfg)
         self.first_mix = torch.zeros(cfg.hc_mult, dtype=torch.float32, device=self.device)  # block 0 reads copy 0
+        self.mix_stream = MixStream(self.device)
         self.first_mix[0] = 1.0
         layout = EngramLayout.from_config(cfg)
         self.hasher = None
@@ -102,7 +104,10 @@ class Model:
         return ctx
 
     def step_context(self, state: KVState, positions: torch.Tensor, end: int, **fields) -> StepContext:
-        """:meth:`StepContext.build` for this model (its rotary factors and shared-expert routes)."""
+        """:meth:`StepContext.build` for this model (its rotary factors and shared-expert routes; the
+        blocks' mixes forked to the mix stream where the profile asks, graphs/mix_stream.py)."""
+        if "fork" not in fields and MixStream.wanted(self.device, positions.numel()):
+            fields["fork"] = self.mix_stream.fork
         return StepContext.build(self.step_needs, self.rope, state, positions, end, routes=self.routes, **fields)
 
     def shared_route(self, tokens: int):

@@ -8,9 +8,12 @@ The program that draws the last ticket reads the partials in split order (a dete
 rounds once to the output dtype, stores the tile, and puts the counter back to zero, so the
 counters are ready for the next launch without a memset (and inside a CUDA graph).
 
-The counters live in one zero-filled int32 pool per device, shared by every launch: launches on one
-stream run one after another and each leaves its counters at zero. :func:`counters` never allocates
-inside a CUDA-graph capture (the first eager call of a shape allocates; a capture reuses the pool).
+The counters live in one zero-filled int32 pool per device and stream, shared by every launch on
+that stream: launches on one stream run one after another and each leaves its counters at zero,
+while kernels of two streams may run at once (graphs/mix_stream.py), so each stream has its own
+pool. A stream's pool is made at its first launch; when that launch is being captured into a CUDA
+graph, the pool comes from the graph's memory pool and its zero fill is a node of the graph, which
+every replay runs before the stream's first kernel (harmless: the counters are zero there anyway).
 """
 from __future__ import annotations
 
@@ -26,12 +29,18 @@ _POOLS: dict = {}
 
 
 def counters(device: torch.device) -> torch.Tensor:
-    """The device's zero-filled int32 ticket counters (allocated once per device)."""
-    key = (device.type, device.index)
+    """The zero-filled int32 ticket counters of ``device``'s current stream (allocated once per stream)."""
+    key = (device.type, device.index, _raw_stream(device) if device.type == "cuda" else 0)
     pool = _POOLS.get(key)
     if pool is None:
         pool = _POOLS[key] = torch.zeros(POOL, dtype=torch.int32, device=device)
     return pool
+
+
+def _raw_stream(device: torch.device) -> int:
+    """The handle of ``device``'s current CUDA stream (the call Triton's launcher makes per launch)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 def fits(tiles: int) -> bool:
