@@ -114,7 +114,11 @@
 #
 # Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed.
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
-# `carry: [".whl"]`). Outputs go to $OUT (default: benchmarks/results/); copy them into
+# `carry: [".whl"]`). Its Python is 3.12: build the folder with
+#   pip download --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: -d .whl \
+#     fastapi uvicorn openai starlette pydantic pydantic-core anyio sniffio h11 httpx httpcore distro jiter \
+#     typing-inspection annotated-types prometheus-client
+# (the serving phases and the server's GPU tests need them; the kernel and decode phases do not). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
