@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashrt
-from flashrt import ops
+from flashrt import ops, refmath
 from flashrt.graphs import attention as attention_graph
 from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.model import Model
@@ -71,18 +71,31 @@ def test_decode_steps_keep_the_indices(wide, rng, monkeypatch):
 
 
 def test_the_kernels_give_the_indexer_paths_logits(wide, rng, monkeypatch):
-    """On the cuda backend (the prefix kernel against the indexer, top-k and sparse kernels): the same
-    logits up to the attention outputs' bf16 rounding (the kernels sum in other orders)."""
+    """On the cuda backend (the prefix kernel against the indexer, top-k and sparse kernels): every
+    ``prefix_attention`` call equals the sparse kernel over the indices it implies, on the call's own
+    inputs, up to bf16 rounding (the kernels sum in other orders); the logits of the two paths agree
+    loosely (a random model amplifies those last-bit differences layer after layer)."""
     pytest.importorskip("triton")
-    from kernel_check import DEVICE, kernels_available, record_launches
+    from kernel_check import DEVICE, kernels_available, record_launches, rel_err
     if not kernels_available():
         pytest.skip("cuda backend unavailable")
     cfg = wide[0]
     model = Model(cfg, init_weights(cfg, seed=1, device=DEVICE))  # the GPU's, where there is one (else the interpreter's)
     ids = torch.randint(0, cfg.vocab_size, (1, 7), generator=rng).to(DEVICE)
+    errors, real = [], ops.prefix_attention
+
+    def checked(q, kv, positions, ring_start, window, entries, visible, sink, scale):
+        out = real(q, kv, positions, ring_start, window, entries, visible, sink, scale)
+        implied = refmath.prefix_indices(positions, ring_start, window, entries, visible)
+        errors.append(rel_err(out.float(), ops.sparse_attention(q, kv, implied, sink, scale).float()))
+        return out
+
     with flashrt.use_backend("cuda"):
         want = _logits(model, ids, (7,), True, monkeypatch)
         names = record_launches(monkeypatch)
+        monkeypatch.setattr(ops, "prefix_attention", checked)
         got = _logits(model, ids, (7,), False, monkeypatch)
-    assert names.count("_prefix_attention_kernel") == cfg.n_layers and "_sparse_attention_kernel" not in names
-    assert ((got - want).norm() / want.norm()) < 1e-2
+    assert names.count("_prefix_attention_kernel") == cfg.n_layers
+    assert names.count("_sparse_attention_kernel") == cfg.n_layers  # only the checks' calls
+    assert len(errors) == cfg.n_layers and max(errors) < 5e-3, errors
+    assert ((got - want).norm() / want.norm()) < 5e-2
