@@ -41,16 +41,21 @@ def median_step_ms(step, tok: torch.Tensor, steps: int, warmup: int = 2, greedy:
     return statistics.median(times)
 
 
-def pipelined_step_ms(step, tok: torch.Tensor, steps: int) -> float:
-    """Mean ms of ``steps`` calls of ``step`` back to back, each fed the previous one's greedy pick on
-    the device, one sync at the end: a step's host work overlaps the device work queued before it,
-    as in a decode loop that reads its tokens one step late (``generate()``, the overlapped engine)."""
+def pipelined_step_ms(step, tok: torch.Tensor, steps: int, captures=None) -> tuple[float, int]:
+    """(mean ms, captures inside the timed calls) of ``steps`` calls of ``step`` back to back, each fed
+    the previous one's greedy pick on the device, one sync at the end: a step's host work overlaps the
+    device work queued before it, as in a decode loop that reads its tokens one step late
+    (``generate()``, the overlapped engine). ``captures()``: the step's CUDA-graph captures so far
+    (a bucket edge inside the timed calls records a graph there, which the mean then includes: the
+    count says so; None: 0)."""
     sync = torch.cuda.synchronize if tok.device.type == "cuda" else (lambda: None)
+    count = captures or (lambda: 0)
     tok = greedy_pick(step(tok))  # warm: captures, compiles
     sync()
+    before = count()
     t0 = time.perf_counter()
     for _ in range(steps):
         tok = greedy_pick(step(tok))
     sync()
-    return (time.perf_counter() - t0) * 1e3 / steps
+    return (time.perf_counter() - t0) * 1e3 / steps, count() - before
 

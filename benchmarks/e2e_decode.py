@@ -10,7 +10,8 @@ prefill of the same shape, so no kernel compiles inside it), then times ``--step
 (``ops.sample`` at temperature 0) on the device, one sync at the end, as a loop that reads its
 tokens one step late sees them). All modes run the same
 weights and prompt. ``cuda+graph`` replays the step from engine/step_capture.py (the captures happen
-in the warm-up steps; a bucket edge inside the timed steps costs one capture, the median ignores it).
+in the warm-up steps; a bucket edge inside the timed steps costs one capture, the median ignores it;
+the back-to-back mean does not, and ``pipelined_captures`` counts them).
 """
 from __future__ import annotations
 
@@ -49,12 +50,15 @@ def decode(model, batch: int, prompt: int, steps: int, mode: str) -> dict:
         graphs = StepCapture(model, state) if mode == "cuda+graph" else None
         step = graphs.step if graphs else stepper(model, state, graph=False)
         per_step = median_step_ms(step, greedy_pick(logits), steps, greedy=True) / 1e3  # 2 warm-up (capture) steps
-        pipelined = pipelined_step_ms(step, greedy_pick(logits), steps) if mode != "reference" else None
+        pipelined = recaptured = None
+        if mode != "reference":
+            pipelined, recaptured = pipelined_step_ms(step, greedy_pick(logits), steps,
+                                                      (lambda: graphs.stats["captured"]) if graphs else None)
     return {"mode": mode, "backend": "reference" if mode == "reference" else "cuda", "cuda_graph": graphs is not None,
             "batch": batch, "prompt": prompt, "prefill_s": prefill_s,
             "prefill_tokens_per_s": batch * prompt / prefill_s, "step_ms": per_step * 1e3,
             "decode_tokens_per_s": batch / per_step, "pipelined_step_ms": pipelined,
-            "graph_stats": graphs.stats if graphs else None}
+            "pipelined_captures": recaptured, "graph_stats": graphs.stats if graphs else None}
 
 
 def main() -> None:
@@ -77,7 +81,9 @@ def main() -> None:
             rows.append(row)
             print(f"{mode:10} batch {batch:3d}: prefill {row['prefill_tokens_per_s']:10.1f} tok/s, "
                   f"decode {row['step_ms']:8.2f} ms/step = {row['decode_tokens_per_s']:8.2f} tok/s"
-                  + (f", back to back {row['pipelined_step_ms']:.2f} ms/step" if row["pipelined_step_ms"] else ""),
+                  + (f", back to back {row['pipelined_step_ms']:.2f} ms/step" if row["pipelined_step_ms"] else "")
+                  + (f" (WARNING: {row['pipelined_captures']} captures inside the back-to-back steps: fewer"
+                     " --steps keep them out)" if row["pipelined_captures"] else ""),
                   flush=True)
     if "reference" in args.modes:
         add_ratio(rows, "mode", "decode_tokens_per_s", "decode_speedup_vs_reference", "batch", "reference")
