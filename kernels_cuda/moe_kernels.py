@@ -141,7 +141,7 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
         else:
             g, u = _k_loop(a_rows, sa_rows, row_ok, w1_ptr + ew, sw1_ptr + es, w3_ptr + ew, sw3_ptr + es, n0, I,
                            k_lo, k_hi, stride_wn, stride_swn, FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX,
-                       E2M1)
+                           E2M1)
     else:
         g, u = _k_loop(a_rows, sa_rows, row_ok, w1_ptr + ew, sw1_ptr + es, w3_ptr + ew, sw3_ptr + es, n0, I,
                        k_lo, k_hi, stride_wn, stride_swn, FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX,

@@ -63,15 +63,14 @@ def options(device: torch.device) -> dict:
     """The launch options a kernel launch on ``device`` adds: ``{"launch_pdl": True}`` when the active
     profile enables PDL and the device (or the cross-compile target) is sm_90 or newer, else none."""
     target = jit_targets.cross_target()
-    key = (device.type, device.index, target)
-    tiles, hit = PLANS.lookup(key)
+    tiles, hit = PLANS.lookup((device, target))  # (per launch: one lookup, decided once per device)
     if hit is None:
         if target is not None or device.type == "cuda":
             cap = target.capability if target is not None else torch.cuda.get_device_capability(device)
             on = SUPPORTED and tiles["enabled"] and tuple(cap) >= (9, 0)
         else:
             on = False
-        hit = PLANS.store(key, _ON if on else _OFF)
+        hit = PLANS.store((device, target), _ON if on else _OFF)
     return hit
 
 

@@ -88,11 +88,10 @@ def test_shared_with_split_k(rng, launches, routed, shared_fmt, pair_tiles):
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, shared=shared)
     assert rel_err(got, want) < 2e-3 and rel_err(unsplit, want) < 2e-3
-    # the fp32 sums in another order, then the same roundings: usually the same bits (89 of 90 cases
-    # over 15 seeds), but a sum one ulp across a rounding point of gate / up (x.dtype) or of h's fp8
-    # code moves that element by a step, and a step of h reaches every output of its token (up to a
-    # few 1e-3 of the norm; 1.7e-4 on seed 2188561205); a lost or doubled partial of a 2-4-way split
-    # moves a tile's outputs by a quarter or more of their size
+    # the fp32 sums in another order, then the same roundings: usually the same bits, but a sum one ulp
+    # across a rounding point of gate / up (x.dtype) or of h's fp8 code moves that element by a step,
+    # and a step of h reaches every output of its token (up to a few 1e-3 of the norm); a lost or
+    # doubled partial of a 2-4-way split moves a tile's outputs by a quarter or more of their size
     assert rel_err(got, unsplit) < 2e-2
 
 
