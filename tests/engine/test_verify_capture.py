@@ -56,12 +56,14 @@ def test_static_verify_equals_eager_ragged(model, rng, fake):
     recorder = FakeRecorder() if fake else None
     runner = VerifyCapture(model, static, record=recorder)
     K, V = model.cfg.dspark_block_size, model.cfg.vocab_size
+    drifted = False  # the rows' positions differed after some round (they may meet again by the end)
     for _ in range(14):
         k = int(torch.randint(1, K + 1, (1,), generator=rng))
         ids = torch.randint(0, V, (3, k + 1), generator=rng)
         counts = torch.randint(1, k + 2, (3,), generator=rng)
         _round(model, eager, static, runner, ids, counts)
-    assert len(set(eager.host_positions)) > 1  # the rows drifted apart
+        drifted |= len(set(eager.host_positions)) > 1
+    assert drifted
     _same_caches(model, eager, static)
     s = runner.stats
     if fake:
