@@ -95,9 +95,10 @@
 #   fp4packed  the same for the packed decode (fp4_decode: packed): h200-fp4-packed-tests.log,
 #              h200-gemv-fp4-packed.json, h200-real-slice-fp4-packed-{off,on}.json, h200-e2e-fp4-packed.json
 #   grouped    the experts of prefill-sized calls as bf16 grouped GEMMs (tiles.moe.grouped_min_rows: 256
-#              under a copy of the profile): their GPU tests (h200-moe-grouped-tests.log), the prefill
-#              forwards by row count without and with it (h200-prefill-rows-grouped-{off,on}.json) and
-#              small's e2e with it (h200-e2e-moe-grouped.json)
+#              under a copy of the profile): their tests natively, the GPU ones included
+#              (h200-moe-grouped-tests.log), the prefill forwards by row count with and without it
+#              (GROUPED_ROWS, default "1 4 16 64": h200-prefill-rows-grouped-{on,off}.json) and, unless
+#              GROUPED_ROWS is set, small's e2e with it (h200-e2e-moe-grouped.json)
 #   pdl        programmatic dependent launch (tiles.pdl.enabled): its tests (the GPU one compares captured
 #              decode steps with it on and off), then the captured decode step of `small` at batch 1 / 8 / 64
 #              and the real-dimension slice, each with it off and on: h200-pdl-tests.log,
@@ -117,7 +118,7 @@
 # `carry: [".whl"]`). Its Python is 3.12: build the folder with
 #   pip download --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: -d .whl \
 #     fastapi uvicorn openai starlette pydantic pydantic-core anyio sniffio h11 httpx httpcore distro jiter \
-#     typing-inspection annotated-types prometheus-client
+#     typing-inspection annotated-types annotated-doc opentelemetry-api prometheus-client
 # (the serving phases and the server's GPU tests need them; the kernel and decode phases do not). Outputs go to $OUT (default: benchmarks/results/); copy them into
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
@@ -298,14 +299,15 @@ phase_fp4packed() {
 
 phase_grouped() {
   local on
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_grouped.py \
+  timeout 150 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_grouped.py \
     > "$OUT/h200-moe-grouped-tests.log" 2>&1
   tail -n 2 "$OUT/h200-moe-grouped-tests.log"
   on=$(profile_with h200-moe-grouped moe grouped_min_rows 256)
-  python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
+  FLASHRT_PROFILE=$on python benchmarks/prefill_rows.py --model small --rows ${GROUPED_ROWS:-1 4 16 64} --tokens 512 \
+    --out "$OUT/h200-prefill-rows-grouped-on.json" | grep -v '^ '
+  python benchmarks/prefill_rows.py --model small --rows ${GROUPED_ROWS:-1 4 16 64} --tokens 512 \
     --out "$OUT/h200-prefill-rows-grouped-off.json" | grep -v '^ '
-  FLASHRT_PROFILE=$on python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
-    --out "$OUT/h200-prefill-rows-grouped-on.json"
+  [ -n "${GROUPED_ROWS:-}" ] && return  # rows only
   FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
     --modes cuda+graph --out "$OUT/h200-e2e-moe-grouped.json"
 }

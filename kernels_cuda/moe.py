@@ -79,6 +79,8 @@ TILES = {
     # from this many pair rows per expert (mean), bf16 x: exact bf16 operands and two grouped GEMMs
     # (moe_grouped.py); None: never (the default)
     "grouped_min_rows": None,
+    # the grouped path only while its bf16 weight stacks (made per call) take at most this many bytes
+    "grouped_max_bytes": 1 << 30,
 }
 
 
@@ -224,10 +226,12 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     E, I = w1.shape[0], w1.shape[1]
     if n * k == 0 or D == 0 or I == 0:
         return finish_experts(torch.zeros(n, D, dtype=torch.float32, device=x.device), add, out_dtype)
-    big = _tiles()["grouped_min_rows"]
-    if big is not None and n * k >= big * E and moe_grouped.available(x):
+    tiles = _tiles()
+    big = tiles["grouped_min_rows"]
+    if (big is not None and n * k >= big * E and moe_grouped.available(x)
+            and moe_grouped.stack_bytes(E, I, D, shared is not None) <= tiles["grouped_max_bytes"]):
         return moe_grouped.experts(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, shared,
-                                   _tiles()["combine"])
+                                   tiles["combine"])
     plan = _plan(n, k, E, D, I, shared is not None)
     xq, sx = (last_dense(x),) * 2 if plan["qx"] else act_quant(x)
     limit = float(swiglu_limit)
@@ -293,6 +297,7 @@ FAMILY = KernelFamily(
                               "experts.split_k": Tile(nullable=True, kind=int),
                               "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
                               "pair_tiles": Tile(low=0, kind=int), "grouped_min_rows": Tile(nullable=True, kind=int),
+                              "grouped_max_bytes": Tile(low=0, kind=int),
                               "combine.in_kernel": Tile(kind=bool), "route.large": Tile(kind=bool)},
     smem={"experts": gemm_smem}, warmup=_warmup.hook(moe_warmup.warmup_cases),
     warmup_cases=moe_warmup.warmup_cases,

@@ -40,6 +40,11 @@ def available(x: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and x.dtype == BF16
 
 
+def stack_bytes(E: int, I: int, D: int, shared: bool) -> int:
+    """Bytes of the bf16 weight stacks a call makes: W1, W3 and W2 of every expert (+ the shared one)."""
+    return 3 * (E + shared) * I * D * 2
+
+
 def weight_bf16(w: QTensor) -> torch.Tensor:
     """A stacked ``fp4_w`` / ``fp8_w`` weight [E, out, in] as bf16 (exact); ``fp4_w``'s bytes are
     ``fp4_b32``'s (E2M1 codes, one UE8M0 scale per 32 inputs)."""
@@ -70,7 +75,7 @@ def experts(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, share
     xb = fp8_rows_bf16(x)
     a = xb[order // k]
     if shared is not None:
-        counts[E] = n
+        counts[E:].fill_(n)  # a fill kernel; `counts[E] = n` copies a host scalar and syncs
         a = torch.cat([a, xb])
         rw = torch.cat([rw, rw.new_ones(n)])
     offs = counts.cumsum(0, dtype=torch.int32)
@@ -84,7 +89,7 @@ def experts(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, share
     w2s = _stack([w2] if shared is None else [w2, shared[2]])
     y = torch._grouped_mm(fp8_rows_bf16(h), w2s.transpose(1, 2), offs=offs)  # [rows, D] bf16
     pos = torch.empty(pairs, dtype=torch.int32, device=x.device)
-    pos[order] = torch.arange(pairs, dtype=torch.int32, device=x.device)  # pair -> its row of y
+    pos.scatter_(0, order, torch.arange(pairs, dtype=torch.int32, device=x.device))  # pair -> its row of y
     out = torch.empty(n, D, dtype=out_dtype, device=x.device)
     add = add.contiguous() if add is not None else None
     block = combine["BLOCK_D"]

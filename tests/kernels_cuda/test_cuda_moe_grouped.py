@@ -1,7 +1,7 @@
 """``moe_experts`` as bf16 grouped GEMMs (``tiles.moe.grouped_min_rows``, kernels_cuda/moe_grouped.py)
 against the kernels' path and the reference on fresh random inputs: routed fp4_w / fp8_w experts,
 a shared expert of either format or none, ``add`` and ``out_dtype``, unused experts, repeated
-slots; the threshold and the dtype that select the path."""
+slots; the threshold, the stacks' byte cap and the dtype that select the path."""
 import pytest
 import torch
 
@@ -61,6 +61,15 @@ def test_the_threshold_and_dtype_pick_the_path(rng, launches):
         _cuda(args, shared=shared)
     assert "_moe_up_kernel" not in launches
     launches.clear()
+    stacks = 3 * (4 + 1) * 32 * 64 * 2  # W1, W3, W2 of 4 experts + the shared one, bf16
+    with pinned_tiles(moe=dict(grouped_min_rows=2, grouped_max_bytes=stacks - 1)):
+        _cuda(args, shared=shared)
+    assert "_moe_up_kernel" in launches  # over the byte cap: the kernels
+    launches.clear()
+    with pinned_tiles(moe=dict(grouped_min_rows=2, grouped_max_bytes=stacks)):
+        _cuda(args, shared=shared)
+    assert "_moe_up_kernel" not in launches
+    launches.clear()
     fp32 = (args[0].float(), *args[1:])
     with pinned_tiles(moe=GROUPED):
         got = _cuda(fp32, shared=shared)
@@ -93,13 +102,14 @@ def test_grouped_path_never_syncs_the_host(rng):
     with pinned_tiles(moe=GROUPED):
         want = _cuda(args, out_dtype=torch.bfloat16, shared=shared)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            _cuda(args, out_dtype=torch.bfloat16, shared=shared)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = _cuda(args, out_dtype=torch.bfloat16, shared=shared)
-        graph.replay()
+        with flashrt.value_checks(False):  # the op's index-range check syncs: off, as in every capture
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                _cuda(args, out_dtype=torch.bfloat16, shared=shared)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got = _cuda(args, out_dtype=torch.bfloat16, shared=shared)
+            graph.replay()
     assert torch.equal(got, want)
