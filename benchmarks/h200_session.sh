@@ -108,8 +108,10 @@
 #              twice, interleaved: h200-mix-stream-tests.log, h200-e2e-mix-stream-{off,on}-{1,2}.json
 #   conformance  `flashrt conformance` under the h200 profile (every op against the reference on the
 #              device): h200-conformance.json (copy it to hwconfigs/reports/h200.json when it passes)
-#   topk       topk_positions (k = 512) at 1 / 8 / 64 rows of 4K / 128K / 1M entries under radix_bits
-#              1, 2, 4 and 8 against torch.topk + sort (benchmarks/topk_radix.py): h200-topk-radix.json
+#   topk       topk_positions (k = 512) at 1 / 8 / 64 rows of 2K / 4K / 128K / 1M entries under radix_bits
+#              1, 2, 4 and 8 against torch.topk + sort (benchmarks/topk_radix.py): h200-topk-radix.json;
+#              then rows of 2K / 4K with a summary of 4,096 (4K rows picked from registers too):
+#              h200-topk-summary-4096.json
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
@@ -346,6 +348,7 @@ phase_conformance() {
 
 phase_topk() {
   python benchmarks/topk_radix.py --out "$OUT/h200-topk-radix.json"
+  python benchmarks/topk_radix.py --radix 1 --lengths 2048 4096 --summary 4096 --out "$OUT/h200-topk-summary-4096.json"
 }
 
 phase_realslice() {

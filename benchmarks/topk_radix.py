@@ -1,13 +1,15 @@
 """``topk_positions`` (k = 512) under each ``tiles.topk.select.radix_bits`` against ``torch.topk`` +
 the sort of its indices, one run.
 
-    python benchmarks/topk_radix.py --out F [--rows 1 8 64] [--lengths 4096 131072 1048576]
+    python benchmarks/topk_radix.py --out F [--rows 1 8 64] [--lengths 2048 4096 131072 1048576]
+        [--radix 1 2 4 8] [--summary N]
 
-The select's two k-th-largest searches decide ``radix_bits`` bits a pass: 32 sequential block-wide
+Rows of at most ``tiles.topk.select.summary`` entries are picked from their keys in registers
+after one search; longer rows go through a chunk summary and a candidate list. The select's two
+k-th-largest searches decide ``radix_bits`` bits a pass: 32 sequential block-wide
 reductions at 1 bit, 16 at 2, 8 at 4 (each pass counts ``2**radix_bits`` thresholds at once), 4
-256-bin histograms at 8. At one
-row those reductions are the suspected floor (docs/performance.md, "topk_positions"). Each case's
-picks are checked equal to the baseline's first; times are CUDA-graph replays
+256-bin histograms at 8 (docs/performance.md, "topk_positions"). Each case's picks are checked
+equal to the baseline's first; times are CUDA-graph replays
 (``flashrt.timing.bench_ms``, each behind an L2 flush).
 """
 from __future__ import annotations
@@ -24,12 +26,12 @@ from results_io import write_json
 K = 512
 
 
-def with_radix(radix: int):
-    """The active profile with ``tiles.topk.select.radix_bits`` = ``radix``."""
+def with_select(**select):
+    """The active profile with ``tiles.topk.select`` updated by ``select``."""
     p = profiles.active_profile()
     tiles = dict(p.tiles)
     topk = dict(tiles.get("topk") or {})
-    topk["select"] = {**(topk.get("select") or {}), "radix_bits": radix}
+    topk["select"] = {**(topk.get("select") or {}), **select}
     tiles["topk"] = topk
     return dataclasses.replace(p, tiles=tiles)
 
@@ -37,7 +39,10 @@ def with_radix(radix: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 131072, 1048576])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 131072, 1048576])
+    ap.add_argument("--summary", type=int, default=None,
+                    help="tiles.topk.select.summary for every case (default: the profile's); rows of at "
+                         "most this many entries are picked from registers, one search")
     ap.add_argument("--radix", type=int, nargs="+", default=[1, 2, 4, 8], choices=[1, 2, 4, 8])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -53,7 +58,8 @@ def main() -> None:
             base = bench_ms(lambda: torch.topk(scores, K).indices.sort(-1))
             row = {"rows": R, "T": T, "k": K, "torch_topk_sort_us": 1e3 * base.ms}
             for radix in args.radix:
-                with profiles.using(with_radix(radix)):
+                select = {"radix_bits": radix} if args.summary is None else {"radix_bits": radix, "summary": args.summary}
+                with profiles.using(with_select(**select)):
                     out = topk.topk_positions(scores, K)
                     match = bool(torch.equal(out.long(), want))
                     t = bench_ms(lambda: topk.topk_positions(scores, K))
@@ -65,7 +71,7 @@ def main() -> None:
                 f"radix {r}: {row[f'radix{r}_us']:7.1f} us ({row[f'radix{r}_speedup']:5.2f}x"
                 f"{'' if row[f'radix{r}_match'] else ', WRONG'})" for r in args.radix), flush=True)
             del scores, want
-    write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows})
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "summary": args.summary, "rows": rows})
 
 
 if __name__ == "__main__":

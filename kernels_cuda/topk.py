@@ -8,7 +8,9 @@ and non-candidates -> ``INT32_MIN``, below every finite key). Per row:
    of ``C`` positions, ``C`` = the smallest power of two with ``T / C <= TILES summary``. With
    ``C == 1`` this pass is skipped and the keys themselves are the summary.
 2. ``_select_kernel`` (one program per row). A row of at most ``k`` entries takes every valid
-   one, in position order, in one pass. Longer rows:
+   one, in position order, in one pass. A row the summary holds key by key (``C == 1``; with
+   ``TILES bits`` 32) has its exact k-th largest key found in registers and its picks written
+   from there: one search, no list. Longer rows:
    a. ``L`` = the k-th largest chunk max, by a bitwise binary search (``count(key >= t) >= k``)
       over the summary held in registers. ``k`` chunk maxima are ``k`` distinct elements, so
       ``L`` <= the k-th largest key (``INT32_MIN`` when fewer than ``k`` chunks hold a key).
@@ -71,8 +73,9 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     ``mark=True``: ``out`` uint8 [R, T], zero on entry, gets 1 at every pick.
     ``stats``: int32 [R] or None; gets each row's list length (tests and tuning: longer than the
     register block ``max(TILES small, 2k)`` means the list was streamed, than ``TILES list`` that
-    the chunks were), or -1 for a row of at most ``k`` entries (every valid one picked in one
-    pass, no search: a decode's rows until the context passes ``k`` entries).
+    the chunks were), -1 for a row of at most ``k`` entries (every valid one picked in one
+    pass, no search: a decode's rows until the context passes ``k`` entries), or -2 for a row
+    picked from its keys in registers (one search, no list: rows of up to the summary's length).
     """
     R, T = src.shape
     assert src.stride(1) == 1 and (cand is None or (cand.stride(1) == 1 and cand.shape == src.shape))

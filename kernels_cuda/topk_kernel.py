@@ -230,6 +230,13 @@ def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, w
             pos = g + tl.arange(0, GROUP)
             n_out, _ = _emit(_load_keys(src, cand, pos, pos < T, SRC_KEYS, HAS_CAND), pos, _MIN, 0, n_out, 0, out,
                              MARK)
+    elif C * F == 1 and BITS == 32:  # the keys are their own summary: its exact k-th largest is the threshold
+        if STATS:
+            tl.store(stats + r, -2)
+        pos = tl.arange(0, SUMMARY)
+        key = _load_keys(src, cand, pos, pos < T, SRC_KEYS, HAS_CAND)
+        thr = _kth_largest(key, k, 32, RADIX)
+        n_out, _ = _emit(key, pos, thr, k - tl.sum((key > thr).to(tl.int32)), 0, 0, out, MARK)
     else:
         L, n_sel = _chunks_above(src, cand, summ, summ, T, NC, k, C * F, SUMMARY, BITS, SRC_KEYS, HAS_CAND, RADIX)
         ids = summ  # coarse chunk ids, written over the summary

@@ -15,7 +15,7 @@ from kernel_check import DEVICE, GPU, requires_kernels, run_both  # noqa: E402
 from test_topk import tied_scores  # noqa: E402
 
 import flashrt  # noqa: E402
-from flashrt import ops  # noqa: E402
+from flashrt import ops, profiles  # noqa: E402
 from flashrt.kernels_cuda import topk  # noqa: E402
 
 pytestmark = requires_kernels
@@ -83,6 +83,7 @@ def test_topk_strided_scores(rng):
 def _force(monkeypatch, **select):
     monkeypatch.setitem(topk.TILES, "select", {**topk.TILES["select"], **select})
     monkeypatch.setitem(topk.TILES, "chunk_max", {**topk.TILES["chunk_max"], "block": 64})
+    profiles._TILES_CACHE.clear()  # merged tiles are cached per TILES dict, which stays the same object
 
 
 def _select(scores, k, cand=None):
@@ -144,6 +145,31 @@ def test_topk_rows_of_at_most_k_entries_take_every_valid_entry(kind, k, monkeypa
     expect = torch.zeros(3, 101, dtype=torch.uint8)
     expect.scatter_(1, torch.where(want < 0, 100, want).long(), 1)
     assert torch.equal(marks.cpu(), expect[:, :100])
+
+
+@pytest.mark.parametrize("radix", [1, 8])
+@pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
+def test_topk_rows_the_summary_holds_pick_from_registers(kind, radix, monkeypatch, rng):
+    """k < T <= TILES summary: the keys are their own summary, one exact search, no list (stats -2);
+    positions and marks as the reference's picks, with and without candidates. A row one entry
+    longer than the summary, or partial bits, takes the list path."""
+    _force(monkeypatch, summary=64, min_summary=64, radix_bits=radix)
+    T = int(torch.randint(10, 65, (1,), generator=rng))
+    scores = _scores(kind, 1, 3, T, rng)[0]
+    cand = torch.rand(3, T, generator=rng) < 0.7
+    k = int(torch.randint(1, T, (1,), generator=rng))
+    for c in (None, cand):
+        assert (_select(scores, k, c) == -2).all()
+    marks = torch.zeros(3, T, dtype=torch.uint8, device=DEVICE)
+    topk.select_rows(scores.to(DEVICE), cand.to(DEVICE).view(torch.uint8), k, marks, mark=True)
+    with flashrt.use_backend("reference"):
+        want = ops.topk_positions(scores[None], k, cand[None])[0]
+    expect = torch.zeros(3, T + 1, dtype=torch.uint8)
+    expect.scatter_(1, torch.where(want < 0, T, want).long(), 1)
+    assert torch.equal(marks.cpu(), expect[:, :T])
+    assert (_select(_scores(kind, 1, 2, 65, rng)[0], 9) >= 0).all()  # 65 entries: chunks of 2
+    _force(monkeypatch, bits=16)
+    assert (_select(scores, k) >= 0).all()
 
 
 def test_topk_partial_bits_lower_bound(monkeypatch, rng):
