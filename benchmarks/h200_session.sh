@@ -103,9 +103,13 @@
 #              decode steps with it on and off), then the captured decode step of `small` at batch 1 / 8 / 64
 #              and the real-dimension slice, each with it off and on: h200-pdl-tests.log,
 #              h200-e2e-pdl-{off,on}.json, h200-real-slice-pdl-{off,on}.json
-#   mixstream  the blocks' mHC coefficients on a second stream (hc_mix_stream_max_tokens 64): its GPU
-#              test, then the captured decode step of `small` at batch 1 / 8 / 64 with it off and on,
+#   mixstream  the blocks' mHC coefficients on a second stream (hc_mix_stream_max_tokens 0 and 64 over
+#              the h200 profile): its GPU test, then the captured decode step of `small` at batch 1 / 8 / 64 with it off and on,
 #              twice, interleaved: h200-mix-stream-tests.log, h200-e2e-mix-stream-{off,on}-{1,2}.json
+#   selectstream  the attention's compressor and indexer on a stream of their own (indexer_stream_max_tokens
+#              0 and 64 over the h200 profile, its mixes forked): the fork GPU tests (mixes and selections), then the captured
+#              decode step of `small` at batch 1 / 8 / 64 with it off and on, twice, interleaved:
+#              h200-select-stream-tests.log, h200-e2e-select-stream-{off,on}-{1,2}.json
 #   conformance  `flashrt conformance` under the h200 profile (every op against the reference on the
 #              device): h200-conformance.json (copy it to hwconfigs/reports/h200.json when it passes)
 #   topk       topk_positions (k = 512) at 1 / 8 / 64 rows of 2K / 4K / 128K / 1M entries under radix_bits
@@ -127,8 +131,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|realslice) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream or realslice)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream or realslice)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -328,18 +332,27 @@ phase_pdl() {
   FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-pdl-on.json" | grep batch
 }
 
-phase_mixstream() {
-  local on i
-  timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/graphs/test_mix_stream.py \
-    > "$OUT/h200-mix-stream-tests.log" 2>&1
-  tail -n 2 "$OUT/h200-mix-stream-tests.log"
-  on=$(profile_set h200-mix-stream hc_mix_stream_max_tokens 64)
+fork_runs() {  # NAME KEY TESTS...: the fork's GPU tests, then small's decode with KEY 0 and 64, twice
+  local name=$1 key=$2 off on i
+  shift 2
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider "$@" > "$OUT/h200-$name-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-$name-tests.log"
+  off=$(profile_set "h200-$name-off" "$key" 0)
+  on=$(profile_set "h200-$name" "$key" 64)
   for i in 1 2; do
-    python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
-      --out "$OUT/h200-e2e-mix-stream-off-$i.json" | grep batch
+    FLASHRT_PROFILE=$off python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+      --modes cuda+graph --out "$OUT/h200-e2e-$name-off-$i.json" | grep batch
     FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
-      --modes cuda+graph --out "$OUT/h200-e2e-mix-stream-on-$i.json" | grep batch
+      --modes cuda+graph --out "$OUT/h200-e2e-$name-on-$i.json" | grep batch
   done
+}
+
+phase_mixstream() {
+  fork_runs mix-stream hc_mix_stream_max_tokens tests/graphs/test_mix_stream.py
+}
+
+phase_selectstream() {
+  fork_runs select-stream indexer_stream_max_tokens tests/graphs/test_mix_stream.py
 }
 
 phase_conformance() {

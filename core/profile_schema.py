@@ -141,8 +141,9 @@ def check_sizes(p, file: str) -> None:
         _bad(file, "engram_prefetch_depth", f"an integer >= 0 and <= {MAX_PREFETCH_DEPTH}", p.engram_prefetch_depth)
     if not 1 <= p.serve_max_step_tokens <= MAX_STEP_TOKENS:
         _bad(file, "serve_max_step_tokens", f"an integer >= 1 and <= {MAX_STEP_TOKENS}", p.serve_max_step_tokens)
-    if not 0 <= p.hc_mix_stream_max_tokens <= MAX_STEP_TOKENS:
-        _bad(file, "hc_mix_stream_max_tokens", f"an integer >= 0 and <= {MAX_STEP_TOKENS}", p.hc_mix_stream_max_tokens)
+    for key in ("hc_mix_stream_max_tokens", "indexer_stream_max_tokens"):
+        if not 0 <= getattr(p, key) <= MAX_STEP_TOKENS:
+            _bad(file, key, f"an integer >= 0 and <= {MAX_STEP_TOKENS}", getattr(p, key))
     _number(p, file, "hkcp_cold_host_gib", "GiB", MAX_GIB, zero_ok=True)
     _number(p, file, "hkcp_persistent_disk_gib", "GiB", MAX_GIB, zero_ok=False)
     if p.hkcp_persistent_disk_gib * 2**30 < 1:  # the prefix cache needs room for a byte

@@ -70,6 +70,10 @@ class Profile:
     # forwards of up to this many tokens (rows x chunk) run each block's mHC coefficients on a second
     # CUDA stream, beside the attention / MoE that does not read them (graphs/mix_stream.py; 0: never)
     hc_mix_stream_max_tokens: int = 0
+    # forwards of up to this many tokens run each attention layer's compressed-entry selection (the
+    # compressor and the indexer) on a third CUDA stream, beside the query heads and the window KV
+    # (graphs/mix_stream.py; 0: never)
+    indexer_stream_max_tokens: int = 0
     match_name: str | None = None               # regex searched in the device name (no case)
     match_capability: tuple[str, ...] = ()      # CUDA compute capabilities, e.g. ["9.0"]
     match_soc: str | None = None                # regex searched in the NPU SoC version

@@ -52,11 +52,19 @@ class Attention:
     def query(self, h: torch.Tensor, f: torch.Tensor, latent: torch.Tensor | None = None):
         """(the normed query latent ``qr``, the heads ``q`` [B, S, H, head_dim], each RMS-normalized
         over its whole head_dim, then roped) of ``h``; ``latent``: ``wq_a(h)`` when computed already."""
+        qr = self.query_latent(h, latent)
+        return qr, self.query_heads(h, qr, f)
+
+    def query_latent(self, h: torch.Tensor, latent: torch.Tensor | None = None) -> torch.Tensor:
+        """``qr``: the normed ``wq_a(h)`` (``latent``: ``wq_a(h)`` when computed already)."""
+        return ops.rms_norm(ops.linear(h, self.wq_a) if latent is None else latent, self.q_norm, self.cfg.norm_eps)
+
+    def query_heads(self, h: torch.Tensor, qr: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """The heads ``q`` [B, S, H, head_dim] of ``qr``: ``wq_b``, each head's unit-weight RMS norm
+        and its rope in one op (no quantization)."""
         cfg = self.cfg
-        qr = ops.rms_norm(ops.linear(h, self.wq_a) if latent is None else latent, self.q_norm, cfg.norm_eps)
         q = ops.linear(qr, self.wq_b).view(*h.shape[:2], cfg.n_heads, cfg.head_dim)
-        # each head's unit-weight RMS norm and its rope in one op (no quantization)
-        return qr, quantized_rope_tail(q, self.head_unit, cfg.norm_eps, f, cfg.rope_head_dim, None)
+        return quantized_rope_tail(q, self.head_unit, cfg.norm_eps, f, cfg.rope_head_dim, None)
 
     def window_kv(self, h: torch.Tensor, f: torch.Tensor, fmt: str, latent: torch.Tensor | None = None):
         """The roped KV latent of ``h`` [B, S, dim], quantized to the window ring's ``fmt``;
@@ -80,10 +88,14 @@ class Attention:
         cfg = self.cfg
         f = ctx.rope_compressed if self.ratio else ctx.rope_window
         q_latent, kv_latent = self.latents(h)
-        qr, q = self.query(h, f, q_latent)
+        qr = self.query_latent(h, q_latent)
+        # the selection reads h, qr and the caches, and nothing below reads it before the join
+        # (ctx.fork_select: on a stream of its own where the profile asks, else inline)
+        selection = ctx.fork_select(self._selection, h, qr, ctx) if self.ratio else None
+        q = self.query_heads(h, qr, f)
         kv = self.window_kv(h, f, ctx.state.window_fmt, kv_latent)
         segments = [ctx.state.rings[self.layer], kv]
-        picked = self._selection(h, qr, ctx) if self.ratio else None
+        picked = selection.join() if selection is not None else None
         if h.shape[1] > 1 and (picked is None or picked.indices is None):
             # a prompt chunk that sees its whole window and every visible entry: indices implied
             entries = visible = None

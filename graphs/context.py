@@ -56,6 +56,7 @@ class StepContext:
     selections: dict = field(default_factory=dict)  # index-source layer -> Selection (published)
     candidates: torch.Tensor | None = None  # the candidate source's blocks (published)
     fork: Callable = run_inline  # starts a block's mHC coefficients (graphs/mix_stream.py)
+    fork_select: Callable = run_inline  # starts an attention layer's compressor and indexer (the same)
 
     @classmethod
     def build(cls, needs: "StepNeeds", rope: "RopeCache", state: KVState, positions: torch.Tensor, end: int,

@@ -20,6 +20,13 @@ pool of counters per stream (kernels_cuda/splitk.py): the two streams never shar
 Whether a forward forks is the profile's ``hc_mix_stream_max_tokens`` (rows x chunk tokens up to
 which it does; 0: never) on CUDA devices; elsewhere, and above it, :meth:`MixStream.fork` runs
 ``fn`` inline. Either way the kernels and their inputs are the same: the results are bit-identical.
+
+The same mechanism, on a stream of its own, runs an attention layer's compressed-entry selection
+(graphs/attention.py: the compressor, the indexer's query, scores and top-k) beside the query heads
+and the window KV, which do not read it; the attention joins it before it reads the picks
+(``indexer_stream_max_tokens``). Its inputs (``h``, the query latent, the caches) are made before the
+fork and stay referenced until the join; what it writes (compressed entries, the published picks)
+is read only after the join.
 """
 from __future__ import annotations
 
@@ -52,10 +59,11 @@ class MixStream:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @staticmethod
-    def wanted(device: torch.device, tokens: int) -> bool:
-        """Whether a forward of ``tokens`` tokens on ``device`` forks its mixes (the active profile's
-        ``hc_mix_stream_max_tokens``; CUDA devices only)."""
-        return device.type == "cuda" and 0 < tokens <= profiles.active_profile().hc_mix_stream_max_tokens
+    def wanted(device: torch.device, tokens: int, setting: str = "hc_mix_stream_max_tokens") -> bool:
+        """Whether a forward of ``tokens`` tokens on ``device`` forks (the active profile's ``setting``:
+        ``hc_mix_stream_max_tokens`` for the mixes, ``indexer_stream_max_tokens`` for the attention's
+        selection; CUDA devices only)."""
+        return device.type == "cuda" and 0 < tokens <= getattr(profiles.active_profile(), setting)
 
     def fork(self, fn, *args) -> Fork:
         """``fn(*args)`` on the mix stream, after the work queued on the current stream."""

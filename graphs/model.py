@@ -39,6 +39,7 @@ class Model:
         self.step_needs = StepNeeds.of(cfg)
         self.first_mix = torch.zeros(cfg.hc_mult, dtype=torch.float32, device=self.device)  # block 0 reads copy 0
         self.mix_stream = MixStream(self.device)
+        self.select_stream = MixStream(self.device)  # the attention's selection (a stream of its own)
         self.first_mix[0] = 1.0
         layout = EngramLayout.from_config(cfg)
         self.hasher = None
@@ -105,9 +106,12 @@ class Model:
 
     def step_context(self, state: KVState, positions: torch.Tensor, end: int, **fields) -> StepContext:
         """:meth:`StepContext.build` for this model (its rotary factors and shared-expert routes; the
-        blocks' mixes forked to the mix stream where the profile asks, graphs/mix_stream.py)."""
+        blocks' mixes and the attention's selections forked to their streams where the profile asks,
+        graphs/mix_stream.py)."""
         if "fork" not in fields and MixStream.wanted(self.device, positions.numel()):
             fields["fork"] = self.mix_stream.fork
+        if "fork_select" not in fields and MixStream.wanted(self.device, positions.numel(), "indexer_stream_max_tokens"):
+            fields["fork_select"] = self.select_stream.fork
         return StepContext.build(self.step_needs, self.rope, state, positions, end, routes=self.routes, **fields)
 
     def shared_route(self, tokens: int):

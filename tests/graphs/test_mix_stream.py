@@ -1,10 +1,12 @@
-"""The blocks' mHC coefficients forked beside the sublayers (graphs/mix_stream.py,
-``hc_mix_stream_max_tokens``).
+"""The blocks' mHC coefficients forked beside the sublayers, and the attention's compressed-entry
+selection beside the query heads and window KV (graphs/mix_stream.py, ``hc_mix_stream_max_tokens``,
+``indexer_stream_max_tokens``).
 
 On the CPU a fork whose value is computed only at its join (the latest a second stream could finish)
-gives the logits of the inline run bit for bit: no block reads a mix before joining it, and nothing
-between a fork and its join changes the fork's inputs. On a CUDA device the forks run on a second
-stream, eagerly and captured into the decode step's graph, with the same logits as without.
+gives the logits of the inline run bit for bit: nothing reads a fork's result before joining it, and
+nothing between a fork and its join changes the fork's inputs. On a CUDA device the forks run on
+streams of their own, eagerly and captured into the decode step's graph, with the same logits as
+without.
 """
 from __future__ import annotations
 
@@ -34,15 +36,30 @@ class LateFork(Fork):
         return self.fn(*self.args)
 
 
-def test_a_late_join_gives_the_inline_logits(cfg, model, rng, monkeypatch):
-    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=rng)
-    inline = model.forward(ids)
-    monkeypatch.setattr(MixStream, "wanted", staticmethod(lambda device, tokens: True))
-    monkeypatch.setattr(model.mix_stream, "fork", LateFork)
+@pytest.mark.parametrize("forks", [("mix",), ("select",), ("mix", "select")])
+@pytest.mark.parametrize("S", [1, 7])
+def test_a_late_join_gives_the_inline_logits(cfg, model, rng, monkeypatch, forks, S):
+    """Prompt chunks and decode steps (the caches filled by an inline prompt first), each fork kind
+    alone and both: the logits of the inline run, one fork and one join a block's mix and a
+    compressed layer's selection."""
+    prompt = torch.randint(0, cfg.vocab_size, (2, 9), generator=rng)
+    ids = torch.randint(0, cfg.vocab_size, (2, S), generator=rng)
+    states = [model.new_state(2, 64) for _ in range(2)]
+    for s in states:
+        model.forward(prompt, state=s)
+    inline = model.forward(ids, state=states[0])
+    settings = {"mix": "hc_mix_stream_max_tokens", "select": "indexer_stream_max_tokens"}
+    on = {settings[name] for name in forks}
+    monkeypatch.setattr(MixStream, "wanted",
+                        staticmethod(lambda device, tokens, setting="hc_mix_stream_max_tokens": setting in on))
+    for name in forks:
+        monkeypatch.setattr(getattr(model, f"{name}_stream"), "fork", LateFork)
     LateFork.calls.update(fork=0, join=0)
-    late = model.forward(ids)
+    late = model.forward(ids, state=states[1])
     assert torch.equal(late, inline)
-    assert LateFork.calls == {"fork": 2 * cfg.n_layers, "join": 2 * cfg.n_layers}
+    compressed = sum(1 for layer in range(cfg.n_layers) if cfg.ratio(layer))
+    want = (2 * cfg.n_layers if "mix" in forks else 0) + (compressed if "select" in forks else 0)
+    assert compressed > 0 and LateFork.calls == {"fork": want, "join": want}
 
 
 def test_forks_only_on_cuda_and_within_the_profile_limit():
@@ -53,11 +70,16 @@ def test_forks_only_on_cuda_and_within_the_profile_limit():
         assert not MixStream.wanted(cpu, 1)
     with profiles.using(dataclasses.replace(base, hc_mix_stream_max_tokens=0)):
         assert not MixStream.wanted(cuda, 1)
+    with profiles.using(dataclasses.replace(base, hc_mix_stream_max_tokens=0, indexer_stream_max_tokens=4)):
+        assert MixStream.wanted(cuda, 4, "indexer_stream_max_tokens") and not MixStream.wanted(cuda, 4)
+        assert not MixStream.wanted(cuda, 5, "indexer_stream_max_tokens")
+        assert not MixStream.wanted(cpu, 1, "indexer_stream_max_tokens")
     done = mix_stream.run_inline(lambda a, b: a + b, 2, 3)
     assert done.join() == 5 and done.stream is None
 
 
-def test_the_profile_key_is_checked(tmp_path):
+@pytest.mark.parametrize("key", ["hc_mix_stream_max_tokens", "indexer_stream_max_tokens"])
+def test_the_profile_key_is_checked(key):
     import yaml
 
     from flashrt.errors import ProfileError
@@ -65,20 +87,23 @@ def test_the_profile_key_is_checked(tmp_path):
 
     data = yaml.safe_load(open(profile_files()["h200"]))
     for bad in (-1, 1 << 21):
-        data["hc_mix_stream_max_tokens"] = bad
-        with pytest.raises(ProfileError, match=rf"hc_mix_stream_max_tokens.*integer >= 0.*{bad}"):
+        data[key] = bad
+        with pytest.raises(ProfileError, match=rf"{key}.*integer >= 0.*{bad}"):
             profiles.profile_from_mapping(data, "h200.yaml")
 
 
-def _with_limit(limit: int):
-    return profiles.using(dataclasses.replace(profiles.active_profile(), hc_mix_stream_max_tokens=limit))
+def _with_limit(key: str, limit: int):
+    base = dataclasses.replace(profiles.active_profile(), hc_mix_stream_max_tokens=0, indexer_stream_max_tokens=0)
+    return profiles.using(dataclasses.replace(base, **{key: limit}))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_forked_mixes_on_a_cuda_stream_match_inline():
+@pytest.mark.parametrize("key", ["hc_mix_stream_max_tokens", "indexer_stream_max_tokens"])
+def test_forked_work_on_a_cuda_stream_matches_inline(key):
     """An eager decode-sized forward and 24 captured decode steps of ``tiny`` (2 rows, pages filling
-    as it goes) give the same logits, bit for bit, with the mixes on the second stream and without."""
+    as it goes) give the same logits, bit for bit, with the forked work (the mixes, or the
+    attention's selections) on a stream of its own and without."""
     from flashrt.engine.step_capture import StepCapture
     from flashrt.graphs.config import shipped_config
     from flashrt.graphs.init_weights import init_weights
@@ -90,7 +115,7 @@ def test_forked_mixes_on_a_cuda_stream_match_inline():
     ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(seed)).cuda()
     out = {}
     for limit in (0, 64):
-        with _with_limit(limit):
+        with _with_limit(key, limit):
             model = Model(cfg, init_weights(cfg, seed=3, device="cuda"))
             state = model.new_state(2, 200, pool=KVState.pool_for(cfg, 2, 200, model.device, None, 4))
             logits = [model.forward(ids, state=state)]  # the prompt (38 tokens) forks as well
