@@ -13,6 +13,7 @@ from flashrt import ops
 
 from .compressor import Compressor
 from .fused_weights import fuse_in_place
+from .mix_stream import run_inline
 from .context import Selection, StepContext, quantized_rope_tail, rope_tail, window_indices  # noqa: F401 (re-exported)
 
 
@@ -90,8 +91,10 @@ class Attention:
         q_latent, kv_latent = self.latents(h)
         qr = self.query_latent(h, q_latent)
         # the selection reads h, qr and the caches, and nothing below reads it before the join
-        # (ctx.fork_select: on a stream of its own where the profile asks, else inline)
-        selection = ctx.fork_select(self._selection, h, qr, ctx) if self.ratio else None
+        # (ctx.fork_select: on a stream of its own where the profile asks, else inline); a reuse
+        # layer's selection only looks up its source's picks: no fork
+        fork = ctx.fork_select if self.role in ("full", "reindex") else run_inline
+        selection = fork(self._selection, h, qr, ctx) if self.ratio else None
         q = self.query_heads(h, qr, f)
         kv = self.window_kv(h, f, ctx.state.window_fmt, kv_latent)
         segments = [ctx.state.rings[self.layer], kv]

@@ -41,7 +41,7 @@ class LateFork(Fork):
 def test_a_late_join_gives_the_inline_logits(cfg, model, rng, monkeypatch, forks, S):
     """Prompt chunks and decode steps (the caches filled by an inline prompt first), each fork kind
     alone and both: the logits of the inline run, one fork and one join a block's mix and a
-    compressed layer's selection."""
+    selecting (full or reindex) layer's selection."""
     prompt = torch.randint(0, cfg.vocab_size, (2, 9), generator=rng)
     ids = torch.randint(0, cfg.vocab_size, (2, S), generator=rng)
     states = [model.new_state(2, 64) for _ in range(2)]
@@ -57,9 +57,9 @@ def test_a_late_join_gives_the_inline_logits(cfg, model, rng, monkeypatch, forks
     LateFork.calls.update(fork=0, join=0)
     late = model.forward(ids, state=states[1])
     assert torch.equal(late, inline)
-    compressed = sum(1 for layer in range(cfg.n_layers) if cfg.ratio(layer))
-    want = (2 * cfg.n_layers if "mix" in forks else 0) + (compressed if "select" in forks else 0)
-    assert compressed > 0 and LateFork.calls == {"fork": want, "join": want}
+    selecting = sum(1 for layer in range(cfg.n_layers) if cfg.ratio(layer) and cfg.role(layer) in ("full", "reindex"))
+    want = (2 * cfg.n_layers if "mix" in forks else 0) + (selecting if "select" in forks else 0)
+    assert selecting > 0 and LateFork.calls == {"fork": want, "join": want}
 
 
 def test_forks_only_on_cuda_and_within_the_profile_limit():
