@@ -51,6 +51,7 @@ def main() -> None:
     from flashrt.kernels_cuda import topk
 
     g, rows = torch.Generator(device="cuda").manual_seed(0), []
+    summary = {} if args.summary is None else {"summary": args.summary}
     for T in args.lengths:
         for R in args.rows:
             scores = torch.randn(R, 1, T, device="cuda", generator=g)
@@ -58,8 +59,7 @@ def main() -> None:
             base = bench_ms(lambda: torch.topk(scores, K).indices.sort(-1))
             row = {"rows": R, "T": T, "k": K, "torch_topk_sort_us": 1e3 * base.ms}
             for radix in args.radix:
-                select = {"radix_bits": radix} if args.summary is None else {"radix_bits": radix, "summary": args.summary}
-                with profiles.using(with_select(**select)):
+                with profiles.using(with_select(radix_bits=radix, **summary)):
                     out = topk.topk_positions(scores, K)
                     match = bool(torch.equal(out.long(), want))
                     t = bench_ms(lambda: topk.topk_positions(scores, K))

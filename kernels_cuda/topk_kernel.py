@@ -119,10 +119,14 @@ def _finish_registers(src, cand, lst, out, n_list, k, BLOCK: tl.constexpr,
     offs = tl.arange(0, BLOCK)
     live = offs < n_list
     pos = tl.load(lst + offs, mask=live, other=0)
-    key = _load_keys(src, cand, pos, live, SRC_KEYS, HAS_CAND)
+    return _pick(_load_keys(src, cand, pos, live, SRC_KEYS, HAS_CAND), pos, k, out, MARK, RADIX)
+
+
+@triton.jit
+def _pick(key, pos, k, out, MARK: tl.constexpr, RADIX: tl.constexpr):
+    """The picks of keys held in registers (at ``pos``): the exact k-th largest, then one emit; their count."""
     thr = _kth_largest(key, k, 32, RADIX)
-    need = k - tl.sum((key > thr).to(tl.int32))
-    n_out, _ = _emit(key, pos, thr, need, 0, 0, out, MARK)
+    n_out, _ = _emit(key, pos, thr, k - tl.sum((key > thr).to(tl.int32)), 0, 0, out, MARK)
     return n_out
 
 
@@ -234,9 +238,7 @@ def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, w
         if STATS:
             tl.store(stats + r, -2)
         pos = tl.arange(0, SUMMARY)
-        key = _load_keys(src, cand, pos, pos < T, SRC_KEYS, HAS_CAND)
-        thr = _kth_largest(key, k, 32, RADIX)
-        n_out, _ = _emit(key, pos, thr, k - tl.sum((key > thr).to(tl.int32)), 0, 0, out, MARK)
+        n_out = _pick(_load_keys(src, cand, pos, pos < T, SRC_KEYS, HAS_CAND), pos, k, out, MARK, RADIX)
     else:
         L, n_sel = _chunks_above(src, cand, summ, summ, T, NC, k, C * F, SUMMARY, BITS, SRC_KEYS, HAS_CAND, RADIX)
         ids = summ  # coarse chunk ids, written over the summary

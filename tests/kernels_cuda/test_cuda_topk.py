@@ -99,6 +99,18 @@ def _select(scores, k, cand=None):
     return stats.cpu()
 
 
+def _same_marks(scores, k, cand):
+    """select_rows(mark=True) on [R, T] scores marks exactly the reference's picks."""
+    R, T = scores.shape
+    marks = torch.zeros(R, T, dtype=torch.uint8, device=DEVICE)
+    topk.select_rows(scores.to(DEVICE), cand.to(DEVICE).view(torch.uint8), k, marks, mark=True)
+    with flashrt.use_backend("reference"):
+        want = ops.topk_positions(scores[None], k, cand[None])[0]
+    expect = torch.zeros(R, T + 1, dtype=torch.uint8)
+    expect.scatter_(1, torch.where(want < 0, T, want).long(), 1)
+    assert torch.equal(marks.cpu(), expect[:, :T])
+
+
 @pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
 @pytest.mark.parametrize("fine", [4, 64])
 def test_topk_chunk_summary_path(kind, fine, monkeypatch, rng):
@@ -138,13 +150,7 @@ def test_topk_rows_of_at_most_k_entries_take_every_valid_entry(kind, k, monkeypa
     cand = torch.rand(3, 100, generator=rng) < 0.7
     for c in (None, cand):
         assert (_select(scores, k, c) == -1).all()
-    marks = torch.zeros(3, 100, dtype=torch.uint8, device=DEVICE)
-    topk.select_rows(scores.to(DEVICE), cand.to(DEVICE).view(torch.uint8), k, marks, mark=True)
-    with flashrt.use_backend("reference"):
-        want = ops.topk_positions(scores[None], k, cand[None])[0]
-    expect = torch.zeros(3, 101, dtype=torch.uint8)
-    expect.scatter_(1, torch.where(want < 0, 100, want).long(), 1)
-    assert torch.equal(marks.cpu(), expect[:, :100])
+    _same_marks(scores, k, cand)
 
 
 @pytest.mark.parametrize("radix", [1, 8])
@@ -160,13 +166,7 @@ def test_topk_rows_the_summary_holds_pick_from_registers(kind, radix, monkeypatc
     k = int(torch.randint(1, T, (1,), generator=rng))
     for c in (None, cand):
         assert (_select(scores, k, c) == -2).all()
-    marks = torch.zeros(3, T, dtype=torch.uint8, device=DEVICE)
-    topk.select_rows(scores.to(DEVICE), cand.to(DEVICE).view(torch.uint8), k, marks, mark=True)
-    with flashrt.use_backend("reference"):
-        want = ops.topk_positions(scores[None], k, cand[None])[0]
-    expect = torch.zeros(3, T + 1, dtype=torch.uint8)
-    expect.scatter_(1, torch.where(want < 0, T, want).long(), 1)
-    assert torch.equal(marks.cpu(), expect[:, :T])
+    _same_marks(scores, k, cand)
     assert (_select(_scores(kind, 1, 2, 65, rng)[0], 9) >= 0).all()  # 65 entries: chunks of 2
     _force(monkeypatch, bits=16)
     assert (_select(scores, k) >= 0).all()
