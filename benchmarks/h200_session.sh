@@ -116,6 +116,12 @@
 #              1, 2, 4 and 8 against torch.topk + sort (benchmarks/topk_radix.py): h200-topk-radix.json;
 #              then rows of 2K / 4K with a summary of 4,096 (4K rows picked from registers too):
 #              h200-topk-summary-4096.json
+#   quant      the CUDA kernel tests natively (every kernel reading the codecs: quantize, the KV stores, the
+#              fused activation quantization of linear and the experts), then the elementwise kernels
+#              (quantize, dequantize, quantize-and-store, rms_norm, rope) against the copy bandwidth and
+#              their torch references (flashrt bench kernels --families elementwise):
+#              h200-kernel-tests.log, h200-kernels-elementwise.json; then top-k rows of 2K / 4K / 128K at
+#              radix 1 under the h200 profile: h200-topk-profile.json
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
@@ -131,8 +137,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream or realslice)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice or quant)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -362,6 +368,13 @@ phase_conformance() {
 phase_topk() {
   python benchmarks/topk_radix.py --out "$OUT/h200-topk-radix.json"
   python benchmarks/topk_radix.py --radix 1 --lengths 2048 4096 --summary 4096 --out "$OUT/h200-topk-summary-4096.json"
+}
+
+phase_quant() {
+  timeout 240 python -m pytest -q -n 12 -p no:cacheprovider tests/kernels_cuda > "$OUT/h200-kernel-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-kernel-tests.log"
+  python -m flashrt.cli bench kernels --families elementwise --out "$OUT/h200-kernels-elementwise.json" | tail -n 30
+  python benchmarks/topk_radix.py --radix 1 --lengths 2048 4096 131072 --out "$OUT/h200-topk-profile.json"
 }
 
 phase_realslice() {

@@ -19,9 +19,11 @@ Element decoders (stored bytes widened to int32 unless said otherwise), all exac
 Row decoder: :func:`dequant_rows` turns a ``[R, bytes]`` tile of stored rows and its ``[R, blocks]``
 scale bytes into fp32 ``[R, elements]`` for every KV / key format (codes :data:`CODES`).
 
-Encoders (bit-exact with :mod:`flashrt.formats`; never through Triton's float8 conversion, which
-the interpreter does not round to nearest even and sm_80 lacks): :func:`e4m3_rne`,
-:func:`e2m1_code`, :func:`block_scale`; :func:`fake_blocks` the values a block's bytes would stand for;
+Encoders (bit-exact with :mod:`flashrt.formats`): :func:`e4m3_rne` on the bits (the interpreter's
+float8 conversion does not round to nearest even, and sm_80 has none), :func:`e4m3_encode` through
+the hardware conversion where there is one (sm_89+), else :func:`e4m3_rne`; :func:`e2m1_code` on
+the bits; :func:`div_by_scale` the ``fp4_b16`` elements' division without a divide;
+:func:`block_scale`; :func:`fake_blocks` the values a block's bytes would stand for;
 :func:`to_out` rounds fp32 to an output dtype.
 """
 from __future__ import annotations
@@ -198,24 +200,62 @@ def e4m3_rne(v):
     return tl.where(a_bits < 0x3C800000, sub, normal) | sign  # 0x3C800000 = 2**-6
 
 
+if cuda_capability_geq is not None:
+    @triton.jit
+    def e4m3_encode(v):
+        """:func:`e4m3_rne` of fp32 ``v`` (``|v| <= 448``) by the hardware conversion where the target
+        has one (sm_89+: ``cvt.rn.satfinite``, nearest, ties to even, the same bytes), else on the bits."""
+        if _INTERPRETED:  # the interpreter's float8 conversion does not round to nearest even
+            b = e4m3_rne(v)
+        elif cuda_capability_geq(8, 9):
+            b = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            b = e4m3_rne(v)
+        return b
+else:  # a Triton that cannot ask for the target inside a kernel: on the bits everywhere
+    @triton.jit
+    def e4m3_encode(v):
+        """:func:`e4m3_rne` of fp32 ``v`` (``|v| <= 448``)."""
+        return e4m3_rne(v)
+
+
 @triton.jit
 def e2m1_code(v):
-    """E2M1 codes (int32, sign in bit 3) of fp32 ``v``: clamp to 6, nearest, ties to even."""
+    """E2M1 codes (int32, sign in bit 3) of fp32 ``v``: clamp to 6, nearest, ties to even.
+
+    On the fp32 bits, no comparisons: from 1 up, the bits rounded to one mantissa bit (the carry
+    moves into the exponent) give ``(exponent << 1 | mantissa bit)``, 2 for 1.0 ... 7 for 6.0;
+    below 1 the codes are the number of halves (0, 1, 2), which the fp32 addition of 2**22 rounds
+    to (its unit in the last place is 0.5; ties to even as the format's)."""
     a = tl.minimum(tl.abs(v), 6.0)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
-    return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+    bits = a.to(tl.int32, bitcast=True)
+    big = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252  # 252 = exponent 126 << 1
+    small = (a + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000  # 0x4A800000 = 2**22
+    return tl.where(a >= 1.0, big, small) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def div_by_scale(x, scale, recip):
+    """``x / scale`` correctly rounded (as ``div_rn``) for quotients under 8 in magnitude and not
+    subnormal, from ``recip`` = ``1 / scale`` correctly rounded: one correction of ``x * recip`` by
+    its exact residual (an FMA), which is then correctly rounded (Markstein). Past 8 it is
+    ``x * recip``, subnormal quotients may differ in the last place: the E2M1 code they round to
+    is the same."""
+    q = x * recip
+    # the residual negated (q * scale - x) so that a zero x keeps its sign: -0 - -0 * scale is +0,
+    # and -(+0) * recip + -0 is -0
+    return tl.where(tl.abs(q) < 8.0, tl.fma(-tl.fma(q, scale, -x), recip, q), q)
 
 
 @triton.jit
 def block_scale(amax, FMT: tl.constexpr):
-    """(stored byte int32, scale fp32, 1 / scale fp32) for fp32 block maxima (FMT as :data:`CODES`)."""
+    """(stored byte int32, scale fp32, 1 / scale fp32) for fp32 block maxima (FMT as :data:`CODES`);
+    ``1 / scale`` exact for the power-of-two scales, correctly rounded for ``fp4_b16``'s E4M3 one."""
     if FMT == 2:  # fp4_b16: e4m3(max(amax, 6 * 2**-9) / 6), clamped to 448
         v = tl.math.div_rn(tl.maximum(amax, 0.01171875), tl.full(amax.shape, 6.0, tl.float32))
         byte = e4m3_rne(tl.minimum(v, 448.0))
         scale = e4m3_to_f32(byte)
-        return byte, scale, scale
+        return byte, scale, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
     if FMT == 1:  # fp8: 2**ceil(log2(max(amax, 1e-4) / 448))
         v = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
     else:  # fp4_b32: 2**ceil(log2(max(amax, 6 * 2**-126) / 6))
@@ -235,10 +275,10 @@ def store_blocks(data_ptr, offset, x, scale, recip, mask, FMT: tl.constexpr, BLK
     if FMT == 1:
         v = tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)
         e = tl.arange(0, BLK)
-        tl.store(data_ptr + offset[:, None] + e[None, :], e4m3_rne(v).to(tl.uint8), mask=mask[:, None])
+        tl.store(data_ptr + offset[:, None] + e[None, :], e4m3_encode(v).to(tl.uint8), mask=mask[:, None])
     else:
         if FMT == 2:
-            v = tl.math.div_rn(x, scale[:, None])
+            v = div_by_scale(x, scale[:, None], recip[:, None])
         else:
             v = x * recip[:, None]
         lo, hi = tl.split(tl.reshape(e2m1_code(v), (N, BLK // 2, 2)))
@@ -253,10 +293,10 @@ def fake_blocks(x, scale, recip, FMT: tl.constexpr):
     ``scale``, exactly what ``_dequantize_kernel`` makes of those bytes (a quantization and a
     dequantization in registers)."""
     if FMT == 1:
-        v = e4m3_to_f32(e4m3_rne(tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)))
+        v = e4m3_to_f32(e4m3_encode(tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)))
     else:
         if FMT == 2:
-            v = tl.math.div_rn(x, scale[:, None])
+            v = div_by_scale(x, scale[:, None], recip[:, None])
         else:
             v = x * recip[:, None]
         v = e2m1_to_f32(e2m1_code(v))
@@ -267,7 +307,7 @@ def fake_blocks(x, scale, recip, FMT: tl.constexpr):
 def quant_fp8(x):
     """``fp8`` blocks of fp32 ``x`` [R, G, 32] -> (E4M3 bytes int32 [R, G, 32], UE8M0 bytes int32 [R, G])."""
     byte, _, recip = block_scale(tl.max(tl.abs(x), axis=2), 1)
-    return e4m3_rne(tl.minimum(tl.maximum(x * recip[:, :, None], -448.0), 448.0)), byte
+    return e4m3_encode(tl.minimum(tl.maximum(x * recip[:, :, None], -448.0), 448.0)), byte
 
 
 @triton.jit

@@ -6,7 +6,8 @@ and non-candidates -> ``INT32_MIN``, below every finite key). Per row:
 
 1. ``_chunk_max_kernel`` (many programs per row, one read of the row): the max key of every chunk
    of ``C`` positions, ``C`` = the smallest power of two with ``T / C <= TILES summary``. With
-   ``C == 1`` this pass is skipped and the keys themselves are the summary.
+   ``C == 1`` this pass is skipped and the keys themselves are the summary (also for rows of up
+   to ``TILES registers`` entries, whatever ``summary``).
 2. ``_select_kernel`` (one program per row). A row of at most ``k`` entries takes every valid
    one, in position order, in one pass. A row the summary holds key by key (``C == 1``; with
    ``TILES bits`` 32) has its exact k-th largest key found in registers and its picks written
@@ -49,9 +50,12 @@ TILES = {
     # 2**radix_bits candidate thresholds counted at once (8: a 256-bin histogram of the digit),
     # bits / radix_bits sequential passes;
     # min_summary: the smallest summary block (capped at summary): rows of up to this many entries
-    # share one compiled variant (a decode's rows grow by one entry at a time)
+    # share one compiled variant (a decode's rows grow by one entry at a time); registers: rows of
+    # up to this many entries (or summary, the larger) are held whole in registers, their keys
+    # their own summary (no chunk-max pass, no list), so a short summary for long rows does not
+    # send rows a little longer than it down the list path
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
-               "num_warps": 8, "radix_bits": 1, "min_summary": 1024},
+               "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096},
 }
 
 
@@ -83,7 +87,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     assert mark or out.shape[1] >= min(k, T)
     all_tiles = _tiles()
     tiles, chunk_tiles = all_tiles["select"], all_tiles["chunk_max"]
-    coarse = _pow2(cdiv(T, tiles["summary"]))  # chunk size of the summary searched for L
+    # chunk size of the summary searched for L (1: the keys themselves)
+    coarse = 1 if T <= tiles["registers"] else _pow2(cdiv(T, tiles["summary"]))
     C = min(coarse, tiles["fine"])  # chunk size of the scan; F fine chunks per coarse chunk
     F, NC, NF = coarse // C, cdiv(T, coarse), cdiv(T, C)
     has_cand, src_keys = cand is not None, src.dtype == torch.int32
@@ -144,6 +149,6 @@ FAMILY = KernelFamily(
     supports={"topk_positions": Support(inputs={"scores": (torch.float32,)}, dims={"scores[-1]": Dim(0, 2**30 - 1)})},
     tiles=TILES, tile_checks={"chunk_max.block": POW2, "select.summary": POW2, "select.fine": POW2,
                               "select.small": POW2, "select.list": POW2, "select.group": POW2,
-                              "select.min_summary": POW2, "select.bits": Tile(high=32), "select.radix_bits": Tile(choices=(1, 2, 4, 8))},
+                              "select.min_summary": POW2, "select.registers": POW2, "select.bits": Tile(high=32), "select.radix_bits": Tile(choices=(1, 2, 4, 8))},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="top-k positions: chunk maxima, threshold search, ordered picks")

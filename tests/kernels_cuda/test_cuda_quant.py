@@ -81,6 +81,25 @@ def test_quantize_edge_cases(fmt):
     assert torch.equal(_u8(got.data)[1], _u8(want.data)[1]) and int(_u8(got.data)[1, 0]) in (0x80, 0x88)  # -0.0 kept
 
 
+def test_quantize_fp4_b16_near_midpoints_of_every_scale(rng):
+    """fp4_b16 divides by an E4M3 scale (not a power of two): the kernel's quotient without a
+    divide must round to the same E2M1 code as the reference's division where that matters most,
+    at every E2M1 midpoint times every scale and the fp32 values up to 3 ulp either side."""
+    scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 2**-9 .. 448
+    mids = torch.tensor(MIDS) * torch.tensor([[1.0], [-1.0]])  # both signs
+    steps = torch.arange(-3, 4, dtype=torch.int32)
+    blocks = []
+    for s in scales.tolist():
+        at = (mids.flatten() * s).view(torch.int32)  # each midpoint times s (rounded once), then its neighbours
+        vals = (at[:, None] + steps[None, :]).flatten().view(torch.float32)
+        vals = vals[torch.randperm(vals.numel(), generator=rng)]
+        for chunk in vals.split(15):  # each block's amax 6 * s (exact) makes its scale s
+            blocks.append(torch.cat([torch.tensor([6 * s]), chunk, torch.zeros(15 - chunk.numel())]))
+    blocks += [torch.zeros(16)] * (-len(blocks) % 4)
+    x = torch.stack(blocks).view(-1, 64).to(DEVICE)
+    _same_q(*run_both("quantize", x, "fp4_b16"))
+
+
 @pytest.mark.parametrize("elems", [64, 256])
 @pytest.mark.parametrize("fmt", FMTS)
 def test_quantize_tiling(fmt, elems, rng, monkeypatch):

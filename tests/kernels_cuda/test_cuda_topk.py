@@ -81,7 +81,8 @@ def test_topk_strided_scores(rng):
 
 
 def _force(monkeypatch, **select):
-    monkeypatch.setitem(topk.TILES, "select", {**topk.TILES["select"], **select})
+    # registers 1 unless given: the short test rows take the summary and list paths under test
+    monkeypatch.setitem(topk.TILES, "select", {**topk.TILES["select"], "registers": 1, **select})
     monkeypatch.setitem(topk.TILES, "chunk_max", {**topk.TILES["chunk_max"], "block": 64})
     profiles._TILES_CACHE.clear()  # merged tiles are cached per TILES dict, which stays the same object
 
@@ -153,13 +154,18 @@ def test_topk_rows_of_at_most_k_entries_take_every_valid_entry(kind, k, monkeypa
     _same_marks(scores, k, cand)
 
 
+@pytest.mark.parametrize("held", ["summary", "registers"])
 @pytest.mark.parametrize("radix", [1, 8])
 @pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
-def test_topk_rows_the_summary_holds_pick_from_registers(kind, radix, monkeypatch, rng):
-    """k < T <= TILES summary: the keys are their own summary, one exact search, no list (stats -2);
-    positions and marks as the reference's picks, with and without candidates. A row one entry
-    longer than the summary, or partial bits, takes the list path."""
-    _force(monkeypatch, summary=64, min_summary=64, radix_bits=radix)
+def test_topk_rows_the_summary_holds_pick_from_registers(kind, radix, held, monkeypatch, rng):
+    """k < T <= 64 entries, held whole by TILES summary or by TILES registers over a shorter
+    summary: the keys are their own summary, one exact search, no list (stats -2); positions and
+    marks as the reference's picks, with and without candidates. A row one entry longer, or
+    partial bits, takes the list path."""
+    if held == "summary":
+        _force(monkeypatch, summary=64, min_summary=64, radix_bits=radix, registers=16)
+    else:
+        _force(monkeypatch, summary=16, min_summary=16, radix_bits=radix, registers=64)
     T = int(torch.randint(10, 65, (1,), generator=rng))
     scores = _scores(kind, 1, 3, T, rng)[0]
     cand = torch.rand(3, T, generator=rng) < 0.7
@@ -167,7 +173,7 @@ def test_topk_rows_the_summary_holds_pick_from_registers(kind, radix, monkeypatc
     for c in (None, cand):
         assert (_select(scores, k, c) == -2).all()
     _same_marks(scores, k, cand)
-    assert (_select(_scores(kind, 1, 2, 65, rng)[0], 9) >= 0).all()  # 65 entries: chunks of 2
+    assert (_select(_scores(kind, 1, 2, 65, rng)[0], 9) >= 0).all()  # 65 entries: chunks of 2 (or 8)
     _force(monkeypatch, bits=16)
     assert (_select(scores, k) >= 0).all()
 
