@@ -116,11 +116,11 @@
 #              1, 2, 4 and 8 against torch.topk + sort (benchmarks/topk_radix.py): h200-topk-radix.json;
 #              then rows of 2K / 4K with a summary of 4,096 (4K rows picked from registers too):
 #              h200-topk-summary-4096.json
-#   quant      the CUDA kernel tests natively (every kernel reading the codecs: quantize, the KV stores, the
-#              fused activation quantization of linear and the experts), then the elementwise kernels
+#   quant      the CUDA kernel tests natively of every kernel reading the encoders (quantize, the KV stores, the
+#              fused activation quantization of linear and the experts) and of the top-k, then the elementwise kernels
 #              (quantize, dequantize, quantize-and-store, rms_norm, rope) against the copy bandwidth and
 #              their torch references (flashrt bench kernels --families elementwise):
-#              h200-kernel-tests.log, h200-kernels-elementwise.json; then top-k rows of 2K / 4K / 128K at
+#              h200-quant-tests.log, h200-kernels-elementwise.json; then top-k rows of 2K / 4K / 128K at
 #              radix 1 under the h200 profile: h200-topk-profile.json
 #   fp4split   the split E2M1 decode (fp4_decode: split, the even and odd K positions as two dot operands):
 #              its tests natively, the GPU one included (h200-fp4-split-tests.log), then the experts at
@@ -383,8 +383,11 @@ phase_fp4split() {
 }
 
 phase_quant() {
-  timeout 240 python -m pytest -q -n 12 -p no:cacheprovider tests/kernels_cuda > "$OUT/h200-kernel-tests.log" 2>&1
-  tail -n 2 "$OUT/h200-kernel-tests.log"
+  timeout 200 python -m pytest -q -n 12 -p no:cacheprovider tests/kernels_cuda/test_cuda_quant.py \
+    tests/kernels_cuda/test_cuda_norm_rope_quant.py tests/kernels_cuda/test_cuda_kv_store.py \
+    tests/kernels_cuda/test_cuda_store_many.py tests/kernels_cuda/test_cuda_gemm.py tests/kernels_cuda/test_cuda_fused.py tests/kernels_cuda/test_cuda_moe_direct.py tests/kernels_cuda/test_cuda_moe_shared.py \
+    tests/kernels_cuda/test_cuda_topk.py > "$OUT/h200-quant-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-quant-tests.log"
   python -m flashrt.cli bench kernels --families elementwise --out "$OUT/h200-kernels-elementwise.json" | tail -n 30
   python benchmarks/topk_radix.py --radix 1 --lengths 2048 4096 131072 --out "$OUT/h200-topk-profile.json"
 }
