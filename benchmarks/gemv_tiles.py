@@ -46,7 +46,6 @@ VARIANTS = {
 # label -> tiles.linear entries, the profile's rules kept: the fp4_w cases (the experts) only
 FP4_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"fp4_decode": "dot_scaled"},
                 "profile, fp4 decoded packed": {"fp4_decode": "packed"},
-                "profile, fp4 decoded split": {"fp4_decode": "split"},
                 "profile, fp4 decoded bit by bit": {"fp4_decode": "bits"}}
 
 

@@ -122,10 +122,6 @@
 #              their torch references (flashrt bench kernels --families elementwise):
 #              h200-quant-tests.log, h200-kernels-elementwise.json; then top-k rows of 2K / 4K / 128K at
 #              radix 1 under the h200 profile: h200-topk-profile.json
-#   fp4split   the split E2M1 decode (fp4_decode: split, the even and odd K positions as two dot operands):
-#              its tests natively, the GPU one included (h200-fp4-split-tests.log), then the experts at
-#              1 / 8 tokens under the profile's decode (packed), the bit decode and the split one
-#              (benchmarks/gemv_tiles.py: h200-gemv-fp4-split.json)
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
@@ -141,8 +137,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|fp4split) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant or fp4split)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice or quant)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -372,14 +368,6 @@ phase_conformance() {
 phase_topk() {
   python benchmarks/topk_radix.py --out "$OUT/h200-topk-radix.json"
   python benchmarks/topk_radix.py --radix 1 --lengths 2048 4096 --summary 4096 --out "$OUT/h200-topk-summary-4096.json"
-}
-
-phase_fp4split() {
-  timeout 150 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_fp4_split.py \
-    > "$OUT/h200-fp4-split-tests.log" 2>&1
-  tail -n 2 "$OUT/h200-fp4-split-tests.log"
-  python benchmarks/gemv_tiles.py --model v4.1-flash --variants "profile, fp4 decoded split" \
-    "profile, fp4 decoded bit by bit" --out "$OUT/h200-gemv-fp4-split.json" | grep moe_experts
 }
 
 phase_quant() {

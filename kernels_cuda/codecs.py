@@ -22,8 +22,7 @@ scale bytes into fp32 ``[R, elements]`` for every KV / key format (codes :data:`
 Encoders (bit-exact with :mod:`flashrt.formats`): :func:`e4m3_rne` on the bits (the interpreter's
 float8 conversion does not round to nearest even, and sm_80 has none), :func:`e4m3_encode` through
 the hardware conversion where there is one (sm_89+), else :func:`e4m3_rne`; :func:`e2m1_code` on
-the bits; :func:`div_by_scale` the ``fp4_b16`` elements' division without a divide;
-:func:`block_scale`; :func:`fake_blocks` the values a block's bytes would stand for;
+the bits; :func:`block_scale`; :func:`fake_blocks` the values a block's bytes would stand for;
 :func:`to_out` rounds fp32 to an output dtype.
 """
 from __future__ import annotations
@@ -235,27 +234,15 @@ def e2m1_code(v):
 
 
 @triton.jit
-def div_by_scale(x, scale, recip):
-    """``x / scale`` correctly rounded (as ``div_rn``) for quotients under 8 in magnitude and not
-    subnormal, from ``recip`` = ``1 / scale`` correctly rounded: one correction of ``x * recip`` by
-    its exact residual (an FMA), which is then correctly rounded (Markstein). Past 8 it is
-    ``x * recip``, subnormal quotients may differ in the last place: the E2M1 code they round to
-    is the same."""
-    q = x * recip
-    # the residual negated (q * scale - x) so that a zero x keeps its sign: -0 - -0 * scale is +0,
-    # and -(+0) * recip + -0 is -0
-    return tl.where(tl.abs(q) < 8.0, tl.fma(-tl.fma(q, scale, -x), recip, q), q)
-
-
-@triton.jit
 def block_scale(amax, FMT: tl.constexpr):
     """(stored byte int32, scale fp32, 1 / scale fp32) for fp32 block maxima (FMT as :data:`CODES`);
-    ``1 / scale`` exact for the power-of-two scales, correctly rounded for ``fp4_b16``'s E4M3 one."""
+    ``fp4_b16``'s E4M3 scale has no exact reciprocal: its elements divide (``div_rn``), and its third
+    value is the scale again."""
     if FMT == 2:  # fp4_b16: e4m3(max(amax, 6 * 2**-9) / 6), clamped to 448
         v = tl.math.div_rn(tl.maximum(amax, 0.01171875), tl.full(amax.shape, 6.0, tl.float32))
         byte = e4m3_rne(tl.minimum(v, 448.0))
         scale = e4m3_to_f32(byte)
-        return byte, scale, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
+        return byte, scale, scale
     if FMT == 1:  # fp8: 2**ceil(log2(max(amax, 1e-4) / 448))
         v = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
     else:  # fp4_b32: 2**ceil(log2(max(amax, 6 * 2**-126) / 6))
@@ -278,7 +265,7 @@ def store_blocks(data_ptr, offset, x, scale, recip, mask, FMT: tl.constexpr, BLK
         tl.store(data_ptr + offset[:, None] + e[None, :], e4m3_encode(v).to(tl.uint8), mask=mask[:, None])
     else:
         if FMT == 2:
-            v = div_by_scale(x, scale[:, None], recip[:, None])
+            v = tl.math.div_rn(x, scale[:, None])
         else:
             v = x * recip[:, None]
         lo, hi = tl.split(tl.reshape(e2m1_code(v), (N, BLK // 2, 2)))
@@ -291,12 +278,14 @@ def fake_blocks(x, scale, recip, FMT: tl.constexpr):
     """fp32 values that :func:`store_blocks`' bytes of ``x [N, BLK]`` stand for (FMT ``fp8``,
     ``fp4_b16``, ``fp4_b32``): each element encoded as it stores it, decoded and times its block's
     ``scale``, exactly what ``_dequantize_kernel`` makes of those bytes (a quantization and a
-    dequantization in registers)."""
+    dequantization in registers). E4M3 on the bits (:func:`e4m3_rne`, the same bytes as
+    :func:`e4m3_encode`): with the hardware conversion here the fused rope-and-fake-quantize kernel
+    did not match the unfused kernels on the H200 (docs/performance.md, the quantize encoders)."""
     if FMT == 1:
-        v = e4m3_to_f32(e4m3_encode(tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)))
+        v = e4m3_to_f32(e4m3_rne(tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)))
     else:
         if FMT == 2:
-            v = div_by_scale(x, scale[:, None], recip[:, None])
+            v = tl.math.div_rn(x, scale[:, None])
         else:
             v = x * recip[:, None]
         v = e2m1_to_f32(e2m1_code(v))

@@ -10,9 +10,8 @@ computes ``dequant(xq) @ dequant(w).T`` tile by tile. Two ways to run the MMA (c
 - dequant (``fp4_w`` everywhere, ``fp8_w`` on sm_80): both operands are dequantized in registers
   (exact in bf16: E4M3 / E2M1 times a power of two) and one bf16 ``tl.dot`` per K block accumulates.
   The ``fp4_decode`` tile picks how E2M1 codes are decoded: code by code ("bits"), by
-  ``tl.dot_scaled`` on the packed bytes and UE8M0 scales ("dot_scaled": Triton decodes them), two
-  codes a byte in packed registers ("packed", sm_90+), or code by code into two dot operands of the
-  even and the odd K positions ("split"); the same values each way.
+  ``tl.dot_scaled`` on the packed bytes and UE8M0 scales ("dot_scaled": Triton decodes them), or two
+  codes a byte in packed registers ("packed", sm_90+); the same values each way.
 
 Row tiles under 16 (a profile's decode rule) take neither: a multiply-add K loop over fp32 operands
 (``linear_kernel._fma_k_loop``).
@@ -66,11 +65,8 @@ TILES = {
     "fp8_mma": None,  # None: fp8 tl.dot where the device has it (sm_89+); True / False force a path
     # how the MMA loop decodes fp4_w codes: "bits" (code by code: linear_kernel._w_block), "dot_scaled"
     # (the bytes and scales to tl.dot_scaled: Triton decodes them), "packed" (two codes a byte in
-    # packed registers: codecs.e2m1_pairs_bf16; sm_90+, "bits" elsewhere and under the interpreter),
-    # "split" (code by code into two dot operands, the even and the odd K positions, with no join
-    # between the loads and the dots: linear_kernel._w_halves). The same values either way (the
-    # products are exact; the order of the fp32 sums may differ); row tiles under 16 keep the
-    # multiply-add loop
+    # packed registers: codecs.e2m1_pairs_bf16; sm_90+, "bits" elsewhere and under the interpreter).
+    # The same values either way; row tiles under 16 keep the multiply-add loop
     "fp4_decode": "bits",
     # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
@@ -105,7 +101,7 @@ def mma_mode(fmt: str):
     return promote, (tl.float8e4nv if promote else tl.bfloat16)
 
 
-FP4_DECODES = ("bits", "dot_scaled", "packed", "split")  # the E2M1 constexpr of the kernels: the index
+FP4_DECODES = ("bits", "dot_scaled", "packed")  # the E2M1 constexpr of the kernels: the index
 
 
 def fp4_decode() -> int:

@@ -77,23 +77,6 @@ def _w_packed(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, BLOCK_N: tl
 
 
 @triton.jit
-def _w_halves(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """``fp4_w`` rows [n0, n0 + BLOCK_N) at K block k0 as two DOT tiles [BLOCK_N, BLOCK_K // 2]: the even
-    K positions (low nibbles) and the odd ones (high nibbles), each decoded elementwise from the
-    loaded bytes and their scales (no join: every op from the loads to the dot is elementwise, so
-    the compiler may load straight into the MMA operand's register layout)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns
-    ok = (offs_n < N)[:, None] & (kb * 2 < k_hi)[None, :]
-    byte = tl.load(w_ptr + offs_n[:, None] * stride_wn + kb[None, :], mask=ok, other=0).to(tl.int32)
-    s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + (kb // 16)[None, :], mask=ok, other=0).to(tl.int32)
-    s = pow2(s + 14)  # 2**(b - 127) * 2**14
-    return ((e2m1_x16384(byte & 15).to(tl.float32) * s).to(DOT),
-            (e2m1_x16384(byte >> 4).to(tl.float32) * s).to(DOT))
-
-
-@triton.jit
 def _x_fp8(a_rows, ok, kg, G: tl.constexpr, BLOCK_M: tl.constexpr):
     """Float activations x[:, kg + 0..31] quantized in registers to ``fp8`` (what act_quant stores):
     (E4M3 bytes uint8 [BLOCK_M, G, 32], UE8M0 bytes int32 [BLOCK_M, G])."""
@@ -176,8 +159,7 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                 E2M1: tl.constexpr):
     """:func:`_k_loop` for row tiles of 16 and more: ``tl.dot`` per 32-wide K slice (PROMOTE) or per K
     block; fp4_w with E2M1 == 1: ``tl.dot_scaled`` on the packed E2M1 bytes and their scales (Triton's
-    own decode of the weights, in place of :func:`_w_block`'s); E2M1 == 3: two dots a K block, the
-    even and the odd K positions (:func:`_w_halves`; the activations split to match)."""
+    own decode of the weights, in place of :func:`_w_block`'s)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -205,14 +187,6 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
             if DUAL:
                 wq3, ws3 = _w_packed(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, BLOCK_N, BLOCK_K)
                 acc3 = tl.dot_scaled(a, None, "bf16", wq3, ws3, "e2m1", acc3)
-        elif FP4 and E2M1 == 3:
-            a_even, a_odd = tl.split(tl.reshape(_a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K),
-                                                (BLOCK_M, BLOCK_K // 2, 2)))
-            lo, hi = _w_halves(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, DOT, BLOCK_N, BLOCK_K)
-            acc = tl.dot(a_odd, tl.trans(hi), tl.dot(a_even, tl.trans(lo), acc))
-            if DUAL:
-                lo3, hi3 = _w_halves(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, DOT, BLOCK_N, BLOCK_K)
-                acc3 = tl.dot(a_odd, tl.trans(hi3), tl.dot(a_even, tl.trans(lo3), acc3))
         else:
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
             b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K, E2M1)
@@ -233,7 +207,7 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
     QX: ``a_rows`` point at float activation rows, quantized to fp8 per 32 in registers (the bytes
     ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range).
     E2M1: how the MMA loop decodes fp4_w codes (0 bit by bit, 1 ``tl.dot_scaled``, 2 two a byte in
-    packed registers, 3 bit by bit into an even and an odd dot operand). Row tiles under 16 take the multiply-add loop (PROMOTE, DOT and E2M1 do not
+    packed registers). Row tiles under 16 take the multiply-add loop (PROMOTE, DOT and E2M1 do not
     apply), others the MMA loop."""
     if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,

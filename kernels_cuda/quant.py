@@ -7,10 +7,9 @@ elements, packing, stores. Rounding is done by the codecs of :mod:`.codecs`:
 - power-of-two scales come from the fp32 bit pattern of ``max(amax, floor) / elem_max``
   (exponent + (mantissa != 0), as ``formats.pow2_ceil``), the division correctly rounded
   (``div_rn``); elements are ``x * 2**-k`` (exact, the same value as ``x / 2**k``);
-- the ``fp4_b16`` scale uses ``div_rn``, its elements the same quotient without a divide (the
-  correctly rounded reciprocal and one FMA correction, ``codecs.div_by_scale``); E4M3 elements
-  through the hardware conversion on sm_89+ and on the bits elsewhere (``codecs.e4m3_encode``),
-  E2M1 on the fp32 bits (``codecs.e2m1_code``), nearest with ties to even, sign from bit 31.
+- the ``fp4_b16`` scale and its elements use ``div_rn``; E4M3 elements through the hardware
+  conversion on sm_89+ and on the bits elsewhere (``codecs.e4m3_encode``), E2M1 on the fp32 bits
+  (``codecs.e2m1_code``), nearest with ties to even, sign from bit 31.
 
 ``quantize_store`` writes row ``i`` of ``x`` into cache row ``slot_mapping[i]`` of a paged cache
 (``-1`` skipped), without materialising the QTensor. Weight formats (``fp8_w``, ``fp4_w``) are
