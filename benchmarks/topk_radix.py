@@ -4,8 +4,8 @@ the sort of its indices, one run.
     python benchmarks/topk_radix.py --out F [--rows 1 8 64] [--lengths 2048 4096 131072 1048576]
         [--radix 1 2 4 8] [--summary N]
 
-Rows of at most ``tiles.topk.select.summary`` entries are picked from their keys in registers
-after one search; longer rows go through a chunk summary and a candidate list. The select's two
+Rows of at most ``tiles.topk.select.summary`` (or ``registers``, the larger) entries are picked
+from their keys in registers after one search; longer rows go through a chunk summary and a candidate list. The select's two
 k-th-largest searches decide ``radix_bits`` bits a pass: 32 sequential block-wide
 reductions at 1 bit, 16 at 2, 8 at 4 (each pass counts ``2**radix_bits`` thresholds at once), 4
 256-bin histograms at 8 (docs/performance.md, "topk_positions"). Each case's picks are checked
@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 131072, 1048576])
     ap.add_argument("--summary", type=int, default=None,
                     help="tiles.topk.select.summary for every case (default: the profile's); rows of at "
-                         "most this many entries are picked from registers, one search")
+                         "most this many (or tiles.topk.select.registers) entries are picked from "
+                         "registers, one search")
     ap.add_argument("--radix", type=int, nargs="+", default=[1, 2, 4, 8], choices=[1, 2, 4, 8])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -79,7 +79,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     register block ``max(TILES small, 2k)`` means the list was streamed, than ``TILES list`` that
     the chunks were), -1 for a row of at most ``k`` entries (every valid one picked in one
     pass, no search: a decode's rows until the context passes ``k`` entries), or -2 for a row
-    picked from its keys in registers (one search, no list: rows of up to the summary's length).
+    picked from its keys in registers (one search, no list: rows of up to TILES ``summary`` or
+    ``registers`` entries, the larger).
     """
     R, T = src.shape
     assert src.stride(1) == 1 and (cand is None or (cand.stride(1) == 1 and cand.shape == src.shape))

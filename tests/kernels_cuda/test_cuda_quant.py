@@ -82,9 +82,9 @@ def test_quantize_edge_cases(fmt):
 
 
 def test_quantize_fp4_b16_near_midpoints_of_every_scale(rng):
-    """fp4_b16 divides by an E4M3 scale (not a power of two): the kernel's quotient without a
-    divide must round to the same E2M1 code as the reference's division where that matters most,
-    at every E2M1 midpoint times every scale and the fp32 values up to 3 ulp either side."""
+    """fp4_b16 divides by an E4M3 scale (not a power of two): the kernel's quotient must round to
+    the same E2M1 code as the reference's division where that matters most, at every E2M1 midpoint
+    times every scale and the fp32 values up to 3 ulp either side."""
     scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 2**-9 .. 448
     mids = torch.tensor(MIDS) * torch.tensor([[1.0], [-1.0]])  # both signs
     steps = torch.arange(-3, 4, dtype=torch.int32)

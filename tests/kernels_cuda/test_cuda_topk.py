@@ -88,7 +88,8 @@ def _force(monkeypatch, **select):
 
 
 def _select(scores, k, cand=None):
-    """(positions, list lengths) of select_rows on [R, T] scores."""
+    """The list lengths (``stats``) of select_rows on [R, T] scores, its positions checked equal to
+    the reference's."""
     R, T = scores.shape
     out = torch.empty(R, min(k, T), dtype=torch.int32, device=DEVICE)
     stats = torch.empty(R, dtype=torch.int32, device=DEVICE)
