@@ -65,8 +65,19 @@ def read_entries(path: Path) -> list[dict]:
 
 
 def entry_key(entry: dict) -> tuple:
-    """What tells two plan entries apart: the kernel and Triton's specialization data."""
-    return entry["module"], entry["name"], entry["data"]
+    """What tells two plan entries apart: the kernel and what its compile takes from Triton's
+    specialization data (signature, constexprs, attributes, options without the machine's libdevice
+    path). Triton's in-memory ``key`` text is left out: it lists the launch's keyword options
+    (``launch_pdl`` when a launch passes it) beside the compile options that already carry them, so
+    one variant can be recorded under two keys."""
+    try:
+        data = json.loads(entry["data"])
+        data.pop("key", None)
+        data["options"] = portable_options(data.get("options") or {})
+        data = json.dumps(data, sort_keys=True)
+    except (ValueError, TypeError, AttributeError):
+        data = entry["data"]
+    return entry["module"], entry["name"], data
 
 
 def plan_text(arch: str, profile: str, model: str, entries: list[dict]) -> bytes:

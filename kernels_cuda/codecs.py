@@ -22,7 +22,8 @@ scale bytes into fp32 ``[R, elements]`` for every KV / key format (codes :data:`
 Encoders (bit-exact with :mod:`flashrt.formats`): :func:`e4m3_rne` on the bits (the interpreter's
 float8 conversion does not round to nearest even, and sm_80 has none), :func:`e4m3_encode` through
 the hardware conversion where there is one (sm_89+), else :func:`e4m3_rne`; :func:`e2m1_code` on
-the bits; :func:`block_scale`; :func:`fake_blocks` the values a block's bytes would stand for;
+the bits (:func:`e2m1_code_of_quotient` for ``fp4_b16``'s division by its E4M3 scale, by the
+reciprocal); :func:`block_scale`; :func:`fake_blocks` the values a block's bytes would stand for;
 :func:`to_out` rounds fp32 to an output dtype.
 """
 from __future__ import annotations
@@ -219,8 +220,8 @@ else:  # a Triton that cannot ask for the target inside a kernel: on the bits ev
 
 
 @triton.jit
-def e2m1_code(v):
-    """E2M1 codes (int32, sign in bit 3) of fp32 ``v``: clamp to 6, nearest, ties to even.
+def e2m1_magnitude(v):
+    """E2M1 codes (int32, bit 3 clear) of fp32 ``|v|``: clamp to 6, nearest, ties to even.
 
     On the fp32 bits, no comparisons: from 1 up, the bits rounded to one mantissa bit (the carry
     moves into the exponent) give ``(exponent << 1 | mantissa bit)``, 2 for 1.0 ... 7 for 6.0;
@@ -230,19 +231,36 @@ def e2m1_code(v):
     bits = a.to(tl.int32, bitcast=True)
     big = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252  # 252 = exponent 126 << 1
     small = (a + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000  # 0x4A800000 = 2**22
-    return tl.where(a >= 1.0, big, small) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+    return tl.where(a >= 1.0, big, small)
+
+
+@triton.jit
+def e2m1_code(v):
+    """E2M1 codes (int32, sign in bit 3) of fp32 ``v`` (:func:`e2m1_magnitude`, sign from bit 31)."""
+    return e2m1_magnitude(v) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def e2m1_code_of_quotient(x, scale, recip):
+    """E2M1 codes of ``x / scale`` for positive ``scale`` with ``recip`` = ``1 / scale`` correctly
+    rounded, without a divide: ``x * recip`` corrected once by its exact residual (an FMA), which is
+    the correctly rounded quotient (Markstein) wherever it is normal; quotients of 8 and more clamp
+    to 6 uncorrected, subnormal ones round to code 0 either way. The sign is ``x``'s (the quotient's
+    sign whatever the compiler makes of a zero residual)."""
+    q = x * recip
+    q = tl.where(tl.abs(q) < 8.0, tl.fma(tl.fma(-q, scale, x), recip, q), q)
+    return e2m1_magnitude(q) | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
 def block_scale(amax, FMT: tl.constexpr):
     """(stored byte int32, scale fp32, 1 / scale fp32) for fp32 block maxima (FMT as :data:`CODES`);
-    ``fp4_b16``'s E4M3 scale has no exact reciprocal: its elements divide (``div_rn``), and its third
-    value is the scale again."""
+    ``1 / scale`` exact for the power-of-two scales, correctly rounded for ``fp4_b16``'s E4M3 one."""
     if FMT == 2:  # fp4_b16: e4m3(max(amax, 6 * 2**-9) / 6), clamped to 448
         v = tl.math.div_rn(tl.maximum(amax, 0.01171875), tl.full(amax.shape, 6.0, tl.float32))
         byte = e4m3_rne(tl.minimum(v, 448.0))
         scale = e4m3_to_f32(byte)
-        return byte, scale, scale
+        return byte, scale, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
     if FMT == 1:  # fp8: 2**ceil(log2(max(amax, 1e-4) / 448))
         v = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
     else:  # fp4_b32: 2**ceil(log2(max(amax, 6 * 2**-126) / 6))
@@ -265,10 +283,10 @@ def store_blocks(data_ptr, offset, x, scale, recip, mask, FMT: tl.constexpr, BLK
         tl.store(data_ptr + offset[:, None] + e[None, :], e4m3_encode(v).to(tl.uint8), mask=mask[:, None])
     else:
         if FMT == 2:
-            v = tl.math.div_rn(x, scale[:, None])
+            c = e2m1_code_of_quotient(x, scale[:, None], recip[:, None])
         else:
-            v = x * recip[:, None]
-        lo, hi = tl.split(tl.reshape(e2m1_code(v), (N, BLK // 2, 2)))
+            c = e2m1_code(x * recip[:, None])
+        lo, hi = tl.split(tl.reshape(c, (N, BLK // 2, 2)))
         h = tl.arange(0, BLK // 2)
         tl.store(data_ptr + offset[:, None] + h[None, :], (lo | (hi << 4)).to(tl.uint8), mask=mask[:, None])
 
@@ -285,10 +303,10 @@ def fake_blocks(x, scale, recip, FMT: tl.constexpr):
         v = e4m3_to_f32(e4m3_rne(tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)))
     else:
         if FMT == 2:
-            v = tl.math.div_rn(x, scale[:, None])
+            c = e2m1_code_of_quotient(x, scale[:, None], recip[:, None])
         else:
-            v = x * recip[:, None]
-        v = e2m1_to_f32(e2m1_code(v))
+            c = e2m1_code(x * recip[:, None])
+        v = e2m1_to_f32(c)
     return v * scale[:, None]
 
 

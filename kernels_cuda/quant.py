@@ -7,7 +7,9 @@ elements, packing, stores. Rounding is done by the codecs of :mod:`.codecs`:
 - power-of-two scales come from the fp32 bit pattern of ``max(amax, floor) / elem_max``
   (exponent + (mantissa != 0), as ``formats.pow2_ceil``), the division correctly rounded
   (``div_rn``); elements are ``x * 2**-k`` (exact, the same value as ``x / 2**k``);
-- the ``fp4_b16`` scale and its elements use ``div_rn``; E4M3 elements through the hardware
+- the ``fp4_b16`` scale uses ``div_rn``, its elements the scale's correctly rounded reciprocal and
+  one FMA correction (``codecs.e2m1_code_of_quotient``: the codes of the correctly rounded
+  quotient, sign from ``x``); E4M3 elements through the hardware
   conversion on sm_89+ and on the bits elsewhere (``codecs.e4m3_encode``), E2M1 on the fp32 bits
   (``codecs.e2m1_code``), nearest with ties to even, sign from bit 31.
 

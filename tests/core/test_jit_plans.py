@@ -67,6 +67,22 @@ def test_the_shipped_plan_is_read_too_and_a_variant_listed_twice_is_one(tmp_path
     assert [s.constexprs[(2,)] for s in jit_plans.load(ARCH, "h200", "small")] == [16, 32]
 
 
+def test_one_variant_under_two_keys_or_libdevice_paths_is_one_entry():
+    """Triton's ``key`` text (which lists a launch's keyword options such as ``launch_pdl``) and the
+    recording machine's libdevice path do not change what compiles: such entries are one; a
+    different option or constexpr is another."""
+    block = random.randrange(1, 1000)
+    data = json.loads(_data(block))
+    twin = dict(data, key=f"launch_pdl {random.random()}")
+    twin["options"] = dict(data["options"], extern_libs=[["libdevice", "/other/machine/libdevice.10.bc"]])
+    other = dict(data, options=dict(data["options"], num_warps=8))
+    entries = [{**_entry(block), "data": json.dumps(d)} for d in (data, twin, other)]
+    assert jit_plans.entry_key(entries[0]) == jit_plans.entry_key(entries[1]) != jit_plans.entry_key(entries[2])
+    assert jit_plans.save(ARCH, "h200", "small", entries[:1]) == 1
+    assert jit_plans.save(ARCH, "h200", "small", entries[1:]) == 1  # only the num_warps=8 one is new
+    assert sorted(s.options["num_warps"] for s in jit_plans.load(ARCH, "h200", "small")) == [4, 8]
+
+
 def test_a_bad_file_or_entry_is_skipped_with_a_warning(caplog):
     path = jit_plans.plan_paths(ARCH, "h200", "small")[0]
     path.parent.mkdir(parents=True)
