@@ -7,11 +7,13 @@ into the plan shipped with flashrt (``core/jit_plans/triton-<version>/<name>.jso
 The recorded entries come first, in the order the run first loaded them (the order a cold start's
 compile pool compiles them in), then the shipped entries the recording lacks (variants of other
 runs: other batch sizes, serving), unless ``--drop-rest``, less those the current code cannot
-compile (the kernel gone, or its parameters changed since they were recorded); at most
+compile (the kernel gone, or its parameters changed since they were recorded; trailing constexpr
+parameters added with a default are filled in at it: ``with_defaults``); at most
 ``jit_plans.MAX_ENTRIES``. ``--option launch_pdl=true`` sets one Triton compile option in every
 entry: what the launches carry after a profile change that sets it on every launch
 (``tiles.pdl.enabled``), without recording again. The Triton version is the recorded file's folder (``triton-<version>``)
-unless ``--triton`` names it. Prints, per file, the entries recorded, kept from before and dropped.
+unless ``--triton`` names it. A shipped plan given as RECORDED is rewritten in place (its entries
+brought to the code's parameters). Prints, per file, the entries recorded, kept from before and dropped.
 """
 from __future__ import annotations
 
@@ -44,6 +46,28 @@ def matches_code(entry: dict) -> bool:
     return list(inspect.signature(getattr(fn, "fn", fn)).parameters) == names
 
 
+def with_defaults(entry: dict) -> dict:
+    """``entry`` with the trailing constexpr parameters its kernel gained since it was recorded, each
+    with a default, filled in at that default (the variant a launch leaving them out compiles);
+    ``entry`` as it is when its parameters are the code's or differ otherwise."""
+    try:
+        fn = getattr(importlib.import_module(entry["module"]), entry["name"])
+        data = json.loads(entry["data"])
+        names = list(data["signature"])
+        params = list(inspect.signature(getattr(fn, "fn", fn)).parameters.values())
+    except (ImportError, AttributeError, KeyError, ValueError, TypeError):
+        return entry
+    new = params[len(names):]
+    if not new or [p.name for p in params[:len(names)]] != names or not all(
+            "constexpr" in str(p.annotation) and p.default is not inspect.Parameter.empty for p in new):
+        return entry
+    for num, p in enumerate(new, start=len(names)):
+        data["signature"][p.name] = "constexpr"
+        data["constant_keys"].append([num])
+        data["constant_vals"].append(p.default)
+    return {**entry, "data": json.dumps(data)}
+
+
 def with_options(entry: dict, options: dict) -> dict:
     """``entry`` with ``options`` (name -> value) set among its compile options."""
     if not options:
@@ -71,7 +95,7 @@ def ship(recorded: Path, target: Path, drop_rest: bool = False, options: dict | 
         header = json.loads(recorded.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"RECORDED: expected a plan file, got {recorded} ({exc})") from None
-    entries = [with_options(e, options) for e in read_entries(recorded)]
+    entries = [with_options(with_defaults(e), options) for e in read_entries(recorded)]
     if not entries or not {"arch", "profile", "model"} <= set(header):
         raise ValueError(f"RECORDED: expected a plan file with entries, got {recorded}")
     seen, first = set(), []
@@ -79,7 +103,7 @@ def ship(recorded: Path, target: Path, drop_rest: bool = False, options: dict | 
         if entry_key(e) not in seen:
             seen.add(entry_key(e))
             first.append(e)
-    old = [with_options(e, options) for e in read_entries(target)]
+    old = [with_options(with_defaults(e), options) for e in read_entries(target)]
     recorded_keys, rest = set(seen), []
     for e in [] if drop_rest else old:  # (options set, two old entries may now be one)
         if entry_key(e) not in seen and matches_code(e):

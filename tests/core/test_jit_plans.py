@@ -245,3 +245,41 @@ def test_ship_plan_drops_entries_the_code_no_longer_has(tmp_path):
     report = ship_plan.ship(recorded, target)
     assert [e["data"] for e in jit_plans.read_entries(target)] == [_entry(7)["data"], current["data"]]
     assert report["recorded"] == 1 and report["kept"] == 1 and report["dropped"] == 3
+
+
+def test_ship_plan_fills_in_a_trailing_constexpr_added_with_a_default(monkeypatch):
+    """An entry recorded before its kernel gained a trailing constexpr with a default gets that
+    parameter at its default (the variant a launch leaving it out compiles); one missing a parameter
+    elsewhere, or a parameter without a default, stays as it was (and is then dropped)."""
+    import sys
+    import types
+
+    import triton.language as tl
+
+    ship_plan = _ship_plan()
+    default = random.choice([False, True, random.randrange(1, 64)])
+
+    def kernel(x_ptr, n, BLOCK: tl.constexpr, MODE: tl.constexpr, NEW: tl.constexpr = default):
+        pass
+
+    module = types.ModuleType("plan_test_kernels")
+    module.kernel = kernel
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    block = random.randrange(1, 1000)
+
+    def entry(signature):
+        data = {"name": "kernel", "signature": signature, "constant_keys": [[2]], "constant_vals": [block],
+                "attrs_keys": [], "attrs_vals": [], "options": {}}
+        return {"module": module.__name__, "name": "kernel", "data": json.dumps(data)}
+
+    old = entry({"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr", "MODE": "constexpr"})
+    filled = ship_plan.with_defaults(old)
+    data = json.loads(filled["data"])
+    assert list(data["signature"]) == ["x_ptr", "n", "BLOCK", "MODE", "NEW"] and data["signature"]["NEW"] == "constexpr"
+    assert data["constant_keys"] == [[2], [4]] and data["constant_vals"] == [block, default]
+    assert ship_plan.matches_code(filled) and not ship_plan.matches_code(old)
+    assert ship_plan.with_defaults(filled) == filled
+    gap = entry({"x_ptr": "*fp32", "BLOCK": "constexpr", "MODE": "constexpr"})  # a parameter missing in the middle
+    assert ship_plan.with_defaults(gap) == gap
+    no_default = entry({"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"})  # MODE has no default
+    assert ship_plan.with_defaults(no_default) == no_default

@@ -55,7 +55,9 @@ def test_main_reserve_rows_and_lock_rows_equal_the_row_by_row_calls(cfg, rng):
 
     (pa, a), (pb, b) = build(), build()
     positions = [0] * 5
-    for _ in range(25):
+    for step in range(200):  # at least 25 steps, and on until the pool has spilled
+        if step >= 25 and pa.spilled > 0:
+            break
         tokens = _draw(rng, 6)[0] + 1
         firsts, ends = positions, [p + tokens for p in positions]
         for m, pool, batched in ((a, pa, False), (b, pb, True)):
