@@ -7,11 +7,14 @@ Cases, at the model's dimensions: ``linear`` with ``fp8_w`` weights on each atte
 shape at 1 / 4 rows, and ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`` shared expert
 in the same launches) at 1 / 8 tokens. Each variant puts one rule in front of the active profile's
 rules for the case's rows (``tiles.linear.linear`` / ``tiles.moe.experts``; the experts: for one
-row a tile), or, for the experts, sets ``tiles.linear.fp4_decode``; "profile" is
+row a tile): the multiply-add tiles, or 16-row MMA tiles of other widths and pipeline depths with the
+launch knobs of the profile's rule; or, for the experts, sets ``tiles.linear.fp4_decode``; "profile" is
 the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
 replays from a CUDA graph, each behind an L2 flush), the weight bytes the call must read over the
 device-to-device copy bandwidth measured in the same run (its floor), and the largest difference
 of the output from the profile's (the variants sum fp32 products in another order).
+``--profile-out F.yaml`` writes the active profile with each family's fastest MMA variant as its
+first rule (:func:`fastest_rules`), for an end-to-end check against the profile.
 """
 from __future__ import annotations
 
@@ -43,6 +46,13 @@ VARIANTS = {
     "N64 K256, 8 warps": dict(block_n=64, block_k=256, warps=8),
     "N32 K128, splits of 2 blocks": dict(block_n=32, block_k=128, split_min_blocks=2),
 }
+# label -> 16-row MMA tiles (the launch knobs: the profile rule's): deeper pipelines and wider tiles,
+# which keep more weight bytes in flight a program
+MMA_VARIANTS = {f"MMA N{n} K{k} s{st}" + (f", {w} warps" if w != 4 else ""):
+                dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+                for n, k, st, w in ((128, 64, 3, 4), (128, 64, 4, 4), (128, 64, 5, 4), (128, 64, 6, 4),
+                                    (128, 128, 3, 4), (128, 128, 4, 4), (64, 128, 4, 4), (64, 128, 5, 4),
+                                    (64, 64, 6, 4), (256, 64, 3, 8), (128, 64, 4, 8))}
 # label -> tiles.linear entries, the profile's rules kept: the fp4_w cases (the experts) only
 FP4_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"fp4_decode": "dot_scaled"},
                 "profile, fp4 decoded packed": {"fp4_decode": "packed"},
@@ -59,6 +69,13 @@ def with_rule(family: str, entry: str, rows: int, tile: dict | None, linear_tile
         merged.setdefault(family, {})[entry] = [[rows, tile]] + [list(r) for r in rules]
     merged.setdefault("linear", {}).update(linear_tiles or {})
     return profiles.using(dataclasses.replace(base, tiles=merged))
+
+
+def mma(family: str, entry: str, rows: int, tile: dict) -> dict:
+    """``tile`` with the launch knobs of the active rule serving ``rows``."""
+    kernels = {"linear": linear, "moe": moe}[family]
+    rule = linear.pick_tile(kernels._tiles()[entry], rows)
+    return {**{k: rule[k] for k in kernels.KNOBS if k in rule}, **tile}
 
 
 def linear_cases(cfg, dev, g):
@@ -98,13 +115,52 @@ def expert_cases(cfg, dev, g):
                touched * per_expert + sum(nbytes(w) for w in shared))
 
 
+def fastest_rules(rows: list[dict], margin: float = 0.97) -> dict:
+    """(family, entry) -> the MMA variant's tile with the least time summed over that family's cases
+    (every case timed), where it is under ``margin`` times the profile's sum."""
+    out = {}
+    for family, entry, prefix in (("linear", "linear", "linear"), ("moe", "experts", "moe_experts")):
+        mine = [r for r in rows if r["case"].startswith(prefix) and "us_per_call" in r]
+        cases = {(r["case"], r["rows"]) for r in mine}
+        total = {}
+        for r in mine:
+            if r["variant"] == "profile" or r["variant"] in MMA_VARIANTS:
+                total.setdefault(r["variant"], {})[(r["case"], r["rows"])] = r
+        sums = {v: sum(r["us_per_call"] for r in got.values()) for v, got in total.items() if set(got) == cases}
+        best = min(sums, key=sums.get, default=None)
+        if best not in (None, "profile") and "profile" in sums and sums[best] < margin * sums["profile"]:
+            out[(family, entry)] = dict(next(iter(total[best].values()))["tile"])
+            print(f"{family}.{entry}: {best} {sums[best]:.1f} us against the profile's {sums['profile']:.1f} us")
+    return out
+
+
+def write_profile(path: str, rules: dict) -> None:
+    """A copy of the active profile's file named for ``path``, each of ``rules`` as the tile of its
+    entry's first rule (its row limit kept)."""
+    import os
+
+    import yaml
+
+    data = yaml.safe_load(open(profiles.active_profile().source))
+    data["name"] = os.path.basename(path).removesuffix(".yaml")
+    for (family, entry), tile in rules.items():
+        data["tiles"][family][entry][0][1] = tile
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="v4.1-flash")
     ap.add_argument("--variants", nargs="+", default=None, metavar="LABEL",
                     help="only these variants (and the profile's tiles); default: all")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile-out", default=None, metavar="FILE.yaml",
+                    help="write a copy of the active profile with the fastest 16-row MMA variant of each family "
+                         "(summed over its cases, at least 3%% under the profile's) as its first rule")
     args = ap.parse_args()
+    if args.profile_out and not args.profile_out.endswith(".yaml"):
+        ap.error(f"--profile-out: expected a FILE.yaml, got {args.profile_out!r}")
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed")
     cfg, dev, g = shipped_config(args.model), torch.device("cuda"), torch.Generator().manual_seed(0)
@@ -115,7 +171,8 @@ def main() -> None:
                                                                            *expert_cases(cfg, dev, g)]:
             floor_us = weight_bytes / bw * 1e6
             first = None
-            variants = {"profile": (None, None), **{k: (fma(block_m, **v), None) for k, v in VARIANTS.items()}}
+            variants = {"profile": (None, None), **{k: (fma(block_m, **v), None) for k, v in VARIANTS.items()},
+                        **{k: (mma(family, entry, limit, v), None) for k, v in MMA_VARIANTS.items()}}
             if family == "moe":
                 variants.update({k: (None, v) for k, v in FP4_VARIANTS.items()})
             for label, (tile, linear_tiles) in variants.items():
@@ -143,6 +200,8 @@ def main() -> None:
     profiles._TILES_CACHE.clear()
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw,
                           "rows": rows})
+    if args.profile_out:
+        write_profile(args.profile_out, fastest_rules(rows))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,11 @@
 #   gemv       row tiles under 16 (the multiply-add K loop): their GPU tests, then the fp8_w projections and
 #              the experts at 1-8 rows under tile variants against the profile's tiles, at the real
 #              dimensions (benchmarks/gemv_tiles.py): h200-gemv-tests.log, h200-gemv-tiles-v41.json
+#   stages     16-row MMA tiles of other widths and pipeline depths for the released shapes
+#              projections and experts (benchmarks/gemv_tiles.py: h200-gemv-stages.json), the fastest
+#              of each family written into a profile copy, then the real-dimension slice and `small`'s
+#              captured decode under it and under the profile: h200-real-slice-stages-{off,on}.json,
+#              h200-e2e-stages-{off,on}.json, the copy h200-stages.yaml
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -137,8 +142,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice or quant)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant or stages)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -378,6 +383,21 @@ phase_quant() {
   tail -n 2 "$OUT/h200-quant-tests.log"
   python -m flashrt.cli bench kernels --families elementwise --out "$OUT/h200-kernels-elementwise.json" | tail -n 30
   python benchmarks/topk_radix.py --radix 1 --lengths 2048 4096 131072 --out "$OUT/h200-topk-profile.json"
+}
+
+phase_stages() {
+  local on="$OUT/h200-stages.yaml" labels
+  labels=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles; print('\n'.join(gemv_tiles.MMA_VARIANTS))")
+  mapfile -t labels <<< "$labels"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --variants "${labels[@]}" --out "$OUT/h200-gemv-stages.json" \
+    --profile-out "$on" | grep -v '^ '
+  python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-stages-off.json" | grep batch
+  FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-stages-on.json" \
+    | grep batch
+  python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
+    --out "$OUT/h200-e2e-stages-off.json"
+  FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+    --modes cuda+graph --out "$OUT/h200-e2e-stages-on.json"
 }
 
 phase_realslice() {
