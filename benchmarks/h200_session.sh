@@ -92,6 +92,11 @@
 #              of each family written into a profile copy, then the real-dimension slice and `small`'s
 #              captured decode under it and under the profile: h200-real-slice-stages-{off,on}.json,
 #              h200-e2e-stages-{off,on}.json, the copy h200-stages.yaml
+#   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
+#              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
+#              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
+#              states, occupancy, launch statistics a kernel, ncu-CASE.txt (ncu-check.txt: the tool's
+#              own output when it cannot profile here)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -142,8 +147,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant or stages)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages or ncu)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -398,6 +403,20 @@ phase_stages() {
     --out "$OUT/h200-e2e-stages-off.json"
   FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
     --modes cuda+graph --out "$OUT/h200-e2e-stages-on.json"
+}
+
+phase_ncu() {
+  local ncu case
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  [ -n "$ncu" ] || { echo "no ncu here" | tee "$OUT/ncu-check.txt"; return 1; }
+  for case in ${NCU_CASES:-experts1 experts8 linear1 prefix quant_fp4_b16 topk128k topk128k_64}; do
+    timeout 150 "$ncu" --profile-from-start off --clock-control none --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section Occupancy --section LaunchStats \
+      python tools/ncu_cases.py "$case" > "$OUT/ncu-$case.txt" 2>&1
+    tail -n 3 "$OUT/ncu-$case.txt"
+    grep -q "Duration" "$OUT/ncu-$case.txt" || { cp "$OUT/ncu-$case.txt" "$OUT/ncu-check.txt"; return 1; }
+  done
 }
 
 phase_realslice() {

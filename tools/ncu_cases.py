@@ -1,0 +1,103 @@
+"""One kernel case at a time, for Nsight Compute: the case is built and run until every kernel it
+launches is compiled and warm, then run once more between ``cudaProfilerStart`` and
+``cudaProfilerStop``, so that ``ncu --profile-from-start off`` sees only that call.
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \\
+        python tools/ncu_cases.py CASE
+
+Cases (the kernels the speed targets miss on, at the shapes of their targets):
+
+- ``experts1`` / ``experts8``: ``moe_experts`` at the released dimensions (384 fp4_w experts of
+  2304 x 5120, top 6, the fp8_w shared expert) for 1 / 8 tokens (benchmarks/gemv_tiles.py's case);
+- ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192);
+- ``prefix``: ``prefix_attention`` of 16 rows x 512 queries over 512 entries at ``small``'s shapes
+  (benchmarks/prefix_attention.py's case);
+- ``quant_fp4_b16``: ``quantize_store`` of 131,072 bf16 rows of 512 into an fp4_b16 paged cache;
+- ``topk128k`` / ``topk128k_64``: ``topk_positions`` (k = 512) of 1 / 64 rows of 131,072 scores.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def _experts(tokens: int):
+    import gemv_tiles
+    from flashrt.graphs.config import shipped_config
+
+    cfg, g = shipped_config("v4.1-flash"), torch.Generator().manual_seed(0)
+    for _, n, *_, call, _ in gemv_tiles.expert_cases(cfg, torch.device("cuda"), g):
+        if n == tokens:
+            return call
+    raise AssertionError(tokens)
+
+
+def _linear1():
+    from flashrt import formats, ops
+
+    g = torch.Generator().manual_seed(0)
+    w = formats.quantize(torch.randn(5120, 8192, generator=g) * 0.05, "fp8_w").to("cuda")
+    x = torch.randn(1, 8192, generator=g).to("cuda", torch.bfloat16)
+    return lambda: ops.linear(x, w)
+
+
+def _prefix():
+    import prefix_attention
+    from flashrt import ops
+    from flashrt.graphs.config import shipped_config
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    args = prefix_attention.case(shipped_config("small"), 16, 512, 0, 512, torch.device("cuda"), g)
+    return lambda: ops.prefix_attention(*args)
+
+
+def _quant_fp4_b16():
+    from flashrt.kernels_cuda import quant
+
+    rows, d = 131072, 512
+    x = torch.randn(rows, d, device="cuda").to(torch.bfloat16)
+    data = torch.empty(2 * rows, d // 2, dtype=torch.uint8, device="cuda")
+    scale = torch.empty(2 * rows, d // 16, dtype=torch.uint8, device="cuda")
+    slots = torch.randperm(2 * rows, device="cuda")[:rows]
+    return lambda: quant.quantize_store(x, "fp4_b16", data, scale, slots)
+
+
+def _topk(rows: int):
+    from flashrt.kernels_cuda import topk
+
+    scores = torch.randn(rows, 1, 131072, device="cuda")
+    return lambda: topk.topk_positions(scores, 512)
+
+
+CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8), "linear1": _linear1, "prefix": _prefix,
+         "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("case", choices=sorted(CASES))
+    ap.add_argument("--warmup", type=int, default=3, help="calls before the profiled one (compiles, caches)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("a CUDA device is needed")
+    import flashrt
+
+    with flashrt.use_backend("cuda"), flashrt.value_checks(False):
+        call = CASES[args.case]()
+        for _ in range(args.warmup):
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+    print(f"ncu_cases: {args.case} ran", flush=True)
+
+
+if __name__ == "__main__":
+    main()
