@@ -8,7 +8,8 @@ shape at 1 / 4 rows, and ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`
 in the same launches) at 1 / 8 tokens. Each variant puts one rule in front of the active profile's
 rules for the case's rows (``tiles.linear.linear`` / ``tiles.moe.experts``; the experts: for one
 row a tile): the multiply-add tiles, or 16-row MMA tiles of other widths and pipeline depths with the
-launch knobs of the profile's rule; or, for the experts, sets ``tiles.linear.fp4_decode``; "profile" is
+launch knobs of the profile's rule; or, for the experts, sets ``tiles.linear.fp4_decode`` or
+``tiles.moe.shared_in_launch``; "profile" is
 the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
 replays from a CUDA graph, each behind an L2 flush), the weight bytes the call must read over the
 device-to-device copy bandwidth measured in the same run (its floor), and the largest difference
@@ -52,22 +53,25 @@ MMA_VARIANTS = {f"MMA N{n} K{k} s{st}" + (f", {w} warps" if w != 4 else ""):
                 dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
                 for n, k, st, w in ((128, 64, 3, 4), (128, 64, 4, 4), (128, 64, 5, 4), (128, 64, 6, 4),
                                     (128, 128, 3, 4), (128, 128, 4, 4), (64, 128, 4, 4), (64, 128, 5, 4),
-                                    (64, 64, 6, 4), (256, 64, 3, 8), (128, 64, 4, 8))}
-# label -> tiles.linear entries, the profile's rules kept: the fp4_w cases (the experts) only
-FP4_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"fp4_decode": "dot_scaled"},
-                "profile, fp4 decoded packed": {"fp4_decode": "packed"},
-                "profile, fp4 decoded bit by bit": {"fp4_decode": "bits"}}
+                                    (64, 64, 6, 4), (256, 64, 3, 8), (128, 64, 4, 8), (64, 64, 3, 4), (64, 64, 2, 4),
+                                    (64, 128, 3, 4), (128, 64, 2, 4))}
+# label -> {family: tiles entries}, the profile's rules kept: the experts cases only
+FP4_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode": "dot_scaled"}},
+                "profile, fp4 decoded packed": {"linear": {"fp4_decode": "packed"}},
+                "profile, fp4 decoded bit by bit": {"linear": {"fp4_decode": "bits"}},
+                "profile, shared expert in its own launches": {"moe": {"shared_in_launch": False}}}
 
 
-def with_rule(family: str, entry: str, rows: int, tile: dict | None, linear_tiles: dict | None = None):
+def with_rule(family: str, entry: str, rows: int, tile: dict | None, extra: dict | None = None):
     """The active profile with ``[rows, tile]`` in front of ``tiles.<family>.<entry>``'s rules (None:
-    its rules as they are) and ``linear_tiles`` merged into its ``tiles.linear``."""
+    its rules as they are) and ``extra`` ({family: entries}) merged into its ``tiles``."""
     base = profiles.active_profile()
     merged = {k: dict(v) for k, v in base.tiles.items()}
     if tile is not None:
         rules = {"linear": linear, "moe": moe}[family]._tiles()[entry]  # the active rules (defaults merged)
         merged.setdefault(family, {})[entry] = [[rows, tile]] + [list(r) for r in rules]
-    merged.setdefault("linear", {}).update(linear_tiles or {})
+    for fam, entries in (extra or {}).items():
+        merged.setdefault(fam, {}).update(entries)
     return profiles.using(dataclasses.replace(base, tiles=merged))
 
 
@@ -175,10 +179,10 @@ def main() -> None:
                         **{k: (mma(family, entry, limit, v), None) for k, v in MMA_VARIANTS.items()}}
             if family == "moe":
                 variants.update({k: (None, v) for k, v in FP4_VARIANTS.items()})
-            for label, (tile, linear_tiles) in variants.items():
+            for label, (tile, extra) in variants.items():
                 if args.variants and label != "profile" and label not in args.variants:
                     continue
-                with with_rule(family, entry, limit, tile, linear_tiles):
+                with with_rule(family, entry, limit, tile, extra):
                     profiles._TILES_CACHE.clear()
                     try:
                         out = call()
@@ -190,7 +194,7 @@ def main() -> None:
                         continue
                 first = out.clone() if first is None else first
                 us = 1e3 * t.ms
-                rows.append({"case": name, "rows": m, "variant": label, "tile": tile, "linear_tiles": linear_tiles,
+                rows.append({"case": name, "rows": m, "variant": label, "tile": tile, "tiles": extra,
                              "us_per_call": us,
                              "floor_us": floor_us, "of_floor": floor_us / us,
                              "timing": "graph" if t.graph is not None else "plain",

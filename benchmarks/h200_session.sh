@@ -92,6 +92,11 @@
 #              of each family written into a profile copy, then the real-dimension slice and `small`'s
 #              captured decode under it and under the profile: h200-real-slice-stages-{off,on}.json,
 #              h200-e2e-stages-{off,on}.json, the copy h200-stages.yaml
+#   sharedapart  the shared expert in launches of its own (tiles.moe.shared_in_launch false): its GPU
+#              tests (h200-moe-shared-tests.log), the experts at the released shapes with it and under
+#              16-row tiles of fewer registers (h200-gemv-shared.json), then the real-dimension slice and
+#              `small`'s captured decode with the profile and with a copy setting it:
+#              h200-real-slice-shared-{off,on}.json, h200-e2e-shared-{off,on}.json
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -147,8 +152,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages or ncu)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|sharedapart) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu or sharedapart)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -403,6 +408,24 @@ phase_stages() {
     --out "$OUT/h200-e2e-stages-off.json"
   FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
     --modes cuda+graph --out "$OUT/h200-e2e-stages-on.json"
+}
+
+phase_sharedapart() {
+  local on
+  timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_shared.py \
+    > "$OUT/h200-moe-shared-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-moe-shared-tests.log"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --variants "profile, shared expert in its own launches" \
+    "MMA N64 K64 s3" "MMA N64 K64 s2" "MMA N64 K128 s3" "MMA N128 K64 s2" --out "$OUT/h200-gemv-shared.json" \
+    | grep moe_experts
+  on=$(profile_with h200-shared-apart moe shared_in_launch false)
+  python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-shared-off.json" | grep batch
+  FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-shared-on.json" \
+    | grep batch
+  python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
+    --out "$OUT/h200-e2e-shared-off.json"
+  FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+    --modes cuda+graph --out "$OUT/h200-e2e-shared-on.json"
 }
 
 phase_ncu() {

@@ -75,6 +75,10 @@ TILES = {
     "route": moe_tables.ROUTE,  # the routing tables: one program up to max_pairs (token, slot) pairs
     "fused_max_tokens": 64,  # up to this many tokens the up kernel quantizes x itself (no act_quant launch)
     "direct": True,  # one expert, one slot (the shared expert): no routing tables, no combine launch
+    # the shared expert's rows in the routed experts' launches (True), or in launches of its own whose
+    # output the routed launches add (False: two launches more, no shared-weight path in the routed
+    # kernels, whose registers it raises)
+    "shared_in_launch": True,
     "pair_tiles": 1,  # up to this many tokens: a row tile per (token, slot) pair, no routing tables launch
     # from this many pair rows per expert (mean), bf16 x: exact bf16 operands and two grouped GEMMs
     # (moe_grouped.py); None: never (the default)
@@ -232,6 +236,8 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
             and moe_grouped.stack_bytes(E, I, D, shared is not None) <= tiles["grouped_max_bytes"]):
         return moe_grouped.experts(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, shared,
                                    tiles["combine"])
+    if shared is not None and not tiles["shared_in_launch"]:
+        return _shared_apart(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared)
     plan = _plan(n, k, E, D, I, shared is not None)
     xq, sx = (last_dense(x),) * 2 if plan["qx"] else act_quant(x)
     limit = float(swiglu_limit)
@@ -271,6 +277,17 @@ def _with_plain_shared(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_d
     return finish_experts(moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, alone), add, out_dtype)
 
 
+def _shared_apart(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared):
+    """``tiles.moe.shared_in_launch`` False: the shared expert in its own launches (one expert, one
+    slot: the direct path), its fp32 rows (plus ``add``) added by the routed launches' combine. The
+    same sum in the same order as one launch when ``add`` is None (routed rows, then the shared row)."""
+    n = x.shape[0]
+    ones = torch.ones(n, 1, dtype=torch.float32, device=x.device)
+    first = torch.zeros(n, 1, dtype=torch.int32, device=x.device)
+    own = moe_experts(x, ones, first, *shared, swiglu_limit, add=add, out_dtype=torch.float32)
+    return moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=own, out_dtype=out_dtype)
+
+
 def _quantized_up_pair(w1, w3, w2) -> bool:
     """What the launcher's code relies on of the weights (a cheap guard on every call; dispatch
     checks FAMILY's whole support declaration once per call key): all quantized in WEIGHT_FORMATS,
@@ -298,7 +315,8 @@ FAMILY = KernelFamily(
                               "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
                               "pair_tiles": Tile(low=0, kind=int), "grouped_min_rows": Tile(nullable=True, kind=int),
                               "grouped_max_bytes": Tile(low=0, kind=int),
-                              "combine.in_kernel": Tile(kind=bool), "route.large": Tile(kind=bool)},
+                              "combine.in_kernel": Tile(kind=bool), "route.large": Tile(kind=bool),
+                              "shared_in_launch": Tile(kind=bool)},
     smem={"experts": gemm_smem}, warmup=_warmup.hook(moe_warmup.warmup_cases),
     warmup_cases=moe_warmup.warmup_cases,
     description="routed SwiGLU experts: grouped FP8 / FP4 GEMMs over routing tables")

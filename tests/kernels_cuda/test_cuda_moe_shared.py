@@ -72,6 +72,35 @@ def test_shared_in_the_routed_launches(rng, launches, xdt, n, D, I, E, k, fused,
     assert rel_err(with_add, want) < 2e-3
 
 
+@pytest.mark.parametrize("pair_tiles", [0, 16])
+@pytest.mark.parametrize("paths", [IN_KERNEL, LAUNCH], ids=["in-kernel", "launch"])
+def test_shared_in_launches_of_its_own(rng, launches, pair_tiles, paths):
+    """``shared_in_launch`` False: the shared expert's up and down launches (the direct path), then
+    the routed ones, which add its rows in the combine: bit for bit the one-launch result without
+    ``add``; with ``add``, the routed sum plus (shared row + add), against the reference."""
+    n = int(torch.randint(1, 9, (1,), generator=rng))
+    args, shared = _case(rng, torch.bfloat16, n, 96, 64, 6, 2)
+    add = (torch.randn(n, 96, generator=rng) * 2.0).to(DEVICE)
+    with pinned_tiles(moe=dict(paths, pair_tiles=pair_tiles)):
+        one = _cuda(*args, out_dtype=torch.bfloat16, shared=shared)
+    launches.clear()
+    with pinned_tiles(moe=dict(paths, pair_tiles=pair_tiles, shared_in_launch=False)):
+        apart = _cuda(*args, out_dtype=torch.bfloat16, shared=shared)
+        tables = [] if pair_tiles >= n else ["_route_kernel"]
+        combine = [] if paths is IN_KERNEL else ["_moe_combine_kernel"]
+        assert launches == ["_moe_up_kernel", "_moe_down_kernel"] + tables + ["_moe_up_kernel", "_moe_down_kernel"] \
+            + combine
+        assert_counters_zero(apart)
+        with_add = _cuda(*args, add=add, shared=shared)
+        ones, first = torch.ones(n, 1, device=DEVICE), torch.zeros(n, 1, dtype=torch.int32, device=DEVICE)
+        own = _cuda(args[0], ones, first, *shared, args[-1]) + add
+        assert torch.equal(with_add, _cuda(*args) + own)
+    assert torch.equal(apart, one)
+    with flashrt.use_backend("reference"):
+        want = ops.moe_experts(*args, add=add, shared=shared)
+    assert rel_err(with_add, want) < 2e-3
+
+
 @pytest.mark.parametrize("routed,shared_fmt", [("fp4_w", "fp8_w"), ("fp8_w", "fp4_w"), ("fp8_w", "fp8_w")])
 @pytest.mark.parametrize("pair_tiles", [0, 16])
 def test_shared_with_split_k(rng, launches, routed, shared_fmt, pair_tiles):
