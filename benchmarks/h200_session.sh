@@ -92,11 +92,14 @@
 #              of each family written into a profile copy, then the real-dimension slice and `small`'s
 #              captured decode under it and under the profile: h200-real-slice-stages-{off,on}.json,
 #              h200-e2e-stages-{off,on}.json, the copy h200-stages.yaml
-#   sharedapart  the shared expert in launches of its own (tiles.moe.shared_in_launch false): its GPU
-#              tests (h200-moe-shared-tests.log), the experts at the released shapes with it and under
-#              16-row tiles of fewer registers (h200-gemv-shared.json), then the real-dimension slice and
-#              `small`'s captured decode with the profile and with a copy setting it:
-#              h200-real-slice-shared-{off,on}.json, h200-e2e-shared-{off,on}.json
+#   sharedapart  the expert up kernel without the register pressure of the shared expert's path and the
+#              in-kernel activation quantization together: the shared expert in launches of its own
+#              (tiles.moe.shared_in_launch false; its GPU tests: h200-moe-shared-tests.log), or the
+#              activations quantized by their own launch (tiles.moe.fused_max_tokens 0), or 16-row tiles
+#              of fewer registers, for the experts at the released shapes (h200-gemv-shared.json); then
+#              the real-dimension slice and `small`'s captured decode with the profile and with a copy
+#              setting each: h200-real-slice-{shared-off,shared-on,quant-apart}.json,
+#              h200-e2e-{shared-off,shared-on,quant-apart}.json
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -411,21 +414,26 @@ phase_stages() {
 }
 
 phase_sharedapart() {
-  local on
+  local apart quant
   timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_shared.py \
     > "$OUT/h200-moe-shared-tests.log" 2>&1
   tail -n 2 "$OUT/h200-moe-shared-tests.log"
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants "profile, shared expert in its own launches" \
-    "MMA N64 K64 s3" "MMA N64 K64 s2" "MMA N64 K128 s3" "MMA N128 K64 s2" --out "$OUT/h200-gemv-shared.json" \
-    | grep moe_experts
-  on=$(profile_with h200-shared-apart moe shared_in_launch false)
+    "profile, activations quantized apart" "MMA N64 K64 s3" "MMA N64 K128 s3" "MMA N128 K64 s2" \
+    --out "$OUT/h200-gemv-shared.json" | grep moe_experts
+  apart=$(profile_with h200-shared-apart moe shared_in_launch false)
+  quant=$(profile_with h200-quant-apart moe fused_max_tokens 0)
   python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-shared-off.json" | grep batch
-  FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-shared-on.json" \
+  FLASHRT_PROFILE=$apart python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-shared-on.json" \
+    | grep batch
+  FLASHRT_PROFILE=$quant python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-quant-apart.json" \
     | grep batch
   python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
     --out "$OUT/h200-e2e-shared-off.json"
-  FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+  FLASHRT_PROFILE=$apart python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
     --modes cuda+graph --out "$OUT/h200-e2e-shared-on.json"
+  FLASHRT_PROFILE=$quant python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+    --modes cuda+graph --out "$OUT/h200-e2e-quant-apart.json"
 }
 
 phase_ncu() {
