@@ -398,19 +398,22 @@ phase_quant() {
   python benchmarks/topk_radix.py --radix 1 --lengths 2048 4096 131072 --out "$OUT/h200-topk-profile.json"
 }
 
+slice_and_decode() {  # NAME [PROFILE]: the real-dimension slice and `small`'s captured decode under PROFILE
+  # (the device's own when absent): h200-real-slice-NAME.json, h200-e2e-NAME.json
+  env ${2:+FLASHRT_PROFILE=$2} python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-$1.json" \
+    | grep batch
+  env ${2:+FLASHRT_PROFILE=$2} python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+    --modes cuda+graph --out "$OUT/h200-e2e-$1.json"
+}
+
 phase_stages() {
   local on="$OUT/h200-stages.yaml" labels
   labels=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles; print('\n'.join(gemv_tiles.MMA_VARIANTS))")
   mapfile -t labels <<< "$labels"
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants "${labels[@]}" --out "$OUT/h200-gemv-stages.json" \
     --profile-out "$on" | grep -v '^ '
-  python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-stages-off.json" | grep batch
-  FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-stages-on.json" \
-    | grep batch
-  python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
-    --out "$OUT/h200-e2e-stages-off.json"
-  FLASHRT_PROFILE=$on python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
-    --modes cuda+graph --out "$OUT/h200-e2e-stages-on.json"
+  slice_and_decode stages-off
+  slice_and_decode stages-on "$on"
 }
 
 phase_sharedapart() {
@@ -423,17 +426,9 @@ phase_sharedapart() {
     --out "$OUT/h200-gemv-shared.json" | grep moe_experts
   apart=$(profile_with h200-shared-apart moe shared_in_launch false)
   quant=$(profile_with h200-quant-apart moe fused_max_tokens 0)
-  python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-shared-off.json" | grep batch
-  FLASHRT_PROFILE=$apart python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-shared-on.json" \
-    | grep batch
-  FLASHRT_PROFILE=$quant python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-quant-apart.json" \
-    | grep batch
-  python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
-    --out "$OUT/h200-e2e-shared-off.json"
-  FLASHRT_PROFILE=$apart python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
-    --modes cuda+graph --out "$OUT/h200-e2e-shared-on.json"
-  FLASHRT_PROFILE=$quant python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
-    --modes cuda+graph --out "$OUT/h200-e2e-quant-apart.json"
+  slice_and_decode shared-off
+  slice_and_decode shared-on "$apart"
+  slice_and_decode quant-apart "$quant"
 }
 
 phase_ncu() {
