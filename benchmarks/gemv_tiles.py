@@ -9,7 +9,8 @@ in the same launches) at 1 / 8 tokens. Each variant puts one rule in front of th
 rules for the case's rows (``tiles.linear.linear`` / ``tiles.moe.experts``; the experts: for one
 row a tile): the multiply-add tiles, or 16-row MMA tiles of other widths and pipeline depths with the
 launch knobs of the profile's rule; or, for the experts, sets ``tiles.linear.fp4_decode`` or
-``tiles.moe.shared_in_launch`` or ``tiles.moe.fused_max_tokens``; "profile" is
+``tiles.moe.shared_in_launch`` or ``tiles.moe.fused_max_tokens``, for ``linear``
+``tiles.linear.fused_max_rows``; "profile" is
 the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
 replays from a CUDA graph, each behind an L2 flush), the weight bytes the call must read over the
 device-to-device copy bandwidth measured in the same run (its floor), and the largest difference
@@ -55,6 +56,8 @@ MMA_VARIANTS = {f"MMA N{n} K{k} s{st}" + (f", {w} warps" if w != 4 else ""):
                                     (128, 128, 3, 4), (128, 128, 4, 4), (64, 128, 4, 4), (64, 128, 5, 4),
                                     (64, 64, 6, 4), (256, 64, 3, 8), (128, 64, 4, 8), (64, 64, 3, 4), (64, 64, 2, 4),
                                     (64, 128, 3, 4), (128, 64, 2, 4))}
+# label -> {family: tiles entries}, the profile's rules kept: the linear cases only
+LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}}}
 # label -> {family: tiles entries}, the profile's rules kept: the experts cases only
 EXPERT_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode": "dot_scaled"}},
                 "profile, fp4 decoded packed": {"linear": {"fp4_decode": "packed"}},
@@ -178,8 +181,7 @@ def main() -> None:
             first = None
             variants = {"profile": (None, None), **{k: (fma(block_m, **v), None) for k, v in VARIANTS.items()},
                         **{k: (mma(family, entry, limit, v), None) for k, v in MMA_VARIANTS.items()}}
-            if family == "moe":
-                variants.update({k: (None, v) for k, v in EXPERT_VARIANTS.items()})
+            variants.update({k: (None, v) for k, v in (EXPERT_VARIANTS if family == "moe" else LINEAR_VARIANTS).items()})
             for label, (tile, extra) in variants.items():
                 if args.variants and label != "profile" and label not in args.variants:
                     continue

@@ -92,14 +92,14 @@
 #              of each family written into a profile copy, then the real-dimension slice and `small`'s
 #              captured decode under it and under the profile: h200-real-slice-stages-{off,on}.json,
 #              h200-e2e-stages-{off,on}.json, the copy h200-stages.yaml
-#   sharedapart  the expert up kernel without the register pressure of the shared expert's path and the
-#              in-kernel activation quantization together: the shared expert in launches of its own
-#              (tiles.moe.shared_in_launch false; its GPU tests: h200-moe-shared-tests.log), or the
-#              activations quantized by their own launch (tiles.moe.fused_max_tokens 0), or 16-row tiles
-#              of fewer registers, for the experts at the released shapes (h200-gemv-shared.json); then
-#              the real-dimension slice and `small`'s captured decode with the profile and with a copy
-#              setting each: h200-real-slice-{shared-off,shared-on,quant-apart}.json,
-#              h200-e2e-{shared-off,shared-on,quant-apart}.json
+#   regs       the GEMM kernels without the register pressure (spills in the sm_90 compile reports) of the
+#              shared expert's path and the in-kernel activation quantization: the shared expert in
+#              launches of its own (tiles.moe.shared_in_launch false; its GPU tests:
+#              h200-moe-shared-tests.log), the activations quantized by their own launch
+#              (tiles.moe.fused_max_tokens / tiles.linear.fused_max_rows 0), 16-row expert tiles of
+#              fewer registers, at the released shapes (h200-gemv-regs.json); then the real-dimension
+#              slice and `small`'s captured decode under the profile and a copy setting each:
+#              h200-real-slice-{regs-off,shared-apart,quant-apart}.json, h200-e2e-{...}.json
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -155,8 +155,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|sharedapart) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu or sharedapart)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu or regs)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -169,13 +169,15 @@ if [ -d .whl ] && ! python -c "import fastapi, uvicorn, openai" 2>/dev/null; the
 fi
 python -c "import flashrt" 2>/dev/null || python -m pip install --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || exit 1
 
-profile_set() {  # NAME DOTTED.KEY JSON: a copy of h200.yaml named NAME with that key set to JSON; prints its path
+profile_set() {  # NAME DOTTED.KEY JSON [DOTTED.KEY JSON ...]: a copy of h200.yaml named NAME with those keys set; prints its path
   local f
   f=$(mktemp -d)/$1.yaml  # a profile's name is its file's
-  python -c "import json, sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = sys.argv[2]; \
-*path, last = sys.argv[3].split('.'); d = p
-for k in path: d = d.setdefault(k, {})
-d[last] = json.loads(sys.argv[4]); yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$f" "$@"
+  python -c "import json, sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = sys.argv[2]
+for key, value in zip(sys.argv[3::2], sys.argv[4::2]):
+    *path, last = key.split('.'); d = p
+    for k in path: d = d.setdefault(k, {})
+    d[last] = json.loads(value)
+yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$f" "$@"
   echo "$f"
 }
 
@@ -416,18 +418,18 @@ phase_stages() {
   slice_and_decode stages-on "$on"
 }
 
-phase_sharedapart() {
+phase_regs() {
   local apart quant
   timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_shared.py \
     > "$OUT/h200-moe-shared-tests.log" 2>&1
   tail -n 2 "$OUT/h200-moe-shared-tests.log"
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants "profile, shared expert in its own launches" \
     "profile, activations quantized apart" "MMA N64 K64 s3" "MMA N64 K128 s3" "MMA N128 K64 s2" \
-    --out "$OUT/h200-gemv-shared.json" | grep moe_experts
+    --out "$OUT/h200-gemv-regs.json" | grep -v '^ '
   apart=$(profile_with h200-shared-apart moe shared_in_launch false)
-  quant=$(profile_with h200-quant-apart moe fused_max_tokens 0)
-  slice_and_decode shared-off
-  slice_and_decode shared-on "$apart"
+  quant=$(profile_set h200-quant-apart tiles.moe.fused_max_tokens 0 tiles.linear.fused_max_rows 0)
+  slice_and_decode regs-off
+  slice_and_decode shared-apart "$apart"
   slice_and_decode quant-apart "$quant"
 }
 
