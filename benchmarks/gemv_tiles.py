@@ -48,14 +48,18 @@ VARIANTS = {
     "N64 K256, 8 warps": dict(block_n=64, block_k=256, warps=8),
     "N32 K128, splits of 2 blocks": dict(block_n=32, block_k=128, split_min_blocks=2),
 }
-# label -> 16-row MMA tiles (the launch knobs: the profile rule's): deeper pipelines and wider tiles,
-# which keep more weight bytes in flight a program
-MMA_VARIANTS = {f"MMA N{n} K{k} s{st}" + (f", {w} warps" if w != 4 else ""):
-                dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
-                for n, k, st, w in ((128, 64, 3, 4), (128, 64, 4, 4), (128, 64, 5, 4), (128, 64, 6, 4),
-                                    (128, 128, 3, 4), (128, 128, 4, 4), (64, 128, 4, 4), (64, 128, 5, 4),
-                                    (64, 64, 6, 4), (256, 64, 3, 8), (128, 64, 4, 8), (64, 64, 3, 4), (64, 64, 2, 4),
-                                    (64, 128, 3, 4), (128, 64, 2, 4))}
+# label -> MMA tiles for the decode rows (the launch knobs: the profile rule's): 16-row tiles of other
+# widths and pipeline depths, which keep more weight bytes in flight a program; 64-row tiles, whose
+# fp8 operands go to Hopper's fp8 warpgroup MMA where the 16-row tiles' are widened to fp16 first
+MMA_VARIANTS = {("MMA " if m == 16 else f"MMA M{m} ") + f"N{n} K{k} s{st}" + (f", {w} warps" if w != 4 else ""):
+                dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+                for m, n, k, st, w in ((16, 128, 64, 3, 4), (16, 128, 64, 4, 4), (16, 128, 64, 5, 4),
+                                       (16, 128, 64, 6, 4), (16, 128, 128, 3, 4), (16, 128, 128, 4, 4),
+                                       (16, 64, 128, 4, 4), (16, 64, 128, 5, 4), (16, 64, 64, 6, 4),
+                                       (16, 256, 64, 3, 8), (16, 128, 64, 4, 8), (16, 64, 64, 3, 4),
+                                       (16, 64, 64, 2, 4), (16, 64, 128, 3, 4), (16, 128, 64, 2, 4),
+                                       (64, 64, 128, 3, 4), (64, 64, 128, 4, 4), (64, 64, 256, 3, 4),
+                                       (64, 128, 64, 3, 4))}
 # label -> {family: tiles entries}, the profile's rules kept: the linear cases only
 LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}}}
 # label -> {family: tiles entries}, the profile's rules kept: the experts cases only

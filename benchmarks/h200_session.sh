@@ -87,8 +87,9 @@
 #   gemv       row tiles under 16 (the multiply-add K loop): their GPU tests, then the fp8_w projections and
 #              the experts at 1-8 rows under tile variants against the profile's tiles, at the real
 #              dimensions (benchmarks/gemv_tiles.py): h200-gemv-tests.log, h200-gemv-tiles-v41.json
-#   stages     16-row MMA tiles of other widths and pipeline depths for the released shapes
-#              projections and experts (benchmarks/gemv_tiles.py: h200-gemv-stages.json), the fastest
+#   stages     MMA tiles for the decode rows (16-row tiles of other widths and pipeline depths, 64-row
+#              tiles whose fp8 operands reach the fp8 warpgroup MMA) for the projections and experts
+#              at the released shapes (benchmarks/gemv_tiles.py: h200-gemv-stages.json), the fastest
 #              of each family written into a profile copy, then the real-dimension slice and `small`'s
 #              captured decode under it and under the profile: h200-real-slice-stages-{off,on}.json,
 #              h200-e2e-stages-{off,on}.json, the copy h200-stages.yaml

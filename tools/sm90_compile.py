@@ -1,6 +1,8 @@
 """Compile the CUDA launchers' Triton kernels for sm_90 on a machine WITHOUT a GPU and report what
 the compiler made of them: registers, spilled bytes, shared memory, and the SASS instruction mix
-(``HGMMA`` = Hopper wgmma, ``HMMA`` = the older mma path, ``LDL``/``STL`` = local-memory spills).
+(``HGMMA`` / ``QGMMA`` = Hopper wgmma on 16-bit / fp8 operands, ``HMMA`` = the older mma path,
+``F2FP`` = conversions, e.g. fp8 operands widened to fp16 for ``HMMA``, ``LDL``/``STL`` =
+local-memory spills).
 Costs no device time: use it to check a kernel change for spills and wgmma before timing it.
 
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
@@ -35,7 +37,7 @@ from flashrt.jit_targets import ARCHS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DUMP_DIR = os.environ.get("SM90_DUMP_DIR", "/tmp/sm90")  # <kernel>.cubin / .ttgir / .ptx / .sass
-SASS_OPS = ("HGMMA", "HMMA", "LDL", "STL", "LDG", "LDGSTS", "UTMALDG", "LDS", "STS", "LDSM", "STSM", "FFMA",
+SASS_OPS = ("HGMMA", "QGMMA", "HMMA", "F2FP", "LDL", "STL", "LDG", "LDGSTS", "UTMALDG", "LDS", "STS", "LDSM", "STSM", "FFMA",
             "MUFU", "BAR", "WARPGROUP")
 
 
