@@ -101,6 +101,10 @@
 #              fewer registers, at the released shapes (h200-gemv-regs.json); then the real-dimension
 #              slice and `small`'s captured decode under the profile and a copy setting each:
 #              h200-real-slice-{regs-off,shared-apart,quant-apart}.json, h200-e2e-{...}.json
+#   attnwarps  the attention kernel benchmarks (flashrt bench kernels --families attention: decode at
+#              1-64 rows and the 4K-query prefill at 64 heads x 512) under the profile, whose prefill
+#              launches take 4 warps (spilling 2,152 bytes at 64 heads in the sm_90 compile), and under a
+#              copy that leaves them on the decode tile's 8 warps: h200-kernels-attention-{4w,8w}.json
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -156,8 +160,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu or regs)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs or attnwarps)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -432,6 +436,14 @@ phase_regs() {
   slice_and_decode regs-off
   slice_and_decode shared-apart "$apart"
   slice_and_decode quant-apart "$quant"
+}
+
+phase_attnwarps() {
+  local eight
+  eight=$(profile_set h200-attn-8w tiles.attention.prefill.min_queries 0)
+  python -m flashrt.cli bench kernels --families attention --out "$OUT/h200-kernels-attention-4w.json" | tail -n 8
+  FLASHRT_PROFILE=$eight python -m flashrt.cli bench kernels --families attention \
+    --out "$OUT/h200-kernels-attention-8w.json" | tail -n 8
 }
 
 phase_ncu() {
