@@ -7,8 +7,8 @@ Cases, at the model's dimensions: ``linear`` with ``fp8_w`` weights on each atte
 shape at 1 / 4 rows, and ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`` shared expert
 in the same launches) at 1 / 8 tokens. Each variant puts one rule in front of the active profile's
 rules for the case's rows (``tiles.linear.linear`` / ``tiles.moe.experts``; the experts: for one
-row a tile): the multiply-add tiles, or 16-row MMA tiles of other widths and pipeline depths with the
-launch knobs of the profile's rule; or, for the experts, sets ``tiles.linear.fp4_decode`` or
+row a tile): the multiply-add tiles, or MMA tiles of 16 rows (other widths and pipeline depths) or 64
+rows with the launch knobs of the profile's rule; or, for the experts, sets ``tiles.linear.fp4_decode`` or
 ``tiles.moe.shared_in_launch`` or ``tiles.moe.fused_max_tokens``, for ``linear``
 ``tiles.linear.fused_max_rows``; "profile" is
 the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
@@ -64,10 +64,10 @@ MMA_VARIANTS = {("MMA " if m == 16 else f"MMA M{m} ") + f"N{n} K{k} s{st}" + (f"
 LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}}}
 # label -> {family: tiles entries}, the profile's rules kept: the experts cases only
 EXPERT_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode": "dot_scaled"}},
-                "profile, fp4 decoded packed": {"linear": {"fp4_decode": "packed"}},
-                "profile, fp4 decoded bit by bit": {"linear": {"fp4_decode": "bits"}},
-                "profile, shared expert in its own launches": {"moe": {"shared_in_launch": False}},
-                "profile, activations quantized apart": {"moe": {"fused_max_tokens": 0}}}
+                   "profile, fp4 decoded packed": {"linear": {"fp4_decode": "packed"}},
+                   "profile, fp4 decoded bit by bit": {"linear": {"fp4_decode": "bits"}},
+                   "profile, shared expert in its own launches": {"moe": {"shared_in_launch": False}},
+                   "profile, activations quantized apart": {"moe": {"fused_max_tokens": 0}}}
 
 
 def with_rule(family: str, entry: str, rows: int, tile: dict | None, extra: dict | None = None):
@@ -153,7 +153,8 @@ def write_profile(path: str, rules: dict) -> None:
 
     import yaml
 
-    data = yaml.safe_load(open(profiles.active_profile().source))
+    with open(profiles.active_profile().source) as f:
+        data = yaml.safe_load(f)
     data["name"] = os.path.basename(path).removesuffix(".yaml")
     for (family, entry), tile in rules.items():
         data["tiles"][family][entry][0][1] = tile
@@ -168,7 +169,7 @@ def main() -> None:
                     help="only these variants (and the profile's tiles); default: all")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-out", default=None, metavar="FILE.yaml",
-                    help="write a copy of the active profile with the fastest 16-row MMA variant of each family "
+                    help="write a copy of the active profile with the fastest MMA variant of each family "
                          "(summed over its cases, at least 3%% under the profile's) as its first rule")
     args = ap.parse_args()
     if args.profile_out and not args.profile_out.endswith(".yaml"):

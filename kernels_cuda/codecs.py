@@ -273,6 +273,17 @@ def block_scale(amax, FMT: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_blocks(x, scale, recip, FMT: tl.constexpr):
+    """E2M1 codes of ``x [N, BLK]`` over its blocks' ``scale`` / ``recip`` [N] (FMT ``fp4_b16``: the
+    division by the E4M3 scale, :func:`e2m1_code_of_quotient`; ``fp4_b32``: the exact power of two)."""
+    if FMT == 2:
+        c = e2m1_code_of_quotient(x, scale[:, None], recip[:, None])
+    else:
+        c = e2m1_code(x * recip[:, None])
+    return c
+
+
+@triton.jit
 def store_blocks(data_ptr, offset, x, scale, recip, mask, FMT: tl.constexpr, BLK: tl.constexpr, N: tl.constexpr):
     """Store ``N`` blocks of fp32 ``x [N, BLK]`` in format FMT (``fp8``, ``fp4_b16``, ``fp4_b32``)
     with their :func:`block_scale` ``scale`` / ``recip`` [N]: block ``i``'s bytes start at byte
@@ -282,11 +293,7 @@ def store_blocks(data_ptr, offset, x, scale, recip, mask, FMT: tl.constexpr, BLK
         e = tl.arange(0, BLK)
         tl.store(data_ptr + offset[:, None] + e[None, :], e4m3_encode(v).to(tl.uint8), mask=mask[:, None])
     else:
-        if FMT == 2:
-            c = e2m1_code_of_quotient(x, scale[:, None], recip[:, None])
-        else:
-            c = e2m1_code(x * recip[:, None])
-        lo, hi = tl.split(tl.reshape(c, (N, BLK // 2, 2)))
+        lo, hi = tl.split(tl.reshape(_e2m1_blocks(x, scale, recip, FMT), (N, BLK // 2, 2)))
         h = tl.arange(0, BLK // 2)
         tl.store(data_ptr + offset[:, None] + h[None, :], (lo | (hi << 4)).to(tl.uint8), mask=mask[:, None])
 
@@ -302,11 +309,7 @@ def fake_blocks(x, scale, recip, FMT: tl.constexpr):
     if FMT == 1:
         v = e4m3_to_f32(e4m3_rne(tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)))
     else:
-        if FMT == 2:
-            c = e2m1_code_of_quotient(x, scale[:, None], recip[:, None])
-        else:
-            c = e2m1_code(x * recip[:, None])
-        v = e2m1_to_f32(c)
+        v = e2m1_to_f32(_e2m1_blocks(x, scale, recip, FMT))
     return v * scale[:, None]
 
 

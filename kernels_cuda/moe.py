@@ -265,13 +265,18 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     return out
 
 
+def _shared_routes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert's routes for the tokens of ``x``: weight 1.0 (fp32 [N, 1]), expert 0 (int32 [N, 1])."""
+    n = x.shape[0]
+    return (torch.ones(n, 1, dtype=torch.float32, device=x.device),
+            torch.zeros(n, 1, dtype=torch.int32, device=x.device))
+
+
 def _with_plain_shared(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared):
     """A shared expert the kernels do not decode (plain weights, or w1 and w3 in two formats): its
     fp32 output by the reference math on this device, joined as the combine's ``add`` (the
     op's order: the routed sum, the shared row, then ``add``)."""
-    n = x.shape[0]
-    ones = torch.ones(n, 1, dtype=torch.float32, device=x.device)
-    alone = experts_loop(x, ones, torch.zeros(n, 1, dtype=torch.int32, device=x.device), *shared, swiglu_limit)
+    alone = experts_loop(x, *_shared_routes(x), *shared, swiglu_limit)
     if add is None:
         return moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, alone, out_dtype)
     return finish_experts(moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, alone), add, out_dtype)
@@ -281,10 +286,7 @@ def _shared_apart(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype,
     """``tiles.moe.shared_in_launch`` False: the shared expert in its own launches (one expert, one
     slot: the direct path), its fp32 rows (plus ``add``) added by the routed launches' combine. The
     same sum in the same order as one launch when ``add`` is None (routed rows, then the shared row)."""
-    n = x.shape[0]
-    ones = torch.ones(n, 1, dtype=torch.float32, device=x.device)
-    first = torch.zeros(n, 1, dtype=torch.int32, device=x.device)
-    own = moe_experts(x, ones, first, *shared, swiglu_limit, add=add, out_dtype=torch.float32)
+    own = moe_experts(x, *_shared_routes(x), *shared, swiglu_limit, add=add, out_dtype=torch.float32)
     return moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=own, out_dtype=out_dtype)
 
 

@@ -35,29 +35,37 @@ def shipped_path(recorded: Path, triton: str | None, root: Path = SHIPPED) -> Pa
     return root / folder / recorded.name
 
 
+def _kernel_params(entry: dict) -> list[inspect.Parameter] | None:
+    """The parameters of the kernel ``entry`` names, as the code has them now; None when it is gone."""
+    try:
+        fn = getattr(importlib.import_module(entry["module"]), entry["name"])
+    except (ImportError, AttributeError, KeyError):
+        return None
+    return list(inspect.signature(getattr(fn, "fn", fn)).parameters.values())
+
+
 def matches_code(entry: dict) -> bool:
     """Whether the entry's kernel exists with the parameters its signature names (a kernel that
     gained or lost a parameter since the entry was recorded would compile a variant no run loads)."""
+    params = _kernel_params(entry)
     try:
-        fn = getattr(importlib.import_module(entry["module"]), entry["name"])
         names = list(json.loads(entry["data"])["signature"])
-    except (ImportError, AttributeError, KeyError, ValueError):
+    except (KeyError, ValueError):
         return False
-    return list(inspect.signature(getattr(fn, "fn", fn)).parameters) == names
+    return params is not None and [p.name for p in params] == names
 
 
 def with_defaults(entry: dict) -> dict:
     """``entry`` with the trailing constexpr parameters its kernel gained since it was recorded, each
     with a default, filled in at that default (the variant a launch leaving them out compiles);
     ``entry`` as it is when its parameters are the code's or differ otherwise."""
+    params = _kernel_params(entry)
     try:
-        fn = getattr(importlib.import_module(entry["module"]), entry["name"])
         data = json.loads(entry["data"])
         names = list(data["signature"])
-        params = list(inspect.signature(getattr(fn, "fn", fn)).parameters.values())
-    except (ImportError, AttributeError, KeyError, ValueError, TypeError):
+    except (KeyError, ValueError, TypeError):
         return entry
-    new = params[len(names):]
+    new = params[len(names):] if params is not None else []
     if not new or [p.name for p in params[:len(names)]] != names or not all(
             "constexpr" in str(p.annotation) and p.default is not inspect.Parameter.empty for p in new):
         return entry
