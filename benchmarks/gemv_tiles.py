@@ -8,7 +8,8 @@ shape at 1 / 4 rows, and ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`
 in the same launches) at 1 / 8 tokens. Each variant puts one rule in front of the active profile's
 rules for the case's rows (``tiles.linear.linear`` / ``tiles.moe.experts``; the experts: for one
 row a tile): the multiply-add tiles, or MMA tiles of 16 rows (other widths and pipeline depths) or 64
-rows with the launch knobs of the profile's rule; or, for the experts, sets ``tiles.linear.fp4_decode`` or
+rows with the launch knobs of the profile's rule, or the profile's rule splitting K to a number of
+programs an SM (``split_per_sm``); or, for the experts, sets ``tiles.linear.fp4_decode`` or
 ``tiles.moe.shared_in_launch`` or ``tiles.moe.fused_max_tokens``, for ``linear``
 ``tiles.linear.fused_max_rows``; "profile" is
 the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
@@ -60,6 +61,9 @@ MMA_VARIANTS = {("MMA " if m == 16 else f"MMA M{m} ") + f"N{n} K{k} s{st}" + (f"
                                        (16, 64, 64, 2, 4), (16, 64, 128, 3, 4), (16, 128, 64, 2, 4),
                                        (64, 64, 128, 3, 4), (64, 64, 128, 4, 4), (64, 64, 256, 3, 4),
                                        (64, 128, 64, 3, 4))}
+# label -> launch knobs set on the profile's rule for the case's rows: K split to bring the programs
+# nearest to that many an SM, also where the output tiles fill the SMs once (``split_per_sm``)
+SPLIT_VARIANTS = {f"profile, split to {p} programs an SM": {"split_per_sm": p} for p in (3, 4, 6, 8)}
 # label -> {family: tiles entries}, the profile's rules kept: the linear cases only
 LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}}}
 # label -> {family: tiles entries}, the profile's rules kept: the experts cases only
@@ -88,6 +92,12 @@ def mma(family: str, entry: str, rows: int, tile: dict) -> dict:
     kernels = {"linear": linear, "moe": moe}[family]
     rule = linear.pick_tile(kernels._tiles()[entry], rows)
     return {**{k: rule[k] for k in kernels.KNOBS if k in rule}, **tile}
+
+
+def tweaked(family: str, entry: str, rows: int, knobs: dict) -> dict:
+    """The active rule serving ``rows`` (tile and launch knobs) with ``knobs`` set."""
+    kernels = {"linear": linear, "moe": moe}[family]
+    return {**linear.pick_tile(kernels._tiles()[entry], rows), **knobs}
 
 
 def linear_cases(cfg, dev, g):
@@ -185,7 +195,8 @@ def main() -> None:
             floor_us = weight_bytes / bw * 1e6
             first = None
             variants = {"profile": (None, None), **{k: (fma(block_m, **v), None) for k, v in VARIANTS.items()},
-                        **{k: (mma(family, entry, limit, v), None) for k, v in MMA_VARIANTS.items()}}
+                        **{k: (mma(family, entry, limit, v), None) for k, v in MMA_VARIANTS.items()},
+                        **{k: (tweaked(family, entry, limit, v), None) for k, v in SPLIT_VARIANTS.items()}}
             variants.update({k: (None, v) for k, v in (EXPERT_VARIANTS if family == "moe" else LINEAR_VARIANTS).items()})
             for label, (tile, extra) in variants.items():
                 if args.variants and label != "profile" and label not in args.variants:

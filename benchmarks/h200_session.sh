@@ -105,6 +105,14 @@
 #              1-64 rows and the 4K-query prefill at 64 heads x 512) under the profile, whose prefill
 #              launches take 4 warps (spilling 2,152 bytes at 64 heads in the sm_90 compile), and under a
 #              copy that leaves them on the decode tile's 8 warps: h200-kernels-attention-{4w,8w}.json
+#   splits     K split to a number of programs an SM also where the output tiles fill the SMs once
+#              (rule knob split_per_sm): the decode-tile and attention GPU tests (h200-splits-tests.log),
+#              the attention kernel benchmarks under the profile's prefill variant limited to 16 heads a
+#              program (h200-kernels-attention-maxheads.json), the projections and experts at 1-8 rows
+#              under 3 / 4 / 6 / 8 programs an SM (h200-gemv-splits.json), then the real-dimension slice
+#              and `small`'s captured decode under the profile and a copy whose decode rules of linear,
+#              linear_plain and moe take split_per_sm ${SPLIT_PER_SM:-4}: h200-real-slice-splits-{off,on}.json,
+#              h200-e2e-splits-{off,on}.json
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -160,8 +168,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs or attnwarps)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps or splits)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -182,6 +190,16 @@ for key, value in zip(sys.argv[3::2], sys.argv[4::2]):
     *path, last = key.split('.'); d = p
     for k in path: d = d.setdefault(k, {})
     d[last] = json.loads(value)
+yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$f" "$@"
+  echo "$f"
+}
+
+profile_knob() {  # NAME KNOB JSON FAMILY.ENTRY...: a copy of h200.yaml whose first rule of each entry sets KNOB
+  local f
+  f=$(mktemp -d)/$1.yaml
+  python -c "import json, sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = sys.argv[2]
+for entry in sys.argv[5:]:
+    family, name = entry.split('.'); p['tiles'][family][name][0][1][sys.argv[3]] = json.loads(sys.argv[4])
 yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$f" "$@"
   echo "$f"
 }
@@ -444,6 +462,21 @@ phase_attnwarps() {
   python -m flashrt.cli bench kernels --families attention --out "$OUT/h200-kernels-attention-4w.json" | tail -n 8
   FLASHRT_PROFILE=$eight python -m flashrt.cli bench kernels --families attention \
     --out "$OUT/h200-kernels-attention-8w.json" | tail -n 8
+}
+
+phase_splits() {
+  local on
+  timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_decode_tiles.py \
+    "tests/kernels_cuda/test_cuda_attention.py::test_prefill_tiles_keep_programs_of_more_heads_than_max_heads" \
+    > "$OUT/h200-splits-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-splits-tests.log"
+  python -m flashrt.cli bench kernels --families attention --out "$OUT/h200-kernels-attention-maxheads.json" | tail -n 8
+  python benchmarks/gemv_tiles.py --model v4.1-flash --variants "profile, split to 3 programs an SM" \
+    "profile, split to 4 programs an SM" "profile, split to 6 programs an SM" "profile, split to 8 programs an SM" \
+    --out "$OUT/h200-gemv-splits.json" | grep -v '^ '
+  on=$(profile_knob h200-split split_per_sm "${SPLIT_PER_SM:-4}" linear.linear linear_plain.plain moe.experts)
+  slice_and_decode splits-off
+  slice_and_decode splits-on "$on"
 }
 
 phase_ncu() {

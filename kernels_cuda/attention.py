@@ -46,10 +46,12 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # in_kernel: the last split program of each tile merges the partials (no combine launch);
     # else _combine_kernel, one program per (query, H_BLOCK heads, BLOCK_D columns)
     "combine": {"H_BLOCK": 16, "BLOCK_D": 64, "num_warps": 4, "in_kernel": False},
-    # launches of at least min_queries queries (B * S; 0: none) with bf16 q run with these warps and
-    # stages instead: a prefill chunk has one program per query and head block and no split, and
-    # fewer warps a program can suit it where they would slow a decode step (docs/performance.md)
-    "prefill": {"min_queries": 0, "num_warps": 8, "num_stages": 2},
+    # launches of at least min_queries queries (B * S; 0: none) with bf16 q and at most max_heads
+    # heads a program (0: any) run with these warps and stages instead: a prefill chunk has one
+    # program per query and head block and no split, and fewer warps a program can suit it where
+    # they would slow a decode step; a program of many heads holds an accumulator of H_BLOCK x D
+    # fp32 that fewer warps would spill (docs/performance.md)
+    "prefill": {"min_queries": 0, "max_heads": 0, "num_warps": 8, "num_stages": 2},
     # split-K: splits = min(programs // (B*S*head blocks), max_splits, K blocks // min_blocks);
     # programs 0 = the device's SM count
     "split": {"programs": 0, "min_blocks": 1, "max_splits": 32},
@@ -125,9 +127,10 @@ def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int, int]:
     tiles = _tiles()
     t, sp = tiles["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], tiles["split"]
     pre = tiles["prefill"]
-    if q.dtype == torch.bfloat16 and 0 < pre["min_queries"] <= B * S:
-        t = {**t, "num_warps": pre["num_warps"], "num_stages": pre["num_stages"]}
     h_block = min(t["H_BLOCK"], max(16, next_pow2(H)))
+    few_heads = pre["max_heads"] == 0 or h_block <= pre["max_heads"]  # h_block: the heads a program holds
+    if q.dtype == torch.bfloat16 and 0 < pre["min_queries"] <= B * S and few_heads:
+        t = {**t, "num_warps": pre["num_warps"], "num_stages": pre["num_stages"]}
     k_block = min(t["K_BLOCK"], max(16, next_pow2(K)))
     assert t["D_SPLIT"] in (1, 2), f"tiles.attention D_SPLIT: expected 1 or 2, got {t['D_SPLIT']!r}"
     n_kb = cdiv(K, k_block)
@@ -260,7 +263,7 @@ def warmup_cases(device, d: dict, dtype):
 
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3")  # tl.dot input precisions of fp32 operands
 TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1, 2)), "combine.H_BLOCK": POW2,
-               "prefill.min_queries": COUNT0,
+               "prefill.min_queries": COUNT0, "prefill.max_heads": COUNT0,
                "combine.BLOCK_D": POW2, "combine.in_kernel": Tile(kind=bool),
                "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0}
 

@@ -77,15 +77,23 @@ def zeros_stored(fmt: str | None, shape, dtype: torch.dtype, device) -> torch.Te
 TL_DTYPES = {dt: getattr(tl, str(dt).removeprefix("torch.")) for dt in TORCH.values()}
 
 
-def split_k(out_tiles: int, blocks: int, forced, sms: int, min_blocks: int | None = 4) -> int:
-    """K splits of a GEMM launch: ``forced`` (a count, capped at the K blocks), else none when the
-    output tiles fill the SMs or ``min_blocks`` is None, else enough for ~2 programs an SM keeping
-    >= ``min_blocks`` K blocks per split."""
+def split_k(out_tiles: int, blocks: int, forced, sms: int, min_blocks: int | None = 4,
+            per_sm: int | None = None) -> int:
+    """K splits of a GEMM launch: ``forced`` (a count, capped at the K blocks); else none when
+    ``min_blocks`` is None; else, with ``per_sm`` set, the count that brings the programs nearest to
+    ``per_sm`` an SM (the smaller on a tie; whether or not the output tiles fill the SMs once); else
+    none when the output tiles fill the SMs, and enough for ~2 programs an SM below that. A split
+    keeps >= ``min_blocks`` K blocks."""
     if forced is not None:
         return max(1, min(int(forced), blocks))
-    if out_tiles >= sms or min_blocks is None:
+    if min_blocks is None:
         return 1
-    return max(1, min(cdiv(2 * sms, out_tiles), blocks // max(1, int(min_blocks))))
+    most = blocks // max(1, int(min_blocks))
+    if per_sm is not None:
+        return max(1, min(cdiv(2 * int(per_sm) * sms - out_tiles, 2 * out_tiles), most))
+    if out_tiles >= sms:
+        return 1
+    return max(1, min(cdiv(2 * sms, out_tiles), most))
 
 
 def cdiv(a: int, b: int) -> int:

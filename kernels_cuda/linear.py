@@ -48,9 +48,11 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # halves BLOCK_N, down to it, while the output tiles at the halved width still fit in the SMs (None:
 # BLOCK_N as given; splitk.narrow_block_n); split_min_blocks: the fewest K blocks a split keeps when
 # K is split because the output tiles do not fill the SMs (None: no split; splitk.splits);
+# split_per_sm: split K to the count that brings the programs nearest to this many an SM, also
+# where the output tiles fill the SMs once (more programs in flight an SM; None: the rule above);
 # split_reduce: a split K summed by each output tile's last program (True), or by a sum and a cast
 # launch after the GEMM (False); None: in the kernel where it quantizes x itself (fused_max_rows)
-KNOBS = dict(min_block_n=None, split_min_blocks=4, split_reduce=None)
+KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -163,7 +165,8 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     sms, row_tiles = num_sms(), cdiv(m, t["BLOCK_M"])
     t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
     tiles = row_tiles * cdiv(n, t["BLOCK_N"])
-    split = splitk.splits(tiles, cdiv(k, t["BLOCK_K"]), sms, _tiles()["split_k"], knobs["split_min_blocks"])
+    split = splitk.splits(tiles, cdiv(k, t["BLOCK_K"]), sms, _tiles()["split_k"], knobs["split_min_blocks"],
+                          knobs["split_per_sm"])
     k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     fused = m <= _tiles()["fused_max_rows"]
@@ -269,7 +272,8 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "fp8_mma": Tile(nullable=True, kind=bool), "fp4_decode": Tile(choices=FP4_DECODES),
                "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
-               "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_reduce": Tile(nullable=True, kind=bool)}
+               "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),
+               "*.split_reduce": Tile(nullable=True, kind=bool)}
 
 
 FAMILY = KernelFamily(

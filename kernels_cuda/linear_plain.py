@@ -39,8 +39,9 @@ from flashrt.kernels_cuda.pdl import wait_inputs
 # A rule's launch knobs (not kernel parameters; a rule without them gets these values), as linear's:
 # min_block_n halves BLOCK_N, down to it, while the output tiles at the halved width still fit in
 # the SMs (None: BLOCK_N as given; splitk.narrow_block_n); split_min_blocks: the fewest K blocks a
-# split keeps when K is split because the output tiles do not fill the SMs (None: no split)
-KNOBS = dict(min_block_n=None, split_min_blocks=4)
+# split keeps when K is split because the output tiles do not fill the SMs (None: no split);
+# split_per_sm: split K to bring the programs nearest to this many an SM (linear's knob)
+KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None)
 
 TILES = {
     # (largest M the rule serves or None, tile): the first matching rule applies
@@ -112,7 +113,7 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
     t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
     out_tiles = row_tiles * cdiv(n, t["BLOCK_N"])
     blocks = cdiv(k, t["BLOCK_K"])
-    split = splitk.splits(out_tiles, blocks, sms, tiles["split_k"], knobs["split_min_blocks"])
+    split = splitk.splits(out_tiles, blocks, sms, tiles["split_k"], knobs["split_min_blocks"], knobs["split_per_sm"])
     k_split = cdiv(blocks, split) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     reduce = split > 1 and tiles["reduce_in_kernel"] and splitk.fits(out_tiles) and split * m * n < 2 ** 31
@@ -214,6 +215,7 @@ FAMILY = KernelFamily(
     tiles=TILES, tile_checks={"plain.BLOCK_M": DOT, "plain.BLOCK_N": DOT, "plain.BLOCK_K": DOT,
                               "split_k": Tile(nullable=True, kind=int), "reduce_in_kernel": Tile(kind=bool),
                               "plain.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
-                              "plain.split_min_blocks": Tile(nullable=True, kind=int)},
+                              "plain.split_min_blocks": Tile(nullable=True, kind=int),
+                              "plain.split_per_sm": Tile(low=1, nullable=True, kind=int)},
     smem={"plain": _bf16_tile_bytes}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="linear with a plain bf16 / fp16 weight (fp32 accumulation), and grouped by column blocks")

@@ -62,8 +62,9 @@ from flashrt.kernels_cuda import pdl
 # the up (I columns over D) and the down (D columns over I) launch apart, as linear's: min_block_n
 # halves BLOCK_N, down to it, while the (row tile, column tile) programs at the halved width still
 # fit in the SMs (None: BLOCK_N as given); split_min_blocks: split K when they do not fill the SMs,
-# keeping this many K blocks a split (None: no split); split_k: a forced count (None: as above)
-KNOBS = dict(min_block_n=None, split_min_blocks=None, split_k=None)
+# keeping this many K blocks a split (None: no split); split_per_sm: split K to bring the programs
+# nearest to this many an SM (linear's knob); split_k: a forced count (None: as above)
+KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None)
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -114,7 +115,7 @@ def _gemm(t: dict, knobs: dict, cols: int, k: int, row_tiles: int, rows: int, wi
     sms = _linear.num_sms()
     t = dict(t, BLOCK_N=splitk.narrow_block_n(t["BLOCK_N"], cols, row_tiles, sms, knobs["min_block_n"]))
     tiles, blocks = row_tiles * cdiv(cols, t["BLOCK_N"]), cdiv(k, t["BLOCK_K"])
-    split = splitk.splits(tiles, blocks, sms, knobs["split_k"], knobs["split_min_blocks"])
+    split = splitk.splits(tiles, blocks, sms, knobs["split_k"], knobs["split_min_blocks"], knobs["split_per_sm"])
     k_split = cdiv(blocks, split) * t["BLOCK_K"]
     split = cdiv(k, k_split)
     if split > 1 and (not splitk.fits(reserved + tiles) or split * width * rows * cols >= 2 ** 31):
@@ -313,6 +314,7 @@ FAMILY = KernelFamily(
     tiles=TILES, tile_checks={"experts.BLOCK_M": GEMM_ROWS, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
                               "experts.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                               "experts.split_min_blocks": Tile(nullable=True, kind=int),
+                              "experts.split_per_sm": Tile(low=1, nullable=True, kind=int),
                               "experts.split_k": Tile(nullable=True, kind=int),
                               "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
                               "pair_tiles": Tile(low=0, kind=int), "grouped_min_rows": Tile(nullable=True, kind=int),

@@ -297,7 +297,8 @@ def test_attention_prefill_realistic(q_dtype, rng):
 def test_prefill_tiles_apply_from_their_query_count(q_dtype, monkeypatch, rng):
     """``tiles.attention.prefill``: launches of at least ``min_queries`` queries with bf16 q take its
     warps and stages, smaller ones (and fp32 q) keep their own; the results match the reference."""
-    monkeypatch.setitem(attention.TILES, "prefill", {"min_queries": 6, "num_warps": 4, "num_stages": 3})
+    monkeypatch.setitem(attention.TILES, "prefill", {"min_queries": 6, "max_heads": 0, "num_warps": 4,
+                                                     "num_stages": 3})
     H, D, T = 16, 64, 48
     own = attention.TILES["attention" if q_dtype == torch.bfloat16 else "attention_fp32"]
     for B, S in ((1, 5), (2, 3), (1, 1)):
@@ -306,3 +307,20 @@ def test_prefill_tiles_apply_from_their_query_count(q_dtype, monkeypatch, rng):
         wide = q_dtype == torch.bfloat16 and B * S >= 6
         assert (plan["num_warps"], plan["num_stages"]) == ((4, 3) if wide else (own["num_warps"], own["num_stages"]))
         _check(q, _kv("fp8", B, T, D, rng), _indices(B, S, 24, T, rng), torch.randn(H, generator=rng).to(DEVICE))
+
+
+def test_prefill_tiles_keep_programs_of_more_heads_than_max_heads(monkeypatch, rng):
+    """``tiles.attention.prefill.max_heads``: a launch whose programs hold more heads (the padded
+    head block) keeps the decode tile's warps even past ``min_queries``; at most that many take the
+    variant; the results match the reference either way."""
+    max_heads = (16, 32)[int(torch.randint(2, (1,), generator=rng))]
+    monkeypatch.setitem(attention.TILES, "prefill", {"min_queries": 2, "max_heads": max_heads, "num_warps": 4,
+                                                     "num_stages": 3})
+    own, D, T = attention.TILES["attention"], 64, 40
+    for H in (8, 16, 24, 32, 48, 64):
+        q = torch.randn(1, 3, H, D, generator=rng).to(torch.bfloat16).to(DEVICE)
+        plan = attention._launch_plan(q, 24, (attention.FMT_CODES["fp8"],), True)["constexprs"]
+        variant = max(16, 1 << (H - 1).bit_length()) <= max_heads  # heads padded to a power of two, >= 16
+        assert (plan["num_warps"], plan["num_stages"]) == ((4, 3) if variant else (own["num_warps"], own["num_stages"]))
+        if H in (16, 64):
+            _check(q, _kv("fp8", 1, T, D, rng), _indices(1, 3, 24, T, rng), torch.randn(H, generator=rng).to(DEVICE))

@@ -124,6 +124,50 @@ def test_linear_default_knobs_keep_the_split_rule(monkeypatch, m, n, k):
     assert plan["constexprs"]["BLOCK_N"] == t["BLOCK_N"] and "min_block_n" not in plan["constexprs"]
 
 
+def test_split_per_sm_brings_the_programs_nearest_to_the_target(rng):
+    """``launch.split_k`` with ``per_sm``: among the counts that keep ``min_blocks`` K blocks a
+    split, the one whose programs come nearest to ``per_sm`` an SM (the smaller on a tie), also
+    where the output tiles alone fill the SMs; without ``per_sm``, today's rule."""
+    for _ in range(300):
+        tiles, blocks, sms, per_sm, min_blocks = (int(torch.randint(lo, hi, (1,), generator=rng))
+                                                  for lo, hi in ((1, 600), (1, 80), (1, 140), (1, 9), (1, 5)))
+        most = max(1, blocks // min_blocks)
+        want = min(range(1, most + 1), key=lambda s: (abs(s * tiles - per_sm * sms), s))
+        assert launch.split_k(tiles, blocks, None, sms, min_blocks, per_sm) == want, (tiles, blocks, sms, per_sm)
+        legacy = launch.split_k(tiles, blocks, None, sms, min_blocks)
+        assert legacy == (1 if tiles >= sms else max(1, min(launch.cdiv(2 * sms, tiles), blocks // min_blocks)))
+        assert launch.split_k(tiles, blocks, None, sms, None, per_sm) == 1  # no min_blocks: never split
+
+
+@pytest.mark.parametrize("fmt", ["fp8_w", "fp4_w"])
+def test_split_per_sm_splits_launches_that_fill_the_sms(rng, grids, monkeypatch, fmt):
+    """A rule with ``split_per_sm`` splits K of a linear and of both expert launches whose output
+    tiles already fill the (here 8) SMs, to the planned count; results as the reference's, counters
+    back at zero."""
+    monkeypatch.setattr(lin, "num_sms", lambda: 8)
+    per_sm = int(torch.randint(2, 5, (1,), generator=rng))
+    m, n, k = 2, 512, 512
+    x = torch.randn(m, k, generator=rng).to(DEVICE, torch.bfloat16)
+    w = formats.quantize(torch.randn(n, k, generator=rng) * k ** -0.5, fmt).to(DEVICE)
+    rule = dict(RULE, split_min_blocks=2, split_per_sm=per_sm)
+    with pinned_tiles(linear=dict(linear=[[None, rule]])):
+        got, want = run_both("linear", x, w)
+    (grid,) = grids["_linear_kernel"]
+    assert grid == (n // 64, launch.split_k(n // 64, k // 32, None, 8, 2, per_sm)) and grid[1] > 1
+    assert rel_err(got, want) < 1e-3
+    assert_counters_zero(got)
+    n_tok, D, I, E, top = 1, 256, 256, 4, 2  # one token: a row tile a pair, 4 column tiles a launch
+    args = _routed(rng, fmt, torch.bfloat16, n_tok, D, I, E, top)
+    with pinned_tiles(moe=dict(experts=[[None, rule]])):
+        got, want = run_both("moe_experts", *args)
+    (up,), (down,) = grids["_moe_up_kernel"], grids["_moe_down_kernel"]
+    for g, cols, depth in ((up, I, D), (down, D, I)):
+        assert g[2] == launch.split_k(g[0] * g[1], depth // 32, None, 8, 2, per_sm) and (g[0], g[1]) == (cols // 64, 2)
+    assert up[2] > 1 and down[2] > 1
+    assert rel_err(got, want) < 2e-3
+    assert_counters_zero(got)
+
+
 KNOBS = dict(min_block_n=32, split_min_blocks=2)
 
 
