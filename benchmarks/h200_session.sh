@@ -111,7 +111,7 @@
 #              program (h200-kernels-attention-maxheads.json), the projections and experts at 1-8 rows
 #              under 3 / 4 / 6 / 8 programs an SM (h200-gemv-splits.json), then the real-dimension slice
 #              and `small`'s captured decode under the profile and a copy whose decode rules of linear,
-#              linear_plain and moe take split_per_sm ${SPLIT_PER_SM:-4}: h200-real-slice-splits-{off,on}.json,
+#              linear_plain and moe (or $SPLIT_RULES) take split_per_sm ${SPLIT_PER_SM:-4}: h200-real-slice-splits-{off,on}.json,
 #              h200-e2e-splits-{off,on}.json
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
@@ -474,7 +474,7 @@ phase_splits() {
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants "profile, split to 3 programs an SM" \
     "profile, split to 4 programs an SM" "profile, split to 6 programs an SM" "profile, split to 8 programs an SM" \
     --out "$OUT/h200-gemv-splits.json" | grep -v '^ '
-  on=$(profile_knob h200-split split_per_sm "${SPLIT_PER_SM:-4}" linear.linear linear_plain.plain moe.experts)
+  on=$(profile_knob h200-split split_per_sm "${SPLIT_PER_SM:-4}" ${SPLIT_RULES:-linear.linear linear_plain.plain moe.experts})
   slice_and_decode splits-off
   slice_and_decode splits-on "$on"
 }

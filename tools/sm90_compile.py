@@ -7,7 +7,7 @@ Costs no device time: use it to check a kernel change for spills and wgmma befor
 
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
     python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc, kv_store,
-                                                        # norm_rope_quant
+                                                        # norm_rope_quant, prefix_attention
 
 How: the launcher runs on CPU tensors as it would on an sm_90 GPU, each kernel specialization it
 launches recorded instead of compiled (:func:`flashrt.jit_compile.recording`, shared with
@@ -226,7 +226,20 @@ def indexer_call(B: int, S: int, cold: bool):
     return lambda: indexer.index_scores(q, keys, w, vis, 128 ** -0.5 * 32 ** -0.5)
 
 
-CALLS = {"attention": attention_call, "compress": compress_call, "indexer": indexer_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
+def prefix_attention_call(B: int, S: int, cold: bool):
+    """``small``'s prompt-chunk attention (benchmarks/prefix_attention.py's case): B rows of S
+    queries over the window and 512 compressed entries."""
+    from flashrt.graphs.config import shipped_config
+    from flashrt.kernels_cuda import prefix_attention as kernel
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import prefix_attention
+
+    args = prefix_attention.case(shipped_config("small"), B, S, 0, 512, torch.device("cpu"), torch.Generator())
+    return lambda: kernel.prefix_attention(*args)
+
+
+CALLS = {"attention": attention_call, "prefix_attention": prefix_attention_call, "compress": compress_call, "indexer": indexer_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
          "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call,
          "norm_rope_quant": norm_rope_quant_call}
 
