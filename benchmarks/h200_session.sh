@@ -113,6 +113,13 @@
 #              and `small`'s captured decode under the profile and a copy whose decode rules of linear,
 #              linear_plain and moe (or $SPLIT_RULES) take split_per_sm ${SPLIT_PER_SM:-4}: h200-real-slice-splits-{off,on}.json,
 #              h200-e2e-splits-{off,on}.json
+#   prefixtiles the prefix attention kernel (half of small's 64 x 512 prefill) at 16 rows x 512 under
+#              tile variants, among them the columns split over two programs with 128 score rows or K
+#              blocks of 16 (the sm_90 compiles that spill least), the fastest written into a profile
+#              copy (benchmarks/prefix_attention.py: h200-prefix-tiles.json, h200-prefix-tiles.yaml);
+#              the kernel's GPU tests under that copy (h200-prefix-tiles-tests.log); the prefill
+#              forwards of 16 and 64 rows under the copy and the profile:
+#              h200-prefill-rows-prefix-tiles-{on,off}.json
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -168,8 +175,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps or splits)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits or prefixtiles)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -477,6 +484,19 @@ phase_splits() {
   on=$(profile_knob h200-split split_per_sm "${SPLIT_PER_SM:-4}" ${SPLIT_RULES:-linear.linear linear_plain.plain moe.experts})
   slice_and_decode splits-off
   slice_and_decode splits-on "$on"
+}
+
+phase_prefixtiles() {
+  local on="$OUT/h200-prefix-tiles.yaml"
+  python benchmarks/prefix_attention.py --rows 16 --variant-rows 16 --out "$OUT/h200-prefix-tiles.json" \
+    --profile-out "$on" | grep -v '^ '
+  FLASHRT_PROFILE=$on timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
+    tests/kernels_cuda/test_cuda_prefix_attention.py > "$OUT/h200-prefix-tiles-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-prefix-tiles-tests.log"
+  FLASHRT_PROFILE=$on python benchmarks/prefill_rows.py --model small --rows 16 64 --tokens 512 \
+    --out "$OUT/h200-prefill-rows-prefix-tiles-on.json" | grep -v '^ '
+  python benchmarks/prefill_rows.py --model small --rows 16 64 --tokens 512 \
+    --out "$OUT/h200-prefill-rows-prefix-tiles-off.json" | grep -v '^ '
 }
 
 phase_ncu() {

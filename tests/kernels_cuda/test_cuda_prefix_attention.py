@@ -77,7 +77,8 @@ def test_fp32_queries(rng):
     _check(_case(rng, 2, 6, 16, 64, 8, 10, q_dtype=torch.float32), tol=1e-4)
 
 
-@pytest.mark.parametrize("tiles", [{"M_BLOCK": 32, "K_BLOCK": 16}, {"D_SPLIT": 2}, {"D_SPLIT": 2, "M_BLOCK": 128}])
+@pytest.mark.parametrize("tiles", [{"M_BLOCK": 32, "K_BLOCK": 16}, {"D_SPLIT": 2}, {"D_SPLIT": 2, "M_BLOCK": 128},
+                                   {"D_SPLIT": 2, "M_BLOCK": 128, "K_BLOCK": 16}])
 def test_other_tiles(rng, tiles):
     """Two or eight queries a program, 16-row K blocks, the output columns split over two programs:
     the block edges fall elsewhere, the same results."""
