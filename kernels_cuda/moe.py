@@ -73,6 +73,8 @@ TILES = {
         (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
     ),
     "combine": dict(BLOCK_D=1024, num_warps=4, in_kernel=True),  # in_kernel: the down kernel's last program sums
+    # the grouped path's SwiGLU + fp8 round trip: BLOCK_R rows x BLOCK_C columns (a multiple of 32) a program
+    "swiglu": dict(BLOCK_R=16, BLOCK_C=128, num_warps=4),
     "route": moe_tables.ROUTE,  # the routing tables: one program up to max_pairs (token, slot) pairs
     "fused_max_tokens": 64,  # up to this many tokens the up kernel quantizes x itself (no act_quant launch)
     "direct": True,  # one expert, one slot (the shared expert): no routing tables, no combine launch
@@ -236,7 +238,7 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     if (big is not None and n * k >= big * E and moe_grouped.available(x)
             and moe_grouped.stack_bytes(E, I, D, shared is not None) <= tiles["grouped_max_bytes"]):
         return moe_grouped.experts(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, shared,
-                                   tiles["combine"])
+                                   tiles["combine"], tiles["swiglu"])
     if shared is not None and not tiles["shared_in_launch"]:
         return _shared_apart(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared)
     plan = _plan(n, k, E, D, I, shared is not None)
@@ -316,7 +318,8 @@ FAMILY = KernelFamily(
                               "experts.split_min_blocks": Tile(nullable=True, kind=int),
                               "experts.split_per_sm": Tile(low=1, nullable=True, kind=int),
                               "experts.split_k": Tile(nullable=True, kind=int),
-                              "combine.BLOCK_D": POW2, "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
+                              "combine.BLOCK_D": POW2, "swiglu.BLOCK_R": POW2,
+                              "swiglu.BLOCK_C": Tile(low=32, pow2=True, kind=int), "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
                               "pair_tiles": Tile(low=0, kind=int), "grouped_min_rows": Tile(nullable=True, kind=int),
                               "grouped_max_bytes": Tile(low=0, kind=int),
                               "combine.in_kernel": Tile(kind=bool), "route.large": Tile(kind=bool),

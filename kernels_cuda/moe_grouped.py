@@ -10,7 +10,8 @@ operand is made exact in bf16 once and ``torch._grouped_mm`` (CUTLASS on sm_90) 
    for), gathered per pair, the shared expert's rows (every token) after them;
 3. one grouped GEMM: gate and up, fp32 sums rounded to bf16 (x.dtype), as the kernels round them;
 4. the SwiGLU in fp32 with each row's routing weight (1 for the shared rows), rounded to bf16,
-   quantized to fp8 per 32 and back (the input W2 sees, as in the kernels);
+   quantized to fp8 per 32 and back (the input W2 sees, as in the kernels): one launch
+   (``_swiglu_fp8_kernel``, the up kernel's own SwiGLU), no fp32 intermediates;
 5. one grouped GEMM over the dequantized W2 stack, rows rounded to bf16;
 6. the kernels' combine: each token's slot rows summed in slot order in fp32, then its shared
    row, then ``add``, stored in ``out_dtype``.
@@ -22,13 +23,12 @@ expert's weights; the threshold is a profile's choice (None: never).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant
-from flashrt.kernels_cuda.launch import cdiv
+from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
 from flashrt.kernels_cuda.linear import fp8_rows_bf16
-from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel
+from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _swiglu_fp8_kernel
 from flashrt.kernels_cuda import pdl
 
 BF16 = torch.bfloat16
@@ -59,9 +59,23 @@ def _stack(ws: list[QTensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def experts(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, combine: dict) -> torch.Tensor:
+def swiglu_fp8(gu: torch.Tensor, rw: torch.Tensor, limit: float, tile: dict) -> torch.Tensor:
+    """h [rows, I] in gu's dtype from gate ‖ up sums ``gu`` [rows, 2I] and fp32 row weights ``rw``
+    [rows]: the SwiGLU (clamped where ``limit`` > 0), rounded, quantized to fp8 per 32 and back."""
+    rows, I = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(rows, I, dtype=gu.dtype, device=gu.device)
+    if rows:
+        _swiglu_fp8_kernel[(cdiv(rows, tile["BLOCK_R"]), cdiv(I, tile["BLOCK_C"]))](
+            gu, rw, out, rows, I, float(limit), gu.stride(0), out.stride(0), CLAMP=limit > 0,
+            XDT=TL_DTYPES[gu.dtype], BLOCK_R=tile["BLOCK_R"], BLOCK_C=tile["BLOCK_C"], num_warps=tile["num_warps"],
+            **pdl.options(gu.device))
+    return out
+
+
+def experts(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, combine: dict,
+            swiglu: dict) -> torch.Tensor:
     """``moe_experts`` (x [N, D] bf16; shared: (w1, w3, w2) of one expert, quantized, or None;
-    ``combine``: the moe family's combine tile)."""
+    ``combine`` / ``swiglu``: the moe family's combine and SwiGLU tiles)."""
     n, D = x.shape
     k, E, I = indices.shape[1], w1.shape[0], w1.shape[1]
     pairs = n * k
@@ -82,12 +96,9 @@ def experts(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, share
     up = [w1, w3] if shared is None else [w1, shared[0], w3, shared[1]]
     w13 = torch.cat([_stack(up[:len(up) // 2]), _stack(up[len(up) // 2:])], dim=1)  # [E(+1), 2I, D]
     gu = torch._grouped_mm(a, w13.transpose(1, 2), offs=offs)  # [rows, 2I], fp32 sums rounded to bf16
-    g, u = gu[:, :I].float(), gu[:, I:].float()
-    if limit > 0:
-        g, u = g.clamp_max(limit), u.clamp(-limit, limit)
-    h = (F.silu(g) * u * rw[:, None]).to(BF16)
+    h = swiglu_fp8(gu, rw.contiguous(), limit, swiglu)  # the fp8 values W2 sees, in bf16
     w2s = _stack([w2] if shared is None else [w2, shared[2]])
-    y = torch._grouped_mm(fp8_rows_bf16(h), w2s.transpose(1, 2), offs=offs)  # [rows, D] bf16
+    y = torch._grouped_mm(h, w2s.transpose(1, 2), offs=offs)  # [rows, D] bf16
     pos = torch.empty(pairs, dtype=torch.int32, device=x.device)
     pos.scatter_(0, order, torch.arange(pairs, dtype=torch.int32, device=x.device))  # pair -> its row of y
     out = torch.empty(n, D, dtype=out_dtype, device=x.device)

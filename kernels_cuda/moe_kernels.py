@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda import splitk
-from flashrt.kernels_cuda.codecs import quant_fp8, to_out
+from flashrt.kernels_cuda.codecs import block_scale, fake_blocks, quant_fp8, to_out
 from flashrt.kernels_cuda.linear_kernel import _k_loop
 from flashrt.kernels_cuda.pdl import wait_inputs
 
@@ -91,6 +91,27 @@ def _swiglu(g, u, rw, limit, CLAMP: tl.constexpr, XDT: tl.constexpr):
         u = tl.minimum(tl.maximum(u, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
     return to_out(h, XDT).to(tl.float32)
+
+
+@triton.jit
+def _swiglu_fp8_kernel(gu_ptr, rw_ptr, out_ptr, rows, I, limit, stride_gu, stride_out,
+                       CLAMP: tl.constexpr, XDT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The grouped path's SwiGLU (kernels_cuda/moe_grouped.py) in one pass: ``gu`` [rows, 2I] (gate
+    sums ‖ up sums, x.dtype) and each row's weight -> h as the up kernel's epilogue makes it
+    (:func:`_swiglu`), then quantized to fp8 per 32 and decoded back (the values W2 sees), stored
+    in x.dtype [rows, I]. One program: ``BLOCK_R`` rows x ``BLOCK_C`` columns (whole blocks of 32)."""
+    wait_inputs()
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (r < rows)[:, None] & (c < I)[None, :]
+    at = r[:, None] * stride_gu + c[None, :]
+    g = tl.load(gu_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + at + I, mask=ok, other=0.0).to(tl.float32)
+    rw = tl.load(rw_ptr + r, mask=r < rows, other=1.0)
+    h = tl.reshape(_swiglu(g, u, rw, limit, CLAMP, XDT), (BLOCK_R * BLOCK_C // 32, 32))
+    _, scale, recip = block_scale(tl.max(tl.abs(h), axis=1), 1)
+    v = tl.reshape(fake_blocks(h, scale, recip, 1), (BLOCK_R, BLOCK_C))
+    tl.store(out_ptr + r[:, None] * stride_out + c[None, :], to_out(v, XDT), mask=ok)
 
 
 @triton.jit
