@@ -113,7 +113,9 @@
 #              and `small`'s captured decode under the profile and a copy whose decode rules of linear,
 #              linear_plain and moe (or $SPLIT_RULES) take split_per_sm ${SPLIT_PER_SM:-4}: h200-real-slice-splits-{off,on}.json,
 #              h200-e2e-splits-{off,on}.json
-#   prefixtiles the prefix attention kernel (half of small's 64 x 512 prefill) at 16 rows x 512 under
+#   prefixtiles the grouped experts' SwiGLU launch (its GPU tests: h200-moe-grouped-tests-swiglu.log) against the torch ops it replaced at the prefill
+#              shapes of small and the released model (benchmarks/moe_swiglu.py: h200-moe-swiglu.json);
+#              the prefix attention kernel (half of small's 64 x 512 prefill) at 16 rows x 512 under
 #              tile variants, among them the columns split over two programs with 128 score rows or K
 #              blocks of 16 (the sm_90 compiles that spill least), the fastest written into a profile
 #              copy (benchmarks/prefix_attention.py: h200-prefix-tiles.json, h200-prefix-tiles.yaml);
@@ -488,6 +490,10 @@ phase_splits() {
 
 phase_prefixtiles() {
   local on="$OUT/h200-prefix-tiles.yaml"
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_grouped.py \
+    > "$OUT/h200-moe-grouped-tests-swiglu.log" 2>&1
+  tail -n 2 "$OUT/h200-moe-grouped-tests-swiglu.log"
+  python benchmarks/moe_swiglu.py --out "$OUT/h200-moe-swiglu.json"
   python benchmarks/prefix_attention.py --rows 16 --variant-rows 16 --out "$OUT/h200-prefix-tiles.json" \
     --profile-out "$on" | grep -v '^ '
   FLASHRT_PROFILE=$on timeout 150 python -m pytest -q -n 8 -p no:cacheprovider \
