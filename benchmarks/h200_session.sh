@@ -113,8 +113,9 @@
 #              and `small`'s captured decode under the profile and a copy whose decode rules of linear,
 #              linear_plain and moe (or $SPLIT_RULES) take split_per_sm ${SPLIT_PER_SM:-4}: h200-real-slice-splits-{off,on}.json,
 #              h200-e2e-splits-{off,on}.json
-#   prefixtiles the grouped experts' SwiGLU launch (its GPU tests: h200-moe-grouped-tests-swiglu.log) against the torch ops it replaced at the prefill
-#              shapes of small and the released model (benchmarks/moe_swiglu.py: h200-moe-swiglu.json);
+#   prefixtiles the grouped experts' SwiGLU launch (its GPU tests: h200-moe-grouped-tests-swiglu.log)
+#              against the torch ops it replaced at the prefill shapes of small and the released model
+#              (benchmarks/moe_swiglu.py: h200-moe-swiglu.json);
 #              the prefix attention kernel (half of small's 64 x 512 prefill) at 16 rows x 512 under
 #              tile variants, among them the columns split over two programs with 128 score rows or K
 #              blocks of 16 (the sm_90 compiles that spill least), the fastest written into a profile
