@@ -123,6 +123,11 @@
 #              the kernel's GPU tests under that copy (h200-prefix-tiles-tests.log); the prefill
 #              forwards of 16 and 64 rows under the copy and the profile:
 #              h200-prefill-rows-prefix-tiles-{on,off}.json
+#   topkgroup  the 128K and 1M top-k (k = 512, 1 / 8 / 64 rows) with the select's list loops taking
+#              2,048 (the profile), 4,096 or 8,192 elements a step (tiles.topk.select.group; 8,192
+#              compiles to 243 registers without spills for sm_90, 16,384 spills), each against
+#              torch.topk in its own run (benchmarks/topk_radix.py): h200-topk-group-{2048,4096,8192}.json
+#              (the compiles: benchmarks/results/cpu-sm90-compile-topk-group.json)
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -178,8 +183,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits or prefixtiles)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles or topkgroup)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -504,6 +509,14 @@ phase_prefixtiles() {
     --out "$OUT/h200-prefill-rows-prefix-tiles-on.json" | grep -v '^ '
   python benchmarks/prefill_rows.py --model small --rows 16 64 --tokens 512 \
     --out "$OUT/h200-prefill-rows-prefix-tiles-off.json" | grep -v '^ '
+}
+
+phase_topkgroup() {
+  local g
+  for g in 2048 4096 8192; do
+    python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --select "{\"group\": $g}" \
+      --out "$OUT/h200-topk-group-$g.json"
+  done
 }
 
 phase_ncu() {

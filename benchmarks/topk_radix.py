@@ -2,7 +2,7 @@
 the sort of its indices, one run.
 
     python benchmarks/topk_radix.py --out F [--rows 1 8 64] [--lengths 2048 4096 131072 1048576]
-        [--radix 1 2 4 8] [--summary N]
+        [--radix 1 2 4 8] [--summary N] [--select '{"group": 8192}']
 
 Rows of at most ``tiles.topk.select.summary`` (or ``registers``, the larger) entries are picked
 from their keys in registers after one search; longer rows go through a chunk summary and a candidate list. The select's two
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import torch
 
@@ -45,14 +46,23 @@ def main() -> None:
                          "most this many (or tiles.topk.select.registers) entries are picked from "
                          "registers, one search")
     ap.add_argument("--radix", type=int, nargs="+", default=[1, 2, 4, 8], choices=[1, 2, 4, 8])
+    ap.add_argument("--select", default="{}", metavar="JSON",
+                    help="more tiles.topk.select entries for every case, e.g. '{\"group\": 8192}' (the "
+                         "elements a step of the list's loops)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    try:
+        extra = json.loads(args.select)
+    except json.JSONDecodeError as e:
+        ap.error(f"--select: expected a JSON object, got {args.select!r} ({e})")
+    if not isinstance(extra, dict):
+        ap.error(f"--select: expected a JSON object, got {args.select!r}")
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed")
     from flashrt.kernels_cuda import topk
 
     g, rows = torch.Generator(device="cuda").manual_seed(0), []
-    summary = {} if args.summary is None else {"summary": args.summary}
+    summary = {**extra, **({} if args.summary is None else {"summary": args.summary})}
     for T in args.lengths:
         for R in args.rows:
             scores = torch.randn(R, 1, T, device="cuda", generator=g)
@@ -72,7 +82,8 @@ def main() -> None:
                 f"radix {r}: {row[f'radix{r}_us']:7.1f} us ({row[f'radix{r}_speedup']:5.2f}x"
                 f"{'' if row[f'radix{r}_match'] else ', WRONG'})" for r in args.radix), flush=True)
             del scores, want
-    write_json(args.out, {"device": torch.cuda.get_device_name(), "summary": args.summary, "rows": rows})
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "summary": args.summary, "select": extra,
+                          "rows": rows})
 
 
 if __name__ == "__main__":

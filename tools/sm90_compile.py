@@ -7,7 +7,7 @@ Costs no device time: use it to check a kernel change for spills and wgmma befor
 
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
     python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc, kv_store,
-                                                        # norm_rope_quant, prefix_attention
+                                                        # norm_rope_quant, prefix_attention, topk (--S: entries)
 
 How: the launcher runs on CPU tensors as it would on an sm_90 GPU, each kernel specialization it
 launches recorded instead of compiled (:func:`flashrt.jit_compile.recording`, shared with
@@ -239,7 +239,15 @@ def prefix_attention_call(B: int, S: int, cold: bool):
     return lambda: kernel.prefix_attention(*args)
 
 
-CALLS = {"attention": attention_call, "prefix_attention": prefix_attention_call, "compress": compress_call, "indexer": indexer_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
+def topk_call(B: int, S: int, cold: bool):
+    """``topk_positions`` (k = 512) of B rows of S fp32 scores."""
+    from flashrt.kernels_cuda import topk
+
+    scores = torch.zeros(B, 1, S)
+    return lambda: topk.topk_positions(scores, 512)
+
+
+CALLS = {"attention": attention_call, "prefix_attention": prefix_attention_call, "topk": topk_call, "compress": compress_call, "indexer": indexer_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
          "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call,
          "norm_rope_quant": norm_rope_quant_call}
 
