@@ -124,6 +124,15 @@ def test_topk_chunk_summary_path(kind, fine, monkeypatch, rng):
     assert (stats <= 512).all()
 
 
+@pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
+def test_topk_list_loops_in_one_step(kind, monkeypatch, rng):
+    """A ``group`` wider than every selected chunk's elements: the chunk-id, list and streaming
+    loops each take one masked step (the wide steps of tiles.topk.select.group); same picks."""
+    _force(monkeypatch, summary=16, fine=4, small=16, list=512, group=2048)
+    scores = _scores(kind, 1, 3, 700, rng)[0]
+    _select(scores, 11, torch.rand(3, 700, generator=rng) < 0.8 if kind == "tied" else None)
+
+
 @pytest.mark.parametrize("kind", ["tied", "smooth", "sorted"])
 def test_topk_streamed_chunks(kind, monkeypatch, rng):
     """Lists longer than TILES list: the selected chunks are streamed (same picks)."""
