@@ -14,8 +14,9 @@ profile's (``flashrt.profiles.using``):
   every batch (``SMALL_T`` 0: no 16-token tiles for small batches); the finish as a launch of its
   own (``in_kernel`` off); fewer K splits (``PROGRAMS`` 4 / 8 / 16 / 64: each program reads more of
   ``fn``, the last one sums fewer partials); K blocks of 256 or 64; the GEMV as fp32 multiply-adds
-  up to 8 tokens (``FMA_T``); the dot path with a one-stage pipeline (``num_stages`` 1); the finish
-  loading every split at once (``SPLIT_CHUNK`` 32).
+  up to 8 tokens (``FMA_T``, also with K blocks of 256 / 512); the dot path with a one-stage
+  pipeline (``num_stages`` 1); K blocks of 512; the finish loading every split at once
+  (``SPLIT_CHUNK`` 32).
 * ``sparse_attention`` (``q [B, 1, heads, head_dim]`` bf16 over an fp8 window ring and an
   fp4_b16 main cache, ``window + index_topk`` indices in two parts, a sink): the combine launch
   over 64-column tiles (shipped), over whole rows (``BLOCK_D`` = head_dim, as before), and merged
@@ -56,6 +57,9 @@ HC_VARIANTS = {
     "multiply-add GEMV up to 8 tokens": {"hc_coefficients": {"FMA_T": 8}},
     "multiply-add GEMV, K blocks of 256": {"hc_coefficients": {"FMA_T": 8, "BLOCK_K": 256}},
     "dot path, one pipeline stage": {"hc_coefficients": {"num_stages": 1}},
+    # the released dimensions (K = 4 x 5,120: 160 blocks of 128, one split each at one token)
+    "K blocks of 512 (40 splits at K 20,480)": {"hc_coefficients": {"BLOCK_K": 512}},
+    "multiply-add GEMV, K blocks of 512": {"hc_coefficients": {"FMA_T": 8, "BLOCK_K": 512}},
     # the finish loading every split's partials at once (up to 32 splits x 16 values a token)
     "finish: all splits in one load": {"hc_finish": {"SPLIT_CHUNK": 32, "SPLIT_ELEMS": 16384}},
 }

@@ -128,6 +128,11 @@
 #              compiles to 243 registers without spills for sm_90, 16,384 spills), each against
 #              torch.topk in its own run (benchmarks/topk_radix.py): h200-topk-group-{2048,4096,8192}.json
 #              (the compiles: benchmarks/results/cpu-sm90-compile-topk-group.json)
+#   hcreal     the mHC coefficients and the decode attention under their tile variants at the
+#              released dimensions (hc_coefficients at K = 4 x 5,120: 160 one-block splits at one token;
+#              benchmarks/decode_kernel_variants.py --model v4.1-flash): h200-decode-kernel-variants-v41.json;
+#              then the real-dimension slice's kernels a step (real_slice.py --profile):
+#              h200-real-slice-profile-2.json
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -183,8 +188,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles or topkgroup)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup or hcreal)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -517,6 +522,12 @@ phase_topkgroup() {
     python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --select "{\"group\": $g}" \
       --out "$OUT/h200-topk-group-$g.json"
   done
+}
+
+phase_hcreal() {
+  python benchmarks/decode_kernel_variants.py --model v4.1-flash --batches 1 8 64 \
+    --out "$OUT/h200-decode-kernel-variants-v41.json" | grep -v '^ '
+  python benchmarks/real_slice.py --batches 1 8 64 --profile 3 --out "$OUT/h200-real-slice-profile-2.json" | grep batch
 }
 
 phase_ncu() {
