@@ -7,8 +7,9 @@ experts (fp4_w / fp8_w per ``expert_dtype``) and the shared expert (one expert, 
 ``hc_coefficients`` (twice a layer), and the plain bf16-weight linears (:func:`plain_shapes`).
 Candidates are values merged into the profile's entry: the tile rule the case's rows select
 (``linear``, ``moe`` experts, ``linear_plain``) or the mapping (``mhc``). The
-rule knobs (``min_block_n``, ``split_min_blocks``) only act where a launch does not fill the SMs,
-so a winner at decode leaves the prefill launches of the same rule as they are.
+rule knobs ``min_block_n`` and ``split_min_blocks`` only act where a launch does not fill the SMs,
+so a winner at decode leaves the prefill launches of the same rule as they are; ``split_per_sm``
+also splits launches that fill the SMs once (every launch of its rule).
 """
 from __future__ import annotations
 
@@ -151,6 +152,8 @@ CANDIDATES = {
     ("moe", "experts"): _GEMM_KNOBS + [
         dict(BLOCK_K=128, min_block_n=32, split_min_blocks=2), dict(num_warps=8, min_block_n=64, split_min_blocks=2),
         dict(num_stages=4, min_block_n=32, split_min_blocks=2),
+        # K split to more programs an SM, also where the output tiles fill the SMs once
+        dict(min_block_n=32, split_min_blocks=2, split_per_sm=6), dict(min_block_n=32, split_min_blocks=2, split_per_sm=3),
     ],
     # the gate and weights_proj (32 columns) fill few programs: shorter K blocks split them further
     ("linear_plain", "plain"): _GEMM_KNOBS + [
