@@ -138,6 +138,9 @@
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
 #              states, occupancy, launch statistics a kernel, ncu-CASE.txt (ncu-check.txt: the tool's
 #              own output when it cannot profile here)
+#   ncustalls  Nsight Compute's warp-stall reasons and their source lines (WarpStateStats and
+#              SourceCounters, --print-details all) on the experts at 1 token, the one-row linear and
+#              the prefix attention (NCU_CASES to change): ncu-stalls-CASE.txt
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -188,8 +191,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup or hcreal)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal or ncustalls)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -541,6 +544,17 @@ phase_ncu() {
       python tools/ncu_cases.py "$case" > "$OUT/ncu-$case.txt" 2>&1
     tail -n 3 "$OUT/ncu-$case.txt"
     grep -q "Duration" "$OUT/ncu-$case.txt" || { cp "$OUT/ncu-$case.txt" "$OUT/ncu-check.txt"; return 1; }
+  done
+}
+
+phase_ncustalls() {
+  local ncu case
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  [ -n "$ncu" ] || { echo "no ncu here" | tee "$OUT/ncu-check.txt"; return 1; }
+  for case in ${NCU_CASES:-experts1 linear1 prefix}; do
+    timeout 150 "$ncu" --profile-from-start off --clock-control none --section WarpStateStats \
+      --section SourceCounters --print-details all python tools/ncu_cases.py "$case" > "$OUT/ncu-stalls-$case.txt" 2>&1
+    grep -i -m 12 "stall" "$OUT/ncu-stalls-$case.txt"
   done
 }
 

@@ -7,7 +7,8 @@ Costs no device time: use it to check a kernel change for spills and wgmma befor
 
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
     python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc, kv_store,
-                                                        # norm_rope_quant, prefix_attention, topk (--S: entries)
+                                                        # norm_rope_quant, prefix_attention, topk (--S: entries),
+                                                        # quant (fp4_b16 store; --cold: fp8)
 
 How: the launcher runs on CPU tensors as it would on an sm_90 GPU, each kernel specialization it
 launches recorded instead of compiled (:func:`flashrt.jit_compile.recording`, shared with
@@ -239,6 +240,18 @@ def prefix_attention_call(B: int, S: int, cold: bool):
     return lambda: kernel.prefix_attention(*args)
 
 
+def quant_call(B: int, S: int, cold: bool):
+    """``quantize_store`` of B x S bf16 rows of 512 into an fp4_b16 paged cache through a slot map
+    (``--cold``: into an fp8 one): the compressed entries' store."""
+    from flashrt.kernels_cuda import quant
+
+    rows, fmt = B * S, "fp8" if cold else "fp4_b16"
+    x = torch.zeros(rows, 512, dtype=torch.bfloat16)
+    data = torch.zeros(2 * rows, 512 if cold else 256, dtype=torch.uint8)
+    scale = torch.zeros(2 * rows, 512 // (32 if cold else 16), dtype=torch.uint8)
+    return lambda: quant.quantize_store(x, fmt, data, scale, torch.zeros(rows, dtype=torch.long))
+
+
 def topk_call(B: int, S: int, cold: bool):
     """``topk_positions`` (k = 512) of B rows of S fp32 scores."""
     from flashrt.kernels_cuda import topk
@@ -247,7 +260,7 @@ def topk_call(B: int, S: int, cold: bool):
     return lambda: topk.topk_positions(scores, 512)
 
 
-CALLS = {"attention": attention_call, "prefix_attention": prefix_attention_call, "topk": topk_call, "compress": compress_call, "indexer": indexer_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
+CALLS = {"attention": attention_call, "prefix_attention": prefix_attention_call, "topk": topk_call, "quant": quant_call, "compress": compress_call, "indexer": indexer_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
          "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call,
          "norm_rope_quant": norm_rope_quant_call}
 
@@ -257,7 +270,8 @@ def main(argv=None) -> None:
     ap.add_argument("family", choices=sorted(CALLS))
     ap.add_argument("--B", type=int, default=64)
     ap.add_argument("--S", type=int, default=1)
-    ap.add_argument("--cold", action="store_true", help="attention: with the cold-page staging segment")
+    ap.add_argument("--cold", action="store_true", help="attention: with the cold-page staging segment; "
+                    "quant: the fp8 store")
     ap.add_argument("--tiles", default="{}", help="JSON merged into tiles.<module> of the active profile "
                     "(the family's kernel module)")
     ap.add_argument("--json", action="store_true")
