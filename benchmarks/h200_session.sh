@@ -139,8 +139,9 @@
 #              states, occupancy, launch statistics a kernel, ncu-CASE.txt (ncu-check.txt: the tool's
 #              own output when it cannot profile here)
 #   ncustalls  Nsight Compute's warp-stall reasons and their source lines (WarpStateStats and
-#              SourceCounters, --print-details all) on the experts at 1 token, the one-row linear and
-#              the prefix attention (NCU_CASES to change): ncu-stalls-CASE.txt
+#              SourceCounters, --print-details all) on the experts at 1 token, the one-row linear,
+#              the prefix attention and the batch-64 decode attention (NCU_CASES to change):
+#              ncu-stalls-CASE.txt
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -551,7 +552,7 @@ phase_ncustalls() {
   local ncu case
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
   [ -n "$ncu" ] || { echo "no ncu here" | tee "$OUT/ncu-check.txt"; return 1; }
-  for case in ${NCU_CASES:-experts1 linear1 prefix}; do
+  for case in ${NCU_CASES:-experts1 linear1 prefix attn64}; do
     timeout 150 "$ncu" --profile-from-start off --clock-control none --section WarpStateStats \
       --section SourceCounters --print-details all python tools/ncu_cases.py "$case" > "$OUT/ncu-stalls-$case.txt" 2>&1
     grep -i -m 12 "stall" "$OUT/ncu-stalls-$case.txt"

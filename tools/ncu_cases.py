@@ -13,7 +13,9 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
 - ``prefix``: ``prefix_attention`` of 16 rows x 512 queries over 512 entries at ``small``'s shapes
   (benchmarks/prefix_attention.py's case);
 - ``quant_fp4_b16``: ``quantize_store`` of 131,072 bf16 rows of 512 into an fp4_b16 paged cache;
-- ``topk128k`` / ``topk128k_64``: ``topk_positions`` (k = 512) of 1 / 64 rows of 131,072 scores.
+- ``topk128k`` / ``topk128k_64``: ``topk_positions`` (k = 512) of 1 / 64 rows of 131,072 scores;
+- ``attn64``: ``sparse_attention`` decode of 64 rows at the released shapes (64 heads x 512, an fp8
+  window ring of 128 and 512 picks of an fp4_b16 main cache of 262,144 entries: K = 640).
 """
 from __future__ import annotations
 
@@ -74,8 +76,23 @@ def _topk(rows: int):
     return lambda: topk.topk_positions(scores, 512)
 
 
+def _attn64():
+    from flashrt import formats, ops
+
+    B, H, D, W, K, T = 64, 64, 512, 128, 512, 262144
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, 1, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    ring = formats.quantize(torch.randn(B, W, D, device="cuda", generator=g), "fp8")
+    main = formats.quantize(torch.randn(1, T, D, device="cuda", generator=g), "fp4_b16")
+    window = torch.arange(W, device="cuda", dtype=torch.int32).expand(B, 1, W).contiguous()
+    picks = (W + torch.randint(0, T, (B, 1, K), device="cuda", generator=g)).to(torch.int32)
+    sink = torch.randn(H, device="cuda", generator=g)
+    return lambda: ops.sparse_attention(q, (ring, main), (window, picks), sink, D ** -0.5)
+
+
 CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8), "linear1": _linear1, "prefix": _prefix,
-         "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64)}
+         "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64),
+         "attn64": _attn64}
 
 
 def main() -> None:
