@@ -32,7 +32,7 @@ from flashrt.graphs.config import shipped_config
 from flashrt.kernels_cuda import linear, moe
 from flashrt.timing import bench_ms
 from real_slice import copy_bandwidth, nbytes
-from results_io import write_json
+from results_io import profile_copy, write_json
 
 
 def fma(block_m: int, block_n: int, block_k: int, warps: int = 4, stages: int = 3, **knobs) -> dict:
@@ -159,17 +159,11 @@ def fastest_rules(rows: list[dict], margin: float = 0.97) -> dict:
 def write_profile(path: str, rules: dict) -> None:
     """A copy of the active profile's file named for ``path``, each of ``rules`` as the tile of its
     entry's first rule (its row limit kept)."""
-    import os
+    def edit(data):
+        for (family, entry), tile in rules.items():
+            data["tiles"][family][entry][0][1] = tile
 
-    import yaml
-
-    with open(profiles.active_profile().source) as f:
-        data = yaml.safe_load(f)
-    data["name"] = os.path.basename(path).removesuffix(".yaml")
-    for (family, entry), tile in rules.items():
-        data["tiles"][family][entry][0][1] = tile
-    with open(path, "w") as f:
-        yaml.safe_dump(data, f, sort_keys=False)
+    profile_copy(path, edit)
 
 
 def main() -> None:

@@ -206,24 +206,15 @@ if [ -d .whl ] && ! python -c "import fastapi, uvicorn, openai" 2>/dev/null; the
 fi
 python -c "import flashrt" 2>/dev/null || python -m pip install --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || exit 1
 
-profile_set() {  # NAME DOTTED.KEY JSON [DOTTED.KEY JSON ...]: a copy of h200.yaml named NAME with those keys set; prints its path
+profile_set() {  # NAME DOTTED.KEY JSON [DOTTED.KEY JSON ...]: a copy of h200.yaml named NAME with those keys set
+  # (a numeric part indexes a list: tiles.moe.experts.0.1.split_per_sm is the first rule's tile); prints its path
   local f
   f=$(mktemp -d)/$1.yaml  # a profile's name is its file's
   python -c "import json, sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = sys.argv[2]
 for key, value in zip(sys.argv[3::2], sys.argv[4::2]):
     *path, last = key.split('.'); d = p
-    for k in path: d = d.setdefault(k, {})
-    d[last] = json.loads(value)
-yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$f" "$@"
-  echo "$f"
-}
-
-profile_knob() {  # NAME KNOB JSON FAMILY.ENTRY...: a copy of h200.yaml whose first rule of each entry sets KNOB
-  local f
-  f=$(mktemp -d)/$1.yaml
-  python -c "import json, sys, yaml; p = yaml.safe_load(open('hwconfigs/h200.yaml')); p['name'] = sys.argv[2]
-for entry in sys.argv[5:]:
-    family, name = entry.split('.'); p['tiles'][family][name][0][1][sys.argv[3]] = json.loads(sys.argv[4])
+    for k in path: d = d[int(k)] if isinstance(d, list) else d.setdefault(k, {})
+    d[int(last) if isinstance(d, list) else last] = json.loads(value)
 yaml.safe_dump(p, open(sys.argv[1], 'w'))" "$f" "$@"
   echo "$f"
 }
@@ -498,7 +489,11 @@ phase_splits() {
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants "profile, split to 3 programs an SM" \
     "profile, split to 4 programs an SM" "profile, split to 6 programs an SM" "profile, split to 8 programs an SM" \
     --out "$OUT/h200-gemv-splits.json" | grep -v '^ '
-  on=$(profile_knob h200-split split_per_sm "${SPLIT_PER_SM:-4}" ${SPLIT_RULES:-linear.linear linear_plain.plain moe.experts})
+  local rule keys=()
+  for rule in ${SPLIT_RULES:-linear.linear linear_plain.plain moe.experts}; do
+    keys+=("tiles.$rule.0.1.split_per_sm" "${SPLIT_PER_SM:-4}")
+  done
+  on=$(profile_set h200-split "${keys[@]}")
   slice_and_decode splits-off
   slice_and_decode splits-on "$on"
 }

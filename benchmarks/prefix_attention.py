@@ -27,7 +27,7 @@ from flashrt.dtypes import MAIN_KV_FORMAT
 from flashrt.graphs.config import shipped_config
 from flashrt.timing import bench_ms
 from decode_kernel_variants import with_tiles
-from results_io import write_json
+from results_io import profile_copy, write_json
 
 VARIANTS = {
     "shipped": {},
@@ -73,17 +73,11 @@ def fastest_tiles(variants: list[dict], margin: float = 0.97) -> dict | None:
 def write_profile(path: str, tiles: dict | None) -> None:
     """A copy of the active profile's file named for ``path`` with ``tiles`` (None: unchanged) merged
     into ``tiles.prefix_attention.prefix``."""
-    import os
+    def edit(data):
+        if tiles:
+            data.setdefault("tiles", {}).setdefault("prefix_attention", {}).setdefault("prefix", {}).update(tiles)
 
-    import yaml
-
-    with open(profiles.active_profile().source) as f:
-        data = yaml.safe_load(f)
-    data["name"] = os.path.basename(path).removesuffix(".yaml")
-    if tiles:
-        data.setdefault("tiles", {}).setdefault("prefix_attention", {}).setdefault("prefix", {}).update(tiles)
-    with open(path, "w") as f:
-        yaml.safe_dump(data, f, sort_keys=False)
+    profile_copy(path, edit)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Writing benchmark results: one JSON file per run, and ratios against a baseline row."""
+"""Writing benchmark results: one JSON file per run, ratios against a baseline row, and profile
+copies carrying a benchmark's pick."""
 from __future__ import annotations
 
 import json
@@ -20,3 +21,20 @@ def add_ratio(rows: list[dict], key: str, value: str, name: str, match: str, bas
     for r in rows:
         base = next(x for x in rows if x[key] == base_value and x[match] == r[match])
         r[name] = base[value] / r[value] if invert else r[value] / base[value]
+
+
+def profile_copy(path: str, edit) -> None:
+    """Write a copy of the active profile's YAML file to ``path`` (a ``.yaml`` name, which becomes the
+    copy's profile name) after ``edit(data)`` changed its parsed mapping in place."""
+    import os
+
+    import yaml
+
+    from flashrt import profiles
+
+    with open(profiles.active_profile().source) as f:
+        data = yaml.safe_load(f)
+    data["name"] = os.path.basename(path).removesuffix(".yaml")
+    edit(data)
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
