@@ -60,6 +60,10 @@ HC_VARIANTS = {
     # the released dimensions (K = 4 x 5,120: 160 blocks of 128, one split each at one token)
     "K blocks of 512 (40 splits at K 20,480)": {"hc_coefficients": {"BLOCK_K": 512}},
     "multiply-add GEMV, K blocks of 512": {"hc_coefficients": {"FMA_T": 8, "BLOCK_K": 512}},
+    # wider K blocks for the multiply-add GEMV alone (the dot path at 8-64 tokens keeps BLOCK_K)
+    "multiply-add K blocks of 256": {"hc_coefficients": {"FMA_BLOCK_K": 256}},
+    "multiply-add K blocks of 512": {"hc_coefficients": {"FMA_BLOCK_K": 512}},
+    "multiply-add K blocks of 1024": {"hc_coefficients": {"FMA_BLOCK_K": 1024}},
     # the finish loading every split's partials at once (up to 32 splits x 16 values a token)
     "finish: all splits in one load": {"hc_finish": {"SPLIT_CHUNK": 32, "SPLIT_ELEMS": 16384}},
 }
@@ -117,7 +121,12 @@ def measure(name: str, family: str, variants: dict, make_call, batches) -> list[
         for label, tiles in variants.items():
             with with_tiles(family, tiles):
                 profiles._TILES_CACHE.clear()
-                out = call()
+                try:
+                    out = call()
+                except Exception as e:  # a tile past the device's shared memory: recorded, the others still run
+                    rows.append({"op": name, "batch": B, "variant": label, "error": f"{type(e).__name__}: {e}"[:300]})
+                    print(f"{name:24s} B={B:3d} {label:26s} failed: {rows[-1]['error'][:100]}", flush=True)
+                    continue
                 got = out if isinstance(out, tuple) else (out,)
                 first = first or [t.clone() for t in got]
                 diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, first))
@@ -139,6 +148,8 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=1024, help="main-KV entries the indices point into")
     ap.add_argument("--prefill-rows", type=int, default=4, help="rows of the prefill attention case")
     ap.add_argument("--prefill-len", type=int, default=512, help="queries per row of the prefill attention case")
+    ap.add_argument("--ops", nargs="+", choices=["hc_coefficients", "sparse_attention", "prefill"],
+                    default=["hc_coefficients", "sparse_attention", "prefill"], help="the cases to time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -162,10 +173,14 @@ def main() -> None:
         sink = torch.randn(H, generator=g).to(dev)
         return lambda: attention.sparse_attention(q, (ring, main_kv), idx, sink, D ** -0.5)
 
-    rows = measure("hc_coefficients", "mhc", HC_VARIANTS, hc_call, args.batches)
-    rows += measure("sparse_attention", "attention", ATTENTION_VARIANTS, attention_call, args.batches)
-    rows += measure("sparse_attention prefill", "attention", PREFILL_VARIANTS,
-                    lambda B: attention_call(B, args.prefill_len), [args.prefill_rows])
+    rows = []
+    if "hc_coefficients" in args.ops:
+        rows += measure("hc_coefficients", "mhc", HC_VARIANTS, hc_call, args.batches)
+    if "sparse_attention" in args.ops:
+        rows += measure("sparse_attention", "attention", ATTENTION_VARIANTS, attention_call, args.batches)
+    if "prefill" in args.ops:
+        rows += measure("sparse_attention prefill", "attention", PREFILL_VARIANTS,
+                        lambda B: attention_call(B, args.prefill_len), [args.prefill_rows])
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "entries": args.entries,
                           "rows": rows})
 

@@ -133,6 +133,14 @@
 #              benchmarks/decode_kernel_variants.py --model v4.1-flash): h200-decode-kernel-variants-v41.json;
 #              then the real-dimension slice's kernels a step (real_slice.py --profile):
 #              h200-real-slice-profile-2.json
+#   prefixship the prefix attention's shipped tiles (128 score rows, columns split) checked and timed:
+#              its and the mHC kernels' GPU tests (h200-prefixship-tests.log); the released model's 64
+#              heads at 4 rows x 512 (two queries a program) against the sparse kernel and under the
+#              tile variants, the variants over a copy with the default tiles
+#              (h200-prefix-tiles-v41.json); the hc_coefficients variants at small's and the released
+#              dimensions, the multiply-add GEMV's own K blocks among them
+#              (h200-hc-variants-{small,v41}.json); small's prefill forwards at 1-64 rows
+#              (h200-prefill-rows-prefixship.json) and captured decode (h200-e2e-prefixship.json)
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -142,6 +150,10 @@
 #              SourceCounters, --print-details all) on the experts at 1 token, the one-row linear,
 #              the prefix attention and the batch-64 decode attention (NCU_CASES to change):
 #              ncu-stalls-CASE.txt
+#   ncusource  Nsight Compute's source page (SASS, with executed instructions and stall samples a line)
+#              of NCU_CASES (default experts1), summed by opcode (tools/ncu_source.py):
+#              ncu-source-CASE.csv, ncu-source-CASE.txt, ncu-source-CASE.json
+#   kerneltests the CUDA kernel tests natively under the profile (h200-kernel-tests.log)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -192,8 +204,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal or ncustalls)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource or kerneltests)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -515,6 +527,24 @@ phase_prefixtiles() {
     --out "$OUT/h200-prefill-rows-prefix-tiles-off.json" | grep -v '^ '
 }
 
+phase_prefixship() {
+  local base
+  base=$(profile_set h200-prefix-default tiles.prefix_attention.prefix '{"M_BLOCK": 64, "D_SPLIT": 1}')
+  timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_prefix_attention.py \
+    tests/kernels_cuda/test_cuda_norm_mhc.py > "$OUT/h200-prefixship-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-prefixship-tests.log"
+  FLASHRT_PROFILE=$base python benchmarks/prefix_attention.py --model v4.1-flash --rows 1 4 --variant-rows 4 \
+    --out "$OUT/h200-prefix-tiles-v41.json" | grep -v '^ '
+  python benchmarks/decode_kernel_variants.py --model small --ops hc_coefficients \
+    --out "$OUT/h200-hc-variants-small.json" | grep -v '^ '
+  python benchmarks/decode_kernel_variants.py --model v4.1-flash --ops hc_coefficients \
+    --out "$OUT/h200-hc-variants-v41.json" | grep -v '^ '
+  python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
+    --out "$OUT/h200-prefill-rows-prefixship.json" | grep -v '^ '
+  python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
+    --out "$OUT/h200-e2e-prefixship.json" | tail -n 4
+}
+
 phase_topkgroup() {
   local g
   for g in 2048 4096 8192; do
@@ -552,6 +582,27 @@ phase_ncustalls() {
       --section SourceCounters --print-details all python tools/ncu_cases.py "$case" > "$OUT/ncu-stalls-$case.txt" 2>&1
     grep -i -m 12 "stall" "$OUT/ncu-stalls-$case.txt"
   done
+}
+
+phase_ncusource() {
+  local ncu case
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  [ -n "$ncu" ] || { echo "no ncu here" | tee "$OUT/ncu-check.txt"; return 1; }
+  for case in ${NCU_CASES:-experts1}; do
+    timeout 150 "$ncu" --profile-from-start off --clock-control none --section SourceCounters \
+      --section WarpStateStats --import-source yes -f -o "$OUT/ncu-source-$case" \
+      python tools/ncu_cases.py "$case" > "$OUT/ncu-source-$case.log" 2>&1
+    "$ncu" -i "$OUT/ncu-source-$case.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/ncu-source-$case.csv" 2>&1
+    python tools/ncu_source.py "$OUT/ncu-source-$case.csv" --json "$OUT/ncu-source-$case.json" \
+      > "$OUT/ncu-source-$case.txt" && rm -f "$OUT/ncu-source-$case.ncu-rep"  # the report kept when unread
+    head -n 30 "$OUT/ncu-source-$case.txt"
+  done
+}
+
+phase_kerneltests() {
+  timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda > "$OUT/h200-kernel-tests.log" 2>&1
+  tail -n 3 "$OUT/h200-kernel-tests.log"
 }
 
 phase_realslice() {

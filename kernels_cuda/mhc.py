@@ -35,9 +35,10 @@ TILES = {
     # FMA_T: up to this many tokens the GEMV runs on fp32 FMAs and a sum over K (token tiles of the
     # next power of two of T, no 16-row tl.dot tile; 0: off, the dot path everywhere); num_stages:
     # the software pipeline's depth (0: Triton's default; a program with one K block has nothing to
-    # pipeline)
+    # pipeline); FMA_BLOCK_K: the multiply-add GEMV's K block (null: BLOCK_K), wider blocks making
+    # fewer splits where K is long
     "hc_coefficients": {"BLOCK_K": 128, "FN_PARTS": 3, "PROGRAMS": 264, "BLOCK_T_MAX": 64, "BIG_T": 2048,
-                        "SMALL_T": 64, "BLOCK_T_SMALL": 16, "FMA_T": 0, "num_stages": 0},
+                        "SMALL_T": 64, "BLOCK_T_SMALL": 16, "FMA_T": 0, "FMA_BLOCK_K": None, "num_stages": 0},
     "hc_coefficients_fp32": {"BLOCK_K": 64, "BLOCK_T_MAX": 32},  # fp32 FMA dot (ieee): 64 tokens spill
     # in_kernel: the last split program finishes; SPLIT_CHUNK: split partials loaded and summed at
     # once, fewer where a load would pass SPLIT_ELEMS values (BLOCK_T x 16 per split); 1 (one split
@@ -222,7 +223,7 @@ def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool, fma: bool = Fal
         block_t = 128
     elif dot_bf16 and T <= t["SMALL_T"]:
         block_t = min(block_t, t["BLOCK_T_SMALL"])
-    block_k = min(sizes["BLOCK_K"], max(16, next_pow2(K)))
+    block_k = min(t["FMA_BLOCK_K"] or sizes["BLOCK_K"] if fma else sizes["BLOCK_K"], max(16, next_pow2(K)))
     chunks = cdiv(K, block_k)
     if splits is None:
         splits = max(1, min(chunks, t["PROGRAMS"] // cdiv(T, block_t)))
@@ -403,6 +404,7 @@ FAMILY = KernelFamily(
               "hc_collapse_norm": Support(inputs={"x": _DTYPES, "weight": _DTYPES}, dims={"x[2]": Dim(0, _MAX_HC)}),
               "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
     tiles=TILES, tile_checks={"hc_coefficients.FMA_T": COUNT0, "hc_coefficients.num_stages": COUNT0,
+                              "hc_coefficients.FMA_BLOCK_K": Tile(low=16, pow2=True, nullable=True, kind=int),
                               "*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT,
                               "*.BLOCK_T_SMALL": DOT, "hc_finish.BLOCK_T": POW2,
                               "hc_finish.in_kernel": Tile(kind=bool), "hc_finish.SPLIT_CHUNK": POW2,

@@ -145,14 +145,17 @@ def test_hc_coefficients_plan_per_shape_and_split(rng, monkeypatch):
     assert len(mhc.PLANS) == 3
 
 
+@pytest.mark.parametrize("fma_block_k", [None, 32])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_hc_coefficients_fma_tokens(splits, rng, monkeypatch):
+def test_hc_coefficients_fma_tokens(splits, fma_block_k, rng, monkeypatch):
     """Up to FMA_T tokens the GEMV runs as fp32 multiply-adds in token tiles of the next power of
-    two of T (split over K or not): the reference's values; past FMA_T the dot path again."""
+    two of T (split over K or not), in K blocks of FMA_BLOCK_K where set: the reference's values;
+    past FMA_T the dot path again, in its own K blocks."""
     from flashrt import profiles
 
     fma_t = int(torch.randint(1, 6, (), generator=rng))
-    monkeypatch.setitem(mhc.TILES, "hc_coefficients", {**mhc.TILES["hc_coefficients"], "FMA_T": fma_t})
+    monkeypatch.setitem(mhc.TILES, "hc_coefficients",
+                        {**mhc.TILES["hc_coefficients"], "FMA_T": fma_t, "FMA_BLOCK_K": fma_block_k})
     monkeypatch.setitem(mhc.TILES, "hc_coefficients_fp32", {**mhc.TILES["hc_coefficients_fp32"], "BLOCK_K": 16})
     profiles._TILES_CACHE.clear()
     D = int(torch.randint(5, 40, (), generator=rng))
@@ -161,6 +164,7 @@ def test_hc_coefficients_fma_tokens(splits, rng, monkeypatch):
         assert plan["FMA"] == (T <= fma_t), (T, fma_t)
         if T <= fma_t:
             assert plan["BLOCK_T"] == 1 << (T - 1).bit_length()
+        assert plan["BLOCK_K"] == (fma_block_k or 16 if T <= fma_t else 16), (T, fma_t, plan["BLOCK_K"])
         x, fn, scale, base = _hc_inputs(T, 1, 4, D, torch.float32, rng)
         got = mhc.hc_coefficients(x, fn, scale, base, 7, 1e-6, 1e-6, splits=splits)
         with flashrt.use_backend("reference"):
