@@ -152,7 +152,7 @@
 #              ncu-stalls-CASE.txt
 #   ncusource  Nsight Compute's source page (SASS, with executed instructions and stall samples a line)
 #              of NCU_CASES (default experts1), summed by opcode (tools/ncu_source.py):
-#              ncu-source-CASE.csv, ncu-source-CASE.txt, ncu-source-CASE.json
+#              ncu-source-CASE.csv.gz, ncu-source-CASE.txt, ncu-source-CASE.json
 #   kerneltests the CUDA kernel tests natively under the profile (h200-kernel-tests.log)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
@@ -595,7 +595,8 @@ phase_ncusource() {
     "$ncu" -i "$OUT/ncu-source-$case.ncu-rep" --page source --csv --print-source sass \
       > "$OUT/ncu-source-$case.csv" 2>&1
     python tools/ncu_source.py "$OUT/ncu-source-$case.csv" --json "$OUT/ncu-source-$case.json" \
-      > "$OUT/ncu-source-$case.txt" && rm -f "$OUT/ncu-source-$case.ncu-rep"  # the report kept when unread
+      > "$OUT/ncu-source-$case.txt" && rm -f "$OUT/ncu-source-$case.ncu-rep" \
+      && gzip -f "$OUT/ncu-source-$case.csv"  # the report kept when unread
     head -n 30 "$OUT/ncu-source-$case.txt"
   done
 }

@@ -4,7 +4,7 @@ page exported as CSV.
     ncu --profile-from-start off --section SourceCounters --section WarpStateStats --import-source yes \\
         -o REPORT python tools/ncu_cases.py experts1
     ncu -i REPORT.ncu-rep --page source --csv --print-source sass > source.csv
-    python tools/ncu_source.py source.csv [--top 25] [--json OUT.json]
+    python tools/ncu_source.py source.csv [--top 25] [--json OUT.json]   (or a gzipped source.csv.gz)
 
 The CSV holds one table a profiled kernel (a header row naming the ``Source`` column, then one row
 per SASS instruction). For each table this sums the executed instructions and the warp-stall
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -97,7 +98,7 @@ def main() -> None:
     if args.top < 1:
         ap.error(f"--top: expected a count >= 1, got {args.top}")
     try:
-        with open(args.csv, newline="") as f:
+        with (gzip.open(args.csv, "rt", newline="") if args.csv.endswith(".gz") else open(args.csv, newline="")) as f:
             rows = list(csv.reader(f))
     except OSError as e:
         sys.exit(f"ncu_source: cannot read {args.csv!r}: {e.strerror}")

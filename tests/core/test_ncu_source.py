@@ -4,6 +4,7 @@ with no source table."""
 from __future__ import annotations
 
 import csv
+import gzip
 import random
 import subprocess
 import sys
@@ -53,6 +54,11 @@ def test_sums_by_opcode_match_the_page(tmp_path):
                           "--json", str(tmp_path / "s.json")], capture_output=True, text=True, check=True).stdout
     assert out.count("== kernel") == len(want)
     assert (tmp_path / "s.json").exists()
+    zipped = tmp_path / "source.csv.gz"
+    zipped.write_bytes(gzip.compress(path.read_bytes()))
+    again = subprocess.run([sys.executable, str(ROOT / "tools" / "ncu_source.py"), str(zipped), "--top", "3"],
+                           capture_output=True, text=True, check=True).stdout
+    assert again == out
 
 
 def test_clear_errors(tmp_path):
