@@ -129,6 +129,15 @@ class QTensor:
         return f"QTensor(fmt={self.fmt!r}, shape={tuple(self.shape)}, device={self.device})"
 
 
+def with_k_major_scales(w: QTensor) -> QTensor:
+    """``w`` with its scale stored K major: the same ``[.., rows, K / block]`` tensor and values, laid
+    out ``[.., K / block, rows]`` in memory (one copy of the scales; the data is shared). A kernel
+    reading a block of rows' scales at one K group then reads consecutive bytes."""
+    if w.scale.dim() < 2:
+        raise ValueError(f"with_k_major_scales: expected a scale of at least 2 dims, got shape {tuple(w.scale.shape)}")
+    return QTensor(w.data, w.scale.transpose(-1, -2).contiguous().transpose(-1, -2), w.fmt, w.shape)
+
+
 def expected_layout(fmt: str, shape) -> tuple[torch.Size, torch.Size]:
     """(data shape, scale shape) that ``fmt`` stores for a logical ``shape``."""
     s = spec(fmt)

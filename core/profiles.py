@@ -74,6 +74,10 @@ class Profile:
     # compressor and the indexer) on a third CUDA stream, beside the query heads and the window KV
     # (graphs/mix_stream.py; 0: never)
     indexer_stream_max_tokens: int = 0
+    # how the MoE layers store their quantized expert weights' block scales: "row" as quantized and
+    # loaded, "k_major" the same tensor laid out [.., K / 32, rows] (formats.with_k_major_scales),
+    # which the CUDA GEMMs read in consecutive bytes (docs/kernels.md)
+    expert_scales: Literal["row", "k_major"] = "row"
     match_name: str | None = None               # regex searched in the device name (no case)
     match_capability: tuple[str, ...] = ()      # CUDA compute capabilities, e.g. ["9.0"]
     match_soc: str | None = None                # regex searched in the NPU SoC version

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from flashrt import ops
-from flashrt.formats import QTensor
+from flashrt import ops, profiles
+from flashrt.formats import QTensor, with_k_major_scales
 
 
 def stack_experts(weights: list) -> torch.Tensor | QTensor:
-    """Per-expert [out, in] weights (plain or QTensor) -> one [E, out, in] tensor or QTensor."""
+    """Per-expert [out, in] weights (plain or QTensor) -> one [E, out, in] tensor or QTensor, its
+    scales laid out as the active profile's ``expert_scales`` says (row or K major)."""
     if isinstance(weights[0], QTensor):
         first = weights[0]
-        return QTensor(torch.stack([w.data for w in weights]), torch.stack([w.scale for w in weights]),
-                       first.fmt, (len(weights), *first.shape))
+        stacked = QTensor(torch.stack([w.data for w in weights]), torch.stack([w.scale for w in weights]),
+                          first.fmt, (len(weights), *first.shape))
+        return with_k_major_scales(stacked) if profiles.active_profile().expert_scales == "k_major" else stacked
     return torch.stack(weights)
 
 

@@ -152,9 +152,14 @@ def fp8_operand(t: torch.Tensor) -> torch.Tensor:
 
 
 def weight_operands(w: QTensor):
-    """(data, scale as uint8) of a weight QTensor for the kernels, last dim contiguous."""
+    """(data, scale as uint8) of a weight QTensor for the kernels: the data with its last dim
+    contiguous; the scale as it is laid out where either of its last two dims is contiguous (row
+    major, or K major: the kernels take both strides), else a contiguous copy."""
     data = fp8_operand(w.data) if w.fmt == "fp8_w" else w.data
-    return last_dense(data), last_dense(w.scale.view(torch.uint8))
+    scale = w.scale.view(torch.uint8)
+    if scale.stride(-1) != 1 and scale.stride(-2) != 1:
+        scale = scale.contiguous()
+    return last_dense(data), scale
 
 
 def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
@@ -227,7 +232,8 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
     cnt = splitk.counters(x.device) if plan["reduce"] else out
     _linear_kernel[plan["grid"]](
         xq, sx, data, scale, out, ws, cnt, m, n, k, plan["k_split"], split, xq.stride(0), sx.stride(0),
-        data.stride(0), scale.stride(0), out.stride(1), out.stride(0), **plan["constexprs"], **pdl.options(xq.device))
+        data.stride(0), scale.stride(0), out.stride(1), out.stride(0), SCALE_K=scale.stride(1), **plan["constexprs"],
+        **pdl.options(xq.device))
     out = out[0] if split == 1 or plan["reduce"] else out.sum(0).to(x.dtype)
     return out.view(*x.shape[:-1], n)
 

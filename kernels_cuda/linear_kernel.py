@@ -29,10 +29,11 @@ def _e4m3_operand(b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn,
+def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk,
              FP4: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              E2M1: tl.constexpr = 0):
-    """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT. fp4_w with
+    """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT (the scales at
+    ``sw_ptr + row (or row tile) * stride_swn + group * stride_swk``: row or K major). fp4_w with
     E2M1 == 2: the codes decoded two a byte in packed registers (codecs.e2m1_pairs_bf16) into bf16."""
     G: tl.constexpr = BLOCK_K // 32
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -42,7 +43,8 @@ def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn,
         j = tl.arange(0, 16)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
         byte = tl.load(ptrs, mask=ok[:, :, None], other=0)
-        s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + (kg // 32)[None, :], mask=ok, other=0).to(tl.int32)
+        s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + (kg // 32)[None, :] * stride_swk, mask=ok,
+                    other=0).to(tl.int32)
         if E2M1 == 2:
             lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(e8m0_bf16(s)[:, :, None], (BLOCK_N, G, 16)))
         else:
@@ -55,13 +57,15 @@ def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn,
         j = tl.arange(0, 32)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + kg[None, :, None] + j[None, None, :]
         w = e4m3_x256(tl.load(ptrs, mask=ok[:, :, None], other=0.0)).to(tl.float32)
-        s = tl.load(sw_ptr + (offs_n // 32)[:, None] * stride_swn + (kg // 32)[None, :], mask=ok, other=0)
+        s = tl.load(sw_ptr + (offs_n // 32)[:, None] * stride_swn + (kg // 32)[None, :] * stride_swk, mask=ok,
+                    other=0)
         v = tl.reshape(w * pow2(s.to(tl.int32) + 8)[:, :, None], (BLOCK_N, BLOCK_K))  # 2**(b - 127) * 2**8
     return v.to(DOT)
 
 
 @triton.jit
-def _w_packed(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w_packed(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
     """``fp4_w`` rows [n0, n0 + BLOCK_N) at K block k0 as ``tl.dot_scaled``'s e2m1 operand: the bytes
     [BLOCK_K // 2, BLOCK_N] (two K elements a byte, the low nibble first) and the UE8M0 scale bytes
     [BLOCK_N, BLOCK_K // 32]."""
@@ -71,8 +75,8 @@ def _w_packed(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, BLOCK_N: tl
     n_ok = offs_n < N
     w = tl.load(w_ptr + offs_n[None, :] * stride_wn + kb[:, None], mask=n_ok[None, :] & (kb * 2 < k_hi)[:, None],
                 other=0)
-    s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + kg[None, :], mask=n_ok[:, None] & (kg * 32 < k_hi)[None, :],
-                other=0)
+    s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + kg[None, :] * stride_swk,
+                mask=n_ok[:, None] & (kg * 32 < k_hi)[None, :], other=0)
     return w, s
 
 
@@ -105,20 +109,20 @@ def _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX: tl.constexpr, DOT: tl.conste
 
 
 @triton.jit
-def _col_scale(sw_ptr, n0, N, k1, k_hi, stride_swn, BLOCK_N: tl.constexpr):
+def _col_scale(sw_ptr, n0, N, k1, k_hi, stride_swn, stride_swk, BLOCK_N: tl.constexpr):
     """fp8_w tile scale of each column n0 + [0, BLOCK_N) at K offset k1: one scalar load per 32."""
     grp = tl.arange(0, BLOCK_N) // 32
     out = tl.zeros([BLOCK_N], tl.float32)
     for g in tl.static_range(BLOCK_N // 32):
         nb = n0 // 32 + g
         ok = (nb * 32 < N) & (k1 < k_hi)
-        byte = tl.load(sw_ptr + nb * stride_swn + k1 // 32, mask=ok, other=127).to(tl.int32)
+        byte = tl.load(sw_ptr + nb * stride_swn + (k1 // 32) * stride_swk, mask=ok, other=127).to(tl.int32)
         out = tl.where(grp == g, e8m0_to_f32(byte), out)
     return out
 
 
 @triton.jit
-def _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn,
+def _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, stride_swk,
              DOT: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc + (a @ w[:, k1:k1+32].T) * sa[:, None] * sw[None, :] with raw E4M3 dot operands."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -126,13 +130,13 @@ def _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn,
     ok = (offs_n < N)[:, None] & (offs_k < k_hi)[None, :]
     b = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=ok, other=0.0)
     part = tl.dot(a, tl.trans(_e4m3_operand(b, DOT)))
-    sw = _col_scale(sw_ptr, n0, N, k1, k_hi, stride_swn, BLOCK_N)
+    sw = _col_scale(sw_ptr, n0, N, k1, k_hi, stride_swn, stride_swk, BLOCK_N)
     return acc + part * (sa[:, None] * sw[None, :])
 
 
 @triton.jit
 def _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
-                FP4: tl.constexpr, DUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                stride_swk, FP4: tl.constexpr, DUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, QX: tl.constexpr):
     """:func:`_k_loop` for row tiles under 16 (a GEMV: decode's few rows): both operands dequantized
     to fp32 in registers, their products added elementwise into [BLOCK_M, BLOCK_N, BLOCK_K] partial
@@ -144,17 +148,19 @@ def _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
     part3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, tl.float32, BLOCK_M, BLOCK_K)[:, None, :]
-        b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, tl.float32, BLOCK_N, BLOCK_K)
+        b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, tl.float32, BLOCK_N,
+                     BLOCK_K)
         part += a * b[None, :, :]
         if DUAL:
-            b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, tl.float32, BLOCK_N, BLOCK_K)
+            b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, tl.float32,
+                          BLOCK_N, BLOCK_K)
             part3 += a * b3[None, :, :]
     return tl.sum(part, axis=2), tl.sum(part3, axis=2)
 
 
 @triton.jit
 def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
-                FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
+                stride_swk, FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr,
                 E2M1: tl.constexpr):
     """:func:`_k_loop` for row tiles of 16 and more: ``tl.dot`` per 32-wide K slice (PROMOTE) or per K
@@ -177,30 +183,34 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                     sa = tl.load(sa_rows + k1 // 32, mask=row_ok & (tl.full([BLOCK_M], k1, tl.int32) < k_hi), other=0)
                     sa = e8m0_to_f32(sa.to(tl.int32))
                 a = _e4m3_operand(a, DOT)
-                acc = _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, DOT, BLOCK_N)
+                acc = _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, stride_swk, DOT,
+                               BLOCK_N)
                 if DUAL:
-                    acc3 = _promote(acc3, a, sa, w3_ptr, sw3_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, DOT, BLOCK_N)
+                    acc3 = _promote(acc3, a, sa, w3_ptr, sw3_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, stride_swk,
+                                    DOT, BLOCK_N)
         elif FP4 and E2M1 == 1:  # the activations exact in bf16 (E4M3 times a power of two)
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K).to(tl.bfloat16)
-            wq, ws = _w_packed(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, BLOCK_N, BLOCK_K)
+            wq, ws = _w_packed(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, BLOCK_N, BLOCK_K)
             acc = tl.dot_scaled(a, None, "bf16", wq, ws, "e2m1", acc)
             if DUAL:
-                wq3, ws3 = _w_packed(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, BLOCK_N, BLOCK_K)
+                wq3, ws3 = _w_packed(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, BLOCK_N,
+                                     BLOCK_K)
                 acc3 = tl.dot_scaled(a, None, "bf16", wq3, ws3, "e2m1", acc3)
         else:
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
-            b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K, E2M1)
+            b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, DOT, BLOCK_N,
+                         BLOCK_K, E2M1)
             acc = tl.dot(a, tl.trans(b), acc)
             if DUAL:
-                b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, FP4, DOT, BLOCK_N, BLOCK_K,
-                              E2M1)
+                b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, DOT, BLOCK_N,
+                              BLOCK_K, E2M1)
                 acc3 = tl.dot(a, tl.trans(b3), acc3)
     return acc, acc3
 
 
 @triton.jit
 def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
-            FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
+            stride_swk, FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr = False,
             E2M1: tl.constexpr = 0):
     """fp32 [BLOCK_M, BLOCK_N] of xq @ w.T over K in [k_lo, k_hi) (and of xq @ w3.T when DUAL).
@@ -211,10 +221,10 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
     apply), others the MMA loop."""
     if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
-                                stride_swn, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX)
+                                stride_swn, stride_swk, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX)
     else:
         acc, acc3 = _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
-                                stride_swn, FP4, PROMOTE, DUAL, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
+                                stride_swn, stride_swk, FP4, PROMOTE, DUAL, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
     return acc, acc3
 
 
@@ -223,9 +233,10 @@ def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
                    stride_xm, stride_sxm, stride_wn, stride_swn, stride_om, stride_os,
                    FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, OUT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   QX: tl.constexpr, REDUCE: tl.constexpr, E2M1: tl.constexpr):
+                   QX: tl.constexpr, REDUCE: tl.constexpr, E2M1: tl.constexpr, SCALE_K: tl.constexpr = 1):
     """One output tile's K range. QX: xq_ptr holds the float x (quantized here). REDUCE: the tile's
-    splits meet in :func:`.splitk.store_tile`; otherwise split s stores at out + s * stride_os."""
+    splits meet in :func:`.splitk.store_tile`; otherwise split s stores at out + s * stride_os.
+    SCALE_K: the weight scales' stride along K (1: row major; the rows' count: K major)."""
     wait_inputs()
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -238,7 +249,7 @@ def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     r64 = rows.to(tl.int64)
     acc, _ = _k_loop(xq_ptr + r64 * stride_xm, sx_ptr + r64 * stride_sxm, rows < M, w_ptr, sw_ptr, w_ptr, sw_ptr,
-                     n0, N, k_lo, tl.minimum(k_lo + k_split, K), stride_wn, stride_swn,
+                     n0, N, k_lo, tl.minimum(k_lo + k_split, K), stride_wn, stride_swn, SCALE_K,
                      FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     ok = (rows < M)[:, None] & (offs_n < N)[None, :]

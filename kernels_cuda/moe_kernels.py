@@ -139,7 +139,8 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
                    FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, CLAMP: tl.constexpr, XDT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr,
                    DIRECT: tl.constexpr, SPLIT: tl.constexpr, PAIRS: tl.constexpr, SHARED: tl.constexpr,
-                   FP4_S: tl.constexpr, PROMOTE_S: tl.constexpr, DOT_S: tl.constexpr, E2M1: tl.constexpr):
+                   FP4_S: tl.constexpr, PROMOTE_S: tl.constexpr, DOT_S: tl.constexpr, E2M1: tl.constexpr,
+                   SCALE_K: tl.constexpr = 1, SCALE_K_S: tl.constexpr = 1):
     """QX: xq_ptr holds the float x rows, quantized to fp8 in registers (sx_ptr unused). DIRECT /
     PAIRS / SHARED: the row tiles of :func:`_tile_rows`; rw_ptr holds the routing weight of each
     pair row (DIRECT: of each token). SHARED: s1/ss1/s3/ss3 the shared expert's W1 / W3 (data,
@@ -157,15 +158,16 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
     if SHARED:
         if sh:
             g, u = _k_loop(a_rows, sa_rows, row_ok, s1_ptr, ss1_ptr, s3_ptr, ss3_ptr, n0, I, k_lo, k_hi,
-                           stride_s_wn, stride_s_swn, FP4_S, PROMOTE_S, True, DOT_S, BLOCK_M, BLOCK_N, BLOCK_K, QX,
-                           E2M1)
+                           stride_s_wn, stride_s_swn, SCALE_K_S, FP4_S, PROMOTE_S, True, DOT_S, BLOCK_M, BLOCK_N,
+                           BLOCK_K, QX, E2M1)
         else:
             g, u = _k_loop(a_rows, sa_rows, row_ok, w1_ptr + ew, sw1_ptr + es, w3_ptr + ew, sw3_ptr + es, n0, I,
-                           k_lo, k_hi, stride_wn, stride_swn, FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX,
-                           E2M1)
+                           k_lo, k_hi, stride_wn, stride_swn, SCALE_K, FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N,
+                           BLOCK_K, QX, E2M1)
     else:
         g, u = _k_loop(a_rows, sa_rows, row_ok, w1_ptr + ew, sw1_ptr + es, w3_ptr + ew, sw3_ptr + es, n0, I,
-                       k_lo, k_hi, stride_wn, stride_swn, FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX,
+                       k_lo, k_hi, stride_wn, stride_swn, SCALE_K, FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N,
+                       BLOCK_K, QX,
                        E2M1)
     if SPLIT:
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -242,7 +244,7 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
                      COMBINE: tl.constexpr, HAS_ADD: tl.constexpr, SPLIT: tl.constexpr, PAIRS: tl.constexpr,
                      SHARED: tl.constexpr, FP4_S: tl.constexpr, PROMOTE_S: tl.constexpr, DOT_S: tl.constexpr,
-                     E2M1: tl.constexpr):
+                     E2M1: tl.constexpr, SCALE_K: tl.constexpr = 1, SCALE_K_S: tl.constexpr = 1):
     """y rows rounded to XDT (stored as y's dtype: fp32 when DIRECT writes the op's output); row
     tiles as the up kernel's (SHARED: s2 / ss2 the shared expert's W2). COMBINE: then a ticket per
     (token, column tile) of each row; the program drawing a token's last ticket (TOPK, plus one for
@@ -263,13 +265,13 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
     if SHARED:
         if sh:
             acc, _ = _k_loop(h_rows, sh_rows, row_ok, s2_ptr, ss2_ptr, s2_ptr, ss2_ptr, n0, D, k_lo, k_hi,
-                             stride_s_wn, stride_s_swn, FP4_S, PROMOTE_S, False, DOT_S, BLOCK_M, BLOCK_N, BLOCK_K,
-                             E2M1=E2M1)
+                             stride_s_wn, stride_s_swn, SCALE_K_S, FP4_S, PROMOTE_S, False, DOT_S, BLOCK_M, BLOCK_N,
+                             BLOCK_K, E2M1=E2M1)
         else:
             acc, _ = _k_loop(h_rows, sh_rows, row_ok, w2, sw2, w2, sw2, n0, D, k_lo, k_hi, stride_wn, stride_swn,
-                             FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, E2M1=E2M1)
+                             SCALE_K, FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, E2M1=E2M1)
     else:
-        acc, _ = _k_loop(h_rows, sh_rows, row_ok, w2, sw2, w2, sw2, n0, D, k_lo, k_hi, stride_wn, stride_swn,
+        acc, _ = _k_loop(h_rows, sh_rows, row_ok, w2, sw2, w2, sw2, n0, D, k_lo, k_hi, stride_wn, stride_swn, SCALE_K,
                          FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, E2M1=E2M1)
     if SPLIT:
         offs_n = n0 + tl.arange(0, BLOCK_N)

@@ -9,6 +9,7 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
 
 - ``experts1`` / ``experts8``: ``moe_experts`` at the released dimensions (384 fp4_w experts of
   2304 x 5120, top 6, the fp8_w shared expert) for 1 / 8 tokens (benchmarks/gemv_tiles.py's case);
+  ``experts1_kmajor`` / ``experts8_kmajor``: the same with the routed experts' scales K major;
 - ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192);
 - ``prefix``: ``prefix_attention`` of 16 rows x 512 queries over 512 entries at ``small``'s shapes
   (benchmarks/prefix_attention.py's case);
@@ -28,12 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
-def _experts(tokens: int):
+def _experts(tokens: int, scales_k_major: bool = False):
     import gemv_tiles
     from flashrt.graphs.config import shipped_config
 
     cfg, g = shipped_config("v4.1-flash"), torch.Generator().manual_seed(0)
-    for _, n, *_, call, _ in gemv_tiles.expert_cases(cfg, torch.device("cuda"), g):
+    for _, n, *_, call, _ in gemv_tiles.expert_cases(cfg, torch.device("cuda"), g, scales_k_major):
         if n == tokens:
             return call
     raise AssertionError(tokens)
@@ -90,7 +91,9 @@ def _attn64():
     return lambda: ops.sparse_attention(q, (ring, main), (window, picks), sink, D ** -0.5)
 
 
-CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8), "linear1": _linear1, "prefix": _prefix,
+CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8),
+         "experts1_kmajor": lambda: _experts(1, True), "experts8_kmajor": lambda: _experts(8, True),
+         "linear1": _linear1, "prefix": _prefix,
          "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64),
          "attn64": _attn64}
 

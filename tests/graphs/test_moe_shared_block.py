@@ -34,3 +34,27 @@ def test_moe_block_in_one_op_equals_two_ops_and_the_reference(cfg, weights, rng,
     assert got.dtype == h.dtype and got.shape == h.shape
     assert torch.equal(got, two)  # the shared row joins the fp32 sum where the add did
     assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_k_major_expert_scales_change_the_layout_not_the_output(cfg, weights, rng, backend):
+    """A profile with ``expert_scales: k_major`` stores the routed and shared experts' scales K
+    major (the same values; the rows contiguous at each K group); the block's output is the row
+    layout's bit for bit, on the reference backend and on the CUDA kernels (interpreter)."""
+    import dataclasses
+
+    from flashrt import profiles
+
+    if backend == "cuda":
+        pytest.importorskip("flashrt.kernels_cuda.moe")
+    base = profiles.active_profile()
+    assert base.expert_scales == "row"
+    row = MoE(cfg, 0, dict(weights), "layers.0.")
+    with profiles.using(dataclasses.replace(base, expert_scales="k_major")):
+        kmajor = MoE(cfg, 0, dict(weights), "layers.0.")
+    for a, b in zip((row.w1, row.w3, row.w2, *row.shared), (kmajor.w1, kmajor.w3, kmajor.w2, *kmajor.shared)):
+        assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)) and torch.equal(a.data, b.data)
+        assert a.scale.stride(-1) == 1 and b.scale.stride(-2) == 1 and b.scale.stride(-1) == b.scale.shape[-2]
+    h = (torch.randn(1, 3, cfg.dim, generator=rng) * 2.0).to(torch.bfloat16)
+    with flashrt.use_backend(backend):
+        assert torch.equal(kmajor.forward(h), row.forward(h))
