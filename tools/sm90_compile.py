@@ -8,7 +8,8 @@ Costs no device time: use it to check a kernel change for spills and wgmma befor
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
     python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc, kv_store,
                                                         # norm_rope_quant, prefix_attention, topk (--S: entries),
-                                                        # quant (fp4_b16 store; --cold: fp8)
+                                                        # quant (fp4_b16 store; --cold: fp8), moe (--cold: the
+                                                        # experts' scales K major)
 
 How: the launcher runs on CPU tensors as it would on an sm_90 GPU, each kernel specialization it
 launches recorded instead of compiled (:func:`flashrt.jit_compile.recording`, shared with
@@ -71,14 +72,16 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
         f.write(sass)
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
-    ops = collections.Counter()
+    ops, loads = collections.Counter(), collections.Counter()
     for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", line)
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)([A-Z0-9.]*)", line)
         if m:
             ops[m.group(1)] += 1
+            if m.group(1) in ("LDG", "LDGSTS"):  # global loads with their width (U8, 64, 128, ...)
+                loads[m.group(1) + m.group(2)] += 1
     return {"kernel": fn.__name__, "num_warps": meta.num_warps, "num_stages": meta.num_stages,
             "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
-            "shared_bytes": meta.shared, "sass": {k: ops.get(k, 0) for k in SASS_OPS},
+            "shared_bytes": meta.shared, "sass": {k: ops.get(k, 0) for k in SASS_OPS}, "global_loads": dict(loads),
             "constexprs": {fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()}}
 
 
@@ -150,14 +153,16 @@ def linear_call(B: int, S: int, cold: bool):
 
 
 def moe_call(B: int, S: int, cold: bool):
-    """``small``'s routed experts (32 x 512 x 1,024 fp4_w, top-4) and shared expert (fp8_w) over B * S tokens."""
+    """``small``'s routed experts (32 x 512 x 1,024 fp4_w, top-4) and shared expert (fp8_w) over B * S tokens;
+    ``cold``: the routed experts' scales K major."""
+    from flashrt import formats
     from flashrt.kernels_cuda import moe
     from flashrt.kernels_cuda.launch import zeros_stored
 
     _as_h200()
     n, D, I, E = B * S, 1024, 512, 32
-    w = lambda fmt, e: (zeros_stored(fmt, (e, I, D), None, "cpu"), zeros_stored(fmt, (e, I, D), None, "cpu"),
-                        zeros_stored(fmt, (e, D, I), None, "cpu"))
+    lay = formats.with_k_major_scales if cold else (lambda q: q)
+    w = lambda fmt, e: tuple(lay(zeros_stored(fmt, shape, None, "cpu")) for shape in ((e, I, D), (e, I, D), (e, D, I)))
     x, idx = torch.zeros(n, D, dtype=torch.bfloat16), torch.zeros(n, 4, dtype=torch.int32)
     one, first = torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.int32)
     return lambda: (moe.moe_experts(x, torch.rand(n, 4), idx, *w("fp4_w", E), 10.0),
@@ -271,7 +276,7 @@ def main(argv=None) -> None:
     ap.add_argument("--B", type=int, default=64)
     ap.add_argument("--S", type=int, default=1)
     ap.add_argument("--cold", action="store_true", help="attention: with the cold-page staging segment; "
-                    "quant: the fp8 store")
+                    "quant: the fp8 store; moe: the routed experts' scales K major")
     ap.add_argument("--tiles", default="{}", help="JSON merged into tiles.<module> of the active profile "
                     "(the family's kernel module)")
     ap.add_argument("--json", action="store_true")
@@ -294,6 +299,7 @@ def main(argv=None) -> None:
         print(f"{r['kernel']}: {r['num_warps']} warps, {r['num_stages']} stages, {r['registers']} registers, "
               f"stack {r['stack_bytes']} B, shared {r['shared_bytes']} B")
         print("   " + "  ".join(f"{k} {v}" for k, v in r["sass"].items() if v))
+        print("   global loads: " + "  ".join(f"{k} {v}" for k, v in sorted(r["global_loads"].items())))
 
 
 if __name__ == "__main__":
