@@ -223,7 +223,7 @@ def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool, fma: bool = Fal
         block_t = 128
     elif dot_bf16 and T <= t["SMALL_T"]:
         block_t = min(block_t, t["BLOCK_T_SMALL"])
-    block_k = min(t["FMA_BLOCK_K"] or sizes["BLOCK_K"] if fma else sizes["BLOCK_K"], max(16, next_pow2(K)))
+    block_k = min((t["FMA_BLOCK_K"] or sizes["BLOCK_K"]) if fma else sizes["BLOCK_K"], max(16, next_pow2(K)))
     chunks = cdiv(K, block_k)
     if splits is None:
         splits = max(1, min(chunks, t["PROGRAMS"] // cdiv(T, block_t)))
