@@ -279,6 +279,8 @@ def main(argv=None) -> None:
                     "quant: the fp8 store; moe: the routed experts' scales K major")
     ap.add_argument("--tiles", default="{}", help="JSON merged into tiles.<module> of the active profile "
                     "(the family's kernel module)")
+    ap.add_argument("--linear-tiles", default="{}", help="JSON merged into tiles.linear (the block-scaled GEMMs' "
+                    "shared switches, e.g. fp4_decode, which the moe kernels also read)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from flashrt import profiles
@@ -288,7 +290,10 @@ def main(argv=None) -> None:
     section = {**base.tiles.get(args.family, {})}
     for k, v in extra.items():
         section[k] = {**section.get(k, {}), **v} if isinstance(v, dict) else v
-    prof = dataclasses.replace(base, tiles={**base.tiles, args.family: section})
+    tiles = {**base.tiles, args.family: section}
+    if json.loads(args.linear_tiles):
+        tiles["linear"] = {**tiles.get("linear", {}), **json.loads(args.linear_tiles)}
+    prof = dataclasses.replace(base, tiles=tiles)
     with profiles.using(prof):
         seen = capture(CALLS[args.family](args.B, args.S, args.cold))
         reports = [compile_report(*c) for c in seen]
