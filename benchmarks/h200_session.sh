@@ -154,8 +154,8 @@
 #              of NCU_CASES (default experts1), summed by opcode (tools/ncu_source.py):
 #              ncu-source-CASE.csv.gz, ncu-source-CASE.txt, ncu-source-CASE.json
 #   kerneltests the CUDA kernel tests natively under the profile (h200-kernel-tests.log)
-#   kmajor     the experts' fp4 scales stored K major (formats.with_k_major_scales): their GPU tests
-#              (h200-scales-k-major-tests.log), the experts at 1 and 8 tokens at the released shapes
+#   kmajor     the experts' fp4 scales stored K major (formats.with_k_major_scales): their GPU tests and
+#              the MoE block's under expert_scales: k_major (h200-scales-k-major-tests.log), the experts at 1 and 8 tokens at the released shapes
 #              under the profile's tiles with row- and K-major scales (benchmarks/gemv_tiles.py
 #              --scales-k-major: h200-gemv-scales-k-major.json), then Nsight Compute's source page of
 #              the K-major case at one token (ncu-source-experts1_kmajor.*)
@@ -613,7 +613,7 @@ phase_kerneltests() {
 
 phase_kmajor() {
   timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_scales_k_major.py \
-    > "$OUT/h200-scales-k-major-tests.log" 2>&1
+    tests/graphs/test_moe_shared_block.py > "$OUT/h200-scales-k-major-tests.log" 2>&1
   tail -n 2 "$OUT/h200-scales-k-major-tests.log"
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile --scales-k-major \
     --out "$OUT/h200-gemv-scales-k-major.json" | grep moe_experts
