@@ -1,15 +1,19 @@
-"""Where a kernel's instructions and stalls go, by SASS opcode: a summary of Nsight Compute's source
-page exported as CSV.
+"""Where a kernel's instructions and stalls go, by SASS opcode or by source line: a summary of
+Nsight Compute's source page exported as CSV.
 
     ncu --profile-from-start off --section SourceCounters --section WarpStateStats --import-source yes \\
         -o REPORT python tools/ncu_cases.py experts1
     ncu -i REPORT.ncu-rep --page source --csv --print-source sass > source.csv
     python tools/ncu_source.py source.csv [--top 25] [--json OUT.json]   (or a gzipped source.csv.gz)
+    ncu -i REPORT.ncu-rep --page source --csv --print-source cuda > lines.csv
+    python tools/ncu_source.py lines.csv --lines                          (the kernel's Python lines)
 
 The CSV holds one table a profiled kernel (a header row naming the ``Source`` column, then one row
-per SASS instruction). For each table this sums the executed instructions and the warp-stall
-samples over the instruction's opcode (``LDG.E.U8`` counts as ``LDG``, its modifiers kept apart in
-``by_instruction``) and prints the opcodes that take the most of either.
+per SASS instruction, or per source line of the kernel for ``--print-source cuda``). For each table
+this sums the executed instructions and the warp-stall samples over the instruction's opcode
+(``LDG.E.U8`` counts as ``LDG``, its modifiers kept apart in ``by_instruction``) and over each row's
+source text (``by_row``, with its line number where the CSV has a line column), and prints the
+opcodes, or with ``--lines`` the rows, that take the most of either.
 """
 from __future__ import annotations
 
@@ -54,8 +58,10 @@ def tables(rows: list[list[str]]) -> list[dict]:
         if _column(row, SOURCE) is not None and any(EXECUTED in c or SAMPLES in c for c in row):
             header = row
             src, ex, st = _column(row, SOURCE), _column(row, EXECUTED), _column(row, SAMPLES)
-            current = {"columns": (src, ex, st), "by_opcode": defaultdict(lambda: [0.0, 0.0]),
-                       "by_instruction": defaultdict(lambda: [0.0, 0.0]), "lines": 0}
+            line = next((i for i, h in enumerate(row) if h.strip() in ("#", "Line", "# Line")), None)
+            current = {"columns": (src, ex, st), "line": line, "by_opcode": defaultdict(lambda: [0.0, 0.0]),
+                       "by_instruction": defaultdict(lambda: [0.0, 0.0]), "by_row": defaultdict(lambda: [0.0, 0.0]),
+                       "lines": 0}
             out.append(current)
             continue
         if header is None or len(row) <= current["columns"][0]:
@@ -64,7 +70,9 @@ def tables(rows: list[list[str]]) -> list[dict]:
         op, full = opcode(row[src])
         executed = _number(row[ex]) if ex is not None and ex < len(row) else 0.0
         samples = _number(row[st]) if st is not None and st < len(row) else 0.0
-        for key, table in ((op, current["by_opcode"]), (full, current["by_instruction"])):
+        where = current["line"]
+        text = row[src].strip() if where is None or where >= len(row) else f"{row[where].strip()}: {row[src].strip()}"
+        for key, table in ((op, current["by_opcode"]), (full, current["by_instruction"]), (text, current["by_row"])):
             table[key][0] += executed
             table[key][1] += samples
         current["lines"] += 1
@@ -72,19 +80,23 @@ def tables(rows: list[list[str]]) -> list[dict]:
              "executed": sum(v[0] for v in t["by_opcode"].values()),
              "samples": sum(v[1] for v in t["by_opcode"].values()),
              "by_opcode": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_opcode"].items()},
-             "by_instruction": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_instruction"].items()}}
+             "by_instruction": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_instruction"].items()},
+             "by_row": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_row"].items()}}
             for t in out]
 
 
-def report(summary: dict, top: int) -> str:
-    """The opcodes of one table by executed instructions, with their share of the stall samples."""
+def report(summary: dict, top: int, by: str = "by_opcode") -> str:
+    """The opcodes (``by_row``: the source rows) of one table that take the largest share of the
+    executed instructions or of the stall samples, with both shares."""
     ex, st = summary["executed"] or 1.0, summary["samples"] or 1.0
-    lines = [f"{summary['lines']} SASS lines, {summary['executed']:,.0f} instructions executed, "
+    width = 16 if by == "by_opcode" else 72
+    lines = [f"{summary['lines']} rows, {summary['executed']:,.0f} instructions executed, "
              f"{summary['samples']:,.0f} stall samples",
-             f"{'opcode':16s} {'executed':>14s} {'share':>7s} {'stall samples':>14s} {'share':>7s}"]
-    ranked = sorted(summary["by_opcode"].items(), key=lambda kv: -max(kv[1]["executed"] / ex, kv[1]["samples"] / st))
+             f"{'opcode' if by == 'by_opcode' else 'source':{width}s} {'executed':>14s} {'share':>7s} "
+             f"{'stall samples':>14s} {'share':>7s}"]
+    ranked = sorted(summary[by].items(), key=lambda kv: -max(kv[1]["executed"] / ex, kv[1]["samples"] / st))
     for name, v in ranked[:top]:
-        lines.append(f"{name:16s} {v['executed']:14,.0f} {100 * v['executed'] / ex:6.1f}% "
+        lines.append(f"{name[:width]:{width}s} {v['executed']:14,.0f} {100 * v['executed'] / ex:6.1f}% "
                      f"{v['samples']:14,.0f} {100 * v['samples'] / st:6.1f}%")
     return "\n".join(lines)
 
@@ -92,7 +104,10 @@ def report(summary: dict, top: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", help="ncu -i REPORT --page source --csv --print-source sass output")
-    ap.add_argument("--top", type=int, default=25, help="opcodes printed a kernel")
+    ap.add_argument("--top", type=int, default=25, help="opcodes (or rows) printed a kernel")
+    ap.add_argument("--lines", action="store_true",
+                    help="rank the source rows (a --print-source cuda export: the kernel's own lines) instead of "
+                         "the opcodes")
     ap.add_argument("--json", default=None, help="write the summaries here")
     args = ap.parse_args()
     if args.top < 1:
@@ -107,7 +122,7 @@ def main() -> None:
         sys.exit(f"ncu_source: no source table in {args.csv!r} (expected a header with a {SOURCE!r} column and "
                  f"{EXECUTED!r} or {SAMPLES!r})")
     for i, t in enumerate(found):
-        print(f"== kernel {i}\n{report(t, args.top)}")
+        print(f"== kernel {i}\n{report(t, args.top, 'by_row' if args.lines else 'by_opcode')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(found, f, indent=1)
