@@ -69,6 +69,7 @@ LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_ma
 # label -> {family: tiles entries}, the profile's rules kept: the experts cases only
 EXPERT_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode": "dot_scaled"}},
                    "profile, fp4 decoded packed": {"linear": {"fp4_decode": "packed"}},
+                   "profile, fp4 scales loaded a block ahead": {"linear": {"fp4_decode": "packed_prefetch"}},
                    "profile, fp4 decoded bit by bit": {"linear": {"fp4_decode": "bits"}},
                    "profile, shared expert in its own launches": {"moe": {"shared_in_launch": False}},
                    "profile, activations quantized apart": {"moe": {"fused_max_tokens": 0}}}

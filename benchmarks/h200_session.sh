@@ -154,11 +154,13 @@
 #              of NCU_CASES (default experts1), summed by opcode (tools/ncu_source.py):
 #              ncu-source-CASE.csv.gz, ncu-source-CASE.txt, ncu-source-CASE.json
 #   kerneltests the CUDA kernel tests natively under the profile (h200-kernel-tests.log)
-#   kmajor     the experts' fp4 scales stored K major (formats.with_k_major_scales): their GPU tests and
-#              the MoE block's under expert_scales: k_major (h200-scales-k-major-tests.log), the experts at 1 and 8 tokens at the released shapes
-#              under the profile's tiles with row- and K-major scales (benchmarks/gemv_tiles.py
-#              --scales-k-major: h200-gemv-scales-k-major.json), then Nsight Compute's source page of
-#              the K-major case at one token (ncu-source-experts1_kmajor.*)
+#   scales     the experts' fp4 scale loads: stored K major (formats.with_k_major_scales) and loaded a
+#              K block ahead (tiles.linear.fp4_decode: packed_prefetch). Their GPU tests and the MoE
+#              block's under expert_scales: k_major (h200-scales-tests.log); the experts at 1 and 8
+#              tokens at the released shapes under the profile, with row- and K-major scales, and with
+#              the scales a block ahead (benchmarks/gemv_tiles.py --scales-k-major:
+#              h200-gemv-scales.json); then Nsight Compute's source page of the K-major case at one
+#              token (ncu-source-experts1_kmajor.*)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -209,8 +211,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|kmajor) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests or kmajor)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests or scales)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -611,12 +613,12 @@ phase_kerneltests() {
   tail -n 3 "$OUT/h200-kernel-tests.log"
 }
 
-phase_kmajor() {
+phase_scales() {
   timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_scales_k_major.py \
-    tests/graphs/test_moe_shared_block.py > "$OUT/h200-scales-k-major-tests.log" 2>&1
-  tail -n 2 "$OUT/h200-scales-k-major-tests.log"
-  python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile --scales-k-major \
-    --out "$OUT/h200-gemv-scales-k-major.json" | grep moe_experts
+    tests/kernels_cuda/test_cuda_fp4_packed.py tests/graphs/test_moe_shared_block.py > "$OUT/h200-scales-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-scales-tests.log"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp4 scales loaded a block ahead" \
+    --scales-k-major --out "$OUT/h200-gemv-scales.json" | grep moe_experts
   NCU_CASES=experts1_kmajor phase_ncusource
 }
 

@@ -11,7 +11,8 @@ computes ``dequant(xq) @ dequant(w).T`` tile by tile. Two ways to run the MMA (c
   (exact in bf16: E4M3 / E2M1 times a power of two) and one bf16 ``tl.dot`` per K block accumulates.
   The ``fp4_decode`` tile picks how E2M1 codes are decoded: code by code ("bits"), by
   ``tl.dot_scaled`` on the packed bytes and UE8M0 scales ("dot_scaled": Triton decodes them), or two
-  codes a byte in packed registers ("packed", sm_90+); the same values each way.
+  codes a byte in packed registers ("packed", sm_90+; "packed_prefetch": with the scale bytes loaded a
+  K block ahead); the same values each way.
 
 Row tiles under 16 (a profile's decode rule) take neither: a multiply-add K loop over fp32 operands
 (``linear_kernel._fma_k_loop``).
@@ -67,8 +68,10 @@ TILES = {
     "fp8_mma": None,  # None: fp8 tl.dot where the device has it (sm_89+); True / False force a path
     # how the MMA loop decodes fp4_w codes: "bits" (code by code: linear_kernel._w_block), "dot_scaled"
     # (the bytes and scales to tl.dot_scaled: Triton decodes them), "packed" (two codes a byte in
-    # packed registers: codecs.e2m1_pairs_bf16; sm_90+, "bits" elsewhere and under the interpreter).
-    # The same values either way; row tiles under 16 keep the multiply-add loop
+    # packed registers: codecs.e2m1_pairs_bf16; sm_90+, "bits" elsewhere and under the interpreter),
+    # "packed_prefetch" (the packed decode with each block's scale bytes loaded a block ahead; the bit
+    # decode so where "packed" falls back). The same values either way; row tiles under 16 keep the
+    # multiply-add loop
     "fp4_decode": "bits",
     # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
@@ -103,16 +106,21 @@ def mma_mode(fmt: str):
     return promote, (tl.float8e4nv if promote else tl.bfloat16)
 
 
-FP4_DECODES = ("bits", "dot_scaled", "packed")  # the E2M1 constexpr of the kernels: the index
+FP4_DECODES = ("bits", "dot_scaled", "packed", "packed_prefetch")
+SCALE_PREFETCH = 8  # added to the E2M1 constexpr: the MMA loop loads each block's scales a block ahead
 
 
 def fp4_decode() -> int:
-    """The kernels' E2M1 constexpr for the ``fp4_decode`` tile on this device: the packed decode's
-    bf16x2 multiplies need sm_90 (and a GPU: inline PTX), else the bit decode (the same values)."""
-    mode = FP4_DECODES.index(_tiles()["fp4_decode"])
+    """The kernels' E2M1 constexpr for the ``fp4_decode`` tile on this device: the decode (0 bits, 1
+    ``tl.dot_scaled``, 2 packed) plus :data:`SCALE_PREFETCH` for "packed_prefetch". The packed
+    decode's bf16x2 multiplies need sm_90 (and a GPU: inline PTX), else the bit decode (the same
+    values)."""
+    name = _tiles()["fp4_decode"]
+    ahead = SCALE_PREFETCH if name == "packed_prefetch" else 0
+    mode = 2 if ahead else FP4_DECODES.index(name)
     if mode == 2 and (INTERPRETED or jit_targets.capability() < (9, 0)):
-        return 0
-    return mode
+        return ahead
+    return mode + ahead
 
 
 def pick_tile(rules, rows: int) -> dict:

@@ -29,12 +29,25 @@ def _e4m3_operand(b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk,
-             FP4: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             E2M1: tl.constexpr = 0):
-    """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT (the scales at
-    ``sw_ptr + row (or row tile) * stride_swn + group * stride_swk``: row or K major). fp4_w with
-    E2M1 == 2: the codes decoded two a byte in packed registers (codecs.e2m1_pairs_bf16) into bf16."""
+def _w_scales(sw_ptr, n0, N, k0, k_hi, stride_swn, stride_swk, FP4: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """The scale bytes (int32 [BLOCK_N, BLOCK_K // 32]) of weight rows [n0, n0 + BLOCK_N) at K block k0,
+    at ``sw_ptr + row (or row tile, fp8_w) * stride_swn + group * stride_swk`` (row or K major); 0
+    past N or k_hi."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kg = k0 + tl.arange(0, BLOCK_K // 32) * 32
+    ok = (offs_n < N)[:, None] & (kg < k_hi)[None, :]
+    rows = offs_n if FP4 else offs_n // 32
+    s = tl.load(sw_ptr + rows[:, None] * stride_swn + (kg // 32)[None, :] * stride_swk, mask=ok, other=0)
+    return s.to(tl.int32)
+
+
+@triton.jit
+def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, E2M1: tl.constexpr = 0):
+    """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT, ``s`` their scale
+    bytes (:func:`_w_scales`). fp4_w with E2M1 % 8 == 2: the codes decoded two a byte in packed
+    registers (codecs.e2m1_pairs_bf16) into bf16, else code by code."""
     G: tl.constexpr = BLOCK_K // 32
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kg = k0 + tl.arange(0, G) * 32
@@ -43,9 +56,7 @@ def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk,
         j = tl.arange(0, 16)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
         byte = tl.load(ptrs, mask=ok[:, :, None], other=0)
-        s = tl.load(sw_ptr + offs_n[:, None] * stride_swn + (kg // 32)[None, :] * stride_swk, mask=ok,
-                    other=0).to(tl.int32)
-        if E2M1 == 2:
+        if E2M1 % 8 == 2:
             lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(e8m0_bf16(s)[:, :, None], (BLOCK_N, G, 16)))
         else:
             byte = byte.to(tl.int32)
@@ -57,10 +68,17 @@ def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk,
         j = tl.arange(0, 32)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + kg[None, :, None] + j[None, None, :]
         w = e4m3_x256(tl.load(ptrs, mask=ok[:, :, None], other=0.0)).to(tl.float32)
-        s = tl.load(sw_ptr + (offs_n // 32)[:, None] * stride_swn + (kg // 32)[None, :] * stride_swk, mask=ok,
-                    other=0)
-        v = tl.reshape(w * pow2(s.to(tl.int32) + 8)[:, :, None], (BLOCK_N, BLOCK_K))  # 2**(b - 127) * 2**8
+        v = tl.reshape(w * pow2(s + 8)[:, :, None], (BLOCK_N, BLOCK_K))  # 2**(b - 127) * 2**8
     return v.to(DOT)
+
+
+@triton.jit
+def _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk,
+             FP4: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             E2M1: tl.constexpr = 0):
+    """:func:`_w_decode` of the block with its scales loaded here (:func:`_w_scales`)."""
+    s = _w_scales(sw_ptr, n0, N, k0, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
+    return _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N, BLOCK_K, E2M1)
 
 
 @triton.jit
@@ -165,9 +183,15 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                 E2M1: tl.constexpr):
     """:func:`_k_loop` for row tiles of 16 and more: ``tl.dot`` per 32-wide K slice (PROMOTE) or per K
     block; fp4_w with E2M1 == 1: ``tl.dot_scaled`` on the packed E2M1 bytes and their scales (Triton's
-    own decode of the weights, in place of :func:`_w_block`'s)."""
+    own decode of the weights, in place of :func:`_w_block`'s). fp4_w with E2M1 >= 8: each block's
+    scale bytes are loaded one block ahead and carried in registers (too narrow for the pipeliner's
+    asynchronous copies, they would otherwise be waited for in the block that decodes them)."""
+    PREFETCH: tl.constexpr = FP4 and not PROMOTE and E2M1 >= 8
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if PREFETCH:
+        s_next = _w_scales(sw_ptr, n0, N, k_lo, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
+        s3_next = _w_scales(sw3_ptr, n0, N, k_lo, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if PROMOTE:
             for kk in tl.static_range(BLOCK_K // 32):
@@ -196,6 +220,17 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                 wq3, ws3 = _w_packed(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, BLOCK_N,
                                      BLOCK_K)
                 acc3 = tl.dot_scaled(a, None, "bf16", wq3, ws3, "e2m1", acc3)
+        elif PREFETCH:
+            s, s3 = s_next, s3_next
+            s_next = _w_scales(sw_ptr, n0, N, k0 + BLOCK_K, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
+            if DUAL:
+                s3_next = _w_scales(sw3_ptr, n0, N, k0 + BLOCK_K, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
+            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
+            acc = tl.dot(a, tl.trans(_w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N, BLOCK_K,
+                                               E2M1)), acc)
+            if DUAL:
+                acc3 = tl.dot(a, tl.trans(_w_decode(w3_ptr, s3, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N,
+                                                    BLOCK_K, E2M1)), acc3)
         else:
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
             b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, DOT, BLOCK_N,
@@ -217,8 +252,8 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
     QX: ``a_rows`` point at float activation rows, quantized to fp8 per 32 in registers (the bytes
     ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range).
     E2M1: how the MMA loop decodes fp4_w codes (0 bit by bit, 1 ``tl.dot_scaled``, 2 two a byte in
-    packed registers). Row tiles under 16 take the multiply-add loop (PROMOTE, DOT and E2M1 do not
-    apply), others the MMA loop."""
+    packed registers; plus 8: the scales loaded a block ahead, :func:`_mma_k_loop`). Row tiles under
+    16 take the multiply-add loop (PROMOTE, DOT and E2M1 do not apply), others the MMA loop."""
     if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
                                 stride_swn, stride_swk, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX)

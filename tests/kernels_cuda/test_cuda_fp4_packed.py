@@ -108,19 +108,52 @@ def test_the_ptx_decodes_every_byte_and_scale(rng):
 
 
 def test_the_interpreter_keeps_the_bit_decode():
-    with pinned_tiles(linear=PACKED):
-        assert lin.fp4_decode() == (2 if SM90 else 0)
-        assert lin._linear_plan(1, 64, 64, torch.bfloat16, "fp4_w")["constexprs"]["E2M1"] == lin.fp4_decode()
+    """The E2M1 constexpr: the decode (0 bits, 1 dot_scaled, 2 packed: sm_90 only) plus 8 where the
+    scales are loaded a block ahead ("packed_prefetch", whose decode falls back as "packed" does)."""
+    want = {"bits": 0, "dot_scaled": 1, "packed": 2 if SM90 else 0, "packed_prefetch": 10 if SM90 else 8}
+    for name, e2m1 in want.items():
+        with pinned_tiles(linear=dict(fp4_decode=name)):
+            assert lin.fp4_decode() == e2m1, name
+            assert lin._linear_plan(1, 64, 64, torch.bfloat16, "fp4_w")["constexprs"]["E2M1"] == e2m1
+
+
+@pytest.mark.parametrize("m,n,k,split", [(3, 72, 96, None), (20, 40, 320, 2), (1, 64, 160, 3)])
+def test_scales_loaded_ahead_equal_the_plain_loop(rng, m, n, k, split):
+    """Scales loaded a K block ahead ("packed_prefetch") give the plain loop's results bit for bit:
+    ragged K (a masked last scale group, and a prefetch past k_hi), column tiles past N, split K
+    (each split's first block loaded before its loop); ``linear`` and ``moe_experts`` (routed and
+    shared fp4_w experts, DUAL up and single down). Under the interpreter both take the bit decode."""
+    x = (torch.randn(m, k, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
+    w = formats.quantize(torch.randn(n, k, generator=rng) * 0.25, "fp4_w").to(DEVICE)
+    tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+    E, top, I = 4, 2, 64  # I: the experts' inner width (W2 is quantized along it: a multiple of 32)
+    idx = torch.stack([torch.randperm(E, generator=rng)[:top] for _ in range(m)]).to(DEVICE, torch.int32)
+    rw = torch.rand(m, top, generator=rng).to(DEVICE)
+    experts = [formats.quantize(torch.randn(*s, generator=rng) * 0.25, "fp4_w").to(DEVICE)
+               for s in ((E, I, k), (E, I, k), (E, k, I))]
+    shared = tuple(formats.quantize(torch.randn(1, *s, generator=rng) * 0.25, "fp4_w").to(DEVICE)
+                   for s in ((I, k), (I, k), (k, I)))
+    out = {}
+    for name in ("packed", "packed_prefetch"):
+        tiles = dict(linear=dict(fp4_decode=name, linear=[[None, tile]], split_k=split),
+                     moe=dict(experts=[[None, dict(tile, split_k=split or 1)]]))
+        with flashrt.use_backend("cuda"), pinned_tiles(**tiles):
+            out[name] = (ops.linear(x, w), ops.moe_experts(x, rw, idx, *experts, 10.0, shared=shared))
+    assert torch.equal(out["packed"][0], out["packed_prefetch"][0])
+    assert torch.equal(out["packed"][1], out["packed_prefetch"][1])
+    with flashrt.use_backend("reference"):
+        assert rel_err(out["packed_prefetch"][0], ops.linear(x, w)) < 1e-3
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("decode", ["packed", "packed_prefetch"])
 @pytest.mark.parametrize("m", [1, 16, 300])
-def test_linear_packed_gpu(rng, m):
+def test_linear_packed_gpu(rng, m, decode):
     x = torch.randn(m, 5120, generator=rng).to(DEVICE, torch.bfloat16)
     w = formats.quantize(torch.randn(2304, 5120, generator=rng) * 0.05, "fp4_w").to(DEVICE)
     with flashrt.use_backend("cuda"):
-        with pinned_tiles(linear=PACKED):
+        with pinned_tiles(linear=dict(fp4_decode=decode)):
             got = ops.linear(x, w)
         with pinned_tiles():
             bits = ops.linear(x, w)

@@ -1,7 +1,7 @@
 """Weight scales laid out K major (``[.., K / 32, N]`` in memory, the same ``[.., N, K / 32]`` tensor):
 ``linear`` and ``moe_experts`` read them in place (``SCALE_K``: the scales' K stride) and give
 exactly the results of the row-major layout, on every decode of the MMA loop (the kernels' own
-E2M1 decode bit by bit or two a byte, ``tl.dot_scaled``), the multiply-add GEMV, fp8 promotion,
+E2M1 decode bit by bit or two a byte, with the scales loaded a block ahead, ``tl.dot_scaled``), the multiply-add GEMV, fp8 promotion,
 split K and the shared expert; the reference's values; a scale contiguous along neither dim is
 copied first."""
 import pytest
@@ -17,8 +17,7 @@ moe = pytest.importorskip("flashrt.kernels_cuda.moe")
 
 MMA = [[None, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)]]
 FMA = [[None, dict(BLOCK_M=2, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)]]
-DECODES = {"bits": dict(fp4_decode="bits"), "packed": dict(fp4_decode="packed"),
-           "dot_scaled": dict(fp4_decode="dot_scaled")}
+DECODES = {name: dict(fp4_decode=name) for name in ("bits", "packed", "packed_prefetch", "dot_scaled")}
 
 
 def k_major(w: formats.QTensor) -> formats.QTensor:
@@ -39,8 +38,8 @@ def _run(backend, op, *args, **kw):
         return getattr(ops, op)(*args, **kw)
 
 
-@pytest.mark.parametrize("fmt,decode", [("fp4_w", "bits"), ("fp4_w", "packed"), ("fp4_w", "dot_scaled"),
-                                        ("fp8_w", "bits")])
+@pytest.mark.parametrize("fmt,decode", [("fp4_w", "bits"), ("fp4_w", "packed"), ("fp4_w", "packed_prefetch"),
+                                        ("fp4_w", "dot_scaled"), ("fp8_w", "bits")])
 @pytest.mark.parametrize("rules", [MMA, FMA], ids=["mma", "fma"])
 @pytest.mark.parametrize("m,n,k,split", [(3, 72, 320, None), (1, 64, 160, 3)])
 def test_linear(rng, fmt, decode, rules, m, n, k, split):
