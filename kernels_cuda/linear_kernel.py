@@ -191,7 +191,8 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if PREFETCH:
         s_next = _w_scales(sw_ptr, n0, N, k_lo, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
-        s3_next = _w_scales(sw3_ptr, n0, N, k_lo, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
+        if DUAL:
+            s3_next = _w_scales(sw3_ptr, n0, N, k_lo, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if PROMOTE:
             for kk in tl.static_range(BLOCK_K // 32):
@@ -221,9 +222,10 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                                      BLOCK_K)
                 acc3 = tl.dot_scaled(a, None, "bf16", wq3, ws3, "e2m1", acc3)
         elif PREFETCH:
-            s, s3 = s_next, s3_next
+            s = s_next
             s_next = _w_scales(sw_ptr, n0, N, k0 + BLOCK_K, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
             if DUAL:
+                s3 = s3_next
                 s3_next = _w_scales(sw3_ptr, n0, N, k0 + BLOCK_K, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
             acc = tl.dot(a, tl.trans(_w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N, BLOCK_K,
