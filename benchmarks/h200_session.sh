@@ -152,15 +152,16 @@
 #              ncu-stalls-CASE.txt
 #   ncusource  Nsight Compute's source page (SASS, with executed instructions and stall samples a line)
 #              of NCU_CASES (default experts1), summed by opcode (tools/ncu_source.py):
-#              ncu-source-CASE.csv.gz, ncu-source-CASE.txt, ncu-source-CASE.json
+#              ncu-source-CASE[NCU_TAG].csv.gz, .txt, .json
 #   kerneltests the CUDA kernel tests natively under the profile (h200-kernel-tests.log)
 #   scales     the experts' fp4 scale loads: stored K major (formats.with_k_major_scales) and loaded a
 #              K block ahead (tiles.linear.fp4_decode: packed_prefetch). Their GPU tests and the MoE
 #              block's under expert_scales: k_major (h200-scales-tests.log); the experts at 1 and 8
 #              tokens at the released shapes under the profile, with row- and K-major scales, and with
 #              the scales a block ahead (benchmarks/gemv_tiles.py --scales-k-major:
-#              h200-gemv-scales.json); then Nsight Compute's source page of the K-major case at one
-#              token (ncu-source-experts1_kmajor.*)
+#              h200-gemv-scales.json); then Nsight Compute's source page at one token with K-major
+#              scales and with the scales a block ahead (ncu-source-experts1_kmajor.*,
+#              ncu-source-experts1-prefetch.*)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -596,15 +597,13 @@ phase_ncusource() {
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
   [ -n "$ncu" ] || { echo "no ncu here" | tee "$OUT/ncu-check.txt"; return 1; }
   for case in ${NCU_CASES:-experts1}; do
+    local f="$OUT/ncu-source-$case${NCU_TAG:-}"  # NCU_TAG: a suffix telling runs of one case apart
     timeout 150 "$ncu" --profile-from-start off --clock-control none --section SourceCounters \
-      --section WarpStateStats --import-source yes -f -o "$OUT/ncu-source-$case" \
-      python tools/ncu_cases.py "$case" > "$OUT/ncu-source-$case.log" 2>&1
-    "$ncu" -i "$OUT/ncu-source-$case.ncu-rep" --page source --csv --print-source sass \
-      > "$OUT/ncu-source-$case.csv" 2>&1
-    python tools/ncu_source.py "$OUT/ncu-source-$case.csv" --json "$OUT/ncu-source-$case.json" \
-      > "$OUT/ncu-source-$case.txt" && rm -f "$OUT/ncu-source-$case.ncu-rep" \
-      && gzip -f "$OUT/ncu-source-$case.csv"  # the report kept when unread
-    head -n 30 "$OUT/ncu-source-$case.txt"
+      --section WarpStateStats --import-source yes -f -o "$f" python tools/ncu_cases.py "$case" > "$f.log" 2>&1
+    "$ncu" -i "$f.ncu-rep" --page source --csv --print-source sass > "$f.csv" 2>&1
+    python tools/ncu_source.py "$f.csv" --json "$f.json" > "$f.txt" && rm -f "$f.ncu-rep" \
+      && gzip -f "$f.csv"  # the report kept when unread
+    head -n 30 "$f.txt"
   done
 }
 
@@ -614,12 +613,15 @@ phase_kerneltests() {
 }
 
 phase_scales() {
+  local ahead
   timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_scales_k_major.py \
     tests/kernels_cuda/test_cuda_fp4_packed.py tests/graphs/test_moe_shared_block.py > "$OUT/h200-scales-tests.log" 2>&1
   tail -n 2 "$OUT/h200-scales-tests.log"
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp4 scales loaded a block ahead" \
     --scales-k-major --out "$OUT/h200-gemv-scales.json" | grep moe_experts
   NCU_CASES=experts1_kmajor phase_ncusource
+  ahead=$(profile_set h200-scale-prefetch tiles.linear.fp4_decode '"packed_prefetch"')
+  FLASHRT_PROFILE=$ahead NCU_CASES=experts1 NCU_TAG=-prefetch phase_ncusource
 }
 
 phase_realslice() {
