@@ -567,10 +567,14 @@ phase_hcreal() {
   python benchmarks/real_slice.py --batches 1 8 64 --profile 3 --out "$OUT/h200-real-slice-profile-2.json" | grep batch
 }
 
+find_ncu() {  # the Nsight Compute CLI's path (on PATH or in /opt/nvidia); notes its absence in ncu-check.txt
+  command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 | grep . \
+    || { echo "no ncu here" | tee "$OUT/ncu-check.txt" >&2; return 1; }
+}
+
 phase_ncu() {
   local ncu case
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-  [ -n "$ncu" ] || { echo "no ncu here" | tee "$OUT/ncu-check.txt"; return 1; }
+  ncu=$(find_ncu) || return 1
   for case in ${NCU_CASES:-experts1 experts8 linear1 prefix quant_fp4_b16 topk128k topk128k_64}; do
     timeout 150 "$ncu" --profile-from-start off --clock-control none --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
@@ -583,8 +587,7 @@ phase_ncu() {
 
 phase_ncustalls() {
   local ncu case
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-  [ -n "$ncu" ] || { echo "no ncu here" | tee "$OUT/ncu-check.txt"; return 1; }
+  ncu=$(find_ncu) || return 1
   for case in ${NCU_CASES:-experts1 linear1 prefix attn64}; do
     timeout 150 "$ncu" --profile-from-start off --clock-control none --section WarpStateStats \
       --section SourceCounters --print-details all python tools/ncu_cases.py "$case" > "$OUT/ncu-stalls-$case.txt" 2>&1
@@ -594,8 +597,7 @@ phase_ncustalls() {
 
 phase_ncusource() {
   local ncu case
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-  [ -n "$ncu" ] || { echo "no ncu here" | tee "$OUT/ncu-check.txt"; return 1; }
+  ncu=$(find_ncu) || return 1
   for case in ${NCU_CASES:-experts1}; do
     local f="$OUT/ncu-source-$case${NCU_TAG:-}"  # NCU_TAG: a suffix telling runs of one case apart
     timeout 150 "$ncu" --profile-from-start off --clock-control none --section SourceCounters \

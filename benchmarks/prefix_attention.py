@@ -10,9 +10,9 @@ in its format with ``--entries`` entries each query sees a causal prefix of (rat
 both outputs checked against each other first. The floor is the FLOPs of the (query, head, entry)
 pairs each query attends to (4 x D a pair) at the bf16 GEMM rate measured in the same run. Then, at
 ``--variant-rows`` rows, the prefix kernel under tile variants, each set over the active profile's
-``tiles.prefix_attention.prefix`` ("shipped": the profile's tiles as they are): 4 warps, the output columns split over two programs (alone, with 128 score rows a program, with K
-blocks of 16: the sm_90 compiles that spill least), 128 score rows a program, K blocks of 16 / 64,
-one pipeline stage. ``--profile-out F.yaml`` writes the active profile with the fastest variant's
+``tiles.prefix_attention.prefix`` ("shipped": the profile's tiles as they are): 4 warps, the output
+columns split over two programs (alone, with 128 score rows a program, with K blocks of 16: the
+sm_90 compiles that spill least), 128 score rows a program, K blocks of 16 / 64, one pipeline stage. ``--profile-out F.yaml`` writes the active profile with the fastest variant's
 tiles set over ``tiles.prefix_attention.prefix`` where it is at least 3% faster than the shipped tiles.
 """
 from __future__ import annotations

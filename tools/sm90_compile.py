@@ -291,8 +291,9 @@ def main(argv=None) -> None:
     for k, v in extra.items():
         section[k] = {**section.get(k, {}), **v} if isinstance(v, dict) else v
     tiles = {**base.tiles, args.family: section}
-    if json.loads(args.linear_tiles):
-        tiles["linear"] = {**tiles.get("linear", {}), **json.loads(args.linear_tiles)}
+    linear_extra = json.loads(args.linear_tiles)
+    if linear_extra:
+        tiles["linear"] = {**tiles.get("linear", {}), **linear_extra}
     prof = dataclasses.replace(base, tiles=tiles)
     with profiles.using(prof):
         seen = capture(CALLS[args.family](args.B, args.S, args.cold))

@@ -143,6 +143,7 @@ def test_scales_loaded_ahead_equal_the_plain_loop(rng, m, n, k, split):
     assert torch.equal(out["packed"][1], out["packed_prefetch"][1])
     with flashrt.use_backend("reference"):
         assert rel_err(out["packed_prefetch"][0], ops.linear(x, w)) < 1e-3
+        assert rel_err(out["packed_prefetch"][1], ops.moe_experts(x, rw, idx, *experts, 10.0, shared=shared)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -63,6 +63,7 @@ def test_linear_fp8_promotion(rng, mode, monkeypatch):
     with pinned_tiles(linear=dict(fp8_mma=mode, linear=MMA)):
         got, row = _run("cuda", "linear", x, k_major(w)), _run("cuda", "linear", x, w)
     assert torch.equal(got, row)
+    assert rel_err(got, _run("reference", "linear", x, w)) < 1e-3
 
 
 @pytest.mark.parametrize("decode", list(DECODES))
@@ -107,4 +108,6 @@ def test_operands_read_in_place_or_copied(rng):
     x = torch.randn(2, 128, generator=rng).to(DEVICE, torch.bfloat16)
     flat = formats.QTensor(w.data[0], w.scale[0], w.fmt, w.shape[1:])
     odd = formats.QTensor(wide.data[0], wide.scale[0], w.fmt, w.shape[1:])
-    assert torch.equal(_run("cuda", "linear", x, odd), _run("cuda", "linear", x, flat))
+    got = _run("cuda", "linear", x, odd)
+    assert torch.equal(got, _run("cuda", "linear", x, flat))
+    assert rel_err(got, _run("reference", "linear", x, flat)) < 1e-3
