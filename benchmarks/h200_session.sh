@@ -162,6 +162,11 @@
 #              h200-gemv-scales.json); then Nsight Compute's source page at one token with K-major
 #              scales and with the scales a block ahead (ncu-source-experts1_kmajor.*,
 #              ncu-source-experts1-prefetch.*)
+#   scaleship  the experts' shipped scale loads (expert_scales: k_major, fp4_decode: packed_prefetch)
+#              checked and timed: the MoE block's GPU tests (h200-scaleship-tests.log); the
+#              real-dimension slice and small's captured decode under the profile and under a copy
+#              with row-major scales and the plain packed decode: h200-real-slice-scales-{row,ship}.json,
+#              h200-e2e-scales-{row,ship}.json; then the CUDA kernel tests natively (h200-kernel-tests.log)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -212,8 +217,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests or scales)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales or scaleship)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -624,6 +629,25 @@ phase_scales() {
   NCU_CASES=experts1_kmajor phase_ncusource
   ahead=$(profile_set h200-scale-prefetch tiles.linear.fp4_decode '"packed_prefetch"')
   FLASHRT_PROFILE=$ahead NCU_CASES=experts1 NCU_TAG=-prefetch phase_ncusource
+}
+
+phase_scaleship() {
+  local row name prof
+  row=$(profile_set h200-scales-row expert_scales '"row"' tiles.linear.fp4_decode '"packed"')
+  timeout 90 python -m pytest -q -p no:cacheprovider tests/graphs/test_moe_shared_block.py \
+    > "$OUT/h200-scaleship-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-scaleship-tests.log"
+  for name in row ship; do
+    prof=h200; [ $name = row ] && prof=$row
+    FLASHRT_PROFILE=$prof python benchmarks/real_slice.py --batches 1 8 64 \
+      --out "$OUT/h200-real-slice-scales-$name.json" | tail -n 4
+  done
+  for name in row ship; do
+    prof=h200; [ $name = row ] && prof=$row
+    FLASHRT_PROFILE=$prof python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+      --modes cuda+graph --out "$OUT/h200-e2e-scales-$name.json" | tail -n 4
+  done
+  phase_kerneltests
 }
 
 phase_realslice() {

@@ -9,7 +9,18 @@ import torch
 import flashrt
 from flashrt import ops
 from flashrt.graphs.moe import MoE, SharedRoutes
-from kernel_check import rel_err
+from kernel_check import DEVICE, GPU, rel_err
+
+
+@pytest.fixture(scope="module")
+def block_weights(cfg, weights):
+    """The shipped ``tiny`` weights where the kernels run: the GPU when there is one (the CUDA
+    backend serves CUDA tensors there), else the CPU for the interpreter."""
+    if not GPU:
+        return weights
+    from flashrt.graphs.init_weights import init_weights
+
+    return init_weights(cfg, seed=0, device=DEVICE)
 
 
 def _two_ops(moe: MoE, h: torch.Tensor) -> torch.Tensor:
@@ -22,11 +33,11 @@ def _two_ops(moe: MoE, h: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_moe_block_in_one_op_equals_two_ops_and_the_reference(cfg, weights, rng, tokens):
+def test_moe_block_in_one_op_equals_two_ops_and_the_reference(cfg, block_weights, rng, tokens):
     pytest.importorskip("flashrt.kernels_cuda.moe")
-    moe = MoE(cfg, 0, dict(weights), "layers.0.")
+    moe = MoE(cfg, 0, dict(block_weights), "layers.0.")
     assert moe.shared is not None and moe.shared[0].fmt != moe.w1.fmt  # two formats in one launch
-    h = (torch.randn(1, tokens, cfg.dim, generator=rng) * 2.0).to(torch.bfloat16)
+    h = (torch.randn(1, tokens, cfg.dim, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
     with flashrt.use_backend("cuda"):
         got, two = moe.forward(h), _two_ops(moe, h)
     with flashrt.use_backend("reference"):
@@ -37,7 +48,7 @@ def test_moe_block_in_one_op_equals_two_ops_and_the_reference(cfg, weights, rng,
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_k_major_expert_scales_change_the_layout_not_the_output(cfg, weights, rng, backend):
+def test_k_major_expert_scales_change_the_layout_not_the_output(cfg, block_weights, rng, backend):
     """A profile with ``expert_scales: k_major`` stores the routed and shared experts' scales K
     major (the same values; the rows contiguous at each K group); the block's output is the row
     layout's bit for bit, on the reference backend and on the CUDA kernels (interpreter)."""
@@ -48,14 +59,14 @@ def test_k_major_expert_scales_change_the_layout_not_the_output(cfg, weights, rn
     if backend == "cuda":
         pytest.importorskip("flashrt.kernels_cuda.moe")
     base = profiles.active_profile()
-    assert base.expert_scales == "row"
-    row = MoE(cfg, 0, dict(weights), "layers.0.")
+    with profiles.using(dataclasses.replace(base, expert_scales="row")):
+        row = MoE(cfg, 0, dict(block_weights), "layers.0.")
     with profiles.using(dataclasses.replace(base, expert_scales="k_major")):
-        kmajor = MoE(cfg, 0, dict(weights), "layers.0.")
+        kmajor = MoE(cfg, 0, dict(block_weights), "layers.0.")
     for a, b in zip((row.w1, row.w3, row.w2, *row.shared), (kmajor.w1, kmajor.w3, kmajor.w2, *kmajor.shared)):
         assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)) and torch.equal(a.data, b.data)
         assert a.scale.stride(-1) == 1 and b.scale.stride(-2) == 1 and b.scale.stride(-1) == b.scale.shape[-2]
-    h = (torch.randn(1, 3, cfg.dim, generator=rng) * 2.0).to(torch.bfloat16)
+    h = (torch.randn(1, 3, cfg.dim, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
     with flashrt.use_backend(backend):
         got = kmajor.forward(h)
         assert torch.equal(got, row.forward(h))
