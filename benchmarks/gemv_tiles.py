@@ -65,16 +65,14 @@ MMA_VARIANTS = {("MMA " if m == 16 else f"MMA M{m} ") + f"N{n} K{k} s{st}" + (f"
 # nearest to that many an SM, also where the output tiles fill the SMs once (``split_per_sm``)
 SPLIT_VARIANTS = {f"profile, split to {p} programs an SM": {"split_per_sm": p} for p in (3, 4, 6, 8)}
 # label -> {family: tiles entries}, the profile's rules kept: the linear cases only
-LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}},
-                   "profile, every row of the tile quantized": {"linear": {"one_row_quant": False}}}
+LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}}}
 # label -> {family: tiles entries}, the profile's rules kept: the experts cases only
 EXPERT_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode": "dot_scaled"}},
                    "profile, fp4 decoded packed": {"linear": {"fp4_decode": "packed"}},
                    "profile, fp4 scales loaded a block ahead": {"linear": {"fp4_decode": "packed_prefetch"}},
                    "profile, fp4 decoded bit by bit": {"linear": {"fp4_decode": "bits"}},
                    "profile, shared expert in its own launches": {"moe": {"shared_in_launch": False}},
-                   "profile, activations quantized apart": {"moe": {"fused_max_tokens": 0}},
-                   "profile, every row of the tile quantized": {"linear": {"one_row_quant": False}}}
+                   "profile, activations quantized apart": {"moe": {"fused_max_tokens": 0}}}
 
 
 def with_rule(family: str, entry: str, rows: int, tile: dict | None, extra: dict | None = None):

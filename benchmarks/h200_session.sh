@@ -167,11 +167,6 @@
 #              real-dimension slice and small's captured decode under the profile and under a copy
 #              with row-major scales and the plain packed decode: h200-real-slice-scales-{row,ship}.json,
 #              h200-e2e-scales-{row,ship}.json; then the CUDA kernel tests natively (h200-kernel-tests.log)
-#   onerow     a one-row tile quantizing x itself quantizes that row alone (tiles.linear.one_row_quant,
-#              on in every profile): the GEMV tests on the GPU (h200-onerow-tests.log); the released
-#              linear and expert shapes at 1 / 4 and 1 / 8 rows with it on and off (gemv_tiles.py:
-#              h200-gemv-onerow.json); the real-dimension slice and small's captured decode with it
-#              off and on: h200-real-slice-onerow-{off,on}.json, h200-e2e-onerow-{off,on}.json
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -222,8 +217,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|onerow) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship or onerow)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales or scaleship)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -653,26 +648,6 @@ phase_scaleship() {
       --modes cuda+graph --out "$OUT/h200-e2e-scales-$name.json" | tail -n 4
   done
   phase_kerneltests
-}
-
-phase_onerow() {
-  local off name prof
-  off=$(profile_set h200-onerow-off tiles.linear.one_row_quant false)
-  timeout 120 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_gemv.py \
-    tests/kernels_cuda/test_cuda_moe_shared.py tests/kernels_cuda/test_cuda_fused.py > "$OUT/h200-onerow-tests.log" 2>&1
-  tail -n 1 "$OUT/h200-onerow-tests.log"
-  python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, every row of the tile quantized" \
-    --scales-k-major --out "$OUT/h200-gemv-onerow.json" | grep -v '^ '
-  for name in off on; do
-    prof=h200; [ $name = off ] && prof=$off
-    FLASHRT_PROFILE=$prof python benchmarks/real_slice.py --batches 1 8 64 \
-      --out "$OUT/h200-real-slice-onerow-$name.json" | tail -n 3
-  done
-  for name in off on; do
-    prof=h200; [ $name = off ] && prof=$off
-    FLASHRT_PROFILE=$prof python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
-      --modes cuda+graph --out "$OUT/h200-e2e-onerow-$name.json" | tail -n 3
-  done
 }
 
 phase_realslice() {

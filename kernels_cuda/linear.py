@@ -80,9 +80,6 @@ TILES = {
     # up to this many rows the GEMM quantizes x itself (no act_quant launch) and a split K is summed
     # by the tile's last program (no sum and cast launches); 0: never
     "fused_max_rows": 64,
-    # where a tile quantizing x itself holds one row (linear: M = 1; the experts: a tile a pair),
-    # that row alone is quantized, not every row of the tile (all but one masked); False: every row
-    "one_row_quant": True,
 }
 
 
@@ -194,8 +191,7 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
                 bf16_gemm=big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16,
                 constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"],
                                 OUT=TL_DTYPES[out_dtype], QX=fused, REDUCE=reduce,
-                                E2M1=fp4_decode() if fmt == "fp4_w" else 0, **t,
-                                **({"ONE_ROW": True} if fused and m == 1 and _tiles()["one_row_quant"] else {})))
+                                E2M1=fp4_decode() if fmt == "fp4_w" else 0, **t))
 
 
 def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -289,7 +285,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
                "fp8_mma": Tile(nullable=True, kind=bool), "fp4_decode": Tile(choices=FP4_DECODES),
                "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
-               "fused_max_rows": COUNT0, "one_row_quant": Tile(kind=bool), "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
+               "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),
                "*.split_reduce": Tile(nullable=True, kind=bool)}
 

@@ -110,17 +110,11 @@ def _x_fp8(a_rows, ok, kg, G: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr = False):
+             BLOCK_K: tl.constexpr):
     """Dequantized activations [BLOCK_M, BLOCK_K] at k0 as DOT (a_rows / sa_rows: row pointers; with
-    QX, a_rows point at float rows quantized here and sa_rows is unused). ONE_ROW (with QX): the tile
-    holds one row, row 0, and a_rows is its pointer alone ([1]): that row is quantized, not BLOCK_M
-    rows of which all but one are masked, and the other rows are zeros."""
+    QX, a_rows point at float rows quantized here and sa_rows is unused)."""
     G: tl.constexpr = BLOCK_K // 32
     kg = k0 + tl.arange(0, G) * 32
-    if QX and ONE_ROW:
-        a, sb = _x_fp8(a_rows, (kg < k_hi)[None, :], kg, G, 1)
-        v = tl.reshape(e4m3_x256(a).to(tl.float32) * (e8m0_to_f32(sb) * 256.0)[:, :, None], (1, BLOCK_K))
-        return tl.where((tl.arange(0, BLOCK_M) == 0)[:, None], v, 0.0).to(DOT)
     ok = row_ok[:, None] & (kg < k_hi)[None, :]
     if QX:
         a, sb = _x_fp8(a_rows, ok, kg, G, BLOCK_M)
@@ -161,7 +155,7 @@ def _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, 
 @triton.jit
 def _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
                 stride_swk, FP4: tl.constexpr, DUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, QX: tl.constexpr, ONE_ROW: tl.constexpr = False):
+                BLOCK_K: tl.constexpr, QX: tl.constexpr):
     """:func:`_k_loop` for row tiles under 16 (a GEMV: decode's few rows): both operands dequantized
     to fp32 in registers, their products added elementwise into [BLOCK_M, BLOCK_N, BLOCK_K] partial
     sums, reduced over K once at the end. No MMA: its 16-row minimum would spend 15 of 16 rows on
@@ -171,7 +165,7 @@ def _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
     part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     part3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, tl.float32, BLOCK_M, BLOCK_K, ONE_ROW)[:, None, :]
+        a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, tl.float32, BLOCK_M, BLOCK_K)[:, None, :]
         b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, tl.float32, BLOCK_N,
                      BLOCK_K)
         part += a * b[None, :, :]
@@ -186,7 +180,7 @@ def _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
 def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
                 stride_swk, FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr,
-                E2M1: tl.constexpr, ONE_ROW: tl.constexpr = False):
+                E2M1: tl.constexpr):
     """:func:`_k_loop` for row tiles of 16 and more: ``tl.dot`` per 32-wide K slice (PROMOTE) or per K
     block; fp4_w with E2M1 == 1: ``tl.dot_scaled`` on the packed E2M1 bytes and their scales (Triton's
     own decode of the weights, in place of :func:`_w_block`'s). fp4_w with E2M1 >= 8: each block's
@@ -203,13 +197,7 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
         if PROMOTE:
             for kk in tl.static_range(BLOCK_K // 32):
                 k1 = k0 + kk * 32
-                if QX and ONE_ROW:  # row 0 quantized alone, the other rows zeros
-                    kg = k1 + tl.arange(0, 1) * 32
-                    a, sb = _x_fp8(a_rows, (kg < k_hi)[None, :], kg, 1, 1)
-                    first = tl.arange(0, BLOCK_M) == 0
-                    a = tl.where(first[:, None], tl.reshape(a, (1, 32)), 0)
-                    sa = tl.where(first, e8m0_to_f32(tl.reshape(sb, (1,))), 0.0)
-                elif QX:
+                if QX:
                     kg = k1 + tl.arange(0, 1) * 32
                     a, sb = _x_fp8(a_rows, row_ok[:, None] & (kg < k_hi)[None, :], kg, 1, BLOCK_M)
                     a, sa = tl.reshape(a, (BLOCK_M, 32)), e8m0_to_f32(tl.reshape(sb, (BLOCK_M,)))
@@ -226,7 +214,7 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                     acc3 = _promote(acc3, a, sa, w3_ptr, sw3_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, stride_swk,
                                     DOT, BLOCK_N)
         elif FP4 and E2M1 == 1:  # the activations exact in bf16 (E4M3 times a power of two)
-            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K, ONE_ROW).to(tl.bfloat16)
+            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K).to(tl.bfloat16)
             wq, ws = _w_packed(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, BLOCK_N, BLOCK_K)
             acc = tl.dot_scaled(a, None, "bf16", wq, ws, "e2m1", acc)
             if DUAL:
@@ -239,14 +227,14 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
             if DUAL:
                 s3 = s3_next
                 s3_next = _w_scales(sw3_ptr, n0, N, k0 + BLOCK_K, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
-            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K, ONE_ROW)
+            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
             acc = tl.dot(a, tl.trans(_w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N, BLOCK_K,
                                                E2M1)), acc)
             if DUAL:
                 acc3 = tl.dot(a, tl.trans(_w_decode(w3_ptr, s3, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N,
                                                     BLOCK_K, E2M1)), acc3)
         else:
-            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K, ONE_ROW)
+            a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
             b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, DOT, BLOCK_N,
                          BLOCK_K, E2M1)
             acc = tl.dot(a, tl.trans(b), acc)
@@ -261,21 +249,19 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
 def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
             stride_swk, FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr = False,
-            E2M1: tl.constexpr = 0, ONE_ROW: tl.constexpr = False):
+            E2M1: tl.constexpr = 0):
     """fp32 [BLOCK_M, BLOCK_N] of xq @ w.T over K in [k_lo, k_hi) (and of xq @ w3.T when DUAL).
     QX: ``a_rows`` point at float activation rows, quantized to fp8 per 32 in registers (the bytes
     ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range).
     E2M1: how the MMA loop decodes fp4_w codes (0 bit by bit, 1 ``tl.dot_scaled``, 2 two a byte in
     packed registers; plus 8: the scales loaded a block ahead, :func:`_mma_k_loop`). Row tiles under
-    16 take the multiply-add loop (PROMOTE, DOT and E2M1 do not apply), others the MMA loop. ONE_ROW
-    (with QX): the tile's only row is row 0 and ``a_rows`` its pointer alone (:func:`_a_block`)."""
+    16 take the multiply-add loop (PROMOTE, DOT and E2M1 do not apply), others the MMA loop."""
     if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
-                                stride_swn, stride_swk, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX, ONE_ROW)
+                                stride_swn, stride_swk, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX)
     else:
         acc, acc3 = _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
-                                stride_swn, stride_swk, FP4, PROMOTE, DUAL, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1,
-                                ONE_ROW)
+                                stride_swn, stride_swk, FP4, PROMOTE, DUAL, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
     return acc, acc3
 
 
@@ -284,12 +270,10 @@ def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
                    stride_xm, stride_sxm, stride_wn, stride_swn, stride_om, stride_os,
                    FP4: tl.constexpr, PROMOTE: tl.constexpr, DOT: tl.constexpr, OUT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   QX: tl.constexpr, REDUCE: tl.constexpr, E2M1: tl.constexpr, SCALE_K: tl.constexpr = 1,
-                   ONE_ROW: tl.constexpr = False):
+                   QX: tl.constexpr, REDUCE: tl.constexpr, E2M1: tl.constexpr, SCALE_K: tl.constexpr = 1):
     """One output tile's K range. QX: xq_ptr holds the float x (quantized here). REDUCE: the tile's
     splits meet in :func:`.splitk.store_tile`; otherwise split s stores at out + s * stride_os.
-    SCALE_K: the weight scales' stride along K (1: row major; the rows' count: K major). ONE_ROW (M
-    is 1, with QX): that row alone is quantized (:func:`_a_block`)."""
+    SCALE_K: the weight scales' stride along K (1: row major; the rows' count: K major)."""
     wait_inputs()
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -301,10 +285,9 @@ def _linear_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
     k_lo = tl.program_id(1) * k_split
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     r64 = rows.to(tl.int64)
-    a_rows = xq_ptr + tl.zeros([1], tl.int64) if ONE_ROW else xq_ptr + r64 * stride_xm
-    acc, _ = _k_loop(a_rows, sx_ptr + r64 * stride_sxm, rows < M, w_ptr, sw_ptr, w_ptr, sw_ptr,
+    acc, _ = _k_loop(xq_ptr + r64 * stride_xm, sx_ptr + r64 * stride_sxm, rows < M, w_ptr, sw_ptr, w_ptr, sw_ptr,
                      n0, N, k_lo, tl.minimum(k_lo + k_split, K), stride_wn, stride_swn, SCALE_K,
-                     FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1, ONE_ROW)
+                     FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     ok = (rows < M)[:, None] & (offs_n < N)[None, :]
     out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os

@@ -150,7 +150,7 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
     return PLANS.store(key, dict(block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
                                  combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
                                  shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
-                                 e2m1=fp4_decode(), one_row=_linear._tiles()["one_row_quant"],
+                                 e2m1=fp4_decode(),
                                  combine_tile=tiles["combine"]))
 
 
@@ -190,8 +190,7 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
         FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=plan["qx"],
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
         PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=plan["e2m1"] if w1.fmt == "fp4_w" or fp4_s else 0,
-        SCALE_K=s1.stride(2), SCALE_K_S=o1[1].stride(-1), **({} if plan["one_row"] else {"ONE_ROW": False}), **t,
-        **pdl.options(xq.device))
+        SCALE_K=s1.stride(2), SCALE_K_S=o1[1].stride(-1), **t, **pdl.options(xq.device))
     return hq, sh
 
 

@@ -140,9 +140,8 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr,
                    DIRECT: tl.constexpr, SPLIT: tl.constexpr, PAIRS: tl.constexpr, SHARED: tl.constexpr,
                    FP4_S: tl.constexpr, PROMOTE_S: tl.constexpr, DOT_S: tl.constexpr, E2M1: tl.constexpr,
-                   SCALE_K: tl.constexpr = 1, SCALE_K_S: tl.constexpr = 1, ONE_ROW: tl.constexpr = True):
-    """QX: xq_ptr holds the float x rows, quantized to fp8 in registers (sx_ptr unused); with PAIRS
-    and ONE_ROW a routed tile's one row alone (linear_kernel._a_block). DIRECT /
+                   SCALE_K: tl.constexpr = 1, SCALE_K_S: tl.constexpr = 1):
+    """QX: xq_ptr holds the float x rows, quantized to fp8 in registers (sx_ptr unused). DIRECT /
     PAIRS / SHARED: the row tiles of :func:`_tile_rows`; rw_ptr holds the routing weight of each
     pair row (DIRECT: of each token). SHARED: s1/ss1/s3/ss3 the shared expert's W1 / W3 (data,
     scales; format FP4_S, MMA mode PROMOTE_S / DOT_S). SPLIT: ws_ptr [splits, 2, n_rows, I] fp32
@@ -156,25 +155,20 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
     k_lo, k_hi = _k_range(k_split, D)
     a_rows, sa_rows = xq_ptr + tok * stride_xm, sx_ptr + tok * stride_sxm
     ew, es = e.to(tl.int64) * stride_we, e.to(tl.int64) * stride_swe
-    ONE: tl.constexpr = PAIRS and QX and ONE_ROW  # a routed pair tile quantizes its one row alone
-    if ONE:
-        t1 = tl.minimum(tl.program_id(1), n_tiles - 1)
-        a_one = xq_ptr + (t1 // TOPK).to(tl.int64) * stride_xm + tl.zeros([1], tl.int64)
-    else:
-        a_one = a_rows
     if SHARED:
         if sh:
             g, u = _k_loop(a_rows, sa_rows, row_ok, s1_ptr, ss1_ptr, s3_ptr, ss3_ptr, n0, I, k_lo, k_hi,
                            stride_s_wn, stride_s_swn, SCALE_K_S, FP4_S, PROMOTE_S, True, DOT_S, BLOCK_M, BLOCK_N,
                            BLOCK_K, QX, E2M1)
         else:
-            g, u = _k_loop(a_one, sa_rows, row_ok, w1_ptr + ew, sw1_ptr + es, w3_ptr + ew, sw3_ptr + es, n0, I,
+            g, u = _k_loop(a_rows, sa_rows, row_ok, w1_ptr + ew, sw1_ptr + es, w3_ptr + ew, sw3_ptr + es, n0, I,
                            k_lo, k_hi, stride_wn, stride_swn, SCALE_K, FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N,
-                           BLOCK_K, QX, E2M1, ONE)
+                           BLOCK_K, QX, E2M1)
     else:
-        g, u = _k_loop(a_one, sa_rows, row_ok, w1_ptr + ew, sw1_ptr + es, w3_ptr + ew, sw3_ptr + es, n0, I,
+        g, u = _k_loop(a_rows, sa_rows, row_ok, w1_ptr + ew, sw1_ptr + es, w3_ptr + ew, sw3_ptr + es, n0, I,
                        k_lo, k_hi, stride_wn, stride_swn, SCALE_K, FP4, PROMOTE, True, DOT, BLOCK_M, BLOCK_N,
-                       BLOCK_K, QX, E2M1, ONE)
+                       BLOCK_K, QX,
+                       E2M1)
     if SPLIT:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = row_ok[:, None] & (offs_n < I)[None, :]

@@ -55,28 +55,6 @@ def test_linear_few_rows(rng, fmt, dtype, block_m, m, split, fused):
     assert rel_err(got, want) < tol and rel_err(got, dot) < tol
 
 
-@pytest.mark.parametrize("fmt", ["fp8_w", "fp4_w"])
-@pytest.mark.parametrize("block_m,split", [(16, None), (16, 2), (1, 2)])
-def test_one_row_quantized_alone(rng, fmt, block_m, split):
-    """One row with its quantization in the kernel (``ONE_ROW``: that row alone is quantized, the
-    tile's other rows zeros) gives the bits the same row gets as the first of two rows (every row of
-    the tile quantized), on the MMA loop (with and without the scale promotion) and the multiply-add one."""
-    n, k = 72, 320
-    x = (torch.randn(2, k, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
-    w = _weight(rng, fmt, n, k)
-    tiles = dict(linear=[_rule(16, block_m)], split_k=split, fused_max_rows=64)
-    with pinned_tiles(linear=tiles):
-        one, two = lin._linear_plan(1, n, k, x.dtype, fmt), lin._linear_plan(2, n, k, x.dtype, fmt)
-        assert one["constexprs"].get("ONE_ROW") and "ONE_ROW" not in two["constexprs"]
-        assert one["split"] == two["split"] == (split or 1)
-        got, both = _linear(x[:1], w), _linear(x, w)
-    assert torch.equal(got, both[:1])
-    with pinned_tiles(linear=dict(tiles, one_row_quant=False)):
-        assert "ONE_ROW" not in lin._linear_plan(1, n, k, x.dtype, fmt)["constexprs"]
-    with flashrt.use_backend("reference"):
-        assert rel_err(got, ops.linear(x[:1], w)) < 1e-3
-
-
 def test_linear_every_e4m3_code_one_row():
     """One-hot activation rows read back each finite E4M3 weight code exactly through the
     multiply-add loop (scale 1): the decode of both operands is exact."""
