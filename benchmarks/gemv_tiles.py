@@ -70,6 +70,7 @@ LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_ma
 EXPERT_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode": "dot_scaled"}},
                    "profile, fp4 decoded packed": {"linear": {"fp4_decode": "packed"}},
                    "profile, fp4 scales loaded a block ahead": {"linear": {"fp4_decode": "packed_prefetch"}},
+                   "profile, fp4 re-bias folded into the scales": {"linear": {"fp4_scale_fold": True}},
                    "profile, fp4 decoded bit by bit": {"linear": {"fp4_decode": "bits"}},
                    "profile, shared expert in its own launches": {"moe": {"shared_in_launch": False}},
                    "profile, activations quantized apart": {"moe": {"fused_max_tokens": 0}}}
@@ -115,7 +116,8 @@ def linear_cases(cfg, dev, g):
 def expert_cases(cfg, dev, g, scales_k_major: bool = False):
     """moe_experts at 1 and 8 tokens: random fp4 bytes (every code) for the routed experts; one-row
     tiles (pairs mode at 1 token; at 8, routing-table tiles of about one row an expert).
-    ``scales_k_major``: the routed experts' scales stored K major (``formats.with_k_major_scales``)."""
+    ``scales_k_major``: the routed experts' scales stored K major (``formats.with_k_major_scales``).
+    The largest scale byte recorded, as the model's load records it (``formats.with_scale_max``)."""
     E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -127,6 +129,7 @@ def expert_cases(cfg, dev, g, scales_k_major: bool = False):
     w1, w3, w2 = fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)
     if scales_k_major:
         w1, w3, w2 = (formats.with_k_major_scales(w) for w in (w1, w3, w2))
+    w1, w3, w2 = (formats.with_scale_max(w) for w in (w1, w3, w2))
     shared = tuple(formats.quantize(torch.randn(1, *s, generator=g) * 0.05, "fp8_w").to(dev)
                    for s in ((I, D), (I, D), (D, I)))
     per_expert = sum(nbytes(w) for w in (w1, w3, w2)) / E

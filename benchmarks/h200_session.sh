@@ -167,6 +167,11 @@
 #              real-dimension slice and small's captured decode under the profile and under a copy
 #              with row-major scales and the plain packed decode: h200-real-slice-scales-{row,ship}.json,
 #              h200-e2e-scales-{row,ship}.json; then the CUDA kernel tests natively (h200-kernel-tests.log)
+#   fold       the packed fp4 decode's 2**126 re-bias folded into the scales (tiles.linear.fp4_scale_fold,
+#              off in every profile): its GPU tests and the MoE block's (h200-fold-tests.log); the experts
+#              at the released shapes with it on and off (gemv_tiles.py: h200-gemv-fold.json); the
+#              real-dimension slice and small's captured decode with it off and on:
+#              h200-real-slice-fold-{off,on}.json, h200-e2e-fold-{off,on}.json
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -217,8 +222,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales or scaleship)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship or fold)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -648,6 +653,26 @@ phase_scaleship() {
       --modes cuda+graph --out "$OUT/h200-e2e-scales-$name.json" | tail -n 4
   done
   phase_kerneltests
+}
+
+phase_fold() {
+  local on name prof
+  on=$(profile_set h200-fold tiles.linear.fp4_scale_fold true)
+  timeout 120 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_fp4_packed.py \
+    tests/graphs/test_moe_shared_block.py > "$OUT/h200-fold-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-fold-tests.log"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp4 re-bias folded into the scales" \
+    --scales-k-major --out "$OUT/h200-gemv-fold.json" | grep moe_experts
+  for name in off on; do
+    prof=h200; [ $name = on ] && prof=$on
+    FLASHRT_PROFILE=$prof python benchmarks/real_slice.py --batches 1 8 64 \
+      --out "$OUT/h200-real-slice-fold-$name.json" | tail -n 3
+  done
+  for name in off on; do
+    prof=h200; [ $name = on ] && prof=$on
+    FLASHRT_PROFILE=$prof python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
+      --modes cuda+graph --out "$OUT/h200-e2e-fold-$name.json" | tail -n 3
+  done
 }
 
 phase_realslice() {

@@ -90,12 +90,14 @@ def spec(fmt: str) -> FormatSpec:
 
 @dataclass
 class QTensor:
-    """A quantized tensor: ``data`` and ``scale`` in the layout of ``fmt``, logical ``shape``."""
+    """A quantized tensor: ``data`` and ``scale`` in the layout of ``fmt``, logical ``shape``;
+    ``scale_max``: the largest scale byte where it was measured (:func:`with_scale_max`), else None."""
 
     data: torch.Tensor
     scale: torch.Tensor
     fmt: str
     shape: torch.Size
+    scale_max: int | None = None
 
     def __post_init__(self):
         self.shape = torch.Size(self.shape)
@@ -120,10 +122,11 @@ class QTensor:
             raise ValueError("QTensor.narrow: the last (blocked) dim cannot be narrowed")
         shape = list(self.shape)
         shape[dim] = length
-        return QTensor(self.data.narrow(dim, start, length), self.scale.narrow(dim, start, length), self.fmt, shape)
+        return QTensor(self.data.narrow(dim, start, length), self.scale.narrow(dim, start, length), self.fmt, shape,
+                       self.scale_max)
 
     def to(self, device) -> "QTensor":
-        return QTensor(self.data.to(device), self.scale.to(device), self.fmt, self.shape)
+        return QTensor(self.data.to(device), self.scale.to(device), self.fmt, self.shape, self.scale_max)
 
     def __repr__(self) -> str:
         return f"QTensor(fmt={self.fmt!r}, shape={tuple(self.shape)}, device={self.device})"
@@ -135,7 +138,22 @@ def with_k_major_scales(w: QTensor) -> QTensor:
     reading a block of rows' scales at one K group then reads consecutive bytes."""
     if w.scale.dim() < 2:
         raise ValueError(f"with_k_major_scales: expected a scale of at least 2 dims, got shape {tuple(w.scale.shape)}")
-    return QTensor(w.data, w.scale.transpose(-1, -2).contiguous().transpose(-1, -2), w.fmt, w.shape)
+    return QTensor(w.data, w.scale.transpose(-1, -2).contiguous().transpose(-1, -2), w.fmt, w.shape, w.scale_max)
+
+
+def as_expert_stack(w: QTensor, k_major: bool) -> QTensor:
+    """A stacked [E, out, in] expert weight as the MoE layers keep it: its scales K major when
+    ``k_major`` (the profile's ``expert_scales``), an fp4_w one's largest scale byte recorded (the
+    packed decode folds its re-bias into scales up to 128)."""
+    w = with_k_major_scales(w) if k_major else w
+    return with_scale_max(w) if w.fmt == "fp4_w" else w
+
+
+def with_scale_max(w: QTensor) -> QTensor:
+    """``w`` (the same tensors) with ``scale_max``, its largest scale byte (one reduction over the
+    scales, read back to the host: for weights at load, not per call)."""
+    top = int(w.scale.view(torch.uint8).max()) if w.scale.numel() else 0
+    return QTensor(w.data, w.scale, w.fmt, w.shape, top)
 
 
 def expected_layout(fmt: str, shape) -> tuple[torch.Size, torch.Size]:

@@ -10,17 +10,19 @@ from __future__ import annotations
 import torch
 
 from flashrt import ops, profiles
-from flashrt.formats import QTensor, with_k_major_scales
+from flashrt.formats import QTensor, as_expert_stack
 
 
 def stack_experts(weights: list) -> torch.Tensor | QTensor:
     """Per-expert [out, in] weights (plain or QTensor) -> one [E, out, in] tensor or QTensor, its
-    scales laid out as the active profile's ``expert_scales`` says (row or K major)."""
+    scales laid out as the active profile's ``expert_scales`` says (row or K major); fp4_w ones with
+    their largest scale byte recorded (``scale_max``: the packed decode folds its re-bias into scales
+    up to 128)."""
     if isinstance(weights[0], QTensor):
         first = weights[0]
         stacked = QTensor(torch.stack([w.data for w in weights]), torch.stack([w.scale for w in weights]),
                           first.fmt, (len(weights), *first.shape))
-        return with_k_major_scales(stacked) if profiles.active_profile().expert_scales == "k_major" else stacked
+        return as_expert_stack(stacked, profiles.active_profile().expert_scales == "k_major")
     return torch.stack(weights)
 
 

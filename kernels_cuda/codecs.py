@@ -115,20 +115,30 @@ def e2m1_x16384(c):
 # subnormals). 30 instructions for the eight codes, plus two moves of constants.
 
 
-def _e2m1_register(out: int, src: str, mag_shift: int, sign_shift: int, scale: int) -> str:
+def _e2m1_register(out: int, src: str, mag_shift: int, sign_shift: int, scale: int, rebias: bool = True) -> str:
     """PTX of one output register: the codes at bits 0-3 (or 4-7) of each 16-bit half of ``src``
-    moved into bf16 positions (magnitude bits to 6-8, sign to 15), times 2**126, times the scales."""
+    moved into bf16 positions (magnitude bits to 6-8, sign to 15), times 2**126 (``rebias``; else
+    the scale holds it), times the scales."""
     return (f"shl.b32 t, {src}, {mag_shift};\nand.b32 t, t, 0x01C001C0;\n"
             f"shl.b32 u, {src}, {sign_shift};\nand.b32 u, u, 0x80008000;\nor.b32 ${out}, t, u;\n"
-            f"mul.rn.bf16x2 ${out}, ${out}, k;\nmul.rn.bf16x2 ${out}, ${out}, ${scale};\n")
+            + (f"mul.rn.bf16x2 ${out}, ${out}, k;\n" if rebias else "")
+            + f"mul.rn.bf16x2 ${out}, ${out}, ${scale};\n")
 
 
-E2M1_PAIRS_TEXT = ("{\n.reg .b32 x, y, t, u, z, k;\nmov.b32 z, 0;\nmov.b32 k, 0x7E807E80;\n"
-                   "prmt.b32 x, $4, z, 0x4140;\nprmt.b32 y, $4, z, 0x4342;\n"  # bytes 0, 1 / 2, 3 to the halves
-                   + _e2m1_register(0, "x", 6, 12, 5) + _e2m1_register(1, "y", 6, 12, 6)  # low nibbles
-                   + _e2m1_register(2, "x", 2, 8, 5) + _e2m1_register(3, "y", 2, 8, 6)  # high nibbles
-                   + "}\n")
+def _e2m1_pairs_text(rebias: bool) -> str:
+    return ("{\n.reg .b32 x, y, t, u, z, k;\nmov.b32 z, 0;\n" + ("mov.b32 k, 0x7E807E80;\n" if rebias else "")
+            + "prmt.b32 x, $4, z, 0x4140;\nprmt.b32 y, $4, z, 0x4342;\n"  # bytes 0, 1 / 2, 3 to the halves
+            + _e2m1_register(0, "x", 6, 12, 5, rebias) + _e2m1_register(1, "y", 6, 12, 6, rebias)  # low nibbles
+            + _e2m1_register(2, "x", 2, 8, 5, rebias) + _e2m1_register(3, "y", 2, 8, 6, rebias)  # high nibbles
+            + "}\n")
+
+
+E2M1_PAIRS_TEXT = _e2m1_pairs_text(True)
 E2M1_PAIRS_PTX = tl.constexpr(E2M1_PAIRS_TEXT)  # as a kernel reads it
+# the same decode with the 2**126 re-bias in the scale operands (:func:`e8m0_bf16_x2p126`): one
+# multiply a register fewer, for scale bytes up to 128
+E2M1_PAIRS_FOLDED_TEXT = _e2m1_pairs_text(False)
+E2M1_PAIRS_FOLDED_PTX = tl.constexpr(E2M1_PAIRS_FOLDED_TEXT)
 
 
 @triton.jit
@@ -140,12 +150,25 @@ def e8m0_bf16(u):
 
 
 @triton.jit
-def e2m1_pairs_bf16(byte, scale):
+def e8m0_bf16_x2p126(u):
+    """UE8M0 scale bytes (int32, at most 128) -> ``2**(u - 127) * 2**126 = 2**(u - 1)`` as bf16 (exact:
+    the exponent field u + 126 <= 254): the packed decode's scale with its re-bias folded in."""
+    return ((u + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_pairs_bf16(byte, scale, FOLDED: tl.constexpr = False):
     """fp4 bytes (uint8, two E2M1 codes each: the low nibble first) and a bf16 scale per byte (same
     shape) -> (low codes' values, high codes' values) times the scales, bf16 (exact down to bf16's
-    smallest normal, 2**-126; below, bf16 subnormals), :data:`E2M1_PAIRS_PTX`."""
-    return tl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    smallest normal, 2**-126; below, bf16 subnormals), :data:`E2M1_PAIRS_PTX`. FOLDED: ``scale``
+    already holds the 2**126 re-bias (:func:`e8m0_bf16_x2p126`), :data:`E2M1_PAIRS_FOLDED_PTX`."""
+    if FOLDED:
+        lo, hi = tl.inline_asm_elementwise(E2M1_PAIRS_FOLDED_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return lo, hi
 
 
 @triton.jit

@@ -73,6 +73,10 @@ TILES = {
     # decode so where "packed" falls back). The same values either way; row tiles under 16 keep the
     # multiply-add loop
     "fp4_decode": "bits",
+    # the packed decode's 2**126 re-bias folded into the scales (one bf16x2 multiply a register fewer)
+    # where every fp4_w weight of a launch has its largest scale byte recorded at most 128
+    # (QTensor.scale_max, set where the experts are stacked at load): see fold_scales
+    "fp4_scale_fold": False,
     # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
     # docs/performance.md, linear fp8_w)
@@ -108,6 +112,8 @@ def mma_mode(fmt: str):
 
 FP4_DECODES = ("bits", "dot_scaled", "packed", "packed_prefetch")
 SCALE_PREFETCH = 8  # added to the E2M1 constexpr: the MMA loop loads each block's scales a block ahead
+SCALE_FOLD = 16  # added to the E2M1 constexpr: the packed decode's re-bias folded into the scales
+FOLD_MAX_SCALE = 128  # the largest UE8M0 byte whose folded scale 2**(u - 1) bf16 holds exactly
 
 
 def fp4_decode() -> int:
@@ -168,6 +174,19 @@ def weight_operands(w: QTensor):
     if scale.stride(-1) != 1 and scale.stride(-2) != 1:
         scale = scale.contiguous()
     return last_dense(data), scale
+
+
+def fold_scales(e2m1: int, *weights) -> int:
+    """``e2m1`` (:func:`fp4_decode`) plus :data:`SCALE_FOLD` where the packed decode runs, the
+    ``fp4_scale_fold`` tile is on and every fp4_w weight among ``weights`` has a recorded largest
+    scale byte (``QTensor.scale_max``) of at most :data:`FOLD_MAX_SCALE`; else ``e2m1``. Decided per
+    launch from the weights (plans are per shape); the values are the same either way."""
+    if e2m1 % 8 != 2 or not _tiles()["fp4_scale_fold"]:
+        return e2m1
+    fp4 = [w for w in weights if isinstance(w, QTensor) and w.fmt == "fp4_w"]
+    if fp4 and all(w.scale_max is not None and w.scale_max <= FOLD_MAX_SCALE for w in fp4):
+        return e2m1 + SCALE_FOLD
+    return e2m1
 
 
 def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
@@ -238,9 +257,12 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
     out = torch.empty(1 if plan["reduce"] else split, m, n, dtype=plan["out_dtype"], device=x.device)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if plan["reduce"] else out
     cnt = splitk.counters(x.device) if plan["reduce"] else out
+    constexprs = plan["constexprs"]
+    if constexprs["E2M1"]:
+        constexprs = dict(constexprs, E2M1=fold_scales(constexprs["E2M1"], weight))
     _linear_kernel[plan["grid"]](
         xq, sx, data, scale, out, ws, cnt, m, n, k, plan["k_split"], split, xq.stride(0), sx.stride(0),
-        data.stride(0), scale.stride(0), out.stride(1), out.stride(0), SCALE_K=scale.stride(1), **plan["constexprs"],
+        data.stride(0), scale.stride(0), out.stride(1), out.stride(0), SCALE_K=scale.stride(1), **constexprs,
         **pdl.options(xq.device))
     out = out[0] if split == 1 or plan["reduce"] else out.sum(0).to(x.dtype)
     return out.view(*x.shape[:-1], n)
@@ -284,6 +306,7 @@ SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
 TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": GEMM_ROWS, "linear.BLOCK_N": SCALED,
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
                "fp8_mma": Tile(nullable=True, kind=bool), "fp4_decode": Tile(choices=FP4_DECODES),
+               "fp4_scale_fold": Tile(kind=bool),
                "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),

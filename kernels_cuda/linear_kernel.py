@@ -14,8 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashrt.kernels_cuda.codecs import (e2m1_pairs_bf16, e2m1_x16384, e4m3_x256, e8m0_bf16, e8m0_to_f32, pow2,
-                                         quant_fp8)
+from flashrt.kernels_cuda.codecs import (e2m1_pairs_bf16, e2m1_x16384, e4m3_x256, e8m0_bf16, e8m0_bf16_x2p126,
+                                         e8m0_to_f32, pow2, quant_fp8)
 from flashrt.kernels_cuda.splitk import store_tile
 from flashrt.kernels_cuda.pdl import wait_inputs
 
@@ -47,7 +47,8 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
               BLOCK_K: tl.constexpr, E2M1: tl.constexpr = 0):
     """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT, ``s`` their scale
     bytes (:func:`_w_scales`). fp4_w with E2M1 % 8 == 2: the codes decoded two a byte in packed
-    registers (codecs.e2m1_pairs_bf16) into bf16, else code by code."""
+    registers (codecs.e2m1_pairs_bf16) into bf16, the re-bias folded into the scales where E2M1 has
+    16 (scale bytes up to 128: the launcher's :func:`.linear.fold_scales`), else code by code."""
     G: tl.constexpr = BLOCK_K // 32
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kg = k0 + tl.arange(0, G) * 32
@@ -56,7 +57,10 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
         j = tl.arange(0, 16)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
         byte = tl.load(ptrs, mask=ok[:, :, None], other=0)
-        if E2M1 % 8 == 2:
+        if E2M1 % 8 == 2 and (E2M1 // 16) % 2 == 1:
+            scale = tl.broadcast_to(e8m0_bf16_x2p126(s)[:, :, None], (BLOCK_N, G, 16))
+            lo, hi = e2m1_pairs_bf16(byte, scale, True)
+        elif E2M1 % 8 == 2:
             lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(e8m0_bf16(s)[:, :, None], (BLOCK_N, G, 16)))
         else:
             byte = byte.to(tl.int32)
@@ -183,10 +187,10 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                 E2M1: tl.constexpr):
     """:func:`_k_loop` for row tiles of 16 and more: ``tl.dot`` per 32-wide K slice (PROMOTE) or per K
     block; fp4_w with E2M1 == 1: ``tl.dot_scaled`` on the packed E2M1 bytes and their scales (Triton's
-    own decode of the weights, in place of :func:`_w_block`'s). fp4_w with E2M1 >= 8: each block's
+    own decode of the weights, in place of :func:`_w_block`'s). fp4_w with E2M1's 8: each block's
     scale bytes are loaded one block ahead and carried in registers (too narrow for the pipeliner's
     asynchronous copies, they would otherwise be waited for in the block that decodes them)."""
-    PREFETCH: tl.constexpr = FP4 and not PROMOTE and E2M1 >= 8
+    PREFETCH: tl.constexpr = FP4 and not PROMOTE and (E2M1 // 8) % 2 == 1
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if PREFETCH:
@@ -254,7 +258,8 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
     QX: ``a_rows`` point at float activation rows, quantized to fp8 per 32 in registers (the bytes
     ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range).
     E2M1: how the MMA loop decodes fp4_w codes (0 bit by bit, 1 ``tl.dot_scaled``, 2 two a byte in
-    packed registers; plus 8: the scales loaded a block ahead, :func:`_mma_k_loop`). Row tiles under
+    packed registers; plus 8: the scales loaded a block ahead, :func:`_mma_k_loop`; plus 16: the packed
+    decode's re-bias folded into the scales, :func:`_w_decode`). Row tiles under
     16 take the multiply-add loop (PROMOTE, DOT and E2M1 do not apply), others the MMA loop."""
     if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,

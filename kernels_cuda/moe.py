@@ -52,7 +52,7 @@ from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
 from flashrt.kernels_cuda import moe_grouped, moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
-from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fp4_decode, mma_mode,
+from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fold_scales, fp4_decode, mma_mode,
                                          pick_tile, split_tile, weight_operands)
 from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_up_kernel
 from flashrt.refmath_moe import experts_loop, finish_experts
@@ -189,7 +189,8 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
         o1[0], o1[1], o3[0], o3[1], o1[0].stride(-2), o1[1].stride(-2), tab["tiles"], n * k, k,
         FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=plan["qx"],
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
-        PROMOTE_S=promote_s, DOT_S=dot_s, E2M1=plan["e2m1"] if w1.fmt == "fp4_w" or fp4_s else 0,
+        PROMOTE_S=promote_s, DOT_S=dot_s,
+        E2M1=fold_scales(plan["e2m1"], w1, w3, *(shared or ())[:2]) if w1.fmt == "fp4_w" or fp4_s else 0,
         SCALE_K=s1.stride(2), SCALE_K_S=o1[1].stride(-1), **t, **pdl.options(xq.device))
     return hq, sh
 
@@ -217,7 +218,8 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
         FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
         COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, PAIRS=plan["pairs"],
         SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s,
-        E2M1=plan["e2m1"] if w2.fmt == "fp4_w" or fp4_s else 0, SCALE_K=s2.stride(2), SCALE_K_S=o2[1].stride(-1), **t,
+        E2M1=fold_scales(plan["e2m1"], w2, *(shared or ())[2:]) if w2.fmt == "fp4_w" or fp4_s else 0,
+        SCALE_K=s2.stride(2), SCALE_K_S=o2[1].stride(-1), **t,
         **pdl.options(hq.device))
     return y
 

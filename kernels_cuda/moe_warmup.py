@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flashrt import formats, profiles
 from flashrt.kernels_cuda import moe, moe_tables  # moe imports this module: names read at call time
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import zeros_stored
@@ -17,9 +18,10 @@ def warmup_cases(device, d: dict, dtype):
     picks the rule."""
     D, I, k, E = d["dim"], d["moe_inter_dim"], d["n_activated_experts"], 16
     fmt = "fp4_w" if d["expert_dtype"] == "fp4" else "fp8_w"
-    weights = {e: (zeros_stored(fmt, (e, I, D), None, device), zeros_stored(fmt, (e, I, D), None, device),
-                   zeros_stored(fmt, (e, D, I), None, device)) for e in (E, 1)}
-    shared = tuple(zeros_stored("fp8_w", s, None, device) for s in ((1, I, D), (1, I, D), (1, D, I)))
+    k_major = profiles.active_profile().expert_scales == "k_major"
+    stack = lambda f, shape: formats.as_expert_stack(zeros_stored(f, shape, None, device), k_major)  # as loaded
+    weights = {e: (stack(fmt, (e, I, D)), stack(fmt, (e, I, D)), stack(fmt, (e, D, I))) for e in (E, 1)}
+    shared = tuple(stack("fp8_w", s) for s in ((1, I, D), (1, I, D), (1, D, I)))
     with_shared = (None, dtype, shared) if d.get("n_shared_experts") else ()  # the model's call
     for n in sorted({1, *rule_tokens(moe.PLANS.tiles()["experts"], E, k)}):  # 1: a batch-1 step's pair tiles
         x, rw = _warmup.rand((n, D), dtype, device), torch.rand(n, k, device=device)

@@ -40,7 +40,7 @@ from flashrt.jit_targets import ARCHS  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 DUMP_DIR = os.environ.get("SM90_DUMP_DIR", "/tmp/sm90")  # <kernel>.cubin / .ttgir / .ptx / .sass
 SASS_OPS = ("HGMMA", "QGMMA", "HMMA", "F2FP", "LDL", "STL", "LDG", "LDGSTS", "UTMALDG", "LDS", "STS", "LDSM", "STSM", "FFMA",
-            "MUFU", "BAR", "WARPGROUP")
+            "HMUL2", "MUFU", "BAR", "WARPGROUP")
 
 
 def capture(call) -> list[tuple]:
@@ -161,7 +161,8 @@ def moe_call(B: int, S: int, cold: bool):
 
     _as_h200()
     n, D, I, E = B * S, 1024, 512, 32
-    lay = formats.with_k_major_scales if cold else (lambda q: q)
+    # the largest scale byte recorded as the model's load records it (tiles.linear.fp4_scale_fold applies)
+    lay = (lambda q: formats.with_scale_max(formats.with_k_major_scales(q))) if cold else formats.with_scale_max
     w = lambda fmt, e: tuple(lay(zeros_stored(fmt, shape, None, "cpu")) for shape in ((e, I, D), (e, I, D), (e, D, I)))
     x, idx = torch.zeros(n, D, dtype=torch.bfloat16), torch.zeros(n, 4, dtype=torch.int32)
     one, first = torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.int32)

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from flashrt import profiles
+from flashrt import formats, profiles
 from flashrt.jit_warmup import warmup, warmup_targets
 from flashrt.graphs.config import shipped_config
 from flashrt.kernels_cuda import FAMILIES, linear_plain
@@ -104,6 +104,29 @@ def test_moe_covers_every_tile_rule_of_the_profile(recorded):
             x, _, idx, w1 = launch.args[:4]
             picked.add(id(moe.pick_tile(rules, x.shape[0] * idx.shape[1] / w1.shape[0])))
     assert picked == {id(tile) for _, tile in rules}
+
+
+@pytest.mark.parametrize("expert_scales", ["row", "k_major"])
+def test_moe_warms_the_expert_layout_a_load_makes(expert_scales):
+    """The warm-up's stand-in expert weights are laid out as the MoE layers lay out theirs at load
+    (graphs.moe.stack_experts): the scales K major under ``expert_scales: k_major`` (the kernels
+    specialise on that stride), an fp4_w stack's largest scale byte recorded (the scale fold's bound)."""
+    from flashrt.graphs.moe import stack_experts
+    from flashrt.kernels_cuda import moe, moe_warmup
+
+    d = dict(_warmup.MODELS["tiny"], expert_dtype="fp4")
+    with profiles.using(dataclasses.replace(profiles.active_profile(), expert_scales=expert_scales)):
+        warm = [c for c in moe_warmup.warmup_cases("cpu", d, torch.bfloat16) if c.fn is moe.moe_experts]
+        loaded = stack_experts([formats.quantize(torch.randn(64, 64), "fp4_w") for _ in range(2)])
+    assert warm
+    for case in warm:
+        w1 = case.args[3]
+        shared = case.args[-1] if isinstance(case.args[-1], tuple) else ()
+        for w in (w1, *shared):
+            k_major = w.scale.stride()[-2:] == (1, w.scale.shape[-2])
+            assert k_major if expert_scales == "k_major" else w.scale.is_contiguous()
+            assert (w.scale_max is not None) == (w.fmt == "fp4_w")
+        assert (w1.scale.stride(-1) == 1) == (loaded.scale.stride(-1) == 1) and loaded.scale_max is not None
 
 
 def test_moe_warms_the_routing_tables_at_the_models_experts(recorded):

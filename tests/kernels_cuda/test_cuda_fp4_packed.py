@@ -4,6 +4,7 @@ Its PTX text runs here through a small emulator of the instructions it uses (``p
 masks, ``mul.rn.bf16x2``) on every byte and a spread of UE8M0 scales, against the ``fp4_w``
 format's values; on an sm_90 GPU, ``linear`` and ``moe_experts`` with the packed decode against
 the bit decode and the reference. Under the interpreter the launcher falls back to the bit decode."""
+import dataclasses
 import re
 
 import numpy as np
@@ -185,3 +186,61 @@ def test_experts_packed_gpu(rng, n):
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, shared=shared)
     assert rel_err(got, bits) < 1e-6 and rel_err(got, want) < 2e-3
+
+
+def test_the_folded_ptx_equals_the_rebias(rng):
+    """The decode with its 2**126 re-bias folded into the scales (``E2M1_PAIRS_FOLDED_TEXT``, scale
+    ``2**(u - 1)``) gives the plain decode's bits for every byte and every scale byte it is used for
+    (0..128), and one multiply a register fewer."""
+    n = 4096
+    data = torch.randint(0, 256, (n, 4), generator=rng, dtype=torch.uint8)
+    data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
+    scale_bytes = torch.randint(0, lin.FOLD_MAX_SCALE + 1, (n, 2), generator=rng)
+    scale_bytes[:3] = torch.tensor([[0, 1], [127, 128], [2, 126]])
+    word = data.numpy().astype(np.uint32)
+    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    plain = _bf16_bits(torch.exp2(scale_bytes.double() - 127))
+    folded = _bf16_bits(torch.exp2(scale_bytes.double() - 1))  # what e8m0_bf16_x2p126 makes: exact up to 128
+    np.testing.assert_array_equal(folded, ((scale_bytes.numpy() + 126) << 7).astype(np.uint32))
+    want = run_ptx(codecs.E2M1_PAIRS_TEXT, {4: word, 5: plain[:, 0] * 0x10001, 6: plain[:, 1] * 0x10001})
+    got = run_ptx(codecs.E2M1_PAIRS_FOLDED_TEXT, {4: word, 5: folded[:, 0] * 0x10001, 6: folded[:, 1] * 0x10001})
+    for reg in range(4):
+        np.testing.assert_array_equal(got[f"${reg}"], want[f"${reg}"], err_msg=f"${reg}")
+    count = lambda text: text.count("mul.rn.bf16x2")
+    assert count(codecs.E2M1_PAIRS_FOLDED_TEXT) == count(codecs.E2M1_PAIRS_TEXT) - 4 == 4
+
+
+def test_the_fold_needs_the_tile_the_packed_decode_and_known_small_scales(rng):
+    """``fold_scales`` adds 16 to a packed decode's E2M1 only with the ``fp4_scale_fold`` tile on and
+    every fp4_w weight's recorded largest scale byte at most 128; other formats do not count."""
+    w = formats.quantize(torch.randn(64, 64, generator=rng), "fp4_w")
+    small, large = formats.with_scale_max(w), dataclasses.replace(formats.with_scale_max(w), scale_max=129)
+    assert small.scale_max == int(w.scale.view(torch.uint8).max()) <= 128 and w.scale_max is None
+    fp8 = formats.quantize(torch.randn(64, 64, generator=rng), "fp8_w")
+    with pinned_tiles(linear=dict(fp4_scale_fold=True)):
+        assert lin.fold_scales(2, small) == 18 and lin.fold_scales(10, small, fp8) == 26
+        assert lin.fold_scales(10, small, large) == 10 and lin.fold_scales(2, w) == 2
+        assert lin.fold_scales(0, small) == 0 and lin.fold_scales(8, small) == 8  # the bit decode: nothing to fold
+    with pinned_tiles():
+        assert lin.fold_scales(2, small) == 2
+    assert small.narrow(0, 0, 8).scale_max == small.to("cpu").scale_max == small.scale_max
+    assert formats.with_k_major_scales(small).scale_max == small.scale_max
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("n", [1, 8, 300])
+def test_folded_scales_gpu(rng, n):
+    """The re-bias folded into the scales gives the packed decode's bits: ``linear`` and the
+    experts (routed and shared fp4_w, their scales' largest bytes recorded), prefetch on."""
+    E, k, D, I = 16, 4, 1024, 512
+    x = torch.randn(n, D, generator=rng).to(DEVICE, torch.bfloat16)
+    idx = torch.rand(n, E, generator=rng).topk(k).indices.to(DEVICE, torch.int32)
+    rw = torch.rand(n, k, generator=rng).to(DEVICE)
+    q = lambda *s: formats.with_scale_max(formats.quantize(torch.randn(*s, generator=rng) * 0.05, "fp4_w").to(DEVICE))
+    ws, shared, w = [q(E, I, D), q(E, I, D), q(E, D, I)], (q(1, I, D), q(1, I, D), q(1, D, I)), q(I, D)
+    out = {}
+    for fold in (False, True):
+        with flashrt.use_backend("cuda"), pinned_tiles(linear=dict(fp4_decode="packed_prefetch", fp4_scale_fold=fold)):
+            out[fold] = (ops.linear(x, w), ops.moe_experts(x, rw, idx, *ws, 10.0, shared=shared))
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
