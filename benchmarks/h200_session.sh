@@ -636,43 +636,40 @@ phase_scales() {
   FLASHRT_PROFILE=$ahead NCU_CASES=experts1 NCU_TAG=-prefetch phase_ncusource
 }
 
+slice_and_decode() {  # TAG NAME PROFILE [NAME PROFILE ...]: the real-dimension slice under each profile in
+  # turn, then small's captured decode under each: h200-real-slice-TAG-NAME.json, h200-e2e-TAG-NAME.json
+  local tag=$1 i
+  shift
+  local -a runs=("$@")
+  for ((i = 0; i < ${#runs[@]}; i += 2)); do
+    FLASHRT_PROFILE=${runs[i+1]} python benchmarks/real_slice.py --batches 1 8 64 \
+      --out "$OUT/h200-real-slice-$tag-${runs[i]}.json" | tail -n 3
+  done
+  for ((i = 0; i < ${#runs[@]}; i += 2)); do
+    FLASHRT_PROFILE=${runs[i+1]} python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 \
+      --steps 12 --modes cuda+graph --out "$OUT/h200-e2e-$tag-${runs[i]}.json" | tail -n 3
+  done
+}
+
 phase_scaleship() {
-  local row name prof
+  local row
   row=$(profile_set h200-scales-row expert_scales '"row"' tiles.linear.fp4_decode '"packed"')
   timeout 90 python -m pytest -q -p no:cacheprovider tests/graphs/test_moe_shared_block.py \
     > "$OUT/h200-scaleship-tests.log" 2>&1
   tail -n 1 "$OUT/h200-scaleship-tests.log"
-  for name in row ship; do
-    prof=h200; [ $name = row ] && prof=$row
-    FLASHRT_PROFILE=$prof python benchmarks/real_slice.py --batches 1 8 64 \
-      --out "$OUT/h200-real-slice-scales-$name.json" | tail -n 4
-  done
-  for name in row ship; do
-    prof=h200; [ $name = row ] && prof=$row
-    FLASHRT_PROFILE=$prof python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
-      --modes cuda+graph --out "$OUT/h200-e2e-scales-$name.json" | tail -n 4
-  done
+  slice_and_decode scales row "$row" ship h200
   phase_kerneltests
 }
 
 phase_fold() {
-  local on name prof
+  local on
   on=$(profile_set h200-fold tiles.linear.fp4_scale_fold true)
   timeout 120 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_fp4_packed.py \
     tests/graphs/test_moe_shared_block.py > "$OUT/h200-fold-tests.log" 2>&1
   tail -n 1 "$OUT/h200-fold-tests.log"
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp4 re-bias folded into the scales" \
     --scales-k-major --out "$OUT/h200-gemv-fold.json" | grep moe_experts
-  for name in off on; do
-    prof=h200; [ $name = on ] && prof=$on
-    FLASHRT_PROFILE=$prof python benchmarks/real_slice.py --batches 1 8 64 \
-      --out "$OUT/h200-real-slice-fold-$name.json" | tail -n 3
-  done
-  for name in off on; do
-    prof=h200; [ $name = on ] && prof=$on
-    FLASHRT_PROFILE=$prof python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
-      --modes cuda+graph --out "$OUT/h200-e2e-fold-$name.json" | tail -n 3
-  done
+  slice_and_decode fold off h200 on "$on"
 }
 
 phase_realslice() {

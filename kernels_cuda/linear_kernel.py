@@ -187,7 +187,7 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                 E2M1: tl.constexpr):
     """:func:`_k_loop` for row tiles of 16 and more: ``tl.dot`` per 32-wide K slice (PROMOTE) or per K
     block; fp4_w with E2M1 == 1: ``tl.dot_scaled`` on the packed E2M1 bytes and their scales (Triton's
-    own decode of the weights, in place of :func:`_w_block`'s). fp4_w with E2M1's 8: each block's
+    own decode of the weights, in place of :func:`_w_block`'s). fp4_w with 8 in E2M1: each block's
     scale bytes are loaded one block ahead and carried in registers (too narrow for the pipeliner's
     asynchronous copies, they would otherwise be waited for in the block that decodes them)."""
     PREFETCH: tl.constexpr = FP4 and not PROMOTE and (E2M1 // 8) % 2 == 1
@@ -259,8 +259,8 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
     ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range).
     E2M1: how the MMA loop decodes fp4_w codes (0 bit by bit, 1 ``tl.dot_scaled``, 2 two a byte in
     packed registers; plus 8: the scales loaded a block ahead, :func:`_mma_k_loop`; plus 16: the packed
-    decode's re-bias folded into the scales, :func:`_w_decode`). Row tiles under
-    16 take the multiply-add loop (PROMOTE, DOT and E2M1 do not apply), others the MMA loop."""
+    decode's re-bias folded into the scales, :func:`_w_decode`). Row tiles under 16 take the
+    multiply-add loop (PROMOTE, DOT and E2M1 do not apply), others the MMA loop."""
     if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
                                 stride_swn, stride_swk, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX)

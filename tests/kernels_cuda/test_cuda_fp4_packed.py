@@ -242,5 +242,6 @@ def test_folded_scales_gpu(rng, n):
     out = {}
     for fold in (False, True):
         with flashrt.use_backend("cuda"), pinned_tiles(linear=dict(fp4_decode="packed_prefetch", fp4_scale_fold=fold)):
+            assert (lin.fold_scales(lin.fp4_decode(), w, *ws, *shared) & lin.SCALE_FOLD) == fold * lin.SCALE_FOLD
             out[fold] = (ops.linear(x, w), ops.moe_experts(x, rw, idx, *ws, 10.0, shared=shared))
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
