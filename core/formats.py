@@ -151,7 +151,10 @@ def as_expert_stack(w: QTensor, k_major: bool) -> QTensor:
 
 def with_scale_max(w: QTensor) -> QTensor:
     """``w`` (the same tensors) with ``scale_max``, its largest scale byte (one reduction over the
-    scales, read back to the host: for weights at load, not per call)."""
+    scales, read back to the host: for weights at load, not per call); ``w`` as it is where the
+    scales hold no values (the meta device: shapes only)."""
+    if w.scale.is_meta:
+        return w
     top = int(w.scale.view(torch.uint8).max()) if w.scale.numel() else 0
     return QTensor(w.data, w.scale, w.fmt, w.shape, top)
 

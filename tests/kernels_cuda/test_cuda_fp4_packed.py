@@ -225,6 +225,8 @@ def test_the_fold_needs_the_tile_the_packed_decode_and_known_small_scales(rng):
         assert lin.fold_scales(2, small) == 2
     assert small.narrow(0, 0, 8).scale_max == small.to("cpu").scale_max == small.scale_max
     assert formats.with_k_major_scales(small).scale_max == small.scale_max
+    meta = formats.QTensor(w.data.to("meta"), w.scale.to("meta"), w.fmt, w.shape)  # shapes only: nothing to measure
+    assert formats.with_scale_max(meta).scale_max is None
 
 
 @pytest.mark.gpu
