@@ -116,8 +116,8 @@ def linear_cases(cfg, dev, g):
 def expert_cases(cfg, dev, g, scales_k_major: bool = False):
     """moe_experts at 1 and 8 tokens: random fp4 bytes (every code) for the routed experts; one-row
     tiles (pairs mode at 1 token; at 8, routing-table tiles of about one row an expert).
-    ``scales_k_major``: the routed experts' scales stored K major (``formats.with_k_major_scales``).
-    The largest scale byte recorded, as the model's load records it (``formats.with_scale_max``)."""
+    The routed experts laid out as the model's load lays them out (``formats.as_expert_stack``: the
+    largest scale byte recorded; ``scales_k_major``: the scales stored K major)."""
     E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -126,10 +126,7 @@ def expert_cases(cfg, dev, g, scales_k_major: bool = False):
         scale = torch.randint(119, 123, (*shape[:-1], shape[-1] // 32), dtype=torch.uint8, device=dev, generator=gen)
         return formats.QTensor(data, scale.view(torch.float8_e8m0fnu), "fp4_w", shape)
 
-    w1, w3, w2 = fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)
-    if scales_k_major:
-        w1, w3, w2 = (formats.with_k_major_scales(w) for w in (w1, w3, w2))
-    w1, w3, w2 = (formats.with_scale_max(w) for w in (w1, w3, w2))
+    w1, w3, w2 = (formats.as_expert_stack(w, scales_k_major) for w in (fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)))
     shared = tuple(formats.quantize(torch.randn(1, *s, generator=g) * 0.05, "fp8_w").to(dev)
                    for s in ((I, D), (I, D), (D, I)))
     per_expert = sum(nbytes(w) for w in (w1, w3, w2)) / E

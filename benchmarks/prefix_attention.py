@@ -12,8 +12,9 @@ pairs each query attends to (4 x D a pair) at the bf16 GEMM rate measured in the
 ``--variant-rows`` rows, the prefix kernel under tile variants, each set over the active profile's
 ``tiles.prefix_attention.prefix`` ("shipped": the profile's tiles as they are): 4 warps, the output
 columns split over two programs (alone, with 128 score rows a program, with K blocks of 16: the
-sm_90 compiles that spill least), 128 score rows a program, K blocks of 16 / 64, one pipeline stage. ``--profile-out F.yaml`` writes the active profile with the fastest variant's
-tiles set over ``tiles.prefix_attention.prefix`` where it is at least 3% faster than the shipped tiles.
+sm_90 compiles that spill least), 128 score rows a program, K blocks of 16 / 64, one pipeline
+stage. ``--profile-out F.yaml`` writes the active profile with the fastest variant's tiles set over
+``tiles.prefix_attention.prefix`` where it is at least 3% faster than the shipped tiles.
 """
 from __future__ import annotations
 

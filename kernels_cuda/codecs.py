@@ -162,13 +162,8 @@ def e2m1_pairs_bf16(byte, scale, FOLDED: tl.constexpr = False):
     shape) -> (low codes' values, high codes' values) times the scales, bf16 (exact down to bf16's
     smallest normal, 2**-126; below, bf16 subnormals), :data:`E2M1_PAIRS_PTX`. FOLDED: ``scale``
     already holds the 2**126 re-bias (:func:`e8m0_bf16_x2p126`), :data:`E2M1_PAIRS_FOLDED_PTX`."""
-    if FOLDED:
-        lo, hi = tl.inline_asm_elementwise(E2M1_PAIRS_FOLDED_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        lo, hi = tl.inline_asm_elementwise(E2M1_PAIRS_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    return lo, hi
+    return tl.inline_asm_elementwise(E2M1_PAIRS_FOLDED_PTX if FOLDED else E2M1_PAIRS_PTX, "=r,=r,=r,=r,r,r,r",
+                                     [byte, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit

@@ -176,12 +176,18 @@ def weight_operands(w: QTensor):
     return last_dense(data), scale
 
 
+def may_fold(e2m1: int) -> bool:
+    """Whether launches with the E2M1 constexpr ``e2m1`` may fold the re-bias into the scales: the
+    packed decode runs and the ``fp4_scale_fold`` tile is on (a plan's flag, decided once)."""
+    return e2m1 % 8 == 2 and _tiles()["fp4_scale_fold"]
+
+
 def fold_scales(e2m1: int, *weights) -> int:
-    """``e2m1`` (:func:`fp4_decode`) plus :data:`SCALE_FOLD` where the packed decode runs, the
-    ``fp4_scale_fold`` tile is on and every fp4_w weight among ``weights`` has a recorded largest
-    scale byte (``QTensor.scale_max``) of at most :data:`FOLD_MAX_SCALE`; else ``e2m1``. Decided per
-    launch from the weights (plans are per shape); the values are the same either way."""
-    if e2m1 % 8 != 2 or not _tiles()["fp4_scale_fold"]:
+    """``e2m1`` (:func:`fp4_decode`) plus :data:`SCALE_FOLD` where :func:`may_fold` and every fp4_w
+    weight among ``weights`` has a recorded largest scale byte (``QTensor.scale_max``) of at most
+    :data:`FOLD_MAX_SCALE`; else ``e2m1``. The weights' part is decided per launch (plans are per
+    shape; launchers ask only where their plan may fold); the values are the same either way."""
+    if not may_fold(e2m1):
         return e2m1
     fp4 = [w for w in weights if isinstance(w, QTensor) and w.fmt == "fp4_w"]
     if fp4 and all(w.scale_max is not None and w.scale_max <= FOLD_MAX_SCALE for w in fp4):
@@ -210,7 +216,8 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
                 bf16_gemm=big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16,
                 constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"],
                                 OUT=TL_DTYPES[out_dtype], QX=fused, REDUCE=reduce,
-                                E2M1=fp4_decode() if fmt == "fp4_w" else 0, **t))
+                                E2M1=fp4_decode() if fmt == "fp4_w" else 0, **t),
+                fold=fmt == "fp4_w" and may_fold(fp4_decode()))
 
 
 def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -258,7 +265,7 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if plan["reduce"] else out
     cnt = splitk.counters(x.device) if plan["reduce"] else out
     constexprs = plan["constexprs"]
-    if constexprs["E2M1"]:
+    if plan["fold"]:  # the tile is on for this plan's packed decode: the weight's bound decides
         constexprs = dict(constexprs, E2M1=fold_scales(constexprs["E2M1"], weight))
     _linear_kernel[plan["grid"]](
         xq, sx, data, scale, out, ws, cnt, m, n, k, plan["k_split"], split, xq.stride(0), sx.stride(0),

@@ -57,11 +57,10 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
         j = tl.arange(0, 16)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
         byte = tl.load(ptrs, mask=ok[:, :, None], other=0)
-        if E2M1 % 8 == 2 and (E2M1 // 16) % 2 == 1:
-            scale = tl.broadcast_to(e8m0_bf16_x2p126(s)[:, :, None], (BLOCK_N, G, 16))
-            lo, hi = e2m1_pairs_bf16(byte, scale, True)
-        elif E2M1 % 8 == 2:
-            lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(e8m0_bf16(s)[:, :, None], (BLOCK_N, G, 16)))
+        if E2M1 % 8 == 2:
+            FOLD: tl.constexpr = (E2M1 // 16) % 2 == 1
+            scale = e8m0_bf16_x2p126(s) if FOLD else e8m0_bf16(s)
+            lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(scale[:, :, None], (BLOCK_N, G, 16)), FOLD)
         else:
             byte = byte.to(tl.int32)
             s = pow2(s + 14)[:, :, None]  # 2**(b - 127) * 2**14

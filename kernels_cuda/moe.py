@@ -52,8 +52,8 @@ from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
 from flashrt.kernels_cuda import moe_grouped, moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
-from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fold_scales, fp4_decode, mma_mode,
-                                         pick_tile, split_tile, weight_operands)
+from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fold_scales, fp4_decode, may_fold,
+                                         mma_mode, pick_tile, split_tile, weight_operands)
 from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_up_kernel
 from flashrt.refmath_moe import experts_loop, finish_experts
 from flashrt.kernels_cuda import pdl
@@ -150,13 +150,19 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
     return PLANS.store(key, dict(block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
                                  combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
                                  shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
-                                 e2m1=fp4_decode(),
+                                 e2m1=fp4_decode(), fold=may_fold(fp4_decode()),
                                  combine_tile=tiles["combine"]))
 
 
 def _grid(tab, t, cols: int, split: int, n: int, plan: dict):
     """(column tiles, routed row tiles plus the shared expert's, K splits)."""
     return cdiv(cols, t["BLOCK_N"]), tab["tiles"] + (cdiv(n, plan["block_m"]) if plan["shared"] else 0), split
+
+
+def _e2m1(plan: dict, *weights) -> int:
+    """The E2M1 constexpr of a launch over ``weights``: the plan's, folded where it may fold and the
+    weights allow (:func:`.linear.fold_scales`)."""
+    return fold_scales(plan["e2m1"], *weights) if plan["fold"] else plan["e2m1"]
 
 
 def _shared_operands(shared, w_routed):
@@ -190,7 +196,7 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
         FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=plan["qx"],
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
         PROMOTE_S=promote_s, DOT_S=dot_s,
-        E2M1=fold_scales(plan["e2m1"], w1, w3, *(shared or ())[:2]) if w1.fmt == "fp4_w" or fp4_s else 0,
+        E2M1=_e2m1(plan, w1, w3, *(shared or ())[:2]) if w1.fmt == "fp4_w" or fp4_s else 0,
         SCALE_K=s1.stride(2), SCALE_K_S=o1[1].stride(-1), **t, **pdl.options(xq.device))
     return hq, sh
 
@@ -218,7 +224,7 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
         FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
         COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, PAIRS=plan["pairs"],
         SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s,
-        E2M1=fold_scales(plan["e2m1"], w2, *(shared or ())[2:]) if w2.fmt == "fp4_w" or fp4_s else 0,
+        E2M1=_e2m1(plan, w2, *(shared or ())[2:]) if w2.fmt == "fp4_w" or fp4_s else 0,
         SCALE_K=s2.stride(2), SCALE_K_S=o2[1].stride(-1), **t,
         **pdl.options(hq.device))
     return y

@@ -161,9 +161,9 @@ def moe_call(B: int, S: int, cold: bool):
 
     _as_h200()
     n, D, I, E = B * S, 1024, 512, 32
-    # the largest scale byte recorded as the model's load records it (tiles.linear.fp4_scale_fold applies)
-    lay = (lambda q: formats.with_scale_max(formats.with_k_major_scales(q))) if cold else formats.with_scale_max
-    w = lambda fmt, e: tuple(lay(zeros_stored(fmt, shape, None, "cpu")) for shape in ((e, I, D), (e, I, D), (e, D, I)))
+    # laid out as the model's load lays them out (tiles.linear.fp4_scale_fold applies)
+    w = lambda fmt, e: tuple(formats.as_expert_stack(zeros_stored(fmt, shape, None, "cpu"), cold)
+                             for shape in ((e, I, D), (e, I, D), (e, D, I)))
     x, idx = torch.zeros(n, D, dtype=torch.bfloat16), torch.zeros(n, 4, dtype=torch.int32)
     one, first = torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.int32)
     return lambda: (moe.moe_experts(x, torch.rand(n, 4), idx, *w("fp4_w", E), 10.0),

@@ -234,7 +234,8 @@ def test_the_fold_needs_the_tile_the_packed_decode_and_known_small_scales(rng):
 @pytest.mark.parametrize("n", [1, 8, 300])
 def test_folded_scales_gpu(rng, n):
     """The re-bias folded into the scales gives the packed decode's bits: ``linear`` and the
-    experts (routed and shared fp4_w, their scales' largest bytes recorded), prefetch on."""
+    experts (routed and shared fp4_w, their scales' largest bytes recorded), prefetch on; both
+    within the reference backend's tolerance."""
     E, k, D, I = 16, 4, 1024, 512
     x = torch.randn(n, D, generator=rng).to(DEVICE, torch.bfloat16)
     idx = torch.rand(n, E, generator=rng).topk(k).indices.to(DEVICE, torch.int32)
@@ -247,3 +248,6 @@ def test_folded_scales_gpu(rng, n):
             assert (lin.fold_scales(lin.fp4_decode(), w, *ws, *shared) & lin.SCALE_FOLD) == fold * lin.SCALE_FOLD
             out[fold] = (ops.linear(x, w), ops.moe_experts(x, rw, idx, *ws, 10.0, shared=shared))
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    with flashrt.use_backend("reference"):
+        assert rel_err(out[True][0], ops.linear(x, w)) < 1e-3
+        assert rel_err(out[True][1], ops.moe_experts(x, rw, idx, *ws, 10.0, shared=shared)) < 1e-2

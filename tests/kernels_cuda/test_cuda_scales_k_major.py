@@ -1,9 +1,9 @@
 """Weight scales laid out K major (``[.., K / 32, N]`` in memory, the same ``[.., N, K / 32]`` tensor):
 ``linear`` and ``moe_experts`` read them in place (``SCALE_K``: the scales' K stride) and give
 exactly the results of the row-major layout, on every decode of the MMA loop (the kernels' own
-E2M1 decode bit by bit or two a byte, with the scales loaded a block ahead, ``tl.dot_scaled``), the multiply-add GEMV, fp8 promotion,
-split K and the shared expert; the reference's values; a scale contiguous along neither dim is
-copied first."""
+E2M1 decode bit by bit or two a byte, with the scales loaded a block ahead, ``tl.dot_scaled``), the
+multiply-add GEMV, fp8 promotion, split K and the shared expert; the reference's values; a scale
+contiguous along neither dim is copied first."""
 import pytest
 import torch
 
