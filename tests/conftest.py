@@ -18,8 +18,16 @@ if not torch.cuda.is_available():  # Triton kernels run in the interpreter (befo
 
 from flashrt import dispatch  # noqa: E402
 
-# The CI machine has 2 cores and the test shapes are small: thread fan-out only costs time there.
+# The CI machine has 2 cores and the test shapes are small: thread fan-out only costs time there;
+# the suite runs its tests in parallel processes instead (``-n auto``, pytest-xdist).
 torch.set_num_threads(1)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker a core, at most 4 (the multi-rank tests start 2-4 processes of their
+    own, and each worker holds its own torch and Triton)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)

@@ -48,13 +48,19 @@ def _unfused(args, shared, add, out_dtype):
     return (total if add is None else total + add).to(out_dtype)
 
 
-@pytest.mark.parametrize("xdt,n,D,I,E,k,fused", [(torch.bfloat16, 1, 96, 64, 8, 2, 64),
-                                                 (torch.bfloat16, 7, 160, 96, 5, 3, 64),
-                                                 (torch.float32, 13, 64, 32, 3, 2, 64),
-                                                 (torch.bfloat16, 5, 96, 32, 4, 2, 0)])
-@pytest.mark.parametrize("paths", [IN_KERNEL, LAUNCH], ids=["in-kernel", "launch"])
-@pytest.mark.parametrize("pair_tiles", [0, 16])
-def test_shared_in_the_routed_launches(rng, launches, xdt, n, D, I, E, k, fused, paths, pair_tiles):
+# Each shape under two of the four (combine path, pair tiles) settings, each setting on two shapes
+# (the full product costs minutes in the interpreter and adds no pairing the code branches on).
+SHAPES = {"one-row": (torch.bfloat16, 1, 96, 64, 8, 2, 64), "uneven": (torch.bfloat16, 7, 160, 96, 5, 3, 64),
+          "fp32": (torch.float32, 13, 64, 32, 3, 2, 64), "quantize-apart": (torch.bfloat16, 5, 96, 32, 4, 2, 0)}
+SETTINGS = [("one-row", "in-kernel", 0), ("one-row", "launch", 16), ("uneven", "in-kernel", 0),
+            ("uneven", "launch", 0), ("fp32", "in-kernel", 16), ("fp32", "launch", 16),
+            ("quantize-apart", "in-kernel", 16), ("quantize-apart", "launch", 0)]
+
+
+@pytest.mark.parametrize("shape,path,pair_tiles", SETTINGS, ids=["-".join(map(str, c)) for c in SETTINGS])
+def test_shared_in_the_routed_launches(rng, launches, shape, path, pair_tiles):
+    xdt, n, D, I, E, k, fused = SHAPES[shape]
+    paths = IN_KERNEL if path == "in-kernel" else LAUNCH
     args, shared = _case(rng, xdt, n, D, I, E, k)
     quantize = ["_quantize_kernel"] if n > fused else []
     tables = [] if pair_tiles >= n else ["_route_kernel"]
@@ -101,8 +107,8 @@ def test_shared_in_launches_of_its_own(rng, launches, pair_tiles, paths):
     assert rel_err(with_add, want) < 2e-3
 
 
-@pytest.mark.parametrize("routed,shared_fmt", [("fp4_w", "fp8_w"), ("fp8_w", "fp4_w"), ("fp8_w", "fp8_w")])
-@pytest.mark.parametrize("pair_tiles", [0, 16])
+@pytest.mark.parametrize("routed,shared_fmt,pair_tiles", [("fp4_w", "fp8_w", 0), ("fp4_w", "fp8_w", 16),
+                                                           ("fp8_w", "fp4_w", 16), ("fp8_w", "fp8_w", 0)])
 def test_shared_with_split_k(rng, launches, routed, shared_fmt, pair_tiles):
     """The decode tile knobs (split K, narrowed column tiles) over routed and shared row tiles
     alike: the tiles' last programs sum the partials, the counters end at zero."""
