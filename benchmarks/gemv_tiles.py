@@ -73,7 +73,10 @@ EXPERT_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode
                    "profile, fp4 re-bias folded into the scales": {"linear": {"fp4_scale_fold": True}},
                    "profile, fp4 decoded bit by bit": {"linear": {"fp4_decode": "bits"}},
                    "profile, shared expert in its own launches": {"moe": {"shared_in_launch": False}},
-                   "profile, activations quantized apart": {"moe": {"fused_max_tokens": 0}}}
+                   "profile, activations quantized apart": {"moe": {"fused_max_tokens": 0}},
+                   "profile, activations dequantized": {"moe": {"act_dequantized": True}},
+                   "profile, activations dequantized, re-bias folded": {"moe": {"act_dequantized": True},
+                                                                         "linear": {"fp4_scale_fold": True}}}
 
 
 def with_rule(family: str, entry: str, rows: int, tile: dict | None, extra: dict | None = None):

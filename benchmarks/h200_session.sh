@@ -172,6 +172,11 @@
 #              at the released shapes with it on and off (gemv_tiles.py: h200-gemv-fold.json); the
 #              real-dimension slice and small's captured decode with it off and on:
 #              h200-real-slice-fold-{off,on}.json, h200-e2e-fold-{off,on}.json
+#   actdq      the experts' activations handed over dequantized (tiles.moe.act_dequantized, off in every
+#              profile): its GPU tests with the shared-expert and MoE block tests (h200-actdq-tests.log);
+#              the experts at the released shapes with it, the fold, and both (h200-gemv-actdq.json); the
+#              real-dimension slice and small's captured decode off, on, and on with the fold:
+#              h200-real-slice-actdq-{off,on,fold}.json, h200-e2e-actdq-{off,on,fold}.json
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -222,8 +227,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship or fold)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold or actdq)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -468,22 +473,13 @@ phase_quant() {
   python benchmarks/topk_radix.py --radix 1 --lengths 2048 4096 131072 --out "$OUT/h200-topk-profile.json"
 }
 
-slice_and_decode() {  # NAME [PROFILE]: the real-dimension slice and `small`'s captured decode under PROFILE
-  # (the device's own when absent): h200-real-slice-NAME.json, h200-e2e-NAME.json
-  env ${2:+FLASHRT_PROFILE=$2} python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-$1.json" \
-    | grep batch
-  env ${2:+FLASHRT_PROFILE=$2} python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
-    --modes cuda+graph --out "$OUT/h200-e2e-$1.json"
-}
-
 phase_stages() {
   local on="$OUT/h200-stages.yaml" labels
   labels=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles; print('\n'.join(gemv_tiles.MMA_VARIANTS))")
   mapfile -t labels <<< "$labels"
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants "${labels[@]}" --out "$OUT/h200-gemv-stages.json" \
     --profile-out "$on" | grep -v '^ '
-  slice_and_decode stages-off
-  slice_and_decode stages-on "$on"
+  slice_and_decode stages off h200 on "$on"
 }
 
 phase_regs() {
@@ -496,9 +492,7 @@ phase_regs() {
     --out "$OUT/h200-gemv-regs.json" | grep -v '^ '
   apart=$(profile_with h200-shared-apart moe shared_in_launch false)
   quant=$(profile_set h200-quant-apart tiles.moe.fused_max_tokens 0 tiles.linear.fused_max_rows 0)
-  slice_and_decode regs-off
-  slice_and_decode shared-apart "$apart"
-  slice_and_decode quant-apart "$quant"
+  slice_and_decode regs off h200 shared-apart "$apart" quant-apart "$quant"
 }
 
 phase_attnwarps() {
@@ -524,8 +518,7 @@ phase_splits() {
     keys+=("tiles.$rule.0.1.split_per_sm" "${SPLIT_PER_SM:-4}")
   done
   on=$(profile_set h200-split "${keys[@]}")
-  slice_and_decode splits-off
-  slice_and_decode splits-on "$on"
+  slice_and_decode splits off h200 on "$on"
 }
 
 phase_prefixtiles() {
@@ -670,6 +663,19 @@ phase_fold() {
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp4 re-bias folded into the scales" \
     --scales-k-major --out "$OUT/h200-gemv-fold.json" | grep moe_experts
   slice_and_decode fold off h200 on "$on"
+}
+
+phase_actdq() {
+  local on both
+  on=$(profile_set h200-actdq tiles.moe.act_dequantized true)
+  both=$(profile_set h200-actdq-fold tiles.moe.act_dequantized true tiles.linear.fp4_scale_fold true)
+  timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_act_dequantized.py \
+    tests/kernels_cuda/test_cuda_moe_shared.py tests/graphs/test_moe_shared_block.py > "$OUT/h200-actdq-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-actdq-tests.log"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, activations dequantized" \
+    "profile, fp4 re-bias folded into the scales" "profile, activations dequantized, re-bias folded" \
+    --scales-k-major --out "$OUT/h200-gemv-actdq.json" | grep moe_experts
+  slice_and_decode actdq off h200 on "$on" fold "$both"
 }
 
 phase_realslice() {

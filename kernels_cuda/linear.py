@@ -101,10 +101,11 @@ def num_sms() -> int:
     return 1 if INTERPRETED else jit_targets.sm_count()
 
 
-def mma_mode(fmt: str):
-    """(PROMOTE, DOT dtype) for a weight format on this device."""
+def mma_mode(fmt: str, fp8_acts: bool = True):
+    """(PROMOTE, DOT dtype) for a weight format on this device; ``fp8_acts`` False: the activations
+    arrive dequantized (linear_kernel.ACT_DEQUANTIZED), which the fp8 MMA on raw E4M3 cannot take."""
     forced = _tiles()["fp8_mma"]
-    promote = fmt == "fp8_w" and (supports_fp8_mma() if forced is None else bool(forced))
+    promote = fmt == "fp8_w" and fp8_acts and (supports_fp8_mma() if forced is None else bool(forced))
     if INTERPRETED:
         return promote, tl.float32
     return promote, (tl.float8e4nv if promote else tl.bfloat16)

@@ -20,6 +20,11 @@ from flashrt.kernels_cuda.splitk import store_tile
 from flashrt.kernels_cuda.pdl import wait_inputs
 
 
+# The QX constexpr of activations that arrive as the values their fp8 round trip gives (in a float
+# dtype, e.g. bf16): the MMA loops load them as they are, no quantization or decode per program.
+ACT_DEQUANTIZED = tl.constexpr(2)
+
+
 @triton.jit
 def _e4m3_operand(b, DOT: tl.constexpr):
     """Raw (unscaled) E4M3 dot operand: the loaded fp8 as it is for an fp8 dot, decoded otherwise."""
@@ -114,8 +119,13 @@ def _x_fp8(a_rows, ok, kg, G: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit
 def _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_K: tl.constexpr):
-    """Dequantized activations [BLOCK_M, BLOCK_K] at k0 as DOT (a_rows / sa_rows: row pointers; with
-    QX, a_rows point at float rows quantized here and sa_rows is unused)."""
+    """Dequantized activations [BLOCK_M, BLOCK_K] at k0 as DOT (a_rows / sa_rows: row pointers; QX 1
+    (True): a_rows point at float rows quantized here; QX 2: at float rows that already hold the
+    dequantized fp8 values (:data:`ACT_DEQUANTIZED`), loaded as they are; sa_rows unused for both)."""
+    if QX == ACT_DEQUANTIZED:
+        offs = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(a_rows[:, None] + offs[None, :], mask=row_ok[:, None] & (offs < k_hi)[None, :],
+                       other=0.0).to(DOT)
     G: tl.constexpr = BLOCK_K // 32
     kg = k0 + tl.arange(0, G) * 32
     ok = row_ok[:, None] & (kg < k_hi)[None, :]
@@ -190,6 +200,7 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
     scale bytes are loaded one block ahead and carried in registers (too narrow for the pipeliner's
     asynchronous copies, they would otherwise be waited for in the block that decodes them)."""
     PREFETCH: tl.constexpr = FP4 and not PROMOTE and (E2M1 // 8) % 2 == 1
+    tl.static_assert(not (PROMOTE and QX == ACT_DEQUANTIZED), "fp8 MMA on raw E4M3 needs fp8 activations")
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if PREFETCH:
@@ -255,7 +266,8 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
             E2M1: tl.constexpr = 0):
     """fp32 [BLOCK_M, BLOCK_N] of xq @ w.T over K in [k_lo, k_hi) (and of xq @ w3.T when DUAL).
     QX: ``a_rows`` point at float activation rows, quantized to fp8 per 32 in registers (the bytes
-    ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range).
+    ``act_quant`` would store: one launch fewer; every program of a row re-quantizes its K range);
+    QX 2 (:data:`ACT_DEQUANTIZED`): ``a_rows`` point at float rows of dequantized fp8 values.
     E2M1: how the MMA loop decodes fp4_w codes (0 bit by bit, 1 ``tl.dot_scaled``, 2 two a byte in
     packed registers; plus 8: the scales loaded a block ahead, :func:`_mma_k_loop`; plus 16: the packed
     decode's re-bias folded into the scales, :func:`_w_decode`). Row tiles under 16 take the

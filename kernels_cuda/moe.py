@@ -29,6 +29,11 @@ combine adds the token's shared row after its k slots. Shared weights the kernel
 From ``grouped_min_rows`` pair rows per expert (a profile's choice; prefill) with bf16 x, the call
 runs as two bf16 grouped GEMMs over weights dequantized once (:mod:`.moe_grouped`).
 
+With ``act_dequantized`` the activations reach both kernels as the bf16 values of their fp8 round
+trip: x by ``_fp8_round_trip_kernel`` first, h as the up kernel's epilogue stores it; the MMA loops
+load them as they are (the same values, so fp4_w weights give the same bits; fp8_w weights take
+the dequantizing MMA, the raw E4M3 one needing fp8 activations).
+
 One expert and one slot a token (the shared expert alone, expert parallel; ``direct`` on) needs no
 tables and no sum: pair ``t`` is token ``t``, the row tiles are ``BLOCK_M`` tokens each
 (``DIRECT``), and the down kernel writes each token's x.dtype-rounded row as fp32: two launches.
@@ -54,7 +59,9 @@ from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
 from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fold_scales, fp4_decode, may_fold,
                                          mma_mode, pick_tile, split_tile, weight_operands)
-from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_up_kernel
+from flashrt.kernels_cuda.linear_kernel import ACT_DEQUANTIZED
+from flashrt.kernels_cuda.moe_kernels import (_fp8_round_trip_kernel, _moe_combine_kernel, _moe_down_kernel,
+                                              _moe_up_kernel)
 from flashrt.refmath_moe import experts_loop, finish_experts
 from flashrt.kernels_cuda import pdl
 
@@ -77,6 +84,11 @@ TILES = {
     "swiglu": dict(BLOCK_R=16, BLOCK_C=128, num_warps=4),
     "route": moe_tables.ROUTE,  # the routing tables: one program up to max_pairs (token, slot) pairs
     "fused_max_tokens": 64,  # up to this many tokens the up kernel quantizes x itself (no act_quant launch)
+    # the activations (x, then h) handed to the up and down kernels as the values of their fp8 round
+    # trip in bf16 (x by one launch, h by the up kernel's epilogue), not as fp8 bytes each program
+    # quantizes or decodes again; fp8_w weights then take the dequantizing MMA (no raw E4M3 operands)
+    "act_dequantized": False,
+    "round_trip": dict(BLOCK_R=16, BLOCK_C=128, num_warps=4),  # x's launch for act_dequantized
     "direct": True,  # one expert, one slot (the shared expert): no routing tables, no combine launch
     # the shared expert's rows in the routed experts' launches (True), or in launches of its own whose
     # output the routed launches add (False: two launches more, no shared-weight path in the routed
@@ -150,6 +162,7 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
     return PLANS.store(key, dict(block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
                                  combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
                                  shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
+                                 adq=bool(tiles["act_dequantized"]), round_trip=tiles["round_trip"],
                                  e2m1=fp4_decode(), fold=may_fold(fp4_decode()),
                                  combine_tile=tiles["combine"]))
 
@@ -165,39 +178,65 @@ def _e2m1(plan: dict, *weights) -> int:
     return fold_scales(plan["e2m1"], *weights) if plan["fold"] else plan["e2m1"]
 
 
-def _shared_operands(shared, w_routed):
-    """(data and scale of each shared weight, its strides (n, scale n), FP4_S, PROMOTE_S, DOT_S); the
-    routed weight's stand-ins when there is no shared expert (never read)."""
+def _shared_operands(shared, w_routed, plan):
+    """(data and scale of each shared weight, FP4_S, PROMOTE_S, DOT_S); the routed weight's stand-ins
+    when there is no shared expert (never read)."""
     ws = shared if shared is not None else (w_routed,) * 3
     ops = [weight_operands(w) for w in ws]
     d, s = ops[0]
     assert all(o[0].stride()[-2:] == d.stride()[-2:] and o[1].stride()[-2:] == s.stride()[-2:] for o in ops[:2]), \
         "shared w1 and w3 must share a layout"
-    promote, dot = mma_mode(ws[0].fmt)
+    promote, dot = mma_mode(ws[0].fmt, not plan["adq"])
     return ops, ws[0].fmt == "fp4_w", promote, dot
+
+
+def _qx(plan: dict):
+    """The up kernel's QX: x dequantized (act_dequantized), quantized in the kernel, or fp8 bytes."""
+    return ACT_DEQUANTIZED if plan["adq"] else plan["qx"]
+
+
+def _dq(plan: dict, **constexprs) -> dict:
+    """The kernels' trailing act_dequantized constexprs, passed only when on (the launches' variants
+    are otherwise those of the plain path)."""
+    return constexprs if plan["adq"] else {}
+
+
+def _round_trip(x: torch.Tensor, tile: dict) -> torch.Tensor:
+    """bf16 [N, D]: the values of x's fp8 round trip (per 32 from column 0), one launch."""
+    x = last_dense(x)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    grid = (cdiv(x.shape[0], tile["BLOCK_R"]), cdiv(x.shape[1], tile["BLOCK_C"]))
+    _fp8_round_trip_kernel[grid](x, out, x.shape[0], x.shape[1], x.stride(0), out.stride(0),
+                                 BLOCK_R=tile["BLOCK_R"], BLOCK_C=tile["BLOCK_C"], num_warps=tile["num_warps"],
+                                 **pdl.options(x.device))
+    return out
 
 
 def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
     (d1, s1), (d3, s3) = weight_operands(w1), weight_operands(w3)
     assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
-    (o1, o3, _), fp4_s, promote_s, dot_s = _shared_operands(shared, w1)
+    (o1, o3, _), fp4_s, promote_s, dot_s = _shared_operands(shared, w1, plan)
     rows, D = n * k + (n if plan["shared"] else 0), xq.shape[1]
     t, split, k_split = plan["up"]
-    hq = torch.empty(rows, I, dtype=torch.uint8, device=xq.device)  # E4M3 bytes
-    sh = torch.empty(rows, I // 32, dtype=torch.uint8, device=xq.device)  # UE8M0 bytes
+    if plan["adq"]:  # h's dequantized values
+        hq = sh = torch.empty(rows, I, dtype=torch.bfloat16, device=xq.device)
+    else:
+        hq = torch.empty(rows, I, dtype=torch.uint8, device=xq.device)  # E4M3 bytes
+        sh = torch.empty(rows, I // 32, dtype=torch.uint8, device=xq.device)  # UE8M0 bytes
     ws = torch.empty(split, 2, rows, I, dtype=torch.float32, device=xq.device) if split > 1 else hq
     cnt = splitk.counters(xq.device) if split > 1 else hq
-    promote, dot = mma_mode(w1.fmt)
+    promote, dot = mma_mode(w1.fmt, not plan["adq"])
     _moe_up_kernel[_grid(tab, t, I, split, n, plan)](
         xq, sx, tab["tok"], tab["rw"], d1, s1, d3, s3, hq, sh, tab["tile_e"], tab["tile_row"], tab["row_end"],
         w1.shape[0], I, D, limit, rows, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0),
         s1.stride(1), hq.stride(0), sh.stride(0), ws, cnt, k_split, split,
         o1[0], o1[1], o3[0], o3[1], o1[0].stride(-2), o1[1].stride(-2), tab["tiles"], n * k, k,
-        FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=plan["qx"],
+        FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=_qx(plan),
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
         PROMOTE_S=promote_s, DOT_S=dot_s,
         E2M1=_e2m1(plan, w1, w3, *(shared or ())[:2]) if w1.fmt == "fp4_w" or fp4_s else 0,
-        SCALE_K=s1.stride(2), SCALE_K_S=o1[1].stride(-1), **t, **pdl.options(xq.device))
+        SCALE_K=s1.stride(2), SCALE_K_S=o1[1].stride(-1), **_dq(plan, HDQ=True), **t,
+        **pdl.options(xq.device))
     return hq, sh
 
 
@@ -206,12 +245,12 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
     token). ``combine``: out [N, D]: the kernel also sums each token's rows, plus ``add`` (fp32
     [N, D] or None), into ``out`` (in out's dtype)."""
     d2, s2 = weight_operands(w2)
-    (_, _, o2), fp4_s, promote_s, dot_s = _shared_operands(shared, w2)
+    (_, _, o2), fp4_s, promote_s, dot_s = _shared_operands(shared, w2, plan)
     t, split, k_split = plan["down"]
     direct = plan["direct"]
     y = torch.empty(hq.shape[0], D, dtype=torch.float32 if direct else xdtype, device=hq.device)
     ws = torch.empty(split, hq.shape[0], D, dtype=torch.float32, device=hq.device) if split > 1 else y
-    promote, dot = mma_mode(w2.fmt)
+    promote, dot = mma_mode(w2.fmt, not plan["adq"])
     out = combine if combine is not None else y
     pool = splitk.counters(hq.device) if combine is not None or split > 1 else y
     split_cnt = pool[plan["reserved"]:] if split > 1 else y  # past the combine's counters
@@ -225,7 +264,7 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
         COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, PAIRS=plan["pairs"],
         SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s,
         E2M1=_e2m1(plan, w2, *(shared or ())[2:]) if w2.fmt == "fp4_w" or fp4_s else 0,
-        SCALE_K=s2.stride(2), SCALE_K_S=o2[1].stride(-1), **t,
+        SCALE_K=s2.stride(2), SCALE_K_S=o2[1].stride(-1), **_dq(plan, QX=ACT_DEQUANTIZED), **t,
         **pdl.options(hq.device))
     return y
 
@@ -251,7 +290,10 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     if shared is not None and not tiles["shared_in_launch"]:
         return _shared_apart(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared)
     plan = _plan(n, k, E, D, I, shared is not None)
-    xq, sx = (last_dense(x),) * 2 if plan["qx"] else act_quant(x)
+    if plan["adq"]:
+        xq = sx = _round_trip(x, plan["round_trip"])
+    else:
+        xq, sx = (last_dense(x),) * 2 if plan["qx"] else act_quant(x)
     limit = float(swiglu_limit)
     if plan["direct"]:  # every token's one slot is expert 0
         tab = _direct_tables(weights, plan["block_m"])
@@ -327,7 +369,9 @@ FAMILY = KernelFamily(
                               "experts.split_min_blocks": Tile(nullable=True, kind=int),
                               "experts.split_per_sm": Tile(low=1, nullable=True, kind=int),
                               "experts.split_k": Tile(nullable=True, kind=int),
-                              "combine.BLOCK_D": POW2, "swiglu.BLOCK_R": POW2,
+                              "combine.BLOCK_D": POW2, "swiglu.BLOCK_R": POW2, "round_trip.BLOCK_R": POW2,
+                              "round_trip.BLOCK_C": Tile(low=32, pow2=True, kind=int),
+                              "act_dequantized": Tile(kind=bool),
                               "swiglu.BLOCK_C": Tile(low=32, pow2=True, kind=int), "fused_max_tokens": COUNT0, "direct": Tile(kind=bool),
                               "pair_tiles": Tile(low=0, kind=int), "grouped_min_rows": Tile(nullable=True, kind=int),
                               "grouped_max_bytes": Tile(low=0, kind=int),

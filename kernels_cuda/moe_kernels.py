@@ -108,22 +108,52 @@ def _swiglu_fp8_kernel(gu_ptr, rw_ptr, out_ptr, rows, I, limit, stride_gu, strid
     g = tl.load(gu_ptr + at, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + at + I, mask=ok, other=0.0).to(tl.float32)
     rw = tl.load(rw_ptr + r, mask=r < rows, other=1.0)
-    h = tl.reshape(_swiglu(g, u, rw, limit, CLAMP, XDT), (BLOCK_R * BLOCK_C // 32, 32))
-    _, scale, recip = block_scale(tl.max(tl.abs(h), axis=1), 1)
-    v = tl.reshape(fake_blocks(h, scale, recip, 1), (BLOCK_R, BLOCK_C))
-    tl.store(out_ptr + r[:, None] * stride_out + c[None, :], to_out(v, XDT), mask=ok)
+    h = _swiglu(g, u, rw, limit, CLAMP, XDT)
+    tl.store(out_ptr + r[:, None] * stride_out + c[None, :], _fp8_round_trip(h, XDT, BLOCK_R, BLOCK_C), mask=ok)
+
+
+@triton.jit
+def _fp8_round_trip(v, OUT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """fp32 ``v`` [R, C] (C whole blocks of 32) quantized to fp8 per 32 and decoded back, as OUT: the
+    values the GEMMs' activation quantization hands the MMA (exact in bf16)."""
+    b = tl.reshape(v, (R * C // 32, 32))
+    _, scale, recip = block_scale(tl.max(tl.abs(b), axis=1), 1)
+    return to_out(tl.reshape(fake_blocks(b, scale, recip, 1), (R, C)), OUT)
+
+
+@triton.jit
+def _fp8_round_trip_kernel(x_ptr, out_ptr, rows, D, stride_x, stride_out, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    """x rows [rows, D] through the fp8 round trip (:func:`_fp8_round_trip`, blocks of 32 from column
+    0) into out (its dtype): the up kernel's activations when the profile hands the experts
+    dequantized activations. One program: ``BLOCK_R`` rows x ``BLOCK_C`` columns."""
+    wait_inputs()
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (r < rows)[:, None] & (c < D)[None, :]
+    x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    out = _fp8_round_trip(x, out_ptr.dtype.element_ty, BLOCK_R, BLOCK_C)
+    tl.store(out_ptr + r[:, None] * stride_out + c[None, :], out, mask=ok)
 
 
 @triton.jit
 def _up_epilogue(g, u, rw_ptr, rows, row_ok, n_pairs, n0, I, limit, hq_ptr, sh_ptr, stride_hm, stride_shm,
-                 CLAMP: tl.constexpr, XDT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 CLAMP: tl.constexpr, XDT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HDQ: tl.constexpr):
     """SwiGLU of the full gate / up sums, h quantized to fp8 per 32 and stored in pair order (rows
-    past ``n_pairs``, the shared expert's, weigh 1)."""
+    past ``n_pairs``, the shared expert's, weigh 1): as E4M3 and UE8M0 bytes, or (HDQ) as the
+    values they stand for in hq's dtype (sh unused)."""
     rw = tl.load(rw_ptr + rows, mask=row_ok & (rows < n_pairs), other=1.0)
     h = _swiglu(g, u, rw, limit, CLAMP, XDT)
+    r64 = rows.to(tl.int64)
+    if HDQ:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        tl.store(hq_ptr + r64[:, None] * stride_hm + offs_n[None, :],
+                 _fp8_round_trip(h, hq_ptr.dtype.element_ty, BLOCK_M, BLOCK_N),
+                 mask=row_ok[:, None] & (offs_n < I)[None, :])
+        return
     q, s = quant_fp8(tl.reshape(h, (BLOCK_M, BLOCK_N // 32, 32)))  # fp8 bytes: E4M3 and UE8M0
     kg = n0 + tl.arange(0, BLOCK_N // 32) * 32
-    r64 = rows.to(tl.int64)
     ok = row_ok[:, None] & (kg < I)[None, :]
     ptrs = hq_ptr + r64[:, None, None] * stride_hm + kg[None, :, None] + tl.arange(0, 32)[None, None, :]
     tl.store(ptrs, q.to(tl.uint8), mask=ok[:, :, None])
@@ -140,8 +170,10 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr,
                    DIRECT: tl.constexpr, SPLIT: tl.constexpr, PAIRS: tl.constexpr, SHARED: tl.constexpr,
                    FP4_S: tl.constexpr, PROMOTE_S: tl.constexpr, DOT_S: tl.constexpr, E2M1: tl.constexpr,
-                   SCALE_K: tl.constexpr = 1, SCALE_K_S: tl.constexpr = 1):
-    """QX: xq_ptr holds the float x rows, quantized to fp8 in registers (sx_ptr unused). DIRECT /
+                   SCALE_K: tl.constexpr = 1, SCALE_K_S: tl.constexpr = 1, HDQ: tl.constexpr = False):
+    """QX: xq_ptr holds the float x rows, quantized to fp8 in registers (sx_ptr unused); QX 2: rows of
+    x already through the fp8 round trip (linear_kernel.ACT_DEQUANTIZED). HDQ: h stored as the values
+    of its fp8 round trip in hq's dtype (:func:`_up_epilogue`). DIRECT /
     PAIRS / SHARED: the row tiles of :func:`_tile_rows`; rw_ptr holds the routing weight of each
     pair row (DIRECT: of each token). SHARED: s1/ss1/s3/ss3 the shared expert's W1 / W3 (data,
     scales; format FP4_S, MMA mode PROMOTE_S / DOT_S). SPLIT: ws_ptr [splits, 2, n_rows, I] fp32
@@ -182,11 +214,11 @@ def _moe_up_kernel(xq_ptr, sx_ptr, tok_ptr, rw_ptr, w1_ptr, sw1_ptr, w3_ptr, sw3
             g = _partials_sum(part, 2 * plane, n_splits, ok, BLOCK_M, BLOCK_N)
             u = _partials_sum(part + plane, 2 * plane, n_splits, ok, BLOCK_M, BLOCK_N)
             _up_epilogue(g, u, rw_ptr, rows, row_ok, n_pairs, n0, I, limit, hq_ptr, sh_ptr, stride_hm, stride_shm,
-                         CLAMP, XDT, BLOCK_M, BLOCK_N)
+                         CLAMP, XDT, BLOCK_M, BLOCK_N, HDQ)
             splitk.reset_ticket(tile)
     else:
         _up_epilogue(g, u, rw_ptr, rows, row_ok, n_pairs, n0, I, limit, hq_ptr, sh_ptr, stride_hm, stride_shm,
-                     CLAMP, XDT, BLOCK_M, BLOCK_N)
+                     CLAMP, XDT, BLOCK_M, BLOCK_N, HDQ)
 
 
 @triton.jit
@@ -244,14 +276,16 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
                      COMBINE: tl.constexpr, HAS_ADD: tl.constexpr, SPLIT: tl.constexpr, PAIRS: tl.constexpr,
                      SHARED: tl.constexpr, FP4_S: tl.constexpr, PROMOTE_S: tl.constexpr, DOT_S: tl.constexpr,
-                     E2M1: tl.constexpr, SCALE_K: tl.constexpr = 1, SCALE_K_S: tl.constexpr = 1):
+                     E2M1: tl.constexpr, SCALE_K: tl.constexpr = 1, SCALE_K_S: tl.constexpr = 1,
+                     QX: tl.constexpr = False):
     """y rows rounded to XDT (stored as y's dtype: fp32 when DIRECT writes the op's output); row
     tiles as the up kernel's (SHARED: s2 / ss2 the shared expert's W2). COMBINE: then a ticket per
     (token, column tile) of each row; the program drawing a token's last ticket (TOPK, plus one for
     its shared row) sums its rows (:func:`_token_sum`, ``_moe_combine_kernel``'s sum), adds the
     token's ``add`` row after the sum (HAS_ADD), stores it in ``out``'s dtype and puts the counter
     back to zero. SPLIT: ws_ptr [splits, n_rows, D] fp32 partials, split_cnt_ptr a counter per
-    (row tile, column tile) (apart from the combine's)."""
+    (row tile, column tile) (apart from the combine's). QX 2: hq holds h's dequantized values (the up
+    kernel's HDQ), sh unused."""
     wait_inputs()
     e, rows, row_ok, tok, sh = _tile_rows(tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, n_rows, n_tiles, n_pairs,
                                           TOPK, BLOCK_M, DIRECT, PAIRS, SHARED)
@@ -266,13 +300,13 @@ def _moe_down_kernel(hq_ptr, sh_ptr, w2_ptr, sw2_ptr, y_ptr, tile_e_ptr, tile_ro
         if sh:
             acc, _ = _k_loop(h_rows, sh_rows, row_ok, s2_ptr, ss2_ptr, s2_ptr, ss2_ptr, n0, D, k_lo, k_hi,
                              stride_s_wn, stride_s_swn, SCALE_K_S, FP4_S, PROMOTE_S, False, DOT_S, BLOCK_M, BLOCK_N,
-                             BLOCK_K, E2M1=E2M1)
+                             BLOCK_K, QX, E2M1)
         else:
             acc, _ = _k_loop(h_rows, sh_rows, row_ok, w2, sw2, w2, sw2, n0, D, k_lo, k_hi, stride_wn, stride_swn,
-                             SCALE_K, FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, E2M1=E2M1)
+                             SCALE_K, FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
     else:
         acc, _ = _k_loop(h_rows, sh_rows, row_ok, w2, sw2, w2, sw2, n0, D, k_lo, k_hi, stride_wn, stride_swn, SCALE_K,
-                         FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, E2M1=E2M1)
+                         FP4, PROMOTE, False, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
     if SPLIT:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = row_ok[:, None] & (offs_n < D)[None, :]

@@ -72,17 +72,39 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
         f.write(sass)
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
-    ops, loads = collections.Counter(), collections.Counter()
+    ops, loads, code = collections.Counter(), collections.Counter(), []
     for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)([A-Z0-9.]*)", line)
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)([A-Z0-9.]*)([^;]*)", line)
         if m:
-            ops[m.group(1)] += 1
-            if m.group(1) in ("LDG", "LDGSTS"):  # global loads with their width (U8, 64, 128, ...)
-                loads[m.group(1) + m.group(2)] += 1
+            ops[m.group(2)] += 1
+            code.append((int(m.group(1), 16), m.group(2), m.group(4)))
+            if m.group(2) in ("LDG", "LDGSTS"):  # global loads with their width (U8, 64, 128, ...)
+                loads[m.group(2) + m.group(3)] += 1
     return {"kernel": fn.__name__, "num_warps": meta.num_warps, "num_stages": meta.num_stages,
             "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "shared_bytes": meta.shared, "sass": {k: ops.get(k, 0) for k in SASS_OPS}, "global_loads": dict(loads),
+            "instructions": len(code), "mma_loop": mma_loop(code),
             "constexprs": {fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()}}
+
+
+MMA_OPS = ("HMMA", "HGMMA", "QGMMA")
+
+
+def mma_loop(code: list[tuple]) -> dict | None:
+    """The loop (a backward branch's span of the SASS) holding the most MMA instructions: its
+    instruction count and its 12 most frequent opcodes, the static cost of one trip of a GEMM's K
+    loop (None: no loop holds an MMA)."""
+    best = None
+    for addr, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= addr]
+            mmas = sum(o in MMA_OPS for o in body)
+            if mmas and (best is None or mmas > best[0]):
+                best = (mmas, body)
+    if best is None:
+        return None
+    return {"instructions": len(best[1]), "opcodes": dict(collections.Counter(best[1]).most_common(12))}
 
 
 def attention_call(B: int, S: int, cold: bool):
@@ -307,6 +329,10 @@ def main(argv=None) -> None:
               f"stack {r['stack_bytes']} B, shared {r['shared_bytes']} B")
         print("   " + "  ".join(f"{k} {v}" for k, v in r["sass"].items() if v))
         print("   global loads: " + "  ".join(f"{k} {v}" for k, v in sorted(r["global_loads"].items())))
+        if r["mma_loop"]:
+            loop = r["mma_loop"]
+            print(f"   MMA loop: {loop['instructions']} instructions a trip ("
+                  + "  ".join(f"{k} {v}" for k, v in loop["opcodes"].items()) + ")")
 
 
 if __name__ == "__main__":
