@@ -9,22 +9,15 @@ import pytest
 import torch
 
 import flashrt
-from flashrt import formats, ops
+from flashrt import ops
 from kernel_check import (DEVICE, assert_counters_zero, launches, pinned_tiles, rel_err,  # noqa: F401
                           requires_kernels)  # (launches: a fixture)
+from test_cuda_moe_shared import SPLIT, _weights  # the split-K decode tile, random expert stacks
 
 pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
 
 ON = dict(act_dequantized=True)
-SPLIT = dict(experts=((16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, min_block_n=32,
-                                 split_k=3)),
-                      (None, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2))))
-
-
-def _weights(rng, fmt, E, I, D):
-    shapes = ((E, I, D), (E, I, D), (E, D, I))
-    return [formats.quantize(torch.randn(*s, generator=rng) * 0.25, fmt).to(DEVICE) for s in shapes]
 
 
 def _cuda(*args, **kw):
