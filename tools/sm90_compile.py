@@ -9,7 +9,8 @@ Costs no device time: use it to check a kernel change for spills and wgmma befor
     python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc, kv_store,
                                                         # norm_rope_quant, prefix_attention, topk (--S: entries),
                                                         # quant (fp4_b16 store; --cold: fp8), moe (--cold: the
-                                                        # experts' scales K major)
+                                                        # experts' scales K major; --moe-dims released: the
+                                                        # released model's experts at up to one token)
 
 How: the launcher runs on CPU tensors as it would on an sm_90 GPU, each kernel specialization it
 launches recorded instead of compiled (:func:`flashrt.jit_compile.recording`, shared with
@@ -174,21 +175,27 @@ def linear_call(B: int, S: int, cold: bool):
     return lambda: (linear.linear(x, fp8(512, 1024)), linear.linear(xo, fp8(1024, 2048)), linear.linear(x, fp4))
 
 
-def moe_call(B: int, S: int, cold: bool):
-    """``small``'s routed experts (32 x 512 x 1,024 fp4_w, top-4) and shared expert (fp8_w) over B * S tokens;
+MOE_DIMS = {"small": (1024, 512, 32, 4),  # D, I, routed experts, slots a token
+            # the released model's D, I and top-6 over 8 experts: up to one token (6 pairs, a row tile
+            # each) the same launches as over its 384, without their gigabytes
+            "released": (5120, 2304, 8, 6)}
+
+
+def moe_call(B: int, S: int, cold: bool, dims: str = "small"):
+    """The routed experts (fp4_w) and a shared expert (fp8_w) over B * S tokens at ``MOE_DIMS[dims]``;
     ``cold``: the routed experts' scales K major."""
     from flashrt import formats
     from flashrt.kernels_cuda import moe
     from flashrt.kernels_cuda.launch import zeros_stored
 
     _as_h200()
-    n, D, I, E = B * S, 1024, 512, 32
+    (D, I, E, k), n = MOE_DIMS[dims], B * S
     # laid out as the model's load lays them out (tiles.linear.fp4_scale_fold applies)
     w = lambda fmt, e: tuple(formats.as_expert_stack(zeros_stored(fmt, shape, None, "cpu"), cold)
                              for shape in ((e, I, D), (e, I, D), (e, D, I)))
-    x, idx = torch.zeros(n, D, dtype=torch.bfloat16), torch.zeros(n, 4, dtype=torch.int32)
+    x, idx = torch.zeros(n, D, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int32)
     one, first = torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.int32)
-    return lambda: (moe.moe_experts(x, torch.rand(n, 4), idx, *w("fp4_w", E), 10.0),
+    return lambda: (moe.moe_experts(x, torch.rand(n, k), idx, *w("fp4_w", E), 10.0),
                     moe.moe_experts(x, one, first, *w("fp8_w", 1), 10.0))
 
 
@@ -304,6 +311,8 @@ def main(argv=None) -> None:
                     "(the family's kernel module)")
     ap.add_argument("--linear-tiles", default="{}", help="JSON merged into tiles.linear (the block-scaled GEMMs' "
                     "shared switches, e.g. fp4_decode, which the moe kernels also read)")
+    ap.add_argument("--moe-dims", choices=sorted(MOE_DIMS), default="small",
+                    help="moe: the experts' dimensions (MOE_DIMS)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from flashrt import profiles
@@ -319,7 +328,8 @@ def main(argv=None) -> None:
         tiles["linear"] = {**tiles.get("linear", {}), **linear_extra}
     prof = dataclasses.replace(base, tiles=tiles)
     with profiles.using(prof):
-        seen = capture(CALLS[args.family](args.B, args.S, args.cold))
+        extra = {"dims": args.moe_dims} if args.family == "moe" else {}
+        seen = capture(CALLS[args.family](args.B, args.S, args.cold, **extra))
         reports = [compile_report(*c) for c in seen]
     if args.json:
         json.dump(reports, sys.stdout, indent=1)
