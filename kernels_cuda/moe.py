@@ -190,11 +190,6 @@ def _shared_operands(shared, w_routed, plan):
     return ops, ws[0].fmt == "fp4_w", promote, dot
 
 
-def _qx(plan: dict):
-    """The up kernel's QX: x dequantized (act_dequantized), quantized in the kernel, or fp8 bytes."""
-    return ACT_DEQUANTIZED if plan["adq"] else plan["qx"]
-
-
 def _dq(plan: dict, **constexprs) -> dict:
     """The kernels' trailing act_dequantized constexprs, passed only when on (the launches' variants
     are otherwise those of the plain path)."""
@@ -231,7 +226,8 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
         w1.shape[0], I, D, limit, rows, xq.stride(0), sx.stride(0), d1.stride(0), d1.stride(1), s1.stride(0),
         s1.stride(1), hq.stride(0), sh.stride(0), ws, cnt, k_split, split,
         o1[0], o1[1], o3[0], o3[1], o1[0].stride(-2), o1[1].stride(-2), tab["tiles"], n * k, k,
-        FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype], QX=_qx(plan),
+        FP4=w1.fmt == "fp4_w", PROMOTE=promote, DOT=dot, CLAMP=limit > 0, XDT=TL_DTYPES[xdtype],
+        QX=ACT_DEQUANTIZED if plan["adq"] else plan["qx"],
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
         PROMOTE_S=promote_s, DOT_S=dot_s,
         E2M1=_e2m1(plan, w1, w3, *(shared or ())[:2]) if w1.fmt == "fp4_w" or fp4_s else 0,
