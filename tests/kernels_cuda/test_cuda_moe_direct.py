@@ -12,11 +12,12 @@ import torch
 
 import flashrt
 from flashrt import formats, ops
-from kernel_check import (DEVICE, assert_counters_zero, launches, pinned_tiles, rel_err,  # noqa: F401
+from kernel_check import (DEVICE, GPU, assert_counters_zero, launches, pinned_tiles, rel_err,  # noqa: F401
                           requires_kernels, run_both)  # (launches: a fixture)
 
 pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
+linear = pytest.importorskip("flashrt.kernels_cuda.linear")
 
 # the paths under test, set through a pinned profile: the device's profile changes none of them
 # (the routing tables' path at every token count: no pair tiles, test_cuda_moe_shared.py has them)
@@ -85,10 +86,13 @@ def test_combine_in_the_down_kernel_equals_the_combine_launch(rng, launches, fmt
                                                                 "_moe_combine_kernel"]
     assert torch.equal(fused, plain)
     _, want = run_both("moe_experts", *args)
-    # (a few tokens of one expert share a 64-row tile on the GPU: sm_90's wgmma, whose fp8 accumulator
-    # is narrower than fp32 within a K slice; and a hidden value rounded differently before its fp8
-    # quantization moves by an E4M3 step. Seen up to 1.2e-3 on the H200 with 37 tokens.)
-    assert rel_err(fused, want) < 2e-3
+    # fp8 weights on a GPU with the fp8 MMA: within a K block its accumulator is narrower than fp32, so
+    # a gate / up sum can land on the other side of an E4M3 rounding boundary of h from the
+    # reference's, and h's fp8 quantization moves that element by a whole E4M3 step; with many rows an
+    # expert, enough of them move for the output's error to pass 2e-3 (tools/moe_error.py measures
+    # its spread over seeds)
+    fp8_mma = fmt == "fp8_w" and GPU and linear.supports_fp8_mma()
+    assert rel_err(fused, want) < (1e-2 if fp8_mma else 2e-3)
 
 
 @pytest.mark.parametrize("fmt,xdt,n,D,I,E,k", [("fp4_w", torch.bfloat16, 3, 96, 64, 8, 2),
