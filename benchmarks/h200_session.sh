@@ -227,8 +227,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold or actdq)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq or load)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -676,6 +676,10 @@ phase_actdq() {
     "profile, fp4 re-bias folded into the scales" "profile, activations dequantized, re-bias folded" \
     --scales-k-major --out "$OUT/h200-gemv-actdq.json" | grep moe_experts
   slice_and_decode actdq off h200 on "$on" fold "$both"
+}
+
+phase_load() {
+  python benchmarks/load_time.py --model small --repeats 3 --out "$OUT/h200-load-time-small.json"
 }
 
 phase_realslice() {

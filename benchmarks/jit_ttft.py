@@ -87,7 +87,9 @@ def row(phase: str, report: dict, wall: float, warmup: dict | None = None) -> di
     out = {"phase": phase, "device": report["device"], **{k: report[k] for k in keys}, "process_wall_s": wall}
     jit = report.get("jit") or {}
     pre = jit.get("precompile") or {}
-    out["jit"] = {"compiled_in_process": len(jit.get("compiled_in_process", [])), "plan_added": jit.get("plan_added"),
+    here = jit.get("compiled_in_process", [])
+    out["jit"] = {"compiled_in_process": len(here), "compiled_in_process_kernels": here,
+                  "plan_added": jit.get("plan_added"),
                   "precompile": {k: pre.get(k) for k in ("workers", "variants", "compiled", "launchers", "seconds",
                                                          "done")} | {"failed": len(pre.get("failed", []))}}
     if warmup is not None:

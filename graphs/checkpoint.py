@@ -31,7 +31,7 @@ from flashrt.formats import QTensor, dequantize, expected_layout
 
 from . import partial, published
 from .config import ModelConfig
-from .finite import check_finite as _check_finite, checks_enabled
+from .finite import FiniteCheck, checks_enabled
 from .params import QUANTIZED, ParamSpec, param_specs
 from .shards import DTYPE_BYTES, INDEX, SINGLE, open_shards
 from .verify import SUMS, sha256_file, verify_checksums
@@ -256,7 +256,7 @@ def load(path, cfg: ModelConfig | None = None, device=None, verify: bool = False
     if verify:
         verify_checksums(path, verify_files)
     cfg = cfg if cfg is not None else read_config(path)
-    weights, check_finite = {}, checks_enabled(check_finite)
+    weights, finite = {}, FiniteCheck() if checks_enabled(check_finite) else None
     with contextlib.ExitStack() as stack:
         where = open_shards(path, stack)
         headers = {k: h.get_slice(k) for k, h in where.items()}
@@ -275,11 +275,13 @@ def load(path, cfg: ModelConfig | None = None, device=None, verify: bool = False
             scale = where[scale_name].get_tensor(scale_name) if scale_name else None
             value = decode(s, where[s.name].get_tensor(s.name), scale)
             value = value if device is None else value.to(device)
-            if check_finite:  # on the target device: a GPU reduces faster than the host reads
-                _check_finite(s.name, value)
+            if finite is not None:  # on the target device: a GPU reduces faster than the host reads
+                finite.add(s.name, value)
             weights[s.name] = value
             if progress is not None:
                 progress(i + 1, len(specs))
+        if finite is not None:
+            finite.finish()
     return cfg, weights
 
 

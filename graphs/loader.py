@@ -51,7 +51,8 @@ def load(path, device=None, profile=None, verify: bool = False, progress=None, *
     else:
         from .shard_load import load_shard
 
-        cfg, weights, _ = load_shard(path, parallel.layout, device=dev, verify=verify, progress=progress)
+        cfg, weights, _ = load_shard(path, parallel.layout, device=dev, verify=verify, progress=progress,
+                                     check_finite=check_finite)
     window_fmt = "int8" if prof.kv_window_dtype == "int8" else "fp8"
     model = Model(cfg, weights, token_map=token_map_for(path, cfg), engram_placement=prof.engram_placement,
                   window_fmt=window_fmt, parallel=parallel)

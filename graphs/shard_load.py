@@ -18,13 +18,16 @@ from pathlib import Path
 from flashrt.errors import CheckpointError
 
 from . import checkpoint, published
+from .finite import FiniteCheck, checks_enabled
 from .parallel import Layout
 from .shard import local_specs, nbytes, stored_index
 
 
-def load_shard(path, layout: Layout, device=None, verify: bool = False, progress=None) -> tuple:
+def load_shard(path, layout: Layout, device=None, verify: bool = False, progress=None,
+               check_finite: bool | None = None) -> tuple:
     """``(cfg, weights, bytes_read)``: the parameters ``layout``'s rank holds, as
-    :func:`flashrt.graphs.checkpoint.load` makes them (checked the same way), on ``device``.
+    :func:`flashrt.graphs.checkpoint.load` makes them (checked the same way: names, shapes, and
+    NaN / Inf in this rank's slices unless ``check_finite`` is False), on ``device``.
     ``progress(done, total)`` counts this rank's parameters."""
     path = Path(path)
     if not path.is_dir():
@@ -34,6 +37,7 @@ def load_shard(path, layout: Layout, device=None, verify: bool = False, progress
     cfg = checkpoint.read_config(path)
     layout.check(cfg)
     weights, read = {}, 0
+    finite = FiniteCheck() if checks_enabled(check_finite) else None
     with contextlib.ExitStack() as stack:
         where = checkpoint.open_shards(path, stack)
         headers = {k: h.get_slice(k) for k, h in where.items()}
@@ -54,8 +58,12 @@ def load_shard(path, layout: Layout, device=None, verify: bool = False, progress
             value = checkpoint.decode(local, data, scale)
             read += nbytes(data) + (nbytes(scale) if scale is not None else 0)
             weights[full.name] = value if device is None else value.to(device)
+            if finite is not None:
+                finite.add(full.name, weights[full.name])
             if progress is not None:
                 progress(i + 1, len(mine))
+        if finite is not None:
+            finite.finish()
     return cfg, weights, read
 
 

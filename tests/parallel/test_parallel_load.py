@@ -103,3 +103,39 @@ def test_a_layout_the_checkpoint_cannot_take_names_it(saved):
     _, _, path = saved
     with pytest.raises(ValueError, match="tp: expected a divisor of n_heads=4"):
         load_shard(path, Layout(tp=4))
+
+
+@pytest.mark.parametrize("name", ["layers.1.attn.wq_b.weight", "layers.0.ffn.experts.5.w1.scale", "norm.weight"])
+def test_a_non_finite_value_in_a_ranks_slice_is_named(saved, tmp_path, name):
+    """A NaN in what a rank holds fails that rank's load, naming the tensor; a rank that does not
+    hold it loads, and ``check_finite=False`` skips the check."""
+    from safetensors.torch import load_file, save_file
+
+    from flashrt.errors import CheckpointError
+
+    cfg, _, path = saved
+    spoiled = tmp_path / "spoiled"
+    spoiled.mkdir()
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            (spoiled / f.name).write_bytes(f.read_bytes())
+            continue
+        tensors = load_file(str(f))
+        if name in tensors:
+            t = tensors[name].clone()
+            t.view(-1)[:1].view(torch.uint8).fill_(0xFF)  # all ones: NaN in bf16, fp32, E4M3 and UE8M0
+            tensors[name] = t
+        save_file(tensors, str(spoiled / f.name), metadata={"format": "pt"})
+    layouts = [Layout(1, 2, 0), Layout(1, 2, 1), Layout(2, 1, 0)]
+    holds = [name in {n for full, _, _ in local_specs(cfg, lay) for n in (full.name, full.scale_name)}
+             for lay in layouts]
+    assert any(holds)
+    for layout, held in zip(layouts, holds):
+        if held:
+            with pytest.raises(CheckpointError, match=f"tensor '{name}'"):
+                load_shard(spoiled, layout)
+            load_shard(spoiled, layout, check_finite=False)
+        else:
+            load_shard(spoiled, layout)
+    if ".experts." in name:
+        assert holds[:2].count(True) == 1  # a routed expert: one of the two expert-parallel ranks
