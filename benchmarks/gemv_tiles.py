@@ -76,7 +76,8 @@ EXPERT_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode
                    "profile, activations quantized apart": {"moe": {"fused_max_tokens": 0}},
                    "profile, activations dequantized": {"moe": {"act_dequantized": True}},
                    "profile, activations dequantized, re-bias folded": {"moe": {"act_dequantized": True},
-                                                                         "linear": {"fp4_scale_fold": True}}}
+                                                                         "linear": {"fp4_scale_fold": True}},
+                   "profile, fp4 halves order": {"linear": {"fp4_halves": True}}}
 
 
 def with_rule(family: str, entry: str, rows: int, tile: dict | None, extra: dict | None = None):

@@ -12,7 +12,8 @@ computes ``dequant(xq) @ dequant(w).T`` tile by tile. Two ways to run the MMA (c
   The ``fp4_decode`` tile picks how E2M1 codes are decoded: code by code ("bits"), by
   ``tl.dot_scaled`` on the packed bytes and UE8M0 scales ("dot_scaled": Triton decodes them), or two
   codes a byte in packed registers ("packed", sm_90+; "packed_prefetch": with the scale bytes loaded a
-  K block ahead); the same values each way.
+  K block ahead); the same values each way. The ``fp4_halves`` tile reorders K within each 8 so
+  the packed decode's registers are the MMA's operand as they come (``linear_kernel._halves``).
 
 Row tiles under 16 (a profile's decode rule) take neither: a multiply-add K loop over fp32 operands
 (``linear_kernel._fma_k_loop``).
@@ -77,6 +78,11 @@ TILES = {
     # where every fp4_w weight of a launch has its largest scale byte recorded at most 128
     # (QTensor.scale_max, set where the experts are stacked at load): see fold_scales
     "fp4_scale_fold": False,
+    # the MMA loop's K order within each 8 positions: the four low nibbles' values, then the four high
+    # ones (bits and packed decodes): the packed decode's output registers are then the MMA's weight
+    # operand as they come, and the activation tile is permuted in registers to match (the same sum;
+    # its fp32 order within an MMA differs); see linear_kernel._halves
+    "fp4_halves": False,
     # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
     # docs/performance.md, linear fp8_w)
@@ -114,20 +120,22 @@ def mma_mode(fmt: str, fp8_acts: bool = True):
 FP4_DECODES = ("bits", "dot_scaled", "packed", "packed_prefetch")
 SCALE_PREFETCH = 8  # added to the E2M1 constexpr: the MMA loop loads each block's scales a block ahead
 SCALE_FOLD = 16  # added to the E2M1 constexpr: the packed decode's re-bias folded into the scales
+HALVES = 32  # added to the E2M1 constexpr: the fp4_halves K order (not with tl.dot_scaled)
 FOLD_MAX_SCALE = 128  # the largest UE8M0 byte whose folded scale 2**(u - 1) bf16 holds exactly
 
 
 def fp4_decode() -> int:
     """The kernels' E2M1 constexpr for the ``fp4_decode`` tile on this device: the decode (0 bits, 1
-    ``tl.dot_scaled``, 2 packed) plus :data:`SCALE_PREFETCH` for "packed_prefetch". The packed
+    ``tl.dot_scaled``, 2 packed) plus :data:`SCALE_PREFETCH` for "packed_prefetch", plus
+    :data:`HALVES` for the ``fp4_halves`` tile (with the bits and packed decodes). The packed
     decode's bf16x2 multiplies need sm_90 (and a GPU: inline PTX), else the bit decode (the same
     values)."""
     name = _tiles()["fp4_decode"]
     ahead = SCALE_PREFETCH if name == "packed_prefetch" else 0
     mode = 2 if ahead else FP4_DECODES.index(name)
     if mode == 2 and (INTERPRETED or jit_targets.capability() < (9, 0)):
-        return ahead
-    return mode + ahead
+        mode = 0
+    return mode + ahead + (HALVES if _tiles()["fp4_halves"] and mode != 1 else 0)
 
 
 def pick_tile(rules, rows: int) -> dict:
@@ -314,7 +322,7 @@ SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
 TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": GEMM_ROWS, "linear.BLOCK_N": SCALED,
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
                "fp8_mma": Tile(nullable=True, kind=bool), "fp4_decode": Tile(choices=FP4_DECODES),
-               "fp4_scale_fold": Tile(kind=bool),
+               "fp4_scale_fold": Tile(kind=bool), "fp4_halves": Tile(kind=bool),
                "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),

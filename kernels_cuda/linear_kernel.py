@@ -53,7 +53,8 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
     """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT, ``s`` their scale
     bytes (:func:`_w_scales`). fp4_w with E2M1 % 8 == 2: the codes decoded two a byte in packed
     registers (codecs.e2m1_pairs_bf16) into bf16, the re-bias folded into the scales where E2M1 has
-    16 (scale bytes up to 128: the launcher's :func:`.linear.fold_scales`), else code by code."""
+    16 (scale bytes up to 128: the launcher's :func:`.linear.fold_scales`), else code by code; with 32
+    in E2M1 the block's K order is :func:`_halves`' (the caller permutes the activations so)."""
     G: tl.constexpr = BLOCK_K // 32
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kg = k0 + tl.arange(0, G) * 32
@@ -71,7 +72,11 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
             s = pow2(s + 14)[:, :, None]  # 2**(b - 127) * 2**14
             lo = e2m1_x16384(byte & 15).to(tl.float32) * s
             hi = e2m1_x16384(byte >> 4).to(tl.float32) * s
-        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # element 2i low nibble, 2i + 1 high
+        if (E2M1 // 32) % 2 == 1:  # K order within 8: the four low nibbles, the four high (_halves)
+            v = tl.reshape(tl.permute(tl.reshape(tl.join(lo, hi), (BLOCK_N, G * 4, 4, 2)), (0, 1, 3, 2)),
+                           (BLOCK_N, BLOCK_K))
+        else:
+            v = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # element 2i low nibble, 2i + 1 high
     else:
         j = tl.arange(0, 32)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + kg[None, :, None] + j[None, None, :]
@@ -140,6 +145,15 @@ def _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX: tl.constexpr, DOT: tl.conste
 
 
 @triton.jit
+def _halves(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Activations [BLOCK_M, BLOCK_K] in the K order the fp4 weights take with 32 in E2M1: within each
+    8, positions 0, 2, 4, 6, then 1, 3, 5, 7 (the low nibbles of four bytes, then their high ones).
+    The packed decode's registers hold two low (or two high) nibbles' values, which the MMA then
+    takes as one operand register; the sum over K is the same."""
+    return tl.reshape(tl.permute(tl.reshape(a, (BLOCK_M, BLOCK_K // 8, 4, 2)), (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
+
+
+@triton.jit
 def _col_scale(sw_ptr, n0, N, k1, k_hi, stride_swn, stride_swk, BLOCK_N: tl.constexpr):
     """fp8_w tile scale of each column n0 + [0, BLOCK_N) at K offset k1: one scalar load per 32."""
     grp = tl.arange(0, BLOCK_N) // 32
@@ -198,8 +212,13 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
     block; fp4_w with E2M1 == 1: ``tl.dot_scaled`` on the packed E2M1 bytes and their scales (Triton's
     own decode of the weights, in place of :func:`_w_block`'s). fp4_w with 8 in E2M1: each block's
     scale bytes are loaded one block ahead and carried in registers (too narrow for the pipeliner's
-    asynchronous copies, they would otherwise be waited for in the block that decodes them)."""
+    asynchronous copies, they would otherwise be waited for in the block that decodes them). With 32
+    in E2M1 the activation block is permuted to the decoded weights' K order (:func:`_halves`)."""
     PREFETCH: tl.constexpr = FP4 and not PROMOTE and (E2M1 // 8) % 2 == 1
+    # the halves order on tiles under 64 rows only (mma.sync, operands in registers); 64-row tiles take
+    # the warpgroup MMA, whose activation operand a permutation would send through shared memory
+    HALVES: tl.constexpr = FP4 and not PROMOTE and (E2M1 // 32) % 2 == 1 and BLOCK_M < 64
+    W_E2M1: tl.constexpr = E2M1 if HALVES else E2M1 % 32  # what the weights' decode is told
     tl.static_assert(not (PROMOTE and QX == ACT_DEQUANTIZED), "fp8 MMA on raw E4M3 needs fp8 activations")
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -242,19 +261,23 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
                 s3 = s3_next
                 s3_next = _w_scales(sw3_ptr, n0, N, k0 + BLOCK_K, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
+            if HALVES:
+                a = _halves(a, BLOCK_M, BLOCK_K)
             acc = tl.dot(a, tl.trans(_w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N, BLOCK_K,
-                                               E2M1)), acc)
+                                               W_E2M1)), acc)
             if DUAL:
                 acc3 = tl.dot(a, tl.trans(_w_decode(w3_ptr, s3, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N,
-                                                    BLOCK_K, E2M1)), acc3)
+                                                    BLOCK_K, W_E2M1)), acc3)
         else:
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
+            if HALVES:
+                a = _halves(a, BLOCK_M, BLOCK_K)
             b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, DOT, BLOCK_N,
-                         BLOCK_K, E2M1)
+                         BLOCK_K, W_E2M1)
             acc = tl.dot(a, tl.trans(b), acc)
             if DUAL:
                 b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, DOT, BLOCK_N,
-                              BLOCK_K, E2M1)
+                              BLOCK_K, W_E2M1)
                 acc3 = tl.dot(a, tl.trans(b3), acc3)
     return acc, acc3
 
@@ -270,7 +293,8 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
     QX 2 (:data:`ACT_DEQUANTIZED`): ``a_rows`` point at float rows of dequantized fp8 values.
     E2M1: how the MMA loop decodes fp4_w codes (0 bit by bit, 1 ``tl.dot_scaled``, 2 two a byte in
     packed registers; plus 8: the scales loaded a block ahead, :func:`_mma_k_loop`; plus 16: the packed
-    decode's re-bias folded into the scales, :func:`_w_decode`). Row tiles under 16 take the
+    decode's re-bias folded into the scales, :func:`_w_decode`; plus 32: both operands in
+    :func:`_halves`' K order). Row tiles under 16 take the
     multiply-add loop (PROMOTE, DOT and E2M1 do not apply), others the MMA loop."""
     if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
