@@ -113,4 +113,3 @@ class FiniteCheck:
             if not ok:
                 raise CheckpointError(f"tensor {label!r}: {_bad_count(t)} of {t.numel()} values are NaN or Inf "
                                       f"(load with check_finite=False / --no-check-weights to skip this check)")
-
