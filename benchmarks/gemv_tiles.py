@@ -65,7 +65,8 @@ MMA_VARIANTS = {("MMA " if m == 16 else f"MMA M{m} ") + f"N{n} K{k} s{st}" + (f"
 # nearest to that many an SM, also where the output tiles fill the SMs once (``split_per_sm``)
 SPLIT_VARIANTS = {f"profile, split to {p} programs an SM": {"split_per_sm": p} for p in (3, 4, 6, 8)}
 # label -> {family: tiles entries}, the profile's rules kept: the linear cases only
-LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}}}
+LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}},
+                   "profile, fp8 weights dequantized (no fp8 MMA)": {"linear": {"fp8_mma": False}}}
 # label -> {family: tiles entries}, the profile's rules kept: the experts cases only
 EXPERT_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode": "dot_scaled"}},
                    "profile, fp4 decoded packed": {"linear": {"fp4_decode": "packed"}},

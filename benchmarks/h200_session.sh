@@ -227,8 +227,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load or halves)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves or fp8deq)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -687,6 +687,14 @@ phase_halves() {
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp4 halves order" --scales-k-major \
     --out "$OUT/h200-gemv-halves.json" | grep moe_experts
   slice_and_decode halves off h200 on "$on"
+}
+
+phase_fp8deq() {
+  local on
+  on=$(profile_set h200-fp8deq tiles.linear.fp8_mma false)
+  python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp8 weights dequantized (no fp8 MMA)" \
+    --out "$OUT/h200-gemv-fp8deq.json" | grep -v moe_experts
+  slice_and_decode fp8deq off h200 on "$on"
 }
 
 phase_load() {
