@@ -692,8 +692,9 @@ phase_halves() {
 phase_fp8deq() {
   local on
   on=$(profile_set h200-fp8deq tiles.linear.fp8_mma false)
-  python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp8 weights dequantized (no fp8 MMA)" \
-    --out "$OUT/h200-gemv-fp8deq.json" | grep -v moe_experts
+  python benchmarks/gemv_tiles.py --model v4.1-flash \
+    --variants profile "profile, fp8 weights dequantized (no fp8 MMA)" --out "$OUT/h200-gemv-fp8deq.json" \
+    | grep -v moe_experts
   slice_and_decode fp8deq off h200 on "$on"
 }
 
