@@ -690,12 +690,13 @@ phase_halves() {
 }
 
 phase_fp8deq() {
-  local on
-  on=$(profile_set h200-fp8deq tiles.linear.fp8_mma false)
+  local rows16 all
+  rows16=$(profile_set h200-fp8deq-16 tiles.linear.linear.0.1.fp8_mma false)  # the 16-row rule only
+  all=$(profile_set h200-fp8deq tiles.linear.fp8_mma false)
   python benchmarks/gemv_tiles.py --model v4.1-flash \
     --variants profile "profile, fp8 weights dequantized (no fp8 MMA)" --out "$OUT/h200-gemv-fp8deq.json" \
     | grep -v moe_experts
-  slice_and_decode fp8deq off h200 on "$on"
+  slice_and_decode fp8deq off h200 rows16 "$rows16" all "$all"
 }
 
 phase_load() {

@@ -53,8 +53,9 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # split_per_sm: split K to the count that brings the programs nearest to this many an SM, also
 # where the output tiles fill the SMs once (more programs in flight an SM; None: the rule above);
 # split_reduce: a split K summed by each output tile's last program (True), or by a sum and a cast
-# launch after the GEMM (False); None: in the kernel where it quantizes x itself (fused_max_rows)
-KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None)
+# launch after the GEMM (False); None: in the kernel where it quantizes x itself (fused_max_rows);
+# fp8_mma: the rule's own choice of the fp8 MMA for fp8_w (True / False; None: the fp8_mma tile's)
+KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -107,10 +108,11 @@ def num_sms() -> int:
     return 1 if INTERPRETED else jit_targets.sm_count()
 
 
-def mma_mode(fmt: str, fp8_acts: bool = True):
+def mma_mode(fmt: str, fp8_acts: bool = True, rule_fp8_mma: bool | None = None):
     """(PROMOTE, DOT dtype) for a weight format on this device; ``fp8_acts`` False: the activations
-    arrive dequantized (linear_kernel.ACT_DEQUANTIZED), which the fp8 MMA on raw E4M3 cannot take."""
-    forced = _tiles()["fp8_mma"]
+    arrive dequantized (linear_kernel.ACT_DEQUANTIZED), which the fp8 MMA on raw E4M3 cannot take.
+    ``rule_fp8_mma``: a rule's own ``fp8_mma`` knob, over the family's ``fp8_mma`` tile."""
+    forced = _tiles()["fp8_mma"] if rule_fp8_mma is None else rule_fp8_mma
     promote = fmt == "fp8_w" and fp8_acts and (supports_fp8_mma() if forced is None else bool(forced))
     if INTERPRETED:
         return promote, tl.float32
@@ -207,8 +209,8 @@ def fold_scales(e2m1: int, *weights) -> int:
 def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     """Grid, K split, output dtype and constexprs of one (rows, weight shape, dtype) under the active
     tiles; ``bf16_gemm``: the call takes :func:`_bf16_gemm` instead."""
-    promote, dot = mma_mode(fmt)
     t, knobs = split_tile(pick_tile(_tiles()["linear"], m))
+    promote, dot = mma_mode(fmt, rule_fp8_mma=knobs["fp8_mma"])
     sms, row_tiles = num_sms(), cdiv(m, t["BLOCK_M"])
     t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
     tiles = row_tiles * cdiv(n, t["BLOCK_N"])
@@ -326,7 +328,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),
-               "*.split_reduce": Tile(nullable=True, kind=bool)}
+               "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool)}
 
 
 FAMILY = KernelFamily(

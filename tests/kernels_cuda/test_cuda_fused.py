@@ -183,3 +183,21 @@ def test_hc_collapse_norm_one_launch(rng, launches, dtype, B, S, hc, D):
         with pinned_tiles(mhc={"hc_collapse_norm": {key: value}}, norm_rope={}):
             assert torch.equal(mhc.hc_collapse_norm(x, pre, w, eps), two)
         assert launches == ["_hc_collapse_kernel", "_rms_norm_kernel"]
+
+
+@pytest.mark.parametrize("rule_mma", [True, False])
+def test_a_rules_fp8_mma_knob_overrides_the_tile_for_its_rows(rng, rule_mma):
+    """``fp8_mma`` on one rule (the decode rows) picks that rule's path whatever the family's tile
+    says; the next rule keeps the tile's. Both paths against the reference."""
+    other = not rule_mma
+    tiles = dict(fp8_mma=other, linear=((4, dict(SMALL, fp8_mma=rule_mma)), (None, SMALL)), fused_max_rows=64)
+    w = _weight(rng, "fp8_w", 40, 160)
+    lin = pytest.importorskip("flashrt.kernels_cuda.linear")
+    with pinned_tiles(linear=tiles):
+        assert lin._linear_plan(3, 40, 160, torch.bfloat16, "fp8_w")["constexprs"]["PROMOTE"] == rule_mma
+        assert lin._linear_plan(9, 40, 160, torch.bfloat16, "fp8_w")["constexprs"]["PROMOTE"] == other
+        for m in (3, 9):
+            x = _randn(rng, m, 160, scale=3.0).to(torch.bfloat16)
+            got = _cuda("linear", x, w)
+            _, want = run_both("linear", x, w)
+            assert rel_err(got, want) < 1e-2
