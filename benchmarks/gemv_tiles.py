@@ -118,11 +118,12 @@ def linear_cases(cfg, dev, g):
             yield f"linear {name} {n}x{k}", m, m, m, "linear", "linear", (lambda x=x, w=w: ops.linear(x, w)), nbytes(w)
 
 
-def expert_cases(cfg, dev, g, scales_k_major: bool = False):
+def expert_cases(cfg, dev, g, scales_k_major: bool = False, words: bool = False):
     """moe_experts at 1 and 8 tokens: random fp4 bytes (every code) for the routed experts; one-row
     tiles (pairs mode at 1 token; at 8, routing-table tiles of about one row an expert).
     The routed experts laid out as the model's load lays them out (``formats.as_expert_stack``: the
-    largest scale byte recorded; ``scales_k_major``: the scales stored K major)."""
+    largest scale byte recorded; ``scales_k_major``: the scales stored K major; ``words``: the codes
+    in the E2M1 word layout)."""
     E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -131,7 +132,8 @@ def expert_cases(cfg, dev, g, scales_k_major: bool = False):
         scale = torch.randint(119, 123, (*shape[:-1], shape[-1] // 32), dtype=torch.uint8, device=dev, generator=gen)
         return formats.QTensor(data, scale.view(torch.float8_e8m0fnu), "fp4_w", shape)
 
-    w1, w3, w2 = (formats.as_expert_stack(w, scales_k_major) for w in (fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)))
+    w1, w3, w2 = (formats.as_expert_stack(w, scales_k_major, words)
+                  for w in (fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)))
     shared = tuple(formats.quantize(torch.randn(1, *s, generator=g) * 0.05, "fp8_w").to(dev)
                    for s in ((I, D), (I, D), (D, I)))
     per_expert = sum(nbytes(w) for w in (w1, w3, w2)) / E
@@ -142,8 +144,8 @@ def expert_cases(cfg, dev, g, scales_k_major: bool = False):
         touched = len(torch.unique(idx))
         call = (lambda x=x, idx=idx, rw=rw: ops.moe_experts(x, rw, idx, w1, w3, w2, 10.0, None, torch.bfloat16,
                                                             shared))
-        yield (f"moe_experts E{E} top{k} {D}x{I} + shared" + (", scales K major" if scales_k_major else ""), n, 1, 1,
-               "moe", "experts", call,
+        yield (f"moe_experts E{E} top{k} {D}x{I} + shared" + (", scales K major" if scales_k_major else "")
+               + (", fp4 words" if words else ""), n, 1, 1, "moe", "experts", call,
                touched * per_expert + sum(nbytes(w) for w in shared))
 
 
@@ -183,6 +185,8 @@ def main() -> None:
                     help="only these variants (and the profile's tiles); default: all")
     ap.add_argument("--scales-k-major", action="store_true",
                     help="also time the expert cases with their scales stored K major")
+    ap.add_argument("--expert-words", action="store_true",
+                    help="also time the expert cases with their scales K major and their codes in words")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-out", default=None, metavar="FILE.yaml",
                     help="write a copy of the active profile with the fastest MMA variant of each family "
@@ -199,7 +203,9 @@ def main() -> None:
         for name, m, limit, block_m, family, entry, call, weight_bytes in [*linear_cases(cfg, dev, g),
                                                                            *expert_cases(cfg, dev, g),
                                                                            *(expert_cases(cfg, dev, g, True)
-                                                                             if args.scales_k_major else ())]:
+                                                                             if args.scales_k_major else ()),
+                                                                           *(expert_cases(cfg, dev, g, True, True)
+                                                                             if args.expert_words else ())]:
             floor_us = weight_bytes / bw * 1e6
             first = None
             variants = {"profile": (None, None), **{k: (fma(block_m, **v), None) for k, v in VARIANTS.items()},

@@ -31,9 +31,11 @@ channel, in bf16, the scale dtype those operators accept with a bf16 output).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from flashrt import e2m1_words
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -91,13 +93,16 @@ def spec(fmt: str) -> FormatSpec:
 @dataclass
 class QTensor:
     """A quantized tensor: ``data`` and ``scale`` in the layout of ``fmt``, logical ``shape``;
-    ``scale_max``: the largest scale byte where it was measured (:func:`with_scale_max`), else None."""
+    ``scale_max``: the largest scale byte where it was measured (:func:`with_scale_max`), else None;
+    ``e2m1_words``: packed fp4 data in the word layout (:mod:`flashrt.e2m1_words`,
+    :func:`with_e2m1_words`), not the standard nibbles."""
 
     data: torch.Tensor
     scale: torch.Tensor
     fmt: str
     shape: torch.Size
     scale_max: int | None = None
+    e2m1_words: bool = False
 
     def __post_init__(self):
         self.shape = torch.Size(self.shape)
@@ -122,11 +127,11 @@ class QTensor:
             raise ValueError("QTensor.narrow: the last (blocked) dim cannot be narrowed")
         shape = list(self.shape)
         shape[dim] = length
-        return QTensor(self.data.narrow(dim, start, length), self.scale.narrow(dim, start, length), self.fmt, shape,
-                       self.scale_max)
+        return replace(self, data=self.data.narrow(dim, start, length), scale=self.scale.narrow(dim, start, length),
+                       shape=shape)
 
     def to(self, device) -> "QTensor":
-        return QTensor(self.data.to(device), self.scale.to(device), self.fmt, self.shape, self.scale_max)
+        return replace(self, data=self.data.to(device), scale=self.scale.to(device))
 
     def __repr__(self) -> str:
         return f"QTensor(fmt={self.fmt!r}, shape={tuple(self.shape)}, device={self.device})"
@@ -138,15 +143,31 @@ def with_k_major_scales(w: QTensor) -> QTensor:
     reading a block of rows' scales at one K group then reads consecutive bytes."""
     if w.scale.dim() < 2:
         raise ValueError(f"with_k_major_scales: expected a scale of at least 2 dims, got shape {tuple(w.scale.shape)}")
-    return QTensor(w.data, w.scale.transpose(-1, -2).contiguous().transpose(-1, -2), w.fmt, w.shape, w.scale_max)
+    return replace(w, scale=w.scale.transpose(-1, -2).contiguous().transpose(-1, -2))
 
 
-def as_expert_stack(w: QTensor, k_major: bool) -> QTensor:
+def with_e2m1_words(w: QTensor) -> QTensor:
+    """``w`` (packed fp4) with its data in the word layout (:mod:`flashrt.e2m1_words`: one copy of the
+    data, the same shape and values); ``w`` itself when it is already so."""
+    if not spec(w.fmt).packed:
+        raise ValueError(f"with_e2m1_words: expected a packed fp4 format, got {w.fmt!r}")
+    return w if w.e2m1_words else replace(w, data=e2m1_words.to_words(w.data), e2m1_words=True)
+
+
+def with_nibbles(w: QTensor) -> QTensor:
+    """``w`` with packed fp4 data in the standard layout (the inverse of :func:`with_e2m1_words`)."""
+    return replace(w, data=e2m1_words.from_words(w.data), e2m1_words=False) if w.e2m1_words else w
+
+
+def as_expert_stack(w: QTensor, k_major: bool, words: bool = False) -> QTensor:
     """A stacked [E, out, in] expert weight as the MoE layers keep it: its scales K major when
     ``k_major`` (the profile's ``expert_scales``), an fp4_w one's largest scale byte recorded (the
-    packed decode folds its re-bias into scales up to 128)."""
+    packed decode folds its re-bias into scales up to 128) and, with ``words`` (the profile's
+    ``expert_fp4: words``), its codes in the word layout."""
     w = with_k_major_scales(w) if k_major else w
-    return with_scale_max(w) if w.fmt == "fp4_w" else w
+    if w.fmt != "fp4_w":
+        return w
+    return with_scale_max(with_e2m1_words(w) if words else w)
 
 
 def with_scale_max(w: QTensor) -> QTensor:
@@ -156,7 +177,7 @@ def with_scale_max(w: QTensor) -> QTensor:
     if w.scale.is_meta:
         return w
     top = int(w.scale.view(torch.uint8).max()) if w.scale.numel() else 0
-    return QTensor(w.data, w.scale, w.fmt, w.shape, top)
+    return replace(w, scale_max=top)
 
 
 def expected_layout(fmt: str, shape) -> tuple[torch.Size, torch.Size]:
@@ -333,6 +354,7 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values ``q`` stands for, as ``dtype`` (computed in fp32)."""
     s = spec(q.fmt)
+    q = with_nibbles(q)
     elems = e2m1_values(unpack_fp4(q.data)) if s.packed else q.data.to(torch.float32)
     scale = q.scale.to(torch.float32)
     if s.tiled:
@@ -357,4 +379,4 @@ def dequantize_rows(q: QTensor, index: torch.Tensor, dtype: torch.dtype = torch.
         batch = torch.arange(q.data.shape[0], device=index.device).view(-1, *([1] * (index.dim() - 1)))
         data, scale = q.data[batch, index], q.scale[batch, index]
     shape = tuple(index.shape) + tuple(q.shape[-1:])
-    return dequantize(QTensor(data, scale, q.fmt, shape), dtype)
+    return dequantize(QTensor(data, scale, q.fmt, shape, e2m1_words=q.e2m1_words), dtype)

@@ -78,6 +78,10 @@ class Profile:
     # loaded, "k_major" the same tensor laid out [.., K / 32, rows] (formats.with_k_major_scales),
     # which the CUDA GEMMs read in consecutive bytes (docs/kernels.md)
     expert_scales: Literal["row", "k_major"] = "row"
+    # how the MoE layers store fp4 expert codes: "nibbles" as quantized and loaded, "words" with each
+    # 4-byte word's bits rearranged (flashrt.e2m1_words), which the CUDA packed decode turns into bf16
+    # registers with fewer instructions (docs/kernels.md)
+    expert_fp4: Literal["nibbles", "words"] = "nibbles"
     match_name: str | None = None               # regex searched in the device name (no case)
     match_capability: tuple[str, ...] = ()      # CUDA compute capabilities, e.g. ["9.0"]
     match_soc: str | None = None                # regex searched in the NPU SoC version

@@ -7,6 +7,8 @@ group that owns the token (gathered and reduce-scattered, or sent both ways all-
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from flashrt import ops, profiles
@@ -22,14 +24,15 @@ def stack_experts(weights: list) -> torch.Tensor | QTensor:
         first = weights[0]
         stacked = QTensor(torch.stack([w.data for w in weights]), torch.stack([w.scale for w in weights]),
                           first.fmt, (len(weights), *first.shape))
-        return as_expert_stack(stacked, profiles.active_profile().expert_scales == "k_major")
+        profile = profiles.active_profile()
+        return as_expert_stack(stacked, profile.expert_scales == "k_major", profile.expert_fp4 == "words")
     return torch.stack(weights)
 
 
 def expert_view(stacked: torch.Tensor | QTensor, e: int) -> torch.Tensor | QTensor:
     """Expert ``e`` of a stacked [E, out, in] weight, as a view (no copy)."""
     if isinstance(stacked, QTensor):
-        return QTensor(stacked.data[e], stacked.scale[e], stacked.fmt, tuple(stacked.shape[1:]))
+        return replace(stacked, data=stacked.data[e], scale=stacked.scale[e], shape=tuple(stacked.shape[1:]))
     return stacked[e]
 
 

@@ -3,6 +3,8 @@ npu_grouped_matmul (expert GEMMs), npu_clipped_swiglu (activation) and npu_moe_f
 (combine)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -171,7 +173,7 @@ def _experts(x, weights, indices, w1, w3, w2, swiglu_limit):
 def _project(x, w, e: int) -> torch.Tensor:
     """Plain-torch ``linear(x, w[e])`` in ``x.dtype`` (int8_t activations for int8_w, as linear)."""
     if isinstance(w, QTensor):
-        return linear_exact(x, QTensor(w.data[e], w.scale[e], w.fmt, w.shape[1:]))
+        return linear_exact(x, replace(w, data=w.data[e], scale=w.scale[e], shape=w.shape[1:]))
     return F.linear(x.to(torch.float32), w[e].to(torch.float32)).to(x.dtype)
 
 

@@ -132,7 +132,7 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``formats.dequantize`` with the exact byte decoders above (same values, no float8 math)."""
     s = formats.spec(q.fmt)
     if s.packed:
-        elems = formats.e2m1_values(formats.unpack_fp4(q.data))
+        elems = formats.e2m1_values(formats.unpack_fp4(formats.with_nibbles(q).data))
     elif s.element == "e4m3":
         elems = e4m3_values(q.data)
     else:

@@ -123,6 +123,7 @@ FP4_DECODES = ("bits", "dot_scaled", "packed", "packed_prefetch")
 SCALE_PREFETCH = 8  # added to the E2M1 constexpr: the MMA loop loads each block's scales a block ahead
 SCALE_FOLD = 16  # added to the E2M1 constexpr: the packed decode's re-bias folded into the scales
 HALVES = 32  # added to the E2M1 constexpr: the fp4_halves K order (not with tl.dot_scaled)
+WORDS = 64  # added to the E2M1 constexpr: fp4_w bytes in the E2M1 word layout (formats.with_e2m1_words)
 FOLD_MAX_SCALE = 128  # the largest UE8M0 byte whose folded scale 2**(u - 1) bf16 holds exactly
 
 
@@ -206,6 +207,20 @@ def fold_scales(e2m1: int, *weights) -> int:
     return e2m1
 
 
+def with_words(e2m1: int, *weights) -> int:
+    """``e2m1`` for a launch over ``weights`` whose fp4_w weights hold their codes in the E2M1 word
+    layout: plus :data:`WORDS`, ``tl.dot_scaled`` (which takes standard bytes) turned into the bit
+    decode; ``e2m1`` as it is for standard bytes. One launch takes one layout: ``ValueError`` when
+    its fp4_w weights mix the two."""
+    layouts = {w.e2m1_words for w in weights if isinstance(w, QTensor) and w.fmt == "fp4_w"}
+    if len(layouts) > 1:
+        raise ValueError("weights: expected the fp4_w weights of one launch in one code layout (all standard "
+                         "nibbles or all E2M1 words, formats.with_e2m1_words), got both")
+    if layouts != {True}:
+        return e2m1
+    return (e2m1 - 1 if e2m1 % 8 == 1 else e2m1) + WORDS
+
+
 def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     """Grid, K split, output dtype and constexprs of one (rows, weight shape, dtype) under the active
     tiles; ``bf16_gemm``: the call takes :func:`_bf16_gemm` instead."""
@@ -278,6 +293,8 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
     constexprs = plan["constexprs"]
     if plan["fold"]:  # the tile is on for this plan's packed decode: the weight's bound decides
         constexprs = dict(constexprs, E2M1=fold_scales(constexprs["E2M1"], weight))
+    if weight.e2m1_words:
+        constexprs = dict(constexprs, E2M1=with_words(constexprs["E2M1"], weight))
     _linear_kernel[plan["grid"]](
         xq, sx, data, scale, out, ws, cnt, m, n, k, plan["k_split"], split, xq.stride(0), sx.stride(0),
         data.stride(0), scale.stride(0), out.stride(1), out.stride(0), SCALE_K=scale.stride(1), **constexprs,

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import (e2m1_pairs_bf16, e2m1_x16384, e4m3_x256, e8m0_bf16, e8m0_bf16_x2p126,
                                          e8m0_to_f32, pow2, quant_fp8)
+from flashrt.kernels_cuda.codecs_words import e2m1_words_bf16, e2m1_words_nibbles
 from flashrt.kernels_cuda.splitk import store_tile
 from flashrt.kernels_cuda.pdl import wait_inputs
 
@@ -54,7 +55,9 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
     bytes (:func:`_w_scales`). fp4_w with E2M1 % 8 == 2: the codes decoded two a byte in packed
     registers (codecs.e2m1_pairs_bf16) into bf16, the re-bias folded into the scales where E2M1 has
     16 (scale bytes up to 128: the launcher's :func:`.linear.fold_scales`), else code by code; with 32
-    in E2M1 the block's K order is :func:`_halves`' (the caller permutes the activations so)."""
+    in E2M1 the block's K order is :func:`_halves`' (the caller permutes the activations so); with 64
+    the bytes are in the E2M1 word layout (the packed decode reads them as they are,
+    codecs_words.e2m1_words_bf16; code by code they are put back in nibbles first)."""
     G: tl.constexpr = BLOCK_K // 32
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kg = k0 + tl.arange(0, G) * 32
@@ -63,12 +66,19 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
         j = tl.arange(0, 16)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
         byte = tl.load(ptrs, mask=ok[:, :, None], other=0)
+        WORDS: tl.constexpr = (E2M1 // 64) % 2 == 1
         if E2M1 % 8 == 2:
             FOLD: tl.constexpr = (E2M1 // 16) % 2 == 1
-            scale = e8m0_bf16_x2p126(s) if FOLD else e8m0_bf16(s)
-            lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(scale[:, :, None], (BLOCK_N, G, 16)), FOLD)
+            scale = tl.broadcast_to((e8m0_bf16_x2p126(s) if FOLD else e8m0_bf16(s))[:, :, None], (BLOCK_N, G, 16))
+            if WORDS:
+                lo, hi = e2m1_words_bf16(byte, scale, FOLD)
+            else:
+                lo, hi = e2m1_pairs_bf16(byte, scale, FOLD)
         else:
             byte = byte.to(tl.int32)
+            if WORDS:
+                byte = tl.reshape(e2m1_words_nibbles(tl.reshape(byte, (BLOCK_N * G, 16)), BLOCK_N * G, 16),
+                                  (BLOCK_N, G, 16))
             s = pow2(s + 14)[:, :, None]  # 2**(b - 127) * 2**14
             lo = e2m1_x16384(byte & 15).to(tl.float32) * s
             hi = e2m1_x16384(byte >> 4).to(tl.float32) * s
@@ -218,7 +228,7 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
     # the halves order on tiles under 64 rows only (mma.sync, operands in registers); 64-row tiles take
     # the warpgroup MMA, whose activation operand a permutation would send through shared memory
     HALVES: tl.constexpr = FP4 and not PROMOTE and (E2M1 // 32) % 2 == 1 and BLOCK_M < 64
-    W_E2M1: tl.constexpr = E2M1 if HALVES else E2M1 % 32  # what the weights' decode is told
+    W_E2M1: tl.constexpr = E2M1 if HALVES else E2M1 - 32 * ((E2M1 // 32) % 2)  # what the weights' decode is told
     tl.static_assert(not (PROMOTE and QX == ACT_DEQUANTIZED), "fp8 MMA on raw E4M3 needs fp8 activations")
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)

@@ -58,7 +58,7 @@ from flashrt.kernels_cuda import moe_grouped, moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
 from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fold_scales, fp4_decode, may_fold,
-                                         mma_mode, pick_tile, split_tile, weight_operands)
+                                         mma_mode, pick_tile, split_tile, weight_operands, with_words)
 from flashrt.kernels_cuda.linear_kernel import ACT_DEQUANTIZED
 from flashrt.kernels_cuda.moe_kernels import (_fp8_round_trip_kernel, _moe_combine_kernel, _moe_down_kernel,
                                               _moe_up_kernel)
@@ -174,8 +174,8 @@ def _grid(tab, t, cols: int, split: int, n: int, plan: dict):
 
 def _e2m1(plan: dict, *weights) -> int:
     """The E2M1 constexpr of a launch over ``weights``: the plan's, folded where it may fold and the
-    weights allow (:func:`.linear.fold_scales`)."""
-    return fold_scales(plan["e2m1"], *weights) if plan["fold"] else plan["e2m1"]
+    weights allow (:func:`.linear.fold_scales`), for their fp4 code layout (:func:`.linear.with_words`)."""
+    return with_words(fold_scales(plan["e2m1"], *weights) if plan["fold"] else plan["e2m1"], *weights)
 
 
 def _shared_operands(shared, w_routed, plan):

@@ -22,6 +22,8 @@ expert's weights; the threshold is a profile's choice (None: never).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flashrt.formats import QTensor
@@ -49,7 +51,7 @@ def weight_bf16(w: QTensor) -> torch.Tensor:
     """A stacked ``fp4_w`` / ``fp8_w`` weight [E, out, in] as bf16 (exact); ``fp4_w``'s bytes are
     ``fp4_b32``'s (E2M1 codes, one UE8M0 scale per 32 inputs)."""
     if w.fmt == "fp4_w":
-        w = QTensor(w.data, w.scale, "fp4_b32", tuple(w.shape))
+        w = dataclasses.replace(w, fmt="fp4_b32")
     return quant.dequantize(w, BF16)
 
 

@@ -18,8 +18,9 @@ def warmup_cases(device, d: dict, dtype):
     picks the rule."""
     D, I, k, E = d["dim"], d["moe_inter_dim"], d["n_activated_experts"], 16
     fmt = "fp4_w" if d["expert_dtype"] == "fp4" else "fp8_w"
-    k_major = profiles.active_profile().expert_scales == "k_major"
-    stack = lambda f, shape: formats.as_expert_stack(zeros_stored(f, shape, None, device), k_major)  # as loaded
+    profile = profiles.active_profile()
+    k_major, words = profile.expert_scales == "k_major", profile.expert_fp4 == "words"
+    stack = lambda f, shape: formats.as_expert_stack(zeros_stored(f, shape, None, device), k_major, words)  # as loaded
     weights = {e: (stack(fmt, (e, I, D)), stack(fmt, (e, I, D)), stack(fmt, (e, D, I))) for e in (E, 1)}
     shared = tuple(stack("fp8_w", s) for s in ((1, I, D), (1, I, D), (1, D, I)))
     with_shared = (None, dtype, shared) if d.get("n_shared_experts") else ()  # the model's call

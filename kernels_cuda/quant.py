@@ -31,6 +31,7 @@ from flashrt.tile_checks import POW2
 from flashrt.formats import MAIN_KV_FORMAT, QTensor
 from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_to_f32, e4m3_to_f32,
                                          e8m0_to_f32, store_blocks, to_out)
+from flashrt.kernels_cuda.codecs_words import e2m1_words_nibbles
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, zeros_stored
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import pdl
@@ -78,7 +79,7 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, slot_ptr, n_rows, groups_per_ro
 
 @triton.jit
 def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_groups,
-                       FMT: tl.constexpr, BLK: tl.constexpr, BLOCK_G: tl.constexpr):
+                       FMT: tl.constexpr, BLK: tl.constexpr, BLOCK_G: tl.constexpr, WORDS: tl.constexpr = False):
     wait_inputs()
     g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     gmask = g < n_groups
@@ -94,6 +95,8 @@ def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_groups,
     else:
         h = tl.arange(0, BLK // 2)
         b = tl.load(data_ptr + g[:, None] * (BLK // 2) + h[None, :], mask=gmask[:, None], other=0).to(tl.int32)
+        if WORDS:
+            b = e2m1_words_nibbles(b, BLOCK_G, BLK // 2)
         v = tl.reshape(tl.join(e2m1_to_f32(b & 15), e2m1_to_f32(b >> 4)), (BLOCK_G, BLK))
     out = v * scale[:, None]
     tl.store(out_ptr + g[:, None] * BLK + e[None, :], to_out(out, out_ptr.dtype.element_ty), mask=gmask[:, None])
@@ -187,13 +190,14 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     data, scale = dense(q.data).view(torch.uint8), dense(q.scale).view(torch.uint8)
     n_groups = scale.numel()
     if n_groups:
-        key = ("dequantize", n_groups, q.fmt)
+        key = ("dequantize", n_groups, q.fmt, q.e2m1_words)
         plan = PLANS.lookup(key)[1]
         if plan is None:
             t = _tiles()["dequantize"]
             block_g = t["ELEMS"] // s.block
+            words = dict(WORDS=True) if q.e2m1_words else {}  # the packed bytes in the E2M1 word layout
             plan = PLANS.store(key, ((cdiv(n_groups, block_g),), dict(
-                FMT=_FMT[q.fmt], BLK=s.block, BLOCK_G=block_g, num_warps=t["num_warps"])))
+                FMT=_FMT[q.fmt], BLK=s.block, BLOCK_G=block_g, num_warps=t["num_warps"], **words)))
         _dequantize_kernel[plan[0]](data, scale, out, n_groups, **plan[1], **pdl.options(data.device))
     return out
 

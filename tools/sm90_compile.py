@@ -10,7 +10,8 @@ Costs no device time: use it to check a kernel change for spills and wgmma befor
                                                         # norm_rope_quant, prefix_attention, topk (--S: entries),
                                                         # quant (fp4_b16 store; --cold: fp8), moe (--cold: the
                                                         # experts' scales K major; --moe-dims released: the
-                                                        # released model's experts at up to one token)
+                                                        # released model's experts at up to one token;
+                                                        # --profile-set expert_fp4=words: their codes in words)
 
 How: the launcher runs on CPU tensors as it would on an sm_90 GPU, each kernel specialization it
 launches recorded instead of compiled (:func:`flashrt.jit_compile.recording`, shared with
@@ -81,7 +82,8 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
             code.append((int(m.group(1), 16), m.group(2), m.group(4)))
             if m.group(2) in ("LDG", "LDGSTS"):  # global loads with their width (U8, 64, 128, ...)
                 loads[m.group(2) + m.group(3)] += 1
-    return {"kernel": fn.__name__, "num_warps": meta.num_warps, "num_stages": meta.num_stages,
+    return {"kernel": fn.__name__, "triton": triton.__version__, "num_warps": meta.num_warps,
+            "num_stages": meta.num_stages,
             "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "shared_bytes": meta.shared, "sass": {k: ops.get(k, 0) for k in SASS_OPS}, "global_loads": dict(loads),
             "instructions": len(code), "mma_loop": mma_loop(code),
@@ -183,15 +185,16 @@ MOE_DIMS = {"small": (1024, 512, 32, 4),  # D, I, routed experts, slots a token
 
 def moe_call(B: int, S: int, cold: bool, dims: str = "small"):
     """The routed experts (fp4_w) and a shared expert (fp8_w) over B * S tokens at ``MOE_DIMS[dims]``;
-    ``cold``: the routed experts' scales K major."""
-    from flashrt import formats
+    ``cold``: the routed experts' scales K major; their codes as the profile's ``expert_fp4`` says."""
+    from flashrt import formats, profiles
     from flashrt.kernels_cuda import moe
     from flashrt.kernels_cuda.launch import zeros_stored
 
     _as_h200()
     (D, I, E, k), n = MOE_DIMS[dims], B * S
     # laid out as the model's load lays them out (tiles.linear.fp4_scale_fold applies)
-    w = lambda fmt, e: tuple(formats.as_expert_stack(zeros_stored(fmt, shape, None, "cpu"), cold)
+    words = profiles.active_profile().expert_fp4 == "words"
+    w = lambda fmt, e: tuple(formats.as_expert_stack(zeros_stored(fmt, shape, None, "cpu"), cold, words)
                              for shape in ((e, I, D), (e, I, D), (e, D, I)))
     x, idx = torch.zeros(n, D, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int32)
     one, first = torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.int32)
@@ -313,6 +316,8 @@ def main(argv=None) -> None:
                     "shared switches, e.g. fp4_decode, which the moe kernels also read)")
     ap.add_argument("--moe-dims", choices=sorted(MOE_DIMS), default="small",
                     help="moe: the experts' dimensions (MOE_DIMS)")
+    ap.add_argument("--profile-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a profile field set for the compile, e.g. expert_fp4=words (repeatable)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from flashrt import profiles
@@ -326,7 +331,13 @@ def main(argv=None) -> None:
     linear_extra = json.loads(args.linear_tiles)
     if linear_extra:
         tiles["linear"] = {**tiles.get("linear", {}), **linear_extra}
-    prof = dataclasses.replace(base, tiles=tiles)
+    fields = {}
+    for item in args.profile_set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in {f.name for f in dataclasses.fields(base)}:
+            ap.error(f"--profile-set: expected KEY=VALUE with KEY a profile field, got {item!r}")
+        fields[key] = value
+    prof = dataclasses.replace(base, tiles=tiles, **fields)
     with profiles.using(prof):
         extra = {"dims": args.moe_dims} if args.family == "moe" else {}
         seen = capture(CALLS[args.family](args.B, args.S, args.cold, **extra))

@@ -96,9 +96,9 @@ def _random_fp4(g, n_exp, out_f, in_f):
 
 
 def _compact(w, experts):
-    from flashrt.formats import QTensor
+    import dataclasses
 
-    return QTensor(w.data[experts], w.scale[experts], w.fmt, (len(experts), *w.shape[1:]))
+    return dataclasses.replace(w, data=w.data[experts], scale=w.scale[experts], shape=(len(experts), *w.shape[1:]))
 
 
 def _reference_by_chunks(x, weights, indices, ws, chunk=64):

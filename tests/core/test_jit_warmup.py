@@ -105,16 +105,18 @@ def test_moe_covers_every_tile_rule_of_the_profile(recorded):
     assert picked == {id(tile) for _, tile in rules}
 
 
-@pytest.mark.parametrize("expert_scales", ["row", "k_major"])
-def test_moe_warms_the_expert_layout_a_load_makes(expert_scales):
+@pytest.mark.parametrize("expert_scales,expert_fp4", [("row", "nibbles"), ("k_major", "words")])
+def test_moe_warms_the_expert_layout_a_load_makes(expert_scales, expert_fp4):
     """The warm-up's stand-in expert weights are laid out as the MoE layers lay out theirs at load
     (graphs.moe.stack_experts): the scales K major under ``expert_scales: k_major`` (the kernels
-    specialise on that stride), an fp4_w stack's largest scale byte recorded (the scale fold's bound)."""
+    specialise on that stride), an fp4_w stack's largest scale byte recorded (the scale fold's bound),
+    its codes in words under ``expert_fp4: words`` (a constexpr of the kernels)."""
     from flashrt.graphs.moe import stack_experts
     from flashrt.kernels_cuda import moe, moe_warmup
 
     d = dict(_warmup.MODELS["tiny"], expert_dtype="fp4")
-    with profiles.using(dataclasses.replace(profiles.active_profile(), expert_scales=expert_scales)):
+    profile = dataclasses.replace(profiles.active_profile(), expert_scales=expert_scales, expert_fp4=expert_fp4)
+    with profiles.using(profile):
         warm = [c for c in moe_warmup.warmup_cases("cpu", d, torch.bfloat16) if c.fn is moe.moe_experts]
         loaded = stack_experts([formats.quantize(torch.randn(64, 64), "fp4_w") for _ in range(2)])
     assert warm
@@ -125,7 +127,9 @@ def test_moe_warms_the_expert_layout_a_load_makes(expert_scales):
             k_major = w.scale.stride()[-2:] == (1, w.scale.shape[-2])
             assert k_major if expert_scales == "k_major" else w.scale.is_contiguous()
             assert (w.scale_max is not None) == (w.fmt == "fp4_w")
+            assert w.e2m1_words == (w.fmt == "fp4_w" and expert_fp4 == "words")
         assert (w1.scale.stride(-1) == 1) == (loaded.scale.stride(-1) == 1) and loaded.scale_max is not None
+        assert w1.e2m1_words == loaded.e2m1_words
 
 
 def test_moe_warms_the_routing_tables_at_the_models_experts(recorded):

@@ -74,3 +74,29 @@ def test_k_major_expert_scales_change_the_layout_not_the_output(cfg, block_weigh
         assert torch.equal(got, row.forward(h))
     with flashrt.use_backend("reference"):
         assert rel_err(got, row.forward(h)) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_words_expert_fp4_changes_the_codes_layout_not_the_output(cfg, block_weights, rng, backend):
+    """A profile with ``expert_fp4: words`` stores the fp4 experts' codes in the E2M1 word layout
+    (the same bytes in nibbles when put back; fp8 experts as they are) and the block's output is
+    the nibbles' bit for bit, on the reference backend and on the CUDA kernels (interpreter)."""
+    import dataclasses
+
+    from flashrt import formats, profiles
+
+    if backend == "cuda":
+        pytest.importorskip("flashrt.kernels_cuda.moe")
+    base = profiles.active_profile()
+    with profiles.using(dataclasses.replace(base, expert_fp4="nibbles")):
+        plain = MoE(cfg, 0, dict(block_weights), "layers.0.")
+    with profiles.using(dataclasses.replace(base, expert_fp4="words")):
+        words = MoE(cfg, 0, dict(block_weights), "layers.0.")
+    pairs = list(zip((plain.w1, plain.w3, plain.w2, *plain.shared), (words.w1, words.w3, words.w2, *words.shared)))
+    assert any(b.e2m1_words for _, b in pairs)
+    for a, b in pairs:
+        assert b.e2m1_words == (a.fmt == "fp4_w") and not a.e2m1_words
+        assert torch.equal(formats.with_nibbles(b).data.view(torch.uint8), a.data.view(torch.uint8))
+    h = (torch.randn(1, 3, cfg.dim, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
+    with flashrt.use_backend(backend):
+        assert torch.equal(words.forward(h), plain.forward(h))

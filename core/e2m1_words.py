@@ -1,0 +1,77 @@
+"""The E2M1 word layout: packed fp4 bytes with the bits of each 4-byte word rearranged so that a
+GPU decodes the word's eight codes with fewer instructions.
+
+The standard layout (docs/ops.md) keeps code ``2i`` in the low nibble of byte ``i`` and ``2i + 1``
+in its high nibble. The word layout keeps the same 4 bytes of each group of eight codes (the same
+size, the same byte ranges: slicing at a multiple of 8 codes is unchanged) and moves each code's
+three magnitude bits and its sign bit to the positions :data:`WORD_BITS` gives, read on the
+little-endian 32-bit word of the 4 bytes. The positions are chosen so that, after one shift and one
+mask, a 32-bit register holds two codes as bf16 bit patterns (magnitude at bf16 bits 6-8, sign at
+bit 15, in each 16-bit half): codes 0 and 2 need the mask only, codes 4 and 6 a shift by 3, codes 1
+and 3 a shift by 6, and codes 5 and 7 three shifts (``codecs.E2M1_WORDS_TEXT``). A register's two
+codes are then in the order the packed decode already returns them (the low nibbles of bytes 0
+and 1, of bytes 2 and 3, then the high nibbles).
+"""
+from __future__ import annotations
+
+import torch
+
+# WORD_BITS[j]: the word bit positions of code j's bits 0, 1, 2 (magnitude) and 3 (sign)
+WORD_BITS = (
+    (6, 7, 8, 15),  # code 0: the 16-bit half's bf16 positions as they are
+    (0, 1, 2, 9),  # code 1: shifted left by 6
+    (22, 23, 24, 31),  # code 2: the high half, as it is
+    (16, 17, 18, 25),  # code 3: the high half, shifted left by 6
+    (3, 4, 5, 12),  # code 4: shifted left by 3
+    (10, 11, 13, 14),  # code 5: the bits left over, three shifts
+    (19, 20, 21, 28),  # code 6: the high half, shifted left by 3
+    (26, 27, 29, 30),  # code 7: the high half's bits left over
+)
+_CHUNK_WORDS = 1 << 24  # words rearranged at a time (bounded int64 temporaries)
+
+
+def _moves(forward: bool) -> list[tuple[int, int]]:
+    """(shift, mask) pairs: out |= (word >> shift) & mask for shift >= 0, (word << -shift) & mask
+    otherwise, one pair per distinct distance a bit travels (forward: standard -> word layout)."""
+    by_shift: dict[int, int] = {}
+    for j, bits in enumerate(WORD_BITS):
+        for i, dst in enumerate(bits):
+            src = 4 * j + i
+            a, b = (src, dst) if forward else (dst, src)
+            by_shift[a - b] = by_shift.get(a - b, 0) | (1 << b)
+    return sorted(by_shift.items())
+
+
+_FORWARD, _BACKWARD = _moves(True), _moves(False)
+
+
+def _rearrange(data: torch.Tensor, moves, name: str) -> torch.Tensor:
+    if data.dtype != torch.uint8 or data.dim() == 0 or data.shape[-1] % 4:
+        raise ValueError(f"{name}: expected packed fp4 bytes (uint8 [..., n], n % 4 == 0), "
+                         f"got {data.dtype} {tuple(data.shape)}")
+    src = data.contiguous().view(-1, 4)
+    out = torch.empty_like(src)
+    for lo in range(0, src.shape[0], _CHUNK_WORDS):  # int64 temporaries for a chunk of words at a time
+        part = src[lo:lo + _CHUNK_WORDS].to(torch.int64)
+        word = part[:, 0] | (part[:, 1] << 8) | (part[:, 2] << 16) | (part[:, 3] << 24)
+        acc = torch.zeros_like(word)
+        for shift, mask in moves:
+            acc |= ((word >> shift) if shift >= 0 else (word << -shift)) & mask
+        out[lo:lo + _CHUNK_WORDS] = torch.stack([(acc >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
+    return out.view(data.shape)
+
+
+def to_words(data: torch.Tensor) -> torch.Tensor:
+    """Standard packed fp4 bytes (uint8 ``[..., n]``, n % 4 == 0) -> the same codes in the word
+    layout (a new tensor, same shape and device)."""
+    return _rearrange(data, _FORWARD, "to_words")
+
+
+def from_words(data: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`to_words`."""
+    return _rearrange(data, _BACKWARD, "from_words")
+
+
+def moves(forward: bool = False) -> list[tuple[int, int]]:
+    """The (shift, mask) pairs of one direction (for kernels that rearrange words in registers)."""
+    return list(_FORWARD if forward else _BACKWARD)

@@ -1,0 +1,62 @@
+"""A small emulator of the PTX instructions the packed E2M1 decodes use (``mov``, ``prmt``, shifts,
+masks, ``mul.rn.bf16x2``) on uint32 numpy arrays, so their text is checked without a GPU."""
+import numpy as np
+import torch
+
+
+def _bf16x2_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Two bf16 lanes per uint32, multiplied lane by lane with round to nearest even."""
+    def lanes(x):
+        halves = np.stack([x & 0xFFFF, x >> 16], axis=-1).astype(np.uint16)
+        return torch.from_numpy(halves.view(np.int16).copy()).view(torch.bfloat16)
+    prod = (lanes(a).float() * lanes(b).float()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return prod[..., 0].astype(np.uint32) | (prod[..., 1].astype(np.uint32) << 16)
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = np.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        assert nib < 8, "sign-replicate selectors are not emulated"
+        out |= pool[nib] << (8 * i)
+    return out
+
+
+def run_ptx(text: str, operands: dict) -> dict:
+    """Execute ``text`` (the instructions the packed E2M1 decodes use) on uint32 arrays; ``operands`` maps
+    ``$n`` to its input array; returns every register, ``$n`` outputs included."""
+    regs = {f"${k}": v.astype(np.uint32) for k, v in operands.items()}
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    for line in text.strip().splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            regs[dst] = np.broadcast_to(val(src[0]), next(iter(operands.values())).shape).astype(np.uint32)
+        elif op == "prmt.b32":
+            regs[dst] = _prmt(val(src[0]), val(src[1]), int(src[2], 0))
+        elif op == "shl.b32":
+            regs[dst] = (val(src[0]) << np.uint32(int(src[1], 0))) & np.uint32(0xFFFFFFFF)
+        elif op == "shr.b32":
+            regs[dst] = val(src[0]) >> np.uint32(int(src[1], 0))
+        elif op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            regs[dst] = val(src[0]) | val(src[1])
+        elif op == "mul.rn.bf16x2":
+            regs[dst] = _bf16x2_mul(val(src[0]), val(src[1]))
+        else:
+            raise AssertionError(f"instruction not emulated: {line}")
+    return regs
+
+
+def bf16_bits(values: torch.Tensor) -> np.ndarray:
+    """bf16 bit patterns (uint32) of ``values``."""
+    return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
