@@ -188,6 +188,13 @@ def weight_operands(w: QTensor):
     return last_dense(data), scale
 
 
+def fp8_decode(promote: bool) -> int:
+    """The E2M1 constexpr of a launch whose weights are all fp8_w: 2 where the packed decodes run
+    (:func:`fp4_decode`'s mode) and the loop dequantizes the weights (not the fp8 MMA), so it decodes
+    four E4M3 bytes a call (``codecs_e4m3``); else 0 (the variants the fp8 MMA compiles unchanged)."""
+    return 2 if not promote and fp4_decode() % 8 == 2 else 0
+
+
 def may_fold(e2m1: int) -> bool:
     """Whether launches with the E2M1 constexpr ``e2m1`` may fold the re-bias into the scales: the
     packed decode runs and the ``fp4_scale_fold`` tile is on (a plan's flag, decided once)."""
@@ -242,7 +249,7 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
                 bf16_gemm=big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16,
                 constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"],
                                 OUT=TL_DTYPES[out_dtype], QX=fused, REDUCE=reduce,
-                                E2M1=fp4_decode() if fmt == "fp4_w" else 0, **t),
+                                E2M1=fp4_decode() if fmt == "fp4_w" else fp8_decode(promote), **t),
                 fold=fmt == "fp4_w" and may_fold(fp4_decode()))
 
 

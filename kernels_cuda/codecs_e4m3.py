@@ -1,0 +1,36 @@
+"""Device-side packed decode of E4M3 weight bytes (``fp8_w``) to bf16, for the dequantizing MMA loops.
+
+:func:`e4m3_pairs_bf16`: four E4M3 bytes and their four bf16 scales -> four bf16 values, by
+:data:`E4M3_PAIRS_PTX` (sm_90+: bf16x2 multiplies that keep subnormals; not the interpreter). A
+byte's seven magnitude bits are moved to bf16 bits 4-10 and its sign to bit 15, which reads as its
+value times 2**-120 (the subnormal codes as bf16 subnormals), one multiply by 2**120 makes it exact
+and one by the scale applies the block's power of two: the products are exact, as the fp32 path's
+are, so the bits are the same. The codes 0x7F / 0xFF read as +-480, as :func:`.codecs.e4m3_x256`
+reads them for the MMA operands (a weight with NaN codes is refused at load).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def _register(out: int, src: str, scale: int) -> str:
+    """One output register: the two bytes in the low byte of each 16-bit half of ``src`` as bf16."""
+    return (f"shl.b32 t, {src}, 4;\nand.b32 t, t, 0x07F007F0;\nshl.b32 u, {src}, 8;\nand.b32 u, u, 0x80008000;\n"
+            f"or.b32 ${out}, t, u;\nmul.rn.bf16x2 ${out}, ${out}, k;\nmul.rn.bf16x2 ${out}, ${out}, ${scale};\n")
+
+
+# $2: four E4M3 bytes; $3 / $4: the bf16 scales of bytes 0, 1 / 2, 3; out: $0 bytes 0, 1 and $1
+# bytes 2, 3 as bf16 pairs. prmt spreads two bytes to the two 16-bit halves of a register.
+E4M3_PAIRS_TEXT = ("{\n.reg .b32 x, y, t, u, z, k;\nmov.b32 z, 0;\nmov.b32 k, 0x7B807B80;\n"  # k: 2**120, twice
+                   "prmt.b32 x, $2, z, 0x4140;\nprmt.b32 y, $2, z, 0x4342;\n"
+                   + _register(0, "x", 3) + _register(1, "y", 4) + "}\n")
+E4M3_PAIRS_PTX = tl.constexpr(E4M3_PAIRS_TEXT)
+
+
+@triton.jit
+def e4m3_pairs_bf16(byte, scale):
+    """E4M3 bytes (uint8; each thread's four consecutive bytes packed) and a bf16 scale per byte (same
+    shape) -> their values times the scales, bf16."""
+    return tl.inline_asm_elementwise(E4M3_PAIRS_PTX, "=r,=r,r,r,r", [byte, scale], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)

@@ -1,0 +1,80 @@
+"""The packed E4M3 decode of fp8_w weights in the dequantizing MMA loops (``codecs_e4m3``): its PTX,
+run through the emulator on every byte and a spread of UE8M0 scales, gives each byte's value times
+its scale in bf16 (the NaN codes +-480, as the MMA operand decode reads them); the launches take it
+where the packed decodes run and the weights are dequantized (not the fp8 MMA); on an sm_90 GPU the
+experts' fp8 shared expert and ``linear`` without the fp8 MMA give the byte-by-byte decode's bits."""
+import numpy as np
+import pytest
+import torch
+
+import flashrt
+from flashrt import formats, ops
+from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
+from ptx_emulator import bf16_bits, run_ptx
+
+pytestmark = requires_kernels
+e4m3 = pytest.importorskip("flashrt.kernels_cuda.codecs_e4m3")
+lin = pytest.importorskip("flashrt.kernels_cuda.linear")
+SM90 = GPU and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def test_the_ptx_decodes_every_byte_and_scale(rng):
+    n = 4096
+    data = torch.randint(0, 256, (n, 4), generator=rng, dtype=torch.uint8)
+    data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
+    scale_bytes = torch.randint(0, 256, (n, 2), generator=rng)
+    scale_bytes[:4] = torch.tensor([[0, 1], [126, 127], [134, 135], [254, 255]])
+    scales = torch.where(scale_bytes == 255, float("nan"), torch.exp2(scale_bytes.double() - 127))
+    sb = bf16_bits(scales)
+    word = data.numpy().astype(np.uint32)
+    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    out = run_ptx(e4m3.E4M3_PAIRS_TEXT, {2: word, 3: sb[:, 0] * 0x10001, 4: sb[:, 1] * 0x10001})
+    values = data.view(torch.float8_e4m3fn).double()
+    values = torch.where(values.isnan(), torch.where(data >= 128, -480.0, 480.0), values)  # as e4m3_x256 reads them
+    want = bf16_bits(values * scales.repeat_interleave(2, dim=1))  # bytes 0, 1 scale 0; 2, 3 scale 1
+    for reg in (0, 1):
+        got = out[f"${reg}"]
+        for half in (0, 1):
+            byte = 2 * reg + half
+            g, w = (got >> (16 * half)) & 0xFFFF, want[:, byte]
+            nan = np.isnan(scales[:, reg].numpy())
+            np.testing.assert_array_equal(g[~nan], w[~nan], err_msg=f"${reg} lane {half}")
+            assert ((g[nan] & 0x7F80) == 0x7F80).all() and (g[nan] & 0x7F).all()  # NaN for the NaN scale
+
+
+@pytest.mark.parametrize("fp4,promote,want", [(2, False, 2), (10, False, 2), (58, False, 2), (0, False, 0),
+                                               (1, False, 0), (2, True, 0)])
+def test_fp8_launches_take_the_packed_decode_only_when_dequantizing(monkeypatch, fp4, promote, want):
+    monkeypatch.setattr(lin, "fp4_decode", lambda: fp4)
+    assert lin.fp8_decode(promote) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_fp8_weights_packed_gpu(rng, m):
+    """``linear`` on fp8_w without the fp8 MMA, and fp8_w experts with their activations dequantized
+    (the shared expert alone and beside fp4 routed experts): the packed decode gives the bits of the
+    byte-by-byte one (beside fp4 experts, the fp4 decodes' own tolerance) and stays within the
+    reference's tolerance."""
+    D, I, E, top = 1024, 512, 16, 4
+    x = torch.randn(m, D, generator=rng).to(DEVICE, torch.bfloat16)
+    w = formats.quantize(torch.randn(I, D, generator=rng) * 0.05, "fp8_w").to(DEVICE)
+    q = lambda fmt, *s: formats.quantize(torch.randn(*s, generator=rng) * 0.05, fmt).to(DEVICE)
+    shared = tuple(q("fp8_w", 1, *s) for s in ((I, D), (I, D), (D, I)))
+    routed = [q("fp4_w", *s) for s in ((E, I, D), (E, I, D), (E, D, I))]
+    idx = torch.rand(m, E, generator=rng).topk(top).indices.to(DEVICE, torch.int32)
+    rw = torch.rand(m, top, generator=rng).to(DEVICE)
+    ones, first = torch.ones(m, 1, device=DEVICE), torch.zeros(m, 1, dtype=torch.int32, device=DEVICE)
+    out = {}
+    for decode in ("bits", "packed_prefetch"):
+        tiles = dict(linear=dict(fp4_decode=decode, fp8_mma=False), moe=dict(act_dequantized=True))
+        with flashrt.use_backend("cuda"), pinned_tiles(**tiles):
+            out[decode] = (ops.linear(x, w), ops.moe_experts(x, ones, first, *shared, 10.0),
+                           ops.moe_experts(x, rw, idx, *routed, 10.0, shared=shared))
+    got, bits = out["packed_prefetch"], out["bits"]
+    assert torch.equal(got[0], bits[0]) and torch.equal(got[1], bits[1])
+    assert rel_err(got[2], bits[2]) < 1e-6  # the fp4 routed experts' two decodes, as test_cuda_fp4_packed allows
+    with flashrt.use_backend("reference"):
+        assert rel_err(out["bits"][0], ops.linear(x, w)) < 1e-2
+        assert rel_err(out["bits"][1], ops.moe_experts(x, ones, first, *shared, 10.0)) < 1e-2
