@@ -22,21 +22,28 @@ the Triton version of the GPU image for numbers that match the device.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
+# a cache of this run's own: Triton's cache key holds the target but not what the active driver
+# answered (cuda_capability_geq), so a shared cache could hand back a compile made under other answers
+os.environ["TRITON_CACHE_DIR"] = _CACHE = tempfile.mkdtemp(prefix="sm90-compile-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashrt.jit_compile import recording  # noqa: E402
+from flashrt.jit_compile import answering_as, recording  # noqa: E402
 from flashrt.jit_targets import ARCHS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -55,8 +62,11 @@ def capture(call) -> list[tuple]:
 
 
 def compile_report(fn, signature, constexprs, options, attrs) -> dict:
-    """Compile one captured specialization for sm_90; its resources and SASS mix."""
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    """Compile one captured specialization for sm_90; its resources and SASS mix. Triton's active
+    driver answers as an sm_90 GPU meanwhile (:func:`flashrt.jit_compile.answering_as`): the kernels'
+    ``cuda_capability_geq`` branches read it, not the target given to ``triton.compile``."""
+    with answering_as(TARGET.arch) as target:
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     meta = kernel.metadata
     cubin = kernel.asm["cubin"]
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

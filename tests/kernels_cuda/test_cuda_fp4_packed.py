@@ -197,3 +197,31 @@ def test_folded_scales_gpu(rng, n):
     with flashrt.use_backend("reference"):
         assert rel_err(out[True][0], ops.linear(x, w)) < 1e-3
         assert rel_err(out[True][1], ops.moe_experts(x, rw, idx, *ws, 10.0, shared=shared)) < 1e-2
+
+
+def test_the_ptx_with_e4m3_scales_is_exact(rng):
+    """``fp4_b16`` rows (``codecs.dequant_rows`` on sm_90): the packed decode with a bf16 scale that
+    is an E4M3 value (every finite byte, subnormals included) gives the code times the scale exactly,
+    the value the code-by-code fp32 path rounds to bf16."""
+    finite = torch.arange(256, dtype=torch.uint8)
+    finite = finite[~finite.view(torch.float8_e4m3fn).float().isnan()]
+    n = 4096
+    data = torch.randint(0, 256, (n, 4), generator=rng, dtype=torch.uint8)
+    data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
+    pick = torch.randint(0, finite.numel(), (n, 2), generator=rng)
+    m = finite.numel() // 2
+    pick[:m] = torch.arange(2 * m).view(m, 2)  # every scale byte among them
+    scales = finite[pick].view(torch.float8_e4m3fn).double()
+    assert torch.equal(scales.to(torch.bfloat16).double(), scales)  # E4M3 values are exact in bf16
+    word = data.numpy().astype(np.uint32)
+    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    sb = _bf16_bits(scales)
+    out = run_ptx(codecs.E2M1_PAIRS_TEXT, {4: word, 5: sb[:, 0] * 0x10001, 6: sb[:, 1] * 0x10001})
+    codes = torch.stack([data & 15, data >> 4], dim=-1).long()
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    exact = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0) * scales.repeat_interleave(2, dim=1)[:, :, None]
+    assert torch.equal(exact.to(torch.bfloat16).double(), exact)  # every product is a bf16 value
+    want = _bf16_bits(exact)
+    for reg, (first, nibble) in {0: (0, 0), 1: (2, 0), 2: (0, 1), 3: (2, 1)}.items():
+        for half in (0, 1):
+            np.testing.assert_array_equal((out[f"${reg}"] >> (16 * half)) & 0xFFFF, want[:, first + half, nibble])
