@@ -227,8 +227,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq or words)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words|attnpacked) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq, words or attnpacked)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -703,6 +703,22 @@ phase_words() {  # the fp4 experts' codes in words, with and without the halves 
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp4 halves order" --scales-k-major \
     --expert-words --out "$OUT/h200-gemv-words.json" | grep moe_experts
   slice_and_decode words off h200 halves "$halves" words "$words" both "$both"
+}
+
+phase_attnpacked() {  # the fp4_b16 KV rows decoded in packed registers (tiles.attention.dequant)
+  local on
+  on=$(profile_set h200-attn-packed tiles.attention.dequant.packed_fp4_b16 true)
+  timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_packed.py \
+    tests/kernels_cuda/test_cuda_attention.py tests/kernels_cuda/test_cuda_prefix_attention.py \
+    > "$OUT/h200-attn-packed-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-attn-packed-tests.log"
+  python -m flashrt.cli bench kernels --families attention --out "$OUT/h200-kernels-attention-packed-off.json" | tail -n 4
+  FLASHRT_PROFILE=$on python -m flashrt.cli bench kernels --families attention \
+    --out "$OUT/h200-kernels-attention-packed-on.json" | tail -n 4
+  python benchmarks/prefix_attention.py --rows 4 16 --out "$OUT/h200-prefix-attention-packed-off.json" | tail -n 3
+  FLASHRT_PROFILE=$on python benchmarks/prefix_attention.py --rows 4 16 \
+    --out "$OUT/h200-prefix-attention-packed-on.json" | tail -n 3
+  slice_and_decode attnpacked off h200 on "$on"
 }
 
 phase_fp8deq() {

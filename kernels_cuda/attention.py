@@ -55,6 +55,9 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # split-K: splits = min(programs // (B*S*head blocks), max_splits, K blocks // min_blocks);
     # programs 0 = the device's SM count
     "split": {"programs": 0, "min_blocks": 1, "max_splits": 32},
+    # packed_fp4_b16: the fp4_b16 KV rows decoded eight codes a call in packed bf16 registers on sm_90
+    # (codecs.dequant_rows; the same values), in this family's kernels and prefix_attention's
+    "dequant": {"packed_fp4_b16": False},
 }
 
 
@@ -144,6 +147,12 @@ def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int, int]:
     return t, h_block, k_block, cdiv(n_kb, per_split), per_split, d_split
 
 
+def packed_rows() -> bool:
+    """Whether the attention kernels decode fp4_b16 rows in packed registers (the ``dequant`` tile; the
+    kernels take it on sm_90 targets only)."""
+    return bool(_tiles()["dequant"]["packed_fp4_b16"])
+
+
 def _dot_mode(dtype: torch.dtype):
     """(dot operand dtype, input precision): bf16 MMA for bf16 q; fp16 / fp32 q: fp32 operands at
     TILES' precision (bf16x3 needs a third of 3xTF32's shared memory); fp32 in the interpreter
@@ -169,7 +178,8 @@ def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
                 constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3,
                                 HAS_SINK=has_sink,
                                 SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, H_BLOCK=h_block, K_BLOCK=k_block,
-                                BLOCK_D=next_pow2(D), D_SPLIT=d_split, FINISH=finish, num_warps=t["num_warps"],
+                                BLOCK_D=next_pow2(D), D_SPLIT=d_split, FINISH=finish, PACKED=packed_rows(),
+                                num_warps=t["num_warps"],
                                 num_stages=t["num_stages"]))
 
 
@@ -265,7 +275,8 @@ PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3")  # tl.dot input precisions of 
 TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1, 2)), "combine.H_BLOCK": POW2,
                "prefill.min_queries": COUNT0, "prefill.max_heads": COUNT0,
                "combine.BLOCK_D": POW2, "combine.in_kernel": Tile(kind=bool),
-               "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0}
+               "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0,
+               "dequant.packed_fp4_b16": Tile(kind=bool)}
 
 
 def _kv_tile_bytes(t: dict) -> int:

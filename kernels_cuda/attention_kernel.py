@@ -74,14 +74,14 @@ def _merge(o, so, h, o2, so2, h2):
 
 @triton.jit
 def _dequant(kv, rows, srows, hit, c0, FMT: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
-             FULL: tl.constexpr):
+             FULL: tl.constexpr, PACKED: tl.constexpr = False):
     """Add the ``hit`` rows, stored in format ``FMT``, to the tile ``kv`` (the dot dtype: stored
     values times power-of-two or E4M3 scales are exact in bf16, and a row takes one segment's
     values plus zeros, so the sum is exact too). The loads stay outside the branch (the pipeliner
     can prefetch them); the conversion only runs for the formats a block touches."""
     x, u = _load_rows(rows, srows, hit, c0, FMT, D, BW, FULL)
     if tl.max(hit.to(tl.int32), axis=0) > 0:
-        kv += dequant_rows(x, u, FMT, BK, BW).to(kv.dtype)
+        kv += dequant_rows(x, u, FMT, BK, BW, PACKED).to(kv.dtype)
     return kv
 
 
@@ -92,7 +92,7 @@ def _gather_kv(idx, b, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                o3, so3, sb3, st3, ssb3, sst3, start3, len3,
                FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr,
                ROLE2: tl.constexpr, ROLE3: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, DT: tl.constexpr,
-               FULL: tl.constexpr):
+               FULL: tl.constexpr, PACKED: tl.constexpr = False):
     """DT [BK, BW] columns ``[c0, c0 + BW)`` of the rows ``idx`` of the concatenated segments
     (zeros where idx is empty).
 
@@ -100,7 +100,8 @@ def _gather_kv(idx, b, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
     ROLE1: -1 absent, 0 same quantized format as segment 0 (one dequant path), 1 own path;
     ROLE2: -1 absent, 0 / 1 merged into segment 0 / 1, 2 own path; ROLE3: -1 absent, 0 / 1 / 2
     merged into that segment (a fourth segment has no own path). A merged segment is passed
-    with its target's pointers and its offset from them in ``o_i`` / ``so_i``.
+    with its target's pointers and its offset from them in ``o_i`` / ``so_i``. PACKED: fp4_b16 rows
+    decoded in packed registers on sm_90 (:func:`.codecs.dequant_rows`; the same values).
     """
     r0, q0, h0 = _locate(idx, b, o0, so0, sb0, st0, ssb0, sst0, start0, len0)
     r1, q1, h1 = _locate(idx, b, o1, so1, sb1, st1, ssb1, sst1, start1, len1)
@@ -119,11 +120,11 @@ def _gather_kv(idx, b, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
         r1, q1, h1 = _merge(r1, q1, h1, r2, q2, h2)
     if ROLE1 == 0:
         r0, q0, h0 = _merge(r0, q0, h0, r1, q1, h1)
-    kv = _dequant(tl.zeros([BK, BW], DT), d0 + r0, s0 + q0, h0, c0, FMT0, D, BK, BW, FULL)
+    kv = _dequant(tl.zeros([BK, BW], DT), d0 + r0, s0 + q0, h0, c0, FMT0, D, BK, BW, FULL, PACKED)
     if ROLE1 == 1:
-        kv = _dequant(kv, d1 + r1, s1 + q1, h1, c0, FMT1, D, BK, BW, FULL)
+        kv = _dequant(kv, d1 + r1, s1 + q1, h1, c0, FMT1, D, BK, BW, FULL, PACKED)
     if ROLE2 == 2:
-        kv = _dequant(kv, d2 + r2, s2 + q2, h2, c0, FMT2, D, BK, BW, FULL)
+        kv = _dequant(kv, d2 + r2, s2 + q2, h2, c0, FMT2, D, BK, BW, FULL, PACKED)
     return kv
 
 
@@ -182,13 +183,14 @@ def _sparse_attention_kernel(
         FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr, ROLE2: tl.constexpr,
         ROLE3: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
         H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, D_SPLIT: tl.constexpr,
-        TWO_PARTS: tl.constexpr, FINISH: tl.constexpr):
+        TWO_PARTS: tl.constexpr, FINISH: tl.constexpr, PACKED: tl.constexpr = False):
     """D_SPLIT 2: two programs share a head block, each accumulating half of the output columns
     (half the accumulator registers) and gathering both halves for the scores. TWO_PARTS: the
     indices come in two tensors, ``[B*S, K0]`` (the window's) and ``[B*S, K - K0]`` (the picks),
     read as their concatenation (no concatenated copy); else one ``[B*S, K]`` with K0 == K.
     SPLIT: partials to ``pacc`` / ``pml``; with FINISH the last split program of this (query, head
-    block, column half) merges them into ``out`` (counter ``cnt_ptr`` + its tile, reset after)."""
+    block, column half) merges them into ``out`` (counter ``cnt_ptr`` + its tile, reset after).
+    PACKED: the fp4_b16 rows decoded in packed registers on sm_90 (``tiles.attention.dequant``)."""
     wait_inputs()
     BW: tl.constexpr = BLOCK_D // D_SPLIT
     bs, split = tl.program_id(0).to(tl.int64), tl.program_id(2)
@@ -219,14 +221,14 @@ def _sparse_attention_kernel(
                         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                         o3, so3, sb3, st3, ssb3, sst3, start3, len3,
-                        FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, D_SPLIT == 1)
+                        FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, D_SPLIT == 1, PACKED)
         kv_o = kv
         if D_SPLIT == 2:
             kv_o = _gather_kv(idx, bs // S, c1, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                               d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                               d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                               o3, so3, sb3, st3, ssb3, sst3, start3, len3,
-                              FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, False)
+                              FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, False, PACKED)
         s = _scores(q, kv, q_o, kv_o, c0 == 0, D_SPLIT, PREC)
         m_i, l_i, acc = _attend(s, kv, (idx >= 0)[None, :], m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
     offs_o = (bs * H + h)[:, None] * D + d[None, :]

@@ -192,17 +192,18 @@ else:
 
 
 @triton.jit
-def dequant_rows(x, u, FMT: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr):
+def dequant_rows(x, u, FMT: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr, PACKED: tl.constexpr = False):
     """fp32 [R, BLOCK_D] values of stored rows ``x`` [R, bytes] with scale bytes ``u`` [R, blocks]:
     plain (0: ``x`` already values), fp8 (1: E4M3, UE8M0 / 32), fp4_b16 (2: E2M1, E4M3 / 16),
     fp4_b32 (3: E2M1, UE8M0 / 32), int8 (4: UE8M0 / 32); E2M1 element 2i is the low nibble.
-    E4M3 data and E4M3 scales go through the hardware conversion (sm_89+). fp4_b16 on sm_90: eight
-    codes a call in packed bf16 registers (:func:`e2m1_pairs_bf16`, the scale an exact bf16: every
-    product of an E2M1 code and an E4M3 scale is exact in bf16, so the values are the same)."""
-    PACKED: tl.constexpr = FMT == 2 and _packed_target()
+    E4M3 data and E4M3 scales go through the hardware conversion (sm_89+). fp4_b16 with PACKED on an
+    sm_90 target: eight codes a call in packed bf16 registers (:func:`e2m1_pairs_bf16`, the scale an
+    exact bf16: every product of an E2M1 code and an E4M3 scale is exact in bf16, so the values are
+    the same)."""
+    PACKED_FP4_B16: tl.constexpr = PACKED and FMT == 2 and _packed_target()
     if FMT == 0:
         v = x.to(tl.float32)
-    elif PACKED:
+    elif PACKED_FP4_B16:
         scale = _expand(e4m3_cvt(u).to(tl.bfloat16), R, BLOCK_D // 16, 8)  # one per byte
         lo, hi = e2m1_pairs_bf16(x.to(tl.uint8), scale)
         v = tl.interleave(lo, hi).to(tl.float32)

@@ -56,7 +56,7 @@ def _prefix_attention_kernel(
         FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr, ROLE2: tl.constexpr,
         ROLE3: tl.constexpr, HAS_SINK: tl.constexpr, HAS_ENTRIES: tl.constexpr, DOT_DTYPE: tl.constexpr,
         PREC: tl.constexpr, QB: tl.constexpr, HB: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-        D_SPLIT: tl.constexpr):
+        D_SPLIT: tl.constexpr, PACKED: tl.constexpr = False):
     wait_inputs()
     M: tl.constexpr = QB * HB
     BW: tl.constexpr = BLOCK_D // D_SPLIT
@@ -108,14 +108,14 @@ def _prefix_attention_kernel(
                         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                         o3, so3, sb3, st3, ssb3, sst3, start3, len3,
-                        FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, D_SPLIT == 1)
+                        FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, D_SPLIT == 1, PACKED)
         kv_o = kv
         if D_SPLIT == 2:
             kv_o = _gather_kv(idx, b, c1, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
                               d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                               d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                               o3, so3, sb3, st3, ssb3, sst3, start3, len3,
-                              FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, False)
+                              FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, K_BLOCK, BW, DOT_DTYPE, False, PACKED)
         s = _scores(q, kv, q_o, kv_o, c0 == 0, D_SPLIT, PREC)
         m_i, l_i, acc = _attend(s, kv, seen, m_i, l_i, acc, qk_scale, DOT_DTYPE, PREC)
     sk = tl.load(sink_ptr + h, mask=h < H, other=0.0) * LOG2E if HAS_SINK else 0.0
@@ -138,7 +138,8 @@ def _plan(q: torch.Tensor, codes: tuple, has_entries: bool, has_sink: bool) -> d
     return dict(grid=(cdiv(S, qb) * d_split, B), roles=(0, *roles), constexprs=dict(
         FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=roles[0], ROLE2=roles[1], ROLE3=roles[2], HAS_SINK=has_sink,
         HAS_ENTRIES=has_entries, DOT_DTYPE=dot_dtype, PREC=prec, QB=qb, HB=hb, K_BLOCK=t["K_BLOCK"],
-        BLOCK_D=next_pow2(D), D_SPLIT=d_split, num_warps=t["num_warps"], num_stages=t["num_stages"]))
+        BLOCK_D=next_pow2(D), D_SPLIT=d_split, PACKED=attention.packed_rows(), num_warps=t["num_warps"],
+        num_stages=t["num_stages"]))
 
 
 def prefix_attention(q, kv, positions, ring_start, window, entries, visible, sink, scale):
