@@ -78,7 +78,9 @@ EXPERT_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode
                    "profile, activations dequantized": {"moe": {"act_dequantized": True}},
                    "profile, activations dequantized, re-bias folded": {"moe": {"act_dequantized": True},
                                                                          "linear": {"fp4_scale_fold": True}},
-                   "profile, fp4 halves order": {"linear": {"fp4_halves": True}}}
+                   "profile, fp4 halves order": {"linear": {"fp4_halves": True}},
+                   "profile, fp8 shared expert packed": {"linear": {"fp8_packed": True}},
+                   "profile, fp4 halves order, fp8 packed": {"linear": {"fp4_halves": True, "fp8_packed": True}}}
 
 
 def with_rule(family: str, entry: str, rows: int, tile: dict | None, extra: dict | None = None):

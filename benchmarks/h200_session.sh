@@ -689,20 +689,19 @@ phase_halves() {
   slice_and_decode halves off h200 on "$on"
 }
 
-phase_words() {  # the fp4 experts' codes in words, with and without the halves K order (the fp8 shared
-  # expert's packed decode is in every profile here, the "off" one included)
-  local halves words both
-  halves=$(profile_set h200-halves tiles.linear.fp4_halves true)
-  words=$(profile_set h200-words expert_fp4 '"words"')
+phase_words() {  # the fp4 experts' codes in words and the halves K order, then the fp8 shared expert packed too
+  local both all
   both=$(profile_set h200-words-halves expert_fp4 '"words"' tiles.linear.fp4_halves true)
+  all=$(profile_set h200-words-halves-fp8 expert_fp4 '"words"' tiles.linear.fp4_halves true tiles.linear.fp8_packed true)
   timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_fp4_words.py \
     tests/kernels_cuda/test_cuda_fp4_halves.py tests/kernels_cuda/test_cuda_fp4_packed.py \
     tests/kernels_cuda/test_cuda_fp8_packed.py tests/kernels_cuda/test_cuda_moe_act_dequantized.py \
     tests/graphs/test_moe_shared_block.py > "$OUT/h200-words-tests.log" 2>&1
   tail -n 1 "$OUT/h200-words-tests.log"
-  python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp4 halves order" --scales-k-major \
+  python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "profile, fp4 halves order" \
+    "profile, fp8 shared expert packed" "profile, fp4 halves order, fp8 packed" --scales-k-major \
     --expert-words --out "$OUT/h200-gemv-words.json" | grep moe_experts
-  slice_and_decode words off h200 halves "$halves" words "$words" both "$both"
+  slice_and_decode words off h200 both "$both" all "$all"
 }
 
 phase_attnpacked() {  # the fp4_b16 KV rows decoded in packed registers (tiles.attention.dequant)

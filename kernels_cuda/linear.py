@@ -84,6 +84,10 @@ TILES = {
     # operand as they come, and the activation tile is permuted in registers to match (the same sum;
     # its fp32 order within an MMA differs); see linear_kernel._halves
     "fp4_halves": False,
+    # fp8_w weights that the MMA loop dequantizes (no fp8 MMA: the shared expert with its activations
+    # dequantized, or fp8_mma off) decoded four E4M3 bytes a call where the packed decode runs
+    # (codecs_e4m3; the same values), else byte by byte; see fp8_decode
+    "fp8_packed": False,
     # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
     # docs/performance.md, linear fp8_w)
@@ -124,13 +128,15 @@ SCALE_PREFETCH = 8  # added to the E2M1 constexpr: the MMA loop loads each block
 SCALE_FOLD = 16  # added to the E2M1 constexpr: the packed decode's re-bias folded into the scales
 HALVES = 32  # added to the E2M1 constexpr: the fp4_halves K order (not with tl.dot_scaled)
 WORDS = 64  # added to the E2M1 constexpr: fp4_w bytes in the E2M1 word layout (formats.with_e2m1_words)
+FP8_PACKED = 128  # added to the E2M1 constexpr: dequantized fp8_w weights decoded four bytes a call
 FOLD_MAX_SCALE = 128  # the largest UE8M0 byte whose folded scale 2**(u - 1) bf16 holds exactly
 
 
 def fp4_decode() -> int:
     """The kernels' E2M1 constexpr for the ``fp4_decode`` tile on this device: the decode (0 bits, 1
     ``tl.dot_scaled``, 2 packed) plus :data:`SCALE_PREFETCH` for "packed_prefetch", plus
-    :data:`HALVES` for the ``fp4_halves`` tile (with the bits and packed decodes). The packed
+    :data:`HALVES` for the ``fp4_halves`` tile (with the bits and packed decodes), plus
+    :data:`FP8_PACKED` for the ``fp8_packed`` tile with the packed decode. The packed
     decode's bf16x2 multiplies need sm_90 (and a GPU: inline PTX), else the bit decode (the same
     values)."""
     name = _tiles()["fp4_decode"]
@@ -138,7 +144,8 @@ def fp4_decode() -> int:
     mode = 2 if ahead else FP4_DECODES.index(name)
     if mode == 2 and (INTERPRETED or jit_targets.capability() < (9, 0)):
         mode = 0
-    return mode + ahead + (HALVES if _tiles()["fp4_halves"] and mode != 1 else 0)
+    fp8 = FP8_PACKED if mode == 2 and _tiles()["fp8_packed"] else 0  # an fp8 shared expert in the launch
+    return mode + ahead + (HALVES if _tiles()["fp4_halves"] and mode != 1 else 0) + fp8
 
 
 def pick_tile(rules, rows: int) -> dict:
@@ -189,10 +196,11 @@ def weight_operands(w: QTensor):
 
 
 def fp8_decode(promote: bool) -> int:
-    """The E2M1 constexpr of a launch whose weights are all fp8_w: 2 where the packed decodes run
-    (:func:`fp4_decode`'s mode) and the loop dequantizes the weights (not the fp8 MMA), so it decodes
-    four E4M3 bytes a call (``codecs_e4m3``); else 0 (the variants the fp8 MMA compiles unchanged)."""
-    return 2 if not promote and fp4_decode() % 8 == 2 else 0
+    """The E2M1 constexpr of a launch whose weights are all fp8_w: 2 + :data:`FP8_PACKED` where the
+    ``fp8_packed`` tile is on, the packed decodes run (:func:`fp4_decode`'s mode) and the loop
+    dequantizes the weights (not the fp8 MMA), so it decodes four E4M3 bytes a call
+    (``codecs_e4m3``); else 0 (the variants compiled so far unchanged)."""
+    return 2 + FP8_PACKED if not promote and (fp4_decode() & FP8_PACKED) else 0
 
 
 def may_fold(e2m1: int) -> bool:
@@ -348,7 +356,7 @@ SCALED = Tile(low=32, pow2=True)  # a dimension the 32-wide scale blocks tile
 TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOCK_M": GEMM_ROWS, "linear.BLOCK_N": SCALED,
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
                "fp8_mma": Tile(nullable=True, kind=bool), "fp4_decode": Tile(choices=FP4_DECODES),
-               "fp4_scale_fold": Tile(kind=bool), "fp4_halves": Tile(kind=bool),
+               "fp4_scale_fold": Tile(kind=bool), "fp4_halves": Tile(kind=bool), "fp8_packed": Tile(kind=bool),
                "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),

@@ -59,7 +59,8 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
     in E2M1 the block's K order is :func:`_halves`' (the caller permutes the activations so); with 64
     the bytes are in the E2M1 word layout (the packed decode reads them as they are,
     codecs_words.e2m1_words_bf16; code by code they are put back in nibbles first). fp8_w with
-    E2M1 % 8 == 2: four E4M3 bytes a call into bf16 (codecs_e4m3.e4m3_pairs_bf16), else byte by byte."""
+    E2M1 % 8 == 2 and 128 in E2M1: four E4M3 bytes a call into bf16 (codecs_e4m3.e4m3_pairs_bf16),
+    else byte by byte."""
     G: tl.constexpr = BLOCK_K // 32
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kg = k0 + tl.arange(0, G) * 32
@@ -93,7 +94,7 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
         j = tl.arange(0, 32)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + kg[None, :, None] + j[None, None, :]
         raw = tl.load(ptrs, mask=ok[:, :, None], other=0.0)
-        if E2M1 % 8 == 2:  # the packed decodes: four bytes a call into bf16 pairs (the same values)
+        if E2M1 % 8 == 2 and (E2M1 // 128) % 2 == 1:  # four bytes a call into bf16 pairs (the same values)
             scale = tl.broadcast_to(e8m0_bf16(s)[:, :, None], (BLOCK_N, G, 32))
             v = tl.reshape(e4m3_pairs_bf16(raw.to(tl.uint8, bitcast=True), scale), (BLOCK_N, BLOCK_K))
         else:

@@ -42,11 +42,26 @@ def test_the_ptx_decodes_every_byte_and_scale(rng):
             assert ((g[nan] & 0x7F80) == 0x7F80).all() and (g[nan] & 0x7F).all()  # NaN for the NaN scale
 
 
-@pytest.mark.parametrize("fp4,promote,want", [(2, False, 2), (10, False, 2), (58, False, 2), (0, False, 0),
-                                               (1, False, 0), (2, True, 0)])
+@pytest.mark.parametrize("fp4,promote,want", [(130, False, 130), (138, False, 130), (250, False, 130),
+                                               (2, False, 0), (10, False, 0), (0, False, 0), (130, True, 0)])
 def test_fp8_launches_take_the_packed_decode_only_when_dequantizing(monkeypatch, fp4, promote, want):
+    """An fp8-only launch's E2M1: 2 + FP8_PACKED where fp4_decode has the fp8 bit (the tile on, the
+    packed decode on) and the loop dequantizes; 0 otherwise (the fp8 MMA's variants unchanged)."""
     monkeypatch.setattr(lin, "fp4_decode", lambda: fp4)
     assert lin.fp8_decode(promote) == want
+
+
+def test_the_tile_adds_the_fp8_bit_only_to_the_packed_decode(monkeypatch):
+    """As on an sm_90 GPU (the packed decode does not fall back): the bit joins packed launches only."""
+    monkeypatch.setattr(lin, "INTERPRETED", False)
+    monkeypatch.setattr(lin.jit_targets, "capability", lambda: (9, 0))
+    for decode in ("bits", "dot_scaled", "packed", "packed_prefetch"):
+        with pinned_tiles(linear=dict(fp4_decode=decode)):
+            plain = lin.fp4_decode()
+        with pinned_tiles(linear=dict(fp4_decode=decode, fp8_packed=True)):
+            on = lin.fp4_decode()
+        assert on == plain + (lin.FP8_PACKED if plain % 8 == 2 else 0)
+        assert (on != plain) == decode.startswith("packed")
 
 
 @pytest.mark.gpu
@@ -68,7 +83,7 @@ def test_fp8_weights_packed_gpu(rng, m):
     ones, first = torch.ones(m, 1, device=DEVICE), torch.zeros(m, 1, dtype=torch.int32, device=DEVICE)
     out = {}
     for decode in ("bits", "packed_prefetch"):
-        tiles = dict(linear=dict(fp4_decode=decode, fp8_mma=False), moe=dict(act_dequantized=True))
+        tiles = dict(linear=dict(fp4_decode=decode, fp8_mma=False, fp8_packed=True), moe=dict(act_dequantized=True))
         with flashrt.use_backend("cuda"), pinned_tiles(**tiles):
             out[decode] = (ops.linear(x, w), ops.moe_experts(x, ones, first, *shared, 10.0),
                            ops.moe_experts(x, rw, idx, *routed, 10.0, shared=shared))
