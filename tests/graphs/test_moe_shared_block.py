@@ -47,22 +47,27 @@ def test_moe_block_in_one_op_equals_two_ops_and_the_reference(cfg, block_weights
     assert rel_err(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_k_major_expert_scales_change_the_layout_not_the_output(cfg, block_weights, rng, backend):
-    """A profile with ``expert_scales: k_major`` stores the routed and shared experts' scales K
-    major (the same values; the rows contiguous at each K group); the block's output is the row
-    layout's bit for bit, on the reference backend and on the CUDA kernels (interpreter)."""
+def _blocks_under(cfg, block_weights, backend, key, *values) -> list:
+    """The block built under the active profile with its field ``key`` set to each of ``values``."""
     import dataclasses
 
     from flashrt import profiles
 
     if backend == "cuda":
         pytest.importorskip("flashrt.kernels_cuda.moe")
-    base = profiles.active_profile()
-    with profiles.using(dataclasses.replace(base, expert_scales="row")):
-        row = MoE(cfg, 0, dict(block_weights), "layers.0.")
-    with profiles.using(dataclasses.replace(base, expert_scales="k_major")):
-        kmajor = MoE(cfg, 0, dict(block_weights), "layers.0.")
+    base, out = profiles.active_profile(), []
+    for value in values:
+        with profiles.using(dataclasses.replace(base, **{key: value})):
+            out.append(MoE(cfg, 0, dict(block_weights), "layers.0."))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_k_major_expert_scales_change_the_layout_not_the_output(cfg, block_weights, rng, backend):
+    """A profile with ``expert_scales: k_major`` stores the routed and shared experts' scales K
+    major (the same values; the rows contiguous at each K group); the block's output is the row
+    layout's bit for bit, on the reference backend and on the CUDA kernels (interpreter)."""
+    row, kmajor = _blocks_under(cfg, block_weights, backend, "expert_scales", "row", "k_major")
     for a, b in zip((row.w1, row.w3, row.w2, *row.shared), (kmajor.w1, kmajor.w3, kmajor.w2, *kmajor.shared)):
         assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)) and torch.equal(a.data, b.data)
         assert a.scale.stride(-1) == 1 and b.scale.stride(-2) == 1 and b.scale.stride(-1) == b.scale.shape[-2]
@@ -81,17 +86,9 @@ def test_words_expert_fp4_changes_the_codes_layout_not_the_output(cfg, block_wei
     """A profile with ``expert_fp4: words`` stores the fp4 experts' codes in the E2M1 word layout
     (the same bytes in nibbles when put back; fp8 experts as they are) and the block's output is
     the nibbles' bit for bit, on the reference backend and on the CUDA kernels (interpreter)."""
-    import dataclasses
+    from flashrt import formats
 
-    from flashrt import formats, profiles
-
-    if backend == "cuda":
-        pytest.importorskip("flashrt.kernels_cuda.moe")
-    base = profiles.active_profile()
-    with profiles.using(dataclasses.replace(base, expert_fp4="nibbles")):
-        plain = MoE(cfg, 0, dict(block_weights), "layers.0.")
-    with profiles.using(dataclasses.replace(base, expert_fp4="words")):
-        words = MoE(cfg, 0, dict(block_weights), "layers.0.")
+    plain, words = _blocks_under(cfg, block_weights, backend, "expert_fp4", "nibbles", "words")
     pairs = list(zip((plain.w1, plain.w3, plain.w2, *plain.shared), (words.w1, words.w3, words.w2, *words.shared)))
     assert any(b.e2m1_words for _, b in pairs)
     for a, b in pairs:
