@@ -205,3 +205,22 @@ def test_a_built_in_checkpoint_verifies_with_its_tokenizer(tmp_path, monkeypatch
     assert "tokenizer.json" in sums and "tokenizer_config.json" in sums
     model = flashrt.load(path, verify=True)
     assert model.tokenizer is not None
+
+
+def test_load_attaches_the_checkpoints_tokenizer(cfg, weights, tok_dir, tmp_path):
+    """``flashrt.load`` gives the model the checkpoint's ``tokenizer.json`` (and its config: the same
+    ids as the tokenizer loaded alone); a file that is not a tokenizer is the load's error, naming it."""
+    import shutil
+
+    import flashrt
+    from flashrt.graphs import checkpoint
+
+    path = checkpoint.save(weights, cfg, tmp_path / "ck")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, path / name)
+    model = flashrt.load(path)
+    assert isinstance(model.tokenizer, Tokenizer) and model.tokenizer.vocab_size == 320
+    assert model.tokenizer.encode("hello") == load_tokenizer(tok_dir).encode("hello")
+    (path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json: not a tokenizers file"):
+        flashrt.load(path)
