@@ -6,7 +6,7 @@ byte's seven magnitude bits are moved to bf16 bits 4-10 and its sign to bit 15, 
 value times 2**-120 (the subnormal codes as bf16 subnormals), one multiply by 2**120 makes it exact
 and one by the scale applies the block's power of two: the products are exact, as the fp32 path's
 are, so the bits are the same. The codes 0x7F / 0xFF read as +-480, as :func:`.codecs.e4m3_x256`
-reads them for the MMA operands (a weight with NaN codes is refused at load).
+reads them for the MMA operands (the load's NaN / Inf check refuses a weight holding them).
 """
 from __future__ import annotations
 
