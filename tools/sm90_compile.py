@@ -47,7 +47,8 @@ from flashrt.jit_compile import answering_as, recording  # noqa: E402
 from flashrt.jit_targets import ARCHS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-DUMP_DIR = os.environ.get("SM90_DUMP_DIR", "/tmp/sm90")  # <kernel>.cubin / .ttgir / .ptx / .sass
+DUMP_DIR = os.environ.get("SM90_DUMP_DIR", "/tmp/sm90")  # <kernel>-<n>.cubin / .ttgir / .ptx / .sass
+_DUMPS: collections.Counter = collections.Counter()  # compiles of each kernel so far in this run
 SASS_OPS = ("HGMMA", "QGMMA", "HMMA", "F2FP", "LDL", "STL", "LDG", "LDGSTS", "UTMALDG", "LDS", "STS", "LDSM", "STSM", "FFMA",
             "HMUL2", "MUFU", "BAR", "WARPGROUP")
 
@@ -70,7 +71,8 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
     meta = kernel.metadata
     cubin = kernel.asm["cubin"]
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    path = os.path.join(DUMP_DIR, f"{fn.__name__}.cubin")
+    _DUMPS[fn.__name__] += 1  # one dump per compile: a kernel's variants in one run do not overwrite each other
+    path = os.path.join(DUMP_DIR, f"{fn.__name__}-{_DUMPS[fn.__name__]}.cubin")
     os.makedirs(DUMP_DIR, exist_ok=True)
     with open(path, "wb") as f:
         f.write(cubin)
@@ -96,7 +98,7 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
             "num_stages": meta.num_stages,
             "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "shared_bytes": meta.shared, "sass": {k: ops.get(k, 0) for k in SASS_OPS}, "global_loads": dict(loads),
-            "instructions": len(code), "mma_loop": mma_loop(code),
+            "instructions": len(code), "mma_loop": mma_loop(code), "dump": path[:-6],
             "constexprs": {fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()}}
 
 
@@ -114,10 +116,11 @@ def mma_loop(code: list[tuple]) -> dict | None:
             body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= addr]
             mmas = sum(o in MMA_OPS for o in body)
             if mmas and (best is None or mmas > best[0]):
-                best = (mmas, body)
+                best = (mmas, body, (int(target.group(1), 16), addr))
     if best is None:
         return None
-    return {"instructions": len(best[1]), "opcodes": dict(collections.Counter(best[1]).most_common(12))}
+    return {"instructions": len(best[1]), "opcodes": dict(collections.Counter(best[1]).most_common(12)),
+            "sass_range": [hex(a) for a in best[2]]}  # the loop's first and last addresses in the dump
 
 
 def attention_call(B: int, S: int, cold: bool):
@@ -364,6 +367,7 @@ def main(argv=None) -> None:
             loop = r["mma_loop"]
             print(f"   MMA loop: {loop['instructions']} instructions a trip ("
                   + "  ".join(f"{k} {v}" for k, v in loop["opcodes"].items()) + ")")
+            print(f"   SASS: {r['dump']}.sass, the loop at {loop['sass_range'][0]}-{loop['sass_range'][1]}")
 
 
 if __name__ == "__main__":
