@@ -714,8 +714,9 @@ phase_attnpacked() {  # the fp4_b16 KV rows decoded in packed registers (tiles.a
   python -m flashrt.cli bench kernels --families attention --out "$OUT/h200-kernels-attention-packed-off.json" | tail -n 4
   FLASHRT_PROFILE=$on python -m flashrt.cli bench kernels --families attention \
     --out "$OUT/h200-kernels-attention-packed-on.json" | tail -n 4
-  python benchmarks/prefix_attention.py --rows 4 16 --out "$OUT/h200-prefix-attention-packed-off.json" | tail -n 3
-  FLASHRT_PROFILE=$on python benchmarks/prefix_attention.py --rows 4 16 \
+  python benchmarks/prefix_attention.py --rows 4 16 --no-variants --out "$OUT/h200-prefix-attention-packed-off.json" \
+    | tail -n 3
+  FLASHRT_PROFILE=$on python benchmarks/prefix_attention.py --rows 4 16 --no-variants \
     --out "$OUT/h200-prefix-attention-packed-on.json" | tail -n 3
   slice_and_decode attnpacked off h200 on "$on"
 }

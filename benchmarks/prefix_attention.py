@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--entries", type=int, default=512)
     ap.add_argument("--variant-rows", type=int, default=4)
+    ap.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the tile variants at --variant-rows rows")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-out", default=None, metavar="FILE.yaml",
                     help="write a copy of the active profile with the fastest variant's tiles (3%% or more "
@@ -96,6 +98,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.profile_out and not args.profile_out.endswith(".yaml"):
         ap.error(f"--profile-out: expected a FILE.yaml, got {args.profile_out!r}")
+    if args.profile_out and not args.variants:
+        ap.error("--profile-out: needs the tile variants (drop --no-variants)")
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed")
     cfg, dev, g = shipped_config(args.model), torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
@@ -123,9 +127,9 @@ def main() -> None:
         print(f"rows {B:3d} x {args.len}: prefix {t_dense:9.1f} us  sparse {t_sparse:9.1f} us  "
               f"{t_sparse / t_dense:5.2f}x  (floor {floor:.1f} us: {100 * floor / t_dense:.1f}% / "
               f"{100 * floor / t_sparse:.1f}%)", flush=True)
-    c = case(cfg, args.variant_rows, args.len, args.start, args.entries, dev, g)
+    c = case(cfg, args.variant_rows, args.len, args.start, args.entries, dev, g) if args.variants else None
     variants, first = [], None
-    for label, tiles in VARIANTS.items():
+    for label, tiles in VARIANTS.items() if args.variants else ():
         with with_tiles("prefix_attention", {"prefix": tiles}), flashrt.use_backend("cuda"), flashrt.value_checks(False):
             profiles._TILES_CACHE.clear()
             try:
