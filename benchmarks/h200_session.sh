@@ -177,6 +177,17 @@
 #              the experts at the released shapes with it, the fold, and both (h200-gemv-actdq.json); the
 #              real-dimension slice and small's captured decode off, on, and on with the fold:
 #              h200-real-slice-actdq-{off,on,fold}.json, h200-e2e-actdq-{off,on,fold}.json
+#   words      the fp4 experts' codes in the E2M1 word layout (expert_fp4: words) with the halves K order,
+#              then also the fp8 shared expert's packed decode (tiles.linear.fp8_packed), all off in every
+#              profile: their tests (h200-words-tests.log); the experts at the released shapes under each
+#              knob, in nibbles and in words (h200-gemv-words.json); the real-dimension slice and small's
+#              captured decode under the profile, words + halves, and that + fp8 packed:
+#              h200-real-slice-words-{off,both,all}.json, h200-e2e-words-{off,both,all}.json
+#   attnpacked the fp4_b16 KV rows decoded in packed registers (tiles.attention.dequant.packed_fp4_b16):
+#              the attention tests (h200-attn-packed-tests.log), the attention kernel cases and the prefix
+#              attention off and on (h200-kernels-attention-packed-{off,on}.json,
+#              h200-prefix-attention-packed-{off,on}.json), the real-dimension slice and small's decode:
+#              h200-real-slice-attnpacked-{off,on}.json, h200-e2e-attnpacked-{off,on}.json
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
