@@ -78,11 +78,14 @@ def test_words_give_the_nibbles_results(rng, m, k, split, shared_fmt, lin_tiles,
     w = formats.with_scale_max(formats.quantize(torch.randn(72, k, generator=rng) * 0.25, "fp4_w").to(DEVICE))
     idx, rw, stacks = _experts(rng, m, k, 4, 2, 64, shared_fmt, True)
     tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
-    tiles = dict(linear=dict(lin_tiles, linear=[[None, tile]], split_k=split),
-                 moe=dict(moe_tiles, experts=[[None, dict(tile, split_k=split or 1)]]))
     out = {}
-    with flashrt.use_backend("cuda"), pinned_tiles(**tiles):
-        for words, (experts, shared) in stacks.items():
+    for words, (experts, shared) in stacks.items():
+        decode = lin_tiles
+        if not words and lin_tiles["fp4_decode"] == "dot_scaled":  # words take the bit decode instead
+            decode = dict(lin_tiles, fp4_decode="bits")
+        tiles = dict(linear=dict(decode, linear=[[None, tile]], split_k=split),
+                     moe=dict(moe_tiles, experts=[[None, dict(tile, split_k=split or 1)]]))
+        with flashrt.use_backend("cuda"), pinned_tiles(**tiles):
             weight = formats.with_e2m1_words(w) if words else w
             out[words] = (ops.linear(x, weight), ops.moe_experts(x, rw, idx, *experts, 10.0, shared=shared))
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
