@@ -161,10 +161,12 @@ def with_nibbles(w: QTensor) -> QTensor:
 
 def as_expert_stack(w: QTensor, k_major: bool, words: bool = False) -> QTensor:
     """A stacked [E, out, in] expert weight as the MoE layers keep it: its scales K major when
-    ``k_major`` (the profile's ``expert_scales``), an fp4_w one's largest scale byte recorded (the
-    packed decode folds its re-bias into scales up to 128) and, with ``words`` (the profile's
-    ``expert_fp4: words``), its codes in the word layout."""
+    ``k_major`` (the profile's ``expert_scales``), an fp4_w or fp8_w one's largest scale byte recorded
+    (the packed decodes fold their re-bias into scales up to 128 / 134) and, with ``words`` (the
+    profile's ``expert_fp4: words``), an fp4_w one's codes in the word layout."""
     w = with_k_major_scales(w) if k_major else w
+    if w.fmt == "fp8_w":
+        return with_scale_max(w)
     if w.fmt != "fp4_w":
         return w
     return with_scale_max(with_e2m1_words(w) if words else w)

@@ -4,8 +4,9 @@
 :data:`E4M3_PAIRS_PTX` (sm_90+: bf16x2 multiplies that keep subnormals; not the interpreter). A
 byte's seven magnitude bits are moved to bf16 bits 4-10 and its sign to bit 15, which reads as its
 value times 2**-120 (the subnormal codes as bf16 subnormals), one multiply by 2**120 makes it exact
-and one by the scale applies the block's power of two: the products are exact, as the fp32 path's
-are, so the bits are the same. The codes 0x7F / 0xFF read as +-480, as :func:`.codecs.e4m3_x256`
+and one by the scale applies the block's power of two (or one multiply by the scale times 2**120,
+for scale bytes up to :data:`FOLD_MAX_SCALE`): the products are exact, as the fp32 path's are, so
+the bits are the same. The codes 0x7F / 0xFF read as +-480, as :func:`.codecs.e4m3_x256`
 reads them for the MMA operands (the load's NaN / Inf check refuses a weight holding them).
 """
 from __future__ import annotations
@@ -14,23 +15,41 @@ import triton
 import triton.language as tl
 
 
-def _register(out: int, src: str, scale: int) -> str:
-    """One output register: the two bytes in the low byte of each 16-bit half of ``src`` as bf16."""
+def _register(out: int, src: str, scale: int, rebias: bool) -> str:
+    """One output register: the two bytes in the low byte of each 16-bit half of ``src`` as bf16, times
+    2**120 (``rebias``; else the scale holds it), times the scales."""
     return (f"shl.b32 t, {src}, 4;\nand.b32 t, t, 0x07F007F0;\nshl.b32 u, {src}, 8;\nand.b32 u, u, 0x80008000;\n"
-            f"or.b32 ${out}, t, u;\nmul.rn.bf16x2 ${out}, ${out}, k;\nmul.rn.bf16x2 ${out}, ${out}, ${scale};\n")
+            f"or.b32 ${out}, t, u;\n" + (f"mul.rn.bf16x2 ${out}, ${out}, k;\n" if rebias else "")
+            + f"mul.rn.bf16x2 ${out}, ${out}, ${scale};\n")
 
 
-# $2: four E4M3 bytes; $3 / $4: the bf16 scales of bytes 0, 1 / 2, 3; out: $0 bytes 0, 1 and $1
-# bytes 2, 3 as bf16 pairs. prmt spreads two bytes to the two 16-bit halves of a register.
-E4M3_PAIRS_TEXT = ("{\n.reg .b32 x, y, t, u, z, k;\nmov.b32 z, 0;\nmov.b32 k, 0x7B807B80;\n"  # k: 2**120, twice
-                   "prmt.b32 x, $2, z, 0x4140;\nprmt.b32 y, $2, z, 0x4342;\n"
-                   + _register(0, "x", 3) + _register(1, "y", 4) + "}\n")
+def _pairs_text(rebias: bool) -> str:
+    """$2: four E4M3 bytes; $3 / $4: the bf16 scales of bytes 0, 1 / 2, 3; out: $0 bytes 0, 1 and $1
+    bytes 2, 3 as bf16 pairs. prmt spreads two bytes to the two 16-bit halves of a register."""
+    return ("{\n.reg .b32 x, y, t, u, z" + (", k;\nmov.b32 k, 0x7B807B80;\n" if rebias else ";\n")  # k: 2**120, twice
+            + "mov.b32 z, 0;\nprmt.b32 x, $2, z, 0x4140;\nprmt.b32 y, $2, z, 0x4342;\n"
+            + _register(0, "x", 3, rebias) + _register(1, "y", 4, rebias) + "}\n")
+
+
+E4M3_PAIRS_TEXT = _pairs_text(True)
 E4M3_PAIRS_PTX = tl.constexpr(E4M3_PAIRS_TEXT)
+# the same with the 2**120 in the scale operands (:func:`e8m0_bf16_x2p120`): one multiply a register
+# fewer, for scale bytes up to FOLD_MAX_SCALE
+E4M3_PAIRS_FOLDED_TEXT = _pairs_text(False)
+E4M3_PAIRS_FOLDED_PTX = tl.constexpr(E4M3_PAIRS_FOLDED_TEXT)
+FOLD_MAX_SCALE = 134  # the largest UE8M0 byte whose 2**(u - 127) * 2**120 bf16 holds exactly (u + 120 <= 254)
 
 
 @triton.jit
-def e4m3_pairs_bf16(byte, scale):
+def e8m0_bf16_x2p120(u):
+    """UE8M0 scale bytes (int32, at most FOLD_MAX_SCALE) -> ``2**(u - 127) * 2**120`` as bf16 (exact)."""
+    return ((u + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e4m3_pairs_bf16(byte, scale, FOLDED: tl.constexpr = False):
     """E4M3 bytes (uint8; each thread's four consecutive bytes packed) and a bf16 scale per byte (same
-    shape) -> their values times the scales, bf16."""
-    return tl.inline_asm_elementwise(E4M3_PAIRS_PTX, "=r,=r,r,r,r", [byte, scale], dtype=tl.bfloat16,
-                                     is_pure=True, pack=4)
+    shape) -> their values times the scales, bf16. FOLDED: ``scale`` holds the 2**120
+    (:func:`e8m0_bf16_x2p120`)."""
+    return tl.inline_asm_elementwise(E4M3_PAIRS_FOLDED_PTX if FOLDED else E4M3_PAIRS_PTX, "=r,=r,r,r,r",
+                                     [byte, scale], dtype=tl.bfloat16, is_pure=True, pack=4)

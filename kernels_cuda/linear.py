@@ -37,6 +37,7 @@ from flashrt.tile_checks import COUNT0, GEMM_ROWS, POW2, Tile, gemm_smem
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant, splitk
 from flashrt.kernels_cuda.codecs import INTERPRETED
+from flashrt.kernels_cuda.codecs_e4m3 import FOLD_MAX_SCALE as FP8_FOLD_MAX_SCALE
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
@@ -129,6 +130,7 @@ SCALE_FOLD = 16  # added to the E2M1 constexpr: the packed decode's re-bias fold
 HALVES = 32  # added to the E2M1 constexpr: the fp4_halves K order (not with tl.dot_scaled)
 WORDS = 64  # added to the E2M1 constexpr: fp4_w bytes in the E2M1 word layout (formats.with_e2m1_words)
 FP8_PACKED = 128  # added to the E2M1 constexpr: dequantized fp8_w weights decoded four bytes a call
+FP8_FOLD = 256  # added to the E2M1 constexpr: that decode's 2**120 folded into the scales (fold_fp8)
 FOLD_MAX_SCALE = 128  # the largest UE8M0 byte whose folded scale 2**(u - 1) bf16 holds exactly
 
 
@@ -222,6 +224,18 @@ def fold_scales(e2m1: int, *weights) -> int:
     return e2m1
 
 
+def fold_fp8(e2m1: int, *weights) -> int:
+    """``e2m1`` plus :data:`FP8_FOLD` where the packed fp8 decode runs (:data:`FP8_PACKED` in it) and
+    every fp8_w weight among ``weights`` (at least one) has its largest scale byte recorded at most
+    ``codecs_e4m3.FOLD_MAX_SCALE`` (``QTensor.scale_max``, set where the experts are stacked at load);
+    else ``e2m1``. The values are the same either way."""
+    fp8 = [w for w in weights if isinstance(w, QTensor) and w.fmt == "fp8_w"]
+    if e2m1 & FP8_PACKED and fp8 and all(w.scale_max is not None and w.scale_max <= FP8_FOLD_MAX_SCALE
+                                         for w in fp8):
+        return e2m1 + FP8_FOLD
+    return e2m1
+
+
 def with_words(e2m1: int, *weights) -> int:
     """``e2m1`` for a launch over ``weights`` whose fp4_w weights hold their codes in the E2M1 word
     layout: plus :data:`WORDS`, ``tl.dot_scaled`` (which takes standard bytes) turned into the bit
@@ -310,6 +324,8 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
         constexprs = dict(constexprs, E2M1=fold_scales(constexprs["E2M1"], weight))
     if weight.e2m1_words:
         constexprs = dict(constexprs, E2M1=with_words(constexprs["E2M1"], weight))
+    if constexprs["E2M1"] & FP8_PACKED and weight.fmt == "fp8_w":
+        constexprs = dict(constexprs, E2M1=fold_fp8(constexprs["E2M1"], weight))
     _linear_kernel[plan["grid"]](
         xq, sx, data, scale, out, ws, cnt, m, n, k, plan["k_split"], split, xq.stride(0), sx.stride(0),
         data.stride(0), scale.stride(0), out.stride(1), out.stride(0), SCALE_K=scale.stride(1), **constexprs,

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.codecs import (e2m1_pairs_bf16, e2m1_x16384, e4m3_x256, e8m0_bf16, e8m0_bf16_x2p126,
                                          e8m0_to_f32, pow2, quant_fp8)
-from flashrt.kernels_cuda.codecs_e4m3 import e4m3_pairs_bf16
+from flashrt.kernels_cuda.codecs_e4m3 import e4m3_pairs_bf16, e8m0_bf16_x2p120
 from flashrt.kernels_cuda.codecs_words import e2m1_words_bf16, e2m1_words_nibbles
 from flashrt.kernels_cuda.splitk import store_tile
 from flashrt.kernels_cuda.pdl import wait_inputs
@@ -59,8 +59,8 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
     in E2M1 the block's K order is :func:`_halves`' (the caller permutes the activations so); with 64
     the bytes are in the E2M1 word layout (the packed decode reads them as they are,
     codecs_words.e2m1_words_bf16; code by code they are put back in nibbles first). fp8_w with
-    E2M1 % 8 == 2 and 128 in E2M1: four E4M3 bytes a call into bf16 (codecs_e4m3.e4m3_pairs_bf16),
-    else byte by byte."""
+    E2M1 % 8 == 2 and 128 in E2M1: four E4M3 bytes a call into bf16 (codecs_e4m3.e4m3_pairs_bf16; with
+    256 its 2**120 folded into the scales), else byte by byte."""
     G: tl.constexpr = BLOCK_K // 32
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kg = k0 + tl.arange(0, G) * 32
@@ -95,8 +95,9 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + kg[None, :, None] + j[None, None, :]
         raw = tl.load(ptrs, mask=ok[:, :, None], other=0.0)
         if E2M1 % 8 == 2 and (E2M1 // 128) % 2 == 1:  # four bytes a call into bf16 pairs (the same values)
-            scale = tl.broadcast_to(e8m0_bf16(s)[:, :, None], (BLOCK_N, G, 32))
-            v = tl.reshape(e4m3_pairs_bf16(raw.to(tl.uint8, bitcast=True), scale), (BLOCK_N, BLOCK_K))
+            FOLD8: tl.constexpr = (E2M1 // 256) % 2 == 1  # the 2**120 in the scales (linear.fold_fp8)
+            scale = tl.broadcast_to((e8m0_bf16_x2p120(s) if FOLD8 else e8m0_bf16(s))[:, :, None], (BLOCK_N, G, 32))
+            v = tl.reshape(e4m3_pairs_bf16(raw.to(tl.uint8, bitcast=True), scale, FOLD8), (BLOCK_N, BLOCK_K))
         else:
             w = e4m3_x256(raw).to(tl.float32)
             v = tl.reshape(w * pow2(s + 8)[:, :, None], (BLOCK_N, BLOCK_K))  # 2**(b - 127) * 2**8

@@ -57,8 +57,9 @@ from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
 from flashrt.kernels_cuda import moe_grouped, moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
-from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fold_scales, fp4_decode, fp8_decode,
-                                         may_fold, mma_mode, pick_tile, split_tile, weight_operands, with_words)
+from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fold_fp8, fold_scales, fp4_decode,
+                                         fp8_decode, may_fold, mma_mode, pick_tile, split_tile, weight_operands,
+                                         with_words)
 from flashrt.kernels_cuda.linear_kernel import ACT_DEQUANTIZED
 from flashrt.kernels_cuda.moe_kernels import (_fp8_round_trip_kernel, _moe_combine_kernel, _moe_down_kernel,
                                               _moe_up_kernel)
@@ -174,8 +175,10 @@ def _grid(tab, t, cols: int, split: int, n: int, plan: dict):
 
 def _e2m1(plan: dict, *weights) -> int:
     """The E2M1 constexpr of a launch over ``weights``: the plan's, folded where it may fold and the
-    weights allow (:func:`.linear.fold_scales`), for their fp4 code layout (:func:`.linear.with_words`)."""
-    return with_words(fold_scales(plan["e2m1"], *weights) if plan["fold"] else plan["e2m1"], *weights)
+    weights allow (:func:`.linear.fold_scales`, :func:`.linear.fold_fp8`), for their fp4 code layout
+    (:func:`.linear.with_words`)."""
+    e2m1 = fold_scales(plan["e2m1"], *weights) if plan["fold"] else plan["e2m1"]
+    return with_words(fold_fp8(e2m1, *weights), *weights)
 
 
 def _shared_operands(shared, w_routed, plan):
@@ -230,7 +233,8 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
         QX=ACT_DEQUANTIZED if plan["adq"] else plan["qx"],
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
         PROMOTE_S=promote_s, DOT_S=dot_s,
-        E2M1=_e2m1(plan, w1, w3, *(shared or ())[:2]) if w1.fmt == "fp4_w" or fp4_s else fp8_decode(promote),
+        E2M1=_e2m1(plan, w1, w3, *(shared or ())[:2]) if w1.fmt == "fp4_w" or fp4_s
+        else fold_fp8(fp8_decode(promote), w1, w3, *(shared or ())[:2]),
         SCALE_K=s1.stride(2), SCALE_K_S=o1[1].stride(-1), **_dq(plan, HDQ=True), **t,
         **pdl.options(xq.device))
     return hq, sh
@@ -259,7 +263,8 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
         FP4=w2.fmt == "fp4_w", PROMOTE=promote, DOT=dot, XDT=TL_DTYPES[xdtype], DIRECT=direct,
         COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, PAIRS=plan["pairs"],
         SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s,
-        E2M1=_e2m1(plan, w2, *(shared or ())[2:]) if w2.fmt == "fp4_w" or fp4_s else fp8_decode(promote),
+        E2M1=_e2m1(plan, w2, *(shared or ())[2:]) if w2.fmt == "fp4_w" or fp4_s
+        else fold_fp8(fp8_decode(promote), w2, *(shared or ())[2:]),
         SCALE_K=s2.stride(2), SCALE_K_S=o2[1].stride(-1), **_dq(plan, QX=ACT_DEQUANTIZED), **t,
         **pdl.options(hq.device))
     return y

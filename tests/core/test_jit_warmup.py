@@ -126,7 +126,7 @@ def test_moe_warms_the_expert_layout_a_load_makes(expert_scales, expert_fp4):
         for w in (w1, *shared):
             k_major = w.scale.stride()[-2:] == (1, w.scale.shape[-2])
             assert k_major if expert_scales == "k_major" else w.scale.is_contiguous()
-            assert (w.scale_max is not None) == (w.fmt == "fp4_w")
+            assert (w.scale_max is not None) == (w.fmt in ("fp4_w", "fp8_w"))
             assert w.e2m1_words == (w.fmt == "fp4_w" and expert_fp4 == "words")
         assert (w1.scale.stride(-1) == 1) == (loaded.scale.stride(-1) == 1) and loaded.scale_max is not None
         assert w1.e2m1_words == loaded.e2m1_words

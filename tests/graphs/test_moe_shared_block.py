@@ -71,8 +71,8 @@ def test_k_major_expert_scales_change_the_layout_not_the_output(cfg, block_weigh
     for a, b in zip((row.w1, row.w3, row.w2, *row.shared), (kmajor.w1, kmajor.w3, kmajor.w2, *kmajor.shared)):
         assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)) and torch.equal(a.data, b.data)
         assert a.scale.stride(-1) == 1 and b.scale.stride(-2) == 1 and b.scale.stride(-1) == b.scale.shape[-2]
-    for w in (row.w1, row.w3, row.w2, kmajor.w1, *row.shared):  # fp4_w: the largest scale byte recorded at load
-        assert w.scale_max == (int(w.scale.view(torch.uint8).max()) if w.fmt == "fp4_w" else None)
+    for w in (row.w1, row.w3, row.w2, kmajor.w1, *row.shared):
+        assert w.scale_max == int(w.scale.view(torch.uint8).max())  # fp4_w and fp8_w: recorded at load
     h = (torch.randn(1, 3, cfg.dim, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
     with flashrt.use_backend(backend):
         got = kmajor.forward(h)

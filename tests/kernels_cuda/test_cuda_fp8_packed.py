@@ -3,6 +3,8 @@ run through the emulator on every byte and a spread of UE8M0 scales, gives each 
 its scale in bf16 (the NaN codes +-480, as the MMA operand decode reads them); the launches take it
 where the packed decodes run and the weights are dequantized (not the fp8 MMA); on an sm_90 GPU the
 experts' fp8 shared expert and ``linear`` without the fp8 MMA give the byte-by-byte decode's bits."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -40,6 +42,45 @@ def test_the_ptx_decodes_every_byte_and_scale(rng):
             nan = np.isnan(scales[:, reg].numpy())
             np.testing.assert_array_equal(g[~nan], w[~nan], err_msg=f"${reg} lane {half}")
             assert ((g[nan] & 0x7F80) == 0x7F80).all() and (g[nan] & 0x7F).all()  # NaN for the NaN scale
+
+
+def test_the_folded_ptx_equals_the_rebias(rng):
+    """The decode with its 2**120 in the scales (``E4M3_PAIRS_FOLDED_TEXT``, scale ``2**(u - 7)``)
+    gives the plain decode's bits for every byte and every scale byte it is used for (0..134), and
+    one multiply a register fewer."""
+    n = 4096
+    data = torch.randint(0, 256, (n, 4), generator=rng, dtype=torch.uint8)
+    data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
+    scale_bytes = torch.randint(0, e4m3.FOLD_MAX_SCALE + 1, (n, 2), generator=rng)
+    scale_bytes[:3] = torch.tensor([[0, 1], [133, 134], [7, 120]])
+    word = data.numpy().astype(np.uint32)
+    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    plain = bf16_bits(torch.exp2(scale_bytes.double() - 127))
+    folded = bf16_bits(torch.exp2(scale_bytes.double() - 7))  # what e8m0_bf16_x2p120 makes: exact up to 134
+    np.testing.assert_array_equal(folded, ((scale_bytes.numpy() + 120) << 7).astype(np.uint32))
+    want = run_ptx(e4m3.E4M3_PAIRS_TEXT, {2: word, 3: plain[:, 0] * 0x10001, 4: plain[:, 1] * 0x10001})
+    got = run_ptx(e4m3.E4M3_PAIRS_FOLDED_TEXT, {2: word, 3: folded[:, 0] * 0x10001, 4: folded[:, 1] * 0x10001})
+    for reg in (0, 1):
+        np.testing.assert_array_equal(got[f"${reg}"], want[f"${reg}"], err_msg=f"${reg}")
+    count = lambda text: text.count("mul.rn.bf16x2")
+    assert count(e4m3.E4M3_PAIRS_FOLDED_TEXT) == count(e4m3.E4M3_PAIRS_TEXT) - 2 == 2
+
+
+def test_the_fold_needs_the_packed_decode_and_known_small_scales(rng):
+    """``fold_fp8`` adds FP8_FOLD only to a packed fp8 decode (FP8_PACKED in E2M1) whose fp8_w weights
+    all have their largest scale byte recorded at most 134; fp4 weights do not count; the MoE layers
+    record it for fp8_w stacks too."""
+    w = formats.quantize(torch.randn(64, 64, generator=rng), "fp8_w")
+    small = formats.with_scale_max(w)
+    large = dataclasses.replace(small, scale_max=e4m3.FOLD_MAX_SCALE + 1)
+    fp4 = formats.with_scale_max(formats.quantize(torch.randn(64, 64, generator=rng), "fp4_w"))
+    packed = 2 + lin.FP8_PACKED
+    assert small.scale_max <= e4m3.FOLD_MAX_SCALE
+    assert lin.fold_fp8(packed, small) == lin.fold_fp8(packed, small, fp4) == packed + lin.FP8_FOLD
+    assert lin.fold_fp8(packed, small, large) == packed and lin.fold_fp8(packed, w) == packed
+    assert lin.fold_fp8(packed, fp4) == packed and lin.fold_fp8(2, small) == 2
+    stack = formats.as_expert_stack(formats.quantize(torch.randn(3, 64, 64, generator=rng), "fp8_w"), k_major=True)
+    assert stack.scale_max == int(stack.scale.view(torch.uint8).max())
 
 
 @pytest.mark.parametrize("fp4,promote,want", [(130, False, 130), (138, False, 130), (250, False, 130),
@@ -81,6 +122,8 @@ def test_fp8_weights_packed_gpu(rng, m):
     idx = torch.rand(m, E, generator=rng).topk(top).indices.to(DEVICE, torch.int32)
     rw = torch.rand(m, top, generator=rng).to(DEVICE)
     ones, first = torch.ones(m, 1, device=DEVICE), torch.zeros(m, 1, dtype=torch.int32, device=DEVICE)
+    shared = tuple(formats.with_scale_max(s) for s in shared)  # as the MoE layers record them: the fold applies
+    assert lin.fold_fp8(2 + lin.FP8_PACKED, *shared) & lin.FP8_FOLD
     out = {}
     for decode in ("bits", "packed_prefetch"):
         tiles = dict(linear=dict(fp4_decode=decode, fp8_mma=False, fp8_packed=True), moe=dict(act_dequantized=True))
