@@ -60,3 +60,9 @@ def run_ptx(text: str, operands: dict) -> dict:
 def bf16_bits(values: torch.Tensor) -> np.ndarray:
     """bf16 bit patterns (uint32) of ``values``."""
     return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+
+
+def words_of(data: torch.Tensor) -> np.ndarray:
+    """uint32 little-endian words of ``data`` [n, 4] (uint8): the register four packed bytes make."""
+    w = data.numpy().astype(np.uint32)
+    return w[:, 0] | w[:, 1] << 8 | w[:, 2] << 16 | w[:, 3] << 24

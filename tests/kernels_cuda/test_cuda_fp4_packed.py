@@ -14,7 +14,7 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
-from ptx_emulator import bf16_bits as _bf16_bits, run_ptx
+from ptx_emulator import bf16_bits as _bf16_bits, run_ptx, words_of
 
 pytestmark = requires_kernels
 codecs = pytest.importorskip("flashrt.kernels_cuda.codecs")
@@ -35,8 +35,7 @@ def test_the_ptx_decodes_every_byte_and_scale(rng):
     scale_bytes = torch.randint(0, 256, (n, 2), generator=rng)
     scale_bytes[:8] = torch.tensor([[0, 1], [126, 127], [128, 200], [254, 255], [100, 3], [120, 122], [140, 9], [60, 0]])
     scales = torch.where(scale_bytes == 255, float("nan"), torch.exp2(scale_bytes.double() - 127))
-    word = data.numpy().astype(np.uint32)
-    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    word = words_of(data)
     sb = _bf16_bits(scales)  # exact: powers of two in bf16's range (2**-127 a subnormal), NaN
     out = run_ptx(codecs.E2M1_PAIRS_TEXT, {4: word, 5: sb[:, 0] * 0x10001, 6: sb[:, 1] * 0x10001})
     codes = torch.stack([data & 15, data >> 4], dim=-1).long()  # [n, 4 bytes, low / high]
@@ -143,8 +142,7 @@ def test_the_folded_ptx_equals_the_rebias(rng):
     data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
     scale_bytes = torch.randint(0, lin.FOLD_MAX_SCALE + 1, (n, 2), generator=rng)
     scale_bytes[:3] = torch.tensor([[0, 1], [127, 128], [2, 126]])
-    word = data.numpy().astype(np.uint32)
-    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    word = words_of(data)
     plain = _bf16_bits(torch.exp2(scale_bytes.double() - 127))
     folded = _bf16_bits(torch.exp2(scale_bytes.double() - 1))  # what e8m0_bf16_x2p126 makes: exact up to 128
     np.testing.assert_array_equal(folded, ((scale_bytes.numpy() + 126) << 7).astype(np.uint32))
@@ -213,8 +211,7 @@ def test_the_ptx_with_e4m3_scales_is_exact(rng):
     pick[:m] = torch.arange(2 * m).view(m, 2)  # every scale byte among them
     scales = finite[pick].view(torch.float8_e4m3fn).double()
     assert torch.equal(scales.to(torch.bfloat16).double(), scales)  # E4M3 values are exact in bf16
-    word = data.numpy().astype(np.uint32)
-    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    word = words_of(data)
     sb = _bf16_bits(scales)
     out = run_ptx(codecs.E2M1_PAIRS_TEXT, {4: word, 5: sb[:, 0] * 0x10001, 6: sb[:, 1] * 0x10001})
     codes = torch.stack([data & 15, data >> 4], dim=-1).long()

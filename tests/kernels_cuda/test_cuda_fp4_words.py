@@ -11,7 +11,7 @@ import torch
 import flashrt
 from flashrt import e2m1_words, formats, ops
 from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
-from ptx_emulator import bf16_bits, run_ptx
+from ptx_emulator import bf16_bits, run_ptx, words_of
 
 pytestmark = requires_kernels
 codecs = pytest.importorskip("flashrt.kernels_cuda.codecs")
@@ -19,11 +19,6 @@ words_codecs = pytest.importorskip("flashrt.kernels_cuda.codecs_words")
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 quant = pytest.importorskip("flashrt.kernels_cuda.quant")
 SM90 = GPU and torch.cuda.get_device_capability() >= (9, 0)
-
-
-def _word(data: torch.Tensor) -> np.ndarray:
-    w = data.numpy().astype(np.uint32)
-    return w[:, 0] | w[:, 1] << 8 | w[:, 2] << 16 | w[:, 3] << 24
 
 
 @pytest.mark.parametrize("folded", [False, True])
@@ -40,8 +35,8 @@ def test_the_words_ptx_gives_the_nibbles_ptx_registers(rng, folded):
     ops_ = {5: sb[:, 0] * 0x10001, 6: sb[:, 1] * 0x10001}
     nibbles, words = ((codecs.E2M1_PAIRS_FOLDED_TEXT, words_codecs.E2M1_WORDS_FOLDED_TEXT) if folded
                       else (codecs.E2M1_PAIRS_TEXT, words_codecs.E2M1_WORDS_TEXT))
-    want = run_ptx(nibbles, {4: _word(data), **ops_})
-    got = run_ptx(words, {4: _word(e2m1_words.to_words(data)), **ops_})
+    want = run_ptx(nibbles, {4: words_of(data), **ops_})
+    got = run_ptx(words, {4: words_of(e2m1_words.to_words(data)), **ops_})
     for reg in range(4):
         np.testing.assert_array_equal(got[f"${reg}"], want[f"${reg}"], err_msg=f"${reg}")
     # fewer instructions than the nibbles' decode, no byte permutes

@@ -12,7 +12,7 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
-from ptx_emulator import bf16_bits, run_ptx
+from ptx_emulator import bf16_bits, run_ptx, words_of
 
 pytestmark = requires_kernels
 e4m3 = pytest.importorskip("flashrt.kernels_cuda.codecs_e4m3")
@@ -28,8 +28,7 @@ def test_the_ptx_decodes_every_byte_and_scale(rng):
     scale_bytes[:4] = torch.tensor([[0, 1], [126, 127], [134, 135], [254, 255]])
     scales = torch.where(scale_bytes == 255, float("nan"), torch.exp2(scale_bytes.double() - 127))
     sb = bf16_bits(scales)
-    word = data.numpy().astype(np.uint32)
-    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    word = words_of(data)
     out = run_ptx(e4m3.E4M3_PAIRS_TEXT, {2: word, 3: sb[:, 0] * 0x10001, 4: sb[:, 1] * 0x10001})
     values = data.view(torch.float8_e4m3fn).double()
     values = torch.where(values.isnan(), torch.where(data >= 128, -480.0, 480.0), values)  # as e4m3_x256 reads them
@@ -53,8 +52,7 @@ def test_the_folded_ptx_equals_the_rebias(rng):
     data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
     scale_bytes = torch.randint(0, e4m3.FOLD_MAX_SCALE + 1, (n, 2), generator=rng)
     scale_bytes[:3] = torch.tensor([[0, 1], [133, 134], [7, 120]])
-    word = data.numpy().astype(np.uint32)
-    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    word = words_of(data)
     plain = bf16_bits(torch.exp2(scale_bytes.double() - 127))
     folded = bf16_bits(torch.exp2(scale_bytes.double() - 7))  # what e8m0_bf16_x2p120 makes: exact up to 134
     np.testing.assert_array_equal(folded, ((scale_bytes.numpy() + 120) << 7).astype(np.uint32))
