@@ -66,3 +66,23 @@ def words_of(data: torch.Tensor) -> np.ndarray:
     """uint32 little-endian words of ``data`` [n, 4] (uint8): the register four packed bytes make."""
     w = data.numpy().astype(np.uint32)
     return w[:, 0] | w[:, 1] << 8 | w[:, 2] << 16 | w[:, 3] << 24
+
+
+def assert_fold_exact(rng, plain: str, folded: str, power: int, max_byte: int, regs: tuple, n_out: int) -> None:
+    """``folded`` (its scale operands ``2**(u - 127 + power)``, the bits ``(u + power) << 7``) gives
+    ``plain``'s output registers (scales ``2**(u - 127)``, a multiply by ``2**power``) for every byte
+    and scale bytes ``u`` in 0..``max_byte``; ``regs``: the numbers of the word's and the two scale
+    pairs' registers, ``n_out`` the outputs'."""
+    n = 4096
+    data = torch.randint(0, 256, (n, 4), generator=rng, dtype=torch.uint8)
+    data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
+    scale_bytes = torch.randint(0, max_byte + 1, (n, 2), generator=rng)
+    scale_bytes[:2] = torch.tensor([[0, 1], [max_byte - 1, max_byte]])
+    base = bf16_bits(torch.exp2(scale_bytes.double() - 127))
+    moved = bf16_bits(torch.exp2(scale_bytes.double() - 127 + power))
+    np.testing.assert_array_equal(moved, ((scale_bytes.numpy() + power) << 7).astype(np.uint32))
+    w, s0, s1 = regs
+    want = run_ptx(plain, {w: words_of(data), s0: base[:, 0] * 0x10001, s1: base[:, 1] * 0x10001})
+    got = run_ptx(folded, {w: words_of(data), s0: moved[:, 0] * 0x10001, s1: moved[:, 1] * 0x10001})
+    for reg in range(n_out):
+        np.testing.assert_array_equal(got[f"${reg}"], want[f"${reg}"], err_msg=f"${reg}")

@@ -14,7 +14,7 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
-from ptx_emulator import bf16_bits as _bf16_bits, run_ptx, words_of
+from ptx_emulator import assert_fold_exact, bf16_bits as _bf16_bits, run_ptx, words_of
 
 pytestmark = requires_kernels
 codecs = pytest.importorskip("flashrt.kernels_cuda.codecs")
@@ -137,19 +137,7 @@ def test_the_folded_ptx_equals_the_rebias(rng):
     """The decode with its 2**126 re-bias folded into the scales (``E2M1_PAIRS_FOLDED_TEXT``, scale
     ``2**(u - 1)``) gives the plain decode's bits for every byte and every scale byte it is used for
     (0..128), and one multiply a register fewer."""
-    n = 4096
-    data = torch.randint(0, 256, (n, 4), generator=rng, dtype=torch.uint8)
-    data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
-    scale_bytes = torch.randint(0, lin.FOLD_MAX_SCALE + 1, (n, 2), generator=rng)
-    scale_bytes[:3] = torch.tensor([[0, 1], [127, 128], [2, 126]])
-    word = words_of(data)
-    plain = _bf16_bits(torch.exp2(scale_bytes.double() - 127))
-    folded = _bf16_bits(torch.exp2(scale_bytes.double() - 1))  # what e8m0_bf16_x2p126 makes: exact up to 128
-    np.testing.assert_array_equal(folded, ((scale_bytes.numpy() + 126) << 7).astype(np.uint32))
-    want = run_ptx(codecs.E2M1_PAIRS_TEXT, {4: word, 5: plain[:, 0] * 0x10001, 6: plain[:, 1] * 0x10001})
-    got = run_ptx(codecs.E2M1_PAIRS_FOLDED_TEXT, {4: word, 5: folded[:, 0] * 0x10001, 6: folded[:, 1] * 0x10001})
-    for reg in range(4):
-        np.testing.assert_array_equal(got[f"${reg}"], want[f"${reg}"], err_msg=f"${reg}")
+    assert_fold_exact(rng, codecs.E2M1_PAIRS_TEXT, codecs.E2M1_PAIRS_FOLDED_TEXT, 126, lin.FOLD_MAX_SCALE, (4, 5, 6), 4)
     count = lambda text: text.count("mul.rn.bf16x2")
     assert count(codecs.E2M1_PAIRS_FOLDED_TEXT) == count(codecs.E2M1_PAIRS_TEXT) - 4 == 4
 

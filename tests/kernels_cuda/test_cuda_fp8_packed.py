@@ -12,7 +12,7 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
-from ptx_emulator import bf16_bits, run_ptx, words_of
+from ptx_emulator import assert_fold_exact, bf16_bits, run_ptx, words_of
 
 pytestmark = requires_kernels
 e4m3 = pytest.importorskip("flashrt.kernels_cuda.codecs_e4m3")
@@ -47,19 +47,7 @@ def test_the_folded_ptx_equals_the_rebias(rng):
     """The decode with its 2**120 in the scales (``E4M3_PAIRS_FOLDED_TEXT``, scale ``2**(u - 7)``)
     gives the plain decode's bits for every byte and every scale byte it is used for (0..134), and
     one multiply a register fewer."""
-    n = 4096
-    data = torch.randint(0, 256, (n, 4), generator=rng, dtype=torch.uint8)
-    data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
-    scale_bytes = torch.randint(0, e4m3.FOLD_MAX_SCALE + 1, (n, 2), generator=rng)
-    scale_bytes[:3] = torch.tensor([[0, 1], [133, 134], [7, 120]])
-    word = words_of(data)
-    plain = bf16_bits(torch.exp2(scale_bytes.double() - 127))
-    folded = bf16_bits(torch.exp2(scale_bytes.double() - 7))  # what e8m0_bf16_x2p120 makes: exact up to 134
-    np.testing.assert_array_equal(folded, ((scale_bytes.numpy() + 120) << 7).astype(np.uint32))
-    want = run_ptx(e4m3.E4M3_PAIRS_TEXT, {2: word, 3: plain[:, 0] * 0x10001, 4: plain[:, 1] * 0x10001})
-    got = run_ptx(e4m3.E4M3_PAIRS_FOLDED_TEXT, {2: word, 3: folded[:, 0] * 0x10001, 4: folded[:, 1] * 0x10001})
-    for reg in (0, 1):
-        np.testing.assert_array_equal(got[f"${reg}"], want[f"${reg}"], err_msg=f"${reg}")
+    assert_fold_exact(rng, e4m3.E4M3_PAIRS_TEXT, e4m3.E4M3_PAIRS_FOLDED_TEXT, 120, e4m3.FOLD_MAX_SCALE, (2, 3, 4), 2)
     count = lambda text: text.count("mul.rn.bf16x2")
     assert count(e4m3.E4M3_PAIRS_FOLDED_TEXT) == count(e4m3.E4M3_PAIRS_TEXT) - 2 == 2
 
