@@ -30,32 +30,29 @@ WORD_BITS = (
 _CHUNK_WORDS = 1 << 24  # words rearranged at a time (bounded temporaries)
 
 
-def _moves(forward: bool) -> list[tuple[int, int]]:
-    """(shift, mask) pairs: out |= (word >> shift) & mask for shift >= 0, (word << -shift) & mask
-    otherwise, one pair per distinct distance a bit travels (forward: standard -> word layout)."""
+def _bit_map(forward: bool) -> dict[int, int]:
+    """Word bit -> word bit of one direction (forward: standard -> word layout); in the standard
+    layout code j's bit i is bit 4j + i."""
+    pairs = [(4 * j + i, pos) for j, bits in enumerate(WORD_BITS) for i, pos in enumerate(bits)]
+    return dict(pairs if forward else [(b, a) for a, b in pairs])
+
+
+def moves(forward: bool = False) -> list[tuple[int, int]]:
+    """(shift, mask) pairs of one direction, for kernels that rearrange words in registers: out |=
+    (word >> shift) & mask for shift >= 0, (word << -shift) & mask otherwise, one pair per distinct
+    distance a bit travels."""
     by_shift: dict[int, int] = {}
-    for j, bits in enumerate(WORD_BITS):
-        for i, dst in enumerate(bits):
-            src = 4 * j + i
-            a, b = (src, dst) if forward else (dst, src)
-            by_shift[a - b] = by_shift.get(a - b, 0) | (1 << b)
+    for src, dst in _bit_map(forward).items():
+        by_shift[src - dst] = by_shift.get(src - dst, 0) | (1 << dst)
     return sorted(by_shift.items())
-
-
-_FORWARD, _BACKWARD = _moves(True), _moves(False)
 
 
 def _byte_tables(forward: bool) -> torch.Tensor:
     """uint8 [4 source bytes, 4 output bytes, 256]: the bits of source byte i's value that the layout
     sends to output byte j, in their places there (a word's output byte j is the OR over i)."""
-    dst = {}
-    for j, bits in enumerate(WORD_BITS):
-        for i, pos in enumerate(bits):
-            a, b = (4 * j + i, pos) if forward else (pos, 4 * j + i)
-            dst[a] = b
     v = torch.arange(256)
     tables = torch.zeros(4, 4, 256, dtype=torch.int64)
-    for src_bit, dst_bit in dst.items():
+    for src_bit, dst_bit in _bit_map(forward).items():
         bit = (v >> (src_bit % 8)) & 1
         tables[src_bit // 8, dst_bit // 8] |= bit << (dst_bit % 8)
     return tables.to(torch.uint8)
@@ -90,8 +87,3 @@ def to_words(data: torch.Tensor) -> torch.Tensor:
 def from_words(data: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`to_words`."""
     return _rearrange(data, False, "from_words")
-
-
-def moves(forward: bool = False) -> list[tuple[int, int]]:
-    """The (shift, mask) pairs of one direction (for kernels that rearrange words in registers)."""
-    return list(_FORWARD if forward else _BACKWARD)

@@ -165,11 +165,9 @@ def as_expert_stack(w: QTensor, k_major: bool, words: bool = False) -> QTensor:
     (the packed decodes fold their re-bias into scales up to 128 / 134) and, with ``words`` (the
     profile's ``expert_fp4: words``), an fp4_w one's codes in the word layout."""
     w = with_k_major_scales(w) if k_major else w
-    if w.fmt == "fp8_w":
-        return with_scale_max(w)
-    if w.fmt != "fp4_w":
-        return w
-    return with_scale_max(with_e2m1_words(w) if words else w)
+    if words and w.fmt == "fp4_w":
+        w = with_e2m1_words(w)
+    return with_scale_max(w) if w.fmt in ("fp4_w", "fp8_w") else w
 
 
 def with_scale_max(w: QTensor) -> QTensor:
@@ -381,4 +379,4 @@ def dequantize_rows(q: QTensor, index: torch.Tensor, dtype: torch.dtype = torch.
         batch = torch.arange(q.data.shape[0], device=index.device).view(-1, *([1] * (index.dim() - 1)))
         data, scale = q.data[batch, index], q.scale[batch, index]
     shape = tuple(index.shape) + tuple(q.shape[-1:])
-    return dequantize(QTensor(data, scale, q.fmt, shape, e2m1_words=q.e2m1_words), dtype)
+    return dequantize(replace(q, data=data, scale=scale, shape=shape), dtype)

@@ -216,12 +216,14 @@ def fold_scales(e2m1: int, *weights) -> int:
     weight among ``weights`` has a recorded largest scale byte (``QTensor.scale_max``) of at most
     :data:`FOLD_MAX_SCALE`; else ``e2m1``. The weights' part is decided per launch (plans are per
     shape; launchers ask only where their plan may fold); the values are the same either way."""
-    if not may_fold(e2m1):
-        return e2m1
-    fp4 = [w for w in weights if isinstance(w, QTensor) and w.fmt == "fp4_w"]
-    if fp4 and all(w.scale_max is not None and w.scale_max <= FOLD_MAX_SCALE for w in fp4):
-        return e2m1 + SCALE_FOLD
-    return e2m1
+    return e2m1 + SCALE_FOLD if may_fold(e2m1) and _scales_at_most(weights, "fp4_w", FOLD_MAX_SCALE) else e2m1
+
+
+def _scales_at_most(weights, fmt: str, top: int) -> bool:
+    """Whether ``weights`` hold a weight of format ``fmt`` and every such one has its largest scale
+    byte recorded (``QTensor.scale_max``) at most ``top``."""
+    of_fmt = [w for w in weights if isinstance(w, QTensor) and w.fmt == fmt]
+    return bool(of_fmt) and all(w.scale_max is not None and w.scale_max <= top for w in of_fmt)
 
 
 def fold_fp8(e2m1: int, *weights) -> int:
@@ -229,11 +231,8 @@ def fold_fp8(e2m1: int, *weights) -> int:
     every fp8_w weight among ``weights`` (at least one) has its largest scale byte recorded at most
     ``codecs_e4m3.FOLD_MAX_SCALE`` (``QTensor.scale_max``, set where the experts are stacked at load);
     else ``e2m1``. The values are the same either way."""
-    fp8 = [w for w in weights if isinstance(w, QTensor) and w.fmt == "fp8_w"]
-    if e2m1 & FP8_PACKED and fp8 and all(w.scale_max is not None and w.scale_max <= FP8_FOLD_MAX_SCALE
-                                         for w in fp8):
-        return e2m1 + FP8_FOLD
-    return e2m1
+    packed = e2m1 & FP8_PACKED
+    return e2m1 + FP8_FOLD if packed and _scales_at_most(weights, "fp8_w", FP8_FOLD_MAX_SCALE) else e2m1
 
 
 def with_words(e2m1: int, *weights) -> int:
@@ -322,10 +321,9 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
     constexprs = plan["constexprs"]
     if plan["fold"]:  # the tile is on for this plan's packed decode: the weight's bound decides
         constexprs = dict(constexprs, E2M1=fold_scales(constexprs["E2M1"], weight))
-    if weight.e2m1_words:
-        constexprs = dict(constexprs, E2M1=with_words(constexprs["E2M1"], weight))
-    if constexprs["E2M1"] & FP8_PACKED and weight.fmt == "fp8_w":
-        constexprs = dict(constexprs, E2M1=fold_fp8(constexprs["E2M1"], weight))
+    e2m1 = fold_fp8(with_words(constexprs["E2M1"], weight), weight)  # the weight's code layout and fp8 fold
+    if e2m1 != constexprs["E2M1"]:
+        constexprs = dict(constexprs, E2M1=e2m1)
     _linear_kernel[plan["grid"]](
         xq, sx, data, scale, out, ws, cnt, m, n, k, plan["k_split"], split, xq.stride(0), sx.stride(0),
         data.stride(0), scale.stride(0), out.stride(1), out.stride(0), SCALE_K=scale.stride(1), **constexprs,

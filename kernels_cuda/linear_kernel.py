@@ -237,7 +237,7 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
     # the halves order on tiles under 64 rows only (mma.sync, operands in registers); 64-row tiles take
     # the warpgroup MMA, whose activation operand a permutation would send through shared memory
     HALVES: tl.constexpr = FP4 and not PROMOTE and (E2M1 // 32) % 2 == 1 and BLOCK_M < 64
-    W_E2M1: tl.constexpr = E2M1 if HALVES else E2M1 - 32 * ((E2M1 // 32) % 2)  # what the weights' decode is told
+    W_E2M1: tl.constexpr = E2M1 if HALVES else E2M1 & ~32  # what the weights' decode is told
     tl.static_assert(not (PROMOTE and QX == ACT_DEQUANTIZED), "fp8 MMA on raw E4M3 needs fp8 activations")
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)

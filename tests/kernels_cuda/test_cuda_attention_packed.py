@@ -1,14 +1,14 @@
 """``tiles.attention.dequant.packed_fp4_b16``: the sparse and prefix attention kernels decode the main
 KV's fp4_b16 rows in packed registers on sm_90 (``codecs.dequant_rows``). The rows hold the same
-values, so the outputs are the code-by-code decode's bit for bit: under the interpreter (where the
-knob reaches the kernels but the packed path is not taken) and on an sm_90 GPU (where it is); the
-launch plans carry the knob."""
+values, so the outputs are the code-by-code decode's bit for bit on an sm_90 GPU (where the packed
+path is taken; under the interpreter the knob reaches the kernels but not that path), and both stay
+within the attention tests' tolerance of the reference backend; the launch plans carry the knob."""
 import pytest
 import torch
 
 import flashrt
 from flashrt import formats, ops
-from kernel_check import DEVICE, GPU, pinned_tiles, requires_kernels
+from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
 
 pytestmark = requires_kernels
 attention = pytest.importorskip("flashrt.kernels_cuda.attention")
@@ -41,11 +41,16 @@ def _prefix(g, B, S, H, D, W, T):
 
 
 def _both(call, args):
+    """(the kernels' output without the knob, with it), each checked against the reference backend."""
     out = []
     for tiles in ({}, PACKED):
         with flashrt.use_backend("cuda"), pinned_tiles(**tiles):
             assert attention.packed_rows() == bool(tiles)
             out.append(call(*args))
+    with flashrt.use_backend("reference"):
+        want = call(*args).float().cpu()
+    for got in out:
+        assert rel_err(got.float().cpu(), want) < 2e-2
     return out
 
 
