@@ -188,6 +188,10 @@
 #              attention off and on (h200-kernels-attention-packed-{off,on}.json,
 #              h200-prefix-attention-packed-{off,on}.json), the real-dimension slice and small's decode:
 #              h200-real-slice-attnpacked-{off,on}.json, h200-e2e-attnpacked-{off,on}.json
+#   attnws     the warp-specialized Gluon attention kernel (tiles.attention.ws.enabled): its tests and the
+#              attention tests (h200-attn-ws-tests.log), the attention kernel cases off and on
+#              (h200-kernels-attention-ws-{off,on}.json), the real-dimension slice (64 heads: the kernel
+#              serves it; small's 16 do not take it): h200-real-slice-attnws-{off,on}.json
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -238,8 +242,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words|attnpacked) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq, words or attnpacked)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words|attnpacked|attnws) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq, words, attnpacked or attnws)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -730,6 +734,21 @@ phase_attnpacked() {  # the fp4_b16 KV rows decoded in packed registers (tiles.a
   FLASHRT_PROFILE=$on python benchmarks/prefix_attention.py --rows 4 16 --no-variants \
     --out "$OUT/h200-prefix-attention-packed-on.json" | tail -n 3
   slice_and_decode attnpacked off h200 on "$on"
+}
+
+phase_attnws() {  # the warp-specialized Gluon attention kernel (tiles.attention.ws)
+  local on
+  on=$(profile_set h200-attn-ws tiles.attention.ws.enabled true)
+  timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
+    tests/kernels_cuda/test_cuda_attention.py > "$OUT/h200-attn-ws-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-attn-ws-tests.log"
+  python -m flashrt.cli bench kernels --families attention --out "$OUT/h200-kernels-attention-ws-off.json" | tail -n 4
+  FLASHRT_PROFILE=$on timeout 120 python -m flashrt.cli bench kernels --families attention \
+    --out "$OUT/h200-kernels-attention-ws-on.json" | tail -n 4
+  for run in off:h200 on:$on; do  # small's 16 heads do not take the kernel: the slice only
+    FLASHRT_PROFILE=${run#*:} python benchmarks/real_slice.py --batches 1 8 64 \
+      --out "$OUT/h200-real-slice-attnws-${run%%:*}.json" | tail -n 3
+  done
 }
 
 phase_fp8deq() {

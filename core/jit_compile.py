@@ -166,13 +166,23 @@ def compile_kernel(fn, signature: dict, constexprs: dict, attrs: dict, options: 
     """``triton.compile`` of one variant for a CUDA device of compute capability ``cc``, into the
     active compile cache: (the compiled kernel, None), or (None, the compiler's message)."""
     import triton
-    from triton.compiler import ASTSource
 
     try:
         with contextlib.redirect_stdout(io.StringIO()), answering_as(cc) as target:  # (ptxas errors print the PTX)
-            return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options), None
+            return triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options), None
     except Exception as exc:
         return None, compiler_error(exc)
+
+
+def source(fn, signature: dict, constexprs: dict, attrs: dict):
+    """What ``triton.compile`` takes for a kernel: a Gluon kernel's source is its own kind."""
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource(fn, signature, constexprs, attrs)
+    from triton.compiler import ASTSource
+
+    return ASTSource(fn, signature, constexprs, attrs)
 
 
 @contextlib.contextmanager

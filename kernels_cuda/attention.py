@@ -28,7 +28,9 @@ from flashrt.families import Dim, KernelFamily, Support
 from flashrt.tile_checks import COUNT0, DOT, POW2, Tile
 from flashrt.formats import QTensor
 from flashrt.jit_triton import interpreted
+from flashrt import jit_targets
 from flashrt.kernels_cuda.attention_kernel import _combine_kernel, _sparse_attention_kernel
+from flashrt.kernels_cuda import attention_ws
 from flashrt.kernels_cuda.codecs import CODES
 from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda import warmup as _warmup
@@ -58,6 +60,13 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # packed_fp4_b16: the fp4_b16 KV rows decoded eight codes a call in packed bf16 registers on sm_90
     # (codecs.dequant_rows; the same values), in this family's kernels and prefix_attention's
     "dequant": {"packed_fp4_b16": False},
+    # enabled: launches that fit it (bf16 q, D 512, heads a multiple of 64, fp8 / fp4_b16 segments, an
+    # sm_90 device) run the warp-specialized Gluon kernel (:mod:`.attention_ws`): a producer partition of
+    # producer_warps gathering RAW_STAGES K blocks ahead with asynchronous copies and decoding them into
+    # a ring of STAGES bf16 slots of K_BLOCK rows (CW columns at a time), two consumer warpgroups on the
+    # MMAs; registers: maxnreg a thread of the kernel, producer_regs of the producer's
+    "ws": {"enabled": False, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128, "producer_warps": 4,
+           "producer_regs": 88, "maxnreg": 168},
 }
 
 
@@ -183,6 +192,44 @@ def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
                                 num_stages=t["num_stages"]))
 
 
+def _aligned16(segs) -> bool:
+    """Every segment's rows and scale rows start on 16 bytes (the warp-specialized kernel copies
+    them 16 bytes at a time)."""
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+               for data, scale, *_ in segs for t in (data, scale))
+
+
+def _ws_fits(q: torch.Tensor, codes: tuple, aligned: bool = True) -> bool:
+    """Whether the warp-specialized kernel serves this launch (``tiles.attention.ws``): bf16 q, D 512,
+    heads a multiple of 64, fp8 / fp4_b16 segments ``codes`` whose rows are ``aligned`` on 16 bytes,
+    an sm_90 device."""
+    B, S, H, D = q.shape
+    return (bool(_tiles()["ws"]["enabled"]) and attention_ws.AVAILABLE and not interpreted() and aligned
+            and q.dtype == torch.bfloat16 and D == MAX_D and H % attention_ws.H_BLOCK == 0
+            and all(c in (FMT_CODES["fp8"], FMT_CODES["fp4_b16"]) for c in codes)
+            and jit_targets.capability() == (9, 0))
+
+
+def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
+    """:func:`_launch_plan` for the warp-specialized kernel: one program per (query, 64 heads, K split),
+    the split rule of ``tiles.attention.split``, partials merged by the combine launch."""
+    B, S, H, D = q.shape
+    t, sp = _tiles()["ws"], _tiles()["split"]
+    n_kb = cdiv(K, t["K_BLOCK"])
+    programs = B * S * (H // attention_ws.H_BLOCK)
+    splits = max(1, min((sp["programs"] or sm_count(q.device)) // programs, sp["max_splits"], n_kb // sp["min_blocks"]))
+    per_split = cdiv(n_kb, splits)
+    splits = cdiv(n_kb, per_split)
+    role1, role2, role3 = _roles(codes)
+    fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
+    return dict(ws=True, grid=(B * S, H // attention_ws.H_BLOCK, splits), splits=splits, per_split=per_split,
+                finish=False, roles=(0, role1, role2, role3), pdtype=torch.bfloat16,
+                constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3,
+                                HAS_SINK=has_sink, SPLIT=splits > 1, K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"],
+                                RAW_STAGES=t["RAW_STAGES"], CW=t["CW"], PRODUCER_WARPS=t["producer_warps"],
+                                PRODUCER_REGS=t["producer_regs"], num_warps=8, maxnreg=t["maxnreg"]))
+
+
 def _combine(pacc, pml, sink, out, splits: int) -> None:
     B, S, H, D = out.shape
     key = ("combine", B * S, H, D)
@@ -206,12 +253,14 @@ def sparse_attention(q, kv, indices, sink, scale):
     if not segs or min(B * S, H, K) == 0:
         return torch.zeros_like(q)
     codes = tuple(s[2] for s in segs)
-    key = (B, S, H, D, K, q.dtype, q.device, codes, sink is not None)
+    aligned = q.dtype == torch.bfloat16 and _aligned16(segs)
+    key = (B, S, H, D, K, q.dtype, q.device, codes, sink is not None, aligned)
     plan = PLANS.lookup(key)[1]
     if plan is None:
         assert D % 32 == 0 and D <= MAX_D and len(segs) <= MAX_SEGMENTS, (D, len(segs))
         assert q.dtype in PLAIN_DTYPES and all(p.dtype == torch.int32 for p in parts), q.dtype
-        plan = PLANS.store(key, _launch_plan(q, K, codes, sink is not None))
+        make = _ws_launch_plan if _ws_fits(q, codes, aligned) else _launch_plan
+        plan = PLANS.store(key, make(q, K, codes, sink is not None))
     q, parts = dense(q), tuple(map(dense, parts))
     sink = None if sink is None else dense(sink)
     out = torch.empty_like(q)
@@ -220,11 +269,14 @@ def sparse_attention(q, kv, indices, sink, scale):
     if splits > 1:
         pacc = torch.empty(splits, B * S, H, D, dtype=plan["pdtype"], device=q.device)
         pml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
-    _sparse_attention_kernel[plan["grid"]](
-        q, parts[0], parts[-1], sink if sink is not None else q, out, pacc, pml, *_segment_args(segs, plan["roles"]),
-        S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E,
-        splitk.counters(q.device) if plan["finish"] else pml, D,  # ticket counters only when merging in the launch
-        TWO_PARTS=len(parts) == 2, **plan["constexprs"], **pdl.options(q.device))
+    args = (q, parts[0], parts[-1], sink if sink is not None else q, out, pacc, pml, *_segment_args(segs, plan["roles"]),
+            S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E)
+    if plan.get("ws"):
+        attention_ws._ws_attention_kernel[plan["grid"]](*args, D, TWO_PARTS=len(parts) == 2, **plan["constexprs"])
+    else:
+        _sparse_attention_kernel[plan["grid"]](
+            *args, splitk.counters(q.device) if plan["finish"] else pml, D,  # ticket counters only when merging
+            TWO_PARTS=len(parts) == 2, **plan["constexprs"], **pdl.options(q.device))
     if splits > 1 and not plan["finish"]:
         _combine(pacc, pml, sink, out, splits)
     return out
@@ -276,7 +328,10 @@ TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1,
                "prefill.min_queries": COUNT0, "prefill.max_heads": COUNT0,
                "combine.BLOCK_D": POW2, "combine.in_kernel": Tile(kind=bool),
                "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0,
-               "dequant.packed_fp4_b16": Tile(kind=bool)}
+               "dequant.packed_fp4_b16": Tile(kind=bool), "ws.enabled": Tile(kind=bool), "ws.K_BLOCK": DOT,
+               "ws.STAGES": Tile(low=1, high=8), "ws.RAW_STAGES": Tile(low=1, high=8), "ws.CW": Tile(low=64, pow2=True),
+               "ws.producer_warps": Tile(choices=(4, 8)), "ws.producer_regs": Tile(low=24, high=256, multiple=8),
+               "ws.maxnreg": Tile(low=24, high=256, multiple=8)}
 
 
 def _kv_tile_bytes(t: dict) -> int:

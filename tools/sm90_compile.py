@@ -41,9 +41,8 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-from flashrt.jit_compile import answering_as, recording  # noqa: E402
+from flashrt.jit_compile import answering_as, recording, source  # noqa: E402
 from flashrt.jit_targets import ARCHS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -67,7 +66,7 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
     driver answers as an sm_90 GPU meanwhile (:func:`flashrt.jit_compile.answering_as`): the kernels'
     ``cuda_capability_geq`` branches read it, not the target given to ``triton.compile``."""
     with answering_as(TARGET.arch) as target:
-        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+        kernel = triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     meta = kernel.metadata
     cubin = kernel.asm["cubin"]
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -99,22 +98,21 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
             "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "shared_bytes": meta.shared, "sass": {k: ops.get(k, 0) for k in SASS_OPS}, "global_loads": dict(loads),
             "instructions": len(code), "mma_loop": mma_loop(code), "dump": path[:-6],
+            # the loop issuing the most asynchronous copies (a warp-specialized kernel's producer)
+            "copy_loop": mma_loop(code, ("LDGSTS",)),
             "constexprs": {fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()}}
 
 
-MMA_OPS = ("HMMA", "HGMMA", "QGMMA")
-
-
-def mma_loop(code: list[tuple]) -> dict | None:
-    """The loop (a backward branch's span of the SASS) holding the most MMA instructions: its
-    instruction count and its 12 most frequent opcodes, the static cost of one trip of a GEMM's K
-    loop (None: no loop holds an MMA)."""
+def mma_loop(code: list[tuple], ops: tuple = ("HMMA", "HGMMA", "QGMMA")) -> dict | None:
+    """The loop (a backward branch's span of the SASS) holding the most MMA instructions (or of
+    ``ops``): its instruction count and its 12 most frequent opcodes, the static cost of one trip of
+    a GEMM's K loop (None: no loop holds one)."""
     best = None
     for addr, op, rest in code:
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if target and int(target.group(1), 16) < addr:
             body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= addr]
-            mmas = sum(o in MMA_OPS for o in body)
+            mmas = sum(o in ops for o in body)
             if mmas and (best is None or mmas > best[0]):
                 best = (mmas, body, (int(target.group(1), 16), addr))
     if best is None:

@@ -1,0 +1,306 @@
+"""Warp-specialized sparse MQA attention for sm_90, written in Gluon (``triton.experimental.gluon``).
+
+The same op and arguments as ``_sparse_attention_kernel`` (:mod:`.attention_kernel`) for its most
+common launch: bf16 q, ``D`` = 512, 64 heads a program, KV segments in ``fp8`` / ``fp4_b16``. One
+program per (query, 64 heads, K split), three partitions working on a ring of K blocks:
+
+- a **producer** (4 warps) gathers each block's stored rows with asynchronous copies
+  (``cp.async``, ``RAW_STAGES`` blocks in flight), decodes them to bf16 into a shared ring of
+  ``STAGES`` slots and signals the slot ready (an mbarrier);
+- the **consumers** (the default partition, 8 warps, two warpgroups) take a ready slot, compute
+  the scores with one warpgroup MMA whose 64 rows are the heads and whose columns (the block's
+  rows) are split between the two warpgroups (no score MMA runs twice), run the online softmax,
+  and accumulate ``p @ kv`` with each warpgroup owning half of the 512 output columns; then they
+  release the slot.
+
+The plain Triton kernel keeps one chain (gather, decode, MMA) a block per program; here the
+gathers of later blocks overlap the MMAs of earlier ones. Split-K partials and the final
+normalization follow the plain kernel (``_finish``, ``_combine_kernel``), so the outputs merge the
+same way. Chosen by ``tiles.attention.ws`` (off until timed on the H200: docs/performance.md).
+"""
+from __future__ import annotations
+
+import triton.language as tl
+
+from flashrt.kernels_cuda.attention_kernel import LOG2E, _finish, _locate, _merge
+from flashrt.kernels_cuda.codecs import e2m1_x16384, e4m3_cvt, e8m0_to_f32
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    # a barrier of the calling partition's warps (Triton 3.6 names it thread_barrier, later ones barrier)
+    _sync = getattr(gl, "thread_barrier", None) or gl.barrier
+    # the asynchronous global -> shared copy (Triton 3.6: async_copy_global_to_shared; later: async_load)
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    AVAILABLE = True
+except (ImportError, AttributeError):  # a Triton without Gluon: the plain kernel serves every launch
+    AVAILABLE = False
+
+H_BLOCK = 64  # heads a program: the M of one warpgroup MMA
+_H = tl.constexpr(H_BLOCK)
+
+
+if AVAILABLE:
+    @gluon.constexpr_function
+    def _per(fmt):
+        """Elements a stored byte holds (fp4: two)."""
+        return 2 if fmt >= 2 else 1
+
+    @gluon.constexpr_function
+    def _block(fmt):
+        """Elements a scale byte covers."""
+        return 16 if fmt == 2 else 32
+
+    @gluon.constexpr_function
+    def _raw_shape(stages, rows, width, present):
+        """A raw ring's shape, one byte where the path is absent (its buffer is never touched)."""
+        return [stages, rows, width] if present else [1, 1, 16]
+
+    @gluon.jit
+    def _copy_rows(dst, rows, hit, WIDTH: gl.constexpr, VEC: gl.constexpr, NW: gl.constexpr):
+        """Start the asynchronous copy of ``WIDTH`` bytes of each ``hit`` row (``rows``: byte
+        pointers [K_BLOCK]) into ``dst`` [K_BLOCK, WIDTH] (``NW`` warps); rows not hit are filled with zeros."""
+        TPW: gl.constexpr = WIDTH // VEC if WIDTH // VEC < 32 else 32
+        L: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPW, TPW], [NW, 1], [1, 0])
+        r = gl.convert_layout(rows, gl.SliceLayout(1, L))
+        h = gl.convert_layout(hit, gl.SliceLayout(1, L))
+        c = gl.arange(0, WIDTH, gl.SliceLayout(0, L))
+        _async_load(dst, r[:, None] + c[None, :], mask=h[:, None])
+
+    @gluon.jit
+    def _block_rows(kb, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS: gl.constexpr, K_BLOCK: gl.constexpr,
+                    layout: gl.constexpr):
+        """The indices of K block ``kb`` of query ``bs`` ([K_BLOCK] in ``layout``; -1 past K)."""
+        offs = kb * K_BLOCK + gl.arange(0, K_BLOCK, layout)
+        row0 = idx_ptr + bs * K0
+        if TWO_PARTS:  # the window's indices [0, K0), then the picks
+            row1 = idx1_ptr + bs * (K - K0) - K0
+            return gl.load(gl.where(offs < K0, row0 + offs, row1 + offs), mask=offs < K, other=-1)
+        return gl.load(row0 + offs, mask=offs < K, other=-1)
+
+    @gluon.jit
+    def _locate_paths(idx, b, seg, ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr):
+        """Per dequant path (segment 0, 1, 2 with their merged segments): (data rows, scale rows, hit)."""
+        (d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
+         d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
+         d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
+         o3, so3, sb3, st3, ssb3, sst3, start3, len3) = seg
+        r0, q0, h0 = _locate(idx, b, o0, so0, sb0, st0, ssb0, sst0, start0, len0)
+        r1, q1, h1 = _locate(idx, b, o1, so1, sb1, st1, ssb1, sst1, start1, len1)
+        r2, q2, h2 = _locate(idx, b, o2, so2, sb2, st2, ssb2, sst2, start2, len2)
+        if ROLE3 >= 0:
+            r3, q3, h3 = _locate(idx, b, o3, so3, sb3, st3, ssb3, sst3, start3, len3)
+            if ROLE3 == 0:
+                r0, q0, h0 = _merge(r0, q0, h0, r3, q3, h3)
+            if ROLE3 == 1:
+                r1, q1, h1 = _merge(r1, q1, h1, r3, q3, h3)
+            if ROLE3 == 2:
+                r2, q2, h2 = _merge(r2, q2, h2, r3, q3, h3)
+        if ROLE2 == 0:
+            r0, q0, h0 = _merge(r0, q0, h0, r2, q2, h2)
+        if ROLE2 == 1:
+            r1, q1, h1 = _merge(r1, q1, h1, r2, q2, h2)
+        if ROLE1 == 0:
+            r0, q0, h0 = _merge(r0, q0, h0, r1, q1, h1)
+        return (d0 + r0, s0 + q0, h0), (d1 + r1, s1 + q1, h1), (d2 + r2, s2 + q2, h2)
+
+    @gluon.jit
+    def _issue(path, data, scale, FMT: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
+        """Copy one path's rows of a block (data and scale bytes) into its raw slot."""
+        rows, srows, hit = path
+        _copy_rows(data, rows, hit, D // _per(FMT), 16, NW)
+        _copy_rows(scale, srows, hit, D // _block(FMT), 16, NW)
+
+    @gluon.constexpr_function
+    def _decoded_layout(CW, NW):
+        """The layout of a decoded chunk [K_BLOCK, CW]: 16 consecutive elements a thread."""
+        return gl.BlockedLayout([1, 16], [32 * 16 // CW, CW // 16], [NW, 1], [1, 0])
+
+    @gluon.jit
+    def _decode_chunk(data, scale, c, FMT: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, NW: gl.constexpr):
+        """fp32 [K_BLOCK, CW] values of columns ``[c * CW, (c + 1) * CW)`` of a raw slot (zeros where
+        the rows were not copied: a zero code times any scale)."""
+        BPB: gl.constexpr = _block(FMT) // _per(FMT)  # stored bytes a scale covers
+        NB: gl.constexpr = CW // _block(FMT)
+        # 16 consecutive elements a thread whatever the format, so the paths' values add up in one layout
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 16 // _per(FMT)], [32 * 16 // CW, NB, _block(FMT) // 16],
+                                            [NW, 1, 1], [2, 1, 0])
+        L2: gl.constexpr = gl.BlockedLayout([1, 16 // _per(FMT)], [32 * 16 // CW, CW // 16], [NW, 1], [1, 0])
+        x = data.slice(c * NB * BPB, NB * BPB, dim=1).load(L2)  # the same bytes a thread as L3 below
+        x = gl.convert_layout(gl.reshape(x, [K_BLOCK, NB, BPB]), L3)
+        u = scale.slice(c * NB, NB, dim=1).load(gl.SliceLayout(2, L3))
+        if FMT == 1:  # E4M3 times a UE8M0 scale
+            v = e4m3_cvt(x) * gl.expand_dims(e8m0_to_f32(u.to(gl.int32)), 2)
+        else:  # E2M1 (element 2i the low nibble) times an E4M3 scale
+            s = gl.expand_dims(e4m3_cvt(u) * 16384.0, 2)
+            p = x.to(gl.int32)
+            v = gl.join(e2m1_x16384(p & 15).to(gl.float32) * s, e2m1_x16384(p >> 4).to(gl.float32) * s)
+        return gl.reshape(v, [K_BLOCK, CW])
+
+    @gluon.jit
+    def _decode(slot, raws, hits, rs, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
+                OWN1: gl.constexpr, OWN2: gl.constexpr, D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr,
+                NW: gl.constexpr):
+        """Decode raw slot ``rs`` of every path into the bf16 ``slot`` [K_BLOCK, D], ``CW`` columns at a
+        time; a path no row of the block hits is skipped."""
+        data0, scale0, data1, scale1, data2, scale2 = raws
+        h0, h1, h2 = hits
+        for c in gl.static_range(D // CW):
+            v = gl.zeros([K_BLOCK, CW], gl.float32, _decoded_layout(CW, NW))
+            if h0:
+                v += _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW)
+            if OWN1:
+                if h1:
+                    v += _decode_chunk(data1.index(rs), scale1.index(rs), c, FMT1, CW, K_BLOCK, NW)
+            if OWN2:
+                if h2:
+                    v += _decode_chunk(data2.index(rs), scale2.index(rs), c, FMT2, CW, K_BLOCK, NW)
+            slot.slice(c * CW, CW, dim=1).store(v.to(gl.bfloat16))
+
+    @gluon.jit
+    def _producer(kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr, bs, b,
+                  lo, n, K, K0, seg, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
+                  ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr, TWO_PARTS: gl.constexpr,
+                  D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                  RAW_STAGES: gl.constexpr, NW: gl.constexpr):
+        """Gather and decode every K block of this program into the bf16 ring (see the module doc)."""
+        raws = (data0, scale0, data1, scale1, data2, scale2)
+        OWN1: gl.constexpr = ROLE1 == 1
+        OWN2: gl.constexpr = ROLE2 == 2
+        IL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        for j in range(n + RAW_STAGES - 1):
+            if j < n:  # start the copies of block j into raw slot j % RAW_STAGES
+                rs = j % RAW_STAGES
+                idx = _block_rows(lo + j, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
+                p0, p1, p2 = _locate_paths(idx, b, seg, ROLE1, ROLE2, ROLE3)
+                _issue(p0, data0.index(rs), scale0.index(rs), FMT0, D, NW)
+                if OWN1:
+                    _issue(p1, data1.index(rs), scale1.index(rs), FMT1, D, NW)
+                if OWN2:
+                    _issue(p2, data2.index(rs), scale2.index(rs), FMT2, D, NW)
+            async_copy.commit_group()
+            i = j - (RAW_STAGES - 1)  # the block decoded this trip
+            if i >= 0:
+                async_copy.wait_group(RAW_STAGES - 1)
+                _sync()  # every thread's copies of block i have landed
+                idx = _block_rows(lo + i, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
+                p0, p1, p2 = _locate_paths(idx, b, seg, ROLE1, ROLE2, ROLE3)
+                hits = (gl.max(p0[2].to(gl.int32), axis=0) > 0, gl.max(p1[2].to(gl.int32), axis=0) > 0,
+                        gl.max(p2[2].to(gl.int32), axis=0) > 0)
+                st = i % STAGES
+                mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # the consumers released the slot
+                _decode(kv_smem.index(st), raws, hits, i % RAW_STAGES, FMT0, FMT1, FMT2, OWN1, OWN2, D, CW, K_BLOCK,
+                        NW)
+                fence_async_shared()  # the decoded slot is read by the MMAs (async proxy)
+                _sync()  # every thread's stores done; the raw slot free for its next copy
+                mbarrier.arrive(ready.index(st), count=1)
+
+    @gluon.jit
+    def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale,
+                  TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """Scores, online softmax and ``p @ kv`` over the ring's blocks -> (acc, m, l) (base 2)."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                           instr_shape=[16, K_BLOCK // (num_warps // 4), 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                           instr_shape=[16, D // (num_warps // 4), 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        acc = gl.zeros([_H, D], gl.float32, o_layout)
+        m_i = gl.full([_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([_H], gl.float32, gl.SliceLayout(1, s_layout))
+        s0 = gl.zeros([_H, K_BLOCK], gl.float32, s_layout)
+        for i in range(n):
+            idx = _block_rows(lo + i, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, gl.SliceLayout(0, s_layout))
+            st = i % STAGES
+            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            kv = kv_smem.index(st)
+            s = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = gl.where((idx >= 0)[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), kv, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _sync()  # both warpgroups' MMAs have read the slot
+            mbarrier.arrive(empty.index(st), count=1)
+        return (acc, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
+                gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
+
+    @gluon.jit
+    def _ws_attention_kernel(
+            q_ptr, idx_ptr, idx1_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
+            d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
+            d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
+            d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
+            o3, so3, sb3, st3, ssb3, sst3, start3, len3,
+            S, H, K, K0, blocks_per_split, qk_scale, D: gl.constexpr,
+            FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr, ROLE1: gl.constexpr, ROLE2: gl.constexpr,
+            ROLE3: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, TWO_PARTS: gl.constexpr,
+            K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
+            PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
+        SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``."""
+        bs = gl.program_id(0).to(gl.int64)
+        split = gl.program_id(2)
+        lo = split * blocks_per_split
+        n = gl.minimum(lo + blocks_per_split, gl.cdiv(K, K_BLOCK)) - lo
+        OWN1: gl.constexpr = ROLE1 == 1
+        OWN2: gl.constexpr = ROLE2 == 2
+
+        # q [64, D] of this query's head block into shared memory (the A operand of the score MMA)
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        h_q = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, QL))
+        d_q = gl.arange(0, D, gl.SliceLayout(0, QL))
+        q = gl.load(q_ptr + (bs * H + h_q)[:, None] * D + d_q[None, :], mask=(h_q < H)[:, None], other=0.0)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [_H, D],
+                                           gl.NVMMASharedLayout.get_default_for([_H, D], gl.bfloat16), q)
+        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, K_BLOCK, D],
+                                            gl.NVMMASharedLayout.get_default_for([K_BLOCK, D], gl.bfloat16))
+        RL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])  # a slot: [K_BLOCK, bytes]
+        data0 = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, K_BLOCK, D // _per(FMT0)], RL)
+        scale0 = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, K_BLOCK, D // _block(FMT0)], RL)
+        data1 = gl.allocate_shared_memory(gl.uint8, _raw_shape(RAW_STAGES, K_BLOCK, D // _per(FMT1), OWN1), RL)
+        scale1 = gl.allocate_shared_memory(gl.uint8, _raw_shape(RAW_STAGES, K_BLOCK, D // _block(FMT1), OWN1), RL)
+        data2 = gl.allocate_shared_memory(gl.uint8, _raw_shape(RAW_STAGES, K_BLOCK, D // _per(FMT2), OWN2), RL)
+        scale2 = gl.allocate_shared_memory(gl.uint8, _raw_shape(RAW_STAGES, K_BLOCK, D // _block(FMT2), OWN2), RL)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()  # q and the barriers' initialization, before the MMAs and the other partition
+
+        seg = (d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
+               d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
+               d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
+               o3, so3, sb3, st3, ssb3, sst3, start3, len3)
+        acc, m_i, l_i = gl.warp_specialize([
+            (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, TWO_PARTS,
+                         D, K_BLOCK, STAGES, num_warps)),
+            (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr, bs, bs // S, lo, n, K, K0, seg,
+                         FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D, CW, K_BLOCK, STAGES, RAW_STAGES,
+                         PRODUCER_WARPS)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+        o_layout: gl.constexpr = acc.type.layout
+        h = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, o_layout))
+        d = gl.arange(0, D, gl.SliceLayout(0, o_layout))
+        mask_hd = (h < H)[:, None] & (d < D)[None, :]
+        if SPLIT:  # partials [splits, B*S, H, D] = acc / l and [.., 2] = (m, l); the sink joins in the combine
+            row = (split * gl.num_programs(0) + bs) * H + h
+            o = _finish(acc, m_i, l_i, 0.0, False)
+            gl.store(pacc_ptr + row[:, None] * D + d[None, :], o.to(pacc_ptr.dtype.element_ty), mask=mask_hd)
+            gl.store(pml_ptr + row * 2, m_i, mask=h < H)
+            gl.store(pml_ptr + row * 2 + 1, l_i, mask=h < H)
+        else:
+            sk = gl.load(sink_ptr + h, mask=h < H, other=0.0) * LOG2E if HAS_SINK else 0.0
+            out = _finish(acc, m_i, l_i, sk, HAS_SINK)
+            gl.store(out_ptr + (bs * H + h)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_hd)
