@@ -746,8 +746,8 @@ phase_attnws() {  # the warp-specialized Gluon attention kernel (tiles.attention
   FLASHRT_PROFILE=$on timeout 120 python -m flashrt.cli bench kernels --families attention \
     --out "$OUT/h200-kernels-attention-ws-on.json" | tail -n 4
   for run in off:h200 on:$on; do  # small's 16 heads do not take the kernel: the slice only
-    FLASHRT_PROFILE=${run#*:} python benchmarks/real_slice.py --batches 1 8 64 \
-      --out "$OUT/h200-real-slice-attnws-${run%%:*}.json" | tail -n 3
+    FLASHRT_PROFILE=${run#*:} timeout 200 python benchmarks/real_slice.py --batches 1 8 64 \
+      --out "$OUT/h200-real-slice-attnws-${run%%:*}.json" | tail -n 3  # (a timeout: a kernel that hangs)
   done
 }
 

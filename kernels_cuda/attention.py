@@ -227,7 +227,8 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
                 constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3,
                                 HAS_SINK=has_sink, SPLIT=splits > 1, K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"],
                                 RAW_STAGES=t["RAW_STAGES"], CW=t["CW"], PRODUCER_WARPS=t["producer_warps"],
-                                PRODUCER_REGS=t["producer_regs"], num_warps=8, maxnreg=t["maxnreg"]))
+                                PRODUCER_REGS=t["producer_regs"], PACKED=packed_rows(), num_warps=8,
+                                maxnreg=t["maxnreg"]))
 
 
 def _combine(pacc, pml, sink, out, splits: int) -> None:

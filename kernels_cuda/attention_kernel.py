@@ -86,23 +86,12 @@ def _dequant(kv, rows, srows, hit, c0, FMT: tl.constexpr, D: tl.constexpr, BK: t
 
 
 @triton.jit
-def _gather_kv(idx, b, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
-               d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
-               d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
-               o3, so3, sb3, st3, ssb3, sst3, start3, len3,
-               FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr,
-               ROLE2: tl.constexpr, ROLE3: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, DT: tl.constexpr,
-               FULL: tl.constexpr, PACKED: tl.constexpr = False):
-    """DT [BK, BW] columns ``[c0, c0 + BW)`` of the rows ``idx`` of the concatenated segments
-    (zeros where idx is empty).
-
-    Segment i's row r of batch b is at ``d_i + o_i + b * sb_i + r * st_i`` (scales alike).
-    ROLE1: -1 absent, 0 same quantized format as segment 0 (one dequant path), 1 own path;
-    ROLE2: -1 absent, 0 / 1 merged into segment 0 / 1, 2 own path; ROLE3: -1 absent, 0 / 1 / 2
-    merged into that segment (a fourth segment has no own path). A merged segment is passed
-    with its target's pointers and its offset from them in ``o_i`` / ``so_i``. PACKED: fp4_b16 rows
-    decoded in packed registers on sm_90 (:func:`.codecs.dequant_rows`; the same values).
-    """
+def locate_paths(idx, b, o0, so0, sb0, st0, ssb0, sst0, start0, len0, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
+                 o2, so2, sb2, st2, ssb2, sst2, start2, len2, o3, so3, sb3, st3, ssb3, sst3, start3, len3,
+                 ROLE1: tl.constexpr, ROLE2: tl.constexpr, ROLE3: tl.constexpr):
+    """(data offsets, scale offsets, hit) of the rows ``idx`` on each dequant path (segments 0, 1, 2
+    with the segments merged into them: ROLE1..3 as :func:`_gather_kv`'s); elementwise, so the
+    Gluon kernel (:mod:`.attention_ws`) shares it."""
     r0, q0, h0 = _locate(idx, b, o0, so0, sb0, st0, ssb0, sst0, start0, len0)
     r1, q1, h1 = _locate(idx, b, o1, so1, sb1, st1, ssb1, sst1, start1, len1)
     r2, q2, h2 = _locate(idx, b, o2, so2, sb2, st2, ssb2, sst2, start2, len2)
@@ -120,6 +109,30 @@ def _gather_kv(idx, b, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
         r1, q1, h1 = _merge(r1, q1, h1, r2, q2, h2)
     if ROLE1 == 0:
         r0, q0, h0 = _merge(r0, q0, h0, r1, q1, h1)
+    return r0, q0, h0, r1, q1, h1, r2, q2, h2
+
+
+@triton.jit
+def _gather_kv(idx, b, c0, d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
+               d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
+               d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
+               o3, so3, sb3, st3, ssb3, sst3, start3, len3,
+               FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, ROLE1: tl.constexpr,
+               ROLE2: tl.constexpr, ROLE3: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, DT: tl.constexpr,
+               FULL: tl.constexpr, PACKED: tl.constexpr = False):
+    """DT [BK, BW] columns ``[c0, c0 + BW)`` of the rows ``idx`` of the concatenated segments
+    (zeros where idx is empty).
+
+    Segment i's row r of batch b is at ``d_i + o_i + b * sb_i + r * st_i`` (scales alike).
+    ROLE1: -1 absent, 0 same quantized format as segment 0 (one dequant path), 1 own path;
+    ROLE2: -1 absent, 0 / 1 merged into segment 0 / 1, 2 own path; ROLE3: -1 absent, 0 / 1 / 2
+    merged into that segment (a fourth segment has no own path). A merged segment is passed
+    with its target's pointers and its offset from them in ``o_i`` / ``so_i``. PACKED: fp4_b16 rows
+    decoded in packed registers on sm_90 (:func:`.codecs.dequant_rows`; the same values).
+    """
+    r0, q0, h0, r1, q1, h1, r2, q2, h2 = locate_paths(
+        idx, b, o0, so0, sb0, st0, ssb0, sst0, start0, len0, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
+        o2, so2, sb2, st2, ssb2, sst2, start2, len2, o3, so3, sb3, st3, ssb3, sst3, start3, len3, ROLE1, ROLE2, ROLE3)
     kv = _dequant(tl.zeros([BK, BW], DT), d0 + r0, s0 + q0, h0, c0, FMT0, D, BK, BW, FULL, PACKED)
     if ROLE1 == 1:
         kv = _dequant(kv, d1 + r1, s1 + q1, h1, c0, FMT1, D, BK, BW, FULL, PACKED)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from flashrt.kernels_cuda.attention_kernel import LOG2E, _finish, _locate, _merge
-from flashrt.kernels_cuda.codecs import e2m1_x16384, e4m3_cvt, e8m0_to_f32
+from flashrt.kernels_cuda.attention_kernel import LOG2E, _finish, locate_paths
+from flashrt.kernels_cuda.codecs import e2m1_pairs_bf16, e2m1_x16384, e4m3_cvt, e8m0_to_f32
 
 try:
     from triton.experimental import gluon
@@ -83,28 +83,15 @@ if AVAILABLE:
 
     @gluon.jit
     def _locate_paths(idx, b, seg, ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr):
-        """Per dequant path (segment 0, 1, 2 with their merged segments): (data rows, scale rows, hit)."""
+        """Per dequant path: (data row pointers, scale row pointers, hit) of the rows ``idx``."""
         (d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
          d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
          d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
          o3, so3, sb3, st3, ssb3, sst3, start3, len3) = seg
-        r0, q0, h0 = _locate(idx, b, o0, so0, sb0, st0, ssb0, sst0, start0, len0)
-        r1, q1, h1 = _locate(idx, b, o1, so1, sb1, st1, ssb1, sst1, start1, len1)
-        r2, q2, h2 = _locate(idx, b, o2, so2, sb2, st2, ssb2, sst2, start2, len2)
-        if ROLE3 >= 0:
-            r3, q3, h3 = _locate(idx, b, o3, so3, sb3, st3, ssb3, sst3, start3, len3)
-            if ROLE3 == 0:
-                r0, q0, h0 = _merge(r0, q0, h0, r3, q3, h3)
-            if ROLE3 == 1:
-                r1, q1, h1 = _merge(r1, q1, h1, r3, q3, h3)
-            if ROLE3 == 2:
-                r2, q2, h2 = _merge(r2, q2, h2, r3, q3, h3)
-        if ROLE2 == 0:
-            r0, q0, h0 = _merge(r0, q0, h0, r2, q2, h2)
-        if ROLE2 == 1:
-            r1, q1, h1 = _merge(r1, q1, h1, r2, q2, h2)
-        if ROLE1 == 0:
-            r0, q0, h0 = _merge(r0, q0, h0, r1, q1, h1)
+        r0, q0, h0, r1, q1, h1, r2, q2, h2 = locate_paths(
+            idx, b, o0, so0, sb0, st0, ssb0, sst0, start0, len0, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
+            o2, so2, sb2, st2, ssb2, sst2, start2, len2, o3, so3, sb3, st3, ssb3, sst3, start3, len3,
+            ROLE1, ROLE2, ROLE3)
         return (d0 + r0, s0 + q0, h0), (d1 + r1, s1 + q1, h1), (d2 + r2, s2 + q2, h2)
 
     @gluon.jit
@@ -120,9 +107,12 @@ if AVAILABLE:
         return gl.BlockedLayout([1, 16], [32 * 16 // CW, CW // 16], [NW, 1], [1, 0])
 
     @gluon.jit
-    def _decode_chunk(data, scale, c, FMT: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, NW: gl.constexpr):
+    def _decode_chunk(data, scale, c, FMT: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, NW: gl.constexpr,
+                      PACKED: gl.constexpr):
         """fp32 [K_BLOCK, CW] values of columns ``[c * CW, (c + 1) * CW)`` of a raw slot (zeros where
-        the rows were not copied: a zero code times any scale)."""
+        the rows were not copied: a zero code times any scale). PACKED: fp4_b16 codes decoded eight a
+        call in packed bf16 registers (:func:`.codecs.e2m1_pairs_bf16`; the same values: every
+        product of an E2M1 code and an E4M3 scale is exact in bf16)."""
         BPB: gl.constexpr = _block(FMT) // _per(FMT)  # stored bytes a scale covers
         NB: gl.constexpr = CW // _block(FMT)
         # 16 consecutive elements a thread whatever the format, so the paths' values add up in one layout
@@ -134,6 +124,10 @@ if AVAILABLE:
         u = scale.slice(c * NB, NB, dim=1).load(gl.SliceLayout(2, L3))
         if FMT == 1:  # E4M3 times a UE8M0 scale
             v = e4m3_cvt(x) * gl.expand_dims(e8m0_to_f32(u.to(gl.int32)), 2)
+        elif PACKED:
+            s = gl.expand_dims(e4m3_cvt(u).to(gl.bfloat16), 2) + gl.zeros([K_BLOCK, NB, BPB], gl.bfloat16, L3)
+            lo, hi = e2m1_pairs_bf16(x, s)
+            v = gl.join(lo, hi).to(gl.float32)
         else:  # E2M1 (element 2i the low nibble) times an E4M3 scale
             s = gl.expand_dims(e4m3_cvt(u) * 16384.0, 2)
             p = x.to(gl.int32)
@@ -143,7 +137,7 @@ if AVAILABLE:
     @gluon.jit
     def _decode(slot, raws, hits, rs, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
                 OWN1: gl.constexpr, OWN2: gl.constexpr, D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr,
-                NW: gl.constexpr):
+                NW: gl.constexpr, PACKED: gl.constexpr):
         """Decode raw slot ``rs`` of every path into the bf16 ``slot`` [K_BLOCK, D], ``CW`` columns at a
         time; a path no row of the block hits is skipped."""
         data0, scale0, data1, scale1, data2, scale2 = raws
@@ -151,13 +145,13 @@ if AVAILABLE:
         for c in gl.static_range(D // CW):
             v = gl.zeros([K_BLOCK, CW], gl.float32, _decoded_layout(CW, NW))
             if h0:
-                v += _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW)
+                v += _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED)
             if OWN1:
                 if h1:
-                    v += _decode_chunk(data1.index(rs), scale1.index(rs), c, FMT1, CW, K_BLOCK, NW)
+                    v += _decode_chunk(data1.index(rs), scale1.index(rs), c, FMT1, CW, K_BLOCK, NW, PACKED)
             if OWN2:
                 if h2:
-                    v += _decode_chunk(data2.index(rs), scale2.index(rs), c, FMT2, CW, K_BLOCK, NW)
+                    v += _decode_chunk(data2.index(rs), scale2.index(rs), c, FMT2, CW, K_BLOCK, NW, PACKED)
             slot.slice(c * CW, CW, dim=1).store(v.to(gl.bfloat16))
 
     @gluon.jit
@@ -165,7 +159,7 @@ if AVAILABLE:
                   lo, n, K, K0, seg, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
                   ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr, TWO_PARTS: gl.constexpr,
                   D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                  RAW_STAGES: gl.constexpr, NW: gl.constexpr):
+                  RAW_STAGES: gl.constexpr, NW: gl.constexpr, PACKED: gl.constexpr):
         """Gather and decode every K block of this program into the bf16 ring (see the module doc)."""
         raws = (data0, scale0, data1, scale1, data2, scale2)
         OWN1: gl.constexpr = ROLE1 == 1
@@ -193,7 +187,7 @@ if AVAILABLE:
                 st = i % STAGES
                 mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # the consumers released the slot
                 _decode(kv_smem.index(st), raws, hits, i % RAW_STAGES, FMT0, FMT1, FMT2, OWN1, OWN2, D, CW, K_BLOCK,
-                        NW)
+                        NW, PACKED)
                 fence_async_shared()  # the decoded slot is read by the MMAs (async proxy)
                 _sync()  # every thread's stores done; the raw slot free for its next copy
                 mbarrier.arrive(ready.index(st), count=1)
@@ -245,9 +239,10 @@ if AVAILABLE:
             FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr, ROLE1: gl.constexpr, ROLE2: gl.constexpr,
             ROLE3: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, TWO_PARTS: gl.constexpr,
             K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
-            PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+            PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, num_warps: gl.constexpr):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
-        SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``."""
+        SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
+        rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel)."""
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
         lo = split * blocks_per_split
@@ -287,7 +282,7 @@ if AVAILABLE:
                          D, K_BLOCK, STAGES, num_warps)),
             (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr, bs, bs // S, lo, n, K, K0, seg,
                          FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D, CW, K_BLOCK, STAGES, RAW_STAGES,
-                         PRODUCER_WARPS)),
+                         PRODUCER_WARPS, PACKED)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
         o_layout: gl.constexpr = acc.type.layout

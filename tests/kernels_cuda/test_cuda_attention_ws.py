@@ -78,7 +78,9 @@ def test_the_plan_splits_k_to_fill_the_sms(B, S, H, K, sms, monkeypatch):
     assert plan["splits"] * programs <= max(sms, programs)  # at most a wave, unless the queries alone pass one
     # and not fewer than half of what fills it (the blocks a split takes are rounded up), the K blocks or 32
     assert 2 * plan["splits"] > min(sms // programs, blocks, attention._tiles()["split"]["max_splits"])
-    assert plan["constexprs"]["SPLIT"] == (plan["splits"] > 1)
+    assert plan["constexprs"]["SPLIT"] == (plan["splits"] > 1) and plan["constexprs"]["PACKED"] is False
+    with pinned_tiles(attention=dict(WS["attention"], dequant=dict(packed_fp4_b16=True))):
+        assert attention._ws_launch_plan(q, K, (FP8, FP4), True)["constexprs"]["PACKED"] is True
 
 
 def _compile_report() -> list[dict]:
@@ -125,10 +127,12 @@ def _case(g, B, S, H, W, T, K, cold: bool):
     (3, 2, 128, 32, 700, 100, True, False, 0),  # two head blocks, a cold fourth segment, K past the blocks
     (2, 1, 64, 128, 1000, 640, False, True, 1),  # one program a head block: no split
 ])
-def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs):
+@pytest.mark.parametrize("packed", [False, True])
+def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, packed):
     q, kv, idx = _case(rng, B, S, H, W, T, K, cold)
     s = torch.randn(H, generator=rng).to(DEVICE) if sink else None
     split = dict(split=dict(programs=programs)) if programs else {}
+    split["dequant"] = dict(packed_fp4_b16=packed)  # both kernels decode the fp4_b16 rows the same way
     with flashrt.use_backend("reference"):
         want = ops.sparse_attention(q, kv, idx, s, 512 ** -0.5).float().cpu()
     out = {}
