@@ -190,7 +190,8 @@
 #              h200-real-slice-attnpacked-{off,on}.json, h200-e2e-attnpacked-{off,on}.json
 #   attnws     the warp-specialized Gluon attention kernel (tiles.attention.ws.enabled): its tests and the
 #              attention tests (h200-attn-ws-tests.log), the attention kernel cases off and on
-#              (h200-kernels-attention-ws-{off,on}.json), the real-dimension slice (64 heads: the kernel
+#              (h200-kernels-attention-ws-{off,on}.json), its tile variants beside the plain kernel
+#              (benchmarks/attention_ws.py: h200-attention-ws.json), the real-dimension slice (64 heads: the kernel
 #              serves it; small's 16 do not take it): h200-real-slice-attnws-{off,on}.json
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
@@ -745,6 +746,7 @@ phase_attnws() {  # the warp-specialized Gluon attention kernel (tiles.attention
   python -m flashrt.cli bench kernels --families attention --out "$OUT/h200-kernels-attention-ws-off.json" | tail -n 4
   FLASHRT_PROFILE=$on timeout 120 python -m flashrt.cli bench kernels --families attention \
     --out "$OUT/h200-kernels-attention-ws-on.json" | tail -n 4
+  timeout 200 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws.json" | tail -n 40
   for run in off:h200 on:$on; do  # small's 16 heads do not take the kernel: the slice only
     FLASHRT_PROFILE=${run#*:} timeout 200 python benchmarks/real_slice.py --batches 1 8 64 \
       --out "$OUT/h200-real-slice-attnws-${run%%:*}.json" | tail -n 3  # (a timeout: a kernel that hangs)

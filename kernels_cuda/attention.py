@@ -231,6 +231,14 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
                                 maxnreg=t["maxnreg"]))
 
 
+def planned_splits(q: torch.Tensor, K: int, codes: tuple) -> tuple[str, int]:
+    """(the kernel, "ws" or "plain", and its K splits) a launch of these shapes and segment formats
+    gets under the active tiles (its rows' alignment assumed)."""
+    if _ws_fits(q, codes):
+        return "ws", _ws_launch_plan(q, K, codes, False)["splits"]
+    return "plain", _plan(q, K)[3]
+
+
 def _combine(pacc, pml, sink, out, splits: int) -> None:
     B, S, H, D = out.shape
     key = ("combine", B * S, H, D)
@@ -330,7 +338,7 @@ TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1,
                "combine.BLOCK_D": POW2, "combine.in_kernel": Tile(kind=bool),
                "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0,
                "dequant.packed_fp4_b16": Tile(kind=bool), "ws.enabled": Tile(kind=bool), "ws.K_BLOCK": DOT,
-               "ws.STAGES": Tile(low=1, high=8), "ws.RAW_STAGES": Tile(low=1, high=8), "ws.CW": Tile(low=64, pow2=True),
+               "ws.STAGES": Tile(low=1, high=8), "ws.RAW_STAGES": Tile(low=1, high=8), "ws.CW": Tile(low=64, high=512, pow2=True),
                "ws.producer_warps": Tile(choices=(4, 8)), "ws.producer_regs": Tile(low=24, high=256, multiple=8),
                "ws.maxnreg": Tile(low=24, high=256, multiple=8)}
 

@@ -109,7 +109,7 @@ if AVAILABLE:
     @gluon.jit
     def _decode_chunk(data, scale, c, FMT: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, NW: gl.constexpr,
                       PACKED: gl.constexpr):
-        """fp32 [K_BLOCK, CW] values of columns ``[c * CW, (c + 1) * CW)`` of a raw slot (zeros where
+        """bf16 [K_BLOCK, CW] values of columns ``[c * CW, (c + 1) * CW)`` of a raw slot (zeros where
         the rows were not copied: a zero code times any scale). PACKED: fp4_b16 codes decoded eight a
         call in packed bf16 registers (:func:`.codecs.e2m1_pairs_bf16`; the same values: every
         product of an E2M1 code and an E4M3 scale is exact in bf16)."""
@@ -127,32 +127,36 @@ if AVAILABLE:
         elif PACKED:
             s = gl.expand_dims(e4m3_cvt(u).to(gl.bfloat16), 2) + gl.zeros([K_BLOCK, NB, BPB], gl.bfloat16, L3)
             lo, hi = e2m1_pairs_bf16(x, s)
-            v = gl.join(lo, hi).to(gl.float32)
+            v = gl.join(lo, hi)
         else:  # E2M1 (element 2i the low nibble) times an E4M3 scale
             s = gl.expand_dims(e4m3_cvt(u) * 16384.0, 2)
             p = x.to(gl.int32)
             v = gl.join(e2m1_x16384(p & 15).to(gl.float32) * s, e2m1_x16384(p >> 4).to(gl.float32) * s)
-        return gl.reshape(v, [K_BLOCK, CW])
+        return gl.reshape(v, [K_BLOCK, CW]).to(gl.bfloat16)
 
     @gluon.jit
     def _decode(slot, raws, hits, rs, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
                 OWN1: gl.constexpr, OWN2: gl.constexpr, D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr,
                 NW: gl.constexpr, PACKED: gl.constexpr):
         """Decode raw slot ``rs`` of every path into the bf16 ``slot`` [K_BLOCK, D], ``CW`` columns at a
-        time; a path no row of the block hits is skipped."""
+        time. With several paths, a path no row of the block hits is skipped and the others add up in
+        bf16, exactly: a row is stored on one path and is zeros on the others."""
         data0, scale0, data1, scale1, data2, scale2 = raws
         h0, h1, h2 = hits
         for c in gl.static_range(D // CW):
-            v = gl.zeros([K_BLOCK, CW], gl.float32, _decoded_layout(CW, NW))
-            if h0:
-                v += _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED)
-            if OWN1:
-                if h1:
-                    v += _decode_chunk(data1.index(rs), scale1.index(rs), c, FMT1, CW, K_BLOCK, NW, PACKED)
-            if OWN2:
-                if h2:
-                    v += _decode_chunk(data2.index(rs), scale2.index(rs), c, FMT2, CW, K_BLOCK, NW, PACKED)
-            slot.slice(c * CW, CW, dim=1).store(v.to(gl.bfloat16))
+            if OWN1 or OWN2:
+                v = gl.zeros([K_BLOCK, CW], gl.bfloat16, _decoded_layout(CW, NW))
+                if h0:
+                    v += _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED)
+                if OWN1:
+                    if h1:
+                        v += _decode_chunk(data1.index(rs), scale1.index(rs), c, FMT1, CW, K_BLOCK, NW, PACKED)
+                if OWN2:
+                    if h2:
+                        v += _decode_chunk(data2.index(rs), scale2.index(rs), c, FMT2, CW, K_BLOCK, NW, PACKED)
+            else:
+                v = _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED)
+            slot.slice(c * CW, CW, dim=1).store(v)
 
     @gluon.jit
     def _producer(kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr, bs, b,

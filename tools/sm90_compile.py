@@ -121,8 +121,9 @@ def mma_loop(code: list[tuple], ops: tuple = ("HMMA", "HGMMA", "QGMMA")) -> dict
             "sass_range": [hex(a) for a in best[2]]}  # the loop's first and last addresses in the dump
 
 
-def attention_call(B: int, S: int, cold: bool):
-    """The released decode / prefill attention call (64 heads x 512, fp8 ring + fp4_b16 picks) on CPU tensors."""
+def attention_call(B: int, S: int, cold: bool, kv: str = "both"):
+    """The released decode / prefill attention call (64 heads x 512, fp8 ring + fp4_b16 picks) on CPU tensors;
+    ``kv`` "fp8" / "fp4_b16": one segment of that format alone (a K block's code for one format)."""
     from flashrt.formats import QTensor
     from flashrt.kernels_cuda import attention
 
@@ -134,12 +135,14 @@ def attention_call(B: int, S: int, cold: bool):
         scale = torch.zeros(*shape[:-1], shape[-1] // bs, dtype=torch.uint8)
         return QTensor(data, scale, fmt, tuple(shape))
 
-    kv = (stored("fp8", (B, W, D)), stored("fp4_b16", (1, T, D)))
+    segments = (stored("fp8", (B, W, D)), stored("fp4_b16", (1, T, D)))
     if cold:
-        kv += (stored("fp4_b16", (1, B * TOPK, D)),)
+        segments += (stored("fp4_b16", (1, B * TOPK, D)),)
     q = torch.zeros(B, S, H, D, dtype=torch.bfloat16)
     idx = (torch.zeros(B, S, W, dtype=torch.int32), torch.zeros(B, S, TOPK, dtype=torch.int32))  # window ‖ picks
-    return lambda: attention.sparse_attention(q, kv, idx, torch.zeros(H), D ** -0.5)
+    if kv != "both":
+        segments, idx = (stored(kv, (1, T, D)),), torch.zeros(B, S, W + TOPK, dtype=torch.int32)
+    return lambda: attention.sparse_attention(q, segments, idx, torch.zeros(H), D ** -0.5)
 
 
 def linear_plain_call(B: int, S: int, cold: bool, fp32: bool = True):
@@ -327,6 +330,8 @@ def main(argv=None) -> None:
                     "shared switches, e.g. fp4_decode, which the moe kernels also read)")
     ap.add_argument("--moe-dims", choices=sorted(MOE_DIMS), default="small",
                     help="moe: the experts' dimensions (MOE_DIMS)")
+    ap.add_argument("--attention-kv", choices=("both", "fp8", "fp4_b16"), default="both",
+                    help="attention: the fp8 ring and the fp4_b16 picks, or one segment of one format alone")
     ap.add_argument("--profile-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a profile field set for the compile, e.g. expert_fp4=words (repeatable)")
     ap.add_argument("--json", action="store_true")
@@ -351,6 +356,7 @@ def main(argv=None) -> None:
     prof = dataclasses.replace(base, tiles=tiles, **fields)
     with profiles.using(prof):
         extra = {"dims": args.moe_dims} if args.family == "moe" else {}
+        extra |= {"kv": args.attention_kv} if args.family == "attention" else {}
         seen = capture(CALLS[args.family](args.B, args.S, args.cold, **extra))
         reports = [compile_report(*c) for c in seen]
     if args.json:

@@ -81,13 +81,14 @@ def _case(rows, ceil, B, S, context, g, scale):
     qd, kd = _sdpa_inputs(q, kv, idx)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_ms = common.bench_ms(lambda: sdpa(qd, kd, kd, scale=scale))
-    splits = attention._plan(q, idx.shape[-1])[3]
+    kernel, splits = attention.planned_splits(q, idx.shape[-1], tuple(attention.FMT_CODES[t.fmt] for t in kv))
     kind = "decode" if S == 1 else "prefill"
     rows.append(common.row(
         f"sparse_attention {kind}", f"B={B} S={S} ctx={context} H={H} D={D} K={idx.shape[-1]} fp8+fp4_b16",
         ms, 4.0 * B * S * H * idx.shape[-1] * D, _bytes(q, kv, idx), ceil,
         baseline="SDPA dense bf16 (pre-gathered)", baseline_ms=sdpa_ms,
-        reference_ms=ref_ms, speedup_vs_reference=ref_ms / ms, splits=splits, target_roofline_fraction=0.6))
+        reference_ms=ref_ms, speedup_vs_reference=ref_ms / ms, splits=splits, attention_kernel=kernel,
+        target_roofline_fraction=0.6))
     del q, kv, idx, qd, kd
     torch.cuda.empty_cache()
 

@@ -1,0 +1,109 @@
+"""The warp-specialized attention kernel (``tiles.attention.ws``) against the plain kernel, and its
+tiles, in one run, at the released shapes (64 heads x 512, an fp8 ring of 128, 512 fp4_b16 picks).
+
+    python benchmarks/attention_ws.py --out F [--context 131072] [--batches 1 8 64] [--prefill 2048]
+
+Decode at each batch (S = 1) and a prefill of ``--prefill`` queries (B = 1), the inputs of
+``flashrt bench kernels`` (``flashrt.bench.attention``). Each variant's output is checked against
+the plain kernel's first (relative difference at most 1e-2; a variant that differs or fails is
+recorded and not timed), then timed by CUDA-graph replay behind an L2 flush
+(``flashrt.timing.bench_ms``). The floor is ``max(FLOPs / bf16 GEMM rate, bytes / copy rate)``
+with both ceilings measured in the same run (``flashrt.bench.common``); each row gives its fraction.
+Variants: the plain kernel, the ws kernel with its default tiles, and each of VARIANTS over them.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import flashrt
+from flashrt.bench import attention as bench_attention, common
+from decode_kernel_variants import with_tiles
+from results_io import write_json
+
+VARIANTS = {  # tiles.attention.ws over its defaults
+    "ws": {},
+    "ws, copies 1 block ahead": {"RAW_STAGES": 2},
+    "ws, copies 3 blocks ahead": {"RAW_STAGES": 4},
+    "ws, decode 64 columns a step": {"CW": 64},
+    "ws, decode 256 columns a step": {"CW": 256},
+    "ws, 8 producer warps": {"producer_warps": 8, "producer_regs": 56, "maxnreg": 128},
+    "ws, K blocks of 16": {"K_BLOCK": 16, "STAGES": 3},
+}
+
+
+def _variants(packed: bool):
+    yield "plain", {"ws": {"enabled": False}}
+    for label, tiles in VARIANTS.items():
+        yield label, {"ws": {"enabled": True, **tiles}}
+    if packed:
+        yield "ws, packed fp4_b16 decode", {"ws": {"enabled": True}, "dequant": {"packed_fp4_b16": True}}
+
+
+def _case(ceil, B: int, S: int, context: int, g, packed: bool) -> list[dict]:
+    from flashrt.kernels_cuda import attention
+
+    q, kv, idx, sink = bench_attention._inputs(B, S, context, g)
+    scale = bench_attention.D ** -0.5
+    flops = 4.0 * B * S * bench_attention.H * idx.shape[-1] * bench_attention.D
+    nbytes = bench_attention._bytes(q, kv, idx)
+    codes = tuple(attention.FMT_CODES[t.fmt] for t in kv)
+    rows, first = [], None
+    for label, tiles in _variants(packed):
+        with with_tiles("attention", tiles), flashrt.use_backend("cuda"), flashrt.value_checks(False):
+            call = lambda: attention.sparse_attention(q, kv, idx, sink, scale)
+            kernel, splits = attention.planned_splits(q, idx.shape[-1], codes)
+            base = {"variant": label, "tiles": tiles, "B": B, "S": S, "context": context, "kernel": kernel,
+                    "splits": splits}
+            try:
+                out = call().float()
+                torch.cuda.synchronize()
+            except Exception as e:  # a tile set past the device's limits: recorded, the others still run
+                rows.append(base | {"error": f"{type(e).__name__}: {e}"[:300]})
+                print(f"B={B:3d} S={S:5d} {label:34s} failed: {rows[-1]['error'][:100]}", flush=True)
+                continue
+            first = out if first is None else first
+            diff = float((out - first).norm() / first.norm())
+            if not torch.isfinite(out).all() or diff > 1e-2:
+                rows.append(base | {"error": f"differs from the plain kernel: relative difference {diff:.3g}"})
+                print(f"B={B:3d} S={S:5d} {label:34s} {rows[-1]['error']}", flush=True)
+                continue
+            t = common.bench_ms(call)
+        r = common.row("sparse_attention", f"B={B} S={S} ctx={context}", t, flops, nbytes, ceil)
+        rows.append(base | {"us": r["ms"] * 1e3, "floor_us": r["floor_ms"] * 1e3, "of_roofline": r["roofline_fraction"],
+                            "bound": r["bound"], "timing": r["timing"], "rel_diff_from_plain": diff})
+        print(f"B={B:3d} S={S:5d} {label:34s} {rows[-1]['us']:9.1f} us  {100 * r['roofline_fraction']:5.1f}% of "
+              f"{r['floor_ms'] * 1e3:.1f} us ({kernel}, {splits} splits)", flush=True)
+    del q, kv, idx
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prefill", type=int, default=2048, help="queries of the prefill case (0: none)")
+    ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the ws kernel with the packed fp4_b16 decode")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("a CUDA device is needed")
+    if min(args.batches + [args.context]) < 1 or args.prefill < 0:
+        ap.error(f"--batches / --context: expected positive counts, --prefill >= 0; got {args.batches}, "
+                 f"{args.context}, {args.prefill}")
+    ceil = common.Ceilings.measure()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for B in args.batches:
+        rows += _case(ceil, B, 1, args.context, g, args.packed)
+    if args.prefill:
+        rows += _case(ceil, 1, args.prefill, args.context, g, args.packed)
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": ceil.copy_bytes_per_s,
+                          "bf16_flops": ceil.bf16_flops, "context": args.context, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
