@@ -30,6 +30,8 @@ VARIANTS = {  # tiles.attention.ws over its defaults
     "ws, decode 256 columns a step": {"CW": 256},
     "ws, 8 producer warps": {"producer_warps": 8, "producer_regs": 56, "maxnreg": 128},
     "ws, K blocks of 16": {"K_BLOCK": 16, "STAGES": 3},
+    "ws, scores a block ahead": {"overlap": True},
+    "ws, scores a block ahead, 3 slots": {"overlap": True, "STAGES": 3, "RAW_STAGES": 2},
 }
 
 

@@ -192,7 +192,8 @@
 #              attention tests (h200-attn-ws-tests.log), the attention kernel cases off and on
 #              (h200-kernels-attention-ws-{off,on}.json), its tile variants beside the plain kernel
 #              (benchmarks/attention_ws.py: h200-attention-ws.json), the real-dimension slice (64 heads: the kernel
-#              serves it; small's 16 do not take it): h200-real-slice-attnws-{off,on}.json
+#              serves it; small's 16 do not take it): h200-real-slice-attnws-{off,on}.json; with Nsight Compute,
+#              the batch-64 decode under it: ncu-attn64-ws.txt
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -747,6 +748,13 @@ phase_attnws() {  # the warp-specialized Gluon attention kernel (tiles.attention
   FLASHRT_PROFILE=$on timeout 120 python -m flashrt.cli bench kernels --families attention \
     --out "$OUT/h200-kernels-attention-ws-on.json" | tail -n 4
   timeout 200 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws.json" | tail -n 40
+  local ncu
+  if ncu=$(find_ncu); then  # where its time goes on the first run: the batch-64 decode under Nsight Compute
+    FLASHRT_PROFILE=$on timeout 150 "$ncu" --profile-from-start off --clock-control none --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
+      python tools/ncu_cases.py attn64 > "$OUT/ncu-attn64-ws.txt" 2>&1
+    grep -m 8 -i "duration\|throughput\|stall" "$OUT/ncu-attn64-ws.txt"
+  fi
   for run in off:h200 on:$on; do  # small's 16 heads do not take the kernel: the slice only
     FLASHRT_PROFILE=${run#*:} timeout 200 python benchmarks/real_slice.py --batches 1 8 64 \
       --out "$OUT/h200-real-slice-attnws-${run%%:*}.json" | tail -n 3  # (a timeout: a kernel that hangs)

@@ -64,9 +64,10 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # sm_90 device) run the warp-specialized Gluon kernel (:mod:`.attention_ws`): a producer partition of
     # producer_warps gathering RAW_STAGES K blocks ahead with asynchronous copies and decoding them into
     # a ring of STAGES bf16 slots of K_BLOCK rows (CW columns at a time), two consumer warpgroups on the
-    # MMAs; registers: maxnreg a thread of the kernel, producer_regs of the producer's
+    # MMAs (overlap: a block's score MMA issued before the softmax of the block before); registers:
+    # maxnreg a thread of the kernel, producer_regs of the producer's
     "ws": {"enabled": False, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128, "producer_warps": 4,
-           "producer_regs": 88, "maxnreg": 168},
+           "producer_regs": 88, "maxnreg": 168, "overlap": False},
 }
 
 
@@ -227,7 +228,7 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
                 constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3,
                                 HAS_SINK=has_sink, SPLIT=splits > 1, K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"],
                                 RAW_STAGES=t["RAW_STAGES"], CW=t["CW"], PRODUCER_WARPS=t["producer_warps"],
-                                PRODUCER_REGS=t["producer_regs"], PACKED=packed_rows(), num_warps=8,
+                                PRODUCER_REGS=t["producer_regs"], PACKED=packed_rows(), OVERLAP=t["overlap"], num_warps=8,
                                 maxnreg=t["maxnreg"]))
 
 
@@ -340,7 +341,7 @@ TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1,
                "dequant.packed_fp4_b16": Tile(kind=bool), "ws.enabled": Tile(kind=bool), "ws.K_BLOCK": DOT,
                "ws.STAGES": Tile(low=1, high=8), "ws.RAW_STAGES": Tile(low=1, high=8), "ws.CW": Tile(low=64, high=512, pow2=True),
                "ws.producer_warps": Tile(choices=(4, 8)), "ws.producer_regs": Tile(low=24, high=256, multiple=8),
-               "ws.maxnreg": Tile(low=24, high=256, multiple=8)}
+               "ws.maxnreg": Tile(low=24, high=256, multiple=8), "ws.overlap": Tile(kind=bool)}
 
 
 def _kv_tile_bytes(t: dict) -> int:

@@ -30,7 +30,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
     # a barrier of the calling partition's warps (Triton 3.6 names it thread_barrier, later ones barrier)
     _sync = getattr(gl, "thread_barrier", None) or gl.barrier
     # the asynchronous global -> shared copy (Triton 3.6: async_copy_global_to_shared; later: async_load)
@@ -196,39 +196,70 @@ if AVAILABLE:
                 _sync()  # every thread's stores done; the raw slot free for its next copy
                 mbarrier.arrive(ready.index(st), count=1)
 
+    @gluon.constexpr_function
+    def _mma_layout(n, num_warps):
+        """The accumulator layout of a warpgroup MMA of 64 rows and ``n`` columns, the columns split
+        between the warpgroups."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                         instr_shape=[16, n // (num_warps // 4), 16])
+
+    @gluon.jit
+    def _softmax_step(s, idx, m_i, l_i, qk_scale):
+        """One K block of the online softmax (base 2) over raw scores ``s`` [64, K_BLOCK], the slots of
+        ``idx`` < 0 masked -> (p, the rescale of the earlier blocks, m, l)."""
+        s = gl.where((idx >= 0)[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
     @gluon.jit
     def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale,
                   TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                  num_warps: gl.constexpr):
-        """Scores, online softmax and ``p @ kv`` over the ring's blocks -> (acc, m, l) (base 2)."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                           instr_shape=[16, K_BLOCK // (num_warps // 4), 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                           instr_shape=[16, D // (num_warps // 4), 16])
+                  OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+        """Scores, online softmax and ``p @ kv`` over the ring's blocks -> (acc, m, l) (base 2).
+        OVERLAP: the next block's score MMA is issued before this block's softmax (it runs meanwhile);
+        a slot is released once the value MMA that read it is waited for, at the next block."""
+        s_layout: gl.constexpr = _mma_layout(K_BLOCK, num_warps)
+        o_layout: gl.constexpr = _mma_layout(D, num_warps)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         acc = gl.zeros([_H, D], gl.float32, o_layout)
         m_i = gl.full([_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([_H], gl.float32, gl.SliceLayout(1, s_layout))
         s0 = gl.zeros([_H, K_BLOCK], gl.float32, s_layout)
+        if OVERLAP:  # (the loop carries both accumulators as pending MMAs)
+            acc = warpgroup_mma_init(acc)
+            mbarrier.wait(ready.index(0), 0)
+            s = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
         for i in range(n):
             idx = _block_rows(lo + i, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, gl.SliceLayout(0, s_layout))
             st = i % STAGES
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
             kv = kv_smem.index(st)
-            s = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            s = gl.where((idx >= 0)[None, :], s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
+            if OVERLAP:
+                s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))  # this block's scores, the last PV
+                if i > 0:
+                    _sync()  # both warpgroups' value MMAs of the block before have read its slot
+                    mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+                s_now = s
+                # the next block's scores (the last trip repeats its own block's: a ready slot, unused)
+                nxt = gl.minimum(i + 1, n - 1)
+                mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+                s = warpgroup_mma(q_smem, kv_smem.index(nxt % STAGES).permute((1, 0)), s0, use_acc=False,
+                                  is_async=True)
+            else:
+                mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+                s_now = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
+                s_now = warpgroup_mma_wait(num_outstanding=0, deps=(s_now,))
+            p, alpha, m_i, l_i = _softmax_step(s_now, idx, m_i, l_i, qk_scale)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), kv, acc, is_async=True)
+            if not OVERLAP:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _sync()  # both warpgroups' MMAs have read the slot
+                mbarrier.arrive(empty.index(st), count=1)
+        if OVERLAP:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _sync()  # both warpgroups' MMAs have read the slot
-            mbarrier.arrive(empty.index(st), count=1)
         return (acc, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
                 gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
 
@@ -243,10 +274,12 @@ if AVAILABLE:
             FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr, ROLE1: gl.constexpr, ROLE2: gl.constexpr,
             ROLE3: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, TWO_PARTS: gl.constexpr,
             K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
-            PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, num_warps: gl.constexpr):
+            PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, OVERLAP: gl.constexpr,
+            num_warps: gl.constexpr):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
         SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
-        rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel)."""
+        rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel). OVERLAP: the
+        consumers issue a block's score MMA before the softmax of the block before (:func:`_consumer`)."""
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
         lo = split * blocks_per_split
@@ -283,7 +316,7 @@ if AVAILABLE:
                o3, so3, sb3, st3, ssb3, sst3, start3, len3)
         acc, m_i, l_i = gl.warp_specialize([
             (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, TWO_PARTS,
-                         D, K_BLOCK, STAGES, num_warps)),
+                         D, K_BLOCK, STAGES, OVERLAP, num_warps)),
             (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr, bs, bs // S, lo, n, K, K0, seg,
                          FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D, CW, K_BLOCK, STAGES, RAW_STAGES,
                          PRODUCER_WARPS, PACKED)),

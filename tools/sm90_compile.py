@@ -107,18 +107,22 @@ def mma_loop(code: list[tuple], ops: tuple = ("HMMA", "HGMMA", "QGMMA")) -> dict
     """The loop (a backward branch's span of the SASS) holding the most MMA instructions (or of
     ``ops``): its instruction count and its 12 most frequent opcodes, the static cost of one trip of
     a GEMM's K loop (None: no loop holds one)."""
-    best = None
+    best, spans = None, []
     for addr, op, rest in code:
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if target and int(target.group(1), 16) < addr:
             body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= addr]
             mmas = sum(o in ops for o in body)
+            if mmas:
+                spans.append({"instructions": len(body), "count": mmas})
             if mmas and (best is None or mmas > best[0]):
                 best = (mmas, body, (int(target.group(1), 16), addr))
     if best is None:
         return None
     return {"instructions": len(best[1]), "opcodes": dict(collections.Counter(best[1]).most_common(12)),
-            "sass_range": [hex(a) for a in best[2]]}  # the loop's first and last addresses in the dump
+            "sass_range": [hex(a) for a in best[2]],  # the loop's first and last addresses in the dump
+            "count": best[0],  # its instructions of ``ops``
+            "loops": spans}  # every loop holding one (instructions, count), nested ones included
 
 
 def attention_call(B: int, S: int, cold: bool, kv: str = "both"):
