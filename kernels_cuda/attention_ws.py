@@ -263,7 +263,9 @@ if AVAILABLE:
         return (acc, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
                 gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
 
-    @gluon.jit
+    # K, K0 and the blocks a split reads grow with the context in decode: not specialised, as in the
+    # plain kernel, so no variant compiles mid-run
+    @gluon.jit(do_not_specialize=("K", "K0", "blocks_per_split"))
     def _ws_attention_kernel(
             q_ptr, idx_ptr, idx1_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
             d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
