@@ -102,8 +102,9 @@ PREFILL_VARIANTS = {
 def with_tiles(family: str, tiles: dict):
     base = profiles.active_profile()
     merged = {k: dict(v) for k, v in base.tiles.items()}
-    for key, value in tiles.items():
-        merged.setdefault(family, {})[key] = {**merged.get(family, {}).get(key, {}), **value}
+    for key, value in tiles.items():  # a section merges into the profile's, a scalar replaces it
+        section = merged.setdefault(family, {})
+        section[key] = {**section.get(key, {}), **value} if isinstance(value, dict) else value
     return profiles.using(dataclasses.replace(base, tiles=merged))
 
 
