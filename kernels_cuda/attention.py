@@ -228,7 +228,8 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
                 constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3,
                                 HAS_SINK=has_sink, SPLIT=splits > 1, K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"],
                                 RAW_STAGES=t["RAW_STAGES"], CW=t["CW"], PRODUCER_WARPS=t["producer_warps"],
-                                PRODUCER_REGS=t["producer_regs"], PACKED=packed_rows(), OVERLAP=t["overlap"], num_warps=8,
+                                PRODUCER_REGS=t["producer_regs"], PACKED=packed_rows(), OVERLAP=t["overlap"],
+                                num_warps=8,
                                 maxnreg=t["maxnreg"]))
 
 
@@ -279,8 +280,8 @@ def sparse_attention(q, kv, indices, sink, scale):
     if splits > 1:
         pacc = torch.empty(splits, B * S, H, D, dtype=plan["pdtype"], device=q.device)
         pml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
-    args = (q, parts[0], parts[-1], sink if sink is not None else q, out, pacc, pml, *_segment_args(segs, plan["roles"]),
-            S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E)
+    args = (q, parts[0], parts[-1], sink if sink is not None else q, out, pacc, pml,
+            *_segment_args(segs, plan["roles"]), S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E)
     if plan.get("ws"):
         attention_ws._ws_attention_kernel[plan["grid"]](*args, D, TWO_PARTS=len(parts) == 2, **plan["constexprs"])
     else:
@@ -339,7 +340,8 @@ TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1,
                "combine.BLOCK_D": POW2, "combine.in_kernel": Tile(kind=bool),
                "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0,
                "dequant.packed_fp4_b16": Tile(kind=bool), "ws.enabled": Tile(kind=bool), "ws.K_BLOCK": DOT,
-               "ws.STAGES": Tile(low=1, high=8), "ws.RAW_STAGES": Tile(low=1, high=8), "ws.CW": Tile(low=64, high=512, pow2=True),
+               "ws.STAGES": Tile(low=1, high=8), "ws.RAW_STAGES": Tile(low=1, high=8),
+               "ws.CW": Tile(low=64, high=512, pow2=True),
                "ws.producer_warps": Tile(choices=(4, 8)), "ws.producer_regs": Tile(low=24, high=256, multiple=8),
                "ws.maxnreg": Tile(low=24, high=256, multiple=8), "ws.overlap": Tile(kind=bool)}
 

@@ -319,7 +319,8 @@ if AVAILABLE:
         acc, m_i, l_i = gl.warp_specialize([
             (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, TWO_PARTS,
                          D, K_BLOCK, STAGES, OVERLAP, num_warps)),
-            (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr, bs, bs // S, lo, n, K, K0, seg,
+            (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr, bs,
+                         bs // S, lo, n, K, K0, seg,
                          FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D, CW, K_BLOCK, STAGES, RAW_STAGES,
                          PRODUCER_WARPS, PACKED)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -28,6 +28,36 @@ def kernels_available() -> bool:
 requires_kernels = pytest.mark.skipif(not kernels_available(), reason="cuda backend unavailable (no triton)")
 
 
+def _ptxas_missing() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return True
+    from pathlib import Path
+
+    return not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+needs_ptxas = pytest.mark.skipif(_ptxas_missing(), reason="Triton without its bundled ptxas (no NVIDIA backend)")
+
+
+def sm90_compile(family: str, *args: str) -> list[dict]:
+    """The reports of ``tools/sm90_compile.py FAMILY ARGS --json`` under the h200 profile: every kernel
+    the launcher makes for that call, compiled for sm_90 in a subprocess without the interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"FLASHRT_PROFILE": "h200"}
+    run = subprocess.run([sys.executable, str(root / "tools" / "sm90_compile.py"), family, *args, "--json"],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
 def run_on_and_reference(backend: str, op: str, *args, **kwargs):
     """(``backend`` result, reference result) of ``flashrt.ops.<op>`` on the same inputs."""
     fn = getattr(flashrt.ops, op)

@@ -23,7 +23,7 @@ from flashrt import formats, profiles
 from flashrt.cli import commands as cli
 from flashrt.jit_targets import ARCHS, parse_arch
 from flashrt.jit_triton import interpreted
-from kernel_check import DEVICE, rel_err, requires_kernels, run_both
+from kernel_check import DEVICE, needs_ptxas, rel_err, requires_kernels, run_both
 
 triton = pytest.importorskip("triton")
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
@@ -32,11 +32,6 @@ SUBSET = ("attention", "linear")
 INTERPRETED = interpreted()
 
 
-def _ptxas_missing() -> bool:
-    return not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-needs_ptxas = pytest.mark.skipif(_ptxas_missing(), reason="Triton without its bundled ptxas (no NVIDIA backend)")
 
 
 def _run(args, env_extra=None, timeout=900):

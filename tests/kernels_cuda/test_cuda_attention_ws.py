@@ -9,10 +9,6 @@ reference backend and against the plain kernel, on random rows, indices and spli
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +16,11 @@ import torch
 import flashrt
 from flashrt import formats, jit_targets, ops
 from flashrt.jit_targets import ARCHS
-from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
+from kernel_check import DEVICE, GPU, needs_ptxas, pinned_tiles, rel_err, requires_kernels, sm90_compile
 
 pytestmark = requires_kernels
 attention = pytest.importorskip("flashrt.kernels_cuda.attention")
 ws = pytest.importorskip("flashrt.kernels_cuda.attention_ws")
-ROOT = Path(__file__).resolve().parents[2]
 SM90 = GPU and torch.cuda.get_device_capability() == (9, 0)
 WS = dict(attention=dict(ws=dict(enabled=True)))
 FP8, FP4 = attention.FMT_CODES["fp8"], attention.FMT_CODES["fp4_b16"]
@@ -83,21 +78,12 @@ def test_the_plan_splits_k_to_fill_the_sms(B, S, H, K, sms, monkeypatch):
         assert attention._ws_launch_plan(q, K, (FP8, FP4), True)["constexprs"]["PACKED"] is True
 
 
-def _compile_report(tiles: dict) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"FLASHRT_PROFILE": "h200"}
-    run = subprocess.run([sys.executable, str(ROOT / "tools" / "sm90_compile.py"), "attention", "--B", "4", "--S", "1",
-                          "--tiles", json.dumps(tiles), "--json"], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout)
-
-
 @pytest.mark.skipif(not ws.AVAILABLE, reason="a Triton without Gluon")
-@pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
-                    reason="Triton without its bundled ptxas")
+@needs_ptxas
 @pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}])
 def test_it_compiles_for_sm90_on_warpgroup_mmas_and_async_copies(ws_tiles):
-    report = {r["kernel"]: r for r in _compile_report({"ws": dict(WS["attention"]["ws"], **ws_tiles)})}
+    tiles = {"ws": dict(WS["attention"]["ws"], **ws_tiles)}
+    report = {r["kernel"]: r for r in sm90_compile("attention", "--B", "4", "--S", "1", "--tiles", json.dumps(tiles))}
     r = report["_ws_attention_kernel"]
     assert r["shared_bytes"] <= ARCHS["sm_90"].smem_limit
     # the innermost loop of warpgroup MMAs (the consumers' K loop): one score MMA (K = 512 in steps of

@@ -9,10 +9,6 @@ leave partial tiles, with the weight scales row and K major."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +16,11 @@ import torch
 import flashrt
 from flashrt import formats, jit_targets, ops
 from flashrt.jit_targets import ARCHS
-from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
+from kernel_check import DEVICE, GPU, needs_ptxas, pinned_tiles, rel_err, requires_kernels, sm90_compile
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 lws = pytest.importorskip("flashrt.kernels_cuda.linear_ws")
-ROOT = Path(__file__).resolve().parents[2]
 SM90 = GPU and torch.cuda.get_device_capability() == (9, 0)
 WS = dict(ws_gemm=dict(min_rows=256))
 
@@ -49,15 +44,10 @@ def test_the_launcher_takes_it_only_where_it_fits(monkeypatch):
 
 
 @pytest.mark.skipif(not lws.AVAILABLE, reason="a Triton without Gluon")
-@pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
-                    reason="Triton without its bundled ptxas")
+@needs_ptxas
 def test_it_compiles_for_sm90_on_fp8_warpgroup_mmas():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"FLASHRT_PROFILE": "h200"}
-    run = subprocess.run([sys.executable, str(ROOT / "tools" / "sm90_compile.py"), "linear", "--B", "4096", "--S", "1",
-                          "--tiles", json.dumps({"ws_gemm": {"min_rows": 1}}), "--json"], capture_output=True,
-                         text=True, env=env, cwd=ROOT, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    reports = [r for r in json.loads(run.stdout) if r["kernel"] == "_fp8_ws_gemm_kernel"]
+    reports = sm90_compile("linear", "--B", "4096", "--S", "1", "--tiles", json.dumps({"ws_gemm": {"min_rows": 1}}))
+    reports = [r for r in reports if r["kernel"] == "_fp8_ws_gemm_kernel"]
     assert len(reports) == 2  # small's two fp8_w projections
     for r in reports:
         assert r["shared_bytes"] <= ARCHS["sm_90"].smem_limit and r["stack_bytes"] == 0
