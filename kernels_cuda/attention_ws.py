@@ -2,16 +2,16 @@
 
 The same op and arguments as ``_sparse_attention_kernel`` (:mod:`.attention_kernel`) for its most
 common launch: bf16 q, ``D`` = 512, 64 heads a program, KV segments in ``fp8`` / ``fp4_b16``. One
-program per (query, 64 heads, K split), three partitions working on a ring of K blocks:
+program per (query, 64 heads, K split), two partitions working on a ring of K blocks:
 
-- a **producer** (4 warps) gathers each block's stored rows with asynchronous copies
-  (``cp.async``, ``RAW_STAGES`` blocks in flight), decodes them to bf16 into a shared ring of
-  ``STAGES`` slots and signals the slot ready (an mbarrier);
+- a **producer** (``PRODUCER_WARPS`` warps) gathers each block's stored rows with asynchronous
+  copies (``cp.async``, ``RAW_STAGES - 1`` blocks ahead of the one it decodes), decodes them to bf16
+  into a shared ring of ``STAGES`` slots and signals the slot ready (an mbarrier);
 - the **consumers** (the default partition, 8 warps, two warpgroups) take a ready slot, compute
   the scores with one warpgroup MMA whose 64 rows are the heads and whose columns (the block's
   rows) are split between the two warpgroups (no score MMA runs twice), run the online softmax,
   and accumulate ``p @ kv`` with each warpgroup owning half of the 512 output columns; then they
-  release the slot.
+  release the slot (``OVERLAP``: the next block's score MMA is issued before this block's softmax).
 
 The plain Triton kernel keeps one chain (gather, decode, MMA) a block per program; here the
 gathers of later blocks overlap the MMAs of earlier ones. Split-K partials and the final

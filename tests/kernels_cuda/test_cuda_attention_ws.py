@@ -48,6 +48,10 @@ def test_the_launcher_takes_it_only_where_it_fits(monkeypatch):
         monkeypatch.setattr(attention, "interpreted", lambda: False)
         with jit_targets.targeting(ARCHS["sm_90"]):
             assert not attention._ws_fits(q, (FP8, FP4), aligned=False)
+            # the kernel bench names the kernel a launch gets, with its splits
+            kernel, splits = attention.planned_splits(q, 640, (FP8, FP4))
+            assert kernel == "ws" and splits == attention._ws_launch_plan(q, 640, (FP8, FP4), False)["splits"]
+            assert attention.planned_splits(q.float(), 640, (FP8, FP4))[0] == "plain"
 
 
 def test_rows_off_16_bytes_are_not_aligned():
