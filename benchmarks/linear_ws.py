@@ -32,6 +32,7 @@ PATHS = {  # tiles.linear over the active profile's
     "ws, 10 stages": {"ws_gemm": {"min_rows": 1, "STAGES": 10}},
     "ws, 64 columns a tile": {"ws_gemm": {"min_rows": 1, "BLOCK_N": 64}},
     "ws, 2 producer warps": {"ws_gemm": {"min_rows": 1, "producer_warps": 2, "producer_regs": 40}},
+    "ws, next MMA before the scaling": {"ws_gemm": {"min_rows": 1, "overlap": True, "maxnreg": 168}},
 }
 
 

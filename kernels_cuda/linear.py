@@ -99,8 +99,9 @@ TILES = {
     # K slices STAGES - 1 ahead, two consumer warpgroups on fp8 warpgroup MMAs, each slice's product
     # scaled into the fp32 sum); tiles of BLOCK_M x BLOCK_N, registers: maxnreg a thread, producer_regs
     # the producer's; before bf16_gemm_min_rows where both apply
+    # (overlap: a slice's MMA issued before the one before is scaled into the sum)
     "ws_gemm": {"min_rows": None, "BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 6, "producer_warps": 4,
-                "producer_regs": 40, "maxnreg": 152},
+                "producer_regs": 40, "maxnreg": 152, "overlap": False},
     # up to this many rows the GEMM quantizes x itself (no act_quant launch) and a split K is summed
     # by the tile's last program (no sum and cast launches); 0: never
     "fused_max_rows": 64,
@@ -303,7 +304,7 @@ def _ws_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
         xq.view(torch.float8_e4m3fn), sx, data, scale, out, m, n, k, xq.stride(0), sx.stride(0), data.stride(0),
         scale.stride(0), scale.stride(1), out.stride(0), BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
         GROUP_M=_tiles()["group_m"], STAGES=t["STAGES"], PRODUCER_WARPS=t["producer_warps"],
-        PRODUCER_REGS=t["producer_regs"], num_warps=8, maxnreg=t["maxnreg"])
+        PRODUCER_REGS=t["producer_regs"], OVERLAP=t["overlap"], num_warps=8, maxnreg=t["maxnreg"])
     return out
 
 
@@ -411,7 +412,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "ws_gemm.BLOCK_N": Tile(choices=(64, 128)), "ws_gemm.STAGES": Tile(low=2, high=16),
                "ws_gemm.producer_warps": Tile(choices=(1, 2, 4)),
                "ws_gemm.producer_regs": Tile(low=24, high=256, multiple=8),
-               "ws_gemm.maxnreg": Tile(low=24, high=256, multiple=8),
+               "ws_gemm.maxnreg": Tile(low=24, high=256, multiple=8), "ws_gemm.overlap": Tile(kind=bool),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),
                "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool)}

@@ -15,7 +15,7 @@ partitions over a ring of ``STAGES`` slices:
   ready (an mbarrier);
 - the **consumers** (the default partition, 8 warps: two warpgroups of 64 rows) run the slice's MMA,
   wait for it, apply the scales into the fp32 sum, and release the slot; while one warpgroup
-  scales, the other's MMA can run.
+  scales, the other's MMA can run (``OVERLAP``: its own next MMA too).
 
 The interpreter does not run Gluon: the launcher (:mod:`.linear`) takes this kernel only on an sm_90
 device, where the tile enables it.
@@ -67,8 +67,9 @@ if AVAILABLE:
     @gluon.jit
     def _gemm_consumer(a_bufs, b_bufs, ready, empty, sx_ptr, sw_ptr, m0, n0, M, N, K, stride_sxm, stride_swn,
                        stride_swk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       num_warps: gl.constexpr):
-        """The scaled sum of every K slice's MMA -> (fp32 [BLOCK_M, BLOCK_N],)."""
+                       OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+        """The scaled sum of every K slice's MMA -> (fp32 [BLOCK_M, BLOCK_N],). OVERLAP: the next slice's
+        MMA is issued before this slice's product is scaled into the sum (it runs meanwhile)."""
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
@@ -78,25 +79,42 @@ if AVAILABLE:
         sx_rows = sx_ptr + rows.to(gl.int64) * stride_sxm
         sw_cols = sw_ptr + (cols // 32).to(gl.int64) * stride_swn
         row_ok, col_ok = rows < M, cols < N
-        for j in range(gl.cdiv(K, 32)):
+        n = gl.cdiv(K, 32)
+        if OVERLAP:  # (the loop carries the next slice's product as a pending MMA)
+            mbarrier.wait(ready.index(0), 0)
+            part = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
+        for j in range(n):
             s = j % STAGES
             # the slice's scales, loaded while its copies land: zero past the ends (their products are zeros)
             sa = e8m0_to_f32(gl.load(sx_rows + j, mask=row_ok, other=0).to(gl.int32))
             sb = e8m0_to_f32(gl.load(sw_cols + j * stride_swk, mask=col_ok, other=0).to(gl.int32))
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            part = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
-                                 is_async=True)
-            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-            _sync()  # both warpgroups' MMAs have read the slot
-            mbarrier.arrive(empty.index(s), count=1)
-            acc = acc + part * (sa[:, None] * sb[None, :])
+            if OVERLAP:
+                now = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                _sync()  # both warpgroups' MMAs have read the slot
+                mbarrier.arrive(empty.index(s), count=1)
+                # the next slice's product (the last trip repeats its own slice's: its slot holds it still)
+                nxt = gl.minimum(j + 1, n - 1)
+                mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+                part = warpgroup_mma(a_bufs.index(nxt % STAGES), b_bufs.index(nxt % STAGES).permute((1, 0)), zero,
+                                     use_acc=False, is_async=True)
+            else:
+                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                now = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                now = warpgroup_mma_wait(num_outstanding=0, deps=(now,))
+                _sync()  # both warpgroups' MMAs have read the slot
+                mbarrier.arrive(empty.index(s), count=1)
+            acc = acc + now * (sa[:, None] * sb[None, :])
+        if OVERLAP:
+            warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         return (acc,)  # (a partition's results are a tuple)
 
     @gluon.jit
     def _fp8_ws_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, M, N, K, stride_xm, stride_sxm, stride_wn,
                             stride_swn, stride_swk, stride_om, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                            PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                            PRODUCER_REGS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
         """One program per output tile; ``x`` [M, K] E4M3 bytes with ``sx`` [M, K / 32] UE8M0, ``w`` [N, K]
         E4M3 with ``sw`` [ceil(N / 32), K / 32] UE8M0 (strides ``stride_swn``, ``stride_swk``: row or K
         major), ``out`` [M, N] in its dtype."""
@@ -119,7 +137,7 @@ if AVAILABLE:
         fence_async_shared()
         acc, = gl.warp_specialize([
             (_gemm_consumer, (a_bufs, b_bufs, ready, empty, sx_ptr, sw_ptr, m0, n0, M, N, K, stride_sxm, stride_swn,
-                              stride_swk, BLOCK_M, BLOCK_N, STAGES, num_warps)),
+                              stride_swk, BLOCK_M, BLOCK_N, STAGES, OVERLAP, num_warps)),
             (_gemm_producer, (a_bufs, b_bufs, ready, empty, x_ptr, w_ptr, m0, n0, M, N, K, stride_xm, stride_wn,
                               STAGES, PRODUCER_WARPS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

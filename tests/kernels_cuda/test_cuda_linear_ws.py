@@ -45,8 +45,10 @@ def test_the_launcher_takes_it_only_where_it_fits(monkeypatch):
 
 @pytest.mark.skipif(not lws.AVAILABLE, reason="a Triton without Gluon")
 @needs_ptxas
-def test_it_compiles_for_sm90_on_fp8_warpgroup_mmas():
-    reports = sm90_compile("linear", "--B", "4096", "--S", "1", "--tiles", json.dumps({"ws_gemm": {"min_rows": 1}}))
+@pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "maxnreg": 168}])
+def test_it_compiles_for_sm90_on_fp8_warpgroup_mmas(ws_tiles):
+    tiles = {"ws_gemm": {"min_rows": 1, **ws_tiles}}
+    reports = sm90_compile("linear", "--B", "4096", "--S", "1", "--tiles", json.dumps(tiles))
     reports = [r for r in reports if r["kernel"] == "_fp8_ws_gemm_kernel"]
     assert len(reports) == 2  # small's two fp8_w projections
     for r in reports:
@@ -61,7 +63,8 @@ def test_it_compiles_for_sm90_on_fp8_warpgroup_mmas():
 @pytest.mark.parametrize("m,n,k", [(256, 1280, 5120), (300, 200, 96), (4096, 1024, 2048)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k_major", [False, True])
-def test_outputs_match_the_reference_and_the_plain_kernel(rng, m, n, k, dtype, k_major):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_outputs_match_the_reference_and_the_plain_kernel(rng, m, n, k, dtype, k_major, overlap):
     x = (torch.randn(m, k, generator=rng) * torch.logspace(-2, 2, k)).to(DEVICE, dtype)
     w = formats.quantize((torch.randn(n, k, generator=rng) * 0.2).to(DEVICE), "fp8_w")
     if k_major:  # the scales stored K major, as the experts' may be
@@ -69,7 +72,8 @@ def test_outputs_match_the_reference_and_the_plain_kernel(rng, m, n, k, dtype, k
     with flashrt.use_backend("reference"):
         want = ops.linear(x, w).float().cpu()
     out = {}
-    for name, tiles in (("plain", {}), ("ws", WS)):
+    ws = dict(ws_gemm=dict(WS["ws_gemm"], overlap=overlap, maxnreg=168 if overlap else 152))
+    for name, tiles in (("plain", {}), ("ws", ws)):
         with flashrt.use_backend("cuda"), pinned_tiles(linear=tiles):
             assert lin._linear_plan(m, n, k, dtype, "fp8_w")["ws_gemm"] == (name == "ws")
             out[name] = ops.linear(x, w).float().cpu()
