@@ -22,25 +22,30 @@ from flashrt.bench import attention as bench_attention, common
 from decode_kernel_variants import with_tiles
 from results_io import write_json
 
-VARIANTS = {  # tiles.attention.ws over its defaults
+VARIANTS = {  # tiles.attention.ws over its defaults (min_queries 1: every launch takes it)
     "ws": {},
     "ws, copies 1 block ahead": {"RAW_STAGES": 2},
-    "ws, copies 3 blocks ahead": {"RAW_STAGES": 4},
     "ws, decode 64 columns a step": {"CW": 64},
     "ws, decode 256 columns a step": {"CW": 256},
-    "ws, 8 producer warps": {"producer_warps": 8, "producer_regs": 56, "maxnreg": 128},
     "ws, K blocks of 16": {"K_BLOCK": 16, "STAGES": 3},
     "ws, scores a block ahead": {"overlap": True},
     "ws, scores a block ahead, 3 slots": {"overlap": True, "STAGES": 3, "RAW_STAGES": 2},
+}
+PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
+    "ws, packed": {},
+    "ws, packed, copies 1 block ahead": {"RAW_STAGES": 2},
+    "ws, packed, copies 1 block ahead, 3 slots": {"RAW_STAGES": 2, "STAGES": 3},
+    "ws, packed, scores a block ahead, 3 slots": {"overlap": True, "STAGES": 3, "RAW_STAGES": 2},
+    "ws, packed, copies 1 block ahead, decode 256 columns a step": {"RAW_STAGES": 2, "CW": 256},
 }
 
 
 def _variants(packed: bool):
     yield "plain", {"ws": {"enabled": False}}
     for label, tiles in VARIANTS.items():
-        yield label, {"ws": {"enabled": True, **tiles}}
-    if packed:
-        yield "ws, packed fp4_b16 decode", {"ws": {"enabled": True}, "dequant": {"packed_fp4_b16": True}}
+        yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}}
+    for label, tiles in PACKED.items() if packed else ():
+        yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": True}}
 
 
 def _case(ceil, B: int, S: int, context: int, g, packed: bool) -> list[dict]:
@@ -88,7 +93,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prefill", type=int, default=2048, help="queries of the prefill case (0: none)")
     ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
-                    help="also the ws kernel with the packed fp4_b16 decode")
+                    help="also the ws kernel's variants with the packed fp4_b16 decode")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -66,8 +66,9 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # a ring of STAGES bf16 slots of K_BLOCK rows (CW columns at a time), two consumer warpgroups on the
     # MMAs (overlap: a block's score MMA issued before the softmax of the block before); registers:
     # maxnreg a thread of the kernel, producer_regs of the producer's
-    "ws": {"enabled": False, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128, "producer_warps": 4,
-           "producer_regs": 88, "maxnreg": 168, "overlap": False},
+    # min_queries: launches of fewer queries (B * S) keep the plain kernel (at one query it is faster)
+    "ws": {"enabled": False, "min_queries": 1, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128,
+           "producer_warps": 4, "producer_regs": 88, "maxnreg": 168, "overlap": False},
 }
 
 
@@ -205,7 +206,8 @@ def _ws_fits(q: torch.Tensor, codes: tuple, aligned: bool = True) -> bool:
     heads a multiple of 64, fp8 / fp4_b16 segments ``codes`` whose rows are ``aligned`` on 16 bytes,
     an sm_90 device."""
     B, S, H, D = q.shape
-    return (bool(_tiles()["ws"]["enabled"]) and attention_ws.AVAILABLE and not interpreted() and aligned
+    return (bool(_tiles()["ws"]["enabled"]) and B * S >= _tiles()["ws"]["min_queries"] and attention_ws.AVAILABLE
+            and not interpreted() and aligned
             and q.dtype == torch.bfloat16 and D == MAX_D and H % attention_ws.H_BLOCK == 0
             and all(c in (FMT_CODES["fp8"], FMT_CODES["fp4_b16"]) for c in codes)
             and jit_targets.capability() == (9, 0))
@@ -340,6 +342,7 @@ TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1,
                "combine.BLOCK_D": POW2, "combine.in_kernel": Tile(kind=bool),
                "attention_fp32.precision": Tile(choices=PRECISIONS), "split.programs": COUNT0,
                "dequant.packed_fp4_b16": Tile(kind=bool), "ws.enabled": Tile(kind=bool), "ws.K_BLOCK": DOT,
+               "ws.min_queries": Tile(low=1),
                "ws.STAGES": Tile(low=1, high=8), "ws.RAW_STAGES": Tile(low=1, high=8),
                "ws.CW": Tile(low=64, high=512, pow2=True),
                "ws.producer_warps": Tile(choices=(4, 8)), "ws.producer_regs": Tile(low=24, high=256, multiple=8),
