@@ -45,8 +45,6 @@ def test_the_launcher_takes_it_only_where_it_fits(monkeypatch):
         assert not _fits(q[:, :, :48], (FP8, FP4), monkeypatch)
         assert not _fits(q, (0, FP4), monkeypatch)  # a plain segment
         assert not _fits(q, (FP8, attention.FMT_CODES["fp4_b32"]), monkeypatch)
-    with pinned_tiles(attention=dict(ws=dict(enabled=True, min_queries=3))):  # B * S = 2 queries: the plain kernel
-        assert not _fits(q, (FP8, FP4), monkeypatch) and _fits(torch.cat([q, q[:1]]), (FP8, FP4), monkeypatch)
         monkeypatch.setattr(attention, "interpreted", lambda: False)
         with jit_targets.targeting(ARCHS["sm_90"]):
             assert not attention._ws_fits(q, (FP8, FP4), aligned=False)
@@ -54,6 +52,8 @@ def test_the_launcher_takes_it_only_where_it_fits(monkeypatch):
             kernel, splits = attention.planned_splits(q, 640, (FP8, FP4))
             assert kernel == "ws" and splits == attention._ws_launch_plan(q, 640, (FP8, FP4), False)["splits"]
             assert attention.planned_splits(q.float(), 640, (FP8, FP4))[0] == "plain"
+    with pinned_tiles(attention=dict(ws=dict(enabled=True, min_queries=3))):  # B * S = 2 queries: the plain kernel
+        assert not _fits(q, (FP8, FP4), monkeypatch) and _fits(torch.cat([q, q[:1]]), (FP8, FP4), monkeypatch)
 
 
 def test_rows_off_16_bytes_are_not_aligned():
