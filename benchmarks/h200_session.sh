@@ -197,6 +197,9 @@
 #   wsfirst    the first look at both Gluon kernels in one call: their GPU tests (h200-ws-tests.log),
 #              benchmarks/attention_ws.py (h200-attention-ws.json) and benchmarks/linear_ws.py
 #              (h200-linear-ws.json)
+#   wsslice    the ws attention's tiles again (benchmarks/attention_ws.py: h200-attention-ws-2.json), then the
+#              real-dimension slice under the profile and with the ws kernel on from 8 queries, packed
+#              fp4_b16 decode, copies 1 block ahead (h200-real-slice-attnws-{off,on}.json)
 #   gemmws     the warp-specialized Gluon fp8 GEMM of linear (tiles.linear.ws_gemm): its tests and the
 #              linear tests (h200-gemm-ws-tests.log), then every fp8_w path at 4,096 rows beside
 #              torch._scaled_mm (benchmarks/linear_ws.py: h200-linear-ws.json)
@@ -250,8 +253,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words|attnpacked|attnws|gemmws|wsfirst) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq, words, attnpacked, attnws, gemmws or wsfirst)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words|attnpacked|attnws|gemmws|wsfirst|wsslice) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq, words, attnpacked, attnws, gemmws, wsfirst or wsslice)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -773,6 +776,17 @@ phase_wsfirst() {  # both Gluon kernels: correctness, then their benchmarks (eac
   tail -n 15 "$OUT/h200-ws-tests.log"
   timeout 200 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws.json" 2>&1 | tail -n 45
   timeout 120 python benchmarks/linear_ws.py --out "$OUT/h200-linear-ws.json" 2>&1 | tail -n 25
+}
+
+phase_wsslice() {
+  local on
+  on=$(profile_set h200-attn-ws-packed tiles.attention.ws.enabled true tiles.attention.ws.min_queries 8 \
+    tiles.attention.ws.RAW_STAGES 2 tiles.attention.dequant.packed_fp4_b16 true)
+  timeout 200 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws-2.json" 2>&1 | grep -v "^ " | tail -n 60
+  for run in off:h200 on:$on; do
+    FLASHRT_PROFILE=${run#*:} timeout 200 python benchmarks/real_slice.py --batches 1 8 64 \
+      --out "$OUT/h200-real-slice-attnws-${run%%:*}.json" | tail -n 4
+  done
 }
 
 phase_gemmws() {  # the warp-specialized Gluon fp8 GEMM (tiles.linear.ws_gemm)
