@@ -194,15 +194,11 @@
 #              (benchmarks/attention_ws.py: h200-attention-ws.json), the real-dimension slice (64 heads: the kernel
 #              serves it; small's 16 do not take it): h200-real-slice-attnws-{off,on}.json; with Nsight Compute,
 #              the batch-64 decode under it: ncu-attn64-ws.txt
-#   wsfirst    the first look at both Gluon kernels in one call: their GPU tests (h200-ws-tests.log),
-#              benchmarks/attention_ws.py (h200-attention-ws.json) and benchmarks/linear_ws.py
-#              (h200-linear-ws.json)
+#   wsfirst    the first look at the ws attention kernel in one call: its GPU tests (h200-ws-tests.log) and
+#              benchmarks/attention_ws.py (h200-attention-ws.json)
 #   wsslice    the ws attention's tiles again (benchmarks/attention_ws.py: h200-attention-ws-2.json), then the
 #              real-dimension slice under the profile and with the ws kernel on from 8 queries, packed
 #              fp4_b16 decode, copies 1 block ahead (h200-real-slice-attnws-{off,on}.json)
-#   gemmws     the warp-specialized Gluon fp8 GEMM of linear (tiles.linear.ws_gemm): its tests and the
-#              linear tests (h200-gemm-ws-tests.log), then every fp8_w path at 4,096 rows beside
-#              torch._scaled_mm (benchmarks/linear_ws.py: h200-linear-ws.json)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -253,8 +249,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words|attnpacked|attnws|gemmws|wsfirst|wsslice) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq, words, attnpacked, attnws, gemmws, wsfirst or wsslice)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words|attnpacked|attnws|wsfirst|wsslice) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq, words, attnpacked, attnws, wsfirst or wsslice)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -770,12 +766,11 @@ phase_attnws() {  # the warp-specialized Gluon attention kernel (tiles.attention
   done
 }
 
-phase_wsfirst() {  # both Gluon kernels: correctness, then their benchmarks (each bounded: a kernel may hang)
+phase_wsfirst() {  # the ws attention: correctness, then its benchmark (each bounded: a kernel may hang)
   timeout 240 python -m pytest -q -n 8 -p no:cacheprovider -m gpu tests/kernels_cuda/test_cuda_attention_ws.py \
-    tests/kernels_cuda/test_cuda_linear_ws.py > "$OUT/h200-ws-tests.log" 2>&1
+    > "$OUT/h200-ws-tests.log" 2>&1
   tail -n 15 "$OUT/h200-ws-tests.log"
   timeout 200 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws.json" 2>&1 | tail -n 45
-  timeout 120 python benchmarks/linear_ws.py --out "$OUT/h200-linear-ws.json" 2>&1 | tail -n 25
 }
 
 phase_wsslice() {
@@ -787,13 +782,6 @@ phase_wsslice() {
     FLASHRT_PROFILE=${run#*:} timeout 200 python benchmarks/real_slice.py --batches 1 8 64 \
       --out "$OUT/h200-real-slice-attnws-${run%%:*}.json" | tail -n 4
   done
-}
-
-phase_gemmws() {  # the warp-specialized Gluon fp8 GEMM (tiles.linear.ws_gemm)
-  timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_linear_ws.py \
-    tests/kernels_cuda/test_cuda_gemm.py > "$OUT/h200-gemm-ws-tests.log" 2>&1
-  tail -n 1 "$OUT/h200-gemm-ws-tests.log"
-  timeout 240 python benchmarks/linear_ws.py --out "$OUT/h200-linear-ws.json" | tail -n 25
 }
 
 phase_fp8deq() {

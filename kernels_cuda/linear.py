@@ -41,7 +41,6 @@ from flashrt.kernels_cuda.codecs_e4m3 import FOLD_MAX_SCALE as FP8_FOLD_MAX_SCAL
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
-from flashrt.kernels_cuda import linear_ws
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
 from flashrt.kernels_cuda import pdl
 
@@ -94,14 +93,6 @@ TILES = {
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
     # docs/performance.md, linear fp8_w)
     "bf16_gemm_min_rows": None,
-    # fp8_w weights with at least min_rows rows of x (bf16 or fp32; null: never, the default) on an sm_90
-    # device: the warp-specialized Gluon GEMM (linear_ws: a producer of producer_warps copying 32-wide
-    # K slices STAGES - 1 ahead, two consumer warpgroups on fp8 warpgroup MMAs, each slice's product
-    # scaled into the fp32 sum); tiles of BLOCK_M x BLOCK_N, registers: maxnreg a thread, producer_regs
-    # the producer's; before bf16_gemm_min_rows where both apply
-    # (overlap: a slice's MMA issued before the one before is scaled into the sum)
-    "ws_gemm": {"min_rows": None, "BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 6, "producer_warps": 4,
-                "producer_regs": 40, "maxnreg": 152, "overlap": False},
     # up to this many rows the GEMM quantizes x itself (no act_quant launch) and a split K is summed
     # by the tile's last program (no sum and cast launches); 0: never
     "fused_max_rows": 64,
@@ -276,36 +267,11 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     out_dtype = dtype if split == 1 or reduce else torch.float32
     big = _tiles()["bf16_gemm_min_rows"]
     return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=out_dtype, fused=fused, reduce=reduce,
-                ws_gemm=_ws_gemm_fits(m, fmt, dtype),
                 bf16_gemm=big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16,
                 constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"],
                                 OUT=TL_DTYPES[out_dtype], QX=fused, REDUCE=reduce,
                                 E2M1=fp4_decode() if fmt == "fp4_w" else fp8_decode(promote), **t),
                 fold=fmt == "fp4_w" and may_fold(fp4_decode()))
-
-
-def _ws_gemm_fits(m: int, fmt: str, dtype: torch.dtype) -> bool:
-    """Whether ``m`` rows of ``dtype`` x through an ``fmt`` weight take the warp-specialized GEMM
-    (``tiles.linear.ws_gemm``): fp8_w, at least ``min_rows`` rows, bf16 / fp32 x, an sm_90 device."""
-    least = _tiles()["ws_gemm"]["min_rows"]
-    return (least is not None and m >= least and fmt == "fp8_w" and dtype in (torch.bfloat16, torch.float32)
-            and linear_ws.AVAILABLE and not INTERPRETED and jit_targets.capability() == (9, 0))
-
-
-def _ws_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
-    """``x2 @ weight.T`` by the warp-specialized GEMM (:mod:`.linear_ws`) in ``x2``'s dtype."""
-    t = _tiles()["ws_gemm"]
-    m, n, k = x2.shape[0], weight.shape[0], weight.shape[1]
-    xq, sx = act_quant(x2)
-    data, scale = weight_operands(weight)
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    grid = (cdiv(m, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"]),)
-    linear_ws._fp8_ws_gemm_kernel[grid](
-        xq.view(torch.float8_e4m3fn), sx, data, scale, out, m, n, k, xq.stride(0), sx.stride(0), data.stride(0),
-        scale.stride(0), scale.stride(1), out.stride(0), BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
-        GROUP_M=_tiles()["group_m"], STAGES=t["STAGES"], PRODUCER_WARPS=t["producer_warps"],
-        PRODUCER_REGS=t["producer_regs"], OVERLAP=t["overlap"], num_warps=8, maxnreg=t["maxnreg"])
-    return out
 
 
 def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -341,8 +307,6 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
         return x.new_zeros(*x.shape[:-1], n)
     key = (m, n, k, x.dtype, weight.fmt)
     plan = PLANS.lookup(key)[1] or PLANS.store(key, _linear_plan(m, n, k, x.dtype, weight.fmt))
-    if plan["ws_gemm"]:
-        return _ws_gemm(x2, weight).view(*x.shape[:-1], n)
     if plan["bf16_gemm"]:
         return _bf16_gemm(x2, weight).view(*x.shape[:-1], n)
     data, scale = weight_operands(weight)
@@ -408,11 +372,6 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "fp8_mma": Tile(nullable=True, kind=bool), "fp4_decode": Tile(choices=FP4_DECODES),
                "fp4_scale_fold": Tile(kind=bool), "fp4_halves": Tile(kind=bool), "fp8_packed": Tile(kind=bool),
                "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
-               "ws_gemm.min_rows": Tile(low=1, nullable=True, kind=int), "ws_gemm.BLOCK_M": Tile(choices=(128,)),
-               "ws_gemm.BLOCK_N": Tile(choices=(64, 128)), "ws_gemm.STAGES": Tile(low=2, high=16),
-               "ws_gemm.producer_warps": Tile(choices=(1, 2, 4)),
-               "ws_gemm.producer_regs": Tile(low=24, high=256, multiple=8),
-               "ws_gemm.maxnreg": Tile(low=24, high=256, multiple=8), "ws_gemm.overlap": Tile(kind=bool),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),
                "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool)}
