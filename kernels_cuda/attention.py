@@ -134,13 +134,19 @@ def _roles(codes) -> tuple[int, int, int] | None:
     return tuple(roles)
 
 
+def _segment_constexprs(codes) -> dict:
+    """FMT0..2 and ROLE1..3 of the kernels for segments in formats ``codes``."""
+    fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
+    role1, role2, role3 = _roles(codes)
+    return dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3)
+
+
 def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int, int]:
     """(tiles, H_BLOCK, K_BLOCK, splits, blocks per split, D_SPLIT): split K until the programs fill
     one wave (one program per SM: it holds most of an SM's shared memory)."""
     B, S, H, D = q.shape
     tiles = _tiles()
-    t, sp = tiles["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], tiles["split"]
-    pre = tiles["prefill"]
+    t, pre = tiles["attention" if q.dtype == torch.bfloat16 else "attention_fp32"], tiles["prefill"]
     h_block = min(t["H_BLOCK"], max(16, next_pow2(H)))
     few_heads = pre["max_heads"] == 0 or h_block <= pre["max_heads"]  # h_block: the heads a program holds
     if q.dtype == torch.bfloat16 and 0 < pre["min_queries"] <= B * S and few_heads:
@@ -148,14 +154,20 @@ def _plan(q: torch.Tensor, K: int) -> tuple[dict, int, int, int, int, int]:
     k_block = min(t["K_BLOCK"], max(16, next_pow2(K)))
     assert t["D_SPLIT"] in (1, 2), f"tiles.attention D_SPLIT: expected 1 or 2, got {t['D_SPLIT']!r}"
     n_kb = cdiv(K, k_block)
-    wave = sp["programs"] or sm_count(q.device)
+    wave = tiles["split"]["programs"] or sm_count(q.device)
     programs = B * S * cdiv(H, h_block)
     # halves of >= 32 columns (scale blocks), only while the split programs fill at most half a wave
     d_split = t["D_SPLIT"] if next_pow2(D) >= 64 and 2 * t["D_SPLIT"] * programs <= wave else 1
-    programs *= d_split
+    return (t, h_block, k_block, *_split_k(n_kb, programs * d_split, wave), d_split)
+
+
+def _split_k(n_kb: int, programs: int, wave: int) -> tuple[int, int]:
+    """(splits, K blocks a split) of ``n_kb`` K blocks over ``programs`` programs a split: split until
+    the programs fill ``wave`` (tiles.attention.split's limits), each split at least one block."""
+    sp = _tiles()["split"]
     splits = max(1, min(wave // programs, sp["max_splits"], n_kb // sp["min_blocks"]))
     per_split = cdiv(n_kb, splits)
-    return t, h_block, k_block, cdiv(n_kb, per_split), per_split, d_split
+    return cdiv(n_kb, per_split), per_split
 
 
 def packed_rows() -> bool:
@@ -179,15 +191,12 @@ def _launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
     B, S, H, D = q.shape
     t, h_block, k_block, splits, per_split, d_split = _plan(q, K)
     dot_dtype, prec = _dot_mode(q.dtype)
-    role1, role2, role3 = _roles(codes)
-    fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
     tiles = B * S * cdiv(H, h_block) * d_split  # programs per split: one ticket counter each
     finish = splits > 1 and _tiles()["combine"]["in_kernel"] and splitk.fits(tiles)
     return dict(grid=(B * S, cdiv(H, h_block) * d_split, splits), splits=splits, per_split=per_split, finish=finish,
-                roles=(0, role1, role2, role3),  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
+                roles=(0, *_roles(codes)),  # partial outputs in bf16 for bf16 q (half the traffic), else fp32
                 pdtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32,
-                constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3,
-                                HAS_SINK=has_sink,
+                constexprs=dict(**_segment_constexprs(codes), HAS_SINK=has_sink,
                                 SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, H_BLOCK=h_block, K_BLOCK=k_block,
                                 BLOCK_D=next_pow2(D), D_SPLIT=d_split, FINISH=finish, PACKED=packed_rows(),
                                 num_warps=t["num_warps"],
@@ -217,22 +226,15 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
     """:func:`_launch_plan` for the warp-specialized kernel: one program per (query, 64 heads, K split),
     the split rule of ``tiles.attention.split``, partials merged by the combine launch."""
     B, S, H, D = q.shape
-    t, sp = _tiles()["ws"], _tiles()["split"]
-    n_kb = cdiv(K, t["K_BLOCK"])
+    t = _tiles()["ws"]
     programs = B * S * (H // attention_ws.H_BLOCK)
-    splits = max(1, min((sp["programs"] or sm_count(q.device)) // programs, sp["max_splits"], n_kb // sp["min_blocks"]))
-    per_split = cdiv(n_kb, splits)
-    splits = cdiv(n_kb, per_split)
-    role1, role2, role3 = _roles(codes)
-    fmt = list(codes) + [0] * (MAX_SEGMENTS - len(codes))
+    splits, per_split = _split_k(cdiv(K, t["K_BLOCK"]), programs, _tiles()["split"]["programs"] or sm_count(q.device))
     return dict(ws=True, grid=(B * S, H // attention_ws.H_BLOCK, splits), splits=splits, per_split=per_split,
-                finish=False, roles=(0, role1, role2, role3), pdtype=torch.bfloat16,
-                constexprs=dict(FMT0=fmt[0], FMT1=fmt[1], FMT2=fmt[2], ROLE1=role1, ROLE2=role2, ROLE3=role3,
-                                HAS_SINK=has_sink, SPLIT=splits > 1, K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"],
-                                RAW_STAGES=t["RAW_STAGES"], CW=t["CW"], PRODUCER_WARPS=t["producer_warps"],
-                                PRODUCER_REGS=t["producer_regs"], PACKED=packed_rows(), OVERLAP=t["overlap"],
-                                num_warps=8,
-                                maxnreg=t["maxnreg"]))
+                finish=False, roles=(0, *_roles(codes)), pdtype=torch.bfloat16,
+                constexprs=dict(**_segment_constexprs(codes), HAS_SINK=has_sink, SPLIT=splits > 1,
+                                K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"], RAW_STAGES=t["RAW_STAGES"], CW=t["CW"],
+                                PRODUCER_WARPS=t["producer_warps"], PRODUCER_REGS=t["producer_regs"],
+                                PACKED=packed_rows(), OVERLAP=t["overlap"], num_warps=8, maxnreg=t["maxnreg"]))
 
 
 def planned_splits(q: torch.Tensor, K: int, codes: tuple) -> tuple[str, int]:
@@ -266,7 +268,8 @@ def sparse_attention(q, kv, indices, sink, scale):
     if not segs or min(B * S, H, K) == 0:
         return torch.zeros_like(q)
     codes = tuple(s[2] for s in segs)
-    aligned = q.dtype == torch.bfloat16 and _aligned16(segs)
+    # the rows' alignment only matters (and is only looked at) where the ws kernel may take the launch
+    aligned = bool(_tiles()["ws"]["enabled"]) and q.dtype == torch.bfloat16 and _aligned16(segs)
     key = (B, S, H, D, K, q.dtype, q.device, codes, sink is not None, aligned)
     plan = PLANS.lookup(key)[1]
     if plan is None:
