@@ -139,13 +139,13 @@ def attention_call(B: int, S: int, cold: bool, kv: str = "both"):
         scale = torch.zeros(*shape[:-1], shape[-1] // bs, dtype=torch.uint8)
         return QTensor(data, scale, fmt, tuple(shape))
 
-    segments = (stored("fp8", (B, W, D)), stored("fp4_b16", (1, T, D)))
-    if cold:
-        segments += (stored("fp4_b16", (1, B * TOPK, D)),)
     q = torch.zeros(B, S, H, D, dtype=torch.bfloat16)
-    idx = (torch.zeros(B, S, W, dtype=torch.int32), torch.zeros(B, S, TOPK, dtype=torch.int32))  # window ‖ picks
     if kv != "both":
         segments, idx = (stored(kv, (1, T, D)),), torch.zeros(B, S, W + TOPK, dtype=torch.int32)
+    else:
+        segments = (stored("fp8", (B, W, D)), stored("fp4_b16", (1, T, D)))
+        segments += (stored("fp4_b16", (1, B * TOPK, D)),) if cold else ()
+        idx = (torch.zeros(B, S, W, dtype=torch.int32), torch.zeros(B, S, TOPK, dtype=torch.int32))  # window ‖ picks
     return lambda: attention.sparse_attention(q, segments, idx, torch.zeros(H), D ** -0.5)
 
 
