@@ -199,6 +199,14 @@
 #   wsslice    the ws attention's tiles again (benchmarks/attention_ws.py: h200-attention-ws-2.json), then the
 #              real-dimension slice under the profile and with the ws kernel on from 8 queries, packed
 #              fp4_b16 decode, copies 1 block ahead (h200-real-slice-attnws-{off,on}.json)
+#   wsncu      Nsight Compute's source page of the batch-64 decode (tools/ncu_cases.py attn64) under the ws
+#              kernel with packed decode and copies 1 block ahead: ncu-source-attn64-ws.{txt,json,csv.gz,log}
+#   wsprod     the ws attention's producer (indices a trip ahead, one row layout for every copy, one-path
+#              blocks decoded without the sum) under the profile: its GPU tests and the attention, packed
+#              attention and prefix attention tests (h200-wsprod-tests.log), benchmarks/attention_ws.py
+#              (h200-attention-ws-3.json), the real-dimension slice with the ws kernel off and under the
+#              profile (h200-real-slice-wsprod-{off,on}.json), Nsight Compute's source page of the batch-64
+#              decode (ncu-source-attn64-wsprod.*)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -249,8 +257,8 @@ set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
 for phase in "$@"; do
   case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words|attnpacked|attnws|wsfirst|wsslice) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq, words, attnpacked, attnws, wsfirst or wsslice)" >&2; exit 2 ;;
+    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words|attnpacked|attnws|wsfirst|wsslice|wsncu|wsprod) ;;
+    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq, words, attnpacked, attnws, wsfirst, wsslice, wsncu or wsprod)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -782,6 +790,27 @@ phase_wsslice() {
     FLASHRT_PROFILE=${run#*:} timeout 200 python benchmarks/real_slice.py --batches 1 8 64 \
       --out "$OUT/h200-real-slice-attnws-${run%%:*}.json" | tail -n 4
   done
+}
+
+phase_wsncu() {
+  FLASHRT_PROFILE=$(profile_set h200-attn-ws-packed tiles.attention.ws.enabled true tiles.attention.ws.min_queries 8 \
+    tiles.attention.ws.RAW_STAGES 2 tiles.attention.dequant.packed_fp4_b16 true) NCU_CASES=attn64 NCU_TAG=-ws \
+    phase_ncusource
+}
+
+phase_wsprod() {
+  local off
+  off=$(profile_set h200-ws-off tiles.attention.ws.enabled false)
+  timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
+    tests/kernels_cuda/test_cuda_attention_packed.py tests/kernels_cuda/test_cuda_attention.py \
+    tests/kernels_cuda/test_cuda_prefix_attention.py > "$OUT/h200-wsprod-tests.log" 2>&1
+  tail -n 12 "$OUT/h200-wsprod-tests.log"
+  timeout 150 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws-3.json" 2>&1 | grep -v "^ " | tail -n 30
+  for run in off:$off on:h200; do
+    FLASHRT_PROFILE=${run#*:} timeout 100 python benchmarks/real_slice.py --batches 1 8 64 \
+      --out "$OUT/h200-real-slice-wsprod-${run%%:*}.json" | tail -n 3
+  done
+  NCU_CASES=attn64 NCU_TAG=-wsprod phase_ncusource
 }
 
 phase_fp8deq() {

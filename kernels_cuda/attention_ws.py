@@ -59,13 +59,27 @@ if AVAILABLE:
         """A raw ring's shape, one byte where the path is absent (its buffer is never touched)."""
         return [stages, rows, width] if present else [1, 1, 16]
 
+    @gluon.constexpr_function
+    def _copy_layout(VEC, NW):
+        """A raw slot's copy layout [K_BLOCK, bytes]: 8 rows x 4 column vectors of ``VEC`` bytes a warp,
+        the ``NW`` warps along the columns. Every width shares the rows' distribution (its row slice is
+        :func:`_rows_layout` for any ``VEC``), so one index load a block serves every copy, with no
+        exchange through shared memory."""
+        return gl.BlockedLayout([1, VEC], [8, 4], [1, NW], [1, 0])
+
+    @gluon.constexpr_function
+    def _rows_layout(NW):
+        """The layout of a block's row indices and pointers in the producer."""
+        return gl.SliceLayout(1, _copy_layout(16, NW))
+
     @gluon.jit
-    def _copy_rows(dst, rows, hit, WIDTH: gl.constexpr, VEC: gl.constexpr, NW: gl.constexpr):
-        """Start the asynchronous copy of ``WIDTH`` bytes of each ``hit`` row (``rows``: byte
-        pointers [K_BLOCK]) into ``dst`` [K_BLOCK, WIDTH] (``NW`` warps); rows not hit are filled with zeros."""
-        TPW: gl.constexpr = WIDTH // VEC if WIDTH // VEC < 32 else 32
-        L: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPW, TPW], [NW, 1], [1, 0])
-        r = gl.convert_layout(rows, gl.SliceLayout(1, L))
+    def _copy_rows(dst, rows, hit, WIDTH: gl.constexpr, NW: gl.constexpr):
+        """Start the asynchronous copy of ``WIDTH`` bytes of each ``hit`` row (``rows``: byte pointers
+        [K_BLOCK] in :func:`_rows_layout`) into ``dst`` [K_BLOCK, WIDTH]; rows not hit are filled with
+        zeros. 16-byte copies, or 4 where a row is narrower than the warps' 16 column vectors."""
+        VEC: gl.constexpr = 16 if WIDTH >= 256 else 4
+        L: gl.constexpr = _copy_layout(VEC, NW)
+        r = gl.convert_layout(rows, gl.SliceLayout(1, L))  # the same registers: no data moves
         h = gl.convert_layout(hit, gl.SliceLayout(1, L))
         c = gl.arange(0, WIDTH, gl.SliceLayout(0, L))
         _async_load(dst, r[:, None] + c[None, :], mask=h[:, None])
@@ -98,8 +112,8 @@ if AVAILABLE:
     def _issue(path, data, scale, FMT: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
         """Copy one path's rows of a block (data and scale bytes) into its raw slot."""
         rows, srows, hit = path
-        _copy_rows(data, rows, hit, D // _per(FMT), 16, NW)
-        _copy_rows(scale, srows, hit, D // _block(FMT), 16, NW)
+        _copy_rows(data, rows, hit, D // _per(FMT), NW)
+        _copy_rows(scale, srows, hit, D // _block(FMT), NW)
 
     @gluon.constexpr_function
     def _decoded_layout(CW, NW):
@@ -135,28 +149,65 @@ if AVAILABLE:
         return gl.reshape(v, [K_BLOCK, CW]).to(gl.bfloat16)
 
     @gluon.jit
-    def _decode(slot, raws, hits, rs, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
+    def _decode_sum(slot, raws, hits, rs, c, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
+                    OWN1: gl.constexpr, OWN2: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr,
+                    NW: gl.constexpr, PACKED: gl.constexpr):
+        """Chunk ``c`` of a block whose rows lie on several paths: the paths' values added in bf16,
+        exactly (a row is stored on one path and is zeros on the others); a path no row hits is skipped."""
+        data0, scale0, data1, scale1, data2, scale2 = raws
+        h0, h1, h2 = hits
+        v = gl.zeros([K_BLOCK, CW], gl.bfloat16, _decoded_layout(CW, NW))
+        if h0:
+            v += _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED)
+        if OWN1:
+            if h1:
+                v += _decode_chunk(data1.index(rs), scale1.index(rs), c, FMT1, CW, K_BLOCK, NW, PACKED)
+        if OWN2:
+            if h2:
+                v += _decode_chunk(data2.index(rs), scale2.index(rs), c, FMT2, CW, K_BLOCK, NW, PACKED)
+        slot.slice(c * CW, CW, dim=1).store(v)
+
+    @gluon.jit
+    def _decode(slot, raws, bits, rs, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
                 OWN1: gl.constexpr, OWN2: gl.constexpr, D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr,
                 NW: gl.constexpr, PACKED: gl.constexpr):
         """Decode raw slot ``rs`` of every path into the bf16 ``slot`` [K_BLOCK, D], ``CW`` columns at a
-        time. With several paths, a path no row of the block hits is skipped and the others add up in
-        bf16, exactly: a row is stored on one path and is zeros on the others."""
+        time; ``bits``: the paths the block's rows hit (bit p: path p). A block on one path (the common
+        case: the window's blocks, then the picks') stores that path's values as they are; a block on
+        several adds them up (:func:`_decode_sum`); a block on none stores zeros (its scores are masked;
+        the value MMA still reads finite numbers)."""
         data0, scale0, data1, scale1, data2, scale2 = raws
-        h0, h1, h2 = hits
-        for c in gl.static_range(D // CW):
-            if OWN1 or OWN2:
-                v = gl.zeros([K_BLOCK, CW], gl.bfloat16, _decoded_layout(CW, NW))
-                if h0:
-                    v += _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED)
-                if OWN1:
-                    if h1:
-                        v += _decode_chunk(data1.index(rs), scale1.index(rs), c, FMT1, CW, K_BLOCK, NW, PACKED)
-                if OWN2:
-                    if h2:
-                        v += _decode_chunk(data2.index(rs), scale2.index(rs), c, FMT2, CW, K_BLOCK, NW, PACKED)
-            else:
-                v = _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED)
-            slot.slice(c * CW, CW, dim=1).store(v)
+        if OWN1 or OWN2:
+            if bits == 1:
+                for c in gl.static_range(D // CW):
+                    slot.slice(c * CW, CW, dim=1).store(
+                        _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED))
+            if OWN1:
+                if bits == 2:
+                    for c in gl.static_range(D // CW):
+                        slot.slice(c * CW, CW, dim=1).store(
+                            _decode_chunk(data1.index(rs), scale1.index(rs), c, FMT1, CW, K_BLOCK, NW, PACKED))
+            if OWN2:
+                if bits == 4:
+                    for c in gl.static_range(D // CW):
+                        slot.slice(c * CW, CW, dim=1).store(
+                            _decode_chunk(data2.index(rs), scale2.index(rs), c, FMT2, CW, K_BLOCK, NW, PACKED))
+            if bits == 0:
+                for c in gl.static_range(D // CW):
+                    slot.slice(c * CW, CW, dim=1).store(gl.zeros([K_BLOCK, CW], gl.bfloat16, _decoded_layout(CW, NW)))
+            if (bits & (bits - 1)) != 0:  # several paths
+                hits = ((bits & 1) != 0, (bits & 2) != 0, (bits & 4) != 0)
+                for c in gl.static_range(D // CW):
+                    _decode_sum(slot, raws, hits, rs, c, FMT0, FMT1, FMT2, OWN1, OWN2, CW, K_BLOCK, NW, PACKED)
+        else:  # one path: rows not hit were copied as zeros
+            for c in gl.static_range(D // CW):
+                slot.slice(c * CW, CW, dim=1).store(
+                    _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED))
+
+    @gluon.jit
+    def _any(hit):
+        """Whether any row of a block is hit (a scalar)."""
+        return gl.max(hit.to(gl.int32), axis=0)
 
     @gluon.jit
     def _producer(kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr, bs, b,
@@ -164,33 +215,42 @@ if AVAILABLE:
                   ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr, TWO_PARTS: gl.constexpr,
                   D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
                   RAW_STAGES: gl.constexpr, NW: gl.constexpr, PACKED: gl.constexpr):
-        """Gather and decode every K block of this program into the bf16 ring (see the module doc)."""
+        """Gather and decode every K block of this program into the bf16 ring (see the module doc). The
+        indices of a block are loaded a trip before its copies start, and the paths its rows hit are
+        kept (3 bits a block in ``hist``) until its decode, so the decode reads no index again."""
         raws = (data0, scale0, data1, scale1, data2, scale2)
         OWN1: gl.constexpr = ROLE1 == 1
         OWN2: gl.constexpr = ROLE2 == 2
-        IL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        RL: gl.constexpr = _rows_layout(NW)
+        idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
+        KEEP: gl.constexpr = (1 << (3 * RAW_STAGES)) - 1
+        hist = n * 0  # the hit bits of the blocks whose copies are in flight, the newest lowest
         for j in range(n + RAW_STAGES - 1):
+            hist = (hist << 3) & KEEP
             if j < n:  # start the copies of block j into raw slot j % RAW_STAGES
                 rs = j % RAW_STAGES
-                idx = _block_rows(lo + j, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
+                idx = idx_next
+                idx_next = _block_rows(lo + j + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
                 p0, p1, p2 = _locate_paths(idx, b, seg, ROLE1, ROLE2, ROLE3)
                 _issue(p0, data0.index(rs), scale0.index(rs), FMT0, D, NW)
                 if OWN1:
                     _issue(p1, data1.index(rs), scale1.index(rs), FMT1, D, NW)
                 if OWN2:
                     _issue(p2, data2.index(rs), scale2.index(rs), FMT2, D, NW)
+                hist = hist | _any(p0[2])
+                if OWN1:
+                    hist = hist | (_any(p1[2]) << 1)
+                if OWN2:
+                    hist = hist | (_any(p2[2]) << 2)
             async_copy.commit_group()
             i = j - (RAW_STAGES - 1)  # the block decoded this trip
             if i >= 0:
                 async_copy.wait_group(RAW_STAGES - 1)
                 _sync()  # every thread's copies of block i have landed
-                idx = _block_rows(lo + i, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
-                p0, p1, p2 = _locate_paths(idx, b, seg, ROLE1, ROLE2, ROLE3)
-                hits = (gl.max(p0[2].to(gl.int32), axis=0) > 0, gl.max(p1[2].to(gl.int32), axis=0) > 0,
-                        gl.max(p2[2].to(gl.int32), axis=0) > 0)
+                bits = (hist >> (3 * (RAW_STAGES - 1))) & 7
                 st = i % STAGES
                 mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # the consumers released the slot
-                _decode(kv_smem.index(st), raws, hits, i % RAW_STAGES, FMT0, FMT1, FMT2, OWN1, OWN2, D, CW, K_BLOCK,
+                _decode(kv_smem.index(st), raws, bits, i % RAW_STAGES, FMT0, FMT1, FMT2, OWN1, OWN2, D, CW, K_BLOCK,
                         NW, PACKED)
                 fence_async_shared()  # the decoded slot is read by the MMAs (async proxy)
                 _sync()  # every thread's stores done; the raw slot free for its next copy
@@ -232,8 +292,11 @@ if AVAILABLE:
             acc = warpgroup_mma_init(acc)
             mbarrier.wait(ready.index(0), 0)
             s = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+        IL: gl.constexpr = gl.SliceLayout(0, s_layout)
+        idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
         for i in range(n):
-            idx = _block_rows(lo + i, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, gl.SliceLayout(0, s_layout))
+            idx = idx_next  # this block's indices (for the mask), loaded a trip before
+            idx_next = _block_rows(lo + i + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
             st = i % STAGES
             kv = kv_smem.index(st)
             if OVERLAP:

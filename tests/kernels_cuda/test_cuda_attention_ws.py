@@ -99,7 +99,9 @@ def test_it_compiles_for_sm90_on_warpgroup_mmas_and_async_copies(ws_tiles):
     assert r["sass"]["LDGSTS"] > 0 and r["sass"]["BAR"] > 0
 
 
-def _case(g, B, S, H, W, T, K, cold: bool):
+def _case(g, B, S, H, W, T, K, cold: bool, hole: bool = False):
+    """Random rows and indices; ``hole``: the picks' entries 16..47 empty (-1), a whole K block of 32
+    on no path where the window's length is 48 (its block before holds window and pick rows)."""
     D = 512
     q8 = lambda n, b=B: formats.quantize(torch.randn(b, n, D, generator=g), "fp8").to(DEVICE)
     q4 = lambda n, b=B: formats.quantize(torch.randn(b, n, D, generator=g), "fp4_b16").to(DEVICE)
@@ -109,23 +111,26 @@ def _case(g, B, S, H, W, T, K, cold: bool):
     picks = torch.randint(W + S, total, (B, S, K - W), generator=g, dtype=torch.int32)
     for part in (win, picks):
         part[torch.rand(part.shape, generator=g) < 0.15] = -1
+    if hole:
+        picks[..., 16:48] = -1
     q = (torch.randn(B, S, H, D, generator=g) * 2).to(DEVICE, torch.bfloat16)
     return q, kv, (win.to(DEVICE), picks.to(DEVICE))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (SM90 and ws.AVAILABLE), reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("B,S,H,W,T,K,cold,sink,programs", [
-    (1, 1, 64, 128, 4096, 640, False, True, 0),  # the released decode, K split over the SMs
-    (64, 1, 64, 128, 2048, 640, False, True, 0),
-    (3, 2, 128, 32, 700, 100, True, False, 0),  # two head blocks, a cold fourth segment, K past the blocks
-    (2, 1, 64, 128, 1000, 640, False, True, 1),  # one program a head block: no split
+@pytest.mark.parametrize("B,S,H,W,T,K,cold,sink,programs,hole", [
+    (1, 1, 64, 128, 4096, 640, False, True, 0, False),  # the released decode, K split over the SMs
+    (64, 1, 64, 128, 2048, 640, False, True, 0, False),
+    (3, 2, 128, 32, 700, 100, True, False, 0, False),  # two head blocks, a cold fourth segment, K past the blocks
+    (2, 1, 64, 128, 1000, 640, False, True, 1, False),  # one program a head block: no split
+    (2, 1, 64, 48, 1000, 200, False, True, 0, True),  # a block on two paths, a block on none
 ])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, {"overlap": True}])
-def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, packed,
-                                                          ws_tiles):
-    q, kv, idx = _case(rng, B, S, H, W, T, K, cold)
+def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, hole,
+                                                          packed, ws_tiles):
+    q, kv, idx = _case(rng, B, S, H, W, T, K, cold, hole)
     s = torch.randn(H, generator=rng).to(DEVICE) if sink else None
     split = dict(split=dict(programs=programs)) if programs else {}
     split["dequant"] = dict(packed_fp4_b16=packed)  # both kernels decode the fp4_b16 rows the same way
