@@ -22,7 +22,7 @@ pytestmark = requires_kernels
 attention = pytest.importorskip("flashrt.kernels_cuda.attention")
 ws = pytest.importorskip("flashrt.kernels_cuda.attention_ws")
 SM90 = GPU and torch.cuda.get_device_capability() == (9, 0)
-WS = dict(attention=dict(ws=dict(enabled=True)))
+WS = dict(attention=dict(ws=dict(enabled=True, min_queries=1)))  # every launch, whatever the profile
 FP8, FP4 = attention.FMT_CODES["fp8"], attention.FMT_CODES["fp4_b16"]
 
 
