@@ -33,6 +33,13 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     "ws, packed, copies 1 block ahead": {"RAW_STAGES": 2},
     "ws, packed, copies 1 block ahead, 3 slots": {"RAW_STAGES": 2, "STAGES": 3},
     "ws, packed, scores a block ahead, 3 slots": {"overlap": True, "STAGES": 3, "RAW_STAGES": 2},
+    # the producer's registers raised (the consumers keep 176): room for wider decode steps, whose
+    # independent chains one producer warp a scheduler can interleave
+    "ws, packed, copies 1 block ahead, producer 152 registers": {"RAW_STAGES": 2, "producer_regs": 152},
+    "ws, packed, copies 1 block ahead, producer 152 registers, 256 columns a step":
+        {"RAW_STAGES": 2, "producer_regs": 152, "CW": 256},
+    "ws, packed, copies 1 block ahead, producer 152 registers, 512 columns a step":
+        {"RAW_STAGES": 2, "producer_regs": 152, "CW": 512},
 }
 
 
