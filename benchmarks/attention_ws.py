@@ -40,6 +40,12 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
         {"RAW_STAGES": 2, "producer_regs": 152, "CW": 256},
     "ws, packed, copies 1 block ahead, producer 152 registers, 512 columns a step":
         {"RAW_STAGES": 2, "producer_regs": 152, "CW": 512},
+    # the producer only copies; the consumers decode the next block while the value MMA runs
+    "ws, packed, decode in the consumers": {"decode_in_consumers": True, "producer_regs": 56},
+    "ws, packed, decode in the consumers, copies 1 block ahead":
+        {"decode_in_consumers": True, "producer_regs": 56, "RAW_STAGES": 2},
+    "ws, packed, decode in the consumers, 256 columns a step":
+        {"decode_in_consumers": True, "producer_regs": 56, "CW": 256},
 }
 
 

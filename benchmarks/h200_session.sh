@@ -202,7 +202,7 @@
 #   wsncu      Nsight Compute's source page of the batch-64 decode (tools/ncu_cases.py attn64) under the ws
 #              kernel with packed decode and copies 1 block ahead: ncu-source-attn64-ws.{txt,json,csv.gz,log}
 #   wsprod     the ws attention's producer (indices a trip ahead, one row layout for every copy, one-path
-#              blocks decoded without the sum) under the profile: its GPU tests and the attention, packed
+#              blocks decoded without the sum) and its decode in the consumers under the profile: its GPU tests and the attention, packed
 #              attention and prefix attention tests (h200-wsprod-tests.log), benchmarks/attention_ws.py
 #              (h200-attention-ws-3.json), the real-dimension slice with the ws kernel off and under the
 #              profile (h200-real-slice-wsprod-{off,on}.json), Nsight Compute's source page of the batch-64
@@ -805,7 +805,7 @@ phase_wsprod() {
     tests/kernels_cuda/test_cuda_attention_packed.py tests/kernels_cuda/test_cuda_attention.py \
     tests/kernels_cuda/test_cuda_prefix_attention.py > "$OUT/h200-wsprod-tests.log" 2>&1
   tail -n 12 "$OUT/h200-wsprod-tests.log"
-  timeout 150 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws-3.json" 2>&1 | grep -v "^ " | tail -n 30
+  timeout 220 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws-3.json" 2>&1 | grep -v "^ " | tail -n 60
   for run in off:$off on:h200; do
     FLASHRT_PROFILE=${run#*:} timeout 100 python benchmarks/real_slice.py --batches 1 8 64 \
       --out "$OUT/h200-real-slice-wsprod-${run%%:*}.json" | tail -n 3
