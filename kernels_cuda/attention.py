@@ -235,7 +235,7 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
     return dict(ws=True, grid=(B * S, H // attention_ws.H_BLOCK, splits), splits=splits, per_split=per_split,
                 finish=False, roles=(0, *_roles(codes)), pdtype=torch.bfloat16,
                 constexprs=dict(**_segment_constexprs(codes), HAS_SINK=has_sink, SPLIT=splits > 1,
-                                K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"], RAW_STAGES=t["RAW_STAGES"], CW=t["CW"],
+                                K_BLOCK=t["K_BLOCK"], STAGES=2 if t["decode_in_consumers"] else t["STAGES"], RAW_STAGES=t["RAW_STAGES"], CW=t["CW"],
                                 PRODUCER_WARPS=t["producer_warps"], PRODUCER_REGS=t["producer_regs"],
                                 PACKED=packed_rows(), OVERLAP=t["overlap"],
                                 DECODE_IN_CONSUMERS=t["decode_in_consumers"], num_warps=8, maxnreg=t["maxnreg"]))
