@@ -22,17 +22,15 @@ from flashrt.bench import attention as bench_attention, common
 from decode_kernel_variants import with_tiles
 from results_io import write_json
 
-VARIANTS = {  # tiles.attention.ws over its defaults (min_queries 1: every launch takes it); the tiles
-    # that lost on the H200 (decode 64 / 256 columns a step, K blocks of 16, 8 producer warps, copies 3
-    # blocks ahead: docs/performance.md) are left out
-    "ws": {},
+VARIANTS = {  # tiles.attention.ws over its defaults (min_queries 1: every launch takes it), fp4_b16 rows
+    # decoded code by code; the tiles that lost on the H200 (decode 64 / 256 columns a step, K blocks of
+    # 16, 8 producer warps, copies 3 blocks ahead: docs/performance.md) are left out
     "ws, copies 1 block ahead": {"RAW_STAGES": 2},
 }
 PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     "ws, packed": {},
     "ws, packed, copies 1 block ahead": {"RAW_STAGES": 2},
     "ws, packed, copies 1 block ahead, 3 slots": {"RAW_STAGES": 2, "STAGES": 3},
-    "ws, packed, scores a block ahead, 3 slots": {"overlap": True, "STAGES": 3, "RAW_STAGES": 2},
     # the producer's registers raised (the consumers keep 176): room for wider decode steps, whose
     # independent chains one producer warp a scheduler can interleave
     "ws, packed, copies 1 block ahead, producer 152 registers": {"RAW_STAGES": 2, "producer_regs": 152},

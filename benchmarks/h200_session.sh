@@ -204,9 +204,9 @@
 #   wsprod     the ws attention's producer (indices a trip ahead, one row layout for every copy, one-path
 #              blocks decoded without the sum) and its decode in the consumers under the profile: its GPU tests and the attention, packed
 #              attention and prefix attention tests (h200-wsprod-tests.log), benchmarks/attention_ws.py
-#              (h200-attention-ws-3.json), the real-dimension slice with the ws kernel off and under the
-#              profile (h200-real-slice-wsprod-{off,on}.json), Nsight Compute's source page of the batch-64
-#              decode (ncu-source-attn64-wsprod.*)
+#              (h200-attention-ws-3.json), the real-dimension slice under the profile and with the decode in
+#              the consumers (h200-real-slice-wsprod-{on,dec}.json), Nsight Compute's source page of the
+#              batch-64 decode with the decode in the consumers (ncu-source-attn64-wsdec.*)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -799,18 +799,18 @@ phase_wsncu() {
 }
 
 phase_wsprod() {
-  local off
-  off=$(profile_set h200-ws-off tiles.attention.ws.enabled false)
+  local dec
+  dec=$(profile_set h200-ws-decode tiles.attention.ws.decode_in_consumers true tiles.attention.ws.producer_regs 56)
   timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
     tests/kernels_cuda/test_cuda_attention_packed.py tests/kernels_cuda/test_cuda_attention.py \
     tests/kernels_cuda/test_cuda_prefix_attention.py > "$OUT/h200-wsprod-tests.log" 2>&1
   tail -n 12 "$OUT/h200-wsprod-tests.log"
-  timeout 220 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws-3.json" 2>&1 | grep -v "^ " | tail -n 60
-  for run in off:$off on:h200; do
+  timeout 200 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws-3.json" 2>&1 | grep -v "^ " | tail -n 40
+  for run in on:h200 dec:$dec; do
     FLASHRT_PROFILE=${run#*:} timeout 100 python benchmarks/real_slice.py --batches 1 8 64 \
       --out "$OUT/h200-real-slice-wsprod-${run%%:*}.json" | tail -n 3
   done
-  NCU_CASES=attn64 NCU_TAG=-wsprod phase_ncusource
+  FLASHRT_PROFILE=$dec NCU_CASES=attn64 NCU_TAG=-wsdec phase_ncusource
 }
 
 phase_fp8deq() {
