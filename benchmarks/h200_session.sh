@@ -799,18 +799,25 @@ phase_wsncu() {
 }
 
 phase_wsprod() {
-  local dec
+  local dec skip=()
   dec=$(profile_set h200-ws-decode tiles.attention.ws.decode_in_consumers true tiles.attention.ws.producer_regs 56)
+  # the decode in the consumers first, alone and bounded: a kernel that hangs or differs is left out after
+  if ! timeout 90 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels_cuda/test_cuda_attention_ws.py \
+      -k "consumers and codes" > "$OUT/h200-wsdec-tests.log" 2>&1; then
+    skip=(--exclude "decode in the consumers"); dec=""
+  fi
+  tail -n 3 "$OUT/h200-wsdec-tests.log"
   timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
     tests/kernels_cuda/test_cuda_attention_packed.py tests/kernels_cuda/test_cuda_attention.py \
     tests/kernels_cuda/test_cuda_prefix_attention.py > "$OUT/h200-wsprod-tests.log" 2>&1
   tail -n 12 "$OUT/h200-wsprod-tests.log"
-  timeout 200 python benchmarks/attention_ws.py --out "$OUT/h200-attention-ws-3.json" 2>&1 | grep -v "^ " | tail -n 40
-  for run in on:h200 dec:$dec; do
+  timeout 200 python benchmarks/attention_ws.py "${skip[@]}" --out "$OUT/h200-attention-ws-3.json" 2>&1 \
+    | grep -v "^ " | tail -n 40
+  for run in on:h200 ${dec:+dec:$dec}; do
     FLASHRT_PROFILE=${run#*:} timeout 100 python benchmarks/real_slice.py --batches 1 8 64 \
       --out "$OUT/h200-real-slice-wsprod-${run%%:*}.json" | tail -n 3
   done
-  FLASHRT_PROFILE=$dec NCU_CASES=attn64 NCU_TAG=-wsdec phase_ncusource
+  [ -n "$dec" ] && FLASHRT_PROFILE=$dec NCU_CASES=attn64 NCU_TAG=-wsdec phase_ncusource
 }
 
 phase_fp8deq() {

@@ -127,10 +127,11 @@ def _case(g, B, S, H, W, T, K, cold: bool, hole: bool = False):
     (2, 1, 64, 128, 1000, 640, False, True, 1, False),  # one program a head block: no split
     (2, 1, 64, 48, 1000, 200, False, True, 0, True),  # a block on two paths, a block on none
 ])
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, True], ids=["codes", "packed"])
 @pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, {"overlap": True},
                                       {"decode_in_consumers": True, "producer_regs": 56},
-                                      {"decode_in_consumers": True, "RAW_STAGES": 2, "CW": 256}])
+                                      {"decode_in_consumers": True, "RAW_STAGES": 2, "CW": 256}],
+                         ids=["producer", "overlap-3-slots", "overlap", "consumers", "consumers-256"])
 def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, hole,
                                                           packed, ws_tiles):
     q, kv, idx = _case(rng, B, S, H, W, T, K, cold, hole)
