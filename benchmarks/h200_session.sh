@@ -802,7 +802,7 @@ phase_wsprod() {
   local dec skip=()
   dec=$(profile_set h200-ws-decode tiles.attention.ws.decode_in_consumers true tiles.attention.ws.producer_regs 56)
   # the decode in the consumers first, alone and bounded: a kernel that hangs or differs is left out after
-  if ! timeout 90 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels_cuda/test_cuda_attention_ws.py \
+  if ! timeout 120 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels_cuda/test_cuda_attention_ws.py \
       -k "consumers and codes" > "$OUT/h200-wsdec-tests.log" 2>&1; then
     skip=(--exclude "decode in the consumers"); dec=""
   fi
