@@ -9,7 +9,8 @@ the plain kernel's first (relative difference at most 1e-2; a variant that diffe
 recorded and not timed), then timed by CUDA-graph replay behind an L2 flush
 (``flashrt.timing.bench_ms``). The floor is ``max(FLOPs / bf16 GEMM rate, bytes / copy rate)``
 with both ceilings measured in the same run (``flashrt.bench.common``); each row gives its fraction.
-Variants: the plain kernel, the ws kernel with its default tiles, and each of VARIANTS over them.
+Variants: the plain kernel and each of VARIANTS / PACKED, all over the active profile's tiles (the
+plain kernel keeps the profile's fp4_b16 decode).
 """
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ from flashrt.bench import attention as bench_attention, common
 from decode_kernel_variants import with_tiles
 from results_io import write_json
 
-VARIANTS = {  # tiles.attention.ws over its defaults (min_queries 1: every launch takes it), fp4_b16 rows
-    # decoded code by code; the tiles that lost on the H200 (decode 64 / 256 columns a step, K blocks of
+VARIANTS = {  # tiles.attention.ws over the active profile's (min_queries 1: every launch takes it), fp4_b16
+    # rows decoded code by code; the tiles that lost on the H200 (decode 64 / 256 columns a step, K blocks of
     # 16, 8 producer warps, copies 3 blocks ahead: docs/performance.md) are left out
     "ws, copies 1 block ahead": {"RAW_STAGES": 2},
 }
 PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
-    "ws, packed": {},
+    "ws, packed": {"RAW_STAGES": 3},
     "ws, packed, copies 1 block ahead": {"RAW_STAGES": 2},
     "ws, packed, copies 1 block ahead, 3 slots": {"RAW_STAGES": 2, "STAGES": 3},
     # the producer's registers raised (the consumers keep 176): room for wider decode steps, whose
@@ -39,11 +40,11 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     "ws, packed, copies 1 block ahead, producer 152 registers, 512 columns a step":
         {"RAW_STAGES": 2, "producer_regs": 152, "CW": 512},
     # the producer only copies; the consumers decode the next block while the value MMA runs
-    "ws, packed, decode in the consumers": {"decode_in_consumers": True, "producer_regs": 56},
+    "ws, packed, decode in the consumers": {"decode_in_consumers": True, "producer_regs": 56, "RAW_STAGES": 3},
     "ws, packed, decode in the consumers, copies 1 block ahead":
         {"decode_in_consumers": True, "producer_regs": 56, "RAW_STAGES": 2},
     "ws, packed, decode in the consumers, 256 columns a step":
-        {"decode_in_consumers": True, "producer_regs": 56, "CW": 256},
+        {"decode_in_consumers": True, "producer_regs": 56, "RAW_STAGES": 3, "CW": 256},
 }
 
 
@@ -51,7 +52,7 @@ def _variants(packed: bool, exclude: list[str]):
     yield "plain", {"ws": {"enabled": False}}
     for label, tiles in VARIANTS.items():
         if not any(x in label for x in exclude):
-            yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}}
+            yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": False}}
     for label, tiles in PACKED.items() if packed else ():
         if not any(x in label for x in exclude):
             yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": True}}
