@@ -798,7 +798,7 @@ phase_wsncu() {
     phase_ncusource
 }
 
-phase_wsprod() {
+phase_wsprod() {  # ordered by what a short lease must bring back first
   local dec skip=()
   dec=$(profile_set h200-ws-decode tiles.attention.ws.decode_in_consumers true tiles.attention.ws.producer_regs 56)
   # the decode in the consumers first, alone and bounded: a kernel that hangs or differs is left out after
@@ -807,13 +807,13 @@ phase_wsprod() {
     skip=(--exclude "decode in the consumers"); dec=""
   fi
   tail -n 3 "$OUT/h200-wsdec-tests.log"
-  timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
+  timeout 170 python benchmarks/attention_ws.py --batches 8 64 "${skip[@]}" --out "$OUT/h200-attention-ws-3.json" \
+    2>&1 | grep -v "^ " | tail -n 40
+  timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
     tests/kernels_cuda/test_cuda_attention_packed.py tests/kernels_cuda/test_cuda_attention.py \
     tests/kernels_cuda/test_cuda_prefix_attention.py > "$OUT/h200-wsprod-tests.log" 2>&1
   tail -n 12 "$OUT/h200-wsprod-tests.log"
-  timeout 200 python benchmarks/attention_ws.py "${skip[@]}" --out "$OUT/h200-attention-ws-3.json" 2>&1 \
-    | grep -v "^ " | tail -n 40
-  for run in on:h200 ${dec:+dec:$dec}; do
+  for run in ${dec:+dec:$dec} on:h200; do
     FLASHRT_PROFILE=${run#*:} timeout 100 python benchmarks/real_slice.py --batches 1 8 64 \
       --out "$OUT/h200-real-slice-wsprod-${run%%:*}.json" | tail -n 3
   done
