@@ -24,27 +24,15 @@ from decode_kernel_variants import with_tiles
 from results_io import write_json
 
 VARIANTS = {  # tiles.attention.ws over the active profile's (min_queries 1: every launch takes it), fp4_b16
-    # rows decoded code by code; the tiles that lost on the H200 (decode 64 / 256 columns a step, K blocks of
-    # 16, 8 producer warps, copies 3 blocks ahead: docs/performance.md) are left out
+    # rows decoded code by code; the tiles that lost on the H200 (decode 64 / 256 / 512 columns a step, K
+    # blocks of 16, 8 producer warps or 152 producer registers, copies 3 blocks ahead, the decode in the
+    # consumers: docs/performance.md) are left out
     "ws, copies 1 block ahead": {"RAW_STAGES": 2},
 }
 PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     "ws, packed": {"RAW_STAGES": 3},
     "ws, packed, copies 1 block ahead": {"RAW_STAGES": 2},
     "ws, packed, copies 1 block ahead, 3 slots": {"RAW_STAGES": 2, "STAGES": 3},
-    # the producer's registers raised (the consumers keep 176): room for wider decode steps, whose
-    # independent chains one producer warp a scheduler can interleave
-    "ws, packed, copies 1 block ahead, producer 152 registers": {"RAW_STAGES": 2, "producer_regs": 152},
-    "ws, packed, copies 1 block ahead, producer 152 registers, 256 columns a step":
-        {"RAW_STAGES": 2, "producer_regs": 152, "CW": 256},
-    "ws, packed, copies 1 block ahead, producer 152 registers, 512 columns a step":
-        {"RAW_STAGES": 2, "producer_regs": 152, "CW": 512},
-    # the producer only copies; the consumers decode the next block while the value MMA runs
-    "ws, packed, decode in the consumers": {"decode_in_consumers": True, "producer_regs": 56, "RAW_STAGES": 3},
-    "ws, packed, decode in the consumers, copies 1 block ahead":
-        {"decode_in_consumers": True, "producer_regs": 56, "RAW_STAGES": 2},
-    "ws, packed, decode in the consumers, 256 columns a step":
-        {"decode_in_consumers": True, "producer_regs": 56, "RAW_STAGES": 3, "CW": 256},
 }
 
 

@@ -202,11 +202,11 @@
 #   wsncu      Nsight Compute's source page of the batch-64 decode (tools/ncu_cases.py attn64) under the ws
 #              kernel with packed decode and copies 1 block ahead: ncu-source-attn64-ws.{txt,json,csv.gz,log}
 #   wsprod     the ws attention's producer (indices a trip ahead, one row layout for every copy, one-path
-#              blocks decoded without the sum) and its decode in the consumers under the profile: its GPU tests and the attention, packed
-#              attention and prefix attention tests (h200-wsprod-tests.log), benchmarks/attention_ws.py
-#              (h200-attention-ws-3.json), the real-dimension slice under the profile and with the decode in
-#              the consumers (h200-real-slice-wsprod-{on,dec}.json), Nsight Compute's source page of the
-#              batch-64 decode with the decode in the consumers (ncu-source-attn64-wsdec.*)
+#              blocks decoded without the sum) under the profile: benchmarks/attention_ws.py at batch 8, 64
+#              and the prefill (h200-attention-ws-3.json), its GPU tests with the attention, packed attention
+#              and prefix attention tests (h200-wsprod-tests.log), the real-dimension slice
+#              (h200-real-slice-wsprod-on.json). The decode in the consumers was timed by this phase at
+#              af090f3 (h200-wsdec-tests.log, ncu-source-attn64-wsdec.*)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -799,25 +799,13 @@ phase_wsncu() {
 }
 
 phase_wsprod() {  # ordered by what a short lease must bring back first
-  local dec skip=()
-  dec=$(profile_set h200-ws-decode tiles.attention.ws.decode_in_consumers true tiles.attention.ws.producer_regs 56)
-  # the decode in the consumers first, alone and bounded: a kernel that hangs or differs is left out after
-  if ! timeout 120 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels_cuda/test_cuda_attention_ws.py \
-      -k "consumers and codes" > "$OUT/h200-wsdec-tests.log" 2>&1; then
-    skip=(--exclude "decode in the consumers"); dec=""
-  fi
-  tail -n 3 "$OUT/h200-wsdec-tests.log"
-  timeout 170 python benchmarks/attention_ws.py --batches 8 64 "${skip[@]}" --out "$OUT/h200-attention-ws-3.json" \
-    2>&1 | grep -v "^ " | tail -n 40
+  timeout 170 python benchmarks/attention_ws.py --batches 8 64 --out "$OUT/h200-attention-ws-3.json" 2>&1 \
+    | grep -v "^ " | tail -n 40
   timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
     tests/kernels_cuda/test_cuda_attention_packed.py tests/kernels_cuda/test_cuda_attention.py \
     tests/kernels_cuda/test_cuda_prefix_attention.py > "$OUT/h200-wsprod-tests.log" 2>&1
   tail -n 12 "$OUT/h200-wsprod-tests.log"
-  for run in ${dec:+dec:$dec} on:h200; do
-    FLASHRT_PROFILE=${run#*:} timeout 100 python benchmarks/real_slice.py --batches 1 8 64 \
-      --out "$OUT/h200-real-slice-wsprod-${run%%:*}.json" | tail -n 3
-  done
-  [ -n "$dec" ] && FLASHRT_PROFILE=$dec NCU_CASES=attn64 NCU_TAG=-wsdec phase_ncusource
+  timeout 100 python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-wsprod-on.json" | tail -n 3
 }
 
 phase_fp8deq() {

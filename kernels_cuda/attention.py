@@ -66,12 +66,9 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # a ring of STAGES bf16 slots of K_BLOCK rows (CW columns at a time), two consumer warpgroups on the
     # MMAs (overlap: a block's score MMA issued before the softmax of the block before); registers:
     # maxnreg a thread of the kernel, producer_regs of the producer's
-    # min_queries: launches of fewer queries (B * S) keep the plain kernel (at one query it is faster);
-    # decode_in_consumers: the producer only copies and the 8 consumer warps decode each next block into
-    # the other of 2 bf16 slots while the value MMA runs (STAGES and overlap then unused)
+    # min_queries: launches of fewer queries (B * S) keep the plain kernel (at one query it is faster)
     "ws": {"enabled": False, "min_queries": 1, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128,
-           "producer_warps": 4, "producer_regs": 88, "maxnreg": 168, "overlap": False,
-           "decode_in_consumers": False},
+           "producer_warps": 4, "producer_regs": 88, "maxnreg": 168, "overlap": False},
 }
 
 
@@ -235,10 +232,9 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
     return dict(ws=True, grid=(B * S, H // attention_ws.H_BLOCK, splits), splits=splits, per_split=per_split,
                 finish=False, roles=(0, *_roles(codes)), pdtype=torch.bfloat16,
                 constexprs=dict(**_segment_constexprs(codes), HAS_SINK=has_sink, SPLIT=splits > 1,
-                                K_BLOCK=t["K_BLOCK"], STAGES=2 if t["decode_in_consumers"] else t["STAGES"], RAW_STAGES=t["RAW_STAGES"], CW=t["CW"],
+                                K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"], RAW_STAGES=t["RAW_STAGES"], CW=t["CW"],
                                 PRODUCER_WARPS=t["producer_warps"], PRODUCER_REGS=t["producer_regs"],
-                                PACKED=packed_rows(), OVERLAP=t["overlap"],
-                                DECODE_IN_CONSUMERS=t["decode_in_consumers"], num_warps=8, maxnreg=t["maxnreg"]))
+                                PACKED=packed_rows(), OVERLAP=t["overlap"], num_warps=8, maxnreg=t["maxnreg"]))
 
 
 def planned_splits(q: torch.Tensor, K: int, codes: tuple) -> tuple[str, int]:
@@ -353,8 +349,7 @@ TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1,
                "ws.STAGES": Tile(low=1, high=8), "ws.RAW_STAGES": Tile(low=1, high=8),
                "ws.CW": Tile(low=64, high=512, pow2=True),
                "ws.producer_warps": Tile(choices=(4, 8)), "ws.producer_regs": Tile(low=24, high=256, multiple=8),
-               "ws.maxnreg": Tile(low=24, high=256, multiple=8), "ws.overlap": Tile(kind=bool),
-               "ws.decode_in_consumers": Tile(kind=bool)}
+               "ws.maxnreg": Tile(low=24, high=256, multiple=8), "ws.overlap": Tile(kind=bool)}
 
 
 def _kv_tile_bytes(t: dict) -> int:

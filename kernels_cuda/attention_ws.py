@@ -256,41 +256,6 @@ if AVAILABLE:
                 _sync()  # every thread's stores done; the raw slot free for its next copy
                 mbarrier.arrive(ready.index(st), count=1)
 
-    @gluon.jit
-    def _block_bits(idx, b, seg, ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr):
-        """The paths a block's rows ``idx`` hit (bit p: path p; a merged path's rows count as its target's)."""
-        p0, p1, p2 = _locate_paths(idx, b, seg, ROLE1, ROLE2, ROLE3)
-        bits = _any(p0[2])
-        if ROLE1 == 1:
-            bits = bits | (_any(p1[2]) << 1)
-        if ROLE2 == 2:
-            bits = bits | (_any(p2[2]) << 2)
-        return bits
-
-    @gluon.jit
-    def _copier(raw_ready, raw_empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr, bs, b,
-                lo, n, K, K0, seg, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
-                ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr, TWO_PARTS: gl.constexpr,
-                D: gl.constexpr, K_BLOCK: gl.constexpr, RAW_STAGES: gl.constexpr, NW: gl.constexpr):
-        """The producer when the consumers decode (``DECODE_IN_CONSUMERS``): it only starts the
-        asynchronous copies of each block's stored rows into raw slot ``j % RAW_STAGES`` once the
-        consumers have released it, and lets every thread's copies arrive on ``raw_ready`` as they land
-        (no wait of its own), so it runs up to ``RAW_STAGES`` blocks ahead."""
-        RL: gl.constexpr = _rows_layout(NW)
-        idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
-        for j in range(n):
-            rs = j % RAW_STAGES
-            idx = idx_next
-            idx_next = _block_rows(lo + j + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
-            p0, p1, p2 = _locate_paths(idx, b, seg, ROLE1, ROLE2, ROLE3)
-            mbarrier.wait(raw_empty.index(rs), ((j // RAW_STAGES) & 1) ^ 1)  # the consumers decoded its last block
-            _issue(p0, data0.index(rs), scale0.index(rs), FMT0, D, NW)
-            if ROLE1 == 1:
-                _issue(p1, data1.index(rs), scale1.index(rs), FMT1, D, NW)
-            if ROLE2 == 2:
-                _issue(p2, data2.index(rs), scale2.index(rs), FMT2, D, NW)
-            async_copy.mbarrier_arrive(raw_ready.index(rs), increment_count=False)
-
     @gluon.constexpr_function
     def _mma_layout(n, num_warps):
         """The accumulator layout of a warpgroup MMA of 64 rows and ``n`` columns, the columns split
@@ -361,67 +326,6 @@ if AVAILABLE:
         return (acc, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
                 gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
 
-    @gluon.jit
-    def _decode_next(kv_slot, raws, raw_ready, j, idx, b, seg, FMT0: gl.constexpr, FMT1: gl.constexpr,
-                     FMT2: gl.constexpr, ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr,
-                     D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, RAW_STAGES: gl.constexpr,
-                     num_warps: gl.constexpr, PACKED: gl.constexpr):
-        """The consumers decode block ``j`` (indices ``idx``) from its raw slot into ``kv_slot``, once
-        its copies have landed; then a fence for the MMAs that read it."""
-        rs = j % RAW_STAGES
-        mbarrier.wait(raw_ready.index(rs), (j // RAW_STAGES) & 1)
-        bits = _block_bits(idx, b, seg, ROLE1, ROLE2, ROLE3)
-        _decode(kv_slot, raws, bits, rs, FMT0, FMT1, FMT2, ROLE1 == 1, ROLE2 == 2, D, CW, K_BLOCK, num_warps,
-                PACKED)
-        fence_async_shared()  # the decoded slot is read by the MMAs (async proxy)
-
-    @gluon.jit
-    def _decoding_consumer(q_smem, kv_smem, raw_ready, raw_empty, raws, idx_ptr, idx1_ptr, bs, b, lo, n, K, K0,
-                           qk_scale, seg, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
-                           ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr, TWO_PARTS: gl.constexpr,
-                           D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, RAW_STAGES: gl.constexpr,
-                           PACKED: gl.constexpr, num_warps: gl.constexpr):
-        """The consumers when they decode (``DECODE_IN_CONSUMERS``): block ``i``'s value MMA runs while
-        all ``num_warps`` warps decode block ``i + 1`` from its raw slot into the other bf16 slot (64 of
-        a block's values a thread), so the decode has two warps a scheduler and overlaps the MMAs. Two
-        bf16 slots: slot ``i % 2`` is written again only after block ``i``'s value MMA is waited for."""
-        s_layout: gl.constexpr = _mma_layout(K_BLOCK, num_warps)
-        o_layout: gl.constexpr = _mma_layout(D, num_warps)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        IL: gl.constexpr = gl.SliceLayout(0, s_layout)
-        RL: gl.constexpr = _rows_layout(num_warps)  # rows within a warp: the path bits need no exchange
-        acc = gl.zeros([_H, D], gl.float32, o_layout)
-        m_i = gl.full([_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([_H], gl.float32, gl.SliceLayout(1, s_layout))
-        s0 = gl.zeros([_H, K_BLOCK], gl.float32, s_layout)
-        idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
-        rows_next = _block_rows(lo + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
-        _decode_next(kv_smem.index(0), raws, raw_ready, 0, _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS,
-                                                                       K_BLOCK, RL),
-                     b, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, D, CW, K_BLOCK, RAW_STAGES, num_warps, PACKED)
-        _sync()  # block 0 decoded by every warp; its raw slot read
-        mbarrier.arrive(raw_empty.index(0), count=1)
-        for i in range(n):
-            idx = idx_next  # this block's indices (for the mask), loaded a trip before
-            idx_next = _block_rows(lo + i + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
-            rows = rows_next  # the next block's, for its path bits
-            rows_next = _block_rows(lo + i + 2, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
-            kv = kv_smem.index(i % 2)
-            s = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p, alpha, m_i, l_i = _softmax_step(s, idx, m_i, l_i, qk_scale)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), kv, acc, is_async=True)
-            if i + 1 < n:  # decode the next block while the value MMA runs
-                _decode_next(kv_smem.index((i + 1) % 2), raws, raw_ready, i + 1, rows, b, seg, FMT0, FMT1, FMT2,
-                             ROLE1, ROLE2, ROLE3, D, CW, K_BLOCK, RAW_STAGES, num_warps, PACKED)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _sync()  # the next block decoded by every warp, this block's slot read by both warpgroups
-            if i + 1 < n:
-                mbarrier.arrive(raw_empty.index((i + 1) % RAW_STAGES), count=1)
-        return (acc, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
-                gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
-
     # K, K0 and the blocks a split reads grow with the context in decode: not specialised, as in the
     # plain kernel, so no variant compiles mid-run
     @gluon.jit(do_not_specialize=("K", "K0", "blocks_per_split"))
@@ -436,7 +340,7 @@ if AVAILABLE:
             ROLE3: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, TWO_PARTS: gl.constexpr,
             K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
             PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, OVERLAP: gl.constexpr,
-            DECODE_IN_CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
+            num_warps: gl.constexpr):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
         SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
         rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel). OVERLAP: the
@@ -475,31 +379,14 @@ if AVAILABLE:
                d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                o3, so3, sb3, st3, ssb3, sst3, start3, len3)
-        if DECODE_IN_CONSUMERS:  # the raw slots' barriers: landed (every copier thread), decoded (once)
-            raw_ready = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, 1], mbarrier.MBarrierLayout())
-            raw_empty = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(RAW_STAGES):
-                mbarrier.init(raw_ready.index(i), count=PRODUCER_WARPS * 32)
-                mbarrier.init(raw_empty.index(i), count=1)
-            fence_async_shared()
-            acc, m_i, l_i = gl.warp_specialize([
-                (_decoding_consumer, (q_smem, kv_smem, raw_ready, raw_empty,
-                                      (data0, scale0, data1, scale1, data2, scale2), idx_ptr, idx1_ptr, bs, bs // S,
-                                      lo, n, K, K0, qk_scale, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS,
-                                      D, CW, K_BLOCK, RAW_STAGES, PACKED, num_warps)),
-                (_copier, (raw_ready, raw_empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr, bs,
-                           bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D, K_BLOCK,
-                           RAW_STAGES, PRODUCER_WARPS)),
-            ], [PRODUCER_WARPS], [PRODUCER_REGS])
-        else:
-            acc, m_i, l_i = gl.warp_specialize([
-                (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, TWO_PARTS,
-                             D, K_BLOCK, STAGES, OVERLAP, num_warps)),
-                (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
-                             bs, bs // S, lo, n, K, K0, seg,
-                             FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D, CW, K_BLOCK, STAGES, RAW_STAGES,
-                             PRODUCER_WARPS, PACKED)),
-            ], [PRODUCER_WARPS], [PRODUCER_REGS])
+        acc, m_i, l_i = gl.warp_specialize([
+            (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, TWO_PARTS,
+                         D, K_BLOCK, STAGES, OVERLAP, num_warps)),
+            (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
+                         bs, bs // S, lo, n, K, K0, seg,
+                         FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D, CW, K_BLOCK, STAGES, RAW_STAGES,
+                         PRODUCER_WARPS, PACKED)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
         o_layout: gl.constexpr = acc.type.layout
         h = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, o_layout))

@@ -86,8 +86,7 @@ def test_the_plan_splits_k_to_fill_the_sms(B, S, H, K, sms, monkeypatch):
 
 @pytest.mark.skipif(not ws.AVAILABLE, reason="a Triton without Gluon")
 @needs_ptxas
-@pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2},
-                                      {"decode_in_consumers": True, "producer_regs": 56}])
+@pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}])
 def test_it_compiles_for_sm90_on_warpgroup_mmas_and_async_copies(ws_tiles):
     tiles = {"ws": dict(WS["attention"]["ws"], **ws_tiles)}
     report = {r["kernel"]: r for r in sm90_compile("attention", "--B", "4", "--S", "1", "--tiles", json.dumps(tiles))}
@@ -129,9 +128,8 @@ def _case(g, B, S, H, W, T, K, cold: bool, hole: bool = False):
 ])
 @pytest.mark.parametrize("packed", [False, True], ids=["codes", "packed"])
 @pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, {"overlap": True},
-                                      {"decode_in_consumers": True, "producer_regs": 56},
-                                      {"decode_in_consumers": True, "RAW_STAGES": 2, "CW": 256}],
-                         ids=["producer", "overlap-3-slots", "overlap", "consumers", "consumers-256"])
+                                      {"RAW_STAGES": 2}, {"RAW_STAGES": 2, "STAGES": 3}],
+                         ids=["default", "overlap-3-slots", "overlap", "copies-1-ahead", "copies-1-ahead-3-slots"])
 def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, hole,
                                                           packed, ws_tiles):
     q, kv, idx = _case(rng, B, S, H, W, T, K, cold, hole)
