@@ -76,7 +76,8 @@ if AVAILABLE:
     def _copy_rows(dst, rows, hit, WIDTH: gl.constexpr, NW: gl.constexpr):
         """Start the asynchronous copy of ``WIDTH`` bytes of each ``hit`` row (``rows``: byte pointers
         [K_BLOCK] in :func:`_rows_layout`) into ``dst`` [K_BLOCK, WIDTH]; rows not hit are filled with
-        zeros. 16-byte copies, or 4 where a row is narrower than the warps' 16 column vectors."""
+        zeros. 16-byte copies for the data rows (256 or 512 bytes), 4-byte ones for the scale rows (16 or
+        32 bytes, narrower than the 16 column vectors of 4 warps; the copies past them repeat a vector)."""
         VEC: gl.constexpr = 16 if WIDTH >= 256 else 4
         L: gl.constexpr = _copy_layout(VEC, NW)
         r = gl.convert_layout(rows, gl.SliceLayout(1, L))  # the same registers: no data moves
