@@ -36,17 +36,15 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
 }
 
 
-def _variants(packed: bool, exclude: list[str]):
+def _variants(packed: bool):
     yield "plain", {"ws": {"enabled": False}}
     for label, tiles in VARIANTS.items():
-        if not any(x in label for x in exclude):
-            yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": False}}
+        yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": False}}
     for label, tiles in PACKED.items() if packed else ():
-        if not any(x in label for x in exclude):
-            yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": True}}
+        yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": True}}
 
 
-def _case(ceil, B: int, S: int, context: int, g, packed: bool, exclude: list[str]) -> list[dict]:
+def _case(ceil, B: int, S: int, context: int, g, packed: bool) -> list[dict]:
     from flashrt.kernels_cuda import attention
 
     q, kv, idx, sink = bench_attention._inputs(B, S, context, g)
@@ -55,7 +53,7 @@ def _case(ceil, B: int, S: int, context: int, g, packed: bool, exclude: list[str
     nbytes = bench_attention._bytes(q, kv, idx)
     codes = tuple(attention.FMT_CODES[t.fmt] for t in kv)
     rows, first = [], None
-    for label, tiles in _variants(packed, exclude):
+    for label, tiles in _variants(packed):
         with with_tiles("attention", tiles), flashrt.use_backend("cuda"), flashrt.value_checks(False):
             call = lambda: attention.sparse_attention(q, kv, idx, sink, scale)
             kernel, splits = attention.planned_splits(q, idx.shape[-1], codes)
@@ -92,8 +90,6 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048, help="queries of the prefill case (0: none)")
     ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
                     help="also the ws kernel's variants with the packed fp4_b16 decode")
-    ap.add_argument("--exclude", nargs="*", default=[], metavar="TEXT",
-                    help="leave out the variants whose label holds any of these")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -105,9 +101,9 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for B in args.batches:
-        rows += _case(ceil, B, 1, args.context, g, args.packed, args.exclude)
+        rows += _case(ceil, B, 1, args.context, g, args.packed)
     if args.prefill:
-        rows += _case(ceil, 1, args.prefill, args.context, g, args.packed, args.exclude)
+        rows += _case(ceil, 1, args.prefill, args.context, g, args.packed)
     write_json(args.out, {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": ceil.copy_bytes_per_s,
                           "bf16_flops": ceil.bf16_flops, "context": args.context, "rows": rows})
 

@@ -215,9 +215,9 @@ def _ws_fits(q: torch.Tensor, codes: tuple, aligned: bool = True) -> bool:
     heads a multiple of 64, fp8 / fp4_b16 segments ``codes`` whose rows are ``aligned`` on 16 bytes,
     an sm_90 device."""
     B, S, H, D = q.shape
-    return (bool(_tiles()["ws"]["enabled"]) and B * S >= _tiles()["ws"]["min_queries"] and attention_ws.AVAILABLE
-            and not interpreted() and aligned
-            and q.dtype == torch.bfloat16 and D == MAX_D and H % attention_ws.H_BLOCK == 0
+    t = _tiles()["ws"]
+    return (bool(t["enabled"]) and B * S >= t["min_queries"] and attention_ws.AVAILABLE and not interpreted()
+            and aligned and q.dtype == torch.bfloat16 and D == MAX_D and H % attention_ws.H_BLOCK == 0
             and all(c in (FMT_CODES["fp8"], FMT_CODES["fp4_b16"]) for c in codes)
             and jit_targets.capability() == (9, 0))
 

@@ -169,30 +169,32 @@ if AVAILABLE:
         slot.slice(c * CW, CW, dim=1).store(v)
 
     @gluon.jit
+    def _decode_path(slot, data, scale, FMT: gl.constexpr, D: gl.constexpr, CW: gl.constexpr,
+                     K_BLOCK: gl.constexpr, NW: gl.constexpr, PACKED: gl.constexpr):
+        """Store one path's decoded raw slot (``data``, ``scale``) into the bf16 ``slot``, ``CW`` columns
+        at a time."""
+        for c in gl.static_range(D // CW):
+            slot.slice(c * CW, CW, dim=1).store(_decode_chunk(data, scale, c, FMT, CW, K_BLOCK, NW, PACKED))
+
+    @gluon.jit
     def _decode(slot, raws, bits, rs, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
                 OWN1: gl.constexpr, OWN2: gl.constexpr, D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr,
                 NW: gl.constexpr, PACKED: gl.constexpr):
-        """Decode raw slot ``rs`` of every path into the bf16 ``slot`` [K_BLOCK, D], ``CW`` columns at a
-        time; ``bits``: the paths the block's rows hit (bit p: path p). A block on one path (the common
-        case: the window's blocks, then the picks') stores that path's values as they are; a block on
-        several adds them up (:func:`_decode_sum`); a block on none stores zeros (its scores are masked;
-        the value MMA still reads finite numbers)."""
+        """Decode raw slot ``rs`` of every path into the bf16 ``slot`` [K_BLOCK, D]; ``bits``: the paths
+        the block's rows hit (bit p: path p). A block on one path (the common case: the window's blocks,
+        then the picks') stores that path's values as they are; a block on several adds them up
+        (:func:`_decode_sum`); a block on none stores zeros (its scores are masked; the value MMA still
+        reads finite numbers)."""
         data0, scale0, data1, scale1, data2, scale2 = raws
         if OWN1 or OWN2:
             if bits == 1:
-                for c in gl.static_range(D // CW):
-                    slot.slice(c * CW, CW, dim=1).store(
-                        _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED))
+                _decode_path(slot, data0.index(rs), scale0.index(rs), FMT0, D, CW, K_BLOCK, NW, PACKED)
             if OWN1:
                 if bits == 2:
-                    for c in gl.static_range(D // CW):
-                        slot.slice(c * CW, CW, dim=1).store(
-                            _decode_chunk(data1.index(rs), scale1.index(rs), c, FMT1, CW, K_BLOCK, NW, PACKED))
+                    _decode_path(slot, data1.index(rs), scale1.index(rs), FMT1, D, CW, K_BLOCK, NW, PACKED)
             if OWN2:
                 if bits == 4:
-                    for c in gl.static_range(D // CW):
-                        slot.slice(c * CW, CW, dim=1).store(
-                            _decode_chunk(data2.index(rs), scale2.index(rs), c, FMT2, CW, K_BLOCK, NW, PACKED))
+                    _decode_path(slot, data2.index(rs), scale2.index(rs), FMT2, D, CW, K_BLOCK, NW, PACKED)
             if bits == 0:
                 for c in gl.static_range(D // CW):
                     slot.slice(c * CW, CW, dim=1).store(gl.zeros([K_BLOCK, CW], gl.bfloat16, _decoded_layout(CW, NW)))
@@ -201,9 +203,7 @@ if AVAILABLE:
                 for c in gl.static_range(D // CW):
                     _decode_sum(slot, raws, hits, rs, c, FMT0, FMT1, FMT2, OWN1, OWN2, CW, K_BLOCK, NW, PACKED)
         else:  # one path: rows not hit were copied as zeros
-            for c in gl.static_range(D // CW):
-                slot.slice(c * CW, CW, dim=1).store(
-                    _decode_chunk(data0.index(rs), scale0.index(rs), c, FMT0, CW, K_BLOCK, NW, PACKED))
+            _decode_path(slot, data0.index(rs), scale0.index(rs), FMT0, D, CW, K_BLOCK, NW, PACKED)
 
     @gluon.jit
     def _any(hit):
