@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from flashrt import refmath as ref
 from flashrt.refmath_moe import experts_loop, finish_experts, with_shared
+from flashrt.refmath_wide import linear32
 from flashrt.formats import QTensor
 
 from .npu_runtime import declined, fallback, npu_family, operator
@@ -171,10 +172,11 @@ def _experts(x, weights, indices, w1, w3, w2, swiglu_limit):
 
 
 def _project(x, w, e: int) -> torch.Tensor:
-    """Plain-torch ``linear(x, w[e])`` in ``x.dtype`` (int8_t activations for int8_w, as linear)."""
+    """Plain-torch ``linear(x, w[e])`` in ``x.dtype`` (int8_t activations for int8_w, as linear), row by
+    row as the reference computes it."""
     if isinstance(w, QTensor):
         return linear_exact(x, replace(w, data=w.data[e], scale=w.scale[e], shape=w.shape[1:]))
-    return F.linear(x.to(torch.float32), w[e].to(torch.float32)).to(x.dtype)
+    return linear32(x, w[e]).to(x.dtype)
 
 
 def _experts_torch(x, weights, indices, w1, w3, w2, swiglu_limit):

@@ -8,6 +8,7 @@ from flashrt import formats
 from flashrt import refmath as ref
 from flashrt.formats import QTensor
 from flashrt.refmath_linear import per_group
+from flashrt.refmath_wide import linear32
 
 from .npu_runtime import dequantize as exact_dequantize
 from .npu_runtime import fallback, npu_family, operator, via_torch
@@ -95,9 +96,11 @@ def quant_matmul(x2: torch.Tensor, w: QTensor) -> torch.Tensor:
 
 def linear_exact(x, weight: QTensor, out_dtype=None) -> torch.Tensor:
     """Plain-torch ``linear`` with a quantized weight, in ``out_dtype`` (default ``x.dtype``): ``x``
-    quantized as ``refmath.activation_format`` says, both operands decoded by the exact byte decoders."""
+    quantized as ``refmath.activation_format`` says, both operands decoded by the exact byte decoders,
+    multiplied row by row as the reference does (``linear32``: wide where the device has fp64, so a
+    row's bits do not depend on the batch's blocking)."""
     xq = exact_dequantize(formats.quantize(x, ref.activation_format(weight)))
-    return F.linear(xq, exact_dequantize(weight)).to(out_dtype or x.dtype)
+    return linear32(xq, exact_dequantize(weight)).to(out_dtype or x.dtype)
 
 
 def linear(x, weight, out_dtype=None):
