@@ -503,6 +503,18 @@ phase_quant() {
   python benchmarks/topk_radix.py --radix 1 --lengths 2048 4096 131072 --out "$OUT/h200-topk-profile.json"
 }
 
+phase_pairs() {  # fp4_b16 quantize-and-store: the midpoint comparisons, then bf16 pairs through PTX (tiles.quant.quantize.pairs)
+  local on
+  on=$(profile_set h200-quant-pairs tiles.quant.quantize.pairs true)
+  FLASHRT_PROFILE=$on timeout 200 python -m pytest -q -n 12 -p no:cacheprovider tests/kernels_cuda/test_cuda_quant.py \
+    tests/kernels_cuda/test_cuda_e2m1_midpoints.py tests/kernels_cuda/test_cuda_norm_rope_quant.py \
+    tests/kernels_cuda/test_cuda_kv_store.py tests/kernels_cuda/test_cuda_store_many.py > "$OUT/h200-pairs-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-pairs-tests.log"
+  python -m flashrt.cli bench kernels --families elementwise --out "$OUT/h200-kernels-elementwise-pairs-off.json" | tail -n 12
+  FLASHRT_PROFILE=$on python -m flashrt.cli bench kernels --families elementwise \
+    --out "$OUT/h200-kernels-elementwise-pairs-on.json" | tail -n 12
+}
+
 phase_stages() {
   local on="$OUT/h200-stages.yaml" labels
   labels=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles; print('\n'.join(gemv_tiles.MMA_VARIANTS))")

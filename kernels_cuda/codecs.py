@@ -22,8 +22,8 @@ scale bytes into fp32 ``[R, elements]`` for every KV / key format (codes :data:`
 Encoders (bit-exact with :mod:`flashrt.formats`): :func:`e4m3_rne` on the bits (the interpreter's
 float8 conversion does not round to nearest even, and sm_80 has none), :func:`e4m3_encode` through
 the hardware conversion where there is one (sm_89+), else :func:`e4m3_rne`; :func:`e2m1_code` on
-the bits (:func:`e2m1_code_of_quotient` for ``fp4_b16``'s division by its E4M3 scale, by the
-reciprocal); :func:`block_scale`; :func:`fake_blocks` the values a block's bytes would stand for;
+the bits (for ``fp4_b16``'s E4M3 scale, by comparisons with the midpoints times the scale:
+:mod:`.codecs_e2m1`); :func:`block_scale`; :func:`fake_blocks` the values a block's bytes would stand for;
 :func:`to_out` rounds fp32 to an output dtype.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ except ImportError:
     cuda_capability_geq = None
 
 from flashrt.jit_triton import interpreted
+from flashrt.kernels_cuda.codecs_e2m1 import e2m1_code_of_scaled
 
 CODES = {"fp8": 1, "fp4_b16": 2, "fp4_b32": 3, "int8": 4}  # FMT constexpr of the kernels; 0 = plain float
 INTERPRETED = interpreted()  # kernels run in Triton's CPU interpreter (fixed when Triton is imported)
@@ -280,18 +281,6 @@ def e2m1_code(v):
 
 
 @triton.jit
-def e2m1_code_of_quotient(x, scale, recip):
-    """E2M1 codes of ``x / scale`` for positive ``scale`` with ``recip`` = ``1 / scale`` correctly
-    rounded, without a divide: ``x * recip`` corrected once by its exact residual (an FMA), which is
-    the correctly rounded quotient (Markstein) wherever it is normal; quotients of 8 and more clamp
-    to 6 uncorrected, subnormal ones round to code 0 either way. The sign is ``x``'s (the quotient's
-    sign whatever the compiler makes of a zero residual)."""
-    q = x * recip
-    q = tl.where(tl.abs(q) < 8.0, tl.fma(tl.fma(-q, scale, x), recip, q), q)
-    return e2m1_magnitude(q) | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
-
-
-@triton.jit
 def block_scale(amax, FMT: tl.constexpr):
     """(stored byte int32, scale fp32, 1 / scale fp32) for fp32 block maxima (FMT as :data:`CODES`);
     ``1 / scale`` exact for the power-of-two scales, correctly rounded for ``fp4_b16``'s E4M3 one."""
@@ -312,13 +301,14 @@ def block_scale(amax, FMT: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_blocks(x, scale, recip, FMT: tl.constexpr):
-    """E2M1 codes of ``x [N, BLK]`` over its blocks' ``scale`` / ``recip`` [N] (FMT ``fp4_b16``: the
-    division by the E4M3 scale, :func:`e2m1_code_of_quotient`; ``fp4_b32``: the exact power of two)."""
+def e2m1_block_codes(x, scale, recip, FMT: tl.constexpr):
+    """E2M1 codes of ``x`` over its blocks' ``scale`` / ``recip`` (broadcast to ``x``'s shape): FMT
+    ``fp4_b16`` by comparisons with the midpoints times the E4M3 scale (:mod:`.codecs_e2m1`),
+    ``fp4_b32`` from the exact product with the power of two's reciprocal."""
     if FMT == 2:
-        c = e2m1_code_of_quotient(x, scale[:, None], recip[:, None])
+        c = e2m1_code_of_scaled(x, scale)
     else:
-        c = e2m1_code(x * recip[:, None])
+        c = e2m1_code(x * recip)
     return c
 
 
@@ -332,7 +322,7 @@ def store_blocks(data_ptr, offset, x, scale, recip, mask, FMT: tl.constexpr, BLK
         e = tl.arange(0, BLK)
         tl.store(data_ptr + offset[:, None] + e[None, :], e4m3_encode(v).to(tl.uint8), mask=mask[:, None])
     else:
-        lo, hi = tl.split(tl.reshape(_e2m1_blocks(x, scale, recip, FMT), (N, BLK // 2, 2)))
+        lo, hi = tl.split(tl.reshape(e2m1_block_codes(x, scale[:, None], recip[:, None], FMT), (N, BLK // 2, 2)))
         h = tl.arange(0, BLK // 2)
         tl.store(data_ptr + offset[:, None] + h[None, :], (lo | (hi << 4)).to(tl.uint8), mask=mask[:, None])
 
@@ -348,7 +338,7 @@ def fake_blocks(x, scale, recip, FMT: tl.constexpr):
     if FMT == 1:
         v = e4m3_to_f32(e4m3_rne(tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)))
     else:
-        v = e2m1_to_f32(_e2m1_blocks(x, scale, recip, FMT))
+        v = e2m1_to_f32(e2m1_block_codes(x, scale[:, None], recip[:, None], FMT))
     return v * scale[:, None]
 
 

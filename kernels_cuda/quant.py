@@ -25,12 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt import formats
+from flashrt import formats, jit_targets
 from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import POW2
 from flashrt.formats import MAIN_KV_FORMAT, QTensor
-from flashrt.kernels_cuda.codecs import (CODES, block_scale, e2m1_to_f32, e4m3_to_f32,
+from flashrt.kernels_cuda.codecs import (CODES, INTERPRETED, block_scale, e2m1_block_codes, e2m1_to_f32, e4m3_to_f32,
                                          e8m0_to_f32, store_blocks, to_out)
+from flashrt.kernels_cuda.codecs_e2m1 import e2m1_bytes_bf16x2
 from flashrt.kernels_cuda.codecs_words import e2m1_words_nibbles
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, zeros_stored
 from flashrt.kernels_cuda import warmup as _warmup
@@ -38,7 +39,9 @@ from flashrt.kernels_cuda import pdl
 from flashrt.kernels_cuda.pdl import wait_inputs
 
 TILES = {
-    "quantize": {"ELEMS": 4096, "num_warps": 4},  # BLOCK_G = ELEMS // block scale blocks a program
+    # BLOCK_G = ELEMS // block scale blocks a program; pairs: fp4_b16 from bf16 coded two elements a
+    # call on sm_90 (codecs_e2m1.e2m1_bytes_bf16x2; the same bytes)
+    "quantize": {"ELEMS": 4096, "num_warps": 4, "pairs": False},
     "dequantize": {"ELEMS": 4096, "num_warps": 4},
     "dequantize_w": {"BLOCK_C": 128, "num_warps": 4},  # fp8_w: 32 rows x BLOCK_C columns a program
 }
@@ -57,9 +60,16 @@ _DEQUANT_FMTS = tuple(_FMT) + ("fp8_w",)  # dequantize also serves the fp8 weigh
 def _quantize_kernel(x_ptr, data_ptr, scale_ptr, slot_ptr, n_rows, groups_per_row,
                      x_row_stride, data_row_stride, scale_row_stride,
                      FMT: tl.constexpr, BLK: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PAIRS: tl.constexpr = False):
+    """PAIRS: bf16 ``x`` coded two elements a call (``fp4_b16``, sm_90: :func:`.codecs_e2m1.e2m1_bytes_bf16x2`)."""
     wait_inputs()
-    i = tl.arange(0, BLOCK_R * BLOCK_C)  # BLOCK_R rows x BLOCK_C scale blocks, flattened
+    if FMT == 1:
+        i = tl.arange(0, BLOCK_R * BLOCK_C)  # BLOCK_R rows x BLOCK_C scale blocks, flattened
+    else:
+        # E2M1 blocks as [blocks, BLK / 8, 8]: a thread's 16-byte load is 8 elements of a block, and
+        # the layout puts a block's parts in one thread (in-thread amax, nibble pairs and stores); the
+        # block indices are made in that layout too, so nothing changes layout through shared memory
+        i = tl.arange(0, BLOCK_R * BLOCK_C)[:, None, None]
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + i // BLOCK_C
     col = tl.program_id(1) * BLOCK_C + i % BLOCK_C
     gmask = (row < n_rows) & (col < groups_per_row)
@@ -67,14 +77,30 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, slot_ptr, n_rows, groups_per_ro
     if HAS_SLOTS:
         dst = tl.load(slot_ptr + row, mask=gmask, other=-1).to(tl.int64)
         gmask = gmask & (dst >= 0)
-    e = tl.arange(0, BLK)
-    x = tl.load(x_ptr + row[:, None] * x_row_stride + col[:, None] * BLK + e[None, :],
-                mask=gmask[:, None], other=0.0).to(tl.float32)
-    byte, scale, recip = block_scale(tl.max(tl.abs(x), axis=1), FMT)
-    tl.store(scale_ptr + dst * scale_row_stride + col, byte.to(tl.uint8), mask=gmask)
-    block_bytes = BLK if FMT == 1 else BLK // 2
-    store_blocks(data_ptr, dst * data_row_stride + col * block_bytes, x, scale, recip, gmask, FMT, BLK,
-                 BLOCK_R * BLOCK_C)
+    if FMT == 1:
+        e = tl.arange(0, BLK)
+        x = tl.load(x_ptr + row[:, None] * x_row_stride + col[:, None] * BLK + e[None, :],
+                    mask=gmask[:, None], other=0.0).to(tl.float32)
+        byte, scale, recip = block_scale(tl.max(tl.abs(x), axis=1), FMT)
+        tl.store(scale_ptr + dst * scale_row_stride + col, byte.to(tl.uint8), mask=gmask)
+        store_blocks(data_ptr, dst * data_row_stride + col * BLK, x, scale, recip, gmask, FMT, BLK,
+                     BLOCK_R * BLOCK_C)
+    else:
+        p = tl.arange(0, BLK // 8)[None, :, None]
+        e8 = tl.arange(0, 8)[None, None, :]
+        xin = tl.load(x_ptr + row * x_row_stride + col * BLK + p * 8 + e8, mask=gmask, other=0.0)
+        x = xin.to(tl.float32)
+        byte, scale, recip = block_scale(tl.max(tl.max(tl.abs(x), axis=2, keep_dims=True), axis=1, keep_dims=True),
+                                         FMT)
+        tl.store(scale_ptr + dst * scale_row_stride + col, byte.to(tl.uint8), mask=gmask)
+        shape: tl.constexpr = (BLOCK_R * BLOCK_C, BLK // 8, 4, 2)
+        if PAIRS:
+            packed, _ = tl.split(tl.reshape(e2m1_bytes_bf16x2(xin, scale), shape))
+        else:
+            lo, hi = tl.split(tl.reshape(e2m1_block_codes(x, scale, recip, FMT), shape))
+            packed = lo | (hi << 4)
+        e4 = tl.arange(0, 4)[None, None, :]
+        tl.store(data_ptr + dst * data_row_stride + col * (BLK // 2) + p * 4 + e4, packed.to(tl.uint8), mask=gmask)
 
 
 @triton.jit
@@ -130,19 +156,30 @@ def _dequantize_w(q: QTensor, out: torch.Tensor) -> None:
         num_warps=_tiles()["dequantize_w"]["num_warps"], **pdl.options(data.device))
 
 
-def rows_plan(rows: int, n: int, fmt: str, has_slots: bool, tile: tuple | None = None) -> tuple:
-    """(grid, constexprs) quantizing ``rows`` rows of ``n`` into ``fmt``; ``tile`` = (BLOCK_R, BLOCK_C,
-    num_warps) or None for TILES ``quantize`` (``ELEMS`` per program)."""
+def pairs_apply(fmt: str, dtype: torch.dtype) -> bool:
+    """Whether TILES ``quantize.pairs`` codes this call two elements a PTX call: ``fp4_b16`` from bf16,
+    on sm_90+ (``set.bf16x2``), not under the interpreter."""
+    return (bool(_tiles()["quantize"].get("pairs")) and fmt == "fp4_b16" and dtype == torch.bfloat16
+            and not INTERPRETED and jit_targets.capability() >= (9, 0))
+
+
+def rows_plan(rows: int, n: int, fmt: str, has_slots: bool, tile: tuple | None = None,
+              dtype: torch.dtype | None = None) -> tuple:
+    """(grid, constexprs) quantizing ``rows`` rows of ``n`` (``dtype``) into ``fmt``; ``tile`` = (BLOCK_R,
+    BLOCK_C, num_warps) or None for TILES ``quantize`` (``ELEMS`` per program, ``pairs``)."""
     blk = formats.spec(fmt).block
     groups_per_row = n // blk
+    pairs = {}
     if tile is None:
         t = _tiles()["quantize"]
         block_g = t["ELEMS"] // blk
         block_c = min(next_pow2(groups_per_row), block_g)
         tile = (block_g // block_c, block_c, t["num_warps"])
+        pairs = dict(PAIRS=True) if pairs_apply(fmt, dtype) else {}
     block_r, block_c, warps = tile
     grid = (cdiv(rows, block_r), cdiv(groups_per_row, block_c))
-    return grid, dict(FMT=_FMT[fmt], BLK=blk, HAS_SLOTS=has_slots, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return grid, dict(FMT=_FMT[fmt], BLK=blk, HAS_SLOTS=has_slots, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+                      **pairs)
 
 
 def launch_rows(plan: tuple, x2, data, scale, slots, data_row_stride: int, scale_row_stride: int) -> None:
@@ -157,11 +194,11 @@ def _launch_quantize(x2, fmt, data, scale, slots, data_row_stride, scale_row_str
     rows, n = x2.shape
     if rows * n == 0:
         return
-    key = (rows, n, fmt, slots is not None)
+    key = (rows, n, fmt, slots is not None, x2.dtype)
     plan = PLANS.lookup(key)[1]
     if plan is None:
         assert x2.dim() == 2 and x2.stride(-1) == 1 and data.dtype == scale.dtype == torch.uint8
-        plan = PLANS.store(key, rows_plan(rows, n, fmt, slots is not None))
+        plan = PLANS.store(key, rows_plan(rows, n, fmt, slots is not None, dtype=x2.dtype))
     launch_rows(plan, x2, data, scale, slots, data_row_stride, scale_row_stride)
 
 

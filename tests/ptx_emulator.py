@@ -1,5 +1,6 @@
-"""A small emulator of the PTX instructions the packed E2M1 decodes use (``mov``, ``prmt``, shifts,
-masks, ``mul.rn.bf16x2``) on uint32 numpy arrays, so their text is checked without a GPU."""
+"""A small emulator of the PTX instructions the packed E2M1 decodes and encoder use (``mov``, ``prmt``,
+shifts, masks, ``lop3``, ``mul.rn.bf16x2``, ``set.gt.u32.bf16x2``) on uint32 numpy arrays, so their text
+is checked without a GPU."""
 import numpy as np
 import torch
 
@@ -11,6 +12,28 @@ def _bf16x2_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return torch.from_numpy(halves.view(np.int16).copy()).view(torch.bfloat16)
     prod = (lanes(a).float() * lanes(b).float()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     return prod[..., 0].astype(np.uint32) | (prod[..., 1].astype(np.uint32) << 16)
+
+
+def _bf16x2_gt(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Two bf16 lanes per uint32 compared lane by lane (ordered: NaN is never greater): 0xFFFF where
+    ``a``'s lane is greater, else 0."""
+    def lanes(x):
+        halves = np.stack([x & 0xFFFF, x >> 16], axis=-1).astype(np.uint16)
+        return torch.from_numpy(halves.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+    gt = lanes(a) > lanes(b)
+    return np.where(gt[..., 0], 0xFFFF, 0).astype(np.uint32) | np.where(gt[..., 1], 0xFFFF0000, 0).astype(np.uint32)
+
+
+def _lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, lut: int) -> np.ndarray:
+    """Bitwise function of three inputs by its truth table (``lut`` bit ``(a << 2) | (b << 1) | c``,
+    read as the value the table has for the operand patterns 0xF0, 0xCC, 0xAA)."""
+    a, b, c = (np.broadcast_to(v, np.broadcast(a, b, c).shape).astype(np.uint32) for v in (a, b, c))
+    out = np.zeros(a.shape, dtype=np.uint32)
+    for bit in range(8):
+        if lut >> bit & 1:
+            ta, tb, tc = (0xF0 >> bit) & 1, (0xCC >> bit) & 1, (0xAA >> bit) & 1
+            out |= (a if ta else ~a) & (b if tb else ~b) & (c if tc else ~c)
+    return out
 
 
 def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
@@ -52,6 +75,10 @@ def run_ptx(text: str, operands: dict) -> dict:
             regs[dst] = val(src[0]) | val(src[1])
         elif op == "mul.rn.bf16x2":
             regs[dst] = _bf16x2_mul(val(src[0]), val(src[1]))
+        elif op == "set.gt.u32.bf16x2":
+            regs[dst] = _bf16x2_gt(val(src[0]), val(src[1]))
+        elif op == "lop3.b32":
+            regs[dst] = _lop3(val(src[0]), val(src[1]), val(src[2]), int(src[3], 0))
         else:
             raise AssertionError(f"instruction not emulated: {line}")
     return regs

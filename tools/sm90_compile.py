@@ -98,6 +98,9 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
             "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "shared_bytes": meta.shared, "sass": {k: ops.get(k, 0) for k in SASS_OPS}, "global_loads": dict(loads),
             "instructions": len(code), "mma_loop": mma_loop(code), "dump": path[:-6],
+            # instructions up to the first EXIT: a loop-free kernel's main path (out-of-line slow
+            # paths, e.g. an IEEE division's, come after it)
+            "to_first_exit": next((i + 1 for i, c in enumerate(code) if c[1] == "EXIT"), len(code)),
             # the loop issuing the most asynchronous copies (a warp-specialized kernel's producer)
             "copy_loop": mma_loop(code, ("LDGSTS",)),
             "constexprs": {fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()}}
