@@ -236,6 +236,9 @@
 #              1, 2, 4 and 8 against torch.topk + sort (benchmarks/topk_radix.py): h200-topk-radix.json;
 #              then rows of 2K / 4K with a summary of 4,096 (4K rows picked from registers too):
 #              h200-topk-summary-4096.json
+#   pairs      the fp4_b16 encoders (the midpoint comparisons; bf16 pairs in PTX with tiles.quant.quantize.pairs,
+#              off in every profile): their tests, pairs off and on (h200-pairs-tests.log), then the elementwise
+#              kernels under the profile and with pairs (h200-kernels-elementwise-pairs-{off,on}.json)
 #   quant      the CUDA kernel tests natively of every kernel reading the encoders (quantize, the KV stores, the
 #              fused activation quantization of linear and the experts) and of the top-k, then the elementwise kernels
 #              (quantize, dequantize, quantize-and-store, rms_norm, rope) against the copy bandwidth and
@@ -503,14 +506,16 @@ phase_quant() {
   python benchmarks/topk_radix.py --radix 1 --lengths 2048 4096 131072 --out "$OUT/h200-topk-profile.json"
 }
 
-phase_pairs() {  # fp4_b16 quantize-and-store: the midpoint comparisons, then bf16 pairs through PTX (tiles.quant.quantize.pairs)
+phase_pairs() {  # fp4_b16 stores: the midpoint comparisons, then bf16 pairs in PTX (tiles.quant.quantize.pairs)
   local on
   on=$(profile_set h200-quant-pairs tiles.quant.quantize.pairs true)
-  FLASHRT_PROFILE=$on timeout 200 python -m pytest -q -n 12 -p no:cacheprovider tests/kernels_cuda/test_cuda_quant.py \
-    tests/kernels_cuda/test_cuda_e2m1_midpoints.py tests/kernels_cuda/test_cuda_norm_rope_quant.py \
-    tests/kernels_cuda/test_cuda_kv_store.py tests/kernels_cuda/test_cuda_store_many.py > "$OUT/h200-pairs-tests.log" 2>&1
+  timeout 200 python -m pytest -q -n 12 -p no:cacheprovider \
+    tests/kernels_cuda/test_cuda_quant.py tests/kernels_cuda/test_cuda_e2m1_midpoints.py \
+    tests/kernels_cuda/test_cuda_norm_rope_quant.py tests/kernels_cuda/test_cuda_kv_store.py \
+    tests/kernels_cuda/test_cuda_store_many.py > "$OUT/h200-pairs-tests.log" 2>&1
   tail -n 2 "$OUT/h200-pairs-tests.log"
-  python -m flashrt.cli bench kernels --families elementwise --out "$OUT/h200-kernels-elementwise-pairs-off.json" | tail -n 12
+  python -m flashrt.cli bench kernels --families elementwise \
+    --out "$OUT/h200-kernels-elementwise-pairs-off.json" | tail -n 12
   FLASHRT_PROFILE=$on python -m flashrt.cli bench kernels --families elementwise \
     --out "$OUT/h200-kernels-elementwise-pairs-on.json" | tail -n 12
 }

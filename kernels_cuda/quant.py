@@ -7,9 +7,9 @@ elements, packing, stores. Rounding is done by the codecs of :mod:`.codecs`:
 - power-of-two scales come from the fp32 bit pattern of ``max(amax, floor) / elem_max``
   (exponent + (mantissa != 0), as ``formats.pow2_ceil``), the division correctly rounded
   (``div_rn``); elements are ``x * 2**-k`` (exact, the same value as ``x / 2**k``);
-- the ``fp4_b16`` scale uses ``div_rn``, its elements the scale's correctly rounded reciprocal and
-  one FMA correction (``codecs.e2m1_code_of_quotient``: the codes of the correctly rounded
-  quotient, sign from ``x``); E4M3 elements through the hardware
+- the ``fp4_b16`` scale uses ``div_rn``, its elements are coded by comparisons with the E2M1
+  midpoints times the scale (:mod:`.codecs_e2m1`: the codes of the correctly rounded quotient, sign
+  from ``x``; bf16 pairs through PTX with the ``pairs`` tile on sm_90); E4M3 elements through the hardware
   conversion on sm_89+ and on the bits elsewhere (``codecs.e4m3_encode``), E2M1 on the fp32 bits
   (``codecs.e2m1_code``), nearest with ties to even, sign from bit 31.
 
@@ -29,8 +29,8 @@ from flashrt import formats, jit_targets
 from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import POW2
 from flashrt.formats import MAIN_KV_FORMAT, QTensor
-from flashrt.kernels_cuda.codecs import (CODES, INTERPRETED, block_scale, e2m1_block_codes, e2m1_to_f32, e4m3_to_f32,
-                                         e8m0_to_f32, store_blocks, to_out)
+from flashrt.kernels_cuda.codecs import (CODES, INTERPRETED, block_scale, e2m1_block_codes, e2m1_to_f32,
+                                         e4m3_to_f32, e8m0_to_f32, store_blocks, to_out)
 from flashrt.kernels_cuda.codecs_e2m1 import e2m1_bytes_bf16x2
 from flashrt.kernels_cuda.codecs_words import e2m1_words_nibbles
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, dense, last_dense, next_pow2, zeros_stored

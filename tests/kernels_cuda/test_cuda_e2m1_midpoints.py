@@ -72,10 +72,13 @@ def _blocks_near_midpoints(rng, dtype) -> torch.Tensor:
     return torch.stack(blocks).view(-1, 512).to(dtype)
 
 
+@pytest.mark.parametrize("pairs", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not SM90, reason="the PTX pairs need sm_90 (the interpreter takes the comparisons either way)"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_fp4_b16_compares_as_the_reference(dtype, rng):
-    """The quantize kernel's fp4_b16 elements (the fp32 comparisons; on sm_90 with bf16 also the
-    profile's choice of the PTX pairs) near every midpoint of every scale, byte for byte."""
+def test_quantize_fp4_b16_compares_as_the_reference(dtype, pairs, rng, monkeypatch):
+    """The quantize kernel's fp4_b16 elements (the fp32 comparisons; on sm_90 with bf16 and
+    ``pairs`` the PTX) near every midpoint of every scale, byte for byte."""
+    monkeypatch.setitem(quant.TILES, "quantize", {**quant.TILES["quantize"], "pairs": pairs})
     x = _blocks_near_midpoints(rng, dtype).to(DEVICE)
     got, want = run_both("quantize", x, "fp4_b16")
     assert torch.equal(got.scale.view(torch.uint8).cpu(), want.scale.view(torch.uint8).cpu())
