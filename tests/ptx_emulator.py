@@ -5,22 +5,22 @@ import numpy as np
 import torch
 
 
+def _lanes(x: np.ndarray) -> torch.Tensor:
+    """The two bf16 lanes of each uint32 (low half first), [..., 2]."""
+    halves = np.stack([x & 0xFFFF, x >> 16], axis=-1).astype(np.uint16)
+    return torch.from_numpy(halves.view(np.int16).copy()).view(torch.bfloat16)
+
+
 def _bf16x2_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Two bf16 lanes per uint32, multiplied lane by lane with round to nearest even."""
-    def lanes(x):
-        halves = np.stack([x & 0xFFFF, x >> 16], axis=-1).astype(np.uint16)
-        return torch.from_numpy(halves.view(np.int16).copy()).view(torch.bfloat16)
-    prod = (lanes(a).float() * lanes(b).float()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    prod = (_lanes(a).float() * _lanes(b).float()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     return prod[..., 0].astype(np.uint32) | (prod[..., 1].astype(np.uint32) << 16)
 
 
 def _bf16x2_gt(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Two bf16 lanes per uint32 compared lane by lane (ordered: NaN is never greater): 0xFFFF where
     ``a``'s lane is greater, else 0."""
-    def lanes(x):
-        halves = np.stack([x & 0xFFFF, x >> 16], axis=-1).astype(np.uint16)
-        return torch.from_numpy(halves.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
-    gt = lanes(a) > lanes(b)
+    gt = (_lanes(a).float() > _lanes(b).float()).numpy()
     return np.where(gt[..., 0], 0xFFFF, 0).astype(np.uint32) | np.where(gt[..., 1], 0xFFFF0000, 0).astype(np.uint32)
 
 
