@@ -177,6 +177,19 @@
 #              the experts at the released shapes with it, the fold, and both (h200-gemv-actdq.json); the
 #              real-dimension slice and small's captured decode off, on, and on with the fold:
 #              h200-real-slice-actdq-{off,on,fold}.json, h200-e2e-actdq-{off,on,fold}.json
+#   halves     the fp4 experts' K order in halves (tiles.linear.fp4_halves): its tests (h200-halves-tests.log),
+#              the experts at the released shapes with and without it (h200-gemv-halves.json), the
+#              real-dimension slice and small's captured decode off and on
+#   fp8deq     the fp8 linear with its weights dequantized instead of the fp8 MMA (tiles.linear.fp8_mma false,
+#              for the 16-row rule only and for every rule): the GEMVs at the released shapes
+#              (h200-gemv-fp8deq.json), the real-dimension slice and small's captured decode under each
+#   load       small's weights load time, three repeats (benchmarks/load_time.py): h200-load-time-small.json
+#   topksplit  the top-k select with rows split over scanning programs (tiles.topk.select.split_rows, off in
+#              every profile): the top-k tests natively, the realistic rows too (h200-topksplit-tests.log);
+#              then 128K and 1M rows (k = 512, 1 / 8 / 64 rows) unsplit and split at slices of 2,048 / 4,096
+#              / 8,192 entries with 4 and 8 warps, and at 4,096 with 8 warps with L's top 16 bits only or
+#              searched 8 bits a pass, each run beside torch.topk (benchmarks/topk_radix.py):
+#              h200-topk-split-off.json, h200-topk-split-SLICE-wW.json, h200-topk-split-4096-w8-{bits16,radix8}.json
 #   words      the fp4 experts' codes in the E2M1 word layout (expert_fp4: words) with the halves K order,
 #              then also the fp8 shared expert's packed decode (tiles.linear.fp8_packed), all off in every
 #              profile: their tests (h200-words-tests.log); the experts at the released shapes under each
@@ -258,11 +271,10 @@
 # benchmarks/results/ and quote each figure in docs/performance.md with its command.
 set -u
 [ $# -gt 0 ] || { sed -n "2,/^set -u/{/^#/p}" "$0"; exit 2; }
-for phase in "$@"; do
-  case "$phase" in
-    serve|serve-budget|engine-gpu|mhc|serve-alt|overlap|kernels|tiles|profile|e2e|serve64|coldstart|plan|tests|decode|prefill|engine|combine|variants|coldplan|serve-allocs|hkcp|ttft-hit|engine-profile|rows|sample|prefix|gemv|fp4dot|fp4packed|grouped|pdl|topk|conformance|mixstream|selectstream|realslice|quant|stages|ncu|regs|attnwarps|splits|prefixtiles|topkgroup|hcreal|ncustalls|prefixship|ncusource|kerneltests|scales|scaleship|fold|actdq|load|halves|fp8deq|words|attnpacked|attnws|wsfirst|wsslice|wsncu|wsprod) ;;
-    *) echo "unknown phase: $phase (expected serve, serve-budget, engine-gpu, mhc, serve-alt, overlap, kernels, tiles, profile, e2e, serve64, coldstart, plan, tests, decode, prefill, engine, combine, variants, coldplan, serve-allocs, hkcp, ttft-hit, engine-profile, rows, sample, prefix, gemv, fp4dot, fp4packed, grouped, pdl, topk, conformance, mixstream, selectstream, realslice, quant, stages, ncu, regs, attnwarps, splits, prefixtiles, topkgroup, hcreal, ncustalls, prefixship, ncusource, kerneltests, scales, scaleship, fold, actdq, load, halves, fp8deq, words, attnpacked, attnws, wsfirst, wsslice, wsncu or wsprod)" >&2; exit 2 ;;
-  esac
+for phase in "$@"; do  # a phase is a function phase_NAME below (dashes as underscores)
+  grep -q "^phase_${phase//-/_}() {" "$0" || {
+    echo "unknown phase: $phase (expected one of: $(sed -n 's/^phase_\([a-z0-9_]*\)() {.*/\1/p' "$0" \
+      | tr _ - | tr '\n' ' '))" >&2; exit 2; }
 done
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -609,6 +621,25 @@ phase_topkgroup() {
     python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --select "{\"group\": $g}" \
       --out "$OUT/h200-topk-group-$g.json"
   done
+}
+
+phase_topksplit() {  # the top-k rows split over scanning programs (tiles.topk.select.split_rows)
+  local s w
+  timeout 240 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_topk.py \
+    > "$OUT/h200-topksplit-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-topksplit-tests.log"
+  python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --select '{"split_rows": 0}' \
+    --out "$OUT/h200-topk-split-off.json"
+  for s in 2048 4096 8192; do
+    for w in 4 8; do
+      python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-split-$s-w$w.json" \
+        --select "{\"split_rows\": 64, \"split_slice\": $s, \"split_warps\": $w}"
+    done
+  done
+  python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-split-4096-w8-bits16.json" \
+    --select '{"split_rows": 64, "split_slice": 4096, "split_warps": 8, "bits": 16}'
+  python benchmarks/topk_radix.py --radix 8 --lengths 131072 1048576 --out "$OUT/h200-topk-split-4096-w8-radix8.json" \
+    --select '{"split_rows": 64, "split_slice": 4096, "split_warps": 8}'
 }
 
 phase_hcreal() {

@@ -33,8 +33,9 @@ from __future__ import annotations
 import torch
 
 from flashrt.families import Dim, KernelFamily, Support
-from flashrt.tile_checks import POW2, Tile
+from flashrt.tile_checks import POW2, WARPS, Tile
 from flashrt.kernels_cuda.topk_kernel import _chunk_max_kernel, _select_kernel
+from flashrt.kernels_cuda.topk_split_kernel import _scan_kernel, _split_pick_kernel
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import pdl
@@ -54,9 +55,18 @@ TILES = {
     # up to this many entries (or summary, the larger) are held whole in registers, their keys
     # their own summary (no chunk-max pass, no list), so a short summary for long rows does not
     # send rows a little longer than it down the list path
+    # split_rows: launches of at most this many rows longer than registers split each row over
+    # programs of split_slice entries (at most split_slices a row, the slice doubling past that):
+    # each lists its slice's candidates, then one program a row picks from the list (0: never;
+    # docs/kernels.md); split_warps: the warps of those two kernels
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
-               "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096},
+               "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096,
+               "split_rows": 0, "split_slice": 4096, "split_slices": 64, "split_warps": 8},
 }
+
+# Scan programs take their slices last first (tests: the blocks then reach the list out of
+# position order, as they may in any order on a GPU)
+_SCAN_REVERSED = False
 
 
 PLANS = PlanCache("topk", TILES)  # the active tiles (and launch plans made with them)
@@ -80,7 +90,9 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     the chunks were), -1 for a row of at most ``k`` entries (every valid one picked in one
     pass, no search: a decode's rows until the context passes ``k`` entries), or -2 for a row
     picked from its keys in registers (one search, no list: rows of up to TILES ``summary`` or
-    ``registers`` entries, the larger).
+    ``registers`` entries, the larger). Rows split over programs (TILES ``split_rows``): the
+    length of the list of the slices' candidates, or -3 where it passed the register block and
+    the row took the one-program path.
     """
     R, T = src.shape
     assert src.stride(1) == 1 and (cand is None or (cand.stride(1) == 1 and cand.shape == src.shape))
@@ -97,12 +109,14 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     summ = torch.empty(R, NC, dtype=torch.int32, device=src.device)  # coarse maxima, then their ids
     fine = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
     fids = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
+    split = coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]
+    counter = torch.empty(R, dtype=torch.int32, device=src.device) if split else summ
     if coarse > 1:
         chunks = max(chunk_tiles["block"], coarse) // C
         _chunk_max_kernel[(R, cdiv(NF, chunks))](
-            src, cand_t, fine, summ, T, NF, NC, src.stride(0), cand_t.stride(0), fine.stride(0), summ.stride(0),
-            C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand, num_warps=chunk_tiles["num_warps"],
-            **pdl.options(src.device))
+            src, cand_t, fine, summ, counter, T, NF, NC, src.stride(0), cand_t.stride(0), fine.stride(0),
+            summ.stride(0), C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand, ZERO=split,
+            num_warps=chunk_tiles["num_warps"], **pdl.options(src.device))
     radix = tiles["radix_bits"]
     assert radix in (1, 2, 4, 8) and tiles["bits"] % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {tiles['bits']}"
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
@@ -112,12 +126,41 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     # SUMMARY and PAD are capacities (masked past NC / width): floored and taken from k rather than
     # from the row, so short rows of any length share one variant
     summary = max(_pow2(NC), min(tiles["min_summary"], tiles["summary"]))
+    if split:
+        _select_split(src, cand_t, summ, fine, fids, lst, counter, out, stats, T, NC, NF, k, width, tiles,
+                      dict(C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, RADIX=radix, SRC_KEYS=src_keys,
+                           HAS_CAND=has_cand), small, mark)
+        return
     _select_kernel[(R,)](src, cand_t, summ, fine, fids, lst, out, stats if stats is not None else summ, T, NC, NF,
                          k, width, src.stride(0), cand_t.stride(0), summ.stride(0), fine.stride(0), lst.stride(0),
                          out.stride(0), C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, SMALL=small,
                          GROUP=max(C * F, tiles["group"]), PAD=min(1024, _pow2(k)), SRC_KEYS=src_keys,
                          HAS_CAND=has_cand, MARK=mark, STATS=stats is not None, RADIX=radix,
                          num_warps=tiles["num_warps"], **pdl.options(src.device))
+
+
+def _select_split(src, cand, summ, fine, fids, lst, counter, out, stats, T, NC, NF, k, width, tiles, common,
+                  small, mark):
+    """The select of rows split over programs (``_chunk_max_kernel`` has zeroed ``counter``):
+    ``_scan_kernel`` lists the candidates of each slice of ``slice`` entries, ``_split_pick_kernel``
+    picks a row's from its list (or takes the one-program path when the list passes ``small``)."""
+    R = src.shape[0]
+    slices = tiles["split_slices"]
+    slice_ = max(tiles["split_slice"], _pow2(cdiv(T, slices)))
+    n_slices = cdiv(T, slice_)
+    lkey = torch.empty_like(lst)
+    starts = torch.empty(R, slices, dtype=torch.int32, device=src.device)
+    launch = dict(num_warps=tiles["split_warps"], **pdl.options(src.device))
+    scan = {key: common[key] for key in ("SUMMARY", "BITS", "RADIX", "LIST", "SRC_KEYS", "HAS_CAND")}
+    _scan_kernel[(R, n_slices)](src, cand, summ, lst, lkey, starts, counter, T, NC, k, src.stride(0), cand.stride(0),
+                                summ.stride(0), lst.stride(0), starts.stride(0), SLICE=slice_,
+                                REVERSED=_SCAN_REVERSED, **scan, **launch)
+    _split_pick_kernel[(R,)](src, cand, summ, fine, fids, lst, lkey, starts, counter, out,
+                             stats if stats is not None else summ, T, NC, NF, k, width, n_slices, src.stride(0),
+                             cand.stride(0), summ.stride(0), fine.stride(0), lst.stride(0), starts.stride(0),
+                             out.stride(0), SMALL=small, GROUP=max(common["C"] * common["F"], tiles["group"]),
+                             PAD=min(1024, _pow2(k)), SLICE=slice_, SLICES=slices, MARK=mark,
+                             STATS=stats is not None, **common, **launch)
 
 
 def topk_positions(scores, k, candidates=None):
@@ -150,6 +193,10 @@ FAMILY = KernelFamily(
     supports={"topk_positions": Support(inputs={"scores": (torch.float32,)}, dims={"scores[-1]": Dim(0, 2**30 - 1)})},
     tiles=TILES, tile_checks={"chunk_max.block": POW2, "select.summary": POW2, "select.fine": POW2,
                               "select.small": POW2, "select.list": POW2, "select.group": POW2,
-                              "select.min_summary": POW2, "select.registers": POW2, "select.bits": Tile(high=32), "select.radix_bits": Tile(choices=(1, 2, 4, 8))},
+                              "select.min_summary": POW2, "select.registers": POW2,
+                              "select.split_slice": POW2, "select.split_slices": POW2,
+                              "select.split_rows": Tile(low=0, kind=int), "select.split_warps": WARPS,
+                              "select.bits": Tile(high=32),
+                              "select.radix_bits": Tile(choices=(1, 2, 4, 8))},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="top-k positions: chunk maxima, threshold search, ordered picks")

@@ -240,22 +240,40 @@ def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, w
         pos = tl.arange(0, SUMMARY)
         n_out = _pick(_load_keys(src, cand, pos, pos < T, SRC_KEYS, HAS_CAND), pos, k, out, MARK, RADIX)
     else:
-        L, n_sel = _chunks_above(src, cand, summ, summ, T, NC, k, C * F, SUMMARY, BITS, SRC_KEYS, HAS_CAND, RADIX)
-        ids = summ  # coarse chunk ids, written over the summary
-        if F > 1:  # two-level summary: narrow the coarse chunks down to fine ones
-            ids = fids + r * s_fine
-            n_sel = _fine_chunks(fine + r * s_fine, summ, ids, n_sel, NF, L, F, GROUP)
-        total = n_sel * C
-        n_list = _build_list(src, cand, ids, lst, T, total, L, k, C, GROUP, LIST, SRC_KEYS, HAS_CAND)
-        tl.debug_barrier()
-        if STATS:  # the list length says which path (d) took
-            tl.store(stats + r, n_list)
-        if n_list <= SMALL:  # (d)
-            n_out = _finish_registers(src, cand, lst, out, n_list, k, SMALL, SRC_KEYS, HAS_CAND, MARK, RADIX)
-        elif n_list <= LIST:  # the list streamed
-            n_out = _finish_streaming(src, cand, lst, out, T, n_list, k, 1, GROUP, SRC_KEYS, HAS_CAND, MARK)
-        else:  # the list overflowed: the selected chunks streamed
-            n_out = _finish_streaming(src, cand, ids, out, T, total, k, C, GROUP, SRC_KEYS, HAS_CAND, MARK)
+        n_out = _select_long(src, cand, summ, fine + r * s_fine, fids + r * s_fine, lst, out, stats + r, T, NC, NF,
+                             k, C, F, SUMMARY, BITS, LIST, SMALL, GROUP, SRC_KEYS, HAS_CAND, MARK, STATS, RADIX)
+    _pad(out, n_out, width, PAD, MARK)
+
+
+@triton.jit
+def _select_long(src, cand, summ, fine, fids, lst, out, stat, T, NC, NF, k, C: tl.constexpr, F: tl.constexpr,
+                 SUMMARY: tl.constexpr, BITS: tl.constexpr, LIST: tl.constexpr, SMALL: tl.constexpr,
+                 GROUP: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, MARK: tl.constexpr,
+                 STATS: tl.constexpr, RADIX: tl.constexpr):
+    """Steps (a)-(d) of a row longer than its summary, in one program (pointers at the row); the
+    count of picks written."""
+    L, n_sel = _chunks_above(src, cand, summ, summ, T, NC, k, C * F, SUMMARY, BITS, SRC_KEYS, HAS_CAND, RADIX)
+    ids = summ  # coarse chunk ids, written over the summary
+    if F > 1:  # two-level summary: narrow the coarse chunks down to fine ones
+        ids = fids
+        n_sel = _fine_chunks(fine, summ, ids, n_sel, NF, L, F, GROUP)
+    total = n_sel * C
+    n_list = _build_list(src, cand, ids, lst, T, total, L, k, C, GROUP, LIST, SRC_KEYS, HAS_CAND)
+    tl.debug_barrier()
+    if STATS:  # the list length says which path (d) took
+        tl.store(stat, n_list)
+    if n_list <= SMALL:  # (d)
+        n_out = _finish_registers(src, cand, lst, out, n_list, k, SMALL, SRC_KEYS, HAS_CAND, MARK, RADIX)
+    elif n_list <= LIST:  # the list streamed
+        n_out = _finish_streaming(src, cand, lst, out, T, n_list, k, 1, GROUP, SRC_KEYS, HAS_CAND, MARK)
+    else:  # the list overflowed: the selected chunks streamed
+        n_out = _finish_streaming(src, cand, ids, out, T, total, k, C, GROUP, SRC_KEYS, HAS_CAND, MARK)
+    return n_out
+
+
+@triton.jit
+def _pad(out, n_out, width, PAD: tl.constexpr, MARK: tl.constexpr):
+    """-1 after the ``n_out`` positions written, up to the row's ``width`` (positions, not marks)."""
     if not MARK:
         for p in range(0, width, PAD):
             j = p + tl.arange(0, PAD)
@@ -263,11 +281,16 @@ def _select_kernel(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, w
 
 
 @triton.jit(do_not_specialize=("NF", "NC", "s_fine", "s_coarse"))  # (T and the row strides kept: the loads' vectors)
-def _chunk_max_kernel(src, cand, fine, coarse, T, NF, NC, s_src, s_cand, s_fine, s_coarse, C: tl.constexpr,
-                      F: tl.constexpr, CHUNKS: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
-    """Max key of every chunk of C positions (fine), and of every F fine chunks (coarse, F > 1)."""
+def _chunk_max_kernel(src, cand, fine, coarse, counter, T, NF, NC, s_src, s_cand, s_fine, s_coarse, C: tl.constexpr,
+                      F: tl.constexpr, CHUNKS: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr,
+                      ZERO: tl.constexpr = False):
+    """Max key of every chunk of C positions (fine), and of every F fine chunks (coarse, F > 1).
+    ``ZERO``: also zero the row's ``counter`` (the list allocator of the split scan that follows)."""
     wait_inputs()
     r = tl.program_id(0).to(tl.int64)
+    if ZERO:
+        if tl.program_id(1) == 0:
+            tl.store(counter + r, 0)
     chunk = tl.program_id(1) * CHUNKS + tl.arange(0, CHUNKS)
     pos = chunk[:, None] * C + tl.arange(0, C)[None, :]
     cmax = tl.max(_load_keys(src + r * s_src, cand + r * s_cand, pos, pos < T, SRC_KEYS, HAS_CAND), axis=1)

@@ -213,6 +213,57 @@ def test_topk_radix_search_partial_bits(radix, monkeypatch, rng):
     _select(torch.randn(2, 200, generator=rng) * 1e-3 + 5.0, 7)
 
 
+@pytest.mark.parametrize("reversed_", [False, True])
+@pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
+def test_topk_split_rows(kind, reversed_, monkeypatch, rng):
+    """Rows split over scanning programs (split_rows): each slice's candidates listed in blocks,
+    the picks ranked back into position order from the blocks' offsets (the blocks in slice order
+    and, reversed, last slice first); positions and marks as the reference's, with and without
+    candidates. Every list fits the register block (at most T < 512 = small entries), so every
+    row takes the split pick (stats: the list's length, not -3)."""
+    _force(monkeypatch, summary=16, small=512, list=512, split_rows=4, split_slice=32, split_slices=8)
+    monkeypatch.setattr(topk, "_SCAN_REVERSED", reversed_)
+    T = int(torch.randint(257, 400, (1,), generator=rng))  # 5-7 slices of 64 (8 at most a row: 32 doubles)
+    scores = _scores(kind, 1, 3, T, rng)[0]
+    cand = torch.rand(3, T, generator=rng) < 0.7
+    k = int(torch.randint(9, 40, (1,), generator=rng))  # the list capacity (k - 1) * 32 + k rounds up to 512
+    for c in (None, cand):
+        assert (_select(scores, k, c) >= 0).all()
+    _same_marks(scores, k, cand)
+
+
+@pytest.mark.parametrize("kind", ["tied", "sorted"])
+def test_topk_split_long_list_takes_one_program_path(kind, monkeypatch, rng):
+    """A split row whose list passes ``small`` (many ties, or rows that defeat the chunk maxima) is
+    selected by the one-program path from the summary; the same picks."""
+    _force(monkeypatch, summary=16, small=16, list=512, split_rows=4, split_slice=32, split_slices=4)
+    monkeypatch.setattr(topk, "_SCAN_REVERSED", True)
+    scores = _scores(kind, 1, 2, 300, rng)[0]
+    assert (_select(scores, 12, torch.rand(2, 300, generator=rng) < 0.9) == -3).all()
+
+
+@pytest.mark.parametrize("radix", [1, 8])
+def test_topk_split_partial_bits(radix, monkeypatch, rng):
+    """Split rows with only the top bits of L exact (a lower L, longer slice lists; the pick's
+    search is exact), L found 1 or 8 bits a pass: the same picks."""
+    _force(monkeypatch, summary=16, bits=8, small=512, list=512, split_rows=4, split_slice=32, split_slices=8,
+           radix_bits=radix)
+    monkeypatch.setattr(topk, "_SCAN_REVERSED", True)
+    assert (_select(torch.randn(2, 300, generator=rng) * 1e-3 + 5.0, 9) >= 0).all()
+
+
+def test_topk_split_only_below_split_rows(monkeypatch, rng):
+    """The split applies to launches of at most split_rows rows longer than registers."""
+    _force(monkeypatch, summary=16, small=128, list=512, split_rows=2, split_slice=32, split_slices=8)
+    launched = []
+    real = topk._select_split
+    monkeypatch.setattr(topk, "_select_split", lambda *a, **kw: launched.append(a[0].shape[0]) or real(*a, **kw))
+    for rows in (1, 2, 3):
+        _select(_scores("smooth", 1, rows, 300, rng)[0], 9)
+    _select(_scores("smooth", 1, 1, 16, rng)[0], 9)  # held by the summary: no split
+    assert launched == [1, 2]
+
+
 def test_topk_decline_and_dispatch(monkeypatch, rng):
     assert topk.FAMILY.serves("topk_positions", torch.empty(1, 1, 2**30, device="meta"), 4, None) is not None
     assert topk.FAMILY.serves("topk_positions", torch.empty(1, 1, 9), 4, None) is None
@@ -263,3 +314,28 @@ def test_topk_adversarial_rows(kind):
     row = {"sorted": pos.div(64, rounding_mode="floor"), "constant": torch.zeros(T),
            "two_levels": (pos % 17 == 0).float()}[kind]
     _same(row.expand(3, 1, T).contiguous(), 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("rows,T", [(1, 131072), (8, 131072), (64, 131072), (4, 1 << 20)])
+@pytest.mark.parametrize("kind", ["smooth", "tied", "masked", "sorted", "constant"])
+def test_topk_realistic_split(kind, rows, T, monkeypatch, rng):
+    """Rows split over scanning programs on the device, where the slices reserve their blocks of the
+    list in whatever order they run: the reference's picks, also for rows whose list passes the
+    register block (tied, sorted, constant: the one-program path)."""
+    monkeypatch.setitem(topk.TILES, "select", {**topk.TILES["select"], "split_rows": 64})
+    profiles._TILES_CACHE.clear()
+    scores, cand = torch.randn(rows, 1, T, generator=rng), None
+    pos = torch.arange(T, dtype=torch.float32)
+    if kind == "tied":
+        scores = scores.mul(4).round()
+    elif kind == "masked":
+        vis = torch.randint(1, T + 1, (rows, 1, 1), generator=rng)
+        scores = scores.masked_fill(torch.arange(T) >= vis, -math.inf)
+        cand = torch.rand(rows, 1, T, generator=rng) < 0.5
+    elif kind == "sorted":
+        scores = pos.div(64, rounding_mode="floor").expand(rows, 1, T).contiguous()
+    elif kind == "constant":
+        scores = torch.zeros(rows, 1, T)
+    _same(scores, 512, cand)

@@ -1,0 +1,105 @@
+"""Triton kernels of the top-k select with a row split over several programs (launcher and
+algorithm: :mod:`.topk`, ``select_rows``): ``_scan_kernel`` lists a slice's candidates, and
+``_split_pick_kernel`` picks from the row's list in registers, the one-program select when the
+list does not fit."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashrt.kernels_cuda.pdl import wait_inputs
+from flashrt.kernels_cuda.topk_kernel import _MIN, _kth_largest, _load_keys, _pad, _select_long
+
+# T and the row strides stay specialised (as in ``_chunk_max_kernel``): the slice's loads in vectors
+@triton.jit(do_not_specialize=("NC", "s_summ", "s_lst", "s_starts"))
+def _scan_kernel(src, cand, summ, lst, lkey, starts, counter, T, NC, k, s_src, s_cand, s_summ, s_lst, s_starts,
+                 SUMMARY: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr, SLICE: tl.constexpr,
+                 LIST: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, REVERSED: tl.constexpr):
+    """Program (row, slice): ``L`` (the k-th largest chunk max, from the row's summary, as the
+    one-program select finds it), then the slice's positions with ``key > L`` and its first ``k``
+    with ``key == L``, in position order, appended to the row's list (positions in ``lst``, keys
+    in ``lkey``) at an offset reserved from ``counter``; the offset goes to ``starts``. Blocks land
+    in the list in whatever order the programs reserve them. ``REVERSED`` maps program j to slice
+    ``n - 1 - j`` (blocks reserved last slice first)."""
+    wait_inputs()
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    if REVERSED:
+        p = tl.num_programs(1) - 1 - p
+    offs = tl.arange(0, SUMMARY)
+    L = _kth_largest(tl.load(summ + r * s_summ + offs, mask=offs < NC, other=_MIN), k, BITS, RADIX)
+    pos = p * SLICE + tl.arange(0, SLICE)
+    key = _load_keys(src + r * s_src, cand + r * s_cand, pos, pos < T, SRC_KEYS, HAS_CAND)
+    eq = (key == L) & (key != _MIN)
+    keep = (key > L) | (eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < k))
+    start = tl.atomic_add(counter + r, tl.sum(keep.to(tl.int32)))
+    dst = start + tl.cumsum(keep.to(tl.int32), 0) - 1
+    ok = keep & (dst < LIST)
+    tl.store(lst + r * s_lst + dst, pos, mask=ok)
+    tl.store(lkey + r * s_lst + dst, key, mask=ok)
+    tl.store(starts + r * s_starts + p, start)
+
+
+@triton.jit
+def _rank_by_position(flag, slice_of, starts, SLICES: tl.constexpr):
+    """For the flagged entries of a list made of per-slice blocks (each block in position order,
+    the blocks in any order, block j starting at ``starts[j]``): each one's rank among the flagged
+    entries in position order. Rank = flagged entries of earlier slices + flagged entries before
+    it in its own block; the latter is its list-order rank less the flagged entries of the blocks
+    placed before its block in the list."""
+    cnt = tl.histogram(slice_of, SLICES, mask=flag)  # flagged entries per slice
+    before_in_position = tl.cumsum(cnt, 0) - cnt
+    earlier_block = starts[None, :] < starts[:, None]  # [j, i]: block i lies before block j
+    before_in_list = tl.sum(tl.where(earlier_block, cnt[None, :], 0), axis=1)
+    delta = before_in_position - before_in_list
+    return tl.cumsum(flag.to(tl.int32), 0) - 1 + tl.gather(delta, slice_of, 0)
+
+
+_PICK_SIZED = ("T", "NC", "NF", "width", "n_slices", "s_src", "s_cand", "s_summ", "s_fine", "s_out")
+
+
+@triton.jit(do_not_specialize=_PICK_SIZED)
+def _split_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, counter, out, stats, T, NC, NF, k, width,
+                       n_slices, s_src, s_cand, s_summ, s_fine, s_lst, s_starts, s_out,
+                       C: tl.constexpr, F: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
+                       LIST: tl.constexpr, SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr,
+                       SLICE: tl.constexpr, SLICES: tl.constexpr, SRC_KEYS: tl.constexpr,
+                       HAS_CAND: tl.constexpr, MARK: tl.constexpr, STATS: tl.constexpr, RADIX: tl.constexpr):
+    """One program a row after ``_scan_kernel``: a list of at most ``SMALL`` entries is held in
+    registers, its exact k-th largest ``thr`` found, and the picks (``key > thr``, then the ties in
+    position order) written in position order; a longer list (rows that defeat the chunk maxima,
+    or many ties) falls back to the one-program select from the summary."""
+    wait_inputs()
+    r = tl.program_id(0).to(tl.int64)
+    src += r * s_src
+    cand += r * s_cand
+    summ += r * s_summ
+    out += r * s_out
+    total = tl.load(counter + r)
+    if total <= SMALL:
+        if STATS:
+            tl.store(stats + r, total)
+        e = tl.arange(0, SMALL)
+        live = e < total
+        pos = tl.load(lst + r * s_lst + e, mask=live, other=0)
+        key = tl.load(lkey + r * s_lst + e, mask=live, other=_MIN)
+        thr = _kth_largest(key, k, 32, RADIX)
+        gt = key > thr
+        eq = (key == thr) & (key != _MIN)
+        need = k - tl.sum(gt.to(tl.int32))
+        j = tl.arange(0, SLICES)
+        first = tl.load(starts + r * s_starts + j, mask=j < n_slices, other=0)
+        slice_of = pos // SLICE
+        sel = gt | (eq & (_rank_by_position(eq, slice_of, first, SLICES) < need))  # ties: the first in position order
+        if MARK:
+            tl.store(out + pos, sel.to(tl.uint8), mask=sel)
+        else:
+            tl.store(out + _rank_by_position(sel, slice_of, first, SLICES), pos, mask=sel)
+        n_out = tl.sum(sel.to(tl.int32))
+    else:
+        if STATS:
+            tl.store(stats + r, -3)
+        n_out = _select_long(src, cand, summ, fine + r * s_fine, fids + r * s_fine, lst + r * s_lst, out, stats + r,
+                             T, NC, NF, k, C, F, SUMMARY, BITS, LIST, SMALL, GROUP, SRC_KEYS, HAS_CAND, MARK,
+                             False, RADIX)
+    _pad(out, n_out, width, PAD, MARK)
