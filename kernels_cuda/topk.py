@@ -35,7 +35,7 @@ import torch
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.tile_checks import POW2, WARPS, Tile
 from flashrt.kernels_cuda.topk_kernel import _chunk_max_kernel, _select_kernel
-from flashrt.kernels_cuda.topk_split_kernel import _scan_kernel, _split_pick_kernel
+from flashrt.kernels_cuda.topk_split_kernel import _scan_kernel, _split_pick_kernel, _threshold_kernel
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import pdl
@@ -109,14 +109,12 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     summ = torch.empty(R, NC, dtype=torch.int32, device=src.device)  # coarse maxima, then their ids
     fine = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
     fids = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
-    split = coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]
-    counter = torch.empty(R, dtype=torch.int32, device=src.device) if split else summ
     if coarse > 1:
         chunks = max(chunk_tiles["block"], coarse) // C
         _chunk_max_kernel[(R, cdiv(NF, chunks))](
-            src, cand_t, fine, summ, counter, T, NF, NC, src.stride(0), cand_t.stride(0), fine.stride(0),
-            summ.stride(0), C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand, ZERO=split,
-            num_warps=chunk_tiles["num_warps"], **pdl.options(src.device))
+            src, cand_t, fine, summ, T, NF, NC, src.stride(0), cand_t.stride(0), fine.stride(0), summ.stride(0),
+            C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand, num_warps=chunk_tiles["num_warps"],
+            **pdl.options(src.device))
     radix = tiles["radix_bits"]
     assert radix in (1, 2, 4, 8) and tiles["bits"] % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {tiles['bits']}"
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
@@ -126,8 +124,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     # SUMMARY and PAD are capacities (masked past NC / width): floored and taken from k rather than
     # from the row, so short rows of any length share one variant
     summary = max(_pow2(NC), min(tiles["min_summary"], tiles["summary"]))
-    if split:
-        _select_split(src, cand_t, summ, fine, fids, lst, counter, out, stats, T, NC, NF, k, width, tiles,
+    if coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]:
+        _select_split(src, cand_t, summ, fine, fids, lst, out, stats, T, NC, NF, k, width, tiles,
                       dict(C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, RADIX=radix, SRC_KEYS=src_keys,
                            HAS_CAND=has_cand), small, mark)
         return
@@ -139,23 +137,26 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
                          num_warps=tiles["num_warps"], **pdl.options(src.device))
 
 
-def _select_split(src, cand, summ, fine, fids, lst, counter, out, stats, T, NC, NF, k, width, tiles, common,
-                  small, mark):
-    """The select of rows split over programs (``_chunk_max_kernel`` has zeroed ``counter``):
-    ``_scan_kernel`` lists the candidates of each slice of ``slice`` entries, ``_split_pick_kernel``
-    picks a row's from its list (or takes the one-program path when the list passes ``small``)."""
+def _select_split(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, width, tiles, common, small, mark):
+    """The select of rows split over programs, after the chunk-max pass: ``_threshold_kernel`` finds
+    each row's ``L`` once, ``_scan_kernel`` lists the candidates of every slice of ``slice``
+    entries, ``_split_pick_kernel`` picks a row's from its list (or takes the one-program path when
+    the list passes ``small``)."""
     R = src.shape[0]
     slices = tiles["split_slices"]
     slice_ = max(tiles["split_slice"], _pow2(cdiv(T, slices)))
     n_slices = cdiv(T, slice_)
     lkey = torch.empty_like(lst)
     starts = torch.empty(R, slices, dtype=torch.int32, device=src.device)
+    state = torch.empty(R, 2, dtype=torch.int32, device=src.device)  # L, then the list's length
     launch = dict(num_warps=tiles["split_warps"], **pdl.options(src.device))
-    scan = {key: common[key] for key in ("SUMMARY", "BITS", "RADIX", "LIST", "SRC_KEYS", "HAS_CAND")}
-    _scan_kernel[(R, n_slices)](src, cand, summ, lst, lkey, starts, counter, T, NC, k, src.stride(0), cand.stride(0),
-                                summ.stride(0), lst.stride(0), starts.stride(0), SLICE=slice_,
-                                REVERSED=_SCAN_REVERSED, **scan, **launch)
-    _split_pick_kernel[(R,)](src, cand, summ, fine, fids, lst, lkey, starts, counter, out,
+    _threshold_kernel[(R,)](summ, state, NC, k, summ.stride(0), SUMMARY=common["SUMMARY"], BITS=common["BITS"],
+                            RADIX=common["RADIX"], **launch)
+    _scan_kernel[(R, n_slices)](src, cand, lst, lkey, starts, state, T, k, src.stride(0), cand.stride(0),
+                                lst.stride(0), starts.stride(0), SLICE=slice_, LIST=common["LIST"],
+                                SRC_KEYS=common["SRC_KEYS"], HAS_CAND=common["HAS_CAND"], REVERSED=_SCAN_REVERSED,
+                                **launch)
+    _split_pick_kernel[(R,)](src, cand, summ, fine, fids, lst, lkey, starts, state, out,
                              stats if stats is not None else summ, T, NC, NF, k, width, n_slices, src.stride(0),
                              cand.stride(0), summ.stride(0), fine.stride(0), lst.stride(0), starts.stride(0),
                              out.stride(0), SMALL=small, GROUP=max(common["C"] * common["F"], tiles["group"]),

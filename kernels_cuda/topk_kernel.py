@@ -281,16 +281,11 @@ def _pad(out, n_out, width, PAD: tl.constexpr, MARK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=("NF", "NC", "s_fine", "s_coarse"))  # (T and the row strides kept: the loads' vectors)
-def _chunk_max_kernel(src, cand, fine, coarse, counter, T, NF, NC, s_src, s_cand, s_fine, s_coarse, C: tl.constexpr,
-                      F: tl.constexpr, CHUNKS: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr,
-                      ZERO: tl.constexpr = False):
-    """Max key of every chunk of C positions (fine), and of every F fine chunks (coarse, F > 1).
-    ``ZERO``: also zero the row's ``counter`` (the list allocator of the split scan that follows)."""
+def _chunk_max_kernel(src, cand, fine, coarse, T, NF, NC, s_src, s_cand, s_fine, s_coarse, C: tl.constexpr,
+                      F: tl.constexpr, CHUNKS: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+    """Max key of every chunk of C positions (fine), and of every F fine chunks (coarse, F > 1)."""
     wait_inputs()
     r = tl.program_id(0).to(tl.int64)
-    if ZERO:
-        if tl.program_id(1) == 0:
-            tl.store(counter + r, 0)
     chunk = tl.program_id(1) * CHUNKS + tl.arange(0, CHUNKS)
     pos = chunk[:, None] * C + tl.arange(0, C)[None, :]
     cmax = tl.max(_load_keys(src + r * s_src, cand + r * s_cand, pos, pos < T, SRC_KEYS, HAS_CAND), axis=1)

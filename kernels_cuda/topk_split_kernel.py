@@ -1,7 +1,7 @@
 """Triton kernels of the top-k select with a row split over several programs (launcher and
-algorithm: :mod:`.topk`, ``select_rows``): ``_scan_kernel`` lists a slice's candidates, and
-``_split_pick_kernel`` picks from the row's list in registers, the one-program select when the
-list does not fit."""
+algorithm: :mod:`.topk`, ``select_rows``): ``_threshold_kernel`` finds a row's ``L`` from its
+chunk summary, ``_scan_kernel`` lists a slice's candidates, and ``_split_pick_kernel`` picks from
+the row's list in registers, or takes the one-program select when the list does not fit."""
 from __future__ import annotations
 
 import triton
@@ -10,29 +10,40 @@ import triton.language as tl
 from flashrt.kernels_cuda.pdl import wait_inputs
 from flashrt.kernels_cuda.topk_kernel import _MIN, _kth_largest, _load_keys, _pad, _select_long
 
+
+@triton.jit(do_not_specialize=("NC", "s_summ"))
+def _threshold_kernel(summ, state, NC, k, s_summ, SUMMARY: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr):
+    """One program a row: ``L``, the k-th largest chunk max of the row's summary (as the
+    one-program select finds it), into ``state[r, 0]``; the row's list length ``state[r, 1]`` zeroed."""
+    wait_inputs()
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, SUMMARY)
+    tl.store(state + 2 * r, _kth_largest(tl.load(summ + r * s_summ + offs, mask=offs < NC, other=_MIN), k, BITS, RADIX))
+    tl.store(state + 2 * r + 1, 0)
+
+
 # T and the row strides stay specialised (as in ``_chunk_max_kernel``): the slice's loads in vectors
-@triton.jit(do_not_specialize=("NC", "s_summ", "s_lst", "s_starts"))
-def _scan_kernel(src, cand, summ, lst, lkey, starts, counter, T, NC, k, s_src, s_cand, s_summ, s_lst, s_starts,
-                 SUMMARY: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr, SLICE: tl.constexpr,
+@triton.jit(do_not_specialize=("s_lst", "s_starts"))
+def _scan_kernel(src, cand, lst, lkey, starts, state, T, k, s_src, s_cand, s_lst, s_starts, SLICE: tl.constexpr,
                  LIST: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, REVERSED: tl.constexpr):
-    """Program (row, slice): ``L`` (the k-th largest chunk max, from the row's summary, as the
-    one-program select finds it), then the slice's positions with ``key > L`` and its first ``k``
-    with ``key == L``, in position order, appended to the row's list (positions in ``lst``, keys
-    in ``lkey``) at an offset reserved from ``counter``; the offset goes to ``starts``. Blocks land
-    in the list in whatever order the programs reserve them. ``REVERSED`` maps program j to slice
-    ``n - 1 - j`` (blocks reserved last slice first)."""
+    """Program (row, slice): the slice's positions with ``key > L`` and its first ``k`` with
+    ``key == L``, in position order, appended to the row's list (positions in ``lst``, keys in
+    ``lkey``) at an offset reserved from the list's length (``state[r, 1]``); the offset goes to
+    ``starts``. Blocks land in the list in whatever order the programs reserve them. ``REVERSED``
+    maps program j to slice ``n - 1 - j`` (blocks reserved last slice first)."""
     wait_inputs()
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     if REVERSED:
         p = tl.num_programs(1) - 1 - p
-    offs = tl.arange(0, SUMMARY)
-    L = _kth_largest(tl.load(summ + r * s_summ + offs, mask=offs < NC, other=_MIN), k, BITS, RADIX)
+    L = tl.load(state + 2 * r)
     pos = p * SLICE + tl.arange(0, SLICE)
     key = _load_keys(src + r * s_src, cand + r * s_cand, pos, pos < T, SRC_KEYS, HAS_CAND)
     eq = (key == L) & (key != _MIN)
-    keep = (key > L) | (eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < k))
-    start = tl.atomic_add(counter + r, tl.sum(keep.to(tl.int32)))
+    if tl.sum(eq.to(tl.int32)) > k:  # more ties than can be picked: the first k (a scan only here)
+        eq = eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < k)
+    keep = (key > L) | eq
+    start = tl.atomic_add(state + 2 * r + 1, tl.sum(keep.to(tl.int32)))
     dst = start + tl.cumsum(keep.to(tl.int32), 0) - 1
     ok = keep & (dst < LIST)
     tl.store(lst + r * s_lst + dst, pos, mask=ok)
@@ -59,7 +70,7 @@ _PICK_SIZED = ("T", "NC", "NF", "width", "n_slices", "s_src", "s_cand", "s_summ"
 
 
 @triton.jit(do_not_specialize=_PICK_SIZED)
-def _split_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, counter, out, stats, T, NC, NF, k, width,
+def _split_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, state, out, stats, T, NC, NF, k, width,
                        n_slices, s_src, s_cand, s_summ, s_fine, s_lst, s_starts, s_out,
                        C: tl.constexpr, F: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
                        LIST: tl.constexpr, SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr,
@@ -75,7 +86,7 @@ def _split_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, counter, 
     cand += r * s_cand
     summ += r * s_summ
     out += r * s_out
-    total = tl.load(counter + r)
+    total = tl.load(state + 2 * r + 1)
     if total <= SMALL:
         if STATS:
             tl.store(stats + r, total)

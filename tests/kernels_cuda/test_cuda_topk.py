@@ -242,6 +242,21 @@ def test_topk_split_long_list_takes_one_program_path(kind, monkeypatch, rng):
     assert (_select(scores, 12, torch.rand(2, 300, generator=rng) < 0.9) == -3).all()
 
 
+def test_topk_split_lists_at_most_k_ties_a_slice(monkeypatch, rng):
+    """Rows of 0s and 1s (hundreds of ties at L): each slice lists its keys above L and only its
+    first k ties, so the list's length is count(key > L) + the sum over slices of min(k, ties),
+    with L the k-th largest max of the 32-entry chunks (computed here); the picks as the reference's."""
+    _force(monkeypatch, summary=16, small=512, list=512, split_rows=4, split_slice=64, split_slices=8)
+    monkeypatch.setattr(topk, "_SCAN_REVERSED", True)
+    T, k = 300, 9
+    scores = (torch.rand(2, T, generator=rng) < 0.5).float()
+    stats = _select(scores, k)
+    chunk_max = torch.nn.functional.pad(scores, (0, 320 - T), value=-1.0).view(2, 10, 32).amax(-1)
+    L = chunk_max.topk(k, -1).values[:, -1:]
+    ties = torch.nn.functional.pad(scores == L, (0, 320 - T)).view(2, 5, 64).sum(-1)
+    assert torch.equal(stats.long(), (scores > L).sum(-1) + ties.clamp(max=k).sum(-1)), (stats, L)
+
+
 @pytest.mark.parametrize("radix", [1, 8])
 def test_topk_split_partial_bits(radix, monkeypatch, rng):
     """Split rows with only the top bits of L exact (a lower L, longer slice lists; the pick's
