@@ -61,7 +61,7 @@ TILES = {
     # docs/kernels.md); split_warps: the warps of those two kernels
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
                "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096,
-               "split_rows": 0, "split_slice": 4096, "split_slices": 64, "split_warps": 8},
+               "split_rows": 0, "split_slice": 4096, "split_slices": 256, "split_warps": 8},
 }
 
 # Scan programs take their slices last first (tests: the blocks then reach the list out of

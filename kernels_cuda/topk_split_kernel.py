@@ -52,18 +52,18 @@ def _scan_kernel(src, cand, lst, lkey, starts, state, T, k, s_src, s_cand, s_lst
 
 
 @triton.jit
-def _rank_by_position(flag, slice_of, starts, SLICES: tl.constexpr):
-    """For the flagged entries of a list made of per-slice blocks (each block in position order,
-    the blocks in any order, block j starting at ``starts[j]``): each one's rank among the flagged
-    entries in position order. Rank = flagged entries of earlier slices + flagged entries before
-    it in its own block; the latter is its list-order rank less the flagged entries of the blocks
-    placed before its block in the list."""
-    cnt = tl.histogram(slice_of, SLICES, mask=flag)  # flagged entries per slice
-    before_in_position = tl.cumsum(cnt, 0) - cnt
-    earlier_block = starts[None, :] < starts[:, None]  # [j, i]: block i lies before block j
-    before_in_list = tl.sum(tl.where(earlier_block, cnt[None, :], 0), axis=1)
-    delta = before_in_position - before_in_list
-    return tl.cumsum(flag.to(tl.int32), 0) - 1 + tl.gather(delta, slice_of, 0)
+def _rank_by_position(flag, slice_of, starts, LEN: tl.constexpr, SLICES: tl.constexpr):
+    """For the flagged entries of a list of ``LEN`` entries made of per-slice blocks (each block in
+    position order, the blocks in any order, block j starting at ``starts[j]``): each one's rank
+    among the flagged entries in position order. Rank = flagged entries of earlier slices +
+    flagged entries before it in its own block; the latter is its rank in the list less the
+    flagged entries before its block's start (the list's exclusive count, read at each start)."""
+    flag = flag.to(tl.int32)
+    cnt = tl.histogram(slice_of, SLICES, mask=flag != 0)  # flagged entries per slice
+    before = tl.cumsum(flag, 0) - flag  # flagged entries before each list index
+    before_in_list = tl.gather(before, tl.minimum(starts, LEN - 1), 0)  # (an empty block's value is unused)
+    delta = tl.cumsum(cnt, 0) - cnt - before_in_list
+    return before + tl.gather(delta, slice_of, 0)
 
 
 _PICK_SIZED = ("T", "NC", "NF", "width", "n_slices", "s_src", "s_cand", "s_summ", "s_fine", "s_out")
@@ -101,11 +101,11 @@ def _split_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, state, ou
         j = tl.arange(0, SLICES)
         first = tl.load(starts + r * s_starts + j, mask=j < n_slices, other=0)
         slice_of = pos // SLICE
-        sel = gt | (eq & (_rank_by_position(eq, slice_of, first, SLICES) < need))  # ties: the first in position order
+        sel = gt | (eq & (_rank_by_position(eq, slice_of, first, SMALL, SLICES) < need))  # the first ties by position
         if MARK:
             tl.store(out + pos, sel.to(tl.uint8), mask=sel)
         else:
-            tl.store(out + _rank_by_position(sel, slice_of, first, SLICES), pos, mask=sel)
+            tl.store(out + _rank_by_position(sel, slice_of, first, SMALL, SLICES), pos, mask=sel)
         n_out = tl.sum(sel.to(tl.int32))
     else:
         if STATS:
