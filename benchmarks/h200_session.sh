@@ -186,10 +186,11 @@
 #   load       small's weights load time, three repeats (benchmarks/load_time.py): h200-load-time-small.json
 #   topksplit  the top-k select with rows split over scanning programs (tiles.topk.select.split_rows, off in
 #              every profile): the top-k tests natively, the realistic rows too (h200-topksplit-tests.log);
-#              then 128K and 1M rows (k = 512, 1 / 8 / 64 rows) unsplit and split at slices of 2,048 / 4,096
-#              / 8,192 entries with 4 and 8 warps, and at 4,096 with 8 warps with L's top 16 bits only or
-#              searched 8 bits a pass, each run beside torch.topk (benchmarks/topk_radix.py):
-#              h200-topk-split-off.json, h200-topk-split-SLICE-wW.json, h200-topk-split-4096-w8-{bits16,radix8}.json
+#              then 128K and 1M rows (k = 512, 1 / 8 / 64 rows) unsplit, and split (slices of 4,096, 8 warps,
+#              the fused pair of launches), unfused, at slices of 2,048 and 8,192, at 4 warps, with L's top 16
+#              bits only, and searched 8 bits a pass, each run beside torch.topk (benchmarks/topk_radix.py):
+#              h200-topk-split-{off,4096-w8,4096-w8-unfused,2048-w8,8192-w8,4096-w4}.json,
+#              h200-topk-split-4096-w8-{bits16,radix8}.json
 #   words      the fp4 experts' codes in the E2M1 word layout (expert_fp4: words) with the halves K order,
 #              then also the fp8 shared expert's packed decode (tiles.linear.fp8_packed), all off in every
 #              profile: their tests (h200-words-tests.log); the experts at the released shapes under each
@@ -624,22 +625,23 @@ phase_topkgroup() {
 }
 
 phase_topksplit() {  # the top-k rows split over scanning programs (tiles.topk.select.split_rows)
-  local s w
+  local v name
   timeout 240 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_topk.py \
     > "$OUT/h200-topksplit-tests.log" 2>&1
   tail -n 2 "$OUT/h200-topksplit-tests.log"
   python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --select '{"split_rows": 0}' \
     --out "$OUT/h200-topk-split-off.json"
-  for s in 2048 4096 8192; do
-    for w in 4 8; do
-      python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-split-$s-w$w.json" \
-        --select "{\"split_rows\": 64, \"split_slice\": $s, \"split_warps\": $w}"
-    done
+  for v in "4096-w8:4096 8 true" "4096-w8-unfused:4096 8 false" "2048-w8:2048 8 true" "8192-w8:8192 8 true" \
+      "4096-w4:4096 4 true"; do
+    name=${v%%:*}
+    set -- ${v#*:}
+    python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-split-$name.json" \
+      --select "{\"split_rows\": 64, \"split_slice\": $1, \"split_warps\": $2, \"split_fused\": $3}"
   done
   python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-split-4096-w8-bits16.json" \
-    --select '{"split_rows": 64, "split_slice": 4096, "split_warps": 8, "bits": 16}'
+    --select '{"split_rows": 64, "bits": 16}'
   python benchmarks/topk_radix.py --radix 8 --lengths 131072 1048576 --out "$OUT/h200-topk-split-4096-w8-radix8.json" \
-    --select '{"split_rows": 64, "split_slice": 4096, "split_warps": 8}'
+    --select '{"split_rows": 64}'
 }
 
 phase_hcreal() {

@@ -35,7 +35,9 @@ import torch
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.tile_checks import POW2, WARPS, Tile
 from flashrt.kernels_cuda.topk_kernel import _chunk_max_kernel, _select_kernel
-from flashrt.kernels_cuda.topk_split_kernel import _scan_kernel, _split_pick_kernel, _threshold_kernel
+from flashrt.kernels_cuda.topk_split_kernel import (_chunk_max_threshold_kernel, _scan_kernel, _scan_pick_kernel,
+                                                    _split_pick_kernel, _threshold_kernel)
+from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import pdl
@@ -58,10 +60,12 @@ TILES = {
     # split_rows: launches of at most this many rows longer than registers split each row over
     # programs of split_slice entries (at most split_slices a row, the slice doubling past that):
     # each lists its slice's candidates, then one program a row picks from the list (0: never;
-    # docs/kernels.md); split_warps: the warps of those two kernels
+    # docs/kernels.md); split_warps: the warps of those kernels; split_fused: the row's last chunk-max
+    # program finds L and its last scanning program picks (two launches, not four)
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
                "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096,
-               "split_rows": 0, "split_slice": 4096, "split_slices": 256, "split_warps": 8},
+               "split_rows": 0, "split_slice": 4096, "split_slices": 256, "split_warps": 8,
+               "split_fused": True},
 }
 
 # Scan programs take their slices last first (tests: the blocks then reach the list out of
@@ -109,12 +113,6 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     summ = torch.empty(R, NC, dtype=torch.int32, device=src.device)  # coarse maxima, then their ids
     fine = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
     fids = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
-    if coarse > 1:
-        chunks = max(chunk_tiles["block"], coarse) // C
-        _chunk_max_kernel[(R, cdiv(NF, chunks))](
-            src, cand_t, fine, summ, T, NF, NC, src.stride(0), cand_t.stride(0), fine.stride(0), summ.stride(0),
-            C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand, num_warps=chunk_tiles["num_warps"],
-            **pdl.options(src.device))
     radix = tiles["radix_bits"]
     assert radix in (1, 2, 4, 8) and tiles["bits"] % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {tiles['bits']}"
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
@@ -124,10 +122,27 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     # SUMMARY and PAD are capacities (masked past NC / width): floored and taken from k rather than
     # from the row, so short rows of any length share one variant
     summary = max(_pow2(NC), min(tiles["min_summary"], tiles["summary"]))
-    if coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]:
-        _select_split(src, cand_t, summ, fine, fids, lst, out, stats, T, NC, NF, k, width, tiles,
-                      dict(C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, RADIX=radix, SRC_KEYS=src_keys,
-                           HAS_CAND=has_cand), small, mark)
+    common = dict(C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, RADIX=radix, SRC_KEYS=src_keys,
+                  HAS_CAND=has_cand)
+    split = coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]
+    fused = split and tiles["split_fused"] and splitk.fits(R)
+    state = torch.empty(R, 2, dtype=torch.int32, device=src.device) if split else None  # L, the list's length
+    if coarse > 1:
+        chunks = max(chunk_tiles["block"], coarse) // C
+        args = (src, cand_t, fine, summ)
+        sizes = (T, NF, NC)
+        strides = (src.stride(0), cand_t.stride(0), fine.stride(0), summ.stride(0))
+        launch = dict(C=C, F=F, CHUNKS=chunks, SRC_KEYS=src_keys, HAS_CAND=has_cand,
+                      num_warps=chunk_tiles["num_warps"], **pdl.options(src.device))
+        if fused:  # the row's last chunk-max program finds L
+            _chunk_max_threshold_kernel[(R, cdiv(NF, chunks))](
+                *args, state, splitk.counters(src.device), *sizes, k, *strides, SUMMARY=summary, BITS=tiles["bits"],
+                RADIX=radix, **launch)
+        else:
+            _chunk_max_kernel[(R, cdiv(NF, chunks))](*args, *sizes, *strides, **launch)
+    if split:
+        _select_split(src, cand_t, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common,
+                      small, mark, fused)
         return
     _select_kernel[(R,)](src, cand_t, summ, fine, fids, lst, out, stats if stats is not None else summ, T, NC, NF,
                          k, width, src.stride(0), cand_t.stride(0), summ.stride(0), fine.stride(0), lst.stride(0),
@@ -137,31 +152,37 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
                          num_warps=tiles["num_warps"], **pdl.options(src.device))
 
 
-def _select_split(src, cand, summ, fine, fids, lst, out, stats, T, NC, NF, k, width, tiles, common, small, mark):
-    """The select of rows split over programs, after the chunk-max pass: ``_threshold_kernel`` finds
-    each row's ``L`` once, ``_scan_kernel`` lists the candidates of every slice of ``slice``
-    entries, ``_split_pick_kernel`` picks a row's from its list (or takes the one-program path when
-    the list passes ``small``)."""
+def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common, small,
+                  mark, fused):
+    """The select of rows split over programs, after the chunk-max pass (``fused``: whose last
+    program of a row has found its ``L``; else ``_threshold_kernel`` finds it): every slice of
+    ``slice`` entries lists its candidates (``_scan_kernel``), then a row's picks come from its
+    list, or from the one-program path when the list passes ``small`` (``_split_pick_kernel``;
+    ``fused``: both in ``_scan_pick_kernel``, the row's last scanning program picking)."""
     R = src.shape[0]
     slices = tiles["split_slices"]
     slice_ = max(tiles["split_slice"], _pow2(cdiv(T, slices)))
     n_slices = cdiv(T, slice_)
     lkey = torch.empty_like(lst)
     starts = torch.empty(R, slices, dtype=torch.int32, device=src.device)
-    state = torch.empty(R, 2, dtype=torch.int32, device=src.device)  # L, then the list's length
     launch = dict(num_warps=tiles["split_warps"], **pdl.options(src.device))
+    rows = (src.stride(0), cand.stride(0))
+    pick = dict(SMALL=small, GROUP=max(common["C"] * common["F"], tiles["group"]), PAD=min(1024, _pow2(k)),
+                SLICE=slice_, SLICES=slices, MARK=mark, STATS=stats is not None, **common, **launch)
+    stats = stats if stats is not None else summ
+    pick_args = (src, cand, summ, fine, fids, lst, lkey, starts, state, out, stats)
+    pick_sizes = (T, NC, NF, k, width, n_slices, *rows, summ.stride(0), fine.stride(0), lst.stride(0),
+                  starts.stride(0), out.stride(0))
+    if fused:
+        _scan_pick_kernel[(R, n_slices)](*pick_args, splitk.counters(src.device), *pick_sizes,
+                                         REVERSED=_SCAN_REVERSED, **pick)
+        return
     _threshold_kernel[(R,)](summ, state, NC, k, summ.stride(0), SUMMARY=common["SUMMARY"], BITS=common["BITS"],
                             RADIX=common["RADIX"], **launch)
-    _scan_kernel[(R, n_slices)](src, cand, lst, lkey, starts, state, T, k, src.stride(0), cand.stride(0),
-                                lst.stride(0), starts.stride(0), SLICE=slice_, LIST=common["LIST"],
-                                SRC_KEYS=common["SRC_KEYS"], HAS_CAND=common["HAS_CAND"], REVERSED=_SCAN_REVERSED,
-                                **launch)
-    _split_pick_kernel[(R,)](src, cand, summ, fine, fids, lst, lkey, starts, state, out,
-                             stats if stats is not None else summ, T, NC, NF, k, width, n_slices, src.stride(0),
-                             cand.stride(0), summ.stride(0), fine.stride(0), lst.stride(0), starts.stride(0),
-                             out.stride(0), SMALL=small, GROUP=max(common["C"] * common["F"], tiles["group"]),
-                             PAD=min(1024, _pow2(k)), SLICE=slice_, SLICES=slices, MARK=mark,
-                             STATS=stats is not None, **common, **launch)
+    _scan_kernel[(R, n_slices)](src, cand, lst, lkey, starts, state, T, k, *rows, lst.stride(0), starts.stride(0),
+                                SLICE=slice_, LIST=common["LIST"], SRC_KEYS=common["SRC_KEYS"],
+                                HAS_CAND=common["HAS_CAND"], REVERSED=_SCAN_REVERSED, **launch)
+    _split_pick_kernel[(R,)](*pick_args, *pick_sizes, **pick)
 
 
 def topk_positions(scores, k, candidates=None):

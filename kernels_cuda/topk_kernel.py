@@ -285,6 +285,14 @@ def _chunk_max_kernel(src, cand, fine, coarse, T, NF, NC, s_src, s_cand, s_fine,
                       F: tl.constexpr, CHUNKS: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
     """Max key of every chunk of C positions (fine), and of every F fine chunks (coarse, F > 1)."""
     wait_inputs()
+    _store_chunk_max(src, cand, fine, coarse, T, NF, NC, s_src, s_cand, s_fine, s_coarse, C, F, CHUNKS, SRC_KEYS,
+                     HAS_CAND)
+
+
+@triton.jit
+def _store_chunk_max(src, cand, fine, coarse, T, NF, NC, s_src, s_cand, s_fine, s_coarse, C: tl.constexpr,
+                     F: tl.constexpr, CHUNKS: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+    """Program (row, j) of the chunk-max pass: the maxima of its ``CHUNKS`` fine chunks (and their coarse ones)."""
     r = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1) * CHUNKS + tl.arange(0, CHUNKS)
     pos = chunk[:, None] * C + tl.arange(0, C)[None, :]

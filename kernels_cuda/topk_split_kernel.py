@@ -1,44 +1,63 @@
 """Triton kernels of the top-k select with a row split over several programs (launcher and
-algorithm: :mod:`.topk`, ``select_rows``): ``_threshold_kernel`` finds a row's ``L`` from its
-chunk summary, ``_scan_kernel`` lists a slice's candidates, and ``_split_pick_kernel`` picks from
-the row's list in registers, or takes the one-program select when the list does not fit."""
+algorithm: :mod:`.topk`, ``select_rows``): a row's ``L`` from its chunk summary
+(``_threshold_kernel``, or the last chunk-max program of the row: ``_chunk_max_threshold_kernel``),
+a slice's candidates listed (``_scan_kernel``), and the row's picks from its list in registers, or
+by the one-program select when the list does not fit (``_split_pick_kernel``, or the last scanning
+program of the row: ``_scan_pick_kernel``). The fused kernels take one launch fewer each; their
+last program is found by a ticket (``splitk.last_ticket``)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda.pdl import wait_inputs
-from flashrt.kernels_cuda.topk_kernel import _MIN, _kth_largest, _load_keys, _pad, _select_long
+from flashrt.kernels_cuda.topk_kernel import _MIN, _kth_largest, _load_keys, _pad, _select_long, _store_chunk_max
+
+
+@triton.jit
+def _find_threshold(summ, state, NC, k, r, SUMMARY: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr):
+    """Row ``r``'s ``L``, the k-th largest chunk max of its summary (``summ`` at the row; as the
+    one-program select finds it), into ``state[r, 0]``; the row's list length ``state[r, 1]`` zeroed."""
+    offs = tl.arange(0, SUMMARY)
+    tl.store(state + 2 * r, _kth_largest(tl.load(summ + offs, mask=offs < NC, other=_MIN), k, BITS, RADIX))
+    tl.store(state + 2 * r + 1, 0)
 
 
 @triton.jit(do_not_specialize=("NC", "s_summ"))
 def _threshold_kernel(summ, state, NC, k, s_summ, SUMMARY: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr):
-    """One program a row: ``L``, the k-th largest chunk max of the row's summary (as the
-    one-program select finds it), into ``state[r, 0]``; the row's list length ``state[r, 1]`` zeroed."""
+    """One program a row: :func:`_find_threshold`."""
     wait_inputs()
     r = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, SUMMARY)
-    tl.store(state + 2 * r, _kth_largest(tl.load(summ + r * s_summ + offs, mask=offs < NC, other=_MIN), k, BITS, RADIX))
-    tl.store(state + 2 * r + 1, 0)
+    _find_threshold(summ + r * s_summ, state, NC, k, r, SUMMARY, BITS, RADIX)
 
 
-# T and the row strides stay specialised (as in ``_chunk_max_kernel``): the slice's loads in vectors
-@triton.jit(do_not_specialize=("s_lst", "s_starts"))
-def _scan_kernel(src, cand, lst, lkey, starts, state, T, k, s_src, s_cand, s_lst, s_starts, SLICE: tl.constexpr,
-                 LIST: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, REVERSED: tl.constexpr):
-    """Program (row, slice): the slice's positions with ``key > L`` and its first ``k`` with
-    ``key == L``, in position order, appended to the row's list (positions in ``lst``, keys in
-    ``lkey``) at an offset reserved from the list's length (``state[r, 1]``); the offset goes to
-    ``starts``. Blocks land in the list in whatever order the programs reserve them. ``REVERSED``
-    maps program j to slice ``n - 1 - j`` (blocks reserved last slice first)."""
+@triton.jit(do_not_specialize=("NF", "NC", "s_fine", "s_coarse"))
+def _chunk_max_threshold_kernel(src, cand, fine, coarse, state, tickets, T, NF, NC, k, s_src, s_cand, s_fine,
+                                s_coarse, C: tl.constexpr, F: tl.constexpr, CHUNKS: tl.constexpr,
+                                SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, SUMMARY: tl.constexpr,
+                                BITS: tl.constexpr, RADIX: tl.constexpr):
+    """The chunk-max pass (``coarse`` is the summary, ``fine`` too where F == 1); the row's last
+    program to finish finds its ``L`` from the stored summary."""
     wait_inputs()
+    _store_chunk_max(src, cand, fine, coarse, T, NF, NC, s_src, s_cand, s_fine, s_coarse, C, F, CHUNKS, SRC_KEYS,
+                     HAS_CAND)
     r = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    if REVERSED:
-        p = tl.num_programs(1) - 1 - p
+    if splitk.last_ticket(tickets + r, tl.num_programs(1)):
+        _find_threshold(coarse + r * s_coarse, state, NC, k, r, SUMMARY, BITS, RADIX)
+        splitk.reset_ticket(tickets + r)
+
+
+@triton.jit
+def _scan_slice(src, cand, lst, lkey, starts, state, T, k, r, p, SLICE: tl.constexpr, LIST: tl.constexpr,
+                SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+    """Slice ``p`` of row ``r`` (pointers at the row): its positions with ``key > L`` and its first
+    ``k`` with ``key == L``, in position order, appended to the row's list (positions in ``lst``,
+    keys in ``lkey``) at an offset reserved from the list's length (``state[r, 1]``); the offset
+    goes to ``starts[p]``. Blocks land in the list in whatever order the programs reserve them."""
     L = tl.load(state + 2 * r)
     pos = p * SLICE + tl.arange(0, SLICE)
-    key = _load_keys(src + r * s_src, cand + r * s_cand, pos, pos < T, SRC_KEYS, HAS_CAND)
+    key = _load_keys(src, cand, pos, pos < T, SRC_KEYS, HAS_CAND)
     eq = (key == L) & (key != _MIN)
     if tl.sum(eq.to(tl.int32)) > k:  # more ties than can be picked: the first k (a scan only here)
         eq = eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < k)
@@ -46,9 +65,30 @@ def _scan_kernel(src, cand, lst, lkey, starts, state, T, k, s_src, s_cand, s_lst
     start = tl.atomic_add(state + 2 * r + 1, tl.sum(keep.to(tl.int32)))
     dst = start + tl.cumsum(keep.to(tl.int32), 0) - 1
     ok = keep & (dst < LIST)
-    tl.store(lst + r * s_lst + dst, pos, mask=ok)
-    tl.store(lkey + r * s_lst + dst, key, mask=ok)
-    tl.store(starts + r * s_starts + p, start)
+    tl.store(lst + dst, pos, mask=ok)
+    tl.store(lkey + dst, key, mask=ok)
+    tl.store(starts + p, start)
+
+
+@triton.jit
+def _slice_index(REVERSED: tl.constexpr):
+    """This program's slice: program j of the row's axis, or ``n - 1 - j`` (``REVERSED``: blocks
+    reserved last slice first, as tests want them)."""
+    p = tl.program_id(1)
+    if REVERSED:
+        p = tl.num_programs(1) - 1 - p
+    return p
+
+
+# T and the row strides stay specialised (as in ``_chunk_max_kernel``): the slice's loads in vectors
+@triton.jit(do_not_specialize=("s_lst", "s_starts"))
+def _scan_kernel(src, cand, lst, lkey, starts, state, T, k, s_src, s_cand, s_lst, s_starts, SLICE: tl.constexpr,
+                 LIST: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, REVERSED: tl.constexpr):
+    """Program (row, slice): :func:`_scan_slice`."""
+    wait_inputs()
+    r = tl.program_id(0).to(tl.int64)
+    _scan_slice(src + r * s_src, cand + r * s_cand, lst + r * s_lst, lkey + r * s_lst, starts + r * s_starts, state,
+                T, k, r, _slice_index(REVERSED), SLICE, LIST, SRC_KEYS, HAS_CAND)
 
 
 @triton.jit
@@ -66,40 +106,30 @@ def _rank_by_position(flag, slice_of, starts, LEN: tl.constexpr, SLICES: tl.cons
     return before + tl.gather(delta, slice_of, 0)
 
 
-_PICK_SIZED = ("T", "NC", "NF", "width", "n_slices", "s_src", "s_cand", "s_summ", "s_fine", "s_out")
-
-
-@triton.jit(do_not_specialize=_PICK_SIZED)
-def _split_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, state, out, stats, T, NC, NF, k, width,
-                       n_slices, s_src, s_cand, s_summ, s_fine, s_lst, s_starts, s_out,
-                       C: tl.constexpr, F: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
-                       LIST: tl.constexpr, SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr,
-                       SLICE: tl.constexpr, SLICES: tl.constexpr, SRC_KEYS: tl.constexpr,
-                       HAS_CAND: tl.constexpr, MARK: tl.constexpr, STATS: tl.constexpr, RADIX: tl.constexpr):
-    """One program a row after ``_scan_kernel``: a list of at most ``SMALL`` entries is held in
-    registers, its exact k-th largest ``thr`` found, and the picks (``key > thr``, then the ties in
-    position order) written in position order; a longer list (rows that defeat the chunk maxima,
-    or many ties) falls back to the one-program select from the summary."""
-    wait_inputs()
-    r = tl.program_id(0).to(tl.int64)
-    src += r * s_src
-    cand += r * s_cand
-    summ += r * s_summ
-    out += r * s_out
+@triton.jit
+def _pick_row(src, cand, summ, fine, fids, lst, lkey, starts, state, out, stats, r, T, NC, NF, k, width, n_slices,
+              C: tl.constexpr, F: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr, LIST: tl.constexpr,
+              SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr, SLICE: tl.constexpr,
+              SLICES: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, MARK: tl.constexpr,
+              STATS: tl.constexpr, RADIX: tl.constexpr):
+    """Row ``r``'s picks after its slices are listed (pointers at the row): a list of at most
+    ``SMALL`` entries is held in registers, its exact k-th largest ``thr`` found, and the picks
+    (``key > thr``, then the ties in position order) written in position order; a longer list (rows
+    that defeat the chunk maxima, or many ties) falls back to the one-program select from the summary."""
     total = tl.load(state + 2 * r + 1)
     if total <= SMALL:
         if STATS:
             tl.store(stats + r, total)
         e = tl.arange(0, SMALL)
         live = e < total
-        pos = tl.load(lst + r * s_lst + e, mask=live, other=0)
-        key = tl.load(lkey + r * s_lst + e, mask=live, other=_MIN)
+        pos = tl.load(lst + e, mask=live, other=0)
+        key = tl.load(lkey + e, mask=live, other=_MIN)
         thr = _kth_largest(key, k, 32, RADIX)
         gt = key > thr
         eq = (key == thr) & (key != _MIN)
         need = k - tl.sum(gt.to(tl.int32))
         j = tl.arange(0, SLICES)
-        first = tl.load(starts + r * s_starts + j, mask=j < n_slices, other=0)
+        first = tl.load(starts + j, mask=j < n_slices, other=0)
         slice_of = pos // SLICE
         sel = gt | (eq & (_rank_by_position(eq, slice_of, first, SMALL, SLICES) < need))  # the first ties by position
         if MARK:
@@ -110,7 +140,50 @@ def _split_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, state, ou
     else:
         if STATS:
             tl.store(stats + r, -3)
-        n_out = _select_long(src, cand, summ, fine + r * s_fine, fids + r * s_fine, lst + r * s_lst, out, stats + r,
-                             T, NC, NF, k, C, F, SUMMARY, BITS, LIST, SMALL, GROUP, SRC_KEYS, HAS_CAND, MARK,
-                             False, RADIX)
+        n_out = _select_long(src, cand, summ, fine, fids, lst, out, stats + r, T, NC, NF, k, C, F, SUMMARY, BITS,
+                             LIST, SMALL, GROUP, SRC_KEYS, HAS_CAND, MARK, False, RADIX)
     _pad(out, n_out, width, PAD, MARK)
+
+
+_PICK_SIZED = ("T", "NC", "NF", "width", "n_slices", "s_src", "s_cand", "s_summ", "s_fine", "s_out")
+
+
+@triton.jit(do_not_specialize=_PICK_SIZED)
+def _split_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, state, out, stats, T, NC, NF, k, width,
+                       n_slices, s_src, s_cand, s_summ, s_fine, s_lst, s_starts, s_out,
+                       C: tl.constexpr, F: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
+                       LIST: tl.constexpr, SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr,
+                       SLICE: tl.constexpr, SLICES: tl.constexpr, SRC_KEYS: tl.constexpr,
+                       HAS_CAND: tl.constexpr, MARK: tl.constexpr, STATS: tl.constexpr, RADIX: tl.constexpr):
+    """One program a row after ``_scan_kernel``: :func:`_pick_row`."""
+    wait_inputs()
+    r = tl.program_id(0).to(tl.int64)
+    _pick_row(src + r * s_src, cand + r * s_cand, summ + r * s_summ, fine + r * s_fine, fids + r * s_fine,
+              lst + r * s_lst, lkey + r * s_lst, starts + r * s_starts, state, out + r * s_out, stats, r, T, NC, NF,
+              k, width, n_slices, C, F, SUMMARY, BITS, LIST, SMALL, GROUP, PAD, SLICE, SLICES, SRC_KEYS, HAS_CAND,
+              MARK, STATS, RADIX)
+
+
+@triton.jit(do_not_specialize=("NC", "NF", "width", "n_slices", "s_summ", "s_fine", "s_lst", "s_starts", "s_out"))
+def _scan_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, state, out, stats, tickets, T, NC, NF, k,
+                      width, n_slices, s_src, s_cand, s_summ, s_fine, s_lst, s_starts, s_out,
+                      C: tl.constexpr, F: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
+                      LIST: tl.constexpr, SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr,
+                      SLICE: tl.constexpr, SLICES: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr,
+                      MARK: tl.constexpr, STATS: tl.constexpr, RADIX: tl.constexpr, REVERSED: tl.constexpr):
+    """Program (row, slice): :func:`_scan_slice`; the row's last program to finish then picks
+    (:func:`_pick_row`) from the list the others have published."""
+    wait_inputs()
+    r = tl.program_id(0).to(tl.int64)
+    src += r * s_src
+    cand += r * s_cand
+    lst += r * s_lst
+    lkey += r * s_lst
+    starts += r * s_starts
+    _scan_slice(src, cand, lst, lkey, starts, state, T, k, r, _slice_index(REVERSED), SLICE, LIST, SRC_KEYS,
+                HAS_CAND)
+    if splitk.last_ticket(tickets + r, tl.num_programs(1)):
+        _pick_row(src, cand, summ + r * s_summ, fine + r * s_fine, fids + r * s_fine, lst, lkey, starts, state,
+                  out + r * s_out, stats, r, T, NC, NF, k, width, n_slices, C, F, SUMMARY, BITS, LIST, SMALL, GROUP,
+                  PAD, SLICE, SLICES, SRC_KEYS, HAS_CAND, MARK, STATS, RADIX)
+        splitk.reset_ticket(tickets + r)

@@ -16,7 +16,7 @@ from test_topk import tied_scores  # noqa: E402
 
 import flashrt  # noqa: E402
 from flashrt import ops, profiles  # noqa: E402
-from flashrt.kernels_cuda import topk  # noqa: E402
+from flashrt.kernels_cuda import splitk, topk  # noqa: E402
 
 pytestmark = requires_kernels
 
@@ -213,15 +213,18 @@ def test_topk_radix_search_partial_bits(radix, monkeypatch, rng):
     _select(torch.randn(2, 200, generator=rng) * 1e-3 + 5.0, 7)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("reversed_", [False, True])
 @pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
-def test_topk_split_rows(kind, reversed_, monkeypatch, rng):
+def test_topk_split_rows(kind, reversed_, fused, monkeypatch, rng):
     """Rows split over scanning programs (split_rows): each slice's candidates listed in blocks,
     the picks ranked back into position order from the blocks' offsets (the blocks in slice order
     and, reversed, last slice first); positions and marks as the reference's, with and without
-    candidates. Every list fits the register block (at most T < 512 = small entries), so every
-    row takes the split pick (stats: the list's length, not -3)."""
-    _force(monkeypatch, summary=16, small=512, list=512, split_rows=4, split_slice=32, split_slices=8)
+    candidates; L and the picks by their own launches or by the rows' last programs (fused).
+    Every list fits the register block (at most T < 512 = small entries), so every row takes the
+    split pick (stats: the list's length, not -3)."""
+    _force(monkeypatch, summary=16, small=512, list=512, split_rows=4, split_slice=32, split_slices=8,
+           split_fused=fused)
     monkeypatch.setattr(topk, "_SCAN_REVERSED", reversed_)
     T = int(torch.randint(257, 400, (1,), generator=rng))  # 5-7 slices of 64 (8 at most a row: 32 doubles)
     scores = _scores(kind, 1, 3, T, rng)[0]
@@ -230,13 +233,16 @@ def test_topk_split_rows(kind, reversed_, monkeypatch, rng):
     for c in (None, cand):
         assert (_select(scores, k, c) >= 0).all()
     _same_marks(scores, k, cand)
+    assert not splitk.counters(torch.device(DEVICE)).any()  # the last programs put their tickets back
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("kind", ["tied", "sorted"])
-def test_topk_split_long_list_takes_one_program_path(kind, monkeypatch, rng):
+def test_topk_split_long_list_takes_one_program_path(kind, fused, monkeypatch, rng):
     """A split row whose list passes ``small`` (many ties, or rows that defeat the chunk maxima) is
     selected by the one-program path from the summary; the same picks."""
-    _force(monkeypatch, summary=16, small=16, list=512, split_rows=4, split_slice=32, split_slices=4)
+    _force(monkeypatch, summary=16, small=16, list=512, split_rows=4, split_slice=32, split_slices=4,
+           split_fused=fused)
     monkeypatch.setattr(topk, "_SCAN_REVERSED", True)
     scores = _scores(kind, 1, 2, 300, rng)[0]
     assert (_select(scores, 12, torch.rand(2, 300, generator=rng) < 0.9) == -3).all()
