@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from .jit_targets import Arch
 
 WORKERS_ENV = "FLASHRT_JIT_WORKERS"  # processes compiling at once; 0 turns the pool off
+WORKER_NICENESS = 10  # added to a worker's niceness: the parent process comes first for the CPUs
 
 
 @dataclass(frozen=True)
@@ -160,14 +161,26 @@ def _plan_task(arch: Arch, profile, models: dict, sources) -> tuple[list[Spec], 
 def _worker_init() -> None:
     """A forked worker: one torch thread (the parent's OpenMP pool does not survive a fork), Ctrl-C
     left to the parent (which cancels what has not started; a compile under way completes its
-    atomic writes), and the cache locks of the parent are the parent's (:mod:`flashrt.jit_triton`
-    drops them)."""
+    atomic writes), the cache locks of the parent are the parent's (:mod:`flashrt.jit_triton`
+    drops them), and a scheduling priority ``WORKER_NICENESS`` below the parent's: the pool has as
+    many workers as CPUs, so the run's own loading, compiles and launches, which it waits on, take a
+    CPU first and the workers the time left (a run whose variants are all cached then loses
+    nothing to the pool's cache checks)."""
     import signal
 
     import torch
 
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run; its compiles finish or are cancelled
+    try:
+        os.nice(WORKER_NICENESS)
+    except OSError:  # not allowed here: the workers keep the parent's priority
+        pass
+
+
+def _niceness() -> int:
+    """This process's niceness (tests: a worker's)."""
+    return os.nice(0)
 
 
 def _noop() -> None:

@@ -146,10 +146,9 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
         return
     _select_kernel[(R,)](src, cand_t, summ, fine, fids, lst, out, stats if stats is not None else summ, T, NC, NF,
                          k, width, src.stride(0), cand_t.stride(0), summ.stride(0), fine.stride(0), lst.stride(0),
-                         out.stride(0), C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, SMALL=small,
-                         GROUP=max(C * F, tiles["group"]), PAD=min(1024, _pow2(k)), SRC_KEYS=src_keys,
-                         HAS_CAND=has_cand, MARK=mark, STATS=stats is not None, RADIX=radix,
-                         num_warps=tiles["num_warps"], **pdl.options(src.device))
+                         out.stride(0), SMALL=small, GROUP=max(C * F, tiles["group"]), PAD=min(1024, _pow2(k)),
+                         MARK=mark, STATS=stats is not None, **common, num_warps=tiles["num_warps"],
+                         **pdl.options(src.device))
 
 
 def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common, small,

@@ -20,7 +20,8 @@ def _find_threshold(summ, state, NC, k, r, SUMMARY: tl.constexpr, BITS: tl.const
     """Row ``r``'s ``L``, the k-th largest chunk max of its summary (``summ`` at the row; as the
     one-program select finds it), into ``state[r, 0]``; the row's list length ``state[r, 1]`` zeroed."""
     offs = tl.arange(0, SUMMARY)
-    tl.store(state + 2 * r, _kth_largest(tl.load(summ + offs, mask=offs < NC, other=_MIN), k, BITS, RADIX))
+    cmax = tl.load(summ + offs, mask=offs < NC, other=_MIN, cache_modifier=".cg")  # (written by other programs)
+    tl.store(state + 2 * r, _kth_largest(cmax, k, BITS, RADIX))
     tl.store(state + 2 * r + 1, 0)
 
 
@@ -115,21 +116,23 @@ def _pick_row(src, cand, summ, fine, fids, lst, lkey, starts, state, out, stats,
     """Row ``r``'s picks after its slices are listed (pointers at the row): a list of at most
     ``SMALL`` entries is held in registers, its exact k-th largest ``thr`` found, and the picks
     (``key > thr``, then the ties in position order) written in position order; a longer list (rows
-    that defeat the chunk maxima, or many ties) falls back to the one-program select from the summary."""
-    total = tl.load(state + 2 * r + 1)
+    that defeat the chunk maxima, or many ties) falls back to the one-program select from the summary.
+    The list, its length and the blocks' starts were written by other programs: read from L2 (``.cg``),
+    never from a line this program's L1 may hold from before (the length shares one with ``L``)."""
+    total = tl.load(state + 2 * r + 1, cache_modifier=".cg")
     if total <= SMALL:
         if STATS:
             tl.store(stats + r, total)
         e = tl.arange(0, SMALL)
         live = e < total
-        pos = tl.load(lst + e, mask=live, other=0)
-        key = tl.load(lkey + e, mask=live, other=_MIN)
+        pos = tl.load(lst + e, mask=live, other=0, cache_modifier=".cg")
+        key = tl.load(lkey + e, mask=live, other=_MIN, cache_modifier=".cg")
         thr = _kth_largest(key, k, 32, RADIX)
         gt = key > thr
         eq = (key == thr) & (key != _MIN)
         need = k - tl.sum(gt.to(tl.int32))
         j = tl.arange(0, SLICES)
-        first = tl.load(starts + j, mask=j < n_slices, other=0)
+        first = tl.load(starts + j, mask=j < n_slices, other=0, cache_modifier=".cg")
         slice_of = pos // SLICE
         sel = gt | (eq & (_rank_by_position(eq, slice_of, first, SMALL, SLICES) < need))  # the first ties by position
         if MARK:

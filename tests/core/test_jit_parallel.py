@@ -318,3 +318,16 @@ def test_ctrl_c_stops_the_pool_soon_and_leaves_only_whole_files(tmp_path):
     assert 0 < len(files) < 12 and not [f for f in files if ".tmp." in f]  # the rest was cancelled
     for name in files:
         assert (tmp_path / name).read_bytes() == name.encode() * 100000  # each whole
+
+
+def test_workers_run_below_the_parent_s_priority():
+    """The workers' niceness is the parent's plus WORKER_NICENESS (the run's own work comes first
+    for the CPUs); the parent's is unchanged."""
+    before = os.nice(0)
+    pool = jit_parallel.Precompile(2)
+    try:
+        seen = {pool._pool.submit(jit_parallel._niceness).result(60) for _ in range(4)}
+    finally:
+        pool.close()
+    assert seen == {min(19, before + jit_parallel.WORKER_NICENESS)}
+    assert os.nice(0) == before
