@@ -341,11 +341,13 @@ def test_topk_adversarial_rows(kind):
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("rows,T", [(1, 131072), (8, 131072), (64, 131072), (4, 1 << 20)])
 @pytest.mark.parametrize("kind", ["smooth", "tied", "masked", "sorted", "constant"])
-def test_topk_realistic_split(kind, rows, T, monkeypatch, rng):
+@pytest.mark.parametrize("fused", [True, False])
+def test_topk_realistic_split(fused, kind, rows, T, monkeypatch, rng):
     """Rows split over scanning programs on the device, where the slices reserve their blocks of the
     list in whatever order they run: the reference's picks, also for rows whose list passes the
-    register block (tied, sorted, constant: the one-program path)."""
-    monkeypatch.setitem(topk.TILES, "select", {**topk.TILES["select"], "split_rows": 64})
+    register block (tied, sorted, constant: the one-program path); fused, the rows' last programs
+    (L, the picks) read what the others wrote, and put their tickets back."""
+    monkeypatch.setitem(topk.TILES, "select", {**topk.TILES["select"], "split_rows": 64, "split_fused": fused})
     profiles._TILES_CACHE.clear()
     scores, cand = torch.randn(rows, 1, T, generator=rng), None
     pos = torch.arange(T, dtype=torch.float32)
@@ -360,3 +362,4 @@ def test_topk_realistic_split(kind, rows, T, monkeypatch, rng):
     elif kind == "constant":
         scores = torch.zeros(rows, 1, T)
     _same(scores, 512, cand)
+    assert not splitk.counters(torch.device(DEVICE)).any()
