@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 
 import torch
 
@@ -64,6 +65,34 @@ def begin(pool, dev: torch.device, profile, models: dict):
         log.warning("flashrt.jit: the compile pool did not start (%s: %s)", type(exc).__name__, exc)
         pool.close()
         return None
+
+
+def start_triton_key(dev: torch.device, backend: str | None):
+    """Start hashing Triton's own sources and library on a thread (``triton_key``: once a process,
+    cached, about 0.3 s of file reads and SHA-256, most of it outside the GIL), when the run will
+    load Triton kernels on a CUDA device: the first kernel the run loads or compiles needs it, and
+    the model loads meanwhile. Call it after the compile pool is forked (a thread before a fork is
+    not safe). The thread, or None."""
+    if dev.type != "cuda" or backend not in (None, "cuda"):
+        return None
+    from flashrt.jit_triton import interpreted
+
+    if interpreted():
+        return None
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # no Triton: no kernels to load
+        return None
+
+    def run():
+        try:
+            triton_key()
+        except Exception as exc:  # the first kernel load computes it again and raises the real error
+            log.debug("flashrt.jit: triton_key on a thread: %s: %s", type(exc).__name__, exc)
+
+    thread = threading.Thread(target=run, name="flashrt-triton-key", daemon=True)
+    thread.start()
+    return thread
 
 
 def start_recording(dev: torch.device, backend: str | None):

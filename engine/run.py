@@ -34,7 +34,8 @@ from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
 from .generation import generate, profile_kv_sizes
-from .precompile import begin, compiled_count, jit_report, plan_model, save_plan, start_precompile, start_recording
+from .precompile import (begin, compiled_count, jit_report, plan_model, save_plan, start_precompile, start_recording,
+                         start_triton_key)
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 OP_FAMILIES = {
@@ -255,6 +256,7 @@ def run_with_model(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_to
         torch.set_num_threads(threads)
     cfg = model_config(model) if dev.type == "cuda" else None
     pool, dims = start_precompile(cfg, dev, backend)  # compiles while the model loads
+    start_triton_key(dev, backend)  # (after the fork) Triton's own cache key, hashed while the model loads
     recorder, compiled_before = start_recording(dev, backend), compiled_count()
     try:
         with dispatch.use_backend(backend) if backend is not None else contextlib.nullcontext():

@@ -126,3 +126,20 @@ def test_no_processes_to_fork_means_no_pool_and_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(jit_parallel, "Precompile", refuse)
     assert jit_warmup.precompile_pool({"small": {}}) is None
     assert "no compile pool" in caplog.text and "Resource temporarily unavailable" in caplog.text
+
+
+def test_triton_key_is_hashed_on_a_thread_only_for_compiled_cuda_kernels(monkeypatch):
+    """Where the run loads compiled Triton kernels on a CUDA device, a thread fills Triton's cached
+    ``triton_key`` (its first kernel load then finds it); elsewhere no thread."""
+    triton_cache = pytest.importorskip("triton.runtime.cache")
+    from flashrt import jit_triton
+
+    assert precompile.start_triton_key(torch.device("cpu"), None) is None
+    assert precompile.start_triton_key(torch.device("cuda"), "reference") is None
+    assert precompile.start_triton_key(torch.device("cuda"), "cuda") is None  # this process interprets Triton
+    monkeypatch.setattr(jit_triton, "interpreted", lambda: False)
+    triton_cache.triton_key.cache_clear()
+    thread = precompile.start_triton_key(torch.device("cuda"), None)
+    thread.join(120)
+    assert not thread.is_alive() and triton_cache.triton_key.cache_info().currsize == 1
+    assert triton_cache.triton_key.cache_info().misses == 1
