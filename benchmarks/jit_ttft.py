@@ -22,7 +22,8 @@ Phases (each ``flashrt run --model small --json``, its own process):
 Except in ``first_run`` (whose checkpoint the later phases then reuse), the ``small`` checkpoint is
 created once before any timing (``flashrt run`` would create it under ``FLASHRT_CACHE_DIR/models``)
 and linked into each fresh directory, so no other phase pays for it.
-Each row keeps the run's ``jit`` report: the variants the run compiled itself and what the pool did.
+Each row keeps the run's ``jit`` report: the variants the run compiled itself, what the pool did
+and what the preload loaded (``FLASHRT_JIT_PRELOAD=1``, passed through to the runs; None without).
 Runs get ``FLASHRT_JIT_WORKERS`` = the CPUs this process may use unless it is set (the pool is
 opt-in for ``flashrt run``; ``FLASHRT_JIT_WORKERS=0`` measures without it).
 TTFT is what ``flashrt run --json`` reports: from the start of loading the weights to the first
@@ -89,7 +90,7 @@ def row(phase: str, report: dict, wall: float, warmup: dict | None = None) -> di
     pre = jit.get("precompile") or {}
     here = jit.get("compiled_in_process", [])
     out["jit"] = {"compiled_in_process": len(here), "compiled_in_process_kernels": here,
-                  "plan_added": jit.get("plan_added"),
+                  "plan_added": jit.get("plan_added"), "preload": jit.get("preload"),
                   "precompile": {k: pre.get(k) for k in ("workers", "variants", "compiled", "launchers", "seconds",
                                                          "done")} | {"failed": len(pre.get("failed", []))}}
     if warmup is not None:

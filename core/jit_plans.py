@@ -86,20 +86,28 @@ def plan_text(arch: str, profile: str, model: str, entries: list[dict]) -> bytes
             + "\n").encode()
 
 
-def load(arch: Arch, profile: str, model: str) -> list[Spec]:
-    """The variants of every plan of (``arch``, ``profile``, ``model``), decoded; an entry that
-    does not decode is skipped."""
-    specs, seen = [], set()
+def entries(arch: Arch, profile: str, model: str) -> list[dict]:
+    """The entries of every plan of (``arch``, ``profile``, ``model``), the cache's first, each
+    variant once (:func:`entry_key`)."""
+    found, seen = [], set()
     for path in plan_paths(arch, profile, model):
         for entry in read_entries(path):
             key = entry_key(entry)
-            if key in seen:
-                continue
-            seen.add(key)
-            try:
-                specs.append(decode(entry, arch))
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                log.warning("flashrt.jit: skipping a plan entry of %s.%s (%s)", entry["module"], entry["name"], exc)
+            if key not in seen:
+                seen.add(key)
+                found.append(entry)
+    return found
+
+
+def load(arch: Arch, profile: str, model: str) -> list[Spec]:
+    """The variants of every plan of (``arch``, ``profile``, ``model``), decoded; an entry that
+    does not decode is skipped."""
+    specs = []
+    for entry in entries(arch, profile, model):
+        try:
+            specs.append(decode(entry, arch))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("flashrt.jit: skipping a plan entry of %s.%s (%s)", entry["module"], entry["name"], exc)
     return specs
 
 

@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -54,6 +55,24 @@ def interpreted() -> bool:
 
 
 _HELD: set[str] = set()  # keys whose lock this process holds (no waiting on ourselves)
+_CACHED_ONLY = threading.local()  # .on: this thread's compiles may only load from the cache (cached_only)
+
+
+class NotCached(Exception):
+    """Under :func:`cached_only`: the variant is not in the compile cache, or a compile of it (or
+    a clear) holds its lock now."""
+
+
+@contextlib.contextmanager
+def cached_only():
+    """In this thread, inside the block, a ``triton.compile`` whose result is not in the cache
+    raises :class:`NotCached` before any compile work (from ``get_group``), and never waits on the
+    key's lock: what a background preload of cached variants needs (:mod:`flashrt.jit_preload`)."""
+    _CACHED_ONLY.on = True
+    try:
+        yield
+    finally:
+        _CACHED_ONLY.on = False
 COMPILED: list[str] = []  # kernels this process compiled (wrote a group for), in order: see compiled_here()
 _MANAGERS: "weakref.WeakSet[TritonCacheManager]" = weakref.WeakSet()  # live managers (for fork)
 
@@ -147,6 +166,8 @@ class TritonCacheManager(CacheManager):
     def get_group(self, filename):
         if self._plain is not None:
             return self._plain.get_group(filename)
+        if getattr(_CACHED_ONLY, "on", False):
+            return self._cached_group(filename)
         self._acquire(shared=True)
         group = self._read_group(filename)
         if group is None:
@@ -155,6 +176,17 @@ class TritonCacheManager(CacheManager):
             group = self._read_group(filename)  # (found: compiled meanwhile; held until collected)
             if group is None and self._lock_fd is not None:
                 self._sweep_dead_writes()
+        return group
+
+    def _cached_group(self, filename):
+        """``get_group`` under :func:`cached_only`: the group read under the key's shared lock
+        taken without waiting, else :class:`NotCached` (nothing held)."""
+        if self.key in _HELD or not self._acquire(shared=True, wait=False):
+            raise NotCached(self.key)
+        group = self._read_group(filename)
+        if group is None:
+            self._release()
+            raise NotCached(self.key)
         return group
 
     def _sweep_dead_writes(self) -> None:
@@ -173,23 +205,28 @@ class TritonCacheManager(CacheManager):
         # the key's lock stays held: compile() reads these files next (CompiledKernel), then drops us
         return self.put(json.dumps({"child_paths": children}), f"__grp__{filename}", binary=False)
 
-    def _acquire(self, shared: bool = False) -> None:
+    def _acquire(self, shared: bool = False, wait: bool = True) -> bool:
+        """Take the key's lock (``wait`` False: only if it is free now); whether it is held after
+        (a lock that cannot be taken while waiting is logged and gone on without)."""
         if self._lock_fd is not None or self._read_fd is not None or self.key in _HELD:
-            return
+            return True
         lock = cache_root() / "locks" / f"triton-{self.key}.lock"
+        limit = float(os.environ.get("FLASHRT_JIT_LOCK_TIMEOUT", "600")) if wait else 0.0
         try:
-            fd = lock_file(lock, shared, time.monotonic() + float(os.environ.get("FLASHRT_JIT_LOCK_TIMEOUT", "600")))
+            fd = lock_file(lock, shared, time.monotonic() + limit)
         except OSError as exc:  # e.g. a link or a directory where the lock file goes
             log.warning("flashrt.jit: cannot lock %s (%s); going on without the lock", lock, exc)
-            return
+            return False
         if fd is None:
-            log.warning("flashrt.jit: waited too long for %s; going on without the lock", lock)
-            return
+            if wait:
+                log.warning("flashrt.jit: waited too long for %s; going on without the lock", lock)
+            return False
         if shared:
             self._read_fd = fd
         else:
             self._lock_fd = fd
         _HELD.add(self.key)
+        return True
 
     def _release(self) -> None:
         for attr in ("_lock_fd", "_read_fd"):

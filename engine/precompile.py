@@ -95,6 +95,28 @@ def start_triton_key(dev: torch.device, backend: str | None):
     return thread
 
 
+def start_preload(dev: torch.device, backend: str | None, profile, cfg: ModelConfig | None):
+    """Load the cached variants of the model's plan into their kernels on a thread while the model
+    loads (:mod:`flashrt.jit_preload`; opt-in, ``FLASHRT_JIT_PRELOAD=1``), when the run launches
+    compiled Triton kernels on a CUDA device; the preload (``join()`` it before the first forward),
+    or None."""
+    if cfg is None or dev.type != "cuda" or backend not in (None, "cuda"):
+        return None
+    from flashrt.jit_triton import interpreted
+
+    from flashrt import jit_preload
+
+    if interpreted() or not jit_preload.enabled():
+        return None
+    from flashrt.jit_targets import device_arch
+
+    try:
+        return jit_preload.start(device_arch(dev.index), profile.name, cfg.name, dev.index)
+    except Exception as exc:  # no plan to read, no Triton: the launches load their kernels as before
+        log.warning("flashrt.jit: no preload (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
 def start_recording(dev: torch.device, backend: str | None):
     """A :class:`flashrt.jit_plans.Recorder` of the kernel variants this run loads, when it runs
     Triton kernels on a CUDA device (their plan makes the next cold start compile them at once);
@@ -141,10 +163,10 @@ def compiled_count() -> int:
     return len(triton_cache.compiled_here()) if triton_cache else 0
 
 
-def jit_report(precompiled: dict | None, plan_added: int = 0, since: int = 0) -> dict:
+def jit_report(precompiled: dict | None, plan_added: int = 0, since: int = 0, preloaded: dict | None = None) -> dict:
     """What the compile pool did (None: no pool), the kernels this process compiled itself after
-    the ``since``-th (none when everything came from the cache or the pool) and the variants added
-    to the model's plan."""
+    the ``since``-th (none when everything came from the cache or the pool), the variants added
+    to the model's plan and what the preload loaded (None: none ran)."""
     triton_cache = sys.modules.get("flashrt.jit_triton")
-    return {"precompile": precompiled, "plan_added": plan_added,
+    return {"precompile": precompiled, "plan_added": plan_added, "preload": preloaded,
             "compiled_in_process": triton_cache.compiled_here()[since:] if triton_cache else []}

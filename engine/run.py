@@ -34,8 +34,8 @@ from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
 from .generation import generate, profile_kv_sizes
-from .precompile import (begin, compiled_count, jit_report, plan_model, save_plan, start_precompile, start_recording,
-                         start_triton_key)
+from .precompile import (begin, compiled_count, jit_report, plan_model, save_plan, start_precompile, start_preload,
+                         start_recording, start_triton_key)
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 OP_FAMILIES = {
@@ -264,7 +264,11 @@ def run_with_model(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_to
             pool = begin(pool, dev, profile, dims)
             cache = None if prefix_cache is None else PrefixCache.for_profile(prefix_cache, profile)
             t0 = time.perf_counter()
-            m = load_model(model, dev, weights_seed, quiet, profile=profile)
+            preload = start_preload(dev, backend, profile, cfg)  # the plan's cached kernels, while the model loads
+            try:
+                m = load_model(model, dev, weights_seed, quiet, profile=profile)
+            finally:
+                preloaded = preload.join() if preload is not None else None  # no thread beside the forwards
             load_s = time.perf_counter() - t0
             tok = m.tokenizer
             if images:
@@ -310,7 +314,7 @@ def run_with_model(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_to
         "kv_budget": kv_budget, "kv_tiers": state.tier_stats(), "step_capture": result.step_capture,
         "profile": profile.name, "engram_placement": m.engram_placement, "memory": memory_report(dev, sizes),
         "speculative": result.speculative,
-        "jit": jit_report(precompiled, plan_added, compiled_before),
+        "jit": jit_report(precompiled, plan_added, compiled_before, preloaded),
         "prefix_cache": None if cache is None else {"root": str(cache.root), "hits": cache.hits, "misses": cache.misses},
     }
     return report, m

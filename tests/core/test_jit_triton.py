@@ -146,3 +146,34 @@ def test_real_triton_compiles_go_through_our_cache_once(tmp_path):
     after = compile_in_processes(tmp_path, 2)
     assert sorted(r["hits"][0] for r in after) == [False, True]
     assert len({r["cubin"] for r in after}) == 1  # (ptxas output need not be byte-identical across compiles)
+
+
+def test_cached_only_reads_a_cached_group_and_refuses_a_miss_without_waiting():
+    """Under cached_only (this thread): a cached group is read as usual (under the shared lock); a
+    miss, or a key whose lock another compile holds, raises NotCached at once and holds nothing."""
+    from flashrt import jit_triton
+    from flashrt.jit_locks import lock_file
+
+    maker = TritonCacheManager("CACHED")
+    assert maker.get_group("k.json") is None
+    group = fake_group(maker, cubin=CUBIN)
+    del maker
+    with jit_triton.cached_only():
+        reader = TritonCacheManager("CACHED")
+        assert reader.get_group("k.json") == group and reader._read_fd is not None and reader._lock_fd is None
+        del reader
+        missing = TritonCacheManager("MISSING")
+        with pytest.raises(jit_triton.NotCached):
+            missing.get_group("k.json")
+        assert missing._read_fd is None and missing._lock_fd is None and "MISSING" not in jit_triton._HELD
+        compiling = lock_file(jit.cache_root() / "locks" / "triton-CACHED.lock")  # another compile's lock
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(jit_triton.NotCached):
+                TritonCacheManager("CACHED").get_group("k.json")
+            assert time.monotonic() - t0 < 1.0
+        finally:
+            os.close(compiling)
+    assert not getattr(jit_triton._CACHED_ONLY, "on", False)
+    plain = TritonCacheManager("MISSING")  # outside the block: a miss takes the compile lock as before
+    assert plain.get_group("k.json") is None and plain._lock_fd is not None

@@ -81,8 +81,8 @@ def test_the_report_lists_the_kernels_compiled_since_the_run_began(monkeypatch):
     monkeypatch.setattr(jit_triton, "COMPILED", ["_hook_kernel"])  # compiled before (e.g. by warm-up hooks)
     since = precompile.compiled_count()
     jit_triton.COMPILED += ["_rms_norm_kernel", "_rope_kernel"]
-    report = precompile.jit_report({"variants": 3}, 2, since)
-    assert report == {"precompile": {"variants": 3}, "plan_added": 2,
+    report = precompile.jit_report({"variants": 3}, 2, since, {"loaded": 5})
+    assert report == {"precompile": {"variants": 3}, "plan_added": 2, "preload": {"loaded": 5},
                       "compiled_in_process": ["_rms_norm_kernel", "_rope_kernel"]}
 
 
