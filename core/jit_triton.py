@@ -55,6 +55,8 @@ def interpreted() -> bool:
 
 
 _HELD: set[str] = set()  # keys whose lock this process holds (no waiting on ourselves)
+COMPILED: list[str] = []  # kernels this process compiled (wrote a group for), in order: see compiled_here()
+_MANAGERS: "weakref.WeakSet[TritonCacheManager]" = weakref.WeakSet()  # live managers (for fork)
 _CACHED_ONLY = threading.local()  # .on: this thread's compiles may only load from the cache (cached_only)
 
 
@@ -73,8 +75,6 @@ def cached_only():
         yield
     finally:
         _CACHED_ONLY.on = False
-COMPILED: list[str] = []  # kernels this process compiled (wrote a group for), in order: see compiled_here()
-_MANAGERS: "weakref.WeakSet[TritonCacheManager]" = weakref.WeakSet()  # live managers (for fork)
 
 
 def _forget_inherited_locks() -> None:
