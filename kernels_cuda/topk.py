@@ -114,7 +114,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     fine = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
     fids = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
     radix = tiles["radix_bits"]
-    assert radix in (1, 2, 4, 8) and tiles["bits"] % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {tiles['bits']}"
+    assert radix in (1, 2, 4, 8) and tiles["bits"] % radix == 0, \
+        f"tiles.topk select: radix_bits {radix}, bits {tiles['bits']}"
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
     small = min(max(tiles["small"], _pow2(2 * k)), LIST)  # a list of k + k ties stays in registers
     lst = torch.empty(R, LIST, dtype=torch.int32, device=src.device)

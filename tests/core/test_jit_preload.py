@@ -55,7 +55,8 @@ CHECK = textwrap.dedent('''
                     pass  # past the cache: the stand-in driver cannot load or launch a kernel
     recorder.close()
     entries = recorder.entries()
-    fns = {(e["module"], e["name"]): resolve(type("S", (), {"module": e["module"], "name": e["name"]})) for e in entries}
+    fns = {(e["module"], e["name"]): resolve(type("S", (), {"module": e["module"], "name": e["name"]}))
+           for e in entries}
     for fn in fns.values():
         fn.device_caches.clear()  # a fresh process: nothing in memory
     # one variant's binary gone from the cache: the preload must skip it, never compile it
@@ -71,8 +72,8 @@ CHECK = textwrap.dedent('''
         data = json.loads(e["data"])
         cache = fns[(e["module"], e["name"])].device_caches[device][0]
         found.append(data["key"] in cache)
-    print(json.dumps({"entries": len(entries), "report": report, "found": found, "compiled": len(jit_triton.compiled_here()) - before,
-                      "victim_back": victim.exists(), "kernels": len(set(fns))}))
+    print(json.dumps({"entries": len(entries), "report": report, "found": found, "victim_back": victim.exists(),
+                      "compiled": len(jit_triton.compiled_here()) - before, "kernels": len(set(fns))}))
 ''')
 
 
