@@ -61,11 +61,13 @@ TILES = {
     # programs of split_slice entries (at most split_slices a row, the slice doubling past that):
     # each lists its slice's candidates, then one program a row picks from the list (0: never;
     # docs/kernels.md); split_warps: the warps of those kernels; split_fused: the row's last chunk-max
-    # program finds L and its last scanning program picks (two launches, not four)
+    # program finds L and its last scanning program picks (two launches, not four); split_skip: a
+    # scanning program reads only its slice's chunks whose max is >= L when there are at most this
+    # many (0: the whole slice)
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
                "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096,
                "split_rows": 0, "split_slice": 4096, "split_slices": 256, "split_warps": 8,
-               "split_fused": True},
+               "split_fused": True, "split_skip": 0},
 }
 
 # Scan programs take their slices last first (tests: the blocks then reach the list out of
@@ -173,15 +175,17 @@ def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF
     pick_args = (src, cand, summ, fine, fids, lst, lkey, starts, state, out, stats)
     pick_sizes = (T, NC, NF, k, width, n_slices, *rows, summ.stride(0), fine.stride(0), lst.stride(0),
                   starts.stride(0), out.stride(0))
+    skip = tiles["split_skip"]
     if fused:
         _scan_pick_kernel[(R, n_slices)](*pick_args, splitk.counters(src.device), *pick_sizes,
-                                         REVERSED=_SCAN_REVERSED, **pick)
+                                         REVERSED=_SCAN_REVERSED, SKIP=skip, **pick)
         return
     _threshold_kernel[(R,)](summ, state, NC, k, summ.stride(0), SUMMARY=common["SUMMARY"], BITS=common["BITS"],
                             RADIX=common["RADIX"], **launch)
-    _scan_kernel[(R, n_slices)](src, cand, lst, lkey, starts, state, T, k, *rows, lst.stride(0), starts.stride(0),
-                                SLICE=slice_, LIST=common["LIST"], SRC_KEYS=common["SRC_KEYS"],
-                                HAS_CAND=common["HAS_CAND"], REVERSED=_SCAN_REVERSED, **launch)
+    _scan_kernel[(R, n_slices)](src, cand, fine, lst, lkey, starts, state, T, NF, k, *rows, fine.stride(0),
+                                lst.stride(0), starts.stride(0), SLICE=slice_, C=common["C"], SKIP=skip,
+                                LIST=common["LIST"], SRC_KEYS=common["SRC_KEYS"], HAS_CAND=common["HAS_CAND"],
+                                REVERSED=_SCAN_REVERSED, **launch)
     _split_pick_kernel[(R,)](*pick_args, *pick_sizes, **pick)
 
 
@@ -218,6 +222,7 @@ FAMILY = KernelFamily(
                               "select.min_summary": POW2, "select.registers": POW2,
                               "select.split_slice": POW2, "select.split_slices": POW2,
                               "select.split_rows": Tile(low=0, kind=int), "select.split_warps": WARPS,
+                              "select.split_skip": Tile(choices=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256)),
                               "select.bits": Tile(high=32),
                               "select.radix_bits": Tile(choices=(1, 2, 4, 8))},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,

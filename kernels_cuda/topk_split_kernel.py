@@ -50,15 +50,47 @@ def _chunk_max_threshold_kernel(src, cand, fine, coarse, state, tickets, T, NF, 
 
 
 @triton.jit
-def _scan_slice(src, cand, lst, lkey, starts, state, T, k, r, p, SLICE: tl.constexpr, LIST: tl.constexpr,
-                SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+def _scan_slice(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, p, SLICE: tl.constexpr, C: tl.constexpr,
+                SKIP: tl.constexpr, LIST: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
     """Slice ``p`` of row ``r`` (pointers at the row): its positions with ``key > L`` and its first
-    ``k`` with ``key == L``, in position order, appended to the row's list (positions in ``lst``,
-    keys in ``lkey``) at an offset reserved from the list's length (``state[r, 1]``); the offset
-    goes to ``starts[p]``. Blocks land in the list in whatever order the programs reserve them."""
+    ``k`` with ``key == L``, in position order, appended to the row's list. ``SKIP`` > 0: the
+    slice's ``C``-entry chunks whose max (``fine``) is at least ``L`` are read alone when there are
+    at most ``SKIP`` of them (every candidate lies in one), else the whole slice."""
     L = tl.load(state + 2 * r)
+    if SKIP > 0:
+        j = tl.arange(0, SLICE // C)
+        first = p * (SLICE // C)
+        hit = tl.load(fine + first + j, mask=first + j < NF, other=_MIN) >= tl.maximum(L, _MIN + 1)
+        n_hit = tl.sum(hit.to(tl.int32))
+        if n_hit <= SKIP:
+            nth = tl.arange(0, SKIP)
+            # the index of the (n+1)-th chunk above L: the chunks whose running count of hits is <= n
+            idx = tl.sum((tl.cumsum(hit.to(tl.int32), 0)[None, :] <= nth[:, None]).to(tl.int32), axis=1)
+            pos = (first + idx)[:, None] * C + tl.arange(0, C)[None, :]
+            live = (nth < n_hit)[:, None] & (pos < T)
+            key = _load_keys(src, cand, pos, live, SRC_KEYS, HAS_CAND)
+            _append(tl.reshape(pos, [SKIP * C]), tl.reshape(key, [SKIP * C]), L, k, state, r, p, lst, lkey, starts,
+                    LIST)
+        else:
+            _append_slice(src, cand, L, T, k, state, r, p, lst, lkey, starts, SLICE, LIST, SRC_KEYS, HAS_CAND)
+    else:
+        _append_slice(src, cand, L, T, k, state, r, p, lst, lkey, starts, SLICE, LIST, SRC_KEYS, HAS_CAND)
+
+
+@triton.jit
+def _append_slice(src, cand, L, T, k, state, r, p, lst, lkey, starts, SLICE: tl.constexpr, LIST: tl.constexpr,
+                  SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr):
+    """:func:`_append` of every entry of slice ``p``."""
     pos = p * SLICE + tl.arange(0, SLICE)
-    key = _load_keys(src, cand, pos, pos < T, SRC_KEYS, HAS_CAND)
+    _append(pos, _load_keys(src, cand, pos, pos < T, SRC_KEYS, HAS_CAND), L, k, state, r, p, lst, lkey, starts, LIST)
+
+
+@triton.jit
+def _append(pos, key, L, k, state, r, p, lst, lkey, starts, LIST: tl.constexpr):
+    """Slice ``p``'s entries (``pos`` ascending, ``key`` MIN where not an entry): those with
+    ``key > L`` and the first ``k`` with ``key == L`` appended to the row's list (positions in
+    ``lst``, keys in ``lkey``) at an offset reserved from the list's length (``state[r, 1]``); the
+    offset goes to ``starts[p]``. Blocks land in the list in whatever order the programs reserve them."""
     eq = (key == L) & (key != _MIN)
     if tl.sum(eq.to(tl.int32)) > k:  # more ties than can be picked: the first k (a scan only here)
         eq = eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < k)
@@ -82,14 +114,16 @@ def _slice_index(REVERSED: tl.constexpr):
 
 
 # T and the row strides stay specialised (as in ``_chunk_max_kernel``): the slice's loads in vectors
-@triton.jit(do_not_specialize=("s_lst", "s_starts"))
-def _scan_kernel(src, cand, lst, lkey, starts, state, T, k, s_src, s_cand, s_lst, s_starts, SLICE: tl.constexpr,
-                 LIST: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, REVERSED: tl.constexpr):
+@triton.jit(do_not_specialize=("NF", "s_fine", "s_lst", "s_starts"))
+def _scan_kernel(src, cand, fine, lst, lkey, starts, state, T, NF, k, s_src, s_cand, s_fine, s_lst, s_starts,
+                 SLICE: tl.constexpr, C: tl.constexpr, SKIP: tl.constexpr, LIST: tl.constexpr,
+                 SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, REVERSED: tl.constexpr):
     """Program (row, slice): :func:`_scan_slice`."""
     wait_inputs()
     r = tl.program_id(0).to(tl.int64)
-    _scan_slice(src + r * s_src, cand + r * s_cand, lst + r * s_lst, lkey + r * s_lst, starts + r * s_starts, state,
-                T, k, r, _slice_index(REVERSED), SLICE, LIST, SRC_KEYS, HAS_CAND)
+    _scan_slice(src + r * s_src, cand + r * s_cand, fine + r * s_fine, lst + r * s_lst, lkey + r * s_lst,
+                starts + r * s_starts, state, T, NF, k, r, _slice_index(REVERSED), SLICE, C, SKIP, LIST, SRC_KEYS,
+                HAS_CAND)
 
 
 @triton.jit
@@ -173,7 +207,8 @@ def _scan_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, state, out
                       C: tl.constexpr, F: tl.constexpr, SUMMARY: tl.constexpr, BITS: tl.constexpr,
                       LIST: tl.constexpr, SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr,
                       SLICE: tl.constexpr, SLICES: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr,
-                      MARK: tl.constexpr, STATS: tl.constexpr, RADIX: tl.constexpr, REVERSED: tl.constexpr):
+                      MARK: tl.constexpr, STATS: tl.constexpr, RADIX: tl.constexpr, REVERSED: tl.constexpr,
+                      SKIP: tl.constexpr):
     """Program (row, slice): :func:`_scan_slice`; the row's last program to finish then picks
     (:func:`_pick_row`) from the list the others have published."""
     wait_inputs()
@@ -183,8 +218,8 @@ def _scan_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, state, out
     lst += r * s_lst
     lkey += r * s_lst
     starts += r * s_starts
-    _scan_slice(src, cand, lst, lkey, starts, state, T, k, r, _slice_index(REVERSED), SLICE, LIST, SRC_KEYS,
-                HAS_CAND)
+    _scan_slice(src, cand, fine + r * s_fine, lst, lkey, starts, state, T, NF, k, r, _slice_index(REVERSED), SLICE, C,
+                SKIP, LIST, SRC_KEYS, HAS_CAND)
     if splitk.last_ticket(tickets + r, tl.num_programs(1)):
         _pick_row(src, cand, summ + r * s_summ, fine + r * s_fine, fids + r * s_fine, lst, lkey, starts, state,
                   out + r * s_out, stats, r, T, NC, NF, k, width, n_slices, C, F, SUMMARY, BITS, LIST, SMALL, GROUP,

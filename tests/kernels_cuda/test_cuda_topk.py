@@ -213,18 +213,20 @@ def test_topk_radix_search_partial_bits(radix, monkeypatch, rng):
     _select(torch.randn(2, 200, generator=rng) * 1e-3 + 5.0, 7)
 
 
+@pytest.mark.parametrize("skip", [0, 2])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("reversed_", [False, True])
 @pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
-def test_topk_split_rows(kind, reversed_, fused, monkeypatch, rng):
+def test_topk_split_rows(kind, reversed_, fused, skip, monkeypatch, rng):
     """Rows split over scanning programs (split_rows): each slice's candidates listed in blocks,
     the picks ranked back into position order from the blocks' offsets (the blocks in slice order
     and, reversed, last slice first); positions and marks as the reference's, with and without
-    candidates; L and the picks by their own launches or by the rows' last programs (fused).
+    candidates; L and the picks by their own launches or by the rows' last programs (fused); the
+    slices read whole or (skip 2) only their chunks above L where at most 2 of their 4 are.
     Every list fits the register block (at most T < 512 = small entries), so every row takes the
     split pick (stats: the list's length, not -3)."""
     _force(monkeypatch, summary=16, small=512, list=512, split_rows=4, split_slice=32, split_slices=8,
-           split_fused=fused)
+           split_fused=fused, split_skip=skip)
     monkeypatch.setattr(topk, "_SCAN_REVERSED", reversed_)
     T = int(torch.randint(257, 400, (1,), generator=rng))  # 5-7 slices of 64 (8 at most a row: 32 doubles)
     scores = _scores(kind, 1, 3, T, rng)[0]
@@ -261,6 +263,22 @@ def test_topk_split_lists_at_most_k_ties_a_slice(monkeypatch, rng):
     L = chunk_max.topk(k, -1).values[:, -1:]
     ties = torch.nn.functional.pad(scores == L, (0, 320 - T)).view(2, 5, 64).sum(-1)
     assert torch.equal(stats.long(), (scores > L).sum(-1) + ties.clamp(max=k).sum(-1)), (stats, L)
+
+
+@pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
+def test_topk_split_skip_lists_what_the_whole_slice_lists(kind, monkeypatch, rng):
+    """A slice read only through its chunks above L (split_skip) lists the same block as the whole
+    slice read: the same list lengths row by row, the same picks; with a cap of 1 chunk, slices
+    with more chunks above L read themselves whole."""
+    scores = _scores(kind, 1, 3, 300, rng)[0]
+    cand = torch.rand(3, 300, generator=rng) < 0.8
+    lengths = {}
+    for skip in (0, 1, 4):
+        _force(monkeypatch, summary=16, small=512, list=512, split_rows=4, split_slice=64, split_slices=8,
+               split_skip=skip)
+        lengths[skip] = [_select(scores, 9, c) for c in (None, cand)]
+    for skip in (1, 4):
+        assert all(torch.equal(a, b) for a, b in zip(lengths[skip], lengths[0])), (lengths, skip)
 
 
 @pytest.mark.parametrize("radix", [1, 8])
@@ -341,13 +359,15 @@ def test_topk_adversarial_rows(kind):
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("rows,T", [(1, 131072), (8, 131072), (64, 131072), (4, 1 << 20)])
 @pytest.mark.parametrize("kind", ["smooth", "tied", "masked", "sorted", "constant"])
-@pytest.mark.parametrize("fused", [True, False])
-def test_topk_realistic_split(fused, kind, rows, T, monkeypatch, rng):
+@pytest.mark.parametrize("fused,skip", [(True, 0), (False, 0), (True, 32)])
+def test_topk_realistic_split(fused, skip, kind, rows, T, monkeypatch, rng):
     """Rows split over scanning programs on the device, where the slices reserve their blocks of the
     list in whatever order they run: the reference's picks, also for rows whose list passes the
     register block (tied, sorted, constant: the one-program path); fused, the rows' last programs
-    (L, the picks) read what the others wrote, and put their tickets back."""
-    monkeypatch.setitem(topk.TILES, "select", {**topk.TILES["select"], "split_rows": 64, "split_fused": fused})
+    (L, the picks) read what the others wrote, and put their tickets back; skip, the slices read
+    through their chunks above L."""
+    monkeypatch.setitem(topk.TILES, "select", {**topk.TILES["select"], "split_rows": 64, "split_fused": fused,
+                                               "split_skip": skip})
     profiles._TILES_CACHE.clear()
     scores, cand = torch.randn(rows, 1, T, generator=rng), None
     pos = torch.arange(T, dtype=torch.float32)
