@@ -188,13 +188,14 @@
 #              (h200-gemv-fp8deq.json), the real-dimension slice and small's captured decode under each
 #   load       small's weights load time, three repeats (benchmarks/load_time.py): h200-load-time-small.json
 #   topksplit  the top-k select with rows split over scanning programs (tiles.topk.select.split_rows, off in
-#              every profile): the top-k tests natively, the realistic rows too (h200-topksplit-tests.log);
-#              then 128K and 1M rows (k = 512, 1 / 8 / 64 rows) unsplit, and split (slices of 4,096, 8 warps,
-#              the fused pair of launches), unfused, at slices of 2,048 and 8,192, at 4 warps, reading only
-#              the chunks above L (split_skip 32), with L's top 16 bits only, and searched 8 bits a pass,
-#              each run beside torch.topk (benchmarks/topk_radix.py): h200-topk-split-{off,4096-w8,
-#              4096-w8-unfused,2048-w8,8192-w8,4096-w4,4096-w8-skip32}.json,
-#              h200-topk-split-4096-w8-{bits16,radix8}.json
+#              every profile): its tests and the realistic rows natively (h200-topksplit-tests.log); then
+#              128K and 1M rows (k = 512, 1 / 8 / 64 rows) unsplit and split (slices of 4,096, 8 warps, the
+#              fused pair of launches; and reading only the chunks above L, split_skip 32), each run beside
+#              torch.topk (benchmarks/topk_radix.py): h200-topk-split-{off,4096-w8,4096-w8-skip32}.json
+#   topksplitvariants  the same rows split again as topksplit does, then unfused, at slices of 2,048 and
+#              8,192, at 4 warps, with L's top 16 bits only, and searched 8 bits a pass:
+#              h200-topk-split-{4096-w8-2,4096-w8-unfused,2048-w8,8192-w8,4096-w4,4096-w8-bits16,
+#              4096-w8-radix8}.json
 #   words      the fp4 experts' codes in the E2M1 word layout (expert_fp4: words) with the halves K order,
 #              then also the fp8 shared expert's packed decode (tiles.linear.fp8_packed), all off in every
 #              profile: their tests (h200-words-tests.log); the experts at the released shapes under each
@@ -638,24 +639,29 @@ phase_topkgroup() {
   done
 }
 
-phase_topksplit() {  # the top-k rows split over scanning programs (tiles.topk.select.split_rows)
-  local v name
-  timeout 240 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_topk.py \
-    > "$OUT/h200-topksplit-tests.log" 2>&1
+topk_split_run() {  # NAME SLICE WARPS FUSED SKIP [RADIX [BITS]]: 128K and 1M rows split so, beside torch.topk
+  python benchmarks/topk_radix.py --radix "${6:-1}" --lengths 131072 1048576 --out "$OUT/h200-topk-split-$1.json" \
+    --select "{\"split_rows\": 64, \"split_slice\": $2, \"split_warps\": $3, \"split_fused\": $4, \"split_skip\": $5, \"bits\": ${7:-32}}"
+}
+
+phase_topksplit() {  # the top-k rows split over scanning programs (tiles.topk.select.split_rows): tests, then timed
+  timeout 300 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_topk.py \
+    -k "split or realistic" > "$OUT/h200-topksplit-tests.log" 2>&1
   tail -n 2 "$OUT/h200-topksplit-tests.log"
   python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --select '{"split_rows": 0}' \
     --out "$OUT/h200-topk-split-off.json"
-  for v in "4096-w8:4096 8 true 0" "4096-w8-unfused:4096 8 false 0" "2048-w8:2048 8 true 0" \
-      "8192-w8:8192 8 true 0" "4096-w4:4096 4 true 0" "4096-w8-skip32:4096 8 true 32"; do
-    name=${v%%:*}
-    set -- ${v#*:}
-    python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-split-$name.json" \
-      --select "{\"split_rows\": 64, \"split_slice\": $1, \"split_warps\": $2, \"split_fused\": $3, \"split_skip\": $4}"
-  done
-  python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-split-4096-w8-bits16.json" \
-    --select '{"split_rows": 64, "bits": 16}'
-  python benchmarks/topk_radix.py --radix 8 --lengths 131072 1048576 --out "$OUT/h200-topk-split-4096-w8-radix8.json" \
-    --select '{"split_rows": 64}'
+  topk_split_run 4096-w8 4096 8 true 0
+  topk_split_run 4096-w8-skip32 4096 8 true 32
+}
+
+phase_topksplitvariants() {  # the split's other tiles, each beside torch.topk (and the split as profiled, again)
+  topk_split_run 4096-w8-2 4096 8 true 0
+  topk_split_run 4096-w8-unfused 4096 8 false 0
+  topk_split_run 2048-w8 2048 8 true 0
+  topk_split_run 8192-w8 8192 8 true 0
+  topk_split_run 4096-w4 4096 4 true 0
+  topk_split_run 4096-w8-bits16 4096 8 true 0 1 16
+  topk_split_run 4096-w8-radix8 4096 8 true 0 8
 }
 
 phase_hcreal() {
