@@ -265,16 +265,18 @@ def test_topk_split_lists_at_most_k_ties_a_slice(monkeypatch, rng):
     assert torch.equal(stats.long(), (scores > L).sum(-1) + ties.clamp(max=k).sum(-1)), (stats, L)
 
 
+@pytest.mark.parametrize("fine", [16, 64])
 @pytest.mark.parametrize("kind", ["tied", "smooth", "sparse", "sorted"])
-def test_topk_split_skip_lists_what_the_whole_slice_lists(kind, monkeypatch, rng):
+def test_topk_split_skip_lists_what_the_whole_slice_lists(kind, fine, monkeypatch, rng):
     """A slice read only through its chunks above L (split_skip) lists the same block as the whole
     slice read: the same list lengths row by row, the same picks; with a cap of 1 chunk, slices
-    with more chunks above L read themselves whole."""
+    with more chunks above L read themselves whole. Chunks of 16 under a two-level summary (fine
+    16), or the summary's own chunks of 32 (fine 64: one level)."""
     scores = _scores(kind, 1, 3, 300, rng)[0]
     cand = torch.rand(3, 300, generator=rng) < 0.8
     lengths = {}
     for skip in (0, 1, 4):
-        _force(monkeypatch, summary=16, small=512, list=512, split_rows=4, split_slice=64, split_slices=8,
+        _force(monkeypatch, summary=16, fine=fine, small=512, list=512, split_rows=4, split_slice=64, split_slices=8,
                split_skip=skip)
         lengths[skip] = [_select(scores, 9, c) for c in (None, cand)]
     for skip in (1, 4):
