@@ -654,7 +654,7 @@ phase_topksplit() {  # the top-k rows split over scanning programs (tiles.topk.s
   topk_split_run 4096-w8-skip32 4096 8 true 32
 }
 
-phase_topksplitvariants() {  # the split's other tiles, each beside torch.topk (and the split as profiled, again)
+phase_topksplitvariants() {  # the split's other tiles, each beside torch.topk (and topksplit's own split again)
   topk_split_run 4096-w8-2 4096 8 true 0
   topk_split_run 4096-w8-unfused 4096 8 false 0
   topk_split_run 2048-w8 2048 8 true 0

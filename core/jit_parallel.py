@@ -179,7 +179,7 @@ def _worker_init() -> None:
 
 
 def _niceness() -> int:
-    """This process's niceness (tests: a worker's)."""
+    """This process's niceness (submitted to a worker by its test and by benchmarks/pool_priority.py)."""
     return os.nice(0)
 
 
