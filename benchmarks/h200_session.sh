@@ -64,7 +64,7 @@
 #              recorded-plans/), that plan merged into the shipped one (tools/ship_plan.py), then cold
 #              and warm again on the merged plan: h200-jit-ttft-shipped.json and the merged plan file
 #              (sm_90-h200-small.json, to commit under core/jit_plans/triton-3.6.0/)
-#   preload    the time to first token (warm, after `flashrt jit warmup --model small`; benchmarks/jit_ttft.py)
+#   preload    the time to first token (cold, warm, after `flashrt jit warmup --model small`; benchmarks/jit_ttft.py)
 #              without and with the plan's cached kernels loaded while the model loads (FLASHRT_JIT_PRELOAD=1,
 #              off by default), after their tests: h200-preload-tests.log, h200-jit-ttft-preload-{off,on}.json
 #   serve-allocs  64 concurrent with device timing: the step trace's per-phase device time and the
@@ -402,9 +402,9 @@ phase_preload() {  # the plan's cached kernels loaded while the model loads (FLA
   timeout 120 python -m pytest -q -p no:cacheprovider tests/core/test_jit_preload.py tests/engine/test_precompile.py \
     > "$OUT/h200-preload-tests.log" 2>&1
   tail -n 1 "$OUT/h200-preload-tests.log"
-  python benchmarks/jit_ttft.py --phases warm after_model_warmup --budget 200 \
+  python benchmarks/jit_ttft.py --phases cold warm after_model_warmup --budget 260 \
     --out "$OUT/h200-jit-ttft-preload-off.json"
-  FLASHRT_JIT_PRELOAD=1 python benchmarks/jit_ttft.py --phases warm after_model_warmup --budget 200 \
+  FLASHRT_JIT_PRELOAD=1 python benchmarks/jit_ttft.py --phases cold warm after_model_warmup --budget 260 \
     --out "$OUT/h200-jit-ttft-preload-on.json"
 }
 

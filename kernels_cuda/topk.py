@@ -63,11 +63,12 @@ TILES = {
     # docs/kernels.md); split_warps: the warps of those kernels; split_fused: the row's last chunk-max
     # program finds L and its last scanning program picks (two launches, not four); split_skip: a
     # scanning program reads only its slice's chunks whose max is >= L when there are at most this
-    # many (0: the whole slice)
+    # many (0: the whole slice); split_programs: split only while the launch's scanning programs (rows
+    # times slices a row) are at most this many (0: no limit)
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
                "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096,
                "split_rows": 0, "split_slice": 4096, "split_slices": 256, "split_warps": 8,
-               "split_fused": True, "split_skip": 0},
+               "split_fused": True, "split_skip": 0, "split_programs": 0},
 }
 
 # Scan programs take their slices last first (tests: the blocks then reach the list out of
@@ -127,7 +128,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     summary = max(_pow2(NC), min(tiles["min_summary"], tiles["summary"]))
     common = dict(C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, RADIX=radix, SRC_KEYS=src_keys,
                   HAS_CAND=has_cand)
-    split = coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]
+    split = (coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]
+             and (not tiles["split_programs"] or R * _split_slices(T, tiles)[1] <= tiles["split_programs"]))
     fused = split and tiles["split_fused"] and splitk.fits(R)
     state = torch.empty(R, 2, dtype=torch.int32, device=src.device) if split else None  # L, the list's length
     if coarse > 1:
@@ -154,6 +156,13 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
                          **pdl.options(src.device))
 
 
+def _split_slices(T: int, tiles: dict) -> tuple[int, int]:
+    """(entries a slice, slices a row) of a split row of ``T`` entries: slices of ``split_slice``
+    entries, doubled while a row would take more than ``split_slices`` of them."""
+    slice_ = max(tiles["split_slice"], _pow2(cdiv(T, tiles["split_slices"])))
+    return slice_, cdiv(T, slice_)
+
+
 def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common, small,
                   mark, fused):
     """The select of rows split over programs, after the chunk-max pass (``fused``: whose last
@@ -163,8 +172,7 @@ def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF
     ``fused``: both in ``_scan_pick_kernel``, the row's last scanning program picking)."""
     R = src.shape[0]
     slices = tiles["split_slices"]
-    slice_ = max(tiles["split_slice"], _pow2(cdiv(T, slices)))
-    n_slices = cdiv(T, slice_)
+    slice_, n_slices = _split_slices(T, tiles)
     lkey = torch.empty_like(lst)
     starts = torch.empty(R, slices, dtype=torch.int32, device=src.device)
     launch = dict(num_warps=tiles["split_warps"], **pdl.options(src.device))
@@ -222,6 +230,7 @@ FAMILY = KernelFamily(
                               "select.min_summary": POW2, "select.registers": POW2,
                               "select.split_slice": POW2, "select.split_slices": POW2,
                               "select.split_rows": Tile(low=0, kind=int), "select.split_warps": WARPS,
+                              "select.split_programs": Tile(low=0, kind=int),
                               "select.split_skip": Tile(choices=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256)),
                               "select.bits": Tile(high=32),
                               "select.radix_bits": Tile(choices=(1, 2, 4, 8))},

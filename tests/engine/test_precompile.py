@@ -38,8 +38,9 @@ def test_the_pool_is_made_only_for_cuda_kernels_when_asked(monkeypatch):
 
 
 def test_no_pool_where_triton_is_interpreted_or_workers_are_off(monkeypatch):
-    """This process runs Triton's interpreter (tests/conftest.py): nothing to compile."""
+    """Where Triton is interpreted there is nothing to compile (set here, so the test means the same on a GPU)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(jit_warmup, "interpreted", lambda: True)
     assert jit_warmup.precompile_pool({"small": {}}) is None
     monkeypatch.setattr(jit_warmup, "interpreted", lambda: False)
     monkeypatch.setenv("FLASHRT_JIT_WORKERS", "0")
@@ -136,7 +137,8 @@ def test_triton_key_is_hashed_on_a_thread_only_for_compiled_cuda_kernels(monkeyp
 
     assert precompile.start_triton_key(torch.device("cpu"), None) is None
     assert precompile.start_triton_key(torch.device("cuda"), "reference") is None
-    assert precompile.start_triton_key(torch.device("cuda"), "cuda") is None  # this process interprets Triton
+    monkeypatch.setattr(jit_triton, "interpreted", lambda: True)
+    assert precompile.start_triton_key(torch.device("cuda"), "cuda") is None  # Triton interpreted
     monkeypatch.setattr(jit_triton, "interpreted", lambda: False)
     triton_cache.triton_key.cache_clear()
     thread = precompile.start_triton_key(torch.device("cuda"), None)

@@ -305,6 +305,19 @@ def test_topk_split_only_below_split_rows(monkeypatch, rng):
     assert launched == [1, 2]
 
 
+def test_topk_split_only_up_to_split_programs(monkeypatch, rng):
+    """With split_programs, a launch splits only while its rows times slices a row are at most that
+    many (the picks checked against the reference's either way)."""
+    _force(monkeypatch, summary=16, small=128, list=512, split_rows=8, split_slice=32, split_slices=8,
+           split_programs=16)
+    launched = []
+    real = topk._select_split
+    monkeypatch.setattr(topk, "_select_split", lambda *a, **kw: launched.append(a[0].shape) or real(*a, **kw))
+    for rows, T in ((1, 256), (2, 256), (3, 256), (4, 100), (5, 100)):  # 8 slices a row of 256, 4 of 100
+        _select(_scores("smooth", 1, rows, T, rng)[0], 9)
+    assert launched == [(1, 256), (2, 256), (4, 100)]
+
+
 def test_topk_decline_and_dispatch(monkeypatch, rng):
     assert topk.FAMILY.serves("topk_positions", torch.empty(1, 1, 2**30, device="meta"), 4, None) is not None
     assert topk.FAMILY.serves("topk_positions", torch.empty(1, 1, 9), 4, None) is None
