@@ -192,8 +192,8 @@
 #              for the 16-row rule only and for every rule): the GEMVs at the released shapes
 #              (h200-gemv-fp8deq.json), the real-dimension slice and small's captured decode under each
 #   load       small's weights load time, three repeats (benchmarks/load_time.py): h200-load-time-small.json
-#   topksplit  the top-k select with rows split over scanning programs (tiles.topk.select.split_rows, off in
-#              every profile): its tests and the realistic rows natively (h200-topksplit-tests.log); then
+#   topksplit  the top-k select with rows split over scanning programs (tiles.topk.select.split_rows, as the
+#              h200 profile takes it up to 256 scanning programs): its tests and the realistic rows natively (h200-topksplit-tests.log); then
 #              128K and 1M rows (k = 512, 1 / 8 / 64 rows) unsplit and split (slices of 4,096, 8 warps, the
 #              fused pair of launches; and reading only the chunks above L, split_skip 32), each run beside
 #              torch.topk (benchmarks/topk_radix.py): h200-topk-split-{off,4096-w8,4096-w8-skip32}.json

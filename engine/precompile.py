@@ -67,17 +67,23 @@ def begin(pool, dev: torch.device, profile, models: dict):
         return None
 
 
+def _compiled_cuda(dev: torch.device, backend: str | None) -> bool:
+    """Whether the run launches compiled Triton kernels: a CUDA device, the CUDA backend (or the
+    default), Triton not interpreted."""
+    if dev.type != "cuda" or backend not in (None, "cuda"):
+        return False
+    from flashrt.jit_triton import interpreted
+
+    return not interpreted()
+
+
 def start_triton_key(dev: torch.device, backend: str | None):
     """Start hashing Triton's own sources and library on a thread (``triton_key``: once a process,
     cached, about 0.3 s of file reads and SHA-256, most of it outside the GIL), when the run will
     load Triton kernels on a CUDA device: the first kernel the run loads or compiles needs it, and
     the model loads meanwhile. Call it after the compile pool is forked (a thread before a fork is
     not safe). The thread, or None."""
-    if dev.type != "cuda" or backend not in (None, "cuda"):
-        return None
-    from flashrt.jit_triton import interpreted
-
-    if interpreted():
+    if not _compiled_cuda(dev, backend):
         return None
     try:
         from triton.runtime.cache import triton_key
@@ -100,13 +106,9 @@ def start_preload(dev: torch.device, backend: str | None, profile, cfg: ModelCon
     loads (:mod:`flashrt.jit_preload`; opt-in, ``FLASHRT_JIT_PRELOAD=1``), when the run launches
     compiled Triton kernels on a CUDA device; the preload (``join()`` it before the first forward),
     or None."""
-    if cfg is None or dev.type != "cuda" or backend not in (None, "cuda"):
-        return None
-    from flashrt.jit_triton import interpreted
-
     from flashrt import jit_preload
 
-    if interpreted() or not jit_preload.enabled():
+    if cfg is None or not _compiled_cuda(dev, backend) or not jit_preload.enabled():
         return None
     from flashrt.jit_targets import device_arch
 
@@ -121,11 +123,7 @@ def start_recording(dev: torch.device, backend: str | None):
     """A :class:`flashrt.jit_plans.Recorder` of the kernel variants this run loads, when it runs
     Triton kernels on a CUDA device (their plan makes the next cold start compile them at once);
     else None."""
-    if dev.type != "cuda" or backend not in (None, "cuda"):
-        return None
-    from flashrt.jit_triton import interpreted
-
-    if interpreted():
+    if not _compiled_cuda(dev, backend):
         return None
     try:
         from flashrt.jit_plans import Recorder

@@ -128,8 +128,9 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     summary = max(_pow2(NC), min(tiles["min_summary"], tiles["summary"]))
     common = dict(C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, RADIX=radix, SRC_KEYS=src_keys,
                   HAS_CAND=has_cand)
+    slicing = _split_slices(T, tiles)  # (entries a slice, slices a row) were the rows split
     split = (coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]
-             and (not tiles["split_programs"] or R * _split_slices(T, tiles)[1] <= tiles["split_programs"]))
+             and (not tiles["split_programs"] or R * slicing[1] <= tiles["split_programs"]))
     fused = split and tiles["split_fused"] and splitk.fits(R)
     state = torch.empty(R, 2, dtype=torch.int32, device=src.device) if split else None  # L, the list's length
     if coarse > 1:
@@ -147,7 +148,7 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
             _chunk_max_kernel[(R, cdiv(NF, chunks))](*args, *sizes, *strides, **launch)
     if split:
         _select_split(src, cand_t, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common,
-                      small, mark, fused)
+                      small, mark, fused, slicing)
         return
     _select_kernel[(R,)](src, cand_t, summ, fine, fids, lst, out, stats if stats is not None else summ, T, NC, NF,
                          k, width, src.stride(0), cand_t.stride(0), summ.stride(0), fine.stride(0), lst.stride(0),
@@ -164,15 +165,15 @@ def _split_slices(T: int, tiles: dict) -> tuple[int, int]:
 
 
 def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common, small,
-                  mark, fused):
+                  mark, fused, slicing):
     """The select of rows split over programs, after the chunk-max pass (``fused``: whose last
-    program of a row has found its ``L``; else ``_threshold_kernel`` finds it): every slice of
-    ``slice`` entries lists its candidates (``_scan_kernel``), then a row's picks come from its
+    program of a row has found its ``L``; else ``_threshold_kernel`` finds it): every slice
+    (``slicing``: entries a slice, slices a row, :func:`_split_slices`) lists its candidates (``_scan_kernel``), then a row's picks come from its
     list, or from the one-program path when the list passes ``small`` (``_split_pick_kernel``;
     ``fused``: both in ``_scan_pick_kernel``, the row's last scanning program picking)."""
     R = src.shape[0]
     slices = tiles["split_slices"]
-    slice_, n_slices = _split_slices(T, tiles)
+    slice_, n_slices = slicing
     lkey = torch.empty_like(lst)
     starts = torch.empty(R, slices, dtype=torch.int32, device=src.device)
     launch = dict(num_warps=tiles["split_warps"], **pdl.options(src.device))
