@@ -196,7 +196,9 @@
 #              h200 profile takes it up to 256 scanning programs): its tests and the realistic rows natively (h200-topksplit-tests.log); then
 #              128K and 1M rows (k = 512, 1 / 8 / 64 rows) unsplit and split (slices of 4,096, 8 warps, the
 #              fused pair of launches; and reading only the chunks above L, split_skip 32), each run beside
-#              torch.topk (benchmarks/topk_radix.py): h200-topk-split-{off,4096-w8,4096-w8-skip32}.json
+#              torch.topk (benchmarks/topk_radix.py): h200-topk-split-{off,4096-w8,4096-w8-skip32}.json; then
+#              the profile as it is (h200-topk-split-profile.json) and the skip with L's top 16 bits only
+#              (h200-topk-split-4096-w8-skip32-bits16.json)
 #   topksplitvariants  the same rows split again as topksplit does, then unfused, at slices of 2,048 and
 #              8,192, at 4 warps, with L's top 16 bits only, and searched 8 bits a pass:
 #              h200-topk-split-{4096-w8-2,4096-w8-unfused,2048-w8,8192-w8,4096-w4,4096-w8-bits16,
@@ -675,6 +677,8 @@ phase_topksplit() {  # the top-k rows split over scanning programs (tiles.topk.s
     --out "$OUT/h200-topk-split-off.json"
   topk_split_run 4096-w8 4096 8 true 0
   topk_split_run 4096-w8-skip32 4096 8 true 32
+  python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-split-profile.json"
+  topk_split_run 4096-w8-skip32-bits16 4096 8 true 32 1 16
 }
 
 phase_topksplitvariants() {  # the split's other tiles, each beside torch.topk (and topksplit's own split again)
