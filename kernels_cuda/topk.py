@@ -64,11 +64,12 @@ TILES = {
     # program finds L and its last scanning program picks (two launches, not four); split_skip: a
     # scanning program reads only its slice's chunks whose max is >= L when there are at most this
     # many (0: the whole slice); split_programs: split only while the launch's scanning programs (rows
-    # times slices a row) are at most this many (0: no limit)
+    # times slices a row) are at most this many (0: no limit); split_bits: bits in place of bits for
+    # the L of split rows (0: bits), so the unsplit rows' variants stay as they are
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
                "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096,
                "split_rows": 0, "split_slice": 4096, "split_slices": 256, "split_warps": 8,
-               "split_fused": True, "split_skip": 0, "split_programs": 0},
+               "split_fused": True, "split_skip": 0, "split_programs": 0, "split_bits": 0},
 }
 
 # Scan programs take their slices last first (tests: the blocks then reach the list out of
@@ -116,9 +117,11 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     summ = torch.empty(R, NC, dtype=torch.int32, device=src.device)  # coarse maxima, then their ids
     fine = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
     fids = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
-    radix = tiles["radix_bits"]
-    assert radix in (1, 2, 4, 8) and tiles["bits"] % radix == 0, \
-        f"tiles.topk select: radix_bits {radix}, bits {tiles['bits']}"
+    slicing = _split_slices(T, tiles)  # (entries a slice, slices a row) were the rows split
+    split = (coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]
+             and (not tiles["split_programs"] or R * slicing[1] <= tiles["split_programs"]))
+    radix, bits = tiles["radix_bits"], (split and tiles["split_bits"]) or tiles["bits"]
+    assert radix in (1, 2, 4, 8) and bits % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {bits}"
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
     small = min(max(tiles["small"], _pow2(2 * k)), LIST)  # a list of k + k ties stays in registers
     lst = torch.empty(R, LIST, dtype=torch.int32, device=src.device)
@@ -126,11 +129,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     # SUMMARY and PAD are capacities (masked past NC / width): floored and taken from k rather than
     # from the row, so short rows of any length share one variant
     summary = max(_pow2(NC), min(tiles["min_summary"], tiles["summary"]))
-    common = dict(C=C, F=F, SUMMARY=summary, BITS=tiles["bits"], LIST=LIST, RADIX=radix, SRC_KEYS=src_keys,
+    common = dict(C=C, F=F, SUMMARY=summary, BITS=bits, LIST=LIST, RADIX=radix, SRC_KEYS=src_keys,
                   HAS_CAND=has_cand)
-    slicing = _split_slices(T, tiles)  # (entries a slice, slices a row) were the rows split
-    split = (coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]
-             and (not tiles["split_programs"] or R * slicing[1] <= tiles["split_programs"]))
     fused = split and tiles["split_fused"] and splitk.fits(R)
     state = torch.empty(R, 2, dtype=torch.int32, device=src.device) if split else None  # L, the list's length
     if coarse > 1:
@@ -142,7 +142,7 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
                       num_warps=chunk_tiles["num_warps"], **pdl.options(src.device))
         if fused:  # the row's last chunk-max program finds L
             _chunk_max_threshold_kernel[(R, cdiv(NF, chunks))](
-                *args, state, splitk.counters(src.device), *sizes, k, *strides, SUMMARY=summary, BITS=tiles["bits"],
+                *args, state, splitk.counters(src.device), *sizes, k, *strides, SUMMARY=summary, BITS=bits,
                 RADIX=radix, **launch)
         else:
             _chunk_max_kernel[(R, cdiv(NF, chunks))](*args, *sizes, *strides, **launch)
@@ -233,7 +233,7 @@ FAMILY = KernelFamily(
                               "select.split_rows": Tile(low=0, kind=int), "select.split_warps": WARPS,
                               "select.split_programs": Tile(low=0, kind=int),
                               "select.split_skip": Tile(choices=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256)),
-                              "select.bits": Tile(high=32),
+                              "select.bits": Tile(high=32), "select.split_bits": Tile(low=0, high=32),
                               "select.radix_bits": Tile(choices=(1, 2, 4, 8))},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="top-k positions: chunk maxima, threshold search, ordered picks")

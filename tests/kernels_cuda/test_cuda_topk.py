@@ -293,6 +293,19 @@ def test_topk_split_partial_bits(radix, monkeypatch, rng):
     assert (_select(torch.randn(2, 300, generator=rng) * 1e-3 + 5.0, 9) >= 0).all()
 
 
+def test_topk_split_bits_apply_to_split_rows_only(monkeypatch, rng):
+    """split_bits: only the top bits of a split row's L exact (a lower L, a longer list of the slices'
+    candidates, the same picks); the rows of a launch that is not split keep bits."""
+    scores = torch.randn(2, 300, generator=rng) * 1e-3 + 5.0  # close keys: 8 top bits leave L far lower
+    lengths = {}
+    for split_bits in (0, 8):
+        _force(monkeypatch, summary=16, small=512, list=512, split_rows=1, split_slice=32, split_slices=8,
+               split_bits=split_bits)
+        lengths[split_bits] = (_select(scores[:1], 9), _select(scores, 9))  # one row split, two rows not
+    assert (lengths[8][0] > lengths[0][0]).all() and (lengths[0][0] >= 9).all(), lengths
+    assert torch.equal(lengths[8][1], lengths[0][1]), lengths
+
+
 def test_topk_split_only_below_split_rows(monkeypatch, rng):
     """The split applies to launches of at most split_rows rows longer than registers."""
     _force(monkeypatch, summary=16, small=128, list=512, split_rows=2, split_slice=32, split_slices=8)
