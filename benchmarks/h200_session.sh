@@ -64,14 +64,9 @@
 #              recorded-plans/), that plan merged into the shipped one (tools/ship_plan.py), then cold
 #              and warm again on the merged plan: h200-jit-ttft-shipped.json and the merged plan file
 #              (sm_90-h200-small.json, to commit under core/jit_plans/triton-3.6.0/)
-#   shipwords  the h200 profile with the experts' codes in words, the fp8 shared expert packed and the fp4_b16
-#              pairs (a copy named h200, h200-shipwords.yaml): flashrt conformance under it
-#              (h200-conformance-shipwords.json), then coldplan under it (the plan to commit with the profile)
-#   wordsslice the same copy against the profile: the real-dimension slice and small's decode,
-#              h200-real-slice-wordsship-{off,on}.json, h200-e2e-wordsship-{off,on}.json
-#   preload    the time to first token (cold, warm, after `flashrt jit warmup --model small`; benchmarks/jit_ttft.py)
-#              without and with the plan's cached kernels loaded while the model loads (FLASHRT_JIT_PRELOAD=1,
-#              off by default), after their tests: h200-preload-tests.log, h200-jit-ttft-preload-{off,on}.json
+#   preload    the time to first token (cold and warm; benchmarks/jit_ttft.py) without and with the plan's
+#              cached kernels loaded while the model loads (FLASHRT_JIT_PRELOAD=1, off by default), after
+#              their tests: h200-preload-tests.log, h200-jit-ttft-preload-{off,on}.json
 #   serve-allocs  64 concurrent with device timing: the step trace's per-phase device time and the
 #              allocator's slow paths (cudaMalloc, retries, syncs, pinned allocations) per phase:
 #              h200-serve-allocs.json, h200-serve-allocs-steps.jsonl
@@ -405,31 +400,12 @@ phase_coldplan() {
   python benchmarks/jit_ttft.py --phases cold warm --budget 150 --out "$OUT/h200-jit-ttft-shipped.json"
 }
 
-words_pairs_profile() {  # the h200 profile with the experts' codes in words, the fp8 shared expert packed and the
-  # fp4_b16 pairs: a copy named h200 (so its recorded plan is h200's); prints its path
-  profile_set h200 expert_fp4 '"words"' tiles.linear.fp8_packed true tiles.quant.quantize.pairs true
-}
-
-phase_shipwords() {  # words + fp8 packed + pairs as the h200 profile: conformance, then its plan re-recorded (coldplan)
-  local p
-  p=$(words_pairs_profile)
-  cp "$p" "$OUT/h200-shipwords.yaml"
-  FLASHRT_PROFILE=$p timeout 150 python -m flashrt.cli conformance --out "$OUT/h200-conformance-shipwords.json" \
-    | tail -n 3
-  FLASHRT_PROFILE=$p phase_coldplan
-}
-
-phase_wordsslice() {  # words + fp8 packed + pairs (no halves order) against the profile: the slice and small's decode
-  slice_and_decode wordsship off h200 on "$(words_pairs_profile)"
-}
-
 phase_preload() {  # the plan's cached kernels loaded while the model loads (FLASHRT_JIT_PRELOAD), off and on
   timeout 120 python -m pytest -q -p no:cacheprovider tests/core/test_jit_preload.py tests/engine/test_precompile.py \
     > "$OUT/h200-preload-tests.log" 2>&1
   tail -n 1 "$OUT/h200-preload-tests.log"
-  python benchmarks/jit_ttft.py --phases cold warm after_model_warmup --budget 260 \
-    --out "$OUT/h200-jit-ttft-preload-off.json"
-  FLASHRT_JIT_PRELOAD=1 python benchmarks/jit_ttft.py --phases cold warm after_model_warmup --budget 260 \
+  python benchmarks/jit_ttft.py --phases cold warm --budget 150 --out "$OUT/h200-jit-ttft-preload-off.json"
+  FLASHRT_JIT_PRELOAD=1 python benchmarks/jit_ttft.py --phases cold warm --budget 150 \
     --out "$OUT/h200-jit-ttft-preload-on.json"
 }
 
