@@ -64,6 +64,9 @@
 #              recorded-plans/), that plan merged into the shipped one (tools/ship_plan.py), then cold
 #              and warm again on the merged plan: h200-jit-ttft-shipped.json and the merged plan file
 #              (sm_90-h200-small.json, to commit under core/jit_plans/triton-3.6.0/)
+#   moeprefill the routed experts of a 4,096-token chunk at the released dimensions under the profile's
+#              tile past 16 rows and tiles that fit two programs an SM (benchmarks/moe_prefill_tiles.py):
+#              h200-moe-prefill-tiles.json
 #   preload    the time to first token (cold and warm; benchmarks/jit_ttft.py) without and with the plan's
 #              cached kernels loaded while the model loads (FLASHRT_JIT_PRELOAD=1, off by default), after
 #              their tests: h200-preload-tests.log, h200-jit-ttft-preload-{off,on}.json
@@ -398,6 +401,10 @@ phase_coldplan() {
   python tools/ship_plan.py "$OUT"/recorded-plans/triton-*/sm_90-h200-small.json || return 1
   cp core/jit_plans/triton-*/sm_90-h200-small.json "$OUT/"
   python benchmarks/jit_ttft.py --phases cold warm --budget 150 --out "$OUT/h200-jit-ttft-shipped.json"
+}
+
+phase_moeprefill() {
+  timeout 300 python benchmarks/moe_prefill_tiles.py --out "$OUT/h200-moe-prefill-tiles.json"
 }
 
 phase_preload() {  # the plan's cached kernels loaded while the model loads (FLASHRT_JIT_PRELOAD), off and on

@@ -1,0 +1,108 @@
+"""The routed fp4 experts of a prefill chunk (``moe_experts`` at the released dimensions, 384 experts,
+top-6, about 64 rows an expert at 4,096 tokens) under tiles for the experts' MMA rule past 16 rows,
+against the active profile's, in one run.
+
+    python benchmarks/moe_prefill_tiles.py --out F [--tokens 4096] [--variants LABEL ...]
+
+Each variant puts one rule serving every row count in front of ``tiles.moe.experts`` (the launches
+of a chunk this size all take it). The experts' weights are random fp4 bytes laid out as the
+profile's load lays them out (``expert_scales``, ``expert_fp4``). Per variant: microseconds a call
+(``flashrt.timing.bench_ms``: CUDA-graph replays behind an L2 flush), the floor
+``max(weight bytes / copy rate, FLOPs / bf16 GEMM rate)`` with both rates measured in the same run
+(the weights of the experts the routing touched; ``flashrt.bench.common.Ceilings``), and the largest
+difference of the output from the profile's. A variant that fails to compile or launch is recorded,
+not fatal. The registers and shared memory of each (two programs an SM where they fit) come from
+``tools/sm90_compile.py moe --B 4096 --moe-dims released --tiles ...`` (docs/performance.md).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import flashrt
+from flashrt import formats, ops, profiles
+from flashrt.bench.common import Ceilings, nbytes
+from flashrt.graphs.config import shipped_config
+from flashrt.timing import bench_ms
+from gemv_tiles import with_rule
+from results_io import write_json
+
+
+def tile(block_n: int, block_k: int, warps: int, stages: int, block_m: int = 64) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+                min_block_n=32, split_min_blocks=2)
+
+
+VARIANTS = {  # label -> the rule's tile (the profile's past 16 rows: M64 N128 K128, 8 warps, 3 stages)
+    "M64 N64 K128, 4 warps, 3 stages": tile(64, 128, 4, 3),
+    "M64 N64 K128, 4 warps, 4 stages": tile(64, 128, 4, 4),
+    "M64 N128 K64, 4 warps, 4 stages": tile(128, 64, 4, 4),
+    "M64 N128 K64, 8 warps, 4 stages": tile(128, 64, 8, 4),
+    "M64 N256 K64, 8 warps, 3 stages": tile(256, 64, 8, 3),
+}
+
+
+def experts(cfg, tokens: int, dev, g):
+    """(call, weight bytes the routing touches, FLOPs) of the routed experts at ``tokens`` tokens."""
+    E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+    prof = profiles.active_profile()
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def fp4(*shape):
+        data = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), dtype=torch.uint8, device=dev, generator=gen)
+        scale = torch.randint(119, 123, (*shape[:-1], shape[-1] // 32), dtype=torch.uint8, device=dev, generator=gen)
+        return formats.as_expert_stack(formats.QTensor(data, scale.view(torch.float8_e8m0fnu), "fp4_w", shape),
+                                       prof.expert_scales == "k_major", prof.expert_fp4 == "words")
+
+    w1, w3, w2 = fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)
+    x = torch.randn(tokens, D, generator=g).to(dev, torch.bfloat16)
+    idx = torch.rand(tokens, E, generator=g).topk(k).indices.to(dev, torch.int32)
+    rw = torch.rand(tokens, k, generator=g).to(dev)
+    touched = torch.unique(idx).numel()
+    call = lambda: ops.moe_experts(x, rw, idx, w1, w3, w2, 10.0, None, torch.bfloat16)
+    return call, touched * nbytes(w1, w3, w2) / E, 6.0 * tokens * k * D * I
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--variants", nargs="+", default=None, metavar="LABEL", choices=sorted(VARIANTS),
+                    help="only these variants (and the profile's tiles); default: all")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.tokens < 1:
+        ap.error(f"--tokens: expected a positive count, got {args.tokens}")
+    if not torch.cuda.is_available():
+        ap.error("a CUDA device is needed")
+    ceil, dev = Ceilings.measure(), torch.device("cuda")
+    call, weight_bytes, flops = experts(shipped_config("v4.1-flash"), args.tokens, dev, torch.Generator().manual_seed(0))
+    floor_us = 1e6 * max(weight_bytes / ceil.copy_bytes_per_s, flops / ceil.bf16_flops)
+    rows, first = [], None
+    chosen = {k: v for k, v in VARIANTS.items() if not args.variants or k in args.variants}
+    with flashrt.use_backend("cuda"), flashrt.value_checks(False):
+        for label, rule in {"profile": None, **chosen}.items():
+            with with_rule("moe", "experts", None, rule):
+                profiles._TILES_CACHE.clear()
+                try:
+                    out = call()
+                    t = bench_ms(call)
+                except Exception as e:  # a tile that does not compile or fit: recorded, not fatal
+                    rows.append({"variant": label, "tile": rule, "error": f"{type(e).__name__}: {e}"[:300]})
+                    print(f"{label:36s} failed: {rows[-1]['error'][:100]}", flush=True)
+                    continue
+            first = out.float() if first is None else first
+            us = 1e3 * t.ms
+            rows.append({"variant": label, "tile": rule, "us_per_call": us, "floor_us": floor_us,
+                         "of_floor": floor_us / us, "timing": "graph" if t.graph is not None else "plain",
+                         "max_abs_diff_from_profile": float((out.float() - first).abs().max())})
+            print(f"{label:36s} {us:9.1f} us  floor {floor_us:8.1f} us ({100 * floor_us / us:5.1f}%)  "
+                  f"diff {rows[-1]['max_abs_diff_from_profile']:.3g}", flush=True)
+    profiles._TILES_CACHE.clear()
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "tokens": args.tokens,
+                          "copy_bytes_per_s": ceil.copy_bytes_per_s, "bf16_flops": ceil.bf16_flops,
+                          "weight_bytes": weight_bytes, "flops": flops, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
