@@ -64,8 +64,8 @@ TILES = {
     # program finds L and its last scanning program picks (two launches, not four); split_skip: a
     # scanning program reads only its slice's chunks whose max is >= L when there are at most this
     # many (0: the whole slice); split_programs: split only while the launch's scanning programs (rows
-    # times slices a row) are at most this many (0: no limit); split_bits: bits in place of bits for
-    # the L of split rows (0: bits), so the unsplit rows' variants stay as they are
+    # times slices a row) are at most this many (0: no limit); split_bits: the exact top bits of a split
+    # row's L (0: bits), apart from bits so that setting it leaves the unsplit select's variants as they are
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
                "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096,
                "split_rows": 0, "split_slice": 4096, "split_slices": 256, "split_warps": 8,
