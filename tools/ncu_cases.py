@@ -10,6 +10,8 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
 - ``experts1`` / ``experts8``: ``moe_experts`` at the released dimensions (384 fp4_w experts of
   2304 x 5120, top 6, the fp8_w shared expert) for 1 / 8 tokens (benchmarks/gemv_tiles.py's case);
   ``experts1_kmajor`` / ``experts8_kmajor``: the same with the routed experts' scales K major;
+- ``experts4096``: the routed experts of a 4,096-token prefill chunk at the released dimensions
+  (about 64 rows an expert; benchmarks/moe_prefill_tiles.py's case, laid out as the profile says);
 - ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192);
 - ``prefix``: ``prefix_attention`` of 16 rows x 512 queries over 512 entries at ``small``'s shapes
   (benchmarks/prefix_attention.py's case);
@@ -38,6 +40,15 @@ def _experts(tokens: int, scales_k_major: bool = False):
         if n == tokens:
             return call
     raise AssertionError(tokens)
+
+
+def _experts4096():
+    import moe_prefill_tiles
+    from flashrt.graphs.config import shipped_config
+
+    call, _, _ = moe_prefill_tiles.experts(shipped_config("v4.1-flash"), 4096, torch.device("cuda"),
+                                           torch.Generator().manual_seed(0))
+    return call
 
 
 def _linear1():
@@ -93,6 +104,7 @@ def _attn64():
 
 CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8),
          "experts1_kmajor": lambda: _experts(1, True), "experts8_kmajor": lambda: _experts(8, True),
+         "experts4096": _experts4096,
          "linear1": _linear1, "prefix": _prefix,
          "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64),
          "attn64": _attn64}
