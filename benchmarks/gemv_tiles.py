@@ -120,22 +120,28 @@ def linear_cases(cfg, dev, g):
             yield f"linear {name} {n}x{k}", m, m, m, "linear", "linear", (lambda x=x, w=w: ops.linear(x, w)), nbytes(w)
 
 
-def expert_cases(cfg, dev, g, scales_k_major: bool = False, words: bool = False):
-    """moe_experts at 1 and 8 tokens: random fp4 bytes (every code) for the routed experts; one-row
-    tiles (pairs mode at 1 token; at 8, routing-table tiles of about one row an expert).
-    The routed experts laid out as the model's load lays them out (``formats.as_expert_stack``: the
-    largest scale byte recorded; ``scales_k_major``: the scales stored K major; ``words``: the codes
-    in the E2M1 word layout)."""
-    E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+def random_experts(cfg, dev, scales_k_major: bool = False, words: bool = False):
+    """The routed experts' w1, w3, w2 of ``cfg`` as random fp4 bytes (every code; scale bytes 119-122),
+    seeded on ``dev``, laid out as the model's load lays them out (``formats.as_expert_stack``: the
+    largest scale byte recorded; ``scales_k_major``: the scales stored K major; ``words``: the codes in
+    the E2M1 word layout)."""
+    E, D, I = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def fp4(*shape):
         data = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), dtype=torch.uint8, device=dev, generator=gen)
         scale = torch.randint(119, 123, (*shape[:-1], shape[-1] // 32), dtype=torch.uint8, device=dev, generator=gen)
-        return formats.QTensor(data, scale.view(torch.float8_e8m0fnu), "fp4_w", shape)
+        return formats.as_expert_stack(formats.QTensor(data, scale.view(torch.float8_e8m0fnu), "fp4_w", shape),
+                                       scales_k_major, words)
 
-    w1, w3, w2 = (formats.as_expert_stack(w, scales_k_major, words)
-                  for w in (fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)))
+    return fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)
+
+
+def expert_cases(cfg, dev, g, scales_k_major: bool = False, words: bool = False):
+    """moe_experts at 1 and 8 tokens (the routed experts: :func:`random_experts`); one-row tiles
+    (pairs mode at 1 token; at 8, routing-table tiles of about one row an expert)."""
+    E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+    w1, w3, w2 = random_experts(cfg, dev, scales_k_major, words)
     shared = tuple(formats.quantize(torch.randn(1, *s, generator=g) * 0.05, "fp8_w").to(dev)
                    for s in ((I, D), (I, D), (D, I)))
     per_expert = sum(nbytes(w) for w in (w1, w3, w2)) / E

@@ -21,11 +21,11 @@ import argparse
 import torch
 
 import flashrt
-from flashrt import formats, ops, profiles
+from flashrt import ops, profiles
 from flashrt.bench.common import Ceilings, nbytes
 from flashrt.graphs.config import shipped_config
 from flashrt.timing import bench_ms
-from gemv_tiles import with_rule
+from gemv_tiles import random_experts, with_rule
 from results_io import write_json
 
 
@@ -47,15 +47,7 @@ def experts(cfg, tokens: int, dev, g):
     """(call, weight bytes the routing touches, FLOPs) of the routed experts at ``tokens`` tokens."""
     E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     prof = profiles.active_profile()
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def fp4(*shape):
-        data = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), dtype=torch.uint8, device=dev, generator=gen)
-        scale = torch.randint(119, 123, (*shape[:-1], shape[-1] // 32), dtype=torch.uint8, device=dev, generator=gen)
-        return formats.as_expert_stack(formats.QTensor(data, scale.view(torch.float8_e8m0fnu), "fp4_w", shape),
-                                       prof.expert_scales == "k_major", prof.expert_fp4 == "words")
-
-    w1, w3, w2 = fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)
+    w1, w3, w2 = random_experts(cfg, dev, prof.expert_scales == "k_major", prof.expert_fp4 == "words")
     x = torch.randn(tokens, D, generator=g).to(dev, torch.bfloat16)
     idx = torch.rand(tokens, E, generator=g).topk(k).indices.to(dev, torch.int32)
     rw = torch.rand(tokens, k, generator=g).to(dev)
