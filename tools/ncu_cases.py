@@ -17,6 +17,8 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
   (benchmarks/prefix_attention.py's case);
 - ``quant_fp4_b16``: ``quantize_store`` of 131,072 bf16 rows of 512 into an fp4_b16 paged cache;
 - ``topk128k`` / ``topk128k_64``: ``topk_positions`` (k = 512) of 1 / 64 rows of 131,072 scores;
+- ``hc1``: ``hc_coefficients`` of one token at the released dimensions (4 x 5,120 bf16 streams, 20
+  Sinkhorn iterations; benchmarks/decode_kernel_variants.py's case);
 - ``attn64``: ``sparse_attention`` decode of 64 rows at the released shapes (64 heads x 512, an fp8
   window ring of 128 and 512 picks of an fp4_b16 main cache of 262,144 entries: K = 640).
 """
@@ -88,6 +90,19 @@ def _topk(rows: int):
     return lambda: topk.topk_positions(scores, 512)
 
 
+def _hc1():
+    from flashrt.graphs.config import shipped_config
+    from flashrt.kernels_cuda import mhc
+
+    cfg, g = shipped_config("v4.1-flash"), torch.Generator(device="cuda").manual_seed(0)
+    hc, k = cfg.hc_mult, cfg.hc_mult * cfg.dim
+    x = torch.randn(1, 1, hc, cfg.dim, device="cuda", generator=g).to(torch.bfloat16)
+    fn = torch.randn((2 + hc) * hc, k, device="cuda", generator=g) * k ** -0.5
+    scale = torch.rand(3, device="cuda", generator=g)
+    base = torch.randn((2 + hc) * hc, device="cuda", generator=g)
+    return lambda: mhc.hc_coefficients(x, fn, scale, base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+
+
 def _attn64():
     from flashrt import formats, ops
 
@@ -107,7 +122,7 @@ CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8),
          "experts4096": _experts4096,
          "linear1": _linear1, "prefix": _prefix,
          "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64),
-         "attn64": _attn64}
+         "hc1": _hc1, "attn64": _attn64}
 
 
 def main() -> None:
