@@ -34,20 +34,16 @@ def _load_keys(src, cand, pos, mask, SRC_KEYS: tl.constexpr, HAS_CAND: tl.conste
 
 
 @triton.jit
-def _kth_largest(keys, k, BITS: tl.constexpr, RADIX: tl.constexpr = 1):
+def _kth_largest(keys, k, BITS: tl.constexpr, RADIX: tl.constexpr = 1, lo=_MIN, HAS_LO: tl.constexpr = False):
     """The k-th largest of ``keys`` (MIN when fewer than k exceed MIN), its top ``BITS`` bits
-    exact and the rest zero (a lower bound when BITS < 32). RADIX bits per step: all
-    ``2**RADIX`` candidate digits counted in one pass (BITS / RADIX sequential reductions); at
-    RADIX 8 the pass is a 256-bin histogram of the digit under the bits decided so far."""
+    exact and the rest zero (a lower bound when BITS < 32), or exact where RADIX 1 finds it early.
+    RADIX bits per step: all ``2**RADIX`` candidate digits counted in one pass (BITS / RADIX
+    sequential reductions); at RADIX 8 the pass is a 256-bin histogram of the digit under the bits
+    decided so far; at RADIX 1 see :func:`_kth_bits` (``lo``: a key known not to exceed the answer)."""
     if RADIX == 8:
         ans = _kth_histogram(keys, k, BITS)
     elif RADIX == 1:
-        ans = 0  # unsigned bit pattern of the answer, built from the top bit down
-        bit = tl.full([], _MIN, tl.int32)
-        for i in range(BITS):
-            cand = ans | bit
-            ans = tl.where(tl.sum((keys >= (cand ^ _MIN)).to(tl.int32)) >= k, cand, ans)
-            bit = (bit >> 1) & 0x7FFFFFFF
+        ans = _kth_bits(keys, k, lo, BITS, HAS_LO) ^ _MIN
     else:
         ans = tl.full([], 0, tl.int32)
         d = tl.arange(0, 1 << RADIX)
@@ -57,6 +53,41 @@ def _kth_largest(keys, k, BITS: tl.constexpr, RADIX: tl.constexpr = 1):
             counts = tl.sum((keys[None, :] >= cand[:, None]).to(tl.int32), axis=1)
             ans = ans | (tl.max(tl.where(counts >= k, d, 0), axis=0) << shift)  # counts fall with d
     return ans ^ _MIN
+
+
+@triton.jit
+def _kth_bits(keys, k, lo, BITS: tl.constexpr, HAS_LO: tl.constexpr):
+    """:func:`_kth_largest` one bit a pass, from the top bit down: a pass counts the keys at or
+    above the answer so far with the next bit set, and keeps the bit where at least k are. Two
+    shortcuts, each exact: a pass counting exactly k keys ends the search, the k-th largest being
+    the least of those k (one reduction in place of the passes left: for scores spread over many
+    values, the bits below where the k-th and (k+1)-th largest differ); and with ``HAS_LO`` the
+    bits that ``lo`` (at most the answer) shares with the largest key are the answer's, taken
+    without a pass (one reduction for the largest key)."""
+    ans = tl.zeros([], tl.int32)  # the answer's unsigned bit pattern so far
+    bit = tl.full([], _MIN, tl.int32)
+    n = tl.zeros([], tl.int32)  # bits decided
+    exact = tl.zeros([], tl.int32)  # 1 once a pass counted exactly k keys at or above ans
+    shared = tl.zeros([], tl.int32)  # the bits lo and the largest key differ in (HAS_LO)
+    prefix = tl.zeros([], tl.int32)  # 1 while every bit decided so far is a shared one
+    if HAS_LO:
+        shared = lo ^ tl.max(keys)
+        prefix += 1
+    while (n < BITS) & (exact == 0):
+        if (prefix != 0) & ((shared & bit) == 0):
+            ans = ans | ((lo ^ _MIN) & bit)
+        else:
+            prefix = tl.zeros([], tl.int32)
+            cand = ans | bit
+            cnt = tl.sum((keys >= (cand ^ _MIN)).to(tl.int32))
+            ans = tl.where(cnt >= k, cand, ans)
+            exact = (cnt == k).to(tl.int32)
+        bit = (bit >> 1) & 0x7FFFFFFF
+        n += 1
+    kth = ans ^ _MIN
+    if exact != 0:
+        kth = tl.min(tl.where(keys >= kth, keys, 2147483647))
+    return kth
 
 
 @triton.jit

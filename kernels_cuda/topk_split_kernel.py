@@ -161,14 +161,18 @@ def _pick_row(src, cand, summ, fine, fids, lst, lkey, starts, state, out, stats,
         live = e < total
         pos = tl.load(lst + e, mask=live, other=0, cache_modifier=".cg")
         key = tl.load(lkey + e, mask=live, other=_MIN, cache_modifier=".cg")
-        thr = _kth_largest(key, k, 32, RADIX)
+        # L (the row's, at most the list's k-th largest: k of its entries are at least L) bounds the search
+        thr = _kth_largest(key, k, 32, RADIX, tl.load(state + 2 * r, cache_modifier=".cg"), True)
         gt = key > thr
         eq = (key == thr) & (key != _MIN)
         need = k - tl.sum(gt.to(tl.int32))
         j = tl.arange(0, SLICES)
         first = tl.load(starts + j, mask=j < n_slices, other=0, cache_modifier=".cg")
         slice_of = pos // SLICE
-        sel = gt | (eq & (_rank_by_position(eq, slice_of, first, SMALL, SLICES) < need))  # the first ties by position
+        if tl.sum(eq.to(tl.int32)) <= need:  # every tie is picked (one, for distinct scores): no ranking
+            sel = gt | eq
+        else:
+            sel = gt | (eq & (_rank_by_position(eq, slice_of, first, SMALL, SLICES) < need))  # the first ties by position
         if MARK:
             tl.store(out + pos, sel.to(tl.uint8), mask=sel)
         else:
