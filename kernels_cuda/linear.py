@@ -89,6 +89,11 @@ TILES = {
     # dequantized, or fp8_mma off) decoded four E4M3 bytes a call where the packed decode runs
     # (codecs_e4m3; the same values), else byte by byte; see fp8_decode
     "fp8_packed": False,
+    # tiles of 64 rows and more multiply the dequantized weights by the activations (w @ x.T, the
+    # tile transposed once after the K loop): the decoded weights are the warpgroup MMA's register
+    # operand as they come, instead of a trip through shared memory as its second operand, and the
+    # activations the operand it reads from shared memory. The same products; see linear_kernel._mma
+    "swap_operands": False,
     # bf16 x and fp8_w with at least this many rows: both operands dequantized to bf16 (exact) and one
     # cuBLAS bf16 GEMM (fp32 accumulation), see _bf16_gemm; None: never (the default; h200.yaml: 4096 rows,
     # docs/performance.md, linear fp8_w)
@@ -131,6 +136,7 @@ HALVES = 32  # added to the E2M1 constexpr: the fp4_halves K order (not with tl.
 WORDS = 64  # added to the E2M1 constexpr: fp4_w bytes in the E2M1 word layout (formats.with_e2m1_words)
 FP8_PACKED = 128  # added to the E2M1 constexpr: dequantized fp8_w weights decoded four bytes a call
 FP8_FOLD = 256  # added to the E2M1 constexpr: that decode's 2**120 folded into the scales (fold_fp8)
+SWAP_AB = 512  # added to the E2M1 constexpr: the swap_operands tile (the weights the MMA's first operand)
 FOLD_MAX_SCALE = 128  # the largest UE8M0 byte whose folded scale 2**(u - 1) bf16 holds exactly
 
 
@@ -138,7 +144,8 @@ def fp4_decode() -> int:
     """The kernels' E2M1 constexpr for the ``fp4_decode`` tile on this device: the decode (0 bits, 1
     ``tl.dot_scaled``, 2 packed) plus :data:`SCALE_PREFETCH` for "packed_prefetch", plus
     :data:`HALVES` for the ``fp4_halves`` tile (with the bits and packed decodes), plus
-    :data:`FP8_PACKED` for the ``fp8_packed`` tile with the packed decode. The packed
+    :data:`FP8_PACKED` for the ``fp8_packed`` tile with the packed decode, plus :data:`SWAP_AB` for
+    the ``swap_operands`` tile (not with ``tl.dot_scaled``). The packed
     decode's bf16x2 multiplies need sm_90 (and a GPU: inline PTX), else the bit decode (the same
     values)."""
     name = _tiles()["fp4_decode"]
@@ -147,7 +154,12 @@ def fp4_decode() -> int:
     if mode == 2 and (INTERPRETED or jit_targets.capability() < (9, 0)):
         mode = 0
     fp8 = FP8_PACKED if mode == 2 and _tiles()["fp8_packed"] else 0  # an fp8 shared expert in the launch
-    return mode + ahead + (HALVES if _tiles()["fp4_halves"] and mode != 1 else 0) + fp8
+    return mode + ahead + (HALVES if _tiles()["fp4_halves"] and mode != 1 else 0) + fp8 + _swap(mode != 1)
+
+
+def _swap(applies: bool) -> int:
+    """:data:`SWAP_AB` where the ``swap_operands`` tile is on and the loop dequantizes the weights."""
+    return SWAP_AB if applies and _tiles()["swap_operands"] else 0
 
 
 def pick_tile(rules, rows: int) -> dict:
@@ -201,8 +213,9 @@ def fp8_decode(promote: bool) -> int:
     """The E2M1 constexpr of a launch whose weights are all fp8_w: 2 + :data:`FP8_PACKED` where the
     ``fp8_packed`` tile is on, the packed decodes run (:func:`fp4_decode`'s mode) and the loop
     dequantizes the weights (not the fp8 MMA), so it decodes four E4M3 bytes a call
-    (``codecs_e4m3``); else 0 (the variants compiled so far unchanged)."""
-    return 2 + FP8_PACKED if not promote and (fp4_decode() & FP8_PACKED) else 0
+    (``codecs_e4m3``); else 0 (the variants compiled so far unchanged); plus :data:`SWAP_AB` where
+    the ``swap_operands`` tile is on and the loop dequantizes the weights."""
+    return (2 + FP8_PACKED if not promote and (fp4_decode() & FP8_PACKED) else 0) + _swap(not promote)
 
 
 def may_fold(e2m1: int) -> bool:
@@ -371,6 +384,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "linear.BLOCK_K": SCALED, "split_k": Tile(nullable=True, kind=int),
                "fp8_mma": Tile(nullable=True, kind=bool), "fp4_decode": Tile(choices=FP4_DECODES),
                "fp4_scale_fold": Tile(kind=bool), "fp4_halves": Tile(kind=bool), "fp8_packed": Tile(kind=bool),
+               "swap_operands": Tile(kind=bool),
                "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),

@@ -238,9 +238,15 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
     # the warpgroup MMA, whose activation operand a permutation would send through shared memory
     HALVES: tl.constexpr = FP4 and not PROMOTE and (E2M1 // 32) % 2 == 1 and BLOCK_M < 64
     W_E2M1: tl.constexpr = E2M1 if HALVES else E2M1 & ~32  # what the weights' decode is told
+    # the swap_operands tile on the dequantizing loops' warpgroup-MMA tiles: acc holds the tile transposed
+    SWAP: tl.constexpr = not PROMOTE and E2M1 != 1 and (E2M1 // 512) % 2 == 1 and BLOCK_M >= 64
     tl.static_assert(not (PROMOTE and QX == ACT_DEQUANTIZED), "fp8 MMA on raw E4M3 needs fp8 activations")
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if PREFETCH:
         s_next = _w_scales(sw_ptr, n0, N, k_lo, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
         if DUAL:
@@ -282,23 +288,39 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
             if HALVES:
                 a = _halves(a, BLOCK_M, BLOCK_K)
-            acc = tl.dot(a, tl.trans(_w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N, BLOCK_K,
-                                               W_E2M1)), acc)
+            acc = _mma(a, _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N, BLOCK_K, W_E2M1), acc,
+                       SWAP)
             if DUAL:
-                acc3 = tl.dot(a, tl.trans(_w_decode(w3_ptr, s3, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N,
-                                                    BLOCK_K, W_E2M1)), acc3)
+                acc3 = _mma(a, _w_decode(w3_ptr, s3, n0, N, k0, k_hi, stride_wn, FP4, DOT, BLOCK_N, BLOCK_K, W_E2M1),
+                            acc3, SWAP)
         else:
             a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, DOT, BLOCK_M, BLOCK_K)
             if HALVES:
                 a = _halves(a, BLOCK_M, BLOCK_K)
             b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, DOT, BLOCK_N,
                          BLOCK_K, W_E2M1)
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = _mma(a, b, acc, SWAP)
             if DUAL:
                 b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, DOT, BLOCK_N,
                               BLOCK_K, W_E2M1)
-                acc3 = tl.dot(a, tl.trans(b3), acc3)
+                acc3 = _mma(a, b3, acc3, SWAP)
+    if SWAP:
+        acc, acc3 = tl.trans(acc), tl.trans(acc3)
     return acc, acc3
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP: tl.constexpr):
+    """``acc + a @ w.T`` (activations [M, K], dequantized weights [N, K]); SWAP: ``acc + w @ a.T``,
+    acc being the tile transposed. On sm_90 a 64-row tile's MMA is the warpgroup MMA, whose first
+    operand may stay in registers while the second is read from shared memory: swapped, the decoded
+    weights are that register operand as they come out of the decode, and the activations (loaded,
+    not computed) the shared one, where unswapped the decoded weights are stored to shared memory
+    block by block for the MMA to read back."""
+    if SWAP:
+        return tl.dot(w, tl.trans(a), acc)
+    else:
+        return tl.dot(a, tl.trans(w), acc)
 
 
 @triton.jit
