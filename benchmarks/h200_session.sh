@@ -65,8 +65,8 @@
 #              and warm again on the merged plan: h200-jit-ttft-shipped.json and the merged plan file
 #              (sm_90-h200-small.json, to commit under core/jit_plans/triton-3.6.0/)
 #   moeprefill the routed experts of a 4,096-token chunk at the released dimensions under the profile's
-#              tile past 16 rows and tiles that fit two programs an SM (benchmarks/moe_prefill_tiles.py):
-#              h200-moe-prefill-tiles.json
+#              tile past 16 rows, tiles that fit two programs an SM and 128-row tiles
+#              (benchmarks/moe_prefill_tiles.py): h200-moe-prefill-tiles.json
 #   preload    the time to first token (cold and warm; benchmarks/jit_ttft.py) without and with the plan's
 #              cached kernels loaded while the model loads (FLASHRT_JIT_PRELOAD=1, off by default), after
 #              their tests: h200-preload-tests.log, h200-jit-ttft-preload-{off,on}.json
@@ -192,11 +192,17 @@
 #   load       small's weights load time, three repeats (benchmarks/load_time.py): h200-load-time-small.json
 #   topksplit  the top-k select with rows split over scanning programs (tiles.topk.select.split_rows, as the
 #              h200 profile takes it up to 256 scanning programs): its tests and the realistic rows natively (h200-topksplit-tests.log); then
-#              128K and 1M rows (k = 512, 1 / 8 / 64 rows) unsplit and split (slices of 4,096, 8 warps, the
-#              fused pair of launches; and reading only the chunks above L, split_skip 32), each run beside
-#              torch.topk (benchmarks/topk_radix.py): h200-topk-split-{off,4096-w8,4096-w8-skip32}.json; then
-#              the profile as it is (h200-topk-split-profile.json) and the skip with L's top 16 bits only
-#              (h200-topk-split-4096-w8-skip32-bits16.json)
+#              128K and 1M rows (k = 512, 1 / 8 / 64 rows) unsplit (h200-topk-split-off.json), then under the
+#              profile as it is, searching 1, 2 and 4 bits a pass (radix_bits), each run beside torch.topk
+#              (benchmarks/topk_radix.py): h200-topk-split-profile.json
+#   topkexit   the k-th-largest search ending on an exact count, taking L's shared bits in the split pick and
+#              picking the ties unranked where all are picked: the top-k tests natively (h200-topkexit-tests.log),
+#              then 128K and 1M rows under the profile (h200-topk-exit.json) and, in the same call, under the
+#              kernels before them (TOPK_BEFORE: a folder holding that commit's kernels_cuda/topk_kernel.py
+#              and topk_split_kernel.py, swapped in for the run and back: h200-topk-exit-before.json)
+#   swap       the MMA operands swapped on 64-row tiles (tiles.linear.swap_operands): its tests natively
+#              (h200-swap-tests.log), then the experts of a 4,096-token chunk under the profile's rule and two
+#              other tiles, off and on (h200-moe-prefill-swap-{off,on}.json)
 #   topksplitvariants  the same rows split again as topksplit does, then unfused, at slices of 2,048 and
 #              8,192, at 4 warps, with L's top 16 bits only, and searched 8 bits a pass:
 #              h200-topk-split-{4096-w8-2,4096-w8-unfused,2048-w8,8192-w8,4096-w4,4096-w8-bits16,
@@ -652,16 +658,37 @@ topk_split_run() {  # NAME SLICE WARPS FUSED SKIP [RADIX [BITS]]: 128K and 1M ro
     --select "{\"split_rows\": 64, \"split_slice\": $2, \"split_warps\": $3, \"split_fused\": $4, \"split_skip\": $5, \"bits\": ${7:-32}}"
 }
 
+phase_topkexit() {
+  timeout 200 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_topk.py \
+    > "$OUT/h200-topkexit-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-topkexit-tests.log"
+  python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-exit.json"
+  [ -n "${TOPK_BEFORE:-}" ] || return 0
+  local f keep
+  keep=$(mktemp -d)
+  for f in topk_kernel.py topk_split_kernel.py; do cp "kernels_cuda/$f" "$keep/" && cp "$TOPK_BEFORE/$f" kernels_cuda/; done
+  python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-exit-before.json"
+  cp "$keep"/*.py kernels_cuda/
+}
+
+phase_swap() {
+  local on v=("M64 N128 K64, 4 warps, 4 stages" "M64 N64 K128, 4 warps, 3 stages")
+  on=$(profile_set h200-swap tiles.linear.swap_operands true)
+  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider \
+    tests/kernels_cuda/test_cuda_swap_operands.py > "$OUT/h200-swap-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-swap-tests.log"
+  python benchmarks/moe_prefill_tiles.py --variants "${v[@]}" --out "$OUT/h200-moe-prefill-swap-off.json"
+  FLASHRT_PROFILE=$on python benchmarks/moe_prefill_tiles.py --variants "${v[@]}" \
+    --out "$OUT/h200-moe-prefill-swap-on.json"
+}
+
 phase_topksplit() {  # the top-k rows split over scanning programs (tiles.topk.select.split_rows): tests, then timed
   timeout 300 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_topk.py \
     -k "split or realistic" > "$OUT/h200-topksplit-tests.log" 2>&1
   tail -n 2 "$OUT/h200-topksplit-tests.log"
   python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --select '{"split_rows": 0}' \
     --out "$OUT/h200-topk-split-off.json"
-  topk_split_run 4096-w8 4096 8 true 0
-  topk_split_run 4096-w8-skip32 4096 8 true 32
-  python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-split-profile.json"
-  topk_split_run 4096-w8-skip32-bits16 4096 8 true 32 1 16
+  python benchmarks/topk_radix.py --radix 1 2 4 --lengths 131072 1048576 --out "$OUT/h200-topk-split-profile.json"
 }
 
 phase_topksplitvariants() {  # the split's other tiles, each beside torch.topk (and topksplit's own split again)

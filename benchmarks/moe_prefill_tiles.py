@@ -40,6 +40,11 @@ VARIANTS = {  # label -> the rule's tile (the profile's past 16 rows: M64 N128 K
     "M64 N128 K64, 4 warps, 4 stages": tile(128, 64, 4, 4),
     "M64 N128 K64, 8 warps, 4 stages": tile(128, 64, 8, 4),
     "M64 N256 K64, 8 warps, 3 stages": tile(256, 64, 8, 3),
+    # 128-row tiles: an expert's rows (about 64 at 4,096 tokens) in one row tile, its weights decoded once
+    # where 64-row tiles decode them again for every expert past 64 rows
+    "M128 N64 K64, 8 warps, 3 stages": tile(64, 64, 8, 3, 128),
+    "M128 N64 K128, 8 warps, 3 stages": tile(64, 128, 8, 3, 128),
+    "M128 N128 K64, 8 warps, 2 stages": tile(128, 64, 8, 2, 128),
 }
 
 
