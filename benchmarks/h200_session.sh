@@ -213,11 +213,6 @@
 #              knob, in nibbles and in words (h200-gemv-words.json); the real-dimension slice and small's
 #              captured decode under the profile, words + halves, and that + fp8 packed:
 #              h200-real-slice-words-{off,both,all}.json, h200-e2e-words-{off,both,all}.json
-#   attnpacked the fp4_b16 KV rows decoded in packed registers (tiles.attention.dequant.packed_fp4_b16):
-#              the attention tests (h200-attn-packed-tests.log), the attention kernel cases and the prefix
-#              attention off and on (h200-kernels-attention-packed-{off,on}.json,
-#              h200-prefix-attention-packed-{off,on}.json), the real-dimension slice and small's decode:
-#              h200-real-slice-attnpacked-{off,on}.json, h200-e2e-attnpacked-{off,on}.json
 #   attnws     the warp-specialized Gluon attention kernel (tiles.attention.ws.enabled): its tests and the
 #              attention tests (h200-attn-ws-tests.log), the attention kernel cases off and on
 #              (h200-kernels-attention-ws-{off,on}.json), its tile variants beside the plain kernel
@@ -839,23 +834,6 @@ phase_words() {  # the fp4 experts' codes in words and the halves K order, then 
     "profile, fp8 shared expert packed" "profile, fp4 halves order, fp8 packed" --scales-k-major \
     --expert-words --out "$OUT/h200-gemv-words.json" | grep moe_experts
   slice_and_decode words off h200 both "$both" all "$all"
-}
-
-phase_attnpacked() {  # the fp4_b16 KV rows decoded in packed registers (tiles.attention.dequant)
-  local on
-  on=$(profile_set h200-attn-packed tiles.attention.dequant.packed_fp4_b16 true)
-  timeout 200 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_packed.py \
-    tests/kernels_cuda/test_cuda_attention.py tests/kernels_cuda/test_cuda_prefix_attention.py \
-    > "$OUT/h200-attn-packed-tests.log" 2>&1
-  tail -n 1 "$OUT/h200-attn-packed-tests.log"
-  python -m flashrt.cli bench kernels --families attention --out "$OUT/h200-kernels-attention-packed-off.json" | tail -n 4
-  FLASHRT_PROFILE=$on python -m flashrt.cli bench kernels --families attention \
-    --out "$OUT/h200-kernels-attention-packed-on.json" | tail -n 4
-  python benchmarks/prefix_attention.py --rows 4 16 --no-variants --out "$OUT/h200-prefix-attention-packed-off.json" \
-    | tail -n 3
-  FLASHRT_PROFILE=$on python benchmarks/prefix_attention.py --rows 4 16 --no-variants \
-    --out "$OUT/h200-prefix-attention-packed-on.json" | tail -n 3
-  slice_and_decode attnpacked off h200 on "$on"
 }
 
 phase_attnws() {  # the warp-specialized Gluon attention kernel (tiles.attention.ws)
