@@ -16,7 +16,9 @@ profile's (``flashrt.profiles.using``):
   ``fn``, the last one sums fewer partials); K blocks of 256 or 64; the GEMV as fp32 multiply-adds
   up to 8 tokens (``FMA_T``, also with K blocks of 256 / 512); the dot path with a one-stage
   pipeline (``num_stages`` 1); K blocks of 512; the finish loading every split at once
-  (``SPLIT_CHUNK`` 32).
+  (``SPLIT_CHUNK`` 32); the partials value major, summed along the splits in one load
+  (``value_major``). ``--hc-iters`` times them with another Sinkhorn iteration count (a probe of the
+  iterations' share of a launch; the model's count by default), ``--hc-variants`` a subset.
 * ``sparse_attention`` (``q [B, 1, heads, head_dim]`` bf16 over an fp8 window ring and an
   fp4_b16 main cache, ``window + index_topk`` indices in two parts, a sink): the combine launch
   over 64-column tiles (shipped), over whole rows (``BLOCK_D`` = head_dim, as before), and merged
@@ -66,6 +68,8 @@ HC_VARIANTS = {
     "multiply-add K blocks of 1024": {"hc_coefficients": {"FMA_BLOCK_K": 1024}},
     # the finish loading every split's partials at once (up to 32 splits x 16 values a token)
     "finish: all splits in one load": {"hc_finish": {"SPLIT_CHUNK": 32, "SPLIT_ELEMS": 16384}},
+    # the partials stored value major and summed along the splits in one load (_hc_coefficients_vm_kernel)
+    "finish: value-major partials": {"hc_finish": {"value_major": True}},
 }
 ATTENTION_VARIANTS = {
     "combine, 64 columns": {},
@@ -151,19 +155,28 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=512, help="queries per row of the prefill attention case")
     ap.add_argument("--ops", nargs="+", choices=["hc_coefficients", "sparse_attention", "prefill"],
                     default=["hc_coefficients", "sparse_attention", "prefill"], help="the cases to time")
+    ap.add_argument("--hc-iters", type=int, default=None,
+                    help="Sinkhorn iterations of the hc_coefficients cases (default: the model's)")
+    ap.add_argument("--hc-variants", nargs="+", default=None, metavar="LABEL", choices=sorted(HC_VARIANTS),
+                    help="only these hc_coefficients variants (and the shipped tiles); default: all")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.hc_iters is not None and args.hc_iters < 1:
+        ap.error(f"--hc-iters: expected a positive count, got {args.hc_iters}")
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed")
     cfg, dev, g = shipped_config(args.model), torch.device("cuda"), torch.Generator().manual_seed(0)
     hc, dim = cfg.hc_mult, cfg.dim
+    iters = args.hc_iters or cfg.hc_sinkhorn_iters
+    hc_variants = {k: v for k, v in HC_VARIANTS.items() if k == "shipped" or not args.hc_variants
+                   or k in args.hc_variants}
     H, D, W, K = cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.index_topk
 
     def hc_call(B):
         x = torch.randn(B, 1, hc, dim, generator=g).to(torch.bfloat16).to(dev)
         fn = (torch.randn((2 + hc) * hc, hc * dim, generator=g) / (hc * dim) ** 0.5).to(dev)
         scale, base = (torch.rand(3, generator=g) + 0.1).to(dev), torch.randn((2 + hc) * hc, generator=g).to(dev)
-        return lambda: mhc.hc_coefficients(x, fn, scale, base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        return lambda: mhc.hc_coefficients(x, fn, scale, base, iters, cfg.hc_eps, cfg.norm_eps)
 
     def attention_call(B, S=1):
         ring = formats.quantize(torch.randn(B, W, D, generator=g), "fp8").to(dev)
@@ -176,14 +189,14 @@ def main() -> None:
 
     rows = []
     if "hc_coefficients" in args.ops:
-        rows += measure("hc_coefficients", "mhc", HC_VARIANTS, hc_call, args.batches)
+        rows += measure("hc_coefficients", "mhc", hc_variants, hc_call, args.batches)
     if "sparse_attention" in args.ops:
         rows += measure("sparse_attention", "attention", ATTENTION_VARIANTS, attention_call, args.batches)
     if "prefill" in args.ops:
         rows += measure("sparse_attention prefill", "attention", PREFILL_VARIANTS,
                         lambda B: attention_call(B, args.prefill_len), [args.prefill_rows])
     write_json(args.out, {"model": args.model, "device": torch.cuda.get_device_name(), "entries": args.entries,
-                          "rows": rows})
+                          "hc_iters": iters, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -200,6 +200,11 @@
 #              then 128K and 1M rows under the profile (h200-topk-exit.json) and, in the same call, under the
 #              kernels before them (TOPK_BEFORE: a folder holding that commit's kernels_cuda/topk_kernel.py
 #              and topk_split_kernel.py, swapped in for the run and back: h200-topk-exit-before.json)
+#   hcfinish   hc_coefficients with the partials value major (tiles.mhc.hc_finish.value_major): the mHC
+#              tests natively (h200-hcfinish-tests.log), then at small's and the released dimensions, 1 and
+#              8 tokens, the profile, that and the finish loading every split at once, with the model's 20
+#              Sinkhorn iterations and with 1 (the iterations' share of a launch):
+#              h200-hc-finish-{small,v4.1-flash}{,-iters1}.json
 #   swap       the MMA operands swapped on 64-row tiles (tiles.linear.swap_operands): its tests natively
 #              (h200-swap-tests.log), then the experts of a 4,096-token chunk under the profile's rule and two
 #              other tiles, off and on (h200-moe-prefill-swap-{off,on}.json)
@@ -664,6 +669,19 @@ phase_topkexit() {
   for f in topk_kernel.py topk_split_kernel.py; do cp "kernels_cuda/$f" "$keep/" && cp "$TOPK_BEFORE/$f" kernels_cuda/; done
   python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-exit-before.json"
   cp "$keep"/*.py kernels_cuda/
+}
+
+phase_hcfinish() {
+  local m v=("finish: value-major partials" "finish: all splits in one load")
+  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_norm_mhc.py \
+    > "$OUT/h200-hcfinish-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-hcfinish-tests.log"
+  for m in small v4.1-flash; do
+    python benchmarks/decode_kernel_variants.py --model "$m" --ops hc_coefficients --batches 1 8 \
+      --hc-variants "${v[@]}" --out "$OUT/h200-hc-finish-$m.json" | grep -v '^ '
+    python benchmarks/decode_kernel_variants.py --model "$m" --ops hc_coefficients --batches 1 8 --hc-iters 1 \
+      --hc-variants "${v[@]}" --out "$OUT/h200-hc-finish-$m-iters1.json" | grep -v '^ '
+  done
 }
 
 phase_swap() {

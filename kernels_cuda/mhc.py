@@ -8,7 +8,9 @@ A program owns ``BLOCK_T`` tokens and a K range (up to the ``FMA_T`` tile's toke
 GEMV is fp32 multiply-adds summed over K instead, in a token tile of the next power of two of T,
 not a 16-row dot); with few tokens K is split over programs (partials in a workspace, summed by
 each token tile's last split program, :mod:`.splitk`, or by ``_hc_finish_kernel`` when
-``hc_finish.in_kernel`` is off), otherwise the same program runs the epilogue: rsqrt(mean v**2), sigmoids, softmax and the Sinkhorn iterations in registers.
+``hc_finish.in_kernel`` is off; with ``hc_finish.value_major`` the partials are stored value major
+and summed in one load, ``_hc_coefficients_vm_kernel``), otherwise the same program runs the
+epilogue: rsqrt(mean v**2), sigmoids, softmax and the Sinkhorn iterations in registers.
 Dot precision: bf16 ``x`` on the GPU multiplies ``fn`` split into ``FN_PARTS`` bf16 terms
 (``x`` is exact in bf16, so 3 parts give fp32 accuracy on the tensor cores); otherwise an
 fp32 ``ieee`` dot. The op is memory-bound on ``x`` for many tokens and on ``fn`` for few.
@@ -43,7 +45,11 @@ TILES = {
     # in_kernel: the last split program finishes; SPLIT_CHUNK: split partials loaded and summed at
     # once, fewer where a load would pass SPLIT_ELEMS values (BLOCK_T x 16 per split); 1 (one split
     # a load) is the faster at decode shapes on sm_90 (docs/performance.md)
-    "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True, "SPLIT_CHUNK": 1, "SPLIT_ELEMS": 4096},
+    # value_major: where a token tile's partials of every split fit SPLIT_ELEMS values (the splits padded
+    # to a power of two), they are stored with each value's splits side by side and the last split
+    # program sums them in one load along the splits (_hc_coefficients_vm_kernel), not split by split
+    "hc_finish": {"BLOCK_T": 32, "num_warps": 4, "in_kernel": True, "SPLIT_CHUNK": 1, "SPLIT_ELEMS": 4096,
+                  "value_major": False},
     "hc_mix": {"BLOCK_D": 1024, "num_warps": 4},
     # in_kernel: collapse + norm in one program per token (else hc_collapse, then rms_norm)
     "hc_collapse_norm": {"MAX_BLOCK_D": 8192, "num_warps": 4, "in_kernel": True},
@@ -177,6 +183,45 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
 
 
 @triton.jit
+def _hc_coefficients_vm_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, ws_p, ws_c, ws_s,
+                               cnt_ptr, T, K, x_row_stride, k_per_split, n_splits, iters, eps, norm_eps,
+                               HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, HCP: tl.constexpr,
+                               PP: tl.constexpr, DOT_BF16: tl.constexpr, FN_PARTS: tl.constexpr, FMA: tl.constexpr,
+                               SPLITS: tl.constexpr):
+    """One (token tile, K split) with the partials value major: ws_p [T, PP, SPLITS], ws_c
+    [T, HCP*HCP, SPLITS], ws_s [T, SPLITS] (SPLITS: the split count's power of two, the padding never
+    written nor read). The token tile's last split program loads every split of its values at once
+    and sums along the splits (within threads and lanes: the splits are the contiguous axis), then
+    runs the epilogue."""
+    wait_inputs()
+    t0 = tl.program_id(0) * BLOCK_T
+    split = tl.program_id(1)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc_p, acc_c, ssq = _hc_partial(x_ptr, fn_ptr, t0, T, K, x_row_stride, k_lo, k_hi, HC, BLOCK_T, BLOCK_K,
+                                    HCP, PP, DOT_BF16, FN_PARTS, FMA)
+    t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tm = t < T
+    p = tl.arange(0, PP)
+    c = tl.arange(0, HCP * HCP)
+    tl.store(ws_p + (t[:, None] * PP + p[None, :]) * SPLITS + split, acc_p, mask=tm[:, None])
+    tl.store(ws_c + (t[:, None] * (HCP * HCP) + c[None, :]) * SPLITS + split, acc_c, mask=tm[:, None])
+    tl.store(ws_s + t * SPLITS + split, ssq, mask=tm)
+    if splitk.last_ticket(cnt_ptr + tl.program_id(0), n_splits):
+        sp = tl.arange(0, SPLITS)
+        ok = tm[:, None, None] & (sp < n_splits)[None, None, :]
+        acc_p = tl.sum(tl.load(ws_p + (t[:, None, None] * PP + p[None, :, None]) * SPLITS + sp[None, None, :],
+                               mask=ok, other=0.0, cache_modifier=".cg"), axis=2)
+        acc_c = tl.sum(tl.load(ws_c + (t[:, None, None] * (HCP * HCP) + c[None, :, None]) * SPLITS
+                               + sp[None, None, :], mask=ok, other=0.0, cache_modifier=".cg"), axis=2)
+        ssq = tl.sum(tl.load(ws_s + t[:, None] * SPLITS + sp[None, :], mask=tm[:, None] & (sp < n_splits)[None, :],
+                             other=0.0, cache_modifier=".cg"), axis=1)
+        _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
+                     norm_eps, HC, BLOCK_T, HCP, PP)
+        splitk.reset_ticket(cnt_ptr + tl.program_id(0))
+
+
+@triton.jit
 def _hc_finish(ws_p, ws_c, ws_s, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, t0, T, K, n_splits,
                iters, eps, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr,
                SPLIT_CHUNK: tl.constexpr):
@@ -246,8 +291,14 @@ def _coefficients_plan(T: int, K: int, hc: int, splits: int | None, dot_bf16: bo
     # the larger of their token tiles
     fit = max(1, f["SPLIT_ELEMS"] // (max(block_t, f["BLOCK_T"]) * width))
     chunk = min(f["SPLIT_CHUNK"], 1 << (fit.bit_length() - 1))
+    # the value-major partials: the in-kernel finish, every split of a token tile's values in one load
+    value_major = finish and f["value_major"] and block_t * width * next_pow2(n_splits) <= f["SPLIT_ELEMS"]
 
     return dict(grid=(tiles, n_splits), n_splits=n_splits, k_per=k_per, finish=finish, consts=consts,
+                value_major=value_major and dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
+                                                 FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], FMA=fma,
+                                                 SPLITS=next_pow2(n_splits), num_warps=num_warps,
+                                                 **({"num_stages": stages} if stages else {}), **consts),
                 kernel=dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
                             FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], SPLIT=n_splits > 1, FINISH=finish,
                             SPLIT_CHUNK=chunk, FMA=fma, num_warps=num_warps,
@@ -274,10 +325,17 @@ def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None
     key = ("hc_coefficients", T, K, hc, splits, dot_bf16)
     plan = PLANS.lookup(key)[1] or PLANS.store(key, _coefficients_plan(T, K, hc, splits, dot_bf16))
     n_splits, consts = plan["n_splits"], plan["consts"]
+    widths = (consts["PP"], consts["HCP"] * consts["HCP"], 1)
+    if plan["value_major"]:
+        vm = plan["value_major"]
+        ws = [torch.empty(T, n, vm["SPLITS"], dtype=torch.float32, device=dev) for n in widths]
+        _hc_coefficients_vm_kernel[plan["grid"]](
+            x2, fn, scale, base, pre, post, comb, *ws, splitk.counters(dev), T, K, x2.stride(0), plan["k_per"],
+            n_splits, iters, float(eps), float(norm_eps), **vm, **pdl.options(x2.device))
+        return pre, post, comb
     ws = [pre] * 3  # unused without a split
     if n_splits > 1:
-        ws = [torch.empty(n_splits, T, n, dtype=torch.float32, device=dev)
-              for n in (consts["PP"], consts["HCP"] * consts["HCP"], 1)]
+        ws = [torch.empty(n_splits, T, n, dtype=torch.float32, device=dev) for n in widths]
     cnt = splitk.counters(dev) if plan["finish"] else pre
     _hc_coefficients_kernel[plan["grid"]](
         x2, fn, scale, base, pre, post, comb, *ws, cnt, T, K, x2.stride(0), plan["k_per"], n_splits, iters,
@@ -408,7 +466,8 @@ FAMILY = KernelFamily(
                               "*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT,
                               "*.BLOCK_T_SMALL": DOT, "hc_finish.BLOCK_T": POW2,
                               "hc_finish.in_kernel": Tile(kind=bool), "hc_finish.SPLIT_CHUNK": POW2,
-                              "hc_finish.SPLIT_ELEMS": POW2, "hc_mix.BLOCK_D": POW2,
+                              "hc_finish.SPLIT_ELEMS": POW2, "hc_finish.value_major": Tile(kind=bool),
+                              "hc_mix.BLOCK_D": POW2,
                               "hc_collapse_norm.MAX_BLOCK_D": POW2, "hc_collapse_norm.in_kernel": Tile(kind=bool)},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="mHC: mixing coefficients (GEMV + Sinkhorn), collapse (with its norm), expand")

@@ -6,7 +6,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_check import CountingKernel, DEVICE, rel_err, requires_kernels, run_both  # noqa: E402
+from kernel_check import (CountingKernel, DEVICE, assert_counters_zero, pinned_tiles, rel_err,  # noqa: E402
+                          requires_kernels, run_both)
 
 import flashrt  # noqa: E402
 from flashrt import dispatch, ops  # noqa: E402
@@ -171,6 +172,36 @@ def test_hc_coefficients_fma_tokens(splits, fma_block_k, rng, monkeypatch):
             want = ops.hc_coefficients(x, fn, scale, base, 7, 1e-6, 1e-6)
         _check_coeffs(got, want)
     profiles._TILES_CACHE.clear()
+
+
+@pytest.mark.parametrize("fma_t", [0, 8])
+def test_hc_coefficients_value_major_finish(fma_t, rng):
+    """``hc_finish.value_major``: the partials stored with each value's splits side by side and summed
+    in one load by the last split program, where a token tile's splits fit ``SPLIT_ELEMS`` values
+    (else the split-by-split finish): the reference's values and the other finish's to fp32
+    rounding, on both GEMV paths, uneven and ragged splits; the ticket counters put back."""
+    D = int(torch.randint(20, 60, (), generator=rng))
+    T = int(torch.randint(1, 6, (), generator=rng))
+    splits = int(torch.randint(2, 9, (), generator=rng))
+    x, fn, scale, base = _hc_inputs(T, 1, 4, D, torch.float32, rng)
+    with flashrt.use_backend("reference"):
+        want = ops.hc_coefficients(x, fn, scale, base, 20, 1e-6, 1e-6)
+    got = {}
+    for vm in (False, True):
+        tiles = dict(hc_coefficients=dict(FMA_T=fma_t, FMA_BLOCK_K=16), hc_coefficients_fp32=dict(BLOCK_K=16),
+                     hc_finish=dict(value_major=vm))
+        with pinned_tiles(mhc=tiles):
+            plan = mhc._coefficients_plan(T, 4 * D, 4, splits, False)
+            assert bool(plan["value_major"]) == vm and plan["n_splits"] > 1
+            if vm:
+                assert plan["value_major"]["SPLITS"] == 1 << (plan["n_splits"] - 1).bit_length()
+            got[vm] = mhc.hc_coefficients(x, fn, scale, base, 20, 1e-6, 1e-6, splits=splits)
+        _check_coeffs(got[vm], want)
+    for a, b in zip(got[True], got[False]):
+        assert rel_err(a, b) < 1e-6
+    assert_counters_zero(got[True][0])
+    with pinned_tiles(mhc=dict(hc_coefficients_fp32=dict(BLOCK_K=16), hc_finish=dict(value_major=True, SPLIT_ELEMS=16))):
+        assert not mhc._coefficients_plan(T, 4 * D, 4, splits, False)["value_major"]  # over the one-load budget
 
 
 @pytest.mark.parametrize("T", [1, 17, 40, 64, 65, 300, 4096])
