@@ -118,6 +118,19 @@ def _hc_partial(x_ptr, fn_ptr, t0, T, K, x_row_stride, k_lo, k_hi, HC: tl.conste
 
 
 @triton.jit
+def _program_partial(x_ptr, fn_ptr, T, K, x_row_stride, k_per_split, HC: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_K: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr, DOT_BF16: tl.constexpr,
+                     FN_PARTS: tl.constexpr, FMA: tl.constexpr):
+    """This program's first token (its token tile: program id 0) and :func:`_hc_partial` over its K
+    split (program id 1)."""
+    t0 = tl.program_id(0) * BLOCK_T
+    k_lo = tl.program_id(1) * k_per_split
+    acc_p, acc_c, ssq = _hc_partial(x_ptr, fn_ptr, t0, T, K, x_row_stride, k_lo, tl.minimum(k_lo + k_per_split, K),
+                                    HC, BLOCK_T, BLOCK_K, HCP, PP, DOT_BF16, FN_PARTS, FMA)
+    return t0, acc_p, acc_c, ssq
+
+
+@triton.jit
 def _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
                  norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, HCP: tl.constexpr, PP: tl.constexpr):
     t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -157,12 +170,9 @@ def _hc_coefficients_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
     """One (token tile, K split). SPLIT: partials to the workspace, and with FINISH the token tile's
     last split program (a ticket from its counter, :mod:`.splitk`) sums them and runs the epilogue."""
     wait_inputs()
-    t0 = tl.program_id(0) * BLOCK_T
     split = tl.program_id(1)
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc_p, acc_c, ssq = _hc_partial(x_ptr, fn_ptr, t0, T, K, x_row_stride, k_lo, k_hi, HC, BLOCK_T, BLOCK_K,
-                                    HCP, PP, DOT_BF16, FN_PARTS, FMA)
+    t0, acc_p, acc_c, ssq = _program_partial(x_ptr, fn_ptr, T, K, x_row_stride, k_per_split, HC, BLOCK_T, BLOCK_K,
+                                             HCP, PP, DOT_BF16, FN_PARTS, FMA)
     if SPLIT:  # partials: ws_p [splits, T, PP], ws_c [splits, T, HCP*HCP], ws_s [splits, T]
         t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
         row = split * T + t
@@ -194,12 +204,9 @@ def _hc_coefficients_vm_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post
     and sums along the splits (within threads and lanes: the splits are the contiguous axis), then
     runs the epilogue."""
     wait_inputs()
-    t0 = tl.program_id(0) * BLOCK_T
     split = tl.program_id(1)
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc_p, acc_c, ssq = _hc_partial(x_ptr, fn_ptr, t0, T, K, x_row_stride, k_lo, k_hi, HC, BLOCK_T, BLOCK_K,
-                                    HCP, PP, DOT_BF16, FN_PARTS, FMA)
+    t0, acc_p, acc_c, ssq = _program_partial(x_ptr, fn_ptr, T, K, x_row_stride, k_per_split, HC, BLOCK_T, BLOCK_K,
+                                             HCP, PP, DOT_BF16, FN_PARTS, FMA)
     t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
     tm = t < T
     p = tl.arange(0, PP)

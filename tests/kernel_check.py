@@ -148,6 +148,20 @@ def assert_counters_zero(t: torch.Tensor):
     assert int(pool.count_nonzero()) == 0, f"split-K ticket counters not reset on {t.device}"
 
 
+def random_experts(rng, n, k, E, top, I, shared_fmt):
+    """Routing of ``n`` tokens to ``top`` of ``E`` experts (weights, indices), the routed fp4_w expert
+    stacks (W1 / W3 ``[E, I, k]``, W2 ``[E, k, I]``) and a ``shared_fmt`` shared expert of the same
+    shapes, from ``rng``, on the test device."""
+    from flashrt import formats
+
+    idx = torch.stack([torch.randperm(E, generator=rng)[:top] for _ in range(n)]).to(DEVICE, torch.int32)
+    rw = torch.rand(n, top, generator=rng).to(DEVICE)
+    q = lambda fmt, *s: formats.quantize(torch.randn(*s, generator=rng) * 0.25, fmt).to(DEVICE)
+    experts = [q("fp4_w", *s) for s in ((E, I, k), (E, I, k), (E, k, I))]
+    shared = tuple(q(shared_fmt, 1, *s) for s in ((I, k), (I, k), (k, I)))
+    return rw, idx, experts, shared
+
+
 def moe_reference_by_expert(x, weights, indices, w1, w3, w2, limit):
     """The reference backend expert by expert (it dequantizes only one expert's weights at a time)."""
     from flashrt.backends import reference

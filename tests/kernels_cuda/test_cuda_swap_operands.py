@@ -10,7 +10,7 @@ import torch
 
 import flashrt
 from flashrt import formats, ops
-from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels  # noqa: F401
+from kernel_check import DEVICE, GPU, pinned_tiles, random_experts, rel_err, requires_kernels  # noqa: F401
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
@@ -30,15 +30,6 @@ def test_the_constexpr_adds_the_swap_where_the_loop_dequantizes(decode):
     assert swapped % 8 == plain % 8 and lin.may_fold(swapped) == lin.may_fold(plain)  # the other bits unchanged
 
 
-def _experts(rng, n, k, E, top, I, shared_fmt):
-    idx = torch.stack([torch.randperm(E, generator=rng)[:top] for _ in range(n)]).to(DEVICE, torch.int32)
-    rw = torch.rand(n, top, generator=rng).to(DEVICE)
-    q = lambda fmt, *s: formats.quantize(torch.randn(*s, generator=rng) * 0.25, fmt).to(DEVICE)
-    experts = [q("fp4_w", *s) for s in ((E, I, k), (E, I, k), (E, k, I))]
-    shared = tuple(q(shared_fmt, 1, *s) for s in ((I, k), (I, k), (k, I)))
-    return rw, idx, experts, shared
-
-
 # rows, K (ragged: K % 64 != 0 in some), split K, the shared expert's format, moe tiles beyond the rule
 CASES = [(70, 96, None, "fp8_w", dict(pair_tiles=64)),
          (64, 160, 2, "fp4_w", dict(pair_tiles=0)),
@@ -51,7 +42,7 @@ def test_the_swapped_operands_give_the_same_sums(rng, m, k, split, shared_fmt, m
     x = (torch.randn(m, k, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
     w4 = formats.quantize(torch.randn(72, k, generator=rng) * 0.25, "fp4_w").to(DEVICE)
     w8 = formats.quantize(torch.randn(96, k, generator=rng) * 0.25, "fp8_w").to(DEVICE)
-    rw, idx, experts, shared = _experts(rng, m, k, 4, 2, 64, shared_fmt)
+    rw, idx, experts, shared = random_experts(rng, m, k, 4, 2, 64, shared_fmt)
     tile = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
     out = {}
     for swap in (False, True):
@@ -93,7 +84,7 @@ def test_experts_swapped_gpu(rng, n):
     the same launches, against the unswapped loop and the reference."""
     E, top, D, I = 64, 6, 1024, 512
     x = torch.randn(n, D, generator=rng).to(DEVICE, torch.bfloat16)
-    rw, idx, experts, shared = _experts(rng, n, D, E, top, I, "fp8_w")
+    rw, idx, experts, shared = random_experts(rng, n, D, E, top, I, "fp8_w")
     args = (x, rw, idx, *experts, 10.0)
     out = {}
     for swap in (False, True):
