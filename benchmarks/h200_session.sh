@@ -157,8 +157,8 @@
 #              the prefix attention and the batch-64 decode attention (NCU_CASES to change):
 #              ncu-stalls-CASE.txt
 #   ncusource  Nsight Compute's source page (SASS, with executed instructions and stall samples a line)
-#              of NCU_CASES (default experts1), summed by opcode (tools/ncu_source.py):
-#              ncu-source-CASE[NCU_TAG].csv.gz, .txt, .json
+#              of NCU_CASES (default experts1), summed by opcode and by run count (tools/ncu_source.py):
+#              ncu-source-CASE[NCU_TAG].csv.gz, .txt, .json, -counts.txt
 #   kerneltests the CUDA kernel tests natively under the profile (h200-kernel-tests.log)
 #   scales     the experts' fp4 scale loads: stored K major (formats.with_k_major_scales) and loaded a
 #              K block ahead (tiles.linear.fp4_decode: packed_prefetch). Their GPU tests and the MoE
@@ -757,7 +757,7 @@ phase_ncusource() {
       --section WarpStateStats --import-source yes -f -o "$f" python tools/ncu_cases.py "$case" > "$f.log" 2>&1
     "$ncu" -i "$f.ncu-rep" --page source --csv --print-source sass > "$f.csv" 2>&1
     python tools/ncu_source.py "$f.csv" --json "$f.json" > "$f.txt" && rm -f "$f.ncu-rep" \
-      && gzip -f "$f.csv"  # the report kept when unread
+      && python tools/ncu_source.py "$f.csv" --by-count > "$f-counts.txt" && gzip -f "$f.csv"  # the report kept when unread
     head -n 30 "$f.txt"
   done
 }

@@ -13,7 +13,10 @@ per SASS instruction, or per source line of the kernel for ``--print-source cuda
 this sums the executed instructions and the warp-stall samples over the instruction's opcode
 (``LDG.E.U8`` counts as ``LDG``, its modifiers kept apart in ``by_instruction``) and over each row's
 source text (``by_row``, with its line number where the CSV has a line column), and prints the
-opcodes, or with ``--lines`` the rows, that take the most of either.
+opcodes, or with ``--lines`` the rows, that take the most of either. ``--by-count`` prints instead
+the instructions grouped by how many times each ran (``by_count``): the code every warp of every
+program runs apart from the code only some run, such as a split-K launch's finish in its last
+program (its rows run once a warp of one program) or one partition of a warp-specialized kernel.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def tables(rows: list[list[str]]) -> list[dict]:
             line = next((i for i, h in enumerate(row) if h.strip() in ("#", "Line", "# Line")), None)
             current = {"columns": (src, ex, st), "line": line, "by_opcode": defaultdict(lambda: [0.0, 0.0]),
                        "by_instruction": defaultdict(lambda: [0.0, 0.0]), "by_row": defaultdict(lambda: [0.0, 0.0]),
-                       "lines": 0}
+                       "by_count": defaultdict(lambda: [0, 0.0]), "lines": 0}
             out.append(current)
             continue
         if header is None or len(row) <= current["columns"][0]:
@@ -75,13 +78,17 @@ def tables(rows: list[list[str]]) -> list[dict]:
         for key, table in ((op, current["by_opcode"]), (full, current["by_instruction"]), (text, current["by_row"])):
             table[key][0] += executed
             table[key][1] += samples
+        current["by_count"][executed][0] += 1
+        current["by_count"][executed][1] += samples
         current["lines"] += 1
     return [{"lines": t["lines"],
              "executed": sum(v[0] for v in t["by_opcode"].values()),
              "samples": sum(v[1] for v in t["by_opcode"].values()),
              "by_opcode": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_opcode"].items()},
              "by_instruction": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_instruction"].items()},
-             "by_row": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_row"].items()}}
+             "by_row": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_row"].items()},
+             "by_count": {f"{k:.0f}": {"rows": v[0], "executed": k * v[0], "samples": v[1]}
+                          for k, v in sorted(t["by_count"].items())}}
             for t in out]
 
 
@@ -101,6 +108,19 @@ def report(summary: dict, top: int, by: str = "by_opcode") -> str:
     return "\n".join(lines)
 
 
+def count_report(summary: dict) -> str:
+    """One table's instructions grouped by how many times each ran: per group the rows (SASS
+    instructions), the instructions executed and the stall samples, with their shares."""
+    ex, st = summary["executed"] or 1.0, summary["samples"] or 1.0
+    lines = [f"{summary['lines']} rows, {summary['executed']:,.0f} instructions executed, "
+             f"{summary['samples']:,.0f} stall samples",
+             f"{'runs each':>12s} {'rows':>7s} {'executed':>14s} {'share':>7s} {'stall samples':>14s} {'share':>7s}"]
+    for runs, v in summary["by_count"].items():
+        lines.append(f"{int(runs):12,d} {v['rows']:7d} {v['executed']:14,.0f} {100 * v['executed'] / ex:6.1f}% "
+                     f"{v['samples']:14,.0f} {100 * v['samples'] / st:6.1f}%")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", help="ncu -i REPORT --page source --csv --print-source sass output")
@@ -108,10 +128,15 @@ def main() -> None:
     ap.add_argument("--lines", action="store_true",
                     help="rank the source rows (a --print-source cuda export: the kernel's own lines) instead of "
                          "the opcodes")
+    ap.add_argument("--by-count", action="store_true",
+                    help="group the instructions by how many times each ran instead (rows every warp runs apart "
+                         "from those of one program or partition)")
     ap.add_argument("--json", default=None, help="write the summaries here")
     args = ap.parse_args()
     if args.top < 1:
         ap.error(f"--top: expected a count >= 1, got {args.top}")
+    if args.lines and args.by_count:
+        ap.error("--lines and --by-count: expected at most one of them, got both")
     try:
         with (gzip.open(args.csv, "rt", newline="") if args.csv.endswith(".gz") else open(args.csv, newline="")) as f:
             rows = list(csv.reader(f))
@@ -122,7 +147,8 @@ def main() -> None:
         sys.exit(f"ncu_source: no source table in {args.csv!r} (expected a header with a {SOURCE!r} column and "
                  f"{EXECUTED!r} or {SAMPLES!r})")
     for i, t in enumerate(found):
-        print(f"== kernel {i}\n{report(t, args.top, 'by_row' if args.lines else 'by_opcode')}")
+        text = count_report(t) if args.by_count else report(t, args.top, "by_row" if args.lines else "by_opcode")
+        print(f"== kernel {i}\n{text}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(found, f, indent=1)

@@ -1,6 +1,6 @@
-"""tools/ncu_source.py: the per-opcode sums of Nsight Compute's source page against the sums
-taken while writing a random page, one table a kernel; its errors for a missing file and a CSV
-with no source table."""
+"""tools/ncu_source.py: the per-opcode sums and the groups by run count of Nsight Compute's source
+page against the sums taken while writing a random page, one table a kernel; its errors for a
+missing file, a CSV with no source table and two exclusive views."""
 from __future__ import annotations
 
 import csv
@@ -20,21 +20,28 @@ OPS = ["LDG", "STS", "LDS", "HMMA", "PRMT", "FMUL", "IMAD", "BAR", "F2FP", "ISET
 MODS = ["", ".E", ".E.U8", ".128", ".SYNC", ".16816.F32.BF16"]
 
 
-def _page(rng: random.Random, kernels: int):
-    """(CSV rows, the expected {opcode: [executed, samples]} a kernel)."""
+def _page(rng: random.Random, kernels: int, counts: list | None = None):
+    """(CSV rows, the expected {opcode: [executed, samples]} a kernel); ``counts`` gets, a kernel,
+    the expected {times run: [rows, samples]} (each instruction runs one of a few counts, as every
+    warp of a launch or only those of one program do)."""
     rows, want = [["Kernel Name", "Context"]], []
     for _ in range(kernels):
         rows.append(["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "Extra"])
-        sums = defaultdict(lambda: [0.0, 0.0])
+        sums, by_count = defaultdict(lambda: [0.0, 0.0]), defaultdict(lambda: [0, 0.0])
+        runs = [rng.randint(0, 5_000_000) for _ in range(rng.randint(1, 4))]
         for i in range(rng.randint(1, 60)):
             op = rng.choice(OPS)
             pred = rng.choice(["", "@P0 ", "@!PT "])
-            executed, samples = rng.randint(0, 5_000_000), rng.randint(0, 3000)
+            executed, samples = rng.choice(runs), rng.randint(0, 3000)
             rows.append([hex(16 * i), f"{pred}{op}{rng.choice(MODS)} R{i}, R{i + 1} ;", f"{samples:,}",
                          f"{executed:,}", "x"])
             sums[op][0] += executed
             sums[op][1] += samples
+            by_count[executed][0] += 1
+            by_count[executed][1] += samples
         want.append(sums)
+        if counts is not None:
+            counts.append(by_count)
     return rows, want
 
 
@@ -61,6 +68,20 @@ def test_sums_by_opcode_match_the_page(tmp_path):
     assert again == out
 
 
+def test_groups_by_run_count_match_the_page(tmp_path):
+    rng, counts = random.Random(), []
+    rows, _ = _page(rng, rng.randint(1, 3), counts)
+    for table, want in zip(ncu_source.tables(rows), counts):
+        assert {int(k): [v["rows"], v["samples"]] for k, v in table["by_count"].items()} == dict(want)
+        assert sum(v["executed"] for v in table["by_count"].values()) == table["executed"]
+    path = tmp_path / "source.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "ncu_source.py"), str(path), "--by-count"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.count("== kernel") == len(counts) and out.count("runs each") == len(counts)
+
+
 def test_clear_errors(tmp_path):
     tool = str(ROOT / "tools" / "ncu_source.py")
     missing = subprocess.run([sys.executable, tool, str(tmp_path / "none.csv")], capture_output=True, text=True)
@@ -71,3 +92,6 @@ def test_clear_errors(tmp_path):
     bad = subprocess.run([sys.executable, tool, str(tmp_path / "empty.csv"), "--top", "0"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "--top" in bad.stderr and "got 0" in bad.stderr
+    both = subprocess.run([sys.executable, tool, str(tmp_path / "empty.csv"), "--lines", "--by-count"],
+                          capture_output=True, text=True)
+    assert both.returncode == 2 and "--lines and --by-count" in both.stderr
