@@ -6,9 +6,10 @@ the sort of its indices, one run.
 
 Rows of at most ``tiles.topk.select.summary`` (or ``registers``, the larger) entries are picked
 from their keys in registers after one search; longer rows go through a chunk summary and a candidate list. The select's two
-k-th-largest searches decide ``radix_bits`` bits a pass: 32 sequential block-wide
-reductions at 1 bit, 16 at 2, 8 at 4 (each pass counts ``2**radix_bits`` thresholds at once), 4
-256-bin histograms at 8 (docs/performance.md, "topk_positions"). Each case's picks are checked
+k-th-largest searches decide ``radix_bits`` bits a pass: up to 32 sequential block-wide
+reductions at 1 bit (fewer where a pass counts exactly k keys, docs/kernels.md), 16 at 2, 8 at 4
+(each pass counts ``2**radix_bits`` thresholds at once), 4 256-bin histograms at 8
+(docs/performance.md, "topk_positions"). Each case's picks are checked
 equal to the baseline's first; times are CUDA-graph replays
 (``flashrt.timing.bench_ms``, each behind an L2 flush).
 """
