@@ -145,18 +145,21 @@ def _group(src, cand, ids, g, total, T, C: tl.constexpr, GROUP: tl.constexpr,
 
 
 @triton.jit
-def _finish_registers(src, cand, lst, out, n_list, k, BLOCK: tl.constexpr,
+def _finish_registers(src, cand, lst, out, n_list, k, L, BLOCK: tl.constexpr,
                       SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, MARK: tl.constexpr, RADIX: tl.constexpr):
+    """(d) the list (every key above ``L`` and at least k ties at it, :func:`_build_list`) held in
+    registers: its picks, ``L`` bounding the search from below."""
     offs = tl.arange(0, BLOCK)
     live = offs < n_list
     pos = tl.load(lst + offs, mask=live, other=0)
-    return _pick(_load_keys(src, cand, pos, live, SRC_KEYS, HAS_CAND), pos, k, out, MARK, RADIX)
+    return _pick(_load_keys(src, cand, pos, live, SRC_KEYS, HAS_CAND), pos, k, out, MARK, RADIX, L, True)
 
 
 @triton.jit
-def _pick(key, pos, k, out, MARK: tl.constexpr, RADIX: tl.constexpr):
-    """The picks of keys held in registers (at ``pos``): the exact k-th largest, then one emit; their count."""
-    thr = _kth_largest(key, k, 32, RADIX)
+def _pick(key, pos, k, out, MARK: tl.constexpr, RADIX: tl.constexpr, lo=_MIN, HAS_LO: tl.constexpr = False):
+    """The picks of keys held in registers (at ``pos``): the exact k-th largest (``lo``: a key known
+    not to exceed it, :func:`_kth_largest`), then one emit; their count."""
+    thr = _kth_largest(key, k, 32, RADIX, lo, HAS_LO)
     n_out, _ = _emit(key, pos, thr, k - tl.sum((key > thr).to(tl.int32)), 0, 0, out, MARK)
     return n_out
 
@@ -294,7 +297,7 @@ def _select_long(src, cand, summ, fine, fids, lst, out, stat, T, NC, NF, k, C: t
     if STATS:  # the list length says which path (d) took
         tl.store(stat, n_list)
     if n_list <= SMALL:  # (d)
-        n_out = _finish_registers(src, cand, lst, out, n_list, k, SMALL, SRC_KEYS, HAS_CAND, MARK, RADIX)
+        n_out = _finish_registers(src, cand, lst, out, n_list, k, L, SMALL, SRC_KEYS, HAS_CAND, MARK, RADIX)
     elif n_list <= LIST:  # the list streamed
         n_out = _finish_streaming(src, cand, lst, out, T, n_list, k, 1, GROUP, SRC_KEYS, HAS_CAND, MARK)
     else:  # the list overflowed: the selected chunks streamed
