@@ -300,16 +300,12 @@ def _coefficients_plan(T: int, K: int, hc: int, splits: int | None, dot_bf16: bo
     chunk = min(f["SPLIT_CHUNK"], 1 << (fit.bit_length() - 1))
     # the value-major partials: the in-kernel finish, every split of a token tile's values in one load
     value_major = finish and f["value_major"] and block_t * width * next_pow2(n_splits) <= f["SPLIT_ELEMS"]
+    common = dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16, FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"],
+                  FMA=fma, num_warps=num_warps, **({"num_stages": stages} if stages else {}), **consts)
 
     return dict(grid=(tiles, n_splits), n_splits=n_splits, k_per=k_per, finish=finish, consts=consts,
-                value_major=value_major and dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
-                                                 FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], FMA=fma,
-                                                 SPLITS=next_pow2(n_splits), num_warps=num_warps,
-                                                 **({"num_stages": stages} if stages else {}), **consts),
-                kernel=dict(BLOCK_T=block_t, BLOCK_K=block_k, DOT_BF16=dot_bf16,
-                            FN_PARTS=_tiles()["hc_coefficients"]["FN_PARTS"], SPLIT=n_splits > 1, FINISH=finish,
-                            SPLIT_CHUNK=chunk, FMA=fma, num_warps=num_warps,
-                            **({"num_stages": stages} if stages else {}), **consts),
+                value_major=value_major and dict(common, SPLITS=next_pow2(n_splits)),
+                kernel=dict(common, SPLIT=n_splits > 1, FINISH=finish, SPLIT_CHUNK=chunk),
                 finish_grid=(cdiv(T, f["BLOCK_T"]),),
                 finish_kernel=dict(BLOCK_T=f["BLOCK_T"], num_warps=f["num_warps"], SPLIT_CHUNK=chunk,
                                    **consts))
@@ -333,20 +329,17 @@ def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None
     plan = PLANS.lookup(key)[1] or PLANS.store(key, _coefficients_plan(T, K, hc, splits, dot_bf16))
     n_splits, consts = plan["n_splits"], plan["consts"]
     widths = (consts["PP"], consts["HCP"] * consts["HCP"], 1)
-    if plan["value_major"]:
-        vm = plan["value_major"]
-        ws = [torch.empty(T, n, vm["SPLITS"], dtype=torch.float32, device=dev) for n in widths]
-        _hc_coefficients_vm_kernel[plan["grid"]](
-            x2, fn, scale, base, pre, post, comb, *ws, splitk.counters(dev), T, K, x2.stride(0), plan["k_per"],
-            n_splits, iters, float(eps), float(norm_eps), **vm, **pdl.options(x2.device))
-        return pre, post, comb
+    vm = plan["value_major"]
     ws = [pre] * 3  # unused without a split
-    if n_splits > 1:
+    if vm:  # value major: [T, values, splits]
+        ws = [torch.empty(T, n, vm["SPLITS"], dtype=torch.float32, device=dev) for n in widths]
+    elif n_splits > 1:
         ws = [torch.empty(n_splits, T, n, dtype=torch.float32, device=dev) for n in widths]
     cnt = splitk.counters(dev) if plan["finish"] else pre
-    _hc_coefficients_kernel[plan["grid"]](
+    kernel = _hc_coefficients_vm_kernel if vm else _hc_coefficients_kernel
+    kernel[plan["grid"]](
         x2, fn, scale, base, pre, post, comb, *ws, cnt, T, K, x2.stride(0), plan["k_per"], n_splits, iters,
-        float(eps), float(norm_eps), **plan["kernel"], **pdl.options(x2.device))
+        float(eps), float(norm_eps), **(vm or plan["kernel"]), **pdl.options(x2.device))
     if n_splits > 1 and not plan["finish"]:
         _hc_finish_kernel[plan["finish_grid"]](
             *ws, scale, base, pre, post, comb, T, K, n_splits, iters, float(eps), float(norm_eps),
