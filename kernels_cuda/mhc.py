@@ -336,10 +336,12 @@ def hc_coefficients(x, fn, scale, base, iters, eps, norm_eps, splits: int | None
     elif n_splits > 1:
         ws = [torch.empty(n_splits, T, n, dtype=torch.float32, device=dev) for n in widths]
     cnt = splitk.counters(dev) if plan["finish"] else pre
-    kernel = _hc_coefficients_vm_kernel if vm else _hc_coefficients_kernel
-    kernel[plan["grid"]](
-        x2, fn, scale, base, pre, post, comb, *ws, cnt, T, K, x2.stride(0), plan["k_per"], n_splits, iters,
-        float(eps), float(norm_eps), **(vm or plan["kernel"]), **pdl.options(x2.device))
+    args = (x2, fn, scale, base, pre, post, comb, *ws, cnt, T, K, x2.stride(0), plan["k_per"], n_splits, iters,
+            float(eps), float(norm_eps))
+    if vm:
+        _hc_coefficients_vm_kernel[plan["grid"]](*args, **vm, **pdl.options(x2.device))
+    else:
+        _hc_coefficients_kernel[plan["grid"]](*args, **plan["kernel"], **pdl.options(x2.device))
     if n_splits > 1 and not plan["finish"]:
         _hc_finish_kernel[plan["finish_grid"]](
             *ws, scale, base, pre, post, comb, T, K, n_splits, iters, float(eps), float(norm_eps),
