@@ -2,7 +2,7 @@
 top-6, about 64 rows an expert at 4,096 tokens) under tiles for the experts' MMA rule past 16 rows,
 against the active profile's, in one run.
 
-    python benchmarks/moe_prefill_tiles.py --out F [--tokens 4096] [--variants LABEL ...]
+    python benchmarks/moe_prefill_tiles.py --out F [--tokens 4096] [--model v4.1-flash|small] [--variants LABEL ...]
 
 Each variant puts one rule serving every row count in front of ``tiles.moe.experts`` (the launches
 of a chunk this size all take it). The experts' weights are random fp4 bytes laid out as the
@@ -29,9 +29,9 @@ from gemv_tiles import random_experts, with_rule
 from results_io import write_json
 
 
-def tile(block_n: int, block_k: int, warps: int, stages: int, block_m: int = 64) -> dict:
+def tile(block_n: int, block_k: int, warps: int, stages: int, block_m: int = 64, swap: bool | None = None) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-                min_block_n=32, split_min_blocks=2)
+                min_block_n=32, split_min_blocks=2, swap_operands=swap)
 
 
 VARIANTS = {  # label -> the rule's tile (the profile's past 16 rows: M64 N128 K128, 8 warps, 3 stages)
@@ -45,6 +45,10 @@ VARIANTS = {  # label -> the rule's tile (the profile's past 16 rows: M64 N128 K
     "M128 N64 K64, 8 warps, 3 stages": tile(64, 64, 8, 3, 128),
     "M128 N64 K128, 8 warps, 3 stages": tile(64, 128, 8, 3, 128),
     "M128 N128 K64, 8 warps, 2 stages": tile(128, 64, 8, 2, 128),
+    # the rule's own swap_operands knob: the decoded weights the warpgroup MMA's register operand
+    "M64 N128 K64, 4 warps, 4 stages, swapped": tile(128, 64, 4, 4, swap=True),
+    "M64 N64 K128, 4 warps, 3 stages, swapped": tile(64, 128, 4, 3, swap=True),
+    "M128 N64 K64, 8 warps, 3 stages, swapped": tile(64, 64, 8, 3, 128, swap=True),
 }
 
 
@@ -64,6 +68,8 @@ def experts(cfg, tokens: int, dev, g):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--model", default="v4.1-flash", choices=["v4.1-flash", "small"],
+                    help="the shipped config whose routed experts are timed")
     ap.add_argument("--variants", nargs="+", default=None, metavar="LABEL", choices=sorted(VARIANTS),
                     help="only these variants (and the profile's tiles); default: all")
     ap.add_argument("--out", default=None)
@@ -73,7 +79,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed")
     ceil, dev = Ceilings.measure(), torch.device("cuda")
-    call, weight_bytes, flops = experts(shipped_config("v4.1-flash"), args.tokens, dev, torch.Generator().manual_seed(0))
+    call, weight_bytes, flops = experts(shipped_config(args.model), args.tokens, dev, torch.Generator().manual_seed(0))
     floor_us = 1e6 * max(weight_bytes / ceil.copy_bytes_per_s, flops / ceil.bf16_flops)
     rows, first = [], None
     chosen = {k: v for k, v in VARIANTS.items() if not args.variants or k in args.variants}
@@ -96,7 +102,7 @@ def main() -> None:
             print(f"{label:36s} {us:9.1f} us  floor {floor_us:8.1f} us ({100 * floor_us / us:5.1f}%)  "
                   f"diff {rows[-1]['max_abs_diff_from_profile']:.3g}", flush=True)
     profiles._TILES_CACHE.clear()
-    write_json(args.out, {"device": torch.cuda.get_device_name(), "tokens": args.tokens,
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "model": args.model, "tokens": args.tokens,
                           "copy_bytes_per_s": ceil.copy_bytes_per_s, "bf16_flops": ceil.bf16_flops,
                           "weight_bytes": weight_bytes, "flops": flops, "rows": rows})
 

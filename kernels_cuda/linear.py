@@ -140,12 +140,12 @@ SWAP_AB = 512  # added to the E2M1 constexpr: the swap_operands tile (the weight
 FOLD_MAX_SCALE = 128  # the largest UE8M0 byte whose folded scale 2**(u - 1) bf16 holds exactly
 
 
-def fp4_decode() -> int:
+def fp4_decode(swap: bool | None = None) -> int:
     """The kernels' E2M1 constexpr for the ``fp4_decode`` tile on this device: the decode (0 bits, 1
     ``tl.dot_scaled``, 2 packed) plus :data:`SCALE_PREFETCH` for "packed_prefetch", plus
     :data:`HALVES` for the ``fp4_halves`` tile (with the bits and packed decodes), plus
     :data:`FP8_PACKED` for the ``fp8_packed`` tile with the packed decode, plus :data:`SWAP_AB` for
-    the ``swap_operands`` tile (not with ``tl.dot_scaled``). The packed
+    the ``swap_operands`` tile, or ``swap`` where a rule sets it (not with ``tl.dot_scaled``). The packed
     decode's bf16x2 multiplies need sm_90 (and a GPU: inline PTX), else the bit decode (the same
     values)."""
     name = _tiles()["fp4_decode"]
@@ -154,12 +154,13 @@ def fp4_decode() -> int:
     if mode == 2 and (INTERPRETED or jit_targets.capability() < (9, 0)):
         mode = 0
     fp8 = FP8_PACKED if mode == 2 and _tiles()["fp8_packed"] else 0  # an fp8 shared expert in the launch
-    return mode + ahead + (HALVES if _tiles()["fp4_halves"] and mode != 1 else 0) + fp8 + _swap(mode != 1)
+    return mode + ahead + (HALVES if _tiles()["fp4_halves"] and mode != 1 else 0) + fp8 + _swap(mode != 1, swap)
 
 
-def _swap(applies: bool) -> int:
-    """:data:`SWAP_AB` where the ``swap_operands`` tile is on and the loop dequantizes the weights."""
-    return SWAP_AB if applies and _tiles()["swap_operands"] else 0
+def _swap(applies: bool, swap: bool | None = None) -> int:
+    """:data:`SWAP_AB` where the loop dequantizes the weights and ``swap`` (a rule's knob), or where
+    it is None the ``swap_operands`` tile, is on."""
+    return SWAP_AB if applies and (_tiles()["swap_operands"] if swap is None else swap) else 0
 
 
 def pick_tile(rules, rows: int) -> dict:
@@ -209,13 +210,13 @@ def weight_operands(w: QTensor):
     return last_dense(data), scale
 
 
-def fp8_decode(promote: bool) -> int:
+def fp8_decode(promote: bool, swap: bool | None = None) -> int:
     """The E2M1 constexpr of a launch whose weights are all fp8_w: 2 + :data:`FP8_PACKED` where the
     ``fp8_packed`` tile is on, the packed decodes run (:func:`fp4_decode`'s mode) and the loop
     dequantizes the weights (not the fp8 MMA), so it decodes four E4M3 bytes a call
     (``codecs_e4m3``); else 0 (the variants compiled so far unchanged); plus :data:`SWAP_AB` where
-    the ``swap_operands`` tile is on and the loop dequantizes the weights."""
-    return (2 + FP8_PACKED if not promote and (fp4_decode() & FP8_PACKED) else 0) + _swap(not promote)
+    the loop dequantizes the weights and ``swap`` (a rule's knob) or the ``swap_operands`` tile is on."""
+    return (2 + FP8_PACKED if not promote and (fp4_decode() & FP8_PACKED) else 0) + _swap(not promote, swap)
 
 
 def may_fold(e2m1: int) -> bool:

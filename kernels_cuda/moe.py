@@ -71,8 +71,9 @@ from flashrt.kernels_cuda import pdl
 # halves BLOCK_N, down to it, while the (row tile, column tile) programs at the halved width still
 # fit in the SMs (None: BLOCK_N as given); split_min_blocks: split K when they do not fill the SMs,
 # keeping this many K blocks a split (None: no split); split_per_sm: split K to bring the programs
-# nearest to this many an SM (linear's knob); split_k: a forced count (None: as above)
-KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None)
+# nearest to this many an SM (linear's knob); split_k: a forced count (None: as above); swap_operands:
+# the rule's 64-row tiles multiply w @ x.T, as linear's tile of that name (None: that tile decides)
+KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None)
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -164,7 +165,8 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
                                  combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
                                  shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
                                  adq=bool(tiles["act_dequantized"]), round_trip=tiles["round_trip"],
-                                 e2m1=fp4_decode(), fold=may_fold(fp4_decode()),
+                                 e2m1=fp4_decode(knobs["swap_operands"]), fold=may_fold(fp4_decode()),
+                                 swap=knobs["swap_operands"],
                                  combine_tile=tiles["combine"]))
 
 
@@ -234,7 +236,7 @@ def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
         DIRECT=plan["direct"], SPLIT=split > 1, PAIRS=plan["pairs"], SHARED=plan["shared"], FP4_S=fp4_s,
         PROMOTE_S=promote_s, DOT_S=dot_s,
         E2M1=_e2m1(plan, w1, w3, *(shared or ())[:2]) if w1.fmt == "fp4_w" or fp4_s
-        else fold_fp8(fp8_decode(promote), w1, w3, *(shared or ())[:2]),
+        else fold_fp8(fp8_decode(promote, plan["swap"]), w1, w3, *(shared or ())[:2]),
         SCALE_K=s1.stride(2), SCALE_K_S=o1[1].stride(-1), **_dq(plan, HDQ=True), **t,
         **pdl.options(xq.device))
     return hq, sh
@@ -264,7 +266,7 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
         COMBINE=combine is not None, HAS_ADD=add is not None, SPLIT=split > 1, PAIRS=plan["pairs"],
         SHARED=plan["shared"], FP4_S=fp4_s, PROMOTE_S=promote_s, DOT_S=dot_s,
         E2M1=_e2m1(plan, w2, *(shared or ())[2:]) if w2.fmt == "fp4_w" or fp4_s
-        else fold_fp8(fp8_decode(promote), w2, *(shared or ())[2:]),
+        else fold_fp8(fp8_decode(promote, plan["swap"]), w2, *(shared or ())[2:]),
         SCALE_K=s2.stride(2), SCALE_K_S=o2[1].stride(-1), **_dq(plan, QX=ACT_DEQUANTIZED), **t,
         **pdl.options(hq.device))
     return y
@@ -370,6 +372,7 @@ FAMILY = KernelFamily(
                               "experts.split_min_blocks": Tile(nullable=True, kind=int),
                               "experts.split_per_sm": Tile(low=1, nullable=True, kind=int),
                               "experts.split_k": Tile(nullable=True, kind=int),
+                              "experts.swap_operands": Tile(nullable=True, kind=bool),
                               "combine.BLOCK_D": POW2, "swiglu.BLOCK_R": POW2, "round_trip.BLOCK_R": POW2,
                               "round_trip.BLOCK_C": Tile(low=32, pow2=True, kind=int),
                               "act_dequantized": Tile(kind=bool),

@@ -93,3 +93,29 @@ def test_experts_swapped_gpu(rng, n):
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, shared=shared)
     assert rel_err(out[True], out[False]) < 1e-5 and rel_err(out[True], want) < 2e-3
+
+
+def test_an_experts_rule_swaps_on_its_own_knob(rng):
+    """An experts rule's ``swap_operands`` knob decides for the launches it serves, over linear's
+    tile either way; the rule beside it without the knob follows the tile. A rule swapped by its
+    knob gives the same bits as the tile swapping every launch, and the reference's sums."""
+    moe = pytest.importorskip("flashrt.kernels_cuda.moe")
+    n, D, E, top, I = 96, 128, 4, 2, 64  # 48 rows an expert: the second rule
+    tile = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+    x = (torch.randn(n, D, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
+    rw, idx, experts, shared = random_experts(rng, n, D, E, top, I, "fp8_w")
+    args = (x, rw, idx, *experts, 10.0)
+    out = {}
+    for swap_tile, knob in ((False, True), (True, None), (True, False)):
+        rules = [[16, dict(tile, BLOCK_M=16)], [None, dict(tile, swap_operands=knob)]]
+        tiles = dict(linear=dict(fp4_decode="packed_prefetch", swap_operands=swap_tile, fp8_mma=False),
+                     moe=dict(experts=rules, pair_tiles=0, fused_max_tokens=128))
+        with flashrt.use_backend("cuda"), pinned_tiles(**tiles):
+            swapped = knob if knob is not None else swap_tile
+            assert bool(moe._plan(n, top, E, D, I)["e2m1"] & lin.SWAP_AB) == swapped
+            assert bool(moe._plan(4, top, E, D, I)["e2m1"] & lin.SWAP_AB) == swap_tile  # 3 rows: the first rule
+            out[swapped, knob] = ops.moe_experts(*args, shared=shared)
+    with flashrt.use_backend("reference"):
+        want = ops.moe_experts(*args, shared=shared)
+    assert torch.equal(out[True, True], out[True, None])
+    assert rel_err(out[True, True], out[False, False]) < 1e-5 and rel_err(out[True, True], want) < 1e-2
