@@ -208,6 +208,18 @@
 #   swap       the MMA operands swapped on 64-row tiles (tiles.linear.swap_operands): its tests natively
 #              (h200-swap-tests.log), then the experts of a 4,096-token chunk under the profile's rule and two
 #              other tiles, off and on (h200-moe-prefill-swap-{off,on}.json)
+#   swaprule   the experts' rule past 16 rows with its own swap_operands knob: the swap tests natively
+#              (h200-swaprule-tests.log), then the routed experts of prefill chunks under the profile's rule,
+#              N 128 / K 64 / 4 warps / 4 stages plain and swapped, and two other swapped tiles: the released
+#              experts at 1,024 / 2,048 / 4,096 / 8,192 tokens, small's at 512 and 2,048
+#              (h200-moe-prefill-swaprule-{v4.1-flash,small}-TOKENS.json); small's prefill of 512 tokens at 1 / 16 /
+#              64 rows with the swapped N 128 / K 64 tile as that rule, and under the profile
+#              (h200-prefill-rows-swaprule-{on,off}.json)
+#   profilecheck  the h200 profile as it is, on the card that comes: the top-k at 128K and 1M rows
+#              (h200-topk-profilecheck.json; with TOPK_BEFORE as topkexit takes it, the kernels before the
+#              exact shortcuts in the same call: h200-topk-profilecheck-before.json), the real-dimension
+#              slice (h200-real-slice-profilecheck.json), small's captured decode (h200-e2e-profilecheck.json),
+#              the quantize encoders with the bf16 pairs off and on (h200-kernels-elementwise-pairs-{off,on}.json)
 #   topksplitvariants  the same rows split again as topksplit does, then unfused, at slices of 2,048 and
 #              8,192, at 4 warps, with L's top 16 bits only, and searched 8 bits a pass:
 #              h200-topk-split-{4096-w8-2,4096-w8-unfused,2048-w8,8192-w8,4096-w4,4096-w8-bits16,
@@ -693,6 +705,48 @@ phase_swap() {
   python benchmarks/moe_prefill_tiles.py --variants "${v[@]}" --out "$OUT/h200-moe-prefill-swap-off.json"
   FLASHRT_PROFILE=$on python benchmarks/moe_prefill_tiles.py --variants "${v[@]}" \
     --out "$OUT/h200-moe-prefill-swap-on.json"
+}
+
+phase_swaprule() {
+  local n on v=("M64 N128 K64, 4 warps, 4 stages" "M64 N128 K64, 4 warps, 4 stages, swapped"
+             "M64 N64 K128, 4 warps, 3 stages, swapped" "M128 N64 K64, 8 warps, 3 stages, swapped")
+  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider \
+    tests/kernels_cuda/test_cuda_swap_operands.py > "$OUT/h200-swaprule-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-swaprule-tests.log"
+  for n in 4096 1024 2048 8192; do
+    python benchmarks/moe_prefill_tiles.py --tokens $n --variants "${v[@]}" \
+      --out "$OUT/h200-moe-prefill-swaprule-v4.1-flash-$n.json"
+  done
+  for n in 512 2048; do
+    python benchmarks/moe_prefill_tiles.py --model small --tokens $n --variants "${v[@]}" \
+      --out "$OUT/h200-moe-prefill-swaprule-small-$n.json"
+  done
+  on=$(profile_set h200-swaprule tiles.moe.experts.1.1 '{"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
+    "num_warps": 4, "num_stages": 4, "min_block_n": 32, "split_min_blocks": 2, "swap_operands": true}')
+  FLASHRT_PROFILE=$on python benchmarks/prefill_rows.py --model small --rows 1 16 64 --tokens 512 \
+    --out "$OUT/h200-prefill-rows-swaprule-on.json" | grep -v '^ '
+  python benchmarks/prefill_rows.py --model small --rows 1 16 64 --tokens 512 \
+    --out "$OUT/h200-prefill-rows-swaprule-off.json" | grep -v '^ '
+}
+
+phase_profilecheck() {
+  local off
+  python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-profilecheck.json"
+  if [ -n "${TOPK_BEFORE:-}" ]; then
+    local f keep
+    keep=$(mktemp -d)
+    for f in topk_kernel.py topk_split_kernel.py; do cp "kernels_cuda/$f" "$keep/" && cp "$TOPK_BEFORE/$f" kernels_cuda/; done
+    python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-profilecheck-before.json"
+    cp "$keep"/*.py kernels_cuda/
+  fi
+  python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-profilecheck.json" | tail -n 4
+  python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
+    --out "$OUT/h200-e2e-profilecheck.json" | tail -n 4
+  off=$(profile_set h200-quant-pairs-off tiles.quant.quantize.pairs false)
+  FLASHRT_PROFILE=$off python -m flashrt.cli bench kernels --families elementwise \
+    --out "$OUT/h200-kernels-elementwise-pairs-off.json" | tail -n 12
+  python -m flashrt.cli bench kernels --families elementwise \
+    --out "$OUT/h200-kernels-elementwise-pairs-on.json" | tail -n 12
 }
 
 phase_topksplit() {  # the top-k rows split over scanning programs (tiles.topk.select.split_rows): tests, then timed
