@@ -220,6 +220,11 @@
 #              exact shortcuts in the same call: h200-topk-profilecheck-before.json), the real-dimension
 #              slice (h200-real-slice-profilecheck.json), small's captured decode (h200-e2e-profilecheck.json),
 #              the quantize encoders with the bf16 pairs off and on (h200-kernels-elementwise-pairs-{off,on}.json)
+#   hcdiv      hc_coefficients with the Sinkhorn normalizations on the fast division: the mHC tests natively
+#              (h200-hcdiv-tests.log), then the launch at small's and the released dimensions, 1 / 8 / 64
+#              tokens, under the code as it is (h200-hc-div-{small,v4.1-flash}.json) and, where BEFORE names
+#              a folder holding the files to compare at their repository paths (kernels_cuda/mhc.py of the
+#              commit before), with those swapped in for the run in the same call (...-before.json)
 #   topksplitvariants  the same rows split again as topksplit does, then unfused, at slices of 2,048 and
 #              8,192, at 4 warps, with L's top 16 bits only, and searched 8 bits a pass:
 #              h200-topk-split-{4096-w8-2,4096-w8-unfused,2048-w8,8192-w8,4096-w4,4096-w8-bits16,
@@ -747,6 +752,31 @@ phase_profilecheck() {
     --out "$OUT/h200-kernels-elementwise-pairs-off.json" | tail -n 12
   python -m flashrt.cli bench kernels --families elementwise \
     --out "$OUT/h200-kernels-elementwise-pairs-on.json" | tail -n 12
+}
+
+before_run() {  # DIR CMD...: CMD with the files under DIR (at their repository paths) swapped in, then restored
+  local dir=$1 keep f rc=0
+  shift
+  keep=$(mktemp -d)
+  while read -r f; do
+    mkdir -p "$keep/$(dirname "$f")" && cp "$f" "$keep/$f" && cp "$dir/$f" "$f"
+  done < <(cd "$dir" && find . -type f)
+  "$@" || rc=$?
+  while read -r f; do cp "$keep/$f" "$f"; done < <(cd "$keep" && find . -type f)
+  return $rc
+}
+
+phase_hcdiv() {
+  local m
+  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_norm_mhc.py \
+    > "$OUT/h200-hcdiv-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-hcdiv-tests.log"
+  for m in small v4.1-flash; do
+    python benchmarks/decode_kernel_variants.py --model "$m" --ops hc_coefficients --batches 1 8 64 \
+      --hc-variants shipped --out "$OUT/h200-hc-div-$m.json" | grep -v '^ '
+    [ -z "${BEFORE:-}" ] || before_run "$BEFORE" python benchmarks/decode_kernel_variants.py --model "$m" \
+      --ops hc_coefficients --batches 1 8 64 --hc-variants shipped --out "$OUT/h200-hc-div-$m-before.json" | grep -v '^ '
+  done
 }
 
 phase_topksplit() {  # the top-k rows split over scanning programs (tiles.topk.select.split_rows): tests, then timed

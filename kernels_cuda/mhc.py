@@ -152,11 +152,14 @@ def _hc_epilogue(acc_p, acc_c, ssq, t0, T, K, scale_ptr, base_ptr, pre_ptr, post
     z = tl.where(valid, z, float("-inf"))
     mx = tl.max(z, axis=2)
     e = tl.where(valid, tl.exp(z - tl.where(mx == float("-inf"), 0.0, mx)[:, :, None]), 0.0)  # pad rows: 0
-    c = tl.where(valid, tl.math.div_rn(e, tl.maximum(tl.sum(e, axis=2), 1e-30)[:, :, None]) + eps, 0.0)
-    c = tl.math.div_rn(c, tl.sum(c, axis=1)[:, None, :] + eps)
+    # the normalizations divide by the full-range fast division (a reciprocal and a product, within
+    # 2 ulp), not the IEEE one: each is a step of the iterations' serial chain, and the IEEE
+    # division adds a check, a Newton refinement and a slow-path branch to every step
+    c = tl.where(valid, e / tl.maximum(tl.sum(e, axis=2), 1e-30)[:, :, None] + eps, 0.0)
+    c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
     for _ in range(iters - 1):
-        c = tl.math.div_rn(c, tl.sum(c, axis=2)[:, :, None] + eps)
-        c = tl.math.div_rn(c, tl.sum(c, axis=1)[:, None, :] + eps)
+        c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
+        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
     tl.store(comb_ptr + t[:, None, None] * (HC * HC) + j[None, :, :] * HC + k[None, :, :], c,
              mask=tm[:, None, None] & valid)
 
