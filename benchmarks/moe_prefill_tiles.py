@@ -34,7 +34,7 @@ def tile(block_n: int, block_k: int, warps: int, stages: int, block_m: int = 64,
                 min_block_n=32, split_min_blocks=2, swap_operands=swap)
 
 
-VARIANTS = {  # label -> the rule's tile (the profile's past 16 rows: M64 N128 K128, 8 warps, 3 stages)
+VARIANTS = {  # label -> the rule's tile (the h200 profile's past 16 rows: M64 N128 K64, 4 warps, 4 stages, swapped)
     "M64 N64 K128, 4 warps, 3 stages": tile(64, 128, 4, 3),
     "M64 N64 K128, 4 warps, 4 stages": tile(64, 128, 4, 4),
     "M64 N128 K64, 4 warps, 4 stages": tile(128, 64, 4, 4),

@@ -113,7 +113,8 @@ def test_an_experts_rule_swaps_on_its_own_knob(rng):
         with flashrt.use_backend("cuda"), pinned_tiles(**tiles):
             swapped = knob if knob is not None else swap_tile
             assert bool(moe._plan(n, top, E, D, I)["e2m1"] & lin.SWAP_AB) == swapped
-            assert bool(moe._plan(4, top, E, D, I)["e2m1"] & lin.SWAP_AB) == swap_tile  # 3 rows: the first rule
+            # 4 tokens: 2 rows an expert, the first rule
+            assert bool(moe._plan(4, top, E, D, I)["e2m1"] & lin.SWAP_AB) == swap_tile
             out[swapped, knob] = ops.moe_experts(*args, shared=shared)
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, shared=shared)
