@@ -198,8 +198,9 @@
 #   topkexit   the k-th-largest search ending on an exact count, taking L's shared bits in the split pick and
 #              picking the ties unranked where all are picked: the top-k tests natively (h200-topkexit-tests.log),
 #              then 128K and 1M rows under the profile (h200-topk-exit.json) and, in the same call, under the
-#              kernels before them (TOPK_BEFORE: a folder holding that commit's kernels_cuda/topk_kernel.py
-#              and topk_split_kernel.py, swapped in for the run and back: h200-topk-exit-before.json)
+#              kernels before them (BEFORE: a folder holding that commit's kernels_cuda/topk_kernel.py
+#              and kernels_cuda/topk_split_kernel.py at those paths, swapped in for the run and back by
+#              before_run: h200-topk-exit-before.json)
 #   hcfinish   hc_coefficients with the partials value major (tiles.mhc.hc_finish.value_major): the mHC
 #              tests natively (h200-hcfinish-tests.log), then at small's and the released dimensions, 1 and
 #              8 tokens, the profile, that and the finish loading every split at once, with the model's 20
@@ -216,7 +217,7 @@
 #              64 rows with the swapped N 128 / K 64 tile as that rule, and under the profile
 #              (h200-prefill-rows-swaprule-{on,off}.json)
 #   profilecheck  the h200 profile as it is, on the card that comes: the top-k at 128K and 1M rows
-#              (h200-topk-profilecheck.json; with TOPK_BEFORE as topkexit takes it, the kernels before the
+#              (h200-topk-profilecheck.json; with BEFORE as topkexit takes it, the kernels before the
 #              exact shortcuts in the same call: h200-topk-profilecheck-before.json), the real-dimension
 #              slice (h200-real-slice-profilecheck.json), small's captured decode (h200-e2e-profilecheck.json),
 #              the quantize encoders with the bf16 pairs off and on (h200-kernels-elementwise-pairs-{off,on}.json)
@@ -680,12 +681,8 @@ phase_topkexit() {
     > "$OUT/h200-topkexit-tests.log" 2>&1
   tail -n 1 "$OUT/h200-topkexit-tests.log"
   python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-exit.json"
-  [ -n "${TOPK_BEFORE:-}" ] || return 0
-  local f keep
-  keep=$(mktemp -d)
-  for f in topk_kernel.py topk_split_kernel.py; do cp "kernels_cuda/$f" "$keep/" && cp "$TOPK_BEFORE/$f" kernels_cuda/; done
-  python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-exit-before.json"
-  cp "$keep"/*.py kernels_cuda/
+  [ -z "${BEFORE:-}" ] || before_run "$BEFORE" python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 \
+    --out "$OUT/h200-topk-exit-before.json"
 }
 
 phase_hcfinish() {
@@ -737,13 +734,8 @@ phase_swaprule() {
 phase_profilecheck() {
   local off
   python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-profilecheck.json"
-  if [ -n "${TOPK_BEFORE:-}" ]; then
-    local f keep
-    keep=$(mktemp -d)
-    for f in topk_kernel.py topk_split_kernel.py; do cp "kernels_cuda/$f" "$keep/" && cp "$TOPK_BEFORE/$f" kernels_cuda/; done
-    python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 --out "$OUT/h200-topk-profilecheck-before.json"
-    cp "$keep"/*.py kernels_cuda/
-  fi
+  [ -z "${BEFORE:-}" ] || before_run "$BEFORE" python benchmarks/topk_radix.py --radix 1 --lengths 131072 1048576 \
+    --out "$OUT/h200-topk-profilecheck-before.json"
   python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-profilecheck.json" | tail -n 4
   python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
     --out "$OUT/h200-e2e-profilecheck.json" | tail -n 4
