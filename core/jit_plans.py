@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .jit import atomic_write, cache_root
@@ -45,10 +46,16 @@ def _version_dir() -> str:
     return f"triton-{triton.__version__}"
 
 
-def plan_paths(arch: Arch, profile: str, model: str) -> list[Path]:
-    """Where the plan of (``arch``, ``profile``, ``model``) is read from: the cache's, the shipped one."""
-    name = plan_name(arch, profile, model)
-    return [cache_root() / "plans" / _version_dir() / name, SHIPPED / _version_dir() / name]
+def plan_paths(arch: Arch, profile: str | Sequence[str], model: str) -> list[Path]:
+    """Where the plan of (``arch``, ``profile``, ``model``) is read from: the cache's, the shipped one.
+    ``profile`` a profile's lineage (``Profile.lineage``: its name, then the profiles it extends):
+    those two of each name in turn, so a profile that extends another reads the other's plans after
+    its own."""
+    out = []
+    for each in [profile] if isinstance(profile, str) else profile:
+        name = plan_name(arch, each, model)
+        out += [cache_root() / "plans" / _version_dir() / name, SHIPPED / _version_dir() / name]
+    return out
 
 
 def read_entries(path: Path) -> list[dict]:
@@ -86,9 +93,9 @@ def plan_text(arch: str, profile: str, model: str, entries: list[dict]) -> bytes
             + "\n").encode()
 
 
-def entries(arch: Arch, profile: str, model: str) -> list[dict]:
-    """The entries of every plan of (``arch``, ``profile``, ``model``), the cache's first, each
-    variant once (:func:`entry_key`)."""
+def entries(arch: Arch, profile: str | Sequence[str], model: str) -> list[dict]:
+    """The entries of every plan of (``arch``, ``profile``, ``model``) (:func:`plan_paths`), the
+    cache's first, each variant once (:func:`entry_key`)."""
     found, seen = [], set()
     for path in plan_paths(arch, profile, model):
         for entry in read_entries(path):
@@ -99,7 +106,7 @@ def entries(arch: Arch, profile: str, model: str) -> list[dict]:
     return found
 
 
-def load(arch: Arch, profile: str, model: str) -> list[Spec]:
+def load(arch: Arch, profile: str | Sequence[str], model: str) -> list[Spec]:
     """The variants of every plan of (``arch``, ``profile``, ``model``), decoded; an entry that
     does not decode is skipped."""
     specs = []

@@ -101,9 +101,10 @@ class Preload:
         return dict(self.report)
 
 
-def start(arch, profile: str, model: str, device_index: int | None, handles: bool = True) -> Preload | None:
+def start(arch, profile, model: str, device_index: int | None, handles: bool = True) -> Preload | None:
     """Preload the plan of (``arch``, ``profile``, ``model``) on a thread when ``FLASHRT_JIT_PRELOAD``
-    is 1 and the plan has entries; the :class:`Preload`, or None."""
+    is 1 and the plan has entries (``profile``: a name or a lineage, :func:`.jit_plans.plan_paths`);
+    the :class:`Preload`, or None."""
     if not enabled():
         return None
     from .jit_plans import entries

@@ -66,6 +66,9 @@ class Profile:
     memory_utilization: float                   # fraction of device memory flashrt may use
     device_memory_gib: float | None             # nominal memory of the class (None: system RAM)
     description: str = ""
+    # the name of a profile whose keys this one takes where it does not set them (not its name,
+    # description or match keys); each tiles.<family>.<entry> it sets replaces the base's
+    extends: str | None = None
     serve_max_step_tokens: int = 2048           # tokens per serving-engine step (decodes + prefill chunks)
     # forwards of up to this many tokens (rows x chunk) run each block's mHC coefficients on a second
     # CUDA stream, beside the attention / MoE that does not read them (graphs/mix_stream.py; 0: never)
@@ -91,6 +94,8 @@ class Profile:
     # "draft": time of the draft}, relative to a plain decode step (benchmarks/speculative.py)
     speculative_costs: dict[int, dict[str, Union[float, list[float]]]] = field(default_factory=dict, hash=False)
     source: str = field(default="", compare=False)  # the file it was read from (not a YAML key)
+    # its name, then the profiles it extends, nearest first (not a YAML key): whose JIT plans it reads
+    lineage: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def cold_host_bytes(self) -> int:
@@ -102,7 +107,7 @@ class Profile:
 
     def to_dict(self) -> dict:
         """The YAML keys and values (what a tuner writes back)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in NOT_KEYS}
         d["match_capability"] = list(self.match_capability)
         d["tiles"] = {k: dict(v) for k, v in self.tiles.items()}
         d["speculative_costs"] = {b: dict(v) for b, v in self.speculative_costs.items()}
@@ -125,8 +130,8 @@ def profile_from_mapping(data, file: str) -> Profile:
     if not isinstance(data, Mapping):
         raise ProfileError(f"{file}: expected a mapping of keys at the top level, found {type(data).__name__}")
     hints = _hints()
-    fields = {f.name: f for f in dataclasses.fields(Profile) if f.name != "source"}
-    data = _without_obsolete(data, file)
+    fields = {f.name: f for f in dataclasses.fields(Profile) if f.name not in NOT_KEYS}
+    data, lineage = _with_bases(_without_obsolete(data, file), file)
     for key in data:
         if key not in fields:
             raise ProfileError(f"{file}: unknown key {key!r}: expected one of {', '.join(sorted(fields))}")
@@ -138,10 +143,47 @@ def profile_from_mapping(data, file: str) -> Profile:
     stem = Path(file).name.removesuffix(".yaml")
     if file.endswith(".yaml") and values["name"] != stem:
         raise ProfileError(f"{file}: key name: expected {stem!r} (the file name), found {values['name']!r}")
-    profile = Profile(**values, source=file)
+    profile = Profile(**values, source=file, lineage=(values["name"], *lineage))
     _check_values(profile, file)
     tile_checks.check_profile(profile, file)
     return profile
+
+
+NOT_KEYS = ("source", "lineage")  # Profile fields that are not YAML keys
+NOT_INHERITED = ("name", "description", "extends")  # with every match_* key: what a base does not pass on
+
+
+def _with_bases(data: dict, file: str, seen: tuple[str, ...] = ()) -> tuple[dict, tuple[str, ...]]:
+    """(``data`` over the keys of the profile it ``extends`` and of that one's bases, the names of
+    those bases nearest first); ``data`` and no bases where it extends none. A base is found by
+    name as :func:`load_profile` finds it (a user file over the shipped one)."""
+    base = data.get("extends")
+    if base is None:
+        return data, ()
+    available = available_profiles()
+    if not isinstance(base, str) or base not in available:
+        raise ProfileError(f"{file}: key extends: expected the name of a profile ({', '.join(available)}), "
+                           f"found {base!r}")
+    if base in seen or base == data.get("name"):
+        raise ProfileError(f"{file}: key extends: {base!r} extends itself through "
+                           f"{' -> '.join((*seen, str(data.get('name')), base))}")
+    path = available[base]
+    parent = read_yaml(path)
+    if not isinstance(parent, Mapping):
+        raise ProfileError(f"{path}: expected a mapping of keys at the top level, found {type(parent).__name__}")
+    parent, bases = _with_bases(_without_obsolete(parent, path), path, (*seen, str(data.get("name"))))
+    merged = {k: v for k, v in parent.items() if k not in NOT_INHERITED and not k.startswith("match_")}
+    for key, value in data.items():
+        if key == "tiles" and isinstance(value, Mapping) and isinstance(merged.get("tiles"), Mapping):
+            tiles = dict(merged["tiles"])
+            for family, entries in value.items():
+                below = tiles.get(family)
+                tiles[family] = {**below, **entries} if isinstance(below, Mapping) and isinstance(entries, Mapping) \
+                    else entries
+            merged["tiles"] = tiles
+        else:
+            merged[key] = value
+    return merged, (base, *bases)
 
 
 def _without_obsolete(data: Mapping, file: str) -> dict:

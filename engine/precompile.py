@@ -113,7 +113,7 @@ def start_preload(dev: torch.device, backend: str | None, profile, cfg: ModelCon
     from flashrt.jit_targets import device_arch
 
     try:
-        return jit_preload.start(device_arch(dev.index), profile.name, cfg.name, dev.index)
+        return jit_preload.start(device_arch(dev.index), profile.lineage or (profile.name,), cfg.name, dev.index)
     except Exception as exc:  # no plan to read, no Triton: the launches load their kernels as before
         log.warning("flashrt.jit: no preload (%s: %s)", type(exc).__name__, exc)
         return None

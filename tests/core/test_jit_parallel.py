@@ -331,3 +331,15 @@ def test_workers_run_below_the_parent_s_priority():
         pool.close()
     assert seen == {min(19, before + jit_parallel.WORKER_NICENESS)}
     assert os.nice(0) == before
+
+
+def test_the_plan_reads_the_plans_of_the_profile_s_lineage(monkeypatch):
+    """A profile that extends another (``h100`` extends ``h200``) plans the variants of both profiles'
+    plans, its own first."""
+    from flashrt import jit_compile, jit_plans, profiles
+
+    asked = []
+    monkeypatch.setattr(jit_compile, "collect", lambda *a, **k: 0)
+    monkeypatch.setattr(jit_plans, "load", lambda arch, names, model: asked.append((tuple(names), model)) or [])
+    jit_parallel.plan(ARCHS["sm_90"], profiles.load_profile("h100"), {"small": {}}, sources=())
+    assert asked == [(("h100", "h200"), "small")]

@@ -67,6 +67,21 @@ def test_the_shipped_plan_is_read_too_and_a_variant_listed_twice_is_one(tmp_path
     assert [s.constexprs[(2,)] for s in jit_plans.load(ARCH, "h200", "small")] == [16, 32]
 
 
+def test_a_profile_reads_the_plans_of_the_profiles_it_extends_after_its_own():
+    """A lineage (``Profile.lineage``: the profile, then its bases): each name's cache and shipped
+    plans in turn, a variant listed by two of them once; saving writes the profile's own plan."""
+    own, base = random.sample(range(1, 1000), 2)
+    jit_plans.save(ARCH, "h100", "small", [_entry(own)])
+    shipped = jit_plans.plan_paths(ARCH, "h200", "small")[1]
+    shipped.parent.mkdir(parents=True)
+    shipped.write_text(json.dumps({"entries": [_entry(base), _entry(own)]}))
+    paths = jit_plans.plan_paths(ARCH, ("h100", "h200"), "small")
+    assert [p.name for p in paths] == ["sm_90-h100-small.json"] * 2 + ["sm_90-h200-small.json"] * 2
+    assert paths[:2] == jit_plans.plan_paths(ARCH, "h100", "small") and paths[3] == shipped
+    assert [s.constexprs[(2,)] for s in jit_plans.load(ARCH, ("h100", "h200"), "small")] == [own, base]
+    assert [s.constexprs[(2,)] for s in jit_plans.load(ARCH, "h100", "small")] == [own]
+
+
 def test_one_variant_under_two_keys_or_libdevice_paths_is_one_entry():
     """Triton's ``key`` text (which lists a launch's keyword options such as ``launch_pdl``) and the
     recording machine's libdevice path do not change what compiles: such entries are one; a

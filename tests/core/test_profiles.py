@@ -120,6 +120,55 @@ def test_bad_yaml_and_duplicate_key_name_file_and_line(tmp_path):
         profiles.load_profile_file(tmp_path / "nothere.yaml")
 
 
+def test_a_profile_takes_the_keys_of_the_one_it_extends(tmp_path):
+    """``extends``: every key of the base the profile does not set, except the base's name,
+    description and match keys; each ``tiles.<family>.<entry>`` it sets replaces the base's; a
+    chain of bases reads nearest first, and the lineage names them in that order."""
+    user = Path(os.environ["FLASHRT_PROFILE_DIR"])
+    base = shipped_data("h200") | {"name": "base", "memory_utilization": 0.5, "description": "the base"}
+    prefill = {"min_queries": 256, "max_heads": 16, "num_warps": 4}
+    base["tiles"] = {"attention": {"prefill": prefill, "ws": {"enabled": False}},
+                     "mhc": {"hc_coefficients": {"FMA_T": 1}}}
+    write_profile(user / "base.yaml", base)
+    write_profile(user / "mid.yaml", {"name": "mid", "extends": "base", "match_device_type": "cuda",
+                                      "hkcp_cold_host_gib": 8, "tiles": {"attention": {"ws": {"enabled": True}}}})
+    write_profile(user / "leaf.yaml", {"name": "leaf", "extends": "mid", "match_device_type": "cuda",
+                                       "match_name": "LEAF", "memory_utilization": 0.7})
+    leaf, mid = profiles.load_profile("leaf"), profiles.load_profile("mid")
+    assert leaf.lineage == ("leaf", "mid", "base") and mid.lineage == ("mid", "base") and leaf.extends == "mid"
+    assert leaf.memory_utilization == 0.7 and mid.memory_utilization == 0.5  # set, inherited
+    assert leaf.hkcp_cold_host_gib == 8 and leaf.weight_dtype == base["weight_dtype"]
+    assert leaf.tiles == {"attention": {"prefill": prefill, "ws": {"enabled": True}},
+                          "mhc": {"hc_coefficients": {"FMA_T": 1}}}
+    assert leaf.match_name == "LEAF" and mid.match_name is None and mid.match_min_memory_gib is None
+    assert mid.description == "" and leaf.name == "leaf"
+    assert profiles.profile_from_mapping(leaf.to_dict(), leaf.source) == leaf  # a tuner's write-back reads the same
+
+
+@pytest.mark.parametrize("files,message", [
+    ({"a": "nothere"}, "a.yaml: key extends: expected the name of a profile (a, a100, "),
+    ({"a": "a"}, "a.yaml: key extends: 'a' extends itself through a -> a"),
+    ({"a": "b", "b": "a"}, "key extends: 'a' extends itself through a -> b -> a"),
+    ({"a": 7}, "a.yaml: key extends: expected the name of a profile"),
+])
+def test_a_bad_base_names_the_file_and_the_key(files, message):
+    user = Path(os.environ["FLASHRT_PROFILE_DIR"])
+    for name, base in files.items():
+        write_profile(user / f"{name}.yaml", shipped_data("h100") | {"name": name, "extends": base})
+    with pytest.raises(ProfileError) as exc:
+        profiles.load_profile("a")
+    assert message in str(exc.value)
+
+
+def test_the_h100_profile_is_the_h200_s_kernels_with_its_own_memory():
+    h100, h200 = profiles.load_profile("h100"), profiles.load_profile("h200")
+    assert h100.lineage == ("h100", "h200") and h100.tiles == h200.tiles
+    assert (h100.expert_fp4, h100.expert_scales) == (h200.expert_fp4, h200.expert_scales)
+    assert h100.device_memory_gib == 80 and h100.hkcp_cold_host_gib < h200.hkcp_cold_host_gib
+    assert h100.serve_max_step_tokens < h200.serve_max_step_tokens
+    assert h100.match_max_memory_gib == 120 and h100.match_min_memory_gib is None
+
+
 def test_user_directory_overrides_shipped_and_adds(tmp_path):
     user = Path(os.environ["FLASHRT_PROFILE_DIR"])
     write_profile(user / "h200.yaml", shipped_data("h200") | {"memory_utilization": 0.5})
