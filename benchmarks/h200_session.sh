@@ -226,6 +226,10 @@
 #              tokens, under the code as it is (h200-hc-div-{small,v4.1-flash}.json) and, where BEFORE names
 #              a folder holding the files to compare at their repository paths (kernels_cuda/mhc.py of the
 #              commit before), with those swapped in for the run in the same call (...-before.json)
+#   h100profile  on an H100, the h100 profile as a user gets it (FLASHRT_PROFILE unset: chosen by the
+#              device): flashrt doctor (h100-profile-doctor.json), flashrt conformance (h100-profile-conformance.json,
+#              the H100 row of hwconfigs/reports when it passes), the GPU tests (h100-profile-gpu-tests.log),
+#              small's captured decode (h100-profile-e2e.json). Refuses to run on another card
 #   topksplitvariants  the same rows split again as topksplit does, then unfused, at slices of 2,048 and
 #              8,192, at 4 warps, with L's top 16 bits only, and searched 8 bits a pass:
 #              h200-topk-split-{4096-w8-2,4096-w8-unfused,2048-w8,8192-w8,4096-w4,4096-w8-bits16,
@@ -769,6 +773,21 @@ phase_hcdiv() {
     [ -z "${BEFORE:-}" ] || before_run "$BEFORE" python benchmarks/decode_kernel_variants.py --model "$m" \
       --ops hc_coefficients --batches 1 8 64 --hc-variants shipped --out "$OUT/h200-hc-div-$m-before.json" | grep -v '^ '
   done
+}
+
+phase_h100profile() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 || { echo "h100profile: not an H100"; return 1; }
+  (
+    unset FLASHRT_PROFILE
+    python -m flashrt.cli doctor --json > "$OUT/h100-profile-doctor.json"
+    python -c "import json, sys; c = json.load(open(sys.argv[1]))['profiles']['chosen']; print(c['name'], c['reason'])" \
+      "$OUT/h100-profile-doctor.json"
+    python -m flashrt.cli conformance --out "$OUT/h100-profile-conformance.json" | tail -n 2
+    timeout 300 python -m pytest -q -m gpu -n 8 -p no:cacheprovider tests > "$OUT/h100-profile-gpu-tests.log" 2>&1
+    tail -n 1 "$OUT/h100-profile-gpu-tests.log"
+    python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 --modes cuda+graph \
+      --out "$OUT/h100-profile-e2e.json" | tail -n 3
+  )
 }
 
 phase_topksplit() {  # the top-k rows split over scanning programs (tiles.topk.select.split_rows): tests, then timed

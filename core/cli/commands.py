@@ -96,7 +96,9 @@ def _profile_report(shipped: list[str]) -> dict:
 
     try:
         profile, reason = profiles.select_profile()
-        chosen, error = {"name": profile.name, "source": profile.source, "reason": reason}, None
+        chosen = {"name": profile.name, "source": profile.source, "reason": reason,
+                  "extends": list(profile.lineage[1:])}  # the profiles it takes its other keys from
+        error = None
     except FlashrtError as exc:  # a bad profile is reported, not fatal: the rest of doctor still helps
         chosen, error = None, str(exc)
     return {"shipped": shipped, "available": profiles.available_profiles(),
@@ -135,7 +137,8 @@ def _print_doctor(r: dict) -> None:
     p = r["profiles"]
     print(f"profiles: {', '.join(p['available'])} (user profiles: {p['user_dir']})")
     if p["chosen"]:
-        print(f"profile: {p['chosen']['name']} ({p['chosen']['reason']})")
+        bases = "".join(f", extends {b}" for b in p["chosen"]["extends"])
+        print(f"profile: {p['chosen']['name']}{bases} ({p['chosen']['reason']})")
     else:
         print(f"profile: error: {p['error']}")
     for error in p["broken"].values():

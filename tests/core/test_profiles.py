@@ -297,8 +297,9 @@ def test_doctor_prints_the_chosen_profile_and_why(monkeypatch, capsys):
     from flashrt.cli import commands as cli
 
     assert cli.main(["doctor"]) == 0
-    profile, why = profiles.select_profile()  # cpu here, h200 on the H200
-    assert f"profile: {profile.name} ({why})" in capsys.readouterr().out and why.startswith("auto: ")
+    profile, why = profiles.select_profile()  # cpu here, h200 on the H200, h100 (extends h200) on an H100
+    bases = "".join(f", extends {b}" for b in profile.lineage[1:])
+    assert f"profile: {profile.name}{bases} ({why})" in capsys.readouterr().out and why.startswith("auto: ")
     monkeypatch.setenv("FLASHRT_PROFILE", "nope")
     assert cli.main(["doctor"]) == 1
     assert "profile: error: unknown profile 'nope': available a100," in capsys.readouterr().out
@@ -307,3 +308,4 @@ def test_doctor_prints_the_chosen_profile_and_why(monkeypatch, capsys):
                          capture_output=True, text=True, env=env, cwd="/", check=True)
     chosen = json.loads(out.stdout)["profiles"]["chosen"]
     assert chosen["name"] == "h100" and "explicit profile 'h100'" in chosen["reason"]
+    assert chosen["extends"] == ["h200"]
