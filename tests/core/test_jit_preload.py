@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashrt import jit_preload
+from flashrt import jit_preload, profiles
 from flashrt.engine import precompile
 from flashrt.graphs.config import shipped_config
 
@@ -93,7 +93,7 @@ def test_the_preload_files_every_cached_planned_variant_and_skips_a_missing_one(
 
 
 def test_the_run_preloads_only_when_asked_and_only_for_compiled_cuda_kernels(monkeypatch):
-    cfg, profile = shipped_config("small"), type("P", (), {"name": "h200"})()
+    cfg, profile = shipped_config("small"), profiles.load_profile("h100")  # extends h200: both plans
     started = []
     monkeypatch.setattr(jit_preload, "start", lambda *a, **k: started.append(a) or "preload")
     monkeypatch.delenv(jit_preload.PRELOAD_ENV, raising=False)
@@ -108,7 +108,7 @@ def test_the_run_preloads_only_when_asked_and_only_for_compiled_cuda_kernels(mon
     assert started == []
     monkeypatch.setattr("flashrt.jit_targets.device_arch", lambda index=None: "sm_90-arch")
     assert precompile.start_preload(torch.device("cuda", 0), "cuda", profile, cfg) == "preload"
-    assert started == [("sm_90-arch", "h200", "small", 0)]
+    assert started == [("sm_90-arch", ("h100", "h200"), "small", 0)]
 
 
 def test_the_preload_stops_when_the_run_stops_waiting(monkeypatch):
