@@ -129,9 +129,20 @@ def profile_from_mapping(data, file: str) -> Profile:
     """A validated :class:`Profile` from a parsed YAML mapping; ``file`` names it in errors."""
     if not isinstance(data, Mapping):
         raise ProfileError(f"{file}: expected a mapping of keys at the top level, found {type(data).__name__}")
+    data, lineage = _with_bases(_without_obsolete(data, file), file)
+    try:
+        return _validated(data, file, lineage)
+    except ProfileError as exc:
+        if not lineage:
+            raise
+        where = " then ".join(f"{b} ({available_profiles().get(b, '?')})" for b in lineage)
+        raise ProfileError(f"{exc} (the keys it does not set come from {where})") from None
+
+
+def _validated(data: dict, file: str, lineage: tuple[str, ...]) -> Profile:
+    """The :class:`Profile` of a mapping its bases are merged into (``lineage``: their names)."""
     hints = _hints()
     fields = {f.name: f for f in dataclasses.fields(Profile) if f.name not in NOT_KEYS}
-    data, lineage = _with_bases(_without_obsolete(data, file), file)
     for key in data:
         if key not in fields:
             raise ProfileError(f"{file}: unknown key {key!r}: expected one of {', '.join(sorted(fields))}")

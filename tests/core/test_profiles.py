@@ -160,6 +160,19 @@ def test_a_bad_base_names_the_file_and_the_key(files, message):
     assert message in str(exc.value)
 
 
+def test_a_bad_key_taken_from_the_base_names_the_base():
+    user = Path(os.environ["FLASHRT_PROFILE_DIR"])
+    write_profile(user / "base.yaml", shipped_data("h200") | {"name": "base", "memory_utilization": 1.5})
+    write_profile(user / "leaf.yaml", {"name": "leaf", "extends": "base", "match_device_type": "cuda"})
+    with pytest.raises(ProfileError) as exc:
+        profiles.load_profile("leaf")
+    msg = str(exc.value)
+    assert "leaf.yaml: key memory_utilization" in msg and f"come from base ({user / 'base.yaml'})" in msg
+    write_profile(user / "leaf.yaml", {"name": "leaf", "extends": "base", "match_device_type": "cuda",
+                                       "memory_utilization": 0.8})
+    assert profiles.load_profile("leaf").memory_utilization == 0.8  # set here: the base's value unread
+
+
 def test_the_h100_profile_is_the_h200_s_kernels_with_its_own_memory():
     h100, h200 = profiles.load_profile("h100"), profiles.load_profile("h200")
     assert h100.lineage == ("h100", "h200") and h100.tiles == h200.tiles
