@@ -162,6 +162,26 @@ def random_experts(rng, n, k, E, top, I, shared_fmt):
     return rw, idx, experts, shared
 
 
+def gemm_outputs(backend: str, x, weights, routed, **tiles) -> tuple:
+    """``ops.linear(x, w)`` for each of ``weights``, then ``ops.moe_experts`` over ``routed`` (the
+    ``rw, idx, experts, shared`` of :func:`random_experts`, SwiGLU limit 10), on ``backend``; with
+    ``tiles`` given, under exactly those tile sections (:func:`pinned_tiles`)."""
+    from flashrt import ops
+
+    rw, idx, experts, shared = routed
+    with flashrt.use_backend(backend), (pinned_tiles(**tiles) if tiles else contextlib.nullcontext()):
+        return (*(ops.linear(x, w) for w in weights), ops.moe_experts(x, rw, idx, *experts, 10.0, shared=shared))
+
+
+def assert_same_sums(got, plain, want):
+    """Outputs of a loop that reorders the sums inside its MMAs (``got``) against the plain loop's
+    (fp32 rounding only: a wrong order moves them by ~1) and the reference's (its tolerance)."""
+    for g, p, r in zip(got, plain, want, strict=True):
+        assert g.shape == r.shape
+        assert rel_err(g, p) < 1e-5
+        assert rel_err(g, r) < 1e-2
+
+
 def moe_reference_by_expert(x, weights, indices, w1, w3, w2, limit):
     """The reference backend expert by expert (it dequantizes only one expert's weights at a time)."""
     from flashrt.backends import reference

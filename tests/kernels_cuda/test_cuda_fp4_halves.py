@@ -10,7 +10,8 @@ import torch
 
 import flashrt
 from flashrt import formats, ops
-from kernel_check import DEVICE, GPU, launches, pinned_tiles, random_experts, rel_err, requires_kernels  # noqa: F401
+from kernel_check import (DEVICE, GPU, assert_same_sums, gemm_outputs, launches, pinned_tiles,  # noqa: F401
+                          random_experts, rel_err, requires_kernels)
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
@@ -40,20 +41,14 @@ CASES = [(1, 96, None, "fp8_w", dict(pair_tiles=64)),
 def test_the_halves_order_gives_the_natural_orders_sums(rng, m, k, split, shared_fmt, moe_tiles):
     x = (torch.randn(m, k, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
     w = formats.quantize(torch.randn(72, k, generator=rng) * 0.25, "fp4_w").to(DEVICE)
-    rw, idx, experts, shared = random_experts(rng, m, k, 4, 2, 64, shared_fmt)
+    routed = random_experts(rng, m, k, 4, 2, 64, shared_fmt)
     tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
-    out = {}
-    for halves in (False, True):
-        tiles = dict(linear=dict(fp4_decode="packed_prefetch", fp4_halves=halves, linear=[[None, tile]],
-                                 split_k=split),
-                     moe=dict(moe_tiles, experts=[[None, dict(tile, split_k=split or 1)]]))
-        with flashrt.use_backend("cuda"), pinned_tiles(**tiles):
-            out[halves] = (ops.linear(x, w), ops.moe_experts(x, rw, idx, *experts, 10.0, shared=shared))
-    with flashrt.use_backend("reference"):
-        want = (ops.linear(x, w), ops.moe_experts(x, rw, idx, *experts, 10.0, shared=shared))
-    for got, plain, ref in zip(out[True], out[False], want):
-        assert rel_err(got, plain) < 1e-5  # fp32 rounding only (a wrong permutation moves the sums by ~1)
-        assert rel_err(got, ref) < 1e-2
+    out = {halves: gemm_outputs("cuda", x, [w], routed,
+                                linear=dict(fp4_decode="packed_prefetch", fp4_halves=halves, linear=[[None, tile]],
+                                            split_k=split),
+                                moe=dict(moe_tiles, experts=[[None, dict(tile, split_k=split or 1)]]))
+           for halves in (False, True)}
+    assert_same_sums(out[True], out[False], gemm_outputs("reference", x, [w], routed))
 
 
 def test_a_64_row_tile_keeps_the_natural_order(rng):

@@ -10,7 +10,8 @@ import torch
 
 import flashrt
 from flashrt import formats, ops
-from kernel_check import DEVICE, GPU, pinned_tiles, random_experts, rel_err, requires_kernels  # noqa: F401
+from kernel_check import (DEVICE, GPU, assert_same_sums, gemm_outputs, pinned_tiles, random_experts,  # noqa: F401
+                          rel_err, requires_kernels)
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
@@ -42,23 +43,16 @@ def test_the_swapped_operands_give_the_same_sums(rng, m, k, split, shared_fmt, m
     x = (torch.randn(m, k, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
     w4 = formats.quantize(torch.randn(72, k, generator=rng) * 0.25, "fp4_w").to(DEVICE)
     w8 = formats.quantize(torch.randn(96, k, generator=rng) * 0.25, "fp8_w").to(DEVICE)
-    rw, idx, experts, shared = random_experts(rng, m, k, 4, 2, 64, shared_fmt)
+    routed = random_experts(rng, m, k, 4, 2, 64, shared_fmt)
     tile = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
-    out = {}
-    for swap in (False, True):
-        # fp8_mma off: the fp8 weights are dequantized in the loop, as the swap needs
-        tiles = dict(linear=dict(fp4_decode="packed_prefetch", swap_operands=swap, linear=[[None, tile]],
-                                 split_k=split, fp8_mma=False, fused_max_rows=128),
-                     moe=dict(moe_tiles, fused_max_tokens=128, experts=[[None, dict(tile, split_k=split or 1)]]))
-        with flashrt.use_backend("cuda"), pinned_tiles(**tiles):
-            out[swap] = (ops.linear(x, w4), ops.linear(x, w8), ops.moe_experts(x, rw, idx, *experts, 10.0,
-                                                                              shared=shared))
-    with flashrt.use_backend("reference"):
-        want = (ops.linear(x, w4), ops.linear(x, w8), ops.moe_experts(x, rw, idx, *experts, 10.0, shared=shared))
-    for got, plain, ref in zip(out[True], out[False], want):
-        assert got.shape == ref.shape
-        assert rel_err(got, plain) < 1e-5  # fp32 rounding only (a transposed tile moves the sums by ~1)
-        assert rel_err(got, ref) < 1e-2
+    # fp8_mma off: the fp8 weights are dequantized in the loop, as the swap needs
+    out = {swap: gemm_outputs("cuda", x, [w4, w8], routed,
+                              linear=dict(fp4_decode="packed_prefetch", swap_operands=swap, linear=[[None, tile]],
+                                          split_k=split, fp8_mma=False, fused_max_rows=128),
+                              moe=dict(moe_tiles, fused_max_tokens=128,
+                                       experts=[[None, dict(tile, split_k=split or 1)]]))
+           for swap in (False, True)}
+    assert_same_sums(out[True], out[False], gemm_outputs("reference", x, [w4, w8], routed))
 
 
 def test_a_16_row_tile_does_not_swap(rng):
