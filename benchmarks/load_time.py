@@ -6,7 +6,8 @@ and without it, in one process (the checkpoint made first if it is missing).
 Each repeat loads the model with the check and then without it (``flashrt.load(...,
 check_finite=False)``), after one untimed load that brings the files into the page cache; medians
 of the repeats. ``check_share``: the check's part of the checked load, ``(checked - unchecked) /
-checked``. On a GPU the time includes the copies to the device and ends after a synchronize.
+checked``. On a GPU the time includes the copies to the device and ends after a synchronize. The
+profile (``FLASHRT_PROFILE`` or the one selected for the device) decides the load-time layouts.
 """
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ from flashrt.engine.run import BUILTIN, builtin_checkpoint
 from results_io import write_json
 
 
-def timed_load(path, device: torch.device, check: bool) -> float:
+def timed_load(path, device: torch.device, check: bool) -> tuple[float, str]:
+    """Seconds of one load, and the name of the profile it loaded under."""
     t0 = time.perf_counter()
     model = flashrt.load(path, device=device, check_finite=check)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
+    name = model.profile.name
     del model
-    return seconds
+    return seconds, name
 
 
 def main() -> None:
@@ -42,18 +45,18 @@ def main() -> None:
         ap.error(f"--repeats: expected at least 1, got {args.repeats}")
     device = torch.device(args.device)
     path = builtin_checkpoint(args.model, 0, True)
-    timed_load(path, device, True)  # page cache, imports, the device's context
+    _, profile = timed_load(path, device, True)  # page cache, imports, the device's context
     runs = {True: [], False: []}
     for _ in range(args.repeats):
         for check in (True, False):
-            runs[check].append(timed_load(path, device, check))
+            runs[check].append(timed_load(path, device, check)[0])
     checked, unchecked = statistics.median(runs[True]), statistics.median(runs[False])
-    result = {"model": args.model, "device": str(device), "cpu_threads": torch.get_num_threads(),
+    result = {"model": args.model, "device": str(device), "profile": profile, "cpu_threads": torch.get_num_threads(),
               "command": "python benchmarks/load_time.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
                                                                      if k != "out" and v is not None),
               "checked_s": checked, "unchecked_s": unchecked, "check_share": (checked - unchecked) / checked,
               "runs": {"checked": runs[True], "unchecked": runs[False]}}
-    print(f"{args.model} on {device}: {checked:.2f} s checked, {unchecked:.2f} s unchecked "
+    print(f"{args.model} on {device} ({profile} profile): {checked:.2f} s checked, {unchecked:.2f} s unchecked "
           f"(the check {100 * result['check_share']:.0f}% of the load)")
     write_json(args.out, result)
 

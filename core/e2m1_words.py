@@ -27,7 +27,10 @@ WORD_BITS = (
     (19, 20, 21, 28),  # code 6: the high half, shifted left by 3
     (26, 27, 29, 30),  # code 7: the high half's bits left over
 )
-_CHUNK_WORDS = 1 << 24  # words rearranged at a time (bounded temporaries)
+# words rearranged at a time: a bounded temporary; on the CPU one that stays in the caches, on a
+# device one large enough that each chunk's 48 elementwise launches are not the cost
+_CHUNK_WORDS = 1 << 18
+_DEVICE_CHUNK_WORDS = 1 << 24
 
 
 def _bit_map(forward: bool) -> dict[int, int]:
@@ -47,35 +50,38 @@ def moves(forward: bool = False) -> list[tuple[int, int]]:
     return sorted(by_shift.items())
 
 
-def _byte_tables(forward: bool) -> torch.Tensor:
-    """uint8 [4 source bytes, 4 output bytes, 256]: the bits of source byte i's value that the layout
-    sends to output byte j, in their places there (a word's output byte j is the OR over i)."""
-    v = torch.arange(256)
-    tables = torch.zeros(4, 4, 256, dtype=torch.int64)
-    for src_bit, dst_bit in _bit_map(forward).items():
-        bit = (v >> (src_bit % 8)) & 1
-        tables[src_bit // 8, dst_bit // 8] |= bit << (dst_bit % 8)
-    return tables.to(torch.uint8)
+def _signed(mask: int) -> int:
+    """``mask`` (a 32-bit pattern) as the int32 value with the same bits."""
+    return mask - (1 << 32) if mask >= 1 << 31 else mask
 
 
-_TABLES = {True: _byte_tables(True), False: _byte_tables(False)}
+_MOVES = {d: [(shift, _signed(mask)) for shift, mask in moves(d)] for d in (True, False)}
 
 
 def _rearrange(data: torch.Tensor, forward: bool, name: str) -> torch.Tensor:
     if data.dtype != torch.uint8 or data.dim() == 0 or data.shape[-1] % 4:
         raise ValueError(f"{name}: expected packed fp4 bytes (uint8 [..., n], n % 4 == 0), "
                          f"got {data.dtype} {tuple(data.shape)}")
-    src = data.contiguous().view(-1, 4)
-    out = torch.empty_like(src)
-    tables = _TABLES[forward].to(data.device)
-    for lo in range(0, src.shape[0], _CHUNK_WORDS):  # byte lookups: 16 gathers and ORs a word, no wide ints
-        part = src[lo:lo + _CHUNK_WORDS].long()
-        for j in range(4):
-            byte = tables[0, j][part[:, 0]]
-            for i in range(1, 4):
-                byte |= tables[i, j][part[:, i]]
-            out[lo:lo + _CHUNK_WORDS, j] = byte
-    return out.view(data.shape)
+    src = data.contiguous()
+    if src.storage_offset() % 4:  # an int32 view needs its first byte at a multiple of 4
+        src = src.clone()
+    words = src.view(-1).view(torch.int32)  # little-endian words, as the kernels read them
+    out = torch.empty_like(words)
+    chunk = _CHUNK_WORDS if words.device.type == "cpu" else _DEVICE_CHUNK_WORDS
+    tmp = torch.empty(min(chunk, words.numel()), dtype=torch.int32, device=words.device)
+    # each bit moves by one of 16 distances: out |= (word >> d) & mask per distance, on chunks so
+    # the temporary stays bounded; an arithmetic right shift's sign copies land outside the mask
+    for lo in range(0, words.numel(), chunk):
+        part, dst = words[lo:lo + chunk], out[lo:lo + chunk]
+        t = tmp[:part.numel()]
+        dst.zero_()
+        for shift, mask in _MOVES[forward]:
+            if shift >= 0:
+                torch.bitwise_right_shift(part, shift, out=t)
+            else:
+                torch.bitwise_left_shift(part, -shift, out=t)
+            dst |= t.bitwise_and_(mask)
+    return out.view(torch.uint8).view(data.shape)
 
 
 def to_words(data: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,14 @@ def test_round_trip_any_shape(rng, monkeypatch):
     assert torch.equal(e2m1_words.to_words(data), whole) and torch.equal(e2m1_words.from_words(whole), data)
 
 
+def test_bytes_at_any_offset(rng):
+    """A view whose first byte is not at a multiple of 4 in its storage gives the same words as a copy."""
+    big = torch.randint(0, 256, (3, 41), generator=rng, dtype=torch.uint8)
+    for view in (big.view(-1)[1:33], big[:, 1:9], big[1:, 5:37]):
+        assert torch.equal(e2m1_words.to_words(view), e2m1_words.to_words(view.clone()))
+        assert torch.equal(e2m1_words.from_words(e2m1_words.to_words(view)), view)
+
+
 @pytest.mark.parametrize("data", [torch.zeros(6, dtype=torch.uint8), torch.zeros(8, dtype=torch.int8),
                                   torch.tensor(3, dtype=torch.uint8)])
 def test_bad_bytes_are_refused(data):
