@@ -1,5 +1,6 @@
 """Decode-sized block-scaled GEMMs under row tiles under 16 (the multiply-add K loop) and, for the
-experts, each E2M1 decode, against the active profile's tiles, next to their weight-read floor.
+experts, each E2M1 decode, against the active profile's tiles, next to their weight-read floor; the
+``linear`` cases also as GEMVs (the rule's ``gemv`` knob) and against ``torch._scaled_mm``.
 
     python benchmarks/gemv_tiles.py --model v4.1-flash --out F
 
@@ -11,13 +12,16 @@ row a tile): the multiply-add tiles, or MMA tiles of 16 rows (other widths and p
 rows with the launch knobs of the profile's rule, or the profile's rule splitting K to a number of
 programs an SM (``split_per_sm``); or, for the experts, sets ``tiles.linear.fp4_decode`` or
 ``tiles.moe.shared_in_launch`` or ``tiles.moe.fused_max_tokens``, for ``linear``
-``tiles.linear.fused_max_rows``; "profile" is
+``tiles.linear.fused_max_rows``, or a ``gemv`` rule (``GEMV ...``, :mod:`flashrt.kernels_cuda.gemv`);
+each ``linear`` case also times ``torch._scaled_mm`` on e4m3 operands with per-tensor scales (the
+target's baseline: rows of variant ``torch._scaled_mm (per tensor)``, no output compared); "profile" is
 the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
 replays from a CUDA graph, each behind an L2 flush), the weight bytes the call must read over the
 device-to-device copy bandwidth measured in the same run (its floor), and the largest difference
 of the output from the profile's (the variants sum fp32 products in another order).
 ``--profile-out F.yaml`` writes the active profile with each family's fastest MMA variant as its
-first rule (:func:`fastest_rules`), for an end-to-end check against the profile.
+first rule, or its fastest GEMV in front of its rules (:func:`fastest_rules`), for an end-to-end
+check against the profile.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 
 from flashrt import formats, ops, profiles
 import flashrt
+from flashrt.bench.gemm import scaled_mm_timing
 from flashrt.graphs.config import shipped_config
 from flashrt.kernels_cuda import linear, moe
 from flashrt.timing import bench_ms
@@ -64,6 +69,15 @@ MMA_VARIANTS = {("MMA " if m == 16 else f"MMA M{m} ") + f"N{n} K{k} s{st}" + (f"
 # label -> launch knobs set on the profile's rule for the case's rows: K split to bring the programs
 # nearest to that many an SM, also where the output tiles fill the SMs once (``split_per_sm``)
 SPLIT_VARIANTS = {f"profile, split to {p} programs an SM": {"split_per_sm": p} for p in (3, 4, 6, 8)}
+# label -> the linear cases' rule as a GEMV (the ``gemv`` knob, kernels_cuda/gemv.py: one row and BLOCK_N
+# weight rows a program, multiply-adds on the CUDA cores; BLOCK_M unused), K split to fill the SMs
+GEMV_VARIANTS = {f"GEMV N{n} K{k} s{st}" + (f", {w} warps" if w != 4 else "") + (f", {p} programs an SM" if p else ""):
+                 dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, split_min_blocks=1, gemv=True,
+                      **({"split_per_sm": p} if p else {}))
+                 for n, k, st, w, p in ((32, 256, 3, 4, None), (32, 512, 3, 4, None), (32, 512, 4, 4, None),
+                                        (32, 256, 4, 4, None), (64, 256, 3, 4, None), (32, 1024, 2, 8, None),
+                                        (32, 512, 3, 4, 4), (32, 256, 3, 4, 6), (32, 512, 3, 8, None))}
+SCALED_MM = "torch._scaled_mm (per tensor)"  # the baseline of the linear cases: e4m3 x and w, rows padded to 16
 # label -> {family: tiles entries}, the profile's rules kept: the linear cases only
 LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}},
                    "profile, fp8 weights dequantized (no fp8 MMA)": {"linear": {"fp8_mma": False}}}
@@ -107,6 +121,11 @@ def tweaked(family: str, entry: str, rows: int, knobs: dict) -> dict:
     """The active rule serving ``rows`` (tile and launch knobs) with ``knobs`` set."""
     kernels = {"linear": linear, "moe": moe}[family]
     return {**linear.pick_tile(kernels._tiles()[entry], rows), **knobs}
+
+
+def baseline_operands(call) -> tuple:
+    """(x, w) of a linear case's call (its default arguments)."""
+    return call.__defaults__
 
 
 def linear_cases(cfg, dev, g):
@@ -158,30 +177,36 @@ def expert_cases(cfg, dev, g, scales_k_major: bool = False, words: bool = False)
 
 
 def fastest_rules(rows: list[dict], margin: float = 0.97) -> dict:
-    """(family, entry) -> the MMA variant's tile with the least time summed over that family's cases
-    (every case timed), where it is under ``margin`` times the profile's sum."""
+    """(family, entry) -> (tile, rows or None) of the MMA variant (linear: or GEMV variant) with the least
+    time summed over that family's cases (every case timed), where it is under ``margin`` times the
+    profile's sum: an MMA tile replaces the first rule's (None), a GEMV tile goes in front of the rules
+    for up to the most rows its cases had."""
     out = {}
     for family, entry, prefix in (("linear", "linear", "linear"), ("moe", "experts", "moe_experts")):
         mine = [r for r in rows if r["case"].startswith(prefix) and "us_per_call" in r]
         cases = {(r["case"], r["rows"]) for r in mine}
         total = {}
         for r in mine:
-            if r["variant"] == "profile" or r["variant"] in MMA_VARIANTS:
+            if r["variant"] == "profile" or r["variant"] in MMA_VARIANTS or r["variant"] in GEMV_VARIANTS:
                 total.setdefault(r["variant"], {})[(r["case"], r["rows"])] = r
         sums = {v: sum(r["us_per_call"] for r in got.values()) for v, got in total.items() if set(got) == cases}
         best = min(sums, key=sums.get, default=None)
         if best not in (None, "profile") and "profile" in sums and sums[best] < margin * sums["profile"]:
-            out[(family, entry)] = dict(next(iter(total[best].values()))["tile"])
+            limit = max(m for _, m in cases) if best in GEMV_VARIANTS else None
+            out[(family, entry)] = (dict(next(iter(total[best].values()))["tile"]), limit)
             print(f"{family}.{entry}: {best} {sums[best]:.1f} us against the profile's {sums['profile']:.1f} us")
     return out
 
 
 def write_profile(path: str, rules: dict) -> None:
     """A copy of the active profile's file named for ``path``, each of ``rules`` as the tile of its
-    entry's first rule (its row limit kept)."""
+    entry's first rule (its row limit kept), or (a row limit given) a rule of its own in front."""
     def edit(data):
-        for (family, entry), tile in rules.items():
-            data["tiles"][family][entry][0][1] = tile
+        for (family, entry), (tile, limit) in rules.items():
+            if limit is None:
+                data["tiles"][family][entry][0][1] = tile
+            else:
+                data["tiles"][family][entry].insert(0, [limit, tile])
 
     profile_copy(path, edit)
 
@@ -197,7 +222,7 @@ def main() -> None:
                     help="also time the expert cases with their scales K major and their codes in words")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-out", default=None, metavar="FILE.yaml",
-                    help="write a copy of the active profile with the fastest MMA variant of each family "
+                    help="write a copy of the active profile with the fastest MMA (or GEMV) variant of each family "
                          "(summed over its cases, at least 3%% under the profile's) as its first rule")
     args = ap.parse_args()
     if args.profile_out and not args.profile_out.endswith(".yaml"):
@@ -220,6 +245,12 @@ def main() -> None:
                         **{k: (mma(family, entry, limit, v), None) for k, v in MMA_VARIANTS.items()},
                         **{k: (tweaked(family, entry, limit, v), None) for k, v in SPLIT_VARIANTS.items()}}
             variants.update({k: (None, v) for k, v in (EXPERT_VARIANTS if family == "moe" else LINEAR_VARIANTS).items()})
+            if family == "linear":
+                variants.update({k: (v, None) for k, v in GEMV_VARIANTS.items()})
+                us = 1e3 * scaled_mm_timing(*baseline_operands(call)).ms
+                rows.append({"case": name, "rows": m, "variant": SCALED_MM, "us_per_call": us, "floor_us": floor_us,
+                             "of_floor": floor_us / us})
+                print(f"{name:44s} m={m:2d} {SCALED_MM:30s} {us:8.2f} us", flush=True)
             for label, (tile, extra) in variants.items():
                 if args.variants and label != "profile" and label not in args.variants:
                     continue

@@ -40,6 +40,7 @@ from flashrt.kernels_cuda.codecs import INTERPRETED
 from flashrt.kernels_cuda.codecs_e4m3 import FOLD_MAX_SCALE as FP8_FOLD_MAX_SCALE
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
+from flashrt.kernels_cuda.gemv import _gemv_kernel
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
 from flashrt.kernels_cuda import pdl
@@ -55,8 +56,10 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # where the output tiles fill the SMs once (more programs in flight an SM; None: the rule above);
 # split_reduce: a split K summed by each output tile's last program (True), or by a sum and a cast
 # launch after the GEMM (False); None: in the kernel where it quantizes x itself (fused_max_rows);
-# fp8_mma: the rule's own choice of the fp8 MMA for fp8_w (True / False; None: the fp8_mma tile's)
-KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None)
+# fp8_mma: the rule's own choice of the fp8 MMA for fp8_w (True / False; None: the fp8_mma tile's);
+# gemv: fp8_w launches of the rule's rows as a GEMV (:mod:`.gemv`: one row and BLOCK_N weight rows a
+# program, multiply-adds on the CUDA cores, BLOCK_M unused; fp4_w launches keep the rule's MMA tile)
+KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -267,6 +270,10 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     """Grid, K split, output dtype and constexprs of one (rows, weight shape, dtype) under the active
     tiles; ``bf16_gemm``: the call takes :func:`_bf16_gemm` instead."""
     t, knobs = split_tile(pick_tile(_tiles()["linear"], m))
+    big = _tiles()["bf16_gemm_min_rows"]
+    bf16_gemm = big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16
+    if knobs["gemv"] and fmt == "fp8_w":
+        return _gemv_plan(m, n, k, dtype, t, knobs, bf16_gemm)
     promote, dot = mma_mode(fmt, rule_fp8_mma=knobs["fp8_mma"])
     sms, row_tiles = num_sms(), cdiv(m, t["BLOCK_M"])
     t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
@@ -279,13 +286,52 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     in_kernel = fused if knobs["split_reduce"] is None else knobs["split_reduce"]
     reduce = in_kernel and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
     out_dtype = dtype if split == 1 or reduce else torch.float32
-    big = _tiles()["bf16_gemm_min_rows"]
     return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=out_dtype, fused=fused, reduce=reduce,
-                bf16_gemm=big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16,
+                bf16_gemm=bf16_gemm, gemv=False,
                 constexprs=dict(FP4=fmt == "fp4_w", PROMOTE=promote, DOT=dot, GROUP_M=_tiles()["group_m"],
                                 OUT=TL_DTYPES[out_dtype], QX=fused, REDUCE=reduce,
                                 E2M1=fp4_decode() if fmt == "fp4_w" else fp8_decode(promote), **t),
                 fold=fmt == "fp4_w" and may_fold(fp4_decode()))
+
+
+def _gemv_plan(m: int, n: int, k: int, dtype: torch.dtype, t: dict, knobs: dict, bf16_gemm: bool) -> dict:
+    """:func:`_linear_plan` of a rule with the ``gemv`` knob (fp8_w): a program per (row, BLOCK_N
+    weight rows, K split), K split by the rule's knobs over those programs, the split summed in the
+    kernel unless ``split_reduce`` is False."""
+    tiles = m * cdiv(n, t["BLOCK_N"])
+    split = splitk.splits(tiles, cdiv(k, t["BLOCK_K"]), num_sms(), _tiles()["split_k"], knobs["split_min_blocks"],
+                          knobs["split_per_sm"])
+    k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
+    split = cdiv(k, k_split)
+    in_kernel = knobs["split_reduce"] is not False
+    reduce = in_kernel and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
+    out_dtype = dtype if split == 1 or reduce else torch.float32
+    return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=out_dtype, fused=True, reduce=reduce,
+                bf16_gemm=bf16_gemm, gemv=True, fold=False,
+                constexprs=dict(OUT=TL_DTYPES[out_dtype], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
+                                STAGES=t["num_stages"], REDUCE=reduce, num_warps=t["num_warps"],
+                                num_stages=t["num_stages"]))
+
+
+def _outputs(plan: dict, m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, split-K workspace, ticket counters) of a GEMM launch: out [1 or splits, m, n]; the
+    workspace and counters only where the split meets in the kernel (else out stands in)."""
+    out = torch.empty(1 if plan["reduce"] else plan["split"], m, n, dtype=plan["out_dtype"], device=device)
+    ws = torch.empty(plan["split"], m, n, dtype=torch.float32, device=device) if plan["reduce"] else out
+    return out, ws, splitk.counters(device) if plan["reduce"] else out
+
+
+def _gemv(x2: torch.Tensor, weight: QTensor, plan: dict) -> torch.Tensor:
+    """[M, N] of x2 [M, K] and an fp8_w weight through :mod:`.gemv`'s kernel (fp32 partials summed
+    by a launch after it where the plan does not sum them in the kernel)."""
+    data, scale = weight_operands(weight)
+    (m, k), n = x2.shape, weight.shape[0]
+    x2 = last_dense(x2)
+    out, ws, cnt = _outputs(plan, m, n, x2.device)
+    _gemv_kernel[plan["grid"]](
+        x2, data, scale, out, ws, cnt, m, n, k, plan["k_split"], plan["split"], x2.stride(0), data.stride(0),
+        scale.stride(0), scale.stride(1), out.stride(1), out.stride(0), **plan["constexprs"], **pdl.options(x2.device))
+    return out[0] if plan["split"] == 1 or plan["reduce"] else out.sum(0).to(x2.dtype)
 
 
 def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -323,15 +369,15 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
     plan = PLANS.lookup(key)[1] or PLANS.store(key, _linear_plan(m, n, k, x.dtype, weight.fmt))
     if plan["bf16_gemm"]:
         return _bf16_gemm(x2, weight).view(*x.shape[:-1], n)
+    if plan["gemv"]:
+        return _gemv(x2, weight, plan).view(*x.shape[:-1], n)
     data, scale = weight_operands(weight)
     split = plan["split"]
     if plan["fused"]:
         xq = sx = last_dense(x2)  # quantized inside the kernel
     else:
         xq, sx = act_quant(x2)
-    out = torch.empty(1 if plan["reduce"] else split, m, n, dtype=plan["out_dtype"], device=x.device)
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if plan["reduce"] else out
-    cnt = splitk.counters(x.device) if plan["reduce"] else out
+    out, ws, cnt = _outputs(plan, m, n, x.device)
     constexprs = plan["constexprs"]
     if plan["fold"]:  # the tile is on for this plan's packed decode: the weight's bound decides
         constexprs = dict(constexprs, E2M1=fold_scales(constexprs["E2M1"], weight))
@@ -389,7 +435,8 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "bf16_gemm_min_rows": Tile(nullable=True, kind=int),
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),
-               "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool)}
+               "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool),
+               "*.gemv": Tile(kind=bool)}
 
 
 FAMILY = KernelFamily(

@@ -201,23 +201,25 @@ def _promote(acc, a, sa, w_ptr, sw_ptr, n0, N, k1, k_hi, stride_wn, stride_swn, 
 @triton.jit
 def _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
                 stride_swk, FP4: tl.constexpr, DUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, QX: tl.constexpr):
+                BLOCK_K: tl.constexpr, QX: tl.constexpr, E2M1: tl.constexpr = 0):
     """:func:`_k_loop` for row tiles under 16 (a GEMV: decode's few rows): both operands dequantized
     to fp32 in registers, their products added elementwise into [BLOCK_M, BLOCK_N, BLOCK_K] partial
     sums, reduced over K once at the end. No MMA: its 16-row minimum would spend 15 of 16 rows on
     nothing at one row, and the weight tile is used where it was decoded, without the trip through
-    shared memory a dot operand takes. Products of E4M3 / E2M1 values are exact in fp32; only the
-    order of the fp32 sums differs from the MMA paths."""
+    shared memory a dot operand takes. Of E2M1 only the word layout's flag applies (64: fp4_w bytes
+    in words, put back in nibbles before the code-by-code decode). Products of E4M3 / E2M1 values
+    are exact in fp32; only the order of the fp32 sums differs from the MMA paths."""
+    W_E2M1: tl.constexpr = E2M1 & 64 if FP4 else 0
     part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     part3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         a = _a_block(a_rows, sa_rows, row_ok, k0, k_hi, QX, tl.float32, BLOCK_M, BLOCK_K)[:, None, :]
         b = _w_block(w_ptr, sw_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, tl.float32, BLOCK_N,
-                     BLOCK_K)
+                     BLOCK_K, W_E2M1)
         part += a * b[None, :, :]
         if DUAL:
             b3 = _w_block(w3_ptr, sw3_ptr, n0, N, k0, k_hi, stride_wn, stride_swn, stride_swk, FP4, tl.float32,
-                          BLOCK_N, BLOCK_K)
+                          BLOCK_N, BLOCK_K, W_E2M1)
             part3 += a * b3[None, :, :]
     return tl.sum(part, axis=2), tl.sum(part3, axis=2)
 
@@ -335,11 +337,11 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
     E2M1: how the MMA loop decodes fp4_w codes (0 bit by bit, 1 ``tl.dot_scaled``, 2 two a byte in
     packed registers; plus 8: the scales loaded a block ahead, :func:`_mma_k_loop`; plus 16: the packed
     decode's re-bias folded into the scales, :func:`_w_decode`; plus 32: both operands in
-    :func:`_halves`' K order). Row tiles under 16 take the
-    multiply-add loop (PROMOTE, DOT and E2M1 do not apply), others the MMA loop."""
+    :func:`_halves`' K order). Row tiles under 16 take the multiply-add loop (PROMOTE and DOT do not
+    apply, of E2M1 only the word layout's 64), others the MMA loop."""
     if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
-                                stride_swn, stride_swk, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX)
+                                stride_swn, stride_swk, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
     else:
         acc, acc3 = _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
                                 stride_swn, stride_swk, FP4, PROMOTE, DUAL, DOT, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)

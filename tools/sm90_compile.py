@@ -103,6 +103,8 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
             "to_first_exit": next((i + 1 for i, c in enumerate(code) if c[1] == "EXIT"), len(code)),
             # the loop issuing the most asynchronous copies (a warp-specialized kernel's producer)
             "copy_loop": mma_loop(code, ("LDGSTS",)),
+            # the loop issuing the most fp32 multiply-adds (a GEMV's multiply-add K loop)
+            "fma_loop": mma_loop(code, ("FFMA",)),
             "constexprs": {fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()}}
 
 
@@ -374,9 +376,9 @@ def main(argv=None) -> None:
               f"stack {r['stack_bytes']} B, shared {r['shared_bytes']} B")
         print("   " + "  ".join(f"{k} {v}" for k, v in r["sass"].items() if v))
         print("   global loads: " + "  ".join(f"{k} {v}" for k, v in sorted(r["global_loads"].items())))
-        if r["mma_loop"]:
-            loop = r["mma_loop"]
-            print(f"   MMA loop: {loop['instructions']} instructions a trip ("
+        loop, name = (r["mma_loop"], "MMA") if r["mma_loop"] else (r["fma_loop"], "multiply-add")
+        if loop:
+            print(f"   {name} loop: {loop['instructions']} instructions a trip ("
                   + "  ".join(f"{k} {v}" for k, v in loop["opcodes"].items()) + ")")
             print(f"   SASS: {r['dump']}.sass, the loop at {loop['sass_range'][0]}-{loop['sass_range'][1]}")
 

@@ -41,8 +41,9 @@ def _rel(got, want) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 
 
-def _scaled_mm_ms(x, w) -> float:
-    """torch._scaled_mm on x cast to e4m3 (rows padded to 16) and the stored e4m3 weight, per-tensor scales."""
+def scaled_mm_timing(x, w) -> common.Timing:
+    """The timing of torch._scaled_mm on x cast to e4m3 (rows padded to 16) and the stored e4m3 weight,
+    per-tensor scales: the fp8 GEMMs' baseline."""
     m = -(-x.shape[0] // 16) * 16
     a8 = torch.zeros(m, x.shape[1], device=DEVICE, dtype=torch.float8_e4m3fn)
     a8[: x.shape[0]] = x.to(torch.float8_e4m3fn)
@@ -64,7 +65,7 @@ def _linear_case(rows, ceil, m, out_f, in_f, fmt, g):
     extra = {"reference_ms": ref_ms, "speedup_vs_reference": ref_ms / ms, "rel_err": _rel(out, ref.linear(x, w))}
     base, base_ms = "torch reference", ref_ms
     if fmt == "fp8_w":
-        base, base_ms = "torch._scaled_mm (per-tensor)", _scaled_mm_ms(x, w)
+        base, base_ms = "torch._scaled_mm (per-tensor)", scaled_mm_timing(x, w)
         extra["scaled_mm_fraction"] = base_ms / ms
         with _linear_tiles(fp8_mma=False):  # through the profile: TILES edits in place are not seen
             extra["bf16_path_ms"] = common.bench_ms(lambda: lin.linear(x, w))

@@ -100,6 +100,32 @@ def test_experts_few_rows(rng, n, pair_tiles, block_m, split, with_shared):
     assert rel_err(got, want) < 2e-3 and rel_err(got, dot) < 2e-3
 
 
+@pytest.mark.parametrize("block_m", [1, 2])
+def test_few_rows_with_e2m1_words(rng, block_m):
+    """fp4_w weights in the E2M1 word layout (formats.with_e2m1_words, the h200 profile's experts)
+    through the multiply-add loop: ``linear`` and the experts (with the fp8 shared expert) give the
+    reference's values of the same weights and the 16-row MMA tile's."""
+    x = (torch.randn(3, 320, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
+    w = formats.with_e2m1_words(_weight(rng, "fp4_w", 72, 320))
+    with pinned_tiles(linear=dict(linear=[_rule(None, block_m)], split_k=2)):
+        got = _linear(x, w)
+    with pinned_tiles(linear=dict(linear=[_rule(None, 16)], split_k=2)):
+        dot = _linear(x, w)
+    with flashrt.use_backend("reference"):
+        want = ops.linear(x, w)
+    assert rel_err(got, want) < 1e-3 and rel_err(got, dot) < 1e-3
+    args, shared = _experts_case(rng, 2, 6, 2, 96, 64)
+    args = (*args[:3], *(formats.with_e2m1_words(a) for a in args[3:6]), args[6])
+    with pinned_tiles(moe=dict(experts=[_rule(16, block_m), _rule(None, 16)], pair_tiles=2)):
+        with flashrt.use_backend("cuda"):
+            got = ops.moe_experts(*args, shared=shared)
+    with pinned_tiles(moe=dict(pair_tiles=2)), flashrt.use_backend("cuda"):
+        dot = ops.moe_experts(*args, shared=shared)
+    with flashrt.use_backend("reference"):
+        want = ops.moe_experts(*args, shared=shared)
+    assert rel_err(got, want) < 2e-3 and rel_err(got, dot) < 2e-3
+
+
 def test_pairs_mode_picks_the_one_row_rule():
     """In pairs mode a tile holds one row, so a rule for one row serves it whatever the mean rows
     per expert; with routing tables the mean rows per expert pick the rule."""

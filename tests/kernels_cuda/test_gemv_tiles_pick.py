@@ -1,6 +1,7 @@
 """``benchmarks/gemv_tiles.py --profile-out``: the MMA variant with the least time summed over a
 family's cases becomes that family's first rule in a copy of the active profile, only where it beats
-the profile's sum by the margin and was timed on every case; the copy passes the profile checks."""
+the profile's sum by the margin and was timed on every case; a GEMV variant goes in front of the
+rules for up to the cases' most rows; the copy passes the profile checks."""
 import random
 from pathlib import Path
 
@@ -18,7 +19,7 @@ def _rows(gemv_tiles, times: dict) -> list[dict]:
     rows = []
     for (case, m), by_variant in times.items():
         for variant, us in by_variant.items():
-            tile = gemv_tiles.MMA_VARIANTS.get(variant)
+            tile = gemv_tiles.MMA_VARIANTS.get(variant) or gemv_tiles.GEMV_VARIANTS.get(variant)
             row = {"case": case, "rows": m, "variant": variant, "tile": dict(tile, min_block_n=32) if tile else None}
             if us is not None:
                 row["us_per_call"] = us
@@ -45,7 +46,7 @@ def test_the_fastest_variant_over_every_case_becomes_the_first_rule(tmp_path, mo
     for m in (1, 8):  # the experts: the best variant within the margin of the profile
         times[(f"moe_experts E{m}", m)] = {"profile": 100.0, near: 98.0, **{v: 150.0 for v in labels if v != near}}
     rules = gemv_tiles.fastest_rules(_rows(gemv_tiles, times))
-    assert rules == {("linear", "linear"): dict(gemv_tiles.MMA_VARIANTS[fast], min_block_n=32)}
+    assert rules == {("linear", "linear"): (dict(gemv_tiles.MMA_VARIANTS[fast], min_block_n=32), None)}
     out = tmp_path / "h200-picked.yaml"
     with profiles.using("h200"):
         gemv_tiles.write_profile(str(out), rules)
@@ -53,5 +54,23 @@ def test_the_fastest_variant_over_every_case_becomes_the_first_rule(tmp_path, mo
     got = profiles.load_profile_file(str(out))
     assert got.name == "h200-picked"
     limit, tile = got.tiles["linear"]["linear"][0]
-    assert limit == before.tiles["linear"]["linear"][0][0] and tile == rules[("linear", "linear")]
+    assert limit == before.tiles["linear"]["linear"][0][0] and tile == rules[("linear", "linear")][0]
     assert got.tiles["moe"] == before.tiles["moe"]
+
+
+def test_a_fastest_gemv_goes_in_front_of_the_rules(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import gemv_tiles
+
+    gemv, mma = random.choice(list(gemv_tiles.GEMV_VARIANTS)), random.choice(list(gemv_tiles.MMA_VARIANTS))
+    times = {(case, m): {"profile": 20.0, gemv: 10.0 + m, mma: 15.0} for case in ("linear a", "linear b")
+             for m in (1, 4)}
+    rules = gemv_tiles.fastest_rules(_rows(gemv_tiles, times))
+    assert rules == {("linear", "linear"): (dict(gemv_tiles.GEMV_VARIANTS[gemv], min_block_n=32), 4)}
+    out = tmp_path / "h200-gemv.yaml"
+    with profiles.using("h200"):
+        gemv_tiles.write_profile(str(out), rules)
+        before = profiles.active_profile()
+    got = profiles.load_profile_file(str(out))
+    assert list(got.tiles["linear"]["linear"][0]) == [4, rules[("linear", "linear")][0]]
+    assert got.tiles["linear"]["linear"][1:] == before.tiles["linear"]["linear"]

@@ -1,0 +1,98 @@
+"""The ``gemv`` knob of a ``linear`` rule (kernels_cuda/gemv.py): fp8_w launches as one activation
+row and BLOCK_N weight rows a program, multiply-adds on the CUDA cores. Against the reference and
+against the MMA rule on the same fresh random inputs: one and several rows, ragged N and K tiles,
+32-row tiles (the weight scale on the activations) and wider ones (on the weights), K split summed
+in the kernel or by a launch after it, fp32 / bf16 activations; every E4M3 code and scale byte
+read back exactly; fp4_w launches keep the rule's MMA tile."""
+import pytest
+import torch
+
+import flashrt
+from flashrt import formats, ops
+from kernel_check import DEVICE, GPU, assert_counters_zero, pinned_tiles, rel_err, requires_kernels, run_both
+
+pytestmark = requires_kernels
+lin = pytest.importorskip("flashrt.kernels_cuda.linear")
+
+
+def _gemv_rule(rows, block_n=32, block_k=64, **knobs):
+    return [rows, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=2, gemv=True, **knobs)]
+
+
+def _mma_rule(rows=None):
+    return [rows, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)]
+
+
+def _linear(x, w):
+    with flashrt.use_backend("cuda"):
+        return ops.linear(x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,block_n,split,reduce", [(1, 32, None, None), (1, 64, 3, None), (3, 32, 2, None),
+                                                    (2, 64, 2, False), (1, 32, 3, False)])
+def test_gemv_rows(rng, dtype, m, block_n, split, reduce):
+    """m rows over a ragged weight (N 72: a partial last tile; K 352: a partial K block)."""
+    n, k = 72, 352
+    x = (torch.randn(m, k, generator=rng) * 2.0).to(DEVICE, dtype)
+    w = formats.quantize(torch.randn(n, k, generator=rng) * 0.25, "fp8_w").to(DEVICE)
+    tiles = dict(linear=[_gemv_rule(16, block_n, split_reduce=reduce), _mma_rule()], split_k=split)
+    with pinned_tiles(linear=tiles):
+        plan = lin._linear_plan(m, n, k, dtype, "fp8_w")
+        assert plan["gemv"] and plan["split"] == (split or 1) and plan["reduce"] == (split is not None
+                                                                                    and reduce is None)
+        assert plan["grid"][0] == m * -(-n // block_n)
+        got = _linear(x, w)
+        assert_counters_zero(got)
+    with pinned_tiles(linear=dict(tiles, linear=[_mma_rule()])):
+        dot = _linear(x, w)
+    with flashrt.use_backend("reference"):
+        want = ops.linear(x, w)
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(got, want) < tol and rel_err(got, dot) < tol
+
+
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_gemv_every_e4m3_code_and_scale(rng, block_n):
+    """One-hot activation rows read back each finite E4M3 weight code times its tile's scale
+    exactly: the E4M3 conversion, the scale on the activations (32-row tiles) or on the weights."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the NaN codes
+    data = codes[torch.randperm(256, generator=rng)].view(64, 4).repeat(1, 16).view(torch.float8_e4m3fn)
+    scale_bytes = torch.randint(100, 150, (2, 2), generator=rng, dtype=torch.uint8)
+    w = formats.QTensor(data.to(DEVICE), scale_bytes.view(torch.float8_e8m0fnu).to(DEVICE), "fp8_w", (64, 64))
+    values = data.to(torch.float32) * torch.pow(2.0, scale_bytes.to(torch.float32) - 127).repeat_interleave(
+        32, 0).repeat_interleave(32, 1)
+    with pinned_tiles(linear=dict(linear=[_gemv_rule(None, block_n, 32)])):
+        for i in torch.randperm(64, generator=rng)[:8].tolist():
+            got = _linear(torch.eye(64, device=DEVICE)[i:i + 1], w)
+            assert torch.equal(got[0].cpu(), values[:, i])
+
+
+def test_fp4_w_keeps_the_mma_tile(rng):
+    """The knob is for fp8_w: an fp4_w launch of the same rule runs the rule's MMA tile."""
+    x = torch.randn(1, 128, generator=rng).to(DEVICE)
+    w = formats.quantize(torch.randn(64, 128, generator=rng), "fp4_w").to(DEVICE)
+    with pinned_tiles(linear=dict(linear=[_gemv_rule(None)])):
+        assert not lin._linear_plan(1, 64, 128, torch.float32, "fp4_w")["gemv"]
+        got = _linear(x, w)
+    with flashrt.use_backend("reference"):
+        want = ops.linear(x, w)
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("block_n,block_k", [(32, 512), (64, 256)])
+def test_gemv_released_shapes_gpu(rng, m, block_n, block_k):
+    """The released projections' shapes with the knob, K split over the SMs and summed in the kernel."""
+    for n, k in ((1792, 5120), (5120, 8192)):
+        x = torch.randn(m, k, generator=rng).to(DEVICE, torch.bfloat16)
+        w = formats.quantize(torch.randn(n, k, generator=rng) * 0.05, "fp8_w").to(DEVICE)
+        with pinned_tiles(linear=dict(linear=[[16, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+                                                         num_stages=3, split_min_blocks=1, gemv=True)]])):
+            got, want = run_both("linear", x, w)
+            assert_counters_zero(got)
+        assert rel_err(got, want) < 1e-3
