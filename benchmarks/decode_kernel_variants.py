@@ -1,5 +1,5 @@
-"""Decode-shaped launches of the mHC coefficients and the sparse attention under tile variants, side
-by side in one process: which finish and combine paths are fastest at batch 1 / 8 / 64.
+"""Decode-shaped launches of the mHC coefficients, the sparse attention and the MoE gate under tile
+variants, side by side in one process: which finish, combine and select paths are fastest at batch 1 / 8 / 64.
 
     python benchmarks/decode_kernel_variants.py --model small --out F
 
@@ -26,6 +26,9 @@ profile's (``flashrt.profiles.using``):
   (``split.programs``); at most 8 or 4 splits; 4 warps; 3 pipeline stages; K blocks of 16. The
   same op over a prefill chunk (``--prefill-rows`` rows of ``--prefill-len`` queries, no split)
   under warp, stage and K block variants.
+* ``moe_route`` (``x [B, dim]`` bf16, the model's gate, bias, score function and top-k): the gate's
+  GEMM and the select launch, the select on 4 warps (shipped), 1, 2 and 8 warps, and programs of
+  at most 1 / 4 tokens.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import torch
 
 from flashrt import formats, profiles
 from flashrt.graphs.config import shipped_config
-from flashrt.kernels_cuda import attention, mhc
+from flashrt.kernels_cuda import attention, mhc, moe_route
 from flashrt.timing import bench_ms
 from decode_profile import gpu_events
 from results_io import write_json
@@ -88,6 +91,15 @@ ATTENTION_VARIANTS = {
     # fewer, longer splits: fewer partials for the combine to merge at small batches
     "at most 8 splits": {"split": {"max_splits": 8}},
     "at most 4 splits": {"split": {"max_splits": 4}},
+}
+# the gate's select launch: warps a program, tokens a program (one token always takes a program of its own)
+ROUTE_VARIANTS = {
+    "shipped": {},
+    "1 warp": {"select": {"num_warps": 1}},
+    "2 warps": {"select": {"num_warps": 2}},
+    "8 warps": {"select": {"num_warps": 8}},
+    "1 token a program": {"select": {"BLOCK_T": 1}},
+    "4 tokens a program, 2 warps": {"select": {"BLOCK_T": 4, "num_warps": 2}},
 }
 # a prefill chunk: one query a program, no split; the tiles that shape its launches
 PREFILL_VARIANTS = {
@@ -153,7 +165,7 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=1024, help="main-KV entries the indices point into")
     ap.add_argument("--prefill-rows", type=int, default=4, help="rows of the prefill attention case")
     ap.add_argument("--prefill-len", type=int, default=512, help="queries per row of the prefill attention case")
-    ap.add_argument("--ops", nargs="+", choices=["hc_coefficients", "sparse_attention", "prefill"],
+    ap.add_argument("--ops", nargs="+", choices=["hc_coefficients", "sparse_attention", "prefill", "moe_route"],
                     default=["hc_coefficients", "sparse_attention", "prefill"], help="the cases to time")
     ap.add_argument("--hc-iters", type=int, default=None,
                     help="Sinkhorn iterations of the hc_coefficients cases (default: the model's)")
@@ -187,7 +199,16 @@ def main() -> None:
         sink = torch.randn(H, generator=g).to(dev)
         return lambda: attention.sparse_attention(q, (ring, main_kv), idx, sink, D ** -0.5)
 
+    def route_call(B):
+        x = torch.randn(B, dim, generator=g).to(torch.bfloat16).to(dev)
+        gate = (torch.randn(cfg.n_routed_experts, dim, generator=g) * dim ** -0.5).to(torch.bfloat16).to(dev)
+        bias = (torch.randn(cfg.n_routed_experts, generator=g) * 0.1).to(dev)
+        return lambda: moe_route.moe_route(x, gate, bias, cfg.n_activated_experts, cfg.score_func,
+                                           cfg.norm_topk_prob, cfg.route_scale)
+
     rows = []
+    if "moe_route" in args.ops:
+        rows += measure("moe_route", "moe_route", ROUTE_VARIANTS, route_call, args.batches)
     if "hc_coefficients" in args.ops:
         rows += measure("hc_coefficients", "mhc", hc_variants, hc_call, args.batches)
     if "sparse_attention" in args.ops:

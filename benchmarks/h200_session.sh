@@ -232,6 +232,13 @@
 #              tokens, under the code as it is (h200-hc-div-{small,v4.1-flash}.json) and, where BEFORE names
 #              a folder holding the files to compare at their repository paths (kernels_cuda/mhc.py of the
 #              commit before), with those swapped in for the run in the same call (...-before.json)
+#   route      the MoE gate's select (one value-and-index reduction a pick, the picked scores gathered once,
+#              one token a program of its own): the gate tests natively (h200-route-tests.log), then the gate
+#              at small's and the released dimensions, 1 / 8 / 64 tokens, under the select's tile variants
+#              (benchmarks/decode_kernel_variants.py --ops moe_route: h200-route-{small,v4.1-flash}.json) and,
+#              where BEFORE names a folder holding kernels_cuda/moe_route.py of the commit before, with it
+#              swapped in (...-before.json); then the real-dimension slice and small's captured decode
+#              (h200-real-slice-route-on.json, h200-e2e-route-on.json; and -before with BEFORE)
 #   h100profile  on an H100, the h100 profile as a user gets it (FLASHRT_PROFILE unset: chosen by the
 #              device): flashrt doctor (h100-profile-doctor.json), flashrt conformance (h100-profile-conformance.json,
 #              the H100 row of hwconfigs/reports when it passes), the GPU tests (h100-profile-gpu-tests.log),
@@ -779,6 +786,21 @@ phase_hcdiv() {
     [ -z "${BEFORE:-}" ] || before_run "$BEFORE" python benchmarks/decode_kernel_variants.py --model "$m" \
       --ops hc_coefficients --batches 1 8 64 --hc-variants shipped --out "$OUT/h200-hc-div-$m-before.json" | grep -v '^ '
   done
+}
+
+phase_route() {
+  local m
+  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_route.py \
+    > "$OUT/h200-route-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-route-tests.log"
+  for m in small v4.1-flash; do
+    python benchmarks/decode_kernel_variants.py --model "$m" --ops moe_route --batches 1 8 64 \
+      --out "$OUT/h200-route-$m.json" | grep -v '^ '
+    [ -z "${BEFORE:-}" ] || before_run "$BEFORE" python benchmarks/decode_kernel_variants.py --model "$m" \
+      --ops moe_route --batches 1 8 64 --out "$OUT/h200-route-$m-before.json" | grep -v '^ '
+  done
+  slice_and_decode route on h200
+  [ -z "${BEFORE:-}" ] || before_run "$BEFORE" slice_and_decode route before h200
 }
 
 phase_h100profile() {

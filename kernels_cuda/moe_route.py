@@ -4,8 +4,9 @@
    stored; exact products, fp32 sums: the reference's fp32 GEMM up to summation order);
 2. ``_route_select_kernel``, one program per block of tokens over all experts: the score function
    (softmax / sigmoid / sqrt(softplus), log1p by Kahan's correction), the bias added for the
-   choice only, the ``topk`` largest by repeated argmax (ties to the lower expert, as the
-   reference's stable descending sort), the picked scores normalised and scaled.
+   choice only, the ``topk`` largest by repeated argmax (one value-and-index reduction a pick,
+   ties to the lower expert, as the reference's stable descending sort), the picked scores
+   gathered once, normalised and scaled.
 
 The reference formulation is a dozen torch launches a layer (GEMM, score function, sort, gather,
 sum, divide, casts); at decode each launch costs more than its work, inside a CUDA graph too
@@ -70,14 +71,11 @@ def _route_select_kernel(z_ptr, bias_ptr, w_ptr, i_ptr, N, E, stride_z, route_sc
     key = tl.where(live, key, float("-inf"))
     col = tl.arange(0, KB)[None, :]
     picks = tl.zeros([BLOCK_T, KB], tl.int32)
-    w = tl.zeros([BLOCK_T, KB], tl.float32)
-    for j in tl.static_range(TOPK):
-        best = tl.max(key, axis=1)
-        idx = tl.min(tl.where(key == best[:, None], e[None, :], EB), axis=1)  # ties: the lower expert
-        hit = e[None, :] == idx[:, None]
+    for j in tl.static_range(TOPK):  # one (value, index) reduction a pick; ties: the lower expert
+        idx = tl.argmax(key, axis=1, tie_break_left=True).to(tl.int32)
         picks = tl.where(col == j, idx[:, None], picks)
-        w = tl.where(col == j, tl.sum(tl.where(hit, s, 0.0), axis=1)[:, None], w)
-        key = tl.where(hit, float("-inf"), key)
+        key = tl.where(e[None, :] == idx[:, None], float("-inf"), key)
+    w = tl.where(col < TOPK, tl.gather(s, picks, axis=1), 0.0)  # the picked experts' scores
     if NORM:
         w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
     out = t.to(tl.int64)[:, None] * TOPK + col
@@ -96,7 +94,8 @@ def moe_route(x, weight, bias, topk, score_func, norm_topk, route_scale):
         return w, idx
     t = PLANS.tiles()["select"]
     EB = max(16, next_pow2(E))
-    bt = max(1, min(t["BLOCK_T"], t["ELEMS"] // EB))
+    # one token (a decode step of one sequence) takes a one-row program: no masked rows to score
+    bt = 1 if n == 1 else max(1, min(t["BLOCK_T"], t["ELEMS"] // EB))
     _route_select_kernel[(cdiv(n, bt),)](
         z, bias if bias is not None else z, w, idx, n, E, z.stride(0), float(route_scale), TOPK=topk,
         SCORE=SCORES[score_func], HAS_BIAS=bias is not None, NORM=bool(norm_topk) and topk > 1,

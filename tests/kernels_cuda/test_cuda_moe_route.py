@@ -20,7 +20,7 @@ mr = pytest.importorskip("flashrt.kernels_cuda.moe_route")
 @pytest.mark.parametrize("norm_topk", [False, True])
 def test_moe_route_matches_float64(score_func, with_bias, norm_topk, rng):
     for N, D, E, topk, route_scale in ((5, 64, 8, 3, 2.5), (1, 32, 5, 1, 1.0), (19, 96, 12, 12, 0.7),
-                                       (3, 64, 40, 6, 1.5)):
+                                       (3, 64, 40, 6, 1.5), (1, 64, 40, 6, 1.5)):  # one token: a one-row program
         x = torch.randn(N, D, generator=rng).to(torch.bfloat16)
         weight = (torch.randn(E, D, generator=rng) / math.sqrt(D)).to(torch.bfloat16)
         bias = torch.randn(E, generator=rng) * 0.3 if with_bias else None
