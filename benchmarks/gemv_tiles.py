@@ -74,9 +74,9 @@ SPLIT_VARIANTS = {f"profile, split to {p} programs an SM": {"split_per_sm": p} f
 GEMV_VARIANTS = {f"GEMV N{n} K{k} s{st}" + (f", {w} warps" if w != 4 else "") + (f", {p} programs an SM" if p else ""):
                  dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, split_min_blocks=1, gemv=True,
                       **({"split_per_sm": p} if p else {}))
-                 for n, k, st, w, p in ((32, 256, 3, 4, None), (32, 512, 3, 4, None), (32, 512, 4, 4, None),
-                                        (32, 256, 4, 4, None), (64, 256, 3, 4, None), (32, 1024, 2, 8, None),
-                                        (32, 512, 3, 4, 4), (32, 256, 3, 4, 6), (32, 512, 3, 8, None))}
+                 for n, k, st, w, p in ((32, 256, 3, 4, None), (32, 512, 3, 4, None), (64, 256, 3, 4, None),
+                                        (128, 128, 3, 4, None), (128, 128, 4, 4, None), (128, 256, 3, 8, None),
+                                        (64, 256, 3, 4, 4), (128, 128, 3, 4, 4), (32, 256, 3, 4, 6))}
 SCALED_MM = "torch._scaled_mm (per tensor)"  # the baseline of the linear cases: e4m3 x and w, rows padded to 16
 # label -> {family: tiles entries}, the profile's rules kept: the linear cases only
 LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}},

@@ -7,9 +7,9 @@ rows: each K block of ``BLOCK_K`` (a pipelined, asynchronous copy: ``tl.range`` 
 ``num_stages``, which Triton applies to a loop without a dot only when asked) is converted from
 E4M3 by the device (two bytes an instruction on sm_89+, :func:`.codecs.e4m3_cvt`) and multiplied
 by the activations, which the program quantizes to ``fp8`` itself (the per-32 blocks ``act_quant``
-makes, from column 0) and carries as the values they stand for. With ``BLOCK_N`` 32 (one row of
-the 32 x 32 weight scale tiles) the weight scale multiplies the activations (a K block's worth)
-instead of every weight; wider tiles scale the weights. Products and sums are fp32: the same
+makes, from column 0) and carries as the values they stand for. The weight rows go in groups of
+32 (one row of the 32 x 32 weight scale tiles each): a group's scale multiplies the activations
+(a K block's worth) instead of every weight. Products and sums are fp32: the same
 values as the MMA loops up to the order of the sums. A split K meets in the tile's last program
 (:func:`.splitk.store_tile`).
 """
@@ -22,7 +22,7 @@ from flashrt.kernels_cuda.codecs import e4m3_cvt, e8m0_to_f32, quant_fp8
 from flashrt.kernels_cuda.pdl import wait_inputs
 from flashrt.kernels_cuda.splitk import store_tile
 
-SCALE_ROWS = 32  # the rows of one fp8_w scale tile
+SCALE_ROWS = tl.constexpr(32)  # the rows of one fp8_w scale tile
 
 
 @triton.jit
@@ -43,32 +43,32 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
                  REDUCE: tl.constexpr):
     """out[row, n0 : n0 + BLOCK_N] (fp32 partial of K split ``program_id(1)``) for program
     ``pid = tile * M + row``: the rows of one weight tile are neighbours in the launch order, so
-    they read it from L2 while it is there."""
+    they read it from L2 while it is there. The tile is ``BLOCK_N // 32`` groups of 32 weight rows
+    (one row of scale tiles each): a group's scale multiplies the activations, once a K block."""
+    R: tl.constexpr = BLOCK_N // SCALE_ROWS
     wait_inputs()
     pid = tl.program_id(0)
     row = pid % M
     n0 = (pid // M) * BLOCK_N
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    group = tl.arange(0, R)
+    offs_n = n0 + group[:, None] * SCALE_ROWS + tl.arange(0, SCALE_ROWS)[None, :]  # [R, 32]
     n_ok = offs_n < N
     x_row = x_ptr + row.to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_N,), tl.float32)
+    acc = tl.zeros((R, SCALE_ROWS), tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_hi
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = _x_values(x_row, k0, k_hi, BLOCK_K)
-        if BLOCK_N == 32:  # one scale tile row: the scale goes on the activations
-            s = tl.load(sw_ptr + (n0 // 32) * stride_swn + (kk // 32) * stride_swk, mask=k_ok, other=0)
-            w_vals = e4m3_cvt(w.to(tl.uint8, bitcast=True))
-            acc += tl.sum(w_vals * (x * e8m0_to_f32(s.to(tl.int32)))[None, :], axis=1)
-        else:
-            s = tl.load(sw_ptr + (offs_n // 32)[:, None] * stride_swn + (kk // 32)[None, :] * stride_swk,
-                        mask=n_ok[:, None] & k_ok[None, :], other=0)
-            w_vals = e4m3_cvt(w.to(tl.uint8, bitcast=True)) * e8m0_to_f32(s.to(tl.int32))
-            acc += tl.sum(w_vals * x[None, :], axis=1)
+        w = tl.load(w_ptr + offs_n[:, :, None] * stride_wn + kk[None, None, :],
+                    mask=n_ok[:, :, None] & k_ok[None, None, :], other=0.0)
+        s = tl.load(sw_ptr + (n0 // SCALE_ROWS + group)[:, None] * stride_swn + (kk // 32)[None, :] * stride_swk,
+                    mask=k_ok[None, :], other=0)  # [R, BLOCK_K]: each group's scale byte per 32 of K
+        xs = _x_values(x_row, k0, k_hi, BLOCK_K)[None, :] * e8m0_to_f32(s.to(tl.int32))
+        acc += tl.sum(e4m3_cvt(w.to(tl.uint8, bitcast=True)) * xs[:, None, :], axis=2)
     rows = row + tl.arange(0, 1)
+    cols = tl.reshape(offs_n, (BLOCK_N,))
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
     out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os
-    store_tile(acc[None, :], out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, offs_n,
-               (rows < M)[:, None] & n_ok[None, :], stride_om, M, N, OUT, REDUCE)
+    store_tile(tl.reshape(acc, (1, BLOCK_N)), out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, cols,
+               ok, stride_om, M, N, OUT, REDUCE)

@@ -102,6 +102,38 @@ def test_a_profile_forcing_fp8_mma_on_sm80_fails_with_the_compilers_error(tmp_pa
     assert all(row["status"] == "compiled" for row in report["rows"] if "a100" in row["profiles"])
 
 
+GEMV_RULES = """\
+      - [4, {BLOCK_M: 16, BLOCK_N: 64, BLOCK_K: 256, num_warps: 4, num_stages: 3, split_min_blocks: 1, gemv: true}]
+      - [16, {BLOCK_M: 16, BLOCK_N: 64, BLOCK_K: 128, num_warps: 4, num_stages: 3}]
+      - [null, {BLOCK_M: 64, BLOCK_N: 64, BLOCK_K: 64, num_warps: 4, num_stages: 3}]
+"""
+
+
+def _gemv_profiles(tmp_path) -> Path:
+    """User profiles putting a ``gemv`` rule first for up to 4 rows: one over h200 (sm_90), one over
+    a100 (sm_80, where E4M3 is decoded on the bits)."""
+    for base, cap in (("h200", "9.0"), ("a100", "8.0")):
+        (tmp_path / f"{base}-gemv.yaml").write_text(
+            f"name: {base}-gemv\nextends: {base}\nmatch_device_type: cuda\nmatch_name: GEMV test\n"
+            f"match_capability: [\"{cap}\"]\ntiles:\n  linear:\n    linear:\n" + GEMV_RULES)
+    return tmp_path
+
+
+@needs_ptxas
+@pytest.mark.parametrize("arch,profile", [("sm_90", "h200-gemv"), ("sm_80", "a100-gemv")])
+def test_a_gemv_rule_compiles(tmp_path, arch, profile):
+    """The decode GEMV (kernels_cuda/gemv.py) compiles for Hopper (the E4M3 conversion) and Ampere
+    (E4M3 decoded on the bits), within the shared-memory limit."""
+    r = _run(["jit", "compile", "--arch", arch, "--models", "tiny", "--families", "linear", "--json"],
+             {"FLASHRT_PROFILE_DIR": str(_gemv_profiles(tmp_path))})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert profile in report["profiles"][arch] and report["failed"] == 0
+    gemv = [row for row in report["rows"] if row["kernel"] == "_gemv_kernel"]
+    assert gemv and all(row["status"] == "compiled" and profile in row["profiles"] for row in gemv)
+    assert all(row["shared_bytes"] <= row["smem_limit"] for row in gemv)
+
+
 SMEM_SCRIPT = textwrap.dedent('''
     import json, types, torch, triton, triton.language as tl
     from flashrt import jit_compile
