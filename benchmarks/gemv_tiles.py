@@ -5,8 +5,10 @@ experts, each E2M1 decode, against the active profile's tiles, next to their wei
     python benchmarks/gemv_tiles.py --model v4.1-flash --out F
 
 Cases, at the model's dimensions: ``linear`` with ``fp8_w`` weights on each attention projection
-shape at 1 / 4 rows, and ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`` shared expert
-in the same launches) at 1 / 8 tokens. Each variant puts one rule in front of the active profile's
+shape at 1 / 4 rows, plain bf16 weights at 1 / 4 rows (the head on fp32 x, the output groups, the
+indexer's query projection: ``tiles.linear_plain.plain``, its MMA tiles and GEMVs), and
+``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`` shared expert in the same launches) at
+1 / 8 tokens. Each variant puts one rule in front of the active profile's
 rules for the case's rows (``tiles.linear.linear`` / ``tiles.moe.experts``; the experts: for one
 row a tile): the multiply-add tiles, or MMA tiles of 16 rows (other widths and pipeline depths) or 64
 rows with the launch knobs of the profile's rule, or the profile's rule splitting K to a number of
@@ -34,7 +36,7 @@ from flashrt import formats, ops, profiles
 import flashrt
 from flashrt.bench.gemm import scaled_mm_timing
 from flashrt.graphs.config import shipped_config
-from flashrt.kernels_cuda import linear, moe
+from flashrt.kernels_cuda import linear, linear_plain, moe
 from flashrt.timing import bench_ms
 from real_slice import copy_bandwidth, nbytes
 from results_io import profile_copy, write_json
@@ -97,13 +99,18 @@ EXPERT_VARIANTS = {"profile, fp4 through tl.dot_scaled": {"linear": {"fp4_decode
                    "profile, fp4 halves order, fp8 packed": {"linear": {"fp4_halves": True, "fp8_packed": True}}}
 
 
+# a family's active rules (defaults merged) and launch knobs
+TILES_OF = {"linear": linear._tiles, "moe": moe._tiles, "linear_plain": linear_plain.PLANS.tiles}
+KNOBS_OF = {"linear": linear.KNOBS, "moe": moe.KNOBS, "linear_plain": linear_plain.KNOBS}
+
+
 def with_rule(family: str, entry: str, rows: int, tile: dict | None, extra: dict | None = None):
     """The active profile with ``[rows, tile]`` in front of ``tiles.<family>.<entry>``'s rules (None:
     its rules as they are) and ``extra`` ({family: entries}) merged into its ``tiles``."""
     base = profiles.active_profile()
     merged = {k: dict(v) for k, v in base.tiles.items()}
     if tile is not None:
-        rules = {"linear": linear, "moe": moe}[family]._tiles()[entry]  # the active rules (defaults merged)
+        rules = TILES_OF[family]()[entry]
         merged.setdefault(family, {})[entry] = [[rows, tile]] + [list(r) for r in rules]
     for fam, entries in (extra or {}).items():
         merged.setdefault(fam, {}).update(entries)
@@ -112,15 +119,13 @@ def with_rule(family: str, entry: str, rows: int, tile: dict | None, extra: dict
 
 def mma(family: str, entry: str, rows: int, tile: dict) -> dict:
     """``tile`` with the launch knobs of the active rule serving ``rows``."""
-    kernels = {"linear": linear, "moe": moe}[family]
-    rule = linear.pick_tile(kernels._tiles()[entry], rows)
-    return {**{k: rule[k] for k in kernels.KNOBS if k in rule}, **tile}
+    rule = linear.pick_tile(TILES_OF[family]()[entry], rows)
+    return {**{k: rule[k] for k in KNOBS_OF[family] if k in rule}, **tile}
 
 
 def tweaked(family: str, entry: str, rows: int, knobs: dict) -> dict:
     """The active rule serving ``rows`` (tile and launch knobs) with ``knobs`` set."""
-    kernels = {"linear": linear, "moe": moe}[family]
-    return {**linear.pick_tile(kernels._tiles()[entry], rows), **knobs}
+    return {**linear.pick_tile(TILES_OF[family]()[entry], rows), **knobs}
 
 
 def baseline_operands(call) -> tuple:
@@ -137,6 +142,26 @@ def linear_cases(cfg, dev, g):
         for m in (1, 4):
             x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
             yield f"linear {name} {n}x{k}", m, m, m, "linear", "linear", (lambda x=x, w=w: ops.linear(x, w)), nbytes(w)
+
+
+def plain_cases(cfg, dev, g):
+    """(name, rows, rule limit, BLOCK_M, family, entry, call, weight bytes) of plain bf16 weights at
+    decode: the head (fp32 x), the output groups (``grouped_linear``) and the indexer's query
+    projection (bf16 x)."""
+    G, gd = cfg.o_groups, torch.Generator(device=dev).manual_seed(0)  # the head's 662M weights made on the device
+    shapes = {"head": (cfg.vocab_size, cfg.dim, 1, torch.float32),
+              "wo_a (grouped)": (G * cfg.o_lora_rank, cfg.n_heads * cfg.head_dim // G, G, torch.bfloat16),
+              "indexer wq_b": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, 1, torch.bfloat16)}
+    for name, (n, k, groups, xdt) in shapes.items():
+        w = (torch.randn(n, k, generator=gd, device=dev) * k ** -0.5).to(torch.bfloat16)
+        for m in (1, 4):
+            if groups > 1:
+                x = torch.randn(m, groups, k, generator=g).to(dev, xdt)
+                call = (lambda x=x, w=w: ops.grouped_linear(x, w))
+            else:
+                x = torch.randn(m, k, generator=g).to(dev, xdt)
+                call = (lambda x=x, w=w: ops.linear(x, w))
+            yield f"plain {name} {n}x{k}", m, m, m, "linear_plain", "plain", call, nbytes(w)
 
 
 def random_experts(cfg, dev, scales_k_major: bool = False, words: bool = False):
@@ -182,7 +207,8 @@ def fastest_rules(rows: list[dict], margin: float = 0.97) -> dict:
     profile's sum: an MMA tile replaces the first rule's (None), a GEMV tile goes in front of the rules
     for up to the most rows its cases had."""
     out = {}
-    for family, entry, prefix in (("linear", "linear", "linear"), ("moe", "experts", "moe_experts")):
+    for family, entry, prefix in (("linear", "linear", "linear"), ("moe", "experts", "moe_experts"),
+                                  ("linear_plain", "plain", "plain")):
         mine = [r for r in rows if r["case"].startswith(prefix) and "us_per_call" in r]
         cases = {(r["case"], r["rows"]) for r in mine}
         total = {}
@@ -234,6 +260,7 @@ def main() -> None:
     rows = []
     with flashrt.use_backend("cuda"), flashrt.value_checks(False):
         for name, m, limit, block_m, family, entry, call, weight_bytes in [*linear_cases(cfg, dev, g),
+                                                                           *plain_cases(cfg, dev, g),
                                                                            *expert_cases(cfg, dev, g),
                                                                            *(expert_cases(cfg, dev, g, True)
                                                                              if args.scales_k_major else ()),
@@ -241,12 +268,15 @@ def main() -> None:
                                                                              if args.expert_words else ())]:
             floor_us = weight_bytes / bw * 1e6
             first = None
-            variants = {"profile": (None, None), **{k: (fma(block_m, **v), None) for k, v in VARIANTS.items()},
+            fmas = VARIANTS if family != "linear_plain" else {}  # the plain kernel has no multiply-add loop
+            variants = {"profile": (None, None), **{k: (fma(block_m, **v), None) for k, v in fmas.items()},
                         **{k: (mma(family, entry, limit, v), None) for k, v in MMA_VARIANTS.items()},
                         **{k: (tweaked(family, entry, limit, v), None) for k, v in SPLIT_VARIANTS.items()}}
-            variants.update({k: (None, v) for k, v in (EXPERT_VARIANTS if family == "moe" else LINEAR_VARIANTS).items()})
-            if family == "linear":
+            variants.update({k: (None, v) for k, v in {"moe": EXPERT_VARIANTS, "linear": LINEAR_VARIANTS}.get(
+                family, {}).items()})
+            if family in ("linear", "linear_plain"):
                 variants.update({k: (v, None) for k, v in GEMV_VARIANTS.items()})
+            if family == "linear":
                 us = 1e3 * scaled_mm_timing(*baseline_operands(call)).ms
                 rows.append({"case": name, "rows": m, "variant": SCALED_MM, "us_per_call": us, "floor_us": floor_us,
                              "of_floor": floor_us / us})

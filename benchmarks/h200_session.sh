@@ -189,12 +189,13 @@
 #   fp8deq     the fp8 linear with its weights dequantized instead of the fp8 MMA (tiles.linear.fp8_mma false,
 #              for the 16-row rule only and for every rule): the GEMVs at the released shapes
 #              (h200-gemv-fp8deq.json), the real-dimension slice and small's captured decode under each
-#   gemv8      the fp8 linear's decode rows as a GEMV (a linear rule's gemv knob, kernels_cuda/gemv.py): its
-#              tests natively (h200-gemv8-tests.log); the projections at the released shapes at 1 and 4 rows
-#              under each GEMV tile of benchmarks/gemv_tiles.py, the profile and torch._scaled_mm
-#              (h200-gemv-fp8gemv.json); the fastest GEMV in front of the profile's rules (h200-gemv8.yaml,
-#              where one beats the profile by 3%) against the profile: the real-dimension slice and small's
-#              captured decode (h200-real-slice-gemv8-{off,on}.json, h200-e2e-gemv8-{off,on}.json)
+#   gemv8      the decode rows of the fp8 and the plain-weight linears as GEMVs (the rules' gemv knob,
+#              kernels_cuda/gemv.py): their tests natively (h200-gemv8-tests.log); the fp8 projections and
+#              the plain ones (head, output groups, indexer) at the released shapes at 1 and 4 rows under
+#              each GEMV tile of benchmarks/gemv_tiles.py, the profile and (fp8) torch._scaled_mm
+#              (h200-gemv-gemv8.json); each family's fastest GEMV in front of the profile's rules
+#              (h200-gemv8.yaml, where one beats the profile by 3%) against the profile: the real-dimension
+#              slice and small's captured decode (h200-real-slice-gemv8-{off,on}.json, h200-e2e-gemv8-{off,on}.json)
 #   load       small's weights load time, three repeats (benchmarks/load_time.py): h200-load-time-small.json
 #   topksplit  the top-k select with rows split over scanning programs (tiles.topk.select.split_rows, as the
 #              h200 profile takes it up to 256 scanning programs): its tests and the realistic rows natively (h200-topksplit-tests.log); then
@@ -1047,12 +1048,12 @@ phase_fp8deq() {
 phase_gemv8() {
   local -a v
   timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_fp8_gemv.py \
-    > "$OUT/h200-gemv8-tests.log" 2>&1
+    tests/kernels_cuda/test_cuda_plain_gemv.py > "$OUT/h200-gemv8-tests.log" 2>&1
   tail -n 1 "$OUT/h200-gemv8-tests.log"
   mapfile -t v < <(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles
 print('\n'.join(gemv_tiles.GEMV_VARIANTS))")
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "${v[@]}" --profile-out "$OUT/h200-gemv8.yaml" \
-    --out "$OUT/h200-gemv-fp8gemv.json" | grep -v moe_experts
+    --out "$OUT/h200-gemv-gemv8.json" | grep -v moe_experts
   if grep -q "gemv: true" "$OUT/h200-gemv8.yaml"; then
     slice_and_decode gemv8 off h200 on "$OUT/h200-gemv8.yaml"
   fi

@@ -1,5 +1,6 @@
-"""``linear`` on ``fp8_w`` weights as a GEMV: multiply-adds on the CUDA cores, one activation row a
-program, for the decode rules that set the ``gemv`` knob (:mod:`.linear`'s ``KNOBS``).
+"""``linear`` as a GEMV: multiply-adds on the CUDA cores, one activation row a program, for the
+decode rules that set the ``gemv`` knob: ``fp8_w`` weights (:mod:`.linear`'s ``KNOBS``) and plain
+bf16 / fp16 ones (:mod:`.linear_plain`'s, :func:`_plain_gemv_kernel`).
 
 At one row the MMA loops spend most of a tile on rows that do not exist and promote every 32-wide
 K slice through shared memory and barriers. Here a program takes one row and ``BLOCK_N`` weight
@@ -72,3 +73,36 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
     out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os
     store_tile(tl.reshape(acc, (1, BLOCK_N)), out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, cols,
                ok, stride_om, M, N, OUT, REDUCE)
+
+
+@triton.jit
+def _plain_gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, n_group, k_split, n_splits,
+                       stride_xm, stride_wn, stride_om, stride_os,
+                       OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                       REDUCE: tl.constexpr):
+    """``linear`` on a plain bf16 / fp16 weight as a GEMV (:mod:`.linear_plain`'s ``gemv`` knob):
+    out[row, n] = x[row, g*K:(g+1)*K] @ w[n].T with g = n // n_group (one group: n_group = N; a
+    column tile lies inside one group), for program ``pid = tile * M + row`` and K split
+    ``program_id(1)``. The weight converted to fp32 (exact) and multiplied by x (fp32, or the
+    weight's dtype) in fp32 multiply-adds: each product rounded once, as the reference's fp32 GEMM."""
+    wait_inputs()
+    pid = tl.program_id(0)
+    row = pid % M
+    n0 = (pid // M) * BLOCK_N
+    k_lo = tl.program_id(1) * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    x_row = x_ptr + row.to(tl.int64) * stride_xm + (n0 // n_group).to(tl.int64) * K
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_hi
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        x = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    rows = row + tl.arange(0, 1)
+    out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os
+    store_tile(acc[None, :], out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, offs_n,
+               (rows < M)[:, None] & n_ok[None, :], stride_om, M, N, OUT, REDUCE)

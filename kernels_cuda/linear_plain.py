@@ -13,6 +13,9 @@ weight (a weight read, an fp32 write and an fp32 GEMM that reads twice the bytes
   fp32 GEMM; an fp32 FMA dot is more accurate but slower end to end (both measured in
   docs/performance.md, plain-weight linear with fp32 inputs).
 
+A rule with the ``gemv`` knob runs its launches as a GEMV instead (:func:`.gemv._plain_gemv_kernel`:
+a program per row, fp32 multiply-adds on the CUDA cores, no MMA).
+
 The output is ``x.dtype``; few output tiles (decode) split K over programs, each tile's last program
 summing the fp32 partials (:mod:`.splitk`). A tile rule's launch knobs are the quantized ``linear``
 rules' (:data:`KNOBS`): narrower column tiles, then a K split, where the output tiles do not fill
@@ -31,6 +34,7 @@ from flashrt.refmath_linear import per_group
 from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import DOT, Tile
 from flashrt.kernels_cuda import splitk
+from flashrt.kernels_cuda.gemv import _plain_gemv_kernel
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count
 from flashrt.kernels_cuda import pdl
@@ -40,8 +44,10 @@ from flashrt.kernels_cuda.pdl import wait_inputs
 # min_block_n halves BLOCK_N, down to it, while the output tiles at the halved width still fit in
 # the SMs (None: BLOCK_N as given; splitk.narrow_block_n); split_min_blocks: the fewest K blocks a
 # split keeps when K is split because the output tiles do not fill the SMs (None: no split);
-# split_per_sm: split K to bring the programs nearest to this many an SM (linear's knob)
-KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None)
+# split_per_sm: split K to bring the programs nearest to this many an SM (linear's knob); gemv: the
+# rule's launches as a GEMV (:func:`.gemv._plain_gemv_kernel`: one row and BLOCK_N weight rows a
+# program, fp32 multiply-adds on the CUDA cores; BLOCK_M and min_block_n unused)
+KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, gemv=False)
 
 TILES = {
     # (largest M the rule serves or None, tile): the first matching rule applies
@@ -108,6 +114,8 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
         if block_n is None:
             return None
         t["BLOCK_N"] = block_n
+    if knobs["gemv"]:
+        return _gemv_plan(m, n, k, odt, t, knobs, tiles, sms, n_group)
     row_tiles = cdiv(m, t["BLOCK_M"])
     # halving a power of two that divides n_group keeps dividing it: a tile stays inside one group
     t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
@@ -123,6 +131,23 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
                 out_dtype=out_dtype, reduce=reduce, n_group=n_group or n,
                 constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=TL_DTYPES[wdt], OUT=TL_DTYPES[out_dtype],
                                 REDUCE=reduce, **t))
+
+
+def _gemv_plan(m: int, n: int, k: int, odt: torch.dtype, t: dict, knobs: dict, tiles: dict, sms: int,
+               n_group: int | None) -> dict:
+    """:func:`_plan` of a rule with the ``gemv`` knob: a program per (row, BLOCK_N weight rows, K split)."""
+    out_tiles = m * cdiv(n, t["BLOCK_N"])
+    split = splitk.splits(out_tiles, cdiv(k, t["BLOCK_K"]), sms, tiles["split_k"], knobs["split_min_blocks"],
+                          knobs["split_per_sm"])
+    k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
+    split = cdiv(k, k_split)
+    reduce = split > 1 and tiles["reduce_in_kernel"] and splitk.fits(out_tiles) and split * m * n < 2 ** 31
+    out_dtype = odt if split == 1 or reduce else torch.float32
+    return dict(gemv=True, grid=(out_tiles, split), split=split, k_split=k_split, out_dtype=out_dtype, reduce=reduce,
+                n_group=n_group or n,
+                constexprs=dict(OUT=TL_DTYPES[out_dtype], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
+                                STAGES=t["num_stages"], REDUCE=reduce, num_warps=t["num_warps"],
+                                num_stages=t["num_stages"]))
 
 
 def num_sms(device: torch.device) -> int:
@@ -169,9 +194,14 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, n_gr
     out = torch.empty(1 if reduce else split, m, n, dtype=plan["out_dtype"], device=x2.device)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if reduce else out
     cnt = splitk.counters(x2.device) if reduce else out
-    _plain_linear_kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], split,
-                                       x2.stride(0), w.stride(0), out.stride(1), out.stride(0), **plan["constexprs"],
-                                       **pdl.options(x2.device))
+    if plan.get("gemv"):
+        _plain_gemv_kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], split,
+                                         x2.stride(0), w.stride(0), out.stride(1), out.stride(0), **plan["constexprs"],
+                                         **pdl.options(x2.device))
+    else:
+        _plain_linear_kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], split,
+                                           x2.stride(0), w.stride(0), out.stride(1), out.stride(0),
+                                           **plan["constexprs"], **pdl.options(x2.device))
     return out[0] if split == 1 or reduce else out.sum(0).to(out_dtype)
 
 
@@ -216,6 +246,7 @@ FAMILY = KernelFamily(
                               "split_k": Tile(nullable=True, kind=int), "reduce_in_kernel": Tile(kind=bool),
                               "plain.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                               "plain.split_min_blocks": Tile(nullable=True, kind=int),
-                              "plain.split_per_sm": Tile(low=1, nullable=True, kind=int)},
+                              "plain.split_per_sm": Tile(low=1, nullable=True, kind=int),
+                              "plain.gemv": Tile(kind=bool)},
     smem={"plain": _bf16_tile_bytes}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="linear with a plain bf16 / fp16 weight (fp32 accumulation), and grouped by column blocks")

@@ -107,31 +107,33 @@ GEMV_RULES = """\
       - [16, {BLOCK_M: 16, BLOCK_N: 64, BLOCK_K: 128, num_warps: 4, num_stages: 3}]
       - [null, {BLOCK_M: 64, BLOCK_N: 64, BLOCK_K: 64, num_warps: 4, num_stages: 3}]
 """
+GEMV_TILES = "tiles:\n  linear:\n    linear:\n" + GEMV_RULES + "  linear_plain:\n    plain:\n" + GEMV_RULES
 
 
 def _gemv_profiles(tmp_path) -> Path:
-    """User profiles putting a ``gemv`` rule first for up to 4 rows: one over h200 (sm_90), one over
-    a100 (sm_80, where E4M3 is decoded on the bits)."""
+    """User profiles putting a ``gemv`` rule first for up to 4 rows of ``linear`` and of the plain-weight
+    linear: one over h200 (sm_90), one over a100 (sm_80, where E4M3 is decoded on the bits)."""
     for base, cap in (("h200", "9.0"), ("a100", "8.0")):
         (tmp_path / f"{base}-gemv.yaml").write_text(
             f"name: {base}-gemv\nextends: {base}\nmatch_device_type: cuda\nmatch_name: GEMV test\n"
-            f"match_capability: [\"{cap}\"]\ntiles:\n  linear:\n    linear:\n" + GEMV_RULES)
+            f"match_capability: [\"{cap}\"]\n" + GEMV_TILES)
     return tmp_path
 
 
 @needs_ptxas
 @pytest.mark.parametrize("arch,profile", [("sm_90", "h200-gemv"), ("sm_80", "a100-gemv")])
 def test_a_gemv_rule_compiles(tmp_path, arch, profile):
-    """The decode GEMV (kernels_cuda/gemv.py) compiles for Hopper (the E4M3 conversion) and Ampere
+    """The decode GEMVs (kernels_cuda/gemv.py) compile for Hopper (the E4M3 conversion) and Ampere
     (E4M3 decoded on the bits), within the shared-memory limit."""
-    r = _run(["jit", "compile", "--arch", arch, "--models", "tiny", "--families", "linear", "--json"],
+    r = _run(["jit", "compile", "--arch", arch, "--models", "tiny", "--families", "linear", "linear_plain", "--json"],
              {"FLASHRT_PROFILE_DIR": str(_gemv_profiles(tmp_path))})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert profile in report["profiles"][arch] and report["failed"] == 0
-    gemv = [row for row in report["rows"] if row["kernel"] == "_gemv_kernel"]
-    assert gemv and all(row["status"] == "compiled" and profile in row["profiles"] for row in gemv)
-    assert all(row["shared_bytes"] <= row["smem_limit"] for row in gemv)
+    for kernel in ("_gemv_kernel", "_plain_gemv_kernel"):
+        gemv = [row for row in report["rows"] if row["kernel"] == kernel]
+        assert gemv and all(row["status"] == "compiled" and profile in row["profiles"] for row in gemv), kernel
+        assert all(row["shared_bytes"] <= row["smem_limit"] for row in gemv)
 
 
 SMEM_SCRIPT = textwrap.dedent('''
