@@ -46,8 +46,8 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
     ``pid = tile * M + row``: the rows of one weight tile are neighbours in the launch order, so
     they read it from L2 while it is there. The tile is ``BLOCK_N // 32`` groups of 32 weight rows
     (one row of scale tiles each): a group's scale multiplies the activations, once a K block."""
-    R: tl.constexpr = BLOCK_N // SCALE_ROWS
     wait_inputs()
+    R: tl.constexpr = BLOCK_N // SCALE_ROWS
     pid = tl.program_id(0)
     row = pid % M
     n0 = (pid // M) * BLOCK_N
