@@ -16,14 +16,36 @@ values as the MMA loops up to the order of the sums. A split K meets in the tile
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda.codecs import e4m3_cvt, e8m0_to_f32, quant_fp8
+from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
 from flashrt.kernels_cuda.pdl import wait_inputs
 from flashrt.kernels_cuda.splitk import store_tile
 
 SCALE_ROWS = tl.constexpr(32)  # the rows of one fp8_w scale tile
+
+
+def plan(m: int, n: int, k: int, out_dtype: torch.dtype, tile: dict, knobs: dict, split_k, sms: int,
+         in_kernel: bool) -> dict:
+    """The launch of a GEMV rule (its kernel parameters ``tile``, its launch knobs ``knobs``: the K
+    split's ``split_min_blocks`` and ``split_per_sm``; ``split_k``: the family's forced split count or
+    None): a program per (row, ``BLOCK_N`` weight rows, K split); the split summed in the kernel
+    where ``in_kernel`` and the counters hold its tiles, else by a launch after it."""
+    tiles = m * cdiv(n, tile["BLOCK_N"])
+    split = splitk.splits(tiles, cdiv(k, tile["BLOCK_K"]), sms, split_k, knobs["split_min_blocks"],
+                          knobs["split_per_sm"])
+    k_split = cdiv(cdiv(k, split), tile["BLOCK_K"]) * tile["BLOCK_K"]
+    split = cdiv(k, k_split)
+    reduce = in_kernel and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
+    dtype = out_dtype if split == 1 or reduce else torch.float32
+    return dict(gemv=True, grid=(tiles, split), split=split, k_split=k_split, out_dtype=dtype, reduce=reduce,
+                constexprs=dict(OUT=TL_DTYPES[dtype], BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
+                                STAGES=tile["num_stages"], REDUCE=reduce, num_warps=tile["num_warps"],
+                                num_stages=tile["num_stages"]))
 
 
 @triton.jit

@@ -40,6 +40,7 @@ from flashrt.kernels_cuda.codecs import INTERPRETED
 from flashrt.kernels_cuda.codecs_e4m3 import FOLD_MAX_SCALE as FP8_FOLD_MAX_SCALE
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
+from flashrt.kernels_cuda import gemv
 from flashrt.kernels_cuda.gemv import _gemv_kernel
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
@@ -272,8 +273,9 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     t, knobs = split_tile(pick_tile(_tiles()["linear"], m))
     big = _tiles()["bf16_gemm_min_rows"]
     bf16_gemm = big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16
-    if knobs["gemv"] and fmt == "fp8_w":
-        return _gemv_plan(m, n, k, dtype, t, knobs, bf16_gemm)
+    if knobs["gemv"] and fmt == "fp8_w":  # split K summed in the kernel unless split_reduce is False
+        return dict(gemv.plan(m, n, k, dtype, t, knobs, _tiles()["split_k"], num_sms(),
+                              knobs["split_reduce"] is not False), bf16_gemm=bf16_gemm, fused=True, fold=False)
     promote, dot = mma_mode(fmt, rule_fp8_mma=knobs["fp8_mma"])
     sms, row_tiles = num_sms(), cdiv(m, t["BLOCK_M"])
     t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
@@ -294,40 +296,13 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
                 fold=fmt == "fp4_w" and may_fold(fp4_decode()))
 
 
-def _gemv_plan(m: int, n: int, k: int, dtype: torch.dtype, t: dict, knobs: dict, bf16_gemm: bool) -> dict:
-    """:func:`_linear_plan` of a rule with the ``gemv`` knob (fp8_w): a program per (row, BLOCK_N
-    weight rows, K split), K split by the rule's knobs over those programs, the split summed in the
-    kernel unless ``split_reduce`` is False."""
-    tiles = m * cdiv(n, t["BLOCK_N"])
-    split = splitk.splits(tiles, cdiv(k, t["BLOCK_K"]), num_sms(), _tiles()["split_k"], knobs["split_min_blocks"],
-                          knobs["split_per_sm"])
-    k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
-    split = cdiv(k, k_split)
-    in_kernel = knobs["split_reduce"] is not False
-    reduce = in_kernel and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
-    out_dtype = dtype if split == 1 or reduce else torch.float32
-    return dict(grid=(tiles, split), split=split, k_split=k_split, out_dtype=out_dtype, fused=True, reduce=reduce,
-                bf16_gemm=bf16_gemm, gemv=True, fold=False,
-                constexprs=dict(OUT=TL_DTYPES[out_dtype], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
-                                STAGES=t["num_stages"], REDUCE=reduce, num_warps=t["num_warps"],
-                                num_stages=t["num_stages"]))
-
-
-def _outputs(plan: dict, m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, split-K workspace, ticket counters) of a GEMM launch: out [1 or splits, m, n]; the
-    workspace and counters only where the split meets in the kernel (else out stands in)."""
-    out = torch.empty(1 if plan["reduce"] else plan["split"], m, n, dtype=plan["out_dtype"], device=device)
-    ws = torch.empty(plan["split"], m, n, dtype=torch.float32, device=device) if plan["reduce"] else out
-    return out, ws, splitk.counters(device) if plan["reduce"] else out
-
-
 def _gemv(x2: torch.Tensor, weight: QTensor, plan: dict) -> torch.Tensor:
     """[M, N] of x2 [M, K] and an fp8_w weight through :mod:`.gemv`'s kernel (fp32 partials summed
     by a launch after it where the plan does not sum them in the kernel)."""
     data, scale = weight_operands(weight)
     (m, k), n = x2.shape, weight.shape[0]
     x2 = last_dense(x2)
-    out, ws, cnt = _outputs(plan, m, n, x2.device)
+    out, ws, cnt = splitk.outputs(plan, m, n, x2.device)
     _gemv_kernel[plan["grid"]](
         x2, data, scale, out, ws, cnt, m, n, k, plan["k_split"], plan["split"], x2.stride(0), data.stride(0),
         scale.stride(0), scale.stride(1), out.stride(1), out.stride(0), **plan["constexprs"], **pdl.options(x2.device))
@@ -377,7 +352,7 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
         xq = sx = last_dense(x2)  # quantized inside the kernel
     else:
         xq, sx = act_quant(x2)
-    out, ws, cnt = _outputs(plan, m, n, x.device)
+    out, ws, cnt = splitk.outputs(plan, m, n, x.device)
     constexprs = plan["constexprs"]
     if plan["fold"]:  # the tile is on for this plan's packed decode: the weight's bound decides
         constexprs = dict(constexprs, E2M1=fold_scales(constexprs["E2M1"], weight))

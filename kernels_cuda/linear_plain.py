@@ -34,6 +34,7 @@ from flashrt.refmath_linear import per_group
 from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import DOT, Tile
 from flashrt.kernels_cuda import splitk
+from flashrt.kernels_cuda import gemv
 from flashrt.kernels_cuda.gemv import _plain_gemv_kernel
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, sm_count
@@ -115,7 +116,8 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
             return None
         t["BLOCK_N"] = block_n
     if knobs["gemv"]:
-        return _gemv_plan(m, n, k, odt, t, knobs, tiles, sms, n_group)
+        return dict(gemv.plan(m, n, k, odt, t, knobs, tiles["split_k"], sms, tiles["reduce_in_kernel"]),
+                    n_group=n_group or n)
     row_tiles = cdiv(m, t["BLOCK_M"])
     # halving a power of two that divides n_group keeps dividing it: a tile stays inside one group
     t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
@@ -131,23 +133,6 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
                 out_dtype=out_dtype, reduce=reduce, n_group=n_group or n,
                 constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=TL_DTYPES[wdt], OUT=TL_DTYPES[out_dtype],
                                 REDUCE=reduce, **t))
-
-
-def _gemv_plan(m: int, n: int, k: int, odt: torch.dtype, t: dict, knobs: dict, tiles: dict, sms: int,
-               n_group: int | None) -> dict:
-    """:func:`_plan` of a rule with the ``gemv`` knob: a program per (row, BLOCK_N weight rows, K split)."""
-    out_tiles = m * cdiv(n, t["BLOCK_N"])
-    split = splitk.splits(out_tiles, cdiv(k, t["BLOCK_K"]), sms, tiles["split_k"], knobs["split_min_blocks"],
-                          knobs["split_per_sm"])
-    k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
-    split = cdiv(k, k_split)
-    reduce = split > 1 and tiles["reduce_in_kernel"] and splitk.fits(out_tiles) and split * m * n < 2 ** 31
-    out_dtype = odt if split == 1 or reduce else torch.float32
-    return dict(gemv=True, grid=(out_tiles, split), split=split, k_split=k_split, out_dtype=out_dtype, reduce=reduce,
-                n_group=n_group or n,
-                constexprs=dict(OUT=TL_DTYPES[out_dtype], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
-                                STAGES=t["num_stages"], REDUCE=reduce, num_warps=t["num_warps"],
-                                num_stages=t["num_stages"]))
 
 
 def num_sms(device: torch.device) -> int:
@@ -191,9 +176,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, n_gr
         return None
     w = last_dense(weight)
     split, reduce = plan["split"], plan["reduce"]
-    out = torch.empty(1 if reduce else split, m, n, dtype=plan["out_dtype"], device=x2.device)
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if reduce else out
-    cnt = splitk.counters(x2.device) if reduce else out
+    out, ws, cnt = splitk.outputs(plan, m, n, x2.device)
     if plan.get("gemv"):
         _plain_gemv_kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], split,
                                          x2.stride(0), w.stride(0), out.stride(1), out.stride(0), **plan["constexprs"],

@@ -43,6 +43,16 @@ def _raw_stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
+def outputs(plan: dict, m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, workspace, counters) of a GEMM launch of ``plan`` (its ``split``, ``reduce`` and
+    ``out_dtype``): out [1 or splits, m, n]; the fp32 workspace [splits, m, n] and the ticket counters
+    only where the split meets in the kernel (else out stands in for both)."""
+    out = torch.empty(1 if plan["reduce"] else plan["split"], m, n, dtype=plan["out_dtype"], device=device)
+    if not plan["reduce"]:
+        return out, out, out
+    return out, torch.empty(plan["split"], m, n, dtype=torch.float32, device=device), counters(device)
+
+
 def fits(tiles: int) -> bool:
     """Whether a launch with ``tiles`` output tiles can reduce in place (one counter per tile)."""
     return tiles <= POOL
