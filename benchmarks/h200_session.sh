@@ -776,30 +776,31 @@ before_run() {  # DIR CMD...: CMD with the files under DIR (at their repository 
   return $rc
 }
 
-phase_hcdiv() {
-  local m
-  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_norm_mhc.py \
-    > "$OUT/h200-hcdiv-tests.log" 2>&1
-  tail -n 1 "$OUT/h200-hcdiv-tests.log"
+variants_before() {  # TAG ARGS...: benchmarks/decode_kernel_variants.py ARGS at small's and the released
+  # dimensions, 1 / 8 / 64 tokens (h200-TAG-MODEL.json), and where BEFORE is set with its files swapped in
+  # (h200-TAG-MODEL-before.json)
+  local tag=$1 m
+  shift
   for m in small v4.1-flash; do
-    python benchmarks/decode_kernel_variants.py --model "$m" --ops hc_coefficients --batches 1 8 64 \
-      --hc-variants shipped --out "$OUT/h200-hc-div-$m.json" | grep -v '^ '
+    python benchmarks/decode_kernel_variants.py --model "$m" --batches 1 8 64 "$@" \
+      --out "$OUT/h200-$tag-$m.json" | grep -v '^ '
     [ -z "${BEFORE:-}" ] || before_run "$BEFORE" python benchmarks/decode_kernel_variants.py --model "$m" \
-      --ops hc_coefficients --batches 1 8 64 --hc-variants shipped --out "$OUT/h200-hc-div-$m-before.json" | grep -v '^ '
+      --batches 1 8 64 "$@" --out "$OUT/h200-$tag-$m-before.json" | grep -v '^ '
   done
 }
 
+phase_hcdiv() {
+  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_norm_mhc.py \
+    > "$OUT/h200-hcdiv-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-hcdiv-tests.log"
+  variants_before hc-div --ops hc_coefficients --hc-variants shipped
+}
+
 phase_route() {
-  local m
   timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_route.py \
     > "$OUT/h200-route-tests.log" 2>&1
   tail -n 1 "$OUT/h200-route-tests.log"
-  for m in small v4.1-flash; do
-    python benchmarks/decode_kernel_variants.py --model "$m" --ops moe_route --batches 1 8 64 \
-      --out "$OUT/h200-route-$m.json" | grep -v '^ '
-    [ -z "${BEFORE:-}" ] || before_run "$BEFORE" python benchmarks/decode_kernel_variants.py --model "$m" \
-      --ops moe_route --batches 1 8 64 --out "$OUT/h200-route-$m-before.json" | grep -v '^ '
-  done
+  variants_before route --ops moe_route
   slice_and_decode route on h200
   [ -z "${BEFORE:-}" ] || before_run "$BEFORE" slice_and_decode route before h200
 }

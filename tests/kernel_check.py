@@ -173,6 +173,22 @@ def gemm_outputs(backend: str, x, weights, routed, **tiles) -> tuple:
         return (*(ops.linear(x, w) for w in weights), ops.moe_experts(x, rw, idx, *experts, 10.0, shared=shared))
 
 
+def linear_three_ways(x, w, tiles: dict, other_tiles: dict) -> tuple:
+    """``ops.linear(x, w)`` on the cuda backend under the ``linear`` tiles ``tiles`` (the split-K
+    counters checked back at zero after it), under ``other_tiles``, and on the reference:
+    (got, other, want)."""
+    from flashrt import ops
+
+    with flashrt.use_backend("cuda"):
+        with pinned_tiles(linear=tiles):
+            got = ops.linear(x, w)
+            assert_counters_zero(got)
+        with pinned_tiles(linear=other_tiles):
+            other = ops.linear(x, w)
+    with flashrt.use_backend("reference"):
+        return got, other, ops.linear(x, w)
+
+
 def assert_same_sums(got, plain, want):
     """Outputs of a loop that reorders the sums inside its MMAs (``got``) against the plain loop's
     (fp32 rounding only: a wrong order moves them by ~1) and the reference's (its tolerance)."""

@@ -9,7 +9,8 @@ import torch
 
 import flashrt
 from flashrt import formats, ops
-from kernel_check import DEVICE, GPU, assert_counters_zero, pinned_tiles, rel_err, requires_kernels, run_both
+from kernel_check import (DEVICE, GPU, assert_counters_zero, linear_three_ways, pinned_tiles, rel_err,
+                          requires_kernels, run_both)
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
@@ -39,15 +40,9 @@ def test_gemv_rows(rng, dtype, m, block_n, split, reduce):
     tiles = dict(linear=[_gemv_rule(16, block_n, split_reduce=reduce), _mma_rule()], split_k=split)
     with pinned_tiles(linear=tiles):
         plan = lin._linear_plan(m, n, k, dtype, "fp8_w")
-        assert plan["gemv"] and plan["split"] == (split or 1) and plan["reduce"] == (split is not None
-                                                                                    and reduce is None)
-        assert plan["grid"][0] == m * -(-n // block_n)
-        got = _linear(x, w)
-        assert_counters_zero(got)
-    with pinned_tiles(linear=dict(tiles, linear=[_mma_rule()])):
-        dot = _linear(x, w)
-    with flashrt.use_backend("reference"):
-        want = ops.linear(x, w)
+    assert plan["gemv"] and plan["split"] == (split or 1) and plan["reduce"] == (split is not None and reduce is None)
+    assert plan["grid"][0] == m * -(-n // block_n)
+    got, dot, want = linear_three_ways(x, w, tiles, dict(tiles, linear=[_mma_rule()]))
     assert got.dtype == dtype and got.shape == (m, n)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(got, want) < tol and rel_err(got, dot) < tol

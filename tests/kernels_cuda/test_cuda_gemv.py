@@ -9,7 +9,8 @@ import torch
 
 import flashrt
 from flashrt import formats, ops
-from kernel_check import DEVICE, GPU, assert_counters_zero, pinned_tiles, rel_err, requires_kernels, run_both
+from kernel_check import (DEVICE, GPU, assert_counters_zero, linear_three_ways, pinned_tiles, rel_err,
+                          requires_kernels, run_both)
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
@@ -43,13 +44,8 @@ def test_linear_few_rows(rng, fmt, dtype, block_m, m, split, fused):
                  split_k=split, fused_max_rows=fused)
     with pinned_tiles(linear=tiles):
         plan = lin._linear_plan(m, n, k, dtype, fmt)
-        assert plan["constexprs"]["BLOCK_M"] == block_m and plan["split"] == (split or 1)
-        got = _linear(x, w)
-        assert_counters_zero(got)
-    with pinned_tiles(linear=dict(tiles, linear=[_rule(None, 16)])):
-        dot = _linear(x, w)
-    with flashrt.use_backend("reference"):
-        want = ops.linear(x, w)
+    assert plan["constexprs"]["BLOCK_M"] == block_m and plan["split"] == (split or 1)
+    got, dot, want = linear_three_ways(x, w, tiles, dict(tiles, linear=[_rule(None, 16)]))
     assert got.dtype == dtype and got.shape == (m, n)
     tol = 1e-5 if dtype == torch.float32 else 1e-3
     assert rel_err(got, want) < tol and rel_err(got, dot) < tol

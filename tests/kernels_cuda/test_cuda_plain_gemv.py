@@ -6,7 +6,6 @@ linear in one launch, and the MoE gate (fp32 sums) through it."""
 import pytest
 import torch
 
-from flashrt import ops
 from kernel_check import DEVICE, GPU, assert_counters_zero, launches, pinned_tiles, rel_err, requires_kernels, \
     run_both  # noqa: F401 (launches: a fixture)
 
