@@ -59,7 +59,9 @@ def _x_values(x_row, k0, k_hi, BLOCK_K: tl.constexpr):
     return tl.reshape(e4m3_cvt(q) * e8m0_to_f32(s)[:, :, None], (BLOCK_K,))
 
 
-@triton.jit
+# the rows a launch has (a decode batch) are not specialised on (== 1): one variant serves every batch
+# a rule covers, so the warm-up's one-row launches compile what the larger batches launch
+@triton.jit(do_not_specialize=("M",))
 def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_splits,
                  stride_xm, stride_wn, stride_swn, stride_swk, stride_om, stride_os,
                  OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
@@ -97,7 +99,7 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
                ok, stride_om, M, N, OUT, REDUCE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))
 def _plain_gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, n_group, k_split, n_splits,
                        stride_xm, stride_wn, stride_om, stride_os,
                        OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,

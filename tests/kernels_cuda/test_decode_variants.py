@@ -131,6 +131,46 @@ def test_small_meets_no_new_variant_as_its_window_fills(tmp_path):
     assert "positions with new variants after it: none" in r.stdout, r.stdout[-3000:]
 
 
+GEMV_SCRIPT = textwrap.dedent('''
+    import collections, dataclasses, json, torch
+    from flashrt import formats, profiles
+    from flashrt.jit_compile import kernel_name, recording, variant_key
+    from flashrt.jit_targets import ARCHS
+    from flashrt.kernels_cuda import linear, linear_plain
+
+    found = collections.defaultdict(set)
+
+    def record(fn, signature, constexprs, options, attrs):
+        name = kernel_name(fn)
+        found[name].add(variant_key(fn.__module__, name, signature, constexprs, attrs, options.__dict__))
+
+    rule = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, split_min_blocks=1, gemv=True)
+    base = profiles.load_profile("h200")
+    tiles = dict(base.tiles, linear=dict(base.tiles["linear"], linear=[[4, rule]]),
+                 linear_plain=dict(base.tiles["linear_plain"], plain=[[4, rule]]))
+    w8 = formats.quantize(torch.zeros(1792, 5120), "fp8_w")
+    w16 = torch.zeros(1024, 5120, dtype=torch.bfloat16)  # K split at every batch here, as w8's
+    with profiles.using(dataclasses.replace(base, tiles=tiles)), recording(ARCHS["sm_90"], record):
+        for m in (1, 2, 3, 4):
+            linear.linear(torch.zeros(m, 5120, dtype=torch.bfloat16), w8)
+            linear_plain.plain_linear(torch.zeros(m, 5120, dtype=torch.bfloat16), w16)
+    print(json.dumps({k: len(v) for k, v in found.items()}))
+''')
+
+
+@needs_ptxas
+def test_a_gemv_rule_has_one_variant_for_its_batches(tmp_path):
+    """A decode batch of 1 .. 4 rows through GEMV rules (fp8 and plain weights; shapes split over K at
+    each of them) launches one variant of each kernel: the rows are not specialised on, so the
+    warm-up's one-row launches compile what the larger batches need."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "gemv_variants.py"
+    script.write_text(GEMV_SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"_gemv_kernel": 1, "_plain_gemv_kernel": 1}
+
+
 # ------------------------------------------------------------ the bucketed tiles, computed
 
 
