@@ -1,6 +1,6 @@
 """Decode-sized block-scaled GEMMs under row tiles under 16 (the multiply-add K loop) and, for the
 experts, each E2M1 decode, against the active profile's tiles, next to their weight-read floor; the
-``linear`` cases also as GEMVs (the rule's ``gemv`` knob) and against ``torch._scaled_mm``.
+linear cases also as GEMVs (the rules' ``gemv`` knob), the fp8 ones against ``torch._scaled_mm``.
 
     python benchmarks/gemv_tiles.py --model v4.1-flash --out F
 
@@ -71,8 +71,9 @@ MMA_VARIANTS = {("MMA " if m == 16 else f"MMA M{m} ") + f"N{n} K{k} s{st}" + (f"
 # label -> launch knobs set on the profile's rule for the case's rows: K split to bring the programs
 # nearest to that many an SM, also where the output tiles fill the SMs once (``split_per_sm``)
 SPLIT_VARIANTS = {f"profile, split to {p} programs an SM": {"split_per_sm": p} for p in (3, 4, 6, 8)}
-# label -> the linear cases' rule as a GEMV (the ``gemv`` knob, kernels_cuda/gemv.py: one row and BLOCK_N
-# weight rows a program, multiply-adds on the CUDA cores; BLOCK_M unused), K split to fill the SMs
+# label -> the fp8 and plain-weight linear cases' rule as a GEMV (the ``gemv`` knob, kernels_cuda/gemv.py:
+# one row and BLOCK_N weight rows a program, multiply-adds on the CUDA cores; BLOCK_M unused), K split
+# to fill the SMs
 GEMV_VARIANTS = {f"GEMV N{n} K{k} s{st}" + (f", {w} warps" if w != 4 else "") + (f", {p} programs an SM" if p else ""):
                  dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, split_min_blocks=1, gemv=True,
                       **({"split_per_sm": p} if p else {}))
@@ -202,7 +203,7 @@ def expert_cases(cfg, dev, g, scales_k_major: bool = False, words: bool = False)
 
 
 def fastest_rules(rows: list[dict], margin: float = 0.97) -> dict:
-    """(family, entry) -> (tile, rows or None) of the MMA variant (linear: or GEMV variant) with the least
+    """(family, entry) -> (tile, rows or None) of the MMA variant (the linears': or GEMV variant) with the least
     time summed over that family's cases (every case timed), where it is under ``margin`` times the
     profile's sum: an MMA tile replaces the first rule's (None), a GEMV tile goes in front of the rules
     for up to the most rows its cases had."""
