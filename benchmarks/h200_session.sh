@@ -193,9 +193,12 @@
 #              kernels_cuda/gemv.py): their tests natively (h200-gemv8-tests.log); the fp8 projections and
 #              the plain ones (head, output groups, indexer) at the released shapes at 1 and 4 rows under
 #              each GEMV tile of benchmarks/gemv_tiles.py, the profile and (fp8) torch._scaled_mm
-#              (h200-gemv-gemv8.json); each family's fastest GEMV in front of the profile's rules
-#              (h200-gemv8.yaml, where one beats the profile by 3%) against the profile: the real-dimension
-#              slice and small's captured decode (h200-real-slice-gemv8-{off,on}.json, h200-e2e-gemv8-{off,on}.json)
+#              (h200-gemv-gemv8.json); a copy of the profile with each family's fastest GEMV in front of its
+#              rules, where one beats the profile by 3% (h200-gemv8.yaml: time it end to end with phase vs)
+#   vs         a profile file against the h200 profile end to end, in one call: VS_PROFILE (its path in the
+#              repository copy, e.g. a fetched h200-gemv8.yaml put there untracked), VS_TAG (default vs):
+#              the real-dimension slice and small's captured decode (h200-real-slice-TAG-{off,on}.json,
+#              h200-e2e-TAG-{off,on}.json)
 #   load       small's weights load time, three repeats (benchmarks/load_time.py): h200-load-time-small.json
 #   topksplit  the top-k select with rows split over scanning programs (tiles.topk.select.split_rows, as the
 #              h200 profile takes it up to 256 scanning programs): its tests and the realistic rows natively (h200-topksplit-tests.log); then
@@ -1055,9 +1058,12 @@ phase_gemv8() {
 print('\n'.join(gemv_tiles.GEMV_VARIANTS))")
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "${v[@]}" --profile-out "$OUT/h200-gemv8.yaml" \
     --out "$OUT/h200-gemv-gemv8.json" | grep -v moe_experts
-  if grep -q "gemv: true" "$OUT/h200-gemv8.yaml"; then
-    slice_and_decode gemv8 off h200 on "$OUT/h200-gemv8.yaml"
-  fi
+  grep -c "gemv: true" "$OUT/h200-gemv8.yaml" || true
+}
+
+phase_vs() {
+  [ -n "${VS_PROFILE:-}" ] && [ -f "$VS_PROFILE" ] || { echo "vs: VS_PROFILE must name a profile file, got '${VS_PROFILE:-}'"; return 1; }
+  slice_and_decode "${VS_TAG:-vs}" off h200 on "$VS_PROFILE"
 }
 
 phase_load() {
