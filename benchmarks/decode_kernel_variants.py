@@ -1,5 +1,6 @@
 """Decode-shaped launches of the mHC coefficients, the sparse attention and the MoE gate under tile
-variants, side by side in one process: which finish, combine and select paths are fastest at batch 1 / 8 / 64.
+variants, side by side in one process: which finish, combine and select paths are fastest at batch
+1 / 8 / 64.
 
     python benchmarks/decode_kernel_variants.py --model small --out F
 

@@ -1062,7 +1062,10 @@ print('\n'.join(gemv_tiles.GEMV_VARIANTS))")
 }
 
 phase_vs() {
-  [ -n "${VS_PROFILE:-}" ] && [ -f "$VS_PROFILE" ] || { echo "vs: VS_PROFILE must name a profile file, got '${VS_PROFILE:-}'"; return 1; }
+  if [ -z "${VS_PROFILE:-}" ] || [ ! -f "$VS_PROFILE" ]; then
+    echo "vs: VS_PROFILE must name a profile file, got '${VS_PROFILE:-}'"
+    return 1
+  fi
   slice_and_decode "${VS_TAG:-vs}" off h200 on "$VS_PROFILE"
 }
 
