@@ -80,8 +80,8 @@ def plan(arch: Arch, profile, models: dict, sources=None, plans: bool = True) ->
     cases = [Spec(v.fn.__module__, kernel_name(v.fn), v.signature, v.constexprs, v.attrs,
                   portable_options(v.options.__dict__), arch.cc, tuple(sorted(v.families)), tuple(sorted(v.launches)))
              for v in variants.values()]
-    lineage = profile.lineage or (profile.name,)  # a profile that extends another reads its plans too
-    planned = [s for model in (models if plans else ()) for s in jit_plans.load(arch, lineage, model)]
+    names = jit_plans.profile_names(profile)  # a profile that extends another reads its plans too
+    planned = [s for model in (models if plans else ()) for s in jit_plans.load(arch, names, model)]
     specs, seen = [], set()
     for s in planned + cases:  # a plan lists its variants in the order a run first used them: those first
         if spec_key(s) not in seen:

@@ -46,6 +46,12 @@ def _version_dir() -> str:
     return f"triton-{triton.__version__}"
 
 
+def profile_names(profile) -> tuple[str, ...]:
+    """The names whose plans a profile reads: its lineage (``Profile.lineage``: its name, then the
+    profiles it extends), or its name alone for a profile made without one."""
+    return getattr(profile, "lineage", ()) or (profile.name,)
+
+
 def plan_paths(arch: Arch, profile: str | Sequence[str], model: str) -> list[Path]:
     """Where the plan of (``arch``, ``profile``, ``model``) is read from: the cache's, the shipped one.
     ``profile`` a profile's lineage (``Profile.lineage``: its name, then the profiles it extends):

@@ -106,14 +106,14 @@ def start_preload(dev: torch.device, backend: str | None, profile, cfg: ModelCon
     loads (:mod:`flashrt.jit_preload`; opt-in, ``FLASHRT_JIT_PRELOAD=1``), when the run launches
     compiled Triton kernels on a CUDA device; the preload (``join()`` it before the first forward),
     or None."""
-    from flashrt import jit_preload
+    from flashrt import jit_plans, jit_preload
 
     if cfg is None or not _compiled_cuda(dev, backend) or not jit_preload.enabled():
         return None
     from flashrt.jit_targets import device_arch
 
     try:
-        return jit_preload.start(device_arch(dev.index), profile.lineage or (profile.name,), cfg.name, dev.index)
+        return jit_preload.start(device_arch(dev.index), jit_plans.profile_names(profile), cfg.name, dev.index)
     except Exception as exc:  # no plan to read, no Triton: the launches load their kernels as before
         log.warning("flashrt.jit: no preload (%s: %s)", type(exc).__name__, exc)
         return None

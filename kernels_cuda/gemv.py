@@ -7,8 +7,9 @@ K slice through shared memory and barriers. Here a program takes one row and ``B
 rows: each K block of ``BLOCK_K`` (a pipelined, asynchronous copy: ``tl.range`` with the rule's
 ``num_stages``, which Triton applies to a loop without a dot only when asked) is converted from
 E4M3 by the device (two bytes an instruction on sm_89+, :func:`.codecs.e4m3_cvt`) and multiplied
-by the activations, which the program quantizes to ``fp8`` itself (the per-32 blocks ``act_quant``
-makes, from column 0) and carries as the values they stand for. The weight rows go in groups of
+by the activations, which the program quantizes to ``fp8`` itself as the MMA loops do
+(:func:`.linear_kernel._a_block`: the per-32 blocks ``act_quant`` makes, from column 0) and carries
+as the values they stand for. The weight rows go in groups of
 32 (one row of the 32 x 32 weight scale tiles each): a group's scale multiplies the activations
 (a K block's worth) instead of every weight. Products and sums are fp32: the same
 values as the MMA loops up to the order of the sums. A split K meets in the tile's last program
@@ -21,7 +22,8 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda import splitk
-from flashrt.kernels_cuda.codecs import e4m3_cvt, e8m0_to_f32, quant_fp8
+from flashrt.kernels_cuda.codecs import e4m3_cvt, e8m0_to_f32
+from flashrt.kernels_cuda.linear_kernel import _a_block
 from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
 from flashrt.kernels_cuda.pdl import wait_inputs
 from flashrt.kernels_cuda.splitk import store_tile
@@ -36,27 +38,14 @@ def plan(m: int, n: int, k: int, out_dtype: torch.dtype, tile: dict, knobs: dict
     None): a program per (row, ``BLOCK_N`` weight rows, K split); the split summed in the kernel
     where ``in_kernel`` and the counters hold its tiles, else by a launch after it."""
     tiles = m * cdiv(n, tile["BLOCK_N"])
-    split = splitk.splits(tiles, cdiv(k, tile["BLOCK_K"]), sms, split_k, knobs["split_min_blocks"],
-                          knobs["split_per_sm"])
-    k_split = cdiv(cdiv(k, split), tile["BLOCK_K"]) * tile["BLOCK_K"]
-    split = cdiv(k, k_split)
+    split, k_split = splitk.splits(tiles, k, tile["BLOCK_K"], sms, split_k, knobs["split_min_blocks"],
+                                   knobs["split_per_sm"])
     reduce = in_kernel and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
     dtype = out_dtype if split == 1 or reduce else torch.float32
     return dict(gemv=True, grid=(tiles, split), split=split, k_split=k_split, out_dtype=dtype, reduce=reduce,
                 constexprs=dict(OUT=TL_DTYPES[dtype], BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
                                 STAGES=tile["num_stages"], REDUCE=reduce, num_warps=tile["num_warps"],
                                 num_stages=tile["num_stages"]))
-
-
-@triton.jit
-def _x_values(x_row, k0, k_hi, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_K]: the activations x[k0 : k0 + BLOCK_K] as their fp8 round trip gives them
-    (E4M3 times the block's UE8M0 scale, per 32 from k0; 0 past k_hi)."""
-    G: tl.constexpr = BLOCK_K // 32
-    kg = k0 + tl.arange(0, G) * 32
-    x = tl.load(x_row + kg[:, None] + tl.arange(0, 32)[None, :], mask=(kg < k_hi)[:, None], other=0.0)
-    q, s = quant_fp8(x.to(tl.float32)[None, :, :])
-    return tl.reshape(e4m3_cvt(q) * e8m0_to_f32(s)[:, :, None], (BLOCK_K,))
 
 
 # the rows a launch has (a decode batch) are not specialised on (== 1): one variant serves every batch
@@ -80,7 +69,8 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
     group = tl.arange(0, R)
     offs_n = n0 + group[:, None] * SCALE_ROWS + tl.arange(0, SCALE_ROWS)[None, :]  # [R, 32]
     n_ok = offs_n < N
-    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    rows = row + tl.arange(0, 1)
+    x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     acc = tl.zeros((R, SCALE_ROWS), tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -89,9 +79,10 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
                     mask=n_ok[:, :, None] & k_ok[None, None, :], other=0.0)
         s = tl.load(sw_ptr + (n0 // SCALE_ROWS + group)[:, None] * stride_swn + (kk // 32)[None, :] * stride_swk,
                     mask=k_ok[None, :], other=0)  # [R, BLOCK_K]: each group's scale byte per 32 of K
-        xs = _x_values(x_row, k0, k_hi, BLOCK_K)[None, :] * e8m0_to_f32(s.to(tl.int32))
+        # the row's fp8 round trip (quantized here, per 32 from k0: act_quant's blocks) as fp32 values
+        x = tl.reshape(_a_block(x_rows, x_rows, rows < M, k0, k_hi, True, tl.float32, 1, BLOCK_K), (BLOCK_K,))
+        xs = x[None, :] * e8m0_to_f32(s.to(tl.int32))
         acc += tl.sum(e4m3_cvt(w.to(tl.uint8, bitcast=True)) * xs[:, None, :], axis=2)
-    rows = row + tl.arange(0, 1)
     cols = tl.reshape(offs_n, (BLOCK_N,))
     ok = (rows < M)[:, None] & (cols < N)[None, :]
     out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os

@@ -280,10 +280,8 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     sms, row_tiles = num_sms(), cdiv(m, t["BLOCK_M"])
     t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
     tiles = row_tiles * cdiv(n, t["BLOCK_N"])
-    split = splitk.splits(tiles, cdiv(k, t["BLOCK_K"]), sms, _tiles()["split_k"], knobs["split_min_blocks"],
-                          knobs["split_per_sm"])
-    k_split = cdiv(cdiv(k, split), t["BLOCK_K"]) * t["BLOCK_K"]
-    split = cdiv(k, k_split)
+    split, k_split = splitk.splits(tiles, k, t["BLOCK_K"], sms, _tiles()["split_k"], knobs["split_min_blocks"],
+                                   knobs["split_per_sm"])
     fused = m <= _tiles()["fused_max_rows"]
     in_kernel = fused if knobs["split_reduce"] is None else knobs["split_reduce"]
     reduce = in_kernel and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31

@@ -122,10 +122,8 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
     # halving a power of two that divides n_group keeps dividing it: a tile stays inside one group
     t["BLOCK_N"] = splitk.narrow_block_n(t["BLOCK_N"], n, row_tiles, sms, knobs["min_block_n"])
     out_tiles = row_tiles * cdiv(n, t["BLOCK_N"])
-    blocks = cdiv(k, t["BLOCK_K"])
-    split = splitk.splits(out_tiles, blocks, sms, tiles["split_k"], knobs["split_min_blocks"], knobs["split_per_sm"])
-    k_split = cdiv(blocks, split) * t["BLOCK_K"]
-    split = cdiv(k, k_split)
+    split, k_split = splitk.splits(out_tiles, k, t["BLOCK_K"], sms, tiles["split_k"], knobs["split_min_blocks"],
+                                   knobs["split_per_sm"])
     reduce = split > 1 and tiles["reduce_in_kernel"] and splitk.fits(out_tiles) and split * m * n < 2 ** 31
     out_dtype = odt if split == 1 or reduce else torch.float32
     dot = tl.float32 if interpreted() else TL_DTYPES[wdt]

@@ -130,10 +130,9 @@ def _gemm(t: dict, knobs: dict, cols: int, k: int, row_tiles: int, rows: int, wi
     column, ``reserved`` ticket counters the launch uses besides the split's."""
     sms = _linear.num_sms()
     t = dict(t, BLOCK_N=splitk.narrow_block_n(t["BLOCK_N"], cols, row_tiles, sms, knobs["min_block_n"]))
-    tiles, blocks = row_tiles * cdiv(cols, t["BLOCK_N"]), cdiv(k, t["BLOCK_K"])
-    split = splitk.splits(tiles, blocks, sms, knobs["split_k"], knobs["split_min_blocks"], knobs["split_per_sm"])
-    k_split = cdiv(blocks, split) * t["BLOCK_K"]
-    split = cdiv(k, k_split)
+    tiles = row_tiles * cdiv(cols, t["BLOCK_N"])
+    split, k_split = splitk.splits(tiles, k, t["BLOCK_K"], sms, knobs["split_k"], knobs["split_min_blocks"],
+                                   knobs["split_per_sm"])
     if split > 1 and (not splitk.fits(reserved + tiles) or split * width * rows * cols >= 2 ** 31):
         return t, 1, k
     return t, split, k_split

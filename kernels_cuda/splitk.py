@@ -58,12 +58,14 @@ def fits(tiles: int) -> bool:
     return tiles <= POOL
 
 
-def splits(out_tiles: int, blocks: int, sms: int, forced=None, min_blocks: int | None = 4,
-           per_sm: int | None = None) -> int:
-    """K splits of a GEMM launch with ``out_tiles`` output tiles and ``blocks`` K blocks
-    (:func:`flashrt.kernels_cuda.launch.split_k`'s rule, ``min_blocks`` K blocks a split at least,
-    aiming at ``per_sm`` programs an SM where set)."""
-    return split_k(out_tiles, blocks, forced, sms, min_blocks, per_sm)
+def splits(out_tiles: int, k: int, block_k: int, sms: int, forced=None, min_blocks: int | None = 4,
+           per_sm: int | None = None) -> tuple[int, int]:
+    """(K splits, K per split: whole ``block_k`` blocks) of a GEMM launch with ``out_tiles`` output
+    tiles over ``k`` (:func:`flashrt.kernels_cuda.launch.split_k`'s rule, ``min_blocks`` K blocks a
+    split at least, aiming at ``per_sm`` programs an SM where set); the last split may be shorter."""
+    blocks = cdiv(k, block_k)
+    k_split = cdiv(blocks, split_k(out_tiles, blocks, forced, sms, min_blocks, per_sm)) * block_k
+    return cdiv(k, k_split), k_split
 
 
 def narrow_block_n(block_n: int, n: int, other_tiles: int, sms: int, min_block_n: int | None) -> int:

@@ -172,7 +172,7 @@ def test_moe_route_maps_to_npu_moe_gating_top_k(npu_emulation, rng, score_func, 
     got, want = run_both("moe_route", x, w, b, k, score_func, True, 2.5)
     assert torch.equal(got[1], want[1])
     # the backend's logits are an fp32 GEMM, the reference's float64 sums rounded once: a few fp32
-    # ulps of a logit, which the softmax carries into the weights (seen at 4.2e-6 relative)
+    # ulps of a logit, which the softmax carries into the weights
     torch.testing.assert_close(got[0], want[0], rtol=2e-5, atol=1e-6)
     call = npu_emulation.calls("npu_moe_gating_top_k")[-1]
     assert call["norm_type"] == (1 if score_func == "sigmoid" else 0) and call["out_flag"] and call["k"] == k
