@@ -203,10 +203,11 @@ def expert_cases(cfg, dev, g, scales_k_major: bool = False, words: bool = False)
 
 
 def fastest_rules(rows: list[dict], margin: float = 0.97) -> dict:
-    """(family, entry) -> (tile, rows or None) of the MMA variant (the linears': or GEMV variant) with the least
-    time summed over that family's cases (every case timed), where it is under ``margin`` times the
-    profile's sum: an MMA tile replaces the first rule's (None), a GEMV tile goes in front of the rules
-    for up to the most rows its cases had."""
+    """(family, entry) -> (tile, rows or None) of the variant with the least time summed over that family's
+    cases (every case timed), where it is under ``margin`` times the profile's sum. An MMA variant replaces
+    the first rule's tile (None). A GEMV variant (the linears') goes in front of the rules for up to a row
+    count of its own: the one, with the GEMV, that gives the least sum when the profile serves the cases with
+    more rows."""
     out = {}
     for family, entry, prefix in (("linear", "linear", "linear"), ("moe", "experts", "moe_experts"),
                                   ("linear_plain", "plain", "plain")):
@@ -216,24 +217,38 @@ def fastest_rules(rows: list[dict], margin: float = 0.97) -> dict:
         for r in mine:
             if r["variant"] == "profile" or r["variant"] in MMA_VARIANTS or r["variant"] in GEMV_VARIANTS:
                 total.setdefault(r["variant"], {})[(r["case"], r["rows"])] = r
-        sums = {v: sum(r["us_per_call"] for r in got.values()) for v, got in total.items() if set(got) == cases}
+        if not cases or set(total.get("profile", {})) != cases:
+            continue
+        profile = total["profile"]
+        sums = {}  # (variant, row limit or None) -> time of every case
+        for v, got in total.items():
+            if set(got) != cases or v == "profile":
+                continue
+            if v in GEMV_VARIANTS:
+                for limit in sorted({m for _, m in cases}):
+                    sums[(v, limit)] = sum((got if m <= limit else profile)[(c, m)]["us_per_call"] for c, m in cases)
+            else:
+                sums[(v, None)] = sum(r["us_per_call"] for r in got.values())
+        whole = sum(r["us_per_call"] for r in profile.values())
         best = min(sums, key=sums.get, default=None)
-        if best not in (None, "profile") and "profile" in sums and sums[best] < margin * sums["profile"]:
-            limit = max(m for _, m in cases) if best in GEMV_VARIANTS else None
-            out[(family, entry)] = (dict(next(iter(total[best].values()))["tile"]), limit)
-            print(f"{family}.{entry}: {best} {sums[best]:.1f} us against the profile's {sums['profile']:.1f} us")
+        if best is not None and sums[best] < margin * whole:
+            out[(family, entry)] = (dict(next(iter(total[best[0]].values()))["tile"]), best[1])
+            upto = "" if best[1] is None else f" up to {best[1]} rows"
+            print(f"{family}.{entry}: {best[0]}{upto} {sums[best]:.1f} us against the profile's {whole:.1f} us")
     return out
 
 
 def write_profile(path: str, rules: dict) -> None:
     """A copy of the active profile's file named for ``path``, each of ``rules`` as the tile of its
-    entry's first rule (its row limit kept), or (a row limit given) a rule of its own in front."""
+    entry's first rule (its row limit kept), or (a row limit given) a rule of its own in front, in
+    place of the rules for no more rows than it serves."""
     def edit(data):
         for (family, entry), (tile, limit) in rules.items():
             if limit is None:
                 data["tiles"][family][entry][0][1] = tile
-            else:
-                data["tiles"][family][entry].insert(0, [limit, tile])
+            else:  # the rules it covers whole (a limit of at most its own) give way to it
+                kept = [r for r in data["tiles"][family][entry] if r[0] is None or r[0] > limit]
+                data["tiles"][family][entry] = [[limit, tile]] + kept
 
     profile_copy(path, edit)
 

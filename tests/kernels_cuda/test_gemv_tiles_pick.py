@@ -1,7 +1,8 @@
 """``benchmarks/gemv_tiles.py --profile-out``: the MMA variant with the least time summed over a
 family's cases becomes that family's first rule in a copy of the active profile, only where it beats
 the profile's sum by the margin and was timed on every case; a GEMV variant goes in front of the
-rules for up to the cases' most rows; the copy passes the profile checks."""
+rules for up to the row count that gives the least total with the profile serving the cases with more
+rows; the copy passes the profile checks."""
 import random
 from pathlib import Path
 
@@ -73,4 +74,21 @@ def test_a_fastest_gemv_goes_in_front_of_the_rules(tmp_path, monkeypatch):
         before = profiles.active_profile()
     got = profiles.load_profile_file(str(out))
     assert list(got.tiles["linear"]["linear"][0]) == [4, rules[("linear", "linear")][0]]
-    assert got.tiles["linear"]["linear"][1:] == before.tiles["linear"]["linear"]
+    # the profile's rules for up to 4 rows give way; the rest follow as they were
+    assert got.tiles["linear"]["linear"][1:] == [r for r in before.tiles["linear"]["linear"] if r[0] is None or r[0] > 4]
+    assert any(r[0] is not None and r[0] <= 4 for r in before.tiles["linear"]["linear"])
+
+
+def test_a_gemv_that_loses_at_more_rows_serves_only_the_rows_it_wins(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import gemv_tiles
+
+    one, four = random.sample(list(gemv_tiles.GEMV_VARIANTS), 2)
+    win, lose = random.uniform(5, 15), random.uniform(25, 40)  # against the profile's 20 us
+    times = {}
+    for case in ("linear a", "linear b", "plain c"):
+        times[(case, 1)] = {"profile": 20.0, one: win, four: 19.5}
+        times[(case, 4)] = {"profile": 20.0, one: lose, four: 19.8}  # `four` within the margin at 4 rows
+    rules = gemv_tiles.fastest_rules(_rows(gemv_tiles, times))
+    assert rules == {("linear", "linear"): (dict(gemv_tiles.GEMV_VARIANTS[one], min_block_n=32), 1),
+                     ("linear_plain", "plain"): (dict(gemv_tiles.GEMV_VARIANTS[one], min_block_n=32), 1)}
