@@ -131,8 +131,9 @@ def test_a_gemv_rule_compiles(tmp_path, arch, profile):
     report = json.loads(r.stdout)
     assert profile in report["profiles"][arch] and report["failed"] == 0
     for kernel in ("_gemv_kernel", "_plain_gemv_kernel"):
-        gemv = [row for row in report["rows"] if row["kernel"] == kernel]
-        assert gemv and all(row["status"] == "compiled" and profile in row["profiles"] for row in gemv), kernel
+        gemv = [row for row in report["rows"] if row["kernel"] == kernel]  # the base profile may have GEMVs too
+        assert any(profile in row["profiles"] for row in gemv), kernel
+        assert all(row["status"] == "compiled" for row in gemv), kernel
         assert all(row["shared_bytes"] <= row["smem_limit"] for row in gemv)
 
 
