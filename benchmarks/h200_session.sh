@@ -189,6 +189,14 @@
 #   fp8deq     the fp8 linear with its weights dequantized instead of the fp8 MMA (tiles.linear.fp8_mma false,
 #              for the 16-row rule only and for every rule): the GEMVs at the released shapes
 #              (h200-gemv-fp8deq.json), the real-dimension slice and small's captured decode under each
+#   hcwarps    hc_coefficients' batch-1 multiply-add GEMV in wider K blocks over more warps a program
+#              (tiles.mhc.hc_coefficients.FMA_WARPS: fewer splits for the finish to sum) at both models, 1 and 8
+#              tokens: h200-hc-warps-{small,v4.1-flash}.json
+#   rowloop    the experts' one-row tiles as a GEMV on the CUDA cores (linear_kernel._row_k_loop: one-row rules
+#              with the activations handed over dequantized): the few-row tests natively (h200-rowloop-tests.log),
+#              the experts at 1 / 8 tokens under one-row multiply-add rules beside the profile, standard and word
+#              layouts (h200-gemv-rowloop.json); then the gate's select variants at the released dimensions
+#              (h200-route-v4.1-flash.json)
 #   gemv8      the decode rows of the fp8 and the plain-weight linears as GEMVs (the rules' gemv knob,
 #              kernels_cuda/gemv.py): their tests natively (h200-gemv8-tests.log); the fp8 projections and
 #              the plain ones (head, output groups, indexer) at the released shapes at 1 and 4 rows under
@@ -1059,6 +1067,25 @@ print('\n'.join(gemv_tiles.GEMV_VARIANTS))")
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "${v[@]}" --profile-out "$OUT/h200-gemv8.yaml" \
     --out "$OUT/h200-gemv-gemv8.json" | grep -v moe_experts
   grep -c "gemv: true" "$OUT/h200-gemv8.yaml" || true
+}
+
+phase_rowloop() {
+  timeout 200 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_gemv.py \
+    > "$OUT/h200-rowloop-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-rowloop-tests.log"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --expert-words --variants profile "N32 K128" "N32 K256" "N64 K128" \
+    "N32 K256, 8 warps" --out "$OUT/h200-gemv-rowloop.json" | grep moe_experts
+  python benchmarks/decode_kernel_variants.py --model v4.1-flash --batches 1 8 64 --ops moe_route \
+    --out "$OUT/h200-route-v4.1-flash.json" | grep -v '^ '
+}
+
+phase_hcwarps() {
+  local m v=("multiply-add K blocks of 512, 8 warps" "multiply-add K blocks of 1024, 16 warps"
+             "multiply-add K blocks of 1024, 8 warps" "multiply-add K blocks of 2048, 16 warps")
+  for m in small v4.1-flash; do
+    python benchmarks/decode_kernel_variants.py --model "$m" --ops hc_coefficients --batches 1 8 \
+      --hc-variants "${v[@]}" --out "$OUT/h200-hc-warps-$m.json" | grep -v '^ '
+  done
 }
 
 phase_vs() {
