@@ -26,7 +26,7 @@ from flashrt.kernels_cuda.pdl import wait_inputs
 # dtype, e.g. bf16): the MMA loops load them as they are, no quantization or decode per program.
 ACT_DEQUANTIZED = tl.constexpr(2)
 # the stages of :func:`_row_k_loop`'s pipelined K blocks (weight bytes, scales and activations)
-FMA_STAGES = tl.constexpr(3)
+ROW_STAGES = tl.constexpr(3)
 
 
 @triton.jit
@@ -246,7 +246,7 @@ def _row_k_loop(a_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_h
     at its own place (the same addresses for every weight row: L1 hits, and a layout that is the
     weights' own, so nothing goes through shared memory but the pipelined copies). The products add
     into [BLOCK_N, BLOCK_K // 32, 32] partial sums reduced once after the loop. The K blocks come in by
-    pipelined asynchronous copies (``tl.range`` with :data:`FMA_STAGES`). Of E2M1 the decode, the
+    pipelined asynchronous copies (``tl.range`` with :data:`ROW_STAGES`). Of E2M1 the decode, the
     folded scales and the word layout apply; the scale loads a block ahead, the halves order and the
     swapped operands are the MMA loop's. The same products as the MMA paths (exact in fp32), summed
     in another order. Returns fp32 [1, BLOCK_N] (and the W3 sums where DUAL)."""
@@ -256,7 +256,7 @@ def _row_k_loop(a_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_h
     cols = tl.arange(0, 32)
     part = tl.zeros((BLOCK_N, G, 32), tl.float32)
     part3 = tl.zeros((BLOCK_N, G, 32), tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=FMA_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=ROW_STAGES):
         kg = k0 + tl.arange(0, G) * 32
         ok = (offs_n < N)[:, None] & (kg < k_hi)[None, :]
         at = (offs_n * 0)[:, None, None] + kg[None, :, None] + cols[None, None, :]  # [BLOCK_N, G, 32]: K positions
