@@ -103,8 +103,9 @@ def test_experts_few_rows(rng, n, pair_tiles, block_m, split, with_shared, act_d
 @pytest.mark.parametrize("block_m,act_dq", [(1, False), (2, False), (1, True)])
 def test_few_rows_with_e2m1_words(rng, block_m, act_dq):
     """fp4_w weights in the E2M1 word layout (formats.with_e2m1_words, the h200 profile's experts)
-    through the multiply-add loop: ``linear`` and the experts (with the fp8 shared expert) give the
-    reference's values of the same weights and the 16-row MMA tile's."""
+    through the multiply-add loop (one-row experts tiles of dequantized activations: the row loop):
+    ``linear`` and the experts (with the fp8 shared expert) give the reference's values of the same
+    weights and the 16-row MMA tile's."""
     x = (torch.randn(3, 320, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
     w = formats.with_e2m1_words(_weight(rng, "fp4_w", 72, 320))
     with pinned_tiles(linear=dict(linear=[_rule(None, block_m)], split_k=2)):

@@ -6,7 +6,6 @@ rows; the copy passes the profile checks."""
 import random
 from pathlib import Path
 
-import pytest
 
 from flashrt import profiles
 from kernel_check import requires_kernels
@@ -80,6 +79,8 @@ def test_a_fastest_gemv_goes_in_front_of_the_rules(tmp_path, monkeypatch):
 
 
 def test_a_gemv_that_loses_at_more_rows_serves_only_the_rows_it_wins(monkeypatch):
+    """A GEMV fastest at one row and slower than the profile at four gets a rule for one row, in both
+    linear families, over a GEMV within the margin at both row counts."""
     monkeypatch.syspath_prepend(str(BENCH))
     import gemv_tiles
 
