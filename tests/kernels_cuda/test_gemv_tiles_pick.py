@@ -6,7 +6,6 @@ rows; the copy passes the profile checks."""
 import random
 from pathlib import Path
 
-
 from flashrt import profiles
 from kernel_check import requires_kernels
 
