@@ -189,6 +189,9 @@
 #   fp8deq     the fp8 linear with its weights dequantized instead of the fp8 MMA (tiles.linear.fp8_mma false,
 #              for the 16-row rule only and for every rule): the GEMVs at the released shapes
 #              (h200-gemv-fp8deq.json), the real-dimension slice and small's captured decode under each
+#   nopdlprofile  the real-dimension slice's kernels at batch 1 / 8 and small's batch-1 step under a copy of
+#              the profile with programmatic dependent launch off, so that each kernel's time excludes its wait on
+#              the one before: h200-real-slice-profile-nopdl.json, h200-decode-profile-b1-nopdl.json
 #   hcwarps    hc_coefficients' batch-1 multiply-add GEMV in wider K blocks over more warps a program
 #              (tiles.mhc.hc_coefficients.FMA_WARPS: fewer splits for the finish to sum) at both models, 1 and 8
 #              tokens: h200-hc-warps-{small,v4.1-flash}.json
@@ -1086,6 +1089,16 @@ phase_hcwarps() {
     python benchmarks/decode_kernel_variants.py --model "$m" --ops hc_coefficients --batches 1 8 \
       --hc-variants "${v[@]}" --out "$OUT/h200-hc-warps-$m.json" | grep -v '^ '
   done
+}
+
+phase_nopdlprofile() {  # where the decode step's GPU time goes with each kernel's time its own (no PDL overlap)
+  local off
+  off=$(profile_set h200-nopdl tiles.pdl.enabled false)
+  FLASHRT_PROFILE=$off python benchmarks/real_slice.py --batches 1 8 --profile 3 \
+    --out "$OUT/h200-real-slice-profile-nopdl.json"
+  FLASHRT_PROFILE=$off python benchmarks/decode_profile.py --model small --batch 1 \
+    --out "$OUT/h200-decode-profile-b1-nopdl.json" > "$OUT/h200-decode-profile-b1-nopdl.log" 2>&1
+  grep -A 12 "GPU time per decode step" "$OUT/h200-decode-profile-b1-nopdl.log"
 }
 
 phase_vs() {
