@@ -328,7 +328,8 @@
 #   realslice  decode at the real V4.1-Flash dimensions (benchmarks/real_slice.py, batches 1 / 8 / 64)
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
-# Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed.
+# Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed. The lent machine returns
+# only so many files of a call (8 in the calls so far): group phases so that their files stay under that.
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
 # `carry: [".whl"]`). Its Python is 3.12: build the folder with
 #   pip download --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: -d .whl \
