@@ -304,7 +304,7 @@ def _gemv(x2: torch.Tensor, weight: QTensor, plan: dict) -> torch.Tensor:
     _gemv_kernel[plan["grid"]](
         x2, data, scale, out, ws, cnt, m, n, k, plan["k_split"], plan["split"], x2.stride(0), data.stride(0),
         scale.stride(0), scale.stride(1), out.stride(1), out.stride(0), **plan["constexprs"], **pdl.options(x2.device))
-    return out[0] if plan["split"] == 1 or plan["reduce"] else out.sum(0).to(x2.dtype)
+    return splitk.result(out, plan, x2.dtype)
 
 
 def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -361,8 +361,7 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
         xq, sx, data, scale, out, ws, cnt, m, n, k, plan["k_split"], split, xq.stride(0), sx.stride(0),
         data.stride(0), scale.stride(0), out.stride(1), out.stride(0), SCALE_K=scale.stride(1), **constexprs,
         **pdl.options(xq.device))
-    out = out[0] if split == 1 or plan["reduce"] else out.sum(0).to(x.dtype)
-    return out.view(*x.shape[:-1], n)
+    return splitk.result(out, plan, x.dtype).view(*x.shape[:-1], n)
 
 
 def supports_linear(x, weight, out_dtype=None) -> bool:

@@ -128,7 +128,7 @@ def _plan(m: int, n: int, k: int, xdt: torch.dtype, wdt: torch.dtype, odt: torch
     out_dtype = odt if split == 1 or reduce else torch.float32
     dot = tl.float32 if interpreted() else TL_DTYPES[wdt]
     return dict(grid=(cdiv(n, t["BLOCK_N"]), cdiv(m, t["BLOCK_M"]), split), split=split, k_split=k_split,
-                out_dtype=out_dtype, reduce=reduce, n_group=n_group or n,
+                out_dtype=out_dtype, reduce=reduce, n_group=n_group or n, gemv=False,
                 constexprs=dict(SPLIT3=xdt == torch.float32, DOT=dot, WDT=TL_DTYPES[wdt], OUT=TL_DTYPES[out_dtype],
                                 REDUCE=reduce, **t))
 
@@ -173,17 +173,11 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, n_gr
     if plan is False:
         return None
     w = last_dense(weight)
-    split, reduce = plan["split"], plan["reduce"]
     out, ws, cnt = splitk.outputs(plan, m, n, x2.device)
-    if plan.get("gemv"):
-        _plain_gemv_kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], split,
-                                         x2.stride(0), w.stride(0), out.stride(1), out.stride(0), **plan["constexprs"],
-                                         **pdl.options(x2.device))
-    else:
-        _plain_linear_kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], split,
-                                           x2.stride(0), w.stride(0), out.stride(1), out.stride(0),
-                                           **plan["constexprs"], **pdl.options(x2.device))
-    return out[0] if split == 1 or reduce else out.sum(0).to(out_dtype)
+    kernel = _plain_gemv_kernel if plan["gemv"] else _plain_linear_kernel  # the same parameters
+    kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], plan["split"], x2.stride(0),
+                         w.stride(0), out.stride(1), out.stride(0), **plan["constexprs"], **pdl.options(x2.device))
+    return splitk.result(out, plan, out_dtype)
 
 
 def supports_plain_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -53,6 +53,12 @@ def outputs(plan: dict, m: int, n: int, device) -> tuple[torch.Tensor, torch.Ten
     return out, torch.empty(plan["split"], m, n, dtype=torch.float32, device=device), counters(device)
 
 
+def result(out: torch.Tensor, plan: dict, dtype: torch.dtype) -> torch.Tensor:
+    """The [m, n] result of a launch's :func:`outputs`: the one split or the in-kernel sum as it is,
+    else the fp32 partials summed and cast to ``dtype``."""
+    return out[0] if plan["split"] == 1 or plan["reduce"] else out.sum(0).to(dtype)
+
+
 def fits(tiles: int) -> bool:
     """Whether a launch with ``tiles`` output tiles can reduce in place (one counter per tile)."""
     return tiles <= POOL
