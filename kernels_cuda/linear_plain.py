@@ -174,9 +174,12 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, n_gr
         return None
     w = last_dense(weight)
     out, ws, cnt = splitk.outputs(plan, m, n, x2.device)
-    kernel = _plain_gemv_kernel if plan["gemv"] else _plain_linear_kernel  # the same parameters
-    kernel[plan["grid"]](x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], plan["split"], x2.stride(0),
-                         w.stride(0), out.stride(1), out.stride(0), **plan["constexprs"], **pdl.options(x2.device))
+    args = (x2, w, out, ws, cnt, m, n, k, plan["n_group"], plan["k_split"], plan["split"], x2.stride(0), w.stride(0),
+            out.stride(1), out.stride(0))  # the two kernels take the same parameters
+    if plan["gemv"]:
+        _plain_gemv_kernel[plan["grid"]](*args, **plan["constexprs"], **pdl.options(x2.device))
+    else:
+        _plain_linear_kernel[plan["grid"]](*args, **plan["constexprs"], **pdl.options(x2.device))
     return splitk.result(out, plan, out_dtype)
 
 
