@@ -5,7 +5,7 @@ linear cases also as GEMVs (the rules' ``gemv`` knob), the fp8 ones against ``to
     python benchmarks/gemv_tiles.py --model v4.1-flash --out F
 
 Cases, at the model's dimensions: ``linear`` with ``fp8_w`` weights on each attention projection
-shape at 1 / 4 rows, plain bf16 weights at 1 / 4 rows (the head on fp32 x, the output groups, the
+shape at 1 / 4 rows (``--rows``), plain bf16 weights at the same rows (the head on fp32 x, the output groups, the
 indexer's query projection: ``tiles.linear_plain.plain``, its MMA tiles and GEMVs), and
 ``moe_experts`` (``fp4_w`` routed experts, the ``fp8_w`` shared expert in the same launches) at
 1 / 8 tokens. Each variant puts one rule in front of the active profile's
@@ -14,7 +14,8 @@ row a tile): the multiply-add tiles, or MMA tiles of 16 rows (other widths and p
 rows with the launch knobs of the profile's rule, or the profile's rule splitting K to a number of
 programs an SM (``split_per_sm``); or, for the experts, sets ``tiles.linear.fp4_decode`` or
 ``tiles.moe.shared_in_launch`` or ``tiles.moe.fused_max_tokens``, for ``linear``
-``tiles.linear.fused_max_rows``, or a ``gemv`` rule (``GEMV ...``, :mod:`flashrt.kernels_cuda.gemv`);
+``tiles.linear.fused_max_rows``, or a ``gemv`` rule (``GEMV ...``, :mod:`flashrt.kernels_cuda.gemv`; one
+activation row a program, or several: ``gemv_rows``);
 each ``linear`` case also times ``torch._scaled_mm`` on e4m3 operands with per-tensor scales (the
 target's baseline: rows of variant ``torch._scaled_mm (per tensor)``, no output compared); "profile" is
 the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
@@ -80,6 +81,12 @@ GEMV_VARIANTS = {f"GEMV N{n} K{k} s{st}" + (f", {w} warps" if w != 4 else "") + 
                  for n, k, st, w, p in ((32, 256, 3, 4, None), (32, 512, 3, 4, None), (64, 256, 3, 4, None),
                                         (128, 128, 3, 4, None), (128, 128, 4, 4, None), (128, 256, 3, 8, None),
                                         (64, 256, 3, 4, 4), (128, 128, 3, 4, 4), (32, 256, 3, 4, 6))}
+# the same with several activation rows a program (the ``gemv_rows`` knob: a weight block loaded and converted
+# once for them)
+GEMV_VARIANTS.update({f"GEMV N{n} K{k} s3, {r} rows a program": dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=4,
+                                                                      num_stages=3, split_min_blocks=1, gemv=True,
+                                                                      gemv_rows=r)
+                      for n, k, r in ((64, 256, 2), (64, 256, 4), (32, 256, 4), (64, 128, 4))})
 SCALED_MM = "torch._scaled_mm (per tensor)"  # the baseline of the linear cases: e4m3 x and w, rows padded to 16
 # label -> {family: tiles entries}, the profile's rules kept: the linear cases only
 LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}},
@@ -134,18 +141,18 @@ def baseline_operands(call) -> tuple:
     return call.__defaults__
 
 
-def linear_cases(cfg, dev, g):
+def linear_cases(cfg, dev, g, row_counts=(1, 4)):
     """(name, rows, rule limit, BLOCK_M, family, entry, call, weight bytes) of the fp8_w projections."""
     shapes = {"wq_a + wkv": (cfg.q_lora_rank + cfg.head_dim, cfg.dim),
               "wq_b": (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank), "wo_b": (cfg.dim, cfg.o_groups * cfg.o_lora_rank)}
     for name, (n, k) in shapes.items():
         w = formats.quantize(torch.randn(n, k, generator=g) * 0.05, "fp8_w").to(dev)
-        for m in (1, 4):
+        for m in row_counts:
             x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
             yield f"linear {name} {n}x{k}", m, m, m, "linear", "linear", (lambda x=x, w=w: ops.linear(x, w)), nbytes(w)
 
 
-def plain_cases(cfg, dev, g):
+def plain_cases(cfg, dev, g, row_counts=(1, 4)):
     """(name, rows, rule limit, BLOCK_M, family, entry, call, weight bytes) of plain bf16 weights at
     decode: the head (fp32 x), the output groups (``grouped_linear``) and the indexer's query
     projection (bf16 x)."""
@@ -155,7 +162,7 @@ def plain_cases(cfg, dev, g):
               "indexer wq_b": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, 1, torch.bfloat16)}
     for name, (n, k, groups, xdt) in shapes.items():
         w = (torch.randn(n, k, generator=gd, device=dev) * k ** -0.5).to(torch.bfloat16)
-        for m in (1, 4):
+        for m in row_counts:
             if groups > 1:
                 x = torch.randn(m, groups, k, generator=g).to(dev, xdt)
                 call = (lambda x=x, w=w: ops.grouped_linear(x, w))
@@ -262,6 +269,8 @@ def main() -> None:
                     help="also time the expert cases with their scales stored K major")
     ap.add_argument("--expert-words", action="store_true",
                     help="also time the expert cases with their scales K major and their codes in words")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4],
+                    help="the activation rows of the linear and plain-weight cases (default: 1 4)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-out", default=None, metavar="FILE.yaml",
                     help="write a copy of the active profile with the fastest MMA (or GEMV) variant of each family "
@@ -275,8 +284,8 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     rows = []
     with flashrt.use_backend("cuda"), flashrt.value_checks(False):
-        for name, m, limit, block_m, family, entry, call, weight_bytes in [*linear_cases(cfg, dev, g),
-                                                                           *plain_cases(cfg, dev, g),
+        for name, m, limit, block_m, family, entry, call, weight_bytes in [*linear_cases(cfg, dev, g, args.rows),
+                                                                           *plain_cases(cfg, dev, g, args.rows),
                                                                            *expert_cases(cfg, dev, g),
                                                                            *(expert_cases(cfg, dev, g, True)
                                                                              if args.scales_k_major else ()),

@@ -200,6 +200,11 @@
 #              the experts at 1 / 8 tokens under one-row multiply-add rules beside the profile, standard and word
 #              layouts (h200-gemv-rowloop.json); then the gate's select variants at the released dimensions
 #              (h200-route-v4.1-flash.json)
+#   gemvrows   the GEMVs with several activation rows a program (the gemv_rows knob: a weight block loaded and
+#              converted once for them): their tests natively (h200-gemvrows-tests.log); the fp8 projections and
+#              the plain ones at 1 / 2 / 4 / 8 rows under the profile, the shipped one-row GEMV tile and the rows
+#              variants (h200-gemv-rows.json), with the profile copy that puts the fastest in front of its rules
+#              (h200-gemv-rows.yaml: time it end to end with phase vs)
 #   gemv8      the decode rows of the fp8 and the plain-weight linears as GEMVs (the rules' gemv knob,
 #              kernels_cuda/gemv.py): their tests natively (h200-gemv8-tests.log); the fp8 projections and
 #              the plain ones (head, output groups, indexer) at the released shapes at 1 and 4 rows under
@@ -1081,6 +1086,16 @@ phase_rowloop() {
     "N32 K256, 8 warps" --out "$OUT/h200-gemv-rowloop.json" | grep moe_experts
   python benchmarks/decode_kernel_variants.py --model v4.1-flash --batches 1 8 64 --ops moe_route \
     --out "$OUT/h200-route-v4.1-flash.json" | grep -v '^ '
+}
+
+phase_gemvrows() {
+  timeout 200 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_fp8_gemv.py \
+    tests/kernels_cuda/test_cuda_plain_gemv.py > "$OUT/h200-gemvrows-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-gemvrows-tests.log"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 2 4 8 --variants "GEMV N32 K256 s3" "GEMV N64 K256 s3" \
+    "GEMV N64 K256 s3, 2 rows a program" "GEMV N64 K256 s3, 4 rows a program" "GEMV N32 K256 s3, 4 rows a program" \
+    "GEMV N64 K128 s3, 4 rows a program" --out "$OUT/h200-gemv-rows.json" --profile-out "$OUT/h200-gemv-rows.yaml" \
+    | grep -v moe_experts
 }
 
 phase_hcwarps() {

@@ -3,15 +3,17 @@ decode rules that set the ``gemv`` knob: ``fp8_w`` weights (:mod:`.linear`'s ``K
 bf16 / fp16 ones (:mod:`.linear_plain`'s, :func:`_plain_gemv_kernel`).
 
 At one row the MMA loops spend most of a tile on rows that do not exist and promote every 32-wide
-K slice through shared memory and barriers. Here a program takes one row and ``BLOCK_N`` weight
-rows: each K block of ``BLOCK_K`` (a pipelined, asynchronous copy: ``tl.range`` with the rule's
+K slice through shared memory and barriers. Here a program takes ``ROWS`` activation rows (the rule's
+``gemv_rows`` knob, at most the launch's rows rounded up to a power of two; 1 by default) and
+``BLOCK_N`` weight rows: each K block of ``BLOCK_K`` (a pipelined, asynchronous copy: ``tl.range`` with the rule's
 ``num_stages``, which Triton applies to a loop without a dot only when asked) is converted from
 E4M3 by the device (two bytes an instruction on sm_89+, :func:`.codecs.e4m3_cvt`) and multiplied
 by the activations, which the program quantizes to ``fp8`` itself as the MMA loops do
 (:func:`.linear_kernel._a_block`: the per-32 blocks ``act_quant`` makes, from column 0) and carries
 as the values they stand for. The weight rows go in groups of
 32 (one row of the 32 x 32 weight scale tiles each): a group's scale multiplies the activations
-(a K block's worth) instead of every weight. Products and sums are fp32: the same
+(a K block's worth) instead of every weight. A weight block is loaded and converted once for the
+program's rows, each row's products summed on their own. Products and sums are fp32: the same
 values as the MMA loops up to the order of the sums. A split K meets in the tile's last program
 (:func:`.splitk.store_tile`).
 """
@@ -24,7 +26,7 @@ import triton.language as tl
 from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda.codecs import e4m3_cvt, e8m0_to_f32
 from flashrt.kernels_cuda.linear_kernel import _a_block
-from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
+from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv, next_pow2
 from flashrt.kernels_cuda.pdl import wait_inputs
 from flashrt.kernels_cuda.splitk import store_tile
 
@@ -34,16 +36,18 @@ SCALE_ROWS = tl.constexpr(32)  # the rows of one fp8_w scale tile
 def plan(m: int, n: int, k: int, out_dtype: torch.dtype, tile: dict, knobs: dict, split_k, sms: int,
          in_kernel: bool) -> dict:
     """The launch of a GEMV rule (its kernel parameters ``tile``, its launch knobs ``knobs``: the K
-    split's ``split_min_blocks`` and ``split_per_sm``; ``split_k``: the family's forced split count or
-    None): a program per (row, ``BLOCK_N`` weight rows, K split); the split summed in the kernel
-    where ``in_kernel`` and the counters hold its tiles, else by a launch after it."""
-    tiles = m * cdiv(n, tile["BLOCK_N"])
+    split's ``split_min_blocks`` and ``split_per_sm``, the rows a program ``gemv_rows``; ``split_k``: the
+    family's forced split count or None): a program per (``ROWS`` rows, ``BLOCK_N`` weight rows, K
+    split); the split summed in the kernel where ``in_kernel`` and the counters hold its tiles, else by
+    a launch after it."""
+    rows = min(knobs["gemv_rows"], next_pow2(m))
+    tiles = cdiv(m, rows) * cdiv(n, tile["BLOCK_N"])
     split, k_split = splitk.splits(tiles, k, tile["BLOCK_K"], sms, split_k, knobs["split_min_blocks"],
                                    knobs["split_per_sm"])
     reduce = in_kernel and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
     dtype = out_dtype if split == 1 or reduce else torch.float32
     return dict(gemv=True, grid=(tiles, split), split=split, k_split=k_split, out_dtype=dtype, reduce=reduce,
-                constexprs=dict(OUT=TL_DTYPES[dtype], BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
+                constexprs=dict(OUT=TL_DTYPES[dtype], ROWS=rows, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
                                 STAGES=tile["num_stages"], REDUCE=reduce, num_warps=tile["num_warps"],
                                 num_stages=tile["num_stages"]))
 
@@ -53,25 +57,32 @@ def plan(m: int, n: int, k: int, out_dtype: torch.dtype, tile: dict, knobs: dict
 @triton.jit(do_not_specialize=("M",))
 def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_splits,
                  stride_xm, stride_wn, stride_swn, stride_swk, stride_om, stride_os,
-                 OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 REDUCE: tl.constexpr):
-    """out[row, n0 : n0 + BLOCK_N] (fp32 partial of K split ``program_id(1)``) for program
-    ``pid = tile * M + row``: the rows of one weight tile are neighbours in the launch order, so
-    they read it from L2 while it is there. The tile is ``BLOCK_N // 32`` groups of 32 weight rows
-    (one row of scale tiles each): a group's scale multiplies the activations, once a K block."""
+                 OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr, REDUCE: tl.constexpr):
+    """out[rows, n0 : n0 + BLOCK_N] (fp32 partial of K split ``program_id(1)``) for program
+    ``pid = tile * row_tiles + row_tile``, its rows ``row_tile * ROWS + [0, ROWS)``: the row tiles of
+    one weight tile are neighbours in the launch order, so they read it from L2 while it is there. The
+    tile is ``BLOCK_N // 32`` groups of 32 weight rows (one row of scale tiles each): a group's scale
+    multiplies the activations, once a K block. The weights are converted once a K block; each row's
+    products are summed over K on their own (``ROWS`` sums, accumulated at their row)."""
     wait_inputs()
     R: tl.constexpr = BLOCK_N // SCALE_ROWS
     pid = tl.program_id(0)
-    row = pid % M
-    n0 = (pid // M) * BLOCK_N
+    row_tiles = tl.cdiv(M, ROWS)
+    n0 = (pid // row_tiles) * BLOCK_N
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     group = tl.arange(0, R)
     offs_n = n0 + group[:, None] * SCALE_ROWS + tl.arange(0, SCALE_ROWS)[None, :]  # [R, 32]
     n_ok = offs_n < N
-    rows = row + tl.arange(0, 1)
-    x_rows = x_ptr + rows.to(tl.int64) * stride_xm
-    acc = tl.zeros((R, SCALE_ROWS), tl.float32)
+    rows0 = (pid % row_tiles) * ROWS
+    rows = rows0 + tl.arange(0, ROWS)
+    x_rows = x_ptr + (rows0 + tl.arange(0, 1)).to(tl.int64) * stride_xm  # [1]: the program's first row
+    which = tl.arange(0, ROWS)[:, None, None]
+    if ROWS == 1:  # (one row: the accumulator without the rows' axis, which costs registers)
+        acc = tl.zeros((R, SCALE_ROWS), tl.float32)
+    else:
+        acc = tl.zeros((ROWS, R, SCALE_ROWS), tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_hi
@@ -79,45 +90,67 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
                     mask=n_ok[:, :, None] & k_ok[None, None, :], other=0.0)
         s = tl.load(sw_ptr + (n0 // SCALE_ROWS + group)[:, None] * stride_swn + (kk // 32)[None, :] * stride_swk,
                     mask=k_ok[None, :], other=0)  # [R, BLOCK_K]: each group's scale byte per 32 of K
-        # the row's fp8 round trip (quantized here, per 32 from k0: act_quant's blocks) as fp32 values
-        x = tl.reshape(_a_block(x_rows, x_rows, rows < M, k0, k_hi, True, tl.float32, 1, BLOCK_K), (BLOCK_K,))
-        xs = x[None, :] * e8m0_to_f32(s.to(tl.int32))
-        acc += tl.sum(e4m3_cvt(w.to(tl.uint8, bitcast=True)) * xs[:, None, :], axis=2)
+        ws = e8m0_to_f32(s.to(tl.int32))
+        for i in tl.static_range(ROWS):
+            # row i's fp8 round trip (quantized here, per 32 from k0: act_quant's blocks) as fp32 values
+            ri = rows0 + i + tl.arange(0, 1)
+            xi = tl.reshape(_a_block(x_rows + i * stride_xm, x_rows, ri < M, k0, k_hi, True, tl.float32, 1, BLOCK_K),
+                            (BLOCK_K,))
+            if i == 0:  # the weights converted after the first row's activations (fewer values live at once)
+                wf = e4m3_cvt(w.to(tl.uint8, bitcast=True))
+            part = tl.sum(wf * (xi[None, :] * ws)[:, None, :], axis=2)
+            if ROWS == 1:
+                acc += part
+            else:
+                acc += tl.where(which == i, part[None, :, :], 0.0)
     cols = tl.reshape(offs_n, (BLOCK_N,))
     ok = (rows < M)[:, None] & (cols < N)[None, :]
     out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os
-    store_tile(tl.reshape(acc, (1, BLOCK_N)), out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, cols,
+    store_tile(tl.reshape(acc, (ROWS, BLOCK_N)), out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, cols,
                ok, stride_om, M, N, OUT, REDUCE)
 
 
 @triton.jit(do_not_specialize=("M",))
 def _plain_gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, n_group, k_split, n_splits,
                        stride_xm, stride_wn, stride_om, stride_os,
-                       OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                       REDUCE: tl.constexpr):
+                       OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       STAGES: tl.constexpr, REDUCE: tl.constexpr):
     """``linear`` on a plain bf16 / fp16 weight as a GEMV (:mod:`.linear_plain`'s ``gemv`` knob):
     out[row, n] = x[row, g*K:(g+1)*K] @ w[n].T with g = n // n_group (one group: n_group = N; a
-    column tile lies inside one group), for program ``pid = tile * M + row`` and K split
-    ``program_id(1)``. The weight converted to fp32 (exact) and multiplied by x (fp32, or the
-    weight's dtype) in fp32 multiply-adds: each product rounded once, as the reference's fp32 GEMM."""
+    column tile lies inside one group), for program ``pid = tile * row_tiles + row_tile`` (its rows
+    ``row_tile * ROWS + [0, ROWS)``) and K split ``program_id(1)``. The weight converted to fp32
+    (exact) once a K block and multiplied by each row of x (fp32, or the weight's dtype) in fp32
+    multiply-adds: each product rounded once, as the reference's fp32 GEMM."""
     wait_inputs()
     pid = tl.program_id(0)
-    row = pid % M
-    n0 = (pid // M) * BLOCK_N
+    row_tiles = tl.cdiv(M, ROWS)
+    n0 = (pid // row_tiles) * BLOCK_N
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    x_row = x_ptr + row.to(tl.int64) * stride_xm + (n0 // n_group).to(tl.int64) * K
-    acc = tl.zeros((BLOCK_N,), tl.float32)
+    rows0 = (pid % row_tiles) * ROWS
+    rows = rows0 + tl.arange(0, ROWS)
+    x_group = x_ptr + (n0 // n_group).to(tl.int64) * K
+    which = tl.arange(0, ROWS)[:, None]
+    if ROWS == 1:  # (one row: the accumulator and x without the rows' axis, which costs shuffles)
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_hi
         w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        x = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    rows = row + tl.arange(0, 1)
+                    other=0.0).to(tl.float32)
+        if ROWS == 1:
+            x = tl.load(x_group + rows0.to(tl.int64) * stride_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+        else:
+            for i in tl.static_range(ROWS):
+                ri = rows0 + i + tl.arange(0, 1)
+                x = tl.load(x_group + ri.to(tl.int64)[:, None] * stride_xm + kk[None, :],
+                            mask=(ri < M)[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [1, BLOCK_K]
+                acc += tl.where(which == i, tl.sum(w * x, axis=1)[None, :], 0.0)
     out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os
-    store_tile(acc[None, :], out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, offs_n,
+    store_tile(tl.reshape(acc, (ROWS, BLOCK_N)), out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, offs_n,
                (rows < M)[:, None] & n_ok[None, :], stride_om, M, N, OUT, REDUCE)

@@ -58,9 +58,10 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # split_reduce: a split K summed by each output tile's last program (True), or by a sum and a cast
 # launch after the GEMM (False); None: in the kernel where it quantizes x itself (fused_max_rows);
 # fp8_mma: the rule's own choice of the fp8 MMA for fp8_w (True / False; None: the fp8_mma tile's);
-# gemv: fp8_w launches of the rule's rows as a GEMV (:mod:`.gemv`: one row and BLOCK_N weight rows a
+# gemv: fp8_w launches of the rule's rows as a GEMV (:mod:`.gemv`: gemv_rows rows and BLOCK_N weight rows a
 # program, multiply-adds on the CUDA cores, BLOCK_M unused; fp4_w launches keep the rule's MMA tile)
-KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False)
+KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False,
+             gemv_rows=1)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -408,7 +409,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),
                "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool),
-               "*.gemv": Tile(kind=bool)}
+               "*.gemv": Tile(kind=bool), "*.gemv_rows": Tile(low=1, pow2=True, kind=int)}
 
 
 FAMILY = KernelFamily(

@@ -46,9 +46,9 @@ from flashrt.kernels_cuda.pdl import wait_inputs
 # the SMs (None: BLOCK_N as given; splitk.narrow_block_n); split_min_blocks: the fewest K blocks a
 # split keeps when K is split because the output tiles do not fill the SMs (None: no split);
 # split_per_sm: split K to bring the programs nearest to this many an SM (linear's knob); gemv: the
-# rule's launches as a GEMV (:func:`.gemv._plain_gemv_kernel`: one row and BLOCK_N weight rows a
+# rule's launches as a GEMV (:func:`.gemv._plain_gemv_kernel`: gemv_rows rows and BLOCK_N weight rows a
 # program, fp32 multiply-adds on the CUDA cores; BLOCK_M and min_block_n unused)
-KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, gemv=False)
+KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, gemv=False, gemv_rows=1)
 
 TILES = {
     # (largest M the rule serves or None, tile): the first matching rule applies
@@ -225,6 +225,7 @@ FAMILY = KernelFamily(
                               "plain.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                               "plain.split_min_blocks": Tile(nullable=True, kind=int),
                               "plain.split_per_sm": Tile(low=1, nullable=True, kind=int),
-                              "plain.gemv": Tile(kind=bool)},
+                              "plain.gemv": Tile(kind=bool),
+                              "plain.gemv_rows": Tile(low=1, pow2=True, kind=int)},
     smem={"plain": _bf16_tile_bytes}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="linear with a plain bf16 / fp16 weight (fp32 accumulation), and grouped by column blocks")

@@ -48,6 +48,34 @@ def test_gemv_rows(rng, dtype, m, block_n, split, reduce):
     assert rel_err(got, want) < tol and rel_err(got, dot) < tol
 
 
+@pytest.mark.parametrize("m,rows,block_n,split", [(2, 2, 32, None), (3, 4, 64, 2), (5, 2, 32, 3), (8, 8, 64, None)])
+def test_gemv_several_rows_a_program(rng, m, rows, block_n, split):
+    """``gemv_rows``: a program's rows (the last row tile short of them where m is not a multiple)
+    share one weight block's load and conversion; each row's output is its own, against the reference,
+    the MMA rule and the one-row GEMV (the same products, summed in the same order)."""
+    n, k = 72, 352
+    x = (torch.randn(m, k, generator=rng) * 2.0).to(DEVICE)
+    w = formats.quantize(torch.randn(n, k, generator=rng) * 0.25, "fp8_w").to(DEVICE)
+    tiles = dict(linear=[_gemv_rule(16, block_n, gemv_rows=rows), _mma_rule()], split_k=split)
+    with pinned_tiles(linear=tiles):
+        plan = lin._linear_plan(m, n, k, x.dtype, "fp8_w")
+    assert plan["gemv"] and plan["constexprs"]["ROWS"] == rows and plan["grid"][0] == -(-m // rows) * -(-n // block_n)
+    got, dot, want = linear_three_ways(x, w, tiles, dict(tiles, linear=[_mma_rule()]))
+    with pinned_tiles(linear=dict(tiles, linear=[_gemv_rule(16, block_n), _mma_rule()])):
+        one = _linear(x, w)
+    assert got.shape == (m, n) and rel_err(got, want) < 1e-5 and rel_err(got, dot) < 1e-5
+    assert rel_err(got, one) < 1e-6
+
+
+def test_gemv_rows_at_most_the_launch_rows():
+    """A rule's ``gemv_rows`` over the launch's rows: the program takes the rows rounded up to a power
+    of two, not more (no program of all-masked rows)."""
+    tiles = dict(linear=[_gemv_rule(16, 32, gemv_rows=8), _mma_rule()])
+    with pinned_tiles(linear=tiles):
+        assert [lin._linear_plan(m, 64, 128, torch.float32, "fp8_w")["constexprs"]["ROWS"] for m in (1, 2, 3, 8, 12)] \
+            == [1, 2, 4, 8, 8]
+
+
 @pytest.mark.parametrize("block_n", [32, 64])
 def test_gemv_every_e4m3_code_and_scale(rng, block_n):
     """One-hot activation rows read back each finite E4M3 weight code times its tile's scale

@@ -13,8 +13,8 @@ pytestmark = requires_kernels
 lp = pytest.importorskip("flashrt.kernels_cuda.linear_plain")
 
 
-def _rules(block_n=32, block_k=64):
-    return [[8, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=2, gemv=True)],
+def _rules(block_n=32, block_k=64, **knobs):
+    return [[8, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=2, gemv=True, **knobs)],
             [None, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)]]
 
 
@@ -43,12 +43,32 @@ def test_plain_gemv(rng, launches, m, n, k, block_n, split, reduce, xdt, wdt):
         assert rel_err(got, exact) < (4e-3 if xdt == torch.bfloat16 else 5e-4)
 
 
+@pytest.mark.parametrize("m,rows,split", [(2, 2, None), (3, 4, 2), (5, 2, 3), (8, 4, None)])
+def test_plain_gemv_several_rows_a_program(rng, launches, m, rows, split):
+    """``gemv_rows``: a program's rows (a last row tile short of them where m is not a multiple)
+    share one weight load; each row's output is its own, against float64 and the one-row GEMV."""
+    n, k = 72, 352
+    x = torch.randn(m, k, generator=rng).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(n, k, generator=rng) * k ** -0.5).to(torch.bfloat16).to(DEVICE)
+    for_rows = dict(plain=_rules(32, gemv_rows=rows), split_k=split)
+    with pinned_tiles(linear_plain=for_rows):
+        plan = lp._plan(m, n, k, x.dtype, w.dtype, x.dtype, sms=lp.num_sms(x.device))
+        assert plan["gemv"] and plan["constexprs"]["ROWS"] == rows
+        assert plan["grid"][0] == -(-m // rows) * -(-n // 32)
+        got, want = run_both("linear", x, w)
+        assert_counters_zero(got)
+    with pinned_tiles(linear_plain=dict(for_rows, plain=_rules(32))):
+        one, _ = run_both("linear", x, w)
+    assert "_plain_gemv_kernel" in launches and "_plain_linear_kernel" not in launches
+    assert rel_err(got, _exact(x, w)) < 4e-3 and rel_err(got.float(), one.float()) < 1e-6
+
+
 @pytest.mark.parametrize("m,G,k,out", [(1, 2, 128, 32), (3, 4, 64, 64), (2, 8, 96, 32)])
 def test_grouped_gemv_is_one_launch(rng, launches, m, G, k, out):
     """Group g of x times its rows of the weight, every group in one GEMV launch."""
     x = torch.randn(m, 1, G, k, generator=rng).to(torch.bfloat16).to(DEVICE)
     w = (torch.randn(G * out, k, generator=rng) * k ** -0.5).to(torch.bfloat16).to(DEVICE)
-    with pinned_tiles(linear_plain=dict(plain=_rules(32))):
+    with pinned_tiles(linear_plain=dict(plain=_rules(32, gemv_rows=2))):
         got, want = run_both("grouped_linear", x, w)
     assert launches.count("_plain_gemv_kernel") == 1 and "_plain_linear_kernel" not in launches
     exact = torch.cat([_exact(x[:, 0, g], w[g * out:(g + 1) * out]) for g in range(G)], -1)
