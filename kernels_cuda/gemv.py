@@ -52,6 +52,38 @@ def plan(m: int, n: int, k: int, out_dtype: torch.dtype, tile: dict, knobs: dict
                                 num_stages=tile["num_stages"]))
 
 
+@triton.jit
+def _fp8_row(acc, w, ws, x_ptr, row, M, k0, k_hi, stride_xm, BLOCK_K: tl.constexpr):
+    """acc [R, 32] + the products of weight block ``w`` (E4M3 bytes, converted here) and row ``row``'s
+    activations (quantized to fp8 per 32 from k0, act_quant's blocks, as fp32 values) times each weight
+    group's scale ``ws`` [R, BLOCK_K], summed over the block. A row past ``M`` reads as zeros."""
+    r = row + tl.arange(0, 1)
+    x_row = x_ptr + r.to(tl.int64) * stride_xm
+    x = tl.reshape(_a_block(x_row, x_row, r < M, k0, k_hi, True, tl.float32, 1, BLOCK_K), (BLOCK_K,))
+    return acc + tl.sum(e4m3_cvt(w.to(tl.uint8, bitcast=True)) * (x[None, :] * ws)[:, None, :], axis=2)
+
+
+@triton.jit
+def _plain_row(acc, w, x_group, row, M, kk, k_ok, stride_xm):
+    """acc [BLOCK_N] + the products of fp32 weight block ``w`` and row ``row`` of x, summed over the
+    block (a row past ``M`` reads row ``M - 1``: its sums are never stored)."""
+    x = tl.load(x_group + tl.minimum(row, M - 1).to(tl.int64) * stride_xm + kk, mask=k_ok, other=0.0)
+    return acc + tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit
+def _stack(a0, a1, a2, a3, ROWS: tl.constexpr):
+    """[ROWS, n] of the first ``ROWS`` of four [n] accumulators (the others unused)."""
+    if ROWS == 1:
+        return a0[None, :]
+    else:
+        which = tl.arange(0, ROWS)[:, None]
+        out = tl.where(which == 0, a0[None, :], 0.0) + tl.where(which == 1, a1[None, :], 0.0)
+        if ROWS > 2:
+            out += tl.where(which == 2, a2[None, :], 0.0) + tl.where(which == 3, a3[None, :], 0.0)
+        return out
+
+
 # the rows a launch has (a decode batch) are not specialised on (== 1): one variant serves every batch
 # a rule covers, so the warm-up's one-row launches compile what the larger batches launch
 @triton.jit(do_not_specialize=("M",))
@@ -60,11 +92,11 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
                  OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  STAGES: tl.constexpr, REDUCE: tl.constexpr):
     """out[rows, n0 : n0 + BLOCK_N] (fp32 partial of K split ``program_id(1)``) for program
-    ``pid = tile * row_tiles + row_tile``, its rows ``row_tile * ROWS + [0, ROWS)``: the row tiles of
-    one weight tile are neighbours in the launch order, so they read it from L2 while it is there. The
-    tile is ``BLOCK_N // 32`` groups of 32 weight rows (one row of scale tiles each): a group's scale
-    multiplies the activations, once a K block. The weights are converted once a K block; each row's
-    products are summed over K on their own (``ROWS`` sums, accumulated at their row)."""
+    ``pid = tile * row_tiles + row_tile``, its rows ``row_tile * ROWS + [0, ROWS)`` (ROWS 1, 2 or 4):
+    the row tiles of one weight tile are neighbours in the launch order, so they read it from L2 while
+    it is there. The tile is ``BLOCK_N // 32`` groups of 32 weight rows (one row of scale tiles each): a
+    group's scale multiplies the activations, once a K block. A weight block is loaded once for the
+    program's rows, each row summed into an accumulator of its own."""
     wait_inputs()
     R: tl.constexpr = BLOCK_N // SCALE_ROWS
     pid = tl.program_id(0)
@@ -75,14 +107,11 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
     group = tl.arange(0, R)
     offs_n = n0 + group[:, None] * SCALE_ROWS + tl.arange(0, SCALE_ROWS)[None, :]  # [R, 32]
     n_ok = offs_n < N
-    rows0 = (pid % row_tiles) * ROWS
-    rows = rows0 + tl.arange(0, ROWS)
-    x_rows = x_ptr + (rows0 + tl.arange(0, 1)).to(tl.int64) * stride_xm  # [1]: the program's first row
-    which = tl.arange(0, ROWS)[:, None, None]
-    if ROWS == 1:  # (one row: the accumulator without the rows' axis, which costs registers)
-        acc = tl.zeros((R, SCALE_ROWS), tl.float32)
-    else:
-        acc = tl.zeros((ROWS, R, SCALE_ROWS), tl.float32)
+    row = (pid % row_tiles) * ROWS
+    acc0 = tl.zeros((R, SCALE_ROWS), tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_hi
@@ -91,23 +120,20 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
         s = tl.load(sw_ptr + (n0 // SCALE_ROWS + group)[:, None] * stride_swn + (kk // 32)[None, :] * stride_swk,
                     mask=k_ok[None, :], other=0)  # [R, BLOCK_K]: each group's scale byte per 32 of K
         ws = e8m0_to_f32(s.to(tl.int32))
-        for i in tl.static_range(ROWS):
-            # row i's fp8 round trip (quantized here, per 32 from k0: act_quant's blocks) as fp32 values
-            ri = rows0 + i + tl.arange(0, 1)
-            xi = tl.reshape(_a_block(x_rows + i * stride_xm, x_rows, ri < M, k0, k_hi, True, tl.float32, 1, BLOCK_K),
-                            (BLOCK_K,))
-            if i == 0:  # the weights converted after the first row's activations (fewer values live at once)
-                wf = e4m3_cvt(w.to(tl.uint8, bitcast=True))
-            part = tl.sum(wf * (xi[None, :] * ws)[:, None, :], axis=2)
-            if ROWS == 1:
-                acc += part
-            else:
-                acc += tl.where(which == i, part[None, :, :], 0.0)
+        acc0 = _fp8_row(acc0, w, ws, x_ptr, row, M, k0, k_hi, stride_xm, BLOCK_K)
+        if ROWS > 1:
+            acc1 = _fp8_row(acc1, w, ws, x_ptr, row + 1, M, k0, k_hi, stride_xm, BLOCK_K)
+        if ROWS > 2:
+            acc2 = _fp8_row(acc2, w, ws, x_ptr, row + 2, M, k0, k_hi, stride_xm, BLOCK_K)
+            acc3 = _fp8_row(acc3, w, ws, x_ptr, row + 3, M, k0, k_hi, stride_xm, BLOCK_K)
+    rows = row + tl.arange(0, ROWS)
     cols = tl.reshape(offs_n, (BLOCK_N,))
     ok = (rows < M)[:, None] & (cols < N)[None, :]
     out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os
-    store_tile(tl.reshape(acc, (ROWS, BLOCK_N)), out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, cols,
-               ok, stride_om, M, N, OUT, REDUCE)
+    acc = _stack(tl.reshape(acc0, (BLOCK_N,)), tl.reshape(acc1, (BLOCK_N,)), tl.reshape(acc2, (BLOCK_N,)),
+                 tl.reshape(acc3, (BLOCK_N,)), ROWS)
+    store_tile(acc, out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, cols, ok, stride_om, M, N, OUT,
+               REDUCE)
 
 
 @triton.jit(do_not_specialize=("M",))
@@ -118,8 +144,8 @@ def _plain_gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, n_group,
     """``linear`` on a plain bf16 / fp16 weight as a GEMV (:mod:`.linear_plain`'s ``gemv`` knob):
     out[row, n] = x[row, g*K:(g+1)*K] @ w[n].T with g = n // n_group (one group: n_group = N; a
     column tile lies inside one group), for program ``pid = tile * row_tiles + row_tile`` (its rows
-    ``row_tile * ROWS + [0, ROWS)``) and K split ``program_id(1)``. The weight converted to fp32
-    (exact) once a K block and multiplied by each row of x (fp32, or the weight's dtype) in fp32
+    ``row_tile * ROWS + [0, ROWS)``, ROWS 1, 2 or 4) and K split ``program_id(1)``. The weight block
+    converted to fp32 (exact) once and multiplied by each row of x (fp32, or the weight's dtype) in fp32
     multiply-adds: each product rounded once, as the reference's fp32 GEMM."""
     wait_inputs()
     pid = tl.program_id(0)
@@ -129,28 +155,24 @@ def _plain_gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, n_group,
     k_hi = tl.minimum(k_lo + k_split, K)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rows0 = (pid % row_tiles) * ROWS
-    rows = rows0 + tl.arange(0, ROWS)
+    row = (pid % row_tiles) * ROWS
     x_group = x_ptr + (n0 // n_group).to(tl.int64) * K
-    which = tl.arange(0, ROWS)[:, None]
-    if ROWS == 1:  # (one row: the accumulator and x without the rows' axis, which costs shuffles)
-        acc = tl.zeros((BLOCK_N,), tl.float32)
-    else:
-        acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+    acc0 = tl.zeros((BLOCK_N,), tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_hi
         w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
-        if ROWS == 1:
-            x = tl.load(x_group + rows0.to(tl.int64) * stride_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1)
-        else:
-            for i in tl.static_range(ROWS):
-                ri = rows0 + i + tl.arange(0, 1)
-                x = tl.load(x_group + ri.to(tl.int64)[:, None] * stride_xm + kk[None, :],
-                            mask=(ri < M)[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [1, BLOCK_K]
-                acc += tl.where(which == i, tl.sum(w * x, axis=1)[None, :], 0.0)
+        acc0 = _plain_row(acc0, w, x_group, row, M, kk, k_ok, stride_xm)
+        if ROWS > 1:
+            acc1 = _plain_row(acc1, w, x_group, row + 1, M, kk, k_ok, stride_xm)
+        if ROWS > 2:
+            acc2 = _plain_row(acc2, w, x_group, row + 2, M, kk, k_ok, stride_xm)
+            acc3 = _plain_row(acc3, w, x_group, row + 3, M, kk, k_ok, stride_xm)
+    rows = row + tl.arange(0, ROWS)
     out = out_ptr if REDUCE else out_ptr + tl.program_id(1) * stride_os
-    store_tile(tl.reshape(acc, (ROWS, BLOCK_N)), out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows, offs_n,
-               (rows < M)[:, None] & n_ok[None, :], stride_om, M, N, OUT, REDUCE)
+    store_tile(_stack(acc0, acc1, acc2, acc3, ROWS), out, ws_ptr, cnt_ptr, pid, tl.program_id(1), n_splits, rows,
+               offs_n, (rows < M)[:, None] & n_ok[None, :], stride_om, M, N, OUT, REDUCE)

@@ -409,7 +409,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),
                "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool),
-               "*.gemv": Tile(kind=bool), "*.gemv_rows": Tile(low=1, pow2=True, kind=int)}
+               "*.gemv": Tile(kind=bool), "*.gemv_rows": Tile(choices=(1, 2, 4))}
 
 
 FAMILY = KernelFamily(

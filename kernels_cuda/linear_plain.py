@@ -226,6 +226,6 @@ FAMILY = KernelFamily(
                               "plain.split_min_blocks": Tile(nullable=True, kind=int),
                               "plain.split_per_sm": Tile(low=1, nullable=True, kind=int),
                               "plain.gemv": Tile(kind=bool),
-                              "plain.gemv_rows": Tile(low=1, pow2=True, kind=int)},
+                              "plain.gemv_rows": Tile(choices=(1, 2, 4))},
     smem={"plain": _bf16_tile_bytes}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="linear with a plain bf16 / fp16 weight (fp32 accumulation), and grouped by column blocks")

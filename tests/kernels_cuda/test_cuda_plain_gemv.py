@@ -43,7 +43,7 @@ def test_plain_gemv(rng, launches, m, n, k, block_n, split, reduce, xdt, wdt):
         assert rel_err(got, exact) < (4e-3 if xdt == torch.bfloat16 else 5e-4)
 
 
-@pytest.mark.parametrize("m,rows,split", [(2, 2, None), (3, 4, 2), (5, 2, 3), (8, 4, None)])
+@pytest.mark.parametrize("m,rows,split", [(2, 2, None), (3, 4, 2), (5, 2, 3), (8, 4, None), (7, 4, None)])
 def test_plain_gemv_several_rows_a_program(rng, launches, m, rows, split):
     """``gemv_rows``: a program's rows (a last row tile short of them where m is not a multiple)
     share one weight load; each row's output is its own, against float64 and the one-row GEMV."""
