@@ -89,8 +89,8 @@ def _stack(a0, a1, a2, a3, ROWS: tl.constexpr):
 @triton.jit(do_not_specialize=("M",))
 def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_splits,
                  stride_xm, stride_wn, stride_swn, stride_swk, stride_om, stride_os,
-                 OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr, REDUCE: tl.constexpr):
+                 OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                 REDUCE: tl.constexpr, ROWS: tl.constexpr = 1):
     """out[rows, n0 : n0 + BLOCK_N] (fp32 partial of K split ``program_id(1)``) for program
     ``pid = tile * row_tiles + row_tile``, its rows ``row_tile * ROWS + [0, ROWS)`` (ROWS 1, 2 or 4):
     the row tiles of one weight tile are neighbours in the launch order, so they read it from L2 while
@@ -139,8 +139,8 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
 @triton.jit(do_not_specialize=("M",))
 def _plain_gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, n_group, k_split, n_splits,
                        stride_xm, stride_wn, stride_om, stride_os,
-                       OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       STAGES: tl.constexpr, REDUCE: tl.constexpr):
+                       OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                       REDUCE: tl.constexpr, ROWS: tl.constexpr = 1):
     """``linear`` on a plain bf16 / fp16 weight as a GEMV (:mod:`.linear_plain`'s ``gemv`` knob):
     out[row, n] = x[row, g*K:(g+1)*K] @ w[n].T with g = n // n_group (one group: n_group = N; a
     column tile lies inside one group), for program ``pid = tile * row_tiles + row_tile`` (its rows
