@@ -70,11 +70,6 @@ HC_VARIANTS = {
     "multiply-add K blocks of 256": {"hc_coefficients": {"FMA_BLOCK_K": 256}},
     "multiply-add K blocks of 512": {"hc_coefficients": {"FMA_BLOCK_K": 512}},
     "multiply-add K blocks of 1024": {"hc_coefficients": {"FMA_BLOCK_K": 1024}},
-    # wider multiply-add K blocks over more warps (the same values a thread, fewer splits for the finish)
-    "multiply-add K blocks of 512, 8 warps": {"hc_coefficients": {"FMA_BLOCK_K": 512, "FMA_WARPS": 8}},
-    "multiply-add K blocks of 1024, 16 warps": {"hc_coefficients": {"FMA_BLOCK_K": 1024, "FMA_WARPS": 16}},
-    "multiply-add K blocks of 1024, 8 warps": {"hc_coefficients": {"FMA_BLOCK_K": 1024, "FMA_WARPS": 8}},
-    "multiply-add K blocks of 2048, 16 warps": {"hc_coefficients": {"FMA_BLOCK_K": 2048, "FMA_WARPS": 16}},
     # the finish loading every split's partials at once (up to 32 splits x 16 values a token)
     "finish: all splits in one load": {"hc_finish": {"SPLIT_CHUNK": 32, "SPLIT_ELEMS": 16384}},
     # the partials stored value major and summed along the splits in one load (_hc_coefficients_vm_kernel)

@@ -192,14 +192,6 @@
 #   nopdlprofile  the real-dimension slice's kernels at batch 1 / 8 and small's batch-1 step under a copy of
 #              the profile with programmatic dependent launch off, so that each kernel's time excludes its wait on
 #              the one before: h200-real-slice-profile-nopdl.json, h200-decode-profile-b1-nopdl.json
-#   hcwarps    hc_coefficients' batch-1 multiply-add GEMV in wider K blocks over more warps a program
-#              (tiles.mhc.hc_coefficients.FMA_WARPS: fewer splits for the finish to sum) at both models, 1 and 8
-#              tokens: h200-hc-warps-{small,v4.1-flash}.json
-#   rowloop    the experts' one-row tiles as a GEMV on the CUDA cores (linear_kernel._row_k_loop: one-row rules
-#              with the activations handed over dequantized): the few-row tests natively (h200-rowloop-tests.log),
-#              the experts at 1 / 8 tokens under one-row multiply-add rules beside the profile, standard and word
-#              layouts (h200-gemv-rowloop.json); then the gate's select variants at the released dimensions
-#              (h200-route-v4.1-flash.json)
 #   gemvrows   the GEMVs with several activation rows a program (the gemv_rows knob: a weight block loaded and
 #              converted once for them): their tests natively (h200-gemvrows-tests.log); the fp8 projections and
 #              the plain ones at 1 / 2 / 4 / 8 rows under the profile, the shipped one-row GEMV tile and the rows
@@ -334,7 +326,10 @@
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
 # Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed. The lent machine returns
-# only so many files of a call (8 in the calls so far): group phases so that their files stay under that.
+# at most 8 files a call: run the phases with OUT set to a folder of their own and pack that folder into
+# one archive under the call's $OUT, e.g.
+#   mkdir -p /tmp/r; OUT=/tmp/r timeout 560 bash benchmarks/h200_session.sh P1 P2; tar czf "$OUT/r.tgz" -C /tmp/r .
+# (the timeout leaves the archive its time within the call's limit).
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
 # `carry: [".whl"]`). Its Python is 3.12: build the folder with
 #   pip download --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: -d .whl \
@@ -1078,16 +1073,6 @@ print('\n'.join(gemv_tiles.GEMV_VARIANTS))")
   grep -c "gemv: true" "$OUT/h200-gemv8.yaml" || true
 }
 
-phase_rowloop() {
-  timeout 200 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_gemv.py \
-    > "$OUT/h200-rowloop-tests.log" 2>&1
-  tail -n 1 "$OUT/h200-rowloop-tests.log"
-  python benchmarks/gemv_tiles.py --model v4.1-flash --expert-words --variants profile "N32 K128" "N32 K256" "N64 K128" \
-    "N32 K256, 8 warps" --out "$OUT/h200-gemv-rowloop.json" | grep moe_experts
-  python benchmarks/decode_kernel_variants.py --model v4.1-flash --batches 1 8 64 --ops moe_route \
-    --out "$OUT/h200-route-v4.1-flash.json" | grep -v '^ '
-}
-
 phase_gemvrows() {
   timeout 200 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_fp8_gemv.py \
     tests/kernels_cuda/test_cuda_plain_gemv.py > "$OUT/h200-gemvrows-tests.log" 2>&1
@@ -1096,15 +1081,6 @@ phase_gemvrows() {
     "GEMV N64 K256 s3, 2 rows a program" "GEMV N64 K256 s3, 4 rows a program" "GEMV N32 K256 s3, 4 rows a program" \
     "GEMV N64 K128 s3, 4 rows a program" --out "$OUT/h200-gemv-rows.json" --profile-out "$OUT/h200-gemv-rows.yaml" \
     | grep -v moe_experts
-}
-
-phase_hcwarps() {
-  local m v=("multiply-add K blocks of 512, 8 warps" "multiply-add K blocks of 1024, 16 warps"
-             "multiply-add K blocks of 1024, 8 warps" "multiply-add K blocks of 2048, 16 warps")
-  for m in small v4.1-flash; do
-    python benchmarks/decode_kernel_variants.py --model "$m" --ops hc_coefficients --batches 1 8 \
-      --hc-variants "${v[@]}" --out "$OUT/h200-hc-warps-$m.json" | grep -v '^ '
-  done
 }
 
 phase_nopdlprofile() {  # where the decode step's GPU time goes with each kernel's time its own (no PDL overlap)

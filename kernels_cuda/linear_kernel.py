@@ -25,8 +25,6 @@ from flashrt.kernels_cuda.pdl import wait_inputs
 # The QX constexpr of activations that arrive as the values their fp8 round trip gives (in a float
 # dtype, e.g. bf16): the MMA loops load them as they are, no quantization or decode per program.
 ACT_DEQUANTIZED = tl.constexpr(2)
-# the stages of :func:`_row_k_loop`'s pipelined K blocks (weight bytes, scales and activations)
-ROW_STAGES = tl.constexpr(3)
 
 
 @triton.jit
@@ -54,17 +52,7 @@ def _w_scales(sw_ptr, n0, N, k0, k_hi, stride_swn, stride_swk, FP4: tl.constexpr
 @triton.jit
 def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, E2M1: tl.constexpr = 0):
-    """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT (:func:`_w_groups`
-    with the groups of 32 side by side)."""
-    return tl.reshape(_w_groups(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4, BLOCK_N, BLOCK_K, E2M1),
-                      (BLOCK_N, BLOCK_K)).to(DOT)
-
-
-@triton.jit
-def _w_groups(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              E2M1: tl.constexpr = 0):
-    """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as [BLOCK_N, BLOCK_K // 32, 32]
-    (bf16 from the packed decodes, fp32 from the others: exact either way), ``s`` their scale
+    """Dequantized weight rows [n0, n0 + BLOCK_N) x K block [k0, k0 + BLOCK_K) as DOT, ``s`` their scale
     bytes (:func:`_w_scales`). fp4_w with E2M1 % 8 == 2: the codes decoded two a byte in packed
     registers (codecs.e2m1_pairs_bf16) into bf16, the re-bias folded into the scales where E2M1 has
     16 (scale bytes up to 128: the launcher's :func:`.linear.fold_scales`), else code by code; with 32
@@ -99,9 +87,9 @@ def _w_groups(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, BLOCK_N: 
             hi = e2m1_x16384(byte >> 4).to(tl.float32) * s
         if (E2M1 // 32) % 2 == 1:  # K order within 8: the four low nibbles, the four high (_halves)
             v = tl.reshape(tl.permute(tl.reshape(tl.join(lo, hi), (BLOCK_N, G * 4, 4, 2)), (0, 1, 3, 2)),
-                           (BLOCK_N, G, 32))
+                           (BLOCK_N, BLOCK_K))
         else:
-            v = tl.reshape(tl.join(lo, hi), (BLOCK_N, G, 32))  # element 2i low nibble, 2i + 1 high
+            v = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # element 2i low nibble, 2i + 1 high
     else:
         j = tl.arange(0, 32)
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + kg[None, :, None] + j[None, None, :]
@@ -109,10 +97,11 @@ def _w_groups(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, BLOCK_N: 
         if E2M1 % 8 == 2 and (E2M1 // 128) % 2 == 1:  # four bytes a call into bf16 pairs (the same values)
             FOLD8: tl.constexpr = (E2M1 // 256) % 2 == 1  # the 2**120 in the scales (linear.fold_fp8)
             scale = tl.broadcast_to((e8m0_bf16_x2p120(s) if FOLD8 else e8m0_bf16(s))[:, :, None], (BLOCK_N, G, 32))
-            v = e4m3_pairs_bf16(raw.to(tl.uint8, bitcast=True), scale, FOLD8)
+            v = tl.reshape(e4m3_pairs_bf16(raw.to(tl.uint8, bitcast=True), scale, FOLD8), (BLOCK_N, BLOCK_K))
         else:
-            v = e4m3_x256(raw).to(tl.float32) * pow2(s + 8)[:, :, None]  # 2**(b - 127) * 2**8
-    return v
+            w = e4m3_x256(raw).to(tl.float32)
+            v = tl.reshape(w * pow2(s + 8)[:, :, None], (BLOCK_N, BLOCK_K))  # 2**(b - 127) * 2**8
+    return v.to(DOT)
 
 
 @triton.jit
@@ -236,43 +225,6 @@ def _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
 
 
 @triton.jit
-def _row_k_loop(a_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn, stride_swk,
-                FP4: tl.constexpr, DUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                E2M1: tl.constexpr):
-    """:func:`_k_loop` for a one-row tile whose activations arrive dequantized (QX 2, the experts'
-    ``act_dequantized``): a GEMV on the CUDA cores. Each K block's weights are decoded as the MMA loop
-    decodes them, kept in their groups of 32 (:func:`_w_groups`: no reshaping to a dot operand's
-    layout), widened to fp32 and multiplied by the row's values, which every weight element loads
-    at its own place (the same addresses for every weight row: L1 hits, and a layout that is the
-    weights' own, so nothing goes through shared memory but the pipelined copies). The products add
-    into [BLOCK_N, BLOCK_K // 32, 32] partial sums reduced once after the loop. The K blocks come in by
-    pipelined asynchronous copies (``tl.range`` with :data:`ROW_STAGES`). Of E2M1 the decode, the
-    folded scales and the word layout apply; the scale loads a block ahead, the halves order and the
-    swapped operands are the MMA loop's. The same products as the MMA paths (exact in fp32), summed
-    in another order. Returns fp32 [1, BLOCK_N] (and the W3 sums where DUAL)."""
-    G: tl.constexpr = BLOCK_K // 32
-    W_E2M1: tl.constexpr = E2M1 & ~(8 | 32 | 512)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, 32)
-    part = tl.zeros((BLOCK_N, G, 32), tl.float32)
-    part3 = tl.zeros((BLOCK_N, G, 32), tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=ROW_STAGES):
-        kg = k0 + tl.arange(0, G) * 32
-        ok = (offs_n < N)[:, None] & (kg < k_hi)[None, :]
-        at = (offs_n * 0)[:, None, None] + kg[None, :, None] + cols[None, None, :]  # [BLOCK_N, G, 32]: K positions
-        x = tl.load(a_rows + at, mask=ok[:, :, None] & row_ok, other=0.0).to(tl.float32)
-        s = _w_scales(sw_ptr, n0, N, k0, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
-        part += _w_groups(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4, BLOCK_N, BLOCK_K, W_E2M1).to(tl.float32) * x
-        if DUAL:
-            s3 = _w_scales(sw3_ptr, n0, N, k0, k_hi, stride_swn, stride_swk, FP4, BLOCK_N, BLOCK_K)
-            part3 += _w_groups(w3_ptr, s3, n0, N, k0, k_hi, stride_wn, FP4, BLOCK_N, BLOCK_K,
-                               W_E2M1).to(tl.float32) * x
-    acc = tl.reshape(tl.sum(tl.sum(part, axis=2), axis=1), (1, BLOCK_N))
-    acc3 = tl.reshape(tl.sum(tl.sum(part3, axis=2), axis=1), (1, BLOCK_N))
-    return acc, acc3
-
-
-@triton.jit
 def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn, stride_swn,
                 stride_swk, FP4: tl.constexpr, PROMOTE: tl.constexpr, DUAL: tl.constexpr, DOT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QX: tl.constexpr,
@@ -385,13 +337,9 @@ def _k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo
     E2M1: how the MMA loop decodes fp4_w codes (0 bit by bit, 1 ``tl.dot_scaled``, 2 two a byte in
     packed registers; plus 8: the scales loaded a block ahead, :func:`_mma_k_loop`; plus 16: the packed
     decode's re-bias folded into the scales, :func:`_w_decode`; plus 32: both operands in
-    :func:`_halves`' K order). One-row tiles of dequantized activations take :func:`_row_k_loop`, other
-    row tiles under 16 the multiply-add loop (PROMOTE and DOT do not apply, of E2M1 only the word
-    layout's 64), others the MMA loop."""
-    if BLOCK_M == 1 and QX == ACT_DEQUANTIZED:
-        acc, acc3 = _row_k_loop(a_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
-                                stride_swn, stride_swk, FP4, DUAL, BLOCK_N, BLOCK_K, E2M1)
-    elif BLOCK_M < 16:
+    :func:`_halves`' K order). Row tiles under 16 take the multiply-add loop (PROMOTE and DOT do not
+    apply, of E2M1 only the word layout's 64), others the MMA loop."""
+    if BLOCK_M < 16:
         acc, acc3 = _fma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, k_lo, k_hi, stride_wn,
                                 stride_swn, stride_swk, FP4, DUAL, BLOCK_M, BLOCK_N, BLOCK_K, QX, E2M1)
     else:

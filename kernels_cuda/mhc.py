@@ -38,11 +38,9 @@ TILES = {
     # next power of two of T, no 16-row tl.dot tile; 0: off, the dot path everywhere); num_stages:
     # the software pipeline's depth (0: Triton's default; a program with one K block has nothing to
     # pipeline); FMA_BLOCK_K: the multiply-add GEMV's K block (null: BLOCK_K), wider blocks making
-    # fewer splits where K is long; FMA_WARPS: the multiply-add GEMV's warps a program (null: as the dot
-    # path's), more of them holding a wider K block at the same values a thread
+    # fewer splits where K is long
     "hc_coefficients": {"BLOCK_K": 128, "FN_PARTS": 3, "PROGRAMS": 264, "BLOCK_T_MAX": 64, "BIG_T": 2048,
-                        "SMALL_T": 64, "BLOCK_T_SMALL": 16, "FMA_T": 0, "FMA_BLOCK_K": None, "FMA_WARPS": None,
-                        "num_stages": 0},
+                        "SMALL_T": 64, "BLOCK_T_SMALL": 16, "FMA_T": 0, "FMA_BLOCK_K": None, "num_stages": 0},
     "hc_coefficients_fp32": {"BLOCK_K": 64, "BLOCK_T_MAX": 32},  # fp32 FMA dot (ieee): 64 tokens spill
     # in_kernel: the last split program finishes; SPLIT_CHUNK: split partials loaded and summed at
     # once, fewer where a load would pass SPLIT_ELEMS values (BLOCK_T x 16 per split); 1 (one split
@@ -285,8 +283,7 @@ def _hc_plan(T: int, K: int, splits: int | None, dot_bf16: bool, fma: bool = Fal
     if splits is None:
         splits = max(1, min(chunks, t["PROGRAMS"] // cdiv(T, block_t)))
     per = cdiv(chunks, max(1, min(splits, chunks)))
-    warps = (fma and t["FMA_WARPS"]) or (8 if block_t >= 128 else 4)
-    return block_t, block_k, warps, cdiv(chunks, per), per * block_k
+    return block_t, block_k, 8 if block_t >= 128 else 4, cdiv(chunks, per), per * block_k
 
 
 def _coefficients_plan(T: int, K: int, hc: int, splits: int | None, dot_bf16: bool) -> dict:
@@ -471,7 +468,6 @@ FAMILY = KernelFamily(
               "hc_expand": Support(inputs={"y": _DTYPES, "residual": _DTYPES}, dims={"residual[2]": Dim(0, _MAX_HC)})},
     tiles=TILES, tile_checks={"hc_coefficients.FMA_T": COUNT0, "hc_coefficients.num_stages": COUNT0,
                               "hc_coefficients.FMA_BLOCK_K": Tile(low=16, pow2=True, nullable=True, kind=int),
-                              "hc_coefficients.FMA_WARPS": Tile(low=1, high=16, pow2=True, nullable=True, kind=int),
                               "*.BLOCK_K": DOT, "*.BLOCK_T_MAX": DOT,
                               "*.BLOCK_T_SMALL": DOT, "hc_finish.BLOCK_T": POW2,
                               "hc_finish.in_kernel": Tile(kind=bool), "hc_finish.SPLIT_CHUNK": POW2,

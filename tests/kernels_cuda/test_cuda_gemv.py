@@ -1,6 +1,5 @@
 """Row tiles under 16 in the block-scaled GEMMs (``linear`` and ``moe_experts``): the multiply-add
-K loop (kernels_cuda/linear_kernel.py ``_fma_k_loop``) a profile picks with ``BLOCK_M`` < 16, and the
-row loop (``_row_k_loop``) one-row tiles of dequantized activations take.
+K loop (kernels_cuda/linear_kernel.py ``_fma_k_loop``) a profile picks with ``BLOCK_M`` < 16.
 Against the reference and against the MMA path's 16-row tile on the same fresh random inputs:
 both weight formats, fp32 / bf16 activations, several row tiles, split K (summed in the kernel or
 by a sum launch), activations quantized in the kernel or by ``act_quant``, pairs mode and routing
@@ -77,35 +76,31 @@ def _experts_case(rng, n, E, k, D, I, xdt=torch.bfloat16):
 
 @pytest.mark.parametrize("n,pair_tiles,block_m,split", [(1, 1, 1, None), (1, 1, 1, 3), (3, 4, 2, 3), (5, 0, 1, None)])
 @pytest.mark.parametrize("with_shared", [False, True])
-@pytest.mark.parametrize("act_dq", [False, True])
-def test_experts_few_rows(rng, n, pair_tiles, block_m, split, with_shared, act_dq):
+def test_experts_few_rows(rng, n, pair_tiles, block_m, split, with_shared):
     """The experts rule with BLOCK_M < 16: a row tile per pair (pairs mode picks the rule for one
-    row) or routing-table tiles of BLOCK_M rows; against the 16-row MMA tile and the reference. With
-    the activations handed over dequantized (``act_dq``) one-row tiles take the row loop
-    (``_row_k_loop``), others the multiply-add loop."""
+    row) or routing-table tiles of BLOCK_M rows; against the 16-row MMA tile and the reference."""
     args, shared = _experts_case(rng, n, 6, 2, 96, 64)
     shared = shared if with_shared else None
     few = dict(experts=[_rule(16, block_m, split_k=split), _rule(None, 16)],
-               pair_tiles=pair_tiles, act_dequantized=act_dq)
+               pair_tiles=pair_tiles)
     with pinned_tiles(moe=few):
         plan = moe._plan(n, 2, 6, 96, 64, with_shared)
         assert plan["block_m"] == block_m and plan["pairs"] == (n <= pair_tiles)
         with flashrt.use_backend("cuda"):
             got = ops.moe_experts(*args, shared=shared)
         assert_counters_zero(got)
-    with pinned_tiles(moe=dict(pair_tiles=pair_tiles, act_dequantized=act_dq)), flashrt.use_backend("cuda"):
+    with pinned_tiles(moe=dict(pair_tiles=pair_tiles)), flashrt.use_backend("cuda"):
         dot = ops.moe_experts(*args, shared=shared)
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, shared=shared)
     assert rel_err(got, want) < 2e-3 and rel_err(got, dot) < 2e-3
 
 
-@pytest.mark.parametrize("block_m,act_dq", [(1, False), (2, False), (1, True)])
-def test_few_rows_with_e2m1_words(rng, block_m, act_dq):
+@pytest.mark.parametrize("block_m", [1, 2])
+def test_few_rows_with_e2m1_words(rng, block_m):
     """fp4_w weights in the E2M1 word layout (formats.with_e2m1_words, the h200 profile's experts)
-    through the multiply-add loop (one-row experts tiles of dequantized activations: the row loop):
-    ``linear`` and the experts (with the fp8 shared expert) give the reference's values of the same
-    weights and the 16-row MMA tile's."""
+    through the multiply-add loop: ``linear`` and the experts (with the fp8 shared expert) give the
+    reference's values of the same weights and the 16-row MMA tile's."""
     x = (torch.randn(3, 320, generator=rng) * 2.0).to(DEVICE, torch.bfloat16)
     w = formats.with_e2m1_words(_weight(rng, "fp4_w", 72, 320))
     with pinned_tiles(linear=dict(linear=[_rule(None, block_m)], split_k=2)):
@@ -117,10 +112,10 @@ def test_few_rows_with_e2m1_words(rng, block_m, act_dq):
     assert rel_err(got, want) < 1e-3 and rel_err(got, dot) < 1e-3
     args, shared = _experts_case(rng, 2, 6, 2, 96, 64)
     args = (*args[:3], *(formats.with_e2m1_words(a) for a in args[3:6]), args[6])
-    with pinned_tiles(moe=dict(experts=[_rule(16, block_m), _rule(None, 16)], pair_tiles=2, act_dequantized=act_dq)):
+    with pinned_tiles(moe=dict(experts=[_rule(16, block_m), _rule(None, 16)], pair_tiles=2)):
         with flashrt.use_backend("cuda"):
             got = ops.moe_experts(*args, shared=shared)
-    with pinned_tiles(moe=dict(pair_tiles=2, act_dequantized=act_dq)), flashrt.use_backend("cuda"):
+    with pinned_tiles(moe=dict(pair_tiles=2)), flashrt.use_backend("cuda"):
         dot = ops.moe_experts(*args, shared=shared)
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, shared=shared)
