@@ -326,10 +326,10 @@
 #              with the GPU kernels of 3 replays per batch: h200-real-slice-profile.json
 #
 # Each phase's output goes to $OUT/phase-PHASE.log; its last lines are printed. The lent machine returns
-# at most 8 files a call: run the phases with OUT set to a folder of their own and pack that folder into
-# one archive under the call's $OUT, e.g.
-#   mkdir -p /tmp/r; OUT=/tmp/r timeout 560 bash benchmarks/h200_session.sh P1 P2; tar czf "$OUT/r.tgz" -C /tmp/r .
-# (the timeout leaves the archive its time within the call's limit).
+# at most 8 files a call: with PACK set (a path), the phases write to a folder of their own, packed into
+# that one archive when the script ends, also when a timeout ends it, e.g. in a device call
+#   PACK=$OUT/results.tgz timeout 560 bash benchmarks/h200_session.sh P1 P2
+# (a timeout under the call's limit leaves the archive its time).
 # On the lent machine the dependencies come from wheels in .whl/ (no internet there; pass
 # `carry: [".whl"]`). Its Python is 3.12: build the folder with
 #   pip download --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: -d .whl \
@@ -346,6 +346,11 @@ for phase in "$@"; do  # a phase is a function phase_NAME below (dashes as under
 done
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
+if [ -n "${PACK:-}" ]; then  # every output in one archive (see the header), made on the way out
+  OUT=$(mktemp -d)
+  trap 'tar czf "$PACK" -C "$OUT" . && echo "packed the outputs into $PACK"' EXIT
+  trap 'exit 143' TERM
+fi
 mkdir -p "$OUT" .cache
 export TRITON_CACHE_DIR=$PWD/.cache/triton FLASHRT_CACHE_DIR=$PWD/.cache/flashrt PYTHONUNBUFFERED=1
 if [ -d .whl ] && ! python -c "import fastapi, uvicorn, openai" 2>/dev/null; then
