@@ -52,6 +52,16 @@ def plan(m: int, n: int, k: int, out_dtype: torch.dtype, tile: dict, knobs: dict
                                 num_stages=tile["num_stages"]))
 
 
+def warmup_rows(rules) -> tuple[int, ...]:
+    """The row counts past one that a family's GEMV rules launch variants of their own for (``ROWS`` 2
+    and 4, up to each rule's ``gemv_rows`` and row limit): what a warm-up adds to its one-row launches."""
+    rows = set()
+    for limit, tile in rules:
+        if tile.get("gemv"):
+            rows.update(r for r in (2, 4) if r <= tile.get("gemv_rows", 1) and (limit is None or r <= limit))
+    return tuple(sorted(rows))
+
+
 @triton.jit
 def _fp8_row(acc, w, ws, x_ptr, row, M, k0, k_hi, stride_xm, BLOCK_K: tl.constexpr):
     """acc [R, 32] + the products of weight block ``w`` (E4M3 bytes, converted here) and row ``row``'s

@@ -383,14 +383,16 @@ WARMUP_ROWS = (1, 8, 64, 256)  # decode batches 1 / 8 / 64 and a prefill chunk: 
 
 def warmup_cases(device, d: dict, dtype):
     """The ``fp8_w`` linear variants the model launches when the active profile stores weights in
-    fp8: each of WARMUP_ROWS on the attention projections' shapes (out, in), zero-filled inputs; where
+    fp8: each of WARMUP_ROWS (and the row counts the GEMV rules give programs of their own:
+    :func:`.gemv.warmup_rows`) on the attention projections' shapes (out, in), zero-filled inputs; where
     the profile sends large chunks to the bf16 GEMM, its two dequantize kernels at the model's dim."""
     if profiles.active_profile().weight_dtype != "fp8":
         return
     qk = d["n_heads"] * d["head_dim"]
+    rows = sorted({*WARMUP_ROWS, *gemv.warmup_rows(_tiles()["linear"])})
     for n, k in ((d["q_lora_rank"], d["dim"]), (qk, d["q_lora_rank"]), (d["head_dim"], d["dim"]), (d["dim"], qk)):
         w = zeros_stored("fp8_w", (n, k), None, device)
-        for m in WARMUP_ROWS:
+        for m in rows:
             yield _warmup.Launch("linear fp8_w", linear, (torch.zeros(m, k, dtype=dtype, device=device), w))
     big = _tiles()["bf16_gemm_min_rows"]
     if big is not None and dtype == torch.bfloat16:  # the bf16 GEMM path's two dequantize launches

@@ -193,12 +193,14 @@ def supports_plain_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def warmup_cases(device, d: dict, dtype):
     """The model's plain linears by kind: fp32 x (head, compressor) and bf16 x (output groups, indexer
-    weights, ratio-1 compressor, index keys), a decode step and a prefill, with K split (few output
-    tiles) and without (8,448 rows: more tiles than an H200 has SMs)."""
+    weights, ratio-1 compressor, index keys), a decode step and a prefill (and the row counts the GEMV
+    rules give programs of their own: :func:`.gemv.warmup_rows`), with K split (few output tiles) and
+    without (8,448 rows: more tiles than an H200 has SMs)."""
     dim = d["dim"]
+    tokens = sorted({*_warmup.TOKENS, *gemv.warmup_rows(PLANS.tiles()["plain"])})
     for n_out in (d["head_dim"], 8448):
         w = _warmup.rand((n_out, dim), torch.bfloat16, device)
-        for n in _warmup.TOKENS:
+        for n in tokens:
             for xdt in (torch.float32, torch.bfloat16):
                 yield _warmup.Launch(f"plain linear {xdt}", plain_linear, (_warmup.rand((n, dim), xdt, device), w))
 

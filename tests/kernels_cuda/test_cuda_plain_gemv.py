@@ -63,6 +63,22 @@ def test_plain_gemv_several_rows_a_program(rng, launches, m, rows, split):
     assert rel_err(got, _exact(x, w)) < 4e-3 and rel_err(got.float(), one.float()) < 1e-6
 
 
+def test_the_warmup_launches_each_rows_variant_of_the_gemv_rules():
+    """A GEMV rule with several rows a program launches variants of its own at 2 and 4 rows (up to its
+    ``gemv_rows`` and row limit): the warm-up's plain linears take those row counts too."""
+    from flashrt.kernels_cuda import gemv
+
+    assert gemv.warmup_rows([[8, dict(gemv=True, gemv_rows=4)]]) == (2, 4)
+    assert gemv.warmup_rows([[2, dict(gemv=True, gemv_rows=4)], [None, dict(gemv=True, gemv_rows=2)]]) == (2,)
+    assert gemv.warmup_rows([[1, dict(gemv=True, gemv_rows=4)], [8, dict(gemv=False, gemv_rows=4)]]) == ()
+    d = dict(dim=64, head_dim=32)
+    with pinned_tiles(linear_plain=dict(plain=_rules(32, gemv_rows=4))):
+        rows = {case.args[0].shape[0] for case in lp.warmup_cases(torch.device(DEVICE), d, torch.bfloat16)}
+    with pinned_tiles(linear_plain=dict(plain=_rules(32))):
+        one = {case.args[0].shape[0] for case in lp.warmup_cases(torch.device(DEVICE), d, torch.bfloat16)}
+    assert rows == one | {2, 4} and not one & {2, 4}
+
+
 @pytest.mark.parametrize("m,G,k,out", [(1, 2, 128, 32), (3, 4, 64, 64), (2, 8, 96, 32)])
 def test_grouped_gemv_is_one_launch(rng, launches, m, G, k, out):
     """Group g of x times its rows of the weight, every group in one GEMV launch."""
