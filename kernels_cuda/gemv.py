@@ -1,21 +1,20 @@
-"""``linear`` as a GEMV: multiply-adds on the CUDA cores, one activation row a program, for the
-decode rules that set the ``gemv`` knob: ``fp8_w`` weights (:mod:`.linear`'s ``KNOBS``) and plain
-bf16 / fp16 ones (:mod:`.linear_plain`'s, :func:`_plain_gemv_kernel`).
+"""``linear`` as a GEMV: multiply-adds on the CUDA cores, one or a few activation rows a program, for
+the decode rules that set the ``gemv`` knob: ``fp8_w`` weights (:mod:`.linear`'s ``KNOBS``) and
+plain bf16 / fp16 ones (:mod:`.linear_plain`'s, :func:`_plain_gemv_kernel`).
 
 At one row the MMA loops spend most of a tile on rows that do not exist and promote every 32-wide
-K slice through shared memory and barriers. Here a program takes ``ROWS`` activation rows (the rule's
-``gemv_rows`` knob, at most the launch's rows rounded up to a power of two; 1 by default) and
-``BLOCK_N`` weight rows: each K block of ``BLOCK_K`` (a pipelined, asynchronous copy: ``tl.range`` with the rule's
-``num_stages``, which Triton applies to a loop without a dot only when asked) is converted from
-E4M3 by the device (two bytes an instruction on sm_89+, :func:`.codecs.e4m3_cvt`) and multiplied
-by the activations, which the program quantizes to ``fp8`` itself as the MMA loops do
+K slice through shared memory and barriers. Here a program takes ``ROWS`` activation rows (the
+rule's ``gemv_rows`` knob, at most the launch's rows rounded up to a power of two; 1 by default) and
+``BLOCK_N`` weight rows: each K block of ``BLOCK_K`` (a pipelined, asynchronous copy: ``tl.range``
+with the rule's ``num_stages``, which Triton applies to a loop without a dot only when asked) is
+converted from E4M3 by the device (two bytes an instruction on sm_89+, :func:`.codecs.e4m3_cvt`) and
+multiplied by the activations, which the program quantizes to ``fp8`` itself as the MMA loops do
 (:func:`.linear_kernel._a_block`: the per-32 blocks ``act_quant`` makes, from column 0) and carries
-as the values they stand for. The weight rows go in groups of
-32 (one row of the 32 x 32 weight scale tiles each): a group's scale multiplies the activations
-(a K block's worth) instead of every weight. A weight block is loaded and converted once for the
-program's rows, each row's products summed on their own. Products and sums are fp32: the same
-values as the MMA loops up to the order of the sums. A split K meets in the tile's last program
-(:func:`.splitk.store_tile`).
+as the values they stand for. The weight rows go in groups of 32 (one row of the 32 x 32 weight
+scale tiles each): a group's scale multiplies the activations (a K block's worth) instead of every
+weight. A weight block is loaded and converted once for the program's rows, each row's products
+summed on their own. Products and sums are fp32: the same values as the MMA loops up to the order
+of the sums. A split K meets in the tile's last program (:func:`.splitk.store_tile`).
 """
 from __future__ import annotations
 
