@@ -15,7 +15,8 @@ rows with the launch knobs of the profile's rule, or the profile's rule splittin
 programs an SM (``split_per_sm``); or, for the experts, sets ``tiles.linear.fp4_decode`` or
 ``tiles.moe.shared_in_launch`` or ``tiles.moe.fused_max_tokens``, for ``linear``
 ``tiles.linear.fused_max_rows``, or a ``gemv`` rule (``GEMV ...``, :mod:`flashrt.kernels_cuda.gemv`; one
-activation row a program, or several: ``gemv_rows``);
+activation row a program, or several: ``gemv_rows``; with ``, round trip``: the activations through their
+fp8 round trip by a launch before it, ``gemv_round_trip``);
 each ``linear`` case also times ``torch._scaled_mm`` on e4m3 operands with per-tensor scales (the
 target's baseline: rows of variant ``torch._scaled_mm (per tensor)``, no output compared); "profile" is
 the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
@@ -87,6 +88,11 @@ GEMV_VARIANTS.update({f"GEMV N{n} K{k} s3, {r} rows a program": dict(BLOCK_M=16,
                                                                       num_stages=3, split_min_blocks=1, gemv=True,
                                                                       gemv_rows=r)
                       for n, k, r in ((64, 256, 2), (64, 256, 4), (32, 256, 4), (64, 128, 4))})
+# the same with the activations through their fp8 round trip by one launch before the GEMV (the
+# ``gemv_round_trip`` knob: every program loads their values instead of quantizing its rows again)
+GEMV_VARIANTS.update({label + ", round trip": dict(GEMV_VARIANTS[label], gemv_round_trip=True)
+                      for label in ("GEMV N64 K256 s3", "GEMV N64 K256 s3, 2 rows a program",
+                                    "GEMV N64 K256 s3, 4 rows a program", "GEMV N32 K256 s3, 4 rows a program")})
 SCALED_MM = "torch._scaled_mm (per tensor)"  # the baseline of the linear cases: e4m3 x and w, rows padded to 16
 # label -> {family: tiles entries}, the profile's rules kept: the linear cases only
 LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}},
@@ -300,7 +306,8 @@ def main() -> None:
             variants.update({k: (None, v) for k, v in {"moe": EXPERT_VARIANTS, "linear": LINEAR_VARIANTS}.get(
                 family, {}).items()})
             if family in ("linear", "linear_plain"):
-                variants.update({k: (v, None) for k, v in GEMV_VARIANTS.items()})
+                variants.update({k: (v, None) for k, v in GEMV_VARIANTS.items()  # the round trip: fp8 activations only
+                                 if family == "linear" or not v.get("gemv_round_trip")})
             if family == "linear":
                 us = 1e3 * scaled_mm_timing(*baseline_operands(call)).ms
                 rows.append({"case": name, "rows": m, "variant": SCALED_MM, "us_per_call": us, "floor_us": floor_us,

@@ -147,6 +147,10 @@
 #              dimensions, the multiply-add GEMV's own K blocks among them
 #              (h200-hc-variants-{small,v41}.json); small's prefill forwards at 1-64 rows
 #              (h200-prefill-rows-prefixship.json) and captured decode (h200-e2e-prefixship.json)
+#   gemvrt     the fp8 GEMV with its activations through their fp8 round trip first (gemv_round_trip): its
+#              tests natively (h200-gemvrt-tests.log), the released projections at 1 / 2 / 4 rows with and
+#              without it (h200-gemv-roundtrip.json), then the slice and small's decode with the profile's
+#              one-or-two-row rule taking it (h200-real-slice-gemvrt-{off,on}.json, h200-e2e-gemvrt-{off,on}.json)
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -1096,6 +1100,19 @@ phase_nopdlprofile() {  # where the decode step's GPU time goes with each kernel
   FLASHRT_PROFILE=$off python benchmarks/decode_profile.py --model small --batch 1 \
     --out "$OUT/h200-decode-profile-b1-nopdl.json" > "$OUT/h200-decode-profile-b1-nopdl.log" 2>&1
   grep -A 12 "GPU time per decode step" "$OUT/h200-decode-profile-b1-nopdl.log"
+}
+
+phase_gemvrt() {  # the fp8 GEMV's activations through their fp8 round trip by a launch before it (gemv_round_trip)
+  timeout 200 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_fp8_gemv.py \
+    tests/kernels_cuda/test_cuda_moe_act_dequantized.py > "$OUT/h200-gemvrt-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-gemvrt-tests.log"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 2 4 --variants "GEMV N64 K256 s3" \
+    "GEMV N64 K256 s3, round trip" "GEMV N64 K256 s3, 2 rows a program" "GEMV N64 K256 s3, 2 rows a program, round trip" \
+    "GEMV N64 K256 s3, 4 rows a program" "GEMV N64 K256 s3, 4 rows a program, round trip" \
+    "GEMV N32 K256 s3, 4 rows a program, round trip" --out "$OUT/h200-gemv-roundtrip.json" | grep -v moe_experts
+  local on
+  on=$(profile_set h200-gemv-round-trip tiles.linear.linear.0.1.gemv_round_trip true)
+  slice_and_decode gemvrt off h200 on "$on"
 }
 
 phase_vs() {

@@ -10,7 +10,9 @@ with the rule's ``num_stages``, which Triton applies to a loop without a dot onl
 converted from E4M3 by the device (two bytes an instruction on sm_89+, :func:`.codecs.e4m3_cvt`) and
 multiplied by the activations, which the program quantizes to ``fp8`` itself as the MMA loops do
 (:func:`.linear_kernel._a_block`: the per-32 blocks ``act_quant`` makes, from column 0) and carries
-as the values they stand for. The weight rows go in groups of 32 (one row of the 32 x 32 weight
+as the values they stand for; with the rule's ``gemv_round_trip`` knob a launch before it computes
+those values once (:func:`.round_trip.fp8_round_trip`, bf16) and every program loads them as they
+are (``QX`` :data:`.linear_kernel.ACT_DEQUANTIZED`) instead of quantizing its rows again. The weight rows go in groups of 32 (one row of the 32 x 32 weight
 scale tiles each): a group's scale multiplies the activations (a K block's worth) instead of every
 weight. A weight block is loaded and converted once for the program's rows, each row's products
 summed on their own. Products and sums are fp32: the same values as the MMA loops up to the order
@@ -24,7 +26,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda.codecs import e4m3_cvt, e8m0_to_f32
-from flashrt.kernels_cuda.linear_kernel import _a_block
+from flashrt.kernels_cuda.linear_kernel import ACT_DEQUANTIZED, _a_block
 from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv, next_pow2
 from flashrt.kernels_cuda.pdl import wait_inputs
 from flashrt.kernels_cuda.splitk import store_tile
@@ -35,20 +37,22 @@ SCALE_ROWS = tl.constexpr(32)  # the rows of one fp8_w scale tile
 def plan(m: int, n: int, k: int, out_dtype: torch.dtype, tile: dict, knobs: dict, split_k, sms: int,
          in_kernel: bool) -> dict:
     """The launch of a GEMV rule (its kernel parameters ``tile``, its launch knobs ``knobs``: the K
-    split's ``split_min_blocks`` and ``split_per_sm``, the rows a program ``gemv_rows``; ``split_k``: the
-    family's forced split count or None): a program per (``ROWS`` rows, ``BLOCK_N`` weight rows, K
-    split); the split summed in the kernel where ``in_kernel`` and the counters hold its tiles, else by
-    a launch after it."""
+    split's ``split_min_blocks`` and ``split_per_sm``, the rows a program ``gemv_rows``, the
+    activations' launch before it ``gemv_round_trip``; ``split_k``: the family's forced split count or
+    None): a program per (``ROWS`` rows, ``BLOCK_N`` weight rows, K split); the split summed in the
+    kernel where ``in_kernel`` and the counters hold its tiles, else by a launch after it."""
     rows = min(knobs["gemv_rows"], next_pow2(m))
     tiles = cdiv(m, rows) * cdiv(n, tile["BLOCK_N"])
     split, k_split = splitk.splits(tiles, k, tile["BLOCK_K"], sms, split_k, knobs["split_min_blocks"],
                                    knobs["split_per_sm"])
     reduce = in_kernel and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
     dtype = out_dtype if split == 1 or reduce else torch.float32
+    round_trip = bool(knobs.get("gemv_round_trip"))  # QX passed only when on: the other launches' variants as before
     return dict(gemv=True, grid=(tiles, split), split=split, k_split=k_split, out_dtype=dtype, reduce=reduce,
+                round_trip=round_trip,
                 constexprs=dict(OUT=TL_DTYPES[dtype], ROWS=rows, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
                                 STAGES=tile["num_stages"], REDUCE=reduce, num_warps=tile["num_warps"],
-                                num_stages=tile["num_stages"]))
+                                num_stages=tile["num_stages"], **({"QX": ACT_DEQUANTIZED} if round_trip else {})))
 
 
 def warmup_rows(rules) -> tuple[int, ...]:
@@ -62,13 +66,14 @@ def warmup_rows(rules) -> tuple[int, ...]:
 
 
 @triton.jit
-def _fp8_row(acc, w, ws, x_ptr, row, M, k0, k_hi, stride_xm, BLOCK_K: tl.constexpr):
+def _fp8_row(acc, w, ws, x_ptr, row, M, k0, k_hi, stride_xm, BLOCK_K: tl.constexpr, QX: tl.constexpr):
     """acc [R, 32] + the products of weight block ``w`` (E4M3 bytes, converted here) and row ``row``'s
-    activations (quantized to fp8 per 32 from k0, act_quant's blocks, as fp32 values) times each weight
-    group's scale ``ws`` [R, BLOCK_K], summed over the block. A row past ``M`` reads as zeros."""
+    activations (quantized to fp8 per 32 from k0, act_quant's blocks, as fp32 values: here, or by the
+    launch before where QX is ACT_DEQUANTIZED) times each weight group's scale ``ws`` [R, BLOCK_K],
+    summed over the block. A row past ``M`` reads as zeros."""
     r = row + tl.arange(0, 1)
     x_row = x_ptr + r.to(tl.int64) * stride_xm
-    x = tl.reshape(_a_block(x_row, x_row, r < M, k0, k_hi, True, tl.float32, 1, BLOCK_K), (BLOCK_K,))
+    x = tl.reshape(_a_block(x_row, x_row, r < M, k0, k_hi, QX, tl.float32, 1, BLOCK_K), (BLOCK_K,))
     return acc + tl.sum(e4m3_cvt(w.to(tl.uint8, bitcast=True)) * (x[None, :] * ws)[:, None, :], axis=2)
 
 
@@ -99,13 +104,14 @@ def _stack(a0, a1, a2, a3, ROWS: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_splits,
                  stride_xm, stride_wn, stride_swn, stride_swk, stride_om, stride_os,
                  OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 REDUCE: tl.constexpr, ROWS: tl.constexpr = 1):
+                 REDUCE: tl.constexpr, ROWS: tl.constexpr = 1, QX: tl.constexpr = 1):
     """out[rows, n0 : n0 + BLOCK_N] (fp32 partial of K split ``program_id(1)``) for program
     ``pid = tile * row_tiles + row_tile``, its rows ``row_tile * ROWS + [0, ROWS)`` (ROWS 1, 2 or 4):
     the row tiles of one weight tile are neighbours in the launch order, so they read it from L2 while
     it is there. The tile is ``BLOCK_N // 32`` groups of 32 weight rows (one row of scale tiles each): a
     group's scale multiplies the activations, once a K block. A weight block is loaded once for the
-    program's rows, each row summed into an accumulator of its own."""
+    program's rows, each row summed into an accumulator of its own. x: float rows the program
+    quantizes (QX 1), or their fp8 round trip's values (QX ACT_DEQUANTIZED)."""
     wait_inputs()
     R: tl.constexpr = BLOCK_N // SCALE_ROWS
     pid = tl.program_id(0)
@@ -129,12 +135,12 @@ def _gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_spli
         s = tl.load(sw_ptr + (n0 // SCALE_ROWS + group)[:, None] * stride_swn + (kk // 32)[None, :] * stride_swk,
                     mask=k_ok[None, :], other=0)  # [R, BLOCK_K]: each group's scale byte per 32 of K
         ws = e8m0_to_f32(s.to(tl.int32))
-        acc0 = _fp8_row(acc0, w, ws, x_ptr, row, M, k0, k_hi, stride_xm, BLOCK_K)
+        acc0 = _fp8_row(acc0, w, ws, x_ptr, row, M, k0, k_hi, stride_xm, BLOCK_K, QX)
         if ROWS > 1:
-            acc1 = _fp8_row(acc1, w, ws, x_ptr, row + 1, M, k0, k_hi, stride_xm, BLOCK_K)
+            acc1 = _fp8_row(acc1, w, ws, x_ptr, row + 1, M, k0, k_hi, stride_xm, BLOCK_K, QX)
         if ROWS > 2:
-            acc2 = _fp8_row(acc2, w, ws, x_ptr, row + 2, M, k0, k_hi, stride_xm, BLOCK_K)
-            acc3 = _fp8_row(acc3, w, ws, x_ptr, row + 3, M, k0, k_hi, stride_xm, BLOCK_K)
+            acc2 = _fp8_row(acc2, w, ws, x_ptr, row + 2, M, k0, k_hi, stride_xm, BLOCK_K, QX)
+            acc3 = _fp8_row(acc3, w, ws, x_ptr, row + 3, M, k0, k_hi, stride_xm, BLOCK_K, QX)
     rows = row + tl.arange(0, ROWS)
     cols = tl.reshape(offs_n, (BLOCK_N,))
     ok = (rows < M)[:, None] & (cols < N)[None, :]

@@ -44,6 +44,7 @@ from flashrt.kernels_cuda import gemv
 from flashrt.kernels_cuda.gemv import _gemv_kernel
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
+from flashrt.kernels_cuda.round_trip import fp8_round_trip
 from flashrt.kernels_cuda import pdl
 
 WEIGHT_FORMATS = ("fp8_w", "fp4_w")
@@ -59,12 +60,16 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # launch after the GEMM (False); None: in the kernel where it quantizes x itself (fused_max_rows);
 # fp8_mma: the rule's own choice of the fp8 MMA for fp8_w (True / False; None: the fp8_mma tile's);
 # gemv: fp8_w launches of the rule's rows as a GEMV (:mod:`.gemv`: gemv_rows rows and BLOCK_N weight rows a
-# program, multiply-adds on the CUDA cores, BLOCK_M unused; fp4_w launches keep the rule's MMA tile)
+# program, multiply-adds on the CUDA cores, BLOCK_M unused; fp4_w launches keep the rule's MMA tile);
+# gemv_round_trip: the GEMV's activations through their fp8 round trip by one launch before it (the
+# round_trip tile), loaded as they are by every program instead of quantized again in each
 KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False,
-             gemv_rows=1)
+             gemv_rows=1, gemv_round_trip=False)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
+    # the GEMV rules' activations launch (gemv_round_trip): BLOCK_R rows x BLOCK_C columns (whole blocks of 32)
+    "round_trip": dict(BLOCK_R=4, BLOCK_C=256, num_warps=4),
     # (largest M the rule serves or None, tile): the first matching rule applies
     "linear": (
         (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, **KNOBS)),
@@ -297,10 +302,11 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
 
 def _gemv(x2: torch.Tensor, weight: QTensor, plan: dict) -> torch.Tensor:
     """[M, N] of x2 [M, K] and an fp8_w weight through :mod:`.gemv`'s kernel (fp32 partials summed
-    by a launch after it where the plan does not sum them in the kernel)."""
+    by a launch after it where the plan does not sum them in the kernel); x2 through its fp8 round trip
+    first where the rule sets ``gemv_round_trip``."""
     data, scale = weight_operands(weight)
     (m, k), n = x2.shape, weight.shape[0]
-    x2 = last_dense(x2)
+    x2 = fp8_round_trip(x2, _tiles()["round_trip"]) if plan["round_trip"] else last_dense(x2)
     out, ws, cnt = splitk.outputs(plan, m, n, x2.device)
     _gemv_kernel[plan["grid"]](
         x2, data, scale, out, ws, cnt, m, n, k, plan["k_split"], plan["split"], x2.stride(0), data.stride(0),
@@ -411,7 +417,8 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "fused_max_rows": COUNT0, "*.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),
                "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool),
-               "*.gemv": Tile(kind=bool), "*.gemv_rows": Tile(choices=(1, 2, 4))}
+               "*.gemv": Tile(kind=bool), "*.gemv_rows": Tile(choices=(1, 2, 4)),
+               "*.gemv_round_trip": Tile(kind=bool), "round_trip.BLOCK_R": POW2, "round_trip.BLOCK_C": SCALED}
 
 
 FAMILY = KernelFamily(

@@ -30,9 +30,9 @@ From ``grouped_min_rows`` pair rows per expert (a profile's choice; prefill) wit
 runs as two bf16 grouped GEMMs over weights dequantized once (:mod:`.moe_grouped`).
 
 With ``act_dequantized`` the activations reach both kernels as the bf16 values of their fp8 round
-trip: x by ``_fp8_round_trip_kernel`` first, h as the up kernel's epilogue stores it; the MMA loops
-load them as they are (the same values, so fp4_w weights give the same bits; fp8_w weights take
-the dequantizing MMA, the raw E4M3 one needing fp8 activations).
+trip: x by :func:`.round_trip.fp8_round_trip` first, h as the up kernel's epilogue stores it; the MMA
+loops load them as they are (the same values, so fp4_w weights give the same bits; fp8_w weights
+take the dequantizing MMA, the raw E4M3 one needing fp8 activations).
 
 One expert and one slot a token (the shared expert alone, expert parallel; ``direct`` on) needs no
 tables and no sum: pair ``t`` is token ``t``, the row tiles are ``BLOCK_M`` tokens each
@@ -61,8 +61,8 @@ from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_qua
                                          fp8_decode, may_fold, mma_mode, pick_tile, split_tile, weight_operands,
                                          with_words)
 from flashrt.kernels_cuda.linear_kernel import ACT_DEQUANTIZED
-from flashrt.kernels_cuda.moe_kernels import (_fp8_round_trip_kernel, _moe_combine_kernel, _moe_down_kernel,
-                                              _moe_up_kernel)
+from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_up_kernel
+from flashrt.kernels_cuda.round_trip import fp8_round_trip
 from flashrt.refmath_moe import experts_loop, finish_experts
 from flashrt.kernels_cuda import pdl
 
@@ -201,17 +201,6 @@ def _dq(plan: dict, **constexprs) -> dict:
     return constexprs if plan["adq"] else {}
 
 
-def _round_trip(x: torch.Tensor, tile: dict) -> torch.Tensor:
-    """bf16 [N, D]: the values of x's fp8 round trip (per 32 from column 0), one launch."""
-    x = last_dense(x)
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    grid = (cdiv(x.shape[0], tile["BLOCK_R"]), cdiv(x.shape[1], tile["BLOCK_C"]))
-    _fp8_round_trip_kernel[grid](x, out, x.shape[0], x.shape[1], x.stride(0), out.stride(0),
-                                 BLOCK_R=tile["BLOCK_R"], BLOCK_C=tile["BLOCK_C"], num_warps=tile["num_warps"],
-                                 **pdl.options(x.device))
-    return out
-
-
 def _experts_up(xq, sx, tab, w1, w3, I, limit, xdtype, plan, n, k, shared=None):
     (d1, s1), (d3, s3) = weight_operands(w1), weight_operands(w3)
     assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
@@ -294,7 +283,7 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
         return _shared_apart(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared)
     plan = _plan(n, k, E, D, I, shared is not None)
     if plan["adq"]:
-        xq = sx = _round_trip(x, plan["round_trip"])
+        xq = sx = fp8_round_trip(x, plan["round_trip"])
     else:
         xq, sx = (last_dense(x),) * 2 if plan["qx"] else act_quant(x)
     limit = float(swiglu_limit)

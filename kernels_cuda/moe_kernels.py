@@ -18,9 +18,10 @@ import triton
 import triton.language as tl
 
 from flashrt.kernels_cuda import splitk
-from flashrt.kernels_cuda.codecs import block_scale, fake_blocks, quant_fp8, to_out
+from flashrt.kernels_cuda.codecs import quant_fp8, to_out
 from flashrt.kernels_cuda.linear_kernel import _k_loop
 from flashrt.kernels_cuda.pdl import wait_inputs
+from flashrt.kernels_cuda.round_trip import _fp8_round_trip
 
 
 @triton.jit
@@ -110,30 +111,6 @@ def _swiglu_fp8_kernel(gu_ptr, rw_ptr, out_ptr, rows, I, limit, stride_gu, strid
     rw = tl.load(rw_ptr + r, mask=r < rows, other=1.0)
     h = _swiglu(g, u, rw, limit, CLAMP, XDT)
     tl.store(out_ptr + r[:, None] * stride_out + c[None, :], _fp8_round_trip(h, XDT, BLOCK_R, BLOCK_C), mask=ok)
-
-
-@triton.jit
-def _fp8_round_trip(v, OUT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """fp32 ``v`` [R, C] (C whole blocks of 32) quantized to fp8 per 32 and decoded back, as OUT: the
-    values the GEMMs' activation quantization hands the MMA (exact in bf16)."""
-    b = tl.reshape(v, (R * C // 32, 32))
-    _, scale, recip = block_scale(tl.max(tl.abs(b), axis=1), 1)
-    return to_out(tl.reshape(fake_blocks(b, scale, recip, 1), (R, C)), OUT)
-
-
-@triton.jit
-def _fp8_round_trip_kernel(x_ptr, out_ptr, rows, D, stride_x, stride_out, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
-    """x rows [rows, D] through the fp8 round trip (:func:`_fp8_round_trip`, blocks of 32 from column
-    0) into out (its dtype): the up kernel's activations when the profile hands the experts
-    dequantized activations. One program: ``BLOCK_R`` rows x ``BLOCK_C`` columns."""
-    wait_inputs()
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = (r < rows)[:, None] & (c < D)[None, :]
-    x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=ok, other=0.0).to(tl.float32)
-    out = _fp8_round_trip(x, out_ptr.dtype.element_ty, BLOCK_R, BLOCK_C)
-    tl.store(out_ptr + r[:, None] * stride_out + c[None, :], out, mask=ok)
 
 
 @triton.jit

@@ -3,14 +3,15 @@ row and BLOCK_N weight rows a program, multiply-adds on the CUDA cores. Against 
 against the MMA rule on the same fresh random inputs: one and several rows, ragged N and K tiles,
 32-row tiles (the weight scale on the activations) and wider ones (on the weights), K split summed
 in the kernel or by a launch after it, fp32 / bf16 activations; every E4M3 code and scale byte
-read back exactly; fp4_w launches keep the rule's MMA tile."""
+read back exactly; the activations through their fp8 round trip by a launch before the GEMV
+(``gemv_round_trip``) give the same bits; fp4_w launches keep the rule's MMA tile."""
 import pytest
 import torch
 
 import flashrt
 from flashrt import formats, ops
-from kernel_check import (DEVICE, GPU, assert_counters_zero, linear_three_ways, pinned_tiles, rel_err,
-                          requires_kernels, run_both)
+from kernel_check import (DEVICE, GPU, assert_counters_zero, launches, linear_three_ways, pinned_tiles,  # noqa: F401
+                          rel_err, requires_kernels, run_both)  # (launches: a fixture)
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
@@ -76,6 +77,34 @@ def test_gemv_rows_at_most_the_launch_rows():
             == [1, 2, 4, 4]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,rows,block_n,split", [(1, 1, 32, None), (1, 1, 64, 3), (2, 2, 32, 2), (3, 4, 64, None),
+                                                  (5, 2, 32, 3)])
+def test_gemv_round_trip_same_bits(rng, launches, dtype, m, rows, block_n, split):
+    """``gemv_round_trip``: x through its fp8 round trip by one launch, then the GEMV loading those
+    values (QX ACT_DEQUANTIZED): the bits of the GEMV that quantizes its rows itself, and the
+    reference's result. Blocks of very different scales, a ragged weight."""
+    n, k = 72, 352
+    spread = torch.exp(torch.randn(m, k // 32, 1, generator=rng) * 3)
+    x = (torch.randn(m, k // 32, 32, generator=rng) * spread).reshape(m, k).to(DEVICE, dtype)
+    w = formats.quantize(torch.randn(n, k, generator=rng) * 0.25, "fp8_w").to(DEVICE)
+    plain = dict(linear=[_gemv_rule(16, block_n, gemv_rows=rows), _mma_rule()], split_k=split)
+    trip = dict(plain, linear=[_gemv_rule(16, block_n, gemv_rows=rows, gemv_round_trip=True), _mma_rule()])
+    with pinned_tiles(linear=trip):
+        plan = lin._linear_plan(m, n, k, dtype, "fp8_w")
+        assert plan["round_trip"] and plan["constexprs"]["QX"] == 2
+        got = _linear(x, w)
+        assert_counters_zero(got)
+    assert launches[:2] == ["_fp8_round_trip_kernel", "_gemv_kernel"]
+    with pinned_tiles(linear=plain):
+        assert "QX" not in lin._linear_plan(m, n, k, dtype, "fp8_w")["constexprs"]
+        want = _linear(x, w)
+    with flashrt.use_backend("reference"):
+        ref = ops.linear(x, w)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("block_n", [32, 64])
 def test_gemv_every_e4m3_code_and_scale(rng, block_n):
     """One-hot activation rows read back each finite E4M3 weight code times its tile's scale
@@ -109,13 +138,16 @@ def test_fp4_w_keeps_the_mma_tile(rng):
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("block_n,block_k", [(32, 512), (64, 256)])
-def test_gemv_released_shapes_gpu(rng, m, block_n, block_k):
-    """The released projections' shapes with the knob, K split over the SMs and summed in the kernel."""
+@pytest.mark.parametrize("round_trip", [False, True])
+def test_gemv_released_shapes_gpu(rng, m, block_n, block_k, round_trip):
+    """The released projections' shapes with the knob, K split over the SMs and summed in the kernel,
+    the activations quantized in the GEMV or by the round trip's launch."""
     for n, k in ((1792, 5120), (5120, 8192)):
         x = torch.randn(m, k, generator=rng).to(DEVICE, torch.bfloat16)
         w = formats.quantize(torch.randn(n, k, generator=rng) * 0.05, "fp8_w").to(DEVICE)
         with pinned_tiles(linear=dict(linear=[[16, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-                                                         num_stages=3, split_min_blocks=1, gemv=True)]])):
+                                                         num_stages=3, split_min_blocks=1, gemv=True,
+                                                         gemv_round_trip=round_trip)]])):
             got, want = run_both("linear", x, w)
             assert_counters_zero(got)
         assert rel_err(got, want) < 1e-3

@@ -10,6 +10,7 @@ import torch
 
 import flashrt
 from flashrt import ops
+from flashrt.kernels_cuda.round_trip import fp8_round_trip
 from kernel_check import (DEVICE, assert_counters_zero, launches, pinned_tiles, rel_err,  # noqa: F401
                           requires_kernels)  # (launches: a fixture)
 from test_cuda_moe_shared import SPLIT, _weights  # the split-K decode tile, random expert stacks
@@ -104,6 +105,6 @@ def test_the_round_trip_launch_gives_the_fp8_values(rng):
     n, D = int(torch.randint(1, 40, (1,), generator=rng)), 32 * int(torch.randint(1, 12, (1,), generator=rng))
     spread = torch.exp(torch.randn(n, D // 32, 1, generator=rng) * 4)  # blocks of very different scales
     x = (torch.randn(n, D // 32, 32, generator=rng) * spread).reshape(n, D).to(DEVICE, torch.bfloat16)
-    got = moe._round_trip(x, moe.TILES["round_trip"])
+    got = fp8_round_trip(x, moe.TILES["round_trip"])
     want = quant.dequantize(quant.quantize(x, "fp8"), torch.float32)
     assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want)

@@ -1,0 +1,52 @@
+"""Activations through the fp8 round trip: every 32-wide block of a row (from column 0) quantized to
+fp8 as ``act_quant`` quantizes it and decoded back, stored as the values it stands for (an E4M3 value
+times a power of two: exact in bf16).
+
+The GEMM loops that take their activations this way (``linear_kernel.ACT_DEQUANTIZED``: the experts'
+``tiles.moe.act_dequantized``, the GEMV rules' ``gemv_round_trip`` knob) load them as they are instead
+of quantizing them again in every program that reads a row, at the cost of this one launch."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda.codecs import block_scale, fake_blocks, to_out
+from flashrt.kernels_cuda.launch import cdiv, last_dense
+from flashrt.kernels_cuda.pdl import wait_inputs
+
+
+@triton.jit
+def _fp8_round_trip(v, OUT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """fp32 ``v`` [R, C] (C whole blocks of 32) quantized to fp8 per 32 and decoded back, as OUT: the
+    values the GEMMs' activation quantization hands the MMA (exact in bf16)."""
+    b = tl.reshape(v, (R * C // 32, 32))
+    _, scale, recip = block_scale(tl.max(tl.abs(b), axis=1), 1)
+    return to_out(tl.reshape(fake_blocks(b, scale, recip, 1), (R, C)), OUT)
+
+
+@triton.jit
+def _fp8_round_trip_kernel(x_ptr, out_ptr, rows, D, stride_x, stride_out, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    """x rows [rows, D] through the fp8 round trip (:func:`_fp8_round_trip`, blocks of 32 from column
+    0) into out (its dtype). One program: ``BLOCK_R`` rows x ``BLOCK_C`` columns."""
+    wait_inputs()
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (r < rows)[:, None] & (c < D)[None, :]
+    x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    out = _fp8_round_trip(x, out_ptr.dtype.element_ty, BLOCK_R, BLOCK_C)
+    tl.store(out_ptr + r[:, None] * stride_out + c[None, :], out, mask=ok)
+
+
+def fp8_round_trip(x: torch.Tensor, tile: dict) -> torch.Tensor:
+    """bf16 [N, D]: the values of x's [N, D] fp8 round trip (per 32 from column 0), one launch of
+    ``tile`` (``BLOCK_R`` rows x ``BLOCK_C`` columns a program, ``num_warps``)."""
+    x = last_dense(x)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    grid = (cdiv(x.shape[0], tile["BLOCK_R"]), cdiv(x.shape[1], tile["BLOCK_C"]))
+    _fp8_round_trip_kernel[grid](x, out, x.shape[0], x.shape[1], x.stride(0), out.stride(0),
+                                 BLOCK_R=tile["BLOCK_R"], BLOCK_C=tile["BLOCK_C"], num_warps=tile["num_warps"],
+                                 **pdl.options(x.device))
+    return out
