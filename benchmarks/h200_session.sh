@@ -151,6 +151,8 @@
 #              tests natively (h200-gemvrt-tests.log), the released projections at 1 / 2 / 4 rows with and
 #              without it (h200-gemv-roundtrip.json), then the slice and small's decode with the profile's
 #              one-or-two-row rule taking it (h200-real-slice-gemvrt-{off,on}.json, h200-e2e-gemvrt-{off,on}.json)
+#   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
+#              speculative_costs hold): h200-speculative-TAG.json (SPEC_TAG, default "now")
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -1113,6 +1115,11 @@ phase_gemvrt() {  # the fp8 GEMV's activations through their fp8 round trip by a
   local on
   on=$(profile_set h200-gemv-round-trip tiles.linear.linear.0.1.gemv_round_trip true)
   slice_and_decode gemvrt off h200 on "$on"
+}
+
+phase_speculative() {  # the verify and draft costs against a plain step (the profile's speculative_costs)
+  python benchmarks/speculative.py --model small --batches 1 8 64 --out "$OUT/h200-speculative-${SPEC_TAG:-now}.json" \
+    | tail -n 12
 }
 
 phase_vs() {

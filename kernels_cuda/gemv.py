@@ -12,11 +12,11 @@ multiplied by the activations, which the program quantizes to ``fp8`` itself as 
 (:func:`.linear_kernel._a_block`: the per-32 blocks ``act_quant`` makes, from column 0) and carries
 as the values they stand for; with the rule's ``gemv_round_trip`` knob a launch before it computes
 those values once (:func:`.round_trip.fp8_round_trip`, bf16) and every program loads them as they
-are (``QX`` :data:`.linear_kernel.ACT_DEQUANTIZED`) instead of quantizing its rows again. The weight rows go in groups of 32 (one row of the 32 x 32 weight
-scale tiles each): a group's scale multiplies the activations (a K block's worth) instead of every
-weight. A weight block is loaded and converted once for the program's rows, each row's products
-summed on their own. Products and sums are fp32: the same values as the MMA loops up to the order
-of the sums. A split K meets in the tile's last program (:func:`.splitk.store_tile`).
+are (``QX`` :data:`.linear_kernel.ACT_DEQUANTIZED`) instead of quantizing its rows again. The
+weight rows go in groups of 32 (one row of the 32 x 32 weight scale tiles each): a group's scale
+multiplies the activations (a K block's worth) instead of every weight. A weight block is loaded
+and converted once for the program's rows, each row's products summed on their own. Products and
+sums are fp32: the same values as the MMA loops up to the order of the sums. A split K meets in the tile's last program (:func:`.splitk.store_tile`).
 """
 from __future__ import annotations
 
