@@ -64,6 +64,9 @@
 #              recorded-plans/), that plan merged into the shipped one (tools/ship_plan.py), then cold
 #              and warm again on the merged plan: h200-jit-ttft-shipped.json and the merged plan file
 #              (sm_90-h200-small.json, to commit under core/jit_plans/triton-3.6.0/)
+#   coldlog    a cold `flashrt run --model small` on the shipped plan (h200-jit-ttft-cold-log.json: the
+#              pool's summed and slowest compiles) with FLASHRT_JIT_LOG on: every variant the run's own
+#              process loaded or compiled, when and how long (h200-jit-cold-log.jsonl)
 #   moeprefill the routed experts of a 4,096-token chunk at the released dimensions under the profile's
 #              tile past 16 rows, tiles that fit two programs an SM and 128-row tiles
 #              (benchmarks/moe_prefill_tiles.py): h200-moe-prefill-tiles.json
@@ -469,6 +472,11 @@ phase_coldplan() {
   python tools/ship_plan.py "$OUT"/recorded-plans/triton-*/sm_90-h200-small.json || return 1
   cp core/jit_plans/triton-*/sm_90-h200-small.json "$OUT/"
   python benchmarks/jit_ttft.py --phases cold warm --budget 150 --out "$OUT/h200-jit-ttft-shipped.json"
+}
+
+phase_coldlog() {  # a cold `flashrt run --model small` on the shipped plan with every main-process load and compile logged
+  FLASHRT_JIT_LOG=$OUT/h200-jit-cold-log.jsonl python benchmarks/jit_ttft.py --phases cold --budget 120 \
+    --out "$OUT/h200-jit-ttft-cold-log.json"
 }
 
 phase_moeprefill() {

@@ -92,7 +92,8 @@ def row(phase: str, report: dict, wall: float, warmup: dict | None = None) -> di
     out["jit"] = {"compiled_in_process": len(here), "compiled_in_process_kernels": here,
                   "plan_added": jit.get("plan_added"), "preload": jit.get("preload"),
                   "precompile": {k: pre.get(k) for k in ("workers", "variants", "compiled", "launchers", "seconds",
-                                                         "done")} | {"failed": len(pre.get("failed", []))}}
+                                                         "done", "compile_seconds", "slowest")}
+                  | {"failed": len(pre.get("failed", []))}}
     if warmup is not None:
         out["warmup"] = warmup
     print(f"{phase:20} TTFT {report['ttft_from_load_s']:8.2f} s from load, "

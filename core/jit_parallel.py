@@ -155,6 +155,20 @@ def build_launcher(kernel) -> bool | str:
     return True
 
 
+SLOWEST = 12  # the report's longest compiles, by kernel
+
+
+def _tally(report: dict, row: dict) -> None:
+    """A compiled row into ``report``: its seconds summed (``compile_seconds``: the workers' time,
+    a cache hit's too) and kept among the ``SLOWEST`` longest (``slowest``: [seconds, kernel])."""
+    seconds = float(row.get("seconds") or 0.0)
+    report["compile_seconds"] = round(report["compile_seconds"] + seconds, 2)
+    slowest = report["slowest"]
+    slowest.append([round(seconds, 2), row["kernel"].rsplit(".", 1)[-1]])
+    slowest.sort(key=lambda r: -r[0])
+    del slowest[SLOWEST:]
+
+
 def _plan_task(arch: Arch, profile, models: dict, sources) -> tuple[list[Spec], list[dict]]:
     return plan(arch, profile, models, sources)
 
@@ -215,7 +229,7 @@ class Precompile:
     def start(self, arch: Arch, profile, models: dict, sources=None, launcher: bool = False) -> "Precompile":
         self._report = {"arch": arch.name, "profile": profile.name, "workers": self.workers, "variants": 0,
                         "compiled": 0, "cancelled": 0, "failed": [], "launchers": 0, "seconds": None,
-                        "done": False}
+                        "done": False, "compile_seconds": 0.0, "slowest": []}
         self._thread = threading.Thread(target=self._job, args=(arch, profile, models, sources, launcher),
                                         name="flashrt-precompile", daemon=True)
         self._thread.start()
@@ -253,6 +267,7 @@ class Precompile:
                 if row["status"] == "compiled":
                     report["compiled"] += 1
                     report["launchers"] += row["launcher"] is True
+                    _tally(report, row)
                 else:
                     report["failed"].append({"kernel": row["kernel"], "family": ",".join(spec.families),
                                              "error": row["error"]})
@@ -268,13 +283,14 @@ class Precompile:
         """The report once the job is done (or ``timeout`` seconds have passed: ``done`` False, the
         variants not compiled yet are then compiled by the launches that need them): ``variants``,
         ``compiled``, ``launchers`` built, ``failed`` (rows naming the kernel), ``cancelled``,
-        ``seconds``. The pool is shut down, the compiles not started cancelled."""
+        ``seconds``, ``compile_seconds`` (summed over the workers) and the ``slowest`` compiles. The pool is shut down, the compiles not started cancelled."""
         try:
             if self._thread is not None:
                 self._thread.join(timeout)
         finally:
             self.close()
-        return {**self._report, "failed": list(self._report.get("failed", ()))}  # as of now
+        return {**self._report, "failed": list(self._report.get("failed", ())),  # as of now
+                "slowest": [list(r) for r in self._report.get("slowest", ())]}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

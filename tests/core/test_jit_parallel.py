@@ -178,6 +178,26 @@ class _Profile:
     name = "fake"
 
 
+def _timed_compile(spec, launcher=False):
+    return {"kernel": f"{spec.module}.{spec.name}", "status": "compiled", "error": None, "launcher": launcher,
+            "seconds": float(spec.name.rsplit("_", 1)[-1]) / 100}
+
+
+def test_the_report_sums_the_compile_seconds_and_keeps_the_slowest(monkeypatch):
+    """``compile_seconds``: every compiled row's seconds summed; ``slowest``: the SLOWEST longest,
+    longest first, by kernel name."""
+    import random
+
+    cents = random.sample(range(1, 500), jit_parallel.SLOWEST + 5)
+    monkeypatch.setattr(jit_parallel, "plan", lambda *a, **k: ([_spec(f"_k_{c}") for c in cents], []))
+    monkeypatch.setattr(jit_parallel, "compile_spec", _timed_compile)  # before the fork: the workers see it
+    report = jit_parallel.Precompile(2).start(ARCHS["sm_90"], _Profile(), {}).result(120)
+    assert report["done"] and report["compiled"] == len(cents)
+    assert abs(report["compile_seconds"] - sum(cents) / 100) < 1e-6
+    want = sorted(cents, reverse=True)[:jit_parallel.SLOWEST]
+    assert report["slowest"] == [[c / 100, f"_k_{c}"] for c in want]
+
+
 def test_worker_count_reads_the_environment(monkeypatch):
     monkeypatch.setenv(jit_parallel.WORKERS_ENV, "3")
     assert jit_parallel.worker_count() == 3 and jit_parallel.worker_count(tasks=2) == 2
