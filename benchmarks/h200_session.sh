@@ -156,6 +156,9 @@
 #              one-or-two-row rule taking it (h200-real-slice-gemvrt-{off,on}.json, h200-e2e-gemvrt-{off,on}.json)
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
 #              speculative_costs hold): h200-speculative-TAG.json (SPEC_TAG, default "now")
+#   verifysplit  benchmarks/verify_breakdown.py on small at batch 1, k 1 and 4: the verify forward, its
+#              commit and a plain step, wall and GPU time, each phase's kernels by time:
+#              h200-verify-breakdown-b1-k{1,4}-TAG.json (SPEC_TAG, default "now")
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -1128,6 +1131,14 @@ phase_gemvrt() {  # the fp8 GEMV's activations through their fp8 round trip by a
 phase_speculative() {  # the verify and draft costs against a plain step (the profile's speculative_costs)
   python benchmarks/speculative.py --model small --batches 1 8 64 --out "$OUT/h200-speculative-${SPEC_TAG:-now}.json" \
     | tail -n 12
+}
+
+phase_verifysplit() {  # a verify round's forward and commit against a plain step, with their kernels by time
+  local k
+  for k in 1 4; do
+    python benchmarks/verify_breakdown.py --model small --batch 1 --k $k \
+      --out "$OUT/h200-verify-breakdown-b1-k$k-${SPEC_TAG:-now}.json" | tail -n 2
+  done
 }
 
 phase_vs() {

@@ -35,15 +35,25 @@ def phase_ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def gpu_us(fn, steps: int) -> tuple[float, float]:
-    """(GPU kernel us per call, kernels per call) of ``fn`` under the torch profiler."""
+TOP = 15  # the kernels a phase's report names, by their GPU time
+
+
+def gpu_us(fn, steps: int) -> tuple[float, float, list]:
+    """(GPU kernel us per call, kernels per call, the ``TOP`` kernels by time: [name, us per call,
+    launches per call]) of ``fn`` under the torch profiler."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
-    return sum(e.time_range.elapsed_us() for e in kernels) / steps, len(kernels) / steps
+    by_name: dict = {}
+    for e in kernels:
+        us, count = by_name.get(e.name, (0.0, 0))
+        by_name[e.name] = (us + e.time_range.elapsed_us(), count + 1)
+    top = sorted(([name[:80], round(us / steps, 2), count / steps] for name, (us, count) in by_name.items()),
+                 key=lambda r: -r[1])[:TOP]
+    return sum(e.time_range.elapsed_us() for e in kernels) / steps, len(kernels) / steps, top
 
 
 def main() -> None:
@@ -75,10 +85,10 @@ def main() -> None:
             rows["keep"].append(phase_ms(commit))
         out = {name: {"ms": statistics.median(v)} for name, v in rows.items()}
         for name, fn in (("decode", step), ("verify", lambda: (verify(), commit()))):
-            us, launches = gpu_us(fn, n)
-            out[name].update(gpu_us=us, kernels=launches)
-        us, launches = gpu_us(commit, n)
-        out["keep"].update(gpu_us=us, kernels=launches)
+            us, launches, top = gpu_us(fn, n)
+            out[name].update(gpu_us=us, kernels=launches, top=top)
+        us, launches, top = gpu_us(commit, n)
+        out["keep"].update(gpu_us=us, kernels=launches, top=top)
     print(f"batch {B}, k {k}: " + "; ".join(f"{name} {v['ms']:.2f} ms wall, {v['gpu_us'] / 1e3:.2f} ms GPU in "
                                              f"{v['kernels']:.0f} kernels" for name, v in out.items()))
     print(f"(verify GPU/kernels include keep's) verifier {verifier.stats}, plain {plain.stats}")
