@@ -8,7 +8,9 @@
    (:func:`flashrt.jit_compile.recording`): one :class:`Spec` per distinct (kernel, signature,
    constexprs, specialization attributes, options), exactly what the launcher would compile on
    that device; to these come the variants earlier runs of the model used on this device and
-   profile (their plan, :mod:`flashrt.jit_plans`: token counts and routing the warm-up shapes miss);
+   profile (their plan, :mod:`flashrt.jit_plans`: token counts and routing the warm-up shapes miss),
+   which go to the workers first, in the order the runs first launched them, before a worker plans
+   the warm-up's (a run that starts launching while that planning runs finds its variants begun);
 2. compile: forked worker processes each compile a share with ``triton.compile`` for the device's
    target. Triton's cache key covers the source, the constexprs and signature, the options and the
    target, and the cache is flashrt's (:mod:`flashrt.jit_triton`: atomic writes, a per-key lock, so
@@ -72,7 +74,6 @@ def plan(arch: Arch, profile, models: dict, sources=None, plans: bool = True) ->
     default every CUDA family's) compile at ``models`` (name -> dims) under ``profile`` on
     ``arch``, then (``plans``) those earlier runs of these models used there
     (:mod:`flashrt.jit_plans`); and the launchers that raised (rows naming the family and the error)."""
-    from . import jit_plans
     from .jit_compile import collect, kernel_name, launch_sources
 
     variants, failures = {}, []
@@ -80,8 +81,7 @@ def plan(arch: Arch, profile, models: dict, sources=None, plans: bool = True) ->
     cases = [Spec(v.fn.__module__, kernel_name(v.fn), v.signature, v.constexprs, v.attrs,
                   portable_options(v.options.__dict__), arch.cc, tuple(sorted(v.families)), tuple(sorted(v.launches)))
              for v in variants.values()]
-    names = jit_plans.profile_names(profile)  # a profile that extends another reads its plans too
-    planned = [s for model in (models if plans else ()) for s in jit_plans.load(arch, names, model)]
+    planned = planned_specs(arch, profile, models) if plans else []  # (a profile's lineage: its plans too)
     specs, seen = [], set()
     for s in planned + cases:  # a plan lists its variants in the order a run first used them: those first
         if spec_key(s) not in seen:
@@ -169,8 +169,18 @@ def _tally(report: dict, row: dict) -> None:
     del slowest[SLOWEST:]
 
 
+def planned_specs(arch: Arch, profile, models: dict) -> list[Spec]:
+    """The variants the plans of ``models`` list for ``arch`` and ``profile`` (and the profiles it
+    extends), in the plans' order (:mod:`flashrt.jit_plans`)."""
+    from . import jit_plans
+
+    names = jit_plans.profile_names(profile)
+    return [s for model in models for s in jit_plans.load(arch, names, model)]
+
+
 def _plan_task(arch: Arch, profile, models: dict, sources) -> tuple[list[Spec], list[dict]]:
-    return plan(arch, profile, models, sources)
+    """The warm-up launches' variants (the plans' are submitted before this runs)."""
+    return plan(arch, profile, models, sources, plans=False)
 
 
 def _worker_init() -> None:
@@ -237,13 +247,15 @@ class Precompile:
 
     def _job(self, arch, profile, models, sources, launcher) -> None:
         report, t0 = self._report, time.perf_counter()
-        try:
-            specs, failures = self._pool.submit(_plan_task, arch, profile, models, sources).result()
-            report["variants"] = len(specs)
-            report["failed"] += [{"kernel": None, "family": f["family"], "error": f["error"]} for f in failures]
-            done: queue.SimpleQueue = queue.SimpleQueue()
-            futures = {}
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        futures, seen = {}, set()
+
+        def submit(specs) -> None:
             for s in specs:
+                if spec_key(s) in seen:
+                    continue
+                seen.add(spec_key(s))
+                report["variants"] += 1
                 try:
                     fut = self._pool.submit(compile_spec, s, launcher)
                 except BrokenProcessPool:
@@ -253,6 +265,17 @@ class Precompile:
                     continue
                 futures[fut] = s
                 fut.add_done_callback(done.put)  # also called on cancel (as_completed is not woken then)
+
+        try:
+            # the plans' variants first, read here (files only, no recording): the workers start on what
+            # earlier runs launched, in the order they launched it, while one of them plans the warm-up's
+            try:
+                submit(planned_specs(arch, profile, models))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # unreadable: the cases still come
+                report["failed"].append({"kernel": None, "family": "plan", "error": f"{type(exc).__name__}: {exc}"})
+            specs, failures = self._pool.submit(_plan_task, arch, profile, models, sources).result()
+            report["failed"] += [{"kernel": None, "family": f["family"], "error": f["error"]} for f in failures]
+            submit(specs)
             for _ in range(len(futures)):
                 fut = done.get()
                 spec = futures[fut]

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,34 @@ def test_the_report_sums_the_compile_seconds_and_keeps_the_slowest(monkeypatch):
     assert abs(report["compile_seconds"] - sum(cents) / 100) < 1e-6
     want = sorted(cents, reverse=True)[:jit_parallel.SLOWEST]
     assert report["slowest"] == [[c / 100, f"_k_{c}"] for c in want]
+
+
+def _marking_compile(spec, launcher=False):
+    Path(os.environ["FLASHRT_TEST_MARK"]).write_text(spec.name)
+    return {"kernel": f"{spec.module}.{spec.name}", "status": "compiled", "error": None, "launcher": launcher}
+
+
+def _waiting_plan(*args, **kwargs):
+    """The warm-up's planning, done only once a compile has begun (a failure row after 20 s)."""
+    mark, deadline = Path(os.environ["FLASHRT_TEST_MARK"]), time.monotonic() + 20
+    while not mark.exists():
+        if time.monotonic() > deadline:
+            return [], [{"family": "test", "error": "nothing compiled while the warm-up was planned"}]
+        time.sleep(0.02)
+    return [_spec("_case"), _spec("_planned")], []
+
+
+def test_the_plans_variants_compile_while_the_warmup_is_planned(monkeypatch, tmp_path):
+    """The plans' variants go to the workers before the warm-up's planning (a worker's task) starts:
+    a plan that waits for a compile to have begun finishes; a variant both list compiles once."""
+    monkeypatch.setenv("FLASHRT_TEST_MARK", str(tmp_path / "mark"))
+    monkeypatch.setattr(jit_parallel, "planned_specs", lambda *a: [_spec("_planned")])
+    monkeypatch.setattr(jit_parallel, "plan", _waiting_plan)
+    monkeypatch.setattr(jit_parallel, "compile_spec", _marking_compile)  # before the fork: the workers see it
+    report = jit_parallel.Precompile(2).start(ARCHS["sm_90"], _Profile(), {"m": {}}).result(120)
+    assert report["done"] and report["failed"] == []
+    assert report["variants"] == 2 and report["compiled"] == 2
+    assert (tmp_path / "mark").read_text() in ("_planned", "_case")
 
 
 def test_worker_count_reads_the_environment(monkeypatch):
