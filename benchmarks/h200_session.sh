@@ -159,6 +159,9 @@
 #   verifysplit  benchmarks/verify_breakdown.py on small at batch 1, k 1 and 4: the verify forward, its
 #              commit and a plain step, wall and GPU time, each phase's kernels by time:
 #              h200-verify-breakdown-b1-k{1,4}-TAG.json (SPEC_TAG, default "now")
+#   verifysparse  verifysplit under a copy of the profile with sparse_max_queries 6 (a verify's chunk through
+#              the indexer and sparse_attention) and under the profile (prefix_attention), then speculative
+#              under the copy: h200-verify-breakdown-b1-k{1,4}-{sparse6,prefix}.json, h200-speculative-sparse6.json
 #   ncu        Nsight Compute on the kernels the targets miss on (tools/ncu_cases.py: the experts at 1 and 8
 #              tokens and a one-row linear at the released shapes, small's prefix attention, the fp4_b16
 #              quantize-and-store, the 128K top-k at 1 and 64 rows): speed of light, memory, warp
@@ -1139,6 +1142,14 @@ phase_verifysplit() {  # a verify round's forward and commit against a plain ste
     python benchmarks/verify_breakdown.py --model small --batch 1 --k $k \
       --out "$OUT/h200-verify-breakdown-b1-k$k-${SPEC_TAG:-now}.json" | tail -n 2
   done
+}
+
+phase_verifysparse() {  # a verify's few queries through the decode path's attention (sparse_max_queries 6), against the profile
+  local on
+  on=$(profile_set h200-sparse-verify sparse_max_queries 6)
+  FLASHRT_PROFILE=$on SPEC_TAG=sparse6 phase_verifysplit
+  SPEC_TAG=prefix phase_verifysplit
+  FLASHRT_PROFILE=$on SPEC_TAG=sparse6 phase_speculative
 }
 
 phase_vs() {

@@ -107,6 +107,7 @@ def read_yaml(path: str):
 MAX_PAGE_ENTRIES = 1 << 16     # KV entries per page: larger pages cannot be allocated whole
 MAX_PREFETCH_DEPTH = 1 << 10   # Engram blocks copied ahead
 MAX_STEP_TOKENS = 1 << 20      # tokens in one serving-engine step
+MAX_SPARSE_QUERIES = 64        # queries a sequence the decode path's attention takes (a verify's chunk)
 MAX_GIB = float(1 << 20)       # 1 PiB: any memory or disk size above it is a typo
 MAX_TTL_HOURS = 24 * 365 * 10  # ten years; the caches multiply TTLs into seconds
 
@@ -145,6 +146,8 @@ def check_sizes(p, file: str) -> None:
     for key in ("hc_mix_stream_max_tokens", "indexer_stream_max_tokens"):
         if not 0 <= getattr(p, key) <= MAX_STEP_TOKENS:
             _bad(file, key, f"an integer >= 0 and <= {MAX_STEP_TOKENS}", getattr(p, key))
+    if not 1 <= p.sparse_max_queries <= MAX_SPARSE_QUERIES:
+        _bad(file, "sparse_max_queries", f"an integer >= 1 and <= {MAX_SPARSE_QUERIES}", p.sparse_max_queries)
     _number(p, file, "hkcp_cold_host_gib", "GiB", MAX_GIB, zero_ok=True)
     _number(p, file, "hkcp_persistent_disk_gib", "GiB", MAX_GIB, zero_ok=False)
     if p.hkcp_persistent_disk_gib * 2**30 < 1:  # the prefix cache needs room for a byte

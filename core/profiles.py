@@ -77,6 +77,11 @@ class Profile:
     # compressor and the indexer) on a third CUDA stream, beside the query heads and the window KV
     # (graphs/mix_stream.py; 0: never)
     indexer_stream_max_tokens: int = 0
+    # chunks of up to this many queries a sequence (a speculative verify's) take the decode path's
+    # attention, the indexer's top-k and sparse_attention over explicit indices, where longer chunks
+    # take prefix_attention over the window and every visible entry: the same attention either way
+    # (graphs/attention.py); 1: decode steps only
+    sparse_max_queries: int = 1
     # how the MoE layers store their quantized expert weights' block scales: "row" as quantized and
     # loaded, "k_major" the same tensor laid out [.., K / 32, rows] (formats.with_k_major_scales),
     # which the CUDA GEMMs read in consecutive bytes (docs/kernels.md)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flashrt import ops
+from flashrt import ops, profiles
 
 from .compressor import Compressor
 from .fused_weights import fuse_in_place
@@ -99,7 +99,7 @@ class Attention:
         kv = self.window_kv(h, f, ctx.state.window_fmt, kv_latent)
         segments = [ctx.state.rings[self.layer], kv]
         picked = selection.join() if selection is not None else None
-        if h.shape[1] > 1 and (picked is None or picked.indices is None):
+        if not self._sparse_chunk(h.shape[1]) and (picked is None or picked.indices is None):
             # a prompt chunk that sees its whole window and every visible entry: indices implied
             entries = visible = None
             if picked is not None:
@@ -141,6 +141,15 @@ class Attention:
                 ctx.selections[self.layer] = Selection(*ctx.state.main_segments(self.source, topk, T, offset))
         return ctx.selections[self.index_source]
 
+    @staticmethod
+    def _sparse_chunk(S: int) -> bool:
+        """Whether a chunk of ``S`` queries a sequence takes the decode path: the indexer's picks (a
+        layer with compressed entries) and ``sparse_attention`` over explicit window and entry
+        indices. Decode steps do; so do chunks of up to the profile's ``sparse_max_queries`` (a
+        speculative verify's), where ``prefix_attention`` would compute the same attention with a
+        kernel made for long chunks."""
+        return S <= max(1, profiles.active_profile().sparse_max_queries)
+
     def _takes_every_entry(self, S: int, T: int) -> bool:
         """Whether the top-k of a chunk of ``S`` > 1 queries over ``T`` entries picks every visible one:
         ``T <= index_topk`` and, where candidate blocks restrict it (or this layer makes them), all of
@@ -149,7 +158,7 @@ class Attention:
         entries' scores are finite. A candidate source that skips leaves ``ctx.candidates`` None;
         its users have the same ``T``, so they skip too (and would be unrestricted anyway)."""
         cfg = self.cfg
-        if S == 1 or T > cfg.index_topk:
+        if self._sparse_chunk(S) or T > cfg.index_topk:
             return False
         if self.layer == cfg.candidate_source_layer or cfg.uses_candidates(self.layer):
             return -(-T // cfg.candidate_block_size) <= cfg.candidate_topk_blocks

@@ -91,6 +91,8 @@ def test_wrong_type_names_file_key_expected_and_found(tmp_path, key, value, expe
     ("hkcp_page_entries", 48, "a power of two"),
     ("hkcp_warm_fraction", 0.9, "hot + warm fractions <= 1"),
     ("engram_prefetch_depth", -1, "an integer >= 0"),
+    ("sparse_max_queries", 0, "an integer >= 1 and <= 64"),
+    ("sparse_max_queries", 65, "an integer >= 1 and <= 64"),
     ("match_name", "H2(00", "a regular expression"),
     ("match_capability", ["sm_90"], 'capabilities like "9.0"'),
     ("name", "h300", "expected 'bad' (the file name)"),

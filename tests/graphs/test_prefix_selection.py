@@ -99,3 +99,41 @@ def test_the_kernels_give_the_indexer_paths_logits(wide, rng, monkeypatch):
     assert names.count("_sparse_attention_kernel") == cfg.n_layers  # only the checks' calls
     assert len(errors) == cfg.n_layers and max(errors) < 5e-3, errors
     assert ((got - want).norm() / want.norm()) < 5e-2
+
+
+def _chunked(model, ids, prompt, chunks, sparse_max_queries):
+    """Logits of every position: a prompt, then chunks of a few queries a sequence (as a speculative
+    verify's), under a profile with ``sparse_max_queries``."""
+    from flashrt import profiles
+    base = profiles.active_profile()
+    with profiles.using(dataclasses.replace(base, sparse_max_queries=sparse_max_queries)):
+        state = model.new_state(ids.shape[0], ids.shape[1] + 1)
+        out, at = [model.forward(ids[:, :prompt], state=state, all_positions=True)], prompt
+        for n in chunks:
+            out.append(model.forward(ids[:, at:at + n], state=state, start_pos=at, all_positions=True))
+            at += n
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("prompt,chunks", [(5, (2, 3, 4)), (11, (3, 5)), (20, (4, 2, 6))])
+def test_a_few_queries_take_the_decode_path_with_the_same_logits(wide, rng, monkeypatch, prompt, chunks):
+    """``sparse_max_queries``: chunks of up to that many queries a sequence attend through the
+    indexer's picks and ``sparse_attention`` (window indices on the window-only layers) instead of
+    ``prefix_attention``, whether or not the top-k would take every entry: the same logits as the
+    prefix path (to float rounding: the two ops sum in other orders); longer chunks keep the prefix
+    path."""
+    cfg, model = wide
+    ids = torch.randint(0, cfg.vocab_size, (2, prompt + sum(chunks)), generator=rng)
+    with flashrt.use_backend("reference"):
+        prefix = _calls(monkeypatch, "prefix_attention")
+        sparse = _calls(monkeypatch, "sparse_attention")
+        want = _chunked(model, ids, prompt, chunks, 1)
+        assert {s[1] for s in prefix} & set(chunks)  # the chunks' window-only layers at least
+        prefix.clear(), sparse.clear()
+        got = _chunked(model, ids, prompt, chunks, max(chunks))
+        # every layer of every chunk takes the sparse path; only the prompt (longer) may take the prefix one
+        assert {s[1] for s in prefix} <= {prompt}
+        assert [s[1] for s in sparse if s[1] != prompt] == [n for n in chunks for _ in range(cfg.n_layers)]
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
