@@ -480,7 +480,7 @@ phase_coldplan() {
   python benchmarks/jit_ttft.py --phases cold warm --budget 150 --out "$OUT/h200-jit-ttft-shipped.json"
 }
 
-phase_coldlog() {  # a cold `flashrt run --model small` on the shipped plan with every main-process load and compile logged
+phase_coldlog() {  # a cold `flashrt run --model small` on the shipped plan, its process's loads and compiles logged
   FLASHRT_JIT_LOG=$OUT/h200-jit-cold-log.jsonl python benchmarks/jit_ttft.py --phases cold --budget 120 \
     --out "$OUT/h200-jit-ttft-cold-log.json"
 }
@@ -1144,7 +1144,7 @@ phase_verifysplit() {  # a verify round's forward and commit against a plain ste
   done
 }
 
-phase_verifysparse() {  # a verify's few queries through the decode path's attention (sparse_max_queries 6), against the profile
+phase_verifysparse() {  # a verify's queries through the decode path's attention (sparse_max_queries 6) and not
   local on
   on=$(profile_set h200-sparse-verify sparse_max_queries 6)
   FLASHRT_PROFILE=$on SPEC_TAG=sparse6 phase_verifysplit

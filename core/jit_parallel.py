@@ -271,7 +271,7 @@ class Precompile:
             # earlier runs launched, in the order they launched it, while one of them plans the warm-up's
             try:
                 submit(planned_specs(arch, profile, models))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # unreadable: the cases still come
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # unreadable: the cases come
                 report["failed"].append({"kernel": None, "family": "plan", "error": f"{type(exc).__name__}: {exc}"})
             specs, failures = self._pool.submit(_plan_task, arch, profile, models, sources).result()
             report["failed"] += [{"kernel": None, "family": f["family"], "error": f["error"]} for f in failures]
@@ -306,7 +306,8 @@ class Precompile:
         """The report once the job is done (or ``timeout`` seconds have passed: ``done`` False, the
         variants not compiled yet are then compiled by the launches that need them): ``variants``,
         ``compiled``, ``launchers`` built, ``failed`` (rows naming the kernel), ``cancelled``,
-        ``seconds``, ``compile_seconds`` (summed over the workers) and the ``slowest`` compiles. The pool is shut down, the compiles not started cancelled."""
+        ``seconds``, ``compile_seconds`` (summed over the workers) and the ``slowest`` compiles. The
+        pool is shut down, the compiles not started cancelled."""
         try:
             if self._thread is not None:
                 self._thread.join(timeout)

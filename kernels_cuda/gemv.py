@@ -16,7 +16,8 @@ are (``QX`` :data:`.linear_kernel.ACT_DEQUANTIZED`) instead of quantizing its ro
 weight rows go in groups of 32 (one row of the 32 x 32 weight scale tiles each): a group's scale
 multiplies the activations (a K block's worth) instead of every weight. A weight block is loaded
 and converted once for the program's rows, each row's products summed on their own. Products and
-sums are fp32: the same values as the MMA loops up to the order of the sums. A split K meets in the tile's last program (:func:`.splitk.store_tile`).
+sums are fp32: the same values as the MMA loops up to the order of the sums. A split K meets in the
+tile's last program (:func:`.splitk.store_tile`).
 """
 from __future__ import annotations
 
