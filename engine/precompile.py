@@ -5,9 +5,9 @@ makes a CUDA context; once the profile is known, the pool plans the variants the
 warm-up launches compile at the model's dims on this device and compiles them into the compile
 cache while the checkpoint is made or loaded. The run does not wait for it: a launch whose variant
 a worker is compiling waits for that compile (the cache's per-key lock) and then loads it, one no
-worker has reached is compiled by the run itself. A run forks the pool only when
-``FLASHRT_JIT_WORKERS`` is set (to the number of workers; it has not run on a GPU yet, so it is
-opt-in); ``flashrt jit warmup`` uses it by default.
+worker has reached is compiled by the run itself. ``FLASHRT_JIT_WORKERS`` sets the number of
+workers (default: the CPUs the process may use; 0: no pool, every variant compiled at its first
+launch), as for ``flashrt jit warmup``.
 The variants the run loaded are added to the model's plan (:mod:`flashrt.jit_plans`), which the
 next pool compiles too.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 import threading
 
@@ -41,11 +40,7 @@ def start_precompile(cfg: ModelConfig | None, dev: torch.device, backend: str | 
     {name: dims})``, or ``(None, None)``."""
     from flashrt.jit_warmup import precompile_pool
 
-    from flashrt.jit_parallel import WORKERS_ENV
-
     if cfg is None or dev.type != "cuda" or backend not in (None, "cuda"):
-        return None, None
-    if not os.environ.get(WORKERS_ENV, "").strip():  # opt-in for runs until measured on a GPU (docs/design.md)
         return None, None
     models = {cfg.name: kernel_dims(cfg)}
     pool = precompile_pool(models)

@@ -22,12 +22,15 @@ def test_kernel_dims_are_the_warmup_dims_of_the_shipped_model(name):
     assert any(k.startswith("vision_") for k in dims) == shipped_config(name).vision_enabled
 
 
-def test_the_pool_is_made_only_for_cuda_kernels_when_asked(monkeypatch):
+def test_the_pool_is_made_only_for_cuda_kernels(monkeypatch):
+    """A run on a CUDA device with the CUDA kernels forks the pool by default (``FLASHRT_JIT_WORKERS``
+    unset: as many workers as CPUs; 0 turns it off, ``jit_warmup.precompile_pool``); nowhere else."""
     asked = []
     monkeypatch.setattr(jit_warmup, "precompile_pool", lambda models: asked.append(models) or "pool")
     cfg = shipped_config("small")
     monkeypatch.delenv("FLASHRT_JIT_WORKERS", raising=False)
-    assert precompile.start_precompile(cfg, torch.device("cuda"), "cuda") == (None, None)  # opt-in for runs
+    assert precompile.start_precompile(cfg, torch.device("cuda"), "cuda")[0] == "pool"
+    asked.clear()
     monkeypatch.setenv("FLASHRT_JIT_WORKERS", "4")
     assert precompile.start_precompile(cfg, torch.device("cpu"), None) == (None, None)
     assert precompile.start_precompile(cfg, torch.device("cuda"), "reference") == (None, None)
