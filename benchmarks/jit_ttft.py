@@ -24,8 +24,8 @@ created once before any timing (``flashrt run`` would create it under ``FLASHRT_
 and linked into each fresh directory, so no other phase pays for it.
 Each row keeps the run's ``jit`` report: the variants the run compiled itself, what the pool did
 and what the preload loaded (``FLASHRT_JIT_PRELOAD=1``, passed through to the runs; None without).
-Runs get ``FLASHRT_JIT_WORKERS`` = the CPUs this process may use unless it is set (the pool is
-opt-in for ``flashrt run``; ``FLASHRT_JIT_WORKERS=0`` measures without it).
+Runs take ``FLASHRT_JIT_WORKERS`` as it is set here (unset: a run's pool has as many workers as the
+CPUs it may use; ``FLASHRT_JIT_WORKERS=0`` measures without the pool).
 TTFT is what ``flashrt run --json`` reports: from the start of loading the weights to the first
 token's logits, and from the process start; the parent's wall time of each process is kept too.
 Phases that would not fit the time budget (``--budget``) are recorded as skipped.
@@ -53,7 +53,6 @@ PHASES = ("first_run", "cold", "warm", "cold_with_plan", "after_warmup", "after_
 def flashrt(args: list[str], dirs: Path, timeout: float) -> tuple[dict, float]:
     """Run ``flashrt *args --json`` with the cache dirs under ``dirs``; (its JSON, wall seconds)."""
     env = {**os.environ, "FLASHRT_CACHE_DIR": str(dirs / "flashrt"), "TRITON_CACHE_DIR": str(dirs / "triton")}
-    env.setdefault("FLASHRT_JIT_WORKERS", str(len(os.sched_getaffinity(0))))  # a run's compile pool is opt-in
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "flashrt.cli", *args, "--json"], capture_output=True, text=True,
                        env=env, timeout=timeout)
