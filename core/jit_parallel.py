@@ -252,9 +252,10 @@ class Precompile:
 
         def submit(specs) -> None:
             for s in specs:
-                if spec_key(s) in seen:
+                key = spec_key(s)
+                if key in seen:
                     continue
-                seen.add(spec_key(s))
+                seen.add(key)
                 report["variants"] += 1
                 try:
                     fut = self._pool.submit(compile_spec, s, launcher)
@@ -272,7 +273,8 @@ class Precompile:
             try:
                 submit(planned_specs(arch, profile, models))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # unreadable: the cases come
-                report["failed"].append({"kernel": None, "family": "plan", "error": f"{type(exc).__name__}: {exc}"})
+                # (family "plans", not "plan": a "plan" row is a planned variant that did not compile)
+                report["failed"].append({"kernel": None, "family": "plans", "error": f"{type(exc).__name__}: {exc}"})
             specs, failures = self._pool.submit(_plan_task, arch, profile, models, sources).result()
             report["failed"] += [{"kernel": None, "family": f["family"], "error": f["error"]} for f in failures]
             submit(specs)

@@ -227,6 +227,18 @@ def test_the_plans_variants_compile_while_the_warmup_is_planned(monkeypatch, tmp
     assert (tmp_path / "mark").read_text() in ("_planned", "_case")
 
 
+def test_unreadable_plans_are_a_failure_row_and_the_cases_still_compile(monkeypatch):
+    def unreadable(*args):
+        raise OSError("plans: permission denied")
+
+    monkeypatch.setattr(jit_parallel, "planned_specs", unreadable)
+    monkeypatch.setattr(jit_parallel, "plan", lambda *a, **k: ([_spec("_case")], []))
+    monkeypatch.setattr(jit_parallel, "compile_spec", _fake_compile)  # before the fork: the workers see it
+    report = jit_parallel.Precompile(1).start(ARCHS["sm_90"], _Profile(), {"m": {}}).result(120)
+    assert report["done"] and report["compiled"] == report["variants"] == 1
+    assert report["failed"] == [{"kernel": None, "family": "plans", "error": "OSError: plans: permission denied"}]
+
+
 def test_worker_count_reads_the_environment(monkeypatch):
     monkeypatch.setenv(jit_parallel.WORKERS_ENV, "3")
     assert jit_parallel.worker_count() == 3 and jit_parallel.worker_count(tasks=2) == 2
