@@ -103,6 +103,55 @@ def row(phase: str, report: dict, wall: float, warmup: dict | None = None) -> di
     return out
 
 
+PARTS = ("triton", "src", "backend", "options", "env")
+
+
+def _parts_check(line: dict, pool) -> dict:
+    """For a variant the run compiled that no worker had: whether the key's pieces the log computed
+    make the run's key (``parts_make_key``), whether a plan's round trip keeps them
+    (``plan_keeps_key``), and the pieces a worker's variant of the same kernel and source differs in
+    (``differs_from_pool``: None when no worker compiled that source)."""
+    parts, planned = line.get("parts") or {}, line.get("plan_parts") or {}
+    same_src = [p["parts"] for p in pool if p.get("name") == line["name"] and (p.get("parts") or {}).get("src")
+                and p["parts"]["src"] == parts.get("src")]
+    return {"parts_make_key": parts.get("cache_key") == line.get("cache_key") if parts else None,
+            "plan_keeps_key": planned.get("cache_key") == parts.get("cache_key") if parts else None,
+            "differs_from_pool": [k for k in PARTS if same_src[0].get(k) != parts.get(k)] if same_src else None,
+            "pool_parts": {k: sorted({(p.get("parts") or {}).get(k) for p in pool if p.get("name") == line["name"]}
+                                     - {None})[:3] for k in ("backend", "options", "env", "triton")},
+            "parts": {k: parts.get(k) for k in PARTS} if parts else line.get("parts_error")}
+
+
+def log_summary(rows: list[dict]) -> dict:
+    """What a run's ``FLASHRT_JIT_LOG`` lines (``rows``: the run's and its pool's) say about each
+    variant the run compiled itself: ``not_on_pool`` (no worker had its cache key: the pool's plan
+    missed it), ``pool_later`` (a worker began it after the run had: the pool's queue was behind the
+    run) or ``raced`` (a worker had begun it first: the run should have waited on the key's lock);
+    ``waited``: variants the run found compiled after a wait of over 0.1 s (a worker's compile it
+    waited on); the first pool submission and start and the run's first lookup, in seconds after the
+    first of the three."""
+    pool = {r["cache_key"]: r for r in rows if r.get("pool") and r.get("cache_key")}
+    run = [r for r in rows if not r.get("pool")]
+    out = {"not_on_pool": [], "pool_later": [], "raced": [], "waited": []}
+    for r in run:
+        begun = r["t"] - (r["s"] or 0.0)
+        if r.get("compiled"):
+            worker = pool.get(r.get("cache_key"))
+            kind = "not_on_pool" if worker is None else "raced" if worker["start"] < begun else "pool_later"
+            lag = None if worker is None else round(worker["start"] - begun, 2)
+            out[kind].append({"name": r["name"], "seconds": r["s"], "pool_start_after_run_s": lag}
+                             | (_parts_check(r, pool.values()) if kind == "not_on_pool" else {}))
+        elif (r["s"] or 0.0) > 0.1:
+            out["waited"].append({"name": r["name"], "seconds": r["s"]})
+    marks = {"pool_first_submitted": min((r["submitted"] for r in pool.values()), default=None),
+             "pool_first_start": min((r["start"] for r in pool.values()), default=None),
+             "run_first_lookup": min((r["t"] - (r["s"] or 0.0) for r in run), default=None)}
+    origin = min((v for v in marks.values() if v is not None), default=0.0)
+    out |= {k: None if v is None else round(v - origin, 2) for k, v in marks.items()}
+    out["counts"] = {k: len(out[k]) for k in ("not_on_pool", "pool_later", "raced", "waited")}
+    return out
+
+
 def run_phase(phase: str, root: Path, checkpoint: Path, run_args: list[str], model: str, deadline: float) -> dict:
     left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
     dirs = root / "cold" if phase == "warm" else fresh_dirs(root, phase, None if phase == "first_run" else checkpoint)
@@ -115,8 +164,16 @@ def run_phase(phase: str, root: Path, checkpoint: Path, run_args: list[str], mod
         report, wall = flashrt(["jit", "warmup", *extra], dirs, left())
         warm = {"command": f"flashrt jit warmup {' '.join(extra)}", "wall_s": wall, "seconds": report["seconds"],
                 "warmed": report["warmed"], "skipped": report["skipped"], "failed": report["failed"]}
+    started = time.time()
     report, wall = flashrt(run_args, dirs, left())
-    return row(phase, report, wall, warm)
+    out = row(phase, report, wall, warm)
+    log_path = os.environ.get("FLASHRT_JIT_LOG", "").strip()
+    if log_path and os.path.exists(log_path):  # the run's lines and its pool's (core/jit_log.py)
+        from flashrt.jit_log import between, read
+
+        out["jit_log"] = log_summary(between(read(log_path), started, time.time()))
+        print(f"{'':20} the run's own compiles: {out['jit_log']['counts']}", flush=True)
+    return out
 
 
 def main() -> None:

@@ -8,7 +8,21 @@ the load). Hooks already set are kept and called first. Each line::
 
     {"t": <unix time at the end>, "s": <seconds>, "pid": ..., "module": ..., "name": ...,
      "repr": <Triton's description: launch options and argument types>,
-     "key": <Triton's specialisation key, as text>}
+     "key": <Triton's specialisation key, as text>,
+     "cache_key": <Triton's cache key (the compile cache's folder name): the same in every process>,
+     "compiled": <whether this process compiled it, not found in the cache>}
+
+Each line also has ``parts``: the pieces Triton's cache key is made of (the source and
+specialization hash, the backend's, the options', the cache-invalidating environment), and
+``plan_parts``: the same for the variant after a plan's round trip (its specialization data written
+and decoded as :mod:`flashrt.jit_plans` does). A pool line has the ``parts`` its worker computed.
+Where a run's key and a worker's differ for one variant, the differing part names the cause.
+
+The compile pool (:mod:`flashrt.jit_parallel`) adds a line per variant its workers finished, written
+by the parent: ``"pool": true``, the worker's ``pid``, ``submitted`` and ``start`` (unix times: when
+the variant was queued and when a worker began it), ``t``, ``s``, ``cache_key`` and ``compiled``
+(False: a worker found it in the cache, compiled by another process first). Two lines of one
+``cache_key`` tell whether the run waited on the pool, raced it or compiled what the pool never had.
 
 The file is appended to (several processes may share it: each line is one ``write`` of a
 line-buffered file), and created if missing; nothing is ever truncated.
@@ -48,19 +62,29 @@ class JitLog:
         knobs.runtime.jit_post_compile_hook = self._after
 
     def _before(self, *args, **kwargs):
-        self._started[(*_name(kwargs.get("fn")), str(kwargs.get("key")))] = time.perf_counter()
+        from .jit_triton import COMPILED
+
+        self._started[(*_name(kwargs.get("fn")), str(kwargs.get("key")))] = (time.perf_counter(), len(COMPILED))
         return self._prev_cache(*args, **kwargs) if self._prev_cache is not None else None
 
     def _after(self, *args, **kwargs):
         result = self._prev_post(*args, **kwargs) if self._prev_post is not None else None
         module, name = _name(kwargs.get("fn"))
         key = str(kwargs.get("key"))
-        start = self._started.pop((module, name, key), None)
+        from .jit_triton import COMPILED, last_key
+
+        start, count = self._started.pop((module, name, key), (None, None))
         line = {"t": round(time.time(), 3), "s": None if start is None else round(time.perf_counter() - start, 4),
-                "pid": os.getpid(), "module": module, "name": name, "repr": str(kwargs.get("repr")), "key": key}
+                "pid": os.getpid(), "module": module, "name": name, "repr": str(kwargs.get("repr")), "key": key,
+                "cache_key": last_key(), "compiled": None if count is None else len(COMPILED) > count}
+        line |= _launch_parts(kwargs)
+        self.write(line)
+        return result
+
+    def write(self, line: dict) -> None:
+        """Append one line (a JSON object) to the log."""
         with self._lock:
             self._file.write(json.dumps(line) + "\n")
-        return result
 
     def close(self) -> None:
         runtime = self._knobs.runtime
@@ -80,6 +104,59 @@ def install_from_env() -> JitLog | None:
     if key not in _INSTALLED:
         _INSTALLED[key] = JitLog(path)
     return _INSTALLED[key]
+
+
+def key_parts(src, backend, options) -> dict:
+    """The pieces of Triton's cache key for ``src`` compiled by ``backend`` with ``options`` (a
+    parsed options object), each shortened to a digest: ``triton`` (the installation's key), ``src``
+    (source, signature, constexprs, attributes), ``backend`` (the assembler's version, the target),
+    ``options``, ``env`` (the cache-invalidating environment variables set); and ``cache_key``, the
+    cache folder name they make (as ``triton.compile`` names it)."""
+    import hashlib
+
+    from triton.compiler.compiler import get_cache_invalidating_env_vars
+    from triton.runtime.cache import _base32, triton_key
+
+    digest = lambda text: hashlib.sha256(str(text).encode()).hexdigest()[:16]  # noqa: E731
+    env = str(sorted(get_cache_invalidating_env_vars().items()))
+    pieces = (triton_key(), src.hash(), backend.hash(), options.hash(), env)
+    return {"triton": digest(pieces[0]), "src": digest(pieces[1]), "backend": str(pieces[2]),
+            "options": digest(pieces[3]), "env": env,
+            "cache_key": _base32(hashlib.sha256("-".join(map(str, pieces)).encode()).hexdigest())}
+
+
+def _launch_parts(kwargs: dict) -> dict:
+    """``parts`` (the launch's own source and specialization; its options as the specialization
+    data lists them) and ``plan_parts`` (after a plan's round trip) of the variant a post-compile
+    hook reports (see the module doc); a ``parts_error`` instead when they cannot be computed (a
+    diagnostic never fails a launch)."""
+    try:
+        from types import SimpleNamespace
+
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.driver import driver
+
+        from .jit_compile import source
+        from .jit_plans import decode
+
+        fn, compiled = kwargs["fn"].jit_function, kwargs["compile"]
+        backend = make_backend(driver.active.get_current_target())
+        entry = {"module": fn.__module__, "name": getattr(fn, "fn", fn).__qualname__,
+                 "data": compiled["specialization_data"]}
+        spec = decode(entry, SimpleNamespace(cc=backend.target.arch))
+        options = backend.parse_options(dict(spec.options))
+        parts = key_parts(source(fn, compiled["signature"], compiled["constants"], compiled["configs"][0]), backend,
+                          options)
+        planned = key_parts(source(fn, spec.signature, spec.constexprs, spec.attrs), backend, options)
+        return {"parts": parts, "plan_parts": planned}
+    except Exception as exc:
+        return {"parts_error": f"{type(exc).__name__}: {exc}"}
+
+
+def active() -> JitLog | None:
+    """This process's log, when ``FLASHRT_JIT_LOG`` names one and it was started here (None otherwise)."""
+    path = os.environ.get(ENV, "").strip()
+    return _INSTALLED.get((os.getpid(), os.path.abspath(path))) if path else None
 
 
 def read(path: str) -> list[dict]:

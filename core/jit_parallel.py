@@ -122,12 +122,16 @@ def resolve(spec: Spec):
 def compile_spec(spec: Spec, launcher: bool = False) -> dict:
     """Compile one variant into the cache (:func:`flashrt.jit_compile.compile_kernel`; its launcher
     too when ``launcher``); its report row: ``kernel``, ``status`` (compiled / failed), ``error``
-    (the compiler's message), ``seconds``, ``launcher`` (True, or why it was not built)."""
+    (the compiler's message), ``seconds``, ``launcher`` (True, or why it was not built), ``start``
+    (unix time), ``pid``, ``cache_key`` (Triton's) and ``compiled`` (False: found in the cache)."""
     from .jit_compile import compile_kernel, compiler_error
 
+    from .jit_triton import COMPILED, last_key
+
     row = {"kernel": f"{spec.module}.{spec.name}", "families": list(spec.families), "status": "compiled",
-           "error": None, "launcher": None}
-    t0 = time.perf_counter()
+           "error": None, "launcher": None, "start": time.time(), "pid": os.getpid(), "cache_key": None,
+           "compiled": False}
+    t0, before = time.perf_counter(), len(COMPILED)
     try:
         fn = resolve(spec)
     except Exception as exc:  # the module or the kernel is gone (a stale plan entry): a failed row
@@ -135,9 +139,29 @@ def compile_spec(spec: Spec, launcher: bool = False) -> dict:
     kernel, error = compile_kernel(fn, spec.signature, spec.constexprs, spec.attrs, spec.options, spec.cc)
     if error is not None:
         return row | {"status": "failed", "error": error, "seconds": round(time.perf_counter() - t0, 2)}
+    row |= {"cache_key": last_key(), "compiled": len(COMPILED) > before}
+    if os.environ.get("FLASHRT_JIT_LOG", "").strip():  # the key's pieces, for the log's comparison
+        row["parts"] = _key_parts(spec, fn)
     if launcher:
         row["launcher"] = build_launcher(kernel)
     return row | {"seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _key_parts(spec: Spec, fn) -> dict:
+    """The pieces of the cache key ``spec`` compiles under (:func:`flashrt.jit_log.key_parts`), or
+    the error computing them."""
+    try:
+        from triton.compiler.compiler import make_backend
+
+        from .jit_compile import answering_as, source
+        from .jit_log import key_parts
+
+        with answering_as(spec.cc) as target:
+            backend = make_backend(target)
+            return key_parts(source(fn, spec.signature, spec.constexprs, spec.attrs), backend,
+                             backend.parse_options(dict(spec.options)))
+    except Exception as exc:  # a diagnostic: the compile's row stands
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def build_launcher(kernel) -> bool | str:
@@ -167,6 +191,22 @@ def _tally(report: dict, row: dict) -> None:
     slowest.append([round(seconds, 2), row["kernel"].rsplit(".", 1)[-1]])
     slowest.sort(key=lambda r: -r[0])
     del slowest[SLOWEST:]
+
+
+def _jit_log():
+    """The process's ``FLASHRT_JIT_LOG`` (:mod:`flashrt.jit_log`), or None."""
+    from .jit_log import active
+
+    return active()
+
+
+def _log_row(jit_log, spec: Spec, row: dict, submitted: float) -> None:
+    """A worker's finished variant as a line of the JIT log (see :mod:`flashrt.jit_log`)."""
+    jit_log.write({"t": round(row.get("start", submitted) + float(row.get("seconds") or 0.0), 3),
+                   "s": row.get("seconds"), "pid": row.get("pid"), "module": spec.module, "name": spec.name,
+                   "pool": True, "submitted": round(submitted, 3), "start": round(row.get("start", submitted), 3),
+                   "cache_key": row.get("cache_key"), "compiled": row.get("compiled"), "status": row["status"],
+                   "parts": row.get("parts")})
 
 
 def planned_specs(arch: Arch, profile, models: dict) -> list[Spec]:
@@ -248,7 +288,8 @@ class Precompile:
     def _job(self, arch, profile, models, sources, launcher) -> None:
         report, t0 = self._report, time.perf_counter()
         done: queue.SimpleQueue = queue.SimpleQueue()
-        futures, seen = {}, set()
+        futures, seen, submitted = {}, set(), {}
+        jit_log = _jit_log()
 
         def submit(specs) -> None:
             for s in specs:
@@ -265,7 +306,29 @@ class Precompile:
                     report["cancelled"] += 1
                     continue
                 futures[fut] = s
+                submitted[fut] = time.time()
                 fut.add_done_callback(done.put)  # also called on cancel (as_completed is not woken then)
+
+        def finish(fut) -> None:
+            """A variant's compile done (or cancelled, or its worker dead) into the report and the log."""
+            spec = futures[fut]
+            if fut.cancelled():  # result() closed the pool: not needed any more
+                report["cancelled"] += 1
+                return
+            try:
+                row = fut.result()
+            except BaseException as exc:  # the worker died (BrokenProcessPool): name the kernel
+                row = {"kernel": f"{spec.module}.{spec.name}", "status": "failed",
+                       "error": f"worker: {type(exc).__name__}: {exc}", "launcher": None}
+            if jit_log is not None:
+                _log_row(jit_log, spec, row, submitted[fut])
+            if row["status"] == "compiled":
+                report["compiled"] += 1
+                report["launchers"] += row["launcher"] is True
+                _tally(report, row)
+            else:
+                report["failed"].append({"kernel": row["kernel"], "family": ",".join(spec.families),
+                                         "error": row["error"]})
 
         try:
             # the plans' variants first, read here (files only, no recording): the workers start on what
@@ -275,30 +338,28 @@ class Precompile:
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # unreadable: the cases come
                 # (family "plans", not "plan": a "plan" row is a planned variant that did not compile)
                 report["failed"].append({"kernel": None, "family": "plans", "error": f"{type(exc).__name__}: {exc}"})
-            specs, failures = self._pool.submit(_plan_task, arch, profile, models, sources).result()
-            report["failed"] += [{"kernel": None, "family": f["family"], "error": f["error"]} for f in failures]
-            submit(specs)
-            for _ in range(len(futures)):
+            planning = self._pool.submit(_plan_task, arch, profile, models, sources)
+            planning.add_done_callback(done.put)
+            handled, planned = 0, False
+            while not planned or handled < len(futures):  # compiles are counted as they end, planning or not
                 fut = done.get()
-                spec = futures[fut]
-                if fut.cancelled():  # result() closed the pool: not needed any more
-                    report["cancelled"] += 1
+                if fut is not planning:
+                    handled += 1
+                    finish(fut)
                     continue
+                planned = True
                 try:
-                    row = fut.result()
-                except BaseException as exc:  # the worker died (BrokenProcessPool): name the kernel
-                    row = {"kernel": f"{spec.module}.{spec.name}", "status": "failed",
-                           "error": f"worker: {type(exc).__name__}: {exc}", "launcher": None}
-                if row["status"] == "compiled":
-                    report["compiled"] += 1
-                    report["launchers"] += row["launcher"] is True
-                    _tally(report, row)
-                else:
-                    report["failed"].append({"kernel": row["kernel"], "family": ",".join(spec.families),
-                                             "error": row["error"]})
+                    specs, failures = planning.result()
+                except CancelledError:  # closed by result(timeout): the variants submitted are cancelled too
+                    continue
+                except Exception as exc:  # planning failed (or its worker died): the plans' variants go on
+                    report["failed"].append({"kernel": None, "family": None, "error": f"{type(exc).__name__}: {exc}"})
+                    continue
+                report["failed"] += [{"kernel": None, "family": f["family"], "error": f["error"]} for f in failures]
+                submit(specs)
         except CancelledError:  # closed by result(timeout) before the plan was made
             pass
-        except BaseException as exc:  # planning failed, or the pool broke before the compiles began
+        except BaseException as exc:  # the pool broke before the compiles began
             report["failed"].append({"kernel": None, "family": None, "error": f"{type(exc).__name__}: {exc}"})
         finally:
             report["seconds"] = round(time.perf_counter() - t0, 2)

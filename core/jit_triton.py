@@ -58,6 +58,7 @@ _HELD: set[str] = set()  # keys whose lock this process holds (no waiting on our
 COMPILED: list[str] = []  # kernels this process compiled (wrote a group for), in order: see compiled_here()
 _MANAGERS: "weakref.WeakSet[TritonCacheManager]" = weakref.WeakSet()  # live managers (for fork)
 _CACHED_ONLY = threading.local()  # .on: this thread's compiles may only load from the cache (cached_only)
+_LOOKED_UP = threading.local()  # .key: the key this thread's last get_group asked for (see last_key())
 
 
 class NotCached(Exception):
@@ -166,6 +167,7 @@ class TritonCacheManager(CacheManager):
     def get_group(self, filename):
         if self._plain is not None:
             return self._plain.get_group(filename)
+        _LOOKED_UP.key = self.key
         if getattr(_CACHED_ONLY, "on", False):
             return self._cached_group(filename)
         self._acquire(shared=True)
@@ -278,12 +280,51 @@ def _key_entry(key_dir: Path) -> EntryInfo | None:
                      max(st.st_mtime for st in files.values()), str(key_dir))
 
 
+def last_key() -> str | None:
+    """Triton's cache key of the variant this thread's last ``triton.compile`` looked up (compiled or
+    loaded) through flashrt's cache; None before any. A diagnostic (:mod:`flashrt.jit_log`): it
+    names the variant across processes, where Triton's in-memory key names it in one."""
+    return getattr(_LOOKED_UP, "key", None)
+
+
 def compiled_here() -> list[str]:
     """The kernels this process compiled itself through flashrt's cache (not found there), in order."""
     return list(COMPILED)
 
 
+def stable_hashes() -> bool:
+    """Make Triton's hash of a ``triton.jit`` function independent of the order functions are first
+    hashed in; whether the hook is in place.
+
+    A function's hash (``JITFunction.cache_key``, part of every compile's cache key) covers the
+    constexpr globals used by it and by the functions it calls. Triton merges a callee's globals
+    into the caller's before it hashes the callee, so a callee hashed for the first time then
+    contributes none: the caller's hash depends on whether another kernel had hashed that callee
+    before. Two processes that compile in different orders (a run and its compile pool) then name
+    one variant by two keys, and the run compiles again what the pool compiled. Hashing the callee
+    first makes every hash cover all its callees' globals, whatever the order."""
+    try:
+        from triton.runtime import jit as triton_jit
+    except ImportError:
+        return False
+    finder = getattr(triton_jit, "DependenciesFinder", None)
+    update = getattr(finder, "_update_hash", None)
+    if update is None:
+        return False
+    if getattr(update, "flashrt_stable", False):
+        return True
+
+    def _update_hash(self, func):
+        func.cache_key  # noqa: B018 - the callee's hash first: it fills in the globals the merge reads
+        return update(self, func)
+
+    _update_hash.flashrt_stable = True
+    finder._update_hash = _update_hash
+    return True
+
+
 def install(force: bool = False) -> bool:
+    stable_hashes()  # every process using the cache names a variant by one key (see stable_hashes)
     current = os.environ.get("TRITON_CACHE_MANAGER")
     if current and current != MANAGER_SPEC and not force:
         log.warning("flashrt.jit: TRITON_CACHE_MANAGER=%s is set; not replacing it", current)

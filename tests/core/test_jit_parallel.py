@@ -63,6 +63,9 @@ CHECK = textwrap.dedent('''
     bad = Spec(bad.module, bad.name, bad.signature, bad.constexprs, bad.attrs, bad.options | {"num_warps": 3}, bad.cc)
     from flashrt.jit_parallel import compile_spec
     out["bad"], out["bad_name"] = compile_spec(bad), bad.name
+    os.environ["FLASHRT_JIT_LOG"] = str(root / "unused.log")  # a worker's row then holds its key's pieces
+    out["again"] = compile_spec(specs[-1])  # in the cache already: found, not compiled
+    del os.environ["FLASHRT_JIT_LOG"]
 
     # the launches themselves, through Triton's own JIT path: every compile must be a cache hit
     from triton.backends.nvidia.compiler import CUDABackend
@@ -73,7 +76,8 @@ CHECK = textwrap.dedent('''
     real_stages, CUDABackend.add_stages = CUDABackend.add_stages, refuse
     driver.set_active(_StandInDriver(arch))
     from flashrt import jit_plans
-    recorder = jit_plans.Recorder()
+    from flashrt.jit_log import JitLog, read
+    recorder, jit_log = jit_plans.Recorder(), JitLog(str(root / "jit.log"))
     misses, made = [], 0
     with profiles.using(profile), targeting(arch):
         for family, cases in sources:
@@ -87,6 +91,8 @@ CHECK = textwrap.dedent('''
                 except Exception:
                     pass  # past the cache: the stand-in driver cannot load or launch a kernel
     out["launches"], out["misses"] = made, misses
+    jit_log.close()
+    out["log"] = read(str(root / "jit.log"))
 
     # what the launches loaded, kept as a plan and compiled from it into a third cache: same keys
     recorder.close()
@@ -137,6 +143,19 @@ def test_the_pool_compiles_what_serial_compiles_under_the_same_keys_and_launches
     assert replayed["keys"] == out["serial"]["keys"]
     bad = out["bad"]
     assert bad["status"] == "failed" and bad["kernel"].endswith(out["bad_name"]) and bad["error"]
+    # the cache keys name the same variant in every process: the launches' log lines name the pool's
+    # keys, found there; a worker's row names its key and whether it compiled it
+    assert out["again"]["status"] == "compiled" and out["again"]["compiled"] is False
+    assert out["again"]["cache_key"] in out["parallel"]["keys"]
+    logged = out["log"]
+    assert len(logged) == len(out["specs"])
+    assert sorted(r["cache_key"] for r in logged) == out["parallel"]["keys"]
+    assert all(r["compiled"] is False for r in logged)
+    # the key's pieces as the log computes them make the key, for a launch, its plan round trip, a worker
+    assert out["again"]["parts"]["cache_key"] == out["again"]["cache_key"]
+    for r in logged:
+        assert "parts_error" not in r, r["parts_error"]
+        assert r["parts"]["cache_key"] == r["plan_parts"]["cache_key"] == r["cache_key"]
 
 
 def _spec(name: str) -> jit_parallel.Spec:
@@ -199,6 +218,41 @@ def test_the_report_sums_the_compile_seconds_and_keeps_the_slowest(monkeypatch):
     assert report["slowest"] == [[c / 100, f"_k_{c}"] for c in want]
 
 
+def _keyed_compile(spec, launcher=False):
+    """A compile row as a worker makes it: its start, pid, cache key and whether it compiled."""
+    start = time.time()
+    time.sleep(0.01)
+    return {"kernel": f"{spec.module}.{spec.name}", "status": "compiled", "error": None, "launcher": launcher,
+            "seconds": round(time.time() - start, 2), "start": start, "pid": os.getpid(),
+            "cache_key": f"key{spec.name}", "compiled": spec.name.endswith("0")}
+
+
+def test_the_pool_writes_each_finished_variant_to_the_jit_log(monkeypatch, tmp_path):
+    """With ``FLASHRT_JIT_LOG`` set, the parent writes one line per variant a worker finished: marked
+    ``pool``, its worker's pid, when it was queued and begun, its cache key and whether it compiled."""
+    import random
+
+    from flashrt import jit_log
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(jit_log, "_INSTALLED", {})
+    monkeypatch.setenv(jit_log.ENV, str(tmp_path / "jit.log"))
+    names = [f"_k{random.randrange(10 ** 6)}" for _ in range(random.randint(3, 9))]
+    monkeypatch.setattr(jit_parallel, "plan", lambda *a, **k: ([_spec(n) for n in names], []))
+    monkeypatch.setattr(jit_parallel, "compile_spec", _keyed_compile)  # before the fork: the workers see it
+    before = time.time()
+    report = jit_parallel.Precompile(2).start(ARCHS["sm_90"], _Profile(), {}).result(120)
+    jit_log.active().close()
+    assert report["done"] and report["compiled"] == len(set(names))
+    rows = jit_log.read(str(tmp_path / "jit.log"))
+    assert sorted(r["name"] for r in rows) == sorted(set(names)) and all(r["pool"] for r in rows)
+    for r in rows:
+        assert r["cache_key"] == f"key{r['name']}" and r["compiled"] == r["name"].endswith("0")
+        assert before - 0.01 <= r["submitted"] <= r["start"] + 0.01 <= r["t"] + 0.01 <= time.time() + 0.01
+        assert r["pid"] != os.getpid() and r["status"] == "compiled"
+
+
 def _marking_compile(spec, launcher=False):
     Path(os.environ["FLASHRT_TEST_MARK"]).write_text(spec.name)
     return {"kernel": f"{spec.module}.{spec.name}", "status": "compiled", "error": None, "launcher": launcher}
@@ -225,6 +279,29 @@ def test_the_plans_variants_compile_while_the_warmup_is_planned(monkeypatch, tmp
     assert report["done"] and report["failed"] == []
     assert report["variants"] == 2 and report["compiled"] == 2
     assert (tmp_path / "mark").read_text() in ("_planned", "_case")
+
+
+def _slow_plan(*args, **kwargs):
+    time.sleep(float(os.environ["FLASHRT_TEST_PLAN_SECONDS"]))
+    return [], []
+
+
+def test_the_plans_variants_are_counted_while_the_warmup_is_still_planned(monkeypatch):
+    """A run that ends while a worker still plans the warm-up's variants reports the plans' variants
+    the workers compiled meanwhile (and their log lines), not none."""
+    import random
+
+    names = [f"_p{i}" for i in range(random.randint(2, 5))]
+    monkeypatch.setenv("FLASHRT_TEST_PLAN_SECONDS", "4")
+    monkeypatch.setattr(jit_parallel, "planned_specs", lambda *a: [_spec(n) for n in names])
+    monkeypatch.setattr(jit_parallel, "plan", _slow_plan)
+    monkeypatch.setattr(jit_parallel, "compile_spec", _fake_compile)  # before the fork: the workers see it
+    pool = jit_parallel.Precompile(2).start(ARCHS["sm_90"], _Profile(), {"m": {}})
+    deadline = time.monotonic() + 3
+    while pool._report["compiled"] < len(names) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report = pool.result(0)
+    assert not report["done"] and report["compiled"] == report["variants"] == len(names)
 
 
 def test_unreadable_plans_are_a_failure_row_and_the_cases_still_compile(monkeypatch):
