@@ -65,8 +65,14 @@
 #              and warm again on the merged plan: h200-jit-ttft-shipped.json and the merged plan file
 #              (sm_90-h200-small.json, to commit under core/jit_plans/triton-3.6.0/)
 #   coldlog    a cold `flashrt run --model small` on the shipped plan (h200-jit-ttft-cold-log.json: the
-#              pool's summed and slowest compiles) with FLASHRT_JIT_LOG on: every variant the run's own
-#              process loaded or compiled, when and how long (h200-jit-cold-log.jsonl)
+#              pool's summed and slowest compiles, the run's own compiles classed by what the pool did
+#              with their cache keys) with FLASHRT_JIT_LOG on: every variant the run's process loaded or
+#              compiled and every variant a pool worker finished, when, how long, under which cache key
+#              and its pieces (h200-jit-cold-log.jsonl)
+#   ttftall    the time to first token cold, warm, right after `flashrt jit warmup --shapes small` and
+#              right after `flashrt jit warmup --model small`, each run's compiles logged and classed by
+#              what its pool did with their keys (benchmarks/jit_ttft.py; the report's startup_seconds
+#              split the time before loading): h200-jit-ttft-all.json, h200-jit-ttft-all-log.jsonl
 #   moeprefill the routed experts of a 4,096-token chunk at the released dimensions under the profile's
 #              tile past 16 rows, tiles that fit two programs an SM and 128-row tiles
 #              (benchmarks/moe_prefill_tiles.py): h200-moe-prefill-tiles.json
@@ -483,6 +489,11 @@ phase_coldplan() {
 phase_coldlog() {  # a cold `flashrt run --model small` on the shipped plan, its process's loads and compiles logged
   FLASHRT_JIT_LOG=$OUT/h200-jit-cold-log.jsonl python benchmarks/jit_ttft.py --phases cold --budget 120 \
     --out "$OUT/h200-jit-ttft-cold-log.json"
+}
+
+phase_ttftall() {  # every time-to-first-token phase but the first run's, with the JIT log
+  FLASHRT_JIT_LOG=$OUT/h200-jit-ttft-all-log.jsonl python benchmarks/jit_ttft.py \
+    --phases cold warm after_warmup after_model_warmup --budget ${TTFT_BUDGET:-300} --out "$OUT/h200-jit-ttft-all.json"
 }
 
 phase_moeprefill() {

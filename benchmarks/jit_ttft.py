@@ -84,7 +84,8 @@ def prepare_checkpoint(root: Path, model: str) -> Path:
 def row(phase: str, report: dict, wall: float, warmup: dict | None = None) -> dict:
     keys = ("ttft_from_load_s", "ttft_from_process_start_s", "load_seconds", "prefill_seconds",
             "decode_tokens_per_s", "new_token_ids")
-    out = {"phase": phase, "device": report["device"], **{k: report[k] for k in keys}, "process_wall_s": wall}
+    out = {"phase": phase, "device": report["device"], **{k: report[k] for k in keys}, "process_wall_s": wall,
+           "startup_seconds": report.get("startup_seconds")}
     jit = report.get("jit") or {}
     pre = jit.get("precompile") or {}
     here = jit.get("compiled_in_process", [])

@@ -240,6 +240,7 @@ def run_with_model(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_to
     ``seed`` seeds sampling; ``weights_seed`` picks the built-in models' weights (a checkpoint
     directory is used as it is). ``speculative="dspark"``: decode with the model's draft layers,
     ``draft_tokens`` (an int or ``"auto"``) drafts verified per step (docs/speculative.md)."""
+    t_entry, age_entry = time.perf_counter(), process_seconds()
     images = [images] if isinstance(images, (str, bytes, os.PathLike)) else list(images or ())
     if chat is not None:  # bad chat input fails before the model loads
         chat_messages(chat, system)
@@ -255,7 +256,9 @@ def run_with_model(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_to
     if threads:
         torch.set_num_threads(threads)
     cfg = model_config(model) if dev.type == "cuda" else None
+    t_fork = time.perf_counter()
     pool, dims = start_precompile(cfg, dev, backend)  # compiles while the model loads
+    t_forked = time.perf_counter()
     start_triton_key(dev, backend)  # (after the fork) Triton's own cache key, hashed while the model loads
     recorder, compiled_before = start_recording(dev, backend), compiled_count()
     try:
@@ -307,6 +310,9 @@ def run_with_model(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_to
         "load_seconds": load_s, "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
         "ttft_from_load_s": ttft_load,
         "ttft_from_process_start_s": None if age is None else age - (now - t0) + ttft_load,
+        "startup_seconds": {  # where the time before loading goes (ttft_from_process_start_s - ttft_from_load_s)
+            "process_to_run": age_entry, "checks_and_device": t_fork - t_entry, "pool_fork": t_forked - t_fork,
+            "profile_and_pool_start": t0 - t_forked},
         "prefill_tokens_per_s": result.prompt_tokens / max(result.prefill_seconds, 1e-9),
         "decode_tokens_per_s": max(result.new_tokens - 1, 0) / max(result.decode_seconds, 1e-9),
         "kv_bytes_per_token": kv_token, "kv_bytes_total": kv_token * n_tokens + state.window_bytes(),

@@ -38,6 +38,11 @@ def test_run_creates_then_reuses_the_tiny_checkpoint(tmp_path):
     assert 0 < r["prefill_seconds"] and r["load_seconds"] + r["prefill_seconds"] <= r["ttft_from_load_s"]
     assert r["ttft_from_load_s"] < r["ttft_from_process_start_s"] < wall
     assert r["ttft_from_process_start_s"] - r["ttft_from_load_s"] > 0.1  # python + torch imports
+    # the time before loading, in parts that add up to it (to the process clock's 10 ms ticks)
+    parts = r["startup_seconds"]
+    assert set(parts) == {"process_to_run", "checks_and_device", "pool_fork", "profile_and_pool_start"}
+    assert all(v >= 0 for v in parts.values()) and parts["process_to_run"] > 0.1
+    assert abs(sum(parts.values()) - (r["ttft_from_process_start_s"] - r["ttft_from_load_s"])) < 0.05
 
 
 def test_run_text_report_and_options(tmp_path):
