@@ -120,7 +120,7 @@ def key_parts(src, backend, options) -> dict:
     digest = lambda text: hashlib.sha256(str(text).encode()).hexdigest()[:16]  # noqa: E731
     env = str(sorted(get_cache_invalidating_env_vars().items()))
     pieces = (triton_key(), src.hash(), backend.hash(), options.hash(), env)
-    return {"triton": digest(pieces[0]), "src": digest(pieces[1]), "backend": str(pieces[2]),
+    return {"triton": digest(pieces[0]), "src": digest(pieces[1]), "backend": digest(pieces[2]),
             "options": digest(pieces[3]), "env": env,
             "cache_key": _base32(hashlib.sha256("-".join(map(str, pieces)).encode()).hexdigest())}
 
