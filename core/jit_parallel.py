@@ -125,7 +125,7 @@ def compile_spec(spec: Spec, launcher: bool = False) -> dict:
     (the compiler's message), ``seconds``, ``launcher`` (True, or why it was not built), ``start``
     (unix time), ``pid``, ``cache_key`` (Triton's) and ``compiled`` (False: found in the cache)."""
     from .jit_compile import compile_kernel, compiler_error
-
+    from .jit_log import ENV as LOG_ENV
     from .jit_triton import COMPILED, last_key
 
     row = {"kernel": f"{spec.module}.{spec.name}", "families": list(spec.families), "status": "compiled",
@@ -140,7 +140,7 @@ def compile_spec(spec: Spec, launcher: bool = False) -> dict:
     if error is not None:
         return row | {"status": "failed", "error": error, "seconds": round(time.perf_counter() - t0, 2)}
     row |= {"cache_key": last_key(), "compiled": len(COMPILED) > before}
-    if os.environ.get("FLASHRT_JIT_LOG", "").strip():  # the key's pieces, for the log's comparison
+    if os.environ.get(LOG_ENV, "").strip():  # the key's pieces, for the log's comparison
         row["parts"] = _key_parts(spec, fn)
     if launcher:
         row["launcher"] = build_launcher(kernel)

@@ -2,7 +2,8 @@
 
     TRITON_INTERPRET=1 FLASHRT_BACKEND=cuda python tools/step_launches.py --model small --batch 1 --vocab 512
 
-Runs the static-buffer decode step (engine/step_capture.py, eager) as ``step_ops.py`` does, and
+Runs the static-buffer decode step (engine/step_capture.py, eager) as ``step_ops.py`` does (with
+``--verify K``, a speculative verify step of K + 1 tokens a row: engine/verify_capture.py, eager), and
 counts what each would be on a CUDA device: every Triton kernel launch (counted at the
 interpreter's launch entry, one per grid) and every aten operation outside the Triton interpreter
 but views and allocations (``step_ops.FREE``). Each launch is attributed to the decoder layer
@@ -118,6 +119,28 @@ def measure(model, batch: int, prompt: int) -> Launches:
     return rec
 
 
+def measure_verify(model, batch: int, prompt: int, k: int) -> Launches:
+    """The launches of one static verify step of ``k + 1`` tokens a row (engine/verify_capture.py,
+    eager: what a speculative round replays) after a ``prompt``-token prefill and one verify kept
+    whole."""
+    from flashrt.engine.verify_capture import VerifyCapture
+
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=model.device)
+    rec = Launches()
+    with flashrt.value_checks(False):
+        state = model.new_state(batch, prompt + 4 * (k + 1))
+        model.forward(ids, state=state)
+        verifier = VerifyCapture(model, state, capture=False)
+        chunk = torch.randint(0, cfg.vocab_size, (batch, k + 1), device=model.device)
+        verifier.verify(chunk)
+        verifier.keep(chunk, torch.full((batch,), k + 1, dtype=torch.long), [k + 1] * batch)
+        install(rec)
+        with _Torch(rec):
+            verifier.verify(chunk)
+    return rec
+
+
 def summary(rec: Launches, roles: dict) -> dict:
     """Totals per layer, per layer role (mean over its layers) and per (op, kind, name)."""
     per_layer, per_op = collections.Counter(), collections.Counter()
@@ -145,8 +168,12 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=132, help="SMs the launchers plan for (H200: 132)")
     ap.add_argument("--vocab", type=int, default=None,
                     help="a smaller vocabulary (the head's launches sit outside the layers; the interpreter runs it slowly)")
+    ap.add_argument("--verify", type=int, default=None, metavar="K",
+                    help="count a speculative verify step of K + 1 tokens a row instead of a decode step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.verify is not None and args.verify < 0:
+        ap.error(f"--verify: expected K >= 0 drafted tokens, got {args.verify}")
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("step_launches.py counts interpreted launches: run it with TRITON_INTERPRET=1 FLASHRT_BACKEND=cuda")
     step_ops.cuda_then_reference_on_cpu()
@@ -159,10 +186,14 @@ def main() -> None:
     if args.vocab:
         cfg = cfg.replace(vocab_size=args.vocab)
     model = Model(cfg, init_weights(cfg, seed=0, device="cpu"))
-    rec = measure(model, args.batch, args.prompt)
+    if args.verify is None:
+        rec = measure(model, args.batch, args.prompt)
+    else:
+        rec = measure_verify(model, args.batch, args.prompt, args.verify)
     out = summary(rec, {l: cfg.role(l) for l in range(cfg.n_layers)})
-    out.update(model=args.model, batch=args.batch)
-    print(f"{out['total']} launches a decode step ({args.model}, batch {args.batch}); "
+    out.update(model=args.model, batch=args.batch, verify=args.verify)
+    step = "a decode step" if args.verify is None else f"a verify step of {args.verify + 1} tokens a row"
+    print(f"{out['total']} launches {step} ({args.model}, batch {args.batch}); "
           f"{out['mean_per_layer']:.1f} a layer on average, {out['outside_layers']} outside the layers")
     print("per layer:", out["per_layer"])
     print("per role (mean):", {r: round(v, 1) for r, v in out["per_role"].items()})
