@@ -263,8 +263,8 @@ def gather_cold_rows(host, host_ids, picks, index, offset):
     return staging, out
 
 
-def store_rows(dst, batch, slot, src):
-    _emit("store_rows", (batch, slot, src), (src,), 0)  # writes the source rows' bytes into dst
+def store_rows(dst, batch, slot, src, keep=None):
+    _emit("store_rows", (batch, slot, src) + (() if keep is None else (keep,)), (src,), 0)  # the rows' bytes into dst
     return dst
 
 

@@ -119,6 +119,12 @@ def _cases(dev, g):
     ring = ops.quantize(f32(4, 128, 512), "fp8")  # a window ring: one new token for each of 4 rows
     yield "store_rows", (ring, torch.arange(4, device=dev), torch.randint(0, 128, (4,), generator=g).to(dev),
                          ops.quantize(f32(4, 512), "fp8"))
+    # a verify commit: 4 rows x 3 tokens at distinct slots, the tokens past each row's kept count left out
+    ring = ops.quantize(f32(4, 128, 512), "fp8")
+    rows = torch.arange(4, device=dev).repeat_interleave(3)
+    slots = (torch.randint(0, 126, (4, 1), generator=g) + torch.arange(3)).reshape(-1).to(dev)
+    kept = (torch.arange(3).view(1, 3) < torch.randint(0, 4, (4, 1), generator=g)).reshape(-1).to(dev)
+    yield "store_rows", (ring, rows, slots, ops.quantize(f32(12, 512), "fp8"), kept)
     for case in _window_case(dev, g):
         yield "window_indices", case
 

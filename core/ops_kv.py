@@ -46,13 +46,14 @@ def gather_cold_rows(host: QTensor, host_ids, picks, index, offset: int):
     return _impl("gather_cold_rows", device)(host, host_ids, picks, index, offset)
 
 
-def store_rows(dst: QTensor, batch, slot, src: QTensor) -> QTensor:
+def store_rows(dst: QTensor, batch, slot, src: QTensor, keep=None) -> QTensor:
     """Store KV rows at (row, slot) pairs, in place (a window ring's new tokens), with no host sync.
 
     ``dst`` ``QTensor`` ``[Bd, S, D]`` in a KV format, ``batch`` int64 ``[n]`` in ``[0, Bd)``,
-    ``slot`` int64 ``[n]`` in ``[0, S)``, ``src`` ``QTensor`` ``[n, D]`` in ``dst``'s format ->
-    ``dst``: ``dst[batch[i], slot[i]]`` takes the stored bytes of ``src[i]`` (data and scale,
-    exactly). Two pairs must not name the same row.
+    ``slot`` int64 ``[n]`` in ``[0, S)``, ``src`` ``QTensor`` ``[n, D]`` in ``dst``'s format,
+    ``keep`` None or bool ``[n]`` -> ``dst``: ``dst[batch[i], slot[i]]`` takes the stored bytes of
+    ``src[i]`` (data and scale, exactly) where ``keep[i]`` (every pair without ``keep``); the rows
+    of the other pairs are left as they are. Two pairs must not name the same row.
     """
     env: dict = {}
     for name, q in (("dst", dst), ("src", src)):
@@ -62,9 +63,12 @@ def store_rows(dst: QTensor, batch, slot, src: QTensor) -> QTensor:
     c.tensor("batch", batch, "n", env, (torch.int64,), dst.device)
     c.tensor("slot", slot, "n", env, (torch.int64,), dst.device)
     c.maybe_quantized("src", src, "n D", env, (dst.fmt,), dst.device)
+    if keep is not None:
+        c.tensor("keep", keep, "n", env, (torch.bool,), dst.device)
     c.index_range("batch", batch, 0, env["Bd"])
     c.index_range("slot", slot, 0, env["S"])
-    return _impl("store_rows", dst.device)(dst, batch, slot, src)
+    impl = _impl("store_rows", dst.device)
+    return impl(dst, batch, slot, src) if keep is None else impl(dst, batch, slot, src, keep)
 
 
 def resolve_paged(table, picks, page_entries: int, offset: int = 0) -> torch.Tensor:

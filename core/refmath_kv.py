@@ -44,9 +44,12 @@ def paged_rows(table, entry, mask, page_entries: int, trash_row: int):
     return torch.where(mask & (page >= 0), page * P + e % P, trash_row).reshape(-1)
 
 
-def store_rows(dst, batch, slot, src):
+def store_rows(dst, batch, slot, src, keep=None):
     for d, v in ((dst.data, src.data), (dst.scale, src.scale)):
-        d.view(torch.uint8)[batch, slot] = v.view(torch.uint8)  # float8 has no index_put
+        d, v = d.view(torch.uint8), v.view(torch.uint8)  # float8 has no index_put
+        if keep is not None:  # the pairs not kept write back what their row holds (their rows are distinct)
+            v = torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, d[batch, slot])
+        d[batch, slot] = v
     return dst
 
 

@@ -146,10 +146,10 @@ def engram_hash(seq, multipliers, primes, offsets, pad):
     return ref.engram_hash(seq, multipliers, primes, offsets, pad)
 
 
-def store_rows(dst, batch, slot, src):
+def store_rows(dst, batch, slot, src, keep=None):
     """``store_rows``: plain torch on the NPU (one byte scatter each for data and scale), exactly the reference."""
     fallback("store_rows", REASONS["store_rows"])
-    return ref.store_rows(dst, batch, slot, src)
+    return ref.store_rows(dst, batch, slot, src, keep)
 
 
 def resolve_paged(table, picks, page_entries, offset=0):

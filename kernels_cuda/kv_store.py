@@ -107,8 +107,9 @@ def _store_rows_kernel(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, batch_ptr, slot
                        SROW: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
     wait_inputs()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < total
-    dst = tl.load(batch_ptr + i, mask=ok, other=0) * S + tl.load(slot_ptr + i, mask=ok, other=0)
+    slot = tl.load(slot_ptr + i, mask=i < total, other=-1)
+    ok = (i < total) & (slot >= 0)  # a negative slot: a pair not kept (store_rows' keep), not written
+    dst = tl.load(batch_ptr + i, mask=ok, other=0) * S + slot
     src = i.to(tl.int64)
     _copy_rows(val_ptr, vscale_ptr, dst_ptr, dscale_ptr, src, dst, ok, ROW, SROW, BR, BS)
 
@@ -198,12 +199,15 @@ def _store_two(a, b, entry, mask, t):
                                                           **pdl.options(entry.device))
 
 
-def store_rows(dst, batch, slot, src):
-    """``flashrt.ops.store_rows`` in one launch; a ``dst`` that is not contiguous, the switch
-    ``store_rows.in_kernel`` off, or no rows take the plain-torch path."""
+def store_rows(dst, batch, slot, src, keep=None):
+    """``flashrt.ops.store_rows`` in one launch (with ``keep``, one more: the pairs not kept get slot
+    -1, which the kernel skips); a ``dst`` that is not contiguous, the switch ``store_rows.in_kernel``
+    off, or no rows take the plain-torch path."""
     t, n = _tiles()["store_rows"], batch.shape[0]
     if not (t["in_kernel"] and n and _flat(dst.data) and _flat(dst.scale)):
-        return refmath.store_rows(dst, batch, slot, src)
+        return refmath.store_rows(dst, batch, slot, src, keep)
+    if keep is not None:
+        slot = torch.where(keep, slot, -1)
     ddata, dscale = byte_rows(dst.data), byte_rows(dst.scale)
     vdata, vscale = byte_rows(dense(src.data)), byte_rows(dense(src.scale))
     _store_rows_kernel[(cdiv(n, t["BLOCK"]),)](

@@ -24,18 +24,10 @@ class Staged:
 
 def write_kept(ring: QTensor, slots: tuple, kv: QTensor, keep: torch.Tensor | None) -> None:
     """Write the staged ring tokens ``kv`` [B, n, D] at ``slots`` (row, slot) [B * n]; with ``keep``
-    (bool [B * n], on the ring's device) only those it marks: the others write back what the ring
-    holds at their slot (no host-side filtering, no device sync). A row's slots are distinct: its
-    chunk fits in the window."""
-    if keep is None:
-        write_rows(ring, *slots, kv)
-        return
-    u8 = torch.uint8  # selects on the stored bytes: `where` is not implemented for every quantized dtype
-    row, slot = slots
-    new = (kv.data.view(u8).flatten(0, 1), kv.scale.view(u8).flatten(0, 1))
-    old = (ring.data.view(u8)[row, slot], ring.scale.view(u8)[row, slot])
-    data, scale = (torch.where(keep.unsqueeze(1), n, o) for n, o in zip(new, old))
-    write_rows(ring, row, slot, QTensor(data, scale, kv.fmt, (data.shape[0], kv.shape[-1])))
+    (bool [B * n], on the ring's device) only those it marks, the other slots left as they are
+    (``store_rows``' ``keep``: no host-side filtering, no device sync). A row's slots are distinct:
+    its chunk fits in the window."""
+    write_rows(ring, *slots, kv, keep)
 
 
 def commit_partial(cache, r: int, kv, score, first, ends) -> None:

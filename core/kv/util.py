@@ -33,14 +33,15 @@ def to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTensor) -> None:
+def write_rows(dst: QTensor, batch: torch.Tensor, slot: torch.Tensor, src: QTensor,
+               keep: torch.Tensor | None = None) -> None:
     """``dst[batch[i], slot[i]] = src[i]`` on the stored bytes (``src`` [..., D], ``n`` rows in
-    all): the op ``store_rows``."""
+    all) where ``keep[i]`` (bool [n]; None: every row): the op ``store_rows``."""
     n = batch.shape[0]
     data, scale = (s.reshape(n, -1).view(torch.uint8).view(d.dtype)
                    for s, d in ((src.data, dst.data), (src.scale, dst.scale)))
     rows = QTensor(data, scale, dst.fmt, (n, src.shape[-1]))  # a caller's byte views back in the stored dtypes
-    unchecked(ops.store_rows, dst, batch, slot, rows)
+    unchecked(ops.store_rows, dst, batch, slot, rows, keep)
 
 
 def write_paged(pool, table: torch.Tensor, entry: torch.Tensor, mask: torch.Tensor, values: QTensor) -> None:

@@ -168,12 +168,36 @@ def test_store_rows_matches_the_reference_and_stores_by_hand(rng, launches, fmt,
         assert torch.equal(_bytes(g), hand) and torch.equal(_bytes(w), hand), part
 
 
+@pytest.mark.parametrize("fmt,Bd,S,D,n", [("fp8", 2, 8, 512, 6), ("fp4_b16", 4, 5, 48, 11), ("int8", 1, 16, 64, 7)])
+def test_store_rows_with_keep_writes_only_the_kept_pairs(rng, launches, fmt, Bd, S, D, n):
+    """``keep``: the pairs it marks are stored, every other row keeps its bytes (the pairs not kept
+    included), on the CUDA kernel (one launch more: their slots set to -1) and the reference alike."""
+    dst = formats.quantize(torch.randn(Bd, S, D, generator=rng), fmt).to(DEVICE)
+    flat = torch.randperm(Bd * S, generator=rng)[:n]
+    batch, slot = (flat // S).to(DEVICE), (flat % S).to(DEVICE)
+    keep = (torch.rand(n, generator=rng) < 0.5).to(DEVICE)
+    src = formats.quantize(torch.randn(n, D, generator=rng), fmt).to(DEVICE)
+    got, want = _copy(dst), _copy(dst)
+    with flashrt.use_backend("cuda"):
+        assert ops.store_rows(got, batch, slot, src, keep) is got
+    assert launches == ["_store_rows_kernel"]
+    with flashrt.use_backend("reference"):
+        ops.store_rows(want, batch, slot, src, keep)
+    for part, g, w in (("data", got.data, want.data), ("scale", got.scale, want.scale)):
+        hand = _bytes(getattr(dst, part)).clone()
+        hand[flat[keep.cpu()]] = _bytes(getattr(src, part).unsqueeze(0))[keep.cpu()]
+        assert torch.equal(_bytes(g), hand) and torch.equal(_bytes(w), hand), part
+
+
 def test_store_rows_checks_its_arguments(rng):
     dst = formats.quantize(torch.randn(3, 4, 32, generator=rng), "fp8").to(DEVICE)
     src = formats.quantize(torch.randn(2, 32, generator=rng), "fp8").to(DEVICE)
     rows = torch.tensor([0, 2], device=DEVICE)
     assert_error(lambda: ops.store_rows(dst, rows, torch.tensor([1, 4], device=DEVICE), src), "slot", "[0, 4)")
     assert_error(lambda: ops.store_rows(dst, rows.int(), rows, src), "batch", "int64")
+    assert_error(lambda: ops.store_rows(dst, rows, rows, src, rows), "keep", "bool")
+    assert_error(lambda: ops.store_rows(dst, rows, rows, src, torch.ones(3, dtype=torch.bool, device=DEVICE)),
+                 "keep", "n=2")
     assert_error(lambda: ops.store_rows(dst, rows[:1], rows[:1], src), "src", "n=1")
     assert_error(lambda: ops.store_rows(dst, rows, rows, formats.quantize(torch.randn(2, 32), "int8").to(DEVICE)),
                  "src", "fp8")
