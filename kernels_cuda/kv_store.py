@@ -1,7 +1,8 @@
 """``store_paged`` (paged KV store): a decode step's new KV rows written into a paged pool in one
 launch, the block-table lookup included; ``resolve_paged``: the pool rows of picked logical
 entries (the lookup before a paged attention read) in one launch; ``store_rows``: a window ring's
-new tokens at (row, slot) pairs in one launch (``_store_rows_kernel``, the same byte copy).
+new tokens at (row, slot) pairs in one launch (``_store_rows_kernel``, the same byte copy; a pair
+the op's ``keep`` leaves out gets slot -1 from the launcher, which the kernel skips).
 
 ``_store_paged_kernel``: one program per ``BLOCK`` pairs of the flat ``[B * n]`` pairs. For pair
 ``i`` of row ``b`` with entry ``e = max(entry[b, j], 0)``: pool page ``page = table[b, min(e // P,
