@@ -122,7 +122,7 @@ def measure(model, batch: int, prompt: int) -> Launches:
 def measure_verify(model, batch: int, prompt: int, k: int) -> Launches:
     """The launches of one static verify step of ``k + 1`` tokens a row (engine/verify_capture.py,
     eager: what a speculative round replays) after a ``prompt``-token prefill and one verify kept
-    whole."""
+    whole, and of its commit keeping a random count of each row's tokens (layer ``commit``)."""
     from flashrt.engine.verify_capture import VerifyCapture
 
     cfg = model.cfg
@@ -138,6 +138,9 @@ def measure_verify(model, batch: int, prompt: int, k: int) -> Launches:
         install(rec)
         with _Torch(rec):
             verifier.verify(chunk)
+            rec.layer = "commit"
+            counts = torch.randint(1, k + 2, (batch,))
+            verifier.keep(chunk, counts, counts.tolist())
     return rec
 
 
@@ -147,11 +150,12 @@ def summary(rec: Launches, roles: dict) -> dict:
     for (layer, op, kind, name), n in rec.counts.items():
         per_layer[layer] += n
         per_op[(op, kind, name)] += n
-    layers = [l for l in per_layer if l != "-"]
+    layers = [l for l in per_layer if l not in ("-", "commit")]
     by_role = collections.defaultdict(list)
     for l in layers:
         by_role[roles[l]].append(per_layer[l])
     return {"total": sum(per_layer.values()), "outside_layers": per_layer.get("-", 0),
+            "commit": per_layer.get("commit", 0),
             "per_layer": {str(l): per_layer[l] for l in sorted(layers)},
             "mean_per_layer": sum(per_layer[l] for l in layers) / max(1, len(layers)),
             "per_role": {r: sum(v) / len(v) for r, v in by_role.items()},
@@ -194,7 +198,8 @@ def main() -> None:
     out.update(model=args.model, batch=args.batch, verify=args.verify)
     step = "a decode step" if args.verify is None else f"a verify step of {args.verify + 1} tokens a row"
     print(f"{out['total']} launches {step} ({args.model}, batch {args.batch}); "
-          f"{out['mean_per_layer']:.1f} a layer on average, {out['outside_layers']} outside the layers")
+          f"{out['mean_per_layer']:.1f} a layer on average, {out['outside_layers']} outside the layers"
+          + ("" if args.verify is None else f", {out['commit']} in the commit keeping part of each row"))
     print("per layer:", out["per_layer"])
     print("per role (mean):", {r: round(v, 1) for r, v in out["per_role"].items()})
     for r in out["rows"][:args.top]:
