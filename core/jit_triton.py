@@ -300,9 +300,10 @@ def stable_hashes() -> bool:
     constexpr globals used by it and by the functions it calls. Some Triton releases (3.6, the GPU
     image's) merge a callee's globals into the caller's before they hash the callee, so a callee
     hashed for the first time then contributes none: the caller's hash depends on whether another
-    kernel had hashed that callee before. Two processes that compile in different orders (a run and its compile pool) then name
-    one variant by two keys, and the run compiles again what the pool compiled. Hashing the callee
-    first makes every hash cover all its callees' globals, whatever the order."""
+    kernel had hashed that callee before. Two processes that compile in different orders (a run and
+    its compile pool) then name one variant by two keys, and the run compiles again what the pool
+    compiled. Hashing the callee first makes every hash cover all its callees' globals, whatever the
+    order."""
     try:
         from triton.runtime import jit as triton_jit
     except ImportError:
