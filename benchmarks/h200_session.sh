@@ -160,6 +160,8 @@
 #              tests natively (h200-gemvrt-tests.log), the released projections at 1 / 2 / 4 rows with and
 #              without it (h200-gemv-roundtrip.json), then the slice and small's decode with the profile's
 #              one-or-two-row rule taking it (h200-real-slice-gemvrt-{off,on}.json, h200-e2e-gemvrt-{off,on}.json)
+#   gemvrtsmall  gemvrt's GEMV variants at small's projections, 1 and 2 rows (a batch-1 verify's two rows there
+#              take 56 round-trip launches): h200-gemv-roundtrip-small.json
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
 #              speculative_costs hold): h200-speculative-TAG.json (SPEC_TAG, default "now")
 #   verifysplit  benchmarks/verify_breakdown.py on small at batch 1, k 1 and 4: the verify forward, its
@@ -1140,6 +1142,12 @@ phase_gemvrt() {  # the fp8 GEMV's activations through their fp8 round trip by a
   local on
   on=$(profile_set h200-gemv-round-trip tiles.linear.linear.0.1.gemv_round_trip true)
   slice_and_decode gemvrt off h200 on "$on"
+}
+
+phase_gemvrtsmall() {  # the two-row GEMV with and without its round trip at small's projections (a verify's rows)
+  python benchmarks/gemv_tiles.py --model small --rows 1 2 --variants "GEMV N64 K256 s3" \
+    "GEMV N64 K256 s3, round trip" "GEMV N64 K256 s3, 2 rows a program" "GEMV N64 K256 s3, 2 rows a program, round trip" \
+    --out "$OUT/h200-gemv-roundtrip-small.json" | grep -v moe_experts
 }
 
 phase_speculative() {  # the verify and draft costs against a plain step (the profile's speculative_costs)
