@@ -13,10 +13,12 @@ next pool compiles too.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
 import threading
+from types import SimpleNamespace
 
 import torch
 
@@ -163,3 +165,33 @@ def jit_report(precompiled: dict | None, plan_added: int = 0, since: int = 0, pr
     triton_cache = sys.modules.get("flashrt.jit_triton")
     return {"precompile": precompiled, "plan_added": plan_added, "preload": preloaded,
             "compiled_in_process": triton_cache.compiled_here()[since:] if triton_cache else []}
+
+
+@contextlib.contextmanager
+def compiles_beside(model: str, dev: torch.device, backend: str | None = None):
+    """The kernel compiles of a process that loads ``model`` and warms it up inside the block (``flashrt
+    serve``): as :func:`flashrt.engine.run.run_with_model` does, the pool forked before the CUDA
+    context (call this before any CUDA work) and started under the profile the load must use; Triton's
+    key hashed on a thread; every variant the block loads recorded. Yields a namespace: ``profile``
+    (pass it to the load), ``cfg`` (set it to the loaded model's config: the plan is kept under that
+    model's name when the block ends without an error), and after the block ``report`` (as
+    ``flashrt run``'s ``jit``; None until then, and on CPU). The pool's compiles not started when the
+    block ends are cancelled: serving does not share the CPUs with them."""
+    from flashrt.engine.run import model_config
+    from flashrt.graphs.loader import resolve_profile
+
+    cfg = model_config(model) if dev.type == "cuda" else None
+    pool, dims = start_precompile(cfg, dev, backend)
+    start_triton_key(dev, backend)
+    recorder, before = start_recording(dev, backend), compiled_count()
+    state = SimpleNamespace(profile=resolve_profile(None, dev), cfg=None, report=None)
+    pool = begin(pool, dev, state.profile, dims)
+    try:
+        yield state
+    finally:
+        precompiled = pool.result(timeout=0) if pool is not None else None
+        if recorder is not None:
+            recorder.close()
+    if state.cfg is not None and (pool is not None or recorder is not None):  # Triton kernels launched here
+        added = save_plan(recorder, dev, state.profile, plan_model(cfg, state.cfg))
+        state.report = jit_report(precompiled, added, before)

@@ -135,12 +135,23 @@ def cmd_serve(args) -> int:
 
         engine = EngineClient(CoreSpec(args.model, args.device, args.seed, config, threads, args.log_level))
     else:
-        model = load_model(args.model, dev, args.seed, quiet=args.log_level not in ("info", "debug"))
-        engine = Engine(model, config=config)
-        if engine.config.warmup_on(model):
-            from flashrt.engine.warmup import log_progress
+        from flashrt.engine.precompile import compiles_beside
 
-            engine.warm_up(log_progress)
+        with compiles_beside(args.model, dev) as compiles:  # on CUDA: compiled on a pool while loading
+            model = load_model(args.model, dev, args.seed, quiet=args.log_level not in ("info", "debug"),
+                               profile=compiles.profile)
+            engine = Engine(model, config=config)
+            if engine.config.warmup_on(model):
+                from flashrt.engine.warmup import log_progress
+
+                engine.warm_up(log_progress)
+            compiles.cfg = model.cfg
+        if compiles.report is not None:
+            jit = compiles.report
+            logging.getLogger("flashrt").info(
+                "kernels: %d compiled in this process, %s of %s on the compile pool, %d added to the plan",
+                len(jit["compiled_in_process"]), (jit["precompile"] or {}).get("compiled"),
+                (jit["precompile"] or {}).get("variants"), jit["plan_added"])
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = create_app(engine, name, api_key=args.api_key)
 

@@ -148,3 +148,55 @@ def test_triton_key_is_hashed_on_a_thread_only_for_compiled_cuda_kernels(monkeyp
     thread.join(120)
     assert not thread.is_alive() and triton_cache.triton_key.cache_info().currsize == 1
     assert triton_cache.triton_key.cache_info().misses == 1
+
+
+class _FakePool:
+    def __init__(self):
+        self.calls = []
+
+    def start(self, arch, profile, models, launcher=False):
+        self.calls.append(("start", profile.name, tuple(models)))
+        return self
+
+    def result(self, timeout=None):
+        self.calls.append(("result", timeout))
+        return {"variants": 3, "compiled": 2}
+
+
+class _FakeRecorder:
+    def __init__(self):
+        self.closed = False
+
+    def entries(self):
+        return []
+
+    def close(self):
+        self.closed = True
+
+
+def test_serve_compiles_on_the_pool_while_it_loads_and_warms_up(monkeypatch):
+    """``flashrt serve`` (``precompile.compiles_beside``): on a CUDA device the pool is forked before
+    the load under the profile the load is given, closed (what is not started cancelled) when the
+    warm-up ends, and the plan kept under the planned model's name; on an error nothing is kept."""
+    pool, recorder, saved = _FakePool(), _FakeRecorder(), []
+    monkeypatch.setattr(jit_warmup, "precompile_pool", lambda models: pool)
+    monkeypatch.setattr(precompile, "start_triton_key", lambda dev, backend: None)
+    monkeypatch.setattr(precompile, "start_recording", lambda dev, backend: recorder)
+    monkeypatch.setattr(precompile, "save_plan", lambda rec, dev, profile, model: saved.append(model) or 7)
+    monkeypatch.setattr("flashrt.jit_targets.device_arch", lambda index: "arch")
+    monkeypatch.setattr("flashrt.graphs.loader.resolve_profile", lambda name, dev: type("P", (), {"name": "h200"})())
+    with precompile.compiles_beside("small", torch.device("cuda")) as compiles:
+        assert compiles.profile.name == "h200" and pool.calls == [("start", "h200", ("small",))]
+        compiles.cfg = shipped_config("small").replace(name="small-seed0")
+    assert pool.calls[-1] == ("result", 0) and recorder.closed and saved == ["small"]
+    assert compiles.report["precompile"] == {"variants": 3, "compiled": 2} and compiles.report["plan_added"] == 7
+    with pytest.raises(RuntimeError, match="load failed"):
+        with precompile.compiles_beside("small", torch.device("cuda")) as compiles:
+            raise RuntimeError("load failed")
+    assert pool.calls[-1] == ("result", 0) and saved == ["small"] and compiles.report is None
+
+
+def test_serve_on_a_cpu_forks_no_pool_and_reports_nothing():
+    with precompile.compiles_beside("tiny", torch.device("cpu")) as compiles:
+        compiles.cfg = shipped_config("tiny")
+    assert compiles.report is None
