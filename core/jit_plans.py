@@ -179,9 +179,11 @@ class Recorder:
             self._knobs.runtime.jit_post_compile_hook = self._previous
 
 
-def save(arch: Arch, profile: str, model: str, entries: list[dict]) -> int:
+def save(arch: Arch, profile: str, model: str, entries: list[dict], last: bool = False) -> int:
     """Add ``entries`` to the cache's plan of (``arch``, ``profile``, ``model``) (read, merged and
-    rewritten under the plan's lock); the number of entries that were new."""
+    rewritten under the plan's lock); the number of entries that were new. The new entries go first
+    (a pool compiles a plan in order: what the latest run launched comes first), or with ``last``
+    after the plan's (a server's warm-up variants: a run's cold start still compiles its own first)."""
     if not entries:
         return 0
     path = plan_paths(arch, profile, model)[0]
@@ -195,7 +197,8 @@ def save(arch: Arch, profile: str, model: str, entries: list[dict]) -> int:
         known = {entry_key(e) for e in old}
         new = [e for e in entries if entry_key(e) not in known]
         if new:
-            atomic_write(path, plan_text(arch.name, profile, model, (new + old)[:MAX_ENTRIES]))
+            merged = (old + new) if last else (new + old)
+            atomic_write(path, plan_text(arch.name, profile, model, merged[:MAX_ENTRIES]))
         return len(new)
     finally:
         os.close(fd)

@@ -137,16 +137,16 @@ def plan_model(cfg: ModelConfig | None, loaded: ModelConfig) -> str:
     return cfg.name if cfg is not None else loaded.name
 
 
-def save_plan(recorder, dev: torch.device, profile, model: str) -> int:
-    """Add what ``recorder`` saw to the plan of ``model`` on this device and ``profile``; the new
-    variants (0 without a recorder)."""
+def save_plan(recorder, dev: torch.device, profile, model: str, last: bool = False) -> int:
+    """Add what ``recorder`` saw to the plan of ``model`` on this device and ``profile`` (``last``:
+    after the plan's entries, :func:`flashrt.jit_plans.save`); the new variants (0 without a recorder)."""
     if recorder is None:
         return 0
     from flashrt.jit_plans import save
     from flashrt.jit_targets import device_arch
 
     try:
-        return save(device_arch(dev.index), profile.name, model, recorder.entries())
+        return save(device_arch(dev.index), profile.name, model, recorder.entries(), last)
     except OSError as exc:  # a read-only or full cache: the run's result stands, its plan is not kept
         log.warning("flashrt.jit: the plan of %s is not updated (%s)", model, exc)
         return 0
@@ -175,8 +175,9 @@ def compiles_beside(model: str, dev: torch.device, backend: str | None = None):
     key hashed on a thread; every variant the block loads recorded. Yields a namespace: ``profile``
     (pass it to the load), ``cfg`` (set it to the loaded model's config: the plan is kept under that
     model's name when the block ends without an error), and after the block ``report`` (as
-    ``flashrt run``'s ``jit``; None until then, and on CPU). The pool's compiles not started when the
-    block ends are cancelled: serving does not share the CPUs with them."""
+    ``flashrt run``'s ``jit``; None until then, and on CPU). The variants the block loaded go after
+    the plan's entries (a run's cold start keeps compiling its own first). The pool's compiles not
+    started when the block ends are cancelled: serving does not share the CPUs with them."""
     from flashrt.engine.run import model_config
     from flashrt.graphs.loader import resolve_profile
 
@@ -193,5 +194,5 @@ def compiles_beside(model: str, dev: torch.device, backend: str | None = None):
         if recorder is not None:
             recorder.close()
     if state.cfg is not None and (pool is not None or recorder is not None):  # Triton kernels launched here
-        added = save_plan(recorder, dev, state.profile, plan_model(cfg, state.cfg))
+        added = save_plan(recorder, dev, state.profile, plan_model(cfg, state.cfg), last=True)
         state.report = jit_report(precompiled, added, before)

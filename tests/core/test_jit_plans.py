@@ -59,6 +59,14 @@ def test_save_merges_new_entries_first_once_and_whole():
     assert jit_plans.load(ARCH, "h200", "tiny") == [] and jit_plans.save(ARCH, "h200", "small", []) == 0
 
 
+def test_save_last_puts_the_new_entries_after_the_plan_s():
+    """A server's warm-up variants (``last``) go after what runs recorded, each once."""
+    blocks = random.sample(range(1, 1000), 7)
+    assert jit_plans.save(ARCH, "h200", "small", [_entry(b) for b in blocks[:4]]) == 4
+    assert jit_plans.save(ARCH, "h200", "small", [_entry(b) for b in blocks[2:]], last=True) == 3
+    assert [s.constexprs[(2,)] for s in jit_plans.load(ARCH, "h200", "small")] == blocks
+
+
 def test_the_shipped_plan_is_read_too_and_a_variant_listed_twice_is_one(tmp_path):
     jit_plans.save(ARCH, "h200", "small", [_entry(16)])
     shipped = jit_plans.plan_paths(ARCH, "h200", "small")[1]

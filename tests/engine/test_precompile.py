@@ -182,18 +182,19 @@ def test_serve_compiles_on_the_pool_while_it_loads_and_warms_up(monkeypatch):
     monkeypatch.setattr(jit_warmup, "precompile_pool", lambda models: pool)
     monkeypatch.setattr(precompile, "start_triton_key", lambda dev, backend: None)
     monkeypatch.setattr(precompile, "start_recording", lambda dev, backend: recorder)
-    monkeypatch.setattr(precompile, "save_plan", lambda rec, dev, profile, model: saved.append(model) or 7)
+    monkeypatch.setattr(precompile, "save_plan",
+                        lambda rec, dev, profile, model, last=False: saved.append((model, last)) or 7)
     monkeypatch.setattr("flashrt.jit_targets.device_arch", lambda index: "arch")
     monkeypatch.setattr("flashrt.graphs.loader.resolve_profile", lambda name, dev: type("P", (), {"name": "h200"})())
     with precompile.compiles_beside("small", torch.device("cuda")) as compiles:
         assert compiles.profile.name == "h200" and pool.calls == [("start", "h200", ("small",))]
         compiles.cfg = shipped_config("small").replace(name="small-seed0")
-    assert pool.calls[-1] == ("result", 0) and recorder.closed and saved == ["small"]
+    assert pool.calls[-1] == ("result", 0) and recorder.closed and saved == [("small", True)]
     assert compiles.report["precompile"] == {"variants": 3, "compiled": 2} and compiles.report["plan_added"] == 7
     with pytest.raises(RuntimeError, match="load failed"):
         with precompile.compiles_beside("small", torch.device("cuda")) as compiles:
             raise RuntimeError("load failed")
-    assert pool.calls[-1] == ("result", 0) and saved == ["small"] and compiles.report is None
+    assert pool.calls[-1] == ("result", 0) and saved == [("small", True)] and compiles.report is None
 
 
 def test_serve_on_a_cpu_forks_no_pool_and_reports_nothing():
