@@ -159,9 +159,11 @@ def serve_levels(args) -> dict:
         env["FLASHRT_STEP_TRACE"] = args.step_trace  # engine/step_trace.py: a line per engine step
     if args.jit_log:
         env["FLASHRT_JIT_LOG"] = args.jit_log  # core/jit_log.py: a line per kernel variant built
+    launched = time.time()
     proc = subprocess.Popen(cmd, env=env)
     try:
         wait_healthy(url, proc, args.start_timeout)
+        start_s = round(time.time() - launched, 2)  # load, warm-up and the compiles they wait on
         bench = [sys.executable, "-m", "flashrt.cli", "bench", "serve", "--base-url", url,
                  "--input-len", str(args.input_len)]
         top = str(max(args.concurrency))
@@ -195,6 +197,7 @@ def serve_levels(args) -> dict:
                     result = one
                 else:
                     result["levels"] += one["levels"]
+        result["server_start_s"] = start_s
         return result
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -239,6 +242,7 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     served = serve_levels(args)
+    print(f"serve: healthy {served['server_start_s']:.1f} s after launch (load, warm-up, compiles)", flush=True)
     for level in served["levels"]:
         level["ratio_to_generate"] = level["output_throughput"] / base["output_throughput"]
         level["generate_same_batch"] = same[level["concurrency"]]["output_throughput"]
