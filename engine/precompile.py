@@ -1,4 +1,5 @@
-"""The kernel compiles of ``flashrt run`` started before the model loads (:mod:`flashrt.jit_parallel`).
+"""The kernel compiles of ``flashrt run`` and ``flashrt serve`` started before the model loads
+(:mod:`flashrt.jit_parallel`; the server's: :func:`compiles_beside`).
 
 On a CUDA device, with the CUDA kernels in use, the run forks a pool of compile workers before it
 makes a CUDA context; once the profile is known, the pool plans the variants the kernel families'
