@@ -33,6 +33,15 @@
 #              variants logged (those built in the timed level listed in the result) and its
 #              steps traced (engine/step_trace.py; each level gets a summary of its steps):
 #              h200-serve-64.json, h200-serve-64-jit.log, h200-serve-64-steps.jsonl
+#   servestart the time from `flashrt serve --model small` to a healthy server (loaded, warmed up) on an empty
+#              compile cache and again warm (benchmarks/serve_start.py), the engine process compiling on
+#              the pool (h200-serve-start.json), then cold with no pool (FLASHRT_JIT_WORKERS=0: every
+#              variant compiled at its first launch; h200-serve-start-nopool.json); needs .whl
+#   serveplan  a cold `flashrt serve --model small` with the plan it recorded kept (h200-serve-start-record.json,
+#              serve-plans/), added after the shipped plan's entries (tools/ship_plan.py --after), a cold
+#              server again on the merged plan (h200-serve-start-shipped.json), then a cold and a warm
+#              `flashrt run` on it (h200-jit-ttft-serveplan.json) and the merged plan (sm_90-h200-small.json,
+#              to commit under core/jit_plans/triton-3.6.0/); needs .whl
 #   coldstart  time to first token of a cold `flashrt run --model small`, with the compile pool:
 #              h200-jit-ttft.json; then records the plan of what a run launches on this device
 #              (the file to commit under core/jit_plans/)
@@ -466,6 +475,19 @@ phase_e2e() {
 phase_serve64() {
   python benchmarks/serve_vs_generate.py --model small --concurrency 64 --jit-log "$OUT/h200-serve-64-jit.log" \
     --step-trace "$OUT/h200-serve-64-steps.jsonl" --out "$OUT/h200-serve-64.json"
+}
+
+phase_servestart() {
+  python benchmarks/serve_start.py --out "$OUT/h200-serve-start.json"
+  python benchmarks/serve_start.py --phases cold --workers 0 --out "$OUT/h200-serve-start-nopool.json"
+}
+
+phase_serveplan() {
+  python benchmarks/serve_start.py --phases cold --keep-plans "$OUT/serve-plans" --out "$OUT/h200-serve-start-record.json"
+  python tools/ship_plan.py --after "$OUT"/serve-plans/triton-*/sm_90-h200-small.json || return 1
+  cp core/jit_plans/triton-*/sm_90-h200-small.json "$OUT/"
+  python benchmarks/serve_start.py --phases cold --out "$OUT/h200-serve-start-shipped.json"
+  python benchmarks/jit_ttft.py --phases cold warm --budget 120 --out "$OUT/h200-jit-ttft-serveplan.json"
 }
 
 phase_coldstart() {

@@ -12,6 +12,7 @@ If the engine process dies, every open request ends with an error output and ``s
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import threading
@@ -34,14 +35,28 @@ class ModelInfo:
     vision: bool | None  # truthy when the model takes images (None otherwise, as Model.vision)
 
 
+def _stop_at_exit(proc, conn) -> None:
+    """At interpreter exit, an engine process not shut down: close the pipe (the process then stops at
+    once), wait a little for it, then kill it (multiprocessing would otherwise wait for it forever)."""
+    if proc.is_alive():
+        conn.close()
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+
+
 class EngineClient(EngineFront):
     def __init__(self, spec: CoreSpec, start_timeout_s: float = 3600.0):
         """Start the engine process and wait until its model is loaded (RuntimeError if it fails)."""
         ctx = multiprocessing.get_context("spawn")  # a CUDA process cannot be forked
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=main, args=(child, spec), name="flashrt-engine", daemon=True)
+        # not daemonic: the engine process forks its compile workers (a daemonic process may not have
+        # children); it stops by itself when this end of the pipe closes, which _stop_at_exit ensures
+        self._proc = ctx.Process(target=main, args=(child, spec), name="flashrt-engine", daemon=False)
         self._proc.start()
         child.close()
+        atexit.register(_stop_at_exit, self._proc, self._conn)
         info = self._first_message(start_timeout_s)
         self.model = ModelInfo(info["limits"].cfg, True if info["has_vision"] else None)
         self.tokenizer, self.config, self.limits = info["tokenizer"], info["config"], info["limits"]

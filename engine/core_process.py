@@ -86,21 +86,34 @@ class Channel:
 
 
 def build(spec: CoreSpec):
-    """The engine ``spec`` describes (loads the model)."""
+    """The engine ``spec`` describes: the model loaded and the engine warmed up, with the kernel
+    variants compiled on a pool of workers meanwhile on a CUDA device
+    (:func:`flashrt.engine.precompile.compiles_beside`; the process must not have made a CUDA context
+    yet). ``flashrt serve`` calls it in its own process or in the engine's."""
     import torch
 
     from . import Engine
+    from .precompile import compiles_beside
     from .run import load_model, pick_device
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    quiet = spec.log_level not in ("info", "debug")  # loading progress on the server's stderr, as in process
-    model = load_model(spec.model, pick_device(spec.device), spec.seed, quiet=quiet)
-    engine = Engine(model, config=spec.config)
-    if engine.config.warmup_on(model):  # before the server reports ready
-        from .warmup import log_progress
+    dev = pick_device(spec.device)
+    quiet = spec.log_level not in ("info", "debug")  # loading progress on the server's stderr
+    with compiles_beside(spec.model, dev) as compiles:
+        model = load_model(spec.model, dev, spec.seed, quiet=quiet, profile=compiles.profile)
+        engine = Engine(model, config=spec.config)
+        if engine.config.warmup_on(model):  # before the server reports ready
+            from .warmup import log_progress
 
-        engine.warm_up(log_progress)
+            engine.warm_up(log_progress)
+        compiles.cfg = model.cfg
+    if compiles.report is not None:
+        jit = compiles.report
+        logging.getLogger("flashrt").info(
+            "kernels: %d compiled in this process, %s of %s on the compile pool, %d added to the plan",
+            len(jit["compiled_in_process"]), (jit["precompile"] or {}).get("compiled"),
+            (jit["precompile"] or {}).get("variants"), jit["plan_added"])
     return engine
 
 

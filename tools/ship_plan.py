@@ -1,7 +1,7 @@
 """Merge a kernel plan a run recorded (``FLASHRT_CACHE_DIR/jit/plans/triton-<version>/<name>.json``)
 into the plan shipped with flashrt (``core/jit_plans/triton-<version>/<name>.json``).
 
-    python tools/ship_plan.py RECORDED.json [RECORDED.json ...] [--triton 3.6.0] [--drop-rest]
+    python tools/ship_plan.py RECORDED.json [RECORDED.json ...] [--triton 3.6.0] [--drop-rest] [--after]
                               [--option NAME=JSON ...]
 
 The recorded entries come first, in the order the run first loaded them (the order a cold start's
@@ -9,7 +9,9 @@ compile pool compiles them in), then the shipped entries the recording lacks (va
 runs: other batch sizes, serving), unless ``--drop-rest``, less those the current code cannot
 compile (the kernel gone, or its parameters changed since they were recorded; trailing constexpr
 parameters added with a default are filled in at it: ``with_defaults``); at most
-``jit_plans.MAX_ENTRIES``. ``--option launch_pdl=true`` sets one Triton compile option in every
+``jit_plans.MAX_ENTRIES``. ``--after`` keeps the shipped entries first, in their order, and adds
+the recording's new ones after them: a server's variants (``benchmarks/serve_start.py
+--keep-plans``), which a run's cold start should not compile before its own. ``--option launch_pdl=true`` sets one Triton compile option in every
 entry: what the launches carry after a profile change that sets it on every launch
 (``tiles.pdl.enabled``), without recording again. The Triton version is the recorded file's folder (``triton-<version>``)
 unless ``--triton`` names it. A shipped plan given as RECORDED is rewritten in place (its entries
@@ -96,9 +98,11 @@ def parse_option(text: str) -> tuple[str, object]:
         raise ValueError(f"--option: expected NAME=JSON (e.g. launch_pdl=true), got {text!r}") from None
 
 
-def ship(recorded: Path, target: Path, drop_rest: bool = False, options: dict | None = None) -> dict:
+def ship(recorded: Path, target: Path, drop_rest: bool = False, options: dict | None = None,
+         after: bool = False) -> dict:
     """Write ``target`` as ``recorded``'s entries then (unless ``drop_rest``) ``target``'s others,
-    each with ``options`` set (:func:`with_options`)."""
+    each with ``options`` set (:func:`with_options`); with ``after``, ``target``'s entries first (in
+    their order) and then those of ``recorded`` it lacks."""
     try:
         header = json.loads(recorded.read_text())
     except (OSError, ValueError) as exc:
@@ -106,22 +110,29 @@ def ship(recorded: Path, target: Path, drop_rest: bool = False, options: dict | 
     entries = [with_options(with_defaults(e), options) for e in read_entries(recorded)]
     if not entries or not {"arch", "profile", "model"} <= set(header):
         raise ValueError(f"RECORDED: expected a plan file with entries, got {recorded}")
-    seen, first = set(), []
+    first = _once(entries)
+    recorded_keys = {entry_key(e) for e in first}
+    old = [with_options(with_defaults(e), options) for e in read_entries(target)]
+    # (options set, two old entries may now be one)
+    rest = [e for e in old if entry_key(e) in recorded_keys or (not drop_rest and matches_code(e))]
+    if not after:
+        rest = [e for e in rest if entry_key(e) not in recorded_keys]
+    merged = _once(rest + first if after else first + rest)[:MAX_ENTRIES]
+    kept = sum(entry_key(e) not in recorded_keys for e in merged)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(target, plan_text(header["arch"], header["profile"], header["model"], merged))
+    return {"file": str(target), "recorded": len(first), "kept": kept,
+            "dropped": len(old) - sum(entry_key(e) in recorded_keys for e in old) - kept}
+
+
+def _once(entries: list[dict]) -> list[dict]:
+    """``entries`` with each variant (:func:`flashrt.jit_plans.entry_key`) at its first place only."""
+    seen, out = set(), []
     for e in entries:
         if entry_key(e) not in seen:
             seen.add(entry_key(e))
-            first.append(e)
-    old = [with_options(with_defaults(e), options) for e in read_entries(target)]
-    recorded_keys, rest = set(seen), []
-    for e in [] if drop_rest else old:  # (options set, two old entries may now be one)
-        if entry_key(e) not in seen and matches_code(e):
-            seen.add(entry_key(e))
-            rest.append(e)
-    merged = (first + rest)[:MAX_ENTRIES]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(target, plan_text(header["arch"], header["profile"], header["model"], merged))
-    return {"file": str(target), "recorded": len(first), "kept": len(merged) - len(first),
-            "dropped": len(old) - sum(entry_key(e) in recorded_keys for e in old) - (len(merged) - len(first))}
+            out.append(e)
+    return out
 
 
 def main() -> None:
@@ -129,13 +140,16 @@ def main() -> None:
     ap.add_argument("recorded", nargs="+", type=Path, metavar="RECORDED")
     ap.add_argument("--triton", default=None, help="the Triton version (default: the recorded file's folder)")
     ap.add_argument("--drop-rest", action="store_true", help="keep only what the recording has")
+    ap.add_argument("--after", action="store_true",
+                    help="the shipped entries first, the recording's new ones after them (a server's variants: "
+                         "a run's cold start keeps compiling its own first)")
     ap.add_argument("--option", action="append", default=[], metavar="NAME=JSON",
                     help="set this Triton compile option in every entry (e.g. launch_pdl=true)")
     args = ap.parse_args()
     try:
         options = dict(parse_option(o) for o in args.option)
         for path in args.recorded:
-            print(json.dumps(ship(path, shipped_path(path, args.triton), args.drop_rest, options)))
+            print(json.dumps(ship(path, shipped_path(path, args.triton), args.drop_rest, options, args.after)))
     except ValueError as exc:
         ap.error(str(exc))
 

@@ -101,8 +101,8 @@ def cmd_serve(args) -> int:
     import torch
     import uvicorn
 
-    from flashrt.engine import Engine, EngineConfig
-    from flashrt.engine.run import load_model, pick_device
+    from flashrt.engine import EngineConfig
+    from flashrt.engine.run import pick_device
     from flashrt.engine.server.app import create_app
 
     for name in ("port", "max_waiting", "max_running", "max_step_tokens", "prefill_chunk"):
@@ -129,29 +129,15 @@ def cmd_serve(args) -> int:
                                        args.served_model_name, args.api_key, args.device, args.seed, args.threads,
                                        args.grace_s, args.log_level, args.collective_timeout,
                                        dp_attention=args.dp_attention))
+    from flashrt.engine.core_process import CoreSpec, build
+
+    spec = CoreSpec(args.model, args.device, args.seed, config, threads, args.log_level)
     if args.engine_process:
         from flashrt.engine.client import EngineClient
-        from flashrt.engine.core_process import CoreSpec
 
-        engine = EngineClient(CoreSpec(args.model, args.device, args.seed, config, threads, args.log_level))
-    else:
-        from flashrt.engine.precompile import compiles_beside
-
-        with compiles_beside(args.model, dev) as compiles:  # on CUDA: compiled on a pool while loading
-            model = load_model(args.model, dev, args.seed, quiet=args.log_level not in ("info", "debug"),
-                               profile=compiles.profile)
-            engine = Engine(model, config=config)
-            if engine.config.warmup_on(model):
-                from flashrt.engine.warmup import log_progress
-
-                engine.warm_up(log_progress)
-            compiles.cfg = model.cfg
-        if compiles.report is not None:
-            jit = compiles.report
-            logging.getLogger("flashrt").info(
-                "kernels: %d compiled in this process, %s of %s on the compile pool, %d added to the plan",
-                len(jit["compiled_in_process"]), (jit["precompile"] or {}).get("compiled"),
-                (jit["precompile"] or {}).get("variants"), jit["plan_added"])
+        engine = EngineClient(spec)
+    else:  # on CUDA the kernels compile on a pool while the model loads and warms up, as in the engine process
+        engine = build(spec)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = create_app(engine, name, api_key=args.api_key)
 

@@ -210,6 +210,28 @@ def test_ship_plan_puts_the_recording_first_in_its_order(tmp_path, monkeypatch, 
         ship_plan.ship(tmp_path / "empty.json", target)
 
 
+@pytest.mark.parametrize("drop_rest", [False, True])
+def test_ship_plan_after_keeps_the_shipped_order_first(tmp_path, monkeypatch, drop_rest):
+    """``--after`` (a server's recording): the shipped entries first in their order, then the
+    recorded ones they lack in the recording's order; with ``drop_rest`` only the shipped entries the
+    recording has stay."""
+    ship_plan = _ship_plan()
+    monkeypatch.setattr(ship_plan, "matches_code", lambda entry: True)
+    blocks = random.sample(range(1, 1000), 8)
+    old_blocks, recorded_blocks = blocks[:5], blocks[5:] + blocks[3:5] + blocks[5:6]  # blocks 3, 4 in both
+    recorded = tmp_path / "triton-9.9.9" / "sm_90-h200-small.json"
+    recorded.parent.mkdir(parents=True)
+    recorded.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(b) for b in recorded_blocks]).decode())
+    target = tmp_path / "ship" / "sm_90-h200-small.json"
+    target.parent.mkdir(parents=True)
+    target.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(b) for b in old_blocks]).decode())
+    report = ship_plan.ship(recorded, target, drop_rest, after=True)
+    got = [json.loads(e["data"])["constant_vals"][0] for e in jit_plans.read_entries(target)]
+    kept = blocks[3:5] if drop_rest else blocks[:5]
+    assert got == kept + blocks[5:]
+    assert report["recorded"] == 5 and report["kept"] == len(kept) - 2 and report["dropped"] == 3 - (len(kept) - 2)
+
+
 def test_ship_plan_sets_an_option_in_every_entry(tmp_path, monkeypatch):
     """``--option launch_pdl=true``: every entry, recorded or kept, compiles with the option set; an
     old entry that then equals a recorded one is listed once; a malformed option is named."""
