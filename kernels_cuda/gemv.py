@@ -39,16 +39,20 @@ def plan(m: int, n: int, k: int, out_dtype: torch.dtype, tile: dict, knobs: dict
          in_kernel: bool) -> dict:
     """The launch of a GEMV rule (its kernel parameters ``tile``, its launch knobs ``knobs``: the K
     split's ``split_min_blocks`` and ``split_per_sm``, the rows a program ``gemv_rows``, the
-    activations' launch before it ``gemv_round_trip``; ``split_k``: the family's forced split count or
-    None): a program per (``ROWS`` rows, ``BLOCK_N`` weight rows, K split); the split summed in the
-    kernel where ``in_kernel`` and the counters hold its tiles, else by a launch after it."""
-    rows = min(knobs["gemv_rows"], next_pow2(m))
+    activations' launch before it ``gemv_round_trip``, both only from ``gemv_shared_min_weights``
+    weight elements ``n * k``; ``split_k``: the family's forced split count or None): a program per
+    (``ROWS`` rows, ``BLOCK_N`` weight rows, K split); the split summed in the kernel where
+    ``in_kernel`` and the counters hold its tiles, else by a launch after it."""
+    # below gemv_shared_min_weights weight elements a launch is too short for its rows to share a
+    # program or for the round trip's launch to pay: one row a program, each quantizing its own
+    shared = n * k >= (knobs.get("gemv_shared_min_weights") or 0)
+    rows = min(knobs["gemv_rows"], next_pow2(m)) if shared else 1
     tiles = cdiv(m, rows) * cdiv(n, tile["BLOCK_N"])
     split, k_split = splitk.splits(tiles, k, tile["BLOCK_K"], sms, split_k, knobs["split_min_blocks"],
                                    knobs["split_per_sm"])
     reduce = in_kernel and split > 1 and splitk.fits(tiles) and split * m * n < 2 ** 31
     dtype = out_dtype if split == 1 or reduce else torch.float32
-    round_trip = bool(knobs.get("gemv_round_trip"))  # QX passed only when on: the other launches' variants as before
+    round_trip = shared and bool(knobs.get("gemv_round_trip"))  # QX passed only when on: the other variants as before
     return dict(gemv=True, grid=(tiles, split), split=split, k_split=k_split, out_dtype=dtype, reduce=reduce,
                 round_trip=round_trip,
                 constexprs=dict(OUT=TL_DTYPES[dtype], ROWS=rows, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],

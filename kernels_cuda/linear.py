@@ -62,9 +62,11 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # gemv: fp8_w launches of the rule's rows as a GEMV (:mod:`.gemv`: gemv_rows rows and BLOCK_N weight rows a
 # program, multiply-adds on the CUDA cores, BLOCK_M unused; fp4_w launches keep the rule's MMA tile);
 # gemv_round_trip: the GEMV's activations through their fp8 round trip by one launch before it (the
-# round_trip tile), loaded as they are by every program instead of quantized again in each
+# round_trip tile), loaded as they are by every program instead of quantized again in each;
+# gemv_shared_min_weights: the weight elements (N x K) from which gemv_rows and gemv_round_trip apply
+# (None: every launch); a smaller weight's launch takes one row a program and no round trip
 KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False,
-             gemv_rows=1, gemv_round_trip=False)
+             gemv_rows=1, gemv_round_trip=False, gemv_shared_min_weights=None)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -418,7 +420,8 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "*.split_min_blocks": Tile(nullable=True, kind=int), "*.split_per_sm": Tile(low=1, nullable=True, kind=int),
                "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool),
                "*.gemv": Tile(kind=bool), "*.gemv_rows": Tile(choices=(1, 2, 4)),
-               "*.gemv_round_trip": Tile(kind=bool), "round_trip.BLOCK_R": POW2, "round_trip.BLOCK_C": SCALED}
+               "*.gemv_round_trip": Tile(kind=bool), "*.gemv_shared_min_weights": Tile(nullable=True, kind=int),
+               "round_trip.BLOCK_R": POW2, "round_trip.BLOCK_C": SCALED}
 
 
 FAMILY = KernelFamily(

@@ -105,6 +105,31 @@ def test_gemv_round_trip_same_bits(rng, launches, dtype, m, rows, block_n, split
     assert rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def test_gemv_shared_rows_only_from_the_weight_size(rng, launches):
+    """``gemv_shared_min_weights``: a weight of fewer elements (N x K) takes one row a program and no
+    round trip, the rows' values unchanged (each row's sums do not depend on the program it is in);
+    one of that many elements the rule's rows a program and its round trip."""
+    m, k = 2, 32 * int(torch.randint(4, 12, (1,), generator=rng))
+    n_small, n_big = 32 * int(torch.randint(1, 4, (1,), generator=rng)), 160
+    rule = _gemv_rule(16, 32, gemv_rows=2, gemv_round_trip=True, gemv_shared_min_weights=n_big * k)
+    with pinned_tiles(linear=dict(linear=[rule, _mma_rule()])):
+        big, small = (lin._linear_plan(m, n, k, torch.bfloat16, "fp8_w") for n in (n_big, n_small))
+    assert big["constexprs"]["ROWS"] == 2 and big["round_trip"] and big["grid"][0] == n_big // 32
+    assert small["constexprs"]["ROWS"] == 1 and not small["round_trip"] and small["grid"][0] == m * n_small // 32
+    for n in (n_small, n_big):
+        x = torch.randn(m, k, generator=rng).to(DEVICE, torch.bfloat16)
+        w = formats.quantize(torch.randn(n, k, generator=rng) * 0.25, "fp8_w").to(DEVICE)
+        launches.clear()
+        with pinned_tiles(linear=dict(linear=[rule, _mma_rule()])):
+            got = _linear(x, w)
+        assert ("_fp8_round_trip_kernel" in launches) == (n == n_big)
+        with pinned_tiles(linear=dict(linear=[_gemv_rule(16, 32), _mma_rule()])):
+            one = _linear(x, w)
+        with flashrt.use_backend("reference"):
+            ref = ops.linear(x, w)
+        assert (torch.equal(got, one) if n == n_small else rel_err(got, one) < 1e-6) and rel_err(got, ref) < 1e-2
+
+
 @pytest.mark.parametrize("block_n", [32, 64])
 def test_gemv_every_e4m3_code_and_scale(rng, block_n):
     """One-hot activation rows read back each finite E4M3 weight code times its tile's scale
