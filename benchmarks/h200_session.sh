@@ -171,6 +171,8 @@
 #              one-or-two-row rule taking it (h200-real-slice-gemvrt-{off,on}.json, h200-e2e-gemvrt-{off,on}.json)
 #   gemvrtsmall  gemvrt's GEMV variants at small's projections, 1 and 2 rows (a batch-1 verify's two rows there
 #              take 56 round-trip launches): h200-gemv-roundtrip-small.json
+#   gemvsmallrows  the GEMV at small's projections at 4, 5 and 8 rows (a batch-1 verify of 3, 4 and 7 drafted
+#              tokens) against the profile's 16-row MMA tile: h200-gemv-small-rows.json
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
 #              speculative_costs hold): h200-speculative-TAG.json (SPEC_TAG, default "now")
 #   verifysplit  benchmarks/verify_breakdown.py on small at batch 1, k 1 and 4: the verify forward, its
@@ -1170,6 +1172,12 @@ phase_gemvrtsmall() {  # the two-row GEMV with and without its round trip at sma
   python benchmarks/gemv_tiles.py --model small --rows 1 2 --variants "GEMV N64 K256 s3" \
     "GEMV N64 K256 s3, round trip" "GEMV N64 K256 s3, 2 rows a program" "GEMV N64 K256 s3, 2 rows a program, round trip" \
     --out "$OUT/h200-gemv-roundtrip-small.json" | grep -v moe_experts
+}
+
+phase_gemvsmallrows() {  # small's weights fit in L2: past 2 rows, is a GEMV still faster than the MMA tile there?
+  python benchmarks/gemv_tiles.py --model small --rows 4 5 8 --variants "GEMV N64 K256 s3" \
+    "GEMV N64 K256 s3, 4 rows a program" "GEMV N32 K256 s3, 4 rows a program" \
+    --out "$OUT/h200-gemv-small-rows.json" | grep -v moe_experts
 }
 
 phase_speculative() {  # the verify and draft costs against a plain step (the profile's speculative_costs)
