@@ -485,7 +485,8 @@ phase_servestart() {
 }
 
 phase_serveplan() {
-  python benchmarks/serve_start.py --phases cold --keep-plans "$OUT/serve-plans" --out "$OUT/h200-serve-start-record.json"
+  python benchmarks/serve_start.py --phases cold --keep-plans "$OUT/serve-plans" \
+    --out "$OUT/h200-serve-start-record.json"
   python tools/ship_plan.py --after "$OUT"/serve-plans/triton-*/sm_90-h200-small.json || return 1
   cp core/jit_plans/triton-*/sm_90-h200-small.json "$OUT/"
   python benchmarks/serve_start.py --phases cold --out "$OUT/h200-serve-start-shipped.json"

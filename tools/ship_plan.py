@@ -11,10 +11,10 @@ compile (the kernel gone, or its parameters changed since they were recorded; tr
 parameters added with a default are filled in at it: ``with_defaults``); at most
 ``jit_plans.MAX_ENTRIES``. ``--after`` keeps the shipped entries first, in their order, and adds
 the recording's new ones after them: a server's variants (``benchmarks/serve_start.py
---keep-plans``), which a run's cold start should not compile before its own. ``--option launch_pdl=true`` sets one Triton compile option in every
-entry: what the launches carry after a profile change that sets it on every launch
-(``tiles.pdl.enabled``), without recording again. The Triton version is the recorded file's folder (``triton-<version>``)
-unless ``--triton`` names it. A shipped plan given as RECORDED is rewritten in place (its entries
+--keep-plans``), which a run's cold start should not compile before its own. ``--option
+launch_pdl=true`` sets one Triton compile option in every entry: what the launches carry after a
+profile change that sets it on every launch (``tiles.pdl.enabled``), without recording again. The
+Triton version is the recorded file's folder (``triton-<version>``) unless ``--triton`` names it. A shipped plan given as RECORDED is rewritten in place (its entries
 brought to the code's parameters). Prints, per file, the entries recorded, kept from before and dropped.
 """
 from __future__ import annotations
