@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 from flashrt.jit_log import between, read
 from jit_ttft import fresh_dirs, log_summary, prepare_checkpoint
 from results_io import write_json
-from serve_vs_generate import wait_healthy
+from serve_vs_generate import stop_server, wait_healthy
 
 PHASES = ("cold", "warm")
 
@@ -54,11 +53,7 @@ def start_server(model: str, port: int, dirs: Path, jit_log: Path, serve_args: l
             wait_healthy(f"http://127.0.0.1:{port}", proc, timeout)
             seconds = time.perf_counter() - t0
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     lines = log_path.read_text(errors="replace").splitlines()
     return seconds, "\n".join(line for line in lines if "flashrt" in line)[-3000:]
 
