@@ -64,9 +64,11 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # gemv_round_trip: the GEMV's activations through their fp8 round trip by one launch before it (the
 # round_trip tile), loaded as they are by every program instead of quantized again in each;
 # gemv_shared_min_weights: the weight elements (N x K) from which gemv_rows and gemv_round_trip apply
-# (None: every launch); a smaller weight's launch takes one row a program and no round trip
+# (None: every launch); a smaller weight's launch takes one row a program and no round trip;
+# max_weights: the rule serves weights of at most this many elements (N x K), a larger one's launch
+# takes the next rule that serves its rows (None: any weight)
 KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False,
-             gemv_rows=1, gemv_round_trip=False, gemv_shared_min_weights=None)
+             gemv_rows=1, gemv_round_trip=False, gemv_shared_min_weights=None, max_weights=None)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -175,9 +177,14 @@ def _swap(applies: bool, swap: bool | None = None) -> int:
     return SWAP_AB if applies and (_tiles()["swap_operands"] if swap is None else swap) else 0
 
 
-def pick_tile(rules, rows: int) -> dict:
-    """The first tile rule serving ``rows`` (BLOCK_N, BLOCK_K: multiples of 32, the scale blocks)."""
-    tile = next(t for limit, t in rules if limit is None or rows <= limit)
+def pick_tile(rules, rows: int, weights: int | None = None) -> dict:
+    """The first tile rule serving ``rows`` (BLOCK_N, BLOCK_K: multiples of 32, the scale blocks) and,
+    where ``weights`` (a weight's elements, N x K) is given, a weight that size (its ``max_weights``)."""
+    tile = next((t for limit, t in rules if (limit is None or rows <= limit)
+                 and (weights is None or t.get("max_weights") is None or weights <= t["max_weights"])), None)
+    if tile is None:
+        raise ValueError(f"tiles: expected a rule serving {rows} rows and a weight of {weights} elements "
+                         f"(the last rule without max_weights), got {[limit for limit, _ in rules]}")
     assert tile["BLOCK_N"] % 32 == 0 and tile["BLOCK_K"] % 32 == 0, tile
     return tile
 
@@ -278,7 +285,7 @@ def with_words(e2m1: int, *weights) -> int:
 def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     """Grid, K split, output dtype and constexprs of one (rows, weight shape, dtype) under the active
     tiles; ``bf16_gemm``: the call takes :func:`_bf16_gemm` instead."""
-    t, knobs = split_tile(pick_tile(_tiles()["linear"], m))
+    t, knobs = split_tile(pick_tile(_tiles()["linear"], m, n * k))
     big = _tiles()["bf16_gemm_min_rows"]
     bf16_gemm = big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16
     if knobs["gemv"] and fmt == "fp8_w":  # split K summed in the kernel unless split_reduce is False
@@ -421,6 +428,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool),
                "*.gemv": Tile(kind=bool), "*.gemv_rows": Tile(choices=(1, 2, 4)),
                "*.gemv_round_trip": Tile(kind=bool), "*.gemv_shared_min_weights": Tile(nullable=True, kind=int),
+               "*.max_weights": Tile(nullable=True, kind=int),
                "round_trip.BLOCK_R": POW2, "round_trip.BLOCK_C": SCALED}
 
 

@@ -130,6 +130,27 @@ def test_gemv_shared_rows_only_from_the_weight_size(rng, launches):
         assert (torch.equal(got, one) if n == n_small else rel_err(got, one) < 1e-6) and rel_err(got, ref) < 1e-2
 
 
+def test_a_rule_serves_weights_up_to_its_max_weights(rng):
+    """``max_weights``: a rule serves a weight of at most that many elements (N x K); a larger one's
+    launch takes the next rule serving its rows; with no rule left, an error naming the rows and size."""
+    k = 32 * int(torch.randint(4, 10, (1,), generator=rng))
+    limit = 64 * k
+    rules = [_gemv_rule(8, 32, max_weights=limit), _mma_rule()]
+    for n in (64, 96):
+        x = torch.randn(5, k, generator=rng).to(DEVICE, torch.bfloat16)
+        w = formats.quantize(torch.randn(n, k, generator=rng) * 0.25, "fp8_w").to(DEVICE)
+        with pinned_tiles(linear=dict(linear=rules)):
+            plan = lin._linear_plan(5, n, k, torch.bfloat16, "fp8_w")
+            got = _linear(x, w)
+        assert plan["gemv"] == (n * k <= limit)
+        with flashrt.use_backend("reference"):
+            ref = ops.linear(x, w)
+        assert rel_err(got, ref) < 1e-2
+    with pinned_tiles(linear=dict(linear=[_gemv_rule(None, 32, max_weights=limit)])):
+        with pytest.raises(ValueError, match=f"serving 5 rows and a weight of {96 * k} elements"):
+            lin._linear_plan(5, 96, k, torch.bfloat16, "fp8_w")
+
+
 @pytest.mark.parametrize("block_n", [32, 64])
 def test_gemv_every_e4m3_code_and_scale(rng, block_n):
     """One-hot activation rows read back each finite E4M3 weight code times its tile's scale
