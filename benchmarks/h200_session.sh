@@ -173,6 +173,10 @@
 #              take 56 round-trip launches): h200-gemv-roundtrip-small.json
 #   gemvsmallrows  the GEMV at small's projections at 4, 5 and 8 rows (a batch-1 verify of 3, 4 and 7 drafted
 #              tokens) against the profile's 16-row MMA tile: h200-gemv-small-rows.json
+#   gemvsmallrule  a verify's rounds and costs with a GEMV rule for 3-8 rows on weights of at most 16M elements
+#              (the linear rule knob max_weights: small's projections, not the released ones) before the
+#              16-row MMA tile, and under the profile in the same call: h200-verify-breakdown-b1-k{1,4}-
+#              {gemvsmall,profile}.json, h200-speculative-{gemvsmall,profile}.json
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
 #              speculative_costs hold): h200-speculative-TAG.json (SPEC_TAG, default "now")
 #   verifysplit  benchmarks/verify_breakdown.py on small at batch 1, k 1 and 4: the verify forward, its
@@ -1179,6 +1183,17 @@ phase_gemvsmallrows() {  # small's weights fit in L2: past 2 rows, is a GEMV sti
   python benchmarks/gemv_tiles.py --model small --rows 4 5 8 --variants "GEMV N64 K256 s3" \
     "GEMV N64 K256 s3, 4 rows a program" "GEMV N32 K256 s3, 4 rows a program" \
     --out "$OUT/h200-gemv-small-rows.json" | grep -v moe_experts
+}
+
+phase_gemvsmallrule() {  # rows 3-8 as the one-row GEMV on small weights: the verify of 2-7 drafted tokens
+  local rules on
+  rules=$(python -c "import json, yaml; r = yaml.safe_load(open('hwconfigs/h200.yaml'))['tiles']['linear']['linear']
+r.insert(2, [8, dict(r[0][1], max_weights=16777216)]); print(json.dumps(r))")
+  on=$(profile_set h200-gemv-small-rule tiles.linear.linear "$rules")
+  FLASHRT_PROFILE=$on SPEC_TAG=gemvsmall phase_verifysplit
+  SPEC_TAG=profile phase_verifysplit
+  FLASHRT_PROFILE=$on SPEC_TAG=gemvsmall phase_speculative
+  SPEC_TAG=profile phase_speculative
 }
 
 phase_speculative() {  # the verify and draft costs against a plain step (the profile's speculative_costs)
