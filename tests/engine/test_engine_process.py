@@ -41,6 +41,11 @@ async def _collect(engine, prompts, params):
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
+def test_the_engine_process_may_have_children(client):
+    """On CUDA it forks its compile workers (engine/precompile.py), which a daemonic process may not."""
+    assert client._proc.is_alive() and not client._proc.daemon
+
+
 def test_greedy_equals_the_in_process_engine(client, rng):
     """Also the pipe's slim outputs (engine/wire.py): every streamed output is whole again, its
     cumulative fields the sum of the deltas so far; nothing of a request is kept once it ended."""
