@@ -67,8 +67,7 @@ def store_rows(dst: QTensor, batch, slot, src: QTensor, keep=None) -> QTensor:
         c.tensor("keep", keep, "n", env, (torch.bool,), dst.device)
     c.index_range("batch", batch, 0, env["Bd"])
     c.index_range("slot", slot, 0, env["S"])
-    impl = _impl("store_rows", dst.device)
-    return impl(dst, batch, slot, src) if keep is None else impl(dst, batch, slot, src, keep)
+    return _impl("store_rows", dst.device)(dst, batch, slot, src, keep)
 
 
 def resolve_paged(table, picks, page_entries: int, offset: int = 0) -> torch.Tensor:

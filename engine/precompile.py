@@ -131,6 +131,24 @@ def start_recording(dev: torch.device, backend: str | None):
         return None
 
 
+def start_compiles(cfg: ModelConfig | None, dev: torch.device, backend: str | None):
+    """The compiles of a process about to load a model of config ``cfg``: the pool forked
+    (:func:`start_precompile`; call this before any CUDA work), then Triton's key hashed on a thread
+    and the variants this process loads recorded; ``(pool, dims, recorder, compiled_count())``."""
+    pool, dims = start_precompile(cfg, dev, backend)
+    start_triton_key(dev, backend)  # after the fork: a thread before a fork is not safe
+    return pool, dims, start_recording(dev, backend), compiled_count()
+
+
+def stop_compiles(pool, recorder) -> dict | None:
+    """The pool's report, its compiles not yet started cancelled (None without a pool), and the
+    recorder closed."""
+    precompiled = pool.result(timeout=0) if pool is not None else None
+    if recorder is not None:
+        recorder.close()
+    return precompiled
+
+
 def plan_model(cfg: ModelConfig | None, loaded: ModelConfig) -> str:
     """The name a run's plan is kept under: that of the config its compile pool read before the
     model loaded (``cfg``, from :func:`flashrt.engine.run.model_config`; a built-in model's
@@ -183,17 +201,13 @@ def compiles_beside(model: str, dev: torch.device, backend: str | None = None):
     from flashrt.graphs.loader import resolve_profile
 
     cfg = model_config(model) if dev.type == "cuda" else None
-    pool, dims = start_precompile(cfg, dev, backend)
-    start_triton_key(dev, backend)
-    recorder, before = start_recording(dev, backend), compiled_count()
+    pool, dims, recorder, before = start_compiles(cfg, dev, backend)
     state = SimpleNamespace(profile=resolve_profile(None, dev), cfg=None, report=None)
     pool = begin(pool, dev, state.profile, dims)
     try:
         yield state
     finally:
-        precompiled = pool.result(timeout=0) if pool is not None else None
-        if recorder is not None:
-            recorder.close()
+        precompiled = stop_compiles(pool, recorder)
     if state.cfg is not None and (pool is not None or recorder is not None):  # Triton kernels launched here
         added = save_plan(recorder, dev, state.profile, plan_model(cfg, state.cfg), last=True)
         state.report = jit_report(precompiled, added, before)

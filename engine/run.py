@@ -34,8 +34,7 @@ from flashrt.graphs.init_weights import init_weights
 from flashrt.graphs.loader import load, resolve_profile
 from flashrt.graphs.model import Model
 from .generation import generate, profile_kv_sizes
-from .precompile import (begin, compiled_count, jit_report, plan_model, save_plan, start_precompile, start_preload,
-                         start_recording, start_triton_key)
+from .precompile import begin, jit_report, plan_model, save_plan, start_compiles, start_preload, stop_compiles
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 OP_FAMILIES = {
@@ -257,10 +256,8 @@ def run_with_model(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_to
         torch.set_num_threads(threads)
     cfg = model_config(model) if dev.type == "cuda" else None
     t_fork = time.perf_counter()
-    pool, dims = start_precompile(cfg, dev, backend)  # compiles while the model loads
+    pool, dims, recorder, compiled_before = start_compiles(cfg, dev, backend)  # compiles while the model loads
     t_forked = time.perf_counter()
-    start_triton_key(dev, backend)  # (after the fork) Triton's own cache key, hashed while the model loads
-    recorder, compiled_before = start_recording(dev, backend), compiled_count()
     try:
         with dispatch.use_backend(backend) if backend is not None else contextlib.nullcontext():
             profile = resolve_profile(None, dev)  # the one load() picks: the cache is checked before loading
@@ -288,9 +285,7 @@ def run_with_model(model: str = "tiny", prompt: str = DEFAULT_PROMPT, max_new_to
             families = {fam: "/".join(sorted({(dispatch.chain(op, dev.type) or ["none"])[0] for op in ops}))
                         for fam, ops in OP_FAMILIES.items()}
     finally:
-        precompiled = pool.result(timeout=0) if pool is not None else None  # cancels what is not needed now
-        if recorder is not None:
-            recorder.close()
+        precompiled = stop_compiles(pool, recorder)  # cancels what is not needed now
     plan_added = save_plan(recorder, dev, profile, plan_model(cfg, m.cfg))
     ttft_load = t_gen - t0 + result.prefill_seconds  # the first token's logits, from the start of loading
     age, now = process_seconds(), time.perf_counter()
