@@ -16,7 +16,8 @@ programs an SM (``split_per_sm``); or, for the experts, sets ``tiles.linear.fp4_
 ``tiles.moe.shared_in_launch`` or ``tiles.moe.fused_max_tokens``, for ``linear``
 ``tiles.linear.fused_max_rows``, or a ``gemv`` rule (``GEMV ...``, :mod:`flashrt.kernels_cuda.gemv`; one
 activation row a program, or several: ``gemv_rows``; with ``, round trip``: the activations through their
-fp8 round trip by a launch before it, ``gemv_round_trip``);
+fp8 round trip by a launch before it, ``gemv_round_trip``), or, for ``linear``, ``MMA GEMV ...`` (the
+``gemv_mma`` knob, :mod:`flashrt.kernels_cuda.gemv_mma`: mma.sync with the weight rows as its M);
 each ``linear`` case also times ``torch._scaled_mm`` on e4m3 operands with per-tensor scales (the
 target's baseline: rows of variant ``torch._scaled_mm (per tensor)``, no output compared); "profile" is
 the active profile as it is. Per case and variant: microseconds per call (``flashrt.timing.bench_ms``:
@@ -93,6 +94,15 @@ GEMV_VARIANTS.update({f"GEMV N{n} K{k} s3, {r} rows a program": dict(BLOCK_M=16,
 GEMV_VARIANTS.update({label + ", round trip": dict(GEMV_VARIANTS[label], gemv_round_trip=True)
                       for label in ("GEMV N64 K256 s3", "GEMV N64 K256 s3, 2 rows a program",
                                     "GEMV N64 K256 s3, 4 rows a program", "GEMV N32 K256 s3, 4 rows a program")})
+# label -> the fp8 linear cases' rule on mma.sync with the weight rows as its M (the ``gemv_mma`` knob,
+# kernels_cuda/gemv_mma.py: num_warps x 16 weight rows a program, KW K elements a thread's operand
+# register run, the K split aiming at that many programs an SM, the ring's slots and K slices a slot)
+MMA_GEMV_VARIANTS = {f"MMA GEMV, {w} warps, kw {kw}, {p} an SM" + (f", {st} stages" if st != 4 else "")
+                     + (f", {sub} slices a slot" if sub != 4 else ""):
+                     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=w, num_stages=3, gemv_mma=True,
+                          gemv_mma_kw=kw, gemv_mma_per_sm=p, gemv_mma_stages=st, gemv_mma_sub=sub)
+                     for w, kw, p, st, sub in ((4, 8, 4, 3, 4), (4, 8, 4, 4, 4), (2, 8, 4, 3, 4), (4, 8, 3, 3, 4),
+                                               (1, 8, 8, 3, 4), (4, 8, 4, 3, 2))}
 SCALED_MM = "torch._scaled_mm (per tensor)"  # the baseline of the linear cases: e4m3 x and w, rows padded to 16
 # label -> {family: tiles entries}, the profile's rules kept: the linear cases only
 LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}},
@@ -309,6 +319,7 @@ def main() -> None:
                 variants.update({k: (v, None) for k, v in GEMV_VARIANTS.items()  # the round trip: fp8 activations only
                                  if family == "linear" or not v.get("gemv_round_trip")})
             if family == "linear":
+                variants.update({k: (v, None) for k, v in MMA_GEMV_VARIANTS.items()})
                 us = 1e3 * scaled_mm_timing(*baseline_operands(call)).ms
                 rows.append({"case": name, "rows": m, "variant": SCALED_MM, "us_per_call": us, "floor_us": floor_us,
                              "of_floor": floor_us / us})

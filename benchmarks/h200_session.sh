@@ -177,6 +177,12 @@
 #              (the linear rule knob max_weights: small's projections, not the released ones) before the
 #              16-row MMA tile, and under the profile in the same call: h200-verify-breakdown-b1-k{1,4}-
 #              {gemvsmall,profile}.json, h200-speculative-{gemvsmall,profile}.json
+#   gemvmma    fp8 linear at 1-16 rows on mma.sync with the weight rows as its M (the gemv_mma knob,
+#              kernels_cuda/gemv_mma.py): its tests natively, then the projections at the released and small
+#              shapes (small's with GEMV_MMA_SMALL set) under its variants, the one-row GEMV and the profile:
+#              h200-gemv-mma-tests.log, h200-gemv-mma-{v41,small}.json
+#   gemvmmaslice  the real-dimension slice at batch 2 and 8 under a copy of the profile whose 2-row and 3-16-row
+#              rules do not take gemv_mma, then under the profile: h200-real-slice-gemvmma-{off,on}.json
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
 #              speculative_costs hold): h200-speculative-TAG.json (SPEC_TAG, default "now")
 #   verifysplit  benchmarks/verify_breakdown.py on small at batch 1, k 1 and 4: the verify forward, its
@@ -1183,6 +1189,32 @@ phase_gemvsmallrows() {  # small's weights fit in L2: past 2 rows, is a GEMV sti
   python benchmarks/gemv_tiles.py --model small --rows 4 5 8 --variants "GEMV N64 K256 s3" \
     "GEMV N64 K256 s3, 4 rows a program" "GEMV N32 K256 s3, 4 rows a program" \
     --out "$OUT/h200-gemv-small-rows.json" | grep -v moe_experts
+}
+
+phase_gemvmma() {  # fp8 linear at 1-16 rows on mma.sync with the weight rows as its M (the gemv_mma knob)
+  timeout 200 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_gemv_mma.py \
+    > "$OUT/h200-gemv-mma-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-gemv-mma-tests.log"
+  local labels
+  labels=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles
+print('\\n'.join(gemv_tiles.MMA_GEMV_VARIANTS))")
+  mapfile -t variants <<< "$labels"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 2 4 8 16 --variants "GEMV N64 K256 s3" "${variants[@]}" \
+    --out "$OUT/h200-gemv-mma-v41.json" | grep -v 'moe_experts\|plain '
+  [ -n "${GEMV_MMA_SMALL:-}" ] || return 0
+  python benchmarks/gemv_tiles.py --model small --rows 1 2 5 8 --variants "GEMV N64 K256 s3" "${variants[@]}" \
+    --out "$OUT/h200-gemv-mma-small.json" | grep -v 'moe_experts\|plain '
+}
+
+phase_gemvmmaslice() {  # the real-dimension slice at batch 2 and 8 under the profile and a copy without gemv_mma
+  local off name
+  off=$(profile_set h200-no-gemv-mma tiles.linear.linear.1.1.gemv_mma false tiles.linear.linear.2.1.gemv_mma false)
+  for name in off on; do
+    local profile=h200
+    [ "$name" = off ] && profile=$off
+    FLASHRT_PROFILE=$profile python benchmarks/real_slice.py --batches 2 8 \
+      --out "$OUT/h200-real-slice-gemvmma-$name.json" | tail -n 3
+  done
 }
 
 phase_gemvsmallrule() {  # rows 3-8 as the one-row GEMV on small weights: the verify of 2-7 drafted tokens

@@ -40,7 +40,7 @@ from flashrt.kernels_cuda.codecs import INTERPRETED
 from flashrt.kernels_cuda.codecs_e4m3 import FOLD_MAX_SCALE as FP8_FOLD_MAX_SCALE
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
-from flashrt.kernels_cuda import gemv
+from flashrt.kernels_cuda import gemv, gemv_mma
 from flashrt.kernels_cuda.gemv import _gemv_kernel
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
@@ -66,9 +66,16 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # gemv_shared_min_weights: the weight elements (N x K) from which gemv_rows and gemv_round_trip apply
 # (None: every launch); a smaller weight's launch takes one row a program and no round trip;
 # max_weights: the rule serves weights of at most this many elements (N x K), a larger one's launch
-# takes the next rule that serves its rows (None: any weight)
+# takes the next rule that serves its rows (None: any weight);
+# gemv_mma: fp8_w launches of up to 16 rows on mma.sync with the weights as its M side (:mod:`.gemv_mma`,
+# Gluon, sm_80+; num_warps x 16 weight rows a program, the K split aiming at gemv_mma_per_sm programs an
+# SM, gemv_mma_kw consecutive K elements a thread holds in the MMA's operands: 4, or 8 for 64-bit shared
+# loads where the Triton accepts it; only from gemv_mma_min_weights weight elements (N x K; None: every
+# weight): a smaller weight's launch, and every launch elsewhere, takes the rule's other knobs;
+# gemv_mma_stages slots in its ring of copies, gemv_mma_sub K slices of 32 a slot)
 KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False,
-             gemv_rows=1, gemv_round_trip=False, gemv_shared_min_weights=None, max_weights=None)
+             gemv_rows=1, gemv_round_trip=False, gemv_shared_min_weights=None, max_weights=None, gemv_mma=False,
+             gemv_mma_per_sm=8, gemv_mma_kw=4, gemv_mma_min_weights=None, gemv_mma_stages=4, gemv_mma_sub=4)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -126,6 +133,12 @@ def supports_fp8_mma() -> bool:
     """tl.dot on E4M3 operands (sm_89+; the device compiled for, :mod:`flashrt.jit_targets`); the
     interpreter runs that path with fp32 operands."""
     return INTERPRETED or jit_targets.capability() >= (8, 9)
+
+
+def _mma_sync_device() -> bool:
+    """Whether :mod:`.gemv_mma`'s Gluon kernel runs here: a compiled sm_80+ target, not the interpreter
+    (which does not run Gluon)."""
+    return not INTERPRETED and jit_targets.capability() >= (8, 0)
 
 
 def num_sms() -> int:
@@ -288,6 +301,13 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     t, knobs = split_tile(pick_tile(_tiles()["linear"], m, n * k))
     big = _tiles()["bf16_gemm_min_rows"]
     bf16_gemm = big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16
+    if (knobs["gemv_mma"] and fmt == "fp8_w" and m <= 16 and n * k >= (knobs["gemv_mma_min_weights"] or 0)
+            and gemv_mma.AVAILABLE and _mma_sync_device()):
+        return dict(gemv_mma.plan(m, n, k, dict(num_warps=t["num_warps"], per_sm=knobs["gemv_mma_per_sm"],
+                                                KW=knobs["gemv_mma_kw"], STAGES=knobs["gemv_mma_stages"],
+                                                SUB=knobs["gemv_mma_sub"]),
+                                  num_sms()),
+                    bf16_gemm=bf16_gemm, gemv=False, gemv_mma=True, out_dtype=dtype)
     if knobs["gemv"] and fmt == "fp8_w":  # split K summed in the kernel unless split_reduce is False
         return dict(gemv.plan(m, n, k, dtype, t, knobs, _tiles()["split_k"], num_sms(),
                               knobs["split_reduce"] is not False), bf16_gemm=bf16_gemm, fused=True, fold=False)
@@ -360,6 +380,9 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
         return _bf16_gemm(x2, weight).view(*x.shape[:-1], n)
     if plan["gemv"]:
         return _gemv(x2, weight, plan).view(*x.shape[:-1], n)
+    if plan.get("gemv_mma"):
+        data, scale = weight_operands(weight)
+        return gemv_mma.launch(last_dense(x2), data.view(torch.uint8), scale, plan).view(*x.shape[:-1], n)
     data, scale = weight_operands(weight)
     split = plan["split"]
     if plan["fused"]:
@@ -428,7 +451,10 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "*.split_reduce": Tile(nullable=True, kind=bool), "*.fp8_mma": Tile(nullable=True, kind=bool),
                "*.gemv": Tile(kind=bool), "*.gemv_rows": Tile(choices=(1, 2, 4)),
                "*.gemv_round_trip": Tile(kind=bool), "*.gemv_shared_min_weights": Tile(nullable=True, kind=int),
-               "*.max_weights": Tile(nullable=True, kind=int),
+               "*.max_weights": Tile(nullable=True, kind=int), "*.gemv_mma": Tile(kind=bool),
+               "*.gemv_mma_per_sm": Tile(low=1, kind=int), "*.gemv_mma_kw": Tile(choices=(4, 8)),
+               "*.gemv_mma_min_weights": Tile(nullable=True, kind=int), "*.gemv_mma_stages": Tile(low=2, kind=int),
+               "*.gemv_mma_sub": Tile(choices=(1, 2, 4, 8)),
                "round_trip.BLOCK_R": POW2, "round_trip.BLOCK_C": SCALED}
 
 

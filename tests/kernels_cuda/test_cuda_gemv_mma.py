@@ -1,0 +1,132 @@
+"""The ``gemv_mma`` knob of a ``linear`` rule (kernels_cuda/gemv_mma.py): fp8_w launches of up to 16 rows
+on ``mma.sync`` with the weight rows as the MMA's M, written in Gluon.
+
+Without a GPU: the launcher takes it only for fp8_w at up to 16 rows on a compiled sm_80+ target (not
+the interpreter, not fp4_w), its plan (tokens, K split in whole loop trips, masks only where N or K
+are ragged), and the kernel compiles for sm_90 with this machine's Triton: its K loop on ``HMMA`` fed by
+16-byte asynchronous copies, no spill. On a GPU: against the reference and the profile's GEMV on fresh
+random inputs, at 1-16 rows, ragged N and K, a K split summed in the kernel or not, fp32 and bf16
+activations, and every E4M3 code and weight scale byte."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import flashrt
+from flashrt import formats, jit_targets, ops
+from flashrt.jit_targets import ARCHS
+from kernel_check import DEVICE, GPU, linear_three_ways, pinned_tiles, rel_err, requires_kernels, sm90_compile
+
+pytestmark = requires_kernels
+lin = pytest.importorskip("flashrt.kernels_cuda.linear")
+gm = pytest.importorskip("flashrt.kernels_cuda.gemv_mma")
+needs_gluon = pytest.mark.skipif(not gm.AVAILABLE, reason="a Triton without Gluon")
+MMA_GPU = GPU and torch.cuda.get_device_capability() >= (8, 0)
+
+
+def _rule(rows=16, warps=4, **knobs):
+    return [rows, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=warps, num_stages=3, gemv_mma=True, **knobs)]
+
+
+def _mma_rule(rows=None):
+    return [rows, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)]
+
+
+def _plan(m, n, k, fmt="fp8_w", arch="sm_90", monkeypatch=None, **tiles):
+    monkeypatch.setattr(lin, "INTERPRETED", False)
+    with pinned_tiles(linear=dict(linear=[_rule(**tiles), _mma_rule()])), jit_targets.targeting(ARCHS[arch]):
+        return lin._linear_plan(m, n, k, torch.bfloat16, fmt)
+
+
+@needs_gluon
+def test_the_launcher_takes_it_for_fp8_w_at_up_to_16_rows(monkeypatch):
+    p = _plan(3, 1792, 5120, monkeypatch=monkeypatch)
+    assert p.get("gemv_mma") and p["constexprs"]["TOKENS"] == 8 and p["constexprs"]["EVEN"]
+    assert _plan(9, 1792, 5120, monkeypatch=monkeypatch)["constexprs"]["TOKENS"] == 16
+    assert not _plan(17, 1792, 5120, monkeypatch=monkeypatch).get("gemv_mma")  # past 16 rows: the MMA rule
+    assert not _plan(3, 1792, 5120, fmt="fp4_w", monkeypatch=monkeypatch).get("gemv_mma")
+    # from gemv_mma_min_weights weight elements only: a smaller weight takes the rule's other knobs
+    assert _plan(3, 1792, 5120, monkeypatch=monkeypatch, gemv_mma_min_weights=1792 * 5120).get("gemv_mma")
+    assert not _plan(3, 1792, 5120, monkeypatch=monkeypatch, gemv_mma_min_weights=1792 * 5120 + 1).get("gemv_mma")
+    monkeypatch.setattr(lin, "INTERPRETED", True)  # the interpreter does not run Gluon
+    with pinned_tiles(linear=dict(linear=[_rule(), _mma_rule()])), jit_targets.targeting(ARCHS["sm_90"]):
+        assert not lin._linear_plan(3, 1792, 5120, torch.bfloat16, "fp8_w").get("gemv_mma")
+
+
+@pytest.mark.parametrize("n,k,per_sm", [(1792, 5120, 8), (72, 352, 8), (1024, 512, 16), (64, 4096, 1), (32768, 1280, 8)])
+def test_the_plan_splits_k_in_whole_slices(n, k, per_sm):
+    """The splits cover K in runs of whole 32-wide slices, at least MIN_SLICES each where K has that
+    many, and bring the programs near ``per_sm`` an SM (never fewer than one split a tile); EVEN only
+    where N needs no mask."""
+    p = gm.plan(1, n, k, dict(num_warps=4, per_sm=per_sm), 132)
+    tiles, split = p["grid"]
+    assert tiles == -(-n // 64) and p["k_split"] % 32 == 0
+    assert (split - 1) * p["k_split"] < k <= split * p["k_split"]
+    assert p["k_split"] >= min(k, 32 * gm.MIN_SLICES)
+    assert tiles * split <= max(132 * per_sm, tiles)
+    if tiles * 2 * split <= 132 * per_sm:  # room left: only the slice minimum stopped the split
+        assert p["k_split"] <= 32 * gm.MIN_SLICES
+    assert p["constexprs"]["EVEN"] == (n % 64 == 0)
+    assert p["reduce"] == (split > 1)
+
+
+def test_the_operands_take_kw_8_only_where_the_triton_accepts_it(monkeypatch):
+    monkeypatch.setattr(gm.triton, "__version__", "3.6.0")
+    assert gm.operand_kw(8) == 8 and gm.operand_kw(4) == 4
+    monkeypatch.setattr(gm.triton, "__version__", "3.9.0")
+    assert gm.operand_kw(8) == 4 and gm.operand_kw(4) == 4
+
+
+@needs_gluon
+@pytest.mark.parametrize("kw", [4, 8])
+def test_it_compiles_for_sm90_on_mma_sync_fed_by_asynchronous_copies(kw):
+    tiles = {"linear": [_rule(gemv_mma_kw=kw), _mma_rule()]}
+    reports = sm90_compile("linear", "--B", "4", "--S", "1", "--tiles", json.dumps(tiles))
+    r = next(r for r in reports if r["kernel"] == "_mma_gemv_kernel")
+    assert r["stack_bytes"] == 0 and r["registers"] <= 128
+    loop = r["mma_loop"]
+    # a ring slot of four K slices a trip: two m16n8k16 MMAs a slice (K 32), no warpgroup MMA
+    assert loop["count"] == 8 and r["sass"]["HMMA"] >= 8 and r["sass"]["HGMMA"] == 0 and r["sass"]["QGMMA"] == 0
+    assert r["global_loads"].get("LDGSTS.E.BYPASS.128", 0) > 0  # the copies: 16 bytes each
+    assert loop["instructions"] < 600  # four slices: the weights, the activations quantized, the MMAs
+
+
+def _inputs(g, m, n, k, dtype=torch.float32):
+    x = (torch.randn(m, k, generator=g) * 2.0).to(DEVICE, dtype)
+    w = formats.quantize(torch.randn(n, k, generator=g) * 0.25, "fp8_w").to(DEVICE)
+    return x, w
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (MMA_GPU and gm.AVAILABLE), reason="needs an sm_80+ GPU and Gluon")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,split", [(1, 128, 512, None), (3, 72, 352, None), (8, 192, 1024, 3),
+                                         (9, 256, 640, None), (16, 64, 4096, 5), (5, 1792, 5120, None)])
+def test_against_the_reference_and_the_mma_rule(rng, dtype, m, n, k, split):
+    x, w = _inputs(rng, m, n, k, dtype)
+    tiles = dict(linear=[_rule()], split_k=split)
+    got, dot, want = linear_three_ways(x, w, dict(tiles, linear=[_rule(), _mma_rule()]), dict(tiles, linear=[_mma_rule()]))
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(got, want) < tol and rel_err(got, dot) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (MMA_GPU and gm.AVAILABLE), reason="needs an sm_80+ GPU and Gluon")
+def test_every_code_and_weight_scale_byte(rng):
+    """Each of the 256 E4M3 codes (NaN codes read as the other kernels read them: the load refuses them)
+    and weight scale bytes from 2**-127 up, against the reference's dequantized product."""
+    n, k = 64, 256 * 4
+    codes = torch.arange(256, dtype=torch.uint8).repeat(n, 4)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    scale = torch.randint(0, 140, (n // 32, k // 32), generator=rng, dtype=torch.uint8)
+    scale[0, 0] = 0
+    w = formats.QTensor(codes.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), "fp8_w", (n, k)).to(DEVICE)
+    x = torch.randn(2, k, generator=rng).to(DEVICE)
+    with pinned_tiles(linear=dict(linear=[_rule(), _mma_rule()])), flashrt.use_backend("cuda"):
+        got = ops.linear(x, w)
+    with flashrt.use_backend("reference"):
+        want = ops.linear(x, w)
+    assert rel_err(got, want) < 1e-5
