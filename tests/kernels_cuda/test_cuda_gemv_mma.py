@@ -55,7 +55,8 @@ def test_the_launcher_takes_it_for_fp8_w_at_up_to_16_rows(monkeypatch):
         assert not lin._linear_plan(3, 1792, 5120, torch.bfloat16, "fp8_w").get("gemv_mma")
 
 
-@pytest.mark.parametrize("n,k,per_sm", [(1792, 5120, 8), (72, 352, 8), (1024, 512, 16), (64, 4096, 1), (32768, 1280, 8)])
+@pytest.mark.parametrize("n,k,per_sm", [(1792, 5120, 8), (72, 352, 8), (1024, 512, 16), (64, 4096, 1),
+                                         (32768, 1280, 8)])
 def test_the_plan_splits_k_in_whole_slices(n, k, per_sm):
     """The splits cover K in runs of whole 32-wide slices, at least MIN_SLICES each where K has that
     many, and bring the programs near ``per_sm`` an SM (never fewer than one split a tile); EVEN only
@@ -102,12 +103,17 @@ def _inputs(g, m, n, k, dtype=torch.float32):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (MMA_GPU and gm.AVAILABLE), reason="needs an sm_80+ GPU and Gluon")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k,split", [(1, 128, 512, None), (3, 72, 352, None), (8, 192, 1024, 3),
-                                         (9, 256, 640, None), (16, 64, 4096, 5), (5, 1792, 5120, None)])
-def test_against_the_reference_and_the_mma_rule(rng, dtype, m, n, k, split):
+@pytest.mark.parametrize("m,n,k,per_sm", [(1, 128, 512, 8), (3, 72, 352, 8), (8, 192, 1024, 8), (9, 256, 640, 8),
+                                          (16, 64, 4096, 8), (5, 1792, 5120, 8), (4, 8192, 256, 1)])
+def test_against_the_reference_and_the_mma_rule(rng, dtype, m, n, k, per_sm):
+    """Ragged N (72) and K (352: a split's last slot short), 1-16 rows, K split summed in the kernel, and
+    one split (8,192 rows at one program an SM)."""
     x, w = _inputs(rng, m, n, k, dtype)
-    tiles = dict(linear=[_rule()], split_k=split)
-    got, dot, want = linear_three_ways(x, w, dict(tiles, linear=[_rule(), _mma_rule()]), dict(tiles, linear=[_mma_rule()]))
+    rule = _rule(gemv_mma_per_sm=per_sm)
+    with pinned_tiles(linear=dict(linear=[rule, _mma_rule()])):
+        plan = lin._linear_plan(m, n, k, dtype, "fp8_w")
+    assert plan.get("gemv_mma") and (plan["split"] == 1) == (per_sm == 1)
+    got, dot, want = linear_three_ways(x, w, dict(linear=[rule, _mma_rule()]), dict(linear=[_mma_rule()]))
     assert got.dtype == dtype and got.shape == (m, n)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(got, want) < tol and rel_err(got, dot) < tol
@@ -116,8 +122,8 @@ def test_against_the_reference_and_the_mma_rule(rng, dtype, m, n, k, split):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (MMA_GPU and gm.AVAILABLE), reason="needs an sm_80+ GPU and Gluon")
 def test_every_code_and_weight_scale_byte(rng):
-    """Each of the 256 E4M3 codes (NaN codes read as the other kernels read them: the load refuses them)
-    and weight scale bytes from 2**-127 up, against the reference's dequantized product."""
+    """Each of the 256 E4M3 codes but the two NaN ones (a load refuses them) and weight scale bytes from
+    2**-127 up, against the reference's dequantized product."""
     n, k = 64, 256 * 4
     codes = torch.arange(256, dtype=torch.uint8).repeat(n, 4)
     codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
