@@ -2,18 +2,19 @@
 (sm_80+, written in Gluon): the rule knob ``gemv_mma``.
 
 ``out[m, n] = sum over 32-wide K slices j of (xq[m, j] . w[n, j]) * sx[m, j] * sw[n // 32, j]``, where
-``xq`` / ``sx`` are the activations quantized to E4M3 with a UE8M0 scale per 32 (``linear.act_quant``)
-and ``w`` / ``sw`` the weight's E4M3 bytes with a UE8M0 scale per 32 x 32 tile.
+``xq`` / ``sx`` are the activations quantized to E4M3 with a UE8M0 scale per 32 (what ``linear.act_quant``
+makes; the kernel quantizes the float activations itself) and ``w`` / ``sw`` the weight's E4M3 bytes
+with a UE8M0 scale per 32 x 32 tile.
 
 A GEMV on the CUDA cores spends an instruction or more on every weight byte (the load, the conversion,
 a multiply-add per activation row), and a 16-row MMA tile with the activations as its rows wastes 15
 of them at one token. Here each warp owns 16 weight rows as the M of ``mma.sync`` m16n8k16 (fp16
 operands, fp32 accumulation) and the activation rows (up to ``TOKENS``, 8 or 16) are its N. The weight
-and activation bytes come through a shared ring by asynchronous copies (``cp.async``, 16 bytes a copy,
-``STAGES - 1`` slots of ``SUB`` K slices ahead, each warp copying its own rows), are read from there in
-the MMA operands' layout, converted by the device two E4M3 bytes an instruction to fp16 (exact), and
-each 32-wide K slice's product, taken into a fresh accumulator, is added to the fp32 sum times its two
-scales. One instruction of the MMA covers 256 weight bytes.
+bytes and float activations come through a shared ring by asynchronous copies (``cp.async``, 16 bytes a
+copy, ``STAGES - 1`` slots of ``SUB`` K slices ahead), are read from there in the MMA operands' layout,
+the weights converted by the device two E4M3 bytes an instruction to fp16 and the activations quantized
+slice by slice (both exact in fp16), and each 32-wide K slice's product, taken into a fresh accumulator,
+is added to the fp32 sum times its two scales. One instruction of the MMA covers 256 weight bytes.
 
 A program is ``num_warps`` x 16 weight rows and one K split. The splits of a tile meet in the tile's
 last program (the ticket of :mod:`.splitk`: a workspace of fp32 partials summed in split order, so the
@@ -86,7 +87,7 @@ if AVAILABLE:
                                                       instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
-        # the copies: each warp its own 16 weight rows; the activations shared by the warps
+        # the copies, spread over the program's threads (a barrier follows them before any slot is read)
         wc_l: gl.constexpr = _copy_layout(SLOT, 16, num_warps)
         xc_l: gl.constexpr = _copy_layout(SLOT, 128 // x_t.primitive_bitwidth, num_warps)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])

@@ -454,7 +454,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "*.max_weights": Tile(nullable=True, kind=int), "*.gemv_mma": Tile(kind=bool),
                "*.gemv_mma_per_sm": Tile(low=1, kind=int), "*.gemv_mma_kw": Tile(choices=(4, 8)),
                "*.gemv_mma_min_weights": Tile(nullable=True, kind=int), "*.gemv_mma_stages": Tile(low=2, kind=int),
-               "*.gemv_mma_sub": Tile(choices=(1, 2, 4, 8)),
+               "*.gemv_mma_sub": Tile(choices=(1, 2, 4)),
                "round_trip.BLOCK_R": POW2, "round_trip.BLOCK_C": SCALED}
 
 
