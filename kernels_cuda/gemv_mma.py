@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashrt.kernels_cuda import splitk
+from flashrt.kernels_cuda import pdl, splitk
 from flashrt.kernels_cuda.attention_ws import AVAILABLE
 from flashrt.kernels_cuda.launch import cdiv
 
@@ -39,6 +39,7 @@ if AVAILABLE:
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
     from flashrt.kernels_cuda.codecs import e8m0_to_f32
+    from flashrt.kernels_cuda.pdl import wait_inputs
 
     @gluon.constexpr_function
     def _copy_layout(SLOT, VEC, num_warps):
@@ -80,6 +81,7 @@ if AVAILABLE:
         SUB K slices by asynchronous copies issued STAGES - 1 slots ahead; the weight scale bytes are
         loaded where a slice is used. EVEN: N a multiple of the program's rows (no row mask); EVEN_K:
         every split whole slots. Activation rows past M read row M - 1 again (not stored)."""
+        wait_inputs()
         BLOCK_N: gl.constexpr = 16 * num_warps
         SLOT: gl.constexpr = 32 * SUB  # K elements a ring slot: SUB slices of 32
         x_t: gl.constexpr = x_ptr.dtype.element_ty
@@ -199,7 +201,7 @@ def launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, p: dict) ->
         ws = cnt = out
     _mma_gemv_kernel[p["grid"]](
         x, data, scale, out, ws, cnt, m, n, x.shape[1], p["k_split"], p["split"], x.stride(0), data.stride(0),
-        scale.stride(0), scale.stride(1), out.stride(-2), **p["constexprs"])
+        scale.stride(0), scale.stride(1), out.stride(-2), **p["constexprs"], **pdl.options(x.device))
     if p["reduce"] or p["split"] == 1:
         return out.view(m, n) if p["reduce"] else out[0]
     return out.sum(0).to(x.dtype)

@@ -92,6 +92,10 @@ def test_it_compiles_for_sm90_on_mma_sync_fed_by_asynchronous_copies(kw, sub):
     assert loop["count"] == 2 * sub and r["sass"]["HGMMA"] == 0 and r["sass"]["QGMMA"] == 0
     assert r["global_loads"].get("LDGSTS.E.BYPASS.128", 0) > 0  # the copies: 16 bytes each
     assert loop["instructions"] < 150 * sub  # a slice: the weights, the activations quantized, the MMAs
+    # it waits for the kernel before it (programmatic dependent launch) before its first copy or load
+    ptx = [line.split(";")[0] for line in open(r["dump"] + ".ptx").read().splitlines()]
+    first = lambda word: next(i for i, line in enumerate(ptx) if word in line)  # noqa: E731
+    assert first("griddepcontrol.wait") < min(first("cp.async"), first("ld.global"))
 
 
 def _inputs(g, m, n, k, dtype=torch.float32):
