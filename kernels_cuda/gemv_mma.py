@@ -158,9 +158,9 @@ if AVAILABLE:
 
 
 def operand_kw(kw: int) -> int:
-    """``kw`` consecutive K elements a thread in the fp16 MMA operands, or 4 where this Triton refuses more:
-    Triton 3.7 and later require an MMA's K (16) to be at least 4 x kWidth, while 3.6 takes 8 (64-bit
-    shared loads of the weights)."""
+    """``kw`` consecutive K elements a thread in the fp16 MMA operands, or 4 where this Triton may refuse
+    more: Triton 3.9 requires an MMA's K (16) to be at least 4 x kWidth, while 3.6 takes 8 (64-bit shared
+    loads of the weights); 4 from 3.7 on, the versions between not having been checked."""
     version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
     return kw if kw <= 4 or version < (3, 7) else 4
 
