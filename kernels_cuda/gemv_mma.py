@@ -140,6 +140,7 @@ if AVAILABLE:
             _sync()  # every warp has read the slot before a later trip's copies refill it
             j += 1
 
+        # the split's meeting as splitk.store_tile does it, in Gluon (its helpers make layout-free tensors)
         out_t = out_ptr.dtype.element_ty
         c_ok = (rows_c < N)[:, None] & (ms_c < M)[None, :]
         if REDUCE:
@@ -170,10 +171,11 @@ def tokens_for(m: int) -> int:
     return 8 if m <= 8 else 16
 
 
-def plan(m: int, n: int, k: int, tile: dict, sms: int) -> dict:
-    """The launch of ``m`` rows (at most 16) against an [n, k] fp8_w weight under ``tile`` (``num_warps``,
-    ``KW``: the operands' consecutive K elements a thread, ``per_sm``: programs aimed at an SM, reached by
-    splitting K into runs of whole 32-wide slices, at least :data:`MIN_SLICES` a split)."""
+def plan(m: int, n: int, k: int, dtype: torch.dtype, tile: dict, sms: int) -> dict:
+    """The launch of ``m`` rows (at most 16) of ``dtype`` against an [n, k] fp8_w weight under ``tile``
+    (``num_warps``, ``KW``: the operands' consecutive K elements a thread, ``per_sm``: programs aimed at
+    an SM, reached by splitting K into runs of whole 32-wide slices, at least :data:`MIN_SLICES` a split);
+    ``split``, ``reduce`` and ``out_dtype`` as :func:`.splitk.outputs` takes them."""
     warps = tile.get("num_warps", 4)
     tiles = cdiv(n, ROWS_A_WARP * warps)
     slices = cdiv(k, 32)
@@ -182,10 +184,10 @@ def plan(m: int, n: int, k: int, tile: dict, sms: int) -> dict:
     k_split = cdiv(cdiv(slices, split), sub) * sub * 32
     split = cdiv(k, k_split)
     reduce = split > 1 and splitk.fits(tiles)
-    return dict(grid=(tiles, split), split=split, k_split=k_split, reduce=reduce, warps=warps,
+    return dict(grid=(tiles, split), split=split, k_split=k_split, reduce=reduce,
+                out_dtype=dtype if split == 1 or reduce else torch.float32,
                 constexprs=dict(TOKENS=tokens_for(m), KW=operand_kw(tile.get("KW", 4)), STAGES=tile.get("STAGES", 4),
-                                SUB=sub,
-                                EVEN=n % (ROWS_A_WARP * warps) == 0, EVEN_K=k % (32 * sub) == 0,
+                                SUB=sub, EVEN=n % (ROWS_A_WARP * warps) == 0, EVEN_K=k % (32 * sub) == 0,
                                 REDUCE=reduce, num_warps=warps))
 
 
@@ -193,15 +195,8 @@ def launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, p: dict) ->
     """[M, N] in x's dtype of float activations ``x`` [M, K] (last dim dense) and an fp8_w weight's
     ``data`` / ``scale`` (uint8 views) under plan ``p``."""
     m, n = x.shape[0], data.shape[0]
-    if p["reduce"]:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        ws, cnt = torch.empty(p["split"], m, n, dtype=torch.float32, device=x.device), splitk.counters(x.device)
-    else:
-        out = torch.empty(p["split"], m, n, dtype=x.dtype if p["split"] == 1 else torch.float32, device=x.device)
-        ws = cnt = out
+    out, ws, cnt = splitk.outputs(p, m, n, x.device)
     _mma_gemv_kernel[p["grid"]](
         x, data, scale, out, ws, cnt, m, n, x.shape[1], p["k_split"], p["split"], x.stride(0), data.stride(0),
         scale.stride(0), scale.stride(1), out.stride(-2), **p["constexprs"], **pdl.options(x.device))
-    if p["reduce"] or p["split"] == 1:
-        return out.view(m, n) if p["reduce"] else out[0]
-    return out.sum(0).to(x.dtype)
+    return splitk.result(out, p, x.dtype)

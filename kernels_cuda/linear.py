@@ -303,11 +303,10 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     bf16_gemm = big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16
     if (knobs["gemv_mma"] and fmt == "fp8_w" and m <= 16 and n * k >= (knobs["gemv_mma_min_weights"] or 0)
             and gemv_mma.AVAILABLE and _mma_sync_device()):
-        return dict(gemv_mma.plan(m, n, k, dict(num_warps=t["num_warps"], per_sm=knobs["gemv_mma_per_sm"],
-                                                KW=knobs["gemv_mma_kw"], STAGES=knobs["gemv_mma_stages"],
-                                                SUB=knobs["gemv_mma_sub"]),
-                                  num_sms()),
-                    bf16_gemm=bf16_gemm, gemv=False, gemv_mma=True, out_dtype=dtype)
+        return dict(gemv_mma.plan(m, n, k, dtype, dict(num_warps=t["num_warps"], per_sm=knobs["gemv_mma_per_sm"],
+                                                       KW=knobs["gemv_mma_kw"], STAGES=knobs["gemv_mma_stages"],
+                                                       SUB=knobs["gemv_mma_sub"]), num_sms()),
+                    bf16_gemm=bf16_gemm, gemv=False, gemv_mma=True)
     if knobs["gemv"] and fmt == "fp8_w":  # split K summed in the kernel unless split_reduce is False
         return dict(gemv.plan(m, n, k, dtype, t, knobs, _tiles()["split_k"], num_sms(),
                               knobs["split_reduce"] is not False), bf16_gemm=bf16_gemm, fused=True, fold=False)

@@ -61,7 +61,7 @@ def test_the_plan_splits_k_in_whole_slices(n, k, per_sm):
     """The splits cover K in runs of whole 32-wide slices, at least MIN_SLICES each where K has that
     many, and bring the programs near ``per_sm`` an SM (never fewer than one split a tile); EVEN only
     where N needs no mask."""
-    p = gm.plan(1, n, k, dict(num_warps=4, per_sm=per_sm), 132)
+    p = gm.plan(1, n, k, torch.bfloat16, dict(num_warps=4, per_sm=per_sm), 132)
     tiles, split = p["grid"]
     assert tiles == -(-n // 64) and p["k_split"] % 32 == 0
     assert (split - 1) * p["k_split"] < k <= split * p["k_split"]
@@ -70,7 +70,7 @@ def test_the_plan_splits_k_in_whole_slices(n, k, per_sm):
     if tiles * 2 * split <= 132 * per_sm:  # room left: only the slice minimum stopped the split
         assert p["k_split"] <= 32 * gm.MIN_SLICES
     assert p["constexprs"]["EVEN"] == (n % 64 == 0)
-    assert p["reduce"] == (split > 1)
+    assert p["reduce"] == (split > 1) and p["out_dtype"] == torch.bfloat16
 
 
 def test_the_operands_take_kw_8_only_where_the_triton_accepts_it(monkeypatch):
