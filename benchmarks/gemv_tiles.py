@@ -103,6 +103,13 @@ MMA_GEMV_VARIANTS = {f"MMA GEMV, {w} warps, kw {kw}, {p} an SM" + (f", {st} stag
                           gemv_mma_kw=kw, gemv_mma_per_sm=p, gemv_mma_stages=st, gemv_mma_sub=sub)
                      for w, kw, p, st, sub in ((4, 8, 4, 3, 4), (4, 8, 4, 4, 4), (2, 8, 4, 3, 4), (4, 8, 3, 3, 4),
                                                (1, 8, 8, 3, 4), (4, 8, 4, 3, 2))}
+# label -> the experts cases' rule on mma.sync with the weight rows as its M (the experts' ``gemv_mma`` knob,
+# kernels_cuda/moe_mma.py: fp4_w words only, so with --expert-words; num_warps x 16 weight rows a program,
+# the K split aiming at that many programs an SM, the ring's slots and K slices a slot)
+EXPERT_MMA_VARIANTS = {f"experts MMA GEMV, {w} warps, {p} an SM, {st} stages" + (f", {sub} slices a slot" if sub != 4 else ""):
+                       dict(num_warps=w, gemv_mma=True, gemv_mma_per_sm=p, gemv_mma_stages=st, gemv_mma_sub=sub)
+                       for w, p, st, sub in ((4, 4, 3, 4), (4, 8, 3, 4), (4, 4, 4, 4), (2, 8, 3, 4), (4, 4, 3, 2),
+                                             (8, 2, 3, 4))}
 SCALED_MM = "torch._scaled_mm (per tensor)"  # the baseline of the linear cases: e4m3 x and w, rows padded to 16
 # label -> {family: tiles entries}, the profile's rules kept: the linear cases only
 LINEAR_VARIANTS = {"profile, activations quantized apart": {"linear": {"fused_max_rows": 0}},
@@ -318,6 +325,8 @@ def main() -> None:
             if family in ("linear", "linear_plain"):
                 variants.update({k: (v, None) for k, v in GEMV_VARIANTS.items()  # the round trip: fp8 activations only
                                  if family == "linear" or not v.get("gemv_round_trip")})
+            if family == "moe":
+                variants.update({k: (tweaked(family, entry, limit, v), None) for k, v in EXPERT_MMA_VARIANTS.items()})
             if family == "linear":
                 variants.update({k: (v, None) for k, v in MMA_GEMV_VARIANTS.items()})
                 us = 1e3 * scaled_mm_timing(*baseline_operands(call)).ms

@@ -183,6 +183,12 @@
 #              h200-gemv-mma-tests.log, h200-gemv-mma-{v41,small}.json
 #   gemvmmaslice  the real-dimension slice at batch 2 and 8 under a copy of the profile whose 2-row and 3-16-row
 #              rules do not take gemv_mma, then under the profile: h200-real-slice-gemvmma-{off,on}.json
+#   moemma     the routed fp4 experts on mma.sync with the weight rows as its M (the experts' gemv_mma knob,
+#              kernels_cuda/moe_mma.py): its tests and the other experts tests natively, then the experts at the
+#              released shapes (K-major scales, codes in words) under its variants and the profile:
+#              h200-moe-mma-tests.log, h200-moe-mma-v41.json
+#   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
+#              experts rule takes gemv_mma: h200-real-slice-moemma-{off,on}.json
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
 #              speculative_costs hold): h200-speculative-TAG.json (SPEC_TAG, default "now")
 #   verifysplit  benchmarks/verify_breakdown.py on small at batch 1, k 1 and 4: the verify forward, its
@@ -1214,6 +1220,30 @@ phase_gemvmmaslice() {  # the real-dimension slice at batch 2 and 8 under the pr
     [ "$name" = off ] && profile=$off
     FLASHRT_PROFILE=$profile python benchmarks/real_slice.py --batches 2 8 \
       --out "$OUT/h200-real-slice-gemvmma-$name.json" | tail -n 3
+  done
+}
+
+phase_moemma() {  # the routed fp4 experts on mma.sync with the weight rows as its M (the experts' gemv_mma knob)
+  timeout 300 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_mma.py \
+    tests/kernels_cuda/test_cuda_moe_act_dequantized.py tests/kernels_cuda/test_cuda_moe_shared.py \
+    > "$OUT/h200-moe-mma-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-moe-mma-tests.log"
+  local labels
+  labels=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles
+print('\\n'.join(gemv_tiles.EXPERT_MMA_VARIANTS))")
+  mapfile -t variants <<< "$labels"
+  python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 --scales-k-major --expert-words --variants \
+    "${variants[@]}" --out "$OUT/h200-moe-mma-v41.json" | grep 'fp4 words'
+}
+
+phase_moemmaslice() {  # the real-dimension slice under the profile and a copy whose decode experts rule takes gemv_mma
+  local on name
+  on=$(profile_set h200-moe-mma tiles.moe.experts.0.1.gemv_mma true)
+  for name in off on; do
+    local profile=h200
+    [ "$name" = on ] && profile=$on
+    FLASHRT_PROFILE=$profile python benchmarks/real_slice.py --batches 1 8 64 \
+      --out "$OUT/h200-real-slice-moemma-$name.json" | tail -n 4
   done
 }
 

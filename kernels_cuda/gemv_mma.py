@@ -54,17 +54,21 @@ if AVAILABLE:
         _async_load(x_slot, x_src + k, mask=(k + x_cols < k_hi)[None, :])
 
     @gluon.jit
-    def _quant_fp8(x):
-        """fp32 activations [32, TOKENS] (a K slice of each row) -> (their ``fp8`` values as fp16, exact;
-        the UE8M0 scale byte of each row, int32 [TOKENS]): ``act_quant``'s block rule, the scale
-        2**ceil(log2(max(amax, 1e-4) / 448)) with the quotient correctly rounded, each value times the
-        scale's inverse rounded to E4M3 (nearest, ties to even) by the device."""
-        amax = gl.max(gl.abs(x), axis=0)
+    def block_exp(amax):
+        """fp32 block maxima -> (the UE8M0 scale byte, int32; the scale's inverse, fp32): ``act_quant``'s
+        block rule, the scale 2**ceil(log2(max(amax, 1e-4) / 448)) with the quotient correctly rounded."""
         v = gl.div_rn(gl.maximum(amax, 1e-4), gl.full(amax.shape, 448.0, gl.float32, amax.type.layout))
         bits = v.to(gl.int32, bitcast=True)
         e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(gl.int32)
         e = gl.minimum(gl.maximum(e, 1), 254)
-        recip = gl.where(e >= 254, 0x00200000, (254 - e) << 23).to(gl.float32, bitcast=True)
+        return e, gl.where(e >= 254, 0x00200000, (254 - e) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _quant_fp8(x):
+        """fp32 activations [32, TOKENS] (a K slice of each row) -> (their ``fp8`` values as fp16, exact;
+        the UE8M0 scale byte of each row, int32 [TOKENS]): :func:`block_exp`'s scale, each value times the
+        scale's inverse rounded to E4M3 (nearest, ties to even) by the device."""
+        e, recip = block_exp(gl.max(gl.abs(x), axis=0))
         # |x| / scale <= 448 by the scale's rule (a power of two: the product is exact), so no clamp is needed
         q = (x * recip[None, :]).to(gl.float8e4nv)
         return q.to(gl.float16), e

@@ -135,7 +135,7 @@ def supports_fp8_mma() -> bool:
     return INTERPRETED or jit_targets.capability() >= (8, 9)
 
 
-def _mma_sync_device() -> bool:
+def mma_sync_device() -> bool:
     """Whether :mod:`.gemv_mma`'s Gluon kernel runs here: a compiled sm_80+ target, not the interpreter
     (which does not run Gluon)."""
     return not INTERPRETED and jit_targets.capability() >= (8, 0)
@@ -262,10 +262,10 @@ def fold_scales(e2m1: int, *weights) -> int:
     weight among ``weights`` has a recorded largest scale byte (``QTensor.scale_max``) of at most
     :data:`FOLD_MAX_SCALE`; else ``e2m1``. The weights' part is decided per launch (plans are per
     shape; launchers ask only where their plan may fold); the values are the same either way."""
-    return e2m1 + SCALE_FOLD if may_fold(e2m1) and _scales_at_most(weights, "fp4_w", FOLD_MAX_SCALE) else e2m1
+    return e2m1 + SCALE_FOLD if may_fold(e2m1) and scales_at_most(weights, "fp4_w", FOLD_MAX_SCALE) else e2m1
 
 
-def _scales_at_most(weights, fmt: str, top: int) -> bool:
+def scales_at_most(weights, fmt: str, top: int) -> bool:
     """Whether ``weights`` hold a weight of format ``fmt`` and every such one has its largest scale
     byte recorded (``QTensor.scale_max``) at most ``top``."""
     of_fmt = [w for w in weights if isinstance(w, QTensor) and w.fmt == fmt]
@@ -278,7 +278,7 @@ def fold_fp8(e2m1: int, *weights) -> int:
     ``codecs_e4m3.FOLD_MAX_SCALE`` (``QTensor.scale_max``, set where the experts are stacked at load);
     else ``e2m1``. The values are the same either way."""
     packed = e2m1 & FP8_PACKED
-    return e2m1 + FP8_FOLD if packed and _scales_at_most(weights, "fp8_w", FP8_FOLD_MAX_SCALE) else e2m1
+    return e2m1 + FP8_FOLD if packed and scales_at_most(weights, "fp8_w", FP8_FOLD_MAX_SCALE) else e2m1
 
 
 def with_words(e2m1: int, *weights) -> int:
@@ -302,7 +302,7 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     big = _tiles()["bf16_gemm_min_rows"]
     bf16_gemm = big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16
     if (knobs["gemv_mma"] and fmt == "fp8_w" and m <= 16 and n * k >= (knobs["gemv_mma_min_weights"] or 0)
-            and gemv_mma.AVAILABLE and _mma_sync_device()):
+            and gemv_mma.AVAILABLE and mma_sync_device()):
         return dict(gemv_mma.plan(m, n, k, dtype, dict(num_warps=t["num_warps"], per_sm=knobs["gemv_mma_per_sm"],
                                                        KW=knobs["gemv_mma_kw"], STAGES=knobs["gemv_mma_stages"],
                                                        SUB=knobs["gemv_mma_sub"]), num_sms()),

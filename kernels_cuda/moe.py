@@ -54,12 +54,12 @@ from flashrt.families import Dim, KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.tile_checks import COUNT0, GEMM_ROWS, POW2, Tile, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
-from flashrt.kernels_cuda import moe_grouped, moe_tables, moe_warmup, splitk
+from flashrt.kernels_cuda import moe_grouped, moe_mma, moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
-from flashrt.kernels_cuda.linear import (FLOATS, SCALED, WEIGHT_FORMATS, act_quant, fold_fp8, fold_scales, fp4_decode,
-                                         fp8_decode, may_fold, mma_mode, pick_tile, split_tile, weight_operands,
-                                         with_words)
+from flashrt.kernels_cuda.linear import (FLOATS, FOLD_MAX_SCALE, SCALED, WEIGHT_FORMATS, act_quant, fold_fp8,
+                                         fold_scales, fp4_decode, fp8_decode, may_fold, mma_mode, pick_tile,
+                                         scales_at_most, split_tile, weight_operands, with_words)
 from flashrt.kernels_cuda.linear_kernel import ACT_DEQUANTIZED
 from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_up_kernel
 from flashrt.kernels_cuda.round_trip import fp8_round_trip
@@ -72,8 +72,13 @@ from flashrt.kernels_cuda import pdl
 # fit in the SMs (None: BLOCK_N as given); split_min_blocks: split K when they do not fill the SMs,
 # keeping this many K blocks a split (None: no split); split_per_sm: split K to bring the programs
 # nearest to this many an SM (linear's knob); split_k: a forced count (None: as above); swap_operands:
-# the rule's 64-row tiles multiply w @ x.T, as linear's tile of that name (None: that tile decides)
-KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None)
+# the rule's 64-row tiles multiply w @ x.T, as linear's tile of that name (None: that tile decides);
+# gemv_mma: routed fp4_w experts in E2M1 words whose folded scales fit (linear.FOLD_MAX_SCALE), with the
+# activations dequantized (act_dequantized), on mma.sync with the weights as its M side (:mod:`.moe_mma`,
+# Gluon, sm_80+): num_warps x 16 weight rows a program, row tiles of gemv_mma_tokens pair rows, the K split
+# aiming at gemv_mma_per_sm programs an SM, gemv_mma_stages ring slots of gemv_mma_sub K slices of 32
+KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None,
+             gemv_mma=False, gemv_mma_tokens=8, gemv_mma_per_sm=4, gemv_mma_stages=3, gemv_mma_sub=4)
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -161,13 +166,34 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
     if combine and down[1] > 1:
         down = _gemm(t, knobs, D, I, row_tiles, rows, 1, reserved=cols)
     e2m1 = fp4_decode(knobs["swap_operands"])  # the rule's swap knob over linear's tile
-    return PLANS.store(key, dict(block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
+    return PLANS.store(key, dict(mma=_mma_plan(n, k, E, D, I, direct, pairs_mode, t, knobs, tiles), block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
                                  combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
                                  shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
                                  adq=bool(tiles["act_dequantized"]), round_trip=tiles["round_trip"],
                                  e2m1=e2m1, fold=may_fold(e2m1),
                                  swap=knobs["swap_operands"],
                                  combine_tile=tiles["combine"]))
+
+
+def _mma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: bool, t: dict, knobs: dict, tiles: dict):
+    """:mod:`.moe_mma`'s plan of the routed experts where the rule's ``gemv_mma`` knob takes them and they
+    can run there (the activations dequantized, a compiled sm_80+ target whose Triton builds the
+    kernels; not the direct path, whose one expert is the shared one), else None. The weights' part
+    (:func:`_mma_weights`) is checked per call."""
+    if not (knobs["gemv_mma"] and not direct and tiles["act_dequantized"] and _linear.mma_sync_device()
+            and moe_mma.usable()):
+        return None
+    tile = dict(num_warps=t["num_warps"], TOKENS=knobs["gemv_mma_tokens"], STAGES=knobs["gemv_mma_stages"],
+                SUB=knobs["gemv_mma_sub"], per_sm=knobs["gemv_mma_per_sm"])
+    return moe_mma.plan(n, k, E, D, I, pairs, tile, _linear.num_sms())
+
+
+def _mma_weights(w1, w3, w2) -> bool:
+    """Whether :mod:`.moe_mma`'s kernels read these routed experts: fp4_w in E2M1 words, scale bytes
+    recorded at most :data:`.linear.FOLD_MAX_SCALE` (the decode folds its re-bias into them), the data
+    16-byte aligned (whole 16-byte copies)."""
+    return (all(w.fmt == "fp4_w" and w.e2m1_words and w.data.data_ptr() % 16 == 0 for w in (w1, w3, w2))
+            and scales_at_most((w1, w3, w2), "fp4_w", FOLD_MAX_SCALE))
 
 
 def _grid(tab, t, cols: int, split: int, n: int, plan: dict):
@@ -282,6 +308,8 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     if shared is not None and not tiles["shared_in_launch"]:
         return _shared_apart(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared)
     plan = _plan(n, k, E, D, I, shared is not None)
+    if plan["mma"] is not None and _mma_weights(w1, w3, w2):
+        return _experts_mma(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, shared, plan)
     if plan["adq"]:
         xq = sx = fp8_round_trip(x, plan["round_trip"])
     else:
@@ -303,12 +331,53 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
         _experts_down(hq, sh, tab, w2, D, x.dtype, plan, n, k, shared, combine=out, add=add)
         return out
     y = _experts_down(hq, sh, tab, w2, D, x.dtype, plan, n, k, shared)
-    c = plan["combine_tile"]
+    return _combine(y, tab, out, add, k, plan["pairs"], plan["shared"], plan["combine_tile"])
+
+
+def _combine(y, tab, out, add, k: int, pairs: bool, shared: bool, c: dict) -> torch.Tensor:
+    """``out`` [N, D]: each token's k pair rows of ``y`` summed in slot order (then its shared row where
+    ``shared``), plus its ``add`` row (fp32 or None): one launch of the combine kernel, tile ``c``."""
+    n, D = out.shape
     _moe_combine_kernel[(n, cdiv(D, c["BLOCK_D"]))](
         y, tab["pos"], out, add if add is not None else out, D, k, y.stride(0), out.stride(0),
         add.stride(0) if add is not None else 0, n * k, BLOCK_D=c["BLOCK_D"], HAS_ADD=add is not None,
-        PAIRS=plan["pairs"], SHARED=plan["shared"], num_warps=c["num_warps"], **pdl.options(y.device))
+        PAIRS=pairs, SHARED=shared, num_warps=c["num_warps"], **pdl.options(y.device))
     return out
+
+
+def _experts_mma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, plan):
+    """The routed experts on :mod:`.moe_mma`'s kernels (plan ``plan["mma"]``), the shared expert on the
+    direct path's kernels over the same dequantized activations, its fp32 rows (plus ``add``) added by the
+    combine after the routed sum, as :func:`_shared_apart` orders them."""
+    n, D = x.shape
+    k = indices.shape[1]
+    p = plan["mma"]
+    xq = fp8_round_trip(x, plan["round_trip"])
+    if shared is not None:
+        own = _shared_direct(x, xq, shared, limit)
+        add = own if add is None else finish_experts(own, add, torch.float32)
+    if p["pairs"]:
+        tab = _pair_tables(weights, indices)
+    else:
+        tab = dict(moe_tables.route_tables(indices, weights, w1.shape[0], p["block_m"], plan["route"]))
+    y = moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k)
+    out = torch.empty(n, D, dtype=out_dtype, device=x.device)
+    return _combine(y, tab, out, add.contiguous() if add is not None else None, k, p["pairs"], False,
+                    plan["combine_tile"])
+
+
+def _shared_direct(x, xq, shared, limit: float) -> torch.Tensor:
+    """fp32 [N, D]: the shared expert (one expert, one slot a token: the direct path's two launches) over
+    ``xq``, the dequantized values of the activations ``x`` (the whole op on ``x`` where the profile turns
+    the direct path off)."""
+    w1, w3, w2 = shared
+    n, D = xq.shape
+    plan = _plan(n, 1, 1, D, w1.shape[1])
+    if not plan["direct"]:
+        return moe_experts(x, *_shared_routes(x), *shared, limit)
+    tab = _direct_tables(torch.ones(n, dtype=torch.float32, device=xq.device), plan["block_m"])
+    hq, sh = _experts_up(xq, xq, tab, w1, w3, w1.shape[1], limit, x.dtype, plan, n, 1)
+    return _experts_down(hq, sh, tab, w2, D, x.dtype, plan, n, 1)
 
 
 def _shared_routes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,6 +431,10 @@ FAMILY = KernelFamily(
                               "experts.split_per_sm": Tile(low=1, nullable=True, kind=int),
                               "experts.split_k": Tile(nullable=True, kind=int),
                               "experts.swap_operands": Tile(nullable=True, kind=bool),
+                              "experts.gemv_mma": Tile(kind=bool), "experts.gemv_mma_tokens": Tile(choices=(8, 16)),
+                              "experts.gemv_mma_per_sm": Tile(low=1, kind=int),
+                              "experts.gemv_mma_stages": Tile(low=2, kind=int),
+                              "experts.gemv_mma_sub": Tile(choices=(1, 2, 4)),
                               "combine.BLOCK_D": POW2, "swiglu.BLOCK_R": POW2, "round_trip.BLOCK_R": POW2,
                               "round_trip.BLOCK_C": Tile(low=32, pow2=True, kind=int),
                               "act_dequantized": Tile(kind=bool),

@@ -1,0 +1,379 @@
+"""``moe_experts``' routed fp4_w experts at a few rows an expert on the tensor cores, the weights as the
+MMA's M side (sm_80+, written in Gluon): the experts rule knob ``gemv_mma``.
+
+The 16-row MMA tile of :mod:`.moe_kernels` spends most of its instructions decoding the fp4 weights
+into the layout its ``tl.dot`` wants and 15 of its 16 rows on nothing at one token. Here, as in
+:mod:`.gemv_mma`, each warp owns 16 weight rows as the M of ``mma.sync`` m16n8k16 (bf16 operands, fp32
+accumulation) and a row tile's activation rows (up to ``TOKENS``: one expert's pair rows) are its N.
+The weights come through a shared ring of asynchronous copies and are read in the 8-bit MMA operand's
+layout, so each thread holds whole 32-bit words of eight E2M1 codes (the word layout,
+:mod:`flashrt.e2m1_words`) of its two rows; the packed word decode (``codecs_words``, its re-bias
+folded into the bf16 block scale) writes them straight into the bf16 operand registers. The decode's
+registers hold codes (0, 2), (4, 6), (1, 3), (5, 7) of a word: the MMA takes them as they are and the
+activations' K is permuted the same way within each group of eight (a few byte permutes a slice, paid
+once for both weights of the up kernel). One MMA instruction covers 256 weight bytes.
+
+The activations arrive as the bf16 values of their fp8 round trip (``tiles.moe.act_dequantized``): x by
+one launch before, h as the up kernel stores it. The products are exact and summed in fp32, as the 16-row
+tile sums them.
+
+- ``_up_kernel``: W1 and W3 rows ``[n0, n0 + 16 * num_warps)`` of the tile's expert over x, then the
+  SwiGLU of the full sums (gate and up rounded to x.dtype, clamped, times the routing weight, rounded)
+  and h's fp8 round trip per 32 columns, stored as bf16 values in pair-row order;
+- ``_down_kernel``: W2 over h, each pair row's output rounded to x.dtype; the combine kernel of
+  :mod:`.moe_kernels` then sums each token's rows.
+
+A K split meets in the tile's last program (the tickets of :mod:`.splitk`, partials summed in split
+order: deterministic).
+"""
+from __future__ import annotations
+
+import torch
+
+from flashrt.kernels_cuda import pdl, splitk
+from flashrt.kernels_cuda.attention_ws import AVAILABLE
+from flashrt.kernels_cuda.gemv_mma import MIN_SLICES, ROWS_A_WARP, operand_kw
+from flashrt.kernels_cuda.launch import cdiv
+
+KW = 8  # consecutive K elements a thread in the bf16 operands: one word of eight codes (Triton <= 3.6 takes it)
+
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+    from flashrt.kernels_cuda.attention_ws import _async_load, _sync
+    from flashrt.kernels_cuda.codecs import e8m0_bf16_x2p126, to_out
+    from flashrt.kernels_cuda.codecs_words import E2M1_WORDS_FOLDED_TEXT
+    from flashrt.kernels_cuda.gemv_mma import _copy_layout, block_exp
+    from flashrt.kernels_cuda.pdl import wait_inputs
+
+    _WORDS = gl.constexpr(E2M1_WORDS_FOLDED_TEXT)
+
+    @gluon.jit
+    def _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS: gl.constexpr, TOKENS: gl.constexpr, layout):
+        """(pair rows [TOKENS] in ``layout``, row mask, token of each row int64) of row tile
+        ``program_id(1)``: PAIRS, pair ``t`` alone (token ``t // TOPK``); else the routing tables' tile.
+        Lanes past the tile read its last row's token (never stored)."""
+        t = gl.program_id(1)
+        lanes = gl.arange(0, TOKENS, layout=layout)
+        if PAIRS:
+            row0 = t
+            end = t + 1
+        else:
+            row0 = gl.load(tile_row_ptr + t)
+            end = gl.load(row_end_ptr + t)
+        rows = row0 + lanes
+        last = gl.minimum(rows, end - 1)
+        if PAIRS:
+            tok = last // TOPK
+        else:
+            tok = gl.load(tok_ptr + last)
+        return rows, rows < end, tok.to(gl.int64)
+
+    @gluon.jit
+    def _weights(slot, u: gl.constexpr, scale, a8: gl.constexpr, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
+        """K slice ``u`` of a weight ring slot ([BLOCK_N, 16] bytes of E2M1 words) times its rows' folded
+        scales (bf16 [BLOCK_N] in ``SliceLayout(1, a8)``): the A operand in bf16, each word's codes in the
+        decode's order (:func:`_permuted`)."""
+        byte = slot.slice(16 * u, 16, dim=1).load(a8)
+        lo, hi = gl.inline_asm_elementwise(_WORDS, "=r,=r,=r,=r,r,r,r", [byte, gl.broadcast(scale[:, None], byte)[0]],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        # lo[r, i] / hi[r, i]: byte i's low / high code; position 8g + 4t + i' takes code 8g + 2i' + t
+        a = gl.permute(gl.reshape(gl.join(lo, hi), [BLOCK_N, 4, 4, 2]), [0, 1, 3, 2])
+        return gl.convert_layout(gl.reshape(a, [BLOCK_N, 32]), a_l, assert_trivial=True)
+
+    @gluon.jit
+    def _permuted(slot, u: gl.constexpr, b_l: gl.constexpr, TOKENS: gl.constexpr):
+        """K slice ``u`` of an activation ring slot ([TOKENS, 32 * SUB] bf16) as the B operand [32, TOKENS],
+        K permuted within each group of eight as :func:`_weights` orders the codes."""
+        b = slot.slice(32 * u, 32, dim=1).permute((1, 0)).load(b_l)
+        b = gl.permute(gl.reshape(b, [4, 4, 2, TOKENS]), [0, 2, 1, 3])
+        return gl.convert_layout(gl.reshape(b, [32, TOKENS]), b_l)
+
+    @gluon.jit
+    def _copy(w_slot, w_src, kb, kb_hi, w_rows, w_cols):
+        """The weight bytes from byte ``kb`` of each row (K slices of 16 bytes) into a ring slot; none from
+        ``kb_hi`` on. Byte offsets are passed as such (not halved codes) so that the compiler sees them
+        divisible by 16: whole 16-byte copies."""
+        _async_load(w_slot, w_src + kb, mask=w_rows & (kb + w_cols < kb_hi)[None, :])
+
+    @gluon.jit
+    def _gemm(x_ptr, tok, stride_xm, w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_wn, stride_swn, stride_swk, n0, N, k_lo,
+              k_hi, kb_lo, kb_hi, TWO: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
+              EVEN: gl.constexpr, EVEN_K: gl.constexpr, num_warps: gl.constexpr):
+        """fp32 sums [16 * num_warps, TOKENS] (mma layout) of weight rows ``n0 ..`` (W1, and W3 where TWO;
+        ``w*_ptr`` / ``s*_ptr`` at the expert's data and scales) over the activation rows of tokens ``tok``
+        for K in ``[k_lo, k_hi)``; (the W1 sums, the W3 sums or the W1 ones again)."""
+        BLOCK_N: gl.constexpr = 16 * num_warps
+        SLOT: gl.constexpr = 32 * SUB  # K elements a ring slot
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, 8])
+        a8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        wc_l: gl.constexpr = _copy_layout(SLOT // 2, 16, num_warps)
+        xc_l: gl.constexpr = _copy_layout(SLOT, 8, num_warps)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        w1_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, SLOT // 2], flat)
+        w3_ring = gl.allocate_shared_memory(gl.uint8, [STAGES if TWO else 1, BLOCK_N, SLOT // 2], flat)
+        x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TOKENS, SLOT], flat)
+        rows_w = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wc_l))
+        cols_w = gl.arange(0, SLOT // 2, layout=gl.SliceLayout(0, wc_l))
+        w_off = rows_w.to(gl.int64)[:, None] * stride_wn + cols_w[None, :]
+        w_rows = ((rows_w < N) | EVEN)[:, None]
+        cols_x = gl.arange(0, SLOT, layout=gl.SliceLayout(0, xc_l))
+        x_src = x_ptr + gl.convert_layout(tok, gl.SliceLayout(1, xc_l))[:, None] * stride_xm + cols_x[None, :]
+        rows_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a8))
+        s_off = rows_s.to(gl.int64) * stride_swn
+        s_rows = (rows_s < N) | EVEN
+
+        for i in gl.static_range(STAGES - 1):
+            k = k_lo + SLOT * i
+            kb = kb_lo + SLOT // 2 * i
+            _copy(w1_ring.index(i), w1_ptr + w_off, kb, kb_hi, w_rows, cols_w)
+            if TWO:
+                _copy(w3_ring.index(i), w3_ptr + w_off, kb, kb_hi, w_rows, cols_w)
+            _async_load(x_ring.index(i), x_src + k, mask=(k + cols_x < k_hi)[None, :])
+            async_copy.commit_group()
+        acc1 = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
+        acc3 = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
+        for j in range(0, (k_hi - k_lo + SLOT - 1) // SLOT):
+            k0 = k_lo + SLOT * j
+            ahead = (j + STAGES - 1) % STAGES
+            k = k0 + SLOT * (STAGES - 1)
+            kb = kb_lo + SLOT // 2 * (j + STAGES - 1)
+            _copy(w1_ring.index(ahead), w1_ptr + w_off, kb, kb_hi, w_rows, cols_w)
+            if TWO:
+                _copy(w3_ring.index(ahead), w3_ptr + w_off, kb, kb_hi, w_rows, cols_w)
+            _async_load(x_ring.index(ahead), x_src + k, mask=(k + cols_x < k_hi)[None, :])
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)  # this thread's copies of slot j have landed
+            _sync()  # and every thread's
+            at = j % STAGES
+            for u in gl.static_range(SUB):
+                ks = k0 + 32 * u
+                if EVEN_K or ks < k_hi:
+                    b = _permuted(x_ring.index(at), u, b_l, TOKENS)
+                    s = gl.load(s1_ptr + s_off + (ks // 32) * stride_swk, mask=s_rows, other=0).to(gl.int32)
+                    acc1 = mma_v2(_weights(w1_ring.index(at), u, e8m0_bf16_x2p126(s), a8, a_l, BLOCK_N), b, acc1)
+                    if TWO:
+                        s = gl.load(s3_ptr + s_off + (ks // 32) * stride_swk, mask=s_rows, other=0).to(gl.int32)
+                        acc3 = mma_v2(_weights(w3_ring.index(at), u, e8m0_bf16_x2p126(s), a8, a_l, BLOCK_N), b,
+                                      acc3)
+            _sync()  # every warp has read the slot before a later trip's copies refill it
+        async_copy.wait_group(0)  # no copy is left in flight when the ring is freed
+        return acc1, acc3 if TWO else acc1
+
+    @gluon.jit
+    def _last_of_split(part, ok, plane, cnt_ptr, n_splits, acc):
+        """Store this split's partial ``acc`` at ``part`` (split ``program_id(2)``, splits ``plane`` apart)
+        and draw the tile's ticket; (whether this program drew the last one, their sum in split order
+        where it did)."""
+        gl.store(part + gl.program_id(2).to(gl.int64) * plane, acc, mask=ok)
+        _sync()  # every thread's partial is stored before the ticket publishes them
+        tile = cnt_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        last = gl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1
+        return last, tile
+
+    @gluon.jit
+    def _split_sum(part, ok, plane, n_splits, layout: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):
+        """The partials at ``part`` summed in split order (read past L1: other programs wrote them)."""
+        total = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout)
+        for s in range(n_splits):
+            total += gl.load(part + s * plane, mask=ok, other=0.0, cache_modifier=".cg")
+        return total
+
+    @gluon.jit
+    def _up_kernel(x_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                   h_ptr, ws_ptr, cnt_ptr, E, I, D, D_BYTES, limit, n_rows, n_pairs, TOPK, k_split, kb_split, n_splits,
+                   stride_xm, stride_we, stride_wn, stride_se, stride_swn, stride_swk, stride_hm,
+                   TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PAIRS: gl.constexpr,
+                   SPLIT: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr, EVEN: gl.constexpr,
+                   EVEN_K: gl.constexpr, num_warps: gl.constexpr):
+        """h rows of the tile's pairs, columns ``[n0, n0 + 16 * num_warps)`` of I: x [N, D] bf16 (the
+        fp8 round trip's values), W1 / W3 [E, I, D / 2] E2M1 words with UE8M0 scales (row stride
+        ``stride_swn``, K-slice stride ``stride_swk``), h [n_rows, I] bf16. SPLIT: ws [splits, 2, n_rows, I]
+        fp32 gate / up partials and a ticket counter per (row tile, column tile)."""
+        wait_inputs()
+        BLOCK_N: gl.constexpr = 16 * num_warps
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, 8])
+        e = gl.load(tile_e_ptr + gl.program_id(1))
+        if e >= E:  # past the tables' last tile
+            return
+        n0 = gl.program_id(0) * BLOCK_N
+        k_lo = gl.program_id(2) * k_split
+        kb_lo = gl.program_id(2) * kb_split
+        xc_l: gl.constexpr = _copy_layout(32 * SUB, 8, num_warps)
+        _, _, tok = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(1, xc_l))
+        ew = e.to(gl.int64) * stride_we
+        es = e.to(gl.int64) * stride_se
+        g, u = _gemm(x_ptr, tok, stride_xm, w1_ptr + ew, s1_ptr + es, w3_ptr + ew, s3_ptr + es, stride_wn, stride_swn,
+                     stride_swk, n0, I, k_lo, gl.minimum(k_lo + k_split, D), kb_lo,
+                     gl.minimum(kb_lo + kb_split, D_BYTES), True, TOKENS, STAGES, SUB, EVEN, EVEN_K, num_warps)
+        stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        if SPLIT:
+            rows, row_ok, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS,
+                                         gl.SliceLayout(0, mma))
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+            ok = (cols < I)[:, None] & row_ok[None, :]
+            plane = n_rows * I  # one [n_rows, I] partial
+            part = ws_ptr + rows.to(gl.int64)[None, :] * I + cols[:, None]
+            gl.store(part + (gl.program_id(2).to(gl.int64) * 2 + 1) * plane, u, mask=ok)
+            last, tile = _last_of_split(part, ok, 2 * plane, cnt_ptr, n_splits, g)
+            if last:
+                g = _split_sum(part, ok, 2 * plane, n_splits, mma, BLOCK_N, TOKENS)
+                u = _split_sum(part + plane, ok, 2 * plane, n_splits, mma, BLOCK_N, TOKENS)
+                _up_finish(g, u, stage, tok_ptr, tile_row_ptr, row_end_ptr, rw_ptr, h_ptr, n0, I, limit, n_pairs,
+                           TOPK, stride_hm, PAIRS, TOKENS, CLAMP, XDT, num_warps)
+                gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+        else:
+            _up_finish(g, u, stage, tok_ptr, tile_row_ptr, row_end_ptr, rw_ptr, h_ptr, n0, I, limit, n_pairs, TOPK,
+                       stride_hm, PAIRS, TOKENS, CLAMP, XDT, num_warps)
+
+    @gluon.jit
+    def _up_finish(g, u, stage, tok_ptr, tile_row_ptr, row_end_ptr, rw_ptr, h_ptr, n0, I, limit, n_pairs, TOPK,
+                   stride_hm, PAIRS: gl.constexpr, TOKENS: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr,
+                   num_warps: gl.constexpr):
+        """SwiGLU of the full gate / up sums (mma layout [16 * num_warps, TOKENS]) as the 16-row tile's
+        epilogue computes it, h's fp8 round trip per 32 columns, stored as bf16 values. The sums go
+        through shared memory (``stage``) into a layout whose 32-column blocks lie along a warp's lanes."""
+        BLOCK_N: gl.constexpr = 16 * num_warps
+        blocks: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32, 1], [1, 1, num_warps], [1, 2, 0])
+        stage.index(0).store(g)
+        stage.index(1).store(u)
+        _sync()
+        g = stage.index(0).reshape([BLOCK_N // 32, 32, TOKENS]).load(blocks)
+        u = stage.index(1).reshape([BLOCK_N // 32, 32, TOKENS]).load(blocks)
+        lane_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, blocks))
+        rows, row_ok, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, lane_l)
+        rw = gl.load(rw_ptr + rows, mask=row_ok & (rows < n_pairs), other=1.0)
+        g = to_out(g, XDT).to(gl.float32)
+        u = to_out(u, XDT).to(gl.float32)
+        if CLAMP:
+            g = gl.minimum(g, limit)
+            u = gl.minimum(gl.maximum(u, -limit), limit)
+        h = to_out(g / (1.0 + gl.exp(-g)) * u * rw[None, None, :], XDT).to(gl.float32)
+        e, recip = block_exp(gl.max(gl.abs(h), axis=1))
+        q = (h * recip[:, None, :]).to(gl.float8e4nv).to(gl.float32)
+        h = q * (e << 23).to(gl.float32, bitcast=True)[:, None, :]
+        c0 = gl.arange(0, BLOCK_N // 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))
+        c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, blocks)))
+        cols = n0 + c0[:, None, None] * 32 + c1[None, :, None]
+        ok = (cols < I) & row_ok[None, None, :]
+        gl.store(h_ptr + rows.to(gl.int64)[None, None, :] * stride_hm + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
+
+    @gluon.jit
+    def _down_kernel(h_ptr, tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, w2_ptr, s2_ptr, y_ptr, ws_ptr, cnt_ptr,
+                     E, D, I, I_BYTES, n_rows, TOPK, k_split, kb_split, n_splits, stride_hm, stride_we, stride_wn, stride_se, stride_swn,
+                     stride_swk, stride_ym, TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
+                     PAIRS: gl.constexpr, SPLIT: gl.constexpr, XDT: gl.constexpr, EVEN: gl.constexpr,
+                     EVEN_K: gl.constexpr, num_warps: gl.constexpr):
+        """y rows of the tile's pairs (rounded to XDT, y's dtype), columns ``[n0, n0 + 16 * num_warps)`` of
+        D: W2 [E, D, I / 2] E2M1 words over h [n_rows, I] bf16. SPLIT: ws [splits, n_rows, D] fp32 partials
+        and a ticket counter per (row tile, column tile)."""
+        wait_inputs()
+        BLOCK_N: gl.constexpr = 16 * num_warps
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, 8])
+        e = gl.load(tile_e_ptr + gl.program_id(1))
+        if e >= E:
+            return
+        n0 = gl.program_id(0) * BLOCK_N
+        k_lo = gl.program_id(2) * k_split
+        kb_lo = gl.program_id(2) * kb_split
+        xc_l: gl.constexpr = _copy_layout(32 * SUB, 8, num_warps)
+        h_rows, _, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(1, xc_l))
+        h_rows = gl.minimum(h_rows, n_rows - 1).to(gl.int64)  # lanes past the tile read a stored row
+        acc, _ = _gemm(h_ptr, h_rows, stride_hm, w2_ptr + e.to(gl.int64) * stride_we, s2_ptr + e.to(gl.int64) * stride_se,
+                       w2_ptr, s2_ptr, stride_wn, stride_swn, stride_swk, n0, D, k_lo, gl.minimum(k_lo + k_split, I),
+                       kb_lo, gl.minimum(kb_lo + kb_split, I_BYTES), False, TOKENS, STAGES,
+                       SUB, EVEN, EVEN_K, num_warps)
+        rows, row_ok, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(0, mma))
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        ok = (cols < D)[:, None] & row_ok[None, :]
+        if SPLIT:
+            plane = n_rows * D
+            part = ws_ptr + rows.to(gl.int64)[None, :] * D + cols[:, None]
+            last, tile = _last_of_split(part, ok, plane, cnt_ptr, n_splits, acc)
+            if last:
+                acc = _split_sum(part, ok, plane, n_splits, mma, BLOCK_N, TOKENS)
+                gl.store(y_ptr + rows.to(gl.int64)[None, :] * stride_ym + cols[:, None],
+                         to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
+                gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+        else:
+            gl.store(y_ptr + rows.to(gl.int64)[None, :] * stride_ym + cols[:, None],
+                     to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def usable() -> bool:
+    """Whether this Triton builds the kernels: Gluon, and 8 consecutive K elements a thread in a 16-bit MMA
+    operand (Triton 3.7 on refuses them; each thread's operand must hold whole words of codes)."""
+    return AVAILABLE and operand_kw(KW) == KW
+
+
+def _gemm_plan(cols: int, k: int, row_tiles: int, tile: dict, sms: int) -> dict:
+    """Splits and constexprs of one launch: ``cols`` weight rows over ``k`` for ``row_tiles`` row tiles
+    (an upper bound where the routing tables decide), K split into whole ring slots aiming at ``per_sm``
+    programs an SM, at least :data:`MIN_SLICES` K slices a split."""
+    warps, sub = tile["num_warps"], tile["SUB"]
+    tiles = row_tiles * cdiv(cols, ROWS_A_WARP * warps)
+    slices = cdiv(k, 32)
+    split = max(1, min(slices // max(MIN_SLICES, sub), (sms * tile["per_sm"]) // max(tiles, 1)))
+    k_split = cdiv(cdiv(slices, split), sub) * sub * 32
+    split = cdiv(k, k_split)
+    if split > 1 and not splitk.fits(tiles):
+        split, k_split = 1, cdiv(k, 32 * sub) * 32 * sub
+    return dict(split=split, k_split=k_split, grid_cols=cdiv(cols, ROWS_A_WARP * warps),
+                constexprs=dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], SUB=sub, SPLIT=split > 1,
+                                EVEN=cols % (ROWS_A_WARP * warps) == 0, EVEN_K=k % (32 * sub) == 0, num_warps=warps))
+
+
+def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict, sms: int) -> dict:
+    """The up and down launches of ``n`` tokens of ``k`` slots over ``E`` experts ([I, D] and [D, I]
+    weights) under ``tile`` (``num_warps``, ``TOKENS``: rows a row tile, ``STAGES``, ``SUB``, ``per_sm``);
+    ``pairs``: a row tile per (token, slot) pair, else the routing tables' tiles of ``TOKENS`` rows."""
+    row_tiles = n * k if pairs else min(n * k, cdiv(n * k, tile["TOKENS"]) + E)
+    return dict(block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles,
+                up=_gemm_plan(I, D, row_tiles, tile, sms), down=_gemm_plan(D, I, row_tiles, tile, sms))
+
+
+def _operands(w):
+    """(data, scale) uint8 views of an [E, rows, K] fp4_w expert stack and the scale's (expert, row,
+    K-slice) strides (row major or K major)."""
+    scale = w.scale.view(torch.uint8)
+    return w.data, scale, scale.stride(0), scale.stride(1), scale.stride(2)
+
+
+def experts(xq: torch.Tensor, tab: dict, w1, w3, w2, limit: float, xdtype: torch.dtype, p: dict, n: int,
+            k: int) -> torch.Tensor:
+    """The routed pair rows [n * k, D] in ``xdtype`` (pair order, or the tables' sorted order) of ``xq``
+    [n, D] (the fp8 round trip's bf16 values) through the fp4_w experts ``w1``, ``w3`` [E, I, D] and
+    ``w2`` [E, D, I] (E2M1 words, scales at most :data:`.linear.FOLD_MAX_SCALE`) under plan ``p``."""
+    from flashrt.kernels_cuda.launch import TL_DTYPES
+
+    E, I, D = w1.shape[0], w1.shape[1], xq.shape[1]
+    rows = n * k
+    d1, s1, se, swn, swk = _operands(w1)
+    d3, s3, *_ = _operands(w3)
+    assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
+    dev = xq.device
+    up, down = p["up"], p["down"]
+    h = torch.empty(rows, I, dtype=torch.bfloat16, device=dev)
+    ws = torch.empty(up["split"], 2, rows, I, dtype=torch.float32, device=dev) if up["split"] > 1 else h
+    cnt = splitk.counters(dev)
+    grid = (up["grid_cols"], p["row_tiles"], up["split"])
+    _up_kernel[grid](xq, tab["tok"], tab["rw"], tab["tile_e"], tab["tile_row"], tab["row_end"], d1, s1, d3, s3, h, ws,
+                     cnt, E, I, D, D // 2, limit, rows, rows, k, up["k_split"], up["k_split"] // 2, up["split"], xq.stride(0), d1.stride(0),
+                     d1.stride(1), se, swn, swk, h.stride(0), PAIRS=p["pairs"], CLAMP=limit > 0,
+                     XDT=TL_DTYPES[xdtype], **up["constexprs"], **pdl.options(dev))
+    d2, s2, se2, swn2, swk2 = _operands(w2)
+    y = torch.empty(rows, D, dtype=xdtype, device=dev)
+    ws = torch.empty(down["split"], rows, D, dtype=torch.float32, device=dev) if down["split"] > 1 else y
+    grid = (down["grid_cols"], p["row_tiles"], down["split"])
+    _down_kernel[grid](h, tab["tok"], tab["tile_e"], tab["tile_row"], tab["row_end"], d2, s2, y, ws, cnt, E, D, I,
+                       I // 2, rows, k, down["k_split"], down["k_split"] // 2, down["split"], h.stride(0), d2.stride(0), d2.stride(1), se2, swn2,
+                       swk2, y.stride(0), PAIRS=p["pairs"], XDT=TL_DTYPES[xdtype], **down["constexprs"],
+                       **pdl.options(dev))
+    return y
