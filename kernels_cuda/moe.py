@@ -360,10 +360,12 @@ def _experts_mma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, 
         tab = _pair_tables(weights, indices)
     else:
         tab = dict(moe_tables.route_tables(indices, weights, w1.shape[0], p["block_m"], plan["route"]))
-    y = moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k)
     out = torch.empty(n, D, dtype=out_dtype, device=x.device)
-    return _combine(y, tab, out, add.contiguous() if add is not None else None, k, p["pairs"], False,
-                    plan["combine_tile"])
+    add = add.contiguous() if add is not None else None
+    if plan["combine_tile"]["in_kernel"] and moe_mma.combines(p, n):
+        return moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add)
+    y = moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k)
+    return _combine(y, tab, out, add, k, p["pairs"], False, plan["combine_tile"])
 
 
 def _shared_direct(x, xq, shared, limit: float) -> torch.Tensor:

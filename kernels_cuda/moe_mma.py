@@ -20,8 +20,9 @@ tile sums them.
 - ``_up_kernel``: W1 and W3 rows ``[n0, n0 + 16 * num_warps)`` of the tile's expert over x, then the
   SwiGLU of the full sums (gate and up rounded to x.dtype, clamped, times the routing weight, rounded)
   and h's fp8 round trip per 32 columns, stored as bf16 values in pair-row order;
-- ``_down_kernel``: W2 over h, each pair row's output rounded to x.dtype; the combine kernel of
-  :mod:`.moe_kernels` then sums each token's rows.
+- ``_down_kernel``: W2 over h, each pair row's output rounded to x.dtype; where the counters fit, the
+  program that stores a token's last row (a ticket per token and column tile) then sums its rows in slot
+  order and adds its ``add`` row, as the combine kernel of :mod:`.moe_kernels` would.
 
 A K split meets in the tile's last program (the tickets of :mod:`.splitk`, partials summed in split
 order: deterministic).
@@ -33,7 +34,7 @@ import torch
 from flashrt.kernels_cuda import pdl, splitk
 from flashrt.kernels_cuda.attention_ws import AVAILABLE
 from flashrt.kernels_cuda.gemv_mma import MIN_SLICES, ROWS_A_WARP, operand_kw
-from flashrt.kernels_cuda.launch import cdiv
+from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
 
 KW = 8  # consecutive K elements a thread in the bf16 operands: one word of eight codes (Triton <= 3.6 takes it)
 
@@ -265,14 +266,16 @@ if AVAILABLE:
         gl.store(h_ptr + rows.to(gl.int64)[None, None, :] * stride_hm + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
 
     @gluon.jit
-    def _down_kernel(h_ptr, tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, w2_ptr, s2_ptr, y_ptr, ws_ptr, cnt_ptr,
-                     E, D, I, I_BYTES, n_rows, TOPK, k_split, kb_split, n_splits, stride_hm, stride_we, stride_wn, stride_se, stride_swn,
-                     stride_swk, stride_ym, TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
-                     PAIRS: gl.constexpr, SPLIT: gl.constexpr, XDT: gl.constexpr, EVEN: gl.constexpr,
-                     EVEN_K: gl.constexpr, num_warps: gl.constexpr):
+    def _down_kernel(h_ptr, tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, pos_ptr, w2_ptr, s2_ptr, y_ptr, ws_ptr,
+                     cnt_ptr, out_ptr, add_ptr, comb_ptr, E, D, I, I_BYTES, n_rows, TOPK, k_split, kb_split, n_splits,
+                     stride_hm, stride_we, stride_wn, stride_se, stride_swn, stride_swk, stride_ym, stride_om, stride_am,
+                     TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PAIRS: gl.constexpr,
+                     SPLIT: gl.constexpr, COMBINE: gl.constexpr, HAS_ADD: gl.constexpr, XDT: gl.constexpr,
+                     EVEN: gl.constexpr, EVEN_K: gl.constexpr, num_warps: gl.constexpr):
         """y rows of the tile's pairs (rounded to XDT, y's dtype), columns ``[n0, n0 + 16 * num_warps)`` of
         D: W2 [E, D, I / 2] E2M1 words over h [n_rows, I] bf16. SPLIT: ws [splits, n_rows, D] fp32 partials
-        and a ticket counter per (row tile, column tile)."""
+        and a ticket counter per (row tile, column tile) at ``cnt_ptr``. COMBINE: then each token's rows
+        summed into ``out`` (:func:`_combine`, a counter per (token, column tile) at ``comb_ptr``)."""
         wait_inputs()
         BLOCK_N: gl.constexpr = 16 * num_warps
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
@@ -286,25 +289,57 @@ if AVAILABLE:
         xc_l: gl.constexpr = _copy_layout(32 * SUB, 8, num_warps)
         h_rows, _, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(1, xc_l))
         h_rows = gl.minimum(h_rows, n_rows - 1).to(gl.int64)  # lanes past the tile read a stored row
-        acc, _ = _gemm(h_ptr, h_rows, stride_hm, w2_ptr + e.to(gl.int64) * stride_we, s2_ptr + e.to(gl.int64) * stride_se,
-                       w2_ptr, s2_ptr, stride_wn, stride_swn, stride_swk, n0, D, k_lo, gl.minimum(k_lo + k_split, I),
-                       kb_lo, gl.minimum(kb_lo + kb_split, I_BYTES), False, TOKENS, STAGES,
-                       SUB, EVEN, EVEN_K, num_warps)
-        rows, row_ok, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(0, mma))
+        ew = e.to(gl.int64) * stride_we
+        es = e.to(gl.int64) * stride_se
+        acc, _ = _gemm(h_ptr, h_rows, stride_hm, w2_ptr + ew, s2_ptr + es, w2_ptr, s2_ptr, stride_wn, stride_swn,
+                       stride_swk, n0, D, k_lo, gl.minimum(k_lo + k_split, I), kb_lo,
+                       gl.minimum(kb_lo + kb_split, I_BYTES), False, TOKENS, STAGES, SUB, EVEN, EVEN_K, num_warps)
+        rows, row_ok, tok = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(0, mma))
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         ok = (cols < D)[:, None] & row_ok[None, :]
+        y_at = y_ptr + rows.to(gl.int64)[None, :] * stride_ym + cols[:, None]
         if SPLIT:
             plane = n_rows * D
             part = ws_ptr + rows.to(gl.int64)[None, :] * D + cols[:, None]
             last, tile = _last_of_split(part, ok, plane, cnt_ptr, n_splits, acc)
             if last:
                 acc = _split_sum(part, ok, plane, n_splits, mma, BLOCK_N, TOKENS)
-                gl.store(y_ptr + rows.to(gl.int64)[None, :] * stride_ym + cols[:, None],
-                         to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
+                gl.store(y_at, to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
+                if COMBINE:
+                    _combine(y_ptr, row_ok, tok, cols, pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, D, stride_ym,
+                             stride_om, stride_am, PAIRS, HAS_ADD, mma, BLOCK_N, TOKENS)
                 gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
         else:
-            gl.store(y_ptr + rows.to(gl.int64)[None, :] * stride_ym + cols[:, None],
-                     to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
+            gl.store(y_at, to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
+            if COMBINE:
+                _combine(y_ptr, row_ok, tok, cols, pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, D, stride_ym, stride_om,
+                         stride_am, PAIRS, HAS_ADD, mma, BLOCK_N, TOKENS)
+
+    @gluon.jit
+    def _combine(y_ptr, row_ok, tok, cols, pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, D, stride_ym, stride_om,
+                 stride_am, PAIRS: gl.constexpr, HAS_ADD: gl.constexpr, layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                 TOKENS: gl.constexpr):
+        """The combine kernel's sum in the down kernel: each of the tile's tokens draws a ticket of its
+        (token, column tile) counter once its rows' y are stored; the program drawing a token's last (its
+        TOPK-th) sums the token's rows in slot order (row ``pos[tok * TOPK + s]``; PAIRS: ``tok * TOPK + s``),
+        adds its ``add`` row after the sum (HAS_ADD), stores it in out's dtype and puts the counter back."""
+        _sync()  # every thread's rows are stored before the tickets publish them
+        slot = comb_ptr + tok * gl.num_programs(0) + gl.program_id(0)
+        one = gl.full(tok.shape, 1, gl.int32, tok.type.layout)
+        last = row_ok & (gl.atomic_add(slot, one, mask=row_ok, sem="acq_rel", scope="gpu") == TOPK - 1)
+        ok = (cols < D)[:, None] & last[None, :]
+        total = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout)
+        for s in range(TOPK):
+            if PAIRS:
+                p = tok * TOPK + s
+            else:
+                p = gl.load(pos_ptr + tok * TOPK + s, mask=last, other=0).to(gl.int64)
+            total += gl.load(y_ptr + p[None, :] * stride_ym + cols[:, None], mask=ok, other=0.0,
+                             cache_modifier=".cg").to(gl.float32)
+        if HAS_ADD:
+            total += gl.load(add_ptr + tok[None, :] * stride_am + cols[:, None], mask=ok, other=0.0)
+        gl.store(out_ptr + tok[None, :] * stride_om + cols[:, None], to_out(total, out_ptr.dtype.element_ty), mask=ok)
+        gl.atomic_xchg(slot, one * 0, mask=last, sem="relaxed", scope="gpu")
 
 
 def usable() -> bool:
@@ -346,34 +381,44 @@ def _operands(w):
     return w.data, scale, scale.stride(0), scale.stride(1), scale.stride(2)
 
 
-def experts(xq: torch.Tensor, tab: dict, w1, w3, w2, limit: float, xdtype: torch.dtype, p: dict, n: int,
-            k: int) -> torch.Tensor:
+def experts(xq: torch.Tensor, tab: dict, w1, w3, w2, limit: float, xdtype: torch.dtype, p: dict, n: int, k: int,
+            out: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """The routed pair rows [n * k, D] in ``xdtype`` (pair order, or the tables' sorted order) of ``xq``
     [n, D] (the fp8 round trip's bf16 values) through the fp4_w experts ``w1``, ``w3`` [E, I, D] and
-    ``w2`` [E, D, I] (E2M1 words, scales at most :data:`.linear.FOLD_MAX_SCALE`) under plan ``p``."""
-    from flashrt.kernels_cuda.launch import TL_DTYPES
-
+    ``w2`` [E, D, I] (E2M1 words, scales at most :data:`.linear.FOLD_MAX_SCALE`) under plan ``p``; with
+    ``out`` [n, D] (where :func:`combines`), ``out`` instead: each token's rows summed in slot order, plus
+    its ``add`` row (fp32 [n, D] or None), in out's dtype."""
     E, I, D = w1.shape[0], w1.shape[1], xq.shape[1]
     rows = n * k
     d1, s1, se, swn, swk = _operands(w1)
     d3, s3, *_ = _operands(w3)
     assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
-    dev = xq.device
+    dev, xdt = xq.device, TL_DTYPES[xdtype]
     up, down = p["up"], p["down"]
     h = torch.empty(rows, I, dtype=torch.bfloat16, device=dev)
     ws = torch.empty(up["split"], 2, rows, I, dtype=torch.float32, device=dev) if up["split"] > 1 else h
-    cnt = splitk.counters(dev)
-    grid = (up["grid_cols"], p["row_tiles"], up["split"])
-    _up_kernel[grid](xq, tab["tok"], tab["rw"], tab["tile_e"], tab["tile_row"], tab["row_end"], d1, s1, d3, s3, h, ws,
-                     cnt, E, I, D, D // 2, limit, rows, rows, k, up["k_split"], up["k_split"] // 2, up["split"], xq.stride(0), d1.stride(0),
-                     d1.stride(1), se, swn, swk, h.stride(0), PAIRS=p["pairs"], CLAMP=limit > 0,
-                     XDT=TL_DTYPES[xdtype], **up["constexprs"], **pdl.options(dev))
+    pool = splitk.counters(dev)
+    _up_kernel[(up["grid_cols"], p["row_tiles"], up["split"])](
+        xq, tab["tok"], tab["rw"], tab["tile_e"], tab["tile_row"], tab["row_end"], d1, s1, d3, s3, h, ws, pool, E, I, D,
+        D // 2, limit, rows, rows, k, up["k_split"], up["k_split"] // 2, up["split"], xq.stride(0), d1.stride(0),
+        d1.stride(1), se, swn, swk, h.stride(0), PAIRS=p["pairs"], CLAMP=limit > 0, XDT=xdt, **up["constexprs"],
+        **pdl.options(dev))
     d2, s2, se2, swn2, swk2 = _operands(w2)
     y = torch.empty(rows, D, dtype=xdtype, device=dev)
     ws = torch.empty(down["split"], rows, D, dtype=torch.float32, device=dev) if down["split"] > 1 else y
-    grid = (down["grid_cols"], p["row_tiles"], down["split"])
-    _down_kernel[grid](h, tab["tok"], tab["tile_e"], tab["tile_row"], tab["row_end"], d2, s2, y, ws, cnt, E, D, I,
-                       I // 2, rows, k, down["k_split"], down["k_split"] // 2, down["split"], h.stride(0), d2.stride(0), d2.stride(1), se2, swn2,
-                       swk2, y.stride(0), PAIRS=p["pairs"], XDT=TL_DTYPES[xdtype], **down["constexprs"],
-                       **pdl.options(dev))
-    return y
+    reserved = n * down["grid_cols"] if out is not None else 0  # the combine's counters, then the split's
+    _down_kernel[(down["grid_cols"], p["row_tiles"], down["split"])](
+        h, tab["tok"], tab["tile_e"], tab["tile_row"], tab["row_end"], tab["pos"], d2, s2, y, ws, pool[reserved:],
+        out if out is not None else y, add if add is not None else y, pool, E, D, I, I // 2, rows, k, down["k_split"],
+        down["k_split"] // 2, down["split"], h.stride(0), d2.stride(0), d2.stride(1), se2, swn2, swk2, y.stride(0),
+        out.stride(0) if out is not None else 0, add.stride(0) if add is not None else 0, PAIRS=p["pairs"],
+        COMBINE=out is not None, HAS_ADD=add is not None, XDT=xdt, **down["constexprs"], **pdl.options(dev))
+    return out if out is not None else y
+
+
+def combines(p: dict, n: int) -> bool:
+    """Whether the down launch of plan ``p`` over ``n`` tokens can sum each token's rows itself: a ticket
+    counter for each (token, column tile) and each split tile within :data:`.splitk.POOL`."""
+    down = p["down"]
+    split_tiles = down["grid_cols"] * p["row_tiles"] if down["split"] > 1 else 0
+    return splitk.fits(n * down["grid_cols"] + split_tiles)
