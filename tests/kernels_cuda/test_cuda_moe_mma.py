@@ -122,7 +122,7 @@ def _run(args, tiles, **kw):
 
 # (tokens, D, I, experts, slots, K split aiming at that many programs an SM, slices a slot)
 CASES = [(1, 256, 128, 8, 6, 4, 4), (1, 160, 96, 4, 2, 64, 1), (8, 512, 192, 16, 6, 4, 4), (5, 352, 96, 3, 4, 1, 2),
-         (3, 1024, 2304, 12, 6, 16, 4), (16, 256, 64, 2, 3, 4, 4)]
+         (3, 1024, 2304, 12, 6, 16, 4), (16, 256, 64, 4, 3, 4, 4)]
 
 
 @pytest.mark.gpu
@@ -150,7 +150,7 @@ def test_with_the_shared_expert_and_add(rng, n):
     ``add`` summed after the routed rows; bf16 out."""
     args = _case(rng, n, 256, 128, 8, 6)
     shared = tuple(formats.quantize(torch.randn(1, *s, generator=rng) * 0.25, "fp8_w").to(DEVICE)
-                   for s in ((64, 256), (64, 256), (256, 64)))
+                   for s in ((128, 256), (128, 256), (256, 128)))
     add = torch.randn(n, 256, generator=rng).to(DEVICE)
     got = _run(args, _tiles(), add=add, out_dtype=torch.bfloat16, shared=shared)
     with flashrt.use_backend("reference"):
