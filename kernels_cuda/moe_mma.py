@@ -100,12 +100,22 @@ if AVAILABLE:
         _async_load(w_slot, w_src + kb, mask=w_rows & (kb + w_cols < kb_hi)[None, :])
 
     @gluon.jit
+    def _scales(ring, at, src, k, k_hi, stride_swk, rows_ok, SUB: gl.constexpr):
+        """The K-major scale bytes of the ``SUB`` slices from ``k`` (codes) into ring slot ``at`` (its runs
+        ``at * SUB ..``); none from ``k_hi`` on."""
+        for u in gl.static_range(SUB):
+            _async_load(ring.index(at * SUB + u), src + (k // 32 + u) * stride_swk, mask=rows_ok & (k + 32 * u < k_hi))
+
+    @gluon.jit
     def _gemm(x_ptr, tok, stride_xm, w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_wn, stride_swn, stride_swk, n0, N, k_lo,
               k_hi, kb_lo, kb_hi, TWO: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
-              EVEN: gl.constexpr, EVEN_K: gl.constexpr, num_warps: gl.constexpr):
+              EVEN: gl.constexpr, EVEN_K: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
         """fp32 sums [16 * num_warps, TOKENS] (mma layout) of weight rows ``n0 ..`` (W1, and W3 where TWO;
         ``w*_ptr`` / ``s*_ptr`` at the expert's data and scales) over the activation rows of tokens ``tok``
-        for K in ``[k_lo, k_hi)``; (the W1 sums, the W3 sums or the W1 ones again)."""
+        for K in ``[k_lo, k_hi)``; (the W1 sums, the W3 sums or the W1 ones again). KMAJOR: the scales are
+        K major (row stride 1), so a slot's scale bytes, ``SUB`` runs of ``16 * num_warps`` rows, come
+        through the ring with the weights (a load where each slice is used would wait for memory every
+        trip); else they are loaded where each slice is used."""
         BLOCK_N: gl.constexpr = 16 * num_warps
         SLOT: gl.constexpr = 32 * SUB  # K elements a ring slot
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
@@ -128,6 +138,14 @@ if AVAILABLE:
         rows_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a8))
         s_off = rows_s.to(gl.int64) * stride_swn
         s_rows = (rows_s < N) | EVEN
+        # the scale bytes' ring: a run of BLOCK_N rows a slice, SUB runs a slot (N is a multiple of 32, so a
+        # 16-byte copy is all in or out)
+        sc_l: gl.constexpr = gl.BlockedLayout([16], [32], [num_warps], [0])
+        line: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        s1_ring = gl.allocate_shared_memory(gl.uint8, [STAGES * SUB if KMAJOR else 1, BLOCK_N], line)
+        s3_ring = gl.allocate_shared_memory(gl.uint8, [STAGES * SUB if KMAJOR and TWO else 1, BLOCK_N], line)
+        rows_c = n0 + gl.arange(0, BLOCK_N, layout=sc_l)
+        sc_rows = (rows_c < N) | EVEN
 
         for i in gl.static_range(STAGES - 1):
             k = k_lo + SLOT * i
@@ -136,6 +154,10 @@ if AVAILABLE:
             if TWO:
                 _copy(w3_ring.index(i), w3_ptr + w_off, kb, kb_hi, w_rows, cols_w)
             _async_load(x_ring.index(i), x_src + k, mask=(k + cols_x < k_hi)[None, :])
+            if KMAJOR:
+                _scales(s1_ring, i, s1_ptr + rows_c, k, k_hi, stride_swk, sc_rows, SUB)
+                if TWO:
+                    _scales(s3_ring, i, s3_ptr + rows_c, k, k_hi, stride_swk, sc_rows, SUB)
             async_copy.commit_group()
         acc1 = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
         acc3 = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
@@ -148,6 +170,10 @@ if AVAILABLE:
             if TWO:
                 _copy(w3_ring.index(ahead), w3_ptr + w_off, kb, kb_hi, w_rows, cols_w)
             _async_load(x_ring.index(ahead), x_src + k, mask=(k + cols_x < k_hi)[None, :])
+            if KMAJOR:
+                _scales(s1_ring, ahead, s1_ptr + rows_c, k, k_hi, stride_swk, sc_rows, SUB)
+                if TWO:
+                    _scales(s3_ring, ahead, s3_ptr + rows_c, k, k_hi, stride_swk, sc_rows, SUB)
             async_copy.commit_group()
             async_copy.wait_group(STAGES - 1)  # this thread's copies of slot j have landed
             _sync()  # and every thread's
@@ -156,10 +182,16 @@ if AVAILABLE:
                 ks = k0 + 32 * u
                 if EVEN_K or ks < k_hi:
                     b = _permuted(x_ring.index(at), u, b_l, TOKENS)
-                    s = gl.load(s1_ptr + s_off + (ks // 32) * stride_swk, mask=s_rows, other=0).to(gl.int32)
+                    if KMAJOR:
+                        s = s1_ring.index(at * SUB + u).load(gl.SliceLayout(1, a8)).to(gl.int32)
+                    else:
+                        s = gl.load(s1_ptr + s_off + (ks // 32) * stride_swk, mask=s_rows, other=0).to(gl.int32)
                     acc1 = mma_v2(_weights(w1_ring.index(at), u, e8m0_bf16_x2p126(s), a8, a_l, BLOCK_N), b, acc1)
                     if TWO:
-                        s = gl.load(s3_ptr + s_off + (ks // 32) * stride_swk, mask=s_rows, other=0).to(gl.int32)
+                        if KMAJOR:
+                            s = s3_ring.index(at * SUB + u).load(gl.SliceLayout(1, a8)).to(gl.int32)
+                        else:
+                            s = gl.load(s3_ptr + s_off + (ks // 32) * stride_swk, mask=s_rows, other=0).to(gl.int32)
                         acc3 = mma_v2(_weights(w3_ring.index(at), u, e8m0_bf16_x2p126(s), a8, a_l, BLOCK_N), b,
                                       acc3)
             _sync()  # every warp has read the slot before a later trip's copies refill it
@@ -191,7 +223,7 @@ if AVAILABLE:
                    stride_xm, stride_we, stride_wn, stride_se, stride_swn, stride_swk, stride_hm,
                    TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PAIRS: gl.constexpr,
                    SPLIT: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr, EVEN: gl.constexpr,
-                   EVEN_K: gl.constexpr, num_warps: gl.constexpr):
+                   EVEN_K: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
         """h rows of the tile's pairs, columns ``[n0, n0 + 16 * num_warps)`` of I: x [N, D] bf16 (the
         fp8 round trip's values), W1 / W3 [E, I, D / 2] E2M1 words with UE8M0 scales (row stride
         ``stride_swn``, K-slice stride ``stride_swk``), h [n_rows, I] bf16. SPLIT: ws [splits, 2, n_rows, I]
@@ -212,7 +244,8 @@ if AVAILABLE:
         es = e.to(gl.int64) * stride_se
         g, u = _gemm(x_ptr, tok, stride_xm, w1_ptr + ew, s1_ptr + es, w3_ptr + ew, s3_ptr + es, stride_wn, stride_swn,
                      stride_swk, n0, I, k_lo, gl.minimum(k_lo + k_split, D), kb_lo,
-                     gl.minimum(kb_lo + kb_split, D_BYTES), True, TOKENS, STAGES, SUB, EVEN, EVEN_K, num_warps)
+                     gl.minimum(kb_lo + kb_split, D_BYTES), True, TOKENS, STAGES, SUB, EVEN, EVEN_K, KMAJOR,
+                     num_warps)
         stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         if SPLIT:
             rows, row_ok, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS,
@@ -271,7 +304,7 @@ if AVAILABLE:
                      stride_hm, stride_we, stride_wn, stride_se, stride_swn, stride_swk, stride_ym, stride_om, stride_am,
                      TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PAIRS: gl.constexpr,
                      SPLIT: gl.constexpr, COMBINE: gl.constexpr, HAS_ADD: gl.constexpr, XDT: gl.constexpr,
-                     EVEN: gl.constexpr, EVEN_K: gl.constexpr, num_warps: gl.constexpr):
+                     EVEN: gl.constexpr, EVEN_K: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
         """y rows of the tile's pairs (rounded to XDT, y's dtype), columns ``[n0, n0 + 16 * num_warps)`` of
         D: W2 [E, D, I / 2] E2M1 words over h [n_rows, I] bf16. SPLIT: ws [splits, n_rows, D] fp32 partials
         and a ticket counter per (row tile, column tile) at ``cnt_ptr``. COMBINE: then each token's rows
@@ -293,7 +326,8 @@ if AVAILABLE:
         es = e.to(gl.int64) * stride_se
         acc, _ = _gemm(h_ptr, h_rows, stride_hm, w2_ptr + ew, s2_ptr + es, w2_ptr, s2_ptr, stride_wn, stride_swn,
                        stride_swk, n0, D, k_lo, gl.minimum(k_lo + k_split, I), kb_lo,
-                       gl.minimum(kb_lo + kb_split, I_BYTES), False, TOKENS, STAGES, SUB, EVEN, EVEN_K, num_warps)
+                       gl.minimum(kb_lo + kb_split, I_BYTES), False, TOKENS, STAGES, SUB, EVEN, EVEN_K, KMAJOR,
+                       num_warps)
         rows, row_ok, tok = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(0, mma))
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         ok = (cols < D)[:, None] & row_ok[None, :]
@@ -401,8 +435,8 @@ def experts(xq: torch.Tensor, tab: dict, w1, w3, w2, limit: float, xdtype: torch
     _up_kernel[(up["grid_cols"], p["row_tiles"], up["split"])](
         xq, tab["tok"], tab["rw"], tab["tile_e"], tab["tile_row"], tab["row_end"], d1, s1, d3, s3, h, ws, pool, E, I, D,
         D // 2, limit, rows, rows, k, up["k_split"], up["k_split"] // 2, up["split"], xq.stride(0), d1.stride(0),
-        d1.stride(1), se, swn, swk, h.stride(0), PAIRS=p["pairs"], CLAMP=limit > 0, XDT=xdt, **up["constexprs"],
-        **pdl.options(dev))
+        d1.stride(1), se, swn, swk, h.stride(0), PAIRS=p["pairs"], CLAMP=limit > 0, XDT=xdt, KMAJOR=swn == 1,
+        **up["constexprs"], **pdl.options(dev))
     d2, s2, se2, swn2, swk2 = _operands(w2)
     y = torch.empty(rows, D, dtype=xdtype, device=dev)
     ws = torch.empty(down["split"], rows, D, dtype=torch.float32, device=dev) if down["split"] > 1 else y
@@ -412,7 +446,8 @@ def experts(xq: torch.Tensor, tab: dict, w1, w3, w2, limit: float, xdtype: torch
         out if out is not None else y, add if add is not None else y, pool, E, D, I, I // 2, rows, k, down["k_split"],
         down["k_split"] // 2, down["split"], h.stride(0), d2.stride(0), d2.stride(1), se2, swn2, swk2, y.stride(0),
         out.stride(0) if out is not None else 0, add.stride(0) if add is not None else 0, PAIRS=p["pairs"],
-        COMBINE=out is not None, HAS_ADD=add is not None, XDT=xdt, **down["constexprs"], **pdl.options(dev))
+        COMBINE=out is not None, HAS_ADD=add is not None, XDT=xdt, KMAJOR=swn2 == 1, **down["constexprs"],
+        **pdl.options(dev))
     return out if out is not None else y
 
 

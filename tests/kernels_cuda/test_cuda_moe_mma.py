@@ -107,11 +107,11 @@ def test_it_compiles_for_sm90_on_mma_sync_fed_by_asynchronous_copies(sub):
         assert loop["instructions"] < 64 * weights * sub + 60
 
 
-def _case(rng, n, D, I, E, k, xdt=torch.bfloat16):
+def _case(rng, n, D, I, E, k, xdt=torch.bfloat16, k_major=True):
     x = (torch.randn(n, D, generator=rng) * 3.0).to(DEVICE, xdt)
     idx = torch.randint(0, E, (n, k), generator=rng, dtype=torch.int32).to(DEVICE)  # a token's slots may repeat
     rw = torch.rand(n, k, generator=rng).to(DEVICE)
-    w = [_stack(rng, E, *s).to(DEVICE) for s in ((I, D), (I, D), (D, I))]
+    w = [_stack(rng, E, *s, k_major=k_major).to(DEVICE) for s in ((I, D), (I, D), (D, I))]
     return (x, rw, idx, *w, 10.0)
 
 
@@ -120,17 +120,19 @@ def _run(args, tiles, **kw):
         return ops.moe_experts(*args, **kw)
 
 
-# (tokens, D, I, experts, slots, K split aiming at that many programs an SM, slices a slot)
-CASES = [(1, 256, 128, 8, 6, 4, 4), (1, 160, 96, 4, 2, 64, 1), (8, 512, 192, 16, 6, 4, 4), (5, 352, 96, 3, 4, 1, 2),
-         (3, 1024, 2304, 12, 6, 16, 4), (16, 256, 64, 4, 3, 4, 4)]
+# (tokens, D, I, experts, slots, K split aiming at that many programs an SM, slices a slot, scales K major)
+CASES = [(1, 256, 128, 8, 6, 4, 4, True), (1, 160, 96, 4, 2, 64, 1, True), (8, 512, 192, 16, 6, 4, 4, True),
+         (5, 352, 96, 3, 4, 1, 2, True), (3, 1024, 2304, 12, 6, 16, 4, True), (16, 256, 64, 4, 3, 4, 4, True),
+         (1, 352, 96, 4, 2, 64, 4, False), (6, 512, 192, 16, 6, 4, 2, False)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not MMA_GPU, reason="needs an sm_80+ GPU, Gluon and a Triton taking 8 K elements a thread")
-@pytest.mark.parametrize("n,D,I,E,k,per_sm,sub", CASES)
-def test_against_the_reference_and_the_16_row_tile(rng, n, D, I, E, k, per_sm, sub):
-    """Ragged I (96, 192) and K (160, 352: a split's last slot short), pairs and tables, split and not."""
-    args = _case(rng, n, D, I, E, k)
+@pytest.mark.parametrize("n,D,I,E,k,per_sm,sub,k_major", CASES)
+def test_against_the_reference_and_the_16_row_tile(rng, n, D, I, E, k, per_sm, sub, k_major):
+    """Ragged I (96, 192) and K (160, 352: a split's last slot short), pairs and tables, split and not, the
+    scales K major (through the ring) and row major (loaded where used)."""
+    args = _case(rng, n, D, I, E, k, k_major=k_major)
     tiles = _tiles(per_sm=per_sm, sub=sub)
     with pinned_tiles(moe=tiles):
         assert moe._plan(n, k, E, D, I)["mma"] is not None
