@@ -185,8 +185,9 @@
 #              rules do not take gemv_mma, then under the profile: h200-real-slice-gemvmma-{off,on}.json
 #   moemma     the routed fp4 experts on mma.sync with the weight rows as its M (the experts' gemv_mma knob,
 #              kernels_cuda/moe_mma.py): its tests and the other experts tests natively, then the experts at the
-#              released shapes (K-major scales, codes in words) under its variants and the profile:
-#              h200-moe-mma-tests.log, h200-moe-mma-v41.json
+#              released shapes (K-major scales, codes in words) under its variants and the profile, and one
+#              call's kernels by device time (benchmarks/moe_kernels.py):
+#              h200-moe-mma-tests.log, h200-moe-mma-v41.json, h200-moe-kernels.json
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
 #              experts rule takes gemv_mma: h200-real-slice-moemma-{off,on}.json
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
@@ -1234,6 +1235,7 @@ print('\\n'.join(gemv_tiles.EXPERT_MMA_VARIANTS))")
   mapfile -t variants <<< "$labels"
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 --scales-k-major --expert-words --variants \
     "${variants[@]}" --out "$OUT/h200-moe-mma-v41.json" | grep 'fp4 words'
+  python benchmarks/moe_kernels.py --variant "${variants[@]:0:3}" --out "$OUT/h200-moe-kernels.json" | grep -v Warn
 }
 
 phase_moemmaslice() {  # the real-dimension slice under the profile and a copy whose decode experts rule takes gemv_mma
