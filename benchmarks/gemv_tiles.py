@@ -106,7 +106,8 @@ MMA_GEMV_VARIANTS = {f"MMA GEMV, {w} warps, kw {kw}, {p} an SM" + (f", {st} stag
 # label -> the experts cases' rule on mma.sync with the weight rows as its M (the experts' ``gemv_mma`` knob,
 # kernels_cuda/moe_mma.py: fp4_w words only, so with --expert-words; num_warps x 16 weight rows a program,
 # the K split aiming at that many programs an SM, the ring's slots and K slices a slot)
-EXPERT_MMA_VARIANTS = {f"experts MMA GEMV, {w} warps, {p} an SM, {st} stages" + (f", {sub} slices a slot" if sub != 4 else ""):
+EXPERT_MMA_VARIANTS = {f"experts MMA GEMV, {w} warps, {p} an SM, {st} stages"
+                       + (f", {sub} slices a slot" if sub != 4 else ""):
                        dict(num_warps=w, gemv_mma=True, gemv_mma_per_sm=p, gemv_mma_stages=st, gemv_mma_sub=sub)
                        for w, p, st, sub in ((4, 4, 3, 4), (4, 8, 3, 4), (4, 4, 4, 4), (2, 8, 3, 4), (4, 4, 3, 2),
                                              (8, 2, 3, 4))}

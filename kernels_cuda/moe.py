@@ -166,7 +166,8 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
     if combine and down[1] > 1:
         down = _gemm(t, knobs, D, I, row_tiles, rows, 1, reserved=cols)
     e2m1 = fp4_decode(knobs["swap_operands"])  # the rule's swap knob over linear's tile
-    return PLANS.store(key, dict(mma=_mma_plan(n, k, E, D, I, direct, pairs_mode, t, knobs, tiles), block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
+    return PLANS.store(key, dict(mma=_mma_plan(n, k, E, D, I, direct, pairs_mode, t, knobs, tiles),
+                                 block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
                                  combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
                                  shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
                                  adq=bool(tiles["act_dequantized"]), round_trip=tiles["round_trip"],

@@ -1,8 +1,8 @@
 """``moe_experts``' routed fp4_w experts at a few rows an expert on the tensor cores, the weights as the
 MMA's M side (sm_80+, written in Gluon): the experts rule knob ``gemv_mma``.
 
-The 16-row MMA tile of :mod:`.moe_kernels` spends most of its instructions decoding the fp4 weights
-into the layout its ``tl.dot`` wants and 15 of its 16 rows on nothing at one token. Here, as in
+The 16-row MMA tile of :mod:`.moe_kernels` is bound by its instructions at decode (the fp4 decode and
+the moves around its ``tl.dot``), and 15 of its 16 rows do nothing at one token. Here, as in
 :mod:`.gemv_mma`, each warp owns 16 weight rows as the M of ``mma.sync`` m16n8k16 (bf16 operands, fp32
 accumulation) and a row tile's activation rows (up to ``TOKENS``: one expert's pair rows) are its N.
 The weights come through a shared ring of asynchronous copies and are read in the 8-bit MMA operand's
@@ -11,7 +11,7 @@ layout, so each thread holds whole 32-bit words of eight E2M1 codes (the word la
 folded into the bf16 block scale) writes them straight into the bf16 operand registers. The decode's
 registers hold codes (0, 2), (4, 6), (1, 3), (5, 7) of a word: the MMA takes them as they are and the
 activations' K is permuted the same way within each group of eight (a few byte permutes a slice, paid
-once for both weights of the up kernel). One MMA instruction covers 256 weight bytes.
+once for both weights of the up kernel). One MMA instruction covers 256 weight codes.
 
 The activations arrive as the bf16 values of their fp8 round trip (``tiles.moe.act_dequantized``): x by
 one launch before, h as the up kernel stores it. The products are exact and summed in fp32, as the 16-row
@@ -301,7 +301,8 @@ if AVAILABLE:
     @gluon.jit
     def _down_kernel(h_ptr, tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, pos_ptr, w2_ptr, s2_ptr, y_ptr, ws_ptr,
                      cnt_ptr, out_ptr, add_ptr, comb_ptr, E, D, I, I_BYTES, n_rows, TOPK, k_split, kb_split, n_splits,
-                     stride_hm, stride_we, stride_wn, stride_se, stride_swn, stride_swk, stride_ym, stride_om, stride_am,
+                     stride_hm, stride_we, stride_wn, stride_se, stride_swn, stride_swk, stride_ym, stride_om,
+                     stride_am,
                      TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PAIRS: gl.constexpr,
                      SPLIT: gl.constexpr, COMBINE: gl.constexpr, HAS_ADD: gl.constexpr, XDT: gl.constexpr,
                      EVEN: gl.constexpr, EVEN_K: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):

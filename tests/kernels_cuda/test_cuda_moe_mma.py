@@ -146,6 +146,20 @@ def test_against_the_reference_and_the_16_row_tile(rng, n, D, I, E, k, per_sm, s
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not MMA_GPU, reason="needs an sm_80+ GPU, Gluon and a Triton taking 8 K elements a thread")
+def test_row_tiles_of_16_pair_rows(rng):
+    """``gemv_mma_tokens`` 16: the routing tables' tiles of up to 16 rows an expert, the MMA's N 16."""
+    args = _case(rng, 12, 256, 128, 4, 4)
+    tiles = _tiles(tokens=16)
+    with pinned_tiles(moe=tiles):
+        assert moe._plan(12, 4, 4, 256, 128)["mma"]["block_m"] == 16
+    got = _run(args, tiles, out_dtype=torch.float32)
+    with flashrt.use_backend("reference"):
+        want = ops.moe_experts(*args, out_dtype=torch.float32)
+    assert rel_err(got, want) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not MMA_GPU, reason="needs an sm_80+ GPU, Gluon and a Triton taking 8 K elements a thread")
 @pytest.mark.parametrize("n", [1, 6])
 def test_with_the_shared_expert_and_add(rng, n):
     """The shared expert (fp8_w) on the direct path over the same dequantized activations, its rows and
