@@ -107,6 +107,27 @@ if AVAILABLE:
             _async_load(ring.index(at * SUB + u), src + (k // 32 + u) * stride_swk, mask=rows_ok & (k + 32 * u < k_hi))
 
     @gluon.jit
+    def _fill(rings, srcs, masks, at, k, kb, k_hi, kb_hi, stride_swk, TWO: gl.constexpr, KMAJOR: gl.constexpr,
+              SUB: gl.constexpr):
+        """Start the copies of the K slices from ``k`` (codes; byte ``kb`` of a weight row) into ring slot
+        ``at`` as one group: the weight bytes (W1, and W3 where TWO), the activation rows and, where KMAJOR,
+        the scale bytes. ``rings``: (W1, W3, activations, W1 scales, W3 scales) rings; ``srcs``: their
+        sources at the run's start; ``masks``: (weight rows, weight byte columns, activation columns, scale
+        rows)."""
+        w1_ring, w3_ring, x_ring, s1_ring, s3_ring = rings
+        w1_src, w3_src, x_src, s1_src, s3_src = srcs
+        w_rows, cols_w, cols_x, sc_rows = masks
+        _copy(w1_ring.index(at), w1_src, kb, kb_hi, w_rows, cols_w)
+        if TWO:
+            _copy(w3_ring.index(at), w3_src, kb, kb_hi, w_rows, cols_w)
+        _async_load(x_ring.index(at), x_src + k, mask=(k + cols_x < k_hi)[None, :])
+        if KMAJOR:
+            _scales(s1_ring, at, s1_src, k, k_hi, stride_swk, sc_rows, SUB)
+            if TWO:
+                _scales(s3_ring, at, s3_src, k, k_hi, stride_swk, sc_rows, SUB)
+        async_copy.commit_group()
+
+    @gluon.jit
     def _gemm(x_ptr, tok, stride_xm, w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_wn, stride_swn, stride_swk, n0, N, k_lo,
               k_hi, kb_lo, kb_hi, TWO: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
               EVEN: gl.constexpr, EVEN_K: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
@@ -147,34 +168,18 @@ if AVAILABLE:
         rows_c = n0 + gl.arange(0, BLOCK_N, layout=sc_l)
         sc_rows = (rows_c < N) | EVEN
 
+        rings = (w1_ring, w3_ring, x_ring, s1_ring, s3_ring)
+        srcs = (w1_ptr + w_off, w3_ptr + w_off, x_src, s1_ptr + rows_c, s3_ptr + rows_c)
+        masks = (w_rows, cols_w, cols_x, sc_rows)
         for i in gl.static_range(STAGES - 1):
-            k = k_lo + SLOT * i
-            kb = kb_lo + SLOT // 2 * i
-            _copy(w1_ring.index(i), w1_ptr + w_off, kb, kb_hi, w_rows, cols_w)
-            if TWO:
-                _copy(w3_ring.index(i), w3_ptr + w_off, kb, kb_hi, w_rows, cols_w)
-            _async_load(x_ring.index(i), x_src + k, mask=(k + cols_x < k_hi)[None, :])
-            if KMAJOR:
-                _scales(s1_ring, i, s1_ptr + rows_c, k, k_hi, stride_swk, sc_rows, SUB)
-                if TWO:
-                    _scales(s3_ring, i, s3_ptr + rows_c, k, k_hi, stride_swk, sc_rows, SUB)
-            async_copy.commit_group()
+            _fill(rings, srcs, masks, i, k_lo + SLOT * i, kb_lo + SLOT // 2 * i, k_hi, kb_hi, stride_swk, TWO, KMAJOR,
+                  SUB)
         acc1 = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
         acc3 = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
         for j in range(0, (k_hi - k_lo + SLOT - 1) // SLOT):
             k0 = k_lo + SLOT * j
-            ahead = (j + STAGES - 1) % STAGES
-            k = k0 + SLOT * (STAGES - 1)
-            kb = kb_lo + SLOT // 2 * (j + STAGES - 1)
-            _copy(w1_ring.index(ahead), w1_ptr + w_off, kb, kb_hi, w_rows, cols_w)
-            if TWO:
-                _copy(w3_ring.index(ahead), w3_ptr + w_off, kb, kb_hi, w_rows, cols_w)
-            _async_load(x_ring.index(ahead), x_src + k, mask=(k + cols_x < k_hi)[None, :])
-            if KMAJOR:
-                _scales(s1_ring, ahead, s1_ptr + rows_c, k, k_hi, stride_swk, sc_rows, SUB)
-                if TWO:
-                    _scales(s3_ring, ahead, s3_ptr + rows_c, k, k_hi, stride_swk, sc_rows, SUB)
-            async_copy.commit_group()
+            _fill(rings, srcs, masks, (j + STAGES - 1) % STAGES, k0 + SLOT * (STAGES - 1),
+                  kb_lo + SLOT // 2 * (j + STAGES - 1), k_hi, kb_hi, stride_swk, TWO, KMAJOR, SUB)
             async_copy.wait_group(STAGES - 1)  # this thread's copies of slot j have landed
             _sync()  # and every thread's
             at = j % STAGES
