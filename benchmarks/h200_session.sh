@@ -410,6 +410,10 @@ if [ -d .whl ] && ! python -c "import fastapi, uvicorn, openai" 2>/dev/null; the
 fi
 python -c "import flashrt" 2>/dev/null || python -m pip install --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || exit 1
 
+variant_labels() {  # TABLE: the labels of benchmarks/gemv_tiles.py's variant table TABLE, one a line
+  python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles; print('\n'.join(gemv_tiles.$1))"
+}
+
 profile_set() {  # NAME DOTTED.KEY JSON [DOTTED.KEY JSON ...]: a copy of h200.yaml named NAME with those keys set
   # (a numeric part indexes a list: tiles.moe.experts.0.1.split_per_sm is the first rule's tile); prints its path
   local f
@@ -695,8 +699,7 @@ phase_pairs() {  # fp4_b16 stores: the midpoint comparisons, then bf16 pairs in 
 
 phase_stages() {
   local on="$OUT/h200-stages.yaml" labels
-  labels=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles; print('\n'.join(gemv_tiles.MMA_VARIANTS))")
-  mapfile -t labels <<< "$labels"
+  mapfile -t labels < <(variant_labels MMA_VARIANTS)
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants "${labels[@]}" --out "$OUT/h200-gemv-stages.json" \
     --profile-out "$on" | grep -v '^ '
   slice_and_decode stages off h200 on "$on"
@@ -1146,8 +1149,7 @@ phase_gemv8() {
   timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_fp8_gemv.py \
     tests/kernels_cuda/test_cuda_plain_gemv.py > "$OUT/h200-gemv8-tests.log" 2>&1
   tail -n 1 "$OUT/h200-gemv8-tests.log"
-  mapfile -t v < <(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles
-print('\n'.join(gemv_tiles.GEMV_VARIANTS))")
+  mapfile -t v < <(variant_labels GEMV_VARIANTS)
   python benchmarks/gemv_tiles.py --model v4.1-flash --variants profile "${v[@]}" --profile-out "$OUT/h200-gemv8.yaml" \
     --out "$OUT/h200-gemv-gemv8.json" | grep -v moe_experts
   grep -c "gemv: true" "$OUT/h200-gemv8.yaml" || true
@@ -1202,10 +1204,8 @@ phase_gemvmma() {  # fp8 linear at 1-16 rows on mma.sync with the weight rows as
   timeout 200 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_gemv_mma.py \
     > "$OUT/h200-gemv-mma-tests.log" 2>&1
   tail -n 15 "$OUT/h200-gemv-mma-tests.log"
-  local labels
-  labels=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles
-print('\\n'.join(gemv_tiles.MMA_GEMV_VARIANTS))")
-  mapfile -t variants <<< "$labels"
+  local variants
+  mapfile -t variants < <(variant_labels MMA_GEMV_VARIANTS)
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 2 4 8 16 --variants "GEMV N64 K256 s3" "${variants[@]}" \
     --out "$OUT/h200-gemv-mma-v41.json" | grep -v 'moe_experts\|plain '
   [ -n "${GEMV_MMA_SMALL:-}" ] || return 0
@@ -1229,10 +1229,8 @@ phase_moemma() {  # the routed fp4 experts on mma.sync with the weight rows as i
     tests/kernels_cuda/test_cuda_moe_act_dequantized.py tests/kernels_cuda/test_cuda_moe_shared.py \
     > "$OUT/h200-moe-mma-tests.log" 2>&1
   tail -n 15 "$OUT/h200-moe-mma-tests.log"
-  local labels
-  labels=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); import gemv_tiles
-print('\\n'.join(gemv_tiles.EXPERT_MMA_VARIANTS))")
-  mapfile -t variants <<< "$labels"
+  local variants
+  mapfile -t variants < <(variant_labels EXPERT_MMA_VARIANTS)
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 --scales-k-major --expert-words --variants \
     "${variants[@]}" --out "$OUT/h200-moe-mma-v41.json" | grep 'fp4 words'
   python benchmarks/moe_kernels.py --variant "${variants[@]:0:3}" --out "$OUT/h200-moe-kernels.json" | grep -v Warn

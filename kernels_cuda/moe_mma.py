@@ -51,6 +51,17 @@ if AVAILABLE:
 
     _WORDS = gl.constexpr(E2M1_WORDS_FOLDED_TEXT)
 
+    @gluon.constexpr_function
+    def _mma_layout(num_warps):
+        """The accumulators' layout: ``mma.sync`` m16n8 tiles, the warps along the weight rows."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+
+    @gluon.jit
+    def _origin(BLOCK_N: gl.constexpr, k_split, kb_split):
+        """(first weight row, first K code, first K byte of a weight row) of this program."""
+        split = gl.program_id(2)
+        return gl.program_id(0) * BLOCK_N, split * k_split, split * kb_split
+
     @gluon.jit
     def _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS: gl.constexpr, TOKENS: gl.constexpr, layout):
         """(pair rows [TOKENS] in ``layout``, row mask, token of each row int64) of row tile
@@ -139,8 +150,7 @@ if AVAILABLE:
         trip); else they are loaded where each slice is used."""
         BLOCK_N: gl.constexpr = 16 * num_warps
         SLOT: gl.constexpr = 32 * SUB  # K elements a ring slot
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, 8])
+        mma: gl.constexpr = _mma_layout(num_warps)
         a8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -235,14 +245,11 @@ if AVAILABLE:
         fp32 gate / up partials and a ticket counter per (row tile, column tile)."""
         wait_inputs()
         BLOCK_N: gl.constexpr = 16 * num_warps
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, 8])
+        mma: gl.constexpr = _mma_layout(num_warps)
         e = gl.load(tile_e_ptr + gl.program_id(1))
         if e >= E:  # past the tables' last tile
             return
-        n0 = gl.program_id(0) * BLOCK_N
-        k_lo = gl.program_id(2) * k_split
-        kb_lo = gl.program_id(2) * kb_split
+        n0, k_lo, kb_lo = _origin(BLOCK_N, k_split, kb_split)
         xc_l: gl.constexpr = _copy_layout(32 * SUB, 8, num_warps)
         _, _, tok = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(1, xc_l))
         ew = e.to(gl.int64) * stride_we
@@ -317,14 +324,11 @@ if AVAILABLE:
         summed into ``out`` (:func:`_combine`, a counter per (token, column tile) at ``comb_ptr``)."""
         wait_inputs()
         BLOCK_N: gl.constexpr = 16 * num_warps
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, 8])
+        mma: gl.constexpr = _mma_layout(num_warps)
         e = gl.load(tile_e_ptr + gl.program_id(1))
         if e >= E:
             return
-        n0 = gl.program_id(0) * BLOCK_N
-        k_lo = gl.program_id(2) * k_split
-        kb_lo = gl.program_id(2) * kb_split
+        n0, k_lo, kb_lo = _origin(BLOCK_N, k_split, kb_split)
         xc_l: gl.constexpr = _copy_layout(32 * SUB, 8, num_warps)
         h_rows, _, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(1, xc_l))
         h_rows = gl.minimum(h_rows, n_rows - 1).to(gl.int64)  # lanes past the tile read a stored row
