@@ -216,8 +216,7 @@ if AVAILABLE:
     @gluon.jit
     def _last_of_split(part, ok, plane, cnt_ptr, n_splits, acc):
         """Store this split's partial ``acc`` at ``part`` (split ``program_id(2)``, splits ``plane`` apart)
-        and draw the tile's ticket; (whether this program drew the last one, their sum in split order
-        where it did)."""
+        and draw the tile's ticket: (whether this program drew the last one, the tile's counter)."""
         gl.store(part + gl.program_id(2).to(gl.int64) * plane, acc, mask=ok)
         _sync()  # every thread's partial is stored before the ticket publishes them
         tile = cnt_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
