@@ -3,7 +3,8 @@
 :func:`e4m3_pairs_bf16`: four E4M3 bytes and their four bf16 scales -> four bf16 values, by
 :data:`E4M3_PAIRS_PTX` (sm_90+: bf16x2 multiplies that keep subnormals; not the interpreter). A
 byte's seven magnitude bits are moved to bf16 bits 4-10 and its sign to bit 15, which reads as its
-value times 2**-120 (the subnormal codes as bf16 subnormals), one multiply by 2**120 makes it exact
+value times 2**-120 (the subnormal codes as bf16 subnormals; a byte permute that replicates the sign
+and one shift and one mask a register of two values), one multiply by 2**120 makes it exact
 and one by the scale applies the block's power of two (or one multiply by the scale times 2**120,
 for scale bytes up to :data:`FOLD_MAX_SCALE`): the products are exact, as the fp32 path's are, so
 the bits are the same. The codes 0x7F / 0xFF read as +-480, as :func:`.codecs.e4m3_x256`
@@ -15,20 +16,20 @@ import triton
 import triton.language as tl
 
 
-def _register(out: int, src: str, scale: int, rebias: bool) -> str:
-    """One output register: the two bytes in the low byte of each 16-bit half of ``src`` as bf16, times
-    2**120 (``rebias``; else the scale holds it), times the scales."""
-    return (f"shl.b32 t, {src}, 4;\nand.b32 t, t, 0x07F007F0;\nshl.b32 u, {src}, 8;\nand.b32 u, u, 0x80008000;\n"
-            f"or.b32 ${out}, t, u;\n" + (f"mul.rn.bf16x2 ${out}, ${out}, k;\n" if rebias else "")
-            + f"mul.rn.bf16x2 ${out}, ${out}, ${scale};\n")
+def _register(out: int, sel: str, scale: int, rebias: bool) -> str:
+    """One output register: two of the bytes (``sel``: prmt's selector) as bf16, times 2**120 (``rebias``;
+    else the scale holds it), times the scales. The selector puts each byte in the low byte of a 16-bit half
+    and its sign bit in all eight bits above it, so one shift by four and one mask leave the seven magnitude
+    bits at bf16 bits 4-10 and the sign at bit 15."""
+    return (f"prmt.b32 x, $2, z, {sel};\nshl.b32 x, x, 4;\nand.b32 ${out}, x, 0x87F087F0;\n"
+            + (f"mul.rn.bf16x2 ${out}, ${out}, k;\n" if rebias else "") + f"mul.rn.bf16x2 ${out}, ${out}, ${scale};\n")
 
 
 def _pairs_text(rebias: bool) -> str:
     """$2: four E4M3 bytes; $3 / $4: the bf16 scales of bytes 0, 1 / 2, 3; out: $0 bytes 0, 1 and $1
-    bytes 2, 3 as bf16 pairs. prmt spreads two bytes to the two 16-bit halves of a register."""
-    return ("{\n.reg .b32 x, y, t, u, z" + (", k;\nmov.b32 k, 0x7B807B80;\n" if rebias else ";\n")  # k: 2**120, twice
-            + "mov.b32 z, 0;\nprmt.b32 x, $2, z, 0x4140;\nprmt.b32 y, $2, z, 0x4342;\n"
-            + _register(0, "x", 3, rebias) + _register(1, "y", 4, rebias) + "}\n")
+    bytes 2, 3 as bf16 pairs."""
+    return ("{\n.reg .b32 x, z" + (", k;\nmov.b32 k, 0x7B807B80;\n" if rebias else ";\n")  # k: 2**120, twice
+            + "mov.b32 z, 0;\n" + _register(0, "0x9180", 3, rebias) + _register(1, "0xB3A2", 4, rebias) + "}\n")
 
 
 E4M3_PAIRS_TEXT = _pairs_text(True)

@@ -41,8 +41,10 @@ def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
     out = np.zeros_like(a)
     for i in range(4):
         nib = (sel >> (4 * i)) & 0xF
-        assert nib < 8, "sign-replicate selectors are not emulated"
-        out |= pool[nib] << (8 * i)
+        byte = pool[nib & 7]
+        if nib & 8:  # the default mode's sign replicate: the selected byte's bit 7 in all eight bits
+            byte = np.where(byte & 0x80, 0xFF, 0).astype(a.dtype)
+        out |= byte << (8 * i)
     return out
 
 

@@ -52,6 +52,14 @@ def test_the_folded_ptx_equals_the_rebias(rng):
     assert count(e4m3.E4M3_PAIRS_FOLDED_TEXT) == count(e4m3.E4M3_PAIRS_TEXT) - 2 == 2
 
 
+def test_a_register_of_two_values_takes_four_instructions():
+    """The folded decode spends a byte permute (the sign replicated above each byte), a shift, a mask and
+    the scale's multiply on each output register: no merge of separately shifted fields."""
+    body = [line.split()[0] for line in e4m3.E4M3_PAIRS_FOLDED_TEXT.splitlines()
+            if line.strip() and line.split()[0][0].isalpha() and not line.startswith(("mov", ".reg"))]
+    assert sorted(body) == sorted(["prmt.b32", "shl.b32", "and.b32", "mul.rn.bf16x2"] * 2)
+
+
 def test_the_fold_needs_the_packed_decode_and_known_small_scales(rng):
     """``fold_fp8`` adds FP8_FOLD only to a packed fp8 decode (FP8_PACKED in E2M1) whose fp8_w weights
     all have their largest scale byte recorded at most 134; fp4 weights do not count; the MoE layers
