@@ -166,8 +166,9 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
     if combine and down[1] > 1:
         down = _gemm(t, knobs, D, I, row_tiles, rows, 1, reserved=cols)
     e2m1 = fp4_decode(knobs["swap_operands"])  # the rule's swap knob over linear's tile
-    return PLANS.store(key, dict(mma=_mma_plan(n, k, E, D, I, direct, pairs_mode, t, knobs, tiles),
-                                 block_m=t["BLOCK_M"], up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
+    mma, mma_shared = _mma_plan(n, k, E, D, I, direct, pairs_mode, t, knobs, tiles, shared)
+    return PLANS.store(key, dict(mma=mma, mma_shared=mma_shared, block_m=t["BLOCK_M"],
+                                 up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
                                  combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
                                  shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
                                  adq=bool(tiles["act_dequantized"]), round_trip=tiles["round_trip"],
@@ -176,17 +177,21 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
                                  combine_tile=tiles["combine"]))
 
 
-def _mma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: bool, t: dict, knobs: dict, tiles: dict):
-    """:mod:`.moe_mma`'s plan of the routed experts where the rule's ``gemv_mma`` knob takes them and they
+def _mma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: bool, t: dict, knobs: dict, tiles: dict,
+              shared: bool = False) -> tuple[dict | None, dict | None]:
+    """:mod:`.moe_mma`'s plans of the routed experts where the rule's ``gemv_mma`` knob takes them and they
     can run there (the activations dequantized, a compiled sm_80+ target whose Triton builds the
-    kernels; not the direct path, whose one expert is the shared one), else None. The weights' part
-    (:func:`_mma_weights`) is checked per call."""
+    kernels; not the direct path, whose one expert is the shared one), else None: (the routed rows alone;
+    with the shared expert's tiles after them where ``shared`` and the tile takes them, else None). The
+    weights' part (:func:`_mma_weights`, :func:`.moe_mma.shared_operands`) is checked per call."""
     if not (knobs["gemv_mma"] and not direct and tiles["act_dequantized"] and _linear.mma_sync_device()
             and moe_mma.usable()):
-        return None
+        return None, None
     tile = dict(num_warps=t["num_warps"], TOKENS=knobs["gemv_mma_tokens"], STAGES=knobs["gemv_mma_stages"],
                 SUB=knobs["gemv_mma_sub"], per_sm=knobs["gemv_mma_per_sm"])
-    return moe_mma.plan(n, k, E, D, I, pairs, tile, _linear.num_sms())
+    sms = _linear.num_sms()
+    with_shared = moe_mma.plan(n, k, E, D, I, pairs, tile, sms, True) if shared and moe_mma.takes_shared(tile) else None
+    return moe_mma.plan(n, k, E, D, I, pairs, tile, sms), with_shared
 
 
 def _mma_weights(w1, w3, w2) -> bool:
@@ -347,16 +352,23 @@ def _combine(y, tab, out, add, k: int, pairs: bool, shared: bool, c: dict) -> to
 
 
 def _experts_mma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, plan):
-    """The routed experts on :mod:`.moe_mma`'s kernels (plan ``plan["mma"]``), the shared expert on the
-    direct path's kernels over the same dequantized activations, its fp32 rows (plus ``add``) added by the
-    combine after the routed sum, as :func:`_shared_apart` orders them."""
+    """The routed experts on :mod:`.moe_mma`'s kernels (plan ``plan["mma"]``). The shared expert: its rows
+    in the same launches where its weights allow (fp8_w, :func:`.moe_mma.shared_operands`; plan
+    ``plan["mma_shared"]``), summed after each token's routed rows; else on the direct path's kernels over
+    the same dequantized activations, its fp32 rows (plus ``add``) added by the combine after the routed
+    sum, as :func:`_shared_apart` orders them."""
     n, D = x.shape
     k = indices.shape[1]
     p = plan["mma"]
     xq = fp8_round_trip(x, plan["round_trip"])
-    if shared is not None:
-        own = _shared_direct(x, xq, shared, limit)
-        add = own if add is None else finish_experts(own, add, torch.float32)
+    own = None
+    if shared is not None and plan["mma_shared"] is not None:
+        own = moe_mma.shared_operands(shared, w1.shape[1], D)
+    if own is not None:
+        p = plan["mma_shared"]
+    elif shared is not None:
+        alone = _shared_direct(x, xq, shared, limit)
+        add = alone if add is None else finish_experts(alone, add, torch.float32)
     if p["pairs"]:
         tab = _pair_tables(weights, indices)
     else:
@@ -364,9 +376,9 @@ def _experts_mma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, 
     out = torch.empty(n, D, dtype=out_dtype, device=x.device)
     add = add.contiguous() if add is not None else None
     if plan["combine_tile"]["in_kernel"] and moe_mma.combines(p, n):
-        return moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add)
-    y = moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k)
-    return _combine(y, tab, out, add, k, p["pairs"], False, plan["combine_tile"])
+        return moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add, shared=own)
+    y = moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k, shared=own)
+    return _combine(y, tab, out, add, k, p["pairs"], p["shared"], plan["combine_tile"])
 
 
 def _shared_direct(x, xq, shared, limit: float) -> torch.Tensor:

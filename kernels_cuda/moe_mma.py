@@ -29,11 +29,14 @@ order: deterministic).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flashrt.kernels_cuda import pdl, splitk
 from flashrt.kernels_cuda.attention_ws import AVAILABLE
 from flashrt.kernels_cuda.gemv_mma import MIN_SLICES, ROWS_A_WARP, operand_kw
+from flashrt.kernels_cuda.codecs_e4m3 import FOLD_MAX_SCALE as FP8_FOLD_MAX_SCALE
 from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
 
 KW = 8  # consecutive K elements a thread in the bf16 operands: one word of eight codes (Triton <= 3.6 takes it)
@@ -47,14 +50,11 @@ if AVAILABLE:
     from flashrt.kernels_cuda.codecs import e8m0_bf16_x2p126, to_out
     from flashrt.kernels_cuda.codecs_words import E2M1_WORDS_FOLDED_TEXT
     from flashrt.kernels_cuda.gemv_mma import _copy_layout, block_exp
+    from flashrt.kernels_cuda.moe_mma_fp8 import gemm as gemm_fp8
+    from flashrt.kernels_cuda.moe_mma_fp8 import mma_layout as _mma_layout
     from flashrt.kernels_cuda.pdl import wait_inputs
 
     _WORDS = gl.constexpr(E2M1_WORDS_FOLDED_TEXT)
-
-    @gluon.constexpr_function
-    def _mma_layout(num_warps):
-        """The accumulators' layout: ``mma.sync`` m16n8 tiles, the warps along the weight rows."""
-        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
 
     @gluon.jit
     def _origin(BLOCK_N: gl.constexpr, k_split, kb_split):
@@ -63,24 +63,34 @@ if AVAILABLE:
         return gl.program_id(0) * BLOCK_N, split * k_split, split * kb_split
 
     @gluon.jit
-    def _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS: gl.constexpr, TOKENS: gl.constexpr, layout):
-        """(pair rows [TOKENS] in ``layout``, row mask, token of each row int64) of row tile
-        ``program_id(1)``: PAIRS, pair ``t`` alone (token ``t // TOPK``); else the routing tables' tile.
-        Lanes past the tile read its last row's token (never stored)."""
+    def _tile_rows(tables, PAIRS: gl.constexpr, SHARED: gl.constexpr, TOKENS: gl.constexpr, layout):
+        """(rows [TOKENS] in ``layout``, row mask, token of each row int64) of row tile ``program_id(1)``:
+        PAIRS, pair ``t`` alone (token ``t // TOPK``); else the routing tables' tile; SHARED, the tiles from
+        ``routed_tiles`` on: the shared expert's rows ``n_pairs + token``, TOKENS tokens a tile. Lanes past
+        the tile read its last row's token (never stored). ``tables``: (tok, tile_row, row_end pointers,
+        TOPK, routed_tiles, n_pairs, n_rows)."""
+        tok_ptr, tile_row_ptr, row_end_ptr, TOPK, routed_tiles, n_pairs, n_rows = tables
         t = gl.program_id(1)
         lanes = gl.arange(0, TOKENS, layout=layout)
         if PAIRS:
             row0 = t
             end = t + 1
         else:
-            row0 = gl.load(tile_row_ptr + t)
-            end = gl.load(row_end_ptr + t)
+            routed = t < routed_tiles
+            row0 = gl.load(tile_row_ptr + t, mask=routed, other=0)
+            end = gl.load(row_end_ptr + t, mask=routed, other=1)
+        if SHARED:
+            shared = t >= routed_tiles
+            row0 = gl.where(shared, n_pairs + (t - routed_tiles) * TOKENS, row0)
+            end = gl.where(shared, n_rows, end)
         rows = row0 + lanes
         last = gl.minimum(rows, end - 1)
         if PAIRS:
             tok = last // TOPK
         else:
-            tok = gl.load(tok_ptr + last)
+            tok = gl.load(tok_ptr + last, mask=last < n_pairs, other=0)
+        if SHARED:
+            tok = gl.where(last >= n_pairs, last - n_pairs, tok)
         return rows, rows < end, tok.to(gl.int64)
 
     @gluon.jit
@@ -235,32 +245,40 @@ if AVAILABLE:
     def _up_kernel(x_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                    h_ptr, ws_ptr, cnt_ptr, E, I, D, D_BYTES, limit, n_rows, n_pairs, TOPK, k_split, kb_split, n_splits,
                    stride_xm, stride_we, stride_wn, stride_se, stride_swn, stride_swk, stride_hm,
+                   sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, stride_s_wn, stride_s_swn, stride_s_swk, routed_tiles,
                    TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PAIRS: gl.constexpr,
                    SPLIT: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr, EVEN: gl.constexpr,
-                   EVEN_K: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
+                   EVEN_K: gl.constexpr, KMAJOR: gl.constexpr, SHARED: gl.constexpr, num_warps: gl.constexpr):
         """h rows of the tile's pairs, columns ``[n0, n0 + 16 * num_warps)`` of I: x [N, D] bf16 (the
         fp8 round trip's values), W1 / W3 [E, I, D / 2] E2M1 words with UE8M0 scales (row stride
-        ``stride_swn``, K-slice stride ``stride_swk``), h [n_rows, I] bf16. SPLIT: ws [splits, 2, n_rows, I]
-        fp32 gate / up partials and a ticket counter per (row tile, column tile)."""
+        ``stride_swn``, K-slice stride ``stride_swk``), h [n_rows, I] bf16. SHARED: the row tiles from
+        ``routed_tiles`` on are the shared expert's (fp8_w [I, D] at ``sw*_ptr``, tile scales at ``ss*_ptr``;
+        :mod:`.moe_mma_fp8`), its rows ``n_pairs + token``. SPLIT: ws [splits, 2, n_rows, I] fp32 gate / up
+        partials and a ticket counter per (row tile, column tile)."""
         wait_inputs()
         BLOCK_N: gl.constexpr = 16 * num_warps
         mma: gl.constexpr = _mma_layout(num_warps)
-        e = gl.load(tile_e_ptr + gl.program_id(1))
+        t = gl.program_id(1)
+        e = gl.load(tile_e_ptr + t, mask=t < routed_tiles, other=0)
         if e >= E:  # past the tables' last tile
             return
         n0, k_lo, kb_lo = _origin(BLOCK_N, k_split, kb_split)
         xc_l: gl.constexpr = _copy_layout(32 * SUB, 8, num_warps)
-        _, _, tok = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(1, xc_l))
-        ew = e.to(gl.int64) * stride_we
-        es = e.to(gl.int64) * stride_se
-        g, u = _gemm(x_ptr, tok, stride_xm, w1_ptr + ew, s1_ptr + es, w3_ptr + ew, s3_ptr + es, stride_wn, stride_swn,
-                     stride_swk, n0, I, k_lo, gl.minimum(k_lo + k_split, D), kb_lo,
-                     gl.minimum(kb_lo + kb_split, D_BYTES), True, TOKENS, STAGES, SUB, EVEN, EVEN_K, KMAJOR,
-                     num_warps)
+        tables = (tok_ptr, tile_row_ptr, row_end_ptr, TOPK, routed_tiles, n_pairs, n_rows)
+        _, _, tok = _tile_rows(tables, PAIRS, SHARED, TOKENS, gl.SliceLayout(1, xc_l))
+        k_hi = gl.minimum(k_lo + k_split, D)
+        if (t >= routed_tiles) if SHARED else False:
+            g, u = gemm_fp8(x_ptr, tok, stride_xm, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, stride_s_wn, stride_s_swn,
+                            stride_s_swk, n0, I, k_lo, k_hi, True, TOKENS, STAGES, SUB, EVEN, num_warps)
+        else:
+            ew = e.to(gl.int64) * stride_we
+            es = e.to(gl.int64) * stride_se
+            g, u = _gemm(x_ptr, tok, stride_xm, w1_ptr + ew, s1_ptr + es, w3_ptr + ew, s3_ptr + es, stride_wn,
+                         stride_swn, stride_swk, n0, I, k_lo, k_hi, kb_lo, gl.minimum(kb_lo + kb_split, D_BYTES), True,
+                         TOKENS, STAGES, SUB, EVEN, EVEN_K, KMAJOR, num_warps)
         stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         if SPLIT:
-            rows, row_ok, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS,
-                                         gl.SliceLayout(0, mma))
+            rows, row_ok, _ = _tile_rows(tables, PAIRS, SHARED, TOKENS, gl.SliceLayout(0, mma))
             cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
             ok = (cols < I)[:, None] & row_ok[None, :]
             plane = n_rows * I  # one [n_rows, I] partial
@@ -270,16 +288,16 @@ if AVAILABLE:
             if last:
                 g = _split_sum(part, ok, 2 * plane, n_splits, mma, BLOCK_N, TOKENS)
                 u = _split_sum(part + plane, ok, 2 * plane, n_splits, mma, BLOCK_N, TOKENS)
-                _up_finish(g, u, stage, tok_ptr, tile_row_ptr, row_end_ptr, rw_ptr, h_ptr, n0, I, limit, n_pairs,
-                           TOPK, stride_hm, PAIRS, TOKENS, CLAMP, XDT, num_warps)
+                _up_finish(g, u, stage, tables, rw_ptr, h_ptr, n0, I, limit, stride_hm, PAIRS, SHARED, TOKENS, CLAMP,
+                           XDT, num_warps)
                 gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
         else:
-            _up_finish(g, u, stage, tok_ptr, tile_row_ptr, row_end_ptr, rw_ptr, h_ptr, n0, I, limit, n_pairs, TOPK,
-                       stride_hm, PAIRS, TOKENS, CLAMP, XDT, num_warps)
+            _up_finish(g, u, stage, tables, rw_ptr, h_ptr, n0, I, limit, stride_hm, PAIRS, SHARED, TOKENS, CLAMP, XDT,
+                       num_warps)
 
     @gluon.jit
-    def _up_finish(g, u, stage, tok_ptr, tile_row_ptr, row_end_ptr, rw_ptr, h_ptr, n0, I, limit, n_pairs, TOPK,
-                   stride_hm, PAIRS: gl.constexpr, TOKENS: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr,
+    def _up_finish(g, u, stage, tables, rw_ptr, h_ptr, n0, I, limit, stride_hm, PAIRS: gl.constexpr,
+                   SHARED: gl.constexpr, TOKENS: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr,
                    num_warps: gl.constexpr):
         """SwiGLU of the full gate / up sums (mma layout [16 * num_warps, TOKENS]) as the 16-row tile's
         epilogue computes it, h's fp8 round trip per 32 columns, stored as bf16 values. The sums go
@@ -292,8 +310,8 @@ if AVAILABLE:
         g = stage.index(0).reshape([BLOCK_N // 32, 32, TOKENS]).load(blocks)
         u = stage.index(1).reshape([BLOCK_N // 32, 32, TOKENS]).load(blocks)
         lane_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, blocks))
-        rows, row_ok, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, lane_l)
-        rw = gl.load(rw_ptr + rows, mask=row_ok & (rows < n_pairs), other=1.0)
+        rows, row_ok, _ = _tile_rows(tables, PAIRS, SHARED, TOKENS, lane_l)
+        rw = gl.load(rw_ptr + rows, mask=row_ok & (rows < tables[5]), other=1.0)  # the shared rows' weight: 1
         g = to_out(g, XDT).to(gl.float32)
         u = to_out(u, XDT).to(gl.float32)
         if CLAMP:
@@ -311,36 +329,46 @@ if AVAILABLE:
 
     @gluon.jit
     def _down_kernel(h_ptr, tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, pos_ptr, w2_ptr, s2_ptr, y_ptr, ws_ptr,
-                     cnt_ptr, out_ptr, add_ptr, comb_ptr, E, D, I, I_BYTES, n_rows, TOPK, k_split, kb_split, n_splits,
-                     stride_hm, stride_we, stride_wn, stride_se, stride_swn, stride_swk, stride_ym, stride_om,
-                     stride_am,
+                     cnt_ptr, out_ptr, add_ptr, comb_ptr, E, D, I, I_BYTES, n_rows, n_pairs, TOPK, k_split, kb_split,
+                     n_splits, stride_hm, stride_we, stride_wn, stride_se, stride_swn, stride_swk, stride_ym, stride_om,
+                     stride_am, sw2_ptr, ss2_ptr, stride_s_wn, stride_s_swn, stride_s_swk, routed_tiles,
                      TOKENS: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PAIRS: gl.constexpr,
                      SPLIT: gl.constexpr, COMBINE: gl.constexpr, HAS_ADD: gl.constexpr, XDT: gl.constexpr,
-                     EVEN: gl.constexpr, EVEN_K: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
-        """y rows of the tile's pairs (rounded to XDT, y's dtype), columns ``[n0, n0 + 16 * num_warps)`` of
-        D: W2 [E, D, I / 2] E2M1 words over h [n_rows, I] bf16. SPLIT: ws [splits, n_rows, D] fp32 partials
-        and a ticket counter per (row tile, column tile) at ``cnt_ptr``. COMBINE: then each token's rows
-        summed into ``out`` (:func:`_combine`, a counter per (token, column tile) at ``comb_ptr``)."""
+                     EVEN: gl.constexpr, EVEN_K: gl.constexpr, KMAJOR: gl.constexpr, SHARED: gl.constexpr,
+                     num_warps: gl.constexpr):
+        """y rows of the tile's rows (rounded to XDT, y's dtype), columns ``[n0, n0 + 16 * num_warps)`` of
+        D: W2 [E, D, I / 2] E2M1 words over h [n_rows, I] bf16; SHARED: the row tiles from ``routed_tiles``
+        on are the shared expert's (fp8_w [D, I] at ``sw2_ptr``, :mod:`.moe_mma_fp8`), its rows
+        ``n_pairs + token``. SPLIT: ws [splits, n_rows, D] fp32 partials and a ticket counter per (row tile,
+        column tile) at ``cnt_ptr``. COMBINE: then each token's rows summed into ``out`` (:func:`_combine`,
+        a counter per (token, column tile) at ``comb_ptr``)."""
         wait_inputs()
         BLOCK_N: gl.constexpr = 16 * num_warps
         mma: gl.constexpr = _mma_layout(num_warps)
-        e = gl.load(tile_e_ptr + gl.program_id(1))
+        t = gl.program_id(1)
+        e = gl.load(tile_e_ptr + t, mask=t < routed_tiles, other=0)
         if e >= E:
             return
         n0, k_lo, kb_lo = _origin(BLOCK_N, k_split, kb_split)
         xc_l: gl.constexpr = _copy_layout(32 * SUB, 8, num_warps)
-        h_rows, _, _ = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(1, xc_l))
+        tables = (tok_ptr, tile_row_ptr, row_end_ptr, TOPK, routed_tiles, n_pairs, n_rows)
+        h_rows, _, _ = _tile_rows(tables, PAIRS, SHARED, TOKENS, gl.SliceLayout(1, xc_l))
         h_rows = gl.minimum(h_rows, n_rows - 1).to(gl.int64)  # lanes past the tile read a stored row
-        ew = e.to(gl.int64) * stride_we
-        es = e.to(gl.int64) * stride_se
-        acc, _ = _gemm(h_ptr, h_rows, stride_hm, w2_ptr + ew, s2_ptr + es, w2_ptr, s2_ptr, stride_wn, stride_swn,
-                       stride_swk, n0, D, k_lo, gl.minimum(k_lo + k_split, I), kb_lo,
-                       gl.minimum(kb_lo + kb_split, I_BYTES), False, TOKENS, STAGES, SUB, EVEN, EVEN_K, KMAJOR,
-                       num_warps)
-        rows, row_ok, tok = _tile_rows(tok_ptr, tile_row_ptr, row_end_ptr, TOPK, PAIRS, TOKENS, gl.SliceLayout(0, mma))
+        k_hi = gl.minimum(k_lo + k_split, I)
+        if (t >= routed_tiles) if SHARED else False:
+            acc = gemm_fp8(h_ptr, h_rows, stride_hm, sw2_ptr, ss2_ptr, sw2_ptr, ss2_ptr, stride_s_wn, stride_s_swn,
+                           stride_s_swk, n0, D, k_lo, k_hi, False, TOKENS, STAGES, SUB, EVEN, num_warps)[0]
+        else:
+            ew = e.to(gl.int64) * stride_we
+            es = e.to(gl.int64) * stride_se
+            acc = _gemm(h_ptr, h_rows, stride_hm, w2_ptr + ew, s2_ptr + es, w2_ptr, s2_ptr, stride_wn, stride_swn,
+                        stride_swk, n0, D, k_lo, k_hi, kb_lo, gl.minimum(kb_lo + kb_split, I_BYTES), False, TOKENS,
+                        STAGES, SUB, EVEN, EVEN_K, KMAJOR, num_warps)[0]
+        rows, row_ok, tok = _tile_rows(tables, PAIRS, SHARED, TOKENS, gl.SliceLayout(0, mma))
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         ok = (cols < D)[:, None] & row_ok[None, :]
         y_at = y_ptr + rows.to(gl.int64)[None, :] * stride_ym + cols[:, None]
+        sums = (pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am)
         if SPLIT:
             plane = n_rows * D
             part = ws_ptr + rows.to(gl.int64)[None, :] * D + cols[:, None]
@@ -349,27 +377,28 @@ if AVAILABLE:
                 acc = _split_sum(part, ok, plane, n_splits, mma, BLOCK_N, TOKENS)
                 gl.store(y_at, to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
                 if COMBINE:
-                    _combine(y_ptr, row_ok, tok, cols, pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, D, stride_ym,
-                             stride_om, stride_am, PAIRS, HAS_ADD, mma, BLOCK_N, TOKENS)
+                    _combine(y_ptr, row_ok, tok, cols, sums, PAIRS, SHARED, HAS_ADD, mma, BLOCK_N, TOKENS)
                 gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
         else:
             gl.store(y_at, to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
             if COMBINE:
-                _combine(y_ptr, row_ok, tok, cols, pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, D, stride_ym, stride_om,
-                         stride_am, PAIRS, HAS_ADD, mma, BLOCK_N, TOKENS)
+                _combine(y_ptr, row_ok, tok, cols, sums, PAIRS, SHARED, HAS_ADD, mma, BLOCK_N, TOKENS)
 
     @gluon.jit
-    def _combine(y_ptr, row_ok, tok, cols, pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, D, stride_ym, stride_om,
-                 stride_am, PAIRS: gl.constexpr, HAS_ADD: gl.constexpr, layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                 TOKENS: gl.constexpr):
+    def _combine(y_ptr, row_ok, tok, cols, sums, PAIRS: gl.constexpr, SHARED: gl.constexpr, HAS_ADD: gl.constexpr,
+                 layout: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):
         """The combine kernel's sum in the down kernel: each of the tile's tokens draws a ticket of its
         (token, column tile) counter once its rows' y are stored; the program drawing a token's last (its
-        TOPK-th) sums the token's rows in slot order (row ``pos[tok * TOPK + s]``; PAIRS: ``tok * TOPK + s``),
-        adds its ``add`` row after the sum (HAS_ADD), stores it in out's dtype and puts the counter back."""
+        TOPK-th, or with SHARED its TOPK + 1-th) sums the token's rows in slot order (row
+        ``pos[tok * TOPK + s]``; PAIRS: ``tok * TOPK + s``), then its shared row ``n_pairs + tok`` (SHARED),
+        adds its ``add`` row after the sum (HAS_ADD), stores it in out's dtype and puts the counter back.
+        ``sums``: (pos, out, add, counter pointers, TOPK, n_pairs, D, y's, out's and add's row strides)."""
+        pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am = sums
         _sync()  # every thread's rows are stored before the tickets publish them
         slot = comb_ptr + tok * gl.num_programs(0) + gl.program_id(0)
         one = gl.full(tok.shape, 1, gl.int32, tok.type.layout)
-        last = row_ok & (gl.atomic_add(slot, one, mask=row_ok, sem="acq_rel", scope="gpu") == TOPK - 1)
+        arrivals = TOPK + 1 if SHARED else TOPK
+        last = row_ok & (gl.atomic_add(slot, one, mask=row_ok, sem="acq_rel", scope="gpu") == arrivals - 1)
         ok = (cols < D)[:, None] & last[None, :]
         total = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout)
         for s in range(TOPK):
@@ -379,11 +408,13 @@ if AVAILABLE:
                 p = gl.load(pos_ptr + tok * TOPK + s, mask=last, other=0).to(gl.int64)
             total += gl.load(y_ptr + p[None, :] * stride_ym + cols[:, None], mask=ok, other=0.0,
                              cache_modifier=".cg").to(gl.float32)
+        if SHARED:
+            total += gl.load(y_ptr + (n_pairs + tok)[None, :] * stride_ym + cols[:, None], mask=ok, other=0.0,
+                             cache_modifier=".cg").to(gl.float32)
         if HAS_ADD:
             total += gl.load(add_ptr + tok[None, :] * stride_am + cols[:, None], mask=ok, other=0.0)
         gl.store(out_ptr + tok[None, :] * stride_om + cols[:, None], to_out(total, out_ptr.dtype.element_ty), mask=ok)
         gl.atomic_xchg(slot, one * 0, mask=last, sem="relaxed", scope="gpu")
-
 
 def usable() -> bool:
     """Whether this Triton builds the kernels: Gluon, and 8 consecutive K elements a thread in a 16-bit MMA
@@ -408,13 +439,23 @@ def _gemm_plan(cols: int, k: int, row_tiles: int, tile: dict, sms: int) -> dict:
                                 EVEN=cols % (ROWS_A_WARP * warps) == 0, EVEN_K=k % (32 * sub) == 0, num_warps=warps))
 
 
-def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict, sms: int) -> dict:
+def takes_shared(tile: dict) -> bool:
+    """Whether launches under ``tile`` can run the shared expert's rows: its fp8 ring slots hold whole K
+    slices (``SUB`` 2 or 4, :mod:`.moe_mma_fp8`)."""
+    return tile["SUB"] in (2, 4)
+
+
+def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict, sms: int, shared: bool = False) -> dict:
     """The up and down launches of ``n`` tokens of ``k`` slots over ``E`` experts ([I, D] and [D, I]
     weights) under ``tile`` (``num_warps``, ``TOKENS``: rows a row tile, ``STAGES``, ``SUB``, ``per_sm``);
-    ``pairs``: a row tile per (token, slot) pair, else the routing tables' tiles of ``TOKENS`` rows."""
+    ``pairs``: a row tile per (token, slot) pair, else the routing tables' tiles of ``TOKENS`` rows;
+    ``shared``: the shared expert's row tiles (``TOKENS`` tokens each) after the routed ones (where
+    :func:`takes_shared`)."""
+    assert not shared or takes_shared(tile), tile
     row_tiles = n * k if pairs else min(n * k, cdiv(n * k, tile["TOKENS"]) + E)
-    return dict(block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles,
-                up=_gemm_plan(I, D, row_tiles, tile, sms), down=_gemm_plan(D, I, row_tiles, tile, sms))
+    grid_rows = row_tiles + (cdiv(n, tile["TOKENS"]) if shared else 0)
+    return dict(block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles, grid_rows=grid_rows, shared=shared,
+                up=_gemm_plan(I, D, grid_rows, tile, sms), down=_gemm_plan(D, I, grid_rows, tile, sms))
 
 
 def _operands(w):
@@ -424,15 +465,44 @@ def _operands(w):
     return w.data, scale, scale.stride(0), scale.stride(1), scale.stride(2)
 
 
+def _shared_operands(w, rows: int, k: int) -> tuple | None:
+    """(data, scale) uint8 views of one fp8_w expert weight ([rows, k], or [1, rows, k]) and the data's row
+    stride, the scale's 32-row-tile and K-slice strides, where the kernels can read it: 16-byte rows
+    (whole copies), a scale byte at most ``codecs_e4m3.FOLD_MAX_SCALE`` (the decode folds its re-bias into
+    it); else None."""
+    if not (w.fmt == "fp8_w" and tuple(w.shape[-2:]) == (rows, k) and math.prod(w.shape[:-2]) == 1
+            and w.scale_max is not None and w.scale_max <= FP8_FOLD_MAX_SCALE):
+        return None
+    data, scale = w.data.view(torch.uint8), w.scale.view(torch.uint8)
+    data, scale = data.reshape(data.shape[-2:]), scale.reshape(scale.shape[-2:])
+    if data.stride(1) != 1 or data.stride(0) % 16 or data.data_ptr() % 16 or k % 16:
+        return None
+    return data, scale, data.stride(0), scale.stride(0), scale.stride(1)
+
+
+def shared_operands(shared, I: int, D: int) -> tuple | None:
+    """The operands (:func:`_shared_operands`) of the shared expert's w1, w3 [I, D] and w2 [D, I] where
+    the kernels take its rows (fp8_w, w1 and w3 laid out alike), else None."""
+    ops = [_shared_operands(w, *dims) for w, dims in zip(shared, ((I, D), (I, D), (D, I)))]
+    if any(o is None for o in ops) or ops[0][2:] != ops[1][2:]:
+        return None
+    return tuple(ops)
+
+
 def experts(xq: torch.Tensor, tab: dict, w1, w3, w2, limit: float, xdtype: torch.dtype, p: dict, n: int, k: int,
-            out: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, add: torch.Tensor | None = None, shared: tuple | None = None
+            ) -> torch.Tensor:
     """The routed pair rows [n * k, D] in ``xdtype`` (pair order, or the tables' sorted order) of ``xq``
     [n, D] (the fp8 round trip's bf16 values) through the fp4_w experts ``w1``, ``w3`` [E, I, D] and
-    ``w2`` [E, D, I] (E2M1 words, scales at most :data:`.linear.FOLD_MAX_SCALE`) under plan ``p``; with
-    ``out`` [n, D] (where :func:`combines`), ``out`` instead: each token's rows summed in slot order, plus
-    its ``add`` row (fp32 [n, D] or None), in out's dtype."""
+    ``w2`` [E, D, I] (E2M1 words, scales at most :data:`.linear.FOLD_MAX_SCALE`) under plan ``p``, then,
+    where the plan has the shared expert's tiles, its row of each token (``shared``: its operands,
+    :func:`shared_operands`); with ``out`` [n, D] (where :func:`combines`), ``out`` instead: each token's
+    rows summed in slot order, then its shared row, plus its ``add`` row (fp32 [n, D] or None), in out's
+    dtype."""
+    assert p["shared"] == (shared is not None), "the plan's shared tiles and the shared operands go together"
     E, I, D = w1.shape[0], w1.shape[1], xq.shape[1]
-    rows = n * k
+    rows = n * k + (n if shared is not None else 0)
+    (o1, o3, o2) = shared if shared is not None else ((None, None, 0, 0, 0),) * 3
     d1, s1, se, swn, swk = _operands(w1)
     d3, s3, *_ = _operands(w3)
     assert d1.stride() == d3.stride() and s1.stride() == s3.stride(), "w1 and w3 must share a layout"
@@ -441,28 +511,35 @@ def experts(xq: torch.Tensor, tab: dict, w1, w3, w2, limit: float, xdtype: torch
     h = torch.empty(rows, I, dtype=torch.bfloat16, device=dev)
     ws = torch.empty(up["split"], 2, rows, I, dtype=torch.float32, device=dev) if up["split"] > 1 else h
     pool = splitk.counters(dev)
-    _up_kernel[(up["grid_cols"], p["row_tiles"], up["split"])](
+    _up_kernel[(up["grid_cols"], p["grid_rows"], up["split"])](
         xq, tab["tok"], tab["rw"], tab["tile_e"], tab["tile_row"], tab["row_end"], d1, s1, d3, s3, h, ws, pool, E, I, D,
-        D // 2, limit, rows, rows, k, up["k_split"], up["k_split"] // 2, up["split"], xq.stride(0), d1.stride(0),
-        d1.stride(1), se, swn, swk, h.stride(0), PAIRS=p["pairs"], CLAMP=limit > 0, XDT=xdt, KMAJOR=swn == 1,
-        **up["constexprs"], **pdl.options(dev))
+        D // 2, limit, rows, n * k, k, up["k_split"], up["k_split"] // 2, up["split"], xq.stride(0), d1.stride(0),
+        d1.stride(1), se, swn, swk, h.stride(0), _or(o1[0], d1), _or(o1[1], s1), _or(o3[0], d1), _or(o3[1], s1),
+        *o1[2:], p["row_tiles"], PAIRS=p["pairs"], CLAMP=limit > 0, XDT=xdt, KMAJOR=swn == 1,
+        SHARED=p["shared"], **up["constexprs"], **pdl.options(dev))
     d2, s2, se2, swn2, swk2 = _operands(w2)
     y = torch.empty(rows, D, dtype=xdtype, device=dev)
     ws = torch.empty(down["split"], rows, D, dtype=torch.float32, device=dev) if down["split"] > 1 else y
     reserved = n * down["grid_cols"] if out is not None else 0  # the combine's counters, then the split's
-    _down_kernel[(down["grid_cols"], p["row_tiles"], down["split"])](
+    _down_kernel[(down["grid_cols"], p["grid_rows"], down["split"])](
         h, tab["tok"], tab["tile_e"], tab["tile_row"], tab["row_end"], tab["pos"], d2, s2, y, ws, pool[reserved:],
-        out if out is not None else y, add if add is not None else y, pool, E, D, I, I // 2, rows, k, down["k_split"],
-        down["k_split"] // 2, down["split"], h.stride(0), d2.stride(0), d2.stride(1), se2, swn2, swk2, y.stride(0),
-        out.stride(0) if out is not None else 0, add.stride(0) if add is not None else 0, PAIRS=p["pairs"],
-        COMBINE=out is not None, HAS_ADD=add is not None, XDT=xdt, KMAJOR=swn2 == 1, **down["constexprs"],
+        out if out is not None else y, add if add is not None else y, pool, E, D, I, I // 2, rows, n * k, k,
+        down["k_split"], down["k_split"] // 2, down["split"], h.stride(0), d2.stride(0), d2.stride(1), se2, swn2, swk2,
+        y.stride(0), out.stride(0) if out is not None else 0, add.stride(0) if add is not None else 0,
+        _or(o2[0], d2), _or(o2[1], s2), *o2[2:], p["row_tiles"], PAIRS=p["pairs"], COMBINE=out is not None,
+        HAS_ADD=add is not None, XDT=xdt, KMAJOR=swn2 == 1, SHARED=p["shared"], **down["constexprs"],
         **pdl.options(dev))
     return out if out is not None else y
+
+
+def _or(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """``t``, or where there is none a tensor standing in for it (never read)."""
+    return stand_in if t is None else t
 
 
 def combines(p: dict, n: int) -> bool:
     """Whether the down launch of plan ``p`` over ``n`` tokens can sum each token's rows itself: a ticket
     counter for each (token, column tile) and each split tile within :data:`.splitk.POOL`."""
     down = p["down"]
-    split_tiles = down["grid_cols"] * p["row_tiles"] if down["split"] > 1 else 0
+    split_tiles = down["grid_cols"] * p["grid_rows"] if down["split"] > 1 else 0
     return splitk.fits(n * down["grid_cols"] + split_tiles)

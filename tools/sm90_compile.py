@@ -206,9 +206,10 @@ MOE_DIMS = {"small": (1024, 512, 32, 4),  # D, I, routed experts, slots a token
             "released": (5120, 2304, 8, 6)}
 
 
-def moe_call(B: int, S: int, cold: bool, dims: str = "small"):
-    """The routed experts (fp4_w) and a shared expert (fp8_w) over B * S tokens at ``MOE_DIMS[dims]``;
-    ``cold``: the routed experts' scales K major; their codes as the profile's ``expert_fp4`` says."""
+def moe_call(B: int, S: int, cold: bool, dims: str = "small", shared: bool = False):
+    """The routed experts (fp4_w) and a shared expert (fp8_w) over B * S tokens at ``MOE_DIMS[dims]``, in
+    two calls (``shared``: in one, the op's ``shared`` argument); ``cold``: the routed experts' scales K
+    major; their codes as the profile's ``expert_fp4`` says."""
     from flashrt import formats, profiles
     from flashrt.kernels_cuda import moe
     from flashrt.kernels_cuda.launch import zeros_stored
@@ -221,6 +222,8 @@ def moe_call(B: int, S: int, cold: bool, dims: str = "small"):
                              for shape in ((e, I, D), (e, I, D), (e, D, I)))
     x, idx = torch.zeros(n, D, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int32)
     one, first = torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.int32)
+    if shared:
+        return lambda: moe.moe_experts(x, torch.rand(n, k), idx, *w("fp4_w", E), 10.0, shared=w("fp8_w", 1))
     return lambda: (moe.moe_experts(x, torch.rand(n, k), idx, *w("fp4_w", E), 10.0),
                     moe.moe_experts(x, one, first, *w("fp8_w", 1), 10.0))
 
@@ -339,6 +342,8 @@ def main(argv=None) -> None:
                     "shared switches, e.g. fp4_decode, which the moe kernels also read)")
     ap.add_argument("--moe-dims", choices=sorted(MOE_DIMS), default="small",
                     help="moe: the experts' dimensions (MOE_DIMS)")
+    ap.add_argument("--moe-shared", action="store_true",
+                    help="moe: the shared expert in the routed experts' call (their launches' shared tiles)")
     ap.add_argument("--attention-kv", choices=("both", "fp8", "fp4_b16"), default="both",
                     help="attention: the fp8 ring and the fp4_b16 picks, or one segment of one format alone")
     ap.add_argument("--profile-set", action="append", default=[], metavar="KEY=VALUE",
@@ -364,7 +369,7 @@ def main(argv=None) -> None:
         fields[key] = value
     prof = dataclasses.replace(base, tiles=tiles, **fields)
     with profiles.using(prof):
-        extra = {"dims": args.moe_dims} if args.family == "moe" else {}
+        extra = {"dims": args.moe_dims, "shared": args.moe_shared} if args.family == "moe" else {}
         extra |= {"kv": args.attention_kv} if args.family == "attention" else {}
         seen = capture(CALLS[args.family](args.B, args.S, args.cold, **extra))
         reports = [compile_report(*c) for c in seen]
