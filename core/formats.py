@@ -170,6 +170,21 @@ def as_expert_stack(w: QTensor, k_major: bool, words: bool = False) -> QTensor:
     return with_scale_max(w) if w.fmt in ("fp4_w", "fp8_w") else w
 
 
+def with_scale_maxes(weights: dict) -> None:
+    """Record ``scale_max`` (:func:`with_scale_max`) on every fp8_w / fp4_w weight of ``weights`` (name ->
+    tensor or QTensor) that has none, in place: one reduction each and one read back a device, so the packed
+    decodes may fold their re-bias into the scales of a model's own linear weights as of its experts'."""
+    todo = [n for n, w in weights.items() if isinstance(w, QTensor) and w.fmt in ("fp4_w", "fp8_w")
+            and w.scale_max is None and not w.scale.is_meta and w.scale.numel()]
+    by_device: dict = {}
+    for n in todo:
+        by_device.setdefault(weights[n].scale.device, []).append(n)
+    for names in by_device.values():
+        tops = torch.stack([weights[n].scale.view(torch.uint8).max() for n in names]).tolist()
+        for n, top in zip(names, tops):
+            weights[n] = replace(weights[n], scale_max=int(top))
+
+
 def with_scale_max(w: QTensor) -> QTensor:
     """``w`` (the same tensors) with ``scale_max``, its largest scale byte (one reduction over the
     scales, read back to the host: for weights at load, not per call); ``w`` as it is where the

@@ -64,8 +64,9 @@ def concat_out(weights: list):
     if not isinstance(first, QTensor):
         return _cat(weights)
     rows = sum(w.shape[0] for w in weights)
+    tops = [w.scale_max for w in weights]
     return QTensor(_cat([w.data for w in weights]), _cat([w.scale for w in weights]), first.fmt,
-                   (rows, first.shape[1]))
+                   (rows, first.shape[1]), scale_max=None if None in tops else max(tops))
 
 
 def out_rows(w, start: int, stop: int):
@@ -75,7 +76,8 @@ def out_rows(w, start: int, stop: int):
     edge = _edge(w)
     if start % edge:
         raise ValueError(f"start: expected a multiple of the {w.fmt} tile ({edge}), got {start}")
-    return QTensor(w.data[start:stop], w.scale[start // edge: -(-stop // edge)], w.fmt, (stop - start, w.shape[1]))
+    return QTensor(w.data[start:stop], w.scale[start // edge: -(-stop // edge)], w.fmt, (stop - start, w.shape[1]),
+                   scale_max=w.scale_max)  # the whole weight's: a bound of the rows
 
 
 def fuse_in_place(w: dict, names: list[str]):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from flashrt import checks, ops
+from flashrt.formats import with_scale_maxes
 from flashrt.kv.state import KVState
 
 from .block import Block
@@ -27,6 +28,7 @@ class Model:
         if weights["embed.weight"].device.type == "cpu":
             engram_placement = "device" if engram_placement in ("host", "host_pinned") else engram_placement
         place_tables(cfg, weights, engram_placement)
+        with_scale_maxes(weights)  # the linear weights' largest scale bytes: the packed decodes' fold
         self.cfg, self.weights, self.engram_placement = cfg, weights, engram_placement
         self.profile = None  # set by flashrt.load
         self.window_fmt = window_fmt  # window-ring format: fp8, or int8 where the device has no FP8

@@ -16,6 +16,14 @@ the weights converted by the device two E4M3 bytes an instruction to fp16 and th
 slice by slice (both exact in fp16), and each 32-wide K slice's product, taken into a fresh accumulator,
 is added to the fp32 sum times its two scales. One instruction of the MMA covers 256 weight bytes.
 
+With the activations handed over dequantized (``DQ``: the bf16 or fp32 values of their fp8 round trip, made
+by a launch before; the rule knob ``gemv_mma_dq``, up to 64 rows) no program quantizes them again: the MMA
+takes bf16 operands, the weight bytes decoded by the packed E4M3 decode (``codecs_e4m3``) times their tile
+scale (its 2**120 re-bias folded into the scale where the weight's scale bytes are at most 134, DQ 1; else
+multiplied apart, DQ 2), the activation values as they are (exact in bf16), summed in one fp32 accumulator.
+The work a slice is then the weights' decode and the MMAs, whatever the rows; the activations' copies and
+MMAs grow with them (N up to 64).
+
 A program is ``num_warps`` x 16 weight rows and one K split. The splits of a tile meet in the tile's
 last program (the ticket of :mod:`.splitk`: a workspace of fp32 partials summed in split order, so the
 result is deterministic).
@@ -38,7 +46,8 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
-    from flashrt.kernels_cuda.codecs import e8m0_to_f32
+    from flashrt.kernels_cuda.codecs import e8m0_bf16, e8m0_to_f32
+    from flashrt.kernels_cuda.codecs_e4m3 import E4M3_PAIRS_FOLDED_TEXT, E4M3_PAIRS_TEXT, e8m0_bf16_x2p120
     from flashrt.kernels_cuda.pdl import wait_inputs
 
     @gluon.constexpr_function
@@ -73,15 +82,39 @@ if AVAILABLE:
         q = (x * recip[None, :]).to(gl.float8e4nv)
         return q.to(gl.float16), e
 
+    _PAIRS = gl.constexpr(E4M3_PAIRS_TEXT)
+    _PAIRS_FOLDED = gl.constexpr(E4M3_PAIRS_FOLDED_TEXT)
+
+    @gluon.jit
+    def _dequantized_product(w_slot, x_slot, u: gl.constexpr, sw, acc, a_l: gl.constexpr, b_l: gl.constexpr,
+                             DQ: gl.constexpr):
+        """``acc`` plus K slice ``u`` of a ring slot's product on bf16 operands: the E4M3 weight bytes times
+        their tile scale bytes ``sw`` (int32 [BLOCK_N] in ``SliceLayout(1, a_l)``; DQ 1: the 2**120 folded
+        into the scale, DQ 2: multiplied apart) and the activations' round-trip values as bf16 (exact)."""
+        byte = w_slot.slice(32 * u, 32, dim=1).load(a_l)
+        if DQ == 1:
+            scale = e8m0_bf16_x2p120(sw)
+            a = gl.inline_asm_elementwise(_PAIRS_FOLDED, "=r,=r,r,r,r", [byte, gl.broadcast(scale[:, None], byte)[0]],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+        else:
+            scale = e8m0_bf16(sw)
+            a = gl.inline_asm_elementwise(_PAIRS, "=r,=r,r,r,r", [byte, gl.broadcast(scale[:, None], byte)[0]],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+        b = x_slot.slice(32 * u, 32, dim=1).permute((1, 0)).load(b_l).to(gl.bfloat16)
+        return mma_v2(a, b, acc)
+
     @gluon.jit
     def _mma_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_splits,
                          stride_xm, stride_wn, stride_swn, stride_swk, stride_om,
                          TOKENS: gl.constexpr, KW: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
-                         EVEN: gl.constexpr, EVEN_K: gl.constexpr, REDUCE: gl.constexpr, num_warps: gl.constexpr):
+                         EVEN: gl.constexpr, EVEN_K: gl.constexpr, REDUCE: gl.constexpr, num_warps: gl.constexpr,
+                         DQ: gl.constexpr = 0):
         """One program: weight rows ``[tile * 16 * num_warps, +16 * num_warps)`` over the K split
         ``split``; ``x`` [M, K] float, quantized here per K slice as ``act_quant`` would; ``out`` [M, N]
         (stride ``stride_om``), ``ws`` [n_splits, M, N] fp32 and ``cnt`` (a ticket counter a tile)
-        where REDUCE. The weight bytes and activations come through a shared ring of STAGES slots of
+        where REDUCE; DQ (1, 2): ``x`` holds the values of its fp8 round trip (bf16 or fp32), multiplied as
+        they are (:func:`_dequantized_product`). The weight bytes and activations come through a shared ring of
+        STAGES slots of
         SUB K slices by asynchronous copies issued STAGES - 1 slots ahead; the weight scale bytes are
         loaded where a slice is used. EVEN: N a multiple of the program's rows (no row mask); EVEN_K:
         every split whole slots. Activation rows past M read row M - 1 again (not stored)."""
@@ -116,6 +149,9 @@ if AVAILABLE:
         ms_c = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, mma))
         sw_ptrs = sw_ptr + (rows_c // 32).to(gl.int64) * stride_swn
         sw_rows = (rows_c < N) | EVEN
+        rows_a = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))  # the A operand's rows (DQ's scales)
+        sa_ptrs = sw_ptr + (rows_a // 32).to(gl.int64) * stride_swn
+        sa_rows = (rows_a < N) | EVEN
 
         for i in gl.static_range(STAGES - 1):
             _copy(w_ring.index(i), x_ring.index(i), w_src, x_src, k_lo + SLOT * i, k_hi, w_rows, cols_w, cols_x)
@@ -135,12 +171,17 @@ if AVAILABLE:
             for u in gl.static_range(SUB):
                 k = k0 + 32 * u
                 if EVEN_K or k < k_hi:
-                    sw = gl.load(sw_ptrs + (k // 32) * stride_swk, mask=sw_rows, other=0).to(gl.int32)
-                    w = w_slot.slice(32 * u, 32, dim=1).load(a_l)
-                    xq, sx = _quant_fp8(x_slot.slice(32 * u, 32, dim=1).permute((1, 0)).load(b_l).to(gl.float32))
-                    part = mma_v2(w.to(gl.float8e4nv, bitcast=True).to(gl.float16), xq, zero)
-                    sx_f = (gl.convert_layout(sx, gl.SliceLayout(0, mma)) << 23).to(gl.float32, bitcast=True)
-                    acc = acc + part * (e8m0_to_f32(sw)[:, None] * sx_f[None, :])
+                    if DQ:
+                        sw = gl.load(sa_ptrs + (k // 32) * stride_swk, mask=sa_rows, other=0).to(gl.int32)
+                        acc = _dequantized_product(w_slot, x_slot, u, sw, acc, a_l, b_l, DQ)
+                    else:
+                        sw = gl.load(sw_ptrs + (k // 32) * stride_swk, mask=sw_rows, other=0).to(gl.int32)
+                        w = w_slot.slice(32 * u, 32, dim=1).load(a_l)
+                        xq, sx = _quant_fp8(x_slot.slice(32 * u, 32, dim=1).permute((1, 0)).load(b_l)
+                                            .to(gl.float32))
+                        part = mma_v2(w.to(gl.float8e4nv, bitcast=True).to(gl.float16), xq, zero)
+                        sx_f = (gl.convert_layout(sx, gl.SliceLayout(0, mma)) << 23).to(gl.float32, bitcast=True)
+                        acc = acc + part * (e8m0_to_f32(sw)[:, None] * sx_f[None, :])
             _sync()  # every warp has read the slot before a later trip's copies refill it
             j += 1
 
@@ -170,16 +211,22 @@ def operand_kw(kw: int) -> int:
     return kw if kw <= 4 or version < (3, 7) else 4
 
 
+MAX_ROWS = 16  # activation rows a launch that quantizes them itself
+MAX_ROWS_DQ = 64  # activation rows a launch over their round trip's values (DQ)
+
+
 def tokens_for(m: int) -> int:
-    """The MMA's N for ``m`` activation rows: 8, or 16 past 8."""
-    return 8 if m <= 8 else 16
+    """The MMA's N for ``m`` activation rows: 8, 16, 32 or 64, the least power of two from 8 that holds them."""
+    return max(8, 1 << (m - 1).bit_length())
 
 
-def plan(m: int, n: int, k: int, dtype: torch.dtype, tile: dict, sms: int) -> dict:
-    """The launch of ``m`` rows (at most 16) of ``dtype`` against an [n, k] fp8_w weight under ``tile``
+def plan(m: int, n: int, k: int, dtype: torch.dtype, tile: dict, sms: int, dq: bool = False) -> dict:
+    """The launch of ``m`` rows (at most :data:`MAX_ROWS`, or :data:`MAX_ROWS_DQ` with ``dq``: the
+    activations' round trip by a launch before) of ``dtype`` against an [n, k] fp8_w weight under ``tile``
     (``num_warps``, ``KW``: the operands' consecutive K elements a thread, ``per_sm``: programs aimed at
     an SM, reached by splitting K into runs of whole 32-wide slices, at least :data:`MIN_SLICES` a split);
     ``split``, ``reduce`` and ``out_dtype`` as :func:`.splitk.outputs` takes them."""
+    assert m <= (MAX_ROWS_DQ if dq else MAX_ROWS), (m, dq)
     warps = tile.get("num_warps", 4)
     tiles = cdiv(n, ROWS_A_WARP * warps)
     slices = cdiv(k, 32)
@@ -188,19 +235,23 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, tile: dict, sms: int) -> di
     k_split = cdiv(cdiv(slices, split), sub) * sub * 32
     split = cdiv(k, k_split)
     reduce = split > 1 and splitk.fits(tiles)
-    return dict(grid=(tiles, split), split=split, k_split=k_split, reduce=reduce,
+    return dict(grid=(tiles, split), split=split, k_split=k_split, reduce=reduce, dq=dq,
                 out_dtype=dtype if split == 1 or reduce else torch.float32,
                 constexprs=dict(TOKENS=tokens_for(m), KW=operand_kw(tile.get("KW", 4)), STAGES=tile.get("STAGES", 4),
                                 SUB=sub, EVEN=n % (ROWS_A_WARP * warps) == 0, EVEN_K=k % (32 * sub) == 0,
                                 REDUCE=reduce, num_warps=warps))
 
 
-def launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, p: dict) -> torch.Tensor:
-    """[M, N] in x's dtype of float activations ``x`` [M, K] (last dim dense) and an fp8_w weight's
-    ``data`` / ``scale`` (uint8 views) under plan ``p``."""
+def launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, p: dict, fold: bool = False,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[M, N] in ``dtype`` (default x's) of float activations ``x`` [M, K] (last dim dense; where the plan is
+    ``dq``, the values of their fp8 round trip) and an fp8_w weight's ``data`` / ``scale`` (uint8 views)
+    under plan ``p``; ``fold``: the weight's scale bytes are at most ``codecs_e4m3.FOLD_MAX_SCALE`` (a dq
+    decode with its re-bias in the scales)."""
     m, n = x.shape[0], data.shape[0]
     out, ws, cnt = splitk.outputs(p, m, n, x.device)
+    dq = dict(DQ=1 if fold else 2) if p["dq"] else {}  # passed only when on: the other variants' keys stay
     _mma_gemv_kernel[p["grid"]](
         x, data, scale, out, ws, cnt, m, n, x.shape[1], p["k_split"], p["split"], x.stride(0), data.stride(0),
-        scale.stride(0), scale.stride(1), out.stride(-2), **p["constexprs"], **pdl.options(x.device))
-    return splitk.result(out, p, x.dtype)
+        scale.stride(0), scale.stride(1), out.stride(-2), **p["constexprs"], **dq, **pdl.options(x.device))
+    return splitk.result(out, p, dtype or x.dtype)

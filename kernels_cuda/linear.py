@@ -72,10 +72,12 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # SM, gemv_mma_kw consecutive K elements a thread holds in the MMA's operands: 4, or 8 for 64-bit shared
 # loads where the Triton accepts it; only from gemv_mma_min_weights weight elements (N x K; None: every
 # weight): a smaller weight's launch, and every launch elsewhere, takes the rule's other knobs;
-# gemv_mma_stages slots in its ring of copies, gemv_mma_sub K slices of 32 a slot)
+# gemv_mma_stages slots in its ring of copies, gemv_mma_sub K slices of 32 a slot; gemv_mma_dq: the
+# activations' fp8 round trip by a launch before it and bf16 operands, up to 64 rows instead of 16)
 KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False,
              gemv_rows=1, gemv_round_trip=False, gemv_shared_min_weights=None, max_weights=None, gemv_mma=False,
-             gemv_mma_per_sm=8, gemv_mma_kw=4, gemv_mma_min_weights=None, gemv_mma_stages=4, gemv_mma_sub=4)
+             gemv_mma_per_sm=8, gemv_mma_kw=4, gemv_mma_min_weights=None, gemv_mma_stages=4, gemv_mma_sub=4,
+             gemv_mma_dq=False)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -301,11 +303,12 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     t, knobs = split_tile(pick_tile(_tiles()["linear"], m, n * k))
     big = _tiles()["bf16_gemm_min_rows"]
     bf16_gemm = big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16
-    if (knobs["gemv_mma"] and fmt == "fp8_w" and m <= 16 and n * k >= (knobs["gemv_mma_min_weights"] or 0)
-            and gemv_mma.AVAILABLE and mma_sync_device()):
+    dq = bool(knobs["gemv_mma_dq"])
+    if (knobs["gemv_mma"] and fmt == "fp8_w" and m <= (gemv_mma.MAX_ROWS_DQ if dq else gemv_mma.MAX_ROWS)
+            and n * k >= (knobs["gemv_mma_min_weights"] or 0) and gemv_mma.AVAILABLE and mma_sync_device()):
         return dict(gemv_mma.plan(m, n, k, dtype, dict(num_warps=t["num_warps"], per_sm=knobs["gemv_mma_per_sm"],
                                                        KW=knobs["gemv_mma_kw"], STAGES=knobs["gemv_mma_stages"],
-                                                       SUB=knobs["gemv_mma_sub"]), num_sms()),
+                                                       SUB=knobs["gemv_mma_sub"]), num_sms(), dq),
                     bf16_gemm=bf16_gemm, gemv=False, gemv_mma=True)
     if knobs["gemv"] and fmt == "fp8_w":  # split K summed in the kernel unless split_reduce is False
         return dict(gemv.plan(m, n, k, dtype, t, knobs, _tiles()["split_k"], num_sms(),
@@ -381,7 +384,9 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
         return _gemv(x2, weight, plan).view(*x.shape[:-1], n)
     if plan.get("gemv_mma"):
         data, scale = weight_operands(weight)
-        return gemv_mma.launch(last_dense(x2), data.view(torch.uint8), scale, plan).view(*x.shape[:-1], n)
+        xs = fp8_round_trip(x2, _tiles()["round_trip"]) if plan["dq"] else last_dense(x2)
+        fold = plan["dq"] and scales_at_most((weight,), "fp8_w", FP8_FOLD_MAX_SCALE)
+        return gemv_mma.launch(xs, data.view(torch.uint8), scale, plan, fold, x.dtype).view(*x.shape[:-1], n)
     data, scale = weight_operands(weight)
     split = plan["split"]
     if plan["fused"]:
@@ -453,7 +458,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "*.max_weights": Tile(nullable=True, kind=int), "*.gemv_mma": Tile(kind=bool),
                "*.gemv_mma_per_sm": Tile(low=1, kind=int), "*.gemv_mma_kw": Tile(choices=(4, 8)),
                "*.gemv_mma_min_weights": Tile(nullable=True, kind=int), "*.gemv_mma_stages": Tile(low=2, kind=int),
-               "*.gemv_mma_sub": Tile(choices=(1, 2, 4)),
+               "*.gemv_mma_sub": Tile(choices=(1, 2, 4)), "*.gemv_mma_dq": Tile(kind=bool),
                "round_trip.BLOCK_R": POW2, "round_trip.BLOCK_C": SCALED}
 
 

@@ -77,6 +77,30 @@ def test_the_fold_needs_the_packed_decode_and_known_small_scales(rng):
     assert stack.scale_max == int(stack.scale.view(torch.uint8).max())
 
 
+def test_a_models_linear_weights_record_their_largest_scale_byte(rng):
+    """``with_scale_maxes`` at a model's build: every fp8_w / fp4_w weight without one gets its largest scale
+    byte (what the fp8 fold reads), the same tensors; plain weights and recorded ones are left as they are;
+    a tiny model built from its weights holds them recorded."""
+    a = formats.quantize(torch.randn(64, 96, generator=rng) * 3.0, "fp8_w")
+    b = formats.quantize(torch.randn(32, 64, generator=rng), "fp4_w")
+    c = dataclasses.replace(formats.quantize(torch.randn(32, 64, generator=rng), "fp8_w"), scale_max=7)
+    plain = torch.randn(8, 8, generator=rng)
+    weights = {"a": a, "b": b, "c": c, "p": plain}
+    formats.with_scale_maxes(weights)
+    for name, w in (("a", a), ("b", b)):
+        assert weights[name].scale_max == int(w.scale.view(torch.uint8).max())
+        assert weights[name].data is w.data and weights[name].scale is w.scale
+    assert weights["c"].scale_max == 7 and weights["p"] is plain
+    from flashrt.graphs.config import shipped_config
+    from flashrt.graphs.init_weights import init_weights
+    from flashrt.graphs.model import Model
+
+    cfg = shipped_config("tiny")
+    model = Model(cfg, init_weights(cfg, seed=0))
+    linears = [w for w in model.weights.values() if isinstance(w, formats.QTensor) and w.fmt == "fp8_w"]
+    assert linears and all(w.scale_max is not None for w in linears)
+
+
 @pytest.mark.parametrize("fp4,promote,want", [(130, False, 130), (138, False, 130), (250, False, 130),
                                                (2, False, 0), (10, False, 0), (0, False, 0), (130, True, 0)])
 def test_fp8_launches_take_the_packed_decode_only_when_dequantizing(monkeypatch, fp4, promote, want):

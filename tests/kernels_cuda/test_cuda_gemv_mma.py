@@ -6,7 +6,8 @@ the interpreter, not fp4_w), its plan (tokens, K split in whole loop trips, mask
 are ragged), and the kernel compiles for sm_90 with this machine's Triton: its K loop on ``HMMA`` fed by
 16-byte asynchronous copies, no spill. On a GPU: against the reference and the profile's GEMV on fresh
 random inputs, at 1-16 rows, ragged N and K, a K split summed in the kernel or not, fp32 and bf16
-activations, and every E4M3 code and weight scale byte."""
+activations, and every E4M3 code and weight scale byte; with ``gemv_mma_dq`` (the activations' round trip
+by a launch before, bf16 operands) up to 64 rows, the weight's scale bytes folded into the decode or not."""
 from __future__ import annotations
 
 import json
@@ -55,6 +56,20 @@ def test_the_launcher_takes_it_for_fp8_w_at_up_to_16_rows(monkeypatch):
         assert not lin._linear_plan(3, 1792, 5120, torch.bfloat16, "fp8_w").get("gemv_mma")
 
 
+@needs_gluon
+def test_with_the_round_trip_first_it_takes_up_to_64_rows(monkeypatch):
+    """``gemv_mma_dq``: the plan is dq and the MMA's N the least of 8, 16, 32, 64 that holds the rows; past
+    64 rows the rule's other path; without the knob 16 rows stay the limit."""
+    for m, tokens in ((1, 8), (9, 16), (17, 32), (33, 64), (64, 64)):
+        p = _plan(m, 1792, 5120, monkeypatch=monkeypatch, rows=64, gemv_mma_dq=True)
+        assert p.get("gemv_mma") and p["dq"] and p["constexprs"]["TOKENS"] == tokens
+    assert not _plan(65, 1792, 5120, monkeypatch=monkeypatch, rows=None, gemv_mma_dq=True).get("gemv_mma")
+    assert not _plan(17, 1792, 5120, monkeypatch=monkeypatch, rows=64).get("gemv_mma")
+    assert not _plan(3, 1792, 5120, monkeypatch=monkeypatch)["dq"]
+    with pytest.raises(AssertionError):
+        gm.plan(17, 64, 64, torch.bfloat16, {}, 132)  # past 16 rows only over the round trip's values
+
+
 @pytest.mark.parametrize("n,k,per_sm", [(1792, 5120, 8), (72, 352, 8), (1024, 512, 16), (64, 4096, 1),
                                          (32768, 1280, 8)])
 def test_the_plan_splits_k_in_whole_slices(n, k, per_sm):
@@ -99,6 +114,23 @@ def test_it_compiles_for_sm90_on_mma_sync_fed_by_asynchronous_copies(kw, sub):
     assert first("griddepcontrol.wait") < min(first("cp.async"), first("ld.global"))
 
 
+@needs_gluon
+@pytest.mark.skipif(gm.operand_kw(8) != 8, reason="this Triton refuses 8 consecutive K elements a thread")
+@pytest.mark.parametrize("rows", [4, 32, 64])
+def test_over_the_round_trip_each_slice_is_the_decode_and_the_mmas(rows):
+    """With ``gemv_mma_dq`` the K loop quantizes nothing: a slice is its 16 weight bytes a thread decoded (4
+    instructions a register of two values, 5 where the scales do not fold: the linear weights record no
+    scale_max), its scale, the activations' shared loads and 2 x TOKENS / 8 MMAs; no stack."""
+    tiles = {"linear": [_rule(rows=64, gemv_mma_kw=8, gemv_mma_dq=True), _mma_rule()]}
+    reports = sm90_compile("linear", "--B", str(rows), "--S", "1", "--tiles", json.dumps(tiles))
+    r = next(r for r in reports if r["kernel"] == "_mma_gemv_kernel")
+    assert r["stack_bytes"] == 0 and r["registers"] <= 168
+    loop = r["mma_loop"]
+    mmas = 2 * gm.tokens_for(rows) // 8
+    assert loop["count"] == 4 * mmas and r["sass"]["HGMMA"] == 0
+    assert loop["instructions"] < 4 * (8 * 5 + mmas + 12 * gm.tokens_for(rows) // 8 + 12) + 60
+
+
 def _inputs(g, m, n, k, dtype=torch.float32):
     x = (torch.randn(m, k, generator=g) * 2.0).to(DEVICE, dtype)
     w = formats.quantize(torch.randn(n, k, generator=g) * 0.25, "fp8_w").to(DEVICE)
@@ -126,7 +158,32 @@ def test_against_the_reference_and_the_mma_rule(rng, dtype, m, n, k, per_sm):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (MMA_GPU and gm.AVAILABLE), reason="needs an sm_80+ GPU and Gluon")
-def test_every_code_and_weight_scale_byte(rng):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,per_sm,fold", [(1, 128, 512, 8, True), (3, 72, 352, 8, False),
+                                               (17, 192, 1024, 8, True), (33, 256, 640, 8, False),
+                                               (64, 1792, 5120, 8, True), (40, 8192, 256, 1, True)])
+def test_over_the_round_trip_against_the_reference(rng, dtype, m, n, k, per_sm, fold):
+    """``gemv_mma_dq``: ragged N and K, 1-64 rows, a K split summed in the kernel or one split, the scales'
+    re-bias folded (a scale_max recorded at most 134) or multiplied apart, fp32 and bf16 activations:
+    the reference's values and the plain MMA rule's."""
+    x, w = _inputs(rng, m, n, k, dtype)
+    if fold:
+        w = formats.with_scale_max(w)
+        assert w.scale_max <= 134
+    rule = _rule(rows=64, gemv_mma_per_sm=per_sm, gemv_mma_dq=True)
+    with pinned_tiles(linear=dict(linear=[rule, _mma_rule()])):
+        plan = lin._linear_plan(m, n, k, dtype, "fp8_w")
+    assert plan.get("gemv_mma") and plan["dq"]
+    got, dot, want = linear_three_ways(x, w, dict(linear=[rule, _mma_rule()]), dict(linear=[_mma_rule()]))
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(got, want) < tol and rel_err(got, dot) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (MMA_GPU and gm.AVAILABLE), reason="needs an sm_80+ GPU and Gluon")
+@pytest.mark.parametrize("dq", [False, True])
+def test_every_code_and_weight_scale_byte(rng, dq):
     """Each of the 256 E4M3 codes but the two NaN ones (a load refuses them) and weight scale bytes from
     2**-127 up, against the reference's dequantized product."""
     n, k = 64, 256 * 4
@@ -136,7 +193,7 @@ def test_every_code_and_weight_scale_byte(rng):
     scale[0, 0] = 0
     w = formats.QTensor(codes.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), "fp8_w", (n, k)).to(DEVICE)
     x = torch.randn(2, k, generator=rng).to(DEVICE)
-    with pinned_tiles(linear=dict(linear=[_rule(), _mma_rule()])), flashrt.use_backend("cuda"):
+    with pinned_tiles(linear=dict(linear=[_rule(gemv_mma_dq=dq), _mma_rule()])), flashrt.use_backend("cuda"):
         got = ops.linear(x, w)
     with flashrt.use_backend("reference"):
         want = ops.linear(x, w)
