@@ -103,6 +103,13 @@ MMA_GEMV_VARIANTS = {f"MMA GEMV, {w} warps, kw {kw}, {p} an SM" + (f", {st} stag
                           gemv_mma_kw=kw, gemv_mma_per_sm=p, gemv_mma_stages=st, gemv_mma_sub=sub)
                      for w, kw, p, st, sub in ((4, 8, 4, 3, 4), (4, 8, 4, 4, 4), (2, 8, 4, 3, 4), (4, 8, 3, 3, 4),
                                                (1, 8, 8, 3, 4), (4, 8, 4, 3, 2))}
+# the same over the activations' fp8 round trip by a launch before (the ``gemv_mma_dq`` knob: bf16 operands,
+# no quantization in the K loop, up to 64 rows)
+DQ_GEMV_VARIANTS = {f"MMA GEMV dq, {w} warps, {p} an SM": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=w,
+                                                             num_stages=3, gemv_mma=True, gemv_mma_dq=True,
+                                                             gemv_mma_kw=8, gemv_mma_per_sm=p, gemv_mma_stages=3)
+                    for w, p in ((4, 4), (4, 8), (8, 2), (2, 8))}
+MMA_GEMV_VARIANTS.update(DQ_GEMV_VARIANTS)
 # label -> the experts cases' rule on mma.sync with the weight rows as its M (the experts' ``gemv_mma`` knob,
 # kernels_cuda/moe_mma.py: fp4_w words only, so with --expert-words; num_warps x 16 weight rows a program,
 # the K split aiming at that many programs an SM, the ring's slots and K slices a slot)

@@ -188,6 +188,11 @@
 #              released shapes (K-major scales, codes in words) under its variants and the profile, and one
 #              call's kernels by device time (benchmarks/moe_kernels.py):
 #              h200-moe-mma-tests.log, h200-moe-mma-v41.json, h200-moe-kernels.json
+#   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
+#              gemv_mma tests natively, then the released projections at 1-64 rows under the profile, the
+#              gemv_mma rule and its dq variants, against torch._scaled_mm: h200-gemv-dq-tests.log, h200-gemv-dq-v41.json
+#   gemvdqslice  the real-dimension slice at batch 8 and 64 under the profile, then under a copy whose 3-16 row rule
+#              takes gemv_mma_dq and whose 17-64 row rule takes gemv_mma with it: h200-real-slice-gemvdq-{off,on}.json
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
 #              experts rule takes gemv_mma: h200-real-slice-moemma-{off,on}.json
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
@@ -1234,6 +1239,31 @@ phase_moemma() {  # the routed fp4 experts on mma.sync with the weight rows as i
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 --scales-k-major --expert-words --variants \
     "${variants[@]}" --out "$OUT/h200-moe-mma-v41.json" | grep 'fp4 words'
   python benchmarks/moe_kernels.py --variant "${variants[@]:0:3}" --out "$OUT/h200-moe-kernels.json" | grep -v Warn
+}
+
+phase_gemvdq() {  # fp8 linear over the activations' round trip on mma.sync, up to 64 rows (the gemv_mma_dq knob)
+  timeout 200 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_gemv_mma.py \
+    tests/kernels_cuda/test_cuda_fp8_packed.py > "$OUT/h200-gemv-dq-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-gemv-dq-tests.log"
+  local variants
+  mapfile -t variants < <(variant_labels DQ_GEMV_VARIANTS)
+  python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 4 8 16 32 64 --variants \
+    "MMA GEMV, 4 warps, kw 8, 4 an SM, 3 stages" "${variants[@]}" --out "$OUT/h200-gemv-dq-v41.json" \
+    | grep -v 'moe_experts\|plain '
+}
+
+phase_gemvdqslice() {  # the real-dimension slice under the profile and a copy with gemv_mma_dq from 3 to 64 rows
+  local on name
+  on=$(profile_set h200-gemv-dq tiles.linear.linear.2.1.gemv_mma_dq true tiles.linear.linear.3.1 \
+    '{"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "split_reduce": true,
+      "gemv_mma": true, "gemv_mma_dq": true, "gemv_mma_kw": 8, "gemv_mma_per_sm": 4, "gemv_mma_stages": 3,
+      "gemv_mma_min_weights": 8388608}')
+  for name in off on; do
+    local profile=h200
+    [ "$name" = on ] && profile=$on
+    FLASHRT_PROFILE=$profile python benchmarks/real_slice.py --batches 8 64 \
+      --out "$OUT/h200-real-slice-gemvdq-$name.json" | tail -n 4
+  done
 }
 
 phase_moemmaslice() {  # the real-dimension slice under the profile and a copy whose decode experts rule takes gemv_mma

@@ -188,14 +188,15 @@ def _as_h200():
 
 def linear_call(B: int, S: int, cold: bool):
     """``small``'s fp8_w projections at decode rows: wq_a (512 x 1,024, K split, x quantized in the
-    kernel) and wo_b (1,024 x 2,048); and an fp4_w weight of the same shape."""
+    kernel) and wo_b (1,024 x 2,048), their largest scale byte recorded as a model's build records it;
+    and an fp4_w weight of the same shape."""
     from flashrt.formats import QTensor
     from flashrt.kernels_cuda import linear
 
     _as_h200()
     x, xo = torch.zeros(B * S, 1024, dtype=torch.bfloat16), torch.zeros(B * S, 2048, dtype=torch.bfloat16)
     fp8 = lambda n, k: QTensor(torch.zeros(n, k, dtype=torch.float8_e4m3fn),
-                               torch.zeros(n // 32, k // 32, dtype=torch.uint8), "fp8_w", (n, k))
+                               torch.zeros(n // 32, k // 32, dtype=torch.uint8), "fp8_w", (n, k), scale_max=0)
     fp4 = QTensor(torch.zeros(512, 512, dtype=torch.uint8), torch.zeros(512, 32, dtype=torch.uint8), "fp4_w", (512, 1024))
     return lambda: (linear.linear(x, fp8(512, 1024)), linear.linear(xo, fp8(1024, 2048)), linear.linear(x, fp4))
 
