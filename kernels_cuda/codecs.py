@@ -109,28 +109,30 @@ def e2m1_x16384(c):
 
 # E2M1_PAIRS_TEXT: four fp4 bytes (eight E2M1 codes) in $4 -> their values times the scales: the low nibbles' four
 # bf16 in $0 (bytes 0, 1) and $1 (bytes 2, 3), the high nibbles' in $2 and $3; $5 / $6 hold the
-# bf16 scales of bytes 0, 1 / 2, 3. prmt spreads two bytes to the two 16-bit halves of a register;
-# a code's 3 magnitude bits are moved to bf16 bits 6-8 and its sign to bit 15, which reads as the
-# code's value times 2**-126 (the 0.5 code a bf16 subnormal); one multiply by 2**126 (0x7E80) makes
-# it exact, one by the scale applies the block's power of two (sm_90's bf16x2 multiplies keep
-# subnormals). 30 instructions for the eight codes, plus two moves of constants.
+# bf16 scales of bytes 0, 1 / 2, 3. A code's 3 magnitude bits are moved to bf16 bits 6-8 and its sign to
+# bit 15, which reads as the code's value times 2**-126 (the 0.5 code a bf16 subnormal); one multiply by
+# 2**126 (0x7E80) makes it exact, one by the scale applies the block's power of two (sm_90's bf16x2
+# multiplies keep subnormals). prmt's sign-replicating selectors put two bytes in the low bytes of a
+# register's 16-bit halves with each byte's bit 7 (the high nibble's sign) in the eight bits above it, so
+# one shift by two and one mask leave a high nibble's magnitude at bits 6-8 and its sign at bit 15; the
+# low nibbles take the same steps on the word shifted by four (each byte's low nibble in its high half).
+# 21 instructions for the eight codes (17 with the re-bias folded into the scales), plus moves of constants.
 
 
-def _e2m1_register(out: int, src: str, mag_shift: int, sign_shift: int, scale: int, rebias: bool = True) -> str:
-    """PTX of one output register: the codes at bits 0-3 (or 4-7) of each 16-bit half of ``src``
-    moved into bf16 positions (magnitude bits to 6-8, sign to 15), times 2**126 (``rebias``; else
-    the scale holds it), times the scales."""
-    return (f"shl.b32 t, {src}, {mag_shift};\nand.b32 t, t, 0x01C001C0;\n"
-            f"shl.b32 u, {src}, {sign_shift};\nand.b32 u, u, 0x80008000;\nor.b32 ${out}, t, u;\n"
+def _e2m1_register(out: int, src: str, sel: str, scale: int, rebias: bool = True) -> str:
+    """PTX of one output register: the high nibbles of the two bytes of ``src`` that ``sel`` (a prmt
+    selector replicating each byte's sign above it) picks, moved into bf16 positions (magnitude bits to
+    6-8, sign to 15), times 2**126 (``rebias``; else the scale holds it), times the scales."""
+    return (f"prmt.b32 x, {src}, z, {sel};\nshl.b32 x, x, 2;\nand.b32 ${out}, x, 0x81C081C0;\n"
             + (f"mul.rn.bf16x2 ${out}, ${out}, k;\n" if rebias else "")
             + f"mul.rn.bf16x2 ${out}, ${out}, ${scale};\n")
 
 
 def _e2m1_pairs_text(rebias: bool) -> str:
-    return ("{\n.reg .b32 x, y, t, u, z, k;\nmov.b32 z, 0;\n" + ("mov.b32 k, 0x7E807E80;\n" if rebias else "")
-            + "prmt.b32 x, $4, z, 0x4140;\nprmt.b32 y, $4, z, 0x4342;\n"  # bytes 0, 1 / 2, 3 to the halves
-            + _e2m1_register(0, "x", 6, 12, 5, rebias) + _e2m1_register(1, "y", 6, 12, 6, rebias)  # low nibbles
-            + _e2m1_register(2, "x", 2, 8, 5, rebias) + _e2m1_register(3, "y", 2, 8, 6, rebias)  # high nibbles
+    return ("{\n.reg .b32 x, w, z, k;\nmov.b32 z, 0;\n" + ("mov.b32 k, 0x7E807E80;\n" if rebias else "")
+            + "shl.b32 w, $4, 4;\n"  # each byte's low nibble in its high half (its high nibble never read)
+            + _e2m1_register(0, "w", "0x9180", 5, rebias) + _e2m1_register(1, "w", "0xB3A2", 6, rebias)  # low
+            + _e2m1_register(2, "$4", "0x9180", 5, rebias) + _e2m1_register(3, "$4", "0xB3A2", 6, rebias)  # high
             + "}\n")
 
 

@@ -3,8 +3,8 @@
 - :func:`e2m1_words_bf16`: the packed decode (:func:`.codecs.e2m1_pairs_bf16`'s contract: four bytes
   in, the low nibbles' and the high nibbles' values times their scales out, bf16) on bytes stored in
   the word layout, by :data:`E2M1_WORDS_PTX` (sm_90+, not the interpreter): two output registers
-  take one shift and one mask each, one only the mask, the last three shifts, against two shifts,
-  two masks and a merge a register for the standard nibbles (and no byte permutes).
+  take one shift and one mask each, one only the mask, the last three shifts, against a byte permute,
+  a shift and a mask a register and a shift a word for the standard nibbles (no byte permutes here).
 - :func:`e2m1_words_nibbles`: bytes in the word layout back to the standard nibbles, in registers
   (any architecture and the interpreter: the paths that decode code by code).
 """
