@@ -20,10 +20,10 @@ bind in decode, where each key meets only 32 heads):
   the fp16 bits ``(c & 7) << 9 | sign`` (its value times 2**-14; the 0.5 code is an fp16
   subnormal, kept by the fp16 -> fp32 conversion, where an fp32 subnormal would be flushed),
   times ``2**14 *`` the scale, in fp32;
-- asm path (GPU, bf16 q; ``TILES asm_decode``): inline PTX turns 4 packed bytes into 4 bf16 bit
-  patterns ``(c & 7) << 6 | sign`` (the value times 2**-126), then one bf16x2 multiply per two
-  elements by ``2**(sb - 65)`` (bf16 arithmetic keeps subnormals); the dot result is scaled by
-  ``2**64``. Exact whenever the tile's scale bytes lie in [66, 192] (scales 2**-61 .. 2**65);
+- asm path (GPU, bf16 q; ``TILES asm_decode``): the packed E2M1 decode of :mod:`.codecs` turns 4
+  packed bytes into their 8 codes' bf16 bit patterns ``(c & 7) << 6 | sign`` (the value times
+  2**-126) times the bf16 scale ``2**(sb - 65)`` (bf16x2 multiplies keep subnormals); the dot result
+  is scaled by ``2**64``. Exact whenever the tile's scale bytes lie in [66, 192] (scales 2**-61 .. 2**65);
   other tiles take the exact path. Fewer instructions per key than the exact path (docs/performance.md).
 
 The dot runs in bf16 on the GPU when q is bf16 and k is fp4 or bf16 (every product is then exact
@@ -35,24 +35,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashrt.kernels_cuda.codecs import dequant_rows
+from flashrt.kernels_cuda.codecs import dequant_rows, e2m1_pairs_bf16
 from flashrt.kernels_cuda.topk_kernel import _keys
 from flashrt.kernels_cuda.pdl import wait_inputs
 
 _MAX = tl.constexpr(2147483647)
 
 
-def _nibble_asm(mag: int, sign: int) -> str:
-    """PTX: bf16x2 bits ``(c & 7) << 6 | (c & 8) << 12`` (the value times 2**-126) of the nibbles
-    ``c`` (low: shifts 6, 12; high: 2, 8) of 4 packed bytes ($2); two bf16x2 registers out."""
-    half = (f"shl.b32 {{o}}, {{t}}, {mag}; and.b32 {{o}}, {{o}}, 0x01C001C0; shl.b32 {{t}}, {{t}}, {sign}; "
-            "and.b32 {t}, {t}, 0x80008000; or.b32 {o}, {o}, {t};")
-    return ("{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
-            + half.format(o="$0", t="t0") + " " + half.format(o="$1", t="t1") + " }")
-
-
-_ASM_LO = tl.constexpr(_nibble_asm(6, 12))
-_ASM_HI = tl.constexpr(_nibble_asm(2, 8))
 _ASM_OFFSET = tl.constexpr(64)  # the asm path computes k * 2**-64 (its scales stay normal bf16)
 
 
@@ -68,12 +57,12 @@ def _decode_exact(byte, sb, FMT: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def _decode_asm(byte, sb):
-    """As _decode_exact times 2**-64, in bf16 (GPU only): nibbles to bf16 bits in asm, then one
-    bf16x2 multiply per two elements by 2**(sb - 1 - 64) (exact for sb in [66, 192])."""
-    scale = ((sb + (126 - _ASM_OFFSET)) << 23).to(tl.float32, bitcast=True).to(tl.bfloat16)[:, :, None]
-    lo = tl.inline_asm_elementwise(_ASM_LO, "=r,=r,r", [byte], dtype=tl.bfloat16, is_pure=True, pack=4)
-    hi = tl.inline_asm_elementwise(_ASM_HI, "=r,=r,r", [byte], dtype=tl.bfloat16, is_pure=True, pack=4)
-    vals = tl.join(lo * scale, hi * scale)
+    """As _decode_exact times 2**-64, in bf16 (GPU only): the packed E2M1 decode
+    (:func:`.codecs.e2m1_pairs_bf16`, its 2**126 re-bias folded into the scale) by the bf16 scale
+    2**(sb - 1 - 64) (exact for sb in [66, 192])."""
+    scale = ((sb + (126 - _ASM_OFFSET)) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, :, None]
+    lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(scale, byte.shape), True)
+    vals = tl.join(lo, hi)
     return tl.reshape(vals, [vals.shape[0], vals.shape[1] * 32])
 
 
