@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from flashrt.kernels_cuda.attention_kernel import LOG2E, _finish, locate_paths
-from flashrt.kernels_cuda.codecs import e2m1_pairs_bf16, e2m1_x16384, e4m3_cvt, e8m0_to_f32
+from flashrt.kernels_cuda.codecs import e2m1_ordered_bf16, e2m1_x16384, e4m3_cvt, e8m0_to_f32
 
 try:
     from triton.experimental import gluon
@@ -126,7 +126,7 @@ if AVAILABLE:
                       PACKED: gl.constexpr):
         """bf16 [K_BLOCK, CW] values of columns ``[c * CW, (c + 1) * CW)`` of a raw slot (zeros where
         the rows were not copied: a zero code times any scale). PACKED: fp4_b16 codes decoded eight a
-        call in packed bf16 registers (:func:`.codecs.e2m1_pairs_bf16`; the same values: every
+        call in packed bf16 registers (:func:`.codecs.e2m1_ordered_bf16`; the same values: every
         product of an E2M1 code and an E4M3 scale is exact in bf16)."""
         BPB: gl.constexpr = _block(FMT) // _per(FMT)  # stored bytes a scale covers
         NB: gl.constexpr = CW // _block(FMT)
@@ -141,13 +141,15 @@ if AVAILABLE:
             v = e4m3_cvt(x) * gl.expand_dims(e8m0_to_f32(u.to(gl.int32)), 2)
         elif PACKED:
             s = gl.expand_dims(e4m3_cvt(u).to(gl.bfloat16), 2) + gl.zeros([K_BLOCK, NB, BPB], gl.bfloat16, L3)
-            lo, hi = e2m1_pairs_bf16(x, s)
-            v = gl.join(lo, hi)
+            first, second = e2m1_ordered_bf16(x, s)  # codes 0-3 / 4-7 of each thread's four bytes
+            v = gl.permute(gl.reshape(gl.join(first, second), [K_BLOCK, NB, BPB // 4, 4, 2]), [0, 1, 2, 4, 3])
         else:  # E2M1 (element 2i the low nibble) times an E4M3 scale
             s = gl.expand_dims(e4m3_cvt(u) * 16384.0, 2)
             p = x.to(gl.int32)
             v = gl.join(e2m1_x16384(p & 15).to(gl.float32) * s, e2m1_x16384(p >> 4).to(gl.float32) * s)
-        return gl.reshape(v, [K_BLOCK, CW]).to(gl.bfloat16)
+        # each path's values in one layout: the same registers a thread, relabelled (no data moves)
+        return gl.convert_layout(gl.reshape(v, [K_BLOCK, CW]).to(gl.bfloat16), _decoded_layout(CW, NW),
+                                 assert_trivial=True)
 
     @gluon.jit
     def _decode_sum(slot, raws, hits, rs, c, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,

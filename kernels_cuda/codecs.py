@@ -144,6 +144,23 @@ E2M1_PAIRS_FOLDED_TEXT = _e2m1_pairs_text(False)
 E2M1_PAIRS_FOLDED_PTX = tl.constexpr(E2M1_PAIRS_FOLDED_TEXT)
 
 
+def _e2m1_ordered_text(rebias: bool) -> str:
+    """The decode with the codes in element order: $0..$3 hold byte 0's .. byte 3's low and high codes (one
+    byte a register: prmt takes its low nibble from the word shifted by four and its high nibble from the
+    word, each with its sign replicated above it), so interleaving the low and high codes takes no 16-bit
+    permutes after the call. $5 / $6: the bf16x2 scales of bytes 0, 1 / 2, 3."""
+    return ("{\n.reg .b32 x, w, k;\n" + ("mov.b32 k, 0x7E807E80;\n" if rebias else "") + "shl.b32 w, $4, 4;\n"
+            + "".join(f"prmt.b32 x, w, $4, {sel};\nshl.b32 x, x, 2;\nand.b32 ${r}, x, 0x81C081C0;\n"
+                      + (f"mul.rn.bf16x2 ${r}, ${r}, k;\n" if rebias else "")
+                      + f"mul.rn.bf16x2 ${r}, ${r}, ${5 + r // 2};\n"
+                      for r, sel in enumerate(("0xC480", "0xD591", "0xE6A2", "0xF7B3")))
+            + "}\n")
+
+
+E2M1_ORDERED_TEXT = _e2m1_ordered_text(True)
+E2M1_ORDERED_PTX = tl.constexpr(E2M1_ORDERED_TEXT)
+
+
 @triton.jit
 def e8m0_bf16(u):
     """UE8M0 scale bytes (int32) -> ``2**(u - 127)`` as bf16: the byte in bf16's exponent field, 0 ->
@@ -157,6 +174,17 @@ def e8m0_bf16_x2p126(u):
     """UE8M0 scale bytes (int32, at most 128) -> ``2**(u - 127) * 2**126 = 2**(u - 1)`` as bf16 (exact:
     the exponent field u + 126 <= 254): the packed decode's scale with its re-bias folded in."""
     return ((u + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_ordered_bf16(byte, scale):
+    """fp4 bytes (uint8, each thread's four consecutive bytes packed) and a bf16 scale per byte (same shape)
+    -> (codes 0-3, codes 4-7) of each four bytes times their scales, bf16, :data:`E2M1_ORDERED_PTX`: element
+    ``i`` of the first is code ``i`` of the four bytes (byte ``i // 2``'s low nibble for even ``i``), of the
+    second code ``4 + i``: joined on a new last dim, the four bytes' dim split in groups of four and the
+    join's dim moved before them, they read in element order (a relabelling of registers)."""
+    return tl.inline_asm_elementwise(E2M1_ORDERED_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit

@@ -53,6 +53,28 @@ def test_the_ptx_decodes_every_byte_and_scale(rng):
             assert ((g[nan] & 0x7F80) == 0x7F80).all() and (g[nan] & 0x7F).all()  # NaN for the NaN scale
 
 
+def test_the_ordered_ptx_gives_the_pairs_values_in_element_order(rng):
+    """``E2M1_ORDERED_TEXT``: register r holds byte r's low and high codes, the values the pairs decode gives
+    (bytes 0, 1 scaled by $5, bytes 2, 3 by $6), for every byte value and scales from the whole range; one
+    byte permute, shift and mask a register, one shift a word, no merge."""
+    n = 4096
+    data = torch.randint(0, 256, (n, 4), generator=rng, dtype=torch.uint8)
+    data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
+    scale_bytes = torch.randint(0, 255, (n, 2), generator=rng)
+    scale_bytes[:2] = torch.tensor([[0, 1], [253, 254]])
+    sb = _bf16_bits(torch.exp2(scale_bytes.double() - 127))
+    ops_ = {4: words_of(data), 5: sb[:, 0] * 0x10001, 6: sb[:, 1] * 0x10001}
+    pairs, ordered = run_ptx(codecs.E2M1_PAIRS_TEXT, ops_), run_ptx(codecs.E2M1_ORDERED_TEXT, ops_)
+    half = lambda reg, h: (reg >> (16 * h)) & 0xFFFF
+    for byte in range(4):  # the pairs decode: $0 / $1 low codes of bytes 0, 1 / 2, 3, $2 / $3 the high ones
+        lo, hi = pairs[f"${byte // 2}"], pairs[f"${2 + byte // 2}"]
+        np.testing.assert_array_equal(half(ordered[f"${byte}"], 0), half(lo, byte % 2), err_msg=f"byte {byte} low")
+        np.testing.assert_array_equal(half(ordered[f"${byte}"], 1), half(hi, byte % 2), err_msg=f"byte {byte} high")
+    ops = re.findall(r"^\s*([a-z][a-z0-9.]*)\s", codecs.E2M1_ORDERED_TEXT, re.M)
+    assert ops.count("prmt.b32") == 4 and ops.count("shl.b32") == 5 and ops.count("and.b32") == 4
+    assert "or.b32" not in ops
+
+
 def test_the_interpreter_keeps_the_bit_decode():
     """The E2M1 constexpr: the decode (0 bits, 1 dot_scaled, 2 packed: sm_90 only) plus 8 where the
     scales are loaded a block ahead ("packed_prefetch", whose decode falls back as "packed" does)."""
