@@ -23,7 +23,8 @@ from __future__ import annotations
 import triton.language as tl
 
 from flashrt.kernels_cuda.attention_kernel import LOG2E, _finish, locate_paths
-from flashrt.kernels_cuda.codecs import e2m1_ordered_bf16, e2m1_x16384, e4m3_cvt, e8m0_to_f32
+from flashrt.kernels_cuda.codecs import e2m1_ordered_bf16, e2m1_x16384, e4m3_cvt, e8m0_bf16, e8m0_to_f32
+from flashrt.kernels_cuda.codecs_e4m3 import e4m3_pairs_bf16
 
 try:
     from triton.experimental import gluon
@@ -127,7 +128,9 @@ if AVAILABLE:
         """bf16 [K_BLOCK, CW] values of columns ``[c * CW, (c + 1) * CW)`` of a raw slot (zeros where
         the rows were not copied: a zero code times any scale). PACKED: fp4_b16 codes decoded eight a
         call in packed bf16 registers (:func:`.codecs.e2m1_ordered_bf16`; the same values: every
-        product of an E2M1 code and an E4M3 scale is exact in bf16)."""
+        product of an E2M1 code and an E4M3 scale is exact in bf16), fp8 bytes four a call
+        (:func:`.codecs_e4m3.e4m3_pairs_bf16` by the UE8M0 scale as bf16: the product rounded once, as the
+        fp32 path rounds it; the stores never hold the NaN codes, which it would read as +-480)."""
         BPB: gl.constexpr = _block(FMT) // _per(FMT)  # stored bytes a scale covers
         NB: gl.constexpr = CW // _block(FMT)
         # 16 consecutive elements a thread whatever the format, so the paths' values add up in one layout
@@ -137,7 +140,10 @@ if AVAILABLE:
         x = data.slice(c * NB * BPB, NB * BPB, dim=1).load(L2)  # the same bytes a thread as L3 below
         x = gl.convert_layout(gl.reshape(x, [K_BLOCK, NB, BPB]), L3)
         u = scale.slice(c * NB, NB, dim=1).load(gl.SliceLayout(2, L3))
-        if FMT == 1:  # E4M3 times a UE8M0 scale
+        if FMT == 1 and PACKED:  # E4M3 times a UE8M0 scale, four bytes a call (the same values)
+            s = gl.expand_dims(e8m0_bf16(u.to(gl.int32)), 2) + gl.zeros([K_BLOCK, NB, BPB], gl.bfloat16, L3)
+            v = e4m3_pairs_bf16(x, s)
+        elif FMT == 1:  # E4M3 times a UE8M0 scale
             v = e4m3_cvt(x) * gl.expand_dims(e8m0_to_f32(u.to(gl.int32)), 2)
         elif PACKED:
             s = gl.expand_dims(e4m3_cvt(u).to(gl.bfloat16), 2) + gl.zeros([K_BLOCK, NB, BPB], gl.bfloat16, L3)
