@@ -58,7 +58,8 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # programs 0 = the device's SM count
     "split": {"programs": 0, "min_blocks": 1, "max_splits": 32},
     # packed_fp4_b16: the fp4_b16 KV rows decoded eight codes a call in packed bf16 registers on sm_90
-    # (codecs.dequant_rows; the same values), in this family's kernels and prefix_attention's
+    # (codecs.dequant_rows; the same values), in this family's kernels and prefix_attention's; the
+    # warp-specialized kernel's producer also decodes the fp8 window rows four bytes a call under it
     "dequant": {"packed_fp4_b16": False},
     # enabled: launches that fit it (bf16 q, D 512, heads a multiple of 64, fp8 / fp4_b16 segments, an
     # sm_90 device) run the warp-specialized Gluon kernel (:mod:`.attention_ws`): a producer partition of
