@@ -38,6 +38,7 @@ except ImportError:
 
 from flashrt.jit_triton import interpreted
 from flashrt.kernels_cuda.codecs_e2m1 import e2m1_code_of_scaled
+from flashrt.kernels_cuda.codecs_e4m3 import e4m3_pairs_bf16
 
 CODES = {"fp8": 1, "fp4_b16": 2, "fp4_b32": 3, "int8": 4}  # FMT constexpr of the kernels; 0 = plain float
 INTERPRETED = interpreted()  # kernels run in Triton's CPU interpreter (fixed when Triton is imported)
@@ -230,10 +231,15 @@ def dequant_rows(x, u, FMT: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr
     E4M3 data and E4M3 scales go through the hardware conversion (sm_89+). fp4_b16 with PACKED on an
     sm_90 target: eight codes a call in packed bf16 registers (:func:`e2m1_pairs_bf16`, the scale an
     exact bf16: every product of an E2M1 code and an E4M3 scale is exact in bf16, so the values are
-    the same)."""
+    the same); fp8 with PACKED there: four bytes a call (:func:`.codecs_e4m3.e4m3_pairs_bf16`, the UE8M0
+    scale as bf16: the product rounded to bf16 once, as the MMA operands take the fp32 path's)."""
     PACKED_FP4_B16: tl.constexpr = PACKED and FMT == 2 and _packed_target()
+    PACKED_FP8: tl.constexpr = PACKED and FMT == 1 and _packed_target()
     if FMT == 0:
         v = x.to(tl.float32)
+    elif PACKED_FP8:
+        scale = _expand(e8m0_bf16(u.to(tl.int32)), R, BLOCK_D // 32, 32)  # one per byte
+        v = e4m3_pairs_bf16(x.to(tl.uint8), scale).to(tl.float32)
     elif PACKED_FP4_B16:
         scale = _expand(e4m3_cvt(u).to(tl.bfloat16), R, BLOCK_D // 16, 8)  # one per byte
         lo, hi = e2m1_pairs_bf16(x.to(tl.uint8), scale)
