@@ -1218,15 +1218,20 @@ phase_gemvmma() {  # fp8 linear at 1-16 rows on mma.sync with the weight rows as
     --out "$OUT/h200-gemv-mma-small.json" | grep -v 'moe_experts\|plain '
 }
 
+slice_off_on() {  # TAG OFF_PROFILE ON_PROFILE BATCH...: the real-dimension slice under both profiles,
+  # h200-real-slice-TAG-{off,on}.json
+  local tag=$1 off=$2 on=$3
+  shift 3
+  FLASHRT_PROFILE=$off python benchmarks/real_slice.py --batches "$@" --out "$OUT/h200-real-slice-$tag-off.json" \
+    | tail -n 4
+  FLASHRT_PROFILE=$on python benchmarks/real_slice.py --batches "$@" --out "$OUT/h200-real-slice-$tag-on.json" \
+    | tail -n 4
+}
+
 phase_gemvmmaslice() {  # the real-dimension slice at batch 2 and 8 under the profile and a copy without gemv_mma
-  local off name
+  local off
   off=$(profile_set h200-no-gemv-mma tiles.linear.linear.1.1.gemv_mma false tiles.linear.linear.2.1.gemv_mma false)
-  for name in off on; do
-    local profile=h200
-    [ "$name" = off ] && profile=$off
-    FLASHRT_PROFILE=$profile python benchmarks/real_slice.py --batches 2 8 \
-      --out "$OUT/h200-real-slice-gemvmma-$name.json" | tail -n 3
-  done
+  slice_off_on gemvmma "$off" h200 2 8
 }
 
 phase_moemma() {  # the routed fp4 experts on mma.sync with the weight rows as its M (the experts' gemv_mma knob)
@@ -1253,28 +1258,18 @@ phase_gemvdq() {  # fp8 linear over the activations' round trip on mma.sync, up 
 }
 
 phase_gemvdqslice() {  # the real-dimension slice under the profile and a copy with gemv_mma_dq from 3 to 64 rows
-  local on name
+  local on
   on=$(profile_set h200-gemv-dq tiles.linear.linear.2.1.gemv_mma_dq true tiles.linear.linear.3.1 \
     '{"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "split_reduce": true,
       "gemv_mma": true, "gemv_mma_dq": true, "gemv_mma_kw": 8, "gemv_mma_per_sm": 4, "gemv_mma_stages": 3,
       "gemv_mma_min_weights": 8388608}')
-  for name in off on; do
-    local profile=h200
-    [ "$name" = on ] && profile=$on
-    FLASHRT_PROFILE=$profile python benchmarks/real_slice.py --batches 8 64 \
-      --out "$OUT/h200-real-slice-gemvdq-$name.json" | tail -n 4
-  done
+  slice_off_on gemvdq h200 "$on" 8 64
 }
 
 phase_moemmaslice() {  # the real-dimension slice under the profile and a copy whose decode experts rule takes gemv_mma
-  local on name
+  local on
   on=$(profile_set h200-moe-mma tiles.moe.experts.0.1.gemv_mma true)
-  for name in off on; do
-    local profile=h200
-    [ "$name" = on ] && profile=$on
-    FLASHRT_PROFILE=$profile python benchmarks/real_slice.py --batches 1 8 64 \
-      --out "$OUT/h200-real-slice-moemma-$name.json" | tail -n 4
-  done
+  slice_off_on moemma h200 "$on" 1 8 64
 }
 
 phase_gemvsmallrule() {  # rows 3-8 as the one-row GEMV on small weights: the verify of 2-7 drafted tokens
