@@ -188,6 +188,10 @@
 #              released shapes (K-major scales, codes in words) under its variants and the profile, and one
 #              call's kernels by device time (benchmarks/moe_kernels.py):
 #              h200-moe-mma-tests.log, h200-moe-mma-v41.json, h200-moe-kernels.json
+#   decodes    the packed decodes by sign-replicating byte permutes (codecs' E2M1 pairs, E4M3 pairs, the ws
+#              attention's codes in element order and fp8 rows, the indexer's keys): the kernel tests that run
+#              them natively (h200-decodes-tests.log), then benchmarks/attention_ws.py at batch 8 and 64 (the
+#              packed decodes against the code-by-code ones in one call: h200-attention-ws-decodes.json)
 #   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
 #              gemv_mma tests natively, then the released projections at 1-64 rows under the profile, the
 #              gemv_mma rule and its dq variants, against torch._scaled_mm: h200-gemv-dq-tests.log, h200-gemv-dq-v41.json
@@ -1244,6 +1248,18 @@ phase_moemma() {  # the routed fp4 experts on mma.sync with the weight rows as i
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 --scales-k-major --expert-words --variants \
     "${variants[@]}" --out "$OUT/h200-moe-mma-v41.json" | grep 'fp4 words'
   python benchmarks/moe_kernels.py --variant "${variants[@]:0:3}" --out "$OUT/h200-moe-kernels.json" | grep -v Warn
+}
+
+phase_decodes() {  # the packed decodes' GPU tests, then the ws attention with them against the code-by-code decodes
+  timeout 240 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_fp4_packed.py \
+    tests/kernels_cuda/test_cuda_fp8_packed.py tests/kernels_cuda/test_cuda_attention_ws.py \
+    tests/kernels_cuda/test_cuda_attention_packed.py tests/kernels_cuda/test_cuda_attention.py \
+    tests/kernels_cuda/test_cuda_prefix_attention.py tests/kernels_cuda/test_cuda_indexer.py \
+    tests/kernels_cuda/test_cuda_moe_shared.py tests/kernels_cuda/test_cuda_fp4_words.py \
+    > "$OUT/h200-decodes-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-decodes-tests.log"
+  timeout 170 python benchmarks/attention_ws.py --batches 8 64 --out "$OUT/h200-attention-ws-decodes.json" 2>&1 \
+    | grep -v "^ " | tail -n 40
 }
 
 phase_gemvdq() {  # fp8 linear over the activations' round trip on mma.sync, up to 64 rows (the gemv_mma_dq knob)
