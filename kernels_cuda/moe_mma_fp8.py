@@ -11,7 +11,7 @@ launch ask for the same shared memory. The products are exact in bf16 (a scale b
 ``codecs_e4m3.FOLD_MAX_SCALE``) and summed in fp32.
 
 ``fp8_w`` scales are one UE8M0 byte a 32 x 32 tile: a warp's 16 rows share one a K slice, loaded from
-global memory at the top of each trip (the ring's wait covers their latency).
+global memory a trip before the slice is used (the trip's wait covers their latency).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ if AVAILABLE:
     @gluon.jit
     def _scale(s_ptr, s_off, s_rows, ks, k_hi, stride_swk):
         """The folded bf16 scales of the K slice from ``ks`` (codes) at rows ``s_off`` (their 32-row
-        tiles); 2**-127's where the slice is past ``k_hi`` (never used)."""
+        tiles); byte 0's where the slice is past ``k_hi`` (never used)."""
         u = gl.load(s_ptr + s_off + (ks // 32) * stride_swk, mask=s_rows & (ks < k_hi), other=0)
         return e8m0_bf16_x2p120(u.to(gl.int32))
 
