@@ -141,12 +141,12 @@ if AVAILABLE:
         x = gl.convert_layout(gl.reshape(x, [K_BLOCK, NB, BPB]), L3)
         u = scale.slice(c * NB, NB, dim=1).load(gl.SliceLayout(2, L3))
         if FMT == 1 and PACKED:  # E4M3 times a UE8M0 scale, four bytes a call (the same values)
-            s = gl.expand_dims(e8m0_bf16(u.to(gl.int32)), 2) + gl.zeros([K_BLOCK, NB, BPB], gl.bfloat16, L3)
+            s = gl.broadcast(gl.expand_dims(e8m0_bf16(u.to(gl.int32)), 2), x)[0]
             v = e4m3_pairs_bf16(x, s)
         elif FMT == 1:  # E4M3 times a UE8M0 scale
             v = e4m3_cvt(x) * gl.expand_dims(e8m0_to_f32(u.to(gl.int32)), 2)
         elif PACKED:
-            s = gl.expand_dims(e4m3_cvt(u).to(gl.bfloat16), 2) + gl.zeros([K_BLOCK, NB, BPB], gl.bfloat16, L3)
+            s = gl.broadcast(gl.expand_dims(e4m3_cvt(u).to(gl.bfloat16), 2), x)[0]
             first, second = e2m1_ordered_bf16(x, s)  # codes 0-3 / 4-7 of each thread's four bytes
             v = gl.permute(gl.reshape(gl.join(first, second), [K_BLOCK, NB, BPB // 4, 4, 2]), [0, 1, 2, 4, 3])
         else:  # E2M1 (element 2i the low nibble) times an E4M3 scale
