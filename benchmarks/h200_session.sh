@@ -191,7 +191,10 @@
 #   decodes    the packed decodes by sign-replicating byte permutes (codecs' E2M1 pairs, E4M3 pairs, the ws
 #              attention's codes in element order and fp8 rows, the indexer's keys): the kernel tests that run
 #              them natively (h200-decodes-tests.log), then benchmarks/attention_ws.py at batch 8 and 64 (the
-#              packed decodes against the code-by-code ones in one call: h200-attention-ws-decodes.json)
+#              packed decodes against the code-by-code ones in one call: h200-attention-ws-decodes.json; with
+#              BEFORE, a folder of the decodes' files before them, also under those: ...-before.json)
+#   decodesslice  the real-dimension slice at batch 1, 8 and 64 under the profile, and with BEFORE under the
+#              decodes before them: h200-real-slice-decodes{,-before}.json
 #   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
 #              gemv_mma tests natively, then the released projections at 1-64 rows under the profile, the
 #              gemv_mma rule and its dq variants, against torch._scaled_mm: h200-gemv-dq-tests.log, h200-gemv-dq-v41.json
@@ -1260,6 +1263,14 @@ phase_decodes() {  # the packed decodes' GPU tests, then the ws attention with t
   tail -n 15 "$OUT/h200-decodes-tests.log"
   timeout 170 python benchmarks/attention_ws.py --batches 8 64 --out "$OUT/h200-attention-ws-decodes.json" 2>&1 \
     | grep -v "^ " | tail -n 40
+  [ -z "${BEFORE:-}" ] || before_run "$BEFORE" timeout 170 python benchmarks/attention_ws.py --batches 8 64 \
+    --out "$OUT/h200-attention-ws-decodes-before.json" 2>&1 | grep -v "^ " | tail -n 40
+}
+
+phase_decodesslice() {  # the real-dimension slice with the packed decodes, and with BEFORE's files before them
+  timeout 150 python benchmarks/real_slice.py --batches 1 8 64 --out "$OUT/h200-real-slice-decodes.json" | tail -n 4
+  [ -z "${BEFORE:-}" ] || before_run "$BEFORE" timeout 150 python benchmarks/real_slice.py --batches 1 8 64 \
+    --out "$OUT/h200-real-slice-decodes-before.json" | tail -n 4
 }
 
 phase_gemvdq() {  # fp8 linear over the activations' round trip on mma.sync, up to 64 rows (the gemv_mma_dq knob)
