@@ -24,7 +24,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.attention_kernel import LOG2E, _finish, locate_paths
 from flashrt.kernels_cuda.codecs import e2m1_ordered_bf16, e2m1_x16384, e4m3_cvt, e8m0_bf16, e8m0_to_f32
-from flashrt.kernels_cuda.codecs_e4m3 import e4m3_pairs_bf16
+from flashrt.kernels_cuda.codecs_e4m3 import E4M3_PAIRS_DOWN63_TEXT
 
 try:
     from triton.experimental import gluon
@@ -42,6 +42,11 @@ except (ImportError, AttributeError):  # a Triton without Gluon: the plain kerne
 
 H_BLOCK = 64  # heads a program: the M of one warpgroup MMA
 _H = tl.constexpr(H_BLOCK)
+# PACKED: the producer stores the rows' values times 2**-63 (one bf16 multiply a register fewer in the fp4
+# decode: the scale holds 2**63 of its 2**126 re-bias); the scores' scale and the output take the 2**63 back,
+# exactly (powers of two), so the outputs are the same
+_UP63 = tl.constexpr(2.0 ** 63)
+_E4M3_DOWN63 = tl.constexpr(E4M3_PAIRS_DOWN63_TEXT)
 
 
 if AVAILABLE:
@@ -129,8 +134,9 @@ if AVAILABLE:
         the rows were not copied: a zero code times any scale). PACKED: fp4_b16 codes decoded eight a
         call in packed bf16 registers (:func:`.codecs.e2m1_ordered_bf16`; the same values: every
         product of an E2M1 code and an E4M3 scale is exact in bf16), fp8 bytes four a call
-        (:func:`.codecs_e4m3.e4m3_pairs_bf16` by the UE8M0 scale as bf16: the product rounded once, as the
-        fp32 path rounds it; the stores never hold the NaN codes, which it would read as +-480)."""
+        (:mod:`.codecs_e4m3`'s packed decode by the UE8M0 scale as bf16: the product rounded once, as the
+        fp32 path rounds it; the stores never hold the NaN codes, which it would read as +-480); both times
+        2**-63 (:data:`_UP63`)."""
         BPB: gl.constexpr = _block(FMT) // _per(FMT)  # stored bytes a scale covers
         NB: gl.constexpr = CW // _block(FMT)
         # 16 consecutive elements a thread whatever the format, so the paths' values add up in one layout
@@ -140,14 +146,15 @@ if AVAILABLE:
         x = data.slice(c * NB * BPB, NB * BPB, dim=1).load(L2)  # the same bytes a thread as L3 below
         x = gl.convert_layout(gl.reshape(x, [K_BLOCK, NB, BPB]), L3)
         u = scale.slice(c * NB, NB, dim=1).load(gl.SliceLayout(2, L3))
-        if FMT == 1 and PACKED:  # E4M3 times a UE8M0 scale, four bytes a call (the same values)
+        if FMT == 1 and PACKED:  # E4M3 times a UE8M0 scale, four bytes a call, times 2**-63
             s = gl.broadcast(gl.expand_dims(e8m0_bf16(u.to(gl.int32)), 2), x)[0]
-            v = e4m3_pairs_bf16(x, s)
+            v = gl.inline_asm_elementwise(_E4M3_DOWN63, "=r,=r,r,r,r", [x, s], dtype=gl.bfloat16, is_pure=True, pack=4)
         elif FMT == 1:  # E4M3 times a UE8M0 scale
             v = e4m3_cvt(x) * gl.expand_dims(e8m0_to_f32(u.to(gl.int32)), 2)
         elif PACKED:
-            s = gl.broadcast(gl.expand_dims(e4m3_cvt(u).to(gl.bfloat16), 2), x)[0]
-            first, second = e2m1_ordered_bf16(x, s)  # codes 0-3 / 4-7 of each thread's four bytes
+            # the E4M3 scale times 2**63 (exact in bf16) holds half the decode's 2**126: the values times 2**-63
+            s = gl.broadcast(gl.expand_dims((e4m3_cvt(u).to(gl.float32) * _UP63).to(gl.bfloat16), 2), x)[0]
+            first, second = e2m1_ordered_bf16(x, s, True)  # codes 0-3 / 4-7 of each thread's four bytes
             v = gl.permute(gl.reshape(gl.join(first, second), [K_BLOCK, NB, BPB // 4, 4, 2]), [0, 1, 2, 4, 3])
         else:  # E2M1 (element 2i the low nibble) times an E4M3 scale
             s = gl.expand_dims(e4m3_cvt(u) * 16384.0, 2)
@@ -388,8 +395,9 @@ if AVAILABLE:
                d1, s1, o1, so1, sb1, st1, ssb1, sst1, start1, len1,
                d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                o3, so3, sb3, st3, ssb3, sst3, start3, len3)
+        qk = qk_scale * _UP63 if PACKED else qk_scale  # the scores of rows stored times 2**-63 (_UP63)
         acc, m_i, l_i = gl.warp_specialize([
-            (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, TWO_PARTS,
+            (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, TWO_PARTS,
                          D, K_BLOCK, STAGES, OVERLAP, num_warps)),
             (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                          bs, bs // S, lo, n, K, K0, seg,
@@ -397,6 +405,8 @@ if AVAILABLE:
                          PRODUCER_WARPS, PACKED)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
+        if PACKED:
+            acc = acc * _UP63  # p @ (rows times 2**-63)
         o_layout: gl.constexpr = acc.type.layout
         h = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, o_layout))
         d = gl.arange(0, D, gl.SliceLayout(0, o_layout))

@@ -160,6 +160,8 @@ def _e2m1_ordered_text(rebias: bool) -> str:
 
 E2M1_ORDERED_TEXT = _e2m1_ordered_text(True)
 E2M1_ORDERED_PTX = tl.constexpr(E2M1_ORDERED_TEXT)
+E2M1_ORDERED_FOLDED_TEXT = _e2m1_ordered_text(False)  # the 2**126 (or part of it) held by the scales
+E2M1_ORDERED_FOLDED_PTX = tl.constexpr(E2M1_ORDERED_FOLDED_TEXT)
 
 
 @triton.jit
@@ -178,13 +180,15 @@ def e8m0_bf16_x2p126(u):
 
 
 @triton.jit
-def e2m1_ordered_bf16(byte, scale):
+def e2m1_ordered_bf16(byte, scale, FOLDED: tl.constexpr = False):
     """fp4 bytes (uint8, each thread's four consecutive bytes packed) and a bf16 scale per byte (same shape)
     -> (codes 0-3, codes 4-7) of each four bytes times their scales, bf16, :data:`E2M1_ORDERED_PTX`: element
     ``i`` of the first is code ``i`` of the four bytes (byte ``i // 2``'s low nibble for even ``i``), of the
     second code ``4 + i``: joined on a new last dim, the four bytes' dim split in groups of four and the
-    join's dim moved before them, they read in element order (a relabelling of registers)."""
-    return tl.inline_asm_elementwise(E2M1_ORDERED_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale],
+    join's dim moved before them, they read in element order (a relabelling of registers). FOLDED: no
+    multiply by 2**126 (``scale`` holds what of it the caller wants)."""
+    return tl.inline_asm_elementwise(E2M1_ORDERED_FOLDED_PTX if FOLDED else E2M1_ORDERED_PTX, "=r,=r,=r,=r,r,r,r",
+                                     [byte, scale],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 

@@ -25,10 +25,10 @@ def _register(out: int, sel: str, scale: int, rebias: bool) -> str:
             + (f"mul.rn.bf16x2 ${out}, ${out}, k;\n" if rebias else "") + f"mul.rn.bf16x2 ${out}, ${out}, ${scale};\n")
 
 
-def _pairs_text(rebias: bool) -> str:
+def _pairs_text(rebias: bool, k: int = 0x7B80) -> str:
     """$2: four E4M3 bytes; $3 / $4: the bf16 scales of bytes 0, 1 / 2, 3; out: $0 bytes 0, 1 and $1
-    bytes 2, 3 as bf16 pairs."""
-    return ("{\n.reg .b32 x, z" + (", k;\nmov.b32 k, 0x7B807B80;\n" if rebias else ";\n")  # k: 2**120, twice
+    bytes 2, 3 as bf16 pairs. ``k``: the bf16 bits of the re-bias multiplier (2**120 gives the values)."""
+    return ("{\n.reg .b32 x, z" + (f", k;\nmov.b32 k, {k << 16 | k:#010x};\n" if rebias else ";\n")
             + "mov.b32 z, 0;\n" + _register(0, "0x9180", 3, rebias) + _register(1, "0xB3A2", 4, rebias) + "}\n")
 
 
@@ -37,6 +37,8 @@ E4M3_PAIRS_PTX = tl.constexpr(E4M3_PAIRS_TEXT)
 # the same with the 2**120 in the scale operands (:func:`e8m0_bf16_x2p120`): one multiply a register
 # fewer, for scale bytes up to FOLD_MAX_SCALE
 E4M3_PAIRS_FOLDED_TEXT = _pairs_text(False)
+# the values times 2**-63 (a re-bias by 2**57): the warp-specialized attention's rows (attention_ws, PACKED)
+E4M3_PAIRS_DOWN63_TEXT = _pairs_text(True, 0x5C00)
 E4M3_PAIRS_FOLDED_PTX = tl.constexpr(E4M3_PAIRS_FOLDED_TEXT)
 FOLD_MAX_SCALE = 134  # the largest UE8M0 byte whose 2**(u - 127) * 2**120 bf16 holds exactly (u + 120 <= 254)
 

@@ -75,6 +75,32 @@ def test_the_ordered_ptx_gives_the_pairs_values_in_element_order(rng):
     assert "or.b32" not in ops
 
 
+def test_the_ordered_ptx_folded_takes_the_rebias_from_its_scales(rng):
+    """``E2M1_ORDERED_FOLDED_TEXT`` with a scale that holds 2**63 of the 2**126 re-bias (the ws attention's
+    fp4_b16 rows): the ordered decode's values times 2**-63, bit for bit, for E4M3-valued scales."""
+    finite = torch.arange(256, dtype=torch.uint8)
+    finite = finite[~finite.view(torch.float8_e4m3fn).float().isnan()]
+    n = 4096
+    data = torch.randint(0, 256, (n, 4), generator=rng, dtype=torch.uint8)
+    data[:64] = torch.arange(256, dtype=torch.uint8).view(64, 4)
+    scales = finite[torch.randint(0, finite.numel(), (n, 2), generator=rng)].view(torch.float8_e4m3fn).double()
+    sb, sb63 = _bf16_bits(scales), _bf16_bits(scales * 2.0 ** 63)
+    word = words_of(data)
+    plain = run_ptx(codecs.E2M1_ORDERED_TEXT, {4: word, 5: sb[:, 0] * 0x10001, 6: sb[:, 1] * 0x10001})
+    down = run_ptx(codecs.E2M1_ORDERED_FOLDED_TEXT, {4: word, 5: sb63[:, 0] * 0x10001, 6: sb63[:, 1] * 0x10001})
+    for reg in range(4):
+        for half in (0, 1):
+            p = (plain[f"${reg}"] >> (16 * half)) & 0xFFFF
+            d = (down[f"${reg}"] >> (16 * half)) & 0xFFFF
+            want = _bf16_bits(torch.from_numpy(_lanes_f64(p)) * 2.0 ** -63)
+            np.testing.assert_array_equal(d, want, err_msg=f"${reg} lane {half}")
+
+
+def _lanes_f64(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint) -> their float64 values."""
+    return torch.from_numpy(bits.astype(np.int32).astype(np.int16)).view(torch.bfloat16).double().numpy()
+
+
 def test_the_interpreter_keeps_the_bit_decode():
     """The E2M1 constexpr: the decode (0 bits, 1 dot_scaled, 2 packed: sm_90 only) plus 8 where the
     scales are loaded a block ahead ("packed_prefetch", whose decode falls back as "packed" does)."""
