@@ -347,17 +347,16 @@ def _gemv(x2: torch.Tensor, weight: QTensor, plan: dict) -> torch.Tensor:
 
 def _bf16_gemm(x2: torch.Tensor, weight: QTensor) -> torch.Tensor:
     """The fp8 activations and the fp8_w weight as bf16 (E4M3 values times UE8M0 powers of two:
-    exact in bf16; one dequantize launch each), one cuBLAS bf16 GEMM (fp32 accumulation, one rounding
+    exact in bf16; one launch each), one cuBLAS bf16 GEMM (fp32 accumulation, one rounding
     to bf16): the kernel's math at large M, where the per-32 scale promotion makes the fp8 MMA loop slow."""
     return fp8_rows_bf16(x2) @ quant.dequantize(weight, torch.bfloat16).t()
 
 
 def fp8_rows_bf16(x2: torch.Tensor) -> torch.Tensor:
-    """``x2`` [M, K] quantized to fp8 per 32 (:func:`act_quant`) and back, as bf16: the values the
-    kernels' fp8 activations stand for (E4M3 times a power of two: exact in bf16)."""
-    q, s = act_quant(x2)
-    fp8 = QTensor(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), "fp8", tuple(x2.shape))
-    return quant.dequantize(fp8, torch.bfloat16)
+    """``x2`` [M, K] quantized to fp8 per 32 (as :func:`act_quant` quantizes it) and back, as bf16: the
+    values the kernels' fp8 activations stand for (E4M3 times a power of two: exact in bf16), in one
+    launch (:func:`.round_trip.fp8_round_trip`: no E4M3 bytes and scales written and read back)."""
+    return fp8_round_trip(x2, _tiles()["round_trip"])
 
 
 def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

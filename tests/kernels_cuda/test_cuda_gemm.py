@@ -10,7 +10,8 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from flashrt.errors import BackendError
-from kernel_check import DEVICE, GPU, moe_reference_by_expert, pinned_tiles, requires_kernels, rel_err, run_both
+from kernel_check import (DEVICE, GPU, moe_reference_by_expert, pinned_tiles, record_launches, requires_kernels,
+                          rel_err, run_both)
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")  # needs triton (not a GPU)
@@ -116,6 +117,23 @@ def test_linear_bf16_gemm_path(rng, monkeypatch, out_f, in_f):
             assert got.dtype == dtype and rel_err(got, want) < _tol(dtype)
         run_both("linear", _randn(rng, 20, in_f).to(torch.bfloat16), _weight(rng, "fp4_w", out_f, in_f))
     assert calls == [(20, in_f)]
+
+
+@pytest.mark.parametrize("rows,k,dtype", [(7, 96, torch.bfloat16), (40, 256, torch.float32), (3, 1024, torch.bfloat16)])
+def test_the_bf16_paths_activations_are_act_quants_values_in_one_launch(rng, monkeypatch, rows, k, dtype):
+    """``fp8_rows_bf16`` (the bf16 GEMM path's and the grouped experts' activations): bit for bit the values
+    ``act_quant``'s bytes and scales stand for, a block of tiny values included, from one launch."""
+    from flashrt.formats import QTensor
+    from flashrt.kernels_cuda import quant
+
+    x = (_randn(rng, rows, k) * 3.0).to(dtype)
+    x[0, :32] *= 1e-30
+    q, s = lin.act_quant(x)
+    want = quant.dequantize(QTensor(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), "fp8", (rows, k)),
+                            torch.bfloat16)
+    launches = record_launches(monkeypatch)
+    got = lin.fp8_rows_bf16(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want) and launches == ["_fp8_round_trip_kernel"]
 
 
 def test_linear_large_tile_fp16(rng):
