@@ -7,10 +7,10 @@ size, the same byte ranges: slicing at a multiple of 8 codes is unchanged) and m
 three magnitude bits and its sign bit to the positions :data:`WORD_BITS` gives, read on the
 little-endian 32-bit word of the 4 bytes. The positions are chosen so that, after one shift and one
 mask, a 32-bit register holds two codes as bf16 bit patterns (magnitude at bf16 bits 6-8, sign at
-bit 15, in each 16-bit half): codes 0 and 2 need the mask only, codes 4 and 6 a shift by 3, codes 1
-and 3 a shift by 6, and codes 5 and 7 three shifts (``codecs.E2M1_WORDS_TEXT``). A register's two
-codes are then in the order the packed decode already returns them (the low nibbles of bytes 0
-and 1, of bytes 2 and 3, then the high nibbles).
+bit 15, in each 16-bit half): codes 0 and 1 need the mask only, codes 2 and 3 a shift by 3, codes 4
+and 5 a shift by 6, and codes 6 and 7 three shifts (``codecs_words.E2M1_WORDS_TEXT``). The four
+registers then hold the eight codes in element order, two a register, as the MMA operand takes
+consecutive K elements: no permute of the values or of the other operand follows.
 """
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ import torch
 
 # WORD_BITS[j]: the word bit positions of code j's bits 0, 1, 2 (magnitude) and 3 (sign)
 WORD_BITS = (
-    (6, 7, 8, 15),  # code 0: the 16-bit half's bf16 positions as they are
-    (0, 1, 2, 9),  # code 1: shifted left by 6
-    (22, 23, 24, 31),  # code 2: the high half, as it is
-    (16, 17, 18, 25),  # code 3: the high half, shifted left by 6
-    (3, 4, 5, 12),  # code 4: shifted left by 3
-    (10, 11, 13, 14),  # code 5: the bits left over, three shifts
-    (19, 20, 21, 28),  # code 6: the high half, shifted left by 3
+    (6, 7, 8, 15),  # code 0: the low 16-bit half's bf16 positions as they are
+    (22, 23, 24, 31),  # code 1: the high half, as it is
+    (3, 4, 5, 12),  # code 2: shifted left by 3
+    (19, 20, 21, 28),  # code 3: the high half, shifted left by 3
+    (0, 1, 2, 9),  # code 4: shifted left by 6
+    (16, 17, 18, 25),  # code 5: the high half, shifted left by 6
+    (10, 11, 13, 14),  # code 6: the bits left over, three shifts
     (26, 27, 29, 30),  # code 7: the high half's bits left over
 )
 # words rearranged at a time: a bounded temporary; on the CPU one that stays in the caches, on a

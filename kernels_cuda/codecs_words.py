@@ -1,10 +1,11 @@
 """Device-side decoders of packed fp4 in the E2M1 word layout (:mod:`flashrt.e2m1_words`).
 
-- :func:`e2m1_words_bf16`: the packed decode (:func:`.codecs.e2m1_pairs_bf16`'s contract: four bytes
-  in, the low nibbles' and the high nibbles' values times their scales out, bf16) on bytes stored in
-  the word layout, by :data:`E2M1_WORDS_PTX` (sm_90+, not the interpreter): two output registers
-  take one shift and one mask each, one only the mask, the last three shifts, against a byte permute,
-  a shift and a mask a register and a shift a word for the standard nibbles (no byte permutes here).
+- :func:`e2m1_words_bf16`: the packed decode (:func:`.codecs.e2m1_ordered_bf16`'s contract: four bytes
+  in, their eight codes' values times their scales out in element order, codes 0-3 and 4-7, bf16) on
+  bytes stored in the word layout, by :data:`E2M1_WORDS_PTX` (sm_90+, not the interpreter): two output
+  registers take one shift and one mask each, one only the mask, the last three shifts, against a byte
+  permute, a shift and a mask a register and a shift a word for the standard nibbles (no byte permutes
+  here).
 - :func:`e2m1_words_nibbles`: bytes in the word layout back to the standard nibbles, in registers
   (any architecture and the interpreter: the paths that decode code by code).
 """
@@ -29,11 +30,11 @@ def _register(out: int, shift: int, scale: int, rebias: bool) -> str:
 
 def _words_text(rebias: bool) -> str:
     """$4: a word of four bytes in the word layout; $5 / $6: the bf16 scales of bytes 0, 1 / 2, 3.
-    Out: $0 codes 0, 2; $1 codes 4, 6; $2 codes 1, 3; $3 codes 5, 7 (code 2i: byte i's low nibble in
-    the standard layout), each a bf16 pair. Codes 5 and 7 keep their magnitude bits 0-1 four places
+    Out: $0 codes 0, 1; $1 codes 2, 3; $2 codes 4, 5; $3 codes 6, 7 (code 2i: byte i's low nibble in
+    the standard layout), each a bf16 pair. Codes 6 and 7 keep their magnitude bits 0-1 four places
     above bf16's, bit 2 five above and the sign one below."""
     return ("{\n.reg .b32 t, u, v" + (", k;\nmov.b32 k, 0x7E807E80;\n" if rebias else ";\n")
-            + _register(0, 0, 5, rebias) + _register(1, 3, 6, rebias) + _register(2, 6, 5, rebias)
+            + _register(0, 0, 5, rebias) + _register(1, 3, 5, rebias) + _register(2, 6, 6, rebias)
             + "shr.b32 t, $4, 4;\nand.b32 t, t, 0x00C000C0;\nshr.b32 u, $4, 5;\nand.b32 u, u, 0x01000100;\n"
             + "or.b32 t, t, u;\nshl.b32 v, $4, 1;\nand.b32 v, v, 0x80008000;\nor.b32 $3, t, v;\n"
             + ("mul.rn.bf16x2 $3, $3, k;\n" if rebias else "") + "mul.rn.bf16x2 $3, $3, $6;\n}\n")
@@ -48,8 +49,9 @@ E2M1_WORDS_FOLDED_PTX = tl.constexpr(E2M1_WORDS_FOLDED_TEXT)
 @triton.jit
 def e2m1_words_bf16(byte, scale, FOLDED: tl.constexpr = False):
     """fp4 bytes in the word layout (uint8, each thread's four consecutive bytes one word) and a bf16
-    scale per byte -> (low codes' values, high codes' values) times the scales, as
-    :func:`.codecs.e2m1_pairs_bf16` returns them for the standard bytes."""
+    scale per byte -> (codes 0-3, codes 4-7) of each word times the scales, as
+    :func:`.codecs.e2m1_ordered_bf16` returns them for the standard bytes (bytes 0, 1 take the first
+    scale of each pair, bytes 2, 3 the second: a word's eight codes share one scale in the weights)."""
     return tl.inline_asm_elementwise(E2M1_WORDS_FOLDED_PTX if FOLDED else E2M1_WORDS_PTX, "=r,=r,=r,=r,r,r,r",
                                      [byte, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 

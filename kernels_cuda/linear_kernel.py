@@ -57,8 +57,9 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
     registers (codecs.e2m1_pairs_bf16) into bf16, the re-bias folded into the scales where E2M1 has
     16 (scale bytes up to 128: the launcher's :func:`.linear.fold_scales`), else code by code; with 32
     in E2M1 the block's K order is :func:`_halves`' (the caller permutes the activations so); with 64
-    the bytes are in the E2M1 word layout (the packed decode reads them as they are,
-    codecs_words.e2m1_words_bf16; code by code they are put back in nibbles first). fp8_w with
+    the bytes are in the E2M1 word layout (the packed decode reads them as they are, its registers in
+    element order, codecs_words.e2m1_words_bf16, so never in the halves order; code by code they are
+    put back in nibbles first). fp8_w with
     E2M1 % 8 == 2 and 128 in E2M1: four E4M3 bytes a call into bf16 (codecs_e4m3.e4m3_pairs_bf16; with
     256 its 2**120 folded into the scales), else byte by byte."""
     G: tl.constexpr = BLOCK_K // 32
@@ -73,10 +74,12 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
         if E2M1 % 8 == 2:
             FOLD: tl.constexpr = (E2M1 // 16) % 2 == 1
             scale = tl.broadcast_to((e8m0_bf16_x2p126(s) if FOLD else e8m0_bf16(s))[:, :, None], (BLOCK_N, G, 16))
-            if WORDS:
-                lo, hi = e2m1_words_bf16(byte, scale, FOLD)
-            else:
-                lo, hi = e2m1_pairs_bf16(byte, scale, FOLD)
+            if WORDS:  # a word's codes 0-3, then 4-7 (element order; the caller keeps the activations' order)
+                first, second = e2m1_words_bf16(byte, scale, FOLD)
+                tl.static_assert((E2M1 // 32) % 2 == 0, "the words' packed decode is in element order")
+                return tl.reshape(tl.permute(tl.reshape(tl.join(first, second), (BLOCK_N, G * 4, 4, 2)), (0, 1, 3, 2)),
+                                  (BLOCK_N, BLOCK_K)).to(DOT)
+            lo, hi = e2m1_pairs_bf16(byte, scale, FOLD)
         else:
             byte = byte.to(tl.int32)
             if WORDS:
@@ -238,7 +241,9 @@ def _mma_k_loop(a_rows, sa_rows, row_ok, w_ptr, sw_ptr, w3_ptr, sw3_ptr, n0, N, 
     PREFETCH: tl.constexpr = FP4 and not PROMOTE and (E2M1 // 8) % 2 == 1
     # the halves order on tiles under 64 rows only (mma.sync, operands in registers); 64-row tiles take
     # the warpgroup MMA, whose activation operand a permutation would send through shared memory
-    HALVES: tl.constexpr = FP4 and not PROMOTE and (E2M1 // 32) % 2 == 1 and BLOCK_M < 64
+    # (and not over the words' packed decode, whose registers are in element order already)
+    HALVES: tl.constexpr = (FP4 and not PROMOTE and (E2M1 // 32) % 2 == 1 and BLOCK_M < 64
+                            and not (E2M1 % 8 == 2 and (E2M1 // 64) % 2 == 1))
     W_E2M1: tl.constexpr = E2M1 if HALVES else E2M1 & ~32  # what the weights' decode is told
     # the swap_operands tile on the dequantizing loops' warpgroup-MMA tiles: acc holds the tile transposed
     SWAP: tl.constexpr = not PROMOTE and E2M1 != 1 and (E2M1 // 512) % 2 == 1 and BLOCK_M >= 64

@@ -8,10 +8,9 @@ accumulation) and a row tile's activation rows (up to ``TOKENS``: one expert's p
 The weights come through a shared ring of asynchronous copies and are read in the 8-bit MMA operand's
 layout, so each thread holds whole 32-bit words of eight E2M1 codes (the word layout,
 :mod:`flashrt.e2m1_words`) of its two rows; the packed word decode (``codecs_words``, its re-bias
-folded into the bf16 block scale) writes them straight into the bf16 operand registers. The decode's
-registers hold codes (0, 2), (4, 6), (1, 3), (5, 7) of a word: the MMA takes them as they are and the
-activations' K is permuted the same way within each group of eight (a few byte permutes a slice, paid
-once for both weights of the up kernel). One MMA instruction covers 256 weight codes.
+folded into the bf16 block scale) writes them straight into the bf16 operand registers, the codes in
+element order (two a register), so the activations are taken in their own K order. One MMA
+instruction covers 256 weight codes.
 
 The activations arrive as the bf16 values of their fp8 round trip (``tiles.moe.act_dequantized``): x by
 one launch before, h as the up kernel stores it. The products are exact and summed in fp32, as the 16-row
@@ -96,22 +95,19 @@ if AVAILABLE:
     @gluon.jit
     def _weights(slot, u: gl.constexpr, scale, a8: gl.constexpr, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
         """K slice ``u`` of a weight ring slot ([BLOCK_N, 16] bytes of E2M1 words) times its rows' folded
-        scales (bf16 [BLOCK_N] in ``SliceLayout(1, a8)``): the A operand in bf16, each word's codes in the
-        decode's order (:func:`_permuted`)."""
+        scales (bf16 [BLOCK_N] in ``SliceLayout(1, a8)``): the A operand in bf16, in K order."""
         byte = slot.slice(16 * u, 16, dim=1).load(a8)
-        lo, hi = gl.inline_asm_elementwise(_WORDS, "=r,=r,=r,=r,r,r,r", [byte, gl.broadcast(scale[:, None], byte)[0]],
-                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-        # lo[r, i] / hi[r, i]: byte i's low / high code; position 8g + 4t + i' takes code 8g + 2i' + t
-        a = gl.permute(gl.reshape(gl.join(lo, hi), [BLOCK_N, 4, 4, 2]), [0, 1, 3, 2])
+        first, second = gl.inline_asm_elementwise(_WORDS, "=r,=r,=r,=r,r,r,r",
+                                                  [byte, gl.broadcast(scale[:, None], byte)[0]],
+                                                  dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        # first[r, 4w + i] / second[r, 4w + i]: code i / 4 + i of word w; relabelled into element order
+        a = gl.permute(gl.reshape(gl.join(first, second), [BLOCK_N, 4, 4, 2]), [0, 1, 3, 2])
         return gl.convert_layout(gl.reshape(a, [BLOCK_N, 32]), a_l, assert_trivial=True)
 
     @gluon.jit
-    def _permuted(slot, u: gl.constexpr, b_l: gl.constexpr, TOKENS: gl.constexpr):
-        """K slice ``u`` of an activation ring slot ([TOKENS, 32 * SUB] bf16) as the B operand [32, TOKENS],
-        K permuted within each group of eight as :func:`_weights` orders the codes."""
-        b = slot.slice(32 * u, 32, dim=1).permute((1, 0)).load(b_l)
-        b = gl.permute(gl.reshape(b, [4, 4, 2, TOKENS]), [0, 2, 1, 3])
-        return gl.convert_layout(gl.reshape(b, [32, TOKENS]), b_l)
+    def _activations(slot, u: gl.constexpr, b_l: gl.constexpr):
+        """K slice ``u`` of an activation ring slot ([TOKENS, 32 * SUB] bf16) as the B operand [32, TOKENS]."""
+        return slot.slice(32 * u, 32, dim=1).permute((1, 0)).load(b_l)
 
     @gluon.jit
     def _copy(w_slot, w_src, kb, kb_hi, w_rows, w_cols):
@@ -206,7 +202,7 @@ if AVAILABLE:
             for u in gl.static_range(SUB):
                 ks = k0 + 32 * u
                 if EVEN_K or ks < k_hi:
-                    b = _permuted(x_ring.index(at), u, b_l, TOKENS)
+                    b = _activations(x_ring.index(at), u, b_l)
                     if KMAJOR:
                         s = s1_ring.index(at * SUB + u).load(gl.SliceLayout(1, a8)).to(gl.int32)
                     else:

@@ -1,6 +1,6 @@
 """fp4 codes in the E2M1 word layout (``expert_fp4: words``, ``codecs_words``): the packed decode's
-PTX on words gives the standard decode's registers bit for bit (emulated here on every byte value
-and UE8M0 scale); ``linear``, ``moe_experts`` and the dequantize kernel on words give the results
+PTX on words gives the ordered standard decode's registers bit for bit (the codes in element order,
+emulated here on every byte value and UE8M0 scale); ``linear``, ``moe_experts`` and the dequantize kernel on words give the results
 of the same codes in nibbles, bit for bit (under the interpreter the words are put back in
 nibbles in registers; on an sm_90 GPU the packed decode reads them); a launch refuses to mix the
 layouts."""
@@ -33,8 +33,9 @@ def test_the_words_ptx_gives_the_nibbles_ptx_registers(rng, folded):
     scales = torch.where(scale_bytes == 255, float("nan"), torch.exp2(exponent))
     sb = bf16_bits(scales)
     ops_ = {5: sb[:, 0] * 0x10001, 6: sb[:, 1] * 0x10001}
-    nibbles, words = ((codecs.E2M1_PAIRS_FOLDED_TEXT, words_codecs.E2M1_WORDS_FOLDED_TEXT) if folded
-                      else (codecs.E2M1_PAIRS_TEXT, words_codecs.E2M1_WORDS_TEXT))
+    # the words' decode gives the ordered decode's registers (codes in element order, two a register)
+    nibbles, words = ((codecs.E2M1_ORDERED_FOLDED_TEXT, words_codecs.E2M1_WORDS_FOLDED_TEXT) if folded
+                      else (codecs.E2M1_ORDERED_TEXT, words_codecs.E2M1_WORDS_TEXT))
     want = run_ptx(nibbles, {4: words_of(data), **ops_})
     got = run_ptx(words, {4: words_of(e2m1_words.to_words(data)), **ops_})
     for reg in range(4):
