@@ -189,7 +189,8 @@
 #              call's kernels by device time (benchmarks/moe_kernels.py):
 #              h200-moe-mma-tests.log, h200-moe-mma-v41.json, h200-moe-kernels.json
 #   decodes    the packed decodes by sign-replicating byte permutes (codecs' E2M1 pairs, E4M3 pairs, the ws
-#              attention's codes in element order and fp8 rows, the indexer's keys): the kernel tests that run
+#              attention's codes in element order and fp8 rows, the indexer's keys) and the E2M1 word layout in
+#              element order (e2m1_words, codecs_words, linear_kernel, moe_mma): the kernel tests that run
 #              them natively (h200-decodes-tests.log), then benchmarks/attention_ws.py at batch 8 and 64 (the
 #              packed decodes against the code-by-code ones in one call: h200-attention-ws-decodes.json; with
 #              BEFORE, a folder of the decodes' files before them, also under those: ...-before.json)
@@ -1259,7 +1260,8 @@ phase_decodes() {  # the packed decodes' GPU tests, then the ws attention with t
     tests/kernels_cuda/test_cuda_attention_packed.py tests/kernels_cuda/test_cuda_attention.py \
     tests/kernels_cuda/test_cuda_prefix_attention.py tests/kernels_cuda/test_cuda_indexer.py \
     tests/kernels_cuda/test_cuda_moe_shared.py tests/kernels_cuda/test_cuda_fp4_words.py \
-    > "$OUT/h200-decodes-tests.log" 2>&1
+    tests/kernels_cuda/test_cuda_moe_mma.py tests/kernels_cuda/test_cuda_scales_k_major.py \
+    tests/graphs/test_moe_shared_block.py > "$OUT/h200-decodes-tests.log" 2>&1
   tail -n 15 "$OUT/h200-decodes-tests.log"
   timeout 170 python benchmarks/attention_ws.py --batches 8 64 --out "$OUT/h200-attention-ws-decodes.json" 2>&1 \
     | grep -v "^ " | tail -n 40
