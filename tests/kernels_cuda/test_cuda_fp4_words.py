@@ -1,9 +1,9 @@
 """fp4 codes in the E2M1 word layout (``expert_fp4: words``, ``codecs_words``): the packed decode's
 PTX on words gives the ordered standard decode's registers bit for bit (the codes in element order,
-emulated here on every byte value and UE8M0 scale); ``linear``, ``moe_experts`` and the dequantize kernel on words give the results
-of the same codes in nibbles, bit for bit (under the interpreter the words are put back in
-nibbles in registers; on an sm_90 GPU the packed decode reads them); a launch refuses to mix the
-layouts."""
+emulated here on every byte value and UE8M0 scale); ``linear``, ``moe_experts`` and the dequantize
+kernel on words give the results of the same codes in nibbles, bit for bit (under the interpreter the
+words are put back in nibbles in registers; on an sm_90 GPU the packed decode reads them); a launch
+refuses to mix the layouts."""
 import numpy as np
 import pytest
 import torch
