@@ -220,13 +220,21 @@ def random_experts(cfg, dev, scales_k_major: bool = False, words: bool = False):
     return fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)
 
 
+def random_shared(cfg, dev, g, scales_k_major: bool = False):
+    """The shared expert's w1, w3 [1, I, D] and w2 [1, D, I] in fp8_w, laid out as the model's load lays them
+    out (``formats.as_expert_stack``: the largest scale byte recorded, which the packed fp8 decodes' fold and
+    ``gemv_mma``'s shared rows read; ``scales_k_major`` as the routed experts')."""
+    D, I = cfg.dim, cfg.moe_inter_dim
+    return tuple(formats.as_expert_stack(formats.quantize(torch.randn(1, *s, generator=g) * 0.05, "fp8_w").to(dev),
+                                         scales_k_major) for s in ((I, D), (I, D), (D, I)))
+
+
 def expert_cases(cfg, dev, g, scales_k_major: bool = False, words: bool = False):
     """moe_experts at 1 and 8 tokens (the routed experts: :func:`random_experts`); one-row tiles
     (pairs mode at 1 token; at 8, routing-table tiles of about one row an expert)."""
     E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     w1, w3, w2 = random_experts(cfg, dev, scales_k_major, words)
-    shared = tuple(formats.quantize(torch.randn(1, *s, generator=g) * 0.05, "fp8_w").to(dev)
-                   for s in ((I, D), (I, D), (D, I)))
+    shared = random_shared(cfg, dev, g, scales_k_major)
     per_expert = sum(nbytes(w) for w in (w1, w3, w2)) / E
     for n in (1, 8):
         x = torch.randn(n, D, generator=g).to(dev, torch.bfloat16)

@@ -7,7 +7,8 @@ variants of its experts rule (the same knobs as ``benchmarks/gemv_tiles.py``'s `
 The call is captured in a CUDA graph and replayed ``--calls`` times under ``torch.profiler``, each replay
 behind an L2 flush (a write of a buffer larger than the L2, whose own kernel is left out); a kernel's time
 is its summed device time over the replays divided by their number. The weights are
-``gemv_tiles.random_experts`` laid out as the h200 profile loads them (scales K major, codes in words).
+``gemv_tiles.random_experts`` and ``random_shared`` laid out as the h200 profile loads them (scales K
+major, codes in words, the largest scale bytes recorded).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemv_tiles  # noqa: E402
 
 import flashrt  # noqa: E402
-from flashrt import formats, ops, profiles  # noqa: E402
+from flashrt import ops, profiles  # noqa: E402
 from flashrt.graphs.config import shipped_config  # noqa: E402
 
 
@@ -61,10 +62,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed")
     cfg, dev, g = shipped_config("v4.1-flash"), torch.device("cuda"), torch.Generator().manual_seed(0)
-    E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+    E, k, D = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim
     w1, w3, w2 = gemv_tiles.random_experts(cfg, dev, True, True)
-    shared = tuple(formats.quantize(torch.randn(1, *s, generator=g) * 0.05, "fp8_w").to(dev)
-                   for s in ((I, D), (I, D), (D, I)))
+    shared = gemv_tiles.random_shared(cfg, dev, g, True)
     rows = []
     with flashrt.use_backend("cuda"), flashrt.value_checks(False):
         for n in args.tokens:

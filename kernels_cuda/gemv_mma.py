@@ -47,7 +47,7 @@ if AVAILABLE:
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
     from flashrt.kernels_cuda.codecs import e8m0_bf16, e8m0_to_f32
-    from flashrt.kernels_cuda.codecs_e4m3 import E4M3_PAIRS_FOLDED_TEXT, E4M3_PAIRS_TEXT, e8m0_bf16_x2p120
+    from flashrt.kernels_cuda.codecs_e4m3 import e4m3_pairs_bf16, e8m0_bf16_x2p120
     from flashrt.kernels_cuda.pdl import wait_inputs
 
     @gluon.constexpr_function
@@ -82,9 +82,6 @@ if AVAILABLE:
         q = (x * recip[None, :]).to(gl.float8e4nv)
         return q.to(gl.float16), e
 
-    _PAIRS = gl.constexpr(E4M3_PAIRS_TEXT)
-    _PAIRS_FOLDED = gl.constexpr(E4M3_PAIRS_FOLDED_TEXT)
-
     @gluon.jit
     def _dequantized_product(w_slot, x_slot, u: gl.constexpr, sw, acc, a_l: gl.constexpr, b_l: gl.constexpr,
                              DQ: gl.constexpr):
@@ -92,14 +89,8 @@ if AVAILABLE:
         their tile scale bytes ``sw`` (int32 [BLOCK_N] in ``SliceLayout(1, a_l)``; DQ 1: the 2**120 folded
         into the scale, DQ 2: multiplied apart) and the activations' round-trip values as bf16 (exact)."""
         byte = w_slot.slice(32 * u, 32, dim=1).load(a_l)
-        if DQ == 1:
-            scale = e8m0_bf16_x2p120(sw)
-            a = gl.inline_asm_elementwise(_PAIRS_FOLDED, "=r,=r,r,r,r", [byte, gl.broadcast(scale[:, None], byte)[0]],
-                                          dtype=gl.bfloat16, is_pure=True, pack=4)
-        else:
-            scale = e8m0_bf16(sw)
-            a = gl.inline_asm_elementwise(_PAIRS, "=r,=r,r,r,r", [byte, gl.broadcast(scale[:, None], byte)[0]],
-                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+        scale = e8m0_bf16_x2p120(sw) if DQ == 1 else e8m0_bf16(sw)
+        a = e4m3_pairs_bf16(byte, gl.broadcast(scale[:, None], byte)[0], DQ == 1)
         b = x_slot.slice(32 * u, 32, dim=1).permute((1, 0)).load(b_l).to(gl.bfloat16)
         return mma_v2(a, b, acc)
 

@@ -37,6 +37,7 @@ from flashrt.kernels_cuda.attention_ws import AVAILABLE
 from flashrt.kernels_cuda.gemv_mma import MIN_SLICES, ROWS_A_WARP, operand_kw
 from flashrt.kernels_cuda.codecs_e4m3 import FOLD_MAX_SCALE as FP8_FOLD_MAX_SCALE
 from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
+from flashrt.kernels_cuda.linear import scales_at_most
 
 KW = 8  # consecutive K elements a thread in the bf16 operands: one word of eight codes (Triton <= 3.6 takes it)
 
@@ -466,8 +467,8 @@ def _shared_operands(w, rows: int, k: int) -> tuple | None:
     stride, the scale's 32-row-tile and K-slice strides, where the kernels can read it: 16-byte rows
     (whole copies), a scale byte at most ``codecs_e4m3.FOLD_MAX_SCALE`` (the decode folds its re-bias into
     it); else None."""
-    if not (w.fmt == "fp8_w" and tuple(w.shape[-2:]) == (rows, k) and math.prod(w.shape[:-2]) == 1
-            and w.scale_max is not None and w.scale_max <= FP8_FOLD_MAX_SCALE):
+    if not (tuple(w.shape[-2:]) == (rows, k) and math.prod(w.shape[:-2]) == 1
+            and scales_at_most((w,), "fp8_w", FP8_FOLD_MAX_SCALE)):
         return None
     data, scale = w.data.view(torch.uint8), w.scale.view(torch.uint8)
     data, scale = data.reshape(data.shape[-2:]), scale.reshape(scale.shape[-2:])

@@ -23,10 +23,8 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
-    from flashrt.kernels_cuda.codecs_e4m3 import E4M3_PAIRS_FOLDED_TEXT, e8m0_bf16_x2p120
+    from flashrt.kernels_cuda.codecs_e4m3 import e4m3_pairs_bf16, e8m0_bf16_x2p120
     from flashrt.kernels_cuda.gemv_mma import _copy_layout
-
-    _PAIRS = gl.constexpr(E4M3_PAIRS_FOLDED_TEXT)
 
     @gluon.constexpr_function
     def mma_layout(num_warps):
@@ -38,8 +36,7 @@ if AVAILABLE:
         """K slice ``u`` of a ring slot ([BLOCK_N, 32] of its E4M3 bytes) times the rows' folded scales
         (bf16 [BLOCK_N] in ``SliceLayout(1, a_l)``): the A operand in bf16."""
         byte = slot.slice(32 * u, 32, dim=1).load(a_l)
-        return gl.inline_asm_elementwise(_PAIRS, "=r,=r,r,r,r", [byte, gl.broadcast(scale[:, None], byte)[0]],
-                                         dtype=gl.bfloat16, is_pure=True, pack=4)
+        return e4m3_pairs_bf16(byte, gl.broadcast(scale[:, None], byte)[0], True)
 
     @gluon.jit
     def _fill(w1_slot, w3_slot, x_slot, w1_src, w3_src, x_src, k, k_hi, w_rows, cols_w, cols_x, TWO: gl.constexpr):
