@@ -91,6 +91,21 @@ def bf16_bits(values: torch.Tensor) -> np.ndarray:
     return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
 
 
+def e2m1_in_order(data: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """The bf16 bits (uint32 [n, 8]) of the eight E2M1 codes of ``data`` [n, 4] (uint8, code 2i byte i's low
+    nibble) in element order, each times its byte pair's scale (``scales`` [n, 2] float64: bytes 0, 1 and
+    2, 3), computed from the codes' value table: what an ordered decode's registers hold, lane by lane."""
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    codes = torch.stack([data & 15, data >> 4], dim=-1).reshape(-1, 8).long()
+    values = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    return bf16_bits(values * scales.repeat_interleave(4, dim=1))
+
+
+def lanes(regs: dict, n_regs: int = 4) -> np.ndarray:
+    """The 16-bit lanes (uint32 [n, 2 * n_regs]) of output registers $0.. in order, the low half first."""
+    return np.stack([(regs[f"${r}"] >> (16 * h)) & 0xFFFF for r in range(n_regs) for h in (0, 1)], axis=1)
+
+
 def words_of(data: torch.Tensor) -> np.ndarray:
     """uint32 little-endian words of ``data`` [n, 4] (uint8): the register four packed bytes make."""
     w = data.numpy().astype(np.uint32)

@@ -14,7 +14,7 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
-from ptx_emulator import assert_fold_exact, bf16_bits as _bf16_bits, run_ptx, words_of
+from ptx_emulator import assert_fold_exact, bf16_bits as _bf16_bits, e2m1_in_order, lanes, run_ptx, words_of
 
 pytestmark = requires_kernels
 codecs = pytest.importorskip("flashrt.kernels_cuda.codecs")
@@ -65,6 +65,9 @@ def test_the_ordered_ptx_gives_the_pairs_values_in_element_order(rng):
     sb = _bf16_bits(torch.exp2(scale_bytes.double() - 127))
     ops_ = {4: words_of(data), 5: sb[:, 0] * 0x10001, 6: sb[:, 1] * 0x10001}
     pairs, ordered = run_ptx(codecs.E2M1_PAIRS_TEXT, ops_), run_ptx(codecs.E2M1_ORDERED_TEXT, ops_)
+    want = e2m1_in_order(data, torch.exp2(scale_bytes.double() - 127))  # the codes' values, lane by lane
+    finite = (scale_bytes < 255).repeat_interleave(4, dim=1).numpy()
+    np.testing.assert_array_equal(lanes(ordered)[finite], want[finite])
     half = lambda reg, h: (reg >> (16 * h)) & 0xFFFF
     for byte in range(4):  # the pairs decode: $0 / $1 low codes of bytes 0, 1 / 2, 3, $2 / $3 the high ones
         lo, hi = pairs[f"${byte // 2}"], pairs[f"${2 + byte // 2}"]
@@ -94,6 +97,8 @@ def test_the_ordered_ptx_folded_takes_the_rebias_from_its_scales(rng):
             d = (down[f"${reg}"] >> (16 * half)) & 0xFFFF
             want = _bf16_bits(torch.from_numpy(_lanes_f64(p)) * 2.0 ** -63)
             np.testing.assert_array_equal(d, want, err_msg=f"${reg} lane {half}")
+    # and against the codes' values times the scales times 2**-63 (every product a normal bf16)
+    np.testing.assert_array_equal(lanes(down), e2m1_in_order(data, scales * 2.0 ** -63))
 
 
 def _lanes_f64(bits: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ import torch
 import flashrt
 from flashrt import e2m1_words, formats, ops
 from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
-from ptx_emulator import bf16_bits, run_ptx, words_of
+from ptx_emulator import bf16_bits, e2m1_in_order, lanes, run_ptx, words_of
 
 pytestmark = requires_kernels
 codecs = pytest.importorskip("flashrt.kernels_cuda.codecs")
@@ -40,6 +40,9 @@ def test_the_words_ptx_gives_the_nibbles_ptx_registers(rng, folded):
     got = run_ptx(words, {4: words_of(e2m1_words.to_words(data)), **ops_})
     for reg in range(4):
         np.testing.assert_array_equal(got[f"${reg}"], want[f"${reg}"], err_msg=f"${reg}")
+    # and the codes' own values times the scales (2**126 held by the folded ones), in element order
+    ok = (scale_bytes < 255).repeat_interleave(4, dim=1).numpy()
+    np.testing.assert_array_equal(lanes(got)[ok], e2m1_in_order(data, scales / (2.0 ** 126 if folded else 1))[ok])
     # no more instructions than the nibbles' decode, and no byte permutes
     count = lambda text: sum(1 for line in text.splitlines() if line and line[0].isalpha() and line[:4] != "mov.")
     assert count(words) <= count(nibbles) and "prmt" not in words

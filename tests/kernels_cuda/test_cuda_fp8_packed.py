@@ -70,6 +70,12 @@ def test_the_down63_ptx_is_the_values_times_2_to_the_minus_63(rng):
             exponent = (p >> 7) & 0xFF  # a finite product whose 2**-63 multiple is a normal bf16
             normal = (exponent > 63 + 1) & (exponent < 0xFF)
             np.testing.assert_array_equal(d[normal], p[normal] - (63 << 7))
+            # and the byte's own value (0x7F / 0xFF as +-480) times its scale times 2**-63
+            byte = data[:, 2 * int(reg[1]) + half]
+            value = byte.view(torch.float8_e4m3fn).double()
+            value = torch.where(value.isnan(), torch.where(byte >= 128, -480.0, 480.0), value)
+            value = value * torch.exp2(scale_bytes[:, int(reg[1])].double() - 190)
+            np.testing.assert_array_equal(d[normal], bf16_bits(value)[normal])
     assert e4m3.E4M3_PAIRS_DOWN63_TEXT.count("\n") == e4m3.E4M3_PAIRS_TEXT.count("\n")
 
 
