@@ -75,7 +75,8 @@ def test_gate_uses_bias_vl_inside_spans(vl, monkeypatch, rng):
     moe = vl.blocks[3].ffn
     n = 10
     h = torch.randn(n, vl.cfg.dim, generator=rng).bfloat16()
-    inside = torch.rand(n, generator=rng) < 0.5
+    inside = torch.zeros(n, dtype=torch.bool)
+    inside[torch.randperm(n, generator=rng)[:n // 2]] = True  # both kinds of row, in random places
     monkeypatch.setattr(moe, "bias_vl", torch.randn(moe.bias.shape, generator=rng) * 4)
     routes = []
     experts = ops.moe_experts
