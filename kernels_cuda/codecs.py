@@ -13,8 +13,8 @@ Element decoders (stored bytes widened to int32 unless said otherwise), all exac
 - :func:`e2m1_x16384` E2M1 codes (sign in bit 3) -> value times 2**-14 as fp16 (the 0.5 code is an
   fp16 subnormal, kept by the fp16 -> fp32 conversion where an fp32 subnormal could be flushed);
   :func:`e2m1_to_f32` the fp32 value; :func:`e2m1_pairs_bf16` both codes of each byte times their
-  UE8M0 scale as bf16, decoded in packed registers by :data:`E2M1_PAIRS_PTX` (sm_90+, not the
-  interpreter).
+  UE8M0 scale as bf16, decoded in packed registers by :data:`E2M1_PAIRS_PTX` (sm_90+; under the
+  interpreter only while its PTX is emulated, :func:`ptx_sm90`).
 
 Row decoder: :func:`dequant_rows` turns a ``[R, bytes]`` tile of stored rows and its ``[R, blocks]``
 scale bytes into fp32 ``[R, elements]`` for every KV / key format (codes :data:`CODES`).
@@ -43,6 +43,19 @@ from flashrt.kernels_cuda.codecs_e4m3 import e4m3_pairs_bf16
 CODES = {"fp8": 1, "fp4_b16": 2, "fp4_b32": 3, "int8": 4}  # FMT constexpr of the kernels; 0 = plain float
 INTERPRETED = interpreted()  # kernels run in Triton's CPU interpreter (fixed when Triton is imported)
 _INTERPRETED = tl.constexpr(INTERPRETED)
+# Under the interpreter, "on" while an evaluator of inline PTX is installed in it (the tests' emulator,
+# tests/ptx_interpreter.py): launches then take the sm_90 PTX paths, so those run on the CPU too.
+PTX_EMULATED = {"on": False}
+
+
+def ptx_sm90() -> bool:
+    """Whether launches take the sm_90 inline-PTX paths: compiled for an sm_90+ target, or run by the
+    interpreter while its inline PTX is emulated (:data:`PTX_EMULATED`)."""
+    if INTERPRETED:
+        return PTX_EMULATED["on"]
+    from flashrt import jit_targets
+
+    return jit_targets.capability() >= (9, 0)
 
 
 # --------------------------------------------------------------------------------------- decoders
@@ -214,9 +227,9 @@ def _expand(s, R: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
     return tl.reshape(tl.broadcast_to(s[:, :, None], (R, NB, BS)), (R, NB * BS))
 
 
-# dequant_rows decodes fp4_b16 in packed registers on an sm_90+ target, not under the interpreter
-# (inline PTX; bf16x2 multiplies that keep subnormals); a Triton that cannot ask for the target
-# inside a kernel decodes code by code
+# dequant_rows decodes fp4_b16 in packed registers on an sm_90+ target, and under the interpreter only
+# while its PTX is emulated (inline PTX; bf16x2 multiplies that keep subnormals); a Triton that cannot
+# ask for the target inside a kernel decodes code by code
 if cuda_capability_geq is not None and not INTERPRETED:
     @triton.constexpr_function
     def _packed_target():
@@ -224,7 +237,7 @@ if cuda_capability_geq is not None and not INTERPRETED:
 else:
     @triton.constexpr_function
     def _packed_target():
-        return False
+        return INTERPRETED and PTX_EMULATED["on"]
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from flashrt.families import Dim, KernelFamily, Support
 from flashrt.tile_checks import DOT, POW2, Tile
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import warmup as _warmup
-from flashrt.kernels_cuda.codecs import CODES, INTERPRETED as _INTERPRETED
+from flashrt.kernels_cuda.codecs import CODES, INTERPRETED as _INTERPRETED, ptx_sm90
 from flashrt.kernels_cuda.indexer_kernel import _block_keys_kernel, _expand_kernel, _index_scores_kernel
 from flashrt.kernels_cuda.launch import PlanCache, cdiv, next_pow2, zeros_stored
 from flashrt.kernels_cuda.topk import select_rows
@@ -75,7 +75,9 @@ def index_scores(q, k, weights, visible, weight_scale=1.0):
     block_d = max(16, next_pow2(D))
     grid = (cdiv(T, tiles["block_t"]), cdiv(S, block_s), B)
     wide = block_s * block_h > 64 or dot == tl.float32
-    asm = fmt == CODES["fp4_b32"] and dot == tl.bfloat16 and tiles["asm_decode"] and not _INTERPRETED
+    # the packed decode where the keys are fp4_b32 and the dot bf16 on an sm_90 target; under the interpreter
+    # (dot fp32) while its PTX is emulated
+    asm = fmt == CODES["fp4_b32"] and (dot == tl.bfloat16 or _INTERPRETED) and tiles["asm_decode"] and ptx_sm90()
     _index_scores_kernel[grid](
         q, kd, ks, weights, visible, out, table, S, T, H, *q.stride(), *sk, *ss, *weights.stride(),
         *visible.stride(), out.stride(0), out.stride(1), table.stride(0), page, float(weight_scale), PAGED=paged, D=D, BLOCK_D=block_d,

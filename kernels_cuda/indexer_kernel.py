@@ -79,9 +79,9 @@ def _tile_quant(k_ptr, ks_ptr, q_rows, row_ok, offs_t, t_ok, sk_t, ss_t, sq_d, D
     sb = tl.load(ks_ptr + offs_t[:, None] * ss_t + blk[None, :], mask=live, other=ONE).to(tl.int32)
     d = tl.arange(0, NB * BLOCK)
     qt = tl.load(q_rows[None, :] + (d * sq_d)[:, None], mask=row_ok[None, :] & (d < D)[:, None], other=0.0)
-    if ASM:  # fp4_b32, bf16 dot
+    if ASM:  # fp4_b32, bf16 dot (fp32 under the interpreter, whose bf16 dot is not exact)
         if (tl.min(sb) >= _ASM_OFFSET + 2) & (tl.max(sb) <= _ASM_OFFSET + 128):
-            dots = tl.dot(_decode_asm(byte, sb), qt.to(DOT)) * 1.8446744073709552e19  # 2**64
+            dots = tl.dot(_decode_asm(byte, sb).to(DOT), qt.to(DOT)) * 1.8446744073709552e19  # 2**64
         else:
             dots = tl.dot(_decode_exact(byte, sb, FMT, DOT), qt.to(DOT), input_precision=PREC)
     else:

@@ -36,7 +36,7 @@ from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import COUNT0, GEMM_ROWS, POW2, Tile, gemm_smem
 from flashrt.formats import QTensor
 from flashrt.kernels_cuda import quant, splitk
-from flashrt.kernels_cuda.codecs import INTERPRETED
+from flashrt.kernels_cuda.codecs import INTERPRETED, ptx_sm90
 from flashrt.kernels_cuda.codecs_e4m3 import FOLD_MAX_SCALE as FP8_FOLD_MAX_SCALE
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
@@ -175,12 +175,12 @@ def fp4_decode(swap: bool | None = None) -> int:
     :data:`HALVES` for the ``fp4_halves`` tile (with the bits and packed decodes), plus
     :data:`FP8_PACKED` for the ``fp8_packed`` tile with the packed decode, plus :data:`SWAP_AB` for
     the ``swap_operands`` tile, or ``swap`` where a rule sets it (not with ``tl.dot_scaled``). The packed
-    decode's bf16x2 multiplies need sm_90 (and a GPU: inline PTX), else the bit decode (the same
-    values)."""
+    decode's bf16x2 multiplies need sm_90 (inline PTX: a GPU, or the interpreter emulating it,
+    :func:`.codecs.ptx_sm90`), else the bit decode (the same values)."""
     name = _tiles()["fp4_decode"]
     ahead = SCALE_PREFETCH if name == "packed_prefetch" else 0
     mode = 2 if ahead else FP4_DECODES.index(name)
-    if mode == 2 and (INTERPRETED or jit_targets.capability() < (9, 0)):
+    if mode == 2 and not ptx_sm90():
         mode = 0
     fp8 = FP8_PACKED if mode == 2 and _tiles()["fp8_packed"] else 0  # an fp8 shared expert in the launch
     return mode + ahead + (HALVES if _tiles()["fp4_halves"] and mode != 1 else 0) + fp8 + _swap(mode != 1, swap)

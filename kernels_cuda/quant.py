@@ -25,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from flashrt import formats, jit_targets
+from flashrt import formats
 from flashrt.families import KernelFamily, Support
 from flashrt.tile_checks import POW2
 from flashrt.formats import MAIN_KV_FORMAT, QTensor
-from flashrt.kernels_cuda.codecs import (CODES, INTERPRETED, block_scale, e2m1_block_codes, e2m1_to_f32,
+from flashrt.kernels_cuda.codecs import (CODES, block_scale, ptx_sm90, e2m1_block_codes, e2m1_to_f32,
                                          e4m3_to_f32, e8m0_to_f32, store_blocks, to_out)
 from flashrt.kernels_cuda.codecs_e2m1 import e2m1_bytes_bf16x2
 from flashrt.kernels_cuda.codecs_words import e2m1_words_nibbles
@@ -158,9 +158,9 @@ def _dequantize_w(q: QTensor, out: torch.Tensor) -> None:
 
 def pairs_apply(fmt: str, dtype: torch.dtype) -> bool:
     """Whether TILES ``quantize.pairs`` codes this call two elements a PTX call: ``fp4_b16`` from bf16,
-    on sm_90+ (``set.bf16x2``), not under the interpreter."""
+    on sm_90+ (``set.bf16x2``; under the interpreter only while its PTX is emulated, :func:`.codecs.ptx_sm90`)."""
     return (bool(_tiles()["quantize"].get("pairs")) and fmt == "fp4_b16" and dtype == torch.bfloat16
-            and not INTERPRETED and jit_targets.capability() >= (9, 0))
+            and ptx_sm90())
 
 
 def rows_plan(rows: int, n: int, fmt: str, has_slots: bool, tile: tuple | None = None,

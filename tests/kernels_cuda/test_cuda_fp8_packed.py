@@ -139,8 +139,7 @@ def test_fp8_launches_take_the_packed_decode_only_when_dequantizing(monkeypatch,
 
 def test_the_tile_adds_the_fp8_bit_only_to_the_packed_decode(monkeypatch):
     """As on an sm_90 GPU (the packed decode does not fall back): the bit joins packed launches only."""
-    monkeypatch.setattr(lin, "INTERPRETED", False)
-    monkeypatch.setattr(lin.jit_targets, "capability", lambda: (9, 0))
+    monkeypatch.setattr(lin, "ptx_sm90", lambda: True)
     for decode in ("bits", "dot_scaled", "packed", "packed_prefetch"):
         with pinned_tiles(linear=dict(fp4_decode=decode)):
             plain = lin.fp4_decode()
