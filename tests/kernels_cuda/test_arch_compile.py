@@ -3,7 +3,8 @@ the sm_80 paths the A100 profile selects, checked on the interpreter (or the GPU
 
 The compiles run in a subprocess without ``TRITON_INTERPRET`` (this process imported Triton in
 interpreter mode). CI compiles a representative subset here: the families whose code differs per
-architecture (attention: the E4M3 decode; linear: FP8 MMA or bf16 MMA) at the tiny model's dims
+architecture (attention: the E4M3 decode; linear: FP8 MMA or bf16 MMA; indexer: the fp4 keys' packed
+decode, sm_90 only) at the tiny model's dims
 (the kernels' constexprs follow the profile, not the dims); the workflow runs the full command.
 A profile forcing FP8 MMA on sm_80 and a kernel over the shared-memory limit must be reported.
 """
@@ -28,7 +29,7 @@ from kernel_check import DEVICE, needs_ptxas, rel_err, requires_kernels, run_bot
 triton = pytest.importorskip("triton")
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 ROOT = Path(__file__).resolve().parents[2]
-SUBSET = ("attention", "linear")
+SUBSET = ("attention", "linear", "indexer")
 INTERPRETED = interpreted()
 
 
@@ -78,6 +79,22 @@ def test_the_subset_compiles_for_every_architecture(tmp_path, arch):
         assert 0 <= row["shared_bytes"] <= row["smem_limit"] == ARCHS[arch].smem_limit, row
     promote = {row["constexprs"]["PROMOTE"] for row in rows if row["kernel"] == "_linear_kernel"}
     assert promote == ({False} if arch == "sm_80" else {True}), promote  # FP8 MMA from sm_89
+    # the fp4 keys' packed decode (bf16x2 multiplies: sm_90) only where the target has it
+    asm = {row["constexprs"]["ASM"] for row in rows if row["kernel"] == "_index_scores_kernel"}
+    assert asm == ({True} if arch == "sm_90" else {False}), asm
+
+
+@needs_ptxas
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_the_prefix_attention_fits_each_cards_shared_memory_at_512_wide_heads(tmp_path, arch):
+    """``small``'s heads of 512 (the released width): the tile of each card's profile within its per-block
+    shared memory (the default tile's 124 KB is over the RTX 4090's 99 KB)."""
+    out = tmp_path / "report.json"
+    r = _run(["jit", "compile", "--arch", arch, "--models", "small", "--families", "prefix_attention", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert r.returncode == 0 and report["failed"] == 0, [row["error"] for row in report["rows"] if row["error"]]
+    wide = [row for row in report["rows"] if row["constexprs"]["D"] == 512]
+    assert wide and all(row["shared_bytes"] <= row["smem_limit"] == ARCHS[arch].smem_limit for row in wide)
 
 
 def _broken_a100(tmp_path) -> Path:
