@@ -76,7 +76,7 @@ def _bf16(t, BELOW: tl.constexpr):
 def e2m1_bytes_bf16x2(x, scale):
     """bf16 ``x`` (pairs of consecutive elements in a thread's registers) and fp32 E4M3 ``scale``
     (broadcast to ``x``) -> int16, the pair's byte (low element's code in the low nibble) in the
-    elements ``2j``, zero in ``2j + 1`` (sm_90, not the interpreter)."""
+    elements ``2j``, zero in ``2j + 1`` (sm_90; under the interpreter only while its PTX is emulated)."""
     return tl.inline_asm_elementwise(
         E2M1_MIDPOINTS_PTX, "=r,r,r,r,r,r,r,r,r",
         [x, _bf16(0.25 * scale, False), _bf16(0.75 * scale, True), _bf16(1.25 * scale, False),

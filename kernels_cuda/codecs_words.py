@@ -2,10 +2,10 @@
 
 - :func:`e2m1_words_bf16`: the packed decode (:func:`.codecs.e2m1_ordered_bf16`'s contract: four bytes
   in, their eight codes' values times their scales out in element order, codes 0-3 and 4-7, bf16) on
-  bytes stored in the word layout, by :data:`E2M1_WORDS_PTX` (sm_90+, not the interpreter): two output
-  registers take one shift and one mask each, one only the mask, the last three shifts, against a byte
-  permute, a shift and a mask a register and a shift a word for the standard nibbles (no byte permutes
-  here).
+  bytes stored in the word layout, by :data:`E2M1_WORDS_PTX` (sm_90+; the interpreter while its PTX is
+  emulated): two output registers take one shift and one mask each, one only the mask, the last three
+  shifts, against a byte permute, a shift and a mask a register and a shift a word for the standard
+  nibbles (no byte permutes here).
 - :func:`e2m1_words_nibbles`: bytes in the word layout back to the standard nibbles, in registers
   (any architecture and the interpreter: the paths that decode code by code).
 """

@@ -57,9 +57,9 @@ def _decode_exact(byte, sb, FMT: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def _decode_asm(byte, sb):
-    """As _decode_exact times 2**-64, in bf16 (GPU only): the packed E2M1 decode
-    (:func:`.codecs.e2m1_pairs_bf16`, its 2**126 re-bias folded into the scale) by the bf16 scale
-    2**(sb - 1 - 64) (exact for sb in [66, 192])."""
+    """As _decode_exact times 2**-64, in bf16 (sm_90, or the interpreter emulating its PTX): the packed
+    E2M1 decode (:func:`.codecs.e2m1_pairs_bf16`, its 2**126 re-bias folded into the scale) by the bf16
+    scale 2**(sb - 1 - 64) (exact for sb in [66, 192])."""
     scale = ((sb + (126 - _ASM_OFFSET)) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, :, None]
     lo, hi = e2m1_pairs_bf16(byte, tl.broadcast_to(scale, byte.shape), True)
     vals = tl.join(lo, hi)

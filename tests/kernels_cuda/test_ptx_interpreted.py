@@ -16,6 +16,7 @@ from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
 
 pytestmark = [requires_kernels, pytest.mark.skipif(GPU, reason="emulates PTX in the interpreter")]
 codecs = pytest.importorskip("flashrt.kernels_cuda.codecs")
+codecs_e2m1 = pytest.importorskip("flashrt.kernels_cuda.codecs_e2m1")
 codecs_e4m3 = pytest.importorskip("flashrt.kernels_cuda.codecs_e4m3")
 codecs_words = pytest.importorskip("flashrt.kernels_cuda.codecs_words")
 quant = pytest.importorskip("flashrt.kernels_cuda.quant")
@@ -49,20 +50,25 @@ def test_a_call_takes_pack_consecutive_elements_the_first_in_the_low_bits(rng):
         evaluate("mov.b32 $0, $1;", "=r,r", [(x[:, :6], 8)], [8], 4)
 
 
-def test_the_experts_words_and_the_fp8_shared_expert(rng):
+@pytest.mark.parametrize("large", [False, True])
+def test_the_experts_words_and_the_fp8_shared_expert(rng, large):
     """The h200 profile's experts path at a few tokens: fp4 words decoded with the re-bias in the scales,
-    the fp8 shared expert four bytes a call with its 2**120 folded."""
+    the fp8 shared expert four bytes a call with its 2**120 folded; ``large``: scale bytes over what the
+    folds hold (the words' and the fp8 decode's own re-bias multiplies)."""
     m, k, E, top, inner = 3, 128, 4, 2, 64
     x = (torch.randn(m, k, generator=rng) * 2).to(DEVICE, torch.bfloat16)
     idx = torch.stack([torch.randperm(E, generator=rng)[:top] for _ in range(m)]).to(DEVICE, torch.int32)
     rw = torch.rand(m, top, generator=rng).to(DEVICE)
-    q = lambda fmt, *s: formats.quantize(torch.randn(*s, generator=rng) * 0.25, fmt).to(DEVICE)
+    size = 2.0 ** 16 if large else 0.25  # scale bytes over 135, or about 125 (the folds: up to 128 / 134)
+    q = lambda fmt, *s: formats.quantize(torch.randn(*s, generator=rng) * size, fmt).to(DEVICE)
     stack = lambda w: formats.with_scale_max(formats.as_expert_stack(w, True, True))
     experts = [stack(q("fp4_w", *s)) for s in ((E, inner, k), (E, inner, k), (E, k, inner))]
     shared = tuple(stack(q("fp8_w", 1, *s)) for s in ((inner, k), (inner, k), (k, inner)))
     with profiles.using("h200"):
         plain, emulated, texts = _both(lambda: ops.moe_experts(x, rw, idx, *experts, 10.0, shared=shared))
-    assert {codecs_words.E2M1_WORDS_FOLDED_TEXT, codecs_e4m3.E4M3_PAIRS_FOLDED_TEXT} <= texts
+    want = ({codecs_words.E2M1_WORDS_TEXT, codecs_e4m3.E4M3_PAIRS_TEXT} if large
+            else {codecs_words.E2M1_WORDS_FOLDED_TEXT, codecs_e4m3.E4M3_PAIRS_FOLDED_TEXT})
+    assert want <= texts, [t.splitlines()[1] for t in texts]
     assert torch.equal(plain, emulated)
     nibbles = [formats.as_expert_stack(w, True, False) for w in experts]
     with flashrt.use_backend("reference"):
@@ -134,7 +140,8 @@ def test_the_fp4_b16_encoder_two_elements_a_call(rng):
     x[0, :128] = torch.arange(128) / 16 - 4  # every code's midpoint region, and exact midpoints
     x = x.to(DEVICE, torch.bfloat16)
     plain, emulated, texts = _both(lambda: quant.quantize(x, "fp4_b16"), dict(quant=dict(quantize=dict(pairs=True))))
-    assert texts and torch.equal(plain.data, emulated.data) and torch.equal(plain.scale, emulated.scale)
+    assert texts == {codecs_e2m1.E2M1_MIDPOINTS_TEXT}
+    assert torch.equal(plain.data, emulated.data) and torch.equal(plain.scale, emulated.scale)
     want = formats.quantize(x, "fp4_b16")
     assert torch.equal(emulated.data, want.data) and torch.equal(emulated.scale, want.scale)
 
