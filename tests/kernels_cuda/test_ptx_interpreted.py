@@ -75,15 +75,15 @@ def test_the_experts_words_and_the_fp8_shared_expert(rng, large):
         assert rel_err(emulated, ops.moe_experts(x, rw, idx, *nibbles, 10.0, shared=shared)) < 1e-2
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_fp4_pairs_and_fp8_weights_in_linear(rng, fold):
-    """fp4_w codes two a byte (the nibble layout) and fp8_w weights four bytes a call, each with and
-    without the re-bias folded into the scales (the fold needs the weight's largest scale byte recorded);
-    a 16-row MMA tile, K split in two."""
+@pytest.mark.parametrize("fold,halves", [(False, False), (True, False), (True, True)])
+def test_fp4_pairs_and_fp8_weights_in_linear(rng, fold, halves):
+    """fp4_w codes two a byte (the nibble layout; ``halves``: in ``fp4_halves``' K order, the activations
+    permuted to it) and fp8_w weights four bytes a call, each with and without the re-bias folded into
+    the scales (the fold needs the weight's largest scale byte recorded); a 16-row MMA tile, K split in two."""
     x = (torch.randn(5, 192, generator=rng) * 2).to(DEVICE, torch.bfloat16)
     tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
     tiles = dict(linear=dict(fp4_decode="packed", fp8_packed=True, fp8_mma=False, fp4_scale_fold=fold,
-                             linear=[[None, tile]], split_k=2))
+                             fp4_halves=halves, linear=[[None, tile]], split_k=2))
     for fmt, text in (("fp4_w", codecs.E2M1_PAIRS_FOLDED_TEXT if fold else codecs.E2M1_PAIRS_TEXT),
                       ("fp8_w", codecs_e4m3.E4M3_PAIRS_FOLDED_TEXT if fold else codecs_e4m3.E4M3_PAIRS_TEXT)):
         w = formats.quantize(torch.randn(72, 192, generator=rng) * 0.25, fmt).to(DEVICE)
