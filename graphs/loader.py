@@ -6,10 +6,12 @@ see ``docs/checkpoints.md``).
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 
+from flashrt import profiles
 from flashrt.errors import CheckpointError
 
 from . import checkpoint, published
@@ -35,7 +37,9 @@ def load(path, device=None, profile=None, verify: bool = False, progress=None, *
     directory (``map[token_id] = compressed_id``), else is derived from ``tokenizer.json`` as the
     reference does when the identity map cannot cover the vocabulary, else is the identity.
     ``profile``: a hardware profile name, path or :class:`~flashrt.profiles.Profile` (default: the
-    one selected for the device); it decides the Engram table placement and the KV page size.
+    one selected for the device); it decides the Engram table placement, the KV page size and, where
+    given, the weights' layout (the experts' scale order and fp4 code layout; without it, the active
+    profile's, as for a Model built directly).
     ``parallel``: a :class:`~flashrt.graphs.parallel.Parallel` context; only this rank's slices are
     read (:func:`~flashrt.graphs.shard_load.load_shard`).
     """
@@ -54,8 +58,10 @@ def load(path, device=None, profile=None, verify: bool = False, progress=None, *
         cfg, weights, _ = load_shard(path, parallel.layout, device=dev, verify=verify, progress=progress,
                                      check_finite=check_finite)
     window_fmt = "int8" if prof.kv_window_dtype == "int8" else "fp8"
-    model = Model(cfg, weights, token_map=token_map_for(path, cfg), engram_placement=prof.engram_placement,
-                  window_fmt=window_fmt, parallel=parallel)
+    # a profile given here lays the weights out too (expert scales, fp4 words), whatever profile is active
+    with profiles.using(prof) if profile is not None else contextlib.nullcontext():
+        model = Model(cfg, weights, token_map=token_map_for(path, cfg), engram_placement=prof.engram_placement,
+                      window_fmt=window_fmt, parallel=parallel)
     model.profile = prof
     attach_tokenizer(model, path)
     return model
