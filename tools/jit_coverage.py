@@ -105,13 +105,16 @@ def plan_entries(variants: dict) -> list[dict]:
     ``jit_post_compile_hook`` gives it at a launch."""
     import inspect
 
+    from triton.runtime import jit as triton_jit
     from triton.runtime.jit import serialize_specialization_data
 
     takes_target = "target" in inspect.signature(serialize_specialization_data).parameters
+    full_name = getattr(triton_jit, "get_full_name", None)  # the name the hook writes (module.qualname where it has it)
     out = []
     for v in variants.values():
         options = SimpleNamespace(**portable_options(v.options.__dict__))  # no path of this machine
-        args = (v.kernel, v.signature, v.constexprs, v.attrs, options, None)
+        name = full_name(v.fn.fn) if full_name else v.kernel
+        args = (name, v.signature, v.constexprs, v.attrs, options, None)
         data = serialize_specialization_data(*args, _StandInTarget(v.arch)) if takes_target else \
             serialize_specialization_data(*args)
         out.append({"module": v.fn.__module__, "name": v.fn.fn.__qualname__, "data": data})

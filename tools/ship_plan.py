@@ -1,8 +1,8 @@
 """Merge a kernel plan a run recorded (``FLASHRT_CACHE_DIR/jit/plans/triton-<version>/<name>.json``)
 into the plan shipped with flashrt (``core/jit_plans/triton-<version>/<name>.json``).
 
-    python tools/ship_plan.py RECORDED.json [RECORDED.json ...] [--triton 3.6.0] [--drop-rest] [--after]
-                              [--option NAME=JSON ...]
+    python tools/ship_plan.py RECORDED.json [RECORDED.json ...] [--triton 3.6.0] [--drop-rest]
+                              [--after | --beside] [--option NAME=JSON ...]
 
 The recorded entries come first, in the order the run first loaded them (the order a cold start's
 compile pool compiles them in), then the shipped entries the recording lacks (variants of other
@@ -11,7 +11,10 @@ compile (the kernel gone, or its parameters changed since they were recorded; tr
 parameters added with a default are filled in at it: ``with_defaults``); at most
 ``jit_plans.MAX_ENTRIES``. ``--after`` keeps the shipped entries first, in their order, and adds
 the recording's new ones after them: a server's variants (``benchmarks/serve_start.py
---keep-plans``), which a run's cold start should not compile before its own. ``--option
+--keep-plans``), which a run's cold start should not compile before its own. ``--beside`` keeps the
+shipped entries in their order and puts each new one right after the variant the recording launched
+before it: a CPU trace's few new variants (``tools/jit_coverage.py --plan-out``) where a run meets
+them, without reordering a plan recorded on the device by the trace's order. ``--option
 launch_pdl=true`` sets one Triton compile option in every entry: what the launches carry after a
 profile change that sets it on every launch (``tiles.pdl.enabled``), without recording again. The
 Triton version is the recorded file's folder (``triton-<version>``) unless ``--triton`` names it. A shipped plan given as RECORDED is rewritten in place (its entries
@@ -99,10 +102,12 @@ def parse_option(text: str) -> tuple[str, object]:
 
 
 def ship(recorded: Path, target: Path, drop_rest: bool = False, options: dict | None = None,
-         after: bool = False) -> dict:
+         after: bool = False, beside: bool = False) -> dict:
     """Write ``target`` as ``recorded``'s entries then (unless ``drop_rest``) ``target``'s others,
     each with ``options`` set (:func:`with_options`); with ``after``, ``target``'s entries first (in
-    their order) and then those of ``recorded`` it lacks."""
+    their order) and then those of ``recorded`` it lacks; with ``beside``, ``target``'s entries in their
+    order and each of ``recorded``'s it lacks right after the entry of the variant recorded before it
+    (:func:`_beside`)."""
     try:
         header = json.loads(recorded.read_text())
     except (OSError, ValueError) as exc:
@@ -115,14 +120,30 @@ def ship(recorded: Path, target: Path, drop_rest: bool = False, options: dict | 
     old = [with_options(with_defaults(e), options) for e in read_entries(target)]
     # (options set, two old entries may now be one)
     rest = [e for e in old if entry_key(e) in recorded_keys or (not drop_rest and matches_code(e))]
-    if not after:
+    if not (after or beside):
         rest = [e for e in rest if entry_key(e) not in recorded_keys]
-    merged = _once(rest + first if after else first + rest)[:MAX_ENTRIES]
+    merged = (_beside(rest, first) if beside else _once(rest + first if after else first + rest))[:MAX_ENTRIES]
     kept = sum(entry_key(e) not in recorded_keys for e in merged)
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(target, plan_text(header["arch"], header["profile"], header["model"], merged))
     return {"file": str(target), "recorded": len(first), "kept": kept,
             "dropped": len(old) - sum(entry_key(e) in recorded_keys for e in old) - kept}
+
+
+def _beside(shipped: list[dict], recorded: list[dict]) -> list[dict]:
+    """``shipped`` in its order with each entry of ``recorded`` it lacks inserted right after the
+    latest entry ``recorded`` has before it that is in the list (first where there is none): a run's
+    new variants where the run meets them, the rest of a plan recorded on the device kept as it is."""
+    merged = _once(shipped)
+    keys = [entry_key(e) for e in merged]
+    for i, e in enumerate(recorded):
+        if entry_key(e) in keys:
+            continue
+        before = next((entry_key(p) for p in reversed(recorded[:i]) if entry_key(p) in keys), None)
+        at = keys.index(before) + 1 if before is not None else 0
+        merged.insert(at, e)
+        keys.insert(at, entry_key(e))
+    return merged
 
 
 def _once(entries: list[dict]) -> list[dict]:
@@ -143,13 +164,19 @@ def main() -> None:
     ap.add_argument("--after", action="store_true",
                     help="the shipped entries first, the recording's new ones after them (a server's variants: "
                          "a run's cold start keeps compiling its own first)")
+    ap.add_argument("--beside", action="store_true",
+                    help="the shipped entries in their order, each new one right after the variant the recording "
+                         "has before it (a CPU trace's few new variants into a plan recorded on the device)")
     ap.add_argument("--option", action="append", default=[], metavar="NAME=JSON",
                     help="set this Triton compile option in every entry (e.g. launch_pdl=true)")
     args = ap.parse_args()
     try:
         options = dict(parse_option(o) for o in args.option)
         for path in args.recorded:
-            print(json.dumps(ship(path, shipped_path(path, args.triton), args.drop_rest, options, args.after)))
+            if args.after and args.beside:
+                raise ValueError("--after and --beside: expected one of them, got both")
+            print(json.dumps(ship(path, shipped_path(path, args.triton), args.drop_rest, options, args.after,
+                                  args.beside)))
     except ValueError as exc:
         ap.error(str(exc))
 

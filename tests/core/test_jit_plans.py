@@ -232,6 +232,26 @@ def test_ship_plan_after_keeps_the_shipped_order_first(tmp_path, monkeypatch, dr
     assert report["recorded"] == 5 and report["kept"] == len(kept) - 2 and report["dropped"] == 3 - (len(kept) - 2)
 
 
+def test_ship_plan_beside_puts_each_new_entry_after_its_recorded_predecessor(tmp_path, monkeypatch):
+    """``--beside``: the shipped order kept; a new entry right after the latest entry the recording has
+    before it that is placed (shipped, or new and placed already), first where there is none."""
+    ship_plan = _ship_plan()
+    monkeypatch.setattr(ship_plan, "matches_code", lambda entry: True)
+    b = random.sample(range(1, 1000), 8)
+    old_blocks = [b[0], b[1], b[2], b[3]]
+    recorded_blocks = [b[4], b[2], b[5], b[6], b[0], b[7]]  # b4 before anything shipped, b5-b6 after b2, b7 after b0
+    recorded = tmp_path / "triton-9.9.9" / "sm_90-h200-small.json"
+    recorded.parent.mkdir(parents=True)
+    recorded.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(x) for x in recorded_blocks]).decode())
+    target = tmp_path / "ship" / "sm_90-h200-small.json"
+    target.parent.mkdir(parents=True)
+    target.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(x) for x in old_blocks]).decode())
+    report = ship_plan.ship(recorded, target, beside=True)
+    got = [json.loads(e["data"])["constant_vals"][0] for e in jit_plans.read_entries(target)]
+    assert got == [b[4], b[0], b[7], b[1], b[2], b[5], b[6], b[3]]
+    assert report["recorded"] == 6 and report["kept"] == 2 and report["dropped"] == 0
+
+
 def test_ship_plan_sets_an_option_in_every_entry(tmp_path, monkeypatch):
     """``--option launch_pdl=true``: every entry, recorded or kept, compiles with the option set; an
     old entry that then equals a recorded one is listed once; a malformed option is named."""
