@@ -13,6 +13,9 @@ closest planned variant of the same kernel and the fields that differ are printe
 block size, an integer Triton specialised on, ``== 1`` or ``% 16 == 0``, a format). A run on the
 device can differ where the engine takes device-only paths (CUDA graphs, memory-sized pools).
 
+It also lists the variants no kernel plan a cold start reads has (the shipped one, or a recording in the
+cache): what a cold start compiles in the run even with its plan, where a change brought a new variant.
+
 ``--plan-out DIR`` writes every variant the run launched as a plan (:mod:`flashrt.jit_plans`) under
 ``DIR/triton-<version>/``: with ``core/jit_plans`` it ships with flashrt, and a cold start on that
 architecture, profile and Triton version compiles those variants on its pool before the run asks.
@@ -121,6 +124,15 @@ def plan_entries(variants: dict) -> list[dict]:
     return out
 
 
+def not_in_plans(variants: dict, arch, profile, model: str) -> list[str]:
+    """The kernels of the traced variants that no plan a cold start of ``model`` reads lists (the
+    cache's and the shipped, :func:`flashrt.jit_plans.entries`), told apart as those files tell them."""
+    from flashrt import jit_plans
+
+    have = {jit_plans.entry_key(e) for e in jit_plans.entries(arch, profile.lineage, model)}
+    return [e["name"] for e in plan_entries(variants) if jit_plans.entry_key(e) not in have]
+
+
 def _StandInTarget(arch):
     from triton.backends.compiler import GPUTarget
 
@@ -167,6 +179,9 @@ def main() -> None:
               else "; ".join(f"{f} run {a} vs planned {b}" for f, (a, b) in best.items())))
     print(f"{args.model} on {arch.name} ({profile.name}): {len(variants)} variants launched, {len(missing)} not in "
           f"the warm-up cases' {len(planned)}; CUDA paths that refused the CPU copies: {errors or 'none'}")
+    unplanned = not_in_plans(variants, arch, profile, cfg.name)
+    print(f"{len(unplanned)} of them not in the kernel plans a cold start reads (jit_plans.plan_paths): "
+          + (", ".join(unplanned) or "none"))
     if args.plan_out:
         from flashrt.jit_plans import plan_name
 
@@ -180,7 +195,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "arch": arch.name, "profile": profile.name, "launched": len(variants),
-                       "planned": len(planned), "missing": missing, "errors": errors}, f, indent=1)
+                       "planned": len(planned), "missing": missing, "not_in_plans": unplanned, "errors": errors},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
