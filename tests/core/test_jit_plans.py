@@ -210,6 +210,19 @@ def test_ship_plan_puts_the_recording_first_in_its_order(tmp_path, monkeypatch, 
         ship_plan.ship(tmp_path / "empty.json", target)
 
 
+def _ship_blocks(ship_plan, tmp_path, recorded_blocks, old_blocks, *args, **kwargs):
+    """``ship_plan.ship`` of a recording of ``recorded_blocks`` into a shipped plan of ``old_blocks``
+    (an entry a block): (its report, the blocks of the plan written)."""
+    recorded = tmp_path / "triton-9.9.9" / "sm_90-h200-small.json"
+    recorded.parent.mkdir(parents=True)
+    recorded.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(b) for b in recorded_blocks]).decode())
+    target = tmp_path / "ship" / "sm_90-h200-small.json"
+    target.parent.mkdir(parents=True)
+    target.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(b) for b in old_blocks]).decode())
+    report = ship_plan.ship(recorded, target, *args, **kwargs)
+    return report, [json.loads(e["data"])["constant_vals"][0] for e in jit_plans.read_entries(target)]
+
+
 @pytest.mark.parametrize("drop_rest", [False, True])
 def test_ship_plan_after_keeps_the_shipped_order_first(tmp_path, monkeypatch, drop_rest):
     """``--after`` (a server's recording): the shipped entries first in their order, then the
@@ -219,14 +232,7 @@ def test_ship_plan_after_keeps_the_shipped_order_first(tmp_path, monkeypatch, dr
     monkeypatch.setattr(ship_plan, "matches_code", lambda entry: True)
     blocks = random.sample(range(1, 1000), 8)
     old_blocks, recorded_blocks = blocks[:5], blocks[5:] + blocks[3:5] + blocks[5:6]  # blocks 3, 4 in both
-    recorded = tmp_path / "triton-9.9.9" / "sm_90-h200-small.json"
-    recorded.parent.mkdir(parents=True)
-    recorded.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(b) for b in recorded_blocks]).decode())
-    target = tmp_path / "ship" / "sm_90-h200-small.json"
-    target.parent.mkdir(parents=True)
-    target.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(b) for b in old_blocks]).decode())
-    report = ship_plan.ship(recorded, target, drop_rest, after=True)
-    got = [json.loads(e["data"])["constant_vals"][0] for e in jit_plans.read_entries(target)]
+    report, got = _ship_blocks(ship_plan, tmp_path, recorded_blocks, old_blocks, drop_rest, after=True)
     kept = blocks[3:5] if drop_rest else blocks[:5]
     assert got == kept + blocks[5:]
     assert report["recorded"] == 5 and report["kept"] == len(kept) - 2 and report["dropped"] == 3 - (len(kept) - 2)
@@ -240,14 +246,7 @@ def test_ship_plan_beside_puts_each_new_entry_after_its_recorded_predecessor(tmp
     b = random.sample(range(1, 1000), 8)
     old_blocks = [b[0], b[1], b[2], b[3]]
     recorded_blocks = [b[4], b[2], b[5], b[6], b[0], b[7]]  # b4 before anything shipped, b5-b6 after b2, b7 after b0
-    recorded = tmp_path / "triton-9.9.9" / "sm_90-h200-small.json"
-    recorded.parent.mkdir(parents=True)
-    recorded.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(x) for x in recorded_blocks]).decode())
-    target = tmp_path / "ship" / "sm_90-h200-small.json"
-    target.parent.mkdir(parents=True)
-    target.write_text(jit_plans.plan_text("sm_90", "h200", "small", [_entry(x) for x in old_blocks]).decode())
-    report = ship_plan.ship(recorded, target, beside=True)
-    got = [json.loads(e["data"])["constant_vals"][0] for e in jit_plans.read_entries(target)]
+    report, got = _ship_blocks(ship_plan, tmp_path, recorded_blocks, old_blocks, beside=True)
     assert got == [b[4], b[0], b[7], b[1], b[2], b[5], b[6], b[3]]
     assert report["recorded"] == 6 and report["kept"] == 2 and report["dropped"] == 0
 
