@@ -209,3 +209,56 @@ def moe_reference_by_expert(x, weights, indices, w1, w3, w2, limit):
         zero = torch.zeros(tok.numel(), 1, dtype=torch.int32, device=x.device)
         out.index_add_(0, tok, reference.moe_experts(x[tok], weights[tok, slot][:, None], zero, *sub, limit))
     return out
+
+
+MODEL_OPS = ("linear", "grouped_linear", "moe_route", "moe_experts", "sparse_attention", "prefix_attention",
+             "index_scores", "topk_positions", "rms_norm", "rope", "norm_rope_quantize", "hc_coefficients",
+             "hc_expand", "hc_collapse_norm", "engram_gate", "engram_lookup", "compress_pool", "compress_decode",
+             "store_rows")
+
+
+@contextlib.contextmanager
+def recorded_calls(names=MODEL_OPS):
+    """Inside the block every call of the ``flashrt.ops`` functions ``names`` is kept: the yielded list
+    gets (op, args, kwargs, output) per call."""
+    from flashrt import ops
+
+    calls, originals = [], {n: getattr(ops, n) for n in names}
+
+    def wrap(n):
+        def call(*a, **kw):
+            out = originals[n](*a, **kw)
+            calls.append((n, a, kw, out))
+            return out
+        return call
+
+    for n in names:
+        setattr(ops, n, wrap(n))
+    try:
+        yield calls
+    finally:
+        for n in names:
+            setattr(ops, n, originals[n])
+
+
+def assert_calls_match_reference(calls: list) -> set:
+    """Each recorded call's output against the reference backend's on the same inputs: quantized
+    outputs by their values, a routing's picks where they agree (a near-tie may swap one) and its
+    weights there, top-k picks exactly, the rest within 2e-2 relative; returns the ops checked."""
+    from flashrt import formats
+
+    for n, a, kw, got in calls:
+        with flashrt.use_backend("reference"):
+            want = getattr(flashrt.ops, n)(*a, **kw)
+        if isinstance(got, formats.QTensor):
+            got, want = formats.dequantize(got), formats.dequantize(want)
+        if n == "moe_route":
+            same = (got[1] == want[1]).all(dim=1)
+            assert same.float().mean() > 0.9 and rel_err(got[0][same], want[0][same]) < 1e-5, n
+            continue
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            if g.is_floating_point():
+                assert rel_err(g, w) < 2e-2, n
+            else:
+                assert torch.equal(g, w), n
+    return {c[0] for c in calls}

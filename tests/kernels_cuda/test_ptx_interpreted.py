@@ -12,7 +12,8 @@ import torch
 
 import flashrt
 from flashrt import formats, ops, profiles
-from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
+from kernel_check import (DEVICE, GPU, assert_calls_match_reference, pinned_tiles, recorded_calls, rel_err,
+                          requires_kernels)
 
 pytestmark = [requires_kernels, pytest.mark.skipif(GPU, reason="emulates PTX in the interpreter")]
 codecs = pytest.importorskip("flashrt.kernels_cuda.codecs")
@@ -146,24 +147,29 @@ def test_the_fp4_b16_encoder_two_elements_a_call(rng):
     assert torch.equal(emulated.data, want.data) and torch.equal(emulated.scale, want.scale)
 
 
+@pytest.mark.slow
 def test_the_tiny_models_forward_under_the_h200_profile(cfg, weights, rng):
     """A prefill and a decode step of the ``tiny`` model (every layer role) under the h200 profile: every
-    plain Triton kernel with inline PTX that the profile takes there gives the logits of its path without PTX."""
+    plain Triton kernel with inline PTX that the profile takes there gives the logits of its path without
+    PTX, bit for bit, and every kernel call of the run with PTX matches the reference on its own inputs."""
     from flashrt.graphs.model import Model
 
     ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=rng)
     nxt = torch.randint(0, cfg.vocab_size, (1, 1), generator=rng)
 
     def forward():
-        with flashrt.value_checks(False):
+        with flashrt.use_backend("cuda"), flashrt.value_checks(False):
             state = model.new_state(1, 24)
             return model.forward(ids, state=state), model.forward(nxt, state=state)
 
     with profiles.using("h200"):
         model = Model(cfg, weights)
-        plain, emulated, texts = _both(forward)
+        plain = forward()
+        with emulated_ptx() as run, recorded_calls() as calls:
+            emulated = forward()
+            texts = set(run)
+        assert_calls_match_reference(calls)
     want = {codecs_words.E2M1_WORDS_FOLDED_TEXT, codecs_e4m3.E4M3_PAIRS_TEXT, codecs_e4m3.E4M3_PAIRS_FOLDED_TEXT,
             codecs.E2M1_PAIRS_TEXT}
     assert want <= texts, [t.splitlines()[1] for t in want - texts]
     assert torch.equal(plain[0], emulated[0]) and torch.equal(plain[1], emulated[1])
-
