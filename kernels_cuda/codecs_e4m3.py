@@ -2,9 +2,9 @@
 
 :func:`e4m3_pairs_bf16`: four E4M3 bytes and their four bf16 scales -> four bf16 values, by
 :data:`E4M3_PAIRS_PTX` (sm_90+: bf16x2 multiplies that keep subnormals; the interpreter while its PTX
-is emulated). A byte's seven magnitude bits are moved to bf16 bits 4-10 and its sign to bit 15, which reads as its
-value times 2**-120 (the subnormal codes as bf16 subnormals; a byte permute that replicates the sign
-and one shift and one mask a register of two values), one multiply by 2**120 makes it exact
+is emulated). A byte's seven magnitude bits are moved to bf16 bits 4-10 and its sign to bit 15, which
+reads as its value times 2**-120 (the subnormal codes as bf16 subnormals; a byte permute that replicates
+the sign and one shift and one mask a register of two values), one multiply by 2**120 makes it exact
 and one by the scale applies the block's power of two (or one multiply by the scale times 2**120,
 for scale bytes up to :data:`FOLD_MAX_SCALE`): the products are exact, as the fp32 path's are, so
 the bits are the same. The codes 0x7F / 0xFF read as +-480, as :func:`.codecs.e4m3_x256`
