@@ -132,8 +132,9 @@ class PrefixCache:
         tmp = None
         try:
             path.parent.mkdir(exist_ok=True)  # the root itself is never re-created here
-            tmp = path.parent / f"{TMP_PREFIX}{HOST}-{os.getpid()}-{os.urandom(4).hex()}"
-            with open(tmp, "xb") as f:
+            name = path.parent / f"{TMP_PREFIX}{HOST}-{os.getpid()}-{os.urandom(4).hex()}"
+            with open(name, "xb") as f:
+                tmp = name  # created: removed below unless it becomes the entry
                 self._write(f, HEADER + json.dumps(header, sort_keys=True).encode() + b"\n", payload)
                 f.flush()
                 os.fsync(f.fileno())

@@ -73,6 +73,29 @@ def test_read_only_file_system(model, ids, want, tmp_path, caplog, monkeypatch):
     assert {k for _, k in kinds} == {"touch", "store", "open"}  # each failing operation logged once
 
 
+def test_a_store_refused_in_an_existing_shard_deletes_nothing(tmp_path, caplog, monkeypatch, rng):
+    """A store whose temporary file cannot be created (a read-only file system) where its shard folder
+    already exists: one store failure and no removal tried (no temporary was made)."""
+    cache = PrefixCache(tmp_path / "pc")
+    digits = "0123456789abcdef"
+    key = lambda: "".join(digits[i] for i in torch.randint(0, 16, (64,), generator=rng).tolist())
+    first, second = key(), key()
+    second = first[:2] + second[2:]  # the same shard folder
+    assert cache.put(first, b"x" * 100) is not None
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    real_open = builtins.open
+    monkeypatch.setattr(pc, "open", lambda f, mode="r", *a, **k: (
+        read_only() if any(c in mode for c in "wxa+") else real_open(f, mode, *a, **k)), raising=False)
+    for name in ("utime", "replace", "unlink"):
+        monkeypatch.setattr(os, name, read_only)
+    assert cache.put(second, b"y" * 100) is None
+    kinds = [re.search(r": (\w+) failed", r.getMessage())[1] for r in warnings(caplog)]
+    assert kinds == ["store"] and cache.get(first)[0] == b"x" * 100
+
+
 def test_disk_full_removes_the_partial_write(model, ids, want, tmp_path, caplog, monkeypatch):
     def full(f, header, payload):
         f.write(header + payload[: len(payload) // 2])
