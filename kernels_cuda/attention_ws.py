@@ -24,7 +24,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda.attention_kernel import LOG2E, _finish, locate_paths
 from flashrt.kernels_cuda.codecs import e2m1_ordered_bf16, e2m1_x16384, e4m3_cvt, e8m0_bf16, e8m0_to_f32
-from flashrt.kernels_cuda.codecs_e4m3 import E4M3_PAIRS_DOWN63_TEXT
+from flashrt.kernels_cuda.codecs_e4m3 import e4m3_pairs_bf16
 
 try:
     from triton.experimental import gluon
@@ -46,7 +46,6 @@ _H = tl.constexpr(H_BLOCK)
 # decode: the scale holds 2**63 of its 2**126 re-bias); the scores' scale and the output take the 2**63 back,
 # exactly (powers of two), so the outputs are the same
 _UP63 = tl.constexpr(2.0 ** 63)
-_E4M3_DOWN63 = tl.constexpr(E4M3_PAIRS_DOWN63_TEXT)
 
 
 if AVAILABLE:
@@ -134,7 +133,7 @@ if AVAILABLE:
         the rows were not copied: a zero code times any scale). PACKED: fp4_b16 codes decoded eight a
         call in packed bf16 registers (:func:`.codecs.e2m1_ordered_bf16`; the same values: every
         product of an E2M1 code and an E4M3 scale is exact in bf16), fp8 bytes four a call
-        (:mod:`.codecs_e4m3`'s packed decode by the UE8M0 scale as bf16: the product rounded once, as the
+        (:func:`.codecs_e4m3.e4m3_pairs_bf16` by the UE8M0 scale as bf16: the product rounded once, as the
         fp32 path rounds it; the stores never hold the NaN codes, which it would read as +-480); both times
         2**-63 (:data:`_UP63`)."""
         BPB: gl.constexpr = _block(FMT) // _per(FMT)  # stored bytes a scale covers
@@ -148,7 +147,7 @@ if AVAILABLE:
         u = scale.slice(c * NB, NB, dim=1).load(gl.SliceLayout(2, L3))
         if FMT == 1 and PACKED:  # E4M3 times a UE8M0 scale, four bytes a call, times 2**-63
             s = gl.broadcast(gl.expand_dims(e8m0_bf16(u.to(gl.int32)), 2), x)[0]
-            v = gl.inline_asm_elementwise(_E4M3_DOWN63, "=r,=r,r,r,r", [x, s], dtype=gl.bfloat16, is_pure=True, pack=4)
+            v = e4m3_pairs_bf16(x, s, False, True)
         elif FMT == 1:  # E4M3 times a UE8M0 scale
             v = e4m3_cvt(x) * gl.expand_dims(e8m0_to_f32(u.to(gl.int32)), 2)
         elif PACKED:

@@ -37,9 +37,10 @@ E4M3_PAIRS_PTX = tl.constexpr(E4M3_PAIRS_TEXT)
 # the same with the 2**120 in the scale operands (:func:`e8m0_bf16_x2p120`): one multiply a register
 # fewer, for scale bytes up to FOLD_MAX_SCALE
 E4M3_PAIRS_FOLDED_TEXT = _pairs_text(False)
+E4M3_PAIRS_FOLDED_PTX = tl.constexpr(E4M3_PAIRS_FOLDED_TEXT)
 # the values times 2**-63 (a re-bias by 2**57): the warp-specialized attention's rows (attention_ws, PACKED)
 E4M3_PAIRS_DOWN63_TEXT = _pairs_text(True, 0x5C00)
-E4M3_PAIRS_FOLDED_PTX = tl.constexpr(E4M3_PAIRS_FOLDED_TEXT)
+E4M3_PAIRS_DOWN63_PTX = tl.constexpr(E4M3_PAIRS_DOWN63_TEXT)
 FOLD_MAX_SCALE = 134  # the largest UE8M0 byte whose 2**(u - 127) * 2**120 bf16 holds exactly (u + 120 <= 254)
 
 
@@ -50,9 +51,10 @@ def e8m0_bf16_x2p120(u):
 
 
 @triton.jit
-def e4m3_pairs_bf16(byte, scale, FOLDED: tl.constexpr = False):
+def e4m3_pairs_bf16(byte, scale, FOLDED: tl.constexpr = False, DOWN63: tl.constexpr = False):
     """E4M3 bytes (uint8; each thread's four consecutive bytes packed) and a bf16 scale per byte (same
     shape) -> their values times the scales, bf16. FOLDED: ``scale`` holds the 2**120
-    (:func:`e8m0_bf16_x2p120`)."""
-    return tl.inline_asm_elementwise(E4M3_PAIRS_FOLDED_PTX if FOLDED else E4M3_PAIRS_PTX, "=r,=r,r,r,r",
+    (:func:`e8m0_bf16_x2p120`); DOWN63: the values times 2**-63 (:data:`E4M3_PAIRS_DOWN63_TEXT`)."""
+    return tl.inline_asm_elementwise(E4M3_PAIRS_DOWN63_PTX if DOWN63 else
+                                     (E4M3_PAIRS_FOLDED_PTX if FOLDED else E4M3_PAIRS_PTX), "=r,=r,r,r,r",
                                      [byte, scale], dtype=tl.bfloat16, is_pure=True, pack=4)

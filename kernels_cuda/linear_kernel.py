@@ -71,15 +71,17 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
         ptrs = w_ptr + offs_n[:, None, None] * stride_wn + (kg // 2)[None, :, None] + j[None, None, :]
         byte = tl.load(ptrs, mask=ok[:, :, None], other=0)
         WORDS: tl.constexpr = (E2M1 // 64) % 2 == 1
+        # four and four codes of each eight in lo / hi: the halves order, or a word's codes 0-3 / 4-7 of
+        # the packed words decode (element order once relabelled; the caller keeps the activations' order)
+        FOURS: tl.constexpr = (E2M1 // 32) % 2 == 1 or (WORDS and E2M1 % 8 == 2)
         if E2M1 % 8 == 2:
             FOLD: tl.constexpr = (E2M1 // 16) % 2 == 1
             scale = tl.broadcast_to((e8m0_bf16_x2p126(s) if FOLD else e8m0_bf16(s))[:, :, None], (BLOCK_N, G, 16))
-            if WORDS:  # a word's codes 0-3, then 4-7 (element order; the caller keeps the activations' order)
-                first, second = e2m1_words_bf16(byte, scale, FOLD)
+            if WORDS:
                 tl.static_assert((E2M1 // 32) % 2 == 0, "the words' packed decode is in element order")
-                return tl.reshape(tl.permute(tl.reshape(tl.join(first, second), (BLOCK_N, G * 4, 4, 2)), (0, 1, 3, 2)),
-                                  (BLOCK_N, BLOCK_K)).to(DOT)
-            lo, hi = e2m1_pairs_bf16(byte, scale, FOLD)
+                lo, hi = e2m1_words_bf16(byte, scale, FOLD)
+            else:
+                lo, hi = e2m1_pairs_bf16(byte, scale, FOLD)
         else:
             byte = byte.to(tl.int32)
             if WORDS:
@@ -88,7 +90,7 @@ def _w_decode(w_ptr, s, n0, N, k0, k_hi, stride_wn, FP4: tl.constexpr, DOT: tl.c
             s = pow2(s + 14)[:, :, None]  # 2**(b - 127) * 2**14
             lo = e2m1_x16384(byte & 15).to(tl.float32) * s
             hi = e2m1_x16384(byte >> 4).to(tl.float32) * s
-        if (E2M1 // 32) % 2 == 1:  # K order within 8: the four low nibbles, the four high (_halves)
+        if FOURS:  # the K order within 8 of lo / hi's four and four
             v = tl.reshape(tl.permute(tl.reshape(tl.join(lo, hi), (BLOCK_N, G * 4, 4, 2)), (0, 1, 3, 2)),
                            (BLOCK_N, BLOCK_K))
         else:

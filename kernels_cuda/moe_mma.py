@@ -48,13 +48,12 @@ if AVAILABLE:
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
     from flashrt.kernels_cuda.codecs import e8m0_bf16_x2p126, to_out
-    from flashrt.kernels_cuda.codecs_words import E2M1_WORDS_FOLDED_TEXT
+    from flashrt.kernels_cuda.codecs_words import e2m1_words_bf16
     from flashrt.kernels_cuda.gemv_mma import _copy_layout, block_exp
     from flashrt.kernels_cuda.moe_mma_fp8 import gemm as gemm_fp8
     from flashrt.kernels_cuda.moe_mma_fp8 import mma_layout as _mma_layout
     from flashrt.kernels_cuda.pdl import wait_inputs
 
-    _WORDS = gl.constexpr(E2M1_WORDS_FOLDED_TEXT)
 
     @gluon.jit
     def _origin(BLOCK_N: gl.constexpr, k_split, kb_split):
@@ -98,9 +97,7 @@ if AVAILABLE:
         """K slice ``u`` of a weight ring slot ([BLOCK_N, 16] bytes of E2M1 words) times its rows' folded
         scales (bf16 [BLOCK_N] in ``SliceLayout(1, a8)``): the A operand in bf16, in K order."""
         byte = slot.slice(16 * u, 16, dim=1).load(a8)
-        first, second = gl.inline_asm_elementwise(_WORDS, "=r,=r,=r,=r,r,r,r",
-                                                  [byte, gl.broadcast(scale[:, None], byte)[0]],
-                                                  dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        first, second = e2m1_words_bf16(byte, gl.broadcast(scale[:, None], byte)[0], True)
         # first[r, 4w + i] / second[r, 4w + i]: code i / 4 + i of word w; relabelled into element order
         a = gl.permute(gl.reshape(gl.join(first, second), [BLOCK_N, 4, 4, 2]), [0, 1, 3, 2])
         return gl.convert_layout(gl.reshape(a, [BLOCK_N, 32]), a_l, assert_trivial=True)

@@ -91,6 +91,11 @@ def bf16_bits(values: torch.Tensor) -> np.ndarray:
     return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
 
 
+def bf16_values(bits: np.ndarray) -> torch.Tensor:
+    """float64 values of bf16 bit patterns (uint, any shape)."""
+    return torch.from_numpy(bits.astype(np.int32).astype(np.int16)).view(torch.bfloat16).double()
+
+
 def e2m1_in_order(data: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     """The bf16 bits (uint32 [n, 8]) of the eight E2M1 codes of ``data`` [n, 4] (uint8, code 2i byte i's low
     nibble) in element order, each times its byte pair's scale (``scales`` [n, 2] float64: bytes 0, 1 and

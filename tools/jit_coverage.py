@@ -124,13 +124,14 @@ def plan_entries(variants: dict) -> list[dict]:
     return out
 
 
-def not_in_plans(variants: dict, arch, profile, model: str) -> list[str]:
-    """The kernels of the traced variants that no plan a cold start of ``model`` reads lists (the
-    cache's and the shipped, :func:`flashrt.jit_plans.entries`), told apart as those files tell them."""
+def not_in_plans(entries: list[dict], arch, profile, model: str) -> list[str]:
+    """The kernels of the traced variants' plan entries (:func:`plan_entries`) that no plan a cold start
+    of ``model`` reads lists (the cache's and the shipped, :func:`flashrt.jit_plans.entries`), told apart
+    as those files tell them."""
     from flashrt import jit_plans
 
     have = {jit_plans.entry_key(e) for e in jit_plans.entries(arch, profile.lineage, model)}
-    return [e["name"] for e in plan_entries(variants) if jit_plans.entry_key(e) not in have]
+    return [e["name"] for e in entries if jit_plans.entry_key(e) not in have]
 
 
 def _StandInTarget(arch):
@@ -179,7 +180,8 @@ def main() -> None:
               else "; ".join(f"{f} run {a} vs planned {b}" for f, (a, b) in best.items())))
     print(f"{args.model} on {arch.name} ({profile.name}): {len(variants)} variants launched, {len(missing)} not in "
           f"the warm-up cases' {len(planned)}; CUDA paths that refused the CPU copies: {errors or 'none'}")
-    unplanned = not_in_plans(variants, arch, profile, cfg.name)
+    entries = plan_entries(variants)
+    unplanned = not_in_plans(entries, arch, profile, cfg.name)
     print(f"{len(unplanned)} of them not in the kernel plans a cold start reads (jit_plans.plan_paths): "
           + (", ".join(unplanned) or "none"))
     if args.plan_out:
@@ -190,7 +192,7 @@ def main() -> None:
         path = Path(args.plan_out) / f"triton-{triton.__version__}" / plan_name(arch, profile.name, cfg.name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"arch": arch.name, "profile": profile.name, "model": cfg.name,
-                                    "entries": plan_entries(variants)}, indent=0) + "\n")
+                                    "entries": entries}, indent=0) + "\n")
         print(f"plan of {len(variants)} variants written to {path}")
     if args.json:
         with open(args.json, "w") as f:

@@ -12,7 +12,7 @@ import torch
 import flashrt
 from flashrt import formats, ops
 from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels
-from ptx_emulator import assert_fold_exact, bf16_bits, run_ptx, words_of
+from ptx_emulator import assert_fold_exact, bf16_bits, lanes, run_ptx, words_of
 
 pytestmark = requires_kernels
 e4m3 = pytest.importorskip("flashrt.kernels_cuda.codecs_e4m3")
@@ -63,19 +63,16 @@ def test_the_down63_ptx_is_the_values_times_2_to_the_minus_63(rng):
     scale_bytes = torch.randint(80, 255, (n, 2), generator=rng)
     sb = bf16_bits(torch.exp2(scale_bytes.double() - 127))
     ops_ = {2: words_of(data), 3: sb[:, 0] * 0x10001, 4: sb[:, 1] * 0x10001}
-    plain, down = run_ptx(e4m3.E4M3_PAIRS_TEXT, ops_), run_ptx(e4m3.E4M3_PAIRS_DOWN63_TEXT, ops_)
-    for reg in ("$0", "$1"):
-        for half in (0, 1):
-            p, d = (plain[reg] >> (16 * half)) & 0xFFFF, (down[reg] >> (16 * half)) & 0xFFFF
-            exponent = (p >> 7) & 0xFF  # a finite product whose 2**-63 multiple is a normal bf16
-            normal = (exponent > 63 + 1) & (exponent < 0xFF)
-            np.testing.assert_array_equal(d[normal], p[normal] - (63 << 7))
-            # and the byte's own value (0x7F / 0xFF as +-480) times its scale times 2**-63
-            byte = data[:, 2 * int(reg[1]) + half]
-            value = byte.view(torch.float8_e4m3fn).double()
-            value = torch.where(value.isnan(), torch.where(byte >= 128, -480.0, 480.0), value)
-            value = value * torch.exp2(scale_bytes[:, int(reg[1])].double() - 190)
-            np.testing.assert_array_equal(d[normal], bf16_bits(value)[normal])
+    p = lanes(run_ptx(e4m3.E4M3_PAIRS_TEXT, ops_), 2)  # byte j in column j
+    d = lanes(run_ptx(e4m3.E4M3_PAIRS_DOWN63_TEXT, ops_), 2)
+    exponent = (p >> 7) & 0xFF  # a finite product whose 2**-63 multiple is a normal bf16
+    normal = (exponent > 63 + 1) & (exponent < 0xFF)
+    np.testing.assert_array_equal(d[normal], p[normal] - (63 << 7))
+    # and each byte's own value (0x7F / 0xFF as +-480) times its scale times 2**-63
+    value = data.view(torch.float8_e4m3fn).double()
+    value = torch.where(value.isnan(), torch.where(data >= 128, -480.0, 480.0), value)
+    value = value * torch.exp2(scale_bytes.repeat_interleave(2, dim=1).double() - 190)
+    np.testing.assert_array_equal(d[normal], bf16_bits(value)[normal])
     assert e4m3.E4M3_PAIRS_DOWN63_TEXT.count("\n") == e4m3.E4M3_PAIRS_TEXT.count("\n")
 
 
