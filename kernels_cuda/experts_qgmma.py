@@ -1,0 +1,188 @@
+"""fp4_w expert rows on Hopper's fp8 warpgroup MMA, the weights as its register operand (sm_90, Gluon).
+
+The routed experts at decode are bound by their instructions, most of them the E2M1 -> bf16 decode
+in front of ``mma.sync`` (:mod:`.moe_mma`, the 16-row tile of :mod:`.moe_kernels`). Here each
+warpgroup owns 64 weight rows as the M of ``wgmma m64nNk32`` with E4M3 operands (tokens as its N,
+8 or 16): an E2M1 code becomes an E4M3 byte by moving its bits alone (the three magnitude bits to
+bits 4-2, the sign to bit 7: the code's value times 2**-6, exactly, subnormal 0.5 included), so
+one 32-bit word of eight codes decodes in five integer instructions into two operand registers,
+against seventeen a word for the bf16 pairs. The activations are the fp8 codes of their round trip
+(E4M3 with a power-of-two scale per 32), the MMA's B operand in shared memory, loaded once a
+program; each K block's product is scaled in fp32 by its weight rows' and tokens' scales (both
+powers of two: exact) and summed in fp32.
+
+The weights take a layout of their own (:func:`pack`): in each row, a block of 32 codes is 16
+bytes, byte ``i`` holding codes ``i`` and ``16 + i`` in the bit places the decode reads, so that a
+thread's 4-byte load of a row gives both its operand registers of that row (K 4t..4t+3 and
+16+4t..16+4t+3).
+
+``gemm`` is the rows-by-tokens product of one expert tile over a K range; :func:`experts_gemm`
+launches it over (expert, token tile) pairs with fp32 partials per K split (summed by the caller):
+the building block measured by ``benchmarks/experts_qgmma.py`` before it takes the experts' full
+up / down path.
+"""
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from flashrt.kernels_cuda.attention_ws import AVAILABLE
+from flashrt.kernels_cuda.launch import cdiv
+
+ROWS = 64  # weight rows a program: the M of one warpgroup MMA
+DECODE_SCALE = 2.0 ** 6  # the E4M3 bytes hold the E2M1 values times 2**-6
+# a block's byte i: code i (P) in bits 7 (sign), 4-2 (magnitude); code 16 + i (Q) in bits 5 (sign), 6 (its
+# magnitude's top bit), 1-0 (its two low bits): P is the byte under 0x9C, Q two shifts by 2
+_P_BITS = ((3, 7), (2, 4), (1, 3), (0, 2))  # (code bit, byte bit)
+_Q_BITS = ((3, 5), (2, 6), (1, 1), (0, 0))
+# the decode of one word (four such bytes) into two registers of four E4M3 bytes: codes P, codes Q
+DECODE_PTX = tl.constexpr("""{
+.reg .b32 a, b;
+and.b32 $0, $2, 0x9C9C9C9C;
+shl.b32 a, $2, 2;
+shr.b32 b, $2, 2;
+and.b32 b, b, 0x10101010;
+lop3.b32 $1, a, 0x8C8C8C8C, b, 0xEA;
+}""")
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes ``[..., K]`` (sign in bit 3; K a multiple of 64) -> the bytes ``[..., K / 2]``
+    of this module's layout: block ``b``'s byte ``i`` (at ``16 b + i``) holds its codes ``i`` and ``16 + i``."""
+    if codes.shape[-1] % 64:
+        raise ValueError(f"experts_qgmma.pack: expected K a multiple of 64, got {codes.shape[-1]}")
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, 2, 16)  # (block, half, i)
+    p, q = c[..., 0, :], c[..., 1, :]
+    byte = torch.zeros_like(p)
+    for src, dst in _P_BITS:
+        byte |= ((p >> src) & 1) << dst
+    for src, dst in _Q_BITS:
+        byte |= ((q >> src) & 1) << dst
+    return byte.reshape(*codes.shape[:-1], codes.shape[-1] // 2).to(torch.uint8)
+
+
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+    from flashrt.kernels_cuda.attention_ws import _sync
+
+    @gluon.jit
+    def _decode(byte):
+        """uint8 bytes (four a register) -> (E4M3 of their P codes, of their Q codes), same shape."""
+        p, q = gl.inline_asm_elementwise(DECODE_PTX, "=r,=r,r", [byte], dtype=(gl.uint8, gl.uint8), is_pure=True,
+                                         pack=4)
+        return p.to(gl.float8e4nv, bitcast=True), q.to(gl.float8e4nv, bitcast=True)
+
+    @gluon.jit
+    def _operand(byte, a_l: gl.constexpr):
+        """A block's bytes ``[64, 16]`` (a thread's 4 at ``4t``) -> its A operand ``[64, 32]`` in ``a_l``."""
+        p, q = _decode(byte)
+        z = gl.permute(gl.join(p, q), [0, 2, 1])  # (r, P / Q, 4t + j)
+        return gl.convert_layout(gl.reshape(z, [64, 32]), a_l, assert_trivial=True)  # K = 16 * (P / Q) + 4t + j
+
+    @gluon.jit
+    def _block(byte, x_smem, s_smem, kb, w_exp, a_l: gl.constexpr, cols_l: gl.constexpr, zero):
+        """Start block ``kb``'s MMA over its weight bytes: (the product in flight, its scales [64, TOKENS]:
+        the rows' UE8M0 ``w_exp`` times the tokens' scales)."""
+        d = warpgroup_mma(_operand(byte, a_l), x_smem.index(kb).permute((1, 0)), zero, use_acc=False, is_async=True)
+        w = ((w_exp & 0xFF) << 23).to(gl.float32, bitcast=True)
+        return d, w[:, None] * s_smem.index(kb).load(cols_l)[None, :]
+
+    @gluon.jit
+    def _gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, tile_e_ptr, tile_tok_ptr, out_ptr, N, K, stride_xm, stride_xsm,
+                     stride_we, stride_wn, stride_se, stride_sn, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr,
+                     PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+        """out[split, tile, c, n] = sum over the split's K of x[tok[c], k] * W[e, n, k] (fp32), for weight rows
+        n of ``program_id(0)``, token tile ``program_id(1)`` (expert ``tile_e``, tokens ``tile_tok``, -1 none),
+        K split ``program_id(2)``. x: E4M3 codes [T, K] with fp32 scales xs [T, K / 32] (times
+        DECODE_SCALE); W: :func:`pack` bytes [E, N, K / 2] with UE8M0 scales read as int32 words
+        [E, N, K / 128] (four blocks' bytes a word). Four blocks a trip; PREFETCH: the next trip's
+        weight bytes and scale words are loaded before this trip's are used."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, TOKENS, 32])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+        cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+        KB: gl.constexpr = K_SPLIT // 32
+        n0 = gl.program_id(0) * 64
+        tile = gl.program_id(1)
+        k_lo = gl.program_id(2) * K_SPLIT
+        e = gl.load(tile_e_ptr + tile).to(gl.int64)
+
+        # the tile's activations and their scales into shared memory, once
+        xl: gl.constexpr = gl.BlockedLayout([1, 8], [TOKENS, 32 // TOKENS], [num_warps, 1], [1, 0])
+        tok_x = gl.load(tile_tok_ptr + tile * TOKENS + gl.arange(0, TOKENS, layout=gl.SliceLayout(1, xl)))
+        c_x = gl.arange(0, 32, layout=gl.SliceLayout(0, xl))
+        x_src = x_ptr + gl.maximum(tok_x, 0).to(gl.int64)[:, None] * stride_xm + k_lo + c_x[None, :]
+        x_smem = gl.allocate_shared_memory(gl.float8e4nv, [KB, TOKENS, 32],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2))
+        tok_s = gl.load(tile_tok_ptr + tile * TOKENS + gl.arange(0, TOKENS, layout=cols_l))
+        xs_src = xs_ptr + gl.maximum(tok_s, 0).to(gl.int64) * stride_xsm + k_lo // 32
+        s_smem = gl.allocate_shared_memory(gl.float32, [KB, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for kb in range(KB):
+            in_k = k_lo + kb * 32 < K
+            x_smem.index(kb).store(gl.load(x_src + kb * 32, mask=(tok_x >= 0)[:, None] & in_k, other=0.0))
+            s_smem.index(kb).store(gl.load(xs_src + kb, mask=(tok_s >= 0) & in_k, other=0.0))
+        fence_async_shared()
+        _sync()
+
+        w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+        rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_l))
+        cols_w = gl.arange(0, 16, layout=gl.SliceLayout(0, w_l))
+        w_src = w_ptr + e * stride_we + rows_w.to(gl.int64)[:, None] * stride_wn + cols_w[None, :] + k_lo // 2
+        rows_s = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        s_src = ws_ptr + e * stride_se + rows_s.to(gl.int64) * stride_sn + k_lo // 128
+        zero = gl.zeros([64, TOKENS], gl.float32, acc_l)
+        acc = gl.zeros([64, TOKENS], gl.float32, acc_l)
+        n0b, n1b, n2b, n3b = gl.load(w_src), gl.load(w_src + 16), gl.load(w_src + 32), gl.load(w_src + 48)
+        nsw = gl.load(s_src)
+        for kb in range(0, KB, 4):
+            if PREFETCH:
+                b0, b1, b2, b3, sw = n0b, n1b, n2b, n3b, nsw
+                nxt = gl.minimum(kb + 4, KB - 4)  # the last trip loads its own blocks again (cache hits)
+                n0b, n1b = gl.load(w_src + nxt * 16), gl.load(w_src + nxt * 16 + 16)
+                n2b, n3b = gl.load(w_src + nxt * 16 + 32), gl.load(w_src + nxt * 16 + 48)
+                nsw = gl.load(s_src + nxt // 4)
+            else:
+                b0, b1 = gl.load(w_src + kb * 16), gl.load(w_src + kb * 16 + 16)
+                b2, b3 = gl.load(w_src + kb * 16 + 32), gl.load(w_src + kb * 16 + 48)
+                sw = gl.load(s_src + kb // 4)
+            d0, s0 = _block(b0, x_smem, s_smem, kb, sw, a_l, cols_l, zero)
+            d1, s1 = _block(b1, x_smem, s_smem, kb + 1, sw >> 8, a_l, cols_l, zero)
+            d2, s2 = _block(b2, x_smem, s_smem, kb + 2, sw >> 16, a_l, cols_l, zero)
+            d3, s3 = _block(b3, x_smem, s_smem, kb + 3, sw >> 24, a_l, cols_l, zero)
+            d0, d1, d2, d3 = warpgroup_mma_wait(0, deps=[d0, d1, d2, d3])
+            acc += d0 * s0
+            acc += d1 * s1
+            acc += d2 * s2
+            acc += d3 * s3
+        cols = gl.arange(0, TOKENS, layout=cols_l)
+        out = out_ptr + ((gl.program_id(2) * gl.num_programs(1) + tile) * TOKENS + cols.to(gl.int64))[None, :] * N
+        gl.store(out + rows_s[:, None], acc, mask=(rows_s < N)[:, None])
+
+
+def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, tile_e: torch.Tensor,
+                 tile_tok: torch.Tensor, k_split: int, prefetch: bool = True) -> torch.Tensor:
+    """fp32 partials ``[splits, tiles, TOKENS, N]`` of each token tile's rows of x times its expert's
+    weights (:func:`_gemm_kernel`): x E4M3 ``[T, K]`` with fp32 scales ``xs [T, K / 32]`` (times
+    DECODE_SCALE), w :func:`pack` bytes ``[E, N, K / 2]`` with UE8M0 scale bytes ``ws [E, N, K / 32]``;
+    ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none; ``k_split`` K a program (a
+    multiple of 128 dividing K)."""
+    E, N, KH = w.shape
+    K = 2 * KH
+    tiles, tokens = tile_tok.shape
+    if tokens not in (8, 16):
+        raise ValueError(f"experts_gemm: expected 8 or 16 tokens a tile, got {tokens}")
+    if N % 64 or k_split % 128 or K % k_split:
+        raise ValueError(f"experts_gemm: expected N a multiple of 64, k_split of 128 dividing K, got N {N}, K {K}, "
+                         f"k_split {k_split}")
+    if ws.shape != (E, N, K // 32) or not ws.is_contiguous():
+        raise ValueError(f"experts_gemm: expected contiguous scale bytes {(E, N, K // 32)}, got {tuple(ws.shape)}")
+    words = ws.view(torch.int32)
+    splits = cdiv(K, k_split)
+    out = torch.empty(splits, tiles, tokens, N, dtype=torch.float32, device=x.device)
+    _gemm_kernel[(N // 64, tiles, splits)](
+        x, xs, w, words, tile_e, tile_tok, out, N, K, x.stride(0), xs.stride(0), w.stride(0), w.stride(1),
+        words.stride(0), words.stride(1), TOKENS=tokens, K_SPLIT=k_split, PREFETCH=prefetch, num_warps=4)
+    return out

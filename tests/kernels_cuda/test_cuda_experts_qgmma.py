@@ -1,0 +1,98 @@
+"""kernels_cuda/experts_qgmma.py: fp4_w expert rows on the fp8 warpgroup MMA, the weights its register operand.
+
+Without a GPU: the weight layout and the bit-move decode, emulated word by word as the kernel's PTX
+computes them, give each K position's E2M1 value times 2**-6 as an E4M3 byte (every code, random
+rows). On an sm_90 GPU: the kernel's partial sums against float64 products of the codes' values and
+scales, on fresh random inputs (8 and 16 tokens a tile, empty lanes, K splits, several experts, the
+next trip's loads ahead or not)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrt import formats
+from kernel_check import GPU, rel_err
+
+q = pytest.importorskip("flashrt.kernels_cuda.experts_qgmma")
+SM90 = GPU and torch.cuda.get_device_capability() >= (9, 0) and q.AVAILABLE
+
+
+def _values(codes: torch.Tensor) -> torch.Tensor:
+    """float64 values of E2M1 codes (sign bit 3)."""
+    mag = torch.tensor(formats.E2M1_VALUES, dtype=torch.float64)[(codes & 7).long()]
+    return torch.where(codes & 8 > 0, -mag, mag)
+
+
+def _decode_word(word: int) -> tuple[int, int]:
+    """The kernel's DECODE_PTX on one 32-bit word: (P register, Q register)."""
+    m = 0xFFFFFFFF
+    p = word & 0x9C9C9C9C
+    qq = (((word << 2) & m) & 0x8C8C8C8C) | ((word >> 2) & 0x10101010)
+    return p, qq
+
+
+def test_layout_and_decode_give_every_k_its_value_times_2_pow_minus_6():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    rows, K = 5, 192
+    codes = torch.randint(0, 16, (rows, K), generator=g, dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)  # every code at least once
+    packed = q.pack(codes)
+    assert packed.shape == (rows, K // 2)
+    want = _values(codes) * 2.0**-6
+    got = torch.empty(rows, K, dtype=torch.float64)
+    for r in range(rows):
+        for b in range(K // 32):
+            for t in range(4):  # thread t of a quad: the bytes at 16 b + 4 t, K 4t..4t+3 and 16+4t..16+4t+3
+                word = int.from_bytes(bytes(packed[r, 16 * b + 4 * t: 16 * b + 4 * t + 4].tolist()), "little")
+                for reg, base in zip(_decode_word(word), (4 * t, 16 + 4 * t)):
+                    e4m3 = torch.tensor(list(reg.to_bytes(4, "little")), dtype=torch.uint8).view(torch.float8_e4m3fn)
+                    got[r, 32 * b + base: 32 * b + base + 4] = e4m3.double()
+    assert torch.equal(got, want)
+
+
+def test_pack_refuses_k_not_a_multiple_of_64():
+    with pytest.raises(ValueError, match="multiple of 64, got 96"):
+        q.pack(torch.zeros(2, 96, dtype=torch.uint8))
+
+
+def _case(g, E, N, K, T, tokens, tiles, dev):
+    codes = torch.randint(0, 16, (E, N, K), generator=g, dtype=torch.uint8)
+    sbytes = torch.randint(118, 125, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    x = (torch.randn(T, K, generator=g) * 4).to(torch.float8_e4m3fn)
+    xexp = torch.randint(-6, 4, (T, K // 32), generator=g).double()
+    tile_e = torch.randint(0, E, (tiles,), generator=g, dtype=torch.int32)
+    tile_tok = torch.randint(-1, T, (tiles, tokens), generator=g, dtype=torch.int32)
+    wv = _values(codes) * torch.pow(2.0, sbytes.double() - 127).repeat_interleave(32, dim=2)
+    xv = x.double() * torch.pow(2.0, xexp).repeat_interleave(32, dim=1)
+    want = torch.zeros(tiles, tokens, N, dtype=torch.float64)
+    for i in range(tiles):
+        for c in range(tokens):
+            if tile_tok[i, c] >= 0:
+                want[i, c] = wv[tile_e[i]] @ xv[tile_tok[i, c]]
+    xs = (torch.pow(2.0, xexp) * q.DECODE_SCALE).float()
+    args = (x.to(dev), xs.to(dev), q.pack(codes).to(dev), sbytes.to(dev), tile_e.to(dev), tile_tok.to(dev))
+    return args, want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("tokens,k_split,prefetch", [(8, 256, True), (16, 128, True), (8, 512, False), (16, 256, False)])
+def test_partials_sum_to_the_products(tokens, k_split, prefetch):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    args, want = _case(g, E=3, N=192, K=512, T=11, tokens=tokens, tiles=5, dev=torch.device("cuda"))
+    out = q.experts_gemm(*args, k_split, prefetch)
+    assert out.shape == (512 // k_split, 5, tokens, 192)
+    got = out.sum(0).cpu()
+    live = args[5].cpu() >= 0
+    assert rel_err(got[live], want[live]) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Gluon")
+def test_bad_shapes_are_refused_by_name():
+    g = torch.Generator().manual_seed(1)
+    args, _ = _case(g, E=1, N=64, K=256, T=2, tokens=8, tiles=1, dev=torch.device("cuda"))
+    with pytest.raises(ValueError, match="k_split of 128 dividing K, got N 64, K 256, k_split 192"):
+        q.experts_gemm(*args, 192)
+    with pytest.raises(ValueError, match="8 or 16 tokens a tile, got 4"):
+        q.experts_gemm(*args[:5], args[5][:, :4].contiguous(), 128)
