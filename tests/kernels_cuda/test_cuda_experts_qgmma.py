@@ -1,17 +1,18 @@
 """kernels_cuda/experts_qgmma.py: fp4_w expert rows on the fp8 warpgroup MMA, the weights its register operand.
 
-Without a GPU: the weight layout and the bit-move decode, emulated word by word as the kernel's PTX
-computes them, give each K position's E2M1 value times 2**-6 as an E4M3 byte (every code, random
-rows). On an sm_90 GPU: the kernel's partial sums against float64 products of the codes' values and
+Without a GPU: the weight layout and the bit-move decode (the kernel's PTX text, emulated) give each K
+position's E2M1 value times 2**-6 as an E4M3 byte (every code, random rows). On an sm_90 GPU: the kernel's partial sums against float64 products of the codes' values and
 scales, on fresh random inputs (8 and 16 tokens a tile, empty lanes, K splits, several experts, the
 next trip's loads ahead or not)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from flashrt import formats
 from kernel_check import GPU, rel_err
+from ptx_emulator import run_ptx, words_of
 
 q = pytest.importorskip("flashrt.kernels_cuda.experts_qgmma")
 SM90 = GPU and torch.cuda.get_device_capability() >= (9, 0) and q.AVAILABLE
@@ -23,31 +24,21 @@ def _values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes & 8 > 0, -mag, mag)
 
 
-def _decode_word(word: int) -> tuple[int, int]:
-    """The kernel's DECODE_PTX on one 32-bit word: (P register, Q register)."""
-    m = 0xFFFFFFFF
-    p = word & 0x9C9C9C9C
-    qq = (((word << 2) & m) & 0x8C8C8C8C) | ((word >> 2) & 0x10101010)
-    return p, qq
-
-
 def test_layout_and_decode_give_every_k_its_value_times_2_pow_minus_6():
+    """The kernel's PTX (emulated) on each 4-byte word a thread loads: its P register holds K 4t..4t+3 of
+    the word's block, its Q register K 16+4t..16+4t+3, each the code's value times 2**-6 in E4M3."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    rows, K = 5, 192
+    rows, K = 7, 256
     codes = torch.randint(0, 16, (rows, K), generator=g, dtype=torch.uint8)
     codes[0, :16] = torch.arange(16, dtype=torch.uint8)  # every code at least once
     packed = q.pack(codes)
     assert packed.shape == (rows, K // 2)
-    want = _values(codes) * 2.0**-6
-    got = torch.empty(rows, K, dtype=torch.float64)
-    for r in range(rows):
-        for b in range(K // 32):
-            for t in range(4):  # thread t of a quad: the bytes at 16 b + 4 t, K 4t..4t+3 and 16+4t..16+4t+3
-                word = int.from_bytes(bytes(packed[r, 16 * b + 4 * t: 16 * b + 4 * t + 4].tolist()), "little")
-                for reg, base in zip(_decode_word(word), (4 * t, 16 + 4 * t)):
-                    e4m3 = torch.tensor(list(reg.to_bytes(4, "little")), dtype=torch.uint8).view(torch.float8_e4m3fn)
-                    got[r, 32 * b + base: 32 * b + base + 4] = e4m3.double()
-    assert torch.equal(got, want)
+    words = words_of(packed.reshape(-1, 4))  # (row, block, t)
+    regs = run_ptx(q.DECODE_PTX.value, {2: words})
+    p, qq = (torch.from_numpy(regs[r].view(np.uint8).copy()).view(torch.float8_e4m3fn).double() for r in ("$0", "$1"))
+    # (row, block, t, j) -> K = 32 block + 16 (P / Q) + 4 t + j
+    got = torch.stack([p.reshape(rows, K // 32, 4, 4), qq.reshape(rows, K // 32, 4, 4)], dim=2).reshape(rows, K)
+    assert torch.equal(got, _values(codes) * 2.0**-6)
 
 
 def test_pack_refuses_k_not_a_multiple_of_64():
