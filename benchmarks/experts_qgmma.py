@@ -5,7 +5,8 @@
     python benchmarks/experts_qgmma.py [--tokens 1 8] [--splits 512 1024 ...] [--out FILE.json]
 
 Per token count (each token routed to 6 of 384 experts; one tile of up to 8 tokens an expert): the
-up GEMM (W1 and W3 as one [2I, D] matrix an expert) and the down GEMM ([D, I]) under each K split,
+up GEMM (W1 and W3 as one [2I, D] matrix an expert) and the down GEMM ([D, I]) under each K split
+and with the weights loaded where used or through a ring of 4 trips,
 their device time a call (graph replays behind an L2 flush, ``moe_kernels.kernel_times``), and the
 routed weights' bytes (codes and scales) over the copy bandwidth of the same run: the floor. The
 profile's ``moe_experts`` (routed and fp8 shared experts, SwiGLU, combine) at the same routing, with
@@ -119,14 +120,14 @@ def main() -> None:
         _, tp = tiles_for(idx, True)
         for split in args.splits:
             up_split, down_split = dividing(split, D), dividing(split, I)
-            for prefetch in (False, True):
+            for stages in (0, 4):
                 def call():
-                    q.experts_gemm(x, xs, w13, s13, te, tt, up_split, prefetch)
-                    q.experts_gemm(h, hs, w2, s2, te, tp, down_split, prefetch)
+                    q.experts_gemm(x, xs, w13, s13, te, tt, up_split, stages)
+                    q.experts_gemm(h, hs, w2, s2, te, tp, down_split, stages)
 
                 times = kernel_times(call, args.calls)
                 us = sum(times.values())
-                label = f"qgmma up K {up_split}, down K {down_split}" + (", prefetch" if prefetch else "")
+                label = f"qgmma up K {up_split}, down K {down_split}, " + (f"ring {stages}" if stages else "direct")
                 rows.append({"tokens": n, "variant": label, "us": us, "floor_us": floor_us, "of_floor": floor_us / us,
                              "kernels_us": times, "experts_touched": touched})
                 print(f"tokens {n}  {label:44s} {us:8.1f} us  floor {floor_us:6.1f} us  {100 * floor_us / us:5.1f}%",

@@ -66,7 +66,9 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from flashrt.kernels_cuda.attention_ws import _sync
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    from flashrt.kernels_cuda.attention_ws import _async_load, _sync
 
     @gluon.jit
     def _decode(byte):
@@ -91,15 +93,26 @@ if AVAILABLE:
         return d, w[:, None] * s_smem.index(kb).load(cols_l)[None, :]
 
     @gluon.jit
+    def _trip(b0, b1, b2, b3, sw, x_smem, s_smem, kb, a_l: gl.constexpr, cols_l: gl.constexpr, zero, acc):
+        """Four blocks from ``kb``: their weight bytes ``b*`` and the rows' scale words ``sw`` (a byte a block)
+        into ``acc``."""
+        d0, s0 = _block(b0, x_smem, s_smem, kb, sw, a_l, cols_l, zero)
+        d1, s1 = _block(b1, x_smem, s_smem, kb + 1, sw >> 8, a_l, cols_l, zero)
+        d2, s2 = _block(b2, x_smem, s_smem, kb + 2, sw >> 16, a_l, cols_l, zero)
+        d3, s3 = _block(b3, x_smem, s_smem, kb + 3, sw >> 24, a_l, cols_l, zero)
+        d0, d1, d2, d3 = warpgroup_mma_wait(0, deps=[d0, d1, d2, d3])
+        return acc + d0 * s0 + d1 * s1 + d2 * s2 + d3 * s3
+
+    @gluon.jit
     def _gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, tile_e_ptr, tile_tok_ptr, out_ptr, N, K, stride_xm, stride_xsm,
                      stride_we, stride_wn, stride_se, stride_sn, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr,
-                     PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+                     STAGES: gl.constexpr, num_warps: gl.constexpr):
         """out[split, tile, c, n] = sum over the split's K of x[tok[c], k] * W[e, n, k] (fp32), for weight rows
         n of ``program_id(0)``, token tile ``program_id(1)`` (expert ``tile_e``, tokens ``tile_tok``, -1 none),
         K split ``program_id(2)``. x: E4M3 codes [T, K] with fp32 scales xs [T, K / 32] (times
         DECODE_SCALE); W: :func:`pack` bytes [E, N, K / 2] with UE8M0 scales read as int32 words
-        [E, N, K / 128] (four blocks' bytes a word). Four blocks a trip; PREFETCH: the next trip's
-        weight bytes and scale words are loaded before this trip's are used."""
+        [E, N, K / 128] (four blocks' bytes a word). Four blocks a trip; STAGES 0: a trip's weight bytes
+        loaded where they are used, else through a ring of STAGES trips in shared memory."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, TOKENS, 32])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
@@ -128,50 +141,60 @@ if AVAILABLE:
         _sync()
 
         w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
-        rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_l))
-        cols_w = gl.arange(0, 16, layout=gl.SliceLayout(0, w_l))
-        w_src = w_ptr + e * stride_we + rows_w.to(gl.int64)[:, None] * stride_wn + cols_w[None, :] + k_lo // 2
         rows_s = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         s_src = ws_ptr + e * stride_se + rows_s.to(gl.int64) * stride_sn + k_lo // 128
         zero = gl.zeros([64, TOKENS], gl.float32, acc_l)
         acc = gl.zeros([64, TOKENS], gl.float32, acc_l)
-        n0b, n1b, n2b, n3b = gl.load(w_src), gl.load(w_src + 16), gl.load(w_src + 32), gl.load(w_src + 48)
-        nsw = gl.load(s_src)
-        for kb in range(0, KB, 4):
-            if PREFETCH:
-                b0, b1, b2, b3, sw = n0b, n1b, n2b, n3b, nsw
-                nxt = gl.minimum(kb + 4, KB - 4)  # the last trip loads its own blocks again (cache hits)
-                n0b, n1b = gl.load(w_src + nxt * 16), gl.load(w_src + nxt * 16 + 16)
-                n2b, n3b = gl.load(w_src + nxt * 16 + 32), gl.load(w_src + nxt * 16 + 48)
-                nsw = gl.load(s_src + nxt // 4)
-            else:
-                b0, b1 = gl.load(w_src + kb * 16), gl.load(w_src + kb * 16 + 16)
-                b2, b3 = gl.load(w_src + kb * 16 + 32), gl.load(w_src + kb * 16 + 48)
+        w_row = w_ptr + e * stride_we + k_lo // 2
+        if STAGES == 0:  # each trip's weight bytes loaded into registers where they are decoded
+            rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_l))
+            cols_w = gl.arange(0, 16, layout=gl.SliceLayout(0, w_l))
+            w_src = w_row + rows_w.to(gl.int64)[:, None] * stride_wn + cols_w[None, :]
+            for kb in range(0, KB, 4):
                 sw = gl.load(s_src + kb // 4)
-            d0, s0 = _block(b0, x_smem, s_smem, kb, sw, a_l, cols_l, zero)
-            d1, s1 = _block(b1, x_smem, s_smem, kb + 1, sw >> 8, a_l, cols_l, zero)
-            d2, s2 = _block(b2, x_smem, s_smem, kb + 2, sw >> 16, a_l, cols_l, zero)
-            d3, s3 = _block(b3, x_smem, s_smem, kb + 3, sw >> 24, a_l, cols_l, zero)
-            d0, d1, d2, d3 = warpgroup_mma_wait(0, deps=[d0, d1, d2, d3])
-            acc += d0 * s0
-            acc += d1 * s1
-            acc += d2 * s2
-            acc += d3 * s3
+                acc = _trip(gl.load(w_src + kb * 16), gl.load(w_src + kb * 16 + 16), gl.load(w_src + kb * 16 + 32),
+                            gl.load(w_src + kb * 16 + 48), sw, x_smem, s_smem, kb, a_l, cols_l, zero, acc)
+        else:  # through a ring of STAGES trips in shared memory, filled by asynchronous copies
+            cp_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+            rows_c = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, cp_l))
+            cols_c = gl.arange(0, 64, layout=gl.SliceLayout(0, cp_l))
+            c_src = w_row + rows_c.to(gl.int64)[:, None] * stride_wn + cols_c[None, :]
+            # 16-byte chunks swizzled by row pair: a warp's 4-byte reads of 8 rows fall in distinct banks
+            ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+            for i in gl.static_range(STAGES - 1):
+                _async_load(ring.index(i), c_src + gl.minimum(4 * i, KB - 4) * 16)
+                async_copy.commit_group()
+            for kb in range(0, KB, 4):
+                j = kb // 4
+                # the trip STAGES - 1 ahead (the last trips copy the last one again: never read)
+                _async_load(ring.index((j + STAGES - 1) % STAGES), c_src + gl.minimum(kb + 4 * (STAGES - 1), KB - 4) * 16)
+                async_copy.commit_group()
+                sw = gl.load(s_src + kb // 4)
+                async_copy.wait_group(STAGES - 1)  # this thread's copies of trip j have landed
+                _sync()  # and every thread's
+                slot = ring.index(j % STAGES)
+                acc = _trip(slot.slice(0, 16, dim=1).load(w_l), slot.slice(16, 16, dim=1).load(w_l),
+                            slot.slice(32, 16, dim=1).load(w_l), slot.slice(48, 16, dim=1).load(w_l), sw, x_smem,
+                            s_smem, kb, a_l, cols_l, zero, acc)
+                _sync()  # every warp has read the slot before a later trip's copies refill it
+            async_copy.wait_group(0)
         cols = gl.arange(0, TOKENS, layout=cols_l)
         out = out_ptr + ((gl.program_id(2) * gl.num_programs(1) + tile) * TOKENS + cols.to(gl.int64))[None, :] * N
         gl.store(out + rows_s[:, None], acc, mask=(rows_s < N)[:, None])
 
 
 def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, tile_e: torch.Tensor,
-                 tile_tok: torch.Tensor, k_split: int, prefetch: bool = True) -> torch.Tensor:
+                 tile_tok: torch.Tensor, k_split: int, stages: int = 4) -> torch.Tensor:
     """fp32 partials ``[splits, tiles, TOKENS, N]`` of each token tile's rows of x times its expert's
     weights (:func:`_gemm_kernel`): x E4M3 ``[T, K]`` with fp32 scales ``xs [T, K / 32]`` (times
     DECODE_SCALE), w :func:`pack` bytes ``[E, N, K / 2]`` with UE8M0 scale bytes ``ws [E, N, K / 32]``;
     ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none; ``k_split`` K a program (a
-    multiple of 128 dividing K)."""
+    multiple of 128 dividing K); ``stages`` 0: the weights loaded where used, else the depth of their ring."""
     E, N, KH = w.shape
     K = 2 * KH
     tiles, tokens = tile_tok.shape
+    if stages not in (0, 2, 3, 4, 5, 6):
+        raise ValueError(f"experts_gemm: expected stages 0 or 2-6, got {stages}")
     if tokens not in (8, 16):
         raise ValueError(f"experts_gemm: expected 8 or 16 tokens a tile, got {tokens}")
     if N % 64 or k_split % 128 or K % k_split:
@@ -184,5 +207,5 @@ def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     out = torch.empty(splits, tiles, tokens, N, dtype=torch.float32, device=x.device)
     _gemm_kernel[(N // 64, tiles, splits)](
         x, xs, w, words, tile_e, tile_tok, out, N, K, x.stride(0), xs.stride(0), w.stride(0), w.stride(1),
-        words.stride(0), words.stride(1), TOKENS=tokens, K_SPLIT=k_split, PREFETCH=prefetch, num_warps=4)
+        words.stride(0), words.stride(1), TOKENS=tokens, K_SPLIT=k_split, STAGES=stages, num_warps=4)
     return out

@@ -3,7 +3,7 @@
 Without a GPU: the weight layout and the bit-move decode (the kernel's PTX text, emulated) give each K
 position's E2M1 value times 2**-6 as an E4M3 byte (every code, random rows). On an sm_90 GPU: the kernel's partial sums against float64 products of the codes' values and
 scales, on fresh random inputs (8 and 16 tokens a tile, empty lanes, K splits, several experts, the
-next trip's loads ahead or not)."""
+weights through a ring of copies or loaded where used)."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,11 +67,11 @@ def _case(g, E, N, K, T, tokens, tiles, dev):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("tokens,k_split,prefetch", [(8, 256, True), (16, 128, True), (8, 512, False), (16, 256, False)])
-def test_partials_sum_to_the_products(tokens, k_split, prefetch):
+@pytest.mark.parametrize("tokens,k_split,stages", [(8, 256, 4), (16, 128, 2), (8, 512, 0), (16, 256, 0), (8, 512, 3)])
+def test_partials_sum_to_the_products(tokens, k_split, stages):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     args, want = _case(g, E=3, N=192, K=512, T=11, tokens=tokens, tiles=5, dev=torch.device("cuda"))
-    out = q.experts_gemm(*args, k_split, prefetch)
+    out = q.experts_gemm(*args, k_split, stages)
     assert out.shape == (512 // k_split, 5, tokens, 192)
     got = out.sum(0).cpu()
     live = args[5].cpu() >= 0
@@ -85,5 +85,7 @@ def test_bad_shapes_are_refused_by_name():
     args, _ = _case(g, E=1, N=64, K=256, T=2, tokens=8, tiles=1, dev=torch.device("cuda"))
     with pytest.raises(ValueError, match="k_split of 128 dividing K, got N 64, K 256, k_split 192"):
         q.experts_gemm(*args, 192)
+    with pytest.raises(ValueError, match="stages 0 or 2-6, got 1"):
+        q.experts_gemm(*args, 128, 1)
     with pytest.raises(ValueError, match="8 or 16 tokens a tile, got 4"):
         q.experts_gemm(*args[:5], args[5][:, :4].contiguous(), 128)
