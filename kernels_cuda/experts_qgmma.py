@@ -180,7 +180,7 @@ if AVAILABLE:
             async_copy.wait_group(0)
         cols = gl.arange(0, TOKENS, layout=cols_l)
         out = out_ptr + ((gl.program_id(2) * gl.num_programs(1) + tile) * TOKENS + cols.to(gl.int64))[None, :] * N
-        gl.store(out + rows_s[:, None], acc, mask=(rows_s < N)[:, None])
+        gl.store(out + rows_s[:, None], acc, mask=(rows_s < N)[:, None] & (tok_s >= 0)[None, :])  # live lanes only
 
 
 def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, tile_e: torch.Tensor,
@@ -188,7 +188,7 @@ def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     """fp32 partials ``[splits, tiles, TOKENS, N]`` of each token tile's rows of x times its expert's
     weights (:func:`_gemm_kernel`): x E4M3 ``[T, K]`` with fp32 scales ``xs [T, K / 32]`` (times
     DECODE_SCALE), w :func:`pack` bytes ``[E, N, K / 2]`` with UE8M0 scale bytes ``ws [E, N, K / 32]``;
-    ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none; ``k_split`` K a program (a
+    ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none (its partials are left unwritten); ``k_split`` K a program (a
     multiple of 128 dividing K); ``stages`` 0: the weights loaded where used, else the depth of their ring."""
     E, N, KH = w.shape
     K = 2 * KH
