@@ -70,6 +70,11 @@ if AVAILABLE:
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
 
+    @gluon.constexpr_function
+    def mma_layout(TOKENS):
+        """The accumulators' layout: one warpgroup's m64nTOKENS tiles of ``wgmma``."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TOKENS, 32])
+
     @gluon.jit
     def _decode(byte):
         """uint8 bytes (four a register) -> (E4M3 of their P codes, of their Q codes), same shape."""
@@ -104,53 +109,51 @@ if AVAILABLE:
         return acc + d0 * s0 + d1 * s1 + d2 * s2 + d3 * s3
 
     @gluon.jit
-    def _gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, tile_e_ptr, tile_tok_ptr, out_ptr, N, K, stride_xm, stride_xsm,
-                     stride_we, stride_wn, stride_se, stride_sn, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr,
-                     STAGES: gl.constexpr, num_warps: gl.constexpr):
-        """out[split, tile, c, n] = sum over the split's K of x[tok[c], k] * W[e, n, k] (fp32), for weight rows
-        n of ``program_id(0)``, token tile ``program_id(1)`` (expert ``tile_e``, tokens ``tile_tok``, -1 none),
-        K split ``program_id(2)``. x: E4M3 codes [T, K] with fp32 scales xs [T, K / 32] (times
-        DECODE_SCALE); W: :func:`pack` bytes [E, N, K / 2] with UE8M0 scales read as int32 words
-        [E, N, K / 128] (four blocks' bytes a word). Four blocks a trip; STAGES 0: a trip's weight bytes
-        loaded where they are used, else through a ring of STAGES trips in shared memory."""
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, TOKENS, 32])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+    def fill(x_ptr, xs_ptr, tok, stride_xm, stride_xsm, k_lo, nb, TOKENS: gl.constexpr, KB: gl.constexpr,
+             num_warps: gl.constexpr):
+        """(x smem [KB, TOKENS, 32] E4M3, scale smem [KB, TOKENS] fp32): blocks ``k_lo / 32 ..`` of rows
+        ``tok`` (int64 [TOKENS], rows that exist) of x and xs; blocks from ``nb`` on are zero. ``tok``:
+        negative lanes read row 0 and are zero."""
+        acc_l: gl.constexpr = mma_layout(TOKENS)
         cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-        KB: gl.constexpr = K_SPLIT // 32
-        n0 = gl.program_id(0) * 64
-        tile = gl.program_id(1)
-        k_lo = gl.program_id(2) * K_SPLIT
-        e = gl.load(tile_e_ptr + tile).to(gl.int64)
-
-        # the tile's activations and their scales into shared memory, once
         xl: gl.constexpr = gl.BlockedLayout([1, 8], [TOKENS, 32 // TOKENS], [num_warps, 1], [1, 0])
-        tok_x = gl.load(tile_tok_ptr + tile * TOKENS + gl.arange(0, TOKENS, layout=gl.SliceLayout(1, xl)))
+        tok_x = gl.convert_layout(tok, gl.SliceLayout(1, xl))
         c_x = gl.arange(0, 32, layout=gl.SliceLayout(0, xl))
-        x_src = x_ptr + gl.maximum(tok_x, 0).to(gl.int64)[:, None] * stride_xm + k_lo + c_x[None, :]
+        x_src = x_ptr + gl.maximum(tok_x, 0)[:, None] * stride_xm + k_lo + c_x[None, :]
         x_smem = gl.allocate_shared_memory(gl.float8e4nv, [KB, TOKENS, 32],
                                            gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2))
-        tok_s = gl.load(tile_tok_ptr + tile * TOKENS + gl.arange(0, TOKENS, layout=cols_l))
-        xs_src = xs_ptr + gl.maximum(tok_s, 0).to(gl.int64) * stride_xsm + k_lo // 32
+        tok_s = gl.convert_layout(tok, cols_l)
+        xs_src = xs_ptr + gl.maximum(tok_s, 0) * stride_xsm + k_lo // 32
         s_smem = gl.allocate_shared_memory(gl.float32, [KB, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for kb in range(KB):
-            in_k = k_lo + kb * 32 < K
-            x_smem.index(kb).store(gl.load(x_src + kb * 32, mask=(tok_x >= 0)[:, None] & in_k, other=0.0))
-            s_smem.index(kb).store(gl.load(xs_src + kb, mask=(tok_s >= 0) & in_k, other=0.0))
+            x_smem.index(kb).store(gl.load(x_src + kb * 32, mask=(tok_x >= 0)[:, None] & (kb < nb), other=0.0))
+            s_smem.index(kb).store(gl.load(xs_src + kb, mask=(tok_s >= 0) & (kb < nb), other=0.0))
         fence_async_shared()
         _sync()
+        return x_smem, s_smem
 
+    @gluon.jit
+    def loop(w_e, s_e, stride_wn, stride_sn, n0, k_lo, nb, x_smem, s_smem, TOKENS: gl.constexpr, KB: gl.constexpr,
+             STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """fp32 sums [64, TOKENS] (:func:`mma_layout`) of weight rows ``n0 ..`` of one expert (``w_e``: its
+        :func:`pack` bytes [N, K / 2], ``s_e``: its scale bytes as int32 words [N, K / 128]) over the ``nb``
+        blocks (a multiple of 4, at most KB) from ``k_lo`` of :func:`fill`'s activations. Four blocks a
+        trip; STAGES 0: a trip's weight bytes loaded where they are used, else through a ring of STAGES
+        trips in shared memory."""
+        acc_l: gl.constexpr = mma_layout(TOKENS)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+        cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
         w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
         rows_s = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-        s_src = ws_ptr + e * stride_se + rows_s.to(gl.int64) * stride_sn + k_lo // 128
+        s_src = s_e + rows_s.to(gl.int64) * stride_sn + k_lo // 128
         zero = gl.zeros([64, TOKENS], gl.float32, acc_l)
         acc = gl.zeros([64, TOKENS], gl.float32, acc_l)
-        w_row = w_ptr + e * stride_we + k_lo // 2
+        w_row = w_e + k_lo // 2
         if STAGES == 0:  # each trip's weight bytes loaded into registers where they are decoded
             rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_l))
             cols_w = gl.arange(0, 16, layout=gl.SliceLayout(0, w_l))
             w_src = w_row + rows_w.to(gl.int64)[:, None] * stride_wn + cols_w[None, :]
-            for kb in range(0, KB, 4):
+            for kb in range(0, nb, 4):
                 sw = gl.load(s_src + kb // 4)
                 acc = _trip(gl.load(w_src + kb * 16), gl.load(w_src + kb * 16 + 16), gl.load(w_src + kb * 16 + 32),
                             gl.load(w_src + kb * 16 + 48), sw, x_smem, s_smem, kb, a_l, cols_l, zero, acc)
@@ -162,12 +165,12 @@ if AVAILABLE:
             # 16-byte chunks swizzled by row pair: a warp's 4-byte reads of 8 rows fall in distinct banks
             ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
             for i in gl.static_range(STAGES - 1):
-                _async_load(ring.index(i), c_src + gl.minimum(4 * i, KB - 4) * 16)
+                _async_load(ring.index(i), c_src + gl.minimum(4 * i, nb - 4) * 16)
                 async_copy.commit_group()
-            for kb in range(0, KB, 4):
+            for kb in range(0, nb, 4):
                 j = kb // 4
                 # the trip STAGES - 1 ahead (the last trips copy the last one again: never read)
-                _async_load(ring.index((j + STAGES - 1) % STAGES), c_src + gl.minimum(kb + 4 * (STAGES - 1), KB - 4) * 16)
+                _async_load(ring.index((j + STAGES - 1) % STAGES), c_src + gl.minimum(kb + 4 * (STAGES - 1), nb - 4) * 16)
                 async_copy.commit_group()
                 sw = gl.load(s_src + kb // 4)
                 async_copy.wait_group(STAGES - 1)  # this thread's copies of trip j have landed
@@ -178,9 +181,31 @@ if AVAILABLE:
                             s_smem, kb, a_l, cols_l, zero, acc)
                 _sync()  # every warp has read the slot before a later trip's copies refill it
             async_copy.wait_group(0)
+        return acc
+
+    @gluon.jit
+    def _gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, tile_e_ptr, tile_tok_ptr, out_ptr, N, K, stride_xm, stride_xsm,
+                     stride_we, stride_wn, stride_se, stride_sn, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr,
+                     STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """out[split, tile, c, n] = sum over the split's K of x[tok[c], k] * W[e, n, k] (fp32), for weight rows
+        n of ``program_id(0)``, token tile ``program_id(1)`` (expert ``tile_e``, tokens ``tile_tok``, -1 none),
+        K split ``program_id(2)``. x: E4M3 codes [T, K] with fp32 scales xs [T, K / 32] (times
+        DECODE_SCALE); W: :func:`pack` bytes [E, N, K / 2] with UE8M0 scales read as int32 words
+        [E, N, K / 128] (four blocks' bytes a word)."""
+        cols_l: gl.constexpr = gl.SliceLayout(0, mma_layout(TOKENS))
+        n0 = gl.program_id(0) * 64
+        tile = gl.program_id(1)
+        k_lo = gl.program_id(2) * K_SPLIT
+        e = gl.load(tile_e_ptr + tile).to(gl.int64)
+        tok = gl.load(tile_tok_ptr + tile * TOKENS + gl.arange(0, TOKENS, layout=cols_l)).to(gl.int64)
+        nb = gl.minimum(K_SPLIT, K - k_lo) // 32
+        x_smem, s_smem = fill(x_ptr, xs_ptr, tok, stride_xm, stride_xsm, k_lo, nb, TOKENS, K_SPLIT // 32, num_warps)
+        acc = loop(w_ptr + e * stride_we, ws_ptr + e * stride_se, stride_wn, stride_sn, n0, k_lo, nb, x_smem, s_smem,
+                   TOKENS, K_SPLIT // 32, STAGES, num_warps)
+        rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout(TOKENS)))
         cols = gl.arange(0, TOKENS, layout=cols_l)
         out = out_ptr + ((gl.program_id(2) * gl.num_programs(1) + tile) * TOKENS + cols.to(gl.int64))[None, :] * N
-        gl.store(out + rows_s[:, None], acc, mask=(rows_s < N)[:, None] & (tok_s >= 0)[None, :])  # live lanes only
+        gl.store(out + rows[:, None], acc, mask=(rows < N)[:, None] & (tok >= 0)[None, :])  # live lanes only
 
 
 def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, tile_e: torch.Tensor,
