@@ -170,7 +170,8 @@ if AVAILABLE:
             for kb in range(0, nb, 4):
                 j = kb // 4
                 # the trip STAGES - 1 ahead (the last trips copy the last one again: never read)
-                _async_load(ring.index((j + STAGES - 1) % STAGES), c_src + gl.minimum(kb + 4 * (STAGES - 1), nb - 4) * 16)
+                ahead = gl.minimum(kb + 4 * (STAGES - 1), nb - 4)
+                _async_load(ring.index((j + STAGES - 1) % STAGES), c_src + ahead * 16)
                 async_copy.commit_group()
                 sw = gl.load(s_src + kb // 4)
                 async_copy.wait_group(STAGES - 1)  # this thread's copies of trip j have landed
@@ -213,8 +214,8 @@ def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     """fp32 partials ``[splits, tiles, TOKENS, N]`` of each token tile's rows of x times its expert's
     weights (:func:`_gemm_kernel`): x E4M3 ``[T, K]`` with fp32 scales ``xs [T, K / 32]`` (times
     DECODE_SCALE), w :func:`pack` bytes ``[E, N, K / 2]`` with UE8M0 scale bytes ``ws [E, N, K / 32]``;
-    ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none (its partials are left unwritten); ``k_split`` K a program (a
-    multiple of 128 dividing K); ``stages`` 0: the weights loaded where used, else the depth of their ring."""
+    ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none (its partials are left
+    unwritten); ``k_split`` K a program (a multiple of 128 dividing K); ``stages`` 0: the weights loaded where used, else the depth of their ring."""
     E, N, KH = w.shape
     K = 2 * KH
     tiles, tokens = tile_tok.shape
