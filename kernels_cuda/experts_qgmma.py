@@ -215,7 +215,8 @@ def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     weights (:func:`_gemm_kernel`): x E4M3 ``[T, K]`` with fp32 scales ``xs [T, K / 32]`` (times
     DECODE_SCALE), w :func:`pack` bytes ``[E, N, K / 2]`` with UE8M0 scale bytes ``ws [E, N, K / 32]``;
     ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none (its partials are left
-    unwritten); ``k_split`` K a program (a multiple of 128 dividing K); ``stages`` 0: the weights loaded where used, else the depth of their ring."""
+    unwritten); ``k_split`` K a program (a multiple of 128 dividing K); ``stages`` 0: the weights
+    loaded where used, else the depth of their ring."""
     E, N, KH = w.shape
     K = 2 * KH
     tiles, tokens = tile_tok.shape
