@@ -136,6 +136,24 @@ def test_the_bf16_paths_activations_are_act_quants_values_in_one_launch(rng, mon
     assert got.dtype == torch.bfloat16 and torch.equal(got, want) and launches == ["_fp8_round_trip_kernel"]
 
 
+@pytest.mark.parametrize("rows,k,dtype", [(5, 96, torch.bfloat16), (33, 256, torch.float32)])
+def test_fp8_codes_are_act_quants_bytes_and_scales_in_one_launch(rng, monkeypatch, rows, k, dtype):
+    """``round_trip.fp8_codes`` (the fp8 MMA's activations): act_quant's E4M3 bytes bit for bit, its block
+    scales times the asked factor, a block of tiny values included, from one launch."""
+    from flashrt.kernels_cuda.round_trip import fp8_codes
+
+    x = (_randn(rng, rows, k) * 3.0).to(dtype)
+    x[-1, -32:] *= 1e-30
+    q, s = lin.act_quant(x)
+    launches = record_launches(monkeypatch)
+    codes, scales = fp8_codes(x, dict(BLOCK_R=4, BLOCK_C=64, num_warps=4), 64.0)
+    assert launches == ["_fp8_codes_kernel"] and codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+    assert torch.equal(codes.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(scales, s.view(torch.float8_e8m0fnu).float() * 64.0)
+    with pytest.raises(ValueError, match="multiple of 32, got 40"):
+        fp8_codes(x[:, :40], dict(BLOCK_R=4, BLOCK_C=64, num_warps=4))
+
+
 def test_linear_large_tile_fp16(rng):
     x = _randn(rng, 70, 64).to(torch.float16)
     w = _weight(rng, "fp8_w", 33, 64)
