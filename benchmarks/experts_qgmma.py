@@ -34,8 +34,7 @@ from flashrt.kernels_cuda import experts_qgmma as q  # noqa: E402
 
 
 def random_packed(E: int, N: int, K: int, dev, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random codes in :func:`q.pack`'s layout (a bit permutation of random bytes: every code) and UE8M0
-    scale bytes 119-122."""
+    """Random fp4_w bytes (every code) and UE8M0 scale bytes 119-122."""
     data = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device=dev, generator=gen)
     scale = torch.randint(119, 123, (E, N, K // 32), dtype=torch.uint8, device=dev, generator=gen)
     return data, scale
@@ -74,7 +73,7 @@ def check(dev, gen) -> float:
     xv = x.double() * torch.pow(2.0, xe).repeat_interleave(32, 1)
     tile_e = torch.tensor([0, 2, 1], dtype=torch.int32)
     tile_tok = torch.randint(-1, T, (3, 8), generator=gen, dtype=torch.int32)
-    out = q.experts_gemm(x.to(dev), (torch.pow(2.0, xe) * q.DECODE_SCALE).float().to(dev), q.pack(codes).to(dev),
+    out = q.experts_gemm(x.to(dev), (torch.pow(2.0, xe) * q.DECODE_SCALE).float().to(dev), (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(dev),
                          sb.to(dev), tile_e.to(dev), tile_tok.to(dev), 256).sum(0).cpu().double()
     worst = 0.0
     for i in range(3):

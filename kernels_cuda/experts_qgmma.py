@@ -4,22 +4,21 @@ The routed experts at decode are bound by their instructions, most of them the E
 in front of ``mma.sync`` (:mod:`.moe_mma`, the 16-row tile of :mod:`.moe_kernels`). Here each
 warpgroup owns 64 weight rows as the M of ``wgmma m64nNk32`` with E4M3 operands (tokens as its N,
 8 or 16): an E2M1 code becomes an E4M3 byte by moving its bits alone (the three magnitude bits to
-bits 4-2, the sign to bit 7: the code's value times 2**-6, exactly, subnormal 0.5 included), so
-one 32-bit word of eight codes decodes in five integer instructions into two operand registers,
-against seventeen a word for the bf16 pairs. The activations are the fp8 codes of their round trip
-(E4M3 with a power-of-two scale per 32), the MMA's B operand in shared memory, loaded once a
-program; each K block's product is scaled in fp32 by its weight rows' and tokens' scales (both
-powers of two: exact) and summed in fp32.
+bits 4-2, the sign to bit 7: the code's value times 2**-6, exactly, subnormal 0.5 included), so one
+32-bit word of eight codes in the standard nibbles decodes in seven integer instructions into two
+operand registers (its even codes, its odd codes), against seventeen a word for the bf16 pairs. The
+activations are the E4M3 codes of their fp8 round trip (:func:`.round_trip.fp8_codes`), the MMA's B
+operand in shared memory, loaded once a program; each K block's product is scaled in fp32 by its
+weight rows' and tokens' scales (both powers of two: exact) and summed in fp32.
 
-The weights take a layout of their own (:func:`pack`): in each row, a block of 32 codes is 16
-bytes, byte ``i`` holding codes ``i`` and ``16 + i`` in the bit places the decode reads, so that a
-thread's 4-byte load of a row gives both its operand registers of that row (K 4t..4t+3 and
-16+4t..16+4t+3).
+A thread's 4-byte load of a row at byte ``4t`` of a 32-code block holds codes ``8t .. 8t + 7``: its
+even codes go to the operand register of MMA K positions ``4t .. 4t + 3``, its odd codes to
+``16 + 4t .. 16 + 4t + 3``. The activations are stored in shared memory in that order (MMA position
+``16h + 4t + j`` holds K ``8t + 2j + h``), so the weights keep the layout every other path reads.
 
-``gemm`` is the rows-by-tokens product of one expert tile over a K range; :func:`experts_gemm`
-launches it over (expert, token tile) pairs with fp32 partials per K split (summed by the caller):
-the building block measured by ``benchmarks/experts_qgmma.py`` before it takes the experts' full
-up / down path.
+:func:`fill` and :func:`loop` are the activations' staging and the K loop of one expert tile;
+:func:`experts_gemm` launches them over (expert, token tile) pairs with fp32 partials per K split
+(summed by the caller): the building block ``benchmarks/experts_qgmma.py`` measures.
 """
 from __future__ import annotations
 
@@ -31,34 +30,19 @@ from flashrt.kernels_cuda.launch import cdiv
 
 ROWS = 64  # weight rows a program: the M of one warpgroup MMA
 DECODE_SCALE = 2.0 ** 6  # the E4M3 bytes hold the E2M1 values times 2**-6
-# a block's byte i: code i (P) in bits 7 (sign), 4-2 (magnitude); code 16 + i (Q) in bits 5 (sign), 6 (its
-# magnitude's top bit), 1-0 (its two low bits): P is the byte under 0x9C, Q two shifts by 2
-_P_BITS = ((3, 7), (2, 4), (1, 3), (0, 2))  # (code bit, byte bit)
-_Q_BITS = ((3, 5), (2, 6), (1, 1), (0, 0))
-# the decode of one word (four such bytes) into two registers of four E4M3 bytes: codes P, codes Q
+# one word of standard nibbles (code 2i in byte i's low nibble, 2i + 1 in its high one) into two registers
+# of four E4M3 bytes: $0 its even codes (magnitude up by 2, sign up by 4), $1 its odd codes (magnitude down
+# by 2, the sign in place)
 DECODE_PTX = tl.constexpr("""{
-.reg .b32 a, b;
-and.b32 $0, $2, 0x9C9C9C9C;
+.reg .b32 a, b, c;
 shl.b32 a, $2, 2;
-shr.b32 b, $2, 2;
-and.b32 b, b, 0x10101010;
-lop3.b32 $1, a, 0x8C8C8C8C, b, 0xEA;
+and.b32 a, a, 0x1C1C1C1C;
+shl.b32 b, $2, 4;
+lop3.b32 $0, b, 0x80808080, a, 0xEA;
+shr.b32 c, $2, 2;
+and.b32 c, c, 0x1C1C1C1C;
+lop3.b32 $1, $2, 0x80808080, c, 0xEA;
 }""")
-
-
-def pack(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 E2M1 codes ``[..., K]`` (sign in bit 3; K a multiple of 64) -> the bytes ``[..., K / 2]``
-    of this module's layout: block ``b``'s byte ``i`` (at ``16 b + i``) holds its codes ``i`` and ``16 + i``."""
-    if codes.shape[-1] % 64:
-        raise ValueError(f"experts_qgmma.pack: expected K a multiple of 64, got {codes.shape[-1]}")
-    c = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, 2, 16)  # (block, half, i)
-    p, q = c[..., 0, :], c[..., 1, :]
-    byte = torch.zeros_like(p)
-    for src, dst in _P_BITS:
-        byte |= ((p >> src) & 1) << dst
-    for src, dst in _Q_BITS:
-        byte |= ((q >> src) & 1) << dst
-    return byte.reshape(*codes.shape[:-1], codes.shape[-1] // 2).to(torch.uint8)
 
 
 if AVAILABLE:
@@ -77,7 +61,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _decode(byte):
-        """uint8 bytes (four a register) -> (E4M3 of their P codes, of their Q codes), same shape."""
+        """uint8 bytes (four a register) -> (E4M3 of their even codes, of their odd codes), same shape."""
         p, q = gl.inline_asm_elementwise(DECODE_PTX, "=r,=r,r", [byte], dtype=(gl.uint8, gl.uint8), is_pure=True,
                                          pack=4)
         return p.to(gl.float8e4nv, bitcast=True), q.to(gl.float8e4nv, bitcast=True)
@@ -85,9 +69,9 @@ if AVAILABLE:
     @gluon.jit
     def _operand(byte, a_l: gl.constexpr):
         """A block's bytes ``[64, 16]`` (a thread's 4 at ``4t``) -> its A operand ``[64, 32]`` in ``a_l``."""
-        p, q = _decode(byte)
-        z = gl.permute(gl.join(p, q), [0, 2, 1])  # (r, P / Q, 4t + j)
-        return gl.convert_layout(gl.reshape(z, [64, 32]), a_l, assert_trivial=True)  # K = 16 * (P / Q) + 4t + j
+        even, odd = _decode(byte)
+        z = gl.permute(gl.join(even, odd), [0, 2, 1])  # (r, odd, 4t + j)
+        return gl.convert_layout(gl.reshape(z, [64, 32]), a_l, assert_trivial=True)  # position 16 odd + 4t + j
 
     @gluon.jit
     def _block(byte, x_smem, s_smem, kb, w_exp, a_l: gl.constexpr, cols_l: gl.constexpr, zero):
@@ -126,7 +110,10 @@ if AVAILABLE:
         xs_src = xs_ptr + gl.maximum(tok_s, 0) * stride_xsm + k_lo // 32
         s_smem = gl.allocate_shared_memory(gl.float32, [KB, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for kb in range(KB):
-            x_smem.index(kb).store(gl.load(x_src + kb * 32, mask=(tok_x >= 0)[:, None] & (kb < nb), other=0.0))
+            v = gl.load(x_src + kb * 32, mask=(tok_x >= 0)[:, None] & (kb < nb), other=0.0)
+            # K 8t + 2j + h to MMA position 16h + 4t + j: the decode's even / odd codes
+            v = gl.reshape(gl.permute(gl.reshape(v, [TOKENS, 4, 4, 2]), [0, 3, 1, 2]), [TOKENS, 32])
+            x_smem.index(kb).store(v)
             s_smem.index(kb).store(gl.load(xs_src + kb, mask=(tok_s >= 0) & (kb < nb), other=0.0))
         fence_async_shared()
         _sync()
@@ -136,7 +123,7 @@ if AVAILABLE:
     def loop(w_e, s_e, stride_wn, stride_sn, n0, k_lo, nb, x_smem, s_smem, TOKENS: gl.constexpr, KB: gl.constexpr,
              STAGES: gl.constexpr, num_warps: gl.constexpr):
         """fp32 sums [64, TOKENS] (:func:`mma_layout`) of weight rows ``n0 ..`` of one expert (``w_e``: its
-        :func:`pack` bytes [N, K / 2], ``s_e``: its scale bytes as int32 words [N, K / 128]) over the ``nb``
+        fp4_w bytes [N, K / 2], ``s_e``: its scale bytes as int32 words [N, K / 128]) over the ``nb``
         blocks (a multiple of 4, at most KB) from ``k_lo`` of :func:`fill`'s activations. Four blocks a
         trip; STAGES 0: a trip's weight bytes loaded where they are used, else through a ring of STAGES
         trips in shared memory."""
@@ -191,7 +178,7 @@ if AVAILABLE:
         """out[split, tile, c, n] = sum over the split's K of x[tok[c], k] * W[e, n, k] (fp32), for weight rows
         n of ``program_id(0)``, token tile ``program_id(1)`` (expert ``tile_e``, tokens ``tile_tok``, -1 none),
         K split ``program_id(2)``. x: E4M3 codes [T, K] with fp32 scales xs [T, K / 32] (times
-        DECODE_SCALE); W: :func:`pack` bytes [E, N, K / 2] with UE8M0 scales read as int32 words
+        DECODE_SCALE); W: fp4_w bytes [E, N, K / 2] with UE8M0 scales read as int32 words
         [E, N, K / 128] (four blocks' bytes a word)."""
         cols_l: gl.constexpr = gl.SliceLayout(0, mma_layout(TOKENS))
         n0 = gl.program_id(0) * 64
@@ -213,7 +200,7 @@ def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
                  tile_tok: torch.Tensor, k_split: int, stages: int = 4) -> torch.Tensor:
     """fp32 partials ``[splits, tiles, TOKENS, N]`` of each token tile's rows of x times its expert's
     weights (:func:`_gemm_kernel`): x E4M3 ``[T, K]`` with fp32 scales ``xs [T, K / 32]`` (times
-    DECODE_SCALE), w :func:`pack` bytes ``[E, N, K / 2]`` with UE8M0 scale bytes ``ws [E, N, K / 32]``;
+    DECODE_SCALE), w fp4_w bytes ``[E, N, K / 2]`` (standard nibbles) with UE8M0 scale bytes ``ws [E, N, K / 32]``;
     ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none (its partials are left
     unwritten); ``k_split`` K a program (a multiple of 128 dividing K); ``stages`` 0: the weights
     loaded where used, else the depth of their ring."""

@@ -1,7 +1,8 @@
 """kernels_cuda/experts_qgmma.py: fp4_w expert rows on the fp8 warpgroup MMA, the weights its register operand.
 
-Without a GPU: the weight layout and the bit-move decode (the kernel's PTX text, emulated) give each K
-position's E2M1 value times 2**-6 as an E4M3 byte (every code, random rows). On an sm_90 GPU: the kernel's partial sums against float64 products of the codes' values and
+Without a GPU: the bit-move decode (the kernel's PTX text, emulated) gives each MMA position the E2M1
+value times 2**-6 of the K the kernel's activation order puts there, as an E4M3 byte (every code,
+random rows). On an sm_90 GPU: the kernel's partial sums against float64 products of the codes' values and
 scales, on fresh random inputs (8 and 16 tokens a tile, empty lanes, K splits, several experts, the
 weights through a ring of copies or loaded where used)."""
 from __future__ import annotations
@@ -24,26 +25,29 @@ def _values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes & 8 > 0, -mag, mag)
 
 
-def test_layout_and_decode_give_every_k_its_value_times_2_pow_minus_6():
-    """The kernel's PTX (emulated) on each 4-byte word a thread loads: its P register holds K 4t..4t+3 of
-    the word's block, its Q register K 16+4t..16+4t+3, each the code's value times 2**-6 in E4M3."""
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Standard packed fp4 bytes of codes [..., K]: code 2i in byte i's low nibble, 2i + 1 in its high one."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def test_decode_gives_each_mma_position_its_codes_value_times_2_pow_minus_6():
+    """The kernel's PTX (emulated) on each 4-byte word a thread loads (at byte 4t of a block): its even
+    codes fill MMA positions 4t..4t+3, its odd codes 16+4t..16+4t+3, each the code's value times 2**-6 in
+    E4M3; position 16h + 4t + j is K 8t + 2j + h, the order the kernel stores the activations in."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     rows, K = 7, 256
     codes = torch.randint(0, 16, (rows, K), generator=g, dtype=torch.uint8)
     codes[0, :16] = torch.arange(16, dtype=torch.uint8)  # every code at least once
-    packed = q.pack(codes)
-    assert packed.shape == (rows, K // 2)
-    words = words_of(packed.reshape(-1, 4))  # (row, block, t)
+    words = words_of(_nibbles(codes).reshape(-1, 4))  # (row, block, t)
     regs = run_ptx(q.DECODE_PTX.value, {2: words})
-    p, qq = (torch.from_numpy(regs[r].view(np.uint8).copy()).view(torch.float8_e4m3fn).double() for r in ("$0", "$1"))
-    # (row, block, t, j) -> K = 32 block + 16 (P / Q) + 4 t + j
-    got = torch.stack([p.reshape(rows, K // 32, 4, 4), qq.reshape(rows, K // 32, 4, 4)], dim=2).reshape(rows, K)
-    assert torch.equal(got, _values(codes) * 2.0**-6)
-
-
-def test_pack_refuses_k_not_a_multiple_of_64():
-    with pytest.raises(ValueError, match="multiple of 64, got 96"):
-        q.pack(torch.zeros(2, 96, dtype=torch.uint8))
+    even, odd = (torch.from_numpy(regs[r].view(np.uint8).copy()).view(torch.float8_e4m3fn).double()
+                 for r in ("$0", "$1"))
+    # (row, block, t, j) at positions 32 block + 16 h + 4 t + j
+    got = torch.stack([even.reshape(rows, K // 32, 4, 4), odd.reshape(rows, K // 32, 4, 4)], dim=2)
+    h, t, j = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(4), indexing="ij")
+    k_of = (8 * t + 2 * j + h).reshape(32)  # K of each position in a block
+    want = (_values(codes) * 2.0**-6).reshape(rows, K // 32, 32)[:, :, k_of]
+    assert torch.equal(got.reshape(rows, K // 32, 32), want)
 
 
 def _case(g, E, N, K, T, tokens, tiles, dev):
@@ -61,7 +65,7 @@ def _case(g, E, N, K, T, tokens, tiles, dev):
             if tile_tok[i, c] >= 0:
                 want[i, c] = wv[tile_e[i]] @ xv[tile_tok[i, c]]
     xs = (torch.pow(2.0, xexp) * q.DECODE_SCALE).float()
-    args = (x.to(dev), xs.to(dev), q.pack(codes).to(dev), sbytes.to(dev), tile_e.to(dev), tile_tok.to(dev))
+    args = (x.to(dev), xs.to(dev), _nibbles(codes).to(dev), sbytes.to(dev), tile_e.to(dev), tile_tok.to(dev))
     return args, want
 
 
