@@ -83,14 +83,26 @@ if AVAILABLE:
 
     @gluon.jit
     def _trip(b0, b1, b2, b3, sw, x_smem, s_smem, kb, a_l: gl.constexpr, cols_l: gl.constexpr, zero, acc):
-        """Four blocks from ``kb``: their weight bytes ``b*`` and the rows' scale words ``sw`` (a byte a block)
-        into ``acc``."""
+        """Four blocks from ``kb``: their weight bytes ``b*`` and the rows' four scale bytes ``sw`` (one
+        int32 word a row, block ``u``'s byte at bits ``8u``) into ``acc``."""
         d0, s0 = _block(b0, x_smem, s_smem, kb, sw, a_l, cols_l, zero)
         d1, s1 = _block(b1, x_smem, s_smem, kb + 1, sw >> 8, a_l, cols_l, zero)
         d2, s2 = _block(b2, x_smem, s_smem, kb + 2, sw >> 16, a_l, cols_l, zero)
         d3, s3 = _block(b3, x_smem, s_smem, kb + 3, sw >> 24, a_l, cols_l, zero)
         d0, d1, d2, d3 = warpgroup_mma_wait(0, deps=[d0, d1, d2, d3])
         return acc + d0 * s0 + d1 * s1 + d2 * s2 + d3 * s3
+
+    @gluon.jit
+    def _scale_word(s_src, kb, stride_sk, KMAJOR: gl.constexpr):
+        """The rows' scale bytes of blocks ``kb .. kb + 3`` as one int32 a row: row major, the word at
+        ``s_src`` (int32 words of four blocks); KMAJOR, four bytes ``stride_sk`` apart from ``s_src``."""
+        if KMAJOR:
+            b = s_src + kb * stride_sk
+            word = (gl.load(b).to(gl.int32) | (gl.load(b + stride_sk).to(gl.int32) << 8)
+                    | (gl.load(b + 2 * stride_sk).to(gl.int32) << 16) | (gl.load(b + 3 * stride_sk).to(gl.int32) << 24))
+        else:
+            word = gl.load(s_src + kb // 4)
+        return word
 
     @gluon.jit
     def fill(x_ptr, xs_ptr, tok, stride_xm, stride_xsm, k_lo, nb, TOKENS: gl.constexpr, KB: gl.constexpr,
@@ -120,10 +132,11 @@ if AVAILABLE:
         return x_smem, s_smem
 
     @gluon.jit
-    def loop(w_e, s_e, stride_wn, stride_sn, n0, k_lo, nb, x_smem, s_smem, TOKENS: gl.constexpr, KB: gl.constexpr,
-             STAGES: gl.constexpr, num_warps: gl.constexpr):
+    def loop(w_e, s_e, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS: gl.constexpr,
+             KB: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
         """fp32 sums [64, TOKENS] (:func:`mma_layout`) of weight rows ``n0 ..`` of one expert (``w_e``: its
-        fp4_w bytes [N, K / 2], ``s_e``: its scale bytes as int32 words [N, K / 128]) over the ``nb``
+        fp4_w bytes [N, K / 2], ``s_e``: its scale bytes as int32 words [N, K / 128]; KMAJOR: its scale bytes [N, K / 32] K major, ``stride_sk``
+        between blocks) over the ``nb``
         blocks (a multiple of 4, at most KB) from ``k_lo`` of :func:`fill`'s activations. Four blocks a
         trip; STAGES 0: a trip's weight bytes loaded where they are used, else through a ring of STAGES
         trips in shared memory."""
@@ -132,7 +145,10 @@ if AVAILABLE:
         cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
         w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
         rows_s = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-        s_src = s_e + rows_s.to(gl.int64) * stride_sn + k_lo // 128
+        if KMAJOR:
+            s_src = s_e + rows_s.to(gl.int64) + (k_lo // 32) * stride_sk
+        else:
+            s_src = s_e + rows_s.to(gl.int64) * stride_sn + k_lo // 128
         zero = gl.zeros([64, TOKENS], gl.float32, acc_l)
         acc = gl.zeros([64, TOKENS], gl.float32, acc_l)
         w_row = w_e + k_lo // 2
@@ -141,7 +157,7 @@ if AVAILABLE:
             cols_w = gl.arange(0, 16, layout=gl.SliceLayout(0, w_l))
             w_src = w_row + rows_w.to(gl.int64)[:, None] * stride_wn + cols_w[None, :]
             for kb in range(0, nb, 4):
-                sw = gl.load(s_src + kb // 4)
+                sw = _scale_word(s_src, kb, stride_sk, KMAJOR)
                 acc = _trip(gl.load(w_src + kb * 16), gl.load(w_src + kb * 16 + 16), gl.load(w_src + kb * 16 + 32),
                             gl.load(w_src + kb * 16 + 48), sw, x_smem, s_smem, kb, a_l, cols_l, zero, acc)
         else:  # through a ring of STAGES trips in shared memory, filled by asynchronous copies
@@ -160,7 +176,7 @@ if AVAILABLE:
                 ahead = gl.minimum(kb + 4 * (STAGES - 1), nb - 4)
                 _async_load(ring.index((j + STAGES - 1) % STAGES), c_src + ahead * 16)
                 async_copy.commit_group()
-                sw = gl.load(s_src + kb // 4)
+                sw = _scale_word(s_src, kb, stride_sk, KMAJOR)
                 async_copy.wait_group(STAGES - 1)  # this thread's copies of trip j have landed
                 _sync()  # and every thread's
                 slot = ring.index(j % STAGES)
@@ -188,8 +204,8 @@ if AVAILABLE:
         tok = gl.load(tile_tok_ptr + tile * TOKENS + gl.arange(0, TOKENS, layout=cols_l)).to(gl.int64)
         nb = gl.minimum(K_SPLIT, K - k_lo) // 32
         x_smem, s_smem = fill(x_ptr, xs_ptr, tok, stride_xm, stride_xsm, k_lo, nb, TOKENS, K_SPLIT // 32, num_warps)
-        acc = loop(w_ptr + e * stride_we, ws_ptr + e * stride_se, stride_wn, stride_sn, n0, k_lo, nb, x_smem, s_smem,
-                   TOKENS, K_SPLIT // 32, STAGES, num_warps)
+        acc = loop(w_ptr + e * stride_we, ws_ptr + e * stride_se, stride_wn, stride_sn, 0, n0, k_lo, nb, x_smem,
+                   s_smem, TOKENS, K_SPLIT // 32, STAGES, False, num_warps)
         rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout(TOKENS)))
         cols = gl.arange(0, TOKENS, layout=cols_l)
         out = out_ptr + ((gl.program_id(2) * gl.num_programs(1) + tile) * TOKENS + cols.to(gl.int64))[None, :] * N

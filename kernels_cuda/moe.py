@@ -50,11 +50,12 @@ from __future__ import annotations
 
 import torch
 
+from flashrt import jit_targets
 from flashrt.families import Dim, KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.tile_checks import COUNT0, GEMM_ROWS, POW2, Tile, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
-from flashrt.kernels_cuda import moe_grouped, moe_mma, moe_tables, moe_warmup, splitk
+from flashrt.kernels_cuda import moe_grouped, moe_mma, moe_qgmma, moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
 from flashrt.kernels_cuda.linear import (FLOATS, FOLD_MAX_SCALE, SCALED, WEIGHT_FORMATS, act_quant, fold_fp8,
@@ -62,7 +63,7 @@ from flashrt.kernels_cuda.linear import (FLOATS, FOLD_MAX_SCALE, SCALED, WEIGHT_
                                          scales_at_most, split_tile, weight_operands, with_words)
 from flashrt.kernels_cuda.linear_kernel import ACT_DEQUANTIZED
 from flashrt.kernels_cuda.moe_kernels import _moe_combine_kernel, _moe_down_kernel, _moe_up_kernel
-from flashrt.kernels_cuda.round_trip import fp8_round_trip
+from flashrt.kernels_cuda.round_trip import fp8_codes, fp8_round_trip
 from flashrt.refmath_moe import experts_loop, finish_experts
 from flashrt.kernels_cuda import pdl
 
@@ -76,9 +77,14 @@ from flashrt.kernels_cuda import pdl
 # gemv_mma: routed fp4_w experts in E2M1 words whose folded scales fit (linear.FOLD_MAX_SCALE), with the
 # activations dequantized (act_dequantized), on mma.sync with the weights as its M side (:mod:`.moe_mma`,
 # Gluon, sm_80+): num_warps x 16 weight rows a program, row tiles of gemv_mma_tokens pair rows, the K split
-# aiming at gemv_mma_per_sm programs an SM, gemv_mma_stages ring slots of gemv_mma_sub K slices of 32
+# aiming at gemv_mma_per_sm programs an SM, gemv_mma_stages ring slots of gemv_mma_sub K slices of 32;
+# qgmma: routed fp4_w experts in the standard nibbles, the activations dequantized (act_dequantized), on the
+# fp8 warpgroup MMA with the weights as its register operand (:mod:`.moe_qgmma`, Gluon, sm_90): 64 weight rows
+# a program, row tiles of qgmma_tokens pair rows, the K split aiming at qgmma_per_sm programs an SM, the
+# weights through a ring of qgmma_stages trips of four K blocks (0: loaded where used)
 KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None,
-             gemv_mma=False, gemv_mma_tokens=8, gemv_mma_per_sm=4, gemv_mma_stages=3, gemv_mma_sub=4)
+             gemv_mma=False, gemv_mma_tokens=8, gemv_mma_per_sm=4, gemv_mma_stages=3, gemv_mma_sub=4,
+             qgmma=False, qgmma_tokens=8, qgmma_per_sm=4, qgmma_stages=4)
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -167,7 +173,8 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
         down = _gemm(t, knobs, D, I, row_tiles, rows, 1, reserved=cols)
     e2m1 = fp4_decode(knobs["swap_operands"])  # the rule's swap knob over linear's tile
     mma, mma_shared = _mma_plan(n, k, E, D, I, direct, pairs_mode, t, knobs, tiles, shared)
-    return PLANS.store(key, dict(mma=mma, mma_shared=mma_shared, block_m=t["BLOCK_M"],
+    qgmma = _qgmma_plan(n, k, E, D, I, direct, pairs_mode, knobs, tiles)
+    return PLANS.store(key, dict(mma=mma, mma_shared=mma_shared, qgmma=qgmma, block_m=t["BLOCK_M"],
                                  up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
                                  combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
                                  shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
@@ -192,6 +199,18 @@ def _mma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: bool,
     sms = _linear.num_sms()
     with_shared = moe_mma.plan(n, k, E, D, I, pairs, tile, sms, True) if shared and moe_mma.takes_shared(tile) else None
     return moe_mma.plan(n, k, E, D, I, pairs, tile, sms), with_shared
+
+
+def _qgmma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: bool, knobs: dict,
+                tiles: dict) -> dict | None:
+    """:mod:`.moe_qgmma`'s plan of the routed experts where the rule's ``qgmma`` knob takes them and they can
+    run there (the activations dequantized, a compiled sm_90 target with Gluon; not the direct path), else
+    None. The weights' part (:func:`.moe_qgmma.supports`) is checked per call."""
+    if not (knobs["qgmma"] and not direct and tiles["act_dequantized"] and moe_qgmma.AVAILABLE
+            and not _linear.INTERPRETED and jit_targets.capability() >= (9, 0)):
+        return None
+    tile = dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"], per_sm=knobs["qgmma_per_sm"])
+    return moe_qgmma.plan(n, k, E, D, I, pairs, tile, _linear.num_sms())
 
 
 def _mma_weights(w1, w3, w2) -> bool:
@@ -314,6 +333,8 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     if shared is not None and not tiles["shared_in_launch"]:
         return _shared_apart(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared)
     plan = _plan(n, k, E, D, I, shared is not None)
+    if plan["qgmma"] is not None and moe_qgmma.supports(w1, w3, w2, D, I):
+        return _experts_qgmma(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, shared, plan)
     if plan["mma"] is not None and _mma_weights(w1, w3, w2):
         return _experts_mma(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, shared, plan)
     if plan["adq"]:
@@ -379,6 +400,30 @@ def _experts_mma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, 
         return moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add, shared=own)
     y = moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k, shared=own)
     return _combine(y, tab, out, add, k, p["pairs"], p["shared"], plan["combine_tile"])
+
+
+def _experts_qgmma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, plan):
+    """The routed experts on :mod:`.moe_qgmma`'s kernels (plan ``plan["qgmma"]``) over x's fp8 round trip as
+    codes and scales; the shared expert on the direct path's kernels over the round trip's values, its fp32
+    rows joined to ``add`` (summed by the combine after each token's routed rows, as :func:`_shared_apart`
+    orders them)."""
+    n, D = x.shape
+    k = indices.shape[1]
+    p = plan["qgmma"]
+    xq, xs = fp8_codes(x, plan["round_trip"], moe_qgmma.DECODE_SCALE)
+    if shared is not None:
+        alone = _shared_direct(x, fp8_round_trip(x, plan["round_trip"]), shared, limit)
+        add = alone if add is None else finish_experts(alone, add, torch.float32)
+    if p["pairs"]:
+        tab = _pair_tables(weights, indices)
+    else:
+        tab = dict(moe_tables.route_tables(indices, weights, w1.shape[0], p["block_m"], plan["route"]))
+    out = torch.empty(n, D, dtype=out_dtype, device=x.device)
+    add = add.contiguous() if add is not None else None
+    if plan["combine_tile"]["in_kernel"] and moe_qgmma.combines(p, n):
+        return moe_qgmma.experts(xq, xs, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add)
+    y = moe_qgmma.experts(xq, xs, tab, w1, w3, w2, limit, x.dtype, p, n, k)
+    return _combine(y, tab, out, add, k, p["pairs"], False, plan["combine_tile"])
 
 
 def _shared_direct(x, xq, shared, limit: float) -> torch.Tensor:
@@ -450,6 +495,9 @@ FAMILY = KernelFamily(
                               "experts.gemv_mma_per_sm": Tile(low=1, kind=int),
                               "experts.gemv_mma_stages": Tile(low=2, kind=int),
                               "experts.gemv_mma_sub": Tile(choices=(1, 2, 4)),
+                              "experts.qgmma": Tile(kind=bool), "experts.qgmma_tokens": Tile(choices=(8, 16)),
+                              "experts.qgmma_per_sm": Tile(low=1, kind=int),
+                              "experts.qgmma_stages": Tile(choices=(0, 2, 3, 4, 5, 6)),
                               "combine.BLOCK_D": POW2, "swiglu.BLOCK_R": POW2, "round_trip.BLOCK_R": POW2,
                               "round_trip.BLOCK_C": Tile(low=32, pow2=True, kind=int),
                               "act_dequantized": Tile(kind=bool),

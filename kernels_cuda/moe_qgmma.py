@@ -1,0 +1,249 @@
+"""``moe_experts``' routed fp4_w experts on the fp8 warpgroup MMA, the weights as its register operand
+(sm_90, Gluon): the experts rule knob ``qgmma``.
+
+The two launches of :mod:`.moe_mma` (up: W1 and W3, then the SwiGLU; down: W2, then each token's rows
+summed) with :mod:`.experts_qgmma`'s K loop in place of ``mma.sync``: each program is one warpgroup over 64
+weight rows, its row tile's activation rows the MMA's N (``TOKENS``, 8 or 16). The activations come as the
+E4M3 codes and block scales of their fp8 round trip: x's by :func:`.round_trip.fp8_codes`, h's as the up
+kernel's epilogue stores them (the SwiGLU of the full sums, rounded as the 16-row tile rounds it, then
+quantized per 32 columns as ``act_quant`` quantizes it). The routing tables, the K split's tickets and
+the combine's are :mod:`.moe_mma`'s. The shared expert is not in these launches (the caller runs it
+apart). The weights keep the standard nibbles (not the word layout) and K is a multiple of 128 (four
+blocks a trip).
+"""
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from flashrt.kernels_cuda import pdl, splitk
+from flashrt.kernels_cuda.experts_qgmma import AVAILABLE, DECODE_SCALE, ROWS
+from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
+
+_DECODE_SCALE = tl.constexpr(DECODE_SCALE)
+MAX_K_SPLIT = 2048  # K codes a program at most: its activations' shared memory (TOKENS bytes a code)
+
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from flashrt.kernels_cuda.attention_ws import _sync
+    from flashrt.kernels_cuda.codecs import to_out
+    from flashrt.kernels_cuda.experts_qgmma import fill, loop, mma_layout
+    from flashrt.kernels_cuda.gemv_mma import block_exp
+    from flashrt.kernels_cuda.moe_mma import _combine, _last_of_split, _split_sum, _tile_rows
+    from flashrt.kernels_cuda.pdl import wait_inputs
+
+    @gluon.jit
+    def _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS: gl.constexpr,
+                   TOKENS: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr, num_warps: gl.constexpr):
+        """SwiGLU of the full gate / up sums ([64, TOKENS], :func:`.experts_qgmma.mma_layout`) as the 16-row
+        tile's epilogue computes it, then h quantized per 32 columns: its E4M3 codes into ``hq`` and each
+        block's scale times DECODE_SCALE into ``hs``. The sums go through shared memory into a layout whose
+        32-column blocks lie along a warp's lanes."""
+        blocks: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32, 1], [1, 1, num_warps], [1, 2, 0])
+        stage = gl.allocate_shared_memory(gl.float32, [2, 64, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        stage.index(0).store(g)
+        stage.index(1).store(u)
+        _sync()
+        g = stage.index(0).reshape([2, 32, TOKENS]).load(blocks)
+        u = stage.index(1).reshape([2, 32, TOKENS]).load(blocks)
+        lane_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, blocks))
+        rows, row_ok, _ = _tile_rows(tables, PAIRS, False, TOKENS, lane_l)
+        rw = gl.load(rw_ptr + rows, mask=row_ok, other=1.0)
+        g = to_out(g, XDT).to(gl.float32)
+        u = to_out(u, XDT).to(gl.float32)
+        if CLAMP:
+            g = gl.minimum(g, limit)
+            u = gl.minimum(gl.maximum(u, -limit), limit)
+        h = to_out(g / (1.0 + gl.exp(-g)) * u * rw[None, None, :], XDT).to(gl.float32)
+        e, recip = block_exp(gl.max(gl.abs(h), axis=1))
+        c0 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))
+        c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, blocks)))
+        cols = n0 + c0[:, None, None] * 32 + c1[None, :, None]
+        ok = (cols < I) & row_ok[None, None, :]
+        r64 = rows.to(gl.int64)
+        gl.store(hq_ptr + r64[None, None, :] * stride_hm + cols, (h * recip[:, None, :]).to(gl.float8e4nv), mask=ok)
+        scale = (e << 23).to(gl.float32, bitcast=True) * _DECODE_SCALE
+        blk = n0 // 32 + gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(1, blocks)))
+        gl.store(hs_ptr + r64[None, :] * stride_hsm + blk[:, None], scale,
+                 mask=(blk * 32 < I)[:, None] & row_ok[None, :])
+
+    @gluon.jit
+    def _up_kernel(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, w1_ptr, s1_ptr, w3_ptr,
+                   s3_ptr, hq_ptr, hs_ptr, ws_ptr, cnt_ptr, E, I, D, limit, n_rows, n_pairs, TOPK, n_splits,
+                   stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm,
+                   stride_hsm, routed_tiles, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                   PAIRS: gl.constexpr, SPLIT: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr,
+                   KMAJOR: gl.constexpr, num_warps: gl.constexpr):
+        """h of the tile's pair rows, columns ``[n0, n0 + 64)`` of I (:func:`_up_finish`): x codes [N, D] E4M3
+        with scales xs [N, D / 32], W1 / W3 [E, I, D / 2] fp4_w (scales as :func:`.experts_qgmma.loop`
+        reads them). SPLIT: ws [splits, 2, n_rows, I] fp32 gate / up partials and a ticket counter per
+        (row tile, column tile)."""
+        wait_inputs()
+        acc_l: gl.constexpr = mma_layout(TOKENS)
+        t = gl.program_id(1)
+        e = gl.load(tile_e_ptr + t, mask=t < routed_tiles, other=0)
+        if e >= E:  # past the tables' last tile
+            return
+        n0 = gl.program_id(0) * 64
+        k_lo = gl.program_id(2) * K_SPLIT
+        nb = gl.minimum(K_SPLIT, D - k_lo) // 32
+        tables = (tok_ptr, tile_row_ptr, row_end_ptr, TOPK, routed_tiles, n_pairs, n_rows)
+        rows, row_ok, tok = _tile_rows(tables, PAIRS, False, TOKENS, gl.SliceLayout(0, acc_l))
+        x_smem, s_smem = fill(xq_ptr, xs_ptr, tok, stride_xm, stride_xsm, k_lo, nb, TOKENS, K_SPLIT // 32, num_warps)
+        ew, es = e.to(gl.int64) * stride_we, e.to(gl.int64) * stride_se
+        g = loop(w1_ptr + ew, s1_ptr + es, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS,
+                 K_SPLIT // 32, STAGES, KMAJOR, num_warps)
+        u = loop(w3_ptr + ew, s3_ptr + es, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS,
+                 K_SPLIT // 32, STAGES, KMAJOR, num_warps)
+        if SPLIT:
+            cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+            ok = (cols < I)[:, None] & row_ok[None, :]
+            plane = n_rows * I  # one [n_rows, I] partial
+            part = ws_ptr + rows.to(gl.int64)[None, :] * I + cols[:, None]
+            gl.store(part + (gl.program_id(2).to(gl.int64) * 2 + 1) * plane, u, mask=ok)
+            last, tile = _last_of_split(part, ok, 2 * plane, cnt_ptr, n_splits, g)
+            if last:
+                g = _split_sum(part, ok, 2 * plane, n_splits, acc_l, 64, TOKENS)
+                u = _split_sum(part + plane, ok, 2 * plane, n_splits, acc_l, 64, TOKENS)
+                _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS, TOKENS,
+                           CLAMP, XDT, num_warps)
+                gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+        else:
+            _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS, TOKENS, CLAMP,
+                       XDT, num_warps)
+
+    @gluon.jit
+    def _down_kernel(hq_ptr, hs_ptr, tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, pos_ptr, w2_ptr, s2_ptr, y_ptr,
+                     ws_ptr, cnt_ptr, out_ptr, add_ptr, comb_ptr, E, D, I, n_rows, n_pairs, TOPK, n_splits, stride_hm,
+                     stride_hsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym, stride_om,
+                     stride_am, routed_tiles, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                     PAIRS: gl.constexpr, SPLIT: gl.constexpr, COMBINE: gl.constexpr, HAS_ADD: gl.constexpr,
+                     XDT: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
+        """y rows of the tile's rows (rounded to XDT, y's dtype), columns ``[n0, n0 + 64)`` of D: W2 [E, D,
+        I / 2] fp4_w over h's codes [n_rows, I] and scales [n_rows, I / 32]. SPLIT: ws [splits, n_rows, D]
+        fp32 partials and a ticket counter per (row tile, column tile). COMBINE: then each token's rows
+        summed into ``out`` (:func:`.moe_mma._combine`, a counter per (token, column tile) at ``comb_ptr``)."""
+        wait_inputs()
+        acc_l: gl.constexpr = mma_layout(TOKENS)
+        t = gl.program_id(1)
+        e = gl.load(tile_e_ptr + t, mask=t < routed_tiles, other=0)
+        if e >= E:
+            return
+        n0 = gl.program_id(0) * 64
+        k_lo = gl.program_id(2) * K_SPLIT
+        nb = gl.minimum(K_SPLIT, I - k_lo) // 32
+        tables = (tok_ptr, tile_row_ptr, row_end_ptr, TOPK, routed_tiles, n_pairs, n_rows)
+        rows, row_ok, tok = _tile_rows(tables, PAIRS, False, TOKENS, gl.SliceLayout(0, acc_l))
+        h_rows = gl.minimum(rows, n_rows - 1).to(gl.int64)  # lanes past the tile read a stored row
+        x_smem, s_smem = fill(hq_ptr, hs_ptr, h_rows, stride_hm, stride_hsm, k_lo, nb, TOKENS, K_SPLIT // 32,
+                              num_warps)
+        acc = loop(w2_ptr + e.to(gl.int64) * stride_we, s2_ptr + e.to(gl.int64) * stride_se, stride_wn, stride_sn,
+                   stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS, K_SPLIT // 32, STAGES, KMAJOR, num_warps)
+        cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        ok = (cols < D)[:, None] & row_ok[None, :]
+        y_at = y_ptr + rows.to(gl.int64)[None, :] * stride_ym + cols[:, None]
+        sums = (pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am)
+        if SPLIT:
+            plane = n_rows * D
+            part = ws_ptr + rows.to(gl.int64)[None, :] * D + cols[:, None]
+            last, tile = _last_of_split(part, ok, plane, cnt_ptr, n_splits, acc)
+            if last:
+                acc = _split_sum(part, ok, plane, n_splits, acc_l, 64, TOKENS)
+                gl.store(y_at, to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
+                if COMBINE:
+                    _combine(y_ptr, row_ok, tok, cols, sums, PAIRS, False, HAS_ADD, acc_l, 64, TOKENS)
+                gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+        else:
+            gl.store(y_at, to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
+            if COMBINE:
+                _combine(y_ptr, row_ok, tok, cols, sums, PAIRS, False, HAS_ADD, acc_l, 64, TOKENS)
+
+
+def supports(w1, w3, w2, D: int, I: int) -> bool:
+    """Whether the kernels take these routed experts: fp4_w stacks in the standard nibbles with contiguous
+    codes, w1 and w3 laid out alike, both K (D and I) multiples of 128 and both row counts of 64."""
+    ws = (w1, w3, w2)
+    return (all(w.fmt == "fp4_w" and not w.e2m1_words and w.data.is_contiguous() for w in ws)
+            and w1.data.stride() == w3.data.stride() and w1.scale.stride() == w3.scale.stride()
+            and D % 128 == 0 and I % 128 == 0 and D % ROWS == 0 and I % ROWS == 0)
+
+
+def _gemm_plan(cols: int, k: int, row_tiles: int, tile: dict, sms: int) -> dict:
+    """One launch of ``cols`` weight rows over ``k`` for ``row_tiles`` row tiles: K split in multiples of
+    128 (at most :data:`MAX_K_SPLIT` a program) aiming at ``per_sm`` programs an SM."""
+    tiles = row_tiles * (cols // ROWS)
+    split = max(1, min(k // 128, (sms * tile["per_sm"]) // max(tiles, 1)))
+    k_split = min(MAX_K_SPLIT, cdiv(cdiv(k, split), 128) * 128)
+    split = cdiv(k, k_split)
+    if split > 1 and not splitk.fits(tiles):
+        split, k_split = 0, 0  # no counters for the tickets: the caller keeps another path
+    return dict(split=split, k_split=k_split, grid_cols=cols // ROWS,
+                constexprs=dict(TOKENS=tile["TOKENS"], K_SPLIT=k_split, STAGES=tile["STAGES"], SPLIT=split > 1,
+                                num_warps=4))
+
+
+def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict, sms: int) -> dict | None:
+    """The up and down launches of ``n`` tokens of ``k`` slots over ``E`` experts under ``tile``
+    (``TOKENS`` rows a row tile, ``STAGES``, ``per_sm``); ``pairs``: a row tile per (token, slot) pair,
+    else the routing tables' tiles. None where a K split would not have its ticket counters."""
+    row_tiles = n * k if pairs else min(n * k, cdiv(n * k, tile["TOKENS"]) + E)
+    up, down = _gemm_plan(I, D, row_tiles, tile, sms), _gemm_plan(D, I, row_tiles, tile, sms)
+    if not up["split"] or not down["split"]:
+        return None
+    return dict(block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles, grid_rows=row_tiles, up=up, down=down)
+
+
+def _operands(w):
+    """(data, scale view, expert stride of the scale, its row stride, its K-block stride, K major) of an
+    [E, rows, K] fp4_w stack: row-major scales as int32 words of four blocks, K-major ones as bytes."""
+    scale = w.scale.view(torch.uint8)
+    if scale.stride(2) == 1:
+        words = scale.view(torch.int32)
+        return w.data, words, words.stride(0), words.stride(1), 0, False
+    return w.data, scale, scale.stride(0), 0, scale.stride(2), True
+
+
+def experts(xq: torch.Tensor, xs: torch.Tensor, tab: dict, w1, w3, w2, limit: float, xdtype: torch.dtype, p: dict,
+            n: int, k: int, out: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed pair rows [n * k, D] in ``xdtype`` of x (its fp8 round trip as codes ``xq`` [n, D] and
+    scales ``xs`` [n, D / 32] times DECODE_SCALE, :func:`.round_trip.fp8_codes`) through the fp4_w experts
+    ``w1``, ``w3`` [E, I, D] and ``w2`` [E, D, I] (:func:`supports`) under plan ``p``; with ``out`` [n, D]
+    (where :func:`combines`), ``out`` instead: each token's rows summed in slot order plus its ``add`` row
+    (fp32 [n, D] or None), in out's dtype."""
+    E, I, D = w1.shape[0], w1.shape[1], xq.shape[1]
+    rows = n * k
+    d1, s1, se, sn, sk, kmajor = _operands(w1)
+    d3, s3, *_ = _operands(w3)
+    dev, xdt = xq.device, TL_DTYPES[xdtype]
+    up, down = p["up"], p["down"]
+    hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=dev)
+    hs = torch.empty(rows, I // 32, dtype=torch.float32, device=dev)
+    ws = torch.empty(up["split"], 2, rows, I, dtype=torch.float32, device=dev) if up["split"] > 1 else hs
+    pool = splitk.counters(dev)
+    _up_kernel[(up["grid_cols"], p["grid_rows"], up["split"])](
+        xq, xs, tab["tok"], tab["rw"], tab["tile_e"], tab["tile_row"], tab["row_end"], d1, s1, d3, s3, hq, hs, ws,
+        pool, E, I, D, limit, rows, rows, k, up["split"], xq.stride(0), xs.stride(0), d1.stride(0), d1.stride(1), se,
+        sn, sk, hq.stride(0), hs.stride(0), p["row_tiles"], PAIRS=p["pairs"], CLAMP=limit > 0, XDT=xdt,
+        KMAJOR=kmajor, **up["constexprs"], **pdl.options(dev))
+    d2, s2, se2, sn2, sk2, kmajor2 = _operands(w2)
+    y = torch.empty(rows, D, dtype=xdtype, device=dev)
+    ws = torch.empty(down["split"], rows, D, dtype=torch.float32, device=dev) if down["split"] > 1 else y
+    reserved = n * down["grid_cols"] if out is not None else 0  # the combine's counters, then the split's
+    _down_kernel[(down["grid_cols"], p["grid_rows"], down["split"])](
+        hq, hs, tab["tok"], tab["tile_e"], tab["tile_row"], tab["row_end"], tab["pos"], d2, s2, y, ws, pool[reserved:],
+        out if out is not None else y, add if add is not None else y, pool, E, D, I, rows, rows, k, down["split"],
+        hq.stride(0), hs.stride(0), d2.stride(0), d2.stride(1), se2, sn2, sk2, y.stride(0),
+        out.stride(0) if out is not None else 0, add.stride(0) if add is not None else 0, p["row_tiles"],
+        PAIRS=p["pairs"], COMBINE=out is not None, HAS_ADD=add is not None, XDT=xdt, KMAJOR=kmajor2,
+        **down["constexprs"], **pdl.options(dev))
+    return out if out is not None else y
+
+
+def combines(p: dict, n: int) -> bool:
+    """Whether the down launch of plan ``p`` over ``n`` tokens can sum each token's rows itself: a ticket
+    counter for each (token, column tile) and each split tile within :data:`.splitk.POOL`."""
+    down = p["down"]
+    split_tiles = down["grid_cols"] * p["grid_rows"] if down["split"] > 1 else 0
+    return splitk.fits(n * down["grid_cols"] + split_tiles)
