@@ -1,6 +1,7 @@
-"""The routed experts' two GEMMs on the fp8 warpgroup MMA with the weights as its register operand
-(kernels_cuda/experts_qgmma.py) at the released shapes, against the active profile's whole
-``moe_experts`` call and the weight-read floor, in one run.
+"""The routed experts on the fp8 warpgroup MMA with the weights as its register operand at the released
+shapes: its two GEMMs alone (kernels_cuda/experts_qgmma.py) and the whole ``moe_experts`` call under the
+experts rule's ``qgmma`` knob (kernels_cuda/moe_qgmma.py), against the active profile's call and the
+weight-read floor, in one run.
 
     python benchmarks/experts_qgmma.py [--tokens 1 8] [--splits 512 1024 ...] [--out FILE.json]
 
@@ -10,8 +11,10 @@ and with the weights loaded where used or through a ring of 4 trips,
 their device time a call (graph replays behind an L2 flush, ``moe_kernels.kernel_times``), and the
 routed weights' bytes (codes and scales) over the copy bandwidth of the same run: the floor. The
 profile's ``moe_experts`` (routed and fp8 shared experts, SwiGLU, combine) at the same routing, with
-its own floor (the routed and shared bytes). The probe's partials are checked against float64
-products of the codes' values first.
+its own floor (the routed and shared bytes), then the same call with the profile's decode rule taking
+``qgmma`` (ring ``--qgmma-stages``) over the same codes in the standard nibbles (scales as the profile
+stores them), its output's relative difference from the profile's. The GEMMs' partials are checked
+against float64 products of the codes' values first.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from real_slice import copy_bandwidth, nbytes  # noqa: E402
 from results_io import write_json  # noqa: E402
 
 import flashrt  # noqa: E402
-from flashrt import formats, ops  # noqa: E402
+from flashrt import formats, ops, profiles  # noqa: E402
 from flashrt.graphs.config import shipped_config  # noqa: E402
 from flashrt.kernels_cuda import experts_qgmma as q  # noqa: E402
 
@@ -90,6 +93,7 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[256, 512, 1024, 2560],
                     help="K codes a program (rounded down to a multiple of 128 that divides each GEMM's K)")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--qgmma-stages", type=int, nargs="+", default=[4, 0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0) or not q.AVAILABLE:
@@ -103,8 +107,10 @@ def main() -> None:
     w13, s13 = random_packed(E, 2 * I, D, dev, gen)
     w2, s2 = random_packed(E, D, I, dev, gen)
     per_expert = (w13.numel() + s13.numel() + w2.numel() + s2.numel()) / E
-    pw1, pw3, pw2 = gemv_tiles.random_experts(cfg, dev, True, True)
-    shared = gemv_tiles.random_shared(cfg, dev, g, True)
+    k_major = profiles.active_profile().expert_scales == "k_major"
+    pw1, pw3, pw2 = gemv_tiles.random_experts(cfg, dev, k_major, True)
+    nibbles = tuple(formats.with_nibbles(w) for w in (pw1, pw3, pw2))
+    shared = gemv_tiles.random_shared(cfg, dev, g, k_major)
     bw = copy_bandwidth(dev)
     rows = []
     for n in args.tokens:
@@ -133,15 +139,28 @@ def main() -> None:
                       flush=True)
         xb = torch.randn(n, D, generator=g).to(dev, torch.bfloat16)
         rw = torch.rand(n, k, generator=g).to(dev)
-        with flashrt.use_backend("cuda"), flashrt.value_checks(False):
-            times = kernel_times(lambda: ops.moe_experts(xb, rw, idx, pw1, pw3, pw2, 10.0, None, torch.bfloat16, shared),
-                                 args.calls)
-        us = sum(times.values())
         pfloor = (touched * sum(nbytes(w) for w in (pw1, pw3, pw2)) / E + sum(nbytes(w) for w in shared)) / bw * 1e6
-        rows.append({"tokens": n, "variant": "profile moe_experts (routed + shared)", "us": us, "floor_us": pfloor,
-                     "of_floor": pfloor / us, "kernels_us": times, "experts_touched": touched})
-        print(f"tokens {n}  profile moe_experts (routed + shared)  {us:8.1f} us  floor {pfloor:6.1f} us  "
-              f"{100 * pfloor / us:5.1f}%", flush=True)
+        base = None
+        for stages in [None, *args.qgmma_stages]:
+            ws = (pw1, pw3, pw2) if stages is None else nibbles
+            tile = None if stages is None else gemv_tiles.tweaked("moe", "experts", 1, {"qgmma": True,
+                                                                                        "qgmma_stages": stages})
+            with gemv_tiles.with_rule("moe", "experts", 1, tile), flashrt.use_backend("cuda"), \
+                    flashrt.value_checks(False):
+                profiles._TILES_CACHE.clear()
+                call = lambda: ops.moe_experts(xb, rw, idx, *ws, 10.0, None, torch.bfloat16, shared)  # noqa: E731
+                got = call().float()
+                times = kernel_times(call, args.calls)
+            base = got if base is None else base
+            us = sum(times.values())
+            label = "profile moe_experts" if stages is None else f"moe_experts, qgmma ring {stages}"
+            diff = float((got - base).norm() / base.norm())
+            rows.append({"tokens": n, "variant": label + " (routed + shared)", "us": us, "floor_us": pfloor,
+                         "of_floor": pfloor / us, "kernels_us": times, "experts_touched": touched,
+                         "rel_diff_from_profile": diff})
+            print(f"tokens {n}  {label + ' (routed + shared)':44s} {us:8.1f} us  floor {pfloor:6.1f} us  "
+                  f"{100 * pfloor / us:5.1f}%  diff {diff:.2g}", flush=True)
+        profiles._TILES_CACHE.clear()
     write_json(args.out, {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "check_rel_err": err,
                           "rows": rows})
 

@@ -194,10 +194,10 @@
 #              them natively (h200-decodes-tests.log), then benchmarks/attention_ws.py at batch 8 and 64 (the
 #              packed decodes against the code-by-code ones in one call: h200-attention-ws-decodes.json; with
 #              BEFORE, a folder of the decodes' files before them, also under those: ...-before.json)
-#   qgmma      the routed experts' GEMMs on the fp8 warpgroup MMA with the weights as its register operand
-#              (kernels_cuda/experts_qgmma.py): its GPU tests (h200-qgmma-tests.log), then its up and down GEMMs at
-#              the released shapes under K splits against the profile's moe_experts and the floor
-#              (benchmarks/experts_qgmma.py): h200-experts-qgmma.json
+#   qgmma      the routed experts on the fp8 warpgroup MMA with the weights as its register operand
+#              (kernels_cuda/experts_qgmma.py, moe_qgmma.py): their GPU tests (h200-qgmma-tests.log), then the
+#              GEMMs alone at the released shapes under K splits and the whole moe_experts under the qgmma knob
+#              against the profile's and the floor (benchmarks/experts_qgmma.py): h200-experts-qgmma.json
 #   decodesslice  the real-dimension slice at batch 1, 8 and 64 under the profile, and with BEFORE under the
 #              decodes before them: h200-real-slice-decodes{,-before}.json
 #   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
@@ -1274,7 +1274,8 @@ phase_decodes() {  # the packed decodes' GPU tests, then the ws attention with t
 }
 
 phase_qgmma() {  # the experts' GEMMs on the fp8 warpgroup MMA, weights as its register operand
-  timeout 120 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_experts_qgmma.py \
+  timeout 240 python -m pytest -q -n 4 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_experts_qgmma.py \
+    tests/kernels_cuda/test_cuda_moe_qgmma.py tests/kernels_cuda/test_cuda_gemm.py -k "qgmma or fp8_codes" \
     > "$OUT/h200-qgmma-tests.log" 2>&1
   tail -n 15 "$OUT/h200-qgmma-tests.log"
   timeout 200 python benchmarks/experts_qgmma.py --out "$OUT/h200-experts-qgmma.json"
