@@ -90,10 +90,11 @@ def check(dev, gen) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--splits", type=int, nargs="+", default=[256, 512, 1024, 2560],
+    ap.add_argument("--splits", type=int, nargs="*", default=[256, 512, 1024, 2560],
                     help="K codes a program (rounded down to a multiple of 128 that divides each GEMM's K)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--qgmma-stages", type=int, nargs="+", default=[4, 0])
+    ap.add_argument("--qgmma-per-sm", type=int, nargs="+", default=[4])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0) or not q.AVAILABLE:
@@ -141,10 +142,10 @@ def main() -> None:
         rw = torch.rand(n, k, generator=g).to(dev)
         pfloor = (touched * sum(nbytes(w) for w in (pw1, pw3, pw2)) / E + sum(nbytes(w) for w in shared)) / bw * 1e6
         base = None
-        for stages in [None, *args.qgmma_stages]:
+        for stages, per_sm in [(None, None)] + [(s, p) for s in args.qgmma_stages for p in args.qgmma_per_sm]:
             ws = (pw1, pw3, pw2) if stages is None else nibbles
-            tile = None if stages is None else gemv_tiles.tweaked("moe", "experts", 1, {"qgmma": True,
-                                                                                        "qgmma_stages": stages})
+            tile = None if stages is None else gemv_tiles.tweaked("moe", "experts", 1, {
+                "qgmma": True, "qgmma_stages": stages, "qgmma_per_sm": per_sm})
             with gemv_tiles.with_rule("moe", "experts", 1, tile), flashrt.use_backend("cuda"), \
                     flashrt.value_checks(False):
                 profiles._TILES_CACHE.clear()
@@ -153,7 +154,7 @@ def main() -> None:
                 times = kernel_times(call, args.calls)
             base = got if base is None else base
             us = sum(times.values())
-            label = "profile moe_experts" if stages is None else f"moe_experts, qgmma ring {stages}"
+            label = "profile moe_experts" if stages is None else f"moe_experts, qgmma ring {stages}, {per_sm} an SM"
             diff = float((got - base).norm() / base.norm())
             rows.append({"tokens": n, "variant": label + " (routed + shared)", "us": us, "floor_us": pfloor,
                          "of_floor": pfloor / us, "kernels_us": times, "experts_touched": touched,

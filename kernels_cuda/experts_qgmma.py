@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from flashrt.kernels_cuda import pdl
 from flashrt.kernels_cuda.attention_ws import AVAILABLE
 from flashrt.kernels_cuda.launch import cdiv
 
@@ -53,6 +54,7 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
+    from flashrt.kernels_cuda.pdl import wait_inputs
 
     @gluon.constexpr_function
     def mma_layout(TOKENS):
@@ -196,6 +198,7 @@ if AVAILABLE:
         K split ``program_id(2)``. x: E4M3 codes [T, K] with fp32 scales xs [T, K / 32] (times
         DECODE_SCALE); W: fp4_w bytes [E, N, K / 2] with UE8M0 scales read as int32 words
         [E, N, K / 128] (four blocks' bytes a word)."""
+        wait_inputs()
         cols_l: gl.constexpr = gl.SliceLayout(0, mma_layout(TOKENS))
         n0 = gl.program_id(0) * 64
         tile = gl.program_id(1)
@@ -237,5 +240,6 @@ def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     out = torch.empty(splits, tiles, tokens, N, dtype=torch.float32, device=x.device)
     _gemm_kernel[(N // 64, tiles, splits)](
         x, xs, w, words, tile_e, tile_tok, out, N, K, x.stride(0), xs.stride(0), w.stride(0), w.stride(1),
-        words.stride(0), words.stride(1), TOKENS=tokens, K_SPLIT=k_split, STAGES=stages, num_warps=4)
+        words.stride(0), words.stride(1), TOKENS=tokens, K_SPLIT=k_split, STAGES=stages, num_warps=4,
+        **pdl.options(x.device))
     return out

@@ -91,7 +91,9 @@ if AVAILABLE:
         nb = gl.minimum(K_SPLIT, D - k_lo) // 32
         tables = (tok_ptr, tile_row_ptr, row_end_ptr, TOPK, routed_tiles, n_pairs, n_rows)
         rows, row_ok, tok = _tile_rows(tables, PAIRS, False, TOKENS, gl.SliceLayout(0, acc_l))
-        x_smem, s_smem = fill(xq_ptr, xs_ptr, tok, stride_xm, stride_xsm, k_lo, nb, TOKENS, K_SPLIT // 32, num_warps)
+        # lanes past the tile load nothing (their sums are never stored)
+        x_smem, s_smem = fill(xq_ptr, xs_ptr, gl.where(row_ok, tok, -1), stride_xm, stride_xsm, k_lo, nb, TOKENS,
+                              K_SPLIT // 32, num_warps)
         ew, es = e.to(gl.int64) * stride_we, e.to(gl.int64) * stride_se
         g = loop(w1_ptr + ew, s1_ptr + es, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS,
                  K_SPLIT // 32, STAGES, KMAJOR, num_warps)
@@ -136,7 +138,7 @@ if AVAILABLE:
         nb = gl.minimum(K_SPLIT, I - k_lo) // 32
         tables = (tok_ptr, tile_row_ptr, row_end_ptr, TOPK, routed_tiles, n_pairs, n_rows)
         rows, row_ok, tok = _tile_rows(tables, PAIRS, False, TOKENS, gl.SliceLayout(0, acc_l))
-        h_rows = gl.minimum(rows, n_rows - 1).to(gl.int64)  # lanes past the tile read a stored row
+        h_rows = gl.where(row_ok, rows, -1).to(gl.int64)  # lanes past the tile load nothing
         x_smem, s_smem = fill(hq_ptr, hs_ptr, h_rows, stride_hm, stride_hsm, k_lo, nb, TOKENS, K_SPLIT // 32,
                               num_warps)
         acc = loop(w2_ptr + e.to(gl.int64) * stride_we, s2_ptr + e.to(gl.int64) * stride_se, stride_wn, stride_sn,
@@ -172,10 +174,10 @@ def supports(w1, w3, w2, D: int, I: int) -> bool:
 
 def _gemm_plan(cols: int, k: int, row_tiles: int, tile: dict, sms: int) -> dict:
     """One launch of ``cols`` weight rows over ``k`` for ``row_tiles`` row tiles: K split in multiples of
-    128 (at most :data:`MAX_K_SPLIT` a program) aiming at ``per_sm`` programs an SM."""
+    128 as even as they go (at most :data:`MAX_K_SPLIT` a program) aiming at ``per_sm`` programs an SM."""
     tiles = row_tiles * (cols // ROWS)
-    split = max(1, min(k // 128, (sms * tile["per_sm"]) // max(tiles, 1)))
-    k_split = min(MAX_K_SPLIT, cdiv(cdiv(k, split), 128) * 128)
+    split = max(1, min(k // 128, (sms * tile["per_sm"]) // max(tiles, 1)), cdiv(k, MAX_K_SPLIT))
+    k_split = cdiv(cdiv(k, split), 128) * 128  # the splits as even as multiples of 128 make them
     split = cdiv(k, k_split)
     if split > 1 and not splitk.fits(tiles):
         split, k_split = 0, 0  # no counters for the tickets: the caller keeps another path

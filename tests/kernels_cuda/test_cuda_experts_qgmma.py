@@ -79,7 +79,9 @@ def test_partials_sum_to_the_products(tokens, k_split, stages):
     assert out.shape == (512 // k_split, 5, tokens, 192)
     got = out.sum(0).cpu()
     live = args[5].cpu() >= 0
-    assert rel_err(got[live], want[live]) < 1e-6
+    # each block's 32 products are summed inside one fp8 warpgroup MMA, whose accumulation keeps fewer bits
+    # than fp32 (about 2e-5 relative measured on an H100: docs/performance.md); the blocks in fp32
+    assert rel_err(got[live], want[live]) < 1e-4
 
 
 @pytest.mark.gpu

@@ -65,11 +65,12 @@ def test_the_plan_splits_k_in_multiples_of_128(monkeypatch, n, E, D, I, per_sm):
         g = p[launch]
         assert g["k_split"] % 128 == 0 and g["k_split"] <= mq.MAX_K_SPLIT
         assert (g["split"] - 1) * g["k_split"] < K <= g["split"] * g["k_split"]
+        assert g["split"] * g["k_split"] - K < 128 * g["split"]  # the last split short by under 128 a split
         assert g["constexprs"]["SPLIT"] == (g["split"] > 1) and g["constexprs"]["K_SPLIT"] == g["k_split"]
         assert g["grid_cols"] == cols // 64
         # no more splits than bring the programs to per_sm an SM, unless a program's K reached its limit
         programs = g["grid_cols"] * p["row_tiles"]
-        assert g["split"] <= max(1, per_sm * sms // programs) or g["k_split"] == mq.MAX_K_SPLIT
+        assert g["split"] <= max(1, per_sm * sms // programs, -(-K // mq.MAX_K_SPLIT))
 
 
 def _stack(rng, E, rows, K, words=False, k_major=False, scale=0.25):
