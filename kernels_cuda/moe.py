@@ -390,16 +390,22 @@ def _experts_mma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, 
     elif shared is not None:
         alone = _shared_direct(x, xq, shared, limit)
         add = alone if add is None else finish_experts(alone, add, torch.float32)
-    if p["pairs"]:
-        tab = _pair_tables(weights, indices)
-    else:
-        tab = dict(moe_tables.route_tables(indices, weights, w1.shape[0], p["block_m"], plan["route"]))
-    out = torch.empty(n, D, dtype=out_dtype, device=x.device)
-    add = add.contiguous() if add is not None else None
+    tab, out, add = _launch_operands(weights, indices, w1.shape[0], D, p, plan, add, out_dtype)
     if plan["combine_tile"]["in_kernel"] and moe_mma.combines(p, n):
         return moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add, shared=own)
     y = moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k, shared=own)
     return _combine(y, tab, out, add, k, p["pairs"], p["shared"], plan["combine_tile"])
+
+
+def _launch_operands(weights, indices, E: int, D: int, p: dict, plan: dict, add, out_dtype):
+    """(routing tables, output [N, D], ``add`` contiguous or None) of a Gluon experts plan ``p``: a row tile a
+    pair in pairs mode, else the routing tables' tiles of ``p["block_m"]`` rows."""
+    if p["pairs"]:
+        tab = _pair_tables(weights, indices)
+    else:
+        tab = dict(moe_tables.route_tables(indices, weights, E, p["block_m"], plan["route"]))
+    out = torch.empty(indices.shape[0], D, dtype=out_dtype, device=weights.device)
+    return tab, out, add.contiguous() if add is not None else None
 
 
 def _experts_qgmma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, plan):
@@ -414,12 +420,7 @@ def _experts_qgmma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype
     if shared is not None:
         alone = _shared_direct(x, fp8_round_trip(x, plan["round_trip"]), shared, limit)
         add = alone if add is None else finish_experts(alone, add, torch.float32)
-    if p["pairs"]:
-        tab = _pair_tables(weights, indices)
-    else:
-        tab = dict(moe_tables.route_tables(indices, weights, w1.shape[0], p["block_m"], plan["route"]))
-    out = torch.empty(n, D, dtype=out_dtype, device=x.device)
-    add = add.contiguous() if add is not None else None
+    tab, out, add = _launch_operands(weights, indices, w1.shape[0], D, p, plan, add, out_dtype)
     if plan["combine_tile"]["in_kernel"] and moe_qgmma.combines(p, n):
         return moe_qgmma.experts(xq, xs, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add)
     y = moe_qgmma.experts(xq, xs, tab, w1, w3, w2, limit, x.dtype, p, n, k)

@@ -360,23 +360,35 @@ if AVAILABLE:
                         STAGES, SUB, EVEN, EVEN_K, KMAJOR, num_warps)[0]
         rows, row_ok, tok = _tile_rows(tables, PAIRS, SHARED, TOKENS, gl.SliceLayout(0, mma))
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        sums = (pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am)
+        down_finish(acc, y_ptr, ws_ptr, cnt_ptr, rows, row_ok, tok, cols, n_rows, n_splits, sums, PAIRS, SHARED,
+                    SPLIT, COMBINE, HAS_ADD, XDT, mma, BLOCK_N, TOKENS)
+
+    @gluon.jit
+    def down_finish(acc, y_ptr, ws_ptr, cnt_ptr, rows, row_ok, tok, cols, n_rows, n_splits, sums, PAIRS: gl.constexpr,
+                    SHARED: gl.constexpr, SPLIT: gl.constexpr, COMBINE: gl.constexpr, HAS_ADD: gl.constexpr,
+                    XDT: gl.constexpr, layout: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):
+        """A down program's end: its sums ``acc`` [BLOCK_N, TOKENS] (``layout``) of rows ``rows`` (``row_ok``,
+        tokens ``tok``) at columns ``cols`` stored as y rows in XDT, once a K split's partials are summed
+        (SPLIT: fp32 partials at ``ws_ptr``, a ticket counter per (row tile, column tile) at ``cnt_ptr``), then
+        with COMBINE each token's rows summed into out (:func:`_combine`; ``sums`` as it takes them)."""
+        D, stride_ym = sums[6], sums[7]
         ok = (cols < D)[:, None] & row_ok[None, :]
         y_at = y_ptr + rows.to(gl.int64)[None, :] * stride_ym + cols[:, None]
-        sums = (pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am)
         if SPLIT:
             plane = n_rows * D
             part = ws_ptr + rows.to(gl.int64)[None, :] * D + cols[:, None]
             last, tile = _last_of_split(part, ok, plane, cnt_ptr, n_splits, acc)
             if last:
-                acc = _split_sum(part, ok, plane, n_splits, mma, BLOCK_N, TOKENS)
+                acc = _split_sum(part, ok, plane, n_splits, layout, BLOCK_N, TOKENS)
                 gl.store(y_at, to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
                 if COMBINE:
-                    _combine(y_ptr, row_ok, tok, cols, sums, PAIRS, SHARED, HAS_ADD, mma, BLOCK_N, TOKENS)
+                    _combine(y_ptr, row_ok, tok, cols, sums, PAIRS, SHARED, HAS_ADD, layout, BLOCK_N, TOKENS)
                 gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
         else:
             gl.store(y_at, to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
             if COMBINE:
-                _combine(y_ptr, row_ok, tok, cols, sums, PAIRS, SHARED, HAS_ADD, mma, BLOCK_N, TOKENS)
+                _combine(y_ptr, row_ok, tok, cols, sums, PAIRS, SHARED, HAS_ADD, layout, BLOCK_N, TOKENS)
 
     @gluon.jit
     def _combine(y_ptr, row_ok, tok, cols, sums, PAIRS: gl.constexpr, SHARED: gl.constexpr, HAS_ADD: gl.constexpr,

@@ -31,7 +31,7 @@ if AVAILABLE:
     from flashrt.kernels_cuda.codecs import to_out
     from flashrt.kernels_cuda.experts_qgmma import fill, loop, mma_layout
     from flashrt.kernels_cuda.gemv_mma import block_exp
-    from flashrt.kernels_cuda.moe_mma import _combine, _last_of_split, _split_sum, _tile_rows
+    from flashrt.kernels_cuda.moe_mma import _last_of_split, _split_sum, _tile_rows, down_finish
     from flashrt.kernels_cuda.pdl import wait_inputs
 
     @gluon.jit
@@ -144,23 +144,9 @@ if AVAILABLE:
         acc = loop(w2_ptr + e.to(gl.int64) * stride_we, s2_ptr + e.to(gl.int64) * stride_se, stride_wn, stride_sn,
                    stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS, K_SPLIT // 32, STAGES, KMAJOR, num_warps)
         cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-        ok = (cols < D)[:, None] & row_ok[None, :]
-        y_at = y_ptr + rows.to(gl.int64)[None, :] * stride_ym + cols[:, None]
         sums = (pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am)
-        if SPLIT:
-            plane = n_rows * D
-            part = ws_ptr + rows.to(gl.int64)[None, :] * D + cols[:, None]
-            last, tile = _last_of_split(part, ok, plane, cnt_ptr, n_splits, acc)
-            if last:
-                acc = _split_sum(part, ok, plane, n_splits, acc_l, 64, TOKENS)
-                gl.store(y_at, to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
-                if COMBINE:
-                    _combine(y_ptr, row_ok, tok, cols, sums, PAIRS, False, HAS_ADD, acc_l, 64, TOKENS)
-                gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
-        else:
-            gl.store(y_at, to_out(acc, XDT).to(y_ptr.dtype.element_ty), mask=ok)
-            if COMBINE:
-                _combine(y_ptr, row_ok, tok, cols, sums, PAIRS, False, HAS_ADD, acc_l, 64, TOKENS)
+        down_finish(acc, y_ptr, ws_ptr, cnt_ptr, rows, row_ok, tok, cols, n_rows, n_splits, sums, PAIRS, False,
+                    SPLIT, COMBINE, HAS_ADD, XDT, acc_l, 64, TOKENS)
 
 
 def supports(w1, w3, w2, D: int, I: int) -> bool:
