@@ -290,14 +290,13 @@ if AVAILABLE:
                        num_warps)
 
     @gluon.jit
-    def _up_finish(g, u, stage, tables, rw_ptr, h_ptr, n0, I, limit, stride_hm, PAIRS: gl.constexpr,
-                   SHARED: gl.constexpr, TOKENS: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr,
-                   num_warps: gl.constexpr):
-        """SwiGLU of the full gate / up sums (mma layout [16 * num_warps, TOKENS]) as the 16-row tile's
-        epilogue computes it, h's fp8 round trip per 32 columns, stored as bf16 values. The sums go
-        through shared memory (``stage``) into a layout whose 32-column blocks lie along a warp's lanes."""
-        BLOCK_N: gl.constexpr = 16 * num_warps
-        blocks: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32, 1], [1, 1, num_warps], [1, 2, 0])
+    def swiglu_blocks(g, u, stage, tables, rw_ptr, limit, PAIRS: gl.constexpr, SHARED: gl.constexpr,
+                      TOKENS: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr, BLOCK_N: gl.constexpr,
+                      blocks: gl.constexpr):
+        """The SwiGLU of the full gate / up sums ([BLOCK_N, TOKENS], any layout) as the 16-row tile's epilogue
+        computes it, through shared memory (``stage`` [2, BLOCK_N, TOKENS] fp32) into ``blocks`` (a layout of
+        [BLOCK_N / 32, 32, TOKENS] whose 32-column blocks lie along a warp's lanes): (h fp32, each block's
+        fp8 scale exponent and its reciprocal [BLOCK_N / 32, TOKENS], the tile's rows and their mask)."""
         stage.index(0).store(g)
         stage.index(1).store(u)
         _sync()
@@ -313,6 +312,19 @@ if AVAILABLE:
             u = gl.minimum(gl.maximum(u, -limit), limit)
         h = to_out(g / (1.0 + gl.exp(-g)) * u * rw[None, None, :], XDT).to(gl.float32)
         e, recip = block_exp(gl.max(gl.abs(h), axis=1))
+        return h, e, recip, rows, row_ok
+
+    @gluon.jit
+    def _up_finish(g, u, stage, tables, rw_ptr, h_ptr, n0, I, limit, stride_hm, PAIRS: gl.constexpr,
+                   SHARED: gl.constexpr, TOKENS: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr,
+                   num_warps: gl.constexpr):
+        """SwiGLU of the full gate / up sums (mma layout [16 * num_warps, TOKENS]) as the 16-row tile's
+        epilogue computes it, h's fp8 round trip per 32 columns, stored as bf16 values. The sums go
+        through shared memory (``stage``) into a layout whose 32-column blocks lie along a warp's lanes."""
+        BLOCK_N: gl.constexpr = 16 * num_warps
+        blocks: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32, 1], [1, 1, num_warps], [1, 2, 0])
+        h, e, recip, rows, row_ok = swiglu_blocks(g, u, stage, tables, rw_ptr, limit, PAIRS, SHARED, TOKENS, CLAMP,
+                                                  XDT, BLOCK_N, blocks)
         q = (h * recip[:, None, :]).to(gl.float8e4nv).to(gl.float32)
         h = q * (e << 23).to(gl.float32, bitcast=True)[:, None, :]
         c0 = gl.arange(0, BLOCK_N // 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))

@@ -27,11 +27,8 @@ if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from flashrt.kernels_cuda.attention_ws import _sync
-    from flashrt.kernels_cuda.codecs import to_out
     from flashrt.kernels_cuda.experts_qgmma import fill, loop, mma_layout
-    from flashrt.kernels_cuda.gemv_mma import block_exp
-    from flashrt.kernels_cuda.moe_mma import _last_of_split, _split_sum, _tile_rows, down_finish
+    from flashrt.kernels_cuda.moe_mma import _last_of_split, _split_sum, _tile_rows, down_finish, swiglu_blocks
     from flashrt.kernels_cuda.pdl import wait_inputs
 
     @gluon.jit
@@ -43,21 +40,8 @@ if AVAILABLE:
         32-column blocks lie along a warp's lanes."""
         blocks: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32, 1], [1, 1, num_warps], [1, 2, 0])
         stage = gl.allocate_shared_memory(gl.float32, [2, 64, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        stage.index(0).store(g)
-        stage.index(1).store(u)
-        _sync()
-        g = stage.index(0).reshape([2, 32, TOKENS]).load(blocks)
-        u = stage.index(1).reshape([2, 32, TOKENS]).load(blocks)
-        lane_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, blocks))
-        rows, row_ok, _ = _tile_rows(tables, PAIRS, False, TOKENS, lane_l)
-        rw = gl.load(rw_ptr + rows, mask=row_ok, other=1.0)
-        g = to_out(g, XDT).to(gl.float32)
-        u = to_out(u, XDT).to(gl.float32)
-        if CLAMP:
-            g = gl.minimum(g, limit)
-            u = gl.minimum(gl.maximum(u, -limit), limit)
-        h = to_out(g / (1.0 + gl.exp(-g)) * u * rw[None, None, :], XDT).to(gl.float32)
-        e, recip = block_exp(gl.max(gl.abs(h), axis=1))
+        h, e, recip, rows, row_ok = swiglu_blocks(g, u, stage, tables, rw_ptr, limit, PAIRS, False, TOKENS, CLAMP,
+                                                  XDT, 64, blocks)
         c0 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))
         c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, blocks)))
         cols = n0 + c0[:, None, None] * 32 + c1[None, :, None]
