@@ -228,6 +228,23 @@ if AVAILABLE:
         return last, tile
 
     @gluon.jit
+    def up_split(g, u, ws_ptr, cnt_ptr, rows, row_ok, cols, I, n_rows, n_splits, layout: gl.constexpr,
+                 BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):
+        """An up program's gate / up partials ``g``, ``u`` ([BLOCK_N, TOKENS] in ``layout``, rows ``rows`` at
+        columns ``cols`` of I) stored at ``ws_ptr`` ([splits, 2, n_rows, I] fp32) and the (row tile, column
+        tile) ticket drawn: (whether this program drew the last one, the tile's counter, and where it did the
+        full sums of every split, else ``g``, ``u``)."""
+        ok = (cols < I)[:, None] & row_ok[None, :]
+        plane = n_rows * I  # one [n_rows, I] partial
+        part = ws_ptr + rows.to(gl.int64)[None, :] * I + cols[:, None]
+        gl.store(part + (gl.program_id(2).to(gl.int64) * 2 + 1) * plane, u, mask=ok)
+        last, tile = _last_of_split(part, ok, 2 * plane, cnt_ptr, n_splits, g)
+        if last:
+            g = _split_sum(part, ok, 2 * plane, n_splits, layout, BLOCK_N, TOKENS)
+            u = _split_sum(part + plane, ok, 2 * plane, n_splits, layout, BLOCK_N, TOKENS)
+        return last, tile, g, u
+
+    @gluon.jit
     def _split_sum(part, ok, plane, n_splits, layout: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):
         """The partials at ``part`` summed in split order (read past L1: other programs wrote them)."""
         total = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout)
@@ -274,14 +291,9 @@ if AVAILABLE:
         if SPLIT:
             rows, row_ok, _ = _tile_rows(tables, PAIRS, SHARED, TOKENS, gl.SliceLayout(0, mma))
             cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-            ok = (cols < I)[:, None] & row_ok[None, :]
-            plane = n_rows * I  # one [n_rows, I] partial
-            part = ws_ptr + rows.to(gl.int64)[None, :] * I + cols[:, None]
-            gl.store(part + (gl.program_id(2).to(gl.int64) * 2 + 1) * plane, u, mask=ok)
-            last, tile = _last_of_split(part, ok, 2 * plane, cnt_ptr, n_splits, g)
+            last, tile, g, u = up_split(g, u, ws_ptr, cnt_ptr, rows, row_ok, cols, I, n_rows, n_splits, mma, BLOCK_N,
+                                        TOKENS)
             if last:
-                g = _split_sum(part, ok, 2 * plane, n_splits, mma, BLOCK_N, TOKENS)
-                u = _split_sum(part + plane, ok, 2 * plane, n_splits, mma, BLOCK_N, TOKENS)
                 _up_finish(g, u, stage, tables, rw_ptr, h_ptr, n0, I, limit, stride_hm, PAIRS, SHARED, TOKENS, CLAMP,
                            XDT, num_warps)
                 gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")

@@ -28,7 +28,7 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
 
     from flashrt.kernels_cuda.experts_qgmma import fill, loop, mma_layout
-    from flashrt.kernels_cuda.moe_mma import _last_of_split, _split_sum, _tile_rows, down_finish, swiglu_blocks
+    from flashrt.kernels_cuda.moe_mma import _tile_rows, down_finish, swiglu_blocks, up_split
     from flashrt.kernels_cuda.pdl import wait_inputs
 
     @gluon.jit
@@ -85,14 +85,9 @@ if AVAILABLE:
                  K_SPLIT // 32, STAGES, KMAJOR, num_warps)
         if SPLIT:
             cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-            ok = (cols < I)[:, None] & row_ok[None, :]
-            plane = n_rows * I  # one [n_rows, I] partial
-            part = ws_ptr + rows.to(gl.int64)[None, :] * I + cols[:, None]
-            gl.store(part + (gl.program_id(2).to(gl.int64) * 2 + 1) * plane, u, mask=ok)
-            last, tile = _last_of_split(part, ok, 2 * plane, cnt_ptr, n_splits, g)
+            last, tile, g, u = up_split(g, u, ws_ptr, cnt_ptr, rows, row_ok, cols, I, n_rows, n_splits, acc_l, 64,
+                                        TOKENS)
             if last:
-                g = _split_sum(part, ok, 2 * plane, n_splits, acc_l, 64, TOKENS)
-                u = _split_sum(part + plane, ok, 2 * plane, n_splits, acc_l, 64, TOKENS)
                 _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS, TOKENS,
                            CLAMP, XDT, num_warps)
                 gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
