@@ -65,7 +65,7 @@ def dividing(split: int, K: int) -> int:
 
 
 def check(dev, gen) -> float:
-    """Largest relative error of the probe's summed partials against float64 products, on random codes."""
+    """Largest relative error of the GEMM's summed partials against float64 products, on random codes."""
     E, N, K, T = 3, 128, 1024, 9
     codes = torch.randint(0, 16, (E, N, K), dtype=torch.uint8, generator=gen)
     sb = torch.randint(119, 123, (E, N, K // 32), dtype=torch.uint8, generator=gen)
@@ -76,7 +76,8 @@ def check(dev, gen) -> float:
     xv = x.double() * torch.pow(2.0, xe).repeat_interleave(32, 1)
     tile_e = torch.tensor([0, 2, 1], dtype=torch.int32)
     tile_tok = torch.randint(-1, T, (3, 8), generator=gen, dtype=torch.int32)
-    out = q.experts_gemm(x.to(dev), (torch.pow(2.0, xe) * q.DECODE_SCALE).float().to(dev), (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(dev),
+    nibbles = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    out = q.experts_gemm(x.to(dev), (torch.pow(2.0, xe) * q.DECODE_SCALE).float().to(dev), nibbles.to(dev),
                          sb.to(dev), tile_e.to(dev), tile_tok.to(dev), 256).sum(0).cpu().double()
     worst = 0.0
     for i in range(3):

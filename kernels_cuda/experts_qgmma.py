@@ -49,9 +49,8 @@ lop3.b32 $1, $2, 0x80808080, c, 0xEA;
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
     from flashrt.kernels_cuda.pdl import wait_inputs
@@ -136,12 +135,12 @@ if AVAILABLE:
     @gluon.jit
     def loop(w_e, s_e, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS: gl.constexpr,
              KB: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
-        """fp32 sums [64, TOKENS] (:func:`mma_layout`) of weight rows ``n0 ..`` of one expert (``w_e``: its
-        fp4_w bytes [N, K / 2], ``s_e``: its scale bytes as int32 words [N, K / 128]; KMAJOR: its scale bytes [N, K / 32] K major, ``stride_sk``
-        between blocks) over the ``nb``
-        blocks (a multiple of 4, at most KB) from ``k_lo`` of :func:`fill`'s activations. Four blocks a
-        trip; STAGES 0: a trip's weight bytes loaded where they are used, else through a ring of STAGES
-        trips in shared memory."""
+        """fp32 sums [64, TOKENS] (:func:`mma_layout`) of weight rows ``n0 ..`` of one expert over the ``nb``
+        blocks (a multiple of 4, at most KB) from ``k_lo`` of :func:`fill`'s activations. ``w_e``: the
+        expert's fp4_w bytes [N, K / 2]; ``s_e``: its scale bytes as int32 words [N, K / 128], or with
+        KMAJOR its scale bytes K major (``stride_sk`` between blocks). Four blocks a trip; STAGES 0: a
+        trip's weight bytes loaded where they are used, else through a ring of STAGES trips in shared
+        memory."""
         acc_l: gl.constexpr = mma_layout(TOKENS)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
         cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
@@ -219,8 +218,8 @@ def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
                  tile_tok: torch.Tensor, k_split: int, stages: int = 4) -> torch.Tensor:
     """fp32 partials ``[splits, tiles, TOKENS, N]`` of each token tile's rows of x times its expert's
     weights (:func:`_gemm_kernel`): x E4M3 ``[T, K]`` with fp32 scales ``xs [T, K / 32]`` (times
-    DECODE_SCALE), w fp4_w bytes ``[E, N, K / 2]`` (standard nibbles) with UE8M0 scale bytes ``ws [E, N, K / 32]``;
-    ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none (its partials are left
+    DECODE_SCALE), w fp4_w bytes ``[E, N, K / 2]`` (standard nibbles) with UE8M0 scale bytes
+    ``ws [E, N, K / 32]``; ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none (its partials are left
     unwritten); ``k_split`` K a program (a multiple of 128 dividing K); ``stages`` 0: the weights
     loaded where used, else the depth of their ring."""
     E, N, KH = w.shape

@@ -339,7 +339,9 @@ def qgmma_call(B: int, S: int, cold: bool):
     return lambda: experts_qgmma.experts_gemm(x, xs, w, ws, te, tt, S, 0 if cold else 4)
 
 
-CALLS = {"attention": attention_call, "qgmma": qgmma_call, "prefix_attention": prefix_attention_call, "topk": topk_call, "quant": quant_call, "compress": compress_call, "indexer": indexer_call, "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
+CALLS = {"attention": attention_call, "qgmma": qgmma_call, "prefix_attention": prefix_attention_call,
+         "topk": topk_call, "quant": quant_call, "compress": compress_call, "indexer": indexer_call,
+         "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
          "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call,
          "norm_rope_quant": norm_rope_quant_call}
 
