@@ -130,11 +130,18 @@ if AVAILABLE:
 
 def supports(w1, w3, w2, D: int, I: int) -> bool:
     """Whether the kernels take these routed experts: fp4_w stacks in the standard nibbles with contiguous
-    codes, w1 and w3 laid out alike, both K (D and I) multiples of 128 and both row counts of 64."""
+    codes and scales K major or dense rows, w1 and w3 laid out alike, both K (D and I) multiples of 128 and
+    both row counts of 64."""
     ws = (w1, w3, w2)
-    return (all(w.fmt == "fp4_w" and not w.e2m1_words and w.data.is_contiguous() for w in ws)
+    return (all(w.fmt == "fp4_w" and not w.e2m1_words and w.data.is_contiguous() and _scales_read(w.scale) for w in ws)
             and w1.data.stride() == w3.data.stride() and w1.scale.stride() == w3.scale.stride()
             and D % 128 == 0 and I % 128 == 0 and D % ROWS == 0 and I % ROWS == 0)
+
+
+def _scales_read(scale: torch.Tensor) -> bool:
+    """Whether :func:`_operands` reads these [E, rows, K / 32] scales: K major, or rows of dense bytes (read
+    as int32 words)."""
+    return scale.stride(1) == 1 or (scale.stride(2) == 1 and scale.stride(1) == scale.shape[2])
 
 
 def _gemm_plan(cols: int, k: int, row_tiles: int, tile: dict, sms: int) -> dict:

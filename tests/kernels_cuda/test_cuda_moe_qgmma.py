@@ -9,6 +9,7 @@ random inputs: one token (a row tile a pair), routing tables (a token's slots ma
 the kernel or not, scales row or K major, the shared expert and ``add``, 8 and 16 rows a tile."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -88,6 +89,8 @@ def test_it_takes_fp4_nibbles_whose_k_is_a_multiple_of_128(rng):
     assert not mq.supports(k_major[0], *ws[1:], 256, 128)  # w1 and w3 laid out apart
     odd = [_stack(rng, 2, 128, 224), _stack(rng, 2, 128, 224), _stack(rng, 2, 224, 128)]
     assert not mq.supports(*odd, 224, 128)  # K of 224: not four blocks a trip
+    strided = dataclasses.replace(ws[0], scale=ws[0].scale.repeat(1, 1, 2)[:, :, ::2])  # rows of every other byte
+    assert not mq.supports(strided, strided, ws[2], 256, 128)
     fp8 = formats.as_expert_stack(formats.quantize(torch.randn(2, 128, 256, generator=rng), "fp8_w"), False)
     assert not mq.supports(fp8, *ws[1:], 256, 128)
 
