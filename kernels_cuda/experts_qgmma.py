@@ -31,6 +31,7 @@ from flashrt.kernels_cuda.launch import cdiv
 
 ROWS = 64  # weight rows a program: the M of one warpgroup MMA
 DECODE_SCALE = 2.0 ** 6  # the E4M3 bytes hold the E2M1 values times 2**-6
+_DECODE_SCALE = tl.constexpr(DECODE_SCALE)
 # one word of standard nibbles (code 2i in byte i's low nibble, 2i + 1 in its high one) into two registers
 # of four E4M3 bytes: $0 its even codes (magnitude up by 2, sign up by 4), $1 its odd codes (magnitude down
 # by 2, the sign in place)
@@ -186,6 +187,43 @@ if AVAILABLE:
                             s_smem, kb, a_l, cols_l, zero, acc)
                 _sync()  # every warp has read the slot before a later trip's copies refill it
             async_copy.wait_group(0)
+        return acc
+
+    @gluon.jit
+    def _fp8_operand(byte, a_l: gl.constexpr):
+        """A block's E4M3 weight bytes ``[64, 32]`` (a thread's 8 at ``8t``, K in order) -> its A operand in
+        ``a_l``: the even bytes at MMA positions ``4t ..``, the odd ones at ``16 + 4t ..``, the order
+        :func:`fill` stores the activations in."""
+        z = gl.permute(gl.reshape(byte, [64, 4, 4, 2]), [0, 3, 1, 2])  # (r, h, t, j): K 8t + 2j + h
+        return gl.convert_layout(gl.reshape(z, [64, 32]).to(gl.float8e4nv, bitcast=True), a_l, assert_trivial=True)
+
+    @gluon.jit
+    def loop_fp8(w_e, s_e, stride_wn, stride_st, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS: gl.constexpr,
+                 num_warps: gl.constexpr):
+        """:func:`loop` over an fp8_w weight (the shared expert): ``w_e`` its E4M3 bytes [N, K], ``s_e`` its
+        UE8M0 scale bytes, one a 32-row tile (``stride_st`` apart) and K block (``stride_sk`` apart). The
+        bytes are the MMA's operand as they are (no decode); each block's product is scaled by its tile's
+        scale times the tokens' (which hold the fp4 decode's 2**6: taken back here). A block a trip, its
+        bytes loaded where they are used."""
+        acc_l: gl.constexpr = mma_layout(TOKENS)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+        w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=8)
+        cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+        rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_l))
+        cols_w = gl.arange(0, 32, layout=gl.SliceLayout(0, w_l))
+        w_src = w_e + k_lo + rows_w.to(gl.int64)[:, None] * stride_wn + cols_w[None, :]
+        rows_s = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        s_src = s_e + (rows_s // 32).to(gl.int64) * stride_st + (k_lo // 32) * stride_sk
+        zero = gl.zeros([64, TOKENS], gl.float32, acc_l)
+        acc = gl.zeros([64, TOKENS], gl.float32, acc_l)
+        for kb in range(0, nb):
+            a = _fp8_operand(gl.load(w_src + kb * 32), a_l)
+            d = warpgroup_mma(a, x_smem.index(kb).permute((1, 0)), zero, use_acc=False, is_async=True)
+            w = (gl.load(s_src + kb * stride_sk).to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            w = w * (1.0 / _DECODE_SCALE)
+            sc = w[:, None] * s_smem.index(kb).load(cols_l)[None, :]
+            d = warpgroup_mma_wait(0, deps=[d])
+            acc += d * sc
         return acc
 
     @gluon.jit

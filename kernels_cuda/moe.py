@@ -55,7 +55,7 @@ from flashrt.families import Dim, KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.tile_checks import COUNT0, GEMM_ROWS, POW2, Tile, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
-from flashrt.kernels_cuda import moe_grouped, moe_mma, moe_qgmma, moe_tables, moe_warmup, splitk
+from flashrt.kernels_cuda import experts_qgmma, moe_grouped, moe_mma, moe_qgmma, moe_tables, moe_warmup, splitk
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
 from flashrt.kernels_cuda.linear import (FLOATS, FOLD_MAX_SCALE, SCALED, WEIGHT_FORMATS, act_quant, fold_fp8,
@@ -173,8 +173,9 @@ def _plan(n: int, k: int, E: int, D: int, I: int, shared: bool = False) -> dict:
         down = _gemm(t, knobs, D, I, row_tiles, rows, 1, reserved=cols)
     e2m1 = fp4_decode(knobs["swap_operands"])  # the rule's swap knob over linear's tile
     mma, mma_shared = _mma_plan(n, k, E, D, I, direct, pairs_mode, t, knobs, tiles, shared)
-    qgmma = _qgmma_plan(n, k, E, D, I, direct, pairs_mode, knobs, tiles)
-    return PLANS.store(key, dict(mma=mma, mma_shared=mma_shared, qgmma=qgmma, block_m=t["BLOCK_M"],
+    qgmma, qgmma_shared = _qgmma_plan(n, k, E, D, I, direct, pairs_mode, knobs, tiles, shared)
+    return PLANS.store(key, dict(mma=mma, mma_shared=mma_shared, qgmma=qgmma, qgmma_shared=qgmma_shared,
+                                 block_m=t["BLOCK_M"],
                                  up=_gemm(t, knobs, I, D, row_tiles, rows, 2), down=down,
                                  combine=combine, reserved=cols if combine else 0, direct=direct, pairs=pairs_mode,
                                  shared=shared, qx=n <= tiles["fused_max_tokens"], route=tiles["route"],
@@ -201,16 +202,19 @@ def _mma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: bool,
     return moe_mma.plan(n, k, E, D, I, pairs, tile, sms), with_shared
 
 
-def _qgmma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: bool, knobs: dict,
-                tiles: dict) -> dict | None:
-    """:mod:`.moe_qgmma`'s plan of the routed experts where the rule's ``qgmma`` knob takes them and they can
+def _qgmma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: bool, knobs: dict, tiles: dict,
+                shared: bool = False) -> tuple[dict | None, dict | None]:
+    """:mod:`.moe_qgmma`'s plans of the routed experts where the rule's ``qgmma`` knob takes them and they can
     run there (the activations dequantized, a compiled sm_90 target with Gluon; not the direct path), else
-    None. The weights' part (:func:`.moe_qgmma.supports`) is checked per call."""
+    None: (the routed rows alone; with the shared expert's tiles after them where ``shared``, else None). The
+    weights' part (:func:`.moe_qgmma.supports`, :func:`.moe_mma.shared_operands`) is checked per call."""
     if not (knobs["qgmma"] and not direct and tiles["act_dequantized"] and moe_qgmma.AVAILABLE
             and not _linear.INTERPRETED and jit_targets.capability() >= (9, 0)):
-        return None
+        return None, None
     tile = dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"], per_sm=knobs["qgmma_per_sm"])
-    return moe_qgmma.plan(n, k, E, D, I, pairs, tile, _linear.num_sms())
+    sms = _linear.num_sms()
+    with_shared = moe_qgmma.plan(n, k, E, D, I, pairs, tile, sms, True) if shared else None
+    return moe_qgmma.plan(n, k, E, D, I, pairs, tile, sms), with_shared
 
 
 def _mma_weights(w1, w3, w2) -> bool:
@@ -410,21 +414,27 @@ def _launch_operands(weights, indices, E: int, D: int, p: dict, plan: dict, add,
 
 def _experts_qgmma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, plan):
     """The routed experts on :mod:`.moe_qgmma`'s kernels (plan ``plan["qgmma"]``) over x's fp8 round trip as
-    codes and scales; the shared expert on the direct path's kernels over the round trip's values, its fp32
-    rows joined to ``add`` (summed by the combine after each token's routed rows, as :func:`_shared_apart`
-    orders them)."""
+    codes and scales. The shared expert: its rows in the same launches where its weights allow (fp8_w,
+    :func:`.moe_mma.shared_operands`; plan ``plan["qgmma_shared"]``), summed after each token's routed rows;
+    else on the direct path's kernels over the round trip's values, its fp32 rows joined to ``add`` (the
+    order :func:`_shared_apart` gives them)."""
     n, D = x.shape
     k = indices.shape[1]
     p = plan["qgmma"]
-    xq, xs = fp8_codes(x, plan["round_trip"], moe_qgmma.DECODE_SCALE)
-    if shared is not None:
+    xq, xs = fp8_codes(x, plan["round_trip"], experts_qgmma.DECODE_SCALE)
+    own = None
+    if shared is not None and plan["qgmma_shared"] is not None:
+        own = moe_mma.shared_operands(shared, w1.shape[1], D)
+    if own is not None:
+        p = plan["qgmma_shared"]
+    elif shared is not None:
         alone = _shared_direct(x, fp8_round_trip(x, plan["round_trip"]), shared, limit)
         add = alone if add is None else finish_experts(alone, add, torch.float32)
     tab, out, add = _launch_operands(weights, indices, w1.shape[0], D, p, plan, add, out_dtype)
     if plan["combine_tile"]["in_kernel"] and moe_qgmma.combines(p, n):
-        return moe_qgmma.experts(xq, xs, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add)
-    y = moe_qgmma.experts(xq, xs, tab, w1, w3, w2, limit, x.dtype, p, n, k)
-    return _combine(y, tab, out, add, k, p["pairs"], False, plan["combine_tile"])
+        return moe_qgmma.experts(xq, xs, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add, shared=own)
+    y = moe_qgmma.experts(xq, xs, tab, w1, w3, w2, limit, x.dtype, p, n, k, shared=own)
+    return _combine(y, tab, out, add, k, p["pairs"], p["shared"], plan["combine_tile"])
 
 
 def _shared_direct(x, xq, shared, limit: float) -> torch.Tensor:

@@ -14,33 +14,33 @@ blocks a trip).
 from __future__ import annotations
 
 import torch
-import triton.language as tl
 
 from flashrt.kernels_cuda import pdl, splitk
-from flashrt.kernels_cuda.experts_qgmma import AVAILABLE, DECODE_SCALE, ROWS
+from flashrt.kernels_cuda.experts_qgmma import _DECODE_SCALE, AVAILABLE, ROWS
 from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
+from flashrt.kernels_cuda.moe_mma import _or
 
-_DECODE_SCALE = tl.constexpr(DECODE_SCALE)
 MAX_K_SPLIT = 2048  # K codes a program at most: its activations' shared memory (TOKENS bytes a code)
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from flashrt.kernels_cuda.experts_qgmma import fill, loop, mma_layout
+    from flashrt.kernels_cuda.experts_qgmma import fill, loop, loop_fp8, mma_layout
     from flashrt.kernels_cuda.moe_mma import _tile_rows, down_finish, swiglu_blocks, up_split
     from flashrt.kernels_cuda.pdl import wait_inputs
 
     @gluon.jit
     def _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS: gl.constexpr,
-                   TOKENS: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr, num_warps: gl.constexpr):
+                   SHARED: gl.constexpr, TOKENS: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr,
+                   num_warps: gl.constexpr):
         """SwiGLU of the full gate / up sums ([64, TOKENS], :func:`.experts_qgmma.mma_layout`) as the 16-row
         tile's epilogue computes it, then h quantized per 32 columns: its E4M3 codes into ``hq`` and each
         block's scale times DECODE_SCALE into ``hs``. The sums go through shared memory into a layout whose
         32-column blocks lie along a warp's lanes."""
         blocks: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32, 1], [1, 1, num_warps], [1, 2, 0])
         stage = gl.allocate_shared_memory(gl.float32, [2, 64, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        h, e, recip, rows, row_ok = swiglu_blocks(g, u, stage, tables, rw_ptr, limit, PAIRS, False, TOKENS, CLAMP,
+        h, e, recip, rows, row_ok = swiglu_blocks(g, u, stage, tables, rw_ptr, limit, PAIRS, SHARED, TOKENS, CLAMP,
                                                   XDT, 64, blocks)
         c0 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))
         c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, blocks)))
@@ -57,13 +57,16 @@ if AVAILABLE:
     def _up_kernel(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, w1_ptr, s1_ptr, w3_ptr,
                    s3_ptr, hq_ptr, hs_ptr, ws_ptr, cnt_ptr, E, I, D, limit, n_rows, n_pairs, TOPK, n_splits,
                    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm,
-                   stride_hsm, routed_tiles, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                   stride_hsm, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, stride_s_wn, stride_s_st, stride_s_sk,
+                   routed_tiles, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr, STAGES: gl.constexpr,
                    PAIRS: gl.constexpr, SPLIT: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr,
-                   KMAJOR: gl.constexpr, num_warps: gl.constexpr):
+                   KMAJOR: gl.constexpr, SHARED: gl.constexpr, num_warps: gl.constexpr):
         """h of the tile's pair rows, columns ``[n0, n0 + 64)`` of I (:func:`_up_finish`): x codes [N, D] E4M3
         with scales xs [N, D / 32], W1 / W3 [E, I, D / 2] fp4_w (scales as :func:`.experts_qgmma.loop`
-        reads them). SPLIT: ws [splits, 2, n_rows, I] fp32 gate / up partials and a ticket counter per
-        (row tile, column tile)."""
+        reads them). SHARED: the row tiles from ``routed_tiles`` on are the shared expert's (fp8_w [I, D] at
+        ``sw*_ptr``, tile scales at ``ss*_ptr``; :func:`.experts_qgmma.loop_fp8`), its rows ``n_pairs +
+        token``. SPLIT: ws [splits, 2, n_rows, I] fp32 gate / up partials and a ticket counter per (row
+        tile, column tile)."""
         wait_inputs()
         acc_l: gl.constexpr = mma_layout(TOKENS)
         t = gl.program_id(1)
@@ -74,38 +77,47 @@ if AVAILABLE:
         k_lo = gl.program_id(2) * K_SPLIT
         nb = gl.minimum(K_SPLIT, D - k_lo) // 32
         tables = (tok_ptr, tile_row_ptr, row_end_ptr, TOPK, routed_tiles, n_pairs, n_rows)
-        rows, row_ok, tok = _tile_rows(tables, PAIRS, False, TOKENS, gl.SliceLayout(0, acc_l))
+        rows, row_ok, tok = _tile_rows(tables, PAIRS, SHARED, TOKENS, gl.SliceLayout(0, acc_l))
         # lanes past the tile load nothing (their sums are never stored)
         x_smem, s_smem = fill(xq_ptr, xs_ptr, gl.where(row_ok, tok, -1), stride_xm, stride_xsm, k_lo, nb, TOKENS,
                               K_SPLIT // 32, num_warps)
-        ew, es = e.to(gl.int64) * stride_we, e.to(gl.int64) * stride_se
-        g = loop(w1_ptr + ew, s1_ptr + es, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS,
-                 K_SPLIT // 32, STAGES, KMAJOR, num_warps)
-        u = loop(w3_ptr + ew, s3_ptr + es, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS,
-                 K_SPLIT // 32, STAGES, KMAJOR, num_warps)
+        if (t >= routed_tiles) if SHARED else False:
+            g = loop_fp8(sw1_ptr, ss1_ptr, stride_s_wn, stride_s_st, stride_s_sk, n0, k_lo, nb, x_smem, s_smem,
+                         TOKENS, num_warps)
+            u = loop_fp8(sw3_ptr, ss3_ptr, stride_s_wn, stride_s_st, stride_s_sk, n0, k_lo, nb, x_smem, s_smem,
+                         TOKENS, num_warps)
+        else:
+            ew, es = e.to(gl.int64) * stride_we, e.to(gl.int64) * stride_se
+            g = loop(w1_ptr + ew, s1_ptr + es, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS,
+                     K_SPLIT // 32, STAGES, KMAJOR, num_warps)
+            u = loop(w3_ptr + ew, s3_ptr + es, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS,
+                     K_SPLIT // 32, STAGES, KMAJOR, num_warps)
         if SPLIT:
             cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
             last, tile, g, u = up_split(g, u, ws_ptr, cnt_ptr, rows, row_ok, cols, I, n_rows, n_splits, acc_l, 64,
                                         TOKENS)
             if last:
-                _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS, TOKENS,
-                           CLAMP, XDT, num_warps)
+                _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS, SHARED,
+                           TOKENS, CLAMP, XDT, num_warps)
                 gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
         else:
-            _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS, TOKENS, CLAMP,
-                       XDT, num_warps)
+            _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS, SHARED, TOKENS,
+                       CLAMP, XDT, num_warps)
 
     @gluon.jit
     def _down_kernel(hq_ptr, hs_ptr, tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, pos_ptr, w2_ptr, s2_ptr, y_ptr,
                      ws_ptr, cnt_ptr, out_ptr, add_ptr, comb_ptr, E, D, I, n_rows, n_pairs, TOPK, n_splits, stride_hm,
                      stride_hsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym, stride_om,
-                     stride_am, routed_tiles, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                     PAIRS: gl.constexpr, SPLIT: gl.constexpr, COMBINE: gl.constexpr, HAS_ADD: gl.constexpr,
-                     XDT: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
+                     stride_am, sw2_ptr, ss2_ptr, stride_s_wn, stride_s_st, stride_s_sk, routed_tiles,
+                     TOKENS: gl.constexpr, K_SPLIT: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr,
+                     SPLIT: gl.constexpr, COMBINE: gl.constexpr, HAS_ADD: gl.constexpr, XDT: gl.constexpr,
+                     KMAJOR: gl.constexpr, SHARED: gl.constexpr, num_warps: gl.constexpr):
         """y rows of the tile's rows (rounded to XDT, y's dtype), columns ``[n0, n0 + 64)`` of D: W2 [E, D,
-        I / 2] fp4_w over h's codes [n_rows, I] and scales [n_rows, I / 32]. SPLIT: ws [splits, n_rows, D]
-        fp32 partials and a ticket counter per (row tile, column tile). COMBINE: then each token's rows
-        summed into ``out`` (:func:`.moe_mma._combine`, a counter per (token, column tile) at ``comb_ptr``)."""
+        I / 2] fp4_w over h's codes [n_rows, I] and scales [n_rows, I / 32]; SHARED: the row tiles from
+        ``routed_tiles`` on are the shared expert's (fp8_w [D, I] at ``sw2_ptr``), its rows ``n_pairs +
+        token``. SPLIT: ws [splits, n_rows, D] fp32 partials and a ticket counter per (row tile, column
+        tile). COMBINE: then each token's rows summed into ``out`` (:func:`.moe_mma._combine`, a counter per
+        (token, column tile) at ``comb_ptr``)."""
         wait_inputs()
         acc_l: gl.constexpr = mma_layout(TOKENS)
         t = gl.program_id(1)
@@ -116,15 +128,20 @@ if AVAILABLE:
         k_lo = gl.program_id(2) * K_SPLIT
         nb = gl.minimum(K_SPLIT, I - k_lo) // 32
         tables = (tok_ptr, tile_row_ptr, row_end_ptr, TOPK, routed_tiles, n_pairs, n_rows)
-        rows, row_ok, tok = _tile_rows(tables, PAIRS, False, TOKENS, gl.SliceLayout(0, acc_l))
+        rows, row_ok, tok = _tile_rows(tables, PAIRS, SHARED, TOKENS, gl.SliceLayout(0, acc_l))
         h_rows = gl.where(row_ok, rows, -1).to(gl.int64)  # lanes past the tile load nothing
         x_smem, s_smem = fill(hq_ptr, hs_ptr, h_rows, stride_hm, stride_hsm, k_lo, nb, TOKENS, K_SPLIT // 32,
                               num_warps)
-        acc = loop(w2_ptr + e.to(gl.int64) * stride_we, s2_ptr + e.to(gl.int64) * stride_se, stride_wn, stride_sn,
-                   stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS, K_SPLIT // 32, STAGES, KMAJOR, num_warps)
+        if (t >= routed_tiles) if SHARED else False:
+            acc = loop_fp8(sw2_ptr, ss2_ptr, stride_s_wn, stride_s_st, stride_s_sk, n0, k_lo, nb, x_smem, s_smem,
+                           TOKENS, num_warps)
+        else:
+            acc = loop(w2_ptr + e.to(gl.int64) * stride_we, s2_ptr + e.to(gl.int64) * stride_se, stride_wn,
+                       stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS, K_SPLIT // 32, STAGES, KMAJOR,
+                       num_warps)
         cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         sums = (pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am)
-        down_finish(acc, y_ptr, ws_ptr, cnt_ptr, rows, row_ok, tok, cols, n_rows, n_splits, sums, PAIRS, False,
+        down_finish(acc, y_ptr, ws_ptr, cnt_ptr, rows, row_ok, tok, cols, n_rows, n_splits, sums, PAIRS, SHARED,
                     SPLIT, COMBINE, HAS_ADD, XDT, acc_l, 64, TOKENS)
 
 
@@ -158,15 +175,19 @@ def _gemm_plan(cols: int, k: int, row_tiles: int, tile: dict, sms: int) -> dict:
                                 num_warps=4))
 
 
-def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict, sms: int) -> dict | None:
+def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict, sms: int, shared: bool = False
+         ) -> dict | None:
     """The up and down launches of ``n`` tokens of ``k`` slots over ``E`` experts under ``tile``
     (``TOKENS`` rows a row tile, ``STAGES``, ``per_sm``); ``pairs``: a row tile per (token, slot) pair,
-    else the routing tables' tiles. None where a K split would not have its ticket counters."""
+    else the routing tables' tiles; ``shared``: the shared expert's row tiles (``TOKENS`` tokens each) after
+    the routed ones. None where a K split would not have its ticket counters."""
     row_tiles = n * k if pairs else min(n * k, cdiv(n * k, tile["TOKENS"]) + E)
-    up, down = _gemm_plan(I, D, row_tiles, tile, sms), _gemm_plan(D, I, row_tiles, tile, sms)
+    grid_rows = row_tiles + (cdiv(n, tile["TOKENS"]) if shared else 0)
+    up, down = _gemm_plan(I, D, grid_rows, tile, sms), _gemm_plan(D, I, grid_rows, tile, sms)
     if not up["split"] or not down["split"]:
         return None
-    return dict(block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles, grid_rows=row_tiles, up=up, down=down)
+    return dict(block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles, grid_rows=grid_rows, shared=shared, up=up,
+                down=down)
 
 
 def _operands(w):
@@ -180,14 +201,19 @@ def _operands(w):
 
 
 def experts(xq: torch.Tensor, xs: torch.Tensor, tab: dict, w1, w3, w2, limit: float, xdtype: torch.dtype, p: dict,
-            n: int, k: int, out: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+            n: int, k: int, out: torch.Tensor | None = None, add: torch.Tensor | None = None,
+            shared: tuple | None = None) -> torch.Tensor:
     """The routed pair rows [n * k, D] in ``xdtype`` of x (its fp8 round trip as codes ``xq`` [n, D] and
     scales ``xs`` [n, D / 32] times DECODE_SCALE, :func:`.round_trip.fp8_codes`) through the fp4_w experts
-    ``w1``, ``w3`` [E, I, D] and ``w2`` [E, D, I] (:func:`supports`) under plan ``p``; with ``out`` [n, D]
-    (where :func:`combines`), ``out`` instead: each token's rows summed in slot order plus its ``add`` row
-    (fp32 [n, D] or None), in out's dtype."""
+    ``w1``, ``w3`` [E, I, D] and ``w2`` [E, D, I] (:func:`supports`) under plan ``p``, then, where the plan
+    has the shared expert's tiles, its row of each token (``shared``: its operands,
+    :func:`.moe_mma.shared_operands`); with ``out`` [n, D] (where :func:`combines`), ``out`` instead: each
+    token's rows summed in slot order, then its shared row, plus its ``add`` row (fp32 [n, D] or None), in
+    out's dtype."""
+    assert p["shared"] == (shared is not None), "the plan's shared tiles and the shared operands go together"
     E, I, D = w1.shape[0], w1.shape[1], xq.shape[1]
-    rows = n * k
+    rows = n * k + (n if shared is not None else 0)
+    (o1, o3, o2) = shared if shared is not None else ((None, None, 0, 0, 0),) * 3
     d1, s1, se, sn, sk, kmajor = _operands(w1)
     d3, s3, *_ = _operands(w3)
     dev, xdt = xq.device, TL_DTYPES[xdtype]
@@ -198,20 +224,21 @@ def experts(xq: torch.Tensor, xs: torch.Tensor, tab: dict, w1, w3, w2, limit: fl
     pool = splitk.counters(dev)
     _up_kernel[(up["grid_cols"], p["grid_rows"], up["split"])](
         xq, xs, tab["tok"], tab["rw"], tab["tile_e"], tab["tile_row"], tab["row_end"], d1, s1, d3, s3, hq, hs, ws,
-        pool, E, I, D, limit, rows, rows, k, up["split"], xq.stride(0), xs.stride(0), d1.stride(0), d1.stride(1), se,
-        sn, sk, hq.stride(0), hs.stride(0), p["row_tiles"], PAIRS=p["pairs"], CLAMP=limit > 0, XDT=xdt,
-        KMAJOR=kmajor, **up["constexprs"], **pdl.options(dev))
+        pool, E, I, D, limit, rows, n * k, k, up["split"], xq.stride(0), xs.stride(0), d1.stride(0), d1.stride(1),
+        se, sn, sk, hq.stride(0), hs.stride(0), _or(o1[0], d1), _or(o1[1], d1), _or(o3[0], d1), _or(o3[1], d1),
+        *o1[2:], p["row_tiles"], PAIRS=p["pairs"], CLAMP=limit > 0, XDT=xdt, KMAJOR=kmajor, SHARED=p["shared"],
+        **up["constexprs"], **pdl.options(dev))
     d2, s2, se2, sn2, sk2, kmajor2 = _operands(w2)
     y = torch.empty(rows, D, dtype=xdtype, device=dev)
     ws = torch.empty(down["split"], rows, D, dtype=torch.float32, device=dev) if down["split"] > 1 else y
     reserved = n * down["grid_cols"] if out is not None else 0  # the combine's counters, then the split's
     _down_kernel[(down["grid_cols"], p["grid_rows"], down["split"])](
         hq, hs, tab["tok"], tab["tile_e"], tab["tile_row"], tab["row_end"], tab["pos"], d2, s2, y, ws, pool[reserved:],
-        out if out is not None else y, add if add is not None else y, pool, E, D, I, rows, rows, k, down["split"],
+        out if out is not None else y, add if add is not None else y, pool, E, D, I, rows, n * k, k, down["split"],
         hq.stride(0), hs.stride(0), d2.stride(0), d2.stride(1), se2, sn2, sk2, y.stride(0),
-        out.stride(0) if out is not None else 0, add.stride(0) if add is not None else 0, p["row_tiles"],
-        PAIRS=p["pairs"], COMBINE=out is not None, HAS_ADD=add is not None, XDT=xdt, KMAJOR=kmajor2,
-        **down["constexprs"], **pdl.options(dev))
+        out.stride(0) if out is not None else 0, add.stride(0) if add is not None else 0, _or(o2[0], d2),
+        _or(o2[1], d2), *o2[2:], p["row_tiles"], PAIRS=p["pairs"], COMBINE=out is not None, HAS_ADD=add is not None,
+        XDT=xdt, KMAJOR=kmajor2, SHARED=p["shared"], **down["constexprs"], **pdl.options(dev))
     return out if out is not None else y
 
 

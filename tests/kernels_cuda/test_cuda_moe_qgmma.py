@@ -23,6 +23,7 @@ from kernel_check import DEVICE, GPU, assert_counters_zero, pinned_tiles, rel_er
 pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
 mq = pytest.importorskip("flashrt.kernels_cuda.moe_qgmma")
+mm = pytest.importorskip("flashrt.kernels_cuda.moe_mma")
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and mq.AVAILABLE
 
@@ -74,6 +75,25 @@ def test_the_plan_splits_k_in_multiples_of_128(monkeypatch, n, E, D, I, per_sm):
         assert g["split"] <= max(1, per_sm * sms // programs, -(-K // mq.MAX_K_SPLIT))
 
 
+@pytest.mark.skipif(not mq.AVAILABLE, reason="needs Gluon")
+@pytest.mark.parametrize("n,tokens", [(1, 8), (6, 8), (20, 16)])
+def test_the_shared_experts_tiles_follow_the_routed_ones(monkeypatch, n, tokens):
+    """With the shared expert, the launches' row tiles are the routed ones and then one a ``TOKENS`` tokens,
+    and the K split and the combine's counters count them; the routed-only plan is kept beside it (the
+    weights decide per call)."""
+    monkeypatch.setattr(lin, "INTERPRETED", False)
+    with pinned_tiles(moe=_tiles(tokens=tokens)), jit_targets.targeting(ARCHS["sm_90"]):
+        both = moe._plan(n, 6, 8, 5120, 2304, True)
+        sms = lin.num_sms()
+    alone, p = both["qgmma"], both["qgmma_shared"]
+    assert not alone["shared"] and alone["grid_rows"] == alone["row_tiles"]
+    assert _plan(monkeypatch, n=n, tokens=tokens)["qgmma_shared"] is None
+    assert p["shared"] and p["row_tiles"] == alone["row_tiles"] and p["grid_rows"] == p["row_tiles"] + -(-n // tokens)
+    for launch in ("up", "down"):  # the K split aims at per_sm (4) programs an SM over every row tile
+        programs = p[launch]["grid_cols"] * p["grid_rows"]
+        assert p[launch]["split"] <= max(1, 4 * sms // programs, -(-5120 // mq.MAX_K_SPLIT))
+
+
 def _stack(rng, E, rows, K, words=False, k_major=False, scale=0.25):
     w = formats.quantize(torch.randn(E, rows, K, generator=rng) * scale, "fp4_w")
     return formats.as_expert_stack(w, k_major, words)
@@ -96,21 +116,23 @@ def test_it_takes_fp4_nibbles_whose_k_is_a_multiple_of_128(rng):
 
 
 @pytest.mark.skipif(not mq.AVAILABLE, reason="needs Gluon")
-@pytest.mark.parametrize("k_major", [False, True])
-def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(k_major):
+@pytest.mark.parametrize("k_major,shared", [(False, False), (True, False), (False, True)])
+def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(k_major, shared):
     tiles = {"experts": _tiles()["experts"], "act_dequantized": True}
     args = ["moe", "--B", "1", "--moe-dims", "released", "--tiles", json.dumps(tiles), "--profile-set",
             "expert_fp4=nibbles"]
-    reports = sm90_compile(*args, *(["--cold"] if k_major else []))
+    reports = sm90_compile(*args, *(["--cold"] if k_major else []), *(["--moe-shared"] if shared else []))
     names = [r["kernel"] for r in reports]
     assert "_fp8_codes_kernel" in names
     for name, weights in (("_up_kernel", 2), ("_down_kernel", 1)):
         r = next(r for r in reports if r["kernel"] == name and r["sass"]["QGMMA"])
         assert r["stack_bytes"] == 0 and r["registers"] <= 128 and r["sass"]["HMMA"] == 0
-        loops = [lp for lp in r["mma_loop"]["loops"] if lp["count"] == 4]
         # a trip of four K blocks a weight: four wgmma, 8 words a thread decoded in 7 instructions each, the
         # blocks' scales applied in fp32 and the ring's copies and barriers
-        assert len(loops) == weights and all(lp["instructions"] < 200 for lp in loops)
+        assert max(lp["instructions"] for lp in r["mma_loop"]["loops"] if lp["count"] == 4) < 200
+        # with the shared expert, its fp8 loops: one wgmma a K block, the bytes as they are (no decode)
+        fp8 = [lp["instructions"] for lp in r["mma_loop"]["loops"] if lp["count"] == 1]
+        assert len(fp8) == (weights if shared else 0) and all(i < 48 for i in fp8)
 
 
 def _case(rng, n, D, I, E, k, xdt=torch.bfloat16, k_major=False):
@@ -153,18 +175,25 @@ def test_against_the_reference_and_the_16_row_tile(rng, n, D, I, E, k, per_sm, t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("n,in_kernel", [(1, True), (6, True), (6, False)])
-def test_with_the_shared_expert_and_add(rng, n, in_kernel):
-    """The shared expert (fp8_w) on the direct path over x's round trip, its row and ``add`` summed after the
-    routed rows (the combine in the down kernel or its own launch); bf16 out."""
+@pytest.mark.parametrize("n,in_kernel,k_major,fold", [(1, True, False, True), (6, True, True, True),
+                                                      (6, False, False, True), (20, True, False, True),
+                                                      (6, True, False, False)])
+def test_with_the_shared_expert_and_add(rng, n, in_kernel, k_major, fold):
+    """The shared expert (fp8_w): its rows in the routed launches (its E4M3 bytes the MMA's operand as they
+    are; pairs and tables, the combine in the down kernel or its own launch, scales row or K major), or
+    where :func:`.moe_mma.shared_operands` refuses it (scale bytes past 134) on the direct path over x's round
+    trip; its row and ``add`` summed after the routed rows; bf16 out."""
     D, I, E, k = 256, 128, 8, 6
-    args = _case(rng, n, D, I, E, k)
-    shared = tuple(formats.as_expert_stack(formats.quantize(torch.randn(1, *s, generator=rng) * 0.25, "fp8_w"),
-                                           False).to(DEVICE) for s in ((I, D), (I, D), (D, I)))
+    args = _case(rng, n, D, I, E, k, k_major=k_major)
+    shared = tuple(formats.as_expert_stack(
+        formats.quantize(torch.randn(1, *s, generator=rng) * (0.25 if fold else 2.0 ** 16), "fp8_w"), k_major
+    ).to(DEVICE) for s in ((I, D), (I, D), (D, I)))
     add = torch.randn(n, D, generator=rng).to(DEVICE)
     tiles = _tiles(combine=dict(BLOCK_D=1024, num_warps=4, in_kernel=in_kernel))
     with pinned_tiles(moe=tiles):
-        assert moe._plan(n, k, E, D, I, True)["qgmma"] is not None
+        p = moe._plan(n, k, E, D, I, True)
+    assert p["qgmma"] is not None and p["qgmma_shared"] is not None and p["qgmma_shared"]["shared"]
+    assert (mm.shared_operands(shared, I, D) is not None) == fold
     got = _run(args, tiles, add=add, out_dtype=torch.bfloat16, shared=shared)
     assert_counters_zero(got)
     with flashrt.use_backend("reference"):
