@@ -53,8 +53,18 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+    from triton.experimental.gluon.language._core import shared_memory_descriptor
+
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
     from flashrt.kernels_cuda.pdl import wait_inputs
+
+    if not hasattr(shared_memory_descriptor, "reinterpret"):  # Triton 3.6 names it _reinterpret, later ones not
+        shared_memory_descriptor.reinterpret = shared_memory_descriptor._reinterpret
+
+    @gluon.constexpr_function
+    def _pow2(n):
+        """The least power of two at least ``n``."""
+        return 1 << (n - 1).bit_length()
 
     @gluon.constexpr_function
     def mma_layout(TOKENS):
@@ -109,26 +119,32 @@ if AVAILABLE:
     @gluon.jit
     def fill(x_ptr, xs_ptr, tok, stride_xm, stride_xsm, k_lo, nb, TOKENS: gl.constexpr, KB: gl.constexpr,
              num_warps: gl.constexpr):
-        """(x smem [KB, TOKENS, 32] E4M3, scale smem [KB, TOKENS] fp32): blocks ``k_lo / 32 ..`` of rows
-        ``tok`` (int64 [TOKENS], rows that exist) of x and xs; blocks from ``nb`` on are zero. ``tok``:
-        negative lanes read row 0 and are zero."""
-        acc_l: gl.constexpr = mma_layout(TOKENS)
-        cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-        xl: gl.constexpr = gl.BlockedLayout([1, 8], [TOKENS, 32 // TOKENS], [num_warps, 1], [1, 0])
-        tok_x = gl.convert_layout(tok, gl.SliceLayout(1, xl))
-        c_x = gl.arange(0, 32, layout=gl.SliceLayout(0, xl))
-        x_src = x_ptr + gl.maximum(tok_x, 0)[:, None] * stride_xm + k_lo + c_x[None, :]
-        x_smem = gl.allocate_shared_memory(gl.float8e4nv, [KB, TOKENS, 32],
-                                           gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2))
-        tok_s = gl.convert_layout(tok, cols_l)
-        xs_src = xs_ptr + gl.maximum(tok_s, 0) * stride_xsm + k_lo // 32
-        s_smem = gl.allocate_shared_memory(gl.float32, [KB, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        for kb in range(KB):
-            v = gl.load(x_src + kb * 32, mask=(tok_x >= 0)[:, None] & (kb < nb), other=0.0)
-            # K 8t + 2j + h to MMA position 16h + 4t + j: the decode's even / odd codes
-            v = gl.reshape(gl.permute(gl.reshape(v, [TOKENS, 4, 4, 2]), [0, 3, 1, 2]), [TOKENS, 32])
-            x_smem.index(kb).store(v)
-            s_smem.index(kb).store(gl.load(xs_src + kb, mask=(tok_s >= 0) & (kb < nb), other=0.0))
+        """(x smem [KB', TOKENS, 32] E4M3, scale smem [KB', TOKENS] fp32; KB' the least power of two at
+        least KB): blocks ``k_lo / 32 ..`` of rows ``tok`` (int64 [TOKENS]) of x and xs, x's 32 codes a block
+        in the MMA's order; blocks from ``nb`` on and lanes of negative ``tok`` are zero."""
+        # all KB blocks in one load and one store each, through flat 2-D views of the 3-D buffers (the same
+        # addresses: a block's [TOKENS, 32] bytes are whole swizzle atoms); a store a block took a barrier each.
+        # Tensors take power-of-two shapes: KB rounded up (the blocks past nb are zero, never read)
+        KBP: gl.constexpr = _pow2(KB)
+        nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        xl: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, TOKENS, 32 // TOKENS], [num_warps, 1, 1], [2, 1, 0])
+        tok_x = gl.convert_layout(tok, gl.SliceLayout(0, gl.SliceLayout(2, xl)))
+        kb_x = gl.arange(0, KBP, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
+        c_x = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
+        v = gl.load(x_ptr + gl.maximum(tok_x, 0)[None, :, None] * stride_xm + k_lo + kb_x[:, None, None] * 32
+                    + c_x[None, None, :], mask=(tok_x >= 0)[None, :, None] & (kb_x < nb)[:, None, None], other=0.0)
+        # K 8t + 2j + h to MMA position 16h + 4t + j: the decode's even / odd codes
+        v = gl.reshape(gl.permute(gl.reshape(v, [KBP, TOKENS, 4, 4, 2]), [0, 1, 4, 2, 3]), [KBP * TOKENS, 32])
+        x_smem = gl.allocate_shared_memory(gl.float8e4nv, [KBP, TOKENS, 32], nvmma)
+        x_smem.reinterpret(gl.float8e4nv, [KBP * TOKENS, 32], nvmma).store(v)
+        sl: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TOKENS, TOKENS], [num_warps, 1], [1, 0])
+        tok_s = gl.convert_layout(tok, gl.SliceLayout(0, sl))
+        kb_s = gl.arange(0, KBP, layout=gl.SliceLayout(1, sl))
+        sv = gl.load(xs_ptr + gl.maximum(tok_s, 0)[None, :] * stride_xsm + k_lo // 32 + kb_s[:, None],
+                     mask=(tok_s >= 0)[None, :] & (kb_s < nb)[:, None], other=0.0)
+        s_smem = gl.allocate_shared_memory(gl.float32, [KBP, TOKENS], flat)
+        s_smem.reinterpret(gl.float32, [KBP * TOKENS], flat).store(gl.reshape(sv, [KBP * TOKENS]))
         fence_async_shared()
         _sync()
         return x_smem, s_smem
