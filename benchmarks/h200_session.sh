@@ -197,7 +197,8 @@
 #   qgmma      the routed experts on the fp8 warpgroup MMA with the weights as its register operand
 #              (kernels_cuda/experts_qgmma.py, moe_qgmma.py): their GPU tests (h200-qgmma-tests.log), then the
 #              GEMMs alone at the released shapes under K splits and the whole moe_experts under the qgmma knob
-#              against the profile's and the floor (benchmarks/experts_qgmma.py): h200-experts-qgmma.json
+#              against the profile's and the floor (benchmarks/experts_qgmma.py): h200-experts-qgmma.json; with BEFORE,
+#              the whole op again with its files swapped in: h200-experts-qgmma-before.json
 #   decodesslice  the real-dimension slice at batch 1, 8 and 64 under the profile, and with BEFORE under the
 #              decodes before them: h200-real-slice-decodes{,-before}.json
 #   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
@@ -1279,6 +1280,8 @@ phase_qgmma() {  # the experts' GEMMs on the fp8 warpgroup MMA, weights as its r
     > "$OUT/h200-qgmma-tests.log" 2>&1
   tail -n 15 "$OUT/h200-qgmma-tests.log"
   timeout 240 python benchmarks/experts_qgmma.py --qgmma-per-sm 4 16 --out "$OUT/h200-experts-qgmma.json"
+  [ -z "${BEFORE:-}" ] || before_run "$BEFORE" timeout 240 python benchmarks/experts_qgmma.py --splits \
+    --qgmma-per-sm 16 --out "$OUT/h200-experts-qgmma-before.json"
 }
 
 phase_decodesslice() {  # the real-dimension slice with the packed decodes, and with BEFORE's files before them

@@ -84,7 +84,7 @@ from flashrt.kernels_cuda import pdl
 # weights through a ring of qgmma_stages trips of four K blocks (0: loaded where used)
 KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None,
              gemv_mma=False, gemv_mma_tokens=8, gemv_mma_per_sm=4, gemv_mma_stages=3, gemv_mma_sub=4,
-             qgmma=False, qgmma_tokens=8, qgmma_per_sm=4, qgmma_stages=4)
+             qgmma=False, qgmma_tokens=8, qgmma_per_sm=16, qgmma_stages=4)
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
