@@ -20,7 +20,6 @@ from flashrt.kernels_cuda.experts_qgmma import _DECODE_SCALE, AVAILABLE, ROWS
 from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
 from flashrt.kernels_cuda.moe_mma import _or
 
-MAX_K_SPLIT = 2048  # K codes a program at most: its activations' shared memory (TOKENS bytes a code)
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -163,9 +162,10 @@ def _scales_read(scale: torch.Tensor) -> bool:
 
 def _gemm_plan(cols: int, k: int, row_tiles: int, tile: dict, sms: int) -> dict:
     """One launch of ``cols`` weight rows over ``k`` for ``row_tiles`` row tiles: K split in multiples of
-    128 as even as they go (at most :data:`MAX_K_SPLIT` a program) aiming at ``per_sm`` programs an SM."""
+    128 as even as they go, at most ``max_k`` a program (its activations' shared memory is TOKENS bytes a
+    code), aiming at ``per_sm`` programs an SM."""
     tiles = row_tiles * (cols // ROWS)
-    split = max(1, min(k // 128, (sms * tile["per_sm"]) // max(tiles, 1)), cdiv(k, MAX_K_SPLIT))
+    split = max(1, min(k // 128, (sms * tile["per_sm"]) // max(tiles, 1)), cdiv(k, tile["max_k"]))
     k_split = cdiv(cdiv(k, split), 128) * 128  # the splits as even as multiples of 128 make them
     split = cdiv(k, k_split)
     if split > 1 and not splitk.fits(tiles):
@@ -178,7 +178,7 @@ def _gemm_plan(cols: int, k: int, row_tiles: int, tile: dict, sms: int) -> dict:
 def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict, sms: int, shared: bool = False
          ) -> dict | None:
     """The up and down launches of ``n`` tokens of ``k`` slots over ``E`` experts under ``tile``
-    (``TOKENS`` rows a row tile, ``STAGES``, ``per_sm``); ``pairs``: a row tile per (token, slot) pair,
+    (``TOKENS`` rows a row tile, ``STAGES``, ``per_sm``, ``max_k``); ``pairs``: a row tile per (token, slot) pair,
     else the routing tables' tiles; ``shared``: the shared expert's row tiles (``TOKENS`` tokens each) after
     the routed ones. None where a K split would not have its ticket counters."""
     row_tiles = n * k if pairs else min(n * k, cdiv(n * k, tile["TOKENS"]) + E)

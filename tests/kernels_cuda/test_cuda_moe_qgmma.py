@@ -28,9 +28,9 @@ lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and mq.AVAILABLE
 
 
-def _tiles(per_sm=4, tokens=8, stages=4, on=True, **moe_tiles):
+def _tiles(per_sm=4, tokens=8, stages=4, on=True, max_k=2048, **moe_tiles):
     rule = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, qgmma=on, qgmma_per_sm=per_sm,
-                qgmma_tokens=tokens, qgmma_stages=stages)
+                qgmma_tokens=tokens, qgmma_stages=stages, qgmma_max_k=max_k)
     return {"experts": [[16, rule], [None, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)]],
             "act_dequantized": True, **moe_tiles}
 
@@ -57,22 +57,24 @@ def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
 
 
 @pytest.mark.skipif(not mq.AVAILABLE, reason="needs Gluon")
-@pytest.mark.parametrize("n,E,D,I,per_sm", [(1, 8, 5120, 2304, 4), (8, 64, 1024, 512, 4), (1, 8, 384, 256, 64),
-                                            (64, 384, 4096, 2048, 1), (3, 16, 7168, 2048, 8)])
-def test_the_plan_splits_k_in_multiples_of_128(monkeypatch, n, E, D, I, per_sm):
-    p = _plan(monkeypatch, n=n, E=E, D=D, I=I, per_sm=per_sm)["qgmma"]
+@pytest.mark.parametrize("n,E,D,I,per_sm,max_k", [(1, 8, 5120, 2304, 4, 2048), (8, 64, 1024, 512, 4, 1024),
+                                                  (1, 8, 384, 256, 64, 2048), (64, 384, 4096, 2048, 1, 2048),
+                                                  (3, 16, 7168, 2048, 8, 1024), (8, 384, 5120, 2304, 16, 1024),
+                                                  (8, 64, 4096, 2048, 4, 512)])
+def test_the_plan_splits_k_in_multiples_of_128(monkeypatch, n, E, D, I, per_sm, max_k):
+    p = _plan(monkeypatch, n=n, E=E, D=D, I=I, per_sm=per_sm, max_k=max_k)["qgmma"]
     with jit_targets.targeting(ARCHS["sm_90"]):
         sms = lin.num_sms()
     for launch, K, cols in (("up", D, I), ("down", I, D)):
         g = p[launch]
-        assert g["k_split"] % 128 == 0 and g["k_split"] <= mq.MAX_K_SPLIT
+        assert g["k_split"] % 128 == 0 and g["k_split"] <= max_k
         assert (g["split"] - 1) * g["k_split"] < K <= g["split"] * g["k_split"]
         assert g["split"] * g["k_split"] - K < 128 * g["split"]  # the last split short by under 128 a split
         assert g["constexprs"]["SPLIT"] == (g["split"] > 1) and g["constexprs"]["K_SPLIT"] == g["k_split"]
         assert g["grid_cols"] == cols // 64
         # no more splits than bring the programs to per_sm an SM, unless a program's K reached its limit
         programs = g["grid_cols"] * p["row_tiles"]
-        assert g["split"] <= max(1, per_sm * sms // programs, -(-K // mq.MAX_K_SPLIT))
+        assert g["split"] <= max(1, per_sm * sms // programs, -(-K // max_k))
 
 
 @pytest.mark.skipif(not mq.AVAILABLE, reason="needs Gluon")
@@ -91,7 +93,7 @@ def test_the_shared_experts_tiles_follow_the_routed_ones(monkeypatch, n, tokens)
     assert p["shared"] and p["row_tiles"] == alone["row_tiles"] and p["grid_rows"] == p["row_tiles"] + -(-n // tokens)
     for launch in ("up", "down"):  # the K split aims at per_sm (4) programs an SM over every row tile
         programs = p[launch]["grid_cols"] * p["grid_rows"]
-        assert p[launch]["split"] <= max(1, 4 * sms // programs, -(-5120 // mq.MAX_K_SPLIT))
+        assert p[launch]["split"] <= max(1, 4 * sms // programs, -(-5120 // 2048))
 
 
 def _stack(rng, E, rows, K, words=False, k_major=False, scale=0.25):
