@@ -10,6 +10,8 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
 - ``experts1`` / ``experts8``: ``moe_experts`` at the released dimensions (384 fp4_w experts of
   2304 x 5120, top 6, the fp8_w shared expert) for 1 / 8 tokens (benchmarks/gemv_tiles.py's case);
   ``experts1_kmajor`` / ``experts8_kmajor``: the same with the routed experts' scales K major;
+- ``qgmma1`` / ``qgmma8``: the same for 1 / 8 tokens with the routed experts in the standard nibbles under
+  the experts decode rule's ``qgmma`` knob (kernels_cuda/moe_qgmma.py: the fp8 warpgroup MMA);
 - ``experts4096``: the routed experts of a 4,096-token prefill chunk at the released dimensions
   (about 64 rows an expert; benchmarks/moe_prefill_tiles.py's case, laid out as the profile says);
 - ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192);
@@ -41,6 +43,25 @@ def _experts(tokens: int, scales_k_major: bool = False):
     for _, n, *_, call, _ in gemv_tiles.expert_cases(cfg, torch.device("cuda"), g, scales_k_major):
         if n == tokens:
             return call
+    raise AssertionError(tokens)
+
+
+def _qgmma(tokens: int):
+    import gemv_tiles
+    from flashrt import profiles
+    from flashrt.graphs.config import shipped_config
+
+    cfg, g = shipped_config("v4.1-flash"), torch.Generator().manual_seed(0)
+    k_major = profiles.active_profile().expert_scales == "k_major"
+    tile = gemv_tiles.tweaked("moe", "experts", 1, {"qgmma": True})
+    for _, n, *_, call, _ in gemv_tiles.expert_cases(cfg, torch.device("cuda"), g, k_major, words=False):
+        if n == tokens:
+            def run():
+                with gemv_tiles.with_rule("moe", "experts", 1, tile):
+                    profiles._TILES_CACHE.clear()  # the tiles of the rule just put in front
+                    call()
+                profiles._TILES_CACHE.clear()
+            return run
     raise AssertionError(tokens)
 
 
@@ -119,7 +140,7 @@ def _attn64():
 
 CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8),
          "experts1_kmajor": lambda: _experts(1, True), "experts8_kmajor": lambda: _experts(8, True),
-         "experts4096": _experts4096,
+         "qgmma1": lambda: _qgmma(1), "qgmma8": lambda: _qgmma(8), "experts4096": _experts4096,
          "linear1": _linear1, "prefix": _prefix,
          "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64),
          "hc1": _hc1, "attn64": _attn64}
