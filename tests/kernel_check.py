@@ -148,6 +148,38 @@ def assert_counters_zero(t: torch.Tensor):
     assert int(pool.count_nonzero()) == 0, f"split-K ticket counters not reset on {t.device}"
 
 
+def moe_case(rng, n, D, I, E, k, stack, xdt=torch.bfloat16) -> tuple:
+    """``moe_experts``' arguments on the test device: x [n, D] in ``xdt``, routing weights and indices (a
+    token's slots may repeat), the expert stacks ``stack(E, rows, K)`` makes (w1, w3 [E, I, D], w2 [E, D, I])
+    and a SwiGLU limit of 10."""
+    x = (torch.randn(n, D, generator=rng) * 3.0).to(DEVICE, xdt)
+    idx = torch.randint(0, E, (n, k), generator=rng, dtype=torch.int32).to(DEVICE)
+    rw = torch.rand(n, k, generator=rng).to(DEVICE)
+    w = [stack(E, *s).to(DEVICE) for s in ((I, D), (I, D), (D, I))]
+    return (x, rw, idx, *w, 10.0)
+
+
+def run_moe(args, moe_tiles: dict, **kw) -> torch.Tensor:
+    """``moe_experts(*args, **kw)`` on the CUDA backend with exactly ``moe_tiles`` as the moe section."""
+    with pinned_tiles(moe=moe_tiles), flashrt.use_backend("cuda"):
+        from flashrt import ops
+
+        return ops.moe_experts(*args, **kw)
+
+
+def assert_moe_path_matches(args, moe_tiles: dict, other_tiles: dict):
+    """``moe_experts`` under ``moe_tiles`` (fp32 out) against the reference and against ``other_tiles``'
+    path: within 5e-3 relative of both, the split-K counters back at zero."""
+    from flashrt import ops
+
+    got = run_moe(args, moe_tiles, out_dtype=torch.float32)
+    assert_counters_zero(got)
+    other = run_moe(args, other_tiles, out_dtype=torch.float32)
+    with flashrt.use_backend("reference"):
+        want = ops.moe_experts(*args, out_dtype=torch.float32)
+    assert got.shape == want.shape and rel_err(got, want) < 5e-3 and rel_err(got, other) < 5e-3
+
+
 def random_experts(rng, n, k, E, top, I, shared_fmt):
     """Routing of ``n`` tokens to ``top`` of ``E`` experts (weights, indices), the routed fp4_w expert
     stacks (W1 / W3 ``[E, I, k]``, W2 ``[E, k, I]``) and a ``shared_fmt`` shared expert of the same

@@ -19,7 +19,8 @@ import torch
 import flashrt
 from flashrt import formats, jit_targets, ops
 from flashrt.jit_targets import ARCHS
-from kernel_check import DEVICE, GPU, assert_counters_zero, pinned_tiles, rel_err, requires_kernels, sm90_compile
+from kernel_check import (DEVICE, GPU, assert_counters_zero, assert_moe_path_matches, moe_case, pinned_tiles, rel_err,
+                          requires_kernels, run_moe, sm90_compile)
 
 pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
@@ -42,7 +43,7 @@ def _plan(monkeypatch, n=1, k=6, E=8, D=5120, I=2304, shared=False, **tiles):
         return moe._plan(n, k, E, D, I, shared)
 
 
-def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
+def test_the_launcher_takes_it_where_it_canrun_moe(monkeypatch):
     p = _plan(monkeypatch)["mma"]
     assert p["pairs"] and p["row_tiles"] == 6 and p["up"]["constexprs"]["TOKENS"] == 8
     t = _plan(monkeypatch, n=8)["mma"]  # past pair_tiles: the routing tables' tiles of TOKENS rows
@@ -189,16 +190,7 @@ def test_the_shared_experts_loop_compiles_beside_the_routed_one():
 
 
 def _case(rng, n, D, I, E, k, xdt=torch.bfloat16, k_major=True):
-    x = (torch.randn(n, D, generator=rng) * 3.0).to(DEVICE, xdt)
-    idx = torch.randint(0, E, (n, k), generator=rng, dtype=torch.int32).to(DEVICE)  # a token's slots may repeat
-    rw = torch.rand(n, k, generator=rng).to(DEVICE)
-    w = [_stack(rng, E, *s, k_major=k_major).to(DEVICE) for s in ((I, D), (I, D), (D, I))]
-    return (x, rw, idx, *w, 10.0)
-
-
-def _run(args, tiles, **kw):
-    with pinned_tiles(moe=tiles), flashrt.use_backend("cuda"):
-        return ops.moe_experts(*args, **kw)
+    return moe_case(rng, n, D, I, E, k, lambda e, rows, K: _stack(rng, e, rows, K, k_major=k_major), xdt)
 
 
 # (tokens, D, I, experts, slots, K split aiming at that many programs an SM, slices a slot, scales K major)
@@ -217,12 +209,7 @@ def test_against_the_reference_and_the_16_row_tile(rng, n, D, I, E, k, per_sm, s
     tiles = _tiles(per_sm=per_sm, sub=sub)
     with pinned_tiles(moe=tiles):
         assert moe._plan(n, k, E, D, I)["mma"] is not None
-    got = _run(args, tiles, out_dtype=torch.float32)
-    assert_counters_zero(got)
-    tile = _run(args, _tiles(on=False), out_dtype=torch.float32)
-    with flashrt.use_backend("reference"):
-        want = ops.moe_experts(*args, out_dtype=torch.float32)
-    assert got.shape == (n, D) and rel_err(got, want) < 5e-3 and rel_err(got, tile) < 5e-3
+    assert_moe_path_matches(args, tiles, _tiles(on=False))
 
 
 @pytest.mark.gpu
@@ -233,7 +220,7 @@ def test_row_tiles_of_16_pair_rows(rng):
     tiles = _tiles(tokens=16)
     with pinned_tiles(moe=tiles):
         assert moe._plan(12, 4, 4, 256, 128)["mma"]["block_m"] == 16
-    got = _run(args, tiles, out_dtype=torch.float32)
+    got = run_moe(args, tiles, out_dtype=torch.float32)
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, out_dtype=torch.float32)
     assert rel_err(got, want) < 5e-3
@@ -258,7 +245,7 @@ def test_with_the_shared_expert_and_add(rng, n, per_sm, sub, in_kernel, k_major,
     with pinned_tiles(moe=tiles):
         folded = moe._plan(n, k, E, D, I, True)["mma_shared"] is not None and mm.shared_operands(shared, I, D)
     assert bool(folded) == (fold and sub > 1)
-    got = _run(args, tiles, add=add, out_dtype=torch.bfloat16, shared=shared)
+    got = run_moe(args, tiles, add=add, out_dtype=torch.bfloat16, shared=shared)
     assert_counters_zero(got)
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, add=add, out_dtype=torch.bfloat16, shared=shared)
@@ -283,7 +270,7 @@ def test_every_code_and_scale_byte(rng):
     x = torch.randn(1, D, generator=rng).to(DEVICE, torch.bfloat16)
     args = (x, torch.rand(1, 2, generator=rng).to(DEVICE), torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE),
             w1, w3, w2, 0.0)
-    got = _run(args, _tiles(), out_dtype=torch.float32)
+    got = run_moe(args, _tiles(), out_dtype=torch.float32)
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, out_dtype=torch.float32)
     assert rel_err(got, want) < 5e-3

@@ -18,7 +18,8 @@ import torch
 import flashrt
 from flashrt import formats, jit_targets, ops
 from flashrt.jit_targets import ARCHS
-from kernel_check import DEVICE, GPU, assert_counters_zero, pinned_tiles, rel_err, requires_kernels, sm90_compile
+from kernel_check import (DEVICE, GPU, assert_counters_zero, assert_moe_path_matches, moe_case, pinned_tiles, rel_err,
+                          requires_kernels, run_moe, sm90_compile)
 
 pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
@@ -42,7 +43,7 @@ def _plan(monkeypatch, n=1, k=6, E=8, D=5120, I=2304, arch="sm_90", **tiles):
 
 
 @pytest.mark.skipif(not mq.AVAILABLE, reason="needs Gluon")
-def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
+def test_the_launcher_takes_it_where_it_canrun_moe(monkeypatch):
     p = _plan(monkeypatch)["qgmma"]
     assert p["pairs"] and p["row_tiles"] == 6 and p["up"]["constexprs"]["TOKENS"] == 8
     t = _plan(monkeypatch, n=8, tokens=16)["qgmma"]  # past pair_tiles: the routing tables' tiles of TOKENS rows
@@ -138,16 +139,7 @@ def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(k_major, shared):
 
 
 def _case(rng, n, D, I, E, k, xdt=torch.bfloat16, k_major=False):
-    x = (torch.randn(n, D, generator=rng) * 3.0).to(DEVICE, xdt)
-    idx = torch.randint(0, E, (n, k), generator=rng, dtype=torch.int32).to(DEVICE)  # a token's slots may repeat
-    rw = torch.rand(n, k, generator=rng).to(DEVICE)
-    w = [_stack(rng, E, *s, k_major=k_major).to(DEVICE) for s in ((I, D), (I, D), (D, I))]
-    return (x, rw, idx, *w, 10.0)
-
-
-def _run(args, tiles, **kw):
-    with pinned_tiles(moe=tiles), flashrt.use_backend("cuda"):
-        return ops.moe_experts(*args, **kw)
+    return moe_case(rng, n, D, I, E, k, lambda e, rows, K: _stack(rng, e, rows, K, k_major=k_major), xdt)
 
 
 # (tokens, D, I, experts, slots, K split aiming at that many programs an SM, tokens a tile, ring stages, K major)
@@ -167,12 +159,7 @@ def test_against_the_reference_and_the_16_row_tile(rng, n, D, I, E, k, per_sm, t
     tiles = _tiles(per_sm=per_sm, tokens=tokens, stages=stages)
     with pinned_tiles(moe=tiles):
         assert moe._plan(n, k, E, D, I)["qgmma"] is not None
-    got = _run(args, tiles, out_dtype=torch.float32)
-    assert_counters_zero(got)
-    tile = _run(args, _tiles(on=False), out_dtype=torch.float32)
-    with flashrt.use_backend("reference"):
-        want = ops.moe_experts(*args, out_dtype=torch.float32)
-    assert got.shape == (n, D) and rel_err(got, want) < 5e-3 and rel_err(got, tile) < 5e-3
+    assert_moe_path_matches(args, tiles, _tiles(on=False))
 
 
 @pytest.mark.gpu
@@ -196,7 +183,7 @@ def test_with_the_shared_expert_and_add(rng, n, in_kernel, k_major, fold):
         p = moe._plan(n, k, E, D, I, True)
     assert p["qgmma"] is not None and p["qgmma_shared"] is not None and p["qgmma_shared"]["shared"]
     assert (mm.shared_operands(shared, I, D) is not None) == fold
-    got = _run(args, tiles, add=add, out_dtype=torch.bfloat16, shared=shared)
+    got = run_moe(args, tiles, add=add, out_dtype=torch.bfloat16, shared=shared)
     assert_counters_zero(got)
     with flashrt.use_backend("reference"):
         want = ops.moe_experts(*args, add=add, out_dtype=torch.bfloat16, shared=shared)
