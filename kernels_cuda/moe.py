@@ -379,63 +379,50 @@ def _combine(y, tab, out, add, k: int, pairs: bool, shared: bool, c: dict) -> to
 
 
 def _experts_mma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, plan):
-    """The routed experts on :mod:`.moe_mma`'s kernels (plan ``plan["mma"]``). The shared expert: its rows
-    in the same launches where its weights allow (fp8_w, :func:`.moe_mma.shared_operands`; plan
-    ``plan["mma_shared"]``), summed after each token's routed rows; else on the direct path's kernels over
-    the same dequantized activations, its fp32 rows (plus ``add``) added by the combine after the routed
-    sum, as :func:`_shared_apart` orders them."""
-    n, D = x.shape
-    k = indices.shape[1]
-    p = plan["mma"]
+    """The routed experts on :mod:`.moe_mma`'s kernels (plan ``plan["mma"]``) over x's fp8 round trip's
+    values; the shared expert as :func:`_gluon_experts` places it."""
     xq = fp8_round_trip(x, plan["round_trip"])
-    own = None
-    if shared is not None and plan["mma_shared"] is not None:
-        own = moe_mma.shared_operands(shared, w1.shape[1], D)
-    if own is not None:
-        p = plan["mma_shared"]
-    elif shared is not None:
-        alone = _shared_direct(x, xq, shared, limit)
-        add = alone if add is None else finish_experts(alone, add, torch.float32)
-    tab, out, add = _launch_operands(weights, indices, w1.shape[0], D, p, plan, add, out_dtype)
-    if plan["combine_tile"]["in_kernel"] and moe_mma.combines(p, n):
-        return moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add, shared=own)
-    y = moe_mma.experts(xq, tab, w1, w3, w2, limit, x.dtype, p, n, k, shared=own)
-    return _combine(y, tab, out, add, k, p["pairs"], p["shared"], plan["combine_tile"])
-
-
-def _launch_operands(weights, indices, E: int, D: int, p: dict, plan: dict, add, out_dtype):
-    """(routing tables, output [N, D], ``add`` contiguous or None) of a Gluon experts plan ``p``: a row tile a
-    pair in pairs mode, else the routing tables' tiles of ``p["block_m"]`` rows."""
-    if p["pairs"]:
-        tab = _pair_tables(weights, indices)
-    else:
-        tab = dict(moe_tables.route_tables(indices, weights, E, p["block_m"], plan["route"]))
-    out = torch.empty(indices.shape[0], D, dtype=out_dtype, device=weights.device)
-    return tab, out, add.contiguous() if add is not None else None
+    run = lambda *a, **kw: moe_mma.experts(xq, *a, **kw)  # noqa: E731
+    return _gluon_experts(run, moe_mma.combines, "mma", x, weights, indices, w1, w3, w2, limit, add, out_dtype,
+                          shared, plan, lambda: xq)
 
 
 def _experts_qgmma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, plan):
-    """The routed experts on :mod:`.moe_qgmma`'s kernels (plan ``plan["qgmma"]``) over x's fp8 round trip as
-    codes and scales. The shared expert: its rows in the same launches where its weights allow (fp8_w,
-    :func:`.moe_mma.shared_operands`; plan ``plan["qgmma_shared"]``), summed after each token's routed rows;
-    else on the direct path's kernels over the round trip's values, its fp32 rows joined to ``add`` (the
-    order :func:`_shared_apart` gives them)."""
+    """The routed experts on :mod:`.moe_qgmma`'s kernels (plan ``plan["qgmma"]``) over x's fp8 round trip
+    as codes and scales; the shared expert as :func:`_gluon_experts` places it."""
+    xq, xs = fp8_codes(x, plan["round_trip"], experts_qgmma.DECODE_SCALE)
+    run = lambda *a, **kw: moe_qgmma.experts(xq, xs, *a, **kw)  # noqa: E731
+    return _gluon_experts(run, moe_qgmma.combines, "qgmma", x, weights, indices, w1, w3, w2, limit, add,
+                          out_dtype, shared, plan, lambda: fp8_round_trip(x, plan["round_trip"]))
+
+
+def _gluon_experts(run, combines, key: str, x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared,
+                   plan, values):
+    """The routed experts through a Gluon path's two launches (``run(tab, w1, w3, w2, limit, xdtype, p, n, k,
+    out=, add=, shared=)``, its plans ``plan[key]`` and ``plan[key + "_shared"]``, ``combines(p, n)``). The
+    shared expert: its rows in the same launches where its weights allow (fp8_w,
+    :func:`.moe_mma.shared_operands`), summed after each token's routed rows; else on the direct path's
+    kernels over x's round trip's values (``values()``), its fp32 rows (plus ``add``) added by the combine
+    after the routed sum, as :func:`_shared_apart` orders them."""
     n, D = x.shape
     k = indices.shape[1]
-    p = plan["qgmma"]
-    xq, xs = fp8_codes(x, plan["round_trip"], experts_qgmma.DECODE_SCALE)
-    own = None
-    if shared is not None and plan["qgmma_shared"] is not None:
+    p, own = plan[key], None
+    if shared is not None and plan[key + "_shared"] is not None:
         own = moe_mma.shared_operands(shared, w1.shape[1], D)
     if own is not None:
-        p = plan["qgmma_shared"]
+        p = plan[key + "_shared"]
     elif shared is not None:
-        alone = _shared_direct(x, fp8_round_trip(x, plan["round_trip"]), shared, limit)
+        alone = _shared_direct(x, values(), shared, limit)
         add = alone if add is None else finish_experts(alone, add, torch.float32)
-    tab, out, add = _launch_operands(weights, indices, w1.shape[0], D, p, plan, add, out_dtype)
-    if plan["combine_tile"]["in_kernel"] and moe_qgmma.combines(p, n):
-        return moe_qgmma.experts(xq, xs, tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add, shared=own)
-    y = moe_qgmma.experts(xq, xs, tab, w1, w3, w2, limit, x.dtype, p, n, k, shared=own)
+    if p["pairs"]:
+        tab = _pair_tables(weights, indices)
+    else:
+        tab = dict(moe_tables.route_tables(indices, weights, w1.shape[0], p["block_m"], plan["route"]))
+    out = torch.empty(n, D, dtype=out_dtype, device=x.device)
+    add = add.contiguous() if add is not None else None
+    if plan["combine_tile"]["in_kernel"] and combines(p, n):
+        return run(tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add, shared=own)
+    y = run(tab, w1, w3, w2, limit, x.dtype, p, n, k, shared=own)
     return _combine(y, tab, out, add, k, p["pairs"], p["shared"], plan["combine_tile"])
 
 
