@@ -52,7 +52,6 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-
     from triton.experimental.gluon.language._core import shared_memory_descriptor
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
@@ -123,8 +122,8 @@ if AVAILABLE:
         least KB): blocks ``k_lo / 32 ..`` of rows ``tok`` (int64 [TOKENS]) of x and xs, x's 32 codes a block
         in the MMA's order; blocks from ``nb`` on and lanes of negative ``tok`` are zero."""
         # all KB blocks in one load and one store each, through flat 2-D views of the 3-D buffers (the same
-        # addresses: a block's [TOKENS, 32] bytes are whole swizzle atoms); a store a block took a barrier each.
-        # Tensors take power-of-two shapes: KB rounded up (the blocks past nb are zero, never read)
+        # addresses: a block's [TOKENS, 32] bytes are whole swizzle atoms), not a store (and its barrier) a
+        # block. Tensors take power-of-two shapes: KB rounded up (the blocks past nb are zero, never read)
         KBP: gl.constexpr = _pow2(KB)
         nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -159,9 +158,10 @@ if AVAILABLE:
         trip's weight bytes loaded where they are used, else through a ring of STAGES trips in shared
         memory."""
         acc_l: gl.constexpr = mma_layout(TOKENS)
+        # the A operand's layout, also the weight bytes' [64, 16] a block: a thread's 4 bytes of a row hold the
+        # codes of its two operand registers of that row
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
         cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-        w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
         rows_s = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         if KMAJOR:
             s_src = s_e + rows_s.to(gl.int64) + (k_lo // 32) * stride_sk
@@ -171,8 +171,8 @@ if AVAILABLE:
         acc = gl.zeros([64, TOKENS], gl.float32, acc_l)
         w_row = w_e + k_lo // 2
         if STAGES == 0:  # each trip's weight bytes loaded into registers where they are decoded
-            rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_l))
-            cols_w = gl.arange(0, 16, layout=gl.SliceLayout(0, w_l))
+            rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_l))
+            cols_w = gl.arange(0, 16, layout=gl.SliceLayout(0, a_l))
             w_src = w_row + rows_w.to(gl.int64)[:, None] * stride_wn + cols_w[None, :]
             for kb in range(0, nb, 4):
                 sw = _scale_word(s_src, kb, stride_sk, KMAJOR)
@@ -198,8 +198,8 @@ if AVAILABLE:
                 async_copy.wait_group(STAGES - 1)  # this thread's copies of trip j have landed
                 _sync()  # and every thread's
                 slot = ring.index(j % STAGES)
-                acc = _trip(slot.slice(0, 16, dim=1).load(w_l), slot.slice(16, 16, dim=1).load(w_l),
-                            slot.slice(32, 16, dim=1).load(w_l), slot.slice(48, 16, dim=1).load(w_l), sw, x_smem,
+                acc = _trip(slot.slice(0, 16, dim=1).load(a_l), slot.slice(16, 16, dim=1).load(a_l),
+                            slot.slice(32, 16, dim=1).load(a_l), slot.slice(48, 16, dim=1).load(a_l), sw, x_smem,
                             s_smem, kb, a_l, cols_l, zero, acc)
                 _sync()  # every warp has read the slot before a later trip's copies refill it
             async_copy.wait_group(0)
@@ -273,9 +273,9 @@ def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     """fp32 partials ``[splits, tiles, TOKENS, N]`` of each token tile's rows of x times its expert's
     weights (:func:`_gemm_kernel`): x E4M3 ``[T, K]`` with fp32 scales ``xs [T, K / 32]`` (times
     DECODE_SCALE), w fp4_w bytes ``[E, N, K / 2]`` (standard nibbles) with UE8M0 scale bytes
-    ``ws [E, N, K / 32]``; ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none (its partials are left
-    unwritten); ``k_split`` K a program (a multiple of 128 dividing K); ``stages`` 0: the weights
-    loaded where used, else the depth of their ring."""
+    ``ws [E, N, K / 32]``; ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none (its
+    partials are left unwritten); ``k_split`` K a program (a multiple of 128 dividing K); ``stages`` 0:
+    the weights loaded where used, else the depth of their ring."""
     E, N, KH = w.shape
     K = 2 * KH
     tiles, tokens = tile_tok.shape
