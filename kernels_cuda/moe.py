@@ -383,8 +383,8 @@ def _experts_mma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, 
     values; the shared expert as :func:`_gluon_experts` places it."""
     xq = fp8_round_trip(x, plan["round_trip"])
     run = lambda *a, **kw: moe_mma.experts(xq, *a, **kw)  # noqa: E731
-    return _gluon_experts(run, moe_mma.combines, "mma", x, weights, indices, w1, w3, w2, limit, add, out_dtype,
-                          shared, plan, lambda: xq)
+    return _gluon_experts(run, "mma", x, weights, indices, w1, w3, w2, limit, add, out_dtype, shared, plan,
+                          lambda: xq)
 
 
 def _experts_qgmma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, plan):
@@ -392,14 +392,15 @@ def _experts_qgmma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype
     as codes and scales; the shared expert as :func:`_gluon_experts` places it."""
     xq, xs = fp8_codes(x, plan["round_trip"], experts_qgmma.DECODE_SCALE)
     run = lambda *a, **kw: moe_qgmma.experts(xq, xs, *a, **kw)  # noqa: E731
-    return _gluon_experts(run, moe_qgmma.combines, "qgmma", x, weights, indices, w1, w3, w2, limit, add,
-                          out_dtype, shared, plan, lambda: fp8_round_trip(x, plan["round_trip"]))
+    return _gluon_experts(run, "qgmma", x, weights, indices, w1, w3, w2, limit, add, out_dtype, shared, plan,
+                          lambda: fp8_round_trip(x, plan["round_trip"]))
 
 
-def _gluon_experts(run, combines, key: str, x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared,
-                   plan, values):
+def _gluon_experts(run, key: str, x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, plan,
+                   values):
     """The routed experts through a Gluon path's two launches (``run(tab, w1, w3, w2, limit, xdtype, p, n, k,
-    out=, add=, shared=)``, its plans ``plan[key]`` and ``plan[key + "_shared"]``, ``combines(p, n)``). The
+    out=, add=, shared=)``, its plans ``plan[key]`` and ``plan[key + "_shared"]``; the down launch sums each
+    token's rows where :func:`.moe_mma.combines` says its counters fit). The
     shared expert: its rows in the same launches where its weights allow (fp8_w,
     :func:`.moe_mma.shared_operands`), summed after each token's routed rows; else on the direct path's
     kernels over x's round trip's values (``values()``), its fp32 rows (plus ``add``) added by the combine
@@ -420,7 +421,7 @@ def _gluon_experts(run, combines, key: str, x, weights, indices, w1, w3, w2, lim
         tab = dict(moe_tables.route_tables(indices, weights, w1.shape[0], p["block_m"], plan["route"]))
     out = torch.empty(n, D, dtype=out_dtype, device=x.device)
     add = add.contiguous() if add is not None else None
-    if plan["combine_tile"]["in_kernel"] and combines(p, n):
+    if plan["combine_tile"]["in_kernel"] and moe_mma.combines(p, n):
         return run(tab, w1, w3, w2, limit, x.dtype, p, n, k, out=out, add=add, shared=own)
     y = run(tab, w1, w3, w2, limit, x.dtype, p, n, k, shared=own)
     return _combine(y, tab, out, add, k, p["pairs"], p["shared"], plan["combine_tile"])

@@ -7,9 +7,10 @@ weight rows, its row tile's activation rows the MMA's N (``TOKENS``, 8 or 16). T
 E4M3 codes and block scales of their fp8 round trip: x's by :func:`.round_trip.fp8_codes`, h's as the up
 kernel's epilogue stores them (the SwiGLU of the full sums, rounded as the 16-row tile rounds it, then
 quantized per 32 columns as ``act_quant`` quantizes it). The routing tables, the K split's tickets and
-the combine's are :mod:`.moe_mma`'s. The shared expert is not in these launches (the caller runs it
-apart). The weights keep the standard nibbles (not the word layout) and K is a multiple of 128 (four
-blocks a trip).
+the combine's (:func:`.moe_mma.combines` tells whether its counters fit) are :mod:`.moe_mma`'s. The shared
+expert's fp8_w rows go in the same launches after the routed ones where the caller passes its operands
+(:func:`.moe_mma.shared_operands`; :func:`.experts_qgmma.loop_fp8`). The weights keep the standard nibbles
+(not the word layout) and K is a multiple of 128 (four blocks a trip).
 """
 from __future__ import annotations
 
@@ -146,12 +147,11 @@ if AVAILABLE:
 
 def supports(w1, w3, w2, D: int, I: int) -> bool:
     """Whether the kernels take these routed experts: fp4_w stacks in the standard nibbles with contiguous
-    codes and scales K major or dense rows, w1 and w3 laid out alike, both K (D and I) multiples of 128 and
-    both row counts of 64."""
+    codes and scales K major or dense rows, w1 and w3 laid out alike, both K (D and I) multiples of 128."""
     ws = (w1, w3, w2)
     return (all(w.fmt == "fp4_w" and not w.e2m1_words and w.data.is_contiguous() and _scales_read(w.scale) for w in ws)
             and w1.data.stride() == w3.data.stride() and w1.scale.stride() == w3.scale.stride()
-            and D % 128 == 0 and I % 128 == 0 and D % ROWS == 0 and I % ROWS == 0)
+            and D % 128 == 0 and I % 128 == 0)  # (then both row counts are whole 64-row tiles too)
 
 
 def _scales_read(scale: torch.Tensor) -> bool:
@@ -207,7 +207,7 @@ def experts(xq: torch.Tensor, xs: torch.Tensor, tab: dict, w1, w3, w2, limit: fl
     scales ``xs`` [n, D / 32] times DECODE_SCALE, :func:`.round_trip.fp8_codes`) through the fp4_w experts
     ``w1``, ``w3`` [E, I, D] and ``w2`` [E, D, I] (:func:`supports`) under plan ``p``, then, where the plan
     has the shared expert's tiles, its row of each token (``shared``: its operands,
-    :func:`.moe_mma.shared_operands`); with ``out`` [n, D] (where :func:`combines`), ``out`` instead: each
+    :func:`.moe_mma.shared_operands`); with ``out`` [n, D] (where :func:`.moe_mma.combines`), ``out`` instead: each
     token's rows summed in slot order, then its shared row, plus its ``add`` row (fp32 [n, D] or None), in
     out's dtype."""
     assert p["shared"] == (shared is not None), "the plan's shared tiles and the shared operands go together"
@@ -241,10 +241,3 @@ def experts(xq: torch.Tensor, xs: torch.Tensor, tab: dict, w1, w3, w2, limit: fl
         XDT=xdt, KMAJOR=kmajor2, SHARED=p["shared"], **down["constexprs"], **pdl.options(dev))
     return out if out is not None else y
 
-
-def combines(p: dict, n: int) -> bool:
-    """Whether the down launch of plan ``p`` over ``n`` tokens can sum each token's rows itself: a ticket
-    counter for each (token, column tile) and each split tile within :data:`.splitk.POOL`."""
-    down = p["down"]
-    split_tiles = down["grid_cols"] * p["grid_rows"] if down["split"] > 1 else 0
-    return splitk.fits(n * down["grid_cols"] + split_tiles)
