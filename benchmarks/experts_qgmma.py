@@ -95,7 +95,7 @@ def main() -> None:
                     help="K codes a program (rounded down to a multiple of 128 that divides each GEMM's K)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--qgmma-stages", type=int, nargs="+", default=[4, 0])
-    ap.add_argument("--qgmma-per-sm", type=int, nargs="+", default=[4])
+    ap.add_argument("--qgmma-per-sm", type=int, nargs="+", default=[16])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0) or not q.AVAILABLE:
