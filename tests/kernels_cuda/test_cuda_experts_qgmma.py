@@ -84,11 +84,10 @@ def test_partials_sum_to_the_products(tokens, k_split, stages):
     assert rel_err(got[live], want[live]) < 1e-4
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Gluon")
 def test_bad_shapes_are_refused_by_name():
+    """The launcher refuses them before any launch (so on any device)."""
     g = torch.Generator().manual_seed(1)
-    args, _ = _case(g, E=1, N=64, K=256, T=2, tokens=8, tiles=1, dev=torch.device("cuda"))
+    args, _ = _case(g, E=1, N=64, K=256, T=2, tokens=8, tiles=1, dev=torch.device("cpu"))
     with pytest.raises(ValueError, match="k_split of 128 dividing K, got N 64, K 256, k_split 192"):
         q.experts_gemm(*args, 192)
     with pytest.raises(ValueError, match="stages 0 or 2-6, got 1"):
