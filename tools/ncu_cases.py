@@ -49,20 +49,16 @@ def _experts(tokens: int, scales_k_major: bool = False):
 def _qgmma(tokens: int):
     import gemv_tiles
     from flashrt import profiles
-    from flashrt.graphs.config import shipped_config
 
-    cfg, g = shipped_config("v4.1-flash"), torch.Generator().manual_seed(0)
-    k_major = profiles.active_profile().expert_scales == "k_major"
+    call = _experts(tokens, profiles.active_profile().expert_scales == "k_major")  # codes in nibbles
     tile = gemv_tiles.tweaked("moe", "experts", 1, {"qgmma": True})
-    for _, n, *_, call, _ in gemv_tiles.expert_cases(cfg, torch.device("cuda"), g, k_major, words=False):
-        if n == tokens:
-            def run():
-                with gemv_tiles.with_rule("moe", "experts", 1, tile):
-                    profiles._TILES_CACHE.clear()  # the tiles of the rule just put in front
-                    call()
-                profiles._TILES_CACHE.clear()
-            return run
-    raise AssertionError(tokens)
+
+    def run():
+        with gemv_tiles.with_rule("moe", "experts", 1, tile):
+            profiles._TILES_CACHE.clear()  # the tiles of the rule just put in front
+            call()
+        profiles._TILES_CACHE.clear()
+    return run
 
 
 def _experts4096():
