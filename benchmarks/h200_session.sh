@@ -1282,7 +1282,7 @@ phase_qgmma() {  # the experts' GEMMs on the fp8 warpgroup MMA, weights as its r
     tests/kernels_cuda/test_cuda_moe_qgmma.py tests/kernels_cuda/test_cuda_gemm.py -k "qgmma or fp8_codes" \
     > "$OUT/h200-qgmma-tests.log" 2>&1
   tail -n 15 "$OUT/h200-qgmma-tests.log"
-  timeout 240 python benchmarks/experts_qgmma.py --qgmma-per-sm 4 16 --out "$OUT/h200-experts-qgmma.json"
+  timeout 240 python benchmarks/experts_qgmma.py --out "$OUT/h200-experts-qgmma.json"
   [ -z "${BEFORE:-}" ] || before_run "$BEFORE" timeout 240 python benchmarks/experts_qgmma.py --splits \
     --qgmma-per-sm 16 --out "$OUT/h200-experts-qgmma-before.json"
 }
