@@ -96,8 +96,6 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--qgmma-stages", type=int, nargs="+", default=[4, 0])
     ap.add_argument("--qgmma-per-sm", type=int, nargs="+", default=[16])
-    ap.add_argument("--qgmma-overlap", type=int, nargs="+", choices=(0, 1), default=[0, 1],
-                    help="a trip's MMAs in flight beside the next trip's decode: off (0), on (1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0) or not q.AVAILABLE:
@@ -129,15 +127,14 @@ def main() -> None:
         _, tp = tiles_for(idx, True)
         for split in args.splits:
             up_split, down_split = dividing(split, D), dividing(split, I)
-            for stages, overlap in [(s, o) for s in (0, 4) for o in args.qgmma_overlap]:
+            for stages in (0, 4):
                 def call():
-                    q.experts_gemm(x, xs, w13, s13, te, tt, up_split, stages, bool(overlap))
-                    q.experts_gemm(h, hs, w2, s2, te, tp, down_split, stages, bool(overlap))
+                    q.experts_gemm(x, xs, w13, s13, te, tt, up_split, stages)
+                    q.experts_gemm(h, hs, w2, s2, te, tp, down_split, stages)
 
                 times = kernel_times(call, args.calls)
                 us = sum(times.values())
-                label = (f"qgmma up K {up_split}, down K {down_split}, " + (f"ring {stages}" if stages else "direct")
-                         + (", overlap" if overlap else ""))
+                label = f"qgmma up K {up_split}, down K {down_split}, " + (f"ring {stages}" if stages else "direct")
                 rows.append({"tokens": n, "variant": label, "us": us, "floor_us": floor_us, "of_floor": floor_us / us,
                              "kernels_us": times, "experts_touched": touched})
                 print(f"tokens {n}  {label:44s} {us:8.1f} us  floor {floor_us:6.1f} us  {100 * floor_us / us:5.1f}%",
@@ -146,11 +143,10 @@ def main() -> None:
         rw = torch.rand(n, k, generator=g).to(dev)
         pfloor = (touched * sum(nbytes(w) for w in (pw1, pw3, pw2)) / E + sum(nbytes(w) for w in shared)) / bw * 1e6
         base = None
-        variants = [(s, p, o) for s in args.qgmma_stages for p in args.qgmma_per_sm for o in args.qgmma_overlap]
-        for stages, per_sm, overlap in [(None, None, None)] + variants:
+        for stages, per_sm in [(None, None)] + [(s, p) for s in args.qgmma_stages for p in args.qgmma_per_sm]:
             ws = (pw1, pw3, pw2) if stages is None else nibbles
             tile = None if stages is None else gemv_tiles.tweaked("moe", "experts", 1, {
-                "qgmma": True, "qgmma_stages": stages, "qgmma_per_sm": per_sm, "qgmma_overlap": bool(overlap)})
+                "qgmma": True, "qgmma_stages": stages, "qgmma_per_sm": per_sm})
             with gemv_tiles.with_rule("moe", "experts", 1, tile), flashrt.use_backend("cuda"), \
                     flashrt.value_checks(False):
                 profiles._TILES_CACHE.clear()
@@ -159,8 +155,7 @@ def main() -> None:
                 times = kernel_times(call, args.calls)
             base = got if base is None else base
             us = sum(times.values())
-            label = ("profile moe_experts" if stages is None else f"moe_experts, qgmma ring {stages}, {per_sm} an SM"
-                     + (", overlap" if overlap else ""))
+            label = "profile moe_experts" if stages is None else f"moe_experts, qgmma ring {stages}, {per_sm} an SM"
             diff = float((got - base).norm() / base.norm())
             rows.append({"tokens": n, "variant": label + " (routed + shared)", "us": us, "floor_us": pfloor,
                          "of_floor": pfloor / us, "kernels_us": times, "experts_touched": touched,

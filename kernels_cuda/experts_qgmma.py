@@ -85,61 +85,23 @@ if AVAILABLE:
         return gl.convert_layout(gl.reshape(z, [64, 32]), a_l, assert_trivial=True)  # position 16 odd + 4t + j
 
     @gluon.jit
-    def _issue(a0, a1, a2, a3, sw, x_smem, s_smem, kb, cols_l: gl.constexpr, c, use_acc):
-        """Start the MMAs of four blocks from ``kb`` over their A operands ``a*`` into the accumulators ``c``
-        (their values added only where ``use_acc``; the rows' four scale bytes ``sw``: one int32 word a row,
-        block ``u``'s byte at bits ``8u``): the four products in flight and their scales [64, TOKENS] (the
-        rows' UE8M0 scales times the tokens')."""
-        d0 = warpgroup_mma(a0, x_smem.index(kb).permute((1, 0)), c[0], use_acc=use_acc, is_async=True)
-        d1 = warpgroup_mma(a1, x_smem.index(kb + 1).permute((1, 0)), c[1], use_acc=use_acc, is_async=True)
-        d2 = warpgroup_mma(a2, x_smem.index(kb + 2).permute((1, 0)), c[2], use_acc=use_acc, is_async=True)
-        d3 = warpgroup_mma(a3, x_smem.index(kb + 3).permute((1, 0)), c[3], use_acc=use_acc, is_async=True)
-        w0 = ((sw & 0xFF) << 23).to(gl.float32, bitcast=True)
-        w1 = (((sw >> 8) & 0xFF) << 23).to(gl.float32, bitcast=True)
-        w2 = (((sw >> 16) & 0xFF) << 23).to(gl.float32, bitcast=True)
-        w3 = (((sw >> 24) & 0xFF) << 23).to(gl.float32, bitcast=True)
-        return (d0, d1, d2, d3, w0[:, None] * s_smem.index(kb).load(cols_l)[None, :],
-                w1[:, None] * s_smem.index(kb + 1).load(cols_l)[None, :],
-                w2[:, None] * s_smem.index(kb + 2).load(cols_l)[None, :],
-                w3[:, None] * s_smem.index(kb + 3).load(cols_l)[None, :])
+    def _block(byte, x_smem, s_smem, kb, w_exp, a_l: gl.constexpr, cols_l: gl.constexpr, zero):
+        """Start block ``kb``'s MMA over its weight bytes: (the product in flight, its scales [64, TOKENS]:
+        the rows' UE8M0 ``w_exp`` times the tokens' scales)."""
+        d = warpgroup_mma(_operand(byte, a_l), x_smem.index(kb).permute((1, 0)), zero, use_acc=False, is_async=True)
+        w = ((w_exp & 0xFF) << 23).to(gl.float32, bitcast=True)
+        return d, w[:, None] * s_smem.index(kb).load(cols_l)[None, :]
 
     @gluon.jit
-    def _fma_in_order(a, b, c):
-        """a * b + c, kept in program order among the ``wgmma`` instructions (side-effecting asm: the
-        compiler moves it past none of them, see :func:`_trip`)."""
-        return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=gl.float32,
-                                         is_pure=False, pack=1)
-
-    @gluon.jit
-    def _retire(acc, p, IN_ORDER: gl.constexpr = False):
-        """(``acc`` plus the four scaled products ``p`` of :func:`_issue` once every MMA is done, the
-        products); IN_ORDER: added before any later ``wgmma`` starts."""
-        d0, d1, d2, d3 = warpgroup_mma_wait(0, deps=[p[0], p[1], p[2], p[3]])
-        if IN_ORDER:
-            acc = _fma_in_order(d1, p[5], _fma_in_order(d0, p[4], acc))
-            acc = _fma_in_order(d3, p[7], _fma_in_order(d2, p[6], acc))
-        else:
-            acc = acc + d0 * p[4] + d1 * p[5] + d2 * p[6] + d3 * p[7]
-        return acc, (d0, d1, d2, d3)
-
-    @gluon.jit
-    def _trip(b0, b1, b2, b3, sw, x_smem, s_smem, kb, a_l: gl.constexpr, cols_l: gl.constexpr, zero, acc, prev,
-              never, OVERLAP: gl.constexpr):
-        """Four blocks from ``kb`` (their weight bytes ``b*``) into ``acc``: (acc, the products in flight).
-        OVERLAP: this trip's operands are decoded while the trip before (``prev``, eight tensors: zeros before
-        the first trip) is in flight; that trip is added and this trip's MMAs start, left in flight (the next
-        trip's loads and decode run beside them). They write the registers of the trip before (its products as
-        their accumulators, ``never`` a runtime false so they are not added): an accumulator in flight is
-        never moved, since ``ptxas`` serializes every ``wgmma`` where an instruction reads one. Else this
-        trip is added here and ``prev`` passes through."""
-        a0, a1, a2, a3 = _operand(b0, a_l), _operand(b1, a_l), _operand(b2, a_l), _operand(b3, a_l)
-        if OVERLAP:
-            acc, done = _retire(acc, prev, True)
-            prev = _issue(a0, a1, a2, a3, sw, x_smem, s_smem, kb, cols_l, done, never)
-        else:
-            acc, done = _retire(acc, _issue(a0, a1, a2, a3, sw, x_smem, s_smem, kb, cols_l, (zero, zero, zero, zero),
-                                            False))
-        return acc, prev
+    def _trip(b0, b1, b2, b3, sw, x_smem, s_smem, kb, a_l: gl.constexpr, cols_l: gl.constexpr, zero, acc):
+        """Four blocks from ``kb``: their weight bytes ``b*`` and the rows' four scale bytes ``sw`` (one
+        int32 word a row, block ``u``'s byte at bits ``8u``) into ``acc``."""
+        d0, s0 = _block(b0, x_smem, s_smem, kb, sw, a_l, cols_l, zero)
+        d1, s1 = _block(b1, x_smem, s_smem, kb + 1, sw >> 8, a_l, cols_l, zero)
+        d2, s2 = _block(b2, x_smem, s_smem, kb + 2, sw >> 16, a_l, cols_l, zero)
+        d3, s3 = _block(b3, x_smem, s_smem, kb + 3, sw >> 24, a_l, cols_l, zero)
+        d0, d1, d2, d3 = warpgroup_mma_wait(0, deps=[d0, d1, d2, d3])
+        return acc + d0 * s0 + d1 * s1 + d2 * s2 + d3 * s3
 
     @gluon.jit
     def _scale_word(s_src, kb, stride_sk, KMAJOR: gl.constexpr):
@@ -188,14 +150,13 @@ if AVAILABLE:
 
     @gluon.jit
     def loop(w_e, s_e, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS: gl.constexpr,
-             KB: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr, OVERLAP: gl.constexpr,
-             num_warps: gl.constexpr):
+             KB: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
         """fp32 sums [64, TOKENS] (:func:`mma_layout`) of weight rows ``n0 ..`` of one expert over the ``nb``
         blocks (a multiple of 4, at most KB) from ``k_lo`` of :func:`fill`'s activations. ``w_e``: the
         expert's fp4_w bytes [N, K / 2]; ``s_e``: its scale bytes as int32 words [N, K / 128], or with
         KMAJOR its scale bytes K major (``stride_sk`` between blocks). Four blocks a trip; STAGES 0: a
         trip's weight bytes loaded where they are used, else through a ring of STAGES trips in shared
-        memory. OVERLAP: a trip's MMAs run while the next trip is loaded and decoded (:func:`_trip`)."""
+        memory."""
         acc_l: gl.constexpr = mma_layout(TOKENS)
         # the A operand's layout, also the weight bytes' [64, 16] a block: a thread's 4 bytes of a row hold the
         # codes of its two operand registers of that row
@@ -208,8 +169,6 @@ if AVAILABLE:
             s_src = s_e + rows_s.to(gl.int64) * stride_sn + k_lo // 128
         zero = gl.zeros([64, TOKENS], gl.float32, acc_l)
         acc = gl.zeros([64, TOKENS], gl.float32, acc_l)
-        prev = (zero, zero, zero, zero, zero, zero, zero, zero)
-        never = nb < 0  # false, unknown to the compiler (see _trip)
         w_row = w_e + k_lo // 2
         if STAGES == 0:  # each trip's weight bytes loaded into registers where they are decoded
             rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_l))
@@ -217,9 +176,8 @@ if AVAILABLE:
             w_src = w_row + rows_w.to(gl.int64)[:, None] * stride_wn + cols_w[None, :]
             for kb in range(0, nb, 4):
                 sw = _scale_word(s_src, kb, stride_sk, KMAJOR)
-                acc, prev = _trip(gl.load(w_src + kb * 16), gl.load(w_src + kb * 16 + 16),
-                                  gl.load(w_src + kb * 16 + 32), gl.load(w_src + kb * 16 + 48), sw, x_smem, s_smem, kb,
-                                  a_l, cols_l, zero, acc, prev, never, OVERLAP)
+                acc = _trip(gl.load(w_src + kb * 16), gl.load(w_src + kb * 16 + 16), gl.load(w_src + kb * 16 + 32),
+                            gl.load(w_src + kb * 16 + 48), sw, x_smem, s_smem, kb, a_l, cols_l, zero, acc)
         else:  # through a ring of STAGES trips in shared memory, filled by asynchronous copies
             cp_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
             rows_c = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, cp_l))
@@ -240,13 +198,11 @@ if AVAILABLE:
                 async_copy.wait_group(STAGES - 1)  # this thread's copies of trip j have landed
                 _sync()  # and every thread's
                 slot = ring.index(j % STAGES)
-                acc, prev = _trip(slot.slice(0, 16, dim=1).load(a_l), slot.slice(16, 16, dim=1).load(a_l),
-                                  slot.slice(32, 16, dim=1).load(a_l), slot.slice(48, 16, dim=1).load(a_l), sw,
-                                  x_smem, s_smem, kb, a_l, cols_l, zero, acc, prev, never, OVERLAP)
+                acc = _trip(slot.slice(0, 16, dim=1).load(a_l), slot.slice(16, 16, dim=1).load(a_l),
+                            slot.slice(32, 16, dim=1).load(a_l), slot.slice(48, 16, dim=1).load(a_l), sw, x_smem,
+                            s_smem, kb, a_l, cols_l, zero, acc)
                 _sync()  # every warp has read the slot before a later trip's copies refill it
             async_copy.wait_group(0)
-        if OVERLAP:  # the last trip's products
-            acc, _ = _retire(acc, prev)
         return acc
 
     @gluon.jit
@@ -289,7 +245,7 @@ if AVAILABLE:
     @gluon.jit
     def _gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, tile_e_ptr, tile_tok_ptr, out_ptr, N, K, stride_xm, stride_xsm,
                      stride_we, stride_wn, stride_se, stride_sn, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr,
-                     STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+                     STAGES: gl.constexpr, num_warps: gl.constexpr):
         """out[split, tile, c, n] = sum over the split's K of x[tok[c], k] * W[e, n, k] (fp32), for weight rows
         n of ``program_id(0)``, token tile ``program_id(1)`` (expert ``tile_e``, tokens ``tile_tok``, -1 none),
         K split ``program_id(2)``. x: E4M3 codes [T, K] with fp32 scales xs [T, K / 32] (times
@@ -305,7 +261,7 @@ if AVAILABLE:
         nb = gl.minimum(K_SPLIT, K - k_lo) // 32
         x_smem, s_smem = fill(x_ptr, xs_ptr, tok, stride_xm, stride_xsm, k_lo, nb, TOKENS, K_SPLIT // 32, num_warps)
         acc = loop(w_ptr + e * stride_we, ws_ptr + e * stride_se, stride_wn, stride_sn, 0, n0, k_lo, nb, x_smem,
-                   s_smem, TOKENS, K_SPLIT // 32, STAGES, False, OVERLAP, num_warps)
+                   s_smem, TOKENS, K_SPLIT // 32, STAGES, False, num_warps)
         rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout(TOKENS)))
         cols = gl.arange(0, TOKENS, layout=cols_l)
         out = out_ptr + ((gl.program_id(2) * gl.num_programs(1) + tile) * TOKENS + cols.to(gl.int64))[None, :] * N
@@ -313,14 +269,13 @@ if AVAILABLE:
 
 
 def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, tile_e: torch.Tensor,
-                 tile_tok: torch.Tensor, k_split: int, stages: int = 4, overlap: bool = False) -> torch.Tensor:
+                 tile_tok: torch.Tensor, k_split: int, stages: int = 4) -> torch.Tensor:
     """fp32 partials ``[splits, tiles, TOKENS, N]`` of each token tile's rows of x times its expert's
     weights (:func:`_gemm_kernel`): x E4M3 ``[T, K]`` with fp32 scales ``xs [T, K / 32]`` (times
     DECODE_SCALE), w fp4_w bytes ``[E, N, K / 2]`` (standard nibbles) with UE8M0 scale bytes
     ``ws [E, N, K / 32]``; ``tile_tok`` int32 ``[tiles, TOKENS]`` (TOKENS 8 or 16), -1 for none (its
     partials are left unwritten); ``k_split`` K a program (a multiple of 128 dividing K); ``stages`` 0:
-    the weights loaded where used, else the depth of their ring; ``overlap``: a trip's MMAs in flight while
-    the next is loaded and decoded."""
+    the weights loaded where used, else the depth of their ring."""
     E, N, KH = w.shape
     K = 2 * KH
     tiles, tokens = tile_tok.shape
@@ -338,6 +293,6 @@ def experts_gemm(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     out = torch.empty(splits, tiles, tokens, N, dtype=torch.float32, device=x.device)
     _gemm_kernel[(N // 64, tiles, splits)](
         x, xs, w, words, tile_e, tile_tok, out, N, K, x.stride(0), xs.stride(0), w.stride(0), w.stride(1),
-        words.stride(0), words.stride(1), TOKENS=tokens, K_SPLIT=k_split, STAGES=stages, OVERLAP=overlap,
-        num_warps=4, **pdl.options(x.device))
+        words.stride(0), words.stride(1), TOKENS=tokens, K_SPLIT=k_split, STAGES=stages, num_warps=4,
+        **pdl.options(x.device))
     return out

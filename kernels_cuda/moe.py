@@ -82,11 +82,10 @@ from flashrt.kernels_cuda import pdl
 # fp8 warpgroup MMA with the weights as its register operand (:mod:`.moe_qgmma`, Gluon, sm_90): 64 weight rows
 # a program, row tiles of qgmma_tokens pair rows, the K split aiming at qgmma_per_sm programs an SM with at
 # most qgmma_max_k a program, the weights through a ring of qgmma_stages trips of four K blocks (0: loaded
-# where used), with qgmma_overlap a trip's MMAs in flight while the next trip is loaded and decoded
+# where used)
 KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None,
              gemv_mma=False, gemv_mma_tokens=8, gemv_mma_per_sm=4, gemv_mma_stages=3, gemv_mma_sub=4,
-             qgmma=False, qgmma_tokens=8, qgmma_per_sm=16, qgmma_max_k=1024, qgmma_stages=4,
-             qgmma_overlap=False)
+             qgmma=False, qgmma_tokens=8, qgmma_per_sm=16, qgmma_max_k=1024, qgmma_stages=4)
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -213,8 +212,8 @@ def _qgmma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: boo
     if not (knobs["qgmma"] and not direct and tiles["act_dequantized"] and moe_qgmma.AVAILABLE
             and not _linear.INTERPRETED and jit_targets.capability() >= (9, 0)):
         return None, None
-    tile = dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"], overlap=knobs["qgmma_overlap"],
-                per_sm=knobs["qgmma_per_sm"], max_k=knobs["qgmma_max_k"])
+    tile = dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"], per_sm=knobs["qgmma_per_sm"],
+                max_k=knobs["qgmma_max_k"])
     sms = _linear.num_sms()
     with_shared = moe_qgmma.plan(n, k, E, D, I, pairs, tile, sms, True) if shared else None
     return moe_qgmma.plan(n, k, E, D, I, pairs, tile, sms), with_shared
@@ -501,7 +500,6 @@ FAMILY = KernelFamily(
                               "experts.qgmma_per_sm": Tile(low=1, kind=int),
                               "experts.qgmma_max_k": Tile(choices=(256, 512, 1024, 2048)),
                               "experts.qgmma_stages": Tile(choices=(0, 2, 3, 4, 5, 6)),
-                              "experts.qgmma_overlap": Tile(kind=bool),
                               "combine.BLOCK_D": POW2, "swiglu.BLOCK_R": POW2, "round_trip.BLOCK_R": POW2,
                               "round_trip.BLOCK_C": Tile(low=32, pow2=True, kind=int),
                               "act_dequantized": Tile(kind=bool),

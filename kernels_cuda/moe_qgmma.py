@@ -59,8 +59,8 @@ if AVAILABLE:
                    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm,
                    stride_hsm, sw1_ptr, ss1_ptr, sw3_ptr, ss3_ptr, stride_s_wn, stride_s_st, stride_s_sk,
                    routed_tiles, TOKENS: gl.constexpr, K_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                   OVERLAP: gl.constexpr, PAIRS: gl.constexpr, SPLIT: gl.constexpr, CLAMP: gl.constexpr,
-                   XDT: gl.constexpr, KMAJOR: gl.constexpr, SHARED: gl.constexpr, num_warps: gl.constexpr):
+                   PAIRS: gl.constexpr, SPLIT: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr,
+                   KMAJOR: gl.constexpr, SHARED: gl.constexpr, num_warps: gl.constexpr):
         """h of the tile's pair rows, columns ``[n0, n0 + 64)`` of I (:func:`_up_finish`): x codes [N, D] E4M3
         with scales xs [N, D / 32], W1 / W3 [E, I, D / 2] fp4_w (scales as :func:`.experts_qgmma.loop`
         reads them). SHARED: the row tiles from ``routed_tiles`` on are the shared expert's (fp8_w [I, D] at
@@ -89,9 +89,9 @@ if AVAILABLE:
         else:
             ew, es = e.to(gl.int64) * stride_we, e.to(gl.int64) * stride_se
             g = loop(w1_ptr + ew, s1_ptr + es, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS,
-                     K_SPLIT // 32, STAGES, KMAJOR, OVERLAP, num_warps)
+                     K_SPLIT // 32, STAGES, KMAJOR, num_warps)
             u = loop(w3_ptr + ew, s3_ptr + es, stride_wn, stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS,
-                     K_SPLIT // 32, STAGES, KMAJOR, OVERLAP, num_warps)
+                     K_SPLIT // 32, STAGES, KMAJOR, num_warps)
         if SPLIT:
             cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
             last, tile, g, u = up_split(g, u, ws_ptr, cnt_ptr, rows, row_ok, cols, I, n_rows, n_splits, acc_l, 64,
@@ -109,8 +109,7 @@ if AVAILABLE:
                      ws_ptr, cnt_ptr, out_ptr, add_ptr, comb_ptr, E, D, I, n_rows, n_pairs, TOPK, n_splits, stride_hm,
                      stride_hsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym, stride_om,
                      stride_am, sw2_ptr, ss2_ptr, stride_s_wn, stride_s_st, stride_s_sk, routed_tiles,
-                     TOKENS: gl.constexpr, K_SPLIT: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                     PAIRS: gl.constexpr,
+                     TOKENS: gl.constexpr, K_SPLIT: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr,
                      SPLIT: gl.constexpr, COMBINE: gl.constexpr, HAS_ADD: gl.constexpr, XDT: gl.constexpr,
                      KMAJOR: gl.constexpr, SHARED: gl.constexpr, num_warps: gl.constexpr):
         """y rows of the tile's rows (rounded to XDT, y's dtype), columns ``[n0, n0 + 64)`` of D: W2 [E, D,
@@ -139,7 +138,7 @@ if AVAILABLE:
         else:
             acc = loop(w2_ptr + e.to(gl.int64) * stride_we, s2_ptr + e.to(gl.int64) * stride_se, stride_wn,
                        stride_sn, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS, K_SPLIT // 32, STAGES, KMAJOR,
-                       OVERLAP, num_warps)
+                       num_warps)
         cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         sums = (pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am)
         down_finish(acc, y_ptr, ws_ptr, cnt_ptr, rows, row_ok, tok, cols, n_rows, n_splits, sums, PAIRS, SHARED,
@@ -173,14 +172,14 @@ def _gemm_plan(cols: int, k: int, row_tiles: int, tile: dict, sms: int) -> dict:
         split, k_split = 0, 0  # no counters for the tickets: the caller keeps another path
     return dict(split=split, k_split=k_split, grid_cols=cols // ROWS,
                 constexprs=dict(TOKENS=tile["TOKENS"], K_SPLIT=k_split, STAGES=tile["STAGES"], SPLIT=split > 1,
-                                OVERLAP=tile["overlap"], num_warps=4))
+                                num_warps=4))
 
 
 def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict, sms: int, shared: bool = False
          ) -> dict | None:
     """The up and down launches of ``n`` tokens of ``k`` slots over ``E`` experts under ``tile``
-    (``TOKENS`` rows a row tile, ``STAGES``, ``overlap``, ``per_sm``, ``max_k``); ``pairs``: a row tile per (token,
-    slot) pair, else the routing tables' tiles; ``shared``: the shared expert's row tiles (``TOKENS`` tokens each) after
+    (``TOKENS`` rows a row tile, ``STAGES``, ``per_sm``, ``max_k``); ``pairs``: a row tile per (token, slot) pair,
+    else the routing tables' tiles; ``shared``: the shared expert's row tiles (``TOKENS`` tokens each) after
     the routed ones. None where a K split would not have its ticket counters."""
     row_tiles = n * k if pairs else min(n * k, cdiv(n * k, tile["TOKENS"]) + E)
     grid_rows = row_tiles + (cdiv(n, tile["TOKENS"]) if shared else 0)

@@ -6,8 +6,7 @@ local-memory spills).
 Costs no device time: use it to check a kernel change for spills and wgmma before timing it.
 
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
-    python tools/sm90_compile.py qgmma --B 8 --S 1024   # kernels_cuda/experts_qgmma.py (--cold: no ring;
-                                                        # --tiles '{"overlap": true}')
+    python tools/sm90_compile.py qgmma --B 8 --S 1024   # kernels_cuda/experts_qgmma.py (--cold: no ring)
     python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc, kv_store,
                                                         # norm_rope_quant, prefix_attention, topk (--S: entries),
                                                         # quant (fp4_b16 store; --cold: fp8), moe (--cold: the
@@ -330,17 +329,14 @@ def topk_call(B: int, S: int, cold: bool):
 def qgmma_call(B: int, S: int, cold: bool):
     """kernels_cuda/experts_qgmma.py's GEMM at the released up shape (W1 and W3 as one [4,608, 5,120] matrix an
     expert), B tokens a tile (8 or 16), S codes of K a program, the weights through a ring of 4 trips
-    (``--cold``: loaded where used); ``--tiles '{"overlap": true}'``: a trip's MMAs beside the next's decode."""
-    from flashrt import profiles
+    (``--cold``: loaded where used)."""
     from flashrt.kernels_cuda import experts_qgmma
-
-    overlap = bool(profiles.active_profile().tiles.get("qgmma", {}).get("overlap", False))
 
     N, K = 4608, 5120
     x, xs = torch.zeros(B, K, dtype=torch.float8_e4m3fn), torch.ones(B, K // 32)
     w, ws = torch.zeros(2, N, K // 2, dtype=torch.uint8), torch.zeros(2, N, K // 32, dtype=torch.uint8)
     te, tt = torch.zeros(1, dtype=torch.int32), torch.zeros(1, B, dtype=torch.int32)
-    return lambda: experts_qgmma.experts_gemm(x, xs, w, ws, te, tt, S, 0 if cold else 4, overlap)
+    return lambda: experts_qgmma.experts_gemm(x, xs, w, ws, te, tt, S, 0 if cold else 4)
 
 
 CALLS = {"attention": attention_call, "qgmma": qgmma_call, "prefix_attention": prefix_attention_call,
