@@ -53,9 +53,10 @@ def test_a_call_takes_pack_consecutive_elements_the_first_in_the_low_bits(rng):
 
 @pytest.mark.parametrize("large", [False, True])
 def test_the_experts_words_and_the_fp8_shared_expert(rng, large):
-    """The h200 profile's experts path at a few tokens: fp4 words decoded with the re-bias in the scales,
-    the fp8 shared expert four bytes a call with its 2**120 folded; ``large``: scale bytes over what the
-    folds hold (the words' and the fp8 decode's own re-bias multiplies)."""
+    """The experts in words (``expert_fp4: words``) at a few tokens under the h200 profile's tiles: fp4
+    words decoded with the re-bias in the scales, the fp8 shared expert four bytes a call with its 2**120
+    folded; ``large``: scale bytes over what the folds hold (the words' and the fp8 decode's own re-bias
+    multiplies)."""
     m, k, E, top, inner = 3, 128, 4, 2, 64
     x = (torch.randn(m, k, generator=rng) * 2).to(DEVICE, torch.bfloat16)
     idx = torch.stack([torch.randperm(E, generator=rng)[:top] for _ in range(m)]).to(DEVICE, torch.int32)
@@ -169,7 +170,8 @@ def test_the_tiny_models_forward_under_the_h200_profile(cfg, weights, rng):
             emulated = forward()
             texts = set(run)
         assert_calls_match_reference(calls)
-    want = {codecs_words.E2M1_WORDS_FOLDED_TEXT, codecs_e4m3.E4M3_PAIRS_TEXT, codecs_e4m3.E4M3_PAIRS_FOLDED_TEXT,
+    # the experts' codes in the standard nibbles (tiny's K is below what qgmma takes: the plain kernels decode them)
+    want = {codecs.E2M1_PAIRS_FOLDED_TEXT, codecs_e4m3.E4M3_PAIRS_TEXT, codecs_e4m3.E4M3_PAIRS_FOLDED_TEXT,
             codecs.E2M1_PAIRS_TEXT}
     assert want <= texts, [t.splitlines()[1] for t in want - texts]
     assert torch.equal(plain[0], emulated[0]) and torch.equal(plain[1], emulated[1])
