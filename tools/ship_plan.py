@@ -2,7 +2,7 @@
 into the plan shipped with flashrt (``core/jit_plans/triton-<version>/<name>.json``).
 
     python tools/ship_plan.py RECORDED.json [RECORDED.json ...] [--triton 3.6.0] [--drop-rest]
-                              [--after | --beside] [--option NAME=JSON ...]
+                              [--after | --beside] [--option NAME=JSON ...] [--drop-bits NAME=MASK ...]
 
 The recorded entries come first, in the order the run first loaded them (the order a cold start's
 compile pool compiles them in), then the shipped entries the recording lacks (variants of other
@@ -16,9 +16,13 @@ shipped entries in their order and puts each new one right after the variant the
 before it: a CPU trace's few new variants (``tools/jit_coverage.py --plan-out``) where a run meets
 them, without reordering a plan recorded on the device by the trace's order. ``--option
 launch_pdl=true`` sets one Triton compile option in every entry: what the launches carry after a
-profile change that sets it on every launch (``tiles.pdl.enabled``), without recording again. The
-Triton version is the recorded file's folder (``triton-<version>``) unless ``--triton`` names it. A shipped plan given as RECORDED is rewritten in place (its entries
-brought to the code's parameters). Prints, per file, the entries recorded, kept from before and dropped.
+profile change that sets it on every launch (``tiles.pdl.enabled``), without recording again.
+``--drop-bits E2M1=64`` drops the shipped entries the recording lacks whose integer constexpr ``E2M1``
+has a bit of 64 set: variants a profile change made unreachable (here the experts' codes in words, after
+the profile left ``expert_fp4: words``), which a cold start would otherwise compile for nothing. The
+Triton version is the recorded file's folder (``triton-<version>``) unless ``--triton`` names it. A
+shipped plan given as RECORDED is rewritten in place (its entries brought to the code's parameters).
+Prints, per file, the entries recorded, kept from before and dropped.
 """
 from __future__ import annotations
 
@@ -90,6 +94,28 @@ def with_options(entry: dict, options: dict) -> dict:
     return {**entry, "data": json.dumps(data)}
 
 
+def parse_bits(text: str) -> tuple[str, int]:
+    """``NAME=MASK`` of ``--drop-bits``: (constexpr name, integer mask)."""
+    name, sep, mask = text.partition("=")
+    try:
+        if not sep or not name:
+            raise ValueError
+        return name, int(mask, 0)
+    except ValueError:
+        raise ValueError(f"--drop-bits: expected NAME=MASK with an integer MASK (e.g. E2M1=64), got {text!r}") from None
+
+
+def has_bits(entry: dict, bits: dict) -> bool:
+    """Whether one of the entry's integer constexprs named in ``bits`` (name -> mask) has a bit of its mask."""
+    try:
+        data = json.loads(entry["data"])
+        names = list(data["signature"])
+        values = {names[k[0]]: v for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    except (KeyError, ValueError, TypeError, IndexError):
+        return False
+    return any(isinstance(values.get(n), int) and values[n] & mask for n, mask in bits.items())
+
+
 def parse_option(text: str) -> tuple[str, object]:
     """``NAME=JSON`` of ``--option``: (name, value)."""
     name, sep, value = text.partition("=")
@@ -102,12 +128,13 @@ def parse_option(text: str) -> tuple[str, object]:
 
 
 def ship(recorded: Path, target: Path, drop_rest: bool = False, options: dict | None = None,
-         after: bool = False, beside: bool = False) -> dict:
+         after: bool = False, beside: bool = False, drop_bits: dict | None = None) -> dict:
     """Write ``target`` as ``recorded``'s entries then (unless ``drop_rest``) ``target``'s others,
     each with ``options`` set (:func:`with_options`); with ``after``, ``target``'s entries first (in
     their order) and then those of ``recorded`` it lacks; with ``beside``, ``target``'s entries in their
     order and each of ``recorded``'s it lacks right after the entry of the variant recorded before it
-    (:func:`_beside`)."""
+    (:func:`_beside`). ``target``'s entries the recording lacks go where :func:`has_bits` finds
+    ``drop_bits`` in them."""
     try:
         header = json.loads(recorded.read_text())
     except (OSError, ValueError) as exc:
@@ -119,7 +146,8 @@ def ship(recorded: Path, target: Path, drop_rest: bool = False, options: dict | 
     recorded_keys = {entry_key(e) for e in first}
     old = [with_options(with_defaults(e), options) for e in read_entries(target)]
     # (options set, two old entries may now be one)
-    rest = [e for e in old if entry_key(e) in recorded_keys or (not drop_rest and matches_code(e))]
+    rest = [e for e in old if entry_key(e) in recorded_keys
+            or (not drop_rest and matches_code(e) and not has_bits(e, drop_bits or {}))]
     if not (after or beside):
         rest = [e for e in rest if entry_key(e) not in recorded_keys]
     merged = (_beside(rest, first) if beside else _once(rest + first if after else first + rest))[:MAX_ENTRIES]
@@ -169,14 +197,18 @@ def main() -> None:
                          "has before it (a CPU trace's few new variants into a plan recorded on the device)")
     ap.add_argument("--option", action="append", default=[], metavar="NAME=JSON",
                     help="set this Triton compile option in every entry (e.g. launch_pdl=true)")
+    ap.add_argument("--drop-bits", action="append", default=[], metavar="NAME=MASK",
+                    help="drop the shipped entries the recording lacks whose integer constexpr NAME has a bit of MASK "
+                         "(e.g. E2M1=64: the experts' words)")
     args = ap.parse_args()
     try:
         options = dict(parse_option(o) for o in args.option)
+        drop_bits = dict(parse_bits(b) for b in args.drop_bits)
         for path in args.recorded:
             if args.after and args.beside:
                 raise ValueError("--after and --beside: expected one of them, got both")
             print(json.dumps(ship(path, shipped_path(path, args.triton), args.drop_rest, options, args.after,
-                                  args.beside)))
+                                  args.beside, drop_bits)))
     except ValueError as exc:
         ap.error(str(exc))
 

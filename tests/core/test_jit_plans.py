@@ -347,3 +347,20 @@ def test_ship_plan_fills_in_a_trailing_constexpr_added_with_a_default(monkeypatc
     assert ship_plan.with_defaults(gap) == gap
     no_default = entry({"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"})  # MODE has no default
     assert ship_plan.with_defaults(no_default) == no_default
+
+
+def test_ship_plan_drops_the_shipped_entries_with_the_bits_named(tmp_path, monkeypatch):
+    """``--drop-bits BLOCK=MASK``: a shipped entry the recording lacks goes where its integer constexpr
+    has a bit of the mask; recorded entries stay whatever their bits; a malformed mask is named."""
+    ship_plan = _ship_plan()
+    monkeypatch.setattr(ship_plan, "matches_code", lambda entry: True)
+    mask = 1 << random.randrange(2, 9)
+    old_blocks = [mask | 1, 2 * mask + 1, mask | 3, 4 * mask]  # the first and third carry the bit
+    recorded_blocks = [mask | 3, 8 * mask + 1]
+    report, got = _ship_blocks(ship_plan, tmp_path, recorded_blocks, old_blocks, beside=True,
+                               drop_bits={"BLOCK": mask})
+    assert got == [old_blocks[1], mask | 3, 8 * mask + 1, old_blocks[3]]
+    assert report["recorded"] == 2 and report["kept"] == 2 and report["dropped"] == 1
+    assert ship_plan.parse_bits("E2M1=0x40") == ("E2M1", 64)
+    with pytest.raises(ValueError, match="--drop-bits: expected NAME=MASK"):
+        ship_plan.parse_bits("E2M1=words")
