@@ -10,10 +10,11 @@ up GEMM (W1 and W3 as one [2I, D] matrix an expert) and the down GEMM ([D, I]) u
 and with the weights loaded where used or through a ring of 4 trips,
 their device time a call (graph replays behind an L2 flush, ``moe_kernels.kernel_times``), and the
 routed weights' bytes (codes and scales) over the copy bandwidth of the same run: the floor. The
-profile's ``moe_experts`` (routed and fp8 shared experts, SwiGLU, combine) at the same routing, with
-its own floor (the routed and shared bytes), then the same call with the profile's decode rule taking
-``qgmma`` (ring ``--qgmma-stages``) over the same codes in the standard nibbles (scales as the profile
-stores them), its output's relative difference from the profile's. The GEMMs' partials are checked
+profile's ``moe_experts`` (routed and fp8 shared experts, SwiGLU, combine) at the same routing over the
+experts' codes in words, which ``qgmma`` does not take (so the 16-row tile's path, the profile's before
+it took ``qgmma``), with its own floor (the routed and shared bytes), then the same call with the
+profile's decode rule taking ``qgmma`` (ring ``--qgmma-stages``) over the same codes in the standard
+nibbles (scales as the profile stores them), its output's relative difference from the words' call. The GEMMs' partials are checked
 against float64 products of the codes' values first.
 """
 from __future__ import annotations
@@ -155,7 +156,8 @@ def main() -> None:
                 times = kernel_times(call, args.calls)
             base = got if base is None else base
             us = sum(times.values())
-            label = "profile moe_experts" if stages is None else f"moe_experts, qgmma ring {stages}, {per_sm} an SM"
+            label = ("profile moe_experts in words" if stages is None
+                     else f"moe_experts, qgmma ring {stages}, {per_sm} an SM")
             diff = float((got - base).norm() / base.norm())
             rows.append({"tokens": n, "variant": label + " (routed + shared)", "us": us, "floor_us": pfloor,
                          "of_floor": pfloor / us, "kernels_us": times, "experts_touched": touched,
