@@ -206,9 +206,9 @@
 #              gemv_mma rule and its dq variants, against torch._scaled_mm: h200-gemv-dq-tests.log, h200-gemv-dq-v41.json
 #   gemvdqslice  the real-dimension slice at batch 8 and 64 under the profile, then under a copy whose 3-16 row rule
 #              takes gemv_mma_dq and whose 17-64 row rule takes gemv_mma with it: h200-real-slice-gemvdq-{off,on}.json
-#   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under the profile and a
-#              copy with the experts' codes in the standard nibbles on qgmma (the decode experts rule's knob):
-#              h200-real-slice-qgmma-{off,on}.json, h200-e2e-qgmma-{profile,qgmma}.json
+#   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under a copy of the profile
+#              as it was before its decode experts took qgmma (codes in words, qgmma off) and under the profile:
+#              h200-real-slice-qgmma-{off,on}.json, h200-e2e-qgmma-{words,qgmma}.json
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
 #              experts rule takes gemv_mma: h200-real-slice-moemma-{off,on}.json
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
@@ -1319,13 +1319,13 @@ phase_moemmaslice() {  # the real-dimension slice under the profile and a copy w
   slice_off_on moemma h200 "$on" 1 8 64
 }
 
-phase_qgmmaslice() {  # the real slice and small's decode: the profile, and a copy with its experts on qgmma
-  local on tag prof
-  on=$(profile_set h200-qgmma expert_fp4 '"nibbles"' tiles.moe.experts.0.1.qgmma true)
-  slice_off_on qgmma h200 "$on" 1 8 64
-  for tag in profile qgmma; do
+phase_qgmmaslice() {  # the real slice and small's decode: the profile (experts on qgmma) and a copy as it was before
+  local off tag prof
+  off=$(profile_set h200-words expert_fp4 '"words"' tiles.moe.experts.0.1.qgmma false)
+  slice_off_on qgmma "$off" h200 1 8 64
+  for tag in words qgmma; do
     prof=h200
-    [ "$tag" = qgmma ] && prof=$on
+    [ "$tag" = words ] && prof=$off
     FLASHRT_PROFILE=$prof python benchmarks/e2e_decode.py --model small --batches 1 8 64 --prompt 512 --steps 12 \
       --modes cuda+graph --out "$OUT/h200-e2e-qgmma-$tag.json" | tail -n 3
   done
