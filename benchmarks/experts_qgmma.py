@@ -14,8 +14,8 @@ profile's ``moe_experts`` (routed and fp8 shared experts, SwiGLU, combine) at th
 experts' codes in words, which ``qgmma`` does not take (so the 16-row tile's path, the profile's before
 it took ``qgmma``), with its own floor (the routed and shared bytes), then the same call with the
 profile's decode rule taking ``qgmma`` (ring ``--qgmma-stages``) over the same codes in the standard
-nibbles (scales as the profile stores them), its output's relative difference from the words' call. The GEMMs' partials are checked
-against float64 products of the codes' values first.
+nibbles (scales as the profile stores them), its output's relative difference from the words' call. The
+GEMMs' partials are checked against float64 products of the codes' values first.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from flashrt.kernels_cuda import pdl
 from flashrt.kernels_cuda.attention_ws import AVAILABLE
-from flashrt.kernels_cuda.launch import cdiv
+from flashrt.kernels_cuda.launch import cdiv, next_pow2
 
 ROWS = 64  # weight rows a program: the M of one warpgroup MMA
 DECODE_SCALE = 2.0 ** 6  # the E4M3 bytes hold the E2M1 values times 2**-6
@@ -60,10 +60,7 @@ if AVAILABLE:
     if not hasattr(shared_memory_descriptor, "reinterpret"):  # Triton 3.6 names it _reinterpret, later ones not
         shared_memory_descriptor.reinterpret = shared_memory_descriptor._reinterpret
 
-    @gluon.constexpr_function
-    def _pow2(n):
-        """The least power of two at least ``n``."""
-        return 1 << (n - 1).bit_length()
+    _pow2 = gluon.constexpr_function(next_pow2)
 
     @gluon.constexpr_function
     def mma_layout(TOKENS):

@@ -400,11 +400,11 @@ def _gluon_experts(run, key: str, x, weights, indices, w1, w3, w2, limit: float,
                    values):
     """The routed experts through a Gluon path's two launches (``run(tab, w1, w3, w2, limit, xdtype, p, n, k,
     out=, add=, shared=)``, its plans ``plan[key]`` and ``plan[key + "_shared"]``; the down launch sums each
-    token's rows where :func:`.moe_mma.combines` says its counters fit). The
-    shared expert: its rows in the same launches where its weights allow (fp8_w,
-    :func:`.moe_mma.shared_operands`), summed after each token's routed rows; else on the direct path's
-    kernels over x's round trip's values (``values()``), its fp32 rows (plus ``add``) added by the combine
-    after the routed sum, as :func:`_shared_apart` orders them."""
+    token's rows where :func:`.moe_mma.combines` says its counters fit). The shared expert: its rows in the
+    same launches where its weights allow (fp8_w, :func:`.moe_mma.shared_operands`), summed after each
+    token's routed rows; else on the direct path's kernels over x's round trip's values (``values()``), its
+    fp32 rows (plus ``add``) added by the combine after the routed sum, as :func:`_shared_apart` orders
+    them."""
     n, D = x.shape
     k = indices.shape[1]
     p, own = plan[key], None

@@ -43,7 +43,7 @@ def _plan(monkeypatch, n=1, k=6, E=8, D=5120, I=2304, shared=False, **tiles):
         return moe._plan(n, k, E, D, I, shared)
 
 
-def test_the_launcher_takes_it_where_it_canrun_moe(monkeypatch):
+def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
     p = _plan(monkeypatch)["mma"]
     assert p["pairs"] and p["row_tiles"] == 6 and p["up"]["constexprs"]["TOKENS"] == 8
     t = _plan(monkeypatch, n=8)["mma"]  # past pair_tiles: the routing tables' tiles of TOKENS rows
