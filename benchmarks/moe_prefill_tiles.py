@@ -10,8 +10,8 @@ profile's load lays them out (``expert_scales``, ``expert_fp4``). Per variant: m
 (``flashrt.timing.bench_ms``: CUDA-graph replays behind an L2 flush), the floor
 ``max(weight bytes / copy rate, FLOPs / bf16 GEMM rate)`` with both rates measured in the same run
 (the weights of the experts the routing touched; ``flashrt.bench.common.Ceilings``), and the largest
-difference of the output from the profile's. A variant that fails to compile or launch is recorded,
-not fatal. The registers and shared memory of each (two programs an SM where they fit) come from
+difference of the output from the profile's (and its norm relative to the profile output's). A variant
+that fails to compile or launch is recorded, not fatal. The registers and shared memory of each (two programs an SM where they fit) come from
 ``tools/sm90_compile.py moe --B 4096 --moe-dims released --tiles ...`` (docs/performance.md).
 """
 from __future__ import annotations
@@ -50,6 +50,11 @@ VARIANTS = {  # label -> the rule's tile (the h200 profile's past 16 rows: M64 N
     "M64 N64 K128, 4 warps, 3 stages, swapped": tile(64, 128, 4, 3, swap=True),
     "M128 N64 K64, 8 warps, 3 stages, swapped": tile(64, 64, 8, 3, 128, swap=True),
 }
+# the fp8 warpgroup MMA with the weights its register operand, the activations streamed (the rule's qgmma
+# knob with row tiles of 32 or more: kernels_cuda/moe_qgmma_stream.py): rows a tile, warps, ring trips
+for _rows, _warps, _stages in ((64, 8, 3), (64, 8, 4), (32, 8, 3), (64, 4, 3), (32, 4, 4)):
+    VARIANTS[f"qgmma streamed, {_rows}-row tiles, {_warps} warps, {_stages} stages"] = dict(
+        tile(128, 64, 4, 4, swap=True), qgmma=True, qgmma_tokens=_rows, qgmma_warps=_warps, qgmma_stages=_stages)
 
 
 def experts(cfg, tokens: int, dev, g):
@@ -96,11 +101,14 @@ def main() -> None:
                     continue
             first = out.float() if first is None else first
             us = 1e3 * t.ms
+            diff = out.float() - first
             rows.append({"variant": label, "tile": rule, "us_per_call": us, "floor_us": floor_us,
                          "of_floor": floor_us / us, "timing": "graph" if t.graph is not None else "plain",
-                         "max_abs_diff_from_profile": float((out.float() - first).abs().max())})
+                         "max_abs_diff_from_profile": float(diff.abs().max()),
+                         "rel_diff_from_profile": float(diff.norm() / first.norm().clamp_min(1e-30))})
             print(f"{label:36s} {us:9.1f} us  floor {floor_us:8.1f} us ({100 * floor_us / us:5.1f}%)  "
-                  f"diff {rows[-1]['max_abs_diff_from_profile']:.3g}", flush=True)
+                  f"diff {rows[-1]['max_abs_diff_from_profile']:.3g} ({rows[-1]['rel_diff_from_profile']:.2g} "
+                  "relative)", flush=True)
     profiles._TILES_CACHE.clear()
     write_json(args.out, {"device": torch.cuda.get_device_name(), "model": args.model, "tokens": args.tokens,
                           "copy_bytes_per_s": ceil.copy_bytes_per_s, "bf16_flops": ceil.bf16_flops,

@@ -76,10 +76,11 @@ if AVAILABLE:
 
     @gluon.jit
     def _operand(byte, a_l: gl.constexpr):
-        """A block's bytes ``[64, 16]`` (a thread's 4 at ``4t``) -> its A operand ``[64, 32]`` in ``a_l``."""
+        """A block's bytes ``[ROWS, 16]`` (a thread's 4 at ``4t``) -> its A operand ``[ROWS, 32]`` in ``a_l``."""
+        ROWS: gl.constexpr = byte.shape[0]
         even, odd = _decode(byte)
         z = gl.permute(gl.join(even, odd), [0, 2, 1])  # (r, odd, 4t + j)
-        return gl.convert_layout(gl.reshape(z, [64, 32]), a_l, assert_trivial=True)  # position 16 odd + 4t + j
+        return gl.convert_layout(gl.reshape(z, [ROWS, 32]), a_l, assert_trivial=True)  # position 16 odd + 4t + j
 
     @gluon.jit
     def _block(byte, x_smem, s_smem, kb, w_exp, a_l: gl.constexpr, cols_l: gl.constexpr, zero):

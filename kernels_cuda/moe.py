@@ -55,7 +55,8 @@ from flashrt.families import Dim, KernelFamily, Support
 from flashrt.formats import QTensor
 from flashrt.tile_checks import COUNT0, GEMM_ROWS, POW2, Tile, gemm_smem
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense
-from flashrt.kernels_cuda import experts_qgmma, moe_grouped, moe_mma, moe_qgmma, moe_tables, moe_warmup, splitk
+from flashrt.kernels_cuda import (experts_qgmma, moe_grouped, moe_mma, moe_qgmma, moe_qgmma_stream, moe_tables,
+                                  moe_warmup, splitk)
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda import linear as _linear
 from flashrt.kernels_cuda.linear import (FLOATS, FOLD_MAX_SCALE, SCALED, WEIGHT_FORMATS, act_quant, fold_fp8,
@@ -82,10 +83,12 @@ from flashrt.kernels_cuda import pdl
 # fp8 warpgroup MMA with the weights as its register operand (:mod:`.moe_qgmma`, Gluon, sm_90): 64 weight rows
 # a program, row tiles of qgmma_tokens pair rows, the K split aiming at qgmma_per_sm programs an SM with at
 # most qgmma_max_k a program, the weights through a ring of qgmma_stages trips of four K blocks (0: loaded
-# where used)
+# where used); with qgmma_tokens of 32 or more (a prefill chunk's row tiles) the whole K a program, the
+# activations streamed through the ring beside the weights (:mod:`.moe_qgmma_stream`: at least 2 stages,
+# qgmma_warps warps a program, no shared expert in the launches)
 KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None,
              gemv_mma=False, gemv_mma_tokens=8, gemv_mma_per_sm=4, gemv_mma_stages=3, gemv_mma_sub=4,
-             qgmma=False, qgmma_tokens=8, qgmma_per_sm=16, qgmma_max_k=1024, qgmma_stages=4)
+             qgmma=False, qgmma_tokens=8, qgmma_per_sm=16, qgmma_max_k=1024, qgmma_stages=4, qgmma_warps=8)
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -213,7 +216,9 @@ def _qgmma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: boo
             and not _linear.INTERPRETED and jit_targets.capability() >= (9, 0)):
         return None, None
     tile = dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"], per_sm=knobs["qgmma_per_sm"],
-                max_k=knobs["qgmma_max_k"])
+                max_k=knobs["qgmma_max_k"], num_warps=knobs["qgmma_warps"])
+    if tile["TOKENS"] in moe_qgmma_stream.TOKENS:
+        return moe_qgmma_stream.plan(n, k, E, D, I, pairs, tile), None
     sms = _linear.num_sms()
     with_shared = moe_qgmma.plan(n, k, E, D, I, pairs, tile, sms, True) if shared else None
     return moe_qgmma.plan(n, k, E, D, I, pairs, tile, sms), with_shared
@@ -390,8 +395,10 @@ def _experts_mma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, 
 def _experts_qgmma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype, shared, plan):
     """The routed experts on :mod:`.moe_qgmma`'s kernels (plan ``plan["qgmma"]``) over x's fp8 round trip
     as codes and scales; the shared expert as :func:`_gluon_experts` places it."""
-    xq, xs = fp8_codes(x, plan["round_trip"], experts_qgmma.DECODE_SCALE)
-    run = lambda *a, **kw: moe_qgmma.experts(xq, xs, *a, **kw)  # noqa: E731
+    stream = plan["qgmma"].get("stream", False)
+    xq, xs = fp8_codes(x, plan["round_trip"], experts_qgmma.DECODE_SCALE, mma_order=stream)
+    launches = moe_qgmma_stream if stream else moe_qgmma
+    run = lambda *a, **kw: launches.experts(xq, xs, *a, **kw)  # noqa: E731
     return _gluon_experts(run, "qgmma", x, weights, indices, w1, w3, w2, limit, add, out_dtype, shared, plan,
                           lambda: fp8_round_trip(x, plan["round_trip"]))
 
@@ -496,7 +503,8 @@ FAMILY = KernelFamily(
                               "experts.gemv_mma_per_sm": Tile(low=1, kind=int),
                               "experts.gemv_mma_stages": Tile(low=2, kind=int),
                               "experts.gemv_mma_sub": Tile(choices=(1, 2, 4)),
-                              "experts.qgmma": Tile(kind=bool), "experts.qgmma_tokens": Tile(choices=(8, 16)),
+                              "experts.qgmma": Tile(kind=bool), "experts.qgmma_tokens": Tile(choices=(8, 16, 32, 64, 128)),
+                              "experts.qgmma_warps": Tile(choices=(4, 8)),
                               "experts.qgmma_per_sm": Tile(low=1, kind=int),
                               "experts.qgmma_max_k": Tile(choices=(256, 512, 1024, 2048)),
                               "experts.qgmma_stages": Tile(choices=(0, 2, 3, 4, 5, 6)),

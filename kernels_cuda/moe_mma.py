@@ -312,6 +312,13 @@ if AVAILABLE:
         stage.index(0).store(g)
         stage.index(1).store(u)
         _sync()
+        return swiglu_staged(stage, tables, rw_ptr, limit, PAIRS, SHARED, TOKENS, CLAMP, XDT, BLOCK_N, blocks)
+
+    @gluon.jit
+    def swiglu_staged(stage, tables, rw_ptr, limit, PAIRS: gl.constexpr, SHARED: gl.constexpr, TOKENS: gl.constexpr,
+                      CLAMP: gl.constexpr, XDT: gl.constexpr, BLOCK_N: gl.constexpr, blocks: gl.constexpr):
+        """:func:`swiglu_blocks` from the gate / up sums already in ``stage`` (every thread's stores behind a
+        barrier)."""
         g = stage.index(0).reshape([BLOCK_N // 32, 32, TOKENS]).load(blocks)
         u = stage.index(1).reshape([BLOCK_N // 32, 32, TOKENS]).load(blocks)
         lane_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, blocks))

@@ -42,14 +42,27 @@ if AVAILABLE:
         stage = gl.allocate_shared_memory(gl.float32, [2, 64, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         h, e, recip, rows, row_ok = swiglu_blocks(g, u, stage, tables, rw_ptr, limit, PAIRS, SHARED, TOKENS, CLAMP,
                                                   XDT, 64, blocks)
-        c0 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))
+        store_h(h, e, recip, rows, row_ok, hq_ptr, hs_ptr, n0, I, stride_hm, stride_hsm, 64, False, blocks)
+
+    @gluon.jit
+    def store_h(h, e, recip, rows, row_ok, hq_ptr, hs_ptr, n0, I, stride_hm, stride_hsm, BLOCK_N: gl.constexpr,
+                MMA_ORDER: gl.constexpr, blocks: gl.constexpr):
+        """h [BLOCK_N / 32, 32, TOKENS] (``blocks``) of columns ``[n0, n0 + BLOCK_N)`` quantized per 32 columns
+        (each block's scale exponent ``e`` and its reciprocal ``recip``): its E4M3 codes into ``hq`` rows
+        ``rows`` (with MMA_ORDER each block's 32 codes in the MMA's order,
+        :func:`.experts_qgmma_stream.mma_position`) and each block's scale times DECODE_SCALE into ``hs``."""
+        c0 = gl.arange(0, BLOCK_N // 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))
         c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, blocks)))
         cols = n0 + c0[:, None, None] * 32 + c1[None, :, None]
         ok = (cols < I) & row_ok[None, None, :]
+        if MMA_ORDER:
+            at = n0 + c0[:, None, None] * 32 + (16 * (c1 % 2) + 4 * (c1 // 8) + (c1 % 8) // 2)[None, :, None]
+        else:
+            at = cols
         r64 = rows.to(gl.int64)
-        gl.store(hq_ptr + r64[None, None, :] * stride_hm + cols, (h * recip[:, None, :]).to(gl.float8e4nv), mask=ok)
+        gl.store(hq_ptr + r64[None, None, :] * stride_hm + at, (h * recip[:, None, :]).to(gl.float8e4nv), mask=ok)
         scale = (e << 23).to(gl.float32, bitcast=True) * _DECODE_SCALE
-        blk = n0 // 32 + gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(1, blocks)))
+        blk = n0 // 32 + gl.arange(0, BLOCK_N // 32, layout=gl.SliceLayout(1, gl.SliceLayout(1, blocks)))
         gl.store(hs_ptr + r64[None, :] * stride_hsm + blk[:, None], scale,
                  mask=(blk * 32 < I)[:, None] & row_ok[None, :])
 

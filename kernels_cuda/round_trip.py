@@ -56,10 +56,11 @@ def fp8_round_trip(x: torch.Tensor, tile: dict) -> torch.Tensor:
 
 @triton.jit
 def _fp8_codes_kernel(x_ptr, code_ptr, scale_ptr, rows, D, stride_x, stride_code, stride_scale, SCALE: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                      MMA_ORDER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """x rows [rows, D] (D a multiple of 32) quantized to fp8 per 32 as :func:`_fp8_round_trip` quantizes
-    them: the E4M3 bytes into ``code`` [rows, D] and each block's scale times ``SCALE`` into ``scale``
-    [rows, D / 32] fp32. One program: ``BLOCK_R`` rows x ``BLOCK_C`` columns."""
+    them: the E4M3 bytes into ``code`` [rows, D] (MMA_ORDER: each block's in the fp8 MMA's order, see
+    :func:`fp8_codes`) and each block's scale times ``SCALE`` into ``scale`` [rows, D / 32] fp32. One
+    program: ``BLOCK_R`` rows x ``BLOCK_C`` columns."""
     wait_inputs()
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -68,17 +69,24 @@ def _fp8_codes_kernel(x_ptr, code_ptr, scale_ptr, rows, D, stride_x, stride_code
     b = tl.reshape(x, (BLOCK_R * BLOCK_C // 32, 32))
     _, scale, recip = block_scale(tl.max(tl.abs(b), axis=1), 1)
     code = e4m3_rne(tl.minimum(tl.maximum(b * recip[:, None], -448.0), 448.0))
-    tl.store(code_ptr + r[:, None] * stride_code + c[None, :], tl.reshape(code, (BLOCK_R, BLOCK_C)).to(tl.uint8),
+    at = c
+    if MMA_ORDER:
+        w = c % 32
+        at = c - w + 16 * (w % 2) + 4 * (w // 8) + (w % 8) // 2
+    tl.store(code_ptr + r[:, None] * stride_code + at[None, :], tl.reshape(code, (BLOCK_R, BLOCK_C)).to(tl.uint8),
              mask=ok)
     g = tl.program_id(1) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
     tl.store(scale_ptr + r[:, None] * stride_scale + g[None, :], tl.reshape(scale * SCALE, (BLOCK_R, BLOCK_C // 32)),
              mask=(r < rows)[:, None] & (g < D // 32)[None, :])
 
 
-def fp8_codes(x: torch.Tensor, tile: dict, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_codes(x: torch.Tensor, tile: dict, scale: float = 1.0, mma_order: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 codes ``float8_e4m3fn [N, D]``, fp32 block scales times ``scale`` ``[N, D / 32]``) of x's
     [N, D] fp8 round trip (D a multiple of 32): code times block scale is the value :func:`fp8_round_trip`
-    stores. One launch of ``tile`` (as :func:`fp8_round_trip`'s)."""
+    stores. ``mma_order``: each block's 32 codes stored in the order the fp8 MMA of the fp4 experts takes
+    them (K ``8t + 2j + h`` at position ``16h + 4t + j``, :func:`.experts_qgmma_stream.mma_position`). One
+    launch of ``tile`` (as :func:`fp8_round_trip`'s)."""
     if x.shape[-1] % 32:
         raise ValueError(f"fp8_codes: expected a last dimension that is a multiple of 32, got {x.shape[-1]}")
     x = last_dense(x)
@@ -86,6 +94,6 @@ def fp8_codes(x: torch.Tensor, tile: dict, scale: float = 1.0) -> tuple[torch.Te
     scales = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32, device=x.device)
     grid = (cdiv(x.shape[0], tile["BLOCK_R"]), cdiv(x.shape[1], tile["BLOCK_C"]))
     _fp8_codes_kernel[grid](x, codes, scales, x.shape[0], x.shape[1], x.stride(0), codes.stride(0), scales.stride(0),
-                            SCALE=float(scale), BLOCK_R=tile["BLOCK_R"], BLOCK_C=tile["BLOCK_C"],
+                            SCALE=float(scale), MMA_ORDER=mma_order, BLOCK_R=tile["BLOCK_R"], BLOCK_C=tile["BLOCK_C"],
                             num_warps=tile["num_warps"], **pdl.options(x.device))
     return codes.view(torch.float8_e4m3fn), scales

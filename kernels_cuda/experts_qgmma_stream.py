@@ -1,0 +1,142 @@
+"""fp4_w expert rows of a prefill chunk on the fp8 warpgroup MMA, the weights its register operand, the
+activations streamed beside them (sm_90, Gluon).
+
+:mod:`.experts_qgmma` keeps a program's activations in shared memory for its whole K range: a decode
+step's 8 or 16 rows an expert, K split over programs whose fp32 partials are summed after. A prefill
+chunk's row tiles (32-128 rows of one expert) would need that memory many times over, and a K split
+would write fp32 partials the size of the output once a split. Here a program runs the whole K and its
+row tile's activations come through the same ring of trips (four K blocks of 32) as its weight bytes:
+asynchronous copies of the E4M3 codes of the rows the tile gathers (128 bytes a row a trip, whole
+128-byte swizzle rows; each block's 32 bytes are a K slice of the MMA's B operand) and of their block
+scales. The codes must arrive in the MMA's order (:func:`mma_position`: what :func:`.experts_qgmma.fill`
+does in registers, the producer does when it stores them), so the copies move them as they are.
+
+A program is ``num_warps / 4`` warpgroups over ``16 * num_warps`` weight rows (each warpgroup the M of
+``wgmma m64nTOKENSk32``); the rows may come from two matrices (the up launch's W1 and W3 halves).
+Each block's product is scaled in fp32 by its rows' and tokens' scales after its MMA retires; a trip's
+four MMAs are in flight two at a time, the older one's sum taken while the newer runs, all retired
+within the trip (register operands of MMAs in flight across a loop's back edge are not kept by ptxas).
+"""
+from __future__ import annotations
+
+from flashrt.kernels_cuda.attention_ws import AVAILABLE
+
+TRIP_BLOCKS = 4  # K blocks of 32 a trip: 128 codes of each row
+
+
+def mma_position(k: int) -> int:
+    """The position within a 32-wide block at which the MMA's operands hold K ``k`` (0-31) of it: the
+    decode of a thread's word of eight codes ``8t .. 8t + 7`` fills positions ``4t ..`` with its even codes
+    and ``16 + 4t ..`` with its odd ones, so K ``8t + 2j + h`` sits at ``16h + 4t + j``."""
+    return 16 * (k % 2) + 4 * (k // 8) + (k % 8) // 2
+
+
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+
+    from flashrt.kernels_cuda.attention_ws import _async_load, _sync
+    from flashrt.kernels_cuda.experts_qgmma import _operand, _scale_word
+
+    @gluon.constexpr_function
+    def rows_layout(TOKENS, num_warps):
+        """The accumulators' layout: ``num_warps / 4`` warpgroups' m64nTOKENS tiles of ``wgmma`` stacked along M."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, TOKENS, 32])
+
+    @gluon.constexpr_function
+    def weight_copy_layout(num_warps):
+        """A trip's weight bytes ``[16 * num_warps, 64]``: 16-byte copies, four threads a row."""
+        return gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+
+    @gluon.jit
+    def _promote(acc, d, w_byte, s_row):
+        """``acc`` plus a retired block product ``d`` times its rows' UE8M0 scales (``w_byte``, bits 0-7 of
+        an int32 a row) and its tokens' scales (``s_row``, fp32 [TOKENS] in the columns' layout)."""
+        w = ((w_byte & 0xFF) << 23).to(gl.float32, bitcast=True)
+        return acc + d * (w[:, None] * s_row[None, :])
+
+    @gluon.jit
+    def _trip(w_slot, x_slot, s_flat, s0, sw, a_l: gl.constexpr, cols_l: gl.constexpr, zero, acc):
+        """A trip's four blocks into ``acc``: weight bytes ``w_slot`` [ROWS, 64], activation codes ``x_slot``
+        [TOKENS, 128] (block ``u`` in bytes ``32u ..``), token scales rows ``s0 + u`` of ``s_flat``, the rows' four
+        scale bytes ``sw`` (block ``u``'s at bits ``8u``). Two MMAs in flight: the older one's product is
+        scaled and summed while the newer runs."""
+        d0 = warpgroup_mma(_operand(w_slot.slice(0, 16, dim=1).load(a_l), a_l),
+                           x_slot.slice(0, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        d1 = warpgroup_mma(_operand(w_slot.slice(16, 16, dim=1).load(a_l), a_l),
+                           x_slot.slice(32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        d0 = warpgroup_mma_wait(1, deps=[d0])
+        acc = _promote(acc, d0, sw, s_flat.index(s0 + 0).load(cols_l))
+        d2 = warpgroup_mma(_operand(w_slot.slice(32, 16, dim=1).load(a_l), a_l),
+                           x_slot.slice(64, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        d1 = warpgroup_mma_wait(1, deps=[d1])
+        acc = _promote(acc, d1, sw >> 8, s_flat.index(s0 + 1).load(cols_l))
+        d3 = warpgroup_mma(_operand(w_slot.slice(48, 16, dim=1).load(a_l), a_l),
+                           x_slot.slice(96, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        d2 = warpgroup_mma_wait(1, deps=[d2])
+        acc = _promote(acc, d2, sw >> 16, s_flat.index(s0 + 2).load(cols_l))
+        d3 = warpgroup_mma_wait(0, deps=[d3])
+        return _promote(acc, d3, sw >> 24, s_flat.index(s0 + 3).load(cols_l))
+
+    @gluon.jit
+    def _copy_trip(w_ring, x_ring, s_ring, slot, w_src, x_src, s_src, x_ok, s_ok, kb):
+        """Issue the copies of the trip from block ``kb`` into ring slot ``slot``: weight bytes, activation
+        codes, token scales (lanes past the tile's rows copy nothing: zeros, never stored)."""
+        _async_load(w_ring.index(slot), w_src + kb * 16)
+        _async_load(x_ring.index(slot), x_src + kb * 32, mask=x_ok)
+        _async_load(s_ring.index(slot), s_src + kb, mask=s_ok)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def loop(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K,
+             TOKENS: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
+        """fp32 sums [16 * num_warps, TOKENS] (:func:`rows_layout`) over K of weight rows times a row tile's
+        activations. ``w_rows``: int64-addressed uint8 pointers [ROWS] (``SliceLayout(1,
+        weight_copy_layout)``) to each row's fp4_w bytes at K 0 (standard nibbles); ``s_rows``: pointers
+        [ROWS] (``SliceLayout(1, rows_layout)``) to each row's scales (:func:`.experts_qgmma._scale_word`:
+        int32 words of four blocks, or with KMAJOR bytes ``stride_sk`` apart); x: E4M3 codes [T, K] in the
+        MMA's order within each block with fp32 scales xs [T, K / 32]; ``tok`` (int64 [TOKENS], any layout):
+        the tile's rows of x, ``row_ok`` which lanes hold one. K a multiple of 128; STAGES >= 2 trips in the
+        ring."""
+        ROWS: gl.constexpr = 16 * num_warps
+        acc_l: gl.constexpr = rows_layout(TOKENS, num_warps)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+        cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+        wl: gl.constexpr = weight_copy_layout(num_warps)
+        xl: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])  # 128 bytes a row a trip
+        sl: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])  # [4, TOKENS] fp32
+        w_src = w_rows[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, wl))[None, :]
+        tok_x = gl.convert_layout(tok, gl.SliceLayout(1, xl))
+        x_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, xl))[:, None]
+        x_src = x_ptr + tok_x[:, None] * stride_xm + gl.arange(0, 128, layout=gl.SliceLayout(0, xl))[None, :]
+        tok_s = gl.convert_layout(tok, gl.SliceLayout(0, sl))
+        s_ok = gl.convert_layout(row_ok, gl.SliceLayout(0, sl))[None, :]
+        s_src = xs_ptr + tok_s[None, :] * stride_xsm + gl.arange(0, 4, layout=gl.SliceLayout(1, sl))[:, None]
+        # 16-byte chunks swizzled by row pair: a warp's 4-byte reads of 8 rows fall in distinct banks
+        w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+        x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TOKENS, 128],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        s_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 4, TOKENS], flat)
+        # a block's scales a row (a layout one rank short of the shape: index gives the row)
+        s_flat = s_ring.reinterpret(gl.float32, [STAGES * 4, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        nb = K // 32
+        for i in gl.static_range(STAGES - 1):
+            _copy_trip(w_ring, x_ring, s_ring, i, w_src, x_src, s_src, x_ok, s_ok, gl.minimum(4 * i, nb - 4))
+        zero = gl.zeros([ROWS, TOKENS], gl.float32, acc_l)
+        acc = gl.zeros([ROWS, TOKENS], gl.float32, acc_l)
+        for kb in range(0, nb, 4):
+            j = kb // 4
+            # the trip STAGES - 1 ahead (the last trips copy the last one again: never read)
+            ahead = gl.minimum(kb + 4 * (STAGES - 1), nb - 4)
+            _copy_trip(w_ring, x_ring, s_ring, (j + STAGES - 1) % STAGES, w_src, x_src, s_src, x_ok, s_ok, ahead)
+            sw = _scale_word(s_rows, kb, stride_sk, KMAJOR)
+            async_copy.wait_group(STAGES - 1)  # this thread's copies of trip j have landed
+            _sync()  # and every thread's
+            slot = j % STAGES
+            acc = _trip(w_ring.index(slot), x_ring.index(slot), s_flat, slot * 4, sw, a_l, cols_l, zero, acc)
+            _sync()  # every warp has read the slot before a later trip's copies refill it
+        async_copy.wait_group(0)
+        return acc

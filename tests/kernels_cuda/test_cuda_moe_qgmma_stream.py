@@ -1,0 +1,151 @@
+"""The ``qgmma`` knob of an experts rule with ``qgmma_tokens`` of 32 or more (kernels_cuda/moe_qgmma_stream.py):
+a prefill chunk's routed fp4_w experts on the fp8 warpgroup MMA, the whole K a program, the activations
+streamed through the ring beside the weights.
+
+Without a GPU: the MMA order of a block's codes is the one the weights' decode fills (the emulated PTX's
+positions), ``fp8_codes`` stores x's codes in it under the interpreter, the launcher takes the streamed
+plan for row tiles of 32 or more (no K split, no shared tiles) and refuses a ring under two trips; with
+this Triton the kernels compile for sm_90 on ``QGMMA`` without spills. On an sm_90 GPU: against the
+reference and the rule's MMA tile without the knob on fresh random inputs: row tiles of 32 and 64 rows
+(partly filled, experts over several tiles), 4 and 8 warps, rings of 2-4 trips, scales row and K major,
+the combine in the down launch and in its own, the shared expert beside it and ``add``."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import flashrt
+from flashrt import formats, jit_targets, ops
+from flashrt.jit_targets import ARCHS
+from kernel_check import (DEVICE, GPU, assert_counters_zero, assert_moe_path_matches, moe_case, pinned_tiles, rel_err,
+                          requires_kernels, run_moe, sm90_compile)
+
+pytestmark = requires_kernels
+moe = pytest.importorskip("flashrt.kernels_cuda.moe")
+st = pytest.importorskip("flashrt.kernels_cuda.moe_qgmma_stream")
+es = pytest.importorskip("flashrt.kernels_cuda.experts_qgmma_stream")
+lin = pytest.importorskip("flashrt.kernels_cuda.linear")
+QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and st.AVAILABLE
+
+
+def _tiles(tokens=64, warps=8, stages=3, on=True, **moe_tiles):
+    """A decode rule on the 16-row tile, then the prefill rule with the streamed knob."""
+    prefill = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, qgmma=on, qgmma_tokens=tokens,
+                   qgmma_warps=warps, qgmma_stages=stages)
+    return {"experts": [[16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)], [None, prefill]],
+            "act_dequantized": True, **moe_tiles}
+
+
+def _plan(monkeypatch, n=4096, k=6, E=384, D=5120, I=2304, shared=False, **tiles):
+    monkeypatch.setattr(lin, "INTERPRETED", False)
+    with pinned_tiles(moe=_tiles(**tiles)), jit_targets.targeting(ARCHS["sm_90"]):
+        return moe._plan(n, k, E, D, I, shared)
+
+
+def test_the_mma_order_is_the_decodes():
+    """Position ``16h + 4t + j`` of a block holds K ``8t + 2j + h``: the order the weights' decode fills
+    (``test_cuda_experts_qgmma``'s emulated PTX); a permutation of the 32."""
+    where = [es.mma_position(c) for c in range(32)]
+    assert sorted(where) == list(range(32))
+    for t in range(4):
+        for j in range(4):
+            for h in range(2):
+                assert where[8 * t + 2 * j + h] == 16 * h + 4 * t + j
+
+
+@pytest.mark.parametrize("rows,k", [(5, 96), (17, 256)])
+def test_fp8_codes_in_the_mma_order(rng, rows, k):
+    """``fp8_codes(mma_order=True)``: each block's bytes of the plain codes moved to their MMA positions, the
+    scales the same."""
+    from flashrt.kernels_cuda.round_trip import fp8_codes
+
+    x = (torch.randn(rows, k, generator=rng) * 3.0).to(DEVICE, torch.bfloat16)
+    tile = dict(BLOCK_R=4, BLOCK_C=64, num_warps=4)
+    plain, s = fp8_codes(x, tile, 64.0)
+    ordered, s2 = fp8_codes(x, tile, 64.0, mma_order=True)
+    pos = torch.tensor([es.mma_position(c) for c in range(32)])
+    want = torch.empty_like(plain.view(torch.uint8)).view(rows, k // 32, 32)
+    want[:, :, pos] = plain.view(torch.uint8).view(rows, k // 32, 32)
+    assert torch.equal(ordered.view(torch.uint8).view(rows, k // 32, 32), want) and torch.equal(s, s2)
+
+
+@pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
+@pytest.mark.parametrize("tokens,warps", [(32, 8), (64, 4), (128, 8)])
+def test_the_launcher_streams_row_tiles_of_32_or_more(monkeypatch, tokens, warps):
+    p = _plan(monkeypatch, tokens=tokens, warps=warps)
+    q = p["qgmma"]
+    assert q["stream"] and not q["pairs"] and q["block_m"] == tokens and q["row_tiles"] == min(4096 * 6, -(-4096 * 6 // tokens) + 384)
+    rows = 16 * warps
+    assert q["up"]["grid_cols"] == 2304 // (rows // 2) and q["down"]["grid_cols"] == 5120 // rows
+    assert q["up"]["split"] == q["down"]["split"] == 1 and q["up"]["constexprs"]["num_warps"] == warps
+    # no shared tiles in the streamed launches: the shared expert runs beside them
+    assert _plan(monkeypatch, tokens=tokens, warps=warps, shared=True)["qgmma_shared"] is None
+    assert _plan(monkeypatch, tokens=tokens, stages=0)["qgmma"] is None  # the ring is the stream: two trips at least
+    assert _plan(monkeypatch, tokens=tokens, D=5120 + 64)["qgmma"] is None  # D not whole trips of 128
+    assert _plan(monkeypatch, tokens=tokens, on=False)["qgmma"] is None
+
+
+@pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
+@pytest.mark.parametrize("tokens,warps,k_major", [(64, 8, True), (32, 8, False)])
+def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps, k_major):
+    tiles = {"experts": _tiles(tokens, warps)["experts"], "act_dequantized": True, "grouped_min_rows": None}
+    reports = sm90_compile("moe", "--B", "4096", "--moe-dims", "released", "--tiles", json.dumps(tiles),
+                           "--profile-set", "expert_fp4=nibbles", *(["--cold"] if k_major else []))
+    for name in ("_up_kernel", "_down_kernel"):
+        r = next(r for r in reports if r["kernel"] == name and r["sass"]["QGMMA"])
+        assert r["stack_bytes"] == 0 and r["sass"]["HMMA"] == 0 and r["sass"]["LDL"] == 0
+        loop = r["mma_loop"]
+        assert [lp["count"] for lp in loop["loops"]] == [4]  # one K loop: four wgmma a trip
+        # each block's product scaled in fp32: a multiply and an add per accumulator element (a thread's
+        # tokens / 2) a block, then the decode, the ring's copies and barriers
+        per_block = tokens // 2
+        assert loop["opcodes"]["FMUL"] == 4 * per_block and loop["opcodes"]["FFMA"] == 4 * per_block
+        assert loop["instructions"] < 8 * per_block + 230
+
+
+def _stack(rng, E, rows, K, k_major=False):
+    w = formats.quantize(torch.randn(E, rows, K, generator=rng) * 0.25, "fp4_w")
+    return formats.as_expert_stack(w, k_major, False)
+
+
+def _case(rng, n, D, I, E, k, k_major=False):
+    return moe_case(rng, n, D, I, E, k, lambda e, rows, K: _stack(rng, e, rows, K, k_major))
+
+
+# (tokens, D, I, experts, slots, rows a tile, warps, ring stages, K major)
+CASES = [(96, 256, 128, 8, 6, 64, 8, 3, False), (40, 384, 256, 4, 2, 32, 8, 2, True),
+         (200, 512, 256, 16, 6, 32, 4, 4, False), (64, 1024, 512, 3, 4, 64, 4, 3, True),
+         (130, 256, 384, 12, 6, 64, 8, 4, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("n,D,I,E,k,tokens,warps,stages,k_major", CASES)
+def test_against_the_reference_and_the_16_row_tile(rng, n, D, I, E, k, tokens, warps, stages, k_major):
+    args = _case(rng, n, D, I, E, k, k_major)
+    tiles = _tiles(tokens, warps, stages)
+    with pinned_tiles(moe=tiles):
+        p = moe._plan(n, k, E, D, I)
+    assert p["qgmma"] is not None and p["qgmma"]["stream"]
+    assert_moe_path_matches(args, tiles, _tiles(on=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("n,in_kernel", [(80, True), (80, False)])
+def test_with_the_shared_expert_and_add(rng, n, in_kernel):
+    """The shared expert (fp8_w) on the direct path beside the streamed launches; its row and ``add``
+    summed after the routed rows, by the down launch's combine or the combine launch; bf16 out."""
+    D, I, E, k = 256, 128, 8, 6
+    args = _case(rng, n, D, I, E, k)
+    shared = tuple(formats.as_expert_stack(formats.quantize(torch.randn(1, *s, generator=rng) * 0.25, "fp8_w"),
+                                           False).to(DEVICE) for s in ((I, D), (I, D), (D, I)))
+    add = torch.randn(n, D, generator=rng).to(DEVICE)
+    tiles = _tiles(32, 8, 3, combine=dict(BLOCK_D=1024, num_warps=4, in_kernel=in_kernel))
+    got = run_moe(args, tiles, add=add, out_dtype=torch.bfloat16, shared=shared)
+    assert_counters_zero(got)
+    with flashrt.use_backend("reference"):
+        want = ops.moe_experts(*args, add=add, out_dtype=torch.bfloat16, shared=shared)
+    assert got.dtype == torch.bfloat16 and rel_err(got.float(), want.float()) < 1e-2
