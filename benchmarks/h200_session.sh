@@ -1333,14 +1333,14 @@ phase_qgmmaslice() {  # the real slice and small's decode: the profile (experts 
 
 phase_qgmmastream() {  # a prefill chunk's experts on qgmma, the activations streamed (moe_qgmma_stream.py)
   local n v=("qgmma streamed, 64-row tiles, 8 warps, 3 stages" "qgmma streamed, 32-row tiles, 8 warps, 3 stages")
-  timeout 240 python -m pytest -q -n 4 -m "gpu or not gpu" -p no:cacheprovider \
+  timeout 180 python -m pytest -q -n 4 -m "gpu or not gpu" -p no:cacheprovider \
     tests/kernels_cuda/test_cuda_moe_qgmma_stream.py > "$OUT/h200-qgmma-stream-tests.log" 2>&1
   tail -n 15 "$OUT/h200-qgmma-stream-tests.log"
-  timeout 200 python benchmarks/moe_prefill_tiles.py --variants "M64 N128 K64, 4 warps, 4 stages, swapped" \
+  timeout 180 python benchmarks/moe_prefill_tiles.py --variants "M64 N128 K64, 4 warps, 4 stages, swapped" \
     "${v[@]}" "qgmma streamed, 64-row tiles, 8 warps, 4 stages" "qgmma streamed, 64-row tiles, 4 warps, 3 stages" \
     "qgmma streamed, 32-row tiles, 4 warps, 4 stages" --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
   for n in 2048 8192; do
-    timeout 100 python benchmarks/moe_prefill_tiles.py --tokens $n --variants "${v[@]}" \
+    timeout 80 python benchmarks/moe_prefill_tiles.py --tokens $n --variants "${v[@]}" \
       --out "$OUT/h200-moe-prefill-qgmma-stream-$n.json"
   done
 }
