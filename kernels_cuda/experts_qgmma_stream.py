@@ -38,7 +38,7 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
-    from flashrt.kernels_cuda.experts_qgmma import _operand, _scale_word
+    from flashrt.kernels_cuda.experts_qgmma import _operand
 
     @gluon.constexpr_function
     def rows_layout(TOKENS, num_warps):
@@ -51,6 +51,24 @@ if AVAILABLE:
         return gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
 
     @gluon.jit
+    def _scale_bytes(s_rows, kb, stride_sk, KMAJOR: gl.constexpr):
+        """The rows' scale bytes of blocks ``kb .. kb + 3`` (int32 each, the byte in bits 0-7, higher bits
+        ignored): K major, four loads ``stride_sk`` apart; else one int32 word of four blocks (the layouts
+        :func:`.experts_qgmma._scale_word` reads)."""
+        if KMAJOR:
+            b = s_rows + kb * stride_sk
+            s0 = gl.load(b).to(gl.int32)
+            s1 = gl.load(b + stride_sk).to(gl.int32)
+            s2 = gl.load(b + 2 * stride_sk).to(gl.int32)
+            s3 = gl.load(b + 3 * stride_sk).to(gl.int32)
+        else:
+            s0 = gl.load(s_rows + kb // 4)
+            s1 = s0 >> 8
+            s2 = s0 >> 16
+            s3 = s0 >> 24
+        return s0, s1, s2, s3
+
+    @gluon.jit
     def _promote(acc, d, w_byte, s_row):
         """``acc`` plus a retired block product ``d`` times its rows' UE8M0 scales (``w_byte``, bits 0-7 of
         an int32 a row) and its tokens' scales (``s_row``, fp32 [TOKENS] in the columns' layout)."""
@@ -60,25 +78,25 @@ if AVAILABLE:
     @gluon.jit
     def _trip(w_slot, x_slot, s_flat, s0, sw, a_l: gl.constexpr, cols_l: gl.constexpr, zero, acc):
         """A trip's four blocks into ``acc``: weight bytes ``w_slot`` [ROWS, 64], activation codes ``x_slot``
-        [TOKENS, 128] (block ``u`` in bytes ``32u ..``), token scales rows ``s0 + u`` of ``s_flat``, the rows' four
-        scale bytes ``sw`` (block ``u``'s at bits ``8u``). Two MMAs in flight: the older one's product is
-        scaled and summed while the newer runs."""
+        [TOKENS, 128] (block ``u`` in bytes ``32u ..``), token scales rows ``s0 + u`` of ``s_flat``, the rows'
+        scale bytes ``sw`` (:func:`_scale_bytes`). Two MMAs in flight: the older one's product is scaled and
+        summed while the newer runs."""
         d0 = warpgroup_mma(_operand(w_slot.slice(0, 16, dim=1).load(a_l), a_l),
                            x_slot.slice(0, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
         d1 = warpgroup_mma(_operand(w_slot.slice(16, 16, dim=1).load(a_l), a_l),
                            x_slot.slice(32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
         d0 = warpgroup_mma_wait(1, deps=[d0])
-        acc = _promote(acc, d0, sw, s_flat.index(s0 + 0).load(cols_l))
+        acc = _promote(acc, d0, sw[0], s_flat.index(s0 + 0).load(cols_l))
         d2 = warpgroup_mma(_operand(w_slot.slice(32, 16, dim=1).load(a_l), a_l),
                            x_slot.slice(64, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
         d1 = warpgroup_mma_wait(1, deps=[d1])
-        acc = _promote(acc, d1, sw >> 8, s_flat.index(s0 + 1).load(cols_l))
+        acc = _promote(acc, d1, sw[1], s_flat.index(s0 + 1).load(cols_l))
         d3 = warpgroup_mma(_operand(w_slot.slice(48, 16, dim=1).load(a_l), a_l),
                            x_slot.slice(96, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
         d2 = warpgroup_mma_wait(1, deps=[d2])
-        acc = _promote(acc, d2, sw >> 16, s_flat.index(s0 + 2).load(cols_l))
+        acc = _promote(acc, d2, sw[2], s_flat.index(s0 + 2).load(cols_l))
         d3 = warpgroup_mma_wait(0, deps=[d3])
-        return _promote(acc, d3, sw >> 24, s_flat.index(s0 + 3).load(cols_l))
+        return _promote(acc, d3, sw[3], s_flat.index(s0 + 3).load(cols_l))
 
     @gluon.jit
     def _copy_trip(w_ring, x_ring, s_ring, slot, w_src, x_src, s_src, x_ok, s_ok, kb):
@@ -95,8 +113,8 @@ if AVAILABLE:
         """fp32 sums [16 * num_warps, TOKENS] (:func:`rows_layout`) over K of weight rows times a row tile's
         activations. ``w_rows``: int64-addressed uint8 pointers [ROWS] (``SliceLayout(1,
         weight_copy_layout)``) to each row's fp4_w bytes at K 0 (standard nibbles); ``s_rows``: pointers
-        [ROWS] (``SliceLayout(1, rows_layout)``) to each row's scales (:func:`.experts_qgmma._scale_word`:
-        int32 words of four blocks, or with KMAJOR bytes ``stride_sk`` apart); x: E4M3 codes [T, K] in the
+        [ROWS] (``SliceLayout(1, rows_layout)``) to each row's scales (:func:`_scale_bytes`: int32 words of
+        four blocks, or with KMAJOR bytes ``stride_sk`` apart); x: E4M3 codes [T, K] in the
         MMA's order within each block with fp32 scales xs [T, K / 32]; ``tok`` (int64 [TOKENS], any layout):
         the tile's rows of x, ``row_ok`` which lanes hold one. K a multiple of 128; STAGES >= 2 trips in the
         ring."""
@@ -127,12 +145,15 @@ if AVAILABLE:
             _copy_trip(w_ring, x_ring, s_ring, i, w_src, x_src, s_src, x_ok, s_ok, gl.minimum(4 * i, nb - 4))
         zero = gl.zeros([ROWS, TOKENS], gl.float32, acc_l)
         acc = gl.zeros([ROWS, TOKENS], gl.float32, acc_l)
+        sw_next = _scale_bytes(s_rows, 0, stride_sk, KMAJOR)
         for kb in range(0, nb, 4):
             j = kb // 4
             # the trip STAGES - 1 ahead (the last trips copy the last one again: never read)
             ahead = gl.minimum(kb + 4 * (STAGES - 1), nb - 4)
             _copy_trip(w_ring, x_ring, s_ring, (j + STAGES - 1) % STAGES, w_src, x_src, s_src, x_ok, s_ok, ahead)
-            sw = _scale_word(s_rows, kb, stride_sk, KMAJOR)
+            # the rows' scales a trip ahead of their use (plain loads: their latency behind this trip)
+            sw = sw_next
+            sw_next = _scale_bytes(s_rows, gl.minimum(kb + 4, nb - 4), stride_sk, KMAJOR)
             async_copy.wait_group(STAGES - 1)  # this thread's copies of trip j have landed
             _sync()  # and every thread's
             slot = j % STAGES
