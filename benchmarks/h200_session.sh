@@ -1345,6 +1345,18 @@ phase_qgmmastream() {  # a prefill chunk's experts on qgmma, the activations str
   done
 }
 
+phase_prefillqgmma() {  # a prefill chunk's experts and fp8 projections on qgmma, operands streamed: tests, then timed
+  timeout 200 python -m pytest -q -n 4 -m "gpu or not gpu" -p no:cacheprovider \
+    tests/kernels_cuda/test_cuda_moe_qgmma_stream.py tests/kernels_cuda/test_cuda_linear_qgmma.py \
+    > "$OUT/h200-prefill-qgmma-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-prefill-qgmma-tests.log"
+  timeout 150 python benchmarks/moe_prefill_tiles.py --variants "M64 N128 K64, 4 warps, 4 stages, swapped" \
+    "qgmma streamed, 64-row tiles, 8 warps, 3 stages" "qgmma streamed, 32-row tiles, 8 warps, 3 stages" \
+    "qgmma streamed, 64-row tiles, 8 warps, 4 stages" "qgmma streamed, 64-row tiles, 4 warps, 3 stages" \
+    --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
+  timeout 170 python benchmarks/linear_prefill.py --out "$OUT/h200-linear-prefill-qgmma.json"
+}
+
 phase_gemvsmallrule() {  # rows 3-8 as the one-row GEMV on small weights: the verify of 2-7 drafted tokens
   local rules on
   rules=$(python -c "import json, yaml; r = yaml.safe_load(open('hwconfigs/h200.yaml'))['tiles']['linear']['linear']

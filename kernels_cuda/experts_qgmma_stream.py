@@ -46,9 +46,10 @@ if AVAILABLE:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, TOKENS, 32])
 
     @gluon.constexpr_function
-    def weight_copy_layout(num_warps):
-        """A trip's weight bytes ``[16 * num_warps, 64]``: 16-byte copies, four threads a row."""
-        return gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+    def weight_copy_layout(num_warps, FP8_W=False):
+        """A trip's weight bytes ``[16 * num_warps, 64]`` (fp4: four threads a row) or ``[16 * num_warps,
+        128]`` (FP8_W: eight threads a row) in 16-byte copies."""
+        return gl.BlockedLayout([1, 16], [4, 8] if FP8_W else [8, 4], [num_warps, 1], [1, 0])
 
     @gluon.jit
     def _scale_bytes(s_rows, kb, stride_sk, KMAJOR: gl.constexpr):
@@ -76,43 +77,53 @@ if AVAILABLE:
         return acc + d * (w[:, None] * s_row[None, :])
 
     @gluon.jit
-    def _trip(w_slot, x_slot, s_flat, s0, sw, a_l: gl.constexpr, cols_l: gl.constexpr, zero, acc):
-        """A trip's four blocks into ``acc``: weight bytes ``w_slot`` [ROWS, 64], activation codes ``x_slot``
-        [TOKENS, 128] (block ``u`` in bytes ``32u ..``), token scales rows ``s0 + u`` of ``s_flat``, the rows'
-        scale bytes ``sw`` (:func:`_scale_bytes`). Two MMAs in flight: the older one's product is scaled and
-        summed while the newer runs."""
-        d0 = warpgroup_mma(_operand(w_slot.slice(0, 16, dim=1).load(a_l), a_l),
-                           x_slot.slice(0, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
-        d1 = warpgroup_mma(_operand(w_slot.slice(16, 16, dim=1).load(a_l), a_l),
-                           x_slot.slice(32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+    def _mma(w_slot, x_slot, u: gl.constexpr, a_l: gl.constexpr, zero, FP8_W: gl.constexpr):
+        """Start block ``u``'s MMA of a trip: E4M3 weights straight from shared memory (FP8_W), else the fp4
+        bytes decoded into the register operand."""
+        if FP8_W:
+            a = w_slot.slice(32 * u, 32, dim=1)
+        else:
+            a = _operand(w_slot.slice(16 * u, 16, dim=1).load(a_l), a_l)
+        return warpgroup_mma(a, x_slot.slice(32 * u, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _trip(w_slot, x_slot, s_flat, s0, sw, a_l: gl.constexpr, cols_l: gl.constexpr, zero, acc,
+              FP8_W: gl.constexpr):
+        """A trip's four blocks into ``acc``: weights ``w_slot`` ([ROWS, 64] fp4 bytes, or [ROWS, 128] E4M3
+        with FP8_W), activation codes ``x_slot`` [TOKENS, 128] (block ``u`` in bytes ``32u ..``), token
+        scales rows ``s0 + u`` of ``s_flat``, the rows' scale bytes ``sw`` (:func:`_scale_bytes`). Two MMAs
+        in flight: the older one's product is scaled and summed while the newer runs."""
+        d0 = _mma(w_slot, x_slot, 0, a_l, zero, FP8_W)
+        d1 = _mma(w_slot, x_slot, 1, a_l, zero, FP8_W)
         d0 = warpgroup_mma_wait(1, deps=[d0])
         acc = _promote(acc, d0, sw[0], s_flat.index(s0 + 0).load(cols_l))
-        d2 = warpgroup_mma(_operand(w_slot.slice(32, 16, dim=1).load(a_l), a_l),
-                           x_slot.slice(64, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        d2 = _mma(w_slot, x_slot, 2, a_l, zero, FP8_W)
         d1 = warpgroup_mma_wait(1, deps=[d1])
         acc = _promote(acc, d1, sw[1], s_flat.index(s0 + 1).load(cols_l))
-        d3 = warpgroup_mma(_operand(w_slot.slice(48, 16, dim=1).load(a_l), a_l),
-                           x_slot.slice(96, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        d3 = _mma(w_slot, x_slot, 3, a_l, zero, FP8_W)
         d2 = warpgroup_mma_wait(1, deps=[d2])
         acc = _promote(acc, d2, sw[2], s_flat.index(s0 + 2).load(cols_l))
         d3 = warpgroup_mma_wait(0, deps=[d3])
         return _promote(acc, d3, sw[3], s_flat.index(s0 + 3).load(cols_l))
 
     @gluon.jit
-    def _copy_trip(w_ring, x_ring, s_ring, slot, w_src, x_src, s_src, x_ok, s_ok, kb):
+    def _copy_trip(w_ring, x_ring, s_ring, slot, w_src, x_src, s_src, x_ok, s_ok, kb, FP8_W: gl.constexpr):
         """Issue the copies of the trip from block ``kb`` into ring slot ``slot``: weight bytes, activation
         codes, token scales (lanes past the tile's rows copy nothing: zeros, never stored)."""
-        _async_load(w_ring.index(slot), w_src + kb * 16)
+        _async_load(w_ring.index(slot), w_src + kb * (32 if FP8_W else 16))
         _async_load(x_ring.index(slot), x_src + kb * 32, mask=x_ok)
         _async_load(s_ring.index(slot), s_src + kb, mask=s_ok)
         async_copy.commit_group()
 
     @gluon.jit
     def loop(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K,
-             TOKENS: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
+             TOKENS: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr,
+             FP8_W: gl.constexpr = False):
         """fp32 sums [16 * num_warps, TOKENS] (:func:`rows_layout`) over K of weight rows times a row tile's
-        activations. ``w_rows``: int64-addressed uint8 pointers [ROWS] (``SliceLayout(1,
-        weight_copy_layout)``) to each row's fp4_w bytes at K 0 (standard nibbles); ``s_rows``: pointers
+        activations. ``w_rows``: int64-addressed pointers [ROWS] (``SliceLayout(1, weight_copy_layout)``)
+        to each row's fp4_w bytes at K 0 (standard nibbles; the activations then in the MMA's order), or
+        with FP8_W its E4M3 bytes (the MMA's shared operand as they are; the activations in K order), one
+        UE8M0 scale a row and K block either way (an fp8_w tile's rows share theirs); ``s_rows``: pointers
         [ROWS] (``SliceLayout(1, rows_layout)``) to each row's scales (:func:`_scale_bytes`: int32 words of
         four blocks, or with KMAJOR bytes ``stride_sk`` apart); x: E4M3 codes [T, K] in the
         MMA's order within each block with fp32 scales xs [T, K / 32]; ``tok`` (int64 [TOKENS], any layout):
@@ -122,27 +133,29 @@ if AVAILABLE:
         acc_l: gl.constexpr = rows_layout(TOKENS, num_warps)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
         cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-        wl: gl.constexpr = weight_copy_layout(num_warps)
+        wl: gl.constexpr = weight_copy_layout(num_warps, FP8_W)
         xl: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])  # 128 bytes a row a trip
         sl: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])  # [4, TOKENS] fp32
-        w_src = w_rows[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, wl))[None, :]
+        w_src = w_rows[:, None] + gl.arange(0, 128 if FP8_W else 64, layout=gl.SliceLayout(0, wl))[None, :]
         tok_x = gl.convert_layout(tok, gl.SliceLayout(1, xl))
         x_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, xl))[:, None]
         x_src = x_ptr + tok_x[:, None] * stride_xm + gl.arange(0, 128, layout=gl.SliceLayout(0, xl))[None, :]
         tok_s = gl.convert_layout(tok, gl.SliceLayout(0, sl))
         s_ok = gl.convert_layout(row_ok, gl.SliceLayout(0, sl))[None, :]
         s_src = xs_ptr + tok_s[None, :] * stride_xsm + gl.arange(0, 4, layout=gl.SliceLayout(1, sl))[:, None]
-        # 16-byte chunks swizzled by row pair: a warp's 4-byte reads of 8 rows fall in distinct banks
-        w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
-        x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TOKENS, 128],
-                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+        nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        if FP8_W:  # the MMA's A operand: 128-byte swizzled rows
+            w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, ROWS, 128], nvmma)
+        else:  # 16-byte chunks swizzled by row pair: a warp's 4-byte reads of 8 rows fall in distinct banks
+            w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+        x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TOKENS, 128], nvmma)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         s_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 4, TOKENS], flat)
         # a block's scales a row (a layout one rank short of the shape: index gives the row)
         s_flat = s_ring.reinterpret(gl.float32, [STAGES * 4, TOKENS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         nb = K // 32
         for i in gl.static_range(STAGES - 1):
-            _copy_trip(w_ring, x_ring, s_ring, i, w_src, x_src, s_src, x_ok, s_ok, gl.minimum(4 * i, nb - 4))
+            _copy_trip(w_ring, x_ring, s_ring, i, w_src, x_src, s_src, x_ok, s_ok, gl.minimum(4 * i, nb - 4), FP8_W)
         zero = gl.zeros([ROWS, TOKENS], gl.float32, acc_l)
         acc = gl.zeros([ROWS, TOKENS], gl.float32, acc_l)
         sw_next = _scale_bytes(s_rows, 0, stride_sk, KMAJOR)
@@ -150,14 +163,15 @@ if AVAILABLE:
             j = kb // 4
             # the trip STAGES - 1 ahead (the last trips copy the last one again: never read)
             ahead = gl.minimum(kb + 4 * (STAGES - 1), nb - 4)
-            _copy_trip(w_ring, x_ring, s_ring, (j + STAGES - 1) % STAGES, w_src, x_src, s_src, x_ok, s_ok, ahead)
+            _copy_trip(w_ring, x_ring, s_ring, (j + STAGES - 1) % STAGES, w_src, x_src, s_src, x_ok, s_ok, ahead,
+                       FP8_W)
             # the rows' scales a trip ahead of their use (plain loads: their latency behind this trip)
             sw = sw_next
             sw_next = _scale_bytes(s_rows, gl.minimum(kb + 4, nb - 4), stride_sk, KMAJOR)
             async_copy.wait_group(STAGES - 1)  # this thread's copies of trip j have landed
             _sync()  # and every thread's
             slot = j % STAGES
-            acc = _trip(w_ring.index(slot), x_ring.index(slot), s_flat, slot * 4, sw, a_l, cols_l, zero, acc)
+            acc = _trip(w_ring.index(slot), x_ring.index(slot), s_flat, slot * 4, sw, a_l, cols_l, zero, acc, FP8_W)
             _sync()  # every warp has read the slot before a later trip's copies refill it
         async_copy.wait_group(0)
         return acc

@@ -40,11 +40,11 @@ from flashrt.kernels_cuda.codecs import INTERPRETED, ptx_sm90
 from flashrt.kernels_cuda.codecs_e4m3 import FOLD_MAX_SCALE as FP8_FOLD_MAX_SCALE
 from flashrt.kernels_cuda import warmup as _warmup
 from flashrt.kernels_cuda.launch import TL_DTYPES, PlanCache, cdiv, last_dense, zeros_stored
-from flashrt.kernels_cuda import gemv, gemv_mma
+from flashrt.kernels_cuda import gemv, gemv_mma, linear_qgmma
 from flashrt.kernels_cuda.gemv import _gemv_kernel
 from flashrt.kernels_cuda.linear_kernel import _linear_kernel
 from flashrt.kernels_cuda.linear_plain import WEIGHT_DTYPES, plain_linear, supports_plain_linear
-from flashrt.kernels_cuda.round_trip import fp8_round_trip
+from flashrt.kernels_cuda.round_trip import fp8_codes, fp8_round_trip
 from flashrt.kernels_cuda import pdl
 
 WEIGHT_FORMATS = ("fp8_w", "fp4_w")
@@ -73,11 +73,16 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # loads where the Triton accepts it; only from gemv_mma_min_weights weight elements (N x K; None: every
 # weight): a smaller weight's launch, and every launch elsewhere, takes the rule's other knobs;
 # gemv_mma_stages slots in its ring of copies, gemv_mma_sub K slices of 32 a slot; gemv_mma_dq: the
-# activations' fp8 round trip by a launch before it and bf16 operands, up to 64 rows instead of 16)
+# activations' fp8 round trip by a launch before it and bf16 operands, up to 64 rows instead of 16);
+# qgmma: fp8_w launches on the fp8 warpgroup MMA with both operands streamed from shared memory (:mod:`.linear_qgmma`,
+# Gluon, sm_90; the activations quantized by a launch before it): qgmma_tokens activation rows and 16 x qgmma_warps
+# weight rows a program, a ring of qgmma_stages trips of 128 K, the group_m tile's activation tiles in a row over
+# each weight tile; over the bf16_gemm_min_rows tile where it applies. Where the kernel does not take the shape
+# (K not a multiple of 128, N not whole programs), the rule's MMA tile
 KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False,
              gemv_rows=1, gemv_round_trip=False, gemv_shared_min_weights=None, max_weights=None, gemv_mma=False,
              gemv_mma_per_sm=8, gemv_mma_kw=4, gemv_mma_min_weights=None, gemv_mma_stages=4, gemv_mma_sub=4,
-             gemv_mma_dq=False)
+             gemv_mma_dq=False, qgmma=False, qgmma_tokens=64, qgmma_warps=8, qgmma_stages=3)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -310,6 +315,12 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
                                                        KW=knobs["gemv_mma_kw"], STAGES=knobs["gemv_mma_stages"],
                                                        SUB=knobs["gemv_mma_sub"]), num_sms(), dq),
                     bf16_gemm=bf16_gemm, gemv=False, gemv_mma=True)
+    if (knobs["qgmma"] and fmt == "fp8_w" and linear_qgmma.AVAILABLE and not INTERPRETED
+            and jit_targets.capability() >= (9, 0)):
+        q = linear_qgmma.plan(m, n, k, dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"],
+                                            num_warps=knobs["qgmma_warps"], GROUP=_tiles()["group_m"]))
+        if q is not None:
+            return dict(q, qgmma=True, bf16_gemm=False, gemv=False)
     if knobs["gemv"] and fmt == "fp8_w":  # split K summed in the kernel unless split_reduce is False
         return dict(gemv.plan(m, n, k, dtype, t, knobs, _tiles()["split_k"], num_sms(),
                               knobs["split_reduce"] is not False), bf16_gemm=bf16_gemm, fused=True, fold=False)
@@ -381,6 +392,10 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
         return _bf16_gemm(x2, weight).view(*x.shape[:-1], n)
     if plan["gemv"]:
         return _gemv(x2, weight, plan).view(*x.shape[:-1], n)
+    if plan.get("qgmma"):
+        xq, xs = fp8_codes(x2, _tiles()["round_trip"])
+        data, scale = weight_operands(weight)
+        return linear_qgmma.launch(xq, xs, data, scale, plan, x.dtype).view(*x.shape[:-1], n)
     if plan.get("gemv_mma"):
         data, scale = weight_operands(weight)
         xs = fp8_round_trip(x2, _tiles()["round_trip"]) if plan["dq"] else last_dense(x2)
@@ -458,6 +473,8 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "*.gemv_mma_per_sm": Tile(low=1, kind=int), "*.gemv_mma_kw": Tile(choices=(4, 8)),
                "*.gemv_mma_min_weights": Tile(nullable=True, kind=int), "*.gemv_mma_stages": Tile(low=2, kind=int),
                "*.gemv_mma_sub": Tile(choices=(1, 2, 4)), "*.gemv_mma_dq": Tile(kind=bool),
+               "*.qgmma": Tile(kind=bool), "*.qgmma_tokens": Tile(choices=linear_qgmma.TOKENS),
+               "*.qgmma_warps": Tile(choices=linear_qgmma.WARPS), "*.qgmma_stages": Tile(low=2, kind=int),
                "round_trip.BLOCK_R": POW2, "round_trip.BLOCK_C": SCALED}
 
 

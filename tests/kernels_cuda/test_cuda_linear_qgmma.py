@@ -1,0 +1,100 @@
+"""The ``qgmma`` knob of a linear rule (kernels_cuda/linear_qgmma.py): fp8_w ``linear`` over many rows on the fp8
+warpgroup MMA, both operands streamed from shared memory, written in Gluon.
+
+Without a GPU: the launcher takes it only where the knob is on, the target is a compiled sm_90 one and the
+shape is whole trips and programs (else the rule's MMA tile), over the bf16 GEMM tile; it compiles for
+sm_90 on ``QGMMA`` without spills, one K loop of four MMAs, the scales applied in fp32 (the weight
+tile's scale shared by a thread's rows). On an sm_90 GPU: against the reference and the rule's MMA tile
+on fresh random inputs: rows that fill no tile or several (a partial last one), 4 and 8 warps, 32-128
+rows a program, rings of 2-4 trips, bf16 and fp32 x, scales row or K major."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import flashrt
+from flashrt import formats, jit_targets, ops
+from flashrt.jit_targets import ARCHS
+from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels, sm90_compile
+
+pytestmark = requires_kernels
+lin = pytest.importorskip("flashrt.kernels_cuda.linear")
+lq = pytest.importorskip("flashrt.kernels_cuda.linear_qgmma")
+QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and lq.AVAILABLE
+
+
+def _tiles(tokens=64, warps=8, stages=3, on=True, **linear_tiles):
+    big = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, qgmma=on, qgmma_tokens=tokens,
+               qgmma_warps=warps, qgmma_stages=stages)
+    return {"linear": [[16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)], [None, big]],
+            **linear_tiles}
+
+
+def _plan(monkeypatch, m=4096, n=5120, k=8192, arch="sm_90", **tiles):
+    monkeypatch.setattr(lin, "INTERPRETED", False)
+    with pinned_tiles(linear=_tiles(**tiles)), jit_targets.targeting(ARCHS[arch]):
+        return lin._linear_plan(m, n, k, torch.bfloat16, "fp8_w")
+
+
+@pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
+def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
+    p = _plan(monkeypatch)
+    assert p.get("qgmma") and not p["bf16_gemm"] and p["grid"] == (4096 // 64 * (5120 // 128),)
+    assert p["constexprs"]["TOKENS"] == 64 and p["constexprs"]["num_warps"] == 8
+    assert _plan(monkeypatch, bf16_gemm_min_rows=1024).get("qgmma")  # over the bf16 GEMM tile
+    assert _plan(monkeypatch, m=100, tokens=32, warps=4)["grid"] == (4 * (5120 // 64),)
+    assert not _plan(monkeypatch, on=False).get("qgmma")
+    assert not _plan(monkeypatch, k=8192 + 32).get("qgmma")  # K not whole trips of 128
+    assert not _plan(monkeypatch, n=5120 + 64).get("qgmma")  # N not whole 128-row programs
+    assert not _plan(monkeypatch, arch="sm_89").get("qgmma") and not _plan(monkeypatch, arch="sm_80").get("qgmma")
+    monkeypatch.setattr(lin, "INTERPRETED", True)  # the interpreter does not run Gluon
+    with pinned_tiles(linear=_tiles()), jit_targets.targeting(ARCHS["sm_90"]):
+        assert not lin._linear_plan(4096, 5120, 8192, torch.bfloat16, "fp8_w").get("qgmma")
+    monkeypatch.setattr(lin, "INTERPRETED", False)
+    with pinned_tiles(linear=_tiles()), jit_targets.targeting(ARCHS["sm_90"]):  # fp4_w keeps the MMA tile
+        assert not lin._linear_plan(4096, 5120, 8192, torch.bfloat16, "fp4_w").get("qgmma")
+
+
+@pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
+@pytest.mark.parametrize("tokens,warps", [(64, 8), (32, 4)])
+def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps):
+    r = next(r for r in sm90_compile("linear", "--B", "4096", "--tiles", json.dumps(_tiles(tokens, warps)))
+             if r["kernel"] == "_kernel")
+    assert r["stack_bytes"] == 0 and r["sass"]["HMMA"] == 0 and r["sass"]["QGMMA"] == 4
+    loop = r["mma_loop"]
+    assert [lp["count"] for lp in loop["loops"]] == [4]
+    # a block's product scaled: an add a thread's accumulator element (tokens / 2), a multiply a token
+    # (its rows share the weight tile's scale)
+    assert loop["opcodes"]["FFMA"] == 4 * tokens // 2 and loop["opcodes"]["FMUL"] == 4 * tokens // 4
+    assert loop["instructions"] < 4 * tokens + 120
+
+
+def _case(rng, m, n, k, dtype=torch.bfloat16, k_major=False):
+    x = (torch.randn(m, k, generator=rng) * 3.0).to(DEVICE, dtype)
+    w = formats.quantize(torch.randn(n, k, generator=rng) * 0.05, "fp8_w").to(DEVICE)
+    if k_major:
+        w = formats.QTensor(w.data, w.scale.t().contiguous().t(), w.fmt, w.shape)
+    return x, w
+
+
+# (rows, out, in, rows a program, warps, ring stages, x dtype, scales K major)
+CASES = [(100, 256, 512, 64, 8, 3, torch.bfloat16, False), (7, 128, 256, 32, 4, 2, torch.bfloat16, False),
+         (300, 384, 1024, 128, 8, 4, torch.bfloat16, True), (64, 512, 384, 64, 4, 3, torch.float32, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("m,n,k,tokens,warps,stages,dtype,k_major", CASES)
+def test_against_the_reference_and_the_mma_tile(rng, m, n, k, tokens, warps, stages, dtype, k_major):
+    x, w = _case(rng, m, n, k, dtype, k_major)
+    with pinned_tiles(linear=_tiles(tokens, warps, stages)), flashrt.use_backend("cuda"):
+        assert lin._linear_plan(m, n, k, dtype, "fp8_w").get("qgmma")
+        got = ops.linear(x, w)
+    with pinned_tiles(linear=_tiles(on=False)), flashrt.use_backend("cuda"):
+        other = ops.linear(x, w)
+    with flashrt.use_backend("reference"):
+        want = ops.linear(x, w)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert rel_err(got.float(), want.float()) < 5e-3 and rel_err(got.float(), other.float()) < 5e-3
