@@ -1357,6 +1357,17 @@ phase_prefillqgmma() {  # a prefill chunk's experts and fp8 projections on qgmma
   timeout 170 python benchmarks/linear_prefill.py --out "$OUT/h200-linear-prefill-qgmma.json"
 }
 
+phase_prefillquick() {  # prefillqgmma's tests and its two leading variants of each, for a short lease
+  timeout 130 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider \
+    tests/kernels_cuda/test_cuda_moe_qgmma_stream.py tests/kernels_cuda/test_cuda_linear_qgmma.py -k "not compiles" \
+    > "$OUT/h200-prefill-qgmma-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-prefill-qgmma-tests.log"
+  timeout 100 python benchmarks/moe_prefill_tiles.py --variants "qgmma streamed, 64-row tiles, 8 warps, 3 stages" \
+    "qgmma streamed, 32-row tiles, 8 warps, 3 stages" --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
+  timeout 120 python benchmarks/linear_prefill.py --variants "qgmma, 64 rows, 8 warps, 3 stages" \
+    "qgmma, 64 rows, 8 warps, 4 stages" --out "$OUT/h200-linear-prefill-qgmma.json"
+}
+
 phase_gemvsmallrule() {  # rows 3-8 as the one-row GEMV on small weights: the verify of 2-7 drafted tokens
   local rules on
   rules=$(python -c "import json, yaml; r = yaml.safe_load(open('hwconfigs/h200.yaml'))['tiles']['linear']['linear']
