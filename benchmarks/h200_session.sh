@@ -209,6 +209,15 @@
 #   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under a copy of the profile
 #              as it was before its decode experts took qgmma (codes in words, qgmma off) and under the profile:
 #              h200-real-slice-qgmma-{off,on}.json, h200-e2e-qgmma-{words,qgmma}.json
+#   qgmmastream  a prefill chunk's routed experts on qgmma with the activations streamed (moe_qgmma_stream.py):
+#              its GPU tests (h200-qgmma-stream-tests.log), then benchmarks/moe_prefill_tiles.py at 4,096 tokens
+#              under its variants beside the profile's rule: h200-moe-prefill-qgmma-stream-4096.json, and two of
+#              them at 2,048 and 8,192: -2048.json, -8192.json
+#   prefillqgmma  the streamed experts' and the fp8 linear's qgmma (linear_qgmma.py) GPU tests
+#              (h200-prefill-qgmma-tests.log), then the experts at 4,096 tokens under four streamed variants and
+#              the released projections at 4,096 rows (benchmarks/linear_prefill.py, against torch._scaled_mm):
+#              h200-moe-prefill-qgmma-stream-4096.json, h200-linear-prefill-qgmma.json
+#   prefillquick  prefillqgmma with its GPU tests (not the CPU compiles) and two variants of each, for a short lease
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
 #              experts rule takes gemv_mma: h200-real-slice-moemma-{off,on}.json
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
