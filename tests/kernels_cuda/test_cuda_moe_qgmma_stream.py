@@ -76,7 +76,8 @@ def test_fp8_codes_in_the_mma_order(rng, rows, k):
 def test_the_launcher_streams_row_tiles_of_32_or_more(monkeypatch, tokens, warps):
     p = _plan(monkeypatch, tokens=tokens, warps=warps)
     q = p["qgmma"]
-    assert q["stream"] and not q["pairs"] and q["block_m"] == tokens and q["row_tiles"] == min(4096 * 6, -(-4096 * 6 // tokens) + 384)
+    assert q["stream"] and not q["pairs"] and q["block_m"] == tokens
+    assert q["row_tiles"] == min(4096 * 6, -(-4096 * 6 // tokens) + 384)
     rows = 16 * warps
     assert q["up"]["grid_cols"] == 2304 // (rows // 2) and q["down"]["grid_cols"] == 5120 // rows
     assert q["up"]["split"] == q["down"]["split"] == 1 and q["up"]["constexprs"]["num_warps"] == warps
