@@ -12,7 +12,8 @@ profile's load lays them out (``expert_scales``, ``expert_fp4``). Per variant: m
 (the weights of the experts the routing touched; ``flashrt.bench.common.Ceilings``), and the largest
 difference of the output from the profile's (and its norm relative to the profile output's). A variant
 that fails to compile or launch is recorded, not fatal. The registers and shared memory of each (two
-programs an SM where they fit) come from ``tools/sm90_compile.py moe --B 4096 --moe-dims released --tiles ...`` (docs/performance.md).
+programs an SM where they fit) come from ``tools/sm90_compile.py moe --B 4096 --moe-dims released --tiles
+...`` (docs/performance.md).
 """
 from __future__ import annotations
 
