@@ -218,6 +218,7 @@
 #              the released projections at 4,096 rows (benchmarks/linear_prefill.py, against torch._scaled_mm):
 #              h200-moe-prefill-qgmma-stream-4096.json, h200-linear-prefill-qgmma.json
 #   prefillquick  prefillqgmma with its GPU tests (not the CPU compiles) and two variants of each, for a short lease
+#   prefilltiny  prefillquick's GPU cases and one variant of each
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
 #              experts rule takes gemv_mma: h200-real-slice-moemma-{off,on}.json
 #   speculative  benchmarks/speculative.py on small at batch 1 / 8 / 64 (the costs the profile's
@@ -1375,6 +1376,16 @@ phase_prefillquick() {  # prefillqgmma's tests and its two leading variants of e
     "qgmma streamed, 32-row tiles, 8 warps, 3 stages" --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
   timeout 120 python benchmarks/linear_prefill.py --variants "qgmma, 64 rows, 8 warps, 3 stages" \
     "qgmma, 64 rows, 8 warps, 4 stages" --out "$OUT/h200-linear-prefill-qgmma.json"
+}
+
+phase_prefilltiny() {  # prefillquick's GPU cases and one variant of each, for a lease of a few minutes
+  timeout 100 python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
+    tests/kernels_cuda/test_cuda_linear_qgmma.py > "$OUT/h200-prefill-qgmma-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-prefill-qgmma-tests.log"
+  timeout 60 python benchmarks/moe_prefill_tiles.py --variants "qgmma streamed, 64-row tiles, 8 warps, 3 stages" \
+    --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
+  timeout 70 python benchmarks/linear_prefill.py --variants "qgmma, 64 rows, 8 warps, 3 stages" \
+    --out "$OUT/h200-linear-prefill-qgmma.json"
 }
 
 phase_gemvsmallrule() {  # rows 3-8 as the one-row GEMV on small weights: the verify of 2-7 drafted tokens
