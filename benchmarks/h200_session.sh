@@ -1382,9 +1382,9 @@ phase_prefilltiny() {  # prefillquick's GPU cases and one variant of each, for a
   timeout 100 python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
     tests/kernels_cuda/test_cuda_linear_qgmma.py > "$OUT/h200-prefill-qgmma-tests.log" 2>&1
   tail -n 15 "$OUT/h200-prefill-qgmma-tests.log"
-  timeout 60 python benchmarks/moe_prefill_tiles.py --variants "qgmma streamed, 64-row tiles, 8 warps, 3 stages" \
+  timeout 75 python benchmarks/moe_prefill_tiles.py --variants "qgmma streamed, 64-row tiles, 8 warps, 3 stages" \
     --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
-  timeout 70 python benchmarks/linear_prefill.py --variants "qgmma, 64 rows, 8 warps, 3 stages" \
+  timeout 65 python benchmarks/linear_prefill.py --variants "qgmma, 64 rows, 8 warps, 3 stages" \
     --out "$OUT/h200-linear-prefill-qgmma.json"
 }
 
