@@ -212,22 +212,13 @@ if AVAILABLE:
         return gl.convert_layout(gl.reshape(z, [64, 32]).to(gl.float8e4nv, bitcast=True), a_l, assert_trivial=True)
 
     @gluon.jit
-    def _fp8_block(w_src, s_src, x_smem, s_smem, kb, stride_sk, a_l: gl.constexpr, cols_l: gl.constexpr, zero):
-        """Start block ``kb``'s MMA over its E4M3 weight bytes: (the product in flight, its scales [64, TOKENS]:
-        the tile's UE8M0 scale over DECODE_SCALE times the tokens' scales)."""
-        a = _fp8_operand(gl.load(w_src + kb * 32), a_l)
-        d = warpgroup_mma(a, x_smem.index(kb).permute((1, 0)), zero, use_acc=False, is_async=True)
-        w = (gl.load(s_src + kb * stride_sk).to(gl.int32) << 23).to(gl.float32, bitcast=True)
-        return d, (w * (1.0 / _DECODE_SCALE))[:, None] * s_smem.index(kb).load(cols_l)[None, :]
-
-    @gluon.jit
     def loop_fp8(w_e, s_e, stride_wn, stride_st, stride_sk, n0, k_lo, nb, x_smem, s_smem, TOKENS: gl.constexpr,
                  num_warps: gl.constexpr):
         """:func:`loop` over an fp8_w weight (the shared expert): ``w_e`` its E4M3 bytes [N, K], ``s_e`` its
         UE8M0 scale bytes, one a 32-row tile (``stride_st`` apart) and K block (``stride_sk`` apart). The
         bytes are the MMA's operand as they are (no decode); each block's product is scaled by its tile's
-        scale times the tokens' (which hold the fp4 decode's 2**6: taken back here). Four blocks a trip (nb
-        a multiple of 4), their bytes loaded where they are used, their MMAs in flight together."""
+        scale times the tokens' (which hold the fp4 decode's 2**6: taken back here). A block a trip, its
+        bytes loaded where they are used."""
         acc_l: gl.constexpr = mma_layout(TOKENS)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
         w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=8)
@@ -239,13 +230,14 @@ if AVAILABLE:
         s_src = s_e + (rows_s // 32).to(gl.int64) * stride_st + (k_lo // 32) * stride_sk
         zero = gl.zeros([64, TOKENS], gl.float32, acc_l)
         acc = gl.zeros([64, TOKENS], gl.float32, acc_l)
-        for kb in range(0, nb, 4):
-            d0, s0 = _fp8_block(w_src, s_src, x_smem, s_smem, kb, stride_sk, a_l, cols_l, zero)
-            d1, s1 = _fp8_block(w_src, s_src, x_smem, s_smem, kb + 1, stride_sk, a_l, cols_l, zero)
-            d2, s2 = _fp8_block(w_src, s_src, x_smem, s_smem, kb + 2, stride_sk, a_l, cols_l, zero)
-            d3, s3 = _fp8_block(w_src, s_src, x_smem, s_smem, kb + 3, stride_sk, a_l, cols_l, zero)
-            d0, d1, d2, d3 = warpgroup_mma_wait(0, deps=[d0, d1, d2, d3])
-            acc = acc + d0 * s0 + d1 * s1 + d2 * s2 + d3 * s3
+        for kb in range(0, nb):
+            a = _fp8_operand(gl.load(w_src + kb * 32), a_l)
+            d = warpgroup_mma(a, x_smem.index(kb).permute((1, 0)), zero, use_acc=False, is_async=True)
+            w = (gl.load(s_src + kb * stride_sk).to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            w = w * (1.0 / _DECODE_SCALE)
+            sc = w[:, None] * s_smem.index(kb).load(cols_l)[None, :]
+            d = warpgroup_mma_wait(0, deps=[d])
+            acc += d * sc
         return acc
 
     @gluon.jit
