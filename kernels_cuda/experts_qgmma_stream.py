@@ -16,6 +16,8 @@ A program is ``num_warps / 4`` warpgroups over ``16 * num_warps`` weight rows (e
 Each block's product is scaled in fp32 by its rows' and tokens' scales after its MMA retires; a trip's
 four MMAs are in flight two at a time, the older one's sum taken while the newer runs, all retired
 within the trip (register operands of MMAs in flight across a loop's back edge are not kept by ptxas).
+One barrier a trip: after it every warp has its trip's copies and is done with the trip before, whose
+slot the copies then issued refill.
 """
 from __future__ import annotations
 
@@ -161,17 +163,17 @@ if AVAILABLE:
         sw_next = _scale_bytes(s_rows, 0, stride_sk, KMAJOR)
         for kb in range(0, nb, 4):
             j = kb // 4
+            # the rows' scales a trip ahead of their use (plain loads: their latency behind this trip)
+            sw = sw_next
+            sw_next = _scale_bytes(s_rows, gl.minimum(kb + 4, nb - 4), stride_sk, KMAJOR)
+            async_copy.wait_group(STAGES - 2)  # this thread's copies of trip j have landed
+            # every thread's have, and every warp is done with trip j - 1, whose slot the copies below refill
+            _sync()
             # the trip STAGES - 1 ahead (the last trips copy the last one again: never read)
             ahead = gl.minimum(kb + 4 * (STAGES - 1), nb - 4)
             _copy_trip(w_ring, x_ring, s_ring, (j + STAGES - 1) % STAGES, w_src, x_src, s_src, x_ok, s_ok, ahead,
                        FP8_W)
-            # the rows' scales a trip ahead of their use (plain loads: their latency behind this trip)
-            sw = sw_next
-            sw_next = _scale_bytes(s_rows, gl.minimum(kb + 4, nb - 4), stride_sk, KMAJOR)
-            async_copy.wait_group(STAGES - 1)  # this thread's copies of trip j have landed
-            _sync()  # and every thread's
             slot = j % STAGES
             acc = _trip(w_ring.index(slot), x_ring.index(slot), s_flat, slot * 4, sw, a_l, cols_l, zero, acc, FP8_W)
-            _sync()  # every warp has read the slot before a later trip's copies refill it
         async_copy.wait_group(0)
         return acc
