@@ -14,7 +14,10 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
   the experts decode rule's ``qgmma`` knob (kernels_cuda/moe_qgmma.py: the fp8 warpgroup MMA);
 - ``experts4096``: the routed experts of a 4,096-token prefill chunk at the released dimensions
   (about 64 rows an expert; benchmarks/moe_prefill_tiles.py's case, laid out as the profile says);
-- ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192);
+- ``stream4096``: ``experts4096`` under the experts rule's ``qgmma`` knob with 64-row tiles (the activations
+  streamed: kernels_cuda/moe_qgmma_stream.py);
+- ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192); ``linear4096``: of
+  4,096 rows, and ``linear4096q`` the same under the linear rule's ``qgmma`` knob (kernels_cuda/linear_qgmma.py);
 - ``prefix``: ``prefix_attention`` of 16 rows x 512 queries over 512 entries at ``small``'s shapes
   (benchmarks/prefix_attention.py's case);
 - ``quant_fp4_b16``: ``quantize_store`` of 131,072 bf16 rows of 512 into an fp4_b16 paged cache;
@@ -51,14 +54,7 @@ def _qgmma(tokens: int):
     from flashrt import profiles
 
     call = _experts(tokens, profiles.active_profile().expert_scales == "k_major")  # codes in nibbles
-    tile = gemv_tiles.tweaked("moe", "experts", 1, {"qgmma": True})
-
-    def run():
-        with gemv_tiles.with_rule("moe", "experts", 1, tile):
-            profiles._TILES_CACHE.clear()  # the tiles of the rule just put in front
-            call()
-        profiles._TILES_CACHE.clear()
-    return run
+    return _under_rule("moe", "experts", 1, gemv_tiles.tweaked("moe", "experts", 1, {"qgmma": True}), call)
 
 
 def _experts4096():
@@ -70,13 +66,39 @@ def _experts4096():
     return call
 
 
-def _linear1():
+def _under_rule(family: str, entry: str, rows: int | None, rule: dict, call):
+    """``call`` with ``[rows, rule]`` in front of ``tiles.<family>.<entry>``'s rules (None: every row count)."""
+    import gemv_tiles
+    from flashrt import profiles
+
+    def run():
+        with gemv_tiles.with_rule(family, entry, rows, rule):
+            profiles._TILES_CACHE.clear()  # the tiles of the rule just put in front
+            call()
+        profiles._TILES_CACHE.clear()
+    return run
+
+
+def _stream4096():
+    import moe_prefill_tiles
+
+    rule = moe_prefill_tiles.VARIANTS["qgmma streamed, 64-row tiles, 8 warps, 3 stages"]
+    return _under_rule("moe", "experts", None, rule, _experts4096())
+
+
+def _linear(rows: int):
     from flashrt import formats, ops
 
     g = torch.Generator().manual_seed(0)
     w = formats.quantize(torch.randn(5120, 8192, generator=g) * 0.05, "fp8_w").to("cuda")
-    x = torch.randn(1, 8192, generator=g).to("cuda", torch.bfloat16)
+    x = torch.randn(rows, 8192, generator=g).to("cuda", torch.bfloat16)
     return lambda: ops.linear(x, w)
+
+
+def _linear4096q():
+    import linear_prefill
+
+    return _under_rule("linear", "linear", None, linear_prefill.qgmma(64, 8, 3), _linear(4096))
 
 
 def _prefix():
@@ -137,7 +159,8 @@ def _attn64():
 CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8),
          "experts1_kmajor": lambda: _experts(1, True), "experts8_kmajor": lambda: _experts(8, True),
          "qgmma1": lambda: _qgmma(1), "qgmma8": lambda: _qgmma(8), "experts4096": _experts4096,
-         "linear1": _linear1, "prefix": _prefix,
+         "stream4096": _stream4096, "linear1": lambda: _linear(1), "linear4096": lambda: _linear(4096),
+         "linear4096q": _linear4096q, "prefix": _prefix,
          "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64),
          "hc1": _hc1, "attn64": _attn64}
 
