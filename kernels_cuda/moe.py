@@ -83,7 +83,7 @@ from flashrt.kernels_cuda import pdl
 # fp8 warpgroup MMA with the weights as its register operand (:mod:`.moe_qgmma`, Gluon, sm_90): 64 weight rows
 # a program, row tiles of qgmma_tokens pair rows, the K split aiming at qgmma_per_sm programs an SM with at
 # most qgmma_max_k a program, the weights through a ring of qgmma_stages trips of four K blocks (0: loaded
-# where used); with qgmma_tokens of 32 or more (a prefill chunk's row tiles) the whole K a program, the
+# where used); with qgmma_tokens of 32 or 64 (a prefill chunk's row tiles) the whole K a program, the
 # activations streamed through the ring beside the weights (:mod:`.moe_qgmma_stream`: at least 2 stages,
 # qgmma_warps warps a program, no shared expert in the launches)
 KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None,

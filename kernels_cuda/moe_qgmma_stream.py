@@ -1,6 +1,6 @@
 """``moe_experts``' routed fp4_w experts of a prefill chunk on the fp8 warpgroup MMA, the weights its register
 operand, the activations streamed (sm_90, Gluon): the experts rule knob ``qgmma`` with ``qgmma_tokens`` of
-32 or more.
+32 or 64.
 
 :mod:`.moe_qgmma`'s two launches with :mod:`.experts_qgmma_stream`'s K loop: no K split; each program runs
 the whole K of its weight rows for one row tile of the routing tables (``TOKENS`` pair rows of one expert),
@@ -25,7 +25,7 @@ from flashrt.kernels_cuda.experts_qgmma_stream import AVAILABLE, TRIP_BLOCKS
 from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
 from flashrt.kernels_cuda.moe_qgmma import _operands
 
-TOKENS = (32, 64, 128)  # row tile sizes the launches take
+TOKENS = (32, 64)  # row tile sizes the launches take (at 128 the accumulators spill)
 WARPS = (4, 8)  # warps a program: 64 or 128 weight rows
 
 
