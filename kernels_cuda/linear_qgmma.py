@@ -81,6 +81,8 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, data: torch.Tensor, scale: torch.
     K / 32] (any strides), under ``plan_`` (:func:`plan`)."""
     (m, k), n = xq.shape, data.shape[0]
     assert TL_DTYPES[out_dtype] is not None and data.stride(1) == 1 and xq.stride(1) == 1
+    if data.stride(0) % 16 or data.data_ptr() % 16:  # rows the 16-byte copies cannot take as they are
+        data = data.clone(memory_format=torch.contiguous_format)  # dense rows of K (a multiple of 128) bytes
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     _kernel[plan_["grid"]](xq, xs, data, scale, out, m, n, k, xq.stride(0), xs.stride(0), data.stride(0),
                            scale.stride(0), scale.stride(1), out.stride(0), **plan_["constexprs"],
