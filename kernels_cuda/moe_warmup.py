@@ -39,9 +39,12 @@ def route_cases(device, experts: int, k: int):
     """The routing tables at the model's expert count (their kernels' expert width follows it, where
     the experts' GEMMs above see 16 stand-in experts): the one-program kernel at every power-of-two
     pair count it serves (its sort width follows the pairs: decode batches, prefill chunks) and the
-    sorted path past it, for each tile rule's row height."""
+    sorted path past it, for each tile rule's row height (its ``qgmma`` row tiles' where it takes that knob)."""
     route = moe.PLANS.tiles()["route"]
-    for bm in sorted({t["BLOCK_M"] for _, t in moe.PLANS.tiles()["experts"]}):
+    rules = [t for _, t in moe.PLANS.tiles()["experts"]]
+    heights = {t["BLOCK_M"] for t in rules} | {t.get("qgmma_tokens", moe.KNOBS["qgmma_tokens"]) for t in rules
+                                               if t.get("qgmma")}
+    for bm in sorted(heights):
         pairs = 16
         while pairs <= route["max_pairs"]:
             yield _route_launch(device, experts, k, max(1, pairs // k), bm, route)  # sort width: pairs

@@ -134,8 +134,9 @@ def test_moe_warms_the_expert_layout_a_load_makes(expert_scales, expert_fp4):
 
 def test_moe_warms_the_routing_tables_at_the_models_experts(recorded):
     """Every sort width of the one-program routing kernel (a power of two of the pairs, up to
-    route.max_pairs) and the sorted path past it, for each tile rule's row height, at the expert
-    count of each warmed model."""
+    route.max_pairs) and the sorted path past it, for each tile rule's row height (and the row tiles
+    of a rule's ``qgmma`` knob: the h200 profile's decode rule takes 8 rows a tile), at the expert count
+    of each warmed model."""
     from flashrt.kernels_cuda import moe, moe_tables
 
     with profiles.using("h200"):
@@ -150,7 +151,8 @@ def test_moe_warms_the_routing_tables_at_the_models_experts(recorded):
                                                       if pairs <= route["max_pairs"] else "large")
     widths = {1 << b for b in range(4, route["max_pairs"].bit_length())} | {"large"}
     assert seen and all(v == widths for v in seen.values()), seen
-    assert {bm for _, bm in seen} == {t["BLOCK_M"] for _, t in rules}
+    qgmma = {t.get("qgmma_tokens", moe.KNOBS["qgmma_tokens"]) for _, t in rules if t.get("qgmma")}
+    assert qgmma and {bm for _, bm in seen} == {t["BLOCK_M"] for _, t in rules} | qgmma
     assert {e for e, _ in seen} == {d["n_routed_experts"] for d in _warmup.selected_models().values()}
 
 
