@@ -1360,10 +1360,10 @@ phase_prefillqgmma() {  # a prefill chunk's experts and fp8 projections on qgmma
     tests/kernels_cuda/test_cuda_moe_qgmma_stream.py tests/kernels_cuda/test_cuda_linear_qgmma.py \
     > "$OUT/h200-prefill-qgmma-tests.log" 2>&1
   tail -n 15 "$OUT/h200-prefill-qgmma-tests.log"
-  timeout 150 python benchmarks/moe_prefill_tiles.py --variants "M64 N128 K64, 4 warps, 4 stages, swapped" \
-    "qgmma streamed, 64-row tiles, 8 warps, 3 stages" "qgmma streamed, 32-row tiles, 8 warps, 3 stages" \
-    "qgmma streamed, 64-row tiles, 8 warps, 4 stages" "qgmma streamed, 64-row tiles, 4 warps, 3 stages" \
-    --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
+  timeout 150 python benchmarks/moe_prefill_tiles.py --variants "qgmma streamed, 64-row tiles, 8 warps, 3 stages" \
+    "qgmma streamed, 64-row tiles, 8 warps, 3 stages, one in flight, 128 registers" \
+    "qgmma streamed, 32-row tiles, 8 warps, 3 stages" "qgmma streamed, 64-row tiles, 8 warps, 4 stages" \
+    "qgmma streamed, 64-row tiles, 4 warps, 3 stages" --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
   timeout 170 python benchmarks/linear_prefill.py --out "$OUT/h200-linear-prefill-qgmma.json"
 }
 
@@ -1373,9 +1373,10 @@ phase_prefillquick() {  # prefillqgmma's tests and its two leading variants of e
     > "$OUT/h200-prefill-qgmma-tests.log" 2>&1
   tail -n 15 "$OUT/h200-prefill-qgmma-tests.log"
   timeout 100 python benchmarks/moe_prefill_tiles.py --variants "qgmma streamed, 64-row tiles, 8 warps, 3 stages" \
-    "qgmma streamed, 32-row tiles, 8 warps, 3 stages" --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
+    "qgmma streamed, 64-row tiles, 8 warps, 3 stages, one in flight, 128 registers" \
+    --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
   timeout 120 python benchmarks/linear_prefill.py --variants "qgmma, 64 rows, 8 warps, 3 stages" \
-    "qgmma, 64 rows, 8 warps, 4 stages" --out "$OUT/h200-linear-prefill-qgmma.json"
+    "qgmma, 64 rows, 8 warps, 3 stages, one in flight, 128 registers" --out "$OUT/h200-linear-prefill-qgmma.json"
 }
 
 phase_prefilltiny() {  # prefillquick's GPU cases and one variant of each, for a lease of a few minutes

@@ -25,15 +25,18 @@ from gemv_tiles import with_rule
 from results_io import write_json
 
 
-def qgmma(tokens: int, warps: int, stages: int) -> dict:
+def qgmma(tokens: int, warps: int, stages: int, **knobs) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, qgmma=True, qgmma_tokens=tokens,
-                qgmma_warps=warps, qgmma_stages=stages)
+                qgmma_warps=warps, qgmma_stages=stages, **knobs)
 
 
 # label -> (a rule for every row count or None, {family: tiles entries} merged or None)
 VARIANTS = {"the rule's MMA tile (no bf16 GEMM)": (None, {"linear": {"bf16_gemm_min_rows": None}})}
 for _t, _w, _s in ((64, 8, 3), (64, 8, 4), (32, 8, 3), (64, 4, 3), (128, 8, 2)):
     VARIANTS[f"qgmma, {_t} rows, {_w} warps, {_s} stages"] = (qgmma(_t, _w, _s), None)
+# one MMA in flight at a time and 128 registers a thread: two programs of 8 warps an SM
+VARIANTS["qgmma, 64 rows, 8 warps, 3 stages, one in flight, 128 registers"] = (
+    qgmma(64, 8, 3, qgmma_inflight=1, qgmma_maxnreg=128), None)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -56,6 +56,9 @@ VARIANTS = {  # label -> the rule's tile (the h200 profile's past 16 rows: M64 N
 for _rows, _warps, _stages in ((64, 8, 3), (64, 8, 4), (32, 8, 3), (64, 4, 3), (32, 4, 4)):
     VARIANTS[f"qgmma streamed, {_rows}-row tiles, {_warps} warps, {_stages} stages"] = dict(
         tile(128, 64, 4, 4, swap=True), qgmma=True, qgmma_tokens=_rows, qgmma_warps=_warps, qgmma_stages=_stages)
+# one MMA in flight at a time and 128 registers a thread: two programs of 8 warps an SM
+VARIANTS["qgmma streamed, 64-row tiles, 8 warps, 3 stages, one in flight, 128 registers"] = dict(
+    VARIANTS["qgmma streamed, 64-row tiles, 8 warps, 3 stages"], qgmma_inflight=1, qgmma_maxnreg=128)
 
 
 def experts(cfg, tokens: int, dev, g):

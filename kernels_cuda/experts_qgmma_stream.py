@@ -90,23 +90,30 @@ if AVAILABLE:
 
     @gluon.jit
     def _trip(w_slot, x_slot, s_flat, s0, sw, a_l: gl.constexpr, cols_l: gl.constexpr, zero, acc,
-              FP8_W: gl.constexpr):
+              FP8_W: gl.constexpr, INFLIGHT: gl.constexpr):
         """A trip's four blocks into ``acc``: weights ``w_slot`` ([ROWS, 64] fp4 bytes, or [ROWS, 128] E4M3
         with FP8_W), activation codes ``x_slot`` [TOKENS, 128] (block ``u`` in bytes ``32u ..``), token
-        scales rows ``s0 + u`` of ``s_flat``, the rows' scale bytes ``sw`` (:func:`_scale_bytes`). Two MMAs
-        in flight: the older one's product is scaled and summed while the newer runs."""
-        d0 = _mma(w_slot, x_slot, 0, a_l, zero, FP8_W)
-        d1 = _mma(w_slot, x_slot, 1, a_l, zero, FP8_W)
-        d0 = warpgroup_mma_wait(1, deps=[d0])
-        acc = _promote(acc, d0, sw[0], s_flat.index(s0 + 0).load(cols_l))
-        d2 = _mma(w_slot, x_slot, 2, a_l, zero, FP8_W)
-        d1 = warpgroup_mma_wait(1, deps=[d1])
-        acc = _promote(acc, d1, sw[1], s_flat.index(s0 + 1).load(cols_l))
-        d3 = _mma(w_slot, x_slot, 3, a_l, zero, FP8_W)
-        d2 = warpgroup_mma_wait(1, deps=[d2])
-        acc = _promote(acc, d2, sw[2], s_flat.index(s0 + 2).load(cols_l))
-        d3 = warpgroup_mma_wait(0, deps=[d3])
-        return _promote(acc, d3, sw[3], s_flat.index(s0 + 3).load(cols_l))
+        scales rows ``s0 + u`` of ``s_flat``, the rows' scale bytes ``sw`` (:func:`_scale_bytes`). INFLIGHT
+        2: two MMAs in flight, the older one's product scaled and summed while the newer runs; 1: each
+        waited for where it is issued (one product's registers fewer)."""
+        if INFLIGHT == 1:
+            for u in gl.static_range(4):
+                d = warpgroup_mma_wait(0, deps=[_mma(w_slot, x_slot, u, a_l, zero, FP8_W)])
+                acc = _promote(acc, d, sw[u], s_flat.index(s0 + u).load(cols_l))
+        else:
+            d0 = _mma(w_slot, x_slot, 0, a_l, zero, FP8_W)
+            d1 = _mma(w_slot, x_slot, 1, a_l, zero, FP8_W)
+            d0 = warpgroup_mma_wait(1, deps=[d0])
+            acc = _promote(acc, d0, sw[0], s_flat.index(s0 + 0).load(cols_l))
+            d2 = _mma(w_slot, x_slot, 2, a_l, zero, FP8_W)
+            d1 = warpgroup_mma_wait(1, deps=[d1])
+            acc = _promote(acc, d1, sw[1], s_flat.index(s0 + 1).load(cols_l))
+            d3 = _mma(w_slot, x_slot, 3, a_l, zero, FP8_W)
+            d2 = warpgroup_mma_wait(1, deps=[d2])
+            acc = _promote(acc, d2, sw[2], s_flat.index(s0 + 2).load(cols_l))
+            d3 = warpgroup_mma_wait(0, deps=[d3])
+            acc = _promote(acc, d3, sw[3], s_flat.index(s0 + 3).load(cols_l))
+        return acc
 
     @gluon.jit
     def _copy_trip(w_ring, x_ring, s_ring, slot, w_src, x_src, s_src, x_ok, s_ok, kb, FP8_W: gl.constexpr):
@@ -120,7 +127,7 @@ if AVAILABLE:
     @gluon.jit
     def loop(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K,
              TOKENS: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr,
-             FP8_W: gl.constexpr = False):
+             FP8_W: gl.constexpr = False, INFLIGHT: gl.constexpr = 2):
         """fp32 sums [16 * num_warps, TOKENS] (:func:`rows_layout`) over K of weight rows times a row tile's
         activations. ``w_rows``: int64-addressed pointers [ROWS] (``SliceLayout(1, weight_copy_layout)``)
         to each row's fp4_w bytes at K 0 (standard nibbles; the activations then in the MMA's order), or
@@ -130,7 +137,7 @@ if AVAILABLE:
         four blocks, or with KMAJOR bytes ``stride_sk`` apart); x: E4M3 codes [T, K] in the
         MMA's order within each block with fp32 scales xs [T, K / 32]; ``tok`` (int64 [TOKENS], any layout):
         the tile's rows of x, ``row_ok`` which lanes hold one. K a multiple of 128; STAGES >= 2 trips in the
-        ring."""
+        ring; INFLIGHT block MMAs in flight (:func:`_trip`)."""
         ROWS: gl.constexpr = 16 * num_warps
         acc_l: gl.constexpr = rows_layout(TOKENS, num_warps)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
@@ -174,6 +181,7 @@ if AVAILABLE:
             _copy_trip(w_ring, x_ring, s_ring, (j + STAGES - 1) % STAGES, w_src, x_src, s_src, x_ok, s_ok, ahead,
                        FP8_W)
             slot = j % STAGES
-            acc = _trip(w_ring.index(slot), x_ring.index(slot), s_flat, slot * 4, sw, a_l, cols_l, zero, acc, FP8_W)
+            acc = _trip(w_ring.index(slot), x_ring.index(slot), s_flat, slot * 4, sw, a_l, cols_l, zero, acc, FP8_W,
+                        INFLIGHT)
         async_copy.wait_group(0)
         return acc

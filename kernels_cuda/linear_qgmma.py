@@ -32,7 +32,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_wn, stride_sn, stride_sk,
-                stride_om, TOKENS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr):
+                stride_om, TOKENS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, INFLIGHT: gl.constexpr,
+                num_warps: gl.constexpr):
         """out [M, N] (its dtype) = x [M, K] @ W.T: x's E4M3 codes with fp32 block scales xs [M, K / 32], W's
         E4M3 bytes [N, K] with UE8M0 scale bytes [N / 32, K / 32] (``stride_sn`` / ``stride_sk`` apart).
         N a multiple of the program's rows, K of 128."""
@@ -52,7 +53,7 @@ if AVAILABLE:
         rows = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         acc = loop(w_ptr + (n0 + r).to(gl.int64) * stride_wn, ws_ptr + (rows // 32).to(gl.int64) * stride_sn,
                    stride_sk, xq_ptr, xs_ptr, tok.to(gl.int64), tok < M, stride_xm, stride_xsm, K, TOKENS, STAGES,
-                   True, num_warps, True)
+                   True, num_warps, True, INFLIGHT)
         # stored through shared memory: a thread's ROWS / 16 consecutive columns of one output row
         st: gl.constexpr = gl.BlockedLayout([ROWS // 16, 1], [16, 2], [1, num_warps], [0, 1])
         out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st)
@@ -63,15 +64,17 @@ if AVAILABLE:
 
 def plan(m: int, n: int, k: int, tile: dict) -> dict | None:
     """The launch of ``m`` rows over an [n, k] fp8_w weight under ``tile`` (``TOKENS``, ``STAGES``,
-    ``num_warps``, ``GROUP``), or None where the tile is not one the kernel takes, the ring is under two
-    trips, K is not whole trips of 128 or the weight rows not whole programs."""
+    ``num_warps``, ``GROUP``, ``INFLIGHT``, ``maxnreg``: a register cap a thread or None), or None where the
+    tile is not one the kernel takes, the ring is under two trips, K is not whole trips of 128 or the weight
+    rows not whole programs."""
     rows = 16 * tile["num_warps"]
     if (tile["TOKENS"] not in TOKENS or tile["num_warps"] not in WARPS or tile["STAGES"] < 2
             or k % (32 * TRIP_BLOCKS) or n % rows):
         return None
     return dict(grid=(cdiv(m, tile["TOKENS"]) * (n // rows),),
                 constexprs=dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], GROUP=tile["GROUP"],
-                                num_warps=tile["num_warps"]))
+                                INFLIGHT=tile["INFLIGHT"], num_warps=tile["num_warps"],
+                                **({"maxnreg": tile["maxnreg"]} if tile["maxnreg"] else {})))
 
 
 def launch(xq: torch.Tensor, xs: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, plan_: dict,

@@ -85,10 +85,12 @@ from flashrt.kernels_cuda import pdl
 # most qgmma_max_k a program, the weights through a ring of qgmma_stages trips of four K blocks (0: loaded
 # where used); with qgmma_tokens of 32 or 64 (a prefill chunk's row tiles) the whole K a program, the
 # activations streamed through the ring beside the weights (:mod:`.moe_qgmma_stream`: at least 2 stages,
-# qgmma_warps warps a program, no shared expert in the launches)
+# qgmma_warps warps a program, qgmma_inflight of a trip's four MMAs in flight at once (1 or 2), each thread
+# held to qgmma_maxnreg registers where set (None: as the compiler allocates); no shared expert in the launches)
 KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None,
              gemv_mma=False, gemv_mma_tokens=8, gemv_mma_per_sm=4, gemv_mma_stages=3, gemv_mma_sub=4,
-             qgmma=False, qgmma_tokens=8, qgmma_per_sm=16, qgmma_max_k=1024, qgmma_stages=4, qgmma_warps=8)
+             qgmma=False, qgmma_tokens=8, qgmma_per_sm=16, qgmma_max_k=1024, qgmma_stages=4, qgmma_warps=8,
+             qgmma_inflight=2, qgmma_maxnreg=None)
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -216,7 +218,8 @@ def _qgmma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: boo
             and not _linear.INTERPRETED and jit_targets.capability() >= (9, 0)):
         return None, None
     tile = dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"], per_sm=knobs["qgmma_per_sm"],
-                max_k=knobs["qgmma_max_k"], num_warps=knobs["qgmma_warps"])
+                max_k=knobs["qgmma_max_k"], num_warps=knobs["qgmma_warps"], INFLIGHT=knobs["qgmma_inflight"],
+                maxnreg=knobs["qgmma_maxnreg"])
     if tile["TOKENS"] in moe_qgmma_stream.TOKENS:
         return moe_qgmma_stream.plan(n, k, E, D, I, pairs, tile), None
     sms = _linear.num_sms()
@@ -506,6 +509,8 @@ FAMILY = KernelFamily(
                               "experts.qgmma": Tile(kind=bool),
                               "experts.qgmma_tokens": Tile(choices=(8, 16, *moe_qgmma_stream.TOKENS)),
                               "experts.qgmma_warps": Tile(choices=(4, 8)),
+                              "experts.qgmma_inflight": Tile(choices=(1, 2)),
+                              "experts.qgmma_maxnreg": Tile(low=24, high=256, multiple=8, nullable=True, kind=int),
                               "experts.qgmma_per_sm": Tile(low=1, kind=int),
                               "experts.qgmma_max_k": Tile(choices=(256, 512, 1024, 2048)),
                               "experts.qgmma_stages": Tile(choices=(0, 2, 3, 4, 5, 6)),

@@ -49,7 +49,7 @@ if AVAILABLE:
                    s3_at, hq_ptr, hs_ptr, E, I, D, limit, n_rows, n_pairs, TOPK, stride_xm, stride_xsm, stride_we,
                    stride_wn, stride_se, stride_sn, stride_sk, stride_hm, stride_hsm, routed_tiles,
                    TOKENS: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr, CLAMP: gl.constexpr,
-                   XDT: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
+                   XDT: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr, num_warps: gl.constexpr):
         """h of the tile's pair rows, columns ``[n0, n0 + 8 * num_warps)`` of I: x codes [N, D] E4M3 in the
         MMA's order with scales xs [N, D / 32] (times DECODE_SCALE), W1 / W3 [E, I, D / 2] fp4_w (scales as
         :func:`.experts_qgmma._scale_word` reads them), W3 and its scales ``w3_at`` and ``s3_at`` elements
@@ -72,7 +72,7 @@ if AVAILABLE:
         r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         s_rows = _scale_rows(s1_ptr + es + (r_s // HALF).to(gl.int64) * s3_at, n0 + r_s % HALF, stride_sn, KMAJOR)
         acc = loop(w_rows, s_rows, stride_sk, xq_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, D, TOKENS, STAGES,
-                   KMAJOR, num_warps)
+                   KMAJOR, num_warps, False, INFLIGHT)
         # the gate rows and the up rows through shared memory, into a layout whose 32-column blocks lie along
         # a warp's lanes
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -89,7 +89,8 @@ if AVAILABLE:
                      out_ptr, add_ptr, comb_ptr, E, D, I, n_rows, n_pairs, TOPK, stride_hm, stride_hsm, stride_we,
                      stride_wn, stride_se, stride_sn, stride_sk, stride_ym, stride_om, stride_am, routed_tiles,
                      TOKENS: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr, COMBINE: gl.constexpr,
-                     HAS_ADD: gl.constexpr, XDT: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr):
+                     HAS_ADD: gl.constexpr, XDT: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr,
+                     num_warps: gl.constexpr):
         """y rows of the tile's pair rows (rounded to XDT, y's dtype), columns ``[n0, n0 + 16 * num_warps)`` of
         D: W2 [E, D, I / 2] fp4_w over h's codes [n_rows, I] (the MMA's order) and scales [n_rows, I / 32].
         COMBINE: then each token's rows summed into ``out`` (:func:`.moe_mma._combine`, a counter per (token,
@@ -109,7 +110,7 @@ if AVAILABLE:
         r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         s_rows = _scale_rows(s2_ptr + e.to(gl.int64) * stride_se, n0 + r_s, stride_sn, KMAJOR)
         acc = loop(w_rows, s_rows, stride_sk, hq_ptr, hs_ptr, rows.to(gl.int64), row_ok, stride_hm, stride_hsm, I,
-                   TOKENS, STAGES, KMAJOR, num_warps)
+                   TOKENS, STAGES, KMAJOR, num_warps, False, INFLIGHT)
         cols = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         sums = (pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am)
         down_finish(acc, y_ptr, y_ptr, comb_ptr, rows, row_ok, tok, cols, n_rows, 1, sums, PAIRS, False, False,
@@ -118,7 +119,8 @@ if AVAILABLE:
 
 def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict) -> dict | None:
     """The up and down launches of ``n`` tokens of ``k`` slots over ``E`` experts under ``tile`` (``TOKENS``
-    rows a row tile, ``STAGES`` ring trips, ``num_warps``); ``pairs``: a row tile per (token, slot) pair,
+    rows a row tile, ``STAGES`` ring trips, ``num_warps``, ``INFLIGHT`` block MMAs in flight, ``maxnreg``: a
+    register cap a thread or None); ``pairs``: a row tile per (token, slot) pair,
     else the routing tables' tiles. None where the tile is not one these launches take (TOKENS, warps),
     the ring is not at least two trips, or a K is not a whole number of trips."""
     rows = 16 * tile["num_warps"]
@@ -126,7 +128,8 @@ def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict) -> dic
             or D % (32 * TRIP_BLOCKS) or I % (32 * TRIP_BLOCKS) or I % (rows // 2) or D % rows):
         return None
     row_tiles = n * k if pairs else min(n * k, cdiv(n * k, tile["TOKENS"]) + E)
-    constexprs = dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], num_warps=tile["num_warps"])
+    constexprs = dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], INFLIGHT=tile["INFLIGHT"],
+                      num_warps=tile["num_warps"], **({"maxnreg": tile["maxnreg"]} if tile["maxnreg"] else {}))
     # split 1: no K split (what moe_mma.combines counts)
     return dict(stream=True, block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles, grid_rows=row_tiles,
                 shared=False, up=dict(split=1, grid_cols=I // (rows // 2), constexprs=constexprs),

@@ -6,7 +6,8 @@ shape is whole trips and programs (else the rule's MMA tile), over the bf16 GEMM
 sm_90 on ``QGMMA`` without spills, one K loop of four MMAs, the scales applied in fp32 (the weight
 tile's scale shared by a thread's rows). On an sm_90 GPU: against the reference and the rule's MMA tile
 on fresh random inputs: rows that fill no tile or several (a partial last one), 4 and 8 warps, 32-128
-rows a program, rings of 2-4 trips, bf16 and fp32 x, scales row or K major."""
+rows a program, rings of 2-4 trips, bf16 and fp32 x, scales row or K major, one or two MMAs in flight (with a
+register cap)."""
 from __future__ import annotations
 
 import json
@@ -25,9 +26,9 @@ lq = pytest.importorskip("flashrt.kernels_cuda.linear_qgmma")
 QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and lq.AVAILABLE
 
 
-def _tiles(tokens=64, warps=8, stages=3, on=True, **linear_tiles):
+def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, **linear_tiles):
     big = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, qgmma=on, qgmma_tokens=tokens,
-               qgmma_warps=warps, qgmma_stages=stages)
+               qgmma_warps=warps, qgmma_stages=stages, qgmma_inflight=inflight, qgmma_maxnreg=maxnreg)
     return {"linear": [[16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)], [None, big]],
             **linear_tiles}
 
@@ -42,7 +43,10 @@ def _plan(monkeypatch, m=4096, n=5120, k=8192, arch="sm_90", **tiles):
 def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
     p = _plan(monkeypatch)
     assert p.get("qgmma") and not p["bf16_gemm"] and p["grid"] == (4096 // 64 * (5120 // 128),)
-    assert p["constexprs"]["TOKENS"] == 64 and p["constexprs"]["num_warps"] == 8
+    assert p["constexprs"]["TOKENS"] == 64 and p["constexprs"]["num_warps"] == 8 and p["constexprs"]["INFLIGHT"] == 2
+    assert "maxnreg" not in p["constexprs"]
+    capped = _plan(monkeypatch, inflight=1, maxnreg=128)["constexprs"]
+    assert capped["INFLIGHT"] == 1 and capped["maxnreg"] == 128
     assert _plan(monkeypatch, bf16_gemm_min_rows=1024).get("qgmma")  # over the bf16 GEMM tile
     assert _plan(monkeypatch, m=100, tokens=32, warps=4)["grid"] == (4 * (5120 // 64),)
     assert not _plan(monkeypatch, on=False).get("qgmma")
@@ -58,12 +62,16 @@ def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
 
 
 @pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
-@pytest.mark.parametrize("tokens,warps", [(64, 8), (32, 4)])
-def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps):
-    r = next(r for r in sm90_compile("linear", "--B", "4096", "--tiles", json.dumps(_tiles(tokens, warps)))
+@pytest.mark.parametrize("tokens,warps,capped", [(64, 8, False), (32, 4, False), (64, 8, True)])
+def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps, capped):
+    """Capped: one MMA in flight and 128 registers a thread (two programs of 8 warps an SM)."""
+    knobs = dict(inflight=1, maxnreg=128) if capped else {}
+    r = next(r for r in sm90_compile("linear", "--B", "4096", "--tiles", json.dumps(_tiles(tokens, warps, **knobs)))
              if r["kernel"] == "_kernel")
-    assert r["stack_bytes"] == 0 and r["sass"]["HMMA"] == 0 and r["sass"]["QGMMA"] == 4
+    assert r["sass"]["HMMA"] == 0 and r["sass"]["QGMMA"] == 4
+    assert r["registers"] <= 128 if capped else r["stack_bytes"] == 0
     loop = r["mma_loop"]
+    assert "LDL" not in loop["opcodes"] and "STL" not in loop["opcodes"]
     assert [lp["count"] for lp in loop["loops"]] == [4]
     # a block's product scaled: an add a thread's accumulator element (tokens / 2), a multiply a token
     # (its rows share the weight tile's scale)
@@ -79,17 +87,21 @@ def _case(rng, m, n, k, dtype=torch.bfloat16, k_major=False):
     return x, w
 
 
-# (rows, out, in, rows a program, warps, ring stages, x dtype, scales K major)
-CASES = [(100, 256, 512, 64, 8, 3, torch.bfloat16, False), (7, 128, 256, 32, 4, 2, torch.bfloat16, False),
-         (300, 384, 1024, 128, 8, 4, torch.bfloat16, True), (64, 512, 384, 64, 4, 3, torch.float32, False)]
+# (rows, out, in, rows a program, warps, ring stages, x dtype, scales K major, MMAs in flight and register cap)
+CASES = [(100, 256, 512, 64, 8, 3, torch.bfloat16, False, (2, None)),
+         (7, 128, 256, 32, 4, 2, torch.bfloat16, False, (2, None)),
+         (300, 384, 1024, 128, 8, 4, torch.bfloat16, True, (2, None)),
+         (64, 512, 384, 64, 4, 3, torch.float32, False, (2, None)),
+         (200, 256, 640, 64, 8, 3, torch.bfloat16, False, (1, 128))]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("m,n,k,tokens,warps,stages,dtype,k_major", CASES)
-def test_against_the_reference_and_the_mma_tile(rng, m, n, k, tokens, warps, stages, dtype, k_major):
+@pytest.mark.parametrize("m,n,k,tokens,warps,stages,dtype,k_major,flight", CASES)
+def test_against_the_reference_and_the_mma_tile(rng, m, n, k, tokens, warps, stages, dtype, k_major, flight):
     x, w = _case(rng, m, n, k, dtype, k_major)
-    with pinned_tiles(linear=_tiles(tokens, warps, stages)), flashrt.use_backend("cuda"):
+    with pinned_tiles(linear=_tiles(tokens, warps, stages, inflight=flight[0], maxnreg=flight[1])), \
+            flashrt.use_backend("cuda"):
         assert lin._linear_plan(m, n, k, dtype, "fp8_w").get("qgmma")
         got = ops.linear(x, w)
     with pinned_tiles(linear=_tiles(on=False)), flashrt.use_backend("cuda"):

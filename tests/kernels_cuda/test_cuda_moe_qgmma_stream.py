@@ -5,10 +5,11 @@ streamed through the ring beside the weights.
 Without a GPU: the MMA order of a block's codes is the one the weights' decode fills (the emulated PTX's
 positions), ``fp8_codes`` stores x's codes in it under the interpreter, the launcher takes the streamed
 plan for row tiles of 32 or 64 (no K split, no shared tiles) and refuses a ring under two trips; with
-this Triton the kernels compile for sm_90 on ``QGMMA`` without spills. On an sm_90 GPU: against the
-reference and the rule's MMA tile without the knob on fresh random inputs: row tiles of 32 and 64 rows
-(partly filled, experts over several tiles), 4 and 8 warps, rings of 2-4 trips, scales row and K major,
-the combine in the down launch and in its own, the shared expert beside it and ``add``."""
+this Triton the kernels compile for sm_90 on ``QGMMA`` without spills (in their K loop under a register
+cap). On an sm_90 GPU: against the reference and the rule's MMA tile without the knob on fresh random
+inputs: row tiles of 32 and 64 rows (partly filled, experts over several tiles), 4 and 8 warps, rings of
+2-4 trips, scales row and K major, one or two MMAs in flight (with a register cap), the combine in the
+down launch and in its own, the shared expert beside it and ``add``."""
 from __future__ import annotations
 
 import json
@@ -30,10 +31,10 @@ lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and st.AVAILABLE
 
 
-def _tiles(tokens=64, warps=8, stages=3, on=True, **moe_tiles):
+def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, **moe_tiles):
     """A decode rule on the 16-row tile, then the prefill rule with the streamed knob."""
     prefill = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, qgmma=on, qgmma_tokens=tokens,
-                   qgmma_warps=warps, qgmma_stages=stages)
+                   qgmma_warps=warps, qgmma_stages=stages, qgmma_inflight=inflight, qgmma_maxnreg=maxnreg)
     return {"experts": [[16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)], [None, prefill]],
             "act_dequantized": True, **moe_tiles}
 
@@ -81,6 +82,9 @@ def test_the_launcher_streams_row_tiles_of_32_or_more(monkeypatch, tokens, warps
     rows = 16 * warps
     assert q["up"]["grid_cols"] == 2304 // (rows // 2) and q["down"]["grid_cols"] == 5120 // rows
     assert q["up"]["split"] == q["down"]["split"] == 1 and q["up"]["constexprs"]["num_warps"] == warps
+    assert q["up"]["constexprs"]["INFLIGHT"] == 2 and "maxnreg" not in q["up"]["constexprs"]
+    capped = _plan(monkeypatch, tokens=tokens, warps=warps, inflight=1, maxnreg=128)["qgmma"]
+    assert capped["down"]["constexprs"]["INFLIGHT"] == 1 and capped["down"]["constexprs"]["maxnreg"] == 128
     # no shared tiles in the streamed launches: the shared expert runs beside them
     assert _plan(monkeypatch, tokens=tokens, warps=warps, shared=True)["qgmma_shared"] is None
     assert _plan(monkeypatch, tokens=tokens, stages=0)["qgmma"] is None  # the ring is the stream: two trips at least
@@ -91,15 +95,20 @@ def test_the_launcher_streams_row_tiles_of_32_or_more(monkeypatch, tokens, warps
 
 
 @pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
-@pytest.mark.parametrize("tokens,warps,k_major", [(64, 8, True), (32, 8, False)])
-def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps, k_major):
-    tiles = {"experts": _tiles(tokens, warps)["experts"], "act_dequantized": True, "grouped_min_rows": None}
+@pytest.mark.parametrize("tokens,warps,k_major,capped", [(64, 8, True, False), (32, 8, False, False),
+                                                        (64, 8, False, True)])
+def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps, k_major, capped):
+    """Capped: one MMA in flight and 128 registers a thread (two programs of 8 warps an SM), the K loop
+    without local memory."""
+    knobs = dict(inflight=1, maxnreg=128) if capped else {}
+    tiles = {"experts": _tiles(tokens, warps, **knobs)["experts"], "act_dequantized": True, "grouped_min_rows": None}
     reports = sm90_compile("moe", "--B", "4096", "--moe-dims", "released", "--tiles", json.dumps(tiles),
                            "--profile-set", "expert_fp4=nibbles", *(["--cold"] if k_major else []))
     for name in ("_up_kernel", "_down_kernel"):
         r = next(r for r in reports if r["kernel"] == name and r["sass"]["QGMMA"])
-        assert r["stack_bytes"] == 0 and r["sass"]["HMMA"] == 0 and r["sass"]["LDL"] == 0
+        assert r["sass"]["HMMA"] == 0 and (r["registers"] <= 128 if capped else r["stack_bytes"] == 0)
         loop = r["mma_loop"]
+        assert "LDL" not in loop["opcodes"] and "STL" not in loop["opcodes"]
         assert [lp["count"] for lp in loop["loops"]] == [4]  # one K loop: four wgmma a trip
         # each block's product scaled in fp32: a multiply and an add per accumulator element (a thread's
         # tokens / 2) a block, then the decode, the ring's copies and barriers
@@ -117,18 +126,18 @@ def _case(rng, n, D, I, E, k, k_major=False):
     return moe_case(rng, n, D, I, E, k, lambda e, rows, K: _stack(rng, e, rows, K, k_major))
 
 
-# (tokens, D, I, experts, slots, rows a tile, warps, ring stages, K major)
-CASES = [(96, 256, 128, 8, 6, 64, 8, 3, False), (40, 384, 256, 4, 2, 32, 8, 2, True),
-         (200, 512, 256, 16, 6, 32, 4, 4, False), (64, 1024, 512, 3, 4, 64, 4, 3, True),
-         (130, 256, 384, 12, 6, 64, 8, 4, False)]
+# (tokens, D, I, experts, slots, rows a tile, warps, ring stages, K major, MMAs in flight and register cap)
+CASES = [(96, 256, 128, 8, 6, 64, 8, 3, False, (2, None)), (40, 384, 256, 4, 2, 32, 8, 2, True, (2, None)),
+         (200, 512, 256, 16, 6, 32, 4, 4, False, (2, None)), (64, 1024, 512, 3, 4, 64, 4, 3, True, (2, None)),
+         (130, 256, 384, 12, 6, 64, 8, 4, False, (2, None)), (150, 512, 256, 8, 6, 64, 8, 3, True, (1, 128))]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("n,D,I,E,k,tokens,warps,stages,k_major", CASES)
-def test_against_the_reference_and_the_16_row_tile(rng, n, D, I, E, k, tokens, warps, stages, k_major):
+@pytest.mark.parametrize("n,D,I,E,k,tokens,warps,stages,k_major,flight", CASES)
+def test_against_the_reference_and_the_mma_tile(rng, n, D, I, E, k, tokens, warps, stages, k_major, flight):
     args = _case(rng, n, D, I, E, k, k_major)
-    tiles = _tiles(tokens, warps, stages)
+    tiles = _tiles(tokens, warps, stages, inflight=flight[0], maxnreg=flight[1])
     with pinned_tiles(moe=tiles):
         p = moe._plan(n, k, E, D, I)
     assert p["qgmma"] is not None and p["qgmma"]["stream"]
