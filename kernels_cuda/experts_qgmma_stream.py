@@ -1,5 +1,6 @@
 """fp4_w expert rows of a prefill chunk on the fp8 warpgroup MMA, the weights its register operand, the
-activations streamed beside them (sm_90, Gluon).
+activations streamed beside them (sm_90, Gluon); with ``FP8_W`` the same loop over E4M3 weight rows, the
+MMA's shared operand as they are (:mod:`.linear_qgmma`).
 
 :mod:`.experts_qgmma` keeps a program's activations in shared memory for its whole K range: a decode
 step's 8 or 16 rows an expert, K split over programs whose fp32 partials are summed after. A prefill
@@ -14,8 +15,9 @@ does in registers, the producer does when it stores them), so the copies move th
 A program is ``num_warps / 4`` warpgroups over ``16 * num_warps`` weight rows (each warpgroup the M of
 ``wgmma m64nTOKENSk32``); the rows may come from two matrices (the up launch's W1 and W3 halves).
 Each block's product is scaled in fp32 by its rows' and tokens' scales after its MMA retires; a trip's
-four MMAs are in flight two at a time, the older one's sum taken while the newer runs, all retired
-within the trip (register operands of MMAs in flight across a loop's back edge are not kept by ptxas).
+four MMAs are in flight two at a time (``INFLIGHT`` 2: the older one's sum taken while the newer runs) or
+one at a time, all retired within the trip (register operands of MMAs in flight across a loop's back edge
+are not kept by ptxas).
 One barrier a trip: after it every warp has its trip's copies and is done with the trip before, whose
 slot the copies then issued refill.
 """
