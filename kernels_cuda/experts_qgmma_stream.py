@@ -31,7 +31,8 @@ TRIP_BLOCKS = 4  # K blocks of 32 a trip: 128 codes of each row
 def mma_position(k: int) -> int:
     """The position within a 32-wide block at which the MMA's operands hold K ``k`` (0-31) of it: the
     decode of a thread's word of eight codes ``8t .. 8t + 7`` fills positions ``4t ..`` with its even codes
-    and ``16 + 4t ..`` with its odd ones, so K ``8t + 2j + h`` sits at ``16h + 4t + j``."""
+    and ``16 + 4t ..`` with its odd ones, so K ``8t + 2j + h`` sits at ``16h + 4t + j``. The kernels that
+    store codes in this order call its twin :func:`.round_trip.mma_position`."""
     return 16 * (k % 2) + 4 * (k // 8) + (k % 8) // 2
 
 

@@ -29,6 +29,7 @@ if AVAILABLE:
     from flashrt.kernels_cuda.experts_qgmma import fill, loop, loop_fp8, mma_layout
     from flashrt.kernels_cuda.moe_mma import _tile_rows, down_finish, swiglu_blocks, up_split
     from flashrt.kernels_cuda.pdl import wait_inputs
+    from flashrt.kernels_cuda.round_trip import mma_position
 
     @gluon.jit
     def _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS: gl.constexpr,
@@ -49,14 +50,14 @@ if AVAILABLE:
                 MMA_ORDER: gl.constexpr, blocks: gl.constexpr):
         """h [BLOCK_N / 32, 32, TOKENS] (``blocks``) of columns ``[n0, n0 + BLOCK_N)`` quantized per 32 columns
         (each block's scale exponent ``e`` and its reciprocal ``recip``): its E4M3 codes into ``hq`` rows
-        ``rows`` (with MMA_ORDER each block's 32 codes in the MMA's order,
-        :func:`.experts_qgmma_stream.mma_position`) and each block's scale times DECODE_SCALE into ``hs``."""
+        ``rows`` (with MMA_ORDER each block's 32 codes in the MMA's order, :func:`.round_trip.mma_position`)
+        and each block's scale times DECODE_SCALE into ``hs``."""
         c0 = gl.arange(0, BLOCK_N // 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))
         c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, blocks)))
         cols = n0 + c0[:, None, None] * 32 + c1[None, :, None]
         ok = (cols < I) & row_ok[None, None, :]
         if MMA_ORDER:
-            at = n0 + c0[:, None, None] * 32 + (16 * (c1 % 2) + 4 * (c1 // 8) + (c1 % 8) // 2)[None, :, None]
+            at = n0 + c0[:, None, None] * 32 + mma_position(c1)[None, :, None]
         else:
             at = cols
         r64 = rows.to(gl.int64)

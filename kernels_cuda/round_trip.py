@@ -55,6 +55,15 @@ def fp8_round_trip(x: torch.Tensor, tile: dict) -> torch.Tensor:
 
 
 @triton.jit
+def mma_position(c):
+    """The stored position of column ``c`` (int tensor) in the fp8 MMA's order: within each 32-wide block K
+    ``8t + 2j + h`` goes to ``16h + 4t + j`` (:func:`.experts_qgmma_stream.mma_position`, the order the
+    fp4 experts' decode fills the MMA's operand in). Also called from the Gluon kernels that store codes."""
+    w = c % 32
+    return c - w + 16 * (w % 2) + 4 * (w // 8) + (w % 8) // 2
+
+
+@triton.jit
 def _fp8_codes_kernel(x_ptr, code_ptr, scale_ptr, rows, D, stride_x, stride_code, stride_scale, SCALE: tl.constexpr,
                       MMA_ORDER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """x rows [rows, D] (D a multiple of 32) quantized to fp8 per 32 as :func:`_fp8_round_trip` quantizes
@@ -71,8 +80,7 @@ def _fp8_codes_kernel(x_ptr, code_ptr, scale_ptr, rows, D, stride_x, stride_code
     code = e4m3_rne(tl.minimum(tl.maximum(b * recip[:, None], -448.0), 448.0))
     at = c
     if MMA_ORDER:
-        w = c % 32
-        at = c - w + 16 * (w % 2) + 4 * (w // 8) + (w % 8) // 2
+        at = mma_position(c)
     tl.store(code_ptr + r[:, None] * stride_code + at[None, :], tl.reshape(code, (BLOCK_R, BLOCK_C)).to(tl.uint8),
              mask=ok)
     g = tl.program_id(1) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)

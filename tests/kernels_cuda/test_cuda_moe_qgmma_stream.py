@@ -59,7 +59,7 @@ def test_the_mma_order_is_the_decodes():
 @pytest.mark.parametrize("rows,k", [(5, 96), (17, 256)])
 def test_fp8_codes_in_the_mma_order(rng, rows, k):
     """``fp8_codes(mma_order=True)``: each block's bytes of the plain codes moved to their MMA positions, the
-    scales the same."""
+    scales the same (the kernel's ``round_trip.mma_position``, which the up kernel's h store shares)."""
     from flashrt.kernels_cuda.round_trip import fp8_codes
 
     x = (torch.randn(rows, k, generator=rng) * 3.0).to(DEVICE, torch.bfloat16)
