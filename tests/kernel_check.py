@@ -159,6 +159,12 @@ def moe_case(rng, n, D, I, E, k, stack, xdt=torch.bfloat16) -> tuple:
     return (x, rw, idx, *w, 10.0)
 
 
+def qgmma_knobs(on: bool, tokens: int, warps: int, stages: int, inflight: int = 2, maxnreg: int | None = None) -> dict:
+    """A rule's knobs of the streamed ``qgmma`` launches (the experts' and linear's of that name)."""
+    return dict(qgmma=on, qgmma_tokens=tokens, qgmma_warps=warps, qgmma_stages=stages, qgmma_inflight=inflight,
+                qgmma_maxnreg=maxnreg)
+
+
 def run_moe(args, moe_tiles: dict, **kw) -> torch.Tensor:
     """``moe_experts(*args, **kw)`` on the CUDA backend with exactly ``moe_tiles`` as the moe section."""
     with pinned_tiles(moe=moe_tiles), flashrt.use_backend("cuda"):

@@ -18,7 +18,7 @@ import torch
 import flashrt
 from flashrt import formats, jit_targets, ops
 from flashrt.jit_targets import ARCHS
-from kernel_check import DEVICE, GPU, pinned_tiles, rel_err, requires_kernels, sm90_compile
+from kernel_check import DEVICE, GPU, pinned_tiles, qgmma_knobs, rel_err, requires_kernels, sm90_compile
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
@@ -27,8 +27,8 @@ QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and lq.AVAILABLE
 
 
 def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, **linear_tiles):
-    big = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, qgmma=on, qgmma_tokens=tokens,
-               qgmma_warps=warps, qgmma_stages=stages, qgmma_inflight=inflight, qgmma_maxnreg=maxnreg)
+    big = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3,
+               **qgmma_knobs(on, tokens, warps, stages, inflight, maxnreg))
     return {"linear": [[16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)], [None, big]],
             **linear_tiles}
 

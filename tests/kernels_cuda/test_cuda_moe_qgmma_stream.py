@@ -20,8 +20,8 @@ import torch
 import flashrt
 from flashrt import formats, jit_targets, ops
 from flashrt.jit_targets import ARCHS
-from kernel_check import (DEVICE, GPU, assert_counters_zero, assert_moe_path_matches, moe_case, pinned_tiles, rel_err,
-                          requires_kernels, run_moe, sm90_compile)
+from kernel_check import (DEVICE, GPU, assert_counters_zero, assert_moe_path_matches, moe_case, pinned_tiles,
+                          qgmma_knobs, rel_err, requires_kernels, run_moe, sm90_compile)
 
 pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
@@ -33,8 +33,8 @@ QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and st.AVAILABLE
 
 def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, **moe_tiles):
     """A decode rule on the 16-row tile, then the prefill rule with the streamed knob."""
-    prefill = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, qgmma=on, qgmma_tokens=tokens,
-                   qgmma_warps=warps, qgmma_stages=stages, qgmma_inflight=inflight, qgmma_maxnreg=maxnreg)
+    prefill = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3,
+                   **qgmma_knobs(on, tokens, warps, stages, inflight, maxnreg))
     return {"experts": [[16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)], [None, prefill]],
             "act_dequantized": True, **moe_tiles}
 
