@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-import flashrt
-from flashrt import formats, jit_targets, ops
+from flashrt import formats, jit_targets
 from flashrt.jit_targets import ARCHS
-from kernel_check import DEVICE, GPU, pinned_tiles, qgmma_knobs, rel_err, requires_kernels, sm90_compile
+from kernel_check import (DEVICE, GPU, linear_three_ways, pinned_tiles, qgmma_knobs, rel_err, requires_kernels,
+                          sm90_compile)
 
 pytestmark = requires_kernels
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
@@ -100,13 +100,9 @@ CASES = [(100, 256, 512, 64, 8, 3, torch.bfloat16, False, (2, None)),
 @pytest.mark.parametrize("m,n,k,tokens,warps,stages,dtype,k_major,flight", CASES)
 def test_against_the_reference_and_the_mma_tile(rng, m, n, k, tokens, warps, stages, dtype, k_major, flight):
     x, w = _case(rng, m, n, k, dtype, k_major)
-    with pinned_tiles(linear=_tiles(tokens, warps, stages, inflight=flight[0], maxnreg=flight[1])), \
-            flashrt.use_backend("cuda"):
+    tiles = _tiles(tokens, warps, stages, inflight=flight[0], maxnreg=flight[1])
+    with pinned_tiles(linear=tiles):
         assert lin._linear_plan(m, n, k, dtype, "fp8_w").get("qgmma")
-        got = ops.linear(x, w)
-    with pinned_tiles(linear=_tiles(on=False)), flashrt.use_backend("cuda"):
-        other = ops.linear(x, w)
-    with flashrt.use_backend("reference"):
-        want = ops.linear(x, w)
+    got, other, want = linear_three_ways(x, w, tiles, _tiles(on=False))
     assert got.dtype == dtype and got.shape == (m, n)
     assert rel_err(got.float(), want.float()) < 5e-3 and rel_err(got.float(), other.float()) < 5e-3
