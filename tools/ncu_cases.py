@@ -14,10 +14,11 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
   the experts decode rule's ``qgmma`` knob (kernels_cuda/moe_qgmma.py: the fp8 warpgroup MMA);
 - ``experts4096``: the routed experts of a 4,096-token prefill chunk at the released dimensions
   (about 64 rows an expert; benchmarks/moe_prefill_tiles.py's case, laid out as the profile says);
-- ``stream4096``: ``experts4096`` under the experts rule's ``qgmma`` knob with 64-row tiles (the activations
-  streamed: kernels_cuda/moe_qgmma_stream.py);
+- ``stream4096``: ``experts4096`` under the experts rule's ``qgmma`` knob with 64-row tiles, one MMA in flight
+  and 128 registers a thread (the activations streamed: kernels_cuda/moe_qgmma_stream.py);
 - ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192); ``linear4096``: of
-  4,096 rows, and ``linear4096q`` the same under the linear rule's ``qgmma`` knob (kernels_cuda/linear_qgmma.py);
+  4,096 rows, and ``linear4096q`` the same under the linear rule's ``qgmma`` knob, capped alike
+  (kernels_cuda/linear_qgmma.py);
 - ``prefix``: ``prefix_attention`` of 16 rows x 512 queries over 512 entries at ``small``'s shapes
   (benchmarks/prefix_attention.py's case);
 - ``quant_fp4_b16``: ``quantize_store`` of 131,072 bf16 rows of 512 into an fp4_b16 paged cache;
@@ -82,7 +83,7 @@ def _under_rule(family: str, entry: str, rows: int | None, rule: dict, call):
 def _stream4096():
     import moe_prefill_tiles
 
-    rule = moe_prefill_tiles.VARIANTS["qgmma streamed, 64-row tiles, 8 warps, 3 stages"]
+    rule = moe_prefill_tiles.VARIANTS["qgmma streamed, 64-row tiles, 8 warps, 3 stages, one in flight, 128 registers"]
     return _under_rule("moe", "experts", None, rule, _experts4096())
 
 
@@ -98,7 +99,8 @@ def _linear(rows: int):
 def _linear4096q():
     import linear_prefill
 
-    return _under_rule("linear", "linear", None, linear_prefill.qgmma(64, 8, 3), _linear(4096))
+    rule = linear_prefill.qgmma(64, 8, 3, qgmma_inflight=1, qgmma_maxnreg=128)
+    return _under_rule("linear", "linear", None, rule, _linear(4096))
 
 
 def _prefix():

@@ -89,7 +89,7 @@ def _case(rng, m, n, k, dtype=torch.bfloat16, k_major=False):
 
 # (rows, out, in, rows a program, warps, ring stages, x dtype, scales K major, MMAs in flight and register cap)
 CASES = [(100, 256, 512, 64, 8, 3, torch.bfloat16, False, (2, None)),
-         (7, 128, 256, 32, 4, 2, torch.bfloat16, False, (2, None)),
+         (23, 128, 256, 32, 4, 2, torch.bfloat16, False, (2, None)),
          (300, 384, 1024, 128, 8, 4, torch.bfloat16, True, (2, None)),
          (64, 512, 384, 64, 4, 3, torch.float32, False, (2, None)),
          (200, 256, 640, 64, 8, 3, torch.bfloat16, False, (1, 128))]

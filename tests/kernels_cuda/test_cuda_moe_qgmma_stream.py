@@ -114,7 +114,7 @@ def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps, k_major, c
         # tokens / 2) a block, then the decode, the ring's copies and barriers
         per_block = tokens // 2
         assert loop["opcodes"]["FMUL"] == 4 * per_block and loop["opcodes"]["FFMA"] == 4 * per_block
-        assert loop["instructions"] < 8 * per_block + 230
+        assert loop["instructions"] < 8 * per_block + 240
 
 
 def _stack(rng, E, rows, K, k_major=False):
