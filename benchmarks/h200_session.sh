@@ -217,6 +217,9 @@
 #              (h200-prefill-qgmma-tests.log), then the experts at 4,096 tokens under four streamed variants and
 #              the released projections at 4,096 rows (benchmarks/linear_prefill.py, against torch._scaled_mm):
 #              h200-moe-prefill-qgmma-stream-4096.json, h200-linear-prefill-qgmma.json
+#   prefillbf16  the streamed experts on the bf16 warpgroup MMA (experts_bf16_stream.py): their GPU tests
+#              (h200-prefill-bf16-tests.log), then the experts at 4,096 tokens under five bf16 variants beside the
+#              fastest fp8 one and the profile's rule: h200-moe-prefill-bf16-stream-4096.json
 #   prefillquick  prefillqgmma with its GPU tests (not the CPU compiles) and two variants of each, for a short lease
 #   prefilltiny  prefillquick's GPU cases and one variant of each
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
@@ -1365,6 +1368,18 @@ phase_prefillqgmma() {  # a prefill chunk's experts and fp8 projections on qgmma
     "qgmma streamed, 32-row tiles, 8 warps, 3 stages" "qgmma streamed, 64-row tiles, 8 warps, 4 stages" \
     "qgmma streamed, 64-row tiles, 4 warps, 3 stages" --out "$OUT/h200-moe-prefill-qgmma-stream-4096.json"
   timeout 170 python benchmarks/linear_prefill.py --out "$OUT/h200-linear-prefill-qgmma.json"
+}
+
+phase_prefillbf16() {  # a prefill chunk's experts on the bf16 MMA, operands streamed: tests, then timed
+  timeout 200 python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
+    > "$OUT/h200-prefill-bf16-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-prefill-bf16-tests.log"
+  local b="bf16 streamed"
+  timeout 200 python benchmarks/moe_prefill_tiles.py --variants "$b, 64-row tiles, 8 warps, 3 stages, 128 registers" \
+    "$b, 64-row tiles, 8 warps, 4 stages, 128 registers" "$b, 32-row tiles, 8 warps, 3 stages, 128 registers" \
+    "$b, 64-row tiles, 8 warps, 3 stages" "$b, 64-row tiles, 4 warps, 4 stages" \
+    "qgmma streamed, 64-row tiles, 8 warps, 3 stages, one in flight, 128 registers" \
+    --out "$OUT/h200-moe-prefill-bf16-stream-4096.json"
 }
 
 phase_prefillquick() {  # prefillqgmma's tests and its two leading variants of each, for a short lease

@@ -59,6 +59,13 @@ for _rows, _warps, _stages in ((64, 8, 3), (64, 8, 4), (32, 8, 3), (64, 4, 3), (
 # one MMA in flight at a time and 128 registers a thread: two programs of 8 warps an SM
 VARIANTS["qgmma streamed, 64-row tiles, 8 warps, 3 stages, one in flight, 128 registers"] = dict(
     VARIANTS["qgmma streamed, 64-row tiles, 8 warps, 3 stages"], qgmma_inflight=1, qgmma_maxnreg=128)
+# the same launches on the bf16 warpgroup MMA (the rule's qgmma_bf16: kernels_cuda/experts_bf16_stream.py)
+for _rows, _warps, _stages, _cap in ((64, 8, 3, 128), (64, 8, 4, 128), (32, 8, 3, 128), (64, 8, 3, None),
+                                     (64, 4, 4, None)):
+    VARIANTS[f"bf16 streamed, {_rows}-row tiles, {_warps} warps, {_stages} stages"
+             + (f", {_cap} registers" if _cap else "")] = dict(
+        tile(128, 64, 4, 4, swap=True), qgmma=True, qgmma_tokens=_rows, qgmma_warps=_warps, qgmma_stages=_stages,
+        qgmma_maxnreg=_cap, qgmma_bf16=True)
 
 
 def experts(cfg, tokens: int, dev, g):

@@ -86,11 +86,13 @@ from flashrt.kernels_cuda import pdl
 # where used); with qgmma_tokens of 32 or 64 (a prefill chunk's row tiles) the whole K a program, the
 # activations streamed through the ring beside the weights (:mod:`.moe_qgmma_stream`: at least 2 stages,
 # qgmma_warps warps a program, qgmma_inflight of a trip's four MMAs in flight at once (1 or 2), each thread
-# held to qgmma_maxnreg registers where set (None: as the compiler allocates); no shared expert in the launches)
+# held to qgmma_maxnreg registers where set (None: as the compiler allocates); no shared expert in the launches;
+# qgmma_bf16: those streamed launches on the bf16 warpgroup MMA instead, the weights decoded with their scales and
+# the activations their round trips' values, nothing scaled after the MMA, :mod:`.experts_bf16_stream`)
 KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None,
              gemv_mma=False, gemv_mma_tokens=8, gemv_mma_per_sm=4, gemv_mma_stages=3, gemv_mma_sub=4,
              qgmma=False, qgmma_tokens=8, qgmma_per_sm=16, qgmma_max_k=1024, qgmma_stages=4, qgmma_warps=8,
-             qgmma_inflight=2, qgmma_maxnreg=None)
+             qgmma_inflight=2, qgmma_maxnreg=None, qgmma_bf16=False)
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -219,7 +221,7 @@ def _qgmma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: boo
         return None, None
     tile = dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"], per_sm=knobs["qgmma_per_sm"],
                 max_k=knobs["qgmma_max_k"], num_warps=knobs["qgmma_warps"], INFLIGHT=knobs["qgmma_inflight"],
-                maxnreg=knobs["qgmma_maxnreg"])
+                maxnreg=knobs["qgmma_maxnreg"], BF16=knobs["qgmma_bf16"])
     if tile["TOKENS"] in moe_qgmma_stream.TOKENS:
         return moe_qgmma_stream.plan(n, k, E, D, I, pairs, tile), None
     sms = _linear.num_sms()
@@ -399,7 +401,10 @@ def _experts_qgmma(x, weights, indices, w1, w3, w2, limit: float, add, out_dtype
     """The routed experts on :mod:`.moe_qgmma`'s kernels (plan ``plan["qgmma"]``) over x's fp8 round trip
     as codes and scales; the shared expert as :func:`_gluon_experts` places it."""
     stream = plan["qgmma"].get("stream", False)
-    xq, xs = fp8_codes(x, plan["round_trip"], experts_qgmma.DECODE_SCALE, mma_order=stream)
+    if stream and plan["qgmma"]["bf16"]:  # the round trip's values in the bf16 loop's order
+        xq, xs = fp8_round_trip(x, plan["round_trip"], stream_order=True), None
+    else:
+        xq, xs = fp8_codes(x, plan["round_trip"], experts_qgmma.DECODE_SCALE, mma_order=stream)
     launches = moe_qgmma_stream if stream else moe_qgmma
     run = lambda *a, **kw: launches.experts(xq, xs, *a, **kw)  # noqa: E731
     return _gluon_experts(run, "qgmma", x, weights, indices, w1, w3, w2, limit, add, out_dtype, shared, plan,
@@ -511,6 +516,7 @@ FAMILY = KernelFamily(
                               "experts.qgmma_warps": Tile(choices=(4, 8)),
                               "experts.qgmma_inflight": Tile(choices=(1, 2)),
                               "experts.qgmma_maxnreg": Tile(low=24, high=256, multiple=8, nullable=True, kind=int),
+                              "experts.qgmma_bf16": Tile(kind=bool),
                               "experts.qgmma_per_sm": Tile(low=1, kind=int),
                               "experts.qgmma_max_k": Tile(choices=(256, 512, 1024, 2048)),
                               "experts.qgmma_stages": Tile(choices=(0, 2, 3, 4, 5, 6)),

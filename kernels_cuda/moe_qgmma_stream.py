@@ -15,6 +15,11 @@ its activations' codes and scales copied through the ring beside the weights.
 
 x's codes come in the MMA's order too (:func:`.round_trip.fp8_codes` with ``mma_order``). The shared
 expert is not in these launches (the caller runs it on the direct path).
+
+With ``BF16`` (the rule's ``qgmma_bf16``) the same launches run :mod:`.experts_bf16_stream`'s K loop on the
+bf16 MMA instead: the weights decoded with their block scales, x and h as their round trips' bf16 values in
+that loop's order (:func:`.round_trip.fp8_round_trip` with ``stream_order``; the up launch stores h so), no
+per-block scaling after the MMA.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 from flashrt.kernels_cuda import pdl, splitk
 from flashrt.kernels_cuda.experts_qgmma_stream import AVAILABLE, TRIP_BLOCKS
 from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
+from flashrt.kernels_cuda.linear import FOLD_MAX_SCALE, scales_at_most
 from flashrt.kernels_cuda.moe_qgmma import _operands
 
 TOKENS = (32, 64)  # row tile sizes the launches take (at 128 the accumulators spill)
@@ -33,11 +39,48 @@ if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
+    from flashrt.kernels_cuda import experts_bf16_stream as bf16
     from flashrt.kernels_cuda.attention_ws import _sync
     from flashrt.kernels_cuda.experts_qgmma_stream import loop, rows_layout, weight_copy_layout
     from flashrt.kernels_cuda.moe_mma import _tile_rows, down_finish, swiglu_staged
     from flashrt.kernels_cuda.moe_qgmma import store_h
     from flashrt.kernels_cuda.pdl import wait_inputs
+    from flashrt.kernels_cuda.round_trip import stream_position
+
+    @gluon.constexpr_function
+    def _acc_layout(TOKENS, num_warps, BF16):
+        return bf16.acc_layout(TOKENS, num_warps) if BF16 else rows_layout(TOKENS, num_warps)
+
+    @gluon.jit
+    def _sums(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K, TOKENS: gl.constexpr,
+              STAGES: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr, BF16: gl.constexpr,
+              FOLD: gl.constexpr, num_warps: gl.constexpr):
+        """The K loop of either MMA (``s_rows``: the rows' scale pointers, :func:`_scale_rows`, in the
+        accumulators' row layout; moved into the one the loop reads them in)."""
+        if BF16:
+            r_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, bf16.bytes_layout(num_warps)))
+            acc = bf16.loop(w_rows, gl.convert_layout(s_rows, r_l), stride_sk, x_ptr, tok, row_ok, stride_xm, K,
+                            TOKENS, STAGES, KMAJOR, FOLD, num_warps)
+        else:
+            acc = loop(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K, TOKENS,
+                       STAGES, KMAJOR, num_warps, False, INFLIGHT)
+        return acc
+
+    @gluon.jit
+    def _store_h_values(h, e, recip, rows, row_ok, h_ptr, n0, I, stride_hm, BLOCK_N: gl.constexpr,
+                        blocks: gl.constexpr):
+        """h [BLOCK_N / 32, 32, TOKENS] (``blocks``) of columns ``[n0, n0 + BLOCK_N)`` through its fp8 round
+        trip per 32 columns (each block's scale exponent ``e`` and its reciprocal ``recip``, as
+        :func:`.moe_qgmma.store_h` quantizes it): the bf16 values into ``h`` rows ``rows`` in the bf16 stream
+        order (:func:`.round_trip.stream_position`)."""
+        c0 = gl.arange(0, BLOCK_N // 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))
+        c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, blocks)))
+        cols = n0 + c0[:, None, None] * 32 + c1[None, :, None]
+        ok = (cols < I) & row_ok[None, None, :]
+        scale = (e << 23).to(gl.float32, bitcast=True)
+        v = (h * recip[:, None, :]).to(gl.float8e4nv).to(gl.float32) * scale[:, None, :]
+        gl.store(h_ptr + rows.to(gl.int64)[None, None, :] * stride_hm + stream_position(cols), v.to(gl.bfloat16),
+                 mask=ok)
 
     @gluon.jit
     def _scale_rows(s_ptr, n, stride_sn, KMAJOR: gl.constexpr):
@@ -49,16 +92,19 @@ if AVAILABLE:
                    s3_at, hq_ptr, hs_ptr, E, I, D, limit, n_rows, n_pairs, TOPK, stride_xm, stride_xsm, stride_we,
                    stride_wn, stride_se, stride_sn, stride_sk, stride_hm, stride_hsm, routed_tiles,
                    TOKENS: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr, CLAMP: gl.constexpr,
-                   XDT: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr, num_warps: gl.constexpr):
+                   XDT: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr, BF16: gl.constexpr,
+                   FOLD: gl.constexpr, num_warps: gl.constexpr):
         """h of the tile's pair rows, columns ``[n0, n0 + 8 * num_warps)`` of I: x codes [N, D] E4M3 in the
         MMA's order with scales xs [N, D / 32] (times DECODE_SCALE), W1 / W3 [E, I, D / 2] fp4_w (scales as
         :func:`.experts_qgmma._scale_word` reads them), W3 and its scales ``w3_at`` and ``s3_at`` elements
         past W1's (offsets, not pointers: the copies' 16-byte alignment stays provable); h's codes
-        [n_rows, I] in the MMA's order, its scales [n_rows, I / 32] (times DECODE_SCALE)."""
+        [n_rows, I] in the MMA's order, its scales [n_rows, I / 32] (times DECODE_SCALE). BF16: x [N, D] and
+        h [n_rows, I] the round trips' bf16 values in the bf16 stream order (``xs_ptr`` and ``hs_ptr`` unread);
+        FOLD: every scale byte of W1 and W3 at most 128."""
         wait_inputs()
         ROWS: gl.constexpr = 16 * num_warps
         HALF: gl.constexpr = ROWS // 2
-        acc_l: gl.constexpr = rows_layout(TOKENS, num_warps)
+        acc_l: gl.constexpr = _acc_layout(TOKENS, num_warps, BF16)
         t = gl.program_id(1)
         e = gl.load(tile_e_ptr + t)
         if e >= E:  # past the tables' last tile
@@ -71,8 +117,8 @@ if AVAILABLE:
         w_rows = w1_ptr + (ew + (n0 + r % HALF).to(gl.int64) * stride_wn + (r // HALF).to(gl.int64) * w3_at)
         r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         s_rows = _scale_rows(s1_ptr + es + (r_s // HALF).to(gl.int64) * s3_at, n0 + r_s % HALF, stride_sn, KMAJOR)
-        acc = loop(w_rows, s_rows, stride_sk, xq_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, D, TOKENS, STAGES,
-                   KMAJOR, num_warps, False, INFLIGHT)
+        acc = _sums(w_rows, s_rows, stride_sk, xq_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, D, TOKENS, STAGES,
+                    KMAJOR, INFLIGHT, BF16, FOLD, num_warps)
         # the gate rows and the up rows through shared memory, into a layout whose 32-column blocks lie along
         # a warp's lanes
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -82,7 +128,10 @@ if AVAILABLE:
         blocks: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32, 1], [1, 1, num_warps], [1, 2, 0])
         h, ex, recip, rows_b, ok_b = swiglu_staged(stage, tables, rw_ptr, limit, PAIRS, False, TOKENS, CLAMP, XDT,
                                                    HALF, blocks)
-        store_h(h, ex, recip, rows_b, ok_b, hq_ptr, hs_ptr, n0, I, stride_hm, stride_hsm, HALF, True, blocks)
+        if BF16:
+            _store_h_values(h, ex, recip, rows_b, ok_b, hq_ptr, n0, I, stride_hm, HALF, blocks)
+        else:
+            store_h(h, ex, recip, rows_b, ok_b, hq_ptr, hs_ptr, n0, I, stride_hm, stride_hsm, HALF, True, blocks)
 
     @gluon.jit
     def _down_kernel(hq_ptr, hs_ptr, tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, pos_ptr, w2_ptr, s2_ptr, y_ptr,
@@ -90,14 +139,15 @@ if AVAILABLE:
                      stride_wn, stride_se, stride_sn, stride_sk, stride_ym, stride_om, stride_am, routed_tiles,
                      TOKENS: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr, COMBINE: gl.constexpr,
                      HAS_ADD: gl.constexpr, XDT: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     BF16: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):
         """y rows of the tile's pair rows (rounded to XDT, y's dtype), columns ``[n0, n0 + 16 * num_warps)`` of
         D: W2 [E, D, I / 2] fp4_w over h's codes [n_rows, I] (the MMA's order) and scales [n_rows, I / 32].
         COMBINE: then each token's rows summed into ``out`` (:func:`.moe_mma._combine`, a counter per (token,
-        column tile) at ``comb_ptr``)."""
+        column tile) at ``comb_ptr``). BF16: h [n_rows, I] bf16 values in the bf16 stream order (``hs_ptr``
+        unread); FOLD: every scale byte of W2 at most 128."""
         wait_inputs()
         ROWS: gl.constexpr = 16 * num_warps
-        acc_l: gl.constexpr = rows_layout(TOKENS, num_warps)
+        acc_l: gl.constexpr = _acc_layout(TOKENS, num_warps, BF16)
         t = gl.program_id(1)
         e = gl.load(tile_e_ptr + t)
         if e >= E:
@@ -109,8 +159,8 @@ if AVAILABLE:
         w_rows = w2_ptr + e.to(gl.int64) * stride_we + (n0 + r).to(gl.int64) * stride_wn
         r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         s_rows = _scale_rows(s2_ptr + e.to(gl.int64) * stride_se, n0 + r_s, stride_sn, KMAJOR)
-        acc = loop(w_rows, s_rows, stride_sk, hq_ptr, hs_ptr, rows.to(gl.int64), row_ok, stride_hm, stride_hsm, I,
-                   TOKENS, STAGES, KMAJOR, num_warps, False, INFLIGHT)
+        acc = _sums(w_rows, s_rows, stride_sk, hq_ptr, hs_ptr, rows.to(gl.int64), row_ok, stride_hm, stride_hsm, I,
+                    TOKENS, STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps)
         cols = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         sums = (pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am)
         down_finish(acc, y_ptr, y_ptr, comb_ptr, rows, row_ok, tok, cols, n_rows, 1, sums, PAIRS, False, False,
@@ -120,7 +170,7 @@ if AVAILABLE:
 def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict) -> dict | None:
     """The up and down launches of ``n`` tokens of ``k`` slots over ``E`` experts under ``tile`` (``TOKENS``
     rows a row tile, ``STAGES`` ring trips, ``num_warps``, ``INFLIGHT`` block MMAs in flight, ``maxnreg``: a
-    register cap a thread or None); ``pairs``: a row tile per (token, slot) pair,
+    register cap a thread or None, ``BF16``: the bf16 MMA's loop); ``pairs``: a row tile per (token, slot) pair,
     else the routing tables' tiles. None where the tile is not one these launches take (TOKENS, warps),
     the ring is not at least two trips, or a K is not a whole number of trips."""
     rows = 16 * tile["num_warps"]
@@ -128,10 +178,12 @@ def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict) -> dic
             or D % (32 * TRIP_BLOCKS) or I % (32 * TRIP_BLOCKS) or I % (rows // 2) or D % rows):
         return None
     row_tiles = n * k if pairs else min(n * k, cdiv(n * k, tile["TOKENS"]) + E)
-    constexprs = dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], INFLIGHT=tile["INFLIGHT"],
-                      num_warps=tile["num_warps"], **({"maxnreg": tile["maxnreg"]} if tile["maxnreg"] else {}))
+    bf16 = bool(tile.get("BF16"))
+    # the bf16 loop has no blocks in flight to count: one variant of it
+    constexprs = dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], INFLIGHT=1 if bf16 else tile["INFLIGHT"],
+                      BF16=bf16, num_warps=tile["num_warps"], **({"maxnreg": tile["maxnreg"]} if tile["maxnreg"] else {}))
     # split 1: no K split (what moe_mma.combines counts)
-    return dict(stream=True, block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles, grid_rows=row_tiles,
+    return dict(stream=True, bf16=bf16, block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles, grid_rows=row_tiles,
                 shared=False, up=dict(split=1, grid_cols=I // (rows // 2), constexprs=constexprs),
                 down=dict(split=1, grid_cols=D // rows, constexprs=constexprs))
 
@@ -147,7 +199,9 @@ def experts(xq: torch.Tensor, xs: torch.Tensor, tab: dict, w1, w3, w2, limit: fl
             n: int, k: int, out: torch.Tensor | None = None, add: torch.Tensor | None = None,
             shared: tuple | None = None) -> torch.Tensor:
     """The routed pair rows [n * k, D] in ``xdtype`` of x (its fp8 round trip as codes ``xq`` [n, D] in the MMA's
-    order and scales ``xs`` [n, D / 32] times DECODE_SCALE: :func:`.round_trip.fp8_codes` with ``mma_order``)
+    order and scales ``xs`` [n, D / 32] times DECODE_SCALE: :func:`.round_trip.fp8_codes` with ``mma_order``;
+    under a plan of the bf16 loop its values ``xq`` [n, D] in that loop's order and ``xs`` None:
+    :func:`.round_trip.fp8_round_trip` with ``stream_order``)
     through the fp4_w experts ``w1``, ``w3`` [E, I, D] and ``w2`` [E, D, I] (:func:`.moe_qgmma.supports`)
     under plan ``p`` (:func:`plan`); with ``out`` [n, D] (where :func:`.moe_mma.combines`), ``out`` instead:
     each token's rows summed in slot order, plus its ``add`` row (fp32 [n, D] or None), in out's dtype."""
@@ -157,21 +211,28 @@ def experts(xq: torch.Tensor, xs: torch.Tensor, tab: dict, w1, w3, w2, limit: fl
     d1, s1, se, sn, sk, kmajor = _operands(w1)
     d3, s3, *_ = _operands(w3)
     dev, xdt = xq.device, TL_DTYPES[xdtype]
-    hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=dev)
-    hs = torch.empty(rows, I // 32, dtype=torch.float32, device=dev)
+    if p["bf16"]:  # h's values in the loop's order; no scale arrays (their pointers stand in, unread)
+        xs = xq
+        hq = hs = torch.empty(rows, I, dtype=torch.bfloat16, device=dev)
+    else:
+        hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=dev)
+        hs = torch.empty(rows, I // 32, dtype=torch.float32, device=dev)
+    fold = p["bf16"] and scales_at_most((w1, w3), "fp4_w", FOLD_MAX_SCALE)
     _up_kernel[(p["up"]["grid_cols"], p["grid_rows"])](
         xq, xs, tab["tok"], tab["rw"], tab["tile_e"], tab["tile_row"], tab["row_end"], d1, s1, _past(d3, d1),
         _past(s3, s1), hq, hs, E, I, D,
         limit, rows, rows, k, xq.stride(0), xs.stride(0), d1.stride(0), d1.stride(1), se, sn, sk, hq.stride(0),
-        hs.stride(0), p["row_tiles"], PAIRS=p["pairs"], CLAMP=limit > 0, XDT=xdt, KMAJOR=kmajor,
+        hs.stride(0), p["row_tiles"], PAIRS=p["pairs"], CLAMP=limit > 0, XDT=xdt, KMAJOR=kmajor, FOLD=fold,
         **p["up"]["constexprs"], **pdl.options(dev))
     d2, s2, se2, sn2, sk2, kmajor2 = _operands(w2)
     y = torch.empty(rows, D, dtype=xdtype, device=dev)
     pool = splitk.counters(dev)
+    fold_down = p["bf16"] and scales_at_most((w2,), "fp4_w", FOLD_MAX_SCALE)
     _down_kernel[(p["down"]["grid_cols"], p["grid_rows"])](
         hq, hs, tab["tok"], tab["tile_e"], tab["tile_row"], tab["row_end"], tab["pos"], d2, s2, y,
         out if out is not None else y, add if add is not None else y, pool, E, D, I, rows, rows, k, hq.stride(0),
         hs.stride(0), d2.stride(0), d2.stride(1), se2, sn2, sk2, y.stride(0), out.stride(0) if out is not None else 0,
         add.stride(0) if add is not None else 0, p["row_tiles"], PAIRS=p["pairs"], COMBINE=out is not None,
-        HAS_ADD=add is not None, XDT=xdt, KMAJOR=kmajor2, **p["down"]["constexprs"], **pdl.options(dev))
+        HAS_ADD=add is not None, XDT=xdt, KMAJOR=kmajor2, FOLD=fold_down, **p["down"]["constexprs"],
+        **pdl.options(dev))
     return out if out is not None else y

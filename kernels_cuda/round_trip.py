@@ -29,28 +29,47 @@ def _fp8_round_trip(v, OUT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _fp8_round_trip_kernel(x_ptr, out_ptr, rows, D, stride_x, stride_out, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+def stream_position(c):
+    """The stored position of column ``c`` (int tensor) in the bf16 MMA's order of
+    :mod:`.experts_bf16_stream`: within each 128-wide trip K ``32t + 8a + 4c + 2g + h`` goes to ``32a + 16c +
+    8g + 2t + h`` (:func:`.experts_bf16_stream.position`). Also called from the Gluon kernels that store h."""
+    w = c % 128
+    r = w % 32
+    return c - w + 32 * (r // 8) + 16 * ((r % 8) // 4) + 8 * ((r % 4) // 2) + 2 * (w // 32) + r % 2
+
+
+@triton.jit
+def _fp8_round_trip_kernel(x_ptr, out_ptr, rows, D, stride_x, stride_out, STREAM_ORDER: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """x rows [rows, D] through the fp8 round trip (:func:`_fp8_round_trip`, blocks of 32 from column
-    0) into out (its dtype). One program: ``BLOCK_R`` rows x ``BLOCK_C`` columns."""
+    0) into out (its dtype; STREAM_ORDER: each 128-wide trip's values in the order of
+    :func:`stream_position`). One program: ``BLOCK_R`` rows x ``BLOCK_C`` columns."""
     wait_inputs()
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (r < rows)[:, None] & (c < D)[None, :]
     x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=ok, other=0.0).to(tl.float32)
     out = _fp8_round_trip(x, out_ptr.dtype.element_ty, BLOCK_R, BLOCK_C)
-    tl.store(out_ptr + r[:, None] * stride_out + c[None, :], out, mask=ok)
+    at = c
+    if STREAM_ORDER:
+        at = stream_position(c)
+    tl.store(out_ptr + r[:, None] * stride_out + at[None, :], out, mask=ok)
 
 
-def fp8_round_trip(x: torch.Tensor, tile: dict) -> torch.Tensor:
+def fp8_round_trip(x: torch.Tensor, tile: dict, stream_order: bool = False) -> torch.Tensor:
     """bf16 [N, D]: the values of x's [N, D] fp8 round trip (per 32 from column 0), one launch of
-    ``tile`` (``BLOCK_R`` rows x ``BLOCK_C`` columns a program, ``num_warps``)."""
+    ``tile`` (``BLOCK_R`` rows x ``BLOCK_C`` columns a program, ``num_warps``). ``stream_order``: each
+    128-wide trip's values in the order the bf16 MMA of the streamed fp4 experts takes them
+    (:func:`stream_position`; D a multiple of 128)."""
+    if stream_order and x.shape[-1] % 128:
+        raise ValueError(f"fp8_round_trip: stream_order expects a last dimension that is a multiple of 128, "
+                         f"got {x.shape[-1]}")
     x = last_dense(x)
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     grid = (cdiv(x.shape[0], tile["BLOCK_R"]), cdiv(x.shape[1], tile["BLOCK_C"]))
     _fp8_round_trip_kernel[grid](x, out, x.shape[0], x.shape[1], x.stride(0), out.stride(0),
-                                 BLOCK_R=tile["BLOCK_R"], BLOCK_C=tile["BLOCK_C"], num_warps=tile["num_warps"],
-                                 **pdl.options(x.device))
+                                 STREAM_ORDER=stream_order, BLOCK_R=tile["BLOCK_R"], BLOCK_C=tile["BLOCK_C"],
+                                 num_warps=tile["num_warps"], **pdl.options(x.device))
     return out
 
 

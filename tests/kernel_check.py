@@ -159,10 +159,12 @@ def moe_case(rng, n, D, I, E, k, stack, xdt=torch.bfloat16) -> tuple:
     return (x, rw, idx, *w, 10.0)
 
 
-def qgmma_knobs(on: bool, tokens: int, warps: int, stages: int, inflight: int = 2, maxnreg: int | None = None) -> dict:
-    """A rule's knobs of the streamed ``qgmma`` launches (the experts' and linear's of that name)."""
+def qgmma_knobs(on: bool, tokens: int, warps: int, stages: int, inflight: int = 2, maxnreg: int | None = None,
+                **more) -> dict:
+    """A rule's knobs of the streamed ``qgmma`` launches (the experts' and linear's of that name; ``more``:
+    other knobs of the rule, e.g. the experts' ``qgmma_bf16``)."""
     return dict(qgmma=on, qgmma_tokens=tokens, qgmma_warps=warps, qgmma_stages=stages, qgmma_inflight=inflight,
-                qgmma_maxnreg=maxnreg)
+                qgmma_maxnreg=maxnreg, **more)
 
 
 def run_moe(args, moe_tiles: dict, **kw) -> torch.Tensor:

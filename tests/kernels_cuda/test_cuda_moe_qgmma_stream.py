@@ -9,7 +9,13 @@ this Triton the kernels compile for sm_90 on ``QGMMA`` without spills (in their 
 cap). On an sm_90 GPU: against the reference and the rule's MMA tile without the knob on fresh random
 inputs: row tiles of 32 and 64 rows (partly filled, experts over several tiles), 4 and 8 warps, rings of
 2-4 trips, scales row and K major, one or two MMAs in flight (with a register cap), the combine in the
-down launch and in its own, the shared expert beside it and ``add``."""
+down launch and in its own, the shared expert beside it and ``add``.
+
+The rule's ``qgmma_bf16`` (kernels_cuda/experts_bf16_stream.py) runs the same launches on the bf16 MMA: its
+operand order is a permutation of a trip's 128 K that the round trip's ``stream_order`` store follows
+under the interpreter; its plan; its sm_90 compile (``HGMMA`` only, no local memory, two programs of 8
+warps an SM by their registers); on an sm_90 GPU every case above on it too, and its weights' scales
+unfolded (no largest scale byte recorded)."""
 from __future__ import annotations
 
 import json
@@ -27,14 +33,16 @@ pytestmark = requires_kernels
 moe = pytest.importorskip("flashrt.kernels_cuda.moe")
 st = pytest.importorskip("flashrt.kernels_cuda.moe_qgmma_stream")
 es = pytest.importorskip("flashrt.kernels_cuda.experts_qgmma_stream")
+eb = pytest.importorskip("flashrt.kernels_cuda.experts_bf16_stream")
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and st.AVAILABLE
 
 
-def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, **moe_tiles):
-    """A decode rule on the 16-row tile, then the prefill rule with the streamed knob."""
+def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, bf16=False, **moe_tiles):
+    """A decode rule on the 16-row tile, then the prefill rule with the streamed knob (``bf16``: on the bf16
+    MMA's loop)."""
     prefill = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3,
-                   **qgmma_knobs(on, tokens, warps, stages, inflight, maxnreg))
+                   **qgmma_knobs(on, tokens, warps, stages, inflight, maxnreg, qgmma_bf16=bf16))
     return {"experts": [[16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)], [None, prefill]],
             "act_dequantized": True, **moe_tiles}
 
@@ -72,6 +80,35 @@ def test_fp8_codes_in_the_mma_order(rng, rows, k):
     assert torch.equal(ordered.view(torch.uint8).view(rows, k // 32, 32), want) and torch.equal(s, s2)
 
 
+def test_the_bf16_order_is_the_a_fragments():
+    """K ``32t + 8a + 4c + 2g + h`` of a trip sits at ``32a + 16c + 8g + 2t + h``: quad lane ``t`` holds K
+    block ``t`` (one scale a row), each register a pair of neighbouring K; a permutation of the 128."""
+    where = [eb.position(k) for k in range(128)]
+    assert sorted(where) == list(range(128))
+    for k in range(0, 128, 2):
+        t = k // 32
+        assert where[k + 1] == where[k] + 1  # a register's two halves: K 2i, 2i + 1
+        assert (where[k] // 2) % 4 == t  # the lane of the quad that holds it (A fragment: column 2t + h)
+
+
+@pytest.mark.parametrize("rows,k", [(3, 128), (9, 384)])
+def test_fp8_round_trip_in_the_stream_order(rng, rows, k):
+    """``fp8_round_trip(stream_order=True)``: each trip's values of the plain round trip at their positions
+    (the kernel's ``round_trip.stream_position``, which the up kernel's h store shares); D not whole trips
+    refused by name."""
+    from flashrt.kernels_cuda.round_trip import fp8_round_trip
+
+    x = (torch.randn(rows, k, generator=rng) * 3.0).to(DEVICE, torch.bfloat16)
+    tile = dict(BLOCK_R=4, BLOCK_C=128, num_warps=4)
+    plain, ordered = fp8_round_trip(x, tile), fp8_round_trip(x, tile, stream_order=True)
+    pos = torch.tensor([eb.position(c) for c in range(128)])
+    want = torch.empty_like(plain).view(rows, k // 128, 128)
+    want[:, :, pos] = plain.view(rows, k // 128, 128)
+    assert torch.equal(ordered.view(rows, k // 128, 128), want) and not torch.equal(ordered, plain)
+    with pytest.raises(ValueError, match="stream_order.*multiple of 128.*96"):
+        fp8_round_trip(x[:, :96], tile, stream_order=True)
+
+
 @pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
 @pytest.mark.parametrize("tokens,warps", [(32, 8), (64, 4)])
 def test_the_launcher_streams_row_tiles_of_32_or_more(monkeypatch, tokens, warps):
@@ -92,6 +129,12 @@ def test_the_launcher_streams_row_tiles_of_32_or_more(monkeypatch, tokens, warps
     assert _plan(monkeypatch, tokens=tokens, on=False)["qgmma"] is None
     # 128-row tiles: their accumulators spill; not a tile the launches take
     assert st.plan(4096, 6, 384, 5120, 2304, False, dict(TOKENS=128, STAGES=3, num_warps=warps)) is None
+    assert not q["bf16"] and not q["up"]["constexprs"]["BF16"]
+    # the bf16 loop: the same launches and grids, one variant whatever the blocks in flight
+    b = _plan(monkeypatch, tokens=tokens, warps=warps, bf16=True)["qgmma"]
+    assert b["bf16"] and b["up"]["constexprs"]["BF16"] and b["down"]["constexprs"]["INFLIGHT"] == 1
+    assert {key: b[key] for key in ("row_tiles", "block_m")} == {key: q[key] for key in ("row_tiles", "block_m")}
+    assert b["up"]["grid_cols"] == q["up"]["grid_cols"] and b["down"]["grid_cols"] == q["down"]["grid_cols"]
 
 
 @pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
@@ -117,6 +160,25 @@ def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps, k_major, c
         assert loop["instructions"] < 8 * per_block + 240
 
 
+@pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
+@pytest.mark.parametrize("tokens,k_major", [(64, True), (32, False)])
+def test_the_bf16_loop_compiles_for_sm90_on_the_bf16_warpgroup_mma(tokens, k_major):
+    """A trip: eight ``HGMMA`` (two MMAs of 64 K), the decode's 32 bf16x2 multiplies (one a register of two
+    codes, the scales folded), no fp32 scaling after the MMA, no local memory, and at most 128 registers
+    a thread: two programs of 8 warps an SM."""
+    tiles = {"experts": _tiles(tokens, 8, bf16=True)["experts"], "act_dequantized": True, "grouped_min_rows": None}
+    reports = sm90_compile("moe", "--B", "4096", "--moe-dims", "released", "--tiles", json.dumps(tiles),
+                           "--profile-set", "expert_fp4=nibbles", *(["--cold"] if k_major else []))
+    for name in ("_up_kernel", "_down_kernel"):
+        r = next(r for r in reports if r["kernel"] == name)
+        assert r["sass"]["QGMMA"] == 0 and r["sass"]["HMMA"] == 0 and r["stack_bytes"] == 0 and r["registers"] <= 128
+        loop = r["mma_loop"]
+        assert [lp["count"] for lp in loop["loops"]] == [8]
+        ops_ = loop["opcodes"]
+        assert "LDL" not in ops_ and "STL" not in ops_ and "FFMA" not in ops_ and "FMUL" not in ops_
+        assert ops_["HMUL2"] == 32 and loop["instructions"] < 260
+
+
 def _stack(rng, E, rows, K, k_major=False):
     w = formats.quantize(torch.randn(E, rows, K, generator=rng) * 0.25, "fp4_w")
     return formats.as_expert_stack(w, k_major, False)
@@ -134,20 +196,40 @@ CASES = [(96, 256, 128, 8, 6, 64, 8, 3, False, (2, None)), (40, 384, 256, 4, 2, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("n,D,I,E,k,tokens,warps,stages,k_major,flight", CASES)
-def test_against_the_reference_and_the_mma_tile(rng, n, D, I, E, k, tokens, warps, stages, k_major, flight):
+def test_against_the_reference_and_the_mma_tile(rng, n, D, I, E, k, tokens, warps, stages, k_major, flight, bf16):
     args = _case(rng, n, D, I, E, k, k_major)
-    tiles = _tiles(tokens, warps, stages, inflight=flight[0], maxnreg=flight[1])
+    tiles = _tiles(tokens, warps, stages, inflight=flight[0], maxnreg=flight[1], bf16=bf16)
     with pinned_tiles(moe=tiles):
         p = moe._plan(n, k, E, D, I)
-    assert p["qgmma"] is not None and p["qgmma"]["stream"]
+    assert p["qgmma"] is not None and p["qgmma"]["stream"] and p["qgmma"]["bf16"] == bf16
     assert_moe_path_matches(args, tiles, _tiles(on=False))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("n,in_kernel", [(80, True), (80, False)])
-def test_with_the_shared_expert_and_add(rng, n, in_kernel):
+@pytest.mark.parametrize("k_major", [False, True])
+def test_the_bf16_loop_with_its_scales_unfolded(rng, k_major):
+    """No largest scale byte recorded: the decode multiplies by 2**126 itself (the FOLD variant off); the
+    weights' scales spread over a wide range of powers of two."""
+    import dataclasses
+
+    def stack(E, rows, K):
+        spread = 2.0 ** torch.randint(-12, 6, (E, rows, K // 32, 1), generator=rng).float()
+        w = (torch.randn(E, rows, K // 32, 32, generator=rng) * spread).reshape(E, rows, K)
+        q = formats.as_expert_stack(formats.quantize(w, "fp4_w"), k_major, False)
+        return dataclasses.replace(q, scale_max=None)
+
+    args = moe_case(rng, 70, 256, 256, 6, 4, stack)
+    assert all(w.scale_max is None for w in args[3:6])
+    assert_moe_path_matches(args, _tiles(64, 8, 3, bf16=True), _tiles(on=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("n,in_kernel,bf16", [(80, True, False), (80, False, False), (80, True, True)])
+def test_with_the_shared_expert_and_add(rng, n, in_kernel, bf16):
     """The shared expert (fp8_w) on the direct path beside the streamed launches; its row and ``add``
     summed after the routed rows, by the down launch's combine or the combine launch; bf16 out."""
     D, I, E, k = 256, 128, 8, 6
@@ -155,7 +237,7 @@ def test_with_the_shared_expert_and_add(rng, n, in_kernel):
     shared = tuple(formats.as_expert_stack(formats.quantize(torch.randn(1, *s, generator=rng) * 0.25, "fp8_w"),
                                            False).to(DEVICE) for s in ((I, D), (I, D), (D, I)))
     add = torch.randn(n, D, generator=rng).to(DEVICE)
-    tiles = _tiles(32, 8, 3, combine=dict(BLOCK_D=1024, num_warps=4, in_kernel=in_kernel))
+    tiles = _tiles(32, 8, 3, bf16=bf16, combine=dict(BLOCK_D=1024, num_warps=4, in_kernel=in_kernel))
     got = run_moe(args, tiles, add=add, out_dtype=torch.bfloat16, shared=shared)
     assert_counters_zero(got)
     with flashrt.use_backend("reference"):
