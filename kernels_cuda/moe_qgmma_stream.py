@@ -180,8 +180,9 @@ def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict) -> dic
     row_tiles = n * k if pairs else min(n * k, cdiv(n * k, tile["TOKENS"]) + E)
     bf16 = bool(tile.get("BF16"))
     # the bf16 loop has no blocks in flight to count: one variant of it
+    cap = {"maxnreg": tile["maxnreg"]} if tile["maxnreg"] else {}
     constexprs = dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], INFLIGHT=1 if bf16 else tile["INFLIGHT"],
-                      BF16=bf16, num_warps=tile["num_warps"], **({"maxnreg": tile["maxnreg"]} if tile["maxnreg"] else {}))
+                      BF16=bf16, num_warps=tile["num_warps"], **cap)
     # split 1: no K split (what moe_mma.combines counts)
     return dict(stream=True, bf16=bf16, block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles, grid_rows=row_tiles,
                 shared=False, up=dict(split=1, grid_cols=I // (rows // 2), constexprs=constexprs),
