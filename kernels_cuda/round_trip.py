@@ -43,17 +43,18 @@ def _fp8_round_trip_kernel(x_ptr, out_ptr, rows, D, stride_x, stride_out, STREAM
                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """x rows [rows, D] through the fp8 round trip (:func:`_fp8_round_trip`, blocks of 32 from column
     0) into out (its dtype; STREAM_ORDER: each 128-wide trip's values in the order of
-    :func:`stream_position`). One program: ``BLOCK_R`` rows x ``BLOCK_C`` columns."""
+    :func:`stream_position`, moved there in registers so the stores stay whole rows; BLOCK_C a multiple of
+    128). One program: ``BLOCK_R`` rows x ``BLOCK_C`` columns."""
     wait_inputs()
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (r < rows)[:, None] & (c < D)[None, :]
     x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=ok, other=0.0).to(tl.float32)
     out = _fp8_round_trip(x, out_ptr.dtype.element_ty, BLOCK_R, BLOCK_C)
-    at = c
-    if STREAM_ORDER:
-        at = stream_position(c)
-    tl.store(out_ptr + r[:, None] * stride_out + at[None, :], out, mask=ok)
+    if STREAM_ORDER:  # K 32t + 8a + 4c + 2g + h of each trip to 32a + 16c + 8g + 2t + h
+        out = tl.reshape(out, (BLOCK_R, BLOCK_C // 128, 4, 4, 2, 2, 2))  # (row, trip, t, a, c, g, h)
+        out = tl.reshape(tl.permute(out, (0, 1, 3, 4, 5, 2, 6)), (BLOCK_R, BLOCK_C))
+    tl.store(out_ptr + r[:, None] * stride_out + c[None, :], out, mask=ok)
 
 
 def fp8_round_trip(x: torch.Tensor, tile: dict, stream_order: bool = False) -> torch.Tensor:
@@ -66,9 +67,10 @@ def fp8_round_trip(x: torch.Tensor, tile: dict, stream_order: bool = False) -> t
                          f"got {x.shape[-1]}")
     x = last_dense(x)
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    grid = (cdiv(x.shape[0], tile["BLOCK_R"]), cdiv(x.shape[1], tile["BLOCK_C"]))
+    cols = max(tile["BLOCK_C"], 128) if stream_order else tile["BLOCK_C"]  # whole trips a program
+    grid = (cdiv(x.shape[0], tile["BLOCK_R"]), cdiv(x.shape[1], cols))
     _fp8_round_trip_kernel[grid](x, out, x.shape[0], x.shape[1], x.stride(0), out.stride(0),
-                                 STREAM_ORDER=stream_order, BLOCK_R=tile["BLOCK_R"], BLOCK_C=tile["BLOCK_C"],
+                                 STREAM_ORDER=stream_order, BLOCK_R=tile["BLOCK_R"], BLOCK_C=cols,
                                  num_warps=tile["num_warps"], **pdl.options(x.device))
     return out
 

@@ -34,6 +34,10 @@ moe = pytest.importorskip("flashrt.kernels_cuda.moe")
 st = pytest.importorskip("flashrt.kernels_cuda.moe_qgmma_stream")
 es = pytest.importorskip("flashrt.kernels_cuda.experts_qgmma_stream")
 eb = pytest.importorskip("flashrt.kernels_cuda.experts_bf16_stream")
+import triton  # noqa: E402  (after the skips: the kernels need Triton)
+import triton.language as tl  # noqa: E402
+
+from flashrt.kernels_cuda.round_trip import stream_position  # noqa: E402
 lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and st.AVAILABLE
 
@@ -91,15 +95,15 @@ def test_the_bf16_order_is_the_a_fragments():
         assert (where[k] // 2) % 4 == t  # the lane of the quad that holds it (A fragment: column 2t + h)
 
 
-@pytest.mark.parametrize("rows,k", [(3, 128), (9, 384)])
-def test_fp8_round_trip_in_the_stream_order(rng, rows, k):
+@pytest.mark.parametrize("rows,k,block_c", [(3, 128, 128), (9, 384, 256), (5, 256, 64)])
+def test_fp8_round_trip_in_the_stream_order(rng, rows, k, block_c):
     """``fp8_round_trip(stream_order=True)``: each trip's values of the plain round trip at their positions
-    (the kernel's ``round_trip.stream_position``, which the up kernel's h store shares); D not whole trips
-    refused by name."""
+    (moved in registers; programs of whole trips whatever the tile's columns); D not whole trips refused by
+    name."""
     from flashrt.kernels_cuda.round_trip import fp8_round_trip
 
     x = (torch.randn(rows, k, generator=rng) * 3.0).to(DEVICE, torch.bfloat16)
-    tile = dict(BLOCK_R=4, BLOCK_C=128, num_warps=4)
+    tile = dict(BLOCK_R=4, BLOCK_C=block_c, num_warps=4)
     plain, ordered = fp8_round_trip(x, tile), fp8_round_trip(x, tile, stream_order=True)
     pos = torch.tensor([eb.position(c) for c in range(128)])
     want = torch.empty_like(plain).view(rows, k // 128, 128)
@@ -107,6 +111,21 @@ def test_fp8_round_trip_in_the_stream_order(rng, rows, k):
     assert torch.equal(ordered.view(rows, k // 128, 128), want) and not torch.equal(ordered, plain)
     with pytest.raises(ValueError, match="stream_order.*multiple of 128.*96"):
         fp8_round_trip(x[:, :96], tile, stream_order=True)
+
+
+@triton.jit
+def _positions(out_ptr, N: tl.constexpr):
+    c = tl.arange(0, N)
+    tl.store(out_ptr + c, stream_position(c))
+
+
+def test_the_h_store_uses_the_same_order():
+    """``round_trip.stream_position`` (the up kernel's h store) against the loop's ``position`` over four
+    trips: each column stays in its trip."""
+    out = torch.empty(512, dtype=torch.int32, device=DEVICE)
+    _positions[(1,)](out, 512)
+    want = torch.tensor([128 * (c // 128) + eb.position(c % 128) for c in range(512)], dtype=torch.int32)
+    assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
