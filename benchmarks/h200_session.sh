@@ -217,7 +217,7 @@
 #              (h200-prefill-qgmma-tests.log), then the experts at 4,096 tokens under four streamed variants and
 #              the released projections at 4,096 rows (benchmarks/linear_prefill.py, against torch._scaled_mm):
 #              h200-moe-prefill-qgmma-stream-4096.json, h200-linear-prefill-qgmma.json
-#   prefillbf16  the streamed experts on the bf16 warpgroup MMA (experts_bf16_stream.py): their GPU tests
+#   prefillbf16  the streamed experts on the bf16 warpgroup MMA (experts_bf16_stream.py): their GPU tests (-k bf16)
 #              (h200-prefill-bf16-tests.log), then the experts at 4,096 tokens under five bf16 variants beside the
 #              fastest fp8 one and the profile's rule: h200-moe-prefill-bf16-stream-4096.json
 #   prefillbf16small  small's prefill (benchmarks/prefill_rows.py, 1 / 4 / 16 / 64 rows of 512 tokens) under the profile
@@ -1376,7 +1376,7 @@ phase_prefillqgmma() {  # a prefill chunk's experts and fp8 projections on qgmma
 
 phase_prefillbf16() {  # a prefill chunk's experts on the bf16 MMA, operands streamed: tests, then timed
   timeout 200 python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
-    > "$OUT/h200-prefill-bf16-tests.log" 2>&1
+    -k bf16 > "$OUT/h200-prefill-bf16-tests.log" 2>&1
   tail -n 15 "$OUT/h200-prefill-bf16-tests.log"
   local b="bf16 streamed"
   timeout 200 python benchmarks/moe_prefill_tiles.py --variants "$b, 64-row tiles, 8 warps, 3 stages, 128 registers" \

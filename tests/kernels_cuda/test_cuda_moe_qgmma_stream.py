@@ -215,7 +215,7 @@ CASES = [(96, 256, 128, 8, 6, 64, 8, 3, False, (2, None)), (40, 384, 256, 4, 2, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("n,D,I,E,k,tokens,warps,stages,k_major,flight", CASES)
 def test_against_the_reference_and_the_mma_tile(rng, n, D, I, E, k, tokens, warps, stages, k_major, flight, bf16):
     args = _case(rng, n, D, I, E, k, k_major)
@@ -247,7 +247,8 @@ def test_the_bf16_loop_with_its_scales_unfolded(rng, k_major):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("n,in_kernel,bf16", [(80, True, False), (80, False, False), (80, True, True)])
+@pytest.mark.parametrize("n,in_kernel,bf16", [(80, True, False), (80, False, False), (80, True, True)],
+                         ids=["fp8-in-kernel", "fp8-apart", "bf16-in-kernel"])
 def test_with_the_shared_expert_and_add(rng, n, in_kernel, bf16):
     """The shared expert (fp8_w) on the direct path beside the streamed launches; its row and ``add``
     summed after the routed rows, by the down launch's combine or the combine launch; bf16 out."""
