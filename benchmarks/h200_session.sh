@@ -220,6 +220,7 @@
 #   prefillbf16  the streamed experts on the bf16 warpgroup MMA (experts_bf16_stream.py): their GPU tests (-k bf16)
 #              (h200-prefill-bf16-tests.log), then the experts at 4,096 tokens under five bf16 variants beside the
 #              fastest fp8 one and the profile's rule: h200-moe-prefill-bf16-stream-4096.json
+#   prefillbf16tiny  prefillbf16's GPU tests and two of its variants, for a short lease
 #   prefillbf16small  small's prefill (benchmarks/prefill_rows.py, 1 / 4 / 16 / 64 rows of 512 tokens) under the profile
 #              and under a copy whose prefill experts rule takes the bf16 streamed launches (64-row tiles, 8 warps,
 #              3 stages, 128 registers), then flashrt conformance under the copy: h200-prefill-rows-bf16-{off,on}.json,
@@ -1384,6 +1385,14 @@ phase_prefillbf16() {  # a prefill chunk's experts on the bf16 MMA, operands str
     "$b, 64-row tiles, 8 warps, 3 stages" "$b, 64-row tiles, 4 warps, 4 stages" \
     "qgmma streamed, 64-row tiles, 8 warps, 3 stages, one in flight, 128 registers" \
     --out "$OUT/h200-moe-prefill-bf16-stream-4096.json"
+}
+
+phase_prefillbf16tiny() {  # prefillbf16's tests and two variants
+  timeout 100 python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
+    -k bf16 > "$OUT/h200-prefill-bf16-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-prefill-bf16-tests.log"
+  timeout 100 python benchmarks/moe_prefill_tiles.py --variants "bf16 streamed, 64-row tiles, 8 warps, 3 stages, 128 registers" \
+    "bf16 streamed, 32-row tiles, 8 warps, 3 stages, 128 registers" --out "$OUT/h200-moe-prefill-bf16-stream-4096.json"
 }
 
 phase_prefillbf16small() {  # small's prefill with and without the bf16 streamed experts, then conformance with
