@@ -171,7 +171,8 @@ def main() -> None:
             continue
         mine = fields(v.fn, v.signature, v.constexprs, v.attrs, v.options.__dict__)
         best = None
-        for s in (s for s in specs if s.name == v.fn.fn.__qualname__):
+        # the same kernel: its module too (two modules may name a kernel alike)
+        for s in (s for s in specs if s.name == v.fn.fn.__qualname__ and s.module == v.fn.fn.__module__):
             other = fields(v.fn, s.signature, s.constexprs, s.attrs, s.options)
             diff = {f: [mine.get(f), other.get(f)] for f in sorted(set(mine) | set(other)) if mine.get(f) != other.get(f)}
             best = diff if best is None or len(diff) < len(best) else best
