@@ -221,10 +221,10 @@
 #              (h200-prefill-bf16-tests.log), then the experts at 4,096 tokens under five bf16 variants beside the
 #              fastest fp8 one and the profile's rule: h200-moe-prefill-bf16-stream-4096.json
 #   prefillbf16tiny  prefillbf16's GPU tests and two of its variants, for a short lease
-#   prefillbf16small  small's prefill (benchmarks/prefill_rows.py, 1 / 4 / 16 / 64 rows of 512 tokens) under the profile
-#              and under a copy whose prefill experts rule takes the bf16 streamed launches (64-row tiles, 8 warps,
-#              3 stages, 128 registers), then flashrt conformance under the copy: h200-prefill-rows-bf16-{off,on}.json,
-#              h200-conformance-bf16.json
+#   prefillbf16small  small's prefill (benchmarks/prefill_rows.py, 1 / 4 / 16 / 64 rows of 512 tokens) under the
+#              profile (its prefill experts on the bf16 streamed launches) and under a copy whose prefill rule stays on
+#              its MMA tile (qgmma off), then flashrt conformance under the profile:
+#              h200-prefill-rows-bf16-{on,off}.json, h200-conformance-bf16.json
 #   prefillquick  prefillqgmma with its GPU tests (not the CPU compiles) and two variants of each, for a short lease
 #   prefilltiny  prefillquick's GPU cases and one variant of each
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
@@ -1391,19 +1391,19 @@ phase_prefillbf16tiny() {  # prefillbf16's tests and two variants
   timeout 100 python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
     -k bf16 > "$OUT/h200-prefill-bf16-tests.log" 2>&1
   tail -n 15 "$OUT/h200-prefill-bf16-tests.log"
-  timeout 100 python benchmarks/moe_prefill_tiles.py --variants "bf16 streamed, 64-row tiles, 8 warps, 3 stages, 128 registers" \
-    "bf16 streamed, 32-row tiles, 8 warps, 3 stages, 128 registers" --out "$OUT/h200-moe-prefill-bf16-stream-4096.json"
+  local b="bf16 streamed"
+  timeout 100 python benchmarks/moe_prefill_tiles.py --variants "$b, 64-row tiles, 8 warps, 4 stages, 128 registers" \
+    "$b, 32-row tiles, 8 warps, 3 stages, 128 registers" --out "$OUT/h200-moe-prefill-bf16-stream-4096.json"
 }
 
-phase_prefillbf16small() {  # small's prefill with and without the bf16 streamed experts, then conformance with
-  local on r=tiles.moe.experts.1.1
-  on=$(profile_set h200-bf16 $r.qgmma true $r.qgmma_tokens 64 $r.qgmma_warps 8 $r.qgmma_stages 3 $r.qgmma_maxnreg 128 \
-    $r.qgmma_bf16 true)
+phase_prefillbf16small() {  # small's prefill with and without the bf16 streamed experts, then conformance
+  local off
+  off=$(profile_set h200-mmatile tiles.moe.experts.1.1.qgmma false)
   timeout 120 python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
-    --out "$OUT/h200-prefill-rows-bf16-off.json" | tail -n 6
-  FLASHRT_PROFILE=$on timeout 120 python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
     --out "$OUT/h200-prefill-rows-bf16-on.json" | tail -n 6
-  FLASHRT_PROFILE=$on timeout 200 python -m flashrt.cli conformance --out "$OUT/h200-conformance-bf16.json" | tail -n 3
+  FLASHRT_PROFILE=$off timeout 120 python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
+    --out "$OUT/h200-prefill-rows-bf16-off.json" | tail -n 6
+  timeout 200 python -m flashrt.cli conformance --out "$OUT/h200-conformance-bf16.json" | tail -n 3
 }
 
 phase_prefillquick() {  # prefillqgmma's tests and its two leading variants of each, for a short lease

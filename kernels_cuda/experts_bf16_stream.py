@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from flashrt.kernels_cuda.attention_ws import AVAILABLE
 
-TRIP = 128  # K a trip
-
 
 def position(k: int) -> int:
     """The MMA position (0-127) of a trip's K ``k`` (0-127): ``k = 32t + 8a + 4c + 2g + h`` (thread ``t``
