@@ -13,7 +13,8 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
 - ``qgmma1`` / ``qgmma8``: the same for 1 / 8 tokens with the routed experts in the standard nibbles under
   the experts decode rule's ``qgmma`` knob (kernels_cuda/moe_qgmma.py: the fp8 warpgroup MMA);
 - ``experts4096``: the routed experts of a 4,096-token prefill chunk at the released dimensions
-  (about 64 rows an expert; benchmarks/moe_prefill_tiles.py's case, laid out as the profile says);
+  (about 64 rows an expert; benchmarks/moe_prefill_tiles.py's case, laid out as the profile says, under its
+  rule: in the h200 profile the streamed launches on the bf16 MMA, kernels_cuda/experts_bf16_stream.py);
 - ``stream4096``: ``experts4096`` under the experts rule's ``qgmma`` knob with 64-row tiles, one MMA in flight
   and 128 registers a thread (the activations streamed: kernels_cuda/moe_qgmma_stream.py);
 - ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192); ``linear4096``: of
