@@ -1375,10 +1375,14 @@ phase_prefillqgmma() {  # a prefill chunk's experts and fp8 projections on qgmma
   timeout 170 python benchmarks/linear_prefill.py --out "$OUT/h200-linear-prefill-qgmma.json"
 }
 
-phase_prefillbf16() {  # a prefill chunk's experts on the bf16 MMA, operands streamed: tests, then timed
-  timeout 200 python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
+bf16_tests() {  # SECONDS: the bf16 streamed experts' GPU tests (h200-prefill-bf16-tests.log)
+  timeout "$1" python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
     -k bf16 > "$OUT/h200-prefill-bf16-tests.log" 2>&1
   tail -n 15 "$OUT/h200-prefill-bf16-tests.log"
+}
+
+phase_prefillbf16() {  # a prefill chunk's experts on the bf16 MMA, operands streamed: tests, then timed
+  bf16_tests 200
   local b="bf16 streamed"
   timeout 200 python benchmarks/moe_prefill_tiles.py --variants "$b, 64-row tiles, 8 warps, 3 stages, 128 registers" \
     "$b, 64-row tiles, 8 warps, 4 stages, 128 registers" "$b, 32-row tiles, 8 warps, 3 stages, 128 registers" \
@@ -1388,9 +1392,7 @@ phase_prefillbf16() {  # a prefill chunk's experts on the bf16 MMA, operands str
 }
 
 phase_prefillbf16tiny() {  # prefillbf16's tests and two variants
-  timeout 100 python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
-    -k bf16 > "$OUT/h200-prefill-bf16-tests.log" 2>&1
-  tail -n 15 "$OUT/h200-prefill-bf16-tests.log"
+  bf16_tests 100
   local b="bf16 streamed"
   timeout 100 python benchmarks/moe_prefill_tiles.py --variants "$b, 64-row tiles, 8 warps, 4 stages, 128 registers" \
     "$b, 32-row tiles, 8 warps, 3 stages, 128 registers" --out "$OUT/h200-moe-prefill-bf16-stream-4096.json"

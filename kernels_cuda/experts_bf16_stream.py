@@ -39,7 +39,7 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
     from flashrt.kernels_cuda.attention_ws import _async_load, _sync
-    from flashrt.kernels_cuda.codecs import E2M1_ORDERED_FOLDED_PTX, E2M1_ORDERED_PTX
+    from flashrt.kernels_cuda.codecs import E2M1_ORDERED_FOLDED_PTX, E2M1_ORDERED_PTX, e8m0_bf16, e8m0_bf16_x2p126
     from flashrt.kernels_cuda.experts_qgmma_stream import weight_copy_layout
 
     @gluon.constexpr_function
@@ -114,10 +114,10 @@ if AVAILABLE:
         else:
             u = (gl.load(s_rows + kb // 4)[:, None] >> (8 * t)[None, :]) & 0xFF
         if FOLD:
-            bits = (u + 126) << 7
-        else:  # UE8M0 in bf16's exponent field: 0 the subnormal 2**-127, 255 NaN
-            bits = gl.where(u == 0, 0x40, gl.where(u == 255, 0x7FC0, u << 7))
-        return bits.to(gl.int16).to(gl.bfloat16, bitcast=True)
+            scale = e8m0_bf16_x2p126(u)
+        else:
+            scale = e8m0_bf16(u)
+        return scale
 
     @gluon.jit
     def _copy_trip(w_ring, x_ring, slot, w_src, x_src, x_ok, kb):

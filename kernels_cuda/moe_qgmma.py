@@ -29,7 +29,7 @@ if AVAILABLE:
     from flashrt.kernels_cuda.experts_qgmma import fill, loop, loop_fp8, mma_layout
     from flashrt.kernels_cuda.moe_mma import _tile_rows, down_finish, swiglu_blocks, up_split
     from flashrt.kernels_cuda.pdl import wait_inputs
-    from flashrt.kernels_cuda.round_trip import mma_position
+    from flashrt.kernels_cuda.round_trip import mma_position, stream_position
 
     @gluon.jit
     def _up_finish(g, u, tables, rw_ptr, hq_ptr, hs_ptr, n0, I, limit, stride_hm, stride_hsm, PAIRS: gl.constexpr,
@@ -47,25 +47,31 @@ if AVAILABLE:
 
     @gluon.jit
     def store_h(h, e, recip, rows, row_ok, hq_ptr, hs_ptr, n0, I, stride_hm, stride_hsm, BLOCK_N: gl.constexpr,
-                MMA_ORDER: gl.constexpr, blocks: gl.constexpr):
+                MMA_ORDER: gl.constexpr, blocks: gl.constexpr, VALUES: gl.constexpr = False):
         """h [BLOCK_N / 32, 32, TOKENS] (``blocks``) of columns ``[n0, n0 + BLOCK_N)`` quantized per 32 columns
         (each block's scale exponent ``e`` and its reciprocal ``recip``): its E4M3 codes into ``hq`` rows
         ``rows`` (with MMA_ORDER each block's 32 codes in the MMA's order, :func:`.round_trip.mma_position`)
-        and each block's scale times DECODE_SCALE into ``hs``."""
+        and each block's scale times DECODE_SCALE into ``hs``. VALUES: the round trip's bf16 values into
+        ``hq`` instead, in the bf16 stream order (:func:`.round_trip.stream_position`; ``hs`` unwritten)."""
         c0 = gl.arange(0, BLOCK_N // 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))
         c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, blocks)))
         cols = n0 + c0[:, None, None] * 32 + c1[None, :, None]
         ok = (cols < I) & row_ok[None, None, :]
-        if MMA_ORDER:
-            at = n0 + c0[:, None, None] * 32 + mma_position(c1)[None, :, None]
-        else:
-            at = cols
         r64 = rows.to(gl.int64)
-        gl.store(hq_ptr + r64[None, None, :] * stride_hm + at, (h * recip[:, None, :]).to(gl.float8e4nv), mask=ok)
-        scale = (e << 23).to(gl.float32, bitcast=True) * _DECODE_SCALE
-        blk = n0 // 32 + gl.arange(0, BLOCK_N // 32, layout=gl.SliceLayout(1, gl.SliceLayout(1, blocks)))
-        gl.store(hs_ptr + r64[None, :] * stride_hsm + blk[:, None], scale,
-                 mask=(blk * 32 < I)[:, None] & row_ok[None, :])
+        codes = (h * recip[:, None, :]).to(gl.float8e4nv)
+        scale = (e << 23).to(gl.float32, bitcast=True)
+        if VALUES:
+            v = codes.to(gl.float32) * scale[:, None, :]
+            gl.store(hq_ptr + r64[None, None, :] * stride_hm + stream_position(cols), v.to(gl.bfloat16), mask=ok)
+        else:
+            if MMA_ORDER:
+                at = n0 + c0[:, None, None] * 32 + mma_position(c1)[None, :, None]
+            else:
+                at = cols
+            gl.store(hq_ptr + r64[None, None, :] * stride_hm + at, codes, mask=ok)
+            blk = n0 // 32 + gl.arange(0, BLOCK_N // 32, layout=gl.SliceLayout(1, gl.SliceLayout(1, blocks)))
+            gl.store(hs_ptr + r64[None, :] * stride_hsm + blk[:, None], scale * _DECODE_SCALE,
+                     mask=(blk * 32 < I)[:, None] & row_ok[None, :])
 
     @gluon.jit
     def _up_kernel(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, w1_ptr, s1_ptr, w3_ptr,

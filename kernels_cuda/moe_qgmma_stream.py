@@ -45,7 +45,6 @@ if AVAILABLE:
     from flashrt.kernels_cuda.moe_mma import _tile_rows, down_finish, swiglu_staged
     from flashrt.kernels_cuda.moe_qgmma import store_h
     from flashrt.kernels_cuda.pdl import wait_inputs
-    from flashrt.kernels_cuda.round_trip import stream_position
 
     @gluon.constexpr_function
     def _acc_layout(TOKENS, num_warps, BF16):
@@ -65,22 +64,6 @@ if AVAILABLE:
             acc = loop(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K, TOKENS,
                        STAGES, KMAJOR, num_warps, False, INFLIGHT)
         return acc
-
-    @gluon.jit
-    def _store_h_values(h, e, recip, rows, row_ok, h_ptr, n0, I, stride_hm, BLOCK_N: gl.constexpr,
-                        blocks: gl.constexpr):
-        """h [BLOCK_N / 32, 32, TOKENS] (``blocks``) of columns ``[n0, n0 + BLOCK_N)`` through its fp8 round
-        trip per 32 columns (each block's scale exponent ``e`` and its reciprocal ``recip``, as
-        :func:`.moe_qgmma.store_h` quantizes it): the bf16 values into ``h`` rows ``rows`` in the bf16 stream
-        order (:func:`.round_trip.stream_position`)."""
-        c0 = gl.arange(0, BLOCK_N // 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, blocks)))
-        c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, blocks)))
-        cols = n0 + c0[:, None, None] * 32 + c1[None, :, None]
-        ok = (cols < I) & row_ok[None, None, :]
-        scale = (e << 23).to(gl.float32, bitcast=True)
-        v = (h * recip[:, None, :]).to(gl.float8e4nv).to(gl.float32) * scale[:, None, :]
-        gl.store(h_ptr + rows.to(gl.int64)[None, None, :] * stride_hm + stream_position(cols), v.to(gl.bfloat16),
-                 mask=ok)
 
     @gluon.jit
     def _scale_rows(s_ptr, n, stride_sn, KMAJOR: gl.constexpr):
@@ -128,10 +111,7 @@ if AVAILABLE:
         blocks: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32, 1], [1, 1, num_warps], [1, 2, 0])
         h, ex, recip, rows_b, ok_b = swiglu_staged(stage, tables, rw_ptr, limit, PAIRS, False, TOKENS, CLAMP, XDT,
                                                    HALF, blocks)
-        if BF16:
-            _store_h_values(h, ex, recip, rows_b, ok_b, hq_ptr, n0, I, stride_hm, HALF, blocks)
-        else:
-            store_h(h, ex, recip, rows_b, ok_b, hq_ptr, hs_ptr, n0, I, stride_hm, stride_hsm, HALF, True, blocks)
+        store_h(h, ex, recip, rows_b, ok_b, hq_ptr, hs_ptr, n0, I, stride_hm, stride_hsm, HALF, True, blocks, BF16)
 
     @gluon.jit
     def _down_kernel(hq_ptr, hs_ptr, tok_ptr, tile_e_ptr, tile_row_ptr, row_end_ptr, pos_ptr, w2_ptr, s2_ptr, y_ptr,
