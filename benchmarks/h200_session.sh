@@ -225,6 +225,9 @@
 #              profile (its prefill experts on the bf16 streamed launches) and under a copy whose prefill rule stays on
 #              its MMA tile (qgmma off), then flashrt conformance under the profile:
 #              h200-prefill-rows-bf16-{on,off}.json, h200-conformance-bf16.json
+#   prefilltwo  the bf16 streamed experts' row tiles with a second part (qgmma_tokens2): its GPU tests
+#              (h200-prefill-two-tests.log), then the experts at 4,096 tokens under four such variants beside
+#              the profile's rule: h200-moe-prefill-two-4096.json
 #   prefillquick  prefillqgmma with its GPU tests (not the CPU compiles) and two variants of each, for a short lease
 #   prefilltiny  prefillquick's GPU cases and one variant of each
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
@@ -1396,6 +1399,16 @@ phase_prefillbf16tiny() {  # prefillbf16's tests and two variants
   local b="bf16 streamed"
   timeout 100 python benchmarks/moe_prefill_tiles.py --variants "$b, 64-row tiles, 8 warps, 4 stages, 128 registers" \
     "$b, 32-row tiles, 8 warps, 3 stages, 128 registers" --out "$OUT/h200-moe-prefill-bf16-stream-4096.json"
+}
+
+phase_prefilltwo() {  # row tiles of 64 + 16 or 64 + 32 rows on the bf16 MMA: tests, then timed beside the profile
+  timeout 150 python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
+    -k "second_part or bf16-in-kernel" > "$OUT/h200-prefill-two-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-prefill-two-tests.log"
+  local b="bf16 streamed, 64+"
+  timeout 200 python benchmarks/moe_prefill_tiles.py --variants "${b}16-row tiles, 8 warps, 4 stages, 128 registers" \
+    "${b}32-row tiles, 8 warps, 3 stages, 128 registers" "${b}32-row tiles, 8 warps, 4 stages, 128 registers" \
+    "${b}16-row tiles, 8 warps, 3 stages, 128 registers" --out "$OUT/h200-moe-prefill-two-4096.json"
 }
 
 phase_prefillbf16small() {  # small's prefill with and without the bf16 streamed experts, then conformance

@@ -120,43 +120,88 @@ if AVAILABLE:
         return scale
 
     @gluon.jit
-    def _copy_trip(w_ring, x_ring, slot, w_src, x_src, x_ok, kb):
+    def _copy_trip(w_ring, x_ring, x2_ring, slot, w_src, x_src, x_ok, x2_src, x2_ok, kb, TOKENS2: gl.constexpr):
         """Issue the copies of the trip from K block ``kb`` into ring slot ``slot``: the rows' fp4 bytes and
-        the row tile's bf16 values (lanes past the tile's rows copy nothing)."""
+        the row tile's bf16 values, with TOKENS2 its second part's (lanes past the tile's rows copy
+        nothing)."""
         _async_load(w_ring.index(slot), w_src + kb * 16)
         _async_load(x_ring.index(slot), x_src + kb * 32, mask=x_ok)
+        if TOKENS2 > 0:
+            _async_load(x2_ring.index(slot), x2_src + kb * 32, mask=x2_ok)
         async_copy.commit_group()
 
     @gluon.jit
+    def _x_source(x_ptr, tok, row_ok, stride_xm, TOKENS: gl.constexpr, num_warps: gl.constexpr):
+        """Pointers [TOKENS, 128] to a row tile's first trip of x and the mask of the rows it holds."""
+        xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # 256 bytes a row a trip
+        tok_x = gl.convert_layout(tok, gl.SliceLayout(1, xl))
+        x_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, xl))[:, None]
+        x_src = x_ptr + tok_x[:, None] * stride_xm + gl.arange(0, 128, layout=gl.SliceLayout(0, xl))[None, :]
+        return x_src, x_ok
+
+    @gluon.jit
     def loop(w_rows, s_rows, stride_sk, x_ptr, tok, row_ok, stride_xm, K, TOKENS: gl.constexpr,
-             STAGES: gl.constexpr, KMAJOR: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):
+             STAGES: gl.constexpr, KMAJOR: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr,
+             tok2=None, row_ok2=None, two=False, TOKENS2: gl.constexpr = 0):
         """fp32 sums [16 * num_warps, TOKENS] (:func:`acc_layout`) over K of fp4_w weight rows times a row
         tile's activations. ``w_rows``: int64-addressed pointers [ROWS] (``SliceLayout(1,
         weight_copy_layout)``) to each row's bytes at K 0 (standard nibbles); ``s_rows``: pointers [ROWS]
         (``SliceLayout(1, SliceLayout(2, bytes_layout))``) to each row's scales (int32 words of four blocks,
         or with KMAJOR bytes ``stride_sk`` apart); x: bf16 values [T, K] in :func:`position` order within each
         trip; ``tok`` (int64 [TOKENS], any layout): the tile's rows of x, ``row_ok`` which lanes hold one.
-        K a multiple of 128; STAGES >= 2 trips in the ring; FOLD: every scale byte at most 128."""
+        K a multiple of 128; STAGES >= 2 trips in the ring; FOLD: every scale byte at most 128.
+
+        TOKENS2 > 0: the row tile has a second part of TOKENS2 rows (``tok2``, ``row_ok2``), summed by a
+        second, narrower MMA over the same decoded weights where ``two`` (a scalar: the part holds a row;
+        else its sums are zeros and its MMA and copies skipped: the loop is compiled both ways and the
+        program takes one); returns both parts' sums, the second [16 * num_warps, TOKENS2]. One program
+        covers up to TOKENS + TOKENS2 rows of an expert with one pass over its weights, where tiles of
+        TOKENS + TOKENS2 rows on one MMA would multiply the padding of the experts holding fewer."""
+        ROWS: gl.constexpr = 16 * num_warps
+        wl: gl.constexpr = weight_copy_layout(num_warps)
+        w_src = w_rows[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, wl))[None, :]
+        x_src, x_ok = _x_source(x_ptr, tok, row_ok, stride_xm, TOKENS, num_warps)
+        # 16-byte chunks swizzled by row pair: a warp's 16-byte reads of 8 rows fall in distinct banks
+        w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+        nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TOKENS, 128], nvmma)
+        rings = (w_ring, x_ring, w_src, x_src, x_ok)
+        if TOKENS2 > 0:
+            x2_src, x2_ok = _x_source(x_ptr, tok2, row_ok2, stride_xm, TOKENS2, num_warps)
+            x2 = (gl.allocate_shared_memory(gl.bfloat16, [STAGES, TOKENS2, 128], nvmma), x2_src, x2_ok)
+            if two:
+                acc, acc2 = _trips(rings, x2, s_rows, stride_sk, K, TOKENS, STAGES, KMAJOR, FOLD, num_warps, TOKENS2)
+            else:
+                acc = _trips(rings, x2, s_rows, stride_sk, K, TOKENS, STAGES, KMAJOR, FOLD, num_warps, 0)
+                acc2 = gl.zeros([ROWS, TOKENS2], gl.float32, acc_layout(TOKENS2, num_warps))
+            result = (acc, acc2)
+        else:
+            result = _trips(rings, (x_ring, x_src, x_ok), s_rows, stride_sk, K, TOKENS, STAGES, KMAJOR, FOLD,
+                            num_warps, 0)  # no second part: its ring and copies unused
+        return result
+
+    @gluon.jit
+    def _trips(rings, x2, s_rows, stride_sk, K, TOKENS: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr,
+               FOLD: gl.constexpr, num_warps: gl.constexpr, TOKENS2: gl.constexpr):
+        """:func:`loop`'s trips over K: the sums [ROWS, TOKENS], with TOKENS2 also the second part's
+        [ROWS, TOKENS2] (``x2``: its ring, copy sources and row mask) from the same decoded operands."""
         ROWS: gl.constexpr = 16 * num_warps
         acc_l: gl.constexpr = acc_layout(TOKENS, num_warps)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         b3: gl.constexpr = bytes_layout(num_warps)
         rl: gl.constexpr = row_bytes_layout(num_warps)
         t4: gl.constexpr = trip_layout(num_warps)
-        wl: gl.constexpr = weight_copy_layout(num_warps)
-        xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # 256 bytes a row a trip
-        w_src = w_rows[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, wl))[None, :]
-        tok_x = gl.convert_layout(tok, gl.SliceLayout(1, xl))
-        x_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, xl))[:, None]
-        x_src = x_ptr + tok_x[:, None] * stride_xm + gl.arange(0, 128, layout=gl.SliceLayout(0, xl))[None, :]
+        w_ring, x_ring, w_src, x_src, x_ok = rings
+        x2_ring, x2_src, x2_ok = x2
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, b3)))
-        # 16-byte chunks swizzled by row pair: a warp's 16-byte reads of 8 rows fall in distinct banks
-        w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
-        nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TOKENS, 128], nvmma)
+        if TOKENS2 > 0:
+            acc2_l: gl.constexpr = acc_layout(TOKENS2, num_warps)
+            a2_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc2_l, k_width=2)
+            acc2 = gl.zeros([ROWS, TOKENS2], gl.float32, acc2_l)
         nb = K // 32
         for i in gl.static_range(STAGES - 1):
-            _copy_trip(w_ring, x_ring, i, w_src, x_src, x_ok, gl.minimum(4 * i, nb - 4))
+            _copy_trip(w_ring, x_ring, x2_ring, i, w_src, x_src, x_ok, x2_src, x2_ok, gl.minimum(4 * i, nb - 4),
+                       TOKENS2)
         acc = gl.zeros([ROWS, TOKENS], gl.float32, acc_l)
         s_next = _scales(s_rows, 0, stride_sk, t, KMAJOR, FOLD)
         for kb in range(0, nb, 4):
@@ -167,7 +212,8 @@ if AVAILABLE:
             async_copy.wait_group(STAGES - 2)  # this thread's copies of trip j have landed
             _sync()  # every thread's have, and every warp is done with trip j - 1, whose slot is refilled below
             ahead = gl.minimum(kb + 4 * (STAGES - 1), nb - 4)
-            _copy_trip(w_ring, x_ring, (j + STAGES - 1) % STAGES, w_src, x_src, x_ok, ahead)
+            _copy_trip(w_ring, x_ring, x2_ring, (j + STAGES - 1) % STAGES, w_src, x_src, x_ok, x2_src, x2_ok, ahead,
+                       TOKENS2)
             slot = j % STAGES
             w = gl.convert_layout(gl.reshape(w_ring.index(slot).load(rl), [ROWS, 4, 2, 8]), t4, assert_trivial=True)
             w0, w1 = gl.split(gl.permute(w, [0, 1, 3, 2]))  # the two halves, each [ROWS, 4, 8]
@@ -175,11 +221,23 @@ if AVAILABLE:
             w1 = gl.convert_layout(w1, b3, assert_trivial=True)
             x_slot = x_ring.index(slot)
             s0, w0 = gl.broadcast(s, w0)
-            acc = warpgroup_mma(_operand(w0, s0, a_l, FOLD), x_slot.slice(0, 64, dim=1).permute((1, 0)), acc,
-                                is_async=True)
+            a0 = _operand(w0, s0, a_l, FOLD)
+            acc = warpgroup_mma(a0, x_slot.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
+            if TOKENS2 > 0:
+                acc2 = warpgroup_mma(gl.convert_layout(a0, a2_l, assert_trivial=True),
+                                     x2_ring.index(slot).slice(0, 64, dim=1).permute((1, 0)), acc2, is_async=True)
             s1, w1 = gl.broadcast(s, w1)
-            acc = warpgroup_mma(_operand(w1, s1, a_l, FOLD), x_slot.slice(64, 64, dim=1).permute((1, 0)), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+            a1 = _operand(w1, s1, a_l, FOLD)
+            acc = warpgroup_mma(a1, x_slot.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+            if TOKENS2 > 0:
+                acc2 = warpgroup_mma(gl.convert_layout(a1, a2_l, assert_trivial=True),
+                                     x2_ring.index(slot).slice(64, 64, dim=1).permute((1, 0)), acc2, is_async=True)
+                acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)
-        return acc
+        if TOKENS2 > 0:
+            result = (acc, acc2)
+        else:
+            result = acc
+        return result

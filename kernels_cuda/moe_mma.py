@@ -62,12 +62,14 @@ if AVAILABLE:
         return gl.program_id(0) * BLOCK_N, split * k_split, split * kb_split
 
     @gluon.jit
-    def _tile_rows(tables, PAIRS: gl.constexpr, SHARED: gl.constexpr, TOKENS: gl.constexpr, layout):
+    def _tile_rows(tables, PAIRS: gl.constexpr, SHARED: gl.constexpr, TOKENS: gl.constexpr, layout,
+                   FIRST: gl.constexpr = 0):
         """(rows [TOKENS] in ``layout``, row mask, token of each row int64) of row tile ``program_id(1)``:
         PAIRS, pair ``t`` alone (token ``t // TOPK``); else the routing tables' tile; SHARED, the tiles from
         ``routed_tiles`` on: the shared expert's rows ``n_pairs + token``, TOKENS tokens a tile. Lanes past
         the tile read its last row's token (never stored). ``tables``: (tok, tile_row, row_end pointers,
-        TOPK, routed_tiles, n_pairs, n_rows)."""
+        TOPK, routed_tiles, n_pairs, n_rows). FIRST: the tile's rows from its FIRST-th on (a tile's second
+        part, routed tiles only)."""
         tok_ptr, tile_row_ptr, row_end_ptr, TOPK, routed_tiles, n_pairs, n_rows = tables
         t = gl.program_id(1)
         lanes = gl.arange(0, TOKENS, layout=layout)
@@ -82,7 +84,7 @@ if AVAILABLE:
             shared = t >= routed_tiles
             row0 = gl.where(shared, n_pairs + (t - routed_tiles) * TOKENS, row0)
             end = gl.where(shared, n_rows, end)
-        rows = row0 + lanes
+        rows = row0 + FIRST + lanes
         last = gl.minimum(rows, end - 1)
         if PAIRS:
             tok = last // TOPK
@@ -316,13 +318,14 @@ if AVAILABLE:
 
     @gluon.jit
     def swiglu_staged(stage, tables, rw_ptr, limit, PAIRS: gl.constexpr, SHARED: gl.constexpr, TOKENS: gl.constexpr,
-                      CLAMP: gl.constexpr, XDT: gl.constexpr, BLOCK_N: gl.constexpr, blocks: gl.constexpr):
+                      CLAMP: gl.constexpr, XDT: gl.constexpr, BLOCK_N: gl.constexpr, blocks: gl.constexpr,
+                      FIRST: gl.constexpr = 0):
         """:func:`swiglu_blocks` from the gate / up sums already in ``stage`` (every thread's stores behind a
-        barrier)."""
+        barrier) of the tile's rows from its FIRST-th on (:func:`_tile_rows`)."""
         g = stage.index(0).reshape([BLOCK_N // 32, 32, TOKENS]).load(blocks)
         u = stage.index(1).reshape([BLOCK_N // 32, 32, TOKENS]).load(blocks)
         lane_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, blocks))
-        rows, row_ok, _ = _tile_rows(tables, PAIRS, SHARED, TOKENS, lane_l)
+        rows, row_ok, _ = _tile_rows(tables, PAIRS, SHARED, TOKENS, lane_l, FIRST)
         rw = gl.load(rw_ptr + rows, mask=row_ok & (rows < tables[5]), other=1.0)  # the shared rows' weight: 1
         g = to_out(g, XDT).to(gl.float32)
         u = to_out(u, XDT).to(gl.float32)

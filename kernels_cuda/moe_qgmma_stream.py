@@ -32,6 +32,7 @@ from flashrt.kernels_cuda.linear import FOLD_MAX_SCALE, scales_at_most
 from flashrt.kernels_cuda.moe_qgmma import _operands
 
 TOKENS = (32, 64)  # row tile sizes the launches take (at 128 the accumulators spill)
+TOKENS2 = (16, 32)  # sizes of a row tile's second part the bf16 loop takes (its own, narrower MMA)
 WARPS = (4, 8)  # warps a program: 64 or 128 weight rows
 
 
@@ -53,13 +54,20 @@ if AVAILABLE:
     @gluon.jit
     def _sums(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K, TOKENS: gl.constexpr,
               STAGES: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr, BF16: gl.constexpr,
-              FOLD: gl.constexpr, num_warps: gl.constexpr):
+              FOLD: gl.constexpr, num_warps: gl.constexpr, part2=None, TOKENS2: gl.constexpr = 0):
         """The K loop of either MMA (``s_rows``: the rows' scale pointers, :func:`_scale_rows`, in the
-        accumulators' row layout; moved into the one the loop reads them in)."""
+        accumulators' row layout; moved into the one the loop reads them in). TOKENS2 (the bf16 loop only):
+        the tile's second part too, ``part2`` its (tokens, row mask, whether it holds a row); returns both
+        parts' sums."""
         if BF16:
             r_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, bf16.bytes_layout(num_warps)))
-            acc = bf16.loop(w_rows, gl.convert_layout(s_rows, r_l), stride_sk, x_ptr, tok, row_ok, stride_xm, K,
-                            TOKENS, STAGES, KMAJOR, FOLD, num_warps)
+            if TOKENS2 > 0:
+                tok2, row_ok2, two = part2
+                acc = bf16.loop(w_rows, gl.convert_layout(s_rows, r_l), stride_sk, x_ptr, tok, row_ok, stride_xm, K,
+                                TOKENS, STAGES, KMAJOR, FOLD, num_warps, tok2, row_ok2, two, TOKENS2)
+            else:
+                acc = bf16.loop(w_rows, gl.convert_layout(s_rows, r_l), stride_sk, x_ptr, tok, row_ok, stride_xm, K,
+                                TOKENS, STAGES, KMAJOR, FOLD, num_warps)
         else:
             acc = loop(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K, TOKENS,
                        STAGES, KMAJOR, num_warps, False, INFLIGHT)
@@ -76,14 +84,15 @@ if AVAILABLE:
                    stride_wn, stride_se, stride_sn, stride_sk, stride_hm, stride_hsm, routed_tiles,
                    TOKENS: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr, CLAMP: gl.constexpr,
                    XDT: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr, BF16: gl.constexpr,
-                   FOLD: gl.constexpr, num_warps: gl.constexpr):
+                   FOLD: gl.constexpr, TOKENS2: gl.constexpr, num_warps: gl.constexpr):
         """h of the tile's pair rows, columns ``[n0, n0 + 8 * num_warps)`` of I: x codes [N, D] E4M3 in the
         MMA's order with scales xs [N, D / 32] (times DECODE_SCALE), W1 / W3 [E, I, D / 2] fp4_w (scales as
         :func:`.experts_qgmma._scale_word` reads them), W3 and its scales ``w3_at`` and ``s3_at`` elements
         past W1's (offsets, not pointers: the copies' 16-byte alignment stays provable); h's codes
         [n_rows, I] in the MMA's order, its scales [n_rows, I / 32] (times DECODE_SCALE). BF16: x [N, D] and
         h [n_rows, I] the round trips' bf16 values in the bf16 stream order (``xs_ptr`` and ``hs_ptr`` unread);
-        FOLD: every scale byte of W1 and W3 at most 128."""
+        FOLD: every scale byte of W1 and W3 at most 128. TOKENS2 (BF16 only): row tiles of TOKENS + TOKENS2
+        rows, the second part on its own narrower MMA (:func:`.experts_bf16_stream.loop`)."""
         wait_inputs()
         ROWS: gl.constexpr = 16 * num_warps
         HALF: gl.constexpr = ROWS // 2
@@ -100,17 +109,43 @@ if AVAILABLE:
         w_rows = w1_ptr + (ew + (n0 + r % HALF).to(gl.int64) * stride_wn + (r // HALF).to(gl.int64) * w3_at)
         r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         s_rows = _scale_rows(s1_ptr + es + (r_s // HALF).to(gl.int64) * s3_at, n0 + r_s % HALF, stride_sn, KMAJOR)
-        acc = _sums(w_rows, s_rows, stride_sk, xq_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, D, TOKENS, STAGES,
-                    KMAJOR, INFLIGHT, BF16, FOLD, num_warps)
+        h_out = (tables, rw_ptr, limit, hq_ptr, hs_ptr, n0, I, stride_hm, stride_hsm)
+        if TOKENS2 > 0:
+            _, ok2, tok2, two = _second_part(tables, TOKENS, TOKENS2, _acc_layout(TOKENS2, num_warps, BF16))
+            acc, acc2 = _sums(w_rows, s_rows, stride_sk, xq_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, D, TOKENS,
+                              STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps, (tok2, ok2, two), TOKENS2)
+            _up_store(acc, h_out, PAIRS, CLAMP, XDT, BF16, TOKENS, 0, num_warps)
+            if two:
+                _up_store(acc2, h_out, PAIRS, CLAMP, XDT, BF16, TOKENS2, TOKENS, num_warps)
+        else:
+            acc = _sums(w_rows, s_rows, stride_sk, xq_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, D, TOKENS,
+                        STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps)
+            _up_store(acc, h_out, PAIRS, CLAMP, XDT, BF16, TOKENS, 0, num_warps)
+
+    @gluon.jit
+    def _second_part(tables, TOKENS: gl.constexpr, TOKENS2: gl.constexpr, acc2_l: gl.constexpr):
+        """(rows, row mask, tokens, whether it holds a row) of the TOKENS2 rows of a routed tile past its
+        first TOKENS, in the columns of ``acc2_l``."""
+        rows2, ok2, tok2 = _tile_rows(tables, False, False, TOKENS2, gl.SliceLayout(0, acc2_l), TOKENS)
+        return rows2, ok2, tok2, gl.max(ok2.to(gl.int32), axis=0) > 0
+
+    @gluon.jit
+    def _up_store(acc, h_out, PAIRS: gl.constexpr, CLAMP: gl.constexpr, XDT: gl.constexpr, BF16: gl.constexpr,
+                  TOKENS: gl.constexpr, FIRST: gl.constexpr, num_warps: gl.constexpr):
+        """The SwiGLU of gate / up sums ``acc`` [ROWS, TOKENS] (W1's rows the first half, W3's the second) of the
+        tile's rows from its FIRST-th on, h quantized and stored (``h_out``: the tables, routing weights,
+        limit, h's pointers, the columns' first, I and h's strides)."""
+        tables, rw_ptr, limit, hq_ptr, hs_ptr, n0, I, stride_hm, stride_hsm = h_out
+        HALF: gl.constexpr = 8 * num_warps
         # the gate rows and the up rows through shared memory, into a layout whose 32-column blocks lie along
         # a warp's lanes
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         stage = gl.allocate_shared_memory(gl.float32, [2, HALF, TOKENS], flat)
-        stage.reinterpret(gl.float32, [ROWS, TOKENS], flat).store(acc)
+        stage.reinterpret(gl.float32, [2 * HALF, TOKENS], flat).store(acc)
         _sync()
         blocks: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32, 1], [1, 1, num_warps], [1, 2, 0])
         h, ex, recip, rows_b, ok_b = swiglu_staged(stage, tables, rw_ptr, limit, PAIRS, False, TOKENS, CLAMP, XDT,
-                                                   HALF, blocks)
+                                                   HALF, blocks, FIRST)
         store_h(h, ex, recip, rows_b, ok_b, hq_ptr, hs_ptr, n0, I, stride_hm, stride_hsm, HALF, True, blocks, BF16)
 
     @gluon.jit
@@ -119,12 +154,12 @@ if AVAILABLE:
                      stride_wn, stride_se, stride_sn, stride_sk, stride_ym, stride_om, stride_am, routed_tiles,
                      TOKENS: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr, COMBINE: gl.constexpr,
                      HAS_ADD: gl.constexpr, XDT: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr,
-                     BF16: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):
+                     BF16: gl.constexpr, FOLD: gl.constexpr, TOKENS2: gl.constexpr, num_warps: gl.constexpr):
         """y rows of the tile's pair rows (rounded to XDT, y's dtype), columns ``[n0, n0 + 16 * num_warps)`` of
         D: W2 [E, D, I / 2] fp4_w over h's codes [n_rows, I] (the MMA's order) and scales [n_rows, I / 32].
         COMBINE: then each token's rows summed into ``out`` (:func:`.moe_mma._combine`, a counter per (token,
         column tile) at ``comb_ptr``). BF16: h [n_rows, I] bf16 values in the bf16 stream order (``hs_ptr``
-        unread); FOLD: every scale byte of W2 at most 128."""
+        unread); FOLD: every scale byte of W2 at most 128. TOKENS2: as :func:`_up_kernel`'s."""
         wait_inputs()
         ROWS: gl.constexpr = 16 * num_warps
         acc_l: gl.constexpr = _acc_layout(TOKENS, num_warps, BF16)
@@ -139,32 +174,50 @@ if AVAILABLE:
         w_rows = w2_ptr + e.to(gl.int64) * stride_we + (n0 + r).to(gl.int64) * stride_wn
         r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         s_rows = _scale_rows(s2_ptr + e.to(gl.int64) * stride_se, n0 + r_s, stride_sn, KMAJOR)
-        acc = _sums(w_rows, s_rows, stride_sk, hq_ptr, hs_ptr, rows.to(gl.int64), row_ok, stride_hm, stride_hsm, I,
-                    TOKENS, STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps)
         cols = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         sums = (pos_ptr, out_ptr, add_ptr, comb_ptr, TOPK, n_pairs, D, stride_ym, stride_om, stride_am)
-        down_finish(acc, y_ptr, y_ptr, comb_ptr, rows, row_ok, tok, cols, n_rows, 1, sums, PAIRS, False, False,
-                    COMBINE, HAS_ADD, XDT, acc_l, ROWS, TOKENS)
+        if TOKENS2 > 0:
+            acc2_l: gl.constexpr = _acc_layout(TOKENS2, num_warps, BF16)
+            rows2, ok2, tok2, two = _second_part(tables, TOKENS, TOKENS2, acc2_l)
+            acc, acc2 = _sums(w_rows, s_rows, stride_sk, hq_ptr, hs_ptr, rows.to(gl.int64), row_ok, stride_hm,
+                              stride_hsm, I, TOKENS, STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps,
+                              (rows2.to(gl.int64), ok2, two), TOKENS2)
+            down_finish(acc, y_ptr, y_ptr, comb_ptr, rows, row_ok, tok, cols, n_rows, 1, sums, PAIRS, False, False,
+                        COMBINE, HAS_ADD, XDT, acc_l, ROWS, TOKENS)
+            if two:
+                cols2 = gl.convert_layout(cols, gl.SliceLayout(1, acc2_l))
+                down_finish(acc2, y_ptr, y_ptr, comb_ptr, rows2, ok2, tok2, cols2, n_rows, 1, sums, PAIRS, False,
+                            False, COMBINE, HAS_ADD, XDT, acc2_l, ROWS, TOKENS2)
+        else:
+            acc = _sums(w_rows, s_rows, stride_sk, hq_ptr, hs_ptr, rows.to(gl.int64), row_ok, stride_hm, stride_hsm,
+                        I, TOKENS, STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps)
+            down_finish(acc, y_ptr, y_ptr, comb_ptr, rows, row_ok, tok, cols, n_rows, 1, sums, PAIRS, False, False,
+                        COMBINE, HAS_ADD, XDT, acc_l, ROWS, TOKENS)
 
 
 def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict) -> dict | None:
     """The up and down launches of ``n`` tokens of ``k`` slots over ``E`` experts under ``tile`` (``TOKENS``
     rows a row tile, ``STAGES`` ring trips, ``num_warps``, ``INFLIGHT`` block MMAs in flight, ``maxnreg``: a
-    register cap a thread or None, ``BF16``: the bf16 MMA's loop); ``pairs``: a row tile per (token, slot) pair,
-    else the routing tables' tiles. None where the tile is not one these launches take (TOKENS, warps),
-    the ring is not at least two trips, or a K is not a whole number of trips."""
+    register cap a thread or None, ``BF16``: the bf16 MMA's loop, ``TOKENS2``: with it, the rows of a row
+    tile's second part, 0 for none); ``pairs``: a row tile per (token, slot) pair, else the routing tables'
+    tiles (of TOKENS + TOKENS2 rows). None where the tile is not one these launches take (TOKENS, warps,
+    TOKENS2), the ring is not at least two trips, or a K is not a whole number of trips."""
     rows = 16 * tile["num_warps"]
+    bf16 = bool(tile.get("BF16"))
+    # a second part only on the bf16 loop over the routing tables' tiles (a pair's tile holds one row)
+    second = tile.get("TOKENS2", 0) if bf16 and not pairs else 0
     if (tile["TOKENS"] not in TOKENS or tile["num_warps"] not in WARPS or tile["STAGES"] < 2
+            or second not in (0, *TOKENS2)
             or D % (32 * TRIP_BLOCKS) or I % (32 * TRIP_BLOCKS) or I % (rows // 2) or D % rows):
         return None
-    row_tiles = n * k if pairs else min(n * k, cdiv(n * k, tile["TOKENS"]) + E)
-    bf16 = bool(tile.get("BF16"))
+    block_m = tile["TOKENS"] + second
+    row_tiles = n * k if pairs else min(n * k, cdiv(n * k, block_m) + E)
     # the bf16 loop has no blocks in flight to count: one variant of it
     cap = {"maxnreg": tile["maxnreg"]} if tile["maxnreg"] else {}
     constexprs = dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], INFLIGHT=1 if bf16 else tile["INFLIGHT"],
-                      BF16=bf16, num_warps=tile["num_warps"], **cap)
+                      BF16=bf16, TOKENS2=second, num_warps=tile["num_warps"], **cap)
     # split 1: no K split (what moe_mma.combines counts)
-    return dict(stream=True, bf16=bf16, block_m=tile["TOKENS"], pairs=pairs, row_tiles=row_tiles, grid_rows=row_tiles,
+    return dict(stream=True, bf16=bf16, block_m=block_m, pairs=pairs, row_tiles=row_tiles, grid_rows=row_tiles,
                 shared=False, up=dict(split=1, grid_cols=I // (rows // 2), constexprs=constexprs),
                 down=dict(split=1, grid_cols=D // rows, constexprs=constexprs))
 

@@ -42,8 +42,7 @@ def route_cases(device, experts: int, k: int):
     sorted path past it, for each tile rule's row height (its ``qgmma`` row tiles' where it takes that knob)."""
     route = moe.PLANS.tiles()["route"]
     rules = [t for _, t in moe.PLANS.tiles()["experts"]]
-    heights = {t["BLOCK_M"] for t in rules} | {t.get("qgmma_tokens", moe.KNOBS["qgmma_tokens"]) for t in rules
-                                               if t.get("qgmma")}
+    heights = {t["BLOCK_M"] for t in rules} | {moe.qgmma_rows(t) for t in rules if t.get("qgmma")}
     for bm in sorted(heights):
         pairs = 16
         while pairs <= route["max_pairs"]:

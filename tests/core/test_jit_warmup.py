@@ -151,7 +151,7 @@ def test_moe_warms_the_routing_tables_at_the_models_experts(recorded):
                                                       if pairs <= route["max_pairs"] else "large")
     widths = {1 << b for b in range(4, route["max_pairs"].bit_length())} | {"large"}
     assert seen and all(v == widths for v in seen.values()), seen
-    qgmma = {t.get("qgmma_tokens", moe.KNOBS["qgmma_tokens"]) for _, t in rules if t.get("qgmma")}
+    qgmma = {moe.qgmma_rows(t) for _, t in rules if t.get("qgmma")}
     assert qgmma and {bm for _, bm in seen} == {t["BLOCK_M"] for _, t in rules} | qgmma
     assert {e for e, _ in seen} == {d["n_routed_experts"] for d in _warmup.selected_models().values()}
 

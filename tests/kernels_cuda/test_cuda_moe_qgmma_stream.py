@@ -42,11 +42,11 @@ lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and st.AVAILABLE
 
 
-def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, bf16=False, **moe_tiles):
+def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, bf16=False, tokens2=0, **moe_tiles):
     """A decode rule on the 16-row tile, then the prefill rule with the streamed knob (``bf16``: on the bf16
-    MMA's loop)."""
+    MMA's loop; ``tokens2``: its row tiles' second part)."""
     prefill = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3,
-                   **qgmma_knobs(on, tokens, warps, stages, inflight, maxnreg, qgmma_bf16=bf16))
+                   **qgmma_knobs(on, tokens, warps, stages, inflight, maxnreg, qgmma_bf16=bf16, qgmma_tokens2=tokens2))
     return {"experts": [[16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)], [None, prefill]],
             "act_dequantized": True, **moe_tiles}
 
@@ -157,6 +157,28 @@ def test_the_launcher_streams_row_tiles_of_32_or_more(monkeypatch, tokens, warps
 
 
 @pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
+@pytest.mark.parametrize("tokens,tokens2", [(64, 32), (32, 16), (64, 16)])
+def test_the_bf16_loop_takes_a_second_part_of_the_row_tile(monkeypatch, tokens, tokens2):
+    """``qgmma_tokens2``: the routing tables' tiles of both parts' rows, the launches' grids as without it;
+    only on the bf16 loop (the fp8 loop's plan and a pair's one-row tiles keep one part), only of 16 or 32
+    rows."""
+    n, k, E = 4096, 6, 384
+    b = _plan(monkeypatch, tokens=tokens, bf16=True, tokens2=tokens2)["qgmma"]
+    assert b["block_m"] == tokens + tokens2 and b["row_tiles"] == min(n * k, -(-n * k // (tokens + tokens2)) + E)
+    assert b["up"]["constexprs"]["TOKENS2"] == b["down"]["constexprs"]["TOKENS2"] == tokens2
+    assert b["up"]["constexprs"]["TOKENS"] == tokens
+    one = _plan(monkeypatch, tokens=tokens, bf16=True)["qgmma"]
+    assert one["up"]["constexprs"]["TOKENS2"] == 0 and one["block_m"] == tokens
+    assert (b["up"]["grid_cols"], b["down"]["grid_cols"]) == (one["up"]["grid_cols"], one["down"]["grid_cols"])
+    fp8 = _plan(monkeypatch, tokens=tokens, tokens2=tokens2)["qgmma"]
+    assert fp8["block_m"] == tokens and fp8["up"]["constexprs"]["TOKENS2"] == 0
+    tile = dict(TOKENS=tokens, STAGES=3, num_warps=8, maxnreg=None, BF16=True, TOKENS2=tokens2)
+    assert st.plan(n, k, E, 5120, 2304, True, tile)["up"]["constexprs"]["TOKENS2"] == 0
+    assert st.plan(n, k, E, 5120, 2304, False, dict(tile, TOKENS2=8)) is None
+    assert moe.qgmma_rows(dict(qgmma=True, qgmma_tokens=tokens, qgmma_tokens2=tokens2, qgmma_bf16=True)) == b["block_m"]
+
+
+@pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
 @pytest.mark.parametrize("tokens,warps,k_major,capped", [(64, 8, True, False), (32, 8, False, False),
                                                         (64, 8, False, True)])
 def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps, k_major, capped):
@@ -198,6 +220,32 @@ def test_the_bf16_loop_compiles_for_sm90_on_the_bf16_warpgroup_mma(tokens, k_maj
         assert ops_["HMUL2"] == 32 and loop["instructions"] < 260
 
 
+@pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
+@pytest.mark.parametrize("tokens2,stages", [(32, 3), (16, 4)])
+def test_the_second_part_compiles_beside_the_first(tokens2, stages):
+    """Row tiles of 64 + ``tokens2`` rows: the loop compiled twice (with the second part's MMA and without),
+    the one with it at sixteen ``HGMMA`` a trip over the same 32 bf16x2 multiplies of the decode (the
+    weights decoded once for both parts) and no local memory, at most 128 registers a thread, and shared
+    memory for two programs an SM (228 KB, 1 KB of it each program's; the 4-stage ring of 64 + 16 rows,
+    112 KB, fits so only where the compiler lays the epilogue's staging over the ring, as the H200 image's
+    Triton 3.6 does)."""
+    tiles = {"experts": _tiles(64, 8, stages, maxnreg=128, bf16=True, tokens2=tokens2)["experts"],
+             "act_dequantized": True, "grouped_min_rows": None}
+    reports = sm90_compile("moe", "--B", "4096", "--moe-dims", "released", "--tiles", json.dumps(tiles),
+                           "--profile-set", "expert_fp4=nibbles")
+    for name in ("_up_kernel", "_down_kernel"):
+        r = next(r for r in reports if r["kernel"] == name)
+        ring = stages * (128 * 64 + 2 * 128 * (64 + tokens2))
+        two_an_sm = stages == 3 or triton.__version__.startswith("3.6.")
+        assert r["sass"]["QGMMA"] == 0 and r["registers"] <= 128 and r["shared_bytes"] >= ring
+        assert 2 * (r["shared_bytes"] + 1024) <= 228 * 1024 or not two_an_sm
+        loop = r["mma_loop"]
+        ops_ = loop["opcodes"]
+        # the K loop with the second part (sixteen) and without it (eight)
+        assert sorted((lp["count"], lp["instructions"] < 300) for lp in loop["loops"]) == [(8, True), (16, True)]
+        assert "LDL" not in ops_ and "STL" not in ops_ and ops_["HMUL2"] == 32 and loop["count"] == 16
+
+
 def _stack(rng, E, rows, K, k_major=False):
     w = formats.quantize(torch.randn(E, rows, K, generator=rng) * 0.25, "fp4_w")
     return formats.as_expert_stack(w, k_major, False)
@@ -224,6 +272,27 @@ def test_against_the_reference_and_the_mma_tile(rng, n, D, I, E, k, tokens, warp
         p = moe._plan(n, k, E, D, I)
     assert p["qgmma"] is not None and p["qgmma"]["stream"] and p["qgmma"]["bf16"] == bf16
     assert_moe_path_matches(args, tiles, _tiles(on=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("n,E,k,tokens,tokens2,stages,k_major", [
+    (200, 16, 6, 64, 32, 3, False),  # about 75 rows an expert: most tiles use their second part
+    (300, 16, 6, 64, 16, 4, True),  # about 112: a full tile and a second one past it
+    (40, 8, 2, 32, 16, 3, False),  # about 10: no second part runs
+    (150, 6, 3, 32, 32, 2, True)])  # about 75 over 32 + 32: two or three tiles an expert
+def test_the_second_part_against_the_reference_and_the_mma_tile(rng, n, E, k, tokens, tokens2, stages, k_major):
+    """Row tiles of ``tokens + tokens2`` rows, the second part's MMA run only where the tile holds rows past
+    the first: the experts' output against the reference and the rule's MMA tile, and against the same
+    launches without the second part."""
+    args = _case(rng, n, 256, 384, E, k, k_major)
+    tiles = _tiles(tokens, 8, stages, maxnreg=128, bf16=True, tokens2=tokens2)
+    with pinned_tiles(moe=tiles):
+        p = moe._plan(n, k, E, 256, 384)
+    assert p["qgmma"]["block_m"] == tokens + tokens2 and p["qgmma"]["up"]["constexprs"]["TOKENS2"] == tokens2
+    assert_moe_path_matches(args, tiles, _tiles(on=False))
+    got, one = run_moe(args, tiles), run_moe(args, _tiles(tokens, 8, stages, maxnreg=128, bf16=True))
+    assert rel_err(got, one) < 1e-4  # the same products summed in the same order, whichever part a row is in
 
 
 @pytest.mark.gpu
