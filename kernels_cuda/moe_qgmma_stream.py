@@ -84,7 +84,7 @@ if AVAILABLE:
                    stride_wn, stride_se, stride_sn, stride_sk, stride_hm, stride_hsm, routed_tiles,
                    TOKENS: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr, CLAMP: gl.constexpr,
                    XDT: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr, BF16: gl.constexpr,
-                   FOLD: gl.constexpr, TOKENS2: gl.constexpr, num_warps: gl.constexpr):
+                   FOLD: gl.constexpr, num_warps: gl.constexpr, TOKENS2: gl.constexpr = 0):
         """h of the tile's pair rows, columns ``[n0, n0 + 8 * num_warps)`` of I: x codes [N, D] E4M3 in the
         MMA's order with scales xs [N, D / 32] (times DECODE_SCALE), W1 / W3 [E, I, D / 2] fp4_w (scales as
         :func:`.experts_qgmma._scale_word` reads them), W3 and its scales ``w3_at`` and ``s3_at`` elements
@@ -154,7 +154,7 @@ if AVAILABLE:
                      stride_wn, stride_se, stride_sn, stride_sk, stride_ym, stride_om, stride_am, routed_tiles,
                      TOKENS: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr, COMBINE: gl.constexpr,
                      HAS_ADD: gl.constexpr, XDT: gl.constexpr, KMAJOR: gl.constexpr, INFLIGHT: gl.constexpr,
-                     BF16: gl.constexpr, FOLD: gl.constexpr, TOKENS2: gl.constexpr, num_warps: gl.constexpr):
+                     BF16: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr, TOKENS2: gl.constexpr = 0):
         """y rows of the tile's pair rows (rounded to XDT, y's dtype), columns ``[n0, n0 + 16 * num_warps)`` of
         D: W2 [E, D, I / 2] fp4_w over h's codes [n_rows, I] (the MMA's order) and scales [n_rows, I / 32].
         COMBINE: then each token's rows summed into ``out`` (:func:`.moe_mma._combine`, a counter per (token,

@@ -279,7 +279,7 @@ def test_against_the_reference_and_the_mma_tile(rng, n, D, I, E, k, tokens, warp
 @pytest.mark.parametrize("n,E,k,tokens,tokens2,stages,k_major", [
     (200, 16, 6, 64, 32, 3, False),  # about 75 rows an expert: most tiles use their second part
     (300, 16, 6, 64, 16, 4, True),  # about 112: a full tile and a second one past it
-    (40, 8, 2, 32, 16, 3, False),  # about 10: no second part runs
+    (60, 8, 3, 64, 16, 3, False),  # about 22: no second part runs
     (150, 6, 3, 32, 32, 2, True)])  # about 75 over 32 + 32: two or three tiles an expert
 def test_the_second_part_against_the_reference_and_the_mma_tile(rng, n, E, k, tokens, tokens2, stages, k_major):
     """Row tiles of ``tokens + tokens2`` rows, the second part's MMA run only where the tile holds rows past
