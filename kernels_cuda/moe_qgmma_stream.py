@@ -201,16 +201,17 @@ def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict) -> dic
     rows a row tile, ``STAGES`` ring trips, ``num_warps``, ``INFLIGHT`` block MMAs in flight, ``maxnreg``: a
     register cap a thread or None, ``BF16``: the bf16 MMA's loop, ``TOKENS2``: with it, the rows of a row
     tile's second part, 0 for none, ``CARRY``: with it, each trip's last MMA retired in the next trip, at
-    least three ring trips); ``pairs``: a row tile per (token, slot) pair, else the routing tables'
+    least three ring trips; ``min_k``: the least K of either GEMM the launches take, 0 for any);
+    ``pairs``: a row tile per (token, slot) pair, else the routing tables'
     tiles (of TOKENS + TOKENS2 rows). None where the tile is not one these launches take (TOKENS, warps,
-    TOKENS2), the ring is not at least two trips, or a K is not a whole number of trips."""
+    TOKENS2), the ring is not at least two trips, or a K is not a whole number of trips or under ``min_k``."""
     rows = 16 * tile["num_warps"]
     bf16 = bool(tile.get("BF16"))
     # a second part only on the bf16 loop over the routing tables' tiles (a pair's tile holds one row)
     second = tile.get("TOKENS2", 0) if bf16 and not pairs else 0
     carry = bf16 and bool(tile.get("CARRY"))
     if (tile["TOKENS"] not in TOKENS or tile["num_warps"] not in WARPS or tile["STAGES"] < 2 + carry
-            or second not in (0, *TOKENS2)
+            or second not in (0, *TOKENS2) or min(D, I) < tile.get("min_k", 0)
             or D % (32 * TRIP_BLOCKS) or I % (32 * TRIP_BLOCKS) or I % (rows // 2) or D % rows):
         return None
     block_m = tile["TOKENS"] + second

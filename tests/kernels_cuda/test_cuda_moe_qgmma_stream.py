@@ -181,6 +181,27 @@ def test_the_bf16_loop_takes_a_second_part_of_the_row_tile(monkeypatch, tokens, 
 
 
 @pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
+def test_a_short_k_keeps_the_rules_mma_tile(monkeypatch):
+    """``qgmma_min_k``: the streamed launches where both D and I reach it; under it the plan is the rule's
+    MMA tile's (no qgmma plan), whichever GEMM's K is the short one."""
+    def rule(min_k):
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, qgmma_min_k=min_k,
+                    **qgmma_knobs(True, 64, 8, 3, qgmma_bf16=True))
+
+    def plan(min_k, D, I):
+        monkeypatch.setattr(lin, "INTERPRETED", False)
+        tiles = {"experts": [[16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)],
+                             [None, rule(min_k)]], "act_dequantized": True}
+        with pinned_tiles(moe=tiles), jit_targets.targeting(ARCHS["sm_90"]):
+            return moe._plan(512, 4, 32, D, I)
+
+    assert plan(1024, 1024, 1024)["qgmma"] is not None and plan(0, 1024, 512)["qgmma"] is not None
+    for D, I in ((1024, 512), (512, 1024)):
+        p = plan(1024, D, I)
+        assert p["qgmma"] is None and p["block_m"] == 64 and p["up"][0]["BLOCK_M"] == 64
+
+
+@pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
 def test_the_carried_mma_is_the_bf16_loops_inflight_and_needs_three_trips(monkeypatch):
     """``qgmma_carry``: the bf16 launches' INFLIGHT 2 (1 without it, whatever ``qgmma_inflight``); a ring of
     three trips at least (its slots are refilled a trip later); no meaning on the fp8 loop."""
