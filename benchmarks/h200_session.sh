@@ -204,8 +204,6 @@
 #   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
 #              gemv_mma tests natively, then the released projections at 1-64 rows under the profile, the
 #              gemv_mma rule and its dq variants, against torch._scaled_mm: h200-gemv-dq-tests.log, h200-gemv-dq-v41.json
-#   gemvdqslice  the real-dimension slice at batch 8 and 64 under the profile, then under a copy whose 3-16 row rule
-#              takes gemv_mma_dq and whose 17-64 row rule takes gemv_mma with it: h200-real-slice-gemvdq-{off,on}.json
 #   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under a copy of the profile
 #              as it was before its decode experts took qgmma (codes in words, qgmma off) and under the profile:
 #              h200-real-slice-qgmma-{off,on}.json, h200-e2e-qgmma-{words,qgmma}.json
@@ -1326,15 +1324,6 @@ phase_gemvdq() {  # fp8 linear over the activations' round trip on mma.sync, up 
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 4 8 16 32 64 --variants \
     "MMA GEMV, 4 warps, kw 8, 4 an SM, 3 stages" "${variants[@]}" --out "$OUT/h200-gemv-dq-v41.json" \
     | grep -v 'moe_experts\|plain '
-}
-
-phase_gemvdqslice() {  # the real-dimension slice under the profile and a copy with gemv_mma_dq from 3 to 64 rows
-  local on
-  on=$(profile_set h200-gemv-dq tiles.linear.linear.2.1.gemv_mma_dq true tiles.linear.linear.3.1 \
-    '{"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "split_reduce": true,
-      "gemv_mma": true, "gemv_mma_dq": true, "gemv_mma_kw": 8, "gemv_mma_per_sm": 4, "gemv_mma_stages": 3,
-      "gemv_mma_min_weights": 8388608}')
-  slice_off_on gemvdq h200 "$on" 8 64
 }
 
 phase_moemmaslice() {  # the real-dimension slice under the profile and a copy whose decode experts rule takes gemv_mma
