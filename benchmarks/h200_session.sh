@@ -226,9 +226,6 @@
 #   prefilltwo  the bf16 streamed experts' row tiles with a second part (qgmma_tokens2): its GPU tests
 #              (h200-prefill-two-tests.log), then the experts at 4,096 tokens under four such variants beside
 #              the profile's rule: h200-moe-prefill-two-4096.json
-#   prefillcarry  the bf16 streamed experts with each trip's last MMA retired in the next trip (qgmma_carry):
-#              its GPU tests beside the second part's (h200-prefill-carry-tests.log), then the experts at 4,096
-#              tokens carried at 3 and 4 stages beside the profile's rule: h200-moe-prefill-carry-4096.json
 #   prefillquick  prefillqgmma with its GPU tests (not the CPU compiles) and two variants of each, for a short lease
 #   prefilltiny  prefillquick's GPU cases and one variant of each
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
@@ -1401,15 +1398,6 @@ phase_prefilltwo() {  # row tiles of 64 + 16 or 64 + 32 rows on the bf16 MMA: te
   timeout 200 python benchmarks/moe_prefill_tiles.py --variants "${b}16-row tiles, 8 warps, 4 stages, 128 registers" \
     "${b}32-row tiles, 8 warps, 3 stages, 128 registers" "${b}32-row tiles, 8 warps, 4 stages, 128 registers" \
     "${b}16-row tiles, 8 warps, 3 stages, 128 registers" --out "$OUT/h200-moe-prefill-two-4096.json"
-}
-
-phase_prefillcarry() {  # the bf16 loop's last MMA a trip carried into the next: tests, then timed beside the profile
-  timeout 150 python -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/kernels_cuda/test_cuda_moe_qgmma_stream.py \
-    -k "second_part" > "$OUT/h200-prefill-carry-tests.log" 2>&1
-  tail -n 15 "$OUT/h200-prefill-carry-tests.log"
-  local b="bf16 streamed, 64+16-row tiles, 8 warps"
-  timeout 200 python benchmarks/moe_prefill_tiles.py --variants "$b, 3 stages, 128 registers, carried" \
-    "$b, 4 stages, 128 registers, carried" "$b, 4 stages, 128 registers" --out "$OUT/h200-moe-prefill-carry-4096.json"
 }
 
 phase_prefillbf16small() {  # small's prefill with and without the bf16 streamed experts, then conformance

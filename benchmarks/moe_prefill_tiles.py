@@ -72,10 +72,6 @@ for _second, _stages in ((16, 4), (32, 3), (32, 4), (16, 3)):
     VARIANTS[f"bf16 streamed, 64+{_second}-row tiles, 8 warps, {_stages} stages, 128 registers"] = dict(
         VARIANTS["bf16 streamed, 64-row tiles, 8 warps, 4 stages, 128 registers"], qgmma_stages=_stages,
         qgmma_tokens2=_second)
-# each trip's last MMA retired in the next trip (qgmma_carry), the copies a trip less ahead
-for _stages in (3, 4):
-    VARIANTS[f"bf16 streamed, 64+16-row tiles, 8 warps, {_stages} stages, 128 registers, carried"] = dict(
-        VARIANTS[f"bf16 streamed, 64+16-row tiles, 8 warps, {_stages} stages, 128 registers"], qgmma_carry=True)
 
 
 def experts(cfg, tokens: int, dev, g):

@@ -142,7 +142,7 @@ if AVAILABLE:
     @gluon.jit
     def loop(w_rows, s_rows, stride_sk, x_ptr, tok, row_ok, stride_xm, K, TOKENS: gl.constexpr,
              STAGES: gl.constexpr, KMAJOR: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr,
-             tok2=None, row_ok2=None, two=False, TOKENS2: gl.constexpr = 0, CARRY: gl.constexpr = False):
+             tok2=None, row_ok2=None, two=False, TOKENS2: gl.constexpr = 0):
         """fp32 sums [16 * num_warps, TOKENS] (:func:`acc_layout`) over K of fp4_w weight rows times a row
         tile's activations. ``w_rows``: int64-addressed pointers [ROWS] (``SliceLayout(1,
         weight_copy_layout)``) to each row's bytes at K 0 (standard nibbles); ``s_rows``: pointers [ROWS]
@@ -156,11 +156,7 @@ if AVAILABLE:
         else its sums are zeros and its MMA and copies skipped: the loop is compiled both ways and the
         program takes one); returns both parts' sums, the second [16 * num_warps, TOKENS2]. One program
         covers up to TOKENS + TOKENS2 rows of an expert with one pass over its weights, where tiles of
-        TOKENS + TOKENS2 rows on one MMA would multiply the padding of the experts holding fewer.
-
-        CARRY: a trip's last MMA retires in the next trip, running while that trip's first half is decoded
-        (its operand registers held until then); a ring slot is then refilled a trip later, so the copies
-        run STAGES - 2 trips ahead instead of STAGES - 1 (STAGES >= 3)."""
+        TOKENS + TOKENS2 rows on one MMA would multiply the padding of the experts holding fewer."""
         ROWS: gl.constexpr = 16 * num_warps
         wl: gl.constexpr = weight_copy_layout(num_warps)
         w_src = w_rows[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, wl))[None, :]
@@ -174,23 +170,21 @@ if AVAILABLE:
             x2_src, x2_ok = _x_source(x_ptr, tok2, row_ok2, stride_xm, TOKENS2, num_warps)
             x2 = (gl.allocate_shared_memory(gl.bfloat16, [STAGES, TOKENS2, 128], nvmma), x2_src, x2_ok)
             if two:
-                acc, acc2 = _trips(rings, x2, s_rows, stride_sk, K, TOKENS, STAGES, KMAJOR, FOLD, num_warps, TOKENS2,
-                                   CARRY)
+                acc, acc2 = _trips(rings, x2, s_rows, stride_sk, K, TOKENS, STAGES, KMAJOR, FOLD, num_warps, TOKENS2)
             else:
-                acc = _trips(rings, x2, s_rows, stride_sk, K, TOKENS, STAGES, KMAJOR, FOLD, num_warps, 0, CARRY)
+                acc = _trips(rings, x2, s_rows, stride_sk, K, TOKENS, STAGES, KMAJOR, FOLD, num_warps, 0)
                 acc2 = gl.zeros([ROWS, TOKENS2], gl.float32, acc_layout(TOKENS2, num_warps))
             result = (acc, acc2)
         else:
             result = _trips(rings, (x_ring, x_src, x_ok), s_rows, stride_sk, K, TOKENS, STAGES, KMAJOR, FOLD,
-                            num_warps, 0, CARRY)  # no second part: its ring and copies unused
+                            num_warps, 0)  # no second part: its ring and copies unused
         return result
 
     @gluon.jit
     def _trips(rings, x2, s_rows, stride_sk, K, TOKENS: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr,
-               FOLD: gl.constexpr, num_warps: gl.constexpr, TOKENS2: gl.constexpr, CARRY: gl.constexpr):
+               FOLD: gl.constexpr, num_warps: gl.constexpr, TOKENS2: gl.constexpr):
         """:func:`loop`'s trips over K: the sums [ROWS, TOKENS], with TOKENS2 also the second part's
         [ROWS, TOKENS2] (``x2``: its ring, copy sources and row mask) from the same decoded operands."""
-        LAG: gl.constexpr = 1 if CARRY else 0  # trips a slot stays in use past its own (CARRY: one)
         ROWS: gl.constexpr = 16 * num_warps
         acc_l: gl.constexpr = acc_layout(TOKENS, num_warps)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -205,7 +199,7 @@ if AVAILABLE:
             a2_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc2_l, k_width=2)
             acc2 = gl.zeros([ROWS, TOKENS2], gl.float32, acc2_l)
         nb = K // 32
-        for i in gl.static_range(STAGES - 1 - LAG):
+        for i in gl.static_range(STAGES - 1):
             _copy_trip(w_ring, x_ring, x2_ring, i, w_src, x_src, x_ok, x2_src, x2_ok, gl.minimum(4 * i, nb - 4),
                        TOKENS2)
         acc = gl.zeros([ROWS, TOKENS], gl.float32, acc_l)
@@ -215,13 +209,11 @@ if AVAILABLE:
             # the rows' scales a trip ahead of their use (plain loads: their latency behind this trip)
             s = gl.expand_dims(s_next, 2)
             s_next = _scales(s_rows, gl.minimum(kb + 4, nb - 4), stride_sk, t, KMAJOR, FOLD)
-            async_copy.wait_group(STAGES - 2 - LAG)  # this thread's copies of trip j have landed
-            # every thread's have, and every warp is done with trip j - 1 - LAG (its MMAs retired), whose slot
-            # is refilled below
-            _sync()
-            ahead = gl.minimum(kb + 4 * (STAGES - 1 - LAG), nb - 4)
-            _copy_trip(w_ring, x_ring, x2_ring, (j + STAGES - 1 - LAG) % STAGES, w_src, x_src, x_ok, x2_src, x2_ok,
-                       ahead, TOKENS2)
+            async_copy.wait_group(STAGES - 2)  # this thread's copies of trip j have landed
+            _sync()  # every thread's have, and every warp is done with trip j - 1, whose slot is refilled below
+            ahead = gl.minimum(kb + 4 * (STAGES - 1), nb - 4)
+            _copy_trip(w_ring, x_ring, x2_ring, (j + STAGES - 1) % STAGES, w_src, x_src, x_ok, x2_src, x2_ok, ahead,
+                       TOKENS2)
             slot = j % STAGES
             w = gl.convert_layout(gl.reshape(w_ring.index(slot).load(rl), [ROWS, 4, 2, 8]), t4, assert_trivial=True)
             w0, w1 = gl.split(gl.permute(w, [0, 1, 3, 2]))  # the two halves, each [ROWS, 4, 8]
@@ -240,11 +232,6 @@ if AVAILABLE:
             if TOKENS2 > 0:
                 acc2 = warpgroup_mma(gl.convert_layout(a1, a2_l, assert_trivial=True),
                                      x2_ring.index(slot).slice(64, 64, dim=1).permute((1, 0)), acc2, is_async=True)
-                acc, acc2 = warpgroup_mma_wait(LAG, deps=[acc, acc2])
-            else:
-                acc = warpgroup_mma_wait(LAG, deps=[acc])
-        if CARRY:  # the last trip's MMA
-            if TOKENS2 > 0:
                 acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
             else:
                 acc = warpgroup_mma_wait(0, deps=[acc])

@@ -90,15 +90,14 @@ from flashrt.kernels_cuda import pdl
 # qgmma_bf16: those streamed launches on the bf16 warpgroup MMA instead, the weights decoded with their scales and
 # the activations their round trips' values, nothing scaled after the MMA, :mod:`.experts_bf16_stream`; with
 # qgmma_tokens2 (16 or 32; 0: none) row tiles of qgmma_tokens + qgmma_tokens2 rows, the second part on a
-# narrower MMA over the same decoded weights, run only where the tile holds rows past the first part; with
-# qgmma_carry each trip's last MMA retired in the next trip, over a decode of that trip's first half;
+# narrower MMA over the same decoded weights, run only where the tile holds rows past the first part;
 # qgmma_min_k: those streamed launches only where both GEMMs' K (D and I) are at least this, else the rule's
 # MMA tile: on a short K the ring's fill and each program's epilogue are most of a program)
 KNOBS = dict(min_block_n=None, split_min_blocks=None, split_per_sm=None, split_k=None, swap_operands=None,
              gemv_mma=False, gemv_mma_tokens=8, gemv_mma_per_sm=4, gemv_mma_stages=3, gemv_mma_sub=4,
              qgmma=False, qgmma_tokens=8, qgmma_per_sm=16, qgmma_max_k=1024, qgmma_stages=4, qgmma_warps=8,
              qgmma_inflight=2, qgmma_maxnreg=None, qgmma_bf16=False, qgmma_tokens2=0,
-             qgmma_carry=False, qgmma_min_k=0)
+             qgmma_min_k=0)
 
 TILES = {
     # (largest mean rows per expert the rule serves or None, tile): the first matching rule applies
@@ -228,7 +227,7 @@ def _qgmma_plan(n: int, k: int, E: int, D: int, I: int, direct: bool, pairs: boo
     tile = dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"], per_sm=knobs["qgmma_per_sm"],
                 max_k=knobs["qgmma_max_k"], num_warps=knobs["qgmma_warps"], INFLIGHT=knobs["qgmma_inflight"],
                 maxnreg=knobs["qgmma_maxnreg"], BF16=knobs["qgmma_bf16"], TOKENS2=knobs["qgmma_tokens2"],
-                CARRY=knobs["qgmma_carry"], min_k=knobs["qgmma_min_k"])
+                min_k=knobs["qgmma_min_k"])
     if tile["TOKENS"] in moe_qgmma_stream.TOKENS:
         return moe_qgmma_stream.plan(n, k, E, D, I, pairs, tile), None
     sms = _linear.num_sms()
@@ -532,7 +531,6 @@ FAMILY = KernelFamily(
                               "experts.qgmma_maxnreg": Tile(low=24, high=256, multiple=8, nullable=True, kind=int),
                               "experts.qgmma_bf16": Tile(kind=bool),
                               "experts.qgmma_tokens2": Tile(choices=(0, *moe_qgmma_stream.TOKENS2)),
-                              "experts.qgmma_carry": Tile(kind=bool),
                               "experts.qgmma_min_k": Tile(low=0, kind=int),
                               "experts.qgmma_per_sm": Tile(low=1, kind=int),
                               "experts.qgmma_max_k": Tile(choices=(256, 512, 1024, 2048)),

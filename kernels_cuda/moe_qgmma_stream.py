@@ -58,17 +58,16 @@ if AVAILABLE:
         """The K loop of either MMA (``s_rows``: the rows' scale pointers, :func:`_scale_rows`, in the
         accumulators' row layout; moved into the one the loop reads them in). TOKENS2 (the bf16 loop only):
         the tile's second part too, ``part2`` its (tokens, row mask, whether it holds a row); returns both
-        parts' sums. The bf16 loop's INFLIGHT: 2 carries a trip's last MMA into the next (its CARRY), 1
-        retires every MMA within its trip."""
+        parts' sums."""
         if BF16:
             r_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, bf16.bytes_layout(num_warps)))
             if TOKENS2 > 0:
                 tok2, row_ok2, two = part2
                 acc = bf16.loop(w_rows, gl.convert_layout(s_rows, r_l), stride_sk, x_ptr, tok, row_ok, stride_xm, K,
-                                TOKENS, STAGES, KMAJOR, FOLD, num_warps, tok2, row_ok2, two, TOKENS2, INFLIGHT > 1)
+                                TOKENS, STAGES, KMAJOR, FOLD, num_warps, tok2, row_ok2, two, TOKENS2)
             else:
                 acc = bf16.loop(w_rows, gl.convert_layout(s_rows, r_l), stride_sk, x_ptr, tok, row_ok, stride_xm, K,
-                                TOKENS, STAGES, KMAJOR, FOLD, num_warps, None, None, False, 0, INFLIGHT > 1)
+                                TOKENS, STAGES, KMAJOR, FOLD, num_warps)
         else:
             acc = loop(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K, TOKENS,
                        STAGES, KMAJOR, num_warps, False, INFLIGHT)
@@ -200,8 +199,7 @@ def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict) -> dic
     """The up and down launches of ``n`` tokens of ``k`` slots over ``E`` experts under ``tile`` (``TOKENS``
     rows a row tile, ``STAGES`` ring trips, ``num_warps``, ``INFLIGHT`` block MMAs in flight, ``maxnreg``: a
     register cap a thread or None, ``BF16``: the bf16 MMA's loop, ``TOKENS2``: with it, the rows of a row
-    tile's second part, 0 for none, ``CARRY``: with it, each trip's last MMA retired in the next trip, at
-    least three ring trips; ``min_k``: the least K of either GEMM the launches take, 0 for any);
+    tile's second part, 0 for none; ``min_k``: the least K of either GEMM the launches take, 0 for any);
     ``pairs``: a row tile per (token, slot) pair, else the routing tables'
     tiles (of TOKENS + TOKENS2 rows). None where the tile is not one these launches take (TOKENS, warps,
     TOKENS2), the ring is not at least two trips, or a K is not a whole number of trips or under ``min_k``."""
@@ -209,17 +207,15 @@ def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict) -> dic
     bf16 = bool(tile.get("BF16"))
     # a second part only on the bf16 loop over the routing tables' tiles (a pair's tile holds one row)
     second = tile.get("TOKENS2", 0) if bf16 and not pairs else 0
-    carry = bf16 and bool(tile.get("CARRY"))
-    if (tile["TOKENS"] not in TOKENS or tile["num_warps"] not in WARPS or tile["STAGES"] < 2 + carry
+    if (tile["TOKENS"] not in TOKENS or tile["num_warps"] not in WARPS or tile["STAGES"] < 2
             or second not in (0, *TOKENS2) or min(D, I) < tile.get("min_k", 0)
             or D % (32 * TRIP_BLOCKS) or I % (32 * TRIP_BLOCKS) or I % (rows // 2) or D % rows):
         return None
     block_m = tile["TOKENS"] + second
     row_tiles = n * k if pairs else min(n * k, cdiv(n * k, block_m) + E)
-    # the bf16 loop's INFLIGHT: 2 where it carries a trip's last MMA into the next, else 1
+    # the bf16 loop has no blocks in flight to count: one variant of it
     cap = {"maxnreg": tile["maxnreg"]} if tile["maxnreg"] else {}
-    inflight = (2 if carry else 1) if bf16 else tile["INFLIGHT"]
-    constexprs = dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], INFLIGHT=inflight,
+    constexprs = dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], INFLIGHT=1 if bf16 else tile["INFLIGHT"],
                       BF16=bf16, TOKENS2=second, num_warps=tile["num_warps"], **cap)
     # split 1: no K split (what moe_mma.combines counts)
     return dict(stream=True, bf16=bf16, block_m=block_m, pairs=pairs, row_tiles=row_tiles, grid_rows=row_tiles,

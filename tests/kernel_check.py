@@ -43,15 +43,20 @@ needs_ptxas = pytest.mark.skipif(_ptxas_missing(), reason="Triton without its bu
 
 def sm90_compile(family: str, *args: str) -> list[dict]:
     """The reports of ``tools/sm90_compile.py FAMILY ARGS --json`` under the h200 profile: every kernel
-    the launcher makes for that call, compiled for sm_90 in a subprocess without the interpreter."""
+    the launcher makes for that call, compiled for sm_90 in a subprocess without the interpreter. The
+    dumps (the reports' ``dump`` paths, which the tool reads the loops back from) go to a folder of this
+    test process's own: tests in parallel processes compile kernels of the same names."""
     import json
     import os
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"FLASHRT_PROFILE": "h200"}
+    dumps = os.path.join(tempfile.gettempdir(), f"sm90-dumps-{os.getpid()}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"FLASHRT_PROFILE": "h200",
+                                                                             "SM90_DUMP_DIR": dumps}
     run = subprocess.run([sys.executable, str(root / "tools" / "sm90_compile.py"), family, *args, "--json"],
                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -42,13 +42,11 @@ lin = pytest.importorskip("flashrt.kernels_cuda.linear")
 QG_GPU = GPU and torch.cuda.get_device_capability() >= (9, 0) and st.AVAILABLE
 
 
-def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, bf16=False, tokens2=0, carry=False,
-           **moe_tiles):
+def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, bf16=False, tokens2=0, **moe_tiles):
     """A decode rule on the 16-row tile, then the prefill rule with the streamed knob (``bf16``: on the bf16
-    MMA's loop; ``tokens2``: its row tiles' second part; ``carry``: its trips' last MMA carried)."""
+    MMA's loop; ``tokens2``: its row tiles' second part)."""
     prefill = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3,
-                   **qgmma_knobs(on, tokens, warps, stages, inflight, maxnreg, qgmma_bf16=bf16, qgmma_tokens2=tokens2,
-                                 qgmma_carry=carry))
+                   **qgmma_knobs(on, tokens, warps, stages, inflight, maxnreg, qgmma_bf16=bf16, qgmma_tokens2=tokens2))
     return {"experts": [[16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)], [None, prefill]],
             "act_dequantized": True, **moe_tiles}
 
@@ -202,19 +200,6 @@ def test_a_short_k_keeps_the_rules_mma_tile(monkeypatch):
 
 
 @pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
-def test_the_carried_mma_is_the_bf16_loops_inflight_and_needs_three_trips(monkeypatch):
-    """``qgmma_carry``: the bf16 launches' INFLIGHT 2 (1 without it, whatever ``qgmma_inflight``); a ring of
-    three trips at least (its slots are refilled a trip later); no meaning on the fp8 loop."""
-    carried = _plan(monkeypatch, bf16=True, carry=True, stages=3)["qgmma"]
-    assert carried["up"]["constexprs"]["INFLIGHT"] == carried["down"]["constexprs"]["INFLIGHT"] == 2
-    assert _plan(monkeypatch, bf16=True, stages=3)["qgmma"]["up"]["constexprs"]["INFLIGHT"] == 1
-    assert _plan(monkeypatch, bf16=True, carry=True, stages=2)["qgmma"] is None
-    assert _plan(monkeypatch, bf16=True, stages=2)["qgmma"] is not None
-    fp8 = _plan(monkeypatch, carry=True, stages=2, inflight=1)["qgmma"]
-    assert fp8 is not None and fp8["up"]["constexprs"]["INFLIGHT"] == 1
-
-
-@pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
 @pytest.mark.parametrize("tokens,warps,k_major,capped", [(64, 8, True, False), (32, 8, False, False),
                                                         (64, 8, False, True)])
 def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps, k_major, capped):
@@ -257,15 +242,15 @@ def test_the_bf16_loop_compiles_for_sm90_on_the_bf16_warpgroup_mma(tokens, k_maj
 
 
 @pytest.mark.skipif(not st.AVAILABLE, reason="needs Gluon")
-@pytest.mark.parametrize("tokens2,stages,carry", [(32, 3, False), (16, 4, False), (16, 4, True)])
-def test_the_second_part_compiles_beside_the_first(tokens2, stages, carry):
+@pytest.mark.parametrize("tokens2,stages", [(32, 3), (16, 4)])
+def test_the_second_part_compiles_beside_the_first(tokens2, stages):
     """Row tiles of 64 + ``tokens2`` rows: the loop compiled twice (with the second part's MMA and without),
     the one with it at sixteen ``HGMMA`` a trip over the same 32 bf16x2 multiplies of the decode (the
     weights decoded once for both parts) and no local memory, at most 128 registers a thread, and shared
     memory for two programs an SM (228 KB, 1 KB of it each program's; the 4-stage ring of 64 + 16 rows,
     112 KB, fits so only where the compiler lays the epilogue's staging over the ring, as the H200 image's
-    Triton 3.6 does). Carried: the same, the trip's last MMA left in flight at its end."""
-    tiles = {"experts": _tiles(64, 8, stages, maxnreg=128, bf16=True, tokens2=tokens2, carry=carry)["experts"],
+    Triton 3.6 does)."""
+    tiles = {"experts": _tiles(64, 8, stages, maxnreg=128, bf16=True, tokens2=tokens2)["experts"],
              "act_dequantized": True, "grouped_min_rows": None}
     reports = sm90_compile("moe", "--B", "4096", "--moe-dims", "released", "--tiles", json.dumps(tiles),
                            "--profile-set", "expert_fp4=nibbles")
@@ -312,19 +297,17 @@ def test_against_the_reference_and_the_mma_tile(rng, n, D, I, E, k, tokens, warp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("n,E,k,tokens,tokens2,stages,k_major,carry", [
-    (200, 16, 6, 64, 32, 3, False, False),  # about 75 rows an expert: most tiles use their second part
-    (300, 16, 6, 64, 16, 4, True, False),  # about 112: a full tile and a second one past it
-    (60, 8, 3, 64, 16, 3, False, False),  # about 22: no second part runs
-    (150, 6, 3, 32, 32, 2, True, False),  # about 75 over 32 + 32: two or three tiles an expert
-    (200, 16, 6, 64, 16, 4, False, True), (60, 8, 3, 64, 16, 3, True, True)])  # each trip's last MMA carried
-def test_the_second_part_against_the_reference_and_the_mma_tile(rng, n, E, k, tokens, tokens2, stages, k_major,
-                                                                carry):
+@pytest.mark.parametrize("n,E,k,tokens,tokens2,stages,k_major", [
+    (200, 16, 6, 64, 32, 3, False),  # about 75 rows an expert: most tiles use their second part
+    (300, 16, 6, 64, 16, 4, True),  # about 112: a full tile and a second one past it
+    (60, 8, 3, 64, 16, 3, False),  # about 22: no second part runs
+    (150, 6, 3, 32, 32, 2, True)])  # about 75 over 32 + 32: two or three tiles an expert
+def test_the_second_part_against_the_reference_and_the_mma_tile(rng, n, E, k, tokens, tokens2, stages, k_major):
     """Row tiles of ``tokens + tokens2`` rows, the second part's MMA run only where the tile holds rows past
     the first: the experts' output against the reference and the rule's MMA tile, and against the same
-    launches without the second part (carried: each trip's last MMA retired in the next trip)."""
+    launches without the second part."""
     args = _case(rng, n, 256, 384, E, k, k_major)
-    tiles = _tiles(tokens, 8, stages, maxnreg=128, bf16=True, tokens2=tokens2, carry=carry)
+    tiles = _tiles(tokens, 8, stages, maxnreg=128, bf16=True, tokens2=tokens2)
     with pinned_tiles(moe=tiles):
         p = moe._plan(n, k, E, 256, 384)
     assert p["qgmma"]["block_m"] == tokens + tokens2 and p["qgmma"]["up"]["constexprs"]["TOKENS2"] == tokens2
