@@ -220,12 +220,12 @@
 #              fastest fp8 one and the profile's rule: h200-moe-prefill-bf16-stream-4096.json
 #   prefillbf16tiny  prefillbf16's GPU tests and two of its variants, for a short lease
 #   prefillbf16small  small's prefill (benchmarks/prefill_rows.py, 1 / 4 / 16 / 64 rows of 512 tokens) under the
-#              profile (its prefill experts on the bf16 streamed launches) and under a copy whose prefill rule stays on
-#              its MMA tile (qgmma off), then flashrt conformance under the profile:
-#              h200-prefill-rows-bf16-{on,off}.json, h200-conformance-bf16.json
+#              profile (small's prefill experts on the rule's MMA tile: its K under qgmma_min_k) and under a copy
+#              whose rule takes the bf16 streamed launches at any K (qgmma_min_k 0), then flashrt conformance
+#              under the profile: h200-prefill-rows-bf16-{off,on}.json, h200-conformance-bf16.json
 #   prefilltwo  the bf16 streamed experts' row tiles with a second part (qgmma_tokens2): its GPU tests
-#              (h200-prefill-two-tests.log), then the experts at 4,096 tokens under four such variants beside
-#              the profile's rule: h200-moe-prefill-two-4096.json
+#              (h200-prefill-two-tests.log), then the experts at 4,096 tokens under four such variants and the
+#              64-row tiles alone beside the profile's rule: h200-moe-prefill-two-4096.json
 #   prefillquick  prefillqgmma with its GPU tests (not the CPU compiles) and two variants of each, for a short lease
 #   prefilltiny  prefillquick's GPU cases and one variant of each
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
@@ -1176,7 +1176,7 @@ phase_wsprod() {  # ordered by what a short lease must bring back first
 
 phase_fp8deq() {
   local rows16 all
-  rows16=$(profile_set h200-fp8deq-16 tiles.linear.linear.0.1.fp8_mma false)  # the 16-row rule only
+  rows16=$(profile_set h200-fp8deq-16 tiles.linear.linear.0.1.fp8_mma false)  # the first rule only
   all=$(profile_set h200-fp8deq tiles.linear.fp8_mma false)
   python benchmarks/gemv_tiles.py --model v4.1-flash \
     --variants profile "profile, fp8 weights dequantized (no fp8 MMA)" --out "$OUT/h200-gemv-fp8deq.json" \
@@ -1265,7 +1265,8 @@ slice_off_on() {  # TAG OFF_PROFILE ON_PROFILE BATCH...: the real-dimension slic
 
 phase_gemvmmaslice() {  # the real-dimension slice at batch 2 and 8 under the profile and a copy without gemv_mma
   local off
-  off=$(profile_set h200-no-gemv-mma tiles.linear.linear.1.1.gemv_mma false tiles.linear.linear.2.1.gemv_mma false)
+  off=$(profile_set h200-no-gemv-mma tiles.linear.linear.2.1.gemv_mma false tiles.linear.linear.3.1.gemv_mma false \
+    tiles.linear.linear.4.1.gemv_mma false)  # the 3-8, 9-16 and 9-32 row rules
   slice_off_on gemvmma "$off" h200 2 8
 }
 
@@ -1397,16 +1398,17 @@ phase_prefilltwo() {  # row tiles of 64 + 16 or 64 + 32 rows on the bf16 MMA: te
   local b="bf16 streamed, 64+"
   timeout 200 python benchmarks/moe_prefill_tiles.py --variants "${b}16-row tiles, 8 warps, 4 stages, 128 registers" \
     "${b}32-row tiles, 8 warps, 3 stages, 128 registers" "${b}32-row tiles, 8 warps, 4 stages, 128 registers" \
-    "${b}16-row tiles, 8 warps, 3 stages, 128 registers" --out "$OUT/h200-moe-prefill-two-4096.json"
+    "${b}16-row tiles, 8 warps, 3 stages, 128 registers" "bf16 streamed, 64-row tiles, 8 warps, 4 stages, 128 registers" \
+    --out "$OUT/h200-moe-prefill-two-4096.json"
 }
 
-phase_prefillbf16small() {  # small's prefill with and without the bf16 streamed experts, then conformance
-  local off
-  off=$(profile_set h200-mmatile tiles.moe.experts.1.1.qgmma false)
+phase_prefillbf16small() {  # small's prefill without and with the bf16 streamed experts, then conformance
+  local on
+  on=$(profile_set h200-stream-any-k tiles.moe.experts.1.1.qgmma_min_k 0)
   timeout 120 python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
-    --out "$OUT/h200-prefill-rows-bf16-on.json" | tail -n 6
-  FLASHRT_PROFILE=$off timeout 120 python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
     --out "$OUT/h200-prefill-rows-bf16-off.json" | tail -n 6
+  FLASHRT_PROFILE=$on timeout 120 python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
+    --out "$OUT/h200-prefill-rows-bf16-on.json" | tail -n 6
   timeout 200 python -m flashrt.cli conformance --out "$OUT/h200-conformance-bf16.json" | tail -n 3
 }
 
