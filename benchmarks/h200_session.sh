@@ -225,7 +225,8 @@
 #              under the profile: h200-prefill-rows-bf16-{off,on}.json, h200-conformance-bf16.json
 #   prefilltwo  the bf16 streamed experts' row tiles with a second part (qgmma_tokens2): its GPU tests
 #              (h200-prefill-two-tests.log), then the experts at 4,096 tokens under four such variants and the
-#              64-row tiles alone beside the profile's rule: h200-moe-prefill-two-4096.json
+#              64-row tiles alone beside the profile's rule: h200-moe-prefill-two-4096.json; at 2,048 tokens
+#              (about 32 rows an expert) the profile's against 32 + 16 and 32 + 32: h200-moe-prefill-two-2048.json
 #   prefillquick  prefillqgmma with its GPU tests (not the CPU compiles) and two variants of each, for a short lease
 #   prefilltiny  prefillquick's GPU cases and one variant of each
 #   moemmaslice  the real-dimension slice at batch 1, 8 and 64 under the profile, then under a copy whose decode
@@ -1400,6 +1401,9 @@ phase_prefilltwo() {  # row tiles of 64 + 16 or 64 + 32 rows on the bf16 MMA: te
     "${b}32-row tiles, 8 warps, 3 stages, 128 registers" "${b}32-row tiles, 8 warps, 4 stages, 128 registers" \
     "${b}16-row tiles, 8 warps, 3 stages, 128 registers" "bf16 streamed, 64-row tiles, 8 warps, 4 stages, 128 registers" \
     --out "$OUT/h200-moe-prefill-two-4096.json"
+  local t="8 warps, 3 stages, 128 registers"
+  timeout 120 python benchmarks/moe_prefill_tiles.py --tokens 2048 --variants "bf16 streamed, 32+16-row tiles, $t" \
+    "bf16 streamed, 32+32-row tiles, $t" --out "$OUT/h200-moe-prefill-two-2048.json"
 }
 
 phase_prefillbf16small() {  # small's prefill without and with the bf16 streamed experts, then conformance

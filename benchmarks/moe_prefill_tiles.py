@@ -67,11 +67,12 @@ for _rows, _warps, _stages, _cap in ((64, 8, 3, 128), (64, 8, 4, 128), (32, 8, 3
         tile(128, 64, 4, 4, swap=True), qgmma=True, qgmma_tokens=_rows, qgmma_warps=_warps, qgmma_stages=_stages,
         qgmma_maxnreg=_cap, qgmma_bf16=True)
 # row tiles of 64 + 16 or 64 + 32 rows: the second part on its own narrower MMA over the same decoded weights,
-# run only where the tile holds rows past 64 (an expert of about 64 rows in one tile, one pass over its weights)
-for _second, _stages in ((16, 4), (32, 3), (32, 4), (16, 3)):
-    VARIANTS[f"bf16 streamed, 64+{_second}-row tiles, 8 warps, {_stages} stages, 128 registers"] = dict(
-        VARIANTS["bf16 streamed, 64-row tiles, 8 warps, 4 stages, 128 registers"], qgmma_stages=_stages,
-        qgmma_tokens2=_second)
+# run only where the tile holds rows past 64 (an expert of about 64 rows in one tile, one pass over its weights);
+# 32 + 16 and 32 + 32 for chunks of about 32 rows an expert (2,048 tokens)
+for _first, _second, _stages in ((64, 16, 4), (64, 32, 3), (64, 32, 4), (64, 16, 3), (32, 16, 3), (32, 32, 3)):
+    VARIANTS[f"bf16 streamed, {_first}+{_second}-row tiles, 8 warps, {_stages} stages, 128 registers"] = dict(
+        VARIANTS["bf16 streamed, 64-row tiles, 8 warps, 4 stages, 128 registers"], qgmma_tokens=_first,
+        qgmma_stages=_stages, qgmma_tokens2=_second)
 
 
 def experts(cfg, tokens: int, dev, g):
