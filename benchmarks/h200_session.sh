@@ -880,7 +880,7 @@ phase_swaprule() {
     python benchmarks/moe_prefill_tiles.py --model small --tokens $n --variants "${v[@]}" \
       --out "$OUT/h200-moe-prefill-swaprule-small-$n.json"
   done
-  on=$(profile_set h200-swaprule tiles.moe.experts.1.1 '{"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
+  on=$(profile_set h200-swaprule tiles.moe.experts.2.1 '{"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
     "num_warps": 4, "num_stages": 4, "min_block_n": 32, "split_min_blocks": 2, "swap_operands": true}')
   FLASHRT_PROFILE=$on python benchmarks/prefill_rows.py --model small --rows 1 16 64 --tokens 512 \
     --out "$OUT/h200-prefill-rows-swaprule-on.json" | grep -v '^ '
@@ -1408,7 +1408,7 @@ phase_prefilltwo() {  # row tiles of 64 + 16 or 64 + 32 rows on the bf16 MMA: te
 
 phase_prefillbf16small() {  # small's prefill without and with the bf16 streamed experts, then conformance
   local on
-  on=$(profile_set h200-stream-any-k tiles.moe.experts.1.1.qgmma_min_k 0)
+  on=$(profile_set h200-stream-any-k tiles.moe.experts.1.1.qgmma_min_k 0 tiles.moe.experts.2.1.qgmma_min_k 0)
   timeout 120 python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
     --out "$OUT/h200-prefill-rows-bf16-off.json" | tail -n 6
   FLASHRT_PROFILE=$on timeout 120 python benchmarks/prefill_rows.py --model small --rows 1 4 16 64 --tokens 512 \
