@@ -53,19 +53,37 @@ def _module_tiles(module: str) -> dict:
     return family.tiles
 
 
-def _current(profile, sp: Space) -> dict:
-    """The tile values ``profile`` gives the space (the rule's tile for rule lists)."""
+def rule_index(profile, sp: Space, small: bool) -> int | None:
+    """For a rule-list space, the index of ``profile``'s rule that serves the space's case: the first whose
+    limit covers the case's rows and whose ``max_weights`` (where set) its weight elements, as the kernels
+    pick them. A profile may hold more rules than the kernels' defaults, so the space's own ``rule`` (an
+    index into those) can name another rule there. None for spaces without rules."""
+    if sp.rule is None:
+        return None
+    with profiles.using(profile):
+        rules = profiles.tiles(sp.module, _module_tiles(sp.module))[sp.key]
+    rows, weights = sp.case.rows[small], getattr(sp.case, "weights", {}).get(small)
+    for i, (limit, tile) in enumerate(rules):
+        if ((limit is None or rows <= limit)
+                and (weights is None or tile.get("max_weights") is None or weights <= tile["max_weights"])):
+            return i
+    raise ValueError(f"tiles.{sp.module}.{sp.key}: expected a rule serving {rows} rows, got limits "
+                     f"{[limit for limit, _ in rules]}")
+
+
+def _current(profile, sp: Space, rule: int | None = None) -> dict:
+    """The tile values ``profile`` gives the space (rule ``rule``'s tile for rule lists)."""
     with profiles.using(profile):
         current = profiles.tiles(sp.module, _module_tiles(sp.module))[sp.key]
-    return dict(current[sp.rule][1]) if sp.rule is not None else dict(current)
+    return dict(current[rule][1]) if rule is not None else dict(current)
 
 
-def _with_tiles(base, sp: Space, values: dict):
-    """A copy of profile ``base`` with ``values`` merged into the space's tiles."""
+def _with_tiles(base, sp: Space, values: dict, rule: int | None = None):
+    """A copy of profile ``base`` with ``values`` merged into the space's tiles (rule ``rule``'s for rule lists)."""
     with profiles.using(base):
         current = profiles.tiles(sp.module, _module_tiles(sp.module))[sp.key]
-    if sp.rule is not None:  # rule lists: [[limit, tile], ...] as the YAML holds them
-        new = [[limit, {**tile, **values} if i == sp.rule else dict(tile)] for i, (limit, tile) in enumerate(current)]
+    if rule is not None:  # rule lists: [[limit, tile], ...] as the YAML holds them
+        new = [[limit, {**tile, **values} if i == rule else dict(tile)] for i, (limit, tile) in enumerate(current)]
     else:
         new = {**current, **values}
     tiles = {m: dict(t) for m, t in base.tiles.items()}
@@ -83,9 +101,10 @@ def _close(got, want) -> bool:
     return bool(torch.equal(torch.isfinite(g), fin)) and float((g[fin] - w[fin]).norm() / w[fin].norm().clamp_min(1e-30)) < 2e-2
 
 
-def candidates(base, sp: Space) -> list[dict]:
-    """The profile's current values first, then the space's grid (without repeating them)."""
-    current = {k: v for k, v in _current(base, sp).items() if k in sp.params}
+def candidates(base, sp: Space, rule: int | None = None) -> list[dict]:
+    """The profile's current values (of rule ``rule`` for rule lists) first, then the space's grid (without
+    repeating them)."""
+    current = {k: v for k, v in _current(base, sp, rule).items() if k in sp.params}
     grid = [dict(zip(sp.params, combo)) for combo in itertools.product(*sp.params.values())]
     return [current] + [c for c in grid if c != current] if len(current) == len(sp.params) else grid
 
@@ -109,11 +128,12 @@ def tune_kernel(name: str, base, dev, small: bool, step, deadline: float = float
     with dispatch.use_backend("reference"):
         want = fn(*args)
     tried, notes, skipped = [], [], 0
-    for values in candidates(base, sp):
+    rule = rule_index(base, sp, small)
+    for values in candidates(base, sp, rule):
         if time.monotonic() > deadline:
             skipped += 1
         else:
-            ms, why = _try(fn, args, want, _with_tiles(base, sp, values), gpu)
+            ms, why = _try(fn, args, want, _with_tiles(base, sp, values, rule), gpu)
             tried.append((ms, values, why))
             if why:
                 notes.append(f"{values}: {why}")
@@ -126,7 +146,7 @@ def tune_kernel(name: str, base, dev, small: bool, step, deadline: float = float
     if skipped:
         notes.append(f"{skipped} candidates not tried: the time budget was spent")
     wrong = sum(why == "wrong" for _, _, why in tried)
-    return {"name": name, "module": sp.module, "key": sp.key, "rule": sp.rule, "winner": best, "ms": best_ms,
+    return {"name": name, "module": sp.module, "key": sp.key, "rule": rule, "winner": best, "ms": best_ms,
             "untuned_ms": untuned, "untuned_note": untuned_why, "candidates": len(tried), "rejected": wrong,
             "failed": len(tried) - len(ran) - wrong, "skipped": skipped, "notes": notes}
 
@@ -144,7 +164,7 @@ def tune(kernels=None, small: bool | None = None, progress=None, budget: float =
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     small = dev.type != "cuda" if small is None else small
     base = profiles.active_profile()
-    total = sum(len(candidates(base, SPACES[k])) for k in kernels)
+    total = sum(len(candidates(base, SPACES[k], rule_index(base, SPACES[k], small))) for k in kernels)
     done, end = [0], time.monotonic() + budget
 
     def step():
@@ -159,7 +179,7 @@ def tune(kernels=None, small: bool | None = None, progress=None, budget: float =
     tuned = base
     for r in results:
         if r["winner"] is not None:
-            tuned = _with_tiles(tuned, SPACES[r["name"]], r["winner"])
+            tuned = _with_tiles(tuned, SPACES[r["name"]], r["winner"], r["rule"])
     return tuned, results
 
 

@@ -24,7 +24,9 @@ class Space:
     key: str  # its TILES key
     params: dict  # parameter -> candidate values
     case: Callable  # (device, small) -> (op name, args)
-    rule: int | None = None  # index of the [limit, tile] rule swept, for rule lists
+    # for rule lists: the index of the [limit, tile] rule swept among the kernels' default rules (a profile's
+    # own rule list is searched by the case's rows: tune.rule_index)
+    rule: int | None = None
 
     @property
     def size(self) -> int:
@@ -55,6 +57,7 @@ def _linear(rows: int, small_rows: int):
         x = torch.randn(M, K, device=dev).to(torch.bfloat16)
         return "linear", (x, formats.quantize(torch.randn(N, K, device=dev) * K ** -0.5, "fp8_w"))
     case.rows = {False: rows, True: small_rows}  # rows the tile rules see (M), by ``small``
+    case.weights = {False: 4096 * 5120, True: 64 * 128}  # the weight's elements (N x K: a rule's max_weights)
     return case
 
 

@@ -56,13 +56,17 @@ def test_a_rule_space_tunes_its_rule_only(tmp_path, monkeypatch):
     with profiles.using("h200"):
         base_rules = profiles.tiles("linear", tune._module_tiles("linear"))["linear"]
         tuned, (r,) = tune.tune(["linear_decode"], small=True)
+    # the rule the case's 4 rows land in among the profile's rules (not the defaults' first)
+    i = r["rule"]
+    assert i == tune.rule_index(profiles.load_profile("h200"), SPACES["linear_decode"], True) and base_rules[i][0] >= 4
+    assert all(limit is not None and limit < 4 for limit, _ in base_rules[:i])
     # the profile's own tile is a candidate too (tried first): it may win
-    assert r["winner"]["BLOCK_N"] in (32, 64, base_rules[0][1]["BLOCK_N"]) and r["rejected"] == 0 and r["failed"] == 0
+    assert r["winner"]["BLOCK_N"] in (32, 64, base_rules[i][1]["BLOCK_N"]) and r["rejected"] == 0 and r["failed"] == 0
     tune.write_profile(tuned, [r], str(tmp_path / "h200.yaml"))
     with profiles.using(profiles.load_profile_file(tmp_path / "h200.yaml")):
         rules = profiles.tiles("linear", tune._module_tiles("linear"))["linear"]
-    assert rules[0][1] == {**base_rules[0][1], **r["winner"]}
-    assert [list(x) for x in rules[1:]] == [list(x) for x in base_rules[1:]]
+    assert rules[i][1] == {**base_rules[i][1], **r["winner"]}
+    assert [list(x) for j, x in enumerate(rules) if j != i] == [list(x) for j, x in enumerate(base_rules) if j != i]
 
 
 @requires_kernels
@@ -87,6 +91,29 @@ def test_each_rule_space_case_lands_in_its_rule(name):
     rules = tune._module_tiles(sp.module)[sp.key]
     for small in (False, True):
         assert pick_tile(rules, sp.case.rows[small]) is rules[sp.rule][1], (name, small)
+
+
+@pytest.mark.parametrize("name", [n for n, sp in SPACES.items() if sp.rule is not None])
+def test_a_profile_with_more_rules_tunes_the_rule_its_case_lands_in(name):
+    """The h200 profile's rule lists hold more rules than the kernels' defaults (row and weight-size
+    splits): the rule tuned is the one its case's launch takes there (the kernels' own pick), its winner
+    merged into that rule alone."""
+    sp: Space = SPACES[name]
+    h200 = profiles.load_profile("h200")
+    with profiles.using(h200):
+        rules = profiles.tiles(sp.module, tune._module_tiles(sp.module))[sp.key]
+    assert len(rules) > len(tune._module_tiles(sp.module)[sp.key])  # else the default index would do
+    for small in (False, True):
+        i = tune.rule_index(h200, sp, small)
+        weights = getattr(sp.case, "weights", {}).get(small)
+        picked = pick_tile(rules, sp.case.rows[small], weights) if weights else pick_tile(rules, sp.case.rows[small])
+        assert rules[i][1] is picked, (name, small, i)
+        values = {p: vals[-1] for p, vals in sp.params.items()}
+        with profiles.using(tune._with_tiles(h200, sp, values, i)):
+            after = profiles.tiles(sp.module, tune._module_tiles(sp.module))[sp.key]
+        assert [limit for limit, _ in after] == [limit for limit, _ in rules]
+        for j, ((_, new), (_, old)) in enumerate(zip(after, rules)):
+            assert new == ({**old, **values} if j == i else old), (name, j)
 
 
 def test_spaces_are_bounded_and_name_real_tile_parameters():
