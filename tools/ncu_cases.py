@@ -15,6 +15,8 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
 - ``experts4096``: the routed experts of a 4,096-token prefill chunk at the released dimensions
   (about 64 rows an expert; benchmarks/moe_prefill_tiles.py's case, laid out as the profile says, under its
   rule: in the h200 profile the streamed launches on the bf16 MMA, kernels_cuda/experts_bf16_stream.py);
+  ``experts1024``: the same for 1,024 tokens (about 16 rows an expert: the h200 profile's rule for chunks of
+  9-40 rows an expert, row tiles of 32 + 16 rows);
 - ``stream4096``: ``experts4096`` under the experts rule's ``qgmma`` knob with 64-row tiles, one MMA in flight
   and 128 registers a thread (the activations streamed: kernels_cuda/moe_qgmma_stream.py);
 - ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192); ``linear4096``: of
@@ -59,11 +61,11 @@ def _qgmma(tokens: int):
     return _under_rule("moe", "experts", 1, gemv_tiles.tweaked("moe", "experts", 1, {"qgmma": True}), call)
 
 
-def _experts4096():
+def _experts_chunk(tokens: int = 4096):
     import moe_prefill_tiles
     from flashrt.graphs.config import shipped_config
 
-    call, _, _ = moe_prefill_tiles.experts(shipped_config("v4.1-flash"), 4096, torch.device("cuda"),
+    call, _, _ = moe_prefill_tiles.experts(shipped_config("v4.1-flash"), tokens, torch.device("cuda"),
                                            torch.Generator().manual_seed(0))
     return call
 
@@ -85,7 +87,7 @@ def _stream4096():
     import moe_prefill_tiles
 
     rule = moe_prefill_tiles.VARIANTS["qgmma streamed, 64-row tiles, 8 warps, 3 stages, one in flight, 128 registers"]
-    return _under_rule("moe", "experts", None, rule, _experts4096())
+    return _under_rule("moe", "experts", None, rule, _experts_chunk())
 
 
 def _linear(rows: int):
@@ -161,7 +163,8 @@ def _attn64():
 
 CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8),
          "experts1_kmajor": lambda: _experts(1, True), "experts8_kmajor": lambda: _experts(8, True),
-         "qgmma1": lambda: _qgmma(1), "qgmma8": lambda: _qgmma(8), "experts4096": _experts4096,
+         "qgmma1": lambda: _qgmma(1), "qgmma8": lambda: _qgmma(8), "experts4096": _experts_chunk,
+         "experts1024": lambda: _experts_chunk(1024),
          "stream4096": _stream4096, "linear1": lambda: _linear(1), "linear4096": lambda: _linear(4096),
          "linear4096q": _linear4096q, "prefix": _prefix,
          "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64),
