@@ -120,7 +120,7 @@ def sweep_group(group, members, base, gpu: bool, deadline: float, limit, hard_en
         if i and time.monotonic() > deadline:
             scores.append(dict(values=values, score_ms=None, why="budget spent"))
             continue
-        profile = _with_tiles(base, sp, values)
+        profile = _with_tiles(base, sp, values, rule)
         total, why = 0.0, None
         for case in members:
             if i and time.monotonic() > hard_end:
