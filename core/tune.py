@@ -71,22 +71,19 @@ def rule_index(profile, sp: Space, small: bool) -> int | None:
                      f"{[limit for limit, _ in rules]}")
 
 
-_SPACE_RULE = object()  # a rule argument left out: the space's own ``rule`` index
-
-
-def _current(profile, sp: Space, rule=_SPACE_RULE) -> dict:
-    """The tile values ``profile`` gives the space (rule ``rule``'s tile for rule lists; left out, the
-    space's own index)."""
-    rule = sp.rule if rule is _SPACE_RULE else rule
+def _current(profile, sp: Space, rule: int | None = None) -> dict:
+    """The tile values ``profile`` gives the space (rule ``rule``'s tile for rule lists; None, the space's
+    own index)."""
+    rule = sp.rule if rule is None else rule
     with profiles.using(profile):
         current = profiles.tiles(sp.module, _module_tiles(sp.module))[sp.key]
     return dict(current[rule][1]) if rule is not None else dict(current)
 
 
-def _with_tiles(base, sp: Space, values: dict, rule=_SPACE_RULE):
+def _with_tiles(base, sp: Space, values: dict, rule: int | None = None):
     """A copy of profile ``base`` with ``values`` merged into the space's tiles (rule ``rule``'s for rule lists;
-    left out, the space's own index)."""
-    rule = sp.rule if rule is _SPACE_RULE else rule
+    None, the space's own index)."""
+    rule = sp.rule if rule is None else rule
     with profiles.using(base):
         current = profiles.tiles(sp.module, _module_tiles(sp.module))[sp.key]
     if rule is not None:  # rule lists: [[limit, tile], ...] as the YAML holds them
@@ -108,8 +105,8 @@ def _close(got, want) -> bool:
     return bool(torch.equal(torch.isfinite(g), fin)) and float((g[fin] - w[fin]).norm() / w[fin].norm().clamp_min(1e-30)) < 2e-2
 
 
-def candidates(base, sp: Space, rule=_SPACE_RULE) -> list[dict]:
-    """The profile's current values (of rule ``rule`` for rule lists; left out, the space's own index) first,
+def candidates(base, sp: Space, rule: int | None = None) -> list[dict]:
+    """The profile's current values (of rule ``rule`` for rule lists; None, the space's own index) first,
     then the space's grid (without repeating them)."""
     current = {k: v for k, v in _current(base, sp, rule).items() if k in sp.params}
     grid = [dict(zip(sp.params, combo)) for combo in itertools.product(*sp.params.values())]

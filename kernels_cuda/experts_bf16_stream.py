@@ -142,7 +142,7 @@ if AVAILABLE:
     @gluon.jit
     def loop(w_rows, s_rows, stride_sk, x_ptr, tok, row_ok, stride_xm, K, TOKENS: gl.constexpr,
              STAGES: gl.constexpr, KMAJOR: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr,
-             tok2=None, row_ok2=None, two=False, TOKENS2: gl.constexpr = 0):
+             part2=None, TOKENS2: gl.constexpr = 0):
         """fp32 sums [16 * num_warps, TOKENS] (:func:`acc_layout`) over K of fp4_w weight rows times a row
         tile's activations. ``w_rows``: int64-addressed pointers [ROWS] (``SliceLayout(1,
         weight_copy_layout)``) to each row's bytes at K 0 (standard nibbles); ``s_rows``: pointers [ROWS]
@@ -151,8 +151,9 @@ if AVAILABLE:
         trip; ``tok`` (int64 [TOKENS], any layout): the tile's rows of x, ``row_ok`` which lanes hold one.
         K a multiple of 128; STAGES >= 2 trips in the ring; FOLD: every scale byte at most 128.
 
-        TOKENS2 > 0: the row tile has a second part of TOKENS2 rows (``tok2``, ``row_ok2``), summed by a
-        second, narrower MMA over the same decoded weights where ``two`` (a scalar: the part holds a row;
+        TOKENS2 > 0: the row tile has a second part of TOKENS2 rows (``part2``: its rows of x, their mask and
+        ``two``), summed by a second, narrower MMA over the same decoded weights where ``two`` (a scalar: the
+        part holds a row;
         else its sums are zeros and its MMA and copies skipped: the loop is compiled both ways and the
         program takes one); returns both parts' sums, the second [16 * num_warps, TOKENS2]. One program
         covers up to TOKENS + TOKENS2 rows of an expert with one pass over its weights, where tiles of
@@ -167,6 +168,7 @@ if AVAILABLE:
         x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TOKENS, 128], nvmma)
         rings = (w_ring, x_ring, w_src, x_src, x_ok)
         if TOKENS2 > 0:
+            tok2, row_ok2, two = part2
             x2_src, x2_ok = _x_source(x_ptr, tok2, row_ok2, stride_xm, TOKENS2, num_warps)
             x2 = (gl.allocate_shared_memory(gl.bfloat16, [STAGES, TOKENS2, 128], nvmma), x2_src, x2_ok)
             if two:

@@ -61,13 +61,8 @@ if AVAILABLE:
         parts' sums."""
         if BF16:
             r_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, bf16.bytes_layout(num_warps)))
-            if TOKENS2 > 0:
-                tok2, row_ok2, two = part2
-                acc = bf16.loop(w_rows, gl.convert_layout(s_rows, r_l), stride_sk, x_ptr, tok, row_ok, stride_xm, K,
-                                TOKENS, STAGES, KMAJOR, FOLD, num_warps, tok2, row_ok2, two, TOKENS2)
-            else:
-                acc = bf16.loop(w_rows, gl.convert_layout(s_rows, r_l), stride_sk, x_ptr, tok, row_ok, stride_xm, K,
-                                TOKENS, STAGES, KMAJOR, FOLD, num_warps)
+            acc = bf16.loop(w_rows, gl.convert_layout(s_rows, r_l), stride_sk, x_ptr, tok, row_ok, stride_xm, K,
+                            TOKENS, STAGES, KMAJOR, FOLD, num_warps, part2, TOKENS2)
         else:
             acc = loop(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K, TOKENS,
                        STAGES, KMAJOR, num_warps, False, INFLIGHT)
@@ -114,13 +109,13 @@ if AVAILABLE:
             _, ok2, tok2, two = _second_part(tables, TOKENS, TOKENS2, _acc_layout(TOKENS2, num_warps, BF16))
             acc, acc2 = _sums(w_rows, s_rows, stride_sk, xq_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, D, TOKENS,
                               STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps, (tok2, ok2, two), TOKENS2)
-            _up_store(acc, h_out, PAIRS, CLAMP, XDT, BF16, TOKENS, 0, num_warps)
-            if two:
-                _up_store(acc2, h_out, PAIRS, CLAMP, XDT, BF16, TOKENS2, TOKENS, num_warps)
         else:
             acc = _sums(w_rows, s_rows, stride_sk, xq_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, D, TOKENS,
                         STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps)
-            _up_store(acc, h_out, PAIRS, CLAMP, XDT, BF16, TOKENS, 0, num_warps)
+        _up_store(acc, h_out, PAIRS, CLAMP, XDT, BF16, TOKENS, 0, num_warps)
+        if TOKENS2 > 0:
+            if two:
+                _up_store(acc2, h_out, PAIRS, CLAMP, XDT, BF16, TOKENS2, TOKENS, num_warps)
 
     @gluon.jit
     def _second_part(tables, TOKENS: gl.constexpr, TOKENS2: gl.constexpr, acc2_l: gl.constexpr):
@@ -182,17 +177,16 @@ if AVAILABLE:
             acc, acc2 = _sums(w_rows, s_rows, stride_sk, hq_ptr, hs_ptr, rows.to(gl.int64), row_ok, stride_hm,
                               stride_hsm, I, TOKENS, STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps,
                               (rows2.to(gl.int64), ok2, two), TOKENS2)
-            down_finish(acc, y_ptr, y_ptr, comb_ptr, rows, row_ok, tok, cols, n_rows, 1, sums, PAIRS, False, False,
-                        COMBINE, HAS_ADD, XDT, acc_l, ROWS, TOKENS)
+        else:
+            acc = _sums(w_rows, s_rows, stride_sk, hq_ptr, hs_ptr, rows.to(gl.int64), row_ok, stride_hm, stride_hsm,
+                        I, TOKENS, STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps)
+        down_finish(acc, y_ptr, y_ptr, comb_ptr, rows, row_ok, tok, cols, n_rows, 1, sums, PAIRS, False, False,
+                    COMBINE, HAS_ADD, XDT, acc_l, ROWS, TOKENS)
+        if TOKENS2 > 0:
             if two:
                 cols2 = gl.convert_layout(cols, gl.SliceLayout(1, acc2_l))
                 down_finish(acc2, y_ptr, y_ptr, comb_ptr, rows2, ok2, tok2, cols2, n_rows, 1, sums, PAIRS, False,
                             False, COMBINE, HAS_ADD, XDT, acc2_l, ROWS, TOKENS2)
-        else:
-            acc = _sums(w_rows, s_rows, stride_sk, hq_ptr, hs_ptr, rows.to(gl.int64), row_ok, stride_hm, stride_hsm,
-                        I, TOKENS, STAGES, KMAJOR, INFLIGHT, BF16, FOLD, num_warps)
-            down_finish(acc, y_ptr, y_ptr, comb_ptr, rows, row_ok, tok, cols, n_rows, 1, sums, PAIRS, False, False,
-                        COMBINE, HAS_ADD, XDT, acc_l, ROWS, TOKENS)
 
 
 def plan(n: int, k: int, E: int, D: int, I: int, pairs: bool, tile: dict) -> dict | None:
