@@ -110,6 +110,15 @@ DQ_GEMV_VARIANTS = {f"MMA GEMV dq, {w} warps, {p} an SM": dict(BLOCK_M=16, BLOCK
                                                              gemv_mma_kw=8, gemv_mma_per_sm=p, gemv_mma_stages=3)
                     for w, p in ((4, 4), (4, 8), (8, 2), (2, 8))}
 MMA_GEMV_VARIANTS.update(DQ_GEMV_VARIANTS)
+# the same on Hopper's fp8 warpgroup MMA, both operands streamed, K split to that many programs an SM (the linear
+# rule's ``qgmma`` and ``qgmma_per_sm`` knobs, kernels_cuda/linear_qgmma.py: 16 x warps weight rows and up to 64
+# activation rows a program, the activations' fp8 codes by a launch before it)
+QGMMA_DECODE_VARIANTS = {f"qgmma, {w} warps, {p} an SM, {st} stages" + (", one MMA in flight" if fl == 1 else ""):
+                         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, qgmma=True,
+                              qgmma_tokens=64, qgmma_warps=w, qgmma_stages=st, qgmma_inflight=fl, qgmma_per_sm=p)
+                         for w, p, st, fl in ((4, 2, 3, 2), (4, 3, 3, 2), (4, 4, 3, 2), (4, 2, 4, 2), (8, 1, 3, 2),
+                                              (8, 2, 3, 2), (4, 3, 3, 1))}
+MMA_GEMV_VARIANTS.update(QGMMA_DECODE_VARIANTS)
 # label -> the experts cases' rule on mma.sync with the weight rows as its M (the experts' ``gemv_mma`` knob,
 # kernels_cuda/moe_mma.py: fp4_w words only, so with --expert-words; num_warps x 16 weight rows a program,
 # the K split aiming at that many programs an SM, the ring's slots and K slices a slot)

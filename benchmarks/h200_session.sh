@@ -201,6 +201,9 @@
 #              the whole op again with its files swapped in: h200-experts-qgmma-before.json
 #   decodesslice  the real-dimension slice at batch 1, 8 and 64 under the profile, and with BEFORE under the
 #              decodes before them: h200-real-slice-decodes{,-before}.json
+#   qgmmadecode fp8 linear at 8-64 rows on the fp8 warpgroup MMA, both operands streamed, K split (qgmma_per_sm):
+#              its tests, then the profile, gemv_mma_dq and the split variants against torch._scaled_mm:
+#              h200-qgmma-decode-tests.log, h200-qgmma-decode-v41.json
 #   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
 #              gemv_mma tests natively, then the released projections at 1-64 rows under the profile, the
 #              gemv_mma rule and its dq variants, against torch._scaled_mm: h200-gemv-dq-tests.log, h200-gemv-dq-v41.json
@@ -1322,6 +1325,17 @@ phase_gemvdq() {  # fp8 linear over the activations' round trip on mma.sync, up 
   mapfile -t variants < <(variant_labels DQ_GEMV_VARIANTS)
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 1 4 8 16 32 64 --variants \
     "MMA GEMV, 4 warps, kw 8, 4 an SM, 3 stages" "${variants[@]}" --out "$OUT/h200-gemv-dq-v41.json" \
+    | grep -v 'moe_experts\|plain '
+}
+
+phase_qgmmadecode() {  # fp8 linear at 1-64 rows on the fp8 warpgroup MMA, K split (the qgmma_per_sm knob)
+  timeout 200 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_linear_qgmma.py \
+    > "$OUT/h200-qgmma-decode-tests.log" 2>&1
+  tail -n 15 "$OUT/h200-qgmma-decode-tests.log"
+  local variants
+  mapfile -t variants < <(variant_labels QGMMA_DECODE_VARIANTS)
+  python benchmarks/gemv_tiles.py --model v4.1-flash --rows 8 16 32 64 --variants \
+    "MMA GEMV dq, 4 warps, 4 an SM" "${variants[@]}" --out "$OUT/h200-qgmma-decode-v41.json" \
     | grep -v 'moe_experts\|plain '
 }
 

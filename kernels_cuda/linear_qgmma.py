@@ -11,32 +11,42 @@ one ring of trips of four K blocks; each block's product is scaled by its weight
 scales in fp32 and summed in fp32, the accumulator then stored through shared memory in rows of the
 output. Programs go in groups of ``GROUP`` activation tiles over each weight tile, so a weight tile is
 read from memory about once a group.
+
+At a few rows (a decode step's 16-64) the output tiles do not fill the SMs: with ``PER_SM`` set the plan
+splits K into runs of whole trips so that about that many programs run an SM (the weight bytes in flight
+are what bounds a launch there), and the splits of an output tile meet in its last program (the ticket of
+:mod:`.splitk`: fp32 partials summed in split order, deterministic). A program's activation rows are the
+least power of two from 16 that holds the launch's rows, up to ``TOKENS``.
 """
 from __future__ import annotations
 
 import torch
 
-from flashrt.kernels_cuda import pdl
+from flashrt.kernels_cuda import pdl, splitk
 from flashrt.kernels_cuda.experts_qgmma_stream import AVAILABLE, TRIP_BLOCKS
-from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv
+from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv, next_pow2
 
-TOKENS = (32, 64, 128)  # activation rows a program
+TOKENS = (16, 32, 64, 128)  # activation rows a program
 WARPS = (4, 8)  # warps a program: 64 or 128 weight rows
+TRIP = 32 * TRIP_BLOCKS  # K a trip of the loop
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
+    from flashrt.kernels_cuda.attention_ws import _sync
     from flashrt.kernels_cuda.experts_qgmma_stream import loop, rows_layout, weight_copy_layout
     from flashrt.kernels_cuda.pdl import wait_inputs
 
     @gluon.jit
-    def _kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_wn, stride_sn, stride_sk,
-                stride_om, TOKENS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, INFLIGHT: gl.constexpr,
-                num_warps: gl.constexpr):
+    def _kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, k_split, n_splits, stride_xm,
+                stride_xsm, stride_wn, stride_sn, stride_sk, stride_om, TOKENS: gl.constexpr, STAGES: gl.constexpr,
+                GROUP: gl.constexpr, INFLIGHT: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False):
         """out [M, N] (its dtype) = x [M, K] @ W.T: x's E4M3 codes with fp32 block scales xs [M, K / 32], W's
         E4M3 bytes [N, K] with UE8M0 scale bytes [N / 32, K / 32] (``stride_sn`` / ``stride_sk`` apart).
-        N a multiple of the program's rows, K of 128."""
+        N a multiple of the program's rows, K and ``k_split`` of 128. ``program_id(1)`` is the K split; with
+        REDUCE its fp32 partial goes to ``part`` [n_splits, M, N] and the output tile's last program (a
+        ticket of ``cnt``, one counter a tile) sums them into ``out``."""
         wait_inputs()
         ROWS: gl.constexpr = 16 * num_warps
         acc_l: gl.constexpr = rows_layout(TOKENS, num_warps)
@@ -51,29 +61,56 @@ if AVAILABLE:
         tok = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, acc_l))
         r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, weight_copy_layout(num_warps, True)))
         rows = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
-        acc = loop(w_ptr + (n0 + r).to(gl.int64) * stride_wn, ws_ptr + (rows // 32).to(gl.int64) * stride_sn,
-                   stride_sk, xq_ptr, xs_ptr, tok.to(gl.int64), tok < M, stride_xm, stride_xsm, K, TOKENS, STAGES,
-                   True, num_warps, True, INFLIGHT)
+        split = gl.program_id(1)
+        k_lo = split * k_split
+        acc = loop(w_ptr + (n0 + r).to(gl.int64) * stride_wn + k_lo,
+                   ws_ptr + (rows // 32).to(gl.int64) * stride_sn + (k_lo // 32) * stride_sk, stride_sk, xq_ptr + k_lo,
+                   xs_ptr + k_lo // 32, tok.to(gl.int64), tok < M, stride_xm, stride_xsm,
+                   gl.minimum(k_split, K - k_lo), TOKENS, STAGES, True, num_warps, True, INFLIGHT)
         # stored through shared memory: a thread's ROWS / 16 consecutive columns of one output row
         st: gl.constexpr = gl.BlockedLayout([ROWS // 16, 1], [16, 2], [1, num_warps], [0, 1])
-        out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st)
         cols = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st))
         at = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, st))
-        gl.store(out_ptr + at.to(gl.int64)[None, :] * stride_om + cols[:, None], out, mask=(at < M)[None, :])
+        live = (at < M)[None, :]
+        dst = out_ptr + at.to(gl.int64)[None, :] * stride_om + cols[:, None]
+        if REDUCE:  # the splits meet as splitk.store_tile has them meet, in Gluon
+            part = part_ptr + at.to(gl.int64)[None, :] * N + cols[:, None]
+            gl.store(part + split.to(gl.int64) * M * N, gl.convert_layout(acc, st), mask=live)
+            _sync()  # every thread's partial is stored before the ticket publishes them
+            if gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                total = gl.zeros([ROWS, TOKENS], gl.float32, st)
+                for s in range(n_splits):
+                    total += gl.load(part + s * M * N, mask=live, other=0.0, cache_modifier=".cg")
+                gl.store(dst, total.to(out_ptr.dtype.element_ty), mask=live)
+                gl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+        else:
+            gl.store(dst, gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st), mask=live)
 
 
-def plan(m: int, n: int, k: int, tile: dict) -> dict | None:
-    """The launch of ``m`` rows over an [n, k] fp8_w weight under ``tile`` (``TOKENS``, ``STAGES``,
-    ``num_warps``, ``GROUP``, ``INFLIGHT``, ``maxnreg``: a register cap a thread or None), or None where the
-    tile is not one the kernel takes, the ring is under two trips, K is not whole trips of 128 or the weight
-    rows not whole programs."""
+def plan(m: int, n: int, k: int, tile: dict, sms: int = 0) -> dict | None:
+    """The launch of ``m`` rows over an [n, k] fp8_w weight under ``tile`` (``TOKENS``: activation rows a
+    program at most, ``STAGES``, ``num_warps``, ``GROUP``, ``INFLIGHT``, ``maxnreg``: a register cap a thread
+    or None, ``PER_SM``: programs aimed at an SM by splitting K, or None for no split), or None where the tile
+    is not one the kernel takes, the ring is under two trips, K is not whole trips of 128 or the weight rows
+    not whole programs. ``sms``: the device's SMs (``PER_SM`` only)."""
     rows = 16 * tile["num_warps"]
     if (tile["TOKENS"] not in TOKENS or tile["num_warps"] not in WARPS or tile["STAGES"] < 2
-            or k % (32 * TRIP_BLOCKS) or n % rows):
+            or k % TRIP or n % rows):
         return None
-    return dict(grid=(cdiv(m, tile["TOKENS"]) * (n // rows),),
-                constexprs=dict(TOKENS=tile["TOKENS"], STAGES=tile["STAGES"], GROUP=tile["GROUP"],
-                                INFLIGHT=tile["INFLIGHT"], num_warps=tile["num_warps"],
+    tokens = min(tile["TOKENS"], max(TOKENS[0], next_pow2(m)))
+    tiles = cdiv(m, tokens) * (n // rows)
+    split = 1
+    if tile.get("PER_SM"):
+        trips = k // TRIP
+        split = max(1, min(trips, (sms * tile["PER_SM"]) // tiles))
+        split = cdiv(trips, cdiv(trips, split))  # whole trips a split, none empty
+    k_split = cdiv(k // TRIP, split) * TRIP
+    reduce = split > 1
+    if reduce and not splitk.fits(tiles):
+        return None
+    return dict(grid=(tiles, split), split=split, k_split=k_split, reduce=reduce,
+                constexprs=dict(TOKENS=tokens, STAGES=tile["STAGES"], GROUP=tile["GROUP"], INFLIGHT=tile["INFLIGHT"],
+                                num_warps=tile["num_warps"], **({"REDUCE": True} if reduce else {}),
                                 **({"maxnreg": tile["maxnreg"]} if tile["maxnreg"] else {})))
 
 
@@ -87,7 +124,12 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, data: torch.Tensor, scale: torch.
     if data.stride(0) % 16 or data.data_ptr() % 16:  # rows the 16-byte copies cannot take as they are
         data = data.clone(memory_format=torch.contiguous_format)  # dense rows of K (a multiple of 128) bytes
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    _kernel[plan_["grid"]](xq, xs, data, scale, out, m, n, k, xq.stride(0), xs.stride(0), data.stride(0),
-                           scale.stride(0), scale.stride(1), out.stride(0), **plan_["constexprs"],
-                           **pdl.options(xq.device))
+    if plan_["reduce"]:
+        part = torch.empty(plan_["split"], m, n, dtype=torch.float32, device=xq.device)
+        cnt = splitk.counters(xq.device)
+    else:
+        part = cnt = out
+    _kernel[plan_["grid"]](xq, xs, data, scale, out, part, cnt, m, n, k, plan_["k_split"], plan_["split"],
+                           xq.stride(0), xs.stride(0), data.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
+                           **plan_["constexprs"], **pdl.options(xq.device))
     return out

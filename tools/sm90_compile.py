@@ -50,7 +50,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 DUMP_DIR = os.environ.get("SM90_DUMP_DIR", "/tmp/sm90")  # <kernel>-<n>.cubin / .ttgir / .ptx / .sass
 _DUMPS: collections.Counter = collections.Counter()  # compiles of each kernel so far in this run
 SASS_OPS = ("HGMMA", "QGMMA", "HMMA", "F2FP", "LDL", "STL", "LDG", "LDGSTS", "UTMALDG", "LDS", "STS", "LDSM", "STSM", "FFMA",
-            "HMUL2", "MUFU", "BAR", "WARPGROUP")
+            "HMUL2", "MUFU", "BAR", "WARPGROUP", "ATOMG")
 
 
 def capture(call) -> list[tuple]:

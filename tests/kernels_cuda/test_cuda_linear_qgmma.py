@@ -7,7 +7,8 @@ sm_90 on ``QGMMA`` without spills, one K loop of four MMAs, the scales applied i
 tile's scale shared by a thread's rows). On an sm_90 GPU: against the reference and the rule's MMA tile
 on fresh random inputs: rows that fill no tile or several (a partial last one), 4 and 8 warps, 32-128
 rows a program, rings of 2-4 trips, bf16 and fp32 x, scales row or K major, one or two MMAs in flight (with a
-register cap)."""
+register cap); and at a decode step's few rows with K split over programs (``qgmma_per_sm``), the
+splits summed by each output tile's last program."""
 from __future__ import annotations
 
 import json
@@ -33,22 +34,30 @@ def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, **li
             **linear_tiles}
 
 
-def _plan(monkeypatch, m=4096, n=5120, k=8192, arch="sm_90", **tiles):
+def _decode_tiles(warps=4, per_sm=2, stages=3, tokens=64, on=True):
+    """Rules with every launch of up to 64 rows on the streamed launches, K split to ``per_sm`` programs an SM."""
+    rule = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, qgmma_per_sm=per_sm,
+                **qgmma_knobs(on, tokens, warps, stages))
+    return {"linear": [[64, rule], [None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)]]}
+
+
+def _plan(monkeypatch, m=4096, n=5120, k=8192, arch="sm_90", tiles=None, **knobs):
     monkeypatch.setattr(lin, "INTERPRETED", False)
-    with pinned_tiles(linear=_tiles(**tiles)), jit_targets.targeting(ARCHS[arch]):
+    with pinned_tiles(linear=tiles or _tiles(**knobs)), jit_targets.targeting(ARCHS[arch]):
         return lin._linear_plan(m, n, k, torch.bfloat16, "fp8_w")
 
 
 @pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
 def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
     p = _plan(monkeypatch)
-    assert p.get("qgmma") and not p["bf16_gemm"] and p["grid"] == (4096 // 64 * (5120 // 128),)
+    assert p.get("qgmma") and not p["bf16_gemm"] and p["grid"] == (4096 // 64 * (5120 // 128), 1)
+    assert p["split"] == 1 and not p["reduce"] and p["k_split"] == 8192 and "REDUCE" not in p["constexprs"]
     assert p["constexprs"]["TOKENS"] == 64 and p["constexprs"]["num_warps"] == 8 and p["constexprs"]["INFLIGHT"] == 2
     assert "maxnreg" not in p["constexprs"]
     capped = _plan(monkeypatch, inflight=1, maxnreg=128)["constexprs"]
     assert capped["INFLIGHT"] == 1 and capped["maxnreg"] == 128
     assert _plan(monkeypatch, bf16_gemm_min_rows=1024).get("qgmma")  # over the bf16 GEMM tile
-    assert _plan(monkeypatch, m=100, tokens=32, warps=4)["grid"] == (4 * (5120 // 64),)
+    assert _plan(monkeypatch, m=100, tokens=32, warps=4)["grid"] == (4 * (5120 // 64), 1)
     assert not _plan(monkeypatch, on=False).get("qgmma")
     assert not _plan(monkeypatch, k=8192 + 32).get("qgmma")  # K not whole trips of 128
     assert not _plan(monkeypatch, n=5120 + 64).get("qgmma")  # N not whole 128-row programs
@@ -59,6 +68,28 @@ def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
     monkeypatch.setattr(lin, "INTERPRETED", False)
     with pinned_tiles(linear=_tiles()), jit_targets.targeting(ARCHS["sm_90"]):  # fp4_w keeps the MMA tile
         assert not lin._linear_plan(4096, 5120, 8192, torch.bfloat16, "fp4_w").get("qgmma")
+
+
+@pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
+@pytest.mark.parametrize("m,n,k,warps,per_sm", [(16, 5120, 8192, 4, 2), (64, 1792, 5120, 8, 3), (3, 32768, 1536, 4, 2),
+                                                (40, 256, 640, 4, 4)])
+def test_a_decode_launch_splits_k_to_its_programs_an_sm(monkeypatch, m, n, k, warps, per_sm):
+    """The rows a program are the least power of two from 16 holding the launch's; K goes in whole trips of
+    128 to about ``per_sm`` programs an SM (132 SMs here), no split empty, summed in the kernel."""
+    monkeypatch.setattr(lin, "num_sms", lambda: 132)
+    p = _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, per_sm))
+    assert p.get("qgmma")
+    tokens = p["constexprs"]["TOKENS"]
+    assert tokens == max(16, 1 << (m - 1).bit_length())
+    tiles = -(-m // tokens) * (n // (16 * warps))
+    trips = k // 128
+    assert p["grid"] == (tiles, p["split"]) and p["k_split"] % 128 == 0
+    assert (p["split"] - 1) * p["k_split"] < k <= p["split"] * p["k_split"]  # every split holds K, none empty
+    assert p["split"] <= max(1, 132 * per_sm // tiles) and p["split"] <= trips
+    if tiles * 2 <= 132 * per_sm:  # room for two splits a tile: K is split (a trip a split at least)
+        assert p["split"] >= min(trips, 132 * per_sm // tiles) // 2
+    assert p["reduce"] == (p["split"] > 1) == ("REDUCE" in p["constexprs"])
+    assert not _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, None))["reduce"]
 
 
 @pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
@@ -77,6 +108,22 @@ def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps, capped):
     # (its rows share the weight tile's scale)
     assert loop["opcodes"]["FFMA"] == 4 * tokens // 2 and loop["opcodes"]["FMUL"] == 4 * tokens // 4
     assert loop["instructions"] < 4 * tokens + 120
+
+
+@pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
+@pytest.mark.parametrize("rows", [16, 64])
+def test_the_decode_launch_compiles_for_sm90(rows):
+    """K split, the splits' meeting in the kernel: the same K loop as the prefill launch (four fp8 MMAs a
+    trip, no spill), its scaling by the rows a program."""
+    r = next(r for r in sm90_compile("linear", "--B", str(rows), "--tiles", json.dumps(_decode_tiles()))
+             if r["kernel"] == "_kernel")
+    assert r["sass"]["HMMA"] == 0 and r["sass"]["QGMMA"] == 4 and r["stack_bytes"] == 0
+    loop = r["mma_loop"]
+    assert "LDL" not in loop["opcodes"] and "STL" not in loop["opcodes"]
+    assert [lp["count"] for lp in loop["loops"]] == [4]
+    assert loop["opcodes"]["FFMA"] == 4 * rows // 2 and loop["opcodes"]["FMUL"] == 4 * rows // 4
+    assert loop["instructions"] < 4 * rows + 120
+    assert r["sass"]["ATOMG"] >= 1  # the splits' ticket
 
 
 def _case(rng, m, n, k, dtype=torch.bfloat16, k_major=False):
@@ -105,4 +152,23 @@ def test_against_the_reference_and_the_mma_tile(rng, m, n, k, tokens, warps, sta
         assert lin._linear_plan(m, n, k, dtype, "fp8_w").get("qgmma")
     got, other, want = linear_three_ways(x, w, tiles, _tiles(on=False))
     assert got.dtype == dtype and got.shape == (m, n)
+    assert rel_err(got.float(), want.float()) < 5e-3 and rel_err(got.float(), other.float()) < 5e-3
+
+
+# (rows, out, in, warps, programs an SM, ring stages): K split into 1-trip to many-trip runs, rows under and
+# over a program's 16, a last split shorter than the others
+DECODE_CASES = [(1, 256, 1024, 4, 4, 3), (16, 512, 2048, 4, 2, 3), (9, 384, 1280, 4, 8, 2), (64, 256, 1536, 8, 2, 4),
+                (37, 1024, 640, 4, 3, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("m,n,k,warps,per_sm,stages", DECODE_CASES)
+def test_decode_rows_with_k_split_against_the_reference_and_the_mma_tile(rng, m, n, k, warps, per_sm, stages):
+    x, w = _case(rng, m, n, k)
+    tiles = _decode_tiles(warps, per_sm, stages)
+    with pinned_tiles(linear=tiles):
+        assert lin._linear_plan(m, n, k, torch.bfloat16, "fp8_w").get("qgmma")
+    got, other, want = linear_three_ways(x, w, tiles, _decode_tiles(on=False))  # counters back at zero
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
     assert rel_err(got.float(), want.float()) < 5e-3 and rel_err(got.float(), other.float()) < 5e-3
