@@ -204,6 +204,9 @@
 #   qgmmadecode fp8 linear at 8-64 rows on the fp8 warpgroup MMA, both operands streamed, K split (qgmma_per_sm):
 #              its tests, then the profile, gemv_mma_dq and the split variants against torch._scaled_mm:
 #              h200-qgmma-decode-tests.log, h200-qgmma-decode-v41.json
+#   qgmmadecoderows  the streamed fp8 launch at 2-8 rows beside the 3-8 row rule (h200-qgmma-decode-rows-v41.json),
+#              small's decode at batch 16 and 64 under the linear rules before it and now: h200-e2e-qgmmadec-{before,qgmma}.json
+#   qgmmadecodeslice  the real-dimension slice at batch 16 and 64 under the same two: h200-real-slice-qgmmadec-{off,on}.json
 #   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
 #              gemv_mma tests natively, then the released projections at 1-64 rows under the profile, the
 #              gemv_mma rule and its dq variants, against torch._scaled_mm: h200-gemv-dq-tests.log, h200-gemv-dq-v41.json
@@ -1337,6 +1340,35 @@ phase_qgmmadecode() {  # fp8 linear at 1-64 rows on the fp8 warpgroup MMA, K spl
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 8 16 32 64 --variants \
     "MMA GEMV dq, 4 warps, 4 an SM" "${variants[@]}" --out "$OUT/h200-qgmma-decode-v41.json" \
     | grep -v 'moe_experts\|plain '
+}
+
+qgmma_decode_before() {  # a copy of h200.yaml with the linear rules for 9-64 rows as before the streamed launch
+  profile_set h200-gemv-mma-rules tiles.linear.linear.3 '[16, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128,
+    "num_warps": 4, "num_stages": 3, "split_min_blocks": 1, "gemv_mma": true, "gemv_mma_kw": 8, "gemv_mma_per_sm": 4,
+    "gemv_mma_stages": 3, "gemv_mma_min_weights": 8388608, "max_weights": 16777216}]' \
+    tiles.linear.linear.4 '[32, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+    "split_reduce": true, "gemv_mma": true, "gemv_mma_dq": true, "gemv_mma_kw": 8, "gemv_mma_per_sm": 4,
+    "gemv_mma_stages": 3, "gemv_mma_min_weights": 16777216}]' \
+    tiles.linear.linear.5 '[64, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+    "split_reduce": true}]'
+}
+
+phase_qgmmadecoderows() {  # the streamed fp8 launch at 2-8 rows beside the 3-8 row rule; small's decode before / after
+  local off tag prof
+  python benchmarks/gemv_tiles.py --model v4.1-flash --rows 2 4 8 --variants "MMA GEMV, 4 warps, kw 8, 4 an SM, 3 stages" \
+    "qgmma, 4 warps, 2 an SM, 3 stages" "qgmma, 4 warps, 3 an SM, 3 stages" "qgmma, 4 warps, 4 an SM, 3 stages" \
+    --out "$OUT/h200-qgmma-decode-rows-v41.json" | grep -v 'moe_experts\|plain '
+  off=$(qgmma_decode_before)
+  for tag in before qgmma; do
+    prof=h200
+    [ "$tag" = before ] && prof=$off
+    FLASHRT_PROFILE=$prof python benchmarks/e2e_decode.py --model small --batches 16 64 --prompt 512 --steps 12 \
+      --modes cuda+graph --out "$OUT/h200-e2e-qgmmadec-$tag.json" | tail -n 3
+  done
+}
+
+phase_qgmmadecodeslice() {  # the real-dimension slice at 16 and 64 rows under the linear rules before and now
+  slice_off_on qgmmadec "$(qgmma_decode_before)" h200 16 64
 }
 
 phase_moemmaslice() {  # the real-dimension slice under the profile and a copy whose decode experts rule takes gemv_mma
