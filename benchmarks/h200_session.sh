@@ -1353,11 +1353,8 @@ qgmma_decode_before() {  # a copy of h200.yaml with the linear rules for 9-64 ro
     "split_reduce": true}]'
 }
 
-phase_qgmmadecoderows() {  # the streamed fp8 launch at 2-8 rows beside the 3-8 row rule; small's decode before / after
+phase_qgmmadecoderows() {  # small's decode at batch 16 and 64 before / after; the streamed launch at 2-8 rows
   local off tag prof
-  python benchmarks/gemv_tiles.py --model v4.1-flash --rows 2 4 8 --variants "MMA GEMV, 4 warps, kw 8, 4 an SM, 3 stages" \
-    "qgmma, 4 warps, 2 an SM, 3 stages" "qgmma, 4 warps, 3 an SM, 3 stages" "qgmma, 4 warps, 4 an SM, 3 stages" \
-    --out "$OUT/h200-qgmma-decode-rows-v41.json" | grep -v 'moe_experts\|plain '
   off=$(qgmma_decode_before)
   for tag in before qgmma; do
     prof=h200
@@ -1365,6 +1362,9 @@ phase_qgmmadecoderows() {  # the streamed fp8 launch at 2-8 rows beside the 3-8 
     FLASHRT_PROFILE=$prof python benchmarks/e2e_decode.py --model small --batches 16 64 --prompt 512 --steps 12 \
       --modes cuda+graph --out "$OUT/h200-e2e-qgmmadec-$tag.json" | tail -n 3
   done
+  python benchmarks/gemv_tiles.py --model v4.1-flash --rows 2 4 8 --variants "MMA GEMV, 4 warps, kw 8, 4 an SM, 3 stages" \
+    "qgmma, 4 warps, 3 an SM, 3 stages" "qgmma, 4 warps, 4 an SM, 3 stages" \
+    --out "$OUT/h200-qgmma-decode-rows-v41.json" | grep -v 'moe_experts\|plain '
 }
 
 phase_qgmmadecodeslice() {  # the real-dimension slice at 16 and 64 rows under the linear rules before and now
