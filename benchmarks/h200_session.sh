@@ -1365,6 +1365,10 @@ phase_qgmmadecoderows() {  # small's decode at batch 16 and 64 before / after; t
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 2 4 8 --variants "MMA GEMV, 4 warps, kw 8, 4 an SM, 3 stages" \
     "qgmma, 4 warps, 3 an SM, 3 stages" "qgmma, 4 warps, 4 an SM, 3 stages" \
     --out "$OUT/h200-qgmma-decode-rows-v41.json" | grep -v 'moe_experts\|plain '
+  python benchmarks/gemv_tiles.py --model v4.1-flash --rows 32 64 --variants "qgmma, 4 warps, 2 an SM, 3 stages" \
+    "qgmma, 4 warps, 3 an SM, 3 stages, 168 registers" "qgmma, 4 warps, 4 an SM, 3 stages, 32 rows a program" \
+    "qgmma, 4 warps, 3 an SM, 3 stages, 32 rows a program" --out "$OUT/h200-qgmma-decode-64-v41.json" \
+    | grep -v 'moe_experts\|plain '
 }
 
 phase_qgmmadecodeslice() {  # the real-dimension slice at 16 and 64 rows under the linear rules before and now
