@@ -204,8 +204,10 @@
 #   qgmmadecode fp8 linear at 8-64 rows on the fp8 warpgroup MMA, both operands streamed, K split (qgmma_per_sm):
 #              its tests, then the profile, gemv_mma_dq and the split variants against torch._scaled_mm:
 #              h200-qgmma-decode-tests.log, h200-qgmma-decode-v41.json
-#   qgmmadecoderows  the streamed fp8 launch at 2-8 rows beside the 3-8 row rule (h200-qgmma-decode-rows-v41.json),
-#              small's decode at batch 16 and 64 under the linear rules before it and now: h200-e2e-qgmmadec-{before,qgmma}.json
+#   qgmmadecodee2e  small's decode at batch 16 and 64 under the linear rules before the streamed launch and now:
+#              h200-e2e-qgmmadec-{before,qgmma}.json
+#   qgmmadecoderows  qgmmadecodee2e, then the streamed launch at 2-8 rows beside the 3-8 row rule
+#              (h200-qgmma-decode-rows-v41.json) and its 64-row variants (h200-qgmma-decode-64-v41.json)
 #   qgmmadecodeslice  the real-dimension slice at batch 16 and 64 under the same two: h200-real-slice-qgmmadec-{off,on}.json
 #   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
 #              gemv_mma tests natively, then the released projections at 1-64 rows under the profile, the
@@ -1353,7 +1355,7 @@ qgmma_decode_before() {  # a copy of h200.yaml with the linear rules for 9-64 ro
     "split_reduce": true}]'
 }
 
-phase_qgmmadecoderows() {  # small's decode at batch 16 and 64 before / after; the streamed launch at 2-8 rows
+phase_qgmmadecodee2e() {  # small's decode at batch 16 and 64 under the linear rules before the streamed launch and now
   local off tag prof
   off=$(qgmma_decode_before)
   for tag in before qgmma; do
@@ -1362,6 +1364,10 @@ phase_qgmmadecoderows() {  # small's decode at batch 16 and 64 before / after; t
     FLASHRT_PROFILE=$prof python benchmarks/e2e_decode.py --model small --batches 16 64 --prompt 512 --steps 12 \
       --modes cuda+graph --out "$OUT/h200-e2e-qgmmadec-$tag.json" | tail -n 3
   done
+}
+
+phase_qgmmadecoderows() {  # qgmmadecodee2e; the streamed launch at 2-8 rows and its 64-row variants
+  phase_qgmmadecodee2e
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 2 4 8 --variants "MMA GEMV, 4 warps, kw 8, 4 an SM, 3 stages" \
     "qgmma, 4 warps, 3 an SM, 3 stages" "qgmma, 4 warps, 4 an SM, 3 stages" \
     --out "$OUT/h200-qgmma-decode-rows-v41.json" | grep -v 'moe_experts\|plain '
