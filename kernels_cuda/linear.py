@@ -81,12 +81,14 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # row over each weight tile; over the bf16_gemm_min_rows tile where it applies. Where the kernel does not take
 # the shape (K not a multiple of 128, N not whole programs), the rule's MMA tile; qgmma_per_sm: K split into
 # runs of whole trips to bring the programs nearest to this many an SM, the splits summed by each output tile's
-# last program (None: no split; for the few rows of a decode step, whose output tiles do not fill the SMs)
+# last program (None: no split; for the few rows of a decode step, whose output tiles do not fill the SMs);
+# qgmma_min_weights: only weights of at least this many elements (N x K) take it, smaller ones the rule's other
+# knobs (None: every weight)
 KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False,
              gemv_rows=1, gemv_round_trip=False, gemv_shared_min_weights=None, max_weights=None, gemv_mma=False,
              gemv_mma_per_sm=8, gemv_mma_kw=4, gemv_mma_min_weights=None, gemv_mma_stages=4, gemv_mma_sub=4,
              gemv_mma_dq=False, qgmma=False, qgmma_tokens=64, qgmma_warps=8, qgmma_stages=3, qgmma_inflight=2,
-             qgmma_maxnreg=None, qgmma_per_sm=None)
+             qgmma_maxnreg=None, qgmma_per_sm=None, qgmma_min_weights=None)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -319,8 +321,8 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
                                                        KW=knobs["gemv_mma_kw"], STAGES=knobs["gemv_mma_stages"],
                                                        SUB=knobs["gemv_mma_sub"]), num_sms(), dq),
                     bf16_gemm=bf16_gemm, gemv=False, gemv_mma=True)
-    if (knobs["qgmma"] and fmt == "fp8_w" and linear_qgmma.AVAILABLE and not INTERPRETED
-            and jit_targets.capability() >= (9, 0)):
+    if (knobs["qgmma"] and fmt == "fp8_w" and n * k >= (knobs["qgmma_min_weights"] or 0) and linear_qgmma.AVAILABLE
+            and not INTERPRETED and jit_targets.capability() >= (9, 0)):
         q = linear_qgmma.plan(m, n, k, dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"],
                                             num_warps=knobs["qgmma_warps"], GROUP=_tiles()["group_m"],
                                             INFLIGHT=knobs["qgmma_inflight"], maxnreg=knobs["qgmma_maxnreg"],
@@ -483,7 +485,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "*.qgmma_warps": Tile(choices=linear_qgmma.WARPS), "*.qgmma_stages": Tile(low=2, kind=int),
                "*.qgmma_inflight": Tile(choices=(1, 2)),
                "*.qgmma_maxnreg": Tile(low=24, high=256, multiple=8, nullable=True, kind=int),
-               "*.qgmma_per_sm": Tile(low=1, nullable=True, kind=int),
+               "*.qgmma_per_sm": Tile(low=1, nullable=True, kind=int), "*.qgmma_min_weights": Tile(nullable=True, kind=int),
                "round_trip.BLOCK_R": POW2, "round_trip.BLOCK_C": SCALED}
 
 

@@ -34,10 +34,11 @@ def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, **li
             **linear_tiles}
 
 
-def _decode_tiles(warps=4, per_sm=2, stages=3, tokens=64, on=True):
-    """Rules with every launch of up to 64 rows on the streamed launches, K split to ``per_sm`` programs an SM."""
+def _decode_tiles(warps=4, per_sm=2, stages=3, tokens=64, on=True, min_weights=None):
+    """Rules with every launch of up to 64 rows (of weights from ``min_weights`` elements) on the streamed
+    launches, K split to ``per_sm`` programs an SM."""
     rule = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, qgmma_per_sm=per_sm,
-                **qgmma_knobs(on, tokens, warps, stages))
+                qgmma_min_weights=min_weights, **qgmma_knobs(on, tokens, warps, stages))
     return {"linear": [[64, rule], [None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)]]}
 
 
@@ -90,6 +91,9 @@ def test_a_decode_launch_splits_k_to_its_programs_an_sm(monkeypatch, m, n, k, wa
         assert p["split"] >= min(trips, 132 * per_sm // tiles) // 2
     assert p["reduce"] == (p["split"] > 1) == ("REDUCE" in p["constexprs"])
     assert not _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, None))["reduce"]
+    # from qgmma_min_weights weight elements only: a smaller weight takes the rule's MMA tile
+    assert _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, per_sm, min_weights=n * k)).get("qgmma")
+    assert not _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, per_sm, min_weights=n * k + 1)).get("qgmma")
 
 
 @pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
