@@ -1274,8 +1274,7 @@ slice_off_on() {  # TAG OFF_PROFILE ON_PROFILE BATCH...: the real-dimension slic
 
 phase_gemvmmaslice() {  # the real-dimension slice at batch 2 and 8 under the profile and a copy without gemv_mma
   local off
-  off=$(profile_set h200-no-gemv-mma tiles.linear.linear.2.1.gemv_mma false tiles.linear.linear.3.1.gemv_mma false \
-    tiles.linear.linear.4.1.gemv_mma false)  # the 3-8, 9-16 and 9-32 row rules
+  off=$(profile_set h200-no-gemv-mma tiles.linear.linear.2.1.gemv_mma false)  # the 3-8 row rule (batch 8's)
   slice_off_on gemvmma "$off" h200 2 8
 }
 
