@@ -95,6 +95,21 @@ if AVAILABLE:
         return mma_v2(a, b, acc)
 
     @gluon.jit
+    def meet_splits(acc, part, dst, ok, cnt, split, n_splits, MN):
+        """The K splits of an output tile meet as :mod:`.splitk` has them meet, in Gluon (its helpers make
+        layout-free tensors): split ``split``'s fp32 partial ``acc`` goes to ``part`` (pointers like ``acc``
+        into split 0's [M, N] of a workspace of ``MN``-element splits); the program drawing the tile's last
+        ticket from ``cnt`` sums the splits in order into ``dst`` (its dtype) and puts the counter back to 0."""
+        gl.store(part + split.to(gl.int64) * MN, acc, mask=ok)
+        _sync()  # every thread's partial is stored before the ticket publishes them
+        if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+            total = gl.zeros_like(acc)
+            for s in range(n_splits):
+                total += gl.load(part + s * MN, mask=ok, other=0.0, cache_modifier=".cg")
+            gl.store(dst, total.to(dst.dtype.element_ty), mask=ok)
+            gl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+    @gluon.jit
     def _mma_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, n_splits,
                          stride_xm, stride_wn, stride_swn, stride_swk, stride_om,
                          TOKENS: gl.constexpr, KW: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
@@ -176,22 +191,14 @@ if AVAILABLE:
             _sync()  # every warp has read the slot before a later trip's copies refill it
             j += 1
 
-        # the split's meeting as splitk.store_tile does it, in Gluon (its helpers make layout-free tensors)
-        out_t = out_ptr.dtype.element_ty
         c_ok = (rows_c < N)[:, None] & (ms_c < M)[None, :]
         if REDUCE:
-            part = ws_ptr + ms_c.to(gl.int64)[None, :] * N + rows_c[:, None]
-            gl.store(part + split.to(gl.int64) * M * N, acc, mask=c_ok)
-            _sync()  # every thread's partial is stored before the ticket publishes them
-            if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-                total = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
-                for s in range(n_splits):
-                    total += gl.load(part + s * M * N, mask=c_ok, other=0.0, cache_modifier=".cg")
-                gl.store(out_ptr + ms_c.to(gl.int64)[None, :] * stride_om + rows_c[:, None], total.to(out_t),
-                         mask=c_ok)
-                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            meet_splits(acc, ws_ptr + ms_c.to(gl.int64)[None, :] * N + rows_c[:, None],
+                        out_ptr + ms_c.to(gl.int64)[None, :] * stride_om + rows_c[:, None], c_ok, cnt_ptr + tile,
+                        split, n_splits, M * N)
         else:
-            gl.store(out_ptr + ms_c.to(gl.int64)[None, :] * stride_om + rows_c[:, None], acc.to(out_t), mask=c_ok)
+            gl.store(out_ptr + ms_c.to(gl.int64)[None, :] * stride_om + rows_c[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=c_ok)
 
 
 def operand_kw(kw: int) -> int:

@@ -34,8 +34,8 @@ if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from flashrt.kernels_cuda.attention_ws import _sync
     from flashrt.kernels_cuda.experts_qgmma_stream import loop, rows_layout, weight_copy_layout
+    from flashrt.kernels_cuda.gemv_mma import meet_splits
     from flashrt.kernels_cuda.pdl import wait_inputs
 
     @gluon.jit
@@ -73,16 +73,9 @@ if AVAILABLE:
         at = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, st))
         live = (at < M)[None, :]
         dst = out_ptr + at.to(gl.int64)[None, :] * stride_om + cols[:, None]
-        if REDUCE:  # the splits meet as splitk.store_tile has them meet, in Gluon
-            part = part_ptr + at.to(gl.int64)[None, :] * N + cols[:, None]
-            gl.store(part + split.to(gl.int64) * M * N, gl.convert_layout(acc, st), mask=live)
-            _sync()  # every thread's partial is stored before the ticket publishes them
-            if gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-                total = gl.zeros([ROWS, TOKENS], gl.float32, st)
-                for s in range(n_splits):
-                    total += gl.load(part + s * M * N, mask=live, other=0.0, cache_modifier=".cg")
-                gl.store(dst, total.to(out_ptr.dtype.element_ty), mask=live)
-                gl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+        if REDUCE:
+            meet_splits(gl.convert_layout(acc, st), part_ptr + at.to(gl.int64)[None, :] * N + cols[:, None], dst, live,
+                        cnt_ptr + pid, split, n_splits, M * N)
         else:
             gl.store(dst, gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st), mask=live)
 

@@ -106,7 +106,7 @@ def test_a_profile_with_more_rules_tunes_the_rule_its_case_lands_in(name):
     for small in (False, True):
         i = tune.rule_index(h200, sp, small)
         weights = getattr(sp.case, "weights", {}).get(small)
-        picked = pick_tile(rules, sp.case.rows[small], weights) if weights else pick_tile(rules, sp.case.rows[small])
+        picked = pick_tile(rules, sp.case.rows[small], weights)
         assert rules[i][1] is picked, (name, small, i)
         values = {p: vals[-1] for p, vals in sp.params.items()}
         with profiles.using(tune._with_tiles(h200, sp, values, i)):
