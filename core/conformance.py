@@ -16,6 +16,7 @@ import platform
 import torch
 
 from . import dispatch, memory_cap, ops, profiles
+from .out_files import OutFile, json_report
 from .dtypes import MAIN_KV_FORMAT
 from .formats import QTensor
 
@@ -260,18 +261,26 @@ def run(device=None, seed: int = 0) -> dict:
             "kernel_paths": kernel_paths()}
 
 
+def out_file(path: str) -> OutFile:
+    """``--out``: a new file or a report the command wrote before (:mod:`flashrt.out_files`)."""
+    return OutFile(path, "flashrt conformance", json_report("device", "rows", "passed", "total"))
+
+
 def cmd(args) -> int:
+    out = out_file(args.out) if args.out else None
+    if out:
+        out.check()  # before the run: a path it may not write fails now
     report = run(args.device, args.seed)
-    text = json.dumps(report, indent=2, default=str)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    if out:
+        out.write(json.dumps(report, indent=2, default=str) + "\n")
     for r in report["rows"]:
         print(f"{'PASS' if r['pass'] else 'FAIL'} {r['op']:18} {r['backend']:10} err {r['max_rel_err']:.2e} "
               f"(tol {r['tolerance']:.0e})" + "".join(f"\n    {route}" for route in r["route"]))
     cap = report["memory_limit_bytes"]
     print(f"{report['passed']}/{report['total']} ops conform on {report['device']} (profile {report['profile']}"
           + (f", memory capped at {memory_cap.gib(cap)})" if cap else ")"))
+    if out:
+        print(f"wrote {out.path}")
     return 0 if report["passed"] == report["total"] else 1
 
 

@@ -9,7 +9,8 @@ interpreter). The profile's current tiles are tried first, so the winner is neve
 not measured against them. A candidate that cannot run (shared memory overflow, a compile error)
 is skipped with a note, never fatal; candidates past the space's share of ``budget`` seconds are
 skipped too. The output YAML is the active profile with the winning tiles, and each winner's time
-and the untuned time as comments.
+and the untuned time as comments; ``--out`` must be a new file or a profile the command wrote before
+(checked before the sweep, :mod:`flashrt.out_files`).
 """
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ import dataclasses
 import itertools
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import yaml
 
 from . import checks, dispatch, ops, profiles, tile_checks
+from .out_files import OutFile, first_line
 from .progress import Progress
 from .tune_spaces import SPACES, Space
 
@@ -209,27 +212,37 @@ def _differing_tiles(profile) -> dict:
     return out
 
 
-def write_profile(profile, results: list[dict], path: str, notes=()) -> None:
+TUNED_BY = "# tuned by `flashrt tune`"  # the first line of every profile it writes
+
+
+def out_file(path: str) -> OutFile:
+    """``--out`` of ``flashrt tune``: a new file or a profile it wrote before (:mod:`flashrt.out_files`)."""
+    return OutFile(path, "flashrt tune", first_line(TUNED_BY))
+
+
+def write_profile(profile, results: list[dict], out: str | OutFile, notes=()) -> Path:
     """Write ``profile`` (its tiles: only what differs from the defaults) with ``results`` and
-    ``notes`` (lines) as comments."""
+    ``notes`` (lines) as comments, whole, to ``out`` (a path or :func:`out_file`); returns the path written."""
     profile = dataclasses.replace(profile, tiles=_differing_tiles(profile))
-    lines = [f"# tuned by `flashrt tune` on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"
+    lines = [f"{TUNED_BY} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"
              + (" (times: CUDA-graph replay medians)" if torch.cuda.is_available() else "")]
     lines += [f"# {describe(r)}" for r in results] + [f"# {n}" for n in notes]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n" + yaml.safe_dump(profile.to_dict(), sort_keys=False))
+    out = out if isinstance(out, OutFile) else out_file(out)
+    return out.write("\n".join(lines) + "\n" + yaml.safe_dump(profile.to_dict(), sort_keys=False))
 
 
 def cmd(args) -> int:
     if not 0 < args.budget < float("inf"):  # NaN fails too
         raise ValueError(f"--budget: expected seconds > 0, got {args.budget}")
+    out = out_file(args.out)
+    out.check()  # before the sweep: a path it may not write fails now, not after minutes of timing
     tuned, results = tune(args.kernels, progress=Progress("tuning"), budget=args.budget)
-    write_profile(tuned, results, args.out)
+    written = write_profile(tuned, results, out)
     for r in results:
         print(describe(r))
         for note in r["notes"]:
             print(f"    {note}")
-    print(f"wrote {args.out}")
+    print(f"wrote {written}")
     return 0
 
 

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-from flashrt.jit import atomic_write
+from flashrt.out_files import OutFile, json_report
 
 
 def cmd_kernels(args) -> int:
     from flashrt.bench import cuda_missing, run_suite
 
+    out = (OutFile(args.out, "flashrt bench kernels", json_report("device", "ceilings", "rows", "errors"))
+           if args.out else None)
+    if out:
+        out.check()  # before the suite: a path it may not write fails now
     why = cuda_missing()
     if why:
         raise ValueError(f"kernels: {why}; the suite times the CUDA kernels and their baselines on the device")
@@ -20,11 +23,11 @@ def cmd_kernels(args) -> int:
         print(line, file=stream, flush=True)
 
     def write(report: dict) -> None:  # after every family, atomically: a killed run keeps what it measured
-        atomic_write(Path(args.out), (json.dumps(report, indent=2, default=str) + "\n").encode())
+        out.write(json.dumps(report, indent=2, default=str) + "\n")
 
-    result = run_suite(args.families, log=log, checkpoint=write if args.out else None)
-    if args.out:
-        log(f"wrote {args.out}")
+    result = run_suite(args.families, log=log, checkpoint=write if out else None)
+    if out:
+        log(f"wrote {out.path}")
     if args.json:
         json.dump(result, sys.stdout, indent=2, default=str)
         print()

@@ -12,6 +12,7 @@ import sys
 import time
 
 from flashrt.jit_warmup import warmup
+from flashrt.out_files import OutFile, json_report
 
 
 def _human(n: float) -> str:
@@ -90,6 +91,9 @@ def cmd_compile(args) -> int:
     from flashrt.jit_triton import INTERPRET_ENV, interpreted
 
     archs = list(dict.fromkeys(parse_arch(a) for a in args.arch))
+    out = OutFile(args.out, "flashrt jit compile", json_report("archs", "models", "rows", "failed")) if args.out else None
+    if out:
+        out.check()  # before the compiles: a path it may not write fails now
     if interpreted():
         raise ValueError(f"{INTERPRET_ENV}=1 is set: the kernels plan for Triton's interpreter; unset it to compile")
     from flashrt.jit_compile import cross_compile, launch_sources
@@ -107,9 +111,8 @@ def cmd_compile(args) -> int:
         sources = [s for s in sources if s[0] in args.families]
     report = cross_compile(archs, {m: MODELS[m] for m in models}, sources, _compile_progress)
     text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    if out:
+        out.write(text + "\n")
     if args.json:
         print(text)
     else:

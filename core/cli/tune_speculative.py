@@ -54,6 +54,8 @@ def cmd(args) -> int:
         raise ValueError(f"--budget: expected seconds > 0, got {args.budget}")
     from flashrt.progress import Progress
 
+    out = tune.out_file(args.out)
+    out.check()  # before the timing: a path it may not write fails now
     base, results = profiles.active_profile(), []
     if not args.no_kernels:
         base, results = tune.tune(args.kernels, progress=Progress("tuning"), budget=args.budget)
@@ -63,11 +65,11 @@ def cmd(args) -> int:
     # a profile file is named for its profile: a user file of the same name overrides a shipped one
     tuned = dataclasses.replace(base, speculative_costs=table, name=Path(args.out).stem)
     profiles.profile_from_mapping(tuned.to_dict(), args.out)  # the table passes the profile's checks
-    tune.write_profile(tuned, results, args.out, notes)
+    written = tune.write_profile(tuned, results, out, notes)
     for r in results:
         print(tune.describe(r))
     print("\n".join(notes))
-    print(f"wrote {args.out}")
+    print(f"wrote {written}")
     return 0
 
 
