@@ -212,6 +212,8 @@
 #   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
 #              gemv_mma tests natively, then the released projections at 1-64 rows under the profile, the
 #              gemv_mma rule and its dq variants, against torch._scaled_mm: h200-gemv-dq-tests.log, h200-gemv-dq-v41.json
+#   tunepaths  flashrt tune over the linear and experts spaces (each sweeping the knobs of the launch its case takes
+#              under the profile; TUNE_BUDGET seconds, default 240): h200-tune-paths.yaml, h200-tune-paths.log
 #   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under a copy of the profile
 #              as it was before its decode experts took qgmma (codes in words, qgmma off) and under the profile:
 #              h200-real-slice-qgmma-{off,on}.json, h200-e2e-qgmma-{words,qgmma}.json
@@ -1374,6 +1376,12 @@ phase_qgmmadecoderows() {  # qgmmadecodee2e; the streamed launch at 2-8 rows and
     "qgmma, 4 warps, 3 an SM, 3 stages, 168 registers" "qgmma, 4 warps, 4 an SM, 3 stages, 32 rows a program" \
     "qgmma, 4 warps, 3 an SM, 3 stages, 32 rows a program" --out "$OUT/h200-qgmma-decode-64-v41.json" \
     | grep -v 'moe_experts\|plain '
+}
+
+phase_tunepaths() {  # flashrt tune's rule spaces, each on the launch its case takes under the profile
+  python -m flashrt.cli tune --kernels linear_decode linear_small linear_large moe_decode moe_prefill \
+    --budget "${TUNE_BUDGET:-240}" --out "$OUT/h200-tune-paths.yaml" > "$OUT/h200-tune-paths.log" 2>&1
+  grep -v '^tuning' "$OUT/h200-tune-paths.log" | tail -n 25
 }
 
 phase_qgmmadecodeslice() {  # the real-dimension slice at 16 and 64 rows under the linear rules before and now

@@ -16,7 +16,10 @@ importing a kernel. A family declares:
 - ``warmup``: ``hook(profile) -> dict | str | None`` compiling its kernels ahead of time
   (:mod:`flashrt.jit_warmup`); ``warmup_cases`` the launches it makes;
 - ``zero_copy``: op name -> ``(device) -> bool``, ops whose launcher reads pinned host memory in
-  place (``flashrt.dispatch.zero_copy``).
+  place (``flashrt.dispatch.zero_copy``);
+- ``paths``: op name -> ``(*args) -> str``, the launch a call takes under the active tiles where one
+  tile rule holds the knobs of several launches (``flashrt tune`` sweeps the knobs of the one its
+  case takes).
 """
 from __future__ import annotations
 
@@ -72,6 +75,9 @@ class KernelFamily:
     warmup: Callable | None = None
     warmup_cases: Callable | None = None
     zero_copy: Mapping[str, Callable] = field(default_factory=dict)
+    # op -> (its args) -> the name of the launch the call takes under the active tiles, for ops whose tile
+    # rules hold knobs of several launches (``flashrt tune`` sweeps the knobs of the one its case takes)
+    paths: Mapping[str, Callable[..., str]] = field(default_factory=dict)
     description: str = ""
 
     def __post_init__(self):

@@ -108,12 +108,30 @@ def _close(got, want) -> bool:
     return bool(torch.equal(torch.isfinite(g), fin)) and float((g[fin] - w[fin]).norm() / w[fin].norm().clamp_min(1e-30)) < 2e-2
 
 
-def candidates(base, sp: Space, rule: int | None = None) -> list[dict]:
+def candidates(base, sp: Space, rule: int | None = None, params: dict | None = None) -> list[dict]:
     """The profile's current values (of rule ``rule`` for rule lists; None, the space's own index) first,
-    then the space's grid (without repeating them)."""
-    current = {k: v for k, v in _current(base, sp, rule).items() if k in sp.params}
-    grid = [dict(zip(sp.params, combo)) for combo in itertools.product(*sp.params.values())]
-    return [current] + [c for c in grid if c != current] if len(current) == len(sp.params) else grid
+    then the grid of ``params`` (default: the space's MMA tile ``params``), without repeating them."""
+    params = sp.params if params is None else params
+    current = {k: v for k, v in _current(base, sp, rule).items() if k in params}
+    grid = [dict(zip(params, combo)) for combo in itertools.product(*params.values())]
+    return [current] + [c for c in grid if c != current] if len(current) == len(params) else grid
+
+
+def launch_path(base, sp: Space, case: tuple) -> str:
+    """The launch the space's case (op name, args) takes under profile ``base`` on the cuda backend (the
+    family's ``paths``; ``tile`` for ops without them)."""
+    op, args = case
+    path = dispatch.family(sp.module, "cuda").paths.get(op)
+    if path is None:
+        return "tile"
+    with profiles.using(base), dispatch.use_backend("cuda"):
+        return path(*args)
+
+
+def space_params(base, sp: Space, case: tuple) -> tuple[str, dict | None]:
+    """(launch, the parameters to sweep: None where that launch reads no tile) of the space's case."""
+    path = launch_path(base, sp, case)
+    return path, sp.params_for(path)
 
 
 def _try(fn, args, want, profile, gpu: bool) -> tuple[float, str | None]:
@@ -132,11 +150,18 @@ def tune_kernel(name: str, base, dev, small: bool, step, deadline: float = float
     sp = SPACES[name]
     op, args = sp.case(dev, small)
     fn, gpu = getattr(ops, op), dev.type == "cuda"
+    rule = rule_index(base, sp, small)
+    path, params = space_params(base, sp, (op, args))
+    if params is None:
+        return {"name": name, "module": sp.module, "key": sp.key, "rule": rule, "path": path, "winner": None,
+                "ms": float("inf"), "untuned_ms": float("inf"), "untuned_note": None, "candidates": 0, "rejected": 0,
+                "failed": 0, "skipped": 0,
+                "notes": [f"the profile runs this case on the {path} launch, which reads no tile of the rule: "
+                          "nothing to sweep, the tiles are kept"]}
     with dispatch.use_backend("reference"):
         want = fn(*args)
     tried, notes, skipped = [], [], 0
-    rule = rule_index(base, sp, small)
-    for values in candidates(base, sp, rule):
+    for values in candidates(base, sp, rule, params):
         if time.monotonic() > deadline:
             skipped += 1
         else:
@@ -153,7 +178,7 @@ def tune_kernel(name: str, base, dev, small: bool, step, deadline: float = float
     if skipped:
         notes.append(f"{skipped} candidates not tried: the time budget was spent")
     wrong = sum(why == "wrong" for _, _, why in tried)
-    return {"name": name, "module": sp.module, "key": sp.key, "rule": rule, "winner": best, "ms": best_ms,
+    return {"name": name, "module": sp.module, "key": sp.key, "rule": rule, "path": path, "winner": best, "ms": best_ms,
             "untuned_ms": untuned, "untuned_note": untuned_why, "candidates": len(tried), "rejected": wrong,
             "failed": len(tried) - len(ran) - wrong, "skipped": skipped, "notes": notes}
 
@@ -171,7 +196,11 @@ def tune(kernels=None, small: bool | None = None, progress=None, budget: float =
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     small = dev.type != "cuda" if small is None else small
     base = profiles.active_profile()
-    total = sum(len(candidates(base, SPACES[k], rule_index(base, SPACES[k], small))) for k in kernels)
+    sizes = {}
+    for k in kernels:  # the candidates of the launch each case takes (its case built once more for the sweep)
+        params = space_params(base, SPACES[k], SPACES[k].case(dev, small))[1]
+        sizes[k] = 0 if params is None else len(candidates(base, SPACES[k], rule_index(base, SPACES[k], small), params))
+    total = sum(sizes.values())
     done, end = [0], time.monotonic() + budget
 
     def step():
@@ -192,7 +221,8 @@ def tune(kernels=None, small: bool | None = None, progress=None, budget: float =
 
 def describe(r: dict) -> str:
     rule = f"[rule {r['rule']}]" if r["rule"] is not None else ""
-    head = f"{r['module']}.{r['key']}{rule} ({r['name']})"
+    path = f", {r['path']} launch" if r.get("path", "tile") != "tile" else ""
+    head = f"{r['module']}.{r['key']}{rule} ({r['name']}{path})"
     if r["winner"] is None:
         return f"{head}: no winner, tiles kept ({r['candidates']} tried)"
     return (f"{head}: {r['winner']} {r['ms'] * 1e3:.1f} us (untuned {r['untuned_ms'] * 1e3:.1f} us, "

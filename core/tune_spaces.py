@@ -4,13 +4,15 @@ Each :class:`Space` names the kernel module (``tiles.<module>`` in a profile), i
 rule for rule lists (``[[largest rows, tile], ...]``: ``linear``, ``moe`` experts) and the candidate
 values per parameter; the other parameters keep the profile's values. A case returns (op name,
 args): decode-sized on the GPU (the V4.1-Flash dims), tiny under the Triton interpreter
-(``small``). Spaces are kept to at most 24 candidates so the whole sweep stays a few minutes on an
-H200 (``flashrt tune --budget`` bounds it in any case).
+(``small``). Where one rule holds the knobs of several launches (``linear``, ``moe`` experts), the
+space sweeps the knobs of the launch its case takes under the profile (its ``paths``; the kernel
+family's ``paths`` name that launch). Spaces are kept to at most 24 candidates so the whole sweep
+stays a few minutes on an H200 (``flashrt tune --budget`` bounds it in any case).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,18 +24,30 @@ from .dtypes import MAIN_KV_FORMAT
 class Space:
     module: str  # kernels_cuda module: tiles.<module> in the profile
     key: str  # its TILES key
-    params: dict  # parameter -> candidate values
+    params: dict  # parameter -> candidate values (the MMA tile's launch, ``tile``)
     case: Callable  # (device, small) -> (op name, args)
     # for rule lists: the index of the [limit, tile] rule swept among the kernels' default rules (a profile's
     # own rule list is searched by the case's rows: tune.rule_index)
     rule: int | None = None
+    # launch name (the family's ``paths``: the launch the case takes under the profile) -> the parameters that
+    # launch reads, or None where it reads no tile (nothing to sweep); other launches sweep ``params``
+    paths: Mapping[str, dict | None] = field(default_factory=dict)
+
+    def params_for(self, path: str) -> dict | None:
+        """The parameters to sweep where the case takes launch ``path``."""
+        return self.paths.get(path, self.params)
 
     @property
     def size(self) -> int:
-        n = 1
-        for values in self.params.values():
-            n *= len(values)
-        return n
+        """Candidates of the largest parameter set."""
+        return max(_size(p) for p in (self.params, *self.paths.values()) if p is not None)
+
+
+def _size(params: dict) -> int:
+    n = 1
+    for values in params.values():
+        n *= len(values)
+    return n
 
 
 def _attention(batch: int):
@@ -94,6 +108,26 @@ def _topk(dev, small):
     return "topk_positions", (torch.randn(2 if small else 64, 1, 512 if small else 131072, device=dev), 64 if small else 512)
 
 
+# the knobs of the launches a linear rule may send its case to besides its MMA tile (kernels_cuda/linear.py):
+# the fp8 warpgroup MMA at decode rows (K split to programs an SM) and at many rows, mma.sync with the weights
+# as its M, the GEMV; the bf16 GEMM reads no tile
+_LINEAR_DECODE_PATHS = {
+    "qgmma": {"qgmma_per_sm": [2, 3, 4], "qgmma_warps": [4, 8], "qgmma_stages": [3, 4]},
+    "gemv_mma": {"gemv_mma_per_sm": [2, 4, 8], "gemv_mma_stages": [3, 4], "gemv_mma_kw": [4, 8]},
+    "gemv": {"BLOCK_N": [32, 64, 128], "BLOCK_K": [128, 256], "num_warps": [4, 8]},
+    "bf16_gemm": None,
+}
+_LINEAR_LARGE_PATHS = {**_LINEAR_DECODE_PATHS, "qgmma": {"qgmma_tokens": [64, 128], "qgmma_warps": [4, 8],
+                                                         "qgmma_stages": [3, 4], "qgmma_inflight": [1, 2]}}
+# the routed experts' launches besides the MMA tile (kernels_cuda/moe.py): the fp8 warpgroup MMA with the weights
+# in registers (K split), a prefill chunk's streamed launches, mma.sync; the grouped bf16 GEMMs read no rule
+_MOE_PATHS = {
+    "qgmma": {"qgmma_per_sm": [8, 16, 24], "qgmma_stages": [0, 4], "qgmma_max_k": [512, 1024]},
+    "qgmma_stream": {"qgmma_warps": [4, 8], "qgmma_stages": [2, 3, 4], "qgmma_inflight": [1, 2]},
+    "gemv_mma": {"gemv_mma_per_sm": [2, 4, 8], "gemv_mma_stages": [3, 4]},
+    "grouped": None,
+}
+
 # name -> Space; linear / moe rules are those of the kernels' TILES (rows per rule: 16, 64, more)
 SPACES = {
     # not swept: H_BLOCK below 64 (no wgmma, heavy spills), K_BLOCK 64 (spills or exceeds shared memory)
@@ -103,15 +137,19 @@ SPACES = {
     "attention_split": Space("attention", "split", {"programs": [0, 264], "min_blocks": [1, 2, 4],
                                                     "max_splits": [16, 32]}, _attention(1)),
     "linear_decode": Space("linear", "linear", {"BLOCK_N": [32, 64, 128], "BLOCK_K": [128, 256],
-                                                "num_warps": [4], "num_stages": [3, 4, 5]}, _linear(16, 4), rule=0),
+                                                "num_warps": [4], "num_stages": [3, 4, 5]}, _linear(16, 4), rule=0,
+                           paths=_LINEAR_DECODE_PATHS),
     "linear_small": Space("linear", "linear", {"BLOCK_M": [32, 64], "BLOCK_N": [64, 128], "BLOCK_K": [128],
-                                               "num_warps": [4, 8], "num_stages": [3, 4]}, _linear(64, 24), rule=1),
+                                               "num_warps": [4, 8], "num_stages": [3, 4]}, _linear(64, 24), rule=1,
+                          paths=_LINEAR_DECODE_PATHS),
     "linear_large": Space("linear", "linear", {"BLOCK_M": [64, 128], "BLOCK_N": [128, 256], "BLOCK_K": [64, 128],
-                                               "num_warps": [8], "num_stages": [3, 4]}, _linear(4096, 80), rule=2),
+                                               "num_warps": [8], "num_stages": [3, 4]}, _linear(4096, 80), rule=2,
+                          paths=_LINEAR_LARGE_PATHS),
     "moe_decode": Space("moe", "experts", {"BLOCK_N": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8],
-                                           "num_stages": [3, 4]}, _moe(64, 3), rule=0),
+                                           "num_stages": [3, 4]}, _moe(64, 3), rule=0, paths=_MOE_PATHS),
     "moe_prefill": Space("moe", "experts", {"BLOCK_M": [32, 64], "BLOCK_N": [64, 128], "BLOCK_K": [64, 128],
-                                            "num_warps": [4, 8], "num_stages": [3]}, _moe(4096, 40), rule=1),
+                                            "num_warps": [4, 8], "num_stages": [3]}, _moe(4096, 40), rule=1,
+                         paths=_MOE_PATHS),
     "indexer": Space("indexer", "index_scores", {"block_t": [64, 128, 256], "num_warps": [4, 8]}, _indexer),
     "quant": Space("quant", "quantize", {"ELEMS": [2048, 4096, 8192], "num_warps": [2, 4, 8]}, _quant),
     "norm_rope": Space("norm_rope", "rms_norm", {"ROW_ELEMS": [2048, 4096], "num_warps": [4, 8, 16]}, _norm),

@@ -378,6 +378,30 @@ def fp8_rows_bf16(x2: torch.Tensor) -> torch.Tensor:
     return fp8_round_trip(x2, _tiles()["round_trip"])
 
 
+def _cached_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
+    key = (m, n, k, dtype, fmt)
+    return PLANS.lookup(key)[1] or PLANS.store(key, _linear_plan(m, n, k, dtype, fmt))
+
+
+def _path(plan: dict) -> str:
+    """The launch a plan takes: ``bf16_gemm``, ``gemv``, ``qgmma``, ``gemv_mma`` or ``tile`` (the MMA tile)."""
+    if plan["bf16_gemm"]:
+        return "bf16_gemm"
+    if plan["gemv"]:
+        return "gemv"
+    return "qgmma" if plan.get("qgmma") else "gemv_mma" if plan.get("gemv_mma") else "tile"
+
+
+def launch_path(x, weight, out_dtype=None) -> str:
+    """The launch :func:`linear` takes for these arguments under the active tiles (:func:`_path`; ``plain``
+    for a plain weight): which of a rule's knobs the call reads (``flashrt tune`` sweeps those)."""
+    if not isinstance(weight, QTensor):
+        return "plain"
+    n, k = weight.shape
+    dtype = x.dtype if out_dtype in (None, x.dtype) else torch.float32
+    return _path(_cached_plan(x.numel() // k, n, k, dtype, weight.fmt))
+
+
 def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., in] float, weight fp8_w / fp4_w [out, in] (or plain: :mod:`.linear_plain`) -> [..., out] in
     ``out_dtype`` (default x.dtype). A plain weight writes ``out_dtype`` from the kernel; a quantized
@@ -394,17 +418,17 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros(*x.shape[:-1], n)
-    key = (m, n, k, x.dtype, weight.fmt)
-    plan = PLANS.lookup(key)[1] or PLANS.store(key, _linear_plan(m, n, k, x.dtype, weight.fmt))
-    if plan["bf16_gemm"]:
+    plan = _cached_plan(m, n, k, x.dtype, weight.fmt)
+    path = _path(plan)
+    if path == "bf16_gemm":
         return _bf16_gemm(x2, weight).view(*x.shape[:-1], n)
-    if plan["gemv"]:
+    if path == "gemv":
         return _gemv(x2, weight, plan).view(*x.shape[:-1], n)
-    if plan.get("qgmma"):
+    if path == "qgmma":
         xq, xs = fp8_codes(x2, _tiles()["round_trip"])
         data, scale = weight_operands(weight)
         return linear_qgmma.launch(xq, xs, data, scale, plan, x.dtype).view(*x.shape[:-1], n)
-    if plan.get("gemv_mma"):
+    if path == "gemv_mma":
         data, scale = weight_operands(weight)
         xs = fp8_round_trip(x2, _tiles()["round_trip"]) if plan["dq"] else last_dense(x2)
         fold = plan["dq"] and scales_at_most((weight,), "fp8_w", FP8_FOLD_MAX_SCALE)
@@ -493,4 +517,5 @@ FAMILY = KernelFamily(
     "linear", ops={"linear": linear},
     supports={"linear": Support(inputs={"x": FLOATS, "weight": WEIGHT_FORMATS + WEIGHT_DTYPES}, extra=supports_linear)},
     tiles=TILES, tile_checks=TILE_CHECKS, smem={"linear": gemm_smem}, warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
+    paths={"linear": launch_path},
     description="block-scaled FP8 / FP4 GEMM with fp8 activations; plain weights: linear_plain")

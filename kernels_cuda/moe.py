@@ -341,6 +341,37 @@ def _experts_down(hq, sh, tab, w2, D, xdtype, plan, n, k, shared=None, combine=N
     return y
 
 
+def _grouped(x, pairs: int, E: int, D: int, I: int, shared) -> bool:
+    """Whether ``pairs`` routed rows over E experts take the bf16 grouped GEMMs (:mod:`.moe_grouped`)."""
+    tiles = _tiles()
+    big = tiles["grouped_min_rows"]
+    return (big is not None and pairs >= big * E and moe_grouped.available(x)
+            and moe_grouped.stack_bytes(E, I, D, shared is not None) <= tiles["grouped_max_bytes"])
+
+
+def _routed_path(plan: dict, w1, w3, w2) -> str:
+    """The routed experts' launches under ``plan`` for these weights: ``qgmma`` (the weights in registers,
+    K split), ``qgmma_stream`` (a prefill chunk's, the activations streamed), ``gemv_mma`` or ``tile``."""
+    if plan["qgmma"] is not None and moe_qgmma.supports(w1, w3, w2, w1.shape[2], w1.shape[1]):
+        return "qgmma_stream" if plan["qgmma"].get("stream", False) else "qgmma"
+    return "gemv_mma" if plan["mma"] is not None and _mma_weights(w1, w3, w2) else "tile"
+
+
+def launch_path(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32, shared=None) -> str:
+    """The launches :func:`moe_experts` takes for these arguments under the active tiles: ``grouped``, or the
+    routed experts' (:func:`_routed_path`); which of an experts rule's knobs the call reads (``flashrt tune``
+    sweeps those): the routed experts' where a shared expert runs in launches of its own."""
+    (n, D), k, (E, I) = x.shape, indices.shape[1], w1.shape[:2]
+    if n * k == 0 or D == 0 or I == 0:
+        return "none"
+    if shared is not None and not _quantized_up_pair(*shared):
+        shared = None  # joined as ``add`` (:func:`_with_plain_shared`)
+    if _grouped(x, n * k, E, D, I, shared):
+        return "grouped"
+    in_launch = shared is not None and _tiles()["shared_in_launch"]
+    return _routed_path(_plan(n, k, E, D, I, in_launch), w1, w3, w2)
+
+
 def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dtype=torch.float32, shared=None):
     """x [N, D], weights [N, k] fp32, indices [N, k] int32, w1/w3 [E, I, D], w2 [E, D, I] QTensor,
     add fp32 [N, D] or None, shared (w1, w3, w2) of one expert or None -> [N, D] in out_dtype (the
@@ -354,17 +385,16 @@ def moe_experts(x, weights, indices, w1, w3, w2, swiglu_limit, add=None, out_dty
     if n * k == 0 or D == 0 or I == 0:
         return finish_experts(torch.zeros(n, D, dtype=torch.float32, device=x.device), add, out_dtype)
     tiles = _tiles()
-    big = tiles["grouped_min_rows"]
-    if (big is not None and n * k >= big * E and moe_grouped.available(x)
-            and moe_grouped.stack_bytes(E, I, D, shared is not None) <= tiles["grouped_max_bytes"]):
+    if _grouped(x, n * k, E, D, I, shared):
         return moe_grouped.experts(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, shared,
                                    tiles["combine"], tiles["swiglu"])
     if shared is not None and not tiles["shared_in_launch"]:
         return _shared_apart(x, weights, indices, w1, w3, w2, swiglu_limit, add, out_dtype, shared)
     plan = _plan(n, k, E, D, I, shared is not None)
-    if plan["qgmma"] is not None and moe_qgmma.supports(w1, w3, w2, D, I):
+    path = _routed_path(plan, w1, w3, w2)
+    if path in ("qgmma", "qgmma_stream"):
         return _experts_qgmma(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, shared, plan)
-    if plan["mma"] is not None and _mma_weights(w1, w3, w2):
+    if path == "gemv_mma":
         return _experts_mma(x, weights, indices, w1, w3, w2, float(swiglu_limit), add, out_dtype, shared, plan)
     if plan["adq"]:
         xq = sx = fp8_round_trip(x, plan["round_trip"])
@@ -514,6 +544,7 @@ FAMILY = KernelFamily(
                                              "w2": WEIGHT_FORMATS, "shared": (*WEIGHT_FORMATS, *FLOATS)},
                                      dims={"w1[1]": Dim(0, None, 32)},
                                      extra=same_up_format)},
+    paths={"moe_experts": launch_path},
     tiles=TILES, tile_checks={"experts.BLOCK_M": GEMM_ROWS, "experts.BLOCK_N": SCALED, "experts.BLOCK_K": SCALED,
                               "experts.min_block_n": Tile(low=32, pow2=True, nullable=True, kind=int),
                               "experts.split_min_blocks": Tile(nullable=True, kind=int),

@@ -1,5 +1,6 @@
 """`flashrt tune` sweeps tiles (here under the Triton interpreter), keeps only correct winners, skips
 candidates that cannot run, and writes a loadable profile with the measured times as comments."""
+import contextlib
 import dataclasses
 
 import pytest
@@ -8,6 +9,10 @@ from flashrt import profiles, tune
 from flashrt.kernels_cuda.linear import pick_tile
 from flashrt.tune_spaces import SPACES, Space
 from kernel_check import requires_kernels
+
+
+def sp_size(params: dict) -> int:
+    return dataclasses.replace(next(iter(SPACES.values())), params=params, paths={}).size
 
 
 def _narrow(monkeypatch, name: str, **params) -> None:
@@ -117,11 +122,16 @@ def test_a_profile_with_more_rules_tunes_the_rule_its_case_lands_in(name):
 
 
 def test_spaces_are_bounded_and_name_real_tile_parameters():
+    import importlib
+
     for name, sp in SPACES.items():
         tiles = tune._module_tiles(sp.module)[sp.key]
         known = tiles[sp.rule][1] if sp.rule is not None else tiles
         assert set(sp.params) <= set(known), name
         assert sp.size <= 24, name
+        knobs = set(getattr(importlib.import_module(f"flashrt.kernels_cuda.{sp.module}"), "KNOBS", {}))
+        for path, params in sp.paths.items():  # a launch's knobs: the rule's tile keys or the family's knobs
+            assert params is None or (set(params) <= set(known) | knobs and 1 < sp_size(params) <= 24), (name, path)
     assert {"attention", "attention_split", "linear_decode", "linear_large", "moe_decode", "moe_prefill"} <= set(SPACES)
 
 
@@ -132,3 +142,69 @@ def test_unknown_kernel_and_bad_budget_are_named(capsys):
         tune.tune(["nope"])
     assert cli.main(["tune", "--out", "x.yaml", "--budget", "0"]) == 2
     assert "--budget: expected seconds > 0, got 0.0" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def _takes(module: str, op: str, path: str):
+    """The cuda family of ``module`` names ``path`` as the launch every ``op`` call takes (the family is a
+    frozen declaration: its table is swapped and put back)."""
+    from flashrt import dispatch
+
+    fam = dispatch.family(module, "cuda")
+    real = fam.paths
+    object.__setattr__(fam, "paths", {**real, op: lambda *args: path})
+    try:
+        yield
+    finally:
+        object.__setattr__(fam, "paths", real)
+
+
+@requires_kernels
+@pytest.mark.parametrize("path", ["qgmma", "gemv_mma"])
+def test_a_rule_space_sweeps_the_knobs_of_the_launch_its_case_takes(tmp_path, monkeypatch, path):
+    """Where the profile's rule sends the case to another launch than its MMA tile, the sweep varies that
+    launch's knobs (the MMA tile's would change nothing it runs) and writes the winner into the same rule."""
+    knob = {"qgmma": "qgmma_per_sm", "gemv_mma": "gemv_mma_per_sm"}[path]
+    sp = SPACES["linear_decode"]
+    monkeypatch.setitem(SPACES, "linear_decode", dataclasses.replace(sp, paths={**sp.paths, path: {knob: [2, 5]}}))
+    with _takes("linear", "linear", path), profiles.using("h200"):
+        base_rules = profiles.tiles("linear", tune._module_tiles("linear"))["linear"]
+        tuned, (r,) = tune.tune(["linear_decode"], small=True)
+    assert r["path"] == path and set(r["winner"]) == {knob} and r["rejected"] == r["failed"] == 0
+    assert r["candidates"] == 2 + (base_rules[r["rule"]][1].get(knob) not in (2, 5, None))
+    assert f"{path} launch" in tune.describe(r)
+    with profiles.using(tuned):
+        rules = profiles.tiles("linear", tune._module_tiles("linear"))["linear"]
+    assert rules[r["rule"]][1] == {**base_rules[r["rule"]][1], **r["winner"]}
+
+
+@requires_kernels
+def test_a_case_on_a_launch_without_tiles_is_not_swept():
+    with _takes("linear", "linear", "bf16_gemm"), profiles.using("h200"):
+        tuned, (r,) = tune.tune(["linear_large"], small=True)
+        assert tuned.tiles == profiles.active_profile().tiles
+    assert r["winner"] is None and r["candidates"] == 0 and "bf16_gemm launch" in r["notes"][0]
+    assert "no winner" in tune.describe(r)
+
+
+@requires_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 24, 4096])
+def test_linear_names_the_launch_it_takes(monkeypatch, rows):
+    """``launch_path`` (what tune reads) agrees with the launch ``linear`` runs, under the h200 profile's rules."""
+    import torch
+
+    from flashrt import formats
+    from flashrt.kernels_cuda import linear
+
+    ran = []
+    for name in ("_bf16_gemm", "_gemv"):
+        real = getattr(linear, name)
+        monkeypatch.setattr(linear, name, lambda *a, _r=real, _n=name: ran.append(_n) or _r(*a))
+    x = torch.randn(rows, 128).to(torch.bfloat16)
+    w = formats.quantize(torch.randn(64, 128) * 0.1, "fp8_w")
+    with profiles.using("h200"):
+        path = linear.launch_path(x, w)
+        linear.linear(x, w)
+    assert path in {"bf16_gemm", "gemv", "tile"}  # no Gluon launches under the interpreter
+    assert ran == ([f"_{path}"] if path != "tile" else []), (path, ran)
+    assert (path == "bf16_gemm") == (rows >= 4096)

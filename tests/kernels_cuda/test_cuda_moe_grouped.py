@@ -51,24 +51,18 @@ def test_grouped_equals_the_kernels(rng, launches, routed, shared_fmt, with_add)
 
 
 def test_the_threshold_and_dtype_pick_the_path(rng, launches):
-    """Mean pair rows per expert under the threshold, or fp32 x: the kernels run."""
+    """Mean pair rows per expert under the threshold, or fp32 x: the kernels run; ``launch_path`` (what
+    ``flashrt tune`` reads) names the launch taken each time."""
     args, shared = _case(rng, 4, 4, 2, 64, 32)  # 2 pair rows per expert
-    with pinned_tiles(moe=dict(grouped_min_rows=3)):
-        _cuda(args, shared=shared)
-    assert "_moe_up_kernel" in launches
-    launches.clear()
-    with pinned_tiles(moe=dict(grouped_min_rows=2)):
-        _cuda(args, shared=shared)
-    assert "_moe_up_kernel" not in launches
-    launches.clear()
     stacks = 3 * (4 + 1) * 32 * 64 * 2  # W1, W3, W2 of 4 experts + the shared one, bf16
-    with pinned_tiles(moe=dict(grouped_min_rows=2, grouped_max_bytes=stacks - 1)):
-        _cuda(args, shared=shared)
-    assert "_moe_up_kernel" in launches  # over the byte cap: the kernels
-    launches.clear()
-    with pinned_tiles(moe=dict(grouped_min_rows=2, grouped_max_bytes=stacks)):
-        _cuda(args, shared=shared)
-    assert "_moe_up_kernel" not in launches
+    for tiles, grouped in ((dict(grouped_min_rows=3), False), (dict(grouped_min_rows=2), True),
+                           (dict(grouped_min_rows=2, grouped_max_bytes=stacks - 1), False),  # over the byte cap
+                           (dict(grouped_min_rows=2, grouped_max_bytes=stacks), True)):
+        launches.clear()
+        with pinned_tiles(moe=tiles):
+            _cuda(args, shared=shared)
+            path = moe.launch_path(*args, shared=shared)
+        assert ("_moe_up_kernel" not in launches) == grouped and (path == "grouped") == grouped, (tiles, path)
     launches.clear()
     fp32 = (args[0].float(), *args[1:])
     with pinned_tiles(moe=GROUPED):
