@@ -19,8 +19,9 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
   9-40 rows an expert, row tiles of 32 + 16 rows);
 - ``stream4096``: ``experts4096`` under the experts rule's ``qgmma`` knob with 64-row tiles, one MMA in flight
   and 128 registers a thread (the activations streamed: kernels_cuda/moe_qgmma_stream.py);
-- ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192); ``linear4096``: of
-  4,096 rows, and ``linear4096q`` the same under the linear rule's ``qgmma`` knob, capped alike
+- ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192); ``linear16`` /
+  ``linear64``: of 16 / 64 rows (a decode batch's; the h200 profile's rules put them on the streamed fp8
+  warpgroup MMA with K split, kernels_cuda/linear_qgmma.py); ``linear4096``: of 4,096 rows, and ``linear4096q`` the same under the linear rule's ``qgmma`` knob, capped alike
   (kernels_cuda/linear_qgmma.py);
 - ``prefix``: ``prefix_attention`` of 16 rows x 512 queries over 512 entries at ``small``'s shapes
   (benchmarks/prefix_attention.py's case);
@@ -165,7 +166,8 @@ CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8),
          "experts1_kmajor": lambda: _experts(1, True), "experts8_kmajor": lambda: _experts(8, True),
          "qgmma1": lambda: _qgmma(1), "qgmma8": lambda: _qgmma(8), "experts4096": _experts_chunk,
          "experts1024": lambda: _experts_chunk(1024),
-         "stream4096": _stream4096, "linear1": lambda: _linear(1), "linear4096": lambda: _linear(4096),
+         "stream4096": _stream4096, "linear1": lambda: _linear(1), "linear16": lambda: _linear(16),
+         "linear64": lambda: _linear(64), "linear4096": lambda: _linear(4096),
          "linear4096q": _linear4096q, "prefix": _prefix,
          "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64),
          "hc1": _hc1, "attn64": _attn64}
