@@ -212,6 +212,9 @@
 #   gemvdq     fp8 linear over the activations' round trip on mma.sync (the gemv_mma_dq knob, up to 64 rows): the
 #              gemv_mma tests natively, then the released projections at 1-64 rows under the profile, the
 #              gemv_mma rule and its dq variants, against torch._scaled_mm: h200-gemv-dq-tests.log, h200-gemv-dq-v41.json
+#   topkslices  the row split at 8 and 64 rows of 128K and 1M with larger slices (16K / 32K / 64K entries: 1-8
+#              waves of scanning programs rather than the 2,048 of 4K slices that lost at 64 rows), chunks above L
+#              only (split_skip 32), L's top 16 bits, against the profile: h200-topk-slices-{profile,16384,32768,65536}.json
 #   tunepaths  flashrt tune over the linear and experts spaces (each sweeping the knobs of the launch its case takes
 #              under the profile; TUNE_BUDGET seconds, default 240): h200-tune-paths.yaml, h200-tune-paths.log
 #   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under a copy of the profile
@@ -1376,6 +1379,17 @@ phase_qgmmadecoderows() {  # qgmmadecodee2e; the streamed launch at 2-8 rows and
     "qgmma, 4 warps, 3 an SM, 3 stages, 168 registers" "qgmma, 4 warps, 4 an SM, 3 stages, 32 rows a program" \
     "qgmma, 4 warps, 3 an SM, 3 stages, 32 rows a program" --out "$OUT/h200-qgmma-decode-64-v41.json" \
     | grep -v 'moe_experts\|plain '
+}
+
+phase_topkslices() {  # the top-k row split with slices of 16K-64K entries at 8 and 64 rows
+  local s
+  python benchmarks/topk_radix.py --radix 1 --rows 8 64 --lengths 131072 1048576 \
+    --out "$OUT/h200-topk-slices-profile.json" | tail -n 4
+  for s in 16384 32768 65536; do
+    python benchmarks/topk_radix.py --radix 1 --rows 8 64 --lengths 131072 1048576 --select "{\"split_rows\": 64, \
+\"split_programs\": 0, \"split_slice\": $s, \"split_skip\": 32, \"split_bits\": 16}" \
+      --out "$OUT/h200-topk-slices-$s.json" | tail -n 4
+  done
 }
 
 phase_tunepaths() {  # flashrt tune's rule spaces, each on the launch its case takes under the profile
