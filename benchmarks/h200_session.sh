@@ -214,7 +214,8 @@
 #              gemv_mma rule and its dq variants, against torch._scaled_mm: h200-gemv-dq-tests.log, h200-gemv-dq-v41.json
 #   topkslices  the row split at 8 and 64 rows of 128K and 1M with larger slices (16K / 32K / 64K entries: 1-8
 #              waves of scanning programs rather than the 2,048 of 4K slices that lost at 64 rows), chunks above L
-#              only (split_skip 32), L's top 16 bits, against the profile: h200-topk-slices-{profile,16384,32768,65536}.json
+#              only (split_skip 32), L's top 16 bits, against the profile:
+#              h200-topk-slices-{profile,16384,32768,65536}.json
 #   tunepaths  flashrt tune over the linear and experts spaces (each sweeping the knobs of the launch its case takes
 #              under the profile; TUNE_BUDGET seconds, default 240): h200-tune-paths.yaml, h200-tune-paths.log
 #   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under a copy of the profile

@@ -178,9 +178,9 @@ def tune_kernel(name: str, base, dev, small: bool, step, deadline: float = float
     if skipped:
         notes.append(f"{skipped} candidates not tried: the time budget was spent")
     wrong = sum(why == "wrong" for _, _, why in tried)
-    return {"name": name, "module": sp.module, "key": sp.key, "rule": rule, "path": path, "winner": best, "ms": best_ms,
-            "untuned_ms": untuned, "untuned_note": untuned_why, "candidates": len(tried), "rejected": wrong,
-            "failed": len(tried) - len(ran) - wrong, "skipped": skipped, "notes": notes}
+    return {"name": name, "module": sp.module, "key": sp.key, "rule": rule, "path": path, "winner": best,
+            "ms": best_ms, "untuned_ms": untuned, "untuned_note": untuned_why, "candidates": len(tried),
+            "rejected": wrong, "failed": len(tried) - len(ran) - wrong, "skipped": skipped, "notes": notes}
 
 
 def tune(kernels=None, small: bool | None = None, progress=None, budget: float = DEFAULT_BUDGET_S):
@@ -196,11 +196,10 @@ def tune(kernels=None, small: bool | None = None, progress=None, budget: float =
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     small = dev.type != "cuda" if small is None else small
     base = profiles.active_profile()
-    sizes = {}
+    total = 0
     for k in kernels:  # the candidates of the launch each case takes (its case built once more for the sweep)
         params = space_params(base, SPACES[k], SPACES[k].case(dev, small))[1]
-        sizes[k] = 0 if params is None else len(candidates(base, SPACES[k], rule_index(base, SPACES[k], small), params))
-    total = sum(sizes.values())
+        total += 0 if params is None else len(candidates(base, SPACES[k], rule_index(base, SPACES[k], small), params))
     done, end = [0], time.monotonic() + budget
 
     def step():

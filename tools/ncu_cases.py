@@ -21,8 +21,8 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
   and 128 registers a thread (the activations streamed: kernels_cuda/moe_qgmma_stream.py);
 - ``linear1``: ``linear`` of one row through the released ``wo_b`` (fp8_w, 5120 x 8192); ``linear16`` /
   ``linear64``: of 16 / 64 rows (a decode batch's; the h200 profile's rules put them on the streamed fp8
-  warpgroup MMA with K split, kernels_cuda/linear_qgmma.py); ``linear4096``: of 4,096 rows, and ``linear4096q`` the same under the linear rule's ``qgmma`` knob, capped alike
-  (kernels_cuda/linear_qgmma.py);
+  warpgroup MMA with K split, kernels_cuda/linear_qgmma.py); ``linear4096``: of 4,096 rows, and
+  ``linear4096q`` the same under the linear rule's ``qgmma`` knob, capped alike (kernels_cuda/linear_qgmma.py);
 - ``prefix``: ``prefix_attention`` of 16 rows x 512 queries over 512 entries at ``small``'s shapes
   (benchmarks/prefix_attention.py's case);
 - ``quant_fp4_b16``: ``quantize_store`` of 131,072 bf16 rows of 512 into an fp4_b16 paged cache;

@@ -91,7 +91,8 @@ def cmd_compile(args) -> int:
     from flashrt.jit_triton import INTERPRET_ENV, interpreted
 
     archs = list(dict.fromkeys(parse_arch(a) for a in args.arch))
-    out = OutFile(args.out, "flashrt jit compile", json_report("archs", "models", "rows", "failed")) if args.out else None
+    out = (OutFile(args.out, "flashrt jit compile", json_report("archs", "models", "rows", "failed"))
+           if args.out else None)
     if out:
         out.check()  # before the compiles: a path it may not write fails now
     if interpreted():

@@ -71,7 +71,8 @@ def test_the_commands_recognize_their_own_outputs(tmp_path):
         tune.out_file(str(profile)).check()
 
 
-@pytest.mark.parametrize("argv", [["conformance"], ["tune"], ["bench", "kernels"], ["jit", "compile", "--arch", "sm_90"]])
+@pytest.mark.parametrize("argv", [["conformance"], ["tune"], ["bench", "kernels"],
+                                  ["jit", "compile", "--arch", "sm_90"]])
 def test_the_cli_refuses_a_foreign_out_file_before_any_work(tmp_path, argv):
     path = tmp_path / "notes.txt"
     text = f"my notes {random.random()}\n"
