@@ -208,3 +208,16 @@ def test_linear_names_the_launch_it_takes(monkeypatch, rows):
     assert path in {"bf16_gemm", "gemv", "tile"}  # no Gluon launches under the interpreter
     assert ran == ([f"_{path}"] if path != "tile" else []), (path, ran)
     assert (path == "bf16_gemm") == (rows >= 4096)
+
+
+@requires_kernels
+def test_the_untuned_time_is_the_profile_tiles_candidate(monkeypatch):
+    """The profile's own tiles are the first candidate: their time is the untuned time (not a second, noisier
+    timing), so a winner is never reported slower than the tiles it replaces."""
+    import random
+
+    times = []
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, gpu: times.append(random.uniform(1, 2)) or times[-1])
+    _narrow(monkeypatch, "quant", ELEMS=[2048, 4096], num_warps=[2, 4])
+    _, (r,) = tune.tune(["quant"], small=True)
+    assert len(times) == r["candidates"] and r["untuned_ms"] == times[0] and r["ms"] == min(times) <= r["untuned_ms"]
