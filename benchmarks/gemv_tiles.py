@@ -113,16 +113,19 @@ MMA_GEMV_VARIANTS.update(DQ_GEMV_VARIANTS)
 # the same on Hopper's fp8 warpgroup MMA, both operands streamed, K split to that many programs an SM (the linear
 # rule's ``qgmma`` and ``qgmma_per_sm`` knobs, kernels_cuda/linear_qgmma.py: 16 x warps weight rows and up to 64
 # activation rows a program, the activations' fp8 codes by a launch before it)
+# (two token groups: the 8 warps as two warpgroups side by side over the tokens of one 64-row weight tile)
 QGMMA_DECODE_VARIANTS = {f"qgmma, {w} warps, {p} an SM, {st} stages" + (", one MMA in flight" if fl == 1 else "")
-                         + (f", {t} rows a program" if t != 64 else "") + (f", {r} registers" if r else ""):
+                         + (f", {t} rows a program" if t != 64 else "") + (f", {r} registers" if r else "")
+                         + (", two token groups" if g == 2 else ""):
                          dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, qgmma=True,
                               qgmma_tokens=t, qgmma_warps=w, qgmma_stages=st, qgmma_inflight=fl, qgmma_per_sm=p,
-                              qgmma_maxnreg=r)
-                         for w, p, st, fl, t, r in ((4, 2, 3, 2, 64, None), (4, 3, 3, 2, 64, None), (4, 4, 3, 2, 64, None),
-                                                    (4, 2, 4, 2, 64, None), (8, 1, 3, 2, 64, None),
-                                                    (8, 2, 3, 2, 64, None), (4, 3, 3, 1, 64, None),
-                                                    (4, 3, 3, 2, 64, 168), (4, 4, 3, 2, 32, None),
-                                                    (4, 3, 3, 2, 32, None))}
+                              qgmma_maxnreg=r, qgmma_token_groups=g)
+                         for w, p, st, fl, t, r, g in (
+                             (4, 2, 3, 2, 64, None, 1), (4, 3, 3, 2, 64, None, 1), (4, 4, 3, 2, 64, None, 1),
+                             (4, 2, 4, 2, 64, None, 1), (8, 1, 3, 2, 64, None, 1), (8, 2, 3, 2, 64, None, 1),
+                             (4, 3, 3, 1, 64, None, 1), (4, 3, 3, 2, 64, 168, 1), (4, 4, 3, 2, 32, None, 1),
+                             (4, 3, 3, 2, 32, None, 1), (8, 2, 3, 2, 64, None, 2), (8, 3, 3, 2, 64, None, 2),
+                             (8, 2, 4, 2, 64, None, 2))}
 MMA_GEMV_VARIANTS.update(QGMMA_DECODE_VARIANTS)
 # label -> the experts cases' rule on mma.sync with the weight rows as its M (the experts' ``gemv_mma`` knob,
 # kernels_cuda/moe_mma.py: fp4_w words only, so with --expert-words; num_warps x 16 weight rows a program,

@@ -1378,7 +1378,8 @@ phase_qgmmadecoderows() {  # qgmmadecodee2e; the streamed launch at 2-8 rows and
     --out "$OUT/h200-qgmma-decode-rows-v41.json" | grep -v 'moe_experts\|plain '
   python benchmarks/gemv_tiles.py --model v4.1-flash --rows 32 64 --variants "qgmma, 4 warps, 2 an SM, 3 stages" \
     "qgmma, 4 warps, 3 an SM, 3 stages, 168 registers" "qgmma, 4 warps, 4 an SM, 3 stages, 32 rows a program" \
-    "qgmma, 4 warps, 3 an SM, 3 stages, 32 rows a program" --out "$OUT/h200-qgmma-decode-64-v41.json" \
+    "qgmma, 4 warps, 3 an SM, 3 stages, 32 rows a program" "qgmma, 8 warps, 2 an SM, 3 stages, two token groups" \
+    "qgmma, 8 warps, 3 an SM, 3 stages, two token groups" --out "$OUT/h200-qgmma-decode-64-v41.json" \
     | grep -v 'moe_experts\|plain '
 }
 

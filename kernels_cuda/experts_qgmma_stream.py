@@ -46,9 +46,12 @@ if AVAILABLE:
     from flashrt.kernels_cuda.experts_qgmma import _operand
 
     @gluon.constexpr_function
-    def rows_layout(TOKENS, num_warps):
-        """The accumulators' layout: ``num_warps / 4`` warpgroups' m64nTOKENS tiles of ``wgmma`` stacked along M."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, TOKENS, 32])
+    def rows_layout(TOKENS, num_warps, TOKEN_GROUPS=1):
+        """The accumulators' layout: ``num_warps / 4`` warpgroups' ``wgmma`` tiles, stacked along M (m64nTOKENS),
+        or with TOKEN_GROUPS 2 two warpgroups side by side over the tokens (each m64n(TOKENS / 2), one weight tile
+        of 64 rows)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // TOKEN_GROUPS, TOKEN_GROUPS],
+                                         instr_shape=[16, TOKENS // TOKEN_GROUPS, 32])
 
     @gluon.constexpr_function
     def weight_copy_layout(num_warps, FP8_W=False):
@@ -130,7 +133,7 @@ if AVAILABLE:
     @gluon.jit
     def loop(w_rows, s_rows, stride_sk, x_ptr, xs_ptr, tok, row_ok, stride_xm, stride_xsm, K,
              TOKENS: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr, num_warps: gl.constexpr,
-             FP8_W: gl.constexpr = False, INFLIGHT: gl.constexpr = 2):
+             FP8_W: gl.constexpr = False, INFLIGHT: gl.constexpr = 2, TOKEN_GROUPS: gl.constexpr = 1):
         """fp32 sums [16 * num_warps, TOKENS] (:func:`rows_layout`) over K of weight rows times a row tile's
         activations. ``w_rows``: int64-addressed pointers [ROWS] (``SliceLayout(1, weight_copy_layout)``)
         to each row's fp4_w bytes at K 0 (standard nibbles; the activations then in the MMA's order), or
@@ -140,9 +143,10 @@ if AVAILABLE:
         four blocks, or with KMAJOR bytes ``stride_sk`` apart); x: E4M3 codes [T, K] in the
         MMA's order within each block with fp32 scales xs [T, K / 32]; ``tok`` (int64 [TOKENS], any layout):
         the tile's rows of x, ``row_ok`` which lanes hold one. K a multiple of 128; STAGES >= 2 trips in the
-        ring; INFLIGHT block MMAs in flight (:func:`_trip`)."""
-        ROWS: gl.constexpr = 16 * num_warps
-        acc_l: gl.constexpr = rows_layout(TOKENS, num_warps)
+        ring; INFLIGHT block MMAs in flight (:func:`_trip`); TOKEN_GROUPS 2: the warpgroups split the tokens, not
+        the rows (:func:`rows_layout`; ``16 * num_warps / 2`` rows)."""
+        ROWS: gl.constexpr = 16 * num_warps // TOKEN_GROUPS
+        acc_l: gl.constexpr = rows_layout(TOKENS, num_warps, TOKEN_GROUPS)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
         cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
         wl: gl.constexpr = weight_copy_layout(num_warps, FP8_W)

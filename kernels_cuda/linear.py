@@ -83,12 +83,13 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # runs of whole trips to bring the programs nearest to this many an SM, the splits summed by each output tile's
 # last program (None: no split; for the few rows of a decode step, whose output tiles do not fill the SMs);
 # qgmma_min_weights: only weights of at least this many elements (N x K) take it, smaller ones the rule's other
-# knobs (None: every weight)
+# knobs (None: every weight); qgmma_token_groups 2: a program's warpgroups side by side over its tokens, one
+# weight tile of 64 rows (8 warps; half the accumulator a thread at 32-64 rows)
 KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False,
              gemv_rows=1, gemv_round_trip=False, gemv_shared_min_weights=None, max_weights=None, gemv_mma=False,
              gemv_mma_per_sm=8, gemv_mma_kw=4, gemv_mma_min_weights=None, gemv_mma_stages=4, gemv_mma_sub=4,
              gemv_mma_dq=False, qgmma=False, qgmma_tokens=64, qgmma_warps=8, qgmma_stages=3, qgmma_inflight=2,
-             qgmma_maxnreg=None, qgmma_per_sm=None, qgmma_min_weights=None)
+             qgmma_maxnreg=None, qgmma_per_sm=None, qgmma_min_weights=None, qgmma_token_groups=1)
 
 TILES = {
     "act_quant": dict(BLOCK_R=16, GROUPS=4, num_warps=4),
@@ -326,7 +327,8 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
         q = linear_qgmma.plan(m, n, k, dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"],
                                             num_warps=knobs["qgmma_warps"], GROUP=_tiles()["group_m"],
                                             INFLIGHT=knobs["qgmma_inflight"], maxnreg=knobs["qgmma_maxnreg"],
-                                            PER_SM=knobs["qgmma_per_sm"]), num_sms())
+                                            PER_SM=knobs["qgmma_per_sm"], TOKEN_GROUPS=knobs["qgmma_token_groups"]),
+                                  num_sms())
         if q is not None:
             return dict(q, qgmma=True, bf16_gemm=False, gemv=False)
     if knobs["gemv"] and fmt == "fp8_w":  # split K summed in the kernel unless split_reduce is False
@@ -510,6 +512,7 @@ TILE_CHECKS = {"act_quant.BLOCK_R": POW2, "act_quant.GROUPS": POW2, "linear.BLOC
                "*.qgmma_inflight": Tile(choices=(1, 2)),
                "*.qgmma_maxnreg": Tile(low=24, high=256, multiple=8, nullable=True, kind=int),
                "*.qgmma_per_sm": Tile(low=1, nullable=True, kind=int), "*.qgmma_min_weights": Tile(nullable=True, kind=int),
+               "*.qgmma_token_groups": Tile(choices=linear_qgmma.TOKEN_GROUPS),
                "round_trip.BLOCK_R": POW2, "round_trip.BLOCK_C": SCALED}
 
 

@@ -27,7 +27,8 @@ from flashrt.kernels_cuda.experts_qgmma_stream import AVAILABLE, TRIP_BLOCKS
 from flashrt.kernels_cuda.launch import TL_DTYPES, cdiv, next_pow2
 
 TOKENS = (16, 32, 64, 128)  # activation rows a program
-WARPS = (4, 8)  # warps a program: 64 or 128 weight rows
+WARPS = (4, 8)  # warps a program: 64 or 128 weight rows (TOKEN_GROUPS 1)
+TOKEN_GROUPS = (1, 2)  # warpgroups side by side over a program's tokens (2: 8 warps over 64 weight rows)
 TRIP = 32 * TRIP_BLOCKS  # K a trip of the loop
 
 if AVAILABLE:
@@ -41,15 +42,17 @@ if AVAILABLE:
     @gluon.jit
     def _kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, k_split, n_splits, stride_xm,
                 stride_xsm, stride_wn, stride_sn, stride_sk, stride_om, TOKENS: gl.constexpr, STAGES: gl.constexpr,
-                GROUP: gl.constexpr, INFLIGHT: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False):
+                GROUP: gl.constexpr, INFLIGHT: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
+                TOKEN_GROUPS: gl.constexpr = 1):
         """out [M, N] (its dtype) = x [M, K] @ W.T: x's E4M3 codes with fp32 block scales xs [M, K / 32], W's
         E4M3 bytes [N, K] with UE8M0 scale bytes [N / 32, K / 32] (``stride_sn`` / ``stride_sk`` apart).
         N a multiple of the program's rows, K and ``k_split`` of 128. ``program_id(1)`` is the K split; with
         REDUCE its fp32 partial goes to ``part`` [n_splits, M, N] and the output tile's last program (a
-        ticket of ``cnt``, one counter a tile) sums them into ``out``."""
+        ticket of ``cnt``, one counter a tile) sums them into ``out``. TOKEN_GROUPS 2: two warpgroups over one
+        weight tile of 64 rows, each half of the tokens."""
         wait_inputs()
-        ROWS: gl.constexpr = 16 * num_warps
-        acc_l: gl.constexpr = rows_layout(TOKENS, num_warps)
+        ROWS: gl.constexpr = 16 * num_warps // TOKEN_GROUPS
+        acc_l: gl.constexpr = rows_layout(TOKENS, num_warps, TOKEN_GROUPS)
         # GROUP activation tiles in a row over one weight tile, then the next weight tile
         pid = gl.program_id(0)
         tiles_m = gl.cdiv(M, TOKENS)
@@ -66,7 +69,7 @@ if AVAILABLE:
         acc = loop(w_ptr + (n0 + r).to(gl.int64) * stride_wn + k_lo,
                    ws_ptr + (rows // 32).to(gl.int64) * stride_sn + (k_lo // 32) * stride_sk, stride_sk, xq_ptr + k_lo,
                    xs_ptr + k_lo // 32, tok.to(gl.int64), tok < M, stride_xm, stride_xsm,
-                   gl.minimum(k_split, K - k_lo), TOKENS, STAGES, True, num_warps, True, INFLIGHT)
+                   gl.minimum(k_split, K - k_lo), TOKENS, STAGES, True, num_warps, True, INFLIGHT, TOKEN_GROUPS)
         # stored through shared memory: a thread's ROWS / 16 consecutive columns of one output row
         st: gl.constexpr = gl.BlockedLayout([ROWS // 16, 1], [16, 2], [1, num_warps], [0, 1])
         cols = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st))
@@ -83,12 +86,14 @@ if AVAILABLE:
 def plan(m: int, n: int, k: int, tile: dict, sms: int = 0) -> dict | None:
     """The launch of ``m`` rows over an [n, k] fp8_w weight under ``tile`` (``TOKENS``: activation rows a
     program at most, ``STAGES``, ``num_warps``, ``GROUP``, ``INFLIGHT``, ``maxnreg``: a register cap a thread
-    or None, ``PER_SM``: programs aimed at an SM by splitting K, or None for no split), or None where the tile
-    is not one the kernel takes, the ring is under two trips, K is not whole trips of 128 or the weight rows
-    not whole programs. ``sms``: the device's SMs (``PER_SM`` only)."""
-    rows = 16 * tile["num_warps"]
+    or None, ``PER_SM``: programs aimed at an SM by splitting K, or None for no split; ``TOKEN_GROUPS``, 1 or
+    2: warpgroups side by side over the tokens, 2 with 8 warps only), or None where the tile is not one the
+    kernel takes, the ring is under two trips, K is not whole trips of 128 or the weight rows not whole
+    programs. ``sms``: the device's SMs (``PER_SM`` only)."""
+    groups = tile.get("TOKEN_GROUPS", 1)
+    rows = 16 * tile["num_warps"] // groups
     if (tile["TOKENS"] not in TOKENS or tile["num_warps"] not in WARPS or tile["STAGES"] < 2
-            or k % TRIP or n % rows):
+            or k % TRIP or n % rows or groups not in TOKEN_GROUPS or rows < 64):
         return None
     tokens = min(tile["TOKENS"], max(TOKENS[0], next_pow2(m)))
     tiles = cdiv(m, tokens) * (n // rows)
@@ -104,6 +109,7 @@ def plan(m: int, n: int, k: int, tile: dict, sms: int = 0) -> dict | None:
     return dict(grid=(tiles, split), split=split, k_split=k_split, reduce=reduce,
                 constexprs=dict(TOKENS=tokens, STAGES=tile["STAGES"], GROUP=tile["GROUP"], INFLIGHT=tile["INFLIGHT"],
                                 num_warps=tile["num_warps"], **({"REDUCE": True} if reduce else {}),
+                                **({"TOKEN_GROUPS": groups} if groups > 1 else {}),
                                 **({"maxnreg": tile["maxnreg"]} if tile["maxnreg"] else {})))
 
 

@@ -8,7 +8,8 @@ tile's scale shared by a thread's rows). On an sm_90 GPU: against the reference 
 on fresh random inputs: rows that fill no tile or several (a partial last one), 4 and 8 warps, 32-128
 rows a program, rings of 2-4 trips, bf16 and fp32 x, scales row or K major, one or two MMAs in flight (with a
 register cap); and at a decode step's few rows with K split over programs (``qgmma_per_sm``), the
-splits summed by each output tile's last program."""
+splits summed by each output tile's last program, the warpgroups over the rows or side by side over the
+tokens (``qgmma_token_groups``)."""
 from __future__ import annotations
 
 import json
@@ -34,11 +35,11 @@ def _tiles(tokens=64, warps=8, stages=3, on=True, inflight=2, maxnreg=None, **li
             **linear_tiles}
 
 
-def _decode_tiles(warps=4, per_sm=2, stages=3, tokens=64, on=True, min_weights=None):
+def _decode_tiles(warps=4, per_sm=2, stages=3, tokens=64, on=True, min_weights=None, groups=1):
     """Rules with every launch of up to 64 rows (of weights from ``min_weights`` elements) on the streamed
-    launches, K split to ``per_sm`` programs an SM."""
+    launches, K split to ``per_sm`` programs an SM, the warpgroups in ``groups`` over the tokens."""
     rule = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, qgmma_per_sm=per_sm,
-                qgmma_min_weights=min_weights, **qgmma_knobs(on, tokens, warps, stages))
+                qgmma_min_weights=min_weights, **qgmma_knobs(on, tokens, warps, stages, qgmma_token_groups=groups))
     return {"linear": [[64, rule], [None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)]]}
 
 
@@ -72,17 +73,21 @@ def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
 
 
 @pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
-@pytest.mark.parametrize("m,n,k,warps,per_sm", [(16, 5120, 8192, 4, 2), (64, 1792, 5120, 8, 3), (3, 32768, 1536, 4, 2),
-                                                (40, 256, 640, 4, 4)])
-def test_a_decode_launch_splits_k_to_its_programs_an_sm(monkeypatch, m, n, k, warps, per_sm):
+@pytest.mark.parametrize("m,n,k,warps,per_sm,groups", [(16, 5120, 8192, 4, 2, 1), (64, 1792, 5120, 8, 3, 1),
+                                                       (3, 32768, 1536, 4, 2, 1), (40, 256, 640, 4, 4, 1),
+                                                       (64, 5120, 8192, 8, 2, 2), (24, 1792, 5120, 8, 3, 2)])
+def test_a_decode_launch_splits_k_to_its_programs_an_sm(monkeypatch, m, n, k, warps, per_sm, groups):
     """The rows a program are the least power of two from 16 holding the launch's; K goes in whole trips of
-    128 to about ``per_sm`` programs an SM (132 SMs here), no split empty, summed in the kernel."""
+    128 to about ``per_sm`` programs an SM (132 SMs here), no split empty, summed in the kernel. Two token
+    groups: 8 warps over 64 weight rows (4 warps cannot split)."""
     monkeypatch.setattr(lin, "num_sms", lambda: 132)
-    p = _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, per_sm))
-    assert p.get("qgmma")
+    p = _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, per_sm, groups=groups))
+    assert p.get("qgmma") and p["constexprs"].get("TOKEN_GROUPS", 1) == groups
+    if groups == 2:
+        assert not _plan(monkeypatch, m, n, k, tiles=_decode_tiles(4, per_sm, groups=2)).get("qgmma")
     tokens = p["constexprs"]["TOKENS"]
     assert tokens == max(16, 1 << (m - 1).bit_length())
-    tiles = -(-m // tokens) * (n // (16 * warps))
+    tiles = -(-m // tokens) * (n // (16 * warps // groups))
     trips = k // 128
     assert p["grid"] == (tiles, p["split"]) and p["k_split"] % 128 == 0
     assert (p["split"] - 1) * p["k_split"] < k <= p["split"] * p["k_split"]  # every split holds K, none empty
@@ -90,10 +95,10 @@ def test_a_decode_launch_splits_k_to_its_programs_an_sm(monkeypatch, m, n, k, wa
     if tiles * 2 <= 132 * per_sm:  # room for two splits a tile: K is split (a trip a split at least)
         assert p["split"] >= min(trips, 132 * per_sm // tiles) // 2
     assert p["reduce"] == (p["split"] > 1) == ("REDUCE" in p["constexprs"])
-    assert not _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, None))["reduce"]
+    assert not _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, None, groups=groups))["reduce"]
     # from qgmma_min_weights weight elements only: a smaller weight takes the rule's MMA tile
-    assert _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, per_sm, min_weights=n * k)).get("qgmma")
-    assert not _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, per_sm, min_weights=n * k + 1)).get("qgmma")
+    at_least = lambda w: _plan(monkeypatch, m, n, k, tiles=_decode_tiles(warps, per_sm, min_weights=w, groups=groups))
+    assert at_least(n * k).get("qgmma") and not at_least(n * k + 1).get("qgmma")
 
 
 @pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
@@ -115,19 +120,24 @@ def test_it_compiles_for_sm90_on_the_fp8_warpgroup_mma(tokens, warps, capped):
 
 
 @pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
-@pytest.mark.parametrize("rows", [16, 64])
-def test_the_decode_launch_compiles_for_sm90(rows):
+@pytest.mark.parametrize("rows,groups", [(16, 1), (64, 1), (32, 2), (64, 2)])
+def test_the_decode_launch_compiles_for_sm90(rows, groups):
     """K split, the splits' meeting in the kernel: the same K loop as the prefill launch (four fp8 MMAs a
-    trip, no spill), its scaling by the rows a program."""
-    r = next(r for r in sm90_compile("linear", "--B", str(rows), "--tiles", json.dumps(_decode_tiles()))
-             if r["kernel"] == "_kernel")
+    trip, no spill), its scaling by the rows a program; two token groups (8 warps over one 64-row weight
+    tile) halve a thread's accumulator and its scaling, and its registers against one group's 4 warps."""
+    compile_ = lambda g: next(r for r in sm90_compile("linear", "--B", str(rows), "--tiles",
+                                                      json.dumps(_decode_tiles(4 * g, groups=g)))
+                              if r["kernel"] == "_kernel")
+    r = compile_(groups)
     assert r["sass"]["HMMA"] == 0 and r["sass"]["QGMMA"] == 4 and r["stack_bytes"] == 0
     loop = r["mma_loop"]
     assert "LDL" not in loop["opcodes"] and "STL" not in loop["opcodes"]
     assert [lp["count"] for lp in loop["loops"]] == [4]
-    assert loop["opcodes"]["FFMA"] == 4 * rows // 2 and loop["opcodes"]["FMUL"] == 4 * rows // 4
-    assert loop["instructions"] < 4 * rows + 120
+    assert loop["opcodes"]["FFMA"] == 4 * rows // 2 // groups and loop["opcodes"]["FMUL"] == 4 * rows // 4 // groups
+    assert loop["instructions"] < 4 * rows // groups + 130  # the scaling, the copies and the ring's book-keeping
     assert r["sass"]["ATOMG"] >= 1  # the splits' ticket
+    if groups == 2:
+        assert r["registers"] < compile_(1)["registers"]
 
 
 def _case(rng, m, n, k, dtype=torch.bfloat16, k_major=False):
@@ -161,16 +171,19 @@ def test_against_the_reference_and_the_mma_tile(rng, m, n, k, tokens, warps, sta
 
 # (rows, out, in, warps, programs an SM, ring stages): K split into 1-trip to many-trip runs, rows under and
 # over a program's 16, a last split shorter than the others
-DECODE_CASES = [(1, 256, 1024, 4, 4, 3), (16, 512, 2048, 4, 2, 3), (9, 384, 1280, 4, 8, 2), (64, 256, 1536, 8, 2, 4),
-                (37, 1024, 640, 4, 3, 3)]
+# (and two token groups: 8 warps over 64 weight rows, at 17-64 rows and at a 16-row program's 8 a group)
+DECODE_CASES = [(1, 256, 1024, 4, 4, 3, 1), (16, 512, 2048, 4, 2, 3, 1), (9, 384, 1280, 4, 8, 2, 1),
+                (64, 256, 1536, 8, 2, 4, 1), (37, 1024, 640, 4, 3, 3, 1), (64, 512, 1536, 8, 2, 3, 2),
+                (37, 320, 1024, 8, 3, 2, 2), (12, 256, 640, 8, 4, 3, 2)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not QG_GPU, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("m,n,k,warps,per_sm,stages", DECODE_CASES)
-def test_decode_rows_with_k_split_against_the_reference_and_the_mma_tile(rng, m, n, k, warps, per_sm, stages):
+@pytest.mark.parametrize("m,n,k,warps,per_sm,stages,groups", DECODE_CASES)
+def test_decode_rows_with_k_split_against_the_reference_and_the_mma_tile(rng, m, n, k, warps, per_sm, stages,
+                                                                          groups):
     x, w = _case(rng, m, n, k)
-    tiles = _decode_tiles(warps, per_sm, stages)
+    tiles = _decode_tiles(warps, per_sm, stages, groups=groups)
     with pinned_tiles(linear=tiles):
         assert lin._linear_plan(m, n, k, torch.bfloat16, "fp8_w").get("qgmma")
     got, other, want = linear_three_ways(x, w, tiles, _decode_tiles(on=False))  # counters back at zero
