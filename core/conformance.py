@@ -16,9 +16,9 @@ import platform
 import torch
 
 from . import dispatch, memory_cap, ops, profiles
-from .out_files import OutFile, json_report
 from .dtypes import MAIN_KV_FORMAT
 from .formats import QTensor
+from .out_files import OutFile, json_report
 
 # op -> tolerance on max|got - want| / max|want| (selections compare exactly)
 TOLERANCE = {"quantize": 0.0, "dequantize": 0.0, "topk_positions": 0.0, "candidate_blocks": 0.0,

@@ -16,7 +16,9 @@ At a few rows (a decode step's 16-64) the output tiles do not fill the SMs: with
 splits K into runs of whole trips so that about that many programs run an SM (the weight bytes in flight
 are what bounds a launch there), and the splits of an output tile meet in its last program (the ticket of
 :mod:`.splitk`: fp32 partials summed in split order, deterministic). A program's activation rows are the
-least power of two from 16 that holds the launch's rows, up to ``TOKENS``.
+least power of two from 16 that holds the launch's rows, up to ``TOKENS``. With ``TOKEN_GROUPS`` 2 a program's
+two warpgroups sit side by side over its tokens on one 64-row weight tile (each ``wgmma m64n(TOKENS/2)k32``):
+half the accumulator and half the scaling a thread, for the 32-64 rows of a decode step.
 """
 from __future__ import annotations
 
