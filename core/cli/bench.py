@@ -10,13 +10,13 @@ from flashrt.out_files import OutFile, json_report
 def cmd_kernels(args) -> int:
     from flashrt.bench import cuda_missing, run_suite
 
+    why = cuda_missing()
+    if why:
+        raise ValueError(f"kernels: {why}; the suite times the CUDA kernels and their baselines on the device")
     out = (OutFile(args.out, "flashrt bench kernels", json_report("device", "ceilings", "rows", "errors"))
            if args.out else None)
     if out:
         out.check()  # before the suite: a path it may not write fails now
-    why = cuda_missing()
-    if why:
-        raise ValueError(f"kernels: {why}; the suite times the CUDA kernels and their baselines on the device")
     stream = sys.stderr if args.json else sys.stdout  # --json: stdout holds only the report
 
     def log(line: str) -> None:

@@ -118,6 +118,9 @@ def _fast_and_isolated(monkeypatch, tmp_path, cache_dir):
     monkeypatch.setattr(tune, "tune_kernel", no_timing)
 
 
+_OUT_FILES = itertools.count()
+
+
 def draw_args(data, command: tuple, table: dict, tmp_path) -> tuple[list[str], set[str]]:
     """An argument list for ``command`` and the options in it given invalid values."""
     argv, invalid = [], set()
@@ -135,7 +138,9 @@ def draw_args(data, command: tuple, table: dict, tmp_path) -> tuple[list[str], s
         elif isinstance(value, list):
             argv += [name, *value]
         else:
-            value = {"PREFIX_DIR": str(tmp_path / "prefix"), "OUT_FILE": str(tmp_path / "out.txt")}.get(value, value)
+            # a valid --out is a new file (another command's earlier output there is refused: core/out_files.py)
+            fresh = str(tmp_path / f"out-{next(_OUT_FILES)}.txt")
+            value = {"PREFIX_DIR": str(tmp_path / "prefix"), "OUT_FILE": fresh}.get(value, value)
             argv.append(f"{name}={value}")
     return argv, invalid
 

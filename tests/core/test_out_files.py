@@ -80,4 +80,7 @@ def test_the_cli_refuses_a_foreign_out_file_before_any_work(tmp_path, argv):
     r = subprocess.run([sys.executable, "-m", "flashrt.cli", *argv, "--out", str(path)], capture_output=True,
                        text=True, cwd="/", timeout=120)
     assert path.read_text() == text and "Traceback" not in r.stderr, r.stderr
+    if argv == ["bench", "kernels"] and "kernels: needs a CUDA device" in r.stderr:  # refused for that first
+        assert r.returncode == 2
+        return
     assert r.returncode == 2 and "--out: expected a new file or one an earlier" in r.stderr, r.stderr
