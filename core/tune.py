@@ -134,6 +134,14 @@ def space_params(base, sp: Space, case: tuple) -> tuple[str, dict | None]:
     return path, sp.params_for(path)
 
 
+def swept(base, name: str, small: bool, case: tuple) -> tuple[Space, str, int | None, dict | None]:
+    """(the space as swept, the launch its case takes, the rule swept, its parameters: None, nothing to sweep)."""
+    sp = SPACES[name]
+    path, params = space_params(base, sp, case)
+    sp = sp.for_path(path)
+    return sp, path, rule_index(base, sp, small), params
+
+
 def _try(fn, args, want, profile, gpu: bool) -> tuple[float, str | None]:
     """(median ms, None), or (inf, why) when the candidate is wrong or cannot run."""
     try:
@@ -147,11 +155,9 @@ def _try(fn, args, want, profile, gpu: bool) -> tuple[float, str | None]:
 
 
 def tune_kernel(name: str, base, dev, small: bool, step, deadline: float = float("inf")) -> dict:
-    sp = SPACES[name]
-    op, args = sp.case(dev, small)
+    op, args = SPACES[name].case(dev, small)
     fn, gpu = getattr(ops, op), dev.type == "cuda"
-    rule = rule_index(base, sp, small)
-    path, params = space_params(base, sp, (op, args))
+    sp, path, rule, params = swept(base, name, small, (op, args))
     if params is None:
         return {"name": name, "module": sp.module, "key": sp.key, "rule": rule, "path": path, "winner": None,
                 "ms": float("inf"), "untuned_ms": float("inf"), "untuned_note": None, "candidates": 0, "rejected": 0,
@@ -202,8 +208,8 @@ def tune(kernels=None, small: bool | None = None, progress=None, budget: float =
     base = profiles.active_profile()
     total = 0
     for k in kernels:  # the candidates of the launch each case takes (its case built once more for the sweep)
-        params = space_params(base, SPACES[k], SPACES[k].case(dev, small))[1]
-        total += 0 if params is None else len(candidates(base, SPACES[k], rule_index(base, SPACES[k], small), params))
+        sp, _, rule, params = swept(base, k, small, SPACES[k].case(dev, small))
+        total += 0 if params is None else len(candidates(base, sp, rule, params))
     done, end = [0], time.monotonic() + budget
 
     def step():
@@ -217,8 +223,8 @@ def tune(kernels=None, small: bool | None = None, progress=None, budget: float =
         results.append(tune_kernel(k, base, dev, small, step, time.monotonic() + share))
     tuned = base
     for r in results:
-        if r["winner"] is not None:
-            tuned = _with_tiles(tuned, SPACES[r["name"]], r["winner"], r["rule"])
+        if r["winner"] is not None:  # into the tiles the winner's launch reads
+            tuned = _with_tiles(tuned, SPACES[r["name"]].for_path(r["path"]), r["winner"], r["rule"])
     return tuned, results
 
 

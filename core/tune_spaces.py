@@ -12,7 +12,7 @@ stays a few minutes on an H200 (``flashrt tune --budget`` bounds it in any case)
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,10 +32,19 @@ class Space:
     # launch name (the family's ``paths``: the launch the case takes under the profile) -> the parameters that
     # launch reads, or None where it reads no tile (nothing to sweep); other launches sweep ``params``
     paths: Mapping[str, dict | None] = field(default_factory=dict)
+    # launch name -> the TILES key its ``paths`` parameters live in, where not ``key`` (a dict, not a rule list)
+    path_keys: Mapping[str, str] = field(default_factory=dict)
 
     def params_for(self, path: str) -> dict | None:
         """The parameters to sweep where the case takes launch ``path``."""
         return self.paths.get(path, self.params)
+
+    def for_path(self, path: str) -> Space:
+        """The space as swept where its case takes launch ``path``: its parameters, under their own TILES key
+        where they have one."""
+        if path not in self.path_keys:
+            return self
+        return replace(self, key=self.path_keys[path], rule=None, params=self.paths[path], paths={}, path_keys={})
 
     @property
     def size(self) -> int:
@@ -132,8 +141,12 @@ _MOE_PATHS = {
 SPACES = {
     # not swept: H_BLOCK below 64 (no wgmma, heavy spills), K_BLOCK 64 (spills or exceeds shared memory)
     # and the two-pass variant, all slower on the H200 (docs/performance.md, sparse_attention)
+    # the decode case of 8 queries: the plain kernel's tiles, or where the profile sends it to the warp-specialized
+    # kernel (tiles.attention.ws) its ring and overlap
     "attention": Space("attention", "attention", {"H_BLOCK": [64], "K_BLOCK": [16, 32], "num_warps": [4, 8],
-                                                  "num_stages": [2, 3], "D_SPLIT": [1, 2]}, _attention(8)),
+                                                  "num_stages": [2, 3], "D_SPLIT": [1, 2]}, _attention(8),
+                       paths={"ws": {"RAW_STAGES": [2, 3], "STAGES": [2, 3], "overlap": [False, True],
+                                     "CW": [128, 256]}}, path_keys={"ws": "ws"}),
     "attention_split": Space("attention", "split", {"programs": [0, 264], "min_blocks": [1, 2, 4],
                                                     "max_splits": [16, 32]}, _attention(1)),
     "linear_decode": Space("linear", "linear", {"BLOCK_N": [32, 64, 128], "BLOCK_K": [128, 256],

@@ -259,6 +259,20 @@ def _combine(pacc, pml, sink, out, splits: int) -> None:
                              **plan[1], **pdl.options(pacc.device))
 
 
+def _ws_aligned(q, segs) -> bool:
+    """The segments' rows aligned for the warp-specialized kernel (:func:`_aligned16`), looked at only where it
+    may take the launch (its tile on, bf16 q)."""
+    return bool(_tiles()["ws"]["enabled"]) and q.dtype == torch.bfloat16 and _aligned16(segs)
+
+
+def launch_path(q, kv, indices, sink, scale) -> str:
+    """The kernel :func:`sparse_attention` runs for these arguments under the active tiles: ``ws`` (the
+    warp-specialized kernel, tiles ``ws``) or ``plain`` (tiles ``attention``, ``split``); ``flashrt tune`` sweeps
+    the tiles of the one its case takes."""
+    segs = _segments(kv)
+    return "ws" if segs and _ws_fits(q, tuple(s[2] for s in segs), _ws_aligned(q, segs)) else "plain"
+
+
 def sparse_attention(q, kv, indices, sink, scale):
     B, S, H, D = q.shape
     parts = indices if isinstance(indices, tuple) else (indices,)
@@ -269,8 +283,7 @@ def sparse_attention(q, kv, indices, sink, scale):
     if not segs or min(B * S, H, K) == 0:
         return torch.zeros_like(q)
     codes = tuple(s[2] for s in segs)
-    # the rows' alignment only matters (and is only looked at) where the ws kernel may take the launch
-    aligned = bool(_tiles()["ws"]["enabled"]) and q.dtype == torch.bfloat16 and _aligned16(segs)
+    aligned = _ws_aligned(q, segs)
     key = (B, S, H, D, K, q.dtype, q.device, codes, sink is not None, aligned)
     plan = PLANS.lookup(key)[1]
     if plan is None:
@@ -364,5 +377,5 @@ FAMILY = KernelFamily(
     supports={"sparse_attention": Support(inputs={"q": PLAIN_DTYPES, "kv": PLAIN_DTYPES + tuple(FMT_CODES)},
                                           dims={"q[-1]": Dim(32, MAX_D, 32)}, extra=segments_fit)},
     tiles=TILES, tile_checks=TILE_CHECKS,
-    smem={"attention": _kv_tile_bytes, "attention_fp32": _kv_tile_bytes},
+    smem={"attention": _kv_tile_bytes, "attention_fp32": _kv_tile_bytes}, paths={"sparse_attention": launch_path},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases, description="sparse MQA attention over gathered, quantized KV rows")

@@ -130,8 +130,11 @@ def test_spaces_are_bounded_and_name_real_tile_parameters():
         assert set(sp.params) <= set(known), name
         assert sp.size <= 24, name
         knobs = set(getattr(importlib.import_module(f"flashrt.kernels_cuda.{sp.module}"), "KNOBS", {}))
-        for path, params in sp.paths.items():  # a launch's knobs: the rule's tile keys or the family's knobs
-            assert params is None or (set(params) <= set(known) | knobs and 1 < sp_size(params) <= 24), (name, path)
+        for path, params in sp.paths.items():  # a launch's knobs: the rule's tile keys or the family's knobs,
+            own = tune._module_tiles(sp.module).get(sp.path_keys.get(path), {})  # or those of its own key
+            assert params is None or (set(params) <= set(known) | knobs | set(own) and 1 < sp_size(params) <= 24), \
+                (name, path)
+        assert set(sp.path_keys) <= set(sp.paths), name
     assert {"attention", "attention_split", "linear_decode", "linear_large", "moe_decode", "moe_prefill"} <= set(SPACES)
 
 
@@ -221,3 +224,35 @@ def test_the_untuned_time_is_the_profile_tiles_candidate(monkeypatch):
     _narrow(monkeypatch, "quant", ELEMS=[2048, 4096], num_warps=[2, 4])
     _, (r,) = tune.tune(["quant"], small=True)
     assert len(times) == r["candidates"] and r["untuned_ms"] == times[0] and r["ms"] == min(times) <= r["untuned_ms"]
+
+
+@requires_kernels
+def test_a_launch_with_tiles_of_its_own_is_swept_there(monkeypatch):
+    """The attention case on the warp-specialized kernel sweeps ``tiles.attention.ws`` (not the plain kernel's
+    ``attention`` tiles) and the winner lands there alone."""
+    narrow = dataclasses.replace(SPACES["attention"], paths={"ws": {"RAW_STAGES": [2, 3]}})
+    monkeypatch.setitem(SPACES, "attention", narrow)
+    with _takes("attention", "sparse_attention", "ws"), profiles.using("h200"):
+        base = profiles.active_profile()
+        tuned, (r,) = tune.tune(["attention"], small=True)
+    assert r["path"] == "ws" and r["key"] == "ws" and set(r["winner"]) == {"RAW_STAGES"} and r["rejected"] == 0
+    with profiles.using(tuned):
+        ws = profiles.tiles("attention", tune._module_tiles("attention"))["ws"]
+        plain = profiles.tiles("attention", tune._module_tiles("attention"))["attention"]
+    with profiles.using(base):
+        assert plain == profiles.tiles("attention", tune._module_tiles("attention"))["attention"]
+        assert ws == {**profiles.tiles("attention", tune._module_tiles("attention"))["ws"], **r["winner"]}
+
+
+@requires_kernels
+def test_attention_names_the_kernel_it_takes():
+    """Under the interpreter the warp-specialized kernel never runs: ``plain``, whatever the profile."""
+    import torch
+
+    from flashrt.kernels_cuda import attention
+    from flashrt.tune_spaces import _attention
+
+    _, args = _attention(8)(torch.device("cpu"), True)
+    for name in ("h200", "cpu"):
+        with profiles.using(name):
+            assert attention.launch_path(*args) == "plain"
