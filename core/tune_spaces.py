@@ -4,9 +4,10 @@ Each :class:`Space` names the kernel module (``tiles.<module>`` in a profile), i
 rule for rule lists (``[[largest rows, tile], ...]``: ``linear``, ``moe`` experts) and the candidate
 values per parameter; the other parameters keep the profile's values. A case returns (op name,
 args): decode-sized on the GPU (the V4.1-Flash dims), tiny under the Triton interpreter
-(``small``). Where one rule holds the knobs of several launches (``linear``, ``moe`` experts), the
-space sweeps the knobs of the launch its case takes under the profile (its ``paths``; the kernel
-family's ``paths`` name that launch). Spaces are kept to at most 24 candidates so the whole sweep
+(``small``). Where a case may take one of several launches, each reading knobs of its own (``linear``
+and ``moe`` experts rules, the attention's plain and warp-specialized kernels), the space sweeps the
+knobs of the launch its case takes under the profile (its ``paths``, under their own TILES key where
+``path_keys`` names one; the kernel family's ``paths`` name that launch). Spaces are kept to at most 24 candidates so the whole sweep
 stays a few minutes on an H200 (``flashrt tune --budget`` bounds it in any case).
 """
 from __future__ import annotations
