@@ -216,8 +216,8 @@
 #              waves of scanning programs rather than the 2,048 of 4K slices that lost at 64 rows), chunks above L
 #              only (split_skip 32), L's top 16 bits, against the profile:
 #              h200-topk-slices-{profile,16384,32768,65536}.json
-#   tunepaths  flashrt tune over the linear and experts spaces (each sweeping the knobs of the launch its case takes
-#              under the profile; TUNE_BUDGET seconds, default 240): h200-tune-paths.yaml, h200-tune-paths.log
+#   tunepaths  flashrt tune over the attention, linear and experts spaces (each sweeping the knobs of the launch its
+#              case takes under the profile; TUNE_BUDGET seconds, default 240): h200-tune-paths.yaml, h200-tune-paths.log
 #   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under a copy of the profile
 #              as it was before its decode experts took qgmma (codes in words, qgmma off) and under the profile:
 #              h200-real-slice-qgmma-{off,on}.json, h200-e2e-qgmma-{words,qgmma}.json
@@ -1395,7 +1395,7 @@ phase_topkslices() {  # the top-k row split with slices of 16K-64K entries at 8 
 }
 
 phase_tunepaths() {  # flashrt tune's rule spaces, each on the launch its case takes under the profile
-  python -m flashrt.cli tune --kernels linear_decode linear_small linear_large moe_decode moe_prefill \
+  python -m flashrt.cli tune --kernels attention linear_decode linear_small linear_large moe_decode moe_prefill \
     --budget "${TUNE_BUDGET:-240}" --out "$OUT/h200-tune-paths.yaml" > "$OUT/h200-tune-paths.log" 2>&1
   grep -v '^tuning' "$OUT/h200-tune-paths.log" | tail -n 25
 }
