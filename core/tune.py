@@ -108,13 +108,20 @@ def _close(got, want) -> bool:
     return bool(torch.equal(torch.isfinite(g), fin)) and float((g[fin] - w[fin]).norm() / w[fin].norm().clamp_min(1e-30)) < 2e-2
 
 
+def _current_values(base, sp: Space, rule: int | None, params: dict) -> dict | None:
+    """The profile's values of every one of ``params`` (rule ``rule``'s for rule lists), or None where it
+    sets not all of them."""
+    current = {k: v for k, v in _current(base, sp, rule).items() if k in params}
+    return current if len(current) == len(params) else None
+
+
 def candidates(base, sp: Space, rule: int | None = None, params: dict | None = None) -> list[dict]:
     """The profile's current values (of rule ``rule`` for rule lists; None, the space's own index) first,
     then the grid of ``params`` (default: the space's MMA tile ``params``), without repeating them."""
     params = sp.params if params is None else params
-    current = {k: v for k, v in _current(base, sp, rule).items() if k in params}
+    current = _current_values(base, sp, rule, params)
     grid = [dict(zip(params, combo)) for combo in itertools.product(*params.values())]
-    return [current] + [c for c in grid if c != current] if len(current) == len(params) else grid
+    return [current] + [c for c in grid if c != current] if current is not None else grid
 
 
 def launch_path(base, sp: Space, case: tuple) -> str:
@@ -128,18 +135,11 @@ def launch_path(base, sp: Space, case: tuple) -> str:
         return path(*args)
 
 
-def space_params(base, sp: Space, case: tuple) -> tuple[str, dict | None]:
-    """(launch, the parameters to sweep: None where that launch reads no tile) of the space's case."""
-    path = launch_path(base, sp, case)
-    return path, sp.params_for(path)
-
-
 def swept(base, name: str, small: bool, case: tuple) -> tuple[Space, str, int | None, dict | None]:
     """(the space as swept, the launch its case takes, the rule swept, its parameters: None, nothing to sweep)."""
-    sp = SPACES[name]
-    path, params = space_params(base, sp, case)
-    sp = sp.for_path(path)
-    return sp, path, rule_index(base, sp, small), params
+    path = launch_path(base, SPACES[name], case)
+    sp = SPACES[name].for_path(path)
+    return sp, path, rule_index(base, sp, small), SPACES[name].params_for(path)
 
 
 def _try(fn, args, want, profile, gpu: bool) -> tuple[float, str | None]:
@@ -176,8 +176,7 @@ def tune_kernel(name: str, base, dev, small: bool, step, deadline: float = float
             if why:
                 notes.append(f"{values}: {why}")
         step()
-    current = {k: v for k, v in _current(base, sp, rule).items() if k in params}
-    if tried and len(current) == len(params) and tried[0][1] == current:  # the profile's tiles, timed first
+    if tried and tried[0][1] == _current_values(base, sp, rule, params):  # the profile's tiles, timed first
         untuned, untuned_why = tried[0][0], tried[0][2]
     else:
         untuned, untuned_why = _try(fn, args, want, base, gpu)

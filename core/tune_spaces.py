@@ -7,8 +7,9 @@ args): decode-sized on the GPU (the V4.1-Flash dims), tiny under the Triton inte
 (``small``). Where a case may take one of several launches, each reading knobs of its own (``linear``
 and ``moe`` experts rules, the attention's plain and warp-specialized kernels), the space sweeps the
 knobs of the launch its case takes under the profile (its ``paths``, under their own TILES key where
-``path_keys`` names one; the kernel family's ``paths`` name that launch). Spaces are kept to at most 24 candidates so the whole sweep
-stays a few minutes on an H200 (``flashrt tune --budget`` bounds it in any case).
+``path_keys`` names one; the kernel family's ``paths`` name that launch). Spaces are kept to at most 24
+candidates so the whole sweep stays a few minutes on an H200 (``flashrt tune --budget`` bounds it in any
+case).
 """
 from __future__ import annotations
 

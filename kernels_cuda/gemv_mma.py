@@ -197,8 +197,8 @@ if AVAILABLE:
                         out_ptr + ms_c.to(gl.int64)[None, :] * stride_om + rows_c[:, None], c_ok, cnt_ptr + tile,
                         split, n_splits, M * N)
         else:
-            gl.store(out_ptr + ms_c.to(gl.int64)[None, :] * stride_om + rows_c[:, None], acc.to(out_ptr.dtype.element_ty),
-                     mask=c_ok)
+            gl.store(out_ptr + ms_c.to(gl.int64)[None, :] * stride_om + rows_c[:, None],
+                     acc.to(out_ptr.dtype.element_ty), mask=c_ok)
 
 
 def operand_kw(kw: int) -> int:

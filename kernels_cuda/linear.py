@@ -381,8 +381,13 @@ def fp8_rows_bf16(x2: torch.Tensor) -> torch.Tensor:
 
 
 def _cached_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
+    """The plan of :func:`_linear_plan`, made once per key under the active tiles, with its launch (``path``)."""
     key = (m, n, k, dtype, fmt)
-    return PLANS.lookup(key)[1] or PLANS.store(key, _linear_plan(m, n, k, dtype, fmt))
+    plan = PLANS.lookup(key)[1]
+    if plan is None:
+        plan = _linear_plan(m, n, k, dtype, fmt)
+        plan = PLANS.store(key, {**plan, "path": _path(plan)})
+    return plan
 
 
 def _path(plan: dict) -> str:
@@ -401,7 +406,7 @@ def launch_path(x, weight, out_dtype=None) -> str:
         return "plain"
     n, k = weight.shape
     dtype = x.dtype if out_dtype in (None, x.dtype) else torch.float32
-    return _path(_cached_plan(x.numel() // k, n, k, dtype, weight.fmt))
+    return _cached_plan(x.numel() // k, n, k, dtype, weight.fmt)["path"]
 
 
 def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -421,7 +426,7 @@ def linear(x: torch.Tensor, weight: QTensor | torch.Tensor, out_dtype: torch.dty
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros(*x.shape[:-1], n)
     plan = _cached_plan(m, n, k, x.dtype, weight.fmt)
-    path = _path(plan)
+    path = plan["path"]
     if path == "bf16_gemm":
         return _bf16_gemm(x2, weight).view(*x.shape[:-1], n)
     if path == "gemv":

@@ -2,6 +2,7 @@
 candidates that cannot run, and writes a loadable profile with the measured times as comments."""
 import contextlib
 import dataclasses
+import math
 
 import pytest
 
@@ -9,10 +10,6 @@ from flashrt import profiles, tune
 from flashrt.kernels_cuda.linear import pick_tile
 from flashrt.tune_spaces import SPACES, Space
 from kernel_check import requires_kernels
-
-
-def sp_size(params: dict) -> int:
-    return dataclasses.replace(next(iter(SPACES.values())), params=params, paths={}).size
 
 
 def _narrow(monkeypatch, name: str, **params) -> None:
@@ -132,8 +129,9 @@ def test_spaces_are_bounded_and_name_real_tile_parameters():
         knobs = set(getattr(importlib.import_module(f"flashrt.kernels_cuda.{sp.module}"), "KNOBS", {}))
         for path, params in sp.paths.items():  # a launch's knobs: the rule's tile keys or the family's knobs,
             own = tune._module_tiles(sp.module).get(sp.path_keys.get(path), {})  # or those of its own key
-            assert params is None or (set(params) <= set(known) | knobs | set(own) and 1 < sp_size(params) <= 24), \
-                (name, path)
+            if params is not None:
+                assert set(params) <= set(known) | knobs | set(own), (name, path)
+                assert 1 < math.prod(map(len, params.values())) <= 24, (name, path)
         assert set(sp.path_keys) <= set(sp.paths), name
     assert {"attention", "attention_split", "linear_decode", "linear_large", "moe_decode", "moe_prefill"} <= set(SPACES)
 
@@ -245,14 +243,29 @@ def test_a_launch_with_tiles_of_its_own_is_swept_there(monkeypatch):
 
 
 @requires_kernels
-def test_attention_names_the_kernel_it_takes():
-    """Under the interpreter the warp-specialized kernel never runs: ``plain``, whatever the profile."""
+def test_attention_names_the_kernel_it_takes(monkeypatch):
+    """``launch_path`` follows the ws tile: on an sm_90 device (pretended here, the interpreter never runs Gluon)
+    the h200 profile's 8 queries of 64 heads x 512 take ``ws``; one query (under its min_queries), fp32 q, 16
+    heads or a profile without the kernel ``plain``."""
     import torch
 
+    from flashrt import ops
+    from flashrt.dtypes import MAIN_KV_FORMAT
     from flashrt.kernels_cuda import attention
-    from flashrt.tune_spaces import _attention
 
-    _, args = _attention(8)(torch.device("cpu"), True)
-    for name in ("h200", "cpu"):
-        with profiles.using(name):
-            assert attention.launch_path(*args) == "plain"
+    monkeypatch.setattr(attention, "interpreted", lambda: False)
+    monkeypatch.setattr(attention.attention_ws, "AVAILABLE", True)
+    monkeypatch.setattr(attention.jit_targets, "capability", lambda: (9, 0))
+
+    def args(B, H=64, dtype=torch.bfloat16):
+        kv = (ops.quantize(torch.randn(B, 8, 512), "fp8"), ops.quantize(torch.randn(B, 64, 512), MAIN_KV_FORMAT))
+        idx = torch.randint(0, 72, (B, 1, 24), dtype=torch.int32)
+        return torch.randn(B, 1, H, 512).to(dtype), kv, idx, torch.zeros(H), 512 ** -0.5
+
+    with profiles.using("h200"):
+        assert attention.launch_path(*args(8)) == "ws"
+        assert attention.launch_path(*args(1)) == "plain"
+        assert attention.launch_path(*args(8, dtype=torch.float32)) == "plain"
+        assert attention.launch_path(*args(8, H=16)) == "plain"
+    with profiles.using("cpu"):
+        assert attention.launch_path(*args(8)) == "plain"
