@@ -218,6 +218,10 @@
 #              h200-topk-slices-{profile,16384,32768,65536}.json
 #   tunepaths  flashrt tune over the attention, linear and experts spaces (each sweeping the knobs of the launch its
 #              case takes under the profile; TUNE_BUDGET seconds, default 240): h200-tune-paths.yaml, h200-tune-paths.log
+#   rowrules   the profile's 2-row and 3-8-row linear rules on the streamed fp8 launch and its top-k slices grown to
+#              keep 32 a row (split_min_slices): their GPU tests (h200-rowrules-tests.log), the released projections
+#              at 2-8 rows and top-k at 1-64 rows of 128K and 1M under the profile and a copy as before:
+#              h200-rowrules-linear-{before,now}.json, h200-rowrules-topk-{before,now}.json
 #   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under a copy of the profile
 #              as it was before its decode experts took qgmma (codes in words, qgmma off) and under the profile:
 #              h200-real-slice-qgmma-{off,on}.json, h200-e2e-qgmma-{words,qgmma}.json
@@ -1398,6 +1402,31 @@ phase_tunepaths() {  # flashrt tune's rule spaces, each on the launch its case t
   python -m flashrt.cli tune --kernels attention linear_decode linear_small linear_large moe_decode moe_prefill \
     --budget "${TUNE_BUDGET:-240}" --out "$OUT/h200-tune-paths.yaml" > "$OUT/h200-tune-paths.log" 2>&1
   grep -v '^tuning' "$OUT/h200-tune-paths.log" | tail -n 25
+}
+
+rowrules_before() {  # a copy of h200.yaml with the 2-row and 3-8-row linear rules and the top-k select as before them
+  profile_set h200-rowrules-before tiles.linear.linear.1 '[2, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256,
+    "num_warps": 4, "num_stages": 3, "split_min_blocks": 1, "gemv": true, "gemv_rows": 2, "gemv_round_trip": true,
+    "gemv_shared_min_weights": 16777216}]' \
+    tiles.linear.linear.2 '[8, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+    "split_min_blocks": 1, "gemv_mma": true, "gemv_mma_kw": 8, "gemv_mma_per_sm": 4, "gemv_mma_stages": 3,
+    "gemv_mma_min_weights": 8388608}]' tiles.topk.select.split_min_slices 0
+}
+
+phase_rowrules() {  # the 2-8-row linear rules on the streamed launch and the top-k slices grown, before and now
+  local off tag prof
+  timeout 200 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_linear_qgmma.py \
+    tests/kernels_cuda/test_cuda_topk.py -k "other_launches or split" > "$OUT/h200-rowrules-tests.log" 2>&1
+  tail -n 2 "$OUT/h200-rowrules-tests.log"
+  off=$(rowrules_before)
+  for tag in before now; do
+    prof=h200
+    [ "$tag" = before ] && prof=$off
+    FLASHRT_PROFILE=$prof python benchmarks/gemv_tiles.py --model v4.1-flash --rows 2 3 4 8 --variants profile \
+      --out "$OUT/h200-rowrules-linear-$tag.json" | grep -v 'moe_experts\|plain '
+    FLASHRT_PROFILE=$prof python benchmarks/topk_radix.py --radix 1 --rows 1 2 4 8 64 --lengths 131072 1048576 \
+      --out "$OUT/h200-rowrules-topk-$tag.json" | tail -n 10
+  done
 }
 
 phase_qgmmadecodeslice() {  # the real-dimension slice at 16 and 64 rows under the linear rules before and now

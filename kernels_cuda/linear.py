@@ -83,8 +83,9 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # runs of whole trips to bring the programs nearest to this many an SM, the splits summed by each output tile's
 # last program (None: no split; for the few rows of a decode step, whose output tiles do not fill the SMs);
 # qgmma_min_weights: only weights of at least this many elements (N x K) take it, smaller ones the rule's other
-# knobs (None: every weight); qgmma_token_groups 2: a program's warpgroups side by side over its tokens, one
-# weight tile of 64 rows (8 warps; half the accumulator a thread at 32-64 rows)
+# knobs (None: every weight; a rule with qgmma and gemv / gemv_mma tries qgmma first, the others where it declines);
+# qgmma_token_groups 2: a program's warpgroups side by side over its tokens, one weight tile of 64 rows (8 warps;
+# half the accumulator a thread at 32-64 rows)
 KNOBS = dict(min_block_n=None, split_min_blocks=4, split_per_sm=None, split_reduce=None, fp8_mma=None, gemv=False,
              gemv_rows=1, gemv_round_trip=False, gemv_shared_min_weights=None, max_weights=None, gemv_mma=False,
              gemv_mma_per_sm=8, gemv_mma_kw=4, gemv_mma_min_weights=None, gemv_mma_stages=4, gemv_mma_sub=4,
@@ -315,13 +316,6 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
     t, knobs = split_tile(pick_tile(_tiles()["linear"], m, n * k))
     big = _tiles()["bf16_gemm_min_rows"]
     bf16_gemm = big is not None and m >= big and fmt == "fp8_w" and dtype == torch.bfloat16
-    dq = bool(knobs["gemv_mma_dq"])
-    if (knobs["gemv_mma"] and fmt == "fp8_w" and m <= (gemv_mma.MAX_ROWS_DQ if dq else gemv_mma.MAX_ROWS)
-            and n * k >= (knobs["gemv_mma_min_weights"] or 0) and gemv_mma.AVAILABLE and mma_sync_device()):
-        return dict(gemv_mma.plan(m, n, k, dtype, dict(num_warps=t["num_warps"], per_sm=knobs["gemv_mma_per_sm"],
-                                                       KW=knobs["gemv_mma_kw"], STAGES=knobs["gemv_mma_stages"],
-                                                       SUB=knobs["gemv_mma_sub"]), num_sms(), dq),
-                    bf16_gemm=bf16_gemm, gemv=False, gemv_mma=True)
     if (knobs["qgmma"] and fmt == "fp8_w" and n * k >= (knobs["qgmma_min_weights"] or 0) and linear_qgmma.AVAILABLE
             and not INTERPRETED and jit_targets.capability() >= (9, 0)):
         q = linear_qgmma.plan(m, n, k, dict(TOKENS=knobs["qgmma_tokens"], STAGES=knobs["qgmma_stages"],
@@ -331,6 +325,13 @@ def _linear_plan(m: int, n: int, k: int, dtype: torch.dtype, fmt: str) -> dict:
                                   num_sms())
         if q is not None:
             return dict(q, qgmma=True, bf16_gemm=False, gemv=False)
+    dq = bool(knobs["gemv_mma_dq"])
+    if (knobs["gemv_mma"] and fmt == "fp8_w" and m <= (gemv_mma.MAX_ROWS_DQ if dq else gemv_mma.MAX_ROWS)
+            and n * k >= (knobs["gemv_mma_min_weights"] or 0) and gemv_mma.AVAILABLE and mma_sync_device()):
+        return dict(gemv_mma.plan(m, n, k, dtype, dict(num_warps=t["num_warps"], per_sm=knobs["gemv_mma_per_sm"],
+                                                       KW=knobs["gemv_mma_kw"], STAGES=knobs["gemv_mma_stages"],
+                                                       SUB=knobs["gemv_mma_sub"]), num_sms(), dq),
+                    bf16_gemm=bf16_gemm, gemv=False, gemv_mma=True)
     if knobs["gemv"] and fmt == "fp8_w":  # split K summed in the kernel unless split_reduce is False
         return dict(gemv.plan(m, n, k, dtype, t, knobs, _tiles()["split_k"], num_sms(),
                               knobs["split_reduce"] is not False), bf16_gemm=bf16_gemm, fused=True, fold=False)

@@ -64,12 +64,15 @@ TILES = {
     # program finds L and its last scanning program picks (two launches, not four); split_skip: a
     # scanning program reads only its slice's chunks whose max is >= L when there are at most this
     # many (0: the whole slice); split_programs: split only while the launch's scanning programs (rows
-    # times slices a row) are at most this many (0: no limit); split_bits: the exact top bits of a split
+    # times slices a row) are at most this many (0: no limit); split_min_slices: where they would be more, the
+    # slices grow (powers of two) until they are not, while a row keeps at least this many of them (0: the
+    # slices stay and the rows are not split; a slice with more chunks above L than split_skip is read
+    # whole, so few long slices of a row lose to the unsplit select); split_bits: the exact top bits of a split
     # row's L (0: bits), apart from bits so that setting it leaves the unsplit select's variants as they are
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
                "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096,
                "split_rows": 0, "split_slice": 4096, "split_slices": 256, "split_warps": 8,
-               "split_fused": True, "split_skip": 0, "split_programs": 0, "split_bits": 0},
+               "split_fused": True, "split_skip": 0, "split_programs": 0, "split_min_slices": 0, "split_bits": 0},
 }
 
 # Scan programs take their slices last first (tests: the blocks then reach the list out of
@@ -117,7 +120,7 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     summ = torch.empty(R, NC, dtype=torch.int32, device=src.device)  # coarse maxima, then their ids
     fine = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
     fids = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
-    slicing = _split_slices(T, tiles)  # (entries a slice, slices a row) were the rows split
+    slicing = _split_slices(T, R, tiles)  # (entries a slice, slices a row) were the rows split
     split = (coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]
              and (not tiles["split_programs"] or R * slicing[1] <= tiles["split_programs"]))
     radix, bits = tiles["radix_bits"], (split and tiles["split_bits"]) or tiles["bits"]
@@ -157,10 +160,16 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
                          **pdl.options(src.device))
 
 
-def _split_slices(T: int, tiles: dict) -> tuple[int, int]:
-    """(entries a slice, slices a row) of a split row of ``T`` entries: slices of ``split_slice``
-    entries, doubled while a row would take more than ``split_slices`` of them."""
-    slice_ = max(tiles["split_slice"], _pow2(cdiv(T, tiles["split_slices"])))
+def _split_slices(T: int, R: int, tiles: dict) -> tuple[int, int]:
+    """(entries a slice, slices a row) of ``R`` split rows of ``T`` entries: slices of ``split_slice``
+    entries, doubled while a row would take more than ``split_slices`` of them, and with
+    ``split_min_slices`` while the launch would take more than ``split_programs`` scanning programs,
+    as long as a row keeps that many (the caller then finds the launch within ``split_programs``)."""
+    most = tiles["split_slices"]
+    programs, least = tiles["split_programs"], tiles["split_min_slices"]
+    if programs and least and R * cdiv(T, tiles["split_slice"]) > programs and programs // R >= least:
+        most = min(most, 1 << ((programs // R).bit_length() - 1))  # a power of two at most programs // R
+    slice_ = max(tiles["split_slice"], _pow2(cdiv(T, most)))
     return slice_, cdiv(T, slice_)
 
 
@@ -232,6 +241,7 @@ FAMILY = KernelFamily(
                               "select.split_slice": POW2, "select.split_slices": POW2,
                               "select.split_rows": Tile(low=0, kind=int), "select.split_warps": WARPS,
                               "select.split_programs": Tile(low=0, kind=int),
+                              "select.split_min_slices": Tile(low=0, kind=int),
                               "select.split_skip": Tile(choices=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256)),
                               "select.bits": Tile(high=32), "select.split_bits": Tile(low=0, high=32),
                               "select.radix_bits": Tile(choices=(1, 2, 4, 8))},

@@ -73,6 +73,25 @@ def test_the_launcher_takes_it_where_it_can_run(monkeypatch):
 
 
 @pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
+@pytest.mark.parametrize("m", [2, 3, 8])
+def test_a_rule_with_other_launches_tries_it_first(monkeypatch, m):
+    """The h200 profile's 2-row and 3-8-row rules: the released projections (from 8M weight elements) take the
+    streamed launch before the rule's GEMV / ``gemv_mma``; a weight it declines (N not whole programs) goes on to
+    those, a smaller one too (2 rows) or to the MMA tile (3-8 rows, under ``gemv_mma_min_weights``)."""
+    from flashrt import profiles
+
+    monkeypatch.setattr(lin, "INTERPRETED", False)
+    other = "gemv" if m == 2 else "gemv_mma"
+    with profiles.using("h200"), jit_targets.targeting(ARCHS["sm_90"]):
+        for n, k, path in ((32768, 1280, "qgmma"), (5120, 8192, "qgmma"), (1792, 5120, "qgmma"),
+                           (5120 + 32, 8192, other), (1024, 4096, "gemv" if m == 2 else "tile")):
+            plan = lin._linear_plan(m, n, k, torch.bfloat16, "fp8_w")
+            assert lin._path(plan) == path, (m, n, k, lin._path(plan))
+            if path == "qgmma":  # 4 warps; K split where the output tiles are few (28 or 80; wq_b's 512 are not)
+                assert plan["constexprs"]["num_warps"] == 4 and (plan["split"] > 1) == (n < 32768), plan
+
+
+@pytest.mark.skipif(not lq.AVAILABLE, reason="needs Gluon")
 @pytest.mark.parametrize("m,n,k,warps,per_sm,groups", [(16, 5120, 8192, 4, 2, 1), (64, 1792, 5120, 8, 3, 1),
                                                        (3, 32768, 1536, 4, 2, 1), (40, 256, 640, 4, 4, 1),
                                                        (64, 5120, 8192, 8, 2, 2), (24, 1792, 5120, 8, 3, 2)])

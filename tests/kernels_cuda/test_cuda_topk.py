@@ -331,6 +331,21 @@ def test_topk_split_only_up_to_split_programs(monkeypatch, rng):
     assert launched == [(1, 256), (2, 256), (4, 100)]
 
 
+def test_topk_split_min_slices_grows_the_slices(monkeypatch, rng):
+    """With split_min_slices, a launch over split_programs scanning programs takes fewer, longer slices (powers
+    of two) so that it fits, while a row keeps at least that many; past that it is not split (the picks checked
+    against the reference's each time)."""
+    _force(monkeypatch, summary=16, small=128, list=512, split_rows=8, split_slice=32, split_slices=8,
+           split_programs=16, split_min_slices=4)
+    launched = []
+    real = topk._select_split
+    monkeypatch.setattr(topk, "_select_split",
+                        lambda *a, **kw: launched.append((a[0].shape[0], a[-1])) or real(*a, **kw))
+    for rows in (1, 2, 3, 4, 5):  # 8 slices of 32 a row of 256: 8, 16 programs; 24, 32 in 4 of 64; 5 rows not
+        _select(_scores("smooth", 1, rows, 256, rng)[0], 9)
+    assert launched == [(1, (32, 8)), (2, (32, 8)), (3, (64, 4)), (4, (64, 4))], launched
+
+
 def test_topk_decline_and_dispatch(monkeypatch, rng):
     assert topk.FAMILY.serves("topk_positions", torch.empty(1, 1, 2**30, device="meta"), 4, None) is not None
     assert topk.FAMILY.serves("topk_positions", torch.empty(1, 1, 9), 4, None) is None
