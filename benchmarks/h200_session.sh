@@ -218,6 +218,9 @@
 #              h200-topk-slices-{profile,16384,32768,65536}.json
 #   tunepaths  flashrt tune over the attention, linear and experts spaces (each sweeping the knobs of the launch its
 #              case takes under the profile; TUNE_BUDGET seconds, default 240): h200-tune-paths.yaml, h200-tune-paths.log
+#   topkrepro  the top-k split with 32 slices of 32K entries at 8 rows of 1M (41 us once, 145 us three times): the
+#              sequence of the run that gave 41 us and that row alone, every case's picks checked after its timing
+#              and its list lengths kept; the profile at 1-8 rows of 1M: h200-topk-repro-{sequence,alone,profile}.json
 #   rowrules   the profile's 2-row and 3-8-row linear rules on the streamed fp8 launch and its top-k slices grown to
 #              keep 32 a row (split_min_slices): their GPU tests (h200-rowrules-tests.log), the released projections
 #              at 2-8 rows and top-k at 1-64 rows of 128K and 1M under the profile and a copy as before:
@@ -1402,6 +1405,16 @@ phase_tunepaths() {  # flashrt tune's rule spaces, each on the launch its case t
   python -m flashrt.cli tune --kernels attention linear_decode linear_small linear_large moe_decode moe_prefill \
     --budget "${TUNE_BUDGET:-240}" --out "$OUT/h200-tune-paths.yaml" > "$OUT/h200-tune-paths.log" 2>&1
   grep -v '^tuning' "$OUT/h200-tune-paths.log" | tail -n 25
+}
+
+phase_topkrepro() {  # the 8 x 1M split in 32K slices: the run that gave 41 us again, that row alone, the profile
+  local sel='{"split_rows": 64, "split_programs": 0, "split_slice": 32768, "split_skip": 32, "split_bits": 16}'
+  python benchmarks/topk_radix.py --radix 1 --rows 8 64 --lengths 131072 1048576 --select "$sel" \
+    --out "$OUT/h200-topk-repro-sequence.json" | tail -n 4
+  python benchmarks/topk_radix.py --radix 1 --rows 8 --lengths 1048576 --select "$sel" \
+    --out "$OUT/h200-topk-repro-alone.json" | tail -n 1
+  python benchmarks/topk_radix.py --radix 1 --rows 1 2 4 8 --lengths 1048576 --out "$OUT/h200-topk-repro-profile.json" \
+    | tail -n 4
 }
 
 rowrules_before() {  # a copy of h200.yaml with the 2-row and 3-8-row linear rules and the top-k select as before them

@@ -5,12 +5,13 @@ the sort of its indices, one run.
         [--radix 1 2 4 8] [--summary N] [--select '{"group": 8192}']
 
 Rows of at most ``tiles.topk.select.summary`` (or ``registers``, the larger) entries are picked
-from their keys in registers after one search; longer rows go through a chunk summary and a candidate list. The select's two
-k-th-largest searches decide ``radix_bits`` bits a pass: up to 32 sequential block-wide
+from their keys in registers after one search; longer rows go through a chunk summary and a candidate
+list. The select's two k-th-largest searches decide ``radix_bits`` bits a pass: up to 32 sequential block-wide
 reductions at 1 bit (fewer where a pass counts exactly k keys, docs/kernels.md), 16 at 2, 8 at 4
 (each pass counts ``2**radix_bits`` thresholds at once), 4 256-bin histograms at 8
 (docs/performance.md, "topk_positions"). Each case's picks are checked
-equal to the baseline's first; times are CUDA-graph replays
+equal to the baseline's before and after its timing (the split's ticket counters back at zero after); times are
+CUDA-graph replays
 (``flashrt.timing.bench_ms``, each behind an L2 flush).
 """
 from __future__ import annotations
@@ -60,7 +61,7 @@ def main() -> None:
         ap.error(f"--select: expected a JSON object, got {args.select!r}")
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed")
-    from flashrt.kernels_cuda import topk
+    from flashrt.kernels_cuda import splitk, topk
 
     g, rows = torch.Generator(device="cuda").manual_seed(0), []
     summary = {**extra, **({} if args.summary is None else {"summary": args.summary})}
@@ -75,9 +76,18 @@ def main() -> None:
                     out = topk.topk_positions(scores, K)
                     match = bool(torch.equal(out.long(), want))
                     t = bench_ms(lambda: topk.topk_positions(scores, K))
+                    # the timed replays leave the split's ticket counters as they found them: picked again
+                    # after them, the same picks (a launch that left a ticket behind would pick early)
+                    after = bool(torch.equal(topk.topk_positions(scores, K).long(), want))
+                    after &= not bool(splitk.counters(scores.device).any())
+                    lists = torch.empty(R, dtype=torch.int32, device="cuda")  # list lengths; -3: a row's list
+                    topk.select_rows(scores.view(R, T), None, K, torch.empty(R, K, dtype=torch.int32, device="cuda"),
+                                     stats=lists)  # passed the register block (the one-program path took it)
                 row[f"radix{radix}_us"] = 1e3 * t.ms
                 row[f"radix{radix}_speedup"] = base.ms / t.ms
-                row[f"radix{radix}_match"] = match
+                row[f"radix{radix}_match"] = match and after
+                row[f"radix{radix}_match_after_timing"] = after
+                row[f"radix{radix}_list_lengths"] = sorted(set(lists.tolist()))[:16]
             rows.append(row)
             print(f"rows {R:3d} T {T:8d}: torch.topk+sort {row['torch_topk_sort_us']:8.1f} us  " + "  ".join(
                 f"radix {r}: {row[f'radix{r}_us']:7.1f} us ({row[f'radix{r}_speedup']:5.2f}x"
