@@ -220,9 +220,12 @@
 #              case takes under the profile; TUNE_BUDGET seconds, default 240): h200-tune-paths.yaml, h200-tune-paths.log
 #   topkrepro  the top-k split with 32 slices of 32K entries at 8 rows of 1M (41 us once, 145 us three times): the
 #              sequence of the run that gave 41 us and that row alone, every case's picks checked after its timing
-#              and its list lengths kept; the profile at 1-8 rows of 1M: h200-topk-repro-{sequence,alone,profile}.json
-#   rowrules   the profile's 2-row and 3-8-row linear rules on the streamed fp8 launch and its top-k slices grown to
-#              keep 32 a row (split_min_slices): their GPU tests (h200-rowrules-tests.log), the released projections
+#              and its list lengths kept; then the profile (several slices a program past 256 programs) against a
+#              copy without (split_min_programs 0):
+#              h200-topk-repro-{sequence,alone}.json, h200-topk-programs-{now,off}.json (1-8 rows of 1M)
+#   rowrules   the profile's 2-row and 3-8-row linear rules on the streamed fp8 launch and its top-k launches past
+#              256 scanning programs split with several slices a program (split_min_programs): their GPU tests
+#              (h200-rowrules-tests.log), the released projections
 #              at 2-8 rows and top-k at 1-64 rows of 128K and 1M under the profile and a copy as before:
 #              h200-rowrules-linear-{before,now}.json, h200-rowrules-topk-{before,now}.json
 #   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under a copy of the profile
@@ -1407,14 +1410,18 @@ phase_tunepaths() {  # flashrt tune's rule spaces, each on the launch its case t
   grep -v '^tuning' "$OUT/h200-tune-paths.log" | tail -n 25
 }
 
-phase_topkrepro() {  # the 8 x 1M split in 32K slices: the run that gave 41 us again, that row alone, the profile
+phase_topkrepro() {  # the 8 x 1M split in 32K slices again and alone; the profile's programs of several slices, on and off
   local sel='{"split_rows": 64, "split_programs": 0, "split_slice": 32768, "split_skip": 32, "split_bits": 16}'
   python benchmarks/topk_radix.py --radix 1 --rows 8 64 --lengths 131072 1048576 --select "$sel" \
     --out "$OUT/h200-topk-repro-sequence.json" | tail -n 4
   python benchmarks/topk_radix.py --radix 1 --rows 8 --lengths 1048576 --select "$sel" \
     --out "$OUT/h200-topk-repro-alone.json" | tail -n 1
-  python benchmarks/topk_radix.py --radix 1 --rows 1 2 4 8 --lengths 1048576 --out "$OUT/h200-topk-repro-profile.json" \
+  local off
+  off=$(profile_set h200-topk-programs-off tiles.topk.select.split_min_programs 0)
+  python benchmarks/topk_radix.py --radix 1 --rows 1 2 4 8 --lengths 1048576 --out "$OUT/h200-topk-programs-now.json" \
     | tail -n 4
+  FLASHRT_PROFILE=$off python benchmarks/topk_radix.py --radix 1 --rows 1 2 4 8 --lengths 1048576 \
+    --out "$OUT/h200-topk-programs-off.json" | tail -n 4
 }
 
 rowrules_before() {  # a copy of h200.yaml with the 2-row and 3-8-row linear rules and the top-k select as before them
@@ -1423,12 +1430,12 @@ rowrules_before() {  # a copy of h200.yaml with the 2-row and 3-8-row linear rul
     "gemv_shared_min_weights": 16777216}]' \
     tiles.linear.linear.2 '[8, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
     "split_min_blocks": 1, "gemv_mma": true, "gemv_mma_kw": 8, "gemv_mma_per_sm": 4, "gemv_mma_stages": 3,
-    "gemv_mma_min_weights": 8388608}]' tiles.topk.select.split_min_slices 0
+    "gemv_mma_min_weights": 8388608}]' tiles.topk.select.split_min_programs 0
 }
 
-phase_rowrules() {  # the 2-8-row linear rules on the streamed launch and the top-k slices grown, before and now
+phase_rowrules() {  # the 2-8-row linear rules on the streamed launch and top-k programs of several slices, before and now
   local off tag prof
-  timeout 200 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_linear_qgmma.py \
+  timeout 300 python -m pytest -q -n 4 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_linear_qgmma.py \
     tests/kernels_cuda/test_cuda_topk.py -k "other_launches or split" > "$OUT/h200-rowrules-tests.log" 2>&1
   tail -n 2 "$OUT/h200-rowrules-tests.log"
   off=$(rowrules_before)

@@ -64,15 +64,14 @@ TILES = {
     # program finds L and its last scanning program picks (two launches, not four); split_skip: a
     # scanning program reads only its slice's chunks whose max is >= L when there are at most this
     # many (0: the whole slice); split_programs: split only while the launch's scanning programs (rows
-    # times slices a row) are at most this many (0: no limit); split_min_slices: where they would be more, the
-    # slices grow (powers of two) until they are not, while a row keeps at least this many of them (0: the
-    # slices stay and the rows are not split; a slice with more chunks above L than split_skip is read
-    # whole, so few long slices of a row lose to the unsplit select); split_bits: the exact top bits of a split
+    # times programs a row) are at most this many (0: no limit); split_min_programs: where they would be more, a
+    # program scans several consecutive slices (a power of two, one after another) so that they are not, while a
+    # row keeps at least this many programs (0: such launches are not split); split_bits: the exact top bits of a split
     # row's L (0: bits), apart from bits so that setting it leaves the unsplit select's variants as they are
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
                "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096,
                "split_rows": 0, "split_slice": 4096, "split_slices": 256, "split_warps": 8,
-               "split_fused": True, "split_skip": 0, "split_programs": 0, "split_min_slices": 0, "split_bits": 0},
+               "split_fused": True, "split_skip": 0, "split_programs": 0, "split_min_programs": 0, "split_bits": 0},
 }
 
 # Scan programs take their slices last first (tests: the blocks then reach the list out of
@@ -120,9 +119,9 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
     summ = torch.empty(R, NC, dtype=torch.int32, device=src.device)  # coarse maxima, then their ids
     fine = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
     fids = torch.empty(R, NF, dtype=torch.int32, device=src.device) if F > 1 else summ
-    slicing = _split_slices(T, R, tiles)  # (entries a slice, slices a row) were the rows split
+    slicing = _split_slices(T, R, tiles)  # (entries a slice, slices a row, slices a program) were the rows split
     split = (coarse > 1 and R <= tiles["split_rows"] and T > tiles["split_slice"]
-             and (not tiles["split_programs"] or R * slicing[1] <= tiles["split_programs"]))
+             and (not tiles["split_programs"] or R * cdiv(slicing[1], slicing[2]) <= tiles["split_programs"]))
     radix, bits = tiles["radix_bits"], (split and tiles["split_bits"]) or tiles["bits"]
     assert radix in (1, 2, 4, 8) and bits % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {bits}"
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
@@ -160,29 +159,32 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
                          **pdl.options(src.device))
 
 
-def _split_slices(T: int, R: int, tiles: dict) -> tuple[int, int]:
-    """(entries a slice, slices a row) of ``R`` split rows of ``T`` entries: slices of ``split_slice``
-    entries, doubled while a row would take more than ``split_slices`` of them, and with
-    ``split_min_slices`` while the launch would take more than ``split_programs`` scanning programs,
-    as long as a row keeps that many (the caller then finds the launch within ``split_programs``)."""
-    most = tiles["split_slices"]
-    programs, least = tiles["split_programs"], tiles["split_min_slices"]
-    if programs and least and R * cdiv(T, tiles["split_slice"]) > programs and programs // R >= least:
-        most = min(most, 1 << ((programs // R).bit_length() - 1))  # a power of two at most programs // R
-    slice_ = max(tiles["split_slice"], _pow2(cdiv(T, most)))
-    return slice_, cdiv(T, slice_)
+def _split_slices(T: int, R: int, tiles: dict) -> tuple[int, int, int]:
+    """(entries a slice, slices a row, slices a program) of ``R`` split rows of ``T`` entries: slices of
+    ``split_slice`` entries, doubled while a row would take more than ``split_slices`` of them, one a program;
+    where that makes more than ``split_programs`` scanning programs, ``split_min_programs`` (or more) a row
+    with several slices each (a power of two), as long as that keeps the launch within ``split_programs``."""
+    slice_ = max(tiles["split_slice"], _pow2(cdiv(T, tiles["split_slices"])))
+    n = cdiv(T, slice_)
+    programs, least = tiles["split_programs"], tiles["split_min_programs"]
+    span = 1
+    if programs and least and R * n > programs and programs // R >= least:
+        span = _pow2(cdiv(n, programs // R))  # cdiv(n, span) <= programs // R programs a row
+    return slice_, n, span
 
 
 def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common, small,
                   mark, fused, slicing):
     """The select of rows split over programs, after the chunk-max pass (``fused``: whose last
     program of a row has found its ``L``; else ``_threshold_kernel`` finds it): every slice
-    (``slicing``: entries a slice, slices a row, :func:`_split_slices`) lists its candidates (``_scan_kernel``), then a row's picks come from its
+    (``slicing``: entries a slice, slices a row, slices a program: :func:`_split_slices`) lists its candidates
+    (``_scan_kernel``, a program scanning its slices in turn), then a row's picks come from its
     list, or from the one-program path when the list passes ``small`` (``_split_pick_kernel``;
     ``fused``: both in ``_scan_pick_kernel``, the row's last scanning program picking)."""
     R = src.shape[0]
     slices = tiles["split_slices"]
-    slice_, n_slices = slicing
+    slice_, n_slices, span = slicing
+    programs = cdiv(n_slices, span)  # scanning programs a row
     lkey = torch.empty_like(lst)
     starts = torch.empty(R, slices, dtype=torch.int32, device=src.device)
     launch = dict(num_warps=tiles["split_warps"], **pdl.options(src.device))
@@ -195,15 +197,18 @@ def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF
                   starts.stride(0), out.stride(0))
     skip = tiles["split_skip"]
     if fused:
-        _scan_pick_kernel[(R, n_slices)](*pick_args, splitk.counters(src.device), *pick_sizes,
-                                         REVERSED=_SCAN_REVERSED, SKIP=skip, **pick)
+        # several slices a program: held to 128 registers a thread, two programs of 8 warps an SM as with one slice
+        # a program (the loop over the slices otherwise lets the compiler take more)
+        cap = dict(maxnreg=128) if span > 1 else {}
+        _scan_pick_kernel[(R, programs)](*pick_args, splitk.counters(src.device), *pick_sizes,
+                                         REVERSED=_SCAN_REVERSED, SKIP=skip, SPAN=span, **pick, **cap)
         return
     _threshold_kernel[(R,)](summ, state, NC, k, summ.stride(0), SUMMARY=common["SUMMARY"], BITS=common["BITS"],
                             RADIX=common["RADIX"], **launch)
-    _scan_kernel[(R, n_slices)](src, cand, fine, lst, lkey, starts, state, T, NF, k, *rows, fine.stride(0),
+    _scan_kernel[(R, programs)](src, cand, fine, lst, lkey, starts, state, T, NF, k, n_slices, *rows, fine.stride(0),
                                 lst.stride(0), starts.stride(0), SLICE=slice_, C=common["C"], SKIP=skip,
                                 LIST=common["LIST"], SRC_KEYS=common["SRC_KEYS"], HAS_CAND=common["HAS_CAND"],
-                                REVERSED=_SCAN_REVERSED, **launch)
+                                REVERSED=_SCAN_REVERSED, SPAN=span, **launch)
     _split_pick_kernel[(R,)](*pick_args, *pick_sizes, **pick)
 
 
@@ -241,7 +246,7 @@ FAMILY = KernelFamily(
                               "select.split_slice": POW2, "select.split_slices": POW2,
                               "select.split_rows": Tile(low=0, kind=int), "select.split_warps": WARPS,
                               "select.split_programs": Tile(low=0, kind=int),
-                              "select.split_min_slices": Tile(low=0, kind=int),
+                              "select.split_min_programs": Tile(low=0, kind=int),
                               "select.split_skip": Tile(choices=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256)),
                               "select.bits": Tile(high=32), "select.split_bits": Tile(low=0, high=32),
                               "select.radix_bits": Tile(choices=(1, 2, 4, 8))},

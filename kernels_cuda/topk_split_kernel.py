@@ -104,26 +104,33 @@ def _append(pos, key, L, k, state, r, p, lst, lkey, starts, LIST: tl.constexpr):
 
 
 @triton.jit
-def _slice_index(REVERSED: tl.constexpr):
-    """This program's slice: program j of the row's axis, or ``n - 1 - j`` (``REVERSED``: blocks
-    reserved last slice first, as tests want them)."""
-    p = tl.program_id(1)
+def _scan_slices(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, n_slices, SLICE: tl.constexpr,
+                 C: tl.constexpr, SKIP: tl.constexpr, LIST: tl.constexpr, SRC_KEYS: tl.constexpr,
+                 HAS_CAND: tl.constexpr, REVERSED: tl.constexpr, SPAN: tl.constexpr):
+    """This program's ``SPAN`` consecutive slices of the row (:func:`_scan_slice` each, in turn): program j of
+    the row's axis scans slices ``j * SPAN ...``, or (``REVERSED``: blocks reserved last slice first, as tests
+    want them) program ``n - 1 - j``'s, the last first."""
+    q = tl.program_id(1)
     if REVERSED:
-        p = tl.num_programs(1) - 1 - p
-    return p
+        q = tl.num_programs(1) - 1 - q
+    for g in range(SPAN):
+        p = q * SPAN + (SPAN - 1 - g if REVERSED else g)
+        if p < n_slices:
+            _scan_slice(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, p, SLICE, C, SKIP, LIST, SRC_KEYS,
+                        HAS_CAND)
 
 
 # T and the row strides stay specialised (as in ``_chunk_max_kernel``): the slice's loads in vectors
-@triton.jit(do_not_specialize=("NF", "s_fine", "s_lst", "s_starts"))
-def _scan_kernel(src, cand, fine, lst, lkey, starts, state, T, NF, k, s_src, s_cand, s_fine, s_lst, s_starts,
-                 SLICE: tl.constexpr, C: tl.constexpr, SKIP: tl.constexpr, LIST: tl.constexpr,
-                 SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, REVERSED: tl.constexpr):
-    """Program (row, slice): :func:`_scan_slice`."""
+@triton.jit(do_not_specialize=("NF", "n_slices", "s_fine", "s_lst", "s_starts"))
+def _scan_kernel(src, cand, fine, lst, lkey, starts, state, T, NF, k, n_slices, s_src, s_cand, s_fine, s_lst,
+                 s_starts, SLICE: tl.constexpr, C: tl.constexpr, SKIP: tl.constexpr, LIST: tl.constexpr,
+                 SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr, REVERSED: tl.constexpr, SPAN: tl.constexpr):
+    """Program (row, ``SPAN`` slices): :func:`_scan_slices`."""
     wait_inputs()
     r = tl.program_id(0).to(tl.int64)
-    _scan_slice(src + r * s_src, cand + r * s_cand, fine + r * s_fine, lst + r * s_lst, lkey + r * s_lst,
-                starts + r * s_starts, state, T, NF, k, r, _slice_index(REVERSED), SLICE, C, SKIP, LIST, SRC_KEYS,
-                HAS_CAND)
+    _scan_slices(src + r * s_src, cand + r * s_cand, fine + r * s_fine, lst + r * s_lst, lkey + r * s_lst,
+                 starts + r * s_starts, state, T, NF, k, r, n_slices, SLICE, C, SKIP, LIST, SRC_KEYS, HAS_CAND,
+                 REVERSED, SPAN)
 
 
 @triton.jit
@@ -212,8 +219,8 @@ def _scan_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, state, out
                       LIST: tl.constexpr, SMALL: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr,
                       SLICE: tl.constexpr, SLICES: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr,
                       MARK: tl.constexpr, STATS: tl.constexpr, RADIX: tl.constexpr, REVERSED: tl.constexpr,
-                      SKIP: tl.constexpr):
-    """Program (row, slice): :func:`_scan_slice`; the row's last program to finish then picks
+                      SKIP: tl.constexpr, SPAN: tl.constexpr):
+    """Program (row, ``SPAN`` slices): :func:`_scan_slices`; the row's last program to finish then picks
     (:func:`_pick_row`) from the list the others have published."""
     wait_inputs()
     r = tl.program_id(0).to(tl.int64)
@@ -222,8 +229,8 @@ def _scan_pick_kernel(src, cand, summ, fine, fids, lst, lkey, starts, state, out
     lst += r * s_lst
     lkey += r * s_lst
     starts += r * s_starts
-    _scan_slice(src, cand, fine + r * s_fine, lst, lkey, starts, state, T, NF, k, r, _slice_index(REVERSED), SLICE, C,
-                SKIP, LIST, SRC_KEYS, HAS_CAND)
+    _scan_slices(src, cand, fine + r * s_fine, lst, lkey, starts, state, T, NF, k, r, n_slices, SLICE, C, SKIP, LIST,
+                 SRC_KEYS, HAS_CAND, REVERSED, SPAN)
     if splitk.last_ticket(tickets + r, tl.num_programs(1)):
         _pick_row(src, cand, summ + r * s_summ, fine + r * s_fine, fids + r * s_fine, lst, lkey, starts, state,
                   out + r * s_out, stats, r, T, NC, NF, k, width, n_slices, C, F, SUMMARY, BITS, LIST, SMALL, GROUP,

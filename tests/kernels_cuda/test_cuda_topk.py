@@ -331,19 +331,30 @@ def test_topk_split_only_up_to_split_programs(monkeypatch, rng):
     assert launched == [(1, 256), (2, 256), (4, 100)]
 
 
-def test_topk_split_min_slices_grows_the_slices(monkeypatch, rng):
-    """With split_min_slices, a launch over split_programs scanning programs takes fewer, longer slices (powers
-    of two) so that it fits, while a row keeps at least that many; past that it is not split (the picks checked
-    against the reference's each time)."""
-    _force(monkeypatch, summary=16, small=128, list=512, split_rows=8, split_slice=32, split_slices=8,
-           split_programs=16, split_min_slices=4)
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("reversed_", [False, True])
+def test_topk_split_min_programs_gives_programs_several_slices(fused, reversed_, monkeypatch, rng):
+    """With split_min_programs, a launch over split_programs scanning programs gives each program several
+    consecutive slices (a power of two, the last program's may run past the row) so that it fits, while a row
+    keeps at least that many programs; past that it is not split. The picks as the reference's each time (the
+    blocks of one program's slices reserved in turn, or last first), with candidates and as marks."""
+    _force(monkeypatch, summary=16, small=512, list=512, split_rows=8, split_slice=32, split_slices=8,
+           split_programs=16, split_min_programs=4, split_fused=fused)
+    monkeypatch.setattr(topk, "_SCAN_REVERSED", reversed_)
     launched = []
     real = topk._select_split
     monkeypatch.setattr(topk, "_select_split",
                         lambda *a, **kw: launched.append((a[0].shape[0], a[-1])) or real(*a, **kw))
-    for rows in (1, 2, 3, 4, 5):  # 8 slices of 32 a row of 256: 8, 16 programs; 24, 32 in 4 of 64; 5 rows not
-        _select(_scores("smooth", 1, rows, 256, rng)[0], 9)
-    assert launched == [(1, (32, 8)), (2, (32, 8)), (3, (64, 4)), (4, (64, 4))], launched
+    # rows of 8 slices of 32: 1-2 rows one slice a program; 3-4 rows 2 slices (4 programs a row); 5 rows not split;
+    # 7 slices a row (T = 200): 3-4 rows in 4 programs, the last one's second slice past the row
+    for rows, T in ((1, 256), (2, 256), (3, 256), (4, 256), (5, 256), (4, 200)):
+        scores = _scores("smooth", 1, rows, T, rng)[0]
+        cand = torch.rand(rows, T, generator=rng) < 0.8
+        assert (_select(scores, 9, cand) >= 0).all()
+        _same_marks(scores, 9, cand)
+    seen = sorted(set(launched))
+    assert seen == [(1, (32, 8, 1)), (2, (32, 8, 1)), (3, (32, 8, 2)), (4, (32, 7, 2)), (4, (32, 8, 2))], seen
+    assert not splitk.counters(torch.device(DEVICE)).any()
 
 
 def test_topk_decline_and_dispatch(monkeypatch, rng):
