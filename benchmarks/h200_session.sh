@@ -222,7 +222,8 @@
 #              sequence of the run that gave 41 us and that row alone, every case's picks checked after its timing
 #              and its list lengths kept; then the profile (several slices a program past 256 programs) against a
 #              copy without (split_min_programs 0):
-#              h200-topk-repro-{sequence,alone}.json, h200-topk-programs-{now,off}.json (1-8 rows of 1M)
+#              h200-topk-repro-{sequence,alone}.json, h200-topk-programs-{now,off}.json (1-8 rows of 1M); 16-64
+#              rows of 128K and 1M split down to 4 programs a row: h200-topk-programs-64.json
 #   rowrules   the profile's 2-row and 3-8-row linear rules on the streamed fp8 launch and its top-k launches past
 #              256 scanning programs split with several slices a program (split_min_programs): their GPU tests
 #              (h200-rowrules-tests.log), the released projections
@@ -1422,6 +1423,8 @@ phase_topkrepro() {  # the 8 x 1M split in 32K slices again and alone; the profi
     | tail -n 4
   FLASHRT_PROFILE=$off python benchmarks/topk_radix.py --radix 1 --rows 1 2 4 8 --lengths 1048576 \
     --out "$OUT/h200-topk-programs-off.json" | tail -n 4
+  python benchmarks/topk_radix.py --radix 1 --rows 16 32 64 --lengths 131072 1048576 \
+    --select '{"split_rows": 64, "split_min_programs": 4}' --out "$OUT/h200-topk-programs-64.json" | tail -n 6
 }
 
 rowrules_before() {  # a copy of h200.yaml with the 2-row and 3-8-row linear rules and the top-k select as before them
