@@ -346,7 +346,7 @@ def test_topk_split_min_programs_gives_programs_several_slices(fused, reversed_,
     monkeypatch.setattr(topk, "_select_split",
                         lambda *a, **kw: launched.append((a[0].shape[0], a[-1])) or real(*a, **kw))
     # rows of 8 slices of 32: 1-2 rows one slice a program; 3-4 rows 2 slices (4 programs a row); 5 rows not split;
-    # 7 slices a row (T = 200): 3-4 rows in 4 programs, the last one's second slice past the row
+    # 4 rows of 7 slices (T = 200): 4 programs a row, the last one's second slice past the row
     for rows, T in ((1, 256), (2, 256), (3, 256), (4, 256), (5, 256), (4, 200)):
         scores = _scores("smooth", 1, rows, T, rng)[0]
         cand = torch.rand(rows, T, generator=rng) < 0.8
