@@ -223,7 +223,8 @@
 #              and its list lengths kept; then the profile (several slices a program past 256 programs) against a
 #              copy without (split_min_programs 0):
 #              h200-topk-repro-{sequence,alone}.json, h200-topk-programs-{now,off}.json (1-8 rows of 1M); 16-64
-#              rows of 128K and 1M split down to 4 programs a row: h200-topk-programs-64.json
+#              rows of 128K and 1M split down to 4 programs a row: h200-topk-programs-64.json; the chunk-max pass
+#              with 2K-8K entries a program and 4 or 8 warps at 8 and 64 rows: h200-topk-chunkmax-B-wW.json
 #   rowrules   the profile's 2-row and 3-8-row linear rules on the streamed fp8 launch and its top-k launches past
 #              256 scanning programs split with several slices a program (split_min_programs): their GPU tests
 #              (h200-rowrules-tests.log), the released projections
@@ -1425,6 +1426,13 @@ phase_topkrepro() {  # the 8 x 1M split in 32K slices again and alone; the profi
     --out "$OUT/h200-topk-programs-off.json" | tail -n 4
   python benchmarks/topk_radix.py --radix 1 --rows 16 32 64 --lengths 131072 1048576 \
     --select '{"split_rows": 64, "split_min_programs": 4}' --out "$OUT/h200-topk-programs-64.json" | tail -n 6
+  local b w
+  for b in 2048 4096 8192; do
+    for w in 4 8; do
+      python benchmarks/topk_radix.py --radix 1 --rows 8 64 --lengths 131072 1048576 \
+        --chunk-max "{\"block\": $b, \"num_warps\": $w}" --out "$OUT/h200-topk-chunkmax-$b-w$w.json" | tail -n 4
+    done
+  done
 }
 
 rowrules_before() {  # a copy of h200.yaml with the 2-row and 3-8-row linear rules and the top-k select as before them

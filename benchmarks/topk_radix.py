@@ -2,7 +2,7 @@
 the sort of its indices, one run.
 
     python benchmarks/topk_radix.py --out F [--rows 1 8 64] [--lengths 2048 4096 131072 1048576]
-        [--radix 1 2 4 8] [--summary N] [--select '{"group": 8192}']
+        [--radix 1 2 4 8] [--summary N] [--select '{"group": 8192}'] [--chunk-max '{"block": 8192}']
 
 Rows of at most ``tiles.topk.select.summary`` (or ``registers``, the larger) entries are picked
 from their keys in registers after one search; longer rows go through a chunk summary and a candidate
@@ -29,12 +29,15 @@ from results_io import write_json
 K = 512
 
 
-def with_select(**select):
-    """The active profile with ``tiles.topk.select`` updated by ``select``."""
+def with_select(chunk_max=None, **select):
+    """The active profile with ``tiles.topk.select`` updated by ``select`` (and ``tiles.topk.chunk_max`` by
+    ``chunk_max``)."""
     p = profiles.active_profile()
     tiles = dict(p.tiles)
     topk = dict(tiles.get("topk") or {})
     topk["select"] = {**(topk.get("select") or {}), **select}
+    if chunk_max:
+        topk["chunk_max"] = {**(topk.get("chunk_max") or {}), **chunk_max}
     tiles["topk"] = topk
     return dataclasses.replace(p, tiles=tiles)
 
@@ -51,14 +54,13 @@ def main() -> None:
     ap.add_argument("--select", default="{}", metavar="JSON",
                     help="more tiles.topk.select entries for every case, e.g. '{\"group\": 8192}' (the "
                          "elements a step of the list's loops)")
+    ap.add_argument("--chunk-max", default="{}", metavar="JSON",
+                    help="tiles.topk.chunk_max entries for every case, e.g. '{\"block\": 8192, \"num_warps\": 8}' "
+                         "(the entries a program of the chunk-max pass reads, its warps)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    try:
-        extra = json.loads(args.select)
-    except json.JSONDecodeError as e:
-        ap.error(f"--select: expected a JSON object, got {args.select!r} ({e})")
-    if not isinstance(extra, dict):
-        ap.error(f"--select: expected a JSON object, got {args.select!r}")
+    extra, chunk_max = (_json_object(ap, name, text) for name, text in (("--select", args.select),
+                                                                         ("--chunk-max", args.chunk_max)))
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed")
     from flashrt.kernels_cuda import splitk, topk
@@ -72,7 +74,7 @@ def main() -> None:
             base = bench_ms(lambda: torch.topk(scores, K).indices.sort(-1))
             row = {"rows": R, "T": T, "k": K, "torch_topk_sort_us": 1e3 * base.ms}
             for radix in args.radix:
-                with profiles.using(with_select(radix_bits=radix, **summary)):
+                with profiles.using(with_select(chunk_max, radix_bits=radix, **summary)):
                     out = topk.topk_positions(scores, K)
                     match = bool(torch.equal(out.long(), want))
                     t = bench_ms(lambda: topk.topk_positions(scores, K))
@@ -94,7 +96,18 @@ def main() -> None:
                 f"{'' if row[f'radix{r}_match'] else ', WRONG'})" for r in args.radix), flush=True)
             del scores, want
     write_json(args.out, {"device": torch.cuda.get_device_name(), "summary": args.summary, "select": extra,
-                          "rows": rows})
+                          "chunk_max": chunk_max, "rows": rows})
+
+
+def _json_object(ap, name: str, text: str) -> dict:
+    """``text`` parsed as a JSON object, or the parser's error naming ``name``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        ap.error(f"{name}: expected a JSON object, got {text!r} ({e})")
+    if not isinstance(value, dict):
+        ap.error(f"{name}: expected a JSON object, got {text!r}")
+    return value
 
 
 if __name__ == "__main__":
