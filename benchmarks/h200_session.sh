@@ -225,6 +225,9 @@
 #              h200-topk-repro-{sequence,alone}.json, h200-topk-programs-{now,off}.json (1-8 rows of 1M); 16-64
 #              rows of 128K and 1M split down to 4 programs a row: h200-topk-programs-64.json; the chunk-max pass
 #              with 2K-8K entries a program and 4 or 8 warps at 8 and 64 rows: h200-topk-chunkmax-B-wW.json
+#   tunecheck  what `flashrt tune` picked on its own experts cases (4 warps; 2 stages for prefill), at the released
+#              dimensions beside the profile: 4,096 tokens (64 + 16-row tiles) and 2,048 (32 + 16):
+#              h200-tunecheck-moe-{4096,2048}.json
 #   rowrules   the profile's 2-row and 3-8-row linear rules on the streamed fp8 launch and its top-k launches past
 #              256 scanning programs split with several slices a program (split_min_programs): their GPU tests
 #              (h200-rowrules-tests.log), the released projections
@@ -1433,6 +1436,14 @@ phase_topkrepro() {  # the 8 x 1M split in 32K slices again and alone; the profi
         --chunk-max "{\"block\": $b, \"num_warps\": $w}" --out "$OUT/h200-topk-chunkmax-$b-w$w.json" | tail -n 4
     done
   done
+}
+
+phase_tunecheck() {  # tune's experts winners (4 warps) at the released dimensions, beside the profile
+  local b="bf16 streamed" c="128 registers"
+  timeout 200 python benchmarks/moe_prefill_tiles.py --variants "$b, 64+16-row tiles, 4 warps, 2 stages, $c" \
+    "$b, 64+16-row tiles, 4 warps, 3 stages, $c" --out "$OUT/h200-tunecheck-moe-4096.json"
+  timeout 150 python benchmarks/moe_prefill_tiles.py --tokens 2048 --variants "$b, 32+16-row tiles, 4 warps, 3 stages, $c" \
+    "$b, 32+16-row tiles, 8 warps, 3 stages, $c" --out "$OUT/h200-tunecheck-moe-2048.json"
 }
 
 rowrules_before() {  # a copy of h200.yaml with the 2-row and 3-8-row linear rules and the top-k select as before them

@@ -73,6 +73,11 @@ for _first, _second, _stages in ((64, 16, 4), (64, 32, 3), (64, 32, 4), (64, 16,
     VARIANTS[f"bf16 streamed, {_first}+{_second}-row tiles, 8 warps, {_stages} stages, 128 registers"] = dict(
         VARIANTS["bf16 streamed, 64-row tiles, 8 warps, 4 stages, 128 registers"], qgmma_tokens=_first,
         qgmma_stages=_stages, qgmma_tokens2=_second)
+# the same with 4 warps (64 weight rows a program): what `flashrt tune` picked on its own experts case
+for _first, _second, _stages in ((64, 16, 2), (64, 16, 3), (32, 16, 3)):
+    VARIANTS[f"bf16 streamed, {_first}+{_second}-row tiles, 4 warps, {_stages} stages, 128 registers"] = dict(
+        VARIANTS[f"bf16 streamed, {_first}+16-row tiles, 8 warps, 3 stages, 128 registers"], qgmma_warps=4,
+        qgmma_stages=_stages)
 
 
 def experts(cfg, tokens: int, dev, g):
