@@ -225,6 +225,8 @@
 #              h200-topk-repro-{sequence,alone}.json, h200-topk-programs-{now,off}.json (1-8 rows of 1M); 16-64
 #              rows of 128K and 1M split down to 4 programs a row: h200-topk-programs-64.json; the chunk-max pass
 #              with 2K-8K entries a program and 4 or 8 warps at 8 and 64 rows: h200-topk-chunkmax-B-wW.json
+#   rowrulesslice  the real-dimension slice at batch 2, 4 and 8 under the copy rowrules compares and the profile:
+#              h200-real-slice-rowrules-{off,on}.json
 #   tunecheck  what `flashrt tune` picked on its own experts cases (4 warps; 2 stages for prefill), at the released
 #              dimensions beside the profile: 4,096 tokens (64 + 16-row tiles) and 2,048 (32 + 16):
 #              h200-tunecheck-moe-{4096,2048}.json
@@ -1436,6 +1438,10 @@ phase_topkrepro() {  # the 8 x 1M split in 32K slices again and alone; the profi
         --chunk-max "{\"block\": $b, \"num_warps\": $w}" --out "$OUT/h200-topk-chunkmax-$b-w$w.json" | tail -n 4
     done
   done
+}
+
+phase_rowrulesslice() {  # the real-dimension slice at batch 2, 4 and 8 under the rules before rowrules' and now
+  slice_off_on rowrules "$(rowrules_before)" h200 2 4 8
 }
 
 phase_tunecheck() {  # tune's experts winners (4 warps) at the released dimensions, beside the profile
