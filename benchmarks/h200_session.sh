@@ -218,13 +218,11 @@
 #              h200-topk-slices-{profile,16384,32768,65536}.json
 #   tunepaths  flashrt tune over the attention, linear and experts spaces (each sweeping the knobs of the launch its
 #              case takes under the profile; TUNE_BUDGET seconds, default 240): h200-tune-paths.yaml, h200-tune-paths.log
-#   topkrepro  the top-k split with 32 slices of 32K entries at 8 rows of 1M (41 us once, 145 us three times): the
-#              sequence of the run that gave 41 us and that row alone, every case's picks checked after its timing
-#              and its list lengths kept; then the profile (several slices a program past 256 programs) against a
-#              copy without (split_min_programs 0):
-#              h200-topk-repro-{sequence,alone}.json, h200-topk-programs-{now,off}.json (1-8 rows of 1M); 16-64
-#              rows of 128K and 1M split down to 4 programs a row: h200-topk-programs-64.json; the chunk-max pass
-#              with 2K-8K entries a program and 4 or 8 warps at 8 and 64 rows: h200-topk-chunkmax-B-wW.json
+#   topkrepro  the top-k split with 32 slices of 32K entries at 8 rows of 1M (its one fast run against the slow ones,
+#              docs/performance.md): the sequence of the run that was fast and that row alone, every case's picks
+#              checked after its timing and its list lengths kept; 16-64 rows of 128K and 1M split down to 4
+#              programs a row; the chunk-max pass with 2K-8K entries a program and 4 or 8 warps at 8 and 64 rows:
+#              h200-topk-repro-{sequence,alone}.json, h200-topk-programs-64.json, h200-topk-chunkmax-B-wW.json
 #   rowrulesslice  the real-dimension slice at batch 2, 4 and 8 under the copy rowrules compares and the profile:
 #              h200-real-slice-rowrules-{off,on}.json
 #   tunecheck  what `flashrt tune` picked on its own experts cases (4 warps; 2 stages for prefill), at the released
@@ -232,9 +230,8 @@
 #              h200-tunecheck-moe-{4096,2048}.json
 #   rowrules   the profile's 2-row and 3-8-row linear rules on the streamed fp8 launch and its top-k launches past
 #              256 scanning programs split with several slices a program (split_min_programs): their GPU tests
-#              (h200-rowrules-tests.log), the released projections
-#              at 2-8 rows and top-k at 1-64 rows of 128K and 1M under the profile and a copy as before:
-#              h200-rowrules-linear-{before,now}.json, h200-rowrules-topk-{before,now}.json
+#              (h200-rowrules-tests.log), then the released projections at 2-8 rows and top-k at 1-64 rows of 128K
+#              and 1M under the profile and a copy as before: h200-rowrules-{linear,topk}-{before,now}.json
 #   qgmmaslice  the real-dimension slice at batch 1, 8 and 64 and small's captured decode under a copy of the profile
 #              as it was before its decode experts took qgmma (codes in words, qgmma off) and under the profile:
 #              h200-real-slice-qgmma-{off,on}.json, h200-e2e-qgmma-{words,qgmma}.json
@@ -1417,18 +1414,12 @@ phase_tunepaths() {  # flashrt tune's rule spaces, each on the launch its case t
   grep -v '^tuning' "$OUT/h200-tune-paths.log" | tail -n 25
 }
 
-phase_topkrepro() {  # the 8 x 1M split in 32K slices again and alone; the profile's programs of several slices, on and off
+phase_topkrepro() {  # the 8 x 1M split in 32K slices again and alone; 16-64 rows split; the chunk-max pass's tiles
   local sel='{"split_rows": 64, "split_programs": 0, "split_slice": 32768, "split_skip": 32, "split_bits": 16}'
   python benchmarks/topk_radix.py --radix 1 --rows 8 64 --lengths 131072 1048576 --select "$sel" \
     --out "$OUT/h200-topk-repro-sequence.json" | tail -n 4
   python benchmarks/topk_radix.py --radix 1 --rows 8 --lengths 1048576 --select "$sel" \
     --out "$OUT/h200-topk-repro-alone.json" | tail -n 1
-  local off
-  off=$(profile_set h200-topk-programs-off tiles.topk.select.split_min_programs 0)
-  python benchmarks/topk_radix.py --radix 1 --rows 1 2 4 8 --lengths 1048576 --out "$OUT/h200-topk-programs-now.json" \
-    | tail -n 4
-  FLASHRT_PROFILE=$off python benchmarks/topk_radix.py --radix 1 --rows 1 2 4 8 --lengths 1048576 \
-    --out "$OUT/h200-topk-programs-off.json" | tail -n 4
   python benchmarks/topk_radix.py --radix 1 --rows 16 32 64 --lengths 131072 1048576 \
     --select '{"split_rows": 64, "split_min_programs": 4}' --out "$OUT/h200-topk-programs-64.json" | tail -n 6
   local b w
