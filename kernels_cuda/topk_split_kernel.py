@@ -14,6 +14,10 @@ from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda.pdl import wait_inputs
 from flashrt.kernels_cuda.topk_kernel import _MIN, _kth_largest, _load_keys, _pad, _select_long, _store_chunk_max
 
+# A program's slices are scanned together (one gather, one reservation) while their chunk maxima, this many,
+# fit a block in registers beside the keys
+_SPAN_CHUNKS = tl.constexpr(2048)
+
 
 @triton.jit
 def _find_threshold(summ, state, NC, k, r, SUMMARY: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr):
@@ -86,20 +90,34 @@ def _append_slice(src, cand, L, T, k, state, r, p, lst, lkey, starts, SLICE: tl.
 
 
 @triton.jit
-def _append(pos, key, L, k, state, r, p, lst, lkey, starts, LIST: tl.constexpr):
-    """Slice ``p``'s entries (``pos`` ascending, ``key`` MIN where not an entry): those with
-    ``key > L`` and the first ``k`` with ``key == L`` appended to the row's list (positions in
-    ``lst``, keys in ``lkey``) at an offset reserved from the list's length (``state[r, 1]``); the
-    offset goes to ``starts[p]``. Blocks land in the list in whatever order the programs reserve them."""
+def _keep(key, L, k):
+    """Of entries in position order (``key`` MIN where not an entry): those with ``key > L`` and the
+    first ``k`` with ``key == L`` (the pick takes at most ``k`` ties, the first by position)."""
     eq = (key == L) & (key != _MIN)
     if tl.sum(eq.to(tl.int32)) > k:  # more ties than can be picked: the first k (a scan only here)
         eq = eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < k)
-    keep = (key > L) | eq
-    start = tl.atomic_add(state + 2 * r + 1, tl.sum(keep.to(tl.int32)))
+    return (key > L) | eq
+
+
+@triton.jit
+def _publish(pos, key, keep, start, lst, lkey, LIST: tl.constexpr):
+    """The kept entries written in order to the list from offset ``start`` (those past its end dropped:
+    the pick then takes the one-program path, the list's length telling it so)."""
     dst = start + tl.cumsum(keep.to(tl.int32), 0) - 1
     ok = keep & (dst < LIST)
     tl.store(lst + dst, pos, mask=ok)
     tl.store(lkey + dst, key, mask=ok)
+
+
+@triton.jit
+def _append(pos, key, L, k, state, r, p, lst, lkey, starts, LIST: tl.constexpr):
+    """Slice ``p``'s entries (``pos`` ascending, ``key`` MIN where not an entry): :func:`_keep`'s
+    appended to the row's list (positions in ``lst``, keys in ``lkey``) at an offset reserved from the
+    list's length (``state[r, 1]``); the offset goes to ``starts[p]``. Blocks land in the list in
+    whatever order the programs reserve them."""
+    keep = _keep(key, L, k)
+    start = tl.atomic_add(state + 2 * r + 1, tl.sum(keep.to(tl.int32)))
+    _publish(pos, key, keep, start, lst, lkey, LIST)
     tl.store(starts + p, start)
 
 
@@ -107,17 +125,74 @@ def _append(pos, key, L, k, state, r, p, lst, lkey, starts, LIST: tl.constexpr):
 def _scan_slices(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, n_slices, SLICE: tl.constexpr,
                  C: tl.constexpr, SKIP: tl.constexpr, LIST: tl.constexpr, SRC_KEYS: tl.constexpr,
                  HAS_CAND: tl.constexpr, REVERSED: tl.constexpr, SPAN: tl.constexpr):
-    """This program's ``SPAN`` consecutive slices of the row (:func:`_scan_slice` each, in turn): program j of
-    the row's axis scans slices ``j * SPAN ...``, or (``REVERSED``: blocks reserved last slice first, as tests
-    want them) program ``n - 1 - j``'s, the last first."""
+    """This program's ``SPAN`` consecutive slices of the row: program j of the row's axis scans slices
+    ``j * SPAN ...``, or (``REVERSED``: blocks reserved last slice first, as tests want them) program
+    ``n - 1 - j``'s. Where ``SKIP`` applies and the span's chunk maxima fit ``_SPAN_CHUNKS``, all at once when no
+    slice has more than ``SKIP`` chunks at or above ``L`` (:func:`_scan_span`); else each in turn
+    (:func:`_scan_each`)."""
     q = tl.program_id(1)
     if REVERSED:
         q = tl.num_programs(1) - 1 - q
+    if SKIP > 0 and SPAN > 1 and SPAN * (SLICE // C) <= _SPAN_CHUNKS:
+        L = tl.load(state + 2 * r)
+        CH: tl.constexpr = SLICE // C
+        p = q * SPAN + tl.arange(0, SPAN)
+        chunk = p[:, None] * CH + tl.arange(0, CH)[None, :]
+        hit = (tl.load(fine + chunk, mask=chunk < NF, other=_MIN) >= tl.maximum(L, _MIN + 1)).to(tl.int32)
+        n_hit = tl.sum(hit, axis=1)
+        if tl.max(n_hit, 0) <= SKIP:
+            _scan_span(src, cand, lst, lkey, starts, state, T, k, r, p, L, hit, n_hit, n_slices, C, SKIP, LIST,
+                       SRC_KEYS, HAS_CAND, SPAN, CH)
+        else:
+            _scan_each(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, q, n_slices, SLICE, C, SKIP, LIST,
+                       SRC_KEYS, HAS_CAND, REVERSED, SPAN)
+    else:
+        _scan_each(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, q, n_slices, SLICE, C, SKIP, LIST,
+                   SRC_KEYS, HAS_CAND, REVERSED, SPAN)
+
+
+@triton.jit
+def _scan_each(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, q, n_slices, SLICE: tl.constexpr,
+               C: tl.constexpr, SKIP: tl.constexpr, LIST: tl.constexpr, SRC_KEYS: tl.constexpr,
+               HAS_CAND: tl.constexpr, REVERSED: tl.constexpr, SPAN: tl.constexpr):
+    """Program ``q``'s ``SPAN`` slices one after another (:func:`_scan_slice`), the last first where ``REVERSED``."""
     for g in range(SPAN):
         p = q * SPAN + (SPAN - 1 - g if REVERSED else g)
         if p < n_slices:
             _scan_slice(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, p, SLICE, C, SKIP, LIST, SRC_KEYS,
                         HAS_CAND)
+
+
+@triton.jit
+def _scan_span(src, cand, lst, lkey, starts, state, T, k, r, p, L, hit, n_hit, n_slices, C: tl.constexpr,
+               SKIP: tl.constexpr, LIST: tl.constexpr, SRC_KEYS: tl.constexpr, HAS_CAND: tl.constexpr,
+               SPAN: tl.constexpr, CH: tl.constexpr):
+    """Slices ``p`` (``SPAN`` consecutive ones) at once, each with at most ``SKIP`` of its ``CH`` chunks at or
+    above ``L`` (``hit`` [SPAN, CH], ``n_hit`` a slice): those chunks' keys read in one gather, each slice's
+    kept entries (as :func:`_keep` keeps a slice's) appended with one reservation, the span's slices one block
+    each, consecutive in the list (``starts`` of each: the reservation plus the slices' before it).
+    One dependent chain of loads and one atomic a program rather than one a slice."""
+    nth = tl.arange(0, SKIP)
+    g = tl.arange(0, SPAN)
+    run = tl.cumsum(hit, 1)  # hits up to each chunk, a slice at a time
+    idx = tl.zeros([SPAN, SKIP], dtype=tl.int32)
+    for s in tl.static_range(SPAN):
+        # slice s's (n+1)-th chunk above L: the chunks whose running count of hits is <= n
+        run_s = tl.sum(tl.where(g[:, None] == s, run, 0), axis=0)
+        idx_s = tl.sum((run_s[None, :] <= nth[:, None]).to(tl.int32), axis=1)
+        idx = tl.where(g[:, None] == s, idx_s[None, :], idx)
+    pos = ((p[:, None] * CH + idx) * C)[:, :, None] + tl.arange(0, C)[None, None, :]
+    live = ((nth[None, :] < n_hit[:, None])[:, :, None]) & (pos < T)
+    pos = tl.reshape(pos, [SPAN * SKIP * C])
+    key = _load_keys(src, cand, pos, tl.reshape(live, [SPAN * SKIP * C]), SRC_KEYS, HAS_CAND)
+    eq = tl.reshape(((key == L) & (key != _MIN)).to(tl.int32), [SPAN, SKIP * C])
+    if tl.max(tl.sum(eq, axis=1), 0) > k:  # a slice's first k ties only, as each slice alone lists them
+        eq = eq * (tl.cumsum(eq, 1) - 1 < k).to(tl.int32)
+    keep = (key > L) | (tl.reshape(eq, [SPAN * SKIP * C]) != 0)
+    count = tl.sum(tl.reshape(keep.to(tl.int32), [SPAN, SKIP * C]), axis=1)
+    start = tl.atomic_add(state + 2 * r + 1, tl.sum(count, 0))
+    _publish(pos, key, keep, start, lst, lkey, LIST)
+    tl.store(starts + p, start + tl.cumsum(count, 0) - count, mask=p < n_slices)
 
 
 # T and the row strides stay specialised (as in ``_chunk_max_kernel``): the slice's loads in vectors

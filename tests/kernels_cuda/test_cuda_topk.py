@@ -10,13 +10,14 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from kernel_check import DEVICE, GPU, requires_kernels, run_both  # noqa: E402
 from test_topk import tied_scores  # noqa: E402
 
 import flashrt  # noqa: E402
 from flashrt import ops, profiles  # noqa: E402
-from flashrt.kernels_cuda import splitk, topk  # noqa: E402
+from flashrt.kernels_cuda import splitk, topk, topk_split_kernel  # noqa: E402
 
 pytestmark = requires_kernels
 
@@ -436,4 +437,34 @@ def test_topk_realistic_split(fused, skip, kind, rows, T, monkeypatch, rng):
     elif kind == "constant":
         scores = torch.zeros(rows, 1, T)
     _same(scores, 512, cand)
+    assert not splitk.counters(torch.device(DEVICE)).any()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("reversed_", [False, True])
+@pytest.mark.parametrize("kind", ["tied", "smooth", "sorted"])
+def test_topk_split_span_scans_a_programs_slices_at_once(kind, reversed_, fused, monkeypatch, rng):
+    """A program of several slices whose slices each have at most split_skip chunks above L reads them in one
+    gather and reserves their blocks at once: the same list, row by row, as the slices scanned one after another
+    (_SPAN_CHUNKS 0), ties clamped to k a slice (tied rows), slices with more chunks above L sending the program
+    back to the slices in turn (sorted rows); the picks as the reference's, as positions and as marks."""
+    _force(monkeypatch, summary=16, small=512, list=512, split_rows=8, split_slice=32, split_slices=8,
+           split_programs=8, split_min_programs=2, split_skip=2, split_fused=fused)
+    monkeypatch.setattr(topk, "_SCAN_REVERSED", reversed_)
+    launched = []
+    real = topk._select_split
+    monkeypatch.setattr(topk, "_select_split",
+                        lambda *a, **kw: launched.append(a[-1]) or real(*a, **kw))
+    T = int(torch.randint(200, 257, (1,), generator=rng))  # 7-8 slices of 32, 2 or 4 a program
+    rows = int(torch.randint(2, 5, (1,), generator=rng))
+    scores = _scores(kind, 1, rows, T, rng)[0]
+    cand = torch.rand(rows, T, generator=rng) < 0.8
+    k = int(torch.randint(3, 12, (1,), generator=rng))
+    lengths = {}
+    for chunks in (2048, 0):
+        monkeypatch.setattr(topk_split_kernel, "_SPAN_CHUNKS", tl.constexpr(chunks))
+        lengths[chunks] = [_select(scores, k, c) for c in (None, cand)]
+        _same_marks(scores, k, cand)
+    assert all(torch.equal(a, b) for a, b in zip(lengths[2048], lengths[0])), lengths
+    assert {s[2] for s in launched} == {8 // (8 // rows)}, launched  # several slices a program
     assert not splitk.counters(torch.device(DEVICE)).any()
