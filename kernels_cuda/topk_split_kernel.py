@@ -14,7 +14,7 @@ from flashrt.kernels_cuda import splitk
 from flashrt.kernels_cuda.pdl import wait_inputs
 from flashrt.kernels_cuda.topk_kernel import _MIN, _kth_largest, _load_keys, _pad, _select_long, _store_chunk_max
 
-# A program's slices are scanned together (one gather, one reservation) while their chunk maxima, this many,
+# A program's slices are scanned together (one gather, one reservation) in groups whose chunk maxima, this many,
 # fit a block in registers beside the keys
 _SPAN_CHUNKS = tl.constexpr(2048)
 
@@ -127,37 +127,41 @@ def _scan_slices(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, n_slice
                  HAS_CAND: tl.constexpr, REVERSED: tl.constexpr, SPAN: tl.constexpr):
     """This program's ``SPAN`` consecutive slices of the row: program j of the row's axis scans slices
     ``j * SPAN ...``, or (``REVERSED``: blocks reserved last slice first, as tests want them) program
-    ``n - 1 - j``'s. Where ``SKIP`` applies and the span's chunk maxima fit ``_SPAN_CHUNKS``, all at once when no
-    slice has more than ``SKIP`` chunks at or above ``L`` (:func:`_scan_span`); else each in turn
-    (:func:`_scan_each`)."""
+    ``n - 1 - j``'s. Where ``SKIP`` applies, in groups of as many slices as have ``_SPAN_CHUNKS`` chunk maxima
+    (all ``SPAN`` where fewer): a group at once when none of its slices has more than ``SKIP`` chunks at or
+    above ``L`` (:func:`_scan_span`), else its slices in turn (:func:`_scan_each`)."""
     q = tl.program_id(1)
     if REVERSED:
         q = tl.num_programs(1) - 1 - q
-    if SKIP > 0 and SPAN > 1 and SPAN * (SLICE // C) <= _SPAN_CHUNKS:
+    CH: tl.constexpr = SLICE // C
+    GROUP: tl.constexpr = SPAN if SPAN * CH <= _SPAN_CHUNKS else _SPAN_CHUNKS // CH
+    if SKIP > 0 and GROUP > 1:
         L = tl.load(state + 2 * r)
-        CH: tl.constexpr = SLICE // C
-        p = q * SPAN + tl.arange(0, SPAN)
-        chunk = p[:, None] * CH + tl.arange(0, CH)[None, :]
-        hit = (tl.load(fine + chunk, mask=chunk < NF, other=_MIN) >= tl.maximum(L, _MIN + 1)).to(tl.int32)
-        n_hit = tl.sum(hit, axis=1)
-        if tl.max(n_hit, 0) <= SKIP:
-            _scan_span(src, cand, lst, lkey, starts, state, T, k, r, p, L, hit, n_hit, n_slices, C, SKIP, LIST,
-                       SRC_KEYS, HAS_CAND, SPAN, CH)
-        else:
-            _scan_each(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, q, n_slices, SLICE, C, SKIP, LIST,
-                       SRC_KEYS, HAS_CAND, REVERSED, SPAN)
+        for j in range(SPAN // GROUP):
+            first = q * SPAN + (SPAN - GROUP - j * GROUP if REVERSED else j * GROUP)
+            p = first + tl.arange(0, GROUP)
+            chunk = p[:, None] * CH + tl.arange(0, CH)[None, :]
+            hit = (tl.load(fine + chunk, mask=chunk < NF, other=_MIN) >= tl.maximum(L, _MIN + 1)).to(tl.int32)
+            n_hit = tl.sum(hit, axis=1)
+            if tl.max(n_hit, 0) <= SKIP:
+                _scan_span(src, cand, lst, lkey, starts, state, T, k, r, p, L, hit, n_hit, n_slices, C, SKIP,
+                           LIST, SRC_KEYS, HAS_CAND, GROUP, CH)
+            else:
+                _scan_each(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, first, n_slices, SLICE, C,
+                           SKIP, LIST, SRC_KEYS, HAS_CAND, REVERSED, GROUP)
     else:
-        _scan_each(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, q, n_slices, SLICE, C, SKIP, LIST,
-                   SRC_KEYS, HAS_CAND, REVERSED, SPAN)
+        _scan_each(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, q * SPAN, n_slices, SLICE, C, SKIP,
+                   LIST, SRC_KEYS, HAS_CAND, REVERSED, SPAN)
 
 
 @triton.jit
-def _scan_each(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, q, n_slices, SLICE: tl.constexpr,
+def _scan_each(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, first, n_slices, SLICE: tl.constexpr,
                C: tl.constexpr, SKIP: tl.constexpr, LIST: tl.constexpr, SRC_KEYS: tl.constexpr,
-               HAS_CAND: tl.constexpr, REVERSED: tl.constexpr, SPAN: tl.constexpr):
-    """Program ``q``'s ``SPAN`` slices one after another (:func:`_scan_slice`), the last first where ``REVERSED``."""
-    for g in range(SPAN):
-        p = q * SPAN + (SPAN - 1 - g if REVERSED else g)
+               HAS_CAND: tl.constexpr, REVERSED: tl.constexpr, COUNT: tl.constexpr):
+    """Slices ``first ...`` (``COUNT`` of them) one after another (:func:`_scan_slice`), the last first where
+    ``REVERSED``."""
+    for g in range(COUNT):
+        p = first + (COUNT - 1 - g if REVERSED else g)
         if p < n_slices:
             _scan_slice(src, cand, fine, lst, lkey, starts, state, T, NF, k, r, p, SLICE, C, SKIP, LIST, SRC_KEYS,
                         HAS_CAND)
@@ -171,7 +175,7 @@ def _scan_span(src, cand, lst, lkey, starts, state, T, k, r, p, L, hit, n_hit, n
     above ``L`` (``hit`` [SPAN, CH], ``n_hit`` a slice): those chunks' keys read in one gather, each slice's
     kept entries (as :func:`_keep` keeps a slice's) appended with one reservation, the span's slices one block
     each, consecutive in the list (``starts`` of each: the reservation plus the slices' before it).
-    One dependent chain of loads and one atomic a program rather than one a slice."""
+    One dependent chain of loads and one atomic a group rather than one a slice."""
     nth = tl.arange(0, SKIP)
     g = tl.arange(0, SPAN)
     run = tl.cumsum(hit, 1)  # hits up to each chunk, a slice at a time

@@ -445,8 +445,8 @@ def test_topk_realistic_split(fused, skip, kind, rows, T, monkeypatch, rng):
 @pytest.mark.parametrize("kind", ["tied", "smooth", "sorted"])
 def test_topk_split_span_scans_a_programs_slices_at_once(kind, reversed_, fused, monkeypatch, rng):
     """A program of several slices whose slices each have at most split_skip chunks above L reads them in one
-    gather and reserves their blocks at once: the same list, row by row, as the slices scanned one after another
-    (_SPAN_CHUNKS 0), ties clamped to k a slice (tied rows), slices with more chunks above L sending the program
+    gather and reserves their blocks at once (or a group at a time, _SPAN_CHUNKS 4: 2 slices of 2 chunks): the
+    same list, row by row, as the slices scanned one after another (_SPAN_CHUNKS 0), ties clamped to k a slice (tied rows), slices with more chunks above L sending the program
     back to the slices in turn (sorted rows); the picks as the reference's, as positions and as marks."""
     _force(monkeypatch, summary=16, small=512, list=512, split_rows=8, split_slice=32, split_slices=8,
            split_programs=8, split_min_programs=2, split_skip=2, split_fused=fused)
@@ -455,16 +455,17 @@ def test_topk_split_span_scans_a_programs_slices_at_once(kind, reversed_, fused,
     real = topk._select_split
     monkeypatch.setattr(topk, "_select_split",
                         lambda *a, **kw: launched.append(a[-1]) or real(*a, **kw))
-    T = int(torch.randint(200, 257, (1,), generator=rng))  # 7-8 slices of 32, 2 or 4 a program
-    rows = int(torch.randint(2, 5, (1,), generator=rng))
+    T = int(torch.randint(200, 257, (1,), generator=rng))  # 7-8 slices of 32
+    rows = int(torch.randint(3, 5, (1,), generator=rng))  # 4 slices a program
     scores = _scores(kind, 1, rows, T, rng)[0]
     cand = torch.rand(rows, T, generator=rng) < 0.8
     k = int(torch.randint(3, 12, (1,), generator=rng))
     lengths = {}
-    for chunks in (2048, 0):
+    for chunks in (2048, 4, 0):  # the span at once, in groups of 2 slices (2 chunks each), each in turn
         monkeypatch.setattr(topk_split_kernel, "_SPAN_CHUNKS", tl.constexpr(chunks))
         lengths[chunks] = [_select(scores, k, c) for c in (None, cand)]
         _same_marks(scores, k, cand)
-    assert all(torch.equal(a, b) for a, b in zip(lengths[2048], lengths[0])), lengths
+    for chunks in (2048, 4):
+        assert all(torch.equal(a, b) for a, b in zip(lengths[chunks], lengths[0])), (chunks, lengths)
     assert {s[2] for s in launched} == {8 // (8 // rows)}, launched  # several slices a program
     assert not splitk.counters(torch.device(DEVICE)).any()
