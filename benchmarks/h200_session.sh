@@ -222,12 +222,14 @@
 #              docs/performance.md): the sequence of the run that was fast and that row alone, every case's picks
 #              checked after its timing and its list lengths kept: h200-topk-repro-{sequence,alone}.json
 #   topkprograms  16-64 rows of 128K and 1M split down to 4 programs a row (several slices each):
-#              h200-topk-programs-64.json
+#              h200-topk-programs-64.json; with BEFORE (a folder holding an earlier kernels_cuda/topk_split_kernel.py
+#              at that path, swapped in by before_run) again under it: h200-topk-programs-64-before.json
 #   topkchunkmax  the chunk-max pass with 2K-8K entries a program and 4 or 8 warps at 8 and 64 rows of 128K and
 #              1M: h200-topk-chunkmax-B-wW.json
 #   topkspan   2, 4 and 8 rows of 1M split into programs of several slices under launches of at most 256, 512,
 #              1,024 and 2,048 scanning programs (split_programs; fewer slices a program as it grows; the caps
-#              TOPK_SPAN_PROGRAMS names): h200-topk-span-P.json
+#              TOPK_SPAN_PROGRAMS names): h200-topk-span-P.json; with BEFORE as topkprograms takes it, again
+#              under its kernels: h200-topk-span-P-before.json
 #   rowrulesslice  the real-dimension slice at batch 2, 4 and 8 under the copy rowrules compares and the profile:
 #              h200-real-slice-rowrules-{off,on}.json
 #   tunecheck  what `flashrt tune` picked on its own experts cases (4 warps; 2 stages for prefill), at the released
@@ -1427,9 +1429,13 @@ phase_topkrepro() {  # the 8 x 1M split in 32K slices again and alone
     --out "$OUT/h200-topk-repro-alone.json" | tail -n 1
 }
 
-phase_topkprograms() {  # 16-64 rows split down to 4 programs a row (several slices each)
-  python benchmarks/topk_radix.py --radix 1 --rows 16 32 64 --lengths 131072 1048576 \
-    --select '{"split_rows": 64, "split_min_programs": 4}' --out "$OUT/h200-topk-programs-64.json" | tail -n 6
+phase_topkprograms() {  # 16-64 rows split down to 4 programs a row (several slices each); with BEFORE's kernels too
+  local sel='{"split_rows": 64, "split_min_programs": 4}' tag
+  for tag in "" -before; do
+    [ -z "$tag" ] || [ -n "${BEFORE:-}" ] || continue
+    ${tag:+before_run "$BEFORE"} python benchmarks/topk_radix.py --radix 1 --rows 16 32 64 --lengths 131072 1048576 \
+      --select "$sel" --out "$OUT/h200-topk-programs-64$tag.json" | tail -n 6
+  done
 }
 
 phase_topkchunkmax() {  # the chunk-max pass's tiles at 8 and 64 rows
@@ -1443,10 +1449,13 @@ phase_topkchunkmax() {  # the chunk-max pass's tiles at 8 and 64 rows
 }
 
 phase_topkspan() {  # 2-8 rows of 1M in programs of several slices, the launch's scanning programs capped at P
-  local p
-  for p in ${TOPK_SPAN_PROGRAMS:-256 512 1024 2048}; do
-    python benchmarks/topk_radix.py --radix 1 --rows 2 4 8 --lengths 1048576 --select "{\"split_programs\": $p}" \
-      --out "$OUT/h200-topk-span-$p.json" | tail -n 3
+  local p tag
+  for tag in "" -before; do
+    [ -z "$tag" ] || [ -n "${BEFORE:-}" ] || continue
+    for p in ${TOPK_SPAN_PROGRAMS:-256 512 1024 2048}; do
+      ${tag:+before_run "$BEFORE"} python benchmarks/topk_radix.py --radix 1 --rows 2 4 8 --lengths 1048576 \
+        --select "{\"split_programs\": $p}" --out "$OUT/h200-topk-span-$p$tag.json" | tail -n 3
+    done
   done
 }
 
