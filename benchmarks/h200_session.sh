@@ -226,6 +226,9 @@
 #              at that path, swapped in by before_run) again under it: h200-topk-programs-64-before.json
 #   topkchunkmax  the chunk-max pass with 2K-8K entries a program and 4 or 8 warps at 8 and 64 rows of 128K and
 #              1M: h200-topk-chunkmax-B-wW.json
+#   topkkernels  the profile's top-k at 1, 2, 8 and 64 rows of 128K and 1M with each kernel's device time a call
+#              (benchmarks/topk_radix.py --kernels; a kernel's time includes its wait for the one before):
+#              h200-topk-kernels.json
 #   topkspan   2, 4 and 8 rows of 1M split into programs of several slices under launches of at most 256, 512,
 #              1,024 and 2,048 scanning programs (split_programs; fewer slices a program as it grows; the caps
 #              TOPK_SPAN_PROGRAMS names): h200-topk-span-P.json; with BEFORE as topkprograms takes it, again
@@ -1446,6 +1449,11 @@ phase_topkchunkmax() {  # the chunk-max pass's tiles at 8 and 64 rows
         --chunk-max "{\"block\": $b, \"num_warps\": $w}" --out "$OUT/h200-topk-chunkmax-$b-w$w.json" | tail -n 4
     done
   done
+}
+
+phase_topkkernels() {  # the profile's top-k launches kernel by kernel at 1-64 rows of 128K and 1M
+  python benchmarks/topk_radix.py --radix 1 --rows 1 2 8 64 --lengths 131072 1048576 --kernels \
+    --out "$OUT/h200-topk-kernels.json" | tail -n 16
 }
 
 phase_topkspan() {  # 2-8 rows of 1M in programs of several slices, the launch's scanning programs capped at P

@@ -2,7 +2,7 @@
 the sort of its indices, one run.
 
     python benchmarks/topk_radix.py --out F [--rows 1 8 64] [--lengths 2048 4096 131072 1048576]
-        [--radix 1 2 4 8] [--summary N] [--select '{"group": 8192}'] [--chunk-max '{"block": 8192}']
+        [--radix 1 2 4 8] [--summary N] [--select '{"group": 8192}'] [--chunk-max '{"block": 8192}'] [--kernels]
 
 Rows of at most ``tiles.topk.select.summary`` (or ``registers``, the larger) entries are picked
 from their keys in registers after one search; longer rows go through a chunk summary and a candidate
@@ -24,6 +24,7 @@ import torch
 
 from flashrt import profiles
 from flashrt.timing import bench_ms
+from moe_kernels import kernel_times
 from results_io import write_json
 
 K = 512
@@ -57,6 +58,9 @@ def main() -> None:
     ap.add_argument("--chunk-max", default="{}", metavar="JSON",
                     help="tiles.topk.chunk_max entries for every case, e.g. '{\"block\": 8192, \"num_warps\": 8}' "
                          "(the entries a program of the chunk-max pass reads, its warps)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also each kernel's device time a call (graph replays under the profiler): with the launches'"
+                         " programmatic dependent launch a kernel's time includes its wait for the one before")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     extra, chunk_max = (_json_object(ap, name, text) for name, text in (("--select", args.select),
@@ -90,10 +94,17 @@ def main() -> None:
                 row[f"radix{radix}_match"] = match and after
                 row[f"radix{radix}_match_after_timing"] = after
                 row[f"radix{radix}_list_lengths"] = sorted(set(lists.tolist()))[:16]
+                if args.kernels:
+                    with profiles.using(with_select(chunk_max, radix_bits=radix, **summary)):
+                        times = kernel_times(lambda: topk.topk_positions(scores, K), 20)
+                    row[f"radix{radix}_kernels_us"] = times
             rows.append(row)
             print(f"rows {R:3d} T {T:8d}: torch.topk+sort {row['torch_topk_sort_us']:8.1f} us  " + "  ".join(
                 f"radix {r}: {row[f'radix{r}_us']:7.1f} us ({row[f'radix{r}_speedup']:5.2f}x"
                 f"{'' if row[f'radix{r}_match'] else ', WRONG'})" for r in args.radix), flush=True)
+            for r in args.radix if args.kernels else ():
+                print("    radix", r, "  ".join(f"{n.strip('_')} {us:.1f} us"
+                                             for n, us in row[f"radix{r}_kernels_us"].items()), flush=True)
             del scores, want
     write_json(args.out, {"device": torch.cuda.get_device_name(), "summary": args.summary, "select": extra,
                           "chunk_max": chunk_max, "rows": rows})

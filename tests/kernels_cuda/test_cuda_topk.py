@@ -446,8 +446,9 @@ def test_topk_realistic_split(fused, skip, kind, rows, T, monkeypatch, rng):
 def test_topk_split_span_scans_a_programs_slices_at_once(kind, reversed_, fused, monkeypatch, rng):
     """A program of several slices whose slices each have at most split_skip chunks above L reads them in one
     gather and reserves their blocks at once (or a group at a time, _SPAN_CHUNKS 4: 2 slices of 2 chunks): the
-    same list, row by row, as the slices scanned one after another (_SPAN_CHUNKS 0), ties clamped to k a slice (tied rows), slices with more chunks above L sending the program
-    back to the slices in turn (sorted rows); the picks as the reference's, as positions and as marks."""
+    same list, row by row, as the slices scanned one after another (_SPAN_CHUNKS 0), ties clamped to k a slice
+    (tied rows), slices with more chunks above L sending the group back to its slices in turn (sorted rows);
+    the picks as the reference's, as positions and as marks."""
     _force(monkeypatch, summary=16, small=512, list=512, split_rows=8, split_slice=32, split_slices=8,
            split_programs=8, split_min_programs=2, split_skip=2, split_fused=fused)
     monkeypatch.setattr(topk, "_SCAN_REVERSED", reversed_)
