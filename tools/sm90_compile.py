@@ -7,7 +7,8 @@ Costs no device time: use it to check a kernel change for spills and wgmma befor
 
     python tools/sm90_compile.py attention --B 64 --S 1 [--tiles '{"attention": {"K_BLOCK": 16}}']
     python tools/sm90_compile.py qgmma --B 8 --S 1024   # kernels_cuda/experts_qgmma.py (--cold: no ring)
-    python tools/sm90_compile.py moe_route --B 8        # also linear, linear_plain, moe, moe_tables, mhc, kv_store,
+    python tools/sm90_compile.py moe_route --B 8        # also linear, linear_v41 (the released decode projections),
+                                                        # linear_plain, moe, moe_tables, mhc, kv_store,
                                                         # norm_rope_quant, prefix_attention, topk (--S: entries),
                                                         # quant (fp4_b16 store; --cold: fp8), moe (--cold: the
                                                         # experts' scales K major; --moe-dims released: the
@@ -202,6 +203,21 @@ def linear_call(B: int, S: int, cold: bool):
     return lambda: (linear.linear(x, fp8(512, 1024)), linear.linear(xo, fp8(1024, 2048)), linear.linear(x, fp4))
 
 
+def linear_v41_call(B: int, S: int, cold: bool):
+    """The released model's fp8_w decode projections at B * S rows: wq_a with wkv (1,792 x 5,120), wq_b
+    (32,768 x 1,280) and wo_b (5,120 x 8,192), as the h200 profile's linear rules take them (the streamed fp8
+    warpgroup MMA from 2 rows)."""
+    from flashrt.formats import QTensor
+    from flashrt.kernels_cuda import linear
+
+    _as_h200()
+    fp8 = lambda n, k: QTensor(torch.zeros(n, k, dtype=torch.float8_e4m3fn),
+                               torch.zeros(n // 32, k // 32, dtype=torch.uint8), "fp8_w", (n, k), scale_max=0)
+    shapes = ((1792, 5120), (32768, 1280), (5120, 8192))
+    xs = [torch.zeros(B * S, k, dtype=torch.bfloat16) for _, k in shapes]
+    return lambda: [linear.linear(x, fp8(n, k)) for x, (n, k) in zip(xs, shapes)]
+
+
 MOE_DIMS = {"small": (1024, 512, 32, 4),  # D, I, routed experts, slots a token
             # the released model's D, I and top-6 over 8 experts: up to one token (6 pairs, a row tile
             # each) the same launches as over its 384, without their gigabytes
@@ -342,7 +358,8 @@ def qgmma_call(B: int, S: int, cold: bool):
 CALLS = {"attention": attention_call, "qgmma": qgmma_call, "prefix_attention": prefix_attention_call,
          "topk": topk_call, "quant": quant_call, "compress": compress_call, "indexer": indexer_call,
          "kv_store": kv_store_call, "linear_plain": linear_plain_call, "moe_route": moe_route_call,
-         "moe_tables": moe_tables_call, "linear": linear_call, "moe": moe_call, "mhc": mhc_call,
+         "moe_tables": moe_tables_call, "linear": linear_call, "linear_v41": linear_v41_call, "moe": moe_call,
+         "mhc": mhc_call,
          "norm_rope_quant": norm_rope_quant_call}
 
 
