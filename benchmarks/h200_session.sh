@@ -1434,8 +1434,7 @@ phase_topkrepro() {  # the 8 x 1M split in 32K slices again and alone
 
 phase_topkprograms() {  # 16-64 rows split down to 4 programs a row (several slices each); with BEFORE's kernels too
   local sel='{"split_rows": 64, "split_min_programs": 4}' tag
-  for tag in "" -before; do
-    [ -z "$tag" ] || [ -n "${BEFORE:-}" ] || continue
+  for tag in "" ${BEFORE:+-before}; do
     ${tag:+before_run "$BEFORE"} python benchmarks/topk_radix.py --radix 1 --rows 16 32 64 --lengths 131072 1048576 \
       --select "$sel" --out "$OUT/h200-topk-programs-64$tag.json" | tail -n 6
   done
@@ -1458,8 +1457,7 @@ phase_topkkernels() {  # the profile's top-k launches kernel by kernel at 1-64 r
 
 phase_topkspan() {  # 2-8 rows of 1M in programs of several slices, the launch's scanning programs capped at P
   local p tag
-  for tag in "" -before; do
-    [ -z "$tag" ] || [ -n "${BEFORE:-}" ] || continue
+  for tag in "" ${BEFORE:+-before}; do
     for p in ${TOPK_SPAN_PROGRAMS:-256 512 1024 2048}; do
       ${tag:+before_run "$BEFORE"} python benchmarks/topk_radix.py --radix 1 --rows 2 4 8 --lengths 1048576 \
         --select "{\"split_programs\": $p}" --out "$OUT/h200-topk-span-$p$tag.json" | tail -n 3

@@ -89,15 +89,13 @@ def main() -> None:
                     lists = torch.empty(R, dtype=torch.int32, device="cuda")  # list lengths; -3: a row's list
                     topk.select_rows(scores.view(R, T), None, K, torch.empty(R, K, dtype=torch.int32, device="cuda"),
                                      stats=lists)  # passed the register block (the one-program path took it)
+                    if args.kernels:
+                        row[f"radix{radix}_kernels_us"] = kernel_times(lambda: topk.topk_positions(scores, K), 20)
                 row[f"radix{radix}_us"] = 1e3 * t.ms
                 row[f"radix{radix}_speedup"] = base.ms / t.ms
                 row[f"radix{radix}_match"] = match and after
                 row[f"radix{radix}_match_after_timing"] = after
                 row[f"radix{radix}_list_lengths"] = sorted(set(lists.tolist()))[:16]
-                if args.kernels:
-                    with profiles.using(with_select(chunk_max, radix_bits=radix, **summary)):
-                        times = kernel_times(lambda: topk.topk_positions(scores, K), 20)
-                    row[f"radix{radix}_kernels_us"] = times
             rows.append(row)
             print(f"rows {R:3d} T {T:8d}: torch.topk+sort {row['torch_topk_sort_us']:8.1f} us  " + "  ".join(
                 f"radix {r}: {row[f'radix{r}_us']:7.1f} us ({row[f'radix{r}_speedup']:5.2f}x"

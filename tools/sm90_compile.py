@@ -188,6 +188,15 @@ def _as_h200():
     linear.supports_fp8_mma, linear.num_sms = (lambda: True), (lambda: 132)
 
 
+def _fp8_w(n: int, k: int):
+    """A zero fp8_w weight [n, k] with its 32 x 32 scale bytes, its largest scale byte recorded (as a model's build
+    records it)."""
+    from flashrt.formats import QTensor
+
+    return QTensor(torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.zeros(n // 32, k // 32, dtype=torch.uint8),
+                   "fp8_w", (n, k), scale_max=0)
+
+
 def linear_call(B: int, S: int, cold: bool):
     """``small``'s fp8_w projections at decode rows: wq_a (512 x 1,024, K split, x quantized in the
     kernel) and wo_b (1,024 x 2,048), their largest scale byte recorded as a model's build records it;
@@ -197,25 +206,20 @@ def linear_call(B: int, S: int, cold: bool):
 
     _as_h200()
     x, xo = torch.zeros(B * S, 1024, dtype=torch.bfloat16), torch.zeros(B * S, 2048, dtype=torch.bfloat16)
-    fp8 = lambda n, k: QTensor(torch.zeros(n, k, dtype=torch.float8_e4m3fn),
-                               torch.zeros(n // 32, k // 32, dtype=torch.uint8), "fp8_w", (n, k), scale_max=0)
     fp4 = QTensor(torch.zeros(512, 512, dtype=torch.uint8), torch.zeros(512, 32, dtype=torch.uint8), "fp4_w", (512, 1024))
-    return lambda: (linear.linear(x, fp8(512, 1024)), linear.linear(xo, fp8(1024, 2048)), linear.linear(x, fp4))
+    return lambda: (linear.linear(x, _fp8_w(512, 1024)), linear.linear(xo, _fp8_w(1024, 2048)), linear.linear(x, fp4))
 
 
 def linear_v41_call(B: int, S: int, cold: bool):
     """The released model's fp8_w decode projections at B * S rows: wq_a with wkv (1,792 x 5,120), wq_b
     (32,768 x 1,280) and wo_b (5,120 x 8,192), as the h200 profile's linear rules take them (the streamed fp8
     warpgroup MMA from 2 rows)."""
-    from flashrt.formats import QTensor
     from flashrt.kernels_cuda import linear
 
     _as_h200()
-    fp8 = lambda n, k: QTensor(torch.zeros(n, k, dtype=torch.float8_e4m3fn),
-                               torch.zeros(n // 32, k // 32, dtype=torch.uint8), "fp8_w", (n, k), scale_max=0)
     shapes = ((1792, 5120), (32768, 1280), (5120, 8192))
     xs = [torch.zeros(B * S, k, dtype=torch.bfloat16) for _, k in shapes]
-    return lambda: [linear.linear(x, fp8(n, k)) for x, (n, k) in zip(xs, shapes)]
+    return lambda: [linear.linear(x, _fp8_w(n, k)) for x, (n, k) in zip(xs, shapes)]
 
 
 MOE_DIMS = {"small": (1024, 512, 32, 4),  # D, I, routed experts, slots a token
