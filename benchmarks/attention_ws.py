@@ -25,14 +25,22 @@ from results_io import write_json
 
 VARIANTS = {  # tiles.attention.ws over the active profile's (min_queries 1: every launch takes it), fp4_b16
     # rows decoded code by code; the tiles that lost on the H200 (decode 64 / 256 / 512 columns a step, K
-    # blocks of 16, 8 producer warps or 152 producer registers, copies 3 blocks ahead, the decode in the
-    # consumers: docs/performance.md) are left out
+    # blocks of 16, 152 producer registers, copies 3 blocks ahead, the decode in the consumers:
+    # docs/performance.md) are left out
     "ws, copies 1 block ahead": {"RAW_STAGES": 2},
 }
+EIGHT = {"producer_warps": 8, "maxnreg": 128, "producer_regs": 80, "pv_parts": 2}
 PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     "ws, packed": {"RAW_STAGES": 3},
     "ws, packed, copies 1 block ahead": {"RAW_STAGES": 2},
     "ws, packed, copies 1 block ahead, 3 slots": {"RAW_STAGES": 2, "STAGES": 3},
+    "ws, packed, copies 1 block ahead, value MMA in halves": {"RAW_STAGES": 2, "pv_parts": 2},
+    # two producer warps a scheduler: 16 warps, 128 registers a thread at launch; the consumers get
+    # 256 - producer_regs
+    "ws, packed, copies 1 block ahead, 8 producer warps": {"RAW_STAGES": 2, **EIGHT},
+    "ws, packed, copies 1 block ahead, 8 producer warps at 72": {"RAW_STAGES": 2, **EIGHT, "producer_regs": 72},
+    "ws, packed, copies 1 block ahead, 8 producer warps, 3 slots": {"RAW_STAGES": 2, "STAGES": 3, **EIGHT},
+    "ws, packed, 8 producer warps, 256 columns a step": {"RAW_STAGES": 2, **EIGHT, "CW": 256},
 }
 
 

@@ -67,10 +67,12 @@ if AVAILABLE:
     @gluon.constexpr_function
     def _copy_layout(VEC, NW):
         """A raw slot's copy layout [K_BLOCK, bytes]: 8 rows x 4 column vectors of ``VEC`` bytes a warp,
-        the ``NW`` warps along the columns. Every width shares the rows' distribution (its row slice is
-        :func:`_rows_layout` for any ``VEC``), so one index load a block serves every copy, with no
+        up to 4 warps along the columns and the rest along the rows (8 warps: two row halves, so the
+        256-byte fp4 rows are not copied twice). Every width shares the rows' distribution (its row slice
+        is :func:`_rows_layout` for any ``VEC``), so one index load a block serves every copy, with no
         exchange through shared memory."""
-        return gl.BlockedLayout([1, VEC], [8, 4], [1, NW], [1, 0])
+        across = min(NW, 4)
+        return gl.BlockedLayout([1, VEC], [8, 4], [NW // across, across], [1, 0])
 
     @gluon.constexpr_function
     def _rows_layout(NW):
@@ -292,19 +294,28 @@ if AVAILABLE:
     @gluon.jit
     def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale,
                   TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, num_warps: gl.constexpr):
-        """Scores, online softmax and ``p @ kv`` over the ring's blocks -> (acc, m, l) (base 2).
+                  OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr, num_warps: gl.constexpr):
+        """Scores, online softmax and ``p @ kv`` over the ring's blocks -> (acc, acc2, m, l) (base 2).
         OVERLAP: the next block's score MMA is issued before this block's softmax (it runs meanwhile);
-        a slot is released once the value MMA that read it is waited for, at the next block."""
+        a slot is released once the value MMA that read it is waited for, at the next block.
+        PV_PARTS 2: the output columns in two accumulators (``acc``: columns [0, D / 2), ``acc2``: the
+        rest), each a value MMA of half the width a warpgroup, so no instruction needs the 158 registers
+        a thread of one 256-wide accumulator (the ceiling of a 16-warp launch is 128); with 1, ``acc2``
+        is ``acc``."""
         s_layout: gl.constexpr = _mma_layout(K_BLOCK, num_warps)
-        o_layout: gl.constexpr = _mma_layout(D, num_warps)
+        o_layout: gl.constexpr = _mma_layout(D // PV_PARTS, num_warps)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        acc = gl.zeros([_H, D], gl.float32, o_layout)
+        HALF: gl.constexpr = D // 2
+        acc = gl.zeros([_H, D // PV_PARTS], gl.float32, o_layout)
+        if PV_PARTS == 2:
+            acc2 = gl.zeros([_H, HALF], gl.float32, o_layout)
         m_i = gl.full([_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([_H], gl.float32, gl.SliceLayout(1, s_layout))
         s0 = gl.zeros([_H, K_BLOCK], gl.float32, s_layout)
         if OVERLAP:  # (the loop carries both accumulators as pending MMAs)
             acc = warpgroup_mma_init(acc)
+            if PV_PARTS == 2:
+                acc2 = warpgroup_mma_init(acc2)
             mbarrier.wait(ready.index(0), 0)
             s = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
         IL: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -315,7 +326,10 @@ if AVAILABLE:
             st = i % STAGES
             kv = kv_smem.index(st)
             if OVERLAP:
-                s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))  # this block's scores, the last PV
+                if PV_PARTS == 2:
+                    s, acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, acc2))
+                else:
+                    s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))  # this block's scores, the last PV
                 if i > 0:
                     _sync()  # both warpgroups' value MMAs of the block before have read its slot
                     mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
@@ -330,16 +344,49 @@ if AVAILABLE:
                 s_now = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
                 s_now = warpgroup_mma_wait(num_outstanding=0, deps=(s_now,))
             p, alpha, m_i, l_i = _softmax_step(s_now, idx, m_i, l_i, qk_scale)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), kv, acc, is_async=True)
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            if PV_PARTS == 2:
+                acc = warpgroup_mma(pb, kv.slice(0, HALF, dim=1), acc * alpha_o, is_async=True)
+                acc2 = warpgroup_mma(pb, kv.slice(HALF, HALF, dim=1), acc2 * alpha_o, is_async=True)
+            else:
+                acc = warpgroup_mma(pb, kv, acc * alpha_o, is_async=True)
             if not OVERLAP:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if PV_PARTS == 2:
+                    acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 _sync()  # both warpgroups' MMAs have read the slot
                 mbarrier.arrive(empty.index(st), count=1)
         if OVERLAP:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        return (acc, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
+            if PV_PARTS == 2:
+                acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if PV_PARTS == 1:
+            acc2 = acc
+        return (acc, acc2, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
                 gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
+
+    @gluon.jit
+    def _store_part(acc, col0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK: gl.constexpr,
+                    SPLIT: gl.constexpr, PACKED: gl.constexpr, D: gl.constexpr):
+        """Store output columns ``[col0, col0 + width)`` of this program from ``acc`` [64, width]: the
+        normalized output, or with SPLIT the partial ``acc / l`` to ``pacc`` [splits, B*S, H, D]."""
+        if PACKED:
+            acc = acc * _UP63  # p @ (rows times 2**-63)
+        o_layout: gl.constexpr = acc.type.layout
+        h = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, o_layout))
+        d = col0 + gl.arange(0, acc.shape[1], gl.SliceLayout(0, o_layout))
+        mask_hd = (h < H)[:, None] & (d < D)[None, :]
+        if SPLIT:  # the sink joins in the combine
+            row = (split * gl.num_programs(0) + bs) * H + h
+            o = _finish(acc, m_i, l_i, 0.0, False)
+            gl.store(pacc_ptr + row[:, None] * D + d[None, :], o.to(pacc_ptr.dtype.element_ty), mask=mask_hd)
+        else:
+            sk = gl.load(sink_ptr + h, mask=h < H, other=0.0) * LOG2E if HAS_SINK else 0.0
+            out = _finish(acc, m_i, l_i, sk, HAS_SINK)
+            gl.store(out_ptr + (bs * H + h)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_hd)
 
     # K, K0 and the blocks a split reads grow with the context in decode: not specialised, as in the
     # plain kernel, so no variant compiles mid-run
@@ -355,11 +402,12 @@ if AVAILABLE:
             ROLE3: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, TWO_PARTS: gl.constexpr,
             K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
             PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, OVERLAP: gl.constexpr,
-            num_warps: gl.constexpr):
+            num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
         SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
         rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel). OVERLAP: the
-        consumers issue a block's score MMA before the softmax of the block before (:func:`_consumer`)."""
+        consumers issue a block's score MMA before the softmax of the block before (:func:`_consumer`).
+        PV_PARTS 2: the value MMA in two halves of the output columns (:func:`_consumer`)."""
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
         lo = split * blocks_per_split
@@ -395,28 +443,20 @@ if AVAILABLE:
                d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                o3, so3, sb3, st3, ssb3, sst3, start3, len3)
         qk = qk_scale * _UP63 if PACKED else qk_scale  # the scores of rows stored times 2**-63 (_UP63)
-        acc, m_i, l_i = gl.warp_specialize([
+        acc, acc2, m_i, l_i = gl.warp_specialize([
             (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, TWO_PARTS,
-                         D, K_BLOCK, STAGES, OVERLAP, num_warps)),
+                         D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, num_warps)),
             (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                          bs, bs // S, lo, n, K, K0, seg,
                          FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D, CW, K_BLOCK, STAGES, RAW_STAGES,
                          PRODUCER_WARPS, PACKED)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
-        if PACKED:
-            acc = acc * _UP63  # p @ (rows times 2**-63)
-        o_layout: gl.constexpr = acc.type.layout
-        h = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, o_layout))
-        d = gl.arange(0, D, gl.SliceLayout(0, o_layout))
-        mask_hd = (h < H)[:, None] & (d < D)[None, :]
-        if SPLIT:  # partials [splits, B*S, H, D] = acc / l and [.., 2] = (m, l); the sink joins in the combine
+        _store_part(acc, 0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
+        if PV_PARTS == 2:
+            _store_part(acc2, D // 2, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
+        if SPLIT:  # the partials' [.., 2] = (m, l)
+            h = gl.program_id(1) * _H + gl.arange(0, _H, m_i.type.layout)
             row = (split * gl.num_programs(0) + bs) * H + h
-            o = _finish(acc, m_i, l_i, 0.0, False)
-            gl.store(pacc_ptr + row[:, None] * D + d[None, :], o.to(pacc_ptr.dtype.element_ty), mask=mask_hd)
             gl.store(pml_ptr + row * 2, m_i, mask=h < H)
             gl.store(pml_ptr + row * 2 + 1, l_i, mask=h < H)
-        else:
-            sk = gl.load(sink_ptr + h, mask=h < H, other=0.0) * LOG2E if HAS_SINK else 0.0
-            out = _finish(acc, m_i, l_i, sk, HAS_SINK)
-            gl.store(out_ptr + (bs * H + h)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_hd)

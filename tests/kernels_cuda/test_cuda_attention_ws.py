@@ -23,6 +23,8 @@ attention = pytest.importorskip("flashrt.kernels_cuda.attention")
 ws = pytest.importorskip("flashrt.kernels_cuda.attention_ws")
 SM90 = GPU and torch.cuda.get_device_capability() == (9, 0)
 WS = dict(attention=dict(ws=dict(enabled=True, min_queries=1)))  # every launch, whatever the profile
+# two producer warps a scheduler (16 warps: the value MMA in halves fits the launch's 128 registers)
+EIGHT = {"producer_warps": 8, "maxnreg": 128, "producer_regs": 80, "pv_parts": 2, "RAW_STAGES": 2}
 FP8, FP4 = attention.FMT_CODES["fp8"], attention.FMT_CODES["fp4_b16"]
 
 
@@ -86,7 +88,7 @@ def test_the_plan_splits_k_to_fill_the_sms(B, S, H, K, sms, monkeypatch):
 
 @pytest.mark.skipif(not ws.AVAILABLE, reason="a Triton without Gluon")
 @needs_ptxas
-@pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}])
+@pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, EIGHT])
 def test_it_compiles_for_sm90_on_warpgroup_mmas_and_async_copies(ws_tiles):
     tiles = {"ws": dict(WS["attention"]["ws"], **ws_tiles)}
     report = {r["kernel"]: r for r in sm90_compile("attention", "--B", "4", "--S", "1", "--tiles", json.dumps(tiles))}
@@ -94,9 +96,13 @@ def test_it_compiles_for_sm90_on_warpgroup_mmas_and_async_copies(ws_tiles):
     assert r["shared_bytes"] <= ARCHS["sm_90"].smem_limit
     # the innermost loop of warpgroup MMAs (the consumers' K loop): one score MMA (K = 512 in steps of
     # 16) and the value MMA (K_BLOCK 32 in steps of 16) a trip; no mma.sync anywhere
+    # (the value MMA in two halves: twice its steps)
     inner = min(r["mma_loop"]["loops"], key=lambda loop: loop["instructions"])
-    assert inner["count"] == 512 // 16 + 32 // 16 and r["sass"]["HGMMA"] >= inner["count"] and r["sass"]["HMMA"] == 0
-    assert r["sass"]["LDGSTS"] > 0 and r["sass"]["BAR"] > 0
+    parts = ws_tiles.get("pv_parts", 1)
+    assert inner["count"] == 512 // 16 + parts * 32 // 16 and r["sass"]["HGMMA"] >= inner["count"]
+    assert r["sass"]["HMMA"] == 0 and r["sass"]["LDGSTS"] > 0 and r["sass"]["BAR"] > 0
+    # 8 producer warps: 16 warps under the 128 registers a thread their launch allows
+    assert r["num_warps"] == 8 + ws_tiles.get("producer_warps", 4) and r["registers"] <= 65536 // (32 * r["num_warps"])
 
 
 def _case(g, B, S, H, W, T, K, cold: bool, hole: bool = False):
@@ -128,8 +134,10 @@ def _case(g, B, S, H, W, T, K, cold: bool, hole: bool = False):
 ])
 @pytest.mark.parametrize("packed", [False, True], ids=["codes", "packed"])
 @pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, {"overlap": True},
-                                      {"RAW_STAGES": 2}, {"RAW_STAGES": 2, "STAGES": 3}],
-                         ids=["default", "overlap-3-slots", "overlap", "copies-1-ahead", "copies-1-ahead-3-slots"])
+                                      {"RAW_STAGES": 2}, {"RAW_STAGES": 2, "STAGES": 3}, EIGHT,
+                                      dict(EIGHT, overlap=True), {"pv_parts": 2}],
+                         ids=["default", "overlap-3-slots", "overlap", "copies-1-ahead", "copies-1-ahead-3-slots",
+                              "8-producer-warps", "8-producer-warps-overlap", "value-mma-halves"])
 def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, hole,
                                                           packed, ws_tiles):
     q, kv, idx = _case(rng, B, S, H, W, T, K, cold, hole)
