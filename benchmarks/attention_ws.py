@@ -41,6 +41,10 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     "ws, packed, copies 1 block ahead, 8 producer warps at 72": {"RAW_STAGES": 2, **EIGHT, "producer_regs": 72},
     "ws, packed, copies 1 block ahead, 8 producer warps, 3 slots": {"RAW_STAGES": 2, "STAGES": 3, **EIGHT},
     "ws, packed, 8 producer warps, 256 columns a step": {"RAW_STAGES": 2, **EIGHT, "CW": 256},
+    # the accumulators rescaled only when the running max moves by more than 2**8
+    "ws, packed, copies 1 block ahead, rescale margin 8": {"RAW_STAGES": 2, "rescale_margin": 8},
+    "ws, packed, copies 1 block ahead, 8 producer warps, rescale margin 8": {"RAW_STAGES": 2, **EIGHT,
+                                                                            "rescale_margin": 8},
 }
 
 

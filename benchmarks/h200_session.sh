@@ -1208,7 +1208,7 @@ phase_wsncu() {
 
 phase_ws8() {
   timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
-    -k "8-producer or halves or default" > "$OUT/h200-ws8-tests.log" 2>&1
+    -k "8-producer or halves or default or margin" > "$OUT/h200-ws8-tests.log" 2>&1
   tail -n 4 "$OUT/h200-ws8-tests.log"
   timeout 300 python benchmarks/attention_ws.py --batches 8 64 --out "$OUT/h200-attention-ws-8.json" 2>&1 \
     | grep -v "^ " | tail -n 40

@@ -281,27 +281,37 @@ if AVAILABLE:
                                          instr_shape=[16, n // (num_warps // 4), 16])
 
     @gluon.jit
-    def _softmax_step(s, idx, m_i, l_i, qk_scale):
+    def _softmax_step(s, idx, m_i, l_i, qk_scale, MARGIN: gl.constexpr):
         """One K block of the online softmax (base 2) over raw scores ``s`` [64, K_BLOCK], the slots of
-        ``idx`` < 0 masked -> (p, the rescale of the earlier blocks, m, l)."""
+        ``idx`` < 0 masked -> (p, the rescale of the earlier blocks, m, l, moved). MARGIN > 0: the running
+        max ``m`` moves only when some row's block max passes it by more than MARGIN (every row then takes
+        its own max), so most blocks leave the accumulator as it is (``moved`` 0, ``alpha`` 1): ``p`` is
+        at most 2**MARGIN, and the sums, the output and the partials are relative to ``m`` whatever it is."""
         s = gl.where((idx >= 0)[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_blk = gl.max(s, axis=1)
+        if MARGIN > 0:
+            moved = gl.max((m_blk > m_i + MARGIN).to(gl.int32), axis=0)
+            m_new = gl.where(moved > 0, gl.maximum(m_i, m_blk), m_i)
+        else:
+            moved = 1
+            m_new = gl.maximum(m_i, m_blk)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - m_use[:, None])
-        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1), moved
 
     @gluon.jit
     def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale,
                   TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr, num_warps: gl.constexpr):
+                  OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr, MARGIN: gl.constexpr, num_warps: gl.constexpr):
         """Scores, online softmax and ``p @ kv`` over the ring's blocks -> (acc, acc2, m, l) (base 2).
         OVERLAP: the next block's score MMA is issued before this block's softmax (it runs meanwhile);
         a slot is released once the value MMA that read it is waited for, at the next block.
         PV_PARTS 2: the output columns in two accumulators (``acc``: columns [0, D / 2), ``acc2``: the
         rest), each a value MMA of half the width a warpgroup, so no instruction needs the 158 registers
         a thread of one 256-wide accumulator (the ceiling of a 16-warp launch is 128); with 1, ``acc2``
-        is ``acc``."""
+        is ``acc``. MARGIN: the accumulators rescaled only when the running max moves by more
+        (:func:`_softmax_step`)."""
         s_layout: gl.constexpr = _mma_layout(K_BLOCK, num_warps)
         o_layout: gl.constexpr = _mma_layout(D // PV_PARTS, num_warps)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -343,14 +353,18 @@ if AVAILABLE:
                 mbarrier.wait(ready.index(st), (i // STAGES) & 1)
                 s_now = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
                 s_now = warpgroup_mma_wait(num_outstanding=0, deps=(s_now,))
-            p, alpha, m_i, l_i = _softmax_step(s_now, idx, m_i, l_i, qk_scale)
+            p, alpha, m_i, l_i, moved = _softmax_step(s_now, idx, m_i, l_i, qk_scale, MARGIN)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            if moved > 0:  # (always without MARGIN)
+                acc = acc * alpha_o
+                if PV_PARTS == 2:
+                    acc2 = acc2 * alpha_o
             if PV_PARTS == 2:
-                acc = warpgroup_mma(pb, kv.slice(0, HALF, dim=1), acc * alpha_o, is_async=True)
-                acc2 = warpgroup_mma(pb, kv.slice(HALF, HALF, dim=1), acc2 * alpha_o, is_async=True)
+                acc = warpgroup_mma(pb, kv.slice(0, HALF, dim=1), acc, is_async=True)
+                acc2 = warpgroup_mma(pb, kv.slice(HALF, HALF, dim=1), acc2, is_async=True)
             else:
-                acc = warpgroup_mma(pb, kv, acc * alpha_o, is_async=True)
+                acc = warpgroup_mma(pb, kv, acc, is_async=True)
             if not OVERLAP:
                 if PV_PARTS == 2:
                     acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
@@ -402,12 +416,13 @@ if AVAILABLE:
             ROLE3: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, TWO_PARTS: gl.constexpr,
             K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
             PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, OVERLAP: gl.constexpr,
-            num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1):
+            num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1, RESCALE_MARGIN: gl.constexpr = 0):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
         SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
         rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel). OVERLAP: the
         consumers issue a block's score MMA before the softmax of the block before (:func:`_consumer`).
-        PV_PARTS 2: the value MMA in two halves of the output columns (:func:`_consumer`)."""
+        PV_PARTS 2: the value MMA in two halves of the output columns (:func:`_consumer`). RESCALE_MARGIN:
+        the accumulators rescaled only when the running max moves by more (:func:`_softmax_step`)."""
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
         lo = split * blocks_per_split
@@ -445,7 +460,7 @@ if AVAILABLE:
         qk = qk_scale * _UP63 if PACKED else qk_scale  # the scores of rows stored times 2**-63 (_UP63)
         acc, acc2, m_i, l_i = gl.warp_specialize([
             (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, TWO_PARTS,
-                         D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, num_warps)),
+                         D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, RESCALE_MARGIN, num_warps)),
             (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                          bs, bs // S, lo, n, K, K0, seg,
                          FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D, CW, K_BLOCK, STAGES, RAW_STAGES,
