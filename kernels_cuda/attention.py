@@ -309,7 +309,8 @@ def sparse_attention(q, kv, indices, sink, scale):
     args = (q, parts[0], parts[-1], sink if sink is not None else q, out, pacc, pml,
             *_segment_args(segs, plan["roles"]), S, H, K, parts[0].shape[-1], plan["per_split"], float(scale) * LOG2E)
     if plan.get("ws"):
-        attention_ws._ws_attention_kernel[plan["grid"]](*args, D, TWO_PARTS=len(parts) == 2, **plan["constexprs"])
+        attention_ws._ws_attention_kernel[plan["grid"]](*args, D, TWO_PARTS=len(parts) == 2, **plan["constexprs"],
+                                                        **pdl.options(q.device))
     else:
         _sparse_attention_kernel[plan["grid"]](
             *args, splitk.counters(q.device) if plan["finish"] else pml, D,  # ticket counters only when merging

@@ -25,6 +25,7 @@ import triton.language as tl
 from flashrt.kernels_cuda.attention_kernel import LOG2E, _finish, locate_paths
 from flashrt.kernels_cuda.codecs import e2m1_ordered_bf16, e2m1_x16384, e4m3_cvt, e8m0_bf16, e8m0_to_f32
 from flashrt.kernels_cuda.codecs_e4m3 import e4m3_pairs_bf16
+from flashrt.kernels_cuda.pdl import wait_inputs
 
 try:
     from triton.experimental import gluon
@@ -423,6 +424,7 @@ if AVAILABLE:
         consumers issue a block's score MMA before the softmax of the block before (:func:`_consumer`).
         PV_PARTS 2: the value MMA in two halves of the output columns (:func:`_consumer`). RESCALE_MARGIN:
         the accumulators rescaled only when the running max moves by more (:func:`_softmax_step`)."""
+        wait_inputs()
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
         lo = split * blocks_per_split

@@ -30,13 +30,16 @@ KERNELS = ROOT / "kernels_cuda"
 
 
 def _launched_kernels() -> set[str]:
-    """Names of the kernels the launchers launch (``name[grid](...)`` calls)."""
+    """Names of the kernels the launchers launch (``name[grid](...)`` and ``module.name[grid](...)``
+    calls)."""
     names = set()
     for path in KERNELS.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
                 if isinstance(node.func.value, ast.Name):
                     names.add(node.func.value.id)
+                elif isinstance(node.func.value, ast.Attribute):
+                    names.add(node.func.value.attr)
     return names
 
 
