@@ -45,6 +45,10 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     "ws, packed, copies 1 block ahead, rescale margin 8": {"RAW_STAGES": 2, "rescale_margin": 8},
     "ws, packed, copies 1 block ahead, 8 producer warps, rescale margin 8": {"RAW_STAGES": 2, **EIGHT,
                                                                             "rescale_margin": 8},
+    # q loaded by the consumers after the partitions start
+    "ws, packed, copies 1 block ahead, q in consumers": {"RAW_STAGES": 2, "q_in_consumers": True},
+    "ws, packed, copies 1 block ahead, 8 producer warps, q in consumers": {"RAW_STAGES": 2, **EIGHT,
+                                                                           "q_in_consumers": True},
 }
 
 

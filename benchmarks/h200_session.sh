@@ -415,8 +415,9 @@
 #              (h200-real-slice-wsprod-on.json). The decode in the consumers was timed by this phase at
 #              af090f3 (h200-wsdec-tests.log, ncu-source-attn64-wsdec.*)
 #   ws8        the ws attention with 8 producer warps (16 warps, the value MMA in halves: tiles ws.pv_parts):
-#              its GPU tests and the halves' (h200-ws8-tests.log), benchmarks/attention_ws.py at batch 8, 64
-#              and the prefill, every variant beside the plain kernel (h200-attention-ws-8.json)
+#              its GPU tests, the halves, the rescale margin and q loaded by the consumers (h200-ws8-tests.log),
+#              benchmarks/attention_ws.py at batch 8, 64 and the prefill, every variant beside the plain kernel
+#              (h200-attention-ws-8.json)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -1208,7 +1209,7 @@ phase_wsncu() {
 
 phase_ws8() {
   timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
-    -k "8-producer or halves or default or margin" > "$OUT/h200-ws8-tests.log" 2>&1
+    -k "8-producer or halves or default or margin or q-in" > "$OUT/h200-ws8-tests.log" 2>&1
   tail -n 4 "$OUT/h200-ws8-tests.log"
   timeout 300 python benchmarks/attention_ws.py --batches 8 64 --out "$OUT/h200-attention-ws-8.json" 2>&1 \
     | grep -v "^ " | tail -n 40

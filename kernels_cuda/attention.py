@@ -70,11 +70,12 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # halves of the output columns, which a launch of 8 producer warps needs (its 16 warps allow 128
     # registers a thread at launch, under what one 256-wide accumulator instruction takes);
     # rescale_margin > 0: the accumulators rescaled only when a block moves the running max by more than
-    # that (log2 units), the output the same up to rounding
+    # that (log2 units), the output the same up to rounding; q_in_consumers: q loaded by the consumers
+    # after the partitions start (the producer's first copies do not wait for it)
     # min_queries: launches of fewer queries (B * S) keep the plain kernel (at one query it is faster)
     "ws": {"enabled": False, "min_queries": 1, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128,
            "producer_warps": 4, "producer_regs": 88, "maxnreg": 168, "overlap": False,
-           "pv_parts": 1, "rescale_margin": 0},
+           "pv_parts": 1, "rescale_margin": 0, "q_in_consumers": False},
 }
 
 
@@ -242,7 +243,8 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
                                 PRODUCER_WARPS=t["producer_warps"], PRODUCER_REGS=t["producer_regs"],
                                 PACKED=packed_rows(), OVERLAP=t["overlap"], num_warps=8, maxnreg=t["maxnreg"],
                                 **({"PV_PARTS": 2} if t["pv_parts"] == 2 else {}),
-                                **({"RESCALE_MARGIN": t["rescale_margin"]} if t["rescale_margin"] else {})))
+                                **({"RESCALE_MARGIN": t["rescale_margin"]} if t["rescale_margin"] else {}),
+                                **({"Q_IN_CONSUMERS": True} if t["q_in_consumers"] else {})))
 
 
 def planned_splits(q: torch.Tensor, K: int, codes: tuple) -> tuple[str, int]:
@@ -372,7 +374,8 @@ TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1,
                "ws.CW": Tile(low=64, high=512, pow2=True),
                "ws.producer_warps": Tile(choices=(4, 8)), "ws.producer_regs": Tile(low=24, high=256, multiple=8),
                "ws.maxnreg": Tile(low=24, high=256, multiple=8), "ws.overlap": Tile(kind=bool),
-               "ws.pv_parts": Tile(choices=(1, 2)), "ws.rescale_margin": Tile(low=0, high=16)}
+               "ws.pv_parts": Tile(choices=(1, 2)), "ws.rescale_margin": Tile(low=0, high=16),
+               "ws.q_in_consumers": Tile(kind=bool)}
 
 
 def _kv_tile_bytes(t: dict) -> int:

@@ -302,9 +302,18 @@ if AVAILABLE:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1), moved
 
     @gluon.jit
-    def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale,
+    def _load_q(q_ptr, bs, H, D: gl.constexpr, num_warps: gl.constexpr):
+        """q [64, D] of query ``bs``'s head block ``program_id(1)`` (rows past H zeros)."""
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        h_q = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, QL))
+        d_q = gl.arange(0, D, gl.SliceLayout(0, QL))
+        return gl.load(q_ptr + (bs * H + h_q)[:, None] * D + d_q[None, :], mask=(h_q < H)[:, None], other=0.0)
+
+    @gluon.jit
+    def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, q_ptr, H,
                   TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr, MARGIN: gl.constexpr, num_warps: gl.constexpr):
+                  OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr, MARGIN: gl.constexpr, LOAD_Q: gl.constexpr,
+                  num_warps: gl.constexpr):
         """Scores, online softmax and ``p @ kv`` over the ring's blocks -> (acc, acc2, m, l) (base 2).
         OVERLAP: the next block's score MMA is issued before this block's softmax (it runs meanwhile);
         a slot is released once the value MMA that read it is waited for, at the next block.
@@ -312,7 +321,11 @@ if AVAILABLE:
         rest), each a value MMA of half the width a warpgroup, so no instruction needs the 158 registers
         a thread of one 256-wide accumulator (the ceiling of a 16-warp launch is 128); with 1, ``acc2``
         is ``acc``. MARGIN: the accumulators rescaled only when the running max moves by more
-        (:func:`_softmax_step`)."""
+        (:func:`_softmax_step`). LOAD_Q: q is stored into ``q_smem`` here first."""
+        if LOAD_Q:
+            q_smem.store(_load_q(q_ptr, bs, H, D, num_warps))
+            fence_async_shared()  # q is read by the MMAs (async proxy)
+            _sync()  # every consumer warp's part of q stored
         s_layout: gl.constexpr = _mma_layout(K_BLOCK, num_warps)
         o_layout: gl.constexpr = _mma_layout(D // PV_PARTS, num_warps)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -417,13 +430,15 @@ if AVAILABLE:
             ROLE3: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, TWO_PARTS: gl.constexpr,
             K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
             PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, OVERLAP: gl.constexpr,
-            num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1, RESCALE_MARGIN: gl.constexpr = 0):
+            num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1, RESCALE_MARGIN: gl.constexpr = 0,
+            Q_IN_CONSUMERS: gl.constexpr = False):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
         SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
         rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel). OVERLAP: the
         consumers issue a block's score MMA before the softmax of the block before (:func:`_consumer`).
         PV_PARTS 2: the value MMA in two halves of the output columns (:func:`_consumer`). RESCALE_MARGIN:
-        the accumulators rescaled only when the running max moves by more (:func:`_softmax_step`)."""
+        the accumulators rescaled only when the running max moves by more (:func:`_softmax_step`).
+        Q_IN_CONSUMERS: q loaded by the consumers, so the producer's first copies do not wait for it."""
         wait_inputs()
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
@@ -432,13 +447,13 @@ if AVAILABLE:
         OWN1: gl.constexpr = ROLE1 == 1
         OWN2: gl.constexpr = ROLE2 == 2
 
-        # q [64, D] of this query's head block into shared memory (the A operand of the score MMA)
-        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        h_q = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, QL))
-        d_q = gl.arange(0, D, gl.SliceLayout(0, QL))
-        q = gl.load(q_ptr + (bs * H + h_q)[:, None] * D + d_q[None, :], mask=(h_q < H)[:, None], other=0.0)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [_H, D],
-                                           gl.NVMMASharedLayout.get_default_for([_H, D], gl.bfloat16), q)
+        # q [64, D] of this query's head block in shared memory (the A operand of the score MMA): loaded
+        # here, before the partitions start, or by the consumers while the producer starts its copies
+        QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_H, D], gl.bfloat16)
+        if Q_IN_CONSUMERS:
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [_H, D], QS)
+        else:
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [_H, D], QS, _load_q(q_ptr, bs, H, D, num_warps))
         kv_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, K_BLOCK, D],
                                             gl.NVMMASharedLayout.get_default_for([K_BLOCK, D], gl.bfloat16))
         RL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])  # a slot: [K_BLOCK, bytes]
@@ -461,8 +476,9 @@ if AVAILABLE:
                o3, so3, sb3, st3, ssb3, sst3, start3, len3)
         qk = qk_scale * _UP63 if PACKED else qk_scale  # the scores of rows stored times 2**-63 (_UP63)
         acc, acc2, m_i, l_i = gl.warp_specialize([
-            (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, TWO_PARTS,
-                         D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, RESCALE_MARGIN, num_warps)),
+            (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, q_ptr, H,
+                         TWO_PARTS, D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, RESCALE_MARGIN, Q_IN_CONSUMERS,
+                         num_warps)),
             (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                          bs, bs // S, lo, n, K, K0, seg,
                          FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D, CW, K_BLOCK, STAGES, RAW_STAGES,

@@ -136,10 +136,11 @@ def _case(g, B, S, H, W, T, K, cold: bool, hole: bool = False):
 @pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, {"overlap": True},
                                       {"RAW_STAGES": 2}, {"RAW_STAGES": 2, "STAGES": 3}, EIGHT,
                                       dict(EIGHT, overlap=True), {"pv_parts": 2}, {"rescale_margin": 8},
-                                      dict(EIGHT, rescale_margin=8)],
+                                      dict(EIGHT, rescale_margin=8), {"q_in_consumers": True},
+                                      dict(EIGHT, q_in_consumers=True, overlap=True)],
                          ids=["default", "overlap-3-slots", "overlap", "copies-1-ahead", "copies-1-ahead-3-slots",
                               "8-producer-warps", "8-producer-warps-overlap", "value-mma-halves", "rescale-margin",
-                              "8-producer-warps-rescale-margin"])
+                              "8-producer-warps-rescale-margin", "q-in-consumers", "8-producer-warps-q-in-consumers"])
 def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, hole,
                                                           packed, ws_tiles):
     q, kv, idx = _case(rng, B, S, H, W, T, K, cold, hole)
