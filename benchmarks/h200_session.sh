@@ -416,7 +416,7 @@
 #              af090f3 (h200-wsdec-tests.log, ncu-source-attn64-wsdec.*)
 #   ws8        the ws attention with 8 producer warps (16 warps, the value MMA in halves: tiles ws.pv_parts):
 #              its GPU tests, the halves, the rescale margin and q loaded by the consumers (h200-ws8-tests.log),
-#              benchmarks/attention_ws.py at batch 8, 64 and the prefill, every variant beside the plain kernel
+#              benchmarks/attention_ws.py at batch 64 and the prefill, every variant beside the plain kernel
 #              (h200-attention-ws-8.json)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
@@ -1211,7 +1211,7 @@ phase_ws8() {
   timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
     -k "8-producer or halves or default or margin or q-in" > "$OUT/h200-ws8-tests.log" 2>&1
   tail -n 4 "$OUT/h200-ws8-tests.log"
-  timeout 300 python benchmarks/attention_ws.py --batches 8 64 --out "$OUT/h200-attention-ws-8.json" 2>&1 \
+  timeout 330 python benchmarks/attention_ws.py --batches 64 --out "$OUT/h200-attention-ws-8.json" 2>&1 \
     | grep -v "^ " | tail -n 40
 }
 
