@@ -45,6 +45,10 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     "ws, packed, copies 1 block ahead, rescale margin 8": {"RAW_STAGES": 2, "rescale_margin": 8},
     "ws, packed, copies 1 block ahead, 8 producer warps, rescale margin 8": {"RAW_STAGES": 2, **EIGHT,
                                                                             "rescale_margin": 8},
+    # each consumer warpgroup computing the scores itself, nothing exchanged between them
+    "ws, packed, copies 1 block ahead, own scores": {"RAW_STAGES": 2, "own_scores": True, "producer_regs": 72},
+    "ws, packed, copies 1 block ahead, own scores, 8 producer warps": {"RAW_STAGES": 2, **EIGHT, "own_scores": True,
+                                                                       "producer_regs": 56},
     # q loaded by the consumers after the partitions start
     "ws, packed, copies 1 block ahead, q in consumers": {"RAW_STAGES": 2, "q_in_consumers": True},
     "ws, packed, copies 1 block ahead, 8 producer warps, q in consumers": {"RAW_STAGES": 2, **EIGHT,
