@@ -1209,7 +1209,7 @@ phase_wsncu() {
 }
 
 phase_ws8() {
-  timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
+  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
     -k "8-producer or halves or default or margin or q-in or own" > "$OUT/h200-ws8-tests.log" 2>&1
   tail -n 4 "$OUT/h200-ws8-tests.log"
   timeout 330 python benchmarks/attention_ws.py --batches 64 --out "$OUT/h200-attention-ws-8.json" 2>&1 \
@@ -1219,7 +1219,7 @@ phase_ws8() {
 phase_wsprod() {  # ordered by what a short lease must bring back first
   timeout 170 python benchmarks/attention_ws.py --batches 8 64 --out "$OUT/h200-attention-ws-3.json" 2>&1 \
     | grep -v "^ " | tail -n 40
-  timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
+  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
     tests/kernels_cuda/test_cuda_attention_packed.py tests/kernels_cuda/test_cuda_attention.py \
     tests/kernels_cuda/test_cuda_prefix_attention.py > "$OUT/h200-wsprod-tests.log" 2>&1
   tail -n 12 "$OUT/h200-wsprod-tests.log"
