@@ -73,8 +73,8 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # that (log2 units), the output the same up to rounding; q_in_consumers: q loaded by the consumers
     # after the partitions start (the producer's first copies do not wait for it); own_scores: each
     # consumer warpgroup a partition computing the scores itself (the score MMA twice, nothing exchanged
-    # between the warpgroups; not with overlap or q_in_consumers), the registers the producer leaves
-    # shared evenly between them
+    # between the warpgroups; overlap and q_in_consumers do not apply to it), the registers the producer
+    # leaves shared evenly between them
     # min_queries: launches of fewer queries (B * S) keep the plain kernel (at one query it is faster)
     "ws": {"enabled": False, "min_queries": 1, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128,
            "producer_warps": 4, "producer_regs": 88, "maxnreg": 168, "overlap": False,
@@ -238,7 +238,6 @@ def _own_scores(t: dict) -> dict:
     what the producer's warps leave of the 65,536 (in multiples of 8; the first gets the rest)."""
     if not t["own_scores"]:
         return {}
-    assert not (t["overlap"] or t["q_in_consumers"]), "ws.own_scores takes neither overlap nor q_in_consumers"
     left = 65536 // 128 - t["producer_regs"] * t["producer_warps"] // 4  # a thread's share over the two warpgroups
     return {"OWN_SCORES": True, "CONSUMER_REGS": left // 2 // 8 * 8}
 
@@ -256,11 +255,11 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
                 constexprs=dict(**_segment_constexprs(codes), HAS_SINK=has_sink, SPLIT=splits > 1,
                                 K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"], RAW_STAGES=t["RAW_STAGES"], CW=t["CW"],
                                 PRODUCER_WARPS=t["producer_warps"], PRODUCER_REGS=t["producer_regs"],
-                                PACKED=packed_rows(), OVERLAP=t["overlap"], num_warps=4 if own else 8,
+                                PACKED=packed_rows(), OVERLAP=t["overlap"] and not own, num_warps=4 if own else 8,
                                 maxnreg=t["maxnreg"], **_own_scores(t),
                                 **({"PV_PARTS": 2} if t["pv_parts"] == 2 else {}),
                                 **({"RESCALE_MARGIN": t["rescale_margin"]} if t["rescale_margin"] else {}),
-                                **({"Q_IN_CONSUMERS": True} if t["q_in_consumers"] else {})))
+                                **({"Q_IN_CONSUMERS": True} if t["q_in_consumers"] and not own else {})))
 
 
 def planned_splits(q: torch.Tensor, K: int, codes: tuple) -> tuple[str, int]:

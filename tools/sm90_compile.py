@@ -110,6 +110,9 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
             "constexprs": {fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()}}
 
 
+SPAN_OPS = ("BAR", "LDS", "STS", "LDL", "STL")  # counted in each loop of ``mma_loop``'s list
+
+
 def mma_loop(code: list[tuple], ops: tuple = ("HMMA", "HGMMA", "QGMMA")) -> dict | None:
     """The loop (a backward branch's span of the SASS) holding the most MMA instructions (or of
     ``ops``): its instruction count and its 12 most frequent opcodes, the static cost of one trip of
@@ -120,8 +123,9 @@ def mma_loop(code: list[tuple], ops: tuple = ("HMMA", "HGMMA", "QGMMA")) -> dict
         if target and int(target.group(1), 16) < addr:
             body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= addr]
             mmas = sum(o in ops for o in body)
-            if mmas:
-                spans.append({"instructions": len(body), "count": mmas})
+            if mmas:  # with the shared-memory and local traffic and the barriers a trip takes
+                spans.append({"instructions": len(body), "count": mmas,
+                              **{o: body.count(o) for o in SPAN_OPS if o in body}})
             if mmas and (best is None or mmas > best[0]):
                 best = (mmas, body, (int(target.group(1), 16), addr))
     if best is None:
@@ -129,7 +133,7 @@ def mma_loop(code: list[tuple], ops: tuple = ("HMMA", "HGMMA", "QGMMA")) -> dict
     return {"instructions": len(best[1]), "opcodes": dict(collections.Counter(best[1]).most_common(12)),
             "sass_range": [hex(a) for a in best[2]],  # the loop's first and last addresses in the dump
             "count": best[0],  # its instructions of ``ops``
-            "loops": spans}  # every loop holding one (instructions, count), nested ones included
+            "loops": spans}  # every loop holding one (instructions, count, SPAN_OPS), nested ones included
 
 
 def attention_call(B: int, S: int, cold: bool, kv: str = "both"):
