@@ -24,9 +24,9 @@ from decode_kernel_variants import with_tiles
 from results_io import write_json
 
 VARIANTS = {  # tiles.attention.ws over the active profile's (min_queries 1: every launch takes it), fp4_b16
-    # rows decoded code by code; the tiles that lost on the H200 (decode 64 / 256 / 512 columns a step, K
-    # blocks of 16, 152 producer registers, copies 3 blocks ahead, the decode in the consumers:
-    # docs/performance.md) are left out
+    # rows decoded code by code; the tiles that lost (decode 64 / 256 / 512 columns a step, K blocks of 16,
+    # 152 producer registers, copies 3 blocks ahead, the decode in the consumers, each consumer warpgroup's
+    # own scores, the rescale past a margin: docs/performance.md) are left out
     "ws, copies 1 block ahead": {"RAW_STAGES": 2},
 }
 EIGHT = {"producer_warps": 8, "maxnreg": 128, "producer_regs": 80, "pv_parts": 2}
@@ -41,14 +41,6 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     "ws, packed, copies 1 block ahead, 8 producer warps at 72": {"RAW_STAGES": 2, **EIGHT, "producer_regs": 72},
     "ws, packed, copies 1 block ahead, 8 producer warps, 3 slots": {"RAW_STAGES": 2, "STAGES": 3, **EIGHT},
     "ws, packed, 8 producer warps, 256 columns a step": {"RAW_STAGES": 2, **EIGHT, "CW": 256},
-    # the accumulators rescaled only when the running max moves by more than 2**8
-    "ws, packed, copies 1 block ahead, rescale margin 8": {"RAW_STAGES": 2, "rescale_margin": 8},
-    "ws, packed, copies 1 block ahead, 8 producer warps, rescale margin 8": {"RAW_STAGES": 2, **EIGHT,
-                                                                            "rescale_margin": 8},
-    # each consumer warpgroup computing the scores itself, nothing exchanged between them
-    "ws, packed, copies 1 block ahead, own scores": {"RAW_STAGES": 2, "own_scores": True, "producer_regs": 72},
-    "ws, packed, copies 1 block ahead, own scores, 8 producer warps": {"RAW_STAGES": 2, **EIGHT, "own_scores": True,
-                                                                       "producer_regs": 56},
     # q loaded by the consumers after the partitions start
     "ws, packed, copies 1 block ahead, q in consumers": {"RAW_STAGES": 2, "q_in_consumers": True},
     "ws, packed, copies 1 block ahead, 8 producer warps, q in consumers": {"RAW_STAGES": 2, **EIGHT,

@@ -415,8 +415,7 @@
 #              (h200-real-slice-wsprod-on.json). The decode in the consumers was timed by this phase at
 #              af090f3 (h200-wsdec-tests.log, ncu-source-attn64-wsdec.*)
 #   ws8        the ws attention with 8 producer warps (16 warps, the value MMA in halves: tiles ws.pv_parts):
-#              its GPU tests, the halves, the rescale margin, q loaded by the consumers and the consumer
-#              warpgroups' own scores (h200-ws8-tests.log),
+#              its GPU tests, the halves and q loaded by the consumers (h200-ws8-tests.log),
 #              benchmarks/attention_ws.py at batch 64 and the prefill, every variant beside the plain kernel
 #              (h200-attention-ws-8.json)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
@@ -1210,7 +1209,7 @@ phase_wsncu() {
 
 phase_ws8() {
   timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
-    -k "8-producer or halves or default or margin or q-in or own" > "$OUT/h200-ws8-tests.log" 2>&1
+    -k "8-producer or halves or default or q-in" > "$OUT/h200-ws8-tests.log" 2>&1
   tail -n 4 "$OUT/h200-ws8-tests.log"
   timeout 330 python benchmarks/attention_ws.py --batches 64 --out "$OUT/h200-attention-ws-8.json" 2>&1 \
     | grep -v "^ " | tail -n 40

@@ -69,17 +69,12 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # maxnreg a thread of the kernel, producer_regs of the producer's; pv_parts 2: the value MMA in two
     # halves of the output columns, which a launch of 8 producer warps needs (its 16 warps allow 128
     # registers a thread at launch, under what one 256-wide accumulator instruction takes);
-    # rescale_margin > 0: the accumulators rescaled only when a block moves the running max by more than
-    # that (log2 units), the output the same up to rounding; q_in_consumers: q loaded by the consumers
-    # after the partitions start (the producer's first copies do not wait for it); own_scores: each
-    # consumer warpgroup a partition computing the scores itself (the score MMA twice, nothing exchanged
-    # between the warpgroups; overlap and q_in_consumers do not apply to it), the registers the producer
-    # leaves shared evenly between them
+    # q_in_consumers: q loaded by the consumers after the partitions start (the producer's first
+    # copies do not wait for it)
     # min_queries: launches of fewer queries (B * S) keep the plain kernel (at one query it is faster)
     "ws": {"enabled": False, "min_queries": 1, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128,
            "producer_warps": 4, "producer_regs": 88, "maxnreg": 168, "overlap": False,
-           "pv_parts": 1, "rescale_margin": 0, "q_in_consumers": False,
-           "own_scores": False},
+           "pv_parts": 1, "q_in_consumers": False},
 }
 
 
@@ -233,33 +228,21 @@ def _ws_fits(q: torch.Tensor, codes: tuple, aligned: bool = True) -> bool:
             and jit_targets.capability() == (9, 0))
 
 
-def _own_scores(t: dict) -> dict:
-    """The constexprs of ``ws.own_scores``: the second consumer warpgroup's registers a thread, half of
-    what the producer's warps leave of the 65,536 (in multiples of 8; the first gets the rest)."""
-    if not t["own_scores"]:
-        return {}
-    left = 65536 // 128 - t["producer_regs"] * t["producer_warps"] // 4  # a thread's share over the two warpgroups
-    return {"OWN_SCORES": True, "CONSUMER_REGS": left // 2 // 8 * 8}
-
-
 def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
     """:func:`_launch_plan` for the warp-specialized kernel: one program per (query, 64 heads, K split),
     the split rule of ``tiles.attention.split``, partials merged by the combine launch."""
     B, S, H, D = q.shape
     t = _tiles()["ws"]
     programs = B * S * (H // attention_ws.H_BLOCK)
-    own = t["own_scores"]
     splits, per_split = _split_k(cdiv(K, t["K_BLOCK"]), programs, _tiles()["split"]["programs"] or sm_count(q.device))
     return dict(ws=True, grid=(B * S, H // attention_ws.H_BLOCK, splits), splits=splits, per_split=per_split,
                 finish=False, roles=(0, *_roles(codes)), pdtype=torch.bfloat16,
                 constexprs=dict(**_segment_constexprs(codes), HAS_SINK=has_sink, SPLIT=splits > 1,
                                 K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"], RAW_STAGES=t["RAW_STAGES"], CW=t["CW"],
                                 PRODUCER_WARPS=t["producer_warps"], PRODUCER_REGS=t["producer_regs"],
-                                PACKED=packed_rows(), OVERLAP=t["overlap"] and not own, num_warps=4 if own else 8,
-                                maxnreg=t["maxnreg"], **_own_scores(t),
+                                PACKED=packed_rows(), OVERLAP=t["overlap"], num_warps=8, maxnreg=t["maxnreg"],
                                 **({"PV_PARTS": 2} if t["pv_parts"] == 2 else {}),
-                                **({"RESCALE_MARGIN": t["rescale_margin"]} if t["rescale_margin"] else {}),
-                                **({"Q_IN_CONSUMERS": True} if t["q_in_consumers"] and not own else {})))
+                                **({"Q_IN_CONSUMERS": True} if t["q_in_consumers"] else {})))
 
 
 def planned_splits(q: torch.Tensor, K: int, codes: tuple) -> tuple[str, int]:
@@ -389,8 +372,7 @@ TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1,
                "ws.CW": Tile(low=64, high=512, pow2=True),
                "ws.producer_warps": Tile(choices=(4, 8)), "ws.producer_regs": Tile(low=24, high=256, multiple=8),
                "ws.maxnreg": Tile(low=24, high=256, multiple=8), "ws.overlap": Tile(kind=bool),
-               "ws.pv_parts": Tile(choices=(1, 2)), "ws.rescale_margin": Tile(low=0, high=16),
-               "ws.q_in_consumers": Tile(kind=bool), "ws.own_scores": Tile(kind=bool)}
+               "ws.pv_parts": Tile(choices=(1, 2)), "ws.q_in_consumers": Tile(kind=bool)}
 
 
 def _kv_tile_bytes(t: dict) -> int:

@@ -282,24 +282,15 @@ if AVAILABLE:
                                          instr_shape=[16, n // (num_warps // 4), 16])
 
     @gluon.jit
-    def _softmax_step(s, idx, m_i, l_i, qk_scale, MARGIN: gl.constexpr):
+    def _softmax_step(s, idx, m_i, l_i, qk_scale):
         """One K block of the online softmax (base 2) over raw scores ``s`` [64, K_BLOCK], the slots of
-        ``idx`` < 0 masked -> (p, the rescale of the earlier blocks, m, l, moved). MARGIN > 0: the running
-        max ``m`` moves only when some row's block max passes it by more than MARGIN (every row then takes
-        its own max), so most blocks leave the accumulator as it is (``moved`` 0, ``alpha`` 1): ``p`` is
-        at most 2**MARGIN, and the sums, the output and the partials are relative to ``m`` whatever it is."""
+        ``idx`` < 0 masked -> (p, the rescale of the earlier blocks, m, l)."""
         s = gl.where((idx >= 0)[None, :], s * qk_scale, float("-inf"))
-        m_blk = gl.max(s, axis=1)
-        if MARGIN > 0:
-            moved = gl.max((m_blk > m_i + MARGIN).to(gl.int32), axis=0)
-            m_new = gl.where(moved > 0, gl.maximum(m_i, m_blk), m_i)
-        else:
-            moved = 1
-            m_new = gl.maximum(m_i, m_blk)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - m_use[:, None])
-        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1), moved
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
     def _load_q(q_ptr, bs, H, D: gl.constexpr, num_warps: gl.constexpr):
@@ -312,16 +303,14 @@ if AVAILABLE:
     @gluon.jit
     def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, q_ptr, H,
                   TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr, MARGIN: gl.constexpr, LOAD_Q: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr, LOAD_Q: gl.constexpr, num_warps: gl.constexpr):
         """Scores, online softmax and ``p @ kv`` over the ring's blocks -> (acc, acc2, m, l) (base 2).
         OVERLAP: the next block's score MMA is issued before this block's softmax (it runs meanwhile);
         a slot is released once the value MMA that read it is waited for, at the next block.
         PV_PARTS 2: the output columns in two accumulators (``acc``: columns [0, D / 2), ``acc2``: the
         rest), each a value MMA of half the width a warpgroup, so no instruction needs the 158 registers
         a thread of one 256-wide accumulator (the ceiling of a 16-warp launch is 128); with 1, ``acc2``
-        is ``acc``. MARGIN: the accumulators rescaled only when the running max moves by more
-        (:func:`_softmax_step`). LOAD_Q: q is stored into ``q_smem`` here first."""
+        is ``acc``. LOAD_Q: q is stored into ``q_smem`` here first."""
         if LOAD_Q:
             q_smem.store(_load_q(q_ptr, bs, H, D, num_warps))
             fence_async_shared()  # q is read by the MMAs (async proxy)
@@ -367,18 +356,14 @@ if AVAILABLE:
                 mbarrier.wait(ready.index(st), (i // STAGES) & 1)
                 s_now = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
                 s_now = warpgroup_mma_wait(num_outstanding=0, deps=(s_now,))
-            p, alpha, m_i, l_i, moved = _softmax_step(s_now, idx, m_i, l_i, qk_scale, MARGIN)
+            p, alpha, m_i, l_i = _softmax_step(s_now, idx, m_i, l_i, qk_scale)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            if moved > 0:  # (always without MARGIN)
-                acc = acc * alpha_o
-                if PV_PARTS == 2:
-                    acc2 = acc2 * alpha_o
             if PV_PARTS == 2:
-                acc = warpgroup_mma(pb, kv.slice(0, HALF, dim=1), acc, is_async=True)
-                acc2 = warpgroup_mma(pb, kv.slice(HALF, HALF, dim=1), acc2, is_async=True)
+                acc = warpgroup_mma(pb, kv.slice(0, HALF, dim=1), acc * alpha_o, is_async=True)
+                acc2 = warpgroup_mma(pb, kv.slice(HALF, HALF, dim=1), acc2 * alpha_o, is_async=True)
             else:
-                acc = warpgroup_mma(pb, kv, acc, is_async=True)
+                acc = warpgroup_mma(pb, kv, acc * alpha_o, is_async=True)
             if not OVERLAP:
                 if PV_PARTS == 2:
                     acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
@@ -395,61 +380,6 @@ if AVAILABLE:
             acc2 = acc
         return (acc, acc2, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
                 gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
-
-    @gluon.jit
-    def _consumer_wg(q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, out_ptr,
-                     pacc_ptr, pml_ptr, sink_ptr, split, H, COL0: gl.constexpr, WRITE_ML: gl.constexpr,
-                     TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                     PV_PARTS: gl.constexpr, MARGIN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-                     PACKED: gl.constexpr):
-        """One consumer warpgroup with scores of its own (``OWN_SCORES``): every block's 64 x K_BLOCK
-        scores (the same as the other warpgroup's), the online softmax, and ``p @ kv`` over output columns
-        ``[COL0, COL0 + D / 2)``, then those columns stored (:func:`_store_part`; WRITE_ML: also the split
-        partials' ``(m, l)``). Nothing crosses warpgroups: the row reductions stay in a warp and ``p``
-        becomes the value MMA's register operand where it is; the warpgroup releases a slot on its own
-        arrival (``empty`` counts both). PV_PARTS 2: its columns as two value MMAs of D / 4."""
-        s_layout: gl.constexpr = _mma_layout(K_BLOCK, 4)
-        W: gl.constexpr = D // 2 // PV_PARTS
-        o_layout: gl.constexpr = _mma_layout(W, 4)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        acc = gl.zeros([_H, W], gl.float32, o_layout)
-        if PV_PARTS == 2:
-            acc2 = gl.zeros([_H, W], gl.float32, o_layout)
-        m_i = gl.full([_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([_H], gl.float32, gl.SliceLayout(1, s_layout))
-        s0 = gl.zeros([_H, K_BLOCK], gl.float32, s_layout)
-        IL: gl.constexpr = gl.SliceLayout(0, s_layout)
-        idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
-        for i in range(n):
-            idx = idx_next  # this block's indices (for the mask), loaded a trip before
-            idx_next = _block_rows(lo + i + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
-            st = i % STAGES
-            kv = kv_smem.index(st)
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            s_now = warpgroup_mma(q_smem, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
-            s_now = warpgroup_mma_wait(num_outstanding=0, deps=(s_now,))
-            p, alpha, m_i, l_i, moved = _softmax_step(s_now, idx, m_i, l_i, qk_scale, MARGIN)
-            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            if moved > 0:  # (always without MARGIN)
-                acc = acc * alpha_o
-                if PV_PARTS == 2:
-                    acc2 = acc2 * alpha_o
-            acc = warpgroup_mma(pb, kv.slice(COL0, W, dim=1), acc, is_async=True)
-            if PV_PARTS == 2:
-                acc2 = warpgroup_mma(pb, kv.slice(COL0 + W, W, dim=1), acc2, is_async=True)
-                acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _sync()  # the warpgroup's MMAs have read the slot
-            mbarrier.arrive(empty.index(st), count=1)
-        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        _store_part(acc, COL0, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
-        if PV_PARTS == 2:
-            _store_part(acc2, COL0 + W, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
-        if WRITE_ML:
-            _store_ml(m_o, l_o, pml_ptr, bs, split, H)
 
     @gluon.jit
     def _store_ml(m_i, l_i, pml_ptr, bs, split, H):
@@ -493,18 +423,13 @@ if AVAILABLE:
             ROLE3: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, TWO_PARTS: gl.constexpr,
             K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
             PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, OVERLAP: gl.constexpr,
-            num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1, RESCALE_MARGIN: gl.constexpr = 0,
-            Q_IN_CONSUMERS: gl.constexpr = False, OWN_SCORES: gl.constexpr = False,
-            CONSUMER_REGS: gl.constexpr = 0):
+            num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1, Q_IN_CONSUMERS: gl.constexpr = False):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
         SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
         rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel). OVERLAP: the
         consumers issue a block's score MMA before the softmax of the block before (:func:`_consumer`).
-        PV_PARTS 2: the value MMA in two halves of the output columns (:func:`_consumer`). RESCALE_MARGIN:
-        the accumulators rescaled only when the running max moves by more (:func:`_softmax_step`).
-        Q_IN_CONSUMERS: q loaded by the consumers, so the producer's first copies do not wait for it.
-        OWN_SCORES (``num_warps`` 4): the consumers are two partitions of one warpgroup, each computing the
-        scores itself (:func:`_consumer_wg`; the second one at CONSUMER_REGS registers a thread)."""
+        PV_PARTS 2: the value MMA in two halves of the output columns (:func:`_consumer`).
+        Q_IN_CONSUMERS: q loaded by the consumers, so the producer's first copies do not wait for it."""
         wait_inputs()
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
@@ -533,7 +458,7 @@ if AVAILABLE:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2 if OWN_SCORES else 1)  # (each warpgroup releases a slot)
+            mbarrier.init(empty.index(i), count=1)
         fence_async_shared()  # q and the barriers' initialization, before the MMAs and the other partition
 
         seg = (d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
@@ -541,30 +466,17 @@ if AVAILABLE:
                d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                o3, so3, sb3, st3, ssb3, sst3, start3, len3)
         qk = qk_scale * _UP63 if PACKED else qk_scale  # the scores of rows stored times 2**-63 (_UP63)
-        if OWN_SCORES:  # the default partition is the first consumer warpgroup; each stores its own columns
-            gl.warp_specialize([
-                (_consumer_wg, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, out_ptr,
-                                pacc_ptr, pml_ptr, sink_ptr, split, H, 0, SPLIT, TWO_PARTS, D, K_BLOCK, STAGES,
-                                PV_PARTS, RESCALE_MARGIN, HAS_SINK, SPLIT, PACKED)),
-                (_consumer_wg, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, out_ptr,
-                                pacc_ptr, pml_ptr, sink_ptr, split, H, D // 2, False, TWO_PARTS, D, K_BLOCK, STAGES,
-                                PV_PARTS, RESCALE_MARGIN, HAS_SINK, SPLIT, PACKED)),
-                (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
-                             bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
-                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED)),
-            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            acc, acc2, m_i, l_i = gl.warp_specialize([
-                (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, q_ptr, H,
-                             TWO_PARTS, D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, RESCALE_MARGIN, Q_IN_CONSUMERS,
-                             num_warps)),
-                (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
-                             bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
-                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED)),
-            ], [PRODUCER_WARPS], [PRODUCER_REGS])
-            _store_part(acc, 0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
-            if PV_PARTS == 2:
-                _store_part(acc2, D // 2, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT,
-                            PACKED, D)
-            if SPLIT:
-                _store_ml(m_i, l_i, pml_ptr, bs, split, H)
+        acc, acc2, m_i, l_i = gl.warp_specialize([
+            (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, q_ptr, H,
+                         TWO_PARTS, D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, Q_IN_CONSUMERS, num_warps)),
+            (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
+                         bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
+                         CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+        _store_part(acc, 0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
+        if PV_PARTS == 2:
+            _store_part(acc2, D // 2, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT,
+                        PACKED, D)
+        if SPLIT:
+            _store_ml(m_i, l_i, pml_ptr, bs, split, H)

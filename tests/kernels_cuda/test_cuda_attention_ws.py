@@ -25,8 +25,6 @@ SM90 = GPU and torch.cuda.get_device_capability() == (9, 0)
 WS = dict(attention=dict(ws=dict(enabled=True, min_queries=1)))  # every launch, whatever the profile
 # two producer warps a scheduler (16 warps: the value MMA in halves fits the launch's 128 registers)
 EIGHT = {"producer_warps": 8, "maxnreg": 128, "producer_regs": 80, "pv_parts": 2, "RAW_STAGES": 2}
-# each consumer warpgroup a partition of its own, computing the scores itself
-OWN = {"own_scores": True, "producer_regs": 72, "RAW_STAGES": 2}
 FP8, FP4 = attention.FMT_CODES["fp8"], attention.FMT_CODES["fp4_b16"]
 
 
@@ -90,7 +88,8 @@ def test_the_plan_splits_k_to_fill_the_sms(B, S, H, K, sms, monkeypatch):
 
 @pytest.mark.skipif(not ws.AVAILABLE, reason="a Triton without Gluon")
 @needs_ptxas
-@pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, EIGHT, OWN])
+@pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, EIGHT,
+                                      {"q_in_consumers": True}])
 def test_it_compiles_for_sm90_on_warpgroup_mmas_and_async_copies(ws_tiles):
     tiles = {"ws": dict(WS["attention"]["ws"], **ws_tiles)}
     report = {r["kernel"]: r for r in sm90_compile("attention", "--B", "4", "--S", "1", "--tiles", json.dumps(tiles))}
@@ -137,14 +136,11 @@ def _case(g, B, S, H, W, T, K, cold: bool, hole: bool = False):
 @pytest.mark.parametrize("packed", [False, True], ids=["codes", "packed"])
 @pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, {"overlap": True},
                                       {"RAW_STAGES": 2}, {"RAW_STAGES": 2, "STAGES": 3}, EIGHT,
-                                      dict(EIGHT, overlap=True), {"pv_parts": 2}, {"rescale_margin": 8},
-                                      dict(EIGHT, rescale_margin=8), {"q_in_consumers": True},
-                                      dict(EIGHT, q_in_consumers=True, overlap=True), OWN,
-                                      dict(EIGHT, own_scores=True, producer_regs=56, rescale_margin=8)],
+                                      dict(EIGHT, overlap=True), {"pv_parts": 2}, {"q_in_consumers": True},
+                                      dict(EIGHT, q_in_consumers=True, overlap=True)],
                          ids=["default", "overlap-3-slots", "overlap", "copies-1-ahead", "copies-1-ahead-3-slots",
-                              "8-producer-warps", "8-producer-warps-overlap", "value-mma-halves", "rescale-margin",
-                              "8-producer-warps-rescale-margin", "q-in-consumers", "8-producer-warps-q-in-consumers",
-                              "own-scores", "8-producer-warps-own-scores-margin"])
+                              "8-producer-warps", "8-producer-warps-overlap", "value-mma-halves", "q-in-consumers",
+                              "8-producer-warps-q-in-consumers"])
 def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, hole,
                                                           packed, ws_tiles):
     q, kv, idx = _case(rng, B, S, H, W, T, K, cold, hole)
