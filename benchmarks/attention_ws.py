@@ -41,6 +41,10 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     "ws, packed, copies 1 block ahead, 8 producer warps at 72": {"RAW_STAGES": 2, **EIGHT, "producer_regs": 72},
     "ws, packed, copies 1 block ahead, 8 producer warps, 3 slots": {"RAW_STAGES": 2, "STAGES": 3, **EIGHT},
     "ws, packed, 8 producer warps, 256 columns a step": {"RAW_STAGES": 2, **EIGHT, "CW": 256},
+    # each consumer warpgroup a partition, the scores over half of D each, the halves added
+    "ws, packed, copies 1 block ahead, split scores": {"RAW_STAGES": 2, "split_scores": True},
+    "ws, packed, copies 1 block ahead, split scores, producer 72": {"RAW_STAGES": 2, "split_scores": True,
+                                                                    "producer_regs": 72},
     # q loaded by the consumers after the partitions start
     "ws, packed, copies 1 block ahead, q in consumers": {"RAW_STAGES": 2, "q_in_consumers": True},
     "ws, packed, copies 1 block ahead, 8 producer warps, q in consumers": {"RAW_STAGES": 2, **EIGHT,

@@ -1209,7 +1209,7 @@ phase_wsncu() {
 
 phase_ws8() {
   timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
-    -k "8-producer or halves or default or q-in" > "$OUT/h200-ws8-tests.log" 2>&1
+    -k "8-producer or halves or default or q-in or split-scores" > "$OUT/h200-ws8-tests.log" 2>&1
   tail -n 4 "$OUT/h200-ws8-tests.log"
   timeout 330 python benchmarks/attention_ws.py --batches 64 --out "$OUT/h200-attention-ws-8.json" 2>&1 \
     | grep -v "^ " | tail -n 40

@@ -70,11 +70,14 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # halves of the output columns, which a launch of 8 producer warps needs (its 16 warps allow 128
     # registers a thread at launch, under what one 256-wide accumulator instruction takes);
     # q_in_consumers: q loaded by the consumers after the partitions start (the producer's first
-    # copies do not wait for it)
+    # copies do not wait for it); split_scores: each consumer warpgroup a partition computing a block's
+    # scores over half of D (half of q read a block) and adding the other's half through shared memory
+    # (overlap, q_in_consumers and pv_parts do not apply to it), the registers the producer leaves
+    # shared evenly between the two
     # min_queries: launches of fewer queries (B * S) keep the plain kernel (at one query it is faster)
     "ws": {"enabled": False, "min_queries": 1, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128,
            "producer_warps": 4, "producer_regs": 88, "maxnreg": 168, "overlap": False,
-           "pv_parts": 1, "q_in_consumers": False},
+           "pv_parts": 1, "q_in_consumers": False, "split_scores": False},
 }
 
 
@@ -228,6 +231,17 @@ def _ws_fits(q: torch.Tensor, codes: tuple, aligned: bool = True) -> bool:
             and jit_targets.capability() == (9, 0))
 
 
+def _consumers(t: dict) -> dict:
+    """The constexprs of the ws kernel's consumers under tiles ``t``: one partition of two warpgroups
+    (``overlap``, ``pv_parts``, ``q_in_consumers``), or with ``split_scores`` two partitions of one, the
+    second at half of what the producer's warps leave of a thread's 65,536 / 128 (multiples of 8)."""
+    if t["split_scores"]:
+        left = 65536 // 128 - t["producer_regs"] * t["producer_warps"] // 4
+        return dict(OVERLAP=False, num_warps=4, SPLIT_SCORES=True, CONSUMER_REGS=left // 2 // 8 * 8)
+    return dict(OVERLAP=t["overlap"], num_warps=8, **({"PV_PARTS": 2} if t["pv_parts"] == 2 else {}),
+                **({"Q_IN_CONSUMERS": True} if t["q_in_consumers"] else {}))
+
+
 def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> dict:
     """:func:`_launch_plan` for the warp-specialized kernel: one program per (query, 64 heads, K split),
     the split rule of ``tiles.attention.split``, partials merged by the combine launch."""
@@ -240,9 +254,7 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
                 constexprs=dict(**_segment_constexprs(codes), HAS_SINK=has_sink, SPLIT=splits > 1,
                                 K_BLOCK=t["K_BLOCK"], STAGES=t["STAGES"], RAW_STAGES=t["RAW_STAGES"], CW=t["CW"],
                                 PRODUCER_WARPS=t["producer_warps"], PRODUCER_REGS=t["producer_regs"],
-                                PACKED=packed_rows(), OVERLAP=t["overlap"], num_warps=8, maxnreg=t["maxnreg"],
-                                **({"PV_PARTS": 2} if t["pv_parts"] == 2 else {}),
-                                **({"Q_IN_CONSUMERS": True} if t["q_in_consumers"] else {})))
+                                PACKED=packed_rows(), maxnreg=t["maxnreg"], **_consumers(t)))
 
 
 def planned_splits(q: torch.Tensor, K: int, codes: tuple) -> tuple[str, int]:
@@ -372,7 +384,8 @@ TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1,
                "ws.CW": Tile(low=64, high=512, pow2=True),
                "ws.producer_warps": Tile(choices=(4, 8)), "ws.producer_regs": Tile(low=24, high=256, multiple=8),
                "ws.maxnreg": Tile(low=24, high=256, multiple=8), "ws.overlap": Tile(kind=bool),
-               "ws.pv_parts": Tile(choices=(1, 2)), "ws.q_in_consumers": Tile(kind=bool)}
+               "ws.pv_parts": Tile(choices=(1, 2)), "ws.q_in_consumers": Tile(kind=bool),
+               "ws.split_scores": Tile(kind=bool)}
 
 
 def _kv_tile_bytes(t: dict) -> int:

@@ -382,6 +382,60 @@ if AVAILABLE:
                 gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
 
     @gluon.jit
+    def _consumer_half(q_smem, kv_smem, xs_smem, ready, empty, sx, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale,
+                       out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, ME: gl.constexpr, TWO_PARTS: gl.constexpr,
+                       D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr, HAS_SINK: gl.constexpr,
+                       SPLIT: gl.constexpr, PACKED: gl.constexpr):
+        """Consumer warpgroup ``ME`` (0 or 1) of ``SPLIT_SCORES``: each block's 64 x K_BLOCK scores over
+        its half of D (q's and the rows' columns ``[ME * D / 2, (ME + 1) * D / 2)``: half of q read a
+        block), the two halves added through ``xs_smem`` (each warpgroup stores its half, arrives on its
+        ``sx`` barrier and adds the other's: the same sums in both, a + b being b + a), then the online
+        softmax and ``p @ kv`` over output columns ``[ME * D / 2, ...)`` with ``p`` the value MMA's
+        register operand as the scores left it; those columns stored at the end (warpgroup 0 also the
+        split partials' ``(m, l)``). A half's buffer is double-buffered by the block's parity: it is
+        written again two blocks later, after the other warpgroup has sent its next half, which it does
+        only after reading this one."""
+        HALF: gl.constexpr = D // 2
+        s_layout: gl.constexpr = _mma_layout(K_BLOCK, 4)
+        o_layout: gl.constexpr = _mma_layout(HALF, 4)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        acc = gl.zeros([_H, HALF], gl.float32, o_layout)
+        m_i = gl.full([_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([_H], gl.float32, gl.SliceLayout(1, s_layout))
+        s0 = gl.zeros([_H, K_BLOCK], gl.float32, s_layout)
+        IL: gl.constexpr = gl.SliceLayout(0, s_layout)
+        q_half = q_smem.slice(ME * HALF, HALF, dim=1)
+        idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
+        for i in range(n):
+            idx = idx_next  # this block's indices (for the mask), loaded a trip before
+            idx_next = _block_rows(lo + i + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
+            st = i % STAGES
+            par = i % 2
+            kv = kv_smem.index(st)
+            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            mine = warpgroup_mma(q_half, kv.slice(ME * HALF, HALF, dim=1).permute((1, 0)), s0, use_acc=False,
+                                 is_async=True)
+            mine = warpgroup_mma_wait(num_outstanding=0, deps=(mine,))
+            xs_smem.index(ME * 2 + par).store(mine)
+            _sync()  # the warpgroup's whole half stored before it is announced
+            mbarrier.arrive(sx.index(ME * 2 + par), count=1)
+            mbarrier.wait(sx.index((1 - ME) * 2 + par), (i // 2) & 1)
+            s_now = mine + xs_smem.index((1 - ME) * 2 + par).load(s_layout)
+            p, alpha, m_i, l_i = _softmax_step(s_now, idx, m_i, l_i, qk_scale)
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            acc = warpgroup_mma(pb, kv.slice(ME * HALF, HALF, dim=1), acc * alpha_o, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _sync()  # the warpgroup's MMAs have read the slot
+            mbarrier.arrive(empty.index(st), count=1)
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        _store_part(acc, ME * HALF, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
+        if SPLIT:
+            if ME == 0:
+                _store_ml(m_o, l_o, pml_ptr, bs, split, H)
+
+    @gluon.jit
     def _store_ml(m_i, l_i, pml_ptr, bs, split, H):
         """The split partials' [.., 2] = (m, l) of this program's heads."""
         h = gl.program_id(1) * _H + gl.arange(0, _H, m_i.type.layout)
@@ -423,13 +477,17 @@ if AVAILABLE:
             ROLE3: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, TWO_PARTS: gl.constexpr,
             K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
             PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, OVERLAP: gl.constexpr,
-            num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1, Q_IN_CONSUMERS: gl.constexpr = False):
+            num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1, Q_IN_CONSUMERS: gl.constexpr = False,
+            SPLIT_SCORES: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 0):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
         SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
         rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel). OVERLAP: the
         consumers issue a block's score MMA before the softmax of the block before (:func:`_consumer`).
         PV_PARTS 2: the value MMA in two halves of the output columns (:func:`_consumer`).
-        Q_IN_CONSUMERS: q loaded by the consumers, so the producer's first copies do not wait for it."""
+        Q_IN_CONSUMERS: q loaded by the consumers, so the producer's first copies do not wait for it.
+        SPLIT_SCORES (``num_warps`` 4): the consumer warpgroups are two partitions, each computing the
+        scores over half of D and adding the other's half (:func:`_consumer_half`; the second at
+        CONSUMER_REGS registers a thread)."""
         wait_inputs()
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
@@ -458,7 +516,7 @@ if AVAILABLE:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2 if SPLIT_SCORES else 1)  # (each consumer partition arrives)
         fence_async_shared()  # q and the barriers' initialization, before the MMAs and the other partition
 
         seg = (d0, s0, o0, so0, sb0, st0, ssb0, sst0, start0, len0,
@@ -466,17 +524,35 @@ if AVAILABLE:
                d2, s2, o2, so2, sb2, st2, ssb2, sst2, start2, len2,
                o3, so3, sb3, st3, ssb3, sst3, start3, len3)
         qk = qk_scale * _UP63 if PACKED else qk_scale  # the scores of rows stored times 2**-63 (_UP63)
-        acc, acc2, m_i, l_i = gl.warp_specialize([
-            (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, q_ptr, H,
-                         TWO_PARTS, D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, Q_IN_CONSUMERS, num_warps)),
-            (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
-                         bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
-                         CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+        if SPLIT_SCORES:  # two consumer partitions of a warpgroup each (the default one is warpgroup 0)
+            xs_smem = gl.allocate_shared_memory(gl.float32, [4, _H, K_BLOCK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            sx = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(4):
+                mbarrier.init(sx.index(i), count=1)
+            fence_async_shared()
+            gl.warp_specialize([
+                (_consumer_half, (q_smem, kv_smem, xs_smem, ready, empty, sx, idx_ptr, idx1_ptr, bs, lo, n, K, K0,
+                                  qk, out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, 0, TWO_PARTS, D, K_BLOCK,
+                                  STAGES, HAS_SINK, SPLIT, PACKED)),
+                (_consumer_half, (q_smem, kv_smem, xs_smem, ready, empty, sx, idx_ptr, idx1_ptr, bs, lo, n, K, K0,
+                                  qk, out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, 1, TWO_PARTS, D, K_BLOCK,
+                                  STAGES, HAS_SINK, SPLIT, PACKED)),
+                (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
+                             bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
+                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED)),
+            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            acc, acc2, m_i, l_i = gl.warp_specialize([
+                (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, q_ptr, H,
+                             TWO_PARTS, D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, Q_IN_CONSUMERS, num_warps)),
+                (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
+                             bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
+                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
-        _store_part(acc, 0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
-        if PV_PARTS == 2:
-            _store_part(acc2, D // 2, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT,
-                        PACKED, D)
-        if SPLIT:
-            _store_ml(m_i, l_i, pml_ptr, bs, split, H)
+            _store_part(acc, 0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
+            if PV_PARTS == 2:
+                _store_part(acc2, D // 2, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT,
+                            PACKED, D)
+            if SPLIT:
+                _store_ml(m_i, l_i, pml_ptr, bs, split, H)

@@ -89,7 +89,7 @@ def test_the_plan_splits_k_to_fill_the_sms(B, S, H, K, sms, monkeypatch):
 @pytest.mark.skipif(not ws.AVAILABLE, reason="a Triton without Gluon")
 @needs_ptxas
 @pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, EIGHT,
-                                      {"q_in_consumers": True}])
+                                      {"q_in_consumers": True}, {"split_scores": True}])
 def test_it_compiles_for_sm90_on_warpgroup_mmas_and_async_copies(ws_tiles):
     tiles = {"ws": dict(WS["attention"]["ws"], **ws_tiles)}
     report = {r["kernel"]: r for r in sm90_compile("attention", "--B", "4", "--S", "1", "--tiles", json.dumps(tiles))}
@@ -97,10 +97,10 @@ def test_it_compiles_for_sm90_on_warpgroup_mmas_and_async_copies(ws_tiles):
     assert r["shared_bytes"] <= ARCHS["sm_90"].smem_limit
     # the innermost loop of warpgroup MMAs (the consumers' K loop): one score MMA (K = 512 in steps of
     # 16) and the value MMA (K_BLOCK 32 in steps of 16) a trip; no mma.sync anywhere
-    # (the value MMA in two halves: twice its steps)
+    # (the value MMA in two halves: twice its steps; the scores over half of D a warpgroup: half theirs)
     inner = min(r["mma_loop"]["loops"], key=lambda loop: loop["instructions"])
-    parts = ws_tiles.get("pv_parts", 1)
-    assert inner["count"] == 512 // 16 + parts * 32 // 16 and r["sass"]["HGMMA"] >= inner["count"]
+    parts, halves = ws_tiles.get("pv_parts", 1), 2 if ws_tiles.get("split_scores") else 1
+    assert inner["count"] == 512 // 16 // halves + parts * 32 // 16 and r["sass"]["HGMMA"] >= inner["count"]
     assert r["sass"]["HMMA"] == 0 and r["sass"]["LDGSTS"] > 0 and r["sass"]["BAR"] > 0
     # 8 producer warps: 16 warps under the 128 registers a thread their launch allows
     assert r["num_warps"] == 8 + ws_tiles.get("producer_warps", 4) and r["registers"] <= 65536 // (32 * r["num_warps"])
@@ -137,10 +137,10 @@ def _case(g, B, S, H, W, T, K, cold: bool, hole: bool = False):
 @pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, {"overlap": True},
                                       {"RAW_STAGES": 2}, {"RAW_STAGES": 2, "STAGES": 3}, EIGHT,
                                       dict(EIGHT, overlap=True), {"pv_parts": 2}, {"q_in_consumers": True},
-                                      dict(EIGHT, q_in_consumers=True, overlap=True)],
+                                      dict(EIGHT, q_in_consumers=True, overlap=True), {"split_scores": True}],
                          ids=["default", "overlap-3-slots", "overlap", "copies-1-ahead", "copies-1-ahead-3-slots",
                               "8-producer-warps", "8-producer-warps-overlap", "value-mma-halves", "q-in-consumers",
-                              "8-producer-warps-q-in-consumers"])
+                              "8-producer-warps-q-in-consumers", "split-scores"])
 def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, hole,
                                                           packed, ws_tiles):
     q, kv, idx = _case(rng, B, S, H, W, T, K, cold, hole)
