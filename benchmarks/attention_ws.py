@@ -26,29 +26,28 @@ from results_io import write_json
 VARIANTS = {  # tiles.attention.ws over the active profile's (min_queries 1: every launch takes it), fp4_b16
     # rows decoded code by code; the tiles that lost (decode 64 / 256 / 512 columns a step, K blocks of 16,
     # 152 producer registers, copies 3 blocks ahead, the decode in the consumers, each consumer warpgroup's
-    # own scores, the rescale past a margin: docs/performance.md) are left out
-    "ws, copies 1 block ahead": {"RAW_STAGES": 2},
+    # own scores, the rescale past a margin, 8 producer warps with other tiles: docs/performance.md) are
+    # left out
+    "ws, copies 1 block ahead": {"RAW_STAGES": 2, "q_in_consumers": False},
 }
 EIGHT = {"producer_warps": 8, "maxnreg": 128, "producer_regs": 80, "pv_parts": 2}
 PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
-    "ws, packed": {"RAW_STAGES": 3},
-    "ws, packed, copies 1 block ahead": {"RAW_STAGES": 2},
-    "ws, packed, copies 1 block ahead, 3 slots": {"RAW_STAGES": 2, "STAGES": 3},
-    "ws, packed, copies 1 block ahead, value MMA in halves": {"RAW_STAGES": 2, "pv_parts": 2},
+    "ws, packed": {"RAW_STAGES": 3, "q_in_consumers": False},
+    "ws, packed, copies 1 block ahead": {"RAW_STAGES": 2, "q_in_consumers": False},
+    # q loaded by the consumers after the partitions start (the h200 profile)
+    "ws, packed, copies 1 block ahead, q in consumers": {"RAW_STAGES": 2, "q_in_consumers": True},
+    "ws, packed, copies 1 block ahead, q in consumers, 3 slots": {"RAW_STAGES": 2, "q_in_consumers": True,
+                                                                  "STAGES": 3},
+    "ws, packed, copies 1 block ahead, value MMA in halves": {"RAW_STAGES": 2, "q_in_consumers": True,
+                                                              "pv_parts": 2},
     # two producer warps a scheduler: 16 warps, 128 registers a thread at launch; the consumers get
     # 256 - producer_regs
-    "ws, packed, copies 1 block ahead, 8 producer warps": {"RAW_STAGES": 2, **EIGHT},
-    "ws, packed, copies 1 block ahead, 8 producer warps at 72": {"RAW_STAGES": 2, **EIGHT, "producer_regs": 72},
-    "ws, packed, copies 1 block ahead, 8 producer warps, 3 slots": {"RAW_STAGES": 2, "STAGES": 3, **EIGHT},
-    "ws, packed, 8 producer warps, 256 columns a step": {"RAW_STAGES": 2, **EIGHT, "CW": 256},
-    # each consumer warpgroup a partition, the scores over half of D each, the halves added
+    "ws, packed, copies 1 block ahead, 8 producer warps": {"RAW_STAGES": 2, "q_in_consumers": True, **EIGHT},
+    # each consumer warpgroup a partition, the scores over half of D each, the halves added (q loaded
+    # before the partitions start)
     "ws, packed, copies 1 block ahead, split scores": {"RAW_STAGES": 2, "split_scores": True},
     "ws, packed, copies 1 block ahead, split scores, producer 72": {"RAW_STAGES": 2, "split_scores": True,
                                                                     "producer_regs": 72},
-    # q loaded by the consumers after the partitions start
-    "ws, packed, copies 1 block ahead, q in consumers": {"RAW_STAGES": 2, "q_in_consumers": True},
-    "ws, packed, copies 1 block ahead, 8 producer warps, q in consumers": {"RAW_STAGES": 2, **EIGHT,
-                                                                           "q_in_consumers": True},
 }
 
 
