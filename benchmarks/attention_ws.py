@@ -43,11 +43,14 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     # two producer warps a scheduler: 16 warps, 128 registers a thread at launch; the consumers get
     # 256 - producer_regs
     "ws, packed, copies 1 block ahead, 8 producer warps": {"RAW_STAGES": 2, "q_in_consumers": True, **EIGHT},
-    # each consumer warpgroup a partition, the scores over half of D each, the halves added (q loaded
-    # before the partitions start)
-    "ws, packed, copies 1 block ahead, split scores": {"RAW_STAGES": 2, "split_scores": True},
+    # each consumer warpgroup a partition, the scores over half of D each, the halves added; each loads
+    # the half of q it reads, or q is loaded before the partitions start
+    "ws, packed, copies 1 block ahead, split scores": {"RAW_STAGES": 2, "split_scores": True,
+                                                       "q_in_consumers": True},
+    "ws, packed, copies 1 block ahead, split scores, q before": {"RAW_STAGES": 2, "split_scores": True,
+                                                                 "q_in_consumers": False},
     "ws, packed, copies 1 block ahead, split scores, producer 72": {"RAW_STAGES": 2, "split_scores": True,
-                                                                    "producer_regs": 72},
+                                                                    "q_in_consumers": True, "producer_regs": 72},
 }
 
 

@@ -72,8 +72,8 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # q_in_consumers: q loaded by the consumers after the partitions start (the producer's first
     # copies do not wait for it); split_scores: each consumer warpgroup a partition computing a block's
     # scores over half of D (half of q read a block) and adding the other's half through shared memory
-    # (overlap, q_in_consumers and pv_parts do not apply to it), the registers the producer leaves
-    # shared evenly between the two
+    # (overlap and pv_parts do not apply to it; with q_in_consumers each loads its half of q), the
+    # registers the producer leaves shared evenly between the two
     # min_queries: launches of fewer queries (B * S) keep the plain kernel (at one query it is faster)
     "ws": {"enabled": False, "min_queries": 1, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128,
            "producer_warps": 4, "producer_regs": 88, "maxnreg": 168, "overlap": False,
@@ -233,11 +233,13 @@ def _ws_fits(q: torch.Tensor, codes: tuple, aligned: bool = True) -> bool:
 
 def _consumers(t: dict) -> dict:
     """The constexprs of the ws kernel's consumers under tiles ``t``: one partition of two warpgroups
-    (``overlap``, ``pv_parts``, ``q_in_consumers``), or with ``split_scores`` two partitions of one, the
-    second at half of what the producer's warps leave of a thread's 65,536 / 128 (multiples of 8)."""
+    (``overlap``, ``pv_parts``, ``q_in_consumers``), or with ``split_scores`` two partitions of one (each
+    loading the half of q it reads with ``q_in_consumers``), the second at half of what the producer's
+    warps leave of a thread's 65,536 / 128 (multiples of 8)."""
     if t["split_scores"]:
         left = 65536 // 128 - t["producer_regs"] * t["producer_warps"] // 4
-        return dict(OVERLAP=False, num_warps=4, SPLIT_SCORES=True, CONSUMER_REGS=left // 2 // 8 * 8)
+        return dict(OVERLAP=False, num_warps=4, SPLIT_SCORES=True, CONSUMER_REGS=left // 2 // 8 * 8,
+                    **({"Q_IN_CONSUMERS": True} if t["q_in_consumers"] else {}))
     return dict(OVERLAP=t["overlap"], num_warps=8, **({"PV_PARTS": 2} if t["pv_parts"] == 2 else {}),
                 **({"Q_IN_CONSUMERS": True} if t["q_in_consumers"] else {}))
 

@@ -293,11 +293,14 @@ if AVAILABLE:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
-    def _load_q(q_ptr, bs, H, D: gl.constexpr, num_warps: gl.constexpr):
-        """q [64, D] of query ``bs``'s head block ``program_id(1)`` (rows past H zeros)."""
+    def _load_q(q_ptr, bs, H, D: gl.constexpr, num_warps: gl.constexpr, COL0: gl.constexpr = 0,
+                W: gl.constexpr = 0):
+        """q [64, W] (W 0: D) of query ``bs``'s head block ``program_id(1)``, columns from COL0 (rows past
+        H zeros)."""
+        WIDTH: gl.constexpr = D if W == 0 else W
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         h_q = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, QL))
-        d_q = gl.arange(0, D, gl.SliceLayout(0, QL))
+        d_q = COL0 + gl.arange(0, WIDTH, gl.SliceLayout(0, QL))
         return gl.load(q_ptr + (bs * H + h_q)[:, None] * D + d_q[None, :], mask=(h_q < H)[:, None], other=0.0)
 
     @gluon.jit
@@ -383,9 +386,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer_half(q_smem, kv_smem, xs_smem, ready, empty, sx, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale,
-                       out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, ME: gl.constexpr, TWO_PARTS: gl.constexpr,
-                       D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr, HAS_SINK: gl.constexpr,
-                       SPLIT: gl.constexpr, PACKED: gl.constexpr):
+                       out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, q_ptr, ME: gl.constexpr,
+                       TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                       HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, PACKED: gl.constexpr, LOAD_Q: gl.constexpr):
         """Consumer warpgroup ``ME`` (0 or 1) of ``SPLIT_SCORES``: each block's 64 x K_BLOCK scores over
         its half of D (q's and the rows' columns ``[ME * D / 2, (ME + 1) * D / 2)``: half of q read a
         block), the two halves added through ``xs_smem`` (each warpgroup stores its half, arrives on its
@@ -394,7 +397,7 @@ if AVAILABLE:
         register operand as the scores left it; those columns stored at the end (warpgroup 0 also the
         split partials' ``(m, l)``). A half's buffer is double-buffered by the block's parity: it is
         written again two blocks later, after the other warpgroup has sent its next half, which it does
-        only after reading this one."""
+        only after reading this one. LOAD_Q: the warpgroup first stores the half of q it reads itself."""
         HALF: gl.constexpr = D // 2
         s_layout: gl.constexpr = _mma_layout(K_BLOCK, 4)
         o_layout: gl.constexpr = _mma_layout(HALF, 4)
@@ -405,6 +408,10 @@ if AVAILABLE:
         s0 = gl.zeros([_H, K_BLOCK], gl.float32, s_layout)
         IL: gl.constexpr = gl.SliceLayout(0, s_layout)
         q_half = q_smem.slice(ME * HALF, HALF, dim=1)
+        if LOAD_Q:
+            q_half.store(_load_q(q_ptr, bs, H, D, 4, ME * HALF, HALF))
+            fence_async_shared()  # q is read by the MMAs (async proxy)
+            _sync()  # the warpgroup's whole half of q stored
         idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
         for i in range(n):
             idx = idx_next  # this block's indices (for the mask), loaded a trip before
@@ -532,11 +539,11 @@ if AVAILABLE:
             fence_async_shared()
             gl.warp_specialize([
                 (_consumer_half, (q_smem, kv_smem, xs_smem, ready, empty, sx, idx_ptr, idx1_ptr, bs, lo, n, K, K0,
-                                  qk, out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, 0, TWO_PARTS, D, K_BLOCK,
-                                  STAGES, HAS_SINK, SPLIT, PACKED)),
+                                  qk, out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, q_ptr, 0, TWO_PARTS, D,
+                                  K_BLOCK, STAGES, HAS_SINK, SPLIT, PACKED, Q_IN_CONSUMERS)),
                 (_consumer_half, (q_smem, kv_smem, xs_smem, ready, empty, sx, idx_ptr, idx1_ptr, bs, lo, n, K, K0,
-                                  qk, out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, 1, TWO_PARTS, D, K_BLOCK,
-                                  STAGES, HAS_SINK, SPLIT, PACKED)),
+                                  qk, out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, q_ptr, 1, TWO_PARTS, D,
+                                  K_BLOCK, STAGES, HAS_SINK, SPLIT, PACKED, Q_IN_CONSUMERS)),
                 (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                              bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
                              CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED)),
