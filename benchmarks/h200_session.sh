@@ -414,8 +414,8 @@
 #              and prefix attention tests (h200-wsprod-tests.log), the real-dimension slice
 #              (h200-real-slice-wsprod-on.json). The decode in the consumers was timed by this phase at
 #              af090f3 (h200-wsdec-tests.log, ncu-source-attn64-wsdec.*)
-#   ws8        the ws attention with 8 producer warps (16 warps, the value MMA in halves: tiles ws.pv_parts):
-#              its GPU tests, the halves and q loaded by the consumers (h200-ws8-tests.log),
+#   ws8        the ws attention's consumer and producer variants (8 producer warps with the value MMA in halves,
+#              q loaded by the consumers, the split scores): their GPU tests (h200-ws8-tests.log),
 #              benchmarks/attention_ws.py at batch 64 and the prefill, every variant beside the plain kernel
 #              (h200-attention-ws-8.json)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4

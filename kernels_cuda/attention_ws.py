@@ -304,6 +304,15 @@ if AVAILABLE:
         return gl.load(q_ptr + (bs * H + h_q)[:, None] * D + d_q[None, :], mask=(h_q < H)[:, None], other=0.0)
 
     @gluon.jit
+    def _fill_q(dst, q_ptr, bs, H, D: gl.constexpr, num_warps: gl.constexpr, COL0: gl.constexpr = 0,
+                W: gl.constexpr = 0):
+        """Store q's columns ``[COL0, COL0 + W)`` (W 0: all of D) into ``dst`` for the calling partition's MMAs:
+        the stores fenced for the async proxy and every warp's part in before any MMA reads it."""
+        dst.store(_load_q(q_ptr, bs, H, D, num_warps, COL0, W))
+        fence_async_shared()
+        _sync()
+
+    @gluon.jit
     def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, q_ptr, H,
                   TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
                   OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr, LOAD_Q: gl.constexpr, num_warps: gl.constexpr):
@@ -315,9 +324,7 @@ if AVAILABLE:
         a thread of one 256-wide accumulator (the ceiling of a 16-warp launch is 128); with 1, ``acc2``
         is ``acc``. LOAD_Q: q is stored into ``q_smem`` here first."""
         if LOAD_Q:
-            q_smem.store(_load_q(q_ptr, bs, H, D, num_warps))
-            fence_async_shared()  # q is read by the MMAs (async proxy)
-            _sync()  # every consumer warp's part of q stored
+            _fill_q(q_smem, q_ptr, bs, H, D, num_warps)
         s_layout: gl.constexpr = _mma_layout(K_BLOCK, num_warps)
         o_layout: gl.constexpr = _mma_layout(D // PV_PARTS, num_warps)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -409,19 +416,16 @@ if AVAILABLE:
         IL: gl.constexpr = gl.SliceLayout(0, s_layout)
         q_half = q_smem.slice(ME * HALF, HALF, dim=1)
         if LOAD_Q:
-            q_half.store(_load_q(q_ptr, bs, H, D, 4, ME * HALF, HALF))
-            fence_async_shared()  # q is read by the MMAs (async proxy)
-            _sync()  # the warpgroup's whole half of q stored
+            _fill_q(q_half, q_ptr, bs, H, D, 4, ME * HALF, HALF)
         idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
         for i in range(n):
             idx = idx_next  # this block's indices (for the mask), loaded a trip before
             idx_next = _block_rows(lo + i + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, IL)
             st = i % STAGES
             par = i % 2
-            kv = kv_smem.index(st)
+            kv = kv_smem.index(st).slice(ME * HALF, HALF, dim=1)  # this warpgroup's half of the block's columns
             mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            mine = warpgroup_mma(q_half, kv.slice(ME * HALF, HALF, dim=1).permute((1, 0)), s0, use_acc=False,
-                                 is_async=True)
+            mine = warpgroup_mma(q_half, kv.permute((1, 0)), s0, use_acc=False, is_async=True)
             mine = warpgroup_mma_wait(num_outstanding=0, deps=(mine,))
             xs_smem.index(ME * 2 + par).store(mine)
             _sync()  # the warpgroup's whole half stored before it is announced
@@ -431,7 +435,7 @@ if AVAILABLE:
             p, alpha, m_i, l_i = _softmax_step(s_now, idx, m_i, l_i, qk_scale)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            acc = warpgroup_mma(pb, kv.slice(ME * HALF, HALF, dim=1), acc * alpha_o, is_async=True)
+            acc = warpgroup_mma(pb, kv, acc * alpha_o, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _sync()  # the warpgroup's MMAs have read the slot
             mbarrier.arrive(empty.index(st), count=1)
