@@ -30,7 +30,8 @@ Cases (the kernels the speed targets miss on, at the shapes of their targets):
 - ``hc1``: ``hc_coefficients`` of one token at the released dimensions (4 x 5,120 bf16 streams, 20
   Sinkhorn iterations; benchmarks/decode_kernel_variants.py's case);
 - ``attn64``: ``sparse_attention`` decode of 64 rows at the released shapes (64 heads x 512, an fp8
-  window ring of 128 and 512 picks of an fp4_b16 main cache of 262,144 entries: K = 640).
+  window ring of 128 and 512 picks of an fp4_b16 main cache of 262,144 entries: K = 640);
+- ``attn2048``: the same op for a prefill of 2,048 queries of one sequence over a main cache of 131,072.
 """
 from __future__ import annotations
 
@@ -148,16 +149,16 @@ def _hc1():
     return lambda: mhc.hc_coefficients(x, fn, scale, base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
 
-def _attn64():
+def _attn(B: int, S: int, T: int):
     from flashrt import formats, ops
 
-    B, H, D, W, K, T = 64, 64, 512, 128, 512, 262144
+    H, D, W, K = 64, 512, 128, 512
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, 1, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).to(torch.bfloat16)
     ring = formats.quantize(torch.randn(B, W, D, device="cuda", generator=g), "fp8")
     main = formats.quantize(torch.randn(1, T, D, device="cuda", generator=g), "fp4_b16")
-    window = torch.arange(W, device="cuda", dtype=torch.int32).expand(B, 1, W).contiguous()
-    picks = (W + torch.randint(0, T, (B, 1, K), device="cuda", generator=g)).to(torch.int32)
+    window = torch.arange(W, device="cuda", dtype=torch.int32).expand(B, S, W).contiguous()
+    picks = (W + torch.randint(0, T, (B, S, K), device="cuda", generator=g)).to(torch.int32)
     sink = torch.randn(H, device="cuda", generator=g)
     return lambda: ops.sparse_attention(q, (ring, main), (window, picks), sink, D ** -0.5)
 
@@ -170,7 +171,8 @@ CASES = {"experts1": lambda: _experts(1), "experts8": lambda: _experts(8),
          "linear64": lambda: _linear(64), "linear4096": lambda: _linear(4096),
          "linear4096q": _linear4096q, "prefix": _prefix,
          "quant_fp4_b16": _quant_fp4_b16, "topk128k": lambda: _topk(1), "topk128k_64": lambda: _topk(64),
-         "hc1": _hc1, "attn64": _attn64}
+         "hc1": _hc1, "attn64": lambda: _attn(64, 1, 262144),
+         "attn2048": lambda: _attn(1, 2048, 131072)}
 
 
 def main() -> None:
