@@ -30,6 +30,7 @@ from collections import defaultdict
 SOURCE = "Source"
 EXECUTED = "Instructions Executed"
 SAMPLES = "Warp Stall Sampling (All Samples)"
+WAVEFRONTS = "L1 Wavefronts Shared"  # shared-memory wavefronts (the MMAs' operand reads included)
 
 
 def _number(text: str) -> float:
@@ -62,7 +63,12 @@ def tables(rows: list[list[str]]) -> list[dict]:
             header = row
             src, ex, st = _column(row, SOURCE), _column(row, EXECUTED), _column(row, SAMPLES)
             line = next((i for i, h in enumerate(row) if h.strip() in ("#", "Line", "# Line")), None)
-            current = {"columns": (src, ex, st), "line": line, "by_opcode": defaultdict(lambda: [0.0, 0.0]),
+            # the sampled stall reasons (all samples, not the not-issued ones) and the shared wavefronts
+            reasons = {h.strip(): i for i, h in enumerate(row) if h.strip().startswith("stall_") and "(" not in h}
+            wave = next((i for i, h in enumerate(row) if h.strip() == WAVEFRONTS), None)
+            current = {"columns": (src, ex, st), "line": line, "reasons": reasons, "wave": wave,
+                       "by_reason": defaultdict(lambda: defaultdict(float)), "wavefronts": defaultdict(float),
+                       "by_opcode": defaultdict(lambda: [0.0, 0.0]),
                        "by_instruction": defaultdict(lambda: [0.0, 0.0]), "by_row": defaultdict(lambda: [0.0, 0.0]),
                        "by_count": defaultdict(lambda: [0, 0.0]), "lines": 0}
             out.append(current)
@@ -78,6 +84,11 @@ def tables(rows: list[list[str]]) -> list[dict]:
         for key, table in ((op, current["by_opcode"]), (full, current["by_instruction"]), (text, current["by_row"])):
             table[key][0] += executed
             table[key][1] += samples
+        for reason, i in current["reasons"].items():
+            if i < len(row):
+                current["by_reason"][op][reason] += _number(row[i])
+        if current["wave"] is not None and current["wave"] < len(row):
+            current["wavefronts"][op] += _number(row[current["wave"]])
         current["by_count"][executed][0] += 1
         current["by_count"][executed][1] += samples
         current["lines"] += 1
@@ -87,6 +98,8 @@ def tables(rows: list[list[str]]) -> list[dict]:
              "by_opcode": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_opcode"].items()},
              "by_instruction": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_instruction"].items()},
              "by_row": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_row"].items()},
+             "by_reason": {k: dict(v) for k, v in t["by_reason"].items()},
+             "wavefronts": dict(t["wavefronts"]),
              "by_count": {f"{k:.0f}": {"rows": v[0], "executed": k * v[0], "samples": v[1]}
                           for k, v in sorted(t["by_count"].items())}}
             for t in out]
@@ -121,6 +134,29 @@ def count_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def reason_report(summary: dict, top: int) -> str:
+    """One table's stall samples by reason (all opcodes), then the opcodes with the most samples, each
+    with its three largest reasons and its shared-memory wavefronts."""
+    total = defaultdict(float)
+    for reasons in summary["by_reason"].values():
+        for reason, n in reasons.items():
+            total[reason] += n
+    st = sum(total.values()) or 1.0
+    waves = summary["wavefronts"]
+    lines = [f"{summary['samples']:,.0f} stall samples, {sum(waves.values()):,.0f} shared wavefronts",
+             "  ".join(f"{r[6:]} {100 * n / st:.1f}%" for r, n in sorted(total.items(), key=lambda kv: -kv[1])
+                       if n > 0)]
+    ranked = sorted(summary["by_reason"].items(), key=lambda kv: -sum(kv[1].values()))
+    for op, reasons in ranked[:top]:
+        n = sum(reasons.values())
+        if n <= 0:
+            break
+        worst = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+        lines.append(f"{op:16s} {100 * n / st:5.1f}%  " + ", ".join(f"{r[6:]} {100 * v / st:.1f}%" for r, v in worst)
+                     + f"  ({waves.get(op, 0.0):,.0f} wavefronts)")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", help="ncu -i REPORT --page source --csv --print-source sass output")
@@ -131,12 +167,14 @@ def main() -> None:
     ap.add_argument("--by-count", action="store_true",
                     help="group the instructions by how many times each ran instead (rows every warp runs apart "
                          "from those of one program or partition)")
+    ap.add_argument("--reasons", action="store_true",
+                    help="the stall samples by reason instead, overall and for the opcodes with the most")
     ap.add_argument("--json", default=None, help="write the summaries here")
     args = ap.parse_args()
     if args.top < 1:
         ap.error(f"--top: expected a count >= 1, got {args.top}")
-    if args.lines and args.by_count:
-        ap.error("--lines and --by-count: expected at most one of them, got both")
+    if sum((args.lines, args.by_count, args.reasons)) > 1:
+        ap.error("--lines, --by-count, --reasons: expected at most one of them, got more")
     try:
         with (gzip.open(args.csv, "rt", newline="") if args.csv.endswith(".gz") else open(args.csv, newline="")) as f:
             rows = list(csv.reader(f))
@@ -147,7 +185,12 @@ def main() -> None:
         sys.exit(f"ncu_source: no source table in {args.csv!r} (expected a header with a {SOURCE!r} column and "
                  f"{EXECUTED!r} or {SAMPLES!r})")
     for i, t in enumerate(found):
-        text = count_report(t) if args.by_count else report(t, args.top, "by_row" if args.lines else "by_opcode")
+        if args.reasons:
+            text = reason_report(t, args.top)
+        elif args.by_count:
+            text = count_report(t)
+        else:
+            text = report(t, args.top, "by_row" if args.lines else "by_opcode")
         print(f"== kernel {i}\n{text}")
     if args.json:
         with open(args.json, "w") as f:
