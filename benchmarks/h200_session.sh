@@ -1063,7 +1063,8 @@ phase_ncusource() {
       --section WarpStateStats --import-source yes -f -o "$f" python tools/ncu_cases.py "$case" > "$f.log" 2>&1
     "$ncu" -i "$f.ncu-rep" --page source --csv --print-source sass > "$f.csv" 2>&1
     python tools/ncu_source.py "$f.csv" --json "$f.json" > "$f.txt" && rm -f "$f.ncu-rep" \
-      && python tools/ncu_source.py "$f.csv" --by-count > "$f-counts.txt" && python tools/ncu_source.py "$f.csv" --reasons > "$f-reasons.txt" && gzip -f "$f.csv"  # the report kept when unread
+      && python tools/ncu_source.py "$f.csv" --by-count > "$f-counts.txt" \
+      && python tools/ncu_source.py "$f.csv" --reasons > "$f-reasons.txt" && gzip -f "$f.csv"  # the report kept when unread
     head -n 30 "$f.txt"
   done
 }
