@@ -1,6 +1,7 @@
 """tools/ncu_source.py: the per-opcode sums and the groups by run count of Nsight Compute's source
-page against the sums taken while writing a random page, one table a kernel; its errors for a
-missing file, a CSV with no source table and two exclusive views."""
+page against the sums taken while writing a random page, one table a kernel, and its stall reasons and
+shared wavefronts by opcode; its errors for a missing file, a CSV with no source table and two exclusive
+views."""
 from __future__ import annotations
 
 import csv
@@ -82,6 +83,37 @@ def test_groups_by_run_count_match_the_page(tmp_path):
     assert out.count("== kernel") == len(counts) and out.count("runs each") == len(counts)
 
 
+def test_reasons_and_wavefronts_match_the_page(tmp_path):
+    """The stall_* columns (not their "Not Issued" twins) summed by reason and opcode, and the shared
+    wavefronts by opcode, against the sums taken while writing the page."""
+    rng = random.Random()
+    reasons = ["stall_barrier", "stall_long_sb", "stall_mio", "stall_wait"]
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "L1 Wavefronts Shared", *reasons, *(f"{r} (Not Issued)" for r in reasons)]
+    rows, by_reason, waves = [["Kernel Name", "k"], header], defaultdict(lambda: defaultdict(float)), defaultdict(float)
+    for i in range(rng.randint(1, 80)):
+        op = rng.choice(OPS)
+        split = [rng.randint(0, 500) for _ in reasons]
+        wave = rng.choice([0, rng.randint(1, 10 ** 6)])
+        rows.append([hex(16 * i), f"{op}{rng.choice(MODS)} R1 ;", f"{sum(split):,}", "32", f"{wave:,}",
+                     *(f"{n:,}" for n in split), *(str(rng.randint(0, 9)) for _ in reasons)])
+        for r, n in zip(reasons, split):
+            by_reason[op][r] += n
+        waves[op] += wave
+    (table,) = ncu_source.tables(rows)
+    assert table["by_reason"] == {op: dict(v) for op, v in by_reason.items()}
+    assert table["wavefronts"] == dict(waves)
+    path = tmp_path / "source.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "ncu_source.py"), str(path), "--reasons"],
+                         capture_output=True, text=True, check=True).stdout
+    worst = max(by_reason, key=lambda op: sum(by_reason[op].values()))
+    assert f"{sum(waves.values()):,.0f} shared wavefronts" in out
+    if sum(by_reason[worst].values()) > 0:
+        assert out.splitlines()[3].startswith(worst)
+
+
 def test_clear_errors(tmp_path):
     tool = str(ROOT / "tools" / "ncu_source.py")
     missing = subprocess.run([sys.executable, tool, str(tmp_path / "none.csv")], capture_output=True, text=True)
@@ -94,4 +126,4 @@ def test_clear_errors(tmp_path):
     assert bad.returncode == 2 and "--top" in bad.stderr and "got 0" in bad.stderr
     both = subprocess.run([sys.executable, tool, str(tmp_path / "empty.csv"), "--lines", "--by-count"],
                           capture_output=True, text=True)
-    assert both.returncode == 2 and "--lines and --by-count" in both.stderr
+    assert both.returncode == 2 and "expected at most one of them" in both.stderr
