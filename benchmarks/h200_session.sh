@@ -288,7 +288,7 @@
 #              ncu-stalls-CASE.txt
 #   ncusource  Nsight Compute's source page (SASS, with executed instructions and stall samples a line)
 #              of NCU_CASES (default experts1), summed by opcode and by run count (tools/ncu_source.py):
-#              ncu-source-CASE[NCU_TAG].csv.gz, .txt, .json, -counts.txt
+#              ncu-source-CASE[NCU_TAG].csv.gz, .txt, .json, -counts.txt, -reasons.txt (stall reasons)
 #   kerneltests the CUDA kernel tests natively under the profile (h200-kernel-tests.log)
 #   scales     the experts' fp4 scale loads: stored K major (formats.with_k_major_scales) and loaded a
 #              K block ahead (tiles.linear.fp4_decode: packed_prefetch). Their GPU tests and the MoE
@@ -418,6 +418,8 @@
 #              q loaded by the consumers, the split scores): their GPU tests (h200-ws8-tests.log),
 #              benchmarks/attention_ws.py at batch 64 and the prefill, every variant beside the plain kernel
 #              (h200-attention-ws-8.json)
+#   wgmma      the bf16 warpgroup MMA's rate at the attention's tile shapes (narrow N, A shared or in
+#              registers) against the bf16 GEMM (benchmarks/wgmma_rate.py: h200-wgmma-rate.json)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
 #              decode tests on the GPU (h200-fp4-scaled-tests.log), the experts at 1 / 8 tokens under
 #              each decode (benchmarks/gemv_tiles.py: h200-gemv-fp4-scaled.json), the real-dimension
@@ -1214,6 +1216,10 @@ phase_ws8() {
   tail -n 4 "$OUT/h200-ws8-tests.log"
   timeout 330 python benchmarks/attention_ws.py --batches 64 --out "$OUT/h200-attention-ws-8.json" 2>&1 \
     | grep -v "^ " | tail -n 40
+}
+
+phase_wgmma() {
+  timeout 120 python benchmarks/wgmma_rate.py --out "$OUT/h200-wgmma-rate.json"
 }
 
 phase_wsprod() {  # ordered by what a short lease must bring back first
