@@ -49,6 +49,11 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
                                                        "q_in_consumers": True},
     "ws, packed, copies 1 block ahead, split scores, q before": {"RAW_STAGES": 2, "split_scores": True,
                                                                  "q_in_consumers": False},
+    # the producer's warps splitting a block's rows when copying (a thread locates one row of 32, not four)
+    "ws, packed, copies 1 block ahead, q in consumers, rows by warp": {"RAW_STAGES": 2, "q_in_consumers": True,
+                                                                       "rows_by_warp": True},
+    "ws, packed, copies 1 block ahead, split scores, rows by warp": {"RAW_STAGES": 2, "split_scores": True,
+                                                                     "q_in_consumers": True, "rows_by_warp": True},
     "ws, packed, copies 1 block ahead, split scores, producer 72": {"RAW_STAGES": 2, "split_scores": True,
                                                                     "q_in_consumers": True, "producer_regs": 72},
 }

@@ -66,28 +66,36 @@ if AVAILABLE:
         return [stages, rows, width] if present else [1, 1, 16]
 
     @gluon.constexpr_function
-    def _copy_layout(VEC, NW):
+    def _copy_layout(VEC, NW, DOWN):
         """A raw slot's copy layout [K_BLOCK, bytes]: 8 rows x 4 column vectors of ``VEC`` bytes a warp,
-        up to 4 warps along the columns and the rest along the rows (8 warps: two row halves, so the
-        256-byte fp4 rows are not copied twice). Every width shares the rows' distribution (its row slice
-        is :func:`_rows_layout` for any ``VEC``), so one index load a block serves every copy, with no
-        exchange through shared memory."""
-        across = min(NW, 4)
-        return gl.BlockedLayout([1, VEC], [8, 4], [NW // across, across], [1, 0])
+        ``DOWN`` warps along the rows and the rest along the columns (:func:`_warps_down`). Every width
+        shares the rows' distribution (its row slice is :func:`_rows_layout` for any ``VEC``), so one index
+        load a block serves every copy, with no exchange through shared memory."""
+        return gl.BlockedLayout([1, VEC], [8, 4], [DOWN, NW // DOWN], [1, 0])
 
     @gluon.constexpr_function
-    def _rows_layout(NW):
+    def _warps_down(NW, K_BLOCK, BY_ROWS):
+        """The producer's warps along a block's rows in :func:`_copy_layout`. By default up to 4 warps
+        along the columns and the rest along the rows (8 warps: two row halves, so the 256-byte fp4 rows
+        are not copied twice): every warp then locates all of a block's rows, 4 a thread. BY_ROWS
+        (``tiles.attention.ws.rows_by_warp``): as many along the rows as there are 8-row groups, so a
+        thread locates one row of 32 (the same bytes copied to the same places)."""
+        return min(NW, K_BLOCK // 8) if BY_ROWS else NW // min(NW, 4)
+
+    @gluon.constexpr_function
+    def _rows_layout(NW, DOWN):
         """The layout of a block's row indices and pointers in the producer."""
-        return gl.SliceLayout(1, _copy_layout(16, NW))
+        return gl.SliceLayout(1, _copy_layout(16, NW, DOWN))
 
     @gluon.jit
-    def _copy_rows(dst, rows, hit, WIDTH: gl.constexpr, NW: gl.constexpr):
+    def _copy_rows(dst, rows, hit, WIDTH: gl.constexpr, NW: gl.constexpr, DOWN: gl.constexpr):
         """Start the asynchronous copy of ``WIDTH`` bytes of each ``hit`` row (``rows``: byte pointers
         [K_BLOCK] in :func:`_rows_layout`) into ``dst`` [K_BLOCK, WIDTH]; rows not hit are filled with
         zeros. 16-byte copies for the data rows (256 or 512 bytes), 4-byte ones for the scale rows (16 or
-        32 bytes, narrower than the 16 column vectors of 4 warps; the copies past them repeat a vector)."""
+        32 bytes; where a row is narrower than the column vectors of its warps, the copies past it repeat
+        a vector)."""
         VEC: gl.constexpr = 16 if WIDTH >= 256 else 4
-        L: gl.constexpr = _copy_layout(VEC, NW)
+        L: gl.constexpr = _copy_layout(VEC, NW, DOWN)
         r = gl.convert_layout(rows, gl.SliceLayout(1, L))  # the same registers: no data moves
         h = gl.convert_layout(hit, gl.SliceLayout(1, L))
         c = gl.arange(0, WIDTH, gl.SliceLayout(0, L))
@@ -118,11 +126,11 @@ if AVAILABLE:
         return (d0 + r0, s0 + q0, h0), (d1 + r1, s1 + q1, h1), (d2 + r2, s2 + q2, h2)
 
     @gluon.jit
-    def _issue(path, data, scale, FMT: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
+    def _issue(path, data, scale, FMT: gl.constexpr, D: gl.constexpr, NW: gl.constexpr, DOWN: gl.constexpr):
         """Copy one path's rows of a block (data and scale bytes) into its raw slot."""
         rows, srows, hit = path
-        _copy_rows(data, rows, hit, D // _per(FMT), NW)
-        _copy_rows(scale, srows, hit, D // _block(FMT), NW)
+        _copy_rows(data, rows, hit, D // _per(FMT), NW, DOWN)
+        _copy_rows(scale, srows, hit, D // _block(FMT), NW, DOWN)
 
     @gluon.constexpr_function
     def _decoded_layout(CW, NW):
@@ -232,14 +240,15 @@ if AVAILABLE:
                   lo, n, K, K0, seg, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
                   ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr, TWO_PARTS: gl.constexpr,
                   D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                  RAW_STAGES: gl.constexpr, NW: gl.constexpr, PACKED: gl.constexpr):
+                  RAW_STAGES: gl.constexpr, NW: gl.constexpr, PACKED: gl.constexpr, BY_ROWS: gl.constexpr):
         """Gather and decode every K block of this program into the bf16 ring (see the module doc). The
         indices of a block are loaded a trip before its copies start, and the paths its rows hit are
         kept (3 bits a block in ``hist``) until its decode, so the decode reads no index again."""
         raws = (data0, scale0, data1, scale1, data2, scale2)
         OWN1: gl.constexpr = ROLE1 == 1
         OWN2: gl.constexpr = ROLE2 == 2
-        RL: gl.constexpr = _rows_layout(NW)
+        DOWN: gl.constexpr = _warps_down(NW, K_BLOCK, BY_ROWS)
+        RL: gl.constexpr = _rows_layout(NW, DOWN)
         idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
         KEEP: gl.constexpr = (1 << (3 * RAW_STAGES)) - 1
         hist = n * 0  # the hit bits of the blocks whose copies are in flight, the newest lowest
@@ -250,11 +259,11 @@ if AVAILABLE:
                 idx = idx_next
                 idx_next = _block_rows(lo + j + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
                 p0, p1, p2 = _locate_paths(idx, b, seg, ROLE1, ROLE2, ROLE3)
-                _issue(p0, data0.index(rs), scale0.index(rs), FMT0, D, NW)
+                _issue(p0, data0.index(rs), scale0.index(rs), FMT0, D, NW, DOWN)
                 if OWN1:
-                    _issue(p1, data1.index(rs), scale1.index(rs), FMT1, D, NW)
+                    _issue(p1, data1.index(rs), scale1.index(rs), FMT1, D, NW, DOWN)
                 if OWN2:
-                    _issue(p2, data2.index(rs), scale2.index(rs), FMT2, D, NW)
+                    _issue(p2, data2.index(rs), scale2.index(rs), FMT2, D, NW, DOWN)
                 hist = hist | _any(p0[2])
                 if OWN1:
                     hist = hist | (_any(p1[2]) << 1)
@@ -489,7 +498,7 @@ if AVAILABLE:
             K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
             PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, OVERLAP: gl.constexpr,
             num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1, Q_IN_CONSUMERS: gl.constexpr = False,
-            SPLIT_SCORES: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 0):
+            SPLIT_SCORES: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 0, ROWS_BY_WARP: gl.constexpr = False):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
         SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
         rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel). OVERLAP: the
@@ -498,7 +507,8 @@ if AVAILABLE:
         Q_IN_CONSUMERS: q loaded by the consumers, so the producer's first copies do not wait for it.
         SPLIT_SCORES (``num_warps`` 4): the consumer warpgroups are two partitions, each computing the
         scores over half of D and adding the other's half (:func:`_consumer_half`; the second at
-        CONSUMER_REGS registers a thread)."""
+        CONSUMER_REGS registers a thread). ROWS_BY_WARP: the producer's warps split a block's rows, not its
+        columns, when copying (:func:`_warps_down`)."""
         wait_inputs()
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
@@ -550,7 +560,7 @@ if AVAILABLE:
                                   K_BLOCK, STAGES, HAS_SINK, SPLIT, PACKED, Q_IN_CONSUMERS)),
                 (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                              bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
-                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED)),
+                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED, ROWS_BY_WARP)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             acc, acc2, m_i, l_i = gl.warp_specialize([
@@ -558,7 +568,7 @@ if AVAILABLE:
                              TWO_PARTS, D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, Q_IN_CONSUMERS, num_warps)),
                 (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                              bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
-                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED)),
+                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED, ROWS_BY_WARP)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
             _store_part(acc, 0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
