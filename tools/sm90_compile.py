@@ -103,8 +103,9 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
             # instructions up to the first EXIT: a loop-free kernel's main path (out-of-line slow
             # paths, e.g. an IEEE division's, come after it)
             "to_first_exit": next((i + 1 for i, c in enumerate(code) if c[1] == "EXIT"), len(code)),
-            # the loop issuing the most asynchronous copies (a warp-specialized kernel's producer)
-            "copy_loop": mma_loop(code, ("LDGSTS",)),
+            # the loop issuing the most asynchronous copies (a warp-specialized kernel's producer), with its
+            # straight-line pieces: what each path through a trip runs
+            "copy_loop": mma_loop(code, ("LDGSTS",), pieces=True),
             # the loop issuing the most fp32 multiply-adds (a GEMV's multiply-add K loop)
             "fma_loop": mma_loop(code, ("FFMA",)),
             "constexprs": {fn.arg_names[k[0]]: str(v) for k, v in constexprs.items()}}
@@ -113,10 +114,35 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
 SPAN_OPS = ("BAR", "LDS", "STS", "LDL", "STL")  # counted in each loop of ``mma_loop``'s list
 
 
-def mma_loop(code: list[tuple], ops: tuple = ("HMMA", "HGMMA", "QGMMA")) -> dict | None:
+def pieces_of(body: list[tuple]) -> list[dict]:
+    """A span of SASS cut at its branches and at their targets: each straight-line piece's first address,
+    instruction count and its 4 most frequent opcodes (the instructions a path through the span runs are
+    the sums of the pieces it takes)."""
+    targets = {int(m.group(1), 16) for _, op, rest in body if op == "BRA" for m in [re.search(r"0x([0-9a-f]+)", rest)]
+               if m}
+    out, cur = [], []
+    for addr, op, rest in body:
+        if addr in targets and cur:
+            out.append(cur)
+            cur = []
+        cur.append(op)
+        if op in ("BRA", "EXIT"):
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    starts, at = [], 0
+    for piece in out:
+        starts.append(body[at][0])
+        at += len(piece)
+    return [{"at": hex(a), "instructions": len(p), "opcodes": dict(collections.Counter(p).most_common(4))}
+            for a, p in zip(starts, out)]
+
+
+def mma_loop(code: list[tuple], ops: tuple = ("HMMA", "HGMMA", "QGMMA"), pieces: bool = False) -> dict | None:
     """The loop (a backward branch's span of the SASS) holding the most MMA instructions (or of
     ``ops``): its instruction count and its 12 most frequent opcodes, the static cost of one trip of
-    a GEMM's K loop (None: no loop holds one)."""
+    a GEMM's K loop (None: no loop holds one); ``pieces``: also its straight-line pieces (:func:`pieces_of`)."""
     best, spans = None, []
     for addr, op, rest in code:
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
@@ -133,7 +159,8 @@ def mma_loop(code: list[tuple], ops: tuple = ("HMMA", "HGMMA", "QGMMA")) -> dict
     return {"instructions": len(best[1]), "opcodes": dict(collections.Counter(best[1]).most_common(12)),
             "sass_range": [hex(a) for a in best[2]],  # the loop's first and last addresses in the dump
             "count": best[0],  # its instructions of ``ops``
-            "loops": spans}  # every loop holding one (instructions, count, SPAN_OPS), nested ones included
+            "loops": spans,  # every loop holding one (instructions, count, SPAN_OPS), nested ones included
+            **({"pieces": pieces_of([c for c in code if best[2][0] <= c[0] <= best[2][1]])} if pieces else {})}
 
 
 def attention_call(B: int, S: int, cold: bool, kv: str = "both"):
