@@ -68,6 +68,7 @@ def tables(rows: list[list[str]]) -> list[dict]:
             wave = next((i for i, h in enumerate(row) if h.strip() == WAVEFRONTS), None)
             current = {"columns": (src, ex, st), "line": line, "reasons": reasons, "wave": wave,
                        "by_reason": defaultdict(lambda: defaultdict(float)), "wavefronts": defaultdict(float),
+                       "reasons_by_count": defaultdict(lambda: defaultdict(float)),
                        "by_opcode": defaultdict(lambda: [0.0, 0.0]),
                        "by_instruction": defaultdict(lambda: [0.0, 0.0]), "by_row": defaultdict(lambda: [0.0, 0.0]),
                        "by_count": defaultdict(lambda: [0, 0.0]), "lines": 0}
@@ -87,6 +88,7 @@ def tables(rows: list[list[str]]) -> list[dict]:
         for reason, i in current["reasons"].items():
             if i < len(row):
                 current["by_reason"][op][reason] += _number(row[i])
+                current["reasons_by_count"][executed][reason] += _number(row[i])
         if current["wave"] is not None and current["wave"] < len(row):
             current["wavefronts"][op] += _number(row[current["wave"]])
         current["by_count"][executed][0] += 1
@@ -99,6 +101,7 @@ def tables(rows: list[list[str]]) -> list[dict]:
              "by_instruction": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_instruction"].items()},
              "by_row": {k: {"executed": v[0], "samples": v[1]} for k, v in t["by_row"].items()},
              "by_reason": {k: dict(v) for k, v in t["by_reason"].items()},
+             "reasons_by_count": {f"{k:.0f}": dict(v) for k, v in sorted(t["reasons_by_count"].items())},
              "wavefronts": dict(t["wavefronts"]),
              "by_count": {f"{k:.0f}": {"rows": v[0], "executed": k * v[0], "samples": v[1]}
                           for k, v in sorted(t["by_count"].items())}}
@@ -154,6 +157,17 @@ def reason_report(summary: dict, top: int) -> str:
         worst = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
         lines.append(f"{op:16s} {100 * n / st:5.1f}%  " + ", ".join(f"{r[6:]} {100 * v / st:.1f}%" for r, v in worst)
                      + f"  ({waves.get(op, 0.0):,.0f} wavefronts)")
+    # by how many times the instructions ran: a warp-specialized kernel's partitions apart (each partition's
+    # loop body runs its warps' count times the blocks)
+    lines.append("by run count (the groups with the most samples):")
+    groups = sorted(summary["reasons_by_count"].items(), key=lambda kv: -sum(kv[1].values()))
+    for runs, reasons in groups[:top]:
+        n = sum(reasons.values())
+        if n <= 0:
+            break
+        worst = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+        lines.append(f"{int(runs):>12,d} runs {100 * n / st:5.1f}%  "
+                     + ", ".join(f"{r[6:]} {100 * v / st:.1f}%" for r, v in worst))
     return "\n".join(lines)
 
 

@@ -91,17 +91,20 @@ def test_reasons_and_wavefronts_match_the_page(tmp_path):
     header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
               "L1 Wavefronts Shared", *reasons, *(f"{r} (Not Issued)" for r in reasons)]
     rows, by_reason, waves = [["Kernel Name", "k"], header], defaultdict(lambda: defaultdict(float)), defaultdict(float)
+    by_runs, runs = defaultdict(lambda: defaultdict(float)), [rng.randint(1, 10 ** 5) for _ in range(3)]
     for i in range(rng.randint(1, 80)):
-        op = rng.choice(OPS)
+        op, executed = rng.choice(OPS), rng.choice(runs)
         split = [rng.randint(0, 500) for _ in reasons]
         wave = rng.choice([0, rng.randint(1, 10 ** 6)])
-        rows.append([hex(16 * i), f"{op}{rng.choice(MODS)} R1 ;", f"{sum(split):,}", "32", f"{wave:,}",
+        rows.append([hex(16 * i), f"{op}{rng.choice(MODS)} R1 ;", f"{sum(split):,}", f"{executed:,}", f"{wave:,}",
                      *(f"{n:,}" for n in split), *(str(rng.randint(0, 9)) for _ in reasons)])
         for r, n in zip(reasons, split):
             by_reason[op][r] += n
+            by_runs[f"{executed}"][r] += n
         waves[op] += wave
     (table,) = ncu_source.tables(rows)
     assert table["by_reason"] == {op: dict(v) for op, v in by_reason.items()}
+    assert table["reasons_by_count"] == {k: dict(v) for k, v in by_runs.items()}
     assert table["wavefronts"] == dict(waves)
     path = tmp_path / "source.csv"
     with open(path, "w", newline="") as f:
@@ -112,6 +115,7 @@ def test_reasons_and_wavefronts_match_the_page(tmp_path):
     assert f"{sum(waves.values()):,.0f} shared wavefronts" in out
     if sum(by_reason[worst].values()) > 0:
         assert out.splitlines()[3].startswith(worst)
+        assert "by run count" in out
 
 
 def test_clear_errors(tmp_path):
