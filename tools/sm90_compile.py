@@ -46,6 +46,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from flashrt.jit_compile import answering_as, recording, source  # noqa: E402
 from flashrt.jit_targets import ARCHS  # noqa: E402
+from sass_pieces import pieces_of  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DUMP_DIR = os.environ.get("SM90_DUMP_DIR", "/tmp/sm90")  # <kernel>-<n>.cubin / .ttgir / .ptx / .sass
@@ -112,31 +113,6 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
 
 
 SPAN_OPS = ("BAR", "LDS", "STS", "LDL", "STL")  # counted in each loop of ``mma_loop``'s list
-
-
-def pieces_of(body: list[tuple]) -> list[dict]:
-    """A span of SASS cut at its branches and at their targets: each straight-line piece's first address,
-    instruction count and its 4 most frequent opcodes (the instructions a path through the span runs are
-    the sums of the pieces it takes)."""
-    targets = {int(m.group(1), 16) for _, op, rest in body if op == "BRA" for m in [re.search(r"0x([0-9a-f]+)", rest)]
-               if m}
-    out, cur = [], []
-    for addr, op, rest in body:
-        if addr in targets and cur:
-            out.append(cur)
-            cur = []
-        cur.append(op)
-        if op in ("BRA", "EXIT"):
-            out.append(cur)
-            cur = []
-    if cur:
-        out.append(cur)
-    starts, at = [], 0
-    for piece in out:
-        starts.append(body[at][0])
-        at += len(piece)
-    return [{"at": hex(a), "instructions": len(p), "opcodes": dict(collections.Counter(p).most_common(4))}
-            for a, p in zip(starts, out)]
 
 
 def mma_loop(code: list[tuple], ops: tuple = ("HMMA", "HGMMA", "QGMMA"), pieces: bool = False) -> dict | None:

@@ -1,4 +1,4 @@
-"""tools/sm90_compile.py's straight-line pieces of a SASS span: cut exactly at its branches and at their
+"""tools/sass_pieces.py: the straight-line pieces of a SASS span: cut exactly at its branches and at their
 targets, each instruction in one piece, against cut points worked out from a random span."""
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import random
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-sm90_compile = pytest.importorskip("sm90_compile")
+import sass_pieces  # noqa: E402
 
 OPS = ["IMAD", "LDS", "STS", "HMUL2", "PRMT", "LDGSTS", "BAR", "ISETP"]
 
@@ -30,7 +29,7 @@ def test_pieces_cut_at_branches_and_their_targets():
                 after_branch.add(addrs[i + 1])
         else:
             code.append((a, rng.choice(OPS), " R1, R2"))
-    pieces = sm90_compile.pieces_of(code)
+    pieces = sass_pieces.pieces_of(code)
     want = sorted({addrs[0]} | targets | after_branch)
     assert [int(p["at"], 16) for p in pieces] == want
     assert sum(p["instructions"] for p in pieces) == n
