@@ -229,6 +229,9 @@
 #   topkkernels  the profile's top-k at 1, 2, 8 and 64 rows of 128K and 1M with each kernel's device time a call
 #              (benchmarks/topk_radix.py --kernels; a kernel's time includes its wait for the one before):
 #              h200-topk-kernels.json
+#   topkpick   a split row's pick searching 2, 4 or 8 bits a pass (split_pick_radix) against the profile's 1,
+#              kernel by kernel at 1, 2, 8 and 64 rows of 128K and 1M, after its GPU tests:
+#              h200-topkpick-tests.log, h200-topk-pick-radix-R.json (R 0: the profile)
 #   topkspan   2, 4 and 8 rows of 1M split into programs of several slices under launches of at most 256, 512,
 #              1,024 and 2,048 scanning programs (split_programs; fewer slices a program as it grows; the caps
 #              TOPK_SPAN_PROGRAMS names): h200-topk-span-P.json; with BEFORE as topkprograms takes it, again
@@ -1472,6 +1475,17 @@ phase_topkchunkmax() {  # the chunk-max pass's tiles at 8 and 64 rows
 phase_topkkernels() {  # the profile's top-k launches kernel by kernel at 1-64 rows of 128K and 1M
   python benchmarks/topk_radix.py --radix 1 --rows 1 2 8 64 --lengths 131072 1048576 --kernels \
     --out "$OUT/h200-topk-kernels.json" | tail -n 16
+}
+
+phase_topkpick() {  # the split pick's radix: tests, then each radix kernel by kernel
+  local r
+  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_topk.py \
+    -k "split_pick_radix or split_rows" > "$OUT/h200-topkpick-tests.log" 2>&1
+  tail -n 1 "$OUT/h200-topkpick-tests.log"
+  for r in 0 2 4 8; do
+    python benchmarks/topk_radix.py --radix 1 --rows 1 2 8 64 --lengths 131072 1048576 --kernels \
+      --select "{\"split_pick_radix\": $r}" --out "$OUT/h200-topk-pick-radix-$r.json" | tail -n 8
+  done
 }
 
 phase_topkspan() {  # 2-8 rows of 1M in programs of several slices, the launch's scanning programs capped at P

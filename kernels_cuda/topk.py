@@ -67,11 +67,14 @@ TILES = {
     # times programs a row) are at most this many (0: no limit); split_min_programs: where they would be more, a
     # program scans several consecutive slices (a power of two, one after another) so that they are not, while a
     # row keeps at least this many programs (0: such launches are not split); split_bits: the exact top bits of a split
-    # row's L (0: bits), apart from bits so that setting it leaves the unsplit select's variants as they are
+    # row's L (0: bits), apart from bits so that setting it leaves the unsplit select's variants as they are;
+    # split_pick_radix: radix_bits of a split row's pick (its exact search over the list and the one-program
+    # path past small; 0: radix_bits)
     "select": {"summary": 4096, "bits": 32, "fine": 16, "small": 1024, "list": 8192, "group": 2048,
                "num_warps": 8, "radix_bits": 1, "min_summary": 1024, "registers": 4096,
                "split_rows": 0, "split_slice": 4096, "split_slices": 256, "split_warps": 8,
-               "split_fused": True, "split_skip": 0, "split_programs": 0, "split_min_programs": 0, "split_bits": 0},
+               "split_fused": True, "split_skip": 0, "split_programs": 0, "split_min_programs": 0, "split_bits": 0,
+               "split_pick_radix": 0},
 }
 
 # Scan programs take their slices last first (tests: the blocks then reach the list out of
@@ -124,6 +127,8 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
              and (not tiles["split_programs"] or R * cdiv(slicing[1], slicing[2]) <= tiles["split_programs"]))
     radix, bits = tiles["radix_bits"], (split and tiles["split_bits"]) or tiles["bits"]
     assert radix in (1, 2, 4, 8) and bits % radix == 0, f"tiles.topk select: radix_bits {radix}, bits {bits}"
+    pick_radix = tiles["split_pick_radix"] or radix
+    assert not split or bits % pick_radix == 0, f"tiles.topk select: split_pick_radix {pick_radix}, bits {bits}"
     LIST = min(tiles["list"], _pow2((k - 1) * C * F + k))
     small = min(max(tiles["small"], _pow2(2 * k)), LIST)  # a list of k + k ties stays in registers
     lst = torch.empty(R, LIST, dtype=torch.int32, device=src.device)
@@ -150,7 +155,7 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
             _chunk_max_kernel[(R, cdiv(NF, chunks))](*args, *sizes, *strides, **launch)
     if split:
         _select_split(src, cand_t, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common,
-                      small, mark, fused, slicing)
+                      small, mark, fused, slicing, pick_radix)
         return
     _select_kernel[(R,)](src, cand_t, summ, fine, fids, lst, out, stats if stats is not None else summ, T, NC, NF,
                          k, width, src.stride(0), cand_t.stride(0), summ.stride(0), fine.stride(0), lst.stride(0),
@@ -174,13 +179,14 @@ def _split_slices(T: int, R: int, tiles: dict) -> tuple[int, int, int]:
 
 
 def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common, small,
-                  mark, fused, slicing):
+                  mark, fused, slicing, pick_radix):
     """The select of rows split over programs, after the chunk-max pass (``fused``: whose last
     program of a row has found its ``L``; else ``_threshold_kernel`` finds it): every slice
     (``slicing``: entries a slice, slices a row, slices a program: :func:`_split_slices`) lists its candidates
     (``_scan_kernel``, a program scanning its slices in turn), then a row's picks come from its
     list, or from the one-program path when the list passes ``small`` (``_split_pick_kernel``;
-    ``fused``: both in ``_scan_pick_kernel``, the row's last scanning program picking)."""
+    ``fused``: both in ``_scan_pick_kernel``, the row's last scanning program picking); the pick's searches
+    ``pick_radix`` bits a pass."""
     R = src.shape[0]
     slices = tiles["split_slices"]
     slice_, n_slices, span = slicing
@@ -190,7 +196,8 @@ def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF
     launch = dict(num_warps=tiles["split_warps"], **pdl.options(src.device))
     rows = (src.stride(0), cand.stride(0))
     pick = dict(SMALL=small, GROUP=max(common["C"] * common["F"], tiles["group"]), PAD=min(1024, _pow2(k)),
-                SLICE=slice_, SLICES=slices, MARK=mark, STATS=stats is not None, **common, **launch)
+                SLICE=slice_, SLICES=slices, MARK=mark, STATS=stats is not None, **{**common, "RADIX": pick_radix},
+                **launch)
     stats = stats if stats is not None else summ
     pick_args = (src, cand, summ, fine, fids, lst, lkey, starts, state, out, stats)
     pick_sizes = (T, NC, NF, k, width, n_slices, *rows, summ.stride(0), fine.stride(0), lst.stride(0),
@@ -249,6 +256,7 @@ FAMILY = KernelFamily(
                               "select.split_min_programs": Tile(low=0, kind=int),
                               "select.split_skip": Tile(choices=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256)),
                               "select.bits": Tile(high=32), "select.split_bits": Tile(low=0, high=32),
-                              "select.radix_bits": Tile(choices=(1, 2, 4, 8))},
+                              "select.radix_bits": Tile(choices=(1, 2, 4, 8)),
+                              "select.split_pick_radix": Tile(choices=(0, 1, 2, 4, 8))},
     warmup=_warmup.hook(warmup_cases), warmup_cases=warmup_cases,
     description="top-k positions: chunk maxima, threshold search, ordered picks")

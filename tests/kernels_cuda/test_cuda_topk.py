@@ -294,6 +294,38 @@ def test_topk_split_partial_bits(radix, monkeypatch, rng):
     assert (_select(torch.randn(2, 300, generator=rng) * 1e-3 + 5.0, 9) >= 0).all()
 
 
+@pytest.mark.parametrize("pick_radix", [2, 8])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("kind", ["tied", "smooth", "sorted"])
+def test_topk_split_pick_radix(kind, fused, pick_radix, monkeypatch, rng):
+    """split_pick_radix: a split row's pick searches its list 2 or 8 bits a pass while L is found one bit
+    a pass: positions and marks as the reference's, with and without candidates; and the same for rows
+    whose lists pass small (the one-program path, at the pick's radix too)."""
+    _force(monkeypatch, summary=16, small=512, list=512, split_rows=4, split_slice=32, split_slices=8,
+           split_fused=fused, radix_bits=1, split_pick_radix=pick_radix)
+    radix = []  # the RADIX each pick launch takes
+    name = "_scan_pick_kernel" if fused else "_split_pick_kernel"
+    kernel = getattr(topk, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: (radix.append(kw["RADIX"]), kernel[grid](*a, **kw))[1]
+
+    monkeypatch.setattr(topk, name, Spy())
+    scores = _scores(kind, 1, 3, 300, rng)[0]
+    cand = torch.rand(3, 300, generator=rng) < 0.7
+    k = int(torch.randint(9, 40, (1,), generator=rng))
+    for c in (None, cand):
+        assert (_select(scores, k, c) >= 0).all()
+    _same_marks(scores, k, cand)
+    assert radix and set(radix) == {pick_radix}
+    _force(monkeypatch, summary=16, small=16, list=512, split_rows=4, split_slice=32, split_slices=4,
+           split_fused=fused, radix_bits=1, split_pick_radix=pick_radix)
+    stats = _select(scores, 12, cand)  # its positions checked against the reference's either way
+    if kind != "smooth":  # hundreds of ties or a sorted row: lists far past 16 entries
+        assert (stats == -3).all()
+
+
 def test_topk_split_bits_apply_to_split_rows_only(monkeypatch, rng):
     """split_bits: only the top bits of a split row's L exact (a lower L, a longer list of the slices'
     candidates, the same picks); the rows of a launch that is not split keep bits."""
