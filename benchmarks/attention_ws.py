@@ -2,6 +2,7 @@
 tiles, in one run, at the released shapes (64 heads x 512, an fp8 ring of 128, 512 fp4_b16 picks).
 
     python benchmarks/attention_ws.py --out F [--context 131072] [--batches 1 8 64] [--prefill 2048]
+        [--variants SUBSTRING ...]
 
 Decode at each batch (S = 1) and a prefill of ``--prefill`` queries (B = 1), the inputs of
 ``flashrt bench kernels`` (``flashrt.bench.attention``). Each variant's output is checked against
@@ -54,20 +55,30 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
                                                                        "rows_by_warp": True},
     "ws, packed, copies 1 block ahead, split scores, rows by warp": {"RAW_STAGES": 2, "split_scores": True,
                                                                      "q_in_consumers": True, "rows_by_warp": True},
+    # the output leaving through q's shared memory in 16-byte vectors a thread
+    "ws, packed, copies 1 block ahead, q in consumers, staged stores": {"RAW_STAGES": 2, "q_in_consumers": True,
+                                                                        "staged_stores": True},
+    "ws, packed, copies 1 block ahead, split scores, rows by warp, staged stores": {
+        "RAW_STAGES": 2, "split_scores": True, "q_in_consumers": True, "rows_by_warp": True, "staged_stores": True},
     "ws, packed, copies 1 block ahead, split scores, producer 72": {"RAW_STAGES": 2, "split_scores": True,
                                                                     "q_in_consumers": True, "producer_regs": 72},
 }
 
 
-def _variants(packed: bool):
+def _variants(packed: bool, only: list | None = None):
+    """(label, tiles) of the plain kernel and of each variant (``only``: those whose label holds one of
+    these strings)."""
     yield "plain", {"ws": {"enabled": False}}
+    chosen = lambda label: not only or any(o in label for o in only)  # noqa: E731
     for label, tiles in VARIANTS.items():
-        yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": False}}
+        if chosen(label):
+            yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": False}}
     for label, tiles in PACKED.items() if packed else ():
-        yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": True}}
+        if chosen(label):
+            yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": True}}
 
 
-def _case(ceil, B: int, S: int, context: int, g, packed: bool) -> list[dict]:
+def _case(ceil, B: int, S: int, context: int, g, packed: bool, only: list | None = None) -> list[dict]:
     from flashrt.kernels_cuda import attention
 
     q, kv, idx, sink = bench_attention._inputs(B, S, context, g)
@@ -76,7 +87,7 @@ def _case(ceil, B: int, S: int, context: int, g, packed: bool) -> list[dict]:
     nbytes = bench_attention._bytes(q, kv, idx)
     codes = tuple(attention.FMT_CODES[t.fmt] for t in kv)
     rows, first = [], None
-    for label, tiles in _variants(packed):
+    for label, tiles in _variants(packed, only):
         with with_tiles("attention", tiles), flashrt.use_backend("cuda"), flashrt.value_checks(False):
             call = lambda: attention.sparse_attention(q, kv, idx, sink, scale)
             kernel, splits = attention.planned_splits(q, idx.shape[-1], codes)
@@ -113,7 +124,10 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048, help="queries of the prefill case (0: none)")
     ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
                     help="also the ws kernel's variants with the packed fp4_b16 decode")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="time only the variants whose label holds one of these strings (and the plain kernel)")
+    ap.add_argument("--out", default=None, help="the rows, written again after each case (a run cut short keeps "
+                                                "the cases it finished)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed")
@@ -123,12 +137,11 @@ def main() -> None:
     ceil = common.Ceilings.measure()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for B in args.batches:
-        rows += _case(ceil, B, 1, args.context, g, args.packed)
-    if args.prefill:
-        rows += _case(ceil, 1, args.prefill, args.context, g, args.packed)
-    write_json(args.out, {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": ceil.copy_bytes_per_s,
-                          "bf16_flops": ceil.bf16_flops, "context": args.context, "rows": rows})
+    cases = [(B, 1) for B in args.batches] + ([(1, args.prefill)] if args.prefill else [])
+    for B, S in cases:
+        rows += _case(ceil, B, S, args.context, g, args.packed, args.variants)
+        write_json(args.out, {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": ceil.copy_bytes_per_s,
+                              "bf16_flops": ceil.bf16_flops, "context": args.context, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -417,10 +417,11 @@
 #              and prefix attention tests (h200-wsprod-tests.log), the real-dimension slice
 #              (h200-real-slice-wsprod-on.json). The decode in the consumers was timed by this phase at
 #              af090f3 (h200-wsdec-tests.log, ncu-source-attn64-wsdec.*)
-#   ws8        the ws attention's consumer and producer variants (8 producer warps with the value MMA in halves,
-#              q loaded by the consumers, the split scores, the rows split by warp): their GPU tests
-#              (h200-ws8-tests.log), benchmarks/attention_ws.py at batch 64 and the prefill, every variant
-#              beside the plain kernel (h200-attention-ws-8.json)
+#   ws8        the ws attention's variants (q loaded by the consumers, the profile; the split scores; the rows
+#              split by warp; the stores staged): their GPU tests (h200-ws8-tests.log), then
+#              benchmarks/attention_ws.py at batch 64 and the prefill, each chosen variant beside the plain
+#              kernel (h200-attention-ws-8.json; WS8_VARIANTS: label substrings apart by "|", by default
+#              "q in consumers|split scores")
 #   wgmma      the bf16 warpgroup MMA's rate at the attention's tile shapes (narrow N, A shared or in
 #              registers) against the bf16 GEMM (benchmarks/wgmma_rate.py: h200-wgmma-rate.json)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
@@ -1214,10 +1215,13 @@ phase_wsncu() {
 }
 
 phase_ws8() {
-  timeout 150 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
-    -k "8-producer or halves or default or q-in or split-scores or rows-by-warp" > "$OUT/h200-ws8-tests.log" 2>&1
+  local -a v
+  IFS='|' read -ra v <<< "${WS8_VARIANTS:-q in consumers|split scores}"
+  timeout 240 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
+    -k "default or q-in or split-scores or rows-by-warp or staged" > "$OUT/h200-ws8-tests.log" 2>&1
   tail -n 4 "$OUT/h200-ws8-tests.log"
-  timeout 330 python benchmarks/attention_ws.py --batches 64 --out "$OUT/h200-attention-ws-8.json" 2>&1 \
+  timeout 320 python benchmarks/attention_ws.py --batches 64 --out "$OUT/h200-attention-ws-8.json" \
+    --variants "${v[@]}" 2>&1 \
     | grep -v "^ " | tail -n 40
 }
 

@@ -323,9 +323,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale, q_ptr, H,
-                  TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr, LOAD_Q: gl.constexpr, num_warps: gl.constexpr):
-        """Scores, online softmax and ``p @ kv`` over the ring's blocks -> (acc, acc2, m, l) (base 2).
+                  out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, TWO_PARTS: gl.constexpr, D: gl.constexpr,
+                  K_BLOCK: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr,
+                  LOAD_Q: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, PACKED: gl.constexpr,
+                  STAGED: gl.constexpr, num_warps: gl.constexpr):
+        """Scores, online softmax and ``p @ kv`` over the ring's blocks, then this program's output (or split
+        partials) stored (:func:`_store_part`; STAGED: through q's shared memory, which no MMA reads once
+        every warp is past the loop) (base 2).
         OVERLAP: the next block's score MMA is issued before this block's softmax (it runs meanwhile);
         a slot is released once the value MMA that read it is waited for, at the next block.
         PV_PARTS 2: the output columns in two accumulators (``acc``: columns [0, D / 2), ``acc2``: the
@@ -395,16 +399,27 @@ if AVAILABLE:
                 acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if PV_PARTS == 1:
-            acc2 = acc
-        return (acc, acc2, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
-                gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)))
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        if STAGED:
+            _sync()  # both warpgroups past their last MMAs: q's memory is free
+        if PV_PARTS == 2:
+            _store_part(acc, 0, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D,
+                        q_smem.slice(0, HALF, dim=1), STAGED, num_warps)
+            _store_part(acc2, HALF, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D,
+                        q_smem.slice(HALF, HALF, dim=1), STAGED, num_warps)
+        else:
+            _store_part(acc, 0, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D,
+                        q_smem, STAGED, num_warps)
+        if SPLIT:
+            _store_ml(m_o, l_o, pml_ptr, bs, split, H)
 
     @gluon.jit
     def _consumer_half(q_smem, kv_smem, xs_smem, ready, empty, sx, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale,
                        out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, q_ptr, ME: gl.constexpr,
                        TWO_PARTS: gl.constexpr, D: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                       HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, PACKED: gl.constexpr, LOAD_Q: gl.constexpr):
+                       HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, PACKED: gl.constexpr, LOAD_Q: gl.constexpr,
+                       STAGED: gl.constexpr):
         """Consumer warpgroup ``ME`` (0 or 1) of ``SPLIT_SCORES``: each block's 64 x K_BLOCK scores over
         its half of D (q's and the rows' columns ``[ME * D / 2, (ME + 1) * D / 2)``: half of q read a
         block), the two halves added through ``xs_smem`` (each warpgroup stores its half, arrives on its
@@ -413,7 +428,9 @@ if AVAILABLE:
         register operand as the scores left it; those columns stored at the end (warpgroup 0 also the
         split partials' ``(m, l)``). A half's buffer is double-buffered by the block's parity: it is
         written again two blocks later, after the other warpgroup has sent its next half, which it does
-        only after reading this one. LOAD_Q: the warpgroup first stores the half of q it reads itself."""
+        only after reading this one. LOAD_Q: the warpgroup first stores the half of q it reads itself.
+        STAGED: the output goes out through that half of q, which only this warpgroup's MMAs read
+        (:func:`_store_part`)."""
         HALF: gl.constexpr = D // 2
         s_layout: gl.constexpr = _mma_layout(K_BLOCK, 4)
         o_layout: gl.constexpr = _mma_layout(HALF, 4)
@@ -450,7 +467,8 @@ if AVAILABLE:
             mbarrier.arrive(empty.index(st), count=1)
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        _store_part(acc, ME * HALF, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
+        _store_part(acc, ME * HALF, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D,
+                    q_half, STAGED, 4)
         if SPLIT:
             if ME == 0:
                 _store_ml(m_o, l_o, pml_ptr, bs, split, H)
@@ -465,23 +483,36 @@ if AVAILABLE:
 
     @gluon.jit
     def _store_part(acc, col0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK: gl.constexpr,
-                    SPLIT: gl.constexpr, PACKED: gl.constexpr, D: gl.constexpr):
+                    SPLIT: gl.constexpr, PACKED: gl.constexpr, D: gl.constexpr, buf, STAGED: gl.constexpr,
+                    NW: gl.constexpr):
         """Store output columns ``[col0, col0 + width)`` of this program from ``acc`` [64, width]: the
-        normalized output, or with SPLIT the partial ``acc / l`` to ``pacc`` [splits, B*S, H, D]."""
+        normalized output, or with SPLIT the partial ``acc / l`` to ``pacc`` [splits, B*S, H, D]. STAGED: the
+        values go through ``buf`` (bf16 [64, width] of shared memory no MMA reads any more, written and read
+        by the calling partition's ``NW`` warps only) so that each thread stores 16-byte vectors of one row
+        (whole 256-byte row pieces a warp) rather than the MMA layout's 4-byte pairs."""
         if PACKED:
             acc = acc * _UP63  # p @ (rows times 2**-63)
         o_layout: gl.constexpr = acc.type.layout
         h = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, o_layout))
-        d = col0 + gl.arange(0, acc.shape[1], gl.SliceLayout(0, o_layout))
-        mask_hd = (h < H)[:, None] & (d < D)[None, :]
         if SPLIT:  # the sink joins in the combine
-            row = (split * gl.num_programs(0) + bs) * H + h
-            o = _finish(acc, m_i, l_i, 0.0, False)
-            gl.store(pacc_ptr + row[:, None] * D + d[None, :], o.to(pacc_ptr.dtype.element_ty), mask=mask_hd)
+            o = _finish(acc, m_i, l_i, 0.0, False).to(pacc_ptr.dtype.element_ty)
+            rows = (split * gl.num_programs(0) + bs) * H
+            dst = pacc_ptr
         else:
             sk = gl.load(sink_ptr + h, mask=h < H, other=0.0) * LOG2E if HAS_SINK else 0.0
-            out = _finish(acc, m_i, l_i, sk, HAS_SINK)
-            gl.store(out_ptr + (bs * H + h)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+            o = _finish(acc, m_i, l_i, sk, HAS_SINK).to(out_ptr.dtype.element_ty)
+            rows = bs * H
+            dst = out_ptr
+        if STAGED:
+            buf.store(o)
+            _sync()  # every warp's part in before any is read back in rows
+            L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
+            o = buf.load(L)
+            h = gl.program_id(1) * _H + gl.arange(0, _H, gl.SliceLayout(1, L))
+            d = col0 + gl.arange(0, acc.shape[1], gl.SliceLayout(0, L))
+        else:
+            d = col0 + gl.arange(0, acc.shape[1], gl.SliceLayout(0, o_layout))
+        gl.store(dst + (rows + h)[:, None] * D + d[None, :], o, mask=(h < H)[:, None] & (d < D)[None, :])
 
     # K, K0 and the blocks a split reads grow with the context in decode: not specialised, as in the
     # plain kernel, so no variant compiles mid-run
@@ -498,7 +529,8 @@ if AVAILABLE:
             K_BLOCK: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, CW: gl.constexpr,
             PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, OVERLAP: gl.constexpr,
             num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1, Q_IN_CONSUMERS: gl.constexpr = False,
-            SPLIT_SCORES: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 0, ROWS_BY_WARP: gl.constexpr = False):
+            SPLIT_SCORES: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 0, ROWS_BY_WARP: gl.constexpr = False,
+            STAGED_STORES: gl.constexpr = False):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
         SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
         rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel). OVERLAP: the
@@ -508,7 +540,8 @@ if AVAILABLE:
         SPLIT_SCORES (``num_warps`` 4): the consumer warpgroups are two partitions, each computing the
         scores over half of D and adding the other's half (:func:`_consumer_half`; the second at
         CONSUMER_REGS registers a thread). ROWS_BY_WARP: the producer's warps split a block's rows, not its
-        columns, when copying (:func:`_warps_down`)."""
+        columns, when copying (:func:`_warps_down`). STAGED_STORES: the output leaves through q's shared memory
+        in 16-byte vectors a thread (:func:`_store_part`)."""
         wait_inputs()
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
@@ -554,26 +587,20 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer_half, (q_smem, kv_smem, xs_smem, ready, empty, sx, idx_ptr, idx1_ptr, bs, lo, n, K, K0,
                                   qk, out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, q_ptr, 0, TWO_PARTS, D,
-                                  K_BLOCK, STAGES, HAS_SINK, SPLIT, PACKED, Q_IN_CONSUMERS)),
+                                  K_BLOCK, STAGES, HAS_SINK, SPLIT, PACKED, Q_IN_CONSUMERS, STAGED_STORES)),
                 (_consumer_half, (q_smem, kv_smem, xs_smem, ready, empty, sx, idx_ptr, idx1_ptr, bs, lo, n, K, K0,
                                   qk, out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, H, q_ptr, 1, TWO_PARTS, D,
-                                  K_BLOCK, STAGES, HAS_SINK, SPLIT, PACKED, Q_IN_CONSUMERS)),
+                                  K_BLOCK, STAGES, HAS_SINK, SPLIT, PACKED, Q_IN_CONSUMERS, STAGED_STORES)),
                 (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                              bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
                              CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED, ROWS_BY_WARP)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
-            acc, acc2, m_i, l_i = gl.warp_specialize([
+            gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, q_ptr, H,
-                             TWO_PARTS, D, K_BLOCK, STAGES, OVERLAP, PV_PARTS, Q_IN_CONSUMERS, num_warps)),
+                             out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, TWO_PARTS, D, K_BLOCK, STAGES, OVERLAP,
+                             PV_PARTS, Q_IN_CONSUMERS, HAS_SINK, SPLIT, PACKED, STAGED_STORES, num_warps)),
                 (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                              bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
                              CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED, ROWS_BY_WARP)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
-
-            _store_part(acc, 0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D)
-            if PV_PARTS == 2:
-                _store_part(acc2, D // 2, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT,
-                            PACKED, D)
-            if SPLIT:
-                _store_ml(m_i, l_i, pml_ptr, bs, split, H)

@@ -90,7 +90,9 @@ def test_the_plan_splits_k_to_fill_the_sms(B, S, H, K, sms, monkeypatch):
 @needs_ptxas
 @pytest.mark.parametrize("ws_tiles", [{}, {"overlap": True, "STAGES": 3, "RAW_STAGES": 2}, EIGHT,
                                       {"q_in_consumers": True}, {"split_scores": True, "q_in_consumers": True},
-                                      {"rows_by_warp": True, "q_in_consumers": True}, dict(EIGHT, rows_by_warp=True)])
+                                      {"rows_by_warp": True, "q_in_consumers": True}, dict(EIGHT, rows_by_warp=True),
+                                      {"staged_stores": True, "split_scores": True, "q_in_consumers": True},
+                                      {"staged_stores": True, "pv_parts": 2}])
 def test_it_compiles_for_sm90_on_warpgroup_mmas_and_async_copies(ws_tiles):
     tiles = {"ws": dict(WS["attention"]["ws"], **ws_tiles)}
     report = {r["kernel"]: r for r in sm90_compile("attention", "--B", "4", "--S", "1", "--tiles", json.dumps(tiles))}
@@ -142,11 +144,16 @@ def _case(g, B, S, H, W, T, K, cold: bool, hole: bool = False):
                                       {"split_scores": True, "q_in_consumers": True},
                                       {"split_scores": True, "q_in_consumers": False, "STAGES": 1},
                                       {"rows_by_warp": True, "q_in_consumers": True, "RAW_STAGES": 2},
-                                      dict(EIGHT, rows_by_warp=True, q_in_consumers=True)],
+                                      dict(EIGHT, rows_by_warp=True, q_in_consumers=True),
+                                      {"staged_stores": True, "q_in_consumers": True, "RAW_STAGES": 2},
+                                      {"staged_stores": True, "pv_parts": 2, "overlap": True},
+                                      {"staged_stores": True, "split_scores": True, "q_in_consumers": True,
+                                       "rows_by_warp": True}],
                          ids=["default", "overlap-3-slots", "overlap", "copies-1-ahead", "copies-1-ahead-3-slots",
                               "8-producer-warps", "8-producer-warps-overlap", "value-mma-halves", "q-in-consumers",
                               "8-producer-warps-q-in-consumers", "split-scores", "split-scores-q-before-1-slot",
-                              "rows-by-warp", "rows-by-warp-8-producer-warps"])
+                              "rows-by-warp", "rows-by-warp-8-producer-warps", "staged-stores",
+                              "staged-stores-value-mma-halves", "staged-stores-split-scores-rows-by-warp"])
 def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, hole,
                                                           packed, ws_tiles):
     q, kv, idx = _case(rng, B, S, H, W, T, K, cold, hole)
