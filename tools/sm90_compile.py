@@ -88,7 +88,7 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
         f.write(sass)
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
-    ops, loads, code = collections.Counter(), collections.Counter(), []
+    ops, loads, stores, code = collections.Counter(), collections.Counter(), collections.Counter(), []
     for line in sass.splitlines():
         m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)([A-Z0-9.]*)([^;]*)", line)
         if m:
@@ -96,10 +96,13 @@ def compile_report(fn, signature, constexprs, options, attrs) -> dict:
             code.append((int(m.group(1), 16), m.group(2), m.group(4)))
             if m.group(2) in ("LDG", "LDGSTS"):  # global loads with their width (U8, 64, 128, ...)
                 loads[m.group(2) + m.group(3)] += 1
+            if m.group(2) == "STG":  # and the global stores
+                stores[m.group(2) + m.group(3)] += 1
     return {"kernel": fn.__name__, "triton": triton.__version__, "num_warps": meta.num_warps,
             "num_stages": meta.num_stages,
             "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "shared_bytes": meta.shared, "sass": {k: ops.get(k, 0) for k in SASS_OPS}, "global_loads": dict(loads),
+            "global_stores": dict(stores),
             "instructions": len(code), "mma_loop": mma_loop(code), "dump": path[:-6],
             # instructions up to the first EXIT: a loop-free kernel's main path (out-of-line slow
             # paths, e.g. an IEEE division's, come after it)
