@@ -58,6 +58,14 @@ PACKED = {  # the same with the packed fp4_b16 decode (tiles.attention.dequant)
     # the output leaving through q's shared memory in 16-byte vectors a thread
     "ws, packed, copies 1 block ahead, q in consumers, staged stores": {"RAW_STAGES": 2, "q_in_consumers": True,
                                                                         "staged_stores": True},
+    # each chunk's raw bytes loaded before the chunk ahead of it is stored; with the two above
+    "ws, packed, copies 1 block ahead, q in consumers, decode ahead": {"RAW_STAGES": 2, "q_in_consumers": True,
+                                                                       "decode_ahead": True},
+    "ws, packed, copies 1 block ahead, q in consumers, rows by warp, staged stores, decode ahead": {
+        "RAW_STAGES": 2, "q_in_consumers": True, "rows_by_warp": True, "staged_stores": True, "decode_ahead": True},
+    "ws, packed, copies 1 block ahead, split scores, rows by warp, staged stores, decode ahead": {
+        "RAW_STAGES": 2, "split_scores": True, "q_in_consumers": True, "rows_by_warp": True, "staged_stores": True,
+        "decode_ahead": True},
     "ws, packed, copies 1 block ahead, split scores, rows by warp, staged stores": {
         "RAW_STAGES": 2, "split_scores": True, "q_in_consumers": True, "rows_by_warp": True, "staged_stores": True},
     "ws, packed, copies 1 block ahead, split scores, producer 72": {"RAW_STAGES": 2, "split_scores": True,

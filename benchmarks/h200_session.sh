@@ -418,7 +418,7 @@
 #              (h200-real-slice-wsprod-on.json). The decode in the consumers was timed by this phase at
 #              af090f3 (h200-wsdec-tests.log, ncu-source-attn64-wsdec.*)
 #   ws8        the ws attention's variants (q loaded by the consumers, the profile; the split scores; the rows
-#              split by warp; the stores staged): their GPU tests (h200-ws8-tests.log), then
+#              split by warp; the stores staged; the decode's loads ahead): their GPU tests (h200-ws8-tests.log), then
 #              benchmarks/attention_ws.py at batch 64 and the prefill, each chosen variant beside the plain
 #              kernel (h200-attention-ws-8.json; WS8_VARIANTS: label substrings apart by "|", by default
 #              "q in consumers|split scores")
@@ -1218,7 +1218,7 @@ phase_ws8() {
   local -a v
   IFS='|' read -ra v <<< "${WS8_VARIANTS:-q in consumers|split scores}"
   timeout 240 python -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider tests/kernels_cuda/test_cuda_attention_ws.py \
-    -k "default or q-in or split-scores or rows-by-warp or staged" > "$OUT/h200-ws8-tests.log" 2>&1
+    -k "default or q-in or split-scores or rows-by-warp or staged or decode-ahead" > "$OUT/h200-ws8-tests.log" 2>&1
   tail -n 4 "$OUT/h200-ws8-tests.log"
   timeout 320 python benchmarks/attention_ws.py --batches 64 --out "$OUT/h200-attention-ws-8.json" \
     --variants "${v[@]}" 2>&1 \

@@ -75,12 +75,13 @@ TILES = {  # H_BLOCK >= 16 (tl.dot); sm_90 smem: H_BLOCK * D * 2 (q) + 2 * K_BLO
     # (overlap and pv_parts do not apply to it; with q_in_consumers each loads its half of q), the
     # registers the producer leaves shared evenly between the two; rows_by_warp: the producer's warps
     # split a block's rows when copying (a thread locates one row of 32, not four); staged_stores: the output
-    # (or split partials) leaves through q's shared memory, 16-byte vectors a thread
+    # (or split partials) leaves through q's shared memory, 16-byte vectors a thread; decode_ahead: the
+    # producer loads each chunk of raw bytes before storing the decoded chunk ahead of it
     # min_queries: launches of fewer queries (B * S) keep the plain kernel (at one query it is faster)
     "ws": {"enabled": False, "min_queries": 1, "K_BLOCK": 32, "STAGES": 2, "RAW_STAGES": 3, "CW": 128,
            "producer_warps": 4, "producer_regs": 88, "maxnreg": 168, "overlap": False,
            "pv_parts": 1, "q_in_consumers": False, "split_scores": False, "rows_by_warp": False,
-           "staged_stores": False},
+           "staged_stores": False, "decode_ahead": False},
 }
 
 
@@ -261,7 +262,8 @@ def _ws_launch_plan(q: torch.Tensor, K: int, codes: tuple, has_sink: bool) -> di
                                 PRODUCER_WARPS=t["producer_warps"], PRODUCER_REGS=t["producer_regs"],
                                 PACKED=packed_rows(), maxnreg=t["maxnreg"], **_consumers(t),
                                 **({"ROWS_BY_WARP": True} if t["rows_by_warp"] else {}),
-                                **({"STAGED_STORES": True} if t["staged_stores"] else {})))
+                                **({"STAGED_STORES": True} if t["staged_stores"] else {}),
+                                **({"DECODE_AHEAD": True} if t["decode_ahead"] else {})))
 
 
 def planned_splits(q: torch.Tensor, K: int, codes: tuple) -> tuple[str, int]:

@@ -138,9 +138,37 @@ if AVAILABLE:
         return gl.BlockedLayout([1, 16], [32 * 16 // CW, CW // 16], [NW, 1], [1, 0])
 
     @gluon.jit
+    def _load_chunk(data, scale, c, FMT: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, NW: gl.constexpr):
+        """The stored bytes and scale bytes of columns ``[c * CW, (c + 1) * CW)`` of a raw slot, in the
+        layouts :func:`_decode_values` takes."""
+        BPB: gl.constexpr = _block(FMT) // _per(FMT)  # stored bytes a scale covers
+        NB: gl.constexpr = CW // _block(FMT)
+        L3: gl.constexpr = _chunk_layout(FMT, CW, NW)
+        L2: gl.constexpr = gl.BlockedLayout([1, 16 // _per(FMT)], [32 * 16 // CW, CW // 16], [NW, 1], [1, 0])
+        x = data.slice(c * NB * BPB, NB * BPB, dim=1).load(L2)  # the same bytes a thread as L3 below
+        x = gl.convert_layout(gl.reshape(x, [K_BLOCK, NB, BPB]), L3)
+        u = scale.slice(c * NB, NB, dim=1).load(gl.SliceLayout(2, L3))
+        return x, u
+
+    @gluon.constexpr_function
+    def _chunk_layout(FMT, CW, NW):
+        """A chunk's bytes [K_BLOCK, CW / scale block, bytes a scale covers]: 16 consecutive elements a
+        thread whatever the format, so the paths' values add up in one layout."""
+        return gl.BlockedLayout([1, 1, 16 // _per(FMT)], [32 * 16 // CW, CW // _block(FMT), _block(FMT) // 16],
+                                [NW, 1, 1], [2, 1, 0])
+
+    @gluon.jit
     def _decode_chunk(data, scale, c, FMT: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, NW: gl.constexpr,
                       PACKED: gl.constexpr):
-        """bf16 [K_BLOCK, CW] values of columns ``[c * CW, (c + 1) * CW)`` of a raw slot (zeros where
+        """bf16 [K_BLOCK, CW] values of columns ``[c * CW, (c + 1) * CW)`` of a raw slot (:func:`_load_chunk`,
+        :func:`_decode_values`)."""
+        x, u = _load_chunk(data, scale, c, FMT, CW, K_BLOCK, NW)
+        return _decode_values(x, u, FMT, CW, K_BLOCK, NW, PACKED)
+
+    @gluon.jit
+    def _decode_values(x, u, FMT: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, NW: gl.constexpr,
+                       PACKED: gl.constexpr):
+        """bf16 [K_BLOCK, CW] values of a chunk's bytes ``x`` and scale bytes ``u`` (zeros where
         the rows were not copied: a zero code times any scale). PACKED: fp4_b16 codes decoded eight a
         call in packed bf16 registers (:func:`.codecs.e2m1_ordered_bf16`; the same values: every
         product of an E2M1 code and an E4M3 scale is exact in bf16), fp8 bytes four a call
@@ -149,13 +177,6 @@ if AVAILABLE:
         2**-63 (:data:`_UP63`)."""
         BPB: gl.constexpr = _block(FMT) // _per(FMT)  # stored bytes a scale covers
         NB: gl.constexpr = CW // _block(FMT)
-        # 16 consecutive elements a thread whatever the format, so the paths' values add up in one layout
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 16 // _per(FMT)], [32 * 16 // CW, NB, _block(FMT) // 16],
-                                            [NW, 1, 1], [2, 1, 0])
-        L2: gl.constexpr = gl.BlockedLayout([1, 16 // _per(FMT)], [32 * 16 // CW, CW // 16], [NW, 1], [1, 0])
-        x = data.slice(c * NB * BPB, NB * BPB, dim=1).load(L2)  # the same bytes a thread as L3 below
-        x = gl.convert_layout(gl.reshape(x, [K_BLOCK, NB, BPB]), L3)
-        u = scale.slice(c * NB, NB, dim=1).load(gl.SliceLayout(2, L3))
         if FMT == 1 and PACKED:  # E4M3 times a UE8M0 scale, four bytes a call, times 2**-63
             s = gl.broadcast(gl.expand_dims(e8m0_bf16(u.to(gl.int32)), 2), x)[0]
             v = e4m3_pairs_bf16(x, s, False, True)
@@ -195,16 +216,28 @@ if AVAILABLE:
 
     @gluon.jit
     def _decode_path(slot, data, scale, FMT: gl.constexpr, D: gl.constexpr, CW: gl.constexpr,
-                     K_BLOCK: gl.constexpr, NW: gl.constexpr, PACKED: gl.constexpr):
+                     K_BLOCK: gl.constexpr, NW: gl.constexpr, PACKED: gl.constexpr, AHEAD: gl.constexpr = False):
         """Store one path's decoded raw slot (``data``, ``scale``) into the bf16 ``slot``, ``CW`` columns
-        at a time."""
-        for c in gl.static_range(D // CW):
-            slot.slice(c * CW, CW, dim=1).store(_decode_chunk(data, scale, c, FMT, CW, K_BLOCK, NW, PACKED))
+        at a time. AHEAD: each chunk's bytes are loaded before the chunk ahead of it is stored, so its
+        shared loads need not wait for those stores (the compiler cannot tell the raw ring and the bf16
+        ring apart and keeps every load after the stores before it in the code)."""
+        if AHEAD:
+            x, u = _load_chunk(data, scale, 0, FMT, CW, K_BLOCK, NW)
+            for c in gl.static_range(D // CW):
+                if c + 1 < D // CW:
+                    x_next, u_next = _load_chunk(data, scale, c + 1, FMT, CW, K_BLOCK, NW)
+                slot.slice(c * CW, CW, dim=1).store(_decode_values(x, u, FMT, CW, K_BLOCK, NW, PACKED))
+                if c + 1 < D // CW:
+                    x = x_next
+                    u = u_next
+        else:
+            for c in gl.static_range(D // CW):
+                slot.slice(c * CW, CW, dim=1).store(_decode_chunk(data, scale, c, FMT, CW, K_BLOCK, NW, PACKED))
 
     @gluon.jit
     def _decode(slot, raws, bits, rs, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
                 OWN1: gl.constexpr, OWN2: gl.constexpr, D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr,
-                NW: gl.constexpr, PACKED: gl.constexpr):
+                NW: gl.constexpr, PACKED: gl.constexpr, AHEAD: gl.constexpr):
         """Decode raw slot ``rs`` of every path into the bf16 ``slot`` [K_BLOCK, D]; ``bits``: the paths
         the block's rows hit (bit p: path p). A block on one path (the common case: the window's blocks,
         then the picks') stores that path's values as they are; a block on several adds them up
@@ -213,13 +246,13 @@ if AVAILABLE:
         data0, scale0, data1, scale1, data2, scale2 = raws
         if OWN1 or OWN2:
             if bits == 1:
-                _decode_path(slot, data0.index(rs), scale0.index(rs), FMT0, D, CW, K_BLOCK, NW, PACKED)
+                _decode_path(slot, data0.index(rs), scale0.index(rs), FMT0, D, CW, K_BLOCK, NW, PACKED, AHEAD)
             if OWN1:
                 if bits == 2:
-                    _decode_path(slot, data1.index(rs), scale1.index(rs), FMT1, D, CW, K_BLOCK, NW, PACKED)
+                    _decode_path(slot, data1.index(rs), scale1.index(rs), FMT1, D, CW, K_BLOCK, NW, PACKED, AHEAD)
             if OWN2:
                 if bits == 4:
-                    _decode_path(slot, data2.index(rs), scale2.index(rs), FMT2, D, CW, K_BLOCK, NW, PACKED)
+                    _decode_path(slot, data2.index(rs), scale2.index(rs), FMT2, D, CW, K_BLOCK, NW, PACKED, AHEAD)
             if bits == 0:
                 for c in gl.static_range(D // CW):
                     slot.slice(c * CW, CW, dim=1).store(gl.zeros([K_BLOCK, CW], gl.bfloat16, _decoded_layout(CW, NW)))
@@ -228,7 +261,7 @@ if AVAILABLE:
                 for c in gl.static_range(D // CW):
                     _decode_sum(slot, raws, hits, rs, c, FMT0, FMT1, FMT2, OWN1, OWN2, CW, K_BLOCK, NW, PACKED)
         else:  # one path: rows not hit were copied as zeros
-            _decode_path(slot, data0.index(rs), scale0.index(rs), FMT0, D, CW, K_BLOCK, NW, PACKED)
+            _decode_path(slot, data0.index(rs), scale0.index(rs), FMT0, D, CW, K_BLOCK, NW, PACKED, AHEAD)
 
     @gluon.jit
     def _any(hit):
@@ -240,7 +273,8 @@ if AVAILABLE:
                   lo, n, K, K0, seg, FMT0: gl.constexpr, FMT1: gl.constexpr, FMT2: gl.constexpr,
                   ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr, TWO_PARTS: gl.constexpr,
                   D: gl.constexpr, CW: gl.constexpr, K_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                  RAW_STAGES: gl.constexpr, NW: gl.constexpr, PACKED: gl.constexpr, BY_ROWS: gl.constexpr):
+                  RAW_STAGES: gl.constexpr, NW: gl.constexpr, PACKED: gl.constexpr, BY_ROWS: gl.constexpr,
+                  AHEAD: gl.constexpr):
         """Gather and decode every K block of this program into the bf16 ring (see the module doc). The
         indices of a block are loaded a trip before its copies start, and the paths its rows hit are
         kept (3 bits a block in ``hist``) until its decode, so the decode reads no index again."""
@@ -278,7 +312,7 @@ if AVAILABLE:
                 st = i % STAGES
                 mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # the consumers released the slot
                 _decode(kv_smem.index(st), raws, bits, i % RAW_STAGES, FMT0, FMT1, FMT2, OWN1, OWN2, D, CW, K_BLOCK,
-                        NW, PACKED)
+                        NW, PACKED, AHEAD)
                 fence_async_shared()  # the decoded slot is read by the MMAs (async proxy)
                 _sync()  # every thread's stores done; the raw slot free for its next copy
                 mbarrier.arrive(ready.index(st), count=1)
@@ -530,7 +564,7 @@ if AVAILABLE:
             PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PACKED: gl.constexpr, OVERLAP: gl.constexpr,
             num_warps: gl.constexpr, PV_PARTS: gl.constexpr = 1, Q_IN_CONSUMERS: gl.constexpr = False,
             SPLIT_SCORES: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 0, ROWS_BY_WARP: gl.constexpr = False,
-            STAGED_STORES: gl.constexpr = False):
+            STAGED_STORES: gl.constexpr = False, DECODE_AHEAD: gl.constexpr = False):
         """One program per (query ``bs``, 64 heads, K split); arguments as ``_sparse_attention_kernel``'s.
         SPLIT: partials ``(acc / l, m, l)`` to ``pacc`` / ``pml`` for ``_combine_kernel``. PACKED: the fp4_b16
         rows decoded in packed registers (``tiles.attention.dequant``, as the plain kernel). OVERLAP: the
@@ -541,7 +575,8 @@ if AVAILABLE:
         scores over half of D and adding the other's half (:func:`_consumer_half`; the second at
         CONSUMER_REGS registers a thread). ROWS_BY_WARP: the producer's warps split a block's rows, not its
         columns, when copying (:func:`_warps_down`). STAGED_STORES: the output leaves through q's shared memory
-        in 16-byte vectors a thread (:func:`_store_part`)."""
+        in 16-byte vectors a thread (:func:`_store_part`). DECODE_AHEAD: the producer loads a chunk's raw bytes
+        before storing the chunk ahead of it (:func:`_decode_path`)."""
         wait_inputs()
         bs = gl.program_id(0).to(gl.int64)
         split = gl.program_id(2)
@@ -593,7 +628,8 @@ if AVAILABLE:
                                   K_BLOCK, STAGES, HAS_SINK, SPLIT, PACKED, Q_IN_CONSUMERS, STAGED_STORES)),
                 (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                              bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
-                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED, ROWS_BY_WARP)),
+                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED, ROWS_BY_WARP,
+                             DECODE_AHEAD)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -602,5 +638,6 @@ if AVAILABLE:
                              PV_PARTS, Q_IN_CONSUMERS, HAS_SINK, SPLIT, PACKED, STAGED_STORES, num_warps)),
                 (_producer, (kv_smem, ready, empty, data0, scale0, data1, scale1, data2, scale2, idx_ptr, idx1_ptr,
                              bs, bs // S, lo, n, K, K0, seg, FMT0, FMT1, FMT2, ROLE1, ROLE2, ROLE3, TWO_PARTS, D,
-                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED, ROWS_BY_WARP)),
+                             CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED, ROWS_BY_WARP,
+                             DECODE_AHEAD)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])

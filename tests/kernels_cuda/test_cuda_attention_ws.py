@@ -92,7 +92,7 @@ def test_the_plan_splits_k_to_fill_the_sms(B, S, H, K, sms, monkeypatch):
                                       {"q_in_consumers": True}, {"split_scores": True, "q_in_consumers": True},
                                       {"rows_by_warp": True, "q_in_consumers": True}, dict(EIGHT, rows_by_warp=True),
                                       {"staged_stores": True, "split_scores": True, "q_in_consumers": True},
-                                      {"staged_stores": True, "pv_parts": 2}])
+                                      {"staged_stores": True, "pv_parts": 2}, {"decode_ahead": True, "RAW_STAGES": 2}])
 def test_it_compiles_for_sm90_on_warpgroup_mmas_and_async_copies(ws_tiles):
     tiles = {"ws": dict(WS["attention"]["ws"], **ws_tiles)}
     report = {r["kernel"]: r for r in sm90_compile("attention", "--B", "4", "--S", "1", "--tiles", json.dumps(tiles))}
@@ -148,12 +148,16 @@ def _case(g, B, S, H, W, T, K, cold: bool, hole: bool = False):
                                       {"staged_stores": True, "q_in_consumers": True, "RAW_STAGES": 2},
                                       {"staged_stores": True, "pv_parts": 2, "overlap": True},
                                       {"staged_stores": True, "split_scores": True, "q_in_consumers": True,
-                                       "rows_by_warp": True}],
+                                       "rows_by_warp": True},
+                                      {"decode_ahead": True, "q_in_consumers": True, "RAW_STAGES": 2},
+                                      {"decode_ahead": True, "rows_by_warp": True, "staged_stores": True,
+                                       "q_in_consumers": True, "RAW_STAGES": 2}],
                          ids=["default", "overlap-3-slots", "overlap", "copies-1-ahead", "copies-1-ahead-3-slots",
                               "8-producer-warps", "8-producer-warps-overlap", "value-mma-halves", "q-in-consumers",
                               "8-producer-warps-q-in-consumers", "split-scores", "split-scores-q-before-1-slot",
                               "rows-by-warp", "rows-by-warp-8-producer-warps", "staged-stores",
-                              "staged-stores-value-mma-halves", "staged-stores-split-scores-rows-by-warp"])
+                              "staged-stores-value-mma-halves", "staged-stores-split-scores-rows-by-warp",
+                              "decode-ahead", "decode-ahead-rows-by-warp-staged-stores"])
 def test_outputs_match_the_reference_and_the_plain_kernel(rng, B, S, H, W, T, K, cold, sink, programs, hole,
                                                           packed, ws_tiles):
     q, kv, idx = _case(rng, B, S, H, W, T, K, cold, hole)
