@@ -21,7 +21,8 @@ import torch
 from flashrt.bench.common import Ceilings, bench_ms
 from results_io import write_json
 
-# name: (warpgroups stacked over M, warpgroups side by side over N, N of the whole tile, K a trip, A in registers)
+# name: (warpgroups stacked over M, warpgroups side by side over N, N of the whole tile, K a trip, A in registers,
+# B stored [K, N] as the attention's rows are for the value MMA, else [N, K])
 CASES = {
     "score, default ws (2 WG over N, N 32, K 512)": (1, 2, 32, 512, False),
     "score, split scores (2 WG over M, N 32, K 256)": (2, 1, 32, 256, False),
@@ -31,8 +32,9 @@ CASES = {
     "score, one WG (N 32, K 512)": (1, 1, 32, 512, False),
     "score, one WG (N 64, K 512)": (1, 1, 64, 512, False),
     "score, one WG, A in registers (N 32, K 256)": (1, 1, 32, 256, True),
-    "value (2 WG over N, N 512, K 32, A in registers)": (1, 2, 512, 32, True),
-    "value, 64-row blocks (2 WG over N, N 512, K 64, A in registers)": (1, 2, 512, 64, True),
+    "value (2 WG over N, N 512, K 32, A in registers)": (1, 2, 512, 32, True, True),
+    "value, 64-row blocks (2 WG over N, N 512, K 64, A in registers)": (1, 2, 512, 64, True, True),
+    "value, B stored [N, K] (2 WG over N, N 512, K 32, A in registers)": (1, 2, 512, 32, True),
     "GEMM-like (2 WG over M, N 256, K 64)": (2, 1, 256, 64, False),
 }
 
@@ -44,9 +46,10 @@ try:
 
     @gluon.jit
     def _rate_kernel(a_ptr, b_ptr, out_ptr, iters, WGM: gl.constexpr, WGN: gl.constexpr, N: gl.constexpr,
-                     K: gl.constexpr, A_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """``iters`` trips of ``acc += A @ B.T`` (A [64 * WGM, K], B [N, K], bf16 in shared memory), each
-        waited for; the accumulator's sum to ``out[program]`` so nothing is optimized away."""
+                     K: gl.constexpr, A_REGS: gl.constexpr, B_KN: gl.constexpr, num_warps: gl.constexpr):
+        """``iters`` trips of ``acc += A @ B.T`` (A [64 * WGM, K], B [N, K], bf16 in shared memory; B_KN: B
+        stored transposed, [K, N]), each waited for; the accumulator's sum to ``out[program]`` so nothing is
+        optimized away."""
         M: gl.constexpr = 64 * WGM
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WGM, WGN],
                                                         instr_shape=[16, N // WGN, 16])
@@ -54,21 +57,31 @@ try:
         rm = gl.arange(0, M, gl.SliceLayout(1, ld))
         rn = gl.arange(0, N, gl.SliceLayout(1, ld))
         ck = gl.arange(0, K, gl.SliceLayout(0, ld))
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [M, K], gl.NVMMASharedLayout.get_default_for([M, K], gl.bfloat16),
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [M, K],
+                                           gl.NVMMASharedLayout.get_default_for([M, K], gl.bfloat16),
                                            gl.load(a_ptr + rm[:, None] * K + ck[None, :]))
-        b_smem = gl.allocate_shared_memory(gl.bfloat16, [N, K], gl.NVMMASharedLayout.get_default_for([N, K], gl.bfloat16),
-                                           gl.load(b_ptr + rn[:, None] * K + ck[None, :]))
+        if B_KN:
+            rk = gl.arange(0, K, gl.SliceLayout(1, ld))
+            cn = gl.arange(0, N, gl.SliceLayout(0, ld))
+            b_kn = gl.allocate_shared_memory(gl.bfloat16, [K, N],
+                                             gl.NVMMASharedLayout.get_default_for([K, N], gl.bfloat16),
+                                             gl.load(b_ptr + cn[None, :] * K + rk[:, None]))
+        else:
+            b_smem = gl.allocate_shared_memory(gl.bfloat16, [N, K],
+                                               gl.NVMMASharedLayout.get_default_for([N, K], gl.bfloat16),
+                                               gl.load(b_ptr + rn[:, None] * K + ck[None, :]))
+            b_kn = b_smem.permute((1, 0))
         fence_async_shared()
         gl.thread_barrier()
         acc = gl.zeros([M, N], gl.float32, acc_l)
         if A_REGS:
             a = a_smem.load(gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2))
             for _ in range(iters):
-                acc = warpgroup_mma(a, b_smem.permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(a, b_kn, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         else:
             for _ in range(iters):
-                acc = warpgroup_mma(a_smem, b_smem.permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(a_smem, b_kn, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.store(out_ptr + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0))
 
@@ -84,13 +97,16 @@ def iters_for(M: int, N: int, K: int) -> int:
 
 
 def run_case(name: str, spec: tuple, ceil: Ceilings, sms: int) -> dict:
-    wgm, wgn, n, k, a_regs = spec
+    wgm, wgn, n, k, a_regs, b_kn = (*spec, False)[:6]
     m = 64 * wgm
     a = torch.randn(m, k, device="cuda").to(torch.bfloat16) * 0.05
     b = torch.randn(n, k, device="cuda").to(torch.bfloat16) * 0.05
     out = torch.empty(sms, device="cuda")
     iters = iters_for(m, n, k)
-    launch = lambda: _rate_kernel[(sms,)](a, b, out, iters, wgm, wgn, n, k, a_regs, num_warps=4 * wgm * wgn)  # noqa: E731
+
+    def launch():
+        _rate_kernel[(sms,)](a, b, out, iters, wgm, wgn, n, k, a_regs, b_kn, num_warps=4 * wgm * wgn)
+
     launch()
     torch.cuda.synchronize()
     want = (a.float() @ b.float().t()).sum() * iters
@@ -103,6 +119,7 @@ def run_case(name: str, spec: tuple, ceil: Ceilings, sms: int) -> dict:
     b_bytes = wgm * n * k * 2
     trip_s = ms * 1e-3 / iters
     return {"case": name, "warpgroups_m": wgm, "warpgroups_n": wgn, "N": n, "K": k, "a_in_registers": a_regs,
+            "b_stored_k_by_n": b_kn,
             "hgmma_a_trip_a_warpgroup": k // 16, "iters": iters, "ms": ms, "trip_ns": trip_s * 1e9,
             "tflops": flops / (ms * 1e-3) / 1e12, "of_bf16_gemm": flops / (ms * 1e-3) / ceil.bf16_flops,
             "shared_bytes_a_trip": a_bytes + b_bytes,
@@ -119,7 +136,7 @@ def main() -> None:
     if unknown:
         ap.error(f"--cases: expected names among {sorted(CASES)}, got {unknown}")
     if not (torch.cuda.is_available() and AVAILABLE):
-        raise SystemExit("wgmma_rate: needs a CUDA GPU of compute capability 9.0 and a Triton with Gluon")
+        raise SystemExit("wgmma_rate: needs an sm_90 GPU (compute capability 9.0) and a Triton with Gluon")
     if torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit(f"wgmma_rate: expected an sm_90 GPU, got {torch.cuda.get_device_name()}")
     ceil = Ceilings.measure()
