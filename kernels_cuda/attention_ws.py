@@ -361,9 +361,9 @@ if AVAILABLE:
                   K_BLOCK: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PV_PARTS: gl.constexpr,
                   LOAD_Q: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, PACKED: gl.constexpr,
                   STAGED: gl.constexpr, num_warps: gl.constexpr):
-        """Scores, online softmax and ``p @ kv`` over the ring's blocks, then this program's output (or split
-        partials) stored (:func:`_store_part`; STAGED: through q's shared memory, which no MMA reads once
-        every warp is past the loop) (base 2).
+        """Scores, online softmax and ``p @ kv`` over the ring's blocks -> (acc, acc2, m, l) (base 2); STAGED:
+        the partition also stores the output (or split partials) through q's shared memory, which no MMA
+        reads once every warp is past the loop (:func:`_store_output`).
         OVERLAP: the next block's score MMA is issued before this block's softmax (it runs meanwhile);
         a slot is released once the value MMA that read it is waited for, at the next block.
         PV_PARTS 2: the output columns in two accumulators (``acc``: columns [0, D / 2), ``acc2``: the
@@ -433,20 +433,34 @@ if AVAILABLE:
                 acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if PV_PARTS == 1:
+            acc2 = acc
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         if STAGED:
             _sync()  # both warpgroups past their last MMAs: q's memory is free
+            _store_output(acc, acc2, m_o, l_o, out_ptr, pacc_ptr, pml_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT,
+                          PACKED, D, PV_PARTS, q_smem, True, num_warps)
+        return acc, acc2, m_o, l_o
+
+    @gluon.jit
+    def _store_output(acc, acc2, m_i, l_i, out_ptr, pacc_ptr, pml_ptr, sink_ptr, bs, split, H, HAS_SINK: gl.constexpr,
+                      SPLIT: gl.constexpr, PACKED: gl.constexpr, D: gl.constexpr, PV_PARTS: gl.constexpr, q_smem,
+                      STAGED: gl.constexpr, NW: gl.constexpr):
+        """The default consumers' output columns (``acc``, and ``acc2`` with PV_PARTS 2) and, with SPLIT, the
+        partials' ``(m, l)`` (:func:`_store_part`; STAGED: through q's shared memory, by the partition's
+        ``NW`` warps)."""
+        HALF: gl.constexpr = D // 2
         if PV_PARTS == 2:
-            _store_part(acc, 0, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D,
-                        q_smem.slice(0, HALF, dim=1), STAGED, num_warps)
-            _store_part(acc2, HALF, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D,
-                        q_smem.slice(HALF, HALF, dim=1), STAGED, num_warps)
+            _store_part(acc, 0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D,
+                        q_smem.slice(0, HALF, dim=1), STAGED, NW)
+            _store_part(acc2, HALF, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D,
+                        q_smem.slice(HALF, HALF, dim=1), STAGED, NW)
         else:
-            _store_part(acc, 0, m_o, l_o, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D,
-                        q_smem, STAGED, num_warps)
+            _store_part(acc, 0, m_i, l_i, out_ptr, pacc_ptr, sink_ptr, bs, split, H, HAS_SINK, SPLIT, PACKED, D,
+                        q_smem, STAGED, NW)
         if SPLIT:
-            _store_ml(m_o, l_o, pml_ptr, bs, split, H)
+            _store_ml(m_i, l_i, pml_ptr, bs, split, H)
 
     @gluon.jit
     def _consumer_half(q_smem, kv_smem, xs_smem, ready, empty, sx, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk_scale,
@@ -632,7 +646,7 @@ if AVAILABLE:
                              DECODE_AHEAD)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
         else:
-            gl.warp_specialize([
+            acc, acc2, m_i, l_i = gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, ready, empty, idx_ptr, idx1_ptr, bs, lo, n, K, K0, qk, q_ptr, H,
                              out_ptr, pacc_ptr, pml_ptr, sink_ptr, split, TWO_PARTS, D, K_BLOCK, STAGES, OVERLAP,
                              PV_PARTS, Q_IN_CONSUMERS, HAS_SINK, SPLIT, PACKED, STAGED_STORES, num_warps)),
@@ -641,3 +655,6 @@ if AVAILABLE:
                              CW, K_BLOCK, STAGES, RAW_STAGES, PRODUCER_WARPS, PACKED, ROWS_BY_WARP,
                              DECODE_AHEAD)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
+            if not STAGED_STORES:  # (staged, the consumers have stored inside their partition)
+                _store_output(acc, acc2, m_i, l_i, out_ptr, pacc_ptr, pml_ptr, sink_ptr, bs, split, H, HAS_SINK,
+                              SPLIT, PACKED, D, PV_PARTS, q_smem, False, num_warps)
