@@ -137,6 +137,13 @@ def count_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _worst(groups: dict, top: int) -> list[tuple]:
+    """(key, samples, its three largest reasons) of the ``top`` groups ({key: {reason: samples}}) with the
+    most samples, those with none left out."""
+    ranked = sorted(((k, sum(r.values()), r) for k, r in groups.items()), key=lambda t: -t[1])
+    return [(k, n, sorted(r.items(), key=lambda kv: -kv[1])[:3]) for k, n, r in ranked[:top] if n > 0]
+
+
 def reason_report(summary: dict, top: int) -> str:
     """One table's stall samples by reason (all opcodes), then the opcodes with the most samples, each
     with its three largest reasons and its shared-memory wavefronts."""
@@ -149,23 +156,13 @@ def reason_report(summary: dict, top: int) -> str:
     lines = [f"{summary['samples']:,.0f} stall samples, {sum(waves.values()):,.0f} shared wavefronts",
              "  ".join(f"{r[6:]} {100 * n / st:.1f}%" for r, n in sorted(total.items(), key=lambda kv: -kv[1])
                        if n > 0)]
-    ranked = sorted(summary["by_reason"].items(), key=lambda kv: -sum(kv[1].values()))
-    for op, reasons in ranked[:top]:
-        n = sum(reasons.values())
-        if n <= 0:
-            break
-        worst = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+    for op, n, worst in _worst(summary["by_reason"], top):
         lines.append(f"{op:16s} {100 * n / st:5.1f}%  " + ", ".join(f"{r[6:]} {100 * v / st:.1f}%" for r, v in worst)
                      + f"  ({waves.get(op, 0.0):,.0f} wavefronts)")
     # by how many times the instructions ran: a warp-specialized kernel's partitions apart (each partition's
     # loop body runs its warps' count times the blocks)
     lines.append("by run count (the groups with the most samples):")
-    groups = sorted(summary["reasons_by_count"].items(), key=lambda kv: -sum(kv[1].values()))
-    for runs, reasons in groups[:top]:
-        n = sum(reasons.values())
-        if n <= 0:
-            break
-        worst = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+    for runs, n, worst in _worst(summary["reasons_by_count"], top):
         lines.append(f"{int(runs):>12,d} runs {100 * n / st:5.1f}%  "
                      + ", ".join(f"{r[6:]} {100 * v / st:.1f}%" for r, v in worst))
     return "\n".join(lines)
