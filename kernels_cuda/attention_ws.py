@@ -263,6 +263,19 @@ if AVAILABLE:
         else:  # one path: rows not hit were copied as zeros
             _decode_path(slot, data0.index(rs), scale0.index(rs), FMT0, D, CW, K_BLOCK, NW, PACKED, AHEAD)
 
+    @gluon.constexpr_function
+    def _warp_rows_layout(K_BLOCK, NW):
+        """A block's row indices with every warp holding all of them (lanes along the rows, the warps
+        copies of each other): reductions over the rows stay within a warp."""
+        return gl.BlockedLayout([max(1, K_BLOCK // 32)], [32], [NW], [0])
+
+    @gluon.jit
+    def _hit_bits(idx, b, seg, ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr):
+        """The paths a block's rows ``idx`` hit (bit p: path p), from the rows' segments alone (the pointers
+        :func:`_locate_paths` also makes are not used here, so they are not computed)."""
+        p0, p1, p2 = _locate_paths(idx, b, seg, ROLE1, ROLE2, ROLE3)
+        return _any(p0[2]) | (_any(p1[2]) << 1) | (_any(p2[2]) << 2)
+
     @gluon.jit
     def _any(hit):
         """Whether any row of a block is hit (a scalar)."""
@@ -284,6 +297,11 @@ if AVAILABLE:
         DOWN: gl.constexpr = _warps_down(NW, K_BLOCK, BY_ROWS)
         RL: gl.constexpr = _rows_layout(NW, DOWN)
         idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
+        # with the rows split over the warps, the paths a block hits come from a copy of its indices that
+        # each warp holds whole (a reduction across the warps would take a barrier and shared memory)
+        WL: gl.constexpr = _warp_rows_layout(K_BLOCK, NW)
+        if BY_ROWS:
+            widx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, WL)
         KEEP: gl.constexpr = (1 << (3 * RAW_STAGES)) - 1
         hist = n * 0  # the hit bits of the blocks whose copies are in flight, the newest lowest
         for j in range(n + RAW_STAGES - 1):
@@ -292,17 +310,23 @@ if AVAILABLE:
                 rs = j % RAW_STAGES
                 idx = idx_next
                 idx_next = _block_rows(lo + j + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
+                if BY_ROWS:
+                    widx = widx_next
+                    widx_next = _block_rows(lo + j + 1, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, WL)
                 p0, p1, p2 = _locate_paths(idx, b, seg, ROLE1, ROLE2, ROLE3)
                 _issue(p0, data0.index(rs), scale0.index(rs), FMT0, D, NW, DOWN)
                 if OWN1:
                     _issue(p1, data1.index(rs), scale1.index(rs), FMT1, D, NW, DOWN)
                 if OWN2:
                     _issue(p2, data2.index(rs), scale2.index(rs), FMT2, D, NW, DOWN)
-                hist = hist | _any(p0[2])
-                if OWN1:
-                    hist = hist | (_any(p1[2]) << 1)
-                if OWN2:
-                    hist = hist | (_any(p2[2]) << 2)
+                if BY_ROWS:
+                    hist = hist | (_hit_bits(widx, b, seg, ROLE1, ROLE2, ROLE3) & (1 | 2 * OWN1 | 4 * OWN2))
+                else:
+                    hist = hist | _any(p0[2])
+                    if OWN1:
+                        hist = hist | (_any(p1[2]) << 1)
+                    if OWN2:
+                        hist = hist | (_any(p2[2]) << 2)
             async_copy.commit_group()
             i = j - (RAW_STAGES - 1)  # the block decoded this trip
             if i >= 0:
