@@ -394,7 +394,8 @@ TILE_CHECKS = {"*.H_BLOCK": DOT, "*.K_BLOCK": DOT, "*.D_SPLIT": Tile(choices=(1,
                "ws.producer_warps": Tile(choices=(4, 8)), "ws.producer_regs": Tile(low=24, high=256, multiple=8),
                "ws.maxnreg": Tile(low=24, high=256, multiple=8), "ws.overlap": Tile(kind=bool),
                "ws.pv_parts": Tile(choices=(1, 2)), "ws.q_in_consumers": Tile(kind=bool),
-               "ws.split_scores": Tile(kind=bool)}
+               "ws.split_scores": Tile(kind=bool), "ws.rows_by_warp": Tile(kind=bool),
+               "ws.staged_stores": Tile(kind=bool), "ws.decode_ahead": Tile(kind=bool)}
 
 
 def _kv_tile_bytes(t: dict) -> int:
