@@ -418,10 +418,10 @@
 #              (h200-real-slice-wsprod-on.json). The decode in the consumers was timed by this phase at
 #              af090f3 (h200-wsdec-tests.log, ncu-source-attn64-wsdec.*)
 #   ws8        the ws attention's variants (q loaded by the consumers, the profile; the split scores; the rows
-#              split by warp; the stores staged; the decode's loads ahead): their GPU tests (h200-ws8-tests.log), then
-#              benchmarks/attention_ws.py at batch 64 and the prefill, each chosen variant beside the plain
-#              kernel (h200-attention-ws-8.json; WS8_VARIANTS: label substrings apart by "|", by default
-#              "q in consumers|split scores")
+#              split by warp; the stores staged; the decode's loads ahead): their GPU tests
+#              (h200-ws8-tests.log), then benchmarks/attention_ws.py at batch 64 and the prefill, each chosen
+#              variant beside the plain kernel (h200-attention-ws-8.json; WS8_VARIANTS: label substrings apart
+#              by "|", by default "q in consumers|split scores")
 #   wgmma      the bf16 warpgroup MMA's rate at the attention's tile shapes (narrow N, A shared or in
 #              registers) against the bf16 GEMM (benchmarks/wgmma_rate.py: h200-wgmma-rate.json)
 #   fp4dot     fp4_w weights through tl.dot_scaled (tiles.linear.fp4_decode: dot_scaled): the fp4
