@@ -155,7 +155,7 @@ def select_rows(src: torch.Tensor, cand, k: int, out: torch.Tensor, mark: bool =
             _chunk_max_kernel[(R, cdiv(NF, chunks))](*args, *sizes, *strides, **launch)
     if split:
         _select_split(src, cand_t, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common,
-                      small, mark, fused, slicing, pick_radix)
+                      small, mark, fused, pick_radix, slicing)
         return
     _select_kernel[(R,)](src, cand_t, summ, fine, fids, lst, out, stats if stats is not None else summ, T, NC, NF,
                          k, width, src.stride(0), cand_t.stride(0), summ.stride(0), fine.stride(0), lst.stride(0),
@@ -179,7 +179,7 @@ def _split_slices(T: int, R: int, tiles: dict) -> tuple[int, int, int]:
 
 
 def _select_split(src, cand, summ, fine, fids, lst, out, stats, state, T, NC, NF, k, width, tiles, common, small,
-                  mark, fused, slicing, pick_radix):
+                  mark, fused, pick_radix, slicing):
     """The select of rows split over programs, after the chunk-max pass (``fused``: whose last
     program of a row has found its ``L``; else ``_threshold_kernel`` finds it): every slice
     (``slicing``: entries a slice, slices a row, slices a program: :func:`_split_slices`) lists its candidates
