@@ -78,12 +78,11 @@ def _variants(packed: bool, only: list | None = None):
     these strings)."""
     yield "plain", {"ws": {"enabled": False}}
     chosen = lambda label: not only or any(o in label for o in only)  # noqa: E731
-    for label, tiles in VARIANTS.items():
-        if chosen(label):
-            yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": False}}
-    for label, tiles in PACKED.items() if packed else ():
-        if chosen(label):
-            yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles}, "dequant": {"packed_fp4_b16": True}}
+    for group, rows_packed in ((VARIANTS, False), *(((PACKED, True),) if packed else ())):
+        for label, tiles in group.items():
+            if chosen(label):
+                yield label, {"ws": {"enabled": True, "min_queries": 1, **tiles},
+                              "dequant": {"packed_fp4_b16": rows_packed}}
 
 
 def _case(ceil, B: int, S: int, context: int, g, packed: bool, only: list | None = None) -> list[dict]:

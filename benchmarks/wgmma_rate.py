@@ -76,13 +76,11 @@ try:
         acc = gl.zeros([M, N], gl.float32, acc_l)
         if A_REGS:
             a = a_smem.load(gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2))
-            for _ in range(iters):
-                acc = warpgroup_mma(a, b_kn, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         else:
-            for _ in range(iters):
-                acc = warpgroup_mma(a_smem, b_kn, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            a = a_smem
+        for _ in range(iters):
+            acc = warpgroup_mma(a, b_kn, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.store(out_ptr + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0))
 
     AVAILABLE = True

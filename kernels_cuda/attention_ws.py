@@ -270,11 +270,15 @@ if AVAILABLE:
         return gl.BlockedLayout([max(1, K_BLOCK // 32)], [32], [NW], [0])
 
     @gluon.jit
-    def _hit_bits(idx, b, seg, ROLE1: gl.constexpr, ROLE2: gl.constexpr, ROLE3: gl.constexpr):
-        """The paths a block's rows ``idx`` hit (bit p: path p), from the rows' segments alone (the pointers
-        :func:`_locate_paths` also makes are not used here, so they are not computed)."""
-        p0, p1, p2 = _locate_paths(idx, b, seg, ROLE1, ROLE2, ROLE3)
-        return _any(p0[2]) | (_any(p1[2]) << 1) | (_any(p2[2]) << 2)
+    def _path_bits(p0, p1, p2, OWN1: gl.constexpr, OWN2: gl.constexpr):
+        """The paths a block's rows hit (bit p: path p) from :func:`_locate_paths`'s hit flags, the paths
+        this launch has (path 0, and 1 / 2 where they are their own)."""
+        bits = _any(p0[2])
+        if OWN1:
+            bits = bits | (_any(p1[2]) << 1)
+        if OWN2:
+            bits = bits | (_any(p2[2]) << 2)
+        return bits
 
     @gluon.jit
     def _any(hit):
@@ -299,7 +303,7 @@ if AVAILABLE:
         idx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, RL)
         # with the rows split over the warps, the paths a block hits come from a copy of its indices that
         # each warp holds whole (a reduction across the warps would take a barrier and shared memory)
-        WL: gl.constexpr = _warp_rows_layout(K_BLOCK, NW)
+        WL: gl.constexpr = _warp_rows_layout(K_BLOCK, NW)  # (used only with BY_ROWS)
         if BY_ROWS:
             widx_next = _block_rows(lo, bs, idx_ptr, idx1_ptr, K, K0, TWO_PARTS, K_BLOCK, WL)
         KEEP: gl.constexpr = (1 << (3 * RAW_STAGES)) - 1
@@ -319,14 +323,11 @@ if AVAILABLE:
                     _issue(p1, data1.index(rs), scale1.index(rs), FMT1, D, NW, DOWN)
                 if OWN2:
                     _issue(p2, data2.index(rs), scale2.index(rs), FMT2, D, NW, DOWN)
-                if BY_ROWS:
-                    hist = hist | (_hit_bits(widx, b, seg, ROLE1, ROLE2, ROLE3) & (1 | 2 * OWN1 | 4 * OWN2))
+                if BY_ROWS:  # (of the pointers _locate_paths makes here only the hit flags are used)
+                    w0, w1, w2 = _locate_paths(widx, b, seg, ROLE1, ROLE2, ROLE3)
+                    hist = hist | _path_bits(w0, w1, w2, OWN1, OWN2)
                 else:
-                    hist = hist | _any(p0[2])
-                    if OWN1:
-                        hist = hist | (_any(p1[2]) << 1)
-                    if OWN2:
-                        hist = hist | (_any(p2[2]) << 2)
+                    hist = hist | _path_bits(p0, p1, p2, OWN1, OWN2)
             async_copy.commit_group()
             i = j - (RAW_STAGES - 1)  # the block decoded this trip
             if i >= 0:

@@ -21,6 +21,7 @@ def test_unknown_case_is_refused():
     run = subprocess.run([sys.executable, str(SCRIPT), "--cases", "no such case"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and "--cases" in run.stderr and "no such case" in run.stderr
+    assert all(name in run.stderr for name in wgmma_rate.CASES)
 
 
 @pytest.mark.skipif(wgmma_rate.torch.cuda.is_available(), reason="a GPU is present")
